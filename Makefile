@@ -1,0 +1,36 @@
+# The README's two commands. Each sets itself up on a fresh machine (Debian, Python 3.10+).
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_VERSION ?= 2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test setup system-deps clean
+
+setup: $(STAMP)
+
+# apt-get only when a tool is missing, so a warm machine skips it.
+system-deps:
+	@if ! command -v tmux >/dev/null || [ ! -x /usr/sbin/sshd ]; then \
+		echo "installing tmux and openssh-server" >&2; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq tmux openssh-server openssh-client >/dev/null; \
+	fi
+
+$(STAMP): pyproject.toml Makefile
+	$(MAKE) system-deps
+	[ -x $(BIN)/python ] || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# Pinned CPU torch first: an unpinned torch requirement would pull a multi-GB CUDA build.
+	$(BIN)/pip install -q torch==$(TORCH_VERSION)
+	$(BIN)/pip install -q -e '.[train,dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m dflashops.demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+clean:
+	rm -rf $(VENV) demo-workspace

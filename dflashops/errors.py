@@ -1,0 +1,85 @@
+"""Typed errors. Every layer raises these; only `dflashops.cli` turns them into output and exit codes.
+
+An error carries a one-line message, an optional one-line hint (a fix the user can apply) and the exit
+code the CLI should use. The CLI prints `error: <message>` and, when present, `hint: <hint>` on stderr.
+"""
+
+from __future__ import annotations
+
+
+class DflashopsError(Exception):
+    """Base class: a failure the user can understand and act on (never a stack trace)."""
+
+    exit_code: int = 1
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class UsageError(DflashopsError):
+    """Bad arguments or names: refused before anything runs."""
+
+    exit_code = 2
+
+
+class InventoryError(DflashopsError):
+    """inventory.yaml is missing, malformed, or names something that does not exist."""
+
+    exit_code = 2
+
+
+class NotFound(DflashopsError):
+    """A run, target, profile or file that the user named does not exist."""
+
+    exit_code = 3
+
+
+class Conflict(DflashopsError):
+    """The requested change would overwrite or collide with existing state (e.g. a run name in use)."""
+
+    exit_code = 4
+
+
+class TransportError(DflashopsError):
+    """The target could not be reached or the channel broke (ssh down, container stopped, ...)."""
+
+    exit_code = 5
+
+
+class CommandFailed(DflashopsError):
+    """A command on the target exited non-zero. Carries the Result so callers can inspect it."""
+
+    exit_code = 6
+
+    def __init__(self, result: "Result", *, hint: str | None = None, tail_lines: int = 10) -> None:  # noqa: F821
+        from dflashops.shell import join_argv
+
+        stderr_tail = "\n".join(result.stderr.rstrip().splitlines()[-tail_lines:])
+        message = f"command failed with exit code {result.exit_code} on {result.target}: {join_argv(result.argv)}"
+        if stderr_tail:
+            message += "\n" + "\n".join("  | " + line for line in stderr_tail.splitlines())
+        super().__init__(message, hint=hint)
+        self.result = result
+
+
+class AgentError(DflashopsError):
+    """The agent ran but reported `{"ok": false, ...}` or printed something that is not one JSON line."""
+
+    exit_code = 6
+
+
+class RunFailed(DflashopsError):
+    """A launched run crashed, or a `--fail-on` pattern appeared while waiting on it."""
+
+    exit_code = 7
+
+
+class WaitTimeout(DflashopsError):
+    """A `--wait`/`--until` condition was not met within its timeout."""
+
+    exit_code = 8

@@ -1,0 +1,44 @@
+"""The one place where an argv list becomes a shell string, and where names are validated.
+
+Everything that reaches a remote command line (run names, session names, env keys, paths) is checked
+here first; a bad value is a `UsageError` raised before any command runs.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Mapping, Sequence
+
+from dflashops.errors import UsageError
+
+NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+
+
+def join_argv(argv: Sequence[str]) -> str:
+    """Quote each argument with shlex so the string runs exactly `argv` in a POSIX shell."""
+    return " ".join(shlex.quote(str(arg)) for arg in argv)
+
+
+def env_argv(env: Mapping[str, str]) -> list[str]:
+    """`env K=V ...` prefix for a command (values are passed as argv items, never re-parsed)."""
+    for key in env:
+        validate_env_key(key)
+    return ["env", *(f"{key}={value}" for key, value in env.items())]
+
+
+def validate_name(value: str, *, what: str = "name") -> str:
+    """A run, session, profile or target name: `[A-Za-z0-9._-]`, 1-64 chars, not `.`/`..`, no leading `-`."""
+    if not NAME_RE.match(value or "") or value in {".", ".."} or value.startswith("-") or ".." in value:
+        raise UsageError(
+            f"invalid {what} {value!r}: use 1-64 characters from A-Z a-z 0-9 . _ - (no '..', no leading '-')",
+            hint="pick a name like exp-flex3 or run_2026-11-29",
+        )
+    return value
+
+
+def validate_env_key(key: str) -> str:
+    if not ENV_KEY_RE.match(key or ""):
+        raise UsageError(f"invalid environment variable name {key!r}", hint="use letters, digits and _ only")
+    return key
