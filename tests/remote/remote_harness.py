@@ -1,0 +1,200 @@
+"""The real-parts remote harness: an OpenSSH sshd on 127.0.0.1, an unprivileged user, a `pct` stand-in.
+
+Used by tests/remote/conftest.py (one harness per pytest session) and by bench/remote_*.py.
+`start_harness()` needs root (it creates the user, a sudoers rule and the privilege-separation
+directory) and installs openssh-server/sudo with apt-get only when they are missing.
+
+What it builds under `root` (a fresh temp dir, 0755 so the test user can read its bin/):
+
+    ssh_host_ed25519_key      throwaway host key;  client_key: the authorized client key
+    known_hosts               `[127.0.0.1]:<port>` -> host key (what the client checks against)
+    sshd_config               loopback only, key auth only, PATH=<bin>:... via SetEnv
+    bin/pct, bin/ct_init.py   the stand-in; sudo NOPASSWD for the test user on bin/pct only
+    pct/<ctid>/               container state (see pct_standin.py)
+
+`stop()` kills only what it started: sshd by PID and each container's init by its recorded PID;
+it removes the sudoers rule. The test user stays (re-used by the next session).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+TEST_USER = "dfotest"
+SUDOERS_FILE = Path("/etc/sudoers.d/dflashops-test")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def ensure_system_packages() -> None:
+    """apt-get install openssh-server/sudo only when missing (a warm machine skips apt entirely)."""
+    missing = [pkg for pkg, path in (("openssh-server", "/usr/sbin/sshd"), ("sudo", "/usr/bin/sudo"))
+               if not Path(path).exists()]
+    if missing:
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
+        subprocess.run(["apt-get", "install", "-y", "-qq", *missing], check=True, env=env,
+                       stdout=subprocess.DEVNULL)
+
+
+def ensure_test_user() -> None:
+    try:
+        subprocess.run(["id", "-u", TEST_USER], check=True, capture_output=True)
+    except subprocess.CalledProcessError:
+        subprocess.run(["useradd", "--create-home", "--shell", "/bin/bash", TEST_USER], check=True)
+    # '!' (locked) makes sshd refuse even key logins when UsePAM is off; '*' means "no password".
+    subprocess.run(["usermod", "-p", "*", TEST_USER], check=True)
+
+
+@dataclass
+class Harness:
+    root: Path
+    port: int
+    user: str = TEST_USER
+    host: str = "127.0.0.1"
+    sshd: subprocess.Popen | None = None
+    started_containers: list[str] = field(default_factory=list)
+
+    @property
+    def client_key(self) -> Path:
+        return self.root / "client_key"
+
+    @property
+    def known_hosts(self) -> Path:
+        return self.root / "known_hosts"
+
+    @property
+    def pct_state(self) -> Path:
+        return self.root / "pct"
+
+    def known_hosts_line(self, port: int, host: str = "127.0.0.1") -> str:
+        key_type, key_b64 = (self.root / "ssh_host_ed25519_key.pub").read_text().split()[:2]
+        name = host if port == 22 else f"[{host}]:{port}"
+        return f"{name} {key_type} {key_b64}\n"
+
+    def trust_port(self, port: int) -> None:
+        """Add the host key under another port (a proxy in front of sshd is another known_hosts name)."""
+        with self.known_hosts.open("a") as handle:
+            handle.write(self.known_hosts_line(port))
+
+    # -- containers ---------------------------------------------------------------------------------
+    def pct(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        """Run the stand-in directly as root (set-up and assertions; tests of the product go via ssh)."""
+        return subprocess.run([str(self.root / "bin" / "pct"), *args], capture_output=True, text=True,
+                              check=check)
+
+    def create_container(self, ctid: str, hostname: str, running: bool = True) -> None:
+        directory = self.pct_state / ctid
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / f"{ctid}.conf").write_text(f"arch: amd64\nhostname: {hostname}\n")
+        if running and "running" not in self.pct("status", ctid).stdout.split()[-1:]:
+            self.pct("start", ctid)
+            self.started_containers.append(ctid)
+
+    def in_container(self, ctid: str, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
+        return self.pct("exec", ctid, "--keep-env", "0", "--", *argv, check=check)
+
+    def container_path(self, ctid: str, path: str) -> Path:
+        """Host-side path of a file under /workspace in the container (for assertions only)."""
+        assert path.startswith("/workspace/") or path == "/workspace"
+        return self.pct_state / ctid / "workspace" / path[len("/workspace/"):]
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    def stop(self) -> None:
+        for conf in self.pct_state.glob("*/*.conf"):
+            if "running" in self.pct("status", conf.stem, check=False).stdout:
+                self.pct("stop", conf.stem, check=False)
+        if self.sshd and self.sshd.poll() is None:
+            self.sshd.terminate()
+            try:
+                self.sshd.wait(5)
+            except subprocess.TimeoutExpired:
+                self.sshd.kill()
+        SUDOERS_FILE.unlink(missing_ok=True)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _write_sshd_config(root: Path, port: int) -> Path:
+    bin_dir = root / "bin"
+    config = root / "sshd_config"
+    config.write_text(
+        f"""Port {port}
+ListenAddress 127.0.0.1
+HostKey {root}/ssh_host_ed25519_key
+PidFile {root}/sshd.pid
+AuthorizedKeysFile {root}/authorized_keys
+StrictModes no
+UsePAM no
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+PubkeyAuthentication yes
+PermitRootLogin no
+AllowUsers {TEST_USER}
+AllowTcpForwarding yes
+X11Forwarding no
+PrintMotd no
+LogLevel ERROR
+MaxSessions 64
+MaxStartups 64:30:128
+SetEnv PATH={bin_dir}:/usr/local/bin:/usr/bin:/bin
+"""
+    )
+    return config
+
+
+def start_harness() -> Harness:
+    if os.geteuid() != 0:
+        raise RuntimeError("the remote harness needs root (user, sudoers rule, sshd)")
+    ensure_system_packages()
+    ensure_test_user()
+    root = Path(tempfile.mkdtemp(prefix="dfo-remote-"))
+    root.chmod(0o755)
+    keygen = ["ssh-keygen", "-q", "-t", "ed25519", "-N", ""]
+    subprocess.run([*keygen, "-f", str(root / "ssh_host_ed25519_key")], check=True)
+    subprocess.run([*keygen, "-f", str(root / "client_key")], check=True)
+    shutil.copy(root / "client_key.pub", root / "authorized_keys")
+    (root / "authorized_keys").chmod(0o644)
+    bin_dir = root / "bin"
+    bin_dir.mkdir()
+    standin = (HERE / "pct_standin.py").read_text().replace("@STATE_ROOT@", str(root / "pct"))
+    (bin_dir / "pct").write_text(standin)
+    (bin_dir / "pct").chmod(0o755)
+    shutil.copy(HERE / "ct_init.py", bin_dir / "ct_init.py")
+    (root / "pct").mkdir()
+    Path("/workspace").mkdir(exist_ok=True)  # mount point for the containers' private workspaces
+    SUDOERS_FILE.write_text(
+        f'Defaults:{TEST_USER} secure_path="{bin_dir}:/usr/sbin:/usr/bin:/sbin:/bin"\n'
+        f"{TEST_USER} ALL=(root) NOPASSWD: {bin_dir}/pct\n"
+    )
+    SUDOERS_FILE.chmod(0o440)
+    Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
+    port = free_port()
+    config = _write_sshd_config(root, port)
+    harness = Harness(root=root, port=port)
+    harness.sshd = subprocess.Popen(["/usr/sbin/sshd", "-D", "-e", "-f", str(config)],
+                                    stdin=subprocess.DEVNULL, stderr=open(root / "sshd.log", "wb"))
+    (root / "known_hosts").write_text(harness.known_hosts_line(port))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return harness
+        except OSError:
+            if harness.sshd.poll() is not None:
+                break
+            time.sleep(0.05)
+    log = (root / "sshd.log").read_text(errors="replace")
+    harness.stop()
+    raise RuntimeError(f"sshd did not start: {log}")
