@@ -1,0 +1,258 @@
+"""trainer/loss.py against a dense float64 reference (materialised logits, plain autograd)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from trainer.loss import (
+    LossInputError,
+    dflash_loss,
+    position_weights,
+    simulated_tau,
+)
+
+torch.set_num_threads(1)
+
+
+def dense_reference(hidden, weight, labels, weights, *, block_size, normalizer, teacher_hidden=None,
+                    kl_weight=0.0, kl_temperature=1.0, cap_lambda=0.0, num_blocks_normalizer=1.0):
+    """The loss written the obvious way: full [M, V] logits, log_softmax, autograd does the rest."""
+    logits = hidden @ weight.T
+    log_probs = torch.log_softmax(logits, dim=-1)
+    slot = torch.arange(hidden.shape[0]) % block_size
+    valid = (weights > 0) & (slot > 0)
+    ce = -log_probs.gather(1, torch.where(valid, labels, 0)[:, None]).squeeze(1)
+    loss = (weights * ce).sum() / normalizer
+    if kl_weight > 0:
+        teacher = torch.softmax(teacher_hidden @ weight.T / kl_temperature, dim=-1)
+        student = torch.log_softmax(logits / kl_temperature, dim=-1)
+        kl = (teacher * (teacher.log() - student)).sum(-1)
+        loss = loss + kl_weight * kl_temperature**2 * (weights * kl).sum() / normalizer
+    if cap_lambda > 0:
+        v = valid.view(-1, block_size).to(hidden.dtype)
+        accepted_run = 0.0
+        log_prefix = torch.zeros(v.shape[0], dtype=hidden.dtype)
+        for k in range(1, block_size):  # a python loop, unlike the cumsum in the implementation
+            log_prefix = log_prefix - ce.view(-1, block_size)[:, k] * v[:, k]
+            accepted_run = accepted_run + v[:, k] * torch.exp(log_prefix)
+        loss = loss - cap_lambda * (accepted_run / (block_size - 1)).sum() / num_blocks_normalizer
+    return loss
+
+
+def make_case(blocks=7, block_size=4, hidden_size=16, vocab=37, seed=0, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    rows = blocks * block_size
+    hidden = torch.randn(rows, hidden_size, generator=gen, dtype=dtype)
+    weight = torch.randn(vocab, hidden_size, generator=gen, dtype=dtype) / math.sqrt(hidden_size)
+    # labels biased towards the argmax so CAP's prefix products are not all ~0
+    labels = torch.where(torch.rand(rows, generator=gen) < 0.5, (hidden @ weight.T).argmax(-1),
+                         torch.randint(0, vocab, (rows,), generator=gen))
+    weights = position_weights(block_size, 2.0).to(dtype).repeat(blocks)
+    weights[torch.rand(rows, generator=gen) < 0.2] = 0.0  # unsupervised / past-the-end slots
+    weights[-block_size:] = 0.0  # a padded block (keep=False)
+    labels[weights == 0] = -100  # what padding typically carries; must not reach gather
+    teacher = torch.randn(rows, hidden_size, generator=gen, dtype=dtype)
+    return hidden, weight, labels, weights, teacher
+
+
+TERMS = {
+    "ce": {},
+    "ce+kl": {"kl_weight": 0.7, "kl_temperature": 2.0},
+    "ce+cap": {"cap_lambda": 0.9, "num_blocks_normalizer": 5.0},
+    "ce+kl+cap": {"kl_weight": 0.5, "kl_temperature": 0.7, "cap_lambda": 1.3, "num_blocks_normalizer": 6.0},
+}
+
+
+@pytest.mark.parametrize("terms", list(TERMS))
+@pytest.mark.parametrize("chunk_size", [None, 4, 8, 13])  # 28 rows: 8 and 13 (-> 12) leave a short last chunk
+def test_value_and_gradient_equal_dense_reference(terms, chunk_size):
+    hidden, weight, labels, weights, teacher = make_case()
+    extra = TERMS[terms]
+    normalizer = float(weights.sum()) * 1.5  # as if other micro-batches shared the step
+    kwargs = dict(block_size=4, normalizer=normalizer, **extra)
+    if "kl_weight" in extra:
+        kwargs["teacher_hidden"] = teacher
+
+    ours_hidden = hidden.clone().requires_grad_(True)
+    result = dflash_loss(ours_hidden, weight, labels, weights, chunk_size=chunk_size, **kwargs)
+    result.loss.backward()
+
+    ref_hidden = hidden.clone().requires_grad_(True)
+    ref_loss = dense_reference(ref_hidden, weight, labels, weights, **kwargs)
+    ref_loss.backward()
+
+    torch.testing.assert_close(result.loss.double(), ref_loss.detach(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(ours_hidden.grad, ref_hidden.grad, rtol=1e-6, atol=1e-9)
+    assert weight.grad is None
+    assert result.correct.tolist() == ((hidden @ weight.T).argmax(-1) == labels).tolist()
+
+
+def test_sums_decompose_the_loss():
+    hidden, weight, labels, weights, teacher = make_case(seed=3)
+    kw = TERMS["ce+kl+cap"]
+    result = dflash_loss(hidden, weight, labels, weights, block_size=4, normalizer=2.0, teacher_hidden=teacher, **kw)
+    expected = (result.ce_sum + kw["kl_weight"] * kw["kl_temperature"] ** 2 * result.kl_sum) / 2.0 \
+        - kw["cap_lambda"] * result.cap_sum / kw["num_blocks_normalizer"]
+    torch.testing.assert_close(result.loss, expected)
+    assert result.weight_sum.item() == pytest.approx(float(weights.sum()))
+    assert result.num_blocks.item() == 6  # 7 blocks, the last one padded
+    assert result.kl_sum.item() > 0 and 0 < result.cap_sum.item() < result.num_blocks.item()
+
+
+def test_zero_weight_tokens_get_no_gradient():
+    hidden, weight, labels, weights, _ = make_case(seed=1)
+    hidden.requires_grad_(True)
+    dflash_loss(hidden, weight, labels, weights, block_size=4, normalizer=3.0, cap_lambda=1.0).loss.backward()
+    assert torch.all(hidden.grad[weights == 0] == 0)
+    assert torch.all(hidden.grad[weights > 0].abs().sum(-1) > 0)
+
+
+def test_all_zero_weights_give_zero_loss_and_gradient_without_nan():
+    hidden, weight, labels, _, teacher = make_case(seed=2)
+    weights = torch.zeros(hidden.shape[0], dtype=hidden.dtype)
+    hidden.requires_grad_(True)
+    result = dflash_loss(hidden, weight, labels, weights, block_size=4, normalizer=0.0, teacher_hidden=teacher,
+                         kl_weight=1.0, cap_lambda=1.0, num_blocks_normalizer=0.0)
+    result.loss.backward()
+    assert result.loss.item() == 0.0 and result.num_blocks.item() == 0
+    assert torch.all(hidden.grad == 0)
+
+
+def test_micro_batches_with_global_normalizer_equal_one_big_batch():
+    hidden, weight, labels, weights, teacher = make_case(blocks=8, seed=4)
+    kw = dict(block_size=4, teacher_hidden=None, **TERMS["ce+kl+cap"])
+    real_blocks = float((weights.view(-1, 4)[:, 1:] > 0).any(1).sum())
+    kw["num_blocks_normalizer"] = real_blocks
+    normalizer = float(weights.sum())
+
+    whole = hidden.clone().requires_grad_(True)
+    dflash_loss(whole, weight, labels, weights, normalizer=normalizer, **{**kw, "teacher_hidden": teacher}
+                ).loss.backward()
+
+    accumulated = hidden.clone().requires_grad_(True)
+    total = 0.0
+    for part in (slice(0, 12), slice(12, 32)):  # 3 blocks + 5 blocks, different shapes
+        result = dflash_loss(accumulated[part], weight, labels[part], weights[part], normalizer=normalizer,
+                             chunk_size=8, **{**kw, "teacher_hidden": teacher[part]})
+        result.loss.backward()
+        total += result.loss.item()
+    torch.testing.assert_close(accumulated.grad, whole.grad, rtol=1e-10, atol=1e-12)
+    assert total == pytest.approx(dense_reference(hidden, weight, labels, weights, normalizer=normalizer,
+                                                  **{**kw, "teacher_hidden": teacher}).item(), rel=1e-10)
+
+
+def test_backward_scales_with_grad_output_and_no_grad_skips_it():
+    hidden, weight, labels, weights, _ = make_case(seed=5)
+    a = hidden.clone().requires_grad_(True)
+    (3.0 * dflash_loss(a, weight, labels, weights, block_size=4, normalizer=1.0).loss).backward()
+    b = hidden.clone().requires_grad_(True)
+    dflash_loss(b, weight, labels, weights, block_size=4, normalizer=1.0).loss.backward()
+    torch.testing.assert_close(a.grad, 3.0 * b.grad)
+    with torch.no_grad():
+        evaluated = dflash_loss(b, weight, labels, weights, block_size=4, normalizer=1.0)
+    assert evaluated.loss.grad_fn is None
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the largest number of elements of any tensor an op produces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for item in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(item, torch.Tensor):
+                self.largest = max(self.largest, item.numel())
+        return out
+
+
+def test_no_tensor_larger_than_one_chunk_of_logits():
+    # hidden 6 < chunk 8, so the largest legitimate tensors (W [301, 6], hidden [64, 6]) are below one chunk
+    hidden, weight, labels, weights, teacher = make_case(blocks=16, hidden_size=6, vocab=301, seed=6)
+    hidden.requires_grad_(True)
+    with _LargestTensor() as probe:
+        result = dflash_loss(hidden, weight, labels, weights, block_size=4, normalizer=1.0, teacher_hidden=teacher,
+                             kl_weight=1.0, cap_lambda=1.0, chunk_size=8)
+        result.loss.backward()
+    assert probe.largest <= 8 * 301 < hidden.shape[0] * 301
+
+
+def test_low_precision_gemm_path_stays_close_to_reference():
+    hidden, weight, labels, weights, teacher = make_case(blocks=6, hidden_size=32, vocab=64, seed=7)
+    kw = dict(block_size=4, normalizer=float(weights.sum()), **TERMS["ce+kl+cap"])
+    h32 = hidden.float().requires_grad_(True)
+    result = dflash_loss(h32, weight.bfloat16(), labels, weights.float(), teacher_hidden=teacher.float(),
+                         chunk_size=8, **kw)
+    result.loss.backward()
+    assert h32.grad.dtype == torch.float32 and result.loss.dtype == torch.float32
+    ref_h = hidden.clone().requires_grad_(True)
+    ref = dense_reference(ref_h, weight.bfloat16().double(), labels, weights, teacher_hidden=teacher, **kw)
+    ref.backward()
+    torch.testing.assert_close(result.loss.double(), ref.detach(), rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(h32.grad.double(), ref_h.grad, rtol=5e-2, atol=5e-3)
+
+
+def test_position_weights():
+    w = position_weights(5, 2.0)
+    torch.testing.assert_close(w, torch.tensor([0.0, 1.0, math.exp(-0.5), math.exp(-1.0), math.exp(-1.5)]))
+    with pytest.raises(LossInputError, match="block size"):
+        position_weights(1, 2.0)
+    with pytest.raises(LossInputError, match="gamma"):
+        position_weights(4, 0.0)
+
+
+def test_simulated_tau_counts_leading_correct_valid_slots():
+    correct = torch.tensor([[False, True, True, False],   # 2 accepted -> 3
+                            [True, False, True, True],    # 0 accepted -> 1 (slot 0 never counts)
+                            [False, True, True, True],    # slot 3 invalid stops the run at 2 -> 3
+                            [True, True, True, True]])    # padded block: not real
+    valid = torch.tensor([[False, True, True, True],
+                          [False, True, True, True],
+                          [False, True, True, False],
+                          [False, False, False, False]])
+    stats = simulated_tau(correct, valid)
+    assert stats.num_blocks.item() == 3 and stats.tau_sum.item() == 7
+    assert stats.tau.item() == pytest.approx(7 / 3)
+    acc = stats.slot_accuracy
+    assert math.isnan(acc[0].item()) and acc[1:].tolist() == pytest.approx([2 / 3, 1.0, 0.5])
+    empty = simulated_tau(torch.zeros(2, 4, dtype=torch.bool), torch.zeros(2, 4, dtype=torch.bool))
+    assert empty.tau.item() == 1.0
+    with pytest.raises(LossInputError):
+        simulated_tau(correct, valid[:, :3])
+
+
+BAD_INPUTS = [
+    ({"block_size": 3}, "whole blocks"),
+    ({"block_size": 1}, "block_size >= 2"),
+    ({"kl_weight": 1.0}, "needs teacher_hidden"),
+    ({"normalizer": -1.0}, "normalizer must be"),
+    ({"normalizer": float("nan")}, "normalizer must be"),
+    ({"cap_lambda": -0.5}, "cap_lambda must be"),
+    ({"kl_temperature": 0.0, "kl_weight": 1.0, "teacher_hidden": "ok"}, "kl_temperature"),
+    ({"chunk_size": 0}, "chunk_size"),
+    ({"teacher_hidden": "short", "kl_weight": 1.0}, "teacher_hidden"),
+    ({"labels": "float"}, "int64"),
+    ({"weights": "short"}, "must be \\[28\\]"),
+    ({"lm_head_weight": "wide"}, "lm_head_weight"),
+]
+
+
+@pytest.mark.parametrize("override,message", BAD_INPUTS)
+def test_bad_inputs_are_rejected_with_a_clear_message(override, message):
+    hidden, weight, labels, weights, teacher = make_case()
+    args = {"lm_head_weight": weight, "labels": labels, "weights": weights, "block_size": 4, "normalizer": 1.0}
+    replacements = {"ok": teacher, "short": None, "float": labels.double(), "wide": torch.zeros(37, 17, dtype=weight.dtype)}
+    for key, value in override.items():
+        if value == "short":
+            value = (teacher if key == "teacher_hidden" else weights)[:-1]
+        elif isinstance(value, str):
+            value = replacements[value]
+        args[key] = value
+    with pytest.raises(LossInputError, match=message):
+        dflash_loss(hidden, args.pop("lm_head_weight"), args.pop("labels"), args.pop("weights"), **args)

@@ -1,0 +1,297 @@
+"""The DFlash training loss without [tokens, vocab] logits (METHOD.md sections 3 and 7).
+
+``dflash_loss`` takes the drafter's final hidden states of all block tokens, flattened to [M, H] with
+M = blocks * B (block-major: row i is slot ``i % B`` of block ``i // B``), and the frozen LM head [V, H].
+Per token it computes the CE against the same-position label, optionally the soft KL against the
+target's distribution, and per block the CAP term:
+
+    loss = ( sum_i w_i CE_i  +  kl_weight * T^2 * sum_i w_i KL_i ) / normalizer
+           - cap_lambda * sum_blocks A_b / (B - 1) / num_blocks_normalizer
+
+    A_b  = sum_{k>=1} v_k exp(S_k),  S_k = sum_{j=1..k} v_j l_j,  l_j = -CE_j,  v_j = [w_j > 0]
+
+Invalid slots (v_j = 0: padding, past the sequence end, unsupervised) neither count nor break the chain.
+``normalizer`` is sum(w) over the whole optimizer step and ``num_blocks_normalizer`` the number of real
+blocks (blocks with a valid slot) over the whole step, so micro-batch losses simply add up.
+
+How the logits are avoided: rows are processed in chunks; for each chunk the logits [C, V] exist only
+transiently and the gradient w.r.t. the chunk's hidden rows is computed right away (the LM head is
+frozen, so d/dW is never needed): d loss / d logits is
+    (w/normalizer + cap_coef) * (softmax - onehot) + kl_weight * w/normalizer * T * (softmax_T - teacher_T)
+and one GEMM with W turns it into d loss / d hidden. A custom autograd.Function returns the scalar loss
+and its backward only scales the saved [M, H] gradient. GEMMs per chunk: 2 for CE (logits, input grad),
++1 for the teacher's logits with soft labels, 0 extra for CAP: chunks are whole blocks (the chunk size
+is rounded down to a multiple of B), so a block's prefix sums are complete inside its chunk and the CAP
+coefficient just rescales the CE direction before the input-gradient GEMM (no second pass, no stored
+per-token [M, H] direction). Memory: the [M, H] gradient plus O(C*V) chunk temporaries (fp32 logits,
+softmax; twice that with soft labels).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+class LossInputError(ValueError):
+    """Arguments to the loss that cannot be right (shapes, block layout, hyper-parameters)."""
+
+
+@dataclass
+class LossResult:
+    """Output of ``dflash_loss``.
+
+    loss: 0-dim tensor, float32 (float64 when the LM head is float64); its backward writes d loss/d hidden
+    (the saved gradient times grad_output).
+    ce_sum: sum_i w_i CE_i (not normalised). kl_sum: sum_i w_i KL_i at temperature T (no kl_weight, no T^2).
+    cap_sum: sum over blocks of A_b/(B-1), the per-block mean acceptance probability (no cap_lambda).
+    weight_sum: sum_i w_i; num_blocks: blocks with at least one valid slot (in this micro-batch).
+    correct: [M] bool, argmax(logits) == label (meaningless where w == 0).
+    All except ``loss`` are detached tensors on the hidden's device: reading them (.item()) syncs.
+    """
+
+    loss: torch.Tensor
+    ce_sum: torch.Tensor
+    kl_sum: torch.Tensor
+    cap_sum: torch.Tensor
+    weight_sum: torch.Tensor
+    num_blocks: torch.Tensor
+    correct: torch.Tensor
+
+
+def position_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """Per-slot weights [B] float32: 0 for slot 0 (the anchor), exp(-(k-1)/gamma) for slot k >= 1."""
+    if block_size < 2:
+        raise LossInputError(f"block size must be >= 2 (got {block_size})")
+    if not gamma > 0:
+        raise LossInputError(f"gamma must be > 0 (got {gamma})")
+    slots = torch.arange(block_size, dtype=torch.float32)
+    weights = torch.exp(-(slots - 1) / gamma)
+    weights[0] = 0.0
+    return weights
+
+
+@dataclass
+class TauStats:
+    """Simulated acceptance over real blocks, kept as sums so micro-batches can be added up.
+
+    tau_sum: sum over real blocks of 1 + sum_{k>=1} prod_{j<=k} correct_j (an invalid slot ends the run).
+    num_blocks: real blocks (any valid slot). slot_correct / slot_valid: [B] counts per slot.
+    """
+
+    tau_sum: torch.Tensor
+    num_blocks: torch.Tensor
+    slot_correct: torch.Tensor
+    slot_valid: torch.Tensor
+
+    @property
+    def tau(self) -> torch.Tensor:
+        """Mean simulated acceptance length (1.0 when there is no real block)."""
+        return torch.where(self.num_blocks > 0, self.tau_sum / self.num_blocks.clamp(min=1), 1.0)
+
+    @property
+    def slot_accuracy(self) -> torch.Tensor:
+        """[B] accuracy per slot (NaN for slots with no valid token, e.g. slot 0)."""
+        return self.slot_correct / self.slot_valid  # 0/0 -> NaN on purpose: "no data", not "0%"
+
+
+def simulated_tau(correct: torch.Tensor, valid: torch.Tensor) -> TauStats:
+    """Simulated acceptance per block (METHOD.md 3) from correct [nb, B] bool and valid [nb, B] bool
+    (weights > 0; slot 0 is ignored in both). A run of accepted slots stops at the first wrong or
+    invalid slot, like serving stops at a mismatch or at the end of the text."""
+    if correct.dim() != 2 or correct.shape != valid.shape:
+        raise LossInputError(f"correct {tuple(correct.shape)} and valid {tuple(valid.shape)} must both be [blocks, B]")
+    hit = (correct & valid)[:, 1:].to(torch.int64)
+    accepted = torch.cumprod(hit, dim=1).sum(dim=1)
+    real = valid[:, 1:].any(dim=1)
+    tau_sum = ((1 + accepted) * real).sum().to(torch.float32)
+    valid_slots = valid.clone()
+    valid_slots[:, 0] = False
+    return TauStats(
+        tau_sum=tau_sum,
+        num_blocks=real.sum().to(torch.float32),
+        slot_correct=(correct & valid_slots).sum(dim=0).to(torch.float32),
+        slot_valid=valid_slots.sum(dim=0).to(torch.float32),
+    )
+
+
+def default_chunk_rows(vocab_size: int, block_size: int, budget_bytes: int = 1 << 30) -> int:
+    """Rows per chunk so that one fp32 [C, V] temporary is about ``budget_bytes`` (whole blocks, >= 1 block)."""
+    rows = max(1, budget_bytes // (4 * vocab_size))
+    return max(block_size, rows // block_size * block_size)
+
+
+def _student_stats(logits: torch.Tensor, labels: torch.Tensor, temperature: float, want_tempered: bool):
+    """Row reductions of one chunk: (logsumexp, CE, argmax, logsumexp of logits/T or None), fp32 accumulation."""
+    acc = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    lse = torch.logsumexp(acc, dim=-1)
+    ce = lse - acc.gather(1, labels[:, None]).squeeze(1)
+    lse_t = torch.logsumexp(acc / temperature, dim=-1) if want_tempered else None
+    return lse, ce, logits.argmax(dim=-1), lse_t
+
+
+def _logit_grad(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    lse: torch.Tensor,
+    ce_coef: torch.Tensor,
+    teacher_logits: torch.Tensor | None,
+    lse_student_t: torch.Tensor | None,
+    kl_coef: torch.Tensor | None,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """d loss/d logits for one chunk in the GEMM dtype, and per-row KL(teacher_T || student_T) (or None).
+
+    Eager cost: a handful of fp32 [C, V] passes (in place where possible); it is written as one pure
+    function so that a caller may torch.compile it into ~2 fused passes on GPU."""
+    acc = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    grad = torch.exp(acc - lse[:, None])  # softmax
+    grad.mul_(ce_coef[:, None])
+    grad.scatter_add_(1, labels[:, None], -ce_coef[:, None])  # - onehot * coef
+    kl = None
+    if teacher_logits is not None:
+        assert lse_student_t is not None and kl_coef is not None
+        log_q = teacher_logits.to(acc.dtype, copy=True).div_(temperature)
+        log_q.sub_(torch.logsumexp(log_q, dim=-1, keepdim=True))
+        log_p = (acc / temperature).sub_(lse_student_t[:, None])
+        diff = log_q - log_p
+        q = log_q.exp_()
+        kl = diff.mul_(q).sum(dim=-1)
+        grad.add_(log_p.exp_().sub_(q).mul_(kl_coef[:, None]))  # T^2 * (1/T) * (p_T - q), times kl_weight*w/norm
+    return grad.to(logits.dtype), kl
+
+
+def _cap_coefficients(ce: torch.Tensor, valid: torch.Tensor, block_size: int, scale: float):
+    """Per-block CAP for whole blocks in one chunk: returns (sum_b A_b/(B-1), d CAP-loss / d CE per token).
+
+    ce, valid: [C] with C a multiple of B. CAP loss = -scale * sum_b A_b/(B-1) with scale =
+    cap_lambda/num_blocks_normalizer; d/dl_j = -scale/(B-1) * v_j * sum_{k>=j} v_k exp(S_k), and
+    dl_j/dCE_j = -1, so the coefficient of (softmax - onehot) is +scale/(B-1) * v_j * suffix_j."""
+    v = valid.view(-1, block_size).to(ce.dtype)
+    log_prefix = torch.cumsum(-ce.view(-1, block_size) * v, dim=1)  # S_k <= 0: exp never overflows
+    terms = v * torch.exp(log_prefix)
+    suffix = terms.flip(1).cumsum(1).flip(1)
+    per_token = (scale / (block_size - 1)) * v * suffix
+    return terms.sum() / (block_size - 1), per_token.reshape(-1)
+
+
+class _AttachHiddenGrad(torch.autograd.Function):
+    """Returns the precomputed loss value; backward = saved d loss/d hidden * grad_output (no recompute)."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, loss_value: torch.Tensor, grad_hidden: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(grad_hidden)
+        return loss_value.clone()
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (grad_hidden,) = ctx.saved_tensors
+        return grad_hidden * grad_output.to(grad_hidden.dtype), None, None
+
+
+def dflash_loss(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    block_size: int,
+    normalizer: float,
+    teacher_hidden: torch.Tensor | None = None,
+    kl_weight: float = 0.0,
+    kl_temperature: float = 1.0,
+    cap_lambda: float = 0.0,
+    num_blocks_normalizer: float = 1.0,
+    chunk_size: int | None = None,
+    logit_grad_fn: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] | None = None,
+) -> LossResult:
+    """The DFlash loss of one micro-batch; see the module docstring for the formula.
+
+    hidden [M, H] (M = blocks*B, block-major), lm_head_weight [V, H] frozen (its dtype is the GEMM dtype;
+    autocast is switched off inside), labels [M] int64 (any value where weights == 0), weights [M] float
+    (w_k * mask, 0 on slot 0). teacher_hidden [M, H]: the target's final hidden at p+k-1, required when
+    kl_weight > 0. chunk_size: rows per chunk, rounded down to whole blocks (default: ~1 GiB fp32 logits).
+    logit_grad_fn: a drop-in for ``_logit_grad`` (e.g. ``torch.compile(_logit_grad)``, owned per device
+    by the caller). The d/d hidden GEMM is skipped when hidden does not require grad (eval).
+    """
+    _check_inputs(hidden, lm_head_weight, labels, weights, teacher_hidden, block_size, normalizer,
+                  kl_weight, kl_temperature, cap_lambda, num_blocks_normalizer, chunk_size)
+    rows, vocab = hidden.shape[0], lm_head_weight.shape[0]
+    use_kl, use_cap = kl_weight > 0, cap_lambda > 0
+    grad_fn = logit_grad_fn or _logit_grad
+    chunk = default_chunk_rows(vocab, block_size) if chunk_size is None else chunk_size
+    chunk = max(block_size, chunk // block_size * block_size)
+    want_grad = hidden.requires_grad and torch.is_grad_enabled()
+    inv_norm = 1.0 / normalizer if normalizer > 0 else 0.0  # all-zero weights: every sum is 0, no NaN
+    cap_scale = cap_lambda / num_blocks_normalizer if num_blocks_normalizer > 0 else 0.0
+    gemm_dtype = lm_head_weight.dtype
+    acc_dtype = torch.promote_types(gemm_dtype, torch.float32)
+
+    slot = torch.arange(rows, device=hidden.device) % block_size
+    valid = (weights > 0) & (slot > 0)
+    safe_labels = torch.where(valid, labels, torch.zeros_like(labels))  # -100 padding would break gather
+    weights_acc = weights.to(acc_dtype)
+    zero = torch.zeros((), dtype=acc_dtype, device=hidden.device)
+    ce_sum, kl_sum, cap_sum = zero.clone(), zero.clone(), zero.clone()
+    correct = torch.empty(rows, dtype=torch.bool, device=hidden.device)
+    grad_hidden = torch.empty_like(hidden) if want_grad else None
+
+    with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
+        for start in range(0, rows, chunk):
+            end = min(start + chunk, rows)
+            h = hidden[start:end].detach().to(gemm_dtype)
+            lab, w = safe_labels[start:end], weights_acc[start:end]
+            logits = h @ lm_head_weight.T  # GEMM 1
+            lse, ce, argmax, lse_t = _student_stats(logits, lab, kl_temperature, use_kl)
+            correct[start:end] = argmax == labels[start:end]
+            ce_sum += (w * ce).sum()
+            ce_coef = w * inv_norm
+            if use_cap:
+                block_cap, cap_coef = _cap_coefficients(ce, valid[start:end], block_size, cap_scale)
+                cap_sum += block_cap
+                ce_coef = ce_coef + cap_coef
+            teacher_logits = kl_coef = None
+            if use_kl:
+                assert teacher_hidden is not None
+                teacher_logits = teacher_hidden[start:end].detach().to(gemm_dtype) @ lm_head_weight.T  # GEMM 3
+                kl_coef = w * (inv_norm * kl_weight * kl_temperature)
+            grad_logits, kl = grad_fn(logits, lab, lse, ce_coef, teacher_logits, lse_t, kl_coef, kl_temperature)
+            if kl is not None:
+                kl_sum += (w * kl).sum()
+            if grad_hidden is not None:
+                grad_hidden[start:end] = grad_logits @ lm_head_weight  # GEMM 2
+            del logits, grad_logits, teacher_logits
+
+    loss_value = (ce_sum + kl_weight * kl_temperature**2 * kl_sum) * inv_norm - cap_scale * cap_sum
+    real_blocks = valid.view(-1, block_size).any(dim=1).sum().to(acc_dtype)
+    loss = _AttachHiddenGrad.apply(hidden, loss_value, grad_hidden) if want_grad else loss_value
+    return LossResult(loss=loss, ce_sum=ce_sum, kl_sum=kl_sum, cap_sum=cap_sum,
+                      weight_sum=weights_acc.sum(), num_blocks=real_blocks, correct=correct)
+
+
+def _check_inputs(hidden, weight, labels, weights, teacher_hidden, block_size, normalizer,
+                  kl_weight, kl_temperature, cap_lambda, num_blocks_normalizer, chunk_size) -> None:
+    """Shape and hyper-parameter checks that need no device sync (values on the device are trusted)."""
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise LossInputError(f"hidden {tuple(hidden.shape)} and lm_head_weight {tuple(weight.shape)} must be [M, H] and [V, H]")
+    rows = hidden.shape[0]
+    if labels.shape != (rows,) or weights.shape != (rows,):
+        raise LossInputError(f"labels {tuple(labels.shape)} and weights {tuple(weights.shape)} must be [{rows}]")
+    if labels.dtype != torch.int64:
+        raise LossInputError(f"labels must be int64 (got {labels.dtype})")
+    if block_size < 2 or rows % block_size:
+        raise LossInputError(f"rows ({rows}) must be whole blocks of block_size >= 2 (got {block_size})")
+    if teacher_hidden is not None and teacher_hidden.shape != hidden.shape:
+        raise LossInputError(f"teacher_hidden {tuple(teacher_hidden.shape)} must match hidden {tuple(hidden.shape)}")
+    if kl_weight > 0 and teacher_hidden is None:
+        raise LossInputError("kl_weight > 0 needs teacher_hidden (soft labels are on but no teacher states were given)")
+    for name, value in (("normalizer", normalizer), ("num_blocks_normalizer", num_blocks_normalizer),
+                        ("kl_weight", kl_weight), ("cap_lambda", cap_lambda)):
+        if not (value >= 0 and math.isfinite(value)):
+            raise LossInputError(f"{name} must be finite and >= 0 (got {value})")
+    if not (kl_temperature > 0 and math.isfinite(kl_temperature)):
+        raise LossInputError(f"kl_temperature must be > 0 (got {kl_temperature})")
+    if chunk_size is not None and chunk_size < 1:
+        raise LossInputError(f"chunk_size must be >= 1 (got {chunk_size})")
