@@ -1,0 +1,159 @@
+"""Keep drafter replicas in agreement.
+
+Two modes (`--sync`):
+- `grad`: after every backward, the gradients of all replicas are reduced (summed, since each drafter already
+  divides its loss by the normalizer of the WHOLE optimizer step, all drafters included; `mean` is offered for
+  locally normalised losses) and every replica receives the very same reduced tensor. Replicas start equal
+  (`broadcast_parameters`), apply equal optimizer updates, and so stay bitwise identical.
+- `average`: replicas step independently; every `interval` optimizer steps (and before a checkpoint) their
+  weights are replaced by the mean (the seed's scheme). Optimizer states are not averaged.
+
+Transport: with CUDA replicas on distinct devices, one `torch.cuda.nccl.all_reduce` over one flat buffer per
+replica (a single collective per step, called from the main thread: the single-process multi-device NCCL API
+wants every device's tensor in one call). Otherwise (CPU, or several replicas on one GPU) plain tensor ops:
+sum on the first replica's device, then copy the result back. Callers must make sure the replicas' streams
+are idle before a reduction (the drafter workers synchronize at the end of each step; one sync per step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+SYNC_MODES = ("grad", "average", "none")
+
+
+def _trainable(module: nn.Module) -> list[nn.Parameter]:
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+def _check_same_layout(replicas: Sequence[nn.Module]) -> list[list[nn.Parameter]]:
+    params = [_trainable(r) for r in replicas]
+    shapes = [[tuple(p.shape) for p in ps] for ps in params]
+    for index, other in enumerate(shapes[1:], start=1):
+        if other != shapes[0]:
+            raise ValueError(f"replica {index} has a different parameter layout than replica 0")
+    return params
+
+
+def _use_nccl(tensors: Sequence[torch.Tensor]) -> bool:
+    devices = [t.device for t in tensors]
+    if not all(d.type == "cuda" for d in devices) or len({d.index for d in devices}) != len(devices):
+        return False
+    try:
+        import torch.cuda.nccl as nccl
+
+        return nccl.is_available(list(tensors))
+    except (ImportError, RuntimeError):
+        return False
+
+
+def _all_reduce_sum(buffers: list[torch.Tensor]) -> None:
+    """In place: every buffer becomes the sum of all buffers, bitwise equal on every replica."""
+    if len(buffers) == 1:
+        return
+    if _use_nccl(buffers):
+        import torch.cuda.nccl as nccl
+
+        nccl.all_reduce(buffers)
+        for buffer in buffers:  # the next consumer runs on another thread's stream: finish here (1 sync/step)
+            torch.cuda.synchronize(buffer.device)
+        return
+    total = buffers[0].clone()
+    for buffer in buffers[1:]:
+        total += buffer.to(total.device)
+    for buffer in buffers:
+        buffer.copy_(total)  # the same `total` everywhere: identical bits on every replica
+
+
+@torch.no_grad()
+def broadcast_parameters(replicas: Sequence[nn.Module]) -> None:
+    """Copy replica 0's parameters and buffers into every other replica (at start and after resume)."""
+    source = replicas[0].state_dict()
+    for replica in replicas[1:]:
+        for name, tensor in replica.state_dict().items():
+            tensor.copy_(source[name])
+
+
+@torch.no_grad()
+def reduce_gradients(replicas: Sequence[nn.Module], op: str = "sum") -> None:
+    """Reduce the gradients of all replicas (`sum` or `mean`) and give every replica the identical result.
+    A parameter without a gradient on a replica counts as zero there."""
+    if op not in ("sum", "mean"):
+        raise ValueError(f"reduce op must be sum or mean, got {op!r}")
+    params = _check_same_layout(replicas)
+    if len(replicas) == 1:
+        return
+    for replica_params in params:
+        for p in replica_params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+    # One flat buffer per replica: one collective instead of one per tensor (launch overhead, NCCL latency).
+    flats = [_flatten_dense_tensors([p.grad for p in ps]) for ps in params]
+    _all_reduce_sum(flats)
+    if op == "mean":
+        for flat in flats:
+            flat.div_(len(replicas))
+    for ps, flat in zip(params, flats):
+        for p, reduced in zip(ps, _unflatten_dense_tensors(flat, [p.grad for p in ps])):
+            p.grad.copy_(reduced)
+
+
+@torch.no_grad()
+def average_parameters(replicas: Sequence[nn.Module]) -> None:
+    """Replace every replica's trainable parameters by the replicas' mean (identical on all replicas)."""
+    params = _check_same_layout(replicas)
+    if len(replicas) == 1:
+        return
+    flats = [_flatten_dense_tensors([p.detach() for p in ps]) for ps in params]
+    # Average in fp32 even for bf16 weights: a bf16 sum of 8 replicas loses the low bits of small updates.
+    work = [f.float() for f in flats]
+    _all_reduce_sum(work)
+    for ps, flat, summed in zip(params, flats, work):
+        flat.copy_(summed / len(replicas))
+        for p, averaged in zip(ps, _unflatten_dense_tensors(flat, [p.detach() for p in ps])):
+            p.copy_(averaged)
+
+
+def max_replica_difference(replicas: Sequence[nn.Module]) -> float:
+    """Largest absolute difference of any trainable parameter between replica 0 and the others (0.0 = identical)."""
+    params = _check_same_layout(replicas)
+    worst = 0.0
+    for other in params[1:]:
+        for a, b in zip(params[0], other):
+            worst = max(worst, float((a.detach().float() - b.detach().float().to(a.device)).abs().max()))
+    return worst
+
+
+class ReplicaSync:
+    """The policy object the step loop calls: `after_backward()` then, after the optimizer step, `after_step(step)`."""
+
+    def __init__(self, replicas: Sequence[nn.Module], mode: str, interval: int = 50, grad_op: str = "sum") -> None:
+        if mode not in SYNC_MODES:
+            raise ValueError(f"--sync must be one of {', '.join(SYNC_MODES)}, got {mode!r}")
+        if mode == "average" and interval < 1:
+            raise ValueError(f"--sync-interval must be >= 1, got {interval}")
+        if mode == "none" and len(replicas) > 1:
+            raise ValueError("--sync none needs exactly one drafter replica (replicas would drift apart)")
+        self.replicas = list(replicas)
+        self.mode = mode
+        self.interval = interval
+        self.grad_op = grad_op
+        broadcast_parameters(self.replicas)
+
+    def after_backward(self) -> None:
+        if self.mode == "grad":
+            reduce_gradients(self.replicas, self.grad_op)
+
+    def after_step(self, step: int) -> None:
+        """`step` counts completed optimizer steps (1 after the first)."""
+        if self.mode == "average" and step % self.interval == 0:
+            average_parameters(self.replicas)
+
+    def before_checkpoint(self) -> None:
+        """Make replica 0 the synced drafter the checkpoint stores."""
+        if self.mode == "average":
+            average_parameters(self.replicas)
