@@ -1,0 +1,280 @@
+"""Typed training configuration: presets, command-line flags, cross-checks.
+
+`parse_train_args(argv) -> TrainConfig` is the only way `python -m trainer train` builds its config:
+a preset (tiny / qwen3-8b / qwen3.6-27b) supplies defaults, flags given on the command line override them,
+then `TrainConfig.validate()` checks every field and names the offending flag in its message. Nothing is
+read from or written to disk here. `TrainConfig.from_dict(d)` (used by checkpoints and tests) rejects
+unknown keys, so a typo in a saved config is an error, not a silently ignored setting.
+
+Flags keep the seed run's names and meanings (`--token-budget`, `--gamma`, `--noise-start`, ...). Device
+lists (`--target-gpus`, `--drafter-gpus`) take comma-separated GPU indices or device names ("0,1", "cpu").
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class TrainerInputError(ValueError):
+    """Bad input the user can fix: a one-line message plus an optional hint. Exit code 2, nothing written."""
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+
+# Drafter shapes. qwen3-8b: the published Qwen3-8B DFlash drafter. qwen3.6-27b: hidden 5120, intermediate
+# 17408, 32 q / 8 kv heads x 128, rope_theta 1e7, 262144 positions — read from the public
+# z-lab/Qwen3.6-27B-DFlash config.json (via a mirror), with METHOD.md's 4 sliding (window 2048) + 1 full layers.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        # Target built from `tiny_target` when --target-model is absent; data synthesised when --data-dir is.
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        vocab_size=128, mask_token_id=127, num_target_layers=2, num_draft_layers=2, rope_theta=10000.0,
+        max_position_embeddings=512,
+        tiny_target=dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=512),
+        block_size=8, gamma=4.0, max_seq_len=64, token_budget=256, max_batch_size=4, anchors_per_seq=8,
+        max_anchors=32, lr=3e-3, warmup_ratio=0.05, epochs=50, log_interval=10, save_interval=100,
+        synthetic_samples=256,
+    ),
+    "qwen3-8b": dict(
+        hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        vocab_size=151936, mask_token_id=151669, num_target_layers=36, num_draft_layers=5, rope_theta=1000000.0,
+        max_position_embeddings=40960, block_size=16, gamma=7.0, max_seq_len=4096, token_budget=16384,
+        max_batch_size=8, anchors_per_seq=512, max_anchors=1024,
+    ),
+    "qwen3.6-27b": dict(
+        hidden_size=5120, intermediate_size=17408, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        vocab_size=248320, mask_token_id=248070, num_target_layers=64, num_draft_layers=5,
+        rope_theta=10000000.0, max_position_embeddings=262144, sliding_layers=4, sliding_window=2048,
+        block_size=16, gamma=7.0, max_seq_len=4096, token_budget=16384, max_batch_size=8, anchors_per_seq=512,
+        max_anchors=1024,
+    ),
+}
+
+
+@dataclass
+class TrainConfig:
+    """Every setting of a training run. Field names are the flags with `-` -> `_`."""
+
+    preset: str | None = None
+    target_model: str | None = None  # local HF directory; None = build from `tiny_target` (tiny preset only)
+    data_dir: str | None = None  # prepared shards; None = synthetic tokens (tiny preset only)
+    output_dir: str | None = None  # the run directory; None = runs/train-<timestamp>
+    init_from: str | None = None  # exported drafter directory to start from (fresh optimizer)
+    resume: str = "auto"  # auto: latest checkpoint in output_dir if any | never | a checkpoint path
+    target_gpus: list[str] = field(default_factory=list)  # devices; [] = cuda:0 if available else cpu
+    drafter_gpus: list[str] = field(default_factory=list)
+    pipeline: bool = False  # force the threaded pipeline (trainer.pipeline) even with one drafter
+    sync: str = "grad"  # pipeline replica sync: grad | average
+    sync_interval: int = 1
+    # optimisation
+    epochs: int = 6
+    max_steps: int | None = None  # stop after this many optimizer steps; also the LR schedule's horizon
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    grad_accum: int = 1
+    grad_clip: float = 1.0
+    seed: int = 0
+    # batching and anchors
+    token_budget: int = 16384  # padded context tokens (rows x padded length) per micro-batch
+    max_seq_len: int = 4096  # longer samples are truncated
+    max_batch_size: int = 8  # rows per micro-batch
+    block_size: int = 16
+    anchors_per_seq: int = 512
+    max_anchors: int = 1024  # anchors per micro-batch (all rows together)
+    # objective
+    gamma: float = 7.0
+    noise_type: str = "uniform"  # uniform | gaussian
+    noise_start: float = 0.0
+    noise_end: float = 0.0
+    use_soft_labels: bool = False
+    kl_weight: float = 1.0
+    kl_temperature: float = 1.0
+    cap_lambda: float = 0.0
+    loss_chunk_size: int = 4096  # rows per chunk in the logits-free loss
+    # drafter shape (hidden_size must equal the target's)
+    num_draft_layers: int = 5
+    hidden_size: int | None = None  # None: taken from the target
+    intermediate_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    vocab_size: int | None = None
+    mask_token_id: int | None = None
+    num_target_layers: int | None = None
+    target_layer_ids: list[int] | None = None  # None: default_target_layer_ids(L, num_draft_layers)
+    rope_theta: float = 1000000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 40960
+    sliding_layers: int = 0  # the first `sliding_layers` drafter layers use sliding-window attention
+    sliding_window: int | None = None
+    tiny_target: dict[str, Any] | None = None  # Qwen3Config kwargs for a target built from a config
+    synthetic_samples: int = 0
+    # bookkeeping
+    save_interval: int = 1000
+    keep_checkpoints: int = 3
+    log_interval: int = 10
+    wandb: str = "auto"  # auto (on if wandb is installed) | on | off
+    wandb_project: str = "dflash"
+    wandb_run_name: str | None = None
+
+    # ---- construction -------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "TrainConfig":
+        """Build from a plain dict; unknown keys are an error naming them."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            flags = ", ".join("--" + k.replace("_", "-") for k in unknown)
+            raise TrainerInputError(f"unknown config key(s): {flags}", hint="see `python -m trainer train --help`")
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # ---- cross-checks -------------------------------------------------------------------------------
+    def validate(self) -> "TrainConfig":
+        """Check every field; raise TrainerInputError naming the flag. Returns self for chaining."""
+
+        def need(ok: bool, flag: str, why: str, hint: str | None = None) -> None:
+            if not ok:
+                raise TrainerInputError(f"--{flag}: {why}", hint=hint)
+
+        need(self.preset is None or self.preset in PRESETS, "preset", f"unknown preset {self.preset!r}",
+             f"choose one of {', '.join(PRESETS)}")
+        need(self.block_size >= 2, "block-size", f"must be >= 2 (anchor + at least one drafted token), got {self.block_size}")
+        need(self.gamma > 0, "gamma", f"must be > 0 (position weights exp(-(k-1)/gamma)), got {self.gamma}")
+        need(self.anchors_per_seq >= 1, "anchors-per-seq", f"must be >= 1, got {self.anchors_per_seq}")
+        need(self.max_anchors >= 1, "max-anchors", f"must be >= 1, got {self.max_anchors}")
+        need(self.max_seq_len >= 2, "max-seq-len", f"must be >= 2, got {self.max_seq_len}")
+        need(self.max_batch_size >= 1, "max-batch-size", f"must be >= 1, got {self.max_batch_size}")
+        need(self.token_budget >= self.max_seq_len, "token-budget",
+             f"{self.token_budget} is smaller than one sequence (--max-seq-len {self.max_seq_len})",
+             "raise --token-budget or lower --max-seq-len")
+        need(self.epochs >= 1, "epochs", f"must be >= 1, got {self.epochs}")
+        need(self.max_steps is None or self.max_steps >= 1, "max-steps", f"must be >= 1, got {self.max_steps}")
+        need(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        need(0 <= self.warmup_ratio < 1, "warmup-ratio", f"must be in [0, 1), got {self.warmup_ratio}")
+        need(self.weight_decay >= 0, "weight-decay", f"must be >= 0, got {self.weight_decay}")
+        need(self.grad_accum >= 1, "grad-accum", f"must be >= 1, got {self.grad_accum}")
+        need(self.grad_clip >= 0, "grad-clip", f"must be >= 0 (0 disables clipping), got {self.grad_clip}")
+        need(self.noise_type in ("uniform", "gaussian"), "noise-type", f"must be uniform or gaussian, got {self.noise_type!r}")
+        need(self.noise_start >= 0 and self.noise_end >= 0, "noise-start",
+             f"noise std must be >= 0, got start {self.noise_start} end {self.noise_end}")
+        need(self.kl_weight >= 0, "kl-weight", f"must be >= 0, got {self.kl_weight}")
+        need(self.kl_temperature > 0, "kl-temperature", f"must be > 0, got {self.kl_temperature}")
+        need(self.cap_lambda >= 0, "cap-lambda", f"must be >= 0, got {self.cap_lambda}")
+        need(self.loss_chunk_size >= 1, "loss-chunk-size", f"must be >= 1, got {self.loss_chunk_size}")
+        need(self.num_draft_layers >= 1, "num-draft-layers", f"must be >= 1, got {self.num_draft_layers}")
+        need(0 <= self.sliding_layers <= self.num_draft_layers, "sliding-layers",
+             f"must be between 0 and --num-draft-layers ({self.num_draft_layers}), got {self.sliding_layers}")
+        need(self.sliding_layers == 0 or (self.sliding_window or 0) >= 1, "sliding-window",
+             "sliding layers need a window >= 1")
+        need(self.target_layer_ids is None or len(self.target_layer_ids) >= 1, "target-layer-ids", "must not be empty")
+        need(self.save_interval >= 1, "save-interval", f"must be >= 1, got {self.save_interval}")
+        need(self.keep_checkpoints >= 1, "keep-checkpoints", f"must be >= 1, got {self.keep_checkpoints}")
+        need(self.log_interval >= 1, "log-interval", f"must be >= 1, got {self.log_interval}")
+        need(self.wandb in ("auto", "on", "off"), "wandb", f"must be auto, on or off, got {self.wandb!r}")
+        need(self.sync in ("grad", "average"), "sync", f"must be grad or average, got {self.sync!r}")
+        need(self.sync_interval >= 1, "sync-interval", f"must be >= 1, got {self.sync_interval}")
+        if self.vocab_size is not None and self.mask_token_id is not None:
+            need(0 <= self.mask_token_id < self.vocab_size, "mask-token-id",
+                 f"{self.mask_token_id} is outside the vocabulary (size {self.vocab_size})")
+        if self.target_model is None:
+            need(self.tiny_target is not None, "target-model",
+                 "is required (only the tiny preset builds its target from a config)",
+                 "pass --target-model /path/to/hf-model or use --preset tiny")
+        if self.data_dir is None:
+            need(self.synthetic_samples > 0, "data-dir", "is required (only the tiny preset synthesises data)",
+                 "prepare one with `python -m trainer prepare` and pass --data-dir")
+        return self
+
+    # ---- derived ------------------------------------------------------------------------------------
+    def layer_types(self) -> list[str]:
+        """Per drafter layer: the first `sliding_layers` are sliding (METHOD.md 2: Qwen3.6 is S,S,S,S,F)."""
+        return ["sliding_attention"] * self.sliding_layers + ["full_attention"] * (self.num_draft_layers - self.sliding_layers)
+
+    def anchors_per_row(self, rows: int) -> int:
+        """Static anchor slots N per row for a micro-batch of `rows` rows (padded with keep=False)."""
+        return max(1, min(self.anchors_per_seq, self.max_anchors // max(rows, 1)))
+
+
+# ---- command line -----------------------------------------------------------------------------------
+def _devices(text: str) -> list[str]:
+    """'0,1' -> ['cuda:0', 'cuda:1']; 'cpu,cpu' -> ['cpu', 'cpu']; 'cuda:2' stays."""
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        out.append(f"cuda:{part}" if part.isdigit() else part)
+    if not out:
+        raise argparse.ArgumentTypeError(f"no device in {text!r}")
+    return out
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise TrainerInputError(message, hint="see `python -m trainer train --help`")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """One flag per TrainConfig field; defaults are SUPPRESSed so presets can tell what the user set."""
+    parser = _Parser(prog="python -m trainer train", description="Train a DFlash drafter.",
+                     argument_default=argparse.SUPPRESS, allow_abbrev=False)
+    types = {"target_gpus": _devices, "drafter_gpus": _devices, "target_layer_ids": _int_list,
+             "use_soft_labels": _bool, "pipeline": _bool}
+    skip = {"tiny_target"}
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = types.get(f.name)
+        if kind is None:
+            text = str(f.type)
+            kind = float if "float" in text else int if "int" in text else str
+        if kind is _bool:
+            parser.add_argument(flag, dest=f.name, type=_bool, nargs="?", const=True)
+        else:
+            parser.add_argument(flag, dest=f.name, type=kind)
+    return parser
+
+
+def parse_train_args(argv: list[str]) -> TrainConfig:
+    """Flags -> validated TrainConfig: preset values first, then what the user gave."""
+    given = vars(build_parser().parse_args(argv))
+    values: dict[str, Any] = {}
+    preset = given.get("preset")
+    if preset is not None:
+        if preset not in PRESETS:
+            raise TrainerInputError(f"--preset: unknown preset {preset!r}", hint=f"choose one of {', '.join(PRESETS)}")
+        values.update(PRESETS[preset])
+    values.update(given)
+    if preset != "tiny":
+        values.setdefault("tiny_target", None)
+    if values.get("output_dir") is None:
+        values["output_dir"] = f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}"
+    return TrainConfig.from_dict(values).validate()

@@ -1,0 +1,221 @@
+"""Training data: datasets, token-budget batches, anchors, block targets, resumable order.
+
+Contract (METHOD.md 3):
+- An epoch's order is a pure function of (seed, epoch): samples are shuffled, sorted by length inside
+  windows (less padding), packed greedily under `--token-budget` (rows x padded length) and
+  `--max-batch-size`, and the batch order is shuffled again. A data position is (epoch, batch index), so
+  resuming replays exactly the batches an uninterrupted run would have seen.
+- Anchors are redrawn every epoch from a generator keyed by (seed, epoch, sample id) — independent of how
+  samples were packed — SORTED ascending and padded to a static N per row with keep=False (padded slots
+  repeat the last real anchor so the row stays sorted; they see nothing and weigh nothing).
+- A valid anchor p has loss_mask[p] = loss_mask[p+1] = 1. Block tokens are [x_p, MASK, ..., MASK] at
+  positions p..p+B-1; slot k's label is x_{p+k} (same-position labels); its weight is w_k =
+  exp(-(k-1)/gamma), and 0 on slot 0, past the sequence end, on unsupervised tokens and on padded anchors.
+Everything here runs on the CPU (numpy); `Batch.to(device)` moves the tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from trainer.config import TrainConfig, TrainerInputError
+from trainer.shards import Sample, ShardError, ShardedDataset
+
+_PLAN_SALT = 0x5EED_0001  # keeps the order generator distinct from the anchor generators
+_ANCHOR_SALT = 0x5EED_0002
+
+
+@dataclass
+class Batch:
+    """One micro-batch. R rows padded to S context tokens, N anchors per row, B tokens per block."""
+
+    input_ids: torch.Tensor  # int64 [R,S], padding = 0
+    loss_mask: torch.Tensor  # bool [R,S]
+    attention_mask: torch.Tensor  # int64 [R,S], 1 = real token
+    anchors: torch.Tensor  # int64 [R,N], sorted ascending per row
+    keep: torch.Tensor  # bool [R,N], False = padded anchor slot
+    block_ids: torch.Tensor  # int64 [R,N*B]: [x_p, MASK, ...] per anchor
+    labels: torch.Tensor  # int64 [R,N*B]: x_{p+k} (0 where invalid)
+    weights: torch.Tensor  # float32 [R,N*B]: w_k * valid
+    epoch: int  # data position of this micro-batch
+    index: int
+    num_ctx_tokens: int  # real (unpadded) context tokens
+    num_blocks: int  # real anchors
+    weight_sum: float  # weights.sum(), for the optimizer-step normaliser
+
+    def to(self, device: torch.device | str) -> "Batch":
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, value in moved.items():
+            if isinstance(value, torch.Tensor):
+                moved[name] = value.to(device, non_blocking=True)
+        return Batch(**moved)
+
+
+class SyntheticDataset:
+    """In-memory token data with learnable structure, for the tiny preset (same interface as ShardedDataset).
+
+    Each sample: a random prompt (loss mask 0) then an answer (mask 1) walked through a fixed sparse
+    Markov chain over a small alphabet (each token has two successors, p = 0.8 / 0.2): low entropy, so a
+    drafter's loss falls and its simulated acceptance rises within a few hundred steps.
+    """
+
+    def __init__(self, num_samples: int, vocab_size: int, max_len: int, seed: int, reserved: int) -> None:
+        rng = np.random.default_rng([seed, 0xDA7A])
+        usable = np.array([t for t in range(vocab_size) if t != reserved])
+        alphabet = usable[: min(32, len(usable))]
+        successors = rng.integers(0, len(alphabet), size=(len(alphabet), 2))
+        self.samples: list[Sample] = []
+        for _ in range(num_samples):
+            prompt_len = int(rng.integers(4, max(5, max_len // 4)))
+            length = int(rng.integers(max(prompt_len + 4, max_len // 2), max_len + 1))
+            prompt = rng.choice(usable, size=prompt_len)
+            state = int(rng.integers(len(alphabet)))
+            answer = []
+            for _ in range(length - prompt_len):
+                answer.append(alphabet[state])
+                state = int(successors[state, 0 if rng.random() < 0.8 else 1])
+            ids = np.concatenate([prompt, np.array(answer)]).astype(np.int32)
+            mask = np.concatenate([np.zeros(prompt_len), np.ones(length - prompt_len)]).astype(np.uint8)
+            self.samples.append(Sample(ids, mask))
+        self.lengths = np.array([len(s.input_ids) for s in self.samples], dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> Sample:
+        return self.samples[index]
+
+
+def open_dataset(cfg: TrainConfig) -> ShardedDataset | SyntheticDataset:
+    """The run's dataset; bad or missing data is a TrainerInputError (nothing has been written yet)."""
+    if cfg.data_dir is None:
+        assert cfg.vocab_size is not None and cfg.mask_token_id is not None
+        return SyntheticDataset(cfg.synthetic_samples, cfg.vocab_size, cfg.max_seq_len, cfg.seed, cfg.mask_token_id)
+    try:
+        dataset = ShardedDataset(cfg.data_dir)
+    except ShardError as exc:
+        raise TrainerInputError(f"--data-dir: {exc}", hint="prepare data with `python -m trainer prepare`") from None
+    meta_vocab = dataset.meta.vocab_size
+    if cfg.vocab_size is not None and meta_vocab and meta_vocab > cfg.vocab_size:
+        raise TrainerInputError(
+            f"--data-dir: tokens come from a vocabulary of {meta_vocab} but the target has {cfg.vocab_size}",
+            hint="prepare the data with the target's own tokenizer")
+    return dataset
+
+
+def padded_length(length: int, max_seq_len: int) -> int:
+    """Bucketed context length S: a multiple of 128 (flex_attention's tile) capped at max_seq_len, so
+    the number of distinct shapes (and compiles) stays small."""
+    bucket = min(128, max_seq_len)
+    return min(int(math.ceil(length / bucket)) * bucket, max_seq_len)
+
+
+def plan_epoch(lengths: np.ndarray, epoch: int, cfg: TrainConfig) -> list[np.ndarray]:
+    """The micro-batches of one epoch as arrays of sample ids; a pure function of (lengths, seed, epoch)."""
+    rng = np.random.default_rng([cfg.seed, epoch, _PLAN_SALT])
+    clipped = np.minimum(lengths, cfg.max_seq_len)
+    order = rng.permutation(len(lengths))
+    order = order[clipped[order] >= 2]  # a sample shorter than 2 tokens has no anchor
+    window = cfg.max_batch_size * 32
+    batches: list[np.ndarray] = []
+    for start in range(0, len(order), window):
+        chunk = order[start : start + window]
+        chunk = chunk[np.argsort(clipped[chunk], kind="stable")]
+        current: list[int] = []
+        longest = 0
+        for sample in chunk.tolist():
+            new_longest = max(longest, int(clipped[sample]))
+            fits = len(current) < cfg.max_batch_size and (len(current) + 1) * padded_length(new_longest, cfg.max_seq_len) <= cfg.token_budget
+            if current and not fits:
+                batches.append(np.array(current, dtype=np.int64))
+                current, new_longest = [], int(clipped[sample])
+            current.append(sample)
+            longest = new_longest
+        if current:
+            batches.append(np.array(current, dtype=np.int64))
+    return [batches[i] for i in rng.permutation(len(batches))]
+
+
+def sample_anchors(loss_mask: np.ndarray, count: int, rng: np.random.Generator) -> np.ndarray:
+    """Up to `count` distinct valid anchors (mask[p] and mask[p+1]), sorted ascending."""
+    valid = np.flatnonzero((loss_mask[:-1] > 0) & (loss_mask[1:] > 0))
+    if len(valid) > count:
+        valid = rng.choice(valid, size=count, replace=False)
+    return np.sort(valid)
+
+
+def collate(dataset: ShardedDataset | SyntheticDataset, sample_ids: np.ndarray, epoch: int, index: int,
+            cfg: TrainConfig, slot_weights: np.ndarray) -> Batch:
+    """Pad samples into a Batch and build its anchors, block ids, labels and weights (see module doc)."""
+    assert cfg.mask_token_id is not None and cfg.vocab_size is not None
+    samples = [dataset[int(i)] for i in sample_ids]
+    lengths = [min(len(s.input_ids), cfg.max_seq_len) for s in samples]
+    rows, seq = len(samples), padded_length(max(lengths), cfg.max_seq_len)
+    n_anchors, block = cfg.anchors_per_row(rows), cfg.block_size
+    ids = np.zeros((rows, seq), np.int64)
+    mask = np.zeros((rows, seq), np.bool_)
+    attention = np.zeros((rows, seq), np.int64)
+    anchors = np.zeros((rows, n_anchors), np.int64)
+    keep = np.zeros((rows, n_anchors), np.bool_)
+    for r, (sample, length) in enumerate(zip(samples, lengths)):
+        ids[r, :length] = sample.input_ids[:length]
+        mask[r, :length] = sample.loss_mask[:length] > 0
+        attention[r, :length] = 1
+        rng = np.random.default_rng([cfg.seed, epoch, int(sample_ids[r]), _ANCHOR_SALT])
+        chosen = sample_anchors(mask[r, :length], n_anchors, rng)
+        anchors[r, : len(chosen)] = chosen
+        anchors[r, len(chosen) :] = chosen[-1] if len(chosen) else 0
+        keep[r, : len(chosen)] = True
+    if ids.max(initial=0) >= cfg.vocab_size or ids.min(initial=0) < 0:
+        bad = int(sample_ids[int(np.argmax((ids >= cfg.vocab_size).any(1) | (ids < 0).any(1)))])
+        raise TrainerInputError(f"sample {bad} holds token ids outside the vocabulary (size {cfg.vocab_size})",
+                                hint="prepare the data with the target's own tokenizer")
+    # Block token (r, n, k) sits at position anchors[r,n] + k.
+    positions = anchors[:, :, None] + np.arange(block)[None, None, :]  # [R,N,B]
+    inside = positions < np.array(lengths)[:, None, None]
+    safe = np.minimum(positions, seq - 1)
+    row = np.arange(rows)[:, None, None]
+    labels = np.where(inside, ids[row, safe], 0)
+    valid = inside & mask[row, safe] & keep[:, :, None]
+    valid[:, :, 0] = False  # slot 0 is the anchor itself: never trained
+    weights = (valid * slot_weights[None, None, :]).astype(np.float32)
+    block_ids = np.full((rows, n_anchors, block), cfg.mask_token_id, np.int64)
+    block_ids[:, :, 0] = ids[np.arange(rows)[:, None], anchors]
+    return Batch(
+        input_ids=torch.from_numpy(ids), loss_mask=torch.from_numpy(mask), attention_mask=torch.from_numpy(attention),
+        anchors=torch.from_numpy(anchors), keep=torch.from_numpy(keep),
+        block_ids=torch.from_numpy(block_ids.reshape(rows, -1)), labels=torch.from_numpy(labels.reshape(rows, -1)),
+        weights=torch.from_numpy(weights.reshape(rows, -1)), epoch=epoch, index=index,
+        num_ctx_tokens=int(sum(lengths)), num_blocks=int(keep.sum()), weight_sum=float(weights.sum(dtype=np.float64)),
+    )
+
+
+class BatchStream:
+    """Micro-batches in training order across epochs, starting at a data position (epoch, index)."""
+
+    def __init__(self, dataset: ShardedDataset | SyntheticDataset, cfg: TrainConfig, slot_weights: np.ndarray) -> None:
+        self.dataset, self.cfg, self.slot_weights = dataset, cfg, slot_weights
+        self._plans: dict[int, list[np.ndarray]] = {}
+
+    def plan(self, epoch: int) -> list[np.ndarray]:
+        if epoch not in self._plans:
+            self._plans = {epoch: plan_epoch(self.dataset.lengths, epoch, self.cfg)}  # keep one epoch's plan
+        return self._plans[epoch]
+
+    def total_micro_batches(self) -> int:
+        """Micro-batches over all epochs (plans every epoch once: O(samples) per epoch, lengths only)."""
+        return sum(len(plan_epoch(self.dataset.lengths, e, self.cfg)) for e in range(self.cfg.epochs))
+
+    def iterate(self, epoch: int, index: int) -> Iterator[Batch]:
+        """Yield batches from position (epoch, index) to the end of the last epoch."""
+        while epoch < self.cfg.epochs:
+            plan = self.plan(epoch)
+            while index < len(plan):
+                yield collate(self.dataset, plan[index], epoch, index, self.cfg, self.slot_weights)
+                index += 1
+            epoch, index = epoch + 1, 0

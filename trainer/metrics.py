@@ -1,0 +1,144 @@
+"""Run-directory records (DESIGN.md contract): metrics.jsonl, status.json, the stdout progress line, wandb.
+
+- `metrics.jsonl`: one JSON object per log step (step, epoch, loss terms, per-slot accuracy, tau_sim, lr,
+  grad_norm, block_tok_s, ctx_tok_s, gpu memory, eta_s, time), appended and flushed line by line.
+- `status.json`: rewritten atomically (temp file + rename) on every phase change, every log step and by a
+  heartbeat thread every `heartbeat_s` seconds, so a long compile or checkpoint still shows a live
+  heartbeat. Fields: phase (warmup | compiling | training | saving | stopped | done | failed), step,
+  total_steps, heartbeat (unix seconds), heartbeat_iso, started_at, pid, last_checkpoint, error, exit_code.
+  `stopped` = ended by a signal after a checkpoint (resumable).
+- wandb is imported only when enabled; offline unless WANDB_API_KEY is set; any failure there is a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+PHASES = ("warmup", "compiling", "training", "saving", "stopped", "done", "failed")
+
+
+def _atomic_write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def format_eta(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class RunRecorder:
+    """Writes the trainer's side of the run directory. Thread-safe; `close()` stops the heartbeat."""
+
+    def __init__(self, run_dir: Path, total_steps: int, heartbeat_s: float = 15.0) -> None:
+        self.run_dir = Path(run_dir)
+        self.total_steps = total_steps
+        self._lock = threading.Lock()
+        self._status: dict[str, Any] = {"phase": "warmup", "step": 0, "total_steps": total_steps,
+                                        "started_at": time.time(), "pid": os.getpid(), "last_checkpoint": None,
+                                        "error": None, "exit_code": None}
+        self._stop = threading.Event()
+        self._metrics = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        self._wandb: Any = None
+        self.set_status(phase="warmup")
+        self._thread = threading.Thread(target=self._beat, args=(heartbeat_s,), name="status-heartbeat", daemon=True)
+        self._thread.start()
+
+    # ---- status.json ----------------------------------------------------------------------------------
+    def set_status(self, **fields: Any) -> None:
+        assert fields.get("phase", "warmup") in PHASES, fields.get("phase")
+        with self._lock:
+            self._status.update(fields)
+            self._write_status()
+
+    def _write_status(self) -> None:
+        now = time.time()
+        self._status["heartbeat"] = now
+        self._status["heartbeat_iso"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))
+        _atomic_write_json(self.run_dir / "status.json", self._status)
+
+    def _beat(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            with self._lock:
+                self._write_status()
+
+    # ---- metrics --------------------------------------------------------------------------------------
+    def log(self, record: dict[str, Any]) -> None:
+        """Append one metrics line, print the progress line, forward to wandb, refresh status."""
+        line = json.dumps(record, sort_keys=True, allow_nan=True)
+        self._metrics.write(line + "\n")
+        self._metrics.flush()
+        print(progress_line(record, self.total_steps), flush=True)
+        if self._wandb is not None:
+            try:
+                self._wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record["step"])
+            except Exception as exc:  # noqa: BLE001 - wandb must never stop training
+                print(f"warning: wandb.log failed ({exc}); disabling wandb", file=sys.stderr)
+                self._wandb = None
+        self.set_status(step=record["step"])
+
+    def open_wandb(self, mode: str, project: str, run_name: str | None, config: dict[str, Any]) -> None:
+        """mode auto|on|off. Offline unless WANDB_API_KEY is set. Never fatal."""
+        if mode == "off":
+            return
+        try:
+            import wandb  # lazy: a heavy import, and optional
+        except ImportError:
+            if mode == "on":
+                print("warning: --wandb on but wandb is not installed; continuing without it", file=sys.stderr)
+            return
+        try:
+            self._wandb = wandb.init(project=project, name=run_name, dir=str(self.run_dir), config=config,
+                                     mode="online" if os.environ.get("WANDB_API_KEY") else "offline")
+        except Exception as exc:  # noqa: BLE001
+            print(f"warning: wandb.init failed ({exc}); continuing without it", file=sys.stderr)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._metrics.close()
+        if self._wandb is not None:
+            try:
+                self._wandb.finish()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def truncate_metrics(run_dir: Path, after_step: int) -> int:
+    """On resume: drop metrics lines of steps > after_step (they are about to be redone); return how many."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            dropped += 1  # a torn last line from a hard kill
+            continue
+        if step <= after_step:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(".metrics.jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        os.replace(tmp, path)
+    return dropped
+
+
+def progress_line(record: dict[str, Any], total_steps: int) -> str:
+    """One human line per log step: step, epoch, loss, tau_sim, lr, block tok/s, ETA."""
+    return (f"step {record['step']}/{total_steps} | epoch {record['epoch']} | loss {record['loss']:.4f} | "
+            f"tau_sim {record['tau_sim']:.3f} | lr {record['lr']:.2e} | grad_norm {record['grad_norm']:.3f} | "
+            f"block tok/s {record['block_tok_s']:,.0f} | eta {format_eta(record['eta_s'])}")
