@@ -1,0 +1,87 @@
+"""Replica sync on CPU: gradient reduction, weight averaging, replica identity, bad modes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from trainer.pipeline.sync import ReplicaSync, average_parameters, max_replica_difference, reduce_gradients
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _replicas(n: int) -> list[nn.Module]:
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    out = [copy.deepcopy(base) for _ in range(n)]
+    for i, r in enumerate(out[1:], start=1):  # make the others differ so broadcast is observable
+        with torch.no_grad():
+            for p in r.parameters():
+                p.add_(0.1 * i)
+    return out
+
+
+def test_grad_sync_sums_and_gives_every_replica_identical_bits() -> None:
+    replicas = _replicas(3)
+    ReplicaSync(replicas, "grad")  # broadcasts replica 0
+    assert max_replica_difference(replicas) == 0.0
+    inputs = [torch.randn(4, 6, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    for r, x in zip(replicas, inputs):
+        r(x).pow(2).sum().backward()
+    expected = [sum(r_p.grad.clone() for r_p in ps) for ps in zip(*(list(r.parameters()) for r in replicas))]
+    reduce_gradients(replicas, "sum")
+    for ps, want in zip(zip(*(list(r.parameters()) for r in replicas)), expected):
+        torch.testing.assert_close(ps[0].grad, want)
+        assert all(torch.equal(ps[0].grad, p.grad) for p in ps[1:])
+
+
+def test_mean_reduction_and_missing_grads_count_as_zero() -> None:
+    replicas = _replicas(2)
+    ReplicaSync(replicas, "grad")
+    replicas[0](torch.ones(1, 6)).sum().backward()  # replica 1 has no grads at all
+    want = [p.grad.clone() / 2 for p in replicas[0].parameters()]
+    reduce_gradients(replicas, "mean")
+    for p0, p1, w in zip(replicas[0].parameters(), replicas[1].parameters(), want):
+        torch.testing.assert_close(p0.grad, w)
+        assert torch.equal(p0.grad, p1.grad)
+
+
+def test_average_mode_averages_every_interval_and_before_checkpoint() -> None:
+    replicas = _replicas(2)
+    sync = ReplicaSync(replicas, "average", interval=2)
+    with torch.no_grad():
+        for p in replicas[1].parameters():
+            p.add_(1.0)
+    mean = [(a.detach() + b.detach()) / 2 for a, b in zip(replicas[0].parameters(), replicas[1].parameters())]
+    sync.after_step(1)
+    assert max_replica_difference(replicas) > 0.5  # not on step 1
+    sync.after_step(2)
+    assert max_replica_difference(replicas) == 0.0
+    for p, m in zip(replicas[0].parameters(), mean):
+        torch.testing.assert_close(p.detach(), m)
+    with torch.no_grad():
+        next(replicas[1].parameters()).add_(2.0)
+    sync.before_checkpoint()
+    assert max_replica_difference(replicas) == 0.0
+
+
+def test_average_parameters_is_plain_mean() -> None:
+    replicas = _replicas(3)
+    want = [sum(ps) / 3 for ps in zip(*(list(p.detach().clone() for p in r.parameters()) for r in replicas))]
+    average_parameters(replicas)
+    for p, w in zip(replicas[2].parameters(), want):
+        torch.testing.assert_close(p.detach(), w)
+
+
+def test_bad_sync_settings_are_clear_errors() -> None:
+    with pytest.raises(ValueError, match="--sync must be one of"):
+        ReplicaSync(_replicas(2), "allreduce")
+    with pytest.raises(ValueError, match="--sync-interval must be >= 1"):
+        ReplicaSync(_replicas(2), "average", interval=0)
+    with pytest.raises(ValueError, match="--sync none needs exactly one"):
+        ReplicaSync(_replicas(2), "none")
+    with pytest.raises(ValueError, match="different parameter layout"):
+        reduce_gradients([nn.Linear(2, 2), nn.Linear(3, 2)])
