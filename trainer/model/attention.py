@@ -1,0 +1,227 @@
+"""Attention masks for DFlash training (METHOD.md section 5) and the two attention back-ends.
+
+Layout of one batch row: queries are the N blocks' tokens (Q_LEN = N*B, block n at query rows n*B..n*B+B-1);
+keys/values are ``[S context positions | N*B block tokens]`` (KV_LEN = S + N*B). The visibility predicate,
+written once in :func:`visible` and used verbatim by both back-ends:
+
+    blk    = min(q // B, N-1)                 # clamp: flex also evaluates padding tiles past Q_LEN
+    off    = q % B                            # the query's slot inside its block
+    ctx_ok = kv < S and kv < anchor[blk]      # strictly before the anchor: `<=` trains a drafter that accepts nothing
+             [and kv >= anchor[blk] + off - (W-1)]          # sliding layers
+             [and doc[kv] == doc[anchor[blk]]]              # packed rows
+    blk_ok = kv >= S and (kv-S)//B == blk     # a block sees only itself ...
+             [and (kv-S) % B <= off]                        # ... causally, where configured
+    visible = (ctx_ok or blk_ok) and keep[blk]              # padded blocks see nothing
+
+Back-ends:
+- "dense" (CPU, tests, tiny preset): the predicate materialised as a boolean [R,1,Q,K] mask for SDPA. SDPA
+  returns NaN on a fully masked row (softmax over nothing) and the NaN also poisons the backward, so such rows
+  are given an all-True mask (finite, ignored) and their output is multiplied by zero afterwards.
+- "flex" (CUDA): a BlockMask per batch and per layer type, consumed by flex_attention. Both create_block_mask
+  and flex_attention are torch.compile'd once per device (a dict keyed by device, never one process-wide
+  object shared across devices). torch.compile is not thread safe (METHOD.md 6): warm every device x shape x
+  mask variant up sequentially before worker threads start. flex_attention has no CPU backward, so this path
+  refuses CPU tensors.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Literal
+
+import torch
+import torch.nn.functional as F
+
+try:  # flex_attention exists in every torch this project supports; guard anyway so CPU imports never fail.
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+    HAVE_FLEX = True
+except ImportError:  # pragma: no cover - depends on the torch build
+    BlockMask = Any  # type: ignore[misc,assignment]
+    HAVE_FLEX = False
+
+Backend = Literal["dense", "flex"]
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+LAYER_TYPES = (FULL, SLIDING)
+
+
+def visible(q: Any, kv: Any, *, anchors_row: Any, keep_row: Any, ctx_len: int, block_size: int, num_blocks: int,
+            window: int | None, causal: bool, doc_row: Any = None) -> Any:
+    """The mask predicate of METHOD.md 5 for one batch row; works on python ints and on broadcastable tensors.
+
+    anchors_row/keep_row/doc_row are indexable by block id (anchors, keep) and by position (doc ids).
+    With tensors, `q` and `kv` may be index tensors (flex mask_mod, dense construction); with ints it is the
+    brute-force reference used by the tests.
+    """
+    as_tensor = isinstance(q, torch.Tensor) or isinstance(kv, torch.Tensor)
+    blk = torch.clamp(q // block_size, max=num_blocks - 1) if as_tensor else min(q // block_size, num_blocks - 1)
+    off = q % block_size
+    anchor = anchors_row[blk]
+    ctx_ok = (kv < ctx_len) & (kv < anchor)
+    if window is not None:
+        ctx_ok = ctx_ok & (kv >= anchor + off - (window - 1))
+    if doc_row is not None:
+        # Clamp the lookups: kv >= S (block keys) and padded anchors index outside the doc row.
+        kv_pos = torch.clamp(kv, max=ctx_len - 1) if as_tensor else min(kv, ctx_len - 1)
+        anchor_pos = torch.clamp(anchor, 0, ctx_len - 1) if as_tensor else max(0, min(anchor, ctx_len - 1))
+        ctx_ok = ctx_ok & (doc_row[kv_pos] == doc_row[anchor_pos])
+    kv_blk = kv - ctx_len
+    blk_ok = (kv >= ctx_len) & (kv_blk // block_size == blk)
+    if causal:
+        blk_ok = blk_ok & (kv_blk % block_size <= off)
+    return (ctx_ok | blk_ok) & keep_row[blk]
+
+
+@dataclass
+class DraftMask:
+    """The attention mask of one batch, one entry per layer type present in the drafter.
+
+    dense[type] = (sdpa_mask [R,1,Q,K] bool, row_visible [R,1,Q,1] bool); flex[type] = BlockMask.
+    """
+
+    backend: Backend
+    ctx_len: int
+    block_size: int
+    num_blocks: int
+    dense: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    flex: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def q_len(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def kv_len(self) -> int:
+        return self.ctx_len + self.num_blocks * self.block_size
+
+
+def _check_inputs(anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, block_size: int,
+                  sliding_window: int | None, doc_ids: torch.Tensor | None) -> None:
+    if anchors.dim() != 2 or anchors.dtype != torch.int64:
+        raise ValueError(f"anchors must be an int64 tensor [rows, blocks], got {anchors.dtype} {tuple(anchors.shape)}")
+    if keep.shape != anchors.shape or keep.dtype != torch.bool:
+        raise ValueError(f"keep must be a bool tensor shaped like anchors {tuple(anchors.shape)}, "
+                         f"got {keep.dtype} {tuple(keep.shape)}")
+    if anchors.shape[1] < 1:
+        raise ValueError("anchors must hold at least one block per row (pad with keep=False)")
+    if block_size < 2:
+        raise ValueError(f"block_size must be >= 2, got {block_size}")
+    if ctx_len < 1:
+        raise ValueError(f"ctx_len must be >= 1, got {ctx_len}")
+    if sliding_window is not None and sliding_window < block_size:
+        raise ValueError(f"sliding_window ({sliding_window}) must be >= block_size ({block_size})")
+    if doc_ids is not None and (doc_ids.shape != (anchors.shape[0], ctx_len)):
+        raise ValueError(f"doc_ids must be [rows, ctx_len] = {(anchors.shape[0], ctx_len)}, got {tuple(doc_ids.shape)}")
+
+
+def dense_mask(anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, block_size: int, *,
+               window: int | None, causal: bool, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The predicate materialised: bool [R, N*B, S+N*B] (True = may attend). Memory R*Q*K bytes."""
+    rows, num_blocks = anchors.shape
+    q_len, device = num_blocks * block_size, anchors.device
+    q = torch.arange(q_len, device=device)[:, None]                     # [Q,1]
+    kv = torch.arange(ctx_len + q_len, device=device)[None, :]          # [1,K]
+    out = []
+    for r in range(rows):  # R is small (a handful of rows per batch); a python loop keeps the predicate single-sourced
+        out.append(visible(q, kv, anchors_row=anchors[r], keep_row=keep[r], ctx_len=ctx_len, block_size=block_size,
+                           num_blocks=num_blocks, window=window, causal=causal,
+                           doc_row=None if doc_ids is None else doc_ids[r]))
+    return torch.stack(out)                                             # [R,Q,K]
+
+
+_COMPILED_LOCK = threading.Lock()
+_COMPILED_FLEX: dict[torch.device, Callable[..., torch.Tensor]] = {}
+_COMPILED_BLOCK_MASK: dict[torch.device, Callable[..., Any]] = {}
+
+
+def _per_device(cache: dict[torch.device, Callable[..., Any]], device: torch.device,
+                fn: Callable[..., Any]) -> Callable[..., Any]:
+    """torch.compile(fn) once per device. The lock only guards the dict; compiling still happens lazily at the
+    first call, so callers must warm up sequentially before starting threads (METHOD.md 6)."""
+    with _COMPILED_LOCK:
+        if device not in cache:
+            cache[device] = torch.compile(fn, dynamic=False)
+        return cache[device]
+
+
+def compiled_flex_attention(device: torch.device) -> Callable[..., torch.Tensor]:
+    """flex_attention compiled for `device` (uncompiled flex silently materialises the full score matrix)."""
+    return _per_device(_COMPILED_FLEX, torch.device(device), flex_attention)
+
+
+def _flex_block_mask(anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, block_size: int, *,
+                     window: int | None, causal: bool, doc_ids: torch.Tensor | None, compile_mask: bool) -> Any:
+    rows, num_blocks = anchors.shape
+    q_len = num_blocks * block_size
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        return visible(q_idx, kv_idx, anchors_row=anchors[b], keep_row=keep[b], ctx_len=ctx_len,
+                       block_size=block_size, num_blocks=num_blocks, window=window, causal=causal,
+                       doc_row=None if doc_ids is None else doc_ids[b])
+
+    # Uncompiled create_block_mask materialises the [R,Q,K] mask (1.3 GB at S=8192, Q=32768); compiled it works
+    # tile by tile. Each new (R, N, S) shape recompiles: keep shapes bucketed.
+    make = _per_device(_COMPILED_BLOCK_MASK, anchors.device, create_block_mask) if compile_mask else create_block_mask
+    return make(mask_mod, rows, None, q_len, ctx_len + q_len, device=anchors.device)
+
+
+def build_draft_mask(anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, block_size: int, *,
+                     sliding_window: int | None = None, causal_full: bool = False, causal_sliding: bool = True,
+                     backend: Backend = "dense", doc_ids: torch.Tensor | None = None,
+                     layer_types: Iterable[str] | None = None, compile_mask: bool = True) -> DraftMask:
+    """Build the per-layer-type masks of one batch.
+
+    anchors [R,N] int64 (sorted ascending per row for speed; any order is correct), keep [R,N] bool (False =
+    padded block), ctx_len = S, doc_ids [R,S] optional (packed rows). layer_types selects which masks to build
+    (default: full, plus sliding when sliding_window is set). Raises ValueError on malformed input.
+    """
+    _check_inputs(anchors, keep, ctx_len, block_size, sliding_window, doc_ids)
+    wanted = list(layer_types) if layer_types is not None else [FULL] + ([SLIDING] if sliding_window else [])
+    for lt in wanted:
+        if lt not in LAYER_TYPES:
+            raise ValueError(f"unknown layer type {lt!r}; expected one of {LAYER_TYPES}")
+        if lt == SLIDING and sliding_window is None:
+            raise ValueError("a sliding_attention layer needs sliding_window to be set")
+    if backend == "flex":
+        if not HAVE_FLEX:
+            raise RuntimeError("this torch build has no flex_attention; use backend='dense'")
+        if anchors.device.type != "cuda":
+            raise ValueError("backend='flex' needs CUDA tensors (flex_attention has no CPU backward); use 'dense'")
+    elif backend != "dense":
+        raise ValueError(f"unknown attention backend {backend!r}; expected 'dense' or 'flex'")
+
+    mask = DraftMask(backend=backend, ctx_len=ctx_len, block_size=block_size, num_blocks=anchors.shape[1])
+    for lt in dict.fromkeys(wanted):
+        window = sliding_window if lt == SLIDING else None
+        causal = causal_sliding if lt == SLIDING else causal_full
+        if backend == "flex":
+            mask.flex[lt] = _flex_block_mask(anchors, keep, ctx_len, block_size, window=window, causal=causal,
+                                             doc_ids=doc_ids, compile_mask=compile_mask)
+        else:
+            allowed = dense_mask(anchors, keep, ctx_len, block_size, window=window, causal=causal, doc_ids=doc_ids)
+            row_visible = allowed.any(dim=-1, keepdim=True)                  # [R,Q,1]
+            sdpa_mask = allowed | ~row_visible                               # fully masked rows: attend anywhere
+            mask.dense[lt] = (sdpa_mask.unsqueeze(1), row_visible.unsqueeze(1))
+    return mask
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DraftMask, layer_type: str) -> torch.Tensor:
+    """Masked attention. q [R,Hq,Q,D], k/v [R,Hkv,K,D] (Hq a multiple of Hkv) -> [R,Hq,Q,D].
+
+    Rows that may see nothing (padded blocks) return exactly 0 on both back-ends, with zero gradient.
+    """
+    if q.shape[2] != mask.q_len or k.shape[2] != mask.kv_len:
+        raise ValueError(f"attention shapes Q={q.shape[2]}, K={k.shape[2]} do not match the mask "
+                         f"(Q={mask.q_len}, K={mask.kv_len})")
+    gqa = q.shape[1] != k.shape[1]
+    if mask.backend == "flex":
+        if layer_type not in mask.flex:
+            raise KeyError(f"mask has no {layer_type!r} entry (built for {sorted(mask.flex)})")
+        return compiled_flex_attention(q.device)(q, k, v, block_mask=mask.flex[layer_type], enable_gqa=gqa)
+    if layer_type not in mask.dense:
+        raise KeyError(f"mask has no {layer_type!r} entry (built for {sorted(mask.dense)})")
+    sdpa_mask, row_visible = mask.dense[layer_type]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask, enable_gqa=gqa)
+    return out * row_visible.to(out.dtype)  # zero (not NaN) for rows that see nothing; their gradient is 0 too

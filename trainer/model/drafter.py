@@ -1,0 +1,395 @@
+"""The DFlash drafter (METHOD.md section 2), in one readable file.
+
+    taps [R,S,T*H] --fc--> [R,S,H] --hidden_norm--> ctx [R,S,H]             (computed once, shared by all layers)
+    block_embeds [R,N*B,H] = embed([x_anchor, MASK, ..., MASK] per block)   (frozen target embedding, outside)
+    for each layer:  x = x + attn(input_layernorm(x), ctx)                    queries: block tokens only
+                     x = x + mlp(post_attention_layernorm(x))                 the context is never updated
+    hidden = norm(x) [R,N*B,H]  -> the frozen target LM head (the loss, outside)
+
+KV injection: every layer's keys/values are [k_proj(ctx) ; k_proj(block)] (context first), k_norm applied to
+both, RoPE at absolute positions (context at 0..S-1, block n's token j at anchors[n]+j). The attention mask
+(which context each block sees, in-block causality, sliding windows) lives in attention.py.
+
+State-dict names are exactly the public DFlash checkpoint names (no embedding, no lm_head, no buffers):
+`layers.{i}.self_attn.{q,k,v,o}_proj.weight`, `layers.{i}.self_attn.{q,k}_norm.weight`,
+`layers.{i}.mlp.{gate,up,down}_proj.weight`, `layers.{i}.{input,post_attention}_layernorm.weight`,
+`norm.weight`, `fc.weight`, `hidden_norm.weight`: 11 per layer + 3.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.model.attention import FULL, LAYER_TYPES, SLIDING, Backend, DraftMask, attend, build_draft_mask
+from trainer.model.target import default_target_layer_ids
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+def _default_causal_in_block() -> dict[str, bool]:
+    # The public reference: full layers bidirectional inside the block, sliding layers causal (METHOD.md 2).
+    return {FULL: False, SLIDING: True}
+
+
+@dataclass
+class DrafterConfig:
+    """Shape and DFlash settings of a drafter; `validate()` runs on construction and raises ValueError."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    block_size: int
+    target_layer_ids: list[int]
+    num_target_layers: int
+    mask_token_id: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    layer_types: list[str] = field(default_factory=list)   # empty -> all "full_attention"
+    sliding_window: int | None = None
+    causal_in_block: dict[str, bool] = field(default_factory=_default_causal_in_block)
+    max_position_embeddings: int = 40960
+    initializer_range: float = 0.02
+
+    def __post_init__(self) -> None:
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        if not self.layer_types:
+            self.layer_types = [FULL] * self.num_hidden_layers
+        self.causal_in_block = {**_default_causal_in_block(), **self.causal_in_block}
+        self.validate()
+
+    def validate(self) -> None:
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "vocab_size", "num_target_layers"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"drafter {name} must be >= 1, got {getattr(self, name)}")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (an anchor plus at least one MASK slot), got {self.block_size}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                             f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary (0..{self.vocab_size - 1}); "
+                             f"use a reserved id that exists in the target's embedding (never resize it)")
+        ids = self.target_layer_ids
+        if not ids or sorted(set(ids)) != ids:
+            raise ValueError(f"target_layer_ids must be a non-empty strictly increasing list, got {ids}")
+        if ids[0] < 0 or ids[-1] >= self.num_target_layers:
+            raise ValueError(f"target_layer_ids {ids} do not fit a {self.num_target_layers}-layer target")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+        for lt in self.layer_types:
+            if lt not in LAYER_TYPES:
+                raise ValueError(f"unknown layer type {lt!r}; expected one of {LAYER_TYPES}")
+        if SLIDING in self.layer_types and (self.sliding_window is None or self.sliding_window < self.block_size):
+            raise ValueError(f"sliding layers need sliding_window >= block_size ({self.block_size}), "
+                             f"got {self.sliding_window}")
+        unknown = set(self.causal_in_block) - set(LAYER_TYPES)
+        if unknown:
+            raise ValueError(f"causal_in_block has unknown layer types {sorted(unknown)}")
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    def check_target(self, *, num_target_layers: int, hidden_size: int, vocab_size: int) -> None:
+        """Raise ValueError unless this drafter fits a target of the given shape."""
+        if hidden_size != self.hidden_size:
+            raise ValueError(f"drafter hidden_size {self.hidden_size} != target hidden size {hidden_size}: "
+                             f"the drafter shares the target's embedding and LM head")
+        if self.target_layer_ids[-1] >= num_target_layers:
+            raise ValueError(f"target has {num_target_layers} layers but the drafter taps {self.target_layer_ids}")
+        if num_target_layers != self.num_target_layers:
+            raise ValueError(f"drafter was configured for a {self.num_target_layers}-layer target, "
+                             f"this target has {num_target_layers}")
+        if vocab_size != self.vocab_size or not 0 <= self.mask_token_id < vocab_size:
+            raise ValueError(f"drafter vocab_size {self.vocab_size} / mask_token_id {self.mask_token_id} do not fit "
+                             f"the target's {vocab_size}-row embedding")
+
+    @classmethod
+    def for_target(cls, target: Any, *, num_hidden_layers: int, block_size: int, mask_token_id: int,
+                   target_layer_ids: list[int] | None = None, layer_types: list[str] | None = None,
+                   sliding_window: int | None = None, causal_in_block: dict[str, bool] | None = None) -> "DrafterConfig":
+        """A drafter shaped like the target (as the published drafters are). `target` is a TargetModel or an HF
+        config. Taps default to `default_target_layer_ids(L, num_hidden_layers)`."""
+        hf = getattr(target, "hf_config", target)
+        hf = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+        heads = hf.num_attention_heads
+        rope = getattr(hf, "rope_parameters", None) or {}
+        num_target_layers = getattr(target, "num_layers", hf.num_hidden_layers)
+        config = cls(
+            hidden_size=hf.hidden_size, intermediate_size=hf.intermediate_size, num_hidden_layers=num_hidden_layers,
+            num_attention_heads=heads, num_key_value_heads=getattr(hf, "num_key_value_heads", None) or heads,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+            vocab_size=getattr(target, "vocab_size", hf.vocab_size), block_size=block_size,
+            target_layer_ids=target_layer_ids or default_target_layer_ids(num_target_layers, num_hidden_layers),
+            num_target_layers=num_target_layers, mask_token_id=mask_token_id,
+            rms_norm_eps=getattr(hf, "rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta", getattr(hf, "rope_theta", 1_000_000.0))),
+            layer_types=list(layer_types or []), sliding_window=sliding_window,
+            causal_in_block=dict(causal_in_block or {}),
+            max_position_embeddings=getattr(hf, "max_position_embeddings", 40960))
+        config.check_target(num_target_layers=num_target_layers, hidden_size=hf.hidden_size,
+                            vocab_size=config.vocab_size)
+        return config
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The public config.json: a Qwen3 config plus the DFlash fields the public loaders read."""
+        return {
+            "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers, "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+            "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
+            "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "vocab_size": self.vocab_size, "max_position_embeddings": self.max_position_embeddings,
+            "initializer_range": self.initializer_range, "tie_word_embeddings": False,
+            "layer_types": list(self.layer_types), "sliding_window": self.sliding_window,
+            "use_sliding_window": SLIDING in self.layer_types,
+            "block_size": self.block_size, "num_target_layers": self.num_target_layers,
+            "dflash_config": {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id,
+                              "block_size": self.block_size, "causal_in_block": dict(self.causal_in_block)},
+        }
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "DrafterConfig":
+        """Inverse of to_hf_dict; also reads public DFlash configs (rope_theta at top level or in rope_parameters,
+        target_layer_ids derived from num_target_layers when absent). Unrelated HF keys are ignored."""
+        dflash = d.get("dflash_config") or {}
+        try:
+            num_layers, num_target_layers = int(d["num_hidden_layers"]), int(d["num_target_layers"])
+            heads = int(d["num_attention_heads"])
+            block_size = int(d.get("block_size", dflash.get("block_size")))
+            mask_token_id = int(dflash.get("mask_token_id", d.get("mask_token_id")))
+            rope = d.get("rope_parameters") or {}
+            return cls(
+                hidden_size=int(d["hidden_size"]), intermediate_size=int(d["intermediate_size"]),
+                num_hidden_layers=num_layers, num_attention_heads=heads,
+                num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+                head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
+                vocab_size=int(d["vocab_size"]), block_size=block_size,
+                target_layer_ids=list(dflash.get("target_layer_ids")
+                                      or default_target_layer_ids(num_target_layers, num_layers)),
+                num_target_layers=num_target_layers, mask_token_id=mask_token_id,
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(d.get("rope_theta") or rope.get("rope_theta", 1_000_000.0)),
+                layer_types=list(d.get("layer_types") or []), sliding_window=d.get("sliding_window"),
+                causal_in_block=dict(dflash.get("causal_in_block") or {}),
+                max_position_embeddings=int(d.get("max_position_embeddings", 40960)),
+                initializer_range=float(d.get("initializer_range", 0.02)))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"not a DFlash drafter config (missing or invalid field: {exc})") from exc
+
+
+# ----------------------------------------------------------------------------------------------- building blocks
+
+class RMSNorm(nn.Module):
+    """Qwen3 RMSNorm: normalise in float32, scale in the input dtype (bit-compatible with HF Qwen3RMSNorm)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [...] int -> cos, sin [..., head_dim] in float32 (HF 'default' RoPE, half-rotation layout).
+    inv_freq is recomputed here rather than kept as a buffer: a buffer would be cast to bf16 by module.to()."""
+    exponent = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
+    inv_freq = 1.0 / (theta ** exponent)                                   # [D/2]
+    freqs = positions[..., None].float() * inv_freq                         # [..., D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)                                 # [..., D]
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [R,h,L,D], cos/sin [R,1,L,D] float32 (cast to x's dtype first, as HF does)."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class DrafterAttention(nn.Module):
+    """Queries from the block tokens; keys/values from [context ; block tokens] (KV injection)."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
+                rope_k: tuple[torch.Tensor, torch.Tensor], mask: DraftMask, layer_type: str) -> torch.Tensor:
+        R, Q, _ = x.shape                                                    # x: normed block tokens [R,Q,H]
+        S = ctx.shape[1]                                                     # ctx: context features [R,S,H]
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_norm(self.q_proj(x).view(R, Q, hq, d)).transpose(1, 2)            # [R,hq,Q,D]
+        # Context re-projected by this layer's own k/v; k_norm on context keys too. Separate GEMMs + cat of the
+        # (narrower, GQA) k/v rather than one GEMM over cat([ctx, x]): the cat copies hkv*d instead of H columns.
+        k = torch.cat([self.k_proj(ctx).view(R, S, hkv, d), self.k_proj(x).view(R, Q, hkv, d)], dim=1)
+        v = torch.cat([self.v_proj(ctx).view(R, S, hkv, d), self.v_proj(x).view(R, Q, hkv, d)], dim=1)
+        k = self.k_norm(k).transpose(1, 2)                                            # [R,hkv,S+Q,D]
+        v = v.transpose(1, 2)                                                         # [R,hkv,S+Q,D]
+        q, k = apply_rope(q, *rope_q), apply_rope(k, *rope_k)
+        out = attend(q, k, v, mask, layer_type)                                       # [R,hq,Q,D]
+        return self.o_proj(out.transpose(1, 2).reshape(R, Q, hq * d))
+
+
+class DrafterMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DrafterLayer(nn.Module):
+    """Pre-norm Qwen3 decoder layer over the block tokens; the context only enters through attention's k/v."""
+
+    def __init__(self, cfg: DrafterConfig, layer_type: str) -> None:
+        super().__init__()
+        self.layer_type = layer_type
+        self.self_attn = DrafterAttention(cfg)
+        self.mlp = DrafterMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
+                rope_k: tuple[torch.Tensor, torch.Tensor], mask: DraftMask) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, mask, self.layer_type)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# ---------------------------------------------------------------------------------------------------- the model
+
+class DFlashDrafter(nn.Module):
+    """The trainable drafter: layers, fc, hidden_norm, norm. Embedding and LM head belong to the target."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList(DrafterLayer(config, lt) for lt in config.layer_types)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.fc = nn.Linear(config.num_taps * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """HF-style init (normal(0, initializer_range) linears, unit norms); draws from torch's global RNG."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def build_mask(self, anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, *, backend: Backend = "dense",
+                   doc_ids: torch.Tensor | None = None) -> DraftMask:
+        """build_draft_mask with this drafter's block size, window, in-block causality and layer types."""
+        cfg = self.config
+        return build_draft_mask(anchors, keep, ctx_len, cfg.block_size, sliding_window=cfg.sliding_window,
+                                causal_full=cfg.causal_in_block[FULL], causal_sliding=cfg.causal_in_block[SLIDING],
+                                backend=backend, doc_ids=doc_ids, layer_types=cfg.layer_types)
+
+    def forward(self, ctx_features: torch.Tensor, block_embeds: torch.Tensor, anchors: torch.Tensor,
+                keep: torch.Tensor, mask: DraftMask) -> torch.Tensor:
+        """ctx_features [R,S,T*H], block_embeds [R,N*B,H], anchors [R,N] int64, keep [R,N] bool, mask built for
+        the same anchors/keep/S -> hidden [R,N*B,H] after the final norm; rows of padded blocks are exactly 0."""
+        cfg = self.config
+        R, S, F_in = ctx_features.shape
+        N, B = anchors.shape[1], cfg.block_size
+        if F_in != cfg.num_taps * cfg.hidden_size:
+            raise ValueError(f"ctx_features has {F_in} features, expected {cfg.num_taps} taps x {cfg.hidden_size}")
+        if block_embeds.shape != (R, N * B, cfg.hidden_size):
+            raise ValueError(f"block_embeds must be {(R, N * B, cfg.hidden_size)}, got {tuple(block_embeds.shape)}")
+        if (mask.ctx_len, mask.num_blocks, mask.block_size) != (S, N, B):
+            raise ValueError(f"mask was built for S={mask.ctx_len}, N={mask.num_blocks}, B={mask.block_size}; "
+                             f"inputs have S={S}, N={N}, B={B}")
+
+        ctx = self.hidden_norm(self.fc(ctx_features))                          # [R,S,H], never updated below
+        offsets = torch.arange(B, device=anchors.device)
+        pos_blk = (anchors[:, :, None] + offsets).reshape(R, N * B)             # [R,Q]  anchor+j
+        pos_ctx = torch.arange(S, device=anchors.device)                        # [S]    0..S-1
+        cos_q, sin_q = rope_cos_sin(pos_blk, cfg.head_dim, cfg.rope_theta)      # [R,Q,D]
+        cos_c, sin_c = rope_cos_sin(pos_ctx, cfg.head_dim, cfg.rope_theta)      # [S,D]
+        rope_q = (cos_q[:, None], sin_q[:, None])                               # [R,1,Q,D]
+        rope_k = (torch.cat([cos_c.expand(R, 1, S, -1), rope_q[0]], dim=2),     # [R,1,S+Q,D]
+                  torch.cat([sin_c.expand(R, 1, S, -1), rope_q[1]], dim=2))
+
+        x = block_embeds                                                        # [R,Q,H]
+        for layer in self.layers:
+            x = layer(x, ctx, rope_q, rope_k, mask)
+        x = self.norm(x)
+        # Padded blocks see nothing; zero their hidden so nothing downstream depends on their (arbitrary) anchors.
+        return x * keep.repeat_interleave(B, dim=1)[:, :, None].to(x.dtype)
+
+    # ------------------------------------------------------------------------------------- public checkpoint I/O
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write config.json + model.safetensors in the public DFlash format (25 tensors for 2 layers)."""
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / CONFIG_NAME).write_text(json.dumps(self.config.to_hf_dict(), indent=2) + "\n")
+        tensors = {name: t.detach().contiguous().cpu() for name, t in self.state_dict().items()}
+        save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu") -> "DFlashDrafter":
+        """Load a public-format drafter; ValueError on missing files or tensors of the wrong name/shape."""
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        if not (directory / CONFIG_NAME).is_file() or not (directory / WEIGHTS_NAME).is_file():
+            raise ValueError(f"{directory} is not a drafter checkpoint (needs {CONFIG_NAME} and {WEIGHTS_NAME})")
+        model = cls(DrafterConfig.from_hf_dict(json.loads((directory / CONFIG_NAME).read_text())))
+        state = load_file(str(directory / WEIGHTS_NAME), device=str(device))
+        own = model.state_dict()
+        missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+        wrong = [n for n in own if n in state and state[n].shape != own[n].shape]
+        if missing or unexpected or wrong:
+            raise ValueError(f"drafter checkpoint {directory} does not match its config: missing {missing[:3]}, "
+                             f"unexpected {unexpected[:3]}, wrong shape {wrong[:3]}")
+        model.load_state_dict(state)
+        return model.to(device)
+
+
+def make_block_input_ids(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int,
+                         mask_token_id: int) -> torch.Tensor:
+    """[x_anchor, MASK, ..., MASK] per block: input_ids [R,S], anchors [R,N] -> [R,N*B] int64.
+    Padded anchors only need to be inside 0..S-1 (their blocks are masked out)."""
+    R, N = anchors.shape
+    ids = torch.full((R, N, block_size), mask_token_id, dtype=torch.long, device=input_ids.device)
+    ids[:, :, 0] = torch.gather(input_ids, 1, anchors.clamp(0, input_ids.shape[1] - 1))
+    return ids.reshape(R, N * block_size)
+
+
+__all__ = ["DrafterConfig", "DFlashDrafter", "make_block_input_ids", "RMSNorm", "rope_cos_sin", "apply_rope"]
