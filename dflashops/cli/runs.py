@@ -1,0 +1,300 @@
+"""`dflashops runs list|tree|show|diff|sync|plot|export`: the lineage database, viewed and rebuilt.
+
+`register(subparsers)` adds the `runs` parser; each handler takes the parsed Namespace and returns the exit
+code, raising DflashopsError for the caller (cli/main.py) to print as `error:`/`hint:`. Data goes to
+stdout (tables, trees, `--json`, CSV), progress and warnings to stderr. The database is found by
+`lineage_db_path` (`--db`, else `lineage.sqlite` next to the inventory). `python -m dflashops.cli.runs`
+runs these verbs on their own (same error printing), for scripts and tests that need no inventory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from dflashops.errors import DflashopsError, NotFound, UsageError
+from dflashops.lineage import LineageDB, diff_runs
+from dflashops.lineage_files import (
+    import_dict_from_status, metric_names, metric_series, read_metrics, run_dir_of,
+)
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def lineage_db_path(args: argparse.Namespace) -> Path:
+    """`--db PATH` when given, else `lineage.sqlite` next to the inventory (C1's find_inventory rules:
+    --inventory, $DFLASHOPS_INVENTORY, ./inventory.yaml upwards). The inventory is not parsed here, so
+    lineage stays readable while inventory.yaml is being edited."""
+    if getattr(args, "db", None):
+        return Path(args.db)
+    from dflashops.inventory import find_inventory
+
+    return find_inventory(getattr(args, "inventory", None)).parent / "lineage.sqlite"
+
+
+def _open(args: argparse.Namespace, *, create: bool = False) -> LineageDB | None:
+    """The database, or None when the file does not exist and `create` is False (reads never create it)."""
+    path = lineage_db_path(args)
+    if not create and not path.exists():
+        return None
+    return LineageDB(path)
+
+
+def _missing(args: argparse.Namespace) -> NotFound:
+    return NotFound(f"no lineage database at {lineage_db_path(args)}",
+                    hint="deploy a run first, or `dflashops runs sync` to rebuild it from the targets")
+
+
+def _stdout() -> Console:
+    # Piped output gets a wide virtual terminal so rows stay one line each for grep/awk; rich drops the
+    # colour itself for NO_COLOR and non-tty output.
+    width = None if sys.stdout.isatty() else int(os.environ.get("COLUMNS", "0") or 0) or 200
+    return Console(file=sys.stdout, highlight=False, width=width)
+
+
+def _print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def _runs_root(args: argparse.Namespace) -> Path | None:
+    return Path(args.runs_dir) if getattr(args, "runs_dir", None) else None
+
+
+# ---------------------------------------------------------------------------------------------- verbs
+def cmd_list(args: argparse.Namespace) -> int:
+    from dflashops.lineage_view import RunFacts, runs_table
+
+    db = _open(args)
+    runs = [] if db is None else db.list(state=args.state, target=args.target)
+    if args.json:
+        _print_json([run.to_dict() for run in runs])
+    elif not runs:
+        print("no runs recorded" + ("" if db else f" (no database at {lineage_db_path(args)})"), file=sys.stderr)
+    else:
+        _stdout().print(runs_table(runs, RunFacts(_runs_root(args))))
+    return 0
+
+
+def cmd_tree(args: argparse.Namespace) -> int:
+    from dflashops.lineage_view import RunFacts, forest_tree, lineage_forest
+
+    db = _open(args)
+    if db is None:
+        if args.run:
+            raise _missing(args)
+        forest: list[dict[str, Any]] = []
+    else:
+        if args.run:
+            db.get(args.run)  # NotFound with close names
+        forest = lineage_forest(db, RunFacts(_runs_root(args)), only=args.run)
+    if args.json:
+        _print_json(forest)
+    elif not forest:
+        print("no runs recorded", file=sys.stderr)
+    else:
+        _stdout().print(forest_tree(forest, f"lineage ({lineage_db_path(args)})"))
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from dflashops.lineage_view import show_table
+
+    db = _open(args) or _raise(_missing(args))
+    run = db.get(args.run)
+    parent = db.get(run.parent) if run.parent and run.parent in db.names() else None
+    changes = diff_runs(parent, run).lines() if parent else []
+    children = [child.name for child in db.children(run.name)]
+    if args.json:
+        _print_json({**run.to_dict(), "children": children, "changes_vs_parent": changes})
+        return 0
+    console = _stdout()
+    console.print(show_table(run))
+    console.print(f"children: {', '.join(children) or '-'}", markup=False)
+    if parent:
+        console.print(f"changes vs parent {parent.name}:", markup=False)
+        for line in changes or ["(none)"]:
+            console.print(f"  {line}", markup=False)
+    return 0
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    db = _open(args) or _raise(_missing(args))
+    diff = diff_runs(db.get(args.a), db.get(args.b))
+    if args.json:
+        _print_json(diff.to_dict())
+        return 0
+    print(f"diff {args.a} -> {args.b}")
+    for line in diff.lines() or ["no differences in arguments, env, code hash, profile, target, GPUs or launcher"]:
+        print(f"  {line}")
+    return 0
+
+
+def cmd_sync(args: argparse.Namespace) -> int:
+    """Rebuild lineage from run.json files: of a local workspace folder (`--workspace`), or of targets
+    through the agent's `status` verb (the same state rules `dflashops status` uses)."""
+    sources: list[tuple[str, list[dict[str, Any]]]] = []
+    if args.workspace:
+        from dflashops.agent import AgentFailure, verb_status  # stdlib-only; reads the folder in-process
+
+        workspace = Path(args.workspace).resolve()
+        if not workspace.is_dir():
+            raise NotFound(f"workspace folder {workspace} does not exist")
+        try:
+            sources.append((args.target_label, verb_status({"workspace": str(workspace)})["runs"]))
+        except AgentFailure as exc:
+            raise UsageError(f"cannot read workspace {workspace}: {exc}") from None
+    for target in args.targets:
+        sources.append((target, _statuses_from_target(args, target)))
+    if not sources:
+        raise UsageError("nothing to sync from", hint="name targets (`runs sync local`) or pass --workspace DIR")
+    db = LineageDB(lineage_db_path(args))
+    outcomes: list[dict[str, str]] = []
+    for target, statuses in sources:
+        for status in statuses:
+            data = import_dict_from_status(status, target)
+            if data is None:
+                outcomes.append({"name": str(status.get("name")), "target": target, "outcome": "skipped",
+                                 "reason": "no run.json"})
+                continue
+            try:
+                outcome, reason = db.import_run_json(data), ""
+            except DflashopsError as exc:
+                outcome, reason = "failed", exc.message
+            outcomes.append({"name": str(data["name"]), "target": target, "outcome": outcome, "reason": reason})
+    if args.json:
+        _print_json(outcomes)
+    else:
+        for item in outcomes:
+            print(f"{item['outcome']:<9} {item['name']} ({item['target']}){'  ' + item['reason'] if item['reason'] else ''}")
+    counts = {key: sum(1 for o in outcomes if o["outcome"] == key) for key in ("added", "updated", "unchanged", "failed")}
+    print("sync: " + ", ".join(f"{n} {key}" for key, n in counts.items()), file=sys.stderr)
+    return 1 if counts["failed"] else 0
+
+
+def _statuses_from_target(args: argparse.Namespace, target: str) -> list[dict[str, Any]]:
+    """Agent `status` answers for every run on `target`, through C1's ops layer."""
+    try:
+        from dflashops.ops.status import all_run_statuses  # type: ignore[attr-defined]
+    except ImportError:
+        raise DflashopsError(f"runs sync from target {target!r} is not wired to the ops layer yet",
+                             hint="for a local workspace use: dflashops runs sync --workspace DIR") from None
+    return all_run_statuses(getattr(args, "inventory", None), target)
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from dflashops.ops.plot import plot_runs
+
+    db = _open(args) or _raise(_missing(args))
+    runs = [db.get(name) for name in args.runs]
+    series: dict[str, list[tuple[int, float]]] = {}
+    found: set[str] = set()
+    for run in runs:
+        directory = run_dir_of(run, _runs_root(args))
+        rows = read_metrics(directory / "metrics.jsonl") if directory else []
+        if directory is None:
+            print(f"warning: metrics of {run.name} are on target {run.target}, not on this machine "
+                  "(pass --runs-dir with a local copy)", file=sys.stderr)
+        elif not rows:
+            print(f"warning: {run.name} has no metrics in {directory / 'metrics.jsonl'}", file=sys.stderr)
+        found |= metric_names(rows)
+        series[run.name] = metric_series(rows, args.metric)
+        if rows and not series[run.name]:
+            print(f"warning: {run.name} has no {args.metric!r} values", file=sys.stderr)
+    if not any(series.values()):
+        raise UsageError(f"no run among {', '.join(args.runs)} has metric {args.metric!r}",
+                         hint=f"metrics found: {', '.join(sorted(found))}" if found else "no metrics found at all")
+    out = plot_runs(series, args.metric, Path(args.out), title=args.title, log_y=args.log_y)
+    print(out)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from dflashops.lineage_view import export_text
+
+    db = _open(args)
+    text = export_text([] if db is None else db.list(), args.format)
+    if args.out in (None, "-"):
+        sys.stdout.write(text)
+        return 0
+    out = Path(args.out)
+    if not out.parent.is_dir():
+        raise UsageError(f"folder {out.parent} does not exist", hint="create it or choose another --out")
+    temporary = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    temporary.write_text(text, encoding="utf-8")
+    os.replace(temporary, out)  # an existing export is replaced whole or not at all
+    print(out)
+    return 0
+
+
+def _raise(error: DflashopsError) -> Any:
+    raise error
+
+
+# ------------------------------------------------------------------------------------------- parsers
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add `runs` and its verbs to the top-level subparsers. Handlers are set as `handler` (and `func`)."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--db", metavar="PATH", help="lineage database (default: lineage.sqlite next to the inventory)")
+    as_json = argparse.ArgumentParser(add_help=False)
+    as_json.add_argument("--json", action="store_true", help="print JSON on stdout")
+    local_dirs = argparse.ArgumentParser(add_help=False)
+    local_dirs.add_argument("--runs-dir", metavar="DIR",
+                            help="local folder holding <run>/metrics.jsonl (default: each run's recorded run_dir)")
+
+    runs = subparsers.add_parser("runs", help="run lineage: list, tree, show, diff, sync, plot, export",
+                                 description=__doc__.split("\n\n")[0])
+    verbs = runs.add_subparsers(dest="runs_verb", metavar="VERB", required=True)
+
+    def add(name: str, handler: Handler, help_text: str, *parents: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        parser = verbs.add_parser(name, help=help_text, parents=[common, *parents])
+        parser.set_defaults(handler=handler, func=handler)
+        return parser
+
+    p = add("list", cmd_list, "recorded runs, oldest first", as_json, local_dirs)
+    p.add_argument("--state", choices=("launched", "running", "finished", "crashed", "stopped"))
+    p.add_argument("--target")
+    p = add("tree", cmd_tree, "lineage tree: state, steps, best tau_sim, note, change vs parent", as_json, local_dirs)
+    p.add_argument("run", nargs="?", help="show only the tree containing this run")
+    add("show", cmd_show, "one run's record, children and change vs parent", as_json).add_argument("run")
+    p = add("diff", cmd_diff, "argument, env, code-hash, profile and target changes from A to B", as_json)
+    p.add_argument("a")
+    p.add_argument("b")
+    p = add("sync", cmd_sync, "rebuild lineage from each run's run.json on targets", as_json)
+    p.add_argument("targets", nargs="*", metavar="TARGET")
+    p.add_argument("--workspace", metavar="DIR", help="a local workspace folder (holds runs/<name>/run.json)")
+    p.add_argument("--target-label", default="local", help="target name recorded for --workspace runs")
+    p = add("plot", cmd_plot, "PNG of a metric by step for several runs (readable without colour)", local_dirs)
+    p.add_argument("runs", nargs="+", metavar="RUN")
+    p.add_argument("--metric", default="loss", help="loss, tau_sim, block_tok_s, or any metrics.jsonl key (loss.ce)")
+    p.add_argument("--out", required=True, metavar="FILE.png")
+    p.add_argument("--title")
+    p.add_argument("--log-y", action="store_true")
+    p = add("export", cmd_export, "all records as CSV or JSON")
+    p.add_argument("--format", choices=("csv", "json"), default="csv")
+    p.add_argument("--out", metavar="FILE", help="write to FILE instead of stdout")
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (`python -m dflashops.cli.runs VERB ...`), printing errors like cli/main.py."""
+    parser = argparse.ArgumentParser(prog="dflashops")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["runs", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return args.handler(args)
+    except DflashopsError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        if exc.hint:
+            print(f"hint: {exc.hint}", file=sys.stderr)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

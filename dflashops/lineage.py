@@ -1,0 +1,327 @@
+"""Run lineage in a SQLite file next to the inventory: which run came from which, with what change.
+
+The database is a real file in WAL mode (readers never block the one writer; two CLI processes may write
+at once: every write is one `BEGIN IMMEDIATE` transaction and waits up to `busy_timeout` for the other).
+The schema is versioned by a `schema_migrations` table. A file that is not SQLite, is some other
+program's database, or was written by a newer dflashops is refused before anything is written to it.
+
+Every record is also mirrored by its run's `run.json` on the target, so `runs sync` can rebuild this
+file (`import_run_json` is idempotent). Public names re-exported here: RunRecord, STATES, next_name,
+redact_env, redact_argv, diff_runs, RunDiff, wandb_env.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import sqlite3
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from dflashops.errors import Conflict, DflashopsError, NotFound
+from dflashops.lineage_diff import RunDiff, diff_runs, parse_argv
+from dflashops.lineage_naming import lineage_root, next_name, wandb_env
+from dflashops.lineage_record import (
+    STATES, RunRecord, record_from_run_json, redact_argv, redact_env, utc_now_iso,
+)
+from dflashops.shell import validate_name
+
+__all__ = [
+    "STATES", "LineageDB", "LineageDBError", "RunDiff", "RunRecord", "diff_runs", "next_name",
+    "parse_argv", "record_from_run_json", "redact_argv", "redact_env", "wandb_env",
+]
+
+SCHEMA_VERSION = 1
+BUSY_TIMEOUT_MS = 15_000  # a writer waits this long for the other process's transaction (each is < 10 ms)
+
+_MIGRATIONS: dict[int, str] = {
+    1: f"""
+    CREATE TABLE runs (
+        name TEXT PRIMARY KEY,
+        parent TEXT,
+        note TEXT NOT NULL DEFAULT '',
+        code_hash TEXT NOT NULL DEFAULT '',
+        argv TEXT NOT NULL DEFAULT '[]',    -- JSON list, secret flag values redacted
+        env TEXT NOT NULL DEFAULT '{{}}',   -- JSON object, secrets redacted
+        target TEXT NOT NULL,
+        gpus TEXT NOT NULL DEFAULT '[]',    -- JSON list of GPU ids
+        launcher TEXT NOT NULL,
+        session TEXT NOT NULL DEFAULT '',
+        profile TEXT,
+        started_at TEXT NOT NULL,           -- ISO 8601 UTC
+        state TEXT NOT NULL CHECK (state IN ({", ".join(repr(s) for s in STATES)})),
+        exit_code INTEGER,
+        last_step INTEGER,
+        extra TEXT NOT NULL DEFAULT '{{}}', -- JSON object
+        updated_at TEXT NOT NULL
+    );
+    CREATE INDEX runs_parent ON runs(parent);
+    """,
+}
+_JSON_COLUMNS = ("argv", "env", "gpus", "extra")
+_COLUMNS = tuple(RunRecord.__dataclass_fields__)
+_SETTABLE = {"exit_code", "last_step", "note", "session", "extra"}
+
+ImportOutcome = Literal["added", "updated", "unchanged"]
+
+
+class LineageDBError(DflashopsError):
+    """The lineage database file cannot be used (not SQLite, foreign, newer schema, unwritable)."""
+
+    exit_code = 2
+
+
+class LineageDB:
+    """Run records in one SQLite file. Open with `LineageDB(path)`; use as a context manager or `close()`."""
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = Path(path)
+        if not self.path.parent.is_dir():
+            raise NotFound(f"lineage database folder {self.path.parent} does not exist",
+                           hint="create it, or pass --db PATH inside an existing folder")
+        existed = self.path.exists() and self.path.stat().st_size > 0
+        try:
+            self._conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
+        except sqlite3.Error as exc:
+            raise LineageDBError(f"cannot open lineage database {self.path}: {exc}") from None
+        try:
+            if existed:
+                self._check_readable()  # reads only: a refused file is left byte-for-byte as it was
+            self._conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            if self._conn.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+                self._conn.execute("PRAGMA journal_mode = WAL")  # persistent: set once per file
+            self._conn.execute("PRAGMA synchronous = NORMAL")  # WAL + NORMAL: durable at checkpoint, no fsync per commit
+            self._migrate()
+        except sqlite3.Error as exc:
+            self._conn.close()
+            raise LineageDBError(f"lineage database {self.path} is unusable: {exc}") from None
+        except DflashopsError:
+            self._conn.close()
+            raise
+
+    # -- schema ---------------------------------------------------------------------------------------
+    def _schema_version(self) -> int:
+        tables = {row[0] for row in self._conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if not tables:
+            return 0
+        if "schema_migrations" not in tables:
+            raise LineageDBError(
+                f"{self.path} is a SQLite database but not a dflashops lineage database "
+                f"(tables: {', '.join(sorted(tables))})",
+                hint="point --db at another file; this one was left untouched",
+            )
+        return int(self._conn.execute("SELECT COALESCE(MAX(version), 0) FROM schema_migrations").fetchone()[0])
+
+    def _check_readable(self) -> None:
+        try:
+            version = self._schema_version()
+        except sqlite3.DatabaseError as exc:
+            raise LineageDBError(f"{self.path} is not a lineage database ({exc})",
+                                 hint="move the file aside; `dflashops runs sync` rebuilds lineage from the targets") from None
+        if version > SCHEMA_VERSION:
+            raise LineageDBError(
+                f"{self.path} has lineage schema version {version}, newer than this dflashops "
+                f"understands ({SCHEMA_VERSION})",
+                hint="upgrade dflashops; the file was left untouched",
+            )
+
+    def _migrate(self) -> None:
+        with self._write():
+            self._conn.execute(
+                "CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, applied_at TEXT NOT NULL)"
+            )
+            current = self._schema_version()  # re-read inside the lock: another process may have migrated
+            if current > SCHEMA_VERSION:
+                raise LineageDBError(f"{self.path} has lineage schema version {current}, newer than {SCHEMA_VERSION}",
+                                     hint="upgrade dflashops")
+            for version in range(current + 1, SCHEMA_VERSION + 1):
+                for statement in _MIGRATIONS[version].split(";"):
+                    if statement.strip():
+                        self._conn.execute(statement)
+                self._conn.execute("INSERT INTO schema_migrations VALUES (?, ?)", (version, utc_now_iso()))
+
+    def _write(self) -> "_Transaction":
+        return _Transaction(self._conn)
+
+    # -- rows -----------------------------------------------------------------------------------------
+    @staticmethod
+    def _to_row(run: RunRecord) -> dict[str, Any]:
+        row = run.to_dict()
+        for column in _JSON_COLUMNS:
+            row[column] = json.dumps(row[column], sort_keys=True)
+        row["updated_at"] = utc_now_iso()
+        return row
+
+    def _from_row(self, row: sqlite3.Row | tuple[Any, ...]) -> RunRecord:
+        values = dict(zip(_COLUMNS, row))
+        for column in _JSON_COLUMNS:
+            values[column] = json.loads(values[column])
+        return RunRecord(**values)
+
+    def _select(self, where: str = "", params: tuple[Any, ...] = ()) -> list[RunRecord]:
+        sql = f"SELECT {', '.join(_COLUMNS)} FROM runs {where} ORDER BY started_at, name"
+        return [self._from_row(row) for row in self._conn.execute(sql, params)]
+
+    def _exists(self, name: str) -> bool:
+        return self._conn.execute("SELECT 1 FROM runs WHERE name = ?", (name,)).fetchone() is not None
+
+    def _insert(self, run: RunRecord) -> None:
+        row = self._to_row(run)
+        columns = [*_COLUMNS, "updated_at"]
+        self._conn.execute(
+            f"INSERT INTO runs ({', '.join(columns)}) VALUES ({', '.join('?' for _ in columns)})",
+            tuple(row[c] for c in columns),
+        )
+
+    # -- public API -----------------------------------------------------------------------------------
+    def record(self, run: RunRecord, *, allow_missing_parent: bool = False) -> RunRecord:
+        """Store a new run. Raises Conflict when the name is taken, NotFound when `run.parent` is not
+        recorded (unless `allow_missing_parent`), UsageError for an invalid name. Returns the stored record."""
+        validate_name(run.name, what="run name")
+        with self._write():
+            self._check_new(run, allow_missing_parent)
+            self._insert(run)
+        return self.get(run.name)
+
+    def record_as_next(self, run: RunRecord, after: str) -> RunRecord:
+        """`--name +`: store `run` under `next_name(after, taken)`, chosen and inserted in one transaction
+        so two processes deriving a name from the same parent at once get different names."""
+        with self._write():
+            taken = {row[0] for row in self._conn.execute("SELECT name FROM runs")}
+            run.name = next_name(after, taken)
+            self._check_new(run, allow_missing_parent=False)
+            self._insert(run)
+        return self.get(run.name)
+
+    def _check_new(self, run: RunRecord, allow_missing_parent: bool) -> None:
+        if self._exists(run.name):
+            existing = self._select("WHERE name = ?", (run.name,))[0]
+            raise Conflict(
+                f"run name {run.name!r} is already used (started {existing.started_at} on {existing.target})",
+                hint="choose another --name, or --name + for the next free name after it",
+            )
+        if run.parent is not None:
+            validate_name(run.parent, what="parent run name")
+            if not allow_missing_parent and not self._exists(run.parent):
+                raise self._not_found(run.parent, what="parent run")
+
+    def get(self, name: str) -> RunRecord:
+        """The record named `name`; NotFound (with close names as the hint) when there is none."""
+        rows = self._select("WHERE name = ?", (name,))
+        if not rows:
+            raise self._not_found(name)
+        return rows[0]
+
+    def _not_found(self, name: str, what: str = "run") -> NotFound:
+        close = difflib.get_close_matches(name, self.names(), n=4, cutoff=0.5)
+        hint = (f"did you mean: {', '.join(close)}?" if close
+                else "`dflashops runs list` shows recorded runs; `dflashops runs sync` rebuilds them from the targets")
+        return NotFound(f"no {what} named {name!r} in the lineage database {self.path}", hint=hint)
+
+    def names(self) -> set[str]:
+        return {row[0] for row in self._conn.execute("SELECT name FROM runs")}
+
+    def list(self, *, state: str | None = None, target: str | None = None) -> list[RunRecord]:
+        """All runs, oldest first, optionally filtered by state and/or target."""
+        clauses, params = [], []
+        for column, value in (("state", state), ("target", target)):
+            if value is not None:
+                clauses.append(f"{column} = ?")
+                params.append(value)
+        return self._select(("WHERE " + " AND ".join(clauses)) if clauses else "", tuple(params))
+
+    def children(self, name: str) -> list[RunRecord]:
+        """Direct children of `name`, oldest first. NotFound when `name` is not recorded."""
+        self.get(name)
+        return self._select("WHERE parent = ?", (name,))
+
+    def ancestors(self, name: str) -> list[RunRecord]:
+        """The chain root ... name (inclusive), stopping at a parent that is not recorded."""
+        chain = [self.get(name)]
+        seen = {name}
+        while (parent := chain[-1].parent) and parent not in seen and self._exists(parent):
+            seen.add(parent)
+            chain.append(self.get(parent))
+        return chain[::-1]
+
+    def root(self, name: str) -> str:
+        """Lineage root of `name` (the W&B group): its oldest recorded ancestor."""
+        return lineage_root(name, lambda n: self.get(n).parent if self._exists(n) else None)
+
+    def set_state(self, name: str, state: str, **fields: Any) -> RunRecord:
+        """Update a run's state and any of exit_code, last_step, note, session, extra (merged into the
+        stored extra). Raises ValueError for an unknown state, TypeError for an unknown field, NotFound."""
+        if state not in STATES:
+            raise ValueError(f"state must be one of {', '.join(STATES)}, not {state!r}")
+        unknown = set(fields) - _SETTABLE
+        if unknown:
+            raise TypeError(f"set_state() cannot set {', '.join(sorted(unknown))}")
+        with self._write():
+            current = self.get(name)
+            current.state = state
+            for key, value in fields.items():
+                setattr(current, key, {**current.extra, **value} if key == "extra" else value)
+            row = self._to_row(current)
+            assignments = ", ".join(f"{c} = ?" for c in ("state", *fields, "updated_at"))
+            self._conn.execute(f"UPDATE runs SET {assignments} WHERE name = ?",
+                               (*(row[c] for c in ("state", *fields, "updated_at")), name))
+        return self.get(name)
+
+    def import_run_json(self, data: Mapping[str, Any]) -> ImportOutcome:
+        """Add or refresh a run from its run.json (idempotent; used by `runs sync`).
+
+        Launch fields come from run.json; state/exit_code/last_step only when run.json (or the caller's
+        status merged into it) carries them; `extra` is merged. Raises UsageError for a run.json without a
+        valid name, Conflict when a different run (other target and start time) already has the name.
+        """
+        try:
+            incoming = record_from_run_json(data)
+        except (ValueError, TypeError) as exc:
+            raise LineageDBError(f"run.json cannot be imported: {exc}") from None
+        validate_name(incoming.name, what="run name in run.json")
+        with self._write():
+            if not self._exists(incoming.name):
+                self._insert(incoming)
+                return "added"
+            stored = self.get(incoming.name)
+            if (stored.target, stored.started_at) != (incoming.target, incoming.started_at):
+                raise Conflict(f"run {incoming.name!r} on {incoming.target} (started {incoming.started_at}) clashes "
+                               f"with the recorded run of that name on {stored.target} (started {stored.started_at})",
+                               hint="rename one of the run directories; names are unique across targets")
+            merged = RunRecord(**{**stored.to_dict(), **{k: v for k, v in incoming.to_dict().items()
+                                                         if k not in ("state", "exit_code", "last_step", "extra")}})
+            for key in ("state", "exit_code", "last_step"):
+                if key in data:
+                    setattr(merged, key, getattr(incoming, key))
+            merged.extra = {**stored.extra, **incoming.extra}
+            if merged.to_dict() == stored.to_dict():
+                return "unchanged"
+            self._conn.execute("DELETE FROM runs WHERE name = ?", (incoming.name,))
+            self._insert(merged)
+            return "updated"
+
+    def close(self) -> None:
+        """Close the connection (safe to call twice)."""
+        self._conn.close()
+
+    def __enter__(self) -> "LineageDB":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Transaction:
+    """`BEGIN IMMEDIATE` ... COMMIT (ROLLBACK on error): takes the write lock up front, so a read-then-write
+    (name taken? then insert) cannot interleave with another process's."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self._conn = conn
+
+    def __enter__(self) -> None:
+        self._conn.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+        self._conn.execute("ROLLBACK" if exc_type else "COMMIT")
+

@@ -1,0 +1,160 @@
+"""What changed between two runs: arguments (aware of `--flag value` pairs), env, code hash, profile, target.
+
+Arguments are compared as options, not as word lists: `--lr 1e-4 --bs 8` vs `--bs 8 --lr 3e-4` is one
+change (`--lr`), and reordering flags is no change at all. Positional words (the program and verb) are
+compared as a list.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from dflashops.lineage_record import RunRecord
+
+Options = dict[str, str | list[str]]
+_NEGATIVE_NUMBER = re.compile(r"^-\d+(\.\d*)?([eE][-+]?\d+)?$|^-\.\d+")
+FLAG_PRESENT = "(set)"  # the value recorded for a boolean flag such as `--compile`
+
+
+def _is_flag(word: str) -> bool:
+    return word.startswith("-") and word != "-" and not _NEGATIVE_NUMBER.match(word)
+
+
+def parse_argv(argv: Sequence[str]) -> tuple[list[str], Options]:
+    """Split argv into positional words and {flag: value}.
+
+    `--flag value`, `--flag=value` and `-f value` give a value; a flag followed by another flag (or the
+    end) is boolean and maps to FLAG_PRESENT; a repeated flag maps to the list of its values. Words
+    after `--` are positional. Negative numbers (`-1`, `-1e-3`) are values, not flags.
+    """
+    positional: list[str] = []
+    options: Options = {}
+    words = [str(w) for w in argv]
+    index = 0
+
+    def put(flag: str, value: str) -> None:
+        if flag in options:
+            previous = options[flag]
+            options[flag] = [*previous, value] if isinstance(previous, list) else [previous, value]
+        else:
+            options[flag] = value
+
+    while index < len(words):
+        word = words[index]
+        if word == "--":
+            positional.extend(words[index + 1 :])
+            break
+        if _is_flag(word):
+            flag, sep, value = word.partition("=")
+            if sep:
+                put(flag, value)
+            elif index + 1 < len(words) and not _is_flag(words[index + 1]) and words[index + 1] != "--":
+                put(flag, words[index + 1])
+                index += 1
+            else:
+                put(flag, FLAG_PRESENT)
+        else:
+            positional.append(word)
+        index += 1
+    return positional, options
+
+
+@dataclass
+class RunDiff:
+    """Differences from run `a` to run `b`. Each `*_changed` maps a key to (value in a, value in b)."""
+
+    a: str
+    b: str
+    args_added: dict[str, Any] = field(default_factory=dict)
+    args_removed: dict[str, Any] = field(default_factory=dict)
+    args_changed: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    positional: tuple[list[str], list[str]] | None = None
+    env_added: dict[str, str] = field(default_factory=dict)
+    env_removed: dict[str, str] = field(default_factory=dict)
+    env_changed: dict[str, tuple[str, str]] = field(default_factory=dict)
+    fields_changed: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # code_hash, profile, target, ...
+
+    @property
+    def empty(self) -> bool:
+        """True when the two runs were launched identically (same args, env, code, profile, target)."""
+        return not any(
+            (self.args_added, self.args_removed, self.args_changed, self.positional, self.env_added,
+             self.env_removed, self.env_changed, self.fields_changed)
+        )
+
+    def lines(self) -> list[str]:
+        """Human lines, one change each: `+ --flag value`, `- --flag value`, `~ --flag old -> new`."""
+        out: list[str] = []
+        for key, (old, new) in self.fields_changed.items():
+            out.append(f"~ {key}: {_short(old)} -> {_short(new)}")
+        if self.positional:
+            out.append(f"~ command: {' '.join(self.positional[0])} -> {' '.join(self.positional[1])}")
+        out += [f"+ {flag} {_fmt(value)}" for flag, value in self.args_added.items()]
+        out += [f"- {flag} {_fmt(value)}" for flag, value in self.args_removed.items()]
+        out += [f"~ {flag} {_fmt(old)} -> {_fmt(new)}" for flag, (old, new) in self.args_changed.items()]
+        out += [f"+ env {key}={value}" for key, value in self.env_added.items()]
+        out += [f"- env {key}={value}" for key, value in self.env_removed.items()]
+        out += [f"~ env {key}: {old} -> {new}" for key, (old, new) in self.env_changed.items()]
+        return out
+
+    def summary(self, limit: int = 4) -> str:
+        """One short line for the tree view, e.g. `--lr 1e-4->3e-4, +--compile, code 1a2b->3c4d`."""
+        parts: list[str] = []
+        if "code_hash" in self.fields_changed:
+            old, new = self.fields_changed["code_hash"]
+            parts.append(f"code {_short(old)}->{_short(new)}")
+        parts += [f"{flag} {_fmt(old)}->{_fmt(new)}" for flag, (old, new) in self.args_changed.items()]
+        parts += [f"add {flag}" + ("" if v == FLAG_PRESENT else f" {_fmt(v)}") for flag, v in self.args_added.items()]
+        parts += [f"drop {flag}" for flag in self.args_removed]
+        parts += [f"env {key}" for key in [*self.env_added, *self.env_removed, *self.env_changed]]
+        parts += [f"{key} {old}->{new}" for key, (old, new) in self.fields_changed.items() if key != "code_hash"]
+        if not parts:
+            return "no change"
+        shown = ", ".join(parts[:limit])
+        return shown + (f", +{len(parts) - limit} more" if len(parts) > limit else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form for `runs diff --json` (pairs become {"a": ..., "b": ...})."""
+
+        def pairs(d: dict[str, tuple[Any, Any]]) -> dict[str, dict[str, Any]]:
+            return {key: {"a": old, "b": new} for key, (old, new) in d.items()}
+
+        return {
+            "a": self.a, "b": self.b, "empty": self.empty,
+            "args": {"added": self.args_added, "removed": self.args_removed, "changed": pairs(self.args_changed)},
+            "positional": None if self.positional is None else {"a": self.positional[0], "b": self.positional[1]},
+            "env": {"added": self.env_added, "removed": self.env_removed, "changed": pairs(self.env_changed)},
+            "fields": pairs(self.fields_changed),
+        }
+
+
+def _fmt(value: Any) -> str:
+    return " ".join(value) if isinstance(value, list) else str(value)
+
+
+def _short(value: Any) -> str:
+    text = "-" if value in (None, "") else str(value)
+    return text[:12] if len(text) == 40 or len(text) == 64 else text  # full sha1/sha256 hashes -> 12 chars
+
+
+def diff_runs(a: RunRecord, b: RunRecord) -> RunDiff:
+    """Compare two run records (a = before, typically the parent; b = after)."""
+    diff = RunDiff(a=a.name, b=b.name)
+    pos_a, opts_a = parse_argv(a.argv)
+    pos_b, opts_b = parse_argv(b.argv)
+    if pos_a != pos_b:
+        diff.positional = (pos_a, pos_b)
+    diff.args_added = {k: v for k, v in opts_b.items() if k not in opts_a}
+    diff.args_removed = {k: v for k, v in opts_a.items() if k not in opts_b}
+    diff.args_changed = {k: (opts_a[k], opts_b[k]) for k in opts_a if k in opts_b and opts_a[k] != opts_b[k]}
+    diff.env_added = {k: v for k, v in b.env.items() if k not in a.env}
+    diff.env_removed = {k: v for k, v in a.env.items() if k not in b.env}
+    diff.env_changed = {k: (a.env[k], b.env[k]) for k in a.env if k in b.env and a.env[k] != b.env[k]}
+    for name in ("code_hash", "profile", "target", "gpus", "launcher"):
+        old, new = getattr(a, name), getattr(b, name)
+        if old != new:
+            diff.fields_changed[name] = (old, new)
+    return diff

@@ -1,0 +1,158 @@
+"""Renderables for the lineage verbs: the run tree, tables, JSON shapes, CSV export. Nothing here prints.
+
+Meaning never rides on colour alone: a run's state is always written out as a word (colour only repeats
+it), changes are marked with `+ - ~`, and rich drops the colour itself when NO_COLOR is set or stdout is
+not a terminal.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+from rich.tree import Tree
+
+from dflashops.lineage import LineageDB, RunRecord, diff_runs
+from dflashops.lineage_files import best_value, metric_series, read_metrics, run_dir_of
+
+STATE_STYLE = {"launched": "cyan", "running": "bold blue", "finished": "green", "crashed": "bold red",
+               "stopped": "yellow"}
+EXPORT_COLUMNS = tuple(RunRecord.__dataclass_fields__)
+
+
+def state_word(state: str, exit_code: int | None) -> str:
+    """`crashed (exit 1)`, `finished`, ... (the exit code matters for crashed and stopped runs)."""
+    if exit_code is not None and state in ("crashed", "stopped"):
+        return f"{state} (exit {exit_code})"
+    return state
+
+
+class RunFacts:
+    """Per-run facts from local metrics files (cached): last step and best tau_sim, when reachable."""
+
+    def __init__(self, runs_root: Path | None) -> None:
+        self.runs_root = runs_root
+        self._cache: dict[str, tuple[int | None, float | None]] = {}
+
+    def __call__(self, run: RunRecord) -> tuple[int | None, float | None]:
+        if run.name not in self._cache:
+            directory = run_dir_of(run, self.runs_root)
+            rows = read_metrics(directory / "metrics.jsonl") if directory else []
+            steps = [r["step"] for r in rows if isinstance(r.get("step"), int)]
+            last_step = max(steps) if steps else run.last_step
+            best = best_value(metric_series(rows, "tau_sim"), "tau_sim")
+            if best is None and isinstance(run.extra.get("best_tau_sim"), (int, float)):
+                best = float(run.extra["best_tau_sim"])
+            self._cache[run.name] = (last_step, best)
+        return self._cache[run.name]
+
+
+def _roots(runs: list[RunRecord]) -> list[RunRecord]:
+    names = {run.name for run in runs}
+    return [run for run in runs if run.parent is None or run.parent not in names]
+
+
+def lineage_forest(db: LineageDB, facts: RunFacts, only: str | None = None) -> list[dict[str, Any]]:
+    """Nested dicts (name, state, last_step, best_tau_sim, note, parent, changes, children), roots first.
+    With `only`, just the tree that contains that run (from its lineage root)."""
+    runs = db.list()
+    by_name = {run.name: run for run in runs}
+    kids: dict[str, list[RunRecord]] = {}
+    for run in runs:
+        if run.parent in by_name:
+            kids.setdefault(run.parent, []).append(run)
+    roots = [by_name[db.root(only)]] if only else _roots(runs)
+    seen: set[str] = set()
+
+    def node(run: RunRecord) -> dict[str, Any]:
+        seen.add(run.name)
+        last_step, best = facts(run)
+        parent = by_name.get(run.parent) if run.parent else None
+        return {
+            "name": run.name, "state": run.state, "exit_code": run.exit_code, "last_step": last_step,
+            "best_tau_sim": best, "note": run.note, "parent": run.parent, "parent_recorded": parent is not None,
+            "changes": diff_runs(parent, run).lines() if parent else [],
+            "change_summary": diff_runs(parent, run).summary() if parent else "",
+            "children": [node(child) for child in kids.get(run.name, []) if child.name not in seen],
+        }
+
+    return [node(root) for root in roots if root.name not in seen]
+
+
+def _label(item: dict[str, Any]) -> Text:
+    text = Text()
+    text.append(item["name"], style="bold")
+    state = state_word(item["state"], item["exit_code"])
+    text.append(f"  [{state}]", style=STATE_STYLE.get(item["state"], ""))
+    if item["last_step"] is not None:
+        text.append(f"  step {item['last_step']}")
+    if item["best_tau_sim"] is not None:
+        text.append(f"  best tau_sim {item['best_tau_sim']:.3f}")
+    if item["parent"] and not item["parent_recorded"]:
+        text.append(f"  (parent {item['parent']} not recorded)", style="dim")
+    if item["note"]:
+        text.append(f"\n  note: {item['note']}", style="italic")
+    if item["change_summary"]:
+        text.append(f"\n  vs parent: {item['change_summary']}", style="dim")
+    return text
+
+
+def forest_tree(forest: list[dict[str, Any]], title: str) -> Tree:
+    """One rich Tree whose top-level branches are the lineage roots."""
+    tree = Tree(Text(title, style="bold"), guide_style="dim")
+
+    def add(branch: Tree, item: dict[str, Any]) -> None:
+        child = branch.add(_label(item))
+        for sub in item["children"]:
+            add(child, sub)
+
+    for root in forest:
+        add(tree, root)
+    return tree
+
+
+def runs_table(runs: list[RunRecord], facts: Callable[[RunRecord], tuple[int | None, float | None]]) -> Table:
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for column in ("name", "parent", "state", "step", "target", "started", "note"):
+        table.add_column(column, overflow="fold", no_wrap=column in ("name", "state", "started"))
+    for run in runs:
+        last_step, _ = facts(run)
+        table.add_row(escape(run.name), escape(run.parent or "-"),
+                      Text(state_word(run.state, run.exit_code), style=STATE_STYLE.get(run.state, "")),
+                      "-" if last_step is None else str(last_step), escape(run.target), run.started_at,
+                      escape(run.note))
+    return table
+
+
+def show_table(run: RunRecord) -> Table:
+    table = Table(box=None, show_header=False, pad_edge=False)
+    table.add_column("field", style="bold")
+    table.add_column("value", overflow="fold")
+    for key, value in run.to_dict().items():
+        if key == "state":
+            table.add_row(key, Text(state_word(run.state, run.exit_code), style=STATE_STYLE.get(run.state, "")))
+            continue
+        if isinstance(value, (list, dict)):
+            value = json.dumps(value, sort_keys=True) if value else "-"
+        table.add_row(key, escape("-" if value in (None, "") else str(value)))
+    return table
+
+
+def export_text(runs: list[RunRecord], fmt: str) -> str:
+    """All records as JSON (a list of objects) or CSV (one row per run; lists/dicts as JSON cells)."""
+    if fmt == "json":
+        return json.dumps([run.to_dict() for run in runs], indent=2, sort_keys=True) + "\n"
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=EXPORT_COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    for run in runs:
+        row = run.to_dict()
+        writer.writerow({k: json.dumps(v, sort_keys=True) if isinstance(v, (list, dict)) else v for k, v in row.items()})
+    return buffer.getvalue()
