@@ -1,0 +1,213 @@
+"""prepare / inspect / tokenizer_utils on a real BPE tokenizer and a real tiny Qwen3 target (CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from trainer import inspect as inspect_cli
+from trainer import prepare as prepare_cli
+from trainer.shards import ShardedDataset, read_meta
+from trainer.tiny_world import WalkWorld, build_tiny_target
+from trainer.tokenizer_utils import (
+    build_tiny_tokenizer,
+    chat_template_sha256,
+    tokenize_conversation,
+    tokenize_prompt,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def world() -> WalkWorld:
+    return WalkWorld(num_words=24, answer_words=8)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory, world) -> Path:
+    """A hub-like model directory: random tiny Qwen3 + BPE tokenizer with a Qwen3-like chat template."""
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("target")
+    tokenizer = build_tiny_tokenizer(world.texts(), root / "tok", vocab_size=320)
+    build_tiny_target(root / "model", tokenizer, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
+    return root / "model"
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def test_loss_mask_covers_assistant_content_and_end_of_turn_only(target_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    messages = [{"role": "system", "content": "walk well"}, {"role": "user", "content": "walk north from bop"},
+                {"role": "assistant", "content": "bop bon feb"}, {"role": "user", "content": "again"},
+                {"role": "assistant", "content": "feb bug ."}]
+    ids, mask = tokenize_conversation(tokenizer, messages, enable_thinking=False)
+    supervised = tokenizer.decode([i for i, m in zip(ids, mask) if m])
+    assert supervised == "bop bon feb<|im_end|>feb bug .<|im_end|>"
+    assert "<think>" in tokenizer.decode(ids)  # thinking off: empty think block in the last turn, unsupervised
+    on = tokenize_prompt(tokenizer, messages[:2], enable_thinking=True)
+    off = tokenize_prompt(tokenizer, messages[:2], enable_thinking=False)
+    assert tokenizer.decode(off).endswith("<think>\n\n</think>\n\n") and not tokenizer.decode(on).endswith("</think>\n\n")
+
+
+def test_prepare_dataset_answers_with_shards_meta_and_inspect(target_dir, world, tmp_path, capsys):
+    conversations = world.conversations(5, seed=1)
+    source = write_jsonl(tmp_path / "in.jsonl", [{"messages": c} for c in conversations[:4]]
+                         + [{"prompt": "walk east from x", "response": "x y ."}])
+    out = tmp_path / "ds"
+    assert prepare_cli.main(["--target-model", str(target_dir), "--input", str(source), "--output-dir", str(out),
+                             "--shard-size", "2", "--enable-thinking", "off", "--num-workers", "2"]) == 0
+    dataset = ShardedDataset(out)
+    assert len(dataset) == 5 and sorted(p.name for p in out.glob("*.offsets.npy")) == [f"shard-0000{i}.offsets.npy" for i in range(3)]
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    for i, conversation in enumerate(conversations[:4]):
+        ids, mask = tokenize_conversation(tokenizer, conversation, False)
+        assert dataset[i].input_ids.tolist() == ids and dataset[i].loss_mask.tolist() == mask
+    meta = read_meta(out)
+    assert meta.chat_template_sha256 == chat_template_sha256(tokenizer) and meta.enable_thinking is False
+    assert meta.regenerated is False and meta.num_samples == 5
+    assert inspect_cli.main([str(out), "--sample", "4"]) == 0
+    report = capsys.readouterr().out
+    assert "samples            5" in report and "[[x y .<|im_end|>]]" in report and "length histogram" in report
+
+
+def test_regenerate_uses_target_greedy_answer(target_dir, world, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    conversations = world.conversations(3, seed=2)
+    rows = [{"messages": conversations[0]}, {"messages": conversations[1][:1]}, {"prompt": conversations[2][0]["content"]}]
+    out = tmp_path / "regen"
+    assert prepare_cli.main(["--target-model", str(target_dir), "--input", str(write_jsonl(tmp_path / "p.jsonl", rows)),
+                             "--output-dir", str(out), "--regenerate", "--max-new-tokens", "12", "--batch-size", "2",
+                             "--enable-thinking", "off"]) == 0
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    dataset = ShardedDataset(out)
+    for i, conversation in enumerate(conversations):
+        prompt = tokenize_prompt(tokenizer, conversation[:1], False)
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)[0, len(prompt):].tolist()
+        if tokenizer.eos_token_id in expected:
+            expected = expected[:expected.index(tokenizer.eos_token_id) + 1]
+        sample = dataset[i]
+        assert sample.input_ids.tolist() == prompt + expected
+        assert sample.loss_mask.tolist() == [0] * len(prompt) + [1] * len(expected)
+    meta = read_meta(out)
+    assert meta.regenerated and meta.enable_thinking is False and meta.extra["options"]["max_new_tokens"] == 12
+
+
+def test_interrupted_regeneration_resumes_without_duplicates(target_dir, world, tmp_path):
+    conversations = world.conversations(16, seed=3)
+    source = write_jsonl(tmp_path / "p.jsonl", [{"messages": c[:1]} for c in conversations])
+    out = tmp_path / "resume"
+    argv = ["--target-model", str(target_dir), "--input", str(source), "--output-dir", str(out), "--regenerate",
+            "--max-new-tokens", "24", "--shard-size", "2", "--batch-size", "1"]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    # A real process killed (SIGKILL: no cleanup) as soon as its first shard is on disk.
+    process = subprocess.Popen([sys.executable, "-m", "trainer.prepare", *argv], env=env, cwd=REPO,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    first = out / "shard-00000.offsets.npy"
+    deadline = time.monotonic() + 60
+    while not first.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert first.exists(), process.stderr.read().decode()
+    assert not (out / "meta.json").exists(), "prepare finished before it could be interrupted"
+    done_before = len(list(out.glob("*.offsets.npy")))
+    assert 1 <= done_before < 8
+    stamps = {p.name: p.stat().st_mtime_ns for p in out.glob("*.offsets.npy")}
+    assert prepare_cli.main(argv) == 0
+    assert all((out / name).stat().st_mtime_ns == stamp for name, stamp in stamps.items())  # complete shards skipped
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    dataset = ShardedDataset(out)
+    assert len(dataset) == 16
+    for i, conversation in enumerate(conversations):  # every prompt exactly once, in input order
+        prompt = tokenize_prompt(tokenizer, conversation[:1], None)
+        assert dataset[i].input_ids[:len(prompt)].tolist() == prompt and dataset[i].loss_mask[len(prompt):].all()
+
+
+def run_prepare(capsys, *argv: str) -> tuple[int, str]:
+    code = prepare_cli.main(list(argv))
+    return code, capsys.readouterr().err
+
+
+def test_malformed_line_reports_line_number_and_skip_bad(target_dir, world, tmp_path, capsys):
+    good = {"messages": world.conversations(1, seed=4)[0]}
+    source = write_jsonl(tmp_path / "bad.jsonl", [good, "{not json", good, {"text": "no prompt"}])
+    out = tmp_path / "ds"
+    code, err = run_prepare(capsys, "--target-model", str(target_dir), "--input", str(source), "--output-dir", str(out))
+    assert code == 2 and f"{source}:2: malformed JSON" in err and "--skip-bad" in err and not out.exists()
+    code, err = run_prepare(capsys, "--target-model", str(target_dir), "--input", str(source), "--output-dir", str(out), "--skip-bad")
+    assert code == 0 and "skipped 2 malformed line(s): 2, 4" in err
+    assert len(ShardedDataset(out)) == 2 and read_meta(out).extra["skipped_lines"] == [2, 4]
+
+
+def test_missing_assistant_turn_without_regenerate(target_dir, tmp_path, capsys):
+    source = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "walk north from bop"}])
+    code, err = run_prepare(capsys, "--target-model", str(target_dir), "--input", str(source), "--output-dir", str(tmp_path / "o"))
+    assert code == 2 and "record 1 has no assistant turn" in err and "--regenerate" in err and not (tmp_path / "o").exists()
+
+
+def test_tokenizer_without_chat_template(target_dir, tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(tmp_path / "plain")
+    for leftover in (tmp_path / "plain").glob("chat_template.*"):
+        leftover.unlink()
+    source = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a", "response": "b"}])
+    code, err = run_prepare(capsys, "--target-model", str(target_dir), "--tokenizer", str(tmp_path / "plain"),
+                            "--input", str(source), "--output-dir", str(tmp_path / "o"))
+    assert code == 2 and "the tokenizer has no chat template" in err and not (tmp_path / "o").exists()
+
+
+def test_output_dir_holding_a_different_dataset_is_refused(target_dir, tmp_path, capsys):
+    first = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "a", "response": "b"}])
+    second = write_jsonl(tmp_path / "b.jsonl", [{"prompt": "c", "response": "d"}])
+    out = tmp_path / "ds"
+    assert run_prepare(capsys, "--target-model", str(target_dir), "--input", str(first), "--output-dir", str(out))[0] == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    code, err = run_prepare(capsys, "--target-model", str(target_dir), "--input", str(second), "--output-dir", str(out))
+    assert code == 2 and "already holds a different dataset (differs in: input_sha256)" in err
+    code, err = run_prepare(capsys, "--target-model", str(target_dir), "--input", str(first), "--output-dir", str(out),
+                            "--enable-thinking", "on")
+    assert code == 2 and "enable_thinking" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing changed
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    code, err = run_prepare(capsys, "--target-model", str(target_dir), "--input", str(first), "--output-dir", str(foreign))
+    assert code == 2 and "holds no dataset made by prepare" in err and os.listdir(foreign) == ["notes.txt"]
+    # The same job again is a no-op resume.
+    code, err = run_prepare(capsys, "--target-model", str(target_dir), "--input", str(first), "--output-dir", str(out))
+    assert code == 0 and "1 of 1 shard(s) already complete" in err
+
+
+def test_inspect_of_a_directory_without_dataset(tmp_path, capsys):
+    assert inspect_cli.main([str(tmp_path)]) == 2
+    assert "is not a prepared dataset" in capsys.readouterr().err
+
+
+def test_length_histogram_counts_every_sample():
+    lines = inspect_cli.length_histogram(np.array([3, 3, 4, 10, 17]), bins=4)
+    assert sum(int(line.split()[1]) for line in lines) == 5
