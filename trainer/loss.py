@@ -124,7 +124,9 @@ def default_chunk_rows(vocab_size: int, block_size: int, budget_bytes: int = 1 <
 
 
 def _student_stats(logits: torch.Tensor, labels: torch.Tensor, temperature: float, want_tempered: bool):
-    """Row reductions of one chunk: (logsumexp, CE, argmax, logsumexp of logits/T or None), fp32 accumulation."""
+    """Row reductions of one chunk: (logsumexp, CE, argmax, logsumexp(logits/T) or None).
+
+    Upcast first: a bf16 logsumexp rounds its result to bf16 (ulp 0.06 at 12), far too coarse for CE."""
     acc = logits.to(torch.promote_types(logits.dtype, torch.float32))
     lse = torch.logsumexp(acc, dim=-1)
     ce = lse - acc.gather(1, labels[:, None]).squeeze(1)
@@ -142,15 +144,13 @@ def _logit_grad(
     kl_coef: torch.Tensor | None,
     temperature: float,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """d loss/d logits for one chunk in the GEMM dtype, and per-row KL(teacher_T || student_T) (or None).
+    """d loss/d logits of one chunk in the logits' dtype, and per-row KL(teacher_T || student_T) (or None).
 
-    Eager cost: a handful of fp32 [C, V] passes (in place where possible); it is written as one pure
-    function so that a caller may torch.compile it into ~2 fused passes on GPU."""
-    acc = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    grad = torch.exp(acc - lse[:, None])  # softmax
-    grad.mul_(ce_coef[:, None])
-    grad.scatter_add_(1, labels[:, None], -ce_coef[:, None])  # - onehot * coef
-    kl = None
+    ce_coef >= 0 is folded into the exponent, coef * softmax = exp(z - (lse - log coef)), which saves one
+    [C, V] pass in eager mode (coef 0 gives exp(-inf) = 0). Eager CE path: copy, sub, exp, cast = 4 fp32
+    passes (~20 B/element); torch.compile fuses it into one read and one write of the bf16 logits."""
+    acc = logits.to(torch.promote_types(logits.dtype, torch.float32), copy=True)  # private: modified in place
+    kl = kl_part = None
     if teacher_logits is not None:
         assert lse_student_t is not None and kl_coef is not None
         log_q = teacher_logits.to(acc.dtype, copy=True).div_(temperature)
@@ -159,8 +159,34 @@ def _logit_grad(
         diff = log_q - log_p
         q = log_q.exp_()
         kl = diff.mul_(q).sum(dim=-1)
-        grad.add_(log_p.exp_().sub_(q).mul_(kl_coef[:, None]))  # T^2 * (1/T) * (p_T - q), times kl_weight*w/norm
+        del diff
+        kl_part = log_p.exp_().sub_(q).mul_(kl_coef[:, None])  # T^2 * (1/T) * (p_T - q), times kl_weight*w/norm
+        del q
+    grad = acc.sub_((lse - torch.log(ce_coef))[:, None]).exp_()  # ce_coef * softmax
+    grad.scatter_add_(1, labels[:, None], -ce_coef[:, None])  # - ce_coef * onehot
+    if kl_part is not None:
+        grad.add_(kl_part)
     return grad.to(logits.dtype), kl
+
+
+@dataclass
+class ChunkKernels:
+    """The two per-chunk [C, V] element-wise functions (row statistics, then d loss/d logits).
+
+    Eager by default. ``make_chunk_kernels(compiled=True)`` wraps fresh torch.compile objects: the caller
+    owns them (one per device / worker thread, warmed up before threads start, METHOD.md 6), never a
+    process-wide singleton. Each distinct chunk shape (usually full chunks + one short last chunk) compiles
+    once; the soft-label variant compiles separately."""
+
+    stats: Callable[..., tuple] = _student_stats
+    logit_grad: Callable[..., tuple] = _logit_grad
+
+
+def make_chunk_kernels(compiled: bool) -> ChunkKernels:
+    """Eager kernels, or new torch.compile'd ones (compilation happens lazily at the first call)."""
+    if not compiled:
+        return ChunkKernels()
+    return ChunkKernels(stats=torch.compile(_student_stats), logit_grad=torch.compile(_logit_grad))
 
 
 def _cap_coefficients(ce: torch.Tensor, valid: torch.Tensor, block_size: int, scale: float):
@@ -205,7 +231,7 @@ def dflash_loss(
     cap_lambda: float = 0.0,
     num_blocks_normalizer: float = 1.0,
     chunk_size: int | None = None,
-    logit_grad_fn: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] | None = None,
+    kernels: ChunkKernels | None = None,
 ) -> LossResult:
     """The DFlash loss of one micro-batch; see the module docstring for the formula.
 
@@ -213,14 +239,14 @@ def dflash_loss(
     autocast is switched off inside), labels [M] int64 (any value where weights == 0), weights [M] float
     (w_k * mask, 0 on slot 0). teacher_hidden [M, H]: the target's final hidden at p+k-1, required when
     kl_weight > 0. chunk_size: rows per chunk, rounded down to whole blocks (default: ~1 GiB fp32 logits).
-    logit_grad_fn: a drop-in for ``_logit_grad`` (e.g. ``torch.compile(_logit_grad)``, owned per device
-    by the caller). The d/d hidden GEMM is skipped when hidden does not require grad (eval).
+    kernels: the per-chunk element-wise functions (default eager; see ``make_chunk_kernels``).
+    The d/d hidden GEMM is skipped when hidden does not require grad (eval).
     """
     _check_inputs(hidden, lm_head_weight, labels, weights, teacher_hidden, block_size, normalizer,
                   kl_weight, kl_temperature, cap_lambda, num_blocks_normalizer, chunk_size)
     rows, vocab = hidden.shape[0], lm_head_weight.shape[0]
     use_kl, use_cap = kl_weight > 0, cap_lambda > 0
-    grad_fn = logit_grad_fn or _logit_grad
+    kernels = kernels or ChunkKernels()
     chunk = default_chunk_rows(vocab, block_size) if chunk_size is None else chunk_size
     chunk = max(block_size, chunk // block_size * block_size)
     want_grad = hidden.requires_grad and torch.is_grad_enabled()
@@ -244,7 +270,7 @@ def dflash_loss(
             h = hidden[start:end].detach().to(gemm_dtype)
             lab, w = safe_labels[start:end], weights_acc[start:end]
             logits = h @ lm_head_weight.T  # GEMM 1
-            lse, ce, argmax, lse_t = _student_stats(logits, lab, kl_temperature, use_kl)
+            lse, ce, argmax, lse_t = kernels.stats(logits, lab, kl_temperature, use_kl)
             correct[start:end] = argmax == labels[start:end]
             ce_sum += (w * ce).sum()
             ce_coef = w * inv_norm
@@ -257,7 +283,7 @@ def dflash_loss(
                 assert teacher_hidden is not None
                 teacher_logits = teacher_hidden[start:end].detach().to(gemm_dtype) @ lm_head_weight.T  # GEMM 3
                 kl_coef = w * (inv_norm * kl_weight * kl_temperature)
-            grad_logits, kl = grad_fn(logits, lab, lse, ce_coef, teacher_logits, lse_t, kl_coef, kl_temperature)
+            grad_logits, kl = kernels.logit_grad(logits, lab, lse, ce_coef, teacher_logits, lse_t, kl_coef, kl_temperature)
             if kl is not None:
                 kl_sum += (w * kl).sum()
             if grad_hidden is not None:
