@@ -247,7 +247,9 @@ class LineageDB:
 
     def root(self, name: str) -> str:
         """Lineage root of `name` (the W&B group): its oldest recorded ancestor."""
-        return lineage_root(name, lambda n: self.get(n).parent if self._exists(n) else None)
+        self.get(name)
+        names = self.names()
+        return lineage_root(name, lambda n: parent if (parent := self.get(n).parent) in names else None)
 
     def set_state(self, name: str, state: str, **fields: Any) -> RunRecord:
         """Update a run's state and any of exit_code, last_step, note, session, extra (merged into the
