@@ -1,0 +1,643 @@
+"""dflashops agent: a stdlib-only program that runs inside the target with its own python3.
+
+Contract: `python3 agent.py VERB [--json-args JSON | --json-stdin]` prints exactly ONE JSON line on stdout,
+`{"ok": true, ...}` or `{"ok": false, "error": "...", "code": "..."}`, and exits 0 either way (exit 2 only
+for a request that could not even be parsed, still with its JSON line). The controller trusts the JSON line,
+never the exit status, because ssh (255) and pct/lxc-attach (1) make exit codes ambiguous.
+
+With `--json-stdin` the request is read from stdin (launch uses this so that secrets in the environment of
+the launched process never appear on a command line). `install` reads one JSON request line from stdin,
+then the tar stream of the changed files.
+
+Verbs: ping, launch, stop, status, tail, gpus, clear-cache, manifest, install, gc, and the internal `wrap`
+(the launch wrapper that records pid/pgid/exit code). It is one file, longer than the usual module size,
+because it is uploaded alone and run with whatever python3 the container has.
+
+It never kills by name: only the recorded process group of a run and processes whose environment carries
+the run's unique marker (DFLASHOPS_RUN_ID=<name>.<nonce>).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+
+NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+HASH_RE = re.compile(r"^[0-9a-f]{8,64}$")
+MARKER_KEY = "DFLASHOPS_RUN_ID"
+ERROR_LINE_RE = re.compile(r"(Traceback \(most recent call last\)|^\w*(Error|Exception)\b.*)")
+
+
+class AgentFailure(Exception):
+    """A refusal the controller shows to the user; `code` is machine-readable (not_found, conflict, ...)."""
+
+    def __init__(self, message: str, code: str = "error") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def check_name(value: object, what: str = "run name") -> str:
+    text = str(value or "")
+    if not NAME_RE.match(text) or text in (".", "..") or ".." in text or text.startswith("-"):
+        raise AgentFailure(f"invalid {what} {text!r}", "bad_request")
+    return text
+
+
+def run_dir(req: dict) -> str:
+    workspace = req.get("workspace")
+    if not isinstance(workspace, str) or not os.path.isabs(workspace):
+        raise AgentFailure("workspace must be an absolute path", "bad_request")
+    return os.path.join(workspace, "runs", check_name(req.get("name")))
+
+
+def write_atomic(path: str, text: str, mode: int = 0o644) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def read_text(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            return handle.read()
+    except OSError:
+        return None
+
+
+def read_json(path: str) -> dict | None:
+    text = read_text(path)
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def read_int(path: str) -> int | None:
+    text = read_text(path)
+    try:
+        return int(text.strip()) if text is not None else None
+    except ValueError:
+        return None
+
+
+# ------------------------------------------------------------------------------------ process discovery
+def proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, pgid) of a live process, or None when it is gone."""
+    text = read_text(f"/proc/{pid}/stat")
+    if not text:
+        return None
+    fields = text[text.rfind(")") + 2 :].split()  # comm may contain spaces and parentheses
+    return fields[0], int(fields[2])
+
+
+def alive(pid: int) -> bool:
+    stat = proc_stat(pid)
+    return stat is not None and stat[0] not in ("Z", "X")
+
+
+def all_pids() -> list[int]:
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+
+
+def run_pids(pgid: int | None, marker: str | None) -> set[int]:
+    """Live processes of a run: members of its process group, plus any process whose environment has the
+    run's exact marker (children that called setsid left the group but kept the environment)."""
+    found: set[int] = set()
+    needle = f"{MARKER_KEY}={marker}".encode() if marker else None
+    for pid in all_pids():
+        if pid == os.getpid():
+            continue
+        stat = proc_stat(pid)
+        if stat is None or stat[0] in ("Z", "X"):
+            continue
+        if pgid and stat[1] == pgid:
+            found.add(pid)
+            continue
+        if needle:
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as handle:
+                    if needle in handle.read().split(b"\0"):
+                        found.add(pid)
+            except OSError:
+                pass
+    return found
+
+
+def signal_run(pgid: int | None, pids: set[int], signum: int) -> None:
+    """Signal the run's group and each marked process; never anything else."""
+    if pgid and pgid > 1:
+        try:
+            os.killpg(pgid, signum)
+        except ProcessLookupError:
+            pass
+    for pid in pids:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+# ---------------------------------------------------------------------------------------------- launch
+def tmux_socket(workspace: str) -> str:
+    """One tmux server per workspace, so `=name` targets and kills never touch anyone else's sessions."""
+    return "dflashops-" + hashlib.sha1(workspace.encode()).hexdigest()[:10]
+
+
+def verb_launch(req: dict) -> dict:
+    directory = run_dir(req)
+    argv = req.get("argv")
+    if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
+        raise AgentFailure("argv must be a non-empty list of strings", "bad_request")
+    env = req.get("env") or {}
+    if not isinstance(env, dict):
+        raise AgentFailure("env must be an object", "bad_request")
+    launcher = req.get("launcher", "nohup")
+    if launcher not in ("tmux", "nohup"):
+        raise AgentFailure(f"unknown launcher {launcher!r}", "bad_request")
+    if launcher == "tmux" and not shutil.which("tmux"):
+        raise AgentFailure("tmux is not installed on the target", "missing_tool")
+    os.makedirs(os.path.dirname(directory), exist_ok=True)
+    try:
+        os.mkdir(directory)  # atomic claim of the name: a second launch of the same name fails here
+    except FileExistsError:
+        raise AgentFailure(f"run directory {directory} already exists", "conflict") from None
+    marker = f"{req['name']}.{os.urandom(6).hex()}"
+    run_json = dict(req.get("run_json") or {})
+    run_json.update(name=req["name"], launcher=launcher, session=req["name"], run_dir=directory)
+    write_atomic(os.path.join(directory, "run.json"), json.dumps(run_json, indent=2, sort_keys=True) + "\n")
+    write_atomic(os.path.join(directory, "marker"), marker + "\n")
+    # Secrets reach the wrapper through this 0600 file, which the wrapper deletes before starting the job.
+    launch_env = {str(k): str(v) for k, v in env.items()}
+    launch_env.update(DFLASHOPS_RUN=req["name"], **{MARKER_KEY: marker})
+    spec = {"argv": argv, "env": launch_env, "cwd": req.get("cwd") or directory}
+    write_atomic(os.path.join(directory, ".launch.json"), json.dumps(spec), mode=0o600)
+    wrapper = [sys.executable, os.path.abspath(__file__), "wrap", "--json-args", json.dumps({"dir": directory})]
+    if launcher == "tmux":
+        socket = tmux_socket(req["workspace"])
+        subprocess.run(
+            ["tmux", "-L", socket, "new-session", "-d", "-s", req["name"], "-x", "200", "-y", "50", "--", *wrapper],
+            check=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=20,
+        )
+    else:
+        with open(os.devnull, "rb") as devnull, open(os.path.join(directory, "train.log"), "ab") as log:
+            subprocess.Popen(wrapper, stdin=devnull, stdout=log, stderr=log, start_new_session=True, close_fds=True)
+    pgid = wait_for_file(os.path.join(directory, "pgid"), 10.0)
+    if pgid is None:
+        raise AgentFailure(f"the launch wrapper did not start (see {directory}/train.log)", "launch_failed")
+    return {"run_dir": directory, "pgid": pgid, "marker": marker, "launcher": launcher}
+
+
+def wait_for_file(path: str, timeout: float) -> int | None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = read_int(path)
+        if value is not None:
+            return value
+        time.sleep(0.02)
+    return None
+
+
+def verb_wrap(req: dict) -> dict:
+    """Runs as the leader of the run's new process group/session (setsid or tmux pane). Starts the job with
+    output appended to train.log, records pid/pgid, waits, and writes `exit_code` (128+N for signal N)."""
+    directory = req["dir"]
+    spec_path = os.path.join(directory, ".launch.json")
+    with open(spec_path, encoding="utf-8") as handle:
+        spec = json.load(handle)
+    os.unlink(spec_path)
+    if os.getpgrp() != os.getpid():
+        os.setsid()
+    # Python-level handlers (not SIG_IGN, which exec would pass on to the job): the wrapper outlives the
+    # group-wide SIGTERM so it can record the job's real exit status.
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(signum, lambda *_: None)
+    env = dict(os.environ)
+    env.update(spec["env"])
+    log_path = os.path.join(directory, "train.log")
+    with open(log_path, "ab") as log:
+        try:
+            child = subprocess.Popen(spec["argv"], cwd=spec["cwd"], env=env, stdin=subprocess.DEVNULL,
+                                     stdout=log, stderr=log)
+        except OSError as exc:
+            log.write(f"dflashops: cannot start {spec['argv'][0]}: {exc}\n".encode())
+            write_atomic(os.path.join(directory, "pgid"), f"{os.getpgrp()}\n")
+            write_atomic(os.path.join(directory, "exit_code"), "127\n")
+            return {"exit_code": 127}
+    write_atomic(os.path.join(directory, "pid"), f"{child.pid}\n")
+    write_atomic(os.path.join(directory, "pgid"), f"{os.getpgrp()}\n")
+    tee = sys.stdout.isatty()  # in a tmux pane: mirror the log for humans who attach
+    offset = os.path.getsize(log_path)
+    while True:
+        try:
+            code = child.wait(timeout=0.2)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        except InterruptedError:
+            continue
+        if tee:
+            offset = mirror(log_path, offset)
+    if tee:
+        mirror(log_path, offset)
+    status = code if code >= 0 else 128 - code
+    write_atomic(os.path.join(directory, "exit_code"), f"{status}\n")
+    return {"exit_code": status}
+
+
+def mirror(path: str, offset: int) -> int:
+    with open(path, "rb") as handle:
+        handle.seek(offset)
+        data = handle.read()
+    if data:
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()
+    return offset + len(data)
+
+
+# ------------------------------------------------------------------------------------------------ stop
+def gpu_apps() -> dict[int, int] | None:
+    """pid -> used MiB of compute processes, or None when nvidia-smi is absent."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=30)
+    apps: dict[int, int] = {}
+    for line in out.stdout.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 2 and parts[0].isdigit():
+            apps[int(parts[0])] = int(parts[1]) if parts[1].isdigit() else 0
+    return apps
+
+
+def wait_gone(pgid: int | None, marker: str | None, timeout: float) -> set[int]:
+    deadline = time.monotonic() + timeout
+    while True:
+        left = run_pids(pgid, marker)
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.05)
+
+
+def verb_stop(req: dict) -> dict:
+    """TERM the run's group and marked processes, wait `grace`, KILL what is left, wait until all are gone
+    and (with nvidia-smi) until none of the run's pids holds GPU memory. Refuses a run that is not running."""
+    directory = run_dir(req)
+    if not os.path.isdir(directory):
+        raise AgentFailure(f"run {req['name']!r} does not exist on this target", "not_found")
+    pgid = read_int(os.path.join(directory, "pgid"))
+    marker = (read_text(os.path.join(directory, "marker")) or "").strip() or None
+    pids = run_pids(pgid, marker)
+    if not pids:
+        raise AgentFailure(f"run {req['name']!r} is not running", "not_running")
+    grace = float(req.get("grace", 60.0))
+    all_seen = set(pids)
+    started = time.monotonic()
+    write_atomic(os.path.join(directory, "stop.json"), json.dumps({"requested_at": time.time()}) + "\n")
+    signal_run(pgid, pids, signal.SIGTERM)
+    left = wait_gone(pgid, marker, grace)
+    escalated = bool(left)
+    if left:
+        all_seen |= left
+        signal_run(pgid, left, signal.SIGKILL)
+        left = wait_gone(pgid, marker, float(req.get("kill_timeout", 10.0)))
+    if left:
+        raise AgentFailure(f"processes {sorted(left)} of run {req['name']!r} survived SIGKILL", "stuck")
+    gpu_released = wait_gpu_release(all_seen, float(req.get("gpu_timeout", 60.0)))
+    if read_int(os.path.join(directory, "exit_code")) is None:
+        # The wrapper itself was SIGKILLed before it could write the status; record what happened to it.
+        write_atomic(os.path.join(directory, "exit_code"), f"{128 + signal.SIGKILL}\n")
+    if shutil.which("tmux"):
+        subprocess.run(["tmux", "-L", tmux_socket(req["workspace"]), "kill-session", "-t", "=" + req["name"]],
+                       capture_output=True, timeout=10)
+    result = {"escalated": escalated, "signalled": sorted(all_seen), "gpu_released": gpu_released,
+              "exit_code": read_int(os.path.join(directory, "exit_code")),
+              "seconds": round(time.monotonic() - started, 3)}
+    stop_info = read_json(os.path.join(directory, "stop.json")) or {}
+    stop_info.update(result, finished_at=time.time())
+    write_atomic(os.path.join(directory, "stop.json"), json.dumps(stop_info) + "\n")
+    return result
+
+
+def wait_gpu_release(pids: set[int], timeout: float) -> bool | None:
+    """None without nvidia-smi; else True once no pid of the run is listed as a GPU compute app."""
+    apps = gpu_apps()
+    if apps is None:
+        return None
+    deadline = time.monotonic() + timeout
+    while pids & set(apps):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.5)
+        apps = gpu_apps() or {}
+    return True
+
+
+# ---------------------------------------------------------------------------------------------- status
+def last_lines(path: str, max_bytes: int = 65536) -> list[str]:
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(max(0, os.path.getsize(path) - max_bytes))
+            return handle.read().decode("utf-8", errors="replace").splitlines()
+    except OSError:
+        return []
+
+
+def run_status(directory: str) -> dict:
+    name = os.path.basename(directory)
+    run_json = read_json(os.path.join(directory, "run.json")) or {}
+    exit_code = read_int(os.path.join(directory, "exit_code"))
+    pgid = read_int(os.path.join(directory, "pgid"))
+    marker = (read_text(os.path.join(directory, "marker")) or "").strip() or None
+    live = sorted(run_pids(pgid, marker)) if exit_code is None or pgid else []
+    trainer_status = read_json(os.path.join(directory, "status.json"))
+    metrics_lines = last_lines(os.path.join(directory, "metrics.jsonl"), 16384)
+    last_metrics = None
+    for line in reversed(metrics_lines):
+        try:
+            last_metrics = json.loads(line)
+            break
+        except ValueError:
+            continue
+    log_tail = last_lines(os.path.join(directory, "train.log"))
+    error_line = next((l for l in reversed(log_tail) if ERROR_LINE_RE.search(l) and "Traceback" not in l), None)
+    if error_line is None and trainer_status and trainer_status.get("error"):
+        error_line = str(trainer_status["error"])
+    step = (last_metrics or {}).get("step", (trainer_status or {}).get("step"))
+    stopped = os.path.exists(os.path.join(directory, "stop.json"))
+    if live:
+        state = "stopping" if stopped else "running"
+    elif exit_code is None:
+        state = "lost" if pgid else "launching"
+    elif stopped:
+        state = "stopped"
+    elif exit_code == 0:
+        state = "finished"
+    else:
+        state = "crashed"
+    checkpoints = sorted(d for d in os.listdir(os.path.join(directory, "checkpoints"))
+                         if d.startswith("step_")) if os.path.isdir(os.path.join(directory, "checkpoints")) else []
+    return {"name": name, "state": state, "exit_code": exit_code, "pids": live, "pgid": pgid, "step": step,
+            "error_line": error_line if state in ("crashed", "lost") else None, "trainer_status": trainer_status,
+            "last_metrics": last_metrics, "last_log_line": log_tail[-1] if log_tail else None,
+            "checkpoints": checkpoints, "run_dir": directory, "run_json": run_json}
+
+
+def verb_status(req: dict) -> dict:
+    if req.get("name"):
+        directory = run_dir(req)
+        if not os.path.isdir(directory):
+            raise AgentFailure(f"run {req['name']!r} does not exist on this target", "not_found")
+        return {"runs": [run_status(directory)]}
+    runs_root = os.path.join(workspace_of(req), "runs")
+    names = sorted(os.listdir(runs_root)) if os.path.isdir(runs_root) else []
+    return {"runs": [run_status(os.path.join(runs_root, n)) for n in names if NAME_RE.match(n)]}
+
+
+# ------------------------------------------------------------------------------------------------ tail
+def verb_tail(req: dict) -> dict:
+    """Bytes of train.log from `offset`, cut at the last newline so no line is split or repeated. `inode`
+    (from the previous answer) detects rotation: the rest of the rotated `train.log.1` comes first."""
+    directory = run_dir(req)
+    path = os.path.join(directory, "train.log")
+    if not os.path.exists(path):
+        raise AgentFailure(f"run {req['name']!r} has no log (it never started here)", "not_found")
+    offset, inode = int(req.get("offset", 0)), req.get("inode")
+    max_bytes = int(req.get("max_bytes", 1 << 20))
+    current_inode = os.stat(path).st_ino
+    source, rotated = path, False
+    if inode is not None and int(inode) != current_inode:
+        old = path + ".1"
+        if os.path.exists(old) and os.stat(old).st_ino == int(inode):
+            source = old
+        rotated = True
+    with open(source, "rb") as handle:
+        handle.seek(offset)
+        data = handle.read(max_bytes)
+        at_end = handle.read(1) == b""
+    finished = read_int(os.path.join(directory, "exit_code")) is not None
+    if at_end and (rotated or finished):
+        pass  # the file is complete: deliver everything, including a last line without a newline
+    elif b"\n" in data:
+        data = data[: data.rfind(b"\n") + 1]  # keep a partial last line for the next call
+    elif len(data) < max_bytes:
+        data = b""
+    if rotated and at_end:
+        next_offset, next_inode = 0, current_inode
+    else:
+        next_offset, next_inode = offset + len(data), os.stat(source).st_ino
+    return {"data": data.decode("utf-8", errors="replace"), "offset": next_offset, "inode": next_inode,
+            "finished": finished}
+
+
+# -------------------------------------------------------------------------------- gpus, cache, releases
+def verb_gpus(req: dict) -> dict:
+    if not shutil.which("nvidia-smi"):
+        return {"available": False, "gpus": []}
+    out = subprocess.run(["nvidia-smi", "--query-gpu=index,name,memory.used,memory.total,utilization.gpu",
+                          "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30)
+    gpus = []
+    for line in out.stdout.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 5:
+            gpus.append({"index": int(parts[0]), "name": parts[1], "memory_used_mib": int(parts[2]),
+                         "memory_total_mib": int(parts[3]), "utilization_pct": int(parts[4])})
+    return {"available": True, "gpus": gpus}
+
+
+def workspace_of(req: dict) -> str:
+    workspace = req.get("workspace")
+    if not isinstance(workspace, str) or not os.path.isabs(workspace):
+        raise AgentFailure("workspace must be an absolute path", "bad_request")
+    return workspace
+
+
+def verb_clear_cache(req: dict) -> dict:
+    """Remove exactly <workspace>/cache/inductor/<code_hash> (this code's compile cache) and nothing else."""
+    code_hash = str(req.get("code_hash") or "")
+    if not HASH_RE.match(code_hash):
+        raise AgentFailure(f"invalid code hash {code_hash!r}", "bad_request")
+    path = os.path.join(workspace_of(req), "cache", "inductor", code_hash)
+    existed = os.path.isdir(path)
+    if existed:
+        shutil.rmtree(path)
+    return {"removed": path if existed else None}
+
+
+def file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verb_manifest(req: dict) -> dict:
+    """The current release's code hash and per-file sha256 (written at install, so this reads one file)."""
+    current = os.path.join(workspace_of(req), "releases", "current")
+    if not os.path.islink(current):
+        return {"release": None, "files": {}}
+    target = os.path.realpath(current)
+    manifest = read_json(os.path.join(target, ".manifest.json"))
+    if manifest is None:
+        return {"release": None, "files": {}}
+    return {"release": os.path.basename(target), "path": target, "files": manifest}
+
+
+def safe_members(archive: tarfile.TarFile) -> list[tarfile.TarInfo]:
+    members = []
+    for member in archive.getmembers():
+        parts = member.name.split("/")
+        if member.name.startswith("/") or ".." in parts or not (member.isfile() or member.isdir()):
+            raise AgentFailure(f"refusing tar member {member.name!r}", "bad_request")
+        members.append(member)
+    return members
+
+
+def verb_install(req: dict, stdin: bytes) -> dict:
+    """Unpack the tar of changed files into a temp dir, hard-link unchanged files from the previous release,
+    verify every hash, rename to releases/<hash>/, then flip `current` atomically. A cut anywhere before the
+    rename leaves only a `.tmp-*` folder (removed by the next install); `current` never points at a partial tree."""
+    workspace = workspace_of(req)
+    code_hash = str(req.get("hash") or "")
+    files = req.get("files")
+    if not HASH_RE.match(code_hash) or not isinstance(files, dict):
+        raise AgentFailure("install needs a hash and a files manifest", "bad_request")
+    releases = os.path.join(workspace, "releases")
+    os.makedirs(releases, exist_ok=True)
+    for entry in os.listdir(releases):
+        if entry.startswith(".tmp-"):
+            shutil.rmtree(os.path.join(releases, entry), ignore_errors=True)
+    final = os.path.join(releases, code_hash)
+    if not os.path.isdir(final):
+        tmp = os.path.join(releases, f".tmp-{code_hash}-{os.getpid()}")
+        os.makedirs(tmp)
+        with tarfile.open(fileobj=io.BytesIO(stdin), mode="r:") as archive:
+            archive.extractall(tmp, members=safe_members(archive))
+        base = req.get("base")
+        base_dir = os.path.join(releases, base) if isinstance(base, str) and HASH_RE.match(base) else None
+        for rel in req.get("link") or []:
+            source = os.path.join(base_dir or "/nonexistent", rel)
+            dest = os.path.join(tmp, rel)
+            if ".." in rel.split("/") or not os.path.isfile(source):
+                raise AgentFailure(f"cannot link unchanged file {rel!r} from release {base!r}", "bad_request")
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            os.link(source, dest)
+        for rel, digest in files.items():
+            path = os.path.join(tmp, rel)
+            if not os.path.isfile(path) or file_sha256(path) != digest:
+                shutil.rmtree(tmp)
+                raise AgentFailure(f"release file {rel!r} is missing or corrupt after transfer", "corrupt")
+        write_atomic(os.path.join(tmp, ".manifest.json"), json.dumps(files, sort_keys=True))
+        os.rename(tmp, final)
+    link_tmp = os.path.join(releases, f".current-{os.getpid()}")
+    os.symlink(code_hash, link_tmp)
+    os.replace(link_tmp, os.path.join(releases, "current"))  # rename(2) over the old link: atomic flip
+    removed = prune_releases(workspace, int(req.get("keep", 5)))
+    return {"release": code_hash, "path": final, "removed": removed}
+
+
+def releases_in_use(workspace: str) -> set[str]:
+    """Releases that a live run was started from (its run.json names the resolved release path)."""
+    used: set[str] = set()
+    runs_root = os.path.join(workspace, "runs")
+    for name in os.listdir(runs_root) if os.path.isdir(runs_root) else []:
+        directory = os.path.join(runs_root, name)
+        if read_int(os.path.join(directory, "exit_code")) is None:
+            release = (read_json(os.path.join(directory, "run.json")) or {}).get("release")
+            if isinstance(release, str):
+                used.add(os.path.basename(release.rstrip("/")))
+    return used
+
+
+def prune_releases(workspace: str, keep: int) -> list[str]:
+    releases = os.path.join(workspace, "releases")
+    current = os.path.basename(os.path.realpath(os.path.join(releases, "current")))
+    entries = [e for e in os.listdir(releases) if HASH_RE.match(e) and os.path.isdir(os.path.join(releases, e))]
+    entries.sort(key=lambda e: os.stat(os.path.join(releases, e)).st_mtime, reverse=True)
+    protected = releases_in_use(workspace) | {current}
+    removed = []
+    for entry in entries[max(keep, 1):]:
+        if entry not in protected:
+            shutil.rmtree(os.path.join(releases, entry))
+            removed.append(entry)
+    return removed
+
+
+def verb_gc(req: dict) -> dict:
+    """Explicit clean-up: old releases beyond `keep`, and the run directories named in `runs` that are not
+    running. Nothing else is ever deleted."""
+    workspace = workspace_of(req)
+    removed_runs = []
+    for name in req.get("runs") or []:
+        directory = run_dir({"workspace": workspace, "name": name})
+        if not os.path.isdir(directory):
+            raise AgentFailure(f"run {name!r} does not exist on this target", "not_found")
+        if run_status(directory)["state"] in ("running", "stopping", "launching"):
+            raise AgentFailure(f"run {name!r} is still running; stop it first", "conflict")
+    for name in req.get("runs") or []:
+        shutil.rmtree(run_dir({"workspace": workspace, "name": name}))
+        removed_runs.append(name)
+    removed = prune_releases(workspace, int(req.get("keep", 5))) if os.path.isdir(
+        os.path.join(workspace, "releases")) else []
+    return {"removed_releases": removed, "removed_runs": removed_runs}
+
+
+# ------------------------------------------------------------------------------------------------ main
+VERBS = {"ping": lambda req: {"version": 1, "python": sys.version.split()[0]}, "launch": verb_launch,
+         "stop": verb_stop, "status": verb_status, "tail": verb_tail, "gpus": verb_gpus,
+         "clear-cache": verb_clear_cache, "manifest": verb_manifest, "gc": verb_gc, "wrap": verb_wrap}
+
+
+def main(argv: list[str]) -> int:
+    verb = argv[0] if argv else ""
+    try:
+        if verb != "install" and verb not in VERBS:
+            raise AgentFailure(f"unknown verb {verb!r}; verbs: {', '.join(sorted(VERBS))}, install", "bad_request")
+        stdin = b""
+        if verb == "install":  # stdin: one JSON request line, then the tar stream (no argv length limits)
+            header, _, stdin = sys.stdin.buffer.read().partition(b"\n")
+            raw = header.decode("utf-8", errors="replace")
+        elif "--json-args" in argv[1:]:
+            raw = argv[argv.index("--json-args") + 1] if argv.index("--json-args") + 1 < len(argv) else ""
+        elif "--json-stdin" in argv[1:]:
+            raw = sys.stdin.read()
+        else:
+            raw = "{}"
+        try:
+            req = json.loads(raw)
+        except ValueError as exc:
+            raise AgentFailure(f"request is not valid JSON: {exc}", "bad_request") from None
+        if not isinstance(req, dict):
+            raise AgentFailure("request must be a JSON object", "bad_request")
+        result = verb_install(req, stdin) if verb == "install" else VERBS[verb](req)
+        if verb == "wrap":
+            return int(result["exit_code"])
+        print(json.dumps({"ok": True, **result}), flush=True)
+        return 0
+    except AgentFailure as exc:
+        print(json.dumps({"ok": False, "error": str(exc), "code": exc.code}), flush=True)
+        return 2 if exc.code == "bad_request" else 0
+    except (OSError, subprocess.SubprocessError, KeyError, ValueError, TypeError) as exc:
+        print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}", "code": "internal"}), flush=True)
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

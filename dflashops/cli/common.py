@@ -1,0 +1,59 @@
+"""Helpers every verb module shares: opening a Session, printing data vs progress, colour rules.
+
+Data goes to stdout, progress and logs to stderr. Colour is used only on a terminal and never when
+NO_COLOR is set, and meaning never depends on colour (states are words, errors start with `error:`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from dflashops.inventory import load_inventory
+from dflashops.ops.session import Session
+
+
+@contextmanager
+def open_session(args: argparse.Namespace, *, dry_run: bool = False) -> Iterator[Session]:
+    session = Session(load_inventory(getattr(args, "inventory", None)), dry_run=dry_run)
+    try:
+        yield session
+    finally:
+        session.close()
+
+
+def progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def emit_json(value: Any) -> None:
+    print(json.dumps(value, indent=2, sort_keys=True, default=str))
+
+
+def use_colour(stream: Any = sys.stdout) -> bool:
+    return "NO_COLOR" not in os.environ and hasattr(stream, "isatty") and stream.isatty()
+
+
+def highlight_errors(text: str, stream: Any = sys.stdout) -> str:
+    """Tracebacks and error lines in bold red on a colour terminal; unchanged otherwise (the words
+    `Traceback` / `Error` already carry the meaning)."""
+    if not use_colour(stream):
+        return text
+    out = []
+    for line in text.splitlines(keepends=True):
+        if "Traceback (most recent call last)" in line or "Error" in line or line.startswith("  File "):
+            out.append(f"\x1b[1;31m{line.rstrip(chr(10))}\x1b[0m" + ("\n" if line.endswith("\n") else ""))
+        else:
+            out.append(line)
+    return "".join(out)
+
+
+def print_plan(session: Session) -> None:
+    """The dry-run plan: the exact commands that would run, one per line, on stdout."""
+    for line in session.plan:
+        print(line)

@@ -1,0 +1,169 @@
+"""`stop`, `status`, `logs`, `exec`, `attach`, `gc`: thin wrappers over dflashops.ops."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from typing import Any
+
+from dflashops.cli.common import emit_json, highlight_errors, open_session, print_plan, progress
+from dflashops.errors import TransportError, UsageError
+from dflashops.ops.control import LogCursor, read_log, run_status, stop_run, wait_for
+from dflashops.shell import validate_name
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("stop", help="stop a run: SIGTERM its process group, grace, SIGKILL, wait")
+    p.add_argument("run")
+    p.add_argument("--target", help="target (default: the one the lineage records for RUN)")
+    p.add_argument("--grace", type=float, default=60.0, help="seconds between SIGTERM and SIGKILL (default 60)")
+    p.add_argument("--dry-run", action="store_true", help="print the commands that would run; change nothing")
+    p.set_defaults(func=handle_stop)
+
+    s = subparsers.add_parser("status", help="state of one run or of every run on a target")
+    s.add_argument("run", nargs="?")
+    s.add_argument("--target")
+    s.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    s.set_defaults(func=handle_status)
+
+    lg = subparsers.add_parser("logs", help="print or follow a run's train.log")
+    lg.add_argument("run")
+    lg.add_argument("--target")
+    lg.add_argument("-f", "--follow", action="store_true", help="keep following until the run ends")
+    lg.add_argument("--since", type=int, default=0, metavar="BYTES", help="start at this byte offset")
+    lg.add_argument("--until", metavar="REGEX", help="follow until REGEX matches a line (exit 0)")
+    lg.add_argument("--fail-on", metavar="REGEX", help="exit non-zero (7) when REGEX matches a line")
+    lg.add_argument("--timeout", type=float, help="give up after this many seconds (exit 8)")
+    lg.add_argument("--raw", action="store_true", help="no highlighting")
+    lg.set_defaults(func=handle_logs)
+
+    ex = subparsers.add_parser("exec", help="run a command on a target: dflashops exec TARGET -- argv")
+    ex.add_argument("target")
+    ex.add_argument("--dry-run", action="store_true")
+    ex.set_defaults(func=handle_exec)
+
+    at = subparsers.add_parser("attach", help="attach to a run's tmux session (for humans)")
+    at.add_argument("run")
+    at.add_argument("--target")
+    at.set_defaults(func=handle_attach)
+
+    gc = subparsers.add_parser("gc", help="delete old releases and (only when named) finished run directories")
+    gc.add_argument("target", nargs="?")
+    gc.add_argument("--keep", type=int, default=5, help="releases to keep (default 5)")
+    gc.add_argument("--run", action="append", default=[], help="a run directory to delete (repeatable)")
+    gc.add_argument("--dry-run", action="store_true")
+    gc.set_defaults(func=handle_gc)
+
+
+def handle_stop(args: argparse.Namespace) -> int:
+    with open_session(args, dry_run=args.dry_run) as session:
+        answer = stop_run(session, args.run, target=args.target, grace=args.grace)
+        if args.dry_run:
+            print_plan(session)
+            return 0
+        how = "SIGKILL after the grace period" if answer["escalated"] else "SIGTERM"
+        progress(f"stopped {args.run} by {how} in {answer['seconds']}s; exit code {answer['exit_code']}")
+        if answer.get("gpu_released") is False:
+            progress("warning: the run's GPU memory was not released within the timeout")
+        print(f"{args.run} stopped exit_code={answer['exit_code']}")
+        return 0
+
+
+def describe(entry: dict[str, Any]) -> str:
+    state = entry["state"]
+    if state == "crashed":
+        state = f"crashed at step {entry.get('step')}" + (f": {entry['error_line']}" if entry.get("error_line") else "")
+    metrics = entry.get("last_metrics") or {}
+    shown = " ".join(f"{k}={metrics[k]:.4g}" if isinstance(metrics[k], float) else f"{k}={metrics[k]}"
+                     for k in ("step", "loss", "tau_sim", "block_tok_s") if k in metrics)
+    exit_code = "-" if entry.get("exit_code") is None else entry["exit_code"]
+    return f"{entry['name']}\t{state}\texit={exit_code}\t{shown}"
+
+
+def handle_status(args: argparse.Namespace) -> int:
+    with open_session(args) as session:
+        runs = run_status(session, args.run, target=args.target)
+        gpus = session.agent(session.inventory.target(runs[0]["target"] if runs else args.target)).call(
+            "gpus", {}) if (args.json or args.run) else {"gpus": []}
+    if args.json:
+        emit_json({"runs": runs, "gpus": gpus.get("gpus", [])})
+        return 0
+    for entry in runs:
+        print(describe(entry))
+    for gpu in gpus.get("gpus", []):
+        print(f"gpu{gpu['index']}\t{gpu['memory_used_mib']}/{gpu['memory_total_mib']} MiB\t{gpu['utilization_pct']}%")
+    if not runs:
+        progress("no runs on this target yet")
+    return 0
+
+
+def handle_logs(args: argparse.Namespace) -> int:
+    if args.since < 0:
+        raise UsageError("--since must be a byte offset >= 0")
+    cursor = LogCursor(offset=args.since)
+
+    def write(text: str) -> None:
+        sys.stdout.write(text if args.raw else highlight_errors(text))
+        sys.stdout.flush()
+
+    with open_session(args) as session:
+        try:
+            if args.until or args.fail_on:
+                wait_for(session, args.run, until=args.until, fail_on=args.fail_on, target=args.target,
+                         timeout=args.timeout, cursor=cursor, on_text=write)
+            else:
+                for chunk in read_log(session, args.run, cursor, target=args.target, follow=args.follow,
+                                      timeout=args.timeout):
+                    write(chunk)
+        except KeyboardInterrupt:
+            progress(f"interrupted; resume with --since {cursor.offset}")
+            return 130
+    return 0
+
+
+def handle_exec(args: argparse.Namespace) -> int:
+    if not args.passthrough:
+        raise UsageError("exec needs a command after `--`", hint="dflashops exec local -- nvidia-smi")
+    with open_session(args, dry_run=args.dry_run) as session:
+        target = session.inventory.target(args.target)
+        agent = session.agent(target)
+        if args.dry_run:
+            agent.record(args.passthrough)
+            print_plan(session)
+            return 0
+        result = agent.transport.run(args.passthrough, check=False)
+    sys.stdout.write(result.stdout)
+    sys.stderr.write(result.stderr)
+    return result.exit_code
+
+
+def handle_attach(args: argparse.Namespace) -> int:
+    from dflashops.agent import tmux_socket  # stdlib-only module: the same socket name the agent uses
+
+    validate_name(args.run, what="run name")
+    with open_session(args) as session:
+        target = session.target_for_run(args.run, args.target)
+        entry = run_status(session, args.run, target=args.target)[0]
+    if target.kind != "local":
+        raise TransportError("attach works on local targets in this build", hint="use `dflashops logs -f` instead")
+    if entry["run_json"].get("launcher") != "tmux":
+        raise UsageError(f"run {args.run!r} was launched with nohup; there is no session to attach",
+                         hint=f"`dflashops logs {args.run} -f`")
+    tmux = shutil.which("tmux") or "tmux"
+    os.execv(tmux, [tmux, "-L", tmux_socket(target.workspace), "attach-session", "-t", "=" + args.run])
+    return 0  # not reached
+
+
+def handle_gc(args: argparse.Namespace) -> int:
+    for name in args.run:
+        validate_name(name, what="run name")
+    with open_session(args, dry_run=args.dry_run) as session:
+        target = session.inventory.target(args.target)
+        answer = session.agent(target).call("gc", {"workspace": target.workspace, "keep": args.keep, "runs": args.run})
+        if args.dry_run:
+            print_plan(session)
+            return 0
+    emit_json({k: v for k, v in answer.items() if k != "ok"})
+    return 0

@@ -1,0 +1,81 @@
+"""`deploy` and `restart`: launch a run (optionally waiting on its log), or relaunch one as its child."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from dflashops.cli.common import highlight_errors, open_session, print_plan, progress
+from dflashops.ops.control import DEFAULT_FAIL_ON, wait_for
+from dflashops.ops.deploy import DeployOutcome, DeployRequest, deploy
+from dflashops.ops.restart import RestartRequest, restart
+from dflashops.ops.session import Session
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("deploy", help="sync the code and launch a run",
+                              description="Sync the code to TARGET, write run.json, launch the profile's command. "
+                                          "Arguments after `--` are appended to the trainer's command line.")
+    p.add_argument("target", nargs="?", help="target from the inventory (default: the only one, or `local`)")
+    p.add_argument("--profile", default="tiny", help="run profile from the inventory (default: tiny)")
+    p.add_argument("--name", help="run name, or + for the next name after --parent (default: PROFILE-TIME)")
+    p.add_argument("--parent", help="the run this one derives from (recorded in the lineage)")
+    add_launch_options(p)
+    p.set_defaults(func=handle_deploy)
+
+    r = subparsers.add_parser("restart", help="stop a run and relaunch it as a new child run",
+                              description="Stop RUN cleanly, sync, relaunch as a new run whose parent is RUN. "
+                                          "Arguments after `--` replace the parent's extra trainer args.")
+    r.add_argument("run", help="the run to restart")
+    r.add_argument("--name", default="+", help="name of the new run (default: + = next name after RUN)")
+    mode = r.add_mutually_exclusive_group()
+    mode.add_argument("--fresh", action="store_true", help="start from scratch (default)")
+    mode.add_argument("--resume", action="store_true", help="start from RUN's latest checkpoint")
+    r.add_argument("--grace", type=float, default=60.0, help="seconds between SIGTERM and SIGKILL (default 60)")
+    add_launch_options(r, launcher_default=None)
+    r.set_defaults(func=handle_restart)
+
+
+def add_launch_options(p: argparse.ArgumentParser, launcher_default: str | None = "tmux") -> None:
+    p.add_argument("--note", default="", help="the hypothesis this run tests (recorded in the lineage)")
+    p.add_argument("--launcher", choices=("tmux", "nohup"), default=launcher_default,
+                   help="tmux session or setsid/nohup (default: tmux; restart: the parent's)")
+    p.add_argument("--clear-cache", action="store_true", help="remove this code's compile cache first")
+    p.add_argument("--wait", metavar="REGEX", help="follow the log until REGEX matches (exit 0)")
+    p.add_argument("--fail-on", metavar="REGEX", default=DEFAULT_FAIL_ON,
+                   help="while waiting, fail when REGEX appears (default: Traceback)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for --wait (default 600)")
+    p.add_argument("--dry-run", action="store_true", help="print the commands that would run; change nothing")
+
+
+def report(session: Session, outcome: DeployOutcome, args: argparse.Namespace) -> int:
+    if args.dry_run:
+        print_plan(session)
+        return 0
+    progress(f"launched {outcome.name} on {outcome.target} (code {outcome.code_hash}, "
+             f"{outcome.uploaded} files uploaded, pgid {outcome.pgid}) in {outcome.run_dir}")
+    print(outcome.name)
+    if args.wait:
+        line = wait_for(session, outcome.name, until=args.wait, fail_on=args.fail_on, timeout=args.timeout,
+                        on_text=lambda text: sys.stderr.write(highlight_errors(text, sys.stderr)))
+        progress(f"matched: {line.strip()}")
+    return 0
+
+
+def handle_deploy(args: argparse.Namespace) -> int:
+    with open_session(args, dry_run=args.dry_run) as session:
+        outcome = deploy(session, DeployRequest(
+            target=args.target, profile=args.profile, name=args.name, parent=args.parent, note=args.note,
+            launcher=args.launcher, clear_cache=args.clear_cache, extra_args=args.passthrough))
+        return report(session, outcome, args)
+
+
+def handle_restart(args: argparse.Namespace) -> int:
+    with open_session(args, dry_run=args.dry_run) as session:
+        outcome = restart(session, RestartRequest(
+            run=args.run, name=args.name, note=args.note, resume=args.resume, clear_cache=args.clear_cache,
+            launcher=args.launcher, extra_args=args.passthrough or None, grace=args.grace))
+        if not args.dry_run:
+            how = f"stopped (exit code {outcome.old_exit_code})" if outcome.stopped else "was not running"
+            progress(f"{args.run} {how}" + (f"; resuming from {outcome.checkpoint}" if outcome.checkpoint else ""))
+        return report(session, outcome.deployed, args)

@@ -1,0 +1,269 @@
+"""The only reader of inventory.yaml: typed, validated, unknown keys rejected.
+
+Errors name the file, the line and the key (`inventory.yaml:12: targets.gpu1.gpus: expected a list of
+integers`). The file has three sections:
+
+    hosts:     {NAME: {address, user, port, identity_file, jump_host, known_hosts, sudo}}
+    targets:   {NAME: {kind: local|pct|direct|host, host, ctid, gpus, workspace, python, env}}
+    profiles:  {NAME: {argv: [...], env: {...}, pass_env: [...], files: [...], resume_args: [...], description}}
+
+`local` targets resolve relative `workspace`/`python` paths against the inventory's directory. Profile argv
+items may use the placeholders {python} {release} {run_dir} {workspace} {name} {gpus}; `resume_args` may use
+{checkpoint}. Where the inventory is found: `--inventory PATH`, else $DFLASHOPS_INVENTORY, else the first
+inventory.yaml in the current directory or its parents, else the one shipped next to the package.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dflashops.errors import InventoryError, NotFound
+from dflashops.shell import ENV_KEY_RE, NAME_RE
+
+TARGET_KINDS = ("local", "pct", "direct", "host")
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str
+    address: str
+    user: str | None = None
+    port: int = 22
+    identity_file: str | None = None
+    jump_host: str | None = None
+    known_hosts: str | None = None
+    sudo: bool = False
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where runs go: `local` (a folder here), `pct` (an LXC container on `host`), `direct` (a container
+    with its own sshd, `host` names it) or `host` (a plain GPU server)."""
+
+    name: str
+    kind: str
+    workspace: str
+    python: str = "python3"
+    host: Host | None = None
+    ctid: int | None = None
+    gpus: tuple[int, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    argv: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)
+    pass_env: tuple[str, ...] = ()
+    files: tuple[str, ...] = ()
+    resume_args: tuple[str, ...] = ()
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class Inventory:
+    path: Path
+    hosts: dict[str, Host]
+    targets: dict[str, Target]
+    profiles: dict[str, Profile]
+
+    @property
+    def root(self) -> Path:
+        return self.path.parent
+
+    @property
+    def lineage_path(self) -> Path:
+        """The lineage database lives next to the inventory."""
+        return self.root / "lineage.sqlite"
+
+    def target(self, name: str | None) -> Target:
+        """The named target; with no name, the only target (or the one called `local`)."""
+        if name is None:
+            if len(self.targets) == 1:
+                return next(iter(self.targets.values()))
+            if "local" in self.targets:
+                return self.targets["local"]
+            raise NotFound("no target given", hint=f"name one of: {', '.join(sorted(self.targets))}")
+        if name not in self.targets:
+            raise NotFound(f"unknown target {name!r} in {self.path}",
+                           hint=f"targets: {', '.join(sorted(self.targets)) or '(none)'}")
+        return self.targets[name]
+
+    def profile(self, name: str) -> Profile:
+        if name not in self.profiles:
+            raise NotFound(f"unknown profile {name!r} in {self.path}",
+                           hint=f"profiles: {', '.join(sorted(self.profiles)) or '(none)'}")
+        return self.profiles[name]
+
+
+def find_inventory(explicit: str | None = None) -> Path:
+    if explicit:
+        return Path(explicit).resolve()
+    if os.environ.get("DFLASHOPS_INVENTORY"):
+        return Path(os.environ["DFLASHOPS_INVENTORY"]).resolve()
+    for folder in [Path.cwd(), *Path.cwd().parents]:
+        if (folder / "inventory.yaml").is_file():
+            return folder / "inventory.yaml"
+    return Path(__file__).resolve().parent.parent / "inventory.yaml"
+
+
+class _Reader:
+    """Walks the YAML node tree so every error can name its line."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def fail(self, node: yaml.Node | None, key: str, message: str) -> InventoryError:
+        line = f":{node.start_mark.line + 1}" if node is not None else ""
+        return InventoryError(f"{self.path}{line}: {key}: {message}",
+                              hint="see the comments at the top of the shipped inventory.yaml")
+
+    def mapping(self, node: yaml.Node, key: str, allowed: set[str] | None = None) -> dict[str, yaml.Node]:
+        if not isinstance(node, yaml.MappingNode):
+            raise self.fail(node, key, "expected a mapping")
+        out: dict[str, yaml.Node] = {}
+        for key_node, value_node in node.value:
+            name = str(key_node.value)
+            if allowed is not None and name not in allowed:
+                raise self.fail(key_node, f"{key}.{name}" if key else name,
+                                f"unknown key (allowed: {', '.join(sorted(allowed))})")
+            if name in out:
+                raise self.fail(key_node, f"{key}.{name}", "duplicate key")
+            out[name] = value_node
+        return out
+
+    def scalar(self, node: yaml.Node, key: str, kind: type) -> Any:
+        value = yaml.safe_load(yaml.serialize(node)) if isinstance(node, yaml.ScalarNode) else None
+        if kind is bool and isinstance(value, bool) or kind is int and isinstance(value, int) and not isinstance(
+                value, bool) or kind is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value) if kind is str else value
+        raise self.fail(node, key, f"expected {kind.__name__}")
+
+    def check_name(self, value: str, node: yaml.Node, key: str) -> str:
+        """Names of hosts, targets and profiles reach command lines: same rule as run names."""
+        if not NAME_RE.match(value) or ".." in value or value.startswith("-"):
+            raise self.fail(node, key, "names use 1-64 characters from A-Z a-z 0-9 . _ -")
+        return value
+
+    def str_list(self, node: yaml.Node, key: str) -> tuple[str, ...]:
+        if not isinstance(node, yaml.SequenceNode):
+            raise self.fail(node, key, "expected a list of strings")
+        return tuple(self.scalar(item, f"{key}[{i}]", str) for i, item in enumerate(node.value))
+
+    def int_list(self, node: yaml.Node, key: str) -> tuple[int, ...]:
+        if not isinstance(node, yaml.SequenceNode):
+            raise self.fail(node, key, "expected a list of integers")
+        return tuple(self.scalar(item, f"{key}[{i}]", int) for i, item in enumerate(node.value))
+
+    def env(self, node: yaml.Node, key: str) -> dict[str, str]:
+        env = {}
+        for env_key, value in self.mapping(node, key).items():
+            if not ENV_KEY_RE.match(env_key):
+                raise self.fail(value, f"{key}.{env_key}", "invalid environment variable name")
+            env[env_key] = self.scalar(value, f"{key}.{env_key}", str)
+        return env
+
+
+def load_inventory(path: str | os.PathLike[str] | None = None) -> Inventory:
+    """Read and validate the inventory; any problem is an InventoryError naming file, line and key."""
+    inv_path = find_inventory(str(path) if path else None)
+    reader = _Reader(inv_path)
+    try:
+        text = inv_path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise InventoryError(f"cannot read inventory {inv_path}: {exc.strerror}",
+                             hint="pass --inventory PATH or set DFLASHOPS_INVENTORY") from None
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        raise InventoryError(f"{inv_path}{line}: invalid YAML: {getattr(exc, 'problem', exc)}",
+                             hint="check indentation and quoting on that line") from None
+    if root is None:
+        raise InventoryError(f"{inv_path}: the inventory is empty", hint="define at least one target")
+    top = reader.mapping(root, "", {"hosts", "targets", "profiles"})
+    hosts = {name: _host(reader, name, node) for name, node in
+             (reader.mapping(top["hosts"], "hosts") if "hosts" in top else {}).items()}
+    targets = {name: _target(reader, inv_path.parent, hosts, name, node) for name, node in
+               (reader.mapping(top["targets"], "targets") if "targets" in top else {}).items()}
+    profiles = {name: _profile(reader, name, node) for name, node in
+                (reader.mapping(top["profiles"], "profiles") if "profiles" in top else {}).items()}
+    return Inventory(path=inv_path, hosts=hosts, targets=targets, profiles=profiles)
+
+
+def _host(reader: _Reader, name: str, node: yaml.Node) -> Host:
+    key = f"hosts.{reader.check_name(name, node, 'hosts')}"
+    fields = reader.mapping(node, key, {"address", "user", "port", "identity_file", "jump_host",
+                                        "known_hosts", "sudo"})
+    if "address" not in fields:
+        raise reader.fail(node, key, "missing required key 'address'")
+    get = {k: reader.scalar(v, f"{key}.{k}", int if k == "port" else bool if k == "sudo" else str)
+           for k, v in fields.items()}
+    return Host(name=name, **get)
+
+
+def _target(reader: _Reader, base: Path, hosts: dict[str, Host], name: str, node: yaml.Node) -> Target:
+    key = f"targets.{name}"
+    reader.check_name(name, node, key)
+    fields = reader.mapping(node, key, {"kind", "host", "ctid", "gpus", "workspace", "python", "env"})
+    for required in ("kind", "workspace"):
+        if required not in fields:
+            raise reader.fail(node, key, f"missing required key {required!r}")
+    kind = reader.scalar(fields["kind"], f"{key}.kind", str)
+    if kind not in TARGET_KINDS:
+        raise reader.fail(fields["kind"], f"{key}.kind", f"must be one of {', '.join(TARGET_KINDS)}")
+    workspace = reader.scalar(fields["workspace"], f"{key}.workspace", str)
+    python = reader.scalar(fields["python"], f"{key}.python", str) if "python" in fields else "python3"
+    host = None
+    if kind == "local":
+        workspace = str((base / workspace).resolve())
+        if "/" in python:
+            python = str((base / python).absolute())
+    else:
+        if "host" not in fields:
+            raise reader.fail(node, key, f"a {kind} target needs 'host'")
+        host_name = reader.scalar(fields["host"], f"{key}.host", str)
+        if host_name not in hosts:
+            raise reader.fail(fields["host"], f"{key}.host", f"unknown host {host_name!r}")
+        host = hosts[host_name]
+        if not workspace.startswith("/"):
+            raise reader.fail(fields["workspace"], f"{key}.workspace", "must be an absolute path")
+    ctid = reader.scalar(fields["ctid"], f"{key}.ctid", int) if "ctid" in fields else None
+    if kind == "pct" and ctid is None:
+        raise reader.fail(node, key, "a pct target needs 'ctid'")
+    gpus = reader.int_list(fields["gpus"], f"{key}.gpus") if "gpus" in fields else ()
+    env = reader.env(fields["env"], f"{key}.env") if "env" in fields else {}
+    return Target(name=name, kind=kind, workspace=workspace, python=python, host=host, ctid=ctid,
+                  gpus=gpus, env=env)
+
+
+def _profile(reader: _Reader, name: str, node: yaml.Node) -> Profile:
+    key = f"profiles.{name}"
+    reader.check_name(name, node, key)
+    fields = reader.mapping(node, key, {"argv", "env", "pass_env", "files", "resume_args", "description"})
+    if "argv" not in fields:
+        raise reader.fail(node, key, "missing required key 'argv'")
+    argv = reader.str_list(fields["argv"], f"{key}.argv")
+    if not argv:
+        raise reader.fail(fields["argv"], f"{key}.argv", "must not be empty")
+    pass_env = reader.str_list(fields["pass_env"], f"{key}.pass_env") if "pass_env" in fields else ()
+    for env_key in pass_env:
+        if not ENV_KEY_RE.match(env_key):
+            raise reader.fail(fields["pass_env"], f"{key}.pass_env", f"invalid environment variable name {env_key!r}")
+    files = reader.str_list(fields["files"], f"{key}.files") if "files" in fields else ()
+    for rel in files:
+        if rel.startswith("/") or ".." in rel.split("/"):
+            raise reader.fail(fields["files"], f"{key}.files", f"{rel!r} must be a path inside the repository")
+    return Profile(
+        name=name, argv=argv, env=reader.env(fields["env"], f"{key}.env") if "env" in fields else {},
+        pass_env=pass_env, files=files,
+        resume_args=reader.str_list(fields["resume_args"], f"{key}.resume_args") if "resume_args" in fields else (),
+        description=reader.scalar(fields["description"], f"{key}.description", str) if "description" in fields else "",
+    )

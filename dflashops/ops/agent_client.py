@@ -1,0 +1,117 @@
+"""Calling the agent on a target: upload it once (content-addressed), run one verb, parse its one JSON line.
+
+The agent lives at `<workspace>/.dflashops/agent-<sha12>.py` on the target, so a changed agent is a new
+file and two controller versions never overwrite each other's agent mid-call. In dry-run mode mutating
+calls are recorded as the exact command lines they would run (secrets replaced), and read-only calls run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflashops.errors import AgentError, Conflict, NotFound, UsageError
+from dflashops.inventory import Target
+from dflashops.shell import join_argv
+from dflashops.transport.base import Transport
+
+AGENT_SOURCE = Path(__file__).resolve().parent.parent / "agent.py"
+READ_ONLY_VERBS = {"ping", "status", "tail", "gpus", "manifest"}
+# Writes stdin to argv[1] atomically; stdlib only, argv-only so no shell quoting is involved.
+_UPLOAD = ("import os,sys\np=sys.argv[1];os.makedirs(os.path.dirname(p),exist_ok=True)\n"
+           "t=p+'.tmp'+str(os.getpid());open(t,'wb').write(sys.stdin.buffer.read());os.replace(t,p)")
+_CODE_TO_ERROR = {"not_found": NotFound, "conflict": Conflict, "bad_request": UsageError}
+
+
+def agent_bytes() -> bytes:
+    return AGENT_SOURCE.read_bytes()
+
+
+@dataclass
+class Agent:
+    """The agent on one target, reached through `transport`."""
+
+    target: Target
+    transport: Transport
+    dry_run: bool = False
+    plan: list[str] = field(default_factory=list)
+    _ready: bool = False
+    _upload_planned: bool = False
+
+    @property
+    def path(self) -> str:
+        digest = hashlib.sha256(agent_bytes()).hexdigest()[:12]
+        return f"{self.target.workspace}/.dflashops/agent-{digest}.py"
+
+    def argv(self, verb: str, args: dict[str, Any] | None = None, *, stdin_request: bool = False) -> list[str]:
+        argv = [self.target.python, self.path, verb]
+        if stdin_request:
+            argv.append("--json-stdin")
+        elif args is not None:
+            argv += ["--json-args", json.dumps(args, sort_keys=True)]
+        return argv
+
+    def record(self, argv: list[str], stdin_note: str | None = None) -> None:
+        line = join_argv(argv)
+        self.plan.append(f"[{self.target.name}] {line}" + (f"  < {stdin_note}" if stdin_note else ""))
+
+    def ensure(self) -> None:
+        """Upload the agent when the target lacks this exact version (one cheap `ping` otherwise)."""
+        if self._ready:
+            return
+        probe = self.transport.run(self.argv("ping"), check=False)
+        if not _parse(probe.stdout, probe.stderr, "ping", self.target.name).get("ok"):
+            upload = [self.target.python, "-c", _UPLOAD, self.path]
+            if self.dry_run:
+                if not self._upload_planned:
+                    self.record(upload, "agent.py")
+                    self._upload_planned = True
+                return
+            self.transport.run(upload, stdin=agent_bytes())
+        self._ready = True
+
+    def call(self, verb: str, args: dict[str, Any], *, secret_args: dict[str, Any] | None = None,
+             shown_args: dict[str, Any] | None = None, stdin_tar: bytes | None = None) -> dict[str, Any]:
+        """Run one verb; return its JSON answer. `secret_args` travel on stdin (never on a command line);
+        the dry-run plan shows `shown_args` (their redacted form) in their place. Raises NotFound /
+        Conflict / UsageError / AgentError from the agent's error code."""
+        try:
+            self.ensure()
+        except AgentError:
+            if not self.dry_run:
+                raise
+        if stdin_tar is not None:
+            argv, stdin = self.argv(verb), json.dumps(args).encode() + b"\n" + stdin_tar
+            note = f"install request + tar of {len(stdin_tar)} bytes"
+        elif secret_args is not None:
+            argv, stdin = self.argv(verb, stdin_request=True), json.dumps({**args, **secret_args}).encode()
+            shown = shown_args if shown_args is not None else {k: "<redacted>" for k in secret_args}
+            note = "request JSON: " + json.dumps({**args, **shown}, sort_keys=True)
+        else:
+            argv, stdin, note = self.argv(verb, args), None, None
+        if self.dry_run and (verb not in READ_ONLY_VERBS or not self._ready):
+            self.record(argv, note)
+            return {"ok": True, "dry_run": True}
+        result = self.transport.run(argv, stdin=stdin, check=False)
+        answer = _parse(result.stdout, result.stderr, verb, self.target.name)
+        if not answer.get("ok"):
+            error_class = _CODE_TO_ERROR.get(str(answer.get("code")), AgentError)
+            raise error_class(f"{self.target.name}: {answer.get('error', 'agent failed')}")
+        return answer
+
+
+def _parse(stdout: str, stderr: str, verb: str, target: str) -> dict[str, Any]:
+    lines = [line for line in stdout.splitlines() if line.strip()]
+    if len(lines) != 1:
+        detail = (stderr.strip().splitlines() or ["no output"])[-1]
+        return {"ok": False, "code": "no_answer", "error": f"agent {verb} gave no JSON answer: {detail}"}
+    try:
+        answer = json.loads(lines[0])
+    except ValueError:
+        raise AgentError(f"agent {verb} on {target} printed something that is not JSON: {lines[0][:200]!r}") from None
+    if not isinstance(answer, dict):
+        raise AgentError(f"agent {verb} on {target} answered {answer!r}, not an object")
+    return answer

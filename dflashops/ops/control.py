@@ -1,0 +1,129 @@
+"""stop, status and log following: plain functions over a Session (no printing here)."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from dflashops.errors import DflashopsError, NotFound, RunFailed, WaitTimeout
+from dflashops.ops.session import Session
+from dflashops.shell import validate_name
+
+DEFAULT_FAIL_ON = r"Traceback \(most recent call last\)"
+
+
+class NotRunning(DflashopsError):
+    """`stop` of a run that is not running: nothing was signalled."""
+
+    exit_code = 9
+
+
+def stop_run(session: Session, name: str, *, target: str | None = None, grace: float = 60.0) -> dict[str, Any]:
+    """TERM -> grace -> KILL the run's own processes, wait until they (and their GPU memory) are gone.
+    Raises NotRunning (nothing signalled) when the run is not running, NotFound when it does not exist."""
+    validate_name(name, what="run name")
+    tgt = session.target_for_run(name, target)
+    agent = session.agent(tgt)
+    try:
+        answer = agent.call("stop", {"workspace": tgt.workspace, "name": name, "grace": grace})
+    except DflashopsError as exc:
+        if "is not running" in exc.message:
+            raise NotRunning(exc.message, hint=f"`dflashops status {name}` shows how it ended") from None
+        raise
+    if not session.dry_run:
+        for entry in agent.call("status", {"workspace": tgt.workspace, "name": name})["runs"]:
+            session.note_state(entry)
+    return answer
+
+
+def run_status(session: Session, name: str | None = None, *, target: str | None = None) -> list[dict[str, Any]]:
+    """Agent status entries (one run, or every run of the target); the lineage records follow along."""
+    if name is not None:
+        validate_name(name, what="run name")
+        tgt = session.target_for_run(name, target)
+    else:
+        tgt = session.inventory.target(target)
+    args = {"workspace": tgt.workspace, **({"name": name} if name else {})}
+    runs = session.agent(tgt).call("status", args)["runs"]
+    for entry in runs:
+        entry["target"] = tgt.name
+        session.note_state(entry)
+    return runs
+
+
+@dataclass
+class LogCursor:
+    """Where a log reader stands: resume from here after a dropped connection (no lost/repeated line)."""
+
+    offset: int = 0
+    inode: int | None = None
+
+
+def read_log(session: Session, name: str, cursor: LogCursor, *, target: str | None = None,
+             follow: bool = False, poll_s: float = 0.5, timeout: float | None = None) -> Iterator[str]:
+    """Yield complete chunks of train.log from `cursor` (updated as it goes). With `follow`, keep polling
+    until the run has finished and the log is drained, or `timeout` passes (WaitTimeout)."""
+    validate_name(name, what="run name")
+    tgt = session.target_for_run(name, target)
+    agent = session.agent(tgt)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        answer = agent.call("tail", {"workspace": tgt.workspace, "name": name, "offset": cursor.offset,
+                                     "inode": cursor.inode})
+        moved = answer["offset"] != cursor.offset or answer["inode"] != cursor.inode
+        cursor.offset, cursor.inode = answer["offset"], answer["inode"]
+        if answer["data"]:
+            yield answer["data"]
+        if not follow or (answer["finished"] and not moved):
+            return
+        if moved:
+            continue  # more may be waiting (large logs come in 1 MiB pieces)
+        if deadline is not None and time.monotonic() >= deadline:
+            raise WaitTimeout(f"{name}: no match within {timeout:g}s", hint="raise --timeout")
+        time.sleep(poll_s)
+
+
+def wait_for(session: Session, name: str, *, until: str | None, fail_on: str | None = DEFAULT_FAIL_ON,
+             target: str | None = None, timeout: float | None = None, cursor: LogCursor | None = None,
+             on_text: Callable[[str], None] = lambda text: None, poll_s: float = 0.5) -> str:
+    """Follow the log until `until` matches a line (returns it), `fail_on` matches (RunFailed), the run
+    ends first (RunFailed with its state; or returns "" when no `until` was given and it finished), or
+    `timeout` passes (WaitTimeout). Every chunk read is passed to `on_text` first."""
+    until_re = re.compile(until) if until else None
+    fail_re = re.compile(fail_on) if fail_on else None
+    recent: list[str] = []
+    pending = ""
+    for chunk in read_log(session, name, cursor or LogCursor(), target=target, follow=True,
+                          poll_s=poll_s, timeout=timeout):
+        on_text(chunk)
+        pending += chunk
+        *lines, pending = pending.split("\n")
+        for line in lines:
+            recent = (recent + [line])[-10:]
+            if fail_re and fail_re.search(line):
+                raise RunFailed(f"{name}: failure pattern {fail_on!r} in the log: {line.strip()}",
+                                hint=f"`dflashops logs {name}` shows the whole log")
+            if until_re and until_re.search(line):
+                return line
+    if pending and until_re and until_re.search(pending):
+        return pending
+    final = run_status(session, name, target=target)[0]
+    if final["state"] == "finished" and until_re is None:
+        return ""
+    detail = f" at step {final['step']}" if final.get("step") is not None else ""
+    error = f": {final['error_line']}" if final.get("error_line") else ""
+    last = "\n".join("  | " + line for line in recent[-5:])
+    raise RunFailed(f"{name} ended ({final['state']}{detail}, exit code {final['exit_code']}) before "
+                    f"{until!r} appeared{error}" + (f"\n{last}" if last else ""),
+                    hint=f"`dflashops logs {name}` shows the whole log")
+
+
+def require_run(session: Session, name: str, target: str | None = None) -> dict[str, Any]:
+    """The run's status entry, or NotFound naming where we looked."""
+    try:
+        return run_status(session, name, target=target)[0]
+    except NotFound as exc:
+        raise NotFound(exc.message, hint="`dflashops status` lists the runs of a target") from None

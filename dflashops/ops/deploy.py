@@ -1,0 +1,130 @@
+"""deploy: sync the code, write run.json, launch the run, record it in the lineage.
+
+Order matters for "refused means nothing changed": the name, the parent and the profile are checked
+(lineage + target) before any byte is synced; the agent's `launch` claims the run directory with one
+mkdir, so two deploys of the same name cannot both start. Secrets from the controller's environment
+travel to the launched process on the agent's stdin only; run.json, the database and the dry-run plan
+hold the redacted environment.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+from dflashops.errors import Conflict, UsageError
+from dflashops.inventory import Profile, Target
+from dflashops.lineage import RunRecord, next_name, redact_env, wandb_env
+from dflashops.lineage_record import utc_now_iso
+from dflashops.ops.session import Session
+from dflashops.ops.sync import sync
+from dflashops.shell import validate_name
+
+# Passed through from the controller's environment when set, whatever the profile says.
+DEFAULT_PASS_ENV = ("WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+PLACEHOLDER_RE = re.compile(r"\{([a-z_]+)\}")
+
+
+@dataclass
+class DeployRequest:
+    target: str | None
+    profile: str
+    name: str | None = None  # None: <profile>-<UTC time>; "+": next name after `parent`
+    parent: str | None = None
+    note: str = ""
+    launcher: str = "tmux"
+    clear_cache: bool = False
+    extra_args: list[str] = field(default_factory=list)
+    checkpoint: str | None = None  # resume from this checkpoint (profile's resume_args)
+
+
+@dataclass
+class DeployOutcome:
+    name: str
+    target: str
+    run_dir: str
+    code_hash: str
+    release: str
+    pgid: int | None
+    uploaded: int
+    cache_cleared: str | None
+
+
+def expand(template: str, values: dict[str, str]) -> str:
+    def substitute(match: re.Match[str]) -> str:
+        if match.group(1) not in values:
+            raise UsageError(f"unknown placeholder {{{match.group(1)}}} in profile argument {template!r}",
+                             hint=f"placeholders: {', '.join('{' + k + '}' for k in sorted(values))}")
+        return values[match.group(1)]
+
+    return PLACEHOLDER_RE.sub(substitute, template)
+
+
+def choose_name(session: Session, request: DeployRequest) -> str:
+    if request.name == "+":
+        if not request.parent:
+            raise UsageError("--name + derives the name from the parent run, but no --parent was given",
+                             hint="add --parent RUN, or give an explicit --name")
+        return next_name(request.parent, session.db.names())
+    name = request.name or f"{request.profile}-{utc_now_iso().replace(':', '').replace('-', '')[:15]}"
+    return validate_name(name, what="run name")
+
+
+def run_argv(profile: Profile, target: Target, values: dict[str, str], request: DeployRequest) -> list[str]:
+    argv = [expand(arg, values) for arg in profile.argv] + list(request.extra_args)
+    if request.checkpoint:
+        if not profile.resume_args:
+            raise UsageError(f"profile {profile.name!r} has no resume_args, so it cannot resume",
+                             hint="add resume_args: [--resume-from, '{checkpoint}'] to the profile, or use --fresh")
+        argv += [expand(arg, {**values, "checkpoint": request.checkpoint}) for arg in profile.resume_args]
+    return argv
+
+
+def deploy(session: Session, request: DeployRequest) -> DeployOutcome:
+    target = session.inventory.target(request.target)
+    profile = session.inventory.profile(request.profile)
+    if request.launcher not in ("tmux", "nohup"):
+        raise UsageError(f"unknown launcher {request.launcher!r}", hint="use --launcher tmux or --launcher nohup")
+    if request.parent:
+        validate_name(request.parent, what="parent run name")
+        session.db.get(request.parent)  # NotFound (with close names) before anything happens
+    name = choose_name(session, request)
+    if session.record_of(name) is not None:
+        raise Conflict(f"run name {name!r} is already used", hint="choose another --name, or --name + with --parent")
+    agent = session.agent(target)
+    run_dir = f"{target.workspace}/runs/{name}"
+    if not session.dry_run:
+        existing = agent.call("status", {"workspace": target.workspace})["runs"]
+        if any(entry["name"] == name for entry in existing):
+            raise Conflict(f"run directory {run_dir} already exists on {target.name}",
+                           hint="`dflashops runs sync` records it; pick another --name")
+    synced = sync(agent, extra_files=profile.files, extra_root=session.inventory.root)
+    cache_dir = f"{target.workspace}/cache/inductor/{synced.code_hash}"
+    cleared = None
+    if request.clear_cache:
+        cleared = agent.call("clear-cache", {"workspace": target.workspace, "code_hash": synced.code_hash}).get("removed")
+    values = {"python": target.python, "release": synced.release_path, "run_dir": run_dir,
+              "workspace": target.workspace, "name": name, "gpus": ",".join(map(str, target.gpus))}
+    argv = run_argv(profile, target, values, request)
+    root = session.db.root(request.parent) if request.parent else name
+    env = {**target.env, **profile.env, **wandb_env(name, request.parent, request.note, root),
+           "PYTHONPATH": synced.release_path, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "PYTHONUNBUFFERED": "1"}
+    if target.gpus:
+        env.setdefault("CUDA_VISIBLE_DEVICES", ",".join(map(str, target.gpus)))
+    secrets = {key: os.environ[key] for key in (*DEFAULT_PASS_ENV, *profile.pass_env) if key in os.environ}
+    record = RunRecord(name=name, parent=request.parent, note=request.note, code_hash=synced.code_hash, argv=argv,
+                       env=redact_env({**env, **secrets}), target=target.name, gpus=list(target.gpus),
+                       launcher=request.launcher, session=name, profile=profile.name,
+                       extra={"run_dir": run_dir, "release": synced.release_path,
+                              "extra_args": list(request.extra_args), "resumed_from": request.checkpoint})
+    run_json = {**record.to_dict(), "hypothesis": request.note, "release": synced.release_path, "run_dir": run_dir}
+    answer = agent.call("launch", {"workspace": target.workspace, "name": name, "argv": argv, "cwd": run_dir,
+                                   "launcher": request.launcher, "run_json": run_json},
+                        secret_args={"env": {**env, **secrets}}, shown_args={"env": record.env})
+    if not session.dry_run:
+        record.extra["pgid"] = answer.get("pgid")
+        session.db.record(record)
+    return DeployOutcome(name=name, target=target.name, run_dir=run_dir, code_hash=synced.code_hash,
+                         release=synced.release_path, pgid=answer.get("pgid"), uploaded=len(synced.uploaded),
+                         cache_cleared=cleared)

@@ -1,0 +1,116 @@
+"""Parallel `--all`: one verb over every target of the inventory at once.
+
+`fan_out(targets, work, timeout=...)` runs `work(target)` in one daemon thread per target and returns one
+`FanoutResult` per target, in inventory order, after all finished or `timeout` seconds passed, whichever
+comes first. A dead host fails within its own connect timeout; a host that hangs mid-command is reported
+as timed out at the deadline and abandoned (its thread is a daemon, so the CLI still exits), so one bad
+host never holds the others' answers beyond `timeout`.
+
+Each worker opens its own Session (its own connection and its own SQLite handle: sqlite3 connections
+must not cross threads) and closes it when done. Cost: wall time ~= the slowest target's, not the sum.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from dflashops.errors import DflashopsError
+from dflashops.inventory import Inventory, Target
+from dflashops.ops.control import run_status, stop_run
+from dflashops.ops.session import Session
+
+R = TypeVar("R")
+DEFAULT_TIMEOUT_S = 60.0
+
+
+@dataclass
+class FanoutResult(Generic[R]):
+    target: str
+    ok: bool
+    value: R | None = None
+    error: str | None = None
+    hint: str | None = None
+    duration_s: float = 0.0
+    timed_out: bool = False
+
+
+def fan_out(targets: Sequence[Target], work: Callable[[Target], R], *,
+            timeout: float = DEFAULT_TIMEOUT_S) -> list[FanoutResult[R]]:
+    """Run `work` on every target concurrently; never raises for one target's failure."""
+    slots: dict[str, FanoutResult[R]] = {}
+    done = threading.Semaphore(0)
+
+    def worker(target: Target) -> None:
+        started = time.monotonic()
+        try:
+            value = work(target)
+            slots[target.name] = FanoutResult(target.name, True, value=value,
+                                              duration_s=time.monotonic() - started)
+        except DflashopsError as exc:
+            slots[target.name] = FanoutResult(target.name, False, error=exc.message, hint=exc.hint,
+                                              duration_s=time.monotonic() - started)
+        except Exception as exc:  # noqa: BLE001 - one target's bug must not hide the others' answers
+            slots[target.name] = FanoutResult(target.name, False, error=f"{type(exc).__name__}: {exc}",
+                                              duration_s=time.monotonic() - started)
+        finally:
+            done.release()
+
+    for target in targets:
+        threading.Thread(target=worker, args=(target,), name=f"fanout-{target.name}", daemon=True).start()
+    deadline = time.monotonic() + timeout
+    for _ in targets:
+        if not done.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            break
+    return [slots.get(t.name) or FanoutResult(t.name, False, error=f"no answer within {timeout:g}s",
+                                             hint="the host is slow or hung; try it alone",
+                                             duration_s=timeout, timed_out=True)
+            for t in targets]
+
+
+def remote_targets(inventory: Inventory, include_local: bool = True) -> list[Target]:
+    return [t for t in inventory.targets.values() if include_local or t.kind != "local"]
+
+
+def _with_session(inventory: Inventory, dry_run: bool, body: Callable[[Session], R]) -> R:
+    session = Session(inventory, dry_run=dry_run)
+    try:
+        return body(session)
+    finally:
+        session.close()
+
+
+def status_all(inventory: Inventory, *, timeout: float = DEFAULT_TIMEOUT_S) -> list[FanoutResult[list[dict[str, Any]]]]:
+    """Every run on every target (the agent's status entries per target)."""
+    return fan_out(remote_targets(inventory),
+                   lambda t: _with_session(inventory, False, lambda s: run_status(s, None, target=t.name)),
+                   timeout=timeout)
+
+
+def stop_all(inventory: Inventory, *, grace: float = 60.0, dry_run: bool = False,
+             timeout: float = DEFAULT_TIMEOUT_S) -> list[FanoutResult[list[str]]]:
+    """Stop every running run on every target; each result lists the runs it stopped."""
+
+    def stop_target(session: Session, target: Target) -> list[str]:
+        stopped = []
+        for entry in run_status(session, None, target=target.name):
+            if entry.get("state") in ("running", "stopping", "launching"):
+                stop_run(session, str(entry["name"]), target=target.name, grace=grace)
+                stopped.append(str(entry["name"]))
+        return stopped
+
+    return fan_out(remote_targets(inventory),
+                   lambda t: _with_session(inventory, dry_run, lambda s: stop_target(s, t)), timeout=timeout)
+
+
+def exec_all(inventory: Inventory, argv: Sequence[str], *,
+             timeout: float = DEFAULT_TIMEOUT_S) -> list[FanoutResult[Any]]:
+    """Run argv on every target; each value is the Result (exit code, stdout, stderr)."""
+    return fan_out(remote_targets(inventory),
+                   lambda t: _with_session(inventory, False,
+                                           lambda s: s.agent(t).transport.run(list(argv), check=False,
+                                                                               timeout=timeout)),
+                   timeout=timeout)

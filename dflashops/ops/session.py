@@ -1,0 +1,75 @@
+"""One CLI invocation's state: the inventory, the lineage database, and one agent per target used.
+
+Connections are opened lazily and reused (one per target per invocation); `close()` releases them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dflashops.errors import NotFound
+from dflashops.inventory import Inventory, Target
+from dflashops.lineage import LineageDB, RunRecord
+from dflashops.ops.agent_client import Agent
+from dflashops.transport import open_transport
+
+# Agent states -> lineage states (the agent distinguishes "stopping" and "lost"; the database does not).
+LINEAGE_STATE = {"running": "running", "stopping": "running", "launching": "launched", "lost": "crashed",
+                 "finished": "finished", "crashed": "crashed", "stopped": "stopped"}
+
+
+@dataclass
+class Session:
+    inventory: Inventory
+    dry_run: bool = False
+    _db: LineageDB | None = None
+    _agents: dict[str, Agent] = field(default_factory=dict)
+
+    @property
+    def db(self) -> LineageDB:
+        if self._db is None:
+            self._db = LineageDB(self.inventory.lineage_path)
+        return self._db
+
+    def agent(self, target: Target) -> Agent:
+        if target.name not in self._agents:
+            self._agents[target.name] = Agent(target, open_transport(target), dry_run=self.dry_run)
+        return self._agents[target.name]
+
+    @property
+    def plan(self) -> list[str]:
+        """Commands recorded in dry-run mode, in order, across targets."""
+        return [line for agent in self._agents.values() for line in agent.plan]
+
+    def record_of(self, name: str) -> RunRecord | None:
+        try:
+            return self.db.get(name)
+        except NotFound:
+            return None
+
+    def target_for_run(self, name: str, explicit: str | None = None) -> Target:
+        """The target a run lives on: the one named, else the lineage record's, else the default."""
+        if explicit:
+            return self.inventory.target(explicit)
+        record = self.record_of(name)
+        if record is not None and record.target in self.inventory.targets:
+            return self.inventory.targets[record.target]
+        return self.inventory.target(None)
+
+    def note_state(self, status: dict) -> None:
+        """Mirror an agent status entry into the lineage record (when the run is recorded)."""
+        record = self.record_of(str(status.get("name")))
+        if record is None or self.dry_run:
+            return
+        state = LINEAGE_STATE.get(str(status.get("state")), "crashed")
+        fields: dict = {"exit_code": status.get("exit_code")}
+        if isinstance(status.get("step"), int):
+            fields["last_step"] = status["step"]
+        if state != record.state or any(getattr(record, k) != v for k, v in fields.items()):
+            self.db.set_state(record.name, state, **fields)
+
+    def close(self) -> None:
+        for agent in self._agents.values():
+            agent.transport.close()
+        if self._db is not None:
+            self._db.close()

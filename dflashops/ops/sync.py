@@ -1,0 +1,88 @@
+"""Content-addressed code sync over any Transport (local now, ssh/pct later with no change here).
+
+What travels: the `trainer` package, the agent, and the files a profile lists. The code hash is the
+sha256 of the sorted (path, file sha256) list, so the same tree always gives the same release name.
+Only files whose hash differs from the current release's manifest go into the tar stream; the agent
+hard-links the unchanged ones from the previous release, verifies every hash, renames the folder into
+`releases/<hash>/` and flips `current` atomically. Cost: one `manifest` call + one `install` call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflashops.errors import UsageError
+from dflashops.ops.agent_client import AGENT_SOURCE, Agent
+
+REPO_ROOT = AGENT_SOURCE.parent.parent
+SKIP_PARTS = {"__pycache__", ".pytest_cache"}
+
+
+@dataclass(frozen=True)
+class SyncOutcome:
+    code_hash: str
+    release_path: str
+    uploaded: tuple[str, ...]
+    linked: tuple[str, ...]
+    tar_bytes: int
+
+
+def release_files(extra_files: tuple[str, ...] = (), extra_root: Path | None = None) -> dict[str, Path]:
+    """relative path in the release -> local file."""
+    files: dict[str, Path] = {"dflashops_agent.py": AGENT_SOURCE}
+    trainer = REPO_ROOT / "trainer"
+    if trainer.is_dir():
+        for path in sorted(trainer.rglob("*")):
+            if path.is_file() and not SKIP_PARTS & set(path.parts) and path.suffix != ".pyc":
+                files[path.relative_to(REPO_ROOT).as_posix()] = path
+    for rel in extra_files:
+        path = (extra_root or REPO_ROOT) / rel
+        if not path.is_file():
+            raise UsageError(f"profile file {rel!r} does not exist at {path}",
+                             hint="profile `files` are paths relative to the inventory's folder")
+        files[rel] = path
+    return files
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def code_hash_of(manifest: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(sorted(manifest.items())).encode()).hexdigest()[:16]
+
+
+def local_manifest(files: dict[str, Path]) -> tuple[str, dict[str, str]]:
+    manifest = {rel: file_sha256(path) for rel, path in files.items()}
+    return code_hash_of(manifest), manifest
+
+
+def sync(agent: Agent, *, extra_files: tuple[str, ...] = (), extra_root: Path | None = None,
+         keep: int = 5) -> SyncOutcome:
+    """Make `releases/<hash>` on the target hold exactly the local tree and point `current` at it."""
+    files = release_files(extra_files, extra_root)
+    code_hash, manifest = local_manifest(files)
+    remote = agent.call("manifest", {"workspace": agent.target.workspace})
+    release_path = f"{agent.target.workspace}/releases/{code_hash}"
+    if remote.get("release") == code_hash:
+        return SyncOutcome(code_hash, release_path, (), tuple(sorted(manifest)), 0)
+    previous: dict[str, str] = remote.get("files") or {}
+    linked = tuple(sorted(rel for rel, digest in manifest.items() if previous.get(rel) == digest))
+    uploaded = tuple(sorted(set(manifest) - set(linked)))
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as archive:
+        for rel in uploaded:
+            info = archive.gettarinfo(str(files[rel]), arcname=rel)
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            with files[rel].open("rb") as handle:
+                archive.addfile(info, handle)
+    request = {"workspace": agent.target.workspace, "hash": code_hash, "files": manifest,
+               "base": remote.get("release"), "link": list(linked), "keep": keep}
+    agent.call("install", request, stdin_tar=buffer.getvalue())
+    return SyncOutcome(code_hash, release_path, uploaded, linked, len(buffer.getvalue()))

@@ -1,0 +1,88 @@
+"""A small stand-in job that honours the run-directory contract of DESIGN.md (for controller tests).
+
+`python workload.py --output-dir DIR [--steps N] [--interval S] [--crash-at K] [--spawn-setsid]
+[--resume-from CKPT]` prints one progress line per step, appends metrics.jsonl, rewrites status.json
+atomically, and on SIGTERM writes `checkpoints/step_NNNNNN/state.json` and exits with EXIT_ON_SIGTERM (143).
+`--crash-at K` raises at step K (a real traceback, exit 1). `--spawn-setsid` starts a child in its own
+session (it keeps the environment, so only the run marker can find it) and writes its pid to child.pid.
+Stdlib only; it never imports dflashops or trainer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+EXIT_ON_SIGTERM = 143
+
+
+def write_status(out: str, **fields: object) -> None:
+    tmp = os.path.join(out, "status.json.tmp")
+    with open(tmp, "w") as handle:
+        json.dump({"heartbeat": time.time(), **fields}, handle)
+    os.replace(tmp, os.path.join(out, "status.json"))
+
+
+def checkpoint(out: str, step: int) -> str:
+    final = os.path.join(out, "checkpoints", f"step_{step:06d}")
+    tmp = final + ".tmp"
+    os.makedirs(tmp, exist_ok=True)
+    with open(os.path.join(tmp, "state.json"), "w") as handle:
+        json.dump({"step": step}, handle)
+    os.replace(tmp, final)
+    return final
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--interval", type=float, default=0.05)
+    parser.add_argument("--crash-at", type=int, default=-1)
+    parser.add_argument("--spawn-setsid", action="store_true")
+    parser.add_argument("--resume-from", default=None)
+    args = parser.parse_args()
+    out = args.output_dir
+    os.makedirs(out, exist_ok=True)
+    stop_requested = []
+    signal.signal(signal.SIGTERM, lambda *_: stop_requested.append(True))
+    start = 0
+    if args.resume_from:
+        with open(os.path.join(args.resume_from, "state.json")) as handle:
+            start = json.load(handle)["step"]
+        print(f"resumed from {args.resume_from} at step {start}", flush=True)
+    if args.spawn_setsid:
+        child = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(1)"],
+                                 start_new_session=True)
+        with open(os.path.join(out, "child.pid"), "w") as handle:
+            handle.write(f"{child.pid}\n")
+    print(f"secret present: {'WORKLOAD_SECRET' in os.environ}", flush=True)
+    step = start
+    while step < args.steps:
+        if stop_requested:
+            path = checkpoint(out, step)
+            write_status(out, phase="saving", step=step, last_checkpoint=path)
+            print(f"SIGTERM: checkpoint {path}, exiting {EXIT_ON_SIGTERM}", flush=True)
+            return EXIT_ON_SIGTERM
+        step += 1
+        if step == args.crash_at:
+            write_status(out, phase="failed", step=step, error="RuntimeError: injected crash")
+            raise RuntimeError(f"injected crash at step {step}")
+        loss = 10.0 / step
+        with open(os.path.join(out, "metrics.jsonl"), "a") as handle:
+            handle.write(json.dumps({"step": step, "loss": loss, "tau_sim": 1.0 + step / 100}) + "\n")
+        write_status(out, phase="training", step=step)
+        print(f"step {step} loss {loss:.4f}", flush=True)
+        time.sleep(args.interval)
+    write_status(out, phase="done", step=step)
+    print("done", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
