@@ -33,7 +33,7 @@ def write_metrics(run_dir: Path, rows: list[dict]) -> None:
 def three_runs(db: LineageDB, tmp_path: Path) -> dict:
     """exp-flex5 -> exp-flex6 -> exp-flex7, each with a local run dir holding metrics.jsonl.
 
-    flex6 changes --lr and the code hash; flex7 adds --compile. tau_sim peaks at 2.5, 3.0, 3.5."""
+    flex6 changes --lr and the code hash; flex7 adds --compile. tau_sim peaks at 1.5, 2.0, 2.5."""
     runs_root = tmp_path / "ws" / "runs"
     specs = [("exp-flex5", None, "1e-4", []), ("exp-flex6", "exp-flex5", "3e-4", []),
              ("exp-flex7", "exp-flex6", "3e-4", ["--compile"])]
