@@ -22,6 +22,8 @@ import hashlib
 from pathlib import Path
 from typing import Any, Iterable
 
+from trainer.config import TrainerInputError
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|mask|>"]
 END_OF_TURN = "<|im_end|>"
 MASK_TOKEN = "<|mask|>"
@@ -52,13 +54,9 @@ QWEN3_LIKE_CHAT_TEMPLATE = (
 )
 
 
-class DataInputError(ValueError):
-    """Bad user input to prepare/eval/export: a one-line message and an optional one-line hint."""
-
-    def __init__(self, message: str, *, hint: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.hint = hint
+class DataInputError(TrainerInputError):
+    """Bad user input to prepare/eval/export: a one-line message and an optional one-line hint (exit code 2).
+    A TrainerInputError, so `python -m trainer` reports it like every other input error."""
 
 
 def chat_template_sha256(tokenizer: Any) -> str:

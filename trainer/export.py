@@ -1,0 +1,147 @@
+"""`python -m trainer export CHECKPOINT --output DIR`: a training checkpoint -> the public DFlash format.
+
+The output directory holds exactly `config.json` (a Qwen3 config + `architectures: ["DFlashDraftModel"]`,
+`block_size`, `num_target_layers`, `dflash_config`, `layer_types`, `sliding_window`; DrafterConfig.to_hf_dict)
+and `model.safetensors` with the public tensor names (11 per layer + norm, fc, hidden_norm; no embedding, no
+LM head), which public DFlash loaders and `trainer train --init-from DIR` read. It is written to a temporary
+sibling directory and renamed, so DIR is either complete or absent; an existing non-empty DIR is refused.
+
+CHECKPOINT is a `checkpoints/step_NNNNNN` directory (trainer/checkpoint.py) or a run directory (its newest
+complete checkpoint is used). The drafter's shape comes from `drafter_config` in the checkpoint's state.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.model.drafter import CONFIG_NAME, WEIGHTS_NAME, DFlashDrafter, DrafterConfig
+from trainer.tokenizer_utils import DataInputError
+
+LAYER_TENSORS = (
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+    "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
+)
+TOP_TENSORS = ("norm.weight", "fc.weight", "hidden_norm.weight")
+
+
+def public_tensor_names(num_layers: int) -> list[str]:
+    """The exact tensor names of a public DFlash drafter with `num_layers` layers (11 * layers + 3)."""
+    return [f"layers.{i}.{name}" for i in range(num_layers) for name in LAYER_TENSORS] + list(TOP_TENSORS)
+
+
+def drafter_config_from_dict(raw: dict[str, Any]) -> DrafterConfig:
+    """Either the public HF form (has `dflash_config`) or a plain DrafterConfig field dict."""
+    if "dflash_config" in raw:
+        return DrafterConfig.from_hf_dict(raw)
+    fields = {k: v for k, v in raw.items() if k in DrafterConfig.__dataclass_fields__}
+    return DrafterConfig(**fields)
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A step directory as given, or the newest complete `checkpoints/step_*` of a run directory."""
+    path = Path(path)
+    if not path.is_dir():
+        raise DataInputError(f"checkpoint {path} does not exist")
+    if (path / "checkpoints").is_dir() and not (path / "state.json").exists():
+        complete = sorted(p for p in (path / "checkpoints").glob("step_*") if (p / "state.json").is_file())
+        if not complete:
+            raise DataInputError(f"run directory {path} holds no complete checkpoint",
+                                 hint="a checkpoint is complete once its state.json exists; train longer or pass a step directory")
+        return complete[-1]
+    return path
+
+
+def load_training_checkpoint(path: str | Path) -> DFlashDrafter:
+    """The drafter stored in a training checkpoint; DataInputError for an incomplete or inconsistent one."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    step_dir = resolve_checkpoint(path)
+    state_file, weights = step_dir / "state.json", step_dir / WEIGHTS_NAME
+    if not state_file.is_file():
+        raise DataInputError(f"checkpoint {step_dir} is incomplete: no state.json (the save did not finish)",
+                             hint="export a complete checkpoints/step_NNNNNN directory, or the run directory")
+    if not weights.is_file():
+        raise DataInputError(f"checkpoint {step_dir} is incomplete: {WEIGHTS_NAME} is missing")
+    state = json.loads(state_file.read_text())
+    if not isinstance(state.get("drafter_config"), dict):
+        raise DataInputError(f"checkpoint {step_dir}: state.json has no drafter_config; cannot rebuild the drafter")
+    try:
+        config = drafter_config_from_dict(state["drafter_config"])
+        tensors = load_file(str(weights))
+    except (ValueError, TypeError, SafetensorError) as exc:
+        raise DataInputError(f"checkpoint {step_dir} is unreadable: {exc}") from None
+    drafter = DFlashDrafter(config)
+    expected = set(drafter.state_dict())
+    missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+    if missing or unexpected:
+        raise DataInputError(f"checkpoint {step_dir} is incomplete or of another model: "
+                             f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+    wrong = [n for n, t in drafter.state_dict().items() if tuple(tensors[n].shape) != tuple(t.shape)]
+    if wrong:
+        raise DataInputError(f"checkpoint {step_dir}: {wrong[0]} has shape {tuple(tensors[wrong[0]].shape)}, "
+                             f"its drafter_config says {tuple(drafter.state_dict()[wrong[0]].shape)}")
+    drafter.load_state_dict(tensors)
+    return drafter
+
+
+def export_drafter(drafter: DFlashDrafter, output: str | Path) -> Path:
+    """Write `drafter` in the public format to `output` atomically; refuse a non-empty existing `output`."""
+    output = Path(output)
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise DataInputError(f"export output {output} already exists and is not empty",
+                             hint="choose a new --output directory (an export is never overwritten)")
+    names = sorted(drafter.state_dict())
+    if names != sorted(public_tensor_names(drafter.config.num_hidden_layers)):
+        raise DataInputError(f"drafter tensor names differ from the public DFlash names: {names[:3]} ...")
+    tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    drafter.save_pretrained(tmp)
+    if output.exists():
+        output.rmdir()  # empty (checked above)
+    os.replace(tmp, output)
+    return output
+
+
+def load_drafter(directory: str | Path, device: str | torch.device = "cpu") -> DFlashDrafter:
+    """A public-format drafter directory (ours or a published one) -> DFlashDrafter; DataInputError if invalid."""
+    directory = Path(directory)
+    if not (directory / CONFIG_NAME).is_file() or not (directory / WEIGHTS_NAME).is_file():
+        raise DataInputError(f"{directory} is not an exported drafter (needs {CONFIG_NAME} and {WEIGHTS_NAME})",
+                             hint="run `python -m trainer export CHECKPOINT --output DIR` first")
+    try:
+        return DFlashDrafter.from_pretrained(directory, device=device).eval()
+    except (ValueError, json.JSONDecodeError) as exc:
+        raise DataInputError(str(exc)) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer export", description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", help="checkpoints/step_NNNNNN directory, or a run directory (newest checkpoint)")
+    parser.add_argument("--output", required=True, help="new directory for config.json + model.safetensors")
+    args = parser.parse_args(argv)
+    try:
+        drafter = load_training_checkpoint(args.checkpoint)
+        out = export_drafter(drafter, args.output)
+    except DataInputError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        if exc.hint:
+            print(f"hint: {exc.hint}", file=sys.stderr)
+        return 2
+    count = len(public_tensor_names(drafter.config.num_hidden_layers))
+    print(f"exported {count} tensors to {out}", file=sys.stderr)
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
