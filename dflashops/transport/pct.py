@@ -1,0 +1,119 @@
+"""The `pct` transport: commands inside a Proxmox LXC container, through a transport to its host.
+
+Every command becomes `[sudo -n] pct exec CTID --keep-env 0 -- env K=V... argv...` on the host
+transport (normally `SshTransport`; `LocalTransport` on the host itself). `--keep-env 0` so the host
+user's environment never leaks into the container; the run's environment is passed explicitly.
+
+Before the first command of an invocation, `pct status CTID` is asked once (~1 round trip) so a stopped
+or missing container is a clear error naming the container, with Proxmox's own words, instead of a
+`pct exec` exit code 255 surfacing later in the middle of a verb. `sudo -n` (never a password prompt:
+a prompt over a non-interactive channel would hang) is used when the host user is not root.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from dflashops.errors import NotFound, TransportError
+from dflashops.shell import env_argv
+from dflashops.transport.base import Stdin, Transport
+
+
+@dataclass
+class PctTransport(Transport):
+    """Runs argv inside container `ctid` on the host reached by `host` (see the module docstring)."""
+
+    host: Transport | None = None
+    ctid: int = 0
+    sudo: bool = False
+    _checked: bool = field(default=False, init=False, repr=False)
+    _check_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.host is None:
+            raise ValueError("PctTransport needs the host transport")
+        if not isinstance(self.ctid, int) or not 100 <= self.ctid <= 999_999_999:
+            raise ValueError(f"invalid CTID {self.ctid!r}: Proxmox IDs are integers from 100")
+
+    def pct_argv(self, *args: str) -> list[str]:
+        return [*(["sudo", "-n"] if self.sudo else []), "pct", *args]
+
+    def exec_argv(self, argv: Sequence[str], env: Mapping[str, str]) -> list[str]:
+        inner = [*env_argv(env), *argv] if env else list(argv)
+        return self.pct_argv("exec", str(self.ctid), "--keep-env", "0", "--", *inner)
+
+    # -- the once-per-invocation container check ----------------------------------------------------
+    def ensure_running(self) -> None:
+        with self._check_lock:
+            if self._checked:
+                return
+            assert self.host is not None
+            code, out, err = self.host._run(self.pct_argv("status", str(self.ctid)), env={}, stdin=None,
+                                            timeout=60)
+            words = (out + err).decode(errors="replace").strip()
+            self._raise_for_status(code, words)
+            self._checked = True
+
+    def _raise_for_status(self, code: int, words: str) -> None:
+        where = f"container {self.ctid} on {self.host.name if self.host else '?'}"
+        last = words.splitlines()[-1] if words else f"exit code {code}"
+        if code == 0 and "status: running" in words:
+            return
+        if code == 0 and "status:" in words:
+            state = words.split("status:", 1)[1].split()[0]
+            raise TransportError(f"{where} is {state} (pct status: {last})",
+                                 hint=f"start it on the host: pct start {self.ctid}")
+        if "does not exist" in words:
+            raise NotFound(f"{where} does not exist: {last}",
+                           hint="check the CTID in the inventory (`pct list` on the host shows them)")
+        if "password is required" in words or "a terminal is required" in words:
+            raise TransportError(f"sudo on {self.host.name if self.host else '?'} asks for a password: {last}",
+                                 hint="give the host user a NOPASSWD sudo rule for pct, or connect as root")
+        if "only root" in words or "permission denied" in words.lower():
+            raise TransportError(f"pct on {self.host.name if self.host else '?'} needs root: {last}",
+                                 hint="set `sudo: true` for this host in the inventory, or connect as root")
+        if code == 127 or "not found" in words:
+            raise TransportError(f"no `pct` on {self.host.name if self.host else '?'}: {last}",
+                                 hint="not a Proxmox host? use mode `host` (plain server) or `direct`")
+        raise TransportError(f"pct status {self.ctid} failed with exit code {code}: {last}")
+
+    # -- Transport ----------------------------------------------------------------------------------
+    def _run(self, argv: Sequence[str], *, env: Mapping[str, str], stdin: Stdin,
+             timeout: float | None) -> tuple[int, bytes, bytes]:
+        self.ensure_running()
+        assert self.host is not None
+        return self.host._run(self.exec_argv(argv, env), env={}, stdin=stdin, timeout=timeout)
+
+    def stream(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
+               timeout: float | None = None) -> Iterator[bytes]:
+        self.ensure_running()
+        assert self.host is not None
+        merged = {**self.default_env, **(env or {})}
+        return self.host.stream(self.exec_argv(argv, merged), timeout=timeout)
+
+    def close(self) -> None:
+        if self.host is not None:
+            self.host.close()
+
+
+def open_remote(target: object, hosts: Mapping[str, object] | None = None) -> Transport:
+    """The transport for a `pct`, `direct` or `host` inventory target (duck-typed `Target`):
+    pct -> PctTransport over ssh to the Proxmox host; direct (the container runs sshd) and host (a plain
+    GPU server) -> ssh straight to `target.host`. Nothing connects until the first command."""
+    from dflashops.transport.ssh import SshTransport, settings_for_host
+
+    kind, name, host = getattr(target, "kind"), str(getattr(target, "name")), getattr(target, "host", None)
+    if host is None:
+        raise TransportError(f"target {name!r} ({kind}) names no host", hint="set `host:` for it in the inventory")
+    ssh = SshTransport(name=str(getattr(host, "name")), default_env={}, settings=settings_for_host(host, hosts))
+    if kind == "pct":
+        ctid = getattr(target, "ctid", None)
+        if not isinstance(ctid, int):
+            raise TransportError(f"target {name!r} is a pct target without a ctid", hint="set `ctid:` in the inventory")
+        return PctTransport(name=name, default_env={}, host=ssh, ctid=ctid, sudo=bool(getattr(host, "sudo", False)))
+    if kind in ("direct", "host"):
+        ssh.name = name
+        return ssh
+    raise TransportError(f"target {name!r} has kind {kind!r}, which is not a remote kind")

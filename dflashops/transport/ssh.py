@@ -1,0 +1,318 @@
+"""The `ssh` transport: Fabric for connecting (ssh_config, gateways), raw paramiko channels for running.
+
+Contract:
+- One connection per transport instance (= per CLI invocation), opened on first use and reused by every
+  command; if it dropped (cut link, sshd restart) the next command reconnects once, transparently. A
+  command in flight when the link drops raises `TransportError` (never retried here: it may not be
+  idempotent; callers that can resume, such as `logs -f` with its byte offset, retry themselves).
+- Host keys are checked against known_hosts (the inventory's file, else ~/.ssh/known_hosts) and an
+  unknown key is REFUSED with its SHA256 fingerprint and a `dflashops trust HOST` hint (Fabric's own
+  default auto-adds any key). A changed key is refused too.
+- ~/.ssh/config is honoured through Fabric (aliases, User, Port, IdentityFile, ProxyJump, ConnectTimeout);
+  `$DFLASHOPS_SSH_CONFIG` points at another file (tests use it). Inventory values win over ssh_config.
+- stdin is written on the raw channel from a thread (binary-safe: Fabric's `in_stream` decodes text byte
+  by byte) while stdout/stderr are drained, so a command that talks back while reading cannot deadlock.
+- Every paramiko/socket failure becomes a one-line `TransportError` with a hint; paramiko's own logging is
+  silenced unless DFLASHOPS_DEBUG is set (its "Exception (client)" tracebacks would reach the terminal).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import fabric
+import paramiko
+
+from dflashops.errors import TransportError
+from dflashops.shell import env_argv, join_argv
+from dflashops.transport.base import Stdin, Transport
+from dflashops.transport.ssh_keys import RefuseUnknownHost, fingerprint, translate_connect_error
+
+if not os.environ.get("DFLASHOPS_DEBUG"):
+    logging.getLogger("paramiko").addHandler(logging.NullHandler())
+    logging.getLogger("paramiko").propagate = False
+
+CHUNK = 64 * 1024
+# With no byte from the server for this long, a keepalive with reply is sent; no reply within
+# PROBE_TIMEOUT_S means the link is dead (paramiko's own keepalive never notices a silent peer).
+IDLE_PROBE_S = 15.0
+PROBE_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class SshSettings:
+    """Where and how to connect. `host` may be an address or a ~/.ssh/config alias."""
+
+    host: str
+    user: str | None = None
+    port: int | None = None
+    identity_file: str | None = None
+    known_hosts: str | None = None
+    gateway: "SshSettings | None" = None
+    connect_timeout: float = 10.0
+    keepalive_s: int = 15
+    trust_name: str | None = None  # the name `dflashops trust NAME` takes (inventory host name)
+
+    def known_hosts_path(self) -> Path:
+        return Path(os.path.expanduser(self.known_hosts or "~/.ssh/known_hosts"))
+
+
+def fabric_config() -> fabric.Config:
+    path = os.environ.get("DFLASHOPS_SSH_CONFIG")
+    return fabric.Config(runtime_ssh_path=path) if path else fabric.Config()
+
+
+def build_connection(settings: SshSettings) -> fabric.Connection:
+    """A Fabric Connection (not yet open) whose host-key policy refuses unknown keys, gateways included."""
+    gateway = build_connection(settings.gateway) if settings.gateway else None
+    connect_kwargs: dict[str, object] = {
+        "banner_timeout": settings.connect_timeout,
+        "auth_timeout": settings.connect_timeout,
+        "channel_timeout": settings.connect_timeout,
+    }
+    if settings.identity_file:
+        # An explicit identity means exactly that key (like IdentitiesOnly): a wrong key must fail
+        # as an authentication error, not silently succeed with some other key from ~/.ssh.
+        connect_kwargs.update(key_filename=[os.path.expanduser(settings.identity_file)],
+                              look_for_keys=False, allow_agent=False)
+    conn = fabric.Connection(
+        settings.host,
+        user=settings.user,
+        port=settings.port,
+        config=fabric_config(),
+        connect_timeout=max(1, int(settings.connect_timeout)),
+        connect_kwargs=connect_kwargs,
+        gateway=gateway,
+    )
+    # Gateways from ssh_config's ProxyJump are built by Fabric: give every hop the same policy.
+    hop: object = conn
+    while isinstance(hop, fabric.Connection):
+        known = settings.known_hosts_path()
+        if hop.ssh_config.get("userknownhostsfile") and not settings.known_hosts:
+            known = Path(os.path.expanduser(hop.ssh_config["userknownhostsfile"].split()[0]))
+        if known.exists():
+            hop.client.load_system_host_keys(str(known))
+        hop.client.set_missing_host_key_policy(
+            RefuseUnknownHost(trust_name=settings.trust_name or settings.host, known_hosts=known))
+        hop = hop.gateway
+    return conn
+
+
+@dataclass
+class SshTransport(Transport):
+    """Runs argv on a host over one reused SSH connection (see the module docstring)."""
+
+    settings: SshSettings | None = None
+    _conn: fabric.Connection | None = field(default=None, init=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.settings is None:
+            raise ValueError("SshTransport needs settings")
+
+    # -- connection ---------------------------------------------------------------------------------
+    def connection(self) -> paramiko.Transport:
+        """The live paramiko Transport, connecting (or reconnecting after a drop) when needed."""
+        with self._lock:
+            if self._conn is not None and self._conn.transport is not None and self._conn.transport.is_active():
+                return self._conn.transport
+            self._close_quietly()
+            settings = self.settings
+            assert settings is not None
+            conn = build_connection(settings)
+            try:
+                conn.open()
+            except Exception as exc:  # every failure mode of connect becomes one TransportError
+                self._conn = conn
+                self._close_quietly()
+                raise translate_connect_error(exc, settings, conn) from None
+            assert conn.transport is not None
+            conn.transport.set_keepalive(settings.keepalive_s)
+            self._conn = conn
+            return conn.transport
+
+    def host_fingerprint(self) -> str:
+        return fingerprint(self.connection().get_remote_server_key())
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_quietly()
+
+    def _close_quietly(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            except Exception:  # noqa: BLE001 - closing a broken link may raise anything
+                pass
+            self._conn = None
+
+    # -- commands -----------------------------------------------------------------------------------
+    def command_line(self, argv: Sequence[str], env: Mapping[str, str]) -> str:
+        return join_argv([*env_argv(env), *argv] if env else list(argv))
+
+    def _open_channel(self, argv: Sequence[str], env: Mapping[str, str]) -> paramiko.Channel:
+        transport = self.connection()
+        try:
+            channel = transport.open_session(timeout=self.settings.connect_timeout if self.settings else None)
+            channel.exec_command(self.command_line(argv, env))
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            self.close()
+            raise TransportError(f"{self.name}: could not start a command: {exc or type(exc).__name__}",
+                                 hint="the connection broke; run the command again") from None
+        return channel
+
+    def _run(self, argv: Sequence[str], *, env: Mapping[str, str], stdin: Stdin,
+             timeout: float | None) -> tuple[int, bytes, bytes]:
+        channel = self._open_channel(argv, env)
+        feeder = _start_feeder(channel, stdin)
+        out, err = bytearray(), bytearray()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            for chunk in self._drain(channel, err, deadline, argv):
+                out += chunk
+        finally:
+            channel.close()
+        feeder.join(timeout=1)
+        return self._exit_code(channel, argv), bytes(out), bytes(err)
+
+    def stream(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
+               timeout: float | None = None) -> Iterator[bytes]:
+        """Yield stdout chunks as they arrive (exit code ignored, as in the local transport); a lost
+        connection raises TransportError mid-iteration. Closing the generator closes the channel."""
+        channel = self._open_channel(argv, {**self.default_env, **(env or {})})
+        channel.shutdown_write()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        err = bytearray()
+        try:
+            yield from self._drain(channel, err, deadline, argv)
+            self._exit_code(channel, argv)  # raises when the link dropped; an exit code is not an error here
+        finally:
+            channel.close()
+
+    def _drain(self, channel: paramiko.Channel, err: bytearray, deadline: float | None,
+               argv: Sequence[str]) -> Iterator[bytes]:
+        """Yield stdout, collect stderr, until the channel closes; bounded by deadline and liveness probes."""
+        channel.settimeout(0.2)
+        last_data = time.monotonic()
+        while True:
+            got = False
+            if channel.recv_stderr_ready():
+                err += channel.recv_stderr(CHUNK)
+                got = True
+            try:
+                chunk = channel.recv(CHUNK)
+                if not chunk:
+                    break
+                got = True
+                yield chunk
+            except socket.timeout:
+                pass
+            now = time.monotonic()
+            if got:
+                last_data = now
+            if deadline is not None and now > deadline:
+                raise TransportError(f"{self.name}: command timed out: {join_argv(argv)}")
+            if now - last_data > IDLE_PROBE_S:
+                self._probe_alive(argv)
+                last_data = time.monotonic()
+        while channel.recv_stderr_ready() or not channel.exit_status_ready():
+            if channel.recv_stderr_ready():
+                err += channel.recv_stderr(CHUNK)
+            elif not self._link_alive():
+                break
+            else:
+                time.sleep(0.01)
+
+    def _link_alive(self) -> bool:
+        return bool(self._conn and self._conn.transport and self._conn.transport.is_active())
+
+    def _probe_alive(self, argv: Sequence[str]) -> None:
+        """A keepalive that wants a reply; none within PROBE_TIMEOUT_S means the link is gone."""
+        transport = self._conn.transport if self._conn else None
+        answered = threading.Event()
+
+        def ask() -> None:
+            # OpenSSH answers an unknown global request with a failure reply: any answer proves liveness;
+            # paramiko returns from the wait either way, so liveness is read from the transport after it.
+            try:
+                if transport is not None:
+                    transport.global_request("keepalive@openssh.com", wait=True)
+                    if transport.is_active():
+                        answered.set()
+            except Exception:  # noqa: BLE001 - a dying transport raises various things
+                pass
+
+        threading.Thread(target=ask, daemon=True).start()
+        if not answered.wait(PROBE_TIMEOUT_S) and transport is not None:
+            transport.close()
+            raise TransportError(f"{self.name}: connection stalled (no answer in {PROBE_TIMEOUT_S:.0f}s) "
+                                 f"during: {join_argv(argv)}", hint="check the network; run it again")
+
+    def _exit_code(self, channel: paramiko.Channel, argv: Sequence[str]) -> int:
+        code = channel.exit_status if channel.exit_status_ready() else -1
+        if code == -1:
+            if not self._link_alive():
+                self.close()
+                raise TransportError(f"{self.name}: connection lost during: {join_argv(argv)}",
+                                     hint="the link dropped; the next command reconnects")
+            return 255  # killed by a signal (exit-signal): what OpenSSH's client reports too
+        return code
+
+
+def _start_feeder(channel: paramiko.Channel, stdin: Stdin) -> threading.Thread:
+    """Write stdin to the channel in a thread, then half-close it so the command sees EOF."""
+
+    def feed() -> None:
+        try:
+            if isinstance(stdin, (bytes, bytearray, memoryview)):
+                view = memoryview(stdin)
+                for start in range(0, len(view), CHUNK):
+                    channel.sendall(view[start:start + CHUNK])
+            elif stdin is not None:
+                while chunk := stdin.read(CHUNK):
+                    channel.sendall(chunk)
+            channel.shutdown_write()
+        except (OSError, EOFError, paramiko.SSHException):
+            pass  # the reader side reports the broken link with the command's context
+
+    thread = threading.Thread(target=feed, daemon=True)
+    thread.start()
+    return thread
+
+
+def settings_for_host(host: object, hosts: Mapping[str, object] | None = None, *,
+                      connect_timeout: float | None = None) -> SshSettings:
+    """SshSettings from an inventory `Host` (duck-typed: this layer does not import the inventory);
+    `jump_host` names another inventory host, resolved recursively (a cycle is refused)."""
+    seen: set[str] = set()
+
+    def build(entry: object) -> SshSettings:
+        name = str(getattr(entry, "name"))
+        if name in seen:
+            raise TransportError(f"jump_host cycle through host {name!r}", hint="fix jump_host in the inventory")
+        seen.add(name)
+        # A resolved `gateway` Host object wins; else `jump_host` names another host in `hosts`.
+        jump = getattr(entry, "gateway", None)
+        jump_name = getattr(entry, "jump_host", None)
+        if jump is None and jump_name:
+            if hosts is None or jump_name not in hosts:
+                raise TransportError(f"host {name!r}: jump_host {jump_name!r} is not an inventory host",
+                                     hint="add it under hosts: in the inventory")
+            jump = hosts[jump_name]
+        gateway = build(jump) if jump is not None else None
+        port = getattr(entry, "port", None)
+        return SshSettings(
+            host=str(getattr(entry, "address")), user=getattr(entry, "user", None),
+            port=int(port) if port else None, identity_file=getattr(entry, "identity_file", None),
+            known_hosts=getattr(entry, "known_hosts", None), gateway=gateway,
+            connect_timeout=connect_timeout or float(os.environ.get("DFLASHOPS_CONNECT_TIMEOUT", "10")),
+            trust_name=name)
+
+    return build(host)

@@ -1,0 +1,133 @@
+"""Host keys and connect errors for the ssh transport: refuse unknown keys, fingerprints, `trust`.
+
+- `RefuseUnknownHost`: paramiko policy raising `UnknownHostKey` (carrying the key) instead of adding it.
+- `fingerprint(key)`: OpenSSH's `SHA256:<base64>` form, so it can be compared with `ssh-keygen -lf`.
+- `fetch_host_key(settings)`: the server's key from a bare key exchange (no authentication), through the
+  gateway when there is one; used by `dflashops trust` to show the key before recording it.
+- `record_host_key(...)`: appends `[host]:port type base64` to known_hosts (0600, directory 0700).
+- `translate_connect_error(exc, settings, conn)`: every way `connect` fails -> one `TransportError`.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hashlib
+import os
+import socket
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import paramiko
+
+from dflashops.errors import Conflict, TransportError
+
+if TYPE_CHECKING:
+    import fabric
+
+    from dflashops.transport.ssh import SshSettings
+
+
+def fingerprint(key: paramiko.PKey) -> str:
+    digest = hashlib.sha256(key.asbytes()).digest()
+    return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
+
+
+def known_hosts_name(host: str, port: int) -> str:
+    return host if port == 22 else f"[{host}]:{port}"
+
+
+class UnknownHostKey(paramiko.SSHException):
+    def __init__(self, hostname: str, key: paramiko.PKey, trust_name: str, known_hosts: Path) -> None:
+        super().__init__(f"unknown host key for {hostname}")
+        self.hostname, self.key, self.trust_name, self.known_hosts = hostname, key, trust_name, known_hosts
+
+
+class RefuseUnknownHost(paramiko.MissingHostKeyPolicy):
+    """Refuse any host whose key is not in known_hosts (the opposite of Fabric's AutoAddPolicy)."""
+
+    def __init__(self, trust_name: str, known_hosts: Path) -> None:
+        self.trust_name, self.known_hosts = trust_name, known_hosts
+
+    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
+        raise UnknownHostKey(hostname, key, self.trust_name, self.known_hosts)
+
+
+class _CaptureKey(paramiko.MissingHostKeyPolicy):
+    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
+        raise UnknownHostKey(hostname, key, hostname, Path())
+
+
+def fetch_host_key(settings: "SshSettings") -> tuple[str, paramiko.PKey]:
+    """(known_hosts name, key) of the server, without authenticating. The gateway, if any, must be trusted."""
+    from dflashops.transport.ssh import build_connection
+
+    # An empty known_hosts for this hop only, so the capturing policy sees its key even when it is known.
+    conn = build_connection(dataclasses.replace(settings, known_hosts=os.devnull))
+    conn.client.set_missing_host_key_policy(_CaptureKey())
+    try:
+        conn.open()
+    except UnknownHostKey as captured:
+        return captured.hostname, captured.key
+    except Exception as exc:  # noqa: BLE001
+        raise translate_connect_error(exc, settings, conn) from None
+    finally:
+        conn.close()
+    raise TransportError(f"could not read the host key of {settings.host}")
+
+
+def record_host_key(known_hosts: Path, hostname: str, key: paramiko.PKey) -> bool:
+    """Append the key unless an identical line exists (False then). A DIFFERENT key of the same type
+    already recorded for the host raises Conflict: replacing a known key is a human's decision."""
+    known_hosts.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    keys = paramiko.HostKeys(str(known_hosts)) if known_hosts.exists() else paramiko.HostKeys()
+    existing = keys.lookup(hostname)
+    old = existing.get(key.get_name()) if existing is not None else None
+    if old == key:
+        return False
+    if old is not None:
+        raise Conflict(f"{known_hosts} already has a DIFFERENT {key.get_name()} key for {hostname} "
+                       f"({fingerprint(old)}); nothing recorded",
+                       hint=f"if the host was really reinstalled: ssh-keygen -R '{hostname}' -f {known_hosts}")
+    line = f"{hostname} {key.get_name()} {key.get_base64()}\n"
+    fd = os.open(known_hosts, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    with os.fdopen(fd, "a") as handle:
+        handle.write(line)
+    return True
+
+
+def translate_connect_error(exc: BaseException, settings: "SshSettings",
+                            conn: "fabric.Connection | None" = None) -> TransportError:
+    """One line a user can act on, for every failure of opening a connection."""
+    where = f"{conn.user}@{conn.host}:{conn.port}" if conn is not None else settings.host
+    name = settings.trust_name or settings.host
+    timeout = settings.connect_timeout
+    if isinstance(exc, UnknownHostKey):
+        return TransportError(
+            f"host key of {exc.hostname} is not known (not in {exc.known_hosts}); "
+            f"its {exc.key.get_name()} fingerprint is {fingerprint(exc.key)}",
+            hint=f"check the fingerprint out of band, then run: dflashops trust {name}")
+    if isinstance(exc, paramiko.BadHostKeyException):
+        return TransportError(
+            f"host key of {exc.hostname} CHANGED: got {fingerprint(exc.key)}, known_hosts has "
+            f"{fingerprint(exc.expected_key)} (reinstalled host, or someone in between)",
+            hint=f"verify the new key out of band, remove the old line from known_hosts, then: dflashops trust {name}")
+    if isinstance(exc, paramiko.AuthenticationException):
+        return TransportError(
+            f"authentication failed for {where}: {exc}",
+            hint="check identity_file in the inventory (or IdentityFile in ~/.ssh/config) and that its "
+                 "public key is in the server's authorized_keys")
+    if isinstance(exc, (socket.timeout, TimeoutError)):
+        return TransportError(f"cannot reach {where}: no answer within {timeout:g}s (connect timeout)",
+                              hint="is the host up and the address/port right?")
+    if isinstance(exc, socket.gaierror):
+        return TransportError(f"cannot resolve host {conn.host if conn else settings.host!r}: {exc.strerror}",
+                              hint="check the address in the inventory or the alias in ~/.ssh/config")
+    if isinstance(exc, (paramiko.ssh_exception.NoValidConnectionsError, ConnectionRefusedError)):
+        return TransportError(f"cannot reach {where}: connection refused",
+                              hint="is sshd running there, and is the port right?")
+    if isinstance(exc, (paramiko.SSHException, EOFError, OSError)):
+        text = str(exc) or type(exc).__name__
+        return TransportError(f"ssh handshake with {where} failed: {text}",
+                              hint="the server closed the connection; is it an ssh server, and reachable?")
+    return TransportError(f"cannot connect to {where}: {type(exc).__name__}: {exc}")

@@ -1,0 +1,113 @@
+"""Fixtures for the remote tier: one real sshd + pct stand-in per session, proxies and inventories per test.
+
+Containers: 200 and 202 running, 201 stopped (created here); 999 does not exist. The test user reaches
+`pct` only through `sudo -n` (a NOPASSWD rule on the stand-in), as a non-root Proxmox admin would.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import remote_harness  # noqa: E402
+from loopproxy import LoopProxy  # noqa: E402
+
+from dflashops.transport.pct import PctTransport  # noqa: E402
+from dflashops.transport.ssh import SshSettings, SshTransport  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+WORKLOAD = REPO / "tests" / "workloads" / "workload.py"
+pytestmark = pytest.mark.ssh
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "tests/remote" in str(item.fspath):
+            item.add_marker(pytest.mark.ssh)
+
+
+@pytest.fixture(scope="session")
+def harness() -> Iterator[remote_harness.Harness]:
+    if os.geteuid() != 0:
+        pytest.skip("the remote harness needs root (sshd, a test user, namespaces)")
+    h = remote_harness.start_harness()
+    try:
+        h.create_container("200", "gpu200")
+        h.create_container("201", "gpu201", running=False)
+        h.create_container("202", "gpu202")
+        yield h
+    finally:
+        h.stop()
+
+
+def settings_for(h: remote_harness.Harness, port: int | None = None, **overrides: object) -> SshSettings:
+    fields: dict[str, object] = dict(host="127.0.0.1", user=h.user, port=port or h.port,
+                                     identity_file=str(h.client_key), known_hosts=str(h.known_hosts),
+                                     connect_timeout=5.0, trust_name="pve")
+    fields.update(overrides)
+    return SshSettings(**fields)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def ssh(harness: remote_harness.Harness) -> Iterator[SshTransport]:
+    transport = SshTransport(name="pve", settings=settings_for(harness))
+    yield transport
+    transport.close()
+
+
+@pytest.fixture
+def ct200(harness: remote_harness.Harness) -> Iterator[PctTransport]:
+    transport = PctTransport(name="ct200", host=SshTransport(name="pve", settings=settings_for(harness)),
+                             ctid=200, sudo=True)
+    yield transport
+    transport.close()
+
+
+@pytest.fixture
+def proxy(harness: remote_harness.Harness) -> Iterator[LoopProxy]:
+    p = LoopProxy(harness.port).start()
+    harness.trust_port(p.port)
+    yield p
+    p.close()
+
+
+def write_inventory(path: Path, h: remote_harness.Harness, *, port: int | None = None,
+                    workspace: str = "/workspace/dfo", extra_targets: str = "") -> Path:
+    """A remote inventory: host `pve` (sudo), pct targets ct200/ct201 (stopped)/ct999 (missing) and
+    ct202, and the `work` profile running the controller tests' workload script from the release."""
+    path.write_text(textwrap.dedent(f"""\
+        hosts:
+          pve:
+            address: 127.0.0.1
+            port: {port or h.port}
+            user: {h.user}
+            identity_file: {h.client_key}
+            known_hosts: {h.known_hosts}
+            sudo: true
+        targets:
+          ct200: {{kind: pct, host: pve, ctid: 200, workspace: {workspace}}}
+          ct201: {{kind: pct, host: pve, ctid: 201, workspace: {workspace}}}
+          ct202: {{kind: pct, host: pve, ctid: 202, workspace: {workspace}}}
+        """) + textwrap.indent(textwrap.dedent(extra_targets), "  ") + textwrap.dedent(f"""\
+        profiles:
+          work:
+            argv: ["{{python}}", "{{release}}/tests/workloads/workload.py", "--output-dir", "{{run_dir}}",
+                   "--steps", "100000", "--interval", "0.05"]
+            files: [tests/workloads/workload.py]
+        """))
+    return path
+
+
+@pytest.fixture
+def inventory(tmp_path: Path, harness: remote_harness.Harness, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh workspace per test (its own folder in the containers) and its own lineage database."""
+    path = write_inventory(tmp_path / "inventory.yaml", harness, workspace=f"/workspace/{tmp_path.name}")
+    monkeypatch.setenv("DFLASHOPS_INVENTORY", str(path))
+    return path
