@@ -16,7 +16,7 @@ inventory.yaml in the current directory or its parents, else the one shipped nex
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ class Host:
     jump_host: str | None = None
     known_hosts: str | None = None
     sudo: bool = False
+    gateway: "Host | None" = None  # the `jump_host` entry, resolved by load_inventory (ProxyJump)
 
 
 @dataclass(frozen=True)
@@ -189,8 +190,9 @@ def load_inventory(path: str | os.PathLike[str] | None = None) -> Inventory:
     if root is None:
         raise InventoryError(f"{inv_path}: the inventory is empty", hint="define at least one target")
     top = reader.mapping(root, "", {"hosts", "targets", "profiles"})
-    hosts = {name: _host(reader, name, node) for name, node in
-             (reader.mapping(top["hosts"], "hosts") if "hosts" in top else {}).items()}
+    host_nodes = reader.mapping(top["hosts"], "hosts") if "hosts" in top else {}
+    hosts = _resolve_gateways(reader, {name: _host(reader, name, node) for name, node in host_nodes.items()},
+                              host_nodes)
     targets = {name: _target(reader, inv_path.parent, hosts, name, node) for name, node in
                (reader.mapping(top["targets"], "targets") if "targets" in top else {}).items()}
     profiles = {name: _profile(reader, name, node) for name, node in
@@ -207,6 +209,26 @@ def _host(reader: _Reader, name: str, node: yaml.Node) -> Host:
     get = {k: reader.scalar(v, f"{key}.{k}", int if k == "port" else bool if k == "sudo" else str)
            for k, v in fields.items()}
     return Host(name=name, **get)
+
+
+def _resolve_gateways(reader: _Reader, hosts: dict[str, Host], nodes: dict[str, yaml.Node]) -> dict[str, Host]:
+    """Replace each `jump_host` name by the Host it names (`gateway`); unknown names and cycles are errors."""
+    resolved: dict[str, Host] = {}
+
+    def resolve(name: str, chain: tuple[str, ...]) -> Host:
+        if name in resolved:
+            return resolved[name]
+        host = hosts[name]
+        if host.jump_host is not None:
+            if host.jump_host not in hosts:
+                raise reader.fail(nodes[name], f"hosts.{name}.jump_host", f"unknown host {host.jump_host!r}")
+            if host.jump_host in chain:
+                raise reader.fail(nodes[name], f"hosts.{name}.jump_host", "jump hosts form a cycle")
+            host = replace(host, gateway=resolve(host.jump_host, (*chain, name)))
+        resolved[name] = host
+        return host
+
+    return {name: resolve(name, (name,)) for name in hosts}
 
 
 def _target(reader: _Reader, base: Path, hosts: dict[str, Host], name: str, node: yaml.Node) -> Target:

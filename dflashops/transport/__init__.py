@@ -19,7 +19,9 @@ def open_transport(target: "Target") -> Transport:
         from dflashops.transport.local import LocalTransport
 
         return LocalTransport(name=target.name, default_env={})
-    raise TransportError(
-        f"target {target.name!r} is of kind {target.kind!r}, which this build cannot reach yet",
-        hint="only 'local' targets work until the ssh/pct transports land",
-    )
+    if target.kind in ("pct", "direct", "host"):
+        from dflashops.transport.pct import open_remote
+
+        return open_remote(target)  # pct: ssh to the Proxmox host + `pct exec`; direct/host: ssh
+    raise TransportError(f"target {target.name!r} has unknown kind {target.kind!r}",
+                         hint="kinds: local, pct, direct, host")
