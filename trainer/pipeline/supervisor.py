@@ -10,19 +10,16 @@ Contract:
   (stuck inside a CUDA call, say) is named in the returned list instead of hanging the process. Threads are
   daemons, so the interpreter can still exit.
 - Workers publish what they are doing (`set_phase`), which lets a stall report say which side starves.
-- SIGTERM/SIGINT (`install_stop_signals`) only set `stop_requested`; the step loop checks it at a step
-  boundary, writes one consistent checkpoint and then calls `shutdown()`.
+- A stop request (SIGTERM through trainer.signals.GracefulStop, or `stop_requested.set()`) is only looked at
+  by the main thread's step loop at a step boundary; it writes one consistent checkpoint, then `shutdown()`.
 """
 
 from __future__ import annotations
 
-import signal
-import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from trainer.pipeline.channel import ChannelAborted, ChannelGroup
@@ -146,26 +143,3 @@ class Supervisor:
         for thread in self._threads.values():
             thread.join(max(0.0, deadline - time.monotonic()))
         return [name for name, thread in self._threads.items() if thread.is_alive()]
-
-
-@contextmanager
-def install_stop_signals(stop_requested: threading.Event, log: Callable[[str], None] | None = None) -> Iterator[None]:
-    """While active, SIGTERM and SIGINT set `stop_requested` (a second one is not special: the step loop
-    already stops at the next boundary). Handlers are restored on exit. Only valid in the main thread; from
-    another thread it does nothing (tests that drive the pipeline from a helper thread set the event)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: object) -> None:
-        stop_requested.set()
-        (log or (lambda m: print(m, file=sys.stderr)))(
-            f"received {signal.Signals(signum).name}: stopping at the next step boundary, then checkpointing"
-        )
-
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)

@@ -1,0 +1,122 @@
+"""Who computes which micro-batch: a deterministic assignment, so data order survives threads and resumes.
+
+The run's micro-batches form one global sequence g = 0, 1, 2, ... (epoch by epoch, in the order
+trainer.data.plan_epoch gives). Optimizer step k (0-based) consumes D * A of them (D drafters, A = --grad-accum):
+
+    g(k, d, a) = (k * D + d) * A + a          drafter d's a-th micro-batch of step k
+    target(g)  = g mod T                      round robin over the T target workers
+
+Each target worker walks its own g's in increasing order and puts each into the channel (target, drafter(g));
+each drafter takes its g's, in increasing order, from the channel of target(g). Both ends of every channel see
+the same increasing order, so the order is fixed no matter how threads are scheduled, and (because g is
+step-major) no drafter can wait on an item that sits behind a full channel of another drafter: no deadlock.
+A checkpoint after step k stores the position of g = (k+1) * D * A; prefetched items beyond it are dropped at
+stop and recomputed after resume.
+
+Fault points (`FaultPoints`) are the test hook for failures that cannot be produced on demand with real parts
+(a target forward that raises, a put that fails): `"target0.features@3"` raises `InjectedFault` the 3rd time
+target0 reaches that point.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Assignment:
+    num_targets: int
+    num_drafters: int
+    grad_accum: int
+
+    def __post_init__(self) -> None:
+        if self.num_targets < 1 or self.num_drafters < 1 or self.grad_accum < 1:
+            raise ValueError(f"need at least one target worker, one drafter worker and grad_accum >= 1, got {self}")
+
+    @property
+    def per_step(self) -> int:
+        return self.num_drafters * self.grad_accum
+
+    def micro_index(self, step: int, drafter: int, accum: int) -> int:
+        return (step * self.num_drafters + drafter) * self.grad_accum + accum
+
+    def target_of(self, g: int) -> int:
+        return g % self.num_targets
+
+    def drafter_of(self, g: int) -> int:
+        return (g // self.grad_accum) % self.num_drafters
+
+    def indices_of_target(self, target: int, start: int, stop: int) -> range:
+        """The g's in [start, stop) that `target` computes, increasing."""
+        first = start + ((target - start) % self.num_targets)
+        return range(first, stop, self.num_targets)
+
+    def channel_pairs(self) -> list[tuple[int, int]]:
+        """(target, drafter) pairs that ever exchange a micro-batch (one channel each)."""
+        cycle = self.num_targets * self.num_drafters * self.grad_accum
+        return sorted({(self.target_of(g), self.drafter_of(g)) for g in range(cycle)})
+
+    def describe(self, target_devices: list[str], drafter_devices: list[str]) -> str:
+        """Human-readable map printed at start: which target worker feeds which drafter worker."""
+        feeds: dict[int, list[int]] = {}
+        for t, d in self.channel_pairs():
+            feeds.setdefault(t, []).append(d)
+        lines = [f"target{t} ({target_devices[t]}) -> " + ", ".join(f"drafter{d} ({drafter_devices[d]})" for d in ds)
+                 for t, ds in sorted(feeds.items())]
+        return (f"pipeline: {self.num_targets} target worker(s), {self.num_drafters} drafter worker(s), "
+                f"{self.per_step} micro-batches per optimizer step\n  " + "\n  ".join(lines))
+
+
+class GlobalOrder:
+    """Maps the global micro-batch index g to a data position (epoch, index) and back."""
+
+    def __init__(self, epoch_sizes: list[int]) -> None:
+        self.epoch_sizes = list(epoch_sizes)
+        self._starts = np.concatenate([[0], np.cumsum(self.epoch_sizes)]).astype(np.int64)
+
+    @property
+    def total(self) -> int:
+        return int(self._starts[-1])
+
+    def position(self, g: int) -> tuple[int, int]:
+        if not 0 <= g <= self.total:
+            raise IndexError(f"micro-batch {g} is outside the run (0..{self.total})")
+        if g == self.total:
+            return len(self.epoch_sizes), 0
+        epoch = int(np.searchsorted(self._starts, g, side="right") - 1)
+        return epoch, g - int(self._starts[epoch])
+
+    def index(self, epoch: int, index: int) -> int:
+        if epoch >= len(self.epoch_sizes):
+            return self.total
+        return int(self._starts[epoch]) + index
+
+
+class InjectedFault(RuntimeError):
+    """Raised at a fault point a test asked for."""
+
+
+class FaultPoints:
+    """Thread-safe counters of named points; `hit(name)` raises on the configured occurrence."""
+
+    def __init__(self, spec: list[str] | None = None) -> None:
+        self._at: dict[str, int] = {}
+        for item in spec or []:
+            name, _, count = item.partition("@")
+            if not name or not count.isdigit() or int(count) < 1:
+                raise ValueError(f"fault point {item!r} must look like NAME@N with N >= 1")
+            self._at[name] = int(count)
+        self._seen: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def hit(self, name: str) -> None:
+        if name not in self._at:
+            return
+        with self._lock:
+            self._seen[name] = self._seen.get(name, 0) + 1
+            fire = self._seen[name] == self._at[name]
+        if fire:
+            raise InjectedFault(f"injected fault at {name} (occurrence {self._at[name]})")

@@ -1,0 +1,65 @@
+"""Warm-up of the real drafter replicas before any worker thread exists (METHOD.md 6).
+
+The shapes a run meets are known in advance: every micro-batch's (rows R, padded context length S) follows
+from the epoch plans (sample lengths only, no token pages touched), and N anchors per row is a function of R.
+`warm_up_drafters` runs one real forward+backward per (drafter replica x distinct shape) — both layer-type
+masks (full, sliding) are built in every forward, so mask variants are covered — then throws the gradients
+away and restores the RNG, so the run trains exactly as if no warm-up had happened. The count of variants
+is what a compile-cache-cold start costs: keep shape buckets coarse (trainer.data.padded_length).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainer.checkpoint import restore_rng, rng_state
+from trainer.data import BatchStream, padded_length
+from trainer.pipeline.plan import GlobalOrder
+from trainer.pipeline.warmup import WarmupReport, warm_up
+
+
+def shapes_to_warm(stream: BatchStream, order: GlobalOrder, g_start: int, g_end: int) -> dict[tuple[int, int], int]:
+    """(rows, padded context length) of every micro-batch in [g_start, g_end) -> the first g with that shape."""
+    cfg = stream.cfg
+    lengths = np.minimum(stream.dataset.lengths, cfg.max_seq_len)
+    first: dict[tuple[int, int], int] = {}
+    for g in range(g_start, g_end):
+        epoch, index = order.position(g)
+        ids = stream.plan(epoch)[index]
+        shape = (len(ids), padded_length(int(lengths[ids].max()), cfg.max_seq_len))
+        first.setdefault(shape, g)
+    return first
+
+
+def warm_up_drafters(sides: Sequence[Any], target_side: Any, make_batch: Callable[[int], Any], stream: BatchStream,
+                     order: GlobalOrder, g_start: int, g_end: int) -> WarmupReport:
+    """Forward+backward every replica on one real batch of every shape; leaves weights, grads, RNG untouched."""
+    shapes = shapes_to_warm(stream, order, g_start, g_end)
+    variants = [(number, shape) for number in range(len(sides)) for shape in sorted(shapes)]
+    features_by_shape: dict[tuple[int, int], Any] = {}
+    saved_rng = rng_state()
+
+    def run_one(variant: tuple[int, tuple[int, int]]) -> None:
+        number, shape = variant
+        if shape not in features_by_shape:
+            with torch.no_grad():
+                features_by_shape[shape] = target_side.features(make_batch(shapes[shape]))
+        features = features_by_shape[shape]
+        side = sides[number]
+        weight_sum = max(float(features.batch.weight_sum), 1.0)
+        side.forward_backward(features, weight_sum, float(max(features.batch.num_blocks, 1)))
+        side.optimizer.zero_grad(set_to_none=True)
+        if side.device.type == "cuda":
+            torch.cuda.synchronize(side.device)
+
+    class Label(tuple):
+        def __str__(self) -> str:
+            return f"drafter{self[0]} on {sides[self[0]].device} R={self[1][0]} S={self[1][1]}"
+
+    report = warm_up([Label(v) for v in variants], run_one)
+    restore_rng(saved_rng)
+    return report
