@@ -1,0 +1,269 @@
+"""`python -m trainer eval`: greedy speculative decoding with the target verifying each drafted block.
+
+Per step: the drafter proposes up to B-1 tokens after the anchor (the last committed token); the target runs
+ONE forward over [anchor, d_1 .. d_{B-1}] on its KV cache; the longest prefix where d_j equals the target's
+argmax is accepted, plus the target's bonus token; the cache is cropped back to the committed length.
+Reported per drafter (trained, untrained = same config freshly initialised, prompt-lookup n-gram):
+- tau: mean tokens committed per verify step (accepted + 1), METHOD.md 1;
+- tokens per target forward: generated tokens / (verify steps + the prefill forward);
+- per-slot acceptance: share of steps where slot k was accepted (slot k is accepted only if 1..k-1 were);
+- lossless: every output must equal the target's own greedy `generate` output token for token; a mismatch
+  is a failure (exit code 1).
+Cost: the drafter re-reads the whole committed context each step (O(n^2) over a generation) instead of the
+public loop's incremental drafter KV cache; identical outputs, fine at evaluation lengths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from trainer.model.drafter import DFlashDrafter
+from trainer.tokenizer_utils import DataInputError, end_of_turn_ids
+
+Proposer = Callable[[list[int], torch.Tensor, int], list[int]]  # (committed ids, ctx taps [n-1,T*H], k) -> draft
+
+
+class TargetRunner:
+    """The HF target with a KV cache, returning logits and the drafter's taps (HF hidden_states[i+1])."""
+
+    def __init__(self, model: Any, layer_ids: list[int]) -> None:
+        from transformers import DynamicCache
+
+        self.model, self.layer_ids, self._cache_type = model, layer_ids, DynamicCache
+        self.cache = DynamicCache()
+        # transformers 5.x renamed `past_key_values` to `cache`; accept either version.
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+
+    @torch.inference_mode()
+    def forward(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append `ids` after the cached positions -> (logits [len,V], taps [len,T*H])."""
+        device = self.model.get_input_embeddings().weight.device
+        out = self.model(input_ids=torch.tensor([ids], device=device), use_cache=True, output_hidden_states=True,
+                         **{self._cache_kwarg: self.cache})
+        taps = torch.cat([out.hidden_states[i + 1][0] for i in self.layer_ids], dim=-1)
+        return out.logits[0].float(), taps
+
+    def reset(self) -> None:
+        self.cache = self._cache_type()
+
+    def crop(self, length: int) -> None:
+        """Drop cached positions >= length (the rejected draft tokens)."""
+        extra = self.cache.get_seq_length() - length
+        if extra > 0:
+            self.cache.crop(-extra)
+
+
+@dataclass
+class MethodStats:
+    """Totals of one drafting method over all prompts."""
+
+    name: str
+    steps: int = 0
+    committed: int = 0
+    generated: int = 0
+    forwards: int = 0
+    slot_proposed: list[int] = field(default_factory=list)
+    slot_accepted: list[int] = field(default_factory=list)
+    mismatches: list[int] = field(default_factory=list)  # prompt indices whose output differed
+
+    def record_step(self, proposed: int, accepted: int, slots: int) -> None:
+        if not self.slot_proposed:
+            self.slot_proposed, self.slot_accepted = [0] * slots, [0] * slots
+        self.steps, self.committed = self.steps + 1, self.committed + accepted + 1
+        for k in range(proposed):
+            self.slot_proposed[k] += 1
+            self.slot_accepted[k] += int(k < accepted)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "tau": self.committed / max(self.steps, 1),
+            "tokens_per_target_forward": self.generated / max(self.forwards, 1),
+            "per_slot_acceptance": [a / p if p else None for a, p in zip(self.slot_accepted, self.slot_proposed)],
+            "lossless": not self.mismatches, "mismatched_prompts": self.mismatches,
+            "steps": self.steps, "generated_tokens": self.generated,
+        }
+
+
+def drafter_proposer(drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> Proposer:
+    """Block drafting: [anchor, MASK * (B-1)] at positions n-1.., context = taps of positions 0..n-2."""
+    cfg = drafter.config
+
+    @torch.inference_mode()
+    def propose(committed: list[int], taps: torch.Tensor, slots: int) -> list[int]:
+        ctx_len = taps.shape[0]
+        block = torch.tensor([committed[-1]] + [cfg.mask_token_id] * (cfg.block_size - 1), device=taps.device)
+        anchors = torch.tensor([[ctx_len]], device=taps.device)
+        keep = torch.ones((1, 1), dtype=torch.bool, device=taps.device)
+        mask = drafter.build_mask(anchors, keep, ctx_len)
+        dtype = next(drafter.parameters()).dtype
+        hidden = drafter(taps[None].to(dtype), embed_weight[block][None].to(dtype), anchors, keep, mask)
+        logits = hidden[0, 1:slots + 1].float() @ lm_head_weight.float().T      # [slots, V]; B-1 x V at most
+        return logits.argmax(-1).tolist()
+
+    return propose
+
+
+def ngram_proposer(max_ngram: int = 3) -> Proposer:
+    """Prompt lookup: find the latest earlier occurrence of the last n committed tokens (n = max..1) and
+    propose what followed it."""
+
+    def propose(committed: list[int], taps: torch.Tensor, slots: int) -> list[int]:
+        for n in range(min(max_ngram, len(committed) - 1), 0, -1):
+            tail = committed[-n:]
+            for start in range(len(committed) - n - 1, -1, -1):
+                if committed[start:start + n] == tail:
+                    return committed[start + n:start + n + slots]
+        return []
+
+    return propose
+
+
+def speculative_generate(runner: TargetRunner, prompt: list[int], propose: Proposer, *, slots: int,
+                         max_new_tokens: int, stops: set[int], stats: MethodStats) -> list[int]:
+    """Greedy speculative decoding of one prompt; returns the generated ids (cut after the first stop id)."""
+    runner.reset()
+    logits, taps = runner.forward(prompt)
+    committed = prompt + [int(logits[-1].argmax())]
+    forwards = 1
+    while len(committed) - len(prompt) < max_new_tokens and committed[-1] not in stops:
+        budget = min(slots, max_new_tokens - (len(committed) - len(prompt)) - 1)
+        draft = propose(committed, taps, budget)[:budget] if budget > 0 else []
+        n = len(committed)
+        logits, new_taps = runner.forward([committed[-1]] + draft)          # positions n-1 .. n-1+len(draft)
+        forwards += 1
+        choice = logits.argmax(-1).tolist()
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == choice[accepted]:
+            accepted += 1
+        committed += draft[:accepted] + [choice[accepted]]
+        taps = torch.cat([taps, new_taps[:accepted + 1]])                  # committed positions only
+        runner.crop(n + accepted)
+        stats.record_step(len(draft), accepted, slots)
+    generated = committed[len(prompt):]
+    cut = next((i + 1 for i, t in enumerate(generated) if t in stops), len(generated))
+    generated = generated[:min(cut, max_new_tokens)]
+    stats.generated += len(generated)
+    stats.forwards += forwards
+    return generated
+
+
+@torch.inference_mode()
+def greedy_reference(model: Any, prompt: list[int], max_new_tokens: int, stops: list[int], pad_id: int) -> list[int]:
+    """The target's own greedy output (HF generate), cut after the first stop id."""
+    device = model.get_input_embeddings().weight.device
+    out = model.generate(torch.tensor([prompt], device=device), max_new_tokens=max_new_tokens, do_sample=False,
+                         temperature=None, top_p=None, top_k=None, eos_token_id=stops, pad_token_id=pad_id)
+    generated = out[0, len(prompt):].tolist()
+    cut = next((i + 1 for i, t in enumerate(generated) if t in stops), len(generated))
+    return generated[:cut]
+
+
+def check_drafter_fits(drafter: DFlashDrafter, model: Any) -> None:
+    """DataInputError unless the drafter's taps exist in the target and its hidden size equals the target's."""
+    text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    try:
+        drafter.config.check_target(num_target_layers=int(text_config.num_hidden_layers),
+                                    hidden_size=int(text_config.hidden_size),
+                                    vocab_size=int(model.get_input_embeddings().weight.shape[0]))
+    except ValueError as exc:
+        raise DataInputError(f"drafter does not fit the target: {exc}",
+                             hint="evaluate the drafter with the target it was trained for") from None
+
+
+def evaluate(model: Any, drafter: DFlashDrafter, prompts: list[list[int]], *, max_new_tokens: int,
+             block_size: int | None = None, stops: list[int], pad_id: int, baselines: bool = True,
+             seed: int = 0) -> dict[str, Any]:
+    """Run trained (+ untrained and n-gram baselines) over `prompts`; returns the report dict."""
+    check_drafter_fits(drafter, model)
+    block = block_size or drafter.config.block_size
+    if not 2 <= block <= drafter.config.block_size:
+        raise DataInputError(f"--block-size {block} must be in 2..{drafter.config.block_size} (the drafter's block size)")
+    slots = block - 1
+    runner = TargetRunner(model, drafter.config.target_layer_ids)
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    methods: dict[str, Proposer] = {"trained": drafter_proposer(drafter.eval(), embed, head)}
+    if baselines:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            untrained = DFlashDrafter(drafter.config).to(embed.device).eval()
+        methods["untrained"] = drafter_proposer(untrained, embed, head)
+        methods["ngram"] = ngram_proposer()
+    references = [greedy_reference(model, p, max_new_tokens, stops, pad_id) for p in prompts]
+    report: dict[str, Any] = {"prompts": len(prompts), "block_size": block, "max_new_tokens": max_new_tokens, "methods": {}}
+    for name, propose in methods.items():
+        stats = MethodStats(name)
+        for index, (prompt, reference) in enumerate(zip(prompts, references)):
+            output = speculative_generate(runner, prompt, propose, slots=slots, max_new_tokens=max_new_tokens,
+                                          stops=set(stops), stats=stats)
+            if output != reference:
+                stats.mismatches.append(index)
+        report["methods"][name] = stats.summary()
+    report["lossless"] = all(m["lossless"] for m in report["methods"].values())
+    return report
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The acceptance table: one row per method."""
+    lines = [f"{'method':<10} {'tau':>6} {'tok/fwd':>8} {'lossless':>8}  per-slot acceptance"]
+    for name, m in report["methods"].items():
+        slots = " ".join("  - " if a is None else f"{a:.2f}" for a in m["per_slot_acceptance"])
+        lines.append(f"{name:<10} {m['tau']:>6.2f} {m['tokens_per_target_forward']:>8.2f} "
+                     f"{'yes' if m['lossless'] else 'NO':>8}  {slots}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from trainer.export import load_drafter
+    from trainer.prepare import _on_off, load_records, prompt_part
+    from trainer.regenerate import load_target_lm
+    from trainer.tokenizer_utils import tokenize_prompt
+
+    parser = argparse.ArgumentParser(prog="python -m trainer eval", description=__doc__.splitlines()[0])
+    parser.add_argument("--target-model", required=True)
+    parser.add_argument("--drafter", required=True, help="exported drafter directory (public DFlash format)")
+    parser.add_argument("--prompts", required=True, help="JSONL like prepare's input; trailing answers are ignored")
+    parser.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--enable-thinking", type=_on_off, default=None, metavar="on|off")
+    parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N prompts")
+    parser.add_argument("--no-baselines", action="store_true")
+    parser.add_argument("--json", default=None, help="also write the report to this file")
+    args = parser.parse_args(argv)
+    try:
+        from transformers import AutoTokenizer
+
+        drafter = load_drafter(args.drafter)
+        tokenizer = AutoTokenizer.from_pretrained(args.target_model)
+        records, _ = load_records(args.prompts, skip_bad=False)
+        prompts = [tokenize_prompt(tokenizer, prompt_part(r), args.enable_thinking) for r in records[:args.limit]]
+        model, device = load_target_lm(args.target_model)
+        report = evaluate(model, drafter.to(device), prompts, max_new_tokens=args.max_new_tokens,
+                          block_size=args.block_size, stops=end_of_turn_ids(tokenizer),
+                          pad_id=tokenizer.pad_token_id or 0, baselines=not args.no_baselines)
+    except DataInputError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        if exc.hint:
+            print(f"hint: {exc.hint}", file=sys.stderr)
+        return 2
+    print(format_table(report), file=sys.stderr)
+    text = json.dumps(report, indent=2)
+    if args.json:
+        with open(args.json, "w") as handle:
+            handle.write(text + "\n")
+    print(text)
+    if not report["lossless"]:
+        print("error: lossless check failed: speculative output differs from the target's greedy output", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
