@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
+import select
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -91,7 +91,8 @@ def build_connection(settings: SshSettings) -> fabric.Connection:
         connect_kwargs=connect_kwargs,
         gateway=gateway,
     )
-    # Gateways from ssh_config's ProxyJump are built by Fabric: give every hop the same policy.
+    # The inventory's gateway got its own policy from its own settings (recursion above); hops that
+    # Fabric built from ssh_config's ProxyJump get this host's known_hosts and the same refusal.
     hop: object = conn
     while isinstance(hop, fabric.Connection):
         known = settings.known_hosts_path()
@@ -101,7 +102,7 @@ def build_connection(settings: SshSettings) -> fabric.Connection:
             hop.client.load_system_host_keys(str(known))
         hop.client.set_missing_host_key_policy(
             RefuseUnknownHost(trust_name=settings.trust_name or settings.host, known_hosts=known))
-        hop = hop.gateway
+        hop = hop.gateway if gateway is None else None
     return conn
 
 
@@ -199,36 +200,37 @@ class SshTransport(Transport):
     def _drain(self, channel: paramiko.Channel, err: bytearray, deadline: float | None,
                argv: Sequence[str]) -> Iterator[bytes]:
         """Yield stdout, collect stderr, until the channel closes; bounded by deadline and liveness probes."""
-        channel.settimeout(0.2)
+        # Wake on data (the channel's fileno is a pipe paramiko sets when stdout or stderr data lands);
+        # the 0.2 s select timeout bounds every check below even if a wake-up is missed.
+        wake = channel.fileno()
         last_data = time.monotonic()
         while True:
             got = False
-            if channel.recv_stderr_ready():
+            while channel.recv_stderr_ready():
                 err += channel.recv_stderr(CHUNK)
                 got = True
-            try:
+            if channel.recv_ready():
                 chunk = channel.recv(CHUNK)
-                if not chunk:
-                    break
-                got = True
-                yield chunk
-            except socket.timeout:
-                pass
+                if chunk:
+                    got = True
+                    yield chunk
+            elif channel.eof_received or channel.closed:
+                break
             now = time.monotonic()
             if got:
                 last_data = now
+                continue
             if deadline is not None and now > deadline:
-                raise TransportError(f"{self.name}: command timed out: {join_argv(argv)}")
+                raise TransportError(f"{self.name}: command timed out: {join_argv(argv)}",
+                                     hint="raise the timeout, or check the target")
             if now - last_data > IDLE_PROBE_S:
                 self._probe_alive(argv)
                 last_data = time.monotonic()
-        while channel.recv_stderr_ready() or not channel.exit_status_ready():
-            if channel.recv_stderr_ready():
-                err += channel.recv_stderr(CHUNK)
-            elif not self._link_alive():
-                break
-            else:
-                time.sleep(0.01)
+            select.select([wake], [], [], 0.2)
+        while not channel.exit_status_ready() and self._link_alive():
+            time.sleep(0.005)
+        while channel.recv_stderr_ready():
+            err += channel.recv_stderr(CHUNK)
 
     def _link_alive(self) -> bool:
         return bool(self._conn and self._conn.transport and self._conn.transport.is_active())
