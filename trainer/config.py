@@ -35,10 +35,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
         # Target built from `tiny_target` when --target-model is absent; data synthesised when --data-dir is.
         hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        vocab_size=128, mask_token_id=127, num_target_layers=2, num_draft_layers=2, rope_theta=10000.0,
+        vocab_size=256, mask_token_id=255, num_target_layers=2, num_draft_layers=2, rope_theta=10000.0,
         max_position_embeddings=512,
         tiny_target=dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=512),
+                         num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=512,
+                         initializer_range=0.2),
         block_size=8, gamma=4.0, max_seq_len=64, token_budget=256, max_batch_size=4, anchors_per_seq=8,
         max_anchors=32, lr=3e-3, warmup_ratio=0.05, epochs=50, log_interval=10, save_interval=100,
         synthetic_samples=256,
@@ -99,7 +100,7 @@ class TrainConfig:
     kl_weight: float = 1.0
     kl_temperature: float = 1.0
     cap_lambda: float = 0.0
-    loss_chunk_size: int = 4096  # rows per chunk in the logits-free loss
+    loss_chunk_size: int | None = None  # rows per chunk in the logits-free loss (None: ~1 GiB of fp32 logits)
     # drafter shape (hidden_size must equal the target's)
     num_draft_layers: int = 5
     hidden_size: int | None = None  # None: taken from the target
@@ -172,7 +173,7 @@ class TrainConfig:
         need(self.kl_weight >= 0, "kl-weight", f"must be >= 0, got {self.kl_weight}")
         need(self.kl_temperature > 0, "kl-temperature", f"must be > 0, got {self.kl_temperature}")
         need(self.cap_lambda >= 0, "cap-lambda", f"must be >= 0, got {self.cap_lambda}")
-        need(self.loss_chunk_size >= 1, "loss-chunk-size", f"must be >= 1, got {self.loss_chunk_size}")
+        need(self.loss_chunk_size is None or self.loss_chunk_size >= 1, "loss-chunk-size", f"must be >= 1, got {self.loss_chunk_size}")
         need(self.num_draft_layers >= 1, "num-draft-layers", f"must be >= 1, got {self.num_draft_layers}")
         need(0 <= self.sliding_layers <= self.num_draft_layers, "sliding-layers",
              f"must be between 0 and --num-draft-layers ({self.num_draft_layers}), got {self.sliding_layers}")

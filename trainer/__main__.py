@@ -1,0 +1,52 @@
+"""`python -m trainer <verb> [flags]`: train | prepare | inspect | eval | export | demo | bench.
+
+Each verb lives in its own module with a `main(argv: list[str]) -> int`, imported only when called, so
+`python -m trainer prepare` never pays for the training stack and a broken optional module cannot break
+`train`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+VERBS = {
+    "train": ("trainer.train", "train a DFlash drafter"),
+    "prepare": ("trainer.prepare", "tokenize / regenerate data into token shards"),
+    "inspect": ("trainer.inspect", "show a prepared dataset"),
+    "eval": ("trainer.eval", "measure acceptance length with a target and a drafter"),
+    "export": ("trainer.export", "write a checkpoint in the public DFlash format"),
+    "demo": ("trainer.demo", "the tiny end-to-end demo"),
+    "bench": ("trainer.bench", "throughput benchmarks"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: python -m trainer <verb> [flags]", "", "verbs:"]
+    lines += [f"  {verb:<8} {about}" for verb, (_, about) in VERBS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    verb, rest = argv[0], argv[1:]
+    if verb not in VERBS:
+        print(f"error: unknown verb {verb!r}", file=sys.stderr)
+        print(f"hint: one of {', '.join(VERBS)}", file=sys.stderr)
+        return 2
+    module_name = VERBS[verb][0]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:
+            raise
+        print(f"error: `{verb}` is not available in this build ({module_name} is missing)", file=sys.stderr)
+        return 2
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

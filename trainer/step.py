@@ -1,0 +1,178 @@
+"""One training step, split into the two halves the threaded pipeline runs on different devices/threads.
+
+    TargetSide(target, device).features(batch)                    -> FeatureBatch   (frozen target, no grad)
+    DrafterSide(cfg, drafter, embed, lm_head, device, total_steps)
+        .forward_backward(features, normalizer, num_blocks, ...)  -> StepStats      (accumulates .grad)
+        .optimizer_step()                                         -> (lr, grad_norm)
+
+Nothing here touches process-global state: each side holds its own device, and the noise on the context
+features comes from a generator seeded per (seed, step, micro-batch), so the same step gives the same noise
+whichever thread or device runs it, and a resumed run replays it exactly. `normalizer` is the sum of the
+slot weights over the WHOLE optimizer step (all micro-batches, all drafters) and `num_blocks` the number of
+real blocks over it, so micro-batch gradients simply add up (METHOD.md 3). bf16 autocast on CUDA only.
+The single-process trainer (`trainer.train`) is TargetSide + DrafterSide on one device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from trainer.config import TrainConfig
+from trainer.data import Batch
+from trainer.loss import dflash_loss, simulated_tau
+from trainer.model import DFlashDrafter, TargetModel
+
+__all__ = ["Batch", "FeatureBatch", "StepStats", "TargetSide", "DrafterSide", "lr_factor", "noise_std_at"]
+
+
+@dataclass
+class FeatureBatch:
+    """What a target worker hands a drafter worker: the batch plus the target's outputs for it."""
+
+    batch: Batch  # on the target device (moved by the drafter side)
+    ctx_features: torch.Tensor  # [R,S,T*H] tapped layer outputs, low layer first
+    teacher_hidden: torch.Tensor | None  # [R,S,H] target final hidden (post norm) when soft labels are on
+
+
+@dataclass
+class StepStats:
+    """Sums over the micro-batches of one optimizer step, as detached tensors (reading them syncs)."""
+
+    loss: torch.Tensor  # the step's loss (each micro-batch's share is already normalised over the step)
+    ce_sum: torch.Tensor
+    kl_sum: torch.Tensor
+    cap_sum: torch.Tensor
+    weight_sum: torch.Tensor
+    tau_sum: torch.Tensor
+    num_blocks: torch.Tensor
+    slot_correct: torch.Tensor  # [B]
+    slot_valid: torch.Tensor  # [B]
+    block_tokens: int = 0  # real blocks x B
+    ctx_tokens: int = 0  # real context tokens
+
+    def __add__(self, other: "StepStats") -> "StepStats":
+        device = self.loss.device
+        return StepStats(**{name: (getattr(self, name) + getattr(other, name).to(device)
+                                   if isinstance(getattr(self, name), torch.Tensor) else getattr(self, name) + getattr(other, name))
+                            for name in self.__dataclass_fields__})
+
+    def summary(self) -> dict[str, float | list[float]]:
+        """Plain floats for metrics.jsonl (one host sync for all of them)."""
+        blocks = max(float(self.num_blocks), 1.0)
+        weights = float(self.weight_sum)
+        accuracy = (self.slot_correct / self.slot_valid.clamp(min=1)).tolist()[1:]
+        return {"loss": float(self.loss), "ce": float(self.ce_sum) / weights if weights else 0.0,
+                "kl": float(self.kl_sum) / weights if weights else 0.0, "cap": float(self.cap_sum) / blocks,
+                "tau_sim": float(self.tau_sum) / blocks if float(self.num_blocks) else 1.0,
+                "acc_slot": [round(a, 5) for a in accuracy], "blocks": int(float(self.num_blocks))}
+
+
+def lr_factor(step: int, total_steps: int, warmup_ratio: float) -> float:
+    """Linear warmup over round(warmup_ratio * total) steps (at least 1), then cosine to 0 at total_steps."""
+    warmup = max(1, round(warmup_ratio * total_steps))
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def noise_std_at(step: int, total_steps: int, start: float, end: float) -> float:
+    """Context-feature noise std, linear from `start` at step 0 to `end` at the last step."""
+    return start + (end - start) * (step / max(1, total_steps - 1))
+
+
+def _autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    # bf16 autocast on CUDA only: CPU runs (tests, tiny preset) stay in fp32 so resumes are bitwise exact.
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+
+
+class TargetSide:
+    """The frozen target on its device: batch -> FeatureBatch."""
+
+    def __init__(self, target: TargetModel, device: torch.device | str, *, soft_labels: bool = False) -> None:
+        self.target, self.device, self.soft_labels = target, torch.device(device), soft_labels
+
+    def features(self, batch: Batch) -> FeatureBatch:
+        batch = batch.to(self.device)
+        with _autocast(self.device):
+            out = self.target.features(batch.input_ids, batch.attention_mask, return_final_hidden=self.soft_labels)
+        return FeatureBatch(batch=batch, ctx_features=out.taps, teacher_hidden=out.final_hidden)
+
+
+class DrafterSide:
+    """The trainable drafter on its device with its optimizer (AdamW, trainable params only) and schedule."""
+
+    def __init__(self, cfg: TrainConfig, drafter: DFlashDrafter, embed_weight: torch.Tensor,
+                 lm_head_weight: torch.Tensor, device: torch.device | str, total_steps: int) -> None:
+        self.cfg, self.device = cfg, torch.device(device)
+        self.drafter = drafter.to(self.device).train()
+        # Frozen, shared with the target; a copy only when the target lives on another device.
+        self.embed_weight = embed_weight.detach().to(self.device)
+        self.lm_head_weight = lm_head_weight.detach().to(self.device)
+        self.params = [p for p in self.drafter.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: lr_factor(step, total_steps, cfg.warmup_ratio))
+        self.backend = "flex" if self.device.type == "cuda" else "dense"
+
+    def _noise(self, shape: torch.Size, dtype: torch.dtype, std: float, seed: tuple[int, ...]) -> torch.Tensor:
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(hash(seed) & 0x7FFF_FFFF_FFFF_FFFF)  # hash of a tuple of ints: stable across runs
+        if self.cfg.noise_type == "gaussian":
+            noise = torch.randn(shape, generator=generator, device=self.device, dtype=torch.float32) * std
+        else:
+            noise = (torch.rand(shape, generator=generator, device=self.device, dtype=torch.float32) * 2 - 1) * std
+        return noise.to(dtype)
+
+    def forward_backward(self, features: FeatureBatch, normalizer: float, num_blocks: float, *,
+                         noise_std: float = 0.0, noise_seed: tuple[int, ...] = (0,)) -> StepStats:
+        """Forward + backward of one micro-batch; gradients accumulate into the drafter's .grad."""
+        cfg, batch = self.cfg, features.batch.to(self.device)
+        ctx = features.ctx_features.to(self.device)
+        if noise_std > 0:
+            ctx = ctx + self._noise(ctx.shape, ctx.dtype, noise_std, noise_seed)
+        rows, seq = batch.input_ids.shape
+        block = cfg.block_size
+        block_embeds = F.embedding(batch.block_ids, self.embed_weight)  # [R,N*B,H], frozen rows
+        mask = self.drafter.build_mask(batch.anchors, batch.keep, seq, backend=self.backend)
+        with _autocast(self.device):
+            hidden = self.drafter(ctx, block_embeds, batch.anchors, batch.keep, mask)  # [R,N*B,H]
+        teacher = None
+        if cfg.use_soft_labels and features.teacher_hidden is not None:
+            # Slot k (token p+k) learns the target's distribution at p+k-1 (slot 0 clamps; its weight is 0).
+            positions = (batch.anchors[:, :, None] + torch.arange(block, device=self.device) - 1).clamp(0, seq - 1)
+            index = positions.reshape(rows, -1, 1).expand(-1, -1, features.teacher_hidden.shape[-1])
+            teacher = torch.gather(features.teacher_hidden.to(self.device), 1, index).reshape(-1, hidden.shape[-1])
+        result = dflash_loss(
+            hidden.reshape(-1, hidden.shape[-1]), self.lm_head_weight, batch.labels.reshape(-1),
+            batch.weights.reshape(-1), block_size=block, normalizer=normalizer, teacher_hidden=teacher,
+            kl_weight=cfg.kl_weight if teacher is not None else 0.0, kl_temperature=cfg.kl_temperature,
+            cap_lambda=cfg.cap_lambda, num_blocks_normalizer=num_blocks, chunk_size=cfg.loss_chunk_size)
+        result.loss.backward()
+        tau = simulated_tau(result.correct.reshape(-1, block), (batch.weights > 0).reshape(-1, block))
+        return StepStats(loss=result.loss.detach().float(), ce_sum=result.ce_sum.float(), kl_sum=result.kl_sum.float(),
+                         cap_sum=result.cap_sum.float(), weight_sum=result.weight_sum.float(), tau_sum=tau.tau_sum,
+                         num_blocks=tau.num_blocks, slot_correct=tau.slot_correct, slot_valid=tau.slot_valid,
+                         block_tokens=batch.num_blocks * block, ctx_tokens=batch.num_ctx_tokens)
+
+    def optimizer_step(self) -> tuple[float, float]:
+        """Clip, step AdamW and the schedule, zero the grads; return (lr used, grad norm before clipping).
+        Reading the grad norm syncs the device once per optimizer step."""
+        lr = self.optimizer.param_groups[0]["lr"]
+        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return lr, float(grad_norm)
+
+
+def micro_batches(stream: Iterator[Batch], count: int) -> list[Batch]:
+    """The next `count` micro-batches of one optimizer step (they may span an epoch boundary)."""
+    return [next(stream) for _ in range(count)]
