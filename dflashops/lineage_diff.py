@@ -17,6 +17,21 @@ from dflashops.lineage_record import RunRecord
 Options = dict[str, str | list[str]]
 _NEGATIVE_NUMBER = re.compile(r"^-\d+(\.\d*)?([eE][-+]?\d+)?$|^-\.\d+")
 FLAG_PRESENT = "(set)"  # the value recorded for a boolean flag such as `--compile`
+# Env keys that name the run itself (dflashops sets them from the lineage): they differ between every
+# parent and child by construction, so showing them as "changes" would only bury the real ones.
+IDENTITY_ENV_KEYS = frozenset({"WANDB_NAME", "WANDB_RUN_GROUP", "WANDB_NOTES", "DFLASHOPS_RUN",
+                               "DFLASHOPS_RUN_NAME", "DFLASHOPS_RUN_PARENT", "DFLASHOPS_RUN_NOTE", "DFLASHOPS_RUN_ID"})
+RUN_PLACEHOLDER, CODE_PLACEHOLDER = "{run}", "{code}"
+
+
+def _normalise(value: str, run: RunRecord) -> str:
+    """Replace the run's own name (as a whole path/name component) and code hash by placeholders, so
+    `--output-dir /ws/runs/exp-flex5` vs `.../exp-flex6` and `releases/<hash>/...` are not reported as
+    argument changes (the name is the run's identity; the code hash is diffed on its own)."""
+    value = re.sub(rf"(?<![A-Za-z0-9._-]){re.escape(run.name)}(?![A-Za-z0-9._-])", RUN_PLACEHOLDER, value)
+    if len(run.code_hash) >= 8:
+        value = value.replace(run.code_hash, CODE_PLACEHOLDER)
+    return value
 
 
 def _is_flag(word: str) -> bool:
@@ -132,7 +147,8 @@ class RunDiff:
 
 
 def _fmt(value: Any) -> str:
-    return " ".join(value) if isinstance(value, list) else str(value)
+    """A repeated flag's values as `[a b]` (argparse keeps the last for a plain option, all for append)."""
+    return "[" + " ".join(value) + "]" if isinstance(value, list) else str(value)
 
 
 def _short(value: Any) -> str:
@@ -141,18 +157,21 @@ def _short(value: Any) -> str:
 
 
 def diff_runs(a: RunRecord, b: RunRecord) -> RunDiff:
-    """Compare two run records (a = before, typically the parent; b = after)."""
+    """Compare two run records (a = before, typically the parent; b = after). Each run's own name and
+    code hash inside argv/env values count as placeholders; IDENTITY_ENV_KEYS are not compared."""
     diff = RunDiff(a=a.name, b=b.name)
-    pos_a, opts_a = parse_argv(a.argv)
-    pos_b, opts_b = parse_argv(b.argv)
+    pos_a, opts_a = parse_argv([_normalise(word, a) for word in a.argv])
+    pos_b, opts_b = parse_argv([_normalise(word, b) for word in b.argv])
     if pos_a != pos_b:
         diff.positional = (pos_a, pos_b)
     diff.args_added = {k: v for k, v in opts_b.items() if k not in opts_a}
     diff.args_removed = {k: v for k, v in opts_a.items() if k not in opts_b}
     diff.args_changed = {k: (opts_a[k], opts_b[k]) for k in opts_a if k in opts_b and opts_a[k] != opts_b[k]}
-    diff.env_added = {k: v for k, v in b.env.items() if k not in a.env}
-    diff.env_removed = {k: v for k, v in a.env.items() if k not in b.env}
-    diff.env_changed = {k: (a.env[k], b.env[k]) for k in a.env if k in b.env and a.env[k] != b.env[k]}
+    env_a = {k: _normalise(v, a) for k, v in a.env.items() if k not in IDENTITY_ENV_KEYS}
+    env_b = {k: _normalise(v, b) for k, v in b.env.items() if k not in IDENTITY_ENV_KEYS}
+    diff.env_added = {k: v for k, v in env_b.items() if k not in env_a}
+    diff.env_removed = {k: v for k, v in env_a.items() if k not in env_b}
+    diff.env_changed = {k: (env_a[k], env_b[k]) for k in env_a if k in env_b and env_a[k] != env_b[k]}
     for name in ("code_hash", "profile", "target", "gpus", "launcher"):
         old, new = getattr(a, name), getattr(b, name)
         if old != new:

@@ -95,14 +95,18 @@ def best_value(series: list[tuple[int, float]], metric: str) -> float | None:
     return max(values) if higher else min(values)
 
 
-def run_dir_of(run: RunRecord, runs_root: Path | None) -> Path | None:
-    """Local directory holding the run's files: `<runs_root>/<name>` when given, else the run_dir that
-    run.json recorded when it exists on this machine (local target), else None (remote: not reachable)."""
+def run_dir_of(run: RunRecord, runs_root: Path | None, local_roots: Mapping[str, Path] | None = None) -> Path | None:
+    """Local directory holding the run's files, first that applies: `<runs_root>/<name>` when given; the
+    run_dir recorded in `extra` when it exists on this machine; `<local_roots[target]>/<name>` for runs of a
+    local target (its workspace's runs/ folder). None when the files live on a remote target."""
     if runs_root is not None:
         return runs_root / run.name
     recorded = run.extra.get("run_dir")
     if isinstance(recorded, str) and Path(recorded).is_dir():
         return Path(recorded)
+    root = (local_roots or {}).get(run.target)
+    if root is not None and (root / run.name).is_dir():
+        return root / run.name
     return None
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import csv
 import io
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from rich.text import Text
 from rich.tree import Tree
 
 from dflashops.lineage import LineageDB, RunRecord, diff_runs
-from dflashops.lineage_files import best_value, metric_series, read_metrics, run_dir_of
+from dflashops.lineage_files import AGENT_STATE_TO_LINEAGE, best_value, metric_series, read_metrics, run_dir_of
 
 STATE_STYLE = {"launched": "cyan", "running": "bold blue", "finished": "green", "crashed": "bold red",
                "stopped": "yellow"}
@@ -34,23 +35,42 @@ def state_word(state: str, exit_code: int | None) -> str:
     return state
 
 
+@dataclass(frozen=True)
+class Facts:
+    """What the run's local files say now (falls back to the record where the files are not reachable)."""
+
+    last_step: int | None
+    best_tau_sim: float | None
+    state: str
+    exit_code: int | None
+
+
 class RunFacts:
-    """Per-run facts from local metrics files (cached): last step and best tau_sim, when reachable."""
+    """Per-run facts (cached) for the views: last step and best tau_sim from metrics.jsonl, and for runs
+    whose directory is on this machine the live state from the same rules `dflashops status` uses (the
+    agent's run_status). Views only read: `runs sync` / `dflashops status` write states to the database."""
 
-    def __init__(self, runs_root: Path | None) -> None:
+    def __init__(self, runs_root: Path | None, local_roots: Mapping[str, Path] | None = None) -> None:
         self.runs_root = runs_root
-        self._cache: dict[str, tuple[int | None, float | None]] = {}
+        self.local_roots = dict(local_roots or {})
+        self._cache: dict[str, Facts] = {}
 
-    def __call__(self, run: RunRecord) -> tuple[int | None, float | None]:
+    def __call__(self, run: RunRecord) -> Facts:
         if run.name not in self._cache:
-            directory = run_dir_of(run, self.runs_root)
+            directory = run_dir_of(run, self.runs_root, self.local_roots)
             rows = read_metrics(directory / "metrics.jsonl") if directory else []
             steps = [r["step"] for r in rows if isinstance(r.get("step"), int)]
-            last_step = max(steps) if steps else run.last_step
             best = best_value(metric_series(rows, "tau_sim"), "tau_sim")
             if best is None and isinstance(run.extra.get("best_tau_sim"), (int, float)):
                 best = float(run.extra["best_tau_sim"])
-            self._cache[run.name] = (last_step, best)
+            state, exit_code = run.state, run.exit_code
+            if directory is not None and (directory / "run.json").is_file():
+                from dflashops.agent import run_status  # stdlib-only; reads the run dir and /proc
+
+                live = run_status(str(directory))
+                state = AGENT_STATE_TO_LINEAGE.get(str(live.get("state")), state)
+                exit_code = live.get("exit_code", exit_code)
+            self._cache[run.name] = Facts(max(steps) if steps else run.last_step, best, state, exit_code)
         return self._cache[run.name]
 
 
@@ -73,11 +93,11 @@ def lineage_forest(db: LineageDB, facts: RunFacts, only: str | None = None) -> l
 
     def node(run: RunRecord) -> dict[str, Any]:
         seen.add(run.name)
-        last_step, best = facts(run)
+        fact = facts(run)
         parent = by_name.get(run.parent) if run.parent else None
         return {
-            "name": run.name, "state": run.state, "exit_code": run.exit_code, "last_step": last_step,
-            "best_tau_sim": best, "note": run.note, "parent": run.parent, "parent_recorded": parent is not None,
+            "name": run.name, "state": fact.state, "exit_code": fact.exit_code, "last_step": fact.last_step,
+            "best_tau_sim": fact.best_tau_sim, "note": run.note, "parent": run.parent, "parent_recorded": parent is not None,
             "changes": diff_runs(parent, run).lines() if parent else [],
             "change_summary": diff_runs(parent, run).summary() if parent else "",
             "children": [node(child) for child in kids.get(run.name, []) if child.name not in seen],
@@ -118,15 +138,15 @@ def forest_tree(forest: list[dict[str, Any]], title: str) -> Tree:
     return tree
 
 
-def runs_table(runs: list[RunRecord], facts: Callable[[RunRecord], tuple[int | None, float | None]]) -> Table:
+def runs_table(runs: list[RunRecord], facts: Callable[[RunRecord], Facts]) -> Table:
     table = Table(box=None, pad_edge=False, header_style="bold")
     for column in ("name", "parent", "state", "step", "target", "started", "note"):
         table.add_column(column, overflow="fold", no_wrap=column in ("name", "state", "started"))
     for run in runs:
-        last_step, _ = facts(run)
+        fact = facts(run)
         table.add_row(escape(run.name), escape(run.parent or "-"),
-                      Text(state_word(run.state, run.exit_code), style=STATE_STYLE.get(run.state, "")),
-                      "-" if last_step is None else str(last_step), escape(run.target), run.started_at,
+                      Text(state_word(fact.state, fact.exit_code), style=STATE_STYLE.get(fact.state, "")),
+                      "-" if fact.last_step is None else str(fact.last_step), escape(run.target), run.started_at,
                       escape(run.note))
     return table
 

@@ -67,9 +67,27 @@ def _runs_root(args: argparse.Namespace) -> Path | None:
     return Path(args.runs_dir) if getattr(args, "runs_dir", None) else None
 
 
+def _local_roots(args: argparse.Namespace) -> dict[str, Path]:
+    """`<workspace>/runs` of each local target in the inventory, where metrics can be read directly.
+    An unreadable inventory yields {}: the lineage views must keep working while it is being fixed."""
+    try:
+        from dflashops.inventory import load_inventory
+
+        inventory = load_inventory(getattr(args, "inventory", None))
+    except DflashopsError:
+        return {}
+    return {t.name: Path(t.workspace) / "runs" for t in inventory.targets.values() if t.kind == "local"}
+
+
+def _facts(args: argparse.Namespace) -> Any:
+    from dflashops.lineage_view import RunFacts
+
+    return RunFacts(_runs_root(args), {} if _runs_root(args) else _local_roots(args))
+
+
 # ---------------------------------------------------------------------------------------------- verbs
 def cmd_list(args: argparse.Namespace) -> int:
-    from dflashops.lineage_view import RunFacts, runs_table
+    from dflashops.lineage_view import runs_table
 
     db = _open(args)
     runs = [] if db is None else db.list(state=args.state, target=args.target)
@@ -78,12 +96,12 @@ def cmd_list(args: argparse.Namespace) -> int:
     elif not runs:
         print("no runs recorded" + ("" if db else f" (no database at {lineage_db_path(args)})"), file=sys.stderr)
     else:
-        _stdout().print(runs_table(runs, RunFacts(_runs_root(args))))
+        _stdout().print(runs_table(runs, _facts(args)))
     return 0
 
 
 def cmd_tree(args: argparse.Namespace) -> int:
-    from dflashops.lineage_view import RunFacts, forest_tree, lineage_forest
+    from dflashops.lineage_view import forest_tree, lineage_forest
 
     db = _open(args)
     if db is None:
@@ -93,7 +111,7 @@ def cmd_tree(args: argparse.Namespace) -> int:
     else:
         if args.run:
             db.get(args.run)  # NotFound with close names
-        forest = lineage_forest(db, RunFacts(_runs_root(args)), only=args.run)
+        forest = lineage_forest(db, _facts(args), only=args.run)
     if args.json:
         _print_json(forest)
     elif not forest:
@@ -179,13 +197,14 @@ def cmd_sync(args: argparse.Namespace) -> int:
 
 
 def _statuses_from_target(args: argparse.Namespace, target: str) -> list[dict[str, Any]]:
-    """Agent `status` answers for every run on `target`, through C1's ops layer."""
-    try:
-        from dflashops.ops.status import all_run_statuses  # type: ignore[attr-defined]
-    except ImportError:
-        raise DflashopsError(f"runs sync from target {target!r} is not wired to the ops layer yet",
-                             hint="for a local workspace use: dflashops runs sync --workspace DIR") from None
-    return all_run_statuses(getattr(args, "inventory", None), target)
+    """The agent's `status` answer for every run on `target` (through C1's session/agent seam). The agent
+    is called directly rather than through ops.control.run_status, which would also write states into the
+    inventory's database when `--db` names another one."""
+    from dflashops.cli.common import open_session
+
+    with open_session(args) as session:
+        tgt = session.inventory.target(target)
+        return list(session.agent(tgt).call("status", {"workspace": tgt.workspace})["runs"])
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
@@ -193,10 +212,11 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
     db = _open(args) or _raise(_missing(args))
     runs = [db.get(name) for name in args.runs]
+    local_roots = {} if _runs_root(args) else _local_roots(args)
     series: dict[str, list[tuple[int, float]]] = {}
     found: set[str] = set()
     for run in runs:
-        directory = run_dir_of(run, _runs_root(args))
+        directory = run_dir_of(run, _runs_root(args), local_roots)
         rows = read_metrics(directory / "metrics.jsonl") if directory else []
         if directory is None:
             print(f"warning: metrics of {run.name} are on target {run.target}, not on this machine "

@@ -98,3 +98,15 @@ def test_wandb_env_mirrors_lineage() -> None:
 def test_record_rejects_unknown_state() -> None:
     with pytest.raises(ValueError):
         RunRecord(name="x", state="exploded")
+
+
+def test_diff_ignores_the_runs_own_name_hash_and_identity_env() -> None:
+    a = RunRecord(name="exp-flex5", code_hash="a" * 40, argv=["py", f"/w/releases/{'a' * 40}/t.py", "--out", "/w/runs/exp-flex5"],
+                  env={"WANDB_NAME": "exp-flex5", "DFLASHOPS_RUN_PARENT": "x", "LOG": "/w/runs/exp-flex5/x.log"})
+    b = RunRecord(name="exp-flex6", code_hash="b" * 40, argv=["py", f"/w/releases/{'b' * 40}/t.py", "--out", "/w/runs/exp-flex6"],
+                  env={"WANDB_NAME": "exp-flex6", "DFLASHOPS_RUN_PARENT": "exp-flex5", "LOG": "/w/runs/exp-flex6/x.log"})
+    diff = diff_runs(a, b)
+    assert diff.lines() == ["~ code_hash: aaaaaaaaaaaa -> bbbbbbbbbbbb"]
+    # A longer name that merely starts with the run's name is not the run's name.
+    c = RunRecord(name="exp-flex6", argv=["py", "--out", "/w/runs/exp-flex65"])
+    assert diff_runs(RunRecord(name="exp-flex5", argv=["py", "--out", "/w/runs/exp-flex55"]), c).args_changed
