@@ -379,7 +379,9 @@ def run_status(directory: str) -> dict:
     error_line = next((l for l in reversed(log_tail) if ERROR_LINE_RE.search(l) and "Traceback" not in l), None)
     if error_line is None and trainer_status and trainer_status.get("error"):
         error_line = str(trainer_status["error"])
-    step = (last_metrics or {}).get("step", (trainer_status or {}).get("step"))
+    # status.json names the step in progress (the one that crashed); metrics.jsonl the last one logged.
+    steps = [v for v in ((last_metrics or {}).get("step"), (trainer_status or {}).get("step")) if isinstance(v, int)]
+    step = max(steps) if steps else None
     stopped = os.path.exists(os.path.join(directory, "stop.json"))
     if live:
         state = "stopping" if stopped else "running"

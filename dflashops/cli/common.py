@@ -35,11 +35,12 @@ def emit_json(value: Any) -> None:
     print(json.dumps(value, indent=2, sort_keys=True, default=str))
 
 
-def use_colour(stream: Any = sys.stdout) -> bool:
+def use_colour(stream: Any = None) -> bool:
+    stream = sys.stdout if stream is None else stream
     return "NO_COLOR" not in os.environ and hasattr(stream, "isatty") and stream.isatty()
 
 
-def highlight_errors(text: str, stream: Any = sys.stdout) -> str:
+def highlight_errors(text: str, stream: Any = None) -> str:
     """Tracebacks and error lines in bold red on a colour terminal; unchanged otherwise (the words
     `Traceback` / `Error` already carry the meaning)."""
     if not use_colour(stream):

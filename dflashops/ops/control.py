@@ -79,11 +79,10 @@ def read_log(session: Session, name: str, cursor: LogCursor, *, target: str | No
             yield answer["data"]
         if not follow or (answer["finished"] and not moved):
             return
-        if moved:
-            continue  # more may be waiting (large logs come in 1 MiB pieces)
         if deadline is not None and time.monotonic() >= deadline:
             raise WaitTimeout(f"{name}: no match within {timeout:g}s", hint="raise --timeout")
-        time.sleep(poll_s)
+        if not moved:
+            time.sleep(poll_s)  # when it moved, more may be waiting (large logs come in 1 MiB pieces)
 
 
 def wait_for(session: Session, name: str, *, until: str | None, fail_on: str | None = DEFAULT_FAIL_ON,
@@ -91,25 +90,27 @@ def wait_for(session: Session, name: str, *, until: str | None, fail_on: str | N
              on_text: Callable[[str], None] = lambda text: None, poll_s: float = 0.5) -> str:
     """Follow the log until `until` matches a line (returns it), `fail_on` matches (RunFailed), the run
     ends first (RunFailed with its state; or returns "" when no `until` was given and it finished), or
-    `timeout` passes (WaitTimeout). Every chunk read is passed to `on_text` first."""
+    `timeout` passes (WaitTimeout). Every line read is passed to `on_text` before it is matched."""
     until_re = re.compile(until) if until else None
     fail_re = re.compile(fail_on) if fail_on else None
     recent: list[str] = []
     pending = ""
     for chunk in read_log(session, name, cursor or LogCursor(), target=target, follow=True,
                           poll_s=poll_s, timeout=timeout):
-        on_text(chunk)
         pending += chunk
         *lines, pending = pending.split("\n")
         for line in lines:
+            on_text(line + "\n")  # line by line, so the output stops exactly at the matching line
             recent = (recent + [line])[-10:]
             if fail_re and fail_re.search(line):
                 raise RunFailed(f"{name}: failure pattern {fail_on!r} in the log: {line.strip()}",
                                 hint=f"`dflashops logs {name}` shows the whole log")
             if until_re and until_re.search(line):
                 return line
-    if pending and until_re and until_re.search(pending):
-        return pending
+    if pending:
+        on_text(pending)
+        if until_re and until_re.search(pending):
+            return pending
     final = run_status(session, name, target=target)[0]
     if final["state"] == "finished" and until_re is None:
         return ""

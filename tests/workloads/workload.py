@@ -3,7 +3,7 @@
 `python workload.py --output-dir DIR [--steps N] [--interval S] [--crash-at K] [--spawn-setsid]
 [--resume-from CKPT]` prints one progress line per step, appends metrics.jsonl, rewrites status.json
 atomically, and on SIGTERM writes `checkpoints/step_NNNNNN/state.json` and exits with EXIT_ON_SIGTERM (143).
-`--crash-at K` raises at step K (a real traceback, exit 1). `--spawn-setsid` starts a child in its own
+`--ignore-term` makes it ignore SIGTERM (so `stop` must escalate to SIGKILL). `--crash-at K` raises at step K (a real traceback, exit 1). `--spawn-setsid` starts a child in its own
 session (it keeps the environment, so only the run marker can find it) and writes its pid to child.pid.
 Stdlib only; it never imports dflashops or trainer.
 """
@@ -46,11 +46,12 @@ def main() -> int:
     parser.add_argument("--crash-at", type=int, default=-1)
     parser.add_argument("--spawn-setsid", action="store_true")
     parser.add_argument("--resume-from", default=None)
+    parser.add_argument("--ignore-term", action="store_true", help="ignore SIGTERM (forces stop to escalate)")
     args = parser.parse_args()
     out = args.output_dir
     os.makedirs(out, exist_ok=True)
     stop_requested = []
-    signal.signal(signal.SIGTERM, lambda *_: stop_requested.append(True))
+    signal.signal(signal.SIGTERM, (lambda *_: None) if args.ignore_term else (lambda *_: stop_requested.append(True)))
     start = 0
     if args.resume_from:
         with open(os.path.join(args.resume_from, "state.json")) as handle:

@@ -1,0 +1,139 @@
+"""End to end on the local target: deploy -> restart --name + -> stop with a decoy python3 alongside,
+setsid children, crashes, waits, timeouts, nohup, SIGKILL escalation, resume. Real tmux, real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import Env
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def decoy() -> subprocess.Popen:
+    """A python3 started outside dflashops on the same target: it must survive every stop/restart."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    yield proc
+    proc.terminate()
+    proc.wait()
+
+
+def test_deploy_restart_stop_cycle(env: Env, decoy: subprocess.Popen) -> None:
+    first = env.run_cli("deploy", "local", "--profile", "work", "--name", "exp-flex5", "--note", "baseline",
+                        "--wait", r"step 3\b", "--timeout", "30")
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.strip() == "exp-flex5"
+    second = env.run_cli("restart", "exp-flex5", "--name", "+", "--note", "bigger lr", "--grace", "5",
+                         "--wait", r"step 2\b", "--timeout", "30", "--", "--steps", "5000")
+    assert second.returncode == 0, second.stderr
+    assert second.stdout.strip() == "exp-flex6"
+    assert "exp-flex5 stopped (exit code 143)" in second.stderr
+    stop = env.run_cli("stop", "exp-flex6", "--grace", "5")
+    assert stop.returncode == 0, stop.stderr
+    assert "exit_code=143" in stop.stdout
+    assert sorted(p.name for p in env.runs.iterdir()) == ["exp-flex5", "exp-flex6"]
+    for name in ("exp-flex5", "exp-flex6"):
+        assert (env.runs / name / "exit_code").read_text().strip() == "143"  # the workload's SIGTERM code
+        assert (env.runs / name / "checkpoints").is_dir()
+    child = json.loads((env.runs / "exp-flex6" / "run.json").read_text())
+    assert child["parent"] == "exp-flex5" and child["note"] == "bigger lr" and "--steps" in child["argv"]
+    with sqlite3.connect(env.db) as db:
+        rows = dict(db.execute("SELECT name, parent FROM runs").fetchall())
+        states = dict(db.execute("SELECT name, state || ':' || exit_code FROM runs").fetchall())
+    assert rows == {"exp-flex5": None, "exp-flex6": "exp-flex5"}
+    assert states == {"exp-flex5": "stopped:143", "exp-flex6": "stopped:143"}
+    assert decoy.poll() is None, "the decoy python3 outside the run was killed"
+    status = env.run_cli("status", "--json")
+    assert [r["state"] for r in json.loads(status.stdout)["runs"]] == ["stopped", "stopped"]
+
+
+def test_setsid_child_dies_on_stop(env: Env, capsys: pytest.CaptureFixture[str], decoy: subprocess.Popen) -> None:
+    code, _, err = env.cli("deploy", "--profile", "work", "--name", "tree", "--wait", "step 2", "--",
+                           "--spawn-setsid", capsys=capsys)
+    assert code == 0, err
+    child_pid = int((env.runs / "tree" / "child.pid").read_text())
+    assert pid_alive(child_pid)
+    assert os.getsid(child_pid) != os.getsid(int((env.runs / "tree" / "pgid").read_text()))  # really escaped
+    code, out, err = env.cli("stop", "tree", "--grace", "5", capsys=capsys)
+    assert code == 0, err
+    deadline = time.monotonic() + 5
+    while pid_alive(child_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pid_alive(child_pid), "a setsid child of the run survived stop"
+    assert decoy.poll() is None
+
+
+def test_crash_is_reported_with_step_and_error(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = env.cli("deploy", "--profile", "work", "--name", "crashy", "--launcher", "nohup",
+                           "--wait", "never-printed", "--timeout", "30", "--", "--crash-at", "4", capsys=capsys)
+    assert code == 7, err  # RunFailed: the Traceback pattern appeared
+    assert "Traceback" in err
+    deadline = time.monotonic() + 10
+    while not (env.runs / "crashy" / "exit_code").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    code, out, _ = env.cli("status", "crashy", capsys=capsys)
+    assert code == 0
+    assert "crashed at step 4: RuntimeError: injected crash at step 4" in out and "exit=1" in out
+    code, out, _ = env.cli("runs", "show", "crashy", "--json", capsys=capsys)
+    assert json.loads(out)["state"] == "crashed"
+
+
+def test_wait_without_failure_pattern_reports_the_end(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = env.cli("deploy", "--profile", "work", "--name", "short", "--launcher", "nohup",
+                           "--wait", "never-printed", "--fail-on", "", "--", "--steps", "3", capsys=capsys)
+    assert code == 7
+    assert "short ended (finished at step 3, exit code 0)" in err
+
+
+def test_wait_timeout_exit_code(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = env.cli("deploy", "--profile", "work", "--name", "slow", "--wait", "never-printed",
+                           "--timeout", "1", capsys=capsys)
+    assert code == 8 and "no match within 1s" in err
+
+
+def test_stop_escalates_to_sigkill(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = env.cli("deploy", "--profile", "work", "--name", "stubborn", "--launcher", "nohup",
+                           "--wait", "step 1", "--", "--ignore-term", capsys=capsys)
+    assert code == 0, err
+    code, out, err = env.cli("stop", "stubborn", "--grace", "0.5", capsys=capsys)
+    assert code == 0, err
+    assert "SIGKILL" in err
+    assert (env.runs / "stubborn" / "exit_code").read_text().strip() == "137"
+
+
+def test_restart_resume_starts_from_latest_checkpoint(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    assert env.cli("deploy", "--profile", "work", "--name", "res-v1", "--wait", "step 3", capsys=capsys)[0] == 0
+    code, out, err = env.cli("restart", "res-v1", "--resume", "--grace", "5", "--wait", "resumed from",
+                             capsys=capsys)
+    assert code == 0, err
+    assert out.strip() == "res-v2"
+    checkpoint = sorted((env.runs / "res-v1" / "checkpoints").iterdir())[-1]
+    assert f"resumed from {checkpoint}" in err
+    code, _, err = env.cli("stop", "res-v2", "--grace", "5", capsys=capsys)
+    assert code == 0
+
+
+def test_logs_since_offset_and_until(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    assert env.cli("deploy", "--profile", "work", "--name", "logme", "--launcher", "nohup", "--wait", "done",
+                   "--", "--steps", "6", capsys=capsys)[0] == 0
+    code, full, _ = env.cli("logs", "logme", "--raw", capsys=capsys)
+    assert code == 0 and full.endswith("done\n")
+    half = len(full.encode()) // 2
+    code, tail, _ = env.cli("logs", "logme", "--since", str(half), "--raw", capsys=capsys)
+    assert full.encode()[half:].decode() == tail
+    code, out, _ = env.cli("logs", "logme", "--until", r"step 4\b", capsys=capsys)
+    assert code == 0 and "step 4" in out and "step 5" not in out
