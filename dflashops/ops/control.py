@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from dflashops.errors import DflashopsError, NotFound, RunFailed, WaitTimeout
+from dflashops.errors import DflashopsError, NotFound, RunFailed, TransportError, WaitTimeout
 from dflashops.ops.session import Session
 from dflashops.shell import validate_name
 
@@ -62,6 +62,23 @@ class LogCursor:
     inode: int | None = None
 
 
+RECONNECT_ATTEMPTS = 6
+
+
+def call_resuming(agent: Any, verb: str, args: dict[str, Any]) -> dict[str, Any]:
+    """A read-only agent call retried after a dropped connection (the ssh transport reconnects on the
+    next command). Safe for `tail`: it reads from the cursor's byte offset, which only advances after an
+    answer arrived, so a retry neither loses nor repeats a line. Backoff 0.2 s doubling, ~6 s in all."""
+    for attempt in range(RECONNECT_ATTEMPTS):
+        try:
+            return agent.call(verb, args)
+        except TransportError:
+            if attempt == RECONNECT_ATTEMPTS - 1:
+                raise
+            time.sleep(min(0.2 * 2 ** attempt, 2.0))
+    raise AssertionError("unreachable")
+
+
 def read_log(session: Session, name: str, cursor: LogCursor, *, target: str | None = None,
              follow: bool = False, poll_s: float = 0.5, timeout: float | None = None) -> Iterator[str]:
     """Yield complete chunks of train.log from `cursor` (updated as it goes). With `follow`, keep polling
@@ -71,8 +88,8 @@ def read_log(session: Session, name: str, cursor: LogCursor, *, target: str | No
     agent = session.agent(tgt)
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
-        answer = agent.call("tail", {"workspace": tgt.workspace, "name": name, "offset": cursor.offset,
-                                     "inode": cursor.inode})
+        answer = call_resuming(agent, "tail", {"workspace": tgt.workspace, "name": name,
+                                               "offset": cursor.offset, "inode": cursor.inode})
         moved = answer["offset"] != cursor.offset or answer["inode"] != cursor.inode
         cursor.offset, cursor.inode = answer["offset"], answer["inode"]
         if answer["data"]:
