@@ -7,6 +7,7 @@ Containers: 200 and 202 running, 201 stopped (created here); 999 does not exist.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import textwrap
 from collections.abc import Iterator
@@ -80,8 +81,13 @@ def proxy(harness: remote_harness.Harness) -> Iterator[LoopProxy]:
 
 def write_inventory(path: Path, h: remote_harness.Harness, *, port: int | None = None,
                     workspace: str = "/workspace/dfo", extra_targets: str = "") -> Path:
-    """A remote inventory: host `pve` (sudo), pct targets ct200/ct201 (stopped)/ct999 (missing) and
-    ct202, and the `work` profile running the controller tests' workload script from the release."""
+    """A remote inventory: host `pve` (sudo), pct targets ct200, ct201 (stopped), ct202, ct999 (missing),
+    and the `work` profile running the controller tests' workload script from the synced release
+    (workload.py and a 2 MiB blob.bin are copied next to the inventory: profile files are synced)."""
+    shutil.copy(WORKLOAD, path.parent / "workload.py")
+    blob = path.parent / "blob.bin"
+    if not blob.exists():
+        blob.write_bytes(os.urandom(2 * 1024 * 1024))
     path.write_text(textwrap.dedent(f"""\
         hosts:
           pve:
@@ -95,12 +101,13 @@ def write_inventory(path: Path, h: remote_harness.Harness, *, port: int | None =
           ct200: {{kind: pct, host: pve, ctid: 200, workspace: {workspace}}}
           ct201: {{kind: pct, host: pve, ctid: 201, workspace: {workspace}}}
           ct202: {{kind: pct, host: pve, ctid: 202, workspace: {workspace}}}
-        """) + textwrap.indent(textwrap.dedent(extra_targets), "  ") + textwrap.dedent(f"""\
+          ct999: {{kind: pct, host: pve, ctid: 999, workspace: {workspace}}}
+        """) + textwrap.indent(textwrap.dedent(extra_targets), "  ") + textwrap.dedent("""\
         profiles:
           work:
-            argv: ["{{python}}", "{{release}}/tests/workloads/workload.py", "--output-dir", "{{run_dir}}",
-                   "--steps", "100000", "--interval", "0.05"]
-            files: [tests/workloads/workload.py]
+            argv: ["{python}", "{release}/workload.py", "--output-dir", "{run_dir}", "--steps", "100000",
+                   "--interval", "0.05"]
+            files: [workload.py, blob.bin]
         """))
     return path
 
@@ -111,3 +118,16 @@ def inventory(tmp_path: Path, harness: remote_harness.Harness, monkeypatch: pyte
     path = write_inventory(tmp_path / "inventory.yaml", harness, workspace=f"/workspace/{tmp_path.name}")
     monkeypatch.setenv("DFLASHOPS_INVENTORY", str(path))
     return path
+
+
+def cli(*args: str) -> tuple[int, str, str]:
+    """Run the real CLI entry point in-process; returns (exit code, stdout, stderr)."""
+    import contextlib
+    import io
+
+    from dflashops.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return code, out.getvalue(), err.getvalue()
