@@ -1,0 +1,117 @@
+"""trainer.checkpoint (atomic save, keep-last-K, shape check, resume resolution) and trainer.signals."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.checkpoint import check_shapes, list_checkpoints, load_checkpoint, resolve_resume, save_checkpoint
+from trainer.config import TrainerInputError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(5, 4)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def _save(run: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, keep: int = 3) -> Path:
+    return save_checkpoint(run, step, model=model.state_dict(), optimizer=optimizer.state_dict(),
+                           scheduler={"last_epoch": step}, epoch=1, index=step + 1, extra={"note": "x"}, keep=keep)
+
+
+def test_round_trip_restores_every_part_exactly(tmp_path: Path) -> None:
+    model, optimizer = _model_and_optimizer()
+    torch.manual_seed(123)
+    path = _save(tmp_path, 7, model, optimizer)
+    expected_draw = torch.rand(3)
+    state = load_checkpoint(path)
+    assert (state.step, state.epoch, state.index, state.scheduler, state.extra["note"]) == (7, 1, 8, {"last_epoch": 7}, "x")
+    assert all(torch.equal(state.model[k], v) for k, v in model.state_dict().items())
+    restored = torch.optim.AdamW(model.parameters(), lr=0.1)
+    restored.load_state_dict(state.optimizer)
+    for a, b in zip(restored.state.values(), optimizer.state.values()):
+        assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+    torch.manual_seed(999)
+    from trainer.checkpoint import restore_rng
+
+    restore_rng(state.rng)
+    assert torch.equal(torch.rand(3), expected_draw)
+
+
+def test_only_the_newest_k_are_kept_and_incomplete_ones_are_ignored(tmp_path: Path) -> None:
+    model, optimizer = _model_and_optimizer()
+    for step in (10, 20, 30, 40):
+        _save(tmp_path, step, model, optimizer, keep=2)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [30, 40]
+    torn = tmp_path / "checkpoints" / "step_000050"  # a directory without state.json: a torn copy
+    torn.mkdir()
+    (torn / "model.safetensors").write_bytes(b"partial")
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [30, 40]
+    assert resolve_resume("auto", tmp_path) == tmp_path / "checkpoints" / "step_000040"
+    stale = tmp_path / "checkpoints" / ".tmp-step_000060-1"  # a crash mid-save
+    stale.mkdir()
+    _save(tmp_path, 60, model, optimizer, keep=2)
+    assert not stale.exists() and not any(p.name.startswith(".tmp") for p in (tmp_path / "checkpoints").iterdir())
+
+
+def test_shape_mismatch_is_refused_naming_the_tensor(tmp_path: Path) -> None:
+    model, optimizer = _model_and_optimizer()
+    path = _save(tmp_path, 1, model, optimizer)
+    shapes = {k: list(v.shape) for k, v in model.state_dict().items()}
+    check_shapes(path, shapes)
+    with pytest.raises(TrainerInputError, match=r"0.weight is \[3, 4\] there, \[8, 4\] here"):
+        check_shapes(path, {**shapes, "0.weight": [8, 4]})
+    with pytest.raises(TrainerInputError, match="lacks 2.weight"):
+        check_shapes(path, {**shapes, "2.weight": [1]})
+
+
+def test_resume_modes(tmp_path: Path) -> None:
+    assert resolve_resume("auto", tmp_path / "fresh") is None
+    assert resolve_resume("never", tmp_path / "fresh") is None
+    model, optimizer = _model_and_optimizer()
+    path = _save(tmp_path, 3, model, optimizer)
+    with pytest.raises(TrainerInputError, match="already holds checkpoints"):
+        resolve_resume("never", tmp_path)
+    assert resolve_resume(str(path), tmp_path / "other") == path
+    with pytest.raises(TrainerInputError, match="not a complete checkpoint"):
+        resolve_resume(str(tmp_path / "nothing"), tmp_path)
+
+
+_SIGNAL_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, time
+    from trainer.signals import GracefulStop
+    with GracefulStop() as stop:
+        os.kill(os.getpid(), signal.{sig})
+        time.sleep(0.2)
+        print("requested", stop.requested, stop.exit_code, flush=True)
+        if "--twice" in sys.argv:
+            os.kill(os.getpid(), signal.{sig})
+            time.sleep(2)
+            print("still alive", flush=True)
+""")
+
+
+@pytest.mark.parametrize("sig, code", [("SIGTERM", 143), ("SIGHUP", 129), ("SIGINT", 130)])
+def test_first_signal_requests_a_stop_second_exits_at_once(sig: str, code: int) -> None:
+    script = _SIGNAL_SCRIPT.format(sig=sig)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    once = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    assert once.returncode == 0 and f"requested True {code}" in once.stdout
+    assert f"received {sig}" in once.stderr
+    twice = subprocess.run([sys.executable, "-c", script, "--twice"], capture_output=True, text=True, env=env, timeout=60)
+    assert twice.returncode == code and "still alive" not in twice.stdout
+    assert "exiting now without a checkpoint" in twice.stderr
+    assert signal.getsignal(signal.SIGTERM) is not None

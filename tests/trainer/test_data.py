@@ -1,0 +1,137 @@
+"""trainer.data: deterministic token-budget batches, sorted per-epoch anchors, block targets, bad shards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from trainer.config import TrainerInputError, parse_train_args
+from trainer.data import BatchStream, collate, open_dataset, padded_length, plan_epoch
+from trainer.loss import position_weights
+from trainer.shards import DatasetMeta, write_index, write_shard
+
+MASK = 255
+
+
+def _cfg(tmp_path: Path, *extra: str):
+    return parse_train_args(["--preset", "tiny", "--output-dir", str(tmp_path / "run"), *extra])
+
+
+def _write_dataset(directory: Path, lengths: list[int], seed: int = 0, vocab: int = 200,
+                   meta_vocab: int = 256) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    samples = []
+    for length in lengths:
+        ids = rng.integers(0, vocab, size=length)
+        mask = (rng.random(length) < 0.7).astype(np.uint8)
+        mask[: length // 4] = 0  # a prompt
+        samples.append((ids, mask))
+    entries = [write_shard(directory, "shard-00000", samples[: len(samples) // 2]),
+               write_shard(directory, "shard-00001", samples[len(samples) // 2 :])]
+    write_index(directory, entries, DatasetMeta(vocab_size=meta_vocab))
+    return samples
+
+
+def test_epoch_plan_is_deterministic_complete_and_within_budget(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "--token-budget", "200", "--max-batch-size", "3")
+    lengths = np.random.default_rng(1).integers(1, 90, size=100)
+    plan0 = plan_epoch(lengths, 0, cfg)
+    assert [b.tolist() for b in plan0] == [b.tolist() for b in plan_epoch(lengths, 0, cfg)]
+    assert [b.tolist() for b in plan0] != [b.tolist() for b in plan_epoch(lengths, 1, cfg)]
+    used = np.concatenate(plan0)
+    assert sorted(used.tolist()) == sorted(np.flatnonzero(lengths >= 2).tolist())  # each sample once
+    for batch in plan0:
+        longest = min(int(lengths[batch].max()), cfg.max_seq_len)
+        assert len(batch) <= 3 and len(batch) * padded_length(longest, cfg.max_seq_len) <= 200
+
+
+def test_collate_builds_sorted_anchors_and_same_position_targets(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    samples = _write_dataset(data_dir, [40, 64, 90, 12, 3])
+    cfg = _cfg(tmp_path, "--data-dir", str(data_dir), "--anchors-per-seq", "6", "--max-anchors", "30",
+               "--block-size", "4", "--gamma", "2")
+    dataset = open_dataset(cfg)
+    slot_w = position_weights(4, 2.0).numpy()
+    ids = np.array([0, 1, 2, 3, 4])
+    batch = collate(dataset, ids, 3, 7, cfg, slot_w)
+    R, N, B = 5, cfg.anchors_per_row(5), 4
+    assert batch.anchors.shape == (R, N) and batch.block_ids.shape == (R, N * B) and batch.input_ids.shape[1] == 64
+    for r, sample_id in enumerate(ids):
+        tokens, mask = samples[sample_id]
+        length = min(len(tokens), cfg.max_seq_len)
+        anchors, keep = batch.anchors[r].tolist(), batch.keep[r].tolist()
+        real = [a for a, k in zip(anchors, keep) if k]
+        assert keep == sorted(keep, reverse=True)  # real anchors first, padding after
+        assert anchors == sorted(anchors) and len(set(real)) == len(real)
+        valid = [p for p in range(length - 1) if mask[p] and mask[p + 1]]
+        assert len(real) == min(N, len(valid)) and set(real) <= set(valid)
+        for n, (anchor, kept) in enumerate(zip(anchors, keep)):
+            for k in range(B):
+                col, pos = n * B + k, anchor + k
+                assert batch.block_ids[r, col] == (tokens[anchor] if k == 0 else MASK) or not kept
+                supervised = kept and k >= 1 and pos < length and bool(mask[pos])
+                expected_w = slot_w[k] if supervised else 0.0
+                assert batch.weights[r, col].item() == pytest.approx(expected_w)
+                if supervised:
+                    assert batch.labels[r, col] == tokens[pos]  # same-position label x_{p+k}
+    assert batch.num_blocks == int(batch.keep.sum()) and batch.weight_sum == pytest.approx(float(batch.weights.sum()))
+    assert (batch.epoch, batch.index) == (3, 7)
+
+
+def test_anchors_are_redrawn_each_epoch_but_fixed_per_epoch(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "--anchors-per-seq", "4")
+    dataset = open_dataset(cfg)  # synthetic tiny data: long supervised answers
+    slot_w = position_weights(cfg.block_size, cfg.gamma).numpy()
+    ids = np.array([5, 9])
+    a0 = collate(dataset, ids, 0, 0, cfg, slot_w).anchors
+    assert collate(dataset, ids, 0, 3, cfg, slot_w).anchors.equal(a0)  # independent of the batch position
+    assert not collate(dataset, ids, 1, 0, cfg, slot_w).anchors.equal(a0)
+
+
+def test_stream_resumes_at_a_data_position(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "--epochs", "2", "--synthetic-samples", "24")
+    stream = BatchStream(open_dataset(cfg), cfg, position_weights(cfg.block_size, cfg.gamma).numpy())
+    full = [(b.epoch, b.index, b.input_ids) for b in stream.iterate(0, 0)]
+    assert len(full) == stream.total_micro_batches() and {e for e, _, _ in full} == {0, 1}
+    start = len(full) // 2 + 1
+    tail = [(b.epoch, b.index, b.input_ids) for b in stream.iterate(full[start][0], full[start][1])]
+    assert len(tail) == len(full) - start
+    assert all(a[:2] == b[:2] and a[2].equal(b[2]) for a, b in zip(full[start:], tail))
+
+
+def test_missing_and_empty_data_dirs_are_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(TrainerInputError, match="does not exist"):
+        open_dataset(_cfg(tmp_path, "--data-dir", str(tmp_path / "nope")))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TrainerInputError, match="meta.json is missing"):
+        open_dataset(_cfg(tmp_path, "--data-dir", str(tmp_path / "empty")))
+    write_index(tmp_path / "empty", [], DatasetMeta())
+    with pytest.raises(TrainerInputError, match="no samples"):
+        open_dataset(_cfg(tmp_path, "--data-dir", str(tmp_path / "empty")))
+
+
+def test_shard_with_mismatched_ids_and_mask_is_refused(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    _write_dataset(data_dir, [20, 30, 40, 50])
+    np.save(data_dir / "shard-00001.mask.npy", np.ones(3, np.uint8))  # fewer mask values than ids
+    with pytest.raises(TrainerInputError, match="shard-00001.*must agree"):
+        open_dataset(_cfg(tmp_path, "--data-dir", str(data_dir)))
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    _write_dataset(data_dir, [20, 30], vocab=200, meta_vocab=0)  # meta does not say: caught per batch
+    cfg = _cfg(tmp_path, "--data-dir", str(data_dir))
+    cfg.vocab_size = 100  # a target smaller than the data's vocabulary
+    dataset = open_dataset(cfg)
+    with pytest.raises(TrainerInputError, match="outside the vocabulary"):
+        collate(dataset, np.array([0, 1]), 0, 0, cfg, position_weights(cfg.block_size, cfg.gamma).numpy())
+
+
+def test_data_from_a_larger_vocabulary_is_refused_up_front(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    _write_dataset(data_dir, [20, 30], meta_vocab=151936)
+    with pytest.raises(TrainerInputError, match="vocabulary of 151936 but the target has 256"):
+        open_dataset(_cfg(tmp_path, "--data-dir", str(data_dir)))
