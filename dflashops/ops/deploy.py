@@ -67,7 +67,9 @@ def choose_name(session: Session, request: DeployRequest) -> str:
             raise UsageError("--name + derives the name from the parent run, but no --parent was given",
                              hint="add --parent RUN, or give an explicit --name")
         return next_name(request.parent, session.db.names())
-    name = request.name or f"{request.profile}-{utc_now_iso().replace(':', '').replace('-', '')[:15]}"
+    name = request.name
+    if name is None:
+        name = f"{request.profile}-{utc_now_iso().replace(':', '').replace('-', '')[:15]}"
     return validate_name(name, what="run name")
 
 

@@ -28,7 +28,9 @@ class Session:
     @property
     def db(self) -> LineageDB:
         if self._db is None:
-            self._db = LineageDB(self.inventory.lineage_path)
+            path = self.inventory.lineage_path
+            # A dry run must not create the database file: an empty in-memory one answers its lookups.
+            self._db = LineageDB(":memory:" if self.dry_run and not path.exists() else path)
         return self._db
 
     def agent(self, target: Target) -> Agent:
