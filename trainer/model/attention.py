@@ -140,6 +140,8 @@ def _per_device(cache: dict[torch.device, Callable[..., Any]], device: torch.dev
                 fn: Callable[..., Any]) -> Callable[..., Any]:
     """torch.compile(fn) once per device. The lock only guards the dict; compiling still happens lazily at the
     first call, so callers must warm up sequentially before starting threads (METHOD.md 6)."""
+    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" must share one compiled object
+        device = torch.device("cuda", torch.cuda.current_device())
     with _COMPILED_LOCK:
         if device not in cache:
             cache[device] = torch.compile(fn, dynamic=False)
