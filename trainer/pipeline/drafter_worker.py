@@ -117,7 +117,7 @@ class DrafterWorker:
             started = time.perf_counter()
             stats = []
             for accum, parcel in enumerate(self._held):
-                faults.hit(f"{self.name}.forward_backward")
+                faults.hit(f"{self.name}.forward_backward", self.supervisor.stop_event)
                 micro = self.number * self.assignment.grad_accum + accum
                 stats.append(self.side.forward_backward(
                     accept(parcel, device), command.normalizer, command.num_blocks, noise_std=command.noise_std,
@@ -141,7 +141,7 @@ class DrafterWorker:
             g = self.assignment.micro_index(step, self.number, accum)
             channel = self.inputs[self.assignment.target_of(g)]
             self.supervisor.set_phase(self.name, f"waiting for features {g} from {channel.name}")
-            faults.hit(f"{self.name}.get")
+            faults.hit(f"{self.name}.get", self.supervisor.stop_event)
             parcel = channel.get(timeout=self.get_timeout_s)
             if parcel.g != g:  # the plan guarantees order; a mismatch is a bug, never silently trained on
                 raise RuntimeError(f"{self.name}: expected micro-batch {g} from {channel.name}, got {parcel.g}")

@@ -14,8 +14,9 @@ A checkpoint after step k stores the position of g = (k+1) * D * A; prefetched i
 stop and recomputed after resume.
 
 Fault points (`FaultPoints`) are the test hook for failures that cannot be produced on demand with real parts
-(a target forward that raises, a put that fails): `"target0.features@3"` raises `InjectedFault` the 3rd time
-target0 reaches that point.
+(a target forward that raises, a put that fails, a worker that hangs): `"target0.features@3"` raises
+`InjectedFault` the 3rd time target0 reaches that point; `"target0.features@3=hang"` blocks there instead until
+the run's stop event is set (at most 120 s), which is how a stuck worker looks to the supervisor.
 """
 
 from __future__ import annotations
@@ -104,19 +105,26 @@ class FaultPoints:
 
     def __init__(self, spec: list[str] | None = None) -> None:
         self._at: dict[str, int] = {}
+        self._hang: set[str] = set()
         for item in spec or []:
-            name, _, count = item.partition("@")
-            if not name or not count.isdigit() or int(count) < 1:
-                raise ValueError(f"fault point {item!r} must look like NAME@N with N >= 1")
+            name, _, rest = item.partition("@")
+            count, _, action = rest.partition("=")
+            if not name or not count.isdigit() or int(count) < 1 or action not in ("", "hang"):
+                raise ValueError(f"fault point {item!r} must look like NAME@N or NAME@N=hang with N >= 1")
             self._at[name] = int(count)
+            if action:
+                self._hang.add(name)
         self._seen: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def hit(self, name: str) -> None:
+    def hit(self, name: str, stop_event: threading.Event | None = None) -> None:
         if name not in self._at:
             return
         with self._lock:
             self._seen[name] = self._seen.get(name, 0) + 1
             fire = self._seen[name] == self._at[name]
+        if fire and name in self._hang:
+            (stop_event or threading.Event()).wait(120.0)
+            return
         if fire:
             raise InjectedFault(f"injected fault at {name} (occurrence {self._at[name]})")

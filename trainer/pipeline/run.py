@@ -4,7 +4,7 @@ Same contract as the single-process trainer (trainer.train): checks that can ref
 written; exit 0 done, 1 failed (status.json `failed`, the failing worker's traceback on stderr), 2 bad input,
 128+signum after a signal-requested stop with its checkpoint. Order of events:
   1. plan (trainer.train.plan_run), devices, the micro-batch assignment (printed), run directory
-  2. targets (one model per distinct device, shared by that device's workers: inference is thread-safe),
+  2. targets (one model per target worker: TargetModel.features is not thread safe),
      drafter replicas (one init, copied), their DrafterSides; resume restores every replica
   3. warm-up in the main thread: forward+backward for every (drafter device x batch shape the run will meet)
   4. CompileGuard on; workers start; the main thread runs the step loop (trainer.pipeline.coordinator)
@@ -21,7 +21,7 @@ import threading
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -55,7 +55,16 @@ class PipelineOptions:
     stall_warn_s: float = 120.0  # log which side starves after this long without a step
     stall_abort_s: float = 900.0  # then fail the run (also the bound on any single put/get)
     join_timeout_s: float = 30.0
+
+    @property
+    def worker_timeout_s(self) -> float:
+        """A worker's own bound on one put/get: a backstop behind the main thread's stall limit, which fires
+        first and says more (which side starves)."""
+        return 2 * self.stall_abort_s + 10.0
     faults: list[str] = field(default_factory=list)  # test hook, see trainer.pipeline.plan.FaultPoints
+    # Called in the main thread after every optimizer step with (step, drafter sides), every worker idle:
+    # lets tests check replica identity and send signals at a known step.
+    on_step: Callable[[int, list[DrafterSide]], None] | None = None
 
 
 def resolve_devices(names: list[str], flag: str) -> list[torch.device]:
@@ -102,16 +111,15 @@ def run_pipeline(cfg: TrainConfig, options: PipelineOptions | None = None) -> in
         _log(f"run directory {run_dir.resolve()} ({total_steps} steps, sync {sync_mode})")
         _log(assignment.describe([str(d) for d in target_devices], [str(d) for d in drafter_devices]))
         recorder.open_wandb(cfg.wandb, cfg.wandb_project, cfg.wandb_run_name, cfg.to_dict())
-        targets: dict[torch.device, Any] = {}
-        for device in target_devices:
-            if device not in targets:
-                targets[device] = _load_target(dataclasses.replace(plan, target_device=device))
-        target_sides = [TargetSide(targets[d], d, soft_labels=cfg.use_soft_labels) for d in target_devices]
+        # One TargetModel per worker, even on a shared device: TargetModel.features installs forward hooks per
+        # call and is not thread safe (two workers on one model would capture each other's taps).
+        targets = [_load_target(dataclasses.replace(plan, target_device=d)) for d in target_devices]
+        target_sides = [TargetSide(t, d, soft_labels=cfg.use_soft_labels) for t, d in zip(targets, target_devices)]
         torch.manual_seed(cfg.seed)  # the drafter's init is a function of --seed, as in trainer.train
         base = DFlashDrafter(plan.drafter_config)
         if cfg.init_from is not None:
             base.load_state_dict(DFlashDrafter.from_pretrained(cfg.init_from).state_dict())
-        any_target = targets[target_devices[0]]
+        any_target = targets[0]
         sides = [DrafterSide(cfg, copy.deepcopy(base), any_target.embed_weight, any_target.lm_head_weight, d, total_steps)
                  for d in drafter_devices]
         step, g_start = 0, 0
@@ -121,7 +129,9 @@ def run_pipeline(cfg: TrainConfig, options: PipelineOptions | None = None) -> in
             for number, side in enumerate(sides):
                 side.drafter.load_state_dict(state.model)
                 own = replicas_opt[number - 1] if number and replicas_opt and len(replicas_opt) == len(sides) - 1 else state.optimizer
-                side.optimizer.load_state_dict(own)
+                # A private copy per replica: load_state_dict keeps CPU tensors as they are, and replicas sharing
+                # exp_avg/exp_avg_sq would each update the other's moments.
+                side.optimizer.load_state_dict(copy.deepcopy(own))
                 side.scheduler.load_state_dict(state.scheduler)
             restore_rng(state.rng)
             step, g_start = state.step, order.index(state.epoch, state.index)
@@ -155,14 +165,14 @@ def run_pipeline(cfg: TrainConfig, options: PipelineOptions | None = None) -> in
                 inputs = {t: ch for (t, dd), ch in feature_channels.items() if dd == d}
                 supervisor.spawn(handle.name, "drafter", DrafterWorker(
                     handle.name, d, side, inputs, handle.commands, handle.results, assignment, supervisor,
-                    get_timeout_s=options.stall_abort_s, faults=faults))
+                    get_timeout_s=options.worker_timeout_s, faults=faults))
             for t, side in enumerate(target_sides):
                 own_stream = BatchStream(plan.dataset, cfg, slot_weights)
                 outputs = {dd: ch for (tt, dd), ch in feature_channels.items() if tt == t}
                 supervisor.spawn(f"target{t}", "target", TargetWorker(
                     f"target{t}", side, lambda g, s=own_stream: make_batch(g, s), assignment.indices_of_target(t, g_start, g_end),
                     outputs, drafter_devices, assignment, supervisor, transfer=options.feature_transfer,
-                    put_timeout_s=options.stall_abort_s, faults=faults))
+                    put_timeout_s=options.worker_timeout_s, faults=faults))
             coordinator = Coordinator(supervisor, handles, sync,
                                       lambda k: noise_std_at(k, total_steps, cfg.noise_start, cfg.noise_end), cfg.seed,
                                       guard=guard, stall_warn_s=options.stall_warn_s,
@@ -173,6 +183,8 @@ def run_pipeline(cfg: TrainConfig, options: PipelineOptions | None = None) -> in
                 result = coordinator.step(step)
                 step += 1
                 window.add(result)
+                if options.on_step is not None:
+                    options.on_step(step, sides)
                 g_next = g_start + (step - start_step) * assignment.per_step  # the next micro-batch to read
                 epoch, index = order.position(g_next)
                 if step % cfg.log_interval == 0 or step == total_steps or stop.requested:

@@ -55,7 +55,7 @@ class TargetWorker:
             self.supervisor.set_phase(self.name, f"target forward {g}")
             with torch.no_grad():
                 features = self.side.features(batch.to(device))
-            faults.hit(f"{self.name}.features")
+            faults.hit(f"{self.name}.features", self.supervisor.stop_event)
             drafter = self.assignment.drafter_of(g)
             placed, ready, on_host = publish(features, device, self.drafter_devices[drafter], self.transfer)
             parcel = Parcel(g=g, epoch=batch.epoch, index=batch.index, features=placed, weight_sum=batch.weight_sum,
@@ -64,7 +64,7 @@ class TargetWorker:
             full = channel.depth() >= channel.capacity
             self.supervisor.set_phase(
                 self.name, f"blocked on full queue {channel.name}" if full else f"putting {g} into {channel.name}")
-            faults.hit(f"{self.name}.put")
+            faults.hit(f"{self.name}.put", self.supervisor.stop_event)
             channel.put(parcel, timeout=self.put_timeout_s)
             self.supervisor.count_step(self.name)
         for channel in self.outputs.values():

@@ -1,0 +1,145 @@
+"""The threaded pipeline end to end on the CPU with the tiny preset: several target and drafter threads.
+
+Real threads, real tiny Qwen3 target, real drafter, real checkpoints; failures are injected through the
+pipeline's fault points (a raise or a hang at a named place in a named worker), everything else is real.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from trainer.config import TrainerInputError, parse_train_args
+from trainer.pipeline.run import PipelineOptions, run_pipeline
+from trainer.pipeline.sync import max_replica_difference
+from trainer.train import EXIT_FAILED, EXIT_OK
+from trainer.train import run as run_single
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _cfg(out: Path, *extra: str):
+    argv = ["--preset", "tiny", "--output-dir", str(out), "--wandb", "off", "--synthetic-samples", "48",
+            "--log-interval", "1", "--save-interval", "1000", *extra]
+    return parse_train_args(argv)
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _status(out: Path) -> dict:
+    return json.loads((out / "status.json").read_text())
+
+
+def _final_weights(out: Path) -> dict[str, torch.Tensor]:
+    newest = sorted((out / "checkpoints").glob("step_*"))[-1]
+    return load_file(str(newest / "model.safetensors"))
+
+
+def test_grad_sync_keeps_replicas_bitwise_identical_and_matches_one_drafter(tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    seen: list[float] = []
+    options = PipelineOptions(on_step=lambda step, sides: seen.append(max_replica_difference([s.drafter for s in sides])))
+    pipe = tmp_path / "pipe"
+    code = run_pipeline(_cfg(pipe, "--target-gpus", "cpu,cpu", "--drafter-gpus", "cpu,cpu", "--sync", "grad",
+                             "--max-steps", "6"), options)
+    assert code == EXIT_OK
+    assert seen == [0.0] * 6  # bitwise identical after every optimizer step
+    single = tmp_path / "single"  # one drafter, the two micro-batches of each step accumulated
+    assert run_single(_cfg(single, "--grad-accum", "2", "--max-steps", "6")) == EXIT_OK
+    pipe_losses = [m["loss"] for m in _metrics(pipe)]
+    single_losses = [m["loss"] for m in _metrics(single)]
+    assert len(pipe_losses) == 6 and pipe_losses[-1] < pipe_losses[0]
+    assert pipe_losses == pytest.approx(single_losses, rel=1e-5, abs=1e-6)
+    for name, tensor in _final_weights(single).items():
+        torch.testing.assert_close(_final_weights(pipe)[name], tensor, rtol=1e-5, atol=1e-6)
+    record = _metrics(pipe)[-1]
+    assert len(record["block_tok_s_per_drafter"]) == 2
+    assert set(record["queues"]) == {"target0->drafter0", "target1->drafter1"}
+    assert set(record["micro_batches_s_per_target"]) == {"target0", "target1"}
+
+
+def test_average_sync_with_one_target_feeding_two_drafters(tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    seen: list[float] = []
+    options = PipelineOptions(on_step=lambda step, sides: seen.append(max_replica_difference([s.drafter for s in sides])))
+    out = tmp_path / "avg"
+    code = run_pipeline(_cfg(out, "--target-gpus", "cpu", "--drafter-gpus", "cpu,cpu", "--sync", "average",
+                             "--sync-interval", "2", "--max-steps", "4"), options)
+    assert code == EXIT_OK
+    assert seen[0] > 0 and seen[1] == 0.0 and seen[2] > 0 and seen[3] == 0.0  # averaged every 2nd step
+    state = torch.load(sorted((out / "checkpoints").glob("step_*"))[-1] / "optimizer.pt", weights_only=False)
+    assert len(state["pipeline_replicas"]) == 1  # the second replica's own AdamW state
+
+
+@pytest.mark.parametrize("fault, worker", [
+    ("target1.features@2", "target1"),
+    ("drafter1.forward_backward@2", "drafter1"),
+    ("target0.put@2", "target0"),
+    ("drafter0.get@3", "drafter0"),
+])
+def test_an_error_in_any_worker_ends_the_run_with_its_traceback(tmp_path: Path, capfd, fault: str, worker: str) -> None:
+    torch.set_num_threads(1)
+    started = time.monotonic()
+    code = run_pipeline(_cfg(tmp_path, "--target-gpus", "cpu,cpu", "--drafter-gpus", "cpu,cpu", "--max-steps", "50"),
+                        PipelineOptions(faults=[fault], join_timeout_s=10))
+    assert code == EXIT_FAILED
+    assert time.monotonic() - started < 30
+    err = capfd.readouterr().err
+    assert f"worker {worker} failed: InjectedFault" in err
+    assert f"--- traceback of {worker} ---" in err and "faults.hit" in err
+    status = _status(tmp_path)
+    assert status["phase"] == "failed" and worker in status["error"]
+
+
+def test_a_hung_target_is_reported_as_a_stall_that_names_the_starving_side(tmp_path: Path, capfd) -> None:
+    torch.set_num_threads(1)
+    started = time.monotonic()
+    code = run_pipeline(_cfg(tmp_path, "--target-gpus", "cpu", "--drafter-gpus", "cpu", "--pipeline", "--max-steps", "50"),
+                        PipelineOptions(faults=["target0.features@3=hang"], stall_warn_s=0.5, stall_abort_s=1.5,
+                                        join_timeout_s=10))
+    assert code == EXIT_FAILED
+    assert time.monotonic() - started < 30
+    err = capfd.readouterr().err
+    assert "PipelineStalled" in err and "drafters starve: drafter0 wait for features" in err
+    assert "warning: step stalled" in err
+    assert "target0 (target): target forward" in err
+
+
+def test_sigterm_mid_run_checkpoints_and_resume_reproduces_the_uninterrupted_run(tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    args = ("--target-gpus", "cpu,cpu", "--drafter-gpus", "cpu,cpu", "--max-steps", "8")
+
+    def terminate_at_3(step: int, sides) -> None:
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # a real signal; GracefulStop handles it in this (main) thread
+
+    stopped = tmp_path / "stopped"
+    assert run_pipeline(_cfg(stopped, *args), PipelineOptions(on_step=terminate_at_3)) == 128 + signal.SIGTERM
+    status = _status(stopped)
+    assert status["phase"] == "stopped" and status["step"] == 3
+    state = json.loads((stopped / "checkpoints" / "step_000003" / "state.json").read_text())
+    assert state["pipeline"]["next_micro_batch"] == 6 and state["pipeline"]["target_next_micro_batch"] == {"target0": 6, "target1": 7}
+    assert run_pipeline(_cfg(stopped, *args)) == EXIT_OK  # --resume auto
+    reference = tmp_path / "reference"
+    assert run_pipeline(_cfg(reference, *args)) == EXIT_OK
+    assert [m["loss"] for m in _metrics(stopped)] == [m["loss"] for m in _metrics(reference)]
+    for name, tensor in _final_weights(reference).items():
+        assert torch.equal(_final_weights(stopped)[name], tensor), name
+
+
+def test_a_missing_gpu_is_bad_input_and_writes_nothing(tmp_path: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA device 7")
+    out = tmp_path / "never"
+    with pytest.raises(TrainerInputError, match="--drafter-gpus: cuda:7 does not exist"):
+        run_pipeline(_cfg(out, "--target-gpus", "cpu", "--drafter-gpus", "cpu,7"))
+    assert not out.exists()
