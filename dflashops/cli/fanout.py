@@ -1,0 +1,109 @@
+"""`status --all`, `stop --all`, `exec --all`: one verb over every target at once (dflashops.ops.fanout).
+
+Output: a rich table on stdout (colour only on a terminal, none with NO_COLOR; every state is a word),
+or `--json`. Exit code 0 when every target answered, 1 when any failed or timed out: the failed rows
+carry the error and hint, so one dead host is visible without hiding the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from dflashops.cli.common import emit_json, progress, use_colour
+from dflashops.errors import UsageError
+from dflashops.inventory import load_inventory
+from dflashops.ops.fanout import FanoutResult, exec_all, status_all, stop_all
+
+
+def console() -> Console:
+    return Console(file=sys.stdout, no_color=not use_colour(sys.stdout), highlight=False, soft_wrap=True,
+                   width=None if sys.stdout.isatty() else 160)
+
+
+def failed_row(table: Table, result: FanoutResult[Any], columns: int) -> None:
+    what = "timed out" if result.timed_out else "error"
+    detail = result.error or ""
+    if result.hint:
+        detail += f" (hint: {result.hint})"
+    table.add_row(result.target, what, detail, *([""] * (columns - 3)))
+
+
+def handle_status_all(args: argparse.Namespace) -> int:
+    if args.run or args.target:
+        raise UsageError("--all reports every run of every target; drop RUN/--target, or drop --all")
+    results = status_all(load_inventory(getattr(args, "inventory", None)), timeout=args.all_timeout)
+    if args.json:
+        emit_json({"targets": [{"target": r.target, "ok": r.ok, "error": r.error, "hint": r.hint,
+                                "timed_out": r.timed_out, "seconds": round(r.duration_s, 2),
+                                "runs": r.value or []} for r in results]})
+    else:
+        table = Table(title="runs on every target", title_justify="left")
+        for column in ("target", "run", "state", "step", "loss", "exit"):
+            table.add_column(column)
+        for result in results:
+            if not result.ok:
+                failed_row(table, result, 6)
+                continue
+            if not result.value:
+                table.add_row(result.target, "-", "no runs", "", "", "")
+            for entry in result.value or []:
+                metrics = entry.get("last_metrics") or {}
+                loss = metrics.get("loss")
+                table.add_row(result.target, str(entry["name"]), str(entry["state"]),
+                              "" if entry.get("step") is None else str(entry["step"]),
+                              f"{loss:.4g}" if isinstance(loss, (int, float)) else "",
+                              "" if entry.get("exit_code") is None else str(entry["exit_code"]))
+        console().print(table)
+    return 0 if all(r.ok for r in results) else 1
+
+
+def handle_stop_all(args: argparse.Namespace) -> int:
+    if args.run or args.target:
+        raise UsageError("--all stops every running run of every target; drop RUN/--target, or drop --all")
+    results = stop_all(load_inventory(getattr(args, "inventory", None)), grace=args.grace, dry_run=args.dry_run,
+                       timeout=args.grace + args.all_timeout)
+    table = Table(title="stop --all" + (" (dry run: nothing stopped)" if args.dry_run else ""), title_justify="left")
+    for column in ("target", "result", "runs"):
+        table.add_column(column)
+    for result in results:
+        if result.ok:
+            table.add_row(result.target, "ok", ", ".join(result.value or []) or "(none running)")
+        else:
+            failed_row(table, result, 3)
+    console().print(table)
+    return 0 if all(r.ok for r in results) else 1
+
+
+def handle_exec_all(args: argparse.Namespace) -> int:
+    if args.target:
+        raise UsageError("--all runs on every target; drop TARGET, or drop --all")
+    if not args.passthrough:
+        raise UsageError("exec needs a command after `--`", hint="dflashops exec --all -- nvidia-smi")
+    if args.dry_run:
+        inventory = load_inventory(getattr(args, "inventory", None))
+        from dflashops.shell import join_argv
+
+        for name in inventory.targets:
+            print(f"[{name}] {join_argv(args.passthrough)}")
+        return 0
+    results = exec_all(load_inventory(getattr(args, "inventory", None)), args.passthrough, timeout=args.all_timeout)
+    worst = 0
+    for result in results:
+        if not result.ok:
+            progress(f"[{result.target}] error: {result.error}" + (f" (hint: {result.hint})" if result.hint else ""))
+            worst = max(worst, 1)
+            continue
+        outcome = result.value
+        for line in outcome.stdout.splitlines():
+            print(f"[{result.target}] {line}")
+        for line in outcome.stderr.splitlines():
+            progress(f"[{result.target}] {line}")
+        if outcome.exit_code:
+            progress(f"[{result.target}] exit code {outcome.exit_code}")
+            worst = max(worst, 1)
+    return worst

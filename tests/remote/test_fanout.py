@@ -1,0 +1,71 @@
+"""`--all`: every target in parallel; a dead or hung host costs at most its timeout, others still answer."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from conftest import cli, write_inventory
+from loopproxy import LoopProxy
+from remote_harness import Harness, free_port
+
+
+def fanout_inventory(tmp_path: Path, harness: Harness, hung_port: int) -> Path:
+    extra = f"""\
+        dead: {{kind: pct, host: deadhost, ctid: 200, workspace: /workspace/{tmp_path.name}}}
+        hung: {{kind: pct, host: hunghost, ctid: 200, workspace: /workspace/{tmp_path.name}}}
+        """
+    path = write_inventory(tmp_path / "inventory.yaml", harness, workspace=f"/workspace/{tmp_path.name}",
+                           extra_targets=extra)
+    text = path.read_text().replace("targets:\n", f"""  deadhost:
+    address: 127.0.0.1
+    port: {free_port()}
+    user: {harness.user}
+    identity_file: {harness.client_key}
+    known_hosts: {harness.known_hosts}
+  hunghost:
+    address: 127.0.0.1
+    port: {hung_port}
+    user: {harness.user}
+    identity_file: {harness.client_key}
+    known_hosts: {harness.known_hosts}
+targets:
+""", 1)
+    path.write_text(text)
+    return path
+
+
+def test_status_all_answers_for_every_target_within_the_timeout(tmp_path: Path, harness: Harness,
+                                                                proxy: LoopProxy,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    proxy.stall()  # `hung` accepts TCP and then never answers
+    monkeypatch.setenv("DFLASHOPS_INVENTORY", str(fanout_inventory(tmp_path, harness, proxy.port)))
+    monkeypatch.setenv("DFLASHOPS_CONNECT_TIMEOUT", "30")  # longer than --all-timeout: the deadline must cut it
+    code, out, err = cli("deploy", "ct202", "--profile", "work", "--name", "fan-r1", "--wait", r"^step 1 ",
+                         "--timeout", "60")
+    assert code == 0, err
+    started = time.monotonic()
+    code, out, err = cli("status", "--all", "--json", "--all-timeout", "2.5")
+    elapsed = time.monotonic() - started
+    rows = {row["target"]: row for row in json.loads(out)["targets"]}
+    assert code == 1
+    assert rows["ct200"]["ok"] and rows["ct200"]["runs"] == []
+    assert rows["ct202"]["ok"] and [r["name"] for r in rows["ct202"]["runs"]] == ["fan-r1"]
+    assert "stopped" in rows["ct201"]["error"] and "does not exist" in rows["ct999"]["error"]
+    assert "connection refused" in rows["dead"]["error"]
+    assert rows["hung"]["timed_out"] and not rows["hung"]["ok"]
+    assert 2.2 < elapsed < 8  # bounded by the 2.5 s deadline, not by the hung host's 30 s connect timeout
+
+    monkeypatch.setenv("NO_COLOR", "1")
+    code, out, err = cli("status", "--all", "--all-timeout", "2.5")
+    assert "fan-r1" in out and "running" in out and "timed out" in out and "\x1b[" not in out
+
+    code, out, err = cli("exec", "--all", "--all-timeout", "2.5", "--", "sh", "-c", "echo $$")
+    assert "[ct200] " in out and "[ct202] " in out and "[dead] error: cannot reach" in err
+
+    code, out, err = cli("stop", "--all", "--grace", "2", "--all-timeout", "2.5")
+    assert "fan-r1" in out and code == 1  # stopped on ct202; the broken targets are listed as errors
+    entry = json.loads(cli("status", "fan-r1", "--json")[1])["runs"][0]
+    assert entry["state"] == "stopped"
