@@ -8,6 +8,7 @@ import shutil
 import sys
 from typing import Any
 
+from dflashops.cli import fanout as fanout_cli
 from dflashops.cli.common import emit_json, highlight_errors, open_session, print_plan, progress
 from dflashops.errors import TransportError, UsageError
 from dflashops.ops.control import LogCursor, read_log, run_status, stop_run, wait_for
@@ -16,8 +17,9 @@ from dflashops.shell import validate_name
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("stop", help="stop a run: SIGTERM its process group, grace, SIGKILL, wait")
-    p.add_argument("run")
+    p.add_argument("run", nargs="?")
     p.add_argument("--target", help="target (default: the one the lineage records for RUN)")
+    add_all_options(p, "stop every running run on every target of the inventory, in parallel")
     p.add_argument("--grace", type=float, default=60.0, help="seconds between SIGTERM and SIGKILL (default 60)")
     p.add_argument("--dry-run", action="store_true", help="print the commands that would run; change nothing")
     p.set_defaults(func=handle_stop)
@@ -26,6 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("run", nargs="?")
     s.add_argument("--target")
     s.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    add_all_options(s, "every run on every target of the inventory, in parallel (a table)")
     s.set_defaults(func=handle_status)
 
     lg = subparsers.add_parser("logs", help="print or follow a run's train.log")
@@ -40,8 +43,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     lg.set_defaults(func=handle_logs)
 
     ex = subparsers.add_parser("exec", help="run a command on a target: dflashops exec TARGET -- argv")
-    ex.add_argument("target")
+    ex.add_argument("target", nargs="?")
     ex.add_argument("--dry-run", action="store_true")
+    add_all_options(ex, "run the command on every target of the inventory, in parallel")
     ex.set_defaults(func=handle_exec)
 
     at = subparsers.add_parser("attach", help="attach to a run's tmux session (for humans)")
@@ -57,7 +61,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     gc.set_defaults(func=handle_gc)
 
 
+def add_all_options(parser: argparse.ArgumentParser, help_text: str) -> None:
+    parser.add_argument("--all", action="store_true", help=help_text)
+    parser.add_argument("--all-timeout", type=float, default=60.0, metavar="S",
+                        help="with --all: seconds before a slow target is reported as timed out (default 60)")
+
+
 def handle_stop(args: argparse.Namespace) -> int:
+    if args.all:
+        return fanout_cli.handle_stop_all(args)
+    if not args.run:
+        raise UsageError("stop needs a RUN (or --all)")
     with open_session(args, dry_run=args.dry_run) as session:
         answer = stop_run(session, args.run, target=args.target, grace=args.grace)
         if args.dry_run:
@@ -83,6 +97,8 @@ def describe(entry: dict[str, Any]) -> str:
 
 
 def handle_status(args: argparse.Namespace) -> int:
+    if args.all:
+        return fanout_cli.handle_status_all(args)
     with open_session(args) as session:
         runs = run_status(session, args.run, target=args.target)
         gpus = session.agent(session.inventory.target(runs[0]["target"] if runs else args.target)).call(
@@ -124,6 +140,10 @@ def handle_logs(args: argparse.Namespace) -> int:
 
 
 def handle_exec(args: argparse.Namespace) -> int:
+    if args.all:
+        return fanout_cli.handle_exec_all(args)
+    if not args.target:
+        raise UsageError("exec needs a TARGET (or --all)", hint="dflashops exec local -- nvidia-smi")
     if not args.passthrough:
         raise UsageError("exec needs a command after `--`", hint="dflashops exec local -- nvidia-smi")
     with open_session(args, dry_run=args.dry_run) as session:
