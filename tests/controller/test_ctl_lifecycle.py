@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import Env
+from tests.controller.helpers import Env
 
 
 def pid_alive(pid: int) -> bool:
@@ -21,15 +21,6 @@ def pid_alive(pid: int) -> bool:
             return handle.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except OSError:
         return False
-
-
-@pytest.fixture
-def decoy() -> subprocess.Popen:
-    """A python3 started outside dflashops on the same target: it must survive every stop/restart."""
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    yield proc
-    proc.terminate()
-    proc.wait()
 
 
 def test_deploy_restart_stop_cycle(env: Env, decoy: subprocess.Popen) -> None:

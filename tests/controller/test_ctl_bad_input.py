@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import AGENT, Env
+from tests.controller.helpers import AGENT, Env
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:

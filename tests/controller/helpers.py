@@ -1,0 +1,83 @@
+"""Helpers for controller tests: a throwaway inventory + workspace on the local target, the CLI run
+in-process (fast) or as a real subprocess, and a teardown that stops every run the test started (by the
+run's recorded process group, through the agent) and kills the workspace's own tmux server."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from dflashops.agent import tmux_socket
+from dflashops.cli.main import main
+
+REPO = Path(__file__).resolve().parents[2]
+WORKLOAD = REPO / "tests" / "workloads" / "workload.py"
+AGENT = REPO / "dflashops" / "agent.py"
+
+INVENTORY = """\
+targets:
+  local:
+    kind: local
+    workspace: ws
+    python: {python}
+profiles:
+  work:
+    argv: ["{{python}}", "{{release}}/workload.py", --output-dir, "{{run_dir}}", --interval, "0.05"]
+    files: [workload.py]
+    resume_args: [--resume-from, "{{checkpoint}}"]
+    pass_env: [WORKLOAD_SECRET]
+"""
+
+
+@dataclass
+class Env:
+    root: Path
+    inventory: Path
+    workspace: Path
+
+    @property
+    def runs(self) -> Path:
+        return self.workspace / "runs"
+
+    @property
+    def db(self) -> Path:
+        return self.root / "lineage.sqlite"
+
+    def cli(self, *args: str, capsys: pytest.CaptureFixture[str] | None = None) -> tuple[int, str, str]:
+        """dflashops in this process (fast); returns (exit code, stdout, stderr)."""
+        assert capsys is not None
+        capsys.readouterr()
+        code = main(["--inventory", str(self.inventory), *args])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    def run_cli(self, *args: str, extra_env: dict[str, str] | None = None,
+                timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        """dflashops as a real process, the way users and scripts call it."""
+        env = {**os.environ, "PYTHONPATH": str(REPO), **(extra_env or {})}
+        return subprocess.run([sys.executable, "-m", "dflashops.cli.main", "--inventory", str(self.inventory), *args],
+                              capture_output=True, text=True, env=env, timeout=timeout, cwd=self.root)
+
+    def agent(self, verb: str, request: dict) -> dict:
+        out = subprocess.run([sys.executable, str(AGENT), verb, "--json-args", json.dumps(request)],
+                             capture_output=True, text=True, timeout=60)
+        return json.loads(out.stdout)
+
+
+def cleanup(workspace: Path) -> None:
+    """Stop every still-running run of this workspace (only ours: by recorded pgid/marker), then its tmux."""
+    runs = workspace / "runs"
+    for run in sorted(runs.iterdir()) if runs.is_dir() else []:
+        subprocess.run([sys.executable, str(AGENT), "stop", "--json-args",
+                        json.dumps({"workspace": str(workspace), "name": run.name, "grace": 1})],
+                       capture_output=True, timeout=60)
+    if shutil.which("tmux"):
+        subprocess.run(["tmux", "-L", tmux_socket(str(workspace)), "kill-server"], capture_output=True, timeout=10)

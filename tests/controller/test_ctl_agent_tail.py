@@ -1,0 +1,72 @@
+"""The agent's tail (offsets, partial lines, rotation), the shipped inventory, and tmux `=name` exactness."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.controller.helpers import REPO, Env
+from dflashops.agent import tmux_socket
+from dflashops.inventory import load_inventory
+
+
+def test_tail_never_loses_or_repeats_a_line(env: Env) -> None:
+    run = env.runs / "t1"
+    run.mkdir(parents=True)
+    log = run / "train.log"
+    log.write_bytes(b"line 1\nline 2\npart")
+    request = {"workspace": str(env.workspace), "name": "t1", "offset": 0}
+    first = env.agent("tail", request)
+    assert first["data"] == "line 1\nline 2\n" and first["offset"] == 14  # the partial line waits
+    with log.open("ab") as handle:
+        handle.write(b"ial 3\nline 4\n")
+    second = env.agent("tail", {**request, "offset": first["offset"], "inode": first["inode"]})
+    assert second["data"] == "partial 3\nline 4\n"
+    # rotation: train.log -> train.log.1 with unread lines, a new train.log begins
+    with log.open("ab") as handle:
+        handle.write(b"line 5\n")
+    os.rename(log, run / "train.log.1")
+    log.write_bytes(b"new 1\n")
+    third = env.agent("tail", {**request, "offset": second["offset"], "inode": second["inode"]})
+    assert third["data"] == "line 5\n" and third["offset"] == 0
+    fourth = env.agent("tail", {**request, "offset": third["offset"], "inode": third["inode"]})
+    assert fourth["data"] == "new 1\n"
+    (run / "exit_code").write_text("0\n")
+    with log.open("ab") as handle:
+        handle.write(b"no newline at the end")
+    last = env.agent("tail", {**request, "offset": fourth["offset"], "inode": fourth["inode"]})
+    assert last["data"] == "no newline at the end" and last["finished"] is True
+
+
+def test_shipped_inventory_loads_with_profiles() -> None:
+    inventory = load_inventory(REPO / "inventory.yaml")
+    assert {"tiny", "demo"} <= set(inventory.profiles)
+    assert inventory.target("local").kind == "local" and os.path.isabs(inventory.target("local").workspace)
+    assert inventory.targets["local"].env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert inventory.profile("tiny").argv[1:4] == ("-m", "trainer", "train")
+    assert inventory.lineage_path == REPO / "lineage.sqlite"
+    seed = inventory.profile("qwen3-8b").argv
+    for flag in ("--target-gpus", "--drafter-gpus", "--token-budget", "--use-soft-labels", "--cap-lambda"):
+        assert flag in seed
+
+
+def test_tmux_stop_is_exact_about_session_names(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    """`dflash` and `dflash2` both exist; stopping `dflash` must leave `dflash2` (tmux prefix matching)."""
+    for name in ("dflash2", "dflash"):
+        assert env.cli("deploy", "--profile", "work", "--name", name, "--wait", "step 1", capsys=capsys)[0] == 0
+    assert env.cli("stop", "dflash", "--grace", "5", capsys=capsys)[0] == 0
+    sessions = subprocess.run(["tmux", "-L", tmux_socket(str(env.workspace)), "list-sessions", "-F",
+                               "#{session_name}"], capture_output=True, text=True).stdout.split()
+    assert sessions == ["dflash2"]
+    code, out, _ = env.cli("status", "dflash2", capsys=capsys)
+    assert "\trunning\t" in out
+
+
+def test_help_lists_the_verbs() -> None:
+    out = subprocess.run([os.sys.executable, "-m", "dflashops.cli.main", "--help"], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60).stdout
+    for verb in ("deploy", "restart", "stop", "status", "logs", "runs", "exec", "attach"):
+        assert f"    {verb} " in out

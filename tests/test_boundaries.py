@@ -1,0 +1,114 @@
+"""The import boundaries of DESIGN.md, checked on the source (AST), so a violation fails before it ships.
+
+- `trainer` never imports `dflashops`; `dflashops` never imports `trainer` or `torch`.
+- Inside dflashops the layers run cli -> playbook -> ops -> transport: each imports only its own layer or
+  lower ones. Library modules (errors, shell, inventory, lineage*, agent) import no layer above transport.
+- Only dflashops/transport/ touches subprocess, fabric or paramiko (the agent is the exception: it runs
+  inside the target); the agent imports the standard library only.
+Imports under `if TYPE_CHECKING:` are annotations, not dependencies, and are skipped.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+LAYERS = {"transport": 0, "ops": 1, "playbook": 2, "cli": 3}
+PROCESS_MODULES = {"subprocess", "fabric", "paramiko", "invoke"}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> list[tuple[str, int]]:
+    """(imported module, line) for every runtime import in the file; relative imports resolved."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped |= {id(child) for child in ast.walk(node)}
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            found.append((base, node.lineno))
+            found += [(f"{base}.{alias.name}", node.lineno) for alias in node.names]
+    return found
+
+
+def layer_of(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[0] != "dflashops" or len(parts) < 2:
+        return None
+    return LAYERS.get(parts[1].removesuffix(".py"))
+
+
+def sources(package: str) -> list[Path]:
+    return sorted((REPO / package).rglob("*.py"))
+
+
+def violations() -> list[str]:
+    found = []
+    for path in sources("trainer"):
+        for name, line in imports_of(path):
+            if name.split(".")[0] == "dflashops":
+                found.append(f"{path.relative_to(REPO)}:{line} trainer imports {name}")
+    for path in sources("dflashops"):
+        me = module_name(path)
+        my_layer = layer_of(me)
+        for name, line in imports_of(path):
+            top = name.split(".")[0]
+            where = f"{path.relative_to(REPO)}:{line}"
+            if top in ("torch", "trainer"):
+                found.append(f"{where} dflashops imports {name}")
+            if top in PROCESS_MODULES and my_layer != 0 and me != "dflashops.agent":
+                found.append(f"{where} only dflashops.transport may import {top}")
+            if me == "dflashops.agent" and top not in sys.stdlib_module_names and top != "__future__":
+                found.append(f"{where} the agent must be stdlib-only, imports {name}")
+            their_layer = layer_of(name)
+            if their_layer is None:
+                continue
+            ceiling = my_layer if my_layer is not None else 0  # library modules sit beside transport
+            if their_layer > ceiling:
+                found.append(f"{where} {me} imports the higher layer {name}")
+    return found
+
+
+def test_import_boundaries_hold() -> None:
+    assert violations() == []
+
+
+def test_the_checker_catches_a_violation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checker itself must be able to fail: plant each kind of violation in a copy of the tree."""
+    fake = tmp_path / "repo"
+    (fake / "dflashops" / "transport").mkdir(parents=True)
+    (fake / "dflashops" / "ops").mkdir()
+    (fake / "trainer").mkdir()
+    (fake / "dflashops" / "transport" / "x.py").write_text("from dflashops.ops import deploy\n")
+    (fake / "dflashops" / "ops" / "y.py").write_text("import torch\nimport subprocess\nfrom ..cli import main\n")
+    (fake / "dflashops" / "agent.py").write_text("import yaml\n")
+    (fake / "trainer" / "z.py").write_text("from dflashops import shell\n")
+    (fake / "dflashops" / "ops" / "ok.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from dflashops.cli import main\n")
+    monkeypatch.setattr(sys.modules[__name__], "REPO", fake)
+    found = "\n".join(violations())
+    for expected in ("x.py:1 dflashops.transport.x imports the higher layer dflashops.ops",
+                     "y.py:1 dflashops imports torch", "y.py:2 only dflashops.transport may import subprocess",
+                     "y.py:3 dflashops.ops.y imports the higher layer dflashops.cli",
+                     "agent.py:1 the agent must be stdlib-only", "z.py:1 trainer imports dflashops"):
+        assert expected in found
+    assert "ok.py" not in found
