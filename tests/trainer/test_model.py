@@ -297,7 +297,8 @@ def test_save_and_load_public_checkpoint(target: TargetModel, tmp_path: Path) ->
     loaded = DFlashDrafter.from_pretrained(tmp_path / "d")
     anchors, keep = torch.tensor([[3, 6]]), torch.tensor([[True, True]])
     ctx, emb = torch.randn(1, 9, 128), torch.randn(1, 8, 64)
-    torch.testing.assert_close(run_drafter(loaded, ctx, emb, anchors, keep), run_drafter(drafter, ctx, emb, anchors, keep))
+    torch.testing.assert_close(run_drafter(loaded, ctx, emb, anchors, keep),
+                               run_drafter(drafter, ctx, emb, anchors, keep))
 
     state = load_file(str(tmp_path / "d" / "model.safetensors"))
     state["fc.weight"] = torch.zeros(64, 64)

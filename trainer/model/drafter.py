@@ -82,8 +82,9 @@ class DrafterConfig:
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary (0..{self.vocab_size - 1}); "
-                             f"use a reserved id that exists in the target's embedding (never resize it)")
+            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary "
+                             f"(0..{self.vocab_size - 1}); use a reserved id that exists in the target's "
+                             f"embedding (never resize it)")
         ids = self.target_layer_ids
         if not ids or sorted(set(ids)) != ids:
             raise ValueError(f"target_layer_ids must be a non-empty strictly increasing list, got {ids}")
@@ -122,7 +123,8 @@ class DrafterConfig:
     @classmethod
     def for_target(cls, target: Any, *, num_hidden_layers: int, block_size: int, mask_token_id: int,
                    target_layer_ids: list[int] | None = None, layer_types: list[str] | None = None,
-                   sliding_window: int | None = None, causal_in_block: dict[str, bool] | None = None) -> "DrafterConfig":
+                   sliding_window: int | None = None,
+                   causal_in_block: dict[str, bool] | None = None) -> "DrafterConfig":
         """A drafter shaped like the target (as the published drafters are). `target` is a TargetModel or an HF
         config. Taps default to `default_target_layer_ids(L, num_hidden_layers)`."""
         hf = getattr(target, "hf_config", target)
@@ -233,7 +235,8 @@ class DrafterAttention(nn.Module):
 
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
