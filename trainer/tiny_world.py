@@ -13,7 +13,6 @@ The corpus is "walks": a prompt `walk <mode> from <word>` answered by `<word> <n
 from __future__ import annotations
 
 import random
-import time
 from pathlib import Path
 from typing import Any
 
@@ -96,12 +95,13 @@ def save_target(model: Any, tokenizer: Any, out_dir: str | Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def pretrain_target(model: Any, tokenizer: Any, conversations: list[list[dict]], *, seconds: float,
+def pretrain_target(model: Any, tokenizer: Any, conversations: list[list[dict]], *, steps: int,
                     batch_size: int = 32, lr: float = 3e-3, log=None) -> dict[str, float]:
     """Teach the tiny target the walk grammar by next-token CE on whole chat-formatted conversations.
 
-    Runs for `seconds` of wall time (the demo's budget, not a step count, so slow machines still finish);
-    returns {"steps", "loss"}. All rows share one length (same template, fixed answer length) so no padding.
+    A fixed step count (not wall time: on a busy machine a time budget silently leaves the target untrained,
+    and an untrained target's looping output makes every acceptance figure meaningless); ~300 steps learn
+    the grammar at hidden 64 (about 80 ms a step on one core). Returns {"steps", "loss"}. All rows share one length (same template, fixed answer length) so no padding.
     """
     from trainer.tokenizer_utils import tokenize_conversation
 
@@ -114,16 +114,16 @@ def pretrain_target(model: Any, tokenizer: Any, conversations: list[list[dict]],
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     generator = torch.Generator().manual_seed(0)
-    deadline, steps, loss_value = time.monotonic() + seconds, 0, float("nan")
-    while time.monotonic() < deadline:
+    done, loss_value = 0, float("nan")
+    while done < steps:
         batch = data[torch.randint(0, len(rows), (batch_size,), generator=generator)]
         labels = batch.masked_fill(batch == pad, -100)
         loss = model(input_ids=batch, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        steps, loss_value = steps + 1, float(loss)
-        if log and steps % 100 == 0:
-            log(f"target pretrain step {steps}: loss {loss_value:.3f}")
+        done, loss_value = done + 1, float(loss.detach())
+        if log and done % 100 == 0:
+            log(f"target pretrain step {done}: loss {loss_value:.3f}")
     model.eval()
-    return {"steps": steps, "loss": loss_value}
+    return {"steps": done, "loss": loss_value}
