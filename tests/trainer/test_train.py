@@ -1,0 +1,187 @@
+"""`python -m trainer train` end to end on CPU with the tiny preset: the run-directory contract, bad inputs
+(clear error, exit 2, nothing written), gradient accumulation, and SIGTERM + resume reproducing the
+uninterrupted run bitwise."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from trainer.__main__ import main as trainer_main
+from trainer.config import parse_train_args
+from trainer.data import collate, open_dataset
+from trainer.loss import position_weights
+from trainer.model import DFlashDrafter, TargetModel
+from trainer.shards import DatasetMeta, write_index, write_shard
+from trainer.step import DrafterSide, TargetSide
+from trainer.train import _target_hf_config, build_drafter_config
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL = ["--preset", "tiny", "--synthetic-samples", "48", "--max-seq-len", "32", "--token-budget", "128", "--wandb", "off"]
+
+
+def _read_metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _snapshot(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_short_run_follows_the_run_directory_contract(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    code = trainer_main(["train", *SMALL, "--max-steps", "4", "--log-interval", "2", "--save-interval", "3",
+                         "--output-dir", str(run)])
+    assert code == 0
+    metrics = _read_metrics(run)
+    assert [m["step"] for m in metrics] == [2, 4]
+    for key in ("epoch", "loss", "ce", "acc_slot", "tau_sim", "lr", "grad_norm", "block_tok_s", "ctx_tok_s", "eta_s"):
+        assert key in metrics[-1], key
+    assert len(metrics[-1]["acc_slot"]) == 7 and metrics[-1]["tau_sim"] >= 1.0
+    status = json.loads((run / "status.json").read_text())
+    assert (status["phase"], status["step"], status["total_steps"], status["exit_code"]) == ("done", 4, 4, 0)
+    assert status["error"] is None and status["heartbeat"] >= status["started_at"]
+    assert status["last_checkpoint"].endswith("checkpoints/step_000004")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000003", "step_000004"]
+    names = load_file(str(run / "checkpoints/step_000004/model.safetensors"))
+    assert len(names) == 25 and "fc.weight" in names  # public names, 2 layers
+    out = capsys.readouterr().out
+    assert "step 4/4" in out and "tau_sim" in out and "block tok/s" in out and "eta" in out
+
+
+def _bad_shard_dir(tmp_path: Path) -> Path:
+    data = tmp_path / "bad-shard"
+    entry = write_shard(data, "shard-00000", [(np.arange(20) % 200, np.ones(20))])
+    write_index(data, [entry], DatasetMeta(vocab_size=256))
+    np.save(data / "shard-00000.mask.npy", np.ones(5, np.uint8))
+    return data
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--data-dir", "{tmp}/missing"], "does not exist"),
+    (["--data-dir", "{tmp}/empty"], "meta.json is missing"),
+    (["--data-dir", "{bad_shard}"], "must agree"),
+    (["--block-size", "1"], "--block-size"),
+    (["--gamma", "0"], "--gamma"),
+    (["--max-anchors", "0"], "--max-anchors"),
+    (["--anchors-per-seq", "0"], "--anchors-per-seq"),
+    (["--token-budget", "16"], "smaller than one sequence"),
+    (["--num-draft-layers", "3"], "cannot tap 3 distinct layers"),
+    (["--target-layer-ids", "0,5"], "no layer [5]"),
+    (["--mask-token-id", "300"], "outside the vocabulary"),
+    (["--hidden-size", "32"], "drafter hidden size 32 != target hidden size 64"),
+    (["--target-model", "{tmp}/no-model"], "not a model directory"),
+])
+def test_bad_input_is_a_clear_error_and_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                       flags: list[str], message: str) -> None:
+    (tmp_path / "empty").mkdir()
+    bad_shard = _bad_shard_dir(tmp_path) if "{bad_shard}" in flags else None
+    flags = [f.format(tmp=tmp_path, bad_shard=bad_shard) for f in flags]
+    run = tmp_path / "run"
+    code = trainer_main(["train", *SMALL, "--max-steps", "2", "--output-dir", str(run), *flags])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("error: ") and message in err.splitlines()[0]
+    assert not run.exists()
+
+
+def test_resume_with_a_different_shape_is_refused_and_changes_nothing(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    assert trainer_main(["train", *SMALL, "--max-steps", "2", "--output-dir", str(run)]) == 0
+    before = _snapshot(run)
+    code = trainer_main(["train", *SMALL, "--max-steps", "4", "--output-dir", str(run), "--num-draft-layers", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "different drafter shape" in err and "hint: " in err
+    assert _snapshot(run) == before
+
+
+def test_gradient_accumulation_normalises_over_the_whole_step(tmp_path: Path) -> None:
+    """Two micro-batches with the step-wide normaliser give the gradient of the combined batch."""
+    cfg = parse_train_args([*SMALL, "--output-dir", str(tmp_path), "--max-anchors", "64", "--cap-lambda", "0.3"])
+    hf = _target_hf_config(cfg)
+    dcfg = build_drafter_config(cfg, hf)
+    target = TargetModel.from_config(hf, dcfg.target_layer_ids, seed=0)
+    dataset, slot_w = open_dataset(cfg), position_weights(cfg.block_size, cfg.gamma).numpy()
+    both = collate(dataset, np.array([3, 8]), 0, 0, cfg, slot_w)
+    parts = [collate(dataset, np.array([i]), 0, 0, cfg, slot_w) for i in (3, 8)]
+    assert torch.equal(torch.cat([p.anchors for p in parts]), both.anchors)  # same anchors either way
+    grads = []
+    for micro in ([both], parts):
+        torch.manual_seed(0)
+        side = DrafterSide(cfg, DFlashDrafter(dcfg), target.embed_weight, target.lm_head_weight, "cpu", 10)
+        features = TargetSide(target, "cpu")
+        normalizer, blocks = sum(b.weight_sum for b in micro), float(sum(b.num_blocks for b in micro))
+        for batch in micro:
+            side.forward_backward(features.features(batch), normalizer, blocks)
+        grads.append({n: p.grad.clone() for n, p in side.drafter.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _train_process(run: Path, steps: int) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    argv = [sys.executable, "-m", "trainer", "train", *SMALL, "--max-steps", str(steps), "--log-interval", "1",
+            "--save-interval", "1000", "--output-dir", str(run)]
+    log = open(run.parent / f"{run.name}.log", "ab")
+    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+
+
+def test_sigterm_then_resume_reproduces_the_uninterrupted_run_bitwise(tmp_path: Path) -> None:
+    steps = 24
+    full, interrupted = tmp_path / "full", tmp_path / "interrupted"
+    full.mkdir(), interrupted.mkdir()
+    reference, victim = _train_process(full, steps), _train_process(interrupted, steps)
+    kill_after = random.Random().randint(2, 10)
+    deadline = time.monotonic() + 120
+    metrics = interrupted / "metrics.jsonl"
+    while time.monotonic() < deadline and victim.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= kill_after:
+            break
+        time.sleep(0.02)
+    victim.send_signal(signal.SIGTERM)
+    assert victim.wait(timeout=120) == 143, (interrupted.parent / "interrupted.log").read_text()[-2000:]
+    status = json.loads((interrupted / "status.json").read_text())
+    stopped_at = status["step"]
+    assert status["phase"] == "stopped" and status["exit_code"] == 143 and kill_after <= stopped_at < steps
+    assert status["last_checkpoint"].endswith(f"step_{stopped_at:06d}")
+
+    resumed = _train_process(interrupted, steps)
+    assert resumed.wait(timeout=180) == 0, (interrupted.parent / "interrupted.log").read_text()[-2000:]
+    assert reference.wait(timeout=180) == 0, (full.parent / "full.log").read_text()[-2000:]
+    losses = [(m["step"], m["loss"], m["tau_sim"]) for m in _read_metrics(interrupted)]
+    assert losses == [(m["step"], m["loss"], m["tau_sim"]) for m in _read_metrics(full)]
+    assert [s for s, _, _ in losses] == list(range(1, steps + 1))
+    final_a = load_file(str(full / f"checkpoints/step_{steps:06d}/model.safetensors"))
+    final_b = load_file(str(interrupted / f"checkpoints/step_{steps:06d}/model.safetensors"))
+    assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
+    assert json.loads((interrupted / "status.json").read_text())["phase"] == "done"
+
+
+def test_trainer_verbs_dispatch_lazily(capsys: pytest.CaptureFixture[str]) -> None:
+    assert trainer_main(["nonsense"]) == 2
+    assert "unknown verb" in capsys.readouterr().err
+    assert trainer_main([]) == 2 and "train" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_tiny_preset_200_steps_learns(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    assert trainer_main(["train", "--preset", "tiny", "--max-steps", "200", "--wandb", "off", "--output-dir", str(run)]) == 0
+    metrics = _read_metrics(run)
+    first, last = metrics[:3], metrics[-3:]
+    assert sum(m["loss"] for m in last) / 3 < sum(m["loss"] for m in first) / 3 - 0.5
+    assert sum(m["tau_sim"] for m in last) / 3 > sum(m["tau_sim"] for m in first) / 3 + 0.5
+    assert json.loads((run / "status.json").read_text())["phase"] == "done"
