@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
 
@@ -303,6 +304,8 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.fc = nn.Linear(config.num_taps * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Training-time memory option (not part of the checkpoint format): recompute layer activations in backward.
+        self.activation_checkpointing = False
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -348,7 +351,11 @@ class DFlashDrafter(nn.Module):
 
         x = block_embeds                                                        # [R,Q,H]
         for layer in self.layers:
-            x = layer(x, ctx, rope_q, rope_k, mask)
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                # Keep only each layer's input; recompute its activations in backward (~1/3 more layer FLOPs).
+                x = torch.utils.checkpoint.checkpoint(layer, x, ctx, rope_q, rope_k, mask, use_reentrant=False)
+            else:
+                x = layer(x, ctx, rope_q, rope_k, mask)
         x = self.norm(x)
         # Padded blocks see nothing; zero their hidden so nothing downstream depends on their (arbitrary) anchors.
         return x * keep.repeat_interleave(B, dim=1)[:, :, None].to(x.dtype)

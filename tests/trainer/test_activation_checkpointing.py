@@ -1,0 +1,37 @@
+"""Activation checkpointing recomputes layer activations in backward: same outputs and gradients."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tests.trainer.tiny import TINY_MASK_TOKEN_ID, build_tiny_target, tiny_drafter_config
+from trainer.model import DFlashDrafter
+from trainer.model.drafter import make_block_input_ids
+
+torch.set_num_threads(1)
+
+
+def _grads(checkpointing: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    target = build_tiny_target(seed=0)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(tiny_drafter_config(target, layer_types=["sliding_attention", "full_attention"],
+                                                sliding_window=6))
+    drafter.activation_checkpointing = checkpointing
+    B = drafter.config.block_size
+    ids = torch.randint(0, 200, (2, 14), generator=torch.Generator().manual_seed(1))
+    anchors, keep = torch.tensor([[2, 8], [5, 0]]), torch.tensor([[True, True], [True, False]])
+    taps = target.features(ids, torch.ones_like(ids)).taps
+    block_ids = make_block_input_ids(ids, anchors, B, TINY_MASK_TOKEN_ID)
+    hidden = drafter(taps, F.embedding(block_ids, target.embed_weight), anchors, keep, drafter.build_mask(anchors, keep, 14))
+    (hidden @ target.lm_head_weight.T).logsumexp(-1).sum().backward()
+    return hidden.detach(), {n: p.grad.clone() for n, p in drafter.named_parameters()}
+
+
+def test_checkpointed_layers_give_the_same_output_and_gradients() -> None:
+    out_plain, grads_plain = _grads(False)
+    out_ckpt, grads_ckpt = _grads(True)
+    torch.testing.assert_close(out_ckpt, out_plain, rtol=0, atol=0)
+    assert grads_plain.keys() == grads_ckpt.keys()
+    for name in grads_plain:
+        torch.testing.assert_close(grads_ckpt[name], grads_plain[name], rtol=1e-6, atol=1e-7, msg=name)
