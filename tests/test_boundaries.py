@@ -50,11 +50,16 @@ def imports_of(path: Path) -> list[tuple[str, int]]:
     return found
 
 
+ENTRY_POINTS = {"dflashops.__main__", "dflashops.demo"}  # programs, not libraries: they sit on top like cli
+
+
 def layer_of(module: str) -> int | None:
     parts = module.split(".")
     if parts[0] != "dflashops" or len(parts) < 2:
         return None
-    return LAYERS.get(parts[1].removesuffix(".py"))
+    if module in ENTRY_POINTS:
+        return LAYERS["cli"]
+    return LAYERS.get(parts[1].split("_")[0])  # playbook_expr.py belongs to the playbook layer
 
 
 def sources(package: str) -> list[Path]:

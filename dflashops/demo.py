@@ -1,0 +1,47 @@
+"""`python -m dflashops.demo` (what `make demo` runs): the tiny DFlash loop, deployed through dflashops.
+
+Deploys the inventory's `demo` profile (`python -m trainer demo`: build a tiny target, prepare data,
+train a drafter, evaluate acceptance length) onto the `local` target, follows its log until the run
+finishes, and prints where everything is. Exit 0 only when the run finished with exit code 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+from dflashops.cli.common import open_session, progress
+from dflashops.errors import DflashopsError
+from dflashops.ops.control import DEFAULT_FAIL_ON, run_status, wait_for
+from dflashops.ops.deploy import DeployRequest, deploy
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dflashops.demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--inventory", help="inventory.yaml (default: the repository's)")
+    parser.add_argument("--profile", default="demo", help="profile to run (default: demo; `tiny` trains only)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before giving up (default 1800)")
+    args = parser.parse_args(argv)
+    name = time.strftime(f"{args.profile}-%Y%m%d-%H%M%S", time.gmtime())
+    try:
+        with open_session(args) as session:
+            outcome = deploy(session, DeployRequest(target="local", profile=args.profile, name=name,
+                                                    launcher="nohup", note="make demo"))
+            progress(f"launched {outcome.name} in {outcome.run_dir}; following its log")
+            wait_for(session, outcome.name, until=None, fail_on=DEFAULT_FAIL_ON, timeout=args.timeout,
+                     on_text=lambda text: sys.stderr.write(text))
+            final = run_status(session, outcome.name)[0]
+    except DflashopsError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        if exc.hint:
+            print(f"hint: {exc.hint}", file=sys.stderr)
+        return exc.exit_code
+    print(f"{outcome.name}: {final['state']} (exit code {final['exit_code']}) in {outcome.run_dir}")
+    print(f"next: dflashops runs tree; dflashops logs {outcome.name}; dflashops restart {outcome.name} --name +")
+    return 0 if final["state"] == "finished" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
