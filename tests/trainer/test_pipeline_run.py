@@ -143,3 +143,50 @@ def test_a_missing_gpu_is_bad_input_and_writes_nothing(tmp_path: Path) -> None:
     with pytest.raises(TrainerInputError, match="--drafter-gpus: cuda:7 does not exist"):
         run_pipeline(_cfg(out, "--target-gpus", "cpu", "--drafter-gpus", "cpu,7"))
     assert not out.exists()
+
+
+def test_sigterm_from_outside_stops_the_cli_run_with_a_checkpoint_that_resumes(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    out = tmp_path / "cli"
+    argv = [sys.executable, "-m", "trainer", "train", "--preset", "tiny", "--output-dir", str(out), "--wandb", "off",
+            "--synthetic-samples", "48", "--log-interval", "1", "--save-interval", "1000",
+            "--target-gpus", "cpu,cpu", "--drafter-gpus", "cpu,cpu", "--max-steps", "5000"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
+                            cwd=Path(__file__).resolve().parents[2])
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and proc.poll() is None:
+            metrics = out / "metrics.jsonl"
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.stderr.read().decode()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 128 + signal.SIGTERM, err.decode()
+    assert b"received SIGTERM" in err
+    status = _status(out)
+    stopped_at = status["step"]
+    assert status["phase"] == "stopped" and 2 <= stopped_at < 5000
+    assert (out / "checkpoints" / f"step_{stopped_at:06d}" / "state.json").is_file()
+    # Resume it (shorter horizon, so the test ends): it starts from that checkpoint and trains two more steps.
+    cfg = _cfg(out, "--target-gpus", "cpu,cpu", "--drafter-gpus", "cpu,cpu", "--max-steps", str(stopped_at + 2))
+    assert run_pipeline(cfg) == EXIT_OK
+    assert [m["step"] for m in _metrics(out)][-3:] == [stopped_at, stopped_at + 1, stopped_at + 2]
+
+
+@pytest.mark.parametrize("options, message", [
+    (PipelineOptions(feature_transfer="nvlink"), "--feature-transfer: must be one of device, pinned"),
+    (PipelineOptions(queue_capacity=0), "--queue-depth: must be >= 1"),
+])
+def test_bad_pipeline_options_are_bad_input(tmp_path: Path, options: PipelineOptions, message: str) -> None:
+    with pytest.raises(TrainerInputError, match=message):
+        run_pipeline(_cfg(tmp_path / "never", "--pipeline"), options)
+    assert not (tmp_path / "never").exists()

@@ -34,13 +34,14 @@ from trainer.model import DFlashDrafter
 from trainer.pipeline.channel import ChannelGroup
 from trainer.pipeline.coordinator import Coordinator, DrafterHandle
 from trainer.pipeline.drafter_worker import DrafterWorker
+from trainer.pipeline.handoff import TRANSFER_MODES
 from trainer.pipeline.plan import Assignment, FaultPoints, GlobalOrder
 from trainer.pipeline.prime import warm_up_drafters
 from trainer.pipeline.reporting import StepWindow, save_pipeline_checkpoint
 from trainer.pipeline.supervisor import Supervisor
 from trainer.pipeline.sync import ReplicaSync
 from trainer.pipeline.target_worker import TargetWorker
-from trainer.pipeline.warmup import CompileGuard
+from trainer.pipeline.warmup import CompileGuard, WarmupReport
 from trainer.signals import GracefulStop
 from trainer.step import DrafterSide, TargetSide, noise_std_at
 from trainer.train import EXIT_FAILED, EXIT_OK, _load_target, plan_run
@@ -65,6 +66,7 @@ class PipelineOptions:
     # Called in the main thread after every optimizer step with (step, drafter sides), every worker idle:
     # lets tests check replica identity and send signals at a known step.
     on_step: Callable[[int, list[DrafterSide]], None] | None = None
+    on_warmup: Callable[[WarmupReport], None] | None = None  # bench/gpu_pipeline.py records warm-up time
 
 
 def resolve_devices(names: list[str], flag: str) -> list[torch.device]:
@@ -88,6 +90,10 @@ def _log(message: str) -> None:
 def run_pipeline(cfg: TrainConfig, options: PipelineOptions | None = None) -> int:
     """Train per `cfg` with the threaded pipeline; return the exit code (see module doc)."""
     options = options or PipelineOptions()
+    if options.feature_transfer not in TRANSFER_MODES:
+        raise TrainerInputError(f"--feature-transfer: must be one of {', '.join(TRANSFER_MODES)}, got {options.feature_transfer!r}")
+    if options.queue_capacity < 1:
+        raise TrainerInputError(f"--queue-depth: must be >= 1, got {options.queue_capacity}")
     plan = plan_run(cfg)
     target_devices = resolve_devices(cfg.target_gpus, "target-gpus")
     drafter_devices = resolve_devices(cfg.drafter_gpus, "drafter-gpus")
@@ -150,6 +156,8 @@ def run_pipeline(cfg: TrainConfig, options: PipelineOptions | None = None) -> in
         recorder.set_status(phase="compiling", step=step)
         report = warm_up_drafters(sides, target_sides[0], lambda g: make_batch(g, stream), stream, order, g_start, g_end)
         _log(report.summary())
+        if options.on_warmup is not None:
+            options.on_warmup(report)
 
         stop_event = threading.Event()
         channels = ChannelGroup(stop_event)

@@ -67,6 +67,8 @@ def _all_reduce_sum(buffers: list[torch.Tensor]) -> None:
         total += buffer.to(total.device)
     for buffer in buffers:
         buffer.copy_(total)  # the same `total` everywhere: identical bits on every replica
+    for device in {b.device for b in buffers if b.device.type == "cuda"}:
+        torch.cuda.synchronize(device)  # the drafters' own streams read these next (one sync per step)
 
 
 @torch.no_grad()

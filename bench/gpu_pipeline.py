@@ -1,0 +1,187 @@
+"""Threaded pipeline on one GPU: one target thread + two drafter threads on cuda:0 against one drafter thread.
+
+Run on the GPU machine from the repository root (no weights or data needed; everything is built here):
+
+    python bench/gpu_pipeline.py                      # 8B-shaped drafter, 200 steps, each mode once, cold cache
+    python bench/gpu_pipeline.py --repeats 10 --modes dual   # the "ten times in a row" check
+    python bench/gpu_pipeline.py --scale small --steps 50     # a quick look (1K hidden, 32K vocab)
+
+Each run is a fresh child process (`--child`) with its own empty TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR
+(a cold compile cache; `--warm-cache` shares one directory instead), driving trainer.pipeline.run.run_pipeline
+on fixed-length token shards written here, so every micro-batch has the same shape: one compile per drafter
+device, done in the warm-up. The child reports: warm-up seconds, dynamo compile counters after warm-up and at
+the end (any difference is a recompile; the pipeline's CompileGuard would also have failed the run), whether
+the FX-tracing error or the eager-flex warning appeared, and the steady-state throughput from metrics.jsonl
+(first logged window skipped). Prints one table row per run; exit status 1 if any run failed or recompiled.
+
+Predictions (to check against the table): per-drafter block tok/s with two drafter threads on ONE GPU is at most
+half the single-thread figure (they share the SMs); the interesting number is the SUM against the single thread:
+below 1.0x means GIL/launch overhead costs more than the overlap of two streams gains.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SCALES = {
+    # Qwen3-8B drafter shape; the target keeps the 8B layer shape but only 6 layers (taps 0..4) to load fast.
+    "8b": dict(hidden=4096, intermediate=12288, heads=32, kv_heads=8, head_dim=128, vocab=151936, target_layers=6,
+               draft_layers=5, seq=1024, rows=4, anchors=256, block=16),
+    "small": dict(hidden=1024, intermediate=3072, heads=16, kv_heads=8, head_dim=64, vocab=32000, target_layers=6,
+                  draft_layers=5, seq=1024, rows=4, anchors=256, block=16),
+    # CPU smoke test of this script only: python bench/gpu_pipeline.py --child --scale smoke --device cpu ...
+    "smoke": dict(hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=512, target_layers=6,
+                  draft_layers=5, seq=128, rows=2, anchors=8, block=4),
+}
+MODES = {"single": 1, "dual": 2}
+
+
+def write_shards(directory: Path, scale: dict, samples: int, seed: int = 0) -> None:
+    """Fixed-length samples (all = --max-seq-len), prompt of 64 unsupervised tokens: one batch shape only."""
+    from trainer.shards import DatasetMeta, write_index, write_shard
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(samples):
+        ids = rng.integers(0, min(scale["vocab"] - 2, 30000), size=scale["seq"])
+        mask = np.ones(scale["seq"], np.uint8)
+        mask[:64] = 0
+        rows.append((ids, mask))
+    entry = write_shard(directory, "shard-00000", rows)
+    write_index(directory, [entry], DatasetMeta(tokenizer="synthetic", vocab_size=scale["vocab"]))
+
+
+def child(args: argparse.Namespace) -> int:
+    """One run in this process; prints one JSON line with the results."""
+    import torch
+
+    from trainer.config import parse_train_args
+    from trainer.pipeline.run import PipelineOptions, run_pipeline
+    from trainer.pipeline.warmup import compile_counts
+
+    scale = SCALES[args.scale]
+    work = Path(args.workdir)
+    data = work / "data"
+    drafters = MODES[args.mode]
+    if not (data / "meta.json").exists():
+        write_shards(data, scale, samples=scale["rows"] * 32 * max(2, (args.steps * drafters) // 32 + 2))
+    argv = ["--preset", "tiny", "--data-dir", str(data), "--output-dir", str(work / "run"), "--wandb", "off",
+            "--target-gpus", args.device, "--drafter-gpus", ",".join([args.device] * drafters), "--pipeline", "--max-steps", str(args.steps),
+            "--log-interval", "10", "--save-interval", str(10**9), "--epochs", "50",
+            "--hidden-size", str(scale["hidden"]), "--intermediate-size", str(scale["intermediate"]),
+            "--num-attention-heads", str(scale["heads"]), "--num-key-value-heads", str(scale["kv_heads"]),
+            "--head-dim", str(scale["head_dim"]), "--vocab-size", str(scale["vocab"]),
+            "--mask-token-id", str(scale["vocab"] - 1), "--num-target-layers", str(scale["target_layers"]),
+            "--num-draft-layers", str(scale["draft_layers"]), "--target-layer-ids", "0,1,2,3,4",
+            "--max-seq-len", str(scale["seq"]), "--token-budget", str(scale["seq"] * scale["rows"]),
+            "--max-batch-size", str(scale["rows"]), "--anchors-per-seq", str(scale["anchors"]),
+            "--max-anchors", str(scale["anchors"] * scale["rows"]), "--block-size", str(scale["block"]),
+            "--gamma", "7", "--rope-theta", "1000000", "--max-position-embeddings", "40960"]
+    cfg = parse_train_args(argv)
+    cfg.tiny_target = dict(num_hidden_layers=scale["target_layers"], hidden_size=scale["hidden"],
+                           intermediate_size=scale["intermediate"], num_attention_heads=scale["heads"],
+                           num_key_value_heads=scale["kv_heads"], head_dim=scale["head_dim"], vocab_size=scale["vocab"],
+                           max_position_embeddings=40960)
+    cfg.validate()
+    seen: dict = {}
+
+    def on_warmup(report) -> None:
+        seen["warmup_s"] = report.total_s
+        seen["after_warmup"] = compile_counts()
+
+    def on_step(step: int, sides) -> None:
+        seen["at_end"] = compile_counts()
+        seen["steps"] = step
+
+    started = time.monotonic()
+    code = run_pipeline(cfg, PipelineOptions(feature_transfer=args.transfer, on_warmup=on_warmup, on_step=on_step))
+    records = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
+    steady = records[1:] or records
+    recompiles = sum(seen.get("at_end", {}).get(k, 0) - seen.get("after_warmup", {}).get(k, 0)
+                     for k in seen.get("after_warmup", {}))
+    result = {
+        "mode": args.mode, "drafters": drafters, "transfer": args.transfer, "exit_code": code,
+        "warmup_s": round(seen.get("warmup_s", float("nan")), 1), "steps": seen.get("steps", 0),
+        "wall_s": round(time.monotonic() - started, 1), "recompiles_after_warmup": recompiles,
+        "block_tok_s": round(statistics.median(r["block_tok_s"] for r in steady)) if steady else 0,
+        "busy_tok_s_per_drafter": [round(statistics.median(r["block_tok_s_per_drafter"][d] for r in steady))
+                                   for d in range(drafters)] if steady else [],
+        "gpu_mem_gb": steady[-1].get("gpu_mem_gb") if steady else None,
+        "loss_first_last": [records[0]["loss"], records[-1]["loss"]] if records else None,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+    }
+    print("RESULT " + json.dumps(result), flush=True)
+    return code
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scale", choices=sorted(SCALES), default="8b")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--modes", default="single,dual", help="comma list of single,dual")
+    parser.add_argument("--transfers", default="device", help="comma list of device,pinned")
+    parser.add_argument("--warm-cache", action="store_true", help="share one compile cache across runs")
+    parser.add_argument("--timeout-s", type=float, default=1200)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", default="dual", help=argparse.SUPPRESS)
+    parser.add_argument("--transfer", default="device", help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", help=argparse.SUPPRESS)
+    parser.add_argument("--device", default="0", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("error: no CUDA device (this benchmark needs one GPU)", file=sys.stderr)
+        return 2
+    shared_cache = Path(tempfile.mkdtemp(prefix="bench-pipeline-cache-"))
+    rows, failed = [], False
+    print("mode   drafters transfer warmup_s steps recompiles block_tok/s per_drafter busy_tok/s/drafter  result")
+    for repeat in range(args.repeats):
+        for mode in args.modes.split(","):
+            for transfer in args.transfers.split(","):
+                work = Path(tempfile.mkdtemp(prefix=f"bench-pipeline-{mode}-"))
+                cache = shared_cache if args.warm_cache else work / "compile-cache"
+                env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+                       "TRITON_CACHE_DIR": str(cache / "triton")}
+                cmd = [sys.executable, __file__, "--child", "--scale", args.scale, "--steps", str(args.steps),
+                       "--mode", mode, "--transfer", transfer, "--workdir", str(work)]
+                proc = subprocess.run(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                                      timeout=args.timeout_s)
+                line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+                fx_error = "symbolically trace a dynamo-optimized function" in proc.stderr
+                flex_eager = "flex_attention called without torch.compile" in proc.stderr
+                if line is None:
+                    failed = True
+                    print(f"{mode:6} run {repeat} FAILED (exit {proc.returncode}); stderr tail:\n{proc.stderr[-3000:]}")
+                    continue
+                r = json.loads(line[len("RESULT "):])
+                ok = r["exit_code"] == 0 and r["recompiles_after_warmup"] == 0 and not fx_error and not flex_eager
+                failed |= not ok
+                rows.append(r)
+                per = r["block_tok_s"] / r["drafters"]
+                print(f"{mode:6} {r['drafters']:8} {transfer:8} {r['warmup_s']:8} {r['steps']:5} {r['recompiles_after_warmup']:10} "
+                      f"{r['block_tok_s']:11,} {per:11,.0f} {str(r['busy_tok_s_per_drafter']):20} "
+                      f"{'ok' if ok else 'FAIL'}{' FX-error' if fx_error else ''}{' eager-flex' if flex_eager else ''}",
+                      flush=True)
+    print(json.dumps(rows))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
