@@ -15,8 +15,9 @@ from collections.abc import Sequence
 
 from dflashops.errors import DflashopsError
 
-VERB_MODULES = ("dflashops.cli.deploy", "dflashops.cli.control", "dflashops.cli.runs", "dflashops.cli.trust")
-OPTIONAL_MODULES = {"dflashops.cli.runs", "dflashops.cli.trust"}
+VERB_MODULES = ("dflashops.cli.deploy", "dflashops.cli.control", "dflashops.cli.runs", "dflashops.cli.trust",
+                "dflashops.cli.play", "dflashops.cli.watch")
+OPTIONAL_MODULES = {"dflashops.cli.runs", "dflashops.cli.trust", "dflashops.cli.play", "dflashops.cli.watch"}
 
 
 def build_parser() -> argparse.ArgumentParser:
