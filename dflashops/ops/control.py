@@ -27,6 +27,11 @@ def stop_run(session: Session, name: str, *, target: str | None = None, grace: f
     validate_name(name, what="run name")
     tgt = session.target_for_run(name, target)
     agent = session.agent(tgt)
+    if session.dry_run:  # read-only check, so the plan shows what a real stop would do
+        state = agent.call("status", {"workspace": tgt.workspace, "name": name}).get("runs", [{}])[0].get("state")
+        if state not in (None, "running", "stopping"):
+            raise NotRunning(f"{tgt.name}: run {name!r} is not running ({state})",
+                             hint=f"`dflashops status {name}` shows how it ended")
     try:
         answer = agent.call("stop", {"workspace": tgt.workspace, "name": name, "grace": grace})
     except DflashopsError as exc:

@@ -128,3 +128,19 @@ def test_logs_since_offset_and_until(env: Env, capsys: pytest.CaptureFixture[str
     assert full.encode()[half:].decode() == tail
     code, out, _ = env.cli("logs", "logme", "--until", r"step 4\b", capsys=capsys)
     assert code == 0 and "step 4" in out and "step 5" not in out
+
+
+def test_dry_runs_print_commands_and_change_nothing(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    assert env.cli("deploy", "--profile", "work", "--name", "dry-v1", "--wait", "step 1", capsys=capsys)[0] == 0
+    before = sorted(p.name for p in env.runs.iterdir())
+    code, out, err = env.cli("restart", "dry-v1", "--dry-run", capsys=capsys)
+    assert code == 0, err
+    assert " stop --json-args " in out and '"name": "dry-v1"' in out and " launch --json-stdin " in out
+    assert '"name": "dry-v2"' in out
+    code, out, _ = env.cli("stop", "dry-v1", "--dry-run", capsys=capsys)
+    assert code == 0 and out.count("\n") == 1 and " stop --json-args " in out
+    assert sorted(p.name for p in env.runs.iterdir()) == before
+    code, out, _ = env.cli("status", "dry-v1", capsys=capsys)
+    assert "\trunning\t" in out
+    code, out, _ = env.cli("runs", "list", "--json", capsys=capsys)
+    assert "dry-v2" not in out
