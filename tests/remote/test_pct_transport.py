@@ -61,14 +61,17 @@ def test_exit_code_of_the_inner_command_passes_through(ct200: PctTransport) -> N
     assert ct200.run(["sh", "-c", "exit 3"], check=False).exit_code == 3
 
 
-def test_status_is_checked_once_per_invocation(harness: Harness) -> None:
+def test_status_is_checked_once_per_invocation_before_the_first_exec(harness: Harness) -> None:
     host = CountingSsh(name="pve", settings=settings_for(harness))
     host.seen = []
     transport = PctTransport(name="ct200", host=host, ctid=200, sudo=True)
     for _ in range(3):
         transport.run(["true"])
-    assert [argv[3:5] for argv in host.seen].count(["status", "200"]) == 1
+    # The first host command chains `pct status` before `pct exec` (one round trip); the rest only exec.
+    assert len(host.seen) == 3 and "sudo -n pct status 200" in host.seen[0][2]
+    assert host.seen[0][4:9] == ["sudo", "-n", "pct", "exec", "200"]
     assert all(argv[:5] == ["sudo", "-n", "pct", "exec", "200"] for argv in host.seen[1:])
+    assert sum("pct status" in " ".join(argv) for argv in host.seen) == 1
     transport.close()
 
 
