@@ -1,0 +1,82 @@
+"""Bench: the seed's hand chain vs `dflashops restart`, over a link with 50 ms added round-trip time.
+
+Hand chain (three separate OpenSSH invocations, each a new connection, as typed in the seed incident):
+    ssh host 'sudo pct exec 200 -- tmux kill-session -t dflash'
+    ssh host 'sudo pct exec 200 -- sh -c "cat > .../workload.py"' < workload.py      (the scp step)
+    ssh host 'sudo pct exec 200 -- tmux new-session -d -s dflash python3 .../workload.py ...'
+dflashops: `dflashops restart RUN --name +` in a fresh process: one connection; container check; clean
+stop (SIGTERM, wait until the group is gone); content-hashed sync of the changed file; new run dir,
+run.json, lineage edge; launch. One file changes before every iteration in both arms.
+
+Usage (root): .venv/bin/python bench/remote_restart.py [--iterations 5] [--rtt-ms 50]
+Prints a table; the goal is dflashops/hand <= 0.5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from remote_common import REPO, cli, median, ssh_argv, start, write_inventory
+
+HAND_DIR = "/workspace/hand"
+
+
+def hand_chain(ssh: list[str], workload: Path) -> float:
+    started = time.monotonic()
+    subprocess.run([*ssh, "sudo -n pct exec 200 -- tmux kill-session -t dflash"], capture_output=True)
+    with workload.open("rb") as data:
+        subprocess.run([*ssh, f"sudo -n pct exec 200 -- sh -c 'mkdir -p {HAND_DIR} && cat > {HAND_DIR}/workload.py'"],
+                       stdin=data, check=True, capture_output=True)
+    subprocess.run([*ssh, f"sudo -n pct exec 200 -- tmux new-session -d -s dflash python3 {HAND_DIR}/workload.py "
+                          f"--output-dir {HAND_DIR}/out --steps 100000 --interval 0.05"], check=True, capture_output=True)
+    return time.monotonic() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--iterations", type=int, default=5)
+    parser.add_argument("--rtt-ms", type=float, default=50.0)
+    args = parser.parse_args()
+    harness, proxy = start()
+    folder = Path(tempfile.mkdtemp(prefix="bench-restart-"))
+    try:
+        workload = folder / "workload.py"
+        shutil.copy(REPO / "tests" / "workloads" / "workload.py", workload)
+        inventory = write_inventory(folder, harness, proxy.port, ["workload.py"],
+                                    ["{python}", "{release}/workload.py", "--output-dir", "{run_dir}",
+                                     "--steps", "100000", "--interval", "0.05"])
+        cli(inventory, "deploy", "ct200", "--profile", "work", "--name", "bench-r1", "--wait", "^step 1 ")
+        proxy.latency_s = args.rtt_ms / 2000.0  # per direction
+        ssh = ssh_argv(harness, proxy.port)
+        hand_times, ops_times = [], []
+        current = "bench-r1"
+        for iteration in range(args.iterations):
+            with workload.open("a") as handle:
+                handle.write(f"# change {iteration}\n")
+            hand_times.append(hand_chain(ssh, workload))
+            started = time.monotonic()
+            result = cli(inventory, "restart", current, "--name", "+", "--grace", "30")
+            ops_times.append(time.monotonic() - started)
+            current = result.stdout.split()[0]
+        proxy.latency_s = 0.0
+        cli(inventory, "stop", current, check=False)
+        subprocess.run([*ssh, "sudo -n pct exec 200 -- tmux kill-session -t dflash"], capture_output=True)
+        hand, ops = median(hand_times), median(ops_times)
+        print(f"| added RTT | iterations | hand chain median (s) | dflashops restart median (s) | ratio dflashops/hand |")
+        print(f"|---|---|---|---|---|")
+        print(f"| {args.rtt_ms:g} ms | {args.iterations} | {hand:.3f} | {ops:.3f} | {ops / hand:.2f} |")
+        print(f"hand chain runs: {', '.join(f'{t:.3f}' for t in hand_times)}")
+        print(f"dflashops runs:  {', '.join(f'{t:.3f}' for t in ops_times)}")
+    finally:
+        proxy.close()
+        harness.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
