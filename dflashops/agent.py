@@ -191,10 +191,17 @@ def verb_launch(req: dict) -> dict:
     wrapper = [sys.executable, os.path.abspath(__file__), "wrap", "--json-args", json.dumps({"dir": directory})]
     if launcher == "tmux":
         socket = tmux_socket(req["workspace"])
-        subprocess.run(
+        started = subprocess.run(
             ["tmux", "-L", socket, "new-session", "-d", "-s", req["name"], "-x", "200", "-y", "50", "--", *wrapper],
-            check=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=20,
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=20,
         )
+        if started.returncode != 0:
+            # Record the failure in the run dir, so status says "crashed" instead of "launching" forever.
+            reason = started.stderr.decode(errors="replace").strip()
+            with open(os.path.join(directory, "train.log"), "ab") as log:
+                log.write(f"dflashops: tmux new-session failed: {reason}\n".encode())
+            write_atomic(os.path.join(directory, "exit_code"), "127\n")
+            raise AgentFailure(f"tmux new-session failed: {reason}", "launch_failed")
     else:
         with open(os.devnull, "rb") as devnull, open(os.path.join(directory, "train.log"), "ab") as log:
             subprocess.Popen(wrapper, stdin=devnull, stdout=log, stderr=log, start_new_session=True, close_fds=True)
@@ -262,12 +269,17 @@ def verb_wrap(req: dict) -> dict:
 
 
 def mirror(path: str, offset: int) -> int:
+    """Copy new log bytes to the tmux pane. A pane that went away (EIO) must not kill the wrapper, which
+    still has to record the exit code, so write errors are swallowed."""
     with open(path, "rb") as handle:
         handle.seek(offset)
         data = handle.read()
     if data:
-        sys.stdout.buffer.write(data)
-        sys.stdout.flush()
+        try:
+            sys.stdout.buffer.write(data)
+            sys.stdout.flush()
+        except OSError:
+            pass
     return offset + len(data)
 
 
