@@ -48,8 +48,8 @@ class RunRecorder:
                                         "started_at": time.time(), "pid": os.getpid(), "last_checkpoint": None,
                                         "error": None, "exit_code": None}
         self._stop = threading.Event()
-        self._metrics = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
         self._wandb: Any = None
+        (self.run_dir / "metrics.jsonl").touch()
         self.set_status(phase="warmup")
         self._thread = threading.Thread(target=self._beat, args=(heartbeat_s,), name="status-heartbeat", daemon=True)
         self._thread.start()
@@ -76,8 +76,9 @@ class RunRecorder:
     def log(self, record: dict[str, Any]) -> None:
         """Append one metrics line, print the progress line, forward to wandb, refresh status."""
         line = json.dumps(record, sort_keys=True, allow_nan=True)
-        self._metrics.write(line + "\n")
-        self._metrics.flush()
+        # Opened per line (a log step is seconds apart): `truncate_metrics` may have replaced the file since.
+        with open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
+            handle.write(line + "\n")
         print(progress_line(record, self.total_steps), flush=True)
         if self._wandb is not None:
             try:
@@ -106,7 +107,6 @@ class RunRecorder:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-        self._metrics.close()
         if self._wandb is not None:
             try:
                 self._wandb.finish()

@@ -68,6 +68,7 @@ class Plan:
     resume_from: Path | None
     target_device: torch.device
     drafter_device: torch.device
+    total_steps: int = 0  # optimizer steps of this run: min(--max-steps, what the data holds)
 
 
 def _device(devices: list[str]) -> torch.device:
@@ -145,7 +146,14 @@ def plan_run(cfg: TrainConfig) -> Plan:
     if cfg.init_from is not None and not (Path(cfg.init_from) / "model.safetensors").is_file():
         raise TrainerInputError(f"--init-from: {cfg.init_from} has no model.safetensors",
                                 hint="point it at an exported drafter directory")
-    return Plan(cfg, hf_config, drafter_config, dataset, resume_from, _device(cfg.target_gpus), _device(cfg.drafter_gpus))
+    stream = BatchStream(dataset, cfg, position_weights(cfg.block_size, cfg.gamma).numpy())
+    steps_in_data = stream.total_micro_batches() // cfg.grad_accum
+    if steps_in_data < 1:
+        raise TrainerInputError(f"--grad-accum: the data holds {stream.total_micro_batches()} micro-batches over "
+                                f"--epochs {cfg.epochs}, fewer than one optimizer step", hint="use more data or epochs")
+    total_steps = min(cfg.max_steps, steps_in_data) if cfg.max_steps else steps_in_data
+    return Plan(cfg, hf_config, drafter_config, dataset, resume_from, _device(cfg.target_gpus),
+                _device(cfg.drafter_gpus), total_steps)
 
 
 def _load_target(plan: Plan) -> TargetModel:
@@ -163,10 +171,7 @@ def run(cfg: TrainConfig) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n")
     stream = BatchStream(plan.dataset, cfg, position_weights(cfg.block_size, cfg.gamma).numpy())
-    steps_in_data = stream.total_micro_batches() // cfg.grad_accum
-    total_steps = min(cfg.max_steps, steps_in_data) if cfg.max_steps else steps_in_data
-    if total_steps < 1:
-        raise TrainerInputError("--data-dir: the data holds fewer micro-batches than one optimizer step (--grad-accum)")
+    total_steps = plan.total_steps
     recorder = RunRecorder(run_dir, total_steps)
     print(f"run directory {run_dir.resolve()} ({total_steps} steps; target on {plan.target_device}, "
           f"drafter on {plan.drafter_device})", file=sys.stderr, flush=True)
