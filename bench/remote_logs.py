@@ -1,0 +1,73 @@
+"""Bench: `logs -f` latency, from a line written in the container to the follower having it.
+
+A job in container 200 writes one line every 100 ms carrying its own time.time() (the container shares
+the host's clock); the follower is `ops.control.read_log(..., follow=True)` over the proxy, the code
+path of `dflashops logs -f`. Latency = arrival time - the time in the line. Cases: the default poll
+interval (0.5 s) with 0 and 50 ms added RTT, and a 0.1 s poll with 50 ms RTT.
+
+Usage (root): .venv/bin/python bench/remote_logs.py [--lines 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from remote_common import median, percentile, start, write_inventory
+
+from dflashops.inventory import load_inventory
+from dflashops.ops.control import LogCursor, read_log
+from dflashops.ops.deploy import DeployRequest, deploy
+from dflashops.ops.session import Session
+
+WRITER = "import sys,time\nfor i in range(int(sys.argv[1])):\n    print(f'tick {i} {time.time():.6f}', flush=True)\n" \
+         "    time.sleep(0.1)\n"
+
+
+def measure(inventory_path: Path, name: str, lines: int, poll_s: float) -> list[float]:
+    inventory = load_inventory(inventory_path)
+    session = Session(inventory)
+    try:
+        deploy(session, DeployRequest(target="ct200", profile="work", name=name, launcher="nohup",
+                                      extra_args=[str(lines)]))
+        latencies: list[float] = []
+        pending = ""
+        for chunk in read_log(session, name, LogCursor(), target="ct200", follow=True, poll_s=poll_s, timeout=120):
+            now = time.time()
+            pending += chunk
+            *complete, pending = pending.split("\n")
+            latencies += [now - float(line.split()[2]) for line in complete if line.startswith("tick ")]
+        return latencies[1:]  # the first line waits for the launch itself
+    finally:
+        session.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lines", type=int, default=60)
+    args = parser.parse_args()
+    harness, proxy = start()
+    folder = Path(tempfile.mkdtemp(prefix="bench-logs-"))
+    try:
+        (folder / "writer.py").write_text(WRITER)
+        inventory = write_inventory(folder, harness, proxy.port, ["writer.py"],
+                                    ["{python}", "{release}/writer.py"])
+        print("| added RTT | poll interval | lines | median (ms) | p95 (ms) |")
+        print("|---|---|---|---|---|")
+        for index, (rtt_ms, poll_s) in enumerate(((0, 0.5), (50, 0.5), (50, 0.1))):
+            proxy.latency_s = rtt_ms / 2000.0
+            values = measure(inventory, f"logs-bench-{os.getpid()}-{index}", args.lines, poll_s)
+            print(f"| {rtt_ms} ms | {poll_s} s | {len(values)} | {median(values) * 1000:.0f} | "
+                  f"{percentile(values, 0.95) * 1000:.0f} |")
+    finally:
+        proxy.close()
+        harness.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
