@@ -40,10 +40,13 @@ class Agent:
     plan: list[str] = field(default_factory=list)
     _ready: bool = False
     _upload_planned: bool = False
+    # Read once: a long `logs -f` must keep calling the agent it uploaded even if agent.py is edited
+    # meanwhile (the path is content-addressed, so re-reading would name a file that was never uploaded).
+    source: bytes = field(default_factory=agent_bytes)
 
     @property
     def path(self) -> str:
-        digest = hashlib.sha256(agent_bytes()).hexdigest()[:12]
+        digest = hashlib.sha256(self.source).hexdigest()[:12]
         return f"{self.target.workspace}/.dflashops/agent-{digest}.py"
 
     def argv(self, verb: str, args: dict[str, Any] | None = None, *, stdin_request: bool = False) -> list[str]:
@@ -70,7 +73,7 @@ class Agent:
                     self.record(upload, "agent.py")
                     self._upload_planned = True
                 return
-            self.transport.run(upload, stdin=agent_bytes())
+            self.transport.run(upload, stdin=self.source)
         self._ready = True
 
     def call(self, verb: str, args: dict[str, Any], *, secret_args: dict[str, Any] | None = None,
@@ -97,6 +100,11 @@ class Agent:
             return {"ok": True, "dry_run": True}
         result = self.transport.run(argv, stdin=stdin, check=False)
         answer = _parse(result.stdout, result.stderr, verb, self.target.name)
+        if answer.get("code") == "no_answer" and verb in READ_ONLY_VERBS:
+            self._ready = False  # the agent file vanished (workspace cleaned?): upload again, retry once
+            self.ensure()
+            result = self.transport.run(argv, stdin=stdin, check=False)
+            answer = _parse(result.stdout, result.stderr, verb, self.target.name)
         if not answer.get("ok"):
             error_class = _CODE_TO_ERROR.get(str(answer.get("code")), AgentError)
             raise error_class(f"{self.target.name}: {answer.get('error', 'agent failed')}")

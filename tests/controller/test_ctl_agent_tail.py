@@ -70,3 +70,18 @@ def test_help_lists_the_verbs() -> None:
                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60).stdout
     for verb in ("deploy", "restart", "stop", "status", "logs", "runs", "exec", "attach"):
         assert f"    {verb} " in out
+
+
+def test_agent_is_reuploaded_when_its_file_vanishes(env: Env) -> None:
+    from dflashops.inventory import load_inventory
+    from dflashops.ops.session import Session
+
+    session = Session(load_inventory(env.inventory))
+    try:
+        target = session.inventory.target("local")
+        assert session.agent(target).call("status", {"workspace": str(env.workspace)})["runs"] == []
+        for path in (env.workspace / ".dflashops").iterdir():
+            path.unlink()  # someone cleaned the workspace while a `logs -f` was running
+        assert session.agent(target).call("status", {"workspace": str(env.workspace)})["ok"] is True
+    finally:
+        session.close()
