@@ -38,8 +38,8 @@ class DemoSize:
     margin: float  # trained tau must exceed each baseline's by this much
 
 
-FULL = DemoSize(pretrain_steps=500, train_prompts=400, eval_prompts=24, train_steps=1500, max_new_tokens=24, margin=1.0)
-QUICK = DemoSize(pretrain_steps=250, train_prompts=96, eval_prompts=6, train_steps=60, max_new_tokens=20, margin=0.3)
+FULL = DemoSize(pretrain_steps=500, train_prompts=400, eval_prompts=24, train_steps=600, max_new_tokens=24, margin=1.0)
+QUICK = DemoSize(pretrain_steps=200, train_prompts=96, eval_prompts=6, train_steps=60, max_new_tokens=20, margin=0.3)
 
 
 # Next-token loss of a target that has learned the grammar: ~0.11 (the irreducible part is the prompt's random

@@ -232,6 +232,18 @@ def prepare(options: PrepareOptions, *, log=None) -> shards.DatasetMeta:
     return meta
 
 
+def check_dataset_matches(meta: shards.DatasetMeta, tokenizer: Any, enable_thinking: bool | None) -> None:
+    """For `train`/`eval`: refuse data made with another chat template or thinking mode than serving will use
+    (METHOD.md 4: such a mismatch has publicly cost half of the acceptance rate)."""
+    expected = chat_template_sha256(tokenizer)
+    if meta.chat_template_sha256 and meta.chat_template_sha256 != expected:
+        raise DataInputError(f"the dataset was tokenized with chat template sha256 {meta.chat_template_sha256[:12]}..., "
+                             f"this tokenizer's is {expected[:12]}...", hint="re-run prepare with the serving tokenizer")
+    if enable_thinking is not None and meta.enable_thinking is not None and meta.enable_thinking != enable_thinking:
+        raise DataInputError(f"the dataset was prepared with enable_thinking={meta.enable_thinking}, "
+                             f"training asks for {enable_thinking}", hint="re-run prepare with the serving thinking mode")
+
+
 def _on_off(value: str) -> bool:
     if value not in ("on", "off"):
         raise argparse.ArgumentTypeError("expected on or off")

@@ -211,3 +211,17 @@ def test_inspect_of_a_directory_without_dataset(tmp_path, capsys):
 def test_length_histogram_counts_every_sample():
     lines = inspect_cli.length_histogram(np.array([3, 3, 4, 10, 17]), bins=4)
     assert sum(int(line.split()[1]) for line in lines) == 5
+
+
+def test_check_dataset_matches_template_and_thinking(target_dir):
+    from transformers import AutoTokenizer
+
+    from trainer.shards import DatasetMeta
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    meta = DatasetMeta(chat_template_sha256=chat_template_sha256(tokenizer), enable_thinking=False)
+    prepare_cli.check_dataset_matches(meta, tokenizer, False)
+    with pytest.raises(prepare_cli.DataInputError, match="enable_thinking=False"):
+        prepare_cli.check_dataset_matches(meta, tokenizer, True)
+    with pytest.raises(prepare_cli.DataInputError, match="chat template sha256"):
+        prepare_cli.check_dataset_matches(DatasetMeta(chat_template_sha256="0" * 64), tokenizer, None)
