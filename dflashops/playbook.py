@@ -183,7 +183,10 @@ def _load_file(path: Path, variables: dict[str, Any], var_where: dict[str, str],
     if not isinstance(doc, _Map):
         raise PlaybookError(f"{path}:1: a playbook is a mapping with `steps:`", hint="see playbooks/restart-cycle.yaml")
     _keys(doc, str(path), {"steps"}, {"description", "vars"}, "playbook")
-    declared = doc.get("vars") or {}
+    declared = doc.get("vars")
+    if declared is None:
+        declared = _Map()
+        declared.key_lines = {}
     if not isinstance(declared, _Map):
         raise PlaybookError(f"{path}:{doc.key_lines['vars']}: vars: expected a mapping of name: default")
     for key, value in declared.items():
