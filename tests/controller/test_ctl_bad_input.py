@@ -148,3 +148,10 @@ def test_exec_needs_a_command(env: Env, capsys: pytest.CaptureFixture[str]) -> N
                            capsys=capsys)
     assert code == 3 and out == "hi\n"
     assert os.environ.get("DFLASHOPS_RUN_ID") is None
+
+
+def test_attach_refuses_a_nohup_run(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    assert env.cli("deploy", "--profile", "work", "--name", "bg", "--launcher", "nohup", "--wait", "done",
+                   "--", "--steps", "1", capsys=capsys)[0] == 0
+    code, _, err = env.cli("attach", "bg", capsys=capsys)
+    assert code == 2 and "launched with nohup" in err and "hint: `dflashops logs bg -f`" in err
