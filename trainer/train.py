@@ -25,13 +25,12 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint import check_shapes, list_checkpoints, load_checkpoint, resolve_resume, restore_rng, save_checkpoint
+from trainer.checkpoint import check_shapes, load_checkpoint, resolve_resume, restore_rng, save_checkpoint
 from trainer.config import TrainConfig, TrainerInputError, parse_train_args
 from trainer.data import BatchStream, open_dataset
 from trainer.loss import position_weights
 from trainer.metrics import RunRecorder, truncate_metrics
 from trainer.model import DFlashDrafter, DrafterConfig, TargetModel
-from trainer.shards import ShardedDataset
 from trainer.signals import GracefulStop
 from trainer.step import DrafterSide, StepStats, TargetSide, micro_batches, noise_std_at
 
@@ -175,36 +174,40 @@ def run(cfg: TrainConfig) -> int:
     recorder = RunRecorder(run_dir, total_steps)
     print(f"run directory {run_dir.resolve()} ({total_steps} steps; target on {plan.target_device}, "
           f"drafter on {plan.drafter_device})", file=sys.stderr, flush=True)
-    step = 0
-    try:
-        recorder.open_wandb(cfg.wandb, cfg.wandb_project, cfg.wandb_run_name, cfg.to_dict())
-        target = _load_target(plan)
-        torch.manual_seed(cfg.seed)  # the drafter's init is a function of --seed
-        drafter = DFlashDrafter(plan.drafter_config)
-        if cfg.init_from is not None:
-            drafter.load_state_dict(DFlashDrafter.from_pretrained(cfg.init_from).state_dict())
-        target_side = TargetSide(target, plan.target_device, soft_labels=cfg.use_soft_labels)
-        drafter_side = DrafterSide(cfg, drafter, target.embed_weight, target.lm_head_weight, plan.drafter_device,
-                                   total_steps)
-        epoch, index = 0, 0
-        if plan.resume_from is not None:
-            state = load_checkpoint(plan.resume_from)
-            drafter_side.drafter.load_state_dict(state.model)
-            drafter_side.optimizer.load_state_dict(state.optimizer)
-            drafter_side.scheduler.load_state_dict(state.scheduler)
-            restore_rng(state.rng)
-            step, epoch, index = state.step, state.epoch, state.index
-            dropped = truncate_metrics(run_dir, step)
-            print(f"resumed from {plan.resume_from} at step {step} (epoch {epoch}, batch {index}"
-                  f"{f'; dropped {dropped} metrics lines past it' if dropped else ''})", file=sys.stderr, flush=True)
-            recorder.set_status(step=step, last_checkpoint=str(plan.resume_from))
-        return _train_loop(cfg, run_dir, recorder, stream, target_side, drafter_side, step, epoch, index, total_steps)
-    except Exception as exc:  # noqa: BLE001 - recorded in status.json, then reported
-        traceback.print_exc()
-        recorder.set_status(phase="failed", error=f"{type(exc).__name__}: {exc}"[:2000], exit_code=EXIT_FAILED)
-        return EXIT_FAILED
-    finally:
-        recorder.close()
+    on_force = lambda signum: recorder.set_status(  # noqa: E731 - a second signal: no checkpoint
+        phase="failed", error=f"second signal {signum}: exited without a checkpoint", exit_code=128 + signum)
+    # Installed before the (possibly minutes long) target load, so a stop request is never lost.
+    with GracefulStop(on_force=on_force) as stop:
+        try:
+            recorder.open_wandb(cfg.wandb, cfg.wandb_project, cfg.wandb_run_name, cfg.to_dict())
+            target = _load_target(plan)
+            torch.manual_seed(cfg.seed)  # the drafter's init is a function of --seed
+            drafter = DFlashDrafter(plan.drafter_config)
+            if cfg.init_from is not None:
+                drafter.load_state_dict(DFlashDrafter.from_pretrained(cfg.init_from).state_dict())
+            target_side = TargetSide(target, plan.target_device, soft_labels=cfg.use_soft_labels)
+            drafter_side = DrafterSide(cfg, drafter, target.embed_weight, target.lm_head_weight, plan.drafter_device,
+                                       total_steps)
+            step, epoch, index = 0, 0, 0
+            if plan.resume_from is not None:
+                state = load_checkpoint(plan.resume_from)
+                drafter_side.drafter.load_state_dict(state.model)
+                drafter_side.optimizer.load_state_dict(state.optimizer)
+                drafter_side.scheduler.load_state_dict(state.scheduler)
+                restore_rng(state.rng)
+                step, epoch, index = state.step, state.epoch, state.index
+                dropped = truncate_metrics(run_dir, step)
+                print(f"resumed from {plan.resume_from} at step {step} (epoch {epoch}, batch {index}"
+                      f"{f'; dropped {dropped} metrics lines past it' if dropped else ''})", file=sys.stderr, flush=True)
+                recorder.set_status(step=step, last_checkpoint=str(plan.resume_from))
+            return _train_loop(cfg, run_dir, recorder, stream, target_side, drafter_side, stop, step, epoch, index,
+                               total_steps)
+        except Exception as exc:  # noqa: BLE001 - recorded in status.json, then reported
+            traceback.print_exc()
+            recorder.set_status(phase="failed", error=f"{type(exc).__name__}: {exc}"[:2000], exit_code=EXIT_FAILED)
+            return EXIT_FAILED
+        finally:
+            recorder.close()
 
 
 def _save(cfg: TrainConfig, run_dir: Path, recorder: RunRecorder, side: DrafterSide, step: int, epoch: int,
@@ -218,55 +221,58 @@ def _save(cfg: TrainConfig, run_dir: Path, recorder: RunRecorder, side: DrafterS
 
 
 def _train_loop(cfg: TrainConfig, run_dir: Path, recorder: RunRecorder, stream: BatchStream, target_side: TargetSide,
-                drafter_side: DrafterSide, step: int, epoch: int, index: int, total_steps: int) -> int:
+                drafter_side: DrafterSide, stop: GracefulStop, step: int, epoch: int, index: int,
+                total_steps: int) -> int:
     batches = stream.iterate(epoch, index)
     on_cuda = drafter_side.device.type == "cuda"
-    on_force = lambda signum: recorder.set_status(phase="failed", error=f"second signal {signum}: exited without a checkpoint",
-                                                  exit_code=128 + signum)
-    with GracefulStop(on_force=on_force) as stop:
-        # The first step compiles flex_attention (and the target's kernels) on CUDA.
-        recorder.set_status(phase="compiling" if on_cuda else "training", step=step)
-        window: StepStats | None = None
-        window_start, window_steps = time.perf_counter(), 0
-        while step < total_steps:
-            micro = micro_batches(batches, cfg.grad_accum)
-            normalizer = sum(b.weight_sum for b in micro)  # whole optimizer step (METHOD.md 3)
-            num_blocks = float(sum(b.num_blocks for b in micro))
-            noise = noise_std_at(step, total_steps, cfg.noise_start, cfg.noise_end)
-            stats: StepStats | None = None
-            for i, batch in enumerate(micro):
-                features = target_side.features(batch)
-                part = drafter_side.forward_backward(features, normalizer, num_blocks, noise_std=noise,
-                                                     noise_seed=(cfg.seed, step, i))
-                stats = part if stats is None else stats + part
-            lr, grad_norm = drafter_side.optimizer_step()
-            step += 1
-            epoch, index = micro[-1].epoch, micro[-1].index + 1  # the next micro-batch to read
-            assert stats is not None
-            window = stats if window is None else window + stats
-            window_steps += 1
-            if step == 1 and on_cuda:
-                recorder.set_status(phase="training")
-            if step % cfg.log_interval == 0 or step == total_steps or stop.requested:
-                elapsed = time.perf_counter() - window_start
-                record = {"step": step, "epoch": epoch, **stats.summary(), "lr": lr, "grad_norm": grad_norm,
-                          "noise_std": noise, "block_tok_s": window.block_tokens / elapsed,
-                          "ctx_tok_s": window.ctx_tokens / elapsed,
-                          "eta_s": (total_steps - step) * elapsed / window_steps, "time": time.time()}
-                if on_cuda:
-                    record["gpu_mem_gb"] = torch.cuda.max_memory_allocated(drafter_side.device) / 2**30
-                recorder.log(record)
-                window, window_start, window_steps = None, time.perf_counter(), 0
-            if step % cfg.save_interval == 0 or step == total_steps or stop.requested:
-                path = _save(cfg, run_dir, recorder, drafter_side, step, epoch, index)
-                print(f"checkpoint {path}", file=sys.stderr, flush=True)
-            if stop.requested:
-                recorder.set_status(phase="stopped", step=step, exit_code=stop.exit_code)
-                print(f"stopped at step {step}; resume with the same command", file=sys.stderr, flush=True)
-                return stop.exit_code
+    if stop.requested:  # signalled while loading: nothing trained since the last checkpoint (if any)
+        recorder.set_status(phase="stopped", step=step, exit_code=stop.exit_code)
+        return stop.exit_code
+    # The first step compiles flex_attention (and the target's kernels) on CUDA.
+    recorder.set_status(phase="compiling" if on_cuda else "training", step=step)
+    window: StepStats | None = None
+    window_start, window_steps = time.perf_counter(), 0
+    while step < total_steps:
+        micro = micro_batches(batches, cfg.grad_accum)
+        normalizer = sum(b.weight_sum for b in micro)  # whole optimizer step (METHOD.md 3)
+        num_blocks = float(sum(b.num_blocks for b in micro))
+        noise = noise_std_at(step, total_steps, cfg.noise_start, cfg.noise_end)
+        stats: StepStats | None = None
+        for i, batch in enumerate(micro):
+            features = target_side.features(batch)
+            part = drafter_side.forward_backward(features, normalizer, num_blocks, noise_std=noise,
+                                                 noise_seed=(cfg.seed, step, i))
+            stats = part if stats is None else stats + part
+        lr, grad_norm = drafter_side.optimizer_step()
+        step += 1
+        epoch, index = micro[-1].epoch, micro[-1].index + 1  # the next micro-batch to read
+        assert stats is not None
+        window = stats if window is None else window + stats
+        window_steps += 1
+        if step == 1 and on_cuda:
+            recorder.set_status(phase="training")
+        if step % cfg.log_interval == 0 or step == total_steps or stop.requested:
+            elapsed = time.perf_counter() - window_start
+            # loss terms, tau_sim and accuracies over the steps since the last log line
+            summary = window.summary()
+            summary["loss"] /= window_steps
+            record = {"step": step, "epoch": epoch, **summary, "lr": lr, "grad_norm": grad_norm,
+                      "noise_std": noise, "block_tok_s": window.block_tokens / elapsed,
+                      "ctx_tok_s": window.ctx_tokens / elapsed,
+                      "eta_s": (total_steps - step) * elapsed / window_steps, "time": time.time()}
+            if on_cuda:
+                record["gpu_mem_gb"] = torch.cuda.max_memory_allocated(drafter_side.device) / 2**30
+            recorder.log(record)
+            window, window_start, window_steps = None, time.perf_counter(), 0
+        if step % cfg.save_interval == 0 or step == total_steps or stop.requested:
+            path = _save(cfg, run_dir, recorder, drafter_side, step, epoch, index)
+            print(f"checkpoint {path}", file=sys.stderr, flush=True)
+        if stop.requested:
+            recorder.set_status(phase="stopped", step=step, exit_code=stop.exit_code)
+            print(f"stopped at step {step}; resume with the same command", file=sys.stderr, flush=True)
+            return stop.exit_code
     recorder.set_status(phase="done", step=step, exit_code=EXIT_OK)
     return EXIT_OK
 
 
-__all__ = ["main", "run", "plan_run", "build_drafter_config", "EXIT_OK", "EXIT_FAILED", "EXIT_BAD_INPUT",
-           "list_checkpoints", "ShardedDataset"]
+__all__ = ["main", "run", "plan_run", "Plan", "build_drafter_config", "EXIT_OK", "EXIT_FAILED", "EXIT_BAD_INPUT"]
