@@ -7,7 +7,7 @@ Time is reported in GEMM-equivalents: (loss forward + backward) / one [M, H] x [
 same dtype (METHOD.md 7; goals: CE only <= 2.2, with soft KL <= 3.5). Peak memory is the extra memory above
 the inputs: on CUDA from the caching allocator's peak statistics; on CPU each variant runs in a fresh
 subprocess and reports peak RSS (ru_maxrss) minus the RSS after its inputs exist (tracemalloc cannot see
-torch's allocations). The dense variants materialise [M, V] logits on purpose; on CUDA at the default
+torch's allocations; for compiled variants on CPU it includes the compiler's own memory). The dense variants materialise [M, V] logits on purpose; on CUDA at the default
 shape they may not fit, which the table shows as OOM. Before timing, the chunked loss is checked against
 the dense one (and the compiled kernels against eager) on the same inputs.
 """
@@ -93,6 +93,13 @@ def measure(name: str, args: argparse.Namespace, device: torch.device, kernels=N
     base = torch.cuda.memory_allocated() if cuda else 0
     try:
         value = run_variant(name, x, args, kernels)  # warm-up (and compilation)
+        grad_diff = None
+        if name in COMPILED:  # the compiled kernels must give the eager gradient (relative L2 difference)
+            compiled_grad = x["hidden"].grad.float().clone()
+            run_variant(name.replace("compiled", "chunked"), x, args, None)
+            eager_grad = x["hidden"].grad.float()
+            grad_diff = float((compiled_grad - eager_grad).norm() / eager_grad.norm())
+            del compiled_grad, eager_grad
         times = []
         for _ in range(args.repeats):
             if cuda:
@@ -106,7 +113,8 @@ def measure(name: str, args: argparse.Namespace, device: torch.device, kernels=N
         return {"variant": name, "ms": None, "peak_bytes": None, "value": None}
     peak = torch.cuda.max_memory_allocated() - base if cuda else _peak_rss() - base_rss
     scalar = float(value) if value.dim() == 0 else None
-    return {"variant": name, "ms": statistics.median(times), "peak_bytes": peak, "value": scalar}
+    return {"variant": name, "ms": statistics.median(times), "peak_bytes": peak, "value": scalar,
+            "grad_diff_vs_eager": grad_diff}
 
 
 def _current_rss() -> int:
@@ -125,8 +133,9 @@ def measure_in_child(name: str, argv: list[str]) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv: list[str], parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """The shape/device flags shared by the loss benches (a caller may pass a parser with extra flags)."""
+    parser = parser or argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--rows", type=int, help="block tokens M (default: cpu 2048, cuda 32768)")
     parser.add_argument("--hidden", type=int, help="H (default: cpu 256, cuda 5120)")
@@ -185,13 +194,15 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
         for row in rows:
             print(json.dumps(row))
         return
-    print(f"{'variant':<20} {'ms':>10} {'GEMM-eq':>8} {'peak MiB':>10} {'rel diff vs dense':>18}")
+    print(f"{'variant':<20} {'ms':>10} {'GEMM-eq':>8} {'peak MiB':>10} {'loss rel diff vs dense':>23} "
+          f"{'grad rel diff vs eager':>23}")
     for row in rows:
         ms = f"{row['ms']:.1f}" if row["ms"] is not None else "OOM"
         eq = f"{row['gemm_equivalents']:.2f}" if row.get("gemm_equivalents") else "-"
         peak = f"{row['peak_bytes'] / 2**20:.0f}" if row["peak_bytes"] is not None else "OOM"
         diff = f"{row['rel_diff_vs_dense']:.1e}" if "rel_diff_vs_dense" in row else "-"
-        print(f"{row['variant']:<20} {ms:>10} {eq:>8} {peak:>10} {diff:>18}")
+        grad = f"{row['grad_diff_vs_eager']:.1e}" if row.get("grad_diff_vs_eager") is not None else "-"
+        print(f"{row['variant']:<20} {ms:>10} {eq:>8} {peak:>10} {diff:>23} {grad:>23}")
     print("goals (METHOD.md 7, issue 7): chunked/compiled CE <= 2.2 GEMM-eq, with KL <= 3.5")
 
 

@@ -29,6 +29,7 @@ softmax; twice that with soft labels).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -143,12 +144,15 @@ def _logit_grad(
     lse_student_t: torch.Tensor | None,
     kl_coef: torch.Tensor | None,
     temperature: float,
+    onehot_by_compare: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """d loss/d logits of one chunk in the logits' dtype, and per-row KL(teacher_T || student_T) (or None).
 
     ce_coef >= 0 is folded into the exponent, coef * softmax = exp(z - (lse - log coef)), which saves one
     [C, V] pass in eager mode (coef 0 gives exp(-inf) = 0). Eager CE path: copy, sub, exp, cast = 4 fp32
-    passes (~20 B/element); torch.compile fuses it into one read and one write of the bf16 logits."""
+    passes (~20 B/element); torch.compile fuses it into one read and one write of the bf16 logits when
+    the one-hot is a comparison with the column index (``onehot_by_compare``; a scatter would split the
+    kernel and force an fp32 [C, V] round trip; in eager the comparison costs a [C, V] pass instead)."""
     acc = logits.to(torch.promote_types(logits.dtype, torch.float32), copy=True)  # private: modified in place
     kl = kl_part = None
     if teacher_logits is not None:
@@ -163,7 +167,11 @@ def _logit_grad(
         kl_part = log_p.exp_().sub_(q).mul_(kl_coef[:, None])  # T^2 * (1/T) * (p_T - q), times kl_weight*w/norm
         del q
     grad = acc.sub_((lse - torch.log(ce_coef))[:, None]).exp_()  # ce_coef * softmax
-    grad.scatter_add_(1, labels[:, None], -ce_coef[:, None])  # - ce_coef * onehot
+    if onehot_by_compare:
+        columns = torch.arange(grad.shape[1], device=grad.device)
+        grad = grad - torch.where(columns == labels[:, None], ce_coef[:, None], 0.0)
+    else:
+        grad.scatter_add_(1, labels[:, None], -ce_coef[:, None])  # - ce_coef * onehot
     if kl_part is not None:
         grad.add_(kl_part)
     return grad.to(logits.dtype), kl
@@ -186,7 +194,8 @@ def make_chunk_kernels(compiled: bool) -> ChunkKernels:
     """Eager kernels, or new torch.compile'd ones (compilation happens lazily at the first call)."""
     if not compiled:
         return ChunkKernels()
-    return ChunkKernels(stats=torch.compile(_student_stats), logit_grad=torch.compile(_logit_grad))
+    return ChunkKernels(stats=torch.compile(_student_stats),
+                        logit_grad=torch.compile(functools.partial(_logit_grad, onehot_by_compare=True)))
 
 
 def _cap_coefficients(ce: torch.Tensor, valid: torch.Tensor, block_size: int, scale: float):

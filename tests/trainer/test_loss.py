@@ -9,6 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainer.loss import (
+    _logit_grad,
     LossInputError,
     dflash_loss,
     position_weights,
@@ -256,3 +257,17 @@ def test_bad_inputs_are_rejected_with_a_clear_message(override, message):
         args[key] = value
     with pytest.raises(LossInputError, match=message):
         dflash_loss(hidden, args.pop("lm_head_weight"), args.pop("labels"), args.pop("weights"), **args)
+
+
+def test_compile_friendly_onehot_equals_scatter():
+    """The kernels torch.compile gets (one-hot by comparison) compute the same gradient as the eager scatter."""
+    gen = torch.Generator().manual_seed(8)
+    logits, teacher = torch.randn(6, 11, generator=gen), torch.randn(6, 11, generator=gen)
+    labels = torch.randint(0, 11, (6,), generator=gen)
+    lse, lse_t = torch.logsumexp(logits, -1), torch.logsumexp(logits / 2.0, -1)
+    coef = torch.tensor([0.0, 0.5, 1.0, 2.0, 0.1, 0.0])
+    for args in ((None, None, None), (teacher, lse_t, coef * 0.3)):
+        scatter = _logit_grad(logits, labels, lse, coef, *args, 2.0)
+        compare = _logit_grad(logits, labels, lse, coef, *args, 2.0, onehot_by_compare=True)
+        torch.testing.assert_close(compare[0], scatter[0])
+    assert torch.all(scatter[0][coef == 0] == 0) and torch.isfinite(scatter[0]).all()
