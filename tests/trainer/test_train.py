@@ -27,7 +27,7 @@ from trainer.data import collate, open_dataset
 from trainer.loss import position_weights
 from trainer.model import DFlashDrafter, TargetModel
 from trainer.shards import DatasetMeta, write_index, write_shard
-from trainer.step import DrafterSide, TargetSide
+from trainer.step import DrafterSide, TargetSide, lr_factor, noise_std_at
 from trainer.train import _target_hf_config, build_drafter_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -135,6 +135,33 @@ def test_gradient_accumulation_normalises_over_the_whole_step(tmp_path: Path) ->
         grads.append({n: p.grad.clone() for n, p in side.drafter.named_parameters()})
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_every_objective_term_and_accumulation_run_end_to_end(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    code = trainer_main(["train", *SMALL, "--max-steps", "2", "--log-interval", "1", "--output-dir", str(run),
+                         "--use-soft-labels", "--kl-weight", "0.5", "--kl-temperature", "2", "--cap-lambda", "0.2",
+                         "--noise-start", "0.05", "--noise-end", "0.01", "--noise-type", "gaussian", "--grad-accum", "2"])
+    assert code == 0
+    last = _read_metrics(run)[-1]
+    assert last["kl"] > 0 and last["cap"] > 0 and last["noise_std"] == pytest.approx(0.01)
+    assert all(np.isfinite([m["loss"] for m in _read_metrics(run)]))
+
+
+def test_schedule_and_noise_are_deterministic_functions_of_the_step(tmp_path: Path) -> None:
+    assert [round(lr_factor(s, 100, 0.1), 4) for s in (0, 4, 9, 10, 55, 100)] == [0.1, 0.5, 1.0, 1.0, 0.5, 0.0]
+    assert (noise_std_at(0, 11, 0.2, 0.0), noise_std_at(10, 11, 0.2, 0.0)) == (0.2, 0.0)
+    cfg = parse_train_args([*SMALL, "--output-dir", str(tmp_path)])
+    hf = _target_hf_config(cfg)
+    dcfg = build_drafter_config(cfg, hf)
+    target = TargetModel.from_config(hf, dcfg.target_layer_ids, seed=0)
+    batch = collate(open_dataset(cfg), np.array([1, 2]), 0, 0, cfg, position_weights(cfg.block_size, cfg.gamma).numpy())
+    features = TargetSide(target, "cpu").features(batch)
+    torch.manual_seed(0)
+    side = DrafterSide(cfg, DFlashDrafter(dcfg), target.embed_weight, target.lm_head_weight, "cpu", 10)
+    losses = [float(side.forward_backward(features, batch.weight_sum, batch.num_blocks, noise_std=std, noise_seed=seed).loss)
+              for std, seed in ((0.0, (0,)), (0.5, (0, 1, 0)), (0.5, (0, 1, 0)), (0.5, (0, 2, 0)))]
+    assert losses[1] == losses[2] and len({losses[0], losses[1], losses[3]}) == 3
 
 
 def _train_process(run: Path, steps: int) -> subprocess.Popen:
