@@ -1,0 +1,161 @@
+"""`dflashops watch` for real: a live view in a real tmux pane over a running workload, `q` quits, the run is
+untouched; a dropped link keeps the old data and says how stale it is; bad input is a clear error."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dflashops.inventory import load_inventory
+from dflashops.ops.session import Session
+from dflashops.ops.watch import Watcher, run_row
+from dflashops.shell import join_argv
+from tests.controller.helpers import INVENTORY, REPO, WORKLOAD, Env, cleanup
+
+pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux (make test installs it)")
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Iterator[Env]:
+    """C1's local-target inventory, but its python is a symlink so a test can cut the 'link' for real."""
+    shutil.copy(WORKLOAD, tmp_path / "workload.py")
+    (tmp_path / "py").symlink_to(sys.executable)
+    inventory = tmp_path / "inventory.yaml"
+    inventory.write_text(INVENTORY.format(python=tmp_path / "py"))
+    setup = Env(root=tmp_path, inventory=inventory, workspace=tmp_path / "ws")
+    yield setup
+    cleanup(setup.workspace)
+
+
+def launch(env: Env, name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = env.cli("deploy", "local", "--profile", "work", "--name", name, "--wait", r"step 2\b",
+                           "--timeout", "30", "--", "--interval", "0.1", capsys=capsys)
+    assert code == 0, err
+
+
+def state_of(env: Env, name: str) -> str:
+    return env.agent("status", {"workspace": str(env.workspace), "name": name})["runs"][0]["state"]
+
+
+def wait_until(predicate, timeout: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def test_watch_in_a_tmux_pane(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    launch(env, "w1", capsys)
+    socket = f"dflashops-watch-test-{os.getpid()}"
+    conf = env.root / "tmux.conf"
+    conf.write_text("set -g remain-on-exit on\n")
+    command = join_argv(["env", f"PYTHONPATH={REPO}", "NO_COLOR=1", sys.executable, "-m", "dflashops.cli.main",
+                         "--inventory", str(env.inventory), "watch", "w1", "--interval", "0.3"])
+    tmux = ["tmux", "-L", socket, "-f", str(conf)]
+    try:
+        subprocess.run([*tmux, "new-session", "-d", "-s", "view", "-x", "120", "-y", "30", command], check=True,
+                       timeout=10)
+
+        def pane(*flags: str) -> str:
+            return subprocess.run([*tmux, "capture-pane", "-p", *flags, "-t", "view"], capture_output=True,
+                                  text=True, timeout=10).stdout
+
+        def step_shown() -> int | None:
+            match = re.search(r"w1\s*│\s*running\s*│\s*(\d+)", pane())
+            return int(match.group(1)) if match else None
+
+        wait_until(lambda: step_shown() is not None, what="the w1 row in the pane")
+        screen = pane()
+        assert "dflashops watch w1 | updated" in screen and "q quits" in screen
+        for column in ("run", "state", "step", "loss", "tau_sim", "blk tok/s", "eta"):
+            assert column in screen
+        assert re.search(r"w1 log: step \d+ loss", screen)
+        assert "gpus: none visible" in screen
+        first = step_shown()
+        wait_until(lambda: (step_shown() or 0) > (first or 0), what="the view to refresh")
+        assert not re.search(r"\x1b\[(3[0-7]|38|9[0-7])[;m]", pane("-e")), "colour used despite NO_COLOR"
+        subprocess.run([*tmux, "send-keys", "-t", "view", "q"], check=True, timeout=10)
+
+        def dead() -> str:
+            return subprocess.run([*tmux, "list-panes", "-t", "view", "-F", "#{pane_dead} #{pane_dead_status}"],
+                                  capture_output=True, text=True, timeout=10).stdout.strip()
+
+        wait_until(lambda: dead().startswith("1"), timeout=10, what="watch to quit on q")
+        assert dead() == "1 0"
+    finally:
+        subprocess.run([*tmux, "kill-server"], capture_output=True, timeout=10)
+    assert state_of(env, "w1") == "running"  # watching never touches the run
+    assert not (env.runs / "w1" / "stop.json").exists()
+
+
+def test_dropped_link_keeps_data_and_reconnects(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    from dflashops.cli.watch import render
+    from rich.console import Console
+
+    launch(env, "w2", capsys)
+    session = Session(load_inventory(env.inventory))
+    try:
+        watcher = Watcher(session, "w2")
+        first = watcher.refresh()
+        assert first.runs[0].state == "running" and watcher.stale_for is None
+        (env.root / "py").unlink()  # the target's python is gone: every agent call now fails for real
+        try:
+            kept = watcher.refresh()
+            assert kept is first and watcher.error and watcher.failures == 1
+            time.sleep(0.3)
+            assert watcher.stale_for is not None and watcher.stale_for >= 0.3
+            console = Console(width=120, record=True, file=open(os.devnull, "w"))
+            console.print(render(watcher, "t"))
+            assert "STALE" in console.export_text() and "reconnecting" in console.export_text()
+        finally:
+            (env.root / "py").symlink_to(sys.executable)
+        fresh = watcher.refresh()
+        assert watcher.error is None and watcher.stale_for is None
+        assert fresh.taken_at > first.taken_at and (fresh.runs[0].step or 0) >= (first.runs[0].step or 0)
+    finally:
+        session.close()
+    assert state_of(env, "w2") == "running"
+
+
+def test_watch_once_json_and_bad_input(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    launch(env, "w3", capsys)
+    code, out, _ = env.cli("watch", "w3", "--json", capsys=capsys)
+    assert code == 0
+    data = json.loads(out)
+    assert [r["name"] for r in data["runs"]] == ["w3"] and data["runs"][0]["state"] == "running"
+    assert data["stale_for_s"] is None and data["runs"][0]["loss"] is not None
+    code, out, _ = env.cli("watch", "--all", "--once", capsys=capsys)
+    assert code == 0 and "w3" in out and "running" in out
+    code, out, err = env.cli("watch", "nope", capsys=capsys)
+    assert code == 3 and out == ""
+    assert "error: local: run 'nope' does not exist on this target" in err and "hint:" in err
+    code, _, err = env.cli("watch", capsys=capsys)
+    assert code == 2 and "error: watch needs a RUN or --all" in err
+    code, _, err = env.cli("watch", "a;b", capsys=capsys)
+    assert code == 2 and "invalid run name" in err
+    code, _, err = env.cli("watch", "w3", "--interval", "0", capsys=capsys)
+    assert code == 2 and "--interval must be > 0" in err
+
+
+def test_trainer_metrics_become_columns() -> None:
+    """The trainer's metrics line (per-drafter tok/s, queues, GPU memory, ETA) maps onto the view's row."""
+    now = time.time()
+    entry = {"name": "x", "state": "running", "step": 40, "target": "ct200", "last_log_line": "step 40/100 | ...",
+             "trainer_status": {"phase": "training", "total_steps": 100, "heartbeat": now - 3},
+             "last_metrics": {"step": 40, "loss": 2.5, "tau_sim": 3.1, "block_tok_s": 12345.6,
+                              "block_tok_s_per_drafter": [6000.1, 6345.5], "eta_s": 600.0, "time": now - 60,
+                              "queues": {"t0->d0": {"depth": 3, "max": 4}}, "gpu_mem_gb": {"cuda:2": 30.5}}}
+    row = run_row(entry, now)
+    assert (row.step, row.total_steps, row.block_tok_s_per_drafter) == (40, 100, [6000.1, 6345.5])
+    assert row.queues == {"t0->d0": "3/4"} and row.gpu_mem_gb == {"cuda:2": 30.5}
+    assert 539 <= (row.eta_s or 0) <= 541 and 2.5 <= (row.heartbeat_age_s or 0) <= 4
