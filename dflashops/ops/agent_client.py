@@ -102,7 +102,7 @@ class Agent:
         if not self._ready and result.exit_code == 2 and "can't open file" in result.stderr:
             # Optimistic first call (no `ping` round trip, ~0.3-0.5 s per invocation on a remote target):
             # this agent version is not on the target yet, so upload it and run the call again.
-            self.transport.run([self.target.python, "-c", _UPLOAD, self.path], stdin=agent_bytes())
+            self.transport.run([self.target.python, "-c", _UPLOAD, self.path], stdin=self.source)
             result = self.transport.run(argv, stdin=stdin, check=False)
         self._ready = True
         answer = _parse(result.stdout, result.stderr, verb, self.target.name)
