@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from trainer.loss import (
     _logit_grad,
     LossInputError,
+    default_chunk_rows,
     dflash_loss,
     position_weights,
     simulated_tau,
@@ -69,7 +70,8 @@ TERMS = {
 
 
 @pytest.mark.parametrize("terms", list(TERMS))
-@pytest.mark.parametrize("chunk_size", [None, 4, 8, 13])  # 28 rows: 8 and 13 (-> 12) leave a short last chunk
+# 28 rows, B=4: 8 and 13 (-> 12) leave a short last chunk; 3 rounds up to one block
+@pytest.mark.parametrize("chunk_size", [None, 3, 4, 8, 13])
 def test_value_and_gradient_equal_dense_reference(terms, chunk_size):
     hidden, weight, labels, weights, teacher = make_case()
     extra = TERMS[terms]
@@ -197,6 +199,12 @@ def test_low_precision_gemm_path_stays_close_to_reference():
     ref.backward()
     torch.testing.assert_close(result.loss.double(), ref.detach(), rtol=3e-2, atol=3e-2)
     torch.testing.assert_close(h32.grad.double(), ref_h.grad, rtol=5e-2, atol=5e-3)
+
+
+def test_default_chunk_rows_are_whole_blocks_within_budget():
+    assert default_chunk_rows(248320, 32) == 1056  # 1 GiB / (4 B * V) = 1081 rows -> 33 blocks
+    assert default_chunk_rows(10**9, 16) == 16  # never less than one block
+    assert default_chunk_rows(100, 7, budget_bytes=4000) == 7
 
 
 def test_position_weights():
