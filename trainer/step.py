@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from trainer.config import TrainConfig
 from trainer.data import Batch
-from trainer.loss import dflash_loss, simulated_tau
+from trainer.loss import dflash_loss, make_chunk_kernels, simulated_tau
 from trainer.model import DFlashDrafter, TargetModel
 
 __all__ = ["Batch", "FeatureBatch", "StepStats", "TargetSide", "DrafterSide", "lr_factor", "noise_std_at"]
@@ -109,9 +109,20 @@ class DrafterSide:
     """The trainable drafter on its device with its optimizer (AdamW, trainable params only) and schedule."""
 
     def __init__(self, cfg: TrainConfig, drafter: DFlashDrafter, embed_weight: torch.Tensor,
-                 lm_head_weight: torch.Tensor, device: torch.device | str, total_steps: int) -> None:
+                 lm_head_weight: torch.Tensor, device: torch.device | str, total_steps: int, *,
+                 compile: bool | None = None, activation_checkpointing: bool = False) -> None:
         self.cfg, self.device = cfg, torch.device(device)
         self.drafter = drafter.to(self.device).train()
+        self.drafter.activation_checkpointing = activation_checkpointing
+        # torch.compile per replica (each layer module and this side's loss kernels are their own compiled
+        # objects, so two devices never share one). Default: on CUDA only. Compilation happens lazily at the
+        # first forward/backward: warm up sequentially before worker threads start (METHOD.md 6).
+        self.compiled = self.device.type == "cuda" if compile is None else compile
+        if self.compiled:
+            for layer in self.drafter.layers:
+                layer.compile(dynamic=False)
+        self.loss_kernels = make_chunk_kernels(compiled=self.compiled)
+        self.loss_fn = dflash_loss  # replaceable for benchmarks (e.g. a recomputing baseline)
         # Frozen, shared with the target; a copy only when the target lives on another device.
         self.embed_weight = embed_weight.detach().to(self.device)
         self.lm_head_weight = lm_head_weight.detach().to(self.device)
@@ -149,11 +160,12 @@ class DrafterSide:
             positions = (batch.anchors[:, :, None] + torch.arange(block, device=self.device) - 1).clamp(0, seq - 1)
             index = positions.reshape(rows, -1, 1).expand(-1, -1, features.teacher_hidden.shape[-1])
             teacher = torch.gather(features.teacher_hidden.to(self.device), 1, index).reshape(-1, hidden.shape[-1])
-        result = dflash_loss(
+        result = self.loss_fn(
             hidden.reshape(-1, hidden.shape[-1]), self.lm_head_weight, batch.labels.reshape(-1),
             batch.weights.reshape(-1), block_size=block, normalizer=normalizer, teacher_hidden=teacher,
             kl_weight=cfg.kl_weight if teacher is not None else 0.0, kl_temperature=cfg.kl_temperature,
-            cap_lambda=cfg.cap_lambda, num_blocks_normalizer=num_blocks, chunk_size=cfg.loss_chunk_size)
+            cap_lambda=cfg.cap_lambda, num_blocks_normalizer=num_blocks, chunk_size=cfg.loss_chunk_size,
+            kernels=self.loss_kernels)
         result.loss.backward()
         tau = simulated_tau(result.correct.reshape(-1, block), (batch.weights > 0).reshape(-1, block))
         return StepStats(loss=result.loss.detach().float(), ce_sum=result.ce_sum.float(), kl_sum=result.kl_sum.float(),

@@ -1,0 +1,384 @@
+"""`python -m trainer bench step|loss|attention`: throughput of the drafter step on synthetic batches.
+
+    python -m trainer bench step --preset qwen3-8b --shape seed,recipe --variants compiled,eager,unsorted
+    python -m trainer bench loss --preset qwen3-8b
+    python -m trainer bench attention --preset qwen3-8b --shape seed
+
+Every number comes from this process on this device: the matmul ceiling is measured first (an 8192^3 bf16
+GEMM), each variant is warmed up (compiles happen there), then timed with CUDA events, median of `--iters`.
+FLOPs are counted from the shapes (`step_flops`): 6 x params x tokens for the linear layers, 3 x the forward
+for attention over the pairs the mask makes visible, and the LM head as METHOD.md 8 counts it (2HV forward +
+2HV input gradient per block token; +2HV for the teacher with soft labels). MFU is reported against 989
+TFLOP/s (the H200 datasheet) and against the measured ceiling. A recompile after warm-up is reported in the
+`recompiles` column (it must be 0). On CPU the command runs too (tiny shapes only make sense there).
+The last thing printed is the table (stdout); progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import torch
+
+from trainer.config import TrainConfig, TrainerInputError, parse_train_args
+from trainer.data import Batch
+from trainer.loss import dflash_loss, make_chunk_kernels, position_weights
+from trainer.model import DFlashDrafter, DrafterConfig
+from trainer.model.drafter import make_block_input_ids
+from trainer.step import DrafterSide, FeatureBatch
+
+H200_PEAK_TFLOPS = 989.0
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A batch shape: rows x context tokens, anchors per row, block size."""
+
+    name: str
+    rows: int
+    ctx: int
+    anchors: int
+    block: int
+
+    @property
+    def block_tokens(self) -> int:
+        return self.rows * self.anchors * self.block
+
+
+# seed: the seed run's batch (token budget 49152, 1024 anchors, block 32); recipe: the public recipe's
+# (block 16, 512 anchors per sequence, 4096-token sequences, same 16K-ish token budget per step).
+SHAPES = {
+    "seed": Shape("seed", rows=6, ctx=8192, anchors=171, block=32),
+    "recipe": Shape("recipe", rows=4, ctx=4096, anchors=512, block=16),
+    "tiny": Shape("tiny", rows=2, ctx=64, anchors=8, block=8),
+}
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------- measurement
+
+def time_ms(fn: Callable[[], object], device: torch.device, *, warmup: int, iters: int) -> list[float]:
+    """Per-call wall times in ms: CUDA events on GPU (one sync per call), perf_counter on CPU."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def matmul_ceiling_tflops(device: torch.device, n: int = 8192) -> float:
+    """bf16 GEMM rate on random data (the practical ceiling MFU is also reported against)."""
+    if device.type != "cuda":
+        return float("nan")
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    ms = statistics.median(time_ms(lambda: a @ b, device, warmup=3, iters=10))
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def recompile_count() -> int:
+    """Graphs Dynamo has compiled so far in this process (grows on every compile and recompile)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+# ------------------------------------------------------------------------------------------- FLOPs
+
+def visible_pairs(anchors: torch.Tensor, keep: torch.Tensor, block: int, window: int | None, causal: bool) -> int:
+    """Query-key pairs the mask allows: per real block, B x (context before the anchor [within the window])
+    plus the in-block pairs. Exact for full layers; for sliding layers it counts B x min(anchor, W - slot)."""
+    a = anchors[keep].double()
+    if window is None:
+        ctx = (a * block).sum()
+    else:
+        slots = torch.arange(block, dtype=torch.float64, device=a.device)
+        ctx = torch.minimum(a[:, None], (window - slots).clamp(min=0)[None, :]).sum()
+    inner = block * (block + 1) / 2 if causal else block * block
+    return int(ctx.item() + inner * a.numel())
+
+
+def step_flops(cfg: DrafterConfig, shape: Shape, anchors: torch.Tensor, keep: torch.Tensor, *, soft: bool) -> float:
+    """Model FLOPs of one forward+backward (no recompute counted) for the drafter step."""
+    H, D = cfg.hidden_size, cfg.head_dim
+    q_dim, kv_dim = cfg.num_attention_heads * D, cfg.num_key_value_heads * D
+    block_tokens = int(keep.sum().item()) * shape.block
+    ctx_tokens = shape.rows * shape.ctx
+    per_layer_block = H * q_dim * 2 + H * kv_dim * 2 + 3 * H * cfg.intermediate_size  # q,o,k,v,mlp on block tokens
+    per_layer_ctx = H * kv_dim * 2                                                   # k,v re-projected per layer
+    flops = 6 * cfg.num_hidden_layers * (per_layer_block * block_tokens + per_layer_ctx * ctx_tokens)
+    flops += 6 * (cfg.num_taps * H * H) * ctx_tokens                                  # fc
+    for layer_type in cfg.layer_types:
+        sliding = layer_type == "sliding_attention"
+        pairs = visible_pairs(anchors, keep, shape.block, cfg.sliding_window if sliding else None,
+                              cfg.causal_in_block["sliding_attention" if sliding else "full_attention"])
+        flops += 3 * 4 * D * cfg.num_attention_heads * pairs                           # QK^T + PV, fwd + 2x bwd
+    flops += (4 + (2 if soft else 0)) * H * cfg.vocab_size * block_tokens              # LM head
+    return float(flops)
+
+
+# ------------------------------------------------------------------------------------------- synthetic data
+
+def synthetic_batch(cfg: DrafterConfig, shape: Shape, gamma: float, device: torch.device, *,
+                    sorted_anchors: bool, seed: int = 0) -> Batch:
+    """Random tokens, every token supervised, `shape.anchors` distinct anchors per row (sorted or shuffled)."""
+    gen = torch.Generator().manual_seed(seed)
+    R, S, N, B = shape.rows, shape.ctx, shape.anchors, shape.block
+    input_ids = torch.randint(0, cfg.vocab_size, (R, S), generator=gen)
+    anchors = torch.stack([torch.randperm(S - B, generator=gen)[:N] for _ in range(R)])
+    anchors = anchors.sort(dim=1).values if sorted_anchors else anchors  # mask predicate is order-free
+    keep = torch.ones(R, N, dtype=torch.bool)
+    positions = anchors[:, :, None] + torch.arange(B)                                # [R,N,B]
+    labels = torch.gather(input_ids, 1, positions.reshape(R, -1))
+    weights = position_weights(B, gamma).repeat(R, N).float()
+    block_ids = make_block_input_ids(input_ids, anchors, B, cfg.mask_token_id)
+    batch = Batch(input_ids=input_ids, loss_mask=torch.ones(R, S, dtype=torch.bool),
+                  attention_mask=torch.ones(R, S, dtype=torch.long), anchors=anchors, keep=keep,
+                  block_ids=block_ids, labels=labels, weights=weights, epoch=0, index=0,
+                  num_ctx_tokens=R * S, num_blocks=R * N, weight_sum=float(weights.sum()))
+    return batch.to(device)
+
+
+def preset_config(preset: str, shape: Shape, extra: list[str]) -> tuple[TrainConfig, DrafterConfig]:
+    """TrainConfig + DrafterConfig of a preset at a bench shape (random weights: no target is loaded)."""
+    cfg = parse_train_args(["--preset", preset, "--block-size", str(shape.block), "--output-dir", "/tmp/bench",
+                            "--wandb", "off", *extra])
+    L = cfg.num_target_layers or 2
+    from trainer.model import default_target_layer_ids
+
+    dcfg = DrafterConfig(
+        hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_draft_layers,
+        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, block_size=shape.block,
+        target_layer_ids=cfg.target_layer_ids or default_target_layer_ids(L, cfg.num_draft_layers),
+        num_target_layers=L, mask_token_id=cfg.mask_token_id, rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta, layer_types=cfg.layer_types(), sliding_window=cfg.sliding_window,
+        max_position_embeddings=max(cfg.max_position_embeddings, shape.ctx + shape.block))
+    return cfg, dcfg
+
+
+# ------------------------------------------------------------------------------------------- variants
+
+VARIANTS = {
+    "compiled": "layers + loss kernels torch.compile'd per device, sorted anchors, CE only",
+    "eager": "no torch.compile on the layers or loss kernels (flex_attention itself stays compiled)",
+    "unsorted": "compiled, anchors in random order (same loss, fragmented mask tiles)",
+    "soft": "compiled, soft labels on (teacher logits recomputed from the target's final hidden)",
+    "cap": "compiled, CAP term on (cap_lambda 0.1)",
+    "ckpt-loss": "compiled layers, loss = per-chunk torch.utils.checkpoint of logits+CE (the 3-4 GEMM baseline)",
+    "act-ckpt": "compiled, activation checkpointing of every drafter layer (memory for time)",
+}
+
+
+def checkpointed_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                      normalizer: float, chunk: int) -> torch.Tensor:
+    """Baseline: chunked CE with recomputation (logits rebuilt in backward: 3 GEMMs per chunk)."""
+    from torch.utils.checkpoint import checkpoint
+
+    def piece(h: torch.Tensor, lab: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        logits = (h @ weight.T).float()
+        return (torch.nn.functional.cross_entropy(logits, lab, reduction="none") * w).sum()
+
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for s in range(0, hidden.shape[0], chunk):
+        total = total + checkpoint(piece, hidden[s:s + chunk], labels[s:s + chunk], weights[s:s + chunk],
+                                   use_reentrant=False)
+    return total / normalizer
+
+
+def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.device, args: argparse.Namespace) -> dict:
+    extra = {"soft": ["--use-soft-labels"], "cap": ["--cap-lambda", "0.1"]}.get(variant, [])
+    cfg, dcfg = preset_config(preset, shape, extra)
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with torch.device(device):
+        drafter = DFlashDrafter(dcfg)
+        embed = torch.randn(dcfg.vocab_size, dcfg.hidden_size, dtype=dtype) * 0.02
+        lm_head = torch.randn(dcfg.vocab_size, dcfg.hidden_size, dtype=dtype) * 0.02
+    side = DrafterSide(cfg, drafter, embed, lm_head, device, total_steps=1000,
+                       compile=variant != "eager", activation_checkpointing=variant == "act-ckpt")
+    batch = synthetic_batch(dcfg, shape, cfg.gamma, device, sorted_anchors=variant != "unsorted")
+    ctx = torch.randn(shape.rows, shape.ctx, dcfg.num_taps * dcfg.hidden_size, device=device, dtype=dtype)
+    teacher = torch.randn(shape.rows, shape.ctx, dcfg.hidden_size, device=device, dtype=dtype) if variant == "soft" else None
+    features = FeatureBatch(batch=batch, ctx_features=ctx, teacher_hidden=teacher)
+    if variant == "ckpt-loss":
+        side.loss_fn = lambda h, w, lab, wts, **kw: _ckpt_loss_result(h, w, lab, wts, kw)
+
+    def step() -> None:
+        side.forward_backward(features, batch.weight_sum, float(batch.num_blocks))
+        side.optimizer_step()
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    for _ in range(args.warmup):
+        step()
+    warm_s = time.perf_counter() - t0
+    graphs_before = recompile_count()
+    times = time_ms(step, device, warmup=0, iters=args.iters)
+    recompiles = recompile_count() - graphs_before
+    ms = statistics.median(times)
+    flops = step_flops(dcfg, shape, batch.anchors, batch.keep, soft=variant == "soft")
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    del side, drafter, features, ctx, teacher
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"preset": preset, "shape": shape.name, "variant": variant, "ms": ms, "ms_spread": max(times) - min(times),
+            "tflops": flops / (ms * 1e-3) / 1e12, "block_tok_s": shape.block_tokens / (ms * 1e-3),
+            "ctx_tok_s": shape.rows * shape.ctx / (ms * 1e-3), "peak_gib": peak, "warmup_s": warm_s,
+            "recompiles": recompiles, "flops": flops}
+
+
+def _ckpt_loss_result(hidden, weight, labels, weights, kw):  # adapter: the baseline loss in LossResult's shape
+    from trainer.loss import LossResult
+
+    loss = checkpointed_loss(hidden, weight, labels, weights.to(torch.float32), kw["normalizer"],
+                             kw.get("chunk_size") or 4096)
+    zero = loss.detach() * 0
+    return LossResult(loss=loss, ce_sum=zero, kl_sum=zero, cap_sum=zero, weight_sum=weights.float().sum(),
+                      num_blocks=zero, correct=torch.zeros_like(labels, dtype=torch.bool))
+
+
+# ------------------------------------------------------------------------------------------- verbs
+
+def bench_step(args: argparse.Namespace, device: torch.device) -> list[dict]:
+    ceiling = matmul_ceiling_tflops(device)
+    _log(f"matmul ceiling: {ceiling:.0f} TFLOP/s on {device}")
+    rows = []
+    for shape_name in args.shape.split(","):
+        for variant in args.variants.split(","):
+            _log(f"- {args.preset} {shape_name} {variant} ...")
+            row = run_step_variant(args.preset, SHAPES[shape_name], variant, device, args)
+            row["mfu"] = row["tflops"] / H200_PEAK_TFLOPS
+            row["mfu_ceiling"] = row["tflops"] / ceiling if ceiling == ceiling else float("nan")
+            rows.append(row)
+            _log(f"  {row['ms']:.1f} ms, {row['tflops']:.0f} TFLOP/s, peak {row['peak_gib']:.1f} GiB")
+    print(f"{'preset':<12} {'shape':<7} {'variant':<10} {'ms':>8} {'spread':>7} {'TFLOP/s':>8} {'MFU':>6} "
+          f"{'MFU/ceil':>8} {'blk tok/s':>10} {'ctx tok/s':>10} {'peak GiB':>8} {'warm s':>7} {'recomp':>6}")
+    for r in rows:
+        print(f"{r['preset']:<12} {r['shape']:<7} {r['variant']:<10} {r['ms']:8.1f} {r['ms_spread']:7.1f} "
+              f"{r['tflops']:8.0f} {r['mfu']:6.1%} {r['mfu_ceiling']:8.1%} {r['block_tok_s']:10.0f} "
+              f"{r['ctx_tok_s']:10.0f} {r['peak_gib']:8.1f} {r['warmup_s']:7.1f} {r['recompiles']:6d}")
+    return rows
+
+
+def bench_loss(args: argparse.Namespace, device: torch.device) -> list[dict]:
+    """The loss alone in GEMM-equivalents: loss fwd+bwd time / one [M,H]x[H,V] logits GEMM."""
+    shape = SHAPES[args.shape.split(",")[0]]
+    _, dcfg = preset_config(args.preset, shape, [])
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    M, H, V = shape.block_tokens, dcfg.hidden_size, dcfg.vocab_size
+    gen = torch.Generator(device=device).manual_seed(0)
+    hidden = (torch.randn(M, H, device=device, dtype=dtype, generator=gen)).requires_grad_(True)
+    teacher = torch.randn(M, H, device=device, dtype=dtype, generator=gen)
+    weight = torch.randn(V, H, device=device, dtype=dtype, generator=gen) * 0.02
+    labels = torch.randint(0, V, (M,), device=device, generator=gen)
+    weights = position_weights(shape.block, 7.0).to(device).repeat(M // shape.block)
+    gemm_ms = statistics.median(time_ms(lambda: hidden.detach() @ weight.T, device, warmup=2, iters=args.iters))
+    rows = []
+    kernels = make_chunk_kernels(compiled=device.type == "cuda")
+    for name, kw in [("ce", {}), ("ce+kl", {"teacher_hidden": teacher, "kl_weight": 1.0}),
+                     ("ce+cap", {"cap_lambda": 0.1, "num_blocks_normalizer": M / shape.block})]:
+        def run() -> None:
+            hidden.grad = None
+            out = dflash_loss(hidden, weight, labels, weights, block_size=shape.block,
+                              normalizer=float(weights.sum()), kernels=kernels, **kw)
+            out.loss.backward()
+
+        ms = statistics.median(time_ms(run, device, warmup=args.warmup, iters=args.iters))
+        rows.append({"loss": name, "ms": ms, "gemm_ms": gemm_ms, "gemm_equiv": ms / gemm_ms})
+
+    def baseline() -> None:
+        hidden.grad = None
+        checkpointed_loss(hidden, weight, labels, weights, float(weights.sum()), 4096).backward()
+
+    ms = statistics.median(time_ms(baseline, device, warmup=args.warmup, iters=args.iters))
+    rows.append({"loss": "ckpt-ce", "ms": ms, "gemm_ms": gemm_ms, "gemm_equiv": ms / gemm_ms})
+    print(f"M={M} H={H} V={V}; one logits GEMM = {gemm_ms:.2f} ms")
+    print(f"{'loss':<8} {'ms':>8} {'GEMM-eq':>8}")
+    for r in rows:
+        print(f"{r['loss']:<8} {r['ms']:8.2f} {r['gemm_equiv']:8.2f}")
+    return rows
+
+
+def bench_attention(args: argparse.Namespace, device: torch.device) -> list[dict]:
+    """One attention layer's fwd+bwd through the drafter's attend(): sorted vs unsorted anchors."""
+    from trainer.model.attention import attend, build_draft_mask
+
+    rows = []
+    for shape_name in args.shape.split(","):
+        shape = SHAPES[shape_name]
+        _, dcfg = preset_config(args.preset, shape, [])
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        backend = "flex" if device.type == "cuda" else "dense"
+        Hq, Hkv, D = dcfg.num_attention_heads, dcfg.num_key_value_heads, dcfg.head_dim
+        Q, K = shape.anchors * shape.block, shape.ctx + shape.anchors * shape.block
+        for layer_type, window in [("full_attention", None), ("sliding_attention", 2048)]:
+            for order in ("sorted", "unsorted"):
+                batch = synthetic_batch(dcfg, shape, 7.0, device, sorted_anchors=order == "sorted")
+                mask = build_draft_mask(batch.anchors, batch.keep, shape.ctx, shape.block, sliding_window=window,
+                                        backend=backend, layer_types=[layer_type])
+                q = torch.randn(shape.rows, Hq, Q, D, device=device, dtype=dtype, requires_grad=True)
+                k = torch.randn(shape.rows, Hkv, K, D, device=device, dtype=dtype, requires_grad=True)
+                v = torch.randn(shape.rows, Hkv, K, D, device=device, dtype=dtype, requires_grad=True)
+
+                def run() -> None:
+                    attend(q, k, v, mask, layer_type).sum().backward()
+
+                ms = statistics.median(time_ms(run, device, warmup=args.warmup, iters=args.iters))
+                rows.append({"shape": shape_name, "layer": layer_type.split("_")[0], "order": order, "ms": ms})
+    print(f"{'shape':<7} {'layer':<8} {'order':<9} {'fwd+bwd ms':>10}")
+    for r in rows:
+        print(f"{r['shape']:<7} {r['layer']:<8} {r['order']:<9} {r['ms']:10.2f}")
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer bench", description=__doc__.split("\n")[0])
+    parser.add_argument("what", choices=["step", "loss", "attention"])
+    parser.add_argument("--preset", default="qwen3-8b")
+    parser.add_argument("--shape", default="seed", help=f"comma list of {', '.join(SHAPES)}")
+    parser.add_argument("--variants", default="compiled,eager", help="comma list: " + ", ".join(VARIANTS))
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json-out", help="also write the rows as JSON to this file")
+    args = parser.parse_args(argv)
+    for name in args.shape.split(","):
+        if name not in SHAPES:
+            print(f"error: unknown shape {name!r}\nhint: one of {', '.join(SHAPES)}", file=sys.stderr)
+            return 2
+    for name in args.variants.split(","):
+        if name not in VARIANTS:
+            print(f"error: unknown variant {name!r}\nhint: one of {', '.join(VARIANTS)}", file=sys.stderr)
+            return 2
+    device = torch.device(args.device)
+    try:
+        rows = {"step": bench_step, "loss": bench_loss, "attention": bench_attention}[args.what](args, device)
+    except TrainerInputError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
+    if args.json_out:
+        with open(args.json_out, "w") as handle:
+            json.dump(rows, handle, indent=2)
+    return 0
