@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from trainer import shards
 from trainer.tokenizer_utils import (
     DataInputError,
@@ -147,8 +149,6 @@ def _claim_output_dir(out: Path, fingerprint: dict[str, Any]) -> None:
 
 def shard_is_complete(out: Path, name: str, expected_samples: int) -> bool:
     """True when the shard's three files exist and agree (offsets are written last by shards.write_shard)."""
-    import numpy as np
-
     try:
         offsets = np.load(out / f"{name}.offsets.npy", mmap_mode="r")
         tokens = np.load(out / f"{name}.tokens.npy", mmap_mode="r")
@@ -213,11 +213,8 @@ def prepare(options: PrepareOptions, *, log=None) -> shards.DatasetMeta:
             say(f"tokenized {names[k]} ({k + 1}/{len(names)})")
     entries = []
     for k, name in enumerate(names):
-        offsets_len = len(chunks[k])
-        import numpy as np
-
         num_tokens = int(np.load(out / f"{name}.offsets.npy", mmap_mode="r")[-1])
-        entries.append({"name": name, "num_samples": offsets_len, "num_tokens": num_tokens})
+        entries.append({"name": name, "num_samples": len(chunks[k]), "num_tokens": num_tokens})
     meta = shards.DatasetMeta(
         tokenizer=str(Path(tokenizer_path).resolve()),
         chat_template_sha256=template_sha,
