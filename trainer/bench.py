@@ -161,7 +161,9 @@ def synthetic_batch(cfg: DrafterConfig, shape: Shape, gamma: float, device: torc
 
 def preset_config(preset: str, shape: Shape, extra: list[str]) -> tuple[TrainConfig, DrafterConfig]:
     """TrainConfig + DrafterConfig of a preset at a bench shape (random weights: no target is loaded)."""
-    cfg = parse_train_args(["--preset", preset, "--block-size", str(shape.block), "--output-dir", "/tmp/bench",
+    # Neither is read: the bench builds random weights and synthetic batches.
+    target = [] if preset == "tiny" else ["--target-model", "(random weights)", "--data-dir", "(synthetic)"]
+    cfg = parse_train_args(["--preset", preset, *target, "--block-size", str(shape.block), "--output-dir", "/tmp/bench",
                             "--wandb", "off", *extra])
     L = cfg.num_target_layers or 2
     from trainer.model import default_target_layer_ids

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device call = one of these sections; each step has its own timeout so one hang cannot eat the call.
+# Usage (on the GPU machine, repo root): bash bench/gpu_session.sh SECTION...   (logs under $OUT when set)
+set -u
+export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
+OUT=${OUT:-/tmp/bench-out}; mkdir -p "$OUT"
+step() {  # step NAME TIMEOUT CMD...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name" >&2
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1; local rc=$?
+  echo "=== $name rc=$rc in $((SECONDS - t0)) s" >&2
+  tail -n 25 "$OUT/$name.log"
+}
+for section in "$@"; do
+  case $section in
+    env) nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+         python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' ;;
+    parity) step parity 240 python3 bench/gpu_parity.py ;;
+    attention) step attention 240 python3 -m trainer bench attention --preset qwen3-8b --shape seed --iters 10 ;;
+    loss) step loss 240 python3 -m trainer bench loss --preset qwen3-8b --shape seed --iters 10 ;;
+    step8b) step step8b 420 python3 -m trainer bench step --preset qwen3-8b --shape seed,recipe \
+              --variants compiled,eager,unsorted,ckpt-loss --iters 8 --warmup 3 --json-out "$OUT/step8b.json" ;;
+    step27b) step step27b 420 python3 -m trainer bench step --preset qwen3.6-27b --shape seed,recipe \
+              --variants compiled,soft,act-ckpt --iters 6 --warmup 3 --json-out "$OUT/step27b.json" ;;
+    pipeline) step pipeline 480 python3 bench/gpu_pipeline.py ;;
+    *) echo "unknown section $section" >&2 ;;
+  esac
+done
