@@ -109,10 +109,19 @@ def open_dataset(cfg: TrainConfig) -> ShardedDataset | SyntheticDataset:
 
 
 def padded_length(length: int, max_seq_len: int) -> int:
-    """Bucketed context length S: a multiple of 128 (flex_attention's tile) capped at max_seq_len, so
-    the number of distinct shapes (and compiles) stays small."""
-    bucket = min(128, max_seq_len)
+    """Bucketed context length S: a multiple of max(128, max_seq_len // 8) (128 = flex_attention's tile),
+    capped at max_seq_len — at most 8 context buckets, so compiled shapes stay few (METHOD.md 6)."""
+    bucket = min(max(128, max_seq_len // 8), max_seq_len)
     return min(int(math.ceil(length / bucket)) * bucket, max_seq_len)
+
+
+def batch_shape(num_samples: int, longest: int, cfg: TrainConfig) -> tuple[int, int, int]:
+    """Static (rows R, context S, anchors per row N) of a micro-batch: S is the bucket of its longest sample,
+    R = max(samples, min(--max-batch-size, --token-budget // S)) — rows are padded up, so a bucket has one
+    shape — and N = cfg.anchors_per_row(R). A function of the bucket alone, hence a handful of shapes."""
+    seq = padded_length(min(longest, cfg.max_seq_len), cfg.max_seq_len)
+    rows = max(num_samples, min(cfg.max_batch_size, cfg.token_budget // seq))
+    return rows, seq, cfg.anchors_per_row(rows)
 
 
 def plan_epoch(lengths: np.ndarray, epoch: int, cfg: TrainConfig) -> list[np.ndarray]:
@@ -155,11 +164,14 @@ def collate(dataset: ShardedDataset | SyntheticDataset, sample_ids: np.ndarray, 
     assert cfg.mask_token_id is not None and cfg.vocab_size is not None
     samples = [dataset[int(i)] for i in sample_ids]
     lengths = [min(len(s.input_ids), cfg.max_seq_len) for s in samples]
-    rows, seq = len(samples), padded_length(max(lengths), cfg.max_seq_len)
-    n_anchors, block = cfg.anchors_per_row(rows), cfg.block_size
+    rows, seq, n_anchors = batch_shape(len(samples), max(lengths), cfg)
+    block = cfg.block_size
     ids = np.zeros((rows, seq), np.int64)
     mask = np.zeros((rows, seq), np.bool_)
+    # Padding rows (beyond the samples) attend over their pad ids: an all-zero attention row would give NaN
+    # taps in the target; they have no anchors (keep=False) and no weight, so they cost compute, not results.
     attention = np.zeros((rows, seq), np.int64)
+    attention[len(samples) :] = 1
     anchors = np.zeros((rows, n_anchors), np.int64)
     keep = np.zeros((rows, n_anchors), np.bool_)
     for r, (sample, length) in enumerate(zip(samples, lengths)):
@@ -177,7 +189,8 @@ def collate(dataset: ShardedDataset | SyntheticDataset, sample_ids: np.ndarray, 
                                 hint="prepare the data with the target's own tokenizer")
     # Block token (r, n, k) sits at position anchors[r,n] + k.
     positions = anchors[:, :, None] + np.arange(block)[None, None, :]  # [R,N,B]
-    inside = positions < np.array(lengths)[:, None, None]
+    row_lengths = np.array(lengths + [0] * (rows - len(samples)))
+    inside = positions < row_lengths[:, None, None]
     safe = np.minimum(positions, seq - 1)
     row = np.arange(rows)[:, None, None]
     labels = np.where(inside, ids[row, safe], 0)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from trainer.config import TrainerInputError, parse_train_args
-from trainer.data import BatchStream, collate, open_dataset, padded_length, plan_epoch
+from trainer.data import BatchStream, batch_shape, collate, open_dataset, padded_length, plan_epoch
 from trainer.loss import position_weights
 from trainer.shards import DatasetMeta, write_index, write_shard
 
@@ -135,3 +135,21 @@ def test_data_from_a_larger_vocabulary_is_refused_up_front(tmp_path: Path) -> No
     _write_dataset(data_dir, [20, 30], meta_vocab=151936)
     with pytest.raises(TrainerInputError, match="vocabulary of 151936 but the target has 256"):
         open_dataset(_cfg(tmp_path, "--data-dir", str(data_dir)))
+
+
+def test_shapes_are_static_per_context_bucket(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "--max-seq-len", "1024", "--token-budget", "2048", "--max-batch-size", "8",
+               "--max-anchors", "64", "--synthetic-samples", "60")
+    assert len({padded_length(n, 1024) for n in range(1, 5000)}) == 8
+    stream = BatchStream(open_dataset(cfg), cfg, position_weights(cfg.block_size, cfg.gamma).numpy())
+    shapes: dict[int, set] = {}
+    for batch in stream.iterate(0, 0):
+        if batch.epoch > 0:
+            break
+        rows, seq = batch.input_ids.shape
+        shapes.setdefault(seq, set()).add((rows, batch.anchors.shape[1]))
+        assert (rows, seq, batch.anchors.shape[1]) == batch_shape(1, seq, cfg)
+        real = int((batch.attention_mask.sum(1) > 0).sum())
+        padded_rows = ~batch.keep.any(1) & ~batch.loss_mask.any(1)
+        assert batch.weights[padded_rows].sum() == 0 and batch.num_ctx_tokens <= real * seq
+    assert all(len(v) == 1 for v in shapes.values())  # one (R, N) per context bucket
