@@ -5,7 +5,8 @@ integers`). The file has three sections:
 
     hosts:     {NAME: {address, user, port, identity_file, jump_host, known_hosts, sudo}}
     targets:   {NAME: {kind: local|pct|direct|host, host, ctid, gpus, workspace, python, env}}
-    profiles:  {NAME: {argv: [...], env: {...}, pass_env: [...], files: [...], resume_args: [...], description}}
+    profiles:  {NAME: {argv: [...], env: {...}, pass_env: [...], files: [...], packages: [...],
+                       resume_args: [...], description}}   (packages default to [trainer])
 
 `local` targets resolve relative `workspace`/`python` paths against the inventory's directory. Profile argv
 items may use the placeholders {python} {release} {run_dir} {workspace} {name} {gpus}; `resume_args` may use
@@ -65,6 +66,7 @@ class Profile:
     files: tuple[str, ...] = ()
     resume_args: tuple[str, ...] = ()
     description: str = ""
+    packages: tuple[str, ...] = ("trainer",)  # Python packages from the repository shipped in the release
 
 
 @dataclass(frozen=True)
@@ -269,7 +271,8 @@ def _target(reader: _Reader, base: Path, hosts: dict[str, Host], name: str, node
 def _profile(reader: _Reader, name: str, node: yaml.Node) -> Profile:
     key = f"profiles.{name}"
     reader.check_name(name, node, key)
-    fields = reader.mapping(node, key, {"argv", "env", "pass_env", "files", "resume_args", "description"})
+    fields = reader.mapping(node, key, {"argv", "env", "pass_env", "files", "resume_args", "description",
+                                        "packages"})
     if "argv" not in fields:
         raise reader.fail(node, key, "missing required key 'argv'")
     argv = reader.str_list(fields["argv"], f"{key}.argv")
@@ -283,7 +286,12 @@ def _profile(reader: _Reader, name: str, node: yaml.Node) -> Profile:
     for rel in files:
         if rel.startswith("/") or ".." in rel.split("/"):
             raise reader.fail(fields["files"], f"{key}.files", f"{rel!r} must be a path inside the repository")
+    packages = reader.str_list(fields["packages"], f"{key}.packages") if "packages" in fields else ("trainer",)
+    for package in packages:
+        if not package.isidentifier():
+            raise reader.fail(fields["packages"], f"{key}.packages", f"{package!r} is not a package name")
     return Profile(
+        packages=packages,
         name=name, argv=argv, env=reader.env(fields["env"], f"{key}.env") if "env" in fields else {},
         pass_env=pass_env, files=files,
         resume_args=reader.str_list(fields["resume_args"], f"{key}.resume_args") if "resume_args" in fields else (),

@@ -101,7 +101,7 @@ def deploy(session: Session, request: DeployRequest) -> DeployOutcome:
         if any(entry["name"] == name for entry in existing):
             raise Conflict(f"run directory {run_dir} already exists on {target.name}",
                            hint="`dflashops runs sync` records it; pick another --name")
-    synced = sync(agent, extra_files=profile.files, extra_root=session.inventory.root)
+    synced = sync(agent, extra_files=profile.files, extra_root=session.inventory.root, packages=profile.packages)
     cache_dir = f"{target.workspace}/cache/inductor/{synced.code_hash}"
     cleared = None
     if request.clear_cache:

@@ -32,12 +32,15 @@ class SyncOutcome:
     tar_bytes: int
 
 
-def release_files(extra_files: tuple[str, ...] = (), extra_root: Path | None = None) -> dict[str, Path]:
-    """relative path in the release -> local file."""
+def release_files(extra_files: tuple[str, ...] = (), extra_root: Path | None = None,
+                  packages: tuple[str, ...] = ("trainer",)) -> dict[str, Path]:
+    """relative path in the release -> local file: the agent, each package's tree, the profile's files."""
     files: dict[str, Path] = {"dflashops_agent.py": AGENT_SOURCE}
-    trainer = REPO_ROOT / "trainer"
-    if trainer.is_dir():
-        for path in sorted(trainer.rglob("*")):
+    for package in packages:
+        root = REPO_ROOT / package
+        if not root.is_dir():
+            raise UsageError(f"package {package!r} is not in {REPO_ROOT}", hint="check the profile's `packages`")
+        for path in sorted(root.rglob("*")):
             if path.is_file() and not SKIP_PARTS & set(path.parts) and path.suffix != ".pyc":
                 files[path.relative_to(REPO_ROOT).as_posix()] = path
     for rel in extra_files:
@@ -63,9 +66,9 @@ def local_manifest(files: dict[str, Path]) -> tuple[str, dict[str, str]]:
 
 
 def sync(agent: Agent, *, extra_files: tuple[str, ...] = (), extra_root: Path | None = None,
-         keep: int = 5) -> SyncOutcome:
+         packages: tuple[str, ...] = ("trainer",), keep: int = 5) -> SyncOutcome:
     """Make `releases/<hash>` on the target hold exactly the local tree and point `current` at it."""
-    files = release_files(extra_files, extra_root)
+    files = release_files(extra_files, extra_root, packages)
     code_hash, manifest = local_manifest(files)
     remote = agent.call("manifest", {"workspace": agent.target.workspace})
     release_path = f"{agent.target.workspace}/releases/{code_hash}"

@@ -32,6 +32,7 @@ profiles:
   work:
     argv: ["{{python}}", "{{release}}/workload.py", --output-dir, "{{run_dir}}", --interval, "0.05"]
     files: [workload.py]
+    packages: []
     resume_args: [--resume-from, "{{checkpoint}}"]
     pass_env: [WORKLOAD_SECRET]
 """
@@ -80,4 +81,7 @@ def cleanup(workspace: Path) -> None:
                         json.dumps({"workspace": str(workspace), "name": run.name, "grace": 1})],
                        capture_output=True, timeout=60)
     if shutil.which("tmux"):
-        subprocess.run(["tmux", "-L", tmux_socket(str(workspace)), "kill-server"], capture_output=True, timeout=10)
+        socket = tmux_socket(str(workspace))
+        subprocess.run(["tmux", "-L", socket, "kill-server"], capture_output=True, timeout=10)
+        tmpdir = Path(os.environ.get("TMUX_TMPDIR", "/tmp")) / f"tmux-{os.getuid()}"
+        (tmpdir / socket).unlink(missing_ok=True)  # this workspace's own socket name, nothing else

@@ -47,6 +47,7 @@ def test_shipped_inventory_loads_with_profiles() -> None:
     assert inventory.target("local").kind == "local" and os.path.isabs(inventory.target("local").workspace)
     assert inventory.targets["local"].env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     assert inventory.profile("tiny").argv[1:4] == ("-m", "trainer", "train")
+    assert inventory.profile("tiny").packages == ("trainer",)
     assert inventory.lineage_path == REPO / "lineage.sqlite"
     seed = inventory.profile("qwen3-8b").argv
     for flag in ("--target-gpus", "--drafter-gpus", "--token-budget", "--use-soft-labels", "--cap-lambda"):

@@ -56,6 +56,8 @@ def test_unknown_target_and_profile(env: Env, capsys: pytest.CaptureFixture[str]
     ("hosts:\n  h:\n    user: root\n", "inventory.yaml:3: hosts.h: missing required key 'address'"),
     ("targets: [1, 2]\n", "inventory.yaml:1: targets: expected a mapping"),
     ("colour: blue\n", "inventory.yaml:1: colour: unknown key"),
+    ("profiles:\n  p:\n    argv: [x]\n    packages: [a-b]\n", "inventory.yaml:4: profiles.p.packages: 'a-b' is not"),
+    ("profiles:\n  p:\n    argv: [x]\n    env: {A-B: 1}\n", "profiles.p.env.A-B: invalid environment variable"),
 ])
 def test_malformed_inventory(tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, expected: str) -> None:
     from dflashops.cli.main import main
