@@ -138,13 +138,12 @@ def plan_run(cfg: TrainConfig) -> Plan:
     if run_dir.exists() and not run_dir.is_dir():
         raise TrainerInputError(f"--output-dir: {run_dir} exists and is not a directory")
     resume_from = resolve_resume(cfg.resume, run_dir)
+    with torch.device("meta"):  # shapes only: no memory, no init
+        expected = {n: list(t.shape) for n, t in DFlashDrafter(drafter_config).state_dict().items()}
     if resume_from is not None:
-        with torch.device("meta"):  # shapes only: no memory, no init
-            expected = {n: list(t.shape) for n, t in DFlashDrafter(drafter_config).state_dict().items()}
         check_shapes(resume_from, expected)
-    if cfg.init_from is not None and not (Path(cfg.init_from) / "model.safetensors").is_file():
-        raise TrainerInputError(f"--init-from: {cfg.init_from} has no model.safetensors",
-                                hint="point it at an exported drafter directory")
+    if cfg.init_from is not None:
+        _check_init_from(Path(cfg.init_from), expected)
     stream = BatchStream(dataset, cfg, position_weights(cfg.block_size, cfg.gamma).numpy())
     steps_in_data = stream.total_micro_batches() // cfg.grad_accum
     if steps_in_data < 1:
@@ -153,6 +152,22 @@ def plan_run(cfg: TrainConfig) -> Plan:
     total_steps = min(cfg.max_steps, steps_in_data) if cfg.max_steps else steps_in_data
     return Plan(cfg, hf_config, drafter_config, dataset, resume_from, _device(cfg.target_gpus),
                 _device(cfg.drafter_gpus), total_steps)
+
+
+def _check_init_from(directory: Path, expected: dict[str, list[int]]) -> None:
+    """An exported drafter to start from must have exactly this drafter's tensors (names and shapes)."""
+    from safetensors import safe_open
+
+    weights = directory / "model.safetensors"
+    if not weights.is_file():
+        raise TrainerInputError(f"--init-from: {directory} has no model.safetensors",
+                                hint="point it at an exported drafter directory (python -m trainer export)")
+    with safe_open(str(weights), framework="pt") as handle:  # reads the header only
+        found = {name: list(handle.get_slice(name).get_shape()) for name in handle.keys()}
+    if found != expected:
+        diff = sorted(set(found) ^ set(expected)) or [n for n in expected if found[n] != expected[n]]
+        raise TrainerInputError(f"--init-from: {directory} is of a different drafter shape (first difference: {diff[0]})",
+                                hint="use the flags that drafter was trained with")
 
 
 def _load_target(plan: Plan) -> TargetModel:

@@ -89,6 +89,7 @@ def _bad_shard_dir(tmp_path: Path) -> Path:
     (["--target-model", "{tmp}/no-model"], "not a model directory"),
     (["--grad-accum", "1000"], "fewer than one optimizer step"),
     (["--resume", "{tmp}/empty"], "not a complete checkpoint"),
+    (["--init-from", "{tmp}/empty"], "has no model.safetensors"),
 ])
 def test_bad_input_is_a_clear_error_and_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                        flags: list[str], message: str) -> None:
@@ -214,6 +215,15 @@ def test_resume_after_a_hard_kill_redoes_the_steps_after_the_last_checkpoint(tmp
         handle.write('{"step": 7, "lo')  # and a torn last line
     assert trainer_main(argv) == 0
     assert [(m["step"], m["loss"]) for m in _read_metrics(run)] == [(m["step"], m["loss"]) for m in reference]
+
+
+def test_init_from_an_exported_drafter_checks_its_shape(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = parse_train_args([*SMALL, "--output-dir", str(tmp_path)])
+    DFlashDrafter(build_drafter_config(cfg, _target_hf_config(cfg))).save_pretrained(tmp_path / "export")
+    base = ["train", *SMALL, "--max-steps", "1", "--init-from", str(tmp_path / "export")]
+    assert trainer_main([*base, "--output-dir", str(tmp_path / "ok")]) == 0
+    code = trainer_main([*base, "--output-dir", str(tmp_path / "bad"), "--num-draft-layers", "1", "--target-layer-ids", "1"])
+    assert code == 2 and "different drafter shape" in capsys.readouterr().err and not (tmp_path / "bad").exists()
 
 
 def test_trainer_verbs_dispatch_lazily(capsys: pytest.CaptureFixture[str]) -> None:
