@@ -25,7 +25,7 @@ from dflashops.errors import Conflict, TransportError
 if TYPE_CHECKING:
     import fabric
 
-    from dflashops.transport.ssh import SshSettings
+    from dflashops.transport.ssh_settings import SshSettings
 
 
 def fingerprint(key: paramiko.PKey) -> str:
