@@ -508,6 +508,8 @@ def verb_manifest(req: dict) -> dict:
     if not os.path.islink(current):
         return {"release": None, "files": {}}
     target = os.path.realpath(current)
+    if req.get("hash") and req.get("hash") == os.path.basename(target):
+        return {"release": os.path.basename(target), "path": target, "files": {}}  # up to date: skip the list
     manifest = read_json(os.path.join(target, ".manifest.json"))
     if manifest is None:
         return {"release": None, "files": {}}
@@ -524,16 +526,38 @@ def safe_members(archive: tarfile.TarFile) -> list[tarfile.TarInfo]:
     return members
 
 
+def install_manifest(req: dict, releases: str) -> tuple:
+    """(full manifest, files to hard-link from the base). The request carries either the full `files`
+    manifest and a `link` list, or only `changed` entries and `removed` paths relative to `base` (the
+    compact form: an install of one changed file then sends about that file, not the whole manifest)."""
+    if isinstance(req.get("files"), dict):
+        return req["files"], list(req.get("link") or [])
+    changed, removed, base = req.get("changed"), req.get("removed") or [], req.get("base")
+    if not isinstance(changed, dict) or not isinstance(removed, list):
+        return None, []
+    base_files = {}
+    if isinstance(base, str) and HASH_RE.match(base):
+        base_files = read_json(os.path.join(releases, base, ".manifest.json")) or {}
+    files = {rel: digest for rel, digest in base_files.items() if rel not in removed}
+    files.update(changed)
+    return files, sorted(rel for rel in files if rel not in changed)
+
+
 def verb_install(req: dict, stdin: bytes) -> dict:
     """Unpack the tar of changed files into a temp dir, hard-link unchanged files from the previous release,
     verify every hash, rename to releases/<hash>/, then flip `current` atomically. A cut anywhere before the
     rename leaves only a `.tmp-*` folder (removed by the next install); `current` never points at a partial tree."""
     workspace = workspace_of(req)
     code_hash = str(req.get("hash") or "")
-    files = req.get("files")
+    releases = os.path.join(workspace, "releases")
+    files, link = install_manifest(req, releases)
     if not HASH_RE.match(code_hash) or not isinstance(files, dict):
         raise AgentFailure("install needs a hash and a files manifest", "bad_request")
-    releases = os.path.join(workspace, "releases")
+    # The release name is the hash of its manifest (ops/sync.py code_hash_of): a rebuilt manifest that does
+    # not match (base release pruned or changed since `manifest` was read) is refused, never installed.
+    if hashlib.sha256(json.dumps(sorted(files.items())).encode()).hexdigest()[:16] != code_hash:
+        raise AgentFailure(f"manifest does not match release {code_hash} (base {req.get('base')!r} changed?); "
+                           "sync again", "conflict")
     os.makedirs(releases, exist_ok=True)
     for entry in os.listdir(releases):
         if entry.startswith(".tmp-"):
@@ -542,11 +566,11 @@ def verb_install(req: dict, stdin: bytes) -> dict:
     if not os.path.isdir(final):
         tmp = os.path.join(releases, f".tmp-{code_hash}-{os.getpid()}")
         os.makedirs(tmp)
-        with tarfile.open(fileobj=io.BytesIO(stdin), mode="r:") as archive:
+        with tarfile.open(fileobj=io.BytesIO(stdin), mode="r:*") as archive:  # plain or gzip
             archive.extractall(tmp, members=safe_members(archive))
         base = req.get("base")
         base_dir = os.path.join(releases, base) if isinstance(base, str) and HASH_RE.match(base) else None
-        for rel in req.get("link") or []:
+        for rel in link:
             source = os.path.join(base_dir or "/nonexistent", rel)
             dest = os.path.join(tmp, rel)
             if ".." in rel.split("/") or not os.path.isfile(source):

@@ -70,7 +70,7 @@ def sync(agent: Agent, *, extra_files: tuple[str, ...] = (), extra_root: Path | 
     """Make `releases/<hash>` on the target hold exactly the local tree and point `current` at it."""
     files = release_files(extra_files, extra_root, packages)
     code_hash, manifest = local_manifest(files)
-    remote = agent.call("manifest", {"workspace": agent.target.workspace})
+    remote = agent.call("manifest", {"workspace": agent.target.workspace, "hash": code_hash})
     release_path = f"{agent.target.workspace}/releases/{code_hash}"
     if remote.get("release") == code_hash:
         return SyncOutcome(code_hash, release_path, (), tuple(sorted(manifest)), 0)
@@ -78,14 +78,18 @@ def sync(agent: Agent, *, extra_files: tuple[str, ...] = (), extra_root: Path | 
     linked = tuple(sorted(rel for rel, digest in manifest.items() if previous.get(rel) == digest))
     uploaded = tuple(sorted(set(manifest) - set(linked)))
     buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w") as archive:
+    # gzip: a plain tar pads even one small file to a 10 KiB record; compressed, the padding costs ~nothing.
+    with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=6) as archive:
         for rel in uploaded:
             info = archive.gettarinfo(str(files[rel]), arcname=rel)
             info.uid = info.gid = 0
             info.uname = info.gname = ""
             with files[rel].open("rb") as handle:
                 archive.addfile(info, handle)
-    request = {"workspace": agent.target.workspace, "hash": code_hash, "files": manifest,
-               "base": remote.get("release"), "link": list(linked), "keep": keep}
+    # Compact request: only the changed entries and the removed paths; the agent rebuilds the full
+    # manifest from the base release's (one 4 KiB change then sends ~4 KiB, not the whole manifest).
+    request = {"workspace": agent.target.workspace, "hash": code_hash, "base": remote.get("release"),
+               "changed": {rel: manifest[rel] for rel in uploaded},
+               "removed": sorted(set(previous) - set(manifest)), "keep": keep}
     agent.call("install", request, stdin_tar=buffer.getvalue())
     return SyncOutcome(code_hash, release_path, uploaded, linked, len(buffer.getvalue()))
