@@ -13,10 +13,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from typing import TYPE_CHECKING
+
 from dflashops.errors import Conflict, UsageError
 from dflashops.inventory import load_inventory
-from dflashops.transport.ssh import SshSettings, settings_for_host
-from dflashops.transport.ssh_keys import fetch_host_key, fingerprint, record_host_key
+
+if TYPE_CHECKING:
+    from dflashops.transport.ssh_settings import SshSettings
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -29,7 +32,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=handle_trust)
 
 
-def settings_for(name: str, inventory_path: str | None) -> SshSettings:
+def settings_for(name: str, inventory_path: str | None) -> "SshSettings":
+    from dflashops.transport.ssh_settings import SshSettings, settings_for_host
+
     inventory = load_inventory(inventory_path)
     if name in inventory.hosts:
         return settings_for_host(inventory.hosts[name], inventory.hosts)
@@ -42,6 +47,9 @@ def settings_for(name: str, inventory_path: str | None) -> SshSettings:
 
 
 def handle_trust(args: argparse.Namespace) -> int:
+    # Imported here: fabric/paramiko cost ~0.2 s of start-up that every other verb would pay otherwise.
+    from dflashops.transport.ssh_keys import fetch_host_key, fingerprint, record_host_key
+
     settings = settings_for(args.host, getattr(args, "inventory", None))
     known_name, key = fetch_host_key(settings)
     printed = fingerprint(key)
