@@ -70,7 +70,8 @@ class _Runner:
         for number, step in enumerate(steps, 1):
             index = f"{prefix}{number}"
             if self.report.error is not None:
-                self.add(StepReport(index, step.label, step.kind, "skipped", 0.0, "an earlier step failed", step.where))
+                self.add(StepReport(index, self.label(step), step.kind, "skipped", 0.0, "an earlier step failed",
+                                    step.where))
             elif step.kind == "loop":
                 self.loop(step, index)
             else:

@@ -35,6 +35,7 @@ class Context:
     scope: dict[str, Any]
     say: Callable[[str], None] = lambda text: None
     tables: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    planned_runs: set[str] = field(default_factory=set)  # check mode: runs earlier steps would have launched
 
     def target_arg(self, args: dict[str, Any]) -> str | None:
         return str(args["target"]) if args.get("target") else self.target
@@ -70,9 +71,14 @@ def _profile_and_target(ctx: Context, args: dict[str, Any]) -> tuple[Any, Any]:
 
 
 def do_stop(ctx: Context, args: dict[str, Any]) -> StepOutcome:
-    run = str(args["run"])
+    run, grace = str(args["run"]), _number(args, "grace", 60.0)
+    if ctx.check and run in ctx.planned_runs:
+        # The run only exists in this plan, so the agent cannot be asked about it: show the stop call itself.
+        target = ctx.session.target_for_run(run, ctx.target_arg(args))
+        argv = ctx.session.agent(target).argv("stop", {"grace": grace, "name": run, "workspace": target.workspace})
+        return StepOutcome(True, f"would stop {run}", {"commands": [f"[{target.name}] {join_argv(argv)}"]})
     try:
-        answer = stop_run(ctx.session, run, target=ctx.target_arg(args), grace=_number(args, "grace", 60.0))
+        answer = stop_run(ctx.session, run, target=ctx.target_arg(args), grace=grace)
     except NotRunning:
         return StepOutcome(False, f"{run} was not running", {"stopped": False, "exit_code": None})
     if ctx.check:
@@ -117,6 +123,8 @@ def do_deploy(ctx: Context, args: dict[str, Any]) -> StepOutcome:
         name=str(args["name"]) if args.get("name") else ("+" if parent else None), parent=parent,
         note=str(args.get("note") or ""), launcher=str(args.get("launcher") or (record.launcher if record else "tmux")),
         clear_cache=bool(args.get("clear_cache", False)), extra_args=[str(a) for a in extra]))
+    if ctx.check:
+        ctx.planned_runs.add(outcome.name)
     verb = "would launch" if ctx.check else "launched"
     return StepOutcome(True, f"{verb} {outcome.name} on {outcome.target}" + (f" (parent {parent})" if parent else ""),
                        {"name": outcome.name, "target": outcome.target, "run_dir": outcome.run_dir,
@@ -131,6 +139,8 @@ def do_restart(ctx: Context, args: dict[str, Any]) -> StepOutcome:
         launcher=args.get("launcher"), extra_args=[str(a) for a in extra] if isinstance(extra, list) else None,
         grace=_number(args, "grace", 60.0)))
     new = outcome.deployed.name
+    if ctx.check:
+        ctx.planned_runs.add(new)
     how = f" from {outcome.checkpoint}" if outcome.checkpoint else ""
     return StepOutcome(True, f"relaunched {args['run']} as {new}{how}",
                        {"name": new, "parent": str(args["run"]), "checkpoint": outcome.checkpoint,

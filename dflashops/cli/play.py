@@ -101,7 +101,8 @@ def handle_play(args: argparse.Namespace) -> int:
                 if not entry.commands:
                     print(f"#   nothing to run ({entry.detail})")
         for name, rows in report.tables.items():
-            out.print(data_table(name, rows))
+            if rows:  # a check run fills no rows
+                out.print(data_table(name, rows))
     if report.error is not None:
         progress(f"error: playbook stopped: {report.error.message}")
         if report.error.hint:

@@ -59,8 +59,10 @@ def test_watch_in_a_tmux_pane(env: Env, capsys: pytest.CaptureFixture[str]) -> N
     socket = f"dflashops-watch-test-{os.getpid()}"
     conf = env.root / "tmux.conf"
     conf.write_text("set -g remain-on-exit on\n")
-    command = join_argv(["env", f"PYTHONPATH={REPO}", "NO_COLOR=1", sys.executable, "-m", "dflashops.cli.main",
+    command = join_argv(["env", f"PYTHONPATH={REPO}", "NO_COLOR=1", sys.executable, "-X", "faulthandler", "-m", "dflashops.cli.main",
                          "--inventory", str(env.inventory), "watch", "w1", "--interval", "0.3"])
+    exit_file = env.root / "watch.exit"
+    command += f"; echo $? > {exit_file}"  # tmux 3.3 does not always record pane_dead_status
     tmux = ["tmux", "-L", socket, "-f", str(conf)]
     try:
         subprocess.run([*tmux, "new-session", "-d", "-s", "view", "-x", "120", "-y", "30", command], check=True,
@@ -86,12 +88,16 @@ def test_watch_in_a_tmux_pane(env: Env, capsys: pytest.CaptureFixture[str]) -> N
         assert not re.search(r"\x1b\[(3[0-7]|38|9[0-7])[;m]", pane("-e")), "colour used despite NO_COLOR"
         subprocess.run([*tmux, "send-keys", "-t", "view", "q"], check=True, timeout=10)
 
-        def dead() -> str:
-            return subprocess.run([*tmux, "list-panes", "-t", "view", "-F", "#{pane_dead} #{pane_dead_status}"],
-                                  capture_output=True, text=True, timeout=10).stdout.strip()
-
-        wait_until(lambda: dead().startswith("1"), timeout=10, what="watch to quit on q")
-        assert dead() == "1 0"
+        try:
+            wait_until(lambda: exit_file.exists() and exit_file.read_text().strip() != "", timeout=10,
+                       what="watch to quit on q")
+        except AssertionError:
+            pid = subprocess.run([*tmux, "list-panes", "-t", "view", "-F", "#{pane_pid}"], capture_output=True,
+                                 text=True, timeout=10).stdout.strip()
+            os.kill(int(pid), 6)  # our own pane's process: faulthandler prints where it hangs
+            time.sleep(1)
+            raise AssertionError(f"watch did not quit on q; pane shows: {pane('-S', '-60')}") from None
+        assert exit_file.read_text().strip() == "0"
     finally:
         subprocess.run([*tmux, "kill-server"], capture_output=True, timeout=10)
     assert state_of(env, "w1") == "running"  # watching never touches the run
