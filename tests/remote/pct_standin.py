@@ -1,8 +1,9 @@
 #!/usr/bin/python3
 """A stand-in for Proxmox's `pct`, for tests: containers are long-lived PID + mount namespaces.
 
-Installed by the harness as `<bin>/pct` with STATE_ROOT filled in (sudo resets the environment, so the
-state location cannot come from it). Each container CTID has `STATE_ROOT/<ctid>/`:
+Installed by the harness as `/usr/local/lib/dflashops-test/pct` (one copy shared by concurrent test
+sessions). Each session's sshd sets DFO_PCT_STATE (its own state root, kept through sudo by an env_keep
+rule), so two sessions never see each other's containers. Each container CTID has `STATE_ROOT/<ctid>/`:
 
     <ctid>.conf     exists  <=> the container exists ("Configuration file ... does not exist" otherwise)
     init.pid        host PID of the namespace's PID 1 while it runs
@@ -24,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-STATE_ROOT = Path("@STATE_ROOT@")
+STATE_ROOT = Path(os.environ.get("DFO_PCT_STATE", "/nonexistent"))
 INIT_SCRIPT = Path(__file__).resolve().with_name("ct_init.py")
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -144,6 +145,10 @@ def cmd_pull(ctid: str, source: str, dest: str) -> None:
 def main(argv: list[str]) -> None:
     if os.geteuid() != 0:
         die("only root can use this command.")
+    # Only a harness state root (a temp dir of our own) is accepted: this runs as root via sudo.
+    if not (STATE_ROOT.is_absolute() and STATE_ROOT.name == "pct" and STATE_ROOT.parent.name.startswith("dfo-remote-")
+            and STATE_ROOT.is_dir()):
+        die("pct stand-in: DFO_PCT_STATE does not name a harness state directory")
     if not argv:
         die("ERROR: no command specified")
     verb, args = argv[0], argv[1:]

@@ -4,16 +4,18 @@ Used by tests/remote/conftest.py (one harness per pytest session) and by bench/r
 `start_harness()` needs root (it creates the user, a sudoers rule and the privilege-separation
 directory) and installs openssh-server/sudo with apt-get only when they are missing.
 
-What it builds under `root` (a fresh temp dir, 0755 so the test user can read its bin/):
+What it builds under `root` (a fresh temp dir, 0755 so the test user can read its files):
 
     ssh_host_ed25519_key      throwaway host key;  client_key: the authorized client key
     known_hosts               `[127.0.0.1]:<port>` -> host key (what the client checks against)
-    sshd_config               loopback only, key auth only, PATH=<bin>:... via SetEnv
-    bin/pct, bin/ct_init.py   the stand-in; sudo NOPASSWD for the test user on bin/pct only
+    sshd_config               loopback only, key auth only; SetEnv PATH=<stand-in dir>:... and
+                              DFO_PCT_STATE=<root>/pct (which containers this session's pct sees)
     pct/<ctid>/               container state (see pct_standin.py)
 
-`stop()` kills only what it started: sshd by PID and each container's init by its recorded PID;
-it removes the sudoers rule. The test user stays (re-used by the next session).
+Shared between sessions: the stand-in itself in /usr/local/lib/dflashops-test/ (pct, ct_init.py) and
+the test user. Per session: a sudoers file (NOPASSWD for the test user on that pct only, DFO_PCT_STATE
+kept through sudo). `stop()` kills only what it started: sshd by PID and each container's init by its
+recorded PID; it removes its sudoers file. Concurrent sessions (two engineers' test runs) do not collide.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 TEST_USER = "dfotest"
-SUDOERS_FILE = Path("/etc/sudoers.d/dflashops-test")
+STANDIN_DIR = Path("/usr/local/lib/dflashops-test")  # shared by concurrent sessions (same content)
+SUDOERS_DIR = Path("/etc/sudoers.d")
 
 
 def free_port() -> int:
@@ -79,6 +82,15 @@ class Harness:
     def pct_state(self) -> Path:
         return self.root / "pct"
 
+    @property
+    def sudoers_file(self) -> Path:
+        # One rule file per session (sudo skips names with '.'), so one session's teardown keeps the others'.
+        return SUDOERS_DIR / ("dflashops-test-" + self.root.name.replace(".", "_"))
+
+    @property
+    def standin_env(self) -> dict[str, str]:
+        return {**os.environ, "DFO_PCT_STATE": str(self.pct_state)}
+
     def known_hosts_line(self, port: int, host: str = "127.0.0.1") -> str:
         key_type, key_b64 = (self.root / "ssh_host_ed25519_key.pub").read_text().split()[:2]
         name = host if port == 22 else f"[{host}]:{port}"
@@ -92,8 +104,8 @@ class Harness:
     # -- containers ---------------------------------------------------------------------------------
     def pct(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         """Run the stand-in directly as root (set-up and assertions; tests of the product go via ssh)."""
-        return subprocess.run([str(self.root / "bin" / "pct"), *args], capture_output=True, text=True,
-                              check=check)
+        return subprocess.run([str(STANDIN_DIR / "pct"), *args], capture_output=True, text=True,
+                              check=check, env=self.standin_env)
 
     def create_container(self, ctid: str, hostname: str, running: bool = True) -> None:
         directory = self.pct_state / ctid
@@ -122,12 +134,21 @@ class Harness:
                 self.sshd.wait(5)
             except subprocess.TimeoutExpired:
                 self.sshd.kill()
-        SUDOERS_FILE.unlink(missing_ok=True)
+        self.sudoers_file.unlink(missing_ok=True)
         shutil.rmtree(self.root, ignore_errors=True)
 
 
+def install_standin() -> None:
+    """Copy the stand-in and its init to STANDIN_DIR atomically (a concurrent session may be using them)."""
+    STANDIN_DIR.mkdir(parents=True, exist_ok=True)
+    for source, name in ((HERE / "pct_standin.py", "pct"), (HERE / "ct_init.py", "ct_init.py")):
+        tmp = STANDIN_DIR / f".{name}.{os.getpid()}"
+        shutil.copy(source, tmp)
+        tmp.chmod(0o755)
+        os.replace(tmp, STANDIN_DIR / name)
+
+
 def _write_sshd_config(root: Path, port: int) -> Path:
-    bin_dir = root / "bin"
     config = root / "sshd_config"
     config.write_text(
         f"""Port {port}
@@ -148,7 +169,7 @@ PrintMotd no
 LogLevel ERROR
 MaxSessions 64
 MaxStartups 64:30:128
-SetEnv PATH={bin_dir}:/usr/local/bin:/usr/bin:/bin
+SetEnv PATH={STANDIN_DIR}:/usr/local/bin:/usr/bin:/bin DFO_PCT_STATE={root}/pct
 """
     )
     return config
@@ -166,23 +187,19 @@ def start_harness() -> Harness:
     subprocess.run([*keygen, "-f", str(root / "client_key")], check=True)
     shutil.copy(root / "client_key.pub", root / "authorized_keys")
     (root / "authorized_keys").chmod(0o644)
-    bin_dir = root / "bin"
-    bin_dir.mkdir()
-    standin = (HERE / "pct_standin.py").read_text().replace("@STATE_ROOT@", str(root / "pct"))
-    (bin_dir / "pct").write_text(standin)
-    (bin_dir / "pct").chmod(0o755)
-    shutil.copy(HERE / "ct_init.py", bin_dir / "ct_init.py")
+    install_standin()
     (root / "pct").mkdir()
     Path("/workspace").mkdir(exist_ok=True)  # mount point for the containers' private workspaces
-    SUDOERS_FILE.write_text(
-        f'Defaults:{TEST_USER} secure_path="{bin_dir}:/usr/sbin:/usr/bin:/sbin:/bin"\n'
-        f"{TEST_USER} ALL=(root) NOPASSWD: {bin_dir}/pct\n"
-    )
-    SUDOERS_FILE.chmod(0o440)
-    Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
     port = free_port()
-    config = _write_sshd_config(root, port)
     harness = Harness(root=root, port=port)
+    harness.sudoers_file.write_text(
+        f'Defaults:{TEST_USER} secure_path="{STANDIN_DIR}:/usr/sbin:/usr/bin:/sbin:/bin"\n'
+        f'Defaults:{TEST_USER} env_keep += "DFO_PCT_STATE"\n'
+        f"{TEST_USER} ALL=(root) NOPASSWD: {STANDIN_DIR}/pct\n"
+    )
+    harness.sudoers_file.chmod(0o440)
+    Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
+    config = _write_sshd_config(root, port)
     harness.sshd = subprocess.Popen(["/usr/sbin/sshd", "-D", "-e", "-f", str(config)],
                                     stdin=subprocess.DEVNULL, stderr=open(root / "sshd.log", "wb"))
     (root / "known_hosts").write_text(harness.known_hosts_line(port))

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from loopproxy import LoopProxy
-from remote_harness import Harness
+from remote_harness import STANDIN_DIR, Harness
 
 
 def test_pct_list_status_and_proxmox_error_words(harness: Harness) -> None:
@@ -50,10 +50,11 @@ def test_container_state_persists_between_calls_until_stopped(harness: Harness) 
 
 
 def test_keep_env_modes(harness: Harness) -> None:
-    env = {**os.environ, "HOST_ONLY_VAR": "x"}
-    cleared = subprocess.run([str(harness.root / "bin" / "pct"), "exec", "200", "--keep-env", "0", "--", "env"],
+    env = {**harness.standin_env, "HOST_ONLY_VAR": "x"}
+    standin = str(STANDIN_DIR / "pct")
+    cleared = subprocess.run([standin, "exec", "200", "--keep-env", "0", "--", "env"],
                              capture_output=True, text=True, env=env).stdout
-    kept = subprocess.run([str(harness.root / "bin" / "pct"), "exec", "200", "--keep-env", "1", "--", "env"],
+    kept = subprocess.run([standin, "exec", "200", "--keep-env", "1", "--", "env"],
                           capture_output=True, text=True, env=env).stdout
     assert "HOST_ONLY_VAR=x" not in cleared and "HOST_ONLY_VAR=x" in kept
 
