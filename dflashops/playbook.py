@@ -29,6 +29,9 @@ import yaml
 
 from dflashops.errors import UsageError
 from dflashops.playbook_expr import ExprSyntaxError, parse
+from dflashops.playbook_vars import PlaybookError, references, render, templated
+
+__all__ = ["PlaybookError", "Playbook", "Step", "load_playbook", "parse_set", "references", "render"]
 
 REQUIRED = object()  # a variable declared with no default
 ON_FAILURE = ("stop", "continue", "restart-with-resume")
@@ -47,15 +50,10 @@ STEP_KINDS: dict[str, tuple[set[str], set[str]]] = {
     "loop": ({"items", "steps"}, {"as"}),
     "include": ({"file"}, {"vars"}),
 }
-TEMPLATE = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)((?:\.[A-Za-z_][A-Za-z0-9_]*|\[\d+\])*)\s*\}\}")
 MAX_INCLUDE_DEPTH = 16
 # Names every playbook may use without declaring them: `target` (play --target) and `latest_run` (the most
 # recently started run that is running on that target, looked up only when a playbook refers to it).
 BUILTINS = ("target", "latest_run")
-
-
-class PlaybookError(UsageError):
-    """The playbook is not valid; nothing ran. The message starts with `file:line:`."""
 
 
 class _Map(dict):
@@ -278,41 +276,26 @@ def _check_step(step: Step, args: _Map, path: Path) -> None:
         if ("log" in args) == ("metric" in args):
             raise PlaybookError(f"{step.where}: wait needs exactly one of `log: REGEX` or `metric: CONDITION`")
         timeout = args.get("timeout")
-        if not _templated(timeout) and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+        if not templated(timeout) and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                         or timeout <= 0):
             raise PlaybookError(f"{at('timeout')}: wait timeout must be a number of seconds > 0, got {timeout!r}")
     for key in ("log", "fail_on"):
-        if isinstance(args.get(key), str) and not _templated(args[key]):
+        if isinstance(args.get(key), str) and not templated(args[key]):
             try:
                 re.compile(args[key])
             except re.error as exc:
                 raise PlaybookError(f"{at(key)}: {key}: invalid regular expression {args[key]!r}: {exc}") from None
     for key in ("metric", "that"):
-        if key in args and not _templated(args[key]):
+        if key in args and not templated(args[key]):
             try:
                 parse(str(args[key]))
             except ExprSyntaxError as exc:
                 raise PlaybookError(f"{at(key)}: {key}: {exc}",
                                     hint="conditions look like `step >= 50 and block_tok_s > 5000`") from None
-    if step.kind == "exec" and not (isinstance(args["argv"], list) or _templated(args["argv"])):
+    if step.kind == "exec" and not (isinstance(args["argv"], list) or templated(args["argv"])):
         raise PlaybookError(f"{at('argv')}: exec argv must be a list of words", hint='argv: [nvidia-smi, "-L"]')
     if step.kind == "loop" and not isinstance(args["steps"], list):
         raise PlaybookError(f"{at('steps')}: loop steps: expected a list of steps")
-
-
-def _templated(value: Any) -> bool:
-    return isinstance(value, str) and TEMPLATE.search(value) is not None
-
-
-def references(value: Any) -> list[str]:
-    """The first names of every `{{...}}` in a value (strings, lists and mappings, recursively)."""
-    if isinstance(value, str):
-        return [match.group(1) for match in TEMPLATE.finditer(value)]
-    if isinstance(value, dict):
-        return [name for item in value.values() for name in references(item)]
-    if isinstance(value, list):
-        return [name for item in value for name in references(item)]
-    return []
 
 
 def _check_references(steps: list[Step], known: set[str]) -> set[str]:
@@ -327,32 +310,3 @@ def _check_references(steps: list[Step], known: set[str]) -> set[str]:
         if step.register:
             known = known | {step.register}
     return known
-
-
-def render(value: Any, scope: dict[str, Any], depth: int = 0) -> Any:
-    """Substitute `{{...}}` in strings (recursively, also inside variable values such as a default of
-    "restart of {{run}}"); an exact `{{x}}` keeps x's type."""
-    if depth > 8:
-        raise PlaybookError(f"variables refer to each other too deeply near {value!r}")
-    if isinstance(value, str):
-        whole = TEMPLATE.fullmatch(value.strip())
-        if whole:
-            return render(_resolve(whole, scope), scope, depth + 1)
-        return TEMPLATE.sub(lambda match: str(render(_resolve(match, scope), scope, depth + 1)), value)
-    if isinstance(value, dict):
-        return {key: render(item, scope, depth) for key, item in value.items()}
-    if isinstance(value, list):
-        return [render(item, scope, depth) for item in value]
-    return value
-
-
-def _resolve(match: re.Match[str], scope: dict[str, Any]) -> Any:
-    if match.group(1) not in scope:
-        raise PlaybookError(f"variable {match.group(1)!r} has no value here")
-    current: Any = scope[match.group(1)]
-    for part in re.findall(r"[A-Za-z_][A-Za-z0-9_]*|\[\d+\]", match.group(2)):
-        try:
-            current = current[int(part[1:-1])] if part.startswith("[") else current[part]
-        except (KeyError, IndexError, TypeError):
-            raise PlaybookError(f"{match.group(0)}: no {part!r} in {current!r}") from None
-    return current

@@ -20,7 +20,8 @@ from typing import Any
 from dflashops.errors import DflashopsError
 from dflashops.ops.restart import RestartRequest, restart
 from dflashops.ops.session import Session
-from dflashops.playbook import Playbook, PlaybookError, Step, render
+from dflashops.playbook import Playbook, Step
+from dflashops.playbook_vars import PlaybookError, render
 from dflashops.playbook_expr import ExprSyntaxError
 from dflashops.playbook_steps import STEP_FUNCTIONS, Context, StepOutcome, latest_running_run
 
