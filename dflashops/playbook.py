@@ -12,6 +12,14 @@
       - include: {file: common.yaml, vars: {x: 1}}   # splice another playbook's steps (relative path)
       - loop: {items: "{{grid}}", as: point, steps: [...]}
 
+Step kinds (arguments; * = required): stop {run*, target, grace} | sync {run, profile, target} |
+clear-cache {run, profile, target} | deploy {profile, name, parent, note, launcher, clear_cache, extra_args,
+target} (with a parent: its profile, launcher, extra args and target, and name `+`) | restart {run*, name,
+note, resume, clear_cache, extra_args, grace, launcher} | wait {run*, timeout*, log REGEX | metric CONDITION,
+fail_on (default: Traceback), poll, target} | assert {that* CONDITION, run, message, target} |
+exec {argv* [words], check, target} | collect {run*, into* TABLE, fields, target} | loop | include.
+Built-in variables: `target` (play --target) and `latest_run` (the newest running run on that target).
+
 `{{name}}` / `{{name.field}}` / `{{name.list[0]}}` substitute variables; a value that is exactly one
 `{{...}}` keeps its type (a list stays a list). Every problem found here is a PlaybookError naming the file
 and line: unknown step kind or key, a missing variable, a reference to an unknown name, a wait without a

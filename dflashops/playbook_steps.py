@@ -267,9 +267,13 @@ def do_collect(ctx: Context, args: dict[str, Any]) -> StepOutcome:
 
 def latest_running_run(session: Session, target: str | None) -> str:
     """The most recently started run that is running now on `target` (for the `{{latest_run}}` default)."""
-    running = [e for e in run_status(session, None, target=target) if e["state"] == "running"]
+    tgt = session.inventory.target(target)
+    # The agent's status verb directly (read-only): in a --check session on a target that has no agent yet,
+    # the call is only planned and answers without "runs", which here simply means "none running".
+    answer = session.agent(tgt).call("status", {"workspace": tgt.workspace})
+    running = [e for e in answer.get("runs", []) if e["state"] == "running"]
     if not running:
-        raise NotFound(f"no run is running on target {session.inventory.target(target).name}",
+        raise NotFound(f"no run is running on target {tgt.name}",
                        hint="name the run: --set run=NAME")
     return max(running, key=lambda e: str((e.get("run_json") or {}).get("started_at") or ""))["name"]
 

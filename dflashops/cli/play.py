@@ -25,7 +25,10 @@ from dflashops.playbook_run import PlayReport, StepReport, run_playbook
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("play", help="run a playbook: ordered dflashops steps from a YAML file",
                               description="Run the steps of PLAYBOOK in order and report each one "
-                                          "(ok / changed / failed / skipped) with its duration.")
+                                          "(ok / changed / failed / skipped) with its duration. Step kinds: stop, sync, "
+                                          "clear-cache, deploy, restart, wait (log REGEX or metric condition, "
+                                          "with a timeout), assert, exec, collect, loop, include; see "
+                                          "dflashops/playbook.py and playbooks/*.yaml.")
     p.add_argument("playbook", help="path to a playbook YAML file (see playbooks/)")
     p.add_argument("--target", help="target for steps that name none (also the {{target}} variable)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

@@ -116,6 +116,11 @@ def test_cli_refuses_bad_playbook_and_runs_nothing(env: Env, write: Write,
     assert not env.workspace.exists() and not env.db.exists()
     code, _, err = env.cli("play", str(PLAYBOOKS / "restart-cycle.yaml"), "--set", "bogus=1", capsys=capsys)
     assert code == 2 and "no variable 'bogus'" in err and "hint: variables:" in err
+    for check in (["--check"], []):  # `run` defaults to the newest running run: there is none
+        code, out, err = env.cli("play", str(PLAYBOOKS / "restart-cycle.yaml"), "--target", "local", *check,
+                                 capsys=capsys)
+        assert code == 3 and out == "" and "error: no run is running on target local" in err
+        assert "hint: name the run: --set run=NAME" in err
+    assert not env.runs.exists() and not env.db.exists()
     code, _, err = env.cli("play", str(env.root / "missing.yaml"), capsys=capsys)
     assert code == 2 and "does not exist" in err
-    assert not env.workspace.exists()
