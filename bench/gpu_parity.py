@@ -103,29 +103,38 @@ def attention_case(case: Case, device: torch.device, gen: torch.Generator) -> li
 
 
 def drafter_case(device: torch.device, gen: torch.Generator) -> tuple[str, list[float], bool]:
-    """Whole drafter, bf16 weights, flex vs dense: output and three parameter gradients, relative to their max."""
+    """Whole drafter (sliding + full layers, padded blocks): bf16 flex and bf16 dense, each against an fp32 dense
+    copy of the same weights; output and three parameter gradients, relative to the reference's max. A bf16
+    model's gradients differ from fp32 by a few percent on their own, so flex passes when its error is within
+    2x the bf16 dense path's error + 1e-2 (the same rule as the attention rows)."""
     cfg = DrafterConfig(hidden_size=512, intermediate_size=1536, num_hidden_layers=3, num_attention_heads=8,
                         num_key_value_heads=2, head_dim=64, vocab_size=1000, block_size=16, target_layer_ids=[1, 3, 5],
                         num_target_layers=8, mask_token_id=999, layer_types=[SLIDING, SLIDING, FULL],
                         sliding_window=128)
     torch.manual_seed(0)
-    drafter = DFlashDrafter(cfg).to(device=device, dtype=torch.bfloat16)
+    reference = DFlashDrafter(cfg).to(device=device, dtype=torch.float32)
     R, S, N = 2, 700, 40
     anchors = torch.randint(1, S, (R, N), generator=gen).sort(dim=1).values.to(device)
     keep = torch.ones(R, N, dtype=torch.bool, device=device)
     keep[1, -7:] = False
-    ctx = torch.randn(R, S, 3 * 512, generator=gen).to(device, torch.bfloat16)
-    emb = torch.randn(R, N * 16, 512, generator=gen).to(device, torch.bfloat16)
-    results = []
-    for backend in ("dense", "flex"):
-        drafter.zero_grad(set_to_none=True)
-        out = drafter(ctx, emb, anchors, keep, drafter.build_mask(anchors, keep, S, backend=backend))
+    ctx = torch.randn(R, S, 3 * 512, generator=gen).to(device)
+    emb = torch.randn(R, N * 16, 512, generator=gen).to(device)
+
+    def run(dtype: torch.dtype, backend: str) -> list[torch.Tensor]:
+        model = DFlashDrafter(cfg).to(device=device, dtype=dtype)
+        model.load_state_dict(reference.state_dict())
+        out = model(ctx.to(dtype), emb.to(dtype), anchors, keep, model.build_mask(anchors, keep, S, backend=backend))
         out.float().square().mean().backward()
-        grads = [drafter.fc.weight.grad, drafter.layers[0].self_attn.k_proj.weight.grad,
-                 drafter.layers[2].mlp.down_proj.weight.grad]
-        results.append([out.detach()] + [g.detach().clone() for g in grads])
-    rel = [max_err(a, b) / max(a.float().abs().max().item(), 1e-6) for a, b in zip(*results)]
-    return ("drafter flex vs dense (rel)", rel, all(r < 3e-2 for r in rel))
+        grads = [model.fc.weight.grad, model.layers[0].self_attn.k_proj.weight.grad,
+                 model.layers[2].mlp.down_proj.weight.grad]
+        return [out.detach().float()] + [g.detach().float() for g in grads]
+
+    ref = run(torch.float32, "dense")
+    errors = {b: [max_err(x, r) / max(r.abs().max().item(), 1e-6) for x, r in zip(run(torch.bfloat16, b), ref)]
+              for b in ("dense", "flex")}
+    ok = all(f <= 2 * d + 1e-2 for f, d in zip(errors["flex"], errors["dense"]))
+    dense_txt = " ".join(f"{e:.1e}" for e in errors["dense"])
+    return (f"drafter flex vs fp32 (rel; dense-bf16: {dense_txt})", errors["flex"], ok)
 
 
 def time_flex_layer(device: torch.device, gen: torch.Generator) -> str:
@@ -153,6 +162,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--no-timing", action="store_true", help="skip the full-size timing line")
+    parser.add_argument("--drafter-only", action="store_true", help="only the whole-drafter comparison")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("error: no CUDA device; flex_attention parity needs a GPU", file=sys.stderr)
@@ -165,7 +175,7 @@ def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = False                 # the fp32 reference must be fp32
     gen = torch.Generator().manual_seed(0)
     rows: list[tuple[str, list[float], bool]] = []
-    for case in CASES:
+    for case in [] if args.drafter_only else CASES:
         rows.extend(attention_case(case, device, gen))
     rows.append(drafter_case(device, gen))
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(device)}")

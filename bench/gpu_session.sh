@@ -17,13 +17,17 @@ for section in "$@"; do
     env) nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
          python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' ;;
     parity) step parity 240 python3 bench/gpu_parity.py ;;
+    parity-drafter) step parity-drafter 100 python3 bench/gpu_parity.py --drafter-only --no-timing ;;
     attention) step attention 240 python3 -m trainer bench attention --preset qwen3-8b --shape seed --iters 10 ;;
     loss) step loss 240 python3 -m trainer bench loss --preset qwen3-8b --shape seed --iters 10 ;;
     step8b) step step8b 420 python3 -m trainer bench step --preset qwen3-8b --shape seed,recipe \
               --variants compiled,eager,unsorted,ckpt-loss --iters 8 --warmup 3 --json-out "$OUT/step8b.json" ;;
+    step8b-quick) TORCH_LOGS=recompiles step step8b-quick 280 python3 -m trainer bench step --preset qwen3-8b \
+              --shape seed --variants compiled,eager --iters 5 --warmup 2 --json-out "$OUT/step8b.json" ;;
     step27b) step step27b 420 python3 -m trainer bench step --preset qwen3.6-27b --shape seed,recipe \
               --variants compiled,soft,act-ckpt --iters 6 --warmup 3 --json-out "$OUT/step27b.json" ;;
     pipeline) step pipeline 480 python3 bench/gpu_pipeline.py ;;
+    pipeline-small) step pipeline-small 170 python3 bench/gpu_pipeline.py --scale small --steps 60 ;;
     *) echo "unknown section $section" >&2 ;;
   esac
 done

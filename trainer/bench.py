@@ -347,7 +347,9 @@ def bench_attention(args: argparse.Namespace, device: torch.device) -> list[dict
                 def run() -> None:
                     attend(q, k, v, mask, layer_type).sum().backward()
 
+                t0 = time.perf_counter()
                 ms = statistics.median(time_ms(run, device, warmup=args.warmup, iters=args.iters))
+                _log(f"- {shape_name} {layer_type} {order}: {ms:.2f} ms ({time.perf_counter() - t0:.0f} s incl. compile)")
                 rows.append({"shape": shape_name, "layer": layer_type.split("_")[0], "order": order, "ms": ms})
     print(f"{'shape':<7} {'layer':<8} {'order':<9} {'fwd+bwd ms':>10}")
     for r in rows:
@@ -375,6 +377,9 @@ def main(argv: list[str]) -> int:
             print(f"error: unknown variant {name!r}\nhint: one of {', '.join(VARIANTS)}", file=sys.stderr)
             return 2
     device = torch.device(args.device)
+    # Each bench shape/variant is a new static shape for the compiled code: lift Dynamo's per-code-object cache
+    # limit (8) so nothing silently falls back to eager (the `recompiles` column still counts them).
+    torch._dynamo.config.cache_size_limit = 64
     try:
         rows = {"step": bench_step, "loss": bench_loss, "attention": bench_attention}[args.what](args, device)
     except TrainerInputError as exc:
