@@ -26,6 +26,8 @@ for section in "$@"; do
               --shape seed --variants compiled,eager --iters 5 --warmup 2 --json-out "$OUT/step8b.json" ;;
     step27b) step step27b 420 python3 -m trainer bench step --preset qwen3.6-27b --shape seed,recipe \
               --variants compiled,soft,act-ckpt --iters 6 --warmup 3 --json-out "$OUT/step27b.json" ;;
+    step8b-diag) step step8b-diag 270 python3 -m trainer bench step --preset qwen3-8b --shape seed \
+              --variants eager,compiled --iters 3 --warmup 1 --stacks-every 60 --json-out "$OUT/step8b.json" ;;
     pipeline) step pipeline 480 python3 bench/gpu_pipeline.py ;;
     pipeline-small) step pipeline-small 170 python3 bench/gpu_pipeline.py --scale small --steps 60 ;;
     *) echo "unknown section $section" >&2 ;;

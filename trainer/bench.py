@@ -367,6 +367,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json-out", help="also write the rows as JSON to this file")
+    parser.add_argument("--stacks-every", type=float, default=0, help="dump every thread's stack every N s (stderr)")
     args = parser.parse_args(argv)
     for name in args.shape.split(","):
         if name not in SHAPES:
@@ -377,6 +378,10 @@ def main(argv: list[str]) -> int:
             print(f"error: unknown variant {name!r}\nhint: one of {', '.join(VARIANTS)}", file=sys.stderr)
             return 2
     device = torch.device(args.device)
+    if args.stacks_every:
+        import faulthandler  # where a slow warm-up spends its time, without a profiler
+
+        faulthandler.dump_traceback_later(args.stacks_every, repeat=True, file=sys.stderr)
     # Each bench shape/variant is a new static shape for the compiled code: lift Dynamo's per-code-object cache
     # limit (8) so nothing silently falls back to eager (the `recompiles` column still counts them).
     torch._dynamo.config.cache_size_limit = 64
