@@ -12,9 +12,11 @@ setup: $(STAMP)
 
 # apt-get only when a tool is missing, so a warm machine skips it.
 system-deps:
-	@if ! command -v tmux >/dev/null || [ ! -x /usr/sbin/sshd ]; then \
-		echo "installing tmux and openssh-server" >&2; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq tmux openssh-server openssh-client >/dev/null; \
+	@if ! command -v tmux >/dev/null || [ ! -x /usr/sbin/sshd ] || ! command -v sudo >/dev/null \
+	    || ! command -v rsync >/dev/null; then \
+		echo "installing tmux, openssh-server, sudo and rsync" >&2; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			tmux openssh-server openssh-client sudo rsync >/dev/null; \
 	fi
 
 $(STAMP): pyproject.toml Makefile
