@@ -69,6 +69,8 @@ class TrainConfig:
     data_dir: str | None = None  # prepared shards; None = synthetic tokens (tiny preset only)
     output_dir: str | None = None  # the run directory; None = runs/train-<timestamp>
     init_from: str | None = None  # exported drafter directory to start from (fresh optimizer)
+    tokenizer: str | None = None  # tokenizer directory for the dataset check (default: --target-model)
+    enable_thinking: bool | None = None  # the serving thinking mode; checked against the dataset's (None: no check)
     resume: str = "auto"  # auto: latest checkpoint in output_dir if any | never | a checkpoint path
     target_gpus: list[str] = field(default_factory=list)  # devices; [] = cuda:0 if available else cpu
     drafter_gpus: list[str] = field(default_factory=list)
@@ -247,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m trainer train", description="Train a DFlash drafter.",
                      argument_default=argparse.SUPPRESS, allow_abbrev=False)
     types = {"target_gpus": _devices, "drafter_gpus": _devices, "target_layer_ids": _int_list,
-             "use_soft_labels": _bool, "pipeline": _bool}
+             "use_soft_labels": _bool, "pipeline": _bool, "enable_thinking": _bool}
     skip = {"tiny_target"}
     for f in dataclasses.fields(TrainConfig):
         if f.name in skip:

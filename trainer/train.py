@@ -128,12 +128,43 @@ def build_drafter_config(cfg: TrainConfig, hf_config: Any) -> DrafterConfig:
                                 hint="the drafter taps one target layer per drafter layer") from None
 
 
+def check_dataset_settings(cfg: TrainConfig, dataset: object) -> None:
+    """Refuse data tokenized with another chat template or thinking mode than this run serves (METHOD.md 4).
+
+    Only prepared datasets that recorded a chat template are checked; the tokenizer is read from --tokenizer,
+    else from --target-model. Reads files, writes nothing."""
+    meta = getattr(dataset, "meta", None)
+    if meta is None or not (meta.chat_template_sha256 or meta.enable_thinking is not None):
+        return
+    from trainer.prepare import check_dataset_matches
+
+    tokenizer = None
+    if meta.chat_template_sha256:
+        source = cfg.tokenizer or cfg.target_model
+        try:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True) if source else None
+        except (OSError, ValueError) as exc:
+            raise TrainerInputError(f"--tokenizer: cannot load a tokenizer from {source}: {str(exc).splitlines()[0]}",
+                                    hint="pass --tokenizer DIR (the serving tokenizer) to check the dataset's chat template") from None
+        if tokenizer is None:
+            raise TrainerInputError("--tokenizer: the dataset records a chat template but no tokenizer was given",
+                                    hint="pass --tokenizer DIR or --target-model DIR")
+    if tokenizer is not None:
+        check_dataset_matches(meta, tokenizer, cfg.enable_thinking)
+    elif cfg.enable_thinking is not None and meta.enable_thinking is not None and meta.enable_thinking != cfg.enable_thinking:
+        raise TrainerInputError(f"--enable-thinking: the dataset was prepared with enable_thinking={meta.enable_thinking}",
+                                hint="re-run prepare with the serving thinking mode")
+
+
 def plan_run(cfg: TrainConfig) -> Plan:
     """Every check that can refuse the run; reads, never writes."""
     hf_config = _target_hf_config(cfg)
     drafter_config = build_drafter_config(cfg, hf_config)
     cfg.vocab_size = drafter_config.vocab_size
     dataset = open_dataset(cfg)
+    check_dataset_settings(cfg, dataset)
     run_dir = Path(cfg.output_dir or ".")
     if run_dir.exists() and not run_dir.is_dir():
         raise TrainerInputError(f"--output-dir: {run_dir} exists and is not a directory")
