@@ -4,7 +4,9 @@ Per step: the drafter proposes up to B-1 tokens after the anchor (the last commi
 ONE forward over [anchor, d_1 .. d_{B-1}] on its KV cache; the longest prefix where d_j equals the target's
 argmax is accepted, plus the target's bonus token; the cache is cropped back to the committed length.
 Reported per drafter (trained, untrained = same config freshly initialised, prompt-lookup n-gram):
-- tau: mean tokens committed per verify step (accepted + 1), METHOD.md 1;
+- tau: mean tokens committed per verify step (accepted + 1), METHOD.md 1; generation ends at the first stop id
+  even when it is an accepted draft token (that last step still counts accepted + 1, as training's tau_sim and
+  the public reference count it), so no step verifies text past the end of the answer;
 - tokens per target forward: generated tokens / (verify steps + the prefill forward);
 - per-slot acceptance: share of steps where slot k was accepted (slot k is accepted only if 1..k-1 were);
 - lossless: every output must equal the target's own greedy `generate` output token for token; a mismatch
@@ -143,10 +145,19 @@ def speculative_generate(runner: TargetRunner, prompt: list[int], propose: Propo
         accepted = 0
         while accepted < len(draft) and draft[accepted] == choice[accepted]:
             accepted += 1
-        committed += draft[:accepted] + [choice[accepted]]
-        taps = torch.cat([taps, new_taps[:accepted + 1]])                  # committed positions only
-        runner.crop(n + accepted)
-        stats.record_step(len(draft), accepted, slots)
+        new_tokens, proposed = draft[:accepted] + [choice[accepted]], len(draft)
+        stop_at = next((i for i, t in enumerate(new_tokens) if t in stops), None)
+        if stop_at is not None:
+            # The answer ends at the first stop id, also when it is an ACCEPTED draft token: nothing after it is
+            # output, so no further verify step runs and slots past it are not counted (they lie past the end
+            # of the text, exactly like the invalid slots of training's tau_sim). Without this the loop went on
+            # verifying garbage after the answer until max_new_tokens and those steps pulled tau down.
+            new_tokens = new_tokens[:stop_at + 1]
+            accepted, proposed = min(accepted, stop_at + 1), min(proposed, stop_at + 1)
+        committed += new_tokens
+        taps = torch.cat([taps, new_taps[:len(new_tokens)]])               # committed positions only
+        runner.crop(n - 1 + len(new_tokens))
+        stats.record_step(proposed, accepted, slots)
     generated = committed[len(prompt):]
     cut = next((i + 1 for i, t in enumerate(generated) if t in stops), len(generated))
     generated = generated[:min(cut, max_new_tokens)]

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from trainer import eval as eval_cli
-from trainer.model.drafter import DFlashDrafter, DrafterConfig
+import torch.nn.functional as F
+
+from trainer.model.drafter import DFlashDrafter, DrafterConfig, make_block_input_ids
 from trainer.model.target import TargetModel
 from trainer.tiny_world import WalkWorld, build_tiny_target
 from trainer.tokenizer_utils import MASK_TOKEN, build_tiny_tokenizer, end_of_turn_ids, tokenize_prompt
@@ -51,6 +53,58 @@ def test_oracle_proposer_accepts_whole_blocks_and_garbage_accepts_nothing(setup)
 
     assert eval_cli.speculative_generate(runner, prompt, wrong, slots=3, max_new_tokens=20, stops=set(stops), stats=garbage) == reference
     assert garbage.summary()["tau"] == 1.0 and garbage.steps == len(reference) - 1
+
+
+def test_generation_ends_at_a_stop_id_accepted_inside_a_draft(setup):
+    """Regression: the loop only looked at the LAST committed token, so a stop id accepted mid-draft was followed
+    by more verify steps over text past the answer's end (until max_new_tokens), each counted in tau. On the
+    demo this pulled tau on TRAINING prompts from 5.83 to 3.64."""
+    model, prompt = setup["model"], setup["prompts"][1]
+    free_run = eval_cli.greedy_reference(model, prompt, 20, [], 0)        # this target never emits a stop by itself
+    stop_index = 5
+    assert free_run[stop_index] not in free_run[:stop_index]
+    stops = {free_run[stop_index]}                                      # pretend that token ends the turn
+    reference = eval_cli.greedy_reference(model, prompt, 20, sorted(stops), 0)
+    assert reference == free_run[:stop_index + 1]
+
+    def oracle(committed, taps, slots):                                 # drafts the free run, past the stop too
+        done = len(committed) - len(prompt)
+        return free_run[done:done + slots]
+
+    stats = eval_cli.MethodStats("oracle")
+    runner = eval_cli.TargetRunner(model, [1, 2])
+    output = eval_cli.speculative_generate(runner, prompt, oracle, slots=3, max_new_tokens=20, stops=stops, stats=stats)
+    assert output == reference
+    # prefill -> token 0; step 1 commits 1..3 + bonus 4; step 2 accepts the stop (token 5) as its first slot and ends.
+    assert stats.steps == 2 and stats.forwards == 3
+    assert stats.committed == 4 + 2                                     # accepted + 1 per step, as tau_sim counts
+    assert stats.slot_proposed == [2, 1, 1] and stats.slot_accepted == [2, 1, 1]  # slots past the stop: not counted
+    assert runner.cache.get_seq_length() == len(prompt) + stop_index    # cache = committed positions but the last
+
+
+def test_training_forward_and_eval_proposer_draft_the_same_tokens(setup):
+    """The same drafter on the same tokens: the training forward (all anchors at once, dense mask, TargetModel
+    features of the whole sequence) and eval's proposer (one block, taps from the KV-cached runner) must draft
+    identical tokens at every anchor, or eval's tau would not measure what training's tau_sim measures."""
+    model, drafter, prompt = setup["model"], setup["drafter"], setup["prompts"][0]
+    cfg = drafter.config
+    ids = prompt + eval_cli.greedy_reference(model, prompt, 12, [], 0)
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    anchors = torch.arange(len(prompt) - 1, len(ids) - 1)[None]
+    keep = torch.ones_like(anchors, dtype=torch.bool)
+    with torch.no_grad():
+        features = TargetModel(model, cfg.target_layer_ids).features(torch.tensor([ids])).taps
+        blocks = F.embedding(make_block_input_ids(torch.tensor([ids]), anchors, cfg.block_size, cfg.mask_token_id), embed)
+        hidden = drafter(features, blocks, anchors, keep, drafter.build_mask(anchors, keep, len(ids)))
+    trained = (hidden[0] @ head.T).argmax(-1).view(-1, cfg.block_size)[:, 1:].tolist()
+    runner = eval_cli.TargetRunner(model, cfg.target_layer_ids)
+    _, first = runner.forward(ids[:len(prompt)])
+    _, rest = runner.forward(ids[len(prompt):])                         # incremental taps, as eval builds them
+    taps = torch.cat([first, rest])
+    propose = eval_cli.drafter_proposer(drafter, embed, head)
+    proposed = [propose(ids[:p + 1], taps[:p], cfg.block_size - 1) for p in anchors[0].tolist()]
+    assert proposed == trained
+    assert len({tuple(d) for d in trained}) > 1                         # anchors really draft different tokens
 
 
 def test_runner_taps_match_the_training_target_features(setup):
