@@ -143,8 +143,7 @@ def test_flex_mask_mod_matches_dense_path(window: int | None, causal: bool, with
     anchors = torch.tensor([[2, 5, 9], [3, 7, 0]])
     keep = torch.tensor([[True, True, True], [True, True, False]])
     doc = torch.tensor([[0] * 6 + [1] * 7, [0] * 13]) if with_doc else None
-    block_mask = _flex_block_mask(anchors, keep, S, B, window=window, causal=causal, doc_ids=doc,
-                                  compile_mask=False)
+    block_mask = _flex_block_mask(anchors, keep, S, B, window=window, causal=causal, doc_ids=doc)
     want = dense_mask(anchors, keep, S, B, window=window, causal=causal, doc_ids=doc)
     got = create_mask(block_mask.mask_mod, R, 1, N * B, S + N * B, device="cpu")[:, 0]
     assert torch.equal(got, want)

@@ -17,11 +17,13 @@ Back-ends:
 - "dense" (CPU, tests, tiny preset): the predicate materialised as a boolean [R,1,Q,K] mask for SDPA. SDPA
   returns NaN on a fully masked row (softmax over nothing) and the NaN also poisons the backward, so such rows
   are given an all-True mask (finite, ignored) and their output is multiplied by zero afterwards.
-- "flex" (CUDA): a BlockMask per batch and per layer type, consumed by flex_attention. Both create_block_mask
-  and flex_attention are torch.compile'd once per device (a dict keyed by device, never one process-wide
-  object shared across devices). torch.compile is not thread safe (METHOD.md 6): warm every device x shape x
-  mask variant up sequentially before worker threads start. flex_attention has no CPU backward, so this path
-  refuses CPU tensors.
+- "flex" (CUDA): a BlockMask per batch and per layer type, consumed by flex_attention. The BlockMask is built
+  eagerly, without compiling anything: every (128-query, 128-key) tile of each row is classified empty / partial
+  / full with plain tensor ops from `visible` and handed to BlockMask.from_kv_blocks (a compiled
+  create_block_mask hung > 4 min in Triton on an H200 at a real shape). flex_attention itself is torch.compile'd
+  once per device (a dict keyed by device, never one process-wide object shared across devices). torch.compile
+  is not thread safe (METHOD.md 6): warm every device x shape x mask variant up sequentially before worker
+  threads start. flex_attention has no CPU backward, so this path refuses CPU tensors.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 try:  # flex_attention exists in every torch this project supports; guard anyway so CPU imports never fail.
-    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
     HAVE_FLEX = True
 except ImportError:  # pragma: no cover - depends on the torch build
@@ -133,7 +135,6 @@ def dense_mask(anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, block_si
 
 _COMPILED_LOCK = threading.Lock()
 _COMPILED_FLEX: dict[torch.device, Callable[..., torch.Tensor]] = {}
-_COMPILED_BLOCK_MASK: dict[torch.device, Callable[..., Any]] = {}
 
 
 def _per_device(cache: dict[torch.device, Callable[..., Any]], device: torch.device,
@@ -153,8 +154,66 @@ def compiled_flex_attention(device: torch.device) -> Callable[..., torch.Tensor]
     return _per_device(_COMPILED_FLEX, torch.device(device), flex_attention)
 
 
+TILE = 128                     # flex_attention's sparse block (query tile x key tile)
+_CHUNK_BOOLS = 1 << 24         # query rows per chunk are sized so one [rows, K] bool stays <= 16 MiB
+
+
+def _tile_classes(anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, block_size: int, *,
+                  window: int | None, causal: bool, doc_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partial, full): bool [R, 1, Qt, Kt], one entry per (TILE-query tile, TILE-key tile) pair of each row.
+
+    full = every element visible; partial = some but not all. Out-of-range elements of the last tiles (Q, K not
+    multiples of TILE) count as not visible, as in create_block_mask, so a tail tile is never full.
+
+    Evaluated with the predicate itself, per row and per chunk of query tiles, in plain tensor ops (no compile).
+    Memory: every [rows, K] intermediate in `visible` is bool; the int64 ones are only [rows,1] / [1,K] index
+    vectors. A whole row would be Q x K bools = 5472 x 13664 = 75 MB at the qwen3-8b seed shape and `visible`
+    keeps ~4 such tensors alive (300 MB), so the query tiles go in chunks of <= 16 MiB per [rows, Kpad] bool
+    (9 tiles = 1152 rows at that shape): peak ~4-5 x 16 MiB (75 MiB measured on CPU, bench/block_mask_cost.py)
+    whatever R, Q, K, plus the [R,Qt,Kt] outputs (KBs). Work: R*Q*K predicate evaluations in ~15 elementwise
+    kernels per chunk (5 chunks per row at the seed shape); no host sync.
+    """
+    rows, num_blocks = anchors.shape
+    q_len, kv_len, device = num_blocks * block_size, ctx_len + num_blocks * block_size, anchors.device
+    q_tiles, kv_tiles = -(-q_len // TILE), -(-kv_len // TILE)
+    kv = torch.arange(kv_tiles * TILE, device=device)[None, :]                       # [1, Kpad] int64
+    tiles_per_chunk = max(1, _CHUNK_BOOLS // (TILE * kv_tiles * TILE))
+    partial = torch.empty(rows, 1, q_tiles, kv_tiles, dtype=torch.bool, device=device)
+    full = torch.empty_like(partial)
+    for r in range(rows):
+        for t0 in range(0, q_tiles, tiles_per_chunk):
+            t1 = min(q_tiles, t0 + tiles_per_chunk)
+            q = torch.arange(t0 * TILE, t1 * TILE, device=device)[:, None]         # [rows_in_chunk, 1] int64
+            vis = visible(q, kv, anchors_row=anchors[r], keep_row=keep[r], ctx_len=ctx_len, block_size=block_size,
+                          num_blocks=num_blocks, window=window, causal=causal,
+                          doc_row=None if doc_ids is None else doc_ids[r])
+            vis &= q < q_len                                                         # padding rows/columns of
+            vis &= kv < kv_len                                                       # the tail tiles: invisible
+            tiles = vis.view(t1 - t0, TILE, kv_tiles, TILE)
+            any_visible = tiles.any(dim=3).any(dim=1)                                # [chunk, Kt]
+            all_visible = tiles.all(dim=3).all(dim=1)
+            full[r, 0, t0:t1] = all_visible
+            partial[r, 0, t0:t1] = any_visible & ~all_visible
+    return partial, full
+
+
+def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bool [R,1,Qt,Kt] -> (num_blocks int32 [R,1,Qt], indices int32 [R,1,Qt,Kt]): per query tile, the marked key
+    tiles in ascending order first (a stable descending sort, the same layout create_block_mask produces)."""
+    as_int = tiles.to(torch.int32)
+    order = torch.argsort(as_int, dim=-1, descending=True, stable=True)
+    return as_int.sum(dim=-1).to(torch.int32), order.to(torch.int32)
+
+
 def _flex_block_mask(anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, block_size: int, *,
-                     window: int | None, causal: bool, doc_ids: torch.Tensor | None, compile_mask: bool) -> Any:
+                     window: int | None, causal: bool, doc_ids: torch.Tensor | None) -> Any:
+    """The BlockMask of one batch and layer type, built without compiling anything.
+
+    A compiled create_block_mask was measured to hang > 4 min in Triton's make_llir on an H200 for the qwen3-8b
+    seed shape (Q=5472, K=13664, neither a multiple of 128), and an uncompiled one materialises [R,Q,K] at once.
+    Here the tiles are classified by `_tile_classes` and handed to BlockMask.from_kv_blocks: partial tiles keep
+    mask_mod for element-wise masking, full tiles skip it, empty tiles are never visited.
+    """
     rows, num_blocks = anchors.shape
     q_len = num_blocks * block_size
 
@@ -163,16 +222,19 @@ def _flex_block_mask(anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, bl
                        block_size=block_size, num_blocks=num_blocks, window=window, causal=causal,
                        doc_row=None if doc_ids is None else doc_ids[b])
 
-    # Uncompiled create_block_mask materialises the [R,Q,K] mask (1.3 GB at S=8192, Q=32768); compiled it works
-    # tile by tile. Each new (R, N, S) shape recompiles: keep shapes bucketed.
-    make = _per_device(_COMPILED_BLOCK_MASK, anchors.device, create_block_mask) if compile_mask else create_block_mask
-    return make(mask_mod, rows, None, q_len, ctx_len + q_len, device=anchors.device)
+    partial, full = _tile_classes(anchors, keep, ctx_len, block_size, window=window, causal=causal, doc_ids=doc_ids)
+    kv_num_blocks, kv_indices = _ordered(partial)
+    full_kv_num_blocks, full_kv_indices = _ordered(full)
+    # Keyword arguments only: these seven exist with these names in torch 2.5 .. 2.13 (GPU machine runs 2.11).
+    return BlockMask.from_kv_blocks(kv_num_blocks=kv_num_blocks, kv_indices=kv_indices,
+                                    full_kv_num_blocks=full_kv_num_blocks, full_kv_indices=full_kv_indices,
+                                    BLOCK_SIZE=TILE, mask_mod=mask_mod, seq_lengths=(q_len, ctx_len + q_len))
 
 
 def build_draft_mask(anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, block_size: int, *,
                      sliding_window: int | None = None, causal_full: bool = False, causal_sliding: bool = True,
                      backend: Backend = "dense", doc_ids: torch.Tensor | None = None,
-                     layer_types: Iterable[str] | None = None, compile_mask: bool = True) -> DraftMask:
+                     layer_types: Iterable[str] | None = None) -> DraftMask:
     """Build the per-layer-type masks of one batch.
 
     anchors [R,N] int64 (sorted ascending per row for speed; any order is correct), keep [R,N] bool (False =
@@ -200,7 +262,7 @@ def build_draft_mask(anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, bl
         causal = causal_sliding if lt == SLIDING else causal_full
         if backend == "flex":
             mask.flex[lt] = _flex_block_mask(anchors, keep, ctx_len, block_size, window=window, causal=causal,
-                                             doc_ids=doc_ids, compile_mask=compile_mask)
+                                             doc_ids=doc_ids)
         else:
             allowed = dense_mask(anchors, keep, ctx_len, block_size, window=window, causal=causal, doc_ids=doc_ids)
             row_visible = allowed.any(dim=-1, keepdim=True)                  # [R,Q,1]
