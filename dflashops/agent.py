@@ -6,10 +6,11 @@ for a request that could not even be parsed, still with its JSON line). The cont
 never the exit status, because ssh (255) and pct/lxc-attach (1) make exit codes ambiguous.
 
 With `--json-stdin` the request is read from stdin (launch uses this so that secrets in the environment of
-the launched process never appear on a command line). `install` reads one JSON request line from stdin,
-then the tar stream of the changed files.
+the launched process never appear on a command line). `install` and `restart` read one JSON request line
+from stdin, then the tar stream of the changed files.
 
-Verbs: ping, launch, stop, status, tail, gpus, clear-cache, manifest, install, gc, and the internal `wrap`
+Verbs: ping, launch, stop, status, tail, gpus, clear-cache, manifest, install, restart (stop + install +
+launch in one call), gc, and the internal `wrap`
 (the launch wrapper that records pid/pgid/exit code). It is one file, longer than the usual module size,
 because it is uploaded alone and run with whatever python3 the container has.
 
@@ -160,7 +161,8 @@ def tmux_socket(workspace: str) -> str:
     return "dflashops-" + hashlib.sha1(workspace.encode()).hexdigest()[:10]
 
 
-def verb_launch(req: dict) -> dict:
+def check_launch(req: dict) -> tuple:
+    """(run dir, argv, env, launcher) of a launch request, or AgentFailure; changes nothing."""
     directory = run_dir(req)
     argv = req.get("argv")
     if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
@@ -173,6 +175,11 @@ def verb_launch(req: dict) -> dict:
         raise AgentFailure(f"unknown launcher {launcher!r}", "bad_request")
     if launcher == "tmux" and not shutil.which("tmux"):
         raise AgentFailure("tmux is not installed on the target", "missing_tool")
+    return directory, argv, env, launcher
+
+
+def verb_launch(req: dict) -> dict:
+    directory, argv, env, launcher = check_launch(req)
     os.makedirs(os.path.dirname(directory), exist_ok=True)
     try:
         os.mkdir(directory)  # atomic claim of the name: a second launch of the same name fails here
@@ -543,10 +550,11 @@ def install_manifest(req: dict, releases: str) -> tuple:
     return files, sorted(rel for rel in files if rel not in changed)
 
 
-def verb_install(req: dict, stdin: bytes) -> dict:
-    """Unpack the tar of changed files into a temp dir, hard-link unchanged files from the previous release,
-    verify every hash, rename to releases/<hash>/, then flip `current` atomically. A cut anywhere before the
-    rename leaves only a `.tmp-*` folder (removed by the next install); `current` never points at a partial tree."""
+def build_release(req: dict, stdin: bytes, stale_code: str = "conflict") -> tuple:
+    """Make releases/<hash>/ complete (or find it already there) WITHOUT making it current; returns
+    (code_hash, path). Unpack the tar of changed files into a temp dir, hard-link unchanged files from
+    the base release, verify every hash, then rename. A cut or a failure anywhere before the rename leaves
+    only a `.tmp-*` folder (removed by the next install): a release is complete or absent."""
     workspace = workspace_of(req)
     code_hash = str(req.get("hash") or "")
     releases = os.path.join(workspace, "releases")
@@ -557,38 +565,122 @@ def verb_install(req: dict, stdin: bytes) -> dict:
     # not match (base release pruned or changed since `manifest` was read) is refused, never installed.
     if hashlib.sha256(json.dumps(sorted(files.items())).encode()).hexdigest()[:16] != code_hash:
         raise AgentFailure(f"manifest does not match release {code_hash} (base {req.get('base')!r} changed?); "
-                           "sync again", "conflict")
+                           "sync again", stale_code)
     os.makedirs(releases, exist_ok=True)
     for entry in os.listdir(releases):
         if entry.startswith(".tmp-"):
             shutil.rmtree(os.path.join(releases, entry), ignore_errors=True)
     final = os.path.join(releases, code_hash)
-    if not os.path.isdir(final):
-        tmp = os.path.join(releases, f".tmp-{code_hash}-{os.getpid()}")
-        os.makedirs(tmp)
-        with tarfile.open(fileobj=io.BytesIO(stdin), mode="r:*") as archive:  # plain or gzip
-            archive.extractall(tmp, members=safe_members(archive))
-        base = req.get("base")
-        base_dir = os.path.join(releases, base) if isinstance(base, str) and HASH_RE.match(base) else None
-        for rel in link:
-            source = os.path.join(base_dir or "/nonexistent", rel)
-            dest = os.path.join(tmp, rel)
-            if ".." in rel.split("/") or not os.path.isfile(source):
-                raise AgentFailure(f"cannot link unchanged file {rel!r} from release {base!r}", "bad_request")
-            os.makedirs(os.path.dirname(dest), exist_ok=True)
-            os.link(source, dest)
-        for rel, digest in files.items():
-            path = os.path.join(tmp, rel)
-            if not os.path.isfile(path) or file_sha256(path) != digest:
-                shutil.rmtree(tmp)
-                raise AgentFailure(f"release file {rel!r} is missing or corrupt after transfer", "corrupt")
-        write_atomic(os.path.join(tmp, ".manifest.json"), json.dumps(files, sort_keys=True))
-        os.rename(tmp, final)
+    if os.path.isdir(final):
+        return code_hash, final
+    tmp = os.path.join(releases, f".tmp-{code_hash}-{os.getpid()}")
+    os.makedirs(tmp)
+    with tarfile.open(fileobj=io.BytesIO(stdin), mode="r:*") as archive:  # plain or gzip
+        archive.extractall(tmp, members=safe_members(archive))
+    base = req.get("base")
+    base_dir = os.path.join(releases, base) if isinstance(base, str) and HASH_RE.match(base) else None
+    for rel in link:
+        source = os.path.join(base_dir or "/nonexistent", rel)
+        dest = os.path.join(tmp, rel)
+        if ".." in rel.split("/") or not os.path.isfile(source):
+            raise AgentFailure(f"cannot link unchanged file {rel!r} from release {base!r}", stale_code)
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        os.link(source, dest)
+    for rel, digest in files.items():
+        path = os.path.join(tmp, rel)
+        if not os.path.isfile(path) or file_sha256(path) != digest:
+            shutil.rmtree(tmp)
+            raise AgentFailure(f"release file {rel!r} is missing or corrupt after transfer", "corrupt")
+    write_atomic(os.path.join(tmp, ".manifest.json"), json.dumps(files, sort_keys=True))
+    os.rename(tmp, final)
+    return code_hash, final
+
+
+def flip_current(workspace: str, code_hash: str) -> None:
+    releases = os.path.join(workspace, "releases")
     link_tmp = os.path.join(releases, f".current-{os.getpid()}")
     os.symlink(code_hash, link_tmp)
     os.replace(link_tmp, os.path.join(releases, "current"))  # rename(2) over the old link: atomic flip
-    removed = prune_releases(workspace, int(req.get("keep", 5)))
+
+
+def verb_install(req: dict, stdin: bytes) -> dict:
+    """build_release, then flip `current` atomically and prune old releases; `current` never points at a
+    partial tree."""
+    code_hash, final = build_release(req, stdin)
+    flip_current(workspace_of(req), code_hash)
+    removed = prune_releases(workspace_of(req), int(req.get("keep", 5)))
     return {"release": code_hash, "path": final, "removed": removed}
+
+
+def substitute(value: object, placeholder: str, text: str) -> object:
+    """`value` with every occurrence of `placeholder` in its strings replaced by `text` (lists/dicts deep)."""
+    if isinstance(value, str):
+        return value.replace(placeholder, text)
+    if isinstance(value, list):
+        return [substitute(item, placeholder, text) for item in value]
+    if isinstance(value, dict):
+        return {key: substitute(item, placeholder, text) for key, item in value.items()}
+    return value
+
+
+def verb_restart(req: dict, stdin: bytes) -> dict:
+    """The kill-copy-relaunch cycle in ONE call (one ssh round trip instead of six): `old` is stopped,
+    the release `install` describes is made current, and the new run `name` is launched from it.
+
+    Order, so that a refusal or a cut connection never leaves anything half-done:
+    1. every check that can refuse, with nothing changed yet: names, the old run exists, the new run
+       directory is free, the launch request is valid, the upload is complete (`tar_bytes`), and the
+       release manifest rebuilt against `install.base` matches its hash (code `stale_release` when the
+       base is gone: the controller's cached idea of the target is out of date; it then asks `manifest`
+       and calls again);
+    2. the release is built complete under releases/<hash>/, not yet current;
+    3. the old run is stopped exactly like `stop` (its group + marker, TERM, grace, KILL, GPU wait);
+       a run that already ended is fine;
+    4. with `resume_placeholder`: the old run's latest checkpoint replaces it in argv and run.json;
+    5. `current` is flipped, old releases pruned, this code's compile cache cleared when asked;
+    6. launch, as `launch`.
+    The request (with the run's secrets in `env`) comes on stdin as one JSON line, then the tar."""
+    workspace = workspace_of(req)
+    old = check_name(req.get("old"), "old run name")
+    old_dir = run_dir({"workspace": workspace, "name": old})
+    if not os.path.isdir(old_dir):
+        raise AgentFailure(f"run {old!r} does not exist on this target", "not_found")
+    new_dir = check_launch(req)[0]
+    if os.path.exists(new_dir):
+        raise AgentFailure(f"run directory {new_dir} already exists", "conflict")
+    if req.get("tar_bytes") is not None and len(stdin) != int(req["tar_bytes"]):
+        raise AgentFailure(f"upload incomplete ({len(stdin)} of {req['tar_bytes']} bytes); nothing was changed",
+                           "incomplete")
+    install = req.get("install")
+    if not isinstance(install, dict):
+        raise AgentFailure("restart needs an install request", "bad_request")
+    install = {**install, "workspace": workspace}
+    code_hash, release = build_release(install, stdin, stale_code="stale_release")
+    stop = None
+    try:
+        stop = verb_stop({"workspace": workspace, "name": old, "grace": req.get("grace", 60.0),
+                          **{k: req[k] for k in ("kill_timeout", "gpu_timeout") if k in req}})
+    except AgentFailure as exc:
+        if exc.code != "not_running":
+            raise
+    old_status = run_status(old_dir)
+    launch = dict(req)
+    checkpoint = None
+    placeholder = req.get("resume_placeholder")
+    if placeholder:
+        if not old_status["checkpoints"]:
+            raise AgentFailure(f"run {old!r} has no checkpoint to resume from", "not_found")
+        checkpoint = os.path.join(old_dir, "checkpoints", old_status["checkpoints"][-1])
+        launch["argv"] = substitute(req["argv"], str(placeholder), checkpoint)
+        launch["run_json"] = substitute(req.get("run_json") or {}, str(placeholder), checkpoint)
+    flip_current(workspace, code_hash)
+    removed = prune_releases(workspace, int(install.get("keep", 5)))
+    cleared = None
+    if req.get("clear_cache"):
+        cleared = verb_clear_cache({"workspace": workspace, "code_hash": code_hash})["removed"]
+    launched = verb_launch(launch)
+    return {"stop": stop, "old_status": old_status, "release": code_hash, "path": release, "removed": removed,
+            "cleared": cleared, "checkpoint": checkpoint, **launched}
 
 
 def releases_in_use(workspace: str) -> set[str]:
@@ -642,14 +734,18 @@ VERBS = {"ping": lambda req: {"version": 1, "python": sys.version.split()[0]}, "
          "stop": verb_stop, "status": verb_status, "tail": verb_tail, "gpus": verb_gpus,
          "clear-cache": verb_clear_cache, "manifest": verb_manifest, "gc": verb_gc, "wrap": verb_wrap}
 
+# Verbs whose stdin is one JSON request line followed by a tar stream.
+STDIN_VERBS = {"install": verb_install, "restart": verb_restart}
+
 
 def main(argv: list[str]) -> int:
     verb = argv[0] if argv else ""
     try:
-        if verb != "install" and verb not in VERBS:
-            raise AgentFailure(f"unknown verb {verb!r}; verbs: {', '.join(sorted(VERBS))}, install", "bad_request")
+        if verb not in STDIN_VERBS and verb not in VERBS:
+            raise AgentFailure(f"unknown verb {verb!r}; verbs: {', '.join(sorted([*VERBS, *STDIN_VERBS]))}",
+                               "bad_request")
         stdin = b""
-        if verb == "install":  # stdin: one JSON request line, then the tar stream (no argv length limits)
+        if verb in STDIN_VERBS:  # stdin: one JSON request line, then the tar stream (no argv length limits)
             header, _, stdin = sys.stdin.buffer.read().partition(b"\n")
             raw = header.decode("utf-8", errors="replace")
         elif "--json-args" in argv[1:]:
@@ -664,7 +760,7 @@ def main(argv: list[str]) -> int:
             raise AgentFailure(f"request is not valid JSON: {exc}", "bad_request") from None
         if not isinstance(req, dict):
             raise AgentFailure("request must be a JSON object", "bad_request")
-        result = verb_install(req, stdin) if verb == "install" else VERBS[verb](req)
+        result = STDIN_VERBS[verb](req, stdin) if verb in STDIN_VERBS else VERBS[verb](req)
         if verb == "wrap":
             return int(result["exit_code"])
         print(json.dumps({"ok": True, **result}), flush=True)
@@ -672,7 +768,8 @@ def main(argv: list[str]) -> int:
     except AgentFailure as exc:
         print(json.dumps({"ok": False, "error": str(exc), "code": exc.code}), flush=True)
         return 2 if exc.code == "bad_request" else 0
-    except (OSError, subprocess.SubprocessError, KeyError, ValueError, TypeError) as exc:
+    except (OSError, subprocess.SubprocessError, KeyError, ValueError, TypeError, EOFError,
+            tarfile.TarError) as exc:
         print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}", "code": "internal"}), flush=True)
         return 0
 

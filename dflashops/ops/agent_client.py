@@ -23,7 +23,15 @@ READ_ONLY_VERBS = {"ping", "status", "tail", "gpus", "manifest"}
 # Writes stdin to argv[1] atomically; stdlib only, argv-only so no shell quoting is involved.
 _UPLOAD = ("import os,sys\np=sys.argv[1];os.makedirs(os.path.dirname(p),exist_ok=True)\n"
            "t=p+'.tmp'+str(os.getpid());open(t,'wb').write(sys.stdin.buffer.read());os.replace(t,p)")
-_CODE_TO_ERROR = {"not_found": NotFound, "conflict": Conflict, "bad_request": UsageError}
+
+
+class StaleRelease(Conflict):
+    """The agent refused an install built against a base release it no longer has (code `stale_release`):
+    the controller's cached view of the target is out of date. Nothing was changed; ask `manifest`, retry."""
+
+
+_CODE_TO_ERROR = {"not_found": NotFound, "conflict": Conflict, "bad_request": UsageError,
+                  "stale_release": StaleRelease}
 
 
 def agent_bytes() -> bytes:
@@ -86,7 +94,13 @@ class Agent:
                 self.ensure()
             except AgentError:
                 pass
-        if stdin_tar is not None:
+        if stdin_tar is not None and secret_args is not None:  # restart: request with secrets, then the tar
+            argv = self.argv(verb)
+            stdin = json.dumps({**args, **secret_args}).encode() + b"\n" + stdin_tar
+            shown = shown_args if shown_args is not None else {k: "<redacted>" for k in secret_args}
+            note = ("request JSON: " + json.dumps({**args, **shown}, sort_keys=True)
+                    + f" + tar of {len(stdin_tar)} bytes")
+        elif stdin_tar is not None:
             argv, stdin = self.argv(verb), json.dumps(args).encode() + b"\n" + stdin_tar
             note = f"install request + tar of {len(stdin_tar)} bytes"
         elif secret_args is not None:

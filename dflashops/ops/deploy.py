@@ -83,6 +83,42 @@ def run_argv(profile: Profile, target: Target, values: dict[str, str], request: 
     return argv
 
 
+@dataclass
+class LaunchPlan:
+    """Everything a launch sends, built before anything runs: `args` go on the command line (or the
+    request), `env` (with secrets) only on stdin; `record` is the lineage row (redacted environment)."""
+
+    name: str
+    run_dir: str
+    record: RunRecord
+    args: dict
+    env: dict[str, str]
+
+
+def plan_launch(session: Session, request: DeployRequest, target: Target, profile: Profile, name: str,
+                code_hash: str, release_path: str) -> LaunchPlan:
+    run_dir = f"{target.workspace}/runs/{name}"
+    cache_dir = f"{target.workspace}/cache/inductor/{code_hash}"
+    values = {"python": target.python, "release": release_path, "run_dir": run_dir,
+              "workspace": target.workspace, "name": name, "gpus": ",".join(map(str, target.gpus))}
+    argv = run_argv(profile, target, values, request)
+    root = session.db.root(request.parent) if request.parent else name
+    env = {**target.env, **profile.env, **wandb_env(name, request.parent, request.note, root),
+           "PYTHONPATH": release_path, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "PYTHONUNBUFFERED": "1"}
+    if target.gpus:
+        env.setdefault("CUDA_VISIBLE_DEVICES", ",".join(map(str, target.gpus)))
+    secrets = {key: os.environ[key] for key in (*DEFAULT_PASS_ENV, *profile.pass_env) if key in os.environ}
+    record = RunRecord(name=name, parent=request.parent, note=request.note, code_hash=code_hash, argv=argv,
+                       env=redact_env({**env, **secrets}), target=target.name, gpus=list(target.gpus),
+                       launcher=request.launcher, session=name, profile=profile.name,
+                       extra={"run_dir": run_dir, "release": release_path,
+                              "extra_args": list(request.extra_args), "resumed_from": request.checkpoint})
+    run_json = {**record.to_dict(), "hypothesis": request.note, "release": release_path, "run_dir": run_dir}
+    args = {"workspace": target.workspace, "name": name, "argv": argv, "cwd": run_dir,
+            "launcher": request.launcher, "run_json": run_json}
+    return LaunchPlan(name=name, run_dir=run_dir, record=record, args=args, env={**env, **secrets})
+
+
 def deploy(session: Session, request: DeployRequest) -> DeployOutcome:
     target = session.inventory.target(request.target)
     profile = session.inventory.profile(request.profile)
@@ -101,32 +137,16 @@ def deploy(session: Session, request: DeployRequest) -> DeployOutcome:
         if any(entry["name"] == name for entry in existing):
             raise Conflict(f"run directory {run_dir} already exists on {target.name}",
                            hint="`dflashops runs sync` records it; pick another --name")
-    synced = sync(agent, extra_files=profile.files, extra_root=session.inventory.root, packages=profile.packages)
-    cache_dir = f"{target.workspace}/cache/inductor/{synced.code_hash}"
+    synced = sync(agent, extra_files=profile.files, extra_root=session.inventory.root, packages=profile.packages,
+                  cache=session.inventory.lineage_path)
     cleared = None
     if request.clear_cache:
         cleared = agent.call("clear-cache", {"workspace": target.workspace, "code_hash": synced.code_hash}).get("removed")
-    values = {"python": target.python, "release": synced.release_path, "run_dir": run_dir,
-              "workspace": target.workspace, "name": name, "gpus": ",".join(map(str, target.gpus))}
-    argv = run_argv(profile, target, values, request)
-    root = session.db.root(request.parent) if request.parent else name
-    env = {**target.env, **profile.env, **wandb_env(name, request.parent, request.note, root),
-           "PYTHONPATH": synced.release_path, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "PYTHONUNBUFFERED": "1"}
-    if target.gpus:
-        env.setdefault("CUDA_VISIBLE_DEVICES", ",".join(map(str, target.gpus)))
-    secrets = {key: os.environ[key] for key in (*DEFAULT_PASS_ENV, *profile.pass_env) if key in os.environ}
-    record = RunRecord(name=name, parent=request.parent, note=request.note, code_hash=synced.code_hash, argv=argv,
-                       env=redact_env({**env, **secrets}), target=target.name, gpus=list(target.gpus),
-                       launcher=request.launcher, session=name, profile=profile.name,
-                       extra={"run_dir": run_dir, "release": synced.release_path,
-                              "extra_args": list(request.extra_args), "resumed_from": request.checkpoint})
-    run_json = {**record.to_dict(), "hypothesis": request.note, "release": synced.release_path, "run_dir": run_dir}
-    answer = agent.call("launch", {"workspace": target.workspace, "name": name, "argv": argv, "cwd": run_dir,
-                                   "launcher": request.launcher, "run_json": run_json},
-                        secret_args={"env": {**env, **secrets}}, shown_args={"env": record.env})
+    plan = plan_launch(session, request, target, profile, name, synced.code_hash, synced.release_path)
+    answer = agent.call("launch", plan.args, secret_args={"env": plan.env}, shown_args={"env": plan.record.env})
     if not session.dry_run:
-        record.extra["pgid"] = answer.get("pgid")
-        session.db.record(record)
+        plan.record.extra["pgid"] = answer.get("pgid")
+        session.db.record(plan.record)
     return DeployOutcome(name=name, target=target.name, run_dir=run_dir, code_hash=synced.code_hash,
                          release=synced.release_path, pgid=answer.get("pgid"), uploaded=len(synced.uploaded),
                          cache_cleared=cleared)

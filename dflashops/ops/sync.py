@@ -4,7 +4,8 @@ What travels: the `trainer` package, the agent, and the files a profile lists. T
 sha256 of the sorted (path, file sha256) list, so the same tree always gives the same release name.
 Only files whose hash differs from the current release's manifest go into the tar stream; the agent
 hard-links the unchanged ones from the previous release, verifies every hash, renames the folder into
-`releases/<hash>/` and flips `current` atomically. Cost: one `manifest` call + one `install` call.
+`releases/<hash>/` and flips `current` atomically. Cost: one `manifest` call + one `install` call
+(`restart` folds the install into its one combined call, against a cached base: ops/restart.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflashops.errors import UsageError
+from dflashops.ops import release_cache
 from dflashops.ops.agent_client import AGENT_SOURCE, Agent
 
 REPO_ROOT = AGENT_SOURCE.parent.parent
@@ -65,17 +67,11 @@ def local_manifest(files: dict[str, Path]) -> tuple[str, dict[str, str]]:
     return code_hash_of(manifest), manifest
 
 
-def sync(agent: Agent, *, extra_files: tuple[str, ...] = (), extra_root: Path | None = None,
-         packages: tuple[str, ...] = ("trainer",), keep: int = 5) -> SyncOutcome:
-    """Make `releases/<hash>` on the target hold exactly the local tree and point `current` at it."""
-    files = release_files(extra_files, extra_root, packages)
-    code_hash, manifest = local_manifest(files)
-    remote = agent.call("manifest", {"workspace": agent.target.workspace, "hash": code_hash})
-    release_path = f"{agent.target.workspace}/releases/{code_hash}"
-    if remote.get("release") == code_hash:
-        return SyncOutcome(code_hash, release_path, (), tuple(sorted(manifest)), 0)
-    previous: dict[str, str] = remote.get("files") or {}
-    linked = tuple(sorted(rel for rel, digest in manifest.items() if previous.get(rel) == digest))
+def install_payload(workspace: str, files: dict[str, Path], code_hash: str, manifest: dict[str, str],
+                    base: str | None, base_files: dict[str, str], keep: int = 5) -> tuple[dict, bytes, tuple, tuple]:
+    """(install request, gzip tar of the changed files, uploaded paths, linked paths) for making release
+    `code_hash` from release `base` (whose manifest is `base_files`) on the target."""
+    linked = tuple(sorted(rel for rel, digest in manifest.items() if base_files.get(rel) == digest))
     uploaded = tuple(sorted(set(manifest) - set(linked)))
     buffer = io.BytesIO()
     # gzip: a plain tar pads even one small file to a 10 KiB record; compressed, the padding costs ~nothing.
@@ -88,8 +84,27 @@ def sync(agent: Agent, *, extra_files: tuple[str, ...] = (), extra_root: Path | 
                 archive.addfile(info, handle)
     # Compact request: only the changed entries and the removed paths; the agent rebuilds the full
     # manifest from the base release's (one 4 KiB change then sends ~4 KiB, not the whole manifest).
-    request = {"workspace": agent.target.workspace, "hash": code_hash, "base": remote.get("release"),
+    request = {"workspace": workspace, "hash": code_hash, "base": base,
                "changed": {rel: manifest[rel] for rel in uploaded},
-               "removed": sorted(set(previous) - set(manifest)), "keep": keep}
-    agent.call("install", request, stdin_tar=buffer.getvalue())
-    return SyncOutcome(code_hash, release_path, uploaded, linked, len(buffer.getvalue()))
+               "removed": sorted(set(base_files) - set(manifest)), "keep": keep}
+    return request, buffer.getvalue(), uploaded, linked
+
+
+def sync(agent: Agent, *, extra_files: tuple[str, ...] = (), extra_root: Path | None = None,
+         packages: tuple[str, ...] = ("trainer",), keep: int = 5, cache: Path | None = None) -> SyncOutcome:
+    """Make `releases/<hash>` on the target hold exactly the local tree and point `current` at it.
+    With `cache` (the lineage database path), remember what is now installed there (release_cache)."""
+    files = release_files(extra_files, extra_root, packages)
+    code_hash, manifest = local_manifest(files)
+    remote = agent.call("manifest", {"workspace": agent.target.workspace, "hash": code_hash})
+    release_path = f"{agent.target.workspace}/releases/{code_hash}"
+    if remote.get("release") == code_hash:
+        if cache is not None and not agent.dry_run:
+            release_cache.save(cache, agent.target, code_hash, manifest)
+        return SyncOutcome(code_hash, release_path, (), tuple(sorted(manifest)), 0)
+    request, tar, uploaded, linked = install_payload(agent.target.workspace, files, code_hash, manifest,
+                                                     remote.get("release"), remote.get("files") or {}, keep)
+    agent.call("install", request, stdin_tar=tar)
+    if cache is not None and not agent.dry_run:
+        release_cache.save(cache, agent.target, code_hash, manifest)
+    return SyncOutcome(code_hash, release_path, uploaded, linked, len(tar))
