@@ -89,11 +89,13 @@ def restart(session: Session, request: RestartRequest) -> RestartOutcome:
         base, calls = remote_base(agent, code_hash, manifest), calls + 1
     payload = install_payload(target.workspace, files, code_hash, manifest, base[0], base[1])
     try:
-        answer, calls = combined_call(agent, old.name, request, plan, payload), calls + 1
-    except StaleRelease:
-        base, calls, fell_back = remote_base(agent, code_hash, manifest), calls + 1, True
+        calls += 1
+        answer = combined_call(agent, old.name, request, plan, payload)
+    except StaleRelease:  # nothing was changed: ask what is there, build the tar again, call again
+        base, fell_back = remote_base(agent, code_hash, manifest), True
         payload = install_payload(target.workspace, files, code_hash, manifest, base[0], base[1])
-        answer, calls = combined_call(agent, old.name, request, plan, payload), calls + 1
+        calls += 2
+        answer = combined_call(agent, old.name, request, plan, payload)
     checkpoint = f"<latest checkpoint of {old.name}>" if request.resume else None
     if not session.dry_run:
         checkpoint = answer.get("checkpoint")
