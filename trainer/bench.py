@@ -1,8 +1,9 @@
-"""`python -m trainer bench step|loss|attention`: throughput of the drafter step on synthetic batches.
+"""`python -m trainer bench step|loss|attention|pipeline`: throughput on synthetic batches.
 
     python -m trainer bench step --preset qwen3-8b --shape seed,recipe --variants compiled,eager,unsorted
     python -m trainer bench loss --preset qwen3-8b
     python -m trainer bench attention --preset qwen3-8b --shape seed
+    python -m trainer bench pipeline --preset qwen3-8b --shape recipe     # target prefill + drafter step, one GPU
 
 Every number comes from this process on this device: the matmul ceiling is measured first (an 8192^3 bf16
 GEMM), each variant is warmed up (compiles happen there), then timed with CUDA events, median of `--iters`.
@@ -21,165 +22,16 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass, replace
-from typing import Callable
 
 import torch
 
-from trainer.config import TrainConfig, TrainerInputError, parse_train_args
-from trainer.data import Batch
+from trainer.bench_common import (H200_PEAK_TFLOPS, SHAPES, Shape, checkpointed_loss, log, matmul_ceiling_tflops,
+                                  preset_config, recompile_count, step_flops, synthetic_batch, time_ms)
+from trainer.config import TrainerInputError
 from trainer.loss import dflash_loss, make_chunk_kernels, position_weights
-from trainer.model import DFlashDrafter, DrafterConfig
-from trainer.model.drafter import make_block_input_ids
-from trainer.step import DrafterSide, FeatureBatch
+from trainer.model import DFlashDrafter
+from trainer.step import DrafterSide, FeatureBatch, TargetSide
 
-H200_PEAK_TFLOPS = 989.0
-
-
-@dataclass(frozen=True)
-class Shape:
-    """A batch shape: rows x context tokens, anchors per row, block size."""
-
-    name: str
-    rows: int
-    ctx: int
-    anchors: int
-    block: int
-
-    @property
-    def block_tokens(self) -> int:
-        return self.rows * self.anchors * self.block
-
-
-# seed: the seed run's batch (token budget 49152, 1024 anchors, block 32); recipe: the public recipe's
-# (block 16, 512 anchors per sequence, 4096-token sequences, same 16K-ish token budget per step).
-SHAPES = {
-    "seed": Shape("seed", rows=6, ctx=8192, anchors=171, block=32),
-    "recipe": Shape("recipe", rows=4, ctx=4096, anchors=512, block=16),
-    "tiny": Shape("tiny", rows=2, ctx=64, anchors=8, block=8),
-}
-
-
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-# ------------------------------------------------------------------------------------------- measurement
-
-def time_ms(fn: Callable[[], object], device: torch.device, *, warmup: int, iters: int) -> list[float]:
-    """Per-call wall times in ms: CUDA events on GPU (one sync per call), perf_counter on CPU."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return times
-
-
-def matmul_ceiling_tflops(device: torch.device, n: int = 8192) -> float:
-    """bf16 GEMM rate on random data (the practical ceiling MFU is also reported against)."""
-    if device.type != "cuda":
-        return float("nan")
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    ms = statistics.median(time_ms(lambda: a @ b, device, warmup=3, iters=10))
-    return 2 * n**3 / (ms * 1e-3) / 1e12
-
-
-def recompile_count() -> int:
-    """Graphs Dynamo has compiled so far in this process (grows on every compile and recompile)."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
-
-
-# ------------------------------------------------------------------------------------------- FLOPs
-
-def visible_pairs(anchors: torch.Tensor, keep: torch.Tensor, block: int, window: int | None, causal: bool) -> int:
-    """Query-key pairs the mask allows: per real block, B x (context before the anchor [within the window])
-    plus the in-block pairs. Exact for full layers; for sliding layers it counts B x min(anchor, W - slot)."""
-    a = anchors[keep].double()
-    if window is None:
-        ctx = (a * block).sum()
-    else:
-        slots = torch.arange(block, dtype=torch.float64, device=a.device)
-        ctx = torch.minimum(a[:, None], (window - slots).clamp(min=0)[None, :]).sum()
-    inner = block * (block + 1) / 2 if causal else block * block
-    return int(ctx.item() + inner * a.numel())
-
-
-def step_flops(cfg: DrafterConfig, shape: Shape, anchors: torch.Tensor, keep: torch.Tensor, *, soft: bool) -> float:
-    """Model FLOPs of one forward+backward (no recompute counted) for the drafter step."""
-    H, D = cfg.hidden_size, cfg.head_dim
-    q_dim, kv_dim = cfg.num_attention_heads * D, cfg.num_key_value_heads * D
-    block_tokens = int(keep.sum().item()) * shape.block
-    ctx_tokens = shape.rows * shape.ctx
-    per_layer_block = H * q_dim * 2 + H * kv_dim * 2 + 3 * H * cfg.intermediate_size  # q,o,k,v,mlp on block tokens
-    per_layer_ctx = H * kv_dim * 2                                                   # k,v re-projected per layer
-    flops = 6 * cfg.num_hidden_layers * (per_layer_block * block_tokens + per_layer_ctx * ctx_tokens)
-    flops += 6 * (cfg.num_taps * H * H) * ctx_tokens                                  # fc
-    for layer_type in cfg.layer_types:
-        sliding = layer_type == "sliding_attention"
-        pairs = visible_pairs(anchors, keep, shape.block, cfg.sliding_window if sliding else None,
-                              cfg.causal_in_block["sliding_attention" if sliding else "full_attention"])
-        flops += 3 * 4 * D * cfg.num_attention_heads * pairs                           # QK^T + PV, fwd + 2x bwd
-    flops += (4 + (2 if soft else 0)) * H * cfg.vocab_size * block_tokens              # LM head
-    return float(flops)
-
-
-# ------------------------------------------------------------------------------------------- synthetic data
-
-def synthetic_batch(cfg: DrafterConfig, shape: Shape, gamma: float, device: torch.device, *,
-                    sorted_anchors: bool, seed: int = 0) -> Batch:
-    """Random tokens, every token supervised, `shape.anchors` distinct anchors per row (sorted or shuffled)."""
-    gen = torch.Generator().manual_seed(seed)
-    R, S, N, B = shape.rows, shape.ctx, shape.anchors, shape.block
-    input_ids = torch.randint(0, cfg.vocab_size, (R, S), generator=gen)
-    anchors = torch.stack([torch.randperm(S - B, generator=gen)[:N] for _ in range(R)])
-    anchors = anchors.sort(dim=1).values if sorted_anchors else anchors  # mask predicate is order-free
-    keep = torch.ones(R, N, dtype=torch.bool)
-    positions = anchors[:, :, None] + torch.arange(B)                                # [R,N,B]
-    labels = torch.gather(input_ids, 1, positions.reshape(R, -1))
-    weights = position_weights(B, gamma).repeat(R, N).float()
-    block_ids = make_block_input_ids(input_ids, anchors, B, cfg.mask_token_id)
-    batch = Batch(input_ids=input_ids, loss_mask=torch.ones(R, S, dtype=torch.bool),
-                  attention_mask=torch.ones(R, S, dtype=torch.long), anchors=anchors, keep=keep,
-                  block_ids=block_ids, labels=labels, weights=weights, epoch=0, index=0,
-                  num_ctx_tokens=R * S, num_blocks=R * N, weight_sum=float(weights.sum()))
-    return batch.to(device)
-
-
-def preset_config(preset: str, shape: Shape, extra: list[str]) -> tuple[TrainConfig, DrafterConfig]:
-    """TrainConfig + DrafterConfig of a preset at a bench shape (random weights: no target is loaded)."""
-    # Neither is read: the bench builds random weights and synthetic batches.
-    target = [] if preset == "tiny" else ["--target-model", "(random weights)", "--data-dir", "(synthetic)"]
-    cfg = parse_train_args(["--preset", preset, *target, "--block-size", str(shape.block), "--output-dir", "/tmp/bench",
-                            "--wandb", "off", *extra])
-    L = cfg.num_target_layers or 2
-    from trainer.model import default_target_layer_ids
-
-    dcfg = DrafterConfig(
-        hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_draft_layers,
-        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, block_size=shape.block,
-        target_layer_ids=cfg.target_layer_ids or default_target_layer_ids(L, cfg.num_draft_layers),
-        num_target_layers=L, mask_token_id=cfg.mask_token_id, rms_norm_eps=cfg.rms_norm_eps,
-        rope_theta=cfg.rope_theta, layer_types=cfg.layer_types(), sliding_window=cfg.sliding_window,
-        max_position_embeddings=max(cfg.max_position_embeddings, shape.ctx + shape.block))
-    return cfg, dcfg
-
-
-# ------------------------------------------------------------------------------------------- variants
 
 VARIANTS = {
     "compiled": "layers + loss kernels torch.compile'd per device, sorted anchors, CE only",
@@ -190,22 +42,6 @@ VARIANTS = {
     "ckpt-loss": "compiled layers, loss = per-chunk torch.utils.checkpoint of logits+CE (the 3-4 GEMM baseline)",
     "act-ckpt": "compiled, activation checkpointing of every drafter layer (memory for time)",
 }
-
-
-def checkpointed_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-                      normalizer: float, chunk: int) -> torch.Tensor:
-    """Baseline: chunked CE with recomputation (logits rebuilt in backward: 3 GEMMs per chunk)."""
-    from torch.utils.checkpoint import checkpoint
-
-    def piece(h: torch.Tensor, lab: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        logits = (h @ weight.T).float()
-        return (torch.nn.functional.cross_entropy(logits, lab, reduction="none") * w).sum()
-
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for s in range(0, hidden.shape[0], chunk):
-        total = total + checkpoint(piece, hidden[s:s + chunk], labels[s:s + chunk], weights[s:s + chunk],
-                                   use_reentrant=False)
-    return total / normalizer
 
 
 def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.device, args: argparse.Namespace) -> dict:
@@ -265,16 +101,16 @@ def _ckpt_loss_result(hidden, weight, labels, weights, kw):  # adapter: the base
 
 def bench_step(args: argparse.Namespace, device: torch.device) -> list[dict]:
     ceiling = matmul_ceiling_tflops(device)
-    _log(f"matmul ceiling: {ceiling:.0f} TFLOP/s on {device}")
+    log(f"matmul ceiling: {ceiling:.0f} TFLOP/s on {device}")
     rows = []
     for shape_name in args.shape.split(","):
         for variant in args.variants.split(","):
-            _log(f"- {args.preset} {shape_name} {variant} ...")
+            log(f"- {args.preset} {shape_name} {variant} ...")
             row = run_step_variant(args.preset, SHAPES[shape_name], variant, device, args)
             row["mfu"] = row["tflops"] / H200_PEAK_TFLOPS
             row["mfu_ceiling"] = row["tflops"] / ceiling if ceiling == ceiling else float("nan")
             rows.append(row)
-            _log(f"  {row['ms']:.1f} ms, {row['tflops']:.0f} TFLOP/s, peak {row['peak_gib']:.1f} GiB")
+            log(f"  {row['ms']:.1f} ms, {row['tflops']:.0f} TFLOP/s, peak {row['peak_gib']:.1f} GiB")
     print(f"{'preset':<12} {'shape':<7} {'variant':<10} {'ms':>8} {'spread':>7} {'TFLOP/s':>8} {'MFU':>6} "
           f"{'MFU/ceil':>8} {'blk tok/s':>10} {'ctx tok/s':>10} {'peak GiB':>8} {'warm s':>7} {'recomp':>6}")
     for r in rows:
@@ -349,7 +185,7 @@ def bench_attention(args: argparse.Namespace, device: torch.device) -> list[dict
 
                 t0 = time.perf_counter()
                 ms = statistics.median(time_ms(run, device, warmup=args.warmup, iters=args.iters))
-                _log(f"- {shape_name} {layer_type} {order}: {ms:.2f} ms ({time.perf_counter() - t0:.0f} s incl. compile)")
+                log(f"- {shape_name} {layer_type} {order}: {ms:.2f} ms ({time.perf_counter() - t0:.0f} s incl. compile)")
                 rows.append({"shape": shape_name, "layer": layer_type.split("_")[0], "order": order, "ms": ms})
     print(f"{'shape':<7} {'layer':<8} {'order':<9} {'fwd+bwd ms':>10}")
     for r in rows:
@@ -357,15 +193,67 @@ def bench_attention(args: argparse.Namespace, device: torch.device) -> list[dict
     return rows
 
 
+def bench_pipeline(args: argparse.Namespace, device: torch.device) -> list[dict]:
+    """Target + drafter on one device, end to end and sequentially (the threaded version with several drafter
+    threads is bench/gpu_pipeline.py): the frozen target's prefill (context tokens/s, against the public anchor of
+    ~27K tok/s for Qwen3-8B on one H200 in SGLang), the drafter step, and both back to back. The target has random
+    weights and only the layers up to the highest tap (the layers above it never run: TargetModel exits early)."""
+    from transformers import Qwen3Config
+
+    from trainer.model import TargetModel
+
+    shape = SHAPES[args.shape.split(",")[0]]
+    cfg, dcfg = preset_config(args.preset, shape, [])
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if cfg.tiny_target is not None:
+        hf = Qwen3Config(**cfg.tiny_target)
+    else:
+        hf = Qwen3Config(hidden_size=dcfg.hidden_size, intermediate_size=args.target_intermediate or 3 * dcfg.hidden_size,
+                         num_hidden_layers=max(dcfg.target_layer_ids) + 1, num_attention_heads=dcfg.num_attention_heads,
+                         num_key_value_heads=dcfg.num_key_value_heads, head_dim=dcfg.head_dim,
+                         vocab_size=dcfg.vocab_size, max_position_embeddings=dcfg.max_position_embeddings,
+                         tie_word_embeddings=False)
+    log(f"building a {hf.num_hidden_layers}-layer random target ({dtype}) ...")
+    target = TargetModel.from_config(hf, dcfg.target_layer_ids, dtype=dtype, device=device)
+    target_side = TargetSide(target, device)
+    drafter = DFlashDrafter(dcfg).to(device=device)
+    drafter_side = DrafterSide(cfg, drafter, target.embed_weight, target.lm_head_weight, device, total_steps=1000)
+    batch = synthetic_batch(dcfg, shape, cfg.gamma, device, sorted_anchors=True)
+
+    def prefill() -> None:
+        with torch.no_grad():
+            target_side.features(batch)
+
+    def drafter_step() -> None:
+        drafter_side.forward_backward(features, batch.weight_sum, float(batch.num_blocks))
+        drafter_side.optimizer_step()
+
+    with torch.no_grad():
+        features = target_side.features(batch)
+    rows = []
+    for name, fn in [("target prefill", prefill), ("drafter step", drafter_step),
+                     ("prefill + step", lambda: (prefill(), drafter_step()))]:
+        ms = statistics.median(time_ms(fn, device, warmup=args.warmup, iters=args.iters))
+        rows.append({"what": name, "ms": ms, "ctx_tok_s": shape.rows * shape.ctx / (ms * 1e-3),
+                     "block_tok_s": shape.block_tokens / (ms * 1e-3)})
+    print(f"{args.preset} {shape.name}: {shape.rows} x {shape.ctx} context tokens, {shape.block_tokens} block tokens")
+    print(f"{'what':<16} {'ms':>9} {'ctx tok/s':>10} {'blk tok/s':>10}")
+    for r in rows:
+        print(f"{r['what']:<16} {r['ms']:9.1f} {r['ctx_tok_s']:10.0f} {r['block_tok_s']:10.0f}")
+    return rows
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer bench", description=__doc__.split("\n")[0])
-    parser.add_argument("what", choices=["step", "loss", "attention"])
+    parser.add_argument("what", choices=["step", "loss", "attention", "pipeline"])
     parser.add_argument("--preset", default="qwen3-8b")
     parser.add_argument("--shape", default="seed", help=f"comma list of {', '.join(SHAPES)}")
     parser.add_argument("--variants", default="compiled,eager", help="comma list: " + ", ".join(VARIANTS))
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--target-intermediate", type=int, default=0,
+                        help="pipeline: the random target's MLP width (default 3 x hidden; Qwen3-8B: 12288)")
     parser.add_argument("--json-out", help="also write the rows as JSON to this file")
     parser.add_argument("--stacks-every", type=float, default=0, help="dump every thread's stack every N s (stderr)")
     args = parser.parse_args(argv)
@@ -386,7 +274,8 @@ def main(argv: list[str]) -> int:
     # limit (8) so nothing silently falls back to eager (the `recompiles` column still counts them).
     torch._dynamo.config.cache_size_limit = 64
     try:
-        rows = {"step": bench_step, "loss": bench_loss, "attention": bench_attention}[args.what](args, device)
+        verbs = {"step": bench_step, "loss": bench_loss, "attention": bench_attention, "pipeline": bench_pipeline}
+        rows = verbs[args.what](args, device)
     except TrainerInputError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2

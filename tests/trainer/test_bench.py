@@ -1,0 +1,38 @@
+"""The benchmark's FLOP count rests on `visible_pairs`: it must equal what the mask really lets through."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer import bench
+from trainer.bench_common import visible_pairs
+from trainer.model.attention import dense_mask
+
+torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("window, causal", [(None, False), (None, True), (12, True), (12, False), (5, True)])
+def test_visible_pairs_counts_the_dense_mask(window: int | None, causal: bool) -> None:
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        S, N, B = 40, 5, 4
+        anchors = torch.randint(0, S - B, (2, N), generator=gen).sort(dim=1).values
+        keep = torch.rand(2, N, generator=gen) > 0.3
+        expected = int(dense_mask(anchors, keep, S, B, window=window, causal=causal).sum())
+        assert visible_pairs(anchors, keep, B, window, causal) == expected
+
+
+def test_bench_step_runs_on_cpu_and_reports_no_recompiles(capsys) -> None:
+    assert bench.main(["step", "--preset", "tiny", "--shape", "tiny", "--variants", "eager,unsorted",
+                       "--iters", "1", "--warmup", "1", "--device", "cpu"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in table if line.startswith("tiny")]
+    assert [r[2] for r in rows] == ["eager", "unsorted"] and all(r[-1] == "0" for r in rows)
+
+
+@pytest.mark.parametrize("flag, value", [("--shape", "huge"), ("--variants", "turbo")])
+def test_unknown_shape_or_variant_is_a_clear_error(capsys, flag: str, value: str) -> None:
+    assert bench.main(["step", "--preset", "tiny", flag, value, "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: unknown {flag[2:].rstrip('s')} {value!r}") and "hint:" in err
