@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import torch
 
+from trainer.ddtree import check_budget, ddtree_generate, supports_tree_mask
 from trainer.model.drafter import DFlashDrafter
 from trainer.tokenizer_utils import DataInputError, end_of_turn_ids
 
@@ -45,11 +46,14 @@ class TargetRunner:
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
 
     @torch.inference_mode()
-    def forward(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append `ids` after the cached positions -> (logits [len,V], taps [len,T*H])."""
+    def forward(self, ids: list[int], position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append `ids` after the cached positions -> (logits [len,V], taps [len,T*H]). Default: consecutive
+        positions under the causal mask; DDTree passes tree positions and a 4-D mask (trainer.ddtree)."""
         device = self.model.get_input_embeddings().weight.device
+        extra = {} if position_ids is None else {"position_ids": position_ids, "attention_mask": attention_mask}
         out = self.model(input_ids=torch.tensor([ids], device=device), use_cache=True, output_hidden_states=True,
-                         **{self._cache_kwarg: self.cache})
+                         **{self._cache_kwarg: self.cache}, **extra)
         taps = torch.cat([out.hidden_states[i + 1][0] for i in self.layer_ids], dim=-1)
         return out.logits[0].float(), taps
 
@@ -75,6 +79,8 @@ class MethodStats:
     slot_proposed: list[int] = field(default_factory=list)
     slot_accepted: list[int] = field(default_factory=list)
     mismatches: list[int] = field(default_factory=list)  # prompt indices whose output differed
+    tree_nodes: int = 0                                    # DDTree only: nodes verified over all steps
+    tree: dict[str, Any] | None = None                     # DDTree only: {"budget", "top_k"}
 
     def record_step(self, proposed: int, accepted: int, slots: int) -> None:
         if not self.slot_proposed:
@@ -91,15 +97,30 @@ class MethodStats:
             "per_slot_acceptance": [a / p if p else None for a, p in zip(self.slot_accepted, self.slot_proposed)],
             "lossless": not self.mismatches, "mismatched_prompts": self.mismatches,
             "steps": self.steps, "generated_tokens": self.generated,
+            **({} if self.tree is None else {**self.tree, "mean_tree_nodes": self.tree_nodes / max(self.steps, 1)}),
         }
 
 
+SlotLogits = Callable[[list[int], torch.Tensor, int], torch.Tensor]  # same arguments -> per-slot logits [k, V]
+
+
 def drafter_proposer(drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> Proposer:
-    """Block drafting: [anchor, MASK * (B-1)] at positions n-1.., context = taps of positions 0..n-2."""
+    """Block drafting: each slot's argmax of `drafter_slot_logits`."""
+    slot_logits = drafter_slot_logits(drafter, embed_weight, lm_head_weight)
+
+    def propose(committed: list[int], taps: torch.Tensor, slots: int) -> list[int]:
+        return slot_logits(committed, taps, slots).argmax(-1).tolist()
+
+    return propose
+
+
+def drafter_slot_logits(drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> SlotLogits:
+    """One drafter block [anchor, MASK * (B-1)] at positions n-1.., context = taps of positions 0..n-2;
+    returns slot k's logits hidden_k @ lm_head^T for k = 1..slots."""
     cfg = drafter.config
 
     @torch.inference_mode()
-    def propose(committed: list[int], taps: torch.Tensor, slots: int) -> list[int]:
+    def slot_logits(committed: list[int], taps: torch.Tensor, slots: int) -> torch.Tensor:
         ctx_len = taps.shape[0]
         block = torch.tensor([committed[-1]] + [cfg.mask_token_id] * (cfg.block_size - 1), device=taps.device)
         anchors = torch.tensor([[ctx_len]], device=taps.device)
@@ -107,10 +128,9 @@ def drafter_proposer(drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head
         mask = drafter.build_mask(anchors, keep, ctx_len)
         dtype = next(drafter.parameters()).dtype
         hidden = drafter(taps[None].to(dtype), embed_weight[block][None].to(dtype), anchors, keep, mask)
-        logits = hidden[0, 1:slots + 1].float() @ lm_head_weight.float().T      # [slots, V]; B-1 x V at most
-        return logits.argmax(-1).tolist()
+        return hidden[0, 1:slots + 1].float() @ lm_head_weight.float().T       # [slots, V]; B-1 x V at most
 
-    return propose
+    return slot_logits
 
 
 def ngram_proposer(max_ngram: int = 3) -> Proposer:
@@ -189,10 +209,34 @@ def check_drafter_fits(drafter: DFlashDrafter, model: Any) -> None:
                              hint="evaluate the drafter with the target it was trained for") from None
 
 
+def check_ddtree_options(model: Any, budget: int | None, top_k: int | None) -> None:
+    """DataInputError for bad numbers (check_ddtree_numbers) or an attention back end that cannot apply DDTree's
+    4-D ancestor mask."""
+    check_ddtree_numbers(budget, top_k)
+    if budget is not None and not supports_tree_mask(model):
+        raise DataInputError(f"DDTree needs eager or sdpa attention; the target uses {model.config._attn_implementation}",
+                             hint="load the target with attn_implementation='sdpa'")
+
+
+def check_ddtree_numbers(budget: int | None, top_k: int | None) -> None:
+    """DataInputError for a non-positive budget or top-k, or a top-k without a budget."""
+    if budget is None:
+        if top_k is not None:
+            raise DataInputError("--ddtree-top-k needs --ddtree-budget", hint="add --ddtree-budget K (tree nodes per step)")
+        return
+    try:
+        check_budget(budget, top_k)
+    except ValueError as exc:
+        raise DataInputError(str(exc), hint="e.g. --ddtree-budget 16 (the block size minus one reproduces block drafting"
+                                            " with --ddtree-top-k 1)") from None
+
+
 def evaluate(model: Any, drafter: DFlashDrafter, prompts: list[list[int]], *, max_new_tokens: int,
              block_size: int | None = None, stops: list[int], pad_id: int, baselines: bool = True,
-             seed: int = 0) -> dict[str, Any]:
-    """Run trained (+ untrained and n-gram baselines) over `prompts`; returns the report dict."""
+             seed: int = 0, ddtree_budget: int | None = None, ddtree_top_k: int | None = None) -> dict[str, Any]:
+    """Run trained (+ untrained and n-gram baselines) over `prompts`; returns the report dict. With
+    `ddtree_budget` the trained drafter is also run in DDTree mode (method "ddtree", same prompts)."""
+    check_ddtree_options(model, ddtree_budget, ddtree_top_k)
     check_drafter_fits(drafter, model)
     block = block_size or drafter.config.block_size
     if not 2 <= block <= drafter.config.block_size:
@@ -217,6 +261,15 @@ def evaluate(model: Any, drafter: DFlashDrafter, prompts: list[list[int]], *, ma
             if output != reference:
                 stats.mismatches.append(index)
         report["methods"][name] = stats.summary()
+    if ddtree_budget is not None:
+        slot_logits = drafter_slot_logits(drafter, embed, head)
+        stats = MethodStats("ddtree", tree={"budget": ddtree_budget, "top_k": ddtree_top_k})
+        for index, (prompt, reference) in enumerate(zip(prompts, references)):
+            output = ddtree_generate(runner, prompt, slot_logits, budget=ddtree_budget, top_k=ddtree_top_k, slots=slots,
+                                     max_new_tokens=max_new_tokens, stops=set(stops), stats=stats)
+            if output != reference:
+                stats.mismatches.append(index)
+        report["methods"]["ddtree"] = stats.summary()
     report["lossless"] = all(m["lossless"] for m in report["methods"].values())
     return report
 
@@ -228,6 +281,9 @@ def format_table(report: dict[str, Any]) -> str:
         slots = " ".join("  - " if a is None else f"{a:.2f}" for a in m["per_slot_acceptance"])
         lines.append(f"{name:<10} {m['tau']:>6.2f} {m['tokens_per_target_forward']:>8.2f} "
                      f"{'yes' if m['lossless'] else 'NO':>8}  {slots}")
+        if "budget" in m:
+            lines[-1] += (f"  (trained drafter, tree budget {m['budget']}, top-k {m['top_k'] or 'any'}, "
+                          f"{m['mean_tree_nodes']:.1f} nodes/step)")
     return "\n".join(lines)
 
 
@@ -247,8 +303,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N prompts")
     parser.add_argument("--no-baselines", action="store_true")
     parser.add_argument("--json", default=None, help="also write the report to this file")
+    parser.add_argument("--ddtree-budget", type=int, default=None, metavar="K",
+                        help="also run DDTree with the trained drafter: at most K tree nodes per verify step")
+    parser.add_argument("--ddtree-top-k", type=int, default=None, metavar="N",
+                        help="DDTree candidates per depth (default: unlimited, i.e. the budget decides)")
     args = parser.parse_args(argv)
     try:
+        check_ddtree_numbers(args.ddtree_budget, args.ddtree_top_k)         # bad numbers fail before any loading
         from transformers import AutoTokenizer
 
         drafter = load_drafter(args.drafter)
@@ -258,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
         model, device = load_target_lm(args.target_model)
         report = evaluate(model, drafter.to(device), prompts, max_new_tokens=args.max_new_tokens,
                           block_size=args.block_size, stops=end_of_turn_ids(tokenizer),
-                          pad_id=tokenizer.pad_token_id or 0, baselines=not args.no_baselines)
+                          pad_id=tokenizer.pad_token_id or 0, baselines=not args.no_baselines,
+                          ddtree_budget=args.ddtree_budget, ddtree_top_k=args.ddtree_top_k)
     except DataInputError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         if exc.hint:
