@@ -11,6 +11,10 @@ Reported per drafter (trained, untrained = same config freshly initialised, prom
 - per-slot acceptance: share of steps where slot k was accepted (slot k is accepted only if 1..k-1 were);
 - lossless: every output must equal the target's own greedy `generate` output token for token; a mismatch
   is a failure (exit code 1).
+DDTree mode (`--ddtree-budget K [--ddtree-top-k N]`, METHOD.md 9; rule, mask and cache handling in trainer.ddtree):
+the trained drafter's per-slot distributions of the same block grow a tree of at most K nodes, verified in one
+target forward with an ancestor-only mask; reported as method "ddtree" beside the block rows, same prompts, same
+tau/lossless bookkeeping (its per-slot acceptance is per tree depth). K = B-1 with top-k 1 is block drafting.
 Cost: the drafter re-reads the whole committed context each step (O(n^2) over a generation) instead of the
 public loop's incremental drafter KV cache; identical outputs, fine at evaluation lengths.
 """
