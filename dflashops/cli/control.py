@@ -8,7 +8,6 @@ import shutil
 import sys
 from typing import Any
 
-from dflashops.cli import fanout as fanout_cli
 from dflashops.cli.common import emit_json, highlight_errors, open_session, print_plan, progress
 from dflashops.errors import TransportError, UsageError
 from dflashops.ops.control import LogCursor, read_log, run_status, stop_run, wait_for
@@ -69,6 +68,8 @@ def add_all_options(parser: argparse.ArgumentParser, help_text: str) -> None:
 
 def handle_stop(args: argparse.Namespace) -> int:
     if args.all:
+        from dflashops.cli import fanout as fanout_cli  # rich: only --all pays its import
+
         return fanout_cli.handle_stop_all(args)
     if not args.run:
         raise UsageError("stop needs a RUN (or --all)")
@@ -98,6 +99,8 @@ def describe(entry: dict[str, Any]) -> str:
 
 def handle_status(args: argparse.Namespace) -> int:
     if args.all:
+        from dflashops.cli import fanout as fanout_cli  # rich: only --all pays its import
+
         return fanout_cli.handle_status_all(args)
     with open_session(args) as session:
         runs = run_status(session, args.run, target=args.target)
@@ -141,6 +144,8 @@ def handle_logs(args: argparse.Namespace) -> int:
 
 def handle_exec(args: argparse.Namespace) -> int:
     if args.all:
+        from dflashops.cli import fanout as fanout_cli  # rich: only --all pays its import
+
         return fanout_cli.handle_exec_all(args)
     if not args.target:
         raise UsageError("exec needs a TARGET (or --all)", hint="dflashops exec local -- nvidia-smi")

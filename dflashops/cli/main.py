@@ -18,9 +18,32 @@ from dflashops.errors import DflashopsError
 VERB_MODULES = ("dflashops.cli.deploy", "dflashops.cli.control", "dflashops.cli.runs", "dflashops.cli.trust",
                 "dflashops.cli.play", "dflashops.cli.watch")
 OPTIONAL_MODULES = {"dflashops.cli.runs", "dflashops.cli.trust", "dflashops.cli.play", "dflashops.cli.watch"}
+# The module that registers each verb. When the command line names one of these, only that module is
+# imported: start-up is part of every scripted restart's wall time, and rich, the playbook engine and the
+# lineage views cost ~80 ms of imports that `restart`/`deploy` never use. Anything else (no verb,
+# --help, an unknown word) builds the full parser, so help and "invalid choice" errors list every verb.
+VERB_MODULE = {"deploy": "dflashops.cli.deploy", "restart": "dflashops.cli.deploy",
+               **{verb: "dflashops.cli.control" for verb in ("stop", "status", "logs", "exec", "attach", "gc")},
+               "runs": "dflashops.cli.runs", "trust": "dflashops.cli.trust", "play": "dflashops.cli.play",
+               "watch": "dflashops.cli.watch"}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def verb_of(words: Sequence[str]) -> str | None:
+    """The verb word of a command line (skipping the top-level `--inventory PATH`), or None."""
+    index = 0
+    while index < len(words):
+        word = words[index]
+        if word == "--inventory":
+            index += 2
+            continue
+        if word.startswith("--inventory="):
+            index += 1
+            continue
+        return None if word.startswith("-") else word
+    return None
+
+
+def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dflashops",
         description="Deploy, restart, stop and watch DFlash training runs on local and Proxmox targets.",
@@ -28,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--inventory", metavar="PATH",
                         help="inventory.yaml to use (default: $DFLASHOPS_INVENTORY, ./inventory.yaml or a parent's)")
     subparsers = parser.add_subparsers(dest="verb", metavar="VERB")
-    for module_name in VERB_MODULES:
+    for module_name in ([VERB_MODULE[verb]] if verb in VERB_MODULE else VERB_MODULES):
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
@@ -40,8 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
     words = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(verb_of(words))
     # Everything after the first `--` is passed through untouched (extra trainer args, exec's argv).
     passthrough: list[str] = []
     if "--" in words:
