@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from trainer.tokenizer_utils import DataInputError
+
 
 @dataclass
 class DraftTree:
@@ -56,17 +58,27 @@ class DraftTree:
         return out[::-1]
 
 
-def check_budget(budget: int, top_k: int | None = None) -> None:
-    """ValueError unless budget >= 1 and top_k (when given) >= 1."""
+def check_options(budget: int | None, top_k: int | None, model: Any = None) -> None:
+    """DataInputError (a ValueError) for a non-positive budget or top-k, a top-k without a budget, or a `model`
+    whose attention back end cannot apply the 4-D ancestor mask. budget None = DDTree off."""
+    hint = "e.g. --ddtree-budget 16 (the block size minus one with --ddtree-top-k 1 is block drafting)"
+    if budget is None:
+        if top_k is not None:
+            raise DataInputError("--ddtree-top-k needs --ddtree-budget", hint=hint)
+        return
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-        raise ValueError(f"--ddtree-budget {budget} must be a positive number of tree nodes (the root not counted)")
+        raise DataInputError(f"--ddtree-budget {budget} must be a positive number of tree nodes (the root not counted)",
+                             hint=hint)
     if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"--ddtree-top-k {top_k} must be a positive number of candidates per depth")
+        raise DataInputError(f"--ddtree-top-k {top_k} must be a positive number of candidates per depth", hint=hint)
+    if model is not None and not supports_tree_mask(model):
+        raise DataInputError(f"DDTree needs eager or sdpa attention; the target uses {model.config._attn_implementation}",
+                             hint="load the target with attn_implementation='sdpa'")
 
 
 def build_tree(slot_log_probs: torch.Tensor, budget: int, top_k: int | None = None) -> DraftTree:
     """Best-first tree over `slot_log_probs` [D, V] (row d-1 = slot d) under `budget` nodes (module docstring)."""
-    check_budget(budget, top_k)
+    check_options(budget, top_k)
     depth_limit, vocab = slot_log_probs.shape
     tree = DraftTree([], [], [], [])
     if depth_limit == 0:

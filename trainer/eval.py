@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from trainer.ddtree import check_budget, ddtree_generate, supports_tree_mask
+from trainer.ddtree import check_options as check_ddtree_options, ddtree_generate
 from trainer.model.drafter import DFlashDrafter
 from trainer.tokenizer_utils import DataInputError, end_of_turn_ids
 
@@ -213,34 +213,12 @@ def check_drafter_fits(drafter: DFlashDrafter, model: Any) -> None:
                              hint="evaluate the drafter with the target it was trained for") from None
 
 
-def check_ddtree_options(model: Any, budget: int | None, top_k: int | None) -> None:
-    """DataInputError for bad numbers (check_ddtree_numbers) or an attention back end that cannot apply DDTree's
-    4-D ancestor mask."""
-    check_ddtree_numbers(budget, top_k)
-    if budget is not None and not supports_tree_mask(model):
-        raise DataInputError(f"DDTree needs eager or sdpa attention; the target uses {model.config._attn_implementation}",
-                             hint="load the target with attn_implementation='sdpa'")
-
-
-def check_ddtree_numbers(budget: int | None, top_k: int | None) -> None:
-    """DataInputError for a non-positive budget or top-k, or a top-k without a budget."""
-    if budget is None:
-        if top_k is not None:
-            raise DataInputError("--ddtree-top-k needs --ddtree-budget", hint="add --ddtree-budget K (tree nodes per step)")
-        return
-    try:
-        check_budget(budget, top_k)
-    except ValueError as exc:
-        raise DataInputError(str(exc), hint="e.g. --ddtree-budget 16 (the block size minus one reproduces block drafting"
-                                            " with --ddtree-top-k 1)") from None
-
-
 def evaluate(model: Any, drafter: DFlashDrafter, prompts: list[list[int]], *, max_new_tokens: int,
              block_size: int | None = None, stops: list[int], pad_id: int, baselines: bool = True,
              seed: int = 0, ddtree_budget: int | None = None, ddtree_top_k: int | None = None) -> dict[str, Any]:
     """Run trained (+ untrained and n-gram baselines) over `prompts`; returns the report dict. With
     `ddtree_budget` the trained drafter is also run in DDTree mode (method "ddtree", same prompts)."""
-    check_ddtree_options(model, ddtree_budget, ddtree_top_k)
+    check_ddtree_options(ddtree_budget, ddtree_top_k, model)
     check_drafter_fits(drafter, model)
     block = block_size or drafter.config.block_size
     if not 2 <= block <= drafter.config.block_size:
@@ -248,32 +226,31 @@ def evaluate(model: Any, drafter: DFlashDrafter, prompts: list[list[int]], *, ma
     slots = block - 1
     runner = TargetRunner(model, drafter.config.target_layer_ids)
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-    methods: dict[str, Proposer] = {"trained": drafter_proposer(drafter.eval(), embed, head)}
+    common = {"slots": slots, "max_new_tokens": max_new_tokens, "stops": set(stops)}
+
+    def block_mode(propose: Proposer) -> Callable[[list[int], MethodStats], list[int]]:
+        return lambda prompt, stats: speculative_generate(runner, prompt, propose, stats=stats, **common)
+
+    methods = {"trained": (block_mode(drafter_proposer(drafter.eval(), embed, head)), None)}
     if baselines:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             untrained = DFlashDrafter(drafter.config).to(embed.device).eval()
-        methods["untrained"] = drafter_proposer(untrained, embed, head)
-        methods["ngram"] = ngram_proposer()
-    references = [greedy_reference(model, p, max_new_tokens, stops, pad_id) for p in prompts]
-    report: dict[str, Any] = {"prompts": len(prompts), "block_size": block, "max_new_tokens": max_new_tokens, "methods": {}}
-    for name, propose in methods.items():
-        stats = MethodStats(name)
-        for index, (prompt, reference) in enumerate(zip(prompts, references)):
-            output = speculative_generate(runner, prompt, propose, slots=slots, max_new_tokens=max_new_tokens,
-                                          stops=set(stops), stats=stats)
-            if output != reference:
-                stats.mismatches.append(index)
-        report["methods"][name] = stats.summary()
+        methods["untrained"] = (block_mode(drafter_proposer(untrained, embed, head)), None)
+        methods["ngram"] = (block_mode(ngram_proposer()), None)
     if ddtree_budget is not None:
         slot_logits = drafter_slot_logits(drafter, embed, head)
-        stats = MethodStats("ddtree", tree={"budget": ddtree_budget, "top_k": ddtree_top_k})
+        methods["ddtree"] = (lambda prompt, stats: ddtree_generate(runner, prompt, slot_logits, budget=ddtree_budget,
+                                                                   top_k=ddtree_top_k, stats=stats, **common),
+                             {"budget": ddtree_budget, "top_k": ddtree_top_k})
+    references = [greedy_reference(model, p, max_new_tokens, stops, pad_id) for p in prompts]
+    report: dict[str, Any] = {"prompts": len(prompts), "block_size": block, "max_new_tokens": max_new_tokens, "methods": {}}
+    for name, (generate, tree) in methods.items():
+        stats = MethodStats(name, tree=tree)
         for index, (prompt, reference) in enumerate(zip(prompts, references)):
-            output = ddtree_generate(runner, prompt, slot_logits, budget=ddtree_budget, top_k=ddtree_top_k, slots=slots,
-                                     max_new_tokens=max_new_tokens, stops=set(stops), stats=stats)
-            if output != reference:
+            if generate(prompt, stats) != reference:
                 stats.mismatches.append(index)
-        report["methods"]["ddtree"] = stats.summary()
+        report["methods"][name] = stats.summary()
     report["lossless"] = all(m["lossless"] for m in report["methods"].values())
     return report
 
@@ -313,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="DDTree candidates per depth (default: unlimited, i.e. the budget decides)")
     args = parser.parse_args(argv)
     try:
-        check_ddtree_numbers(args.ddtree_budget, args.ddtree_top_k)         # bad numbers fail before any loading
+        check_ddtree_options(args.ddtree_budget, args.ddtree_top_k)         # bad numbers fail before any loading
         from transformers import AutoTokenizer
 
         drafter = load_drafter(args.drafter)

@@ -230,7 +230,7 @@ def test_bad_budget_in_evaluate_and_unsupported_attention(setup):
         config = FlashConfig()
 
     with pytest.raises(eval_cli.DataInputError, match="DDTree needs eager or sdpa attention"):
-        eval_cli.check_ddtree_options(FlashModel(), 4, None)
+        eval_cli.check_ddtree_options(4, None, FlashModel())
 
 
 def test_eval_cli_with_ddtree(setup, tmp_path, capsys):
