@@ -4,14 +4,14 @@ Growth rule (exact). Slot d of the block (d = 1..D, D = the slots allowed this s
 lp_d = log_softmax(hidden_d @ lm_head^T). Because the drafter fills all slots in parallel, slot d's distribution
 does not depend on the tokens chosen at earlier depths, so a path t_1..t_d scores S = lp_1(t_1) + ... + lp_d(t_d)
 (the log of the product of the per-slot probabilities). The candidates at depth d are slot d's `top_k` tokens
-(rank 1 = most likely; ties broken by token id via torch.topk's order, deterministic). The tree is grown best-first:
+(rank 1 = most likely; equal probabilities keep torch.topk's order). The tree is grown best-first:
 a max-heap of frontier nodes starts with rank 1 of slot 1 under the root (the anchor); each pop adds the node with
 the highest S (ties: the node pushed first) and pushes (a) its next-ranked sibling (same parent, rank r+1 of the
 same slot) and (b) its first child (rank 1 of slot d+1, if d < D). Stop after `budget` nodes (root excluded).
 Since every lp <= 0, a prefix scores >= its extensions and a rank-r sibling >= rank r+1, so the result is exactly
-the `budget` highest-scoring paths (a prefix-closed set), and the pop order does not depend on `budget`: a larger
-budget gives a SUPERSET tree for the same distributions (the per-step monotonicity the tests rely on). `top_k`
-never matters beyond `budget` (a rank-r node needs r-1 siblings popped first). With top_k = 1 the tree is the
+the `budget` highest-scoring paths (a prefix-closed set; ties aside), and the pop order does not depend on
+`budget`: a larger budget gives a SUPERSET tree for the same distributions (the per-step monotonicity the tests
+rely on). `top_k` never matters beyond `budget` (a rank-r node needs r-1 siblings popped first). With top_k = 1 the tree is the
 linear chain of each slot's argmax, i.e. block drafting.
 
 Verification. The anchor (the last committed token, not yet in the target's KV cache) and the N tree nodes go
@@ -20,7 +20,9 @@ n-1+depth for a node; a 4-D additive float mask [1, 1, 1+N, n+N] (0 = attend, dt
 query sees the whole cached prefix, the anchor, its ancestors and itself. Format choice: transformers 5.x
 (`masking_utils._preprocess_mask_arguments`) passes any 4-D tensor through unchanged; the sdpa integration
 takes a float or bool mask but eager attention ADDS the mask to the scores, so only an additive float mask in
-the model's dtype works for both. Flash-attention and flex back ends ignore or reject such a mask: refused.
+the model's dtype works for both (checked against 5.17 and 5.24). Flash-attention and flex back ends ignore or
+reject such a mask: refused. Cost: a custom mask keeps sdpa off its flash kernel (memory-efficient/math kernel
+instead) and the mask is (1+N) x (n+N) in the model dtype, e.g. 65 x 4160 x 2 B = 0.5 MB at n = 4096, N = 64.
 Acceptance: from the root, follow the child whose token equals the target's argmax at the current node; the
 path plus the target's argmax at its end (bonus) is committed. The KV entries of the accepted nodes are moved
 to sit right after the anchor and the rest cropped (an in-place gather per layer; O(layers * kept) copies).
