@@ -11,8 +11,8 @@ same slot) and (b) its first child (rank 1 of slot d+1, if d < D). Stop after `b
 Since every lp <= 0, a prefix scores >= its extensions and a rank-r sibling >= rank r+1, so the result is exactly
 the `budget` highest-scoring paths (a prefix-closed set; ties aside), and the pop order does not depend on
 `budget`: a larger budget gives a SUPERSET tree for the same distributions (the per-step monotonicity the tests
-rely on). `top_k` never matters beyond `budget` (a rank-r node needs r-1 siblings popped first). With top_k = 1 the tree is the
-linear chain of each slot's argmax, i.e. block drafting.
+rely on). `top_k` never matters beyond `budget` (a rank-r node needs r-1 siblings popped first). With top_k = 1
+the tree is the linear chain of each slot's argmax, i.e. block drafting.
 
 Verification. The anchor (the last committed token, not yet in the target's KV cache) and the N tree nodes go
 through the target in one forward after the cached prefix of n-1 positions: position ids n-1 for the anchor and
@@ -74,7 +74,8 @@ def check_options(budget: int | None, top_k: int | None, model: Any = None) -> N
     if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
         raise DataInputError(f"--ddtree-top-k {top_k} must be a positive number of candidates per depth", hint=hint)
     if model is not None and not supports_tree_mask(model):
-        raise DataInputError(f"DDTree needs eager or sdpa attention; the target uses {model.config._attn_implementation}",
+        backend = model.config._attn_implementation
+        raise DataInputError(f"DDTree needs eager or sdpa attention; the target uses {backend}",
                              hint="load the target with attn_implementation='sdpa'")
 
 
@@ -151,7 +152,8 @@ def keep_cache_rows(cache: Any, start: int, rows: list[int]) -> None:
         if index is None:
             index = torch.tensor(rows, dtype=torch.long, device=layer.keys.device)
         kept = len(rows)
-        layer.keys[:, :, start:start + kept] = layer.keys.index_select(2, index)   # gather copies first: no overlap hazard
+        # index_select gathers into a new tensor before the write: no overlap hazard
+        layer.keys[:, :, start:start + kept] = layer.keys.index_select(2, index)
         layer.values[:, :, start:start + kept] = layer.values.index_select(2, index)
     extra = cache.get_seq_length() - (start + len(rows))
     if extra > 0:

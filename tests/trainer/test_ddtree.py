@@ -117,7 +117,8 @@ def test_ancestor_mask_gives_every_node_the_logits_of_its_own_path(setup, attent
         plain.forward(prompt + [tree.tokens[i] for i in tree.path(leaf)])
         assert runner.cache.get_seq_length() == plain.cache.get_seq_length()
         for ours, theirs in zip(runner.cache.layers, plain.cache.layers):
-            assert torch.allclose(ours.keys, theirs.keys, atol=1e-5) and torch.allclose(ours.values, theirs.values, atol=1e-5)
+            assert torch.allclose(ours.keys, theirs.keys, atol=1e-5)
+            assert torch.allclose(ours.values, theirs.values, atol=1e-5)
     finally:
         model.set_attn_implementation("sdpa")
 
@@ -194,7 +195,8 @@ def test_a_stop_id_inside_the_accepted_path_ends_the_answer(setup):
     stops = {free_run[stop_index]}
     reference = free_run[:stop_index + 1]
     stats = eval_cli.MethodStats("tree")
-    output = ddtree.ddtree_generate(eval_cli.TargetRunner(model, [1, 2]), prompt, noisy_oracle(prompt, free_run, setup["vocab"]),
+    oracle = noisy_oracle(prompt, free_run, setup["vocab"])
+    output = ddtree.ddtree_generate(eval_cli.TargetRunner(model, [1, 2]), prompt, oracle,
                                     budget=12, top_k=None, slots=3, max_new_tokens=20, stops=stops, stats=stats)
     assert output == reference and stats.generated == len(reference) and stats.forwards == stats.steps + 1
     # The step that accepts the stop still counts accepted + 1 (block mode's and tau_sim's convention), so the
