@@ -76,7 +76,10 @@ class TrainConfig:
     drafter_gpus: list[str] = field(default_factory=list)
     pipeline: bool = False  # force the threaded pipeline (trainer.pipeline) even with one drafter
     sync: str = "grad"  # pipeline replica sync: grad | average
-    sync_interval: int = 1
+    sync_interval: int = 50  # --sync average: steps between weight averages (the seed's 50); unused by grad
+    queue_depth: int = 2  # pipeline: feature batches in flight per (target, drafter) channel (the memory bound)
+    feature_transfer: str = "device"  # pipeline: device (copy onto the drafter's GPU) | pinned (host staging)
+    stall_timeout: float = 900.0  # pipeline: seconds without an optimizer step before the run fails
     # optimisation
     epochs: int = 6
     max_steps: int | None = None  # stop after this many optimizer steps; also the LR schedule's horizon
@@ -188,6 +191,10 @@ class TrainConfig:
         need(self.wandb in ("auto", "on", "off"), "wandb", f"must be auto, on or off, got {self.wandb!r}")
         need(self.sync in ("grad", "average"), "sync", f"must be grad or average, got {self.sync!r}")
         need(self.sync_interval >= 1, "sync-interval", f"must be >= 1, got {self.sync_interval}")
+        need(self.queue_depth >= 1, "queue-depth", f"must be >= 1, got {self.queue_depth}")
+        need(self.feature_transfer in ("device", "pinned"), "feature-transfer",
+             f"must be device or pinned, got {self.feature_transfer!r}")
+        need(self.stall_timeout > 0, "stall-timeout", f"must be > 0 seconds, got {self.stall_timeout}")
         if self.vocab_size is not None and self.mask_token_id is not None:
             need(0 <= self.mask_token_id < self.vocab_size, "mask-token-id",
                  f"{self.mask_token_id} is outside the vocabulary (size {self.vocab_size})")

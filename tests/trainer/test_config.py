@@ -79,6 +79,10 @@ def test_drafter_config_from_preset_and_target_config(preset: str, layers: int, 
     (["--sliding-layers", "3"], "--sliding-layers"),
     (["--epochs", "many"], "--epochs"),
     (["--bogus-flag", "1"], "--bogus-flag"),
+    (["--queue-depth", "0"], "--queue-depth"),
+    (["--feature-transfer", "carrier-pigeon"], "--feature-transfer"),
+    (["--stall-timeout", "0"], "--stall-timeout"),
+    (["--sync-interval", "0"], "--sync-interval"),
     (["--preset", "huge"], "--preset"),
 ])
 def test_bad_values_are_refused_naming_the_flag(flags: list[str], flag_named: str) -> None:
