@@ -401,7 +401,10 @@ def run_status(directory: str) -> dict:
     # status.json names the step in progress (the one that crashed); metrics.jsonl the last one logged.
     steps = [v for v in ((last_metrics or {}).get("step"), (trainer_status or {}).get("step")) if isinstance(v, int)]
     step = max(steps) if steps else None
-    stopped = os.path.exists(os.path.join(directory, "stop.json"))
+    # Stopped = by `dflashops stop` (stop.json), or the trainer itself recorded a graceful stop after a signal
+    # from elsewhere (status.json phase "stopped": it checkpointed and exited), which is no crash.
+    stopped = (os.path.exists(os.path.join(directory, "stop.json"))
+               or (trainer_status or {}).get("phase") == "stopped")
     if live:
         state = "stopping" if stopped else "running"
     elif exit_code is None:

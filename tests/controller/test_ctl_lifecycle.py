@@ -145,3 +145,19 @@ def test_dry_runs_print_commands_and_change_nothing(env: Env, capsys: pytest.Cap
     assert "\trunning\t" in out
     code, out, _ = env.cli("runs", "list", "--json", capsys=capsys)
     assert "dry-v2" not in out
+
+
+def test_a_run_stopped_by_a_signal_from_elsewhere_is_stopped_not_crashed(env: Env) -> None:
+    """The trainer checkpoints on SIGTERM from anyone (an OOM killer's warning, a user's kill) and records
+    phase "stopped": status says stopped with its exit code, not "crashed"."""
+    started = env.run_cli("deploy", "local", "--profile", "work", "--name", "external", "--wait", r"step 2\b",
+                          "--timeout", "30")
+    assert started.returncode == 0, started.stderr
+    pgid = int((env.runs / "external" / "pgid").read_text())
+    os.killpg(pgid, 15)  # the run's own process group, started by this test's deploy
+    deadline = time.monotonic() + 30
+    while not (env.runs / "external" / "exit_code").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    runs = json.loads(env.run_cli("status", "external", "--json").stdout)["runs"]
+    assert [(r["state"], r["exit_code"]) for r in runs] == [("stopped", 143)]
+    assert not (env.runs / "external" / "stop.json").exists()  # dflashops did not stop it

@@ -67,7 +67,7 @@ def main() -> int:
     while step < args.steps:
         if stop_requested:
             path = checkpoint(out, step)
-            write_status(out, phase="saving", step=step, last_checkpoint=path)
+            write_status(out, phase="stopped", step=step, last_checkpoint=path)  # as trainer.signals does
             print(f"SIGTERM: checkpoint {path}, exiting {EXIT_ON_SIGTERM}", flush=True)
             return EXIT_ON_SIGTERM
         step += 1
