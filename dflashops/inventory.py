@@ -25,6 +25,7 @@ import yaml
 
 from dflashops.errors import InventoryError, NotFound
 from dflashops.shell import ENV_KEY_RE, NAME_RE
+from dflashops.yaml_errors import YAML_HINT, describe_yaml_error
 
 TARGET_KINDS = ("local", "pct", "direct", "host")
 
@@ -185,10 +186,7 @@ def load_inventory(path: str | os.PathLike[str] | None = None) -> Inventory:
     try:
         root = yaml.compose(text)
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = f":{mark.line + 1}" if mark is not None else ""
-        raise InventoryError(f"{inv_path}{line}: invalid YAML: {getattr(exc, 'problem', exc)}",
-                             hint="check indentation and quoting on that line") from None
+        raise InventoryError(describe_yaml_error(inv_path, exc), hint=YAML_HINT) from None
     if root is None:
         raise InventoryError(f"{inv_path}: the inventory is empty", hint="define at least one target")
     top = reader.mapping(root, "", {"hosts", "targets", "profiles"})

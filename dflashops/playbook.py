@@ -38,6 +38,7 @@ import yaml
 from dflashops.errors import UsageError
 from dflashops.playbook_expr import ExprSyntaxError, parse
 from dflashops.playbook_vars import PlaybookError, references, render, templated
+from dflashops.yaml_errors import YAML_HINT, describe_yaml_error
 
 __all__ = ["PlaybookError", "Playbook", "Step", "load_playbook", "parse_set", "references", "render"]
 
@@ -175,10 +176,7 @@ def _read_yaml(path: Path) -> Any:
     try:
         return yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)  # noqa: S506 - SafeLoader subclass
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = f":{mark.line + 1}" if mark is not None else ""
-        raise PlaybookError(f"{path}{line}: invalid YAML: {getattr(exc, 'problem', exc)}",
-                            hint="check indentation and quoting on that line") from None
+        raise PlaybookError(describe_yaml_error(path, exc), hint=YAML_HINT) from None
     except OSError as exc:
         raise PlaybookError(f"cannot read playbook {path}: {exc.strerror}") from None
 
