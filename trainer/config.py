@@ -105,6 +105,7 @@ class TrainConfig:
     kl_weight: float = 1.0
     kl_temperature: float = 1.0
     cap_lambda: float = 0.0
+    activation_checkpointing: bool = False  # recompute drafter layer activations in backward (memory for time)
     loss_chunk_size: int | None = None  # rows per chunk in the logits-free loss (None: ~1 GiB of fp32 logits)
     # drafter shape (hidden_size must equal the target's)
     num_draft_layers: int = 5
@@ -256,7 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m trainer train", description="Train a DFlash drafter.",
                      argument_default=argparse.SUPPRESS, allow_abbrev=False)
     types = {"target_gpus": _devices, "drafter_gpus": _devices, "target_layer_ids": _int_list,
-             "use_soft_labels": _bool, "pipeline": _bool, "enable_thinking": _bool}
+             "use_soft_labels": _bool, "pipeline": _bool, "enable_thinking": _bool,
+             "activation_checkpointing": _bool}
     skip = {"tiny_target"}
     for f in dataclasses.fields(TrainConfig):
         if f.name in skip:

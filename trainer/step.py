@@ -110,10 +110,13 @@ class DrafterSide:
 
     def __init__(self, cfg: TrainConfig, drafter: DFlashDrafter, embed_weight: torch.Tensor,
                  lm_head_weight: torch.Tensor, device: torch.device | str, total_steps: int, *,
-                 compile: bool | None = None, activation_checkpointing: bool = False) -> None:
+                 compile: bool | None = None, activation_checkpointing: bool | None = None) -> None:
         self.cfg, self.device = cfg, torch.device(device)
         self.drafter = drafter.to(self.device).train()
-        self.drafter.activation_checkpointing = activation_checkpointing
+        # Recompute layer activations in backward (--activation-checkpointing): measured on the H200 for the 27B
+        # drafter at the seed shape, 66.1 -> 49.5 GiB peak for 18% more step time (bench/RESULTS.md).
+        self.drafter.activation_checkpointing = (cfg.activation_checkpointing if activation_checkpointing is None
+                                                 else activation_checkpointing)
         # torch.compile per replica (each layer module and this side's loss kernels are their own compiled
         # objects, so two devices never share one). Default: on CUDA only. Compilation happens lazily at the
         # first forward/backward: warm up sequentially before worker threads start (METHOD.md 6).

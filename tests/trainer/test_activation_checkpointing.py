@@ -35,3 +35,31 @@ def test_checkpointed_layers_give_the_same_output_and_gradients() -> None:
     assert grads_plain.keys() == grads_ckpt.keys()
     for name in grads_plain:
         torch.testing.assert_close(grads_ckpt[name], grads_plain[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+def _losses(out, *extra: str) -> list[float]:
+    import json
+
+    from trainer import train
+
+    assert train.main(["--preset", "tiny", "--max-steps", "3", "--log-interval", "1", "--output-dir", str(out),
+                       "--wandb", "off", *extra]) == 0
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_flag_trains_the_same_losses(tmp_path) -> None:
+    plain = _losses(tmp_path / "plain")
+    checkpointed = _losses(tmp_path / "ckpt", "--activation-checkpointing")
+    assert len(plain) == 3 and checkpointed == plain
+
+
+def test_drafter_side_takes_the_setting_from_the_config() -> None:
+    from trainer.config import parse_train_args
+    from trainer.step import DrafterSide
+
+    target = build_tiny_target(seed=0)
+    drafter = DFlashDrafter(tiny_drafter_config(target))
+    for flag, expected in (([], False), (["--activation-checkpointing"], True)):
+        cfg = parse_train_args(["--preset", "tiny", "--output-dir", "/tmp/unused", *flag])
+        side = DrafterSide(cfg, drafter, target.embed_weight, target.lm_head_weight, "cpu", total_steps=1)
+        assert side.drafter.activation_checkpointing is expected
