@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call = one of these sections; each step has its own timeout so one hang cannot eat the call.
 # Usage (on the GPU machine, repo root): bash bench/gpu_session.sh SECTION...   (logs under $OUT when set)
+# Not yet run on the H200 (next session): `attention step8b-more benchpipe` in one call, `pipeline` in another.
 set -u
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
 OUT=${OUT:-/tmp/bench-out}; mkdir -p "$OUT"
@@ -28,6 +29,10 @@ for section in "$@"; do
               --variants compiled,soft,act-ckpt --iters 6 --warmup 3 --json-out "$OUT/step27b.json" ;;
     step8b-diag) step step8b-diag 270 python3 -m trainer bench step --preset qwen3-8b --shape seed \
               --variants eager,compiled --iters 3 --warmup 1 --stacks-every 60 --json-out "$OUT/step8b.json" ;;
+    step8b-more) step step8b-more 300 python3 -m trainer bench step --preset qwen3-8b --shape seed \
+              --variants soft,cap,ckpt-loss --iters 5 --warmup 2 --json-out "$OUT/step8b-more.json" ;;
+    benchpipe) step benchpipe 240 python3 -m trainer bench pipeline --preset qwen3-8b --shape recipe \
+              --target-intermediate 12288 --iters 5 --warmup 2 ;;
     pipeline) step pipeline 480 python3 bench/gpu_pipeline.py ;;
     pipeline-small) step pipeline-small 170 python3 bench/gpu_pipeline.py --scale small --steps 60 ;;
     *) echo "unknown section $section" >&2 ;;
