@@ -437,11 +437,23 @@ def verb_status(req: dict) -> dict:
 # ------------------------------------------------------------------------------------------------ tail
 def verb_tail(req: dict) -> dict:
     """Bytes of train.log from `offset`, cut at the last newline so no line is split or repeated. `inode`
-    (from the previous answer) detects rotation: the rest of the rotated `train.log.1` comes first."""
+    (from the previous answer) detects rotation: the rest of the rotated `train.log.1` comes first.
+    `wait_s` (long poll, at most 10 s): when there is nothing new yet, wait here for up to that long, checking
+    the file every 50 ms, so a follower sees a line ~50 ms after it is written instead of a poll period later."""
     directory = run_dir(req)
     path = os.path.join(directory, "train.log")
     if not os.path.exists(path):
         raise AgentFailure(f"run {req['name']!r} has no log (it never started here)", "not_found")
+    deadline = time.monotonic() + max(0.0, min(float(req.get("wait_s", 0)), 10.0))
+    while True:
+        answer = _tail_once(req, directory, path)
+        moved = answer["offset"] != int(req.get("offset", 0)) or answer["inode"] != req.get("inode")
+        if answer["data"] or answer["finished"] or moved or time.monotonic() >= deadline:
+            return answer
+        time.sleep(0.05)
+
+
+def _tail_once(req: dict, directory: str, path: str) -> dict:
     offset, inode = int(req.get("offset", 0)), req.get("inode")
     max_bytes = int(req.get("max_bytes", 1 << 20))
     current_inode = os.stat(path).st_ino

@@ -84,6 +84,9 @@ def call_resuming(agent: Any, verb: str, args: dict[str, Any]) -> dict[str, Any]
     raise AssertionError("unreachable")
 
 
+LONG_POLL_S = 2.0  # the longest one `tail` call waits for news; keepalives keep the channel checked meanwhile
+
+
 def read_log(session: Session, name: str, cursor: LogCursor, *, target: str | None = None,
              follow: bool = False, poll_s: float = 0.5, timeout: float | None = None) -> Iterator[str]:
     """Yield complete chunks of train.log from `cursor` (updated as it goes). With `follow`, keep polling
@@ -93,8 +96,13 @@ def read_log(session: Session, name: str, cursor: LogCursor, *, target: str | No
     agent = session.agent(tgt)
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
+        # Following: a long poll (the agent waits up to LONG_POLL_S for a new line), so a line reaches the user
+        # ~50 ms + one round trip after it is written, with one agent call per LONG_POLL_S when the log is quiet.
+        wait_s = 0.0
+        if follow:
+            wait_s = LONG_POLL_S if deadline is None else max(0.0, min(LONG_POLL_S, deadline - time.monotonic()))
         answer = call_resuming(agent, "tail", {"workspace": tgt.workspace, "name": name,
-                                               "offset": cursor.offset, "inode": cursor.inode})
+                                               "offset": cursor.offset, "inode": cursor.inode, "wait_s": wait_s})
         moved = answer["offset"] != cursor.offset or answer["inode"] != cursor.inode
         cursor.offset, cursor.inode = answer["offset"], answer["inode"]
         if answer["data"]:
@@ -103,7 +111,7 @@ def read_log(session: Session, name: str, cursor: LogCursor, *, target: str | No
             return
         if deadline is not None and time.monotonic() >= deadline:
             raise WaitTimeout(f"{name}: no match within {timeout:g}s", hint="raise --timeout")
-        if not moved:
+        if not moved and wait_s == 0:
             time.sleep(poll_s)  # when it moved, more may be waiting (large logs come in 1 MiB pieces)
 
 

@@ -164,7 +164,7 @@ class SshTransport(Transport):
             for chunk in self._drain(channel, err, deadline, argv):
                 out += chunk
         finally:
-            channel.close()
+            _close_quietly(channel)
         feeder.join(timeout=1)
         return self._exit_code(channel, argv), bytes(out), bytes(err)
 
@@ -180,7 +180,7 @@ class SshTransport(Transport):
             yield from self._drain(channel, err, deadline, argv)
             self._exit_code(channel, argv)  # raises when the link dropped; an exit code is not an error here
         finally:
-            channel.close()
+            _close_quietly(channel)
 
     def _drain(self, channel: paramiko.Channel, err: bytearray, deadline: float | None,
                argv: Sequence[str]) -> Iterator[bytes]:
@@ -273,3 +273,12 @@ def _start_feeder(channel: paramiko.Channel, stdin: Stdin) -> threading.Thread:
     thread.start()
     return thread
 
+
+def _close_quietly(channel: paramiko.Channel) -> None:
+    """Close a channel whose link may already be gone: closing sends a message, and on a dead transport
+    paramiko raises EOFError/OSError from that send, which would hide the TransportError the caller is
+    handling (seen when a cut landed exactly between a command's last byte and its close)."""
+    try:
+        channel.close()
+    except (EOFError, OSError, paramiko.SSHException):
+        pass
