@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from trainer.tokenizer_utils import DataInputError
+from trainer.verify import cut_at_stop, finish_generation
 
 
 @dataclass
@@ -181,21 +182,12 @@ def ddtree_generate(runner: Any, prompt: list[int], slot_logits: Any, *, budget:
         logits, new_taps = runner.forward([committed[-1]] + tree.tokens, position_ids=positions, attention_mask=mask)
         forwards += 1
         path, bonus = accept(tree, logits.argmax(-1).tolist())
-        new_tokens = [tree.tokens[i] for i in path] + [bonus]
-        accepted, proposed = len(path), max(tree.depths, default=0)
-        stop_at = next((i for i, t in enumerate(new_tokens) if t in stops), None)
-        if stop_at is not None:                                          # same rule as block mode (see eval.py)
-            new_tokens = new_tokens[:stop_at + 1]
-            accepted, proposed = min(accepted, stop_at + 1), min(proposed, stop_at + 1)
+        new_tokens, accepted, proposed = cut_at_stop([tree.tokens[i] for i in path] + [bonus], len(path),
+                                                     max(tree.depths, default=0), stops)
         rows = [0] + [1 + i for i in path[:len(new_tokens) - 1]]        # anchor + kept nodes (forward row ids)
         committed += new_tokens
         taps = torch.cat([taps, new_taps[rows]])                         # committed positions only
         keep_cache_rows(runner.cache, n - 1, [n - 1 + r for r in rows])
         stats.record_step(proposed, accepted, slots)
         stats.tree_nodes += len(tree)
-    generated = committed[len(prompt):]
-    cut = next((i + 1 for i, t in enumerate(generated) if t in stops), len(generated))
-    generated = generated[:min(cut, max_new_tokens)]
-    stats.generated += len(generated)
-    stats.forwards += forwards
-    return generated
+    return finish_generation(committed, len(prompt), max_new_tokens, stops, stats, forwards)

@@ -33,6 +33,7 @@ import torch
 from trainer.ddtree import check_options as check_ddtree_options, ddtree_generate
 from trainer.model.drafter import DFlashDrafter
 from trainer.tokenizer_utils import DataInputError, end_of_turn_ids
+from trainer.verify import cut_at_stop, finish_generation
 
 Proposer = Callable[[list[int], torch.Tensor, int], list[int]]  # (committed ids, ctx taps [n-1,T*H], k) -> draft
 
@@ -169,25 +170,12 @@ def speculative_generate(runner: TargetRunner, prompt: list[int], propose: Propo
         accepted = 0
         while accepted < len(draft) and draft[accepted] == choice[accepted]:
             accepted += 1
-        new_tokens, proposed = draft[:accepted] + [choice[accepted]], len(draft)
-        stop_at = next((i for i, t in enumerate(new_tokens) if t in stops), None)
-        if stop_at is not None:
-            # The answer ends at the first stop id, also when it is an ACCEPTED draft token: nothing after it is
-            # output, so no further verify step runs and slots past it are not counted (they lie past the end
-            # of the text, exactly like the invalid slots of training's tau_sim). Without this the loop went on
-            # verifying garbage after the answer until max_new_tokens and those steps pulled tau down.
-            new_tokens = new_tokens[:stop_at + 1]
-            accepted, proposed = min(accepted, stop_at + 1), min(proposed, stop_at + 1)
+        new_tokens, accepted, proposed = cut_at_stop(draft[:accepted] + [choice[accepted]], accepted, len(draft), stops)
         committed += new_tokens
         taps = torch.cat([taps, new_taps[:len(new_tokens)]])               # committed positions only
         runner.crop(n - 1 + len(new_tokens))
         stats.record_step(proposed, accepted, slots)
-    generated = committed[len(prompt):]
-    cut = next((i + 1 for i, t in enumerate(generated) if t in stops), len(generated))
-    generated = generated[:min(cut, max_new_tokens)]
-    stats.generated += len(generated)
-    stats.forwards += forwards
-    return generated
+    return finish_generation(committed, len(prompt), max_new_tokens, stops, stats, forwards)
 
 
 @torch.inference_mode()
