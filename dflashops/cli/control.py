@@ -166,18 +166,23 @@ def handle_exec(args: argparse.Namespace) -> int:
 
 def handle_attach(args: argparse.Namespace) -> int:
     from dflashops.agent import tmux_socket  # stdlib-only module: the same socket name the agent uses
+    from dflashops.transport.interactive import interactive_argv
 
     validate_name(args.run, what="run name")
     with open_session(args) as session:
         target = session.target_for_run(args.run, args.target)
         entry = run_status(session, args.run, target=args.target)[0]
-    if target.kind != "local":
-        raise TransportError("attach works on local targets in this build", hint="use `dflashops logs -f` instead")
     if entry["run_json"].get("launcher") != "tmux":
         raise UsageError(f"run {args.run!r} was launched with nohup; there is no session to attach",
                          hint=f"`dflashops logs {args.run} -f`")
-    tmux = shutil.which("tmux") or "tmux"
-    os.execv(tmux, [tmux, "-L", tmux_socket(target.workspace), "attach-session", "-t", "=" + args.run])
+    tmux = ["tmux", "-L", tmux_socket(target.workspace), "attach-session", "-t", "=" + args.run]
+    # Remote: the terminal type travels (pct exec clears the environment); detach with the tmux prefix + d.
+    term = {"TERM": os.environ.get("TERM", "xterm-256color")} if target.kind != "local" else None
+    argv = interactive_argv(target, tmux, hosts=session.inventory.hosts, env=term)
+    executable = shutil.which(argv[0])
+    if executable is None:
+        raise TransportError(f"`{argv[0]}` is not installed here", hint="install it, or use `dflashops logs -f`")
+    os.execv(executable, argv)
     return 0  # not reached
 
 
