@@ -91,8 +91,14 @@ def describe(entry: dict[str, Any]) -> str:
     if state == "crashed":
         state = f"crashed at step {entry.get('step')}" + (f": {entry['error_line']}" if entry.get("error_line") else "")
     metrics = entry.get("last_metrics") or {}
-    shown = " ".join(f"{k}={metrics[k]:.4g}" if isinstance(metrics[k], float) else f"{k}={metrics[k]}"
-                     for k in ("step", "loss", "tau_sim", "block_tok_s") if k in metrics)
+
+    def value(key: str) -> str:
+        v = metrics[key]
+        if key.endswith("_tok_s") and isinstance(v, (int, float)):
+            return f"{v:,.0f}"  # 10,140 rather than 1.014e+04
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    shown = " ".join(f"{k}={value(k)}" for k in ("step", "loss", "tau_sim", "block_tok_s") if k in metrics)
     exit_code = "-" if entry.get("exit_code") is None else entry["exit_code"]
     return f"{entry['name']}\t{state}\texit={exit_code}\t{shown}"
 
