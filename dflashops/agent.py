@@ -141,6 +141,31 @@ def run_pids(pgid: int | None, marker: str | None) -> set[int]:
     return found
 
 
+def owned_pgid(pgid: int | None, marker: str | None, directory: str) -> int | None:
+    """The recorded pgid if that process group is still this run's, else None.
+
+    A pgid outlives its run on disk: after a lost wrapper (SIGKILL, reboot) the number can be reused by an
+    unrelated group. The group counts as the run's only while a member carries the run's exact marker in its
+    environment or is the run's own launch wrapper (its command line names this run directory)."""
+    if not pgid or pgid <= 1:
+        return None
+    needle = f"{MARKER_KEY}={marker}".encode() if marker else None
+    for pid in all_pids():
+        stat = proc_stat(pid)
+        if stat is None or stat[1] != pgid or stat[0] in ("Z", "X"):
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as handle:
+                if needle and needle in handle.read().split(b"\0"):
+                    return pgid
+            with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                if json.dumps({"dir": directory}).encode() in handle.read():
+                    return pgid
+        except OSError:
+            continue
+    return None
+
+
 def signal_run(pgid: int | None, pids: set[int], signum: int) -> None:
     """Signal the run's group and each marked process; never anything else."""
     if pgid and pgid > 1:
@@ -320,8 +345,8 @@ def verb_stop(req: dict) -> dict:
     directory = run_dir(req)
     if not os.path.isdir(directory):
         raise AgentFailure(f"run {req['name']!r} does not exist on this target", "not_found")
-    pgid = read_int(os.path.join(directory, "pgid"))
     marker = (read_text(os.path.join(directory, "marker")) or "").strip() or None
+    pgid = owned_pgid(read_int(os.path.join(directory, "pgid")), marker, directory)
     pids = run_pids(pgid, marker)
     if not pids:
         raise AgentFailure(f"run {req['name']!r} is not running", "not_running")
@@ -384,7 +409,7 @@ def run_status(directory: str) -> dict:
     exit_code = read_int(os.path.join(directory, "exit_code"))
     pgid = read_int(os.path.join(directory, "pgid"))
     marker = (read_text(os.path.join(directory, "marker")) or "").strip() or None
-    live = sorted(run_pids(pgid, marker)) if exit_code is None or pgid else []
+    live = sorted(run_pids(owned_pgid(pgid, marker, directory), marker)) if exit_code is None or pgid else []
     trainer_status = read_json(os.path.join(directory, "status.json"))
     metrics_lines = last_lines(os.path.join(directory, "metrics.jsonl"), 16384)
     last_metrics = None

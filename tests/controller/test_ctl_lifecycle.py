@@ -161,3 +161,25 @@ def test_a_run_stopped_by_a_signal_from_elsewhere_is_stopped_not_crashed(env: En
     runs = json.loads(env.run_cli("status", "external", "--json").stdout)["runs"]
     assert [(r["state"], r["exit_code"]) for r in runs] == [("stopped", 143)]
     assert not (env.runs / "external" / "stop.json").exists()  # dflashops did not stop it
+
+
+def test_a_reused_pgid_is_never_signalled(env: Env) -> None:
+    """A run whose wrapper was lost leaves its pgid on disk; if an unrelated process group later gets that
+    number, neither `status` nor `stop` may treat that group as the run's."""
+    started = env.run_cli("deploy", "local", "--profile", "work", "--name", "lost", "--launcher", "nohup",
+                          "--wait", r"step 2\b", "--timeout", "30")
+    assert started.returncode == 0, started.stderr
+    assert env.run_cli("stop", "lost", "--grace", "5").returncode == 0
+    (env.runs / "lost" / "exit_code").unlink()   # as if the wrapper had been SIGKILLed before recording it
+    (env.runs / "lost" / "stop.json").unlink()
+    stranger = subprocess.Popen(["sleep", "60"], start_new_session=True)  # an unrelated group, ours to end
+    try:
+        (env.runs / "lost" / "pgid").write_text(f"{stranger.pid}\n")  # the number was reused
+        runs = json.loads(env.run_cli("status", "lost", "--json").stdout)["runs"]
+        assert runs[0]["state"] == "lost" and runs[0]["pids"] == []
+        refused = env.run_cli("stop", "lost", "--grace", "1")
+        assert refused.returncode == 9 and "not running" in refused.stderr
+        assert stranger.poll() is None, "stop signalled a process group that is no longer the run's"
+    finally:
+        stranger.kill()
+        stranger.wait()
