@@ -117,53 +117,41 @@ def all_pids() -> list[int]:
     return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
 
 
-def run_pids(pgid: int | None, marker: str | None) -> set[int]:
-    """Live processes of a run: members of its process group, plus any process whose environment has the
-    run's exact marker (children that called setsid left the group but kept the environment)."""
-    found: set[int] = set()
+def run_processes(pgid: int | None, marker: str | None, directory: str) -> tuple[int | None, set[int]]:
+    """(the run's process group or None, its live processes), from one scan of /proc.
+
+    Live processes: members of the recorded group, plus any process whose environment has the run's exact
+    marker (children that called setsid left the group but kept the environment). A pgid outlives its run on
+    disk: after a lost wrapper (SIGKILL, reboot) the number can be reused by an unrelated group. So the group
+    counts, and is returned for killpg, only while a member carries the marker or is the run's own launch
+    wrapper (its command line names this run directory); otherwise only marked processes are the run's."""
     needle = f"{MARKER_KEY}={marker}".encode() if marker else None
+    wrapper_arg = json.dumps({"dir": directory}).encode()  # exactly as verb_launch builds the wrapper's argv
+    members: set[int] = set()
+    marked: set[int] = set()
+    owned = False
     for pid in all_pids():
         if pid == os.getpid():
             continue
         stat = proc_stat(pid)
         if stat is None or stat[0] in ("Z", "X"):
             continue
-        if pgid and stat[1] == pgid:
-            found.add(pid)
-            continue
-        if needle:
-            try:
-                with open(f"/proc/{pid}/environ", "rb") as handle:
-                    if needle in handle.read().split(b"\0"):
-                        found.add(pid)
-            except OSError:
-                pass
-    return found
+        has_marker = needle is not None and needle in read_proc(pid, "environ").split(b"\0")
+        if has_marker:
+            marked.add(pid)
+        if pgid and pgid > 1 and stat[1] == pgid:
+            members.add(pid)
+            owned = owned or has_marker or wrapper_arg in read_proc(pid, "cmdline")
+    return (pgid, members | marked) if owned else (None, marked)
 
 
-def owned_pgid(pgid: int | None, marker: str | None, directory: str) -> int | None:
-    """The recorded pgid if that process group is still this run's, else None.
-
-    A pgid outlives its run on disk: after a lost wrapper (SIGKILL, reboot) the number can be reused by an
-    unrelated group. The group counts as the run's only while a member carries the run's exact marker in its
-    environment or is the run's own launch wrapper (its command line names this run directory)."""
-    if not pgid or pgid <= 1:
-        return None
-    needle = f"{MARKER_KEY}={marker}".encode() if marker else None
-    for pid in all_pids():
-        stat = proc_stat(pid)
-        if stat is None or stat[1] != pgid or stat[0] in ("Z", "X"):
-            continue
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as handle:
-                if needle and needle in handle.read().split(b"\0"):
-                    return pgid
-            with open(f"/proc/{pid}/cmdline", "rb") as handle:
-                if json.dumps({"dir": directory}).encode() in handle.read():
-                    return pgid
-        except OSError:
-            continue
-    return None
+def read_proc(pid: int, name: str) -> bytes:
+    """/proc/PID/NAME, or b"" when the process is gone or not ours to read."""
+    try:
+        with open(f"/proc/{pid}/{name}", "rb") as handle:
+            return handle.read()
+    except OSError:
+        return b""
 
 
 def signal_run(pgid: int | None, pids: set[int], signum: int) -> None:
@@ -330,10 +318,10 @@ def gpu_apps() -> dict[int, int] | None:
     return apps
 
 
-def wait_gone(pgid: int | None, marker: str | None, timeout: float) -> set[int]:
+def wait_gone(pgid: int | None, marker: str | None, directory: str, timeout: float) -> set[int]:
     deadline = time.monotonic() + timeout
     while True:
-        left = run_pids(pgid, marker)
+        left = run_processes(pgid, marker, directory)[1]
         if not left or time.monotonic() >= deadline:
             return left
         time.sleep(0.05)
@@ -346,8 +334,7 @@ def verb_stop(req: dict) -> dict:
     if not os.path.isdir(directory):
         raise AgentFailure(f"run {req['name']!r} does not exist on this target", "not_found")
     marker = (read_text(os.path.join(directory, "marker")) or "").strip() or None
-    pgid = owned_pgid(read_int(os.path.join(directory, "pgid")), marker, directory)
-    pids = run_pids(pgid, marker)
+    pgid, pids = run_processes(read_int(os.path.join(directory, "pgid")), marker, directory)
     if not pids:
         raise AgentFailure(f"run {req['name']!r} is not running", "not_running")
     grace = float(req.get("grace", 60.0))
@@ -355,12 +342,12 @@ def verb_stop(req: dict) -> dict:
     started = time.monotonic()
     write_atomic(os.path.join(directory, "stop.json"), json.dumps({"requested_at": time.time()}) + "\n")
     signal_run(pgid, pids, signal.SIGTERM)
-    left = wait_gone(pgid, marker, grace)
+    left = wait_gone(pgid, marker, directory, grace)
     escalated = bool(left)
     if left:
         all_seen |= left
         signal_run(pgid, left, signal.SIGKILL)
-        left = wait_gone(pgid, marker, float(req.get("kill_timeout", 10.0)))
+        left = wait_gone(pgid, marker, directory, float(req.get("kill_timeout", 10.0)))
     if left:
         raise AgentFailure(f"processes {sorted(left)} of run {req['name']!r} survived SIGKILL", "stuck")
     gpu_released = wait_gpu_release(all_seen, float(req.get("gpu_timeout", 60.0)))
@@ -409,7 +396,7 @@ def run_status(directory: str) -> dict:
     exit_code = read_int(os.path.join(directory, "exit_code"))
     pgid = read_int(os.path.join(directory, "pgid"))
     marker = (read_text(os.path.join(directory, "marker")) or "").strip() or None
-    live = sorted(run_pids(owned_pgid(pgid, marker, directory), marker)) if exit_code is None or pgid else []
+    live = sorted(run_processes(pgid, marker, directory)[1]) if exit_code is None or pgid else []
     trainer_status = read_json(os.path.join(directory, "status.json"))
     metrics_lines = last_lines(os.path.join(directory, "metrics.jsonl"), 16384)
     last_metrics = None
