@@ -6,11 +6,15 @@ Every byte goes over 127.0.0.1 through `LoopProxy`, which adds latency and count
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,13 +27,25 @@ from loopproxy import LoopProxy  # noqa: E402
 PYTHON = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists() else sys.executable
 
 
-def start(ctids: tuple[str, ...] = ("200",)) -> tuple[remote_harness.Harness, LoopProxy]:
+@contextlib.contextmanager
+def harness_session(prefix: str, ctids: tuple[str, ...] = ("200",)
+                    ) -> Iterator[tuple[remote_harness.Harness, LoopProxy, Path]]:
+    """The loopback harness (sshd + pct stand-in with `ctids`), a latency proxy in front of it and a scratch
+    folder; all three are torn down when the block ends, also on an error."""
     harness = remote_harness.start_harness()
-    for ctid in ctids:
-        harness.create_container(ctid, f"gpu{ctid}")
-    proxy = LoopProxy(harness.port).start()
-    harness.trust_port(proxy.port)
-    return harness, proxy
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    proxy = None
+    try:
+        for ctid in ctids:
+            harness.create_container(ctid, f"gpu{ctid}")
+        proxy = LoopProxy(harness.port).start()
+        harness.trust_port(proxy.port)
+        yield harness, proxy, folder
+    finally:
+        if proxy is not None:
+            proxy.close()
+        harness.stop()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def write_inventory(folder: Path, harness: remote_harness.Harness, port: int, files: list[str],

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
-from remote_common import median, percentile, start, write_inventory
+from remote_common import harness_session, median, percentile, write_inventory
 
 from dflashops.inventory import load_inventory
 from dflashops.ops.control import LogCursor, read_log
@@ -50,9 +48,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--lines", type=int, default=60)
     args = parser.parse_args()
-    harness, proxy = start()
-    folder = Path(tempfile.mkdtemp(prefix="bench-logs-"))
-    try:
+    with harness_session("bench-logs-") as (harness, proxy, folder):
         (folder / "writer.py").write_text(WRITER)
         inventory = write_inventory(folder, harness, proxy.port, ["writer.py"],
                                     ["{python}", "{release}/writer.py"])
@@ -63,10 +59,6 @@ def main() -> None:
             values = measure(inventory, f"logs-bench-{os.getpid()}-{index}", args.lines, poll_s)
             print(f"| {rtt_ms} ms | {poll_s} s | {len(values)} | {median(values) * 1000:.0f} | "
                   f"{percentile(values, 0.95) * 1000:.0f} |")
-    finally:
-        proxy.close()
-        harness.stop()
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":

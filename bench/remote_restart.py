@@ -17,11 +17,10 @@ from __future__ import annotations
 import argparse
 import shutil
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
-from remote_common import REPO, cli, median, ssh_argv, start, write_inventory
+from remote_common import REPO, cli, harness_session, median, ssh_argv, write_inventory
 
 HAND_DIR = "/workspace/hand"
 
@@ -42,9 +41,7 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=5)
     parser.add_argument("--rtt-ms", type=float, default=50.0)
     args = parser.parse_args()
-    harness, proxy = start()
-    folder = Path(tempfile.mkdtemp(prefix="bench-restart-"))
-    try:
+    with harness_session("bench-restart-") as (harness, proxy, folder):
         workload = folder / "workload.py"
         shutil.copy(REPO / "tests" / "workloads" / "workload.py", workload)
         inventory = write_inventory(folder, harness, proxy.port, ["workload.py"],
@@ -72,10 +69,6 @@ def main() -> None:
         print(f"| {args.rtt_ms:g} ms | {args.iterations} | {hand:.3f} | {ops:.3f} | {ops / hand:.2f} |")
         print(f"hand chain runs: {', '.join(f'{t:.3f}' for t in hand_times)}")
         print(f"dflashops runs:  {', '.join(f'{t:.3f}' for t in ops_times)}")
-    finally:
-        proxy.close()
-        harness.stop()
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":

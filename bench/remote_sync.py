@@ -15,10 +15,9 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
-from remote_common import start, write_inventory
+from remote_common import harness_session, write_inventory
 
 from dflashops.inventory import load_inventory
 from dflashops.ops.session import Session
@@ -63,9 +62,7 @@ def rsync_run(source: Path, ssh: str, proxy) -> tuple[int, int, int]:
 def main() -> None:
     if not shutil.which("rsync"):
         raise SystemExit("rsync is needed for the baseline: apt-get install -y rsync")
-    harness, proxy = start()
-    folder = Path(tempfile.mkdtemp(prefix="bench-sync-"))
-    try:
+    with harness_session("bench-sync-") as (harness, proxy, folder):
         names = make_tree(folder)
         inventory = write_inventory(folder, harness, proxy.port, names, ["{python}", "-c", "pass"])
         ssh = (f"ssh -i {harness.client_key} -o UserKnownHostsFile={harness.known_hosts} -o BatchMode=yes "
@@ -85,10 +82,6 @@ def main() -> None:
         print("|---|---|---|---|---|")
         for case, (up, down, sent_files), (r_up, r_down, r_sent) in rows:
             print(f"| {case} | {up} / {down} | {sent_files} | {r_up} / {r_down} | {r_sent} |")
-    finally:
-        proxy.close()
-        harness.stop()
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":
