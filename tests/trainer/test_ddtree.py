@@ -10,30 +10,20 @@ import math
 import pytest
 import torch
 
+from tests.trainer.tiny_eval import build_eval_setup
 from trainer import ddtree
 from trainer import eval as eval_cli
-from trainer.model.drafter import DFlashDrafter, DrafterConfig
-from trainer.tiny_world import WalkWorld, build_tiny_target
-from trainer.tokenizer_utils import MASK_TOKEN, build_tiny_tokenizer, end_of_turn_ids, tokenize_prompt
 
 MAX_NEW = 16
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    torch.set_num_threads(1)
-    root = tmp_path_factory.mktemp("ddtree")
-    world = WalkWorld(num_words=24, answer_words=8)
-    tokenizer = build_tiny_tokenizer(world.texts(), root / "tok", vocab_size=320)
-    model = build_tiny_target(root / "target", tokenizer, hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1)
-    torch.manual_seed(0)
-    config = DrafterConfig.for_target(model.config, num_hidden_layers=2, block_size=4,
-                                      mask_token_id=tokenizer.convert_tokens_to_ids(MASK_TOKEN))
-    prompts = [tokenize_prompt(tokenizer, c[:1], False) for c in world.conversations(4, seed=5)]
-    stops = end_of_turn_ids(tokenizer)
-    references = [eval_cli.greedy_reference(model, p, MAX_NEW, stops, 0) for p in prompts]
-    return {"root": root, "model": model, "drafter": DFlashDrafter(config).eval(), "prompts": prompts,
-            "stops": stops, "references": references, "vocab": model.config.vocab_size}
+    world = build_eval_setup(tmp_path_factory.mktemp("ddtree"), num_prompts=4)
+    world["references"] = [eval_cli.greedy_reference(world["model"], p, MAX_NEW, world["stops"], 0)
+                           for p in world["prompts"]]
+    world["vocab"] = world["model"].config.vocab_size
+    return world
 
 
 def noisy_oracle(prompt: list[int], reference: list[int], vocab: int):

@@ -7,29 +7,17 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from trainer import eval as eval_cli
 import torch.nn.functional as F
 
+from tests.trainer.tiny_eval import build_eval_setup
+from trainer import eval as eval_cli
 from trainer.model.drafter import DFlashDrafter, DrafterConfig, make_block_input_ids
 from trainer.model.target import TargetModel
-from trainer.tiny_world import WalkWorld, build_tiny_target
-from trainer.tokenizer_utils import MASK_TOKEN, build_tiny_tokenizer, end_of_turn_ids, tokenize_prompt
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    torch.set_num_threads(1)
-    root = tmp_path_factory.mktemp("eval")
-    world = WalkWorld(num_words=24, answer_words=8)
-    tokenizer = build_tiny_tokenizer(world.texts(), root / "tok", vocab_size=320)
-    model = build_tiny_target(root / "target", tokenizer, hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1)
-    torch.manual_seed(0)
-    config = DrafterConfig.for_target(model.config, num_hidden_layers=2, block_size=4,
-                                      mask_token_id=tokenizer.convert_tokens_to_ids(MASK_TOKEN))
-    prompts = [tokenize_prompt(tokenizer, c[:1], False) for c in world.conversations(3, seed=5)]
-    return {"root": root, "tokenizer": tokenizer, "model": model, "drafter": DFlashDrafter(config).eval(),
-            "prompts": prompts, "stops": end_of_turn_ids(tokenizer)}
+    return build_eval_setup(tmp_path_factory.mktemp("eval"), num_prompts=3)
 
 
 def test_oracle_proposer_accepts_whole_blocks_and_garbage_accepts_nothing(setup):
