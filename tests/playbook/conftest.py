@@ -3,27 +3,15 @@ helper that writes playbook files into tmp_path."""
 
 from __future__ import annotations
 
-import shutil
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.controller.helpers import INVENTORY, WORKLOAD, Env, cleanup
+from tests.controller.conftest import env  # noqa: F401 - the same throwaway local target as the controller tests
 
 REPO = Path(__file__).resolve().parents[2]
 PLAYBOOKS = REPO / "playbooks"
-
-
-@pytest.fixture
-def env(tmp_path: Path) -> Iterator[Env]:
-    shutil.copy(WORKLOAD, tmp_path / "workload.py")
-    inventory = tmp_path / "inventory.yaml"
-    inventory.write_text(INVENTORY.format(python=sys.executable))
-    setup = Env(root=tmp_path, inventory=inventory, workspace=tmp_path / "ws")
-    yield setup
-    cleanup(setup.workspace)
 
 
 @pytest.fixture
