@@ -47,11 +47,7 @@ def main(argv: list[str]) -> int:
             except ImportError as exc:
                 raise TrainerInputError(f"--drafter-gpus/--target-gpus: the threaded pipeline is unavailable ({exc})",
                                         hint="give one target and one drafter device") from None
-            from trainer.pipeline.run import PipelineOptions
-
-            options = PipelineOptions(queue_capacity=cfg.queue_depth, feature_transfer=cfg.feature_transfer,
-                                      stall_warn_s=min(120.0, cfg.stall_timeout / 2), stall_abort_s=cfg.stall_timeout)
-            return int(run_pipeline(cfg, options))
+            return int(run_pipeline(cfg))
         return run(cfg)
     except TrainerInputError as exc:
         print(f"error: {exc.message}", file=sys.stderr)

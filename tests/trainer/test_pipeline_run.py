@@ -190,3 +190,11 @@ def test_bad_pipeline_options_are_bad_input(tmp_path: Path, options: PipelineOpt
     with pytest.raises(TrainerInputError, match=message):
         run_pipeline(_cfg(tmp_path / "never", "--pipeline"), options)
     assert not (tmp_path / "never").exists()
+
+
+def test_pipeline_options_come_from_the_command_line() -> None:
+    cfg = parse_train_args(["--preset", "tiny", "--output-dir", "/tmp/unused", "--queue-depth", "3",
+                            "--feature-transfer", "pinned", "--stall-timeout", "60"])
+    options = PipelineOptions.from_config(cfg)
+    assert (options.queue_capacity, options.feature_transfer, options.stall_warn_s, options.stall_abort_s) == \
+        (3, "pinned", 30.0, 60.0)

@@ -49,13 +49,19 @@ from trainer.train import EXIT_FAILED, EXIT_OK, _load_target, plan_run
 
 @dataclass
 class PipelineOptions:
-    """Pipeline knobs that are not TrainConfig fields (yet): queue depth, transfer mode, time limits, faults."""
+    """Pipeline knobs: queue depth, transfer mode and time limits (from the config by default), test hooks."""
 
     queue_capacity: int = 2  # feature batches per (target, drafter) channel: the memory bound
     feature_transfer: str = "device"  # device | pinned (trainer.pipeline.handoff)
     stall_warn_s: float = 120.0  # log which side starves after this long without a step
     stall_abort_s: float = 900.0  # then fail the run (also the bound on any single put/get)
     join_timeout_s: float = 30.0
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig) -> "PipelineOptions":
+        """The knobs the command line sets (--queue-depth, --feature-transfer, --stall-timeout)."""
+        return cls(queue_capacity=cfg.queue_depth, feature_transfer=cfg.feature_transfer,
+                   stall_warn_s=min(120.0, cfg.stall_timeout / 2), stall_abort_s=cfg.stall_timeout)
 
     @property
     def worker_timeout_s(self) -> float:
@@ -89,7 +95,7 @@ def _log(message: str) -> None:
 
 def run_pipeline(cfg: TrainConfig, options: PipelineOptions | None = None) -> int:
     """Train per `cfg` with the threaded pipeline; return the exit code (see module doc)."""
-    options = options or PipelineOptions()
+    options = options or PipelineOptions.from_config(cfg)
     if options.feature_transfer not in TRANSFER_MODES:
         raise TrainerInputError(f"--feature-transfer: must be one of {', '.join(TRANSFER_MODES)}, got {options.feature_transfer!r}")
     if options.queue_capacity < 1:
