@@ -34,6 +34,7 @@ for section in "$@"; do
     benchpipe) step benchpipe 240 python3 -m trainer bench pipeline --preset qwen3-8b --shape recipe \
               --target-intermediate 12288 --iters 5 --warmup 2 ;;
     pipeline) step pipeline 480 python3 bench/gpu_pipeline.py ;;
+    pipeline-pair) step pipeline-pair 330 python3 bench/gpu_pipeline.py --modes single,dual --steps 200 --timeout-s 320 ;;
     pipeline-small) step pipeline-small 170 python3 bench/gpu_pipeline.py --scale small --steps 60 ;;
     *) echo "unknown section $section" >&2 ;;
   esac
