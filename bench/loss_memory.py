@@ -34,6 +34,16 @@ CHUNKED = ("chunked-ce", "chunked-ce-kl", "chunked-ce-kl-cap")
 COMPILED = ("compiled-ce", "compiled-ce-kl", "compiled-ce-kl-cap")
 
 
+def uses_kernels(name: str) -> bool:
+    """Variants that run the caller's chunk kernels ("compiled-ce", "triton-ce-cap", ...): every chunked
+    variant whose prefix is not "chunked" (the eager kernels, the reference for their gradient)."""
+    return name != "gemm" and name not in DENSE and not name.startswith("chunked-")
+
+
+def eager_twin(name: str) -> str:
+    return "chunked-" + name.split("-", 1)[1]
+
+
 def make_inputs(args: argparse.Namespace, device: torch.device) -> dict:
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -77,7 +87,7 @@ def run_variant(name: str, x: dict, args: argparse.Namespace, kernels) -> torch.
                            normalizer=x["normalizer"], teacher_hidden=x["teacher"] if use_kl else None,
                            kl_weight=1.0 if use_kl else 0.0, cap_lambda=0.1 if use_cap else 0.0,
                            num_blocks_normalizer=x["blocks"], chunk_size=args.chunk_size,
-                           kernels=kernels if name in COMPILED else None).loss
+                           kernels=kernels if uses_kernels(name) else None).loss
     loss.backward()
     return loss.detach()
 
@@ -94,9 +104,9 @@ def measure(name: str, args: argparse.Namespace, device: torch.device, kernels=N
     try:
         value = run_variant(name, x, args, kernels)  # warm-up (and compilation)
         grad_diff = None
-        if name in COMPILED:  # the compiled kernels must give the eager gradient (relative L2 difference)
+        if uses_kernels(name):  # compiled/triton kernels must give the eager gradient (relative L2 difference)
             compiled_grad = x["hidden"].grad.float().clone()
-            run_variant(name.replace("compiled", "chunked"), x, args, None)
+            run_variant(eager_twin(name), x, args, None)
             eager_grad = x["hidden"].grad.float()
             grad_diff = float((compiled_grad - eager_grad).norm() / eager_grad.norm())
             del compiled_grad, eager_grad
@@ -165,13 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     if args.child:  # CPU worker: one variant, one JSON line
-        kernels = make_chunk_kernels(compiled=args.child in COMPILED)
+        kernels = make_chunk_kernels("compiled" if args.child in COMPILED else "eager")
         print(json.dumps(measure(args.child, args, device, kernels)))
         return 0
     names = ["gemm", *([] if args.no_dense else DENSE), *CHUNKED, *(COMPILED if args.compiled else ())]
     print(f"loss bench: device={device} M={args.rows} H={args.hidden} V={args.vocab} B={args.block_size} "
           f"dtype={args.dtype} chunk={args.chunk_size or 'auto'} repeats={args.repeats}", file=sys.stderr)
-    kernels = make_chunk_kernels(compiled=True) if args.compiled and device.type == "cuda" else None
+    kernels = make_chunk_kernels("compiled") if args.compiled and device.type == "cuda" else None
     rows = []
     for name in names:
         print(f"  running {name} ...", file=sys.stderr)

@@ -134,13 +134,18 @@ def bench_loss(args: argparse.Namespace, device: torch.device) -> list[dict]:
     weights = position_weights(shape.block, 7.0).to(device).repeat(M // shape.block)
     gemm_ms = statistics.median(time_ms(lambda: hidden.detach() @ weight.T, device, warmup=2, iters=args.iters))
     rows = []
-    kernels = make_chunk_kernels(compiled=device.type == "cuda")
-    for name, kw in [("ce", {}), ("ce+kl", {"teacher_hidden": teacher, "kl_weight": 1.0}),
-                     ("ce+cap", {"cap_lambda": 0.1, "num_blocks_normalizer": M / shape.block})]:
+    kernels = make_chunk_kernels("compiled" if device.type == "cuda" else "eager")
+    cap = {"cap_lambda": 0.1, "num_blocks_normalizer": M / shape.block}
+    cases = [("ce", kernels, {}), ("ce+kl", kernels, {"teacher_hidden": teacher, "kl_weight": 1.0}),
+             ("ce+cap", kernels, cap)]
+    if device.type == "cuda":  # the fused Triton CE kernel (trainer/loss_triton.py; CE and CE+CAP only)
+        fused = make_chunk_kernels("triton")
+        cases += [("ce-triton", fused, {}), ("ce-cap-triton", fused, cap)]
+    for name, chunk_kernels, kw in cases:
         def run() -> None:
             hidden.grad = None
             out = dflash_loss(hidden, weight, labels, weights, block_size=shape.block,
-                              normalizer=float(weights.sum()), kernels=kernels, **kw)
+                              normalizer=float(weights.sum()), kernels=chunk_kernels, **kw)
             out.loss.backward()
 
         ms = statistics.median(time_ms(run, device, warmup=args.warmup, iters=args.iters))
@@ -153,9 +158,9 @@ def bench_loss(args: argparse.Namespace, device: torch.device) -> list[dict]:
     ms = statistics.median(time_ms(baseline, device, warmup=args.warmup, iters=args.iters))
     rows.append({"loss": "ckpt-ce", "ms": ms, "gemm_ms": gemm_ms, "gemm_equiv": ms / gemm_ms})
     print(f"M={M} H={H} V={V}; one logits GEMM = {gemm_ms:.2f} ms")
-    print(f"{'loss':<8} {'ms':>8} {'GEMM-eq':>8}")
+    print(f"{'loss':<14} {'ms':>8} {'GEMM-eq':>8}")
     for r in rows:
-        print(f"{r['loss']:<8} {r['ms']:8.2f} {r['gemm_equiv']:8.2f}")
+        print(f"{r['loss']:<14} {r['ms']:8.2f} {r['gemm_equiv']:8.2f}")
     return rows
 
 

@@ -27,8 +27,14 @@ per-token [M, H] direction). Memory: the [M, H] gradient plus per-chunk temporar
 ~2 fp32 [C, V] buffers in eager mode (~5 with soft labels); pick C so they fit (``default_chunk_rows``).
 No host-device sync anywhere: the sums stay on the device until the caller reads them.
 Speed: the element-wise [C, V] work is memory-bound; eager it costs roughly 0.5-1 GEMM-equivalent on top
-of the GEMMs, torch.compile'd kernels (``make_chunk_kernels(compiled=True)``) fuse it to ~0.1
-(bench/loss_gemm.py measures it).
+of the GEMMs, torch.compile'd kernels (``make_chunk_kernels("compiled")``) fuse it into two kernels
+(statistics, then d loss/d logits: the bf16 logits are read twice and the gradient written once), measured at
+2.27 GEMM-eq for CE on the H200. ``make_chunk_kernels("triton")`` does CE and CE+CAP in ONE Triton kernel per
+chunk (trainer/loss_triton.py: row statistics, then g = softmax - onehot re-reading the same row, from L2
+when the rows in flight fit); its g is unscaled, so the per-row coefficient (w/normalizer + CAP's) scales the input-gradient GEMM's
+output rows instead: diag(c) (P - Y) W = ((P - Y) W) * c[:, None]. Soft labels (kl_weight > 0) always take
+the two-kernel path (compiled, for "triton" kernels): the fused kernel has no KL term.
+bench/loss_gemm.py measures all of them.
 """
 
 from __future__ import annotations
@@ -182,25 +188,49 @@ def _logit_grad(
     return grad.to(logits.dtype), kl
 
 
+KERNEL_KINDS = ("eager", "compiled", "triton")
+
+
 @dataclass
 class ChunkKernels:
-    """The two per-chunk [C, V] element-wise functions (row statistics, then d loss/d logits).
+    """The per-chunk [C, V] element-wise functions: row statistics, then d loss/d logits.
 
-    Eager by default. ``make_chunk_kernels(compiled=True)`` wraps fresh torch.compile objects: the caller
-    owns them (one per device / worker thread, warmed up before threads start, METHOD.md 6), never a
-    process-wide singleton. Each distinct chunk shape (usually full chunks + one short last chunk) compiles
-    once; the soft-label variant compiles separately."""
+    Eager by default. ``make_chunk_kernels("compiled")`` wraps fresh torch.compile objects: the caller owns
+    them (one per device / worker thread, warmed up before threads start, METHOD.md 6), never a process-wide
+    singleton. Each distinct chunk shape (usually full chunks + one short last chunk) compiles once; the
+    soft-label variant compiles separately. ``fused_ce`` (set by ``make_chunk_kernels("triton")``) replaces
+    both for CE and CE+CAP: one kernel returning (unscaled softmax - onehot, lse, ce, argmax)."""
 
     stats: Callable[..., tuple] = _student_stats
     logit_grad: Callable[..., tuple] = _logit_grad
+    fused_ce: Callable[..., tuple] | None = None
+    kind: str = "eager"
 
 
-def make_chunk_kernels(compiled: bool) -> ChunkKernels:
-    """Eager kernels, or new torch.compile'd ones (compilation happens lazily at the first call)."""
-    if not compiled:
+def make_chunk_kernels(kind: str = "eager", *, triton_config: str | None = None) -> ChunkKernels:
+    """Kernels by kind (KERNEL_KINDS). eager: plain torch ops. compiled: new torch.compile'd functions
+    (compiled lazily at the first call). triton: the fused Triton CE kernel (needs the triton package and a
+    CUDA device) for CE and CE+CAP, plus compiled kernels for soft labels; its launch config is
+    ``triton_config`` ("BLOCK_V:NUM_WARPS[:PROGRAMS_PER_SM]"), else $DFLASH_CE_TRITON, else the default
+    (trainer/loss_triton.py)."""
+    if kind == "eager":
         return ChunkKernels()
-    return ChunkKernels(stats=torch.compile(_student_stats),
-                        logit_grad=torch.compile(functools.partial(_logit_grad, onehot_by_compare=True)))
+    if kind == "compiled":
+        return ChunkKernels(stats=torch.compile(_student_stats),
+                            logit_grad=torch.compile(functools.partial(_logit_grad, onehot_by_compare=True)),
+                            kind="compiled")
+    if kind == "triton":
+        from trainer import loss_triton  # imports triton itself only at the first kernel call
+
+        if not loss_triton.triton_available():
+            raise loss_triton.TritonUnavailableError(
+                "the triton loss kernels need the triton package (CUDA torch wheels bring it)")
+        config = (loss_triton.CEKernelConfig.parse(triton_config) if triton_config
+                  else loss_triton.CEKernelConfig.from_env())
+        fused = functools.partial(loss_triton.fused_ce, config=config)
+        compiled = make_chunk_kernels("compiled")
+        return ChunkKernels(stats=compiled.stats, logit_grad=compiled.logit_grad, fused_ce=fused, kind="triton")
+    raise ValueError(f"unknown loss kernels {kind!r}: one of {', '.join(KERNEL_KINDS)}")
 
 
 def _cap_coefficients(ce: torch.Tensor, valid: torch.Tensor, block_size: int, scale: float):
@@ -253,7 +283,8 @@ def dflash_loss(
     autocast is switched off inside), labels [M] int64 (any value where weights == 0), weights [M] float
     (w_k * mask, 0 on slot 0). teacher_hidden [M, H]: the target's final hidden at p+k-1, required when
     kl_weight > 0. chunk_size: rows per chunk, rounded down to whole blocks (default: ~1 GiB fp32 logits).
-    kernels: the per-chunk element-wise functions (default eager; see ``make_chunk_kernels``).
+    kernels: the per-chunk element-wise functions (default eager; see ``make_chunk_kernels``); kernels with
+    ``fused_ce`` are used for it when kl_weight == 0, the two-kernel path otherwise.
     The d/d hidden GEMM is skipped when hidden does not require grad (eval).
     """
     _check_inputs(hidden, lm_head_weight, labels, weights, teacher_hidden, block_size, normalizer,
@@ -261,6 +292,7 @@ def dflash_loss(
     rows, vocab = hidden.shape[0], lm_head_weight.shape[0]
     use_kl, use_cap = kl_weight > 0, cap_lambda > 0
     kernels = kernels or ChunkKernels()
+    fused = kernels.fused_ce is not None and not use_kl  # the fused kernel knows no soft labels
     chunk = default_chunk_rows(vocab, block_size) if chunk_size is None else chunk_size
     chunk = max(block_size, chunk // block_size * block_size)
     want_grad = hidden.requires_grad and torch.is_grad_enabled()
@@ -284,7 +316,10 @@ def dflash_loss(
             h = hidden[start:end].detach().to(gemm_dtype)
             lab, w = safe_labels[start:end], weights_acc[start:end]
             logits = h @ lm_head_weight.T  # GEMM 1
-            lse, ce, argmax, lse_t = kernels.stats(logits, lab, kl_temperature, use_kl)
+            if fused:  # one kernel: statistics and the UNSCALED g = softmax - onehot (scaled after GEMM 2)
+                grad_logits, lse, ce, argmax = kernels.fused_ce(logits, lab, want_grad=grad_hidden is not None)
+            else:
+                lse, ce, argmax, lse_t = kernels.stats(logits, lab, kl_temperature, use_kl)
             correct[start:end] = argmax == labels[start:end]
             ce_sum += (w * ce).sum()
             ce_coef = w * inv_norm
@@ -297,10 +332,16 @@ def dflash_loss(
                 assert teacher_hidden is not None
                 teacher_logits = teacher_hidden[start:end].detach().to(gemm_dtype) @ lm_head_weight.T  # GEMM 3
                 kl_coef = w * (inv_norm * kl_weight * kl_temperature)
-            grad_logits, kl = kernels.logit_grad(logits, lab, lse, ce_coef, teacher_logits, lse_t, kl_coef, kl_temperature)
-            if kl is not None:
-                kl_sum += (w * kl).sum()
-            if grad_hidden is not None:
+            if not fused:
+                grad_logits, kl = kernels.logit_grad(logits, lab, lse, ce_coef, teacher_logits, lse_t, kl_coef,
+                                                     kl_temperature)
+                if kl is not None:
+                    kl_sum += (w * kl).sum()
+            if grad_hidden is not None and fused:
+                # GEMM 2, then the per-row coefficient: diag(c) (P - Y) W. One [C, H] pass (H << V), in fp32
+                # before the single rounding to the gradient's dtype; weight-0 rows get c = 0 exactly.
+                torch.mul(grad_logits @ lm_head_weight, ce_coef[:, None], out=grad_hidden[start:end])
+            elif grad_hidden is not None:
                 grad_hidden[start:end] = grad_logits @ lm_head_weight  # GEMM 2
             del logits, grad_logits, teacher_logits
 

@@ -124,7 +124,7 @@ class DrafterSide:
         if self.compiled:
             for layer in self.drafter.layers:
                 layer.compile(dynamic=False)
-        self.loss_kernels = make_chunk_kernels(compiled=self.compiled)
+        self.loss_kernels = make_chunk_kernels("compiled" if self.compiled else "eager")
         self.loss_fn = dflash_loss  # replaceable for benchmarks (e.g. a recomputing baseline)
         # Frozen, shared with the target; a copy only when the target lives on another device.
         self.embed_weight = embed_weight.detach().to(self.device)

@@ -10,9 +10,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainer.loss import (
     _logit_grad,
+    ChunkKernels,
     LossInputError,
     default_chunk_rows,
     dflash_loss,
+    make_chunk_kernels,
     position_weights,
     simulated_tau,
 )
@@ -279,3 +281,45 @@ def test_compile_friendly_onehot_equals_scatter():
         compare = _logit_grad(logits, labels, lse, coef, *args, 2.0, onehot_by_compare=True)
         torch.testing.assert_close(compare[0], scatter[0])
     assert torch.all(scatter[0][coef == 0] == 0) and torch.isfinite(scatter[0]).all()
+
+
+def _eager_fused_ce(calls: list):
+    """A fused-CE stand-in with the Triton kernel's contract (unscaled softmax - onehot), recording its calls."""
+
+    def fused_ce(logits, labels, *, want_grad=True):
+        calls.append(want_grad)
+        lse = torch.logsumexp(logits, -1)
+        grad = torch.softmax(logits, -1) - torch.nn.functional.one_hot(labels, logits.shape[1]).to(logits.dtype)
+        return (grad if want_grad else None), lse, lse - logits.gather(1, labels[:, None])[:, 0], logits.argmax(-1)
+
+    return fused_ce
+
+
+@pytest.mark.parametrize("terms", list(TERMS))
+def test_fused_ce_contract_gives_the_reference_and_soft_labels_never_use_it(terms):
+    """Kernels with fused_ce: CE and CE+CAP go through it (coefficients applied after GEMM 2); with soft labels
+    the two-kernel path runs instead, since the fused kernel has no KL term. Checked with an eager stand-in, so
+    this needs no triton (tests/trainer/test_loss_triton.py runs the real kernel)."""
+    hidden, weight, labels, weights, teacher = make_case()
+    kwargs = dict(block_size=4, normalizer=float(weights.sum()) * 1.5, **TERMS[terms])
+    if "kl_weight" in kwargs:
+        kwargs["teacher_hidden"] = teacher
+    calls: list = []
+    ours = hidden.clone().requires_grad_(True)
+    result = dflash_loss(ours, weight, labels, weights, chunk_size=8,
+                         kernels=ChunkKernels(fused_ce=_eager_fused_ce(calls), kind="fused-stand-in"), **kwargs)
+    result.loss.backward()
+    ref_hidden = hidden.clone().requires_grad_(True)
+    dense_reference(ref_hidden, weight, labels, weights, **kwargs).backward()
+    torch.testing.assert_close(ours.grad, ref_hidden.grad, rtol=1e-6, atol=1e-9)
+    assert calls == ([] if "kl" in terms else [True] * 4)  # 28 rows, chunks of 8: 4 chunks
+    with torch.no_grad():
+        dflash_loss(hidden, weight, labels, weights, chunk_size=8, kernels=ChunkKernels(fused_ce=_eager_fused_ce(calls)),
+                    **kwargs)
+    assert calls[4:] == ([] if "kl" in terms else [False] * 4)  # eval: no gradient written
+
+
+def test_make_chunk_kernels_kinds():
+    assert make_chunk_kernels("eager").fused_ce is None and make_chunk_kernels("compiled").kind == "compiled"
+    with pytest.raises(ValueError, match="unknown loss kernels 'turbo'"):
+        make_chunk_kernels("turbo")

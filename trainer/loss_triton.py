@@ -1,0 +1,211 @@
+"""One fused Triton kernel per loss chunk for the CE part of ``trainer.loss.dflash_loss`` (CE and CE+CAP).
+
+Contract of ``fused_ce(logits, labels)`` for one chunk, logits [C, V] (bf16/fp16/fp32, rows contiguous),
+labels [C] int64 in [0, V) (the caller's "safe" labels: any in-range value on rows whose weight is 0):
+    grad   [C, V] logits.dtype  g = softmax(x) - onehot(label), UNSCALED (None with want_grad=False)
+    lse    [C] fp32             logsumexp(x)
+    ce     [C] fp32             lse - x[label]  (NaN if a label is out of range instead of a wild read)
+    argmax [C] int64            first index of the row maximum, like torch.argmax (NaN rows: unspecified)
+All statistics are accumulated in fp32, whatever the logits' dtype (float64 logits are refused: use the
+eager/compiled kernels for those). Because g is unscaled, the per-row coefficient (w/normalizer, plus CAP's
+coefficient, which needs the CE of the whole block first) is applied after the input-gradient GEMM as a row
+scale: diag(c) (P - Y) W = (g @ W) * c[:, None], exact algebra, and it keeps CAP working with one kernel.
+Soft labels (KL) are NOT handled here: the loss keeps its two-kernel path for them (see trainer/loss.py).
+
+The kernel, one row per program iteration:
+  pass 1 over V in tiles of BLOCK_V: online max / sum-exp in fp32 (one exp per element; the tile's max and
+         first arg-max come from one reduction), then lse, the label's logit, CE and argmax;
+  pass 2 over V: re-reads the row and writes g = exp(x - lse) - [col == label] in the logits' dtype.
+
+Memory traffic (bytes per [C, V] element; the GEMMs write/read the bf16 logits and g themselves):
+  torch.compile'd two-kernel path: the stats kernel reads the logits (2 B, more if the reductions are split
+  into passes), the gradient kernel reads them again (2 B) and writes g (2 B): >= 6 B from/to HBM.
+  fused: pass 1 reads 2 B from HBM, pass 2 re-reads the row just read (2 B) and writes g (2 B). The re-read
+  is an L2 hit only if the rows in flight fit in L2: a row is V*2 B = 304 KB at V=151936 (485 KB at
+  V=248320), the H200's L2 is 50 MB, so that needs ~1 row per SM in flight. One program per row
+  (programs_per_sm=0, the default) lets occupancy put several rows per SM in flight: best bandwidth, but the
+  re-read mostly comes from HBM (~6 B, still one read fewer than a split stats kernel, one launch per chunk);
+  a persistent grid of one program per SM with large tiles and many warps (e.g. "16384:16:1") keeps the
+  working set ~40 MB so pass 2 can hit L2 (4 B from HBM) while 32 KB tiles keep enough loads in flight.
+  Pass-1 loads are marked evict_last, pass-2 loads evict_first, g's stores streaming (.cs), for the same
+  reason. Cost model at H=4096: one GEMM-equivalent is 2H = 8192 FLOP per element, ~11 ps at ~750 TFLOP/s;
+  4-6 B at ~4.3 TB/s is ~1-1.4 ps, so the fused element-wise work is ~0.08-0.13 GEMM-eq (the compiled path
+  pays the upper end or more). Two exps per element against ~3.9 T exp/s (MUFU) is ~0.5 ps: hidden under
+  the memory time. bench/loss_gemm.py --kernels compiled,triton --profile measures all of this.
+
+Tuning without autotune (compile time at a worker's first call must be predictable): ``CEKernelConfig``
+(BLOCK_V, num_warps, programs_per_sm), default 4096:8:0, overridable for experiments through the
+environment variable DFLASH_CE_TRITON="BLOCK_V:NUM_WARPS[:PROGRAMS_PER_SM]" (read by make_chunk_kernels).
+Each (dtype, BLOCK_V, num_warps, want_grad) compiles once per device; the row count is not specialised,
+so the short last chunk does not recompile.
+
+Triton is imported at the first call, never at import time: the trainer imports (and the CPU CI runs)
+without it. Under TRITON_INTERPRET=1 (set before the first call) the kernel runs on CPU tensors through
+Triton's interpreter, which is how tests/trainer/test_loss_triton.py checks it against the eager path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+
+ENV_CONFIG = "DFLASH_CE_TRITON"
+
+
+class TritonUnavailableError(RuntimeError):
+    """The fused kernel cannot run here (no triton package, or no CUDA device and no interpreter)."""
+
+
+@dataclass(frozen=True)
+class CEKernelConfig:
+    """Launch configuration. block_v: tile width over V (a power of two; clamped to V's next power of
+    two). num_warps: warps per program. programs_per_sm: 0 = one program per row (the hardware schedules
+    as many as occupancy allows); k > 0 = a persistent grid of k programs per SM, each looping over rows
+    (fewer rows in flight, so pass 2's re-read stays in L2)."""
+
+    block_v: int = 4096
+    num_warps: int = 8
+    programs_per_sm: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_v < 16 or self.block_v & (self.block_v - 1):
+            raise ValueError(f"block_v must be a power of two >= 16 (got {self.block_v})")
+        if self.num_warps not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(f"num_warps must be a power of two <= 32 (got {self.num_warps})")
+        if self.programs_per_sm < 0:
+            raise ValueError(f"programs_per_sm must be >= 0 (got {self.programs_per_sm})")
+
+    @classmethod
+    def parse(cls, text: str) -> "CEKernelConfig":
+        """'4096:8' or '16384:16:1' -> config (BLOCK_V:NUM_WARPS[:PROGRAMS_PER_SM])."""
+        try:
+            parts = [int(p) for p in text.split(":")]
+        except ValueError:
+            parts = []
+        if not 2 <= len(parts) <= 3:
+            raise ValueError(f"expected BLOCK_V:NUM_WARPS[:PROGRAMS_PER_SM], got {text!r}")
+        return cls(*parts)
+
+    @classmethod
+    def from_env(cls) -> "CEKernelConfig":
+        text = os.environ.get(ENV_CONFIG, "").strip()
+        return cls.parse(text) if text else cls()
+
+    @property
+    def label(self) -> str:
+        return f"{self.block_v}:{self.num_warps}:{self.programs_per_sm}"
+
+
+def triton_available() -> bool:
+    """Whether the triton package is installed (found, not imported: importing it waits for the first call)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.cache
+def _kernel():
+    """Import triton and define the kernel (once per process; Triton caches compiled binaries per device).
+    Whether it runs compiled or interpreted is decided here, by TRITON_INTERPRET at the first call."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError as exc:
+        raise TritonUnavailableError(
+            "the triton loss kernels need the triton package (CUDA torch wheels bring it)") from exc
+
+    @triton.jit(do_not_specialize=["n_rows"])
+    def _ce_rows_kernel(logits_ptr, labels_ptr, grad_ptr, lse_ptr, ce_ptr, argmax_ptr,
+                        n_rows, logits_stride, grad_stride,
+                        N_COLS: tl.constexpr, BLOCK_V: tl.constexpr, WRITE_GRAD: tl.constexpr):
+        # V is a compile-time constant (fixed per run) and rows advance in a while loop: Triton 3.6's
+        # interpreter under numpy >= 2.4 cannot take range() bounds that are runtime values (triton#9171).
+        cols = tl.arange(0, BLOCK_V)
+        row = tl.program_id(0)
+        while row < n_rows:
+            x_row = logits_ptr + row.to(tl.int64) * logits_stride
+            label = tl.load(labels_ptr + row).to(tl.int32)
+            # pass 1: running max m (also the arg-max's value), sum of exp(x - m), first arg-max
+            m = tl.full((), float("-inf"), tl.float32)
+            s = tl.full((), 0.0, tl.float32)
+            arg = tl.full((), 0, tl.int32)
+            for start in range(0, N_COLS, BLOCK_V):
+                idx = start + cols
+                x = tl.load(x_row + idx, mask=idx < N_COLS, other=float("-inf"),
+                            eviction_policy="evict_last").to(tl.float32)
+                tile_max, tile_arg = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
+                arg = tl.where(tile_max > m, start + tile_arg, arg)  # strict: an earlier tile wins a tie
+                m_new = tl.maximum(m, tile_max)
+                s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)  # masked lanes: exp(-inf) = 0
+                m = m_new
+            lse = m + tl.log(s)
+            in_range = (label >= 0) & (label < N_COLS)
+            x_label = tl.load(x_row + label, mask=in_range, other=float("nan")).to(tl.float32)
+            tl.store(lse_ptr + row, lse)
+            tl.store(ce_ptr + row, lse - x_label)
+            tl.store(argmax_ptr + row, arg.to(tl.int64))
+            if WRITE_GRAD:
+                # pass 2: the same row again (L2 if the rows in flight fit), g = softmax - onehot, unscaled
+                g_row = grad_ptr + row.to(tl.int64) * grad_stride
+                for start in range(0, N_COLS, BLOCK_V):
+                    idx = start + cols
+                    mask = idx < N_COLS
+                    x = tl.load(x_row + idx, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+                    p = tl.exp(x - lse)
+                    g = tl.where(idx == label, p - 1.0, p)
+                    tl.store(g_row + idx, g.to(grad_ptr.dtype.element_ty), mask=mask, cache_modifier=".cs")
+            row += tl.num_programs(0)
+
+    return _ce_rows_kernel
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def fused_ce(logits: torch.Tensor, labels: torch.Tensor, *, want_grad: bool = True,
+             config: CEKernelConfig | None = None):
+    """(grad or None, lse, ce, argmax) of one chunk; see the module docstring for the contract."""
+    config = config or CEKernelConfig()
+    if logits.dim() != 2 or labels.shape != (logits.shape[0],):
+        raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} must be [C, V] and [C]")
+    if logits.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"the triton CE kernel accumulates in fp32; {logits.dtype} logits need the eager or "
+                        "compiled kernels")
+    if logits.device.type != "cuda" and not _interpreting():
+        raise TritonUnavailableError(f"the triton loss kernels need a CUDA device (logits are on {logits.device}; "
+                                     "TRITON_INTERPRET=1 runs them on CPU, slowly, for tests)")
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    rows, vocab = logits.shape
+    device = logits.device
+    grad = torch.empty_like(logits, memory_format=torch.contiguous_format) if want_grad else None
+    lse = torch.empty(rows, dtype=torch.float32, device=device)
+    ce = torch.empty(rows, dtype=torch.float32, device=device)
+    argmax = torch.empty(rows, dtype=torch.int64, device=device)
+    if rows == 0:
+        return grad, lse, ce, argmax
+    if config.programs_per_sm == 0:
+        programs = rows
+    else:
+        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+            if device.type == "cuda" else 2  # interpreter: 2 "SMs", enough to exercise the row loop
+        programs = min(rows, sms * config.programs_per_sm)
+    block_v = min(config.block_v, max(16, 1 << (vocab - 1).bit_length()))
+    # Triton launches on the current device's current stream, torch ops on the tensors' device: make them agree
+    # (drafter threads of the pipeline each own a GPU; the stream then is the one torch uses there).
+    guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with guard:
+        _kernel()[(programs,)](
+            logits, labels, grad if grad is not None else logits, lse, ce, argmax,
+            rows, logits.stride(0), grad.stride(0) if grad is not None else 0,
+            N_COLS=vocab, BLOCK_V=block_v, WRITE_GRAD=want_grad, num_warps=config.num_warps)
+    return grad, lse, ce, argmax
