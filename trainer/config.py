@@ -60,6 +60,11 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# --loss-kernels: the per-chunk element-wise kernels of the loss (trainer/loss.py make_chunk_kernels).
+# triton = one fused Triton kernel per chunk for CE (+CAP); soft labels keep the compiled kernels.
+LOSS_KERNELS = ("auto", "compiled", "eager", "triton")
+
+
 @dataclass
 class TrainConfig:
     """Every setting of a training run. Field names are the flags with `-` -> `_`."""
@@ -107,6 +112,7 @@ class TrainConfig:
     cap_lambda: float = 0.0
     activation_checkpointing: bool = False  # recompute drafter layer activations in backward (memory for time)
     loss_chunk_size: int | None = None  # rows per chunk in the logits-free loss (None: ~1 GiB of fp32 logits)
+    loss_kernels: str = "auto"  # auto (compiled when the drafter is, else eager) | compiled | eager | triton
     # drafter shape (hidden_size must equal the target's)
     num_draft_layers: int = 5
     hidden_size: int | None = None  # None: taken from the target
@@ -180,6 +186,11 @@ class TrainConfig:
         need(self.kl_temperature > 0, "kl-temperature", f"must be > 0, got {self.kl_temperature}")
         need(self.cap_lambda >= 0, "cap-lambda", f"must be >= 0, got {self.cap_lambda}")
         need(self.loss_chunk_size is None or self.loss_chunk_size >= 1, "loss-chunk-size", f"must be >= 1, got {self.loss_chunk_size}")
+        need(self.loss_kernels in LOSS_KERNELS, "loss-kernels",
+             f"must be one of {', '.join(LOSS_KERNELS)}, got {self.loss_kernels!r}")
+        need(self.loss_kernels != "triton" or all(d.startswith("cuda") for d in self.drafter_gpus), "loss-kernels",
+             f"triton needs CUDA drafter devices, got --drafter-gpus {','.join(self.drafter_gpus)}",
+             "use --loss-kernels auto, compiled or eager")
         need(self.num_draft_layers >= 1, "num-draft-layers", f"must be >= 1, got {self.num_draft_layers}")
         need(0 <= self.sliding_layers <= self.num_draft_layers, "sliding-layers",
              f"must be between 0 and --num-draft-layers ({self.num_draft_layers}), got {self.sliding_layers}")

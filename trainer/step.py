@@ -23,9 +23,10 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from trainer.config import TrainConfig
+from trainer.config import TrainConfig, TrainerInputError
 from trainer.data import Batch
 from trainer.loss import dflash_loss, make_chunk_kernels, simulated_tau
+from trainer.loss_triton import TritonUnavailableError
 from trainer.model import DFlashDrafter, TargetModel
 
 __all__ = ["Batch", "FeatureBatch", "StepStats", "TargetSide", "DrafterSide", "lr_factor", "noise_std_at"]
@@ -124,7 +125,15 @@ class DrafterSide:
         if self.compiled:
             for layer in self.drafter.layers:
                 layer.compile(dynamic=False)
-        self.loss_kernels = make_chunk_kernels("compiled" if self.compiled else "eager")
+        # --loss-kernels auto follows the layers (compiled on CUDA); triton: one fused kernel per loss chunk.
+        kind = cfg.loss_kernels if cfg.loss_kernels != "auto" else "compiled" if self.compiled else "eager"
+        if kind == "triton" and self.device.type != "cuda":
+            raise TrainerInputError(f"--loss-kernels triton needs a CUDA drafter device (got {self.device})",
+                                    hint="use --loss-kernels auto, compiled or eager")
+        try:
+            self.loss_kernels = make_chunk_kernels(kind)
+        except TritonUnavailableError as exc:
+            raise TrainerInputError(f"--loss-kernels {kind}: {exc}", hint="use --loss-kernels auto") from exc
         self.loss_fn = dflash_loss  # replaceable for benchmarks (e.g. a recomputing baseline)
         # Frozen, shared with the target; a copy only when the target lives on another device.
         self.embed_weight = embed_weight.detach().to(self.device)

@@ -1,7 +1,9 @@
-"""Activation checkpointing recomputes layer activations in backward: same outputs and gradients."""
+"""Activation checkpointing recomputes layer activations in backward: same outputs and gradients. Also: the
+DrafterSide takes its per-run settings (checkpointing, loss kernels) from the config."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -63,3 +65,18 @@ def test_drafter_side_takes_the_setting_from_the_config() -> None:
         cfg = parse_train_args(["--preset", "tiny", "--output-dir", "/tmp/unused", *flag])
         side = DrafterSide(cfg, drafter, target.embed_weight, target.lm_head_weight, "cpu", total_steps=1)
         assert side.drafter.activation_checkpointing is expected
+
+
+def test_drafter_side_picks_the_loss_kernels_from_the_config() -> None:
+    from trainer.config import TrainerInputError, parse_train_args
+    from trainer.step import DrafterSide
+
+    target = build_tiny_target(seed=0)
+    drafter = DFlashDrafter(tiny_drafter_config(target))
+    for kind, expected in (("auto", "eager"), ("eager", "eager"), ("compiled", "compiled")):
+        cfg = parse_train_args(["--preset", "tiny", "--output-dir", "/tmp/unused", "--loss-kernels", kind])
+        side = DrafterSide(cfg, drafter, target.embed_weight, target.lm_head_weight, "cpu", total_steps=1)
+        assert side.loss_kernels.kind == expected
+    cfg = parse_train_args(["--preset", "tiny", "--output-dir", "/tmp/unused", "--loss-kernels", "triton"])
+    with pytest.raises(TrainerInputError, match="--loss-kernels triton needs a CUDA drafter device"):
+        DrafterSide(cfg, drafter, target.embed_weight, target.lm_head_weight, "cpu", total_steps=1)

@@ -84,6 +84,8 @@ def test_drafter_config_from_preset_and_target_config(preset: str, layers: int, 
     (["--stall-timeout", "0"], "--stall-timeout"),
     (["--sync-interval", "0"], "--sync-interval"),
     (["--preset", "huge"], "--preset"),
+    (["--loss-kernels", "turbo"], "--loss-kernels"),
+    (["--loss-kernels", "triton", "--drafter-gpus", "cpu"], "--loss-kernels"),
 ])
 def test_bad_values_are_refused_naming_the_flag(flags: list[str], flag_named: str) -> None:
     with pytest.raises(TrainerInputError) as info:
@@ -114,3 +116,9 @@ def test_hidden_size_mismatch_with_the_target_is_an_error() -> None:
 def test_static_anchor_slots_per_row() -> None:
     cfg = parse_train_args(["--preset", "tiny", "--anchors-per-seq", "8", "--max-anchors", "20"])
     assert [cfg.anchors_per_row(r) for r in (1, 2, 3, 4, 40)] == [8, 8, 6, 5, 1]
+
+
+def test_loss_kernels_default_to_auto_and_take_the_kinds() -> None:
+    assert parse_train_args(["--preset", "tiny"]).loss_kernels == "auto"
+    for kind in ("compiled", "eager", "triton"):
+        assert parse_train_args(["--preset", "tiny", "--loss-kernels", kind]).loss_kernels == kind
