@@ -5,6 +5,7 @@ Run on the GPU machine from the repository root (no weights or data needed; ever
     python bench/gpu_pipeline.py                      # 8B-shaped drafter, 200 steps, each mode once, cold cache
     python bench/gpu_pipeline.py --repeats 10 --modes dual   # the "ten times in a row" check
     python bench/gpu_pipeline.py --scale small --steps 50     # a quick look (1K hidden, 32K vocab)
+    .venv/bin/python bench/gpu_pipeline.py --scale smoke --device cpu --steps 20   # this script's own smoke test
 
 Each run is a fresh child process (`--child`) with its own empty TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR
 (a cold compile cache; `--warm-cache` shares one directory instead), driving trainer.pipeline.run.run_pipeline
@@ -101,13 +102,19 @@ def child(args: argparse.Namespace) -> int:
     def on_warmup(report) -> None:
         seen["warmup_s"] = report.total_s
         seen["after_warmup"] = compile_counts()
+        seen["warmup_done_at"] = time.monotonic()
 
     def on_step(step: int, sides) -> None:
         seen["at_end"] = compile_counts()
         seen["steps"] = step
+        seen["last_step_at"] = time.monotonic()
 
     started = time.monotonic()
     code = run_pipeline(cfg, PipelineOptions(feature_transfer=args.transfer, on_warmup=on_warmup, on_step=on_step))
+    ended = time.monotonic()
+    warm_done, last_step = seen.get("warmup_done_at", ended), seen.get("last_step_at", ended)
+    phases = {"build_s": round(warm_done - started - seen.get("warmup_s", 0.0), 1),  # models, copies, data
+              "steps_s": round(last_step - warm_done, 1), "final_save_s": round(ended - last_step, 1)}
     records = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
     steady = records[1:] or records
     recompiles = sum(seen.get("at_end", {}).get(k, 0) - seen.get("after_warmup", {}).get(k, 0)
@@ -122,6 +129,7 @@ def child(args: argparse.Namespace) -> int:
         "gpu_mem_gb": steady[-1].get("gpu_mem_gb") if steady else None,
         "loss_first_last": [records[0]["loss"], records[-1]["loss"]] if records else None,
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        **phases,
     }
     print("RESULT " + json.dumps(result), flush=True)
     return code
@@ -135,53 +143,91 @@ def main() -> int:
     parser.add_argument("--modes", default="single,dual", help="comma list of single,dual")
     parser.add_argument("--transfers", default="device", help="comma list of device,pinned")
     parser.add_argument("--warm-cache", action="store_true", help="share one compile cache across runs")
-    parser.add_argument("--timeout-s", type=float, default=1200)
+    parser.add_argument("--timeout-s", type=float, default=1200, help="per run")
+    parser.add_argument("--parallel", type=int, default=1,
+                        help="runs side by side (each still from its own cold cache); throughput only means something at 1")
+    parser.add_argument("--budget-s", type=float, default=0,
+                        help="start no new run once this much time has passed (0: no limit); fits a device call")
+    parser.add_argument("--log-dir", default=os.environ.get("OUT", ""),
+                        help="each run's stderr goes to LOG_DIR/pipeline-MODE-TRANSFER-N.log (default $OUT, else the run's workdir)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="dual", help=argparse.SUPPRESS)
     parser.add_argument("--transfer", default="device", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
-    parser.add_argument("--device", default="0", help=argparse.SUPPRESS)
+    parser.add_argument("--device", default="0", help="CUDA index (default 0), or cpu for a smoke test of this script")
     args = parser.parse_args()
     if args.child:
         return child(args)
     import torch
 
-    if not torch.cuda.is_available():
+    if args.device != "cpu" and not torch.cuda.is_available():
         print("error: no CUDA device (this benchmark needs one GPU)", file=sys.stderr)
         return 2
     shared_cache = Path(tempfile.mkdtemp(prefix="bench-pipeline-cache-"))
-    rows, failed = [], False
-    print("mode   drafters transfer warmup_s steps recompiles block_tok/s per_drafter busy_tok/s/drafter  result")
-    for repeat in range(args.repeats):
-        for mode in args.modes.split(","):
-            for transfer in args.transfers.split(","):
-                work = Path(tempfile.mkdtemp(prefix=f"bench-pipeline-{mode}-"))
-                cache = shared_cache if args.warm_cache else work / "compile-cache"
-                env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
-                       "TRITON_CACHE_DIR": str(cache / "triton")}
-                cmd = [sys.executable, __file__, "--child", "--scale", args.scale, "--steps", str(args.steps),
-                       "--mode", mode, "--transfer", transfer, "--workdir", str(work)]
-                proc = subprocess.run(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                                      timeout=args.timeout_s)
-                line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
-                fx_error = "symbolically trace a dynamo-optimized function" in proc.stderr
-                flex_eager = "flex_attention called without torch.compile" in proc.stderr
-                if line is None:
-                    failed = True
-                    print(f"{mode:6} run {repeat} FAILED (exit {proc.returncode}); stderr tail:\n{proc.stderr[-3000:]}")
-                    continue
-                r = json.loads(line[len("RESULT "):])
-                ok = r["exit_code"] == 0 and r["recompiles_after_warmup"] == 0 and not fx_error and not flex_eager
-                failed |= not ok
-                rows.append(r)
-                per = r["block_tok_s"] / r["drafters"]
-                print(f"{mode:6} {r['drafters']:8} {transfer:8} {r['warmup_s']:8} {r['steps']:5} {r['recompiles_after_warmup']:10} "
-                      f"{r['block_tok_s']:11,} {per:11,.0f} {str(r['busy_tok_s_per_drafter']):20} "
-                      f"{'ok' if ok else 'FAIL'}{' FX-error' if fx_error else ''}{' eager-flex' if flex_eager else ''}",
-                      flush=True)
+    jobs = [(repeat, mode, transfer) for repeat in range(args.repeats) for mode in args.modes.split(",")
+            for transfer in args.transfers.split(",")]
+    rows, failed, began = [], False, time.monotonic()
+    running: list[tuple[tuple, subprocess.Popen, Path, float]] = []
+    print("run mode   drafters transfer warmup_s steps recompiles block_tok/s per_drafter busy_tok/s/drafter  "
+          "build_s steps_s save_s result", flush=True)
+    while jobs or running:
+        # Start runs while a slot is free (--parallel) and the budget allows; each is a fresh process with its
+        # own empty compile cache. Runs side by side share the GPU: their throughput is not the single-run figure.
+        while jobs and len(running) < args.parallel:
+            if args.budget_s and time.monotonic() - began > args.budget_s:
+                print(f"budget of {args.budget_s:.0f} s spent: {len(jobs)} run(s) not started", flush=True)
+                failed, jobs = True, []
+                break
+            job = jobs.pop(0)
+            running.append(_start_run(job, args, shared_cache))
+        for entry in list(running):
+            (repeat, mode, transfer), proc, log_path, started = entry
+            timed_out = time.monotonic() - started > args.timeout_s
+            if proc.poll() is None and not timed_out:
+                continue
+            running.remove(entry)
+            if timed_out and proc.poll() is None:
+                proc.kill()
+            stdout = proc.stdout.read() if proc.stdout else ""
+            proc.wait()
+            stderr = log_path.read_text(errors="replace")
+            line = next((l for l in stdout.splitlines() if l.startswith("RESULT ")), None)
+            fx_error = "symbolically trace a dynamo-optimized function" in stderr
+            flex_eager = "flex_attention called without torch.compile" in stderr
+            if line is None:
+                failed = True
+                why = f"timed out after {args.timeout_s:.0f} s" if timed_out else f"exit {proc.returncode}"
+                print(f"{repeat:3} {mode:6} FAILED ({why}); {log_path} tail:\n{stderr[-3000:]}", flush=True)
+                continue
+            r = json.loads(line[len("RESULT "):])
+            ok = r["exit_code"] == 0 and r["recompiles_after_warmup"] == 0 and not fx_error and not flex_eager
+            failed |= not ok
+            rows.append({"repeat": repeat, **r})
+            per = r["block_tok_s"] / r["drafters"]
+            print(f"{repeat:3} {mode:6} {r['drafters']:8} {transfer:8} {r['warmup_s']:8} {r['steps']:5} "
+                  f"{r['recompiles_after_warmup']:10} {r['block_tok_s']:11,} {per:11,.0f} "
+                  f"{str(r['busy_tok_s_per_drafter']):20} {r['build_s']:7} {r['steps_s']:7} {r['final_save_s']:6} "
+                  f"{'ok' if ok else 'FAIL'}{' FX-error' if fx_error else ''}{' eager-flex' if flex_eager else ''}",
+                  flush=True)
+        time.sleep(0.5)
     print(json.dumps(rows))
     return 1 if failed else 0
 
+
+def _start_run(job: tuple, args: argparse.Namespace, shared_cache: Path) -> tuple[tuple, subprocess.Popen, Path, float]:
+    """Launch one child run; its stderr streams to a log file, so a run cut off still shows how far it got."""
+    repeat, mode, transfer = job
+    work = Path(tempfile.mkdtemp(prefix=f"bench-pipeline-{mode}-"))
+    cache = shared_cache if args.warm_cache else work / "compile-cache"
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton")}
+    cmd = [sys.executable, __file__, "--child", "--scale", args.scale, "--steps", str(args.steps), "--mode", mode,
+           "--transfer", transfer, "--workdir", str(work), "--device", args.device]
+    log_path = Path(args.log_dir or work) / f"pipeline-{mode}-{transfer}-{repeat}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=log, text=True)
+    return job, proc, log_path, time.monotonic()
 
 if __name__ == "__main__":
     sys.exit(main())

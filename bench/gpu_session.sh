@@ -31,10 +31,12 @@ for section in "$@"; do
               --variants eager,compiled --iters 3 --warmup 1 --stacks-every 60 --json-out "$OUT/step8b.json" ;;
     step8b-more) step step8b-more 300 python3 -m trainer bench step --preset qwen3-8b --shape seed \
               --variants soft,cap,ckpt-loss --iters 5 --warmup 2 --json-out "$OUT/step8b-more.json" ;;
-    benchpipe) step benchpipe 240 python3 -m trainer bench pipeline --preset qwen3-8b --shape recipe \
+    benchpipe) step benchpipe 130 python3 -m trainer bench pipeline --preset qwen3-8b --shape recipe \
               --target-intermediate 12288 --iters 5 --warmup 2 ;;
     pipeline) step pipeline 480 python3 bench/gpu_pipeline.py ;;
     pipeline-pair) step pipeline-pair 330 python3 bench/gpu_pipeline.py --modes single,dual --steps 200 --timeout-s 320 ;;
+    pipeline-small-pair) step pipeline-small-pair 330 python3 bench/gpu_pipeline.py --scale small --modes single,dual \
+              --steps 200 --timeout-s 200 --budget-s 150 ;;
     pipeline-small) step pipeline-small 170 python3 bench/gpu_pipeline.py --scale small --steps 60 ;;
     *) echo "unknown section $section" >&2 ;;
   esac

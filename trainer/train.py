@@ -203,9 +203,9 @@ def _check_init_from(directory: Path, expected: dict[str, list[int]]) -> None:
 
 def _load_target(plan: Plan) -> TargetModel:
     cfg, ids = plan.cfg, plan.drafter_config.target_layer_ids
-    if cfg.target_model is None:
-        return TargetModel.from_config(plan.hf_config, ids, seed=cfg.seed, device=plan.target_device)
     dtype = torch.bfloat16 if plan.target_device.type == "cuda" else torch.float32
+    if cfg.target_model is None:
+        return TargetModel.from_config(plan.hf_config, ids, seed=cfg.seed, dtype=dtype, device=plan.target_device)
     return TargetModel.from_pretrained(cfg.target_model, ids, dtype=dtype, device=plan.target_device)
 
 

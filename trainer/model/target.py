@@ -112,10 +112,14 @@ class TargetModel:
         """Build a randomly initialised target from an HF config (tests, speed work). Deterministic in `seed`."""
         from transformers import AutoModelForCausalLM
 
-        with torch.random.fork_rng(devices=[]):
+        # Initialised on the device itself: HF's init of an 8B-shaped model on the CPU takes minutes (bf16 normal_
+        # on the CPU is slow), on the GPU well under a second. The values depend on the device's RNG, so a CPU and
+        # a GPU target of the same seed differ; each is deterministic in `seed`.
+        device = torch.device(device)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-        return cls(model.to(device), layer_ids, num_draft_layers=num_draft_layers)
+        return cls(model, layer_ids, num_draft_layers=num_draft_layers)
 
     @property
     def embed_weight(self) -> torch.Tensor:
