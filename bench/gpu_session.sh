@@ -35,8 +35,10 @@ for section in "$@"; do
               --target-intermediate 12288 --iters 5 --warmup 2 ;;
     pipeline) step pipeline 480 python3 bench/gpu_pipeline.py ;;
     pipeline-pair) step pipeline-pair 330 python3 bench/gpu_pipeline.py --modes single,dual --steps 200 --timeout-s 320 ;;
-    pipeline-small-pair) step pipeline-small-pair 330 python3 bench/gpu_pipeline.py --scale small --modes single,dual \
-              --steps 200 --timeout-s 200 --budget-s 150 ;;
+    pipeline-small-pair) step pipeline-small-pair 300 python3 bench/gpu_pipeline.py --scale small --modes single,dual \
+              --steps 200 --timeout-s 150 --budget-s 150 ;;
+    loss-triton) step loss-triton 100 python3 bench/loss_gemm.py --device cuda --rows 32832 --hidden 4096 --vocab 151936 \
+              --block-size 32 --chunks 1728,4096 --kernels compiled,triton --terms ce --profile ;;
     pipeline-small) step pipeline-small 170 python3 bench/gpu_pipeline.py --scale small --steps 60 ;;
     *) echo "unknown section $section" >&2 ;;
   esac
