@@ -2,7 +2,7 @@
 
     python bench/loss_gemm.py --device cuda                      # H200, 27B-style shape, compiled + triton
     python bench/loss_gemm.py --device cuda --rows 32832 --hidden 4096 --vocab 151936 --chunks 1728,4096 \\
-        --kernels compiled,triton --terms ce,ce-cap --triton-configs 4096:8:0,16384:16:1 --profile
+        --kernels compiled,triton --terms ce,ce-cap --triton-configs 4096:8:0,16384:16:2 --profile
     .venv/bin/python bench/loss_gemm.py --rows 1024 --vocab 8192 --chunks 128,256 --kernels eager   # CPU smoke
 
 One GEMM-equivalent = one [M, H] x [H, V] logits GEMM in the same dtype. The loss does 2 GEMMs per chunk
@@ -40,7 +40,8 @@ def kernel_sets(args: argparse.Namespace) -> list[tuple[str, object]]:
         if kind not in KERNEL_KINDS:
             raise SystemExit(f"error: unknown kernels {kind!r}: one of {', '.join(KERNEL_KINDS)}")
         if kind == "triton" and args.triton_configs:
-            sets += [(f"triton[{c}]", make_chunk_kernels("triton", triton_config=c)) for c in args.triton_configs.split(",")]
+            sets += [(f"triton[{config}]", make_chunk_kernels("triton", triton_config=config))
+                     for config in args.triton_configs.split(",")]
         else:
             sets.append((kind, None if kind == "eager" else make_chunk_kernels(kind)))
     return sets
@@ -49,7 +50,8 @@ def kernel_sets(args: argparse.Namespace) -> list[tuple[str, object]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chunks", default="512,1024,2048,4096", help="comma-separated chunk sizes (rows)")
-    parser.add_argument("--kernels", help="comma list of eager, compiled, triton (default: cuda compiled,triton; cpu eager)")
+    parser.add_argument("--kernels", help="comma list of eager, compiled, triton "
+                        "(default: cuda compiled,triton; cpu eager)")
     parser.add_argument("--terms", default="ce,ce-kl", help=f"comma list of {', '.join(TERMS)}")
     parser.add_argument("--triton-configs", help="comma list of BLOCK_V:NUM_WARPS[:PROGRAMS_PER_SM] for the triton "
                         "kernels (default: $DFLASH_CE_TRITON or the library default)")
