@@ -210,6 +210,18 @@ class ChunkKernels:
     kind: str = "eager"
 
 
+def _compiled_stats_and_grad() -> tuple[Callable[..., tuple], Callable[..., tuple]]:
+    """Fresh torch.compile'd stats and logit-grad functions with static shapes.
+
+    dynamic=False matters for threads: by default the second chunk shape (the short last chunk) makes dynamo
+    recompile with symbolic sizes, and the guards of such an entry are Python code that runs at every call.
+    On the H200, two drafter threads calling those kernels failed a cache lookup after 10-116 steps in 3 of 8
+    runs (a recompile that CompileGuard turned into an error; bench/RESULTS.md, session 2). Static entries,
+    one per chunk shape, have only C++ tensor guards."""
+    return (torch.compile(_student_stats, dynamic=False),
+            torch.compile(functools.partial(_logit_grad, onehot_by_compare=True), dynamic=False))
+
+
 def make_chunk_kernels(kind: str = "eager", *, triton_config: str | None = None) -> ChunkKernels:
     """Kernels by kind (KERNEL_KINDS). eager: plain torch ops. compiled: new torch.compile'd functions
     (compiled lazily at the first call). triton: the fused Triton CE kernel (needs the triton package and a
@@ -219,9 +231,7 @@ def make_chunk_kernels(kind: str = "eager", *, triton_config: str | None = None)
     if kind == "eager":
         return ChunkKernels()
     if kind == "compiled":
-        return ChunkKernels(stats=torch.compile(_student_stats),
-                            logit_grad=torch.compile(functools.partial(_logit_grad, onehot_by_compare=True)),
-                            kind="compiled")
+        return ChunkKernels(*_compiled_stats_and_grad(), kind="compiled")
     if kind == "triton":
         from trainer import loss_triton  # imports triton itself only at the first kernel call
 

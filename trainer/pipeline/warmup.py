@@ -66,8 +66,10 @@ def warm_up(variants: Sequence[V], run_one: Callable[[V], None], log: Callable[[
     """Run `run_one(variant)` (a full forward + backward) for every variant, sequentially, in the calling thread.
 
     Must be called from the main thread before worker threads exist. Raises the recompile limit so that all
-    variants fit, with room for the separate graphs dynamo makes around graph breaks."""
-    needed = len(variants) + 8
+    variants fit (each replica's compiled callables make their own entries, the loss kernels one per chunk
+    shape), with room for the separate graphs dynamo makes around graph breaks."""
+    # Per variant: one entry per compiled callable and chunk shape (the loss kernels see two chunk shapes each).
+    needed = 4 * len(variants) + 8
     if torch._dynamo.config.recompile_limit < needed:
         torch._dynamo.config.recompile_limit = needed
     if torch._dynamo.config.accumulated_recompile_limit < 4 * needed:
