@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call = one of these sections; each step has its own timeout so one hang cannot eat the call.
 # Usage (on the GPU machine, repo root): bash bench/gpu_session.sh SECTION...   (logs under $OUT when set)
-# Not yet run on the H200 (next session): `attention step8b-more benchpipe` in one call, `pipeline` in another.
+# Owed on the H200 (next session): `step8b-quick step8b-more` (per-replica compile, soft/CAP variants), then
+# `python3 bench/gpu_pipeline.py --scale small --modes dual --repeats 10 --parallel 2 --budget-s 500`.
 set -u
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
 OUT=${OUT:-/tmp/bench-out}; mkdir -p "$OUT"

@@ -49,6 +49,8 @@ from typing import Callable
 
 import torch
 
+from trainer.compile_scope import private_compile
+
 
 class LossInputError(ValueError):
     """Arguments to the loss that cannot be right (shapes, block layout, hyper-parameters)."""
@@ -138,6 +140,13 @@ def default_chunk_rows(vocab_size: int, block_size: int, budget_bytes: int = 1 <
     return max(block_size, rows // block_size * block_size)
 
 
+def fused_chunk_rows(vocab_size: int, block_size: int, budget_bytes: int = 5 << 29) -> int:
+    """Rows per chunk for the fused Triton kernel: 4096 (H200, V=151936: 2.14 GEMM-eq against 2.25 at the
+    1728-row default, because the input-gradient GEMM [C, V] x [V, H] fills its waves better), fewer when its
+    two bf16 [C, V] buffers (logits, gradient) would pass `budget_bytes` (2.5 GiB), whole blocks."""
+    return min(4096 // block_size * block_size, default_chunk_rows(vocab_size, block_size, budget_bytes))
+
+
 def _student_stats(logits: torch.Tensor, labels: torch.Tensor, temperature: float, want_tempered: bool):
     """Row reductions of one chunk: (logsumexp, CE, argmax, logsumexp(logits/T) or None).
 
@@ -210,19 +219,19 @@ class ChunkKernels:
     kind: str = "eager"
 
 
-def _compiled_stats_and_grad() -> tuple[Callable[..., tuple], Callable[..., tuple]]:
-    """Fresh torch.compile'd stats and logit-grad functions with static shapes.
+def _compiled_stats_and_grad(backend: str = "inductor") -> tuple[Callable[..., tuple], Callable[..., tuple]]:
+    """Private torch.compile'd copies of the stats and logit-grad functions, static shapes.
 
-    dynamic=False matters for threads: by default the second chunk shape (the short last chunk) makes dynamo
-    recompile with symbolic sizes, and the guards of such an entry are Python code that runs at every call.
-    On the H200, two drafter threads calling those kernels failed a cache lookup after 10-116 steps in 3 of 8
-    runs (a recompile that CompileGuard turned into an error; bench/RESULTS.md, session 2). Static entries,
-    one per chunk shape, have only C++ tensor guards."""
-    return (torch.compile(_student_stats, dynamic=False),
-            torch.compile(functools.partial(_logit_grad, onehot_by_compare=True), dynamic=False))
+    Private (trainer/compile_scope.py): each call compiles new code objects, so two replicas' worker threads
+    never evaluate one dynamo cache's guards at the same time (the race that failed 3 of 8 two-drafter runs on
+    the H200). Static (dynamic=False): one entry per chunk shape (full chunks + the short last one) instead of
+    a symbolic-shape entry whose guards run as Python code."""
+    return (private_compile(_student_stats, backend=backend),
+            private_compile(functools.partial(_logit_grad, onehot_by_compare=True), backend=backend))
 
 
-def make_chunk_kernels(kind: str = "eager", *, triton_config: str | None = None) -> ChunkKernels:
+def make_chunk_kernels(kind: str = "eager", *, triton_config: str | None = None,
+                       compile_backend: str = "inductor") -> ChunkKernels:
     """Kernels by kind (KERNEL_KINDS). eager: plain torch ops. compiled: new torch.compile'd functions
     (compiled lazily at the first call). triton: the fused Triton CE kernel (needs the triton package and a
     CUDA device) for CE and CE+CAP, plus compiled kernels for soft labels; its launch config is
@@ -231,7 +240,7 @@ def make_chunk_kernels(kind: str = "eager", *, triton_config: str | None = None)
     if kind == "eager":
         return ChunkKernels()
     if kind == "compiled":
-        return ChunkKernels(*_compiled_stats_and_grad(), kind="compiled")
+        return ChunkKernels(*_compiled_stats_and_grad(compile_backend), kind="compiled")
     if kind == "triton":
         from trainer import loss_triton  # imports triton itself only at the first kernel call
 
@@ -241,7 +250,7 @@ def make_chunk_kernels(kind: str = "eager", *, triton_config: str | None = None)
         config = (loss_triton.CEKernelConfig.parse(triton_config) if triton_config
                   else loss_triton.CEKernelConfig.from_env())
         fused = functools.partial(loss_triton.fused_ce, config=config)
-        compiled = make_chunk_kernels("compiled")
+        compiled = make_chunk_kernels("compiled", compile_backend=compile_backend)
         return ChunkKernels(stats=compiled.stats, logit_grad=compiled.logit_grad, fused_ce=fused, kind="triton")
     raise ValueError(f"unknown loss kernels {kind!r}: one of {', '.join(KERNEL_KINDS)}")
 
@@ -306,7 +315,10 @@ def dflash_loss(
     use_kl, use_cap = kl_weight > 0, cap_lambda > 0
     kernels = kernels or ChunkKernels()
     fused = kernels.fused_ce is not None and not use_kl  # the fused kernel knows no soft labels
-    chunk = default_chunk_rows(vocab, block_size) if chunk_size is None else chunk_size
+    if chunk_size is None:
+        chunk = fused_chunk_rows(vocab, block_size) if fused else default_chunk_rows(vocab, block_size)
+    else:
+        chunk = chunk_size
     chunk = max(block_size, chunk // block_size * block_size)
     want_grad = hidden.requires_grad and torch.is_grad_enabled()
     inv_norm = 1.0 / normalizer if normalizer > 0 else 0.0  # all-zero weights: every sum is 0, no NaN

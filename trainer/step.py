@@ -16,6 +16,7 @@ The single-process trainer (`trainer.train`) is TargetSide + DrafterSide on one 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Iterator
@@ -23,11 +24,13 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
+from trainer.compile_scope import private_compile, replica_scope
 from trainer.config import TrainConfig, TrainerInputError
 from trainer.data import Batch
 from trainer.loss import dflash_loss, make_chunk_kernels, simulated_tau
 from trainer.loss_triton import TritonUnavailableError
 from trainer.model import DFlashDrafter, TargetModel
+from trainer.model.drafter import call_layer
 
 __all__ = ["Batch", "FeatureBatch", "StepStats", "TargetSide", "DrafterSide", "lr_factor", "noise_std_at"]
 
@@ -106,32 +109,38 @@ class TargetSide:
         return FeatureBatch(batch=batch, ctx_features=out.taps, teacher_hidden=out.final_hidden)
 
 
+_REPLICA_IDS = itertools.count()  # names each replica's compile scope
+
+
 class DrafterSide:
     """The trainable drafter on its device with its optimizer (AdamW, trainable params only) and schedule."""
 
     def __init__(self, cfg: TrainConfig, drafter: DFlashDrafter, embed_weight: torch.Tensor,
                  lm_head_weight: torch.Tensor, device: torch.device | str, total_steps: int, *,
-                 compile: bool | None = None, activation_checkpointing: bool | None = None) -> None:
+                 compile: bool | None = None, activation_checkpointing: bool | None = None,
+                 compile_backend: str = "inductor") -> None:
         self.cfg, self.device = cfg, torch.device(device)
         self.drafter = drafter.to(self.device).train()
         # Recompute layer activations in backward (--activation-checkpointing): measured on the H200 for the 27B
         # drafter at the seed shape, 66.1 -> 49.5 GiB peak for 18% more step time (bench/RESULTS.md).
         self.drafter.activation_checkpointing = (cfg.activation_checkpointing if activation_checkpointing is None
                                                  else activation_checkpointing)
-        # torch.compile per replica (each layer module and this side's loss kernels are their own compiled
-        # objects, so two devices never share one). Default: on CUDA only. Compilation happens lazily at the
-        # first forward/backward: warm up sequentially before worker threads start (METHOD.md 6).
+        # torch.compile per replica: the layer call, flex_attention and the loss kernels are compiled from private
+        # copies (trainer/compile_scope.py), so no two replicas, hence no two worker threads, share a dynamo cache.
+        # Default: on CUDA only. Compilation happens lazily at the first forward/backward: warm up sequentially
+        # before worker threads start (METHOD.md 6). compile_backend: tests use "eager" to get dynamo's caches
+        # and guards on the CPU without inductor's code generation.
         self.compiled = self.device.type == "cuda" if compile is None else compile
+        self.scope = f"replica-{next(_REPLICA_IDS)}"
         if self.compiled:
-            for layer in self.drafter.layers:
-                layer.compile(dynamic=False)
+            self.drafter.layer_call = private_compile(call_layer, backend=compile_backend)
         # --loss-kernels auto follows the layers (compiled on CUDA); triton: one fused kernel per loss chunk.
         kind = cfg.loss_kernels if cfg.loss_kernels != "auto" else "compiled" if self.compiled else "eager"
         if kind == "triton" and self.device.type != "cuda":
             raise TrainerInputError(f"--loss-kernels triton needs a CUDA drafter device (got {self.device})",
                                     hint="use --loss-kernels auto, compiled or eager")
         try:
-            self.loss_kernels = make_chunk_kernels(kind)
+            self.loss_kernels = make_chunk_kernels(kind, compile_backend=compile_backend)
         except TritonUnavailableError as exc:
             raise TrainerInputError(f"--loss-kernels {kind}: {exc}", hint="use --loss-kernels auto") from exc
         self.loss_fn = dflash_loss  # replaceable for benchmarks (e.g. a recomputing baseline)
@@ -164,7 +173,7 @@ class DrafterSide:
         block = cfg.block_size
         block_embeds = F.embedding(batch.block_ids, self.embed_weight)  # [R,N*B,H], frozen rows
         mask = self.drafter.build_mask(batch.anchors, batch.keep, seq, backend=self.backend)
-        with _autocast(self.device):
+        with _autocast(self.device), replica_scope(self.scope):  # this replica's compiled copies (eager-layer flex)
             hidden = self.drafter(ctx, block_embeds, batch.anchors, batch.keep, mask)  # [R,N*B,H]
         teacher = None
         if cfg.use_soft_labels and features.teacher_hidden is not None:

@@ -10,6 +10,8 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_mask, flex_attention
 
+from trainer.compile_scope import replica_scope
+
 from trainer.model.attention import (
     FULL,
     SLIDING,
@@ -158,10 +160,16 @@ def test_flex_mask_mod_matches_dense_path(window: int | None, causal: bool, with
     torch.testing.assert_close(flex_out, attend(q, k, v, dense, lt), atol=1e-5, rtol=1e-5)
 
 
-def test_compiled_flex_is_held_per_device() -> None:
+def test_compiled_flex_is_held_per_device_and_replica_scope() -> None:
     cpu_a, cpu_b = compiled_flex_attention(torch.device("cpu")), compiled_flex_attention(torch.device("cpu"))
     meta = compiled_flex_attention(torch.device("meta"))
     assert cpu_a is cpu_b and meta is not cpu_a
+    with replica_scope("replica-1"):
+        own = compiled_flex_attention(torch.device("cpu"))
+        assert own is compiled_flex_attention(torch.device("cpu"))
+    assert own is not cpu_a
+    # Each is a private copy: a separate code object, hence a separate dynamo cache (trainer/compile_scope.py).
+    assert own._torchdynamo_orig_callable.__code__ is not cpu_a._torchdynamo_orig_callable.__code__
 
 
 @pytest.mark.parametrize("kwargs,message", [

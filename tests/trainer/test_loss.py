@@ -17,6 +17,7 @@ from trainer.loss import (
     ChunkKernels,
     LossInputError,
     default_chunk_rows,
+    fused_chunk_rows,
     dflash_loss,
     make_chunk_kernels,
     position_weights,
@@ -211,6 +212,12 @@ def test_default_chunk_rows_are_whole_blocks_within_budget():
     assert default_chunk_rows(248320, 32) == 1056  # 1 GiB / (4 B * V) = 1081 rows -> 33 blocks
     assert default_chunk_rows(10**9, 16) == 16  # never less than one block
     assert default_chunk_rows(100, 7, budget_bytes=4000) == 7
+
+
+def test_fused_chunk_rows_are_4096_unless_the_vocabulary_is_large():
+    assert fused_chunk_rows(151936, 32) == 4096  # the measured best on the H200 (bench/RESULTS.md)
+    assert fused_chunk_rows(248320, 32) == 2688  # 2.5 GiB / (4 B * V) = 2702 rows -> 84 blocks
+    assert fused_chunk_rows(151936, 24) == 4080  # whole blocks
 
 
 def test_position_weights():

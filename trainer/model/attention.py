@@ -28,12 +28,13 @@ Back-ends:
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Literal
 
 import torch
 import torch.nn.functional as F
+
+from trainer.compile_scope import scoped
 
 try:  # flex_attention exists in every torch this project supports; guard anyway so CPU imports never fail.
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -133,25 +134,17 @@ def dense_mask(anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, block_si
     return torch.stack(out)                                             # [R,Q,K]
 
 
-_COMPILED_LOCK = threading.Lock()
-_COMPILED_FLEX: dict[torch.device, Callable[..., torch.Tensor]] = {}
-
-
-def _per_device(cache: dict[torch.device, Callable[..., Any]], device: torch.device,
-                fn: Callable[..., Any]) -> Callable[..., Any]:
-    """torch.compile(fn) once per device. The lock only guards the dict; compiling still happens lazily at the
-    first call, so callers must warm up sequentially before starting threads (METHOD.md 6)."""
-    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" must share one compiled object
-        device = torch.device("cuda", torch.cuda.current_device())
-    with _COMPILED_LOCK:
-        if device not in cache:
-            cache[device] = torch.compile(fn, dynamic=False)
-        return cache[device]
+_COMPILED_FLEX: dict = {}  # (device, replica scope) -> private compiled flex_attention (trainer.compile_scope)
 
 
 def compiled_flex_attention(device: torch.device) -> Callable[..., torch.Tensor]:
-    """flex_attention compiled for `device` (uncompiled flex silently materialises the full score matrix)."""
-    return _per_device(_COMPILED_FLEX, torch.device(device), flex_attention)
+    """flex_attention compiled for `device` and the calling replica's scope (uncompiled flex silently
+    materialises the full score matrix). Each drafter replica gets its own copy: two worker threads sharing
+    one compiled function race in dynamo's cache lookup (trainer/compile_scope.py)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" must share one compiled object
+        device = torch.device("cuda", torch.cuda.current_device())
+    return scoped(_COMPILED_FLEX, device, flex_attention)
 
 
 TILE = 128                     # flex_attention's sparse block (query tile x key tile)
@@ -283,7 +276,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DraftMask, l
     if mask.backend == "flex":
         if layer_type not in mask.flex:
             raise KeyError(f"mask has no {layer_type!r} entry (built for {sorted(mask.flex)})")
-        return compiled_flex_attention(q.device)(q, k, v, block_mask=mask.flex[layer_type], enable_gqa=gqa)
+        # Inside a compiled layer the plain function is traced into the layer's graph; outside, the replica's
+        # own compiled copy runs.
+        flex = flex_attention if torch.compiler.is_compiling() else compiled_flex_attention(q.device)
+        return flex(q, k, v, block_mask=mask.flex[layer_type], enable_gqa=gqa)
     if layer_type not in mask.dense:
         raise KeyError(f"mask has no {layer_type!r} entry (built for {sorted(mask.dense)})")
     sdpa_mask, row_visible = mask.dense[layer_type]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.utils.checkpoint
@@ -294,6 +294,12 @@ class DrafterLayer(nn.Module):
 
 # ---------------------------------------------------------------------------------------------------- the model
 
+def call_layer(layer: nn.Module, x: torch.Tensor, ctx: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
+               rope_k: tuple[torch.Tensor, torch.Tensor], mask: DraftMask) -> torch.Tensor:
+    """One layer's forward; the unit a replica compiles (all layers of one type share its graph)."""
+    return layer(x, ctx, rope_q, rope_k, mask)
+
+
 class DFlashDrafter(nn.Module):
     """The trainable drafter: layers, fc, hidden_norm, norm. Embedding and LM head belong to the target."""
 
@@ -306,6 +312,9 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Training-time memory option (not part of the checkpoint format): recompute layer activations in backward.
         self.activation_checkpointing = False
+        # How a layer is called: plain by default; a replica's trainer installs its private compiled copy of
+        # `call_layer` (trainer/compile_scope.py: one dynamo cache per replica, never shared across threads).
+        self.layer_call: Callable[..., torch.Tensor] = call_layer
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -353,9 +362,10 @@ class DFlashDrafter(nn.Module):
         for layer in self.layers:
             if self.activation_checkpointing and torch.is_grad_enabled():
                 # Keep only each layer's input; recompute its activations in backward (~1/3 more layer FLOPs).
-                x = torch.utils.checkpoint.checkpoint(layer, x, ctx, rope_q, rope_k, mask, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(self.layer_call, layer, x, ctx, rope_q, rope_k, mask,
+                                                      use_reentrant=False)
             else:
-                x = layer(x, ctx, rope_q, rope_k, mask)
+                x = self.layer_call(layer, x, ctx, rope_q, rope_k, mask)
         x = self.norm(x)
         # Padded blocks see nothing; zero their hidden so nothing downstream depends on their (arbitrary) anchors.
         return x * keep.repeat_interleave(B, dim=1)[:, :, None].to(x.dtype)

@@ -73,6 +73,9 @@ class PipelineOptions:
     # lets tests check replica identity and send signals at a known step.
     on_step: Callable[[int, list[DrafterSide]], None] | None = None
     on_warmup: Callable[[WarmupReport], None] | None = None  # bench/gpu_pipeline.py records warm-up time
+    # Test hook: compile every replica, on any device, with this dynamo backend ("eager" on the CPU exercises
+    # dynamo's caches and guards across worker threads without inductor's code generation).
+    compile_backend: str | None = None
 
 
 def resolve_devices(names: list[str], flag: str) -> list[torch.device]:
@@ -132,7 +135,10 @@ def run_pipeline(cfg: TrainConfig, options: PipelineOptions | None = None) -> in
         if cfg.init_from is not None:
             base.load_state_dict(DFlashDrafter.from_pretrained(cfg.init_from).state_dict())
         any_target = targets[0]
-        sides = [DrafterSide(cfg, copy.deepcopy(base), any_target.embed_weight, any_target.lm_head_weight, d, total_steps)
+        compile_kw = (dict(compile=True, compile_backend=options.compile_backend)
+                      if options.compile_backend else {})
+        sides = [DrafterSide(cfg, copy.deepcopy(base), any_target.embed_weight, any_target.lm_head_weight, d, total_steps,
+                             **compile_kw)
                  for d in drafter_devices]
         step, g_start = 0, 0
         if plan.resume_from is not None:

@@ -17,6 +17,10 @@ recompile (new shape, device or guard) reopens that race. So:
    `translate(exc)` turns the raw torch errors into `CompileGuardError` with the worker's device named.
 The stance and warning filters are process-global; they are set and restored by the main thread only while no
 worker runs, which is the one moment that is safe.
+3. No two workers share a dynamo cache: every compiled callable of a drafter replica is compiled from a private
+   copy of its function (trainer/compile_scope.py). Even with nothing left to compile, two threads looking up
+   one code object's cache entries at the same time make the lookup fail now and then, which under the guard
+   is a CompileGuardError (3 of 8 H200 runs before the fix; tests/trainer/test_compile_scope.py).
 """
 
 from __future__ import annotations
@@ -68,20 +72,28 @@ def warm_up(variants: Sequence[V], run_one: Callable[[V], None], log: Callable[[
     Must be called from the main thread before worker threads exist. Raises the recompile limit so that all
     variants fit (each replica's compiled callables make their own entries, the loss kernels one per chunk
     shape), with room for the separate graphs dynamo makes around graph breaks."""
-    # Per variant: one entry per compiled callable and chunk shape (the loss kernels see two chunk shapes each).
+    # Each replica compiles private copies (trainer/compile_scope.py), so one code object sees only its own
+    # replica's entries: one per shape bucket x layer type / chunk shape. The limit only has to cover that.
     needed = 4 * len(variants) + 8
     if torch._dynamo.config.recompile_limit < needed:
         torch._dynamo.config.recompile_limit = needed
     if torch._dynamo.config.accumulated_recompile_limit < 4 * needed:
         torch._dynamo.config.accumulated_recompile_limit = 4 * needed
+    # Hitting the limit even here must fail loudly: the default is to run that code eagerly from then on, and
+    # eager flex_attention materialises the full score matrix (the seed's out-of-memory).
+    previous_fail_on_limit = torch._dynamo.config.fail_on_recompile_limit_hit
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
     before = compile_counts()
     started = time.monotonic()
     timings: list[tuple[V, float]] = []
-    for variant in variants:
-        t0 = time.monotonic()
-        run_one(variant)
-        timings.append((variant, time.monotonic() - t0))
-        log(f"warm-up {variant}: {timings[-1][1]:.1f} s")
+    try:
+        for variant in variants:
+            t0 = time.monotonic()
+            run_one(variant)
+            timings.append((variant, time.monotonic() - t0))
+            log(f"warm-up {variant}: {timings[-1][1]:.1f} s")
+    finally:
+        torch._dynamo.config.fail_on_recompile_limit_hit = previous_fail_on_limit
     after = compile_counts()
     return WarmupReport(timings, time.monotonic() - started, {k: after[k] - before[k] for k in after})
 
