@@ -181,8 +181,18 @@ def plan_run(cfg: TrainConfig) -> Plan:
         raise TrainerInputError(f"--grad-accum: the data holds {stream.total_micro_batches()} micro-batches over "
                                 f"--epochs {cfg.epochs}, fewer than one optimizer step", hint="use more data or epochs")
     total_steps = min(cfg.max_steps, steps_in_data) if cfg.max_steps else steps_in_data
+    drafter_device = _device(cfg.drafter_gpus)
+    if cfg.loss_kernels == "triton":  # config.validate sees only explicit --drafter-gpus; this is the chosen device
+        from trainer.loss_triton import triton_available
+
+        if drafter_device.type != "cuda":
+            raise TrainerInputError(f"--loss-kernels triton needs a CUDA drafter device (the drafter would run on "
+                                    f"{drafter_device})", hint="use --loss-kernels auto on a machine without a GPU")
+        if not triton_available():
+            raise TrainerInputError("--loss-kernels triton: the triton package is not installed",
+                                    hint="pip install triton (CUDA torch wheels bring it), or use --loss-kernels auto")
     return Plan(cfg, hf_config, drafter_config, dataset, resume_from, _device(cfg.target_gpus),
-                _device(cfg.drafter_gpus), total_steps)
+                drafter_device, total_steps)
 
 
 def _check_init_from(directory: Path, expected: dict[str, list[int]]) -> None:

@@ -10,6 +10,7 @@ The eager backend keeps dynamo's caches and guards real without inductor's code 
 from __future__ import annotations
 
 import functools
+import json
 import threading
 from pathlib import Path
 
@@ -98,3 +99,19 @@ def test_two_compiled_drafter_threads_run_without_a_recompile(tmp_path: Path) ->
                               on_step=lambda step, sides: compiled.append(all(s.compiled for s in sides)))
     assert run_pipeline(cfg, options) == EXIT_OK
     assert len(compiled) == 40 and all(compiled)
+
+
+def test_inductor_compiled_replicas_train_like_the_uncompiled_ones(tmp_path: Path) -> None:
+    """The GPU's configuration on the CPU: both replicas' layer calls and loss kernels compiled by inductor from
+    private copies (flex_attention stays GPU-only); the losses equal an uncompiled run's."""
+    torch.set_num_threads(1)
+    losses = {}
+    for backend in ("inductor", None):
+        out = tmp_path / str(backend)
+        cfg = parse_train_args(["--preset", "tiny", "--output-dir", str(out), "--wandb", "off",
+                                "--synthetic-samples", "96", "--log-interval", "1", "--save-interval", "1000",
+                                "--target-gpus", "cpu", "--drafter-gpus", "cpu,cpu", "--max-steps", "4"])
+        assert run_pipeline(cfg, PipelineOptions(compile_backend=backend)) == EXIT_OK
+        losses[backend] = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses[None]) == 4 and losses[None][-1] < losses[None][0]
+    assert losses["inductor"] == pytest.approx(losses[None], rel=1e-4)

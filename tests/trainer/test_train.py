@@ -90,6 +90,7 @@ def _bad_shard_dir(tmp_path: Path) -> Path:
     (["--grad-accum", "1000"], "fewer than one optimizer step"),
     (["--resume", "{tmp}/empty"], "not a complete checkpoint"),
     (["--init-from", "{tmp}/empty"], "has no model.safetensors"),
+    (["--loss-kernels", "triton"], "needs a CUDA drafter device"),  # this machine has no GPU: cpu is chosen
 ])
 def test_bad_input_is_a_clear_error_and_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                        flags: list[str], message: str) -> None:
