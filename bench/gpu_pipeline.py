@@ -128,6 +128,8 @@ def child(args: argparse.Namespace) -> int:
                                    for d in range(drafters)] if steady else [],
         "gpu_mem_gb": steady[-1].get("gpu_mem_gb") if steady else None,
         "loss_first_last": [records[0]["loss"], records[-1]["loss"]] if records else None,
+        # every 50 steps and at the end; --sync grad fails the run itself if they ever differ
+        "replica_checksum_steps": [r["step"] for r in records if len(set(r.get("replica_checksums", ["?", "!"]))) == 1],
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         **phases,
     }

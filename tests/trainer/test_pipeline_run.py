@@ -47,7 +47,8 @@ def _final_weights(out: Path) -> dict[str, torch.Tensor]:
 def test_grad_sync_keeps_replicas_bitwise_identical_and_matches_one_drafter(tmp_path: Path) -> None:
     torch.set_num_threads(1)
     seen: list[float] = []
-    options = PipelineOptions(on_step=lambda step, sides: seen.append(max_replica_difference([s.drafter for s in sides])))
+    options = PipelineOptions(on_step=lambda step, sides: seen.append(max_replica_difference([s.drafter for s in sides])),
+                              checksum_interval=2)
     pipe = tmp_path / "pipe"
     code = run_pipeline(_cfg(pipe, "--target-gpus", "cpu,cpu", "--drafter-gpus", "cpu,cpu", "--sync", "grad",
                              "--max-steps", "6"), options)
@@ -61,10 +62,29 @@ def test_grad_sync_keeps_replicas_bitwise_identical_and_matches_one_drafter(tmp_
     assert pipe_losses == pytest.approx(single_losses, rel=1e-5, abs=1e-6)
     for name, tensor in _final_weights(single).items():
         torch.testing.assert_close(_final_weights(pipe)[name], tensor, rtol=1e-5, atol=1e-6)
+    checked = [m for m in _metrics(pipe) if "replica_checksums" in m]
+    assert [m["step"] for m in checked] == [2, 4, 6]
+    assert all(len(set(m["replica_checksums"])) == 1 for m in checked)
     record = _metrics(pipe)[-1]
     assert len(record["block_tok_s_per_drafter"]) == 2
     assert set(record["queues"]) == {"target0->drafter0", "target1->drafter1"}
     assert set(record["micro_batches_s_per_target"]) == {"target0", "target1"}
+
+
+def test_replicas_that_drift_apart_under_grad_sync_fail_the_run(tmp_path: Path, capfd) -> None:
+    torch.set_num_threads(1)
+
+    def nudge(step: int, sides) -> None:  # a fault that cannot happen for real: one replica changes by itself
+        if step == 3:
+            with torch.no_grad():
+                next(sides[1].drafter.parameters()).view(-1)[0] += 1e-3
+
+    out = tmp_path / "drift"
+    code = run_pipeline(_cfg(out, "--target-gpus", "cpu", "--drafter-gpus", "cpu,cpu", "--sync", "grad",
+                             "--max-steps", "6"), PipelineOptions(on_step=nudge, checksum_interval=3))
+    assert code == EXIT_FAILED
+    assert "replicas differ at step 3 under --sync grad" in _status(out)["error"]
+    assert "(different)" in capfd.readouterr().err
 
 
 def test_average_sync_with_one_target_feeding_two_drafters(tmp_path: Path) -> None:
@@ -185,6 +205,7 @@ def test_sigterm_from_outside_stops_the_cli_run_with_a_checkpoint_that_resumes(t
 @pytest.mark.parametrize("options, message", [
     (PipelineOptions(feature_transfer="nvlink"), "--feature-transfer: must be one of device, pinned"),
     (PipelineOptions(queue_capacity=0), "--queue-depth: must be >= 1"),
+    (PipelineOptions(checksum_interval=0), "checksum interval must be >= 1"),
 ])
 def test_bad_pipeline_options_are_bad_input(tmp_path: Path, options: PipelineOptions, message: str) -> None:
     with pytest.raises(TrainerInputError, match=message):

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from trainer.pipeline.sync import ReplicaSync, average_parameters, max_replica_difference, reduce_gradients
+from trainer.pipeline.sync import (ReplicaSync, average_parameters, max_replica_difference, reduce_gradients,
+                                  replica_checksums)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -85,3 +86,16 @@ def test_bad_sync_settings_are_clear_errors() -> None:
         ReplicaSync(_replicas(2), "none")
     with pytest.raises(ValueError, match="different parameter layout"):
         reduce_gradients([nn.Linear(2, 2), nn.Linear(3, 2)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_replica_checksums_see_a_one_bit_change(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)).to(dtype)
+    b = copy.deepcopy(a)
+    first, second = replica_checksums([a, b])
+    assert first == second and len(first) == 16
+    with torch.no_grad():
+        flat = b[1].weight.view(-1)
+        flat[3] = torch.nextafter(flat[3], torch.tensor(float("inf"), dtype=dtype))  # one ulp: a few bits
+    assert len(set(replica_checksums([a, b]))) == 2

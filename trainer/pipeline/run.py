@@ -39,7 +39,7 @@ from trainer.pipeline.plan import Assignment, FaultPoints, GlobalOrder
 from trainer.pipeline.prime import warm_up_drafters
 from trainer.pipeline.reporting import StepWindow, save_pipeline_checkpoint
 from trainer.pipeline.supervisor import Supervisor
-from trainer.pipeline.sync import ReplicaSync
+from trainer.pipeline.sync import ReplicaSync, replica_checksums
 from trainer.pipeline.target_worker import TargetWorker
 from trainer.pipeline.warmup import CompileGuard, WarmupReport
 from trainer.signals import GracefulStop
@@ -73,6 +73,9 @@ class PipelineOptions:
     # lets tests check replica identity and send signals at a known step.
     on_step: Callable[[int, list[DrafterSide]], None] | None = None
     on_warmup: Callable[[WarmupReport], None] | None = None  # bench/gpu_pipeline.py records warm-up time
+    # Every this many steps (and at the last) each replica's weight checksum is logged; under --sync grad they
+    # must be equal (bitwise identical replicas), and a difference fails the run.
+    checksum_interval: int = 50
     # Test hook: compile every replica, on any device, with this dynamo backend ("eager" on the CPU exercises
     # dynamo's caches and guards across worker threads without inductor's code generation).
     compile_backend: str | None = None
@@ -92,6 +95,22 @@ def resolve_devices(names: list[str], flag: str) -> list[torch.device]:
     return devices
 
 
+class ReplicaDivergenceError(RuntimeError):
+    """Under --sync grad the replicas must stay bitwise identical; they did not."""
+
+
+def check_replicas(sides: list[DrafterSide], sync_mode: str, step: int) -> list[str]:
+    """Log every replica's weight checksum; under `grad` sync a difference is an error (the replicas would
+    silently train apart). Under `average` they agree right after each averaging step only."""
+    checksums = replica_checksums([s.drafter for s in sides])
+    same = len(set(checksums)) == 1
+    _log(f"replica checksums at step {step}: {' '.join(checksums)} ({'identical' if same else 'different'})")
+    if sync_mode == "grad" and not same:
+        raise ReplicaDivergenceError(f"drafter replicas differ at step {step} under --sync grad (checksums "
+                                     f"{', '.join(checksums)}): the gradient reduction is broken")
+    return checksums
+
+
 def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -103,6 +122,8 @@ def run_pipeline(cfg: TrainConfig, options: PipelineOptions | None = None) -> in
         raise TrainerInputError(f"--feature-transfer: must be one of {', '.join(TRANSFER_MODES)}, got {options.feature_transfer!r}")
     if options.queue_capacity < 1:
         raise TrainerInputError(f"--queue-depth: must be >= 1, got {options.queue_capacity}")
+    if options.checksum_interval < 1:
+        raise TrainerInputError(f"replica checksum interval must be >= 1, got {options.checksum_interval}")
     plan = plan_run(cfg)
     target_devices = resolve_devices(cfg.target_gpus, "target-gpus")
     drafter_devices = resolve_devices(cfg.drafter_gpus, "drafter-gpus")
@@ -207,9 +228,14 @@ def run_pipeline(cfg: TrainConfig, options: PipelineOptions | None = None) -> in
                     options.on_step(step, sides)
                 g_next = g_start + (step - start_step) * assignment.per_step  # the next micro-batch to read
                 epoch, index = order.position(g_next)
-                if step % cfg.log_interval == 0 or step == total_steps or stop.requested:
+                checksums = None
+                if len(sides) > 1 and (step % options.checksum_interval == 0 or step == total_steps):
+                    checksums = check_replicas(sides, sync_mode, step)
+                if step % cfg.log_interval == 0 or step == total_steps or stop.requested or checksums:
                     record = window.record(step, epoch, total_steps, channels, drafter_devices,
                                            noise_std_at(step - 1, total_steps, cfg.noise_start, cfg.noise_end))
+                    if checksums:
+                        record["replica_checksums"] = checksums
                     recorder.log(record)
                 if step % cfg.save_interval == 0 or step == total_steps or stop.requested:
                     recorder.set_status(phase="saving", step=step)

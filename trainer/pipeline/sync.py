@@ -130,6 +130,24 @@ def max_replica_difference(replicas: Sequence[nn.Module]) -> float:
     return worst
 
 
+def replica_checksums(replicas: Sequence[nn.Module]) -> list[str]:
+    """One bitwise checksum per replica over its trainable parameters, as 16 hex digits.
+
+    Each tensor's raw words (int16 for 2-byte dtypes, int32 for 4-byte ones) are summed in int64 on the replica's
+    own device, weighted by the tensor's position; a changed bit anywhere changes the sum (barring a cancelling
+    second change). Cost: one pass over the weights plus an int64 copy of the largest tensor, and one host sync
+    per replica, so callers do it every ~50 steps, not every step."""
+    sums = []
+    for params in _check_same_layout(replicas):
+        total = torch.zeros((), dtype=torch.int64, device=params[0].device if params else "cpu")
+        for position, p in enumerate(params, start=1):
+            flat = p.detach().contiguous().view(-1)
+            words = {2: torch.int16, 4: torch.int32}.get(flat.element_size(), torch.uint8)
+            total += flat.view(words).to(torch.int64).sum() * position
+        sums.append(f"{int(total) & 0xFFFF_FFFF_FFFF_FFFF:016x}")
+    return sums
+
+
 class ReplicaSync:
     """The policy object the step loop calls: `after_backward()` then, after the optimizer step, `after_step(step)`."""
 
