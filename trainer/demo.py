@@ -103,7 +103,8 @@ def run_demo(workdir: Path, size: DemoSize) -> int:
     save_target(model, tokenizer, workdir / "target")
     log(f"    target loss {result['loss']:.3f} after {result['steps']} steps")
     train_rows, held_rows = split_prompts(world, size)
-    train_file, held_file = write_jsonl(workdir / "prompts-train.jsonl", train_rows), write_jsonl(workdir / "prompts-heldout.jsonl", held_rows)
+    train_file = write_jsonl(workdir / "prompts-train.jsonl", train_rows)
+    write_jsonl(workdir / "prompts-heldout.jsonl", held_rows)  # kept for the user; eval below reads held_rows
     log(f"2/5 prepare --regenerate: {len(train_rows)} prompts")
     code = prepare.main(["--target-model", str(workdir / "target"), "--input", str(train_file), "--output-dir",
                          str(workdir / "data"), "--regenerate", "--max-new-tokens", str(size.max_new_tokens),

@@ -25,7 +25,7 @@ import argparse
 import inspect
 import json
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch

@@ -34,7 +34,6 @@ from trainer.tokenizer_utils import (
     chat_template_sha256,
     end_of_turn_ids,
     tokenize_conversation,
-    tokenize_prompt,
 )
 
 MANIFEST = "prepare.json"

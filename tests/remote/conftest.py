@@ -120,6 +120,15 @@ def inventory(tmp_path: Path, harness: remote_harness.Harness, monkeypatch: pyte
     return path
 
 
+@pytest.fixture
+def proxied_inventory(tmp_path: Path, harness: remote_harness.Harness, proxy: LoopProxy,
+                      monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Like `inventory`, but the host is reached through the loopback fault proxy (tests cut the link)."""
+    path = write_inventory(tmp_path / "inventory.yaml", harness, port=proxy.port, workspace=f"/workspace/{tmp_path.name}")
+    monkeypatch.setenv("DFLASHOPS_INVENTORY", str(path))
+    return path
+
+
 def cli(*args: str) -> tuple[int, str, str]:
     """Run the real CLI entry point in-process; returns (exit code, stdout, stderr)."""
     import contextlib

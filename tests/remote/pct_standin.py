@@ -24,20 +24,21 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 STATE_ROOT = Path(os.environ.get("DFO_PCT_STATE", "/nonexistent"))
 INIT_SCRIPT = Path(__file__).resolve().with_name("ct_init.py")
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
-def die(message: str, code: int = 255) -> "NoReturn":  # noqa: F821
+def die(message: str, code: int = 255) -> NoReturn:
     sys.stderr.write(message.rstrip("\n") + "\n")
     sys.exit(code)
 
 
 def ct_dir(ctid: str) -> Path:
     if not ctid.isdigit():
-        die(f"400 Parameter verification failed.\nvmid: invalid format - value does not look like a valid VM ID")
+        die("400 Parameter verification failed.\nvmid: invalid format - value does not look like a valid VM ID")
     directory = STATE_ROOT / ctid
     if not (directory / f"{ctid}.conf").exists():
         die(f"Configuration file 'nodes/{socket.gethostname()}/lxc/{ctid}.conf' does not exist")

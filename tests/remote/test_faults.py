@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import cli, write_inventory
+from conftest import cli
 from loopproxy import LoopProxy
 from remote_harness import Harness
 
@@ -18,14 +18,6 @@ from dflashops.inventory import load_inventory
 from dflashops.ops.control import LogCursor, read_log
 from dflashops.ops.session import Session
 from dflashops.ops.sync import sync
-
-
-@pytest.fixture
-def proxied_inventory(tmp_path: Path, harness: Harness, proxy: LoopProxy, monkeypatch: pytest.MonkeyPatch) -> Path:
-    path = write_inventory(tmp_path / "inventory.yaml", harness, port=proxy.port,
-                           workspace=f"/workspace/{tmp_path.name}")
-    monkeypatch.setenv("DFLASHOPS_INVENTORY", str(path))
-    return path
 
 
 def step_of(harness: Harness, run_dir: str) -> int:

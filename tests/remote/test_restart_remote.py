@@ -124,14 +124,6 @@ def visible_releases_complete(releases: Path) -> None:
             assert all((entry / rel).is_file() for rel in manifest), entry
 
 
-@pytest.fixture
-def proxied_inventory(tmp_path: Path, harness: Harness, proxy: LoopProxy, monkeypatch: pytest.MonkeyPatch) -> Path:
-    path = write_inventory(tmp_path / "inventory.yaml", harness, port=proxy.port,
-                           workspace=f"/workspace/{tmp_path.name}")
-    monkeypatch.setenv("DFLASHOPS_INVENTORY", str(path))
-    return path
-
-
 def test_cut_during_the_combined_call_leaves_nothing_half_done(proxied_inventory: Path, harness: Harness,
                                                                proxy: LoopProxy) -> None:
     inventory = proxied_inventory

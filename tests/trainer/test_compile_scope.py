@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.compile_scope import private_compile, private_copy, replica_scope, scoped
+from trainer.compile_scope import private_copy, replica_scope, scoped
 from trainer.config import parse_train_args
 from trainer.loss import make_chunk_kernels
 from trainer.pipeline.run import PipelineOptions, run_pipeline
