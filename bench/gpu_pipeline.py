@@ -90,7 +90,7 @@ def child(args: argparse.Namespace) -> int:
             "--max-seq-len", str(scale["seq"]), "--token-budget", str(scale["seq"] * scale["rows"]),
             "--max-batch-size", str(scale["rows"]), "--anchors-per-seq", str(scale["anchors"]),
             "--max-anchors", str(scale["anchors"] * scale["rows"]), "--block-size", str(scale["block"]),
-            "--gamma", "7", "--rope-theta", "1000000", "--max-position-embeddings", "40960"]
+            "--gamma", "7", "--loss-kernels", args.loss_kernels, "--rope-theta", "1000000", "--max-position-embeddings", "40960"]
     cfg = parse_train_args(argv)
     cfg.tiny_target = dict(num_hidden_layers=scale["target_layers"], hidden_size=scale["hidden"],
                            intermediate_size=scale["intermediate"], num_attention_heads=scale["heads"],
@@ -144,6 +144,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--modes", default="single,dual", help="comma list of single,dual")
     parser.add_argument("--transfers", default="device", help="comma list of device,pinned")
+    parser.add_argument("--loss-kernels", default="auto", help="passed to the trainer (auto, compiled, triton)")
     parser.add_argument("--warm-cache", action="store_true", help="share one compile cache across runs")
     parser.add_argument("--timeout-s", type=float, default=1200, help="per run")
     parser.add_argument("--parallel", type=int, default=1,
@@ -223,7 +224,7 @@ def _start_run(job: tuple, args: argparse.Namespace, shared_cache: Path) -> tupl
     cache = shared_cache if args.warm_cache else work / "compile-cache"
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton")}
     cmd = [sys.executable, __file__, "--child", "--scale", args.scale, "--steps", str(args.steps), "--mode", mode,
-           "--transfer", transfer, "--workdir", str(work), "--device", args.device]
+           "--transfer", transfer, "--workdir", str(work), "--device", args.device, "--loss-kernels", args.loss_kernels]
     log_path = Path(args.log_dir or work) / f"pipeline-{mode}-{transfer}-{repeat}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call = one of these sections; each step has its own timeout so one hang cannot eat the call.
 # Usage (on the GPU machine, repo root): bash bench/gpu_session.sh SECTION...   (logs under $OUT when set)
-# Owed on the H200 (next session), one call each: `verify` (the per-replica private compile: 8B step time and ten
-# cold two-drafter runs), then `step8b-more pipeline-8b` (soft/CAP step variants, 8B-shaped pipeline throughput).
+# Session 3 calls: `verify pipeline-triton` (the per-replica private compile: 8B step time, ten cold two-drafter
+# runs; the fused Triton loss in the step and the pipeline), then `step8b-more pipeline-8b`.
 set -u
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
 OUT=${OUT:-/tmp/bench-out}; mkdir -p "$OUT"
@@ -40,10 +40,12 @@ for section in "$@"; do
               --steps 200 --timeout-s 150 --budget-s 150 ;;
     loss-triton) step loss-triton 100 python3 bench/loss_gemm.py --device cuda --rows 32832 --hidden 4096 --vocab 151936 \
               --block-size 32 --chunks 1728,4096 --kernels compiled,triton --terms ce --profile ;;
-    verify) step step8b-quick 200 python3 -m trainer bench step --preset qwen3-8b --shape seed --variants compiled \
+    verify) step step8b-quick 200 python3 -m trainer bench step --preset qwen3-8b --shape seed --variants compiled,triton \
               --iters 5 --warmup 2 --json-out "$OUT/step8b.json"
-            step pipeline-ten 380 python3 bench/gpu_pipeline.py --scale small --modes dual --repeats 10 --parallel 2 \
-              --steps 200 --timeout-s 180 --budget-s 300 ;;
+            step pipeline-ten 260 python3 bench/gpu_pipeline.py --scale small --modes dual --repeats 10 --parallel 5 \
+              --steps 200 --timeout-s 200 --budget-s 240 --log-dir /tmp/pipeline-logs ;;
+    pipeline-triton) step pipeline-triton 130 python3 bench/gpu_pipeline.py --scale small --modes single,dual \
+              --loss-kernels triton --steps 200 --timeout-s 140 --log-dir /tmp/pipeline-logs ;;
     pipeline-8b) step pipeline-8b 300 python3 bench/gpu_pipeline.py --scale 8b --modes single,dual --steps 100 \
               --timeout-s 280 ;;
     pipeline-small) step pipeline-small 170 python3 bench/gpu_pipeline.py --scale small --steps 60 ;;

@@ -39,13 +39,15 @@ VARIANTS = {
     "unsorted": "compiled, anchors in random order (same loss, fragmented mask tiles)",
     "soft": "compiled, soft labels on (teacher logits recomputed from the target's final hidden)",
     "cap": "compiled, CAP term on (cap_lambda 0.1)",
+    "triton": "compiled layers, loss through the fused Triton CE kernel (--loss-kernels triton; CUDA only)",
     "ckpt-loss": "compiled layers, loss = per-chunk torch.utils.checkpoint of logits+CE (the 3-4 GEMM baseline)",
     "act-ckpt": "compiled, activation checkpointing of every drafter layer (memory for time)",
 }
 
 
 def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.device, args: argparse.Namespace) -> dict:
-    extra = {"soft": ["--use-soft-labels"], "cap": ["--cap-lambda", "0.1"]}.get(variant, [])
+    extra = {"soft": ["--use-soft-labels"], "cap": ["--cap-lambda", "0.1"],
+             "triton": ["--loss-kernels", "triton"]}.get(variant, [])
     cfg, dcfg = preset_config(preset, shape, extra)
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
