@@ -212,6 +212,8 @@ def main() -> int:
                   f"{str(r['busy_tok_s_per_drafter']):20} {r['build_s']:7} {r['steps_s']:7} {r['final_save_s']:6} "
                   f"{'ok' if ok else 'FAIL'}{' FX-error' if fx_error else ''}{' eager-flex' if flex_eager else ''}",
                   flush=True)
+            if not ok:  # the run's own error (a traceback, CompileGuardError, ReplicaDivergenceError) in the table's log
+                print(f"    {log_path} tail:\n{stderr[-1500:]}", flush=True)
         time.sleep(0.5)
     print(json.dumps(rows))
     return 1 if failed else 0

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call = one of these sections; each step has its own timeout so one hang cannot eat the call.
 # Usage (on the GPU machine, repo root): bash bench/gpu_session.sh SECTION...   (logs under $OUT when set)
-# Session 3 calls: `verify pipeline-triton` (the per-replica private compile: 8B step time, ten cold two-drafter
-# runs; the fused Triton loss in the step and the pipeline), then `step8b-more pipeline-8b`.
+# Session 3 calls: `verify pipeline-triton`, then `verify-pipeline pipeline-triton step8b-more` (the ten cold
+# two-drafter runs again after the stream fix), then `pipeline-8b`.
 set -u
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
 OUT=${OUT:-/tmp/bench-out}; mkdir -p "$OUT"
@@ -30,7 +30,7 @@ for section in "$@"; do
               --variants compiled,soft,act-ckpt --iters 6 --warmup 3 --json-out "$OUT/step27b.json" ;;
     step8b-diag) step step8b-diag 270 python3 -m trainer bench step --preset qwen3-8b --shape seed \
               --variants eager,compiled --iters 3 --warmup 1 --stacks-every 60 --json-out "$OUT/step8b.json" ;;
-    step8b-more) step step8b-more 300 python3 -m trainer bench step --preset qwen3-8b --shape seed \
+    step8b-more) step step8b-more 150 python3 -m trainer bench step --preset qwen3-8b --shape seed \
               --variants soft,cap,ckpt-loss --iters 5 --warmup 2 --json-out "$OUT/step8b-more.json" ;;
     benchpipe) step benchpipe 130 python3 -m trainer bench pipeline --preset qwen3-8b --shape recipe \
               --target-intermediate 12288 --iters 5 --warmup 2 ;;
@@ -41,10 +41,10 @@ for section in "$@"; do
     loss-triton) step loss-triton 100 python3 bench/loss_gemm.py --device cuda --rows 32832 --hidden 4096 --vocab 151936 \
               --block-size 32 --chunks 1728,4096 --kernels compiled,triton --terms ce --profile ;;
     verify) step step8b-quick 200 python3 -m trainer bench step --preset qwen3-8b --shape seed --variants compiled,triton \
-              --iters 5 --warmup 2 --json-out "$OUT/step8b.json"
-            step pipeline-ten 260 python3 bench/gpu_pipeline.py --scale small --modes dual --repeats 10 --parallel 5 \
+              --iters 5 --warmup 2 --json-out "$OUT/step8b.json" ;&
+    verify-pipeline) step pipeline-ten 260 python3 bench/gpu_pipeline.py --scale small --modes dual --repeats 10 --parallel 5 \
               --steps 200 --timeout-s 200 --budget-s 240 --log-dir /tmp/pipeline-logs ;;
-    pipeline-triton) step pipeline-triton 130 python3 bench/gpu_pipeline.py --scale small --modes single,dual \
+    pipeline-triton) step pipeline-triton 170 python3 bench/gpu_pipeline.py --scale small --modes single,dual \
               --loss-kernels triton --steps 200 --timeout-s 140 --log-dir /tmp/pipeline-logs ;;
     pipeline-8b) step pipeline-8b 300 python3 bench/gpu_pipeline.py --scale 8b --modes single,dual --steps 100 \
               --timeout-s 280 ;;

@@ -74,16 +74,22 @@ def test_grad_sync_keeps_replicas_bitwise_identical_and_matches_one_drafter(tmp_
 def test_replicas_that_drift_apart_under_grad_sync_fail_the_run(tmp_path: Path, capfd) -> None:
     torch.set_num_threads(1)
 
+    nudged: list[str] = []
+
     def nudge(step: int, sides) -> None:  # a fault that cannot happen for real: one replica changes by itself
         if step == 3:
+            name, param = next((n, p) for n, p in sides[1].drafter.named_parameters() if p.requires_grad)
             with torch.no_grad():
-                next(sides[1].drafter.parameters()).view(-1)[0] += 1e-3
+                param.view(-1)[0] += 1e-3
+            nudged.append(name)
 
     out = tmp_path / "drift"
     code = run_pipeline(_cfg(out, "--target-gpus", "cpu", "--drafter-gpus", "cpu,cpu", "--sync", "grad",
                              "--max-steps", "6"), PipelineOptions(on_step=nudge, checksum_interval=3))
     assert code == EXIT_FAILED
-    assert "replicas differ at step 3 under --sync grad" in _status(out)["error"]
+    error = _status(out)["error"]
+    assert "replicas differ at step 3 under --sync grad" in error
+    assert f"first differing: {nudged[0]} (replica 1, max |diff| 0.001, 1 of " in error
     assert "(different)" in capfd.readouterr().err
 
 

@@ -39,7 +39,7 @@ from trainer.pipeline.plan import Assignment, FaultPoints, GlobalOrder
 from trainer.pipeline.prime import warm_up_drafters
 from trainer.pipeline.reporting import StepWindow, save_pipeline_checkpoint
 from trainer.pipeline.supervisor import Supervisor
-from trainer.pipeline.sync import ReplicaSync, replica_checksums
+from trainer.pipeline.sync import ReplicaSync, differing_parameters, replica_checksums
 from trainer.pipeline.target_worker import TargetWorker
 from trainer.pipeline.warmup import CompileGuard, WarmupReport
 from trainer.signals import GracefulStop
@@ -106,8 +106,10 @@ def check_replicas(sides: list[DrafterSide], sync_mode: str, step: int) -> list[
     same = len(set(checksums)) == 1
     _log(f"replica checksums at step {step}: {' '.join(checksums)} ({'identical' if same else 'different'})")
     if sync_mode == "grad" and not same:
+        first = "; ".join(differing_parameters([s.drafter for s in sides]))
         raise ReplicaDivergenceError(f"drafter replicas differ at step {step} under --sync grad (checksums "
-                                     f"{', '.join(checksums)}): the gradient reduction is broken")
+                                     f"{', '.join(checksums)}; first differing: {first}): the gradient "
+                                     f"reduction or an optimizer step is not deterministic")
     return checksums
 
 

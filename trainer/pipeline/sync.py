@@ -11,8 +11,14 @@ Two modes (`--sync`):
 Transport: with CUDA replicas on distinct devices, one `torch.cuda.nccl.all_reduce` over one flat buffer per
 replica (a single collective per step, called from the main thread: the single-process multi-device NCCL API
 wants every device's tensor in one call). Otherwise (CPU, or several replicas on one GPU) plain tensor ops:
-sum on the first replica's device, then copy the result back. Callers must make sure the replicas' streams
-are idle before a reduction (the drafter workers synchronize at the end of each step; one sync per step).
+sum on the first replica's device, then copy the result back.
+
+Streams: this runs on the main thread's (default) streams while the drafter workers compute on their own. The
+callers make sure the workers' streams are idle before (the workers synchronize at the end of each command);
+every function here ends with `_finish`, which synchronizes every device it wrote to AFTER the last copy into
+the replicas' tensors, since the next reader is a worker's optimizer step or forward on another stream. (An
+earlier version synchronized after the reduction but before the copy back; on an H200 the workers then read
+half-written gradients and the replicas drifted apart within 50 steps.) Cost: one device sync per call.
 """
 
 from __future__ import annotations
@@ -58,17 +64,20 @@ def _all_reduce_sum(buffers: list[torch.Tensor]) -> None:
     if _use_nccl(buffers):
         import torch.cuda.nccl as nccl
 
-        nccl.all_reduce(buffers)
-        for buffer in buffers:  # the next consumer runs on another thread's stream: finish here (1 sync/step)
-            torch.cuda.synchronize(buffer.device)
+        nccl.all_reduce(buffers)  # on each device's current stream: ordered before the caller's copies back
         return
     total = buffers[0].clone()
     for buffer in buffers[1:]:
         total += buffer.to(total.device)
     for buffer in buffers:
         buffer.copy_(total)  # the same `total` everywhere: identical bits on every replica
-    for device in {b.device for b in buffers if b.device.type == "cuda"}:
-        torch.cuda.synchronize(device)  # the drafters' own streams read these next (one sync per step)
+
+
+def _finish(tensors: Sequence[torch.Tensor]) -> None:
+    """Wait for this thread's work on every CUDA device among `tensors`: the next reader is a drafter worker on its
+    own stream, which would otherwise race the copies still queued here (one sync per device per call)."""
+    for device in {t.device for t in tensors if t.device.type == "cuda"}:
+        torch.cuda.synchronize(device)
 
 
 @torch.no_grad()
@@ -78,6 +87,7 @@ def broadcast_parameters(replicas: Sequence[nn.Module]) -> None:
     for replica in replicas[1:]:
         for name, tensor in replica.state_dict().items():
             tensor.copy_(source[name])
+    _finish([t for r in replicas for t in r.state_dict().values()])
 
 
 @torch.no_grad()
@@ -102,6 +112,7 @@ def reduce_gradients(replicas: Sequence[nn.Module], op: str = "sum") -> None:
     for ps, flat in zip(params, flats):
         for p, reduced in zip(ps, _unflatten_dense_tensors(flat, [p.grad for p in ps])):
             p.grad.copy_(reduced)
+    _finish(flats)
 
 
 @torch.no_grad()
@@ -118,6 +129,26 @@ def average_parameters(replicas: Sequence[nn.Module]) -> None:
         flat.copy_(summed / len(replicas))
         for p, averaged in zip(ps, _unflatten_dense_tensors(flat, [p.detach() for p in ps])):
             p.copy_(averaged)
+    _finish(flats)
+
+
+def differing_parameters(replicas: Sequence[nn.Module], limit: int = 3) -> list[str]:
+    """Up to `limit` trainable parameters that differ between replica 0 and another, as "name (replica r, max |diff| x,
+    n of m elements)": what a divergence report names (one host sync per parameter; only called on failure)."""
+    _check_same_layout(replicas)
+    named = [[(n, p) for n, p in r.named_parameters() if p.requires_grad] for r in replicas]
+    found: list[str] = []
+    for (name, a), *others in zip(*named):
+        for number, (_, b) in enumerate(others, start=1):
+            diff = (a.detach().float() - b.detach().float().to(a.device)).abs()
+            count = int((diff != 0).sum())
+            if count:
+                found.append(f"{name} (replica {number}, max |diff| {float(diff.max()):.3g}, {count} of {diff.numel()} "
+                             f"elements)")
+                break
+        if len(found) >= limit:
+            break
+    return found
 
 
 def max_replica_difference(replicas: Sequence[nn.Module]) -> float:
