@@ -2,7 +2,7 @@
 # One device call = one of these sections; each step has its own timeout so one hang cannot eat the call.
 # Usage (on the GPU machine, repo root): bash bench/gpu_session.sh SECTION...   (logs under $OUT when set)
 # Session 3 calls: `verify pipeline-triton`, then `verify-pipeline pipeline-triton step8b-more` (the ten cold
-# two-drafter runs again after the stream fix), then `pipeline-8b`.
+# two-drafter runs again after the stream fix), then `verify-pipeline pipeline-8b`.
 set -u
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
 OUT=${OUT:-/tmp/bench-out}; mkdir -p "$OUT"
@@ -42,12 +42,12 @@ for section in "$@"; do
               --block-size 32 --chunks 1728,4096 --kernels compiled,triton --terms ce --profile ;;
     verify) step step8b-quick 200 python3 -m trainer bench step --preset qwen3-8b --shape seed --variants compiled,triton \
               --iters 5 --warmup 2 --json-out "$OUT/step8b.json" ;&
-    verify-pipeline) step pipeline-ten 260 python3 bench/gpu_pipeline.py --scale small --modes dual --repeats 10 --parallel 5 \
-              --steps 200 --timeout-s 200 --budget-s 240 --log-dir /tmp/pipeline-logs ;;
+    verify-pipeline) step pipeline-ten 300 python3 bench/gpu_pipeline.py --scale small --modes dual --repeats 10 --parallel 5 \
+              --steps 200 --timeout-s 200 --budget-s 150 --log-dir /tmp/pipeline-logs ;;
     pipeline-triton) step pipeline-triton 170 python3 bench/gpu_pipeline.py --scale small --modes single,dual \
               --loss-kernels triton --steps 200 --timeout-s 140 --log-dir /tmp/pipeline-logs ;;
-    pipeline-8b) step pipeline-8b 300 python3 bench/gpu_pipeline.py --scale 8b --modes single,dual --steps 100 \
-              --timeout-s 280 ;;
+    pipeline-8b) step pipeline-8b 240 python3 bench/gpu_pipeline.py --scale 8b --modes single,dual --steps 50 \
+              --timeout-s 200 --log-dir /tmp/pipeline-logs ;;
     pipeline-small) step pipeline-small 170 python3 bench/gpu_pipeline.py --scale small --steps 60 ;;
     *) echo "unknown section $section" >&2 ;;
   esac

@@ -173,7 +173,7 @@ def checkpointed_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
     from torch.utils.checkpoint import checkpoint
 
     def piece(h: torch.Tensor, lab: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        logits = (h @ weight.T).float()
+        logits = (h.to(weight.dtype) @ weight.T).float()  # the drafter's final norm may hand over fp32 hidden
         return (torch.nn.functional.cross_entropy(logits, lab, reduction="none") * w).sum()
 
     total = hidden.new_zeros((), dtype=torch.float32)
