@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint import check_shapes, load_checkpoint, resolve_resume, restore_rng, save_checkpoint
+from trainer.checkpoint import (CheckpointSnapshot, CheckpointWriter, check_shapes, load_checkpoint, resolve_resume,
+                                restore_rng, snapshot_checkpoint)
 from trainer.config import TrainConfig, TrainerInputError, parse_train_args
 from trainer.data import BatchStream, open_dataset
 from trainer.loss import position_weights
@@ -256,8 +257,10 @@ def run(cfg: TrainConfig) -> int:
                 print(f"resumed from {plan.resume_from} at step {step} (epoch {epoch}, batch {index}"
                       f"{f'; dropped {dropped} metrics lines past it' if dropped else ''})", file=sys.stderr, flush=True)
                 recorder.set_status(step=step, last_checkpoint=str(plan.resume_from))
-            return _train_loop(cfg, run_dir, recorder, stream, target_side, drafter_side, stop, step, epoch, index,
-                               total_steps)
+            # A checkpoint snapshotted before a failure still lands: the writer's exit waits for it.
+            with CheckpointWriter(run_dir, cfg.keep_checkpoints) as writer:
+                return _train_loop(cfg, recorder, writer, stream, target_side, drafter_side, stop, step, epoch, index,
+                                   total_steps)
         except Exception as exc:  # noqa: BLE001 - recorded in status.json, then reported
             traceback.print_exc()
             recorder.set_status(phase="failed", error=f"{type(exc).__name__}: {exc}"[:2000], exit_code=EXIT_FAILED)
@@ -266,19 +269,31 @@ def run(cfg: TrainConfig) -> int:
             recorder.close()
 
 
-def _save(cfg: TrainConfig, run_dir: Path, recorder: RunRecorder, side: DrafterSide, step: int, epoch: int,
-          index: int) -> Path:
-    recorder.set_status(phase="saving", step=step)
-    path = save_checkpoint(run_dir, step, model=side.drafter.state_dict(), optimizer=side.optimizer.state_dict(),
-                           scheduler=side.scheduler.state_dict(), epoch=epoch, index=index, keep=cfg.keep_checkpoints,
-                           extra={"config": cfg.to_dict(), "drafter_config": side.drafter.config.to_hf_dict()})
-    recorder.set_status(phase="training", last_checkpoint=str(path))
-    return path
+def save_in_background(recorder: RunRecorder, writer: CheckpointWriter, snapshot: CheckpointSnapshot, *,
+                       last: bool) -> None:
+    """Hand a snapshot to the background writer and report what has landed. Training waits only for the
+    snapshot (device->host copy); the write overlaps the next steps. The `last` checkpoint of this process (end
+    of run, stop request) is waited for, so the process never exits with a checkpoint half written."""
+    writer.submit(snapshot)
+    report_checkpoints(recorder, writer.wait() if last else writer.poll())
 
 
-def _train_loop(cfg: TrainConfig, run_dir: Path, recorder: RunRecorder, stream: BatchStream, target_side: TargetSide,
-                drafter_side: DrafterSide, stop: GracefulStop, step: int, epoch: int, index: int,
-                total_steps: int) -> int:
+def report_checkpoints(recorder: RunRecorder, paths: list[Path]) -> None:
+    """Log each checkpoint that has landed and make the newest the run's `last_checkpoint`."""
+    for path in paths:
+        print(f"checkpoint {path}", file=sys.stderr, flush=True)
+        recorder.set_status(last_checkpoint=str(path))
+
+
+def _snapshot(cfg: TrainConfig, side: DrafterSide, step: int, epoch: int, index: int) -> CheckpointSnapshot:
+    return snapshot_checkpoint(step, model=side.drafter.state_dict(), optimizer=side.optimizer.state_dict(),
+                               scheduler=side.scheduler.state_dict(), epoch=epoch, index=index,
+                               extra={"config": cfg.to_dict(), "drafter_config": side.drafter.config.to_hf_dict()})
+
+
+def _train_loop(cfg: TrainConfig, recorder: RunRecorder, writer: CheckpointWriter, stream: BatchStream,
+                target_side: TargetSide, drafter_side: DrafterSide, stop: GracefulStop, step: int, epoch: int,
+                index: int, total_steps: int) -> int:
     batches = stream.iterate(epoch, index)
     on_cuda = drafter_side.device.type == "cuda"
     if stop.requested:  # signalled while loading: nothing trained since the last checkpoint (if any)
@@ -321,8 +336,12 @@ def _train_loop(cfg: TrainConfig, run_dir: Path, recorder: RunRecorder, stream: 
             recorder.log(record)
             window, window_start, window_steps = None, time.perf_counter(), 0
         if step % cfg.save_interval == 0 or step == total_steps or stop.requested:
-            path = _save(cfg, run_dir, recorder, drafter_side, step, epoch, index)
-            print(f"checkpoint {path}", file=sys.stderr, flush=True)
+            recorder.set_status(phase="saving", step=step)
+            save_in_background(recorder, writer, _snapshot(cfg, drafter_side, step, epoch, index),
+                               last=step == total_steps or stop.requested)
+            recorder.set_status(phase="training")
+        else:
+            report_checkpoints(recorder, writer.poll())  # a lock, no I/O: also raises a failed write here
         if stop.requested:
             recorder.set_status(phase="stopped", step=step, exit_code=stop.exit_code)
             print(f"stopped at step {step}; resume with the same command", file=sys.stderr, flush=True)

@@ -1,6 +1,10 @@
-"""The benchmark's FLOP count rests on `visible_pairs`: it must equal what the mask really lets through."""
+"""Benchmark helpers and the GPU bench scripts' CPU smoke tests. The FLOP count rests on `visible_pairs`: it must equal what the mask really lets through."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,3 +40,17 @@ def test_unknown_shape_or_variant_is_a_clear_error(capsys, flag: str, value: str
     assert bench.main(["step", "--preset", "tiny", flag, value, "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: unknown {flag[2:].rstrip('s')} {value!r}") and "hint:" in err
+
+
+@pytest.mark.parametrize("script, args", [
+    ("checkpoint_pause.py", ["--preset", "tiny", "--device", "cpu", "--repeats", "1"]),
+    ("gpu_pipeline.py", ["--scale", "smoke", "--device", "cpu", "--steps", "12", "--modes", "dual"]),
+])
+def test_gpu_bench_scripts_run_their_cpu_smoke_test(tmp_path, script: str, args: list[str]) -> None:
+    """The scripts the GPU sessions run: a broken import or flag here would cost a device call."""
+    repo = Path(__file__).resolve().parents[2]
+    extra = ["--dir", str(tmp_path)] if script == "checkpoint_pause.py" else ["--log-dir", str(tmp_path)]
+    done = subprocess.run([sys.executable, str(repo / "bench" / script), *args, *extra], cwd=repo,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "|" in done.stdout if script == "checkpoint_pause.py" else " ok" in done.stdout

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.checkpoint import check_shapes, list_checkpoints, load_checkpoint, resolve_resume, save_checkpoint
+from trainer.checkpoint import (CheckpointWriteError, CheckpointWriter, check_shapes, list_checkpoints, load_checkpoint,
+                                resolve_resume, save_checkpoint, snapshot_checkpoint)
 from trainer.config import TrainerInputError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -65,6 +66,61 @@ def test_only_the_newest_k_are_kept_and_incomplete_ones_are_ignored(tmp_path: Pa
     stale.mkdir()
     _save(tmp_path, 60, model, optimizer, keep=2)
     assert not stale.exists() and not any(p.name.startswith(".tmp") for p in (tmp_path / "checkpoints").iterdir())
+
+
+def _snapshot(step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    return snapshot_checkpoint(step, model=model.state_dict(), optimizer=optimizer.state_dict(),
+                               scheduler={"last_epoch": step}, epoch=0, index=step, extra={})
+
+
+def test_background_write_keeps_the_state_of_its_step_while_training_goes_on(tmp_path: Path) -> None:
+    """The snapshot is a private copy: steps taken (and random numbers drawn) after `submit` do not leak into
+    the checkpoint, though the write happens later on another thread."""
+    model, optimizer = _model_and_optimizer()
+    torch.manual_seed(5)
+    expected_model = {k: v.clone() for k, v in model.state_dict().items()}
+    expected_moment = next(iter(optimizer.state.values()))["exp_avg"].clone()
+    expected_draw = torch.rand(3)
+    torch.manual_seed(5)
+    with CheckpointWriter(tmp_path, keep=3) as writer:
+        writer.submit(_snapshot(2, model, optimizer))
+        for _ in range(3):  # training goes on: in-place updates of the very tensors the state dicts refer to
+            model(torch.randn(5, 4)).sum().backward()
+            optimizer.step()
+        torch.rand(7)
+        written = writer.wait()
+    assert written == [tmp_path / "checkpoints" / "step_000002"]
+    state = load_checkpoint(written[0])
+    assert all(torch.equal(state.model[k], v) for k, v in expected_model.items())
+    assert not torch.equal(state.model["0.weight"], model.state_dict()["0.weight"])  # the updates did happen
+    assert torch.equal(next(iter(state.optimizer["state"].values()))["exp_avg"], expected_moment)
+    from trainer.checkpoint import restore_rng
+
+    restore_rng(state.rng)
+    assert torch.equal(torch.rand(3), expected_draw)
+
+
+def test_background_writes_land_in_step_order_and_prune(tmp_path: Path) -> None:
+    model, optimizer = _model_and_optimizer()
+    landed = []
+    with CheckpointWriter(tmp_path, keep=2) as writer:
+        for step in (10, 20, 30):
+            writer.submit(_snapshot(step, model, optimizer))  # waits for the write before it, if still running
+            landed += writer.poll()
+        landed += writer.wait()
+    assert [p.name for p in landed] == ["step_000010", "step_000020", "step_000030"]
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [20, 30]
+
+
+def test_a_failed_background_write_is_raised_on_the_training_thread(tmp_path: Path) -> None:
+    (tmp_path / "checkpoints").write_text("a file where the checkpoints directory belongs\n")  # a real fault
+    model, optimizer = _model_and_optimizer()
+    with CheckpointWriter(tmp_path, keep=2) as writer:
+        writer.submit(_snapshot(5, model, optimizer))
+        with pytest.raises(CheckpointWriteError, match=r"writing checkpoint step_000005 failed: FileExistsError"):
+            writer.wait()
+        assert writer.poll() == []  # reported once
+    assert (tmp_path / "checkpoints").read_text().startswith("a file")  # nothing else touched
 
 
 def test_shape_mismatch_is_refused_naming_the_tensor(tmp_path: Path) -> None:

@@ -225,3 +225,22 @@ def test_pipeline_options_come_from_the_command_line() -> None:
     options = PipelineOptions.from_config(cfg)
     assert (options.queue_capacity, options.feature_transfer, options.stall_warn_s, options.stall_abort_s) == \
         (3, "pinned", 30.0, 60.0)
+
+
+def test_periodic_checkpoints_are_written_in_the_background_and_a_failed_write_ends_the_run(tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    good = tmp_path / "good"
+    code = run_pipeline(_cfg(good, "--target-gpus", "cpu", "--drafter-gpus", "cpu,cpu", "--max-steps", "5",
+                             "--save-interval", "2", "--keep-checkpoints", "5"))
+    assert code == EXIT_OK
+    assert sorted(p.name for p in (good / "checkpoints").iterdir()) == ["step_000002", "step_000004", "step_000005"]
+    assert _status(good)["last_checkpoint"].endswith("step_000005")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "checkpoints").write_text("not a directory\n")  # a real fault on the writer thread
+    code = run_pipeline(_cfg(bad, "--target-gpus", "cpu", "--drafter-gpus", "cpu,cpu", "--max-steps", "6",
+                             "--save-interval", "2"))
+    assert code == EXIT_FAILED
+    status = _status(bad)
+    assert status["phase"] == "failed" and status["step"] <= 4
+    assert "writing checkpoint step_000002 failed: FileExistsError" in status["error"]

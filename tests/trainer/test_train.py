@@ -218,6 +218,20 @@ def test_resume_after_a_hard_kill_redoes_the_steps_after_the_last_checkpoint(tmp
     assert [(m["step"], m["loss"]) for m in _read_metrics(run)] == [(m["step"], m["loss"]) for m in reference]
 
 
+def test_a_checkpoint_that_cannot_be_written_fails_the_run_clearly(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoints").write_text("not a directory\n")  # a real fault: the write fails on the writer thread
+    code = trainer_main(["train", *SMALL, "--max-steps", "6", "--log-interval", "1", "--save-interval", "2",
+                         "--output-dir", str(run)])
+    assert code == 1
+    status = json.loads((run / "status.json").read_text())
+    assert status["phase"] == "failed" and status["step"] <= 4  # noticed at the latest by the next save
+    assert "CheckpointWriteError: writing checkpoint step_000002 failed: FileExistsError" in status["error"]
+    assert "writing checkpoint step_000002 failed" in capsys.readouterr().err
+
+
 def test_init_from_an_exported_drafter_checks_its_shape(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = parse_train_args([*SMALL, "--output-dir", str(tmp_path)])
     DFlashDrafter(build_drafter_config(cfg, _target_hf_config(cfg))).save_pretrained(tmp_path / "export")

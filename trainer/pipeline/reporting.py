@@ -15,12 +15,11 @@ It loads in the single-process trainer as well (the extra optimizer key is ignor
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from trainer.checkpoint import save_checkpoint
+from trainer.checkpoint import CheckpointSnapshot, snapshot_checkpoint
 from trainer.config import TrainConfig
 from trainer.pipeline.channel import ChannelGroup
 from trainer.pipeline.coordinator import StepResult
@@ -83,9 +82,9 @@ class StepWindow:
         return record
 
 
-def save_pipeline_checkpoint(run_dir: Path, cfg: TrainConfig, sides: list[Any], sync_mode: str, step: int, epoch: int,
-                             index: int, assignment: Assignment, g_next: int) -> Path:
-    """One consistent checkpoint of the whole pipeline at a step boundary (every worker idle)."""
+def snapshot_pipeline(cfg: TrainConfig, sides: list[Any], sync_mode: str, step: int, epoch: int, index: int,
+                      assignment: Assignment, g_next: int) -> CheckpointSnapshot:
+    """One consistent snapshot of the whole pipeline at a step boundary (every worker idle), in host memory."""
     optimizer = sides[0].optimizer.state_dict()
     if sync_mode == "average" and len(sides) > 1:
         optimizer = {**optimizer, "pipeline_replicas": [s.optimizer.state_dict() for s in sides[1:]]}
@@ -95,6 +94,5 @@ def save_pipeline_checkpoint(run_dir: Path, cfg: TrainConfig, sides: list[Any], 
              "pipeline": {"drafters": assignment.num_drafters, "targets": assignment.num_targets, "sync": sync_mode,
                           "grad_accum": assignment.grad_accum, "next_micro_batch": g_next,
                           "target_next_micro_batch": targets}}
-    return save_checkpoint(run_dir, step, model=sides[0].drafter.state_dict(), optimizer=optimizer,
-                           scheduler=sides[0].scheduler.state_dict(), epoch=epoch, index=index, extra=extra,
-                           keep=cfg.keep_checkpoints)
+    return snapshot_checkpoint(step, model=sides[0].drafter.state_dict(), optimizer=optimizer,
+                               scheduler=sides[0].scheduler.state_dict(), epoch=epoch, index=index, extra=extra)

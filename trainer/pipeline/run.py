@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from trainer.checkpoint import load_checkpoint, restore_rng
+from trainer.checkpoint import CheckpointWriter, load_checkpoint, restore_rng
 from trainer.config import TrainConfig, TrainerInputError
 from trainer.data import BatchStream, collate
 from trainer.loss import position_weights
@@ -37,14 +37,14 @@ from trainer.pipeline.drafter_worker import DrafterWorker
 from trainer.pipeline.handoff import TRANSFER_MODES
 from trainer.pipeline.plan import Assignment, FaultPoints, GlobalOrder
 from trainer.pipeline.prime import warm_up_drafters
-from trainer.pipeline.reporting import StepWindow, save_pipeline_checkpoint
+from trainer.pipeline.reporting import StepWindow, snapshot_pipeline
 from trainer.pipeline.supervisor import Supervisor
 from trainer.pipeline.sync import ReplicaSync, differing_parameters, replica_checksums
 from trainer.pipeline.target_worker import TargetWorker
 from trainer.pipeline.warmup import CompileGuard, WarmupReport
 from trainer.signals import GracefulStop
 from trainer.step import DrafterSide, TargetSide, noise_std_at
-from trainer.train import EXIT_FAILED, EXIT_OK, _load_target, plan_run
+from trainer.train import EXIT_FAILED, EXIT_OK, _load_target, plan_run, report_checkpoints, save_in_background
 
 
 @dataclass
@@ -203,7 +203,9 @@ def run_pipeline(cfg: TrainConfig, options: PipelineOptions | None = None) -> in
                    for d in range(len(sides))]
         on_force = lambda signum: recorder.set_status(phase="failed", exit_code=128 + signum,
                                                       error=f"second signal {signum}: exited without a checkpoint")
-        with CompileGuard() as guard, GracefulStop(on_force=on_force) as stop:
+        # The writer exits first: a checkpoint snapshotted before a failure still lands.
+        with CompileGuard() as guard, GracefulStop(on_force=on_force) as stop, \
+                CheckpointWriter(run_dir, cfg.keep_checkpoints) as writer:
             for d, (side, handle) in enumerate(zip(sides, handles)):
                 inputs = {t: ch for (t, dd), ch in feature_channels.items() if dd == d}
                 supervisor.spawn(handle.name, "drafter", DrafterWorker(
@@ -242,9 +244,11 @@ def run_pipeline(cfg: TrainConfig, options: PipelineOptions | None = None) -> in
                 if step % cfg.save_interval == 0 or step == total_steps or stop.requested:
                     recorder.set_status(phase="saving", step=step)
                     sync.before_checkpoint()
-                    path = save_pipeline_checkpoint(run_dir, cfg, sides, sync_mode, step, epoch, index, assignment, g_next)
-                    recorder.set_status(phase="training", last_checkpoint=str(path))
-                    _log(f"checkpoint {path}")
+                    snapshot = snapshot_pipeline(cfg, sides, sync_mode, step, epoch, index, assignment, g_next)
+                    save_in_background(recorder, writer, snapshot, last=step == total_steps or stop.requested)
+                    recorder.set_status(phase="training")
+                else:
+                    report_checkpoints(recorder, writer.poll())
                 if stop.requested:
                     recorder.set_status(phase="stopped", step=step, exit_code=stop.exit_code)
                     _log(f"stopped at step {step}; resume with the same command")
