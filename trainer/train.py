@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from trainer.checkpoint import (CheckpointSnapshot, CheckpointWriter, check_shapes, load_checkpoint, resolve_resume,
-                                restore_rng, snapshot_checkpoint)
+                                restore_rng)
 from trainer.config import TrainConfig, TrainerInputError, parse_train_args
 from trainer.data import BatchStream, open_dataset
 from trainer.loss import position_weights
@@ -285,10 +285,10 @@ def report_checkpoints(recorder: RunRecorder, paths: list[Path]) -> None:
         recorder.set_status(last_checkpoint=str(path))
 
 
-def _snapshot(cfg: TrainConfig, side: DrafterSide, step: int, epoch: int, index: int) -> CheckpointSnapshot:
-    return snapshot_checkpoint(step, model=side.drafter.state_dict(), optimizer=side.optimizer.state_dict(),
-                               scheduler=side.scheduler.state_dict(), epoch=epoch, index=index,
-                               extra={"config": cfg.to_dict(), "drafter_config": side.drafter.config.to_hf_dict()})
+def _checkpoint_parts(cfg: TrainConfig, side: DrafterSide, epoch: int, index: int) -> dict[str, Any]:
+    return dict(model=side.drafter.state_dict(), optimizer=side.optimizer.state_dict(),
+                scheduler=side.scheduler.state_dict(), epoch=epoch, index=index,
+                extra={"config": cfg.to_dict(), "drafter_config": side.drafter.config.to_hf_dict()})
 
 
 def _train_loop(cfg: TrainConfig, recorder: RunRecorder, writer: CheckpointWriter, stream: BatchStream,
@@ -337,8 +337,8 @@ def _train_loop(cfg: TrainConfig, recorder: RunRecorder, writer: CheckpointWrite
             window, window_start, window_steps = None, time.perf_counter(), 0
         if step % cfg.save_interval == 0 or step == total_steps or stop.requested:
             recorder.set_status(phase="saving", step=step)
-            save_in_background(recorder, writer, _snapshot(cfg, drafter_side, step, epoch, index),
-                               last=step == total_steps or stop.requested)
+            snapshot = writer.snapshot(step, **_checkpoint_parts(cfg, drafter_side, epoch, index))
+            save_in_background(recorder, writer, snapshot, last=step == total_steps or stop.requested)
             recorder.set_status(phase="training")
         else:
             report_checkpoints(recorder, writer.poll())  # a lock, no I/O: also raises a failed write here

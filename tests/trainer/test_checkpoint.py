@@ -112,6 +112,29 @@ def test_background_writes_land_in_step_order_and_prune(tmp_path: Path) -> None:
     assert [s for s, _ in list_checkpoints(tmp_path)] == [20, 30]
 
 
+def test_the_next_snapshot_reuses_the_host_buffers_of_the_last_written_one(tmp_path: Path) -> None:
+    """One snapshot's worth of host memory per run: after a write lands its buffers take the next snapshot."""
+    model, optimizer = _model_and_optimizer()
+    parts = lambda: dict(model=model.state_dict(), optimizer=optimizer.state_dict(), scheduler={}, epoch=0,  # noqa: E731
+                         index=0, extra={})
+    with CheckpointWriter(tmp_path, keep=3) as writer:
+        first = writer.snapshot(1, **parts())
+        addresses = [t.data_ptr() for t in first.buffers]
+        writer.submit(first)
+        writer.wait()
+        model(torch.randn(5, 4)).sum().backward()
+        optimizer.step()
+        second = writer.snapshot(2, **parts())
+        assert [t.data_ptr() for t in second.buffers] == addresses
+        assert torch.equal(second.model["0.weight"], model.state_dict()["0.weight"])  # the new values
+        writer.submit(second)
+        writer.wait()
+    assert torch.equal(load_checkpoint(tmp_path / "checkpoints" / "step_000002").model["0.weight"],
+                       model.state_dict()["0.weight"])
+    assert not torch.equal(load_checkpoint(tmp_path / "checkpoints" / "step_000001").model["0.weight"],
+                           model.state_dict()["0.weight"])
+
+
 def test_a_failed_background_write_is_raised_on_the_training_thread(tmp_path: Path) -> None:
     (tmp_path / "checkpoints").write_text("a file where the checkpoints directory belongs\n")  # a real fault
     model, optimizer = _model_and_optimizer()

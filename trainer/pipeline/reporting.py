@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint import CheckpointSnapshot, snapshot_checkpoint
 from trainer.config import TrainConfig
 from trainer.pipeline.channel import ChannelGroup
 from trainer.pipeline.coordinator import StepResult
@@ -82,9 +81,10 @@ class StepWindow:
         return record
 
 
-def snapshot_pipeline(cfg: TrainConfig, sides: list[Any], sync_mode: str, step: int, epoch: int, index: int,
-                      assignment: Assignment, g_next: int) -> CheckpointSnapshot:
-    """One consistent snapshot of the whole pipeline at a step boundary (every worker idle), in host memory."""
+def pipeline_checkpoint_parts(cfg: TrainConfig, sides: list[Any], sync_mode: str, epoch: int, index: int,
+                              assignment: Assignment, g_next: int) -> dict[str, Any]:
+    """What one consistent checkpoint of the whole pipeline holds, taken at a step boundary (every worker idle):
+    the synced drafter, the optimizer state (per replica under `average`), the data position of every target."""
     optimizer = sides[0].optimizer.state_dict()
     if sync_mode == "average" and len(sides) > 1:
         optimizer = {**optimizer, "pipeline_replicas": [s.optimizer.state_dict() for s in sides[1:]]}
@@ -94,5 +94,5 @@ def snapshot_pipeline(cfg: TrainConfig, sides: list[Any], sync_mode: str, step: 
              "pipeline": {"drafters": assignment.num_drafters, "targets": assignment.num_targets, "sync": sync_mode,
                           "grad_accum": assignment.grad_accum, "next_micro_batch": g_next,
                           "target_next_micro_batch": targets}}
-    return snapshot_checkpoint(step, model=sides[0].drafter.state_dict(), optimizer=optimizer,
-                               scheduler=sides[0].scheduler.state_dict(), epoch=epoch, index=index, extra=extra)
+    return dict(model=sides[0].drafter.state_dict(), optimizer=optimizer, scheduler=sides[0].scheduler.state_dict(),
+                epoch=epoch, index=index, extra=extra)

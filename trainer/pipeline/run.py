@@ -37,7 +37,7 @@ from trainer.pipeline.drafter_worker import DrafterWorker
 from trainer.pipeline.handoff import TRANSFER_MODES
 from trainer.pipeline.plan import Assignment, FaultPoints, GlobalOrder
 from trainer.pipeline.prime import warm_up_drafters
-from trainer.pipeline.reporting import StepWindow, snapshot_pipeline
+from trainer.pipeline.reporting import StepWindow, pipeline_checkpoint_parts
 from trainer.pipeline.supervisor import Supervisor
 from trainer.pipeline.sync import ReplicaSync, differing_parameters, replica_checksums
 from trainer.pipeline.target_worker import TargetWorker
@@ -244,7 +244,8 @@ def run_pipeline(cfg: TrainConfig, options: PipelineOptions | None = None) -> in
                 if step % cfg.save_interval == 0 or step == total_steps or stop.requested:
                     recorder.set_status(phase="saving", step=step)
                     sync.before_checkpoint()
-                    snapshot = snapshot_pipeline(cfg, sides, sync_mode, step, epoch, index, assignment, g_next)
+                    snapshot = writer.snapshot(step, **pipeline_checkpoint_parts(cfg, sides, sync_mode, epoch, index,
+                                                                                 assignment, g_next))
                     save_in_background(recorder, writer, snapshot, last=step == total_steps or stop.requested)
                     recorder.set_status(phase="training")
                 else:
