@@ -104,9 +104,10 @@ class CheckpointSnapshot:
 class _HostCopier:
     """Copies a nest of containers to host memory, reusing the buffers of an earlier snapshot of the same nest.
 
-    Reuse matters for big drafters: a fresh 12.6 GB host copy of the qwen3-8b drafter and its AdamW moments took
-    7.9 s on the H200 machine (pageable copies into newly faulted pages; bench/RESULTS.md). Buffers for CUDA tensors are pinned, so the copies run
-    asynchronously at full PCIe speed; one device sync at the end (`finish`). The buffers are matched to the
+    Reuse matters for big drafters. The qwen3-8b drafter with its AdamW moments is 12.6 GB; on the H200 machine a
+    fresh pageable copy took 7.9 s at every save. Buffers for CUDA tensors are pinned, so the copies run
+    asynchronously at PCIe speed (one device sync at the end, `finish`): 0.23 s per save once the buffers exist,
+    13.7 s at the first save, which pins them (bench/RESULTS.md, session 3). The buffers are matched to the
     tensors by position in the traversal (dicts keep their order), and a buffer of another shape or dtype is
     replaced."""
 
