@@ -327,9 +327,25 @@ def wait_gone(pgid: int | None, marker: str | None, directory: str, timeout: flo
         time.sleep(0.05)
 
 
+SAVE_HEARTBEAT_S = 45.0  # the trainer's status heartbeat beats every 15 s, also while it writes a checkpoint
+EXIT_AFTER_SAVE_S = 30.0  # after the checkpoint: the process still closes its files and loggers
+
+
+def saving_checkpoint(directory: str) -> bool:
+    """True while the run's status.json says it is writing a checkpoint and its heartbeat is fresh."""
+    status = read_json(os.path.join(directory, "status.json")) or {}
+    try:
+        fresh = time.time() - float(status.get("heartbeat", 0.0)) < SAVE_HEARTBEAT_S
+    except (TypeError, ValueError):
+        return False
+    return status.get("phase") == "saving" and fresh
+
+
 def verb_stop(req: dict) -> dict:
     """TERM the run's group and marked processes, wait `grace`, KILL what is left, wait until all are gone
-    and (with nvidia-smi) until none of the run's pids holds GPU memory. Refuses a run that is not running."""
+    and (with nvidia-smi) until none of the run's pids holds GPU memory. Refuses a run that is not running.
+    A run still writing the checkpoint the TERM asked for (status.json phase "saving", live heartbeat) gets up
+    to `save_grace` seconds more before the KILL: killing it then would lose exactly that checkpoint."""
     directory = run_dir(req)
     if not os.path.isdir(directory):
         raise AgentFailure(f"run {req['name']!r} does not exist on this target", "not_found")
@@ -343,6 +359,16 @@ def verb_stop(req: dict) -> dict:
     write_atomic(os.path.join(directory, "stop.json"), json.dumps({"requested_at": time.time()}) + "\n")
     signal_run(pgid, pids, signal.SIGTERM)
     left = wait_gone(pgid, marker, directory, grace)
+    waited_for_save = 0.0
+    save_deadline = time.monotonic() + float(req.get("save_grace", 600.0))
+    while left and saving_checkpoint(directory) and time.monotonic() < save_deadline:
+        began = time.monotonic()
+        left = wait_gone(pgid, marker, directory, min(1.0, save_deadline - began))
+        waited_for_save += time.monotonic() - began
+    if left and waited_for_save:  # checkpoint written; the process is on its way out (closing files, wandb)
+        began = time.monotonic()
+        left = wait_gone(pgid, marker, directory, max(0.0, min(EXIT_AFTER_SAVE_S, save_deadline - began)))
+        waited_for_save += time.monotonic() - began
     escalated = bool(left)
     if left:
         all_seen |= left
@@ -358,6 +384,7 @@ def verb_stop(req: dict) -> dict:
         subprocess.run(["tmux", "-L", tmux_socket(req["workspace"]), "kill-session", "-t", "=" + req["name"]],
                        capture_output=True, timeout=10)
     result = {"escalated": escalated, "signalled": sorted(all_seen), "gpu_released": gpu_released,
+              "waited_for_checkpoint_s": round(waited_for_save, 1),
               "exit_code": read_int(os.path.join(directory, "exit_code")),
               "seconds": round(time.monotonic() - started, 3)}
     stop_info = read_json(os.path.join(directory, "stop.json")) or {}

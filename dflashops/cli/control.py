@@ -20,6 +20,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--target", help="target (default: the one the lineage records for RUN)")
     add_all_options(p, "stop every running run on every target of the inventory, in parallel")
     p.add_argument("--grace", type=float, default=60.0, help="seconds between SIGTERM and SIGKILL (default 60)")
+    p.add_argument("--save-grace", type=float, default=600.0, metavar="S",
+                   help="more seconds for a run still writing its checkpoint after --grace (default 600)")
     p.add_argument("--dry-run", action="store_true", help="print the commands that would run; change nothing")
     p.set_defaults(func=handle_stop)
 
@@ -74,12 +76,15 @@ def handle_stop(args: argparse.Namespace) -> int:
     if not args.run:
         raise UsageError("stop needs a RUN (or --all)")
     with open_session(args, dry_run=args.dry_run) as session:
-        answer = stop_run(session, args.run, target=args.target, grace=args.grace)
+        answer = stop_run(session, args.run, target=args.target, grace=args.grace, save_grace=args.save_grace)
         if args.dry_run:
             print_plan(session)
             return 0
         how = "SIGKILL after the grace period" if answer["escalated"] else "SIGTERM"
         progress(f"stopped {args.run} by {how} in {answer['seconds']}s; exit code {answer['exit_code']}")
+        if answer.get("waited_for_checkpoint_s"):
+            progress(f"waited {answer['waited_for_checkpoint_s']}s past the grace period for its checkpoint to be "
+                     f"written{' (then SIGKILL: --save-grace ran out)' if answer['escalated'] else ''}")
         if answer.get("gpu_released") is False:
             progress("warning: the run's GPU memory was not released within the timeout")
         print(f"{args.run} stopped exit_code={answer['exit_code']}")

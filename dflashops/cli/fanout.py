@@ -65,8 +65,8 @@ def handle_status_all(args: argparse.Namespace) -> int:
 def handle_stop_all(args: argparse.Namespace) -> int:
     if args.run or args.target:
         raise UsageError("--all stops every running run of every target; drop RUN/--target, or drop --all")
-    results = stop_all(load_inventory(getattr(args, "inventory", None)), grace=args.grace, dry_run=args.dry_run,
-                       timeout=args.grace + args.all_timeout)
+    results = stop_all(load_inventory(getattr(args, "inventory", None)), grace=args.grace, save_grace=args.save_grace,
+                       dry_run=args.dry_run, timeout=args.grace + args.save_grace + args.all_timeout)
     table = Table(title="stop --all" + (" (dry run: nothing stopped)" if args.dry_run else ""), title_justify="left")
     for column in ("target", "result", "runs"):
         table.add_column(column)

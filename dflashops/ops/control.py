@@ -21,8 +21,10 @@ class NotRunning(DflashopsError):
     exit_code = 9
 
 
-def stop_run(session: Session, name: str, *, target: str | None = None, grace: float = 60.0) -> dict[str, Any]:
-    """TERM -> grace -> KILL the run's own processes, wait until they (and their GPU memory) are gone.
+def stop_run(session: Session, name: str, *, target: str | None = None, grace: float = 60.0,
+             save_grace: float = 600.0) -> dict[str, Any]:
+    """TERM -> grace -> KILL the run's own processes, wait until they (and their GPU memory) are gone; a run
+    still writing its checkpoint after `grace` gets up to `save_grace` seconds more before the KILL.
     Raises NotRunning (nothing signalled) when the run is not running, NotFound when it does not exist."""
     validate_name(name, what="run name")
     tgt = session.target_for_run(name, target)
@@ -33,7 +35,8 @@ def stop_run(session: Session, name: str, *, target: str | None = None, grace: f
             raise NotRunning(f"{tgt.name}: run {name!r} is not running ({state})",
                              hint=f"`dflashops status {name}` shows how it ended")
     try:
-        answer = agent.call("stop", {"workspace": tgt.workspace, "name": name, "grace": grace})
+        answer = agent.call("stop", {"workspace": tgt.workspace, "name": name, "grace": grace,
+                                     "save_grace": save_grace})
     except DflashopsError as exc:
         if "is not running" in exc.message:
             raise NotRunning(exc.message, hint=f"`dflashops status {name}` shows how it ended") from None

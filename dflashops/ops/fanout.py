@@ -90,7 +90,7 @@ def status_all(inventory: Inventory, *, timeout: float = DEFAULT_TIMEOUT_S) -> l
                    timeout=timeout)
 
 
-def stop_all(inventory: Inventory, *, grace: float = 60.0, dry_run: bool = False,
+def stop_all(inventory: Inventory, *, grace: float = 60.0, save_grace: float = 600.0, dry_run: bool = False,
              timeout: float = DEFAULT_TIMEOUT_S) -> list[FanoutResult[list[str]]]:
     """Stop every running run on every target; each result lists the runs it stopped."""
 
@@ -98,7 +98,7 @@ def stop_all(inventory: Inventory, *, grace: float = 60.0, dry_run: bool = False
         stopped = []
         for entry in run_status(session, None, target=target.name):
             if entry.get("state") in ("running", "stopping", "launching"):
-                stop_run(session, str(entry["name"]), target=target.name, grace=grace)
+                stop_run(session, str(entry["name"]), target=target.name, grace=grace, save_grace=save_grace)
                 stopped.append(str(entry["name"]))
         return stopped
 

@@ -105,6 +105,30 @@ def test_stop_escalates_to_sigkill(env: Env, capsys: pytest.CaptureFixture[str])
     assert (env.runs / "stubborn" / "exit_code").read_text().strip() == "137"
 
 
+def test_stop_waits_past_the_grace_for_a_checkpoint_being_written(env: Env,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = env.cli("deploy", "--profile", "work", "--name", "saver", "--launcher", "nohup",
+                           "--wait", "step 1", "--", "--slow-save", "2.5", capsys=capsys)
+    assert code == 0, err
+    code, out, err = env.cli("stop", "saver", "--grace", "0.5", capsys=capsys)
+    assert code == 0, err
+    assert "by SIGTERM" in err and "past the grace period for its checkpoint" in err
+    assert (env.runs / "saver" / "exit_code").read_text().strip() == "143"  # the workload's own exit: it finished
+    assert list((env.runs / "saver" / "checkpoints").iterdir())
+    assert json.loads((env.runs / "saver" / "stop.json").read_text())["waited_for_checkpoint_s"] >= 1.0
+
+
+def test_a_checkpoint_that_outlasts_the_save_grace_is_killed(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = env.cli("deploy", "--profile", "work", "--name", "forever", "--launcher", "nohup",
+                           "--wait", "step 1", "--", "--slow-save", "60", capsys=capsys)
+    assert code == 0, err
+    started = time.monotonic()
+    code, out, err = env.cli("stop", "forever", "--grace", "0.5", "--save-grace", "1", capsys=capsys)
+    assert code == 0, err
+    assert "SIGKILL" in err and "--save-grace ran out" in err and time.monotonic() - started < 30
+    assert (env.runs / "forever" / "exit_code").read_text().strip() == "137"
+
+
 def test_restart_resume_starts_from_latest_checkpoint(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
     assert env.cli("deploy", "--profile", "work", "--name", "res-v1", "--wait", "step 3", capsys=capsys)[0] == 0
     code, out, err = env.cli("restart", "res-v1", "--resume", "--grace", "5", "--wait", "resumed from",

@@ -3,7 +3,8 @@
 `python workload.py --output-dir DIR [--steps N] [--interval S] [--crash-at K] [--spawn-setsid]
 [--resume-from CKPT]` prints one progress line per step, appends metrics.jsonl, rewrites status.json
 atomically, and on SIGTERM writes `checkpoints/step_NNNNNN/state.json` and exits with EXIT_ON_SIGTERM (143).
-`--ignore-term` makes it ignore SIGTERM (so `stop` must escalate to SIGKILL). `--crash-at K` raises at step K (a real traceback, exit 1). `--spawn-setsid` starts a child in its own
+`--ignore-term` makes it ignore SIGTERM (so `stop` must escalate to SIGKILL). `--slow-save S` makes the
+checkpoint after SIGTERM take S seconds, with status.json phase "saving" and a live heartbeat meanwhile. `--crash-at K` raises at step K (a real traceback, exit 1). `--spawn-setsid` starts a child in its own
 session (it keeps the environment, so only the run marker can find it) and writes its pid to child.pid.
 Stdlib only; it never imports dflashops or trainer.
 """
@@ -47,6 +48,7 @@ def main() -> int:
     parser.add_argument("--spawn-setsid", action="store_true")
     parser.add_argument("--resume-from", default=None)
     parser.add_argument("--ignore-term", action="store_true", help="ignore SIGTERM (forces stop to escalate)")
+    parser.add_argument("--slow-save", type=float, default=0.0, help="seconds the SIGTERM checkpoint takes")
     args = parser.parse_args()
     out = args.output_dir
     os.makedirs(out, exist_ok=True)
@@ -66,6 +68,10 @@ def main() -> int:
     step = start
     while step < args.steps:
         if stop_requested:
+            saving_until = time.monotonic() + args.slow_save
+            while time.monotonic() < saving_until:  # as the trainer's heartbeat thread does while it saves
+                write_status(out, phase="saving", step=step)
+                time.sleep(0.1)
             path = checkpoint(out, step)
             write_status(out, phase="stopped", step=step, last_checkpoint=path)  # as trainer.signals does
             print(f"SIGTERM: checkpoint {path}, exiting {EXIT_ON_SIGTERM}", flush=True)
