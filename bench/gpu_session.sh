@@ -3,6 +3,7 @@
 # Usage (on the GPU machine, repo root): bash bench/gpu_session.sh SECTION...   (logs under $OUT when set)
 # Session 3 calls: `verify pipeline-triton`, then `verify-pipeline pipeline-triton step8b-more` (the ten cold
 # two-drafter runs again after the stream fix), then `verify-pipeline pipeline-8b`.
+# Owed (issue 6, next session, one call): `pipeline-transfer` (features via the device vs via pinned host memory).
 set -u
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
 OUT=${OUT:-/tmp/bench-out}; mkdir -p "$OUT"
@@ -48,6 +49,10 @@ for section in "$@"; do
               --loss-kernels triton --steps 200 --timeout-s 140 --log-dir /tmp/pipeline-logs ;;
     pipeline-8b) step pipeline-8b 240 python3 bench/gpu_pipeline.py --scale 8b --modes single,dual --steps 50 \
               --timeout-s 200 --log-dir /tmp/pipeline-logs ;;
+    pipeline-transfer) step pipeline-transfer-8b 260 python3 bench/gpu_pipeline.py --scale 8b --modes dual \
+              --transfers device,pinned --steps 50 --timeout-s 240 --log-dir /tmp/pipeline-logs
+            step pipeline-transfer-small 170 python3 bench/gpu_pipeline.py --scale small --modes dual \
+              --transfers device,pinned --steps 200 --timeout-s 160 --log-dir /tmp/pipeline-logs ;;
     pipeline-small) step pipeline-small 170 python3 bench/gpu_pipeline.py --scale small --steps 60 ;;
     *) echo "unknown section $section" >&2 ;;
   esac
