@@ -40,10 +40,9 @@ _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
 
 @dataclass
-class CheckpointState:
-    """What `load_checkpoint` returns; tensors are on the CPU."""
+class CheckpointContents:
+    """The parts of one checkpoint, tensors on the CPU."""
 
-    path: Path
     step: int
     epoch: int
     index: int
@@ -52,6 +51,13 @@ class CheckpointState:
     scheduler: dict[str, Any]
     rng: dict[str, Any]
     extra: dict[str, Any]
+
+
+@dataclass(kw_only=True)
+class CheckpointState(CheckpointContents):
+    """What `load_checkpoint` returns."""
+
+    path: Path
 
 
 def checkpoints_root(run_dir: Path) -> Path:
@@ -86,18 +92,10 @@ def restore_rng(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-@dataclass
-class CheckpointSnapshot:
-    """Everything one checkpoint holds, already in host memory and owned by nobody else (see `snapshot_checkpoint`)."""
+@dataclass(kw_only=True)
+class CheckpointSnapshot(CheckpointContents):
+    """A checkpoint's contents copied to host memory, owned by nobody else (see `snapshot_checkpoint`)."""
 
-    step: int
-    epoch: int
-    index: int
-    model: dict[str, torch.Tensor]
-    optimizer: dict[str, Any]
-    scheduler: dict[str, Any]
-    rng: dict[str, Any]
-    extra: dict[str, Any]
     buffers: list[torch.Tensor] = field(default_factory=list)  # every host tensor above, in copy order
 
 
