@@ -25,8 +25,7 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint import (CheckpointSnapshot, CheckpointWriter, check_shapes, load_checkpoint, resolve_resume,
-                                restore_rng)
+from trainer.checkpoint import CheckpointWriter, check_shapes, load_checkpoint, resolve_resume, restore_rng
 from trainer.config import TrainConfig, TrainerInputError, parse_train_args
 from trainer.data import BatchStream, open_dataset
 from trainer.loss import position_weights
@@ -269,13 +268,16 @@ def run(cfg: TrainConfig) -> int:
             recorder.close()
 
 
-def save_in_background(recorder: RunRecorder, writer: CheckpointWriter, snapshot: CheckpointSnapshot, *,
+def save_in_background(recorder: RunRecorder, writer: CheckpointWriter, step: int, parts: dict[str, Any], *,
                        last: bool) -> None:
-    """Hand a snapshot to the background writer and report what has landed. Training waits only for the
-    snapshot (device->host copy); the write overlaps the next steps. The `last` checkpoint of this process (end
-    of run, stop request) is waited for, so the process never exits with a checkpoint half written."""
-    writer.submit(snapshot)
+    """Checkpoint `step` (`parts`: what `snapshot_checkpoint` takes) and report what has landed. Training waits
+    only for the snapshot (device->host copy; status phase "saving" meanwhile); the write overlaps the next
+    steps. The `last` checkpoint of this process (end of run, stop request) is waited for, so the process never
+    exits with a checkpoint half written."""
+    recorder.set_status(phase="saving", step=step)
+    writer.submit(writer.snapshot(step, **parts))
     report_checkpoints(recorder, writer.wait() if last else writer.poll())
+    recorder.set_status(phase="training")
 
 
 def report_checkpoints(recorder: RunRecorder, paths: list[Path]) -> None:
@@ -336,10 +338,8 @@ def _train_loop(cfg: TrainConfig, recorder: RunRecorder, writer: CheckpointWrite
             recorder.log(record)
             window, window_start, window_steps = None, time.perf_counter(), 0
         if step % cfg.save_interval == 0 or step == total_steps or stop.requested:
-            recorder.set_status(phase="saving", step=step)
-            snapshot = writer.snapshot(step, **_checkpoint_parts(cfg, drafter_side, epoch, index))
-            save_in_background(recorder, writer, snapshot, last=step == total_steps or stop.requested)
-            recorder.set_status(phase="training")
+            save_in_background(recorder, writer, step, _checkpoint_parts(cfg, drafter_side, epoch, index),
+                               last=step == total_steps or stop.requested)
         else:
             report_checkpoints(recorder, writer.poll())  # a lock, no I/O: also raises a failed write here
         if stop.requested:

@@ -84,3 +84,8 @@ def cleanup(workspace: Path) -> None:
         subprocess.run(["tmux", "-L", socket, "kill-server"], capture_output=True, timeout=10)
         tmpdir = Path(os.environ.get("TMUX_TMPDIR", "/tmp")) / f"tmux-{os.getuid()}"
         (tmpdir / socket).unlink(missing_ok=True)  # this workspace's own socket name, nothing else
+
+
+def all_bytes(root: Path) -> bytes:
+    """Every regular file under `root`, concatenated: where a secret must never turn up."""
+    return b"".join(p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink())

@@ -7,18 +7,13 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from dflashops.ops.sync import install_payload, local_manifest, release_files
-from tests.controller.helpers import AGENT, Env
+from tests.controller.helpers import AGENT, Env, all_bytes
 
 SECRET = "s3cr3t-restart-5a4b3c2d1e-token"
-
-
-def all_bytes(root: Path) -> bytes:
-    return b"".join(p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink())
 
 
 def test_restart_passes_secrets_only_through_stdin_and_env(env: Env, capsys: pytest.CaptureFixture[str],

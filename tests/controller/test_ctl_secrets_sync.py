@@ -9,13 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.controller.helpers import Env
+from tests.controller.helpers import Env, all_bytes
 
 SECRET = "s3cr3t-9f8e7d6c5b4a-token"
-
-
-def all_bytes(root: Path) -> bytes:
-    return b"".join(p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink())
 
 
 def test_secret_reaches_the_run_but_no_record(env: Env, capsys: pytest.CaptureFixture[str],

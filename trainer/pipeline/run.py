@@ -242,12 +242,9 @@ def run_pipeline(cfg: TrainConfig, options: PipelineOptions | None = None) -> in
                         record["replica_checksums"] = checksums
                     recorder.log(record)
                 if step % cfg.save_interval == 0 or step == total_steps or stop.requested:
-                    recorder.set_status(phase="saving", step=step)
                     sync.before_checkpoint()
-                    snapshot = writer.snapshot(step, **pipeline_checkpoint_parts(cfg, sides, sync_mode, epoch, index,
-                                                                                 assignment, g_next))
-                    save_in_background(recorder, writer, snapshot, last=step == total_steps or stop.requested)
-                    recorder.set_status(phase="training")
+                    parts = pipeline_checkpoint_parts(cfg, sides, sync_mode, epoch, index, assignment, g_next)
+                    save_in_background(recorder, writer, step, parts, last=step == total_steps or stop.requested)
                 else:
                     report_checkpoints(recorder, writer.poll())
                 if stop.requested:

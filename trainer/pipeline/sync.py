@@ -23,7 +23,7 @@ half-written gradients and the replicas drifted apart within 50 steps.) Cost: on
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -132,33 +132,32 @@ def average_parameters(replicas: Sequence[nn.Module]) -> None:
     _finish(flats)
 
 
+def _differences(replicas: Sequence[nn.Module]) -> Iterator[tuple[str, int, torch.Tensor]]:
+    """(parameter name, replica number, |replica 0 - that replica|) for every trainable parameter, parameter-major."""
+    _check_same_layout(replicas)
+    named = [[(n, p) for n, p in r.named_parameters() if p.requires_grad] for r in replicas]
+    for (name, a), *others in zip(*named):
+        for number, (_, b) in enumerate(others, start=1):
+            yield name, number, (a.detach().float() - b.detach().float().to(a.device)).abs()
+
+
 def differing_parameters(replicas: Sequence[nn.Module], limit: int = 3) -> list[str]:
     """Up to `limit` trainable parameters that differ between replica 0 and another, as "name (replica r, max |diff| x,
     n of m elements)": what a divergence report names (one host sync per parameter; only called on failure)."""
-    _check_same_layout(replicas)
-    named = [[(n, p) for n, p in r.named_parameters() if p.requires_grad] for r in replicas]
-    found: list[str] = []
-    for (name, a), *others in zip(*named):
-        for number, (_, b) in enumerate(others, start=1):
-            diff = (a.detach().float() - b.detach().float().to(a.device)).abs()
-            count = int((diff != 0).sum())
-            if count:
-                found.append(f"{name} (replica {number}, max |diff| {float(diff.max()):.3g}, {count} of {diff.numel()} "
-                             f"elements)")
+    found: dict[str, str] = {}
+    for name, number, diff in _differences(replicas):
+        count = int((diff != 0).sum())
+        if count and name not in found:
+            found[name] = (f"{name} (replica {number}, max |diff| {float(diff.max()):.3g}, {count} of "
+                           f"{diff.numel()} elements)")
+            if len(found) >= limit:
                 break
-        if len(found) >= limit:
-            break
-    return found
+    return list(found.values())
 
 
 def max_replica_difference(replicas: Sequence[nn.Module]) -> float:
     """Largest absolute difference of any trainable parameter between replica 0 and the others (0.0 = identical)."""
-    params = _check_same_layout(replicas)
-    worst = 0.0
-    for other in params[1:]:
-        for a, b in zip(params[0], other):
-            worst = max(worst, float((a.detach().float() - b.detach().float().to(a.device)).abs().max()))
-    return worst
+    return max((float(diff.max()) for _, _, diff in _differences(replicas)), default=0.0)
 
 
 def replica_checksums(replicas: Sequence[nn.Module]) -> list[str]:
