@@ -3,7 +3,7 @@
 # Usage (on the GPU machine, repo root): bash bench/gpu_session.sh SECTION...   (logs under $OUT when set)
 # Session 3 calls: `verify pipeline-triton`, then `verify-pipeline pipeline-triton step8b-more` (the ten cold
 # two-drafter runs again after the stream fix), then `verify-pipeline pipeline-8b`.
-# Owed (issue 6, next session, one call): `pipeline-transfer` (features via the device vs via pinned host memory).
+# Session 4 calls: `env pipeline-transfer` (features via the device vs via pinned host memory), then `pipeline-recheck`.
 set -u
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
 OUT=${OUT:-/tmp/bench-out}; mkdir -p "$OUT"
@@ -53,6 +53,12 @@ for section in "$@"; do
               --transfers device,pinned --steps 50 --timeout-s 240 --log-dir /tmp/pipeline-logs
             step pipeline-transfer-small 170 python3 bench/gpu_pipeline.py --scale small --modes dual \
               --transfers device,pinned --steps 200 --timeout-s 160 --log-dir /tmp/pipeline-logs ;;
+    pipeline-recheck) step pipeline-small-compiled 150 python3 bench/gpu_pipeline.py --scale small --modes single,dual \
+              --steps 200 --timeout-s 140 --budget-s 100 --log-dir /tmp/pipeline-logs
+            step pipeline-small-triton 150 python3 bench/gpu_pipeline.py --scale small --modes single,dual \
+              --loss-kernels triton --steps 200 --timeout-s 140 --budget-s 100 --log-dir /tmp/pipeline-logs
+            step pipeline-ten-triton 270 python3 bench/gpu_pipeline.py --scale small --modes dual --repeats 10 \
+              --parallel 5 --loss-kernels triton --steps 200 --timeout-s 200 --budget-s 140 --log-dir /tmp/pipeline-ten ;;
     pipeline-small) step pipeline-small 170 python3 bench/gpu_pipeline.py --scale small --steps 60 ;;
     *) echo "unknown section $section" >&2 ;;
   esac
