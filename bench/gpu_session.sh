@@ -3,7 +3,7 @@
 # Usage (on the GPU machine, repo root): bash bench/gpu_session.sh SECTION...   (logs under $OUT when set)
 # Session 3 calls: `verify pipeline-triton`, then `verify-pipeline pipeline-triton step8b-more` (the ten cold
 # two-drafter runs again after the stream fix), then `verify-pipeline pipeline-8b`.
-# Session 4 calls: `env pipeline-transfer` (features via the device vs via pinned host memory), then `pipeline-recheck`.
+# Session 4 calls: `env pipeline-transfer` (features via the device vs via pinned host memory), then `pipeline-recheck`, then `auto-kernels`.
 set -u
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
 OUT=${OUT:-/tmp/bench-out}; mkdir -p "$OUT"
@@ -59,6 +59,10 @@ for section in "$@"; do
               --loss-kernels triton --steps 200 --timeout-s 140 --budget-s 100 --log-dir /tmp/pipeline-logs
             step pipeline-ten-triton 270 python3 bench/gpu_pipeline.py --scale small --modes dual --repeats 10 \
               --parallel 5 --loss-kernels triton --steps 200 --timeout-s 200 --budget-s 140 --log-dir /tmp/pipeline-ten ;;
+    auto-kernels) python3 -c 'import torch; from trainer.loss import resolve_loss_kernels as r; d = torch.device("cuda:0"); print("auto resolves to", r("auto", d, True), "(eager drafter:", r("auto", d, False) + ")")'
+            step pipeline-auto 150 python3 bench/gpu_pipeline.py --scale small --modes dual --steps 200 --timeout-s 140 \
+              --log-dir /tmp/pipeline-auto
+            grep -h "loss kernels" /tmp/pipeline-auto/*.log ;;
     pipeline-small) step pipeline-small 170 python3 bench/gpu_pipeline.py --scale small --steps 60 ;;
     *) echo "unknown section $section" >&2 ;;
   esac

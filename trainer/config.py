@@ -112,7 +112,7 @@ class TrainConfig:
     cap_lambda: float = 0.0
     activation_checkpointing: bool = False  # recompute drafter layer activations in backward (memory for time)
     loss_chunk_size: int | None = None  # rows per chunk in the logits-free loss (None: ~1 GiB of fp32 logits)
-    loss_kernels: str = "auto"  # auto (compiled when the drafter is, else eager) | compiled | eager | triton
+    loss_kernels: str = "auto"  # auto (triton on Hopper, else compiled; eager for an eager drafter) | compiled | eager | triton
     # drafter shape (hidden_size must equal the target's)
     num_draft_layers: int = 5
     hidden_size: int | None = None  # None: taken from the target

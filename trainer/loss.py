@@ -230,6 +230,28 @@ def _compiled_stats_and_grad(backend: str = "inductor") -> tuple[Callable[..., t
             private_compile(functools.partial(_logit_grad, onehot_by_compare=True), backend=backend))
 
 
+# --loss-kernels auto picks the fused Triton kernel only where it has been measured: Hopper (H200, capability
+# 9.0) gave +0.7% on the qwen3-8b seed step, +4-6% in the small pipeline, and ten cold two-thread runs with
+# bitwise-identical replicas and losses (bench/RESULTS.md, session 4). Other GPUs keep the compiled kernels.
+TRITON_AUTO_MIN_CAPABILITY = (9, 0)
+
+
+def resolve_loss_kernels(requested: str, device: torch.device, compiled: bool) -> str:
+    """The chunk kernels a drafter on ``device`` uses for ``--loss-kernels requested`` (explicit kinds pass
+    through): for auto, eager when the drafter is not compiled, triton on a CUDA device of compute capability
+    >= TRITON_AUTO_MIN_CAPABILITY with the triton package installed, else compiled."""
+    if requested != "auto":
+        return requested
+    if not compiled:
+        return "eager"
+    if device.type == "cuda":
+        from trainer.loss_triton import triton_available
+
+        if torch.cuda.get_device_capability(device) >= TRITON_AUTO_MIN_CAPABILITY and triton_available():
+            return "triton"
+    return "compiled"
+
+
 def make_chunk_kernels(kind: str = "eager", *, triton_config: str | None = None,
                        compile_backend: str = "inductor") -> ChunkKernels:
     """Kernels by kind (KERNEL_KINDS). eager: plain torch ops. compiled: new torch.compile'd functions

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from trainer.compile_scope import private_compile, replica_scope
 from trainer.config import TrainConfig, TrainerInputError
 from trainer.data import Batch
-from trainer.loss import dflash_loss, make_chunk_kernels, simulated_tau
+from trainer.loss import dflash_loss, make_chunk_kernels, resolve_loss_kernels, simulated_tau
 from trainer.loss_triton import TritonUnavailableError
 from trainer.model import DFlashDrafter, TargetModel
 from trainer.model.drafter import call_layer
@@ -134,8 +134,8 @@ class DrafterSide:
         self.scope = f"replica-{next(_REPLICA_IDS)}"
         if self.compiled:
             self.drafter.layer_call = private_compile(call_layer, backend=compile_backend)
-        # --loss-kernels auto follows the layers (compiled on CUDA); triton: one fused kernel per loss chunk.
-        kind = cfg.loss_kernels if cfg.loss_kernels != "auto" else "compiled" if self.compiled else "eager"
+        # --loss-kernels auto: the fused Triton kernel on Hopper, else follows the layers (trainer/loss.py).
+        kind = resolve_loss_kernels(cfg.loss_kernels, self.device, self.compiled)
         if kind == "triton" and self.device.type != "cuda":
             raise TrainerInputError(f"--loss-kernels triton needs a CUDA drafter device (got {self.device})",
                                     hint="use --loss-kernels auto, compiled or eager")

@@ -244,6 +244,7 @@ def run(cfg: TrainConfig) -> int:
             target_side = TargetSide(target, plan.target_device, soft_labels=cfg.use_soft_labels)
             drafter_side = DrafterSide(cfg, drafter, target.embed_weight, target.lm_head_weight, plan.drafter_device,
                                        total_steps)
+            print(f"loss kernels: {drafter_side.loss_kernels.kind}", file=sys.stderr, flush=True)
             step, epoch, index = 0, 0, 0
             if plan.resume_from is not None:
                 state = load_checkpoint(plan.resume_from)

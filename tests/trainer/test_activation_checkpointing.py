@@ -80,3 +80,15 @@ def test_drafter_side_picks_the_loss_kernels_from_the_config() -> None:
     cfg = parse_train_args(["--preset", "tiny", "--output-dir", "/tmp/unused", "--loss-kernels", "triton"])
     with pytest.raises(TrainerInputError, match="--loss-kernels triton needs a CUDA drafter device"):
         DrafterSide(cfg, drafter, target.embed_weight, target.lm_head_weight, "cpu", total_steps=1)
+
+
+def test_loss_kernels_auto_resolves_by_device_and_compile() -> None:
+    """auto: eager for an eager drafter, compiled for a compiled one off CUDA; explicit kinds pass through.
+    The CUDA branch (triton on capability >= 9.0) runs on the GPU machine (bench/RESULTS.md, session 4)."""
+    from trainer.loss import resolve_loss_kernels
+
+    cpu = torch.device("cpu")
+    assert resolve_loss_kernels("auto", cpu, compiled=False) == "eager"
+    assert resolve_loss_kernels("auto", cpu, compiled=True) == "compiled"
+    for kind in ("eager", "compiled", "triton"):
+        assert resolve_loss_kernels(kind, cpu, compiled=True) == kind

@@ -163,6 +163,7 @@ def run_pipeline(cfg: TrainConfig, options: PipelineOptions | None = None) -> in
         sides = [DrafterSide(cfg, copy.deepcopy(base), any_target.embed_weight, any_target.lm_head_weight, d, total_steps,
                              **compile_kw)
                  for d in drafter_devices]
+        _log(f"loss kernels: {', '.join(f'{side.device} {side.loss_kernels.kind}' for side in sides)}")
         step, g_start = 0, 0
         if plan.resume_from is not None:
             state = load_checkpoint(plan.resume_from)
