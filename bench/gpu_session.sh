@@ -3,7 +3,8 @@
 # Usage (on the GPU machine, repo root): bash bench/gpu_session.sh SECTION...   (logs under $OUT when set)
 # Session 3 calls: `verify pipeline-triton`, then `verify-pipeline pipeline-triton step8b-more` (the ten cold
 # two-drafter runs again after the stream fix), then `verify-pipeline pipeline-8b`.
-# Session 4 calls: `env pipeline-transfer` (features via the device vs via pinned host memory), then `pipeline-recheck`, then `auto-kernels`.
+# Session 4 calls: `env pipeline-transfer` (features via the device vs via pinned host memory), then
+# `pipeline-recheck`, then `auto-kernels` (all recorded in bench/RESULTS.md).
 set -u
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
 OUT=${OUT:-/tmp/bench-out}; mkdir -p "$OUT"
