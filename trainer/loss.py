@@ -231,7 +231,7 @@ def _compiled_stats_and_grad(backend: str = "inductor") -> tuple[Callable[..., t
 
 
 # --loss-kernels auto picks the fused Triton kernel only where it has been measured: Hopper (H200, capability
-# 9.0) gave +0.7% on the qwen3-8b seed step, +4-6% in the small pipeline, and ten cold two-thread runs with
+# 9.0) gave +0.7% on the qwen3-8b seed step, +4-5% in the small pipeline, and ten cold two-thread runs with
 # bitwise-identical replicas and losses (bench/RESULTS.md, session 4). Other GPUs keep the compiled kernels.
 TRITON_AUTO_MIN_CAPABILITY = (9, 0)
 
