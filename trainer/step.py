@@ -28,11 +28,12 @@ from trainer.compile_scope import private_compile, replica_scope
 from trainer.config import TrainConfig, TrainerInputError
 from trainer.data import Batch
 from trainer.loss import dflash_loss, make_chunk_kernels, resolve_loss_kernels, simulated_tau
-from trainer.loss_triton import TritonUnavailableError
+from trainer.loss_triton import triton_available
 from trainer.model import DFlashDrafter, TargetModel
 from trainer.model.drafter import call_layer
 
-__all__ = ["Batch", "FeatureBatch", "StepStats", "TargetSide", "DrafterSide", "lr_factor", "noise_std_at"]
+__all__ = ["Batch", "FeatureBatch", "StepStats", "TargetSide", "DrafterSide", "check_loss_kernels", "lr_factor",
+           "noise_std_at"]
 
 
 @dataclass
@@ -109,6 +110,20 @@ class TargetSide:
         return FeatureBatch(batch=batch, ctx_features=out.taps, teacher_hidden=out.final_hidden)
 
 
+def check_loss_kernels(kind: str, device: torch.device) -> None:
+    """Raise TrainerInputError when the drafter on ``device`` cannot run ``--loss-kernels kind`` (triton needs a
+    CUDA device and the triton package). config.validate sees only explicit --drafter-gpus; this sees the device
+    actually chosen."""
+    if kind != "triton":
+        return
+    if device.type != "cuda":
+        raise TrainerInputError(f"--loss-kernels triton needs a CUDA drafter device (the drafter would run on "
+                                f"{device})", hint="use --loss-kernels auto, compiled or eager")
+    if not triton_available():
+        raise TrainerInputError("--loss-kernels triton: the triton package is not installed",
+                                hint="pip install triton (CUDA torch wheels bring it), or use --loss-kernels auto")
+
+
 _REPLICA_IDS = itertools.count()  # names each replica's compile scope
 
 
@@ -136,13 +151,8 @@ class DrafterSide:
             self.drafter.layer_call = private_compile(call_layer, backend=compile_backend)
         # --loss-kernels auto: the fused Triton kernel on Hopper, else follows the layers (trainer/loss.py).
         kind = resolve_loss_kernels(cfg.loss_kernels, self.device, self.compiled)
-        if kind == "triton" and self.device.type != "cuda":
-            raise TrainerInputError(f"--loss-kernels triton needs a CUDA drafter device (got {self.device})",
-                                    hint="use --loss-kernels auto, compiled or eager")
-        try:
-            self.loss_kernels = make_chunk_kernels(kind, compile_backend=compile_backend)
-        except TritonUnavailableError as exc:
-            raise TrainerInputError(f"--loss-kernels {kind}: {exc}", hint="use --loss-kernels auto") from exc
+        check_loss_kernels(kind, self.device)
+        self.loss_kernels = make_chunk_kernels(kind, compile_backend=compile_backend)
         self.loss_fn = dflash_loss  # replaceable for benchmarks (e.g. a recomputing baseline)
         # Frozen, shared with the target; a copy only when the target lives on another device.
         self.embed_weight = embed_weight.detach().to(self.device)

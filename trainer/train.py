@@ -32,7 +32,7 @@ from trainer.loss import position_weights
 from trainer.metrics import RunRecorder, truncate_metrics
 from trainer.model import DFlashDrafter, DrafterConfig, TargetModel
 from trainer.signals import GracefulStop
-from trainer.step import DrafterSide, StepStats, TargetSide, micro_batches, noise_std_at
+from trainer.step import DrafterSide, StepStats, TargetSide, check_loss_kernels, micro_batches, noise_std_at
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -182,15 +182,7 @@ def plan_run(cfg: TrainConfig) -> Plan:
                                 f"--epochs {cfg.epochs}, fewer than one optimizer step", hint="use more data or epochs")
     total_steps = min(cfg.max_steps, steps_in_data) if cfg.max_steps else steps_in_data
     drafter_device = _device(cfg.drafter_gpus)
-    if cfg.loss_kernels == "triton":  # config.validate sees only explicit --drafter-gpus; this is the chosen device
-        from trainer.loss_triton import triton_available
-
-        if drafter_device.type != "cuda":
-            raise TrainerInputError(f"--loss-kernels triton needs a CUDA drafter device (the drafter would run on "
-                                    f"{drafter_device})", hint="use --loss-kernels auto on a machine without a GPU")
-        if not triton_available():
-            raise TrainerInputError("--loss-kernels triton: the triton package is not installed",
-                                    hint="pip install triton (CUDA torch wheels bring it), or use --loss-kernels auto")
+    check_loss_kernels(cfg.loss_kernels, drafter_device)  # before the (minutes long) target load
     return Plan(cfg, hf_config, drafter_config, dataset, resume_from, _device(cfg.target_gpus),
                 drafter_device, total_steps)
 
