@@ -35,7 +35,9 @@ import time
 NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 HASH_RE = re.compile(r"^[0-9a-f]{8,64}$")
 MARKER_KEY = "DFLASHOPS_RUN_ID"
-ERROR_LINE_RE = re.compile(r"(Traceback \(most recent call last\)|^\w*(Error|Exception)\b.*)")
+# A crash's one-line reason in train.log: a Python exception line, or the `error: ...` line that the trainer
+# (and dflashops' own wrapper) print for failures they explain themselves.
+ERROR_LINE_RE = re.compile(r"(Traceback \(most recent call last\)|^\w*(Error|Exception)\b.*|^error: .+)")
 
 
 class AgentFailure(Exception):
@@ -62,13 +64,34 @@ def run_dir(req: dict) -> str:
 
 
 def write_atomic(path: str, text: str, mode: int = 0o644) -> None:
+    """Write through a temporary file and rename(2); on any failure (a full disk) the temporary is removed."""
     tmp = f"{path}.tmp-{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        remove_quietly(tmp)
+        raise
+
+
+def remove_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def append_log(directory: str, line: str) -> None:
+    """One `dflashops: ...` line in the run's train.log; best effort (the disk may be full)."""
+    try:
+        with open(os.path.join(directory, "train.log"), "ab") as log:
+            log.write(f"dflashops: {line}\n".encode())
+    except OSError:
+        pass
 
 
 def read_text(path: str) -> str | None:
@@ -169,9 +192,23 @@ def signal_run(pgid: int | None, pids: set[int], signum: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- launch
+LAUNCH_SPEC = ".launch.json"  # argv + env (with every pass_env secret) for the wrapper; 0600, deleted on every path
+# Run-directory records the wrapper sets aside blocks for at start (`.NAME.reserved`), so that they can be
+# written on a full disk: the exit status, and a stop request with its outcome.
+RESERVED_BYTES = {"exit_code": 16, "stop.json": 4096}
+LAUNCH_SETTLE_S = 30.0  # a launch still in flight this long after its directory was made has failed
+
+
 def tmux_socket(workspace: str) -> str:
     """One tmux server per workspace, so `=name` targets and kills never touch anyone else's sessions."""
     return "dflashops-" + hashlib.sha1(workspace.encode()).hexdigest()[:10]
+
+
+def session_name(run: str) -> str:
+    """The run's tmux session name. tmux rewrites `.` and `:` in session names to `_`, so `exp.1` and `exp_1`
+    would share one session; this encoding is injective (prefix-free: `_` -> `__`, `.` -> `_d`) and leaves
+    names without `_` or `.` as typed."""
+    return run.replace("_", "__").replace(".", "_d")
 
 
 def check_launch(req: dict) -> tuple:
@@ -199,36 +236,48 @@ def verb_launch(req: dict) -> dict:
     except FileExistsError:
         raise AgentFailure(f"run directory {directory} already exists", "conflict") from None
     marker = f"{req['name']}.{os.urandom(6).hex()}"
+    session = session_name(req["name"])
     run_json = dict(req.get("run_json") or {})
-    run_json.update(name=req["name"], launcher=launcher, session=req["name"], run_dir=directory)
+    run_json.update(name=req["name"], launcher=launcher, session=session, run_dir=directory)
     write_atomic(os.path.join(directory, "run.json"), json.dumps(run_json, indent=2, sort_keys=True) + "\n")
     write_atomic(os.path.join(directory, "marker"), marker + "\n")
-    # Secrets reach the wrapper through this 0600 file, which the wrapper deletes before starting the job.
     launch_env = {str(k): str(v) for k, v in env.items()}
     launch_env.update(DFLASHOPS_RUN=req["name"], **{MARKER_KEY: marker})
     spec = {"argv": argv, "env": launch_env, "cwd": req.get("cwd") or directory}
-    write_atomic(os.path.join(directory, ".launch.json"), json.dumps(spec), mode=0o600)
+    spec_path = os.path.join(directory, LAUNCH_SPEC)
     wrapper = [sys.executable, os.path.abspath(__file__), "wrap", "--json-args", json.dumps({"dir": directory})]
-    if launcher == "tmux":
-        socket = tmux_socket(req["workspace"])
-        started = subprocess.run(
-            ["tmux", "-L", socket, "new-session", "-d", "-s", req["name"], "-x", "200", "-y", "50", "--", *wrapper],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=20,
-        )
-        if started.returncode != 0:
-            # Record the failure in the run dir, so status says "crashed" instead of "launching" forever.
-            reason = started.stderr.decode(errors="replace").strip()
-            with open(os.path.join(directory, "train.log"), "ab") as log:
-                log.write(f"dflashops: tmux new-session failed: {reason}\n".encode())
-            write_atomic(os.path.join(directory, "exit_code"), "127\n")
-            raise AgentFailure(f"tmux new-session failed: {reason}", "launch_failed")
-    else:
-        with open(os.devnull, "rb") as devnull, open(os.path.join(directory, "train.log"), "ab") as log:
-            subprocess.Popen(wrapper, stdin=devnull, stdout=log, stderr=log, start_new_session=True, close_fds=True)
-    pgid = wait_for_file(os.path.join(directory, "pgid"), 10.0)
-    if pgid is None:
-        raise AgentFailure(f"the launch wrapper did not start (see {directory}/train.log)", "launch_failed")
-    return {"run_dir": directory, "pgid": pgid, "marker": marker, "launcher": launcher}
+    try:
+        # Secrets reach the wrapper through this 0600 file; the wrapper deletes it as soon as it has read it.
+        write_atomic(spec_path, json.dumps(spec), mode=0o600)
+        if launcher == "tmux":
+            started = subprocess.run(
+                ["tmux", "-L", tmux_socket(req["workspace"]), "new-session", "-d", "-s", session,
+                 "-x", "200", "-y", "50", "--", *wrapper],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=20,
+            )
+            if started.returncode != 0:
+                reason = started.stderr.decode(errors="replace").strip()
+                launch_failed(directory, f"tmux new-session failed: {reason}")
+        else:
+            with open(os.devnull, "rb") as devnull, open(os.path.join(directory, "train.log"), "ab") as log:
+                subprocess.Popen(wrapper, stdin=devnull, stdout=log, stderr=log, start_new_session=True,
+                                 close_fds=True)
+        pgid = wait_for_file(os.path.join(directory, "pgid"), 10.0)
+        if pgid is None:
+            launch_failed(directory, f"the launch wrapper did not start within 10 s (see {directory}/train.log)")
+    finally:
+        # The wrapper has read and deleted the spec before it writes `pgid`; if it has not (the launch failed or
+        # timed out), the secrets must not stay on disk, and a wrapper that starts late then finds no spec and
+        # does not start the job.
+        remove_quietly(spec_path)
+    return {"run_dir": directory, "pgid": pgid, "marker": marker, "launcher": launcher, "session": session}
+
+
+def launch_failed(directory: str, reason: str) -> None:
+    """Record a launch that did not start (so status says crashed, not launching forever) and refuse."""
+    append_log(directory, reason)
+    record_exit_code(directory, 127)
+    raise AgentFailure(reason, "launch_failed")
 
 
 def wait_for_file(path: str, timeout: float) -> int | None:
@@ -241,20 +290,75 @@ def wait_for_file(path: str, timeout: float) -> int | None:
     return None
 
 
+def reserve_records(directory: str) -> None:
+    """Set aside, while the disk still has room, the blocks that `exit_code` and `stop.json` will need: a run
+    that fills its disk must still end with its exit status and its stop recorded, or status could only
+    call a stopped run `lost` or `crashed`."""
+    for name, size in RESERVED_BYTES.items():
+        try:
+            write_atomic(os.path.join(directory, f".{name}.reserved"), " " * (size - 1) + "\n")
+        except OSError:
+            pass
+
+
+def write_record(directory: str, name: str, text: str) -> None:
+    """`write_atomic(directory/name, text)`; on a full disk, the text goes into the file `reserve_records` set
+    aside (overwritten in place, which needs no new blocks, padded with whitespace that JSON and int readers
+    ignore), which is then renamed over `name`."""
+    path, reserve = os.path.join(directory, name), os.path.join(directory, f".{name}.reserved")
+    try:
+        write_atomic(path, text)
+    except OSError:
+        data = text.encode()
+        if not os.path.exists(reserve) or len(data) > os.path.getsize(reserve):
+            raise
+        with open(reserve, "r+b") as handle:
+            handle.write(data.ljust(os.path.getsize(reserve)))
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(reserve, path)
+    else:
+        remove_quietly(reserve)
+
+
+def record_exit_code(directory: str, status: int) -> None:
+    write_record(directory, "exit_code", f"{status}\n")
+
+
+def stop_requested(directory: str) -> bool:
+    return os.path.exists(os.path.join(directory, "stop.json"))
+
+
 def verb_wrap(req: dict) -> dict:
-    """Runs as the leader of the run's new process group/session (setsid or tmux pane). Starts the job with
-    output appended to train.log, records pid/pgid, waits, and writes `exit_code` (128+N for signal N)."""
+    """Runs as the leader of the run's new process group/session (setsid or tmux pane). Records pgid, starts
+    the job with output appended to train.log unless a stop was requested first, records its pid, waits, and
+    writes `exit_code` (128+N for signal N)."""
     directory = req["dir"]
-    spec_path = os.path.join(directory, ".launch.json")
-    with open(spec_path, encoding="utf-8") as handle:
-        spec = json.load(handle)
-    os.unlink(spec_path)
+    spec_path = os.path.join(directory, LAUNCH_SPEC)
+    try:
+        with open(spec_path, encoding="utf-8") as handle:
+            spec = json.load(handle)
+    except FileNotFoundError:  # verb_launch gave up waiting for this wrapper and removed the spec
+        append_log(directory, "the launch timed out before the wrapper started; the job was not started")
+        record_exit_code(directory, 127)
+        return {"exit_code": 127}
+    finally:
+        remove_quietly(spec_path)
     if os.getpgrp() != os.getpid():
         os.setsid()
     # Python-level handlers (not SIG_IGN, which exec would pass on to the job): the wrapper outlives the
     # group-wide SIGTERM so it can record the job's real exit status.
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(signum, lambda *_: None)
+    reserve_records(directory)
+    write_atomic(os.path.join(directory, "pgid"), f"{os.getpgrp()}\n")
+    # A stop that raced the launch wrote its request before the job existed: it wins, the job never starts.
+    # (A stop after this check finds the group and waits for `pid`: verb_stop.)
+    if stop_requested(directory):
+        append_log(directory, "stop requested before the job started; not starting it")
+        status = 128 + signal.SIGTERM
+        record_exit_code(directory, status)
+        return {"exit_code": status}
     env = dict(os.environ)
     env.update(spec["env"])
     log_path = os.path.join(directory, "train.log")
@@ -264,11 +368,9 @@ def verb_wrap(req: dict) -> dict:
                                      stdout=log, stderr=log)
         except OSError as exc:
             log.write(f"dflashops: cannot start {spec['argv'][0]}: {exc}\n".encode())
-            write_atomic(os.path.join(directory, "pgid"), f"{os.getpgrp()}\n")
-            write_atomic(os.path.join(directory, "exit_code"), "127\n")
+            record_exit_code(directory, 127)
             return {"exit_code": 127}
     write_atomic(os.path.join(directory, "pid"), f"{child.pid}\n")
-    write_atomic(os.path.join(directory, "pgid"), f"{os.getpgrp()}\n")
     tee = sys.stdout.isatty()  # in a tmux pane: mirror the log for humans who attach
     offset = os.path.getsize(log_path)
     while True:
@@ -284,7 +386,7 @@ def verb_wrap(req: dict) -> dict:
     if tee:
         mirror(log_path, offset)
     status = code if code >= 0 else 128 - code
-    write_atomic(os.path.join(directory, "exit_code"), f"{status}\n")
+    record_exit_code(directory, status)
     return {"exit_code": status}
 
 
@@ -301,7 +403,6 @@ def mirror(path: str, offset: int) -> int:
         except OSError:
             pass
     return offset + len(data)
-
 
 # ------------------------------------------------------------------------------------------------ stop
 def gpu_apps() -> dict[int, int] | None:
@@ -342,54 +443,141 @@ def saving_checkpoint(directory: str) -> bool:
 
 
 def verb_stop(req: dict) -> dict:
-    """TERM the run's group and marked processes, wait `grace`, KILL what is left, wait until all are gone
-    and (with nvidia-smi) until none of the run's pids holds GPU memory. Refuses a run that is not running.
-    A run still writing the checkpoint the TERM asked for (status.json phase "saving", live heartbeat) gets up
-    to `save_grace` seconds more before the KILL: killing it then would lose exactly that checkpoint."""
+    """Stop the run; its checkpoint first, then its processes. Refuses a run that is not running.
+
+    1. A launch still in flight (no job pid yet): record the stop request, which the wrapper reads before it
+       starts the job, and wait for the launch to settle; the stop wins either way (verb_wrap).
+    2. SIGTERM to the job's own process only (the recorded `pid`), not yet its group: the trainer's children
+       (the W&B service, data workers) must keep running until it has written its checkpoint and closed its
+       W&B run, or the stop leaves a ConnectionResetError traceback in the log and W&B sockets behind.
+    3. Once the job has exited (or `grace` passed), SIGTERM to the rest of the group and the marked
+       processes (setsid children), and wait for them too.
+    4. SIGKILL what is left after `grace`; a run still writing the checkpoint the TERM asked for (status.json
+       phase "saving", live heartbeat) gets up to `save_grace` seconds more first.
+    5. Wait until none is left and (with nvidia-smi) none of its pids holds GPU memory.
+    Signals come first, bookkeeping after, and bookkeeping is best effort: a full disk must not stop a stop."""
     directory = run_dir(req)
     if not os.path.isdir(directory):
         raise AgentFailure(f"run {req['name']!r} does not exist on this target", "not_found")
+    started = time.monotonic()
+    if launch_in_flight(directory):
+        record_stop(directory, {"requested_at": time.time()})
+        wait_for_any(directory, ("pid", "exit_code"), LAUNCH_SETTLE_S)
     marker = (read_text(os.path.join(directory, "marker")) or "").strip() or None
     pgid, pids = run_processes(read_int(os.path.join(directory, "pgid")), marker, directory)
+    if not pids and stop_requested(directory) and read_int(os.path.join(directory, "pid")) is None \
+            and read_int(os.path.join(directory, "exit_code")) is not None:
+        return finish_stop(req, directory, started, escalated=False, seen=set(), waited=0.0, before_start=True)
     if not pids:
         raise AgentFailure(f"run {req['name']!r} is not running", "not_running")
     grace = float(req.get("grace", 60.0))
-    all_seen = set(pids)
-    started = time.monotonic()
-    write_atomic(os.path.join(directory, "stop.json"), json.dumps({"requested_at": time.time()}) + "\n")
-    signal_run(pgid, pids, signal.SIGTERM)
-    left = wait_gone(pgid, marker, directory, grace)
-    waited_for_save = 0.0
-    save_deadline = time.monotonic() + float(req.get("save_grace", 600.0))
-    while left and saving_checkpoint(directory) and time.monotonic() < save_deadline:
-        began = time.monotonic()
-        left = wait_gone(pgid, marker, directory, min(1.0, save_deadline - began))
-        waited_for_save += time.monotonic() - began
-    if left and waited_for_save:  # checkpoint written; the process is on its way out (closing files, wandb)
-        began = time.monotonic()
-        left = wait_gone(pgid, marker, directory, max(0.0, min(EXIT_AFTER_SAVE_S, save_deadline - began)))
-        waited_for_save += time.monotonic() - began
+    job = read_int(os.path.join(directory, "pid"))
+    job_first = job in pids
+    signal_run(None if job_first else pgid, {job} if job_first else pids, signal.SIGTERM)
+    recorded = record_stop(directory, {"requested_at": time.time()})
+    grace_deadline = time.monotonic() + grace
+    save_deadline = grace_deadline + float(req.get("save_grace", 600.0))
+    seen, waited = set(pids), 0.0
+    if job_first:
+        _, waited = wait_out(lambda: {job} if alive(job) else set(), grace_deadline, save_deadline, directory)
+
+    def rest() -> set[int]:
+        return run_processes(pgid, marker, directory)[1]
+
+    left = rest()
+    if left and job_first:
+        seen |= left
+        signal_run(pgid, left, signal.SIGTERM)
+        deadline = max(grace_deadline, time.monotonic() + min(grace, REST_GRACE_S))
+        left, more = wait_out(rest, deadline, save_deadline, directory)
+        waited += more
+    elif left:
+        left, waited = wait_out(rest, grace_deadline, save_deadline, directory)
     escalated = bool(left)
     if left:
-        all_seen |= left
+        seen |= left
         signal_run(pgid, left, signal.SIGKILL)
         left = wait_gone(pgid, marker, directory, float(req.get("kill_timeout", 10.0)))
     if left:
         raise AgentFailure(f"processes {sorted(left)} of run {req['name']!r} survived SIGKILL", "stuck")
-    gpu_released = wait_gpu_release(all_seen, float(req.get("gpu_timeout", 60.0)))
+    return finish_stop(req, directory, started, escalated=escalated, seen=seen, waited=waited,
+                       recorded=recorded, gpu_timeout=float(req.get("gpu_timeout", 60.0)))
+
+
+REST_GRACE_S = 10.0  # the rest of the group gets at least this long (within --grace) after the job exited
+
+
+def launch_in_flight(directory: str) -> bool:
+    """The run directory exists but its job has not started yet (no pid, no exit code) and is young enough
+    that its launch may still be running."""
+    if any(os.path.exists(os.path.join(directory, f)) for f in ("pid", "exit_code")):
+        return False
+    try:
+        return time.time() - os.stat(directory).st_ctime < LAUNCH_SETTLE_S
+    except OSError:
+        return False
+
+
+def wait_for_any(directory: str, names: tuple[str, ...], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not any(os.path.exists(os.path.join(directory, n)) for n in names):
+        time.sleep(0.02)
+
+
+def record_stop(directory: str, fields: dict) -> bool:
+    """Merge `fields` into stop.json; False when it could not be written (a full disk, no reserve left)."""
+    info = read_json(os.path.join(directory, "stop.json")) or {}
+    info.update(fields)
+    try:
+        write_record(directory, "stop.json", json.dumps(info) + "\n")
+        return True
+    except OSError:
+        return False
+
+
+def wait_out(live, deadline: float, save_deadline: float, directory: str) -> tuple[set[int], float]:
+    """Poll `live()` (the pids still to wait for) until it is empty or `deadline`; past the deadline keep
+    waiting, up to `save_deadline`, while the run is writing its checkpoint, then give the process
+    EXIT_AFTER_SAVE_S to close its files. Returns (still live, seconds waited for the checkpoint)."""
+    left = live()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = live()
+    waited = 0.0
+    while left and saving_checkpoint(directory) and time.monotonic() < save_deadline:
+        began = time.monotonic()
+        time.sleep(min(0.05, max(0.0, save_deadline - began)))
+        left = live()
+        waited += time.monotonic() - began
+    if left and waited:  # checkpoint written; the process is on its way out (closing files, wandb)
+        exit_deadline = min(time.monotonic() + EXIT_AFTER_SAVE_S, save_deadline)
+        while left and time.monotonic() < exit_deadline:
+            began = time.monotonic()
+            time.sleep(0.05)
+            left = live()
+            waited += time.monotonic() - began
+    return left, waited
+
+
+def finish_stop(req: dict, directory: str, started: float, *, escalated: bool, seen: set[int], waited: float,
+                recorded: bool = True, before_start: bool = False, gpu_timeout: float = 0.0) -> dict:
+    """Bookkeeping after the processes are gone: GPU release, a missing exit code, the tmux session, stop.json.
+    Best effort on a full disk; the answer says whether stop.json was written."""
+    gpu_released = wait_gpu_release(seen, gpu_timeout) if seen else None
     if read_int(os.path.join(directory, "exit_code")) is None:
         # The wrapper itself was SIGKILLed before it could write the status; record what happened to it.
-        write_atomic(os.path.join(directory, "exit_code"), f"{128 + signal.SIGKILL}\n")
+        try:
+            record_exit_code(directory, 128 + signal.SIGKILL)
+        except OSError:
+            pass
     if shutil.which("tmux"):
-        subprocess.run(["tmux", "-L", tmux_socket(req["workspace"]), "kill-session", "-t", "=" + req["name"]],
-                       capture_output=True, timeout=10)
-    result = {"escalated": escalated, "signalled": sorted(all_seen), "gpu_released": gpu_released,
-              "waited_for_checkpoint_s": round(waited_for_save, 1),
+        subprocess.run(["tmux", "-L", tmux_socket(req["workspace"]), "kill-session", "-t",
+                        "=" + session_name(req["name"])], capture_output=True, timeout=10)
+    result = {"escalated": escalated, "signalled": sorted(seen), "gpu_released": gpu_released,
+              "waited_for_checkpoint_s": round(waited, 1), "before_start": before_start,
               "exit_code": read_int(os.path.join(directory, "exit_code")),
               "seconds": round(time.monotonic() - started, 3)}
-    stop_info = read_json(os.path.join(directory, "stop.json")) or {}
-    stop_info.update(result, finished_at=time.time())
-    write_atomic(os.path.join(directory, "stop.json"), json.dumps(stop_info) + "\n")
+    result["recorded"] = record_stop(directory, {**result, "finished_at": time.time()}) and recorded
     return result
 
 
@@ -447,7 +635,7 @@ def run_status(directory: str) -> dict:
     if live:
         state = "stopping" if stopped else "running"
     elif exit_code is None:
-        state = "lost" if pgid else "launching"
+        state = "launching" if not pgid and launch_in_flight(directory) else "lost"
     elif stopped:
         state = "stopped"
     elif exit_code == 0:
@@ -474,9 +662,15 @@ def verb_status(req: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ tail
+CHECK_BYTES = 64  # the bytes before the cursor that a follower's `check` covers
+
+
 def verb_tail(req: dict) -> dict:
     """Bytes of train.log from `offset`, cut at the last newline so no line is split or repeated. `inode`
-    (from the previous answer) detects rotation: the rest of the rotated `train.log.1` comes first.
+    (from the previous answer) detects rotation: the rest of the rotated `train.log.1` comes first. `check`
+    (also from the previous answer: a digest of the bytes just before `offset`) detects a log that was
+    truncated or rewritten in place, and an inode with no `train.log.1` a log replaced by a new file: then
+    reading starts again at byte 0 and the answer's `notice` says so, instead of losing or repeating lines.
     `wait_s` (long poll, at most 10 s): when there is nothing new yet, wait here for up to that long, checking
     the file every 50 ms, so a follower sees a line ~50 ms after it is written instead of a poll period later."""
     directory = run_dir(req)
@@ -487,39 +681,65 @@ def verb_tail(req: dict) -> dict:
     while True:
         answer = _tail_once(req, directory, path)
         moved = answer["offset"] != int(req.get("offset", 0)) or answer["inode"] != req.get("inode")
-        if answer["data"] or answer["finished"] or moved or time.monotonic() >= deadline:
+        if answer["data"] or answer["finished"] or moved or answer["notice"] or time.monotonic() >= deadline:
             return answer
         time.sleep(0.05)
+
+
+def prefix_check(handle, offset: int) -> str:
+    """Digest of the CHECK_BYTES bytes before `offset` ("" at 0)."""
+    if offset <= 0:
+        return ""
+    handle.seek(max(0, offset - CHECK_BYTES))
+    return hashlib.sha1(handle.read(min(offset, CHECK_BYTES))).hexdigest()[:16]
+
+
+def utf8_whole(data: bytes) -> bytes:
+    """`data` without a trailing incomplete UTF-8 sequence, so a piece of a long line never ends inside a
+    character (the rest comes with the next piece)."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte & 0xC0 == 0x80:  # a continuation byte: look further back for its lead byte
+            continue
+        need = 2 if byte >> 5 == 0b110 else 3 if byte >> 4 == 0b1110 else 4 if byte >> 3 == 0b11110 else 1
+        return data[:-back] if need > back else data
+    return data
 
 
 def _tail_once(req: dict, directory: str, path: str) -> dict:
     offset, inode = int(req.get("offset", 0)), req.get("inode")
     max_bytes = int(req.get("max_bytes", 1 << 20))
     current_inode = os.stat(path).st_ino
-    source, rotated = path, False
+    source, rotated, notice = path, False, None
     if inode is not None and int(inode) != current_inode:
         old = path + ".1"
         if os.path.exists(old) and os.stat(old).st_ino == int(inode):
-            source = old
-        rotated = True
+            source, rotated = old, True
+        else:
+            offset, notice = 0, "train.log was replaced by a new file; reading the new one from its start"
     with open(source, "rb") as handle:
+        expected = req.get("check")
+        if notice is None and (offset > os.fstat(handle.fileno()).st_size
+                               or expected is not None and prefix_check(handle, offset) != expected):
+            offset, notice = 0, "train.log was truncated or rewritten; reading it again from its start"
         handle.seek(offset)
         data = handle.read(max_bytes)
         at_end = handle.read(1) == b""
-    finished = read_int(os.path.join(directory, "exit_code")) is not None
-    if at_end and (rotated or finished):
-        pass  # the file is complete: deliver everything, including a last line without a newline
-    elif b"\n" in data:
-        data = data[: data.rfind(b"\n") + 1]  # keep a partial last line for the next call
-    elif len(data) < max_bytes:
-        data = b""
+        finished = read_int(os.path.join(directory, "exit_code")) is not None
+        if at_end and (rotated or finished):
+            pass  # the file is complete: deliver everything, including a last line without a newline
+        elif b"\n" in data:
+            data = data[: data.rfind(b"\n") + 1]  # keep a partial last line for the next call
+        elif len(data) < max_bytes:
+            data = b""
+        else:
+            data = utf8_whole(data)  # a line longer than max_bytes: deliver it in pieces, whole characters
+        next_offset = offset + len(data)
+        check = prefix_check(handle, next_offset)
     if rotated and at_end:
-        next_offset, next_inode = 0, current_inode
-    else:
-        next_offset, next_inode = offset + len(data), os.stat(source).st_ino
-    return {"data": data.decode("utf-8", errors="replace"), "offset": next_offset, "inode": next_inode,
-            "finished": finished}
-
+        next_offset, check, source = 0, "", path
+    return {"data": data.decode("utf-8", errors="replace"), "offset": next_offset,
+            "inode": os.stat(source).st_ino, "check": check, "finished": finished, "notice": notice}
 
 # -------------------------------------------------------------------------------- gpus, cache, releases
 def verb_gpus(req: dict) -> dict:
@@ -607,8 +827,9 @@ def install_manifest(req: dict, releases: str) -> tuple:
 def build_release(req: dict, stdin: bytes, stale_code: str = "conflict") -> tuple:
     """Make releases/<hash>/ complete (or find it already there) WITHOUT making it current; returns
     (code_hash, path). Unpack the tar of changed files into a temp dir, hard-link unchanged files from
-    the base release, verify every hash, then rename. A cut or a failure anywhere before the rename leaves
-    only a `.tmp-*` folder (removed by the next install): a release is complete or absent."""
+    the base release, verify every hash, then rename. A failure removes its own `.tmp-*` folder; a cut
+    connection or a crash leaves one, removed by a later install once its owner is gone: a release is
+    complete or absent, and concurrent installs never delete each other's work."""
     workspace = workspace_of(req)
     code_hash = str(req.get("hash") or "")
     releases = os.path.join(workspace, "releases")
@@ -621,17 +842,40 @@ def build_release(req: dict, stdin: bytes, stale_code: str = "conflict") -> tupl
         raise AgentFailure(f"manifest does not match release {code_hash} (base {req.get('base')!r} changed?); "
                            "sync again", stale_code)
     os.makedirs(releases, exist_ok=True)
-    for entry in os.listdir(releases):
-        if entry.startswith(".tmp-"):
-            shutil.rmtree(os.path.join(releases, entry), ignore_errors=True)
+    remove_abandoned_temporaries(releases)
     final = os.path.join(releases, code_hash)
     if os.path.isdir(final):
         return code_hash, final
     tmp = os.path.join(releases, f".tmp-{code_hash}-{os.getpid()}")
     os.makedirs(tmp)
+    try:
+        fill_release(tmp, stdin, link, releases, req.get("base"), files, stale_code)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if not os.path.isdir(final):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # a concurrent install of the same code finished first
+    return code_hash, final
+
+
+def remove_abandoned_temporaries(releases: str) -> None:
+    """Remove `.tmp-<hash>-<pid>` folders whose installing agent is gone (a cut connection, a crash); never
+    one whose owner is still running: two deploys of new code may build releases side by side."""
+    for entry in os.listdir(releases):
+        owner = entry.rsplit("-", 1)[-1]
+        if entry.startswith(".tmp-") and owner.isdigit() and int(owner) != os.getpid() and not alive(int(owner)):
+            shutil.rmtree(os.path.join(releases, entry), ignore_errors=True)
+
+
+def fill_release(tmp: str, stdin: bytes, link: list, releases: str, base: object, files: dict,
+                 stale_code: str) -> None:
+    """Unpack the changed files into `tmp`, hard-link the unchanged ones from `base`, verify every hash."""
     with tarfile.open(fileobj=io.BytesIO(stdin), mode="r:*") as archive:  # plain or gzip
         archive.extractall(tmp, members=safe_members(archive))
-    base = req.get("base")
     base_dir = os.path.join(releases, base) if isinstance(base, str) and HASH_RE.match(base) else None
     for rel in link:
         source = os.path.join(base_dir or "/nonexistent", rel)
@@ -643,11 +887,8 @@ def build_release(req: dict, stdin: bytes, stale_code: str = "conflict") -> tupl
     for rel, digest in files.items():
         path = os.path.join(tmp, rel)
         if not os.path.isfile(path) or file_sha256(path) != digest:
-            shutil.rmtree(tmp)
             raise AgentFailure(f"release file {rel!r} is missing or corrupt after transfer", "corrupt")
     write_atomic(os.path.join(tmp, ".manifest.json"), json.dumps(files, sort_keys=True))
-    os.rename(tmp, final)
-    return code_hash, final
 
 
 def flip_current(workspace: str, code_hash: str) -> None:

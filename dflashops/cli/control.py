@@ -10,7 +10,7 @@ from typing import Any
 
 from dflashops.cli.common import emit_json, highlight_errors, open_session, print_plan, progress
 from dflashops.errors import TransportError, UsageError
-from dflashops.ops.control import LogCursor, read_log, run_status, stop_run, wait_for
+from dflashops.ops.control import LogCursor, ended_badly, how_it_ended, read_log, run_status, stop_run, wait_for
 from dflashops.shell import validate_name
 
 
@@ -81,7 +81,13 @@ def handle_stop(args: argparse.Namespace) -> int:
             print_plan(session)
             return 0
         how = "SIGKILL after the grace period" if answer["escalated"] else "SIGTERM"
-        progress(f"stopped {args.run} by {how} in {answer['seconds']}s; exit code {answer['exit_code']}")
+        if answer.get("before_start"):
+            progress(f"stopped {args.run} before its job started (it was still launching); it never ran")
+        else:
+            progress(f"stopped {args.run} by {how} in {answer['seconds']}s; exit code {answer['exit_code']}")
+        if answer.get("recorded") is False:
+            progress(f"warning: could not write {args.run}'s stop.json (is the target's disk full?); "
+                     "the run was stopped, but status may call it crashed")
         if answer.get("waited_for_checkpoint_s"):
             progress(f"waited {answer['waited_for_checkpoint_s']}s past the grace period for its checkpoint to be "
                      f"written{' (then SIGKILL: --save-grace ran out)' if answer['escalated'] else ''}")
@@ -93,8 +99,8 @@ def handle_stop(args: argparse.Namespace) -> int:
 
 def describe(entry: dict[str, Any]) -> str:
     state = entry["state"]
-    if state == "crashed":
-        state = f"crashed at step {entry.get('step')}" + (f": {entry['error_line']}" if entry.get("error_line") else "")
+    if state in ("crashed", "lost"):
+        state = how_it_ended(entry, exit_code=False)  # the exit code has its own column
     metrics = entry.get("last_metrics") or {}
 
     def value(key: str) -> str:
@@ -142,11 +148,13 @@ def handle_logs(args: argparse.Namespace) -> int:
         try:
             if args.until or args.fail_on:
                 wait_for(session, args.run, until=args.until, fail_on=args.fail_on, target=args.target,
-                         timeout=args.timeout, cursor=cursor, on_text=write)
+                         timeout=args.timeout, cursor=cursor, on_text=write, on_notice=progress)
             else:
                 for chunk in read_log(session, args.run, cursor, target=args.target, follow=args.follow,
-                                      timeout=args.timeout):
+                                      timeout=args.timeout, on_notice=progress):
                     write(chunk)
+                if args.follow and (failure := ended_badly(session, args.run, target=args.target)):
+                    raise failure  # followed to the end of a crashed run: scripts see it in the exit status
         except KeyboardInterrupt:
             progress(f"interrupted; resume with --since {cursor.offset}")
             return 130
@@ -176,7 +184,7 @@ def handle_exec(args: argparse.Namespace) -> int:
 
 
 def handle_attach(args: argparse.Namespace) -> int:
-    from dflashops.agent import tmux_socket  # stdlib-only module: the same socket name the agent uses
+    from dflashops.agent import session_name, tmux_socket  # stdlib-only: the agent's own naming rules
     from dflashops.transport.interactive import interactive_argv
 
     validate_name(args.run, what="run name")
@@ -186,7 +194,8 @@ def handle_attach(args: argparse.Namespace) -> int:
     if entry["run_json"].get("launcher") != "tmux":
         raise UsageError(f"run {args.run!r} was launched with nohup; there is no session to attach",
                          hint=f"`dflashops logs {args.run} -f`")
-    tmux = ["tmux", "-L", tmux_socket(target.workspace), "attach-session", "-t", "=" + args.run]
+    session = entry["run_json"].get("session") or session_name(args.run)
+    tmux = ["tmux", "-L", tmux_socket(target.workspace), "attach-session", "-t", "=" + session]
     # Remote: the terminal type travels (pct exec clears the environment); detach with the tmux prefix + d.
     term = {"TERM": os.environ.get("TERM", "xterm-256color")} if target.kind != "local" else None
     argv = interactive_argv(target, tmux, hosts=session.inventory.hosts, env=term)

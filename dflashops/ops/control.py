@@ -68,6 +68,7 @@ class LogCursor:
 
     offset: int = 0
     inode: int | None = None
+    check: str | None = None  # the agent's digest of the bytes before `offset` (detects a rewritten log)
 
 
 RECONNECT_ATTEMPTS = 6
@@ -91,9 +92,11 @@ LONG_POLL_S = 2.0  # the longest one `tail` call waits for news; keepalives keep
 
 
 def read_log(session: Session, name: str, cursor: LogCursor, *, target: str | None = None,
-             follow: bool = False, poll_s: float = 0.5, timeout: float | None = None) -> Iterator[str]:
+             follow: bool = False, poll_s: float = 0.5, timeout: float | None = None,
+             on_notice: Callable[[str], None] = lambda notice: None) -> Iterator[str]:
     """Yield complete chunks of train.log from `cursor` (updated as it goes). With `follow`, keep polling
-    until the run has finished and the log is drained, or `timeout` passes (WaitTimeout)."""
+    until the run has finished and the log is drained, or `timeout` passes (WaitTimeout). A log truncated,
+    rewritten or replaced under the reader is read again from its start, and `on_notice` is told why."""
     validate_name(name, what="run name")
     tgt = session.target_for_run(name, target)
     agent = session.agent(tgt)
@@ -104,13 +107,15 @@ def read_log(session: Session, name: str, cursor: LogCursor, *, target: str | No
         wait_s = 0.0
         if follow:
             wait_s = LONG_POLL_S if deadline is None else max(0.0, min(LONG_POLL_S, deadline - time.monotonic()))
-        answer = call_resuming(agent, "tail", {"workspace": tgt.workspace, "name": name,
-                                               "offset": cursor.offset, "inode": cursor.inode, "wait_s": wait_s})
-        moved = answer["offset"] != cursor.offset or answer["inode"] != cursor.inode
-        cursor.offset, cursor.inode = answer["offset"], answer["inode"]
+        answer = call_resuming(agent, "tail", {"workspace": tgt.workspace, "name": name, "offset": cursor.offset,
+                                               "inode": cursor.inode, "check": cursor.check, "wait_s": wait_s})
+        moved = answer["offset"] != cursor.offset or answer["inode"] != cursor.inode or bool(answer.get("notice"))
+        cursor.offset, cursor.inode, cursor.check = answer["offset"], answer["inode"], answer.get("check")
+        if answer.get("notice"):
+            on_notice(f"{name}: {answer['notice']}")
         if answer["data"]:
             yield answer["data"]
-        if not follow or (answer["finished"] and not moved):
+        if not moved and (not follow or answer["finished"]):  # drained (a long log comes in 1 MiB pieces)
             return
         if deadline is not None and time.monotonic() >= deadline:
             raise WaitTimeout(f"{name}: no match within {timeout:g}s", hint="raise --timeout")
@@ -120,16 +125,24 @@ def read_log(session: Session, name: str, cursor: LogCursor, *, target: str | No
 
 def wait_for(session: Session, name: str, *, until: str | None, fail_on: str | None = DEFAULT_FAIL_ON,
              target: str | None = None, timeout: float | None = None, cursor: LogCursor | None = None,
-             on_text: Callable[[str], None] = lambda text: None, poll_s: float = 0.5) -> str:
+             on_text: Callable[[str], None] = lambda text: None, poll_s: float = 0.5,
+             on_notice: Callable[[str], None] = lambda notice: None) -> str:
     """Follow the log until `until` matches a line (returns it), `fail_on` matches (RunFailed), the run
-    ends first (RunFailed with its state; or returns "" when no `until` was given and it finished), or
+    ends first (RunFailed with its state; or returns "" when no `until` was given and it finished or was
+    stopped), or
     `timeout` passes (WaitTimeout). Every line read is passed to `on_text` before it is matched."""
     until_re = re.compile(until) if until else None
     fail_re = re.compile(fail_on) if fail_on else None
     recent: list[str] = []
     pending = ""
+
+    def restarted(notice: str) -> None:  # the log is read again from its start: a held partial line is stale
+        nonlocal pending
+        pending = ""
+        on_notice(notice)
+
     for chunk in read_log(session, name, cursor or LogCursor(), target=target, follow=True,
-                          poll_s=poll_s, timeout=timeout):
+                          poll_s=poll_s, timeout=timeout, on_notice=restarted):
         pending += chunk
         *lines, pending = pending.split("\n")
         for line in lines:
@@ -145,14 +158,27 @@ def wait_for(session: Session, name: str, *, until: str | None, fail_on: str | N
         if until_re and until_re.search(pending):
             return pending
     final = run_status(session, name, target=target)[0]
-    if final["state"] == "finished" and until_re is None:
-        return ""
-    detail = f" at step {final['step']}" if final.get("step") is not None else ""
-    error = f": {final['error_line']}" if final.get("error_line") else ""
+    if until_re is None and final["state"] in ("finished", "stopped"):
+        return ""  # only watching for failures: a run that finished or was stopped cleanly did not fail
     last = "\n".join("  | " + line for line in recent[-5:])
-    raise RunFailed(f"{name} ended ({final['state']}{detail}, exit code {final['exit_code']}) before "
-                    f"{until!r} appeared{error}" + (f"\n{last}" if last else ""),
-                    hint=f"`dflashops logs {name}` shows the whole log")
+    raise RunFailed(f"{name} ended ({how_it_ended(final)}) before {until!r} appeared"
+                    + (f"\n{last}" if last else ""), hint=f"`dflashops logs {name}` shows the whole log")
+
+
+def how_it_ended(entry: dict[str, Any], *, exit_code: bool = True) -> str:
+    """`crashed at step 8, exit code 1: error: ...`: a run's end in one phrase (step and error when known)."""
+    detail = f" at step {entry['step']}" if entry.get("step") is not None else ""
+    code = f", exit code {entry['exit_code']}" if exit_code else ""
+    error = f": {entry['error_line']}" if entry.get("error_line") else ""
+    return f"{entry['state']}{detail}{code}{error}"
+
+
+def ended_badly(session: Session, name: str, *, target: str | None = None) -> RunFailed | None:
+    """RunFailed when the run ended crashed or lost (for `logs -f`, whose exit status scripts check)."""
+    final = run_status(session, name, target=target)[0]
+    if final["state"] not in ("crashed", "lost"):
+        return None
+    return RunFailed(f"{name} {how_it_ended(final)}", hint=f"`dflashops status {name}` shows its last state")
 
 
 def require_run(session: Session, name: str, target: str | None = None) -> dict[str, Any]:
