@@ -62,6 +62,7 @@ _MIGRATIONS: dict[int, str] = {
 _JSON_COLUMNS = ("argv", "env", "gpus", "extra")
 _COLUMNS = tuple(RunRecord.__dataclass_fields__)
 _SETTABLE = {"exit_code", "last_step", "note", "session", "extra"}
+RESERVED = "reserved"  # extra key of a name claimed by a launch in progress (LineageDB.reserve)
 
 ImportOutcome = Literal["added", "updated", "unchanged"]
 
@@ -193,6 +194,27 @@ class LineageDB:
             self._check_new(run, allow_missing_parent=False)
             self._insert(run)
         return self.get(run.name)
+
+    def reserve(self, run: RunRecord, *, after: str | None = None) -> str:
+        """Claim `run.name` (with `after`: the next free name after it, chosen in the same transaction) BEFORE
+        anything is launched, so two controllers launching at once never pick the same name, and a name
+        that is taken is refused before a byte moves. Returns the claimed name. `fill` replaces the claim
+        by the launched run's record; `release` drops it when the launch fails."""
+        run.extra = {**run.extra, RESERVED: True}
+        return (self.record_as_next(run, after) if after else self.record(run)).name
+
+    def fill(self, run: RunRecord) -> RunRecord:
+        """Replace the reservation of `run.name` by `run` (the launched run's full record)."""
+        with self._write():
+            self._conn.execute("DELETE FROM runs WHERE name = ?", (run.name,))
+            self._insert(run)
+        return self.get(run.name)
+
+    def release(self, name: str) -> None:
+        """Drop a reservation (the launch failed); a filled record is never touched."""
+        with self._write():
+            self._conn.execute(f"DELETE FROM runs WHERE name = ? AND json_extract(extra, '$.{RESERVED}') = 1",
+                               (name,))
 
     def _check_new(self, run: RunRecord, allow_missing_parent: bool) -> None:
         if self._exists(run.name):

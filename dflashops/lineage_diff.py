@@ -34,7 +34,8 @@ def _normalise(value: str, run: RunRecord) -> str:
     return value
 
 
-def _is_flag(word: str) -> bool:
+def is_flag(word: str) -> bool:
+    """`--lr`, `-f`, `--lr=3e-4`; not `-`, and not a negative number (`-1`, `-1e-3`), which is a value."""
     return word.startswith("-") and word != "-" and not _NEGATIVE_NUMBER.match(word)
 
 
@@ -62,11 +63,11 @@ def parse_argv(argv: Sequence[str]) -> tuple[list[str], Options]:
         if word == "--":
             positional.extend(words[index + 1 :])
             break
-        if _is_flag(word):
+        if is_flag(word):
             flag, sep, value = word.partition("=")
             if sep:
                 put(flag, value)
-            elif index + 1 < len(words) and not _is_flag(words[index + 1]) and words[index + 1] != "--":
+            elif index + 1 < len(words) and not is_flag(words[index + 1]) and words[index + 1] != "--":
                 put(flag, words[index + 1])
                 index += 1
             else:

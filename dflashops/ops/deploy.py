@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from dflashops.errors import Conflict, UsageError
 from dflashops.inventory import Profile, Target
 from dflashops.lineage import RunRecord, next_name, redact_env, wandb_env
-from dflashops.lineage_record import utc_now_iso
+from dflashops.lineage_record import REDACTED, utc_now_iso
+from dflashops.ops.extra_args import managed_flags, merge_extra_args
 from dflashops.ops.session import Session
 from dflashops.ops.sync import sync
 from dflashops.shell import validate_name
@@ -74,7 +75,8 @@ def choose_name(session: Session, request: DeployRequest) -> str:
 
 
 def run_argv(profile: Profile, target: Target, values: dict[str, str], request: DeployRequest) -> list[str]:
-    argv = [expand(arg, values) for arg in profile.argv] + list(request.extra_args)
+    argv = merge_extra_args([expand(arg, values) for arg in profile.argv], request.extra_args,
+                            managed_flags(profile.argv, profile.resume_args), profile.name)
     if request.checkpoint:
         if not profile.resume_args:
             raise UsageError(f"profile {profile.name!r} has no resume_args, so it cannot resume",
@@ -108,8 +110,10 @@ def plan_launch(session: Session, request: DeployRequest, target: Target, profil
     if target.gpus:
         env.setdefault("CUDA_VISIBLE_DEVICES", ",".join(map(str, target.gpus)))
     secrets = {key: os.environ[key] for key in (*DEFAULT_PASS_ENV, *profile.pass_env) if key in os.environ}
+    # Every pass_env variable is a secret whatever its name (DB_PASS, OPENAI_KEY): stored and shown by name only.
+    shown_env = {**redact_env(env), **{key: REDACTED for key in secrets}}
     record = RunRecord(name=name, parent=request.parent, note=request.note, code_hash=code_hash, argv=argv,
-                       env=redact_env({**env, **secrets}), target=target.name, gpus=list(target.gpus),
+                       env=shown_env, target=target.name, gpus=list(target.gpus),
                        launcher=request.launcher, session=name, profile=profile.name,
                        extra={"run_dir": run_dir, "release": release_path,
                               "extra_args": list(request.extra_args), "resumed_from": request.checkpoint})
@@ -119,24 +123,56 @@ def plan_launch(session: Session, request: DeployRequest, target: Target, profil
     return LaunchPlan(name=name, run_dir=run_dir, record=record, args=args, env={**env, **secrets})
 
 
-def deploy(session: Session, request: DeployRequest) -> DeployOutcome:
-    target = session.inventory.target(request.target)
-    profile = session.inventory.profile(request.profile)
+def check_request(session: Session, request: DeployRequest, target: Target, profile: Profile) -> str:
+    """Every refusal that needs no change, before anything changes: launcher, parent, extra arguments, and the
+    name (free in the lineage and on the target; read-only calls). Returns the chosen name."""
     if request.launcher not in ("tmux", "nohup"):
         raise UsageError(f"unknown launcher {request.launcher!r}", hint="use --launcher tmux or --launcher nohup")
     if request.parent:
         validate_name(request.parent, what="parent run name")
         session.db.get(request.parent)  # NotFound (with close names) before anything happens
+    merge_extra_args(list(profile.argv), request.extra_args, managed_flags(profile.argv, profile.resume_args),
+                     profile.name)
     name = choose_name(session, request)
     if session.record_of(name) is not None:
         raise Conflict(f"run name {name!r} is already used", hint="choose another --name, or --name + with --parent")
+    if not session.dry_run:
+        existing = session.agent(target).call("status", {"workspace": target.workspace})["runs"]
+        if any(entry["name"] == name for entry in existing):
+            raise Conflict(f"run directory {target.workspace}/runs/{name} already exists on {target.name}",
+                           hint="`dflashops runs sync` records it; pick another --name")
+    return name
+
+
+def claim_name(session: Session, request: DeployRequest, target: Target, profile: Profile, name: str) -> str:
+    """Claim the new run's name (checked by `check_request`) in the lineage database before anything is
+    synced or launched; `--name +` picks the next free name in the same transaction, so two shells deploying
+    at once get two names. A dry run claims nothing. The caller releases the claim when the launch fails
+    (`LineageDB.release`)."""
+    if session.dry_run:
+        return name
+    claim = RunRecord(name=name, parent=request.parent, note=request.note, target=target.name,
+                      launcher=request.launcher, profile=profile.name)
+    return session.db.reserve(claim, after=request.parent if request.name == "+" else None)
+
+
+def deploy(session: Session, request: DeployRequest) -> DeployOutcome:
+    target = session.inventory.target(request.target)
+    profile = session.inventory.profile(request.profile)
+    name = claim_name(session, request, target, profile, check_request(session, request, target, profile))
+    try:
+        return launch_named(session, request, target, profile, name)
+    except BaseException:
+        if not session.dry_run:
+            session.db.release(name)
+        raise
+
+
+def launch_named(session: Session, request: DeployRequest, target: Target, profile: Profile,
+                 name: str) -> DeployOutcome:
+    """Sync, plan and launch the run `name` (already claimed), then fill in its lineage record."""
     agent = session.agent(target)
     run_dir = f"{target.workspace}/runs/{name}"
-    if not session.dry_run:
-        existing = agent.call("status", {"workspace": target.workspace})["runs"]
-        if any(entry["name"] == name for entry in existing):
-            raise Conflict(f"run directory {run_dir} already exists on {target.name}",
-                           hint="`dflashops runs sync` records it; pick another --name")
     synced = sync(agent, extra_files=profile.files, extra_root=session.inventory.root, packages=profile.packages,
                   cache=session.inventory.lineage_path)
     cleared = None
@@ -146,7 +182,8 @@ def deploy(session: Session, request: DeployRequest) -> DeployOutcome:
     answer = agent.call("launch", plan.args, secret_args={"env": plan.env}, shown_args={"env": plan.record.env})
     if not session.dry_run:
         plan.record.extra["pgid"] = answer.get("pgid")
-        session.db.record(plan.record)
+        plan.record.session = answer.get("session") or plan.record.session
+        session.db.fill(plan.record)
     return DeployOutcome(name=name, target=target.name, run_dir=run_dir, code_hash=synced.code_hash,
                          release=synced.release_path, pgid=answer.get("pgid"), uploaded=len(synced.uploaded),
                          cache_cleared=cleared)

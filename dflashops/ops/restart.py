@@ -20,10 +20,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflashops.errors import Conflict, NotFound, TransportError, UsageError
-from dflashops.inventory import Target
+from dflashops.inventory import Profile, Target
+from dflashops.lineage import RunRecord
 from dflashops.ops import release_cache
 from dflashops.ops.agent_client import Agent, StaleRelease
-from dflashops.ops.deploy import DeployOutcome, DeployRequest, LaunchPlan, choose_name, plan_launch
+from dflashops.ops.deploy import DeployOutcome, DeployRequest, LaunchPlan, check_request, claim_name, plan_launch
 from dflashops.ops.session import Session
 from dflashops.ops.sync import install_payload, local_manifest, release_files
 from dflashops.shell import validate_name
@@ -69,15 +70,25 @@ def restart(session: Session, request: RestartRequest) -> RestartOutcome:
         if session.record_of(request.name) is not None:
             raise Conflict(f"run name {request.name!r} is already used", hint="use --name + for the next free name")
     launcher = request.launcher or old.launcher
-    if launcher not in ("tmux", "nohup"):
-        raise UsageError(f"unknown launcher {launcher!r}", hint="use --launcher tmux or --launcher nohup")
     extra = request.extra_args if request.extra_args is not None else list(old.extra.get("extra_args") or [])
     target = session.inventory.target(old.target)
     deploy_request = DeployRequest(
         target=old.target, profile=profile.name, name=request.name or "+", parent=old.name, note=request.note,
         launcher=launcher, clear_cache=request.clear_cache, extra_args=extra,
         checkpoint=RESUME_PLACEHOLDER if request.resume else None)
-    name = choose_name(session, deploy_request)
+    name = claim_name(session, deploy_request, target, profile,
+                      check_request(session, deploy_request, target, profile))
+    try:
+        return relaunch(session, request, deploy_request, old, target, profile, name)
+    except BaseException:
+        if not session.dry_run:
+            session.db.release(name)
+        raise
+
+
+def relaunch(session: Session, request: RestartRequest, deploy_request: DeployRequest, old: RunRecord,
+             target: Target, profile: Profile, name: str) -> RestartOutcome:
+    """The combined stop + install + launch call for the claimed name `name`, and the lineage records."""
     files = release_files(profile.files, session.inventory.root, profile.packages)
     code_hash, manifest = local_manifest(files)
     plan = plan_launch(session, deploy_request, target, profile, name, code_hash,
@@ -103,8 +114,9 @@ def restart(session: Session, request: RestartRequest) -> RestartOutcome:
             plan.record.argv = [arg.replace(RESUME_PLACEHOLDER, checkpoint) for arg in plan.record.argv]
             plan.record.extra["resumed_from"] = checkpoint
         plan.record.extra["pgid"] = answer.get("pgid")
+        plan.record.session = answer.get("session") or plan.record.session
         session.note_state(answer["old_status"])  # the old run's end (exit code, step) into its record
-        session.db.record(plan.record)  # the new run, with its parent edge
+        session.db.fill(plan.record)  # the new run, with its parent edge
         release_cache.save(session.inventory.lineage_path, target, code_hash, manifest)
     stop = answer.get("stop")
     deployed = DeployOutcome(name=name, target=target.name, run_dir=plan.run_dir, code_hash=code_hash,
