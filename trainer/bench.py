@@ -27,7 +27,7 @@ import torch
 
 from trainer.bench_common import (H200_PEAK_TFLOPS, SHAPES, Shape, checkpointed_loss, log, matmul_ceiling_tflops,
                                   preset_config, recompile_count, step_flops, synthetic_batch, time_ms)
-from trainer.config import TrainerInputError
+from trainer.config import PRESETS, TrainerInputError
 from trainer.loss import dflash_loss, make_chunk_kernels, position_weights
 from trainer.model import DFlashDrafter
 from trainer.step import DrafterSide, FeatureBatch, TargetSide
@@ -254,17 +254,23 @@ def bench_pipeline(args: argparse.Namespace, device: torch.device) -> list[dict]
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer bench", description=__doc__.split("\n")[0])
-    parser.add_argument("what", choices=["step", "loss", "attention", "pipeline"])
-    parser.add_argument("--preset", default="qwen3-8b")
-    parser.add_argument("--shape", default="seed", help=f"comma list of {', '.join(SHAPES)}")
-    parser.add_argument("--variants", default="compiled,eager", help="comma list: " + ", ".join(VARIANTS))
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("what", choices=["step", "loss", "attention", "pipeline"],
+                        help="step: drafter train step; loss: the LM-head loss; attention: the drafter's "
+                             "attention; pipeline: target prefill + drafter step")
+    parser.add_argument("--preset", default="qwen3-8b", choices=tuple(PRESETS),
+                        help="drafter shape, random weights (default: %(default)s)")
+    parser.add_argument("--shape", default="seed", help=f"comma list of {', '.join(SHAPES)} (default: %(default)s)")
+    parser.add_argument("--variants", default="compiled,eager",
+                        help="comma list: " + ", ".join(VARIANTS) + " (default: %(default)s)")
+    parser.add_argument("--iters", type=int, default=10, help="timed iterations, the median is reported (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed iterations first, compiles included (default: %(default)s)")
+    parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu",
+                        help="device to measure on (default: %(default)s)")
     parser.add_argument("--target-intermediate", type=int, default=0,
                         help="pipeline: the random target's MLP width (default 3 x hidden; Qwen3-8B: 12288)")
-    parser.add_argument("--json-out", help="also write the rows as JSON to this file")
-    parser.add_argument("--stacks-every", type=float, default=0, help="dump every thread's stack every N s (stderr)")
+    parser.add_argument("--json-out", help="also write the rows as JSON to this file (default: none)")
+    parser.add_argument("--stacks-every", type=float, default=0,
+                        help="dump every thread's stack every N s to stderr (default: 0, never)")
     args = parser.parse_args(argv)
     for name in args.shape.split(","):
         if name not in SHAPES:

@@ -8,7 +8,8 @@ A checkpoint directory holds
                         config, the drafter config and every tensor's shape — written LAST, so a directory
                         without it is incomplete and ignored.
 The rename is atomic on one filesystem, so a reader sees either the whole checkpoint or none; a crash
-mid-save leaves only a `.tmp-*` directory, which the next save removes. Only the newest `keep` complete
+mid-save leaves only a `.tmp-*` directory, which the next save removes (a write that fails with an
+exception removes its own at once: on a full disk that gives the space back). Only the newest `keep` complete
 checkpoints are kept; nothing outside `<run>/checkpoints/` is ever touched.
 
 Saving is two halves: `snapshot_checkpoint` copies everything to host memory on the caller's thread at a step
@@ -35,6 +36,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from trainer.config import TrainerInputError
+from trainer.diskspace import is_out_of_space, mount_point
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
@@ -154,14 +156,42 @@ def snapshot_checkpoint(step: int, *, model: dict[str, torch.Tensor], optimizer:
 
 def write_checkpoint(run_dir: Path, snapshot: CheckpointSnapshot, keep: int) -> Path:
     """Write a snapshot atomically (temporary directory, fsync, rename), prune to the newest `keep`; return its
-    directory. Touches nothing outside `<run>/checkpoints/`."""
+    directory. Touches nothing outside `<run>/checkpoints/`.
+
+    A failed write removes its temporary directory before raising: on a full disk that frees the space the
+    partial files took, so the run can still record its failure. A full disk (however the library words it,
+    see trainer.diskspace) is raised as CheckpointWriteError with `no_space_on` set; other errors as they are."""
     root = checkpoints_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-*"):  # a crash during an earlier save
         shutil.rmtree(stale, ignore_errors=True)
     final = root / f"step_{snapshot.step:06d}"
     tmp = root / f".tmp-step_{snapshot.step:06d}-{os.getpid()}"
-    tmp.mkdir()
+    try:
+        tmp.mkdir()
+        _write_parts(tmp, snapshot)
+    except Exception as exc:
+        needed = snapshot_bytes(snapshot)
+        no_space = is_out_of_space(exc, root, needed)  # measured before the cleanup frees the space
+        shutil.rmtree(tmp, ignore_errors=True)
+        if no_space:
+            mount = mount_point(root)
+            raise CheckpointWriteError(f"no space left on {mount} while writing checkpoint step {snapshot.step}",
+                                       step=snapshot.step, no_space_on=mount, needed_bytes=needed) from exc
+        raise
+    except BaseException:  # KeyboardInterrupt and the like: no half-written directory either
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if final.exists():  # the same step saved again (e.g. a stop right after a resume): replace it
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    for _, old in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _write_parts(tmp: Path, snapshot: CheckpointSnapshot) -> None:
+    """Every file of a checkpoint into `tmp`, state.json last, each fsynced."""
     save_file(snapshot.model, str(tmp / "model.safetensors"))
     torch.save(snapshot.optimizer, tmp / "optimizer.pt")
     torch.save(snapshot.rng, tmp / "rng.pt")
@@ -171,12 +201,11 @@ def write_checkpoint(run_dir: Path, snapshot: CheckpointSnapshot, keep: int) -> 
     for name in ("model.safetensors", "optimizer.pt", "rng.pt", "state.json"):
         with open(tmp / name, "rb") as handle:
             os.fsync(handle.fileno())
-    if final.exists():  # the same step saved again (e.g. a stop right after a resume): replace it
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    for _, old in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
+
+
+def snapshot_bytes(snapshot: CheckpointSnapshot) -> int:
+    """The tensor bytes of a snapshot: about what its checkpoint takes on disk (RNG and JSON are small)."""
+    return sum(t.numel() * t.element_size() for t in snapshot.buffers)
 
 
 def save_checkpoint(run_dir: Path, step: int, *, model: dict[str, torch.Tensor], optimizer: dict[str, Any],
@@ -188,7 +217,16 @@ def save_checkpoint(run_dir: Path, step: int, *, model: dict[str, torch.Tensor],
 
 
 class CheckpointWriteError(RuntimeError):
-    """A background checkpoint write failed (disk full, permissions, ...); raised on the training thread."""
+    """A checkpoint write failed (disk full, permissions, ...); a background one is raised on the training thread.
+
+    `step` is the checkpoint that failed; `no_space_on` is the mount point of the full filesystem when the
+    cause was a full disk (else None), and `needed_bytes` about what that checkpoint needs."""
+
+    def __init__(self, message: str, *, step: int, no_space_on: Path | None = None, needed_bytes: int = 0) -> None:
+        super().__init__(message)
+        self.step = step
+        self.no_space_on = no_space_on
+        self.needed_bytes = needed_bytes
 
 
 class CheckpointWriter:
@@ -258,11 +296,23 @@ class CheckpointWriter:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _raise_error(self) -> None:
-        if self._error is not None:
+    def take_error(self) -> CheckpointWriteError | None:
+        """The failure of a write that nobody has been told of yet (and forget it), as `poll` would raise it.
+        After `close`, this says whether the write in flight when the run failed had failed too."""
+        with self._lock:
             error, self._error = self._error, None
-            raise CheckpointWriteError(f"writing checkpoint step_{self._failed_step:06d} failed: "
-                                       f"{type(error).__name__}: {error}") from error
+        if error is None or isinstance(error, CheckpointWriteError):
+            return error
+        wrapped = CheckpointWriteError(f"writing checkpoint step_{self._failed_step:06d} failed: "
+                                       f"{type(error).__name__}: {error}", step=self._failed_step)
+        wrapped.__cause__ = error
+        return wrapped
+
+    def _raise_error(self) -> None:
+        # Called with self._lock held; the lock is re-entrant (a Condition over an RLock).
+        error = self.take_error()
+        if error is not None:
+            raise error
 
     def _run(self) -> None:
         while True:

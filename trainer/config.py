@@ -264,25 +264,43 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """One flag per TrainConfig field; defaults are SUPPRESSed so presets can tell what the user set."""
+    """One flag per TrainConfig field, each with its help line (trainer.train_help: what it does, its default and
+    each preset's) and, where the set of values is fixed, its choices. The parser's own defaults are SUPPRESSed
+    so presets can tell what the user set; the help shows the real ones."""
+    from trainer.train_help import FLAG_HELP, NOISE_TYPES, SYNC_MODES, TRANSFER_MODES, WANDB_MODES, flag_help
+
     parser = _Parser(prog="python -m trainer train", description="Train a DFlash drafter.",
-                     argument_default=argparse.SUPPRESS, allow_abbrev=False)
+                     argument_default=argparse.SUPPRESS, allow_abbrev=False,
+                     formatter_class=argparse.RawDescriptionHelpFormatter,  # keeps the epilog's lines
+                     epilog=f"presets: {', '.join(PRESETS)}; a preset sets the defaults listed after '--preset',\n"
+                            "and a flag given on the command line wins over both.\n"
+                            "exit codes: 0 done, 1 failed, 2 bad input, 128+signal stopped (resumable).")
     types = {"target_gpus": _devices, "drafter_gpus": _devices, "target_layer_ids": _int_list,
              "use_soft_labels": _bool, "pipeline": _bool, "enable_thinking": _bool,
              "activation_checkpointing": _bool}
+    choices = {"preset": tuple(PRESETS), "loss_kernels": LOSS_KERNELS, "wandb": WANDB_MODES, "sync": SYNC_MODES,
+               "feature_transfer": TRANSFER_MODES, "noise_type": NOISE_TYPES}
+    metavars = {"target_gpus": "DEVICES", "drafter_gpus": "DEVICES", "target_layer_ids": "IDS",
+                "resume": "auto|never|PATH", "target_model": "DIR", "data_dir": "DIR", "output_dir": "DIR",
+                "init_from": "DIR", "tokenizer": "DIR"}
     skip = {"tiny_target"}
     for f in dataclasses.fields(TrainConfig):
         if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+        help_text = flag_help(f.name, default, PRESETS)  # KeyError for a field with no help: add it to FLAG_HELP
         kind = types.get(f.name)
         if kind is None:
             text = str(f.type)
             kind = float if "float" in text else int if "int" in text else str
         if kind is _bool:
-            parser.add_argument(flag, dest=f.name, type=_bool, nargs="?", const=True)
+            parser.add_argument(flag, dest=f.name, type=_bool, nargs="?", const=True, metavar="true|false",
+                                help=help_text + "; the flag alone means true")
         else:
-            parser.add_argument(flag, dest=f.name, type=kind)
+            parser.add_argument(flag, dest=f.name, type=kind, choices=choices.get(f.name),
+                                metavar=metavars.get(f.name), help=help_text)
+    assert set(FLAG_HELP) == {f.name for f in dataclasses.fields(TrainConfig)} - skip, "FLAG_HELP out of date"
     return parser
 
 

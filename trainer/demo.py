@@ -155,8 +155,10 @@ def run_demo(workdir: Path, size: DemoSize) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer demo", description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", required=True, help="new or empty directory for every artefact")
-    parser.add_argument("--quick", action="store_true", help="the small variant (tests): under a minute")
-    parser.add_argument("--train-steps", type=int, default=None, help="override the number of training steps")
+    parser.add_argument("--quick", action="store_true", help="the small variant (tests): under a minute (default: off)")
+    parser.add_argument("--train-steps", type=int, default=None,
+                        help=f"override the number of training steps (default: {FULL.train_steps}, "
+                             f"{QUICK.train_steps} with --quick)")
     args = parser.parse_args(argv)
     size = QUICK if args.quick else FULL
     if args.train_steps is not None:

@@ -263,17 +263,21 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.tokenizer_utils import tokenize_prompt
 
     parser = argparse.ArgumentParser(prog="python -m trainer eval", description=__doc__.splitlines()[0])
-    parser.add_argument("--target-model", required=True)
+    parser.add_argument("--target-model", required=True, help="HF model directory of the target (verifier)")
     parser.add_argument("--drafter", required=True, help="exported drafter directory (public DFlash format)")
     parser.add_argument("--prompts", required=True, help="JSONL like prepare's input; trailing answers are ignored")
     parser.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--enable-thinking", type=_on_off, default=None, metavar="on|off")
-    parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N prompts")
-    parser.add_argument("--no-baselines", action="store_true")
-    parser.add_argument("--json", default=None, help="also write the report to this file")
+    parser.add_argument("--max-new-tokens", type=int, default=128,
+                        help="tokens generated per prompt at most (default: %(default)s)")
+    parser.add_argument("--enable-thinking", type=_on_off, default=None, metavar="on|off",
+                        help="the chat template's thinking mode (default: the template's own)")
+    parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N prompts (default: all)")
+    parser.add_argument("--no-baselines", action="store_true",
+                        help="skip the untrained-drafter and n-gram baselines (default: run them)")
+    parser.add_argument("--json", default=None, help="also write the report to this file (default: stdout only)")
     parser.add_argument("--ddtree-budget", type=int, default=None, metavar="K",
-                        help="also run DDTree with the trained drafter: at most K tree nodes per verify step")
+                        help="also run DDTree with the trained drafter: at most K tree nodes per verify step "
+                             "(default: no DDTree)")
     parser.add_argument("--ddtree-top-k", type=int, default=None, metavar="N",
                         help="DDTree candidates per depth (default: unlimited, i.e. the budget decides)")
     args = parser.parse_args(argv)

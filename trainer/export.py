@@ -94,8 +94,24 @@ def load_training_checkpoint(path: str | Path) -> DFlashDrafter:
     return drafter
 
 
+def current_umask() -> int:
+    """This process's umask, read without changing it where Linux tells (/proc/self/status, Linux >= 4.7);
+    elsewhere by setting and restoring it (os.umask has no read-only form)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def export_drafter(drafter: DFlashDrafter, output: str | Path) -> Path:
-    """Write `drafter` in the public format to `output` atomically; refuse a non-empty existing `output`."""
+    """Write `drafter` in the public format to `output` atomically; refuse a non-empty existing `output`.
+    Every file gets the mode the process umask gives a new file (0o666 & ~umask: 0644 under umask 022)."""
     output = Path(output)
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise DataInputError(f"export output {output} already exists and is not empty",
@@ -106,6 +122,12 @@ def export_drafter(drafter: DFlashDrafter, output: str | Path) -> Path:
     tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     drafter.save_pretrained(tmp)
+    # safetensors writes through a private temporary file, so model.safetensors comes out 0600. An export is
+    # meant to be copied to serving machines and read by their users: give every file the mode a normal new
+    # file gets under this process's umask (0644 under umask 022), before the rename publishes the directory.
+    mode = 0o666 & ~current_umask()
+    for path in tmp.iterdir():
+        os.chmod(path, mode)
     if output.exists():
         output.rmdir()  # empty (checked above)
     os.replace(tmp, output)

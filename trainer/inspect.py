@@ -72,9 +72,9 @@ def summarize(directory: str | Path, *, tokenizer_path: str | None = None, sampl
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer inspect", description="Summarize a prepared dataset.")
-    parser.add_argument("directory")
+    parser.add_argument("directory", help="a prepared dataset directory (python -m trainer prepare)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the one in meta.json)")
-    parser.add_argument("--sample", type=int, default=0, help="index of the sample to decode")
+    parser.add_argument("--sample", type=int, default=0, help="index of the sample to decode (default: %(default)s)")
     args = parser.parse_args(argv)
     try:
         print(summarize(args.directory, tokenizer_path=args.tokenizer, sample_index=args.sample))

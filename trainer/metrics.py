@@ -27,7 +27,11 @@ PHASES = ("warmup", "compiling", "training", "saving", "stopped", "done", "faile
 
 def _atomic_write_json(path: Path, obj: Any) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, sort_keys=True) + "\n")
+    try:
+        tmp.write_text(json.dumps(obj, sort_keys=True) + "\n")
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a partial file on a full disk would keep holding its space
+        raise
     os.replace(tmp, path)
 
 
@@ -71,7 +75,10 @@ class RunRecorder:
     def _beat(self, interval: float) -> None:
         while not self._stop.wait(interval):
             with self._lock:
-                self._write_status()
+                try:
+                    self._write_status()
+                except OSError:  # e.g. a full disk: the next beat retries; the run reports its own failure
+                    pass
 
     # ---- metrics --------------------------------------------------------------------------------------
     def log(self, record: dict[str, Any]) -> None:

@@ -251,16 +251,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target-model", required=True, help="HF model directory (its tokenizer and chat template are used)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --target-model)")
     parser.add_argument("--input", required=True, help="JSONL: {'messages': [...]} or {'prompt': ...} per line")
-    parser.add_argument("--output-dir", required=True)
-    parser.add_argument("--regenerate", action="store_true", help="let the target answer each prompt")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--enable-thinking", type=_on_off, default=None, metavar="on|off")
-    parser.add_argument("--num-workers", type=int, default=1, help="tokenization processes (one shard each)")
-    parser.add_argument("--batch-size", type=int, default=16, help="generation batch size")
-    parser.add_argument("--shard-size", type=int, default=256, help="records per shard")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--skip-bad", action="store_true", help="skip malformed lines instead of stopping")
+    parser.add_argument("--output-dir", required=True,
+                        help="dataset directory (shards, meta.json); a rerun there resumes the same job")
+    parser.add_argument("--regenerate", action="store_true", help="let the target answer each prompt (default: off)")
+    parser.add_argument("--max-new-tokens", type=int, default=256,
+                        help="--regenerate: tokens generated per answer at most (default: %(default)s)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="--regenerate: sampling temperature, 0 = greedy (default: %(default)s)")
+    parser.add_argument("--enable-thinking", type=_on_off, default=None, metavar="on|off",
+                        help="the chat template's thinking mode (default: the template's own)")
+    parser.add_argument("--num-workers", type=int, default=1,
+                        help="tokenization processes, one shard each (default: %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=16,
+                        help="--regenerate: generation batch size (default: %(default)s)")
+    parser.add_argument("--shard-size", type=int, default=256, help="records per shard (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="--regenerate: sampling seed; shard k uses seed + k (default: %(default)s)")
+    parser.add_argument("--skip-bad", action="store_true",
+                        help="skip malformed lines instead of stopping (default: off)")
     return parser
 
 

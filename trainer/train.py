@@ -9,7 +9,9 @@ Reads top to bottom like a torchtitan Trainer.train:
   5. loop: grad_accum micro-batches -> target features -> drafter forward/backward (loss normalised over the
      whole step) -> clip, AdamW, schedule -> log -> checkpoint every --save-interval and at the end
   6. SIGTERM/SIGHUP/SIGINT: finish the step, checkpoint, status `stopped`, exit 128+signum
-Exit codes: 0 done, 1 failed (status.json `failed` with the error), 2 bad input, 128+signum stopped.
+Exit codes: 0 done, 1 failed (status.json `failed` with the error; a full disk while checkpointing is one
+`error:` line naming the filesystem, the step and the last good checkpoint: trainer.failure), 2 bad input,
+128+signum stopped.
 Several target/drafter devices (or --pipeline) hand over to the threaded pipeline (trainer.pipeline.run).
 """
 
@@ -18,7 +20,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ import torch
 from trainer.checkpoint import CheckpointWriter, check_shapes, load_checkpoint, resolve_resume, restore_rng
 from trainer.config import TrainConfig, TrainerInputError, parse_train_args
 from trainer.data import BatchStream, open_dataset
+from trainer.failure import record_failure
 from trainer.loss import position_weights
 from trainer.metrics import RunRecorder, truncate_metrics
 from trainer.model import DFlashDrafter, DrafterConfig, TargetModel
@@ -224,6 +226,7 @@ def run(cfg: TrainConfig) -> int:
           f"drafter on {plan.drafter_device})", file=sys.stderr, flush=True)
     on_force = lambda signum: recorder.set_status(  # noqa: E731 - a second signal: no checkpoint
         phase="failed", error=f"second signal {signum}: exited without a checkpoint", exit_code=128 + signum)
+    writer: CheckpointWriter | None = None  # read by the failure report: a write that failed meanwhile
     # Installed before the (possibly minutes long) target load, so a stop request is never lost.
     with GracefulStop(on_force=on_force) as stop:
         try:
@@ -253,9 +256,9 @@ def run(cfg: TrainConfig) -> int:
             with CheckpointWriter(run_dir, cfg.keep_checkpoints) as writer:
                 return _train_loop(cfg, recorder, writer, stream, target_side, drafter_side, stop, step, epoch, index,
                                    total_steps)
-        except Exception as exc:  # noqa: BLE001 - recorded in status.json, then reported
-            traceback.print_exc()
-            recorder.set_status(phase="failed", error=f"{type(exc).__name__}: {exc}"[:2000], exit_code=EXIT_FAILED)
+        except Exception as exc:  # noqa: BLE001 - reported on stderr and in status.json
+            record_failure(recorder, exc, run_dir=run_dir, writer=writer, keep_checkpoints=cfg.keep_checkpoints,
+                           exit_code=EXIT_FAILED)
             return EXIT_FAILED
         finally:
             recorder.close()

@@ -108,3 +108,25 @@ def test_existing_output_is_never_overwritten(drafter, tmp_path, capsys):
 def test_load_drafter_of_a_non_export(tmp_path):
     with pytest.raises(export_cli.DataInputError, match="is not an exported drafter"):
         export_cli.load_drafter(tmp_path)
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640)])
+def test_item23_exported_files_get_the_umask_mode_of_a_new_file(drafter, tmp_path, umask, mode):
+    """Exports are copied to serving machines: not 0600 (safetensors' private temporary file) but what the
+    process umask gives any new file. A real `python -m trainer export` process, started with that umask."""
+    import os
+    import stat
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    step_dir = save_training_checkpoint(tmp_path / "run", drafter)
+    out = tmp_path / "export"
+    done = subprocess.run([sys.executable, "-m", "trainer", "export", str(step_dir), "--output", str(out)],
+                          capture_output=True, text=True, cwd=repo, umask=umask, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(repo)})
+    assert done.returncode == 0, done.stderr
+    files = sorted(out.iterdir())
+    assert [p.name for p in files] == ["config.json", "model.safetensors"]
+    assert {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in files} == {p.name: oct(mode) for p in files}
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask

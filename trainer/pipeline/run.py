@@ -18,7 +18,6 @@ import dataclasses
 import json
 import sys
 import threading
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -28,6 +27,7 @@ import torch
 from trainer.checkpoint import CheckpointWriter, load_checkpoint, restore_rng
 from trainer.config import TrainConfig, TrainerInputError
 from trainer.data import BatchStream, collate
+from trainer.failure import record_failure
 from trainer.loss import position_weights
 from trainer.metrics import RunRecorder, truncate_metrics
 from trainer.model import DFlashDrafter
@@ -145,6 +145,7 @@ def run_pipeline(cfg: TrainConfig, options: PipelineOptions | None = None) -> in
     (run_dir / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n")
     recorder = RunRecorder(run_dir, total_steps)
     supervisor: Supervisor | None = None
+    writer: CheckpointWriter | None = None  # read by the failure report: a write that failed meanwhile
     try:
         _log(f"run directory {run_dir.resolve()} ({total_steps} steps, sync {sync_mode})")
         _log(assignment.describe([str(d) for d in target_devices], [str(d) for d in drafter_devices]))
@@ -254,9 +255,9 @@ def run_pipeline(cfg: TrainConfig, options: PipelineOptions | None = None) -> in
                     return stop.exit_code
         recorder.set_status(phase="done", step=step, exit_code=EXIT_OK)
         return EXIT_OK
-    except Exception as exc:  # noqa: BLE001 - recorded in status.json, then reported
-        traceback.print_exc()
-        recorder.set_status(phase="failed", error=f"{type(exc).__name__}: {exc}"[:2000], exit_code=EXIT_FAILED)
+    except Exception as exc:  # noqa: BLE001 - reported on stderr and in status.json (trainer.failure)
+        record_failure(recorder, exc, run_dir=run_dir, writer=writer, keep_checkpoints=cfg.keep_checkpoints,
+                       exit_code=EXIT_FAILED)
         return EXIT_FAILED
     finally:
         if supervisor is not None:

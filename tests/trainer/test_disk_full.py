@@ -1,0 +1,164 @@
+"""A disk that fills up while a checkpoint is written (issue 15, item 7), on a REAL full disk: a small tmpfs.
+
+`python -m trainer train` runs as a real subprocess with its run directory on a tmpfs sized so that training
+and its first records fit but a checkpoint does not. The run must end with exit 1, one `error: no space left
+on <mount> while writing checkpoint step N; last good checkpoint: <path|none>` line plus a hint, no traceback,
+status.json `failed` with that error, and no leftover `.tmp-*` checkpoint directory.
+
+Both engines report through trainer.failure.record_failure and write through
+trainer.checkpoint.write_checkpoint; each has its own call site, so each has a test here.
+Needs root (mount); the tests are skipped with that reason otherwise.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL = ["--preset", "tiny", "--synthetic-samples", "48", "--max-seq-len", "32", "--token-budget", "128",
+         "--wandb", "off", "--log-interval", "1"]
+# One tiny-preset checkpoint is about 1.04 MB on disk (model 0.33 MB + AdamW moments 0.68 MB + RNG, JSON).
+CHECKPOINT_KB = 1040
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs (a real full disk) needs root")
+
+
+def _mount_tmpfs(path: Path, size_kb: int) -> None:
+    path.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kb}k", "tmpfs", str(path)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
+    """`small_disk(size_kb)` -> the mount point of a fresh tmpfs of that size; unmounted at teardown."""
+    mounted: list[Path] = []
+
+    def make(size_kb: int) -> Path:
+        path = tmp_path / f"disk{len(mounted)}"
+        _mount_tmpfs(path, size_kb)
+        mounted.append(path)
+        return path
+
+    yield make
+    for path in mounted:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def _train(run: Path, *flags: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "trainer", "train", *SMALL, "--output-dir", str(run), *flags],
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env, cwd=REPO, timeout=180)
+
+
+def _check_clean_failure(done: subprocess.CompletedProcess, run: Path, mount: Path, step: int, last_good: str) -> None:
+    log = done.stdout + done.stderr
+    line = (f"error: no space left on {mount} while writing checkpoint step {step}; last good checkpoint: "
+            f"{last_good}")
+    assert done.returncode == 1, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
+    errors = [text for text in done.stderr.splitlines() if text.startswith("error:")]
+    assert errors == [line], log[-3000:]
+    hint = done.stderr.splitlines()[done.stderr.splitlines().index(line) + 1]
+    assert hint.startswith("hint: free space on") and "--keep-checkpoints" in hint, hint
+    status = json.loads((run / "status.json").read_text())
+    assert (status["phase"], status["exit_code"], status["error"]) == ("failed", 1, line.removeprefix("error: "))
+    assert not list((run / "checkpoints").glob(".tmp-*"))  # the partial checkpoint is gone, its space freed
+
+
+def test_item7_disk_full_during_a_checkpoint_fails_the_run_with_one_error_line(small_disk) -> None:
+    # Room for the step-2 checkpoint and the run's records, not for a second checkpoint next to it.
+    mount = small_disk(CHECKPOINT_KB * 3 // 2)
+    run = mount / "run"
+    done = _train(run, "--max-steps", "6", "--save-interval", "2")
+    assert (run / "checkpoints" / "step_000002" / "state.json").is_file(), "the tmpfs is too small for one checkpoint"
+    _check_clean_failure(done, run, mount, 4, str(run / "checkpoints" / "step_000002"))
+
+
+def test_item7_pipeline_disk_full_at_the_first_checkpoint_names_no_good_checkpoint(small_disk) -> None:
+    mount = small_disk(CHECKPOINT_KB // 2)  # training and its records fit, no checkpoint does
+    run = mount / "run"
+    done = _train(run, "--pipeline", "true", "--target-gpus", "cpu", "--drafter-gpus", "cpu", "--max-steps", "4",
+                  "--save-interval", "2")
+    assert "sync grad" in done.stderr, done.stderr[-3000:]  # the threaded pipeline ran (its start-up line)
+    _check_clean_failure(done, run, mount, 2, "none")
+
+
+def _fill(disk: Path) -> Path:
+    """Write a filler file until the filesystem is really full (ENOSPC); return it."""
+    filler = disk / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)  # unbuffered: nothing left to flush at close
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC, exc
+    finally:
+        os.close(fd)
+    return filler
+
+
+def test_item7_a_status_write_that_hits_the_full_disk_first_reports_the_checkpoint_write(small_disk, capsys) -> None:
+    """The race: the writer thread fills the disk, the training thread's own status write fails first. The run's
+    exception is then a plain ENOSPC; the report must name the checkpoint write, collected from the writer."""
+    import torch
+
+    from trainer.checkpoint import CheckpointWriter
+    from trainer.failure import record_failure
+    from trainer.metrics import RunRecorder
+
+    disk = small_disk(256)
+    run = disk / "run"
+    run.mkdir()
+    recorder = RunRecorder(run, total_steps=10, heartbeat_s=60)
+    filler = _fill(disk)
+    with pytest.raises(OSError) as tripped:  # the training thread's status write, for real
+        recorder.set_status(phase="training", step=3)
+    filler.unlink()
+    with CheckpointWriter(run, keep=3) as writer:  # a checkpoint four times the disk: fails on the writer thread
+        writer.submit(writer.snapshot(3, model={"w": torch.zeros(256 * 1024)}, optimizer={}, scheduler={},
+                                      epoch=0, index=3, extra={}))
+    record_failure(recorder, tripped.value, run_dir=run, writer=writer, keep_checkpoints=3, exit_code=1)
+    recorder.close()
+    err = capsys.readouterr().err
+    line = f"no space left on {disk} while writing checkpoint step 3; last good checkpoint: none"
+    assert err.startswith(f"error: {line}\nhint: free space on {disk}") and "Traceback" not in err, err
+    status = json.loads((run / "status.json").read_text())
+    assert (status["phase"], status["error"], status["exit_code"]) == ("failed", line, 1)
+    assert not list((run / "checkpoints").glob(".tmp-*"))
+
+
+def test_item7_status_heartbeat_survives_a_full_disk_and_leaves_no_partial_file(small_disk) -> None:
+    import threading
+    import time
+
+    from trainer.metrics import RunRecorder
+
+    disk = small_disk(64)
+    run = disk / "run"
+    run.mkdir()
+    crashed: list[BaseException] = []
+    previous_hook, threading.excepthook = threading.excepthook, lambda args: crashed.append(args.exc_value)
+    try:
+        recorder = RunRecorder(run, total_steps=10, heartbeat_s=0.02)
+        filler = _fill(disk)
+        time.sleep(0.3)  # ~15 beats against the full disk
+        assert recorder._thread.is_alive() and not crashed, crashed
+        assert not list(run.glob(".status.json.*")), "a partial status file keeps holding space"
+        filler.unlink()
+        before = json.loads((run / "status.json").read_text())["heartbeat"]
+        time.sleep(0.3)
+        assert json.loads((run / "status.json").read_text())["heartbeat"] > before  # beating again
+        recorder.close()
+    finally:
+        threading.excepthook = previous_hook
