@@ -8,57 +8,83 @@ import shutil
 import sys
 from typing import Any
 
-from dflashops.cli.common import emit_json, highlight_errors, open_session, print_plan, progress
+from dflashops.cli.common import emit_json, highlight_errors, open_session, print_plan, progress, show_passthrough
 from dflashops.errors import TransportError, UsageError
 from dflashops.ops.control import LogCursor, read_log, run_status, stop_run, wait_for
 from dflashops.shell import validate_name
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("stop", help="stop a run: SIGTERM its process group, grace, SIGKILL, wait")
-    p.add_argument("run", nargs="?")
+    p = subparsers.add_parser(
+        "stop", help="stop a run: SIGTERM its process group, grace, SIGKILL, wait",
+        description="Stop RUN (or --all runs): SIGTERM to the run's own process group so the trainer writes its "
+                    "final checkpoint, SIGKILL after --grace, then wait until its processes and GPU memory are gone. "
+                    "Nothing outside the run's process group is signalled.")
+    p.add_argument("run", nargs="?", metavar="RUN", help="the run to stop (or give --all)")
     p.add_argument("--target", help="target (default: the one the lineage records for RUN)")
     add_all_options(p, "stop every running run on every target of the inventory, in parallel")
-    p.add_argument("--grace", type=float, default=60.0, help="seconds between SIGTERM and SIGKILL (default 60)")
+    p.add_argument("--grace", type=float, default=60.0, metavar="S",
+                   help="seconds between SIGTERM and SIGKILL (default 60)")
     p.add_argument("--save-grace", type=float, default=600.0, metavar="S",
                    help="more seconds for a run still writing its checkpoint after --grace (default 600)")
     p.add_argument("--dry-run", action="store_true", help="print the commands that would run; change nothing")
     p.set_defaults(func=handle_stop)
 
-    s = subparsers.add_parser("status", help="state of one run or of every run on a target")
-    s.add_argument("run", nargs="?")
-    s.add_argument("--target")
+    s = subparsers.add_parser(
+        "status", help="state of one run or of every run on a target",
+        description="Show RUN's state (running / crashed at step N with the error line / finished / stopped), "
+                    "its last metrics and the target's GPUs; with no RUN, every run on the target; with --all, "
+                    "every run on every target of the inventory.")
+    s.add_argument("run", nargs="?", metavar="RUN", help="the run to show (default: every run on the target)")
+    s.add_argument("--target", help="target (default: RUN's recorded target, or the default target)")
     s.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     add_all_options(s, "every run on every target of the inventory, in parallel (a table)")
     s.set_defaults(func=handle_status)
 
-    lg = subparsers.add_parser("logs", help="print or follow a run's train.log")
-    lg.add_argument("run")
-    lg.add_argument("--target")
+    lg = subparsers.add_parser(
+        "logs", help="print or follow a run's train.log",
+        description="Print RUN's train.log, or follow it (-f) until the run ends. --until and --fail-on turn it "
+                    "into a check for scripts: exit 0 on a match of --until, 7 on --fail-on, 8 on --timeout.")
+    lg.add_argument("run", metavar="RUN", help="the run whose log to print")
+    lg.add_argument("--target", help="target (default: RUN's recorded target, or the default target)")
     lg.add_argument("-f", "--follow", action="store_true", help="keep following until the run ends")
     lg.add_argument("--since", type=int, default=0, metavar="BYTES", help="start at this byte offset")
     lg.add_argument("--until", metavar="REGEX", help="follow until REGEX matches a line (exit 0)")
     lg.add_argument("--fail-on", metavar="REGEX", help="exit non-zero (7) when REGEX matches a line")
-    lg.add_argument("--timeout", type=float, help="give up after this many seconds (exit 8)")
+    lg.add_argument("--timeout", type=float, metavar="S", help="give up after this many seconds (exit 8)")
     lg.add_argument("--raw", action="store_true", help="no highlighting")
     lg.set_defaults(func=handle_logs)
 
-    ex = subparsers.add_parser("exec", help="run a command on a target: dflashops exec TARGET -- argv")
-    ex.add_argument("target", nargs="?")
-    ex.add_argument("--dry-run", action="store_true")
+    ex = subparsers.add_parser(
+        "exec", help="run a command on a target: dflashops exec TARGET -- argv",
+        description="Run a command on TARGET (inside its container for pct targets) and pass its output and "
+                    "exit code through. Everything after `--` is the command, run without a shell.")
+    ex.add_argument("target", nargs="?", metavar="TARGET", help="target from the inventory (or give --all)")
+    ex.add_argument("--dry-run", action="store_true", help="print the command that would run; run nothing")
     add_all_options(ex, "run the command on every target of the inventory, in parallel")
+    show_passthrough(ex, "-- COMMAND [ARG ...]")
     ex.set_defaults(func=handle_exec)
 
-    at = subparsers.add_parser("attach", help="attach to a run's tmux session (for humans)")
-    at.add_argument("run")
-    at.add_argument("--target")
+    at = subparsers.add_parser(
+        "attach", help="attach to a run's tmux session (for humans)",
+        description="Attach this terminal to RUN's tmux session (over ssh and pct exec for remote targets). "
+                    "Detach with the tmux prefix + d; detaching never stops the run. Needs a terminal; "
+                    "scripts use `dflashops logs RUN -f`.")
+    at.add_argument("run", metavar="RUN", help="the run to attach to (launched with --launcher tmux)")
+    at.add_argument("--target", help="target (default: RUN's recorded target, or the default target)")
     at.set_defaults(func=handle_attach)
 
-    gc = subparsers.add_parser("gc", help="delete old releases and (only when named) finished run directories")
-    gc.add_argument("target", nargs="?")
-    gc.add_argument("--keep", type=int, default=5, help="releases to keep (default 5)")
-    gc.add_argument("--run", action="append", default=[], help="a run directory to delete (repeatable)")
-    gc.add_argument("--dry-run", action="store_true")
+    gc = subparsers.add_parser(
+        "gc", help="delete old releases and (only when named) finished run directories",
+        description="Delete code releases on TARGET except the newest --keep, the current one and any a live run "
+                    "uses, and the run directories named with --run (only runs that are not running). Nothing "
+                    "else is deleted; prints what was removed as JSON.")
+    gc.add_argument("target", nargs="?", metavar="TARGET",
+                    help="target from the inventory (default: the default target)")
+    gc.add_argument("--keep", type=int, default=5, metavar="N", help="releases to keep (default 5)")
+    gc.add_argument("--run", action="append", default=[], metavar="RUN",
+                    help="a run directory to delete (repeatable)")
+    gc.add_argument("--dry-run", action="store_true", help="print the commands that would run; change nothing")
     gc.set_defaults(func=handle_gc)
 
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from dflashops.errors import DflashopsError
 
@@ -43,6 +45,34 @@ def verb_of(words: Sequence[str]) -> str | None:
     return None
 
 
+def package_version(distribution: str = "dflashops") -> str:
+    """The installed distribution's version; in a source tree that was never installed, pyproject.toml's."""
+    import importlib.metadata  # here, not at the top: only `--version` pays for it
+
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+        try:
+            found = re.search(r'^version\s*=\s*"([^"]+)"', pyproject.read_text(encoding="utf-8"), re.M)
+        except OSError:
+            found = None
+        return found.group(1) if found else "unknown"
+
+
+class VersionAction(argparse.Action):
+    """`--version`: like argparse's own, but the version is only looked up when asked for."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print the dflashops version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: object, values: object,
+                 option_string: str | None = None) -> None:
+        print(f"{parser.prog} {package_version()}")
+        parser.exit()
+
+
 def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dflashops",
@@ -50,6 +80,7 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     )
     parser.add_argument("--inventory", metavar="PATH",
                         help="inventory.yaml to use (default: $DFLASHOPS_INVENTORY, ./inventory.yaml or a parent's)")
+    parser.add_argument("--version", action=VersionAction)
     subparsers = parser.add_subparsers(dest="verb", metavar="VERB")
     for module_name in ([VERB_MODULE[verb]] if verb in VERB_MODULE else VERB_MODULES):
         try:

