@@ -93,16 +93,23 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    words = list(sys.argv[1:] if argv is None else argv)
+def parse_command_line(words: Sequence[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The parser and the parsed arguments of one command line, exactly as main() sees them; runs nothing.
+    Everything after the first `--` is passed through untouched as `args.passthrough` (extra trainer args,
+    exec's argv). Bad arguments exit through argparse (SystemExit 2)."""
+    words = list(words)
     parser = build_parser(verb_of(words))
-    # Everything after the first `--` is passed through untouched (extra trainer args, exec's argv).
     passthrough: list[str] = []
     if "--" in words:
         cut = words.index("--")
         words, passthrough = words[:cut], words[cut + 1 :]
     args = parser.parse_args(words)
     args.passthrough = passthrough
+    return parser, args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser, args = parse_command_line(sys.argv[1:] if argv is None else argv)
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)
         return 2

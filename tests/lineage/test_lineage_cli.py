@@ -99,6 +99,15 @@ def test_plot_styles_distinguish_runs_without_colour() -> None:
     assert len(pairs) == len(LINE_STYLES) * 8
 
 
+def test_item20_export_takes_json_like_the_other_data_verbs(three_runs: dict, db_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    code, as_json, _ = run_cli(capsys, "export", "--json", "--db", str(db_path))
+    assert code == 0 and [row["name"] for row in json.loads(as_json)] == three_runs["names"]
+    assert run_cli(capsys, "export", "--format", "json", "--db", str(db_path))[1] == as_json  # --format still works
+    code, out, err = run_cli(capsys, "export", "--json", "--format", "csv", "--db", str(db_path))
+    assert code == 2 and out == "" and err.startswith("error: ") and "hint: " in err
+
+
 def test_export_csv_and_json(three_runs: dict, db_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run_cli(capsys, "export", "--format", "csv", "--db", str(db_path))
     rows = list(csv.DictReader(io.StringIO(out)))
