@@ -95,3 +95,73 @@ def test_item19_version_falls_back_to_pyproject_when_not_installed() -> None:
 
     # A distribution name that is really not installed: importlib.metadata raises, pyproject answers.
     assert package_version("dflashops-not-installed-anywhere") == pyproject_version()
+
+
+# A real network guard for the processes of item 21's test: connecting to anything but loopback is refused
+# (and logged), so a shipped example target can never reach the network from a test.
+NETWORK_GUARD = '''
+import ipaddress, os, socket
+
+_connect, _connect_ex = socket.socket.connect, socket.socket.connect_ex
+
+
+def _check(sock, address):
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            loopback = ipaddress.ip_address(str(address[0]).split("%")[0]).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback:
+            with open(os.environ["DFO_GUARD_LOG"], "a") as log:
+                log.write(f"{address[0]}\\n")
+            raise OSError(f"test network guard: connection to {address[0]} refused")
+
+
+def connect(self, address):
+    _check(self, address)
+    return _connect(self, address)
+
+
+def connect_ex(self, address):
+    _check(self, address)
+    return _connect_ex(self, address)
+
+
+socket.socket.connect, socket.socket.connect_ex = connect, connect_ex
+'''
+
+
+def test_item21_all_verbs_work_with_the_shipped_inventory_on_a_fresh_checkout(tmp_path: Path) -> None:
+    from dflashops.inventory import load_inventory
+    from dflashops.ops.fanout import remote_targets
+
+    checkout = tmp_path / "checkout"  # a fresh checkout after `make`: the shipped inventory and a .venv
+    checkout.mkdir()
+    (checkout / "inventory.yaml").write_bytes((REPO / "inventory.yaml").read_bytes())
+    (checkout / ".venv").symlink_to(Path(sys.prefix), target_is_directory=True)
+    inventory = load_inventory(checkout / "inventory.yaml")
+    visited = [(t.name, t.kind) for t in remote_targets(inventory)]
+    assert visited and all(kind == "local" for _, kind in visited), f"--all would reach out to: {visited}"
+
+    guard = tmp_path / "guard"
+    guard.mkdir()
+    (guard / "sitecustomize.py").write_text(NETWORK_GUARD)
+    log = tmp_path / "connections.log"
+    env = {"PYTHONPATH": f"{guard}{os.pathsep}{REPO}", "DFO_GUARD_LOG": str(log), "NO_COLOR": "1"}
+    status = dflashops("status", "--all", cwd=checkout, extra_env=env)
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert "local" in status.stdout and "no runs" in status.stdout and "error" not in status.stdout
+    ran = dflashops("exec", "--all", "--", "echo", "hi", cwd=checkout, extra_env=env)
+    assert ran.returncode == 0 and ran.stdout == "[local] hi\n", ran.stdout + ran.stderr
+    assert not log.exists(), log.read_text()
+
+
+def test_item21_the_proxmox_example_lives_beside_the_inventory() -> None:
+    from dflashops.inventory import load_inventory
+
+    example = load_inventory(REPO / "inventory.example.yaml")
+    assert example.targets["ct200"].kind == "pct" and example.targets["ct200"].host.name == "pve1"
+    shipped = load_inventory(REPO / "inventory.yaml")
+    assert "ct200" not in shipped.targets and "pve1" not in shipped.hosts
+    assert "inventory.example.yaml" in (REPO / "README.md").read_text()
+    assert "inventory.example.yaml" in (REPO / "inventory.yaml").read_text()
