@@ -30,8 +30,8 @@ VERB_MODULE = {"deploy": "dflashops.cli.deploy", "restart": "dflashops.cli.deplo
                "watch": "dflashops.cli.watch"}
 
 
-def verb_of(words: Sequence[str]) -> str | None:
-    """The verb word of a command line (skipping the top-level `--inventory PATH`), or None."""
+def verb_index(words: Sequence[str]) -> int | None:
+    """Where the verb word of a command line is (skipping the top-level `--inventory PATH`), or None."""
     index = 0
     while index < len(words):
         word = words[index]
@@ -41,8 +41,14 @@ def verb_of(words: Sequence[str]) -> str | None:
         if word.startswith("--inventory="):
             index += 1
             continue
-        return None if word.startswith("-") else word
+        return None if word.startswith("-") else index
     return None
+
+
+def verb_of(words: Sequence[str]) -> str | None:
+    """The verb word of a command line (skipping the top-level `--inventory PATH`), or None."""
+    index = verb_index(words)
+    return None if index is None else words[index]
 
 
 def package_version(distribution: str = "dflashops") -> str:
@@ -96,24 +102,31 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
 def parse_command_line(words: Sequence[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     """The parser and the parsed arguments of one command line, exactly as main() sees them; runs nothing.
     Everything after the first `--` is passed through untouched as `args.passthrough` (extra trainer args,
-    exec's argv). Bad arguments exit through argparse (SystemExit 2)."""
+    exec's argv). Bad arguments exit through argparse (SystemExit 2), or raise the UsageError of a verb's
+    `misplaced_words(args, words from the verb on, words argparse did not take)`."""
     words = list(words)
     parser = build_parser(verb_of(words))
     passthrough: list[str] = []
     if "--" in words:
         cut = words.index("--")
         words, passthrough = words[:cut], words[cut + 1 :]
-    args = parser.parse_args(words)
+    args, extra = parser.parse_known_args(words)
     args.passthrough = passthrough
+    if extra:
+        # A verb may explain words it cannot take (exec: the command came without `--`): a UsageError.
+        misplaced = getattr(args, "misplaced_words", None)
+        if misplaced is None:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        raise misplaced(args, words[verb_index(words) or 0 :], extra)
     return parser, args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser, args = parse_command_line(sys.argv[1:] if argv is None else argv)
-    if not getattr(args, "func", None):
-        parser.print_help(sys.stderr)
-        return 2
     try:
+        parser, args = parse_command_line(sys.argv[1:] if argv is None else argv)
+        if not getattr(args, "func", None):
+            parser.print_help(sys.stderr)
+            return 2
         return int(args.func(args) or 0)
     except DflashopsError as exc:
         print(f"error: {exc.message}", file=sys.stderr)

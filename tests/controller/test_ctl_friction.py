@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.controller.helpers import REPO
+from tests.controller.helpers import REPO, Env
 
 DOCUMENTED_VERBS = ("stop", "status", "logs", "exec", "attach", "gc", "deploy", "restart")
 
@@ -165,3 +165,44 @@ def test_item21_the_proxmox_example_lives_beside_the_inventory() -> None:
     assert "ct200" not in shipped.targets and "pve1" not in shipped.hosts
     assert "inventory.example.yaml" in (REPO / "README.md").read_text()
     assert "inventory.example.yaml" in (REPO / "inventory.yaml").read_text()
+
+
+def test_item22_missing_run_names_get_close_names_as_a_hint(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    from dflashops.lineage import LineageDB, RunRecord
+
+    # `alpha-7` exists only on the target (its lineage record is gone); `gamma-3` only in the lineage.
+    assert env.cli("deploy", "--profile", "work", "--name", "alpha-7", "--launcher", "nohup", "--wait", "done",
+                   "--", "--steps", "1", capsys=capsys)[0] == 0
+    env.db.unlink()
+    db = LineageDB(env.db)
+    db.record(RunRecord(name="gamma-3", parent=None, note="", code_hash="ab" * 20, argv=["x"], env={},
+                        target="local", gpus=[], profile="work"))
+    db.close()
+    for verb in ("status", "logs", "stop", "attach"):
+        code, out, err = env.cli(verb, "alpha-8", capsys=capsys)
+        assert code == 3 and out == "", (verb, err)
+        assert err.startswith("error: ") and "alpha-8" in err and "hint: did you mean: alpha-7?" in err, (verb, err)
+    code, _, err = env.cli("logs", "gama-3", capsys=capsys)
+    assert code == 3 and "hint: did you mean: gamma-3?" in err, err
+    code, _, err = env.cli("status", "zzzzzz", capsys=capsys)  # nothing close: still a hint, no guess
+    assert code == 3 and "\nhint: " in err and "did you mean" not in err, err
+
+
+def test_item22_attach_refuses_without_a_terminal(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    assert env.cli("deploy", "--profile", "work", "--name", "tty-1", "--wait", "step 1", capsys=capsys)[0] == 0
+    out = env.run_cli("attach", "tty-1")  # stdin and stdout are pipes, as in a script
+    assert out.returncode == 2 and out.stdout == "", (out.stdout, out.stderr)
+    assert out.stderr.startswith("error: attach needs a terminal"), out.stderr
+    assert "hint: `dflashops logs tty-1 -f`" in out.stderr
+    code, status, _ = env.cli("status", "tty-1", capsys=capsys)
+    assert code == 0 and "\trunning\t" in status  # refused before anything touched the run
+
+
+def test_item22_exec_command_without_the_separator_gets_a_hint(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = env.cli("exec", "local", "echo", "hi", capsys=capsys)
+    assert code == 2 and out == "", err
+    assert err.startswith("error: ") and err.splitlines()[-1] == "hint: put the command after --: dflashops exec local -- echo hi"
+    code, out, err = env.cli("exec", "--all", "echo", "hi", capsys=capsys)
+    assert code == 2 and err.splitlines()[-1] == "hint: put the command after --: dflashops exec --all -- echo hi", err
+    code, out, err = env.cli("exec", "local", "--", "echo", "hi", capsys=capsys)  # the right way still works
+    assert code == 0 and out == "hi\n", err
