@@ -208,8 +208,9 @@ def _statuses_from_target(args: argparse.Namespace, target: str) -> list[dict[st
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from dflashops.ops.plot import plot_runs
+    from dflashops.ops.plot import plot_runs, require_matplotlib
 
+    require_matplotlib()
     db = _open(args) or _raise(_missing(args))
     runs = [db.get(name) for name in args.runs]
     local_roots = {} if _runs_root(args) else _local_roots(args)
