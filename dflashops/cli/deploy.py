@@ -16,7 +16,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("deploy", help="sync the code and launch a run",
                               description="Sync the code to TARGET, write run.json, launch the profile's command. "
                                           "Arguments after `--` are appended to the trainer's command line.")
-    p.add_argument("target", nargs="?", metavar="TARGET", help="target from the inventory (default: the only one, or `local`)")
+    p.add_argument("target", nargs="?", metavar="TARGET",
+                   help="target from the inventory (default: the only one, or `local`)")
     p.add_argument("--profile", default="tiny", help="run profile from the inventory (default: tiny)")
     p.add_argument("--name", help="run name, or + for the next name after --parent (default: PROFILE-TIME)")
     p.add_argument("--parent", help="the run this one derives from (recorded in the lineage)")

@@ -201,7 +201,8 @@ def test_item22_attach_refuses_without_a_terminal(env: Env, capsys: pytest.Captu
 def test_item22_exec_command_without_the_separator_gets_a_hint(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = env.cli("exec", "local", "echo", "hi", capsys=capsys)
     assert code == 2 and out == "", err
-    assert err.startswith("error: ") and err.splitlines()[-1] == "hint: put the command after --: dflashops exec local -- echo hi"
+    assert err.startswith("error: ")
+    assert err.splitlines()[-1] == "hint: put the command after --: dflashops exec local -- echo hi"
     code, out, err = env.cli("exec", "--all", "echo", "hi", capsys=capsys)
     assert code == 2 and err.splitlines()[-1] == "hint: put the command after --: dflashops exec --all -- echo hi", err
     code, out, err = env.cli("exec", "local", "--", "echo", "hi", capsys=capsys)  # the right way still works
