@@ -27,6 +27,12 @@ class UsageError(DflashopsError):
     exit_code = 2
 
 
+class MissingDependency(DflashopsError):
+    """An optional package a verb needs is not installed (the hint names the extra that brings it)."""
+
+    exit_code = 2
+
+
 class InventoryError(DflashopsError):
     """inventory.yaml is missing, malformed, or names something that does not exist."""
 

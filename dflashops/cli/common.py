@@ -27,6 +27,13 @@ def open_session(args: argparse.Namespace, *, dry_run: bool = False) -> Iterator
         session.close()
 
 
+def show_passthrough(parser: argparse.ArgumentParser, tail: str) -> None:
+    """Append `tail` (e.g. `[-- trainer args]`) to the parser's usage line: cli/main.py cuts everything after
+    the first `--` off before argparse sees it, so argparse cannot show that part itself. Call it after the
+    last add_argument."""
+    parser.usage = parser.format_usage().removeprefix("usage: ").rstrip().replace("%", "%%") + " " + tail
+
+
 def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 

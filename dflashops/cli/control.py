@@ -3,63 +3,124 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from typing import Any
 
-from dflashops.cli.common import emit_json, highlight_errors, open_session, print_plan, progress
-from dflashops.errors import TransportError, UsageError
+from dflashops.cli.common import emit_json, highlight_errors, open_session, print_plan, progress, show_passthrough
+from dflashops.errors import NotFound, TransportError, UsageError
 from dflashops.ops.control import LogCursor, ended_badly, how_it_ended, read_log, run_status, stop_run, wait_for
-from dflashops.shell import validate_name
+from dflashops.shell import join_argv, validate_name
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("stop", help="stop a run: SIGTERM its process group, grace, SIGKILL, wait")
-    p.add_argument("run", nargs="?")
+    p = subparsers.add_parser(
+        "stop", help="stop a run: SIGTERM its process group, grace, SIGKILL, wait",
+        description="Stop RUN (or --all runs): SIGTERM to the run's own process group so the trainer writes its "
+                    "final checkpoint, SIGKILL after --grace, then wait until its processes and GPU memory are gone. "
+                    "Nothing outside the run's process group is signalled.")
+    p.add_argument("run", nargs="?", metavar="RUN", help="the run to stop (or give --all)")
     p.add_argument("--target", help="target (default: the one the lineage records for RUN)")
     add_all_options(p, "stop every running run on every target of the inventory, in parallel")
-    p.add_argument("--grace", type=float, default=60.0, help="seconds between SIGTERM and SIGKILL (default 60)")
+    p.add_argument("--grace", type=float, default=60.0, metavar="S",
+                   help="seconds between SIGTERM and SIGKILL (default 60)")
     p.add_argument("--save-grace", type=float, default=600.0, metavar="S",
                    help="more seconds for a run still writing its checkpoint after --grace (default 600)")
     p.add_argument("--dry-run", action="store_true", help="print the commands that would run; change nothing")
-    p.set_defaults(func=handle_stop)
+    p.set_defaults(func=with_run_hint(handle_stop))
 
-    s = subparsers.add_parser("status", help="state of one run or of every run on a target")
-    s.add_argument("run", nargs="?")
-    s.add_argument("--target")
+    s = subparsers.add_parser(
+        "status", help="state of one run or of every run on a target",
+        description="Show RUN's state (running / crashed at step N with the error line / finished / stopped), "
+                    "its last metrics and the target's GPUs; with no RUN, every run on the target; with --all, "
+                    "every run on every target of the inventory.")
+    s.add_argument("run", nargs="?", metavar="RUN", help="the run to show (default: every run on the target)")
+    s.add_argument("--target", help="target (default: RUN's recorded target, or the default target)")
     s.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     add_all_options(s, "every run on every target of the inventory, in parallel (a table)")
-    s.set_defaults(func=handle_status)
+    s.set_defaults(func=with_run_hint(handle_status))
 
-    lg = subparsers.add_parser("logs", help="print or follow a run's train.log")
-    lg.add_argument("run")
-    lg.add_argument("--target")
+    lg = subparsers.add_parser(
+        "logs", help="print or follow a run's train.log",
+        description="Print RUN's train.log, or follow it (-f) until the run ends. --until and --fail-on turn it "
+                    "into a check for scripts: exit 0 on a match of --until, 7 on --fail-on, 8 on --timeout.")
+    lg.add_argument("run", metavar="RUN", help="the run whose log to print")
+    lg.add_argument("--target", help="target (default: RUN's recorded target, or the default target)")
     lg.add_argument("-f", "--follow", action="store_true", help="keep following until the run ends")
     lg.add_argument("--since", type=int, default=0, metavar="BYTES", help="start at this byte offset")
     lg.add_argument("--until", metavar="REGEX", help="follow until REGEX matches a line (exit 0)")
     lg.add_argument("--fail-on", metavar="REGEX", help="exit non-zero (7) when REGEX matches a line")
-    lg.add_argument("--timeout", type=float, help="give up after this many seconds (exit 8)")
+    lg.add_argument("--timeout", type=float, metavar="S", help="give up after this many seconds (exit 8)")
     lg.add_argument("--raw", action="store_true", help="no highlighting")
-    lg.set_defaults(func=handle_logs)
+    lg.set_defaults(func=with_run_hint(handle_logs))
 
-    ex = subparsers.add_parser("exec", help="run a command on a target: dflashops exec TARGET -- argv")
-    ex.add_argument("target", nargs="?")
-    ex.add_argument("--dry-run", action="store_true")
+    ex = subparsers.add_parser(
+        "exec", help="run a command on a target: dflashops exec TARGET -- argv",
+        description="Run a command on TARGET (inside its container for pct targets) and pass its output and "
+                    "exit code through. Everything after `--` is the command, run without a shell.")
+    ex.add_argument("target", nargs="?", metavar="TARGET", help="target from the inventory (or give --all)")
+    ex.add_argument("--dry-run", action="store_true", help="print the command that would run; run nothing")
     add_all_options(ex, "run the command on every target of the inventory, in parallel")
-    ex.set_defaults(func=handle_exec)
+    show_passthrough(ex, "-- COMMAND [ARG ...]")
+    ex.set_defaults(func=handle_exec, misplaced_words=exec_words_before_separator)
 
-    at = subparsers.add_parser("attach", help="attach to a run's tmux session (for humans)")
-    at.add_argument("run")
-    at.add_argument("--target")
-    at.set_defaults(func=handle_attach)
+    at = subparsers.add_parser(
+        "attach", help="attach to a run's tmux session (for humans)",
+        description="Attach this terminal to RUN's tmux session (over ssh and pct exec for remote targets). "
+                    "Detach with the tmux prefix + d; detaching never stops the run. Needs a terminal; "
+                    "scripts use `dflashops logs RUN -f`.")
+    at.add_argument("run", metavar="RUN", help="the run to attach to (launched with --launcher tmux)")
+    at.add_argument("--target", help="target (default: RUN's recorded target, or the default target)")
+    at.set_defaults(func=with_run_hint(handle_attach))
 
-    gc = subparsers.add_parser("gc", help="delete old releases and (only when named) finished run directories")
-    gc.add_argument("target", nargs="?")
-    gc.add_argument("--keep", type=int, default=5, help="releases to keep (default 5)")
-    gc.add_argument("--run", action="append", default=[], help="a run directory to delete (repeatable)")
-    gc.add_argument("--dry-run", action="store_true")
+    gc = subparsers.add_parser(
+        "gc", help="delete old releases and (only when named) finished run directories",
+        description="Delete code releases on TARGET except the newest --keep, the current one and any a live run "
+                    "uses, and the run directories named with --run (only runs that are not running). Nothing "
+                    "else is deleted; prints what was removed as JSON.")
+    gc.add_argument("target", nargs="?", metavar="TARGET",
+                    help="target from the inventory (default: the default target)")
+    gc.add_argument("--keep", type=int, default=5, metavar="N", help="releases to keep (default 5)")
+    gc.add_argument("--run", action="append", default=[], metavar="RUN",
+                    help="a run directory to delete (repeatable)")
+    gc.add_argument("--dry-run", action="store_true", help="print the commands that would run; change nothing")
     gc.set_defaults(func=handle_gc)
+
+
+def with_run_hint(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """`handler`, with a "did you mean" hint (close names from the lineage and the target) added to the
+    NotFound of a RUN that does not exist, as `restart` and `runs show` give."""
+
+    @functools.wraps(handler)
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return handler(args)
+        except NotFound as exc:
+            name = getattr(args, "run", None)
+            if not name or exc.hint or f"run {name!r}" not in exc.message:
+                raise
+            with open_session(args) as session:
+                close = session.close_run_names(name, getattr(args, "target", None))
+            hint = (f"did you mean: {', '.join(close)}?" if close else
+                    "`dflashops status` lists the runs of a target, `dflashops runs list` the recorded runs")
+            raise NotFound(exc.message, hint=hint) from None
+
+    return run
+
+
+def exec_words_before_separator(args: argparse.Namespace, verb_words: list[str], extra: list[str]) -> UsageError:
+    """`dflashops exec local echo hi`: the command was given without `--` in front of it."""
+    if args.all and args.target is not None:  # `exec --all echo hi`: argparse took `echo` for the TARGET
+        extra = [args.target, *extra]
+    kept = list(verb_words)
+    for word in reversed(extra):  # the words argparse did not take, removed from the end
+        del kept[len(kept) - 1 - kept[::-1].index(word)]
+    fixed = join_argv(["dflashops", *kept, "--", *extra, *args.passthrough])
+    return UsageError(f"exec takes its command after `--` (found `{join_argv(extra)}` before it)",
+                      hint=f"put the command after --: {fixed}")
 
 
 def add_all_options(parser: argparse.ArgumentParser, help_text: str) -> None:
@@ -194,8 +255,11 @@ def handle_attach(args: argparse.Namespace) -> int:
     if entry["run_json"].get("launcher") != "tmux":
         raise UsageError(f"run {args.run!r} was launched with nohup; there is no session to attach",
                          hint=f"`dflashops logs {args.run} -f`")
-    session = entry["run_json"].get("session") or session_name(args.run)
-    tmux = ["tmux", "-L", tmux_socket(target.workspace), "attach-session", "-t", "=" + session]
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise UsageError("attach needs a terminal (stdin and stdout are not both one)",
+                         hint=f"`dflashops logs {args.run} -f` follows the run's output without one")
+    tmux_session = entry["run_json"].get("session") or session_name(args.run)
+    tmux = ["tmux", "-L", tmux_socket(target.workspace), "attach-session", "-t", "=" + tmux_session]
     # Remote: the terminal type travels (pct exec clears the environment); detach with the tmux prefix + d.
     term = {"TERM": os.environ.get("TERM", "xterm-256color")} if target.kind != "local" else None
     argv = interactive_argv(target, tmux, hosts=session.inventory.hosts, env=term)

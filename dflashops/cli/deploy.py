@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dflashops.cli.common import highlight_errors, open_session, print_plan, progress
+from dflashops.cli.common import highlight_errors, open_session, print_plan, progress, show_passthrough
 from dflashops.ops.control import DEFAULT_FAIL_ON, wait_for
 from dflashops.ops.deploy import DeployOutcome, DeployRequest, deploy
 from dflashops.ops.restart import RestartRequest, restart
@@ -16,23 +16,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("deploy", help="sync the code and launch a run",
                               description="Sync the code to TARGET, write run.json, launch the profile's command. "
                                           "Arguments after `--` are appended to the trainer's command line.")
-    p.add_argument("target", nargs="?", help="target from the inventory (default: the only one, or `local`)")
+    p.add_argument("target", nargs="?", metavar="TARGET",
+                   help="target from the inventory (default: the only one, or `local`)")
     p.add_argument("--profile", default="tiny", help="run profile from the inventory (default: tiny)")
     p.add_argument("--name", help="run name, or + for the next name after --parent (default: PROFILE-TIME)")
     p.add_argument("--parent", help="the run this one derives from (recorded in the lineage)")
     add_launch_options(p)
+    show_passthrough(p, "[-- trainer args]")
     p.set_defaults(func=handle_deploy)
 
     r = subparsers.add_parser("restart", help="stop a run and relaunch it as a new child run",
                               description="Stop RUN cleanly, sync, relaunch as a new run whose parent is RUN. "
                                           "Arguments after `--` replace the parent's extra trainer args.")
-    r.add_argument("run", help="the run to restart")
+    r.add_argument("run", metavar="RUN", help="the run to restart")
     r.add_argument("--name", default="+", help="name of the new run (default: + = next name after RUN)")
     mode = r.add_mutually_exclusive_group()
     mode.add_argument("--fresh", action="store_true", help="start from scratch (default)")
     mode.add_argument("--resume", action="store_true", help="start from RUN's latest checkpoint")
     r.add_argument("--grace", type=float, default=60.0, help="seconds between SIGTERM and SIGKILL (default 60)")
     add_launch_options(r, launcher_default=None)
+    show_passthrough(r, "[-- trainer args]")
     r.set_defaults(func=handle_restart)
 
 

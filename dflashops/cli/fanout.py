@@ -80,6 +80,9 @@ def handle_stop_all(args: argparse.Namespace) -> int:
 
 
 def handle_exec_all(args: argparse.Namespace) -> int:
+    if args.target and not args.passthrough:
+        raise UsageError("exec takes its command after `--`",
+                         hint=f"put the command after --: dflashops exec --all -- {args.target}")
     if args.target:
         raise UsageError("--all runs on every target; drop TARGET, or drop --all")
     if not args.passthrough:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from dflashops.errors import DflashopsError
 
@@ -28,8 +30,8 @@ VERB_MODULE = {"deploy": "dflashops.cli.deploy", "restart": "dflashops.cli.deplo
                "watch": "dflashops.cli.watch"}
 
 
-def verb_of(words: Sequence[str]) -> str | None:
-    """The verb word of a command line (skipping the top-level `--inventory PATH`), or None."""
+def verb_index(words: Sequence[str]) -> int | None:
+    """Where the verb word of a command line is (skipping the top-level `--inventory PATH`), or None."""
     index = 0
     while index < len(words):
         word = words[index]
@@ -39,8 +41,42 @@ def verb_of(words: Sequence[str]) -> str | None:
         if word.startswith("--inventory="):
             index += 1
             continue
-        return None if word.startswith("-") else word
+        return None if word.startswith("-") else index
     return None
+
+
+def verb_of(words: Sequence[str]) -> str | None:
+    """The verb word of a command line (skipping the top-level `--inventory PATH`), or None."""
+    index = verb_index(words)
+    return None if index is None else words[index]
+
+
+def package_version(distribution: str = "dflashops") -> str:
+    """The installed distribution's version; in a source tree that was never installed, pyproject.toml's."""
+    import importlib.metadata  # here, not at the top: only `--version` pays for it
+
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+        try:
+            found = re.search(r'^version\s*=\s*"([^"]+)"', pyproject.read_text(encoding="utf-8"), re.M)
+        except OSError:
+            found = None
+        return found.group(1) if found else "unknown"
+
+
+class VersionAction(argparse.Action):
+    """`--version`: like argparse's own, but the version is only looked up when asked for."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print the dflashops version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: object, values: object,
+                 option_string: str | None = None) -> None:
+        print(f"{parser.prog} {package_version()}")
+        parser.exit()
 
 
 def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
@@ -50,6 +86,7 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     )
     parser.add_argument("--inventory", metavar="PATH",
                         help="inventory.yaml to use (default: $DFLASHOPS_INVENTORY, ./inventory.yaml or a parent's)")
+    parser.add_argument("--version", action=VersionAction)
     subparsers = parser.add_subparsers(dest="verb", metavar="VERB")
     for module_name in ([VERB_MODULE[verb]] if verb in VERB_MODULE else VERB_MODULES):
         try:
@@ -62,20 +99,34 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    words = list(sys.argv[1:] if argv is None else argv)
+def parse_command_line(words: Sequence[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The parser and the parsed arguments of one command line, exactly as main() sees them; runs nothing.
+    Everything after the first `--` is passed through untouched as `args.passthrough` (extra trainer args,
+    exec's argv). Bad arguments exit through argparse (SystemExit 2), or raise the UsageError of a verb's
+    `misplaced_words(args, words from the verb on, words argparse did not take)`."""
+    words = list(words)
     parser = build_parser(verb_of(words))
-    # Everything after the first `--` is passed through untouched (extra trainer args, exec's argv).
     passthrough: list[str] = []
     if "--" in words:
         cut = words.index("--")
         words, passthrough = words[:cut], words[cut + 1 :]
-    args = parser.parse_args(words)
+    args, extra = parser.parse_known_args(words)
     args.passthrough = passthrough
-    if not getattr(args, "func", None):
-        parser.print_help(sys.stderr)
-        return 2
+    if extra:
+        # A verb may explain words it cannot take (exec: the command came without `--`): a UsageError.
+        misplaced = getattr(args, "misplaced_words", None)
+        if misplaced is None:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        raise misplaced(args, words[verb_index(words) or 0 :], extra)
+    return parser, args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     try:
+        parser, args = parse_command_line(sys.argv[1:] if argv is None else argv)
+        if not getattr(args, "func", None):
+            parser.print_help(sys.stderr)
+            return 2
         return int(args.func(args) or 0)
     except DflashopsError as exc:
         print(f"error: {exc.message}", file=sys.stderr)

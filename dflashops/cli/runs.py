@@ -208,8 +208,9 @@ def _statuses_from_target(args: argparse.Namespace, target: str) -> list[dict[st
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from dflashops.ops.plot import plot_runs
+    from dflashops.ops.plot import plot_runs, require_matplotlib
 
+    require_matplotlib()
     db = _open(args) or _raise(_missing(args))
     runs = [db.get(name) for name in args.runs]
     local_roots = {} if _runs_root(args) else _local_roots(args)
@@ -238,8 +239,10 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from dflashops.lineage_view import export_text
 
+    if args.json and args.format == "csv":
+        raise UsageError("--json and --format csv ask for different formats", hint="give one of them")
     db = _open(args)
-    text = export_text([] if db is None else db.list(), args.format)
+    text = export_text([] if db is None else db.list(), "json" if args.json else args.format or "csv")
     if args.out in (None, "-"):
         sys.stdout.write(text)
         return 0
@@ -297,7 +300,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--title")
     p.add_argument("--log-y", action="store_true")
     p = add("export", cmd_export, "all records as CSV or JSON")
-    p.add_argument("--format", choices=("csv", "json"), default="csv")
+    p.add_argument("--json", action="store_true", help="JSON instead of CSV (the same as --format json)")
+    p.add_argument("--format", choices=("csv", "json"), help="csv (default) or json")
     p.add_argument("--out", metavar="FILE", help="write to FILE instead of stdout")
     return runs
 

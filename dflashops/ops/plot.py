@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from dflashops.errors import UsageError
+from dflashops.errors import MissingDependency, UsageError
 
 LINE_STYLES: tuple[str | tuple[int, tuple[int, ...]], ...] = (
     "-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)), (0, (8, 2)), (0, (1, 3)), (0, (3, 1, 3, 1, 1, 1)),
@@ -30,6 +30,17 @@ def style_for(index: int) -> dict[str, object]:
         "marker": MARKERS[(index + index // len(LINE_STYLES)) % len(MARKERS)],
         "color": COLOURS[index % len(COLOURS)],
     }
+
+
+def require_matplotlib() -> None:
+    """MissingDependency (with the install line) unless matplotlib imports: only the `plot` and `dev`
+    extras install it, and `runs plot` must say so before it reads anything, not end in a traceback."""
+    try:
+        import matplotlib  # noqa: F401
+        from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: F401
+    except ImportError as exc:
+        raise MissingDependency(f"runs plot needs matplotlib, which cannot be imported here ({exc})",
+                                hint="pip install 'dflashops[plot]'") from None
 
 
 def plot_runs(

@@ -5,9 +5,10 @@ Connections are opened lazily and reused (one per target per invocation); `close
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 
-from dflashops.errors import NotFound
+from dflashops.errors import DflashopsError, NotFound
 from dflashops.inventory import Inventory, Target
 from dflashops.lineage import LineageDB, RunRecord
 from dflashops.ops.agent_client import Agent
@@ -57,6 +58,21 @@ class Session:
         if record is not None and record.target in self.inventory.targets:
             return self.inventory.targets[record.target]
         return self.inventory.target(None)
+
+    def close_run_names(self, name: str, explicit_target: str | None = None) -> list[str]:
+        """Names close to `name` (a mistyped run name) among the recorded runs and the runs on the target
+        it would be looked up on, best first. Best effort: a source that cannot be read adds nothing."""
+        names: set[str] = set()
+        if self._db is not None or self.inventory.lineage_path.exists():  # never creates the database
+            names |= self.db.names()
+        try:
+            target = self.target_for_run(name, explicit_target)
+            names |= {str(run["name"]) for run in self.agent(target).call(
+                "status", {"workspace": target.workspace})["runs"]}
+        except DflashopsError:
+            pass
+        names.discard(name)
+        return difflib.get_close_matches(name, sorted(names), n=4, cutoff=0.5)
 
     def note_state(self, status: dict) -> None:
         """Mirror an agent status entry into the lineage record (when the run is recorded)."""

@@ -94,9 +94,38 @@ def test_plot_writes_png_and_refuses_unknown_metric(three_runs: dict, db_path: P
     assert code == 2 and ".png" in err
 
 
+def test_item23_plot_without_matplotlib_says_how_to_get_it(three_runs: dict, db_path: Path, tmp_path: Path) -> None:
+    # A real process in which `import matplotlib` fails, as in a plain install without the plot extra.
+    shim = tmp_path / "shim" / "matplotlib"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("raise ImportError('No module named matplotlib (hidden by the test)')\n")
+    out_png = tmp_path / "loss.png"
+    env = {**os.environ, "PYTHONPATH": f"{shim.parent}{os.pathsep}{REPO}"}
+    out = subprocess.run([sys.executable, "-m", "dflashops.cli.main", "runs", "plot", *three_runs["names"],
+                          "--out", str(out_png), "--db", str(db_path)],
+                         capture_output=True, text=True, env=env, timeout=60, cwd=tmp_path)
+    assert out.returncode == 2 and out.stdout == "" and not out_png.exists(), out.stderr
+    lines = out.stderr.splitlines()
+    assert lines[0].startswith("error: runs plot needs matplotlib") and "Traceback" not in out.stderr, out.stderr
+    assert lines[-1] == "hint: pip install 'dflashops[plot]'", out.stderr
+    import tomllib
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(dep.startswith("matplotlib") for dep in extras["plot"])
+
+
 def test_plot_styles_distinguish_runs_without_colour() -> None:
     pairs = {(str(style_for(i)["linestyle"]), style_for(i)["marker"]) for i in range(len(LINE_STYLES) * 8)}
     assert len(pairs) == len(LINE_STYLES) * 8
+
+
+def test_item20_export_takes_json_like_the_other_data_verbs(three_runs: dict, db_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    code, as_json, _ = run_cli(capsys, "export", "--json", "--db", str(db_path))
+    assert code == 0 and [row["name"] for row in json.loads(as_json)] == three_runs["names"]
+    assert run_cli(capsys, "export", "--format", "json", "--db", str(db_path))[1] == as_json  # --format still works
+    code, out, err = run_cli(capsys, "export", "--json", "--format", "csv", "--db", str(db_path))
+    assert code == 2 and out == "" and err.startswith("error: ") and "hint: " in err
 
 
 def test_export_csv_and_json(three_runs: dict, db_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
