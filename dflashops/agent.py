@@ -739,7 +739,8 @@ def _tail_once(req: dict, directory: str, path: str) -> dict:
     if rotated and at_end:
         next_offset, check, source = 0, "", path
     return {"data": data.decode("utf-8", errors="replace"), "offset": next_offset,
-            "inode": os.stat(source).st_ino, "check": check, "finished": finished, "notice": notice}
+            "inode": os.stat(source).st_ino, "check": check, "finished": finished, "notice": notice,
+            "more": not at_end or rotated}
 
 # -------------------------------------------------------------------------------- gpus, cache, releases
 def verb_gpus(req: dict) -> dict:

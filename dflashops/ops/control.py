@@ -115,7 +115,9 @@ def read_log(session: Session, name: str, cursor: LogCursor, *, target: str | No
             on_notice(f"{name}: {answer['notice']}")
         if answer["data"]:
             yield answer["data"]
-        if not moved and (not follow or answer["finished"]):  # drained (a long log comes in 1 MiB pieces)
+        if not follow and not answer.get("more"):
+            return  # what was there when asked has been read (a long log comes in 1 MiB pieces)
+        if follow and answer["finished"] and not moved:
             return
         if deadline is not None and time.monotonic() >= deadline:
             raise WaitTimeout(f"{name}: no match within {timeout:g}s", hint="raise --timeout")

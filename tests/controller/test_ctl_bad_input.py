@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,9 @@ def test_stop_logs_restart_of_missing_or_finished_runs(env: Env, capsys: pytest.
     assert code == 3 and "no run named 'ghost'" in err
     assert env.cli("deploy", "--profile", "work", "--name", "brief", "--launcher", "nohup", "--wait", "done",
                    "--", "--steps", "2", capsys=capsys)[0] == 0
+    deadline = time.monotonic() + 10  # "done" is printed just before the job exits: let it finish
+    while not (env.runs / "brief" / "exit_code").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
     code, _, err = env.cli("stop", "brief", capsys=capsys)
     assert code == 9 and "error: local: run 'brief' is not running" in err and "hint:" in err
     assert (env.runs / "brief" / "exit_code").read_text().strip() == "0"

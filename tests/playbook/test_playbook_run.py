@@ -141,4 +141,5 @@ def test_sweep_collects_one_table(env: Env, capsys: pytest.CaptureFixture[str]) 
     assert "launch fast" in err and "launch slow" in err
     for name in ("sweep-fast", "sweep-slow"):
         assert state_of(env, name) == "stopped"
-    assert json.loads((env.runs / "sweep-slow" / "run.json").read_text())["argv"][-2:] == ["--interval", "0.03"]
+    argv = json.loads((env.runs / "sweep-slow" / "run.json").read_text())["argv"]
+    assert argv.count("--interval") == 1 and argv[argv.index("--interval") + 1] == "0.03"  # replaced, not appended
