@@ -123,9 +123,12 @@ def plan_launch(session: Session, request: DeployRequest, target: Target, profil
     return LaunchPlan(name=name, run_dir=run_dir, record=record, args=args, env={**env, **secrets})
 
 
-def check_request(session: Session, request: DeployRequest, target: Target, profile: Profile) -> str:
+def check_request(session: Session, request: DeployRequest, target: Target, profile: Profile, *,
+                  ask_target: bool = True) -> str:
     """Every refusal that needs no change, before anything changes: launcher, parent, extra arguments, and the
-    name (free in the lineage and on the target; read-only calls). Returns the chosen name."""
+    name (free in the lineage and, with `ask_target`, on the target: one read-only `status` call). Returns the
+    chosen name. `restart` passes ask_target=False: its combined agent call refuses an existing run directory
+    before it changes anything, so the extra round trip would buy nothing."""
     if request.launcher not in ("tmux", "nohup"):
         raise UsageError(f"unknown launcher {request.launcher!r}", hint="use --launcher tmux or --launcher nohup")
     if request.parent:
@@ -136,7 +139,7 @@ def check_request(session: Session, request: DeployRequest, target: Target, prof
     name = choose_name(session, request)
     if session.record_of(name) is not None:
         raise Conflict(f"run name {name!r} is already used", hint="choose another --name, or --name + with --parent")
-    if not session.dry_run:
+    if ask_target and not session.dry_run:
         existing = session.agent(target).call("status", {"workspace": target.workspace})["runs"]
         if any(entry["name"] == name for entry in existing):
             raise Conflict(f"run directory {target.workspace}/runs/{name} already exists on {target.name}",

@@ -77,7 +77,7 @@ def restart(session: Session, request: RestartRequest) -> RestartOutcome:
         launcher=launcher, clear_cache=request.clear_cache, extra_args=extra,
         checkpoint=RESUME_PLACEHOLDER if request.resume else None)
     name = claim_name(session, deploy_request, target, profile,
-                      check_request(session, deploy_request, target, profile))
+                      check_request(session, deploy_request, target, profile, ask_target=False))
     try:
         return relaunch(session, request, deploy_request, old, target, profile, name)
     except BaseException:
