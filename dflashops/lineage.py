@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import difflib
 import json
-import sqlite3
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -24,6 +23,9 @@ from dflashops.lineage_diff import RunDiff, diff_runs, parse_argv
 from dflashops.lineage_naming import lineage_root, next_name, wandb_env
 from dflashops.lineage_record import (
     STATES, RunRecord, record_from_run_json, redact_argv, redact_env, utc_now_iso,
+)
+from dflashops.lineage_sqlite import (
+    Connection, LineageDBError, Transaction, not_writable_reason, rebuild_hint, writable_hint,
 )
 from dflashops.shell import validate_name
 
@@ -67,12 +69,6 @@ RESERVED = "reserved"  # extra key of a name claimed by a launch in progress (Li
 ImportOutcome = Literal["added", "updated", "unchanged"]
 
 
-class LineageDBError(DflashopsError):
-    """The lineage database file cannot be used (not SQLite, foreign, newer schema, unwritable)."""
-
-    exit_code = 2
-
-
 class LineageDB:
     """Run records in one SQLite file. Open with `LineageDB(path)`; use as a context manager or `close()`."""
 
@@ -82,28 +78,35 @@ class LineageDB:
             raise NotFound(f"lineage database folder {self.path.parent} does not exist",
                            hint="create it, or pass --db PATH inside an existing folder")
         existed = self.path.exists() and self.path.stat().st_size > 0
-        try:
-            self._conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
-        except sqlite3.Error as exc:
-            raise LineageDBError(f"cannot open lineage database {self.path}: {exc}") from None
+        if not existed and not_writable_reason(self.path):
+            raise LineageDBError(f"cannot create lineage database {self.path}: {not_writable_reason(self.path)}",
+                                 hint=writable_hint(self.path))
+        # A file this process cannot write is opened read-only: list/show/status still read it, and the
+        # first write (a deploy's name claim, before anything is synced) is refused with one error line.
+        self._conn = Connection(self.path, timeout_s=BUSY_TIMEOUT_MS / 1000)
         try:
             if existed:
                 self._check_readable()  # reads only: a refused file is left byte-for-byte as it was
-            self._conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-            if self._conn.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
-                self._conn.execute("PRAGMA journal_mode = WAL")  # persistent: set once per file
-            self._conn.execute("PRAGMA synchronous = NORMAL")  # WAL + NORMAL: durable at checkpoint, no fsync per commit
-            self._migrate()
-        except sqlite3.Error as exc:
-            self._conn.close()
-            raise LineageDBError(f"lineage database {self.path} is unusable: {exc}") from None
+            self._conn.run(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            if self._conn.read_only is None:
+                if self._conn.query("PRAGMA journal_mode")[0][0].lower() != "wal":
+                    self._conn.run("PRAGMA journal_mode = WAL")  # persistent: set once per file
+                self._conn.run("PRAGMA synchronous = NORMAL")  # WAL + NORMAL: durable at checkpoint, no fsync per commit
+                self._migrate()
+            elif self._schema_version() < SCHEMA_VERSION:
+                self._conn.refuse_writes()  # it needs a migration, which is a write
         except DflashopsError:
             self._conn.close()
             raise
 
+    @property
+    def read_only(self) -> str | None:
+        """Why this database cannot be written here (read-only file or folder), or None."""
+        return self._conn.read_only
+
     # -- schema ---------------------------------------------------------------------------------------
     def _schema_version(self) -> int:
-        tables = {row[0] for row in self._conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        tables = {row[0] for row in self._conn.query("SELECT name FROM sqlite_master WHERE type = 'table'")}
         if not tables:
             return 0
         if "schema_migrations" not in tables:
@@ -112,14 +115,16 @@ class LineageDB:
                 f"(tables: {', '.join(sorted(tables))})",
                 hint="point --db at another file; this one was left untouched",
             )
-        return int(self._conn.execute("SELECT COALESCE(MAX(version), 0) FROM schema_migrations").fetchone()[0])
+        return int(self._conn.query("SELECT COALESCE(MAX(version), 0) FROM schema_migrations")[0][0])
 
     def _check_readable(self) -> None:
         try:
             version = self._schema_version()
-        except sqlite3.DatabaseError as exc:
-            raise LineageDBError(f"{self.path} is not a lineage database ({exc})",
-                                 hint="move the file aside; `dflashops runs sync` rebuilds lineage from the targets") from None
+        except LineageDBError as exc:
+            if "file is not a database" not in exc.message:
+                raise
+            raise LineageDBError(f"{self.path} is not a lineage database (file is not a database)",
+                                 hint=rebuild_hint(self.path)) from None
         if version > SCHEMA_VERSION:
             raise LineageDBError(
                 f"{self.path} has lineage schema version {version}, newer than this dflashops "
@@ -129,7 +134,7 @@ class LineageDB:
 
     def _migrate(self) -> None:
         with self._write():
-            self._conn.execute(
+            self._conn.run(
                 "CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, applied_at TEXT NOT NULL)"
             )
             current = self._schema_version()  # re-read inside the lock: another process may have migrated
@@ -139,11 +144,11 @@ class LineageDB:
             for version in range(current + 1, SCHEMA_VERSION + 1):
                 for statement in _MIGRATIONS[version].split(";"):
                     if statement.strip():
-                        self._conn.execute(statement)
-                self._conn.execute("INSERT INTO schema_migrations VALUES (?, ?)", (version, utc_now_iso()))
+                        self._conn.run(statement)
+                self._conn.run("INSERT INTO schema_migrations VALUES (?, ?)", (version, utc_now_iso()))
 
-    def _write(self) -> "_Transaction":
-        return _Transaction(self._conn)
+    def _write(self) -> Transaction:
+        return Transaction(self._conn)
 
     # -- rows -----------------------------------------------------------------------------------------
     @staticmethod
@@ -154,7 +159,7 @@ class LineageDB:
         row["updated_at"] = utc_now_iso()
         return row
 
-    def _from_row(self, row: sqlite3.Row | tuple[Any, ...]) -> RunRecord:
+    def _from_row(self, row: tuple[Any, ...]) -> RunRecord:
         values = dict(zip(_COLUMNS, row))
         for column in _JSON_COLUMNS:
             values[column] = json.loads(values[column])
@@ -162,15 +167,15 @@ class LineageDB:
 
     def _select(self, where: str = "", params: tuple[Any, ...] = ()) -> list[RunRecord]:
         sql = f"SELECT {', '.join(_COLUMNS)} FROM runs {where} ORDER BY started_at, name"
-        return [self._from_row(row) for row in self._conn.execute(sql, params)]
+        return [self._from_row(row) for row in self._conn.query(sql, params)]
 
     def _exists(self, name: str) -> bool:
-        return self._conn.execute("SELECT 1 FROM runs WHERE name = ?", (name,)).fetchone() is not None
+        return bool(self._conn.query("SELECT 1 FROM runs WHERE name = ?", (name,)))
 
     def _insert(self, run: RunRecord) -> None:
         row = self._to_row(run)
         columns = [*_COLUMNS, "updated_at"]
-        self._conn.execute(
+        self._conn.run(
             f"INSERT INTO runs ({', '.join(columns)}) VALUES ({', '.join('?' for _ in columns)})",
             tuple(row[c] for c in columns),
         )
@@ -189,7 +194,7 @@ class LineageDB:
         """`--name +`: store `run` under `next_name(after, taken)`, chosen and inserted in one transaction
         so two processes deriving a name from the same parent at once get different names."""
         with self._write():
-            taken = {row[0] for row in self._conn.execute("SELECT name FROM runs")}
+            taken = {row[0] for row in self._conn.query("SELECT name FROM runs")}
             run.name = next_name(after, taken)
             self._check_new(run, allow_missing_parent=False)
             self._insert(run)
@@ -206,14 +211,14 @@ class LineageDB:
     def fill(self, run: RunRecord) -> RunRecord:
         """Replace the reservation of `run.name` by `run` (the launched run's full record)."""
         with self._write():
-            self._conn.execute("DELETE FROM runs WHERE name = ?", (run.name,))
+            self._conn.run("DELETE FROM runs WHERE name = ?", (run.name,))
             self._insert(run)
         return self.get(run.name)
 
     def release(self, name: str) -> None:
         """Drop a reservation (the launch failed); a filled record is never touched."""
         with self._write():
-            self._conn.execute(f"DELETE FROM runs WHERE name = ? AND json_extract(extra, '$.{RESERVED}') = 1",
+            self._conn.run(f"DELETE FROM runs WHERE name = ? AND json_extract(extra, '$.{RESERVED}') = 1",
                                (name,))
 
     def _check_new(self, run: RunRecord, allow_missing_parent: bool) -> None:
@@ -242,7 +247,7 @@ class LineageDB:
         return NotFound(f"no {what} named {name!r} in the lineage database {self.path}", hint=hint)
 
     def names(self) -> set[str]:
-        return {row[0] for row in self._conn.execute("SELECT name FROM runs")}
+        return {row[0] for row in self._conn.query("SELECT name FROM runs")}
 
     def list(self, *, state: str | None = None, target: str | None = None) -> list[RunRecord]:
         """All runs, oldest first, optionally filtered by state and/or target."""
@@ -288,7 +293,7 @@ class LineageDB:
                 setattr(current, key, {**current.extra, **value} if key == "extra" else value)
             row = self._to_row(current)
             assignments = ", ".join(f"{c} = ?" for c in ("state", *fields, "updated_at"))
-            self._conn.execute(f"UPDATE runs SET {assignments} WHERE name = ?",
+            self._conn.run(f"UPDATE runs SET {assignments} WHERE name = ?",
                                (*(row[c] for c in ("state", *fields, "updated_at")), name))
         return self.get(name)
 
@@ -321,7 +326,7 @@ class LineageDB:
             merged.extra = {**stored.extra, **incoming.extra}
             if merged.to_dict() == stored.to_dict():
                 return "unchanged"
-            self._conn.execute("DELETE FROM runs WHERE name = ?", (incoming.name,))
+            self._conn.run("DELETE FROM runs WHERE name = ?", (incoming.name,))
             self._insert(merged)
             return "updated"
 
@@ -334,18 +339,3 @@ class LineageDB:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _Transaction:
-    """`BEGIN IMMEDIATE` ... COMMIT (ROLLBACK on error): takes the write lock up front, so a read-then-write
-    (name taken? then insert) cannot interleave with another process's."""
-
-    def __init__(self, conn: sqlite3.Connection) -> None:
-        self._conn = conn
-
-    def __enter__(self) -> None:
-        self._conn.execute("BEGIN IMMEDIATE")
-
-    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
-        self._conn.execute("ROLLBACK" if exc_type else "COMMIT")
-

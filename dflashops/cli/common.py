@@ -25,6 +25,8 @@ def open_session(args: argparse.Namespace, *, dry_run: bool = False) -> Iterator
         yield session
     finally:
         session.close()
+        for warning in session.warnings:
+            progress(f"warning: {warning}")
 
 
 def show_passthrough(parser: argparse.ArgumentParser, tail: str) -> None:

@@ -168,10 +168,16 @@ def cmd_sync(args: argparse.Namespace) -> int:
             sources.append((args.target_label, verb_status({"workspace": str(workspace)})["runs"]))
         except AgentFailure as exc:
             raise UsageError(f"cannot read workspace {workspace}: {exc}") from None
-    for target in args.targets:
+    targets = list(args.targets)
+    if not targets and not args.workspace:  # `runs sync` alone (what every recovery hint says): all targets
+        from dflashops.inventory import load_inventory
+
+        targets = list(load_inventory(getattr(args, "inventory", None)).targets)
+    for target in targets:
         sources.append((target, _statuses_from_target(args, target)))
     if not sources:
-        raise UsageError("nothing to sync from", hint="name targets (`runs sync local`) or pass --workspace DIR")
+        raise UsageError("nothing to sync from: the inventory has no targets",
+                         hint="name targets (`runs sync local`) or pass --workspace DIR")
     db = LineageDB(lineage_db_path(args))
     outcomes: list[dict[str, str]] = []
     for target, statuses in sources:
@@ -290,7 +296,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("a")
     p.add_argument("b")
     p = add("sync", cmd_sync, "rebuild lineage from each run's run.json on targets", as_json)
-    p.add_argument("targets", nargs="*", metavar="TARGET")
+    p.add_argument("targets", nargs="*", metavar="TARGET", help="targets to read (default: every target of the "
+                   "inventory)")
     p.add_argument("--workspace", metavar="DIR", help="a local workspace folder (holds runs/<name>/run.json)")
     p.add_argument("--target-label", default="local", help="target name recorded for --workspace runs")
     p = add("plot", cmd_plot, "PNG of a metric by step for several runs (readable without colour)", local_dirs)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from dflashops.errors import DflashopsError, NotFound
 from dflashops.inventory import Inventory, Target
-from dflashops.lineage import LineageDB, RunRecord
+from dflashops.lineage import LineageDB, LineageDBError, RunRecord
 from dflashops.ops.agent_client import Agent
 from dflashops.transport import open_transport
 
@@ -25,6 +25,13 @@ class Session:
     dry_run: bool = False
     _db: LineageDB | None = None
     _agents: dict[str, Agent] = field(default_factory=dict)
+    # Things that went wrong on the side of a verb that still did its job (the lineage could not follow
+    # a stop); the CLI prints each as `warning: ...` on stderr when the session closes.
+    warnings: list[str] = field(default_factory=list)
+
+    def warn(self, message: str) -> None:
+        if message not in self.warnings:
+            self.warnings.append(message)
 
     @property
     def db(self) -> LineageDB:
@@ -54,7 +61,14 @@ class Session:
         """The target a run lives on: the one named, else the lineage record's, else the default."""
         if explicit:
             return self.inventory.target(explicit)
-        record = self.record_of(name)
+        try:
+            record = self.record_of(name)
+        except LineageDBError as exc:
+            # A corrupt or unreadable database must not keep `stop`/`status`/`logs` from the run itself.
+            fallback = self.inventory.target(None)
+            self.warn(f"{exc.message}; looked for {name} on the default target {fallback.name} "
+                      f"(pass --target to choose)")
+            return fallback
         if record is not None and record.target in self.inventory.targets:
             return self.inventory.targets[record.target]
         return self.inventory.target(None)
@@ -63,8 +77,11 @@ class Session:
         """Names close to `name` (a mistyped run name) among the recorded runs and the runs on the target
         it would be looked up on, best first. Best effort: a source that cannot be read adds nothing."""
         names: set[str] = set()
-        if self._db is not None or self.inventory.lineage_path.exists():  # never creates the database
-            names |= self.db.names()
+        try:
+            if self._db is not None or self.inventory.lineage_path.exists():  # never creates the database
+                names |= self.db.names()
+        except DflashopsError:
+            pass
         try:
             target = self.target_for_run(name, explicit_target)
             names |= {str(run["name"]) for run in self.agent(target).call(
@@ -75,9 +92,19 @@ class Session:
         return difflib.get_close_matches(name, sorted(names), n=4, cutoff=0.5)
 
     def note_state(self, status: dict) -> None:
-        """Mirror an agent status entry into the lineage record (when the run is recorded)."""
+        """Mirror an agent status entry into the lineage record (when the run is recorded). Best effort: the
+        verb that asked (stop, status) has done its job on the target already, so a database that cannot be
+        read or written becomes a warning, not a failure."""
+        if self.dry_run:
+            return
+        try:
+            self._note_state(status)
+        except LineageDBError as exc:
+            self.warn(f"the lineage was not updated: {exc.message}")
+
+    def _note_state(self, status: dict) -> None:
         record = self.record_of(str(status.get("name")))
-        if record is None or self.dry_run:
+        if record is None:
             return
         state = LINEAGE_STATE.get(str(status.get("state")), "crashed")
         fields: dict = {"exit_code": status.get("exit_code")}

@@ -171,7 +171,11 @@ def test_sync_rebuilds_lineage_from_a_workspace(tmp_path: Path, db_path: Path, c
     assert code == 0 and "0 added, 0 updated, 3 unchanged" in err
 
 
-def test_sync_without_a_source_is_refused(db_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_sync_without_a_source_is_refused(db_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """`runs sync` alone reads every target of the inventory; one with no targets has nothing to read."""
+    (tmp_path / "inventory.yaml").write_text("targets: {}\n")
+    monkeypatch.setenv("DFLASHOPS_INVENTORY", str(tmp_path / "inventory.yaml"))
     code, _, err = run_cli(capsys, "sync", "--db", str(db_path))
     assert code == 2 and "nothing to sync" in err and not db_path.exists()
 
