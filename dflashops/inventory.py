@@ -25,7 +25,7 @@ import yaml
 
 from dflashops.errors import InventoryError, NotFound
 from dflashops.shell import ENV_KEY_RE, NAME_RE
-from dflashops.yaml_errors import YAML_HINT, describe_yaml_error
+from dflashops.yaml_files import YAML_HINT, describe_yaml_error, read_yaml_text
 
 TARGET_KINDS = ("local", "pct", "direct", "host")
 
@@ -133,6 +133,8 @@ class _Reader:
             raise self.fail(node, key, "expected a mapping")
         out: dict[str, yaml.Node] = {}
         for key_node, value_node in node.value:
+            if not isinstance(key_node, yaml.ScalarNode):  # str() of a collection key would expand its aliases
+                raise self.fail(key_node, key or "(top level)", "keys must be plain names, not lists or mappings")
             name = str(key_node.value)
             if allowed is not None and name not in allowed:
                 raise self.fail(key_node, f"{key}.{name}" if key else name,
@@ -179,7 +181,7 @@ def load_inventory(path: str | os.PathLike[str] | None = None) -> Inventory:
     inv_path = find_inventory(str(path) if path else None)
     reader = _Reader(inv_path)
     try:
-        text = inv_path.read_text(encoding="utf-8")
+        text = read_yaml_text(inv_path, what="inventory")  # size, encoding, depth and alias bounds first
     except OSError as exc:
         raise InventoryError(f"cannot read inventory {inv_path}: {exc.strerror}",
                              hint="pass --inventory PATH or set DFLASHOPS_INVENTORY") from None

@@ -38,7 +38,7 @@ import yaml
 from dflashops.errors import UsageError
 from dflashops.playbook_expr import ExprSyntaxError, parse
 from dflashops.playbook_vars import PlaybookError, references, render, templated
-from dflashops.yaml_errors import YAML_HINT, describe_yaml_error
+from dflashops.yaml_files import YAML_HINT, describe_yaml_error, read_yaml_text
 
 __all__ = ["PlaybookError", "Playbook", "Step", "load_playbook", "parse_set", "references", "render"]
 
@@ -174,7 +174,8 @@ def load_playbook(path: str | Path) -> Playbook:
 
 def _read_yaml(path: Path) -> Any:
     try:
-        return yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)  # noqa: S506 - SafeLoader subclass
+        text = read_yaml_text(path, what="playbook", error=PlaybookError)  # size, encoding, depth, alias bounds
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 - SafeLoader subclass
     except yaml.YAMLError as exc:
         raise PlaybookError(describe_yaml_error(path, exc), hint=YAML_HINT) from None
     except OSError as exc:
