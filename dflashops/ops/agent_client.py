@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflashops.errors import AgentError, Conflict, NotFound, UsageError
+from dflashops.errors import AgentError, Conflict, InventoryError, NotFound, UsageError
 from dflashops.inventory import Target
 from dflashops.shell import join_argv
-from dflashops.transport.base import Transport
+from dflashops.transport.base import Result, Transport
 
 AGENT_SOURCE = Path(__file__).resolve().parent.parent / "agent.py"
 READ_ONLY_VERBS = {"ping", "status", "tail", "gpus", "manifest"}
@@ -73,7 +73,7 @@ class Agent:
         """Upload the agent when the target lacks this exact version (one cheap `ping` otherwise)."""
         if self._ready:
             return
-        probe = self.transport.run(self.argv("ping"), check=False)
+        probe = self._run(self.argv("ping"))
         if not _parse(probe.stdout, probe.stderr, "ping", self.target.name).get("ok"):
             upload = [self.target.python, "-c", _UPLOAD, self.path]
             if self.dry_run:
@@ -81,8 +81,32 @@ class Agent:
                     self.record(upload, "agent.py")
                     self._upload_planned = True
                 return
-            self.transport.run(upload, stdin=self.source)
+            self._upload()
         self._ready = True
+
+    def _run(self, argv: list[str], stdin: bytes | None = None) -> Result:
+        """One command with the target's python; a python that cannot be started there (exit 126/127 that
+        names it: missing, not executable) is an InventoryError about the `python:` setting, not a dump of
+        the command line."""
+        result = self.transport.run(argv, stdin=stdin, check=False)
+        python = self.target.python
+        if result.exit_code in (126, 127) and python in result.stderr:
+            detail = (result.stderr.strip().splitlines() or [""])[-1].strip()
+            where = f"in container {self.target.ctid}" if self.target.ctid is not None else f"on {self.target.name}"
+            raise InventoryError(
+                f"{self.target.name}: the target's python {python} cannot be run {where} ({detail})",
+                hint=f"set `python:` of target {self.target.name} in the inventory to an interpreter that exists "
+                     f"there (python3, or a venv's bin/python)")
+        return result
+
+    def _upload(self) -> None:
+        """Write this agent version to the target (atomic: a temporary name, then a rename)."""
+        result = self._run([self.target.python, "-c", _UPLOAD, self.path], stdin=self.source)
+        if not result.ok:
+            detail = (result.stderr.strip().splitlines() or ["no output"])[-1].strip()
+            raise AgentError(f"{self.target.name}: could not write the agent to {self.path}: {detail}",
+                             hint=f"check that {self.target.workspace} exists or can be created there and has "
+                                  f"free space")
 
     def call(self, verb: str, args: dict[str, Any], *, secret_args: dict[str, Any] | None = None,
              shown_args: dict[str, Any] | None = None, stdin_tar: bytes | None = None) -> dict[str, Any]:
@@ -112,18 +136,18 @@ class Agent:
         if self.dry_run and (verb not in READ_ONLY_VERBS or not self._ready):
             self.record(argv, note)
             return {"ok": True, "dry_run": True}
-        result = self.transport.run(argv, stdin=stdin, check=False)
+        result = self._run(argv, stdin)
         if not self._ready and result.exit_code == 2 and "can't open file" in result.stderr:
             # Optimistic first call (no `ping` round trip, ~0.3-0.5 s per invocation on a remote target):
             # this agent version is not on the target yet, so upload it and run the call again.
-            self.transport.run([self.target.python, "-c", _UPLOAD, self.path], stdin=self.source)
-            result = self.transport.run(argv, stdin=stdin, check=False)
+            self._upload()
+            result = self._run(argv, stdin)
         self._ready = True
         answer = _parse(result.stdout, result.stderr, verb, self.target.name)
         if answer.get("code") == "no_answer" and verb in READ_ONLY_VERBS:
             self._ready = False  # the agent file vanished (workspace cleaned?): upload again, retry once
             self.ensure()
-            result = self.transport.run(argv, stdin=stdin, check=False)
+            result = self._run(argv, stdin)
             answer = _parse(result.stdout, result.stderr, verb, self.target.name)
         if not answer.get("ok"):
             error_class = _CODE_TO_ERROR.get(str(answer.get("code")), AgentError)

@@ -14,6 +14,8 @@ import hashlib
 import io
 import json
 import tarfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +38,9 @@ class SyncOutcome:
 
 def release_files(extra_files: tuple[str, ...] = (), extra_root: Path | None = None,
                   packages: tuple[str, ...] = ("trainer",)) -> dict[str, Path]:
-    """relative path in the release -> local file: the agent, each package's tree, the profile's files."""
+    """relative path in the release -> local file: the agent, each package's tree, the profile's files.
+    Every file must really lie inside the folder it is listed from: a symlink (of the file or of a folder
+    on its path) that leads outside is refused, so `files: [rootlink/etc/passwd]` cannot ship /etc/passwd."""
     files: dict[str, Path] = {"dflashops_agent.py": AGENT_SOURCE}
     for package in packages:
         root = REPO_ROOT / package
@@ -44,18 +48,43 @@ def release_files(extra_files: tuple[str, ...] = (), extra_root: Path | None = N
             raise UsageError(f"package {package!r} is not in {REPO_ROOT}", hint="check the profile's `packages`")
         for path in sorted(root.rglob("*")):
             if path.is_file() and not SKIP_PARTS & set(path.parts) and path.suffix != ".pyc":
-                files[path.relative_to(REPO_ROOT).as_posix()] = path
+                rel = path.relative_to(REPO_ROOT).as_posix()
+                files[rel] = inside(path, REPO_ROOT, f"file {rel!r} of package {package!r}")
     for rel in extra_files:
         path = (extra_root or REPO_ROOT) / rel
         if not path.is_file():
             raise UsageError(f"profile file {rel!r} does not exist at {path}",
                              hint="profile `files` are paths relative to the inventory's folder")
-        files[rel] = path
+        files[rel] = inside(path, extra_root or REPO_ROOT, f"profile file {rel!r}")
     return files
 
 
+def inside(path: Path, root: Path, what: str) -> Path:
+    """`path` when its real location (symlinks resolved) is inside `root`'s; UsageError otherwise."""
+    real, real_root = path.resolve(), root.resolve()
+    if not real.is_relative_to(real_root):
+        raise UsageError(f"{what} is {real} through a symlink, outside {real_root}",
+                         hint="copy the file into the folder, or list a path that stays inside it")
+    return path
+
+
 def file_sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    with readable(path):
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@contextmanager
+def readable(path: Path) -> Iterator[None]:
+    """Turn a file that cannot be read while the release is built into one error line: unreadable
+    (permissions), or gone (deleted or renamed between listing the tree and reading it)."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise UsageError(f"{path} disappeared while the release was being built (deleted or renamed meanwhile)",
+                         hint="run the command again once whatever is changing the tree has finished") from None
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror}",
+                         hint=f"make it readable (chmod u+r {path}), or keep it out of the synced tree") from None
 
 
 def code_hash_of(manifest: dict[str, str]) -> str:
@@ -77,10 +106,10 @@ def install_payload(workspace: str, files: dict[str, Path], code_hash: str, mani
     # gzip: a plain tar pads even one small file to a 10 KiB record; compressed, the padding costs ~nothing.
     with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=6) as archive:
         for rel in uploaded:
-            info = archive.gettarinfo(str(files[rel]), arcname=rel)
-            info.uid = info.gid = 0
-            info.uname = info.gname = ""
-            with files[rel].open("rb") as handle:
+            with readable(files[rel]), files[rel].open("rb") as handle:
+                info = archive.gettarinfo(arcname=rel, fileobj=handle)
+                info.uid = info.gid = 0
+                info.uname = info.gname = ""
                 archive.addfile(info, handle)
     # Compact request: only the changed entries and the removed paths; the agent rebuilds the full
     # manifest from the base release's (one 4 KiB change then sends ~4 KiB, not the whole manifest).

@@ -27,6 +27,8 @@ class LocalTransport(Transport):
                                   timeout=timeout, stdin=None if data is not None else subprocess.DEVNULL)
         except FileNotFoundError:
             return 127, b"", f"{argv[0]}: command not found\n".encode()
+        except OSError as exc:  # not executable, a directory, not a program: what a shell reports as 126
+            return 126, b"", f"{argv[0]}: cannot execute: {exc.strerror}\n".encode()
         except subprocess.TimeoutExpired:
             raise TransportError(f"command timed out after {timeout:g}s on {self.name}: {argv[0]}",
                                  hint="raise --timeout or check the target") from None
@@ -40,6 +42,8 @@ class LocalTransport(Transport):
                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
         except FileNotFoundError:
             raise TransportError(f"{argv[0]}: command not found on {self.name}") from None
+        except OSError as exc:
+            raise TransportError(f"{argv[0]}: cannot execute on {self.name}: {exc.strerror}") from None
         assert proc.stdout is not None
         try:
             while chunk := proc.stdout.read1(65536):

@@ -12,6 +12,7 @@ a prompt over a non-interactive channel would hang) is used when the host user i
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from dflashops.transport.base import Stdin, Transport
 
 
 STATUS_FAILED = 254
+PCT_FAILED = 255  # pct exec's own failures (container not running, no such container)
 STATUS_MARK = "dflashops-pct-status-rc="
 
 
@@ -90,7 +92,10 @@ class PctTransport(Transport):
         with self._check_lock:
             checked = self._checked
         if checked:
-            return self.host._run(self.exec_argv(argv, env), env={}, stdin=stdin, timeout=timeout)
+            code, out, err = self.host._run(self.exec_argv(argv, env), env={}, stdin=stdin, timeout=timeout)
+            if code == PCT_FAILED:
+                self._raise_if_gone(err)
+            return code, out, err
         # First command: `pct status` and `pct exec` chained in ONE host command (one round trip and
         # one ssh channel less, ~0.2-0.5 s per invocation); the exec only runs when status says running.
         code, out, err = self.host._run(self.checked_exec_argv(argv, env), env={}, stdin=stdin, timeout=timeout)
@@ -101,6 +106,18 @@ class PctTransport(Transport):
         with self._check_lock:
             self._checked = True
         return code, out, err
+
+    def _raise_if_gone(self, err: bytes) -> None:
+        """The container stopped or vanished after this invocation's status check (`logs -f` for an hour,
+        then `pct stop`): Proxmox's `pct exec` then exits 255 with "CT 200 not running" (or the missing
+        config file's words). Say that, instead of the inner command's "no answer"."""
+        last = (err.decode(errors="replace").strip().splitlines() or [""])[-1].strip()
+        where = f"container {self.ctid} on {self.host.name if self.host else '?'}"
+        if re.fullmatch(rf"CT {self.ctid} not running", last):
+            raise TransportError(f"{where} is stopped ({last})", hint=f"start it on the host: pct start {self.ctid}")
+        if re.search(rf"\b{self.ctid}\.conf' does not exist", last):
+            raise NotFound(f"{where} does not exist any more ({last})",
+                           hint="check the CTID in the inventory (`pct list` on the host shows them)")
 
     def checked_exec_argv(self, argv: Sequence[str], env: Mapping[str, str]) -> list[str]:
         """`sh -c` on the host: pct status; exec pct exec only if running, else report and exit 254.

@@ -33,7 +33,9 @@ import paramiko
 from dflashops.errors import TransportError
 from dflashops.shell import env_argv, join_argv
 from dflashops.transport.base import Stdin, Transport
-from dflashops.transport.ssh_keys import RefuseUnknownHost, fingerprint, translate_connect_error
+from dflashops.transport.ssh_keys import (
+    RefuseUnknownHost, check_identity_files, fingerprint, translate_connect_error,
+)
 from dflashops.transport.ssh_settings import SshSettings, settings_for_host
 
 __all__ = ["SshSettings", "SshTransport", "build_connection", "settings_for_host"]
@@ -112,6 +114,7 @@ class SshTransport(Transport):
             self._close_quietly()
             settings = self.settings
             assert settings is not None
+            check_identity_files(settings)
             conn = build_connection(settings)
             try:
                 conn.open()

@@ -96,6 +96,38 @@ def record_host_key(known_hosts: Path, hostname: str, key: paramiko.PKey) -> boo
     return True
 
 
+def check_identity_files(settings: "SshSettings") -> None:
+    """Refuse, before connecting, an inventory `identity_file` (this host's or a gateway's) that is missing,
+    unreadable or not a private key, naming the file: paramiko would report a missing file as a failed
+    handshake ("is it an ssh server?") and a garbage file as a UnicodeDecodeError."""
+    hop: "SshSettings | None" = settings
+    while hop is not None:
+        if hop.identity_file:
+            check_identity_file(Path(os.path.expanduser(hop.identity_file)), hop.trust_name or hop.host)
+        hop = hop.gateway
+
+
+def check_identity_file(path: Path, host: str) -> None:
+    fix = f"set identity_file of host {host} in the inventory to your private key (e.g. ~/.ssh/id_ed25519)"
+    if not path.exists():
+        raise TransportError(f"identity file {path} does not exist (host {host})", hint=fix)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise TransportError(f"cannot read identity file {path} (host {host}): {exc.strerror}",
+                             hint=f"make it readable for you (chmod 600 {path}), or {fix}") from None
+    try:
+        paramiko.PKey.from_path(path)
+    except paramiko.PasswordRequiredException:
+        return  # an encrypted key: the connection asks the agent / reports the authentication failure
+    except Exception as exc:  # noqa: BLE001 - every loader failure means the same to the user
+        if b"PRIVATE KEY-----" not in data:  # a key paramiko cannot parse yet still a key: let connect say it
+            kind = "a public key" if data.lstrip().startswith((b"ssh-", b"ecdsa-")) else "not a private key"
+            raise TransportError(f"identity file {path} (host {host}) is {kind} ({type(exc).__name__})",
+                                 hint=f"point identity_file at the private key, not the .pub; check a key with: "
+                                      f"ssh-keygen -y -f {path}") from None
+
+
 def translate_connect_error(exc: BaseException, settings: "SshSettings",
                             conn: "fabric.Connection | None" = None) -> TransportError:
     """One line a user can act on, for every failure of opening a connection."""
@@ -126,8 +158,12 @@ def translate_connect_error(exc: BaseException, settings: "SshSettings",
     if isinstance(exc, (paramiko.ssh_exception.NoValidConnectionsError, ConnectionRefusedError)):
         return TransportError(f"cannot reach {where}: connection refused",
                               hint="is sshd running there, and is the port right?")
+    if isinstance(exc, (UnicodeDecodeError, ValueError)) and settings.identity_file:
+        return TransportError(f"cannot use identity file {settings.identity_file} for {where}: {type(exc).__name__}",
+                              hint=f"check the key with: ssh-keygen -y -f {settings.identity_file}")
     if isinstance(exc, (paramiko.SSHException, EOFError, OSError)):
         text = str(exc) or type(exc).__name__
         return TransportError(f"ssh handshake with {where} failed: {text}",
                               hint="the server closed the connection; is it an ssh server, and reachable?")
-    return TransportError(f"cannot connect to {where}: {type(exc).__name__}: {exc}")
+    return TransportError(f"cannot connect to {where}: {type(exc).__name__}: {exc}",
+                          hint="check the host's address, port, user and identity_file in the inventory")
