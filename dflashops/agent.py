@@ -3,13 +3,14 @@
 Contract: `python3 agent.py VERB [--json-args JSON | --json-stdin]` prints exactly ONE JSON line on stdout,
 `{"ok": true, ...}` or `{"ok": false, "error": "...", "code": "..."}`, and exits 0 either way (exit 2 only
 for a request that could not even be parsed, still with its JSON line). The controller trusts the JSON line,
-never the exit status, because ssh (255) and pct/lxc-attach (1) make exit codes ambiguous.
+never the exit status, because ssh (255) and pct/lxc-attach (1) make exit codes ambiguous. The one
+exception is `follow`, which streams one such line per answer (see verb_follow).
 
 With `--json-stdin` the request is read from stdin (launch uses this so that secrets in the environment of
 the launched process never appear on a command line). `install` and `restart` read one JSON request line
 from stdin, then the tar stream of the changed files.
 
-Verbs: ping, launch, stop, status, tail, gpus, clear-cache, manifest, install, restart (stop + install +
+Verbs: ping, launch, stop, status, tail, follow (tail, streamed), gpus, clear-cache, manifest, install, restart (stop + install +
 launch in one call), gc, and the internal `wrap`
 (the launch wrapper that records pid/pgid/exit code). It is one file, longer than the usual module size,
 because it is uploaded alone and run with whatever python3 the container has.
@@ -686,6 +687,39 @@ def verb_tail(req: dict) -> dict:
         time.sleep(0.05)
 
 
+FOLLOW_POLL_S = 0.02  # how often `follow` looks at the file: the floor of its write-to-screen latency
+FOLLOW_HEARTBEAT_S = 1.0  # an empty answer this often, so both ends notice a dead link or a gone reader
+
+
+def verb_follow(req: dict) -> dict:
+    """`tail`, streamed: one JSON answer line (the `tail` fields, `ok` true) each time the log moves, starting
+    from the request's cursor, until the run has ended and its log is drained; in between an empty answer
+    every FOLLOW_HEARTBEAT_S. This is the one verb that prints more than one line. One `pct exec` for a
+    whole `logs -f` instead of one per answer: a line reaches the reader ~FOLLOW_POLL_S + half a round trip
+    after it is written. A reader that goes away closes the pipe; the next heartbeat's write ends this
+    process (BrokenPipeError), so nothing lingers in the container. Returns the last answer (already printed)."""
+    directory = run_dir(req)
+    path = os.path.join(directory, "train.log")
+    if not os.path.exists(path):
+        raise AgentFailure(f"run {req['name']!r} has no log (it never started here)", "not_found")
+    cursor = {"offset": int(req.get("offset") or 0), "inode": req.get("inode"), "check": req.get("check")}
+    last_sent = 0.0
+    while True:
+        answer = _tail_once({**req, **cursor}, directory, path)
+        moved = answer["offset"] != cursor["offset"] or answer["inode"] != cursor["inode"]
+        done = answer["finished"] and not answer["more"] and not answer["data"] and not moved
+        now = time.monotonic()
+        if answer["data"] or moved or answer["notice"] or done or now - last_sent >= FOLLOW_HEARTBEAT_S:
+            sys.stdout.write(json.dumps({"ok": True, **answer}) + "\n")
+            sys.stdout.flush()
+            last_sent = now
+            cursor = {"offset": answer["offset"], "inode": answer["inode"], "check": answer["check"]}
+        if done:
+            return {"streamed": True}
+        if not (answer["data"] and answer["more"]):
+            time.sleep(FOLLOW_POLL_S)
+
+
 def prefix_check(handle, offset: int) -> str:
     """Digest of the CHECK_BYTES bytes before `offset` ("" at 0)."""
     if offset <= 0:
@@ -1027,7 +1061,7 @@ def verb_gc(req: dict) -> dict:
 
 # ------------------------------------------------------------------------------------------------ main
 VERBS = {"ping": lambda req: {"version": 1, "python": sys.version.split()[0]}, "launch": verb_launch,
-         "stop": verb_stop, "status": verb_status, "tail": verb_tail, "gpus": verb_gpus,
+         "stop": verb_stop, "status": verb_status, "tail": verb_tail, "follow": verb_follow, "gpus": verb_gpus,
          "clear-cache": verb_clear_cache, "manifest": verb_manifest, "gc": verb_gc, "wrap": verb_wrap}
 
 # Verbs whose stdin is one JSON request line followed by a tar stream.
@@ -1059,7 +1093,12 @@ def main(argv: list[str]) -> int:
         result = STDIN_VERBS[verb](req, stdin) if verb in STDIN_VERBS else VERBS[verb](req)
         if verb == "wrap":
             return int(result["exit_code"])
+        if result.get("streamed"):  # `follow` printed its answers itself
+            return 0
         print(json.dumps({"ok": True, **result}), flush=True)
+        return 0
+    except BrokenPipeError:  # the reader of a `follow` stream went away: nothing to tell anyone
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
         return 0
     except AgentFailure as exc:
         print(json.dumps({"ok": False, "error": str(exc), "code": exc.code}), flush=True)

@@ -11,6 +11,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 from dflashops.errors import AgentError, Conflict, InventoryError, NotFound, UsageError
@@ -153,6 +154,26 @@ class Agent:
             error_class = _CODE_TO_ERROR.get(str(answer.get("code")), AgentError)
             raise error_class(f"{self.target.name}: {answer.get('error', 'agent failed')}")
         return answer
+
+
+    def stream(self, verb: str, args: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """A streaming verb (`follow`): yield its JSON answer lines as they arrive. Ends when the agent does;
+        a lost link raises TransportError mid-iteration; closing the generator ends the remote command.
+        The stream's stderr and exit status are not seen here: a caller whose stream ends before its last
+        answer asks a one-shot verb next, which reports whatever stopped it (a stopped container, ...)."""
+        self.ensure()  # a stream cannot be replayed after "can't open file", so the agent must be there first
+        pending = b""
+        for chunk in self.transport.stream(self.argv(verb, args)):
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                if not line.strip():
+                    continue
+                answer = _parse(line.decode("utf-8", errors="replace"), "", verb, self.target.name)
+                if not answer.get("ok"):
+                    error_class = _CODE_TO_ERROR.get(str(answer.get("code")), AgentError)
+                    raise error_class(f"{self.target.name}: {answer.get('error', 'agent failed')}")
+                yield answer
 
 
 def _parse(stdout: str, stderr: str, verb: str, target: str) -> dict[str, Any]:

@@ -88,41 +88,71 @@ def call_resuming(agent: Any, verb: str, args: dict[str, Any]) -> dict[str, Any]
     raise AssertionError("unreachable")
 
 
-LONG_POLL_S = 2.0  # the longest one `tail` call waits for news; keepalives keep the channel checked meanwhile
-
-
 def read_log(session: Session, name: str, cursor: LogCursor, *, target: str | None = None,
              follow: bool = False, poll_s: float = 0.5, timeout: float | None = None,
              on_notice: Callable[[str], None] = lambda notice: None) -> Iterator[str]:
-    """Yield complete chunks of train.log from `cursor` (updated as it goes). With `follow`, keep polling
+    """Yield complete chunks of train.log from `cursor` (updated as it goes). With `follow`, keep reading
     until the run has finished and the log is drained, or `timeout` passes (WaitTimeout). A log truncated,
     rewritten or replaced under the reader is read again from its start, and `on_notice` is told why."""
     validate_name(name, what="run name")
     tgt = session.target_for_run(name, target)
     agent = session.agent(tgt)
     deadline = None if timeout is None else time.monotonic() + timeout
+    reader = LogReader(name, cursor, on_notice)
+    if not follow:
+        while True:  # what is there when asked (a long log comes in 1 MiB pieces)
+            answer = call_resuming(agent, "tail", {"workspace": tgt.workspace, "name": name, **reader.args()})
+            if data := reader.take(answer):
+                yield data
+            if not answer.get("more"):
+                return
     while True:
-        # Following: a long poll (the agent waits up to LONG_POLL_S for a new line), so a line reaches the user
-        # ~50 ms + one round trip after it is written, with one agent call per LONG_POLL_S when the log is quiet.
-        wait_s = 0.0
-        if follow:
-            wait_s = LONG_POLL_S if deadline is None else max(0.0, min(LONG_POLL_S, deadline - time.monotonic()))
-        answer = call_resuming(agent, "tail", {"workspace": tgt.workspace, "name": name, "offset": cursor.offset,
-                                               "inode": cursor.inode, "check": cursor.check, "wait_s": wait_s})
-        moved = answer["offset"] != cursor.offset or answer["inode"] != cursor.inode or bool(answer.get("notice"))
-        cursor.offset, cursor.inode, cursor.check = answer["offset"], answer["inode"], answer.get("check")
-        if answer.get("notice"):
-            on_notice(f"{name}: {answer['notice']}")
-        if answer["data"]:
-            yield answer["data"]
-        if not follow and not answer.get("more"):
-            return  # what was there when asked has been read (a long log comes in 1 MiB pieces)
-        if follow and answer["finished"] and not moved:
+        # One long-lived `follow` stream (the agent pushes each new line ~20 ms after it is written, plus a
+        # heartbeat a second): a line reaches the user half a round trip after the agent sees it, instead of
+        # a new `pct exec` per answer. When the stream breaks (a cut, a restarted container) one `tail` call
+        # through call_resuming reconnects and says what happened; the next stream starts at the cursor, so
+        # nothing is lost or repeated.
+        try:
+            for answer in agent.stream("follow", {"workspace": tgt.workspace, "name": name, **reader.args()}):
+                if data := reader.take(answer):
+                    yield data
+                if reader.done:
+                    return
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise WaitTimeout(f"{name}: no match within {timeout:g}s", hint="raise --timeout")
+        except TransportError:
+            pass
+        answer = call_resuming(agent, "tail", {"workspace": tgt.workspace, "name": name, **reader.args()})
+        if data := reader.take(answer):
+            yield data
+        if reader.done:
             return
         if deadline is not None and time.monotonic() >= deadline:
             raise WaitTimeout(f"{name}: no match within {timeout:g}s", hint="raise --timeout")
-        if not moved and wait_s == 0:
-            time.sleep(poll_s)  # when it moved, more may be waiting (large logs come in 1 MiB pieces)
+        time.sleep(min(poll_s, 0.5))
+
+
+@dataclass
+class LogReader:
+    """The cursor bookkeeping shared by `tail` answers and `follow` stream answers."""
+
+    name: str
+    cursor: LogCursor
+    on_notice: Callable[[str], None]
+    done: bool = False  # the run has ended and everything up to the end of its log was delivered
+
+    def args(self) -> dict[str, Any]:
+        return {"offset": self.cursor.offset, "inode": self.cursor.inode, "check": self.cursor.check}
+
+    def take(self, answer: dict[str, Any]) -> str:
+        """Advance the cursor past `answer`; its data ("" when none)."""
+        moved = (answer["offset"] != self.cursor.offset or answer["inode"] != self.cursor.inode
+                 or bool(answer.get("notice")))
+        self.cursor.offset, self.cursor.inode, self.cursor.check = answer["offset"], answer["inode"], answer.get("check")
+        if answer.get("notice"):
+            self.on_notice(f"{self.name}: {answer['notice']}")
+        self.done = bool(answer["finished"]) and not moved and not answer.get("more")
+        return answer["data"]
 
 
 def wait_for(session: Session, name: str, *, until: str | None, fail_on: str | None = DEFAULT_FAIL_ON,

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
 
 import pytest
 
-from tests.controller.helpers import REPO, Env
+from tests.controller.helpers import AGENT, REPO, Env
 from dflashops.agent import tmux_socket
 from dflashops.inventory import load_inventory
 
@@ -85,3 +87,47 @@ def test_agent_is_reuploaded_when_its_file_vanishes(env: Env) -> None:
         assert session.agent(target).call("status", {"workspace": str(env.workspace)})["ok"] is True
     finally:
         session.close()
+
+
+def follow_process(env: Env, name: str, **cursor: object) -> subprocess.Popen[bytes]:
+    request = {"workspace": str(env.workspace), "name": name, **cursor}
+    return subprocess.Popen([sys.executable, str(AGENT), "follow", "--json-args", json.dumps(request)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_follow_streams_each_new_line_then_ends_with_the_run(env: Env) -> None:
+    """`follow` (what `logs -f` reads): one answer line per move of the log, heartbeats in between, and it
+    ends by itself once the run has ended and everything was delivered, the last partial line included."""
+    run = env.runs / "f1"
+    run.mkdir(parents=True)
+    log = run / "train.log"
+    log.write_bytes(b"line 1\n")
+    proc = follow_process(env, "f1")
+    assert proc.stdout is not None
+    first = json.loads(proc.stdout.readline())
+    assert first["ok"] and first["data"] == "line 1\n" and first["offset"] == 7
+    with log.open("ab") as handle:
+        handle.write(b"line 2\npartial")
+    answers = []
+    while "line 2\n" not in "".join(a["data"] for a in answers):
+        answers.append(json.loads(proc.stdout.readline()))
+    heartbeat = json.loads(proc.stdout.readline())  # nothing new for a second: an empty answer
+    assert heartbeat["data"] == "" and heartbeat["offset"] == 14 and not heartbeat["finished"]
+    (run / "exit_code").write_text("0\n")
+    rest = [json.loads(line) for line in proc.stdout.read().splitlines()]
+    assert proc.wait(timeout=10) == 0
+    assert "".join(a["data"] for a in rest) == "partial" and rest[-1]["finished"] and rest[-1]["data"] == ""
+
+
+def test_follow_ends_when_its_reader_goes_away(env: Env) -> None:
+    """A reader that disconnects (ssh cut, Ctrl-C) must not leave a follower behind in the container."""
+    run = env.runs / "f2"
+    run.mkdir(parents=True)
+    (run / "train.log").write_bytes(b"line 1\n")
+    proc = follow_process(env, "f2")
+    assert proc.stdout is not None
+    assert json.loads(proc.stdout.readline())["data"] == "line 1\n"
+    proc.stdout.close()  # the pipe's read end is gone: the next heartbeat cannot be written
+    assert proc.wait(timeout=5) == 0
+    assert proc.stderr is not None and b"Traceback" not in proc.stderr.read()
+    (run / "exit_code").write_text("0\n")  # an ended run: the teardown's stop need not wait for a launch
