@@ -24,6 +24,8 @@ sys.path.insert(0, str(REPO))
 import remote_harness  # noqa: E402
 from loopproxy import LoopProxy  # noqa: E402
 
+from dflashops.transport.mux_client import stop_multiplexers  # noqa: E402
+
 PYTHON = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists() else sys.executable
 
 
@@ -34,6 +36,7 @@ def harness_session(prefix: str, ctids: tuple[str, ...] = ("200",)
     folder; all three are torn down when the block ends, also on an error."""
     harness = remote_harness.start_harness()
     folder = Path(tempfile.mkdtemp(prefix=prefix))
+    os.environ["DFLASHOPS_MUX_DIR"] = str(folder / "mux")  # this bench's ssh multiplexers, stopped at the end
     proxy = None
     try:
         for ctid in ctids:
@@ -44,6 +47,8 @@ def harness_session(prefix: str, ctids: tuple[str, ...] = ("200",)
     finally:
         if proxy is not None:
             proxy.close()
+        if (folder / "mux").is_dir():
+            stop_multiplexers(folder / "mux")
         harness.stop()
         shutil.rmtree(folder, ignore_errors=True)
 

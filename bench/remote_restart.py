@@ -8,19 +8,21 @@ dflashops: `dflashops restart RUN --name +` in a fresh process: one connection; 
 stop (SIGTERM, wait until the group is gone); content-hashed sync of the changed file; new run dir,
 run.json, lineage edge; launch. One file changes before every iteration in both arms.
 
-Usage (root): .venv/bin/python bench/remote_restart.py [--iterations 5] [--rtt-ms 50]
-Prints a table; the goal is dflashops/hand <= 0.5.
+Usage (root): .venv/bin/python bench/remote_restart.py [--iterations 5] [--rtt-ms 50] [--cold]
+Prints a table; the goal is dflashops/hand <= 0.5. The ssh multiplexer is started by the deploy before the
+loop (warm, a scripted cycle's steady state); --cold stops it before every restart (each pays its start).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import time
 from pathlib import Path
 
-from remote_common import REPO, cli, harness_session, median, ssh_argv, write_inventory
+from remote_common import REPO, cli, harness_session, median, ssh_argv, stop_multiplexers, write_inventory
 
 HAND_DIR = "/workspace/hand"
 
@@ -40,6 +42,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--iterations", type=int, default=5)
     parser.add_argument("--rtt-ms", type=float, default=50.0)
+    parser.add_argument("--cold", action="store_true", help="stop the ssh multiplexer before every restart")
     args = parser.parse_args()
     with harness_session("bench-restart-") as (harness, proxy, folder):
         workload = folder / "workload.py"
@@ -56,6 +59,8 @@ def main() -> None:
             with workload.open("a") as handle:
                 handle.write(f"# change {iteration}\n")
             hand_times.append(hand_chain(ssh, workload))
+            if args.cold:
+                stop_multiplexers(folder / "mux")
             started = time.monotonic()
             result = cli(inventory, "restart", current, "--name", "+", "--grace", "30")
             ops_times.append(time.monotonic() - started)
@@ -66,7 +71,9 @@ def main() -> None:
         hand, ops = median(hand_times), median(ops_times)
         print("| added RTT | iterations | hand chain median (s) | dflashops restart median (s) | ratio dflashops/hand |")
         print("|---|---|---|---|---|")
-        print(f"| {args.rtt_ms:g} ms | {args.iterations} | {hand:.3f} | {ops:.3f} | {ops / hand:.2f} |")
+        mode = ("no multiplexer" if os.environ.get("DFLASHOPS_SSH_PERSIST", "").strip() in ("0", "0.0")
+                else "cold multiplexer" if args.cold else "warm multiplexer")
+        print(f"| {args.rtt_ms:g} ms ({mode}) | {args.iterations} | {hand:.3f} | {ops:.3f} | {ops / hand:.2f} |")
         print(f"hand chain runs: {', '.join(f'{t:.3f}' for t in hand_times)}")
         print(f"dflashops runs:  {', '.join(f'{t:.3f}' for t in ops_times)}")
 

@@ -142,19 +142,21 @@ class PctTransport(Transport):
 def open_remote(target: object, hosts: Mapping[str, object] | None = None) -> Transport:
     """The transport for a `pct`, `direct` or `host` inventory target (duck-typed `Target`):
     pct -> PctTransport over ssh to the Proxmox host; direct (the container runs sshd) and host (a plain
-    GPU server) -> ssh straight to `target.host`. Nothing connects until the first command."""
-    from dflashops.transport.ssh import SshTransport, settings_for_host
+    GPU server) -> ssh straight to `target.host`. The ssh part goes through the host's multiplexer when one
+    can run (transport/mux_client.py). Nothing connects until the first command."""
+    from dflashops.transport.mux_client import open_ssh
+    from dflashops.transport.ssh_settings import settings_for_host
 
     kind, name, host = getattr(target, "kind"), str(getattr(target, "name")), getattr(target, "host", None)
     if host is None:
         raise TransportError(f"target {name!r} ({kind}) names no host", hint="set `host:` for it in the inventory")
-    ssh = SshTransport(name=str(getattr(host, "name")), default_env={}, settings=settings_for_host(host, hosts))
+    settings = settings_for_host(host, hosts)
     if kind == "pct":
         ctid = getattr(target, "ctid", None)
         if not isinstance(ctid, int):
             raise TransportError(f"target {name!r} is a pct target without a ctid", hint="set `ctid:` in the inventory")
-        return PctTransport(name=name, default_env={}, host=ssh, ctid=ctid, sudo=bool(getattr(host, "sudo", False)))
+        return PctTransport(name=name, default_env={}, host=open_ssh(str(getattr(host, "name")), settings),
+                            ctid=ctid, sudo=bool(getattr(host, "sudo", False)))
     if kind in ("direct", "host"):
-        ssh.name = name
-        return ssh
+        return open_ssh(name, settings)
     raise TransportError(f"target {name!r} has kind {kind!r}, which is not a remote kind")

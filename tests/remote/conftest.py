@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import tempfile
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import remote_harness  # noqa: E402
 from loopproxy import LoopProxy  # noqa: E402
 
+from dflashops.transport.mux_client import stop_multiplexers  # noqa: E402
 from dflashops.transport.pct import PctTransport  # noqa: E402
 from dflashops.transport.ssh import SshSettings, SshTransport  # noqa: E402
 
@@ -38,6 +40,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def harness() -> Iterator[remote_harness.Harness]:
     if os.geteuid() != 0:
         pytest.skip("the remote harness needs root (sshd, a test user, namespaces)")
+    # The CLI's ssh multiplexers of this session live in their own folder and end with the harness (by the
+    # pids they recorded), so no daemon of a test outlives the sshd it was connected to.
+    mux_folder = Path(tempfile.mkdtemp(prefix="dfo-mux-"))
+    previous = os.environ.get("DFLASHOPS_MUX_DIR")
+    os.environ["DFLASHOPS_MUX_DIR"] = str(mux_folder)
     h = remote_harness.start_harness()
     try:
         h.create_container("200", "gpu200")
@@ -45,7 +52,13 @@ def harness() -> Iterator[remote_harness.Harness]:
         h.create_container("202", "gpu202")
         yield h
     finally:
+        stop_multiplexers(mux_folder)
         h.stop()
+        shutil.rmtree(mux_folder, ignore_errors=True)
+        if previous is None:
+            os.environ.pop("DFLASHOPS_MUX_DIR", None)
+        else:
+            os.environ["DFLASHOPS_MUX_DIR"] = previous
 
 
 def settings_for(h: remote_harness.Harness, port: int | None = None, **overrides: object) -> SshSettings:

@@ -28,6 +28,7 @@ class LoopProxy:
         self.bytes_up = 0
         self.bytes_down = 0
         self.connections_cut = 0
+        self.connections_accepted = 0  # TCP connections made through the proxy (ssh connections opened)
         self._cut_budget: int | None = None
         self._running = threading.Event()
         self._running.set()
@@ -85,6 +86,7 @@ class LoopProxy:
             if self.refuse:
                 _hard_close(client)
                 continue
+            self.connections_accepted += 1
             try:
                 server = socket.create_connection(self.upstream, timeout=5)
                 server.settimeout(None)

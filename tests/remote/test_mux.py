@@ -1,0 +1,134 @@
+"""The ssh multiplexer (dflashops/transport/mux_*.py): CLI invocations share one live connection held by a
+background process, which the first invocation starts (connecting in-process itself meanwhile), once even
+when several start at once; it is replaced when it dies, gone when idle, and never hides a connect error. Real sshd, real processes, the
+loopback proxy counting TCP connections."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, write_inventory
+from loopproxy import LoopProxy
+from remote_harness import Harness
+
+
+def run_cli(inventory: Path, *args: str, mux: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """The real CLI as a fresh process (the multiplexer's whole point is to span processes)."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "DFLASHOPS_MUX_DIR": str(mux), **env}
+    return subprocess.run([sys.executable, "-m", "dflashops.cli.main", "--inventory", str(inventory), *args],
+                          capture_output=True, text=True, timeout=120, env=full_env)
+
+
+def daemon_pids(mux: Path) -> list[int]:
+    return [int(p.read_text()) for p in sorted(mux.glob("*.sock.pid")) if Path(f"/proc/{p.read_text().strip()}").exists()]
+
+
+def wait_for_daemon(mux: Path, other_than: int | None = None, timeout: float = 20.0) -> int:
+    """The pid of the multiplexer an invocation started in its background, once it listens."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pids = [pid for pid in daemon_pids(mux) if pid != other_than]
+        if pids and list(mux.glob("*.sock")):
+            return pids[0]
+        time.sleep(0.05)
+    raise AssertionError(f"no multiplexer started in {mux}")
+
+
+@pytest.fixture
+def setup(tmp_path: Path, harness: Harness, proxy: LoopProxy):
+    from dflashops.transport.mux_client import stop_multiplexers
+
+    inventory = write_inventory(tmp_path / "inventory.yaml", harness, port=proxy.port,
+                                workspace=f"/workspace/{tmp_path.name}")
+    mux = tmp_path / "mux"
+    yield inventory, mux, proxy
+    if mux.is_dir():
+        stop_multiplexers(mux)
+
+
+def test_invocations_share_one_connection(setup) -> None:
+    """The first invocation connects itself and starts the multiplexer (2 connections); the next ones open
+    none at all."""
+    inventory, mux, proxy = setup
+    done = run_cli(inventory, "status", "--target", "ct200", mux=mux)
+    assert done.returncode == 0, done.stderr
+    pid = wait_for_daemon(mux)
+    for _ in range(3):
+        done = run_cli(inventory, "status", "--target", "ct200", mux=mux)
+        assert done.returncode == 0, done.stderr
+    assert proxy.connections_accepted == 2 and daemon_pids(mux) == [pid]
+    # Off: every invocation connects anew and leaves no daemon behind.
+    for _ in range(2):
+        assert run_cli(inventory, "status", "--target", "ct200", mux=mux / "off",
+                       DFLASHOPS_SSH_PERSIST="0").returncode == 0
+    assert proxy.connections_accepted == 4 and not (mux / "off").exists()
+
+
+def test_concurrent_first_invocations_start_one_daemon(setup) -> None:
+    inventory, mux, proxy = setup
+    env = {**os.environ, "PYTHONPATH": str(REPO), "DFLASHOPS_MUX_DIR": str(mux)}
+    procs = [subprocess.Popen([sys.executable, "-m", "dflashops.cli.main", "--inventory", str(inventory), "status",
+                               "--target", "ct200"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env) for _ in range(4)]
+    for proc in procs:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+    wait_for_daemon(mux)
+    time.sleep(1.0)  # a second starter, had the lock let one through, would be listening by now
+    assert len(daemon_pids(mux)) == 1 and len(list(mux.glob("*.sock"))) == 1
+
+
+def test_a_killed_daemon_is_replaced_and_a_cut_link_is_reconnected(setup) -> None:
+    inventory, mux, proxy = setup
+    assert run_cli(inventory, "status", "--target", "ct200", mux=mux).returncode == 0
+    first = wait_for_daemon(mux)
+    os.kill(first, signal.SIGKILL)  # the daemon this test's CLI started, by its recorded pid
+    while Path(f"/proc/{first}").exists():
+        time.sleep(0.02)
+    done = run_cli(inventory, "status", "--target", "ct200", mux=mux)  # its stale socket refuses: in-process
+    assert done.returncode == 0, done.stderr
+    second = wait_for_daemon(mux, other_than=first)
+    assert proxy.connections_accepted == 4
+    proxy.cut_all()  # the daemon's connection dies under it; its next command reconnects
+    done = run_cli(inventory, "status", "--target", "ct200", mux=mux)
+    assert done.returncode == 0, done.stderr
+    assert daemon_pids(mux) == [second] and proxy.connections_accepted == 5
+
+
+def test_an_idle_daemon_exits_by_itself(setup) -> None:
+    inventory, mux, _ = setup
+    assert run_cli(inventory, "status", "--target", "ct200", mux=mux, DFLASHOPS_SSH_PERSIST="1").returncode == 0
+    pid = wait_for_daemon(mux)
+    deadline = time.monotonic() + 15
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{pid}").exists() and not list(mux.glob("*.sock"))
+
+
+def test_connect_errors_come_through_the_daemon_unchanged(setup, harness: Harness, tmp_path: Path) -> None:
+    inventory, mux, _ = setup
+    strange = tmp_path / "empty_known_hosts"
+    strange.write_text("")
+    inventory.write_text(inventory.read_text().replace(str(harness.known_hosts), str(strange)))
+    done = run_cli(inventory, "status", "--target", "ct200", mux=mux)
+    assert done.returncode == 5 and "Traceback" not in done.stderr
+    assert "is not known" in done.stderr and "SHA256:" in done.stderr and "dflashops trust pve" in done.stderr
+    time.sleep(2.0)  # the multiplexer started in the background meets the same refusal and ends
+    assert daemon_pids(mux) == [] and not list(mux.glob("*.sock"))
+
+
+def test_bad_settings_of_the_multiplexer_are_one_error_line(setup) -> None:
+    inventory, mux, _ = setup
+    done = run_cli(inventory, "status", "--target", "ct200", mux=mux, DFLASHOPS_SSH_PERSIST="ten minutes")
+    assert done.returncode == 5 and done.stderr.splitlines()[0].startswith("error: DFLASHOPS_SSH_PERSIST=")
+    assert done.stderr.splitlines()[1].startswith("hint: ")
+    mux.mkdir(mode=0o755)
+    mux.chmod(0o755)
+    done = run_cli(inventory, "status", "--target", "ct200", mux=mux)
+    assert done.returncode == 5 and "is not yours alone" in done.stderr and "hint: " in done.stderr
