@@ -81,6 +81,10 @@ def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.devi
     recompiles = recompile_count() - graphs_before
     ms = statistics.median(times)
     flops = step_flops(dcfg, shape, batch.anchors, batch.keep, soft=variant == "soft")
+    if args.profile:
+        from trainer.bench_profile import print_profile, profile_steps
+
+        print_profile(f"{preset} {shape.name} {variant}", profile_steps(step, device), flops)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     del side, drafter, features, ctx, teacher
     if device.type == "cuda":
@@ -269,6 +273,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--target-intermediate", type=int, default=0,
                         help="pipeline: the random target's MLP width (default 3 x hidden; Qwen3-8B: 12288)")
     parser.add_argument("--json-out", help="also write the rows as JSON to this file (default: none)")
+    parser.add_argument("--profile", action="store_true",
+                        help="step: after timing, profile 3 steps and print where the time goes (CUDA only)")
     parser.add_argument("--stacks-every", type=float, default=0,
                         help="dump every thread's stack every N s to stderr (default: 0, never)")
     args = parser.parse_args(argv)
