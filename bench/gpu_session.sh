@@ -64,6 +64,10 @@ for section in "$@"; do
             step pipeline-auto 150 python3 bench/gpu_pipeline.py --scale small --modes dual --steps 200 --timeout-s 140 \
               --log-dir /tmp/pipeline-auto
             grep -h "loss kernels" /tmp/pipeline-auto/*.log ;;
+    profile) step profile-8b 300 python3 -m trainer bench step --preset qwen3-8b --shape seed --variants triton \
+              --iters 5 --warmup 2 --profile --json-out "$OUT/profile8b.json"
+            step profile-27b 300 python3 -m trainer bench step --preset qwen3.6-27b --shape seed --variants triton \
+              --iters 4 --warmup 2 --profile --json-out "$OUT/profile27b.json" ;;
     pipeline-small) step pipeline-small 170 python3 bench/gpu_pipeline.py --scale small --steps 60 ;;
     *) echo "unknown section $section" >&2 ;;
   esac
