@@ -448,7 +448,8 @@ def verb_stop(req: dict) -> dict:
 
     1. A launch still in flight (no job pid yet): record the stop request, which the wrapper reads before it
        starts the job, and wait for the launch to settle; the stop wins either way (verb_wrap).
-    2. SIGTERM to the job's own process only (the recorded `pid`), not yet its group: the trainer's children
+    2. SIGTERM to the job's own process only (the recorded `pid`, or the trainer status.json names when a
+       launcher such as torchrun stands between: first_to_stop), not yet its group: the trainer's children
        (the W&B service, data workers) must keep running until it has written its checkpoint and closed its
        W&B run, or the stop leaves a ConnectionResetError traceback in the log and W&B sockets behind.
     3. Once the job has exited (or `grace` passed), SIGTERM to the rest of the group and the marked
@@ -472,7 +473,7 @@ def verb_stop(req: dict) -> dict:
     if not pids:
         raise AgentFailure(f"run {req['name']!r} is not running", "not_running")
     grace = float(req.get("grace", 60.0))
-    job = read_int(os.path.join(directory, "pid"))
+    job = first_to_stop(directory, pids)
     job_first = job in pids
     signal_run(None if job_first else pgid, {job} if job_first else pids, signal.SIGTERM)
     recorded = record_stop(directory, {"requested_at": time.time()})
@@ -506,6 +507,18 @@ def verb_stop(req: dict) -> dict:
 
 
 REST_GRACE_S = 10.0  # the rest of the group gets at least this long (within --grace) after the job exited
+
+
+def first_to_stop(directory: str, pids: set[int]) -> int | None:
+    """The process the stop's first SIGTERM goes to: the trainer that status.json names, when it is one of the
+    run's processes, else the job the wrapper started. They differ under a launcher such as torchrun, which
+    forwards a SIGTERM to its worker but SIGKILLs that worker 30 s later (its shutdown timeout): an 8B
+    drafter's final checkpoint takes ~20 s, so the worker is told first, writes its checkpoint and exits,
+    and torchrun, seeing its worker gone, ends on its own (or with the rest of the group after it)."""
+    trainer = (read_json(os.path.join(directory, "status.json")) or {}).get("pid")
+    if isinstance(trainer, int) and trainer in pids:
+        return trainer
+    return read_int(os.path.join(directory, "pid"))
 
 
 def launch_in_flight(directory: str) -> bool:
