@@ -460,6 +460,7 @@ def verb_stop(req: dict) -> dict:
     if not os.path.isdir(directory):
         raise AgentFailure(f"run {req['name']!r} does not exist on this target", "not_found")
     started = time.monotonic()
+    supervisor_cancelled = cancel_supervisor(directory)  # first: it must not restart what is being stopped
     if launch_in_flight(directory):
         record_stop(directory, {"requested_at": time.time()})
         wait_for_any(directory, ("pid", "exit_code"), LAUNCH_SETTLE_S)
@@ -468,6 +469,10 @@ def verb_stop(req: dict) -> dict:
     if not pids and stop_requested(directory) and read_int(os.path.join(directory, "pid")) is None \
             and read_int(os.path.join(directory, "exit_code")) is not None:
         return finish_stop(req, directory, started, escalated=False, seen=set(), waited=0.0, before_start=True)
+    if not pids and supervisor_cancelled:  # it had ended; its pending automatic restart is what was stopped
+        return {"escalated": False, "signalled": [], "gpu_released": None, "waited_for_checkpoint_s": 0.0,
+                "before_start": False, "exit_code": read_int(os.path.join(directory, "exit_code")),
+                "seconds": round(time.monotonic() - started, 3), "recorded": True, "supervisor_cancelled": True}
     if not pids:
         raise AgentFailure(f"run {req['name']!r} is not running", "not_running")
     grace = float(req.get("grace", 60.0))
@@ -500,8 +505,9 @@ def verb_stop(req: dict) -> dict:
         left = wait_gone(pgid, marker, directory, float(req.get("kill_timeout", 10.0)))
     if left:
         raise AgentFailure(f"processes {sorted(left)} of run {req['name']!r} survived SIGKILL", "stuck")
-    return finish_stop(req, directory, started, escalated=escalated, seen=seen, waited=waited,
-                       recorded=recorded, gpu_timeout=float(req.get("gpu_timeout", 60.0)))
+    return {**finish_stop(req, directory, started, escalated=escalated, seen=seen, waited=waited,
+                          recorded=recorded, gpu_timeout=float(req.get("gpu_timeout", 60.0))),
+            "supervisor_cancelled": supervisor_cancelled}
 
 
 REST_GRACE_S = 10.0  # the rest of the group gets at least this long (within --grace) after the job exited
@@ -632,10 +638,15 @@ def run_status(directory: str) -> dict:
     # from elsewhere (status.json phase "stopped": it checkpointed and exited), which is no crash.
     stopped = (os.path.exists(os.path.join(directory, "stop.json"))
                or (trainer_status or {}).get("phase") == "stopped")
+    stall = read_json(os.path.join(directory, "stall.json"))  # written by agent_supervisor.py
+    if stall and stall.get("reason"):
+        error_line = f"stalled: {stall['reason']}"
     if live:
         state = "stopping" if stopped else "running"
     elif exit_code is None:
         state = "launching" if not pgid and launch_in_flight(directory) else "lost"
+    elif stall:
+        state = "crashed"  # the supervisor stopped it for a stall: a failure, whatever the trainer wrote
     elif stopped:
         state = "stopped"
     elif exit_code == 0:
@@ -647,7 +658,46 @@ def run_status(directory: str) -> dict:
     return {"name": name, "state": state, "exit_code": exit_code, "pids": live, "pgid": pgid, "step": step,
             "error_line": error_line if state in ("crashed", "lost") else None, "trainer_status": trainer_status,
             "last_metrics": last_metrics, "last_log_line": log_tail[-1] if log_tail else None,
-            "checkpoints": checkpoints, "run_dir": directory, "run_json": run_json}
+            "checkpoints": checkpoints, "run_dir": directory, "run_json": run_json, **supervision(directory)}
+
+
+def supervision(directory: str) -> dict:
+    """What agent_supervisor.py left in the run directory: the run that replaced this one, the events it
+    recorded (events.jsonl) and its own state (supervisor.json); empty for an unsupervised run."""
+    found: dict = {}
+    child = (read_text(os.path.join(directory, "restarted_as")) or "").strip()
+    if child:
+        found["restarted_as"] = child
+    events = []
+    for line in last_lines(os.path.join(directory, "events.jsonl"), 65536):
+        try:
+            events.append(json.loads(line))
+        except ValueError:
+            continue
+    if events:
+        found["events"] = events
+    state = read_json(os.path.join(directory, "supervisor.json"))
+    if state:
+        found["supervisor"] = state
+    return found
+
+
+def cancel_supervisor(directory: str) -> bool:
+    """SIGTERM the supervisor watching this run (its supervisor.json pid, checked against its command line):
+    a stop means no automatic restart. True when one was running."""
+    state = read_json(os.path.join(directory, "supervisor.json")) or {}
+    pid = state.get("pid")
+    if not isinstance(pid, int) or state.get("state") not in ("watching", "backoff") or not alive(pid) \
+            or b"supervisor-" not in read_proc(pid, "cmdline"):
+        return False
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return False
+    deadline = time.monotonic() + 5.0
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return True
 
 
 def verb_status(req: dict) -> dict:

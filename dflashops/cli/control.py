@@ -142,6 +142,11 @@ def handle_stop(args: argparse.Namespace) -> int:
             print_plan(session)
             return 0
         how = "SIGKILL after the grace period" if answer["escalated"] else "SIGTERM"
+        if answer.get("supervisor_cancelled"):
+            progress(f"{args.run}'s supervisor was stopped: no automatic restart will follow")
+        if answer.get("supervisor_cancelled") and not answer.get("signalled"):
+            print(f"{args.run} restart-cancelled exit_code={answer['exit_code']}")
+            return 0
         if answer.get("before_start"):
             progress(f"stopped {args.run} before its job started (it was still launching); it never ran")
         else:

@@ -12,6 +12,8 @@ from dflashops.errors import DflashopsError, NotFound
 from dflashops.inventory import Inventory, Target
 from dflashops.lineage import LineageDB, RunRecord
 from dflashops.ops.agent_client import Agent
+from dflashops.ops.notify import Notifier
+from dflashops.ops.observe import observe
 from dflashops.transport import open_transport
 
 # Agent states -> lineage states (the agent distinguishes "stopping" and "lost"; the database does not).
@@ -25,6 +27,18 @@ class Session:
     dry_run: bool = False
     _db: LineageDB | None = None
     _agents: dict[str, Agent] = field(default_factory=dict)
+    _notifier: Notifier | None = None
+
+    @property
+    def notifier(self) -> Notifier:
+        """Run notifications (ops/notify.py); `notices` lists what it did, for the CLI to print."""
+        if self._notifier is None:
+            self._notifier = Notifier(self.inventory)
+        return self._notifier
+
+    @property
+    def notices(self) -> list[str]:
+        return self.notifier.notices
 
     @property
     def db(self) -> LineageDB:
@@ -75,8 +89,12 @@ class Session:
         return difflib.get_close_matches(name, sorted(names), n=4, cutoff=0.5)
 
     def note_state(self, status: dict) -> None:
-        """Mirror an agent status entry into the lineage record (when the run is recorded)."""
+        """Mirror an agent status entry into the lineage record (when the run is recorded); first adopt a
+        supervisor-made run and notify what changed (ops/observe.py)."""
         record = self.record_of(str(status.get("name")))
+        if not self.dry_run:
+            observe(self, status, record)
+            record = record or self.record_of(str(status.get("name")))
         if record is None or self.dry_run:
             return
         state = LINEAGE_STATE.get(str(status.get("state")), "crashed")
@@ -87,6 +105,8 @@ class Session:
             self.db.set_state(record.name, state, **fields)
 
     def close(self) -> None:
+        if self._notifier is not None:
+            self._notifier.close()
         for agent in self._agents.values():
             agent.transport.close()
         if self._db is not None:
