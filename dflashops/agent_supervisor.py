@@ -25,6 +25,7 @@ what the supervisor does now (the agent's `stop` reads it to cancel a pending re
 
 from __future__ import annotations
 
+import base64
 import importlib.util
 import json
 import os
@@ -34,6 +35,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 SENTINELS = {"name": "@dflashops-run-name@", "parent": "@dflashops-parent@", "note": "@dflashops-note@",
@@ -103,8 +105,17 @@ class Supervisor:
         url = self.req.get("webhook")
         if not url:
             return "off"
-        body = json.dumps({k: v for k, v in entry.items() if k != "webhook"}).encode()
-        request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+        payload = {k: v for k, v in entry.items() if k != "webhook"}
+        body = json.dumps({**payload, "text": f"dflashops: {entry['message']}"}).encode()
+        headers = {"Content-Type": "application/json", "User-Agent": "dflashops-supervisor"}
+        parts = urllib.parse.urlsplit(url)
+        if parts.username is not None:  # userinfo -> Basic auth, as transport/webhook.py does
+            token = base64.b64encode(f"{urllib.parse.unquote(parts.username)}:"
+                                     f"{urllib.parse.unquote(parts.password or '')}".encode()).decode()
+            headers["Authorization"] = f"Basic {token}"
+            host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname or ""
+            url = urllib.parse.urlunsplit(parts._replace(netloc=host + (f":{parts.port}" if parts.port else "")))
+        request = urllib.request.Request(url, data=body, headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=float(self.req.get("webhook_timeout_s", 10))) as answer:
                 return "sent" if 200 <= answer.status < 300 else f"failed: HTTP {answer.status}"
@@ -130,11 +141,13 @@ class Supervisor:
                 values.append(int(parts[1]))
         return values or None
 
-    def stop_stalled(self, directory: str, reason: str) -> None:
+    def stop_stalled(self, directory: str, reason: str, clock: dict) -> None:
         """stall.json first (so the end reads as a stall, not a stop), then TERM the run's own group, KILL
         after the grace."""
         agent = self.agent
-        self.agent.write_atomic(os.path.join(directory, "stall.json"), json.dumps({"reason": reason, "at": time.time()}))
+        self.agent.write_atomic(os.path.join(directory, "stall.json"), json.dumps(
+            {"reason": reason, "at": time.time(), "last_heartbeat": clock.get("beat"), "last_step": clock.get("step"),
+             "last_step_at": clock.get("step_at")}))
         marker = (agent.read_text(os.path.join(directory, "marker")) or "").strip() or None
         pgid, pids = agent.run_processes(agent.read_int(os.path.join(directory, "pgid")), marker, directory)
         self.log(f"stalled: {reason}; SIGTERM to process group {pgid} ({sorted(pids)})")
@@ -158,6 +171,7 @@ class Supervisor:
         limit = self.stall.get("heartbeat_s")
         if limit:
             beat = trainer.get("heartbeat") if isinstance(trainer.get("heartbeat"), (int, float)) else clock["started"]
+            clock["beat"] = beat
             if now - max(float(beat), clock["started"]) > limit:
                 return f"no status.json heartbeat for {now - max(float(beat), clock['started']):.0f}s (limit {limit:g}s)"
             if phase == "training" and now - clock["step_at"] > limit:
@@ -184,7 +198,7 @@ class Supervisor:
             if status["state"] in ("running", "stopping", "launching"):
                 reason = self.stalled(status, clock)
                 if reason and not os.path.exists(os.path.join(directory, "stop.json")):
-                    self.stop_stalled(directory, reason)
+                    self.stop_stalled(directory, reason, clock)
                     continue
                 time.sleep(self.poll_s)
                 continue

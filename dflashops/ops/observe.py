@@ -61,6 +61,7 @@ def observe(session: "Session", status: dict[str, Any], record: RunRecord | None
     notifier = session.notifier
     if notifier.config is None:
         return
+    notifier.retry_due()
     for event in status.get("events") or []:
         if isinstance(event, dict) and event.get("id"):
             notifier.send(event, delivered_by_target=event.get("webhook") == "sent")

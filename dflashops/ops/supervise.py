@@ -30,7 +30,7 @@ from dflashops.ops.session import Session
 SOURCE = Path(__file__).resolve().parent.parent / "agent_supervisor.py"
 SENTINELS = {"name": "@dflashops-run-name@", "parent": "@dflashops-parent@", "note": "@dflashops-note@",
              "checkpoint": "@dflashops-checkpoint@"}  # the same strings as agent_supervisor.SENTINELS
-POLL_S = 2.0
+POLL_S = 2.0  # a status poll is one read of a few small files: cheap; stall windows shorter than 8 s poll faster
 
 
 def wanted(profile: Profile) -> bool:
@@ -59,6 +59,13 @@ def template(session: Session, request: Any, target: Target, profile: Profile, c
             "run_json": run_json}
 
 
+def poll_interval(stall: Any) -> float:
+    """POLL_S, or a quarter of the shortest stall window (so a stall is seen within window + window/4)."""
+    windows = [w for w in ((stall.heartbeat_s, stall.for_s if stall.gpu_util_below is not None else None)
+                           if stall else ()) if w]
+    return max(0.1, min([POLL_S, *(w / 4 for w in windows)]))
+
+
 def supervisor_path(target: Target, source: bytes) -> str:
     return f"{target.workspace}/.dflashops/supervisor-{hashlib.sha256(source).hexdigest()[:12]}.py"
 
@@ -80,7 +87,7 @@ def start(session: Session, request: Any, target: Target, profile: Profile, name
     on_failure, stall = profile.on_failure, profile.stall
     plan = template(session, request, target, profile, code_hash, release_path, root)
     req = {"workspace": target.workspace, "agent": agent.path, "root": name, "run": name, "restarts": restarts,
-           "target": target.name, "gpus": list(target.gpus), "poll_s": POLL_S,
+           "target": target.name, "gpus": list(target.gpus), "poll_s": poll_interval(stall),
            "on_failure": None if on_failure is None else {
                "resume": on_failure.resume, "max_restarts": on_failure.max_restarts,
                "backoff_s": on_failure.backoff_s, "exit_codes": list(on_failure.exit_codes)},

@@ -10,7 +10,8 @@ For issue 17: `--save-every N` checkpoints every N steps (with `--ckpt-bytes B`,
 seeded pseudo-random bytes beside state.json); `--crash-times N --state-file F` makes `--crash-at` fire only
 in the first N starts (counted in F, which outlives the run directory: a supervisor's restarts share it);
 `--hang-after K` stops all progress after step K (no step, no metrics, no status.json heartbeat) but still
-honours SIGTERM, as a trainer whose loop is stuck in a collective.
+honours SIGTERM, as a trainer whose loop is stuck in a collective; with `--beat-while-hung` its status.json
+heartbeat keeps beating meanwhile (the trainer's heartbeat thread does), so only the missing steps show it.
 Stdlib only; it never imports dflashops or trainer.
 """
 
@@ -81,6 +82,7 @@ def main() -> int:
     parser.add_argument("--crash-times", type=int, default=-1, help="--crash-at fires only in the first N starts")
     parser.add_argument("--state-file", default=None, help="where --crash-times counts starts")
     parser.add_argument("--hang-after", type=int, default=-1, help="stop making progress after this step")
+    parser.add_argument("--beat-while-hung", action="store_true", help="keep the heartbeat fresh while hung")
     args = parser.parse_args()
     earlier_starts = starts_so_far(args.state_file)
     crash_armed = args.crash_times < 0 or earlier_starts < args.crash_times
@@ -102,7 +104,9 @@ def main() -> int:
     step = start
     while step < args.steps:
         while step == args.hang_after and not stop_requested:
-            time.sleep(0.05)  # stuck: no step, no metrics, no heartbeat
+            time.sleep(0.05)  # stuck: no step, no metrics, no heartbeat (unless --beat-while-hung)
+            if args.beat_while_hung:
+                write_status(out, phase="training", step=step)
         if stop_requested:
             saving_until = time.monotonic() + args.slow_save
             while time.monotonic() < saving_until:  # as the trainer's heartbeat thread does while it saves
