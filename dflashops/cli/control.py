@@ -167,6 +167,11 @@ def describe(entry: dict[str, Any]) -> str:
     state = entry["state"]
     if state in ("crashed", "lost"):
         state = how_it_ended(entry, exit_code=False)  # the exit code has its own column
+    supervisor = (entry.get("supervisor") or {}).get("state")
+    if entry.get("restarted_as"):
+        state += f" -> auto-restarted as {entry['restarted_as']}"
+    elif supervisor in ("watching", "backoff"):
+        state += " (supervised" + (", restart pending)" if supervisor == "backoff" else ")")
     metrics = entry.get("last_metrics") or {}
 
     def value(key: str) -> str:

@@ -130,11 +130,14 @@ def test_a_hung_run_is_stopped_within_the_window(sup: Env, capsys: pytest.Captur
     assert [e["event"] for e in events(sup, "hg")] == ["stalled", "gave-up"]
 
 
-def test_stop_cancels_a_pending_restart(sup: Env, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("how", [["stop", "sl"], ["stop", "--all"]])
+def test_stop_cancels_a_pending_restart(sup: Env, capsys: pytest.CaptureFixture[str], how: list[str]) -> None:
     assert sup.cli("deploy", "--profile", "slow", "--name", "sl", "--launcher", "nohup", capsys=capsys)[0] == 0
     state = wait_supervisor(sup, "sl", states=("backoff",))
-    code, out, err = sup.cli("stop", "sl", capsys=capsys)
-    assert code == 0 and out.startswith("sl restart-cancelled") and "no automatic restart will follow" in err
+    code, out, err = sup.cli(*how, capsys=capsys)
+    assert code == 0, err
+    if how[1] == "sl":
+        assert out.startswith("sl restart-cancelled") and "no automatic restart will follow" in err
     deadline = time.monotonic() + 5
     while Path(f"/proc/{state['pid']}").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -169,3 +172,21 @@ def test_idle_gpus_while_training_are_a_stall(sup: Env, capsys: pytest.CaptureFi
     assert stall["reason"].startswith("GPUs [1, 0]% busy (below 5%) for") and "while training" in stall["reason"]
     code, out, _ = sup.cli("status", "gi", "--json", capsys=capsys)
     assert json.loads(out)["runs"][0]["state"] == "crashed"
+
+
+def test_dry_run_shows_the_supervisor_start_without_secrets(sup: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = sup.cli("deploy", "--profile", "flaky", "--name", "dr", "--dry-run", capsys=capsys)
+    assert code == 0, err
+    start = next(line for line in out.splitlines() if "start --json-stdin" in line)
+    assert "/.dflashops/supervisor-" in start and '"max_restarts": 3' in start
+    assert '"WORKLOAD_SECRET": "<redacted>"' in start and SECRET not in out + err
+    assert not sup.workspace.exists()
+
+
+def test_status_says_what_the_supervisor_did(sup: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    assert sup.cli("deploy", "--profile", "broken", "--name", "bs", "--launcher", "nohup", capsys=capsys)[0] == 0
+    wait_supervisor(sup, "bs")
+    code, out, _ = sup.cli("status", capsys=capsys)
+    lines = {line.split("\t")[0]: line for line in out.splitlines()}
+    assert "crashed at step 7: RuntimeError: injected crash at step 7 -> auto-restarted as bs-r1" in lines["bs"]
+    assert "auto-restarted as" not in lines["bs-r2"]
