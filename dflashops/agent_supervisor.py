@@ -21,6 +21,9 @@ Loop, for the run it watches:
 Each event (crashed, stalled, auto-restarted, gave-up, finished) is appended to the run's `events.jsonl`
 (and POSTed to the webhook when one was given); `supervisor.json` in the watched run's directory says
 what the supervisor does now (the agent's `stop` reads it to cancel a pending restart).
+
+One file, longer than the usual module, for the agent's reason: it is uploaded alone and run with whatever
+python3 the container has.
 """
 
 from __future__ import annotations

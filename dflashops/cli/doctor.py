@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dflashops.cli.common import emit_json, open_session, progress, use_colour
+from dflashops.cli.common import emit_json, progress, use_colour
 from dflashops.errors import UsageError
 from dflashops.inventory import Inventory, load_inventory
 from dflashops.ops.doctor import ChecksFailed, doctor, failed
