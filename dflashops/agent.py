@@ -462,6 +462,7 @@ def verb_stop(req: dict) -> dict:
     if not os.path.isdir(directory):
         raise AgentFailure(f"run {req['name']!r} does not exist on this target", "not_found")
     started = time.monotonic()
+    supervisor_cancelled = cancel_supervisor(directory)  # first: it must not restart what is being stopped
     if launch_in_flight(directory):
         record_stop(directory, {"requested_at": time.time()})
         wait_for_any(directory, ("pid", "exit_code"), LAUNCH_SETTLE_S)
@@ -470,6 +471,10 @@ def verb_stop(req: dict) -> dict:
     if not pids and stop_requested(directory) and read_int(os.path.join(directory, "pid")) is None \
             and read_int(os.path.join(directory, "exit_code")) is not None:
         return finish_stop(req, directory, started, escalated=False, seen=set(), waited=0.0, before_start=True)
+    if not pids and supervisor_cancelled:  # it had ended; its pending automatic restart is what was stopped
+        return {"escalated": False, "signalled": [], "gpu_released": None, "waited_for_checkpoint_s": 0.0,
+                "before_start": False, "exit_code": read_int(os.path.join(directory, "exit_code")),
+                "seconds": round(time.monotonic() - started, 3), "recorded": True, "supervisor_cancelled": True}
     if not pids:
         raise AgentFailure(f"run {req['name']!r} is not running", "not_running")
     grace = float(req.get("grace", 60.0))
@@ -502,8 +507,9 @@ def verb_stop(req: dict) -> dict:
         left = wait_gone(pgid, marker, directory, float(req.get("kill_timeout", 10.0)))
     if left:
         raise AgentFailure(f"processes {sorted(left)} of run {req['name']!r} survived SIGKILL", "stuck")
-    return finish_stop(req, directory, started, escalated=escalated, seen=seen, waited=waited,
-                       recorded=recorded, gpu_timeout=float(req.get("gpu_timeout", 60.0)))
+    return {**finish_stop(req, directory, started, escalated=escalated, seen=seen, waited=waited,
+                          recorded=recorded, gpu_timeout=float(req.get("gpu_timeout", 60.0))),
+            "supervisor_cancelled": supervisor_cancelled}
 
 
 REST_GRACE_S = 10.0  # the rest of the group gets at least this long (within --grace) after the job exited
@@ -646,10 +652,15 @@ def run_status(directory: str) -> dict:
     # from elsewhere (status.json phase "stopped": it checkpointed and exited), which is no crash.
     stopped = (os.path.exists(os.path.join(directory, "stop.json"))
                or (trainer_status or {}).get("phase") == "stopped")
+    stall = read_json(os.path.join(directory, "stall.json"))  # written by agent_supervisor.py
+    if stall and stall.get("reason"):
+        error_line = f"stalled: {stall['reason']}"
     if live:
         state = "stopping" if stopped else "running"
     elif exit_code is None:
         state = "launching" if not pgid and launch_in_flight(directory) else "lost"
+    elif stall:
+        state = "crashed"  # the supervisor stopped it for a stall: a failure, whatever the trainer wrote
     elif stopped:
         state = "stopped"
     elif exit_code == 0:
@@ -661,7 +672,46 @@ def run_status(directory: str) -> dict:
     return {"name": name, "state": state, "exit_code": exit_code, "pids": live, "pgid": pgid, "step": step,
             "error_line": error_line if state in ("crashed", "lost") else None, "trainer_status": trainer_status,
             "last_metrics": last_metrics, "last_log_line": log_tail[-1] if log_tail else None,
-            "checkpoints": checkpoints, "run_dir": directory, "run_json": run_json}
+            "checkpoints": checkpoints, "run_dir": directory, "run_json": run_json, **supervision(directory)}
+
+
+def supervision(directory: str) -> dict:
+    """What agent_supervisor.py left in the run directory: the run that replaced this one, the events it
+    recorded (events.jsonl) and its own state (supervisor.json); empty for an unsupervised run."""
+    found: dict = {}
+    child = (read_text(os.path.join(directory, "restarted_as")) or "").strip()
+    if child:
+        found["restarted_as"] = child
+    events = []
+    for line in last_lines(os.path.join(directory, "events.jsonl"), 65536):
+        try:
+            events.append(json.loads(line))
+        except ValueError:
+            continue
+    if events:
+        found["events"] = events
+    state = read_json(os.path.join(directory, "supervisor.json"))
+    if state:
+        found["supervisor"] = state
+    return found
+
+
+def cancel_supervisor(directory: str) -> bool:
+    """SIGTERM the supervisor watching this run (its supervisor.json pid, checked against its command line):
+    a stop means no automatic restart. True when one was running."""
+    state = read_json(os.path.join(directory, "supervisor.json")) or {}
+    pid = state.get("pid")
+    if not isinstance(pid, int) or state.get("state") not in ("watching", "backoff") or not alive(pid) \
+            or b"supervisor-" not in read_proc(pid, "cmdline"):
+        return False
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return False
+    deadline = time.monotonic() + 5.0
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return True
 
 
 def verb_status(req: dict) -> dict:
@@ -1072,10 +1122,103 @@ def verb_gc(req: dict) -> dict:
     return {"removed_releases": removed, "removed_runs": removed_runs}
 
 
+# ----------------------------------------------------------------------------------------------- fetch
+FETCH_CACHE = ".fetch-sha256.json"  # in the run dir: (size, mtime_ns, inode) -> sha256, so a resumed fetch does
+# not hash a 12 GB checkpoint again (~30 s); an entry whose file changed in any of the three is recomputed.
+
+
+def run_file(directory: str, rel: object) -> str:
+    """The absolute path of `rel` inside the run directory; refuses anything that leaves it (`..`, absolute
+    paths, symlinks pointing out)."""
+    text = str(rel or "")
+    if not text or text.startswith("/") or ".." in text.split("/"):
+        raise AgentFailure(f"invalid path {text!r} in the run directory", "bad_request")
+    path = os.path.join(directory, text)
+    real, root = os.path.realpath(path), os.path.realpath(directory)
+    if real != root and not real.startswith(root + os.sep):
+        raise AgentFailure(f"path {text!r} leaves the run directory", "bad_request")
+    return path
+
+
+def verb_fetch_manifest(req: dict) -> dict:
+    """Size and sha256 of every regular file under the run-relative `paths` (files or folders); `missing`
+    names the paths that do not exist. Hashes are computed here, on the target, next to the data. With
+    `"hash": false` only cached hashes are given (`sha256` null for the rest): the controller starts the
+    transfer at once and asks for the missing hashes on a second channel meanwhile."""
+    directory = run_dir(req)
+    if not os.path.isdir(directory):
+        raise AgentFailure(f"run {req['name']!r} does not exist on this target", "not_found")
+    cache_path = os.path.join(directory, FETCH_CACHE)
+    cache = read_json(cache_path) or {}
+    files, missing, changed = [], [], False
+    for rel in req.get("paths") or []:
+        top = run_file(directory, rel)
+        if not os.path.exists(top):
+            missing.append(rel)
+            continue
+        walk = [(os.path.dirname(top), [], [os.path.basename(top)])] if os.path.isfile(top) else os.walk(top)
+        for folder, dirs, names in walk:
+            dirs.sort()
+            for entry in sorted(names):
+                path = os.path.join(folder, entry)
+                if os.path.islink(path) or not os.path.isfile(path):
+                    continue
+                stat = os.stat(path)
+                key = os.path.relpath(path, directory)
+                stamp = [stat.st_size, stat.st_mtime_ns, stat.st_ino]
+                known = cache.get(key)
+                if not (isinstance(known, list) and known[:3] == stamp):
+                    if not req.get("hash", True):
+                        files.append({"path": key, "size": stat.st_size, "sha256": None})
+                        continue
+                    known, changed = [*stamp, file_sha256(path)], True
+                    cache[key] = known
+                files.append({"path": key, "size": stat.st_size, "sha256": known[3]})
+    if changed and req.get("cache", True):  # a dry run's manifest writes nothing
+        try:
+            write_atomic(cache_path, json.dumps(cache))
+        except OSError:
+            pass  # a full disk: the cache is only a shortcut
+    return {"files": files, "missing": missing, "run_dir": directory}
+
+
+def verb_read_file(req: dict) -> None:
+    """RAW verb (the one exception to the one-JSON-line rule): writes bytes [offset, offset+length) of one run
+    file to stdout, nothing else. The controller knows the length and the sha256 from `fetch-manifest` and
+    checks both; a refusal before the first byte is a JSON line on stderr and exit status 3."""
+    directory = run_dir(req)
+    path = run_file(directory, req.get("path"))
+    offset, length = int(req.get("offset", 0)), int(req.get("length", -1))
+    with open(path, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        end = size if length < 0 else min(size, offset + length)
+        out = sys.stdout.buffer
+        out.flush()
+        position = offset
+        try:
+            while position < end:  # sendfile: no copy through Python, ~2x less CPU than read/write here
+                sent = os.sendfile(out.fileno(), handle.fileno(), position, min(end - position, 1 << 24))
+                if sent == 0:
+                    break
+                position += sent
+        except OSError:
+            handle.seek(position)
+            while position < end:
+                block = handle.read(min(end - position, 1 << 20))
+                if not block:
+                    break
+                out.write(block)
+                position += len(block)
+            out.flush()
+
+
 # ------------------------------------------------------------------------------------------------ main
 VERBS = {"ping": lambda req: {"version": 1, "python": sys.version.split()[0]}, "launch": verb_launch,
          "stop": verb_stop, "status": verb_status, "tail": verb_tail, "follow": verb_follow, "gpus": verb_gpus,
-         "clear-cache": verb_clear_cache, "manifest": verb_manifest, "gc": verb_gc, "wrap": verb_wrap}
+         "clear-cache": verb_clear_cache, "manifest": verb_manifest, "gc": verb_gc, "wrap": verb_wrap,
+         "fetch-manifest": verb_fetch_manifest}
+# Verbs whose answer is raw bytes on stdout (a refusal: JSON on stderr, exit 3).
+RAW_VERBS = {"read-file": verb_read_file}
 
 # Verbs whose stdin is one JSON request line followed by a tar stream.
 STDIN_VERBS = {"install": verb_install, "restart": verb_restart}
@@ -1084,8 +1227,8 @@ STDIN_VERBS = {"install": verb_install, "restart": verb_restart}
 def main(argv: list[str]) -> int:
     verb = argv[0] if argv else ""
     try:
-        if verb not in STDIN_VERBS and verb not in VERBS:
-            raise AgentFailure(f"unknown verb {verb!r}; verbs: {', '.join(sorted([*VERBS, *STDIN_VERBS]))}",
+        if verb not in STDIN_VERBS and verb not in VERBS and verb not in RAW_VERBS:
+            raise AgentFailure(f"unknown verb {verb!r}; verbs: {', '.join(sorted([*VERBS, *STDIN_VERBS, *RAW_VERBS]))}",
                                "bad_request")
         stdin = b""
         if verb in STDIN_VERBS:  # stdin: one JSON request line, then the tar stream (no argv length limits)
@@ -1103,6 +1246,8 @@ def main(argv: list[str]) -> int:
             raise AgentFailure(f"request is not valid JSON: {exc}", "bad_request") from None
         if not isinstance(req, dict):
             raise AgentFailure("request must be a JSON object", "bad_request")
+        if verb in RAW_VERBS:
+            return raw_call(RAW_VERBS[verb], req)
         result = STDIN_VERBS[verb](req, stdin) if verb in STDIN_VERBS else VERBS[verb](req)
         if verb == "wrap":
             return int(result["exit_code"])
@@ -1120,6 +1265,18 @@ def main(argv: list[str]) -> int:
             tarfile.TarError) as exc:
         print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}", "code": "internal"}), flush=True)
         return 0
+
+
+def raw_call(verb, req: dict) -> int:
+    """Run a RAW verb: its refusals go to stderr (stdout carries only data), exit status 3."""
+    try:
+        verb(req)
+        return 0
+    except AgentFailure as exc:
+        sys.stderr.write(json.dumps({"ok": False, "error": str(exc), "code": exc.code}) + "\n")
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        sys.stderr.write(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}", "code": "internal"}) + "\n")
+    return 3
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ integers`). The file has three sections:
     hosts:     {NAME: {address, user, port, identity_file, jump_host, known_hosts, sudo}}
     targets:   {NAME: {kind: local|pct|direct|host, host, ctid, gpus, workspace, python, env}}
     profiles:  {NAME: {argv: [...], env: {...}, pass_env: [...], files: [...], packages: [...],
-                       resume_args: [...], description}}   (packages default to [trainer])
+                       resume_args: [...], description, on_failure, stall}}   (packages default to [trainer])
+    notify:    {webhook | webhook_env, command, events, from_target, timeout}   (inventory_policy.py)
 
 `local` targets resolve relative `workspace`/`python` paths against the inventory's directory. Profile argv
 items may use the placeholders {python} {release} {run_dir} {workspace} {name} {gpus}; `resume_args` may use
@@ -24,6 +25,7 @@ from typing import Any
 import yaml
 
 from dflashops.errors import InventoryError, NotFound
+from dflashops.inventory_policy import Notify, OnFailure, Stall, parse_notify, parse_on_failure, parse_stall
 from dflashops.shell import ENV_KEY_RE, NAME_RE
 from dflashops.yaml_files import YAML_HINT, describe_yaml_error, read_yaml_text
 
@@ -68,6 +70,8 @@ class Profile:
     resume_args: tuple[str, ...] = ()
     description: str = ""
     packages: tuple[str, ...] = ("trainer",)  # Python packages from the repository shipped in the release
+    on_failure: OnFailure | None = None  # auto-restart by the in-container supervisor (inventory_policy.py)
+    stall: Stall | None = None  # stall detection by the same supervisor
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,7 @@ class Inventory:
     hosts: dict[str, Host]
     targets: dict[str, Target]
     profiles: dict[str, Profile]
+    notify: Notify | None = None  # run state changes to a webhook and/or a command (inventory_policy.py)
 
     @property
     def root(self) -> Path:
@@ -191,7 +196,7 @@ def load_inventory(path: str | os.PathLike[str] | None = None) -> Inventory:
         raise InventoryError(describe_yaml_error(inv_path, exc), hint=YAML_HINT) from None
     if root is None:
         raise InventoryError(f"{inv_path}: the inventory is empty", hint="define at least one target")
-    top = reader.mapping(root, "", {"hosts", "targets", "profiles"})
+    top = reader.mapping(root, "", {"hosts", "targets", "profiles", "notify"})
     host_nodes = reader.mapping(top["hosts"], "hosts") if "hosts" in top else {}
     hosts = _resolve_gateways(reader, {name: _host(reader, name, node) for name, node in host_nodes.items()},
                               host_nodes)
@@ -199,7 +204,8 @@ def load_inventory(path: str | os.PathLike[str] | None = None) -> Inventory:
                (reader.mapping(top["targets"], "targets") if "targets" in top else {}).items()}
     profiles = {name: _profile(reader, name, node) for name, node in
                 (reader.mapping(top["profiles"], "profiles") if "profiles" in top else {}).items()}
-    return Inventory(path=inv_path, hosts=hosts, targets=targets, profiles=profiles)
+    notify = parse_notify(reader, top["notify"]) if "notify" in top else None
+    return Inventory(path=inv_path, hosts=hosts, targets=targets, profiles=profiles, notify=notify)
 
 
 def _host(reader: _Reader, name: str, node: yaml.Node) -> Host:
@@ -272,7 +278,7 @@ def _profile(reader: _Reader, name: str, node: yaml.Node) -> Profile:
     key = f"profiles.{name}"
     reader.check_name(name, node, key)
     fields = reader.mapping(node, key, {"argv", "env", "pass_env", "files", "resume_args", "description",
-                                        "packages"})
+                                        "packages", "on_failure", "stall"})
     if "argv" not in fields:
         raise reader.fail(node, key, "missing required key 'argv'")
     argv = reader.str_list(fields["argv"], f"{key}.argv")
@@ -296,4 +302,6 @@ def _profile(reader: _Reader, name: str, node: yaml.Node) -> Profile:
         pass_env=pass_env, files=files,
         resume_args=reader.str_list(fields["resume_args"], f"{key}.resume_args") if "resume_args" in fields else (),
         description=reader.scalar(fields["description"], f"{key}.description", str) if "description" in fields else "",
+        on_failure=parse_on_failure(reader, fields["on_failure"], f"{key}.on_failure") if "on_failure" in fields else None,
+        stall=parse_stall(reader, fields["stall"], f"{key}.stall") if "stall" in fields else None,
     )

@@ -3,8 +3,8 @@
 - `trainer` never imports `dflashops`; `dflashops` never imports `trainer` or `torch`.
 - Inside dflashops the layers run cli -> playbook -> ops -> transport: each imports only its own layer or
   lower ones. Library modules (errors, shell, inventory, lineage*, agent) import no layer above transport.
-- Only dflashops/transport/ touches subprocess, fabric or paramiko (the agent is the exception: it runs
-  inside the target); the agent imports the standard library only.
+- Only dflashops/transport/ touches subprocess, fabric or paramiko (the agent and its siblings
+  `dflashops/agent_*.py` are the exception: they run inside the target); those import the standard library only.
 Imports under `if TYPE_CHECKING:` are annotations, not dependencies, and are skipped.
 """
 
@@ -53,6 +53,11 @@ def imports_of(path: Path) -> list[tuple[str, int]]:
 ENTRY_POINTS = {"dflashops.__main__", "dflashops.demo"}  # programs, not libraries: they sit on top like cli
 
 
+def runs_in_target(module: str) -> bool:
+    """The agent and the programs shipped beside it (doctor probe, supervisor): stdlib only, may spawn."""
+    return module == "dflashops.agent" or module.startswith("dflashops.agent_")
+
+
 def layer_of(module: str) -> int | None:
     parts = module.split(".")
     if parts[0] != "dflashops" or len(parts) < 2:
@@ -80,9 +85,9 @@ def violations() -> list[str]:
             where = f"{path.relative_to(REPO)}:{line}"
             if top in ("torch", "trainer"):
                 found.append(f"{where} dflashops imports {name}")
-            if top in PROCESS_MODULES and my_layer != 0 and me != "dflashops.agent":
+            if top in PROCESS_MODULES and my_layer != 0 and not runs_in_target(me):
                 found.append(f"{where} only dflashops.transport may import {top}")
-            if me == "dflashops.agent" and top not in sys.stdlib_module_names and top != "__future__":
+            if runs_in_target(me) and top not in sys.stdlib_module_names and top != "__future__":
                 found.append(f"{where} the agent must be stdlib-only, imports {name}")
             their_layer = layer_of(name)
             if their_layer is None:
@@ -106,6 +111,7 @@ def test_the_checker_catches_a_violation(tmp_path: Path, monkeypatch: pytest.Mon
     (fake / "dflashops" / "transport" / "x.py").write_text("from dflashops.ops import deploy\n")
     (fake / "dflashops" / "ops" / "y.py").write_text("import torch\nimport subprocess\nfrom ..cli import main\n")
     (fake / "dflashops" / "agent.py").write_text("import yaml\n")
+    (fake / "dflashops" / "agent_probe.py").write_text("import subprocess\nimport rich\n")
     (fake / "trainer" / "z.py").write_text("from dflashops import shell\n")
     (fake / "dflashops" / "ops" / "ok.py").write_text(
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from dflashops.cli import main\n")
@@ -114,6 +120,7 @@ def test_the_checker_catches_a_violation(tmp_path: Path, monkeypatch: pytest.Mon
     for expected in ("x.py:1 dflashops.transport.x imports the higher layer dflashops.ops",
                      "y.py:1 dflashops imports torch", "y.py:2 only dflashops.transport may import subprocess",
                      "y.py:3 dflashops.ops.y imports the higher layer dflashops.cli",
-                     "agent.py:1 the agent must be stdlib-only", "z.py:1 trainer imports dflashops"):
+                     "agent.py:1 the agent must be stdlib-only", "z.py:1 trainer imports dflashops",
+                     "agent_probe.py:2 the agent must be stdlib-only"):
         assert expected in found
-    assert "ok.py" not in found
+    assert "ok.py" not in found and "agent_probe.py:1" not in found  # shipped programs may spawn

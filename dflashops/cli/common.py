@@ -24,6 +24,8 @@ def open_session(args: argparse.Namespace, *, dry_run: bool = False) -> Iterator
     try:
         yield session
     finally:
+        for notice in session.notices:  # notifications sent (or failed) while the verb ran
+            progress(notice)
         session.close()
         for warning in session.warnings:
             progress(f"warning: {warning}")

@@ -142,6 +142,11 @@ def handle_stop(args: argparse.Namespace) -> int:
             print_plan(session)
             return 0
         how = "SIGKILL after the grace period" if answer["escalated"] else "SIGTERM"
+        if answer.get("supervisor_cancelled"):
+            progress(f"{args.run}'s supervisor was stopped: no automatic restart will follow")
+        if answer.get("supervisor_cancelled") and not answer.get("signalled"):
+            print(f"{args.run} restart-cancelled exit_code={answer['exit_code']}")
+            return 0
         if answer.get("before_start"):
             progress(f"stopped {args.run} before its job started (it was still launching); it never ran")
         else:
@@ -162,6 +167,11 @@ def describe(entry: dict[str, Any]) -> str:
     state = entry["state"]
     if state in ("crashed", "lost"):
         state = how_it_ended(entry, exit_code=False)  # the exit code has its own column
+    supervisor = (entry.get("supervisor") or {}).get("state")
+    if entry.get("restarted_as"):
+        state += f" -> auto-restarted as {entry['restarted_as']}"
+    elif supervisor in ("watching", "backoff"):
+        state += " (supervised" + (", restart pending)" if supervisor == "backoff" else ")")
     metrics = entry.get("last_metrics") or {}
 
     def value(key: str) -> str:

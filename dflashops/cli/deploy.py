@@ -57,6 +57,13 @@ def report(session: Session, outcome: DeployOutcome, args: argparse.Namespace) -
         return 0
     progress(f"launched {outcome.name} on {outcome.target} (code {outcome.code_hash}, "
              f"{outcome.uploaded} files uploaded, pgid {outcome.pgid}) in {outcome.run_dir}")
+    if outcome.supervisor is not None:
+        if outcome.supervisor.get("ok"):
+            progress(f"supervised in the target by pid {outcome.supervisor.get('pid')} (on_failure/stall of the "
+                     f"profile; log: {outcome.supervisor.get('log')})")
+        else:
+            progress(f"warning: {outcome.supervisor.get('error')}"
+                     + (f"\nhint: {outcome.supervisor['hint']}" if outcome.supervisor.get("hint") else ""))
     print(outcome.name)
     if args.wait:
         line = wait_for(session, outcome.name, until=args.wait, fail_on=args.fail_on, timeout=args.timeout,

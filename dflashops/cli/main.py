@@ -18,8 +18,10 @@ from pathlib import Path
 from dflashops.errors import DflashopsError
 
 VERB_MODULES = ("dflashops.cli.deploy", "dflashops.cli.control", "dflashops.cli.runs", "dflashops.cli.trust",
-                "dflashops.cli.play", "dflashops.cli.watch")
-OPTIONAL_MODULES = {"dflashops.cli.runs", "dflashops.cli.trust", "dflashops.cli.play", "dflashops.cli.watch"}
+                "dflashops.cli.play", "dflashops.cli.watch", "dflashops.cli.doctor",
+                "dflashops.cli.fetch")
+OPTIONAL_MODULES = {"dflashops.cli.runs", "dflashops.cli.trust", "dflashops.cli.play", "dflashops.cli.watch",
+                    "dflashops.cli.doctor", "dflashops.cli.fetch"}
 # The module that registers each verb. When the command line names one of these, only that module is
 # imported: start-up is part of every scripted restart's wall time, and rich, the playbook engine and the
 # lineage views cost ~80 ms of imports that `restart`/`deploy` never use. Anything else (no verb,
@@ -27,7 +29,8 @@ OPTIONAL_MODULES = {"dflashops.cli.runs", "dflashops.cli.trust", "dflashops.cli.
 VERB_MODULE = {"deploy": "dflashops.cli.deploy", "restart": "dflashops.cli.deploy",
                **{verb: "dflashops.cli.control" for verb in ("stop", "status", "logs", "exec", "attach", "gc")},
                "runs": "dflashops.cli.runs", "trust": "dflashops.cli.trust", "play": "dflashops.cli.play",
-               "watch": "dflashops.cli.watch"}
+               "watch": "dflashops.cli.watch", "doctor": "dflashops.cli.doctor",
+               "fetch": "dflashops.cli.fetch"}
 
 
 def verb_index(words: Sequence[str]) -> int | None:

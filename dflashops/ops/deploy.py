@@ -19,6 +19,7 @@ from dflashops.lineage import RunRecord, next_name, redact_env, wandb_env
 from dflashops.lineage_record import REDACTED, utc_now_iso
 from dflashops.ops.extra_args import managed_flags, merge_extra_args
 from dflashops.ops.session import Session
+from dflashops.ops.supervise import after_launch
 from dflashops.ops.sync import sync
 from dflashops.shell import validate_name
 
@@ -50,6 +51,7 @@ class DeployOutcome:
     pgid: int | None
     uploaded: int
     cache_cleared: str | None
+    supervisor: dict | None = None  # the in-target supervisor's start answer (ops/supervise.py), if any
 
 
 def expand(template: str, values: dict[str, str]) -> str:
@@ -187,6 +189,7 @@ def launch_named(session: Session, request: DeployRequest, target: Target, profi
         plan.record.extra["pgid"] = answer.get("pgid")
         plan.record.session = answer.get("session") or plan.record.session
         session.db.fill(plan.record)
+    supervisor = after_launch(session, request, target, profile, name, synced.code_hash, synced.release_path)
     return DeployOutcome(name=name, target=target.name, run_dir=run_dir, code_hash=synced.code_hash,
                          release=synced.release_path, pgid=answer.get("pgid"), uploaded=len(synced.uploaded),
-                         cache_cleared=cleared)
+                         cache_cleared=cleared, supervisor=supervisor)

@@ -97,7 +97,8 @@ def stop_all(inventory: Inventory, *, grace: float = 60.0, save_grace: float = 6
     def stop_target(session: Session, target: Target) -> list[str]:
         stopped = []
         for entry in run_status(session, None, target=target.name):
-            if entry.get("state") in ("running", "stopping", "launching"):
+            pending = (entry.get("supervisor") or {}).get("state") == "backoff"  # a restart waiting to happen
+            if entry.get("state") in ("running", "stopping", "launching") or pending:
                 stop_run(session, str(entry["name"]), target=target.name, grace=grace, save_grace=save_grace)
                 stopped.append(str(entry["name"]))
         return stopped

@@ -26,6 +26,7 @@ from dflashops.ops import release_cache
 from dflashops.ops.agent_client import Agent, StaleRelease
 from dflashops.ops.deploy import DeployOutcome, DeployRequest, LaunchPlan, check_request, claim_name, plan_launch
 from dflashops.ops.session import Session
+from dflashops.ops.supervise import after_launch
 from dflashops.ops.sync import install_payload, local_manifest, release_files
 from dflashops.shell import validate_name
 
@@ -119,9 +120,11 @@ def relaunch(session: Session, request: RestartRequest, deploy_request: DeployRe
         session.db.fill(plan.record)  # the new run, with its parent edge
         release_cache.save(session.inventory.lineage_path, target, code_hash, manifest)
     stop = answer.get("stop")
+    supervisor = after_launch(session, deploy_request, target, profile, name, code_hash,
+                               f"{target.workspace}/releases/{code_hash}")
     deployed = DeployOutcome(name=name, target=target.name, run_dir=plan.run_dir, code_hash=code_hash,
                              release=f"{target.workspace}/releases/{code_hash}", pgid=answer.get("pgid"),
-                             uploaded=len(payload[2]), cache_cleared=answer.get("cleared"))
+                             uploaded=len(payload[2]), cache_cleared=answer.get("cleared"), supervisor=supervisor)
     return RestartOutcome(stopped=bool(stop), old_exit_code=stop.get("exit_code") if stop else None,
                           checkpoint=checkpoint, deployed=deployed, agent_calls=calls, fell_back=fell_back)
 

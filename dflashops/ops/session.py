@@ -12,6 +12,8 @@ from dflashops.errors import DflashopsError, NotFound
 from dflashops.inventory import Inventory, Target
 from dflashops.lineage import LineageDB, LineageDBError, RunRecord
 from dflashops.ops.agent_client import Agent
+from dflashops.ops.notify import Notifier
+from dflashops.ops.observe import observe
 from dflashops.transport import open_transport
 
 # Agent states -> lineage states (the agent distinguishes "stopping" and "lost"; the database does not).
@@ -28,10 +30,22 @@ class Session:
     # Things that went wrong on the side of a verb that still did its job (the lineage could not follow
     # a stop); the CLI prints each as `warning: ...` on stderr when the session closes.
     warnings: list[str] = field(default_factory=list)
+    _notifier: Notifier | None = None
 
     def warn(self, message: str) -> None:
         if message not in self.warnings:
             self.warnings.append(message)
+
+    @property
+    def notifier(self) -> Notifier:
+        """Run notifications (ops/notify.py); `notices` lists what it did, for the CLI to print."""
+        if self._notifier is None:
+            self._notifier = Notifier(self.inventory)
+        return self._notifier
+
+    @property
+    def notices(self) -> list[str]:
+        return self.notifier.notices
 
     @property
     def db(self) -> LineageDB:
@@ -92,9 +106,10 @@ class Session:
         return difflib.get_close_matches(name, sorted(names), n=4, cutoff=0.5)
 
     def note_state(self, status: dict) -> None:
-        """Mirror an agent status entry into the lineage record (when the run is recorded). Best effort: the
-        verb that asked (stop, status) has done its job on the target already, so a database that cannot be
-        read or written becomes a warning, not a failure."""
+        """Mirror an agent status entry into the lineage record (when the run is recorded); first adopt a
+        supervisor-made run and notify what changed (ops/observe.py). Best effort: the verb that asked (stop,
+        status) has done its job on the target already, so a database that cannot be read or written becomes
+        a warning, not a failure."""
         if self.dry_run:
             return
         try:
@@ -104,6 +119,8 @@ class Session:
 
     def _note_state(self, status: dict) -> None:
         record = self.record_of(str(status.get("name")))
+        observe(self, status, record)
+        record = record or self.record_of(str(status.get("name")))
         if record is None:
             return
         state = LINEAGE_STATE.get(str(status.get("state")), "crashed")
@@ -114,6 +131,8 @@ class Session:
             self.db.set_state(record.name, state, **fields)
 
     def close(self) -> None:
+        if self._notifier is not None:
+            self._notifier.close()
         for agent in self._agents.values():
             agent.transport.close()
         if self._db is not None:

@@ -49,6 +49,10 @@ CHUNK = 64 * 1024
 # PROBE_TIMEOUT_S means the link is dead (paramiko's own keepalive never notices a silent peer).
 IDLE_PROBE_S = 15.0
 PROBE_TIMEOUT_S = 10.0
+# paramiko starts a key re-exchange after every 512 MiB (2^29 bytes); here one that began next to a channel
+# closing stalled the link for paramiko's 30 s key-exchange timeout now and then (seen during 1 GB fetches).
+# RFC 4344 allows 2^32 blocks per key for AES (64 GiB, OpenSSH's own default): 16 GiB keeps 4x margin.
+REKEY_BYTES = 1 << 34
 
 
 def fabric_config() -> fabric.Config:
@@ -124,6 +128,7 @@ class SshTransport(Transport):
                 raise translate_connect_error(exc, settings, conn) from None
             assert conn.transport is not None
             conn.transport.set_keepalive(settings.keepalive_s)
+            conn.transport.packetizer.REKEY_BYTES = REKEY_BYTES
             self._conn = conn
             return conn.transport
 
@@ -194,15 +199,19 @@ class SshTransport(Transport):
         last_data = time.monotonic()
         while True:
             got = False
-            while channel.recv_stderr_ready():
-                err += channel.recv_stderr(CHUNK)
-                got = True
-            if channel.recv_ready():
-                chunk = channel.recv(CHUNK)
-                if chunk:
+            try:
+                while channel.recv_stderr_ready():
+                    err += channel.recv_stderr(CHUNK)
                     got = True
-                    yield chunk
-            elif channel.eof_received or channel.closed:
+                chunk = channel.recv(CHUNK) if channel.recv_ready() else None
+            except (paramiko.SSHException, OSError, EOFError) as exc:  # e.g. a key exchange that timed out
+                self.close()
+                raise TransportError(f"{self.name}: connection broke during: {join_argv(argv)} ({exc})",
+                                     hint="run it again; the next command reconnects") from None
+            if chunk:
+                got = True
+                yield chunk
+            elif chunk is None and (channel.eof_received or channel.closed):
                 break
             now = time.monotonic()
             if got:

@@ -3,6 +3,7 @@
     proxy = LoopProxy(upstream_port=sshd_port).start()
     proxy.latency_s = 0.025          # each direction: 50 ms added round trip
     proxy.cut_after(upstream_bytes=200_000)   # close every connection once that many more bytes went up
+    proxy.cut_after_down(downstream_bytes=4_000_000)  # ... or came down (a download cut halfway)
     proxy.stall()/proxy.resume()     # hold traffic without closing (a hung network)
     proxy.cut_all()                  # close every live connection now
     proxy.refuse = True              # new connections are accepted and closed at once (host "down")
@@ -30,6 +31,8 @@ class LoopProxy:
         self.connections_cut = 0
         self.connections_accepted = 0  # TCP connections made through the proxy (ssh connections opened)
         self._cut_budget: int | None = None
+        self._down_budget: int | None = None
+        self.bytes_down_at_cut: int | None = None  # bytes_down when the last cut_after_down fired
         self._running = threading.Event()
         self._running.set()
         self._lock = threading.Lock()
@@ -50,6 +53,11 @@ class LoopProxy:
         """Cut every live connection once `upstream_bytes` more bytes went client -> server."""
         with self._lock:
             self._cut_budget = upstream_bytes
+
+    def cut_after_down(self, downstream_bytes: int) -> None:
+        """Cut every live connection once `downstream_bytes` more bytes went server -> client."""
+        with self._lock:
+            self._down_budget = downstream_bytes
 
     def cut_all(self) -> None:
         with self._lock:
@@ -149,6 +157,10 @@ class LoopProxy:
             if upward and self._cut_budget is not None:
                 self._cut_budget -= size
                 fire = self._cut_budget <= 0
+            if not upward and self._down_budget is not None:
+                self._down_budget -= size
+                if self._down_budget <= 0:
+                    fire, self._down_budget, self.bytes_down_at_cut = True, None, self.bytes_down
         if fire:
             self.cut_all()
         return fire

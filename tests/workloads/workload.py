@@ -6,6 +6,12 @@ atomically, and on SIGTERM writes `checkpoints/step_NNNNNN/state.json` and exits
 `--ignore-term` makes it ignore SIGTERM (so `stop` must escalate to SIGKILL). `--slow-save S` makes the
 checkpoint after SIGTERM take S seconds, with status.json phase "saving" and a live heartbeat meanwhile. `--crash-at K` raises at step K (a real traceback, exit 1). `--spawn-setsid` starts a child in its own
 session (it keeps the environment, so only the run marker can find it) and writes its pid to child.pid.
+For issue 17: `--save-every N` checkpoints every N steps (with `--ckpt-bytes B`, a B-byte `model.bin` of
+seeded pseudo-random bytes beside state.json); `--crash-times N --state-file F` makes `--crash-at` fire only
+in the first N starts (counted in F, which outlives the run directory: a supervisor's restarts share it);
+`--hang-after K` stops all progress after step K (no step, no metrics, no status.json heartbeat) but still
+honours SIGTERM, as a trainer whose loop is stuck in a collective; with `--beat-while-hung` its status.json
+heartbeat keeps beating meanwhile (the trainer's heartbeat thread does), so only the missing steps show it.
 Stdlib only; it never imports dflashops or trainer.
 """
 
@@ -14,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -29,14 +36,35 @@ def write_status(out: str, **fields: object) -> None:
     os.replace(tmp, os.path.join(out, "status.json"))
 
 
-def checkpoint(out: str, step: int) -> str:
+def checkpoint(out: str, step: int, blob_bytes: int = 0) -> str:
     final = os.path.join(out, "checkpoints", f"step_{step:06d}")
+    if os.path.isdir(final):
+        return final  # this step was saved already (a SIGTERM right after a periodic save)
     tmp = final + ".tmp"
     os.makedirs(tmp, exist_ok=True)
     with open(os.path.join(tmp, "state.json"), "w") as handle:
         json.dump({"step": step}, handle)
+    if blob_bytes:
+        rng = random.Random(step)
+        with open(os.path.join(tmp, "model.bin"), "wb") as handle:
+            for start in range(0, blob_bytes, 1 << 20):
+                handle.write(rng.randbytes(min(1 << 20, blob_bytes - start)))
     os.replace(tmp, final)
     return final
+
+
+def starts_so_far(state_file: str | None) -> int:
+    """How many times this workload started before (and count this start), from `state_file`."""
+    if not state_file:
+        return 0
+    try:
+        with open(state_file) as handle:
+            before = int(handle.read().strip() or 0)
+    except (OSError, ValueError):
+        before = 0
+    with open(state_file, "w") as handle:
+        handle.write(f"{before + 1}\n")
+    return before
 
 
 def main() -> int:
@@ -49,7 +77,15 @@ def main() -> int:
     parser.add_argument("--resume-from", default=None)
     parser.add_argument("--ignore-term", action="store_true", help="ignore SIGTERM (forces stop to escalate)")
     parser.add_argument("--slow-save", type=float, default=0.0, help="seconds the SIGTERM checkpoint takes")
+    parser.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only on SIGTERM)")
+    parser.add_argument("--ckpt-bytes", type=int, default=0, help="size of each checkpoint's model.bin")
+    parser.add_argument("--crash-times", type=int, default=-1, help="--crash-at fires only in the first N starts")
+    parser.add_argument("--state-file", default=None, help="where --crash-times counts starts")
+    parser.add_argument("--hang-after", type=int, default=-1, help="stop making progress after this step")
+    parser.add_argument("--beat-while-hung", action="store_true", help="keep the heartbeat fresh while hung")
     args = parser.parse_args()
+    earlier_starts = starts_so_far(args.state_file)
+    crash_armed = args.crash_times < 0 or earlier_starts < args.crash_times
     out = args.output_dir
     os.makedirs(out, exist_ok=True)
     stop_requested = []
@@ -67,22 +103,28 @@ def main() -> int:
     print(f"secret present: {'WORKLOAD_SECRET' in os.environ}", flush=True)
     step = start
     while step < args.steps:
+        while step == args.hang_after and not stop_requested:
+            time.sleep(0.05)  # stuck: no step, no metrics, no heartbeat (unless --beat-while-hung)
+            if args.beat_while_hung:
+                write_status(out, phase="training", step=step)
         if stop_requested:
             saving_until = time.monotonic() + args.slow_save
             while time.monotonic() < saving_until:  # as the trainer's heartbeat thread does while it saves
                 write_status(out, phase="saving", step=step)
                 time.sleep(0.1)
-            path = checkpoint(out, step)
+            path = checkpoint(out, step, args.ckpt_bytes)
             write_status(out, phase="stopped", step=step, last_checkpoint=path)  # as trainer.signals does
             print(f"SIGTERM: checkpoint {path}, exiting {EXIT_ON_SIGTERM}", flush=True)
             return EXIT_ON_SIGTERM
         step += 1
-        if step == args.crash_at:
+        if step == args.crash_at and crash_armed:
             write_status(out, phase="failed", step=step, error="RuntimeError: injected crash")
             raise RuntimeError(f"injected crash at step {step}")
         loss = 10.0 / step
         with open(os.path.join(out, "metrics.jsonl"), "a") as handle:
             handle.write(json.dumps({"step": step, "loss": loss, "tau_sim": 1.0 + step / 100}) + "\n")
+        if args.save_every and step % args.save_every == 0:
+            checkpoint(out, step, args.ckpt_bytes)
         write_status(out, phase="training", step=step)
         print(f"step {step} loss {loss:.4f}", flush=True)
         time.sleep(args.interval)

@@ -1,0 +1,377 @@
+"""dflashops supervisor: a stdlib-only daemon in the target, beside one run, that outlives the controller.
+
+Started by the controller after a launch whose profile sets `on_failure` and/or `stall`:
+`python3 supervisor-<sha>.py start --json-stdin` reads the request (with the run's secrets and an optional
+webhook URL: both held in memory only, never written), forks a daemon in its own session (not in the run's
+process group and without the run's marker, so `stop` never hits it), prints ONE JSON line
+`{"ok": true, "pid": N}` and exits. The daemon uses the agent it was given (`agent`: the path of the
+content-addressed agent file) for everything a run needs: `run_status`, `verb_launch`, the run's own
+processes.
+
+Loop, for the run it watches:
+- every `poll_s`: still running? A stall (`stall.heartbeat_s` without a fresh status.json heartbeat, or
+  without a new step while status.json says "training"; or every GPU of the run below `gpu_util_below`
+  percent for `for_s` while training) writes `stall.json` and SIGTERMs the run's own process group
+  (SIGKILL after `grace_s`): a stall counts as a failure.
+- when it ended: finished -> done; stopped by `dflashops stop` (stop.json) -> done, no restart; crashed,
+  lost or stalled -> with `on_failure` and restarts left (and the exit code listed, when `exit_codes` is
+  set; a stall always counts), wait `backoff_s`, then launch a NEW run `<root>-rK` whose parent is the
+  failed run, from its latest checkpoint (`resume`), with the note "auto-restart after exit C at step N:
+  <error line>", and watch that one.
+Each event (crashed, stalled, auto-restarted, gave-up, finished) is appended to the run's `events.jsonl`
+(and POSTed to the webhook when one was given); `supervisor.json` in the watched run's directory says
+what the supervisor does now (the agent's `stop` reads it to cancel a pending restart).
+
+One file, longer than the usual module, for the agent's reason: it is uploaded alone and run with whatever
+python3 the container has.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+
+SENTINELS = {"name": "@dflashops-run-name@", "parent": "@dflashops-parent@", "note": "@dflashops-note@",
+             "checkpoint": "@dflashops-checkpoint@"}
+CANCELLED = []  # set by SIGTERM: the daemon ends at its next check, restarting nothing
+
+
+def load_agent(path: str):
+    spec = importlib.util.spec_from_file_location("dflashops_agent", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def fill(value, values: dict):
+    """`value` with every sentinel replaced (strings in lists and dicts, deep)."""
+    if isinstance(value, str):
+        for key, sentinel in SENTINELS.items():
+            value = value.replace(sentinel, values.get(key, ""))
+        return value
+    if isinstance(value, list):
+        return [fill(item, values) for item in value]
+    if isinstance(value, dict):
+        return {key: fill(item, values) for key, item in value.items()}
+    return value
+
+
+class Supervisor:
+    def __init__(self, req: dict) -> None:
+        self.req = req
+        self.agent = load_agent(req["agent"])
+        self.workspace = req["workspace"]
+        self.root = req["root"]
+        self.restarts = int(req.get("restarts", 0))
+        self.policy = req.get("on_failure") or None
+        self.stall = req.get("stall") or None
+        self.poll_s = float(req.get("poll_s", 2.0))
+
+    # -- bookkeeping ----------------------------------------------------------------------------------
+    def run_dir(self, name: str) -> str:
+        return os.path.join(self.workspace, "runs", name)
+
+    def log(self, text: str) -> None:
+        print(f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {text}", flush=True)
+
+    def state(self, run: str, state: str, **fields) -> None:
+        info = {"pid": os.getpid(), "root": self.root, "run": run, "state": state, "restarts": self.restarts,
+                "max_restarts": (self.policy or {}).get("max_restarts", 0), "updated_at": time.time(), **fields}
+        try:
+            self.agent.write_atomic(os.path.join(self.run_dir(run), "supervisor.json"), json.dumps(info) + "\n")
+        except OSError:
+            pass  # a full disk must not end the supervision
+
+    def event(self, run: str, kind: str, message: str, **fields) -> None:
+        """Append the event to the run's events.jsonl, after trying the webhook (at most once)."""
+        entry = {"id": f"{run}:{kind}", "event": kind, "run": run, "target": self.req.get("target"),
+                 "time": time.time(), "message": message, "source": "supervisor", **fields}
+        entry["webhook"] = self.post(entry) if kind in (self.req.get("events") or [kind]) else "off"
+        self.log(f"{kind}: {message} (webhook {entry['webhook']})")
+        try:
+            with open(os.path.join(self.run_dir(run), "events.jsonl"), "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(entry) + "\n")
+        except OSError:
+            pass
+
+    def post(self, entry: dict) -> str:
+        url = self.req.get("webhook")
+        if not url:
+            return "off"
+        payload = {k: v for k, v in entry.items() if k != "webhook"}
+        body = json.dumps({**payload, "text": f"dflashops: {entry['message']}"}).encode()
+        headers = {"Content-Type": "application/json", "User-Agent": "dflashops-supervisor"}
+        parts = urllib.parse.urlsplit(url)
+        if parts.username is not None:  # userinfo -> Basic auth, as transport/webhook.py does
+            token = base64.b64encode(f"{urllib.parse.unquote(parts.username)}:"
+                                     f"{urllib.parse.unquote(parts.password or '')}".encode()).decode()
+            headers["Authorization"] = f"Basic {token}"
+            host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname or ""
+            url = urllib.parse.urlunsplit(parts._replace(netloc=host + (f":{parts.port}" if parts.port else "")))
+        request = urllib.request.Request(url, data=body, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=float(self.req.get("webhook_timeout_s", 10))) as answer:
+                return "sent" if 200 <= answer.status < 300 else f"failed: HTTP {answer.status}"
+        except urllib.error.HTTPError as exc:
+            return f"failed: HTTP {exc.code}"
+        except (OSError, ValueError) as exc:  # the URL stays out of the message: it may carry a token
+            return f"failed: {type(exc).__name__}"
+
+    # -- watching -------------------------------------------------------------------------------------
+    def gpu_utilisation(self) -> list[int] | None:
+        if not shutil.which("nvidia-smi"):
+            return None
+        try:
+            done = subprocess.run(["nvidia-smi", "--query-gpu=index,utilization.gpu", "--format=csv,noheader,nounits"],
+                                  capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        wanted = {str(g) for g in self.req.get("gpus") or []}
+        values = []
+        for line in done.stdout.splitlines():
+            parts = [p.strip() for p in line.split(",")]
+            if len(parts) == 2 and parts[1].isdigit() and (not wanted or parts[0] in wanted):
+                values.append(int(parts[1]))
+        return values or None
+
+    def stop_stalled(self, directory: str, reason: str, clock: dict) -> None:
+        """stall.json first (so the end reads as a stall, not a stop), then TERM the run's own group, KILL
+        after the grace."""
+        agent = self.agent
+        self.agent.write_atomic(os.path.join(directory, "stall.json"), json.dumps(
+            {"reason": reason, "at": time.time(), "last_heartbeat": clock.get("beat"), "last_step": clock.get("step"),
+             "last_step_at": clock.get("step_at")}))
+        marker = (agent.read_text(os.path.join(directory, "marker")) or "").strip() or None
+        pgid, pids = agent.run_processes(agent.read_int(os.path.join(directory, "pgid")), marker, directory)
+        self.log(f"stalled: {reason}; SIGTERM to process group {pgid} ({sorted(pids)})")
+        agent.signal_run(pgid, pids, signal.SIGTERM)
+        deadline = time.monotonic() + float(self.stall.get("grace_s", 60.0))
+        while time.monotonic() < deadline and agent.run_processes(pgid, marker, directory)[1]:
+            time.sleep(0.1)
+        left = agent.run_processes(pgid, marker, directory)[1]
+        if left:
+            agent.signal_run(pgid, left, signal.SIGKILL)
+
+    def stalled(self, status: dict, clock: dict) -> str | None:
+        """Why the running run counts as stalled now, or None. `clock` keeps the last step and when it moved,
+        and since when the GPUs are idle."""
+        if not self.stall or status["state"] != "running":
+            return None
+        now, trainer = time.time(), status.get("trainer_status") or {}
+        phase = trainer.get("phase")
+        if status.get("step") != clock.get("step"):
+            clock["step"], clock["step_at"] = status.get("step"), now
+        limit = self.stall.get("heartbeat_s")
+        if limit:
+            beat = trainer.get("heartbeat") if isinstance(trainer.get("heartbeat"), (int, float)) else clock["started"]
+            clock["beat"] = beat
+            if now - max(float(beat), clock["started"]) > limit:
+                return f"no status.json heartbeat for {now - max(float(beat), clock['started']):.0f}s (limit {limit:g}s)"
+            if phase == "training" and now - clock["step_at"] > limit:
+                return f"no new step for {now - clock['step_at']:.0f}s while training, at step {status.get('step')} (limit {limit:g}s)"
+        below = self.stall.get("gpu_util_below")
+        if below is not None and phase == "training":
+            used = self.gpu_utilisation()
+            if used is not None and max(used) < below:
+                clock.setdefault("idle_since", now)
+                if now - clock["idle_since"] >= float(self.stall.get("for_s", 600)):
+                    return f"GPUs {used}% busy (below {below:g}%) for {now - clock['idle_since']:.0f}s while training"
+            else:
+                clock.pop("idle_since", None)
+        return None
+
+    def watch(self, run: str) -> dict:
+        """Until `run` ends: {"kind": finished|stopped|crashed|stalled|cancelled, ...the run's last status}."""
+        directory = self.run_dir(run)
+        pid_file = os.path.join(directory, "pid")
+        clock = {"started": os.stat(pid_file).st_mtime if os.path.exists(pid_file) else time.time(), "step_at": time.time()}
+        clock["step"] = None
+        while not CANCELLED:
+            status = self.agent.run_status(directory)
+            if status["state"] in ("running", "stopping", "launching"):
+                reason = self.stalled(status, clock)
+                if reason and not os.path.exists(os.path.join(directory, "stop.json")):
+                    self.stop_stalled(directory, reason, clock)
+                    continue
+                time.sleep(self.poll_s)
+                continue
+            time.sleep(0.5)  # a stop writes stop.json right after its signal: let it land before judging
+            status = self.agent.run_status(directory)
+            stall = self.agent.read_json(os.path.join(directory, "stall.json"))
+            if stall:
+                return {**status, "kind": "stalled", "reason": stall.get("reason")}
+            if status["state"] in ("finished", "stopped"):
+                return {**status, "kind": status["state"]}
+            return {**status, "kind": "crashed"}
+        return {"kind": "cancelled"}
+
+    # -- restarting -----------------------------------------------------------------------------------
+    def latest_checkpoint(self, chain: list[str]) -> str | None:
+        """The newest checkpoint of the failed run, else of its supervised ancestors (a run that crashed before
+        its first save resumes from the one before it)."""
+        for run in reversed(chain):
+            found = self.agent.run_status(self.run_dir(run))["checkpoints"]
+            if found:
+                return os.path.join(self.run_dir(run), "checkpoints", found[-1])
+        return None
+
+    def child_name(self) -> str:
+        stem = self.root[: 64 - len(f"-r{self.restarts}")]
+        name, extra = f"{stem}-r{self.restarts}", 0
+        while os.path.exists(self.run_dir(name)):  # a name taken by hand: the next free one
+            extra += 1
+            name = f"{stem[: 64 - len(f'-r{self.restarts}-{extra}')]}-r{self.restarts}-{extra}"
+        return name
+
+    def launch_child(self, failed: dict, chain: list[str], note: str) -> tuple[str, str | None]:
+        template = self.req["template"]
+        checkpoint = self.latest_checkpoint(chain) if (self.policy or {}).get("resume", True) else None
+        values = {"name": self.child_name(), "parent": failed["name"], "note": note, "checkpoint": checkpoint or ""}
+        argv = fill(template["argv_resume"] if checkpoint and template.get("argv_resume") else template["argv"], values)
+        run_json = fill(template["run_json"], values)
+        run_json.update(name=values["name"], parent=failed["name"], note=note, hypothesis=note,
+                        argv=fill(template["shown_argv_resume"] if checkpoint and template.get("shown_argv_resume")
+                                  else template["shown_argv"], values),
+                        started_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), state="launched",
+                        exit_code=None, last_step=None, session=values["name"])
+        run_json["extra"] = {**(run_json.get("extra") or {}), "resumed_from": checkpoint,
+                             "auto_restart": {"attempt": self.restarts, "of": failed["name"],
+                                              "exit_code": failed.get("exit_code"), "step": failed.get("step"),
+                                              "line": failed.get("line"), "kind": failed["kind"]}}
+        self.agent.verb_launch({"workspace": self.workspace, "name": values["name"], "argv": argv,
+                                "env": fill(template["env"], values), "cwd": fill(template["cwd"], values),
+                                "launcher": template.get("launcher", "nohup"), "run_json": run_json})
+        return values["name"], checkpoint
+
+    def handle_failure(self, run: str, outcome: dict, chain: list[str]) -> str | None:
+        """Record the failure; the child run's name when it was restarted, None when this is the end."""
+        line = outcome.get("reason") if outcome["kind"] == "stalled" else outcome.get("error_line")
+        code, step = outcome.get("exit_code"), outcome.get("step")
+        what = "stalled" if outcome["kind"] == "stalled" else f"exit {code if code is not None else '?'}"
+        where = f" at step {step}" if step is not None else ""
+        self.event(run, outcome["kind"], f"{run} {what}{where}" + (f": {line}" if line else ""),
+                   exit_code=code, step=step, log_line=line)
+        policy = self.policy
+        if not policy:
+            self.state(run, "done", reason="no on_failure policy")
+            return None
+        refused = None
+        if self.restarts >= int(policy.get("max_restarts", 3)):
+            refused = f"max_restarts {policy.get('max_restarts')} reached"
+        elif outcome["kind"] != "stalled" and policy.get("exit_codes") and code not in policy["exit_codes"]:
+            refused = f"exit code {code} is not in on_failure.exit_codes {policy['exit_codes']}"
+        if refused:
+            self.event(run, "gave-up", f"not restarting {run}: {refused}", exit_code=code, step=step)
+            self.state(run, "gave-up", reason=refused)
+            return None
+        backoff = float(policy.get("backoff_s", 60.0))
+        self.state(run, "backoff", until=time.time() + backoff)
+        deadline = time.monotonic() + backoff
+        while time.monotonic() < deadline and not CANCELLED:
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+        if CANCELLED:
+            return None
+        self.restarts += 1
+        note = f"auto-restart after {what}{where}" + (f": {line}" if line else "")
+        try:
+            child, checkpoint = self.launch_child({**outcome, "name": run, "line": line}, chain, note)
+        except (self.agent.AgentFailure, OSError) as exc:
+            self.event(run, "gave-up", f"could not launch the restart of {run}: {exc}")
+            self.state(run, "gave-up", reason=str(exc))
+            return None
+        self.agent.write_atomic(os.path.join(self.run_dir(run), "restarted_as"), child + "\n")
+        self.state(run, "restarted", child=child)
+        self.event(child, "auto-restarted", f"{child} restarted {run} ({note})"
+                   + (f" from {os.path.basename(checkpoint)}" if checkpoint else " from scratch"),
+                   parent=run, attempt=self.restarts, checkpoint=checkpoint, exit_code=code, step=step, log_line=line)
+        return child
+
+    def run(self) -> None:
+        current, chain = self.req["run"], [self.req["run"]]
+        while not CANCELLED:
+            self.state(current, "watching")
+            outcome = self.watch(current)
+            if outcome["kind"] == "cancelled":
+                break
+            if outcome["kind"] == "finished":
+                self.event(current, "finished", f"{current} finished at step {outcome.get('step')}", step=outcome.get("step"))
+                self.state(current, "done", reason="finished")
+                return
+            if outcome["kind"] == "stopped":
+                self.state(current, "done", reason="stopped")
+                return
+            child = self.handle_failure(current, outcome, chain)
+            if child is None:
+                break
+            current = child
+            chain.append(child)
+        if CANCELLED:
+            self.state(current, "cancelled", reason="dflashops stop")
+
+
+def daemonize(req: dict) -> int:
+    """Fork twice (new session, not the run's group), point stdio at the supervisor log; the parent prints
+    the daemon's pid once it is ready."""
+    logs = os.path.join(req["workspace"], "supervisors")
+    os.makedirs(logs, exist_ok=True)
+    read_end, write_end = os.pipe()
+    if os.fork():
+        os.close(write_end)
+        with os.fdopen(read_end) as pipe:
+            pid = pipe.read().strip()
+        os.wait()
+        print(json.dumps({"ok": True, "pid": int(pid), "log": os.path.join(logs, f"{req['root']}.log")}
+                         if pid.isdigit() else {"ok": False, "error": "supervisor did not start", "code": "error"}),
+              flush=True)
+        return 0
+    os.close(read_end)
+    os.setsid()
+    if os.fork():
+        os._exit(0)
+    log = os.open(os.path.join(logs, f"{req['root']}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.closerange(3, write_end)
+    os.closerange(write_end + 1, 1 << 16)
+    signal.signal(signal.SIGTERM, lambda *_: CANCELLED.append(True))
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the controller's ssh channel going away is not a reason
+    supervisor = Supervisor(req)
+    os.write(write_end, str(os.getpid()).encode())
+    os.close(write_end)
+    try:
+        supervisor.log(f"supervising {req['run']} (restarts so far {supervisor.restarts})")
+        supervisor.run()
+    except BaseException as exc:  # noqa: BLE001 - the log is the only place left to say it
+        supervisor.log(f"supervisor failed: {type(exc).__name__}: {exc}")
+    os._exit(0)
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] != ["start"]:
+        print(json.dumps({"ok": False, "error": "usage: supervisor start --json-stdin", "code": "bad_request"}))
+        return 2
+    try:
+        req = json.loads(sys.stdin.read())
+        for key in ("workspace", "agent", "root", "run", "template"):
+            if key not in req:
+                raise ValueError(f"missing {key!r}")
+    except ValueError as exc:
+        print(json.dumps({"ok": False, "error": f"bad supervisor request: {exc}", "code": "bad_request"}))
+        return 2
+    return daemonize(req)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,115 @@
+"""doctor: "will a run work on this target?", answered before a run fails ten minutes in.
+
+Order: the host (reachable, host key known), the container (`pct status`), then one probe inside the target
+(agent_doctor.py, sent on stdin so it writes nothing there) whose facts ops/doctor_checks.py judges; a
+later step is skipped when an earlier one failed (no container check on an unreachable host). Cost: for a
+pct target three commands (host `true` + its nvidia-smi, `pct status`, the probe); the probe's import of
+torch/transformers/triton dominates (~3-10 s).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from dflashops.errors import DflashopsError
+from dflashops.inventory import Profile, Target
+from dflashops.ops.agent_client import _parse
+from dflashops.ops.doctor_checks import Check, judge_probe, secret_checks
+from dflashops.ops.session import Session
+
+PROBE_SOURCE = Path(__file__).resolve().parent.parent / "agent_doctor.py"
+PROBE_TIMEOUT_S = 300.0  # the import probe inside has its own 180 s limit; this bounds a hung transport
+
+
+def run_probe(session: Session, target: Target, python: str) -> tuple[dict[str, Any] | None, float, str]:
+    """(the probe's answer or None when `python` could not run it, controller time when it arrived, why not)."""
+    transport = session.agent(target).transport
+    request = {"workspace": target.workspace, "python": target.python, "env": dict(target.env),
+               "gpus": list(target.gpus), "import_timeout": 180}
+    result = transport.run([python, "-", "--json-args", json.dumps(request, sort_keys=True)],
+                           stdin=PROBE_SOURCE.read_bytes(), check=False, timeout=PROBE_TIMEOUT_S)
+    arrived = time.time()
+    answer = _parse(result.stdout, result.stderr, "doctor", target.name)
+    if not answer.get("ok"):
+        reason = (result.stderr.strip().splitlines() or [answer.get("error", f"exit code {result.exit_code}")])[-1]
+        return None, arrived, reason
+    return answer, arrived, ""
+
+
+def connect_checks(session: Session, target: Target) -> tuple[list[Check], bool]:
+    """The host and container checks; (checks, whether the target can be entered at all)."""
+    if target.kind == "local":
+        return [Check("host", "ok", "local target: this machine, no ssh")], True
+    transport = session.agent(target).transport
+    host_transport = getattr(transport, "host", None) or transport
+    checks: list[Check] = []
+    host = target.host
+    where = f"{host.address}:{host.port}" if host else target.name
+    try:
+        host_transport.run(["true"], timeout=60)
+        checks.append(Check("host", "ok", f"{where} reachable, host key known"))
+    except DflashopsError as exc:
+        checks.append(Check("host", "fail", exc.message.splitlines()[0], exc.hint))
+        return checks, False
+    ensure = getattr(transport, "ensure_running", None)
+    if target.kind == "pct" and ensure is not None:
+        try:
+            ensure()
+            checks.append(Check("container", "ok", f"container {target.ctid} is running (pct status)"))
+        except DflashopsError as exc:
+            checks.append(Check("container", "fail", exc.message.splitlines()[0], exc.hint))
+            return checks, False
+    return checks, True
+
+
+def host_driver(session: Session, target: Target) -> str | None:
+    """The Proxmox host's driver version (pct targets: nvidia-smi on the host), None when it has none."""
+    if target.kind != "pct":
+        return None
+    host_transport = getattr(session.agent(target).transport, "host", None)
+    if host_transport is None:
+        return None
+    try:
+        result = host_transport.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                    check=False, timeout=60)
+    except DflashopsError:
+        return None
+    versions = {line.strip() for line in result.stdout.splitlines() if line.strip()}
+    return versions.pop() if result.exit_code == 0 and len(versions) == 1 else None
+
+
+def doctor(session: Session, target: Target, profiles: list[Profile], *, explicit_profile: bool = False,
+           environ: dict[str, str] | None = None) -> list[Check]:
+    """Every check for `target`, in order. `profiles`: whose pass_env secrets to look for in this shell."""
+    checks, reachable = connect_checks(session, target)
+    if not reachable:
+        checks.append(Check("target", "skip", "the checks inside the target need the steps above"))
+        return checks
+    answer, arrived, why = run_probe(session, target, target.python)
+    python_check = None
+    if answer is None and target.python != "python3":
+        python_check = Check("python", "fail", f"{target.python} cannot run: {why}",
+                             f"install Python there, or fix `python:` of target {target.name} in the inventory")
+        answer, arrived, _ = run_probe(session, target, "python3")  # the other checks still run
+    if answer is None:
+        checks.append(python_check or Check("python", "fail", f"{target.python} cannot run: {why}",
+                                            "install python3 in the target"))
+        return checks
+    checks += judge_probe(target, answer, arrived, host_driver=host_driver(session, target),
+                          python_check=python_check)
+    checks += secret_checks(profiles, environ if environ is not None else dict(os.environ), explicit_profile)
+    return checks
+
+
+class ChecksFailed(DflashopsError):
+    """At least one doctor check failed (the report was printed first)."""
+
+    exit_code = 1
+
+
+def failed(checks: list[Check]) -> bool:
+    return any(check.status == "fail" for check in checks)

@@ -1,0 +1,151 @@
+"""fetch: bring a run's checkpoint (or its export) and logs back to this machine, resumably and verified.
+
+1. `fetch-manifest` on the target: size of every file to bring, and the sha256 sums it has cached; the
+   missing sums are computed there (next to the data, cached in the run directory so a resumed fetch does
+   not hash 12 GB again) by a second call on its own channel WHILE the bytes flow: hashing 1 GB first
+   would hold the transfer ~1 s per GB (bench/RESULTS.md).
+2. Per file: bytes go to `.<name>.partial` beside the final name, never under it; a partial left by a cut
+   (this call's or an earlier one's, same sha256 recorded beside it) is continued from its size, never
+   restarted. Each piece is one `read-file` stream (raw bytes from an offset, `sendfile` on the target).
+3. A cut connection: the next stream reconnects (the ssh transport does) and continues from the bytes
+   already written, with backoff, up to RESUME_ATTEMPTS times within this call.
+4. The sha256 of the whole local file must equal the manifest's; then fsync and rename(2) to the final name.
+A file already present with the manifest's size and hash is left alone (`unchanged`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflashops.errors import NotFound, UsageError
+from dflashops.inventory import Target
+from dflashops.ops.control import run_status
+from dflashops.ops.fetch_file import RESUME_ATTEMPTS, FileOutcome, Progress, TargetHashes, fetch_file, resume_point
+from dflashops.ops.session import Session
+from dflashops.shell import validate_name
+
+METADATA = ("run.json", "status.json", "metrics.jsonl", "exit_code")
+LOGS = ("train.log", "train.log.1")
+
+
+@dataclass
+class FetchRequest:
+    run: str
+    target: str | None = None
+    checkpoint: str | None = None  # "latest", a step number, or None (latest unless only --logs/--export)
+    export: bool = False
+    logs: bool = False
+    to: Path | None = None
+    retries: int = RESUME_ATTEMPTS  # continues after a cut, per file, within this call
+
+
+@dataclass
+class FetchOutcome:
+    run: str
+    target: str
+    to: str
+    selected: list[str]
+    files: list[FileOutcome] = field(default_factory=list)
+    exported: str | None = None
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        sent = sum(f.sent for f in self.files)
+        return {**asdict(self), "bytes_sent": sent, "bytes_total": sum(f.size for f in self.files),
+                "rate_mib_s": round(sent / 2 ** 20 / self.seconds, 1) if self.seconds > 0 else None}
+
+
+def pick_checkpoint(entry: dict[str, Any], wanted: str) -> str:
+    checkpoints = list(entry.get("checkpoints") or [])
+    name = entry["name"]
+    if not checkpoints:
+        raise NotFound(f"run {name!r} has no checkpoint yet", hint=f"`dflashops fetch {name} --logs` brings its logs")
+    if wanted == "latest":
+        return checkpoints[-1]
+    if not wanted.isdigit():
+        raise UsageError(f"--checkpoint takes `latest` or a step number, not {wanted!r}", hint="--checkpoint 1000")
+    step = f"step_{int(wanted):06d}"
+    if step not in checkpoints:
+        raise NotFound(f"run {name!r} has no checkpoint at step {int(wanted)}",
+                       hint=f"its checkpoints: {', '.join(c.removeprefix('step_').lstrip('0') or '0' for c in checkpoints)}")
+    return step
+
+
+def export_on_target(session: Session, target: Target, entry: dict[str, Any], step: str,
+                     note: Callable[[str], None]) -> str:
+    """`python -m trainer export` of checkpoint `step` into `export/<step>/` on the target (with the run's
+    release on PYTHONPATH), unless that export exists already; returns its run-relative path."""
+    from dflashops.errors import CommandFailed
+
+    run_dir = entry["run_dir"]
+    rel = f"export/{step}"
+    listed = session.agent(target).call("fetch-manifest", {"workspace": target.workspace, "name": entry["name"],
+                                                           "paths": [rel], "cache": not session.dry_run})
+    if listed["files"]:
+        note(f"export {rel} exists on {target.name}; fetching it")
+        return rel
+    release = (entry.get("run_json") or {}).get("release") or f"{target.workspace}/releases/current"
+    argv = [target.python, "-m", "trainer", "export", f"{run_dir}/checkpoints/{step}", "--output", f"{run_dir}/{rel}"]
+    env = {**target.env, "PYTHONPATH": release}
+    agent = session.agent(target)
+    if session.dry_run:
+        agent.record(["env", *(f"{k}={v}" for k, v in env.items()), *argv])
+        return rel
+    note(f"exporting {step} on {target.name} (python -m trainer export)")
+    result = agent.transport.run(argv, env=env, check=False, timeout=3600)
+    if result.exit_code != 0:
+        raise CommandFailed(result, hint="the trainer's own error is above; `dflashops exec` runs it by hand")
+    return rel
+
+
+def select(session: Session, target: Target, entry: dict[str, Any], request: FetchRequest,
+           note: Callable[[str], None]) -> tuple[list[str], str | None]:
+    """(run-relative paths to bring, the export's path when one was made)."""
+    paths = list(METADATA)
+    exported = None
+    wants_checkpoint = request.checkpoint is not None or not (request.logs or request.export)
+    if request.export:
+        step = pick_checkpoint(entry, request.checkpoint or "latest")
+        exported = export_on_target(session, target, entry, step, note)
+        paths.append(exported)
+    elif wants_checkpoint:
+        paths.append(f"checkpoints/{pick_checkpoint(entry, request.checkpoint or 'latest')}")
+    if request.logs:
+        paths += LOGS
+    return paths, exported
+
+
+def fetch(session: Session, request: FetchRequest, progress: Progress | None = None) -> FetchOutcome:
+    """Bring the selected files of `request.run` into `request.to` (default ./fetched/RUN)."""
+    progress = progress or Progress()
+    validate_name(request.run, what="run name")
+    started = time.monotonic()
+    entry = run_status(session, request.run, target=request.target)[0]
+    target = session.inventory.target(entry["target"])
+    root = (request.to or Path.cwd() / "fetched" / request.run).resolve()
+    paths, exported = select(session, target, entry, request, progress.note)
+    agent = session.agent(target)
+    outcome = FetchOutcome(run=request.run, target=target.name, to=str(root), selected=paths, exported=exported)
+    listed = agent.call("fetch-manifest", {"workspace": target.workspace, "name": request.run, "paths": paths,
+                                           "cache": not session.dry_run, "hash": False})
+    files = listed["files"]
+    optional = {*METADATA, *LOGS[1:], *([exported] if session.dry_run else [])}  # a dry run made no export
+    required = [p for p in listed["missing"] if p not in optional]
+    if required:
+        raise NotFound(f"{target.name}: run {request.run!r} has no {required[0]}",
+                       hint=f"`dflashops status {request.run}` lists its checkpoints")
+    if session.dry_run:
+        outcome.files = [FileOutcome(f["path"], f["size"], f["sha256"] or "(at fetch)", "planned", 0) for f in files]
+        return outcome
+    hashes = TargetHashes(agent, request.run, [f["path"] for f in files if not f["sha256"]])
+    starts = [resume_point(item, root, hashes) for item in files]
+    progress.begin(sum(int(f["size"]) for f in files),
+                   sum(int(f["size"]) if start is None else start for f, start in zip(files, starts)))
+    for item, start in zip(files, starts):
+        outcome.files.append(fetch_file(agent, request.run, item, root, start, progress, hashes, request.retries))
+    outcome.seconds = round(time.monotonic() - started, 3)
+    return outcome

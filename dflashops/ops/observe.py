@@ -1,0 +1,78 @@
+"""What the controller does with every run status it sees (Session.note_state calls `observe` first):
+
+1. a run the lineage does not know, whose run.json says the in-target supervisor made it (`extra.auto_restart`),
+   is recorded (the same import `runs sync` does), so `runs tree` shows the auto-restarts after a `status`;
+2. events the supervisor recorded in the run's events.jsonl are delivered (ops/notify.py; once each);
+3. a state change against the lineage record (running -> crashed/finished/stopped) becomes an event.
+Cost: nothing when `notify` is not configured and no run is new; else one ledger lookup per event.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from dflashops.errors import DflashopsError
+from dflashops.lineage import RunRecord
+from dflashops.lineage_files import AGENT_STATE_TO_LINEAGE, import_dict_from_status
+
+if TYPE_CHECKING:
+    from dflashops.ops.session import Session
+
+ENDINGS = {"crashed": "crashed", "finished": "finished", "stopped": "stopped"}
+
+
+def adopt(session: "Session", status: dict[str, Any]) -> bool:
+    """Record a supervisor-made run (its parent chain is what the lineage needs); True when added."""
+    run_json = status.get("run_json") or {}
+    if not (run_json.get("extra") or {}).get("auto_restart") or not status.get("target"):
+        return False
+    data = import_dict_from_status(status, str(status["target"]))
+    if data is None:
+        return False
+    try:
+        return session.db.import_run_json(data) == "added"
+    except DflashopsError as exc:
+        session.notices.append(f"warning: could not record {status.get('name')}: {exc.message}")
+        return False
+
+
+def ending_event(status: dict[str, Any], previous: str | None) -> dict[str, Any] | None:
+    """The event for a run seen ended while its record still says launched/running, else None."""
+    state = AGENT_STATE_TO_LINEAGE.get(str(status.get("state")), "crashed")
+    if previous not in ("launched", "running") or state not in ENDINGS:
+        return None
+    name, line = str(status["name"]), status.get("error_line")
+    kind = "stalled" if state == "crashed" and str(line or "").startswith("stalled:") else ENDINGS[state]
+    step = status.get("step")
+    message = f"{name} {kind}" + (f" at step {step}" if step is not None else "")
+    if kind in ("crashed", "stalled"):
+        message += f", exit code {status.get('exit_code')}" + (f": {line}" if line else "")
+    if status.get("restarted_as"):
+        message += f" (restarted as {status['restarted_as']})"
+    return {"id": f"{name}:{kind}", "event": kind, "run": name, "target": status.get("target"), "time": time.time(),
+            "message": message, "exit_code": status.get("exit_code"), "step": step, "log_line": line,
+            "source": "controller"}
+
+
+def observe(session: "Session", status: dict[str, Any], record: RunRecord | None) -> None:
+    if record is None and adopt(session, status):
+        record = session.record_of(str(status.get("name")))
+    notifier = session.notifier
+    if notifier.config is None:
+        return
+    notifier.retry_due()
+    for event in status.get("events") or []:
+        if isinstance(event, dict) and event.get("id"):
+            notifier.send(event, delivered_by_target=event.get("webhook") == "sent")
+    if record is not None and (event := ending_event(status, record.state)) is not None:
+        notifier.send(event)
+
+
+def started(session: "Session", target: str, name: str, note: str, parent: str | None) -> None:
+    """The controller launched `name` (deploy, restart)."""
+    if session.dry_run or session.notifier.config is None:
+        return
+    message = f"{name} started on {target}" + (f" (parent {parent})" if parent else "") + (f": {note}" if note else "")
+    session.notifier.send({"id": f"{name}:started", "event": "started", "run": name, "target": target,
+                           "time": time.time(), "message": message, "parent": parent, "source": "controller"})

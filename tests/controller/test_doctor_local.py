@@ -1,0 +1,47 @@
+"""`dflashops doctor` on the local target: a CPU target passes, secrets are checked by name only, bad input
+is refused before anything runs, and the doctor itself changes nothing (no workspace, no lineage file)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.controller.helpers import Env
+
+
+def test_cpu_target_passes_and_names_secrets_only(env: Env, capsys: pytest.CaptureFixture[str],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WORKLOAD_SECRET", raising=False)
+    code, out, err = env.cli("doctor", "--json", capsys=capsys)
+    checks = {c["name"]: c for c in json.loads(out)["targets"][0]["checks"]}
+    assert code == 0, err
+    assert checks["torch"]["status"] == "ok" and checks["cuda"]["status"] == "skip"
+    assert checks["secret WORKLOAD_SECRET"]["status"] == "warn"  # the `work` profile passes it; unset here
+    assert not env.workspace.exists() and not env.db.exists()  # the probe came on stdin: nothing written
+
+    monkeypatch.setenv("WORKLOAD_SECRET", "s3cr3t-value-never-shown")
+    code, out, err = env.cli("doctor", "--profile", "work", capsys=capsys)
+    line = next(line for line in out.splitlines() if "secret WORKLOAD_SECRET" in line)
+    assert code == 0 and line.split()[1] == "ok"
+    assert "s3cr3t-value-never-shown" not in out + err
+
+
+def test_declared_gpus_on_a_machine_without_any_fail(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    env.inventory.write_text(env.inventory.read_text().replace("    workspace: ws\n", "    workspace: ws\n    gpus: [0]\n"))
+    code, out, err = env.cli("doctor", "local", capsys=capsys)
+    fails = {line.split()[2] for line in out.splitlines() if " FAIL " in line}
+    assert code == 1 and fails == {"gpu", "nvidia-smi", "cuda"}, out  # "gpu devices" splits at the space
+    assert err.splitlines()[-2].startswith("error: doctor: 3 check(s) failed on local")
+    assert err.splitlines()[-1].startswith("hint: ")
+
+
+@pytest.mark.parametrize("argv, code, message", [
+    (["doctor", "nowhere"], 3, "error: unknown target 'nowhere'"),
+    (["doctor", "local", "--all"], 2, "error: give a TARGET or --all, not both"),
+    (["doctor", "--profile", "nope"], 3, "error: unknown profile 'nope'"),
+])
+def test_bad_input(env: Env, capsys: pytest.CaptureFixture[str], argv: list[str], code: int, message: str) -> None:
+    got, out, err = env.cli(*argv, capsys=capsys)
+    assert (got, out) == (code, "") and err.startswith(message) and "\nhint: " in err
+    assert not env.workspace.exists() and not env.db.exists()

@@ -1,0 +1,192 @@
+"""Auto-recovery on the local target, with the real supervisor daemon and real crashing/hanging workloads:
+crashes twice then succeeds -> two auto-restarts and a three-run lineage; always crashes -> stops after
+max_restarts; a hung workload is stopped within the configured window; `stop` cancels a pending restart."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.controller.helpers import Env, all_bytes
+
+SECRET = "sup3r-s3cret-value-for-the-child"
+
+
+def profile(name: str, extra_argv: str, policy: str) -> str:
+    return (f"  {name}:\n"
+            f"    argv: [\"{{python}}\", \"{{release}}/workload.py\", --output-dir, \"{{run_dir}}\", --interval, \"0.02\","
+            f" {extra_argv}]\n"
+            f"    files: [workload.py]\n    packages: []\n    resume_args: [--resume-from, \"{{checkpoint}}\"]\n"
+            f"    pass_env: [WORKLOAD_SECRET]\n{policy}")
+
+
+@pytest.fixture
+def sup(env: Env, monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:
+    counter = env.root / "starts"
+    env.inventory.write_text(env.inventory.read_text() + "".join([
+        profile("flaky", f"--steps, \"30\", --save-every, \"5\", --crash-at, \"12\", --crash-times, \"2\", "
+                         f"--state-file, \"{counter}\"",
+                "    on_failure: {resume: true, max_restarts: 3, backoff: 0.2s}\n"),
+        profile("broken", "--steps, \"30\", --save-every, \"5\", --crash-at, \"7\"",
+                "    on_failure: {max_restarts: 2, backoff: 0.1s}\n"),
+        profile("hung", "--steps, \"1000\", --hang-after, \"5\"",
+                "    stall: {heartbeat: 1.5s, grace: 5s}\n    on_failure: {max_restarts: 0}\n"),
+        profile("slow", "--steps, \"30\", --crash-at, \"3\"", "    on_failure: {max_restarts: 3, backoff: 1h}\n"),
+        profile("stuck", "--steps, \"1000\", --hang-after, \"5\", --beat-while-hung",
+                "    stall: {heartbeat: 1.5s, grace: 5s}\n"),
+        profile("idle", "--steps, \"100000\", --interval, \"0.05\"", "    stall: {gpu_util_below: 5%, for: 1s, grace: 5s}\n"),
+    ]))
+    monkeypatch.setenv("WORKLOAD_SECRET", SECRET)
+    yield env
+    stop_supervisors(env.workspace)
+
+
+def stop_supervisors(workspace: Path) -> None:
+    """Teardown: end every supervisor this workspace started (by its recorded pid, checked by cmdline)."""
+    for state in workspace.glob("runs/*/supervisor.json"):
+        pid = json.loads(state.read_text()).get("pid")
+        try:
+            if b"supervisor-" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(pid, signal.SIGTERM)
+        except (OSError, TypeError):
+            pass
+
+
+def wait_supervisor(env: Env, run: str, states: tuple[str, ...] = ("done", "gave-up"), timeout: float = 90) -> dict:
+    """The supervisor.json of the last run of `run`'s chain once it reached one of `states`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        current = run
+        while (env.runs / current / "restarted_as").is_file():
+            current = (env.runs / current / "restarted_as").read_text().strip()
+        state_file = env.runs / current / "supervisor.json"
+        if state_file.is_file():
+            state = json.loads(state_file.read_text())
+            if state["state"] in states:
+                return {**state, "last": current}
+        time.sleep(0.1)
+    raise AssertionError(f"supervisor of {run} did not reach {states}")
+
+
+def events(env: Env, run: str) -> list[dict]:
+    path = env.runs / run / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def test_two_crashes_then_success_make_a_three_run_lineage(sup: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = sup.cli("deploy", "--profile", "flaky", "--name", "fl", "--launcher", "nohup", capsys=capsys)
+    assert code == 0 and "supervised in the target by pid" in err, err
+    final = wait_supervisor(sup, "fl")
+    assert final == {**final, "last": "fl-r2", "state": "done", "reason": "finished", "restarts": 2}
+    code, out, err = sup.cli("status", "--json", capsys=capsys)  # the controller learns the children here
+    states = {r["name"]: r["state"] for r in json.loads(out)["runs"]}
+    assert states == {"fl": "crashed", "fl-r1": "crashed", "fl-r2": "finished"}
+    code, out, _ = sup.cli("runs", "show", "fl-r1", "--json", capsys=capsys)
+    child = json.loads(out)
+    assert child["parent"] == "fl" and child["state"] == "crashed"
+    assert child["note"] == "auto-restart after exit 1 at step 12: RuntimeError: injected crash at step 12"
+    assert child["extra"]["resumed_from"].endswith("fl/checkpoints/step_000010")
+    second = json.loads(sup.cli("runs", "show", "fl-r2", "--json", capsys=capsys)[1])
+    assert second["parent"] == "fl-r1" and second["extra"]["resumed_from"].endswith("fl/checkpoints/step_000010")
+    assert "resumed from" in (sup.runs / "fl-r2" / "train.log").read_text()
+    assert "secret present: True" in (sup.runs / "fl-r2" / "train.log").read_text()  # pass_env reached the child
+    assert SECRET.encode() not in all_bytes(sup.workspace) and SECRET.encode() not in all_bytes(sup.root)
+    assert [e["event"] for e in events(sup, "fl")] == ["crashed"]
+    assert [e["event"] for e in events(sup, "fl-r1")] == ["auto-restarted", "crashed"]
+    assert [e["event"] for e in events(sup, "fl-r2")] == ["auto-restarted", "finished"]
+    code, out, _ = sup.cli("runs", "tree", capsys=capsys)
+    assert out.index("fl") < out.index("fl-r1") < out.index("fl-r2")
+
+
+def test_always_crashing_stops_after_max_restarts(sup: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    assert sup.cli("deploy", "--profile", "broken", "--name", "br", "--launcher", "nohup", capsys=capsys)[0] == 0
+    final = wait_supervisor(sup, "br")
+    assert final["state"] == "gave-up" and final["last"] == "br-r2" and final["reason"] == "max_restarts 2 reached"
+    assert sorted(p.name for p in sup.runs.iterdir()) == ["br", "br-r1", "br-r2"]
+    gave_up = events(sup, "br-r2")[-1]
+    assert gave_up["event"] == "gave-up" and "max_restarts 2 reached" in gave_up["message"]
+    code, out, _ = sup.cli("runs", "sync", "local", "--json", capsys=capsys)  # runs sync learns them too
+    assert code == 0 and {o["name"]: o["outcome"] for o in json.loads(out)}["br-r2"] == "added"
+
+
+def test_a_hung_run_is_stopped_within_the_window(sup: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    assert sup.cli("deploy", "--profile", "hung", "--name", "hg", "--launcher", "nohup", capsys=capsys)[0] == 0
+    final = wait_supervisor(sup, "hg", timeout=60)
+    assert final["state"] == "gave-up" and final["last"] == "hg"
+    stall = json.loads((sup.runs / "hg" / "stall.json").read_text())
+    last_beat = stall["last_heartbeat"]  # what status.json said before the stall (it is rewritten on SIGTERM)
+    assert "no status.json heartbeat" in stall["reason"]
+    assert 1.5 <= stall["at"] - last_beat <= 1.5 + 1.5 / 4 + 1.0  # the window + one poll + slack
+    code, out, _ = sup.cli("status", "hg", "--json", capsys=capsys)
+    entry = json.loads(out)["runs"][0]
+    assert entry["state"] == "crashed" and entry["error_line"].startswith("stalled: no status.json heartbeat")
+    assert entry["exit_code"] == 143  # it took the SIGTERM (checkpointed and exited)
+    assert [e["event"] for e in events(sup, "hg")] == ["stalled", "gave-up"]
+
+
+@pytest.mark.parametrize("how", [["stop", "sl"], ["stop", "--all"]])
+def test_stop_cancels_a_pending_restart(sup: Env, capsys: pytest.CaptureFixture[str], how: list[str]) -> None:
+    assert sup.cli("deploy", "--profile", "slow", "--name", "sl", "--launcher", "nohup", capsys=capsys)[0] == 0
+    state = wait_supervisor(sup, "sl", states=("backoff",))
+    code, out, err = sup.cli(*how, capsys=capsys)
+    assert code == 0, err
+    if how[1] == "sl":
+        assert out.startswith("sl restart-cancelled") and "no automatic restart will follow" in err
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{state['pid']}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{state['pid']}").exists()
+    assert json.loads((sup.runs / "sl" / "supervisor.json").read_text())["state"] == "cancelled"
+    assert sorted(p.name for p in sup.runs.iterdir()) == ["sl"]
+
+
+def test_steps_that_stop_while_the_heartbeat_beats_are_a_stall(sup: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    """The trainer's heartbeat thread beats even when its loop hangs: missing steps must show it."""
+    assert sup.cli("deploy", "--profile", "stuck", "--name", "st", "--launcher", "nohup", capsys=capsys)[0] == 0
+    final = wait_supervisor(sup, "st", timeout=60)
+    stall = json.loads((sup.runs / "st" / "stall.json").read_text())
+    assert final["state"] == "done" and final["reason"] == "no on_failure policy"
+    assert stall["reason"].startswith("no new step for") and "at step 5" in stall["reason"]
+    assert 1.5 <= stall["at"] - stall["last_step_at"] <= 1.5 + 1.5 / 4 + 1.0
+    assert stall["at"] - stall["last_heartbeat"] < 1.0  # the heartbeat was fresh all along
+
+
+def test_idle_gpus_while_training_are_a_stall(sup: Env, capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """This machine has no GPU: a fake `nvidia-smi` on PATH (a stand-in for hardware that cannot exist
+    here) reports two GPUs at 0-1% while the workload says it is training."""
+    fake = tmp_path / "bin" / "nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\ncase \"$*\" in *utilization.gpu*) printf '0, 1\\n1, 0\\n';; esac\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")  # the local supervisor inherits it
+    assert sup.cli("deploy", "--profile", "idle", "--name", "gi", "--launcher", "nohup", capsys=capsys)[0] == 0
+    wait_supervisor(sup, "gi", timeout=60)
+    stall = json.loads((sup.runs / "gi" / "stall.json").read_text())
+    assert stall["reason"].startswith("GPUs [1, 0]% busy (below 5%) for") and "while training" in stall["reason"]
+    code, out, _ = sup.cli("status", "gi", "--json", capsys=capsys)
+    assert json.loads(out)["runs"][0]["state"] == "crashed"
+
+
+def test_dry_run_shows_the_supervisor_start_without_secrets(sup: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = sup.cli("deploy", "--profile", "flaky", "--name", "dr", "--dry-run", capsys=capsys)
+    assert code == 0, err
+    start = next(line for line in out.splitlines() if "start --json-stdin" in line)
+    assert "/.dflashops/supervisor-" in start and '"max_restarts": 3' in start
+    assert '"WORKLOAD_SECRET": "<redacted>"' in start and SECRET not in out + err
+    assert not sup.workspace.exists()
+
+
+def test_status_says_what_the_supervisor_did(sup: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    assert sup.cli("deploy", "--profile", "broken", "--name", "bs", "--launcher", "nohup", capsys=capsys)[0] == 0
+    wait_supervisor(sup, "bs")
+    code, out, _ = sup.cli("status", capsys=capsys)
+    lines = {line.split("\t")[0]: line for line in out.splitlines()}
+    assert "crashed at step 7: RuntimeError: injected crash at step 7 -> auto-restarted as bs-r1" in lines["bs"]
+    assert "auto-restarted as" not in lines["bs-r2"]
