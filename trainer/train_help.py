@@ -59,6 +59,10 @@ FLAG_HELP: dict[str, str] = {
     "feature_transfer": "pipeline: device (features copied onto the drafter's GPU) or pinned (staged in "
                         "pinned host memory)",
     "stall_timeout": "pipeline: seconds without an optimizer step before the run fails as stalled",
+    "nodes": "nodes of a distributed run, one torchrun process per node (torchrun --nnodes N --nproc-per-node 1 "
+             "-m trainer train ... --nodes N); each node runs the threaded pipeline on its own devices",
+    "dist_timeout": "distributed: seconds a collective waits for the other nodes; a node that died or whose "
+                    "network is cut ends every other node within about this long",
     # optimisation
     "epochs": "passes over the data",
     "max_steps": "a cap: stop after at most this many optimizer steps (fewer if --epochs of data run out "

@@ -44,7 +44,9 @@ from trainer.pipeline.target_worker import TargetWorker
 from trainer.pipeline.warmup import CompileGuard, WarmupReport
 from trainer.signals import GracefulStop
 from trainer.step import DrafterSide, TargetSide, noise_std_at
-from trainer.train import EXIT_FAILED, EXIT_OK, _load_target, plan_run, report_checkpoints, save_in_background
+from trainer.loop import EXIT_FAILED, EXIT_OK, report_checkpoints, save_in_background
+from trainer.preflight import load_target as _load_target
+from trainer.preflight import plan_run
 
 
 @dataclass
