@@ -138,9 +138,10 @@ def check_resume_nodes(path: Path, nodes: int) -> None:
                                      "export it and start a new run with --init-from")
 
 
-def plan_run(cfg: TrainConfig, *, read_resume: bool = True) -> Plan:
-    """Every check that can refuse the run; reads, never writes. `read_resume=False` (the nodes other than node 0
-    of a distributed run, which never read checkpoints) skips --resume: node 0 resolves it for every node."""
+def plan_run(cfg: TrainConfig, *, reads_checkpoints: bool = True) -> Plan:
+    """Every check that can refuse the run; reads, never writes. `reads_checkpoints=False` (the nodes other than
+    node 0 of a distributed run, which never read checkpoints or drafter files) skips --resume and --init-from:
+    node 0 reads them and sends what it read to every node."""
     hf_config = target_hf_config(cfg)
     drafter_config = build_drafter_config(cfg, hf_config)
     cfg.vocab_size = drafter_config.vocab_size
@@ -149,13 +150,13 @@ def plan_run(cfg: TrainConfig, *, read_resume: bool = True) -> Plan:
     run_dir = Path(cfg.output_dir or ".")
     if run_dir.exists() and not run_dir.is_dir():
         raise TrainerInputError(f"--output-dir: {run_dir} exists and is not a directory")
-    resume_from = resolve_resume(cfg.resume, run_dir) if read_resume else None
+    resume_from = resolve_resume(cfg.resume, run_dir) if reads_checkpoints else None
     with torch.device("meta"):  # shapes only: no memory, no init
         expected = {n: list(t.shape) for n, t in DFlashDrafter(drafter_config).state_dict().items()}
     if resume_from is not None:
         check_shapes(resume_from, expected)
         check_resume_nodes(resume_from, cfg.nodes)
-    if cfg.init_from is not None:
+    if cfg.init_from is not None and reads_checkpoints:
         check_init_from(Path(cfg.init_from), expected)
     stream = BatchStream(dataset, cfg, position_weights(cfg.block_size, cfg.gamma).numpy())
     steps_in_data = stream.total_micro_batches() // cfg.grad_accum

@@ -129,6 +129,8 @@ class PipelineEngine:
                                 world=assignment.total_drafters)
         self.start_step = self.steps_done = step
         g_start, g_end = self.g_start, self.g_start + (self.total_steps - step) * assignment.per_step
+        if self.cluster.distributed:  # status.json says which node of the run this directory belongs to
+            recorder.set_status(node=self.cluster.rank, nodes=self.cluster.nodes)
         recorder.set_status(phase="compiling", step=step)
         report = warm_up_drafters(self.sides, self.target_sides[0], lambda g: self._make_batch(g, self.stream),
                                   self.stream, self.order, g_start, g_end, owns=assignment.owns)
