@@ -61,5 +61,5 @@ class Engine(Protocol):
     def finish(self) -> None:
         """The run ends here (done or stopped): every node agrees before any leaves."""
 
-    def close(self) -> None:
-        """Release threads and connections; must not raise, also after a failure."""
+    def close(self, failure: BaseException | None) -> None:
+        """Release threads; must not raise. `failure`: what ended the run, if it failed (kept for the caller)."""

@@ -44,6 +44,7 @@ def run_training(plan: Plan, engine: Engine) -> int:
     on_force = lambda signum: recorder.set_status(  # noqa: E731 - a second signal: no checkpoint
         phase="failed", error=f"second signal {signum}: exited without a checkpoint", exit_code=128 + signum)
     writer: CheckpointWriter | None = None  # read by the failure report: a write that failed meanwhile
+    failure: BaseException | None = None
     # Installed before the (possibly minutes long) target load, so a stop request is never lost.
     with GracefulStop(on_force=on_force) as stop:
         try:
@@ -57,11 +58,12 @@ def run_training(plan: Plan, engine: Engine) -> int:
             with CheckpointWriter(run_dir, cfg.keep_checkpoints) as writer, engine.running(step, recorder):
                 return _steps(plan, engine, recorder, writer, stop, step)
         except Exception as exc:  # noqa: BLE001 - reported on stderr and in status.json
+            failure = exc
             record_failure(recorder, exc, run_dir=run_dir, writer=writer, keep_checkpoints=cfg.keep_checkpoints,
                            exit_code=EXIT_FAILED)
             return EXIT_FAILED
         finally:
-            engine.close()
+            engine.close(failure)
             recorder.close()
 
 

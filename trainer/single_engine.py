@@ -132,5 +132,5 @@ class SingleEngine:
     def finish(self) -> None:
         pass
 
-    def close(self) -> None:
+    def close(self, failure: BaseException | None) -> None:
         pass

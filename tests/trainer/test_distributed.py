@@ -76,8 +76,9 @@ def test_two_nodes_under_grad_sync_train_like_one_node_with_all_their_drafters(t
     assert state["pipeline"]["nodes"] == 2 and state["pipeline"]["next_micro_batch"] == 24
 
 
-def test_average_sync_averages_every_replica_of_both_nodes_every_interval(tmp_path: Path, nodes_started) -> None:
-    args = ["--max-steps", "4", "--sync", "average", "--sync-interval", "2"]
+def test_average_sync_averages_every_replica_of_both_nodes_and_resumes_each_replica(tmp_path: Path,
+                                                                                      nodes_started) -> None:
+    args = ["--max-steps", "6", "--sync", "average", "--sync-interval", "2", "--save-interval", "4"]
     nodes = start_nodes(tmp_path, args)
     nodes_started += nodes
     assert wait_all(nodes, 150) == [0, 0], nodes[0].log()[-3000:] + nodes[1].log()[-3000:]
@@ -85,11 +86,19 @@ def test_average_sync_averages_every_replica_of_both_nodes_every_interval(tmp_pa
     reference = _one_node_reference(tmp_path / "reference", *args)
     # The replicas of both nodes are averaged together: the same losses as four averaged drafters on one node.
     assert [m["loss"] for m in metrics] == pytest.approx([m["loss"] for m in reference], rel=1e-5, abs=1e-6)
-    assert ["average" in m["dist_bytes_per_step_by_kind"] for m in metrics] == [False, True, False, True]
+    # Weights cross the nodes after steps 2 and 4 (and for the checkpoint after step 4, counted in step 5).
+    assert ["average" in m["dist_bytes_per_step_by_kind"] for m in metrics][:4] == [False, True, False, True]
     assert "grad" not in metrics[-1]["dist_bytes_per_step_by_kind"]
-    assert len(set(metrics[-1]["replica_checksums"])) == 1  # step 4 averaged them
-    optimizer = torch.load(_newest_checkpoint(nodes[0].run_dir) / "optimizer.pt", weights_only=False)
+    assert len(set(metrics[-1]["replica_checksums"])) == 1  # step 6 averaged them
+    checkpoint = nodes[0].run_dir / "checkpoints" / "step_000004"
+    optimizer = torch.load(checkpoint / "optimizer.pt", weights_only=False)
     assert len(optimizer["pipeline_replicas"]) == 3  # every other replica's AdamW state, node 1's included
+
+    # Resumed from step 4, each replica gets its own AdamW state back: steps 5 and 6 come out bit for bit.
+    resumed = start_nodes(tmp_path, [*args, "--resume", str(checkpoint)], name="resumed")
+    nodes_started += resumed
+    assert wait_all(resumed, 150) == [0, 0], resumed[0].log()[-3000:] + resumed[1].log()[-3000:]
+    assert [(m["step"], m["loss"]) for m in resumed[0].metrics()] == [(m["step"], m["loss"]) for m in metrics[4:]]
 
 
 def test_sigterm_to_one_node_stops_every_node_after_the_same_step_and_both_resume(tmp_path: Path, nodes_started,
@@ -148,10 +157,13 @@ def test_a_node_killed_with_sigkill_ends_the_other_in_bounded_time_naming_it(tmp
     assert "error: lost node 1 (" in log and "hint: every node of the run stops" in log
 
 
-@pytest.mark.parametrize("differs", ["code", "config"])
-def test_nodes_with_other_code_or_config_are_refused_before_training(tmp_path: Path, nodes_started, differs: str) -> None:
+@pytest.mark.parametrize("differs", ["code", "config", "input"])
+def test_nodes_with_other_code_config_or_bad_input_are_refused_before_training(tmp_path: Path, nodes_started,
+                                                                              differs: str) -> None:
     code_dirs, per_node = {}, {}
-    if differs == "code":  # node 1 runs a checkout whose trainer differs by one comment
+    if differs == "input":  # node 1's own pre-flight refuses (its data directory is missing)
+        per_node[1] = ["--data-dir", str(tmp_path / "missing")]
+    elif differs == "code":  # node 1 runs a checkout whose trainer differs by one comment
         other = tmp_path / "other-checkout"
         shutil.copytree(REPO / "trainer", other / "trainer", ignore=shutil.ignore_patterns("__pycache__"))
         with open(other / "trainer" / "loop.py", "a") as handle:
@@ -163,10 +175,14 @@ def test_nodes_with_other_code_or_config_are_refused_before_training(tmp_path: P
     nodes_started += nodes
     codes = wait_all(nodes, 120)
     assert all(code != 0 for code in codes)
-    expected = "runs other trainer code than node 0" if differs == "code" else "--lr is 0.001 there, 0.003 on node 0"
+    expected = {"code": "runs other trainer code than node 0", "config": "--lr is 0.001 there, 0.003 on node 0",
+                "input": "refused to start: --data-dir: "}[differs]
     for node in nodes:
         log = node.log()
-        assert f"error: node 1 (" in log and expected in log, log[-3000:]
+        if differs == "input" and node.rank == 1:
+            assert "error: --data-dir: " in log, log[-3000:]  # its own error, as a single node would say it
+        else:
+            assert "error: node 1 (" in log and expected in log, log[-3000:]
         assert "\nhint: " in log
         assert not node.run_dir.exists()  # refused before anything was written
 
