@@ -52,8 +52,9 @@ FLAG_HELP: dict[str, str] = {
                    "the threaded pipeline",
     "drafter_gpus": "drafter devices, as --target-gpus; more than one trains replicas in the threaded pipeline",
     "pipeline": "use the threaded pipeline even with one target and one drafter device",
-    "sync": "pipeline replica sync with several drafters: grad (gradients reduced every step, replicas "
-            "identical) or average (weights averaged every --sync-interval steps)",
+    "sync": "replica sync with several drafters (threads of a node, and the nodes of a distributed run): grad "
+            "(gradients summed every step, replicas identical) or average (weights averaged every "
+            "--sync-interval steps, the mode for 10-100 Gb/s links between nodes)",
     "sync_interval": "--sync average: steps between weight averages (unused by grad)",
     "queue_depth": "pipeline: feature batches in flight per (target, drafter) channel, the memory bound",
     "feature_transfer": "pipeline: device (features copied onto the drafter's GPU) or pinned (staged in "

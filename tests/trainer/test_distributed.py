@@ -125,6 +125,14 @@ def test_sigterm_to_one_node_stops_every_node_after_the_same_step_and_both_resum
     assert err.startswith("error: --resume: checkpoint ") and "was written by a run on 2 node(s)" in err
     assert "hint: resume it on 2 node(s)" in err
 
+    # The two run directories swapped between the nodes: the node that would read checkpoints has none.
+    swapped = start_nodes(tmp_path, ["--max-steps", "5000"], name="long",
+                          per_node={0: ["--output-dir", str(one.run_dir)], 1: ["--output-dir", str(zero.run_dir)]})
+    nodes_started += swapped
+    assert all(code != 0 for code in wait_all(swapped, 120))
+    assert "holds the run's checkpoints" in swapped[0].log() and "the nodes' ranks changed" in swapped[1].log()
+    assert zero.status()["phase"] == "stopped"  # nothing written
+
     # Both nodes again, the same command with a nearer horizon: node 1 has no checkpoint of its own (no shared
     # storage) and gets node 0's.
     again = start_nodes(tmp_path, ["--max-steps", str(step + 2)], name="long")
