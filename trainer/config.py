@@ -85,6 +85,8 @@ class TrainConfig:
     queue_depth: int = 2  # pipeline: feature batches in flight per (target, drafter) channel (the memory bound)
     feature_transfer: str = "device"  # pipeline: device (copy onto the drafter's GPU) | pinned (host staging)
     stall_timeout: float = 900.0  # pipeline: seconds without an optimizer step before the run fails
+    nodes: int = 1  # distributed: nodes of the job, one torchrun process each (trainer.dist); 1 = this process
+    dist_timeout: float = 300.0  # distributed: seconds a collective waits for the other nodes before failing
     # optimisation
     epochs: int = 6
     max_steps: int | None = None  # stop after this many optimizer steps; also the LR schedule's horizon
@@ -207,6 +209,10 @@ class TrainConfig:
         need(self.feature_transfer in ("device", "pinned"), "feature-transfer",
              f"must be device or pinned, got {self.feature_transfer!r}")
         need(self.stall_timeout > 0, "stall-timeout", f"must be > 0 seconds, got {self.stall_timeout}")
+        need(self.nodes >= 1, "nodes", f"must be >= 1, got {self.nodes}",
+             "the number of nodes of the run, as torchrun's --nnodes (1: this process alone)")
+        need(self.dist_timeout > 0, "dist-timeout", f"must be > 0 seconds, got {self.dist_timeout}",
+             "how long a collective may wait for the other nodes, e.g. 300")
         if self.vocab_size is not None and self.mask_token_id is not None:
             need(0 <= self.mask_token_id < self.vocab_size, "mask-token-id",
                  f"{self.mask_token_id} is outside the vocabulary (size {self.vocab_size})")

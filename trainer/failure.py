@@ -4,7 +4,8 @@ Shared by the single-process trainer (trainer.train) and the threaded pipeline (
 report the same way. A failure with a known cause and fix is one `error:` line plus a `hint:` line and no
 traceback; anything else keeps its traceback (the only clue to an unknown failure).
 
-Known cause: the disk filled up while a checkpoint was written. The failed write has removed its partial files
+Known causes: an ExplainedFailure (it carries its own message and hint; e.g. a lost node of a distributed run,
+trainer.dist), and the disk filling up while a checkpoint was written. The failed write has removed its partial files
 (trainer.checkpoint.write_checkpoint), so the status write below has room again. The disk can fill up on the
 writer thread while the training thread is the one that trips over it (its metrics or status write fails
 first): the run's exception is then a plain ENOSPC, and the writer's own failure, collected once the writer
@@ -19,6 +20,15 @@ from pathlib import Path
 
 from trainer.checkpoint import CheckpointWriteError, CheckpointWriter, list_checkpoints
 from trainer.metrics import RunRecorder
+
+
+class ExplainedFailure(RuntimeError):
+    """A failure whose cause is known: reported as one `error:` line and one `hint:` line, no traceback."""
+
+    def __init__(self, message: str, *, hint: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
 
 
 def _disk_full(error: BaseException | None) -> CheckpointWriteError | None:
@@ -42,6 +52,10 @@ def record_failure(recorder: RunRecorder, exc: BaseException, *, run_dir: Path, 
               f"{full.needed_bytes / 2**20:.1f} MiB) or keep fewer checkpoints with --keep-checkpoints (now "
               f"{keep_checkpoints}), then run the same command again"
               f"{' to resume from the last good checkpoint' if found else ''}", file=sys.stderr, flush=True)
+    elif isinstance(exc, ExplainedFailure):
+        message = exc.message
+        print(f"error: {message}", file=sys.stderr)
+        print(f"hint: {exc.hint}", file=sys.stderr, flush=True)
     else:
         traceback.print_exception(exc)
         message = f"{type(exc).__name__}: {exc}"[:2000]

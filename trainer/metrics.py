@@ -43,9 +43,12 @@ def format_eta(seconds: float) -> str:
 
 
 class RunRecorder:
-    """Writes the trainer's side of the run directory. Thread-safe; `close()` stops the heartbeat."""
+    """Writes the trainer's side of the run directory. Thread-safe; `close()` stops the heartbeat.
 
-    def __init__(self, run_dir: Path, total_steps: int, heartbeat_s: float = 15.0) -> None:
+    `metrics=False` (the nodes other than node 0 of a distributed run): no metrics.jsonl and no wandb; `show`
+    prints the progress line and refreshes status.json instead of `log`."""
+
+    def __init__(self, run_dir: Path, total_steps: int, heartbeat_s: float = 15.0, *, metrics: bool = True) -> None:
         self.run_dir = Path(run_dir)
         self.total_steps = total_steps
         self._lock = threading.Lock()
@@ -54,7 +57,8 @@ class RunRecorder:
                                         "error": None, "exit_code": None}
         self._stop = threading.Event()
         self._wandb: Any = None
-        (self.run_dir / "metrics.jsonl").touch()
+        if metrics:
+            (self.run_dir / "metrics.jsonl").touch()
         self.set_status(phase="warmup")
         self._thread = threading.Thread(target=self._beat, args=(heartbeat_s,), name="status-heartbeat", daemon=True)
         self._thread.start()
@@ -94,6 +98,11 @@ class RunRecorder:
             except Exception as exc:  # noqa: BLE001 - wandb must never stop training
                 print(f"warning: wandb.log failed ({exc}); disabling wandb", file=sys.stderr)
                 self._wandb = None
+        self.set_status(step=record["step"])
+
+    def show(self, record: dict[str, Any]) -> None:
+        """Print the progress line of a metrics record and refresh status.json, without writing metrics.jsonl."""
+        print(progress_line(record, self.total_steps), flush=True)
         self.set_status(step=record["step"])
 
     def open_wandb(self, mode: str, project: str, run_name: str | None, config: dict[str, Any]) -> None:

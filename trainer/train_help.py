@@ -52,13 +52,18 @@ FLAG_HELP: dict[str, str] = {
                    "the threaded pipeline",
     "drafter_gpus": "drafter devices, as --target-gpus; more than one trains replicas in the threaded pipeline",
     "pipeline": "use the threaded pipeline even with one target and one drafter device",
-    "sync": "pipeline replica sync with several drafters: grad (gradients reduced every step, replicas "
-            "identical) or average (weights averaged every --sync-interval steps)",
+    "sync": "replica sync with several drafters (threads of a node, and the nodes of a distributed run): grad "
+            "(gradients summed every step, replicas identical) or average (weights averaged every "
+            "--sync-interval steps, the mode for 10-100 Gb/s links between nodes)",
     "sync_interval": "--sync average: steps between weight averages (unused by grad)",
     "queue_depth": "pipeline: feature batches in flight per (target, drafter) channel, the memory bound",
     "feature_transfer": "pipeline: device (features copied onto the drafter's GPU) or pinned (staged in "
                         "pinned host memory)",
     "stall_timeout": "pipeline: seconds without an optimizer step before the run fails as stalled",
+    "nodes": "nodes of a distributed run, one torchrun process per node (torchrun --nnodes N --nproc-per-node 1 "
+             "-m trainer train ... --nodes N); each node runs the threaded pipeline on its own devices",
+    "dist_timeout": "distributed: seconds a collective waits for the other nodes; a node that died or whose "
+                    "network is cut ends every other node within about this long",
     # optimisation
     "epochs": "passes over the data",
     "max_steps": "a cap: stop after at most this many optimizer steps (fewer if --epochs of data run out "

@@ -2,7 +2,7 @@
 
 One optimizer step = three rounds of (command to every drafter, wait for every answer):
   Gather -> the step-wide normaliser (sum of weights and of real blocks over all drafters and micro-batches,
-  METHOD.md 3) -> ForwardBackward -> replica sync of gradients (main thread, drafters idle) -> OptimizerStep
+  METHOD.md 3; in a distributed run `step_totals` sums it over every node too) -> ForwardBackward -> replica sync of gradients (main thread, drafters idle) -> OptimizerStep
   -> periodic weight averaging -> compile-guard check.
 Each round costs a few thread hand-offs (tens of microseconds) against steps of hundreds of milliseconds.
 
@@ -53,7 +53,8 @@ class Coordinator:
     def __init__(self, supervisor: Supervisor, drafters: list[DrafterHandle], sync: ReplicaSync,
                  noise_std_at: Callable[[int], float], seed: int, *, guard: CompileGuard | None = None,
                  stall_warn_s: float = 120.0, stall_abort_s: float = 900.0,
-                 log: Callable[[str], None] = lambda message: None) -> None:
+                 log: Callable[[str], None] = lambda message: None,
+                 step_totals: Callable[[float, int], tuple[float, int]] | None = None) -> None:
         self.supervisor = supervisor
         self.drafters = drafters
         self.sync = sync
@@ -63,6 +64,7 @@ class Coordinator:
         self.stall_warn_s = stall_warn_s
         self.stall_abort_s = stall_abort_s
         self.log = log
+        self.step_totals = step_totals  # (this node's weight sum, real blocks) -> the job's
 
     def step(self, step: int) -> StepResult:
         started = time.monotonic()
@@ -70,6 +72,8 @@ class Coordinator:
         gathered: list[Gathered] = self._round(Gather(step), Gathered, started)
         weight_sum = sum(g.weight_sum for g in gathered)
         num_blocks = sum(g.num_blocks for g in gathered)
+        if self.step_totals is not None:
+            weight_sum, num_blocks = self.step_totals(weight_sum, num_blocks)
         command = ForwardBackward(step, weight_sum, float(num_blocks), self.noise_std_at(step), self.seed)
         computed: list[Computed] = self._round(command, Computed, started)
         sync_started = time.monotonic()

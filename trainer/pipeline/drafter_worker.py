@@ -4,9 +4,10 @@ The main thread sends commands; the worker answers each on its result channel:
   Gather(step)              take this step's A micro-batches from the channels of their targets, in order;
                             answer their weight/block/token sums (for the step-wide loss normaliser)
   ForwardBackward(step, ..) run DrafterSide.forward_backward on each gathered micro-batch with the step-wide
-                            normalisers (gradients accumulate); noise seed (seed, step, d*A + a), which for one
-                            drafter is exactly the single-process trainer's (seed, step, a); then synchronize the
-                            stream so the main thread can reduce the gradients
+                            normalisers (gradients accumulate); noise seed (seed, step, d*A + a) with d the
+                            job-wide drafter number (the same on one node with N*D drafters as on N nodes of D),
+                            which for one drafter is exactly the single-process trainer's (seed, step, a); then
+                            synchronize the stream so the main thread can reduce the gradients
   OptimizerStep(step)       DrafterSide.optimizer_step(); answer (lr, grad_norm)
 Keeping the step loop in the main thread makes a stop, a gradient reduction or a checkpoint happen while every
 drafter is idle at a step boundary: consistent by construction, with no barrier to get out of step.
@@ -81,8 +82,8 @@ class Stepped:
 
 @dataclass
 class DrafterWorker:
-    name: str  # "drafter0"
-    number: int
+    name: str  # "drafter0" (this node's worker names)
+    number: int  # job-wide drafter number (node rank * drafters per node + local number)
     side: DrafterSideLike
     inputs: dict[int, Channel[Parcel]]  # target number -> channel
     commands: Channel[Any]

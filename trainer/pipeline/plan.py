@@ -13,6 +13,13 @@ step-major) no drafter can wait on an item that sits behind a full channel of an
 A checkpoint after step k stores the position of g = (k+1) * D * A; prefetched items beyond it are dropped at
 stop and recomputed after resume.
 
+Several nodes (the distributed engine): with N nodes of D drafters each, the job has N * D drafters numbered
+node-major (node r owns drafters r*D .. r*D+D-1), and g(k, d, a) above runs over all of them, so a step
+consumes N * D * A micro-batches and node r reads exactly those of its own drafters: disjoint shards of every
+epoch that together cover it, in the same global order a one-node run with N * D drafters would read (the
+checkpoint's data position therefore resumes the same global order). Inside a node, the node's own
+micro-batches are numbered 0, 1, 2, ... ("local positions") and dealt round robin to its T target workers.
+
 Fault points (`FaultPoints`) are the test hook for failures that cannot be produced on demand with real parts
 (a target forward that raises, a put that fails, a worker that hangs): `"target0.features@3"` raises
 `InjectedFault` the 3rd time target0 reaches that point; `"target0.features@3=hang"` blocks there instead until
@@ -22,6 +29,7 @@ the run's stop event is set (at most 120 s), which is how a stuck worker looks t
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,36 +37,79 @@ import numpy as np
 
 @dataclass(frozen=True)
 class Assignment:
-    num_targets: int
-    num_drafters: int
+    num_targets: int  # target workers of this node
+    num_drafters: int  # drafter workers of this node
     grad_accum: int
+    num_nodes: int = 1
+    node_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.num_targets < 1 or self.num_drafters < 1 or self.grad_accum < 1:
             raise ValueError(f"need at least one target worker, one drafter worker and grad_accum >= 1, got {self}")
+        if not 0 <= self.node_rank < self.num_nodes:
+            raise ValueError(f"node {self.node_rank} is not one of the {self.num_nodes} nodes")
+
+    @property
+    def total_drafters(self) -> int:
+        return self.num_nodes * self.num_drafters
 
     @property
     def per_step(self) -> int:
-        return self.num_drafters * self.grad_accum
+        """Micro-batches per optimizer step, all nodes together."""
+        return self.total_drafters * self.grad_accum
+
+    @property
+    def first_drafter(self) -> int:
+        """The job-wide number of this node's drafter 0."""
+        return self.node_rank * self.num_drafters
 
     def micro_index(self, step: int, drafter: int, accum: int) -> int:
-        return (step * self.num_drafters + drafter) * self.grad_accum + accum
-
-    def target_of(self, g: int) -> int:
-        return g % self.num_targets
+        """g of job-wide drafter `drafter`'s `accum`-th micro-batch of step `step`."""
+        return (step * self.total_drafters + drafter) * self.grad_accum + accum
 
     def drafter_of(self, g: int) -> int:
-        return (g // self.grad_accum) % self.num_drafters
+        """The job-wide drafter that trains on g."""
+        return (g // self.grad_accum) % self.total_drafters
 
-    def indices_of_target(self, target: int, start: int, stop: int) -> range:
-        """The g's in [start, stop) that `target` computes, increasing."""
-        first = start + ((target - start) % self.num_targets)
-        return range(first, stop, self.num_targets)
+    def local_drafter_of(self, g: int) -> int:
+        """This node's drafter worker that trains on g (valid when `owns(g)`)."""
+        return self.drafter_of(g) - self.first_drafter
+
+    def owns(self, g: int) -> bool:
+        return 0 <= self.local_drafter_of(g) < self.num_drafters
+
+    def _local_position(self, g: int) -> int:
+        local_per_step = self.num_drafters * self.grad_accum
+        return (g // self.per_step) * local_per_step + g % self.per_step - self.first_drafter * self.grad_accum
+
+    def _global_index(self, local: int) -> int:
+        local_per_step = self.num_drafters * self.grad_accum
+        step, within = divmod(local, local_per_step)
+        return step * self.per_step + self.first_drafter * self.grad_accum + within
+
+    def target_of(self, g: int) -> int:
+        """This node's target worker that computes g: round robin over the node's micro-batches."""
+        return self._local_position(g) % self.num_targets
+
+    def indices_of_target(self, target: int, start: int, stop: int) -> Iterable[int]:
+        """The g's in [start, stop) that this node's `target` computes, increasing."""
+        if self.num_nodes == 1:
+            first = start + ((target - start) % self.num_targets)
+            return range(first, stop, self.num_targets)
+        local_start, local_stop = self._owned_before(start), self._owned_before(stop)
+        first = local_start + ((target - local_start) % self.num_targets)
+        return map(self._global_index, range(first, local_stop, self.num_targets))
+
+    def _owned_before(self, g: int) -> int:
+        """How many of this node's micro-batches come before g."""
+        full, rest = divmod(g, self.per_step)
+        local_per_step = self.num_drafters * self.grad_accum
+        return full * local_per_step + min(max(rest - self.first_drafter * self.grad_accum, 0), local_per_step)
 
     def channel_pairs(self) -> list[tuple[int, int]]:
-        """(target, drafter) pairs that ever exchange a micro-batch (one channel each)."""
+        """(target, local drafter) pairs of this node that ever exchange a micro-batch (one channel each)."""
         cycle = self.num_targets * self.num_drafters * self.grad_accum
-        return sorted({(self.target_of(g), self.drafter_of(g)) for g in range(cycle)})
+        return sorted({(self.target_of(g), self.local_drafter_of(g)) for g in map(self._global_index, range(cycle))})
 
     def describe(self, target_devices: list[str], drafter_devices: list[str]) -> str:
         """Human-readable map printed at start: which target worker feeds which drafter worker."""
@@ -67,8 +118,15 @@ class Assignment:
             feeds.setdefault(t, []).append(d)
         lines = [f"target{t} ({target_devices[t]}) -> " + ", ".join(f"drafter{d} ({drafter_devices[d]})" for d in ds)
                  for t, ds in sorted(feeds.items())]
-        return (f"pipeline: {self.num_targets} target worker(s), {self.num_drafters} drafter worker(s), "
-                f"{self.per_step} micro-batches per optimizer step\n  " + "\n  ".join(lines))
+        if self.num_nodes > 1:
+            last = self.first_drafter + self.num_drafters - 1
+            head = (f"pipeline of node {self.node_rank}: {self.num_targets} target worker(s), {self.num_drafters} "
+                    f"drafter worker(s) (the job's drafters {self.first_drafter}-{last} of {self.total_drafters}), "
+                    f"{self.per_step} micro-batches per optimizer step on all {self.num_nodes} nodes")
+        else:
+            head = (f"pipeline: {self.num_targets} target worker(s), {self.num_drafters} drafter worker(s), "
+                    f"{self.per_step} micro-batches per optimizer step")
+        return head + "\n  " + "\n  ".join(lines)
 
 
 class GlobalOrder:

@@ -22,12 +22,16 @@ from trainer.pipeline.plan import GlobalOrder
 from trainer.pipeline.warmup import WarmupReport, warm_up
 
 
-def shapes_to_warm(stream: BatchStream, order: GlobalOrder, g_start: int, g_end: int) -> dict[tuple[int, int], int]:
-    """(rows, padded context length) of every micro-batch in [g_start, g_end) -> the first g with that shape."""
+def shapes_to_warm(stream: BatchStream, order: GlobalOrder, g_start: int, g_end: int,
+                   owns: Callable[[int], bool] | None = None) -> dict[tuple[int, int], int]:
+    """(rows, padded context length) of every micro-batch in [g_start, g_end) (that this node `owns`, in a
+    distributed run) -> the first g with that shape."""
     cfg = stream.cfg
     lengths = np.minimum(stream.dataset.lengths, cfg.max_seq_len)
     first: dict[tuple[int, int], int] = {}
     for g in range(g_start, g_end):
+        if owns is not None and not owns(g):
+            continue
         epoch, index = order.position(g)
         ids = stream.plan(epoch)[index]
         shape = (len(ids), padded_length(int(lengths[ids].max()), cfg.max_seq_len))
@@ -36,9 +40,10 @@ def shapes_to_warm(stream: BatchStream, order: GlobalOrder, g_start: int, g_end:
 
 
 def warm_up_drafters(sides: Sequence[Any], target_side: Any, make_batch: Callable[[int], Any], stream: BatchStream,
-                     order: GlobalOrder, g_start: int, g_end: int) -> WarmupReport:
+                     order: GlobalOrder, g_start: int, g_end: int,
+                     owns: Callable[[int], bool] | None = None) -> WarmupReport:
     """Forward+backward every replica on one real batch of every shape; leaves weights, grads, RNG untouched."""
-    shapes = shapes_to_warm(stream, order, g_start, g_end)
+    shapes = shapes_to_warm(stream, order, g_start, g_end, owns)
     variants = [(number, shape) for number in range(len(sides)) for shape in sorted(shapes)]
     features_by_shape: dict[tuple[int, int], Any] = {}
     saved_rng = rng_state()

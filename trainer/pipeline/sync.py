@@ -19,17 +19,26 @@ every function here ends with `_finish`, which synchronizes every device it wrot
 the replicas' tensors, since the next reader is a worker's optimizer step or forward on another stream. (An
 earlier version synchronized after the reduction but before the copy back; on an H200 the workers then read
 half-written gradients and the replicas drifted apart within 50 steps.) Cost: one device sync per call.
+
+Across nodes (the distributed engine, trainer.dist): `across(flat)` sums one flat buffer over the nodes in place.
+The sync is then hierarchical: the node's replicas are summed into one buffer (NCCL reduce to replica 0 on
+distinct GPUs, else a sum on the first replica's device), that buffer crosses the nodes once (one collective
+per step, the node's whole gradient in fp32: 4 bytes per trainable parameter), and the result is broadcast
+back to every local replica. Every replica in the job gets the same bits, so under `grad` they stay identical.
+Averages then divide by `world` (all replicas of the job), not by the local count.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 SYNC_MODES = ("grad", "average", "none")
+
+Across = Callable[[torch.Tensor], None]  # in place: the buffer becomes its sum over every node of the job
 
 
 def _trainable(module: nn.Module) -> list[nn.Parameter]:
@@ -57,8 +66,12 @@ def _use_nccl(tensors: Sequence[torch.Tensor]) -> bool:
         return False
 
 
-def _all_reduce_sum(buffers: list[torch.Tensor]) -> None:
-    """In place: every buffer becomes the sum of all buffers, bitwise equal on every replica."""
+def _all_reduce_sum(buffers: list[torch.Tensor], across: Across | None = None) -> None:
+    """In place: every buffer becomes the sum of all buffers (and, with `across`, of every node's buffers),
+    bitwise equal on every replica."""
+    if across is not None:
+        _hierarchical_sum(buffers, across)
+        return
     if len(buffers) == 1:
         return
     if _use_nccl(buffers):
@@ -71,6 +84,24 @@ def _all_reduce_sum(buffers: list[torch.Tensor]) -> None:
         total += buffer.to(total.device)
     for buffer in buffers:
         buffer.copy_(total)  # the same `total` everywhere: identical bits on every replica
+
+
+def _hierarchical_sum(buffers: list[torch.Tensor], across: Across) -> None:
+    """Sum inside the node onto one buffer, `across` the nodes once, copy back to every local replica."""
+    if len(buffers) > 1 and _use_nccl(buffers):
+        import torch.cuda.nccl as nccl
+
+        nccl.reduce(buffers, root=0)  # the node's sum lands in buffers[0] (current streams: ordered)
+        across(buffers[0])
+        nccl.broadcast(buffers, root=0)
+        return
+    total = buffers[0].clone() if len(buffers) > 1 else buffers[0]
+    for buffer in buffers[1:]:
+        total += buffer.to(total.device)
+    across(total)
+    for buffer in buffers:
+        if buffer is not total:
+            buffer.copy_(total)  # the same `total` everywhere: identical bits on every replica
 
 
 def _finish(tensors: Sequence[torch.Tensor]) -> None:
@@ -91,13 +122,15 @@ def broadcast_parameters(replicas: Sequence[nn.Module]) -> None:
 
 
 @torch.no_grad()
-def reduce_gradients(replicas: Sequence[nn.Module], op: str = "sum") -> None:
-    """Reduce the gradients of all replicas (`sum` or `mean`) and give every replica the identical result.
-    A parameter without a gradient on a replica counts as zero there."""
+def reduce_gradients(replicas: Sequence[nn.Module], op: str = "sum", *, across: Across | None = None,
+                     world: int | None = None) -> None:
+    """Reduce the gradients of all replicas (`sum` or `mean` over `world` replicas, default the local ones;
+    with `across`, also over the other nodes') and give every replica the identical result. A parameter
+    without a gradient on a replica counts as zero there."""
     if op not in ("sum", "mean"):
         raise ValueError(f"reduce op must be sum or mean, got {op!r}")
     params = _check_same_layout(replicas)
-    if len(replicas) == 1:
+    if len(replicas) == 1 and across is None:
         return
     for replica_params in params:
         for p in replica_params:
@@ -105,10 +138,10 @@ def reduce_gradients(replicas: Sequence[nn.Module], op: str = "sum") -> None:
                 p.grad = torch.zeros_like(p)
     # One flat buffer per replica: one collective instead of one per tensor (launch overhead, NCCL latency).
     flats = [_flatten_dense_tensors([p.grad for p in ps]) for ps in params]
-    _all_reduce_sum(flats)
+    _all_reduce_sum(flats, across)
     if op == "mean":
         for flat in flats:
-            flat.div_(len(replicas))
+            flat.div_(world or len(replicas))
     for ps, flat in zip(params, flats):
         for p, reduced in zip(ps, _unflatten_dense_tensors(flat, [p.grad for p in ps])):
             p.grad.copy_(reduced)
@@ -116,17 +149,19 @@ def reduce_gradients(replicas: Sequence[nn.Module], op: str = "sum") -> None:
 
 
 @torch.no_grad()
-def average_parameters(replicas: Sequence[nn.Module]) -> None:
-    """Replace every replica's trainable parameters by the replicas' mean (identical on all replicas)."""
+def average_parameters(replicas: Sequence[nn.Module], *, across: Across | None = None,
+                       world: int | None = None) -> None:
+    """Replace every replica's trainable parameters by the mean over all `world` replicas (default: the local
+    ones; with `across`, every node's), identical on all replicas."""
     params = _check_same_layout(replicas)
-    if len(replicas) == 1:
+    if len(replicas) == 1 and across is None:
         return
     flats = [_flatten_dense_tensors([p.detach() for p in ps]) for ps in params]
     # Average in fp32 even for bf16 weights: a bf16 sum of 8 replicas loses the low bits of small updates.
     work = [f.float() for f in flats]
-    _all_reduce_sum(work)
+    _all_reduce_sum(work, across)
     for ps, flat, summed in zip(params, flats, work):
-        flat.copy_(summed / len(replicas))
+        flat.copy_(summed / (world or len(replicas)))
         for p, averaged in zip(ps, _unflatten_dense_tensors(flat, [p.detach() for p in ps])):
             p.copy_(averaged)
     _finish(flats)
@@ -181,29 +216,35 @@ def replica_checksums(replicas: Sequence[nn.Module]) -> list[str]:
 class ReplicaSync:
     """The policy object the step loop calls: `after_backward()` then, after the optimizer step, `after_step(step)`."""
 
-    def __init__(self, replicas: Sequence[nn.Module], mode: str, interval: int = 50, grad_op: str = "sum") -> None:
+    def __init__(self, replicas: Sequence[nn.Module], mode: str, interval: int = 50, grad_op: str = "sum", *,
+                 across: Callable[[torch.Tensor, str], None] | None = None, world: int | None = None) -> None:
+        """`across(buffer, kind)`: the cross-node sum of the distributed engine (kind "grad" or "average", for
+        its byte counts); `world`: replicas in the whole job. Without `across`: this process's replicas only."""
         if mode not in SYNC_MODES:
             raise ValueError(f"--sync must be one of {', '.join(SYNC_MODES)}, got {mode!r}")
         if mode == "average" and interval < 1:
             raise ValueError(f"--sync-interval must be >= 1, got {interval}")
-        if mode == "none" and len(replicas) > 1:
+        if mode == "none" and (len(replicas) > 1 or across is not None):
             raise ValueError("--sync none needs exactly one drafter replica (replicas would drift apart)")
         self.replicas = list(replicas)
         self.mode = mode
         self.interval = interval
         self.grad_op = grad_op
+        self.world = world or len(self.replicas)
+        self._grad_across: Across | None = (lambda t: across(t, "grad")) if across else None
+        self._average_across: Across | None = (lambda t: across(t, "average")) if across else None
         broadcast_parameters(self.replicas)
 
     def after_backward(self) -> None:
         if self.mode == "grad":
-            reduce_gradients(self.replicas, self.grad_op)
+            reduce_gradients(self.replicas, self.grad_op, across=self._grad_across, world=self.world)
 
     def after_step(self, step: int) -> None:
         """`step` counts completed optimizer steps (1 after the first)."""
         if self.mode == "average" and step % self.interval == 0:
-            average_parameters(self.replicas)
+            average_parameters(self.replicas, across=self._average_across, world=self.world)
 
     def before_checkpoint(self) -> None:
         """Make replica 0 the synced drafter the checkpoint stores."""
         if self.mode == "average":
-            average_parameters(self.replicas)
+            average_parameters(self.replicas, across=self._average_across, world=self.world)

@@ -8,7 +8,7 @@ feature batches per channel. When its last index is done the worker closes its c
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -33,7 +33,7 @@ class TargetWorker:
     name: str  # "target0"
     side: TargetSideLike
     make_batch: Callable[[int], Any]  # g -> trainer.data.Batch on the CPU
-    indices: range  # the g's this worker computes, increasing
+    indices: Iterable[int]  # the g's this worker computes, increasing
     outputs: dict[int, Channel[Parcel]]  # drafter number -> channel
     drafter_devices: list[torch.device]
     assignment: Assignment
@@ -56,7 +56,7 @@ class TargetWorker:
             with torch.no_grad():
                 features = self.side.features(batch.to(device))
             faults.hit(f"{self.name}.features", self.supervisor.stop_event)
-            drafter = self.assignment.drafter_of(g)
+            drafter = self.assignment.local_drafter_of(g)  # this node's worker number
             placed, ready, on_host = publish(features, device, self.drafter_devices[drafter], self.transfer)
             parcel = Parcel(g=g, epoch=batch.epoch, index=batch.index, features=placed, weight_sum=batch.weight_sum,
                             num_blocks=batch.num_blocks, num_ctx_tokens=batch.num_ctx_tokens, ready=ready, on_host=on_host)

@@ -1,0 +1,141 @@
+"""The one training loop: resume, log window, checkpoint schedule, stop and failure handling, for every engine.
+
+`run_training(plan, engine)` reads top to bottom like torchtitan's Trainer.train:
+  1. run directory, train_config.json, status.json (warmup), the engine's start lines
+  2. inside the stop handler (SIGTERM/SIGHUP/SIGINT, installed before the minutes-long target load):
+     wandb, engine.build() (targets, drafters), resume (model, optimizer, schedule, RNG, data position)
+  3. engine.running(): warm-up and worker threads; then per optimizer step:
+     train_step -> after_step (replica checks) -> agree_stop (one collective across nodes) -> log line every
+     --log-interval -> checkpoint every --save-interval (and at the end and on a stop) -> stop
+  4. exit 0 done, 1 failed (status.json `failed`; trainer.failure), 128+signum stopped with a checkpoint
+The engine (trainer.engine.Engine: single-process, threaded pipeline, distributed) owns how a step is computed
+and what its metrics line holds; the loop owns when things happen. The loop imports no engine.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from trainer.checkpoint import CheckpointWriter
+from trainer.engine import Engine
+from trainer.failure import record_failure
+from trainer.metrics import RunRecorder, truncate_metrics
+from trainer.preflight import Plan
+from trainer.signals import GracefulStop
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def run_training(plan: Plan, engine: Engine) -> int:
+    """Train `plan` with `engine`; return the exit code (see module doc). Everything that can refuse the run has
+    been checked already (trainer.preflight and the engine's constructor): from here on the run directory exists."""
+    cfg = plan.cfg
+    run_dir = Path(cfg.output_dir or ".")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n")
+    recorder = RunRecorder(run_dir, engine.total_steps, metrics=engine.writes_metrics)
+    on_force = lambda signum: recorder.set_status(  # noqa: E731 - a second signal: no checkpoint
+        phase="failed", error=f"second signal {signum}: exited without a checkpoint", exit_code=128 + signum)
+    writer: CheckpointWriter | None = None  # read by the failure report: a write that failed meanwhile
+    failure: BaseException | None = None
+    # Installed before the (possibly minutes long) target load, so a stop request is never lost.
+    with GracefulStop(on_force=on_force) as stop:
+        try:
+            for line in engine.announce(run_dir):
+                log(line)
+            if engine.writes_metrics:
+                recorder.open_wandb(cfg.wandb, cfg.wandb_project, cfg.wandb_run_name, cfg.to_dict())
+            engine.build()
+            step = _resume(plan, engine, recorder, run_dir)
+            # The writer exits before the failure report: a checkpoint snapshotted before a failure still lands.
+            with CheckpointWriter(run_dir, cfg.keep_checkpoints) as writer, engine.running(step, recorder):
+                return _steps(plan, engine, recorder, writer, stop, step)
+        except Exception as exc:  # noqa: BLE001 - reported on stderr and in status.json
+            failure = exc
+            record_failure(recorder, exc, run_dir=run_dir, writer=writer, keep_checkpoints=cfg.keep_checkpoints,
+                           exit_code=EXIT_FAILED)
+            return EXIT_FAILED
+        finally:
+            engine.close(failure)
+            recorder.close()
+
+
+def _resume(plan: Plan, engine: Engine, recorder: RunRecorder, run_dir: Path) -> int:
+    """Restore the checkpoint the plan names (if any) into the engine; return the first step to train."""
+    if plan.resume_from is None:
+        return 0
+    state = engine.load_checkpoint(plan.resume_from)
+    step, position = engine.restore(state)
+    dropped = truncate_metrics(run_dir, step)
+    log(f"resumed from {plan.resume_from} at step {step} ({position}"
+        f"{f'; dropped {dropped} metrics lines past it' if dropped else ''})")
+    if engine.writes_checkpoints:
+        recorder.set_status(step=step, last_checkpoint=str(plan.resume_from))
+    else:
+        recorder.set_status(step=step)
+    return step
+
+
+def _steps(plan: Plan, engine: Engine, recorder: RunRecorder, writer: CheckpointWriter, stop: GracefulStop,
+           step: int) -> int:
+    cfg, total_steps = plan.cfg, engine.total_steps
+    signum = engine.agree_stop(stop.signum)
+    if signum is not None:  # signalled while loading: nothing trained since the last checkpoint (if any)
+        engine.finish()
+        recorder.set_status(phase="stopped", step=step, exit_code=128 + signum)
+        return 128 + signum
+    while step < total_steps:
+        engine.train_step(step)
+        step += 1
+        extra = engine.after_step(step)  # e.g. replica checksums, which also force a log line
+        signum = engine.agree_stop(stop.signum)  # every node stops after the same step
+        stopping = signum is not None
+        last = step == total_steps or stopping
+        if step % cfg.log_interval == 0 or last or extra:
+            record = engine.record(step)
+            record.update(extra or {})
+            if engine.writes_metrics:
+                recorder.log(record)
+            else:
+                recorder.show(record)
+        if step % cfg.save_interval == 0 or last:
+            parts = engine.checkpoint_parts(step)  # a collective under --sync average across nodes
+            if parts is not None:
+                save_in_background(recorder, writer, step, parts, last=last)
+        else:
+            report_checkpoints(recorder, writer.poll())  # a lock, no I/O: also raises a failed write here
+        if stopping:
+            assert signum is not None
+            engine.finish()
+            recorder.set_status(phase="stopped", step=step, exit_code=128 + signum)
+            log(f"stopped at step {step}; resume with the same command")
+            return 128 + signum
+    engine.finish()
+    recorder.set_status(phase="done", step=step, exit_code=EXIT_OK)
+    return EXIT_OK
+
+
+def save_in_background(recorder: RunRecorder, writer: CheckpointWriter, step: int, parts: dict[str, Any], *,
+                       last: bool) -> None:
+    """Checkpoint `step` (`parts`: what `snapshot_checkpoint` takes) and report what has landed. Training waits
+    only for the snapshot (device->host copy; status phase "saving" meanwhile); the write overlaps the next
+    steps. The `last` checkpoint of this process (end of run, stop request) is waited for, so the process never
+    exits with a checkpoint half written."""
+    recorder.set_status(phase="saving", step=step)
+    writer.submit(writer.snapshot(step, **parts))
+    report_checkpoints(recorder, writer.wait() if last else writer.poll())
+    recorder.set_status(phase="training")
+
+
+def report_checkpoints(recorder: RunRecorder, paths: list[Path]) -> None:
+    """Log each checkpoint that has landed and make the newest the run's `last_checkpoint`."""
+    for path in paths:
+        log(f"checkpoint {path}")
+        recorder.set_status(last_checkpoint=str(path))

@@ -1,0 +1,233 @@
+"""The threaded pipeline as an engine of trainer.loop; with a TorchCluster, the distributed engine.
+
+Inside a node (unchanged from the threaded trainer): target threads (one TargetModel each: features() installs
+hooks per call and is not thread safe) -> bounded (target, drafter) channels -> drafter threads, driven step by
+step by the main thread (trainer.pipeline.coordinator); warm-up of every (replica x batch shape) in the main
+thread before any worker starts, then a CompileGuard (METHOD.md 6).
+
+The cluster (trainer.dist.cluster) is asked at fixed points, in the same order on every node:
+  build         node 0's initial weights to every node (once: 4 bytes per parameter and buffer)
+  every step    the step-wide normaliser (2 float64), the gradient sync (--sync grad: the node's summed
+                gradient, 4 bytes per trainable parameter) or, every --sync-interval steps, the weight average
+                (--sync average: the same size), and the stop agreement (one int64 per node)
+  log steps     the metrics line's sums; every checksum interval, every replica's checksum
+  checkpoints   --sync average: every replica's optimizer state to node 0 (8 bytes per parameter per replica)
+With a LocalCluster all of these are the identity: the single-node threaded trainer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.checkpoint import CheckpointState, restore_rng
+from trainer.config import TrainerInputError
+from trainer.data import BatchStream, collate
+from trainer.dist.cluster import Cluster, LocalCluster
+from trainer.loss import position_weights
+from trainer.metrics import RunRecorder
+from trainer.model import DFlashDrafter
+from trainer.pipeline.channel import ChannelGroup
+from trainer.pipeline.coordinator import Coordinator, DrafterHandle
+from trainer.pipeline.drafter_worker import DrafterWorker
+from trainer.pipeline.options import PipelineOptions
+from trainer.pipeline.plan import Assignment, FaultPoints, GlobalOrder
+from trainer.pipeline.prime import warm_up_drafters
+from trainer.pipeline.replicas import check_replicas, node_share
+from trainer.pipeline.reporting import StepWindow, pipeline_checkpoint_parts
+from trainer.pipeline.supervisor import Supervisor
+from trainer.pipeline.sync import ReplicaSync
+from trainer.pipeline.target_worker import TargetWorker
+from trainer.pipeline.warmup import CompileGuard
+from trainer.preflight import Plan, load_target, resolve_devices
+from trainer.step import DrafterSide, TargetSide, noise_std_at
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+class PipelineEngine:
+    """trainer.engine.Engine for the threaded pipeline on this node's devices, `cluster` joining the nodes."""
+
+    def __init__(self, plan: Plan, options: PipelineOptions, cluster: Cluster | None = None) -> None:
+        """Every check that can refuse the run (devices, data for one step); writes nothing."""
+        self.plan, self.cfg, self.options = plan, plan.cfg, options
+        self.cluster = cluster or LocalCluster()
+        cfg = self.cfg
+        self.target_devices = resolve_devices(cfg.target_gpus, "target-gpus")
+        self.drafter_devices = resolve_devices(cfg.drafter_gpus, "drafter-gpus")
+        self.assignment = Assignment(len(self.target_devices), len(self.drafter_devices), cfg.grad_accum,
+                                     self.cluster.nodes, self.cluster.rank)
+        self.sync_mode = cfg.sync if self.assignment.total_drafters > 1 else "grad"
+        self.faults = FaultPoints(options.faults)
+        self.slot_weights = position_weights(cfg.block_size, cfg.gamma).numpy()
+        self.stream = BatchStream(plan.dataset, cfg, self.slot_weights)
+        self.order = GlobalOrder([len(self.stream.plan(e)) for e in range(cfg.epochs)])
+        steps_in_data = self.order.total // self.assignment.per_step
+        self.total_steps = min(cfg.max_steps, steps_in_data) if cfg.max_steps else steps_in_data
+        if self.total_steps < 1:
+            raise TrainerInputError(f"--data-dir: the data holds {self.order.total} micro-batches, fewer than one "
+                                    f"optimizer step of the pipeline ({self.assignment.per_step} = drafters x "
+                                    f"--grad-accum{' x nodes' if self.cluster.nodes > 1 else ''})")
+        self.writes_metrics = self.writes_checkpoints = self.cluster.rank == 0
+        self.supervisor: Supervisor | None = None
+        self.failure: BaseException | None = None
+        self.g_start = 0  # the first micro-batch this process trains (0, or the resumed position)
+        self.steps_done = 0
+        self._told_stop = False
+
+    def announce(self, run_dir: Path) -> list[str]:
+        return [f"run directory {run_dir.resolve()} ({self.total_steps} steps, sync {self.sync_mode})",
+                *self.cluster.describe(),
+                self.assignment.describe([str(d) for d in self.target_devices], [str(d) for d in self.drafter_devices])]
+
+    def build(self) -> None:
+        cfg, plan = self.cfg, self.plan
+        targets = [load_target(plan, d) for d in self.target_devices]
+        self.target_sides = [TargetSide(t, d, soft_labels=cfg.use_soft_labels) for t, d in zip(targets, self.target_devices)]
+        torch.manual_seed(cfg.seed)  # the drafter's init is a function of --seed, as in the single-process engine
+        base = DFlashDrafter(plan.drafter_config)
+        if cfg.init_from is not None and self.cluster.rank == 0:
+            base.load_state_dict(DFlashDrafter.from_pretrained(cfg.init_from).state_dict())
+        self.cluster.broadcast_module_(base)  # every node starts from node 0's weights (--init-from: node 0's file)
+        compile_kw = (dict(compile=True, compile_backend=self.options.compile_backend)
+                      if self.options.compile_backend else {})
+        self.sides = [DrafterSide(cfg, copy.deepcopy(base), targets[0].embed_weight, targets[0].lm_head_weight, d,
+                                  self.total_steps, **compile_kw) for d in self.drafter_devices]
+        _log(f"loss kernels: {', '.join(f'{side.device} {side.loss_kernels.kind}' for side in self.sides)}")
+
+    def load_checkpoint(self, path: Path) -> CheckpointState:
+        drafters, nodes = self.assignment.num_drafters, self.cluster.nodes
+        return self.cluster.load_checkpoint(path, lambda state, node: node_share(state, node, drafters, nodes))
+
+    def restore(self, state: CheckpointState) -> tuple[int, str]:
+        for side, optimizer in zip(self.sides, state.optimizer["replicas"]):
+            side.drafter.load_state_dict(state.model)
+            side.optimizer.load_state_dict(optimizer)
+            side.scheduler.load_state_dict(state.scheduler)
+        restore_rng(state.rng)
+        self.g_start = self.order.index(state.epoch, state.index)
+        return state.step, f"epoch {state.epoch}, batch {state.index}, micro-batch {self.g_start}"
+
+    def _make_batch(self, g: int, stream: BatchStream) -> Any:
+        epoch, index = self.order.position(g)
+        return collate(self.plan.dataset, stream.plan(epoch)[index], epoch, index, self.cfg, self.slot_weights)
+
+    @contextlib.contextmanager
+    def running(self, step: int, recorder: RunRecorder) -> Iterator[None]:
+        cfg, options, assignment = self.cfg, self.options, self.assignment
+        # One node: nothing to sum across, and the flat copies of every gradient would cost time (qwen3-8b: three
+        # 4.2 GB copies per step); the job is then the threaded pipeline plus a few tiny control collectives.
+        across = self.cluster.all_reduce_sum_ if self.cluster.nodes > 1 else None
+        self.sync = ReplicaSync([s.drafter for s in self.sides], self.sync_mode, cfg.sync_interval, across=across,
+                                world=assignment.total_drafters)
+        self.start_step = self.steps_done = step
+        g_start, g_end = self.g_start, self.g_start + (self.total_steps - step) * assignment.per_step
+        if self.cluster.distributed:  # status.json says which node of the run this directory belongs to
+            recorder.set_status(node=self.cluster.rank, nodes=self.cluster.nodes)
+        recorder.set_status(phase="compiling", step=step)
+        report = warm_up_drafters(self.sides, self.target_sides[0], lambda g: self._make_batch(g, self.stream),
+                                  self.stream, self.order, g_start, g_end, owns=assignment.owns)
+        _log(report.summary())
+        if options.on_warmup is not None:
+            options.on_warmup(report)
+        self.channels = channels = ChannelGroup(threading.Event())
+        self.supervisor = supervisor = Supervisor(channels, join_timeout_s=options.join_timeout_s)
+        feature_channels = {pair: channels.new(f"target{pair[0]}->drafter{pair[1]}", options.queue_capacity)
+                            for pair in assignment.channel_pairs()}
+        handles = [DrafterHandle(f"drafter{d}", channels.new(f"drafter{d}.commands", 1), channels.new(f"drafter{d}.results", 1))
+                   for d in range(len(self.sides))]
+        with CompileGuard() as guard:
+            for d, (side, handle) in enumerate(zip(self.sides, handles)):
+                inputs = {t: ch for (t, dd), ch in feature_channels.items() if dd == d}
+                supervisor.spawn(handle.name, "drafter", DrafterWorker(
+                    handle.name, assignment.first_drafter + d, side, inputs, handle.commands, handle.results,
+                    assignment, supervisor, get_timeout_s=options.worker_timeout_s, faults=self.faults))
+            for t, side in enumerate(self.target_sides):
+                own_stream = BatchStream(self.plan.dataset, cfg, self.slot_weights)
+                outputs = {dd: ch for (tt, dd), ch in feature_channels.items() if tt == t}
+                supervisor.spawn(f"target{t}", "target", TargetWorker(
+                    f"target{t}", side, lambda g, s=own_stream: self._make_batch(g, s),
+                    assignment.indices_of_target(t, g_start, g_end), outputs, self.drafter_devices, assignment,
+                    supervisor, transfer=options.feature_transfer, put_timeout_s=options.worker_timeout_s,
+                    faults=self.faults))
+            self.coordinator = Coordinator(
+                supervisor, handles, self.sync, lambda k: noise_std_at(k, self.total_steps, cfg.noise_start, cfg.noise_end),
+                cfg.seed, guard=guard, stall_warn_s=options.stall_warn_s, stall_abort_s=options.stall_abort_s, log=_log,
+                step_totals=self._step_totals if self.cluster.distributed else None)
+            recorder.set_status(phase="training", step=step)
+            self.window = StepWindow(len(self.sides), supervisor)
+            yield
+
+    def _step_totals(self, weight_sum: float, num_blocks: int) -> tuple[float, int]:
+        """The step-wide normaliser over every node: one all-reduce of 2 float64 (the same on every node)."""
+        totals = torch.tensor([weight_sum, float(num_blocks)], dtype=torch.float64)
+        self.cluster.all_reduce_sum_(totals, "normaliser")
+        return float(totals[0]), int(totals[1])
+
+    def _position(self, step: int) -> tuple[int, int, int]:
+        """(g, epoch, index) of the next micro-batch to read after `step` steps."""
+        g_next = self.g_start + (step - self.start_step) * self.assignment.per_step
+        return (g_next, *self.order.position(g_next))
+
+    def train_step(self, step: int) -> None:
+        self.cluster.at_step(step)
+        self.window.add(self.coordinator.step(step))
+        self.steps_done = step + 1
+
+    def after_step(self, step: int) -> dict[str, Any] | None:
+        if self.options.on_step is not None:
+            self.options.on_step(step, self.sides)
+        if self.assignment.total_drafters > 1 and (step % self.options.checksum_interval == 0 or step == self.total_steps):
+            return {"replica_checksums": check_replicas(self.sides, self.sync_mode, step, self.cluster)}
+        return None
+
+    def agree_stop(self, signum: int | None) -> int | None:
+        asked = self.cluster.agree_stop(signum)
+        if not any(asked):
+            return None
+        if self.cluster.nodes > 1 and not self._told_stop:
+            self._told_stop = True
+            who = ", ".join(f"node {n} ({signal.Signals(s).name})" for n, s in enumerate(asked) if s)
+            _log(f"stop requested on {who}: every node stops after step {self.steps_done}")
+        return max(asked)
+
+    def record(self, step: int) -> dict[str, Any]:
+        cfg = self.cfg
+        _, epoch, _ = self._position(step)
+        return self.window.record(step, epoch, self.total_steps, self.channels, self.drafter_devices,
+                                  noise_std_at(step - 1, self.total_steps, cfg.noise_start, cfg.noise_end),
+                                  self.cluster)
+
+    def checkpoint_parts(self, step: int) -> dict[str, Any] | None:
+        self.sync.before_checkpoint()
+        g_next, epoch, index = self._position(step)
+        states = None
+        if self.sync_mode == "average" and self.assignment.total_drafters > 1:
+            per_node = self.cluster.gather_to_writer([s.optimizer.state_dict() for s in self.sides], "checkpoint")
+            states = None if per_node is None else [s for node in per_node for s in node]
+        if not self.writes_checkpoints:
+            return None
+        return pipeline_checkpoint_parts(self.cfg, self.sides, self.sync_mode, epoch, index, self.assignment, g_next,
+                                         replica_optimizers=states,
+                                         nodes=self.cluster.nodes if self.cluster.distributed else None)
+
+    def finish(self) -> None:
+        self.cluster.barrier("finish")
+
+    def close(self, failure: BaseException | None) -> None:
+        self.failure = failure  # trainer.dist.run tells the other nodes (the cluster outlives the engine)
+        if self.supervisor is not None:
+            stuck = self.supervisor.shutdown()
+            if stuck:
+                _log(f"warning: worker thread(s) {', '.join(stuck)} did not stop within "
+                     f"{self.options.join_timeout_s:.0f} s")

@@ -1,0 +1,136 @@
+"""The single-process engine: one target and one drafter, one thread, no queues (`python -m trainer train`).
+
+Per optimizer step: --grad-accum micro-batches -> target features -> drafter forward/backward (the loss
+normalised over the whole step, METHOD.md 3) -> clip, AdamW, schedule. The data position is the micro-batch
+after the last one trained, so a checkpoint resumes exactly where the run stopped (bitwise on the CPU).
+The metrics line averages the loss over the steps since the last line. Driven by trainer.loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.checkpoint import CheckpointState, load_checkpoint, restore_rng
+from trainer.data import Batch, BatchStream
+from trainer.loss import position_weights
+from trainer.metrics import RunRecorder
+from trainer.model import DFlashDrafter
+from trainer.preflight import Plan, load_target
+from trainer.step import DrafterSide, StepStats, TargetSide, micro_batches, noise_std_at
+
+
+class SingleEngine:
+    """trainer.engine.Engine for one target and one drafter device."""
+
+    writes_metrics = True
+    writes_checkpoints = True
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan, self.cfg = plan, plan.cfg
+        self.total_steps = plan.total_steps
+        self.stream = BatchStream(plan.dataset, self.cfg, position_weights(self.cfg.block_size, self.cfg.gamma).numpy())
+        self.epoch, self.index = 0, 0  # the next micro-batch to read
+        self.recorder: RunRecorder | None = None
+
+    def announce(self, run_dir: Path) -> list[str]:
+        return [f"run directory {run_dir.resolve()} ({self.total_steps} steps; target on {self.plan.target_device}, "
+                f"drafter on {self.plan.drafter_device})"]
+
+    def build(self) -> None:
+        cfg, plan = self.cfg, self.plan
+        target = load_target(plan)
+        torch.manual_seed(cfg.seed)  # the drafter's init is a function of --seed
+        drafter = DFlashDrafter(plan.drafter_config)
+        if cfg.init_from is not None:
+            drafter.load_state_dict(DFlashDrafter.from_pretrained(cfg.init_from).state_dict())
+        self.target_side = TargetSide(target, plan.target_device, soft_labels=cfg.use_soft_labels)
+        self.drafter_side = DrafterSide(cfg, drafter, target.embed_weight, target.lm_head_weight, plan.drafter_device,
+                                        self.total_steps)
+        print(f"loss kernels: {self.drafter_side.loss_kernels.kind}", file=sys.stderr, flush=True)
+
+    def load_checkpoint(self, path: Path) -> CheckpointState:
+        return load_checkpoint(path)
+
+    def restore(self, state: CheckpointState) -> tuple[int, str]:
+        side = self.drafter_side
+        side.drafter.load_state_dict(state.model)
+        side.optimizer.load_state_dict(state.optimizer)
+        side.scheduler.load_state_dict(state.scheduler)
+        restore_rng(state.rng)
+        self.epoch, self.index = state.epoch, state.index
+        return state.step, f"epoch {state.epoch}, batch {state.index}"
+
+    @contextlib.contextmanager
+    def running(self, step: int, recorder: RunRecorder) -> Iterator[None]:
+        self.batches: Iterator[Batch] = self.stream.iterate(self.epoch, self.index)
+        self.recorder = recorder
+        self.on_cuda = self.drafter_side.device.type == "cuda"
+        self.first_step = step
+        # The first step compiles flex_attention (and the target's kernels) on CUDA.
+        recorder.set_status(phase="compiling" if self.on_cuda else "training", step=step)
+        self._new_window()
+        yield
+
+    def _new_window(self) -> None:
+        self.window: StepStats | None = None
+        self.window_start, self.window_steps = time.perf_counter(), 0
+
+    def train_step(self, step: int) -> None:
+        cfg, side = self.cfg, self.drafter_side
+        micro = micro_batches(self.batches, cfg.grad_accum)
+        normalizer = sum(b.weight_sum for b in micro)  # whole optimizer step (METHOD.md 3)
+        num_blocks = float(sum(b.num_blocks for b in micro))
+        self.noise = noise_std_at(step, self.total_steps, cfg.noise_start, cfg.noise_end)
+        stats: StepStats | None = None
+        for i, batch in enumerate(micro):
+            features = self.target_side.features(batch)
+            part = side.forward_backward(features, normalizer, num_blocks, noise_std=self.noise,
+                                         noise_seed=(cfg.seed, step, i))
+            stats = part if stats is None else stats + part
+        self.lr, self.grad_norm = side.optimizer_step()
+        self.epoch, self.index = micro[-1].epoch, micro[-1].index + 1  # the next micro-batch to read
+        assert stats is not None
+        self.window = stats if self.window is None else self.window + stats
+        self.window_steps += 1
+        if step == self.first_step and self.on_cuda and self.recorder is not None:
+            self.recorder.set_status(phase="training")
+
+    def after_step(self, step: int) -> dict[str, Any] | None:
+        return None
+
+    def agree_stop(self, signum: int | None) -> int | None:
+        return signum
+
+    def record(self, step: int) -> dict[str, Any]:
+        assert self.window is not None
+        elapsed = time.perf_counter() - self.window_start
+        # loss terms, tau_sim and accuracies over the steps since the last log line
+        summary = self.window.summary()
+        summary["loss"] /= self.window_steps
+        record = {"step": step, "epoch": self.epoch, **summary, "lr": self.lr, "grad_norm": self.grad_norm,
+                  "noise_std": self.noise, "block_tok_s": self.window.block_tokens / elapsed,
+                  "ctx_tok_s": self.window.ctx_tokens / elapsed,
+                  "eta_s": (self.total_steps - step) * elapsed / self.window_steps, "time": time.time()}
+        if self.on_cuda:
+            record["gpu_mem_gb"] = torch.cuda.max_memory_allocated(self.drafter_side.device) / 2**30
+        self._new_window()
+        return record
+
+    def checkpoint_parts(self, step: int) -> dict[str, Any]:
+        side = self.drafter_side
+        return dict(model=side.drafter.state_dict(), optimizer=side.optimizer.state_dict(),
+                    scheduler=side.scheduler.state_dict(), epoch=self.epoch, index=self.index,
+                    extra={"config": self.cfg.to_dict(), "drafter_config": side.drafter.config.to_hf_dict()})
+
+    def finish(self) -> None:
+        pass
+
+    def close(self, failure: BaseException | None) -> None:
+        pass
