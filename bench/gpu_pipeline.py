@@ -110,7 +110,13 @@ def child(args: argparse.Namespace) -> int:
         seen["last_step_at"] = time.monotonic()
 
     started = time.monotonic()
-    code = run_pipeline(cfg, PipelineOptions(feature_transfer=args.transfer, on_warmup=on_warmup, on_step=on_step))
+    options = PipelineOptions(feature_transfer=args.transfer, on_warmup=on_warmup, on_step=on_step)
+    if args.engine == "dist":  # this child runs under torchrun (one node): the distributed engine, NCCL on CUDA
+        from trainer.dist.run import run_distributed
+
+        code = run_distributed(cfg, options)
+    else:
+        code = run_pipeline(cfg, options)
     ended = time.monotonic()
     warm_done, last_step = seen.get("warmup_done_at", ended), seen.get("last_step_at", ended)
     phases = {"build_s": round(warm_done - started - seen.get("warmup_s", 0.0), 1),  # models, copies, data
@@ -120,7 +126,7 @@ def child(args: argparse.Namespace) -> int:
     recompiles = sum(seen.get("at_end", {}).get(k, 0) - seen.get("after_warmup", {}).get(k, 0)
                      for k in seen.get("after_warmup", {}))
     result = {
-        "mode": args.mode, "drafters": drafters, "transfer": args.transfer, "exit_code": code,
+        "engine": args.engine, "mode": args.mode, "drafters": drafters, "transfer": args.transfer, "exit_code": code,
         "warmup_s": round(seen.get("warmup_s", float("nan")), 1), "steps": seen.get("steps", 0),
         "wall_s": round(time.monotonic() - started, 1), "recompiles_after_warmup": recompiles,
         "block_tok_s": round(statistics.median(r["block_tok_s"] for r in steady)) if steady else 0,
@@ -144,6 +150,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--modes", default="single,dual", help="comma list of single,dual")
     parser.add_argument("--transfers", default="device", help="comma list of device,pinned")
+    parser.add_argument("--engines", default="threaded",
+                        help="comma list of threaded (run_pipeline in the process) and dist (the distributed engine, "
+                             "one node under torchrun: NCCL on CUDA, gloo on the CPU)")
     parser.add_argument("--loss-kernels", default="auto", help="passed to the trainer (auto, compiled, triton)")
     parser.add_argument("--warm-cache", action="store_true", help="share one compile cache across runs")
     parser.add_argument("--timeout-s", type=float, default=1200, help="per run")
@@ -156,6 +165,7 @@ def main() -> int:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="dual", help=argparse.SUPPRESS)
     parser.add_argument("--transfer", default="device", help=argparse.SUPPRESS)
+    parser.add_argument("--engine", default="threaded", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     parser.add_argument("--device", default="0", help="CUDA index (default 0), or cpu for a smoke test of this script")
     args = parser.parse_args()
@@ -167,11 +177,11 @@ def main() -> int:
         print("error: no CUDA device (this benchmark needs one GPU)", file=sys.stderr)
         return 2
     shared_cache = Path(tempfile.mkdtemp(prefix="bench-pipeline-cache-"))
-    jobs = [(repeat, mode, transfer) for repeat in range(args.repeats) for mode in args.modes.split(",")
-            for transfer in args.transfers.split(",")]
+    jobs = [(repeat, mode, transfer, engine) for repeat in range(args.repeats) for engine in args.engines.split(",")
+            for mode in args.modes.split(",") for transfer in args.transfers.split(",")]
     rows, failed, began = [], False, time.monotonic()
     running: list[tuple[tuple, subprocess.Popen, Path, float]] = []
-    print("run mode   drafters transfer warmup_s steps recompiles block_tok/s per_drafter busy_tok/s/drafter  "
+    print("run engine   mode   drafters transfer warmup_s steps recompiles block_tok/s per_drafter busy_tok/s/drafter  "
           "build_s steps_s save_s result", flush=True)
     while jobs or running:
         # Start runs while a slot is free (--parallel) and the budget allows; each is a fresh process with its
@@ -184,7 +194,7 @@ def main() -> int:
             job = jobs.pop(0)
             running.append(_start_run(job, args, shared_cache))
         for entry in list(running):
-            (repeat, mode, transfer), proc, log_path, started = entry
+            (repeat, mode, transfer, engine), proc, log_path, started = entry
             timed_out = time.monotonic() - started > args.timeout_s
             if proc.poll() is None and not timed_out:
                 continue
@@ -200,14 +210,14 @@ def main() -> int:
             if line is None:
                 failed = True
                 why = f"timed out after {args.timeout_s:.0f} s" if timed_out else f"exit {proc.returncode}"
-                print(f"{repeat:3} {mode:6} FAILED ({why}); {log_path} tail:\n{stderr[-3000:]}", flush=True)
+                print(f"{repeat:3} {engine:8} {mode:6} FAILED ({why}); {log_path} tail:\n{stderr[-3000:]}", flush=True)
                 continue
             r = json.loads(line[len("RESULT "):])
             ok = r["exit_code"] == 0 and r["recompiles_after_warmup"] == 0 and not fx_error and not flex_eager
             failed |= not ok
             rows.append({"repeat": repeat, **r})
             per = r["block_tok_s"] / r["drafters"]
-            print(f"{repeat:3} {mode:6} {r['drafters']:8} {transfer:8} {r['warmup_s']:8} {r['steps']:5} "
+            print(f"{repeat:3} {engine:8} {mode:6} {r['drafters']:8} {transfer:8} {r['warmup_s']:8} {r['steps']:5} "
                   f"{r['recompiles_after_warmup']:10} {r['block_tok_s']:11,} {per:11,.0f} "
                   f"{str(r['busy_tok_s_per_drafter']):20} {r['build_s']:7} {r['steps_s']:7} {r['final_save_s']:6} "
                   f"{'ok' if ok else 'FAIL'}{' FX-error' if fx_error else ''}{' eager-flex' if flex_eager else ''}",
@@ -221,18 +231,30 @@ def main() -> int:
 
 def _start_run(job: tuple, args: argparse.Namespace, shared_cache: Path) -> tuple[tuple, subprocess.Popen, Path, float]:
     """Launch one child run; its stderr streams to a log file, so a run cut off still shows how far it got."""
-    repeat, mode, transfer = job
+    repeat, mode, transfer, engine = job
     work = Path(tempfile.mkdtemp(prefix=f"bench-pipeline-{mode}-"))
     cache = shared_cache if args.warm_cache else work / "compile-cache"
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton")}
     cmd = [sys.executable, __file__, "--child", "--scale", args.scale, "--steps", str(args.steps), "--mode", mode,
-           "--transfer", transfer, "--workdir", str(work), "--device", args.device, "--loss-kernels", args.loss_kernels]
-    log_path = Path(args.log_dir or work) / f"pipeline-{mode}-{transfer}-{repeat}.log"
+           "--transfer", transfer, "--workdir", str(work), "--device", args.device, "--loss-kernels", args.loss_kernels,
+           "--engine", engine]
+    if engine == "dist":  # one node: torchrun's static rendezvous on a free loopback port
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--node-rank", "0", "--nproc-per-node",
+               "1", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), *cmd[1:]]
+    log_path = Path(args.log_dir or work) / f"pipeline-{engine}-{mode}-{transfer}-{repeat}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=log, text=True)
     return job, proc, log_path, time.monotonic()
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -3,6 +3,7 @@
 # Usage (on the GPU machine, repo root): bash bench/gpu_session.sh SECTION...   (logs under $OUT when set)
 # Session 3 calls: `verify pipeline-triton`, then `verify-pipeline pipeline-triton step8b-more` (the ten cold
 # two-drafter runs again after the stream fix), then `verify-pipeline pipeline-8b`.
+# Session 5 calls: `env profile dist-small`, then `dist-8b loss-kl` (recorded in bench/RESULTS.md).
 # Session 4 calls: `env pipeline-transfer` (features via the device vs via pinned host memory), then
 # `pipeline-recheck`, then `auto-kernels` (all recorded in bench/RESULTS.md).
 set -u
@@ -68,6 +69,10 @@ for section in "$@"; do
               --iters 5 --warmup 2 --profile --json-out "$OUT/profile8b.json"
             step profile-27b 300 python3 -m trainer bench step --preset qwen3.6-27b --shape seed --variants triton \
               --iters 4 --warmup 2 --profile --json-out "$OUT/profile27b.json" ;;
+    dist-small) step dist-small 260 python3 bench/gpu_pipeline.py --scale small --modes dual --engines threaded,dist \
+              --steps 200 --timeout-s 200 --budget-s 200 --log-dir /tmp/pipeline-dist ;;
+    dist-8b) step dist-8b 330 python3 bench/gpu_pipeline.py --scale 8b --modes dual --engines threaded,dist \
+              --steps 50 --timeout-s 240 --budget-s 260 --log-dir /tmp/pipeline-dist ;;
     pipeline-small) step pipeline-small 170 python3 bench/gpu_pipeline.py --scale small --steps 60 ;;
     *) echo "unknown section $section" >&2 ;;
   esac
