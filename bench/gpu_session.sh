@@ -3,7 +3,7 @@
 # Usage (on the GPU machine, repo root): bash bench/gpu_session.sh SECTION...   (logs under $OUT when set)
 # Session 3 calls: `verify pipeline-triton`, then `verify-pipeline pipeline-triton step8b-more` (the ten cold
 # two-drafter runs again after the stream fix), then `verify-pipeline pipeline-8b`.
-# Session 5 calls: `env profile dist-small`, then `dist-8b loss-kl` (recorded in bench/RESULTS.md).
+# Session 5 calls: `env profile dist-small`, then `step8b-adamw attn-tune dist-8b` (recorded in bench/RESULTS.md).
 # Session 4 calls: `env pipeline-transfer` (features via the device vs via pinned host memory), then
 # `pipeline-recheck`, then `auto-kernels` (all recorded in bench/RESULTS.md).
 set -u
@@ -69,6 +69,10 @@ for section in "$@"; do
               --iters 5 --warmup 2 --profile --json-out "$OUT/profile8b.json"
             step profile-27b 300 python3 -m trainer bench step --preset qwen3.6-27b --shape seed --variants triton \
               --iters 4 --warmup 2 --profile --json-out "$OUT/profile27b.json" ;;
+    step8b-adamw) step step8b-adamw 200 python3 -m trainer bench step --preset qwen3-8b --shape seed \
+              --variants triton,triton-foreach --iters 5 --warmup 2 --json-out "$OUT/step8b-adamw.json" ;;
+    attn-tune) step attn-tune 240 python3 -m trainer bench attention --preset qwen3-8b --shape seed --layers full \
+              --orders sorted --iters 5 --warmup 2 --flex-options "default;BLOCK_M1=64,BLOCK_N1=128,BLOCK_M2=128,BLOCK_N2=64,num_warps=8,num_stages=3;BLOCK_M1=32,BLOCK_N1=128,BLOCK_M2=128,BLOCK_N2=32,num_warps=4,num_stages=3;BLOCK_M1=64,BLOCK_N1=64,BLOCK_M2=64,BLOCK_N2=64,num_warps=4,num_stages=3;BLOCK_M1=64,BLOCK_N1=128,BLOCK_M2=128,BLOCK_N2=64,num_warps=8,num_stages=2;BLOCK_M1=32,BLOCK_N1=64,BLOCK_M2=64,BLOCK_N2=32,num_warps=4,num_stages=4" ;;
     dist-small) step dist-small 260 python3 bench/gpu_pipeline.py --scale small --modes dual --engines threaded,dist \
               --steps 200 --timeout-s 200 --budget-s 200 --log-dir /tmp/pipeline-dist ;;
     dist-8b) step dist-8b 330 python3 bench/gpu_pipeline.py --scale 8b --modes dual --engines threaded,dist \

@@ -40,6 +40,7 @@ VARIANTS = {
     "soft": "compiled, soft labels on (teacher logits recomputed from the target's final hidden)",
     "cap": "compiled, CAP term on (cap_lambda 0.1)",
     "triton": "compiled layers, loss through the fused Triton CE kernel (--loss-kernels triton; CUDA only)",
+    "triton-foreach": "as triton, with the foreach AdamW (--adamw foreach; the default before session 5)",
     "ckpt-loss": "compiled layers, loss = per-chunk torch.utils.checkpoint of logits+CE (the 3-4 GEMM baseline)",
     "act-ckpt": "compiled, activation checkpointing of every drafter layer (memory for time)",
 }
@@ -47,8 +48,9 @@ VARIANTS = {
 
 def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.device, args: argparse.Namespace) -> dict:
     # The loss kernels are explicit, so a variant measures the same thing whatever --loss-kernels auto picks.
-    kernels = {"triton": "triton", "eager": "eager"}.get(variant, "compiled")
-    extra = {"soft": ["--use-soft-labels"], "cap": ["--cap-lambda", "0.1"]}.get(variant, [])
+    kernels = {"triton": "triton", "triton-foreach": "triton", "eager": "eager"}.get(variant, "compiled")
+    extra = {"soft": ["--use-soft-labels"], "cap": ["--cap-lambda", "0.1"],
+             "triton-foreach": ["--adamw", "foreach"]}.get(variant, [])
     extra += ["--loss-kernels", kernels]
     cfg, dcfg = preset_config(preset, shape, extra)
     torch.manual_seed(0)
@@ -173,10 +175,15 @@ def bench_loss(args: argparse.Namespace, device: torch.device) -> list[dict]:
 
 
 def bench_attention(args: argparse.Namespace, device: torch.device) -> list[dict]:
-    """One attention layer's fwd+bwd through the drafter's attend(): sorted vs unsorted anchors."""
-    from trainer.model.attention import attend, build_draft_mask
+    """One attention layer's fwd+bwd (and fwd alone) through the drafter's attend(): sorted vs unsorted anchors,
+    full and sliding layers, and flex_attention kernel_options variants (--flex-options A;B;..., 'default' =
+    torch's own heuristics)."""
+    from trainer.model import attention
+    from trainer.model.attention import attend, build_draft_mask, parse_flex_options
 
     rows = []
+    layers = [(name, window) for name, window in [("full_attention", None), ("sliding_attention", 2048)]
+              if name.split("_")[0] in args.layers.split(",")]
     for shape_name in args.shape.split(","):
         shape = SHAPES[shape_name]
         _, dcfg = preset_config(args.preset, shape, [])
@@ -184,8 +191,8 @@ def bench_attention(args: argparse.Namespace, device: torch.device) -> list[dict
         backend = "flex" if device.type == "cuda" else "dense"
         Hq, Hkv, D = dcfg.num_attention_heads, dcfg.num_key_value_heads, dcfg.head_dim
         Q, K = shape.anchors * shape.block, shape.ctx + shape.anchors * shape.block
-        for layer_type, window in [("full_attention", None), ("sliding_attention", 2048)]:
-            for order in ("sorted", "unsorted"):
+        for layer_type, window in layers:
+            for order in args.orders.split(","):
                 batch = synthetic_batch(dcfg, shape, 7.0, device, sorted_anchors=order == "sorted")
                 mask = build_draft_mask(batch.anchors, batch.keep, shape.ctx, shape.block, sliding_window=window,
                                         backend=backend, layer_types=[layer_type])
@@ -196,13 +203,28 @@ def bench_attention(args: argparse.Namespace, device: torch.device) -> list[dict
                 def run() -> None:
                     attend(q, k, v, mask, layer_type).sum().backward()
 
-                t0 = time.perf_counter()
-                ms = statistics.median(time_ms(run, device, warmup=args.warmup, iters=args.iters))
-                log(f"- {shape_name} {layer_type} {order}: {ms:.2f} ms ({time.perf_counter() - t0:.0f} s incl. compile)")
-                rows.append({"shape": shape_name, "layer": layer_type.split("_")[0], "order": order, "ms": ms})
-    print(f"{'shape':<7} {'layer':<8} {'order':<9} {'fwd+bwd ms':>10}")
+                def forward() -> None:
+                    with torch.no_grad():
+                        attend(q, k, v, mask, layer_type)
+
+                for options_text in args.flex_options.split(";"):
+                    attention.FLEX_KERNEL_OPTIONS = parse_flex_options(options_text)
+                    t0 = time.perf_counter()
+                    try:
+                        ms = statistics.median(time_ms(run, device, warmup=args.warmup, iters=args.iters))
+                        fwd = statistics.median(time_ms(forward, device, warmup=1, iters=args.iters))
+                    except Exception as exc:  # noqa: BLE001 - a config the kernel cannot take: say so, go on
+                        log(f"- {options_text}: failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+                        ms = fwd = float("nan")
+                    log(f"- {shape_name} {layer_type} {order} [{options_text}]: {ms:.2f} ms fwd+bwd, {fwd:.2f} fwd "
+                        f"({time.perf_counter() - t0:.0f} s incl. compile)")
+                    rows.append({"shape": shape_name, "layer": layer_type.split("_")[0], "order": order, "ms": ms,
+                                 "fwd_ms": fwd, "options": options_text})
+    attention.FLEX_KERNEL_OPTIONS = None
+    print(f"{'shape':<7} {'layer':<8} {'order':<9} {'fwd+bwd ms':>10} {'fwd ms':>7} {'bwd ms':>7}  flex options")
     for r in rows:
-        print(f"{r['shape']:<7} {r['layer']:<8} {r['order']:<9} {r['ms']:10.2f}")
+        print(f"{r['shape']:<7} {r['layer']:<8} {r['order']:<9} {r['ms']:10.2f} {r['fwd_ms']:7.2f} "
+              f"{r['ms'] - r['fwd_ms']:7.2f}  {r['options']}")
     return rows
 
 
@@ -273,8 +295,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--target-intermediate", type=int, default=0,
                         help="pipeline: the random target's MLP width (default 3 x hidden; Qwen3-8B: 12288)")
     parser.add_argument("--json-out", help="also write the rows as JSON to this file (default: none)")
+    parser.add_argument("--flex-options", default="default",
+                        help="attention: ';'-separated flex_attention kernel_options variants, each 'default' or "
+                             "KEY=VALUE,... (default: %(default)s)")
+    parser.add_argument("--layers", default="full,sliding", help="attention: full,sliding (default: %(default)s)")
+    parser.add_argument("--orders", default="sorted,unsorted", help="attention: sorted,unsorted (default: %(default)s)")
     parser.add_argument("--profile", action="store_true",
-                        help="step: after timing, profile 3 steps and print where the time goes (CUDA only)")
+                        help="step: after timing, profile 3 steps and print where the time goes (CUDA only; default: off)")
     parser.add_argument("--stacks-every", type=float, default=0,
                         help="dump every thread's stack every N s to stderr (default: 0, never)")
     args = parser.parse_args(argv)

@@ -63,6 +63,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 # --loss-kernels: the per-chunk element-wise kernels of the loss (trainer/loss.py make_chunk_kernels).
 # triton = one fused Triton kernel per chunk for CE (+CAP); soft labels keep the compiled kernels.
 LOSS_KERNELS = ("auto", "compiled", "eager", "triton")
+ADAMW_IMPLS = ("auto", "fused", "foreach")
 
 
 @dataclass
@@ -93,6 +94,7 @@ class TrainConfig:
     lr: float = 6e-4
     warmup_ratio: float = 0.04
     weight_decay: float = 0.0
+    adamw: str = "auto"  # auto: torch's fused AdamW kernel for CUDA drafters, foreach elsewhere
     grad_accum: int = 1
     grad_clip: float = 1.0
     seed: int = 0
@@ -179,6 +181,7 @@ class TrainConfig:
         need(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
         need(0 <= self.warmup_ratio < 1, "warmup-ratio", f"must be in [0, 1), got {self.warmup_ratio}")
         need(self.weight_decay >= 0, "weight-decay", f"must be >= 0, got {self.weight_decay}")
+        need(self.adamw in ADAMW_IMPLS, "adamw", f"must be one of {', '.join(ADAMW_IMPLS)}, got {self.adamw!r}")
         need(self.grad_accum >= 1, "grad-accum", f"must be >= 1, got {self.grad_accum}")
         need(self.grad_clip >= 0, "grad-clip", f"must be >= 0 (0 disables clipping), got {self.grad_clip}")
         need(self.noise_type in ("uniform", "gaussian"), "noise-type", f"must be uniform or gaussian, got {self.noise_type!r}")
@@ -284,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     types = {"target_gpus": _devices, "drafter_gpus": _devices, "target_layer_ids": _int_list,
              "use_soft_labels": _bool, "pipeline": _bool, "enable_thinking": _bool,
              "activation_checkpointing": _bool}
-    choices = {"preset": tuple(PRESETS), "loss_kernels": LOSS_KERNELS, "wandb": WANDB_MODES, "sync": SYNC_MODES,
+    choices = {"preset": tuple(PRESETS), "loss_kernels": LOSS_KERNELS, "adamw": ADAMW_IMPLS, "wandb": WANDB_MODES, "sync": SYNC_MODES,
                "feature_transfer": TRANSFER_MODES, "noise_type": NOISE_TYPES}
     metavars = {"target_gpus": "DEVICES", "drafter_gpus": "DEVICES", "target_layer_ids": "IDS",
                 "resume": "auto|never|PATH", "target_model": "DIR", "data_dir": "DIR", "output_dir": "DIR",

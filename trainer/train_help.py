@@ -71,6 +71,8 @@ FLAG_HELP: dict[str, str] = {
     "lr": "peak AdamW learning rate (linear warm-up, then cosine to 0 at the last step)",
     "warmup_ratio": "fraction of the run's steps spent in linear LR warm-up",
     "weight_decay": "AdamW weight decay",
+    "adamw": "AdamW implementation: auto = torch's fused kernel for CUDA drafters (one kernel family instead of "
+             "a foreach chain of launches), torch's default elsewhere",
     "grad_accum": "micro-batches per optimizer step (the loss is normalised over the whole step)",
     "grad_clip": "clip the gradient norm to this (0 disables clipping)",
     "seed": "seed of the drafter's init, the data order, the anchors, the feature noise and synthetic data",

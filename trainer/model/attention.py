@@ -28,6 +28,7 @@ Back-ends:
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Literal
 
@@ -135,6 +136,29 @@ def dense_mask(anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, block_si
 
 
 _COMPILED_FLEX: dict = {}  # (device, replica scope) -> private compiled flex_attention (trainer.compile_scope)
+
+FLEX_OPTIONS_ENV = "DFLASH_FLEX_OPTIONS"
+
+
+def parse_flex_options(text: str) -> dict[str, int | bool] | None:
+    """'BLOCK_M1=32,BLOCK_N1=128,num_warps=4' -> flex_attention kernel_options (None for '' or 'default').
+    For experiments (bench attention --flex-options); a bad item raises ValueError naming it."""
+    text = text.strip()
+    if text in ("", "default"):
+        return None
+    options: dict[str, int | bool] = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"flex option {item!r}: expected KEY=VALUE")
+        value = value.strip()
+        options[key.strip()] = value.lower() == "true" if value.lower() in ("true", "false") else int(value)
+    return options
+
+
+# kernel_options for every flex_attention call (None: torch's own heuristics), from $DFLASH_FLEX_OPTIONS at import;
+# benchmarks may set it before compiling. A new value recompiles (dynamo guards on the dict's contents).
+FLEX_KERNEL_OPTIONS: dict[str, int | bool] | None = parse_flex_options(os.environ.get(FLEX_OPTIONS_ENV, ""))
 
 
 def compiled_flex_attention(device: torch.device) -> Callable[..., torch.Tensor]:
@@ -279,6 +303,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DraftMask, l
         # Inside a compiled layer the plain function is traced into the layer's graph; outside, the replica's
         # own compiled copy runs.
         flex = flex_attention if torch.compiler.is_compiling() else compiled_flex_attention(q.device)
+        if FLEX_KERNEL_OPTIONS is not None:
+            return flex(q, k, v, block_mask=mask.flex[layer_type], enable_gqa=gqa, kernel_options=FLEX_KERNEL_OPTIONS)
         return flex(q, k, v, block_mask=mask.flex[layer_type], enable_gqa=gqa)
     if layer_type not in mask.dense:
         raise KeyError(f"mask has no {layer_type!r} entry (built for {sorted(mask.dense)})")
