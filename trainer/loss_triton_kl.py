@@ -317,15 +317,15 @@ def ce_kl_grad(logits: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor
                kl_ratio: torch.Tensor, *, temperature: float, out: torch.Tensor | None = None,
                config: CEKernelConfig | None = None) -> torch.Tensor:
     """Pass 2 only: g = (p - y) + kl_ratio[:, None] * (p_T - q_T) from ``ce_kl_stats``'s row_state (same
-    logits, teacher and temperature); kl_ratio [C] fp32. Written into ``out`` (may be ``teacher``) if given."""
+    logits, teacher and temperature); kl_ratio [C] (used in fp32). Written into ``out`` (may be ``teacher``)."""
     _check(logits, teacher, labels, temperature)
     logits, teacher = _rows_contiguous(logits), _rows_contiguous(teacher)
     rows = logits.shape[0]
     if row_state.shape != (rows, ROW_STATE_WIDTH) or row_state.dtype != torch.float32 or not row_state.is_contiguous():
         raise ValueError(f"row_state must be the contiguous [{rows}, {ROW_STATE_WIDTH}] fp32 state of ce_kl_stats")
-    if kl_ratio.shape != (rows,) or kl_ratio.dtype != torch.float32:
-        raise ValueError(f"kl_ratio must be [{rows}] fp32 (got {tuple(kl_ratio.shape)} {kl_ratio.dtype})")
+    if kl_ratio.shape != (rows,) or not kl_ratio.is_floating_point():
+        raise ValueError(f"kl_ratio must be a [{rows}] float tensor (got {tuple(kl_ratio.shape)} {kl_ratio.dtype})")
     grad = _grad_buffer(logits, out)
-    _launch(logits, teacher, labels, grad=grad, ratio=kl_ratio.contiguous(), row_state=row_state,
+    _launch(logits, teacher, labels, grad=grad, ratio=kl_ratio.to(torch.float32).contiguous(), row_state=row_state,
             temperature=temperature, stats=False, config=config or DEFAULT_CONFIG)
     return grad
