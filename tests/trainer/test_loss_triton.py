@@ -281,3 +281,26 @@ def test_soft_label_loss_with_a_bf16_head_matches_the_eager_path(interpreted, na
     assert got["correct"].tolist() == eager.correct.tolist()
     relative = (got["grad"] - hidden.grad).norm() / hidden.grad.norm()
     assert relative < 1e-2, relative
+
+
+def test_loss_gemm_bench_runs_soft_labels_on_the_triton_kernels():
+    """bench/loss_gemm.py (what the H200 run uses) end to end at a tiny shape, triton interpreted, --profile
+    included: one row per term for the triton kernels (the KL config labels the soft-label rows), each matching
+    the eager gradient, and the summary table (best row per term and kernels) is the last thing printed."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
+    command = [sys.executable, str(REPO / "bench" / "loss_gemm.py"), "--device", "cpu", "--rows", "32", "--hidden",
+               "16", "--vocab", "37", "--block-size", "4", "--chunks", "12", "--kernels", "eager,triton",
+               "--terms", "ce,ce-kl,ce-kl-cap", "--triton-configs", TILED, "--kl-triton-configs", PERSISTENT,
+               "--repeats", "1", "--profile"]
+    out = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-6000:]
+    lines = out.stdout.strip().splitlines()
+    rows = [line.split() for line in lines if line.split()[:2] in (["12", f"triton[{TILED}]"],
+                                                                   ["12", f"triton[{PERSISTENT}]"])]
+    assert [row[2] for row in rows] == ["ce", "ce-kl", "ce-kl-cap"]
+    assert all(float(row[-2]) < 1e-5 for row in rows), rows  # gradient vs the eager kernels (relative L2)
+    summary = lines[-8:]
+    assert summary[0].startswith("summary") and summary[1].split()[:2] == ["terms", "kernels"]
+    assert [line.split()[:2] for line in summary[2:]] == [
+        ["ce", "eager"], ["ce", f"triton[{TILED}]"], ["ce-kl", "eager"], ["ce-kl", f"triton[{PERSISTENT}]"],
+        ["ce-kl-cap", "eager"], ["ce-kl-cap", f"triton[{PERSISTENT}]"]]
