@@ -33,11 +33,17 @@ at 2.27-2.34 GEMM-eq on the H200. ``make_chunk_kernels("triton")`` does CE and C
 per chunk (trainer/loss_triton.py: row statistics, then g = softmax - onehot re-reading the same row, from
 L2 when the rows in flight fit). Its g is unscaled, so the per-row coefficient (w/normalizer + CAP's)
 scales the rows of the input-gradient GEMM's output instead: diag(c) (P - Y) W = ((P - Y) W) * c[:, None].
-Soft labels (kl_weight > 0) always take the two-kernel path (compiled, for "triton" kernels): the fused
-kernel has no KL term. Measured on the H200 (Qwen3-8B head, bf16): CE 2.25 GEMM-eq at chunk 1728 and 2.14
-at chunk 4096, against 2.34 and 2.31 compiled (the element-wise work drops from ~0.42 to ~0.19 GEMM-eq;
-larger chunks also help the GEMMs; with triton kernels there is no fp32 [C, V] temporary at all).
-bench/loss_gemm.py measures all of them.
+Measured on the H200 (Qwen3-8B head, bf16): CE 2.25 GEMM-eq at chunk 1728 and 2.14 at chunk 4096, against
+2.34 and 2.31 compiled (the element-wise work drops from ~0.42 to ~0.19 GEMM-eq; larger chunks also help the
+GEMMs; with triton kernels there is no fp32 [C, V] temporary at all).
+Soft labels with "triton" kernels (trainer/loss_triton_kl.py): CE+KL is ONE kernel per chunk reading the
+student's and the teacher's logits (statistics, KL, then g = (softmax - onehot) + kl_weight*T*(softmax_T -
+teacher_T), unscaled like the CE kernel's: without CAP the KL coefficient over the CE coefficient is the
+constant kl_weight * T on every row), writing g over the teacher logits (two bf16 [C, V] buffers, as for CE).
+CE+KL+CAP cannot use a constant ratio (CAP's coefficient needs the block's CEs first), so it runs the same
+kernel as two launches, statistics then gradient with the per-row ratio k_i / c_i; that costs the re-read
+from HBM the fused launch partly gets from L2. Predicted on the H200, not measured yet (bench/RESULTS.md):
+CE+KL ~3.2 GEMM-eq at chunk 4096 against 3.61 compiled at 1728. bench/loss_gemm.py measures all of them.
 """
 
 from __future__ import annotations
@@ -141,9 +147,10 @@ def default_chunk_rows(vocab_size: int, block_size: int, budget_bytes: int = 1 <
 
 
 def fused_chunk_rows(vocab_size: int, block_size: int, budget_bytes: int = 5 << 29) -> int:
-    """Rows per chunk for the fused Triton kernel: 4096 (H200, V=151936: 2.14 GEMM-eq against 2.25 at the
-    1728-row default, because the input-gradient GEMM [C, V] x [V, H] fills its waves better), fewer when its
-    two bf16 [C, V] buffers (logits, gradient) would pass `budget_bytes` (2.5 GiB), whole blocks."""
+    """Rows per chunk for the fused Triton kernels: 4096 (H200, V=151936, CE: 2.14 GEMM-eq against 2.25 at the
+    1728-row default, because the input-gradient GEMM [C, V] x [V, H] fills its waves better), fewer when the
+    two bf16 [C, V] buffers would pass `budget_bytes` (2.5 GiB), whole blocks. The buffers: logits and gradient
+    for CE; logits and teacher logits for soft labels (the gradient is written over the teacher logits)."""
     return min(4096 // block_size * block_size, default_chunk_rows(vocab_size, block_size, budget_bytes))
 
 

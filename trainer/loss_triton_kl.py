@@ -37,13 +37,16 @@ power, i.e. multiplies; else its own exp), q_T = exp((t - m_t)/T) / s_t.
 Cost per [C, V] element (the GEMMs write x and t and read g themselves):
   bytes: pass 1 reads x and t (4 B from HBM), pass 2 re-reads them (4 B, an L2 hit only while the rows in
   flight fit: a row of x and t is 2 * V * 2 B = 608 KB at V=151936, so ~132 rows in flight (one per SM) are
-  80 MB against the H200's 50-60 MB of L2: expect mostly HBM) and writes g (2 B): 6-10 B, against 10-12 B in
-  two or three launches for the torch.compile'd kernels (which also read t once more for its logsumexp).
+  80 MB against the H200's 50-60 MB of L2: expect mostly HBM; pass-1 loads are marked evict_last, pass-2
+  loads evict_first and g's stores streaming, as in the CE kernel) and writes g (2 B): 6-10 B, against an
+  estimated 10-12 B in two or more launches for the torch.compile'd kernels (statistics read x; the gradient
+  kernel reads x and t, t once more for the teacher's logsumexp, and writes g).
   exps: 4 per element at an integer temperature (T = 2, the seed's: 2 in each pass), 6 otherwise. At ~4.2 T
   MUFU exp/s on the H200 that is ~1 ps per element, under the ~2.3-2.9 ps of 8-10 B at 3.5-4.3 TB/s, and ~38
   fp32 ALU operations per element (~1.1 ps) overlap with both, so the kernel should be memory-bound. One
   GEMM-equivalent at H=4096 is ~11.6 ps per element (8192 FLOP at ~700 TFLOP/s achieved), so the ideal is
-  ~0.2-0.25 GEMM-eq. Not measured yet: see bench/RESULTS.md, "CE+KL with fused Triton kernels (prediction)".
+  ~0.2-0.25 GEMM-eq. Not measured yet: bench/RESULTS.md, "issue 19 item 1: CE+KL with fused Triton kernels
+  (prediction, not yet measured)" has the prediction and the command.
 
 Launch config: ``CEKernelConfig`` (BLOCK_V:NUM_WARPS[:PROGRAMS_PER_SM], trainer/loss_triton.py), default
 2048:8:0 (the per-lane accumulators are 4 fp32 vectors: 2048 columns over 256 threads keep ~8 values each, and
