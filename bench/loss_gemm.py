@@ -4,7 +4,7 @@
     # --kl-temperature 2.0 are the defaults here):
     python bench/loss_gemm.py --device cuda --rows 32832 --hidden 4096 --vocab 151936 --block-size 32 \\
         --chunks 4096,1728 --kernels compiled,triton --terms ce,ce-kl,ce-kl-cap \\
-        --kl-triton-configs 2048:8:0,4096:8:0,4096:16:0,8192:16:1 --repeats 5 --profile
+        --kl-triton-configs 1024:4:0,2048:4:0,2048:8:0,512:4:0,4096:16:0,4096:16:1 --repeats 5 --profile
     python bench/loss_gemm.py --device cuda                      # 27B-style shape, compiled + triton
     .venv/bin/python bench/loss_gemm.py --rows 1024 --vocab 8192 --chunks 128,256 --kernels eager   # CPU smoke
 

@@ -49,10 +49,15 @@ Cost per [C, V] element (the GEMMs write x and t and read g themselves):
   (prediction, not yet measured)" has the prediction and the command.
 
 Launch config: ``CEKernelConfig`` (BLOCK_V:NUM_WARPS[:PROGRAMS_PER_SM], trainer/loss_triton.py), default
-2048:8:0 (the per-lane accumulators are 4 fp32 vectors: 2048 columns over 256 threads keep ~8 values each, and
-a register budget that leaves two programs per SM), overridable through $DFLASH_KL_TRITON or
-``make_chunk_kernels(..., kl_triton_config=...)``. Each (dtype, BLOCK_V, num_warps, T power, pass set) compiles
-once per device; rows are not specialised (the short last chunk does not recompile).
+1024:4:0, overridable through $DFLASH_KL_TRITON or ``make_chunk_kernels(..., kl_triton_config=...)``. Chosen
+from registers, not timings (none yet): compiled offline for sm_90 with triton 3.6 (ptxas via cuobjdump), the
+one-launch kernel needs 96 registers at 1024:4 (8 columns per thread: the 4 per-lane accumulators, two tiles
+of x and t), so 5 programs (20 warps, ~40 KB of loads in flight) fit on an SM; 2048:8 needs 101 (2 programs,
+~32 KB), 4096:16 101 (1 program), 512:4 72 (7 programs, ~28 KB), 2048:4 168 (3 programs, ~48 KB), 4096:8 179
+(1 program) and 8192:16 spills. The more loads in flight per SM, the closer a streaming kernel gets to HBM
+speed (bench/RESULTS.md has the table; tests/trainer/test_loss_triton.py fails if the default spills). Each
+(dtype, BLOCK_V, num_warps, T power, pass set) compiles once per device; rows are not specialised (the short
+last chunk does not recompile).
 Triton is imported at the first call (trainer/loss_triton.py explains why and how the CPU tests interpret it).
 """
 
@@ -67,7 +72,7 @@ import torch
 from trainer.loss_triton import CEKernelConfig, TritonUnavailableError, _interpreting, _sm_count
 
 ENV_CONFIG = "DFLASH_KL_TRITON"
-DEFAULT_CONFIG = CEKernelConfig(block_v=2048, num_warps=8, programs_per_sm=0)
+DEFAULT_CONFIG = CEKernelConfig(block_v=1024, num_warps=4, programs_per_sm=0)
 ROW_STATE_WIDTH = 5  # per row: m_x, m_t, s, s_T, s_t (fp32), pass 1 -> pass 2 in the two-launch mode
 MAX_INTEGER_POWER = 4  # exp(d) = exp(d/T)^T by T-1 multiplies for T = 1..4; other T pay one more exp
 
