@@ -105,8 +105,8 @@ def _kernel():
         raise TritonUnavailableError(
             "the triton loss kernels need the triton package (CUDA torch wheels bring it)") from exc
 
-    # Triton resolves a kernel's callees through its module's globals (a closure is not seen): publish the
-    # jitted combine function and `tl` there, before the kernel is defined.
+    # Triton's interpreter looks a kernel's callees up in its module's globals, not in this closure: publish the
+    # jitted combine function and `tl` there, before the kernel is defined (the compiler finds them there too).
     globals().update(tl=tl, _max_first_index_and_max=triton.jit(_max_first_index_and_max_combine))
 
     @triton.jit(do_not_specialize=["n_rows"])
@@ -122,7 +122,7 @@ def _kernel():
         while row < n_rows:  # a while loop: see trainer/loss_triton.py (interpreter, triton#9171)
             x_row = x_ptr + row.to(tl.int64) * x_stride
             t_row = t_ptr + row.to(tl.int64) * t_stride
-            state_row = state_ptr + row.to(tl.int64) * 5
+            state_row = state_ptr + row.to(tl.int64) * 5  # ROW_STATE_WIDTH
             label = tl.load(labels_ptr + row).to(tl.int32)
             if STATS:
                 m_x = tl.full((), float("-inf"), tl.float32)
