@@ -33,11 +33,17 @@ at 2.27-2.34 GEMM-eq on the H200. ``make_chunk_kernels("triton")`` does CE and C
 per chunk (trainer/loss_triton.py: row statistics, then g = softmax - onehot re-reading the same row, from
 L2 when the rows in flight fit). Its g is unscaled, so the per-row coefficient (w/normalizer + CAP's)
 scales the rows of the input-gradient GEMM's output instead: diag(c) (P - Y) W = ((P - Y) W) * c[:, None].
-Soft labels (kl_weight > 0) always take the two-kernel path (compiled, for "triton" kernels): the fused
-kernel has no KL term. Measured on the H200 (Qwen3-8B head, bf16): CE 2.25 GEMM-eq at chunk 1728 and 2.14
-at chunk 4096, against 2.34 and 2.31 compiled (the element-wise work drops from ~0.42 to ~0.19 GEMM-eq;
-larger chunks also help the GEMMs; with triton kernels there is no fp32 [C, V] temporary at all).
-bench/loss_gemm.py measures all of them.
+Measured on the H200 (Qwen3-8B head, bf16): CE 2.25 GEMM-eq at chunk 1728 and 2.14 at chunk 4096, against
+2.34 and 2.31 compiled (the element-wise work drops from ~0.42 to ~0.19 GEMM-eq; larger chunks also help the
+GEMMs; with triton kernels there is no fp32 [C, V] temporary at all).
+Soft labels with "triton" kernels (trainer/loss_triton_kl.py): CE+KL is ONE kernel per chunk reading the
+student's and the teacher's logits (statistics, KL, then g = (softmax - onehot) + kl_weight*T*(softmax_T -
+teacher_T), unscaled like the CE kernel's: without CAP the KL coefficient over the CE coefficient is the
+constant kl_weight * T on every row), writing g over the teacher logits (two bf16 [C, V] buffers, as for CE).
+CE+KL+CAP cannot use a constant ratio (CAP's coefficient needs the block's CEs first), so it runs the same
+kernel as two launches, statistics then gradient with the per-row ratio k_i / c_i; that costs the re-read
+from HBM the fused launch partly gets from L2. Predicted on the H200, not measured yet (bench/RESULTS.md):
+CE+KL ~3.2 GEMM-eq at chunk 4096 against 3.61 compiled at 1728. bench/loss_gemm.py measures all of them.
 """
 
 from __future__ import annotations
@@ -141,9 +147,10 @@ def default_chunk_rows(vocab_size: int, block_size: int, budget_bytes: int = 1 <
 
 
 def fused_chunk_rows(vocab_size: int, block_size: int, budget_bytes: int = 5 << 29) -> int:
-    """Rows per chunk for the fused Triton kernel: 4096 (H200, V=151936: 2.14 GEMM-eq against 2.25 at the
-    1728-row default, because the input-gradient GEMM [C, V] x [V, H] fills its waves better), fewer when its
-    two bf16 [C, V] buffers (logits, gradient) would pass `budget_bytes` (2.5 GiB), whole blocks."""
+    """Rows per chunk for the fused Triton kernels: 4096 (H200, V=151936, CE: 2.14 GEMM-eq against 2.25 at the
+    1728-row default, because the input-gradient GEMM [C, V] x [V, H] fills its waves better), fewer when the
+    two bf16 [C, V] buffers would pass `budget_bytes` (2.5 GiB), whole blocks. The buffers: logits and gradient
+    for CE; logits and teacher logits for soft labels (the gradient is written over the teacher logits)."""
     return min(4096 // block_size * block_size, default_chunk_rows(vocab_size, block_size, budget_bytes))
 
 
@@ -211,12 +218,33 @@ class ChunkKernels:
     them (one per device / worker thread, warmed up before threads start, METHOD.md 6), never a process-wide
     singleton. Each distinct chunk shape (usually full chunks + one short last chunk) compiles once; the
     soft-label variant compiles separately. ``fused_ce`` (set by ``make_chunk_kernels("triton")``) replaces
-    both for CE and CE+CAP: one kernel returning (unscaled softmax - onehot, lse, ce, argmax)."""
+    both for CE and CE+CAP: one kernel returning (unscaled softmax - onehot, lse, ce, argmax); ``soft_label``
+    (set by the same) replaces them with soft labels (CE+KL, CE+KL+CAP)."""
 
     stats: Callable[..., tuple] = _student_stats
     logit_grad: Callable[..., tuple] = _logit_grad
     fused_ce: Callable[..., tuple] | None = None
+    soft_label: SoftLabelKernels | None = None
     kind: str = "eager"
+
+
+@dataclass(frozen=True)
+class SoftLabelKernels:
+    """Fused per-chunk kernels for soft labels (trainer/loss_triton_kl.py has the full contract). With
+    x = logits, t = teacher logits, p = softmax(x), p_T = softmax(x/T), q_T = softmax(t/T), y = onehot(label):
+
+    fused(x, t, labels, *, temperature, kl_ratio: float, want_grad, out) -> (g | None, lse, ce, kl, argmax)
+    stats(x, t, labels, *, temperature) -> (row_state, lse, ce, kl, argmax)
+    grad(x, t, labels, row_state, kl_ratio: [C] tensor, *, temperature, out) -> g
+
+    g = (p - y) + kl_ratio * (p_T - q_T) in the logits' dtype, UNSCALED in the CE direction (the loss scales
+    the rows of g @ W by the CE coefficient afterwards); kl = KL(q_T || p_T) per row; ``out`` receives g and
+    may be t itself. ``fused`` is one launch for CE+KL, where kl_ratio = kl_weight * T on every row; CE+KL+CAP
+    runs ``stats``, then CAP's coefficients, then ``grad`` with the per-row ratio (two launches)."""
+
+    fused: Callable[..., tuple]
+    stats: Callable[..., tuple]
+    grad: Callable[..., torch.Tensor]
 
 
 def _compiled_stats_and_grad(backend: str = "inductor") -> tuple[Callable[..., tuple], Callable[..., tuple]]:
@@ -253,12 +281,14 @@ def resolve_loss_kernels(requested: str, device: torch.device, compiled: bool) -
 
 
 def make_chunk_kernels(kind: str = "eager", *, triton_config: str | None = None,
-                       compile_backend: str = "inductor") -> ChunkKernels:
+                       kl_triton_config: str | None = None, compile_backend: str = "inductor") -> ChunkKernels:
     """Kernels by kind (KERNEL_KINDS). eager: plain torch ops. compiled: new torch.compile'd functions
-    (compiled lazily at the first call). triton: the fused Triton CE kernel (needs the triton package and a
-    CUDA device) for CE and CE+CAP, plus compiled kernels for soft labels; its launch config is
-    ``triton_config`` ("BLOCK_V:NUM_WARPS[:PROGRAMS_PER_SM]"), else $DFLASH_CE_TRITON, else the default
-    (trainer/loss_triton.py)."""
+    (compiled lazily at the first call). triton (needs the triton package and a CUDA device): the fused Triton
+    CE kernel for CE and CE+CAP, launch config ``triton_config`` ("BLOCK_V:NUM_WARPS[:PROGRAMS_PER_SM]"), else
+    $DFLASH_CE_TRITON, else trainer/loss_triton.py's default; and the fused CE+KL kernels for soft labels
+    (CE+KL and CE+KL+CAP), config ``kl_triton_config``, else $DFLASH_KL_TRITON, else
+    trainer/loss_triton_kl.py's default. (Its stats/logit_grad are compiled kernels that dflash_loss no longer
+    calls: every combination of terms has a fused kernel; float64 logits are refused by both kernels.)"""
     if kind == "eager":
         return ChunkKernels()
     if kind == "compiled":
@@ -271,9 +301,17 @@ def make_chunk_kernels(kind: str = "eager", *, triton_config: str | None = None,
                 "the triton loss kernels need the triton package (CUDA torch wheels bring it)")
         config = (loss_triton.CEKernelConfig.parse(triton_config) if triton_config
                   else loss_triton.CEKernelConfig.from_env())
+        from trainer import loss_triton_kl
+
         fused = functools.partial(loss_triton.fused_ce, config=config)
+        kl_config = (loss_triton.CEKernelConfig.parse(kl_triton_config) if kl_triton_config
+                     else loss_triton_kl.config_from_env())
+        soft_label = SoftLabelKernels(fused=functools.partial(loss_triton_kl.fused_ce_kl, config=kl_config),
+                                      stats=functools.partial(loss_triton_kl.ce_kl_stats, config=kl_config),
+                                      grad=functools.partial(loss_triton_kl.ce_kl_grad, config=kl_config))
         compiled = make_chunk_kernels("compiled", compile_backend=compile_backend)
-        return ChunkKernels(stats=compiled.stats, logit_grad=compiled.logit_grad, fused_ce=fused, kind="triton")
+        return ChunkKernels(stats=compiled.stats, logit_grad=compiled.logit_grad, fused_ce=fused,
+                            soft_label=soft_label, kind="triton")
     raise ValueError(f"unknown loss kernels {kind!r}: one of {', '.join(KERNEL_KINDS)}")
 
 
@@ -327,8 +365,8 @@ def dflash_loss(
     autocast is switched off inside), labels [M] int64 (any value where weights == 0), weights [M] float
     (w_k * mask, 0 on slot 0). teacher_hidden [M, H]: the target's final hidden at p+k-1, required when
     kl_weight > 0. chunk_size: rows per chunk, rounded down to whole blocks (default: ~1 GiB fp32 logits).
-    kernels: the per-chunk element-wise functions (default eager; see ``make_chunk_kernels``); kernels with
-    ``fused_ce`` are used for it when kl_weight == 0, the two-kernel path otherwise.
+    kernels: the per-chunk element-wise functions (default eager; see ``make_chunk_kernels``): ``fused_ce``
+    when kl_weight == 0, ``soft_label`` when kl_weight > 0, where set; the stats + logit_grad path otherwise.
     The d/d hidden GEMM is skipped when hidden does not require grad (eval).
     """
     _check_inputs(hidden, lm_head_weight, labels, weights, teacher_hidden, block_size, normalizer,
@@ -336,7 +374,9 @@ def dflash_loss(
     rows, vocab = hidden.shape[0], lm_head_weight.shape[0]
     use_kl, use_cap = kl_weight > 0, cap_lambda > 0
     kernels = kernels or ChunkKernels()
-    fused = kernels.fused_ce is not None and not use_kl  # the fused kernel knows no soft labels
+    soft = kernels.soft_label if use_kl else None
+    fused_ce = kernels.fused_ce is not None and not use_kl
+    fused = fused_ce or soft is not None  # a fused kernel writes g unscaled: the row scale follows GEMM 2
     if chunk_size is None:
         chunk = fused_chunk_rows(vocab, block_size) if fused else default_chunk_rows(vocab, block_size)
     else:
@@ -347,6 +387,7 @@ def dflash_loss(
     cap_scale = cap_lambda / num_blocks_normalizer if num_blocks_normalizer > 0 else 0.0
     gemm_dtype = lm_head_weight.dtype
     acc_dtype = torch.promote_types(gemm_dtype, torch.float32)
+    kl_ratio = kl_weight * kl_temperature  # KL coefficient / CE coefficient on every row while CAP is off
 
     slot = torch.arange(rows, device=hidden.device) % block_size
     valid = (weights > 0) & (slot > 0)
@@ -363,7 +404,19 @@ def dflash_loss(
             h = hidden[start:end].detach().to(gemm_dtype)
             lab, w = safe_labels[start:end], weights_acc[start:end]
             logits = h @ lm_head_weight.T  # GEMM 1
-            if fused:  # one kernel: statistics and the UNSCALED g = softmax - onehot (scaled after GEMM 2)
+            teacher_logits = kl_coef = row_state = grad_logits = None
+            if use_kl:
+                assert teacher_hidden is not None
+                teacher_logits = teacher_hidden[start:end].detach().to(gemm_dtype) @ lm_head_weight.T  # GEMM 3
+                kl_coef = w * (inv_norm * kl_weight * kl_temperature)
+            if soft is not None and not use_cap and grad_hidden is not None:
+                # one kernel: statistics, KL and the UNSCALED g, written over the teacher logits (each element
+                # is read before it is overwritten), so soft labels need no third [C, V] buffer
+                grad_logits, lse, ce, kl, argmax = soft.fused(logits, teacher_logits, lab, temperature=kl_temperature,
+                                                              kl_ratio=kl_ratio, want_grad=True, out=teacher_logits)
+            elif soft is not None:  # CAP needs every CE of the chunk before g (or eval: no g at all)
+                row_state, lse, ce, kl, argmax = soft.stats(logits, teacher_logits, lab, temperature=kl_temperature)
+            elif fused_ce:  # one kernel: statistics and the UNSCALED g = softmax - onehot (scaled after GEMM 2)
                 grad_logits, lse, ce, argmax = kernels.fused_ce(logits, lab, want_grad=grad_hidden is not None)
             else:
                 lse, ce, argmax, lse_t = kernels.stats(logits, lab, kl_temperature, use_kl)
@@ -374,12 +427,15 @@ def dflash_loss(
                 block_cap, cap_coef = _cap_coefficients(ce, valid[start:end], block_size, cap_scale)
                 cap_sum += block_cap
                 ce_coef = ce_coef + cap_coef
-            teacher_logits = kl_coef = None
-            if use_kl:
-                assert teacher_hidden is not None
-                teacher_logits = teacher_hidden[start:end].detach().to(gemm_dtype) @ lm_head_weight.T  # GEMM 3
-                kl_coef = w * (inv_norm * kl_weight * kl_temperature)
-            if not fused:
+            if soft is not None:
+                kl_sum += (w * kl).sum()
+                if row_state is not None and grad_hidden is not None:
+                    # c_i (p - y) + k_i (p_T - q_T) = c_i [(p - y) + (k_i / c_i)(p_T - q_T)]; k_i = 0 wherever
+                    # c_i = 0 (both carry w_i / normalizer and CAP's part is >= 0), so the ratio is 0 there
+                    ratio = torch.where(ce_coef > 0, kl_coef / ce_coef, 0.0)
+                    grad_logits = soft.grad(logits, teacher_logits, lab, row_state, ratio,
+                                            temperature=kl_temperature, out=teacher_logits)
+            elif not fused:
                 grad_logits, kl = kernels.logit_grad(logits, lab, lse, ce_coef, teacher_logits, lse_t, kl_coef,
                                                      kl_temperature)
                 if kl is not None:

@@ -10,7 +10,8 @@ All statistics are accumulated in fp32, whatever the logits' dtype (float64 logi
 eager/compiled kernels for those). Because g is unscaled, the per-row coefficient (w/normalizer, plus CAP's
 coefficient, which needs the CE of the whole block first) is applied after the input-gradient GEMM as a row
 scale: diag(c) (P - Y) W = (g @ W) * c[:, None], exact algebra, and it keeps CAP working with one kernel.
-Soft labels (KL) are NOT handled here: the loss keeps its two-kernel path for them (see trainer/loss.py).
+Soft labels (KL) are handled by the sibling kernel in trainer/loss_triton_kl.py (same launch config class,
+same row loop, the same unscaled-g contract with a KL term added).
 
 The kernel, one row per program iteration:
   pass 1 over V in tiles of BLOCK_V: online max / sum-exp in fp32 (one exp per element; the tile's max and

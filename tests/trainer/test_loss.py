@@ -16,6 +16,7 @@ from trainer.loss import (
     _logit_grad,
     ChunkKernels,
     LossInputError,
+    SoftLabelKernels,
     default_chunk_rows,
     fused_chunk_rows,
     dflash_loss,
@@ -328,6 +329,82 @@ def test_fused_ce_contract_gives_the_reference_and_soft_labels_never_use_it(term
         dflash_loss(hidden, weight, labels, weights, chunk_size=8, kernels=ChunkKernels(fused_ce=_eager_fused_ce(calls)),
                     **kwargs)
     assert calls[4:] == ([] if "kl" in terms else [False] * 4)  # eval: no gradient written
+
+
+def _eager_soft_label(calls: list) -> SoftLabelKernels:
+    """Soft-label stand-ins with the Triton kernels' contract (g = (p - y) + ratio (p_T - q_T), unscaled; g
+    written into ``out``), recording their calls and the ratios they were given."""
+
+    def statistics(x, t, labels, temperature):
+        lse = torch.logsumexp(x, -1)
+        log_p_t, log_q_t = torch.log_softmax(x / temperature, -1), torch.log_softmax(t / temperature, -1)
+        kl = (log_q_t.exp() * (log_q_t - log_p_t)).sum(-1)
+        return lse, lse - x.gather(1, labels[:, None])[:, 0], kl, x.argmax(-1)
+
+    def gradient(x, t, labels, ratio, temperature, out):
+        onehot = torch.nn.functional.one_hot(labels, x.shape[1]).to(x.dtype)
+        grad = torch.softmax(x, -1) - onehot + ratio * (torch.softmax(x / temperature, -1)
+                                                        - torch.softmax(t / temperature, -1))
+        return out.copy_(grad) if out is not None else grad
+
+    def fused(x, t, labels, *, temperature, kl_ratio, want_grad, out=None):
+        calls.append(("fused", want_grad, kl_ratio))
+        stats = statistics(x, t, labels, temperature)  # before out (= t) is overwritten
+        return (gradient(x, t, labels, kl_ratio, temperature, out) if want_grad else None), *stats
+
+    def stats(x, t, labels, *, temperature):
+        calls.append(("stats",))
+        return "row state", *statistics(x, t, labels, temperature)
+
+    def grad(x, t, labels, row_state, kl_ratio, *, temperature, out=None):
+        assert row_state == "row state" and kl_ratio.shape == labels.shape and kl_ratio.dtype == x.dtype
+        calls.append(("grad", kl_ratio.clone()))
+        return gradient(x, t, labels, kl_ratio[:, None], temperature, out)
+
+    return SoftLabelKernels(fused=fused, stats=stats, grad=grad)
+
+
+@pytest.mark.parametrize("terms", list(TERMS))
+def test_soft_label_contract_gives_the_reference(terms):
+    """Kernels with soft_label: CE+KL runs ``fused`` once per chunk with the constant ratio kl_weight * T, and
+    CE+KL+CAP ``stats`` then ``grad`` with a per-row ratio; eval runs ``stats`` only; CE and CE+CAP never call
+    them. float64 stand-ins (no triton): the algebra of the unscaled g and the row scale after GEMM 2 must give
+    the dense reference exactly. tests/trainer/test_loss_triton.py runs the real kernels."""
+    hidden, weight, labels, weights, teacher = make_case()
+    kwargs = dict(block_size=4, normalizer=float(weights.sum()) * 1.5, **TERMS[terms])
+    if "kl_weight" in kwargs:
+        kwargs["teacher_hidden"] = teacher
+    calls: list = []
+    kernels = ChunkKernels(soft_label=_eager_soft_label(calls), kind="soft-label-stand-in")
+    ours = hidden.clone().requires_grad_(True)
+    result = dflash_loss(ours, weight, labels, weights, chunk_size=8, kernels=kernels, **kwargs)
+    result.loss.backward()
+    ref_hidden = hidden.clone().requires_grad_(True)
+    ref_loss = dense_reference(ref_hidden, weight, labels, weights, **kwargs)
+    ref_loss.backward()
+    torch.testing.assert_close(result.loss, ref_loss.detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(ours.grad, ref_hidden.grad, rtol=1e-9, atol=1e-12)
+    eager = dflash_loss(hidden, weight, labels, weights, chunk_size=8, **kwargs)
+    torch.testing.assert_close(result.kl_sum, eager.kl_sum, rtol=1e-12, atol=1e-14)
+    assert result.correct.tolist() == eager.correct.tolist()
+    kinds = [call[0] for call in calls]
+    if "kl" not in terms:
+        assert kinds == []
+    elif "cap" not in terms:  # 28 rows, chunks of 8: 4 chunks
+        assert calls == [("fused", True, kwargs["kl_weight"] * kwargs["kl_temperature"])] * 4
+    else:
+        assert kinds == ["stats", "grad"] * 4
+        ratios = torch.cat([call[1] for call in calls if call[0] == "grad"])
+        valid = (weights > 0) & (torch.arange(28) % 4 > 0)
+        assert torch.all(ratios[~valid] == 0)
+        # CAP's coefficient adds to the CE one, so the KL/CE ratio drops below kl_weight * T where CAP acts
+        constant = kwargs["kl_weight"] * kwargs["kl_temperature"]
+        assert torch.all(ratios[valid] > 0) and torch.all(ratios[valid] < constant)
+    calls.clear()
+    with torch.no_grad():
+        evaluated = dflash_loss(hidden, weight, labels, weights, chunk_size=8, kernels=kernels, **kwargs)
+    torch.testing.assert_close(evaluated.loss, ref_loss.detach(), rtol=1e-10, atol=1e-12)
+    assert [call[0] for call in calls] == ([] if "kl" not in terms else ["stats"] * 4)  # eval: no gradient
 
 
 def test_make_chunk_kernels_kinds():
