@@ -73,6 +73,9 @@ for section in "$@"; do
               --variants triton,triton-foreach --iters 5 --warmup 2 --json-out "$OUT/step8b-adamw.json" ;;
     attn-tune) step attn-tune 240 python3 -m trainer bench attention --preset qwen3-8b --shape seed --layers full \
               --orders sorted --iters 5 --warmup 2 --flex-options "default;BLOCK_M1=64,BLOCK_N1=128,BLOCK_M2=128,BLOCK_N2=64,num_warps=8,num_stages=3;BLOCK_M1=32,BLOCK_N1=128,BLOCK_M2=128,BLOCK_N2=32,num_warps=4,num_stages=3;BLOCK_M1=64,BLOCK_N1=64,BLOCK_M2=64,BLOCK_N2=64,num_warps=4,num_stages=3;BLOCK_M1=64,BLOCK_N1=128,BLOCK_M2=128,BLOCK_N2=64,num_warps=8,num_stages=2;BLOCK_M1=32,BLOCK_N1=64,BLOCK_M2=64,BLOCK_N2=32,num_warps=4,num_stages=4" ;;
+    loss-kl) step loss-kl 330 python3 bench/loss_gemm.py --device cuda --rows 32832 --hidden 4096 --vocab 151936 \
+              --block-size 32 --chunks 4096,1728 --kernels compiled,triton --terms ce,ce-kl,ce-kl-cap \
+              --kl-triton-configs 1024:4:0,2048:4:0,2048:8:0,512:4:0,4096:16:0,4096:16:1 --repeats 5 --profile ;;
     dist-small) step dist-small 260 python3 bench/gpu_pipeline.py --scale small --modes dual --engines threaded,dist \
               --steps 200 --timeout-s 200 --budget-s 200 --log-dir /tmp/pipeline-dist ;;
     dist-8b) step dist-8b 330 python3 bench/gpu_pipeline.py --scale 8b --modes dual --engines threaded,dist \
