@@ -76,6 +76,8 @@ for section in "$@"; do
     loss-kl) step loss-kl 330 python3 bench/loss_gemm.py --device cuda --rows 32832 --hidden 4096 --vocab 151936 \
               --block-size 32 --chunks 4096,1728 --kernels compiled,triton --terms ce,ce-kl,ce-kl-cap \
               --kl-triton-configs 1024:4:0,2048:4:0,2048:8:0,512:4:0,4096:16:0,4096:16:1 --repeats 5 --profile ;;
+    step8b-soft) step step8b-soft 200 python3 -m trainer bench step --preset qwen3-8b --shape seed \
+              --variants soft,soft-triton --iters 5 --warmup 2 --json-out "$OUT/step8b-soft.json" ;;
     dist-small) step dist-small 260 python3 bench/gpu_pipeline.py --scale small --modes dual --engines threaded,dist \
               --steps 200 --timeout-s 200 --budget-s 200 --log-dir /tmp/pipeline-dist ;;
     dist-8b) step dist-8b 330 python3 bench/gpu_pipeline.py --scale 8b --modes dual --engines threaded,dist \

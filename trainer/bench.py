@@ -41,6 +41,7 @@ VARIANTS = {
     "cap": "compiled, CAP term on (cap_lambda 0.1)",
     "triton": "compiled layers, loss through the fused Triton CE kernel (--loss-kernels triton; CUDA only)",
     "triton-foreach": "as triton, with the foreach AdamW (--adamw foreach; the default before session 5)",
+    "soft-triton": "soft labels on, loss through the fused Triton CE+KL kernel (trainer/loss_triton_kl.py)",
     "ckpt-loss": "compiled layers, loss = per-chunk torch.utils.checkpoint of logits+CE (the 3-4 GEMM baseline)",
     "act-ckpt": "compiled, activation checkpointing of every drafter layer (memory for time)",
 }
@@ -48,8 +49,9 @@ VARIANTS = {
 
 def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.device, args: argparse.Namespace) -> dict:
     # The loss kernels are explicit, so a variant measures the same thing whatever --loss-kernels auto picks.
-    kernels = {"triton": "triton", "triton-foreach": "triton", "eager": "eager"}.get(variant, "compiled")
-    extra = {"soft": ["--use-soft-labels"], "cap": ["--cap-lambda", "0.1"],
+    kernels = {"triton": "triton", "triton-foreach": "triton", "soft-triton": "triton",
+               "eager": "eager"}.get(variant, "compiled")
+    extra = {"soft": ["--use-soft-labels"], "soft-triton": ["--use-soft-labels"], "cap": ["--cap-lambda", "0.1"],
              "triton-foreach": ["--adamw", "foreach"]}.get(variant, [])
     extra += ["--loss-kernels", kernels]
     cfg, dcfg = preset_config(preset, shape, extra)
@@ -63,7 +65,8 @@ def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.devi
                        compile=variant != "eager", activation_checkpointing=variant == "act-ckpt")
     batch = synthetic_batch(dcfg, shape, cfg.gamma, device, sorted_anchors=variant != "unsorted")
     ctx = torch.randn(shape.rows, shape.ctx, dcfg.num_taps * dcfg.hidden_size, device=device, dtype=dtype)
-    teacher = torch.randn(shape.rows, shape.ctx, dcfg.hidden_size, device=device, dtype=dtype) if variant == "soft" else None
+    soft = variant in ("soft", "soft-triton")
+    teacher = torch.randn(shape.rows, shape.ctx, dcfg.hidden_size, device=device, dtype=dtype) if soft else None
     features = FeatureBatch(batch=batch, ctx_features=ctx, teacher_hidden=teacher)
     if variant == "ckpt-loss":
         side.loss_fn = lambda h, w, lab, wts, **kw: _ckpt_loss_result(h, w, lab, wts, kw)
@@ -82,7 +85,7 @@ def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.devi
     times = time_ms(step, device, warmup=0, iters=args.iters)
     recompiles = recompile_count() - graphs_before
     ms = statistics.median(times)
-    flops = step_flops(dcfg, shape, batch.anchors, batch.keep, soft=variant == "soft")
+    flops = step_flops(dcfg, shape, batch.anchors, batch.keep, soft=soft)
     if args.profile:
         from trainer.bench_profile import print_profile, profile_steps
 
