@@ -593,9 +593,12 @@ def finish_stop(req: dict, directory: str, started: float, *, escalated: bool, s
     if shutil.which("tmux"):
         subprocess.run(["tmux", "-L", tmux_socket(req["workspace"]), "kill-session", "-t",
                         "=" + session_name(req["name"])], capture_output=True, timeout=10)
+    exit_code = read_int(os.path.join(directory, "exit_code"))
+    trainer_exit = trainer_exit_code(directory, read_json(os.path.join(directory, "status.json")))
     result = {"escalated": escalated, "signalled": sorted(seen), "gpu_released": gpu_released,
               "waited_for_checkpoint_s": round(waited, 1), "before_start": before_start,
-              "exit_code": read_int(os.path.join(directory, "exit_code")),
+              "exit_code": trainer_exit if exit_code is not None and trainer_exit is not None else exit_code,
+              "launcher_exit_code": exit_code if trainer_exit is not None else None,
               "seconds": round(time.monotonic() - started, 3)}
     result["recorded"] = record_stop(directory, {**result, "finished_at": time.time()}) and recorded
     return result
@@ -625,6 +628,17 @@ def last_lines(path: str, max_bytes: int = 65536) -> list[str]:
         return []
 
 
+def trainer_exit_code(directory: str, trainer_status: dict | None) -> int | None:
+    """The exit code the trainer recorded in status.json when a launcher (torchrun) ran it: torchrun exits 1
+    whenever its worker exits non-zero, so its own code would call a clean stop (143) a failure of 1. None
+    when the trainer is the job itself (its code is the exit_code file's) or recorded none."""
+    status = trainer_status or {}
+    code, pid = status.get("exit_code"), status.get("pid")
+    if not isinstance(code, int) or not isinstance(pid, int) or pid == read_int(os.path.join(directory, "pid")):
+        return None
+    return code
+
+
 def run_status(directory: str) -> dict:
     name = os.path.basename(directory)
     run_json = read_json(os.path.join(directory, "run.json")) or {}
@@ -633,6 +647,10 @@ def run_status(directory: str) -> dict:
     marker = (read_text(os.path.join(directory, "marker")) or "").strip() or None
     live = sorted(run_processes(pgid, marker, directory)[1]) if exit_code is None or pgid else []
     trainer_status = read_json(os.path.join(directory, "status.json"))
+    launcher_exit_code = None
+    trainer_exit = trainer_exit_code(directory, trainer_status)
+    if exit_code is not None and trainer_exit is not None and trainer_exit != exit_code:
+        launcher_exit_code, exit_code = exit_code, trainer_exit
     metrics_lines = last_lines(os.path.join(directory, "metrics.jsonl"), 16384)
     last_metrics = None
     for line in reversed(metrics_lines):
@@ -652,6 +670,8 @@ def run_status(directory: str) -> dict:
     # from elsewhere (status.json phase "stopped": it checkpointed and exited), which is no crash.
     stopped = (os.path.exists(os.path.join(directory, "stop.json"))
                or (trainer_status or {}).get("phase") == "stopped")
+    if launcher_exit_code is not None and exit_code == 0 and (trainer_status or {}).get("phase") == "done":
+        stopped = False  # the trainer had finished; the stop only met its launcher on the way out
     stall = read_json(os.path.join(directory, "stall.json"))  # written by agent_supervisor.py
     if stall and stall.get("reason"):
         error_line = f"stalled: {stall['reason']}"
@@ -669,7 +689,8 @@ def run_status(directory: str) -> dict:
         state = "crashed"
     checkpoints = sorted(d for d in os.listdir(os.path.join(directory, "checkpoints"))
                          if d.startswith("step_")) if os.path.isdir(os.path.join(directory, "checkpoints")) else []
-    return {"name": name, "state": state, "exit_code": exit_code, "pids": live, "pgid": pgid, "step": step,
+    return {"name": name, "state": state, "exit_code": exit_code, "launcher_exit_code": launcher_exit_code,
+            "pids": live, "pgid": pgid, "step": step,
             "error_line": error_line if state in ("crashed", "lost") else None, "trainer_status": trainer_status,
             "last_metrics": last_metrics, "last_log_line": log_tail[-1] if log_tail else None,
             "checkpoints": checkpoints, "run_dir": directory, "run_json": run_json, **supervision(directory)}

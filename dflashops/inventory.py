@@ -1,16 +1,18 @@
 """The only reader of inventory.yaml: typed, validated, unknown keys rejected.
 
 Errors name the file, the line and the key (`inventory.yaml:12: targets.gpu1.gpus: expected a list of
-integers`). The file has three sections:
+integers`). The file's sections:
 
     hosts:     {NAME: {address, user, port, identity_file, jump_host, known_hosts, sudo}}
-    targets:   {NAME: {kind: local|pct|direct|host, host, ctid, gpus, workspace, python, env}}
+    targets:   {NAME: {kind: local|pct|direct|host, host, ctid, gpus, workspace, python, env, address}}
     profiles:  {NAME: {argv: [...], env: {...}, pass_env: [...], files: [...], packages: [...],
                        resume_args: [...], description, on_failure, stall}}   (packages default to [trainer])
     notify:    {webhook | webhook_env, command, events, from_target, timeout}   (inventory_policy.py)
+    groups:    {NAME: {targets: [...], master_addr, master_port}}   (inventory_groups.py: multi-node runs)
 
 `local` targets resolve relative `workspace`/`python` paths against the inventory's directory. Profile argv
-items may use the placeholders {python} {release} {run_dir} {workspace} {name} {gpus}; `resume_args` may use
+items may use the placeholders {python} {release} {run_dir} {workspace} {name} {gpus}, and for runs on several
+targets {nnodes} {node_rank} {master_addr} {master_port} {rdzv_id} (1, 0, 127.0.0.1, ... on one); `resume_args` may use
 {checkpoint}. Where the inventory is found: `--inventory PATH`, else $DFLASHOPS_INVENTORY, else the first
 inventory.yaml in the current directory or its parents, else the one shipped next to the package.
 """
@@ -25,6 +27,7 @@ from typing import Any
 import yaml
 
 from dflashops.errors import InventoryError, NotFound
+from dflashops.inventory_groups import Group, parse_groups
 from dflashops.inventory_policy import Notify, OnFailure, Stall, parse_notify, parse_on_failure, parse_stall
 from dflashops.shell import ENV_KEY_RE, NAME_RE
 from dflashops.yaml_files import YAML_HINT, describe_yaml_error, read_yaml_text
@@ -58,6 +61,7 @@ class Target:
     ctid: int | None = None
     gpus: tuple[int, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    address: str | None = None  # where the other nodes of a multi-node run reach this target (inventory_groups)
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,21 @@ class Inventory:
     targets: dict[str, Target]
     profiles: dict[str, Profile]
     notify: Notify | None = None  # run state changes to a webhook and/or a command (inventory_policy.py)
+    groups: dict[str, Group] = field(default_factory=dict)  # targets that run one job together
+
+    def nodes(self, spec: str | None) -> tuple[tuple[Target, ...], Group | None]:
+        """The targets `spec` names, node 0 first: a group name, `a,b,...`, or one target (or None: the default
+        target). Returns the group (a made-up one for `a,b`) when there are several, else None."""
+        if spec is not None and spec in self.groups:
+            group = self.groups[spec]
+            return tuple(self.target(name) for name in group.targets), group
+        if spec is not None and "," in spec:
+            names = [name.strip() for name in spec.split(",")]
+            if len(set(names)) != len(names) or "" in names:
+                raise NotFound(f"targets {spec!r}: name each target once, separated by commas",
+                               hint=f"targets: {', '.join(sorted(self.targets))}")
+            return tuple(self.target(name) for name in names), Group(name=spec, targets=tuple(names))
+        return (self.target(spec),), None
 
     @property
     def root(self) -> Path:
@@ -196,7 +215,7 @@ def load_inventory(path: str | os.PathLike[str] | None = None) -> Inventory:
         raise InventoryError(describe_yaml_error(inv_path, exc), hint=YAML_HINT) from None
     if root is None:
         raise InventoryError(f"{inv_path}: the inventory is empty", hint="define at least one target")
-    top = reader.mapping(root, "", {"hosts", "targets", "profiles", "notify"})
+    top = reader.mapping(root, "", {"hosts", "targets", "profiles", "notify", "groups"})
     host_nodes = reader.mapping(top["hosts"], "hosts") if "hosts" in top else {}
     hosts = _resolve_gateways(reader, {name: _host(reader, name, node) for name, node in host_nodes.items()},
                               host_nodes)
@@ -205,7 +224,8 @@ def load_inventory(path: str | os.PathLike[str] | None = None) -> Inventory:
     profiles = {name: _profile(reader, name, node) for name, node in
                 (reader.mapping(top["profiles"], "profiles") if "profiles" in top else {}).items()}
     notify = parse_notify(reader, top["notify"]) if "notify" in top else None
-    return Inventory(path=inv_path, hosts=hosts, targets=targets, profiles=profiles, notify=notify)
+    groups = parse_groups(reader, top["groups"], set(targets)) if "groups" in top else {}
+    return Inventory(path=inv_path, hosts=hosts, targets=targets, profiles=profiles, notify=notify, groups=groups)
 
 
 def _host(reader: _Reader, name: str, node: yaml.Node) -> Host:
@@ -242,7 +262,7 @@ def _resolve_gateways(reader: _Reader, hosts: dict[str, Host], nodes: dict[str, 
 def _target(reader: _Reader, base: Path, hosts: dict[str, Host], name: str, node: yaml.Node) -> Target:
     key = f"targets.{name}"
     reader.check_name(name, node, key)
-    fields = reader.mapping(node, key, {"kind", "host", "ctid", "gpus", "workspace", "python", "env"})
+    fields = reader.mapping(node, key, {"kind", "host", "ctid", "gpus", "workspace", "python", "env", "address"})
     for required in ("kind", "workspace"):
         if required not in fields:
             raise reader.fail(node, key, f"missing required key {required!r}")
@@ -270,8 +290,9 @@ def _target(reader: _Reader, base: Path, hosts: dict[str, Host], name: str, node
         raise reader.fail(node, key, "a pct target needs 'ctid'")
     gpus = reader.int_list(fields["gpus"], f"{key}.gpus") if "gpus" in fields else ()
     env = reader.env(fields["env"], f"{key}.env") if "env" in fields else {}
+    address = reader.scalar(fields["address"], f"{key}.address", str) if "address" in fields else None
     return Target(name=name, kind=kind, workspace=workspace, python=python, host=host, ctid=ctid,
-                  gpus=gpus, env=env)
+                  gpus=gpus, env=env, address=address)
 
 
 def _profile(reader: _Reader, name: str, node: yaml.Node) -> Profile:

@@ -125,4 +125,16 @@ def import_dict_from_status(status: Mapping[str, Any], target: str) -> dict[str,
         data["last_step"] = status["step"]
     if status.get("run_dir"):
         data.setdefault("run_dir", status["run_dir"])
+    extra = dict(data.get("extra") or {})
+    node_targets = extra.get("node_targets") or []
+    if len(node_targets) >= 2 and "nodes" not in extra:  # node 0 of a run on several targets: the row lists them
+        extra["nodes"] = [{"rank": rank, "target": name} for rank, name in enumerate(node_targets)]
+        data["extra"] = extra
     return data
+
+
+def other_node(status: Mapping[str, Any]) -> int | None:
+    """The node number of a run directory that belongs to node 1, 2, ... of a run on several targets (its
+    lineage row is node 0's), else None."""
+    node = ((status.get("run_json") or {}).get("extra") or {}).get("node")
+    return node if isinstance(node, int) and node > 0 else None

@@ -146,7 +146,7 @@ def runs_table(runs: list[RunRecord], facts: Callable[[RunRecord], Facts]) -> Ta
         fact = facts(run)
         table.add_row(escape(run.name), escape(run.parent or "-"),
                       Text(state_word(fact.state, fact.exit_code), style=STATE_STYLE.get(fact.state, "")),
-                      "-" if fact.last_step is None else str(fact.last_step), escape(run.target), run.started_at,
+                      "-" if fact.last_step is None else str(fact.last_step), escape(where(run)), run.started_at,
                       escape(run.note))
     return table
 
@@ -176,3 +176,9 @@ def export_text(runs: list[RunRecord], fmt: str) -> str:
         row = run.to_dict()
         writer.writerow({k: json.dumps(v, sort_keys=True) if isinstance(v, (list, dict)) else v for k, v in row.items()})
     return buffer.getvalue()
+
+
+def where(run: RunRecord) -> str:
+    """The target column: the target, or for a run on several targets every node's (node 0 first)."""
+    nodes = run.extra.get("nodes") or []
+    return ",".join(str(node.get("target")) for node in nodes) if len(nodes) >= 2 else run.target

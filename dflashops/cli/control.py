@@ -13,6 +13,7 @@ from typing import Any
 from dflashops.cli.common import emit_json, highlight_errors, open_session, print_plan, progress, show_passthrough
 from dflashops.errors import NotFound, TransportError, UsageError
 from dflashops.ops.control import LogCursor, ended_badly, how_it_ended, read_log, run_status, stop_run, wait_for
+from dflashops.ops.nodes import node_target, nodes_of
 from dflashops.shell import join_argv, validate_name
 
 
@@ -49,6 +50,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "into a check for scripts: exit 0 on a match of --until, 7 on --fail-on, 8 on --timeout.")
     lg.add_argument("run", metavar="RUN", help="the run whose log to print")
     lg.add_argument("--target", help="target (default: RUN's recorded target, or the default target)")
+    lg.add_argument("--node", type=int, metavar="K",
+                    help="a run on several targets: only node K's log (default: every node's, lines prefixed "
+                         "[node K])")
     lg.add_argument("-f", "--follow", action="store_true", help="keep following until the run ends")
     lg.add_argument("--since", type=int, default=0, metavar="BYTES", help="start at this byte offset")
     lg.add_argument("--until", metavar="REGEX", help="follow until REGEX matches a line (exit 0)")
@@ -74,6 +78,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "scripts use `dflashops logs RUN -f`.")
     at.add_argument("run", metavar="RUN", help="the run to attach to (launched with --launcher tmux)")
     at.add_argument("--target", help="target (default: RUN's recorded target, or the default target)")
+    at.add_argument("--node", type=int, metavar="K", default=None,
+                    help="a run on several targets: node K's session (default: node 0)")
     at.set_defaults(func=with_run_hint(handle_attach))
 
     gc = subparsers.add_parser(
@@ -159,6 +165,9 @@ def handle_stop(args: argparse.Namespace) -> int:
                      f"written{' (then SIGKILL: --save-grace ran out)' if answer['escalated'] else ''}")
         if answer.get("gpu_released") is False:
             progress("warning: the run's GPU memory was not released within the timeout")
+        for node in answer.get("nodes") or []:
+            progress(f"  node {node['node']} on {node['target']}: " + (
+                "was not running" if node.get("not_running") else f"exit code {node.get('exit_code')}"))
         print(f"{args.run} stopped exit_code={answer['exit_code']}")
         return 0
 
@@ -182,7 +191,8 @@ def describe(entry: dict[str, Any]) -> str:
 
     shown = " ".join(f"{k}={value(k)}" for k in ("step", "loss", "tau_sim", "block_tok_s") if k in metrics)
     exit_code = "-" if entry.get("exit_code") is None else entry["exit_code"]
-    return f"{entry['name']}\t{state}\texit={exit_code}\t{shown}"
+    name = f"{entry['name']}@node{entry['node']}({entry['target']})" if "node" in entry else entry["name"]
+    return f"{name}\t{state}\texit={exit_code}\t{shown}"
 
 
 def handle_status(args: argparse.Namespace) -> int:
@@ -216,6 +226,8 @@ def handle_logs(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     with open_session(args) as session:
+        if args.node is not None:
+            args.target = args.target or node_target(session, args.run, args.node)
         try:
             if args.until or args.fail_on:
                 wait_for(session, args.run, until=args.until, fail_on=args.fail_on, target=args.target,
@@ -260,6 +272,10 @@ def handle_attach(args: argparse.Namespace) -> int:
 
     validate_name(args.run, what="run name")
     with open_session(args) as session:
+        if not args.target and nodes_of(session, args.run):
+            args.target = node_target(session, args.run, args.node or 0)
+        elif args.node:
+            args.target = node_target(session, args.run, args.node)
         target = session.target_for_run(args.run, args.target)
         entry = run_status(session, args.run, target=args.target)[0]
     if entry["run_json"].get("launcher") != "tmux":

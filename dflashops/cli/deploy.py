@@ -17,7 +17,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               description="Sync the code to TARGET, write run.json, launch the profile's command. "
                                           "Arguments after `--` are appended to the trainer's command line.")
     p.add_argument("target", nargs="?", metavar="TARGET",
-                   help="target from the inventory (default: the only one, or `local`)")
+                   help="target from the inventory (default: the only one, or `local`); a group, or targets "
+                        "separated by commas (ct200,ct201), runs one job on several (node 0 first)")
     p.add_argument("--profile", default="tiny", help="run profile from the inventory (default: tiny)")
     p.add_argument("--name", help="run name, or + for the next name after --parent (default: PROFILE-TIME)")
     p.add_argument("--parent", help="the run this one derives from (recorded in the lineage)")
@@ -55,8 +56,10 @@ def report(session: Session, outcome: DeployOutcome, args: argparse.Namespace) -
     if args.dry_run:
         print_plan(session)
         return 0
-    progress(f"launched {outcome.name} on {outcome.target} (code {outcome.code_hash}, "
-             f"{outcome.uploaded} files uploaded, pgid {outcome.pgid}) in {outcome.run_dir}")
+    for rank, node in enumerate(outcome.nodes or [outcome]):
+        where = f"node {rank} of {len(outcome.nodes)} on {node.target}" if outcome.nodes else node.target
+        progress(f"launched {node.name} on {where} (code {node.code_hash}, {node.uploaded} files uploaded, "
+                 f"pgid {node.pgid}) in {node.run_dir}")
     if outcome.supervisor is not None:
         if outcome.supervisor.get("ok"):
             progress(f"supervised in the target by pid {outcome.supervisor.get('pid')} (on_failure/stall of the "

@@ -22,7 +22,7 @@ from rich.console import Console
 from dflashops.errors import DflashopsError, NotFound, UsageError
 from dflashops.lineage import LineageDB, diff_runs
 from dflashops.lineage_files import (
-    import_dict_from_status, metric_names, metric_series, read_metrics, run_dir_of,
+    import_dict_from_status, metric_names, other_node, metric_series, read_metrics, run_dir_of,
 )
 
 Handler = Callable[[argparse.Namespace], int]
@@ -182,6 +182,10 @@ def cmd_sync(args: argparse.Namespace) -> int:
     outcomes: list[dict[str, str]] = []
     for target, statuses in sources:
         for status in statuses:
+            if (node := other_node(status)) is not None:
+                outcomes.append({"name": str(status.get("name")), "target": target, "outcome": "skipped",
+                                 "reason": f"node {node} of a run on several targets (its row is node 0's)"})
+                continue
             data = import_dict_from_status(status, target)
             if data is None:
                 outcomes.append({"name": str(status.get("name")), "target": target, "outcome": "skipped",

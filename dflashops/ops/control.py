@@ -8,7 +8,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from dflashops.errors import DflashopsError, NotFound, RunFailed, TransportError, WaitTimeout
+from dflashops.errors import DflashopsError, NotFound, RunFailed, TransportError, UsageError, WaitTimeout
+from dflashops.lineage_files import other_node
+from dflashops.ops.nodes import nodes_of, overall, read_nodes, status_nodes, stop_nodes
 from dflashops.ops.session import Session
 from dflashops.shell import validate_name
 
@@ -25,8 +27,13 @@ def stop_run(session: Session, name: str, *, target: str | None = None, grace: f
              save_grace: float = 600.0) -> dict[str, Any]:
     """TERM -> grace -> KILL the run's own processes, wait until they (and their GPU memory) are gone; a run
     still writing its checkpoint after `grace` gets up to `save_grace` seconds more before the KILL.
-    Raises NotRunning (nothing signalled) when the run is not running, NotFound when it does not exist."""
+    Raises NotRunning (nothing signalled) when the run is not running, NotFound when it does not exist.
+    A run on several targets is stopped on every node at once (ops/nodes.py)."""
     validate_name(name, what="run name")
+    if not session.dry_run and (nodes := nodes_of(session, name, target)):
+        answer = stop_nodes(session, name, nodes, grace=grace, save_grace=save_grace, not_running=NotRunning)
+        session.note_state(overall(status_nodes(session, name, nodes)))
+        return answer
     tgt = session.target_for_run(name, target)
     agent = session.agent(tgt)
     if session.dry_run:  # read-only check, so the plan shows what a real stop would do
@@ -48,9 +55,14 @@ def stop_run(session: Session, name: str, *, target: str | None = None, grace: f
 
 
 def run_status(session: Session, name: str | None = None, *, target: str | None = None) -> list[dict[str, Any]]:
-    """Agent status entries (one run, or every run of the target); the lineage records follow along."""
+    """Agent status entries (one run, or every run of the target); the lineage records follow along. A run on
+    several targets gives one entry per node (`node`, `target`), node 0 first; `overall` makes them one."""
     if name is not None:
         validate_name(name, what="run name")
+        if nodes := nodes_of(session, name, target):
+            entries = status_nodes(session, name, nodes)
+            session.note_state(overall(entries))
+            return entries
         tgt = session.target_for_run(name, target)
     else:
         tgt = session.inventory.target(target)
@@ -58,7 +70,8 @@ def run_status(session: Session, name: str | None = None, *, target: str | None 
     runs = session.agent(tgt).call("status", args)["runs"]
     for entry in runs:
         entry["target"] = tgt.name
-        session.note_state(entry)
+        if other_node(entry) is None:  # node 1, 2, ... of a run on several targets: its row is node 0's
+            session.note_state(entry)
     return runs
 
 
@@ -90,11 +103,20 @@ def call_resuming(agent: Any, verb: str, args: dict[str, Any]) -> dict[str, Any]
 
 def read_log(session: Session, name: str, cursor: LogCursor, *, target: str | None = None,
              follow: bool = False, poll_s: float = 0.5, timeout: float | None = None,
-             on_notice: Callable[[str], None] = lambda notice: None) -> Iterator[str]:
+             on_notice: Callable[[str], None] = lambda notice: None,
+             should_stop: Callable[[], bool] = lambda: False) -> Iterator[str]:
     """Yield complete chunks of train.log from `cursor` (updated as it goes). With `follow`, keep reading
     until the run has finished and the log is drained, or `timeout` passes (WaitTimeout). A log truncated,
     rewritten or replaced under the reader is read again from its start, and `on_notice` is told why."""
     validate_name(name, what="run name")
+    if nodes := nodes_of(session, name, target):
+        if cursor.offset:
+            raise UsageError(f"run {name!r} runs on {len(nodes)} targets: a byte offset means one node's log",
+                             hint="add --node K (0 is the one with the metrics)")
+        yield from read_nodes(session, name, nodes, lambda node, follow_node, stop: read_log(
+            session, name, LogCursor(), target=node.target.name, follow=follow_node, poll_s=poll_s,
+            timeout=timeout, on_notice=on_notice, should_stop=stop), follow=follow)
+        return
     tgt = session.target_for_run(name, target)
     agent = session.agent(tgt)
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -116,7 +138,7 @@ def read_log(session: Session, name: str, cursor: LogCursor, *, target: str | No
             for answer in agent.stream("follow", {"workspace": tgt.workspace, "name": name, **reader.args()}):
                 if data := reader.take(answer):
                     yield data
-                if reader.done:
+                if reader.done or should_stop():
                     return
                 if deadline is not None and time.monotonic() >= deadline:
                     raise WaitTimeout(f"{name}: no match within {timeout:g}s", hint="raise --timeout")
@@ -189,7 +211,7 @@ def wait_for(session: Session, name: str, *, until: str | None, fail_on: str | N
         on_text(pending)
         if until_re and until_re.search(pending):
             return pending
-    final = run_status(session, name, target=target)[0]
+    final = overall(run_status(session, name, target=target))
     if until_re is None and final["state"] in ("finished", "stopped"):
         return ""  # only watching for failures: a run that finished or was stopped cleanly did not fail
     last = "\n".join("  | " + line for line in recent[-5:])
@@ -207,7 +229,7 @@ def how_it_ended(entry: dict[str, Any], *, exit_code: bool = True) -> str:
 
 def ended_badly(session: Session, name: str, *, target: str | None = None) -> RunFailed | None:
     """RunFailed when the run ended crashed or lost (for `logs -f`, whose exit status scripts check)."""
-    final = run_status(session, name, target=target)[0]
+    final = overall(run_status(session, name, target=target))
     if final["state"] not in ("crashed", "lost"):
         return None
     return RunFailed(f"{name} {how_it_ended(final)}", hint=f"`dflashops status {name}` shows its last state")

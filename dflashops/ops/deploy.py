@@ -39,6 +39,22 @@ class DeployRequest:
     clear_cache: bool = False
     extra_args: list[str] = field(default_factory=list)
     checkpoint: str | None = None  # resume from this checkpoint (profile's resume_args)
+    node: "NodePlace | None" = None  # this target's place in a run on several targets (ops/nodes.py)
+
+
+@dataclass(frozen=True)
+class NodePlace:
+    """Where one target stands in a run on several targets: the values of the torchrun placeholders."""
+
+    rank: int = 0
+    nnodes: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    targets: tuple[str, ...] = ()  # every node's target, node 0 first (empty: a run on one target)
+
+    def values(self, name: str) -> dict[str, str]:
+        return {"nnodes": str(self.nnodes), "node_rank": str(self.rank), "master_addr": self.master_addr,
+                "master_port": str(self.master_port), "rdzv_id": name}
 
 
 @dataclass
@@ -52,6 +68,7 @@ class DeployOutcome:
     uploaded: int
     cache_cleared: str | None
     supervisor: dict | None = None  # the in-target supervisor's start answer (ops/supervise.py), if any
+    nodes: list["DeployOutcome"] = field(default_factory=list)  # a run on several targets: each node's, node 0 first
 
 
 def expand(template: str, values: dict[str, str]) -> str:
@@ -103,8 +120,10 @@ def plan_launch(session: Session, request: DeployRequest, target: Target, profil
                 code_hash: str, release_path: str) -> LaunchPlan:
     run_dir = f"{target.workspace}/runs/{name}"
     cache_dir = f"{target.workspace}/cache/inductor/{code_hash}"
+    place = request.node or NodePlace()
     values = {"python": target.python, "release": release_path, "run_dir": run_dir,
-              "workspace": target.workspace, "name": name, "gpus": ",".join(map(str, target.gpus))}
+              "workspace": target.workspace, "name": name, "gpus": ",".join(map(str, target.gpus)),
+              **place.values(name)}
     argv = run_argv(profile, target, values, request)
     root = session.db.root(request.parent) if request.parent else name
     env = {**target.env, **profile.env, **wandb_env(name, request.parent, request.note, root),
@@ -118,7 +137,8 @@ def plan_launch(session: Session, request: DeployRequest, target: Target, profil
                        env=shown_env, target=target.name, gpus=list(target.gpus),
                        launcher=request.launcher, session=name, profile=profile.name,
                        extra={"run_dir": run_dir, "release": release_path,
-                              "extra_args": list(request.extra_args), "resumed_from": request.checkpoint})
+                              "extra_args": list(request.extra_args), "resumed_from": request.checkpoint,
+                              **({"node": place.rank, "node_targets": list(place.targets)} if place.targets else {})})
     run_json = {**record.to_dict(), "hypothesis": request.note, "release": release_path, "run_dir": run_dir}
     args = {"workspace": target.workspace, "name": name, "argv": argv, "cwd": run_dir,
             "launcher": request.launcher, "run_json": run_json}
@@ -141,12 +161,21 @@ def check_request(session: Session, request: DeployRequest, target: Target, prof
     name = choose_name(session, request)
     if session.record_of(name) is not None:
         raise Conflict(f"run name {name!r} is already used", hint="choose another --name, or --name + with --parent")
-    if ask_target and not session.dry_run:
-        existing = session.agent(target).call("status", {"workspace": target.workspace})["runs"]
-        if any(entry["name"] == name for entry in existing):
-            raise Conflict(f"run directory {target.workspace}/runs/{name} already exists on {target.name}",
-                           hint="`dflashops runs sync` records it; pick another --name")
+    # `--name +`: the name is provisional until claim_name picks the next free one in the lineage's own
+    # transaction (a concurrent deploy may take this one first), so the target is asked after the claim.
+    if ask_target and request.name != "+":
+        check_free_on_target(session, target, name)
     return name
+
+
+def check_free_on_target(session: Session, target: Target, name: str) -> None:
+    """Conflict when `runs/<name>` exists on the target (a run the lineage does not know); read-only."""
+    if session.dry_run:
+        return
+    existing = session.agent(target).call("status", {"workspace": target.workspace})["runs"]
+    if any(entry["name"] == name for entry in existing):
+        raise Conflict(f"run directory {target.workspace}/runs/{name} already exists on {target.name}",
+                       hint="`dflashops runs sync` records it; pick another --name")
 
 
 def claim_name(session: Session, request: DeployRequest, target: Target, profile: Profile, name: str) -> str:
@@ -162,10 +191,17 @@ def claim_name(session: Session, request: DeployRequest, target: Target, profile
 
 
 def deploy(session: Session, request: DeployRequest) -> DeployOutcome:
-    target = session.inventory.target(request.target)
+    targets, group = session.inventory.nodes(request.target)
     profile = session.inventory.profile(request.profile)
+    if group is not None:
+        from dflashops.ops.nodes import deploy_nodes  # a run on several targets: one job, one lineage row
+
+        return deploy_nodes(session, request, targets, group, profile)
+    target = targets[0]
     name = claim_name(session, request, target, profile, check_request(session, request, target, profile))
     try:
+        if request.name == "+":
+            check_free_on_target(session, target, name)
         return launch_named(session, request, target, profile, name)
     except BaseException:
         if not session.dry_run:
@@ -176,6 +212,17 @@ def deploy(session: Session, request: DeployRequest) -> DeployOutcome:
 def launch_named(session: Session, request: DeployRequest, target: Target, profile: Profile,
                  name: str) -> DeployOutcome:
     """Sync, plan and launch the run `name` (already claimed), then fill in its lineage record."""
+    outcome, plan = launch_on(session, request, target, profile, name)
+    if not session.dry_run:
+        session.db.fill(plan.record)
+    outcome.supervisor = after_launch(session, request, target, profile, name, outcome.code_hash, outcome.release)
+    return outcome
+
+
+def launch_on(session: Session, request: DeployRequest, target: Target, profile: Profile,
+              name: str) -> tuple[DeployOutcome, LaunchPlan]:
+    """Sync the code to `target` and launch `name` there (one node of a run on several targets, or the whole
+    run); the plan's record has the pgid and session the agent answered. The lineage is the caller's."""
     agent = session.agent(target)
     run_dir = f"{target.workspace}/runs/{name}"
     synced = sync(agent, extra_files=profile.files, extra_root=session.inventory.root, packages=profile.packages,
@@ -188,8 +235,6 @@ def launch_named(session: Session, request: DeployRequest, target: Target, profi
     if not session.dry_run:
         plan.record.extra["pgid"] = answer.get("pgid")
         plan.record.session = answer.get("session") or plan.record.session
-        session.db.fill(plan.record)
-    supervisor = after_launch(session, request, target, profile, name, synced.code_hash, synced.release_path)
     return DeployOutcome(name=name, target=target.name, run_dir=run_dir, code_hash=synced.code_hash,
                          release=synced.release_path, pgid=answer.get("pgid"), uploaded=len(synced.uploaded),
-                         cache_cleared=cleared, supervisor=supervisor)
+                         cache_cleared=cleared), plan

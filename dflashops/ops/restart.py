@@ -72,6 +72,17 @@ def restart(session: Session, request: RestartRequest) -> RestartOutcome:
             raise Conflict(f"run name {request.name!r} is already used", hint="use --name + for the next free name")
     launcher = request.launcher or old.launcher
     extra = request.extra_args if request.extra_args is not None else list(old.extra.get("extra_args") or [])
+    if len(old.extra.get("nodes") or []) >= 2:  # a run on several targets: stop all, deploy all (ops/nodes.py)
+        from dflashops.ops.control import NotRunning
+        from dflashops.ops.nodes import relaunch_nodes
+
+        stop, checkpoint, deployed = relaunch_nodes(
+            session, old, profile, DeployRequest(target=None, profile=profile.name, name=request.name or "+",
+                                                 parent=old.name, note=request.note, launcher=launcher,
+                                                 clear_cache=request.clear_cache, extra_args=extra),
+            resume=request.resume, grace=request.grace, not_running=NotRunning)
+        return RestartOutcome(stopped=stop is not None, old_exit_code=stop.get("exit_code") if stop else None,
+                              checkpoint=checkpoint, deployed=deployed, agent_calls=0)
     target = session.inventory.target(old.target)
     deploy_request = DeployRequest(
         target=old.target, profile=profile.name, name=request.name or "+", parent=old.name, note=request.note,

@@ -341,8 +341,8 @@ print(json.dumps(usage))
 
 def test_kl_kernel_default_config_compiles_for_sm90_without_spills(tmp_path):
     """The kernel compiled for an H100/H200 (sm_90) offline, no GPU needed: all three pass sets build, and the
-    default config neither spills registers nor needs more than 128 per thread (4+ programs of 4 warps per SM:
-    the loads in flight that the launch config was chosen for). Needs the triton wheel's CUDA tools."""
+    default config (2048:4:0, the fastest of six on the H200: 168 registers, 3 programs of 4 warps per SM)
+    spills nothing to the stack. Needs the triton wheel's CUDA tools."""
     import triton
 
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists():
@@ -355,4 +355,4 @@ def test_kl_kernel_default_config_compiles_for_sm90_without_spills(tmp_path):
     usage = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(usage) == {"fused", "stats", "grad"}
     for mode, resources in usage.items():
-        assert resources["STACK"] == 0 and 0 < resources["REG"] <= 128, (mode, resources)
+        assert resources["STACK"] == 0 and 0 < resources["REG"] <= 192, (mode, resources)

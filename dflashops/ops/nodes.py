@@ -1,0 +1,302 @@
+"""A run on several targets (torchrun, one node per target): one job, one run name, one lineage row.
+
+`deploy GROUP` (or `deploy ct200,ct201`) launches the profile on every target with that node's torchrun values
+({nnodes} {node_rank} {master_addr} {master_port} {rdzv_id}); each node has its own `runs/<name>/` on its own
+target (train.log, status.json; node 0 also metrics and checkpoints: the trainer's contract). The lineage row is
+node 0's, with `extra.nodes` = [{rank, target, run_dir, pgid}]: every verb that gets the run's name reads it and
+acts on every node (`--target` narrows to one node, `logs --node K` too). A launch that fails on one node stops
+the nodes already launched and releases the name, so a half-started job never runs on. Stop signals every node
+at once (the trainer makes them all checkpoint the same step), and a node that cannot be reached does not keep
+the others from being stopped.
+"""
+
+from __future__ import annotations
+
+import queue
+import re
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any
+
+from dflashops.errors import DflashopsError, NotFound, UsageError
+from dflashops.inventory import Group, Profile, Target
+from dflashops.lineage import LineageDBError
+from dflashops.ops.deploy import (
+    DeployOutcome, DeployRequest, NodePlace, check_free_on_target, check_request, claim_name, launch_on,
+)
+from dflashops.ops.session import Session
+
+NODE_PLACEHOLDERS = re.compile(r"\{(node_rank|nnodes|master_addr|master_port|rdzv_id)\}")
+
+
+@dataclass(frozen=True)
+class RunNode:
+    rank: int
+    target: Target
+
+
+def master_address(group: Group, targets: tuple[Target, ...]) -> str:
+    """Where every node reaches node 0: the group's master_addr, node 0's `address`, or loopback when every
+    node is a local target (one machine)."""
+    if group.master_addr:
+        return group.master_addr
+    if targets[0].address:
+        return targets[0].address
+    if all(target.kind == "local" for target in targets):
+        return "127.0.0.1"
+    raise UsageError(f"no address for node 0 ({targets[0].name}) that the other nodes can reach",
+                     hint=f"add `address:` to target {targets[0].name} in the inventory (its own network "
+                          "address), or define a group with master_addr")
+
+
+def deploy_nodes(session: Session, request: DeployRequest, targets: tuple[Target, ...], group: Group,
+                 profile: Profile) -> DeployOutcome:
+    """Launch `profile` as one job on `targets` (node 0 first); returns node 0's outcome with `nodes` filled."""
+    if not any(NODE_PLACEHOLDERS.search(arg) for arg in profile.argv):
+        raise UsageError(f"profile {profile.name!r} does not use {{node_rank}} or {{nnodes}}: on {len(targets)} "
+                         "targets it would start that many separate runs under one name",
+                         hint="use a torchrun profile: torchrun --nnodes {nnodes} --node-rank {node_rank} "
+                              "--master-addr {master_addr} --master-port {master_port} -m trainer train ...")
+    if profile.on_failure or profile.stall:
+        raise UsageError(f"profile {profile.name!r} has on_failure/stall: the in-target supervisor watches a run "
+                         "on one target, not a job on several", hint="deploy it on one target, or remove them")
+    address = master_address(group, targets)
+    name = check_request(session, request, targets[0], profile)
+    if request.name != "+":
+        for target in targets[1:]:
+            check_free_on_target(session, target, name)
+    name = claim_name(session, request, targets[0], profile, name)
+    names = tuple(target.name for target in targets)
+    launched: list[tuple[Target, DeployOutcome, Any]] = []
+    try:
+        if request.name == "+":
+            for target in targets:
+                check_free_on_target(session, target, name)
+        for rank, target in enumerate(targets):
+            place = NodePlace(rank=rank, nnodes=len(targets), master_addr=address, master_port=group.master_port,
+                              targets=names)
+            outcome, plan = launch_on(session, replace(request, node=place), target, profile, name)
+            launched.append((target, outcome, plan))
+    except BaseException:
+        if not session.dry_run:
+            for target, _, _ in launched:  # a job without all its nodes must not run on: stop what started
+                try:
+                    session.agent(target).call("stop", {"workspace": target.workspace, "name": name, "grace": 10})
+                except DflashopsError:
+                    pass
+            session.db.release(name)
+        raise
+    first = launched[0][1]
+    first.nodes = [outcome for _, outcome, _ in launched]
+    if not session.dry_run:
+        record = launched[0][2].record
+        record.extra["nodes"] = [{"rank": rank, "target": target.name, "run_dir": outcome.run_dir,
+                                  "pgid": outcome.pgid} for rank, (target, outcome, _) in enumerate(launched)]
+        record.extra["group"] = group.name
+        session.db.fill(record)
+        from dflashops.ops.observe import started
+
+        started(session, targets[0].name, name, request.note, request.parent)
+    return first
+
+
+def nodes_of(session: Session, name: str, explicit_target: str | None = None) -> list[RunNode] | None:
+    """The nodes of a run on several targets (from its lineage row), or None: a run on one target, a run the
+    lineage does not know, or `--target` naming the one node to act on."""
+    if explicit_target:
+        return None
+    try:
+        record = session.record_of(name)
+    except LineageDBError:
+        return None
+    entries = (record.extra.get("nodes") if record else None) or []
+    if len(entries) < 2:
+        return None
+    nodes = []
+    for entry in entries:
+        target = str(entry.get("target"))
+        if target not in session.inventory.targets:
+            raise NotFound(f"node {entry.get('rank')} of run {name!r} was on target {target!r}, which is not in "
+                           f"{session.inventory.path}", hint="add the target back, or pass --target for one node")
+        nodes.append(RunNode(int(entry.get("rank", len(nodes))), session.inventory.targets[target]))
+    return nodes
+
+
+def node_target(session: Session, name: str, node: int | None) -> str | None:
+    """`--node K` -> that node's target name (None without --node); UsageError for a run on one target."""
+    if node is None:
+        return None
+    nodes = nodes_of(session, name)
+    if nodes is None:
+        if node == 0:
+            return None
+        raise UsageError(f"run {name!r} runs on one target: it has only node 0", hint="leave out --node")
+    for entry in nodes:
+        if entry.rank == node:
+            return entry.target.name
+    raise UsageError(f"run {name!r} has nodes 0-{len(nodes) - 1}, not {node}")
+
+
+def on_every_node(session: Session, nodes: list[RunNode], work: Callable[[RunNode], Any]) -> list[tuple[RunNode, Any]]:
+    """`work(node)` on every node at once (one thread each; the agents are made here first, on this thread).
+    Returns (node, result or the DflashopsError it raised), in rank order."""
+    for node in nodes:
+        session.agent(node.target)
+
+    def attempt(node: RunNode) -> tuple[RunNode, Any]:
+        try:
+            return node, work(node)
+        except DflashopsError as exc:
+            return node, exc
+
+    with ThreadPoolExecutor(max_workers=len(nodes)) as pool:
+        return list(pool.map(attempt, nodes))
+
+
+def stop_nodes(session: Session, name: str, nodes: list[RunNode], *, grace: float, save_grace: float,
+               not_running: type[DflashopsError]) -> dict[str, Any]:
+    """Stop every node at once; the answer is node 0's with `nodes` (each node's answer or error) added.
+    Raises `not_running` when no node was running, the first node's error when one could not be stopped
+    (after every other node was)."""
+    results = on_every_node(session, nodes, lambda node: session.agent(node.target).call(
+        "stop", {"workspace": node.target.workspace, "name": name, "grace": grace, "save_grace": save_grace}))
+    stopped = [(node, answer) for node, answer in results if not isinstance(answer, DflashopsError)]
+    failures = [(node, error) for node, error in results if isinstance(error, DflashopsError)
+                and "is not running" not in error.message]
+    if failures:
+        node, error = failures[0]
+        raise type(error)(f"node {node.rank} ({node.target.name}): {error.message}"
+                          + (f"; nodes {', '.join(str(n.rank) for n, _ in stopped)} were stopped" if stopped else ""),
+                          hint=error.hint)
+    if not stopped:
+        raise not_running(f"run {name!r} is not running on any of its {len(nodes)} nodes",
+                          hint=f"`dflashops status {name}` shows how it ended")
+    answer = dict(stopped[0][1])
+    answer.update({"escalated": any(a.get("escalated") for _, a in stopped),
+                   "seconds": max(a.get("seconds") or 0 for _, a in stopped),
+                   "recorded": all(a.get("recorded", True) for _, a in stopped),
+                   "nodes": [{"node": node.rank, "target": node.target.name, **(answer_ if not isinstance(
+                       answer_, DflashopsError) else {"not_running": True})} for node, answer_ in results]})
+    return answer
+
+
+def status_nodes(session: Session, name: str, nodes: list[RunNode]) -> list[dict[str, Any]]:
+    """Every node's status entry (with `node` and `target`), rank order; NotFound when no node has the run."""
+    results = on_every_node(session, nodes, lambda node: session.agent(node.target).call(
+        "status", {"workspace": node.target.workspace, "name": name})["runs"])
+    entries = []
+    for node, runs in results:
+        if isinstance(runs, NotFound):
+            entries.append({"name": name, "node": node.rank, "target": node.target.name, "state": "missing",
+                            "exit_code": None, "step": None, "error_line": runs.message, "run_json": {}})
+            continue
+        if isinstance(runs, DflashopsError):
+            raise type(runs)(f"node {node.rank} ({node.target.name}): {runs.message}", hint=runs.hint)
+        for entry in runs:
+            entries.append({**entry, "node": node.rank, "target": node.target.name})
+    if all(entry["state"] == "missing" for entry in entries):
+        raise NotFound(f"run {name!r} exists on none of its nodes ({', '.join(n.target.name for n in nodes)})")
+    return entries
+
+
+def overall(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """One entry for a whole run: itself for one node; for several, node 0's with the job's state: running
+    while any node runs, else crashed/lost when any node did (with that node's error line), else node 0's."""
+    if len(entries) == 1 or "node" not in entries[0]:
+        return entries[0]
+    combined = dict(entries[0])
+    for state in ("running", "stopping", "launching", "crashed", "lost", "missing"):
+        hit = next((entry for entry in entries if entry["state"] == state), None)
+        if hit is not None:
+            combined.update(state=hit["state"] if hit["state"] != "missing" else "lost",
+                            error_line=hit.get("error_line") or combined.get("error_line"),
+                            exit_code=hit.get("exit_code") if state in ("crashed", "lost") else combined["exit_code"])
+            break
+    combined["nodes"] = [{key: entry.get(key) for key in ("node", "target", "state", "exit_code", "step")}
+                         for entry in entries]
+    return combined
+
+
+def read_nodes(session: Session, name: str, nodes: list[RunNode], read_one: Callable[..., Iterator[str]], *,
+               follow: bool) -> Iterator[str]:
+    """Every node's log as complete lines prefixed `[node K] `: node after node, or with `follow`, merged as
+    they arrive (one follower thread per node; `read_one(node, follow, should_stop)` reads one node's log and
+    ends soon after should_stop() turns true, which it does when this generator is closed)."""
+    if not follow:
+        for node in nodes:
+            yield from prefixed(read_one(node, False, lambda: False), node.rank)
+        return
+    for node in nodes:
+        session.agent(node.target)
+    events: queue.Queue[tuple[str, int, Any]] = queue.Queue()
+    closing = threading.Event()
+
+    def follow_node(node: RunNode) -> None:
+        try:
+            for line in prefixed(read_one(node, True, closing.is_set), node.rank):
+                if closing.is_set():
+                    return
+                events.put(("line", node.rank, line))
+        except BaseException as exc:  # noqa: BLE001 - handed to the reading thread, which raises it
+            events.put(("error", node.rank, exc))
+        finally:
+            events.put(("done", node.rank, None))
+
+    threads = [threading.Thread(target=follow_node, args=(node,), daemon=True, name=f"logs-node-{node.rank}")
+               for node in nodes]
+    for thread in threads:
+        thread.start()
+    done, error = 0, None
+    try:
+        while done < len(nodes):
+            kind, rank, value = events.get()
+            if kind == "line":
+                yield value
+            elif kind == "error":
+                error = error or value
+            else:
+                done += 1
+        if error is not None:
+            raise error
+    finally:
+        closing.set()
+
+
+def prefixed(chunks: Iterator[str], rank: int) -> Iterator[str]:
+    pending = ""
+    for chunk in chunks:
+        pending += chunk
+        *lines, pending = pending.split("\n")
+        for line in lines:
+            yield f"[node {rank}] {line}\n"
+    if pending:
+        yield f"[node {rank}] {pending}"
+
+
+def relaunch_nodes(session: Session, old: Any, profile: Profile, request: DeployRequest, *, resume: bool,
+                   grace: float, not_running: type[DflashopsError]) -> tuple[dict | None, str | None, DeployOutcome]:
+    """`restart` of a run on several targets: stop every node (a node already ended is fine), pick node 0's
+    latest checkpoint when resuming (only node 0 reads it; every node gets the same --resume), and deploy the
+    child on the same targets. Returns (stop answer or None, checkpoint, the child's outcome)."""
+    nodes = nodes_of(session, old.name)
+    assert nodes is not None
+    try:
+        stop = stop_nodes(session, old.name, nodes, grace=grace, save_grace=600.0, not_running=not_running)
+    except not_running:
+        stop = None
+    entries = status_nodes(session, old.name, nodes)
+    session.note_state(overall(entries))
+    checkpoint = None
+    if resume:
+        first = next(entry for entry in entries if entry["node"] == 0)
+        if not first.get("checkpoints"):
+            raise NotFound(f"run {old.name!r} has no checkpoint on node 0 ({nodes[0].target.name}) to resume from",
+                           hint="use --fresh to start from scratch")
+        checkpoint = f"{first['run_dir']}/checkpoints/{first['checkpoints'][-1]}"
+    targets = tuple(node.target for node in nodes)
+    group = session.inventory.groups.get(str(old.extra.get("group"))) or Group(
+        name=",".join(target.name for target in targets), targets=tuple(target.name for target in targets))
+    deployed = deploy_nodes(session, replace(request, checkpoint=checkpoint), targets, group, profile)
+    return stop, checkpoint, deployed
