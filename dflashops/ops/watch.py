@@ -80,7 +80,8 @@ def run_row(entry: dict[str, Any], now: float) -> RunRow:
     memory = metrics.get("gpu_mem_gb")
     heartbeat = _float(trainer.get("heartbeat"))
     return RunRow(
-        name=entry["name"], target=str(entry.get("target", "")), state=entry["state"], step=entry.get("step"),
+        name=entry["name"] + (f"@node{entry['node']}" if "node" in entry else ""),
+        target=str(entry.get("target", "")), state=entry["state"], step=entry.get("step"),
         total_steps=trainer.get("total_steps") if isinstance(trainer.get("total_steps"), int) else None,
         phase=trainer.get("phase"), loss=_float(metrics.get("loss")), tau_sim=_float(metrics.get("tau_sim")),
         block_tok_s=_float(metrics.get("block_tok_s")),
