@@ -64,7 +64,7 @@ def layer_of(module: str) -> int | None:
         return None
     if module in ENTRY_POINTS:
         return LAYERS["cli"]
-    return LAYERS.get(parts[1].split("_")[0])  # playbook_expr.py belongs to the playbook layer
+    return LAYERS.get(parts[1])
 
 
 def sources(package: str) -> list[Path]:

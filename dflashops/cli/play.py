@@ -19,7 +19,7 @@ from rich.table import Table
 
 from dflashops.cli.common import emit_json, open_session, progress
 from dflashops.playbook import load_playbook, parse_set
-from dflashops.playbook_run import PlayReport, StepReport, run_playbook
+from dflashops.playbook.run import PlayReport, StepReport, run_playbook
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -28,7 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                           "(ok / changed / failed / skipped) with its duration. Step kinds: stop, sync, "
                                           "clear-cache, deploy, restart, wait (log REGEX or metric condition, "
                                           "with a timeout), assert, exec, collect, loop, include; see "
-                                          "dflashops/playbook.py and playbooks/*.yaml.")
+                                          "dflashops/playbook/ and playbooks/*.yaml.")
     p.add_argument("playbook", help="path to a playbook YAML file (see playbooks/)")
     p.add_argument("--target", help="target for steps that name none (also the {{target}} variable)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

@@ -21,7 +21,7 @@ from rich.console import Console
 
 from dflashops.errors import DflashopsError, NotFound, UsageError
 from dflashops.lineage import LineageDB, diff_runs
-from dflashops.lineage_files import (
+from dflashops.lineage.files import (
     import_dict_from_status, metric_names, other_node, metric_series, read_metrics, run_dir_of,
 )
 
@@ -80,14 +80,14 @@ def _local_roots(args: argparse.Namespace) -> dict[str, Path]:
 
 
 def _facts(args: argparse.Namespace) -> Any:
-    from dflashops.lineage_view import RunFacts
+    from dflashops.cli.lineage_view import RunFacts
 
     return RunFacts(_runs_root(args), {} if _runs_root(args) else _local_roots(args))
 
 
 # ---------------------------------------------------------------------------------------------- verbs
 def cmd_list(args: argparse.Namespace) -> int:
-    from dflashops.lineage_view import runs_table
+    from dflashops.cli.lineage_view import runs_table
 
     db = _open(args)
     runs = [] if db is None else db.list(state=args.state, target=args.target)
@@ -101,7 +101,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_tree(args: argparse.Namespace) -> int:
-    from dflashops.lineage_view import forest_tree, lineage_forest
+    from dflashops.cli.lineage_view import forest_tree, lineage_forest
 
     db = _open(args)
     if db is None:
@@ -122,7 +122,7 @@ def cmd_tree(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from dflashops.lineage_view import show_table
+    from dflashops.cli.lineage_view import show_table
 
     db = _open(args) or _raise(_missing(args))
     run = db.get(args.run)
@@ -247,7 +247,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from dflashops.lineage_view import export_text
+    from dflashops.cli.lineage_view import export_text
 
     if args.json and args.format == "csv":
         raise UsageError("--json and --format csv ask for different formats", hint="give one of them")

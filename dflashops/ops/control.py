@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflashops.errors import DflashopsError, NotFound, RunFailed, TransportError, UsageError, WaitTimeout
-from dflashops.lineage_files import other_node
+from dflashops.lineage.files import other_node
 from dflashops.ops.nodes import nodes_of, overall, read_nodes, status_nodes, stop_nodes
 from dflashops.ops.session import Session
 from dflashops.shell import validate_name

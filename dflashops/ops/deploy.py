@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from dflashops.errors import Conflict, UsageError
 from dflashops.inventory import Profile, Target
 from dflashops.lineage import RunRecord, next_name, redact_env, wandb_env
-from dflashops.lineage_record import REDACTED, utc_now_iso
+from dflashops.lineage.record import REDACTED, utc_now_iso
 from dflashops.ops.extra_args import managed_flags, merge_extra_args
 from dflashops.ops.session import Session
 from dflashops.ops.supervise import after_launch

@@ -15,7 +15,7 @@ import re
 from collections.abc import Sequence
 
 from dflashops.errors import UsageError
-from dflashops.lineage_diff import is_flag
+from dflashops.lineage.diff import is_flag
 
 PLACEHOLDER_RE = re.compile(r"\{([a-z_]+)\}")
 

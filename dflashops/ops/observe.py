@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from dflashops.errors import DflashopsError
 from dflashops.lineage import RunRecord
-from dflashops.lineage_files import AGENT_STATE_TO_LINEAGE, import_dict_from_status
+from dflashops.lineage.files import AGENT_STATE_TO_LINEAGE, import_dict_from_status
 
 if TYPE_CHECKING:
     from dflashops.ops.session import Session

@@ -23,7 +23,7 @@ from typing import Any
 from dflashops.errors import AgentError, DflashopsError
 from dflashops.inventory import Profile, Target
 from dflashops.inventory_policy import shown_url
-from dflashops.lineage_record import REDACTED
+from dflashops.lineage.record import REDACTED
 from dflashops.ops.agent_client import _UPLOAD, Agent, _parse
 from dflashops.ops.session import Session
 

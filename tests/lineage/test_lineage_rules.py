@@ -6,7 +6,7 @@ import pytest
 
 from dflashops.errors import UsageError
 from dflashops.lineage import RunRecord, diff_runs, next_name, parse_argv, redact_argv, redact_env, wandb_env
-from dflashops.lineage_diff import FLAG_PRESENT
+from dflashops.lineage.diff import FLAG_PRESENT
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflashops.playbook_expr import ExprSyntaxError, MissingMetric, parse
+from dflashops.playbook.expr import ExprSyntaxError, MissingMetric, parse
 
 METRICS = {"step": 60, "loss": 1.5, "block_tok_s": 5200.0, "state": "running",
            "block_tok_s_per_drafter": [2500.0, 2700.0], "queues": {"t0": {"depth": 3}}}

@@ -21,9 +21,9 @@ from dflashops.errors import DflashopsError
 from dflashops.ops.restart import RestartRequest, restart
 from dflashops.ops.session import Session
 from dflashops.playbook import Playbook, Step
-from dflashops.playbook_vars import PlaybookError, render
-from dflashops.playbook_expr import ExprSyntaxError
-from dflashops.playbook_steps import STEP_FUNCTIONS, Context, StepOutcome, latest_running_run
+from dflashops.playbook.vars import PlaybookError, render
+from dflashops.playbook.expr import ExprSyntaxError
+from dflashops.playbook.steps import STEP_FUNCTIONS, Context, StepOutcome, latest_running_run
 
 
 @dataclass

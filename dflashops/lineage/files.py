@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from dflashops.lineage_record import RunRecord
+from dflashops.lineage.record import RunRecord
 
 # Agent states (dflashops/agent.py run_status) -> lineage states. "lost" = no live process and no exit
 # code: the process vanished without its wrapper (OOM killer, container restart), which is a crash.

@@ -21,7 +21,7 @@ from rich.text import Text
 from rich.tree import Tree
 
 from dflashops.lineage import LineageDB, RunRecord, diff_runs
-from dflashops.lineage_files import AGENT_STATE_TO_LINEAGE, best_value, metric_series, read_metrics, run_dir_of
+from dflashops.lineage.files import AGENT_STATE_TO_LINEAGE, best_value, metric_series, read_metrics, run_dir_of
 
 STATE_STYLE = {"launched": "cyan", "running": "bold blue", "finished": "green", "crashed": "bold red",
                "stopped": "yellow"}

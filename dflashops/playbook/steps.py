@@ -21,7 +21,7 @@ from dflashops.ops.deploy import DeployRequest, deploy
 from dflashops.ops.restart import RestartRequest, restart
 from dflashops.ops.session import Session
 from dflashops.ops.sync import local_manifest, release_files, sync
-from dflashops.playbook_expr import MissingMetric, lookup, parse
+from dflashops.playbook.expr import MissingMetric, lookup, parse
 from dflashops.shell import join_argv
 
 DEFAULT_FIELDS = ["step", "loss", "tau_sim", "block_tok_s"]

@@ -23,7 +23,7 @@ Built-in variables: `target` (play --target) and `latest_run` (the newest runnin
 `{{name}}` / `{{name.field}}` / `{{name.list[0]}}` substitute variables; a value that is exactly one
 `{{...}}` keeps its type (a list stays a list). Every problem found here is a PlaybookError naming the file
 and line: unknown step kind or key, a missing variable, a reference to an unknown name, a wait without a
-timeout, a bad condition or regex, a cycle in includes. The runner is in playbook_run.py.
+timeout, a bad condition or regex, a cycle in includes. The runner is in playbook/run.py.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from typing import Any
 import yaml
 
 from dflashops.errors import UsageError
-from dflashops.playbook_expr import ExprSyntaxError, parse
-from dflashops.playbook_vars import PlaybookError, references, render, templated
+from dflashops.playbook.expr import ExprSyntaxError, parse
+from dflashops.playbook.vars import PlaybookError, references, render, templated
 from dflashops.yaml_files import YAML_HINT, describe_yaml_error, read_yaml_text
 
 __all__ = ["PlaybookError", "Playbook", "Step", "load_playbook", "parse_set", "references", "render"]

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflashops.lineage_record import RunRecord
+from dflashops.lineage.record import RunRecord
 
 Options = dict[str, str | list[str]]
 _NEGATIVE_NUMBER = re.compile(r"^-\d+(\.\d*)?([eE][-+]?\d+)?$|^-\.\d+")
