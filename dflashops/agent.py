@@ -689,7 +689,9 @@ def run_status(directory: str) -> dict:
         state = "crashed"
     checkpoints = sorted(d for d in os.listdir(os.path.join(directory, "checkpoints"))
                          if d.startswith("step_")) if os.path.isdir(os.path.join(directory, "checkpoints")) else []
+    workspace = os.path.dirname(os.path.dirname(os.path.abspath(directory)))
     return {"name": name, "state": state, "exit_code": exit_code, "launcher_exit_code": launcher_exit_code,
+            "tmux": {"socket": tmux_socket(workspace), "session": run_json.get("session") or session_name(name)},
             "pids": live, "pgid": pgid, "step": step,
             "error_line": error_line if state in ("crashed", "lost") else None, "trainer_status": trainer_status,
             "last_metrics": last_metrics, "last_log_line": log_tail[-1] if log_tail else None,

@@ -2,7 +2,7 @@
 
 - `trainer` never imports `dflashops`; `dflashops` never imports `trainer` or `torch`.
 - Inside dflashops the layers run cli -> playbook -> ops -> transport: each imports only its own layer or
-  lower ones. Library modules (errors, shell, inventory, lineage*, agent) import no layer above transport.
+  lower ones, and cli/playbook reach targets through ops only (never transport or the agent's code). Library modules (errors, shell, inventory, lineage*, agent) import no layer above transport.
 - Only dflashops/transport/ touches subprocess, fabric or paramiko (the agent and its siblings
   `dflashops/agent_*.py` are the exception: they run inside the target); those import the standard library only.
 Imports under `if TYPE_CHECKING:` are annotations, not dependencies, and are skipped.
@@ -89,6 +89,10 @@ def violations() -> list[str]:
                 found.append(f"{where} only dflashops.transport may import {top}")
             if runs_in_target(me) and top not in sys.stdlib_module_names and top != "__future__":
                 found.append(f"{where} the agent must be stdlib-only, imports {name}")
+            if my_layer is not None and my_layer >= LAYERS["playbook"] and (
+                    name.startswith("dflashops.transport") or name == "dflashops.agent"
+                    or name.startswith("dflashops.agent.") or name == "dflashops.agent_client"):
+                found.append(f"{where} {me} reaches past ops into {name}")  # cli/playbook go through ops
             their_layer = layer_of(name)
             if their_layer is None:
                 continue
@@ -113,6 +117,9 @@ def test_the_checker_catches_a_violation(tmp_path: Path, monkeypatch: pytest.Mon
     (fake / "dflashops" / "agent.py").write_text("import yaml\n")
     (fake / "dflashops" / "agent_probe.py").write_text("import subprocess\nimport rich\n")
     (fake / "trainer" / "z.py").write_text("from dflashops import shell\n")
+    (fake / "dflashops" / "cli").mkdir()
+    (fake / "dflashops" / "cli" / "w.py").write_text("from dflashops.transport.local import LocalTransport\n"
+                                                     "from dflashops.agent import verb_status\n")
     (fake / "dflashops" / "ops" / "ok.py").write_text(
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from dflashops.cli import main\n")
     monkeypatch.setattr(sys.modules[__name__], "REPO", fake)
@@ -121,6 +128,8 @@ def test_the_checker_catches_a_violation(tmp_path: Path, monkeypatch: pytest.Mon
                      "y.py:1 dflashops imports torch", "y.py:2 only dflashops.transport may import subprocess",
                      "y.py:3 dflashops.ops.y imports the higher layer dflashops.cli",
                      "agent.py:1 the agent must be stdlib-only", "z.py:1 trainer imports dflashops",
-                     "agent_probe.py:2 the agent must be stdlib-only"):
+                     "agent_probe.py:2 the agent must be stdlib-only",
+                     "w.py:1 dflashops.cli.w reaches past ops into dflashops.transport.local",
+                     "w.py:2 dflashops.cli.w reaches past ops into dflashops.agent"):
         assert expected in found
     assert "ok.py" not in found and "agent_probe.py:1" not in found  # shipped programs may spawn

@@ -13,7 +13,7 @@ from typing import Any
 from dflashops.cli.common import emit_json, highlight_errors, open_session, print_plan, progress, show_passthrough
 from dflashops.errors import NotFound, TransportError, UsageError
 from dflashops.ops.control import LogCursor, ended_badly, how_it_ended, read_log, run_status, stop_run, wait_for
-from dflashops.ops.nodes import node_target, nodes_of
+from dflashops.ops.nodes import node_target
 from dflashops.shell import join_argv, validate_name
 
 
@@ -267,28 +267,13 @@ def handle_exec(args: argparse.Namespace) -> int:
 
 
 def handle_attach(args: argparse.Namespace) -> int:
-    from dflashops.agent import session_name, tmux_socket  # stdlib-only: the agent's own naming rules
-    from dflashops.transport.interactive import interactive_argv
+    from dflashops.ops.attach import attach_argv
 
-    validate_name(args.run, what="run name")
     with open_session(args) as session:
-        if not args.target and nodes_of(session, args.run):
-            args.target = node_target(session, args.run, args.node or 0)
-        elif args.node:
-            args.target = node_target(session, args.run, args.node)
-        target = session.target_for_run(args.run, args.target)
-        entry = run_status(session, args.run, target=args.target)[0]
-    if entry["run_json"].get("launcher") != "tmux":
-        raise UsageError(f"run {args.run!r} was launched with nohup; there is no session to attach",
-                         hint=f"`dflashops logs {args.run} -f`")
+        argv = attach_argv(session, args.run, target=args.target, node=args.node)
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise UsageError("attach needs a terminal (stdin and stdout are not both one)",
                          hint=f"`dflashops logs {args.run} -f` follows the run's output without one")
-    tmux_session = entry["run_json"].get("session") or session_name(args.run)
-    tmux = ["tmux", "-L", tmux_socket(target.workspace), "attach-session", "-t", "=" + tmux_session]
-    # Remote: the terminal type travels (pct exec clears the environment); detach with the tmux prefix + d.
-    term = {"TERM": os.environ.get("TERM", "xterm-256color")} if target.kind != "local" else None
-    argv = interactive_argv(target, tmux, hosts=session.inventory.hosts, env=term)
     executable = shutil.which(argv[0])
     if executable is None:
         raise TransportError(f"`{argv[0]}` is not installed here", hint="install it, or use `dflashops logs -f`")

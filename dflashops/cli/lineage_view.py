@@ -21,6 +21,7 @@ from rich.text import Text
 from rich.tree import Tree
 
 from dflashops.lineage import LineageDB, RunRecord, diff_runs
+from dflashops.ops.local_runs import LocalRuns
 from dflashops.lineage.files import AGENT_STATE_TO_LINEAGE, best_value, metric_series, read_metrics, run_dir_of
 
 STATE_STYLE = {"launched": "cyan", "running": "bold blue", "finished": "green", "crashed": "bold red",
@@ -54,6 +55,7 @@ class RunFacts:
         self.runs_root = runs_root
         self.local_roots = dict(local_roots or {})
         self._cache: dict[str, Facts] = {}
+        self.local = LocalRuns()  # the agent, as a process, for run directories on this machine
 
     def __call__(self, run: RunRecord) -> Facts:
         if run.name not in self._cache:
@@ -64,10 +66,9 @@ class RunFacts:
             if best is None and isinstance(run.extra.get("best_tau_sim"), (int, float)):
                 best = float(run.extra["best_tau_sim"])
             state, exit_code = run.state, run.exit_code
-            if directory is not None and (directory / "run.json").is_file():
-                from dflashops.agent import run_status  # stdlib-only; reads the run dir and /proc
-
-                live = run_status(str(directory))
+            live = self.local.status(directory) if directory is not None and (directory / "run.json").is_file() \
+                else None
+            if live is not None:
                 state = AGENT_STATE_TO_LINEAGE.get(str(live.get("state")), state)
                 exit_code = live.get("exit_code", exit_code)
             self._cache[run.name] = Facts(max(steps) if steps else run.last_step, best, state, exit_code)

@@ -159,15 +159,12 @@ def cmd_sync(args: argparse.Namespace) -> int:
     through the agent's `status` verb (the same state rules `dflashops status` uses)."""
     sources: list[tuple[str, list[dict[str, Any]]]] = []
     if args.workspace:
-        from dflashops.agent import AgentFailure, verb_status  # stdlib-only; reads the folder in-process
+        from dflashops.ops.local_runs import LocalRuns
 
         workspace = Path(args.workspace).resolve()
         if not workspace.is_dir():
             raise NotFound(f"workspace folder {workspace} does not exist")
-        try:
-            sources.append((args.target_label, verb_status({"workspace": str(workspace)})["runs"]))
-        except AgentFailure as exc:
-            raise UsageError(f"cannot read workspace {workspace}: {exc}") from None
+        sources.append((args.target_label, LocalRuns().statuses(workspace)))
     targets = list(args.targets)
     if not targets and not args.workspace:  # `runs sync` alone (what every recovery hint says): all targets
         from dflashops.inventory import load_inventory

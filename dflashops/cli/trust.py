@@ -13,13 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from typing import TYPE_CHECKING
-
 from dflashops.errors import Conflict, UsageError
 from dflashops.inventory import load_inventory
-
-if TYPE_CHECKING:
-    from dflashops.transport.ssh_settings import SshSettings
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -32,42 +27,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=handle_trust)
 
 
-def settings_for(name: str, inventory_path: str | None) -> "SshSettings":
-    from dflashops.transport.ssh_settings import SshSettings, settings_for_host
-
-    inventory = load_inventory(inventory_path)
-    if name in inventory.hosts:
-        return settings_for_host(inventory.hosts[name], inventory.hosts)
-    if name in inventory.targets and inventory.targets[name].host is not None:
-        host = inventory.targets[name].host
-        return settings_for_host(host, inventory.hosts)
-    if name in inventory.targets:
-        raise UsageError(f"target {name!r} is local: there is no host key to trust")
-    return SshSettings(host=name, trust_name=name)  # an ssh_config alias or a bare address
-
-
 def handle_trust(args: argparse.Namespace) -> int:
-    # Imported here: fabric/paramiko cost ~0.2 s of start-up that every other verb would pay otherwise.
-    from dflashops.transport.ssh_keys import fetch_host_key, fingerprint, record_host_key
+    from dflashops.ops.trust import fetch_offer, record
 
-    settings = settings_for(args.host, getattr(args, "inventory", None))
-    known_name, key = fetch_host_key(settings)
-    printed = fingerprint(key)
-    print(f"{known_name} {key.get_name()} {printed}")
-    known_hosts = settings.known_hosts_path()
-    if args.fingerprint and args.fingerprint != printed:
-        raise Conflict(f"{known_name} presented {printed}, not the expected {args.fingerprint}; nothing recorded",
-                       hint="someone may be in between, or the fingerprint was copied wrong")
+    offer = fetch_offer(load_inventory(getattr(args, "inventory", None)), args.host)
+    print(f"{offer.known_name} {offer.key_type} {offer.fingerprint}")
+    if args.fingerprint and args.fingerprint != offer.fingerprint:
+        raise Conflict(f"{offer.known_name} presented {offer.fingerprint}, not the expected {args.fingerprint}; "
+                       "nothing recorded", hint="someone may be in between, or the fingerprint was copied wrong")
     if not (args.yes or args.fingerprint):
         if not sys.stdin.isatty():
             raise UsageError("not recording without confirmation (stdin is not a terminal)",
                              hint="compare the fingerprint above, then pass --yes or --fingerprint SHA256:...")
-        sys.stderr.write(f"record this key for {known_name} in {known_hosts}? [y/N] ")
+        sys.stderr.write(f"record this key for {offer.known_name} in {offer.known_hosts}? [y/N] ")
         sys.stderr.flush()
         if sys.stdin.readline().strip().lower() not in ("y", "yes"):
             print("not recorded", file=sys.stderr)
             return 1
-    written = record_host_key(known_hosts, known_name, key)
-    print(f"{'recorded in' if written else 'already known in'} {known_hosts}", file=sys.stderr)
+    written = record(offer)
+    print(f"{'recorded in' if written else 'already known in'} {offer.known_hosts}", file=sys.stderr)
     return 0
-
