@@ -6,6 +6,8 @@ code the CLI should use. The CLI prints `error: <message>` and, when present, `h
 
 from __future__ import annotations
 
+import shlex  # not dflashops.shell, which imports this module: the same quoting, no import circle
+
 
 class DflashopsError(Exception):
     """Base class: a failure the user can understand and act on (never a stack trace)."""
@@ -63,10 +65,8 @@ class CommandFailed(DflashopsError):
     exit_code = 6
 
     def __init__(self, result: "Result", *, hint: str | None = None, tail_lines: int = 10) -> None:  # noqa: F821
-        from dflashops.shell import join_argv
-
         stderr_tail = "\n".join(result.stderr.rstrip().splitlines()[-tail_lines:])
-        message = f"command failed with exit code {result.exit_code} on {result.target}: {join_argv(result.argv)}"
+        message = f"command failed with exit code {result.exit_code} on {result.target}: {shlex.join(map(str, result.argv))}"
         if stderr_tail:
             message += "\n" + "\n".join("  | " + line for line in stderr_tail.splitlines())
         super().__init__(message, hint=hint)

@@ -38,7 +38,8 @@ def settings_for(inventory: Inventory, name: str) -> Any:
 
 
 def fetch_offer(inventory: Inventory, name: str) -> HostKeyOffer:
-    from dflashops.transport.ssh_keys import fetch_host_key, fingerprint
+    from dflashops.transport.ssh_connect import fetch_host_key
+    from dflashops.transport.ssh_keys import fingerprint
 
     settings = settings_for(inventory, name)
     known_name, key = fetch_host_key(settings)

@@ -33,9 +33,8 @@ import paramiko
 from dflashops.errors import TransportError
 from dflashops.shell import env_argv, join_argv
 from dflashops.transport.base import Stdin, Transport
-from dflashops.transport.ssh_keys import (
-    RefuseUnknownHost, check_identity_files, fingerprint, translate_connect_error,
-)
+from dflashops.transport.ssh_connect import build_connection
+from dflashops.transport.ssh_keys import check_identity_files, fingerprint, translate_connect_error
 from dflashops.transport.ssh_settings import SshSettings, settings_for_host
 
 __all__ = ["SshSettings", "SshTransport", "build_connection", "settings_for_host"]
@@ -53,48 +52,6 @@ PROBE_TIMEOUT_S = 10.0
 # closing stalled the link for paramiko's 30 s key-exchange timeout now and then (seen during 1 GB fetches).
 # RFC 4344 allows 2^32 blocks per key for AES (64 GiB, OpenSSH's own default): 16 GiB keeps 4x margin.
 REKEY_BYTES = 1 << 34
-
-
-def fabric_config() -> fabric.Config:
-    path = os.environ.get("DFLASHOPS_SSH_CONFIG")
-    return fabric.Config(runtime_ssh_path=path) if path else fabric.Config()
-
-
-def build_connection(settings: SshSettings) -> fabric.Connection:
-    """A Fabric Connection (not yet open) whose host-key policy refuses unknown keys, gateways included."""
-    gateway = build_connection(settings.gateway) if settings.gateway else None
-    connect_kwargs: dict[str, object] = {
-        "banner_timeout": settings.connect_timeout,
-        "auth_timeout": settings.connect_timeout,
-        "channel_timeout": settings.connect_timeout,
-    }
-    if settings.identity_file:
-        # An explicit identity means exactly that key (like IdentitiesOnly): a wrong key must fail
-        # as an authentication error, not silently succeed with some other key from ~/.ssh.
-        connect_kwargs.update(key_filename=[os.path.expanduser(settings.identity_file)],
-                              look_for_keys=False, allow_agent=False)
-    conn = fabric.Connection(
-        settings.host,
-        user=settings.user,
-        port=settings.port,
-        config=fabric_config(),
-        connect_timeout=max(1, int(settings.connect_timeout)),
-        connect_kwargs=connect_kwargs,
-        gateway=gateway,
-    )
-    # The inventory's gateway got its own policy from its own settings (recursion above); hops that
-    # Fabric built from ssh_config's ProxyJump get this host's known_hosts and the same refusal.
-    hop: object = conn
-    while isinstance(hop, fabric.Connection):
-        known = settings.known_hosts_path()
-        if hop.ssh_config.get("userknownhostsfile") and not settings.known_hosts:
-            known = Path(os.path.expanduser(hop.ssh_config["userknownhostsfile"].split()[0]))
-        if known.exists():
-            hop.client.load_system_host_keys(str(known))
-        hop.client.set_missing_host_key_policy(
-            RefuseUnknownHost(trust_name=settings.trust_name or settings.host, known_hosts=known))
-        hop = hop.gateway if gateway is None else None
-    return conn
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 - `RefuseUnknownHost`: paramiko policy raising `UnknownHostKey` (carrying the key) instead of adding it.
 - `fingerprint(key)`: OpenSSH's `SHA256:<base64>` form, so it can be compared with `ssh-keygen -lf`.
-- `fetch_host_key(settings)`: the server's key from a bare key exchange (no authentication), through the
+- (`fetch_host_key` lives in ssh_connect.py:) the server's key from a bare key exchange (no authentication), through the
   gateway when there is one; used by `dflashops trust` to show the key before recording it.
 - `record_host_key(...)`: appends `[host]:port type base64` to known_hosts (0600, directory 0700).
 - `translate_connect_error(exc, settings, conn)`: every way `connect` fails -> one `TransportError`.
@@ -51,29 +51,6 @@ class RefuseUnknownHost(paramiko.MissingHostKeyPolicy):
 
     def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
         raise UnknownHostKey(hostname, key, self.trust_name, self.known_hosts)
-
-
-class _CaptureKey(paramiko.MissingHostKeyPolicy):
-    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
-        raise UnknownHostKey(hostname, key, hostname, Path())
-
-
-def fetch_host_key(settings: "SshSettings") -> tuple[str, paramiko.PKey]:
-    """(known_hosts name, key) of the server, without authenticating. The gateway, if any, must be trusted."""
-    from dflashops.transport.ssh import build_connection
-
-    # An empty known_hosts for this hop only, so the capturing policy sees its key even when it is known.
-    conn = build_connection(dataclasses.replace(settings, known_hosts=os.devnull))
-    conn.client.set_missing_host_key_policy(_CaptureKey())
-    try:
-        conn.open()
-    except UnknownHostKey as captured:
-        return captured.hostname, captured.key
-    except Exception as exc:  # noqa: BLE001
-        raise translate_connect_error(exc, settings, conn) from None
-    finally:
-        conn.close()
-    raise TransportError(f"could not read the host key of {settings.host}")
 
 
 def record_host_key(known_hosts: Path, hostname: str, key: paramiko.PKey) -> bool:
