@@ -34,6 +34,7 @@ import tarfile
 import time
 
 NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+LAUNCHERS = ("tmux", "nohup")  # how a run is started: a tmux session, or setsid + nohup (the controller uses these)
 HASH_RE = re.compile(r"^[0-9a-f]{8,64}$")
 MARKER_KEY = "DFLASHOPS_RUN_ID"
 # A crash's one-line reason in train.log: a Python exception line, or the `error: ...` line that the trainer
@@ -50,9 +51,16 @@ class AgentFailure(Exception):
 
 
 # ----------------------------------------------------------------------------------------------- helpers
+def is_safe_name(text: str) -> bool:
+    """THE rule for names that reach command lines, file paths and tmux (runs, sessions, targets, hosts,
+    profiles): 1-64 of A-Z a-z 0-9 . _ -, no `..`, no leading `-`. The controller imports it from here
+    (dflashops/shell.py), so the agent and the controller can never disagree on a name."""
+    return bool(NAME_RE.match(text)) and text != "." and ".." not in text and not text.startswith("-")
+
+
 def check_name(value: object, what: str = "run name") -> str:
     text = str(value or "")
-    if not NAME_RE.match(text) or text in (".", "..") or ".." in text or text.startswith("-"):
+    if not is_safe_name(text):
         raise AgentFailure(f"invalid {what} {text!r}", "bad_request")
     return text
 
@@ -222,7 +230,7 @@ def check_launch(req: dict) -> tuple:
     if not isinstance(env, dict):
         raise AgentFailure("env must be an object", "bad_request")
     launcher = req.get("launcher", "nohup")
-    if launcher not in ("tmux", "nohup"):
+    if launcher not in LAUNCHERS:
         raise AgentFailure(f"unknown launcher {launcher!r}", "bad_request")
     if launcher == "tmux" and not shutil.which("tmux"):
         raise AgentFailure("tmux is not installed on the target", "missing_tool")

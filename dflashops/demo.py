@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from dflashops.cli.common import open_session, progress
+from dflashops.cli.common import open_session, print_error, progress
 from dflashops.errors import DflashopsError
 from dflashops.ops.control import DEFAULT_FAIL_ON, run_status, wait_for
 from dflashops.ops.deploy import DeployRequest, deploy
@@ -34,9 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      on_text=lambda text: sys.stderr.write(text))
             final = run_status(session, outcome.name)[0]
     except DflashopsError as exc:
-        print(f"error: {exc.message}", file=sys.stderr)
-        if exc.hint:
-            print(f"hint: {exc.hint}", file=sys.stderr)
+        print_error(exc)
         return exc.exit_code
     print(f"{outcome.name}: {final['state']} (exit code {final['exit_code']}) in {outcome.run_dir}")
     print(f"next: dflashops runs tree; dflashops logs {outcome.name}; dflashops restart {outcome.name} --name +")

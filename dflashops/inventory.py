@@ -29,7 +29,7 @@ import yaml
 from dflashops.errors import InventoryError, NotFound
 from dflashops.inventory_groups import Group, parse_groups
 from dflashops.inventory_policy import Notify, OnFailure, Stall, parse_notify, parse_on_failure, parse_stall
-from dflashops.shell import ENV_KEY_RE, NAME_RE
+from dflashops.shell import ENV_KEY_RE, is_safe_name
 from dflashops.yaml_files import YAML_HINT, describe_yaml_error, read_yaml_text
 
 TARGET_KINDS = ("local", "pct", "direct", "host")
@@ -177,7 +177,7 @@ class _Reader:
 
     def check_name(self, value: str, node: yaml.Node, key: str) -> str:
         """Names of hosts, targets and profiles reach command lines: same rule as run names."""
-        if not NAME_RE.match(value) or ".." in value or value.startswith("-"):
+        if not is_safe_name(value):
             raise self.fail(node, key, "names use 1-64 characters from A-Z a-z 0-9 . _ -")
         return value
 

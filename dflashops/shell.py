@@ -10,9 +10,9 @@ import re
 import shlex
 from collections.abc import Mapping, Sequence
 
+from dflashops.agent import is_safe_name  # the one name rule; the agent applies it on the target
 from dflashops.errors import UsageError
 
-NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 
 
@@ -30,7 +30,7 @@ def env_argv(env: Mapping[str, str]) -> list[str]:
 
 def validate_name(value: str, *, what: str = "name") -> str:
     """A run, session, profile or target name: `[A-Za-z0-9._-]`, 1-64 chars, not `.`/`..`, no leading `-`."""
-    if not NAME_RE.match(value or "") or value in {".", ".."} or value.startswith("-") or ".." in value:
+    if not is_safe_name(value or ""):
         raise UsageError(
             f"invalid {what} {value!r}: use 1-64 characters from A-Z a-z 0-9 . _ - (no '..', no leading '-')",
             hint="pick a name like exp-flex3 or run_2026-11-29",

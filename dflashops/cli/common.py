@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from dflashops.errors import DflashopsError
 from dflashops.inventory import load_inventory
 from dflashops.ops.session import Session
 
@@ -40,6 +41,13 @@ def show_passthrough(parser: argparse.ArgumentParser, tail: str) -> None:
 
 def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+def print_error(error: DflashopsError, prefix: str = "") -> None:
+    """The one error format (uv's): `error: <message>`, then `hint: <fix>` when there is one, on stderr."""
+    progress(f"error: {prefix}{error.message}")
+    if error.hint:
+        progress(f"hint: {error.hint}")
 
 
 def emit_json(value: Any) -> None:

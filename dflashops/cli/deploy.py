@@ -7,7 +7,7 @@ import sys
 
 from dflashops.cli.common import highlight_errors, open_session, print_plan, progress, show_passthrough
 from dflashops.ops.control import DEFAULT_FAIL_ON, wait_for
-from dflashops.ops.deploy import DeployOutcome, DeployRequest, deploy
+from dflashops.ops.deploy import LAUNCHERS, DeployOutcome, DeployRequest, deploy
 from dflashops.ops.restart import RestartRequest, restart
 from dflashops.ops.session import Session
 
@@ -42,7 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def add_launch_options(p: argparse.ArgumentParser, launcher_default: str | None = "tmux") -> None:
     p.add_argument("--note", default="", help="the hypothesis this run tests (recorded in the lineage)")
-    p.add_argument("--launcher", choices=("tmux", "nohup"), default=launcher_default,
+    p.add_argument("--launcher", choices=LAUNCHERS, default=launcher_default,
                    help="tmux session or setsid/nohup (default: tmux; restart: the parent's)")
     p.add_argument("--clear-cache", action="store_true", help="remove this code's compile cache first")
     p.add_argument("--wait", metavar="REGEX", help="follow the log until REGEX matches (exit 0)")

@@ -132,9 +132,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         return int(args.func(args) or 0)
     except DflashopsError as exc:
-        print(f"error: {exc.message}", file=sys.stderr)
-        if exc.hint:
-            print(f"hint: {exc.hint}", file=sys.stderr)
+        from dflashops.cli.common import print_error
+
+        print_error(exc)
         return exc.exit_code
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)

@@ -17,7 +17,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from dflashops.cli.common import emit_json, open_session, progress
+from dflashops.cli.common import emit_json, open_session, print_error, progress
 from dflashops.playbook import load_playbook, parse_set
 from dflashops.playbook.run import PlayReport, StepReport, run_playbook
 
@@ -107,7 +107,5 @@ def handle_play(args: argparse.Namespace) -> int:
             if rows:  # a check run fills no rows
                 out.print(data_table(name, rows))
     if report.error is not None:
-        progress(f"error: playbook stopped: {report.error.message}")
-        if report.error.hint:
-            progress(f"hint: {report.error.hint}")
+        print_error(report.error, prefix="playbook stopped: ")
     return report.exit_code

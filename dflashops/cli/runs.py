@@ -312,21 +312,3 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("csv", "json"), help="csv (default) or json")
     p.add_argument("--out", metavar="FILE", help="write to FILE instead of stdout")
     return runs
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (`python -m dflashops.cli.runs VERB ...`), printing errors like cli/main.py."""
-    parser = argparse.ArgumentParser(prog="dflashops")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["runs", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return args.handler(args)
-    except DflashopsError as exc:
-        print(f"error: {exc.message}", file=sys.stderr)
-        if exc.hint:
-            print(f"hint: {exc.hint}", file=sys.stderr)
-        return exc.exit_code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -13,6 +13,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from dflashops.agent import LAUNCHERS  # the agent starts runs; its list is the list
 from dflashops.errors import Conflict, UsageError
 from dflashops.inventory import Profile, Target
 from dflashops.lineage import RunRecord, next_name, redact_env, wandb_env
@@ -151,7 +152,7 @@ def check_request(session: Session, request: DeployRequest, target: Target, prof
     name (free in the lineage and, with `ask_target`, on the target: one read-only `status` call). Returns the
     chosen name. `restart` passes ask_target=False: its combined agent call refuses an existing run directory
     before it changes anything, so the extra round trip would buy nothing."""
-    if request.launcher not in ("tmux", "nohup"):
+    if request.launcher not in LAUNCHERS:
         raise UsageError(f"unknown launcher {request.launcher!r}", hint="use --launcher tmux or --launcher nohup")
     if request.parent:
         validate_name(request.parent, what="parent run name")

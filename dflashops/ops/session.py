@@ -11,14 +11,11 @@ from dataclasses import dataclass, field
 from dflashops.errors import DflashopsError, NotFound
 from dflashops.inventory import Inventory, Target
 from dflashops.lineage import LineageDB, LineageDBError, RunRecord
+from dflashops.lineage.files import AGENT_STATE_TO_LINEAGE
 from dflashops.ops.agent_client import Agent
 from dflashops.ops.notify import Notifier
 from dflashops.ops.observe import observe
 from dflashops.transport import open_transport
-
-# Agent states -> lineage states (the agent distinguishes "stopping" and "lost"; the database does not).
-LINEAGE_STATE = {"running": "running", "stopping": "running", "launching": "launched", "lost": "crashed",
-                 "finished": "finished", "crashed": "crashed", "stopped": "stopped"}
 
 
 @dataclass
@@ -123,7 +120,7 @@ class Session:
         record = record or self.record_of(str(status.get("name")))
         if record is None:
             return
-        state = LINEAGE_STATE.get(str(status.get("state")), "crashed")
+        state = AGENT_STATE_TO_LINEAGE.get(str(status.get("state")), "crashed")
         fields: dict = {"exit_code": status.get("exit_code")}
         if isinstance(status.get("step"), int):
             fields["last_step"] = status["step"]

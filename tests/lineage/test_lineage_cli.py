@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dflashops.cli.runs import main
+from dflashops.cli.main import main
 from dflashops.lineage import LineageDB
 from dflashops.ops.plot import LINE_STYLES, style_for
 
@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
+    code = main(["runs", *argv])
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 
@@ -182,6 +182,6 @@ def test_sync_without_a_source_is_refused(db_path: Path, tmp_path: Path, capsys:
 
 def test_real_process_no_colour_and_data_on_stdout(three_runs: dict, db_path: Path) -> None:
     env = {**os.environ, "NO_COLOR": "1", "PYTHONPATH": str(REPO), "TERM": "xterm-256color"}
-    done = subprocess.run([sys.executable, "-m", "dflashops.cli.runs", "tree", "--db", str(db_path)],
+    done = subprocess.run([sys.executable, "-m", "dflashops.cli.main", "runs", "tree", "--db", str(db_path)],
                           capture_output=True, text=True, env=env, timeout=60, cwd=REPO)
     assert done.returncode == 0 and "\x1b[" not in done.stdout and "exp-flex7" in done.stdout and done.stderr == ""
