@@ -233,11 +233,3 @@ def ended_badly(session: Session, name: str, *, target: str | None = None) -> Ru
     if final["state"] not in ("crashed", "lost"):
         return None
     return RunFailed(f"{name} {how_it_ended(final)}", hint=f"`dflashops status {name}` shows its last state")
-
-
-def require_run(session: Session, name: str, target: str | None = None) -> dict[str, Any]:
-    """The run's status entry, or NotFound naming where we looked."""
-    try:
-        return run_status(session, name, target=target)[0]
-    except NotFound as exc:
-        raise NotFound(exc.message, hint="`dflashops status` lists the runs of a target") from None

@@ -34,7 +34,7 @@ from dflashops.errors import TransportError
 from dflashops.shell import env_argv, join_argv
 from dflashops.transport.base import Stdin, Transport
 from dflashops.transport.ssh_connect import build_connection
-from dflashops.transport.ssh_keys import check_identity_files, fingerprint, translate_connect_error
+from dflashops.transport.ssh_keys import check_identity_files, translate_connect_error
 from dflashops.transport.ssh_settings import SshSettings, settings_for_host
 
 __all__ = ["SshSettings", "SshTransport", "build_connection", "settings_for_host"]
@@ -88,9 +88,6 @@ class SshTransport(Transport):
             conn.transport.packetizer.REKEY_BYTES = REKEY_BYTES
             self._conn = conn
             return conn.transport
-
-    def host_fingerprint(self) -> str:
-        return fingerprint(self.connection().get_remote_server_key())
 
     def close(self) -> None:
         with self._lock:

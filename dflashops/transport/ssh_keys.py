@@ -33,10 +33,6 @@ def fingerprint(key: paramiko.PKey) -> str:
     return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
 
 
-def known_hosts_name(host: str, port: int) -> str:
-    return host if port == 22 else f"[{host}]:{port}"
-
-
 class UnknownHostKey(paramiko.SSHException):
     def __init__(self, hostname: str, key: paramiko.PKey, trust_name: str, known_hosts: Path) -> None:
         super().__init__(f"unknown host key for {hostname}")

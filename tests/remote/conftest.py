@@ -27,7 +27,6 @@ from dflashops.transport.ssh import SshSettings, SshTransport  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 WORKLOAD = REPO / "tests" / "workloads" / "workload.py"
-pytestmark = pytest.mark.ssh
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
