@@ -3,7 +3,7 @@
 - `trainer` never imports `dflashops`; `dflashops` never imports `trainer` or `torch`.
 - Inside dflashops the layers run cli -> playbook -> ops -> transport: each imports only its own layer or
   lower ones, and cli/playbook reach targets through ops only (never transport or the agent's code). Library modules (errors, shell, inventory, lineage*, agent) import no layer above transport.
-- Only dflashops/transport/ touches subprocess, fabric or paramiko (the agent and its siblings
+- Only dflashops/transport/ touches subprocess, fabric, paramiko or libtmux (the agent and its siblings
   `dflashops/agent_*.py` are the exception: they run inside the target); those import the standard library only.
 Imports under `if TYPE_CHECKING:` are annotations, not dependencies, and are skipped.
 """
@@ -18,7 +18,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 LAYERS = {"transport": 0, "ops": 1, "playbook": 2, "cli": 3}
-PROCESS_MODULES = {"subprocess", "fabric", "paramiko", "invoke"}
+PROCESS_MODULES = {"subprocess", "fabric", "paramiko", "invoke", "libtmux"}
 
 
 def module_name(path: Path) -> str:

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import os
 
-from dflashops.errors import UsageError
+from dflashops.errors import NotFound, UsageError
 from dflashops.ops.control import run_status
 from dflashops.ops.nodes import node_target, nodes_of
 from dflashops.ops.session import Session
 from dflashops.shell import validate_name
 from dflashops.transport.interactive import interactive_argv
+from dflashops.transport.tmux_local import local_session_exists
 
 
 def attach_argv(session: Session, run: str, *, target: str | None = None, node: int | None = None) -> list[str]:
@@ -28,6 +29,9 @@ def attach_argv(session: Session, run: str, *, target: str | None = None, node: 
         raise UsageError(f"run {run!r} was launched with nohup; there is no session to attach",
                          hint=f"`dflashops logs {run} -f`")
     names = entry["tmux"]
+    if tgt.kind == "local" and not local_session_exists(names["socket"], names["session"]):
+        raise NotFound(f"run {run!r} has no tmux session any more ({entry['state']})",
+                       hint=f"`dflashops logs {run}` shows what it printed")
     tmux = ["tmux", "-L", names["socket"], "attach-session", "-t", "=" + names["session"]]
     # Remote: the terminal type travels (pct exec clears the environment); detach with the tmux prefix + d.
     term = {"TERM": os.environ.get("TERM", "xterm-256color")} if tgt.kind != "local" else None

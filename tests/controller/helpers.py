@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from dflashops.agent import tmux_socket
+from tests.tmux_screen import kill_server
 from dflashops.cli.main import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -80,10 +81,7 @@ def cleanup(workspace: Path) -> None:
                         json.dumps({"workspace": str(workspace), "name": run.name, "grace": 1})],
                        capture_output=True, timeout=60)
     if shutil.which("tmux"):
-        socket = tmux_socket(str(workspace))
-        subprocess.run(["tmux", "-L", socket, "kill-server"], capture_output=True, timeout=10)
-        tmpdir = Path(os.environ.get("TMUX_TMPDIR", "/tmp")) / f"tmux-{os.getuid()}"
-        (tmpdir / socket).unlink(missing_ok=True)  # this workspace's own socket name, nothing else
+        kill_server(tmux_socket(str(workspace)))  # this workspace's own server and socket, nothing else
 
 
 def all_bytes(root: Path) -> bytes:

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from tests.tmux_screen import session_names
 from tests.controller.helpers import AGENT, REPO, Env
 from dflashops.agent import tmux_socket
 from dflashops.inventory import load_inventory
@@ -60,8 +61,7 @@ def test_tmux_stop_is_exact_about_session_names(env: Env, capsys: pytest.Capture
     for name in ("dflash2", "dflash"):
         assert env.cli("deploy", "--profile", "work", "--name", name, "--wait", "step 1", capsys=capsys)[0] == 0
     assert env.cli("stop", "dflash", "--grace", "5", capsys=capsys)[0] == 0
-    sessions = subprocess.run(["tmux", "-L", tmux_socket(str(env.workspace)), "list-sessions", "-F",
-                               "#{session_name}"], capture_output=True, text=True).stdout.split()
+    sessions = session_names(tmux_socket(str(env.workspace)))
     assert sessions == ["dflash2"]
     code, out, _ = env.cli("status", "dflash2", capsys=capsys)
     assert "\trunning\t" in out

@@ -207,3 +207,13 @@ def test_item22_exec_command_without_the_separator_gets_a_hint(env: Env, capsys:
     assert code == 2 and err.splitlines()[-1] == "hint: put the command after --: dflashops exec --all -- echo hi", err
     code, out, err = env.cli("exec", "local", "--", "echo", "hi", capsys=capsys)  # the right way still works
     assert code == 0 and out == "hi\n", err
+
+
+def test_attach_to_a_local_run_whose_session_is_gone_says_so(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    """The local tmux server is asked (libtmux) before tmux is exec'd: a run that ended has no session, and
+    the answer is one line with a hint instead of tmux's own "can't find session"."""
+    assert env.cli("deploy", "--profile", "work", "--name", "gone-1", "--wait", "step 1", capsys=capsys)[0] == 0
+    assert env.cli("stop", "gone-1", "--grace", "5", capsys=capsys)[0] == 0
+    code, _, err = env.cli("attach", "gone-1", capsys=capsys)
+    assert code == 3 and "run 'gone-1' has no tmux session any more (stopped)" in err
+    assert "hint: `dflashops logs gone-1`" in err

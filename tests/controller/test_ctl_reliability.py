@@ -12,9 +12,11 @@ import sys
 import time
 from pathlib import Path
 
+import libtmux
 import pytest
 
 from dflashops.agent import session_name, tmux_socket
+from tests.tmux_screen import session_names
 from tests.controller.helpers import AGENT, Env, all_bytes
 
 # A job that writes nothing but its log: prints a line, then waits for SIGTERM (exit 143) or `go` (exit 3).
@@ -77,14 +79,12 @@ def test_item4_run_names_that_tmux_would_merge_get_their_own_sessions(env: Env,
     for name in ("exp.1", "exp_1"):
         code, _, err = env.cli("deploy", "--profile", "work", "--name", name, "--wait", "step 1", capsys=capsys)
         assert code == 0, err
-    sessions = subprocess.run(["tmux", "-L", tmux_socket(str(env.workspace)), "list-sessions", "-F",
-                               "#{session_name}"], capture_output=True, text=True).stdout.split()
+    sessions = session_names(tmux_socket(str(env.workspace)))
     assert sorted(sessions) == sorted([session_name("exp.1"), session_name("exp_1")])
     assert json.loads((env.runs / "exp.1" / "run.json").read_text())["session"] == session_name("exp.1")
     assert env.cli("stop", "exp_1", "--grace", "5", capsys=capsys)[0] == 0
     assert state_of(env, "exp.1")["state"] == "running", "stopping exp_1 touched exp.1"
-    sessions = subprocess.run(["tmux", "-L", tmux_socket(str(env.workspace)), "list-sessions", "-F",
-                               "#{session_name}"], capture_output=True, text=True).stdout.split()
+    sessions = session_names(tmux_socket(str(env.workspace)))
     assert sessions == [session_name("exp.1")]
 
 
@@ -93,7 +93,7 @@ def test_item5_a_failed_launch_leaves_no_secret_file(env: Env, capsys: pytest.Ca
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WORKLOAD_SECRET", "hunter2-launch-file")
     socket = tmux_socket(str(env.workspace))
-    subprocess.run(["tmux", "-L", socket, "new-session", "-d", "-s", "clash", "sleep 60"], check=True)
+    libtmux.Server(socket_name=socket).new_session(session_name="clash", window_command="sleep 60")
     code, _, err = env.cli("deploy", "--profile", "work", "--name", "clash", capsys=capsys)
     assert code != 0 and "tmux new-session failed" in err and "Traceback" not in err
     assert not (env.runs / "clash" / ".launch.json").exists()

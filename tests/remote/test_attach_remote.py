@@ -15,7 +15,9 @@ import pytest
 from conftest import cli
 
 from dflashops.inventory import load_inventory
+from dflashops.shell import join_argv
 from dflashops.transport.interactive import interactive_argv
+from tests.tmux_screen import Screen
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not shutil.which("tmux") or not shutil.which("ssh"), reason="needs tmux and ssh")
@@ -34,20 +36,19 @@ def test_attach_shows_the_remote_session_and_leaving_keeps_the_run(inventory: Pa
                        "--wait", r"step 3\b", "--timeout", "60")
     assert code == 0, err
     socket = f"dfo-attach-test-{os.getpid()}"  # this test's own tmux server, removed by exact socket name
-    env = {**os.environ, "DFLASHOPS_INVENTORY": str(inventory), "PYTHONPATH": str(REPO), "TERM": "xterm"}
+    env = {"DFLASHOPS_INVENTORY": str(inventory), "PYTHONPATH": str(REPO), "TERM": "xterm"}
     # The pane lingers after attach exits, so a failure leaves its error on the screen for the assertion.
-    command = f"{sys.executable} -m dflashops attach att1 --target ct200; echo attach-exit=$?; sleep 60"
-    subprocess.run(["tmux", "-L", socket, "new-session", "-d", "-s", "human", "-x", "160", "-y", "40", "--",
-                    "sh", "-c", command], env=env, check=True)
+    command = join_argv(["sh", "-c", f"{sys.executable} -m dflashops attach att1 --target ct200; "
+                                     "echo attach-exit=$?; sleep 60"])
+    screen = Screen(socket, command, width=160, height=40, env=env)
     try:
-        screen, deadline = "", time.monotonic() + 30
-        while time.monotonic() < deadline and "step " not in screen:
+        shown, deadline = "", time.monotonic() + 30
+        while time.monotonic() < deadline and "step " not in shown:
             time.sleep(0.5)
-            screen = subprocess.run(["tmux", "-L", socket, "capture-pane", "-p", "-t", "=human:"],
-                                    capture_output=True, text=True).stdout
-        assert "step " in screen, screen  # the run's pane, mirrored from inside the container
+            shown = screen.text()
+        assert "step " in shown, shown  # the run's pane, mirrored from inside the container
     finally:
-        subprocess.run(["tmux", "-L", socket, "kill-server"], capture_output=True)
+        screen.close()
     time.sleep(1.0)
     code, out, err = cli("status", "att1", "--target", "ct200", "--json")
     assert code == 0, err

@@ -19,6 +19,7 @@ from dflashops.inventory import load_inventory
 from dflashops.ops.session import Session
 from dflashops.ops.watch import Watcher, run_row
 from dflashops.shell import join_argv
+from tests.tmux_screen import Screen
 from tests.controller.helpers import INVENTORY, REPO, WORKLOAD, Env, cleanup
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux (make test installs it)")
@@ -63,43 +64,34 @@ def test_watch_in_a_tmux_pane(env: Env, capsys: pytest.CaptureFixture[str]) -> N
                          "--inventory", str(env.inventory), "watch", "w1", "--interval", "0.3"])
     exit_file = env.root / "watch.exit"
     command += f"; echo $? > {exit_file}"  # tmux 3.3 does not always record pane_dead_status
-    tmux = ["tmux", "-L", socket, "-f", str(conf)]
+    screen = Screen(socket, command, width=120, height=30, config=conf)
     try:
-        subprocess.run([*tmux, "new-session", "-d", "-s", "view", "-x", "120", "-y", "30", command], check=True,
-                       timeout=10)
-
-        def pane(*flags: str) -> str:
-            return subprocess.run([*tmux, "capture-pane", "-p", *flags, "-t", "view"], capture_output=True,
-                                  text=True, timeout=10).stdout
-
         def step_shown() -> int | None:
-            match = re.search(r"w1\s*│\s*running\s*│\s*(\d+)", pane())
+            match = re.search(r"w1\s*│\s*running\s*│\s*(\d+)", screen.text())
             return int(match.group(1)) if match else None
 
         wait_until(lambda: step_shown() is not None, what="the w1 row in the pane")
-        screen = pane()
-        assert "dflashops watch w1 | updated" in screen and "q quits" in screen
+        shown = screen.text()
+        assert "dflashops watch w1 | updated" in shown and "q quits" in shown
         for column in ("run", "state", "step", "loss", "tau_sim", "blk tok/s", "eta"):
-            assert column in screen
-        assert re.search(r"w1 log: step \d+ loss", screen)
-        assert "gpus: none visible" in screen
+            assert column in shown
+        assert re.search(r"w1 log: step \d+ loss", shown)
+        assert "gpus: none visible" in shown
         first = step_shown()
         wait_until(lambda: (step_shown() or 0) > (first or 0), what="the view to refresh")
-        assert not re.search(r"\x1b\[(3[0-7]|38|9[0-7])[;m]", pane("-e")), "colour used despite NO_COLOR"
-        subprocess.run([*tmux, "send-keys", "-t", "view", "q"], check=True, timeout=10)
+        assert not re.search(r"\x1b\[(3[0-7]|38|9[0-7])[;m]", screen.text(escapes=True)), "colour used despite NO_COLOR"
+        screen.keys("q")
 
         try:
             wait_until(lambda: exit_file.exists() and exit_file.read_text().strip() != "", timeout=10,
                        what="watch to quit on q")
         except AssertionError:
-            pid = subprocess.run([*tmux, "list-panes", "-t", "view", "-F", "#{pane_pid}"], capture_output=True,
-                                 text=True, timeout=10).stdout.strip()
-            os.kill(int(pid), 6)  # our own pane's process: faulthandler prints where it hangs
+            os.kill(screen.pid(), 6)  # our own pane's process: faulthandler prints where it hangs
             time.sleep(1)
-            raise AssertionError(f"watch did not quit on q; pane shows: {pane('-S', '-60')}") from None
+            raise AssertionError(f"watch did not quit on q; pane shows: {screen.text(history=60)}") from None
         assert exit_file.read_text().strip() == "0"
     finally:
-        subprocess.run([*tmux, "kill-server"], capture_output=True, timeout=10)
+        screen.close()
     assert state_of(env, "w1") == "running"  # watching never touches the run
     assert not (env.runs / "w1" / "stop.json").exists()
 
