@@ -20,7 +20,7 @@ from remote_common import harness_session, median, percentile, write_inventory
 from dflashops.inventory import load_inventory
 from dflashops.ops.control import LogCursor, read_log
 from dflashops.ops.deploy import DeployRequest, deploy
-from dflashops.ops.session import Session
+from dflashops.ops.invocation import Invocation
 
 WRITER = "import sys,time\nfor i in range(int(sys.argv[1])):\n    print(f'tick {i} {time.time():.6f}', flush=True)\n" \
          "    time.sleep(0.1)\n"
@@ -28,20 +28,20 @@ WRITER = "import sys,time\nfor i in range(int(sys.argv[1])):\n    print(f'tick {
 
 def measure(inventory_path: Path, name: str, lines: int, poll_s: float) -> list[float]:
     inventory = load_inventory(inventory_path)
-    session = Session(inventory)
+    invocation = Invocation(inventory)
     try:
-        deploy(session, DeployRequest(target="ct200", profile="work", name=name, launcher="nohup",
+        deploy(invocation, DeployRequest(target="ct200", profile="work", name=name, launcher="nohup",
                                       extra_args=[str(lines)]))
         latencies: list[float] = []
         pending = ""
-        for chunk in read_log(session, name, LogCursor(), target="ct200", follow=True, poll_s=poll_s, timeout=120):
+        for chunk in read_log(invocation, name, LogCursor(), target="ct200", follow=True, poll_s=poll_s, timeout=120):
             now = time.time()
             pending += chunk
             *complete, pending = pending.split("\n")
             latencies += [now - float(line.split()[2]) for line in complete if line.startswith("tick ")]
         return latencies[1:]  # the first line waits for the launch itself
     finally:
-        session.close()
+        invocation.close()
 
 
 def main() -> None:

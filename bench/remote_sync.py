@@ -20,7 +20,7 @@ from pathlib import Path
 from remote_common import harness_session, write_inventory
 
 from dflashops.inventory import load_inventory
-from dflashops.ops.session import Session
+from dflashops.ops.invocation import Invocation
 from dflashops.ops.sync import release_files, sync
 
 FILES = 300
@@ -39,15 +39,15 @@ def make_tree(folder: Path) -> list[str]:
 
 def dflashops_sync(inventory_path: Path, proxy) -> tuple[int, int, int]:
     inventory = load_inventory(inventory_path)
-    session = Session(inventory)
+    invocation = Invocation(inventory)
     try:
-        agent = session.agent(inventory.target("ct200"))
+        agent = invocation.agent(inventory.target("ct200"))
         agent.ensure()
         proxy.reset_counters()
         outcome = sync(agent, extra_files=inventory.profile("work").files, extra_root=inventory.root)
         return proxy.bytes_up, proxy.bytes_down, len(outcome.uploaded)
     finally:
-        session.close()
+        invocation.close()
 
 
 def rsync_run(source: Path, ssh: str, proxy) -> tuple[int, int, int]:

@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from dflashops.cli.common import open_session, print_error, progress
+from dflashops.cli.common import open_invocation, print_error, progress
 from dflashops.errors import DflashopsError
 from dflashops.ops.control import DEFAULT_FAIL_ON, run_status, wait_for
 from dflashops.ops.deploy import DeployRequest, deploy
@@ -26,13 +26,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     name = time.strftime(f"{args.profile}-%Y%m%d-%H%M%S", time.gmtime())
     try:
-        with open_session(args) as session:
-            outcome = deploy(session, DeployRequest(target="local", profile=args.profile, name=name,
+        with open_invocation(args) as invocation:
+            outcome = deploy(invocation, DeployRequest(target="local", profile=args.profile, name=name,
                                                     launcher="nohup", note="make demo"))
             progress(f"launched {outcome.name} in {outcome.run_dir}; following its log")
-            wait_for(session, outcome.name, until=None, fail_on=DEFAULT_FAIL_ON, timeout=args.timeout,
+            wait_for(invocation, outcome.name, until=None, fail_on=DEFAULT_FAIL_ON, timeout=args.timeout,
                      on_text=lambda text: sys.stderr.write(text))
-            final = run_status(session, outcome.name)[0]
+            final = run_status(invocation, outcome.name)[0]
     except DflashopsError as exc:
         print_error(exc)
         return exc.exit_code

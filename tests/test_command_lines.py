@@ -20,7 +20,7 @@ from dflashops.errors import TransportError
 from dflashops.inventory import load_inventory
 from dflashops.ops.agent_client import _UPLOAD, Agent, agent_bytes
 from dflashops.ops.control import stop_run
-from dflashops.ops.session import Session
+from dflashops.ops.invocation import Invocation
 from dflashops.shell import join_argv
 from dflashops.transport.base import Stdin, Transport
 from dflashops.transport.pct import STATUS_MARK, PctTransport
@@ -89,10 +89,10 @@ def remote(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     inventory = load_inventory(tmp_path / "inventory.yaml")
     host = RecordingHost(name="pve")
     pct = PctTransport(name="ct200", host=host, ctid=200, sudo=True)
-    session = Session(inventory)
-    session._agents["ct200"] = Agent(inventory.target("ct200"), pct)
-    yield session, host
-    session.close()
+    invocation = Invocation(inventory)
+    invocation._agents["ct200"] = Agent(inventory.target("ct200"), pct)
+    yield invocation, host
+    invocation.close()
 
 
 AGENT_PATH = "/workspace/.dflashops/agent-{}.py"
@@ -105,8 +105,8 @@ def agent_path() -> str:
 
 
 def test_the_first_command_chains_pct_status_and_later_ones_exec_directly(remote) -> None:
-    session, host = remote
-    agent = session.agent(session.inventory.target("ct200"))
+    invocation, host = remote
+    agent = invocation.agent(invocation.inventory.target("ct200"))
     agent.call("status", {"workspace": "/workspace"})
     agent.call("status", {"workspace": "/workspace"})
     first, second = host.calls[0][0], host.calls[1][0]
@@ -118,7 +118,7 @@ def test_the_first_command_chains_pct_status_and_later_ones_exec_directly(remote
 
 
 def test_a_missing_agent_is_uploaded_atomically_then_the_call_repeated(remote) -> None:
-    session, host = remote
+    invocation, host = remote
     missing = {"first": True}
 
     def answer(verb: str, request: dict, stdin: bytes) -> tuple[int, str, str]:
@@ -128,7 +128,7 @@ def test_a_missing_agent_is_uploaded_atomically_then_the_call_repeated(remote) -
         return default_answer(verb, request, stdin)
 
     host.answer = answer
-    session.agent(session.inventory.target("ct200")).call("status", {"workspace": "/workspace"})
+    invocation.agent(invocation.inventory.target("ct200")).call("status", {"workspace": "/workspace"})
     upload_argv, upload_stdin = host.calls[1]
     assert upload_argv[-4:] == ["/workspace/venv/bin/python", "-c", _UPLOAD, agent_path()]
     assert upload_stdin == agent_bytes()
@@ -136,9 +136,9 @@ def test_a_missing_agent_is_uploaded_atomically_then_the_call_repeated(remote) -
 
 
 def test_secrets_travel_on_stdin_only(remote, monkeypatch: pytest.MonkeyPatch) -> None:
-    session, host = remote
+    invocation, host = remote
     monkeypatch.setenv("DB_PASS", "hunter2-not-on-argv")
-    agent = session.agent(session.inventory.target("ct200"))
+    agent = invocation.agent(invocation.inventory.target("ct200"))
     agent.call("launch", {"workspace": "/workspace", "name": "r1"}, secret_args={"env": {"DB_PASS": "hunter2-not-on-argv"}},
                shown_args={"env": {"DB_PASS": "<redacted>"}})
     argv, stdin = host.calls[-1]
@@ -147,8 +147,8 @@ def test_secrets_travel_on_stdin_only(remote, monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_stop_is_one_agent_verb_and_never_a_kill_by_name(remote) -> None:
-    session, host = remote
-    stop_run(session, "exp-flex5", target="ct200", grace=30.0)
+    invocation, host = remote
+    stop_run(invocation, "exp-flex5", target="ct200", grace=30.0)
     lines = [join_argv(argv) for argv, _ in host.calls]
     verbs = [agent_request(argv, stdin)[0] for argv, stdin in host.calls]
     assert verbs == ["stop", "status"]
@@ -158,8 +158,8 @@ def test_stop_is_one_agent_verb_and_never_a_kill_by_name(remote) -> None:
 
 
 def test_dry_run_plans_are_the_command_lines_a_real_run_would_use(remote) -> None:
-    session, host = remote
-    agent = session.agent(session.inventory.target("ct200"))
+    invocation, host = remote
+    agent = invocation.agent(invocation.inventory.target("ct200"))
     agent.call("status", {"workspace": "/workspace"})  # the agent is there (first call, real)
     agent.dry_run = True
     agent.call("gc", {"workspace": "/workspace", "keep": 3})

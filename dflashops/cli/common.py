@@ -1,4 +1,4 @@
-"""Helpers every verb module shares: opening a Session, printing data vs progress, colour rules.
+"""Helpers every verb module shares: opening an Invocation, printing data vs progress, colour rules.
 
 Data goes to stdout, progress and logs to stderr. Colour is used only on a terminal and never when
 NO_COLOR is set, and meaning never depends on colour (states are words, errors start with `error:`).
@@ -16,19 +16,19 @@ from typing import Any
 
 from dflashops.errors import DflashopsError
 from dflashops.inventory import load_inventory
-from dflashops.ops.session import Session
+from dflashops.ops.invocation import Invocation
 
 
 @contextmanager
-def open_session(args: argparse.Namespace, *, dry_run: bool = False) -> Iterator[Session]:
-    session = Session(load_inventory(getattr(args, "inventory", None)), dry_run=dry_run)
+def open_invocation(args: argparse.Namespace, *, dry_run: bool = False) -> Iterator[Invocation]:
+    invocation = Invocation(load_inventory(getattr(args, "inventory", None)), dry_run=dry_run)
     try:
-        yield session
+        yield invocation
     finally:
-        for notice in session.notices:  # notifications sent (or failed) while the verb ran
+        for notice in invocation.notices:  # notifications sent (or failed) while the verb ran
             progress(notice)
-        session.close()
-        for warning in session.warnings:
+        invocation.close()
+        for warning in invocation.warnings:
             progress(f"warning: {warning}")
 
 
@@ -73,7 +73,7 @@ def highlight_errors(text: str, stream: Any = None) -> str:
     return "".join(out)
 
 
-def print_plan(session: Session) -> None:
+def print_plan(invocation: Invocation) -> None:
     """The dry-run plan: the exact commands that would run, one per line, on stdout."""
-    for line in session.plan:
+    for line in invocation.plan:
         print(line)

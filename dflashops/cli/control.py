@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from dflashops.cli.common import emit_json, highlight_errors, open_session, print_plan, progress, show_passthrough
+from dflashops.cli.common import emit_json, highlight_errors, open_invocation, print_plan, progress, show_passthrough
 from dflashops.errors import NotFound, TransportError, UsageError
 from dflashops.ops.control import LogCursor, ended_badly, how_it_ended, read_log, run_status, stop_run, wait_for
 from dflashops.ops.nodes import node_target
@@ -108,8 +108,8 @@ def with_run_hint(handler: Callable[[argparse.Namespace], int]) -> Callable[[arg
             name = getattr(args, "run", None)
             if not name or exc.hint or f"run {name!r}" not in exc.message:
                 raise
-            with open_session(args) as session:
-                close = session.close_run_names(name, getattr(args, "target", None))
+            with open_invocation(args) as invocation:
+                close = invocation.close_run_names(name, getattr(args, "target", None))
             hint = (f"did you mean: {', '.join(close)}?" if close else
                     "`dflashops status` lists the runs of a target, `dflashops runs list` the recorded runs")
             raise NotFound(exc.message, hint=hint) from None
@@ -142,10 +142,10 @@ def handle_stop(args: argparse.Namespace) -> int:
         return fanout_cli.handle_stop_all(args)
     if not args.run:
         raise UsageError("stop needs a RUN (or --all)")
-    with open_session(args, dry_run=args.dry_run) as session:
-        answer = stop_run(session, args.run, target=args.target, grace=args.grace, save_grace=args.save_grace)
+    with open_invocation(args, dry_run=args.dry_run) as invocation:
+        answer = stop_run(invocation, args.run, target=args.target, grace=args.grace, save_grace=args.save_grace)
         if args.dry_run:
-            print_plan(session)
+            print_plan(invocation)
             return 0
         how = "SIGKILL after the grace period" if answer["escalated"] else "SIGTERM"
         if answer.get("supervisor_cancelled"):
@@ -200,9 +200,9 @@ def handle_status(args: argparse.Namespace) -> int:
         from dflashops.cli import fanout as fanout_cli  # rich: only --all pays its import
 
         return fanout_cli.handle_status_all(args)
-    with open_session(args) as session:
-        runs = run_status(session, args.run, target=args.target)
-        gpus = session.agent(session.inventory.target(runs[0]["target"] if runs else args.target)).call(
+    with open_invocation(args) as invocation:
+        runs = run_status(invocation, args.run, target=args.target)
+        gpus = invocation.agent(invocation.inventory.target(runs[0]["target"] if runs else args.target)).call(
             "gpus", {}) if (args.json or args.run) else {"gpus": []}
     if args.json:
         emit_json({"runs": runs, "gpus": gpus.get("gpus", [])})
@@ -225,18 +225,18 @@ def handle_logs(args: argparse.Namespace) -> int:
         sys.stdout.write(text if args.raw else highlight_errors(text))
         sys.stdout.flush()
 
-    with open_session(args) as session:
+    with open_invocation(args) as invocation:
         if args.node is not None:
-            args.target = args.target or node_target(session, args.run, args.node)
+            args.target = args.target or node_target(invocation, args.run, args.node)
         try:
             if args.until or args.fail_on:
-                wait_for(session, args.run, until=args.until, fail_on=args.fail_on, target=args.target,
+                wait_for(invocation, args.run, until=args.until, fail_on=args.fail_on, target=args.target,
                          timeout=args.timeout, cursor=cursor, on_text=write, on_notice=progress)
             else:
-                for chunk in read_log(session, args.run, cursor, target=args.target, follow=args.follow,
+                for chunk in read_log(invocation, args.run, cursor, target=args.target, follow=args.follow,
                                       timeout=args.timeout, on_notice=progress):
                     write(chunk)
-                if args.follow and (failure := ended_badly(session, args.run, target=args.target)):
+                if args.follow and (failure := ended_badly(invocation, args.run, target=args.target)):
                     raise failure  # followed to the end of a crashed run: scripts see it in the exit status
         except KeyboardInterrupt:
             progress(f"interrupted; resume with --since {cursor.offset}")
@@ -253,12 +253,12 @@ def handle_exec(args: argparse.Namespace) -> int:
         raise UsageError("exec needs a TARGET (or --all)", hint="dflashops exec local -- nvidia-smi")
     if not args.passthrough:
         raise UsageError("exec needs a command after `--`", hint="dflashops exec local -- nvidia-smi")
-    with open_session(args, dry_run=args.dry_run) as session:
-        target = session.inventory.target(args.target)
-        agent = session.agent(target)
+    with open_invocation(args, dry_run=args.dry_run) as invocation:
+        target = invocation.inventory.target(args.target)
+        agent = invocation.agent(target)
         if args.dry_run:
             agent.record(args.passthrough)
-            print_plan(session)
+            print_plan(invocation)
             return 0
         result = agent.transport.run(args.passthrough, check=False)
     sys.stdout.write(result.stdout)
@@ -269,8 +269,8 @@ def handle_exec(args: argparse.Namespace) -> int:
 def handle_attach(args: argparse.Namespace) -> int:
     from dflashops.ops.attach import attach_argv
 
-    with open_session(args) as session:
-        argv = attach_argv(session, args.run, target=args.target, node=args.node)
+    with open_invocation(args) as invocation:
+        argv = attach_argv(invocation, args.run, target=args.target, node=args.node)
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise UsageError("attach needs a terminal (stdin and stdout are not both one)",
                          hint=f"`dflashops logs {args.run} -f` follows the run's output without one")
@@ -284,11 +284,11 @@ def handle_attach(args: argparse.Namespace) -> int:
 def handle_gc(args: argparse.Namespace) -> int:
     for name in args.run:
         validate_name(name, what="run name")
-    with open_session(args, dry_run=args.dry_run) as session:
-        target = session.inventory.target(args.target)
-        answer = session.agent(target).call("gc", {"workspace": target.workspace, "keep": args.keep, "runs": args.run})
+    with open_invocation(args, dry_run=args.dry_run) as invocation:
+        target = invocation.inventory.target(args.target)
+        answer = invocation.agent(target).call("gc", {"workspace": target.workspace, "keep": args.keep, "runs": args.run})
         if args.dry_run:
-            print_plan(session)
+            print_plan(invocation)
             return 0
     emit_json({k: v for k, v in answer.items() if k != "ok"})
     return 0

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dflashops.cli.common import highlight_errors, open_session, print_plan, progress, show_passthrough
+from dflashops.cli.common import highlight_errors, open_invocation, print_plan, progress, show_passthrough
 from dflashops.ops.control import DEFAULT_FAIL_ON, wait_for
 from dflashops.ops.deploy import LAUNCHERS, DeployOutcome, DeployRequest, deploy
 from dflashops.ops.restart import RestartRequest, restart
-from dflashops.ops.session import Session
+from dflashops.ops.invocation import Invocation
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -52,9 +52,9 @@ def add_launch_options(p: argparse.ArgumentParser, launcher_default: str | None 
     p.add_argument("--dry-run", action="store_true", help="print the commands that would run; change nothing")
 
 
-def report(session: Session, outcome: DeployOutcome, args: argparse.Namespace) -> int:
+def report(invocation: Invocation, outcome: DeployOutcome, args: argparse.Namespace) -> int:
     if args.dry_run:
-        print_plan(session)
+        print_plan(invocation)
         return 0
     for rank, node in enumerate(outcome.nodes or [outcome]):
         where = f"node {rank} of {len(outcome.nodes)} on {node.target}" if outcome.nodes else node.target
@@ -69,26 +69,26 @@ def report(session: Session, outcome: DeployOutcome, args: argparse.Namespace) -
                      + (f"\nhint: {outcome.supervisor['hint']}" if outcome.supervisor.get("hint") else ""))
     print(outcome.name)
     if args.wait:
-        line = wait_for(session, outcome.name, until=args.wait, fail_on=args.fail_on, timeout=args.timeout,
+        line = wait_for(invocation, outcome.name, until=args.wait, fail_on=args.fail_on, timeout=args.timeout,
                         on_text=lambda text: sys.stderr.write(highlight_errors(text, sys.stderr)))
         progress(f"matched: {line.strip()}")
     return 0
 
 
 def handle_deploy(args: argparse.Namespace) -> int:
-    with open_session(args, dry_run=args.dry_run) as session:
-        outcome = deploy(session, DeployRequest(
+    with open_invocation(args, dry_run=args.dry_run) as invocation:
+        outcome = deploy(invocation, DeployRequest(
             target=args.target, profile=args.profile, name=args.name, parent=args.parent, note=args.note,
             launcher=args.launcher, clear_cache=args.clear_cache, extra_args=args.passthrough))
-        return report(session, outcome, args)
+        return report(invocation, outcome, args)
 
 
 def handle_restart(args: argparse.Namespace) -> int:
-    with open_session(args, dry_run=args.dry_run) as session:
-        outcome = restart(session, RestartRequest(
+    with open_invocation(args, dry_run=args.dry_run) as invocation:
+        outcome = restart(invocation, RestartRequest(
             run=args.run, name=args.name, note=args.note, resume=args.resume, clear_cache=args.clear_cache,
             launcher=args.launcher, extra_args=args.passthrough or None, grace=args.grace))
         if not args.dry_run:
             how = f"stopped (exit code {outcome.old_exit_code})" if outcome.stopped else "was not running"
             progress(f"{args.run} {how}" + (f"; resuming from {outcome.checkpoint}" if outcome.checkpoint else ""))
-        return report(session, outcome.deployed, args)
+        return report(invocation, outcome.deployed, args)

@@ -41,15 +41,15 @@ def profiles_for(inventory: Inventory, names: list[str]) -> list:
 
 
 def check_target(inventory: Inventory, args: argparse.Namespace, name: str | None) -> tuple[str, list[Check]]:
-    from dflashops.ops.session import Session
+    from dflashops.ops.invocation import Invocation
 
-    session = Session(inventory)
+    invocation = Invocation(inventory)
     try:
         target = inventory.target(name)
-        return target.name, doctor(session, target, profiles_for(inventory, args.profile),
+        return target.name, doctor(invocation, target, profiles_for(inventory, args.profile),
                                    explicit_profile=bool(args.profile))
     finally:
-        session.close()
+        invocation.close()
 
 
 def render(target: str, checks: list[Check], width: int) -> list[str]:

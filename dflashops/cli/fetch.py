@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from dflashops.cli.common import emit_json, open_session, print_plan, progress
+from dflashops.cli.common import emit_json, open_invocation, print_plan, progress
 from dflashops.cli.control import with_run_hint
 from dflashops.errors import UsageError
 from dflashops.ops.fetch import FetchRequest, Progress, fetch
@@ -67,10 +67,10 @@ def handle_fetch(args: argparse.Namespace) -> int:
         raise UsageError("--retries must be >= 0", hint="--retries 8")
     request = FetchRequest(run=args.run, target=args.target, checkpoint=args.checkpoint, export=args.export,
                            logs=args.logs, to=args.to, retries=args.retries)
-    with open_session(args, dry_run=args.dry_run) as session, progress_bar(args.dry_run) as sink:
-        outcome = fetch(session, request, sink)
+    with open_invocation(args, dry_run=args.dry_run) as invocation, progress_bar(args.dry_run) as sink:
+        outcome = fetch(invocation, request, sink)
         if args.dry_run:
-            print_plan(session)
+            print_plan(invocation)
             for item in outcome.files:
                 print(f"would fetch {item.path} ({item.size:,} bytes, sha256 {item.sha256[:12]}) into {outcome.to}")
             return 0

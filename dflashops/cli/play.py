@@ -17,7 +17,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from dflashops.cli.common import emit_json, open_session, print_error, progress
+from dflashops.cli.common import emit_json, open_invocation, print_error, progress
 from dflashops.playbook import load_playbook, parse_set
 from dflashops.playbook.run import PlayReport, StepReport, run_playbook
 
@@ -86,8 +86,8 @@ def handle_play(args: argparse.Namespace) -> int:
         args.target = str(overrides.pop("target"))
     playbook = load_playbook(args.playbook)  # PlaybookError (exit 2) before any session is opened
     playbook.bind(overrides)
-    with open_session(args, dry_run=args.check) as session:
-        report = run_playbook(session, playbook, overrides, target=args.target, check=args.check,
+    with open_invocation(args, dry_run=args.check) as invocation:
+        report = run_playbook(invocation, playbook, overrides, target=args.target, check=args.check,
                               say=progress if os.environ.get("DFLASHOPS_VERBOSE") else lambda text: None,
                               on_step=lambda entry: progress(_line(entry)))
     err = _console(sys.stderr)

@@ -207,11 +207,11 @@ def _statuses_from_target(args: argparse.Namespace, target: str) -> list[dict[st
     """The agent's `status` answer for every run on `target` (through C1's session/agent seam). The agent
     is called directly rather than through ops.control.run_status, which would also write states into the
     inventory's database when `--db` names another one."""
-    from dflashops.cli.common import open_session
+    from dflashops.cli.common import open_invocation
 
-    with open_session(args) as session:
-        tgt = session.inventory.target(target)
-        return list(session.agent(tgt).call("status", {"workspace": tgt.workspace})["runs"])
+    with open_invocation(args) as invocation:
+        tgt = invocation.inventory.target(target)
+        return list(invocation.agent(tgt).call("status", {"workspace": tgt.workspace})["runs"])
 
 
 def cmd_plot(args: argparse.Namespace) -> int:

@@ -26,7 +26,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from dflashops.cli.common import emit_json, open_session
+from dflashops.cli.common import emit_json, open_invocation
 from dflashops.errors import NotFound, UsageError
 from dflashops.ops.watch import RunRow, Watcher
 
@@ -133,8 +133,8 @@ def handle_watch(args: argparse.Namespace) -> int:
         raise UsageError("watch needs a RUN or --all", hint="dflashops watch exp-flex6   or   dflashops watch --all")
     if args.interval <= 0:
         raise UsageError("--interval must be > 0")
-    with open_session(args) as session:
-        watcher = Watcher(session, args.run, args.target)
+    with open_invocation(args) as invocation:
+        watcher = Watcher(invocation, args.run, args.target)
         try:
             watcher.refresh()  # a run that does not exist, or an unreachable target, is an error right here
         except NotFound as exc:

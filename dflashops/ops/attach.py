@@ -11,20 +11,20 @@ import os
 from dflashops.errors import NotFound, UsageError
 from dflashops.ops.control import run_status
 from dflashops.ops.nodes import node_target, nodes_of
-from dflashops.ops.session import Session
+from dflashops.ops.invocation import Invocation
 from dflashops.shell import validate_name
 from dflashops.transport.interactive import interactive_argv
 from dflashops.transport.tmux_local import local_session_exists
 
 
-def attach_argv(session: Session, run: str, *, target: str | None = None, node: int | None = None) -> list[str]:
+def attach_argv(invocation: Invocation, run: str, *, target: str | None = None, node: int | None = None) -> list[str]:
     """argv for `tmux attach` to `run` (node `node` of a run on several targets, default 0). UsageError for a
     nohup run, which has no session."""
     validate_name(run, what="run name")
-    if not target and (node or nodes_of(session, run)):
-        target = node_target(session, run, node or 0)
-    tgt = session.target_for_run(run, target)
-    entry = run_status(session, run, target=tgt.name)[0]
+    if not target and (node or nodes_of(invocation, run)):
+        target = node_target(invocation, run, node or 0)
+    tgt = invocation.target_for_run(run, target)
+    entry = run_status(invocation, run, target=tgt.name)[0]
     if entry["run_json"].get("launcher") != "tmux":
         raise UsageError(f"run {run!r} was launched with nohup; there is no session to attach",
                          hint=f"`dflashops logs {run} -f`")
@@ -35,4 +35,4 @@ def attach_argv(session: Session, run: str, *, target: str | None = None, node: 
     tmux = ["tmux", "-L", names["socket"], "attach-session", "-t", "=" + names["session"]]
     # Remote: the terminal type travels (pct exec clears the environment); detach with the tmux prefix + d.
     term = {"TERM": os.environ.get("TERM", "xterm-256color")} if tgt.kind != "local" else None
-    return interactive_argv(tgt, tmux, hosts=session.inventory.hosts, env=term)
+    return interactive_argv(tgt, tmux, hosts=invocation.inventory.hosts, env=term)

@@ -1,4 +1,4 @@
-"""stop, status and log following: plain functions over a Session (no printing here)."""
+"""stop, status and log following: plain functions over an Invocation (no printing here)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 from dflashops.errors import DflashopsError, NotFound, RunFailed, TransportError, UsageError, WaitTimeout
 from dflashops.lineage.files import other_node
 from dflashops.ops.nodes import nodes_of, overall, read_nodes, status_nodes, stop_nodes
-from dflashops.ops.session import Session
+from dflashops.ops.invocation import Invocation
 from dflashops.shell import validate_name
 
 DEFAULT_FAIL_ON = r"Traceback \(most recent call last\)"
@@ -23,20 +23,20 @@ class NotRunning(DflashopsError):
     exit_code = 9
 
 
-def stop_run(session: Session, name: str, *, target: str | None = None, grace: float = 60.0,
+def stop_run(invocation: Invocation, name: str, *, target: str | None = None, grace: float = 60.0,
              save_grace: float = 600.0) -> dict[str, Any]:
     """TERM -> grace -> KILL the run's own processes, wait until they (and their GPU memory) are gone; a run
     still writing its checkpoint after `grace` gets up to `save_grace` seconds more before the KILL.
     Raises NotRunning (nothing signalled) when the run is not running, NotFound when it does not exist.
     A run on several targets is stopped on every node at once (ops/nodes.py)."""
     validate_name(name, what="run name")
-    if not session.dry_run and (nodes := nodes_of(session, name, target)):
-        answer = stop_nodes(session, name, nodes, grace=grace, save_grace=save_grace, not_running=NotRunning)
-        session.note_state(overall(status_nodes(session, name, nodes)))
+    if not invocation.dry_run and (nodes := nodes_of(invocation, name, target)):
+        answer = stop_nodes(invocation, name, nodes, grace=grace, save_grace=save_grace, not_running=NotRunning)
+        invocation.note_state(overall(status_nodes(invocation, name, nodes)))
         return answer
-    tgt = session.target_for_run(name, target)
-    agent = session.agent(tgt)
-    if session.dry_run:  # read-only check, so the plan shows what a real stop would do
+    tgt = invocation.target_for_run(name, target)
+    agent = invocation.agent(tgt)
+    if invocation.dry_run:  # read-only check, so the plan shows what a real stop would do
         state = agent.call("status", {"workspace": tgt.workspace, "name": name}).get("runs", [{}])[0].get("state")
         if state not in (None, "running", "stopping"):
             raise NotRunning(f"{tgt.name}: run {name!r} is not running ({state})",
@@ -48,30 +48,30 @@ def stop_run(session: Session, name: str, *, target: str | None = None, grace: f
         if "is not running" in exc.message:
             raise NotRunning(exc.message, hint=f"`dflashops status {name}` shows how it ended") from None
         raise
-    if not session.dry_run:
+    if not invocation.dry_run:
         for entry in agent.call("status", {"workspace": tgt.workspace, "name": name})["runs"]:
-            session.note_state(entry)
+            invocation.note_state(entry)
     return answer
 
 
-def run_status(session: Session, name: str | None = None, *, target: str | None = None) -> list[dict[str, Any]]:
+def run_status(invocation: Invocation, name: str | None = None, *, target: str | None = None) -> list[dict[str, Any]]:
     """Agent status entries (one run, or every run of the target); the lineage records follow along. A run on
     several targets gives one entry per node (`node`, `target`), node 0 first; `overall` makes them one."""
     if name is not None:
         validate_name(name, what="run name")
-        if nodes := nodes_of(session, name, target):
-            entries = status_nodes(session, name, nodes)
-            session.note_state(overall(entries))
+        if nodes := nodes_of(invocation, name, target):
+            entries = status_nodes(invocation, name, nodes)
+            invocation.note_state(overall(entries))
             return entries
-        tgt = session.target_for_run(name, target)
+        tgt = invocation.target_for_run(name, target)
     else:
-        tgt = session.inventory.target(target)
+        tgt = invocation.inventory.target(target)
     args = {"workspace": tgt.workspace, **({"name": name} if name else {})}
-    runs = session.agent(tgt).call("status", args)["runs"]
+    runs = invocation.agent(tgt).call("status", args)["runs"]
     for entry in runs:
         entry["target"] = tgt.name
         if other_node(entry) is None:  # node 1, 2, ... of a run on several targets: its row is node 0's
-            session.note_state(entry)
+            invocation.note_state(entry)
     return runs
 
 
@@ -101,7 +101,7 @@ def call_resuming(agent: Any, verb: str, args: dict[str, Any]) -> dict[str, Any]
     raise AssertionError("unreachable")
 
 
-def read_log(session: Session, name: str, cursor: LogCursor, *, target: str | None = None,
+def read_log(invocation: Invocation, name: str, cursor: LogCursor, *, target: str | None = None,
              follow: bool = False, poll_s: float = 0.5, timeout: float | None = None,
              on_notice: Callable[[str], None] = lambda notice: None,
              should_stop: Callable[[], bool] = lambda: False) -> Iterator[str]:
@@ -109,16 +109,16 @@ def read_log(session: Session, name: str, cursor: LogCursor, *, target: str | No
     until the run has finished and the log is drained, or `timeout` passes (WaitTimeout). A log truncated,
     rewritten or replaced under the reader is read again from its start, and `on_notice` is told why."""
     validate_name(name, what="run name")
-    if nodes := nodes_of(session, name, target):
+    if nodes := nodes_of(invocation, name, target):
         if cursor.offset:
             raise UsageError(f"run {name!r} runs on {len(nodes)} targets: a byte offset means one node's log",
                              hint="add --node K (0 is the one with the metrics)")
-        yield from read_nodes(session, name, nodes, lambda node, follow_node, stop: read_log(
-            session, name, LogCursor(), target=node.target.name, follow=follow_node, poll_s=poll_s,
+        yield from read_nodes(invocation, name, nodes, lambda node, follow_node, stop: read_log(
+            invocation, name, LogCursor(), target=node.target.name, follow=follow_node, poll_s=poll_s,
             timeout=timeout, on_notice=on_notice, should_stop=stop), follow=follow)
         return
-    tgt = session.target_for_run(name, target)
-    agent = session.agent(tgt)
+    tgt = invocation.target_for_run(name, target)
+    agent = invocation.agent(tgt)
     deadline = None if timeout is None else time.monotonic() + timeout
     reader = LogReader(name, cursor, on_notice)
     if not follow:
@@ -177,7 +177,7 @@ class LogReader:
         return answer["data"]
 
 
-def wait_for(session: Session, name: str, *, until: str | None, fail_on: str | None = DEFAULT_FAIL_ON,
+def wait_for(invocation: Invocation, name: str, *, until: str | None, fail_on: str | None = DEFAULT_FAIL_ON,
              target: str | None = None, timeout: float | None = None, cursor: LogCursor | None = None,
              on_text: Callable[[str], None] = lambda text: None, poll_s: float = 0.5,
              on_notice: Callable[[str], None] = lambda notice: None) -> str:
@@ -195,7 +195,7 @@ def wait_for(session: Session, name: str, *, until: str | None, fail_on: str | N
         pending = ""
         on_notice(notice)
 
-    for chunk in read_log(session, name, cursor or LogCursor(), target=target, follow=True,
+    for chunk in read_log(invocation, name, cursor or LogCursor(), target=target, follow=True,
                           poll_s=poll_s, timeout=timeout, on_notice=restarted):
         pending += chunk
         *lines, pending = pending.split("\n")
@@ -211,7 +211,7 @@ def wait_for(session: Session, name: str, *, until: str | None, fail_on: str | N
         on_text(pending)
         if until_re and until_re.search(pending):
             return pending
-    final = overall(run_status(session, name, target=target))
+    final = overall(run_status(invocation, name, target=target))
     if until_re is None and final["state"] in ("finished", "stopped"):
         return ""  # only watching for failures: a run that finished or was stopped cleanly did not fail
     last = "\n".join("  | " + line for line in recent[-5:])
@@ -227,9 +227,9 @@ def how_it_ended(entry: dict[str, Any], *, exit_code: bool = True) -> str:
     return f"{entry['state']}{detail}{code}{error}"
 
 
-def ended_badly(session: Session, name: str, *, target: str | None = None) -> RunFailed | None:
+def ended_badly(invocation: Invocation, name: str, *, target: str | None = None) -> RunFailed | None:
     """RunFailed when the run ended crashed or lost (for `logs -f`, whose exit status scripts check)."""
-    final = overall(run_status(session, name, target=target))
+    final = overall(run_status(invocation, name, target=target))
     if final["state"] not in ("crashed", "lost"):
         return None
     return RunFailed(f"{name} {how_it_ended(final)}", hint=f"`dflashops status {name}` shows its last state")

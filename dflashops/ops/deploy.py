@@ -19,7 +19,7 @@ from dflashops.inventory import Profile, Target
 from dflashops.lineage import RunRecord, next_name, redact_env, wandb_env
 from dflashops.lineage.record import REDACTED, utc_now_iso
 from dflashops.ops.extra_args import managed_flags, merge_extra_args
-from dflashops.ops.session import Session
+from dflashops.ops.invocation import Invocation
 from dflashops.ops.supervise import after_launch
 from dflashops.ops.sync import sync
 from dflashops.shell import validate_name
@@ -82,12 +82,12 @@ def expand(template: str, values: dict[str, str]) -> str:
     return PLACEHOLDER_RE.sub(substitute, template)
 
 
-def choose_name(session: Session, request: DeployRequest) -> str:
+def choose_name(invocation: Invocation, request: DeployRequest) -> str:
     if request.name == "+":
         if not request.parent:
             raise UsageError("--name + derives the name from the parent run, but no --parent was given",
                              hint="add --parent RUN, or give an explicit --name")
-        return next_name(request.parent, session.db.names())
+        return next_name(request.parent, invocation.db.names())
     name = request.name
     if name is None:
         name = f"{request.profile}-{utc_now_iso().replace(':', '').replace('-', '')[:15]}"
@@ -106,7 +106,7 @@ def run_argv(profile: Profile, target: Target, values: dict[str, str], request: 
 
 
 @dataclass
-class LaunchPlan:
+class LaunchSpec:
     """Everything a launch sends, built before anything runs: `args` go on the command line (or the
     request), `env` (with secrets) only on stdin; `record` is the lineage row (redacted environment)."""
 
@@ -117,8 +117,8 @@ class LaunchPlan:
     env: dict[str, str]
 
 
-def plan_launch(session: Session, request: DeployRequest, target: Target, profile: Profile, name: str,
-                code_hash: str, release_path: str) -> LaunchPlan:
+def launch_spec(invocation: Invocation, request: DeployRequest, target: Target, profile: Profile, name: str,
+                code_hash: str, release_path: str) -> LaunchSpec:
     run_dir = f"{target.workspace}/runs/{name}"
     cache_dir = f"{target.workspace}/cache/inductor/{code_hash}"
     place = request.node or NodePlace()
@@ -126,7 +126,7 @@ def plan_launch(session: Session, request: DeployRequest, target: Target, profil
               "workspace": target.workspace, "name": name, "gpus": ",".join(map(str, target.gpus)),
               **place.values(name)}
     argv = run_argv(profile, target, values, request)
-    root = session.db.root(request.parent) if request.parent else name
+    root = invocation.db.root(request.parent) if request.parent else name
     env = {**target.env, **profile.env, **wandb_env(name, request.parent, request.note, root),
            "PYTHONPATH": release_path, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "PYTHONUNBUFFERED": "1"}
     if target.gpus:
@@ -143,10 +143,10 @@ def plan_launch(session: Session, request: DeployRequest, target: Target, profil
     run_json = {**record.to_dict(), "hypothesis": request.note, "release": release_path, "run_dir": run_dir}
     args = {"workspace": target.workspace, "name": name, "argv": argv, "cwd": run_dir,
             "launcher": request.launcher, "run_json": run_json}
-    return LaunchPlan(name=name, run_dir=run_dir, record=record, args=args, env={**env, **secrets})
+    return LaunchSpec(name=name, run_dir=run_dir, record=record, args=args, env={**env, **secrets})
 
 
-def check_request(session: Session, request: DeployRequest, target: Target, profile: Profile, *,
+def check_request(invocation: Invocation, request: DeployRequest, target: Target, profile: Profile, *,
                   ask_target: bool = True) -> str:
     """Every refusal that needs no change, before anything changes: launcher, parent, extra arguments, and the
     name (free in the lineage and, with `ask_target`, on the target: one read-only `status` call). Returns the
@@ -156,86 +156,86 @@ def check_request(session: Session, request: DeployRequest, target: Target, prof
         raise UsageError(f"unknown launcher {request.launcher!r}", hint="use --launcher tmux or --launcher nohup")
     if request.parent:
         validate_name(request.parent, what="parent run name")
-        session.db.get(request.parent)  # NotFound (with close names) before anything happens
+        invocation.db.get(request.parent)  # NotFound (with close names) before anything happens
     merge_extra_args(list(profile.argv), request.extra_args, managed_flags(profile.argv, profile.resume_args),
                      profile.name)
-    name = choose_name(session, request)
-    if session.record_of(name) is not None:
+    name = choose_name(invocation, request)
+    if invocation.record_of(name) is not None:
         raise Conflict(f"run name {name!r} is already used", hint="choose another --name, or --name + with --parent")
     # `--name +`: the name is provisional until claim_name picks the next free one in the lineage's own
     # transaction (a concurrent deploy may take this one first), so the target is asked after the claim.
     if ask_target and request.name != "+":
-        check_free_on_target(session, target, name)
+        check_free_on_target(invocation, target, name)
     return name
 
 
-def check_free_on_target(session: Session, target: Target, name: str) -> None:
+def check_free_on_target(invocation: Invocation, target: Target, name: str) -> None:
     """Conflict when `runs/<name>` exists on the target (a run the lineage does not know); read-only."""
-    if session.dry_run:
+    if invocation.dry_run:
         return
-    existing = session.agent(target).call("status", {"workspace": target.workspace})["runs"]
+    existing = invocation.agent(target).call("status", {"workspace": target.workspace})["runs"]
     if any(entry["name"] == name for entry in existing):
         raise Conflict(f"run directory {target.workspace}/runs/{name} already exists on {target.name}",
                        hint="`dflashops runs sync` records it; pick another --name")
 
 
-def claim_name(session: Session, request: DeployRequest, target: Target, profile: Profile, name: str) -> str:
+def claim_name(invocation: Invocation, request: DeployRequest, target: Target, profile: Profile, name: str) -> str:
     """Claim the new run's name (checked by `check_request`) in the lineage database before anything is
     synced or launched; `--name +` picks the next free name in the same transaction, so two shells deploying
     at once get two names. A dry run claims nothing. The caller releases the claim when the launch fails
     (`LineageDB.release`)."""
-    if session.dry_run:
+    if invocation.dry_run:
         return name
     claim = RunRecord(name=name, parent=request.parent, note=request.note, target=target.name,
                       launcher=request.launcher, profile=profile.name)
-    return session.db.reserve(claim, after=request.parent if request.name == "+" else None)
+    return invocation.db.reserve(claim, after=request.parent if request.name == "+" else None)
 
 
-def deploy(session: Session, request: DeployRequest) -> DeployOutcome:
-    targets, group = session.inventory.nodes(request.target)
-    profile = session.inventory.profile(request.profile)
+def deploy(invocation: Invocation, request: DeployRequest) -> DeployOutcome:
+    targets, group = invocation.inventory.nodes(request.target)
+    profile = invocation.inventory.profile(request.profile)
     if group is not None:
         from dflashops.ops.nodes import deploy_nodes  # a run on several targets: one job, one lineage row
 
-        return deploy_nodes(session, request, targets, group, profile)
+        return deploy_nodes(invocation, request, targets, group, profile)
     target = targets[0]
-    name = claim_name(session, request, target, profile, check_request(session, request, target, profile))
+    name = claim_name(invocation, request, target, profile, check_request(invocation, request, target, profile))
     try:
         if request.name == "+":
-            check_free_on_target(session, target, name)
-        return launch_named(session, request, target, profile, name)
+            check_free_on_target(invocation, target, name)
+        return launch_named(invocation, request, target, profile, name)
     except BaseException:
-        if not session.dry_run:
-            session.db.release(name)
+        if not invocation.dry_run:
+            invocation.db.release(name)
         raise
 
 
-def launch_named(session: Session, request: DeployRequest, target: Target, profile: Profile,
+def launch_named(invocation: Invocation, request: DeployRequest, target: Target, profile: Profile,
                  name: str) -> DeployOutcome:
     """Sync, plan and launch the run `name` (already claimed), then fill in its lineage record."""
-    outcome, plan = launch_on(session, request, target, profile, name)
-    if not session.dry_run:
-        session.db.fill(plan.record)
-    outcome.supervisor = after_launch(session, request, target, profile, name, outcome.code_hash, outcome.release)
+    outcome, spec = launch_on(invocation, request, target, profile, name)
+    if not invocation.dry_run:
+        invocation.db.fill(spec.record)
+    outcome.supervisor = after_launch(invocation, request, target, profile, name, outcome.code_hash, outcome.release)
     return outcome
 
 
-def launch_on(session: Session, request: DeployRequest, target: Target, profile: Profile,
-              name: str) -> tuple[DeployOutcome, LaunchPlan]:
+def launch_on(invocation: Invocation, request: DeployRequest, target: Target, profile: Profile,
+              name: str) -> tuple[DeployOutcome, LaunchSpec]:
     """Sync the code to `target` and launch `name` there (one node of a run on several targets, or the whole
-    run); the plan's record has the pgid and session the agent answered. The lineage is the caller's."""
-    agent = session.agent(target)
+    run); the spec.s record has the pgid and session the agent answered. The lineage is the caller's."""
+    agent = invocation.agent(target)
     run_dir = f"{target.workspace}/runs/{name}"
-    synced = sync(agent, extra_files=profile.files, extra_root=session.inventory.root, packages=profile.packages,
-                  cache=session.inventory.lineage_path)
+    synced = sync(agent, extra_files=profile.files, extra_root=invocation.inventory.root, packages=profile.packages,
+                  cache=invocation.inventory.lineage_path)
     cleared = None
     if request.clear_cache:
         cleared = agent.call("clear-cache", {"workspace": target.workspace, "code_hash": synced.code_hash}).get("removed")
-    plan = plan_launch(session, request, target, profile, name, synced.code_hash, synced.release_path)
-    answer = agent.call("launch", plan.args, secret_args={"env": plan.env}, shown_args={"env": plan.record.env})
-    if not session.dry_run:
-        plan.record.extra["pgid"] = answer.get("pgid")
-        plan.record.session = answer.get("session") or plan.record.session
+    spec = launch_spec(invocation, request, target, profile, name, synced.code_hash, synced.release_path)
+    answer = agent.call("launch", spec.args, secret_args={"env": spec.env}, shown_args={"env": spec.record.env})
+    if not invocation.dry_run:
+        spec.record.extra["pgid"] = answer.get("pgid")
+        spec.record.session = answer.get("session") or spec.record.session
     return DeployOutcome(name=name, target=target.name, run_dir=run_dir, code_hash=synced.code_hash,
                          release=synced.release_path, pgid=answer.get("pgid"), uploaded=len(synced.uploaded),
-                         cache_cleared=cleared), plan
+                         cache_cleared=cleared), spec

@@ -19,15 +19,15 @@ from dflashops.errors import DflashopsError
 from dflashops.inventory import Profile, Target
 from dflashops.ops.agent_client import _parse
 from dflashops.ops.doctor_checks import Check, judge_probe, secret_checks
-from dflashops.ops.session import Session
+from dflashops.ops.invocation import Invocation
 
 PROBE_SOURCE = Path(__file__).resolve().parent.parent / "agent_doctor.py"
 PROBE_TIMEOUT_S = 300.0  # the import probe inside has its own 180 s limit; this bounds a hung transport
 
 
-def run_probe(session: Session, target: Target, python: str) -> tuple[dict[str, Any] | None, float, str]:
+def run_probe(invocation: Invocation, target: Target, python: str) -> tuple[dict[str, Any] | None, float, str]:
     """(the probe's answer or None when `python` could not run it, controller time when it arrived, why not)."""
-    transport = session.agent(target).transport
+    transport = invocation.agent(target).transport
     request = {"workspace": target.workspace, "python": target.python, "env": dict(target.env),
                "gpus": list(target.gpus), "import_timeout": 180}
     result = transport.run([python, "-", "--json-args", json.dumps(request, sort_keys=True)],
@@ -40,11 +40,11 @@ def run_probe(session: Session, target: Target, python: str) -> tuple[dict[str, 
     return answer, arrived, ""
 
 
-def connect_checks(session: Session, target: Target) -> tuple[list[Check], bool]:
+def connect_checks(invocation: Invocation, target: Target) -> tuple[list[Check], bool]:
     """The host and container checks; (checks, whether the target can be entered at all)."""
     if target.kind == "local":
         return [Check("host", "ok", "local target: this machine, no ssh")], True
-    transport = session.agent(target).transport
+    transport = invocation.agent(target).transport
     host_transport = getattr(transport, "host", None) or transport
     checks: list[Check] = []
     host = target.host
@@ -66,11 +66,11 @@ def connect_checks(session: Session, target: Target) -> tuple[list[Check], bool]
     return checks, True
 
 
-def host_driver(session: Session, target: Target) -> str | None:
+def host_driver(invocation: Invocation, target: Target) -> str | None:
     """The Proxmox host's driver version (pct targets: nvidia-smi on the host), None when it has none."""
     if target.kind != "pct":
         return None
-    host_transport = getattr(session.agent(target).transport, "host", None)
+    host_transport = getattr(invocation.agent(target).transport, "host", None)
     if host_transport is None:
         return None
     try:
@@ -82,24 +82,24 @@ def host_driver(session: Session, target: Target) -> str | None:
     return versions.pop() if result.exit_code == 0 and len(versions) == 1 else None
 
 
-def doctor(session: Session, target: Target, profiles: list[Profile], *, explicit_profile: bool = False,
+def doctor(invocation: Invocation, target: Target, profiles: list[Profile], *, explicit_profile: bool = False,
            environ: dict[str, str] | None = None) -> list[Check]:
     """Every check for `target`, in order. `profiles`: whose pass_env secrets to look for in this shell."""
-    checks, reachable = connect_checks(session, target)
+    checks, reachable = connect_checks(invocation, target)
     if not reachable:
         checks.append(Check("target", "skip", "the checks inside the target need the steps above"))
         return checks
-    answer, arrived, why = run_probe(session, target, target.python)
+    answer, arrived, why = run_probe(invocation, target, target.python)
     python_check = None
     if answer is None and target.python != "python3":
         python_check = Check("python", "fail", f"{target.python} cannot run: {why}",
                              f"install Python there, or fix `python:` of target {target.name} in the inventory")
-        answer, arrived, _ = run_probe(session, target, "python3")  # the other checks still run
+        answer, arrived, _ = run_probe(invocation, target, "python3")  # the other checks still run
     if answer is None:
         checks.append(python_check or Check("python", "fail", f"{target.python} cannot run: {why}",
                                             "install python3 in the target"))
         return checks
-    checks += judge_probe(target, answer, arrived, host_driver=host_driver(session, target),
+    checks += judge_probe(target, answer, arrived, host_driver=host_driver(invocation, target),
                           python_check=python_check)
     checks += secret_checks(profiles, environ if environ is not None else dict(os.environ), explicit_profile)
     return checks

@@ -6,7 +6,7 @@ comes first. A dead host fails within its own connect timeout; a host that hangs
 as timed out at the deadline and abandoned (its thread is a daemon, so the CLI still exits), so one bad
 host never holds the others' answers beyond `timeout`.
 
-Each worker opens its own Session (its own connection and its own SQLite handle: sqlite3 connections
+Each worker opens its own Invocation (its own connection and its own SQLite handle: sqlite3 connections
 must not cross threads) and closes it when done. Cost: wall time ~= the slowest target's, not the sum.
 """
 
@@ -21,7 +21,7 @@ from typing import Any, Generic, TypeVar
 from dflashops.errors import DflashopsError
 from dflashops.inventory import Inventory, Target
 from dflashops.ops.control import run_status, stop_run
-from dflashops.ops.session import Session
+from dflashops.ops.invocation import Invocation
 
 R = TypeVar("R")
 DEFAULT_TIMEOUT_S = 60.0
@@ -75,12 +75,12 @@ def remote_targets(inventory: Inventory, include_local: bool = True) -> list[Tar
     return [t for t in inventory.targets.values() if include_local or t.kind != "local"]
 
 
-def _with_session(inventory: Inventory, dry_run: bool, body: Callable[[Session], R]) -> R:
-    session = Session(inventory, dry_run=dry_run)
+def _with_session(inventory: Inventory, dry_run: bool, body: Callable[[Invocation], R]) -> R:
+    invocation = Invocation(inventory, dry_run=dry_run)
     try:
-        return body(session)
+        return body(invocation)
     finally:
-        session.close()
+        invocation.close()
 
 
 def status_all(inventory: Inventory, *, timeout: float = DEFAULT_TIMEOUT_S) -> list[FanoutResult[list[dict[str, Any]]]]:
@@ -94,12 +94,12 @@ def stop_all(inventory: Inventory, *, grace: float = 60.0, save_grace: float = 6
              timeout: float = DEFAULT_TIMEOUT_S) -> list[FanoutResult[list[str]]]:
     """Stop every running run on every target; each result lists the runs it stopped."""
 
-    def stop_target(session: Session, target: Target) -> list[str]:
+    def stop_target(invocation: Invocation, target: Target) -> list[str]:
         stopped = []
-        for entry in run_status(session, None, target=target.name):
+        for entry in run_status(invocation, None, target=target.name):
             pending = (entry.get("supervisor") or {}).get("state") == "backoff"  # a restart waiting to happen
             if entry.get("state") in ("running", "stopping", "launching") or pending:
-                stop_run(session, str(entry["name"]), target=target.name, grace=grace, save_grace=save_grace)
+                stop_run(invocation, str(entry["name"]), target=target.name, grace=grace, save_grace=save_grace)
                 stopped.append(str(entry["name"]))
         return stopped
 

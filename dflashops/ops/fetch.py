@@ -25,7 +25,7 @@ from dflashops.errors import NotFound, UsageError
 from dflashops.inventory import Target
 from dflashops.ops.control import run_status
 from dflashops.ops.fetch_file import RESUME_ATTEMPTS, FileOutcome, Progress, TargetHashes, fetch_file, resume_point
-from dflashops.ops.session import Session
+from dflashops.ops.invocation import Invocation
 from dflashops.shell import validate_name
 
 METADATA = ("run.json", "status.json", "metrics.jsonl", "exit_code")
@@ -75,7 +75,7 @@ def pick_checkpoint(entry: dict[str, Any], wanted: str) -> str:
     return step
 
 
-def export_on_target(session: Session, target: Target, entry: dict[str, Any], step: str,
+def export_on_target(invocation: Invocation, target: Target, entry: dict[str, Any], step: str,
                      note: Callable[[str], None]) -> str:
     """`python -m trainer export` of checkpoint `step` into `export/<step>/` on the target (with the run's
     release on PYTHONPATH), unless that export exists already; returns its run-relative path."""
@@ -83,16 +83,16 @@ def export_on_target(session: Session, target: Target, entry: dict[str, Any], st
 
     run_dir = entry["run_dir"]
     rel = f"export/{step}"
-    listed = session.agent(target).call("fetch-manifest", {"workspace": target.workspace, "name": entry["name"],
-                                                           "paths": [rel], "cache": not session.dry_run})
+    listed = invocation.agent(target).call("fetch-manifest", {"workspace": target.workspace, "name": entry["name"],
+                                                           "paths": [rel], "cache": not invocation.dry_run})
     if listed["files"]:
         note(f"export {rel} exists on {target.name}; fetching it")
         return rel
     release = (entry.get("run_json") or {}).get("release") or f"{target.workspace}/releases/current"
     argv = [target.python, "-m", "trainer", "export", f"{run_dir}/checkpoints/{step}", "--output", f"{run_dir}/{rel}"]
     env = {**target.env, "PYTHONPATH": release}
-    agent = session.agent(target)
-    if session.dry_run:
+    agent = invocation.agent(target)
+    if invocation.dry_run:
         agent.record(["env", *(f"{k}={v}" for k, v in env.items()), *argv])
         return rel
     note(f"exporting {step} on {target.name} (python -m trainer export)")
@@ -102,7 +102,7 @@ def export_on_target(session: Session, target: Target, entry: dict[str, Any], st
     return rel
 
 
-def select(session: Session, target: Target, entry: dict[str, Any], request: FetchRequest,
+def select(invocation: Invocation, target: Target, entry: dict[str, Any], request: FetchRequest,
            note: Callable[[str], None]) -> tuple[list[str], str | None]:
     """(run-relative paths to bring, the export's path when one was made)."""
     paths = list(METADATA)
@@ -110,7 +110,7 @@ def select(session: Session, target: Target, entry: dict[str, Any], request: Fet
     wants_checkpoint = request.checkpoint is not None or not (request.logs or request.export)
     if request.export:
         step = pick_checkpoint(entry, request.checkpoint or "latest")
-        exported = export_on_target(session, target, entry, step, note)
+        exported = export_on_target(invocation, target, entry, step, note)
         paths.append(exported)
     elif wants_checkpoint:
         paths.append(f"checkpoints/{pick_checkpoint(entry, request.checkpoint or 'latest')}")
@@ -119,26 +119,26 @@ def select(session: Session, target: Target, entry: dict[str, Any], request: Fet
     return paths, exported
 
 
-def fetch(session: Session, request: FetchRequest, progress: Progress | None = None) -> FetchOutcome:
+def fetch(invocation: Invocation, request: FetchRequest, progress: Progress | None = None) -> FetchOutcome:
     """Bring the selected files of `request.run` into `request.to` (default ./fetched/RUN)."""
     progress = progress or Progress()
     validate_name(request.run, what="run name")
     started = time.monotonic()
-    entry = run_status(session, request.run, target=request.target)[0]
-    target = session.inventory.target(entry["target"])
+    entry = run_status(invocation, request.run, target=request.target)[0]
+    target = invocation.inventory.target(entry["target"])
     root = (request.to or Path.cwd() / "fetched" / request.run).resolve()
-    paths, exported = select(session, target, entry, request, progress.note)
-    agent = session.agent(target)
+    paths, exported = select(invocation, target, entry, request, progress.note)
+    agent = invocation.agent(target)
     outcome = FetchOutcome(run=request.run, target=target.name, to=str(root), selected=paths, exported=exported)
     listed = agent.call("fetch-manifest", {"workspace": target.workspace, "name": request.run, "paths": paths,
-                                           "cache": not session.dry_run, "hash": False})
+                                           "cache": not invocation.dry_run, "hash": False})
     files = listed["files"]
-    optional = {*METADATA, *LOGS[1:], *([exported] if session.dry_run else [])}  # a dry run made no export
+    optional = {*METADATA, *LOGS[1:], *([exported] if invocation.dry_run else [])}  # a dry run made no export
     required = [p for p in listed["missing"] if p not in optional]
     if required:
         raise NotFound(f"{target.name}: run {request.run!r} has no {required[0]}",
                        hint=f"`dflashops status {request.run}` lists its checkpoints")
-    if session.dry_run:
+    if invocation.dry_run:
         outcome.files = [FileOutcome(f["path"], f["size"], f["sha256"] or "(at fetch)", "planned", 0) for f in files]
         return outcome
     hashes = TargetHashes(agent, request.run, [f["path"] for f in files if not f["sha256"]])

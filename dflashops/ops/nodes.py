@@ -26,7 +26,7 @@ from dflashops.lineage import LineageDBError
 from dflashops.ops.deploy import (
     DeployOutcome, DeployRequest, NodePlace, check_free_on_target, check_request, claim_name, launch_on,
 )
-from dflashops.ops.session import Session
+from dflashops.ops.invocation import Invocation
 
 NODE_PLACEHOLDERS = re.compile(r"\{(node_rank|nnodes|master_addr|master_port|rdzv_id)\}")
 
@@ -51,7 +51,7 @@ def master_address(group: Group, targets: tuple[Target, ...]) -> str:
                           "address), or define a group with master_addr")
 
 
-def deploy_nodes(session: Session, request: DeployRequest, targets: tuple[Target, ...], group: Group,
+def deploy_nodes(invocation: Invocation, request: DeployRequest, targets: tuple[Target, ...], group: Group,
                  profile: Profile) -> DeployOutcome:
     """Launch `profile` as one job on `targets` (node 0 first); returns node 0's outcome with `nodes` filled."""
     if not any(NODE_PLACEHOLDERS.search(arg) for arg in profile.argv):
@@ -63,52 +63,52 @@ def deploy_nodes(session: Session, request: DeployRequest, targets: tuple[Target
         raise UsageError(f"profile {profile.name!r} has on_failure/stall: the in-target supervisor watches a run "
                          "on one target, not a job on several", hint="deploy it on one target, or remove them")
     address = master_address(group, targets)
-    name = check_request(session, request, targets[0], profile)
+    name = check_request(invocation, request, targets[0], profile)
     if request.name != "+":
         for target in targets[1:]:
-            check_free_on_target(session, target, name)
-    name = claim_name(session, request, targets[0], profile, name)
+            check_free_on_target(invocation, target, name)
+    name = claim_name(invocation, request, targets[0], profile, name)
     names = tuple(target.name for target in targets)
     launched: list[tuple[Target, DeployOutcome, Any]] = []
     try:
         if request.name == "+":
             for target in targets:
-                check_free_on_target(session, target, name)
+                check_free_on_target(invocation, target, name)
         for rank, target in enumerate(targets):
             place = NodePlace(rank=rank, nnodes=len(targets), master_addr=address, master_port=group.master_port,
                               targets=names)
-            outcome, plan = launch_on(session, replace(request, node=place), target, profile, name)
-            launched.append((target, outcome, plan))
+            outcome, spec = launch_on(invocation, replace(request, node=place), target, profile, name)
+            launched.append((target, outcome, spec))
     except BaseException:
-        if not session.dry_run:
+        if not invocation.dry_run:
             for target, _, _ in launched:  # a job without all its nodes must not run on: stop what started
                 try:
-                    session.agent(target).call("stop", {"workspace": target.workspace, "name": name, "grace": 10})
+                    invocation.agent(target).call("stop", {"workspace": target.workspace, "name": name, "grace": 10})
                 except DflashopsError:
                     pass
-            session.db.release(name)
+            invocation.db.release(name)
         raise
     first = launched[0][1]
     first.nodes = [outcome for _, outcome, _ in launched]
-    if not session.dry_run:
+    if not invocation.dry_run:
         record = launched[0][2].record
         record.extra["nodes"] = [{"rank": rank, "target": target.name, "run_dir": outcome.run_dir,
                                   "pgid": outcome.pgid} for rank, (target, outcome, _) in enumerate(launched)]
         record.extra["group"] = group.name
-        session.db.fill(record)
+        invocation.db.fill(record)
         from dflashops.ops.observe import started
 
-        started(session, targets[0].name, name, request.note, request.parent)
+        started(invocation, targets[0].name, name, request.note, request.parent)
     return first
 
 
-def nodes_of(session: Session, name: str, explicit_target: str | None = None) -> list[RunNode] | None:
+def nodes_of(invocation: Invocation, name: str, explicit_target: str | None = None) -> list[RunNode] | None:
     """The nodes of a run on several targets (from its lineage row), or None: a run on one target, a run the
     lineage does not know, or `--target` naming the one node to act on."""
     if explicit_target:
         return None
     try:
-        record = session.record_of(name)
+        record = invocation.record_of(name)
     except LineageDBError:
         return None
     entries = (record.extra.get("nodes") if record else None) or []
@@ -117,18 +117,18 @@ def nodes_of(session: Session, name: str, explicit_target: str | None = None) ->
     nodes = []
     for entry in entries:
         target = str(entry.get("target"))
-        if target not in session.inventory.targets:
+        if target not in invocation.inventory.targets:
             raise NotFound(f"node {entry.get('rank')} of run {name!r} was on target {target!r}, which is not in "
                            f"{session.inventory.path}", hint="add the target back, or pass --target for one node")
-        nodes.append(RunNode(int(entry.get("rank", len(nodes))), session.inventory.targets[target]))
+        nodes.append(RunNode(int(entry.get("rank", len(nodes))), invocation.inventory.targets[target]))
     return nodes
 
 
-def node_target(session: Session, name: str, node: int | None) -> str | None:
+def node_target(invocation: Invocation, name: str, node: int | None) -> str | None:
     """`--node K` -> that node's target name (None without --node); UsageError for a run on one target."""
     if node is None:
         return None
-    nodes = nodes_of(session, name)
+    nodes = nodes_of(invocation, name)
     if nodes is None:
         if node == 0:
             return None
@@ -139,11 +139,11 @@ def node_target(session: Session, name: str, node: int | None) -> str | None:
     raise UsageError(f"run {name!r} has nodes 0-{len(nodes) - 1}, not {node}")
 
 
-def on_every_node(session: Session, nodes: list[RunNode], work: Callable[[RunNode], Any]) -> list[tuple[RunNode, Any]]:
+def on_every_node(invocation: Invocation, nodes: list[RunNode], work: Callable[[RunNode], Any]) -> list[tuple[RunNode, Any]]:
     """`work(node)` on every node at once (one thread each; the agents are made here first, on this thread).
     Returns (node, result or the DflashopsError it raised), in rank order."""
     for node in nodes:
-        session.agent(node.target)
+        invocation.agent(node.target)
 
     def attempt(node: RunNode) -> tuple[RunNode, Any]:
         try:
@@ -155,12 +155,12 @@ def on_every_node(session: Session, nodes: list[RunNode], work: Callable[[RunNod
         return list(pool.map(attempt, nodes))
 
 
-def stop_nodes(session: Session, name: str, nodes: list[RunNode], *, grace: float, save_grace: float,
+def stop_nodes(invocation: Invocation, name: str, nodes: list[RunNode], *, grace: float, save_grace: float,
                not_running: type[DflashopsError]) -> dict[str, Any]:
     """Stop every node at once; the answer is node 0's with `nodes` (each node's answer or error) added.
     Raises `not_running` when no node was running, the first node's error when one could not be stopped
     (after every other node was)."""
-    results = on_every_node(session, nodes, lambda node: session.agent(node.target).call(
+    results = on_every_node(invocation, nodes, lambda node: invocation.agent(node.target).call(
         "stop", {"workspace": node.target.workspace, "name": name, "grace": grace, "save_grace": save_grace}))
     stopped = [(node, answer) for node, answer in results if not isinstance(answer, DflashopsError)]
     failures = [(node, error) for node, error in results if isinstance(error, DflashopsError)
@@ -182,9 +182,9 @@ def stop_nodes(session: Session, name: str, nodes: list[RunNode], *, grace: floa
     return answer
 
 
-def status_nodes(session: Session, name: str, nodes: list[RunNode]) -> list[dict[str, Any]]:
+def status_nodes(invocation: Invocation, name: str, nodes: list[RunNode]) -> list[dict[str, Any]]:
     """Every node's status entry (with `node` and `target`), rank order; NotFound when no node has the run."""
-    results = on_every_node(session, nodes, lambda node: session.agent(node.target).call(
+    results = on_every_node(invocation, nodes, lambda node: invocation.agent(node.target).call(
         "status", {"workspace": node.target.workspace, "name": name})["runs"])
     entries = []
     for node, runs in results:
@@ -219,7 +219,7 @@ def overall(entries: list[dict[str, Any]]) -> dict[str, Any]:
     return combined
 
 
-def read_nodes(session: Session, name: str, nodes: list[RunNode], read_one: Callable[..., Iterator[str]], *,
+def read_nodes(invocation: Invocation, name: str, nodes: list[RunNode], read_one: Callable[..., Iterator[str]], *,
                follow: bool) -> Iterator[str]:
     """Every node's log as complete lines prefixed `[node K] `: node after node, or with `follow`, merged as
     they arrive (one follower thread per node; `read_one(node, follow, should_stop)` reads one node's log and
@@ -229,7 +229,7 @@ def read_nodes(session: Session, name: str, nodes: list[RunNode], read_one: Call
             yield from prefixed(read_one(node, False, lambda: False), node.rank)
         return
     for node in nodes:
-        session.agent(node.target)
+        invocation.agent(node.target)
     events: queue.Queue[tuple[str, int, Any]] = queue.Queue()
     closing = threading.Event()
 
@@ -275,19 +275,19 @@ def prefixed(chunks: Iterator[str], rank: int) -> Iterator[str]:
         yield f"[node {rank}] {pending}"
 
 
-def relaunch_nodes(session: Session, old: Any, profile: Profile, request: DeployRequest, *, resume: bool,
+def relaunch_nodes(invocation: Invocation, old: Any, profile: Profile, request: DeployRequest, *, resume: bool,
                    grace: float, not_running: type[DflashopsError]) -> tuple[dict | None, str | None, DeployOutcome]:
     """`restart` of a run on several targets: stop every node (a node already ended is fine), pick node 0's
     latest checkpoint when resuming (only node 0 reads it; every node gets the same --resume), and deploy the
     child on the same targets. Returns (stop answer or None, checkpoint, the child's outcome)."""
-    nodes = nodes_of(session, old.name)
+    nodes = nodes_of(invocation, old.name)
     assert nodes is not None
     try:
-        stop = stop_nodes(session, old.name, nodes, grace=grace, save_grace=600.0, not_running=not_running)
+        stop = stop_nodes(invocation, old.name, nodes, grace=grace, save_grace=600.0, not_running=not_running)
     except not_running:
         stop = None
-    entries = status_nodes(session, old.name, nodes)
-    session.note_state(overall(entries))
+    entries = status_nodes(invocation, old.name, nodes)
+    invocation.note_state(overall(entries))
     checkpoint = None
     if resume:
         first = next(entry for entry in entries if entry["node"] == 0)
@@ -296,7 +296,7 @@ def relaunch_nodes(session: Session, old: Any, profile: Profile, request: Deploy
                            hint="use --fresh to start from scratch")
         checkpoint = f"{first['run_dir']}/checkpoints/{first['checkpoints'][-1]}"
     targets = tuple(node.target for node in nodes)
-    group = session.inventory.groups.get(str(old.extra.get("group"))) or Group(
+    group = invocation.inventory.groups.get(str(old.extra.get("group"))) or Group(
         name=",".join(target.name for target in targets), targets=tuple(target.name for target in targets))
-    deployed = deploy_nodes(session, replace(request, checkpoint=checkpoint), targets, group, profile)
+    deployed = deploy_nodes(invocation, replace(request, checkpoint=checkpoint), targets, group, profile)
     return stop, checkpoint, deployed

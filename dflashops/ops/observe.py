@@ -1,4 +1,4 @@
-"""What the controller does with every run status it sees (Session.note_state calls `observe` first):
+"""What the controller does with every run status it sees (Invocation.note_state calls `observe` first):
 
 1. a run the lineage does not know, whose run.json says the in-target supervisor made it (`extra.auto_restart`),
    is recorded (the same import `runs sync` does), so `runs tree` shows the auto-restarts after a `status`;
@@ -17,12 +17,12 @@ from dflashops.lineage import RunRecord
 from dflashops.lineage.files import AGENT_STATE_TO_LINEAGE, import_dict_from_status
 
 if TYPE_CHECKING:
-    from dflashops.ops.session import Session
+    from dflashops.ops.invocation import Invocation
 
 ENDINGS = {"crashed": "crashed", "finished": "finished", "stopped": "stopped"}
 
 
-def adopt(session: "Session", status: dict[str, Any]) -> bool:
+def adopt(invocation: "Invocation", status: dict[str, Any]) -> bool:
     """Record a supervisor-made run (its parent chain is what the lineage needs); True when added."""
     run_json = status.get("run_json") or {}
     if not (run_json.get("extra") or {}).get("auto_restart") or not status.get("target"):
@@ -31,9 +31,9 @@ def adopt(session: "Session", status: dict[str, Any]) -> bool:
     if data is None:
         return False
     try:
-        return session.db.import_run_json(data) == "added"
+        return invocation.db.import_run_json(data) == "added"
     except DflashopsError as exc:
-        session.notices.append(f"warning: could not record {status.get('name')}: {exc.message}")
+        invocation.notices.append(f"warning: could not record {status.get('name')}: {exc.message}")
         return False
 
 
@@ -55,10 +55,10 @@ def ending_event(status: dict[str, Any], previous: str | None) -> dict[str, Any]
             "source": "controller"}
 
 
-def observe(session: "Session", status: dict[str, Any], record: RunRecord | None) -> None:
-    if record is None and adopt(session, status):
-        record = session.record_of(str(status.get("name")))
-    notifier = session.notifier
+def observe(invocation: "Invocation", status: dict[str, Any], record: RunRecord | None) -> None:
+    if record is None and adopt(invocation, status):
+        record = invocation.record_of(str(status.get("name")))
+    notifier = invocation.notifier
     if notifier.config is None:
         return
     notifier.retry_due()
@@ -69,10 +69,10 @@ def observe(session: "Session", status: dict[str, Any], record: RunRecord | None
         notifier.send(event)
 
 
-def started(session: "Session", target: str, name: str, note: str, parent: str | None) -> None:
+def started(invocation: "Invocation", target: str, name: str, note: str, parent: str | None) -> None:
     """The controller launched `name` (deploy, restart)."""
-    if session.dry_run or session.notifier.config is None:
+    if invocation.dry_run or invocation.notifier.config is None:
         return
     message = f"{name} started on {target}" + (f" (parent {parent})" if parent else "") + (f": {note}" if note else "")
-    session.notifier.send({"id": f"{name}:started", "event": "started", "run": name, "target": target,
+    invocation.notifier.send({"id": f"{name}:started", "event": "started", "run": name, "target": target,
                            "time": time.time(), "message": message, "parent": parent, "source": "controller"})

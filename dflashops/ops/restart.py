@@ -24,8 +24,8 @@ from dflashops.inventory import Profile, Target
 from dflashops.lineage import RunRecord
 from dflashops.ops import release_cache
 from dflashops.ops.agent_client import Agent, StaleRelease
-from dflashops.ops.deploy import DeployOutcome, DeployRequest, LaunchPlan, check_request, claim_name, plan_launch
-from dflashops.ops.session import Session
+from dflashops.ops.deploy import DeployOutcome, DeployRequest, LaunchSpec, check_request, claim_name, launch_spec
+from dflashops.ops.invocation import Invocation
 from dflashops.ops.supervise import after_launch
 from dflashops.ops.sync import install_payload, local_manifest, release_files
 from dflashops.shell import validate_name
@@ -56,19 +56,19 @@ class RestartOutcome:
     fell_back: bool = False  # the cached base was gone from the target; `manifest` was asked
 
 
-def restart(session: Session, request: RestartRequest) -> RestartOutcome:
+def restart(invocation: Invocation, request: RestartRequest) -> RestartOutcome:
     validate_name(request.run, what="run name")
-    old = session.db.get(request.run)  # NotFound with close names
-    if old.profile is None or old.profile not in session.inventory.profiles:
+    old = invocation.db.get(request.run)  # NotFound with close names
+    if old.profile is None or old.profile not in invocation.inventory.profiles:
         raise UsageError(f"run {old.name!r} was not started from a profile in this inventory",
                          hint="deploy a new run with --profile and --parent instead")
-    profile = session.inventory.profile(old.profile)
+    profile = invocation.inventory.profile(old.profile)
     if request.resume and not profile.resume_args:
         raise UsageError(f"profile {profile.name!r} has no resume_args, so --resume cannot work",
                          hint="use --fresh, or add resume_args to the profile")
     if request.name not in (None, "+"):
         validate_name(request.name, what="run name")
-        if session.record_of(request.name) is not None:
+        if invocation.record_of(request.name) is not None:
             raise Conflict(f"run name {request.name!r} is already used", hint="use --name + for the next free name")
     launcher = request.launcher or old.launcher
     extra = request.extra_args if request.extra_args is not None else list(old.extra.get("extra_args") or [])
@@ -77,63 +77,63 @@ def restart(session: Session, request: RestartRequest) -> RestartOutcome:
         from dflashops.ops.nodes import relaunch_nodes
 
         stop, checkpoint, deployed = relaunch_nodes(
-            session, old, profile, DeployRequest(target=None, profile=profile.name, name=request.name or "+",
+            invocation, old, profile, DeployRequest(target=None, profile=profile.name, name=request.name or "+",
                                                  parent=old.name, note=request.note, launcher=launcher,
                                                  clear_cache=request.clear_cache, extra_args=extra),
             resume=request.resume, grace=request.grace, not_running=NotRunning)
         return RestartOutcome(stopped=stop is not None, old_exit_code=stop.get("exit_code") if stop else None,
                               checkpoint=checkpoint, deployed=deployed, agent_calls=0)
-    target = session.inventory.target(old.target)
+    target = invocation.inventory.target(old.target)
     deploy_request = DeployRequest(
         target=old.target, profile=profile.name, name=request.name or "+", parent=old.name, note=request.note,
         launcher=launcher, clear_cache=request.clear_cache, extra_args=extra,
         checkpoint=RESUME_PLACEHOLDER if request.resume else None)
-    name = claim_name(session, deploy_request, target, profile,
-                      check_request(session, deploy_request, target, profile, ask_target=False))
+    name = claim_name(invocation, deploy_request, target, profile,
+                      check_request(invocation, deploy_request, target, profile, ask_target=False))
     try:
-        return relaunch(session, request, deploy_request, old, target, profile, name)
+        return relaunch(invocation, request, deploy_request, old, target, profile, name)
     except BaseException:
-        if not session.dry_run:
-            session.db.release(name)
+        if not invocation.dry_run:
+            invocation.db.release(name)
         raise
 
 
-def relaunch(session: Session, request: RestartRequest, deploy_request: DeployRequest, old: RunRecord,
+def relaunch(invocation: Invocation, request: RestartRequest, deploy_request: DeployRequest, old: RunRecord,
              target: Target, profile: Profile, name: str) -> RestartOutcome:
     """The combined stop + install + launch call for the claimed name `name`, and the lineage records."""
-    files = release_files(profile.files, session.inventory.root, profile.packages)
+    files = release_files(profile.files, invocation.inventory.root, profile.packages)
     code_hash, manifest = local_manifest(files)
-    plan = plan_launch(session, deploy_request, target, profile, name, code_hash,
+    spec = launch_spec(invocation, deploy_request, target, profile, name, code_hash,
                        f"{target.workspace}/releases/{code_hash}")
-    agent = session.agent(target)
+    agent = invocation.agent(target)
     calls, fell_back = 0, False
-    base = release_cache.load(session.inventory.lineage_path, target)
+    base = release_cache.load(invocation.inventory.lineage_path, target)
     if base is None:
         base, calls = remote_base(agent, code_hash, manifest), calls + 1
     payload = install_payload(target.workspace, files, code_hash, manifest, base[0], base[1])
     try:
         calls += 1
-        answer = combined_call(agent, old.name, request, plan, payload)
+        answer = combined_call(agent, old.name, request, spec, payload)
     except StaleRelease:  # nothing was changed: ask what is there, build the tar again, call again
         base, fell_back = remote_base(agent, code_hash, manifest), True
         payload = install_payload(target.workspace, files, code_hash, manifest, base[0], base[1])
         calls += 2
-        answer = combined_call(agent, old.name, request, plan, payload)
+        answer = combined_call(agent, old.name, request, spec, payload)
     checkpoint = f"<latest checkpoint of {old.name}>" if request.resume else None
-    if not session.dry_run:
+    if not invocation.dry_run:
         checkpoint = answer.get("checkpoint")
         if checkpoint:
-            plan.record.argv = [arg.replace(RESUME_PLACEHOLDER, checkpoint) for arg in plan.record.argv]
-            plan.record.extra["resumed_from"] = checkpoint
-        plan.record.extra["pgid"] = answer.get("pgid")
-        plan.record.session = answer.get("session") or plan.record.session
-        session.note_state(answer["old_status"])  # the old run's end (exit code, step) into its record
-        session.db.fill(plan.record)  # the new run, with its parent edge
-        release_cache.save(session.inventory.lineage_path, target, code_hash, manifest)
+            spec.record.argv = [arg.replace(RESUME_PLACEHOLDER, checkpoint) for arg in spec.record.argv]
+            spec.record.extra["resumed_from"] = checkpoint
+        spec.record.extra["pgid"] = answer.get("pgid")
+        spec.record.session = answer.get("session") or spec.record.session
+        invocation.note_state(answer["old_status"])  # the old run's end (exit code, step) into its record
+        invocation.db.fill(spec.record)  # the new run, with its parent edge
+        release_cache.save(invocation.inventory.lineage_path, target, code_hash, manifest)
     stop = answer.get("stop")
-    supervisor = after_launch(session, deploy_request, target, profile, name, code_hash,
+    supervisor = after_launch(invocation, deploy_request, target, profile, name, code_hash,
                                f"{target.workspace}/releases/{code_hash}")
-    deployed = DeployOutcome(name=name, target=target.name, run_dir=plan.run_dir, code_hash=code_hash,
+    deployed = DeployOutcome(name=name, target=target.name, run_dir=spec.run_dir, code_hash=code_hash,
                              release=f"{target.workspace}/releases/{code_hash}", pgid=answer.get("pgid"),
                              uploaded=len(payload[2]), cache_cleared=answer.get("cleared"), supervisor=supervisor)
     return RestartOutcome(stopped=bool(stop), old_exit_code=stop.get("exit_code") if stop else None,
@@ -149,15 +149,15 @@ def remote_base(agent: Agent, code_hash: str, manifest: dict[str, str]) -> tuple
     return remote.get("release"), remote.get("files") or {}
 
 
-def combined_call(agent: Agent, old: str, request: RestartRequest, plan: LaunchPlan,
+def combined_call(agent: Agent, old: str, request: RestartRequest, spec: LaunchSpec,
                   payload: tuple[dict, bytes, tuple, tuple]) -> dict[str, Any]:
     """The agent's `restart` verb: request JSON (secrets only in it, on stdin) + the tar, one round trip."""
     install, tar = {k: v for k, v in payload[0].items() if k != "workspace"}, payload[1]
-    args = {**plan.args, "old": old, "grace": request.grace, "install": install, "tar_bytes": len(tar),
+    args = {**spec.args, "old": old, "grace": request.grace, "install": install, "tar_bytes": len(tar),
             "clear_cache": request.clear_cache, "resume_placeholder": RESUME_PLACEHOLDER if request.resume else None}
     target: Target = agent.target
     try:
-        return agent.call("restart", args, secret_args={"env": plan.env}, shown_args={"env": plan.record.env},
+        return agent.call("restart", args, secret_args={"env": spec.env}, shown_args={"env": spec.record.env},
                           stdin_tar=tar)
     except StaleRelease:
         raise
@@ -168,6 +168,6 @@ def combined_call(agent: Agent, old: str, request: RestartRequest, plan: LaunchP
         raise Conflict(exc.message, hint="`dflashops runs sync` records it; pick another --name") from None
     except TransportError as exc:
         raise TransportError(
-            f"{target.name}: connection lost during the restart of {old} as {plan.name}: {exc.message}",
+            f"{target.name}: connection lost during the restart of {old} as {spec.name}: {exc.message}",
             hint=f"the agent completes or refuses the whole step on its own; `dflashops status --target "
-                 f"{target.name}` shows whether {plan.name} runs, `dflashops runs sync` records it") from None
+                 f"{target.name}` shows whether {spec.name} runs, `dflashops runs sync` records it") from None

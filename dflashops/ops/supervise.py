@@ -2,7 +2,7 @@
 
 Recovery must not depend on the controller staying awake, so everything the supervisor needs travels in
 its start request: the policy, and a launch TEMPLATE for the runs it may have to start (the profile's argv,
-environment and run.json built by deploy's own `plan_launch`, with sentinels where the child's name, parent,
+environment and run.json built by deploy's own `launch_spec`, with sentinels where the child's name, parent,
 note and checkpoint go). The request holds the run's secrets (and the webhook URL when `notify.from_target`
 is set): it goes on stdin, the supervisor keeps it in memory only, and the dry-run plan shows it redacted.
 
@@ -25,7 +25,7 @@ from dflashops.inventory import Profile, Target
 from dflashops.inventory_policy import shown_url
 from dflashops.lineage.record import REDACTED
 from dflashops.ops.agent_client import _UPLOAD, Agent, _parse
-from dflashops.ops.session import Session
+from dflashops.ops.invocation import Invocation
 
 SOURCE = Path(__file__).resolve().parent.parent / "agent_supervisor.py"
 SENTINELS = {"name": "@dflashops-run-name@", "parent": "@dflashops-parent@", "note": "@dflashops-note@",
@@ -37,16 +37,16 @@ def wanted(profile: Profile) -> bool:
     return profile.on_failure is not None or profile.stall is not None
 
 
-def template(session: Session, request: Any, target: Target, profile: Profile, code_hash: str,
+def template(invocation: Invocation, request: Any, target: Target, profile: Profile, code_hash: str,
              release_path: str, root: str) -> dict[str, Any]:
     """The launch of a child run, with sentinels (see the module docstring)."""
-    from dflashops.ops.deploy import plan_launch  # deploy imports this module: imported when used
+    from dflashops.ops.deploy import launch_spec  # deploy imports this module: imported when used
 
     base = replace(request, parent=None, note="", checkpoint=None)
-    fresh = plan_launch(session, base, target, profile, SENTINELS["name"], code_hash, release_path)
+    fresh = launch_spec(invocation, base, target, profile, SENTINELS["name"], code_hash, release_path)
     resumed = None
     if profile.resume_args:
-        resumed = plan_launch(session, replace(base, checkpoint=SENTINELS["checkpoint"]), target, profile,
+        resumed = launch_spec(invocation, replace(base, checkpoint=SENTINELS["checkpoint"]), target, profile,
                               SENTINELS["name"], code_hash, release_path)
     env = {**fresh.env, "WANDB_RUN_GROUP": root, "DFLASHOPS_RUN_PARENT": SENTINELS["parent"],
            "WANDB_NOTES": SENTINELS["note"], "DFLASHOPS_RUN_NOTE": SENTINELS["note"]}
@@ -70,22 +70,22 @@ def supervisor_path(target: Target, source: bytes) -> str:
     return f"{target.workspace}/.dflashops/supervisor-{hashlib.sha256(source).hexdigest()[:12]}.py"
 
 
-def start(session: Session, request: Any, target: Target, profile: Profile, name: str, code_hash: str,
+def start(invocation: Invocation, request: Any, target: Target, profile: Profile, name: str, code_hash: str,
           release_path: str, restarts: int = 0) -> dict[str, Any] | None:
     """Start the supervisor for the run `name` just launched (None when the profile asks for none). Its
     failure to start is reported (AgentError) after the run is already running: the run stays up."""
     if not wanted(profile):
         return None
-    agent: Agent = session.agent(target)
-    root = session.db.root(name) if session.record_of(name) else name
+    agent: Agent = invocation.agent(target)
+    root = invocation.db.root(name) if invocation.record_of(name) else name
     source = SOURCE.read_bytes()
     path = supervisor_path(target, source)
-    notify = session.inventory.notify
+    notify = invocation.inventory.notify
     webhook = None
     if notify is not None and notify.from_target:
         webhook = notify.webhook or (os.environ.get(notify.webhook_env) if notify.webhook_env else None)
     on_failure, stall = profile.on_failure, profile.stall
-    plan = template(session, request, target, profile, code_hash, release_path, root)
+    plan = template(invocation, request, target, profile, code_hash, release_path, root)
     req = {"workspace": target.workspace, "agent": agent.path, "root": name, "run": name, "restarts": restarts,
            "target": target.name, "gpus": list(target.gpus), "poll_s": poll_interval(stall),
            "on_failure": None if on_failure is None else {
@@ -97,7 +97,7 @@ def start(session: Session, request: Any, target: Target, profile: Profile, name
            "events": list(notify.events) if notify else [], "webhook": webhook,
            "webhook_timeout_s": notify.timeout_s if notify else 10.0, "template": plan}
     argv = [target.python, path, "start", "--json-stdin"]
-    if session.dry_run:
+    if invocation.dry_run:
         shown = {**req, "webhook": shown_url(webhook) if webhook else None,
                  "template": {**plan, "env": {k: plan["shown_env"].get(k, REDACTED) for k in plan["env"]}}}
         agent.record([target.python, "-c", "<upload>", path], "agent_supervisor.py")
@@ -112,15 +112,15 @@ def start(session: Session, request: Any, target: Target, profile: Profile, name
     return answer
 
 
-def after_launch(session: Session, request: Any, target: Target, profile: Profile, name: str, code_hash: str,
+def after_launch(invocation: Invocation, request: Any, target: Target, profile: Profile, name: str, code_hash: str,
                  release_path: str) -> dict[str, Any] | None:
     """What follows every launch by deploy/restart: the `started` notification, then `start`, with a failure
     of the supervisor turned into {"ok": False, "error", "hint"}: the run is launched already and stays up,
     so the caller reports a warning instead of failing the deploy."""
     from dflashops.ops.observe import started
 
-    started(session, target.name, name, request.note, request.parent)
+    started(invocation, target.name, name, request.note, request.parent)
     try:
-        return start(session, request, target, profile, name, code_hash, release_path)
+        return start(invocation, request, target, profile, name, code_hash, release_path)
     except DflashopsError as exc:
         return {"ok": False, "error": exc.message, "hint": exc.hint}

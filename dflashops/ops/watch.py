@@ -16,7 +16,7 @@ from typing import Any
 
 from dflashops.errors import DflashopsError
 from dflashops.ops.control import run_status
-from dflashops.ops.session import Session
+from dflashops.ops.invocation import Invocation
 
 
 @dataclass
@@ -93,12 +93,12 @@ def run_row(entry: dict[str, Any], now: float) -> RunRow:
         last_log_line=entry.get("last_log_line"), error_line=entry.get("error_line"))
 
 
-def gather(session: Session, run: str | None, target: str | None = None) -> Snapshot:
+def gather(invocation: Invocation, run: str | None, target: str | None = None) -> Snapshot:
     """Status of `run` (or of every run on the target when None) plus that target's GPUs.
     Raises NotFound for a run that does not exist (the agent says so), TransportError when unreachable."""
-    entries = run_status(session, run, target=target)
-    tgt = session.target_for_run(run, target) if run else session.inventory.target(target)
-    gpus = session.agent(tgt).call("gpus", {}).get("gpus", [])
+    entries = run_status(invocation, run, target=target)
+    tgt = invocation.target_for_run(run, target) if run else invocation.inventory.target(target)
+    gpus = invocation.agent(tgt).call("gpus", {}).get("gpus", [])
     now = time.time()
     return Snapshot(taken_at=now, runs=[run_row(entry, now) for entry in entries],
                     gpus=[GpuRow(target=tgt.name, **{k: g[k] for k in ("index", "name", "memory_used_mib",
@@ -112,7 +112,7 @@ class Watcher:
     later failures (dropped ssh link, stopped container) keep the old data, note the error, and the next
     refresh tries again (the ssh transport reconnects on its next command)."""
 
-    session: Session
+    invocation: Invocation
     run: str | None
     target: str | None = None
     clock: Callable[[], float] = time.time
@@ -122,7 +122,7 @@ class Watcher:
 
     def refresh(self) -> Snapshot:
         try:
-            snapshot = gather(self.session, self.run, self.target)
+            snapshot = gather(self.invocation, self.run, self.target)
         except DflashopsError as exc:
             if self.snapshot is None:
                 raise

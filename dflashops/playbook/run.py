@@ -19,7 +19,7 @@ from typing import Any
 
 from dflashops.errors import DflashopsError
 from dflashops.ops.restart import RestartRequest, restart
-from dflashops.ops.session import Session
+from dflashops.ops.invocation import Invocation
 from dflashops.playbook import Playbook, Step
 from dflashops.playbook.vars import PlaybookError, render
 from dflashops.playbook.expr import ExprSyntaxError
@@ -95,8 +95,8 @@ class _Runner:
             self.steps(step.body, f"{index}.{number}.")
 
     def attempt(self, step: Step) -> tuple[StepOutcome, list[str]]:
-        session = self.ctx.session
-        before = Counter(session.plan)
+        invocation = self.ctx.invocation
+        before = Counter(invocation.plan)
         args = render(step.args, self.ctx.scope)
         while isinstance(args.get("run"), str) and args["run"] in self.renamed:
             args["run"] = self.renamed[args["run"]]
@@ -105,7 +105,7 @@ class _Runner:
         except ExprSyntaxError as exc:
             raise PlaybookError(f"{step.where}: {exc}") from None
         new_lines = []
-        for line in session.plan:  # the commands this step added to the dry-run plan, in order
+        for line in invocation.plan:  # the commands this step added to the dry-run plan, in order
             if before[line]:
                 before[line] -= 1
             else:
@@ -151,7 +151,7 @@ class _Runner:
         run = render(step.args["run"], self.ctx.scope)
         run = self.renamed.get(run, run)
         try:
-            outcome = restart(self.ctx.session, RestartRequest(
+            outcome = restart(self.ctx.invocation, RestartRequest(
                 run=str(run), name="+", resume=True, note=f"restart-with-resume after step {index} failed: "
                                                           f"{exc.message.splitlines()[0][:160]}"))
         except DflashopsError as recovery_error:
@@ -174,18 +174,18 @@ class _Runner:
         self.finish(step, f"{index}'", retry_started, "changed" if retried.changed else "ok", retried, commands)
 
 
-def run_playbook(session: Session, playbook: Playbook, overrides: dict[str, Any], *, target: str | None = None,
+def run_playbook(invocation: Invocation, playbook: Playbook, overrides: dict[str, Any], *, target: str | None = None,
                  check: bool = False, say: Callable[[str], None] = lambda text: None,
                  on_step: Callable[[StepReport], None] = lambda entry: None) -> PlayReport:
     """Run (or, with `check`, plan) every step. Bad variables raise PlaybookError before any step runs;
     a failing step is reported and handled by its on_failure (the report carries the stopping error)."""
     values = playbook.bind(overrides)
     if target is not None or playbook.uses("target", values):
-        values.setdefault("target", session.inventory.target(target).name)  # unknown target: NotFound now
+        values.setdefault("target", invocation.inventory.target(target).name)  # unknown target: NotFound now
     if playbook.uses("latest_run", values) and "latest_run" not in values:
-        values["latest_run"] = latest_running_run(session, target)
+        values["latest_run"] = latest_running_run(invocation, target)
     shown = {key: render(value, values) for key, value in values.items()}
     report = PlayReport(playbook=str(playbook.path), check=check, variables=shown)
-    ctx = Context(session=session, target=target, check=check, scope=dict(values), say=say, tables=report.tables)
+    ctx = Context(invocation=invocation, target=target, check=check, scope=dict(values), say=say, tables=report.tables)
     _Runner(ctx, report, on_step).steps(playbook.steps, "")
     return report

@@ -19,7 +19,7 @@ from dflashops.errors import CommandFailed, NotFound, RunFailed, UsageError, Wai
 from dflashops.ops.control import DEFAULT_FAIL_ON, LogCursor, NotRunning, read_log, run_status, stop_run, wait_for
 from dflashops.ops.deploy import DeployRequest, deploy
 from dflashops.ops.restart import RestartRequest, restart
-from dflashops.ops.session import Session
+from dflashops.ops.invocation import Invocation
 from dflashops.ops.sync import local_manifest, release_files, sync
 from dflashops.playbook.expr import MissingMetric, lookup, parse
 from dflashops.shell import join_argv
@@ -29,7 +29,7 @@ DEFAULT_FIELDS = ["step", "loss", "tau_sim", "block_tok_s"]
 
 @dataclass
 class Context:
-    session: Session
+    invocation: Invocation
     target: str | None  # `play --target`: the default for steps that name none
     check: bool
     scope: dict[str, Any]
@@ -61,9 +61,9 @@ def _number(args: dict[str, Any], key: str, default: float | None = None) -> flo
 
 def _profile_and_target(ctx: Context, args: dict[str, Any]) -> tuple[Any, Any]:
     """(Profile or None, Target) for sync/clear-cache: from `profile`/`target`, else from `run`'s record."""
-    inventory, record = ctx.session.inventory, None
+    inventory, record = ctx.invocation.inventory, None
     if args.get("run"):
-        record = ctx.session.db.get(str(args["run"]))
+        record = ctx.invocation.db.get(str(args["run"]))
     profile_name = args.get("profile") or (record.profile if record else None)
     profile = inventory.profile(str(profile_name)) if profile_name else None
     target = inventory.target(ctx.target_arg(args) or (record.target if record else None))
@@ -74,11 +74,11 @@ def do_stop(ctx: Context, args: dict[str, Any]) -> StepOutcome:
     run, grace = str(args["run"]), _number(args, "grace", 60.0)
     if ctx.check and run in ctx.planned_runs:
         # The run only exists in this plan, so the agent cannot be asked about it: show the stop call itself.
-        target = ctx.session.target_for_run(run, ctx.target_arg(args))
-        argv = ctx.session.agent(target).argv("stop", {"grace": grace, "name": run, "workspace": target.workspace})
+        target = ctx.invocation.target_for_run(run, ctx.target_arg(args))
+        argv = ctx.invocation.agent(target).argv("stop", {"grace": grace, "name": run, "workspace": target.workspace})
         return StepOutcome(True, f"would stop {run}", {"commands": [f"[{target.name}] {join_argv(argv)}"]})
     try:
-        answer = stop_run(ctx.session, run, target=ctx.target_arg(args), grace=grace)
+        answer = stop_run(ctx.invocation, run, target=ctx.target_arg(args), grace=grace)
     except NotRunning:
         return StepOutcome(False, f"{run} was not running", {"stopped": False, "exit_code": None})
     if ctx.check:
@@ -90,8 +90,8 @@ def do_stop(ctx: Context, args: dict[str, Any]) -> StepOutcome:
 
 def do_sync(ctx: Context, args: dict[str, Any]) -> StepOutcome:
     profile, target = _profile_and_target(ctx, args)
-    outcome = sync(ctx.session.agent(target), extra_files=profile.files if profile else (),
-                   extra_root=ctx.session.inventory.root)
+    outcome = sync(ctx.invocation.agent(target), extra_files=profile.files if profile else (),
+                   extra_root=ctx.invocation.inventory.root)
     detail = f"release {outcome.code_hash}: {len(outcome.uploaded)} files uploaded, {len(outcome.linked)} unchanged"
     return StepOutcome(bool(outcome.uploaded), detail, {"code_hash": outcome.code_hash, "release": outcome.release_path,
                                                         "uploaded": list(outcome.uploaded)})
@@ -100,8 +100,8 @@ def do_sync(ctx: Context, args: dict[str, Any]) -> StepOutcome:
 def do_clear_cache(ctx: Context, args: dict[str, Any]) -> StepOutcome:
     """Remove the compile cache of the code that is about to run (its hash, computed here) and nothing else."""
     profile, target = _profile_and_target(ctx, args)
-    code_hash, _ = local_manifest(release_files(profile.files if profile else (), ctx.session.inventory.root))
-    answer = ctx.session.agent(target).call("clear-cache", {"workspace": target.workspace, "code_hash": code_hash})
+    code_hash, _ = local_manifest(release_files(profile.files if profile else (), ctx.invocation.inventory.root))
+    answer = ctx.invocation.agent(target).call("clear-cache", {"workspace": target.workspace, "code_hash": code_hash})
     removed = answer.get("removed")
     detail = (f"would remove the compile cache of code {code_hash}" if ctx.check else
               f"removed {removed}" if removed else f"no compile cache for code {code_hash}")
@@ -111,14 +111,14 @@ def do_clear_cache(ctx: Context, args: dict[str, Any]) -> StepOutcome:
 def do_deploy(ctx: Context, args: dict[str, Any]) -> StepOutcome:
     """Launch a run. With `parent`, profile/launcher/extra args/target default to the parent's, name to `+`."""
     parent = str(args["parent"]) if args.get("parent") else None
-    record = ctx.session.db.get(parent) if parent else None
+    record = ctx.invocation.db.get(parent) if parent else None
     profile = args.get("profile") or (record.profile if record else None)
     if not profile:
         raise UsageError("deploy needs a profile (or a parent started from one)", hint="add profile: NAME")
     extra = args.get("extra_args", (record.extra.get("extra_args") if record else None) or [])
     if not isinstance(extra, list):
         raise UsageError(f"deploy extra_args must be a list, got {extra!r}")
-    outcome = deploy(ctx.session, DeployRequest(
+    outcome = deploy(ctx.invocation, DeployRequest(
         target=ctx.target_arg(args) or (record.target if record else None), profile=str(profile),
         name=str(args["name"]) if args.get("name") else ("+" if parent else None), parent=parent,
         note=str(args.get("note") or ""), launcher=str(args.get("launcher") or (record.launcher if record else "tmux")),
@@ -133,7 +133,7 @@ def do_deploy(ctx: Context, args: dict[str, Any]) -> StepOutcome:
 
 def do_restart(ctx: Context, args: dict[str, Any]) -> StepOutcome:
     extra = args.get("extra_args")
-    outcome = restart(ctx.session, RestartRequest(
+    outcome = restart(ctx.invocation, RestartRequest(
         run=str(args["run"]), name=str(args.get("name") or "+"), note=str(args.get("note") or ""),
         resume=bool(args.get("resume", False)), clear_cache=bool(args.get("clear_cache", False)),
         launcher=args.get("launcher"), extra_args=[str(a) for a in extra] if isinstance(extra, list) else None,
@@ -149,8 +149,8 @@ def do_restart(ctx: Context, args: dict[str, Any]) -> StepOutcome:
 
 def _poll_command(ctx: Context, run: str, args: dict[str, Any]) -> str:
     """The read-only agent call a wait repeats (shown by --check instead of running it)."""
-    target = ctx.session.target_for_run(run, ctx.target_arg(args))
-    agent = ctx.session.agent(target)
+    target = ctx.invocation.target_for_run(run, ctx.target_arg(args))
+    agent = ctx.invocation.agent(target)
     verb_args = {"workspace": target.workspace, "name": run, "offset": 0, "inode": None}
     return f"[{target.name}] {join_argv(agent.argv('tail', verb_args))}"
 
@@ -164,7 +164,7 @@ def do_wait(ctx: Context, args: dict[str, Any]) -> StepOutcome:
         return StepOutcome(False, f"would poll {run} {condition}",
                            {"commands": [f"{_poll_command(ctx, run, args)}  # repeated {condition}"]})
     if "log" in args:
-        line = wait_for(ctx.session, run, until=str(args["log"]), fail_on=fail_on, target=ctx.target_arg(args),
+        line = wait_for(ctx.invocation, run, until=str(args["log"]), fail_on=fail_on, target=ctx.target_arg(args),
                         timeout=timeout, poll_s=_number(args, "poll", 0.5))
         return StepOutcome(False, f"{run}: matched {line.strip()[:120]!r}", {"line": line.strip()})
     return _wait_metric(ctx, run, str(args["metric"]), fail_on, timeout, args)
@@ -177,14 +177,14 @@ def _wait_metric(ctx: Context, run: str, text: str, fail_on: str | None, timeout
     cursor, pending, poll = LogCursor(), "", _number(args, "poll", 0.5)
     deadline = time.monotonic() + timeout
     while True:
-        for chunk in read_log(ctx.session, run, cursor, target=ctx.target_arg(args)) if fail_re else ():
+        for chunk in read_log(ctx.invocation, run, cursor, target=ctx.target_arg(args)) if fail_re else ():
             pending += chunk
             *lines, pending = pending.split("\n")
             bad = next((line for line in lines if fail_re.search(line)), None)
             if bad is not None:
                 raise RunFailed(f"{run}: failure pattern {fail_on!r} in the log: {bad.strip()}",
                                 hint=f"`dflashops logs {run}` shows the whole log")
-        entry = run_status(ctx.session, run, target=ctx.target_arg(args))[0]
+        entry = run_status(ctx.invocation, run, target=ctx.target_arg(args))[0]
         values = {**(entry.get("last_metrics") or {}), "state": entry["state"]}
         try:
             if condition.evaluate(values):
@@ -203,7 +203,7 @@ def _wait_metric(ctx: Context, run: str, text: str, fail_on: str | None, timeout
 
 
 def _run_values(ctx: Context, run: str, args: dict[str, Any]) -> dict[str, Any]:
-    entry = run_status(ctx.session, run, target=ctx.target_arg(args))[0]
+    entry = run_status(ctx.invocation, run, target=ctx.target_arg(args))[0]
     return {**(entry.get("last_metrics") or {}), "state": entry["state"], "exit_code": entry.get("exit_code"),
             "step": entry.get("step"), "name": run}
 
@@ -238,7 +238,7 @@ def do_exec(ctx: Context, args: dict[str, Any]) -> StepOutcome:
     if not isinstance(argv, list) or not argv:
         raise UsageError(f"exec argv must be a non-empty list, got {argv!r}")
     argv = [str(word) for word in argv]
-    agent = ctx.session.agent(ctx.session.inventory.target(ctx.target_arg(args)))
+    agent = ctx.invocation.agent(ctx.invocation.inventory.target(ctx.target_arg(args)))
     if ctx.check:
         agent.record(argv)
         return StepOutcome(True, f"would run {join_argv(argv)}")
@@ -265,12 +265,12 @@ def do_collect(ctx: Context, args: dict[str, Any]) -> StepOutcome:
     return StepOutcome(False, f"{into}: " + ", ".join(f"{k}={v}" for k, v in row.items() if k != "run"), row)
 
 
-def latest_running_run(session: Session, target: str | None) -> str:
+def latest_running_run(invocation: Invocation, target: str | None) -> str:
     """The most recently started run that is running now on `target` (for the `{{latest_run}}` default)."""
-    tgt = session.inventory.target(target)
+    tgt = invocation.inventory.target(target)
     # The agent's status verb directly (read-only): in a --check session on a target that has no agent yet,
     # the call is only planned and answers without "runs", which here simply means "none running".
-    answer = session.agent(tgt).call("status", {"workspace": tgt.workspace})
+    answer = invocation.agent(tgt).call("status", {"workspace": tgt.workspace})
     running = [e for e in answer.get("runs", []) if e["state"] == "running"]
     if not running:
         raise NotFound(f"no run is running on target {tgt.name}",

@@ -76,17 +76,17 @@ def test_help_lists_the_verbs() -> None:
 
 def test_agent_is_reuploaded_when_its_file_vanishes(env: Env) -> None:
     from dflashops.inventory import load_inventory
-    from dflashops.ops.session import Session
+    from dflashops.ops.invocation import Invocation
 
-    session = Session(load_inventory(env.inventory))
+    invocation = Invocation(load_inventory(env.inventory))
     try:
-        target = session.inventory.target("local")
-        assert session.agent(target).call("status", {"workspace": str(env.workspace)})["runs"] == []
+        target = invocation.inventory.target("local")
+        assert invocation.agent(target).call("status", {"workspace": str(env.workspace)})["runs"] == []
         for path in (env.workspace / ".dflashops").iterdir():
             path.unlink()  # someone cleaned the workspace while a `logs -f` was running
-        assert session.agent(target).call("status", {"workspace": str(env.workspace)})["ok"] is True
+        assert invocation.agent(target).call("status", {"workspace": str(env.workspace)})["ok"] is True
     finally:
-        session.close()
+        invocation.close()
 
 
 def follow_process(env: Env, name: str, **cursor: object) -> subprocess.Popen[bytes]:

@@ -16,7 +16,7 @@ from remote_harness import Harness
 from dflashops.errors import TransportError
 from dflashops.inventory import load_inventory
 from dflashops.ops.control import LogCursor, read_log
-from dflashops.ops.session import Session
+from dflashops.ops.invocation import Invocation
 from dflashops.ops.sync import sync
 
 
@@ -38,13 +38,13 @@ def test_cut_during_sync_never_exposes_a_partial_release(proxied_inventory: Path
     inventory = load_inventory(proxied_inventory)
     profile = inventory.profile("work")
     for cut_at in (48 * 1024, 1024 * 1024, 2000 * 1024):  # early, middle, and just before the tar ends
-        session = Session(inventory)
-        agent = session.agent(inventory.target("ct200"))
+        invocation = Invocation(inventory)
+        agent = invocation.agent(inventory.target("ct200"))
         agent.ensure()  # connected, container checked, agent present: what follows is the sync itself
         proxy.cut_after(upstream_bytes=cut_at)
         with pytest.raises(TransportError):
             sync(agent, extra_files=profile.files, extra_root=inventory.root)
-        session.close()
+        invocation.close()
         proxy.cut_after(upstream_bytes=1 << 60)  # disarm
         # `current` still names the old release, and every visible release is complete.
         assert os.readlink(releases / "current") == old_release
@@ -77,7 +77,7 @@ def test_cut_during_logs_follow_loses_and_repeats_nothing(proxied_inventory: Pat
                          "--", "--steps", "4000", "--interval", "0.0005")
     assert code == 0, err
     inventory = load_inventory(proxied_inventory)
-    session = Session(inventory)
+    invocation = Invocation(inventory)
     cuts_done = threading.Event()
 
     def cutter() -> None:
@@ -89,9 +89,9 @@ def test_cut_during_logs_follow_loses_and_repeats_nothing(proxied_inventory: Pat
     threading.Thread(target=cutter, daemon=True).start()
     received: list[str] = []
     cursor = LogCursor()
-    for chunk in read_log(session, "follow-r1", cursor, target="ct200", follow=True, poll_s=0.1, timeout=120):
+    for chunk in read_log(invocation, "follow-r1", cursor, target="ct200", follow=True, poll_s=0.1, timeout=120):
         received.append(chunk)
-    session.close()
+    invocation.close()
     assert cuts_done.wait(5) and proxy.connections_cut >= 3
     on_disk = harness.container_path("200", f"{workspace}/runs/follow-r1/train.log").read_text()
     text = "".join(received)

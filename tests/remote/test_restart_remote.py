@@ -18,7 +18,7 @@ from dflashops.errors import TransportError
 from dflashops.inventory import load_inventory
 from dflashops.lineage import LineageDB
 from dflashops.ops.restart import RestartOutcome, RestartRequest, restart
-from dflashops.ops.session import Session
+from dflashops.ops.invocation import Invocation
 from dflashops.ops.sync import local_manifest, release_files
 
 
@@ -26,10 +26,10 @@ def restart_counting(inventory: Path, run: str, **fields: object) -> tuple[Resta
     """restart() through the real CLI session objects; returns the outcome and how many commands the
     transport really ran (counted at the transport, not taken from the outcome)."""
     inv = load_inventory(inventory)
-    session = Session(inv)
+    invocation = Invocation(inv)
     commands = 0
     try:
-        transport = session.agent(inv.target("ct200")).transport
+        transport = invocation.agent(inv.target("ct200")).transport
         real_run = transport.run
 
         def counted(*args: object, **kwargs: object) -> object:
@@ -38,9 +38,9 @@ def restart_counting(inventory: Path, run: str, **fields: object) -> tuple[Resta
             return real_run(*args, **kwargs)
 
         transport.run = counted  # type: ignore[method-assign]
-        outcome = restart(session, RestartRequest(run=run, name="+", **fields))  # type: ignore[arg-type]
+        outcome = restart(invocation, RestartRequest(run=run, name="+", **fields))  # type: ignore[arg-type]
     finally:
-        session.close()
+        invocation.close()
     return outcome, commands
 
 
@@ -137,12 +137,12 @@ def test_cut_during_the_combined_call_leaves_nothing_half_done(proxied_inventory
     (inventory.parent / "blob.bin").write_bytes(os.urandom(2 * 1024 * 1024))  # a 2 MiB upload to cut into
     inv = load_inventory(inventory)
     for cut_at in (48 * 1024, 1024 * 1024, 2000 * 1024):  # early, middle, just before the tar ends
-        session = Session(inv)
-        session.agent(inv.target("ct200")).ensure()  # connected; what follows is the combined call itself
+        invocation = Invocation(inv)
+        invocation.agent(inv.target("ct200")).ensure()  # connected; what follows is the combined call itself
         proxy.cut_after(upstream_bytes=cut_at)
         with pytest.raises(TransportError, match="connection lost during the restart"):
-            restart(session, RestartRequest(run="cc-a1", name="+", grace=2.0))
-        session.close()
+            restart(invocation, RestartRequest(run="cc-a1", name="+", grace=2.0))
+        invocation.close()
         proxy.cut_after(upstream_bytes=1 << 60)  # disarm
         time.sleep(0.5)  # an agent that got a truncated upload refuses at once; give it time to have done so
         assert os.readlink(releases / "current") == old_release
@@ -153,7 +153,7 @@ def test_cut_during_the_combined_call_leaves_nothing_half_done(proxied_inventory
     timer = threading.Timer(1.0, proxy.cut_all)
     timer.start()
     with pytest.raises(TransportError, match="connection lost during the restart"):
-        cli_restart = Session(inv)
+        cli_restart = Invocation(inv)
         try:
             restart(cli_restart, RestartRequest(run="cc-a1", name="+", grace=4.0))
         finally:

@@ -13,22 +13,22 @@ from remote_harness import Harness
 
 from dflashops.errors import Conflict
 from dflashops.inventory import load_inventory
-from dflashops.ops.session import Session
+from dflashops.ops.invocation import Invocation
 from dflashops.ops.sync import release_files, sync
 
 
 def test_one_changed_file_travels_alone_and_the_release_is_complete(inventory: Path, harness: Harness) -> None:
     inv = load_inventory(inventory)
     files = inv.profile("work").files
-    session = Session(inv)
+    invocation = Invocation(inv)
     try:
-        agent = session.agent(inv.target("ct200"))
+        agent = invocation.agent(inv.target("ct200"))
         first = sync(agent, extra_files=files, extra_root=inv.root)
         assert sync(agent, extra_files=files, extra_root=inv.root).uploaded == ()  # nothing changed
         (inventory.parent / "workload.py").write_text((inventory.parent / "workload.py").read_text() + "# edit\n")
         second = sync(agent, extra_files=files, extra_root=inv.root)
     finally:
-        session.close()
+        invocation.close()
     assert second.uploaded == ("workload.py",) and second.code_hash != first.code_hash
     release = harness.container_path("200", second.release_path)
     for rel, local in release_files(files, inv.root).items():
@@ -38,9 +38,9 @@ def test_one_changed_file_travels_alone_and_the_release_is_complete(inventory: P
 
 def test_install_refuses_a_manifest_that_does_not_match_its_hash(inventory: Path, harness: Harness) -> None:
     inv = load_inventory(inventory)
-    session = Session(inv)
+    invocation = Invocation(inv)
     try:
-        agent = session.agent(inv.target("ct200"))
+        agent = invocation.agent(inv.target("ct200"))
         first = sync(agent, extra_files=inv.profile("work").files, extra_root=inv.root)
         empty_tar = io.BytesIO()
         tarfile.open(fileobj=empty_tar, mode="w").close()
@@ -49,7 +49,7 @@ def test_install_refuses_a_manifest_that_does_not_match_its_hash(inventory: Path
         with pytest.raises(Conflict, match="does not match release"):
             agent.call("install", request, stdin_tar=empty_tar.getvalue())
     finally:
-        session.close()
+        invocation.close()
     releases = harness.container_path("200", first.release_path).parent
     assert os.readlink(releases / "current") == first.code_hash
     assert not (releases / "0123456789abcdef").exists()

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from dflashops.inventory import load_inventory
-from dflashops.ops.session import Session
+from dflashops.ops.invocation import Invocation
 from dflashops.ops.watch import Watcher, run_row
 from dflashops.shell import join_argv
 from tests.tmux_screen import Screen
@@ -101,9 +101,9 @@ def test_dropped_link_keeps_data_and_reconnects(env: Env, capsys: pytest.Capture
     from rich.console import Console
 
     launch(env, "w2", capsys)
-    session = Session(load_inventory(env.inventory))
+    invocation = Invocation(load_inventory(env.inventory))
     try:
-        watcher = Watcher(session, "w2")
+        watcher = Watcher(invocation, "w2")
         first = watcher.refresh()
         assert first.runs[0].state == "running" and watcher.stale_for is None
         (env.root / "py").unlink()  # the target's python is gone: every agent call now fails for real
@@ -122,7 +122,7 @@ def test_dropped_link_keeps_data_and_reconnects(env: Env, capsys: pytest.Capture
         assert watcher.error is None and watcher.stale_for is None
         assert fresh.taken_at > first.taken_at and (fresh.runs[0].step or 0) >= (first.runs[0].step or 0)
     finally:
-        session.close()
+        invocation.close()
     assert state_of(env, "w2") == "running"
 
 

@@ -19,7 +19,7 @@ from dflashops.transport import open_transport
 
 
 @dataclass
-class Session:
+class Invocation:
     inventory: Inventory
     dry_run: bool = False
     _db: LineageDB | None = None
