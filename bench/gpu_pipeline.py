@@ -65,6 +65,20 @@ def write_shards(directory: Path, scale: dict, samples: int, seed: int = 0) -> N
     write_index(directory, [entry], DatasetMeta(tokenizer="synthetic", vocab_size=scale["vocab"]))
 
 
+def shape_flags(scale: dict) -> list[str]:
+    """`python -m trainer train` flags for a scale's drafter, data shape and schedule (the target's shape is
+    the caller's: a tiny_target config, or a saved model, bench/restart_cycle.py)."""
+    return ["--epochs", "50", "--hidden-size", str(scale["hidden"]), "--intermediate-size", str(scale["intermediate"]),
+            "--num-attention-heads", str(scale["heads"]), "--num-key-value-heads", str(scale["kv_heads"]),
+            "--head-dim", str(scale["head_dim"]), "--vocab-size", str(scale["vocab"]),
+            "--mask-token-id", str(scale["vocab"] - 1), "--num-target-layers", str(scale["target_layers"]),
+            "--num-draft-layers", str(scale["draft_layers"]), "--target-layer-ids", "0,1,2,3,4",
+            "--max-seq-len", str(scale["seq"]), "--token-budget", str(scale["seq"] * scale["rows"]),
+            "--max-batch-size", str(scale["rows"]), "--anchors-per-seq", str(scale["anchors"]),
+            "--max-anchors", str(scale["anchors"] * scale["rows"]), "--block-size", str(scale["block"]),
+            "--gamma", "7", "--rope-theta", "1000000", "--max-position-embeddings", "40960"]
+
+
 def child(args: argparse.Namespace) -> int:
     """One run in this process; prints one JSON line with the results."""
     import torch
@@ -81,16 +95,8 @@ def child(args: argparse.Namespace) -> int:
         write_shards(data, scale, samples=scale["rows"] * 32 * max(2, (args.steps * drafters) // 32 + 2))
     argv = ["--preset", "tiny", "--data-dir", str(data), "--output-dir", str(work / "run"), "--wandb", "off",
             "--target-gpus", args.device, "--drafter-gpus", ",".join([args.device] * drafters), "--pipeline", "--max-steps", str(args.steps),
-            "--log-interval", "10", "--save-interval", str(10**9), "--epochs", "50",
-            "--hidden-size", str(scale["hidden"]), "--intermediate-size", str(scale["intermediate"]),
-            "--num-attention-heads", str(scale["heads"]), "--num-key-value-heads", str(scale["kv_heads"]),
-            "--head-dim", str(scale["head_dim"]), "--vocab-size", str(scale["vocab"]),
-            "--mask-token-id", str(scale["vocab"] - 1), "--num-target-layers", str(scale["target_layers"]),
-            "--num-draft-layers", str(scale["draft_layers"]), "--target-layer-ids", "0,1,2,3,4",
-            "--max-seq-len", str(scale["seq"]), "--token-budget", str(scale["seq"] * scale["rows"]),
-            "--max-batch-size", str(scale["rows"]), "--anchors-per-seq", str(scale["anchors"]),
-            "--max-anchors", str(scale["anchors"] * scale["rows"]), "--block-size", str(scale["block"]),
-            "--gamma", "7", "--loss-kernels", args.loss_kernels, "--rope-theta", "1000000", "--max-position-embeddings", "40960"]
+            "--log-interval", "10", "--save-interval", str(10**9), *shape_flags(scale),
+            "--loss-kernels", args.loss_kernels]
     cfg = parse_train_args(argv)
     cfg.tiny_target = dict(num_hidden_layers=scale["target_layers"], hidden_size=scale["hidden"],
                            intermediate_size=scale["intermediate"], num_attention_heads=scale["heads"],

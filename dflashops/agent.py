@@ -37,6 +37,7 @@ NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 LAUNCHERS = ("tmux", "nohup")  # how a run is started: a tmux session, or setsid + nohup (the controller uses these)
 HASH_RE = re.compile(r"^[0-9a-f]{8,64}$")
 MARKER_KEY = "DFLASHOPS_RUN_ID"
+RESUME_WRITER_KEY = "DFLASHOPS_RESUME_WRITER"  # trainer/handover.py: the run still writing the --resume checkpoint
 # A crash's one-line reason in train.log: a Python exception line, or the `error: ...` line that the trainer
 # (and dflashops' own wrapper) print for failures they explain themselves.
 ERROR_LINE_RE = re.compile(r"(Traceback \(most recent call last\)|^\w*(Error|Exception)\b.*|^error: .+)")
@@ -465,7 +466,10 @@ def verb_stop(req: dict) -> dict:
     4. SIGKILL what is left after `grace`; a run still writing the checkpoint the TERM asked for (status.json
        phase "saving", live heartbeat) gets up to `save_grace` seconds more first.
     5. Wait until none is left and (with nvidia-smi) none of its pids holds GPU memory.
-    Signals come first, bookkeeping after, and bookkeeping is best effort: a full disk must not stop a stop."""
+    Signals come first, bookkeeping after, and bookkeeping is best effort: a full disk must not stop a stop.
+    With `handover` (restart --resume): once the trainer says in status.json that its final checkpoint is in
+    host memory and its devices are free (`handover`, trainer/handover.py), answer at once with that offer;
+    steps 2-5 then finish in a background process of the agent, exactly as they would have here."""
     directory = run_dir(req)
     if not os.path.isdir(directory):
         raise AgentFailure(f"run {req['name']!r} does not exist on this target", "not_found")
@@ -492,6 +496,32 @@ def verb_stop(req: dict) -> dict:
     recorded = record_stop(directory, {"requested_at": time.time()})
     grace_deadline = time.monotonic() + grace
     save_deadline = grace_deadline + float(req.get("save_grace", 600.0))
+    if req.get("handover") and job_first:
+        offer = wait_for_handover(directory, job, grace_deadline, save_deadline)
+        if offer is not None:
+            def finish() -> None:
+                try:
+                    complete_stop(req, directory, started, pgid, marker, pids, job, job_first, grace_deadline,
+                                  save_deadline, recorded)
+                except Exception as exc:  # noqa: BLE001 - nobody is listening: stop.json says what went wrong
+                    record_stop(directory, {"error": f"{type(exc).__name__}: {exc}", "finished_at": time.time()})
+
+            in_background(finish)
+            return {"handover": offer, "escalated": False, "signalled": [job], "gpu_released": True,
+                    "waited_for_checkpoint_s": 0.0, "before_start": False, "exit_code": None,
+                    "seconds": round(time.monotonic() - started, 3), "recorded": recorded,
+                    "supervisor_cancelled": supervisor_cancelled}
+    return {**complete_stop(req, directory, started, pgid, marker, pids, job, job_first, grace_deadline,
+                            save_deadline, recorded),
+            "supervisor_cancelled": supervisor_cancelled}
+
+
+def complete_stop(req: dict, directory: str, started: float, pgid: int | None, marker: str | None, pids: set[int],
+                  job: int | None, job_first: bool, grace_deadline: float, save_deadline: float,
+                  recorded: bool) -> dict:
+    """verb_stop after its first SIGTERM: wait for the job, TERM the rest of the group, KILL what is left
+    after the grace (a checkpoint being written gets its save grace), then the bookkeeping (finish_stop)."""
+    grace = float(req.get("grace", 60.0))
     seen, waited = set(pids), 0.0
     if job_first:
         _, waited = wait_out(lambda: {job} if alive(job) else set(), grace_deadline, save_deadline, directory)
@@ -515,9 +545,60 @@ def verb_stop(req: dict) -> dict:
         left = wait_gone(pgid, marker, directory, float(req.get("kill_timeout", 10.0)))
     if left:
         raise AgentFailure(f"processes {sorted(left)} of run {req['name']!r} survived SIGKILL", "stuck")
-    return {**finish_stop(req, directory, started, escalated=escalated, seen=seen, waited=waited,
-                          recorded=recorded, gpu_timeout=float(req.get("gpu_timeout", 60.0))),
-            "supervisor_cancelled": supervisor_cancelled}
+    return finish_stop(req, directory, started, escalated=escalated, seen=seen, waited=waited,
+                       recorded=recorded, gpu_timeout=float(req.get("gpu_timeout", 60.0)))
+
+
+def handover_offer(directory: str) -> dict | None:
+    """The trainer's hand-over offer in status.json (trainer/handover.py): its final checkpoint is in host
+    memory, being written to `checkpoint` (inside the run's checkpoints/), and its devices are free."""
+    offer = (read_json(os.path.join(directory, "status.json")) or {}).get("handover")
+    if not isinstance(offer, dict) or offer.get("devices_released") is not True:
+        return None
+    checkpoint = offer.get("checkpoint")
+    root = os.path.realpath(os.path.join(directory, "checkpoints"))
+    if not isinstance(checkpoint, str) or os.path.dirname(os.path.realpath(checkpoint)) != root \
+            or not re.match(r"^step_\d{6,}$", os.path.basename(checkpoint)):
+        return None
+    return {"checkpoint": os.path.join(directory, "checkpoints", os.path.basename(checkpoint)),
+            "step": offer.get("step")}
+
+
+def wait_for_handover(directory: str, job: int | None, grace_deadline: float, save_deadline: float) -> dict | None:
+    """After the SIGTERM: the trainer's hand-over offer, or None once the job has exited (or the grace ran
+    out while it was not writing a checkpoint, or the save grace ran out): the ordinary stop goes on."""
+    while job is not None and alive(job):
+        offer = handover_offer(directory)
+        if offer is not None:
+            return offer
+        now = time.monotonic()
+        if now >= save_deadline or (now >= grace_deadline and not saving_checkpoint(directory)):
+            return None
+        time.sleep(0.05)
+    return None
+
+
+def in_background(work) -> None:
+    """Run `work()` in a detached process (double fork, own session, stdio on /dev/null, so the caller's pipe
+    to the controller closes when the caller exits); return once it is on its way."""
+    child = os.fork()
+    if child:
+        os.waitpid(child, 0)
+        return
+    try:
+        os.setsid()
+        if os.fork():
+            os._exit(0)
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        os.closerange(3, 1 << 16)
+        try:
+            work()
+        except BaseException:  # noqa: BLE001 - nobody is listening; stop.json says how far it got
+            pass
+    finally:
+        os._exit(0)
 
 
 REST_GRACE_S = 10.0  # the rest of the group gets at least this long (within --grace) after the job exited
@@ -1060,7 +1141,11 @@ def verb_restart(req: dict, stdin: bytes) -> dict:
     2. the release is built complete under releases/<hash>/, not yet current;
     3. the old run is stopped exactly like `stop` (its group + marker, TERM, grace, KILL, GPU wait);
        a run that already ended is fine;
-    4. with `resume_placeholder`: the old run's latest checkpoint replaces it in argv and run.json;
+    4. with `resume_placeholder`: the old run's latest checkpoint replaces it in argv and run.json; with
+       `handover` too, the stop may answer as soon as the old trainer has its final checkpoint in host memory
+       and its devices free: that checkpoint (still being written) is the one resumed, and the new run's
+       environment names the old run directory (DFLASHOPS_RESUME_WRITER), so the trainer waits for the
+       checkpoint to be complete before it reads it (trainer/handover.py) while it builds meanwhile;
     5. `current` is flipped, old releases pruned, this code's compile cache cleared when asked;
     6. launch, as `launch`.
     The request (with the run's secrets in `env`) comes on stdin as one JSON line, then the tar."""
@@ -1081,8 +1166,10 @@ def verb_restart(req: dict, stdin: bytes) -> dict:
     install = {**install, "workspace": workspace}
     code_hash, release = build_release(install, stdin, stale_code="stale_release")
     stop = None
+    placeholder = req.get("resume_placeholder")
     try:
         stop = verb_stop({"workspace": workspace, "name": old, "grace": req.get("grace", 60.0),
+                          "handover": bool(placeholder and req.get("handover")),
                           **{k: req[k] for k in ("kill_timeout", "gpu_timeout") if k in req}})
     except AgentFailure as exc:
         if exc.code != "not_running":
@@ -1090,11 +1177,15 @@ def verb_restart(req: dict, stdin: bytes) -> dict:
     old_status = run_status(old_dir)
     launch = dict(req)
     checkpoint = None
-    placeholder = req.get("resume_placeholder")
+    handover = (stop or {}).get("handover")
     if placeholder:
-        if not old_status["checkpoints"]:
+        if handover:
+            checkpoint = handover["checkpoint"]
+            launch["env"] = {**(req.get("env") or {}), RESUME_WRITER_KEY: old_dir}
+        elif not old_status["checkpoints"]:
             raise AgentFailure(f"run {old!r} has no checkpoint to resume from", "not_found")
-        checkpoint = os.path.join(old_dir, "checkpoints", old_status["checkpoints"][-1])
+        else:
+            checkpoint = os.path.join(old_dir, "checkpoints", old_status["checkpoints"][-1])
         launch["argv"] = substitute(req["argv"], str(placeholder), checkpoint)
         launch["run_json"] = substitute(req.get("run_json") or {}, str(placeholder), checkpoint)
     flip_current(workspace, code_hash)

@@ -7,7 +7,7 @@
   process per node, the threaded pipeline inside each node, torch.distributed between the nodes)
 
 Call order, all from the main thread: announce, build, [load_checkpoint, restore], running(...) { train_step,
-after_step, agree_stop, [record], [checkpoint_parts], ... finish }, close (always, also after a failure).
+after_step, agree_stop, [record], [checkpoint_parts], ... finish }, [release_devices], close (always, also after a failure).
 In a distributed run every node makes the same calls in the same order, so the collectives inside them match
 up; which calls are made is decided from values all nodes agree on (step numbers, the agreed stop).
 """
@@ -58,8 +58,19 @@ class Engine(Protocol):
         """What `snapshot_checkpoint` takes for a checkpoint after `step` steps; None where this process writes
         none (a distributed run's other nodes, which still take part in what the checkpoint needs)."""
 
+    def checkpoint_layout(self) -> dict[str, Any] | None:
+        """The tensors a checkpoint of this process will hold, as {"model": ..., "optimizer": ...} in the order
+        `checkpoint_parts` gives them, without its side effects (no replica sync, no collective), for
+        CheckpointWriter.prepare; None where this process writes none. Valid after the first step (the
+        optimizer's state exists then)."""
+
     def finish(self) -> None:
         """The run ends here (done or stopped): every node agrees before any leaves."""
+
+    def release_devices(self) -> dict[str, int]:
+        """After `running` (the final checkpoint is in host memory): stop the workers and drop every device
+        tensor this engine holds; return the bytes each CUDA device still has reserved
+        (trainer.handover.free_device_memory). Nothing but `close` may follow."""
 
     def close(self, failure: BaseException | None) -> None:
         """Release threads; must not raise. `failure`: what ended the run, if it failed (kept for the caller)."""

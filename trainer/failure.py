@@ -19,6 +19,7 @@ import traceback
 from pathlib import Path
 
 from trainer.checkpoint import CheckpointWriteError, CheckpointWriter, list_checkpoints
+from trainer.config import TrainerInputError
 from trainer.metrics import RunRecorder
 
 
@@ -52,10 +53,11 @@ def record_failure(recorder: RunRecorder, exc: BaseException, *, run_dir: Path, 
               f"{full.needed_bytes / 2**20:.1f} MiB) or keep fewer checkpoints with --keep-checkpoints (now "
               f"{keep_checkpoints}), then run the same command again"
               f"{' to resume from the last good checkpoint' if found else ''}", file=sys.stderr, flush=True)
-    elif isinstance(exc, ExplainedFailure):
+    elif isinstance(exc, (ExplainedFailure, TrainerInputError)):  # e.g. a hand-over whose checkpoint never came
         message = exc.message
-        print(f"error: {message}", file=sys.stderr)
-        print(f"hint: {exc.hint}", file=sys.stderr, flush=True)
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        if exc.hint:
+            print(f"hint: {exc.hint}", file=sys.stderr, flush=True)
     else:
         traceback.print_exception(exc)
         message = f"{type(exc).__name__}: {exc}"[:2000]

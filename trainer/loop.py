@@ -7,7 +7,10 @@
   3. engine.running(): warm-up and worker threads; then per optimizer step:
      train_step -> after_step (replica checks) -> agree_stop (one collective across nodes) -> log line every
      --log-interval -> checkpoint every --save-interval (and at the end and on a stop) -> stop
-  4. exit 0 done, 1 failed (status.json `failed`; trainer.failure), 128+signum stopped with a checkpoint
+  4. the final checkpoint (end of run, stop request) is written after the worker threads stop; on a stop the
+     devices are released first and status.json offers the hand-over (trainer.handover), so a restart can
+     start the next run while the write goes on
+  5. exit 0 done, 1 failed (status.json `failed`; trainer.failure), 128+signum stopped with a checkpoint
 The engine (trainer.engine.Engine: single-process, threaded pipeline, distributed) owns how a step is computed
 and what its metrics line holds; the loop owns when things happen. The loop imports no engine.
 """
@@ -16,14 +19,17 @@ from __future__ import annotations
 
 import json
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpoint import CheckpointWriter
+from trainer.checkpoint import CheckpointWriter, check_shapes, checkpoints_root
 from trainer.engine import Engine
 from trainer.failure import record_failure
+from trainer.handover import devices_free, wait_for_checkpoint
 from trainer.metrics import RunRecorder, truncate_metrics
-from trainer.preflight import Plan
+from trainer.preflight import Plan, check_resume_nodes, expected_shapes
 from trainer.signals import GracefulStop
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
@@ -41,6 +47,7 @@ def run_training(plan: Plan, engine: Engine) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n")
     recorder = RunRecorder(run_dir, engine.total_steps, metrics=engine.writes_metrics)
+    recorder.mark("preflight_done")
     on_force = lambda signum: recorder.set_status(  # noqa: E731 - a second signal: no checkpoint
         phase="failed", error=f"second signal {signum}: exited without a checkpoint", exit_code=128 + signum)
     writer: CheckpointWriter | None = None  # read by the failure report: a write that failed meanwhile
@@ -53,10 +60,20 @@ def run_training(plan: Plan, engine: Engine) -> int:
             if engine.writes_metrics:
                 recorder.open_wandb(cfg.wandb, cfg.wandb_project, cfg.wandb_run_name, cfg.to_dict())
             engine.build()
+            recorder.mark("built")
             step = _resume(plan, engine, recorder, run_dir)
             # The writer exits before the failure report: a checkpoint snapshotted before a failure still lands.
-            with CheckpointWriter(run_dir, cfg.keep_checkpoints) as writer, engine.running(step, recorder):
-                return _steps(plan, engine, recorder, writer, stop, step)
+            with CheckpointWriter(run_dir, cfg.keep_checkpoints) as writer:
+                with engine.running(step, recorder):
+                    ending = _steps(plan, engine, recorder, writer, stop, step)
+                if ending.phase == "stopped" and writer.in_flight():
+                    _offer_handover(engine, recorder, run_dir, ending.step)
+                report_checkpoints(recorder, writer.wait())  # the final checkpoint: waited for, never cut short
+            recorder.mark("ended")
+            recorder.set_status(phase=ending.phase, step=ending.step, exit_code=ending.code)
+            if ending.phase == "stopped" and ending.trained:
+                log(f"stopped at step {ending.step}; resume with the same command")
+            return ending.code
         except Exception as exc:  # noqa: BLE001 - reported on stderr and in status.json
             failure = exc
             record_failure(recorder, exc, run_dir=run_dir, writer=writer, keep_checkpoints=cfg.keep_checkpoints,
@@ -71,6 +88,14 @@ def _resume(plan: Plan, engine: Engine, recorder: RunRecorder, run_dir: Path) ->
     """Restore the checkpoint the plan names (if any) into the engine; return the first step to train."""
     if plan.resume_from is None:
         return 0
+    if plan.resume_writer is not None:  # the stopped run is still writing it (trainer.handover)
+        log(f"waiting for {plan.resume_writer.name} to finish writing {plan.resume_from}")
+        recorder.set_status(waiting_for=str(plan.resume_from))
+        wait_for_checkpoint(plan.resume_from, plan.resume_writer)
+        check_shapes(plan.resume_from, expected_shapes(plan.drafter_config))  # the checks the pre-flight deferred
+        check_resume_nodes(plan.resume_from, plan.cfg.nodes)
+        recorder.set_status(waiting_for=None)
+        recorder.mark("checkpoint_ready")
     state = engine.load_checkpoint(plan.resume_from)
     step, position = engine.restore(state)
     dropped = truncate_metrics(run_dir, step)
@@ -80,24 +105,45 @@ def _resume(plan: Plan, engine: Engine, recorder: RunRecorder, run_dir: Path) ->
         recorder.set_status(step=step, last_checkpoint=str(plan.resume_from))
     else:
         recorder.set_status(step=step)
+    recorder.mark("resumed")
     return step
 
 
+@dataclass
+class Ending:
+    """How the steps ended: the exit code, the last step trained, the final status phase (done | stopped)."""
+
+    code: int
+    step: int
+    phase: str
+    trained: bool = True  # False: stopped before the first step of this process
+
+
 def _steps(plan: Plan, engine: Engine, recorder: RunRecorder, writer: CheckpointWriter, stop: GracefulStop,
-           step: int) -> int:
+           step: int) -> Ending:
+    """The optimizer steps from `step` on. The last checkpoint (end of run, stop) is submitted, not waited
+    for: the caller waits once the worker threads have stopped (and, on a stop, the devices are free)."""
     cfg, total_steps = plan.cfg, engine.total_steps
     signum = engine.agree_stop(stop.signum)
     if signum is not None:  # signalled while loading: nothing trained since the last checkpoint (if any)
         engine.finish()
-        recorder.set_status(phase="stopped", step=step, exit_code=128 + signum)
-        return 128 + signum
+        return Ending(128 + signum, step, "stopped", trained=False)
+    recorder.mark("warmed_up")
+    first = step
     while step < total_steps:
         engine.train_step(step)
         step += 1
+        if step == first + 1:
+            recorder.mark("first_step")
+            layout = engine.checkpoint_layout()  # the optimizer's state exists now: pin the snapshot buffers
+            if layout is not None:
+                writer.prepare(layout)
         extra = engine.after_step(step)  # e.g. replica checksums, which also force a log line
         signum = engine.agree_stop(stop.signum)  # every node stops after the same step
         stopping = signum is not None
         last = step == total_steps or stopping
+        if stopping:
+            recorder.mark("stop_agreed")
         if step % cfg.log_interval == 0 or last or extra:
             record = engine.record(step)
             record.update(extra or {})
@@ -114,23 +160,40 @@ def _steps(plan: Plan, engine: Engine, recorder: RunRecorder, writer: Checkpoint
         if stopping:
             assert signum is not None
             engine.finish()
-            recorder.set_status(phase="stopped", step=step, exit_code=128 + signum)
-            log(f"stopped at step {step}; resume with the same command")
-            return 128 + signum
+            return Ending(128 + signum, step, "stopped")
     engine.finish()
-    recorder.set_status(phase="done", step=step, exit_code=EXIT_OK)
-    return EXIT_OK
+    return Ending(EXIT_OK, step, "done")
+
+
+def _offer_handover(engine: Engine, recorder: RunRecorder, run_dir: Path, step: int) -> None:
+    """The final checkpoint of a stop is in host memory and still being written: drop every device tensor,
+    and if the devices are free say so in status.json, so a restart may start the next run beside this
+    process (trainer.handover). Memory still held (references this engine does not know of) means no offer:
+    the restart then waits for this process to exit, as without the hand-over."""
+    started = time.monotonic()
+    left = engine.release_devices()
+    recorder.mark("devices_released")
+    if not devices_free(left):
+        log(f"devices still hold {', '.join(f'{d} {b / 2**30:.1f} GiB' for d, b in left.items())} after the "
+            "release: no hand-over")
+        return
+    target = checkpoints_root(run_dir) / f"step_{step:06d}"
+    recorder.set_status(handover={"checkpoint": str(target), "step": step, "devices_released": True,
+                                  "device_bytes_left": left, "release_s": round(time.monotonic() - started, 3)})
 
 
 def save_in_background(recorder: RunRecorder, writer: CheckpointWriter, step: int, parts: dict[str, Any], *,
                        last: bool) -> None:
     """Checkpoint `step` (`parts`: what `snapshot_checkpoint` takes) and report what has landed. Training waits
     only for the snapshot (device->host copy; status phase "saving" meanwhile); the write overlaps the next
-    steps. The `last` checkpoint of this process (end of run, stop request) is waited for, so the process never
-    exits with a checkpoint half written."""
+    steps. The `last` checkpoint of this process (end of run, stop request) is only submitted here: the phase
+    stays "saving" and run_training waits for it before the process ends (never exit half written)."""
     recorder.set_status(phase="saving", step=step)
     writer.submit(writer.snapshot(step, **parts))
-    report_checkpoints(recorder, writer.wait() if last else writer.poll())
+    if last:
+        recorder.mark("final_snapshot")
+        return
+    report_checkpoints(recorder, writer.poll())
     recorder.set_status(phase="training")
 
 

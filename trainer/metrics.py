@@ -5,7 +5,8 @@
 - `status.json`: rewritten atomically (temp file + rename) on every phase change, every log step and by a
   heartbeat thread every `heartbeat_s` seconds, so a long compile or checkpoint still shows a live
   heartbeat. Fields: phase (warmup | compiling | training | saving | stopped | done | failed), step,
-  total_steps, heartbeat (unix seconds), heartbeat_iso, started_at, pid, last_checkpoint, error, exit_code.
+  total_steps, heartbeat (unix seconds), heartbeat_iso, started_at, pid, last_checkpoint, error, exit_code,
+  timeline (unix seconds of the start-up and shut-down milestones: `mark`), handover (trainer.handover).
   `stopped` = ended by a signal after a checkpoint (resumable).
 - wandb is imported only when enabled; offline unless WANDB_API_KEY is set; any failure there is a warning.
 """
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 PHASES = ("warmup", "compiling", "training", "saving", "stopped", "done", "failed")
+# Milestones before the recorder exists (set by `python -m trainer train`): copied into the timeline.
+STARTUP_MARKS: dict[str, float] = {}
 
 
 def _atomic_write_json(path: Path, obj: Any) -> None:
@@ -54,7 +57,7 @@ class RunRecorder:
         self._lock = threading.Lock()
         self._status: dict[str, Any] = {"phase": "warmup", "step": 0, "total_steps": total_steps,
                                         "started_at": time.time(), "pid": os.getpid(), "last_checkpoint": None,
-                                        "error": None, "exit_code": None}
+                                        "error": None, "exit_code": None, "timeline": dict(STARTUP_MARKS)}
         self._stop = threading.Event()
         self._wandb: Any = None
         if metrics:
@@ -68,6 +71,14 @@ class RunRecorder:
         assert fields.get("phase", "warmup") in PHASES, fields.get("phase")
         with self._lock:
             self._status.update(fields)
+            self._write_status()
+
+    def mark(self, event: str) -> None:
+        """Record when `event` happened (status.json `timeline`): where a start or a stop spends its seconds
+        (process start, imports, build, resume, warm-up, first step; stop, final snapshot, release, write).
+        The first time counts: a mark is never moved."""
+        with self._lock:
+            self._status["timeline"].setdefault(event, round(time.time(), 3))
             self._write_status()
 
     def _write_status(self) -> None:

@@ -18,6 +18,7 @@ import torch
 from trainer.checkpoint import check_shapes, read_state, resolve_resume
 from trainer.config import TrainConfig, TrainerInputError
 from trainer.data import BatchStream, open_dataset
+from trainer.handover import pending_writer
 from trainer.loss import position_weights
 from trainer.model import DFlashDrafter, DrafterConfig, TargetModel
 from trainer.step import check_loss_kernels
@@ -35,6 +36,9 @@ class Plan:
     target_device: torch.device
     drafter_device: torch.device
     total_steps: int = 0  # optimizer steps of this run: min(--max-steps, what the data holds)
+    # The run still writing the --resume checkpoint (a restart's hand-over, trainer.handover): its checks are
+    # deferred until trainer.loop has waited for it.
+    resume_writer: Path | None = None
 
 
 def first_device(devices: list[str]) -> torch.device:
@@ -150,10 +154,13 @@ def plan_run(cfg: TrainConfig, *, reads_checkpoints: bool = True) -> Plan:
     run_dir = Path(cfg.output_dir or ".")
     if run_dir.exists() and not run_dir.is_dir():
         raise TrainerInputError(f"--output-dir: {run_dir} exists and is not a directory")
-    resume_from = resolve_resume(cfg.resume, run_dir) if reads_checkpoints else None
-    with torch.device("meta"):  # shapes only: no memory, no init
-        expected = {n: list(t.shape) for n, t in DFlashDrafter(drafter_config).state_dict().items()}
-    if resume_from is not None:
+    writer = pending_writer(cfg.resume) if reads_checkpoints else None
+    if writer is not None:
+        resume_from: Path | None = Path(cfg.resume)
+    else:
+        resume_from = resolve_resume(cfg.resume, run_dir) if reads_checkpoints else None
+    expected = expected_shapes(drafter_config)
+    if resume_from is not None and writer is None:
         check_shapes(resume_from, expected)
         check_resume_nodes(resume_from, cfg.nodes)
     if cfg.init_from is not None and reads_checkpoints:
@@ -167,7 +174,13 @@ def plan_run(cfg: TrainConfig, *, reads_checkpoints: bool = True) -> Plan:
     drafter_device = first_device(cfg.drafter_gpus)
     check_loss_kernels(cfg.loss_kernels, drafter_device)  # before the (minutes long) target load
     return Plan(cfg, hf_config, drafter_config, dataset, resume_from, first_device(cfg.target_gpus),
-                drafter_device, total_steps)
+                drafter_device, total_steps, resume_writer=writer)
+
+
+def expected_shapes(drafter_config: DrafterConfig) -> dict[str, list[int]]:
+    """Every tensor name and shape of this drafter's checkpoint (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        return {n: list(t.shape) for n, t in DFlashDrafter(drafter_config).state_dict().items()}
 
 
 def check_init_from(directory: Path, expected: dict[str, list[int]]) -> None:

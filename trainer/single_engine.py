@@ -19,6 +19,7 @@ import torch
 
 from trainer.checkpoint import CheckpointState, load_checkpoint, restore_rng
 from trainer.data import Batch, BatchStream
+from trainer.handover import free_device_memory
 from trainer.loss import position_weights
 from trainer.metrics import RunRecorder
 from trainer.model import DFlashDrafter
@@ -129,8 +130,17 @@ class SingleEngine:
                     scheduler=side.scheduler.state_dict(), epoch=self.epoch, index=self.index,
                     extra={"config": self.cfg.to_dict(), "drafter_config": side.drafter.config.to_hf_dict()})
 
+    def checkpoint_layout(self) -> dict[str, Any]:
+        side = self.drafter_side
+        return {"model": side.drafter.state_dict(), "optimizer": side.optimizer.state_dict()}
+
     def finish(self) -> None:
         pass
+
+    def release_devices(self) -> dict[str, int]:
+        for name in ("target_side", "drafter_side", "batches", "window"):
+            self.__dict__.pop(name, None)  # the target, the drafter and its optimizer, a prefetched batch
+        return free_device_memory([self.plan.target_device, self.plan.drafter_device])
 
     def close(self, failure: BaseException | None) -> None:
         pass

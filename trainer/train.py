@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from trainer.config import TrainConfig, TrainerInputError, parse_train_args
 from trainer.loop import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, run_training
@@ -31,6 +32,10 @@ def launched_by_torchrun() -> bool:
 
 def main(argv: list[str]) -> int:
     """Entry point of `python -m trainer train`; returns the exit code."""
+    from trainer import IMPORTED_AT
+    from trainer.metrics import STARTUP_MARKS
+
+    STARTUP_MARKS.update(python_started=IMPORTED_AT, imports_done=round(time.time(), 3))  # torch is in by now
     try:
         cfg = parse_train_args(argv)
         if cfg.nodes > 1 or launched_by_torchrun():

@@ -35,6 +35,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     mode.add_argument("--fresh", action="store_true", help="start from scratch (default)")
     mode.add_argument("--resume", action="store_true", help="start from RUN's latest checkpoint")
     r.add_argument("--grace", type=float, default=60.0, help="seconds between SIGTERM and SIGKILL (default 60)")
+    r.add_argument("--wait-exit", action="store_true",
+                   help="with --resume: start the new run only after RUN has exited (default: as soon as RUN's "
+                        "trainer has freed its GPUs and is writing its final checkpoint, which the new run "
+                        "waits for before reading it)")
     add_launch_options(r, launcher_default=None)
     show_passthrough(r, "[-- trainer args]")
     r.set_defaults(func=handle_restart)
@@ -87,8 +91,11 @@ def handle_restart(args: argparse.Namespace) -> int:
     with open_invocation(args, dry_run=args.dry_run) as invocation:
         outcome = restart(invocation, RestartRequest(
             run=args.run, name=args.name, note=args.note, resume=args.resume, clear_cache=args.clear_cache,
-            launcher=args.launcher, extra_args=args.passthrough or None, grace=args.grace))
+            launcher=args.launcher, extra_args=args.passthrough or None, grace=args.grace,
+            handover=not args.wait_exit))
         if not args.dry_run:
             how = f"stopped (exit code {outcome.old_exit_code})" if outcome.stopped else "was not running"
+            if outcome.handover:
+                how = "stopping: its trainer freed its GPUs and is writing its final checkpoint"
             progress(f"{args.run} {how}" + (f"; resuming from {outcome.checkpoint}" if outcome.checkpoint else ""))
         return report(invocation, outcome.deployed, args)

@@ -44,6 +44,9 @@ class RestartRequest:
     launcher: str | None = None
     extra_args: list[str] | None = None  # None: the parent's extra args
     grace: float = 60.0
+    # With resume: launch as soon as the old trainer's devices are free and its final checkpoint is being
+    # written (the agent's stop hand-over; the new trainer waits for the checkpoint). False: after its exit.
+    handover: bool = True
 
 
 @dataclass
@@ -54,6 +57,7 @@ class RestartOutcome:
     deployed: DeployOutcome
     agent_calls: int = 0  # restart-path agent calls: 1 steady state, 2 without a cache, 3 after a stale one
     fell_back: bool = False  # the cached base was gone from the target; `manifest` was asked
+    handover: bool = False  # the new run started while the old one was still writing its final checkpoint
 
 
 def restart(invocation: Invocation, request: RestartRequest) -> RestartOutcome:
@@ -137,7 +141,8 @@ def relaunch(invocation: Invocation, request: RestartRequest, deploy_request: De
                              release=f"{target.workspace}/releases/{code_hash}", pgid=answer.get("pgid"),
                              uploaded=len(payload[2]), cache_cleared=answer.get("cleared"), supervisor=supervisor)
     return RestartOutcome(stopped=bool(stop), old_exit_code=stop.get("exit_code") if stop else None,
-                          checkpoint=checkpoint, deployed=deployed, agent_calls=calls, fell_back=fell_back)
+                          checkpoint=checkpoint, deployed=deployed, agent_calls=calls, fell_back=fell_back,
+                          handover=bool(stop and stop.get("handover")))
 
 
 def remote_base(agent: Agent, code_hash: str, manifest: dict[str, str]) -> tuple[str | None, dict[str, str]]:
@@ -154,7 +159,8 @@ def combined_call(agent: Agent, old: str, request: RestartRequest, spec: LaunchS
     """The agent's `restart` verb: request JSON (secrets only in it, on stdin) + the tar, one round trip."""
     install, tar = {k: v for k, v in payload[0].items() if k != "workspace"}, payload[1]
     args = {**spec.args, "old": old, "grace": request.grace, "install": install, "tar_bytes": len(tar),
-            "clear_cache": request.clear_cache, "resume_placeholder": RESUME_PLACEHOLDER if request.resume else None}
+            "clear_cache": request.clear_cache, "resume_placeholder": RESUME_PLACEHOLDER if request.resume else None,
+            "handover": request.resume and request.handover}
     target: Target = agent.target
     try:
         return agent.call("restart", args, secret_args={"env": spec.env}, shown_args={"env": spec.record.env},

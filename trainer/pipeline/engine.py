@@ -22,6 +22,7 @@ import copy
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from trainer.checkpoint import CheckpointState, restore_rng
 from trainer.config import TrainerInputError
 from trainer.data import BatchStream, collate
 from trainer.dist.cluster import Cluster, LocalCluster
+from trainer.handover import free_device_memory
 from trainer.loss import position_weights
 from trainer.metrics import RunRecorder
 from trainer.model import DFlashDrafter
@@ -92,7 +94,9 @@ class PipelineEngine:
 
     def build(self) -> None:
         cfg, plan = self.cfg, self.plan
+        started = time.monotonic()
         targets = [load_target(plan, d) for d in self.target_devices]
+        loaded = time.monotonic()
         self.target_sides = [TargetSide(t, d, soft_labels=cfg.use_soft_labels) for t, d in zip(targets, self.target_devices)]
         torch.manual_seed(cfg.seed)  # the drafter's init is a function of --seed, as in the single-process engine
         base = DFlashDrafter(plan.drafter_config)
@@ -104,6 +108,8 @@ class PipelineEngine:
         self.sides = [DrafterSide(cfg, copy.deepcopy(base), targets[0].embed_weight, targets[0].lm_head_weight, d,
                                   self.total_steps, **compile_kw) for d in self.drafter_devices]
         _log(f"loss kernels: {', '.join(f'{side.device} {side.loss_kernels.kind}' for side in self.sides)}")
+        _log(f"built in {time.monotonic() - started:.1f} s: target(s) {loaded - started:.1f} s, "
+             f"drafter replicas {time.monotonic() - loaded:.1f} s")
 
     def load_checkpoint(self, path: Path) -> CheckpointState:
         drafters, nodes = self.assignment.num_drafters, self.cluster.nodes
@@ -221,13 +227,29 @@ class PipelineEngine:
                                          replica_optimizers=states,
                                          nodes=self.cluster.nodes if self.cluster.distributed else None)
 
+    def checkpoint_layout(self) -> dict[str, Any] | None:
+        if not self.writes_checkpoints:
+            return None
+        optimizers = [s.optimizer.state_dict() for s in (self.sides if self.sync_mode == "average" else self.sides[:1])]
+        return {"model": self.sides[0].drafter.state_dict(), "optimizer": optimizers}
+
     def finish(self) -> None:
         self.cluster.barrier("finish")
 
+    def release_devices(self) -> dict[str, int]:
+        self._stop_workers()
+        for name in ("sides", "target_sides", "channels", "coordinator", "sync", "window"):
+            self.__dict__.pop(name, None)  # the replicas, optimizers, targets and queued features
+        return free_device_memory([*self.target_devices, *self.drafter_devices])
+
     def close(self, failure: BaseException | None) -> None:
         self.failure = failure  # trainer.dist.run tells the other nodes (the cluster outlives the engine)
+        self._stop_workers()
+
+    def _stop_workers(self) -> None:
         if self.supervisor is not None:
             stuck = self.supervisor.shutdown()
+            self.supervisor = None
             if stuck:
                 _log(f"warning: worker thread(s) {', '.join(stuck)} did not stop within "
                      f"{self.options.join_timeout_s:.0f} s")

@@ -1,0 +1,183 @@
+"""The whole restart cycle of a run, as a user waits through it, through the CLI on the local target (issue 20).
+
+    python bench/restart_cycle.py                                   # 8B-shaped pipeline on cuda:0 (the H200 run)
+    .venv/bin/python bench/restart_cycle.py --scale smoke --device cpu --modes handover,wait-exit   # CPU smoke test
+
+What it does, in a scratch folder (--workdir): writes fixed-length token shards and a random Qwen3 target of the
+scale's shape saved with save_pretrained (safetensors, so the child loads it the way a real target is loaded),
+an inventory with one `local` target and one profile (`python -m trainer train --pipeline`, one target thread
+and two drafter threads on one device, every checkpoint only on a stop), then through `dflashops`:
+
+  deploy c1 (cold compile cache), follow it to step --steps, then for each mode in --modes:
+  `dflashops restart cK --name cK+1 --resume [--wait-exit]`, follow the child to its first optimizer step + a few
+
+and reads the milestones both trainers record in status.json (`timeline`, trainer.metrics.RunRecorder.mark), the
+wrapper's `pid` file (when the job was spawned) and `exit_code` (when the old process ended). Per restart it
+prints where the seconds from `restart` typed to the child's first step went:
+
+  stop:   typed -> the old trainer agreed to stop (finishes its step) -> final snapshot in host memory ->
+          devices released (hand-over offered) ... final checkpoint written -> old process exited
+  start:  typed -> restart returned -> job spawned -> python up -> imports -> pre-flight -> build (target,
+          drafters) -> checkpoint ready (waited for the old writer) -> resumed (read + loaded) -> warm-up (warm
+          compile cache: same code hash) -> first step
+
+`handover` is the default restart (trainer/handover.py: the child starts once the old trainer's devices are free);
+`wait-exit` the old order (the child starts after the old process exited). Checks: the child resumed from the
+old run's final checkpoint at the step it stopped at, and the old run ended with exit code 143.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
+
+from gpu_pipeline import SCALES, shape_flags, write_shards  # noqa: E402
+
+START = ["python_started", "imports_done", "preflight_done", "built", "checkpoint_ready", "resumed", "warmed_up",
+         "first_step"]
+
+
+def save_target(directory: Path, scale: dict, device: str) -> float:
+    """A random Qwen3 of the scale's target shape, saved in bf16 safetensors; returns the bytes written."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(num_hidden_layers=scale["target_layers"], hidden_size=scale["hidden"],
+                         intermediate_size=scale["intermediate"], num_attention_heads=scale["heads"],
+                         num_key_value_heads=scale["kv_heads"], head_dim=scale["head_dim"], vocab_size=scale["vocab"],
+                         max_position_embeddings=40960, tie_word_embeddings=False, torch_dtype="bfloat16")
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(directory, safe_serialization=True)
+    return sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+
+
+def write_inventory(work: Path, scale: dict, device: str) -> Path:
+    flags = ["--preset", "tiny", "--target-model", str(work / "target"), "--data-dir", str(work / "data"),
+             "--pipeline", "--target-gpus", device, "--drafter-gpus", f"{device},{device}", "--max-steps", "100000",
+             "--log-interval", "5", "--save-interval", "1000000", "--wandb", "off", *shape_flags(scale)]
+    argv = ["{python}", "-m", "trainer", "train", "--output-dir", "{run_dir}", *flags]
+    inventory = work / "inventory.yaml"
+    inventory.write_text(json.dumps({  # JSON is YAML
+        "targets": {"local": {"kind": "local", "workspace": str(work / "ws"), "python": sys.executable,
+                              "env": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+                                      "PYTHONUNBUFFERED": "1"}}},
+        "profiles": {"cycle": {"argv": argv, "resume_args": ["--resume", "{checkpoint}"]}}}, indent=1))
+    return inventory
+
+
+def cli(inventory: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-m", "dflashops", "--inventory", str(inventory), *args],
+                            capture_output=True, text=True, timeout=timeout, env=env)
+    if result.returncode != 0:
+        raise SystemExit(f"dflashops {' '.join(args)} failed ({result.returncode}):\n{result.stderr[-3000:]}")
+    return result
+
+
+def status(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / "status.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def wait(predicate, timeout: float, what: str, run_dir: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline or (run_dir / "exit_code").is_file() and not predicate():
+            log = (run_dir / "train.log").read_text()[-3000:] if (run_dir / "train.log").is_file() else ""
+            raise SystemExit(f"{what}: not reached within {timeout:.0f} s (or the run ended)\n{log}")
+        time.sleep(0.1)
+
+
+def mtime(path: Path) -> float | None:
+    return path.stat().st_mtime if path.exists() else None
+
+
+def restart_row(mode: str, typed: float, returned: float, old_dir: Path, new_dir: Path) -> dict:
+    old, new = status(old_dir), status(new_dir)
+    told, tnew = old.get("timeline", {}), new.get("timeline", {})
+    rel = lambda t: None if t is None else round(t - typed, 2)  # noqa: E731
+    row: dict = {"mode": mode, "returned": rel(returned), "old_exit_code": (old_dir / "exit_code").read_text().strip(),
+                 "stop_agreed": rel(told.get("stop_agreed")), "final_snapshot": rel(told.get("final_snapshot")),
+                 "devices_released": rel(told.get("devices_released")), "final_written": rel(told.get("ended")),
+                 "old_exited": rel(mtime(old_dir / "exit_code")), "spawned": rel(mtime(new_dir / "pid")),
+                 **{k: rel(tnew.get(k)) for k in START}, "handover": old.get("handover")}
+    log = (new_dir / "train.log").read_text()
+    build = [line for line in log.splitlines() if line.startswith("built in ")]
+    row["build_line"] = build[0] if build else None
+    row["resumed_line"] = next((line for line in log.splitlines() if line.startswith("resumed from")), None)
+    row["stopped_at"] = old.get("step")
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scale", default="8b", choices=sorted(SCALES))
+    parser.add_argument("--device", default="cuda:0")
+    parser.add_argument("--modes", default="handover,wait-exit,handover,wait-exit")
+    parser.add_argument("--steps", type=int, default=10, help="steps each run trains before it is restarted")
+    parser.add_argument("--workdir", default="/tmp/restart-cycle")
+    parser.add_argument("--json-out")
+    args = parser.parse_args()
+    scale, work = SCALES[args.scale], Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    t = time.monotonic()
+    if not (work / "data" / "meta.json").exists():
+        write_shards(work / "data", scale, samples=scale["rows"] * 2 * 400)
+    if not (work / "target" / "config.json").exists():
+        size = save_target(work / "target", scale, args.device)
+        print(f"target: {size / 1e9:.2f} GB of safetensors written in {time.monotonic() - t:.1f} s", file=sys.stderr)
+    inventory = write_inventory(work, scale, args.device)
+    runs = work / "ws" / "runs"
+    name = f"c{int(time.time()) % 100000}-1"
+    started = time.time()
+    cli(inventory, "deploy", "local", "--profile", "cycle", "--name", name, "--launcher", "nohup")
+    wait(lambda: status(runs / name).get("step", 0) >= args.steps, 900, f"{name} step {args.steps}", runs / name)
+    cold = status(runs / name)["timeline"]
+    print(f"cold start ({name}): first step {cold['first_step'] - started:.1f} s after deploy typed; "
+          f"build {cold['built'] - cold['preflight_done']:.1f} s, warm-up {cold['warmed_up'] - cold['built']:.1f} s",
+          file=sys.stderr)
+    rows = []
+    for k, mode in enumerate(args.modes.split(",")):
+        old, new = name, f"{name.rsplit('-', 1)[0]}-{k + 2}"
+        typed = time.time()
+        cli(inventory, "restart", old, "--name", new, "--resume", "--grace", "300",
+            *(["--wait-exit"] if mode == "wait-exit" else []))
+        returned = time.time()
+        wait(lambda: "first_step" in status(runs / new).get("timeline", {}), 600, f"{new} first step", runs / new)
+        wait(lambda: (runs / old / "exit_code").is_file(), 600, f"{old} exit", runs / old)
+        row = restart_row(mode, typed, returned, runs / old, runs / new)
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr)
+        wait(lambda: status(runs / new).get("step", 0) >= row["stopped_at"] + args.steps, 600,
+             f"{new} {args.steps} steps", runs / new)
+        name = new
+    cli(inventory, "stop", name, "--grace", "300")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"cold": cold, "rows": rows}, indent=1))
+    ok = all(r["old_exit_code"] == "143" and r["resumed_line"] and f"at step {r['stopped_at']}" in r["resumed_line"]
+             for r in rows)
+    cols = ["mode", "stop_agreed", "final_snapshot", "devices_released", "returned", "spawned", "imports_done",
+            "preflight_done", "built", "final_written", "checkpoint_ready", "resumed", "warmed_up", "first_step",
+            "old_exited"]
+    print("seconds after `restart` was typed:")
+    print(" | ".join(cols))
+    for row in rows:
+        print(" | ".join(str(row.get(c)) for c in cols))
+    print("resumed from the old run's final checkpoint at its stop step, old exit 143:", "yes" if ok else "NO")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

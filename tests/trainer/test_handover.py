@@ -1,0 +1,106 @@
+"""The restart hand-over's trainer side (trainer/handover.py): which --resume may be waited for, the wait itself
+(a real thread renaming a checkpoint into place, a real writer that ends without it), and a real trainer
+process that offers the hand-over on a stop and frees its devices. The whole cycle through the CLI is
+tests/controller/test_ctl_handover.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from trainer.config import TrainerInputError
+from trainer.handover import RESUME_WRITER_ENV, pending_writer, wait_for_checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def make_checkpoint(path: Path) -> None:
+    tmp = path.parent / f".tmp-{path.name}"
+    tmp.mkdir(parents=True)
+    (tmp / "state.json").write_text("{}")
+    os.replace(tmp, path)
+
+
+def test_no_writer_named_means_no_wait(tmp_path: Path) -> None:
+    assert pending_writer(str(tmp_path / "run" / "checkpoints" / "step_000005"), environ={}) is None
+    assert pending_writer("auto", environ={RESUME_WRITER_ENV: str(tmp_path)}) is None
+
+
+def test_a_missing_checkpoint_of_the_named_writer_is_pending(tmp_path: Path) -> None:
+    writer = tmp_path / "old"
+    target = writer / "checkpoints" / "step_000005"
+    assert pending_writer(str(target), environ={RESUME_WRITER_ENV: str(writer)}) == writer
+    make_checkpoint(target)
+    assert pending_writer(str(target), environ={RESUME_WRITER_ENV: str(writer)}) is None  # complete: read now
+
+
+def test_a_checkpoint_outside_the_writers_run_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(TrainerInputError, match="is not a checkpoint of"):
+        pending_writer(str(tmp_path / "elsewhere" / "step_000005"), environ={RESUME_WRITER_ENV: str(tmp_path / "old")})
+
+
+def test_the_wait_ends_when_the_checkpoint_is_renamed_into_place(tmp_path: Path) -> None:
+    target = tmp_path / "old" / "checkpoints" / "step_000007"
+    (tmp_path / "old" / "checkpoints").mkdir(parents=True)
+    timer = threading.Timer(0.4, make_checkpoint, args=(target,))
+    started = time.monotonic()
+    timer.start()
+    wait_for_checkpoint(target, tmp_path / "old", timeout_s=30)
+    assert (target / "state.json").is_file() and 0.3 < time.monotonic() - started < 10
+
+
+def test_a_writer_that_ends_without_the_checkpoint_names_its_last_good_one(tmp_path: Path) -> None:
+    writer = tmp_path / "old"
+    make_checkpoint(writer / "checkpoints" / "step_000003")
+    (writer / "exit_code").write_text("1\n")
+    with pytest.raises(TrainerInputError) as caught:
+        wait_for_checkpoint(writer / "checkpoints" / "step_000007", writer, timeout_s=30)
+    assert "old ended (exit code 1) without writing its final checkpoint step_000007" in caught.value.message
+    assert caught.value.hint is not None and caught.value.hint.endswith("checkpoints/step_000003")
+
+
+@pytest.mark.slow
+def test_a_stopped_trainer_offers_the_handover_while_its_final_checkpoint_is_written(tmp_path: Path) -> None:
+    """A real `python -m trainer train` (tiny preset, threaded pipeline with two drafter threads) stopped with
+    SIGTERM while its final write is slow: status.json offers the hand-over with the checkpoint being written,
+    before that checkpoint exists; the process then writes it and exits 143."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TRAINER_TEST_WRITE_DELAY_S": "4"}
+    proc = subprocess.Popen([sys.executable, "-m", "trainer", "train", "--preset", "tiny", "--output-dir", str(run_dir),
+                             "--max-steps", "100000", "--wandb", "off", "--drafter-gpus", "cpu,cpu", "--log-interval", "1"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        status = run_dir / "status.json"
+        deadline = time.monotonic() + 240
+        while not (status.is_file() and json.loads(status.read_text()).get("step", 0) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)  # our own child, by pid
+        offer = None
+        while offer is None:
+            assert proc.poll() is None and time.monotonic() < deadline, "exited without offering the hand-over"
+            offer = json.loads(status.read_text()).get("handover")
+            time.sleep(0.05)
+        checkpoint = Path(offer["checkpoint"])
+        assert offer["devices_released"] is True and offer["device_bytes_left"] == {}  # the CPU holds no cache
+        assert checkpoint.parent == run_dir / "checkpoints" and not checkpoint.exists()  # still being written
+        assert proc.wait(timeout=120) == 143
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    final = json.loads(status.read_text())
+    assert (checkpoint / "state.json").is_file() and final["phase"] == "stopped"
+    timeline = final["timeline"]
+    order = ["python_started", "imports_done", "preflight_done", "built", "warmed_up", "first_step", "stop_agreed",
+             "final_snapshot", "devices_released", "ended"]
+    assert [timeline[k] for k in order] == sorted(timeline[k] for k in order), timeline
+    assert timeline["ended"] - timeline["devices_released"] >= 3.5  # the write came after the release

@@ -1,0 +1,115 @@
+"""The restart hand-over: the next run builds while the stopped one is still writing its final checkpoint.
+
+A restart of an 8B-shaped run waits for two long things that do not depend on each other: the old process
+writing its final checkpoint (12.6 GB: ~15-20 s on the H200 machine's disk) and the new process starting
+(imports, target load, drafter build: ~20 s). Done one after the other they add up; the hand-over runs them
+side by side, with nothing read before it is complete:
+
+Old run (trainer.loop, on a stop): the final snapshot is copied to host memory, the worker threads stop, every
+device tensor is dropped (`free_device_memory`), and only then, if the devices are really free, status.json
+gets `handover: {checkpoint, step, devices_released: true}` while the write goes on (phase `saving`).
+
+The controller (dflashops' agent, `restart --resume`): having sent the SIGTERM, it launches the new run as
+soon as it reads that field (instead of waiting for the old process to exit), with `--resume` naming the
+checkpoint being written and `RESUME_WRITER_ENV` naming the old run's directory. The rest of the stop
+(the old process's exit, its group, the escalation after --grace) completes in the background as before.
+
+New run: the pre-flight accepts a `--resume` checkpoint that is not there yet only when `RESUME_WRITER_ENV`
+names the run directory it belongs to, and defers its checks; the loop builds, then `wait_for_checkpoint`
+waits for the checkpoint directory (it appears complete, by rename) before anything is read from it. If the
+old run ends without writing it, the new run fails with one error line naming the old run's last complete
+checkpoint. Without the variable nothing changes: a missing --resume path is refused up front.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+
+from trainer.config import TrainerInputError
+
+RESUME_WRITER_ENV = "DFLASHOPS_RESUME_WRITER"  # the run directory whose final checkpoint --resume names
+WAIT_POLL_S = 0.1
+# Device memory the old process may still hold after the release (its CUDA context lives outside the caching
+# allocator and is not counted): more than this and the new run is not started beside it.
+RELEASED_BELOW_BYTES = 1 << 30
+
+
+def pending_writer(resume: str | None, environ: dict[str, str] | None = None) -> Path | None:
+    """The run directory still writing the checkpoint `resume` names, or None when `resume` is to be read now
+    (no hand-over, or the checkpoint is already complete). Only a checkpoint inside that run's checkpoints/
+    may be waited for."""
+    writer = (environ if environ is not None else os.environ).get(RESUME_WRITER_ENV)
+    if not writer or not resume or resume in ("auto", "never"):
+        return None
+    path, root = Path(resume), Path(writer) / "checkpoints"
+    if (path / "state.json").is_file():
+        return None
+    if path.parent.resolve() != root.resolve():
+        raise TrainerInputError(f"--resume: {path} is not a checkpoint of {writer} ({RESUME_WRITER_ENV})",
+                                hint=f"unset {RESUME_WRITER_ENV}, or resume from a complete checkpoint")
+    return Path(writer)
+
+
+def wait_for_checkpoint(path: Path, writer: Path, on_wait: Callable[[], None] | None = None,
+                        timeout_s: float = 3600.0) -> None:
+    """Block until checkpoint `path` is complete (its state.json exists: trainer.checkpoint renames whole
+    directories into place). The writer's end without it (its `exit_code` file, or a final status phase) is a
+    TrainerInputError naming what the writer left; so is `timeout_s` without either."""
+    deadline = time.monotonic() + timeout_s
+    while not (path / "state.json").is_file():
+        ended = _writer_end(writer)
+        if ended is not None and not (path / "state.json").is_file():
+            raise TrainerInputError(
+                f"--resume: {writer.name} ended ({ended}) without writing its final checkpoint {path.name}",
+                hint=f"restart from its last complete checkpoint: {_last_complete(writer) or 'none'}")
+        if time.monotonic() > deadline:
+            raise TrainerInputError(f"--resume: {path} did not appear within {timeout_s:.0f} s",
+                                    hint=f"see {writer / 'train.log'}")
+        if on_wait is not None:
+            on_wait()
+        time.sleep(WAIT_POLL_S)
+
+
+def _writer_end(writer: Path) -> str | None:
+    """How the writing run ended, in words, or None while it has not."""
+    code = writer / "exit_code"
+    if code.is_file():
+        return f"exit code {code.read_text().strip()}"
+    try:
+        status = json.loads((writer / "status.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if status.get("phase") in ("stopped", "done", "failed"):
+        return f"status {status['phase']}" + (f": {status['error']}" if status.get("error") else "")
+    return None
+
+
+def _last_complete(writer: Path) -> str | None:
+    done = sorted(p for p in (writer / "checkpoints").glob("step_*") if (p / "state.json").is_file())
+    return str(done[-1]) if done else None
+
+
+def free_device_memory(devices: Iterable[torch.device]) -> dict[str, int]:
+    """Give cached device memory back to the driver after the caller dropped its tensors; return the bytes
+    each CUDA device still has reserved by this process (empty on the CPU). Costs a gc pass (~0.1-1 s with
+    a big graph of compiled objects) and a device sync."""
+    gc.collect()
+    left: dict[str, int] = {}
+    for device in {torch.device(d) for d in devices}:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            with torch.cuda.device(device):
+                torch.cuda.empty_cache()
+            left[str(device)] = int(torch.cuda.memory_reserved(device))
+    return left
+
+
+def devices_free(left: dict[str, int]) -> bool:
+    return all(value < RELEASED_BELOW_BYTES for value in left.values())
