@@ -54,7 +54,7 @@ def save_target(directory: Path, scale: dict, device: str) -> float:
     config = Qwen3Config(num_hidden_layers=scale["target_layers"], hidden_size=scale["hidden"],
                          intermediate_size=scale["intermediate"], num_attention_heads=scale["heads"],
                          num_key_value_heads=scale["kv_heads"], head_dim=scale["head_dim"], vocab_size=scale["vocab"],
-                         max_position_embeddings=40960, tie_word_embeddings=False, torch_dtype="bfloat16")
+                         max_position_embeddings=40960, tie_word_embeddings=False)
     with torch.device(device):
         model = Qwen3ForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(directory, safe_serialization=True)
