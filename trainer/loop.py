@@ -24,6 +24,7 @@ from trainer.engine import Engine
 from trainer.failure import record_failure
 from trainer.metrics import RunRecorder, truncate_metrics
 from trainer.preflight import Plan
+from trainer.run_files import TRAIN_CONFIG
 from trainer.signals import GracefulStop
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
@@ -39,7 +40,7 @@ def run_training(plan: Plan, engine: Engine) -> int:
     cfg = plan.cfg
     run_dir = Path(cfg.output_dir or ".")
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n")
+    (run_dir / TRAIN_CONFIG).write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n")
     recorder = RunRecorder(run_dir, engine.total_steps, metrics=engine.writes_metrics)
     on_force = lambda signum: recorder.set_status(  # noqa: E731 - a second signal: no checkpoint
         phase="failed", error=f"second signal {signum}: exited without a checkpoint", exit_code=128 + signum)
