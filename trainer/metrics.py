@@ -1,4 +1,4 @@
-"""Run-directory records (DESIGN.md contract): metrics.jsonl, status.json, the stdout progress line, wandb.
+"""Run-directory records (docs/run-directory.md): metrics.jsonl, status.json, the stdout progress line, wandb.
 
 - `metrics.jsonl`: one JSON object per log step (step, epoch, loss terms, per-slot accuracy, tau_sim, lr,
   grad_norm, block_tok_s, ctx_tok_s, gpu memory, eta_s, time), appended and flushed line by line.
