@@ -138,7 +138,8 @@ def drafter_case(device: torch.device, gen: torch.Generator) -> tuple[str, list[
 
 
 def time_flex_layer(device: torch.device, gen: torch.Generator) -> str:
-    """One METHOD.md 5 shape, flex fwd+bwd per layer (S=8192, N=1024 x B=32, 32/8 heads x 128), sorted anchors."""
+    """The attention shape of docs/method.md#reference-figures, flex fwd+bwd per layer (S=8192, N=1024 x B=32,
+    32/8 heads x 128), sorted anchors."""
     S, N, B = 8192, 1024, 32
     anchors = torch.randint(1, S, (1, N), generator=gen).sort(dim=1).values.to(device)
     keep = torch.ones(1, N, dtype=torch.bool, device=device)

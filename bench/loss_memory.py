@@ -4,7 +4,7 @@
     python bench/loss_memory.py --device cuda --compiled       # H200: 27B-style shape (M=32768, H=5120, V=248320)
 
 Time is reported in GEMM-equivalents: (loss forward + backward) / one [M, H] x [H, V] logits GEMM in the
-same dtype (METHOD.md 7; goals: CE only <= 2.2, with soft KL <= 3.5). Peak memory is the extra memory above
+same dtype (docs/method.md#loss; goals: CE only <= 2.2, with soft KL <= 3.5). Peak memory is the extra memory above
 the inputs: on CUDA from the caching allocator's peak statistics; on CPU each variant runs in a fresh
 subprocess and reports peak RSS (ru_maxrss) minus the RSS after its inputs exist (tracemalloc cannot see
 torch's allocations; for compiled variants on CPU it includes the compiler's own memory). The dense variants materialise [M, V] logits on purpose; on CUDA at the default
@@ -213,7 +213,7 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
         diff = f"{row['rel_diff_vs_dense']:.1e}" if "rel_diff_vs_dense" in row else "-"
         grad = f"{row['grad_diff_vs_eager']:.1e}" if row.get("grad_diff_vs_eager") is not None else "-"
         print(f"{row['variant']:<20} {ms:>10} {eq:>8} {peak:>10} {diff:>23} {grad:>23}")
-    print("goals (METHOD.md 7, issue 7): chunked/compiled CE <= 2.2 GEMM-eq, with KL <= 3.5")
+    print("goals (docs/method.md#loss, issue 7): chunked/compiled CE <= 2.2 GEMM-eq, with KL <= 3.5")
 
 
 if __name__ == "__main__":

@@ -41,6 +41,20 @@ RESUME_WRITER_KEY = "DFLASHOPS_RESUME_WRITER"  # trainer/handover.py: the run st
 # A crash's one-line reason in train.log: a Python exception line, or the `error: ...` line that the trainer
 # (and dflashops' own wrapper) print for failures they explain themselves.
 ERROR_LINE_RE = re.compile(r"(Traceback \(most recent call last\)|^\w*(Error|Exception)\b.*|^error: .+)")
+# THE list of names in a run directory `<workspace>/runs/<name>/` (a folder ends in "/"), with who writes each:
+# this agent, its supervisor (agent_supervisor.py), the trainer, the wandb library it starts, `trainer export`
+# (run by `dflashops fetch --export`), or nobody here ("none": read when present). The trainer cannot import
+# this file, so it keeps its own names (trainer/run_files.py); tests/test_run_directory_contract.py checks that
+# they, the code here and the table of docs/run-directory.md all agree with this one.
+RUN_FILES = {
+    "run.json": "agent", "marker": "agent", ".launch.json": "agent", "pgid": "agent", "pid": "agent",
+    "train.log": "agent", "exit_code": "agent", ".exit_code.reserved": "agent", ".stop.json.reserved": "agent",
+    "stop.json": "agent", ".fetch-sha256.json": "agent",
+    "supervisor.json": "supervisor", "events.jsonl": "supervisor", "stall.json": "supervisor",
+    "restarted_as": "supervisor",
+    "train_config.json": "trainer", "status.json": "trainer", "metrics.jsonl": "trainer", "checkpoints/": "trainer",
+    "wandb/": "wandb", "export/": "trainer export", "train.log.1": "none",
+}
 
 
 class AgentFailure(Exception):

@@ -1,4 +1,5 @@
-"""The import boundaries of DESIGN.md, checked on the source (AST), so a violation fails before it ships.
+"""The import boundaries of docs/architecture.md#boundaries, checked on the source (AST), so a violation fails
+before it ships.
 
 - `trainer` never imports `dflashops`; `dflashops` never imports `trainer` or `torch`.
 - Inside dflashops the layers run cli -> playbook -> ops -> transport: each imports only its own layer or

@@ -38,8 +38,9 @@ from safetensors.torch import load_file, save_file
 
 from trainer.config import TrainerInputError
 from trainer.diskspace import is_out_of_space, mount_point
+from trainer.run_files import CHECKPOINT_PREFIX, CHECKPOINTS
 
-_STEP_DIR = re.compile(r"^step_(\d{6,})$")
+_STEP_DIR = re.compile(rf"^{CHECKPOINT_PREFIX}(\d{{6,}})$")
 # Tests only: seconds each background write waits before it starts, standing in for a slow disk (an 8B
 # drafter's 12.6 GB take ~15-20 s on the H200 machine; the CPU tests' checkpoints take milliseconds).
 WRITE_DELAY_ENV = "TRAINER_TEST_WRITE_DELAY_S"
@@ -67,7 +68,7 @@ class CheckpointState(CheckpointContents):
 
 
 def checkpoints_root(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoints"
+    return Path(run_dir) / CHECKPOINTS
 
 
 def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
@@ -180,8 +181,8 @@ def write_checkpoint(run_dir: Path, snapshot: CheckpointSnapshot, keep: int) -> 
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-*"):  # a crash during an earlier save
         shutil.rmtree(stale, ignore_errors=True)
-    final = root / f"step_{snapshot.step:06d}"
-    tmp = root / f".tmp-step_{snapshot.step:06d}-{os.getpid()}"
+    final = root / f"{CHECKPOINT_PREFIX}{snapshot.step:06d}"
+    tmp = root / f".tmp-{CHECKPOINT_PREFIX}{snapshot.step:06d}-{os.getpid()}"
     try:
         tmp.mkdir()
         _write_parts(tmp, snapshot)

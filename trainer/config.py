@@ -30,7 +30,8 @@ class TrainerInputError(ValueError):
 
 # Drafter shapes. qwen3-8b: the published Qwen3-8B DFlash drafter. qwen3.6-27b: hidden 5120, intermediate
 # 17408, 32 q / 8 kv heads x 128, rope_theta 1e7, 262144 positions — read from the public
-# z-lab/Qwen3.6-27B-DFlash config.json (via a mirror), with METHOD.md's 4 sliding (window 2048) + 1 full layers.
+# z-lab/Qwen3.6-27B-DFlash config.json (via a mirror), with 4 sliding (window 2048) + 1 full layers
+# (docs/method.md#presets).
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
         # Target built from `tiny_target` when --target-model is absent; data synthesised when --data-dir is.
@@ -230,7 +231,7 @@ class TrainConfig:
 
     # ---- derived ------------------------------------------------------------------------------------
     def layer_types(self) -> list[str]:
-        """Per drafter layer: the first `sliding_layers` are sliding (METHOD.md 2: Qwen3.6 is S,S,S,S,F)."""
+        """Per drafter layer: the first `sliding_layers` are sliding (docs/method.md#presets: Qwen3.6 is S,S,S,S,F)."""
         return ["sliding_attention"] * self.sliding_layers + ["full_attention"] * (self.num_draft_layers - self.sliding_layers)
 
     def anchors_per_row(self, rows: int) -> int:

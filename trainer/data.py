@@ -1,6 +1,6 @@
 """Training data: datasets, token-budget batches, anchors, block targets, resumable order.
 
-Contract (METHOD.md 3):
+Contract (docs/method.md#anchors-and-blocks):
 - An epoch's order is a pure function of (seed, epoch): samples are shuffled, sorted by length inside
   windows (less padding), packed greedily under `--token-budget` (rows x padded length) and
   `--max-batch-size`, and the batch order is shuffled again. A data position is (epoch, batch index), so
@@ -110,7 +110,7 @@ def open_dataset(cfg: TrainConfig) -> ShardedDataset | SyntheticDataset:
 
 def padded_length(length: int, max_seq_len: int) -> int:
     """Bucketed context length S: a multiple of max(128, max_seq_len // 8) (128 = flex_attention's tile),
-    capped at max_seq_len — at most 8 context buckets, so compiled shapes stay few (METHOD.md 6)."""
+    capped at max_seq_len — at most 8 context buckets, so compiled shapes stay few (docs/method.md#compiling)."""
     bucket = min(max(128, max_seq_len // 8), max_seq_len)
     return min(int(math.ceil(length / bucket)) * bucket, max_seq_len)
 

@@ -4,17 +4,18 @@ Per step: the drafter proposes up to B-1 tokens after the anchor (the last commi
 ONE forward over [anchor, d_1 .. d_{B-1}] on its KV cache; the longest prefix where d_j equals the target's
 argmax is accepted, plus the target's bonus token; the cache is cropped back to the committed length.
 Reported per drafter (trained, untrained = same config freshly initialised, prompt-lookup n-gram):
-- tau: mean tokens committed per verify step (accepted + 1), METHOD.md 1; generation ends at the first stop id
-  even when it is an accepted draft token (that last step still counts accepted + 1, as training's tau_sim and
-  the public reference count it), so no step verifies text past the end of the answer;
+- tau: mean tokens committed per verify step (accepted + 1), docs/method.md#acceptance-length; generation ends at
+  the first stop id even when it is an accepted draft token (that last step still counts accepted + 1, as training's
+  tau_sim and the public reference count it), so no step verifies text past the end of the answer;
 - tokens per target forward: generated tokens / (verify steps + the prefill forward);
 - per-slot acceptance: share of steps where slot k was accepted (slot k is accepted only if 1..k-1 were);
 - lossless: every output must equal the target's own greedy `generate` output token for token; a mismatch
   is a failure (exit code 1).
-DDTree mode (`--ddtree-budget K [--ddtree-top-k N]`, METHOD.md 9; rule, mask and cache handling in trainer.ddtree):
-the trained drafter's per-slot distributions of the same block grow a tree of at most K nodes, verified in one
-target forward with an ancestor-only mask; reported as method "ddtree" beside the block rows, same prompts, same
-tau/lossless bookkeeping (its per-slot acceptance is per tree depth). K = B-1 with top-k 1 is block drafting.
+DDTree mode (`--ddtree-budget K [--ddtree-top-k N]`, docs/method.md#ddtree; rule, mask and cache handling in
+trainer.ddtree): the trained drafter's per-slot distributions of the same block grow a tree of at most K nodes,
+verified in one target forward with an ancestor-only mask; reported as method "ddtree" beside the block rows, same
+prompts, same tau/lossless bookkeeping (its per-slot acceptance is per tree depth). K = B-1 with top-k 1 is block
+drafting.
 Cost: the drafter re-reads the whole committed context each step (O(n^2) over a generation) instead of the
 public loop's incremental drafter KV cache; identical outputs, fine at evaluation lengths.
 """

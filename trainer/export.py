@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from trainer.model.drafter import CONFIG_NAME, WEIGHTS_NAME, DFlashDrafter, DrafterConfig
+from trainer.run_files import CHECKPOINT_PREFIX, CHECKPOINTS
 from trainer.tokenizer_utils import DataInputError
 
 LAYER_TENSORS = (
@@ -51,8 +52,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
     path = Path(path)
     if not path.is_dir():
         raise DataInputError(f"checkpoint {path} does not exist")
-    if (path / "checkpoints").is_dir() and not (path / "state.json").exists():
-        complete = sorted(p for p in (path / "checkpoints").glob("step_*") if (p / "state.json").is_file())
+    if (path / CHECKPOINTS).is_dir() and not (path / "state.json").exists():
+        complete = sorted(p for p in (path / CHECKPOINTS).glob(f"{CHECKPOINT_PREFIX}*") if (p / "state.json").is_file())
         if not complete:
             raise DataInputError(f"run directory {path} holds no complete checkpoint",
                                  hint="a checkpoint is complete once its state.json exists; train longer or pass a step directory")

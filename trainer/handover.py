@@ -32,7 +32,9 @@ from pathlib import Path
 
 import torch
 
+from trainer.checkpoint import checkpoints_root
 from trainer.config import TrainerInputError
+from trainer.run_files import CHECKPOINT_PREFIX, STATUS
 
 RESUME_WRITER_ENV = "DFLASHOPS_RESUME_WRITER"  # the run directory whose final checkpoint --resume names
 WAIT_POLL_S = 0.1
@@ -48,7 +50,7 @@ def pending_writer(resume: str | None, environ: dict[str, str] | None = None) ->
     writer = (environ if environ is not None else os.environ).get(RESUME_WRITER_ENV)
     if not writer or not resume or resume in ("auto", "never"):
         return None
-    path, root = Path(resume), Path(writer) / "checkpoints"
+    path, root = Path(resume), checkpoints_root(Path(writer))
     if (path / "state.json").is_file():
         return None
     if path.parent.resolve() != root.resolve():
@@ -83,7 +85,7 @@ def _writer_end(writer: Path) -> str | None:
     if code.is_file():
         return f"exit code {code.read_text().strip()}"
     try:
-        status = json.loads((writer / "status.json").read_text())
+        status = json.loads((writer / STATUS).read_text())
     except (OSError, ValueError):
         return None
     if status.get("phase") in ("stopped", "done", "failed"):
@@ -92,7 +94,7 @@ def _writer_end(writer: Path) -> str | None:
 
 
 def _last_complete(writer: Path) -> str | None:
-    done = sorted(p for p in (writer / "checkpoints").glob("step_*") if (p / "state.json").is_file())
+    done = sorted(p for p in checkpoints_root(writer).glob(f"{CHECKPOINT_PREFIX}*") if (p / "state.json").is_file())
     return str(done[-1]) if done else None
 
 

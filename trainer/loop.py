@@ -30,6 +30,7 @@ from trainer.failure import record_failure
 from trainer.handover import devices_free, wait_for_checkpoint
 from trainer.metrics import RunRecorder, truncate_metrics
 from trainer.preflight import Plan, check_resume_nodes, expected_shapes
+from trainer.run_files import CHECKPOINT_PREFIX, TRAIN_CONFIG
 from trainer.signals import GracefulStop
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
@@ -45,7 +46,7 @@ def run_training(plan: Plan, engine: Engine) -> int:
     cfg = plan.cfg
     run_dir = Path(cfg.output_dir or ".")
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n")
+    (run_dir / TRAIN_CONFIG).write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n")
     recorder = RunRecorder(run_dir, engine.total_steps, metrics=engine.writes_metrics)
     recorder.mark("preflight_done")
     on_force = lambda signum: recorder.set_status(  # noqa: E731 - a second signal: no checkpoint
@@ -177,7 +178,7 @@ def _offer_handover(engine: Engine, recorder: RunRecorder, run_dir: Path, step: 
         log(f"devices still hold {', '.join(f'{d} {b / 2**30:.1f} GiB' for d, b in left.items())} after the "
             "release: no hand-over")
         return
-    target = checkpoints_root(run_dir) / f"step_{step:06d}"
+    target = checkpoints_root(run_dir) / f"{CHECKPOINT_PREFIX}{step:06d}"
     recorder.set_status(handover={"checkpoint": str(target), "step": step, "devices_released": True,
                                   "device_bytes_left": left, "release_s": round(time.monotonic() - started, 3)})
 

@@ -1,4 +1,4 @@
-"""The DFlash training loss without [tokens, vocab] logits (METHOD.md sections 3 and 7).
+"""The DFlash training loss without [tokens, vocab] logits (docs/method.md#loss).
 
 ``dflash_loss`` takes the drafter's final hidden states of all block tokens, flattened to [M, H] with
 M = blocks * B (block-major: row i is slot ``i % B`` of block ``i // B``), and the frozen LM head [V, H].
@@ -121,8 +121,8 @@ class TauStats:
 
 
 def simulated_tau(correct: torch.Tensor, valid: torch.Tensor) -> TauStats:
-    """Simulated acceptance per block (METHOD.md 3) from correct [nb, B] bool and valid [nb, B] bool
-    (weights > 0; slot 0 is ignored in both). A run of accepted slots stops at the first wrong or
+    """Simulated acceptance per block (docs/method.md#acceptance-length) from correct [nb, B] bool and
+    valid [nb, B] bool (weights > 0; slot 0 is ignored in both). A run of accepted slots stops at the first wrong or
     invalid slot, like serving stops at a mismatch or at the end of the text."""
     if correct.dim() != 2 or correct.shape != valid.shape:
         raise LossInputError(f"correct {tuple(correct.shape)} and valid {tuple(valid.shape)} must both be [blocks, B]")
@@ -215,8 +215,8 @@ class ChunkKernels:
     """The per-chunk [C, V] element-wise functions: row statistics, then d loss/d logits.
 
     Eager by default. ``make_chunk_kernels("compiled")`` wraps fresh torch.compile objects: the caller owns
-    them (one per device / worker thread, warmed up before threads start, METHOD.md 6), never a process-wide
-    singleton. Each distinct chunk shape (usually full chunks + one short last chunk) compiles once; the
+    them (one per device / worker thread, warmed up before threads start, docs/method.md#compiling), never a
+    process-wide singleton. Each distinct chunk shape (usually full chunks + one short last chunk) compiles once; the
     soft-label variant compiles separately. ``fused_ce`` (set by ``make_chunk_kernels("triton")``) replaces
     both for CE and CE+CAP: one kernel returning (unscaled softmax - onehot, lse, ce, argmax); ``soft_label``
     (set by the same) replaces them with soft labels (CE+KL, CE+KL+CAP)."""

@@ -1,4 +1,4 @@
-"""Run-directory records (DESIGN.md contract): metrics.jsonl, status.json, the stdout progress line, wandb.
+"""Run-directory records (docs/run-directory.md): metrics.jsonl, status.json, the stdout progress line, wandb.
 
 - `metrics.jsonl`: one JSON object per log step (step, epoch, loss terms, per-slot accuracy, tau_sim, lr,
   grad_norm, block_tok_s, ctx_tok_s, gpu memory, eta_s, time), appended and flushed line by line.
@@ -22,6 +22,8 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from trainer.run_files import METRICS, STATUS
 
 PHASES = ("warmup", "compiling", "training", "saving", "stopped", "done", "failed")
 # Milestones before the recorder exists (set by `python -m trainer train`): copied into the timeline.
@@ -61,7 +63,7 @@ class RunRecorder:
         self._stop = threading.Event()
         self._wandb: Any = None
         if metrics:
-            (self.run_dir / "metrics.jsonl").touch()
+            (self.run_dir / METRICS).touch()
         self.set_status(phase="warmup")
         self._thread = threading.Thread(target=self._beat, args=(heartbeat_s,), name="status-heartbeat", daemon=True)
         self._thread.start()
@@ -85,7 +87,7 @@ class RunRecorder:
         now = time.time()
         self._status["heartbeat"] = now
         self._status["heartbeat_iso"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))
-        _atomic_write_json(self.run_dir / "status.json", self._status)
+        _atomic_write_json(self.run_dir / STATUS, self._status)
 
     def _beat(self, interval: float) -> None:
         while not self._stop.wait(interval):
@@ -100,7 +102,7 @@ class RunRecorder:
         """Append one metrics line, print the progress line, forward to wandb, refresh status."""
         line = json.dumps(record, sort_keys=True, allow_nan=True)
         # Opened per line (a log step is seconds apart): `truncate_metrics` may have replaced the file since.
-        with open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
+        with open(self.run_dir / METRICS, "a", encoding="utf-8") as handle:
             handle.write(line + "\n")
         print(progress_line(record, self.total_steps), flush=True)
         if self._wandb is not None:
@@ -144,7 +146,7 @@ class RunRecorder:
 
 def truncate_metrics(run_dir: Path, after_step: int) -> int:
     """On resume: drop metrics lines of steps > after_step (they are about to be redone); return how many."""
-    path = Path(run_dir) / "metrics.jsonl"
+    path = Path(run_dir) / METRICS
     if not path.exists():
         return 0
     kept, dropped = [], 0
@@ -159,7 +161,7 @@ def truncate_metrics(run_dir: Path, after_step: int) -> int:
         else:
             dropped += 1
     if dropped:
-        tmp = path.with_name(".metrics.jsonl.tmp")
+        tmp = path.with_name(f".{METRICS}.tmp")
         tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
         os.replace(tmp, path)
     return dropped

@@ -101,7 +101,7 @@ def build_drafter_config(cfg: TrainConfig, hf_config: Any) -> DrafterConfig:
 
 
 def check_dataset_settings(cfg: TrainConfig, dataset: object) -> None:
-    """Refuse data tokenized with another chat template or thinking mode than this run serves (METHOD.md 4).
+    """Refuse data tokenized with another chat template or thinking mode than this run serves (docs/method.md#data).
 
     Only prepared datasets that recorded a chat template are checked; the tokenizer is read from --tokenizer,
     else from --target-model. Reads files, writes nothing."""

@@ -230,7 +230,7 @@ def prepare(options: PrepareOptions, *, log=None) -> shards.DatasetMeta:
 
 def check_dataset_matches(meta: shards.DatasetMeta, tokenizer: Any, enable_thinking: bool | None) -> None:
     """For `train`/`eval`: refuse data made with another chat template or thinking mode than serving will use
-    (METHOD.md 4: such a mismatch has publicly cost half of the acceptance rate)."""
+    (docs/method.md#data: such a mismatch has publicly cost half of the acceptance rate)."""
     expected = chat_template_sha256(tokenizer)
     if meta.chat_template_sha256 and meta.chat_template_sha256 != expected:
         raise DataInputError(f"the dataset was tokenized with chat template sha256 {meta.chat_template_sha256[:12]}..., "

@@ -1,7 +1,7 @@
 """The single-process engine: one target and one drafter, one thread, no queues (`python -m trainer train`).
 
 Per optimizer step: --grad-accum micro-batches -> target features -> drafter forward/backward (the loss
-normalised over the whole step, METHOD.md 3) -> clip, AdamW, schedule. The data position is the micro-batch
+normalised over the whole step, docs/method.md#loss) -> clip, AdamW, schedule. The data position is the micro-batch
 after the last one trained, so a checkpoint resumes exactly where the run stopped (bitwise on the CPU).
 The metrics line averages the loss over the steps since the last line. Driven by trainer.loop.
 """
@@ -86,7 +86,7 @@ class SingleEngine:
     def train_step(self, step: int) -> None:
         cfg, side = self.cfg, self.drafter_side
         micro = micro_batches(self.batches, cfg.grad_accum)
-        normalizer = sum(b.weight_sum for b in micro)  # whole optimizer step (METHOD.md 3)
+        normalizer = sum(b.weight_sum for b in micro)  # whole optimizer step (docs/method.md#loss)
         num_blocks = float(sum(b.num_blocks for b in micro))
         self.noise = noise_std_at(step, self.total_steps, cfg.noise_start, cfg.noise_end)
         stats: StepStats | None = None

@@ -9,7 +9,7 @@ Nothing here touches process-global state: each side holds its own device, and t
 features comes from a generator seeded per (seed, step, micro-batch), so the same step gives the same noise
 whichever thread or device runs it, and a resumed run replays it exactly. `normalizer` is the sum of the
 slot weights over the WHOLE optimizer step (all micro-batches, all drafters) and `num_blocks` the number of
-real blocks over it, so micro-batch gradients simply add up (METHOD.md 3). bf16 autocast on CUDA only.
+real blocks over it, so micro-batch gradients simply add up (docs/method.md#loss). bf16 autocast on CUDA only.
 The single-process trainer (`trainer.train`) is TargetSide + DrafterSide on one device.
 """
 
@@ -143,8 +143,8 @@ class DrafterSide:
         # torch.compile per replica: the layer call, flex_attention and the loss kernels are compiled from private
         # copies (trainer/compile_scope.py), so no two replicas, hence no two worker threads, share a dynamo cache.
         # Default: on CUDA only. Compilation happens lazily at the first forward/backward: warm up sequentially
-        # before worker threads start (METHOD.md 6). compile_backend: tests use "eager" to get dynamo's caches
-        # and guards on the CPU without inductor's code generation.
+        # before worker threads start (docs/method.md#compiling). compile_backend: tests use "eager" to get dynamo's
+        # caches and guards on the CPU without inductor's code generation.
         self.compiled = self.device.type == "cuda" if compile is None else compile
         self.scope = f"replica-{next(_REPLICA_IDS)}"
         if self.compiled:

@@ -31,7 +31,7 @@ NONE_MEANS = {
     "num_key_value_heads": "the target's", "head_dim": "the target's, else hidden / heads", "vocab_size": "the target's",
     "mask_token_id": "none: required",
     "num_target_layers": "none: not checked",
-    "target_layer_ids": "spread over the target's layers (METHOD.md 2)",
+    "target_layer_ids": "spread over the target's layers (docs/method.md#target-taps)",
     "sliding_window": "none",
     "wandb_run_name": "$DFLASHOPS_RUN_NAME, else wandb's own",
 }

@@ -132,7 +132,7 @@ class RunRecord:
         return asdict(self)
 
 
-# run.json field names that differ from RunRecord's (DESIGN.md's table says "hypothesis", "session name").
+# run.json field names that differ from RunRecord's (docs/run-directory.md#runjson: `hypothesis` is the note).
 _RUN_JSON_ALIASES = {"hypothesis": "note", "session_name": "session", "tmux_session": "session", "run": "name"}
 _RECORD_FIELDS = set(RunRecord.__dataclass_fields__)
 

@@ -1,5 +1,6 @@
-"""Draft attention masks: the dense mask against a brute-force reading of METHOD.md 5, the SDPA path's handling
-of fully masked rows, the flex mask_mod (forward, CPU eager) against the dense path, and bad input."""
+"""Draft attention masks: the dense mask against a brute-force reading of docs/method.md#attention-mask, the SDPA
+path's handling of fully masked rows, the flex mask_mod (forward, CPU eager) against the dense path, and bad
+input."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ torch.set_num_threads(1)
 
 def brute_force_visible(anchors: list[int], keep: list[bool], S: int, B: int, *, window: int | None, causal: bool,
                         doc: list[int] | None) -> list[list[bool]]:
-    """METHOD.md 5 written out with plain loops, independently of the code under test."""
+    """docs/method.md#attention-mask written out with plain loops, independently of the code under test."""
     N = len(anchors)
     rows = []
     for q in range(N * B):

@@ -1,4 +1,4 @@
-"""`train` refuses data prepared with another chat template or thinking mode than it serves (METHOD.md 4)."""
+"""`train` refuses data prepared with another chat template or thinking mode than it serves (docs/method.md#data)."""
 
 from __future__ import annotations
 

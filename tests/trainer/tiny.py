@@ -2,11 +2,11 @@
 
 The tiny target is a real `transformers.Qwen3ForCausalLM` built from a config: hidden 64, 2 layers, 4 query /
 2 key-value heads of 16, vocabulary 256 (bytes). Two layers, as the issue's `tiny` preset says: a 2-layer
-target cannot use the METHOD.md formula (it needs L >= n + 3), so `default_target_layer_ids(2, 2)` spreads
-the taps over all layers and the tiny drafter taps [0, 1] (layer 1 being the last layer, that tap is HF's
-post-norm hidden_states[2]). That keeps both taps distinct and the features informative; the formula itself is
-tested on the 36- and 64-layer shapes. The MASK token is the last vocabulary id (255), reserved by convention:
-the tiny tests never use byte 255 as text.
+target cannot use the formula of docs/method.md#target-taps (it needs L >= n + 3), so
+`default_target_layer_ids(2, 2)` spreads the taps over all layers and the tiny drafter taps [0, 1] (layer 1 being
+the last layer, that tap is HF's post-norm hidden_states[2]). That keeps both taps distinct and the features
+informative; the formula itself is tested on the 36- and 64-layer shapes. The MASK token is the last vocabulary
+id (255), reserved by convention: the tiny tests never use byte 255 as text.
 """
 
 from __future__ import annotations

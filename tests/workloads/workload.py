@@ -1,4 +1,4 @@
-"""A small stand-in job that honours the run-directory contract of DESIGN.md (for controller tests).
+"""A small stand-in job that honours the run-directory contract (docs/run-directory.md) for controller tests.
 
 `python workload.py --output-dir DIR [--steps N] [--interval S] [--crash-at K] [--spawn-setsid]
 [--resume-from CKPT]` prints one progress line per step, appends metrics.jsonl, rewrites status.json

@@ -1,4 +1,4 @@
-"""Attention masks for DFlash training (METHOD.md section 5) and the two attention back-ends.
+"""Attention masks for DFlash training (docs/method.md#attention-mask) and the two attention back-ends.
 
 Layout of one batch row: queries are the N blocks' tokens (Q_LEN = N*B, block n at query rows n*B..n*B+B-1);
 keys/values are ``[S context positions | N*B block tokens]`` (KV_LEN = S + N*B). The visibility predicate,
@@ -22,7 +22,7 @@ Back-ends:
   / full with plain tensor ops from `visible` and handed to BlockMask.from_kv_blocks (a compiled
   create_block_mask hung > 4 min in Triton on an H200 at a real shape). flex_attention itself is torch.compile'd
   once per device (a dict keyed by device, never one process-wide object shared across devices). torch.compile
-  is not thread safe (METHOD.md 6): warm every device x shape x mask variant up sequentially before worker
+  is not thread safe (docs/method.md#compiling): warm every device x shape x mask variant up sequentially before worker
   threads start. flex_attention has no CPU backward, so this path refuses CPU tensors.
 """
 
@@ -53,7 +53,8 @@ LAYER_TYPES = (FULL, SLIDING)
 
 def visible(q: Any, kv: Any, *, anchors_row: Any, keep_row: Any, ctx_len: int, block_size: int, num_blocks: int,
             window: int | None, causal: bool, doc_row: Any = None) -> Any:
-    """The mask predicate of METHOD.md 5 for one batch row; works on python ints and on broadcastable tensors.
+    """The mask predicate (docs/method.md#attention-mask) for one batch row; works on python ints and on
+    broadcastable tensors.
 
     anchors_row/keep_row/doc_row are indexable by block id (anchors, keep) and by position (doc ids).
     With tensors, `q` and `kv` may be index tensors (flex mask_mod, dense construction); with ints it is the

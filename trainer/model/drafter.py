@@ -1,4 +1,4 @@
-"""The DFlash drafter (METHOD.md section 2), in one readable file.
+"""The DFlash drafter (docs/method.md#drafter-model), in one readable file.
 
     taps [R,S,T*H] --fc--> [R,S,H] --hidden_norm--> ctx [R,S,H]             (computed once, shared by all layers)
     block_embeds [R,N*B,H] = embed([x_anchor, MASK, ..., MASK] per block)   (frozen target embedding, outside)
@@ -36,7 +36,8 @@ WEIGHTS_NAME = "model.safetensors"
 
 
 def _default_causal_in_block() -> dict[str, bool]:
-    # The public reference: full layers bidirectional inside the block, sliding layers causal (METHOD.md 2).
+    # The public reference: full layers bidirectional inside the block, sliding layers causal
+    # (docs/method.md#drafter-model).
     return {FULL: False, SLIDING: True}
 
 

@@ -1,9 +1,9 @@
 """The frozen target model: tapped layer outputs (the drafter's context features), its embedding and LM head.
 
-Tap semantics follow METHOD.md 2 and the HF convention: tapping layer i means HF `hidden_states[i+1]`, the
-output of decoder layer i (hidden_states[0] is the embeddings). For every layer but the last that is the raw
-residual stream; HF's hidden_states[L] is the final-norm output, so tapping the last layer (only the tiny
-fallback of `default_target_layer_ids` does) gives the post-norm state, exactly as HF would.
+Tap semantics follow docs/method.md#target-taps and the HF convention: tapping layer i means HF
+`hidden_states[i+1]`, the output of decoder layer i (hidden_states[0] is the embeddings). For every layer but the
+last that is the raw residual stream; HF's hidden_states[L] is the final-norm output, so tapping the last layer
+(only the tiny fallback of `default_target_layer_ids` does) gives the post-norm state, exactly as HF would.
 
 The taps are caught with forward hooks on the tapped decoder layers instead of `output_hidden_states=True`,
 which would keep all L+1 states alive (36 x S x H activations for Qwen3-8B). When the final hidden state is
@@ -21,7 +21,7 @@ from torch import nn
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """Which target decoder layers to tap: `round(1 + i*(L-4)/(n-1))`, i = 0..n-1 (METHOD.md 2).
+    """Which target decoder layers to tap: `round(1 + i*(L-4)/(n-1))`, i = 0..n-1 (docs/method.md#target-taps).
 
     36 layers, 5 taps -> [1, 9, 17, 25, 33]; 64, 5 -> [1, 16, 31, 46, 61]. Python's round (half to even) is
     used, as the public reference does, so ids agree with public checkpoints on every shape.

@@ -2,7 +2,7 @@
 
 One optimizer step = three rounds of (command to every drafter, wait for every answer):
   Gather -> the step-wide normaliser (sum of weights and of real blocks over all drafters and micro-batches,
-  METHOD.md 3; in a distributed run `step_totals` sums it over every node too) -> ForwardBackward -> replica sync of gradients (main thread, drafters idle) -> OptimizerStep
+  docs/method.md#loss; in a distributed run `step_totals` sums it over every node too) -> ForwardBackward -> replica sync of gradients (main thread, drafters idle) -> OptimizerStep
   -> periodic weight averaging -> compile-guard check.
 Each round costs a few thread hand-offs (tens of microseconds) against steps of hundreds of milliseconds.
 

@@ -3,7 +3,7 @@
 Inside a node (unchanged from the threaded trainer): target threads (one TargetModel each: features() installs
 hooks per call and is not thread safe) -> bounded (target, drafter) channels -> drafter threads, driven step by
 step by the main thread (trainer.pipeline.coordinator); warm-up of every (replica x batch shape) in the main
-thread before any worker starts, then a CompileGuard (METHOD.md 6).
+thread before any worker starts, then a CompileGuard (docs/method.md#compiling).
 
 The cluster (trainer.dist.cluster) is asked at fixed points, in the same order on every node:
   build         node 0's initial weights to every node (once: 4 bytes per parameter and buffer)

@@ -1,4 +1,4 @@
-"""Warm-up of the real drafter replicas before any worker thread exists (METHOD.md 6).
+"""Warm-up of the real drafter replicas before any worker thread exists (docs/method.md#compiling).
 
 The shapes a run meets are known in advance: every micro-batch's (rows R, padded context length S) follows
 from the epoch plans (sample lengths only, no token pages touched), and N anchors per row is a function of R.

@@ -1,4 +1,4 @@
-"""Metrics and checkpoints of a pipeline run (the run-directory contract of DESIGN.md).
+"""Metrics and checkpoints of a pipeline run (the run-directory contract, docs/run-directory.md).
 
 `StepWindow` accumulates the steps between two log lines and turns them into one metrics.jsonl record: the
 loss terms over all drafters, lr and grad norm, block tokens/s overall and per drafter (per drafter = its

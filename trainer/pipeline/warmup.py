@@ -1,4 +1,4 @@
-"""Compile discipline for a threaded trainer (METHOD.md 6).
+"""Compile discipline for a threaded trainer (docs/method.md#compiling).
 
 torch.compile is not thread safe: two threads compiling at once raise "Detected that you are using FX to
 symbolically trace a dynamo-optimized function" or deadlock on the lazily compiled backward, and any later
