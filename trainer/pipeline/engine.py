@@ -36,6 +36,7 @@ from trainer.loss import position_weights
 from trainer.metrics import RunRecorder
 from trainer.model import DFlashDrafter
 from trainer.pipeline.channel import ChannelGroup
+from trainer.pipeline.compile_guard import CompileGuard
 from trainer.pipeline.coordinator import Coordinator, DrafterHandle
 from trainer.pipeline.drafter_worker import DrafterWorker
 from trainer.pipeline.options import PipelineOptions
@@ -46,7 +47,6 @@ from trainer.pipeline.reporting import StepWindow, pipeline_checkpoint_parts
 from trainer.pipeline.supervisor import Supervisor
 from trainer.pipeline.sync import ReplicaSync
 from trainer.pipeline.target_worker import TargetWorker
-from trainer.pipeline.warmup import CompileGuard
 from trainer.preflight import Plan, load_target, resolve_devices
 from trainer.step import DrafterSide, TargetSide, noise_std_at
 
