@@ -41,12 +41,12 @@ from trainer.pipeline.coordinator import Coordinator, DrafterHandle
 from trainer.pipeline.drafter_worker import DrafterWorker
 from trainer.pipeline.options import PipelineOptions
 from trainer.pipeline.plan import Assignment, FaultPoints, GlobalOrder
-from trainer.pipeline.prime import warm_up_drafters
 from trainer.pipeline.replicas import check_replicas, node_share
 from trainer.pipeline.reporting import StepWindow, pipeline_checkpoint_parts
 from trainer.pipeline.supervisor import Supervisor
 from trainer.pipeline.sync import ReplicaSync
 from trainer.pipeline.target_worker import TargetWorker
+from trainer.pipeline.warmup import warm_up_drafters
 from trainer.preflight import Plan, load_target, resolve_devices
 from trainer.step import DrafterSide, TargetSide, noise_std_at
 
