@@ -7,8 +7,8 @@ import time
 
 import pytest
 
+from trainer.pipeline.assignment import Assignment, FaultPoints, GlobalOrder, InjectedFault
 from trainer.pipeline.channel import ChannelGroup
-from trainer.pipeline.plan import Assignment, FaultPoints, GlobalOrder, InjectedFault
 from trainer.pipeline.supervisor import Supervisor, WorkerFailed
 
 pytestmark = pytest.mark.timeout(30)

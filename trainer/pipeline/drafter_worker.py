@@ -21,10 +21,10 @@ from typing import Any, Protocol
 
 import torch
 
+from trainer.pipeline.assignment import Assignment, FaultPoints
 from trainer.pipeline.channel import Channel
 from trainer.pipeline.compile_guard import CompileGuard
 from trainer.pipeline.handoff import Parcel, accept, use_worker_stream
-from trainer.pipeline.plan import Assignment, FaultPoints
 from trainer.pipeline.supervisor import Supervisor
 
 

@@ -35,12 +35,12 @@ from trainer.dist.cluster import Cluster, LocalCluster
 from trainer.loss import position_weights
 from trainer.metrics import RunRecorder
 from trainer.model import DFlashDrafter
+from trainer.pipeline.assignment import Assignment, FaultPoints, GlobalOrder
 from trainer.pipeline.channel import ChannelGroup
 from trainer.pipeline.compile_guard import CompileGuard
 from trainer.pipeline.coordinator import Coordinator, DrafterHandle
 from trainer.pipeline.drafter_worker import DrafterWorker
 from trainer.pipeline.options import PipelineOptions
-from trainer.pipeline.plan import Assignment, FaultPoints, GlobalOrder
 from trainer.pipeline.replicas import check_replicas, node_share
 from trainer.pipeline.reporting import StepWindow, pipeline_checkpoint_parts
 from trainer.pipeline.supervisor import Supervisor

@@ -18,8 +18,8 @@ import torch
 
 from trainer.checkpoint import restore_rng, rng_state
 from trainer.data import BatchStream, padded_length
+from trainer.pipeline.assignment import GlobalOrder
 from trainer.pipeline.compile_guard import WarmupReport, warm_up
-from trainer.pipeline.plan import GlobalOrder
 
 
 def shapes_to_warm(stream: BatchStream, order: GlobalOrder, g_start: int, g_end: int,
