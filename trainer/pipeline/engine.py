@@ -71,7 +71,7 @@ class PipelineEngine:
         self.faults = FaultPoints(options.faults)
         self.slot_weights = position_weights(cfg.block_size, cfg.gamma).numpy()
         self.stream = BatchStream(plan.dataset, cfg, self.slot_weights)
-        self.order = GlobalOrder([len(self.stream.plan(e)) for e in range(cfg.epochs)])
+        self.order = GlobalOrder([len(self.stream.epoch_batches(e)) for e in range(cfg.epochs)])
         steps_in_data = self.order.total // self.assignment.per_step
         self.total_steps = min(cfg.max_steps, steps_in_data) if cfg.max_steps else steps_in_data
         if self.total_steps < 1:
@@ -120,7 +120,7 @@ class PipelineEngine:
 
     def _make_batch(self, g: int, stream: BatchStream) -> Any:
         epoch, index = self.order.position(g)
-        return collate(self.plan.dataset, stream.plan(epoch)[index], epoch, index, self.cfg, self.slot_weights)
+        return collate(self.plan.dataset, stream.epoch_batches(epoch)[index], epoch, index, self.cfg, self.slot_weights)
 
     @contextlib.contextmanager
     def running(self, step: int, recorder: RunRecorder) -> Iterator[None]:

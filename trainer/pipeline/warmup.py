@@ -1,7 +1,7 @@
 """Warm-up of the real drafter replicas before any worker thread exists (METHOD.md 6).
 
 The shapes a run meets are known in advance: every micro-batch's (rows R, padded context length S) follows
-from the epoch plans (sample lengths only, no token pages touched), and N anchors per row is a function of R.
+from the epochs' batches (sample lengths only, no token pages touched), and N anchors per row is a function of R.
 `warm_up_drafters` runs one real forward+backward per (drafter replica x distinct shape) — both layer-type
 masks (full, sliding) are built in every forward, so mask variants are covered — then throws the gradients
 away and restores the RNG, so the run trains exactly as if no warm-up had happened. The count of variants
@@ -33,7 +33,7 @@ def shapes_to_warm(stream: BatchStream, order: GlobalOrder, g_start: int, g_end:
         if owns is not None and not owns(g):
             continue
         epoch, index = order.position(g)
-        ids = stream.plan(epoch)[index]
+        ids = stream.epoch_batches(epoch)[index]
         shape = (len(ids), padded_length(int(lengths[ids].max()), cfg.max_seq_len))
         first.setdefault(shape, g)
     return first
