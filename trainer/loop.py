@@ -1,6 +1,6 @@
 """The one training loop: resume, log window, checkpoint schedule, stop and failure handling, for every engine.
 
-`run_training(plan, engine)` reads top to bottom like torchtitan's Trainer.train:
+`run_training(setup, engine)` reads top to bottom like torchtitan's Trainer.train:
   1. run directory, train_config.json, status.json (warmup), the engine's start lines
   2. inside the stop handler (SIGTERM/SIGHUP/SIGINT, installed before the minutes-long target load):
      wandb, engine.build() (targets, drafters), resume (model, optimizer, schedule, RNG, data position)
@@ -23,7 +23,7 @@ from trainer.checkpoint import CheckpointWriter
 from trainer.engine import Engine
 from trainer.failure import record_failure
 from trainer.metrics import RunRecorder, truncate_metrics
-from trainer.preflight import Plan
+from trainer.preflight import RunSetup
 from trainer.signals import GracefulStop
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
@@ -33,10 +33,10 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def run_training(plan: Plan, engine: Engine) -> int:
-    """Train `plan` with `engine`; return the exit code (see module doc). Everything that can refuse the run has
+def run_training(setup: RunSetup, engine: Engine) -> int:
+    """Train `setup` with `engine`; return the exit code (see module doc). Everything that can refuse the run has
     been checked already (trainer.preflight and the engine's constructor): from here on the run directory exists."""
-    cfg = plan.cfg
+    cfg = setup.cfg
     run_dir = Path(cfg.output_dir or ".")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n")
@@ -53,10 +53,10 @@ def run_training(plan: Plan, engine: Engine) -> int:
             if engine.writes_metrics:
                 recorder.open_wandb(cfg.wandb, cfg.wandb_project, cfg.wandb_run_name, cfg.to_dict())
             engine.build()
-            step = _resume(plan, engine, recorder, run_dir)
+            step = _resume(setup, engine, recorder, run_dir)
             # The writer exits before the failure report: a checkpoint snapshotted before a failure still lands.
             with CheckpointWriter(run_dir, cfg.keep_checkpoints) as writer, engine.running(step, recorder):
-                return _steps(plan, engine, recorder, writer, stop, step)
+                return _steps(setup, engine, recorder, writer, stop, step)
         except Exception as exc:  # noqa: BLE001 - reported on stderr and in status.json
             failure = exc
             record_failure(recorder, exc, run_dir=run_dir, writer=writer, keep_checkpoints=cfg.keep_checkpoints,
@@ -67,25 +67,25 @@ def run_training(plan: Plan, engine: Engine) -> int:
             recorder.close()
 
 
-def _resume(plan: Plan, engine: Engine, recorder: RunRecorder, run_dir: Path) -> int:
-    """Restore the checkpoint the plan names (if any) into the engine; return the first step to train."""
-    if plan.resume_from is None:
+def _resume(setup: RunSetup, engine: Engine, recorder: RunRecorder, run_dir: Path) -> int:
+    """Restore the checkpoint the setup names (if any) into the engine; return the first step to train."""
+    if setup.resume_from is None:
         return 0
-    state = engine.load_checkpoint(plan.resume_from)
+    state = engine.load_checkpoint(setup.resume_from)
     step, position = engine.restore(state)
     dropped = truncate_metrics(run_dir, step)
-    log(f"resumed from {plan.resume_from} at step {step} ({position}"
+    log(f"resumed from {setup.resume_from} at step {step} ({position}"
         f"{f'; dropped {dropped} metrics lines past it' if dropped else ''})")
     if engine.writes_checkpoints:
-        recorder.set_status(step=step, last_checkpoint=str(plan.resume_from))
+        recorder.set_status(step=step, last_checkpoint=str(setup.resume_from))
     else:
         recorder.set_status(step=step)
     return step
 
 
-def _steps(plan: Plan, engine: Engine, recorder: RunRecorder, writer: CheckpointWriter, stop: GracefulStop,
+def _steps(setup: RunSetup, engine: Engine, recorder: RunRecorder, writer: CheckpointWriter, stop: GracefulStop,
            step: int) -> int:
-    cfg, total_steps = plan.cfg, engine.total_steps
+    cfg, total_steps = setup.cfg, engine.total_steps
     signum = engine.agree_stop(stop.signum)
     if signum is not None:  # signalled while loading: nothing trained since the last checkpoint (if any)
         engine.finish()

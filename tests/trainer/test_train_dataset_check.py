@@ -53,9 +53,9 @@ def test_matching_settings_are_checked_and_pass(prepared, tmp_path, monkeypatch)
 
     monkeypatch.setattr(prepare_cli, "check_dataset_matches", spy)
     out = tmp_path / "run"
-    plan = train_cli.plan_run(parse_train_args(argv(target, data, out, "--enable-thinking", "off")))
+    setup = train_cli.preflight(parse_train_args(argv(target, data, out, "--enable-thinking", "off")))
     assert compared == [(False, False)]  # the chat template and thinking mode were compared, not skipped
-    assert plan.dataset.meta.chat_template_sha256 and plan.total_steps >= 1
+    assert setup.dataset.meta.chat_template_sha256 and setup.total_steps >= 1
     assert not out.exists()  # pre-flight reads, never writes
 
 
@@ -74,4 +74,5 @@ def test_mismatch_is_refused_before_anything_is_written(prepared, tmp_path, caps
 def test_unloadable_tokenizer_is_a_clear_error(prepared, tmp_path) -> None:
     target, data, _ = prepared
     with pytest.raises(TrainerInputError, match="--tokenizer"):
-        train_cli.plan_run(parse_train_args(argv(target, data, tmp_path / "run", "--tokenizer", str(tmp_path / "none"))))
+        train_cli.preflight(parse_train_args(argv(target, data, tmp_path / "run", "--tokenizer",
+                                                  str(tmp_path / "none"))))

@@ -44,7 +44,7 @@ class PipelineOptions:
     compile_backend: str | None = None
 
     def check(self) -> None:
-        """Bad knobs are bad input (before anything is planned or written)."""
+        """Bad knobs are bad input (before anything is set up or written)."""
         if self.feature_transfer not in TRANSFER_MODES:
             raise TrainerInputError(f"--feature-transfer: must be one of {', '.join(TRANSFER_MODES)}, got "
                                     f"{self.feature_transfer!r}")
