@@ -183,9 +183,11 @@ _SIGNAL_SCRIPT = textwrap.dedent("""
     with GracefulStop(on_force=lambda signum: (run / "forced").write_text(str(signum))) as stop:
         print("ready", flush=True)
         step = 0
-        while not stop.requested:  # the training loop: finish the step, then look at the flag
+        while True:  # the training loop: finish the step, then look at the flag
             step += 1
             time.sleep(0.01)
+            if stop.requested:
+                break
         print("saving", flush=True)
         time.sleep(save_s)  # a long checkpoint write: where a second signal lands
         save_checkpoint(run, step, model=model.state_dict(), optimizer=optimizer.state_dict(), scheduler={},
