@@ -84,8 +84,8 @@ def child(args: argparse.Namespace) -> int:
     import torch
 
     from trainer.config import parse_train_args
+    from trainer.pipeline.compile_guard import compile_counts
     from trainer.pipeline.run import PipelineOptions, run_pipeline
-    from trainer.pipeline.warmup import compile_counts
 
     scale = SCALES[args.scale]
     work = Path(args.workdir)

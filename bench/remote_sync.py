@@ -1,6 +1,6 @@
 """Bench: bytes on the wire for a code sync of a 300-file tree, dflashops vs rsync, through the proxy.
 
-Cases: (a) nothing changed, (b) one 4 KiB file changed. dflashops: `ops.sync.sync` on an open session
+Cases: (a) nothing changed, (b) one 4 KiB file changed. dflashops: `ops.sync.sync` on an open Invocation
 (connection, container check and agent already there: what is measured is the sync itself, i.e. the
 `manifest` call and, when needed, the `install` call with its tar). rsync: `rsync -e ssh
 --rsync-path="sudo -n pct exec 200 -- rsync"` into the container, a new ssh connection per run as rsync

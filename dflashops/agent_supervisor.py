@@ -2,7 +2,7 @@
 
 Started by the controller after a launch whose profile sets `on_failure` and/or `stall`:
 `python3 supervisor-<sha>.py start --json-stdin` reads the request (with the run's secrets and an optional
-webhook URL: both held in memory only, never written), forks a daemon in its own session (not in the run's
+webhook URL: both held in memory only, never written), forks a daemon detached by setsid (not in the run's
 process group and without the run's marker, so `stop` never hits it), prints ONE JSON line
 `{"ok": true, "pid": N}` and exits. The daemon uses the agent it was given (`agent`: the path of the
 content-addressed agent file) for everything a run needs: `run_status`, `verb_launch`, the run's own
@@ -320,7 +320,7 @@ class Supervisor:
 
 
 def daemonize(req: dict) -> int:
-    """Fork twice (new session, not the run's group), point stdio at the supervisor log; the parent prints
+    """Fork, setsid (out of the run's group), fork again; point stdio at the supervisor log; the parent prints
     the daemon's pid once it is ready."""
     logs = os.path.join(req["workspace"], "supervisors")
     os.makedirs(logs, exist_ok=True)

@@ -83,7 +83,7 @@ profiles:
 
 @pytest.fixture
 def remote(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """A Session whose ct200 agent runs through a PctTransport over a RecordingHost (no network at all)."""
+    """An Invocation whose ct200 agent runs through a PctTransport over a RecordingHost (no network at all)."""
     (tmp_path / "inventory.yaml").write_text(INVENTORY)
     (tmp_path / "workload.py").write_text("print('hi')\n")
     inventory = load_inventory(tmp_path / "inventory.yaml")

@@ -8,6 +8,9 @@ import pytest
 
 from dflashops.errors import InventoryError, NotFound
 from dflashops.inventory import load_inventory
+from dflashops.lineage import RunRecord
+from dflashops.ops.invocation import Invocation
+from dflashops.ops.nodes import nodes_of
 
 TARGETS = """\
 targets:
@@ -44,3 +47,19 @@ def test_nodes_of_a_spec(tmp_path: Path) -> None:
         inventory.nodes("a,a")
     with pytest.raises(NotFound):
         inventory.nodes("a,zz")
+
+
+def test_a_node_whose_target_left_the_inventory_is_named(tmp_path: Path) -> None:
+    """A run on several targets whose lineage names a target the inventory no longer has: NotFound naming the
+    node, the target and the inventory file."""
+    (tmp_path / "inventory.yaml").write_text(TARGETS)
+    invocation = Invocation(load_inventory(tmp_path / "inventory.yaml"))
+    try:
+        invocation.db.record(RunRecord(name="multi", target="a", extra={"nodes": [{"rank": 0, "target": "a"},
+                                                                                  {"rank": 1, "target": "gone"}]}))
+        with pytest.raises(NotFound) as caught:
+            nodes_of(invocation, "multi")
+        assert caught.value.message == (f"node 1 of run 'multi' was on target 'gone', which is not in "
+                                        f"{tmp_path / 'inventory.yaml'}")
+    finally:
+        invocation.close()

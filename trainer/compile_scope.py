@@ -64,10 +64,6 @@ def replica_scope(key: Hashable) -> Iterator[None]:
         _SCOPE.reset(token)
 
 
-def current_scope() -> Hashable | None:
-    return _SCOPE.get()
-
-
 def scoped(cache: dict[tuple[Hashable, Hashable | None], Callable[..., Any]], key: Hashable,
            fn: Callable[..., Any], **compile_kwargs: Any) -> Callable[..., Any]:
     """The private compiled copy of `fn` for (key, current scope), created on first use. The lock only guards

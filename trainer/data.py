@@ -26,7 +26,7 @@ import torch
 from trainer.config import TrainConfig, TrainerInputError
 from trainer.shards import Sample, ShardError, ShardedDataset
 
-_PLAN_SALT = 0x5EED_0001  # keeps the order generator distinct from the anchor generators
+_ORDER_SALT = 0x5EED_0001  # keeps the order generator distinct from the anchor generators
 _ANCHOR_SALT = 0x5EED_0002
 
 
@@ -124,9 +124,9 @@ def batch_shape(num_samples: int, longest: int, cfg: TrainConfig) -> tuple[int, 
     return rows, seq, cfg.anchors_per_row(rows)
 
 
-def plan_epoch(lengths: np.ndarray, epoch: int, cfg: TrainConfig) -> list[np.ndarray]:
+def epoch_batches(lengths: np.ndarray, epoch: int, cfg: TrainConfig) -> list[np.ndarray]:
     """The micro-batches of one epoch as arrays of sample ids; a pure function of (lengths, seed, epoch)."""
-    rng = np.random.default_rng([cfg.seed, epoch, _PLAN_SALT])
+    rng = np.random.default_rng([cfg.seed, epoch, _ORDER_SALT])
     clipped = np.minimum(lengths, cfg.max_seq_len)
     order = rng.permutation(len(lengths))
     order = order[clipped[order] >= 2]  # a sample shorter than 2 tokens has no anchor
@@ -213,22 +213,22 @@ class BatchStream:
 
     def __init__(self, dataset: ShardedDataset | SyntheticDataset, cfg: TrainConfig, slot_weights: np.ndarray) -> None:
         self.dataset, self.cfg, self.slot_weights = dataset, cfg, slot_weights
-        self._plans: dict[int, list[np.ndarray]] = {}
+        self._batches: dict[int, list[np.ndarray]] = {}
 
-    def plan(self, epoch: int) -> list[np.ndarray]:
-        if epoch not in self._plans:
-            self._plans = {epoch: plan_epoch(self.dataset.lengths, epoch, self.cfg)}  # keep one epoch's plan
-        return self._plans[epoch]
+    def epoch_batches(self, epoch: int) -> list[np.ndarray]:
+        if epoch not in self._batches:
+            self._batches = {epoch: epoch_batches(self.dataset.lengths, epoch, self.cfg)}  # keep one epoch only
+        return self._batches[epoch]
 
     def total_micro_batches(self) -> int:
-        """Micro-batches over all epochs (plans every epoch once: O(samples) per epoch, lengths only)."""
-        return sum(len(plan_epoch(self.dataset.lengths, e, self.cfg)) for e in range(self.cfg.epochs))
+        """Micro-batches over all epochs (splits every epoch into batches once: O(samples) per epoch, lengths only)."""
+        return sum(len(epoch_batches(self.dataset.lengths, e, self.cfg)) for e in range(self.cfg.epochs))
 
     def iterate(self, epoch: int, index: int) -> Iterator[Batch]:
         """Yield batches from position (epoch, index) to the end of the last epoch."""
         while epoch < self.cfg.epochs:
-            plan = self.plan(epoch)
-            while index < len(plan):
-                yield collate(self.dataset, plan[index], epoch, index, self.cfg, self.slot_weights)
+            batches = self.epoch_batches(epoch)
+            while index < len(batches):
+                yield collate(self.dataset, batches[index], epoch, index, self.cfg, self.slot_weights)
                 index += 1
             epoch, index = epoch + 1, 0

@@ -1,6 +1,6 @@
 """The one training loop: resume, log window, checkpoint schedule, stop and failure handling, for every engine.
 
-`run_training(plan, engine)` reads top to bottom like torchtitan's Trainer.train:
+`run_training(setup, engine)` reads top to bottom like torchtitan's Trainer.train:
   1. run directory, train_config.json, status.json (warmup), the engine's start lines
   2. inside the stop handler (SIGTERM/SIGHUP/SIGINT, installed before the minutes-long target load):
      wandb, engine.build() (targets, drafters), resume (model, optimizer, schedule, RNG, data position)
@@ -29,7 +29,7 @@ from trainer.engine import Engine
 from trainer.failure import record_failure
 from trainer.handover import devices_free, wait_for_checkpoint
 from trainer.metrics import RunRecorder, truncate_metrics
-from trainer.preflight import Plan, check_resume_nodes, expected_shapes
+from trainer.preflight import RunSetup, check_resume_nodes, expected_shapes
 from trainer.run_files import CHECKPOINT_PREFIX, TRAIN_CONFIG
 from trainer.signals import GracefulStop
 
@@ -40,10 +40,10 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def run_training(plan: Plan, engine: Engine) -> int:
-    """Train `plan` with `engine`; return the exit code (see module doc). Everything that can refuse the run has
+def run_training(setup: RunSetup, engine: Engine) -> int:
+    """Train `setup` with `engine`; return the exit code (see module doc). Everything that can refuse the run has
     been checked already (trainer.preflight and the engine's constructor): from here on the run directory exists."""
-    cfg = plan.cfg
+    cfg = setup.cfg
     run_dir = Path(cfg.output_dir or ".")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / TRAIN_CONFIG).write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n")
@@ -62,11 +62,11 @@ def run_training(plan: Plan, engine: Engine) -> int:
                 recorder.open_wandb(cfg.wandb, cfg.wandb_project, cfg.wandb_run_name, cfg.to_dict())
             engine.build()
             recorder.mark("built")
-            step = _resume(plan, engine, recorder, run_dir)
+            step = _resume(setup, engine, recorder, run_dir)
             # The writer exits before the failure report: a checkpoint snapshotted before a failure still lands.
             with CheckpointWriter(run_dir, cfg.keep_checkpoints) as writer:
                 with engine.running(step, recorder):
-                    ending = _steps(plan, engine, recorder, writer, stop, step)
+                    ending = _steps(setup, engine, recorder, writer, stop, step)
                 if ending.phase == "stopped" and writer.in_flight():
                     _offer_handover(engine, recorder, run_dir, ending.step)
                 report_checkpoints(recorder, writer.wait())  # the final checkpoint: waited for, never cut short
@@ -85,25 +85,25 @@ def run_training(plan: Plan, engine: Engine) -> int:
             recorder.close()
 
 
-def _resume(plan: Plan, engine: Engine, recorder: RunRecorder, run_dir: Path) -> int:
-    """Restore the checkpoint the plan names (if any) into the engine; return the first step to train."""
-    if plan.resume_from is None:
+def _resume(setup: RunSetup, engine: Engine, recorder: RunRecorder, run_dir: Path) -> int:
+    """Restore the checkpoint the setup names (if any) into the engine; return the first step to train."""
+    if setup.resume_from is None:
         return 0
-    if plan.resume_writer is not None:  # the stopped run is still writing it (trainer.handover)
-        log(f"waiting for {plan.resume_writer.name} to finish writing {plan.resume_from}")
-        recorder.set_status(waiting_for=str(plan.resume_from))
-        wait_for_checkpoint(plan.resume_from, plan.resume_writer)
-        check_shapes(plan.resume_from, expected_shapes(plan.drafter_config))  # the checks the pre-flight deferred
-        check_resume_nodes(plan.resume_from, plan.cfg.nodes)
+    if setup.resume_writer is not None:  # the stopped run is still writing it (trainer.handover)
+        log(f"waiting for {setup.resume_writer.name} to finish writing {setup.resume_from}")
+        recorder.set_status(waiting_for=str(setup.resume_from))
+        wait_for_checkpoint(setup.resume_from, setup.resume_writer)
+        check_shapes(setup.resume_from, expected_shapes(setup.drafter_config))  # the checks the pre-flight deferred
+        check_resume_nodes(setup.resume_from, setup.cfg.nodes)
         recorder.set_status(waiting_for=None)
         recorder.mark("checkpoint_ready")
-    state = engine.load_checkpoint(plan.resume_from)
+    state = engine.load_checkpoint(setup.resume_from)
     step, position = engine.restore(state)
     dropped = truncate_metrics(run_dir, step)
-    log(f"resumed from {plan.resume_from} at step {step} ({position}"
+    log(f"resumed from {setup.resume_from} at step {step} ({position}"
         f"{f'; dropped {dropped} metrics lines past it' if dropped else ''})")
     if engine.writes_checkpoints:
-        recorder.set_status(step=step, last_checkpoint=str(plan.resume_from))
+        recorder.set_status(step=step, last_checkpoint=str(setup.resume_from))
     else:
         recorder.set_status(step=step)
     recorder.mark("resumed")
@@ -120,11 +120,11 @@ class Ending:
     trained: bool = True  # False: stopped before the first step of this process
 
 
-def _steps(plan: Plan, engine: Engine, recorder: RunRecorder, writer: CheckpointWriter, stop: GracefulStop,
+def _steps(setup: RunSetup, engine: Engine, recorder: RunRecorder, writer: CheckpointWriter, stop: GracefulStop,
            step: int) -> Ending:
     """The optimizer steps from `step` on. The last checkpoint (end of run, stop) is submitted, not waited
     for: the caller waits once the worker threads have stopped (and, on a stop, the devices are free)."""
-    cfg, total_steps = plan.cfg, engine.total_steps
+    cfg, total_steps = setup.cfg, engine.total_steps
     signum = engine.agree_stop(stop.signum)
     if signum is not None:  # signalled while loading: nothing trained since the last checkpoint (if any)
         engine.finish()

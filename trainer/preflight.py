@@ -1,9 +1,9 @@
 """Pre-flight: every check that can refuse a training run, made BEFORE the run directory exists.
 
-`plan_run(cfg)` reads the target's config (no weights), builds the drafter shape, opens the data, resolves
+`preflight(cfg)` reads the target's config (no weights), builds the drafter shape, opens the data, resolves
 the resume checkpoint and checks its shape and the number of nodes that wrote it, checks --init-from and the
 loss kernels, and counts the optimizer steps the data holds. It reads and never writes; bad input is a
-TrainerInputError (one `error:` line, one `hint:` line, exit 2, nothing on disk). `load_target(plan)` is the
+TrainerInputError (one `error:` line, one `hint:` line, exit 2, nothing on disk). `load_target(setup)` is the
 one place a target model is loaded, shared by every engine (single-process, threaded pipeline, distributed).
 """
 
@@ -25,7 +25,7 @@ from trainer.step import check_loss_kernels
 
 
 @dataclass
-class Plan:
+class RunSetup:
     """Everything decided before the run directory exists."""
 
     cfg: TrainConfig
@@ -142,7 +142,7 @@ def check_resume_nodes(path: Path, nodes: int) -> None:
                                      "export it and start a new run with --init-from")
 
 
-def plan_run(cfg: TrainConfig, *, reads_checkpoints: bool = True) -> Plan:
+def preflight(cfg: TrainConfig, *, reads_checkpoints: bool = True) -> RunSetup:
     """Every check that can refuse the run; reads, never writes. `reads_checkpoints=False` (the nodes other than
     node 0 of a distributed run, which never read checkpoints or drafter files) skips --resume and --init-from:
     node 0 reads them and sends what it read to every node."""
@@ -173,8 +173,8 @@ def plan_run(cfg: TrainConfig, *, reads_checkpoints: bool = True) -> Plan:
     total_steps = min(cfg.max_steps, steps_in_data) if cfg.max_steps else steps_in_data
     drafter_device = first_device(cfg.drafter_gpus)
     check_loss_kernels(cfg.loss_kernels, drafter_device)  # before the (minutes long) target load
-    return Plan(cfg, hf_config, drafter_config, dataset, resume_from, first_device(cfg.target_gpus),
-                drafter_device, total_steps, resume_writer=writer)
+    return RunSetup(cfg, hf_config, drafter_config, dataset, resume_from, first_device(cfg.target_gpus),
+                    drafter_device, total_steps, resume_writer=writer)
 
 
 def expected_shapes(drafter_config: DrafterConfig) -> dict[str, list[int]]:
@@ -213,11 +213,11 @@ def resolve_devices(names: list[str], flag: str) -> list[torch.device]:
     return devices
 
 
-def load_target(plan: Plan, device: torch.device | None = None) -> TargetModel:
-    """The frozen target on `device` (default: the plan's target device); bf16 on CUDA, fp32 on the CPU."""
-    cfg, ids = plan.cfg, plan.drafter_config.target_layer_ids
-    device = device or plan.target_device
+def load_target(setup: RunSetup, device: torch.device | None = None) -> TargetModel:
+    """The frozen target on `device` (default: the setup's target device); bf16 on CUDA, fp32 on the CPU."""
+    cfg, ids = setup.cfg, setup.drafter_config.target_layer_ids
+    device = device or setup.target_device
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if cfg.target_model is None:
-        return TargetModel.from_config(plan.hf_config, ids, seed=cfg.seed, dtype=dtype, device=device)
+        return TargetModel.from_config(setup.hf_config, ids, seed=cfg.seed, dtype=dtype, device=device)
     return TargetModel.from_pretrained(cfg.target_model, ids, dtype=dtype, device=device)

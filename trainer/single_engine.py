@@ -23,7 +23,7 @@ from trainer.handover import free_device_memory
 from trainer.loss import position_weights
 from trainer.metrics import RunRecorder
 from trainer.model import DFlashDrafter
-from trainer.preflight import Plan, load_target
+from trainer.preflight import RunSetup, load_target
 from trainer.step import DrafterSide, StepStats, TargetSide, micro_batches, noise_std_at
 
 
@@ -33,26 +33,27 @@ class SingleEngine:
     writes_metrics = True
     writes_checkpoints = True
 
-    def __init__(self, plan: Plan) -> None:
-        self.plan, self.cfg = plan, plan.cfg
-        self.total_steps = plan.total_steps
-        self.stream = BatchStream(plan.dataset, self.cfg, position_weights(self.cfg.block_size, self.cfg.gamma).numpy())
+    def __init__(self, setup: RunSetup) -> None:
+        self.setup, self.cfg = setup, setup.cfg
+        self.total_steps = setup.total_steps
+        self.stream = BatchStream(setup.dataset, self.cfg,
+                                  position_weights(self.cfg.block_size, self.cfg.gamma).numpy())
         self.epoch, self.index = 0, 0  # the next micro-batch to read
         self.recorder: RunRecorder | None = None
 
     def announce(self, run_dir: Path) -> list[str]:
-        return [f"run directory {run_dir.resolve()} ({self.total_steps} steps; target on {self.plan.target_device}, "
-                f"drafter on {self.plan.drafter_device})"]
+        return [f"run directory {run_dir.resolve()} ({self.total_steps} steps; target on {self.setup.target_device}, "
+                f"drafter on {self.setup.drafter_device})"]
 
     def build(self) -> None:
-        cfg, plan = self.cfg, self.plan
-        target = load_target(plan)
+        cfg, setup = self.cfg, self.setup
+        target = load_target(setup)
         torch.manual_seed(cfg.seed)  # the drafter's init is a function of --seed
-        drafter = DFlashDrafter(plan.drafter_config)
+        drafter = DFlashDrafter(setup.drafter_config)
         if cfg.init_from is not None:
             drafter.load_state_dict(DFlashDrafter.from_pretrained(cfg.init_from).state_dict())
-        self.target_side = TargetSide(target, plan.target_device, soft_labels=cfg.use_soft_labels)
-        self.drafter_side = DrafterSide(cfg, drafter, target.embed_weight, target.lm_head_weight, plan.drafter_device,
+        self.target_side = TargetSide(target, setup.target_device, soft_labels=cfg.use_soft_labels)
+        self.drafter_side = DrafterSide(cfg, drafter, target.embed_weight, target.lm_head_weight, setup.drafter_device,
                                         self.total_steps)
         print(f"loss kernels: {self.drafter_side.loss_kernels.kind}", file=sys.stderr, flush=True)
 
@@ -140,7 +141,7 @@ class SingleEngine:
     def release_devices(self) -> dict[str, int]:
         for name in ("target_side", "drafter_side", "batches", "window"):
             self.__dict__.pop(name, None)  # the target, the drafter and its optimizer, a prefetched batch
-        return free_device_memory([self.plan.target_device, self.plan.drafter_device])
+        return free_device_memory([self.setup.target_device, self.setup.drafter_device])
 
     def close(self, failure: BaseException | None) -> None:
         pass

@@ -22,7 +22,7 @@ import time
 
 from trainer.config import TrainConfig, TrainerInputError, parse_train_args
 from trainer.loop import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, run_training
-from trainer.preflight import Plan, build_drafter_config, plan_run
+from trainer.preflight import RunSetup, build_drafter_config, preflight
 
 
 def launched_by_torchrun() -> bool:
@@ -61,8 +61,8 @@ def run(cfg: TrainConfig) -> int:
     """Train per `cfg` with one target and one drafter; return the exit code (see module doc)."""
     from trainer.single_engine import SingleEngine
 
-    plan = plan_run(cfg)
-    return run_training(plan, SingleEngine(plan))
+    setup = preflight(cfg)
+    return run_training(setup, SingleEngine(setup))
 
 
-__all__ = ["main", "run", "plan_run", "Plan", "build_drafter_config", "EXIT_OK", "EXIT_FAILED", "EXIT_BAD_INPUT"]
+__all__ = ["main", "run", "preflight", "RunSetup", "build_drafter_config", "EXIT_OK", "EXIT_FAILED", "EXIT_BAD_INPUT"]

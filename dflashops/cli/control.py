@@ -79,7 +79,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     at.add_argument("run", metavar="RUN", help="the run to attach to (launched with --launcher tmux)")
     at.add_argument("--target", help="target (default: RUN's recorded target, or the default target)")
     at.add_argument("--node", type=int, metavar="K", default=None,
-                    help="a run on several targets: node K's session (default: node 0)")
+                    help="a run on several targets: node K's tmux session (default: node 0)")
     at.set_defaults(func=with_run_hint(handle_attach))
 
     gc = subparsers.add_parser(

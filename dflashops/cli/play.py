@@ -84,7 +84,7 @@ def handle_play(args: argparse.Namespace) -> int:
     overrides = parse_set(args.overrides)
     if "target" in overrides and args.target is None:
         args.target = str(overrides.pop("target"))
-    playbook = load_playbook(args.playbook)  # PlaybookError (exit 2) before any session is opened
+    playbook = load_playbook(args.playbook)  # PlaybookError (exit 2) before any invocation is opened
     playbook.bind(overrides)
     with open_invocation(args, dry_run=args.check) as invocation:
         report = run_playbook(invocation, playbook, overrides, target=args.target, check=args.check,

@@ -204,7 +204,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
 
 
 def _statuses_from_target(args: argparse.Namespace, target: str) -> list[dict[str, Any]]:
-    """The agent's `status` answer for every run on `target` (through C1's session/agent seam). The agent
+    """The agent's `status` answer for every run on `target` (through C1's invocation/agent seam). The agent
     is called directly rather than through ops.control.run_status, which would also write states into the
     inventory's database when `--db` names another one."""
     from dflashops.cli.common import open_invocation

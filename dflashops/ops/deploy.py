@@ -212,7 +212,7 @@ def deploy(invocation: Invocation, request: DeployRequest) -> DeployOutcome:
 
 def launch_named(invocation: Invocation, request: DeployRequest, target: Target, profile: Profile,
                  name: str) -> DeployOutcome:
-    """Sync, plan and launch the run `name` (already claimed), then fill in its lineage record."""
+    """Sync, build the launch spec and launch the run `name` (already claimed), then fill in its lineage record."""
     outcome, spec = launch_on(invocation, request, target, profile, name)
     if not invocation.dry_run:
         invocation.db.fill(spec.record)

@@ -75,7 +75,7 @@ def remote_targets(inventory: Inventory, include_local: bool = True) -> list[Tar
     return [t for t in inventory.targets.values() if include_local or t.kind != "local"]
 
 
-def _with_session(inventory: Inventory, dry_run: bool, body: Callable[[Invocation], R]) -> R:
+def _with_invocation(inventory: Inventory, dry_run: bool, body: Callable[[Invocation], R]) -> R:
     invocation = Invocation(inventory, dry_run=dry_run)
     try:
         return body(invocation)
@@ -86,7 +86,7 @@ def _with_session(inventory: Inventory, dry_run: bool, body: Callable[[Invocatio
 def status_all(inventory: Inventory, *, timeout: float = DEFAULT_TIMEOUT_S) -> list[FanoutResult[list[dict[str, Any]]]]:
     """Every run on every target (the agent's status entries per target)."""
     return fan_out(remote_targets(inventory),
-                   lambda t: _with_session(inventory, False, lambda s: run_status(s, None, target=t.name)),
+                   lambda t: _with_invocation(inventory, False, lambda inv: run_status(inv, None, target=t.name)),
                    timeout=timeout)
 
 
@@ -104,14 +104,14 @@ def stop_all(inventory: Inventory, *, grace: float = 60.0, save_grace: float = 6
         return stopped
 
     return fan_out(remote_targets(inventory),
-                   lambda t: _with_session(inventory, dry_run, lambda s: stop_target(s, t)), timeout=timeout)
+                   lambda t: _with_invocation(inventory, dry_run, lambda inv: stop_target(inv, t)), timeout=timeout)
 
 
 def exec_all(inventory: Inventory, argv: Sequence[str], *,
              timeout: float = DEFAULT_TIMEOUT_S) -> list[FanoutResult[Any]]:
     """Run argv on every target; each value is the Result (exit code, stdout, stderr)."""
     return fan_out(remote_targets(inventory),
-                   lambda t: _with_session(inventory, False,
-                                           lambda s: s.agent(t).transport.run(list(argv), check=False,
-                                                                               timeout=timeout)),
+                   lambda t: _with_invocation(inventory, False,
+                                              lambda inv: inv.agent(t).transport.run(list(argv), check=False,
+                                                                                     timeout=timeout)),
                    timeout=timeout)

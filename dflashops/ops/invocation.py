@@ -25,7 +25,7 @@ class Invocation:
     _db: LineageDB | None = None
     _agents: dict[str, Agent] = field(default_factory=dict)
     # Things that went wrong on the side of a verb that still did its job (the lineage could not follow
-    # a stop); the CLI prints each as `warning: ...` on stderr when the session closes.
+    # a stop); the CLI prints each as `warning: ...` on stderr when the invocation closes.
     warnings: list[str] = field(default_factory=list)
     _notifier: Notifier | None = None
 

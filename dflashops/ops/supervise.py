@@ -85,7 +85,7 @@ def start(invocation: Invocation, request: Any, target: Target, profile: Profile
     if notify is not None and notify.from_target:
         webhook = notify.webhook or (os.environ.get(notify.webhook_env) if notify.webhook_env else None)
     on_failure, stall = profile.on_failure, profile.stall
-    plan = template(invocation, request, target, profile, code_hash, release_path, root)
+    launch_template = template(invocation, request, target, profile, code_hash, release_path, root)
     req = {"workspace": target.workspace, "agent": agent.path, "root": name, "run": name, "restarts": restarts,
            "target": target.name, "gpus": list(target.gpus), "poll_s": poll_interval(stall),
            "on_failure": None if on_failure is None else {
@@ -95,11 +95,12 @@ def start(invocation: Invocation, request: Any, target: Target, profile: Profile
                "heartbeat_s": stall.heartbeat_s, "gpu_util_below": stall.gpu_util_below, "for_s": stall.for_s,
                "grace_s": stall.grace_s},
            "events": list(notify.events) if notify else [], "webhook": webhook,
-           "webhook_timeout_s": notify.timeout_s if notify else 10.0, "template": plan}
+           "webhook_timeout_s": notify.timeout_s if notify else 10.0, "template": launch_template}
     argv = [target.python, path, "start", "--json-stdin"]
     if invocation.dry_run:
         shown = {**req, "webhook": shown_url(webhook) if webhook else None,
-                 "template": {**plan, "env": {k: plan["shown_env"].get(k, REDACTED) for k in plan["env"]}}}
+                 "template": {**launch_template, "env": {k: launch_template["shown_env"].get(k, REDACTED)
+                                                         for k in launch_template["env"]}}}
         agent.record([target.python, "-c", "<upload>", path], "agent_supervisor.py")
         agent.record(argv, "request JSON: " + json.dumps(shown, sort_keys=True))
         return {"dry_run": True}

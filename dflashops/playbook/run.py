@@ -1,6 +1,6 @@
 """Running a loaded playbook: steps in order, `on_failure` handling, and a report per step.
 
-`run_playbook(session, playbook, overrides, target=..., check=...)` returns a PlayReport: one StepReport
+`run_playbook(invocation, playbook, overrides, target=..., check=...)` returns a PlayReport: one StepReport
 per step (ok / changed / failed / skipped / recovered, duration, detail, and in check mode the exact
 commands it would run), the tables that `collect` steps filled, and the error that stopped the playbook
 (None when it completed). on_failure: `stop` (default) ends the playbook, later steps are `skipped`;

@@ -2,7 +2,7 @@
 
 Every step function takes the run context and its rendered arguments and returns a StepOutcome
 (changed or not, a one-line detail, a dict that `register:` stores), or raises a DflashopsError. In check
-mode the Session is a dry-run one: mutating agent calls are recorded as the exact commands they would
+mode the Invocation is a dry-run one: mutating agent calls are recorded as the exact commands they would
 run, read-only calls (status, manifest) still run, and steps that only observe (wait, assert, collect)
 describe what they would poll instead of polling.
 """
@@ -268,7 +268,7 @@ def do_collect(ctx: Context, args: dict[str, Any]) -> StepOutcome:
 def latest_running_run(invocation: Invocation, target: str | None) -> str:
     """The most recently started run that is running now on `target` (for the `{{latest_run}}` default)."""
     tgt = invocation.inventory.target(target)
-    # The agent's status verb directly (read-only): in a --check session on a target that has no agent yet,
+    # The agent's status verb directly (read-only): in --check mode on a target that has no agent yet,
     # the call is only planned and answers without "runs", which here simply means "none running".
     answer = invocation.agent(tgt).call("status", {"workspace": tgt.workspace})
     running = [e for e in answer.get("runs", []) if e["state"] == "running"]

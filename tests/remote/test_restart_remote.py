@@ -23,7 +23,7 @@ from dflashops.ops.sync import local_manifest, release_files
 
 
 def restart_counting(inventory: Path, run: str, **fields: object) -> tuple[RestartOutcome, int]:
-    """restart() through the real CLI session objects; returns the outcome and how many commands the
+    """restart() through the real CLI invocation objects; returns the outcome and how many commands the
     transport really ran (counted at the transport, not taken from the outcome)."""
     inv = load_inventory(inventory)
     invocation = Invocation(inv)

@@ -170,27 +170,75 @@ def test_resume_modes(tmp_path: Path) -> None:
 
 
 _SIGNAL_SCRIPT = textwrap.dedent("""
-    import os, signal, sys, time
-    from trainer.signals import GracefulStop
-    with GracefulStop() as stop:
-        os.kill(os.getpid(), signal.{sig})
-        time.sleep(0.2)
-        print("requested", stop.requested, stop.exit_code, flush=True)
-        if "--twice" in sys.argv:
-            os.kill(os.getpid(), signal.{sig})
-            time.sleep(2)
-            print("still alive", flush=True)
+    import signal, sys, time
+    from pathlib import Path
+    import torch
+    from trainer.checkpoint import save_checkpoint
+    from trainer.signals import STOP_SIGNALS, GracefulStop
+
+    run, save_s = Path(sys.argv[1]), float(sys.argv[2])
+    before = [signal.getsignal(s) for s in STOP_SIGNALS]
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    with GracefulStop(on_force=lambda signum: (run / "forced").write_text(str(signum))) as stop:
+        print("ready", flush=True)
+        step = 0
+        while True:  # the training loop: finish the step, then look at the flag
+            step += 1
+            time.sleep(0.01)
+            if stop.requested:
+                break
+        print("saving", flush=True)
+        time.sleep(save_s)  # a long checkpoint write: where a second signal lands
+        save_checkpoint(run, step, model=model.state_dict(), optimizer=optimizer.state_dict(), scheduler={},
+                        epoch=0, index=step, extra={"signal": stop.signum}, keep=1)
+    print("handlers restored", [signal.getsignal(s) for s in STOP_SIGNALS] == before, flush=True)
+    sys.exit(stop.exit_code)
 """)
 
 
-@pytest.mark.parametrize("sig, code", [("SIGTERM", 143), ("SIGHUP", 129), ("SIGINT", 130)])
-def test_first_signal_requests_a_stop_second_exits_at_once(sig: str, code: int) -> None:
-    script = _SIGNAL_SCRIPT.format(sig=sig)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    once = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
-    assert once.returncode == 0 and f"requested True {code}" in once.stdout
-    assert f"received {sig}" in once.stderr
-    twice = subprocess.run([sys.executable, "-c", script, "--twice"], capture_output=True, text=True, env=env, timeout=60)
-    assert twice.returncode == code and "still alive" not in twice.stdout
-    assert "exiting now without a checkpoint" in twice.stderr
-    assert signal.getsignal(signal.SIGTERM) is not None
+def _start_training(run: Path, save_s: float) -> subprocess.Popen:
+    """A stand-in training loop under GracefulStop in its own process, once its handlers are installed."""
+    proc = subprocess.Popen([sys.executable, "-c", _SIGNAL_SCRIPT, str(run), str(save_s)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    line = proc.stdout.readline() if proc.stdout else ""
+    if line != "ready\n":
+        proc.kill()
+        pytest.fail(f"the training process did not start: {line!r} {proc.communicate()[1]}")
+    return proc
+
+
+STOP_SIGNALS = [signal.SIGTERM, signal.SIGHUP, signal.SIGINT]
+
+
+@pytest.mark.parametrize("sig", STOP_SIGNALS, ids=lambda s: s.name)
+def test_a_stop_signal_finishes_the_step_saves_a_checkpoint_and_exits_128_plus_signum(tmp_path: Path,
+                                                                                      sig: signal.Signals) -> None:
+    proc = _start_training(tmp_path, 0)
+    try:
+        proc.send_signal(sig)  # from outside, as `dflashops stop` (SIGTERM), a closed terminal or Ctrl-C do
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + sig, err
+    assert f"received {sig.name}: finishing the current step, then saving a checkpoint" in err
+    assert "saving" in out and "handlers restored True" in out  # GracefulStop's exit put the old handlers back
+    [(step, path)] = list_checkpoints(tmp_path)
+    assert step >= 1 and load_checkpoint(path).extra["signal"] == sig
+    assert not (tmp_path / "forced").exists()
+
+
+@pytest.mark.parametrize("sig", STOP_SIGNALS, ids=lambda s: s.name)
+def test_a_second_signal_exits_at_once_without_a_checkpoint(tmp_path: Path, sig: signal.Signals) -> None:
+    proc = _start_training(tmp_path, 60)
+    try:
+        proc.send_signal(sig)
+        assert proc.stdout is not None and proc.stdout.readline() == "saving\n"
+        proc.send_signal(sig)  # during the (60 s) save
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + sig, err
+    assert f"received {sig.name} again: exiting now without a checkpoint" in err
+    assert "handlers restored" not in out and list_checkpoints(tmp_path) == []
+    assert (tmp_path / "forced").read_text() == str(int(sig))  # on_force ran first (status.json says so)

@@ -20,8 +20,8 @@ import torch
 from trainer.compile_scope import private_copy, replica_scope, scoped
 from trainer.config import parse_train_args
 from trainer.loss import make_chunk_kernels
+from trainer.pipeline.compile_guard import CompileGuard
 from trainer.pipeline.run import PipelineOptions, run_pipeline
-from trainer.pipeline.warmup import CompileGuard
 from trainer.train import EXIT_OK
 
 pytestmark = pytest.mark.timeout(240)
@@ -63,7 +63,7 @@ def test_two_threads_with_private_loss_kernels_never_miss_the_cache() -> None:
     chunks, failures = _chunks(), []
     for trial in range(8):
         kernels = [make_chunk_kernels("compiled", compile_backend="eager") for _ in range(2)]
-        for k in kernels:  # warm-up: sequential, every chunk shape, like trainer.pipeline.warmup
+        for k in kernels:  # warm-up: sequential, every chunk shape, like trainer.pipeline.compile_guard.warm_up
             for logits, labels in chunks:
                 k.stats(logits, labels, 1.0, False)
         errors: list[str] = []

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from trainer.config import TrainerInputError, parse_train_args
-from trainer.data import BatchStream, batch_shape, collate, open_dataset, padded_length, plan_epoch
+from trainer.data import BatchStream, batch_shape, collate, epoch_batches, open_dataset, padded_length
 from trainer.loss import position_weights
 from trainer.shards import DatasetMeta, write_index, write_shard
 
@@ -34,15 +34,15 @@ def _write_dataset(directory: Path, lengths: list[int], seed: int = 0, vocab: in
     return samples
 
 
-def test_epoch_plan_is_deterministic_complete_and_within_budget(tmp_path: Path) -> None:
+def test_epoch_batches_are_deterministic_complete_and_within_budget(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path, "--token-budget", "200", "--max-batch-size", "3")
     lengths = np.random.default_rng(1).integers(1, 90, size=100)
-    plan0 = plan_epoch(lengths, 0, cfg)
-    assert [b.tolist() for b in plan0] == [b.tolist() for b in plan_epoch(lengths, 0, cfg)]
-    assert [b.tolist() for b in plan0] != [b.tolist() for b in plan_epoch(lengths, 1, cfg)]
-    used = np.concatenate(plan0)
+    epoch0 = epoch_batches(lengths, 0, cfg)
+    assert [b.tolist() for b in epoch0] == [b.tolist() for b in epoch_batches(lengths, 0, cfg)]
+    assert [b.tolist() for b in epoch0] != [b.tolist() for b in epoch_batches(lengths, 1, cfg)]
+    used = np.concatenate(epoch0)
     assert sorted(used.tolist()) == sorted(np.flatnonzero(lengths >= 2).tolist())  # each sample once
-    for batch in plan0:
+    for batch in epoch0:
         longest = min(int(lengths[batch].max()), cfg.max_seq_len)
         assert len(batch) <= 3 and len(batch) * padded_length(longest, cfg.max_seq_len) <= 200
 

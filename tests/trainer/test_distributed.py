@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from tests.trainer.dist_nodes import REPO, TINY, start_nodes, stop_all, wait_all, wait_for_metrics
 from trainer.__main__ import main as trainer_main
 from trainer.config import parse_train_args
-from trainer.pipeline.plan import Assignment
+from trainer.pipeline.assignment import Assignment
 from trainer.pipeline.run import run_pipeline
 
 pytestmark = pytest.mark.timeout(240)

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
+from trainer.pipeline.assignment import Assignment, FaultPoints, GlobalOrder, InjectedFault
 from trainer.pipeline.channel import ChannelGroup
-from trainer.pipeline.plan import Assignment, FaultPoints, GlobalOrder, InjectedFault
 from trainer.pipeline.supervisor import Supervisor, WorkerFailed
 
 pytestmark = pytest.mark.timeout(30)
@@ -78,12 +78,13 @@ def test_stall_report_says_which_side_starves() -> None:
 
 
 def test_assignment_is_deterministic_balanced_and_step_major() -> None:
-    plan = Assignment(num_targets=5, num_drafters=3, grad_accum=2)
-    assert plan.per_step == 6
-    assert [plan.micro_index(1, d, a) for d in range(3) for a in range(2)] == list(range(6, 12))
-    assert [plan.target_of(g) for g in range(6)] == [0, 1, 2, 3, 4, 0]
-    assert list(plan.indices_of_target(2, 10, 30)) == [12, 17, 22, 27]
-    assert "target4 (cuda:4) -> drafter0 (cuda:5)" in plan.describe([f"cuda:{i}" for i in range(5)], ["cuda:5", "cuda:6", "cuda:7"])
+    assignment = Assignment(num_targets=5, num_drafters=3, grad_accum=2)
+    assert assignment.per_step == 6
+    assert [assignment.micro_index(1, d, a) for d in range(3) for a in range(2)] == list(range(6, 12))
+    assert [assignment.target_of(g) for g in range(6)] == [0, 1, 2, 3, 4, 0]
+    assert list(assignment.indices_of_target(2, 10, 30)) == [12, 17, 22, 27]
+    assert "target4 (cuda:4) -> drafter0 (cuda:5)" in assignment.describe([f"cuda:{i}" for i in range(5)],
+                                                                         ["cuda:5", "cuda:6", "cuda:7"])
     with pytest.raises(ValueError, match="at least one target worker"):
         Assignment(0, 1, 1)
 

@@ -42,9 +42,21 @@ def argv(target: Path, data: Path, out: Path, *extra: str) -> list[str]:
             "--wandb", "off", "--resume", "never", "--rope-theta", "10000", *extra]
 
 
-def test_matching_settings_pass_the_plan(prepared, tmp_path) -> None:
+def test_matching_settings_are_checked_and_pass(prepared, tmp_path, monkeypatch) -> None:
     target, data, _ = prepared
-    train_cli.plan_run(parse_train_args(argv(target, data, tmp_path / "run", "--enable-thinking", "off")))
+    compared = []
+    real = prepare_cli.check_dataset_matches
+
+    def spy(meta, tokenizer, enable_thinking):
+        compared.append((meta.enable_thinking, enable_thinking))
+        real(meta, tokenizer, enable_thinking)
+
+    monkeypatch.setattr(prepare_cli, "check_dataset_matches", spy)
+    out = tmp_path / "run"
+    setup = train_cli.preflight(parse_train_args(argv(target, data, out, "--enable-thinking", "off")))
+    assert compared == [(False, False)]  # the chat template and thinking mode were compared, not skipped
+    assert setup.dataset.meta.chat_template_sha256 and setup.total_steps >= 1
+    assert not out.exists()  # pre-flight reads, never writes
 
 
 @pytest.mark.parametrize("extra, words", [(["--enable-thinking", "on"], "enable_thinking"),
@@ -62,4 +74,5 @@ def test_mismatch_is_refused_before_anything_is_written(prepared, tmp_path, caps
 def test_unloadable_tokenizer_is_a_clear_error(prepared, tmp_path) -> None:
     target, data, _ = prepared
     with pytest.raises(TrainerInputError, match="--tokenizer"):
-        train_cli.plan_run(parse_train_args(argv(target, data, tmp_path / "run", "--tokenizer", str(tmp_path / "none"))))
+        train_cli.preflight(parse_train_args(argv(target, data, tmp_path / "run", "--tokenizer",
+                                                  str(tmp_path / "none"))))

@@ -29,7 +29,7 @@ from trainer.failure import ExplainedFailure
 from trainer.loop import EXIT_FAILED, run_training
 from trainer.pipeline.engine import PipelineEngine
 from trainer.pipeline.options import PipelineOptions
-from trainer.preflight import plan_run
+from trainer.preflight import preflight
 
 
 def _cuda_device(cfg: TrainConfig) -> torch.device | None:
@@ -56,16 +56,16 @@ def run_distributed(cfg: TrainConfig, options: PipelineOptions | None = None) ->
     engine: PipelineEngine | None = None
     failure: BaseException | None = None
     try:
-        plan, refusal = None, None
+        setup, refusal = None, None
         try:
-            plan = plan_run(cfg, reads_checkpoints=rank == 0)
-            engine = PipelineEngine(plan, options, cluster)
+            setup = preflight(cfg, reads_checkpoints=rank == 0)
+            engine = PipelineEngine(setup, options, cluster)
         except TrainerInputError as exc:
             refusal = exc
-        resume_from = agree_on_start(cluster, fingerprint, refusal, plan.resume_from if plan else None)
-        assert plan is not None and engine is not None
-        plan.resume_from = resume_from  # node 0's checkpoint; node 0 sends its contents to the others
-        code = run_training(plan, engine)
+        resume_from = agree_on_start(cluster, fingerprint, refusal, setup.resume_from if setup else None)
+        assert setup is not None and engine is not None
+        setup.resume_from = resume_from  # node 0's checkpoint; node 0 sends its contents to the others
+        code = run_training(setup, engine)
         failure = engine.failure
         return code
     except ExplainedFailure as exc:  # a node lost during the start agreement: no run directory yet

@@ -21,11 +21,11 @@ from typing import Any, Protocol
 
 import torch
 
+from trainer.pipeline.assignment import Assignment, FaultPoints
 from trainer.pipeline.channel import Channel
+from trainer.pipeline.compile_guard import CompileGuard
 from trainer.pipeline.handoff import Parcel, accept, use_worker_stream
-from trainer.pipeline.plan import Assignment, FaultPoints
 from trainer.pipeline.supervisor import Supervisor
-from trainer.pipeline.warmup import CompileGuard
 
 
 class DrafterSideLike(Protocol):
@@ -144,7 +144,7 @@ class DrafterWorker:
             self.supervisor.set_phase(self.name, f"waiting for features {g} from {channel.name}")
             faults.hit(f"{self.name}.get", self.supervisor.stop_event)
             parcel = channel.get(timeout=self.get_timeout_s)
-            if parcel.g != g:  # the plan guarantees order; a mismatch is a bug, never silently trained on
+            if parcel.g != g:  # the assignment guarantees order; a mismatch is a bug, never silently trained on
                 raise RuntimeError(f"{self.name}: expected micro-batch {g} from {channel.name}, got {parcel.g}")
             self._held.append(parcel)
         return Gathered(

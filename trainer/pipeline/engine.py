@@ -37,19 +37,19 @@ from trainer.handover import free_device_memory
 from trainer.loss import position_weights
 from trainer.metrics import RunRecorder
 from trainer.model import DFlashDrafter
+from trainer.pipeline.assignment import Assignment, FaultPoints, GlobalOrder
 from trainer.pipeline.channel import ChannelGroup
+from trainer.pipeline.compile_guard import CompileGuard
 from trainer.pipeline.coordinator import Coordinator, DrafterHandle
 from trainer.pipeline.drafter_worker import DrafterWorker
 from trainer.pipeline.options import PipelineOptions
-from trainer.pipeline.plan import Assignment, FaultPoints, GlobalOrder
-from trainer.pipeline.prime import warm_up_drafters
 from trainer.pipeline.replicas import check_replicas, node_share
 from trainer.pipeline.reporting import StepWindow, pipeline_checkpoint_parts
 from trainer.pipeline.supervisor import Supervisor
 from trainer.pipeline.sync import ReplicaSync
 from trainer.pipeline.target_worker import TargetWorker
-from trainer.pipeline.warmup import CompileGuard
-from trainer.preflight import Plan, load_target, resolve_devices
+from trainer.pipeline.warmup import warm_up_drafters
+from trainer.preflight import RunSetup, load_target, resolve_devices
 from trainer.step import DrafterSide, TargetSide, noise_std_at
 
 
@@ -60,9 +60,9 @@ def _log(message: str) -> None:
 class PipelineEngine:
     """trainer.engine.Engine for the threaded pipeline on this node's devices, `cluster` joining the nodes."""
 
-    def __init__(self, plan: Plan, options: PipelineOptions, cluster: Cluster | None = None) -> None:
+    def __init__(self, setup: RunSetup, options: PipelineOptions, cluster: Cluster | None = None) -> None:
         """Every check that can refuse the run (devices, data for one step); writes nothing."""
-        self.plan, self.cfg, self.options = plan, plan.cfg, options
+        self.setup, self.cfg, self.options = setup, setup.cfg, options
         self.cluster = cluster or LocalCluster()
         cfg = self.cfg
         self.target_devices = resolve_devices(cfg.target_gpus, "target-gpus")
@@ -72,8 +72,8 @@ class PipelineEngine:
         self.sync_mode = cfg.sync if self.assignment.total_drafters > 1 else "grad"
         self.faults = FaultPoints(options.faults)
         self.slot_weights = position_weights(cfg.block_size, cfg.gamma).numpy()
-        self.stream = BatchStream(plan.dataset, cfg, self.slot_weights)
-        self.order = GlobalOrder([len(self.stream.plan(e)) for e in range(cfg.epochs)])
+        self.stream = BatchStream(setup.dataset, cfg, self.slot_weights)
+        self.order = GlobalOrder([len(self.stream.epoch_batches(e)) for e in range(cfg.epochs)])
         steps_in_data = self.order.total // self.assignment.per_step
         self.total_steps = min(cfg.max_steps, steps_in_data) if cfg.max_steps else steps_in_data
         if self.total_steps < 1:
@@ -93,13 +93,13 @@ class PipelineEngine:
                 self.assignment.describe([str(d) for d in self.target_devices], [str(d) for d in self.drafter_devices])]
 
     def build(self) -> None:
-        cfg, plan = self.cfg, self.plan
+        cfg, setup = self.cfg, self.setup
         started = time.monotonic()
-        targets = [load_target(plan, d) for d in self.target_devices]
+        targets = [load_target(setup, d) for d in self.target_devices]
         loaded = time.monotonic()
         self.target_sides = [TargetSide(t, d, soft_labels=cfg.use_soft_labels) for t, d in zip(targets, self.target_devices)]
         torch.manual_seed(cfg.seed)  # the drafter's init is a function of --seed, as in the single-process engine
-        base = DFlashDrafter(plan.drafter_config)
+        base = DFlashDrafter(setup.drafter_config)
         if cfg.init_from is not None and self.cluster.rank == 0:
             base.load_state_dict(DFlashDrafter.from_pretrained(cfg.init_from).state_dict())
         self.cluster.broadcast_module_(base)  # every node starts from node 0's weights (--init-from: node 0's file)
@@ -126,7 +126,8 @@ class PipelineEngine:
 
     def _make_batch(self, g: int, stream: BatchStream) -> Any:
         epoch, index = self.order.position(g)
-        return collate(self.plan.dataset, stream.plan(epoch)[index], epoch, index, self.cfg, self.slot_weights)
+        return collate(self.setup.dataset, stream.epoch_batches(epoch)[index], epoch, index, self.cfg,
+                       self.slot_weights)
 
     @contextlib.contextmanager
     def running(self, step: int, recorder: RunRecorder) -> Iterator[None]:
@@ -159,7 +160,7 @@ class PipelineEngine:
                     handle.name, assignment.first_drafter + d, side, inputs, handle.commands, handle.results,
                     assignment, supervisor, get_timeout_s=options.worker_timeout_s, faults=self.faults))
             for t, side in enumerate(self.target_sides):
-                own_stream = BatchStream(self.plan.dataset, cfg, self.slot_weights)
+                own_stream = BatchStream(self.setup.dataset, cfg, self.slot_weights)
                 outputs = {dd: ch for (tt, dd), ch in feature_channels.items() if tt == t}
                 supervisor.spawn(f"target{t}", "target", TargetWorker(
                     f"target{t}", side, lambda g, s=own_stream: self._make_batch(g, s),

@@ -52,7 +52,7 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
 class Parcel:
     """One micro-batch on its way to a drafter: the features plus its bookkeeping."""
 
-    g: int  # global micro-batch index (trainer.pipeline.plan)
+    g: int  # global micro-batch index (trainer.pipeline.assignment)
     epoch: int
     index: int
     features: Any  # trainer.step.FeatureBatch

@@ -31,7 +31,7 @@ class PipelineOptions:
         """A worker's own bound on one put/get: a backstop behind the main thread's stall limit, which fires
         first and says more (which side starves)."""
         return 2 * self.stall_abort_s + 10.0
-    faults: list[str] = field(default_factory=list)  # test hook, see trainer.pipeline.plan.FaultPoints
+    faults: list[str] = field(default_factory=list)  # test hook, see trainer.pipeline.assignment.FaultPoints
     # Called in the main thread after every optimizer step with (step, drafter sides), every worker idle:
     # lets tests check replica identity and send signals at a known step.
     on_step: Callable[[int, list[Any]], None] | None = None
@@ -44,7 +44,7 @@ class PipelineOptions:
     compile_backend: str | None = None
 
     def check(self) -> None:
-        """Bad knobs are bad input (before anything is planned or written)."""
+        """Bad knobs are bad input (before anything is set up or written)."""
         if self.feature_transfer not in TRANSFER_MODES:
             raise TrainerInputError(f"--feature-transfer: must be one of {', '.join(TRANSFER_MODES)}, got "
                                     f"{self.feature_transfer!r}")

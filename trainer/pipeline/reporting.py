@@ -30,9 +30,9 @@ import torch
 
 from trainer.config import TrainConfig
 from trainer.dist.cluster import Cluster, LocalCluster
+from trainer.pipeline.assignment import Assignment
 from trainer.pipeline.channel import ChannelGroup
 from trainer.pipeline.coordinator import StepResult
-from trainer.pipeline.plan import Assignment
 from trainer.pipeline.supervisor import Supervisor
 from trainer.step import StepStats
 

@@ -3,7 +3,7 @@
 Same contract as the single-process trainer (trainer.train): checks that can refuse run before anything is
 written; exit 0 done, 1 failed (status.json `failed`, the failing worker's traceback on stderr), 2 bad input,
 128+signum after a signal-requested stop with its checkpoint. Order of events:
-  1. pipeline options, pre-flight (trainer.preflight.plan_run), devices and the micro-batch assignment
+  1. pipeline options, pre-flight (trainer.preflight.preflight), devices and the micro-batch assignment
      (trainer.pipeline.engine.PipelineEngine's constructor): every refusal, before the run directory exists
   2. trainer.loop.run_training drives the engine: run directory, targets (one model per target worker),
      drafter replicas (one init, copied), resume into every replica; warm-up in the main thread for every
@@ -19,15 +19,15 @@ from trainer.loop import run_training
 from trainer.pipeline.engine import PipelineEngine
 from trainer.pipeline.options import PipelineOptions
 from trainer.pipeline.replicas import ReplicaDivergenceError, check_replicas
-from trainer.preflight import plan_run, resolve_devices
+from trainer.preflight import preflight, resolve_devices
 
 
 def run_pipeline(cfg: TrainConfig, options: PipelineOptions | None = None) -> int:
     """Train per `cfg` with the threaded pipeline; return the exit code (see module doc)."""
     options = options or PipelineOptions.from_config(cfg)
     options.check()
-    plan = plan_run(cfg)
-    return run_training(plan, PipelineEngine(plan, options))
+    setup = preflight(cfg)
+    return run_training(setup, PipelineEngine(setup, options))
 
 
 __all__ = ["run_pipeline", "PipelineOptions", "ReplicaDivergenceError", "check_replicas", "resolve_devices"]

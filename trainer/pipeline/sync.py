@@ -1,9 +1,9 @@
 """Keep drafter replicas in agreement.
 
 Two modes (`--sync`):
-- `grad`: after every backward, the gradients of all replicas are reduced (summed, since each drafter already
-  divides its loss by the normalizer of the WHOLE optimizer step, all drafters included; `mean` is offered for
-  locally normalised losses) and every replica receives the very same reduced tensor. Replicas start equal
+- `grad`: after every backward, the gradients of all replicas are summed (each drafter already divides its
+  loss by the normalizer of the WHOLE optimizer step, all drafters included) and every replica receives the
+  very same summed tensor. Replicas start equal
   (`broadcast_parameters`), apply equal optimizer updates, and so stay bitwise identical.
 - `average`: replicas step independently; every `interval` optimizer steps (and before a checkpoint) their
   weights are replaced by the mean (the seed's scheme). Optimizer states are not averaged.
@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-SYNC_MODES = ("grad", "average", "none")
+SYNC_MODES = ("grad", "average")
 
 Across = Callable[[torch.Tensor], None]  # in place: the buffer becomes its sum over every node of the job
 
@@ -122,13 +122,9 @@ def broadcast_parameters(replicas: Sequence[nn.Module]) -> None:
 
 
 @torch.no_grad()
-def reduce_gradients(replicas: Sequence[nn.Module], op: str = "sum", *, across: Across | None = None,
-                     world: int | None = None) -> None:
-    """Reduce the gradients of all replicas (`sum` or `mean` over `world` replicas, default the local ones;
-    with `across`, also over the other nodes') and give every replica the identical result. A parameter
-    without a gradient on a replica counts as zero there."""
-    if op not in ("sum", "mean"):
-        raise ValueError(f"reduce op must be sum or mean, got {op!r}")
+def reduce_gradients(replicas: Sequence[nn.Module], *, across: Across | None = None) -> None:
+    """Sum the gradients of all replicas (with `across`, also over the other nodes') and give every replica the
+    identical result. A parameter without a gradient on a replica counts as zero there."""
     params = _check_same_layout(replicas)
     if len(replicas) == 1 and across is None:
         return
@@ -139,9 +135,6 @@ def reduce_gradients(replicas: Sequence[nn.Module], op: str = "sum", *, across: 
     # One flat buffer per replica: one collective instead of one per tensor (launch overhead, NCCL latency).
     flats = [_flatten_dense_tensors([p.grad for p in ps]) for ps in params]
     _all_reduce_sum(flats, across)
-    if op == "mean":
-        for flat in flats:
-            flat.div_(world or len(replicas))
     for ps, flat in zip(params, flats):
         for p, reduced in zip(ps, _unflatten_dense_tensors(flat, [p.grad for p in ps])):
             p.grad.copy_(reduced)
@@ -216,7 +209,7 @@ def replica_checksums(replicas: Sequence[nn.Module]) -> list[str]:
 class ReplicaSync:
     """The policy object the step loop calls: `after_backward()` then, after the optimizer step, `after_step(step)`."""
 
-    def __init__(self, replicas: Sequence[nn.Module], mode: str, interval: int = 50, grad_op: str = "sum", *,
+    def __init__(self, replicas: Sequence[nn.Module], mode: str, interval: int = 50, *,
                  across: Callable[[torch.Tensor, str], None] | None = None, world: int | None = None) -> None:
         """`across(buffer, kind)`: the cross-node sum of the distributed engine (kind "grad" or "average", for
         its byte counts); `world`: replicas in the whole job. Without `across`: this process's replicas only."""
@@ -224,12 +217,9 @@ class ReplicaSync:
             raise ValueError(f"--sync must be one of {', '.join(SYNC_MODES)}, got {mode!r}")
         if mode == "average" and interval < 1:
             raise ValueError(f"--sync-interval must be >= 1, got {interval}")
-        if mode == "none" and (len(replicas) > 1 or across is not None):
-            raise ValueError("--sync none needs exactly one drafter replica (replicas would drift apart)")
         self.replicas = list(replicas)
         self.mode = mode
         self.interval = interval
-        self.grad_op = grad_op
         self.world = world or len(self.replicas)
         self._grad_across: Across | None = (lambda t: across(t, "grad")) if across else None
         self._average_across: Across | None = (lambda t: across(t, "average")) if across else None
@@ -237,7 +227,7 @@ class ReplicaSync:
 
     def after_backward(self) -> None:
         if self.mode == "grad":
-            reduce_gradients(self.replicas, self.grad_op, across=self._grad_across, world=self.world)
+            reduce_gradients(self.replicas, across=self._grad_across)
 
     def after_step(self, step: int) -> None:
         """`step` counts completed optimizer steps (1 after the first)."""

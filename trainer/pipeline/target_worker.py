@@ -1,6 +1,6 @@
 """Target worker: one thread per target device.
 
-Loop over this worker's micro-batch indices g (trainer.pipeline.plan): build the batch on the CPU, run the
+Loop over this worker's micro-batch indices g (trainer.pipeline.assignment): build the batch on the CPU, run the
 frozen target, hand the features to the drafter that owns g (handoff.publish) and put them into the
 (target, drafter) channel. A full channel blocks the put: back-pressure bounds memory at `capacity`
 feature batches per channel. When its last index is done the worker closes its channels (end of stream).
@@ -14,9 +14,9 @@ from typing import Any, Protocol
 
 import torch
 
+from trainer.pipeline.assignment import Assignment, FaultPoints
 from trainer.pipeline.channel import Channel
 from trainer.pipeline.handoff import Parcel, publish, use_worker_stream
-from trainer.pipeline.plan import Assignment, FaultPoints
 from trainer.pipeline.supervisor import Supervisor
 
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
-from trainer.pipeline.warmup import FLEX_EAGER_WARNING, CompileGuard, CompileGuardError, compile_counts, warm_up
+from trainer.pipeline.compile_guard import (FLEX_EAGER_WARNING, CompileGuard, CompileGuardError, compile_counts,
+                                           warm_up)
 
 pytestmark = pytest.mark.timeout(60)
 
