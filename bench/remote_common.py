@@ -30,13 +30,21 @@ PYTHON = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "py
 
 
 @contextlib.contextmanager
-def harness_session(prefix: str, ctids: tuple[str, ...] = ("200",)
+def harness_session(prefix: str, ctids: tuple[str, ...] = ("200",), *, bytecode_cache: bool = True
                     ) -> Iterator[tuple[remote_harness.Harness, LoopProxy, Path]]:
     """The loopback harness (sshd + pct stand-in with `ctids`), a latency proxy in front of it and a scratch
-    folder; all three are torn down when the block ends, also on an error."""
+    folder; all three are torn down when the block ends, also on an error.
+
+    bytecode_cache: the `dflashops` processes (CLI, multiplexer) keep their .pyc files in the scratch folder
+    even where PYTHONDONTWRITEBYTECODE is set (it is on the CI VM): an installed CLI never compiles its
+    modules at start-up, and with the variable set every start compiled ~40 of them (~0.1 s, more under
+    load). The untimed deploy before a loop writes them. False: as before, every start compiles."""
     harness = remote_harness.start_harness()
     folder = Path(tempfile.mkdtemp(prefix=prefix))
     os.environ["DFLASHOPS_MUX_DIR"] = str(folder / "mux")  # this bench's ssh multiplexers, stopped at the end
+    if bytecode_cache:
+        os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+        os.environ["PYTHONPYCACHEPREFIX"] = str(folder / "pycache")  # not in the source tree; removed at the end
     proxy = None
     try:
         for ctid in ctids:

@@ -6,7 +6,8 @@ and opens no connection (~0.45 s less per invocation at 50 ms RTT). Which multip
 (name + settings + ssh_config + the connecting code). Where: $DFLASHOPS_MUX_DIR, else
 $XDG_RUNTIME_DIR/dflashops-mux, else /tmp/dflashops-mux-<uid>; the folder must be this user's and mode
 0700 (refused otherwise: someone else's socket there could impersonate the host). An invocation that finds
-none connects in-process and starts one in the background (see MuxTransport); SOCKET.lock makes that one.
+none connects in-process and, when it closes, starts one in the background (see MuxTransport); SOCKET.lock
+makes that one.
 
 Knobs: DFLASHOPS_SSH_PERSIST = seconds an idle multiplexer stays (default 600, OpenSSH's usual
 ControlPersist 10m); 0 turns multiplexing off (one in-process connection per invocation, as before).
@@ -21,15 +22,19 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflashops.errors import TransportError
 from dflashops.transport.base import Stdin, Transport
 from dflashops.transport.mux_frames import error_from, mux_key, recv_frame, send_frame, send_json, settings_to_json
+
+if TYPE_CHECKING:
+    from dflashops.transport.ssh import SshTransport
 
 DEFAULT_PERSIST_S = 600.0
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
@@ -72,15 +77,18 @@ class MuxTransport(Transport):
 
     Which way is decided at the first command and kept for the invocation: a multiplexer answers -> every
     command goes to it; none answers -> this invocation connects in-process (an SshTransport: fabric and
-    paramiko are imported now) and starts a multiplexer in the background for the invocations that follow,
-    so the first command is never slower than without multiplexing (a waited-for start cost ~0.3 s more
-    than connecting here: a second interpreter importing paramiko)."""
+    paramiko are imported now) and, at close(), when that connection worked and still no multiplexer
+    listens, starts one in the background for the invocations that follow. At close, not at the first
+    command: a multiplexer started alongside the invocation imports paramiko and does its key exchange
+    while the invocation does the same, and on a 2-core machine that made the invocation ~0.25 s slower
+    than without multiplexing (bench/remote_restart.py --cold at 50 ms RTT, 2026-12-02); waiting for it
+    would cost ~0.3 s more than connecting here (a second interpreter importing paramiko)."""
 
     settings: Any = None  # SshSettings
     persist_s: float = DEFAULT_PERSIST_S
     folder: Path | None = None
     _path: Path | None = field(default=None, init=False, repr=False)
-    _direct: Transport | None = field(default=None, init=False, repr=False)
+    _direct: SshTransport | None = field(default=None, init=False, repr=False)
     _via_mux: bool | None = field(default=None, init=False, repr=False)
 
     @property
@@ -130,8 +138,18 @@ class MuxTransport(Transport):
                     raise error_from(payload)
 
     def close(self) -> None:
-        if self._direct is not None:
-            self._direct.close()
+        """Close the in-process connection, if any; then, when it worked and no multiplexer listens (none
+        did at the first command, or the one in use went away), start one for the next invocations."""
+        if self._direct is None:
+            return
+        worked = self._direct.connected
+        self._direct.close()
+        if worked:
+            conn = self._try_connect()
+            if conn is None:
+                self._start_in_background()
+            else:
+                conn.close()  # another invocation's multiplexer is up meanwhile
 
     # -- which way ----------------------------------------------------------------------------------
     def backend(self) -> socket.socket | None:
@@ -141,8 +159,6 @@ class MuxTransport(Transport):
             if conn is not None:
                 self._via_mux = True
                 return conn
-            if self._via_mux is None:
-                self._start_in_background()
         self._via_mux = False
         if self._direct is None:
             from dflashops.transport.ssh import SshTransport
@@ -162,8 +178,9 @@ class MuxTransport(Transport):
     def _start_in_background(self) -> None:
         """Start a multiplexer unless one is starting already (its lock is held); never waits for it. The
         lock's open file is handed to the server, which holds it until it listens, so of several invocations
-        that find none at once exactly one starts it. A multiplexer that cannot connect (unknown host key,
-        host down) just exits: this invocation's own connection reports the error."""
+        that find none at once exactly one starts it. Called only after this invocation connected itself; a
+        multiplexer that cannot connect all the same (the host went down, its key changed) just exits, and
+        the next invocation connects itself and reports the error."""
         lock = open(f"{self.path}.lock", "a")
         try:
             try:
@@ -176,7 +193,10 @@ class MuxTransport(Transport):
                 [sys.executable, "-m", "dflashops.transport.mux_server", str(self.path), settings, self.name,
                  str(self.persist_s), str(lock.fileno())], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": pythonpath}, pass_fds=(lock.fileno(),))
-            starter.wait()  # it forks the server and exits at once (milliseconds): nothing is left to reap
+            # It forks the server and exits as soon as its interpreter is up, which under load took 0.1-0.25 s
+            # of this invocation's wall time when waited for here; a daemon thread reaps it instead (the CLI
+            # usually exits first, and then init does).
+            threading.Thread(target=starter.wait, name="dflashops-mux-starter", daemon=True).start()
         except OSError:
             pass  # no multiplexer this time; the in-process connection works regardless
         finally:

@@ -5,7 +5,7 @@ Why: at 50 ms RTT a fresh connection costs ~0.3 s (TCP, key exchange, authentica
 fabric + paramiko ~0.15 s of every CLI start; a scripted restart cycle pays both on every call. Through
 the multiplexer a CLI process imports neither and its commands start on the live connection.
 
-Started by mux_client.py, in the background of an invocation that connected in-process, as
+Started by mux_client.py, in the background, when an invocation that connected in-process closes, as
 `python -m dflashops.transport.mux_server SOCKET SETTINGS_JSON NAME PERSIST_S LOCK_FD`: the first process
 forks at once (no threads exist yet, so the fork is safe) and exits, so the client never adopts a
 long-lived child; the server connects (host key checked exactly as in-process: an unknown or changed key
@@ -118,12 +118,12 @@ class Server:
 def main(argv: list[str]) -> int:
     path, settings_json, name, persist_s, lock_fd = Path(argv[0]), argv[1], argv[2], float(argv[3]), int(argv[4])
     if os.fork() > 0:
-        return 0  # the starter: the client waits for this exit only (milliseconds), never for the server
+        return 0  # the starter: the client reaps this exit (in a thread), never waits for the server
     os.setsid()
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
-    # Imported after the fork: the invocation that started us waits for the starter's exit, and fabric +
+    # Imported after the fork: the starter exits at once (nothing of its start-up is paid twice), and fabric +
     # paramiko take ~0.25 s to import.
     from dflashops.transport.ssh import SshTransport
 

@@ -89,6 +89,12 @@ class SshTransport(Transport):
             self._conn = conn
             return conn.transport
 
+    @property
+    def connected(self) -> bool:
+        """True while this transport holds a live connection (it connected, and the link has not dropped)."""
+        conn = self._conn
+        return conn is not None and conn.transport is not None and conn.transport.is_active()
+
     def close(self) -> None:
         with self._lock:
             self._close_quietly()
