@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 from dflashops.errors import InventoryError, NotFound
 from dflashops.inventory import load_inventory
+from dflashops.ops.nodes import nodes_of
 
 TARGETS = """\
 targets:
@@ -44,3 +47,14 @@ def test_nodes_of_a_spec(tmp_path: Path) -> None:
         inventory.nodes("a,a")
     with pytest.raises(NotFound):
         inventory.nodes("a,zz")
+
+
+def test_a_run_whose_node_target_left_the_inventory_is_not_found(tmp_path: Path) -> None:
+    (tmp_path / "inventory.yaml").write_text(TARGETS)
+    inventory = load_inventory(tmp_path / "inventory.yaml")
+    record = SimpleNamespace(extra={"nodes": [{"rank": 0, "target": "a"}, {"rank": 1, "target": "gone"}]})
+    invocation: Any = SimpleNamespace(inventory=inventory, record_of=lambda name: record)  # what nodes_of reads
+    with pytest.raises(NotFound) as caught:
+        nodes_of(invocation, "r1")
+    assert "target 'gone', which is not in" in caught.value.message
+    assert str(tmp_path / "inventory.yaml") in caught.value.message

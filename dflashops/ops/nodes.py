@@ -119,7 +119,7 @@ def nodes_of(invocation: Invocation, name: str, explicit_target: str | None = No
         target = str(entry.get("target"))
         if target not in invocation.inventory.targets:
             raise NotFound(f"node {entry.get('rank')} of run {name!r} was on target {target!r}, which is not in "
-                           f"{session.inventory.path}", hint="add the target back, or pass --target for one node")
+                           f"{invocation.inventory.path}", hint="add the target back, or pass --target for one node")
         nodes.append(RunNode(int(entry.get("rank", len(nodes))), invocation.inventory.targets[target]))
     return nodes
 
