@@ -668,7 +668,7 @@ def run_status(directory: str) -> dict:
         except ValueError:
             continue
     log_tail = last_lines(os.path.join(directory, "train.log"))
-    error_line = next((l for l in reversed(log_tail) if ERROR_LINE_RE.search(l) and "Traceback" not in l), None)
+    error_line = next((ln for ln in reversed(log_tail) if ERROR_LINE_RE.search(ln) and "Traceback" not in ln), None)
     if error_line is None and trainer_status and trainer_status.get("error"):
         error_line = str(trainer_status["error"])
     # status.json names the step in progress (the one that crashed); metrics.jsonl the last one logged.
@@ -848,7 +848,7 @@ def _tail_once(req: dict, directory: str, path: str) -> dict:
     with open(source, "rb") as handle:
         expected = req.get("check")
         if notice is None and (offset > os.fstat(handle.fileno()).st_size
-                               or expected is not None and prefix_check(handle, offset) != expected):
+                               or (expected is not None and prefix_check(handle, offset) != expected)):
             offset, notice = 0, "train.log was truncated or rewritten; reading it again from its start"
         handle.seek(offset)
         data = handle.read(max_bytes)

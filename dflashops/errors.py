@@ -64,7 +64,7 @@ class CommandFailed(DflashopsError):
 
     exit_code = 6
 
-    def __init__(self, result: "Result", *, hint: str | None = None, tail_lines: int = 10) -> None:  # noqa: F821
+    def __init__(self, result: Result, *, hint: str | None = None, tail_lines: int = 10) -> None:  # noqa: F821
         stderr_tail = "\n".join(result.stderr.rstrip().splitlines()[-tail_lines:])
         message = f"command failed with exit code {result.exit_code} on {result.target}: {shlex.join(map(str, result.argv))}"
         if stderr_tail:

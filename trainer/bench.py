@@ -72,8 +72,8 @@ def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.devi
         side.loss_fn = lambda h, w, lab, wts, **kw: _ckpt_loss_result(h, w, lab, wts, kw)
 
     def step() -> None:
-        side.forward_backward(features, batch.weight_sum, float(batch.num_blocks))
-        side.optimizer_step()
+        side.forward_backward(features, batch.weight_sum, float(batch.num_blocks))  # noqa: F821 - del'd below
+        side.optimizer_step()  # noqa: F821
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -158,7 +158,7 @@ def bench_loss(args: argparse.Namespace, device: torch.device) -> list[dict]:
         def run() -> None:
             hidden.grad = None
             out = dflash_loss(hidden, weight, labels, weights, block_size=shape.block,
-                              normalizer=float(weights.sum()), kernels=chunk_kernels, **kw)
+                              normalizer=float(weights.sum()), kernels=chunk_kernels, **kw)  # noqa: B023 - timed here
             out.loss.backward()
 
         ms = statistics.median(time_ms(run, device, warmup=args.warmup, iters=args.iters))
@@ -204,11 +204,11 @@ def bench_attention(args: argparse.Namespace, device: torch.device) -> list[dict
                 v = torch.randn(shape.rows, Hkv, K, D, device=device, dtype=dtype, requires_grad=True)
 
                 def run() -> None:
-                    attend(q, k, v, mask, layer_type).sum().backward()
+                    attend(q, k, v, mask, layer_type).sum().backward()  # noqa: B023 - timed in this iteration
 
                 def forward() -> None:
                     with torch.no_grad():
-                        attend(q, k, v, mask, layer_type)
+                        attend(q, k, v, mask, layer_type)  # noqa: B023
 
                 for options_text in args.flex_options.split(";"):
                     attention.FLEX_KERNEL_OPTIONS = parse_flex_options(options_text)

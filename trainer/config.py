@@ -145,7 +145,7 @@ class TrainConfig:
 
     # ---- construction -------------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "TrainConfig":
+    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
         """Build from a plain dict; unknown keys are an error naming them."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
@@ -158,7 +158,7 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     # ---- cross-checks -------------------------------------------------------------------------------
-    def validate(self) -> "TrainConfig":
+    def validate(self) -> TrainConfig:
         """Check every field; raise TrainerInputError naming the flag. Returns self for chaining."""
 
         def need(ok: bool, flag: str, why: str, hint: str | None = None) -> None:

@@ -26,7 +26,8 @@ import inspect
 import json
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 

@@ -147,7 +147,7 @@ def _kernel():
                                      eviction_policy="evict_last")
                     t_next = tl.load(t_row + next_idx, mask=next_idx < N_COLS, other=float("-inf"),
                                      eviction_policy="evict_last")
-                    tile_max_x, tile_arg, tile_max_t = tl.reduce((x, idx, t), 0, _max_first_index_and_max)
+                    tile_max_x, tile_arg, tile_max_t = tl.reduce((x, idx, t), 0, _max_first_index_and_max)  # noqa: F821
                     arg = tl.where(tile_max_x > m_x, tile_arg, arg)  # strict: an earlier tile wins a tie
                     m_x_new = tl.maximum(m_x, tile_max_x)
                     m_t_new = tl.maximum(m_t, tile_max_t)
@@ -200,7 +200,7 @@ def _kernel():
                 s_x_t = tl.load(state_row + 3)
                 s_t = tl.load(state_row + 4)
             if GRAD:
-                if RATIO_PER_ROW:
+                if RATIO_PER_ROW:  # noqa: SIM108 - a constexpr branch: compiled in or out
                     r = tl.load(ratio_ptr + row)
                 else:
                     r = ratio

@@ -179,7 +179,7 @@ def check_init_from(directory: Path, expected: dict[str, list[int]]) -> None:
         raise TrainerInputError(f"--init-from: {directory} has no model.safetensors",
                                 hint="point it at an exported drafter directory (python -m trainer export)")
     with safe_open(str(weights), framework="pt") as handle:  # reads the header only
-        found = {name: list(handle.get_slice(name).get_shape()) for name in handle.keys()}
+        found = {name: list(handle.get_slice(name).get_shape()) for name in handle.keys()}  # noqa: SIM118 - not a dict
     if found != expected:
         diff = sorted(set(found) ^ set(expected)) or [n for n in expected if found[n] != expected[n]]
         raise TrainerInputError(f"--init-from: {directory} is of a different drafter shape (first difference: {diff[0]})",

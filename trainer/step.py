@@ -19,7 +19,7 @@ import contextlib
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -61,7 +61,7 @@ class StepStats:
     block_tokens: int = 0  # real blocks x B
     ctx_tokens: int = 0  # real context tokens
 
-    def __add__(self, other: "StepStats") -> "StepStats":
+    def __add__(self, other: StepStats) -> StepStats:
         device = self.loss.device
         return StepStats(**{name: (getattr(self, name) + getattr(other, name).to(device)
                                    if isinstance(getattr(self, name), torch.Tensor) else getattr(self, name) + getattr(other, name))

@@ -334,7 +334,7 @@ class LineageDB:
         """Close the connection (safe to call twice)."""
         self._conn.close()
 
-    def __enter__(self) -> "LineageDB":
+    def __enter__(self) -> LineageDB:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from dflashops.errors import DflashopsError, NotFound, RunFailed, TransportError, UsageError, WaitTimeout
+from dflashops.errors import DflashopsError, RunFailed, TransportError, UsageError, WaitTimeout
 from dflashops.lineage.files import other_node
 from dflashops.ops.nodes import nodes_of, overall, read_nodes, status_nodes, stop_nodes
 from dflashops.ops.invocation import Invocation

@@ -62,7 +62,7 @@ def mux_dir() -> Path | None:
     if info.st_uid != os.getuid() or info.st_mode & 0o077 or not path.is_dir() or path.is_symlink():
         raise TransportError(f"the ssh multiplexer folder {path} is not yours alone (owner uid {info.st_uid}, "
                              f"mode {oct(info.st_mode & 0o777)})",
-                             hint=f"remove it, or set DFLASHOPS_MUX_DIR to a folder of yours with mode 0700")
+                             hint="remove it, or set DFLASHOPS_MUX_DIR to a folder of yours with mode 0700")
     return path
 
 
@@ -164,7 +164,7 @@ class MuxTransport(Transport):
         lock's open file is handed to the server, which holds it until it listens, so of several invocations
         that find none at once exactly one starts it. A multiplexer that cannot connect (unknown host key,
         host down) just exits: this invocation's own connection reports the error."""
-        lock = open(f"{self.path}.lock", "a")
+        lock = open(f"{self.path}.lock", "a")  # noqa: SIM115 - closed in the finally below
         try:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)

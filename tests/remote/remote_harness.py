@@ -201,7 +201,7 @@ def start_harness() -> Harness:
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
     config = _write_sshd_config(root, port)
     harness.sshd = subprocess.Popen(["/usr/sbin/sshd", "-D", "-e", "-f", str(config)],
-                                    stdin=subprocess.DEVNULL, stderr=open(root / "sshd.log", "wb"))
+                                    stdin=subprocess.DEVNULL, stderr=open(root / "sshd.log", "wb"))  # noqa: SIM115
     (root / "known_hosts").write_text(harness.known_hosts_line(port))
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:

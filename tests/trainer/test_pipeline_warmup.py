@@ -71,7 +71,7 @@ def test_flex_eager_warning_becomes_an_error_inside_the_guard() -> None:
     assert isinstance(translated, CompileGuardError) and "materialise the full score matrix" in str(translated)
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
-        warnings.warn(FLEX_EAGER_WARNING, UserWarning)  # outside: only a warning again
+        warnings.warn(FLEX_EAGER_WARNING, UserWarning, stacklevel=1)  # outside: only a warning again
 
 
 def test_unrelated_errors_are_not_translated() -> None:

@@ -171,7 +171,7 @@ def _train_process(run: Path, steps: int) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     argv = [sys.executable, "-m", "trainer", "train", *SMALL, "--max-steps", str(steps), "--log-interval", "1",
             "--save-interval", "1000", "--output-dir", str(run)]
-    log = open(run.parent / f"{run.name}.log", "ab")
+    log = open(run.parent / f"{run.name}.log", "ab")  # noqa: SIM115 - the child's stdout, for its lifetime
     return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
 
 

@@ -7,7 +7,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -112,7 +111,7 @@ def test_dropped_link_keeps_data_and_reconnects(env: Env, capsys: pytest.Capture
             assert kept is first and watcher.error and watcher.failures == 1
             time.sleep(0.3)
             assert watcher.stale_for is not None and watcher.stale_for >= 0.3
-            console = Console(width=120, record=True, file=open(os.devnull, "w"))
+            console = Console(width=120, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
             console.print(render(watcher, "t"))
             text = console.export_text()
             assert "STALE" in text and "reconnecting: local: the target's python" in text and "w2" in text

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Literal
+from typing import Any, Literal
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F

@@ -21,7 +21,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.utils.checkpoint
@@ -125,7 +126,7 @@ class DrafterConfig:
     def for_target(cls, target: Any, *, num_hidden_layers: int, block_size: int, mask_token_id: int,
                    target_layer_ids: list[int] | None = None, layer_types: list[str] | None = None,
                    sliding_window: int | None = None,
-                   causal_in_block: dict[str, bool] | None = None) -> "DrafterConfig":
+                   causal_in_block: dict[str, bool] | None = None) -> DrafterConfig:
         """A drafter shaped like the target (as the published drafters are). `target` is a TargetModel or an HF
         config. Taps default to `default_target_layer_ids(L, num_hidden_layers)`."""
         hf = getattr(target, "hf_config", target)
@@ -169,7 +170,7 @@ class DrafterConfig:
         }
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "DrafterConfig":
+    def from_hf_dict(cls, d: dict[str, Any]) -> DrafterConfig:
         """Inverse of to_hf_dict; also reads public DFlash configs (rope_theta at top level or in rope_parameters,
         target_layer_ids derived from num_target_layers when absent). Unrelated HF keys are ignored."""
         dflash = d.get("dflash_config") or {}
@@ -383,7 +384,7 @@ class DFlashDrafter(nn.Module):
         save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu") -> "DFlashDrafter":
+    def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu") -> DFlashDrafter:
         """Load a public-format drafter; ValueError on missing files or tensors of the wrong name/shape."""
         from safetensors.torch import load_file
 

@@ -40,8 +40,8 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     if n == 1:
         return [num_layers // 2]
     if num_layers >= n + 3:
-        return [int(round(1 + i * (num_layers - 4) / (n - 1))) for i in range(n)]
-    return [int(round(i * (num_layers - 1) / (n - 1))) for i in range(n)]
+        return [round(1 + i * (num_layers - 4) / (n - 1)) for i in range(n)]
+    return [round(i * (num_layers - 1) / (n - 1)) for i in range(n)]
 
 
 @dataclass
@@ -95,7 +95,7 @@ class TargetModel:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, layer_ids: list[int] | None = None, *, num_draft_layers: int = 5,
-                        dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu") -> "TargetModel":
+                        dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu") -> TargetModel:
         """Load a local HF checkpoint directory (no network) frozen, in `dtype`, on `device`."""
         from transformers import AutoModelForCausalLM
 
@@ -108,7 +108,7 @@ class TargetModel:
     @classmethod
     def from_config(cls, hf_config: Any, layer_ids: list[int] | None = None, *, num_draft_layers: int = 5,
                     seed: int = 0, dtype: torch.dtype = torch.float32,
-                    device: str | torch.device = "cpu") -> "TargetModel":
+                    device: str | torch.device = "cpu") -> TargetModel:
         """Build a randomly initialised target from an HF config (tests, speed work). Deterministic in `seed`."""
         from transformers import AutoModelForCausalLM
 
@@ -135,7 +135,7 @@ class TargetModel:
     def device(self) -> torch.device:
         return self.embed_weight.device
 
-    def to(self, device: str | torch.device) -> "TargetModel":
+    def to(self, device: str | torch.device) -> TargetModel:
         self.model.to(device)
         return self
 
