@@ -25,13 +25,23 @@ import time
 
 import torch
 
-from trainer.bench_common import (H200_PEAK_TFLOPS, SHAPES, Shape, checkpointed_loss, log, matmul_ceiling_tflops,
-                                  preset_config, recompile_count, step_flops, synthetic_batch, time_ms)
+from trainer.bench_common import (
+    H200_PEAK_TFLOPS,
+    SHAPES,
+    Shape,
+    checkpointed_loss,
+    log,
+    matmul_ceiling_tflops,
+    preset_config,
+    recompile_count,
+    step_flops,
+    synthetic_batch,
+    time_ms,
+)
 from trainer.config import PRESETS, TrainerInputError
 from trainer.loss import dflash_loss, make_chunk_kernels, position_weights
 from trainer.model import DFlashDrafter
 from trainer.step import DrafterSide, FeatureBatch, TargetSide
-
 
 VARIANTS = {
     "compiled": "layers + loss kernels torch.compile'd per device, sorted anchors, CE only",

@@ -8,8 +8,8 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 

@@ -17,14 +17,14 @@ Everything here runs on the CPU (numpy); `Batch.to(device)` moves the tensors.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
 from collections.abc import Iterator
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
 
 from trainer.config import TrainConfig, TrainerInputError
-from trainer.shards import Sample, ShardError, ShardedDataset
+from trainer.shards import Sample, ShardedDataset, ShardError
 
 _PLAN_SALT = 0x5EED_0001  # keeps the order generator distinct from the anchor generators
 _ANCHOR_SALT = 0x5EED_0002

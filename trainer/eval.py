@@ -25,13 +25,14 @@ import argparse
 import inspect
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-from collections.abc import Callable
 
 import torch
 
-from trainer.ddtree import check_options as check_ddtree_options, ddtree_generate
+from trainer.ddtree import check_options as check_ddtree_options
+from trainer.ddtree import ddtree_generate
 from trainer.model.drafter import DFlashDrafter
 from trainer.tokenizer_utils import DataInputError, end_of_turn_ids
 from trainer.verify import cut_at_stop, finish_generation

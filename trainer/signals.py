@@ -16,8 +16,8 @@ import os
 import signal
 import sys
 import threading
-from types import FrameType
 from collections.abc import Callable
+from types import FrameType
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-from dataclasses import dataclass
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F

@@ -22,7 +22,12 @@ from rich.console import Console
 from dflashops.errors import DflashopsError, NotFound, UsageError
 from dflashops.lineage import LineageDB, diff_runs
 from dflashops.lineage.files import (
-    import_dict_from_status, metric_names, other_node, metric_series, read_metrics, run_dir_of,
+    import_dict_from_status,
+    metric_names,
+    metric_series,
+    other_node,
+    read_metrics,
+    run_dir_of,
 )
 
 Handler = Callable[[argparse.Namespace], int]

@@ -22,10 +22,20 @@ from dflashops.errors import Conflict, DflashopsError, NotFound
 from dflashops.lineage.diff import RunDiff, diff_runs, parse_argv
 from dflashops.lineage.naming import lineage_root, next_name, wandb_env
 from dflashops.lineage.record import (
-    STATES, RunRecord, record_from_run_json, redact_argv, redact_env, utc_now_iso,
+    STATES,
+    RunRecord,
+    record_from_run_json,
+    redact_argv,
+    redact_env,
+    utc_now_iso,
 )
 from dflashops.lineage.sqlite import (
-    Connection, LineageDBError, Transaction, not_writable_reason, rebuild_hint, writable_hint,
+    Connection,
+    LineageDBError,
+    Transaction,
+    not_writable_reason,
+    rebuild_hint,
+    writable_hint,
 )
 from dflashops.shell import validate_name
 

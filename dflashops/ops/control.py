@@ -10,8 +10,8 @@ from typing import Any
 
 from dflashops.errors import DflashopsError, RunFailed, TransportError, UsageError, WaitTimeout
 from dflashops.lineage.files import other_node
-from dflashops.ops.nodes import nodes_of, overall, read_nodes, status_nodes, stop_nodes
 from dflashops.ops.invocation import Invocation
+from dflashops.ops.nodes import nodes_of, overall, read_nodes, status_nodes, stop_nodes
 from dflashops.shell import validate_name
 
 DEFAULT_FAIL_ON = r"Traceback \(most recent call last\)"

@@ -24,7 +24,13 @@ from dflashops.errors import DflashopsError, NotFound, UsageError
 from dflashops.inventory import Group, Profile, Target
 from dflashops.lineage import LineageDBError
 from dflashops.ops.deploy import (
-    DeployOutcome, DeployRequest, NodePlace, check_free_on_target, check_request, claim_name, launch_on,
+    DeployOutcome,
+    DeployRequest,
+    NodePlace,
+    check_free_on_target,
+    check_request,
+    claim_name,
+    launch_on,
 )
 from dflashops.ops.invocation import Invocation
 

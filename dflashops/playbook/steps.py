@@ -18,8 +18,8 @@ from typing import Any
 from dflashops.errors import CommandFailed, NotFound, RunFailed, UsageError, WaitTimeout
 from dflashops.ops.control import DEFAULT_FAIL_ON, LogCursor, NotRunning, read_log, run_status, stop_run, wait_for
 from dflashops.ops.deploy import DeployRequest, deploy
-from dflashops.ops.restart import RestartRequest, restart
 from dflashops.ops.invocation import Invocation
+from dflashops.ops.restart import RestartRequest, restart
 from dflashops.ops.sync import local_manifest, release_files, sync
 from dflashops.playbook.expr import MissingMetric, lookup, parse
 from dflashops.shell import join_argv

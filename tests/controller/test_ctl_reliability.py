@@ -16,8 +16,8 @@ import libtmux
 import pytest
 
 from dflashops.agent import session_name, tmux_socket
-from tests.tmux_screen import session_names
 from tests.controller.helpers import AGENT, Env, all_bytes
+from tests.tmux_screen import session_names
 
 # A job that writes nothing but its log: prints a line, then waits for SIGTERM (exit 143) or `go` (exit 3).
 SLEEPER = ("import os, signal, sys, time\n"

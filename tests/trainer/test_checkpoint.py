@@ -12,8 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.checkpoint import (CheckpointWriteError, CheckpointWriter, check_shapes, list_checkpoints, load_checkpoint,
-                                resolve_resume, save_checkpoint, snapshot_checkpoint)
+from trainer.checkpoint import (
+    CheckpointWriteError,
+    CheckpointWriter,
+    check_shapes,
+    list_checkpoints,
+    load_checkpoint,
+    resolve_resume,
+    save_checkpoint,
+    snapshot_checkpoint,
+)
 from trainer.config import TrainerInputError
 
 REPO = Path(__file__).resolve().parents[2]

@@ -26,10 +26,10 @@ from trainer.config import parse_train_args
 from trainer.data import collate, open_dataset
 from trainer.loss import position_weights
 from trainer.model import DFlashDrafter, TargetModel
-from trainer.shards import DatasetMeta, write_index, write_shard
-from trainer.step import DrafterSide, TargetSide, lr_factor, noise_std_at
 from trainer.preflight import build_drafter_config
 from trainer.preflight import target_hf_config as _target_hf_config
+from trainer.shards import DatasetMeta, write_index, write_shard
+from trainer.step import DrafterSide, TargetSide, lr_factor, noise_std_at
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["--preset", "tiny", "--synthetic-samples", "48", "--max-seq-len", "32", "--token-budget", "128", "--wandb", "off"]

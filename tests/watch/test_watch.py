@@ -18,8 +18,8 @@ from dflashops.inventory import load_inventory
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.watch import Watcher, run_row
 from dflashops.shell import join_argv
-from tests.tmux_screen import Screen
 from tests.controller.helpers import INVENTORY, REPO, WORKLOAD, Env, cleanup
+from tests.tmux_screen import Screen
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux (make test installs it)")
 
@@ -96,8 +96,9 @@ def test_watch_in_a_tmux_pane(env: Env, capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_dropped_link_keeps_data_and_reconnects(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
-    from dflashops.cli.watch import render
     from rich.console import Console
+
+    from dflashops.cli.watch import render
 
     launch(env, "w2", capsys)
     invocation = Invocation(load_inventory(env.inventory))

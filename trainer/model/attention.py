@@ -29,9 +29,9 @@ Back-ends:
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
-from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F

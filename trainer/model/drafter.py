@@ -19,14 +19,14 @@ State-dict names are exactly the public DFlash checkpoint names (no embedding, n
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable
 
 import torch
-import torch.utils.checkpoint
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from trainer.model.attention import FULL, LAYER_TYPES, SLIDING, Backend, DraftMask, attend, build_draft_mask
