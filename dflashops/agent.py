@@ -486,14 +486,15 @@ def verb_stop(req: dict) -> dict:
     if not pids:
         raise AgentFailure(f"run {req['name']!r} is not running", "not_running")
     grace = float(req.get("grace", 60.0))
-    job = first_to_stop(directory, pids)
-    job_first = job in pids
-    signal_run(None if job_first else pgid, {job} if job_first else pids, signal.SIGTERM)
+    first = first_to_stop(directory, pids)
+    job = first if first in pids else None  # goes first when it is one of the run's processes
+    job_first = job is not None
+    signal_run(None if job_first else pgid, {job} if job is not None else pids, signal.SIGTERM)
     recorded = record_stop(directory, {"requested_at": time.time()})
     grace_deadline = time.monotonic() + grace
     save_deadline = grace_deadline + float(req.get("save_grace", 600.0))
     seen, waited = set(pids), 0.0
-    if job_first:
+    if job is not None:
         _, waited = wait_out(lambda: {job} if alive(job) else set(), grace_deadline, save_deadline, directory)
 
     def rest() -> set[int]:

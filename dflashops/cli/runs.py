@@ -193,6 +193,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
                 outcomes.append({"name": str(status.get("name")), "target": target, "outcome": "skipped",
                                  "reason": "no run.json"})
                 continue
+            outcome: str
             try:
                 outcome, reason = db.import_run_json(data), ""
             except DflashopsError as exc:

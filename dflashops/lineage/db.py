@@ -12,6 +12,7 @@ redact_env, redact_argv, diff_runs, RunDiff, wandb_env.
 
 from __future__ import annotations
 
+import builtins
 import difflib
 import json
 from collections.abc import Mapping
@@ -268,12 +269,12 @@ class LineageDB:
                 params.append(value)
         return self._select(("WHERE " + " AND ".join(clauses)) if clauses else "", tuple(params))
 
-    def children(self, name: str) -> list[RunRecord]:
+    def children(self, name: str) -> builtins.list[RunRecord]:  # `list` is the method above here
         """Direct children of `name`, oldest first. NotFound when `name` is not recorded."""
         self.get(name)
         return self._select("WHERE parent = ?", (name,))
 
-    def ancestors(self, name: str) -> list[RunRecord]:
+    def ancestors(self, name: str) -> builtins.list[RunRecord]:
         """The chain root ... name (inclusive), stopping at a parent that is not recorded."""
         chain = [self.get(name)]
         seen = {name}

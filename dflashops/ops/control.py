@@ -179,7 +179,7 @@ class LogReader:
 
 def wait_for(invocation: Invocation, name: str, *, until: str | None, fail_on: str | None = DEFAULT_FAIL_ON,
              target: str | None = None, timeout: float | None = None, cursor: LogCursor | None = None,
-             on_text: Callable[[str], None] = lambda text: None, poll_s: float = 0.5,
+             on_text: Callable[[str], object] = lambda text: None, poll_s: float = 0.5,
              on_notice: Callable[[str], None] = lambda notice: None) -> str:
     """Follow the log until `until` matches a line (returns it), `fail_on` matches (RunFailed), the run
     ends first (RunFailed with its state; or returns "" when no `until` was given and it finished or was

@@ -120,7 +120,7 @@ def nodes_of(invocation: Invocation, name: str, explicit_target: str | None = No
     entries = (record.extra.get("nodes") if record else None) or []
     if len(entries) < 2:
         return None
-    nodes = []
+    nodes: list[RunNode] = []
     for entry in entries:
         target = str(entry.get("target"))
         if target not in invocation.inventory.targets:

@@ -178,6 +178,7 @@ def _wait_metric(ctx: Context, run: str, text: str, fail_on: str | None, timeout
     deadline = time.monotonic() + timeout
     while True:
         for chunk in read_log(ctx.invocation, run, cursor, target=ctx.target_arg(args)) if fail_re else ():
+            assert fail_re is not None  # the log is read only when there is a pattern
             pending += chunk
             *lines, pending = pending.split("\n")
             bad = next((line for line in lines if fail_re.search(line)), None)

@@ -97,7 +97,7 @@ class MuxTransport(Transport):
         if conn is None:
             assert self._direct is not None
             return self._direct._run(argv, env=env, stdin=stdin, timeout=timeout)
-        data = stdin.read() if hasattr(stdin, "read") else stdin
+        data = stdin if stdin is None or isinstance(stdin, (bytes, bytearray, memoryview)) else stdin.read()
         with self.request(conn, "run", argv, env, timeout, data):
             out, err = b"", b""
             while True:

@@ -226,7 +226,7 @@ def _start_feeder(channel: paramiko.Channel, stdin: Stdin) -> threading.Thread:
             if isinstance(stdin, (bytes, bytearray, memoryview)):
                 view = memoryview(stdin)
                 for start in range(0, len(view), CHUNK):
-                    channel.sendall(view[start:start + CHUNK])
+                    channel.sendall(view[start:start + CHUNK])  # type: ignore[arg-type]  # any buffer works
             elif stdin is not None:
                 while chunk := stdin.read(CHUNK):
                     channel.sendall(chunk)
