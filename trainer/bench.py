@@ -22,6 +22,7 @@ import json
 import statistics
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -39,7 +40,7 @@ from trainer.bench_common import (
     time_ms,
 )
 from trainer.config import PRESETS, TrainerInputError
-from trainer.loss import dflash_loss, make_chunk_kernels, position_weights
+from trainer.loss import ChunkKernels, dflash_loss, make_chunk_kernels, position_weights
 from trainer.model import DFlashDrafter
 from trainer.step import DrafterSide, FeatureBatch, TargetSide
 
@@ -159,7 +160,7 @@ def bench_loss(args: argparse.Namespace, device: torch.device) -> list[dict]:
     rows = []
     kernels = make_chunk_kernels("compiled" if device.type == "cuda" else "eager")
     cap = {"cap_lambda": 0.1, "num_blocks_normalizer": M / shape.block}
-    cases = [("ce", kernels, {}), ("ce+kl", kernels, {"teacher_hidden": teacher, "kl_weight": 1.0}),
+    cases: list[tuple[str, ChunkKernels, dict[str, Any]]] = [("ce", kernels, {}), ("ce+kl", kernels, {"teacher_hidden": teacher, "kl_weight": 1.0}),
              ("ce+cap", kernels, cap)]
     if device.type == "cuda":  # the fused Triton CE kernel (trainer/loss_triton.py; CE and CE+CAP only)
         fused = make_chunk_kernels("triton")
@@ -192,7 +193,7 @@ def bench_attention(args: argparse.Namespace, device: torch.device) -> list[dict
     full and sliding layers, and flex_attention kernel_options variants (--flex-options A;B;..., 'default' =
     torch's own heuristics)."""
     from trainer.model import attention
-    from trainer.model.attention import attend, build_draft_mask, parse_flex_options
+    from trainer.model.attention import Backend, attend, build_draft_mask, parse_flex_options
 
     rows = []
     layers = [(name, window) for name, window in [("full_attention", None), ("sliding_attention", 2048)]
@@ -201,7 +202,7 @@ def bench_attention(args: argparse.Namespace, device: torch.device) -> list[dict
         shape = SHAPES[shape_name]
         _, dcfg = preset_config(args.preset, shape, [])
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        backend = "flex" if device.type == "cuda" else "dense"
+        backend: Backend = "flex" if device.type == "cuda" else "dense"
         Hq, Hkv, D = dcfg.num_attention_heads, dcfg.num_key_value_heads, dcfg.head_dim
         Q, K = shape.anchors * shape.block, shape.ctx + shape.anchors * shape.block
         for layer_type, window in layers:
@@ -279,8 +280,11 @@ def bench_pipeline(args: argparse.Namespace, device: torch.device) -> list[dict]
     with torch.no_grad():
         features = target_side.features(batch)
     rows = []
-    for name, fn in [("target prefill", prefill), ("drafter step", drafter_step),
-                     ("prefill + step", lambda: (prefill(), drafter_step()))]:
+    def both() -> None:
+        prefill()
+        drafter_step()
+
+    for name, fn in [("target prefill", prefill), ("drafter step", drafter_step), ("prefill + step", both)]:
         ms = statistics.median(time_ms(fn, device, warmup=args.warmup, iters=args.iters))
         rows.append({"what": name, "ms": ms, "ctx_tok_s": shape.rows * shape.ctx / (ms * 1e-3),
                      "block_tok_s": shape.block_tokens / (ms * 1e-3)})

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -297,9 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
         if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
-        default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[operator]
         help_text = flag_help(f.name, default, PRESETS)  # KeyError for a field with no help: add it to FLAG_HELP
-        kind = types.get(f.name)
+        kind: Callable[[str], Any] | None = types.get(f.name)
         if kind is None:
             text = str(f.type)
             kind = float if "float" in text else int if "int" in text else str

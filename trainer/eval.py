@@ -216,12 +216,13 @@ def evaluate(model: Any, drafter: DFlashDrafter, prompts: list[list[int]], *, ma
     slots = block - 1
     runner = TargetRunner(model, drafter.config.target_layer_ids)
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-    common = {"slots": slots, "max_new_tokens": max_new_tokens, "stops": set(stops)}
+    common: dict[str, Any] = {"slots": slots, "max_new_tokens": max_new_tokens, "stops": set(stops)}
 
     def block_mode(propose: Proposer) -> Callable[[list[int], MethodStats], list[int]]:
         return lambda prompt, stats: speculative_generate(runner, prompt, propose, stats=stats, **common)
 
-    methods = {"trained": (block_mode(drafter_proposer(drafter.eval(), embed, head)), None)}
+    methods: dict[str, tuple[Callable[[list[int], MethodStats], list[int]], dict[str, Any] | None]] = {
+        "trained": (block_mode(drafter_proposer(drafter.eval(), embed, head)), None)}
     if baselines:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)

@@ -177,8 +177,9 @@ class DrafterConfig:
         try:
             num_layers, num_target_layers = int(d["num_hidden_layers"]), int(d["num_target_layers"])
             heads = int(d["num_attention_heads"])
-            block_size = int(d.get("block_size", dflash.get("block_size")))
-            mask_token_id = int(dflash.get("mask_token_id", d.get("mask_token_id")))
+            # int(None) of a missing field raises the TypeError reported below
+            block_size = int(d.get("block_size", dflash.get("block_size")))  # type: ignore[arg-type]
+            mask_token_id = int(dflash.get("mask_token_id", d.get("mask_token_id")))  # type: ignore[arg-type]
             rope = d.get("rope_parameters") or {}
             return cls(
                 hidden_size=int(d["hidden_size"]), intermediate_size=int(d["intermediate_size"]),

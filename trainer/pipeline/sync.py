@@ -144,6 +144,7 @@ def reduce_gradients(replicas: Sequence[nn.Module], op: str = "sum", *, across: 
             flat.div_(world or len(replicas))
     for ps, flat in zip(params, flats):
         for p, reduced in zip(ps, _unflatten_dense_tensors(flat, [p.grad for p in ps])):
+            assert p.grad is not None  # every one was given a gradient above
             p.grad.copy_(reduced)
     _finish(flats)
 
