@@ -169,7 +169,7 @@ def bench_loss(args: argparse.Namespace, device: torch.device) -> list[dict]:
         def run() -> None:
             hidden.grad = None
             out = dflash_loss(hidden, weight, labels, weights, block_size=shape.block,
-                              normalizer=float(weights.sum()), kernels=chunk_kernels, **kw)  # noqa: B023 - timed here
+                              normalizer=float(weights.sum()), kernels=chunk_kernels, **kw)
             out.loss.backward()
 
         ms = statistics.median(time_ms(run, device, warmup=args.warmup, iters=args.iters))
@@ -215,11 +215,11 @@ def bench_attention(args: argparse.Namespace, device: torch.device) -> list[dict
                 v = torch.randn(shape.rows, Hkv, K, D, device=device, dtype=dtype, requires_grad=True)
 
                 def run() -> None:
-                    attend(q, k, v, mask, layer_type).sum().backward()  # noqa: B023 - timed in this iteration
+                    attend(q, k, v, mask, layer_type).sum().backward()
 
                 def forward() -> None:
                     with torch.no_grad():
-                        attend(q, k, v, mask, layer_type)  # noqa: B023
+                        attend(q, k, v, mask, layer_type)
 
                 for options_text in args.flex_options.split(";"):
                     attention.FLEX_KERNEL_OPTIONS = parse_flex_options(options_text)
