@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.model.attention import _flex_block_mask  # noqa: E402
+from trainer.model.attention import _flex_block_mask
 
 
 def peak_bytes(device: torch.device) -> int:

@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.model.attention import FULL, SLIDING, attend, build_draft_mask  # noqa: E402
-from trainer.model.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
+from trainer.model.attention import FULL, SLIDING, attend, build_draft_mask
+from trainer.model.drafter import DFlashDrafter, DrafterConfig
 
 
 @dataclass

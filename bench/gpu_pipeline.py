@@ -210,7 +210,7 @@ def main() -> int:
             stdout = proc.stdout.read() if proc.stdout else ""
             proc.wait()
             stderr = log_path.read_text(errors="replace")
-            line = next((l for l in stdout.splitlines() if l.startswith("RESULT ")), None)
+            line = next((ln for ln in stdout.splitlines() if ln.startswith("RESULT ")), None)
             fx_error = "symbolically trace a dynamo-optimized function" in stderr
             flex_eager = "flex_attention called without torch.compile" in stderr
             if line is None:
@@ -225,7 +225,7 @@ def main() -> int:
             per = r["block_tok_s"] / r["drafters"]
             print(f"{repeat:3} {engine:8} {mode:6} {r['drafters']:8} {transfer:8} {r['warmup_s']:8} {r['steps']:5} "
                   f"{r['recompiles_after_warmup']:10} {r['block_tok_s']:11,} {per:11,.0f} "
-                  f"{str(r['busy_tok_s_per_drafter']):20} {r['build_s']:7} {r['steps_s']:7} {r['final_save_s']:6} "
+                  f"{r['busy_tok_s_per_drafter']!s:20} {r['build_s']:7} {r['steps_s']:7} {r['final_save_s']:6} "
                   f"{'ok' if ok else 'FAIL'}{' FX-error' if fx_error else ''}{' eager-flex' if flex_eager else ''}",
                   flush=True)
             if not ok:  # the run's own error (a traceback, CompileGuardError, ReplicaDivergenceError) in the table's log

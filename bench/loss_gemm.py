@@ -31,10 +31,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loss_memory import make_inputs, parse_args  # noqa: E402
+from loss_memory import make_inputs, parse_args
 
 # loss_memory put the repo root on sys.path
-from trainer.loss import KERNEL_KINDS, ChunkKernels, dflash_loss, make_chunk_kernels  # noqa: E402
+from trainer.loss import KERNEL_KINDS, ChunkKernels, dflash_loss, make_chunk_kernels
 
 TERMS = ("ce", "ce-cap", "ce-kl", "ce-kl-cap")
 GOALS = {"ce": 2.2, "ce-cap": 2.2, "ce-kl": 3.3, "ce-kl-cap": 3.3}  # GEMM-eq (issue 7 for CE, issue 19 for KL)

@@ -98,7 +98,7 @@ def cli(inventory: Path, *args: str, check: bool = True) -> subprocess.Completed
 
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def median(values: list[float]) -> float:

@@ -94,7 +94,7 @@ def status(run_dir: Path) -> dict:
 def wait(predicate, timeout: float, what: str, run_dir: Path) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
-        if time.monotonic() > deadline or (run_dir / "exit_code").is_file() and not predicate():
+        if time.monotonic() > deadline or ((run_dir / "exit_code").is_file() and not predicate()):
             log = (run_dir / "train.log").read_text()[-3000:] if (run_dir / "train.log").is_file() else ""
             raise SystemExit(f"{what}: not reached within {timeout:.0f} s (or the run ended)\n{log}")
         time.sleep(0.1)
@@ -155,13 +155,14 @@ def main() -> int:
         cli(inventory, "restart", old, "--name", new, "--resume", "--grace", "300",
             *(["--wait-exit"] if mode == "wait-exit" else []))
         returned = time.time()
-        wait(lambda: "first_step" in status(runs / new).get("timeline", {}), 600, f"{new} first step", runs / new)
-        wait(lambda: (runs / old / "exit_code").is_file(), 600, f"{old} exit", runs / old)
+        new_dir, old_dir = runs / new, runs / old
+        wait(lambda: "first_step" in status(new_dir).get("timeline", {}), 600, f"{new} first step", new_dir)  # noqa: B023 - called here
+        wait(lambda: (old_dir / "exit_code").is_file(), 600, f"{old} exit", old_dir)  # noqa: B023 - called here
         row = restart_row(mode, typed, returned, runs / old, runs / new)
         rows.append(row)
         print(json.dumps(row), file=sys.stderr)
-        wait(lambda: status(runs / new).get("step", 0) >= row["stopped_at"] + args.steps, 600,
-             f"{new} {args.steps} steps", runs / new)
+        until = row["stopped_at"] + args.steps
+        wait(lambda: status(new_dir).get("step", 0) >= until, 600, f"{new} {args.steps} steps", new_dir)  # noqa: B023 - called here
         name = new
     cli(inventory, "stop", name, "--grace", "300")
     if args.json_out:

@@ -504,9 +504,10 @@ def verb_stop(req: dict) -> dict:
     if not pids:
         raise AgentFailure(f"run {req['name']!r} is not running", "not_running")
     grace = float(req.get("grace", 60.0))
-    job = first_to_stop(directory, pids)
-    job_first = job in pids
-    signal_run(None if job_first else pgid, {job} if job_first else pids, signal.SIGTERM)
+    first = first_to_stop(directory, pids)
+    job = first if first in pids else None  # goes first when it is one of the run's processes
+    job_first = job is not None
+    signal_run(None if job_first else pgid, {job} if job is not None else pids, signal.SIGTERM)
     recorded = record_stop(directory, {"requested_at": time.time()})
     grace_deadline = time.monotonic() + grace
     save_deadline = grace_deadline + float(req.get("save_grace", 600.0))
@@ -537,7 +538,7 @@ def complete_stop(req: dict, directory: str, started: float, pgid: int | None, m
     after the grace (a checkpoint being written gets its save grace), then the bookkeeping (finish_stop)."""
     grace = float(req.get("grace", 60.0))
     seen, waited = set(pids), 0.0
-    if job_first:
+    if job is not None:
         _, waited = wait_out(lambda: {job} if alive(job) else set(), grace_deadline, save_deadline, directory)
 
     def rest() -> set[int]:
@@ -763,7 +764,7 @@ def run_status(directory: str) -> dict:
         except ValueError:
             continue
     log_tail = last_lines(os.path.join(directory, "train.log"))
-    error_line = next((l for l in reversed(log_tail) if ERROR_LINE_RE.search(l) and "Traceback" not in l), None)
+    error_line = next((ln for ln in reversed(log_tail) if ERROR_LINE_RE.search(ln) and "Traceback" not in ln), None)
     if error_line is None and trainer_status and trainer_status.get("error"):
         error_line = str(trainer_status["error"])
     # status.json names the step in progress (the one that crashed); metrics.jsonl the last one logged.
@@ -943,7 +944,7 @@ def _tail_once(req: dict, directory: str, path: str) -> dict:
     with open(source, "rb") as handle:
         expected = req.get("check")
         if notice is None and (offset > os.fstat(handle.fileno()).st_size
-                               or expected is not None and prefix_check(handle, offset) != expected):
+                               or (expected is not None and prefix_check(handle, offset) != expected)):
             offset, notice = 0, "train.log was truncated or rewritten; reading it again from its start"
         handle.seek(offset)
         data = handle.read(max_bytes)

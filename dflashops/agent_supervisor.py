@@ -43,11 +43,12 @@ import urllib.request
 
 SENTINELS = {"name": "@dflashops-run-name@", "parent": "@dflashops-parent@", "note": "@dflashops-note@",
              "checkpoint": "@dflashops-checkpoint@"}
-CANCELLED = []  # set by SIGTERM: the daemon ends at its next check, restarting nothing
+CANCELLED: list[bool] = []  # set by SIGTERM: the daemon ends at its next check, restarting nothing
 
 
 def load_agent(path: str):
     spec = importlib.util.spec_from_file_location("dflashops_agent", path)
+    assert spec is not None and spec.loader is not None  # a path ending in .py always has both
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -74,7 +75,7 @@ class Supervisor:
         self.root = req["root"]
         self.restarts = int(req.get("restarts", 0))
         self.policy = req.get("on_failure") or None
-        self.stall = req.get("stall") or None
+        self.stall: dict = req.get("stall") or {}
         self.poll_s = float(req.get("poll_s", 2.0))
 
     # -- bookkeeping ----------------------------------------------------------------------------------
@@ -173,7 +174,8 @@ class Supervisor:
             clock["step"], clock["step_at"] = status.get("step"), now
         limit = self.stall.get("heartbeat_s")
         if limit:
-            beat = trainer.get("heartbeat") if isinstance(trainer.get("heartbeat"), (int, float)) else clock["started"]
+            heartbeat = trainer.get("heartbeat")
+            beat = heartbeat if isinstance(heartbeat, (int, float)) else clock["started"]
             clock["beat"] = beat
             if now - max(float(beat), clock["started"]) > limit:
                 return f"no status.json heartbeat for {now - max(float(beat), clock['started']):.0f}s (limit {limit:g}s)"
@@ -194,7 +196,7 @@ class Supervisor:
         """Until `run` ends: {"kind": finished|stopped|crashed|stalled|cancelled, ...the run's last status}."""
         directory = self.run_dir(run)
         pid_file = os.path.join(directory, "pid")
-        clock = {"started": os.stat(pid_file).st_mtime if os.path.exists(pid_file) else time.time(), "step_at": time.time()}
+        clock: dict = {"started": os.stat(pid_file).st_mtime if os.path.exists(pid_file) else time.time(), "step_at": time.time()}
         clock["step"] = None
         while not CANCELLED:
             status = self.agent.run_status(directory)

@@ -7,6 +7,10 @@ code the CLI should use. The CLI prints `error: <message>` and, when present, `h
 from __future__ import annotations
 
 import shlex  # not dflashops.shell, which imports this module: the same quoting, no import circle
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dflashops.transport.base import Result  # which imports this module
 
 
 class DflashopsError(Exception):
@@ -64,7 +68,7 @@ class CommandFailed(DflashopsError):
 
     exit_code = 6
 
-    def __init__(self, result: "Result", *, hint: str | None = None, tail_lines: int = 10) -> None:  # noqa: F821
+    def __init__(self, result: Result, *, hint: str | None = None, tail_lines: int = 10) -> None:
         stderr_tail = "\n".join(result.stderr.rstrip().splitlines()[-tail_lines:])
         message = f"command failed with exit code {result.exit_code} on {result.target}: {shlex.join(map(str, result.argv))}"
         if stderr_tail:

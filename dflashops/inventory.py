@@ -45,7 +45,7 @@ class Host:
     jump_host: str | None = None
     known_hosts: str | None = None
     sudo: bool = False
-    gateway: "Host | None" = None  # the `jump_host` entry, resolved by load_inventory (ProxyJump)
+    gateway: Host | None = None  # the `jump_host` entry, resolved by load_inventory (ProxyJump)
 
 
 @dataclass(frozen=True)
@@ -170,8 +170,8 @@ class _Reader:
 
     def scalar(self, node: yaml.Node, key: str, kind: type) -> Any:
         value = yaml.safe_load(yaml.serialize(node)) if isinstance(node, yaml.ScalarNode) else None
-        if kind is bool and isinstance(value, bool) or kind is int and isinstance(value, int) and not isinstance(
-                value, bool) or kind is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        if (kind is bool and isinstance(value, bool)) or (kind is int and isinstance(value, int) and not isinstance(
+                value, bool)) or (kind is str and isinstance(value, (str, int, float)) and not isinstance(value, bool)):
             return str(value) if kind is str else value
         raise self.fail(node, key, f"expected {kind.__name__}")
 

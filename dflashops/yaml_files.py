@@ -59,7 +59,7 @@ def check_yaml_shape(path: Path, text: str, *, error: type[DflashopsError] = Inv
     frames: list[list] = [[None, 0]]
     try:
         for event in yaml.parse(text):
-            line = event.start_mark.line + 1
+            line = event.start_mark.line + 1  # type: ignore[union-attr]  # parse() marks every event
             if isinstance(event, yaml.CollectionStartEvent):
                 if len(frames) > MAX_DEPTH:
                     raise error(f"{path}:{line}: nested more than {MAX_DEPTH} levels deep",

@@ -22,16 +22,27 @@ import json
 import statistics
 import sys
 import time
+from typing import Any
 
 import torch
 
-from trainer.bench_common import (H200_PEAK_TFLOPS, SHAPES, Shape, checkpointed_loss, log, matmul_ceiling_tflops,
-                                  preset_config, recompile_count, step_flops, synthetic_batch, time_ms)
+from trainer.bench_common import (
+    H200_PEAK_TFLOPS,
+    SHAPES,
+    Shape,
+    checkpointed_loss,
+    log,
+    matmul_ceiling_tflops,
+    preset_config,
+    recompile_count,
+    step_flops,
+    synthetic_batch,
+    time_ms,
+)
 from trainer.config import PRESETS, TrainerInputError
-from trainer.loss import dflash_loss, make_chunk_kernels, position_weights
+from trainer.loss import ChunkKernels, dflash_loss, make_chunk_kernels, position_weights
 from trainer.model import DFlashDrafter
 from trainer.step import DrafterSide, FeatureBatch, TargetSide
-
 
 VARIANTS = {
     "compiled": "layers + loss kernels torch.compile'd per device, sorted anchors, CE only",
@@ -72,8 +83,8 @@ def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.devi
         side.loss_fn = lambda h, w, lab, wts, **kw: _ckpt_loss_result(h, w, lab, wts, kw)
 
     def step() -> None:
-        side.forward_backward(features, batch.weight_sum, float(batch.num_blocks))
-        side.optimizer_step()
+        side.forward_backward(features, batch.weight_sum, float(batch.num_blocks))  # noqa: F821 - del'd below
+        side.optimizer_step()  # noqa: F821
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -149,7 +160,7 @@ def bench_loss(args: argparse.Namespace, device: torch.device) -> list[dict]:
     rows = []
     kernels = make_chunk_kernels("compiled" if device.type == "cuda" else "eager")
     cap = {"cap_lambda": 0.1, "num_blocks_normalizer": M / shape.block}
-    cases = [("ce", kernels, {}), ("ce+kl", kernels, {"teacher_hidden": teacher, "kl_weight": 1.0}),
+    cases: list[tuple[str, ChunkKernels, dict[str, Any]]] = [("ce", kernels, {}), ("ce+kl", kernels, {"teacher_hidden": teacher, "kl_weight": 1.0}),
              ("ce+cap", kernels, cap)]
     if device.type == "cuda":  # the fused Triton CE kernel (trainer/loss_triton.py; CE and CE+CAP only)
         fused = make_chunk_kernels("triton")
@@ -182,7 +193,7 @@ def bench_attention(args: argparse.Namespace, device: torch.device) -> list[dict
     full and sliding layers, and flex_attention kernel_options variants (--flex-options A;B;..., 'default' =
     torch's own heuristics)."""
     from trainer.model import attention
-    from trainer.model.attention import attend, build_draft_mask, parse_flex_options
+    from trainer.model.attention import Backend, attend, build_draft_mask, parse_flex_options
 
     rows = []
     layers = [(name, window) for name, window in [("full_attention", None), ("sliding_attention", 2048)]
@@ -191,7 +202,7 @@ def bench_attention(args: argparse.Namespace, device: torch.device) -> list[dict
         shape = SHAPES[shape_name]
         _, dcfg = preset_config(args.preset, shape, [])
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        backend = "flex" if device.type == "cuda" else "dense"
+        backend: Backend = "flex" if device.type == "cuda" else "dense"
         Hq, Hkv, D = dcfg.num_attention_heads, dcfg.num_key_value_heads, dcfg.head_dim
         Q, K = shape.anchors * shape.block, shape.ctx + shape.anchors * shape.block
         for layer_type, window in layers:
@@ -269,8 +280,11 @@ def bench_pipeline(args: argparse.Namespace, device: torch.device) -> list[dict]
     with torch.no_grad():
         features = target_side.features(batch)
     rows = []
-    for name, fn in [("target prefill", prefill), ("drafter step", drafter_step),
-                     ("prefill + step", lambda: (prefill(), drafter_step()))]:
+    def both() -> None:
+        prefill()
+        drafter_step()
+
+    for name, fn in [("target prefill", prefill), ("drafter step", drafter_step), ("prefill + step", both)]:
         ms = statistics.median(time_ms(fn, device, warmup=args.warmup, iters=args.iters))
         rows.append({"what": name, "ms": ms, "ctx_tok_s": shape.rows * shape.ctx / (ms * 1e-3),
                      "block_tok_s": shape.block_tokens / (ms * 1e-3)})

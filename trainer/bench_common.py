@@ -8,8 +8,8 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -153,14 +153,25 @@ def preset_config(preset: str, shape: Shape, extra: list[str]) -> tuple[TrainCon
     cfg = parse_train_args(["--preset", preset, *target, "--block-size", str(shape.block), "--output-dir", "/tmp/bench",
                             "--wandb", "off", *extra])
     L = cfg.num_target_layers or 2
+    # The ignores below: every preset sets these fields (None only means "take it from the target").
     dcfg = DrafterConfig(
-        hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_draft_layers,
-        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, block_size=shape.block,
+        hidden_size=cfg.hidden_size,  # type: ignore[arg-type]
+        intermediate_size=cfg.intermediate_size,  # type: ignore[arg-type]
+        num_hidden_layers=cfg.num_draft_layers,
+        num_attention_heads=cfg.num_attention_heads,  # type: ignore[arg-type]
+        num_key_value_heads=cfg.num_key_value_heads,  # type: ignore[arg-type]
+        head_dim=cfg.head_dim,  # type: ignore[arg-type]
+        vocab_size=cfg.vocab_size,  # type: ignore[arg-type]
+        block_size=shape.block,
         target_layer_ids=cfg.target_layer_ids or default_target_layer_ids(L, cfg.num_draft_layers),
-        num_target_layers=L, mask_token_id=cfg.mask_token_id, rms_norm_eps=cfg.rms_norm_eps,
-        rope_theta=cfg.rope_theta, layer_types=cfg.layer_types(), sliding_window=cfg.sliding_window,
-        max_position_embeddings=max(cfg.max_position_embeddings, shape.ctx + shape.block))
+        num_target_layers=L,
+        mask_token_id=cfg.mask_token_id,  # type: ignore[arg-type]
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta,
+        layer_types=cfg.layer_types(),
+        sliding_window=cfg.sliding_window,
+        max_position_embeddings=max(cfg.max_position_embeddings, shape.ctx + shape.block),
+    )
     return cfg, dcfg
 
 

@@ -44,7 +44,7 @@ def private_copy(fn: Callable[..., Any]) -> Callable[..., Any]:
     copy = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     copy.__kwdefaults__ = fn.__kwdefaults__
     functools.update_wrapper(copy, fn)
-    del copy.__wrapped__  # inspect/dynamo must not unwrap back to the shared original
+    del copy.__wrapped__  # type: ignore[attr-defined]  # inspect/dynamo must not unwrap back to the shared original
     return copy
 
 

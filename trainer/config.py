@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,7 +147,7 @@ class TrainConfig:
 
     # ---- construction -------------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "TrainConfig":
+    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
         """Build from a plain dict; unknown keys are an error naming them."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
@@ -159,7 +160,7 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     # ---- cross-checks -------------------------------------------------------------------------------
-    def validate(self) -> "TrainConfig":
+    def validate(self) -> TrainConfig:
         """Check every field; raise TrainerInputError naming the flag. Returns self for chaining."""
 
         def need(ok: bool, flag: str, why: str, hint: str | None = None) -> None:
@@ -298,9 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
         if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
-        default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[operator]
         help_text = flag_help(f.name, default, PRESETS)  # KeyError for a field with no help: add it to FLAG_HELP
-        kind = types.get(f.name)
+        kind: Callable[[str], Any] | None = types.get(f.name)
         if kind is None:
             text = str(f.type)
             kind = float if "float" in text else int if "int" in text else str

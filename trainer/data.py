@@ -17,14 +17,14 @@ Everything here runs on the CPU (numpy); `Batch.to(device)` moves the tensors.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
-from typing import Iterator
 
 import numpy as np
 import torch
 
 from trainer.config import TrainConfig, TrainerInputError
-from trainer.shards import Sample, ShardError, ShardedDataset
+from trainer.shards import Sample, ShardedDataset, ShardError
 
 _ORDER_SALT = 0x5EED_0001  # keeps the order generator distinct from the anchor generators
 _ANCHOR_SALT = 0x5EED_0002
@@ -48,7 +48,7 @@ class Batch:
     num_blocks: int  # real anchors
     weight_sum: float  # weights.sum(), for the optimizer-step normaliser
 
-    def to(self, device: torch.device | str) -> "Batch":
+    def to(self, device: torch.device | str) -> Batch:
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
         for name, value in moved.items():
             if isinstance(value, torch.Tensor):
@@ -112,7 +112,7 @@ def padded_length(length: int, max_seq_len: int) -> int:
     """Bucketed context length S: a multiple of max(128, max_seq_len // 8) (128 = flex_attention's tile),
     capped at max_seq_len — at most 8 context buckets, so compiled shapes stay few (docs/method.md#compiling)."""
     bucket = min(max(128, max_seq_len // 8), max_seq_len)
-    return min(int(math.ceil(length / bucket)) * bucket, max_seq_len)
+    return min(math.ceil(length / bucket) * bucket, max_seq_len)
 
 
 def batch_shape(num_samples: int, longest: int, cfg: TrainConfig) -> tuple[int, int, int]:

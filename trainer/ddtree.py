@@ -88,8 +88,8 @@ def build_tree(slot_log_probs: torch.Tensor, budget: int, top_k: int | None = No
     if depth_limit == 0:
         return tree
     k = min(top_k or budget, budget, vocab)
-    values, ids = slot_log_probs.float().topk(k, dim=-1)               # [D, k]: one sort per step, not per node
-    values, ids = values.tolist(), ids.tolist()
+    top = slot_log_probs.float().topk(k, dim=-1)                         # [D, k]: one sort per step, not per node
+    values, ids = top.values.tolist(), top.indices.tolist()
     counter = 0                                                          # heap tie-break: first pushed pops first
     # entry: (-score, counter, depth, rank, parent, parent_score)
     frontier = [(-values[0][0], counter, 1, 0, -1, 0.0)]

@@ -26,12 +26,14 @@ import argparse
 import inspect
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from trainer.ddtree import check_options as check_ddtree_options, ddtree_generate
+from trainer.ddtree import check_options as check_ddtree_options
+from trainer.ddtree import ddtree_generate
 from trainer.model.drafter import DFlashDrafter
 from trainer.tokenizer_utils import DataInputError, end_of_turn_ids
 from trainer.verify import cut_at_stop, finish_generation
@@ -215,12 +217,13 @@ def evaluate(model: Any, drafter: DFlashDrafter, prompts: list[list[int]], *, ma
     slots = block - 1
     runner = TargetRunner(model, drafter.config.target_layer_ids)
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-    common = {"slots": slots, "max_new_tokens": max_new_tokens, "stops": set(stops)}
+    common: dict[str, Any] = {"slots": slots, "max_new_tokens": max_new_tokens, "stops": set(stops)}
 
     def block_mode(propose: Proposer) -> Callable[[list[int], MethodStats], list[int]]:
         return lambda prompt, stats: speculative_generate(runner, prompt, propose, stats=stats, **common)
 
-    methods = {"trained": (block_mode(drafter_proposer(drafter.eval(), embed, head)), None)}
+    methods: dict[str, tuple[Callable[[list[int], MethodStats], list[int]], dict[str, Any] | None]] = {
+        "trained": (block_mode(drafter_proposer(drafter.eval(), embed, head)), None)}
     if baselines:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)

@@ -50,8 +50,8 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -417,6 +417,7 @@ def dflash_loss(
             elif soft is not None:  # CAP needs every CE of the chunk before g (or eval: no g at all)
                 row_state, lse, ce, kl, argmax = soft.stats(logits, teacher_logits, lab, temperature=kl_temperature)
             elif fused_ce:  # one kernel: statistics and the UNSCALED g = softmax - onehot (scaled after GEMM 2)
+                assert kernels.fused_ce is not None
                 grad_logits, lse, ce, argmax = kernels.fused_ce(logits, lab, want_grad=grad_hidden is not None)
             else:
                 lse, ce, argmax, lse_t = kernels.stats(logits, lab, kl_temperature, use_kl)
@@ -432,6 +433,7 @@ def dflash_loss(
                 if row_state is not None and grad_hidden is not None:
                     # c_i (p - y) + k_i (p_T - q_T) = c_i [(p - y) + (k_i / c_i)(p_T - q_T)]; k_i = 0 wherever
                     # c_i = 0 (both carry w_i / normalizer and CAP's part is >= 0), so the ratio is 0 there
+                    assert kl_coef is not None  # soft labels: use_kl
                     ratio = torch.where(ce_coef > 0, kl_coef / ce_coef, 0.0)
                     grad_logits = soft.grad(logits, teacher_logits, lab, row_state, ratio,
                                             temperature=kl_temperature, out=teacher_logits)
@@ -443,8 +445,10 @@ def dflash_loss(
             if grad_hidden is not None and fused:
                 # GEMM 2, then the per-row coefficient: diag(c) (P - Y) W. One [C, H] pass (H << V), in fp32
                 # before the single rounding to the gradient's dtype; weight-0 rows get c = 0 exactly.
+                assert grad_logits is not None  # every path above computes g when a gradient is wanted
                 torch.mul(grad_logits @ lm_head_weight, ce_coef[:, None], out=grad_hidden[start:end])
             elif grad_hidden is not None:
+                assert grad_logits is not None
                 grad_hidden[start:end] = grad_logits @ lm_head_weight  # GEMM 2
             del logits, grad_logits, teacher_logits
 

@@ -89,7 +89,7 @@ class CEKernelConfig:
             raise ValueError(f"programs_per_sm must be >= 0 (got {self.programs_per_sm})")
 
     @classmethod
-    def parse(cls, text: str) -> "CEKernelConfig":
+    def parse(cls, text: str) -> CEKernelConfig:
         """'4096:8' or '16384:16:1' -> config (BLOCK_V:NUM_WARPS[:PROGRAMS_PER_SM])."""
         try:
             parts = [int(p) for p in text.split(":")]
@@ -100,7 +100,7 @@ class CEKernelConfig:
         return cls(*parts)
 
     @classmethod
-    def from_env(cls) -> "CEKernelConfig":
+    def from_env(cls) -> CEKernelConfig:
         text = os.environ.get(ENV_CONFIG, "").strip()
         return cls.parse(text) if text else cls()
 

@@ -94,7 +94,7 @@ def _max_first_index_and_max_combine(x1, i1, t1, x2, i2, t2):
     """Combine function of pass 1's one reduction per tile (jitted by ``_kernel``): the larger x with its
     smallest index on a tie (a reduction's order is unspecified), and the larger t."""
     take_first = (x1 > x2) | ((x1 == x2) & (i1 < i2))
-    return tl.where(take_first, x1, x2), tl.where(take_first, i1, i2), tl.maximum(t1, t2)  # noqa: F821
+    return tl.where(take_first, x1, x2), tl.where(take_first, i1, i2), tl.maximum(t1, t2)  # type: ignore[name-defined]  # noqa: F821
 
 
 @functools.cache
@@ -147,7 +147,7 @@ def _kernel():
                                      eviction_policy="evict_last")
                     t_next = tl.load(t_row + next_idx, mask=next_idx < N_COLS, other=float("-inf"),
                                      eviction_policy="evict_last")
-                    tile_max_x, tile_arg, tile_max_t = tl.reduce((x, idx, t), 0, _max_first_index_and_max)
+                    tile_max_x, tile_arg, tile_max_t = tl.reduce((x, idx, t), 0, _max_first_index_and_max)  # type: ignore[name-defined]  # noqa: F821
                     arg = tl.where(tile_max_x > m_x, tile_arg, arg)  # strict: an earlier tile wins a tie
                     m_x_new = tl.maximum(m_x, tile_max_x)
                     m_t_new = tl.maximum(m_t, tile_max_t)
@@ -200,7 +200,7 @@ def _kernel():
                 s_x_t = tl.load(state_row + 3)
                 s_t = tl.load(state_row + 4)
             if GRAD:
-                if RATIO_PER_ROW:
+                if RATIO_PER_ROW:  # noqa: SIM108 - a constexpr branch: compiled in or out
                     r = tl.load(ratio_ptr + row)
                 else:
                     r = ratio

@@ -89,7 +89,7 @@ def build_drafter_config(cfg: TrainConfig, hf_config: Any) -> DrafterConfig:
         return DrafterConfig(
             hidden_size=hidden, intermediate_size=cfg.intermediate_size or text.intermediate_size,
             num_hidden_layers=cfg.num_draft_layers, num_attention_heads=heads,
-            num_key_value_heads=cfg.num_key_value_heads or getattr(text, "num_key_value_heads", heads),
+            num_key_value_heads=cfg.num_key_value_heads or getattr(text, "num_key_value_heads", heads),  # type: ignore[arg-type]
             head_dim=cfg.head_dim or getattr(text, "head_dim", None) or hidden // heads, vocab_size=vocab,
             block_size=cfg.block_size, target_layer_ids=layer_ids, num_target_layers=num_target_layers,
             mask_token_id=cfg.mask_token_id, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
@@ -192,7 +192,7 @@ def check_init_from(directory: Path, expected: dict[str, list[int]]) -> None:
         raise TrainerInputError(f"--init-from: {directory} has no model.safetensors",
                                 hint="point it at an exported drafter directory (python -m trainer export)")
     with safe_open(str(weights), framework="pt") as handle:  # reads the header only
-        found = {name: list(handle.get_slice(name).get_shape()) for name in handle.keys()}
+        found = {name: list(handle.get_slice(name).get_shape()) for name in handle.keys()}  # noqa: SIM118 - not a dict
     if found != expected:
         diff = sorted(set(found) ^ set(expected)) or [n for n in expected if found[n] != expected[n]]
         raise TrainerInputError(f"--init-from: {directory} is of a different drafter shape (first difference: {diff[0]})",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,7 +67,7 @@ def _atomic_write_json(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def write_shard(directory: Path, name: str, samples: list[tuple[list[int] | np.ndarray, list[int] | np.ndarray]]) -> dict:
+def write_shard(directory: Path, name: str, samples: Sequence[tuple[list[int] | np.ndarray, list[int] | np.ndarray]]) -> dict:
     """Write one shard (ids and mask per sample) atomically; return its index entry."""
     lengths = [len(ids) for ids, _ in samples]
     for i, (ids, mask) in enumerate(samples):

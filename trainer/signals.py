@@ -16,8 +16,8 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from types import FrameType
-from typing import Callable
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
@@ -59,7 +59,7 @@ class GracefulStop:
                 pass
         os._exit(stop_exit_code(signum))
 
-    def __enter__(self) -> "GracefulStop":
+    def __enter__(self) -> GracefulStop:
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)

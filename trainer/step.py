@@ -18,8 +18,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,7 @@ from trainer.data import Batch
 from trainer.loss import dflash_loss, make_chunk_kernels, resolve_loss_kernels, simulated_tau
 from trainer.loss_triton import triton_available
 from trainer.model import DFlashDrafter, TargetModel
+from trainer.model.attention import Backend
 from trainer.model.drafter import call_layer
 
 __all__ = ["Batch", "FeatureBatch", "StepStats", "TargetSide", "DrafterSide", "check_loss_kernels", "lr_factor",
@@ -61,13 +63,13 @@ class StepStats:
     block_tokens: int = 0  # real blocks x B
     ctx_tokens: int = 0  # real context tokens
 
-    def __add__(self, other: "StepStats") -> "StepStats":
+    def __add__(self, other: StepStats) -> StepStats:
         device = self.loss.device
         return StepStats(**{name: (getattr(self, name) + getattr(other, name).to(device)
                                    if isinstance(getattr(self, name), torch.Tensor) else getattr(self, name) + getattr(other, name))
                             for name in self.__dataclass_fields__})
 
-    def summary(self) -> dict[str, float | list[float]]:
+    def summary(self) -> dict[str, Any]:
         """Plain floats for metrics.jsonl (one host sync for all of them)."""
         blocks = max(float(self.num_blocks), 1.0)
         weights = float(self.weight_sum)
@@ -161,11 +163,11 @@ class DrafterSide:
         # Fused on CUDA (--adamw auto): one kernel family for the whole update instead of foreach's chain of
         # multi_tensor_apply launches (23.6 ms of the 8B seed step in the profile, bench/RESULTS.md session 5).
         fused = cfg.adamw == "fused" or (cfg.adamw == "auto" and self.device.type == "cuda")
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                           **({"fused": True} if fused else {}))
+        fused_kw: dict[str, Any] = {"fused": True} if fused else {}
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, **fused_kw)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, total_steps, cfg.warmup_ratio))
-        self.backend = "flex" if self.device.type == "cuda" else "dense"
+        self.backend: Backend = "flex" if self.device.type == "cuda" else "dense"
 
     def _noise(self, shape: torch.Size, dtype: torch.dtype, std: float, seed: tuple[int, ...]) -> torch.Tensor:
         generator = torch.Generator(device=self.device)

@@ -19,8 +19,9 @@ it with `save_pretrained`, so callers load it with `AutoTokenizer.from_pretraine
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from trainer.config import TrainerInputError
 

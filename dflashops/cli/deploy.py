@@ -8,8 +8,8 @@ import sys
 from dflashops.cli.common import highlight_errors, open_invocation, print_plan, progress, show_passthrough
 from dflashops.ops.control import DEFAULT_FAIL_ON, wait_for
 from dflashops.ops.deploy import LAUNCHERS, DeployOutcome, DeployRequest, deploy
-from dflashops.ops.restart import RestartRequest, restart
 from dflashops.ops.invocation import Invocation
+from dflashops.ops.restart import RestartRequest, restart
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

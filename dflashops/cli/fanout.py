@@ -102,6 +102,7 @@ def handle_exec_all(args: argparse.Namespace) -> int:
             worst = max(worst, 1)
             continue
         outcome = result.value
+        assert outcome is not None  # an ok result carries the command's Result
         for line in outcome.stdout.splitlines():
             print(f"[{result.target}] {line}")
         for line in outcome.stderr.splitlines():

@@ -51,8 +51,8 @@ def progress_bar(quiet: bool) -> Iterator[Progress]:
         yield Progress(note=progress)
         return
     from rich.console import Console
-    from rich.progress import (BarColumn, DownloadColumn, Progress as Bar, TextColumn, TimeRemainingColumn,
-                               TransferSpeedColumn)
+    from rich.progress import BarColumn, DownloadColumn, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+    from rich.progress import Progress as Bar
 
     console = Console(stderr=True, no_color="NO_COLOR" in os.environ)
     with Bar(TextColumn("fetch"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),

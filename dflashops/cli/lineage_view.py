@@ -21,8 +21,8 @@ from rich.text import Text
 from rich.tree import Tree
 
 from dflashops.lineage import LineageDB, RunRecord, diff_runs
-from dflashops.ops.local_runs import LocalRuns
 from dflashops.lineage.files import AGENT_STATE_TO_LINEAGE, best_value, metric_series, read_metrics, run_dir_of
+from dflashops.ops.local_runs import LocalRuns
 
 STATE_STYLE = {"launched": "cyan", "running": "bold blue", "finished": "green", "crashed": "bold red",
                "stopped": "yellow"}

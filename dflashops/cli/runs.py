@@ -22,7 +22,12 @@ from rich.console import Console
 from dflashops.errors import DflashopsError, NotFound, UsageError
 from dflashops.lineage import LineageDB, diff_runs
 from dflashops.lineage.files import (
-    import_dict_from_status, metric_names, other_node, metric_series, read_metrics, run_dir_of,
+    import_dict_from_status,
+    metric_names,
+    metric_series,
+    other_node,
+    read_metrics,
+    run_dir_of,
 )
 
 Handler = Callable[[argparse.Namespace], int]
@@ -188,6 +193,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
                 outcomes.append({"name": str(status.get("name")), "target": target, "outcome": "skipped",
                                  "reason": "no run.json"})
                 continue
+            outcome: str
             try:
                 outcome, reason = db.import_run_json(data), ""
             except DflashopsError as exc:

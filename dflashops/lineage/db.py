@@ -12,6 +12,7 @@ redact_env, redact_argv, diff_runs, RunDiff, wandb_env.
 
 from __future__ import annotations
 
+import builtins
 import difflib
 import json
 from collections.abc import Mapping
@@ -22,10 +23,20 @@ from dflashops.errors import Conflict, DflashopsError, NotFound
 from dflashops.lineage.diff import RunDiff, diff_runs, parse_argv
 from dflashops.lineage.naming import lineage_root, next_name, wandb_env
 from dflashops.lineage.record import (
-    STATES, RunRecord, record_from_run_json, redact_argv, redact_env, utc_now_iso,
+    STATES,
+    RunRecord,
+    record_from_run_json,
+    redact_argv,
+    redact_env,
+    utc_now_iso,
 )
 from dflashops.lineage.sqlite import (
-    Connection, LineageDBError, Transaction, not_writable_reason, rebuild_hint, writable_hint,
+    Connection,
+    LineageDBError,
+    Transaction,
+    not_writable_reason,
+    rebuild_hint,
+    writable_hint,
 )
 from dflashops.shell import validate_name
 
@@ -258,12 +269,12 @@ class LineageDB:
                 params.append(value)
         return self._select(("WHERE " + " AND ".join(clauses)) if clauses else "", tuple(params))
 
-    def children(self, name: str) -> list[RunRecord]:
+    def children(self, name: str) -> builtins.list[RunRecord]:  # `list` is the method above here
         """Direct children of `name`, oldest first. NotFound when `name` is not recorded."""
         self.get(name)
         return self._select("WHERE parent = ?", (name,))
 
-    def ancestors(self, name: str) -> list[RunRecord]:
+    def ancestors(self, name: str) -> builtins.list[RunRecord]:
         """The chain root ... name (inclusive), stopping at a parent that is not recorded."""
         chain = [self.get(name)]
         seen = {name}
@@ -334,7 +345,7 @@ class LineageDB:
         """Close the connection (safe to call twice)."""
         self._conn.close()
 
-    def __enter__(self) -> "LineageDB":
+    def __enter__(self) -> LineageDB:
         return self
 
     def __exit__(self, *exc: object) -> None:

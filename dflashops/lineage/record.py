@@ -49,7 +49,7 @@ def redact_env(env: Mapping[str, str]) -> dict[str, str]:
         value = "" if raw is None else str(raw)
         if value == REDACTED:
             redacted[key] = value
-        elif _SECRET_NAME.search(key) or _value_is_secret(value):
+        elif _SECRET_NAME.search(key) or _value_is_secret(value):  # noqa: SIM114 - a rule of its own
             redacted[key] = REDACTED
         elif _KEY_NAME.search(key) and _SECRET_LOOKING_VALUE.match(value) and "/" not in value[:1]:
             redacted[key] = REDACTED

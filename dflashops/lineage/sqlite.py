@@ -77,8 +77,8 @@ class Connection:
     def error(self, exc: sqlite3.Error, *, doing: str = "use") -> LineageDBError:
         text = str(exc)
         lowered = text.lower()
-        if any(word in lowered for word in CORRUPT_WORDS) or isinstance(exc, sqlite3.DatabaseError) and not \
-                isinstance(exc, sqlite3.OperationalError):
+        if any(word in lowered for word in CORRUPT_WORDS) or (isinstance(exc, sqlite3.DatabaseError) and not \
+                isinstance(exc, sqlite3.OperationalError)):
             return LineageDBError(f"lineage database {self.path} is corrupt ({text})", hint=rebuild_hint(self.path))
         if any(word in lowered for word in READ_ONLY_WORDS):
             return LineageDBError(f"lineage database {self.path} cannot be written ({text}); nothing was changed",

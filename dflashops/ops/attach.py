@@ -10,8 +10,8 @@ import os
 
 from dflashops.errors import NotFound, UsageError
 from dflashops.ops.control import run_status
-from dflashops.ops.nodes import node_target, nodes_of
 from dflashops.ops.invocation import Invocation
+from dflashops.ops.nodes import node_target, nodes_of
 from dflashops.shell import validate_name
 from dflashops.transport.interactive import interactive_argv
 from dflashops.transport.tmux_local import local_session_exists

@@ -8,10 +8,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from dflashops.errors import DflashopsError, NotFound, RunFailed, TransportError, UsageError, WaitTimeout
+from dflashops.errors import DflashopsError, RunFailed, TransportError, UsageError, WaitTimeout
 from dflashops.lineage.files import other_node
-from dflashops.ops.nodes import nodes_of, overall, read_nodes, status_nodes, stop_nodes
 from dflashops.ops.invocation import Invocation
+from dflashops.ops.nodes import nodes_of, overall, read_nodes, status_nodes, stop_nodes
 from dflashops.shell import validate_name
 
 DEFAULT_FAIL_ON = r"Traceback \(most recent call last\)"
@@ -179,7 +179,7 @@ class LogReader:
 
 def wait_for(invocation: Invocation, name: str, *, until: str | None, fail_on: str | None = DEFAULT_FAIL_ON,
              target: str | None = None, timeout: float | None = None, cursor: LogCursor | None = None,
-             on_text: Callable[[str], None] = lambda text: None, poll_s: float = 0.5,
+             on_text: Callable[[str], object] = lambda text: None, poll_s: float = 0.5,
              on_notice: Callable[[str], None] = lambda notice: None) -> str:
     """Follow the log until `until` matches a line (returns it), `fail_on` matches (RunFailed), the run
     ends first (RunFailed with its state; or returns "" when no `until` was given and it finished or was

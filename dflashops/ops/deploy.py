@@ -40,7 +40,7 @@ class DeployRequest:
     clear_cache: bool = False
     extra_args: list[str] = field(default_factory=list)
     checkpoint: str | None = None  # resume from this checkpoint (profile's resume_args)
-    node: "NodePlace | None" = None  # this target's place in a run on several targets (ops/nodes.py)
+    node: NodePlace | None = None  # this target's place in a run on several targets (ops/nodes.py)
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class DeployOutcome:
     uploaded: int
     cache_cleared: str | None
     supervisor: dict | None = None  # the in-target supervisor's start answer (ops/supervise.py), if any
-    nodes: list["DeployOutcome"] = field(default_factory=list)  # a run on several targets: each node's, node 0 first
+    nodes: list[DeployOutcome] = field(default_factory=list)  # a run on several targets: each node's, node 0 first
 
 
 def expand(template: str, values: dict[str, str]) -> str:

@@ -118,7 +118,7 @@ def import_checks(target: Target, imports: dict[str, Any]) -> list[Check]:
             checks.append(Check(name, "fail", f"cannot import {name}: {imports.get(name + '_error')}",
                                 f"pip install {name} into the run's python"))
         else:
-            checks.append(Check(name, "skip", f"not installed; not needed on a CPU target"))
+            checks.append(Check(name, "skip", "not installed; not needed on a CPU target"))
     return checks
 
 

@@ -44,7 +44,7 @@ class Progress:
     note: Callable[[str], None] = lambda text: None
 
 
-def sha256_of(path: Path, upto: int | None = None) -> "hashlib._Hash":
+def sha256_of(path: Path, upto: int | None = None) -> hashlib._Hash:
     digest = hashlib.sha256()
     left = path.stat().st_size if upto is None else upto
     with path.open("rb") as handle:

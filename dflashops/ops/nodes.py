@@ -24,7 +24,13 @@ from dflashops.errors import DflashopsError, NotFound, UsageError
 from dflashops.inventory import Group, Profile, Target
 from dflashops.lineage import LineageDBError
 from dflashops.ops.deploy import (
-    DeployOutcome, DeployRequest, NodePlace, check_free_on_target, check_request, claim_name, launch_on,
+    DeployOutcome,
+    DeployRequest,
+    NodePlace,
+    check_free_on_target,
+    check_request,
+    claim_name,
+    launch_on,
 )
 from dflashops.ops.invocation import Invocation
 
@@ -114,7 +120,7 @@ def nodes_of(invocation: Invocation, name: str, explicit_target: str | None = No
     entries = (record.extra.get("nodes") if record else None) or []
     if len(entries) < 2:
         return None
-    nodes = []
+    nodes: list[RunNode] = []
     for entry in entries:
         target = str(entry.get("target"))
         if target not in invocation.inventory.targets:

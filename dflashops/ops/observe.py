@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 ENDINGS = {"crashed": "crashed", "finished": "finished", "stopped": "stopped"}
 
 
-def adopt(invocation: "Invocation", status: dict[str, Any]) -> bool:
+def adopt(invocation: Invocation, status: dict[str, Any]) -> bool:
     """Record a supervisor-made run (its parent chain is what the lineage needs); True when added."""
     run_json = status.get("run_json") or {}
     if not (run_json.get("extra") or {}).get("auto_restart") or not status.get("target"):
@@ -55,7 +55,7 @@ def ending_event(status: dict[str, Any], previous: str | None) -> dict[str, Any]
             "source": "controller"}
 
 
-def observe(invocation: "Invocation", status: dict[str, Any], record: RunRecord | None) -> None:
+def observe(invocation: Invocation, status: dict[str, Any], record: RunRecord | None) -> None:
     if record is None and adopt(invocation, status):
         record = invocation.record_of(str(status.get("name")))
     notifier = invocation.notifier
@@ -69,7 +69,7 @@ def observe(invocation: "Invocation", status: dict[str, Any], record: RunRecord 
         notifier.send(event)
 
 
-def started(invocation: "Invocation", target: str, name: str, note: str, parent: str | None) -> None:
+def started(invocation: Invocation, target: str, name: str, note: str, parent: str | None) -> None:
     """The controller launched `name` (deploy, restart)."""
     if invocation.dry_run or invocation.notifier.config is None:
         return

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from dflashops.errors import MissingDependency, UsageError
 
@@ -23,7 +24,7 @@ COLOURS: tuple[str, ...] = ("#000000", "#0072B2", "#D55E00", "#009E73", "#CC79A7
 MARKERS_PER_LINE = 8  # markers on every point of a 10k-step run would be a solid smear
 
 
-def style_for(index: int) -> dict[str, object]:
+def style_for(index: int) -> dict[str, Any]:
     """Line style, marker and colour of the index-th run: the (style, marker) pair differs for 64 runs."""
     return {
         "linestyle": LINE_STYLES[index % len(LINE_STYLES)],

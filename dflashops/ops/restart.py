@@ -111,7 +111,7 @@ def relaunch(invocation: Invocation, request: RestartRequest, deploy_request: De
                        f"{target.workspace}/releases/{code_hash}")
     agent = invocation.agent(target)
     calls, fell_back = 0, False
-    base = release_cache.load(invocation.inventory.lineage_path, target)
+    base: tuple[str | None, dict[str, str]] | None = release_cache.load(invocation.inventory.lineage_path, target)
     if base is None:
         base, calls = remote_base(agent, code_hash, manifest), calls + 1
     payload = install_payload(target.workspace, files, code_hash, manifest, base[0], base[1])

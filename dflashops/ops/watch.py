@@ -78,6 +78,7 @@ def run_row(entry: dict[str, Any], now: float) -> RunRow:
         else:
             queues[str(channel)] = str(stats)
     memory = metrics.get("gpu_mem_gb")
+    memory_gb = _float(memory)  # one number for the whole target
     heartbeat = _float(trainer.get("heartbeat"))
     return RunRow(
         name=entry["name"] + (f"@node{entry['node']}" if "node" in entry else ""),
@@ -88,7 +89,7 @@ def run_row(entry: dict[str, Any], now: float) -> RunRow:
         block_tok_s_per_drafter=[v for v in (metrics.get("block_tok_s_per_drafter") or []) if _float(v) is not None],
         queues=queues,
         gpu_mem_gb={str(k): float(v) for k, v in memory.items()} if isinstance(memory, dict)
-        else ({"0": float(memory)} if _float(memory) is not None else {}),
+        else ({"0": memory_gb} if memory_gb is not None else {}),
         eta_s=eta, heartbeat_age_s=None if heartbeat is None else max(0.0, now - heartbeat),
         last_log_line=entry.get("last_log_line"), error_line=entry.get("error_line"))
 

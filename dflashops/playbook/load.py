@@ -100,7 +100,7 @@ class Step:
     name: str = ""
     on_failure: str = "stop"
     register: str | None = None
-    body: list["Step"] = field(default_factory=list)  # loop steps only
+    body: list[Step] = field(default_factory=list)  # loop steps only
 
     @property
     def label(self) -> str:

@@ -18,12 +18,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dflashops.errors import DflashopsError
-from dflashops.ops.restart import RestartRequest, restart
 from dflashops.ops.invocation import Invocation
+from dflashops.ops.restart import RestartRequest, restart
 from dflashops.playbook import Playbook, Step
-from dflashops.playbook.vars import PlaybookError, render
 from dflashops.playbook.expr import ExprSyntaxError
 from dflashops.playbook.steps import STEP_FUNCTIONS, Context, StepOutcome, latest_running_run
+from dflashops.playbook.vars import PlaybookError, render
 
 
 @dataclass

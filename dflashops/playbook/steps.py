@@ -18,8 +18,8 @@ from typing import Any
 from dflashops.errors import CommandFailed, NotFound, RunFailed, UsageError, WaitTimeout
 from dflashops.ops.control import DEFAULT_FAIL_ON, LogCursor, NotRunning, read_log, run_status, stop_run, wait_for
 from dflashops.ops.deploy import DeployRequest, deploy
-from dflashops.ops.restart import RestartRequest, restart
 from dflashops.ops.invocation import Invocation
+from dflashops.ops.restart import RestartRequest, restart
 from dflashops.ops.sync import local_manifest, release_files, sync
 from dflashops.playbook.expr import MissingMetric, lookup, parse
 from dflashops.shell import join_argv
@@ -178,6 +178,7 @@ def _wait_metric(ctx: Context, run: str, text: str, fail_on: str | None, timeout
     deadline = time.monotonic() + timeout
     while True:
         for chunk in read_log(ctx.invocation, run, cursor, target=ctx.target_arg(args)) if fail_re else ():
+            assert fail_re is not None  # the log is read only when there is a pattern
             pending += chunk
             *lines, pending = pending.split("\n")
             bad = next((line for line in lines if fail_re.search(line)), None)

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 __all__ = ["Result", "Transport", "open_transport"]
 
 
-def open_transport(target: "Target") -> Transport:
+def open_transport(target: Target) -> Transport:
     """A Transport for the target's kind. One per CLI invocation; close it (or use `with`) when done."""
     if target.kind == "local":
         from dflashops.transport.local import LocalTransport

@@ -88,10 +88,10 @@ class Transport(abc.ABC):
             raise CommandFailed(result)
         return result
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: a transport that holds nothing has nothing to release
         """Release connections. Safe to call twice."""
 
-    def __enter__(self) -> "Transport":
+    def __enter__(self) -> Transport:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -21,7 +21,7 @@ class LocalTransport(Transport):
 
     def _run(self, argv: Sequence[str], *, env: Mapping[str, str], stdin: Stdin,
              timeout: float | None) -> tuple[int, bytes, bytes]:
-        data = stdin.read() if hasattr(stdin, "read") else stdin
+        data = stdin if stdin is None or isinstance(stdin, (bytes, bytearray, memoryview)) else stdin.read()
         try:
             proc = subprocess.run(list(argv), input=data, env={**os.environ, **env}, capture_output=True,
                                   timeout=timeout, stdin=None if data is not None else subprocess.DEVNULL)
@@ -46,7 +46,7 @@ class LocalTransport(Transport):
             raise TransportError(f"{argv[0]}: cannot execute on {self.name}: {exc.strerror}") from None
         assert proc.stdout is not None
         try:
-            while chunk := proc.stdout.read1(65536):
+            while chunk := proc.stdout.read1(65536):  # type: ignore[attr-defined]  # a PIPE is a BufferedReader
                 yield chunk
         finally:
             if proc.poll() is None:

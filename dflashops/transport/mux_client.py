@@ -67,7 +67,7 @@ def mux_dir() -> Path | None:
     if info.st_uid != os.getuid() or info.st_mode & 0o077 or not path.is_dir() or path.is_symlink():
         raise TransportError(f"the ssh multiplexer folder {path} is not yours alone (owner uid {info.st_uid}, "
                              f"mode {oct(info.st_mode & 0o777)})",
-                             hint=f"remove it, or set DFLASHOPS_MUX_DIR to a folder of yours with mode 0700")
+                             hint="remove it, or set DFLASHOPS_MUX_DIR to a folder of yours with mode 0700")
     return path
 
 
@@ -105,7 +105,7 @@ class MuxTransport(Transport):
         if conn is None:
             assert self._direct is not None
             return self._direct._run(argv, env=env, stdin=stdin, timeout=timeout)
-        data = stdin.read() if hasattr(stdin, "read") else stdin
+        data = stdin if stdin is None or isinstance(stdin, (bytes, bytearray, memoryview)) else stdin.read()
         with self.request(conn, "run", argv, env, timeout, data):
             out, err = b"", b""
             while True:
@@ -181,7 +181,7 @@ class MuxTransport(Transport):
         that find none at once exactly one starts it. Called only after this invocation connected itself; a
         multiplexer that cannot connect all the same (the host went down, its key changed) just exits, and
         the next invocation connects itself and reports the error."""
-        lock = open(f"{self.path}.lock", "a")
+        lock = open(f"{self.path}.lock", "a")  # noqa: SIM115 - closed in the finally below
         try:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -21,7 +21,6 @@ from dflashops.errors import NotFound, TransportError
 from dflashops.shell import env_argv
 from dflashops.transport.base import Stdin, Transport
 
-
 STATUS_FAILED = 254
 PCT_FAILED = 255  # pct exec's own failures (container not running, no such container)
 STATUS_MARK = "dflashops-pct-status-rc="

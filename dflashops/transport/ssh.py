@@ -25,7 +25,6 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import fabric
 import paramiko
@@ -79,7 +78,7 @@ class SshTransport(Transport):
             conn = build_connection(settings)
             try:
                 conn.open()
-            except Exception as exc:  # every failure mode of connect becomes one TransportError
+            except Exception as exc:  # noqa: BLE001 - every failure mode of connect becomes one TransportError
                 self._conn = conn
                 self._close_quietly()
                 raise translate_connect_error(exc, settings, conn) from None
@@ -233,7 +232,7 @@ def _start_feeder(channel: paramiko.Channel, stdin: Stdin) -> threading.Thread:
             if isinstance(stdin, (bytes, bytearray, memoryview)):
                 view = memoryview(stdin)
                 for start in range(0, len(view), CHUNK):
-                    channel.sendall(view[start:start + CHUNK])
+                    channel.sendall(view[start:start + CHUNK])  # type: ignore[arg-type]  # any buffer works
             elif stdin is not None:
                 while chunk := stdin.read(CHUNK):
                     channel.sendall(chunk)

@@ -63,7 +63,7 @@ class _CaptureKey(paramiko.MissingHostKeyPolicy):
         raise UnknownHostKey(hostname, key, hostname, Path())
 
 
-def fetch_host_key(settings: "SshSettings") -> tuple[str, paramiko.PKey]:
+def fetch_host_key(settings: SshSettings) -> tuple[str, paramiko.PKey]:
     """(known_hosts name, key) of the server, without authenticating. The gateway, if any, must be trusted."""
     # An empty known_hosts for this hop only, so the capturing policy sees its key even when it is known.
     conn = build_connection(dataclasses.replace(settings, known_hosts=os.devnull))

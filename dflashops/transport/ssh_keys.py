@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import base64
-import dataclasses
 import hashlib
 import os
 import socket
@@ -69,11 +68,11 @@ def record_host_key(known_hosts: Path, hostname: str, key: paramiko.PKey) -> boo
     return True
 
 
-def check_identity_files(settings: "SshSettings") -> None:
+def check_identity_files(settings: SshSettings) -> None:
     """Refuse, before connecting, an inventory `identity_file` (this host's or a gateway's) that is missing,
     unreadable or not a private key, naming the file: paramiko would report a missing file as a failed
     handshake ("is it an ssh server?") and a garbage file as a UnicodeDecodeError."""
-    hop: "SshSettings | None" = settings
+    hop: SshSettings | None = settings
     while hop is not None:
         if hop.identity_file:
             check_identity_file(Path(os.path.expanduser(hop.identity_file)), hop.trust_name or hop.host)
@@ -101,8 +100,8 @@ def check_identity_file(path: Path, host: str) -> None:
                                       f"ssh-keygen -y -f {path}") from None
 
 
-def translate_connect_error(exc: BaseException, settings: "SshSettings",
-                            conn: "fabric.Connection | None" = None) -> TransportError:
+def translate_connect_error(exc: BaseException, settings: SshSettings,
+                            conn: fabric.Connection | None = None) -> TransportError:
     """One line a user can act on, for every failure of opening a connection."""
     where = f"{conn.user}@{conn.host}:{conn.port}" if conn is not None else settings.host
     name = settings.trust_name or settings.host

@@ -23,7 +23,7 @@ class SshSettings:
     port: int | None = None
     identity_file: str | None = None
     known_hosts: str | None = None
-    gateway: "SshSettings | None" = None
+    gateway: SshSettings | None = None
     connect_timeout: float = 10.0
     keepalive_s: int = 15
     trust_name: str | None = None  # the name `dflashops trust NAME` takes (inventory host name)

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from dflashops.agent import tmux_socket
-from tests.tmux_screen import kill_server
 from dflashops.cli.main import main
+from tests.tmux_screen import kill_server
 
 REPO = Path(__file__).resolve().parents[2]
 WORKLOAD = REPO / "tests" / "workloads" / "workload.py"

@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from tests.tmux_screen import session_names
-from tests.controller.helpers import AGENT, REPO, Env
 from dflashops.agent import tmux_socket
 from dflashops.inventory import load_inventory
+from tests.controller.helpers import AGENT, REPO, Env
+from tests.tmux_screen import session_names
 
 
 def test_tail_never_loses_or_repeats_a_line(env: Env) -> None:

@@ -16,8 +16,8 @@ import libtmux
 import pytest
 
 from dflashops.agent import session_name, tmux_socket
-from tests.tmux_screen import session_names
 from tests.controller.helpers import AGENT, Env, all_bytes
+from tests.tmux_screen import session_names
 
 # A job that writes nothing but its log: prints a line, then waits for SIGTERM (exit 143) or `go` (exit 3).
 SLEEPER = ("import os, signal, sys, time\n"
@@ -67,7 +67,7 @@ def test_item3_a_stop_that_races_the_launch_wins(env: Env) -> None:
             answer = {"error": str(exc)}
         launch.communicate(timeout=30)
         assert "error" not in answer, f"round {index}: {answer}"
-        wait_until(lambda: state_of(env, name)["pids"] == [], timeout=10)
+        wait_until(lambda: state_of(env, name)["pids"] == [], timeout=10)  # noqa: B023 - waited for here
         entry = state_of(env, name)
         assert entry["state"] == "stopped", f"round {index}: {entry['state']}"
 
@@ -267,8 +267,8 @@ packages: []
 def test_item13_lines_longer_than_a_read_are_cut_between_characters(env: Env,
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     long_line = "a" + "é€" * 400_000  # 2 MB of UTF-8: two and a bit 1 MiB reads, misaligned by the "a"
-    add_profile(env, "wide", f"""
-argv: ["{{python}}", "-c", "print('a' + 'é€' * 400000, flush=True); print('end', flush=True)"]
+    add_profile(env, "wide", """
+argv: ["{python}", "-c", "print('a' + 'é€' * 400000, flush=True); print('end', flush=True)"]
 packages: []
 """)
     assert env.cli("deploy", "--profile", "wide", "--name", "wide", "--launcher", "nohup", "--wait", "^end",

@@ -29,7 +29,7 @@ class Hook:
         hook = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 hook.posts.append({"path": self.path, "auth": self.headers.get("Authorization"), "body": body})
                 self.send_response(hook.status)

@@ -46,7 +46,7 @@ steps:
     assert names == ["wb-a1", "wb-a2", "wb-a3"]
 
     def launched_env(name: str) -> dict[str, str]:
-        line = next(l for l in (env.runs / name / "train.log").read_text().splitlines() if l.startswith("ENV "))
+        line = next(ln for ln in (env.runs / name / "train.log").read_text().splitlines() if ln.startswith("ENV "))
         return json.loads(line[4:])
 
     wanted = {"WANDB_NAME", "WANDB_RUN_GROUP", "WANDB_NOTES", "DFLASHOPS_RUN_NAME", "DFLASHOPS_RUN_PARENT",

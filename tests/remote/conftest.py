@@ -18,12 +18,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import remote_harness  # noqa: E402
-from loopproxy import LoopProxy  # noqa: E402
+import remote_harness
+from loopproxy import LoopProxy
 
-from dflashops.transport.mux_client import stop_multiplexers  # noqa: E402
-from dflashops.transport.pct import PctTransport  # noqa: E402
-from dflashops.transport.ssh import SshSettings, SshTransport  # noqa: E402
+from dflashops.transport.mux_client import stop_multiplexers
+from dflashops.transport.pct import PctTransport
+from dflashops.transport.ssh import SshSettings, SshTransport
 
 REPO = Path(__file__).resolve().parents[2]
 WORKLOAD = REPO / "tests" / "workloads" / "workload.py"

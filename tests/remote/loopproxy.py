@@ -44,7 +44,7 @@ class LoopProxy:
         self.port: int = self._listener.getsockname()[1]
         self._closed = False
 
-    def start(self) -> "LoopProxy":
+    def start(self) -> LoopProxy:
         threading.Thread(target=self._accept_loop, name=f"proxy-{self.port}", daemon=True).start()
         return self
 

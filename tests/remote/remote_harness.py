@@ -200,8 +200,9 @@ def start_harness() -> Harness:
     harness.sudoers_file.chmod(0o440)
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
     config = _write_sshd_config(root, port)
+    sshd_log = open(root / "sshd.log", "wb")  # noqa: SIM115 - sshd's stderr while it runs
     harness.sshd = subprocess.Popen(["/usr/sbin/sshd", "-D", "-e", "-f", str(config)],
-                                    stdin=subprocess.DEVNULL, stderr=open(root / "sshd.log", "wb"))
+                                    stdin=subprocess.DEVNULL, stderr=sshd_log)
     (root / "known_hosts").write_text(harness.known_hosts_line(port))
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:

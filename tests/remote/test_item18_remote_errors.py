@@ -10,7 +10,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 from conftest import REPO, cli, write_inventory
 from remote_harness import Harness
 

@@ -17,8 +17,8 @@ from remote_harness import Harness
 from dflashops.errors import TransportError
 from dflashops.inventory import load_inventory
 from dflashops.lineage import LineageDB
-from dflashops.ops.restart import RestartOutcome, RestartRequest, restart
 from dflashops.ops.invocation import Invocation
+from dflashops.ops.restart import RestartOutcome, RestartRequest, restart
 from dflashops.ops.sync import local_manifest, release_files
 
 

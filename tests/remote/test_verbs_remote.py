@@ -120,7 +120,7 @@ def test_trust_records_the_key_then_commands_work(tmp_path: Path, harness: Harne
     known = tmp_path / "known_hosts_new"
     path.write_text(path.read_text().replace(str(harness.known_hosts), str(known)))
     monkeypatch.setenv("DFLASHOPS_INVENTORY", str(path))
-    monkeypatch.setattr("sys.stdin", open(os.devnull))
+    monkeypatch.setattr("sys.stdin", open(os.devnull))  # noqa: SIM115 - lives as long as the test
     code, out, err = cli("trust", "pve")
     assert code == 2 and "not recording without confirmation" in err and not known.exists()
     code, out, err = cli("trust", "pve", "--fingerprint", "SHA256:wrong")

@@ -12,7 +12,6 @@ import torch
 from torch.nn.attention.flex_attention import create_mask, flex_attention
 
 from trainer.compile_scope import replica_scope
-
 from trainer.model.attention import (
     FULL,
     SLIDING,

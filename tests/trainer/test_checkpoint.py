@@ -12,8 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.checkpoint import (CheckpointWriteError, CheckpointWriter, check_shapes, list_checkpoints, load_checkpoint,
-                                resolve_resume, save_checkpoint, snapshot_checkpoint)
+from trainer.checkpoint import (
+    CheckpointWriteError,
+    CheckpointWriter,
+    check_shapes,
+    list_checkpoints,
+    load_checkpoint,
+    resolve_resume,
+    save_checkpoint,
+    snapshot_checkpoint,
+)
 from trainer.config import TrainerInputError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -115,8 +123,8 @@ def test_background_writes_land_in_step_order_and_prune(tmp_path: Path) -> None:
 def test_the_next_snapshot_reuses_the_host_buffers_of_the_last_written_one(tmp_path: Path) -> None:
     """One snapshot's worth of host memory per run: after a write lands its buffers take the next snapshot."""
     model, optimizer = _model_and_optimizer()
-    parts = lambda: dict(model=model.state_dict(), optimizer=optimizer.state_dict(), scheduler={}, epoch=0,  # noqa: E731
-                         index=0, extra={})
+    parts = lambda: dict(  # noqa: E731
+        model=model.state_dict(), optimizer=optimizer.state_dict(), scheduler={}, epoch=0, index=0, extra={})
     with CheckpointWriter(tmp_path, keep=3) as writer:
         first = writer.snapshot(1, **parts())
         addresses = [t.data_ptr() for t in first.buffers]

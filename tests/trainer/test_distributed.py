@@ -160,7 +160,7 @@ def test_a_node_killed_with_sigkill_ends_the_other_in_bounded_time_naming_it(tmp
     assert zero.proc.returncode != 0 and elapsed < 20 + 10  # --dist-timeout 20 bounds it; gloo sees a dead peer at once
     status = zero.status()
     assert status["phase"] == "failed" and status["exit_code"] == 1
-    assert status["error"].startswith(f"lost node 1 (") and "no heartbeat" in status["error"]
+    assert status["error"].startswith("lost node 1 (") and "no heartbeat" in status["error"]
     log = zero.log()
     assert "error: lost node 1 (" in log and "hint: every node of the run stops" in log
 

@@ -13,13 +13,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainer.loss import (
-    _logit_grad,
     ChunkKernels,
     LossInputError,
     SoftLabelKernels,
+    _logit_grad,
     default_chunk_rows,
-    fused_chunk_rows,
     dflash_loss,
+    fused_chunk_rows,
     make_chunk_kernels,
     position_weights,
     simulated_tau,

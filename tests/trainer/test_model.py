@@ -56,7 +56,7 @@ def test_tap_ids_edge_cases_are_defined() -> None:
     for num_layers in range(1, 70):
         for n in range(1, min(num_layers, 8) + 1):
             ids = default_target_layer_ids(num_layers, n)
-            assert len(ids) == n and sorted(set(ids)) == ids and 0 <= ids[0] and ids[-1] < num_layers
+            assert len(ids) == n and sorted(set(ids)) == ids and ids[0] >= 0 and ids[-1] < num_layers
     with pytest.raises(ValueError, match="cannot tap 3 distinct layers of a 2-layer target"):
         default_target_layer_ids(2, 3)
 

@@ -10,8 +10,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
-from trainer.pipeline.compile_guard import (FLEX_EAGER_WARNING, CompileGuard, CompileGuardError, compile_counts,
-                                           warm_up)
+from trainer.pipeline.compile_guard import FLEX_EAGER_WARNING, CompileGuard, CompileGuardError, compile_counts, warm_up
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -72,7 +71,7 @@ def test_flex_eager_warning_becomes_an_error_inside_the_guard() -> None:
     assert isinstance(translated, CompileGuardError) and "materialise the full score matrix" in str(translated)
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
-        warnings.warn(FLEX_EAGER_WARNING, UserWarning)  # outside: only a warning again
+        warnings.warn(FLEX_EAGER_WARNING, UserWarning, stacklevel=1)  # outside: only a warning again
 
 
 def test_unrelated_errors_are_not_translated() -> None:

@@ -8,8 +8,13 @@ import pytest
 import torch
 from torch import nn
 
-from trainer.pipeline.sync import (ReplicaSync, average_parameters, max_replica_difference, reduce_gradients,
-                                  replica_checksums)
+from trainer.pipeline.sync import (
+    ReplicaSync,
+    average_parameters,
+    max_replica_difference,
+    reduce_gradients,
+    replica_checksums,
+)
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -26,10 +26,10 @@ from trainer.config import parse_train_args
 from trainer.data import collate, open_dataset
 from trainer.loss import position_weights
 from trainer.model import DFlashDrafter, TargetModel
-from trainer.shards import DatasetMeta, write_index, write_shard
-from trainer.step import DrafterSide, TargetSide, lr_factor, noise_std_at
 from trainer.preflight import build_drafter_config
 from trainer.preflight import target_hf_config as _target_hf_config
+from trainer.shards import DatasetMeta, write_index, write_shard
+from trainer.step import DrafterSide, TargetSide, lr_factor, noise_std_at
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["--preset", "tiny", "--synthetic-samples", "48", "--max-seq-len", "32", "--token-budget", "128", "--wandb", "off"]
@@ -171,7 +171,7 @@ def _train_process(run: Path, steps: int) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     argv = [sys.executable, "-m", "trainer", "train", *SMALL, "--max-steps", str(steps), "--log-interval", "1",
             "--save-interval", "1000", "--output-dir", str(run)]
-    log = open(run.parent / f"{run.name}.log", "ab")
+    log = open(run.parent / f"{run.name}.log", "ab")  # noqa: SIM115 - the child's stdout, for its lifetime
     return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
 
 

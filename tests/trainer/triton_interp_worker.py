@@ -14,11 +14,11 @@ import sys
 
 os.environ["TRITON_INTERPRET"] = "1"
 
-import torch  # noqa: E402
+import torch
 
-from trainer.loss import dflash_loss, make_chunk_kernels  # noqa: E402
-from trainer.loss_triton import CEKernelConfig, fused_ce  # noqa: E402
-from trainer.loss_triton_kl import ce_kl_grad, ce_kl_stats, fused_ce_kl  # noqa: E402
+from trainer.loss import dflash_loss, make_chunk_kernels
+from trainer.loss_triton import CEKernelConfig, fused_ce
+from trainer.loss_triton_kl import ce_kl_grad, ce_kl_stats, fused_ce_kl
 
 
 def run_case(case: dict) -> dict:

@@ -7,7 +7,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -19,8 +18,8 @@ from dflashops.inventory import load_inventory
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.watch import Watcher, run_row
 from dflashops.shell import join_argv
-from tests.tmux_screen import Screen
 from tests.controller.helpers import INVENTORY, REPO, WORKLOAD, Env, cleanup
+from tests.tmux_screen import Screen
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux (make test installs it)")
 
@@ -97,8 +96,9 @@ def test_watch_in_a_tmux_pane(env: Env, capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_dropped_link_keeps_data_and_reconnects(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
-    from dflashops.cli.watch import render
     from rich.console import Console
+
+    from dflashops.cli.watch import render
 
     launch(env, "w2", capsys)
     invocation = Invocation(load_inventory(env.inventory))
@@ -112,7 +112,7 @@ def test_dropped_link_keeps_data_and_reconnects(env: Env, capsys: pytest.Capture
             assert kept is first and watcher.error and watcher.failures == 1
             time.sleep(0.3)
             assert watcher.stale_for is not None and watcher.stale_for >= 0.3
-            console = Console(width=120, record=True, file=open(os.devnull, "w"))
+            console = Console(width=120, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
             console.print(render(watcher, "t"))
             text = console.export_text()
             assert "STALE" in text and "reconnecting: local: the target's python" in text and "w2" in text

@@ -16,6 +16,7 @@ node's link in each direction, so for two nodes the wire carries what is counted
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pickle
 import time
 from collections import Counter
@@ -112,7 +113,7 @@ class TorchCluster:
     def broadcast_module_(self, module: nn.Module) -> None:
         for tensor in module.state_dict().values():
             self._traffic["setup"] += tensor.numel() * tensor.element_size()
-            self._run("initial weight broadcast", lambda t=tensor: dist.broadcast(t, src=0, group=self.control))
+            self._run("initial weight broadcast", functools.partial(dist.broadcast, tensor, src=0, group=self.control))
 
     def load_checkpoint(self, path: Path, split: Splitter) -> CheckpointState:
         """Node 0 reads the checkpoint and sends every other node its share; the others never touch the disk,

@@ -29,8 +29,9 @@ Back-ends:
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -303,7 +304,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DraftMask, l
             raise KeyError(f"mask has no {layer_type!r} entry (built for {sorted(mask.flex)})")
         # Inside a compiled layer the plain function is traced into the layer's graph; outside, the replica's
         # own compiled copy runs.
-        flex = flex_attention if torch.compiler.is_compiling() else compiled_flex_attention(q.device)
+        flex: Callable[..., Any] = flex_attention
+        if not torch.compiler.is_compiling():
+            flex = compiled_flex_attention(q.device)
         if FLEX_KERNEL_OPTIONS is not None:
             return flex(q, k, v, block_mask=mask.flex[layer_type], enable_gqa=gqa, kernel_options=FLEX_KERNEL_OPTIONS)
         return flex(q, k, v, block_mask=mask.flex[layer_type], enable_gqa=gqa)

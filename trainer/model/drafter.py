@@ -19,13 +19,14 @@ State-dict names are exactly the public DFlash checkpoint names (no embedding, n
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
-import torch.utils.checkpoint
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from trainer.model.attention import FULL, LAYER_TYPES, SLIDING, Backend, DraftMask, attend, build_draft_mask
@@ -126,7 +127,7 @@ class DrafterConfig:
     def for_target(cls, target: Any, *, num_hidden_layers: int, block_size: int, mask_token_id: int,
                    target_layer_ids: list[int] | None = None, layer_types: list[str] | None = None,
                    sliding_window: int | None = None,
-                   causal_in_block: dict[str, bool] | None = None) -> "DrafterConfig":
+                   causal_in_block: dict[str, bool] | None = None) -> DrafterConfig:
         """A drafter shaped like the target (as the published drafters are). `target` is a TargetModel or an HF
         config. Taps default to `default_target_layer_ids(L, num_hidden_layers)`."""
         hf = getattr(target, "hf_config", target)
@@ -170,15 +171,16 @@ class DrafterConfig:
         }
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "DrafterConfig":
+    def from_hf_dict(cls, d: dict[str, Any]) -> DrafterConfig:
         """Inverse of to_hf_dict; also reads public DFlash configs (rope_theta at top level or in rope_parameters,
         target_layer_ids derived from num_target_layers when absent). Unrelated HF keys are ignored."""
         dflash = d.get("dflash_config") or {}
         try:
             num_layers, num_target_layers = int(d["num_hidden_layers"]), int(d["num_target_layers"])
             heads = int(d["num_attention_heads"])
-            block_size = int(d.get("block_size", dflash.get("block_size")))
-            mask_token_id = int(dflash.get("mask_token_id", d.get("mask_token_id")))
+            # int(None) of a missing field raises the TypeError reported below
+            block_size = int(d.get("block_size", dflash.get("block_size")))  # type: ignore[arg-type]
+            mask_token_id = int(dflash.get("mask_token_id", d.get("mask_token_id")))  # type: ignore[arg-type]
             rope = d.get("rope_parameters") or {}
             return cls(
                 hidden_size=int(d["hidden_size"]), intermediate_size=int(d["intermediate_size"]),
@@ -384,7 +386,7 @@ class DFlashDrafter(nn.Module):
         save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu") -> "DFlashDrafter":
+    def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu") -> DFlashDrafter:
         """Load a public-format drafter; ValueError on missing files or tensors of the wrong name/shape."""
         from safetensors.torch import load_file
 

@@ -40,8 +40,8 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     if n == 1:
         return [num_layers // 2]
     if num_layers >= n + 3:
-        return [int(round(1 + i * (num_layers - 4) / (n - 1))) for i in range(n)]
-    return [int(round(i * (num_layers - 1) / (n - 1))) for i in range(n)]
+        return [round(1 + i * (num_layers - 4) / (n - 1)) for i in range(n)]
+    return [round(i * (num_layers - 1) / (n - 1)) for i in range(n)]
 
 
 @dataclass
@@ -56,7 +56,7 @@ class _StopForward(Exception):
     """Raised from the last needed hook to skip the target layers above the highest tap."""
 
 
-def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+def _decoder_layers(model: Any) -> nn.ModuleList:
     """The decoder layer list of an HF causal LM (plain, or a multimodal wrapper with a language model inside)."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     for candidate in (decoder, getattr(model, "model", None), getattr(getattr(model, "model", None),
@@ -76,8 +76,8 @@ class TargetModel:
     Not thread safe (forward hooks are installed per call): one TargetModel per worker thread / device.
     """
 
-    def __init__(self, model: nn.Module, layer_ids: list[int] | None = None, *, num_draft_layers: int = 5) -> None:
-        self.model = model.eval().requires_grad_(False)
+    def __init__(self, model: Any, layer_ids: list[int] | None = None, *, num_draft_layers: int = 5) -> None:
+        self.model = model.eval().requires_grad_(False)  # an HF causal LM
         self.hf_config = model.config
         self._decoder = model.get_decoder()
         self._layers = _decoder_layers(model)
@@ -95,7 +95,7 @@ class TargetModel:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, layer_ids: list[int] | None = None, *, num_draft_layers: int = 5,
-                        dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu") -> "TargetModel":
+                        dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu") -> TargetModel:
         """Load a local HF checkpoint directory (no network) frozen, in `dtype`, on `device`."""
         from transformers import AutoModelForCausalLM
 
@@ -103,12 +103,12 @@ class TargetModel:
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"target model directory {path} has no config.json (--target-model)")
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
-        return cls(model.to(device), layer_ids, num_draft_layers=num_draft_layers)
+        return cls(model.to(device), layer_ids, num_draft_layers=num_draft_layers)  # type: ignore[arg-type]  # .to() typed by wraps()
 
     @classmethod
     def from_config(cls, hf_config: Any, layer_ids: list[int] | None = None, *, num_draft_layers: int = 5,
                     seed: int = 0, dtype: torch.dtype = torch.float32,
-                    device: str | torch.device = "cpu") -> "TargetModel":
+                    device: str | torch.device = "cpu") -> TargetModel:
         """Build a randomly initialised target from an HF config (tests, speed work). Deterministic in `seed`."""
         from transformers import AutoModelForCausalLM
 
@@ -135,7 +135,7 @@ class TargetModel:
     def device(self) -> torch.device:
         return self.embed_weight.device
 
-    def to(self, device: str | torch.device) -> "TargetModel":
+    def to(self, device: str | torch.device) -> TargetModel:
         self.model.to(device)
         return self
 
@@ -168,6 +168,7 @@ class TargetModel:
             for handle in handles:
                 handle.remove()
         if last in self.layer_ids:
+            assert final_hidden is not None  # no layer stops the forward when the last one is tapped
             captured[last] = final_hidden
         taps = torch.cat([captured[i] for i in self.layer_ids], dim=-1)   # [R,S,T*H], low layer first
         return TargetOutput(taps=taps, final_hidden=final_hidden if return_final_hidden else None)

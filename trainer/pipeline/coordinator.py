@@ -93,9 +93,9 @@ class Coordinator:
             compute_s=[c.seconds for c in computed], sync_s=sync_s, seconds=time.monotonic() - started,
         )
 
-    def _round(self, command: Any, expect: type, started: float) -> list[Any]:
+    def _round(self, command: Any, expect: type[Any], started: float) -> list[Any]:
         for handle in self.drafters:
-            self._call(lambda: handle.commands.put(command, timeout=POLL_SLICE_S * 4))
+            self._call(lambda: handle.commands.put(command, timeout=POLL_SLICE_S * 4))  # noqa: B023 - called at once
         replies = [self._await(handle, started) for handle in self.drafters]
         for handle, reply in zip(self.drafters, replies):
             if not isinstance(reply, expect) or reply.step != command.step:

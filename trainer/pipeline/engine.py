@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import signal
 import sys
 import threading
@@ -103,7 +104,7 @@ class PipelineEngine:
         if cfg.init_from is not None and self.cluster.rank == 0:
             base.load_state_dict(DFlashDrafter.from_pretrained(cfg.init_from).state_dict())
         self.cluster.broadcast_module_(base)  # every node starts from node 0's weights (--init-from: node 0's file)
-        compile_kw = (dict(compile=True, compile_backend=self.options.compile_backend)
+        compile_kw: dict[str, Any] = (dict(compile=True, compile_backend=self.options.compile_backend)
                       if self.options.compile_backend else {})
         self.sides = [DrafterSide(cfg, copy.deepcopy(base), targets[0].embed_weight, targets[0].lm_head_weight, d,
                                   self.total_steps, **compile_kw) for d in self.drafter_devices]
@@ -159,11 +160,11 @@ class PipelineEngine:
                 supervisor.spawn(handle.name, "drafter", DrafterWorker(
                     handle.name, assignment.first_drafter + d, side, inputs, handle.commands, handle.results,
                     assignment, supervisor, get_timeout_s=options.worker_timeout_s, faults=self.faults))
-            for t, side in enumerate(self.target_sides):
+            for t, target_side in enumerate(self.target_sides):
                 own_stream = BatchStream(self.setup.dataset, cfg, self.slot_weights)
                 outputs = {dd: ch for (tt, dd), ch in feature_channels.items() if tt == t}
                 supervisor.spawn(f"target{t}", "target", TargetWorker(
-                    f"target{t}", side, lambda g, s=own_stream: self._make_batch(g, s),
+                    f"target{t}", target_side, functools.partial(self._make_batch, stream=own_stream),
                     assignment.indices_of_target(t, g_start, g_end), outputs, self.drafter_devices, assignment,
                     supervisor, transfer=options.feature_transfer, put_timeout_s=options.worker_timeout_s,
                     faults=self.faults))

@@ -44,7 +44,12 @@ def map_tensors(obj: Any, fn) -> Any:
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
-    map_tensors(obj, lambda t: found.append(t) or t)
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        found.append(t)
+        return t
+
+    map_tensors(obj, keep)
     return found
 
 

@@ -21,7 +21,7 @@ class PipelineOptions:
     join_timeout_s: float = 30.0
 
     @classmethod
-    def from_config(cls, cfg: TrainConfig) -> "PipelineOptions":
+    def from_config(cls, cfg: TrainConfig) -> PipelineOptions:
         """The knobs the command line sets (--queue-depth, --feature-transfer, --stall-timeout)."""
         return cls(queue_capacity=cfg.queue_depth, feature_transfer=cfg.feature_transfer,
                    stall_warn_s=min(120.0, cfg.stall_timeout / 2), stall_abort_s=cfg.stall_timeout)

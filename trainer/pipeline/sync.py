@@ -137,6 +137,7 @@ def reduce_gradients(replicas: Sequence[nn.Module], *, across: Across | None = N
     _all_reduce_sum(flats, across)
     for ps, flat in zip(params, flats):
         for p, reduced in zip(ps, _unflatten_dense_tensors(flat, [p.grad for p in ps])):
+            assert p.grad is not None  # every one was given a gradient above
             p.grad.copy_(reduced)
     _finish(flats)
 
