@@ -28,11 +28,12 @@ from trainer.model.attention import _flex_block_mask
 def peak_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024                 # Linux reports KiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def measure(anchors: torch.Tensor, keep: torch.Tensor, ctx: int, block: int, window: int | None,
-            device: torch.device) -> tuple[float, int]:
+def measure(
+    anchors: torch.Tensor, keep: torch.Tensor, ctx: int, block: int, window: int | None, device: torch.device
+) -> tuple[float, int]:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -63,10 +64,13 @@ def main() -> int:
     gen = torch.Generator().manual_seed(0)
     anchors = torch.randint(1, args.ctx, (args.rows, args.anchors), generator=gen).sort(dim=1).values.to(device)
     keep = torch.ones(args.rows, args.anchors, dtype=torch.bool, device=device)
-    keep[:, -args.anchors // 10:] = False                                           # some padded blocks
+    keep[:, -args.anchors // 10 :] = False  # some padded blocks
     q_len = args.anchors * args.block
-    print(f"device={device} threads={torch.get_num_threads()} R={args.rows} S={args.ctx} N={args.anchors} "
-          f"B={args.block} Q={q_len} K={args.ctx + q_len}", file=sys.stderr)
+    print(
+        f"device={device} threads={torch.get_num_threads()} R={args.rows} S={args.ctx} N={args.anchors} "
+        f"B={args.block} Q={q_len} K={args.ctx + q_len}",
+        file=sys.stderr,
+    )
     # Page in the kernels' code (and CUDA context) on a small build first so the baseline excludes them.
     _flex_block_mask(anchors[:1, :8], keep[:1, :8], 300, args.block, window=args.window, causal=True, doc_ids=None)
     BASELINE = peak_bytes(device)

@@ -50,12 +50,22 @@ def main() -> int:
     optimizer.step()  # materialises exp_avg / exp_avg_sq
     optimizer.zero_grad(set_to_none=True)
     weight_gb = sum(p.numel() * p.element_size() for p in params) / 1e9
-    print(f"{args.preset} drafter on {device}: {sum(p.numel() for p in params) / 1e9:.2f} B trainable parameters, "
-          f"{weight_gb:.1f} GB of weights, {2 * weight_gb:.1f} GB of AdamW moments", file=sys.stderr, flush=True)
+    print(
+        f"{args.preset} drafter on {device}: {sum(p.numel() for p in params) / 1e9:.2f} B trainable parameters, "
+        f"{weight_gb:.1f} GB of weights, {2 * weight_gb:.1f} GB of AdamW moments",
+        file=sys.stderr,
+        flush=True,
+    )
 
     def parts() -> dict:
-        return dict(model=drafter.state_dict(), optimizer=optimizer.state_dict(), scheduler={"last_epoch": 0},
-                    epoch=0, index=0, extra={})
+        return dict(
+            model=drafter.state_dict(),
+            optimizer=optimizer.state_dict(),
+            scheduler={"last_epoch": 0},
+            epoch=0,
+            index=0,
+            extra={},
+        )
 
     def sync() -> None:
         if device.type == "cuda":
@@ -79,15 +89,22 @@ def main() -> int:
             del snapshot
             writer.wait()
             times["write"].append(time.perf_counter() - started)
-            print(f"repeat {repeat}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items() if v),
-                  file=sys.stderr, flush=True)
+            print(
+                f"repeat {repeat}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items() if v),
+                file=sys.stderr,
+                flush=True,
+            )
     on_disk = sum(f.stat().st_size for f in (root / "async" / "checkpoints").rglob("*") if f.is_file()) / 1e9
     show = lambda values: ", ".join(f"{v:.2f}" for v in values) or "-"  # noqa: E731
-    print("| preset | device | on disk GB | save s (old pause) | snapshot s (new pause; 1st allocates) | "
-          "background write s |")
+    print(
+        "| preset | device | on disk GB | save s (old pause) | snapshot s (new pause; 1st allocates) | "
+        "background write s |"
+    )
     print("|---|---|---|---|---|---|")
-    print(f"| {args.preset} | {device} | {on_disk:.1f} | {show(times['save'])} | {show(times['snapshot'])} | "
-          f"{show(times['write'])} |")
+    print(
+        f"| {args.preset} | {device} | {on_disk:.1f} | {show(times['save'])} | {show(times['snapshot'])} | "
+        f"{show(times['write'])} |"
+    )
     return 0
 
 

@@ -31,9 +31,9 @@ from trainer.model.drafter import DFlashDrafter, DrafterConfig
 class Case:
     name: str
     rows: int
-    ctx: int              # S
-    blocks: int           # N per row (the last `padded` of each row have keep=False)
-    block: int            # B
+    ctx: int  # S
+    blocks: int  # N per row (the last `padded` of each row have keep=False)
+    block: int  # B
     heads: int
     kv_heads: int
     head_dim: int
@@ -45,7 +45,7 @@ class Case:
 
 
 CASES = [
-    Case("tiny-odd", 2, 77, 9, 4, 4, 2, 64, padded=3),                       # nothing a multiple of 128
+    Case("tiny-odd", 2, 77, 9, 4, 4, 2, 64, padded=3),  # nothing a multiple of 128
     Case("full-b16", 1, 1024, 64, 16, 8, 2, 128, padded=5),
     Case("sliding-causal", 2, 1024, 48, 16, 8, 2, 128, window=256, causal=True, padded=4),
     Case("full-causal-docs", 2, 600, 40, 8, 8, 8, 64, causal=True, docs=True),
@@ -60,8 +60,8 @@ def make_inputs(case: Case, device: torch.device, gen: torch.Generator) -> tuple
         anchors = anchors.sort(dim=1).values
     keep = torch.ones(case.rows, case.blocks, dtype=torch.bool)
     if case.padded:
-        keep[:, -case.padded:] = False
-        anchors[:, -case.padded:] = 0
+        keep[:, -case.padded :] = False
+        anchors[:, -case.padded :] = 0
     doc = None
     if case.docs:
         doc = (torch.rand(case.rows, case.ctx, generator=gen) < 0.01).cumsum(dim=1).to(device)
@@ -82,8 +82,13 @@ def run_attention(mask, q, k, v, grad_out, layer_type: str, dtype: torch.dtype) 
 def attention_case(case: Case, device: torch.device, gen: torch.Generator) -> list[tuple[str, list[float], bool]]:
     anchors, keep, doc = make_inputs(case, device, gen)
     layer_type = SLIDING if case.window else FULL
-    kw = dict(sliding_window=case.window, causal_full=case.causal, causal_sliding=case.causal, doc_ids=doc,
-              layer_types=[layer_type])
+    kw = dict(
+        sliding_window=case.window,
+        causal_full=case.causal,
+        causal_sliding=case.causal,
+        doc_ids=doc,
+        layer_types=[layer_type],
+    )
     dense = build_draft_mask(anchors, keep, case.ctx, case.block, backend="dense", **kw)
     flex = build_draft_mask(anchors, keep, case.ctx, case.block, backend="flex", **kw)
     q_len, kv_len = case.blocks * case.block, case.ctx + case.blocks * case.block
@@ -107,10 +112,21 @@ def drafter_case(device: torch.device, gen: torch.Generator) -> tuple[str, list[
     copy of the same weights; output and three parameter gradients, relative to the reference's max. A bf16
     model's gradients differ from fp32 by a few percent on their own, so flex passes when its error is within
     2x the bf16 dense path's error + 1e-2 (the same rule as the attention rows)."""
-    cfg = DrafterConfig(hidden_size=512, intermediate_size=1536, num_hidden_layers=3, num_attention_heads=8,
-                        num_key_value_heads=2, head_dim=64, vocab_size=1000, block_size=16, target_layer_ids=[1, 3, 5],
-                        num_target_layers=8, mask_token_id=999, layer_types=[SLIDING, SLIDING, FULL],
-                        sliding_window=128)
+    cfg = DrafterConfig(
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=1000,
+        block_size=16,
+        target_layer_ids=[1, 3, 5],
+        num_target_layers=8,
+        mask_token_id=999,
+        layer_types=[SLIDING, SLIDING, FULL],
+        sliding_window=128,
+    )
     torch.manual_seed(0)
     reference = DFlashDrafter(cfg).to(device=device, dtype=torch.float32)
     R, S, N = 2, 700, 40
@@ -125,13 +141,18 @@ def drafter_case(device: torch.device, gen: torch.Generator) -> tuple[str, list[
         model.load_state_dict(reference.state_dict())
         out = model(ctx.to(dtype), emb.to(dtype), anchors, keep, model.build_mask(anchors, keep, S, backend=backend))
         out.float().square().mean().backward()
-        grads = [model.fc.weight.grad, model.layers[0].self_attn.k_proj.weight.grad,
-                 model.layers[2].mlp.down_proj.weight.grad]
+        grads = [
+            model.fc.weight.grad,
+            model.layers[0].self_attn.k_proj.weight.grad,
+            model.layers[2].mlp.down_proj.weight.grad,
+        ]
         return [out.detach().float()] + [g.detach().float() for g in grads]
 
     ref = run(torch.float32, "dense")
-    errors = {b: [max_err(x, r) / max(r.abs().max().item(), 1e-6) for x, r in zip(run(torch.bfloat16, b), ref)]
-              for b in ("dense", "flex")}
+    errors = {
+        b: [max_err(x, r) / max(r.abs().max().item(), 1e-6) for x, r in zip(run(torch.bfloat16, b), ref)]
+        for b in ("dense", "flex")
+    }
     ok = all(f <= 2 * d + 1e-2 for f, d in zip(errors["flex"], errors["dense"]))
     dense_txt = " ".join(f"{e:.1e}" for e in errors["dense"])
     return (f"drafter flex vs fp32 (rel; dense-bf16: {dense_txt})", errors["flex"], ok)
@@ -149,7 +170,7 @@ def time_flex_layer(device: torch.device, gen: torch.Generator) -> str:
         q = torch.randn(1, 32, N * B, 128, device=device, dtype=torch.bfloat16, requires_grad=True)
         k = torch.randn(1, 8, S + N * B, 128, device=device, dtype=torch.bfloat16, requires_grad=True)
         v = torch.randn_like(k, requires_grad=True)
-        for i in range(6):                                         # 3 warm-up iterations (compile), 3 timed
+        for i in range(6):  # 3 warm-up iterations (compile), 3 timed
             if i == 3:
                 torch.cuda.synchronize()
                 start = time.perf_counter()
@@ -173,7 +194,7 @@ def main() -> int:
     # unfused path, and make that fallback's warning fatal so a PASS always means compiled flex.
     torch._dynamo.config.cache_size_limit = 64
     warnings.filterwarnings("error", message=".*flex_attention called without torch.compile.*")
-    torch.backends.cuda.matmul.allow_tf32 = False                 # the fp32 reference must be fp32
+    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference must be fp32
     gen = torch.Generator().manual_seed(0)
     rows: list[tuple[str, list[float], bool]] = []
     for case in [] if args.drafter_only else CASES:
@@ -183,8 +204,10 @@ def main() -> int:
     print(f"{'comparison':<34} {'out':>9} {'d_1':>9} {'d_2':>9} {'d_3':>9}  result")
     for name, errs, ok in rows:
         print(f"{name:<34} " + " ".join(f"{e:9.2e}" for e in errs) + f"  {'PASS' if ok else 'FAIL'}")
-    print("(attention rows: max abs error vs fp32 dense of out, dq, dk, dv; drafter row: out, d fc, d k_proj[0], "
-          "d down_proj[2], relative)")
+    print(
+        "(attention rows: max abs error vs fp32 dense of out, dq, dk, dv; drafter row: out, d fc, d k_proj[0], "
+        "d down_proj[2], relative)"
+    )
     if not args.no_timing:
         print(time_flex_layer(device, gen))
     failed = [name for name, _, ok in rows if not ok]

@@ -39,13 +39,49 @@ sys.path.insert(0, str(ROOT))
 
 SCALES = {
     # Qwen3-8B drafter shape; the target keeps the 8B layer shape but only 6 layers (taps 0..4) to load fast.
-    "8b": dict(hidden=4096, intermediate=12288, heads=32, kv_heads=8, head_dim=128, vocab=151936, target_layers=6,
-               draft_layers=5, seq=1024, rows=4, anchors=256, block=16),
-    "small": dict(hidden=1024, intermediate=3072, heads=16, kv_heads=8, head_dim=64, vocab=32000, target_layers=6,
-                  draft_layers=5, seq=1024, rows=4, anchors=256, block=16),
+    "8b": dict(
+        hidden=4096,
+        intermediate=12288,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        vocab=151936,
+        target_layers=6,
+        draft_layers=5,
+        seq=1024,
+        rows=4,
+        anchors=256,
+        block=16,
+    ),
+    "small": dict(
+        hidden=1024,
+        intermediate=3072,
+        heads=16,
+        kv_heads=8,
+        head_dim=64,
+        vocab=32000,
+        target_layers=6,
+        draft_layers=5,
+        seq=1024,
+        rows=4,
+        anchors=256,
+        block=16,
+    ),
     # CPU smoke test of this script only: python bench/gpu_pipeline.py --child --scale smoke --device cpu ...
-    "smoke": dict(hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=512, target_layers=6,
-                  draft_layers=5, seq=128, rows=2, anchors=8, block=4),
+    "smoke": dict(
+        hidden=64,
+        intermediate=128,
+        heads=4,
+        kv_heads=2,
+        head_dim=16,
+        vocab=512,
+        target_layers=6,
+        draft_layers=5,
+        seq=128,
+        rows=2,
+        anchors=8,
+        block=4,
+    ),
 }
 MODES = {"single": 1, "dual": 2}
 
@@ -68,15 +104,48 @@ def write_shards(directory: Path, scale: dict, samples: int, seed: int = 0) -> N
 def shape_flags(scale: dict) -> list[str]:
     """`python -m trainer train` flags for a scale's drafter, data shape and schedule (the target's shape is
     the caller's: a tiny_target config, or a saved model, bench/restart_cycle.py)."""
-    return ["--epochs", "50", "--hidden-size", str(scale["hidden"]), "--intermediate-size", str(scale["intermediate"]),
-            "--num-attention-heads", str(scale["heads"]), "--num-key-value-heads", str(scale["kv_heads"]),
-            "--head-dim", str(scale["head_dim"]), "--vocab-size", str(scale["vocab"]),
-            "--mask-token-id", str(scale["vocab"] - 1), "--num-target-layers", str(scale["target_layers"]),
-            "--num-draft-layers", str(scale["draft_layers"]), "--target-layer-ids", "0,1,2,3,4",
-            "--max-seq-len", str(scale["seq"]), "--token-budget", str(scale["seq"] * scale["rows"]),
-            "--max-batch-size", str(scale["rows"]), "--anchors-per-seq", str(scale["anchors"]),
-            "--max-anchors", str(scale["anchors"] * scale["rows"]), "--block-size", str(scale["block"]),
-            "--gamma", "7", "--rope-theta", "1000000", "--max-position-embeddings", "40960"]
+    return [
+        "--epochs",
+        "50",
+        "--hidden-size",
+        str(scale["hidden"]),
+        "--intermediate-size",
+        str(scale["intermediate"]),
+        "--num-attention-heads",
+        str(scale["heads"]),
+        "--num-key-value-heads",
+        str(scale["kv_heads"]),
+        "--head-dim",
+        str(scale["head_dim"]),
+        "--vocab-size",
+        str(scale["vocab"]),
+        "--mask-token-id",
+        str(scale["vocab"] - 1),
+        "--num-target-layers",
+        str(scale["target_layers"]),
+        "--num-draft-layers",
+        str(scale["draft_layers"]),
+        "--target-layer-ids",
+        "0,1,2,3,4",
+        "--max-seq-len",
+        str(scale["seq"]),
+        "--token-budget",
+        str(scale["seq"] * scale["rows"]),
+        "--max-batch-size",
+        str(scale["rows"]),
+        "--anchors-per-seq",
+        str(scale["anchors"]),
+        "--max-anchors",
+        str(scale["anchors"] * scale["rows"]),
+        "--block-size",
+        str(scale["block"]),
+        "--gamma",
+        "7",
+        "--rope-theta",
+        "1000000",
+        "--max-position-embeddings",
+        "40960",
+    ]
 
 
 def child(args: argparse.Namespace) -> int:
@@ -93,15 +162,41 @@ def child(args: argparse.Namespace) -> int:
     drafters = MODES[args.mode]
     if not (data / "meta.json").exists():
         write_shards(data, scale, samples=scale["rows"] * 32 * max(2, (args.steps * drafters) // 32 + 2))
-    argv = ["--preset", "tiny", "--data-dir", str(data), "--output-dir", str(work / "run"), "--wandb", "off",
-            "--target-gpus", args.device, "--drafter-gpus", ",".join([args.device] * drafters), "--pipeline", "--max-steps", str(args.steps),
-            "--log-interval", "10", "--save-interval", str(10**9), *shape_flags(scale),
-            "--loss-kernels", args.loss_kernels]
+    argv = [
+        "--preset",
+        "tiny",
+        "--data-dir",
+        str(data),
+        "--output-dir",
+        str(work / "run"),
+        "--wandb",
+        "off",
+        "--target-gpus",
+        args.device,
+        "--drafter-gpus",
+        ",".join([args.device] * drafters),
+        "--pipeline",
+        "--max-steps",
+        str(args.steps),
+        "--log-interval",
+        "10",
+        "--save-interval",
+        str(10**9),
+        *shape_flags(scale),
+        "--loss-kernels",
+        args.loss_kernels,
+    ]
     cfg = parse_train_args(argv)
-    cfg.tiny_target = dict(num_hidden_layers=scale["target_layers"], hidden_size=scale["hidden"],
-                           intermediate_size=scale["intermediate"], num_attention_heads=scale["heads"],
-                           num_key_value_heads=scale["kv_heads"], head_dim=scale["head_dim"], vocab_size=scale["vocab"],
-                           max_position_embeddings=40960)
+    cfg.tiny_target = dict(
+        num_hidden_layers=scale["target_layers"],
+        hidden_size=scale["hidden"],
+        intermediate_size=scale["intermediate"],
+        num_attention_heads=scale["heads"],
+        num_key_value_heads=scale["kv_heads"],
+        head_dim=scale["head_dim"],
+        vocab_size=scale["vocab"],
+        max_position_embeddings=40960,
+    )
     cfg.validate()
     seen: dict = {}
 
@@ -125,19 +220,32 @@ def child(args: argparse.Namespace) -> int:
         code = run_pipeline(cfg, options)
     ended = time.monotonic()
     warm_done, last_step = seen.get("warmup_done_at", ended), seen.get("last_step_at", ended)
-    phases = {"build_s": round(warm_done - started - seen.get("warmup_s", 0.0), 1),  # models, copies, data
-              "steps_s": round(last_step - warm_done, 1), "final_save_s": round(ended - last_step, 1)}
+    phases = {
+        "build_s": round(warm_done - started - seen.get("warmup_s", 0.0), 1),  # models, copies, data
+        "steps_s": round(last_step - warm_done, 1),
+        "final_save_s": round(ended - last_step, 1),
+    }
     records = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
     steady = records[1:] or records
-    recompiles = sum(seen.get("at_end", {}).get(k, 0) - seen.get("after_warmup", {}).get(k, 0)
-                     for k in seen.get("after_warmup", {}))
+    recompiles = sum(
+        seen.get("at_end", {}).get(k, 0) - seen.get("after_warmup", {}).get(k, 0) for k in seen.get("after_warmup", {})
+    )
     result = {
-        "engine": args.engine, "mode": args.mode, "drafters": drafters, "transfer": args.transfer, "exit_code": code,
-        "warmup_s": round(seen.get("warmup_s", float("nan")), 1), "steps": seen.get("steps", 0),
-        "wall_s": round(time.monotonic() - started, 1), "recompiles_after_warmup": recompiles,
+        "engine": args.engine,
+        "mode": args.mode,
+        "drafters": drafters,
+        "transfer": args.transfer,
+        "exit_code": code,
+        "warmup_s": round(seen.get("warmup_s", float("nan")), 1),
+        "steps": seen.get("steps", 0),
+        "wall_s": round(time.monotonic() - started, 1),
+        "recompiles_after_warmup": recompiles,
         "block_tok_s": round(statistics.median(r["block_tok_s"] for r in steady)) if steady else 0,
-        "busy_tok_s_per_drafter": [round(statistics.median(r["block_tok_s_per_drafter"][d] for r in steady))
-                                   for d in range(drafters)] if steady else [],
+        "busy_tok_s_per_drafter": [
+            round(statistics.median(r["block_tok_s_per_drafter"][d] for r in steady)) for d in range(drafters)
+        ]
+        if steady
+        else [],
         "gpu_mem_gb": steady[-1].get("gpu_mem_gb") if steady else None,
         "loss_first_last": [records[0]["loss"], records[-1]["loss"]] if records else None,
         # every 50 steps and at the end; --sync grad fails the run itself if they ever differ
@@ -156,18 +264,32 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--modes", default="single,dual", help="comma list of single,dual")
     parser.add_argument("--transfers", default="device", help="comma list of device,pinned")
-    parser.add_argument("--engines", default="threaded",
-                        help="comma list of threaded (run_pipeline in the process) and dist (the distributed engine, "
-                             "one node under torchrun: NCCL on CUDA, gloo on the CPU)")
+    parser.add_argument(
+        "--engines",
+        default="threaded",
+        help="comma list of threaded (run_pipeline in the process) and dist (the distributed engine, "
+        "one node under torchrun: NCCL on CUDA, gloo on the CPU)",
+    )
     parser.add_argument("--loss-kernels", default="auto", help="passed to the trainer (auto, compiled, triton)")
     parser.add_argument("--warm-cache", action="store_true", help="share one compile cache across runs")
     parser.add_argument("--timeout-s", type=float, default=1200, help="per run")
-    parser.add_argument("--parallel", type=int, default=1,
-                        help="runs side by side (each still from its own cold cache); throughput only means something at 1")
-    parser.add_argument("--budget-s", type=float, default=0,
-                        help="start no new run once this much time has passed (0: no limit); fits a device call")
-    parser.add_argument("--log-dir", default=os.environ.get("OUT", ""),
-                        help="each run's stderr goes to LOG_DIR/pipeline-MODE-TRANSFER-N.log (default $OUT, else the run's workdir)")
+    parser.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        help="runs side by side (each still from its own cold cache); throughput only means something at 1",
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=0,
+        help="start no new run once this much time has passed (0: no limit); fits a device call",
+    )
+    parser.add_argument(
+        "--log-dir",
+        default=os.environ.get("OUT", ""),
+        help="each run's stderr goes to LOG_DIR/pipeline-MODE-TRANSFER-N.log (default $OUT, else the run's workdir)",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="dual", help=argparse.SUPPRESS)
     parser.add_argument("--transfer", default="device", help=argparse.SUPPRESS)
@@ -183,12 +305,20 @@ def main() -> int:
         print("error: no CUDA device (this benchmark needs one GPU)", file=sys.stderr)
         return 2
     shared_cache = Path(tempfile.mkdtemp(prefix="bench-pipeline-cache-"))
-    jobs = [(repeat, mode, transfer, engine) for repeat in range(args.repeats) for engine in args.engines.split(",")
-            for mode in args.modes.split(",") for transfer in args.transfers.split(",")]
+    jobs = [
+        (repeat, mode, transfer, engine)
+        for repeat in range(args.repeats)
+        for engine in args.engines.split(",")
+        for mode in args.modes.split(",")
+        for transfer in args.transfers.split(",")
+    ]
     rows, failed, began = [], False, time.monotonic()
     running: list[tuple[tuple, subprocess.Popen, Path, float]] = []
-    print("run engine   mode   drafters transfer warmup_s steps recompiles block_tok/s per_drafter busy_tok/s/drafter  "
-          "build_s steps_s save_s result", flush=True)
+    print(
+        "run engine   mode   drafters transfer warmup_s steps recompiles block_tok/s per_drafter busy_tok/s/drafter  "
+        "build_s steps_s save_s result",
+        flush=True,
+    )
     while jobs or running:
         # Start runs while a slot is free (--parallel) and the budget allows; each is a fresh process with its
         # own empty compile cache. Runs side by side share the GPU: their throughput is not the single-run figure.
@@ -218,17 +348,21 @@ def main() -> int:
                 why = f"timed out after {args.timeout_s:.0f} s" if timed_out else f"exit {proc.returncode}"
                 print(f"{repeat:3} {engine:8} {mode:6} FAILED ({why}); {log_path} tail:\n{stderr[-3000:]}", flush=True)
                 continue
-            r = json.loads(line[len("RESULT "):])
+            r = json.loads(line[len("RESULT ") :])
             ok = r["exit_code"] == 0 and r["recompiles_after_warmup"] == 0 and not fx_error and not flex_eager
             failed |= not ok
             rows.append({"repeat": repeat, **r})
             per = r["block_tok_s"] / r["drafters"]
-            print(f"{repeat:3} {engine:8} {mode:6} {r['drafters']:8} {transfer:8} {r['warmup_s']:8} {r['steps']:5} "
-                  f"{r['recompiles_after_warmup']:10} {r['block_tok_s']:11,} {per:11,.0f} "
-                  f"{r['busy_tok_s_per_drafter']!s:20} {r['build_s']:7} {r['steps_s']:7} {r['final_save_s']:6} "
-                  f"{'ok' if ok else 'FAIL'}{' FX-error' if fx_error else ''}{' eager-flex' if flex_eager else ''}",
-                  flush=True)
-            if not ok:  # the run's own error (a traceback, CompileGuardError, ReplicaDivergenceError) in the table's log
+            print(
+                f"{repeat:3} {engine:8} {mode:6} {r['drafters']:8} {transfer:8} {r['warmup_s']:8} {r['steps']:5} "
+                f"{r['recompiles_after_warmup']:10} {r['block_tok_s']:11,} {per:11,.0f} "
+                f"{r['busy_tok_s_per_drafter']!s:20} {r['build_s']:7} {r['steps_s']:7} {r['final_save_s']:6} "
+                f"{'ok' if ok else 'FAIL'}{' FX-error' if fx_error else ''}{' eager-flex' if flex_eager else ''}",
+                flush=True,
+            )
+            if (
+                not ok
+            ):  # the run's own error (a traceback, CompileGuardError, ReplicaDivergenceError) in the table's log
                 print(f"    {log_path} tail:\n{stderr[-1500:]}", flush=True)
         time.sleep(0.5)
     print(json.dumps(rows))
@@ -241,18 +375,52 @@ def _start_run(job: tuple, args: argparse.Namespace, shared_cache: Path) -> tupl
     work = Path(tempfile.mkdtemp(prefix=f"bench-pipeline-{mode}-"))
     cache = shared_cache if args.warm_cache else work / "compile-cache"
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton")}
-    cmd = [sys.executable, __file__, "--child", "--scale", args.scale, "--steps", str(args.steps), "--mode", mode,
-           "--transfer", transfer, "--workdir", str(work), "--device", args.device, "--loss-kernels", args.loss_kernels,
-           "--engine", engine]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        "--scale",
+        args.scale,
+        "--steps",
+        str(args.steps),
+        "--mode",
+        mode,
+        "--transfer",
+        transfer,
+        "--workdir",
+        str(work),
+        "--device",
+        args.device,
+        "--loss-kernels",
+        args.loss_kernels,
+        "--engine",
+        engine,
+    ]
     if engine == "dist":  # one node: torchrun's static rendezvous on a free loopback port
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--node-rank", "0", "--nproc-per-node",
-               "1", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), *cmd[1:]]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "1",
+            "--node-rank",
+            "0",
+            "--nproc-per-node",
+            "1",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(_free_port()),
+            *cmd[1:],
+        ]
     log_path = Path(args.log_dir or work) / f"pipeline-{engine}-{mode}-{transfer}-{repeat}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=log, text=True)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, text=True
+        )
     return job, proc, log_path, time.monotonic()
+
 
 def _free_port() -> int:
     import socket

@@ -52,8 +52,11 @@ def kernel_sets(args: argparse.Namespace, term: str) -> list[tuple[str, ChunkKer
         configs = (args.kl_triton_configs if soft else args.triton_configs) if kind == "triton" else None
         if configs:
             for config in configs.split(","):
-                kernels = (make_chunk_kernels("triton", kl_triton_config=config) if soft
-                           else make_chunk_kernels("triton", triton_config=config))
+                kernels = (
+                    make_chunk_kernels("triton", kl_triton_config=config)
+                    if soft
+                    else make_chunk_kernels("triton", triton_config=config)
+                )
                 sets.append((f"triton[{config}]", kernels))
         else:
             sets.append((kind, None if kind == "eager" else make_chunk_kernels(kind)))
@@ -64,11 +67,21 @@ def run_loss(term: str, x: dict, args: argparse.Namespace, kernels: ChunkKernels
     """One forward + backward of the loss with ``term``'s parts (the gradient lands in x["hidden"].grad)."""
     x["hidden"].grad = None
     use_kl, use_cap = "-kl" in term, term.endswith("cap")
-    result = dflash_loss(x["hidden"], x["weight"], x["labels"], x["weights"], block_size=args.block_size,
-                         normalizer=x["normalizer"], teacher_hidden=x["teacher"] if use_kl else None,
-                         kl_weight=args.kl_weight if use_kl else 0.0, kl_temperature=args.kl_temperature,
-                         cap_lambda=args.cap_lambda if use_cap else 0.0, num_blocks_normalizer=x["blocks"],
-                         chunk_size=args.chunk_size, kernels=kernels)
+    result = dflash_loss(
+        x["hidden"],
+        x["weight"],
+        x["labels"],
+        x["weights"],
+        block_size=args.block_size,
+        normalizer=x["normalizer"],
+        teacher_hidden=x["teacher"] if use_kl else None,
+        kl_weight=args.kl_weight if use_kl else 0.0,
+        kl_temperature=args.kl_temperature,
+        cap_lambda=args.cap_lambda if use_cap else 0.0,
+        num_blocks_normalizer=x["blocks"],
+        chunk_size=args.chunk_size,
+        kernels=kernels,
+    )
     result.loss.backward()
     return result.loss.detach()
 
@@ -90,8 +103,9 @@ def time_ms(fn, device: torch.device, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure_row(term: str, kernels: ChunkKernels | None, x: dict, args: argparse.Namespace,
-                device: torch.device, reference: dict) -> dict:
+def measure_row(
+    term: str, kernels: ChunkKernels | None, x: dict, args: argparse.Namespace, device: torch.device, reference: dict
+) -> dict:
     """Time one (term, kernels) at args.chunk_size: warm-up (compiles), check against the eager reference, time."""
     cuda = device.type == "cuda"
     try:
@@ -120,20 +134,32 @@ def eager_reference(term: str, x: dict, args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--chunks", default="4096,1728", help="comma-separated chunk sizes (rows); the first one "
-                        "is the one --profile uses")
-    parser.add_argument("--kernels", help="comma list of eager, compiled, triton "
-                        "(default: cuda compiled,triton; cpu eager)")
+    parser.add_argument(
+        "--chunks",
+        default="4096,1728",
+        help="comma-separated chunk sizes (rows); the first one is the one --profile uses",
+    )
+    parser.add_argument(
+        "--kernels", help="comma list of eager, compiled, triton (default: cuda compiled,triton; cpu eager)"
+    )
     parser.add_argument("--terms", default="ce,ce-kl", help=f"comma list of {', '.join(TERMS)}")
-    parser.add_argument("--triton-configs", help="comma list of BLOCK_V:NUM_WARPS[:PROGRAMS_PER_SM] for the triton "
-                        "CE kernel (default: $DFLASH_CE_TRITON or the library default)")
-    parser.add_argument("--kl-triton-configs", help="the same for the triton CE+KL kernel (default: "
-                        "$DFLASH_KL_TRITON or the library default)")
+    parser.add_argument(
+        "--triton-configs",
+        help="comma list of BLOCK_V:NUM_WARPS[:PROGRAMS_PER_SM] for the triton "
+        "CE kernel (default: $DFLASH_CE_TRITON or the library default)",
+    )
+    parser.add_argument(
+        "--kl-triton-configs",
+        help="the same for the triton CE+KL kernel (default: $DFLASH_KL_TRITON or the library default)",
+    )
     parser.add_argument("--kl-weight", type=float, default=0.15, help="soft-label weight (the seed's 0.15)")
     parser.add_argument("--kl-temperature", type=float, default=2.0, help="soft-label temperature (the seed's 2.0)")
     parser.add_argument("--cap-lambda", type=float, default=0.1, help="CAP weight in the -cap terms")
-    parser.add_argument("--profile", action="store_true",
-                        help="top kernels of one CE and one CE+KL fwd+bwd per kernel set, at the first chunk size")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="top kernels of one CE and one CE+KL fwd+bwd per kernel set, at the first chunk size",
+    )
     args = parse_args(sys.argv[1:] if argv is None else argv, parser)
     args.kernels = args.kernels or ("compiled,triton" if args.device.startswith("cuda") else "eager")
     terms = args.terms.split(",")
@@ -143,24 +169,34 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     chunk_sizes = [int(c) for c in args.chunks.split(",")]
     sets = {term: kernel_sets(args, term) for term in terms}
-    print(f"loss GEMM-equivalents: device={device} M={args.rows} H={args.hidden} V={args.vocab} "
-          f"B={args.block_size} dtype={args.dtype} repeats={args.repeats} kl_weight={args.kl_weight} "
-          f"T={args.kl_temperature} cap_lambda={args.cap_lambda} torch={torch.__version__}", file=sys.stderr)
+    print(
+        f"loss GEMM-equivalents: device={device} M={args.rows} H={args.hidden} V={args.vocab} "
+        f"B={args.block_size} dtype={args.dtype} repeats={args.repeats} kl_weight={args.kl_weight} "
+        f"T={args.kl_temperature} cap_lambda={args.cap_lambda} torch={torch.__version__}",
+        file=sys.stderr,
+    )
     x = make_inputs(args, device)  # once: every row runs on the same inputs
     with torch.no_grad():
         gemm = lambda: x["hidden"] @ x["weight"].T  # noqa: E731
         gemm()
         gemm_ms = time_ms(gemm, device, max(args.repeats, 3))
-    print(f"{'chunk':>6} {'kernels':<22} {'terms':<10} {'ms':>9} {'GEMM-eq':>8} {'peak GiB':>9} {'grad diff':>10} "
-          f"{'loss diff':>10}", flush=True)
+    print(
+        f"{'chunk':>6} {'kernels':<22} {'terms':<10} {'ms':>9} {'GEMM-eq':>8} {'peak GiB':>9} {'grad diff':>10} "
+        f"{'loss diff':>10}",
+        flush=True,
+    )
     rows = []
     for chunk in chunk_sizes:
         args.chunk_size = chunk
         for term in terms:
             reference = eager_reference(term, x, args) if any(k is not None for _, k in sets[term]) else {}
             for label, kernels in sets[term]:
-                row = {"chunk": chunk, "kernels": label, "term": term,
-                       **measure_row(term, kernels, x, args, device, reference)}
+                row = {
+                    "chunk": chunk,
+                    "kernels": label,
+                    "term": term,
+                    **measure_row(term, kernels, x, args, device, reference),
+                }
                 rows.append(row)
                 print(_row_text(row, gemm_ms), flush=True)
             reference.clear()
@@ -185,12 +221,22 @@ def summary(rows: list[dict], gemm_ms: float) -> None:
     print(f"  {'terms':<10} {'kernels':<22} {'chunk':>6} {'GEMM-eq':>8} {'floor':>6} {'goal':>5}  met")
     for (term, _), row in sorted(best.items(), key=lambda item: (TERMS.index(item[0][0]), item[0][1])):
         eq = row["ms"] / gemm_ms
-        print(f"  {term:<10} {row['kernels']:<22} {row['chunk']:>6} {eq:>8.2f} {FLOORS[term]:>6} "
-              f"{GOALS[term]:>5}  {'yes' if eq <= GOALS[term] else 'no'}")
+        print(
+            f"  {term:<10} {row['kernels']:<22} {row['chunk']:>6} {eq:>8.2f} {FLOORS[term]:>6} "
+            f"{GOALS[term]:>5}  {'yes' if eq <= GOALS[term] else 'no'}"
+        )
 
 
-def profile(term: str, label: str, kernels: ChunkKernels | None, x: dict, args: argparse.Namespace,
-            device: torch.device, gemm_ms: float, top: int = 8) -> None:
+def profile(
+    term: str,
+    label: str,
+    kernels: ChunkKernels | None,
+    x: dict,
+    args: argparse.Namespace,
+    device: torch.device,
+    gemm_ms: float,
+    top: int = 8,
+) -> None:
     """Top kernels by total device time over one forward+backward (after a warm-up that compiles)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -209,8 +255,10 @@ def profile(term: str, label: str, kernels: ChunkKernels | None, x: dict, args: 
 
     events = sorted(prof.key_averages(), key=total_us, reverse=True)
     everything = sum(total_us(e) for e in events) / 1e3
-    print(f"\nprofile {label} {term}, chunk {args.chunk_size}, one fwd+bwd: {everything:.1f} ms of "
-          f"{'kernels' if cuda else 'CPU ops'} = {everything / gemm_ms:.2f} GEMM-eq")
+    print(
+        f"\nprofile {label} {term}, chunk {args.chunk_size}, one fwd+bwd: {everything:.1f} ms of "
+        f"{'kernels' if cuda else 'CPU ops'} = {everything / gemm_ms:.2f} GEMM-eq"
+    )
     print(f"  {'kernel':<70} {'count':>6} {'total ms':>9} {'GEMM-eq':>8}")
     for event in events[:top]:
         ms = total_us(event) / 1e3
@@ -223,8 +271,7 @@ def _row_text(row: dict, gemm_ms: float) -> str:
     peak = f"{row['peak'] / 2**30:.2f}" if row["peak"] is not None else "-"
     grad = f"{row['grad_diff']:.1e}" if row["grad_diff"] is not None else "-"
     loss = f"{row['loss_diff']:.1e}" if row["loss_diff"] is not None else "-"
-    return (f"{row['chunk']:>6} {row['kernels']:<22} {row['term']:<10} {ms} {eq:>8} {peak:>9} {grad:>10} "
-            f"{loss:>10}")
+    return f"{row['chunk']:>6} {row['kernels']:<22} {row['term']:<10} {ms} {eq:>8} {peak:>9} {grad:>10} {loss:>10}"
 
 
 if __name__ == "__main__":

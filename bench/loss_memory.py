@@ -54,8 +54,15 @@ def make_inputs(args: argparse.Namespace, device: torch.device) -> dict:
     labels = torch.randint(0, args.vocab, (rows,), generator=gen).to(device)
     weights = position_weights(args.block_size, 7.0).repeat(rows // args.block_size)
     weights[torch.rand(rows, generator=gen) < 0.1] = 0.0
-    return dict(hidden=hidden, weight=weight, teacher=teacher, labels=labels, weights=weights.to(device),
-                normalizer=float(weights.sum()), blocks=float(rows // args.block_size))
+    return dict(
+        hidden=hidden,
+        weight=weight,
+        teacher=teacher,
+        labels=labels,
+        weights=weights.to(device),
+        normalizer=float(weights.sum()),
+        blocks=float(rows // args.block_size),
+    )
 
 
 def dense_loss(x: dict, use_kl: bool, temperature: float = 1.0) -> torch.Tensor:
@@ -67,8 +74,9 @@ def dense_loss(x: dict, use_kl: bool, temperature: float = 1.0) -> torch.Tensor:
     if use_kl:
         with torch.no_grad():
             teacher = torch.log_softmax((x["teacher"] @ x["weight"].T).float() / temperature, dim=-1)
-        kl = torch.nn.functional.kl_div(torch.log_softmax(logits / temperature, dim=-1), teacher,
-                                        log_target=True, reduction="none").sum(-1)
+        kl = torch.nn.functional.kl_div(
+            torch.log_softmax(logits / temperature, dim=-1), teacher, log_target=True, reduction="none"
+        ).sum(-1)
         loss = loss + temperature**2 * (x["weights"] * kl).sum() / x["normalizer"]
     return loss
 
@@ -83,11 +91,20 @@ def run_variant(name: str, x: dict, args: argparse.Namespace, kernels) -> torch.
         loss = dense_loss(x, use_kl=name.endswith("kl"))
     else:
         use_kl, use_cap = "-kl" in name, name.endswith("cap")
-        loss = dflash_loss(x["hidden"], x["weight"], x["labels"], x["weights"], block_size=args.block_size,
-                           normalizer=x["normalizer"], teacher_hidden=x["teacher"] if use_kl else None,
-                           kl_weight=1.0 if use_kl else 0.0, cap_lambda=0.1 if use_cap else 0.0,
-                           num_blocks_normalizer=x["blocks"], chunk_size=args.chunk_size,
-                           kernels=kernels if uses_kernels(name) else None).loss
+        loss = dflash_loss(
+            x["hidden"],
+            x["weight"],
+            x["labels"],
+            x["weights"],
+            block_size=args.block_size,
+            normalizer=x["normalizer"],
+            teacher_hidden=x["teacher"] if use_kl else None,
+            kl_weight=1.0 if use_kl else 0.0,
+            cap_lambda=0.1 if use_cap else 0.0,
+            num_blocks_normalizer=x["blocks"],
+            chunk_size=args.chunk_size,
+            kernels=kernels if uses_kernels(name) else None,
+        ).loss
     loss.backward()
     return loss.detach()
 
@@ -123,8 +140,13 @@ def measure(name: str, args: argparse.Namespace, device: torch.device, kernels=N
         return {"variant": name, "ms": None, "peak_bytes": None, "value": None}
     peak = torch.cuda.max_memory_allocated() - base if cuda else _peak_rss() - base_rss
     scalar = float(value) if value.dim() == 0 else None
-    return {"variant": name, "ms": statistics.median(times), "peak_bytes": peak, "value": scalar,
-            "grad_diff_vs_eager": grad_diff}
+    return {
+        "variant": name,
+        "ms": statistics.median(times),
+        "peak_bytes": peak,
+        "value": scalar,
+        "grad_diff_vs_eager": grad_diff,
+    }
 
 
 def _current_rss() -> int:
@@ -138,8 +160,7 @@ def _peak_rss() -> int:
 
 def measure_in_child(name: str, argv: list[str]) -> dict:
     """CPU: a fresh process per variant, so ru_maxrss is that variant's peak and nothing else's."""
-    out = subprocess.run([sys.executable, __file__, *argv, "--child", name], check=True,
-                         capture_output=True, text=True)
+    out = subprocess.run([sys.executable, __file__, *argv, "--child", name], check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -179,8 +200,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure(args.child, args, device, kernels)))
         return 0
     names = ["gemm", *([] if args.no_dense else DENSE), *CHUNKED, *(COMPILED if args.compiled else ())]
-    print(f"loss bench: device={device} M={args.rows} H={args.hidden} V={args.vocab} B={args.block_size} "
-          f"dtype={args.dtype} chunk={args.chunk_size or 'auto'} repeats={args.repeats}", file=sys.stderr)
+    print(
+        f"loss bench: device={device} M={args.rows} H={args.hidden} V={args.vocab} B={args.block_size} "
+        f"dtype={args.dtype} chunk={args.chunk_size or 'auto'} repeats={args.repeats}",
+        file=sys.stderr,
+    )
     kernels = make_chunk_kernels("compiled") if args.compiled and device.type == "cuda" else None
     rows = []
     for name in names:
@@ -196,16 +220,25 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
     by_name = {row["variant"]: row for row in rows}
     for row in rows:
         row["gemm_equivalents"] = row["ms"] / gemm_ms if row["ms"] and gemm_ms else None
-        partner = by_name.get(row["variant"].replace("chunked", "dense").replace("compiled", "dense").replace("-cap", ""))
-        if row["value"] is not None and partner and partner["value"] is not None and partner is not row \
-                and not row["variant"].endswith("cap"):
+        partner = by_name.get(
+            row["variant"].replace("chunked", "dense").replace("compiled", "dense").replace("-cap", "")
+        )
+        if (
+            row["value"] is not None
+            and partner
+            and partner["value"] is not None
+            and partner is not row
+            and not row["variant"].endswith("cap")
+        ):
             row["rel_diff_vs_dense"] = abs(row["value"] - partner["value"]) / abs(partner["value"])
     if args.json:
         for row in rows:
             print(json.dumps(row))
         return
-    print(f"{'variant':<20} {'ms':>10} {'GEMM-eq':>8} {'peak MiB':>10} {'loss rel diff vs dense':>23} "
-          f"{'grad rel diff vs eager':>23}")
+    print(
+        f"{'variant':<20} {'ms':>10} {'GEMM-eq':>8} {'peak MiB':>10} {'loss rel diff vs dense':>23} "
+        f"{'grad rel diff vs eager':>23}"
+    )
     for row in rows:
         ms = f"{row['ms']:.1f}" if row["ms"] is not None else "OOM"
         eq = f"{row['gemm_equivalents']:.2f}" if row.get("gemm_equivalents") else "-"

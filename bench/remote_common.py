@@ -30,8 +30,9 @@ PYTHON = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "py
 
 
 @contextlib.contextmanager
-def harness_session(prefix: str, ctids: tuple[str, ...] = ("200",), *, bytecode_cache: bool = True
-                    ) -> Iterator[tuple[remote_harness.Harness, LoopProxy, Path]]:
+def harness_session(
+    prefix: str, ctids: tuple[str, ...] = ("200",), *, bytecode_cache: bool = True
+) -> Iterator[tuple[remote_harness.Harness, LoopProxy, Path]]:
     """The loopback harness (sshd + pct stand-in with `ctids`), a latency proxy in front of it and a scratch
     folder; all three are torn down when the block ends, also on an error.
 
@@ -61,13 +62,20 @@ def harness_session(prefix: str, ctids: tuple[str, ...] = ("200",), *, bytecode_
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def write_inventory(folder: Path, harness: remote_harness.Harness, port: int, files: list[str],
-                    argv: list[str], workspace: str = "/workspace/bench") -> Path:
+def write_inventory(
+    folder: Path,
+    harness: remote_harness.Harness,
+    port: int,
+    files: list[str],
+    argv: list[str],
+    workspace: str = "/workspace/bench",
+) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "inventory.yaml"
     argv_yaml = ", ".join(f'"{a}"' for a in argv)
     files_yaml = ", ".join(files)
-    path.write_text(textwrap.dedent(f"""\
+    path.write_text(
+        textwrap.dedent(f"""\
         hosts:
           pve: {{address: 127.0.0.1, port: {port}, user: {harness.user}, identity_file: {harness.client_key},
                 known_hosts: {harness.known_hosts}, sudo: true}}
@@ -77,14 +85,27 @@ def write_inventory(folder: Path, harness: remote_harness.Harness, port: int, fi
           work:
             argv: [{argv_yaml}]
             files: [{files_yaml}]
-        """))
+        """)
+    )
     return path
 
 
 def ssh_argv(harness: remote_harness.Harness, port: int) -> list[str]:
     """The system OpenSSH client, as the seed's hand-typed commands used it (a new connection per call)."""
-    return ["ssh", "-i", str(harness.client_key), "-o", f"UserKnownHostsFile={harness.known_hosts}",
-            "-o", "StrictHostKeyChecking=yes", "-o", "BatchMode=yes", "-p", str(port), f"{harness.user}@127.0.0.1"]
+    return [
+        "ssh",
+        "-i",
+        str(harness.client_key),
+        "-o",
+        f"UserKnownHostsFile={harness.known_hosts}",
+        "-o",
+        "StrictHostKeyChecking=yes",
+        "-o",
+        "BatchMode=yes",
+        "-p",
+        str(port),
+        f"{harness.user}@127.0.0.1",
+    ]
 
 
 def cli(inventory: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:

@@ -44,9 +44,24 @@ def make_run(harness, mb: int) -> tuple[Path, str]:
 
 def scp(harness, source: Path, dest: Path) -> float:
     started = time.monotonic()
-    subprocess.run(["scp", "-O", "-q", "-i", str(harness.client_key), "-o", f"UserKnownHostsFile={harness.known_hosts}",
-                    "-o", "StrictHostKeyChecking=yes", "-P", str(harness.port),
-                    f"{harness.user}@127.0.0.1:{source}", str(dest)], check=True)
+    subprocess.run(
+        [
+            "scp",
+            "-O",
+            "-q",
+            "-i",
+            str(harness.client_key),
+            "-o",
+            f"UserKnownHostsFile={harness.known_hosts}",
+            "-o",
+            "StrictHostKeyChecking=yes",
+            "-P",
+            str(harness.port),
+            f"{harness.user}@127.0.0.1:{source}",
+            str(dest),
+        ],
+        check=True,
+    )
     return time.monotonic() - started
 
 
@@ -82,9 +97,11 @@ def main() -> None:
                     assert hashlib.sha256(got.read_bytes()).hexdigest() == want
                 shutil.rmtree(dest, ignore_errors=True)
         load = os.getloadavg()[0]
-        print(f"| {args.mb} MiB | {load:.1f} | {args.rounds} | {median(scp_s):.2f} ({size / median(scp_s) / 1e6:.0f} MB/s)"
-              f" | {median(fetch_s):.2f} ({size / median(fetch_s) / 1e6:.0f} MB/s; in-process {median(inner):.0f} MiB/s)"
-              f" | **{median(scp_s) / median(fetch_s):.2f}x** |")
+        print(
+            f"| {args.mb} MiB | {load:.1f} | {args.rounds} | {median(scp_s):.2f} ({size / median(scp_s) / 1e6:.0f} MB/s)"
+            f" | {median(fetch_s):.2f} ({size / median(fetch_s) / 1e6:.0f} MB/s; in-process {median(inner):.0f} MiB/s)"
+            f" | **{median(scp_s) / median(fetch_s):.2f}x** |"
+        )
         print(f"  scp runs: {[round(s, 2) for s in scp_s]}  fetch runs: {[round(s, 2) for s in fetch_s]}")
 
         dest = folder / "out-cut"
@@ -97,9 +114,11 @@ def main() -> None:
         after = proxy.bytes_down - (proxy.bytes_down_at_cut or 0)
         got = dest / "checkpoints" / "step_000001" / "model.bin"
         assert hashlib.sha256(got.read_bytes()).hexdigest() == want
-        print(f"cut at 50%: cuts={proxy.connections_cut} resumes={model['resumes']} how={model['how']} "
-              f"down before cut={proxy.bytes_down_at_cut:,} after cut={after:,} ({after / size:.3f} of the file) "
-              f"wall={seconds:.2f}s")
+        print(
+            f"cut at 50%: cuts={proxy.connections_cut} resumes={model['resumes']} how={model['how']} "
+            f"down before cut={proxy.bytes_down_at_cut:,} after cut={after:,} ({after / size:.3f} of the file) "
+            f"wall={seconds:.2f}s"
+        )
 
 
 if __name__ == "__main__":

@@ -22,16 +22,20 @@ from dflashops.ops.control import LogCursor, read_log
 from dflashops.ops.deploy import DeployRequest, deploy
 from dflashops.ops.invocation import Invocation
 
-WRITER = "import sys,time\nfor i in range(int(sys.argv[1])):\n    print(f'tick {i} {time.time():.6f}', flush=True)\n" \
-         "    time.sleep(0.1)\n"
+WRITER = (
+    "import sys,time\nfor i in range(int(sys.argv[1])):\n    print(f'tick {i} {time.time():.6f}', flush=True)\n"
+    "    time.sleep(0.1)\n"
+)
 
 
 def measure(inventory_path: Path, name: str, lines: int, poll_s: float) -> list[float]:
     inventory = load_inventory(inventory_path)
     invocation = Invocation(inventory)
     try:
-        deploy(invocation, DeployRequest(target="ct200", profile="work", name=name, launcher="nohup",
-                                      extra_args=[str(lines)]))
+        deploy(
+            invocation,
+            DeployRequest(target="ct200", profile="work", name=name, launcher="nohup", extra_args=[str(lines)]),
+        )
         latencies: list[float] = []
         pending = ""
         for chunk in read_log(invocation, name, LogCursor(), target="ct200", follow=True, poll_s=poll_s, timeout=120):
@@ -50,16 +54,17 @@ def main() -> None:
     args = parser.parse_args()
     with harness_session("bench-logs-") as (harness, proxy, folder):
         (folder / "writer.py").write_text(WRITER)
-        inventory = write_inventory(folder, harness, proxy.port, ["writer.py"],
-                                    ["{python}", "{release}/writer.py"])
+        inventory = write_inventory(folder, harness, proxy.port, ["writer.py"], ["{python}", "{release}/writer.py"])
         print("| added RTT | lines | median (ms) | p95 (ms) | goal: median <= RTT + 30 ms |")
         print("|---|---|---|---|---|")
         for index, rtt_ms in enumerate((0, 50)):
             proxy.latency_s = rtt_ms / 2000.0
             values = measure(inventory, f"logs-bench-{os.getpid()}-{index}", args.lines, 0.5)
             goal = "met" if median(values) * 1000 <= rtt_ms + 30 else "missed"
-            print(f"| {rtt_ms} ms | {len(values)} | {median(values) * 1000:.0f} | "
-                  f"{percentile(values, 0.95) * 1000:.0f} | {goal} |")
+            print(
+                f"| {rtt_ms} ms | {len(values)} | {median(values) * 1000:.0f} | "
+                f"{percentile(values, 0.95) * 1000:.0f} | {goal} |"
+            )
 
 
 if __name__ == "__main__":

@@ -34,10 +34,21 @@ def hand_chain(ssh: list[str], workload: Path) -> float:
     started = time.monotonic()
     subprocess.run([*ssh, "sudo -n pct exec 200 -- tmux kill-session -t dflash"], capture_output=True)
     with workload.open("rb") as data:
-        subprocess.run([*ssh, f"sudo -n pct exec 200 -- sh -c 'mkdir -p {HAND_DIR} && cat > {HAND_DIR}/workload.py'"],
-                       stdin=data, check=True, capture_output=True)
-    subprocess.run([*ssh, f"sudo -n pct exec 200 -- tmux new-session -d -s dflash python3 {HAND_DIR}/workload.py "
-                          f"--output-dir {HAND_DIR}/out --steps 100000 --interval 0.05"], check=True, capture_output=True)
+        subprocess.run(
+            [*ssh, f"sudo -n pct exec 200 -- sh -c 'mkdir -p {HAND_DIR} && cat > {HAND_DIR}/workload.py'"],
+            stdin=data,
+            check=True,
+            capture_output=True,
+        )
+    subprocess.run(
+        [
+            *ssh,
+            f"sudo -n pct exec 200 -- tmux new-session -d -s dflash python3 {HAND_DIR}/workload.py "
+            f"--output-dir {HAND_DIR}/out --steps 100000 --interval 0.05",
+        ],
+        check=True,
+        capture_output=True,
+    )
     return time.monotonic() - started
 
 
@@ -52,15 +63,31 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=5)
     parser.add_argument("--rtt-ms", type=float, default=50.0)
     parser.add_argument("--cold", action="store_true", help="stop the ssh multiplexer before every restart")
-    parser.add_argument("--no-pyc", action="store_true",
-                        help="no bytecode cache for the CLI (honours PYTHONDONTWRITEBYTECODE: compiles at every start)")
+    parser.add_argument(
+        "--no-pyc",
+        action="store_true",
+        help="no bytecode cache for the CLI (honours PYTHONDONTWRITEBYTECODE: compiles at every start)",
+    )
     args = parser.parse_args()
     with harness_session("bench-restart-", bytecode_cache=not args.no_pyc) as (harness, proxy, folder):
         workload = folder / "workload.py"
         shutil.copy(REPO / "tests" / "workloads" / "workload.py", workload)
-        inventory = write_inventory(folder, harness, proxy.port, ["workload.py"],
-                                    ["{python}", "{release}/workload.py", "--output-dir", "{run_dir}",
-                                     "--steps", "100000", "--interval", "0.05"])
+        inventory = write_inventory(
+            folder,
+            harness,
+            proxy.port,
+            ["workload.py"],
+            [
+                "{python}",
+                "{release}/workload.py",
+                "--output-dir",
+                "{run_dir}",
+                "--steps",
+                "100000",
+                "--interval",
+                "0.05",
+            ],
+        )
         cli(inventory, "deploy", "ct200", "--profile", "work", "--name", "bench-r1", "--wait", "^step 1 ")
         multiplexed = os.environ.get("DFLASHOPS_SSH_PERSIST", "").strip() not in ("0", "0.0")
         if multiplexed:
@@ -85,10 +112,13 @@ def main() -> None:
         cli(inventory, "stop", current, check=False)
         subprocess.run([*ssh, "sudo -n pct exec 200 -- tmux kill-session -t dflash"], capture_output=True)
         hand, ops = median(hand_times), median(ops_times)
-        print("| added RTT | iterations | hand chain median (s) | dflashops restart median (s) | ratio dflashops/hand |")
+        print(
+            "| added RTT | iterations | hand chain median (s) | dflashops restart median (s) | ratio dflashops/hand |"
+        )
         print("|---|---|---|---|---|")
-        mode = ("no multiplexer" if not multiplexed
-                else "cold multiplexer" if args.cold else "warm multiplexer") + (", no .pyc" if args.no_pyc else "")
+        mode = ("no multiplexer" if not multiplexed else "cold multiplexer" if args.cold else "warm multiplexer") + (
+            ", no .pyc" if args.no_pyc else ""
+        )
         print(f"| {args.rtt_ms:g} ms ({mode}) | {args.iterations} | {hand:.3f} | {ops:.3f} | {ops / hand:.2f} |")
         print(f"hand chain runs: {', '.join(f'{t:.3f}' for t in hand_times)}")
         print(f"dflashops runs:  {', '.join(f'{t:.3f}' for t in ops_times)}")

@@ -52,9 +52,22 @@ def dflashops_sync(inventory_path: Path, proxy) -> tuple[int, int, int]:
 
 def rsync_run(source: Path, ssh: str, proxy) -> tuple[int, int, int]:
     proxy.reset_counters()
-    result = subprocess.run(["rsync", "-a", "--stats", "-e", ssh, "--rsync-path", "sudo -n pct exec 200 -- rsync",
-                             f"{source}/", "dfotest@127.0.0.1:/workspace/bench-rsync/"],
-                            capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [
+            "rsync",
+            "-a",
+            "--stats",
+            "-e",
+            ssh,
+            "--rsync-path",
+            "sudo -n pct exec 200 -- rsync",
+            f"{source}/",
+            "dfotest@127.0.0.1:/workspace/bench-rsync/",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     sent = int(re.search(r"Total bytes sent: ([\d,]+)", result.stdout).group(1).replace(",", ""))
     return proxy.bytes_up, proxy.bytes_down, sent
 
@@ -65,8 +78,10 @@ def main() -> None:
     with harness_session("bench-sync-") as (harness, proxy, folder):
         names = make_tree(folder)
         inventory = write_inventory(folder, harness, proxy.port, names, ["{python}", "-c", "pass"])
-        ssh = (f"ssh -i {harness.client_key} -o UserKnownHostsFile={harness.known_hosts} -o BatchMode=yes "
-               f"-o StrictHostKeyChecking=yes -p {proxy.port}")
+        ssh = (
+            f"ssh -i {harness.client_key} -o UserKnownHostsFile={harness.known_hosts} -o BatchMode=yes "
+            f"-o StrictHostKeyChecking=yes -p {proxy.port}"
+        )
         harness.in_container("200", "mkdir", "-p", "/workspace/bench-rsync")
         total_files = len(release_files(tuple(names), folder))
         rows = []
@@ -75,10 +90,14 @@ def main() -> None:
         rows.append(("nothing changed", dflashops_sync(inventory, proxy), rsync_run(folder, ssh, proxy)))
         (folder / names[123]).write_bytes(os.urandom(FILE_BYTES // 2).hex().encode())
         rows.append(("one 4 KiB file changed", dflashops_sync(inventory, proxy), rsync_run(folder, ssh, proxy)))
-        print(f"tree: {total_files} files synced by dflashops ({FILES} x {FILE_BYTES} B + trainer package + agent); "
-              f"rsync: the {FILES}-file tree")
-        print("| case | dflashops up/down (B) | files sent | rsync on the wire up/down (B, incl. ssh) | "
-              "rsync self-reported sent (B) |")
+        print(
+            f"tree: {total_files} files synced by dflashops ({FILES} x {FILE_BYTES} B + trainer package + agent); "
+            f"rsync: the {FILES}-file tree"
+        )
+        print(
+            "| case | dflashops up/down (B) | files sent | rsync on the wire up/down (B, incl. ssh) | "
+            "rsync self-reported sent (B) |"
+        )
         print("|---|---|---|---|---|")
         for case, (up, down, sent_files), (r_up, r_down, r_sent) in rows:
             print(f"| {case} | {up} / {down} | {sent_files} | {r_up} / {r_down} | {r_sent} |")

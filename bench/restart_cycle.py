@@ -42,8 +42,16 @@ sys.path.insert(0, str(ROOT))
 
 from gpu_pipeline import SCALES, shape_flags, write_shards  # noqa: E402
 
-START = ["python_started", "imports_done", "preflight_done", "built", "checkpoint_ready", "resumed", "warmed_up",
-         "first_step"]
+START = [
+    "python_started",
+    "imports_done",
+    "preflight_done",
+    "built",
+    "checkpoint_ready",
+    "resumed",
+    "warmed_up",
+    "first_step",
+]
 
 
 def save_target(directory: Path, scale: dict, device: str) -> float:
@@ -51,10 +59,17 @@ def save_target(directory: Path, scale: dict, device: str) -> float:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(num_hidden_layers=scale["target_layers"], hidden_size=scale["hidden"],
-                         intermediate_size=scale["intermediate"], num_attention_heads=scale["heads"],
-                         num_key_value_heads=scale["kv_heads"], head_dim=scale["head_dim"], vocab_size=scale["vocab"],
-                         max_position_embeddings=40960, tie_word_embeddings=False)
+    config = Qwen3Config(
+        num_hidden_layers=scale["target_layers"],
+        hidden_size=scale["hidden"],
+        intermediate_size=scale["intermediate"],
+        num_attention_heads=scale["heads"],
+        num_key_value_heads=scale["kv_heads"],
+        head_dim=scale["head_dim"],
+        vocab_size=scale["vocab"],
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+    )
     with torch.device(device):
         model = Qwen3ForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(directory, safe_serialization=True)
@@ -62,23 +77,58 @@ def save_target(directory: Path, scale: dict, device: str) -> float:
 
 
 def write_inventory(work: Path, scale: dict, device: str) -> Path:
-    flags = ["--preset", "tiny", "--target-model", str(work / "target"), "--data-dir", str(work / "data"),
-             "--pipeline", "--target-gpus", device, "--drafter-gpus", f"{device},{device}", "--max-steps", "100000",
-             "--log-interval", "5", "--save-interval", "1000000", "--wandb", "off", *shape_flags(scale)]
+    flags = [
+        "--preset",
+        "tiny",
+        "--target-model",
+        str(work / "target"),
+        "--data-dir",
+        str(work / "data"),
+        "--pipeline",
+        "--target-gpus",
+        device,
+        "--drafter-gpus",
+        f"{device},{device}",
+        "--max-steps",
+        "100000",
+        "--log-interval",
+        "5",
+        "--save-interval",
+        "1000000",
+        "--wandb",
+        "off",
+        *shape_flags(scale),
+    ]
     argv = ["{python}", "-m", "trainer", "train", "--output-dir", "{run_dir}", *flags]
     inventory = work / "inventory.yaml"
-    inventory.write_text(json.dumps({  # JSON is YAML
-        "targets": {"local": {"kind": "local", "workspace": str(work / "ws"), "python": sys.executable,
-                              "env": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
-                                      "PYTHONUNBUFFERED": "1"}}},
-        "profiles": {"cycle": {"argv": argv, "resume_args": ["--resume", "{checkpoint}"]}}}, indent=1))
+    inventory.write_text(
+        json.dumps(
+            {  # JSON is YAML
+                "targets": {
+                    "local": {
+                        "kind": "local",
+                        "workspace": str(work / "ws"),
+                        "python": sys.executable,
+                        "env": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "PYTHONUNBUFFERED": "1"},
+                    }
+                },
+                "profiles": {"cycle": {"argv": argv, "resume_args": ["--resume", "{checkpoint}"]}},
+            },
+            indent=1,
+        )
+    )
     return inventory
 
 
 def cli(inventory: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, "-m", "dflashops", "--inventory", str(inventory), *args],
-                            capture_output=True, text=True, timeout=timeout, env=env)
+    result = subprocess.run(
+        [sys.executable, "-m", "dflashops", "--inventory", str(inventory), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
     if result.returncode != 0:
         raise SystemExit(f"dflashops {' '.join(args)} failed ({result.returncode}):\n{result.stderr[-3000:]}")
     return result
@@ -108,11 +158,19 @@ def restart_row(mode: str, typed: float, returned: float, old_dir: Path, new_dir
     old, new = status(old_dir), status(new_dir)
     told, tnew = old.get("timeline", {}), new.get("timeline", {})
     rel = lambda t: None if t is None else round(t - typed, 2)  # noqa: E731
-    row: dict = {"mode": mode, "returned": rel(returned), "old_exit_code": (old_dir / "exit_code").read_text().strip(),
-                 "stop_agreed": rel(told.get("stop_agreed")), "final_snapshot": rel(told.get("final_snapshot")),
-                 "devices_released": rel(told.get("devices_released")), "final_written": rel(told.get("ended")),
-                 "old_exited": rel(mtime(old_dir / "exit_code")), "spawned": rel(mtime(new_dir / "pid")),
-                 **{k: rel(tnew.get(k)) for k in START}, "handover": old.get("handover")}
+    row: dict = {
+        "mode": mode,
+        "returned": rel(returned),
+        "old_exit_code": (old_dir / "exit_code").read_text().strip(),
+        "stop_agreed": rel(told.get("stop_agreed")),
+        "final_snapshot": rel(told.get("final_snapshot")),
+        "devices_released": rel(told.get("devices_released")),
+        "final_written": rel(told.get("ended")),
+        "old_exited": rel(mtime(old_dir / "exit_code")),
+        "spawned": rel(mtime(new_dir / "pid")),
+        **{k: rel(tnew.get(k)) for k in START},
+        "handover": old.get("handover"),
+    }
     log = (new_dir / "train.log").read_text()
     build = [line for line in log.splitlines() if line.startswith("built in ")]
     row["build_line"] = build[0] if build else None
@@ -145,15 +203,26 @@ def main() -> int:
     cli(inventory, "deploy", "local", "--profile", "cycle", "--name", name, "--launcher", "nohup")
     wait(lambda: status(runs / name).get("step", 0) >= args.steps, 900, f"{name} step {args.steps}", runs / name)
     cold = status(runs / name)["timeline"]
-    print(f"cold start ({name}): first step {cold['first_step'] - started:.1f} s after deploy typed; "
-          f"build {cold['built'] - cold['preflight_done']:.1f} s, warm-up {cold['warmed_up'] - cold['built']:.1f} s",
-          file=sys.stderr)
+    print(
+        f"cold start ({name}): first step {cold['first_step'] - started:.1f} s after deploy typed; "
+        f"build {cold['built'] - cold['preflight_done']:.1f} s, warm-up {cold['warmed_up'] - cold['built']:.1f} s",
+        file=sys.stderr,
+    )
     rows = []
     for k, mode in enumerate(args.modes.split(",")):
         old, new = name, f"{name.rsplit('-', 1)[0]}-{k + 2}"
         typed = time.time()
-        cli(inventory, "restart", old, "--name", new, "--resume", "--grace", "300",
-            *(["--wait-exit"] if mode == "wait-exit" else []))
+        cli(
+            inventory,
+            "restart",
+            old,
+            "--name",
+            new,
+            "--resume",
+            "--grace",
+            "300",
+            *(["--wait-exit"] if mode == "wait-exit" else []),
+        )
         returned = time.time()
         new_dir, old_dir = runs / new, runs / old
         wait(lambda: "first_step" in status(new_dir).get("timeline", {}), 600, f"{new} first step", new_dir)  # noqa: B023 - called here
@@ -167,11 +236,27 @@ def main() -> int:
     cli(inventory, "stop", name, "--grace", "300")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"cold": cold, "rows": rows}, indent=1))
-    ok = all(r["old_exit_code"] == "143" and r["resumed_line"] and f"at step {r['stopped_at']}" in r["resumed_line"]
-             for r in rows)
-    cols = ["mode", "stop_agreed", "final_snapshot", "devices_released", "returned", "spawned", "imports_done",
-            "preflight_done", "built", "final_written", "checkpoint_ready", "resumed", "warmed_up", "first_step",
-            "old_exited"]
+    ok = all(
+        r["old_exit_code"] == "143" and r["resumed_line"] and f"at step {r['stopped_at']}" in r["resumed_line"]
+        for r in rows
+    )
+    cols = [
+        "mode",
+        "stop_agreed",
+        "final_snapshot",
+        "devices_released",
+        "returned",
+        "spawned",
+        "imports_done",
+        "preflight_done",
+        "built",
+        "final_written",
+        "checkpoint_ready",
+        "resumed",
+        "warmed_up",
+        "first_step",
+        "old_exited",
+    ]
     print("seconds after `restart` was typed:")
     print(" | ".join(cols))
     for row in rows:

@@ -47,13 +47,28 @@ ERROR_LINE_RE = re.compile(r"(Traceback \(most recent call last\)|^\w*(Error|Exc
 # this file, so it keeps its own names (trainer/run_files.py); tests/test_run_directory_contract.py checks that
 # they, the code here and the table of docs/run-directory.md all agree with this one.
 RUN_FILES = {
-    "run.json": "agent", "marker": "agent", ".launch.json": "agent", "pgid": "agent", "pid": "agent",
-    "train.log": "agent", "exit_code": "agent", ".exit_code.reserved": "agent", ".stop.json.reserved": "agent",
-    "stop.json": "agent", ".fetch-sha256.json": "agent",
-    "supervisor.json": "supervisor", "events.jsonl": "supervisor", "stall.json": "supervisor",
+    "run.json": "agent",
+    "marker": "agent",
+    ".launch.json": "agent",
+    "pgid": "agent",
+    "pid": "agent",
+    "train.log": "agent",
+    "exit_code": "agent",
+    ".exit_code.reserved": "agent",
+    ".stop.json.reserved": "agent",
+    "stop.json": "agent",
+    ".fetch-sha256.json": "agent",
+    "supervisor.json": "supervisor",
+    "events.jsonl": "supervisor",
+    "stall.json": "supervisor",
     "restarted_as": "supervisor",
-    "train_config.json": "trainer", "status.json": "trainer", "metrics.jsonl": "trainer", "checkpoints/": "trainer",
-    "wandb/": "wandb", "export/": "trainer export", "train.log.1": "none",
+    "train_config.json": "trainer",
+    "status.json": "trainer",
+    "metrics.jsonl": "trainer",
+    "checkpoints/": "trainer",
+    "wandb/": "wandb",
+    "export/": "trainer export",
+    "train.log.1": "none",
 }
 
 
@@ -275,17 +290,32 @@ def verb_launch(req: dict) -> dict:
         write_atomic(spec_path, json.dumps(spec), mode=0o600)
         if launcher == "tmux":
             started = subprocess.run(
-                ["tmux", "-L", tmux_socket(req["workspace"]), "new-session", "-d", "-s", session,
-                 "-x", "200", "-y", "50", "--", *wrapper],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=20,
+                [
+                    "tmux",
+                    "-L",
+                    tmux_socket(req["workspace"]),
+                    "new-session",
+                    "-d",
+                    "-s",
+                    session,
+                    "-x",
+                    "200",
+                    "-y",
+                    "50",
+                    "--",
+                    *wrapper,
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                timeout=20,
             )
             if started.returncode != 0:
                 reason = started.stderr.decode(errors="replace").strip()
                 launch_failed(directory, f"tmux new-session failed: {reason}")
         else:
             with open(os.devnull, "rb") as devnull, open(os.path.join(directory, "train.log"), "ab") as log:
-                subprocess.Popen(wrapper, stdin=devnull, stdout=log, stderr=log, start_new_session=True,
-                                 close_fds=True)
+                subprocess.Popen(wrapper, stdin=devnull, stdout=log, stderr=log, start_new_session=True, close_fds=True)
         pgid = wait_for_file(os.path.join(directory, "pgid"), 10.0)
         if pgid is None:
             launch_failed(directory, f"the launch wrapper did not start within 10 s (see {directory}/train.log)")
@@ -388,8 +418,9 @@ def verb_wrap(req: dict) -> dict:
     log_path = os.path.join(directory, "train.log")
     with open(log_path, "ab") as log:
         try:
-            child = subprocess.Popen(spec["argv"], cwd=spec["cwd"], env=env, stdin=subprocess.DEVNULL,
-                                     stdout=log, stderr=log)
+            child = subprocess.Popen(
+                spec["argv"], cwd=spec["cwd"], env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log
+            )
         except OSError as exc:
             log.write(f"dflashops: cannot start {spec['argv'][0]}: {exc}\n".encode())
             record_exit_code(directory, 127)
@@ -428,13 +459,18 @@ def mirror(path: str, offset: int) -> int:
             pass
     return offset + len(data)
 
+
 # ------------------------------------------------------------------------------------------------ stop
 def gpu_apps() -> dict[int, int] | None:
     """pid -> used MiB of compute processes, or None when nvidia-smi is absent."""
     if not shutil.which("nvidia-smi"):
         return None
-    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     apps: dict[int, int] = {}
     for line in out.stdout.splitlines():
         parts = [p.strip() for p in line.split(",")]
@@ -494,13 +530,25 @@ def verb_stop(req: dict) -> dict:
         wait_for_any(directory, ("pid", "exit_code"), LAUNCH_SETTLE_S)
     marker = (read_text(os.path.join(directory, "marker")) or "").strip() or None
     pgid, pids = run_processes(read_int(os.path.join(directory, "pgid")), marker, directory)
-    if not pids and stop_requested(directory) and read_int(os.path.join(directory, "pid")) is None \
-            and read_int(os.path.join(directory, "exit_code")) is not None:
+    if (
+        not pids
+        and stop_requested(directory)
+        and read_int(os.path.join(directory, "pid")) is None
+        and read_int(os.path.join(directory, "exit_code")) is not None
+    ):
         return finish_stop(req, directory, started, escalated=False, seen=set(), waited=0.0, before_start=True)
     if not pids and supervisor_cancelled:  # it had ended; its pending automatic restart is what was stopped
-        return {"escalated": False, "signalled": [], "gpu_released": None, "waited_for_checkpoint_s": 0.0,
-                "before_start": False, "exit_code": read_int(os.path.join(directory, "exit_code")),
-                "seconds": round(time.monotonic() - started, 3), "recorded": True, "supervisor_cancelled": True}
+        return {
+            "escalated": False,
+            "signalled": [],
+            "gpu_released": None,
+            "waited_for_checkpoint_s": 0.0,
+            "before_start": False,
+            "exit_code": read_int(os.path.join(directory, "exit_code")),
+            "seconds": round(time.monotonic() - started, 3),
+            "recorded": True,
+            "supervisor_cancelled": True,
+        }
     if not pids:
         raise AgentFailure(f"run {req['name']!r} is not running", "not_running")
     grace = float(req.get("grace", 60.0))
@@ -514,26 +562,59 @@ def verb_stop(req: dict) -> dict:
     if req.get("handover") and job_first:
         offer = wait_for_handover(directory, job, grace_deadline, save_deadline)
         if offer is not None:
+
             def finish() -> None:
                 try:
-                    complete_stop(req, directory, started, pgid, marker, pids, job, job_first, grace_deadline,
-                                  save_deadline, recorded)
+                    complete_stop(
+                        req,
+                        directory,
+                        started,
+                        pgid,
+                        marker,
+                        pids,
+                        job,
+                        job_first,
+                        grace_deadline,
+                        save_deadline,
+                        recorded,
+                    )
                 except Exception as exc:  # noqa: BLE001 - nobody is listening: stop.json says what went wrong
                     record_stop(directory, {"error": f"{type(exc).__name__}: {exc}", "finished_at": time.time()})
 
             in_background(finish)
-            return {"handover": offer, "escalated": False, "signalled": [job], "gpu_released": True,
-                    "waited_for_checkpoint_s": 0.0, "before_start": False, "exit_code": None,
-                    "seconds": round(time.monotonic() - started, 3), "recorded": recorded,
-                    "supervisor_cancelled": supervisor_cancelled}
-    return {**complete_stop(req, directory, started, pgid, marker, pids, job, job_first, grace_deadline,
-                            save_deadline, recorded),
-            "supervisor_cancelled": supervisor_cancelled}
+            return {
+                "handover": offer,
+                "escalated": False,
+                "signalled": [job],
+                "gpu_released": True,
+                "waited_for_checkpoint_s": 0.0,
+                "before_start": False,
+                "exit_code": None,
+                "seconds": round(time.monotonic() - started, 3),
+                "recorded": recorded,
+                "supervisor_cancelled": supervisor_cancelled,
+            }
+    return {
+        **complete_stop(
+            req, directory, started, pgid, marker, pids, job, job_first, grace_deadline, save_deadline, recorded
+        ),
+        "supervisor_cancelled": supervisor_cancelled,
+    }
 
 
-def complete_stop(req: dict, directory: str, started: float, pgid: int | None, marker: str | None, pids: set[int],
-                  job: int | None, job_first: bool, grace_deadline: float, save_deadline: float,
-                  recorded: bool) -> dict:
+def complete_stop(
+    req: dict,
+    directory: str,
+    started: float,
+    pgid: int | None,
+    marker: str | None,
+    pids: set[int],
+    job: int | None,
+    job_first: bool,
+    grace_deadline: float,
+    save_deadline: float,
+    recorded: bool,
+) -> dict:
     """verb_stop after its first SIGTERM: wait for the job, TERM the rest of the group, KILL what is left
     after the grace (a checkpoint being written gets its save grace), then the bookkeeping (finish_stop)."""
     grace = float(req.get("grace", 60.0))
@@ -560,8 +641,16 @@ def complete_stop(req: dict, directory: str, started: float, pgid: int | None, m
         left = wait_gone(pgid, marker, directory, float(req.get("kill_timeout", 10.0)))
     if left:
         raise AgentFailure(f"processes {sorted(left)} of run {req['name']!r} survived SIGKILL", "stuck")
-    return finish_stop(req, directory, started, escalated=escalated, seen=seen, waited=waited,
-                       recorded=recorded, gpu_timeout=float(req.get("gpu_timeout", 60.0)))
+    return finish_stop(
+        req,
+        directory,
+        started,
+        escalated=escalated,
+        seen=seen,
+        waited=waited,
+        recorded=recorded,
+        gpu_timeout=float(req.get("gpu_timeout", 60.0)),
+    )
 
 
 def handover_offer(directory: str) -> dict | None:
@@ -572,11 +661,16 @@ def handover_offer(directory: str) -> dict | None:
         return None
     checkpoint = offer.get("checkpoint")
     root = os.path.realpath(os.path.join(directory, "checkpoints"))
-    if not isinstance(checkpoint, str) or os.path.dirname(os.path.realpath(checkpoint)) != root \
-            or not re.match(r"^step_\d{6,}$", os.path.basename(checkpoint)):
+    if (
+        not isinstance(checkpoint, str)
+        or os.path.dirname(os.path.realpath(checkpoint)) != root
+        or not re.match(r"^step_\d{6,}$", os.path.basename(checkpoint))
+    ):
         return None
-    return {"checkpoint": os.path.join(directory, "checkpoints", os.path.basename(checkpoint)),
-            "step": offer.get("step")}
+    return {
+        "checkpoint": os.path.join(directory, "checkpoints", os.path.basename(checkpoint)),
+        "step": offer.get("step"),
+    }
 
 
 def wait_for_handover(directory: str, job: int | None, grace_deadline: float, save_deadline: float) -> dict | None:
@@ -683,8 +777,18 @@ def wait_out(live, deadline: float, save_deadline: float, directory: str) -> tup
     return left, waited
 
 
-def finish_stop(req: dict, directory: str, started: float, *, escalated: bool, seen: set[int], waited: float,
-                recorded: bool = True, before_start: bool = False, gpu_timeout: float = 0.0) -> dict:
+def finish_stop(
+    req: dict,
+    directory: str,
+    started: float,
+    *,
+    escalated: bool,
+    seen: set[int],
+    waited: float,
+    recorded: bool = True,
+    before_start: bool = False,
+    gpu_timeout: float = 0.0,
+) -> dict:
     """Bookkeeping after the processes are gone: GPU release, a missing exit code, the tmux session, stop.json.
     Best effort on a full disk; the answer says whether stop.json was written."""
     gpu_released = wait_gpu_release(seen, gpu_timeout) if seen else None
@@ -695,15 +799,23 @@ def finish_stop(req: dict, directory: str, started: float, *, escalated: bool, s
         except OSError:
             pass
     if shutil.which("tmux"):
-        subprocess.run(["tmux", "-L", tmux_socket(req["workspace"]), "kill-session", "-t",
-                        "=" + session_name(req["name"])], capture_output=True, timeout=10)
+        subprocess.run(
+            ["tmux", "-L", tmux_socket(req["workspace"]), "kill-session", "-t", "=" + session_name(req["name"])],
+            capture_output=True,
+            timeout=10,
+        )
     exit_code = read_int(os.path.join(directory, "exit_code"))
     trainer_exit = trainer_exit_code(directory, read_json(os.path.join(directory, "status.json")))
-    result = {"escalated": escalated, "signalled": sorted(seen), "gpu_released": gpu_released,
-              "waited_for_checkpoint_s": round(waited, 1), "before_start": before_start,
-              "exit_code": trainer_exit if exit_code is not None and trainer_exit is not None else exit_code,
-              "launcher_exit_code": exit_code if trainer_exit is not None else None,
-              "seconds": round(time.monotonic() - started, 3)}
+    result = {
+        "escalated": escalated,
+        "signalled": sorted(seen),
+        "gpu_released": gpu_released,
+        "waited_for_checkpoint_s": round(waited, 1),
+        "before_start": before_start,
+        "exit_code": trainer_exit if exit_code is not None and trainer_exit is not None else exit_code,
+        "launcher_exit_code": exit_code if trainer_exit is not None else None,
+        "seconds": round(time.monotonic() - started, 3),
+    }
     result["recorded"] = record_stop(directory, {**result, "finished_at": time.time()}) and recorded
     return result
 
@@ -772,8 +884,7 @@ def run_status(directory: str) -> dict:
     step = max(steps) if steps else None
     # Stopped = by `dflashops stop` (stop.json), or the trainer itself recorded a graceful stop after a signal
     # from elsewhere (status.json phase "stopped": it checkpointed and exited), which is no crash.
-    stopped = (os.path.exists(os.path.join(directory, "stop.json"))
-               or (trainer_status or {}).get("phase") == "stopped")
+    stopped = os.path.exists(os.path.join(directory, "stop.json")) or (trainer_status or {}).get("phase") == "stopped"
     if launcher_exit_code is not None and exit_code == 0 and (trainer_status or {}).get("phase") == "done":
         stopped = False  # the trainer had finished; the stop only met its launcher on the way out
     stall = read_json(os.path.join(directory, "stall.json"))  # written by agent_supervisor.py
@@ -791,15 +902,30 @@ def run_status(directory: str) -> dict:
         state = "finished"
     else:
         state = "crashed"
-    checkpoints = sorted(d for d in os.listdir(os.path.join(directory, "checkpoints"))
-                         if d.startswith("step_")) if os.path.isdir(os.path.join(directory, "checkpoints")) else []
+    checkpoints = (
+        sorted(d for d in os.listdir(os.path.join(directory, "checkpoints")) if d.startswith("step_"))
+        if os.path.isdir(os.path.join(directory, "checkpoints"))
+        else []
+    )
     workspace = os.path.dirname(os.path.dirname(os.path.abspath(directory)))
-    return {"name": name, "state": state, "exit_code": exit_code, "launcher_exit_code": launcher_exit_code,
-            "tmux": {"socket": tmux_socket(workspace), "session": run_json.get("session") or session_name(name)},
-            "pids": live, "pgid": pgid, "step": step,
-            "error_line": error_line if state in ("crashed", "lost") else None, "trainer_status": trainer_status,
-            "last_metrics": last_metrics, "last_log_line": log_tail[-1] if log_tail else None,
-            "checkpoints": checkpoints, "run_dir": directory, "run_json": run_json, **supervision(directory)}
+    return {
+        "name": name,
+        "state": state,
+        "exit_code": exit_code,
+        "launcher_exit_code": launcher_exit_code,
+        "tmux": {"socket": tmux_socket(workspace), "session": run_json.get("session") or session_name(name)},
+        "pids": live,
+        "pgid": pgid,
+        "step": step,
+        "error_line": error_line if state in ("crashed", "lost") else None,
+        "trainer_status": trainer_status,
+        "last_metrics": last_metrics,
+        "last_log_line": log_tail[-1] if log_tail else None,
+        "checkpoints": checkpoints,
+        "run_dir": directory,
+        "run_json": run_json,
+        **supervision(directory),
+    }
 
 
 def supervision(directory: str) -> dict:
@@ -828,8 +954,12 @@ def cancel_supervisor(directory: str) -> bool:
     a stop means no automatic restart. True when one was running."""
     state = read_json(os.path.join(directory, "supervisor.json")) or {}
     pid = state.get("pid")
-    if not isinstance(pid, int) or state.get("state") not in ("watching", "backoff") or not alive(pid) \
-            or b"supervisor-" not in read_proc(pid, "cmdline"):
+    if (
+        not isinstance(pid, int)
+        or state.get("state") not in ("watching", "backoff")
+        or not alive(pid)
+        or b"supervisor-" not in read_proc(pid, "cmdline")
+    ):
         return False
     try:
         os.kill(pid, signal.SIGTERM)
@@ -943,8 +1073,10 @@ def _tail_once(req: dict, directory: str, path: str) -> dict:
             offset, notice = 0, "train.log was replaced by a new file; reading the new one from its start"
     with open(source, "rb") as handle:
         expected = req.get("check")
-        if notice is None and (offset > os.fstat(handle.fileno()).st_size
-                               or (expected is not None and prefix_check(handle, offset) != expected)):
+        if notice is None and (
+            offset > os.fstat(handle.fileno()).st_size
+            or (expected is not None and prefix_check(handle, offset) != expected)
+        ):
             offset, notice = 0, "train.log was truncated or rewritten; reading it again from its start"
         handle.seek(offset)
         data = handle.read(max_bytes)
@@ -962,22 +1094,44 @@ def _tail_once(req: dict, directory: str, path: str) -> dict:
         check = prefix_check(handle, next_offset)
     if rotated and at_end:
         next_offset, check, source = 0, "", path
-    return {"data": data.decode("utf-8", errors="replace"), "offset": next_offset,
-            "inode": os.stat(source).st_ino, "check": check, "finished": finished, "notice": notice,
-            "more": not at_end or rotated}
+    return {
+        "data": data.decode("utf-8", errors="replace"),
+        "offset": next_offset,
+        "inode": os.stat(source).st_ino,
+        "check": check,
+        "finished": finished,
+        "notice": notice,
+        "more": not at_end or rotated,
+    }
+
 
 # -------------------------------------------------------------------------------- gpus, cache, releases
 def verb_gpus(req: dict) -> dict:
     if not shutil.which("nvidia-smi"):
         return {"available": False, "gpus": []}
-    out = subprocess.run(["nvidia-smi", "--query-gpu=index,name,memory.used,memory.total,utilization.gpu",
-                          "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [
+            "nvidia-smi",
+            "--query-gpu=index,name,memory.used,memory.total,utilization.gpu",
+            "--format=csv,noheader,nounits",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     gpus = []
     for line in out.stdout.splitlines():
         parts = [p.strip() for p in line.split(",")]
         if len(parts) == 5:
-            gpus.append({"index": int(parts[0]), "name": parts[1], "memory_used_mib": int(parts[2]),
-                         "memory_total_mib": int(parts[3]), "utilization_pct": int(parts[4])})
+            gpus.append(
+                {
+                    "index": int(parts[0]),
+                    "name": parts[1],
+                    "memory_used_mib": int(parts[2]),
+                    "memory_total_mib": int(parts[3]),
+                    "utilization_pct": int(parts[4]),
+                }
+            )
     return {"available": True, "gpus": gpus}
 
 
@@ -1064,8 +1218,9 @@ def build_release(req: dict, stdin: bytes, stale_code: str = "conflict") -> tupl
     # The release name is the hash of its manifest (ops/sync.py code_hash_of): a rebuilt manifest that does
     # not match (base release pruned or changed since `manifest` was read) is refused, never installed.
     if hashlib.sha256(json.dumps(sorted(files.items())).encode()).hexdigest()[:16] != code_hash:
-        raise AgentFailure(f"manifest does not match release {code_hash} (base {req.get('base')!r} changed?); "
-                           "sync again", stale_code)
+        raise AgentFailure(
+            f"manifest does not match release {code_hash} (base {req.get('base')!r} changed?); sync again", stale_code
+        )
     os.makedirs(releases, exist_ok=True)
     remove_abandoned_temporaries(releases)
     final = os.path.join(releases, code_hash)
@@ -1096,8 +1251,7 @@ def remove_abandoned_temporaries(releases: str) -> None:
             shutil.rmtree(os.path.join(releases, entry), ignore_errors=True)
 
 
-def fill_release(tmp: str, stdin: bytes, link: list, releases: str, base: object, files: dict,
-                 stale_code: str) -> None:
+def fill_release(tmp: str, stdin: bytes, link: list, releases: str, base: object, files: dict, stale_code: str) -> None:
     """Unpack the changed files into `tmp`, hard-link the unchanged ones from `base`, verify every hash."""
     with tarfile.open(fileobj=io.BytesIO(stdin), mode="r:*") as archive:  # plain or gzip
         archive.extractall(tmp, members=safe_members(archive))
@@ -1173,8 +1327,9 @@ def verb_restart(req: dict, stdin: bytes) -> dict:
     if os.path.exists(new_dir):
         raise AgentFailure(f"run directory {new_dir} already exists", "conflict")
     if req.get("tar_bytes") is not None and len(stdin) != int(req["tar_bytes"]):
-        raise AgentFailure(f"upload incomplete ({len(stdin)} of {req['tar_bytes']} bytes); nothing was changed",
-                           "incomplete")
+        raise AgentFailure(
+            f"upload incomplete ({len(stdin)} of {req['tar_bytes']} bytes); nothing was changed", "incomplete"
+        )
     install = req.get("install")
     if not isinstance(install, dict):
         raise AgentFailure("restart needs an install request", "bad_request")
@@ -1183,9 +1338,15 @@ def verb_restart(req: dict, stdin: bytes) -> dict:
     stop = None
     placeholder = req.get("resume_placeholder")
     try:
-        stop = verb_stop({"workspace": workspace, "name": old, "grace": req.get("grace", 60.0),
-                          "handover": bool(placeholder and req.get("handover")),
-                          **{k: req[k] for k in ("kill_timeout", "gpu_timeout") if k in req}})
+        stop = verb_stop(
+            {
+                "workspace": workspace,
+                "name": old,
+                "grace": req.get("grace", 60.0),
+                "handover": bool(placeholder and req.get("handover")),
+                **{k: req[k] for k in ("kill_timeout", "gpu_timeout") if k in req},
+            }
+        )
     except AgentFailure as exc:
         if exc.code != "not_running":
             raise
@@ -1209,8 +1370,16 @@ def verb_restart(req: dict, stdin: bytes) -> dict:
     if req.get("clear_cache"):
         cleared = verb_clear_cache({"workspace": workspace, "code_hash": code_hash})["removed"]
     launched = verb_launch(launch)
-    return {"stop": stop, "old_status": old_status, "release": code_hash, "path": release, "removed": removed,
-            "cleared": cleared, "checkpoint": checkpoint, **launched}
+    return {
+        "stop": stop,
+        "old_status": old_status,
+        "release": code_hash,
+        "path": release,
+        "removed": removed,
+        "cleared": cleared,
+        "checkpoint": checkpoint,
+        **launched,
+    }
 
 
 def releases_in_use(workspace: str) -> set[str]:
@@ -1233,7 +1402,7 @@ def prune_releases(workspace: str, keep: int) -> list[str]:
     entries.sort(key=lambda e: os.stat(os.path.join(releases, e)).st_mtime, reverse=True)
     protected = releases_in_use(workspace) | {current}
     removed = []
-    for entry in entries[max(keep, 1):]:
+    for entry in entries[max(keep, 1) :]:
         if entry not in protected:
             shutil.rmtree(os.path.join(releases, entry))
             removed.append(entry)
@@ -1254,8 +1423,9 @@ def verb_gc(req: dict) -> dict:
     for name in req.get("runs") or []:
         shutil.rmtree(run_dir({"workspace": workspace, "name": name}))
         removed_runs.append(name)
-    removed = prune_releases(workspace, int(req.get("keep", 5))) if os.path.isdir(
-        os.path.join(workspace, "releases")) else []
+    removed = (
+        prune_releases(workspace, int(req.get("keep", 5))) if os.path.isdir(os.path.join(workspace, "releases")) else []
+    )
     return {"removed_releases": removed, "removed_runs": removed_runs}
 
 
@@ -1350,10 +1520,20 @@ def verb_read_file(req: dict) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ main
-VERBS = {"ping": lambda req: {"version": 1, "python": sys.version.split()[0]}, "launch": verb_launch,
-         "stop": verb_stop, "status": verb_status, "tail": verb_tail, "follow": verb_follow, "gpus": verb_gpus,
-         "clear-cache": verb_clear_cache, "manifest": verb_manifest, "gc": verb_gc, "wrap": verb_wrap,
-         "fetch-manifest": verb_fetch_manifest}
+VERBS = {
+    "ping": lambda req: {"version": 1, "python": sys.version.split()[0]},
+    "launch": verb_launch,
+    "stop": verb_stop,
+    "status": verb_status,
+    "tail": verb_tail,
+    "follow": verb_follow,
+    "gpus": verb_gpus,
+    "clear-cache": verb_clear_cache,
+    "manifest": verb_manifest,
+    "gc": verb_gc,
+    "wrap": verb_wrap,
+    "fetch-manifest": verb_fetch_manifest,
+}
 # Verbs whose answer is raw bytes on stdout (a refusal: JSON on stderr, exit 3).
 RAW_VERBS = {"read-file": verb_read_file}
 
@@ -1365,8 +1545,9 @@ def main(argv: list[str]) -> int:
     verb = argv[0] if argv else ""
     try:
         if verb not in STDIN_VERBS and verb not in VERBS and verb not in RAW_VERBS:
-            raise AgentFailure(f"unknown verb {verb!r}; verbs: {', '.join(sorted([*VERBS, *STDIN_VERBS, *RAW_VERBS]))}",
-                               "bad_request")
+            raise AgentFailure(
+                f"unknown verb {verb!r}; verbs: {', '.join(sorted([*VERBS, *STDIN_VERBS, *RAW_VERBS]))}", "bad_request"
+            )
         stdin = b""
         if verb in STDIN_VERBS:  # stdin: one JSON request line, then the tar stream (no argv length limits)
             header, _, stdin = sys.stdin.buffer.read().partition(b"\n")
@@ -1398,8 +1579,7 @@ def main(argv: list[str]) -> int:
     except AgentFailure as exc:
         print(json.dumps({"ok": False, "error": str(exc), "code": exc.code}), flush=True)
         return 2 if exc.code == "bad_request" else 0
-    except (OSError, subprocess.SubprocessError, KeyError, ValueError, TypeError, EOFError,
-            tarfile.TarError) as exc:
+    except (OSError, subprocess.SubprocessError, KeyError, ValueError, TypeError, EOFError, tarfile.TarError) as exc:
         print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}", "code": "internal"}), flush=True)
         return 0
 

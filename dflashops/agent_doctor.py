@@ -57,8 +57,13 @@ def disk(path: str) -> dict:
         device = os.stat(where).st_dev
     except OSError as exc:
         return {"path": path, "measured_at": where, "error": str(exc)}
-    return {"path": path, "measured_at": where, "free_bytes": stat.f_bavail * stat.f_frsize,
-            "total_bytes": stat.f_blocks * stat.f_frsize, "device": device}
+    return {
+        "path": path,
+        "measured_at": where,
+        "free_bytes": stat.f_bavail * stat.f_frsize,
+        "total_bytes": stat.f_blocks * stat.f_frsize,
+        "device": device,
+    }
 
 
 def writable(workspace: str) -> dict:
@@ -80,8 +85,12 @@ def nvidia_smi() -> dict:
     if path is None:
         return {"path": None}
     try:
-        done = subprocess.run([path, "--query-gpu=index,name,driver_version,memory.total",
-                               "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30)
+        done = subprocess.run(
+            [path, "--query-gpu=index,name,driver_version,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return {"path": path, "exit_code": None, "error": str(exc)}
     gpus = []
@@ -110,8 +119,14 @@ def imports(req: dict) -> dict:
         env.setdefault("CUDA_VISIBLE_DEVICES", ",".join(str(g) for g in req["gpus"]))  # as deploy sets it
     timeout = float(req.get("import_timeout", 180))
     try:
-        done = subprocess.run([req.get("python") or sys.executable, "-c", IMPORT_PROBE], capture_output=True,
-                              text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL)
+        done = subprocess.run(
+            [req.get("python") or sys.executable, "-c", IMPORT_PROBE],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
     except FileNotFoundError:
         return {"missing": True}
     except PermissionError as exc:
@@ -130,12 +145,18 @@ def main(argv: list[str]) -> int:
         req = json.loads(argv[argv.index("--json-args") + 1]) if "--json-args" in argv else {}
         workspace = str(req["workspace"])
         answer = {
-            "ok": True, "probe_python": sys.executable, "probe_version": sys.version.split()[0],
-            "devices": sorted(glob.glob("/dev/nvidia*")), "nvidia_smi": nvidia_smi(),
-            "kernel_module": kernel_module(), "imports": imports(req),
+            "ok": True,
+            "probe_python": sys.executable,
+            "probe_version": sys.version.split()[0],
+            "devices": sorted(glob.glob("/dev/nvidia*")),
+            "nvidia_smi": nvidia_smi(),
+            "kernel_module": kernel_module(),
+            "imports": imports(req),
             "tools": {name: shutil.which(name) for name in ("tmux", "nohup", "setsid")},
             "disk": {"workspace": disk(workspace), "cache": disk(os.path.join(workspace, "cache", "inductor"))},
-            "writable": writable(workspace), "time_started": STARTED, "time": time.time(),
+            "writable": writable(workspace),
+            "time_started": STARTED,
+            "time": time.time(),
         }
     except (KeyError, ValueError, TypeError, IndexError) as exc:
         answer = {"ok": False, "error": f"bad doctor request: {exc}", "code": "bad_request"}

@@ -41,8 +41,12 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
-SENTINELS = {"name": "@dflashops-run-name@", "parent": "@dflashops-parent@", "note": "@dflashops-note@",
-             "checkpoint": "@dflashops-checkpoint@"}
+SENTINELS = {
+    "name": "@dflashops-run-name@",
+    "parent": "@dflashops-parent@",
+    "note": "@dflashops-note@",
+    "checkpoint": "@dflashops-checkpoint@",
+}
 CANCELLED: list[bool] = []  # set by SIGTERM: the daemon ends at its next check, restarting nothing
 
 
@@ -86,8 +90,16 @@ class Supervisor:
         print(f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {text}", flush=True)
 
     def state(self, run: str, state: str, **fields) -> None:
-        info = {"pid": os.getpid(), "root": self.root, "run": run, "state": state, "restarts": self.restarts,
-                "max_restarts": (self.policy or {}).get("max_restarts", 0), "updated_at": time.time(), **fields}
+        info = {
+            "pid": os.getpid(),
+            "root": self.root,
+            "run": run,
+            "state": state,
+            "restarts": self.restarts,
+            "max_restarts": (self.policy or {}).get("max_restarts", 0),
+            "updated_at": time.time(),
+            **fields,
+        }
         try:
             self.agent.write_atomic(os.path.join(self.run_dir(run), "supervisor.json"), json.dumps(info) + "\n")
         except OSError:
@@ -95,8 +107,16 @@ class Supervisor:
 
     def event(self, run: str, kind: str, message: str, **fields) -> None:
         """Append the event to the run's events.jsonl, after trying the webhook (at most once)."""
-        entry = {"id": f"{run}:{kind}", "event": kind, "run": run, "target": self.req.get("target"),
-                 "time": time.time(), "message": message, "source": "supervisor", **fields}
+        entry = {
+            "id": f"{run}:{kind}",
+            "event": kind,
+            "run": run,
+            "target": self.req.get("target"),
+            "time": time.time(),
+            "message": message,
+            "source": "supervisor",
+            **fields,
+        }
         entry["webhook"] = self.post(entry) if kind in (self.req.get("events") or [kind]) else "off"
         self.log(f"{kind}: {message} (webhook {entry['webhook']})")
         try:
@@ -114,8 +134,9 @@ class Supervisor:
         headers = {"Content-Type": "application/json", "User-Agent": "dflashops-supervisor"}
         parts = urllib.parse.urlsplit(url)
         if parts.username is not None:  # userinfo -> Basic auth, as transport/webhook.py does
-            token = base64.b64encode(f"{urllib.parse.unquote(parts.username)}:"
-                                     f"{urllib.parse.unquote(parts.password or '')}".encode()).decode()
+            token = base64.b64encode(
+                f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}".encode()
+            ).decode()
             headers["Authorization"] = f"Basic {token}"
             host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname or ""
             url = urllib.parse.urlunsplit(parts._replace(netloc=host + (f":{parts.port}" if parts.port else "")))
@@ -133,8 +154,12 @@ class Supervisor:
         if not shutil.which("nvidia-smi"):
             return None
         try:
-            done = subprocess.run(["nvidia-smi", "--query-gpu=index,utilization.gpu", "--format=csv,noheader,nounits"],
-                                  capture_output=True, text=True, timeout=30)
+            done = subprocess.run(
+                ["nvidia-smi", "--query-gpu=index,utilization.gpu", "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
         except (OSError, subprocess.TimeoutExpired):
             return None
         wanted = {str(g) for g in self.req.get("gpus") or []}
@@ -149,9 +174,18 @@ class Supervisor:
         """stall.json first (so the end reads as a stall, not a stop), then TERM the run's own group, KILL
         after the grace."""
         agent = self.agent
-        self.agent.write_atomic(os.path.join(directory, "stall.json"), json.dumps(
-            {"reason": reason, "at": time.time(), "last_heartbeat": clock.get("beat"), "last_step": clock.get("step"),
-             "last_step_at": clock.get("step_at")}))
+        self.agent.write_atomic(
+            os.path.join(directory, "stall.json"),
+            json.dumps(
+                {
+                    "reason": reason,
+                    "at": time.time(),
+                    "last_heartbeat": clock.get("beat"),
+                    "last_step": clock.get("step"),
+                    "last_step_at": clock.get("step_at"),
+                }
+            ),
+        )
         marker = (agent.read_text(os.path.join(directory, "marker")) or "").strip() or None
         pgid, pids = agent.run_processes(agent.read_int(os.path.join(directory, "pgid")), marker, directory)
         self.log(f"stalled: {reason}; SIGTERM to process group {pgid} ({sorted(pids)})")
@@ -178,7 +212,9 @@ class Supervisor:
             beat = heartbeat if isinstance(heartbeat, (int, float)) else clock["started"]
             clock["beat"] = beat
             if now - max(float(beat), clock["started"]) > limit:
-                return f"no status.json heartbeat for {now - max(float(beat), clock['started']):.0f}s (limit {limit:g}s)"
+                return (
+                    f"no status.json heartbeat for {now - max(float(beat), clock['started']):.0f}s (limit {limit:g}s)"
+                )
             if phase == "training" and now - clock["step_at"] > limit:
                 return f"no new step for {now - clock['step_at']:.0f}s while training, at step {status.get('step')} (limit {limit:g}s)"
         below = self.stall.get("gpu_util_below")
@@ -196,7 +232,10 @@ class Supervisor:
         """Until `run` ends: {"kind": finished|stopped|crashed|stalled|cancelled, ...the run's last status}."""
         directory = self.run_dir(run)
         pid_file = os.path.join(directory, "pid")
-        clock: dict = {"started": os.stat(pid_file).st_mtime if os.path.exists(pid_file) else time.time(), "step_at": time.time()}
+        clock: dict = {
+            "started": os.stat(pid_file).st_mtime if os.path.exists(pid_file) else time.time(),
+            "step_at": time.time(),
+        }
         clock["step"] = None
         while not CANCELLED:
             status = self.agent.run_status(directory)
@@ -241,18 +280,46 @@ class Supervisor:
         values = {"name": self.child_name(), "parent": failed["name"], "note": note, "checkpoint": checkpoint or ""}
         argv = fill(template["argv_resume"] if checkpoint and template.get("argv_resume") else template["argv"], values)
         run_json = fill(template["run_json"], values)
-        run_json.update(name=values["name"], parent=failed["name"], note=note, hypothesis=note,
-                        argv=fill(template["shown_argv_resume"] if checkpoint and template.get("shown_argv_resume")
-                                  else template["shown_argv"], values),
-                        started_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), state="launched",
-                        exit_code=None, last_step=None, session=values["name"])
-        run_json["extra"] = {**(run_json.get("extra") or {}), "resumed_from": checkpoint,
-                             "auto_restart": {"attempt": self.restarts, "of": failed["name"],
-                                              "exit_code": failed.get("exit_code"), "step": failed.get("step"),
-                                              "line": failed.get("line"), "kind": failed["kind"]}}
-        self.agent.verb_launch({"workspace": self.workspace, "name": values["name"], "argv": argv,
-                                "env": fill(template["env"], values), "cwd": fill(template["cwd"], values),
-                                "launcher": template.get("launcher", "nohup"), "run_json": run_json})
+        run_json.update(
+            name=values["name"],
+            parent=failed["name"],
+            note=note,
+            hypothesis=note,
+            argv=fill(
+                template["shown_argv_resume"]
+                if checkpoint and template.get("shown_argv_resume")
+                else template["shown_argv"],
+                values,
+            ),
+            started_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            state="launched",
+            exit_code=None,
+            last_step=None,
+            session=values["name"],
+        )
+        run_json["extra"] = {
+            **(run_json.get("extra") or {}),
+            "resumed_from": checkpoint,
+            "auto_restart": {
+                "attempt": self.restarts,
+                "of": failed["name"],
+                "exit_code": failed.get("exit_code"),
+                "step": failed.get("step"),
+                "line": failed.get("line"),
+                "kind": failed["kind"],
+            },
+        }
+        self.agent.verb_launch(
+            {
+                "workspace": self.workspace,
+                "name": values["name"],
+                "argv": argv,
+                "env": fill(template["env"], values),
+                "cwd": fill(template["cwd"], values),
+                "launcher": template.get("launcher", "nohup"),
+                "run_json": run_json,
+            }
+        )
         return values["name"], checkpoint
 
     def handle_failure(self, run: str, outcome: dict, chain: list[str]) -> str | None:
@@ -261,8 +328,14 @@ class Supervisor:
         code, step = outcome.get("exit_code"), outcome.get("step")
         what = "stalled" if outcome["kind"] == "stalled" else f"exit {code if code is not None else '?'}"
         where = f" at step {step}" if step is not None else ""
-        self.event(run, outcome["kind"], f"{run} {what}{where}" + (f": {line}" if line else ""),
-                   exit_code=code, step=step, log_line=line)
+        self.event(
+            run,
+            outcome["kind"],
+            f"{run} {what}{where}" + (f": {line}" if line else ""),
+            exit_code=code,
+            step=step,
+            log_line=line,
+        )
         policy = self.policy
         if not policy:
             self.state(run, "done", reason="no on_failure policy")
@@ -293,9 +366,18 @@ class Supervisor:
             return None
         self.agent.write_atomic(os.path.join(self.run_dir(run), "restarted_as"), child + "\n")
         self.state(run, "restarted", child=child)
-        self.event(child, "auto-restarted", f"{child} restarted {run} ({note})"
-                   + (f" from {os.path.basename(checkpoint)}" if checkpoint else " from scratch"),
-                   parent=run, attempt=self.restarts, checkpoint=checkpoint, exit_code=code, step=step, log_line=line)
+        self.event(
+            child,
+            "auto-restarted",
+            f"{child} restarted {run} ({note})"
+            + (f" from {os.path.basename(checkpoint)}" if checkpoint else " from scratch"),
+            parent=run,
+            attempt=self.restarts,
+            checkpoint=checkpoint,
+            exit_code=code,
+            step=step,
+            log_line=line,
+        )
         return child
 
     def run(self) -> None:
@@ -306,7 +388,9 @@ class Supervisor:
             if outcome["kind"] == "cancelled":
                 break
             if outcome["kind"] == "finished":
-                self.event(current, "finished", f"{current} finished at step {outcome.get('step')}", step=outcome.get("step"))
+                self.event(
+                    current, "finished", f"{current} finished at step {outcome.get('step')}", step=outcome.get("step")
+                )
                 self.state(current, "done", reason="finished")
                 return
             if outcome["kind"] == "stopped":
@@ -332,9 +416,14 @@ def daemonize(req: dict) -> int:
         with os.fdopen(read_end) as pipe:
             pid = pipe.read().strip()
         os.wait()
-        print(json.dumps({"ok": True, "pid": int(pid), "log": os.path.join(logs, f"{req['root']}.log")}
-                         if pid.isdigit() else {"ok": False, "error": "supervisor did not start", "code": "error"}),
-              flush=True)
+        print(
+            json.dumps(
+                {"ok": True, "pid": int(pid), "log": os.path.join(logs, f"{req['root']}.log")}
+                if pid.isdigit()
+                else {"ok": False, "error": "supervisor did not start", "code": "error"}
+            ),
+            flush=True,
+        )
         return 0
     os.close(read_end)
     os.setsid()

@@ -27,11 +27,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = time.strftime(f"{args.profile}-%Y%m%d-%H%M%S", time.gmtime())
     try:
         with open_invocation(args) as invocation:
-            outcome = deploy(invocation, DeployRequest(target="local", profile=args.profile, name=name,
-                                                    launcher="nohup", note="make demo"))
+            outcome = deploy(
+                invocation,
+                DeployRequest(target="local", profile=args.profile, name=name, launcher="nohup", note="make demo"),
+            )
             progress(f"launched {outcome.name} in {outcome.run_dir}; following its log")
-            wait_for(invocation, outcome.name, until=None, fail_on=DEFAULT_FAIL_ON, timeout=args.timeout,
-                     on_text=lambda text: sys.stderr.write(text))
+            wait_for(
+                invocation,
+                outcome.name,
+                until=None,
+                fail_on=DEFAULT_FAIL_ON,
+                timeout=args.timeout,
+                on_text=lambda text: sys.stderr.write(text),
+            )
             final = run_status(invocation, outcome.name)[0]
     except DflashopsError as exc:
         print_error(exc)

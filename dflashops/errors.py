@@ -70,7 +70,9 @@ class CommandFailed(DflashopsError):
 
     def __init__(self, result: Result, *, hint: str | None = None, tail_lines: int = 10) -> None:
         stderr_tail = "\n".join(result.stderr.rstrip().splitlines()[-tail_lines:])
-        message = f"command failed with exit code {result.exit_code} on {result.target}: {shlex.join(map(str, result.argv))}"
+        message = (
+            f"command failed with exit code {result.exit_code} on {result.target}: {shlex.join(map(str, result.argv))}"
+        )
         if stderr_tail:
             message += "\n" + "\n".join("  | " + line for line in stderr_tail.splitlines())
         super().__init__(message, hint=hint)

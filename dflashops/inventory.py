@@ -96,8 +96,10 @@ class Inventory:
         if spec is not None and "," in spec:
             names = [name.strip() for name in spec.split(",")]
             if len(set(names)) != len(names) or "" in names:
-                raise NotFound(f"targets {spec!r}: name each target once, separated by commas",
-                               hint=f"targets: {', '.join(sorted(self.targets))}")
+                raise NotFound(
+                    f"targets {spec!r}: name each target once, separated by commas",
+                    hint=f"targets: {', '.join(sorted(self.targets))}",
+                )
             return tuple(self.target(name) for name in names), Group(name=spec, targets=tuple(names))
         return (self.target(spec),), None
 
@@ -119,14 +121,18 @@ class Inventory:
                 return self.targets["local"]
             raise NotFound("no target given", hint=f"name one of: {', '.join(sorted(self.targets))}")
         if name not in self.targets:
-            raise NotFound(f"unknown target {name!r} in {self.path}",
-                           hint=f"targets: {', '.join(sorted(self.targets)) or '(none)'}")
+            raise NotFound(
+                f"unknown target {name!r} in {self.path}",
+                hint=f"targets: {', '.join(sorted(self.targets)) or '(none)'}",
+            )
         return self.targets[name]
 
     def profile(self, name: str) -> Profile:
         if name not in self.profiles:
-            raise NotFound(f"unknown profile {name!r} in {self.path}",
-                           hint=f"profiles: {', '.join(sorted(self.profiles)) or '(none)'}")
+            raise NotFound(
+                f"unknown profile {name!r} in {self.path}",
+                hint=f"profiles: {', '.join(sorted(self.profiles)) or '(none)'}",
+            )
         return self.profiles[name]
 
 
@@ -149,8 +155,9 @@ class _Reader:
 
     def fail(self, node: yaml.Node | None, key: str, message: str) -> InventoryError:
         line = f":{node.start_mark.line + 1}" if node is not None else ""
-        return InventoryError(f"{self.path}{line}: {key}: {message}",
-                              hint="see the comments at the top of the shipped inventory.yaml")
+        return InventoryError(
+            f"{self.path}{line}: {key}: {message}", hint="see the comments at the top of the shipped inventory.yaml"
+        )
 
     def mapping(self, node: yaml.Node, key: str, allowed: set[str] | None = None) -> dict[str, yaml.Node]:
         if not isinstance(node, yaml.MappingNode):
@@ -161,8 +168,9 @@ class _Reader:
                 raise self.fail(key_node, key or "(top level)", "keys must be plain names, not lists or mappings")
             name = str(key_node.value)
             if allowed is not None and name not in allowed:
-                raise self.fail(key_node, f"{key}.{name}" if key else name,
-                                f"unknown key (allowed: {', '.join(sorted(allowed))})")
+                raise self.fail(
+                    key_node, f"{key}.{name}" if key else name, f"unknown key (allowed: {', '.join(sorted(allowed))})"
+                )
             if name in out:
                 raise self.fail(key_node, f"{key}.{name}", "duplicate key")
             out[name] = value_node
@@ -170,8 +178,11 @@ class _Reader:
 
     def scalar(self, node: yaml.Node, key: str, kind: type) -> Any:
         value = yaml.safe_load(yaml.serialize(node)) if isinstance(node, yaml.ScalarNode) else None
-        if (kind is bool and isinstance(value, bool)) or (kind is int and isinstance(value, int) and not isinstance(
-                value, bool)) or (kind is str and isinstance(value, (str, int, float)) and not isinstance(value, bool)):
+        if (
+            (kind is bool and isinstance(value, bool))
+            or (kind is int and isinstance(value, int) and not isinstance(value, bool))
+            or (kind is str and isinstance(value, (str, int, float)) and not isinstance(value, bool))
+        ):
             return str(value) if kind is str else value
         raise self.fail(node, key, f"expected {kind.__name__}")
 
@@ -207,8 +218,9 @@ def load_inventory(path: str | os.PathLike[str] | None = None) -> Inventory:
     try:
         text = read_yaml_text(inv_path, what="inventory")  # size, encoding, depth and alias bounds first
     except OSError as exc:
-        raise InventoryError(f"cannot read inventory {inv_path}: {exc.strerror}",
-                             hint="pass --inventory PATH or set DFLASHOPS_INVENTORY") from None
+        raise InventoryError(
+            f"cannot read inventory {inv_path}: {exc.strerror}", hint="pass --inventory PATH or set DFLASHOPS_INVENTORY"
+        ) from None
     try:
         root = yaml.compose(text)
     except yaml.YAMLError as exc:
@@ -217,12 +229,17 @@ def load_inventory(path: str | os.PathLike[str] | None = None) -> Inventory:
         raise InventoryError(f"{inv_path}: the inventory is empty", hint="define at least one target")
     top = reader.mapping(root, "", {"hosts", "targets", "profiles", "notify", "groups"})
     host_nodes = reader.mapping(top["hosts"], "hosts") if "hosts" in top else {}
-    hosts = _resolve_gateways(reader, {name: _host(reader, name, node) for name, node in host_nodes.items()},
-                              host_nodes)
-    targets = {name: _target(reader, inv_path.parent, hosts, name, node) for name, node in
-               (reader.mapping(top["targets"], "targets") if "targets" in top else {}).items()}
-    profiles = {name: _profile(reader, name, node) for name, node in
-                (reader.mapping(top["profiles"], "profiles") if "profiles" in top else {}).items()}
+    hosts = _resolve_gateways(
+        reader, {name: _host(reader, name, node) for name, node in host_nodes.items()}, host_nodes
+    )
+    targets = {
+        name: _target(reader, inv_path.parent, hosts, name, node)
+        for name, node in (reader.mapping(top["targets"], "targets") if "targets" in top else {}).items()
+    }
+    profiles = {
+        name: _profile(reader, name, node)
+        for name, node in (reader.mapping(top["profiles"], "profiles") if "profiles" in top else {}).items()
+    }
     notify = parse_notify(reader, top["notify"]) if "notify" in top else None
     groups = parse_groups(reader, top["groups"], set(targets)) if "groups" in top else {}
     return Inventory(path=inv_path, hosts=hosts, targets=targets, profiles=profiles, notify=notify, groups=groups)
@@ -230,12 +247,13 @@ def load_inventory(path: str | os.PathLike[str] | None = None) -> Inventory:
 
 def _host(reader: _Reader, name: str, node: yaml.Node) -> Host:
     key = f"hosts.{reader.check_name(name, node, 'hosts')}"
-    fields = reader.mapping(node, key, {"address", "user", "port", "identity_file", "jump_host",
-                                        "known_hosts", "sudo"})
+    fields = reader.mapping(node, key, {"address", "user", "port", "identity_file", "jump_host", "known_hosts", "sudo"})
     if "address" not in fields:
         raise reader.fail(node, key, "missing required key 'address'")
-    get = {k: reader.scalar(v, f"{key}.{k}", int if k == "port" else bool if k == "sudo" else str)
-           for k, v in fields.items()}
+    get = {
+        k: reader.scalar(v, f"{key}.{k}", int if k == "port" else bool if k == "sudo" else str)
+        for k, v in fields.items()
+    }
     return Host(name=name, **get)
 
 
@@ -291,15 +309,25 @@ def _target(reader: _Reader, base: Path, hosts: dict[str, Host], name: str, node
     gpus = reader.int_list(fields["gpus"], f"{key}.gpus") if "gpus" in fields else ()
     env = reader.env(fields["env"], f"{key}.env") if "env" in fields else {}
     address = reader.scalar(fields["address"], f"{key}.address", str) if "address" in fields else None
-    return Target(name=name, kind=kind, workspace=workspace, python=python, host=host, ctid=ctid,
-                  gpus=gpus, env=env, address=address)
+    return Target(
+        name=name,
+        kind=kind,
+        workspace=workspace,
+        python=python,
+        host=host,
+        ctid=ctid,
+        gpus=gpus,
+        env=env,
+        address=address,
+    )
 
 
 def _profile(reader: _Reader, name: str, node: yaml.Node) -> Profile:
     key = f"profiles.{name}"
     reader.check_name(name, node, key)
-    fields = reader.mapping(node, key, {"argv", "env", "pass_env", "files", "resume_args", "description",
-                                        "packages", "on_failure", "stall"})
+    fields = reader.mapping(
+        node, key, {"argv", "env", "pass_env", "files", "resume_args", "description", "packages", "on_failure", "stall"}
+    )
     if "argv" not in fields:
         raise reader.fail(node, key, "missing required key 'argv'")
     argv = reader.str_list(fields["argv"], f"{key}.argv")
@@ -319,10 +347,15 @@ def _profile(reader: _Reader, name: str, node: yaml.Node) -> Profile:
             raise reader.fail(fields["packages"], f"{key}.packages", f"{package!r} is not a package name")
     return Profile(
         packages=packages,
-        name=name, argv=argv, env=reader.env(fields["env"], f"{key}.env") if "env" in fields else {},
-        pass_env=pass_env, files=files,
+        name=name,
+        argv=argv,
+        env=reader.env(fields["env"], f"{key}.env") if "env" in fields else {},
+        pass_env=pass_env,
+        files=files,
         resume_args=reader.str_list(fields["resume_args"], f"{key}.resume_args") if "resume_args" in fields else (),
         description=reader.scalar(fields["description"], f"{key}.description", str) if "description" in fields else "",
-        on_failure=parse_on_failure(reader, fields["on_failure"], f"{key}.on_failure") if "on_failure" in fields else None,
+        on_failure=parse_on_failure(reader, fields["on_failure"], f"{key}.on_failure")
+        if "on_failure" in fields
+        else None,
         stall=parse_stall(reader, fields["stall"], f"{key}.stall") if "stall" in fields else None,
     )

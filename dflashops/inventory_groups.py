@@ -44,8 +44,11 @@ def parse_groups(reader: Any, node: Any, target_names: set[str]) -> dict[str, Gr
                 raise reader.fail(fields["targets"], f"{key}.targets", f"unknown target {member!r}")
         if len(members) < 2 or len(set(members)) != len(members):
             raise reader.fail(fields["targets"], f"{key}.targets", "needs two or more different targets")
-        port = reader.scalar(fields["master_port"], f"{key}.master_port", int) if "master_port" in fields \
+        port = (
+            reader.scalar(fields["master_port"], f"{key}.master_port", int)
+            if "master_port" in fields
             else DEFAULT_MASTER_PORT
+        )
         if not 1 <= port <= 65535:
             raise reader.fail(fields["master_port"], f"{key}.master_port", "must be a TCP port (1-65535)")
         address = reader.scalar(fields["master_addr"], f"{key}.master_addr", str) if "master_addr" in fields else None

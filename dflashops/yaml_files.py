@@ -36,16 +36,20 @@ def read_yaml_text(path: Path, *, what: str = "file", error: type[DflashopsError
     expands too far through aliases. OSError is left to the caller, which knows what the file is for."""
     size = path.stat().st_size
     if size > MAX_BYTES:
-        raise error(f"{path}: the {what} is {size / 1e6:.1f} MB, more than the {MAX_BYTES >> 20} MiB a {what} "
-                    f"may have", hint=f"is this the right file? dflashops reads a few KB of settings from a {what}")
+        raise error(
+            f"{path}: the {what} is {size / 1e6:.1f} MB, more than the {MAX_BYTES >> 20} MiB a {what} may have",
+            hint=f"is this the right file? dflashops reads a few KB of settings from a {what}",
+        )
     data = path.read_bytes()
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
         column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
-        raise error(f"{path}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at column {column})",
-                    hint=f"save the {what} as UTF-8") from None
+        raise error(
+            f"{path}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at column {column})",
+            hint=f"save the {what} as UTF-8",
+        ) from None
     check_yaml_shape(path, text, error=error)
     return text
 
@@ -62,8 +66,10 @@ def check_yaml_shape(path: Path, text: str, *, error: type[DflashopsError] = Inv
             line = event.start_mark.line + 1  # type: ignore[union-attr]  # parse() marks every event
             if isinstance(event, yaml.CollectionStartEvent):
                 if len(frames) > MAX_DEPTH:
-                    raise error(f"{path}:{line}: nested more than {MAX_DEPTH} levels deep",
-                                hint="flatten the structure; dflashops' files need a few levels")
+                    raise error(
+                        f"{path}:{line}: nested more than {MAX_DEPTH} levels deep",
+                        hint="flatten the structure; dflashops' files need a few levels",
+                    )
                 frames.append([event.anchor, 1])
                 continue
             if isinstance(event, yaml.CollectionEndEvent):
@@ -73,8 +79,10 @@ def check_yaml_shape(path: Path, text: str, *, error: type[DflashopsError] = Inv
             elif isinstance(event, yaml.AliasEvent):
                 if event.anchor not in anchored:
                     if any(frame[0] == event.anchor for frame in frames):
-                        raise error(f"{path}:{line}: the alias *{event.anchor} refers to itself",
-                                    hint="a recursive alias never ends; remove it")
+                        raise error(
+                            f"{path}:{line}: the alias *{event.anchor} refers to itself",
+                            hint="a recursive alias never ends; remove it",
+                        )
                     continue  # an undefined alias: the real load reports it
                 anchor, size = None, anchored[event.anchor]
             else:
@@ -83,7 +91,9 @@ def check_yaml_shape(path: Path, text: str, *, error: type[DflashopsError] = Inv
                 anchored[anchor] = size
             frames[-1][1] += size
             if sum(frame[1] for frame in frames) > MAX_EXPANDED_NODES:
-                raise error(f"{path}:{line}: aliases expand to more than {MAX_EXPANDED_NODES:,} values",
-                            hint="write the values out, or use fewer nested aliases (a \"billion laughs\" file?)")
+                raise error(
+                    f"{path}:{line}: aliases expand to more than {MAX_EXPANDED_NODES:,} values",
+                    hint='write the values out, or use fewer nested aliases (a "billion laughs" file?)',
+                )
     except yaml.YAMLError:
         return

@@ -90,9 +90,16 @@ def violations() -> list[str]:
                 found.append(f"{where} only dflashops.transport may import {top}")
             if runs_in_target(me) and top not in sys.stdlib_module_names and top != "__future__":
                 found.append(f"{where} the agent must be stdlib-only, imports {name}")
-            if my_layer is not None and my_layer >= LAYERS["playbook"] and (
-                    name.startswith("dflashops.transport") or name == "dflashops.agent"
-                    or name.startswith("dflashops.agent.") or name == "dflashops.agent_client"):
+            if (
+                my_layer is not None
+                and my_layer >= LAYERS["playbook"]
+                and (
+                    name.startswith("dflashops.transport")
+                    or name == "dflashops.agent"
+                    or name.startswith("dflashops.agent.")
+                    or name == "dflashops.agent_client"
+                )
+            ):
                 found.append(f"{where} {me} reaches past ops into {name}")  # cli/playbook go through ops
             their_layer = layer_of(name)
             if their_layer is None:
@@ -119,18 +126,24 @@ def test_the_checker_catches_a_violation(tmp_path: Path, monkeypatch: pytest.Mon
     (fake / "dflashops" / "agent_probe.py").write_text("import subprocess\nimport rich\n")
     (fake / "trainer" / "z.py").write_text("from dflashops import shell\n")
     (fake / "dflashops" / "cli").mkdir()
-    (fake / "dflashops" / "cli" / "w.py").write_text("from dflashops.transport.local import LocalTransport\n"
-                                                     "from dflashops.agent import verb_status\n")
+    (fake / "dflashops" / "cli" / "w.py").write_text(
+        "from dflashops.transport.local import LocalTransport\nfrom dflashops.agent import verb_status\n"
+    )
     (fake / "dflashops" / "ops" / "ok.py").write_text(
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from dflashops.cli import main\n")
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from dflashops.cli import main\n"
+    )
     monkeypatch.setattr(sys.modules[__name__], "REPO", fake)
     found = "\n".join(violations())
-    for expected in ("x.py:1 dflashops.transport.x imports the higher layer dflashops.ops",
-                     "y.py:1 dflashops imports torch", "y.py:2 only dflashops.transport may import subprocess",
-                     "y.py:3 dflashops.ops.y imports the higher layer dflashops.cli",
-                     "agent.py:1 the agent must be stdlib-only", "z.py:1 trainer imports dflashops",
-                     "agent_probe.py:2 the agent must be stdlib-only",
-                     "w.py:1 dflashops.cli.w reaches past ops into dflashops.transport.local",
-                     "w.py:2 dflashops.cli.w reaches past ops into dflashops.agent"):
+    for expected in (
+        "x.py:1 dflashops.transport.x imports the higher layer dflashops.ops",
+        "y.py:1 dflashops imports torch",
+        "y.py:2 only dflashops.transport may import subprocess",
+        "y.py:3 dflashops.ops.y imports the higher layer dflashops.cli",
+        "agent.py:1 the agent must be stdlib-only",
+        "z.py:1 trainer imports dflashops",
+        "agent_probe.py:2 the agent must be stdlib-only",
+        "w.py:1 dflashops.cli.w reaches past ops into dflashops.transport.local",
+        "w.py:2 dflashops.cli.w reaches past ops into dflashops.agent",
+    ):
         assert expected in found
     assert "ok.py" not in found and "agent_probe.py:1" not in found  # shipped programs may spawn

@@ -36,8 +36,9 @@ class RecordingHost(Transport):
     answer: Answer | None = None
     calls: list[tuple[list[str], bytes]] = field(default_factory=list)
 
-    def _run(self, argv: Sequence[str], *, env: Mapping[str, str], stdin: Stdin,
-             timeout: float | None) -> tuple[int, bytes, bytes]:
+    def _run(
+        self, argv: Sequence[str], *, env: Mapping[str, str], stdin: Stdin, timeout: float | None
+    ) -> tuple[int, bytes, bytes]:
         data = stdin.read() if hasattr(stdin, "read") else (stdin or b"")
         self.calls.append((list(argv), bytes(data)))
         verb, request = agent_request(list(argv), bytes(data))
@@ -53,7 +54,7 @@ def agent_request(argv: list[str], stdin: bytes) -> tuple[str, dict]:
     index = next((i for i, word in enumerate(argv) if "/.dflashops/agent-" in word and word.endswith(".py")), None)
     if index is None or index + 1 >= len(argv) or argv[index - 1] == "-c" or argv[index - 2] == "-c":
         return "", {}
-    verb, rest = argv[index + 1], argv[index + 2:]
+    verb, rest = argv[index + 1], argv[index + 2 :]
     if "--json-args" in rest:
         return verb, json.loads(rest[rest.index("--json-args") + 1])
     if stdin:
@@ -62,8 +63,11 @@ def agent_request(argv: list[str], stdin: bytes) -> tuple[str, dict]:
 
 
 def default_answer(verb: str, request: dict, stdin: bytes) -> tuple[int, str, str]:
-    answers = {"status": {"runs": []}, "ping": {"version": 1},
-               "stop": {"signalled": True, "exit_code": 143, "how": "SIGTERM"}}
+    answers = {
+        "status": {"runs": []},
+        "ping": {"version": 1},
+        "stop": {"signalled": True, "exit_code": 143, "how": "SIGTERM"},
+    }
     return 0, json.dumps({"ok": True, **answers.get(verb, {})}) + "\n", ""
 
 
@@ -110,8 +114,21 @@ def test_the_first_command_chains_pct_status_and_later_ones_exec_directly(remote
     agent.call("status", {"workspace": "/workspace"})
     agent.call("status", {"workspace": "/workspace"})
     first, second = host.calls[0][0], host.calls[1][0]
-    exec_tail = ["sudo", "-n", "pct", "exec", "200", "--keep-env", "0", "--", "/workspace/venv/bin/python",
-                 agent_path(), "status", "--json-args", '{"workspace": "/workspace"}']
+    exec_tail = [
+        "sudo",
+        "-n",
+        "pct",
+        "exec",
+        "200",
+        "--keep-env",
+        "0",
+        "--",
+        "/workspace/venv/bin/python",
+        agent_path(),
+        "status",
+        "--json-args",
+        '{"workspace": "/workspace"}',
+    ]
     assert first[:2] == ["sh", "-c"] and "sudo -n pct status 200" in first[2] and STATUS_MARK in first[2]
     assert first[3:] == ["dflashops-pct", *exec_tail]
     assert second == exec_tail
@@ -139,8 +156,12 @@ def test_secrets_travel_on_stdin_only(remote, monkeypatch: pytest.MonkeyPatch) -
     invocation, host = remote
     monkeypatch.setenv("DB_PASS", "hunter2-not-on-argv")
     agent = invocation.agent(invocation.inventory.target("ct200"))
-    agent.call("launch", {"workspace": "/workspace", "name": "r1"}, secret_args={"env": {"DB_PASS": "hunter2-not-on-argv"}},
-               shown_args={"env": {"DB_PASS": "<redacted>"}})
+    agent.call(
+        "launch",
+        {"workspace": "/workspace", "name": "r1"},
+        secret_args={"env": {"DB_PASS": "hunter2-not-on-argv"}},
+        shown_args={"env": {"DB_PASS": "<redacted>"}},
+    )
     argv, stdin = host.calls[-1]
     assert "hunter2-not-on-argv" not in join_argv(argv) and argv[-2:] == ["launch", "--json-stdin"]
     assert json.loads(stdin)["env"] == {"DB_PASS": "hunter2-not-on-argv"}
@@ -152,8 +173,12 @@ def test_stop_is_one_agent_verb_and_never_a_kill_by_name(remote) -> None:
     lines = [join_argv(argv) for argv, _ in host.calls]
     verbs = [agent_request(argv, stdin)[0] for argv, stdin in host.calls]
     assert verbs == ["stop", "status"]
-    assert agent_request(*host.calls[0])[1] == {"workspace": "/workspace", "name": "exp-flex5", "grace": 30.0,
-                                                 "save_grace": 600.0}
+    assert agent_request(*host.calls[0])[1] == {
+        "workspace": "/workspace",
+        "name": "exp-flex5",
+        "grace": 30.0,
+        "save_grace": 600.0,
+    }
     assert not any(word in line for line in lines for word in ("pkill", "killall", "kill-session", "rm -rf"))
 
 
@@ -163,8 +188,9 @@ def test_dry_run_plans_are_the_command_lines_a_real_run_would_use(remote) -> Non
     agent.call("status", {"workspace": "/workspace"})  # the agent is there (first call, real)
     agent.dry_run = True
     agent.call("gc", {"workspace": "/workspace", "keep": 3})
-    assert agent.plan == [f"[ct200] /workspace/venv/bin/python {agent_path()} gc --json-args "
-                          "'{\"keep\": 3, \"workspace\": \"/workspace\"}'"]
+    assert agent.plan == [
+        f'[ct200] /workspace/venv/bin/python {agent_path()} gc --json-args \'{{"keep": 3, "workspace": "/workspace"}}\''
+    ]
     assert len(host.calls) == 1  # the planned call did not run
 
 

@@ -23,8 +23,9 @@ def anchor(heading: str) -> str:
 
 
 def anchors(page: Path) -> set[str]:
-    return {anchor(line.lstrip("#")) for line in page.read_text(encoding="utf-8").splitlines()
-            if re.match(r"#{1,6} ", line)}
+    return {
+        anchor(line.lstrip("#")) for line in page.read_text(encoding="utf-8").splitlines() if re.match(r"#{1,6} ", line)
+    }
 
 
 def repository_files() -> list[Path]:
@@ -74,7 +75,11 @@ def test_links_between_docs_resolve() -> None:
 
 def test_nothing_cites_notes_outside_the_repository() -> None:
     here = Path(__file__).resolve()
-    found = [f"{path.relative_to(REPO)}:{number}" for path in repository_files() if path != here
-             for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
-             if OUTSIDE_NOTES.search(line)]
+    found = [
+        f"{path.relative_to(REPO)}:{number}"
+        for path in repository_files()
+        if path != here
+        for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
+        if OUTSIDE_NOTES.search(line)
+    ]
     assert found == [], "cite docs/ instead"

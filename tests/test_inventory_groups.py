@@ -19,15 +19,18 @@ targets:
 """
 
 
-@pytest.mark.parametrize("groups, words", [
-    ("g: {targets: [a, zz]}", "groups.g.targets: unknown target 'zz'"),
-    ("g: {targets: [a]}", "needs two or more different targets"),
-    ("g: {targets: [a, a]}", "needs two or more different targets"),
-    ("a: {targets: [a, b]}", "is also a target name"),
-    ("g: {targets: [a, b], master_port: 70000}", "must be a TCP port"),
-    ("g: {targets: [a, b], colour: red}", "unknown key"),
-    ("g: {master_port: 1}", "missing required key 'targets'"),
-])
+@pytest.mark.parametrize(
+    "groups, words",
+    [
+        ("g: {targets: [a, zz]}", "groups.g.targets: unknown target 'zz'"),
+        ("g: {targets: [a]}", "needs two or more different targets"),
+        ("g: {targets: [a, a]}", "needs two or more different targets"),
+        ("a: {targets: [a, b]}", "is also a target name"),
+        ("g: {targets: [a, b], master_port: 70000}", "must be a TCP port"),
+        ("g: {targets: [a, b], colour: red}", "unknown key"),
+        ("g: {master_port: 1}", "missing required key 'targets'"),
+    ],
+)
 def test_bad_groups_are_refused_with_file_and_line(tmp_path: Path, groups: str, words: str) -> None:
     (tmp_path / "inventory.yaml").write_text(TARGETS + "groups:\n  " + groups + "\n")
     with pytest.raises(InventoryError) as caught:
@@ -55,11 +58,15 @@ def test_a_node_whose_target_left_the_inventory_is_named(tmp_path: Path) -> None
     (tmp_path / "inventory.yaml").write_text(TARGETS)
     invocation = Invocation(load_inventory(tmp_path / "inventory.yaml"))
     try:
-        invocation.db.record(RunRecord(name="multi", target="a", extra={"nodes": [{"rank": 0, "target": "a"},
-                                                                                  {"rank": 1, "target": "gone"}]}))
+        invocation.db.record(
+            RunRecord(
+                name="multi", target="a", extra={"nodes": [{"rank": 0, "target": "a"}, {"rank": 1, "target": "gone"}]}
+            )
+        )
         with pytest.raises(NotFound) as caught:
             nodes_of(invocation, "multi")
-        assert caught.value.message == (f"node 1 of run 'multi' was on target 'gone', which is not in "
-                                        f"{tmp_path / 'inventory.yaml'}")
+        assert caught.value.message == (
+            f"node 1 of run 'multi' was on target 'gone', which is not in {tmp_path / 'inventory.yaml'}"
+        )
     finally:
         invocation.close()

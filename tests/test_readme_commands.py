@@ -190,8 +190,12 @@ def check_dflashops(words: list[str], known: dict[str, set[str]]) -> str | None:
     _, args = parse_command_line(words)
     if getattr(args, "func", None) is None:
         return "no verb"
-    names = [("target", getattr(args, "target", None)), ("profile", getattr(args, "profile", None)),
-             ("host", getattr(args, "host", None)), *(("target", t) for t in getattr(args, "targets", []) or [])]
+    names = [
+        ("target", getattr(args, "target", None)),
+        ("profile", getattr(args, "profile", None)),
+        ("host", getattr(args, "host", None)),
+        *(("target", t) for t in getattr(args, "targets", []) or []),
+    ]
     for kind, name in names:
         if isinstance(name, str) and name.islower() and name not in known[kind]:
             return f"{kind} {name!r} is in neither inventory.yaml nor inventory.example.yaml"
@@ -239,26 +243,41 @@ def known_names() -> dict[str, set[str]]:
 
 
 # ----------------------------------------------------------------------------------------------- tests
-BAD_LINES = (["dflashops", "runs", "export", "--jsn"], ["dflashops", "stop", "--bogus"],
-             ["dflashops", "deploy", "--profile", "nope"], ["dflashops", "logs"],
-             ["python", "-m", "trainer", "bench", "nothing"], ["python", "-m", "trainer", "train", "--preset", "huge"])
+BAD_LINES = (
+    ["dflashops", "runs", "export", "--jsn"],
+    ["dflashops", "stop", "--bogus"],
+    ["dflashops", "deploy", "--profile", "nope"],
+    ["dflashops", "logs"],
+    ["python", "-m", "trainer", "bench", "nothing"],
+    ["python", "-m", "trainer", "train", "--preset", "huge"],
+)
 
 
 def check_the_checker(known: dict[str, set[str]]) -> None:
     """The extractor and the checker themselves, on made-up input: a checker that parses nothing, or
     accepts anything, would pass on any README."""
-    text = ("```\ndflashops a [--x X|+] [--y]   dflashops b (prose)  # note\n"
-            "              [--z 1] [-- t args]\nmake demo\n   dflashops c\n"
-            "python -m trainer t --p a|b [more flags...]   # one\n      # two\n```\n")
-    assert command_lines(text) == ["dflashops a [--x X|+] [--y]", "dflashops b (prose) [--z 1] [-- t args]",
-                                   "python -m trainer t --p a|b [more flags...]"]
+    text = (
+        "```\ndflashops a [--x X|+] [--y]   dflashops b (prose)  # note\n"
+        "              [--z 1] [-- t args]\nmake demo\n   dflashops c\n"
+        "python -m trainer t --p a|b [more flags...]   # one\n      # two\n```\n"
+    )
+    assert command_lines(text) == [
+        "dflashops a [--x X|+] [--y]",
+        "dflashops b (prose) [--z 1] [-- t args]",
+        "python -m trainer t --p a|b [more flags...]",
+    ]
     assert variants("dflashops a [--x X|+] [--note ...] [--t S]") == [
         ["dflashops", "a", "--x", "X", "--note", "x", "--t", "60"],
-        ["dflashops", "a", "--x", "+", "--note", "x", "--t", "60"], ["dflashops", "a"]]
+        ["dflashops", "a", "--x", "+", "--note", "x", "--t", "60"],
+        ["dflashops", "a"],
+    ]
     assert variants('p -m t x --w "step 10/" [seed flags...]') == [["p", "-m", "t", "x", "--w", "step 10/"]]
-    assert variants("dflashops s RUN | --all [--g 1]") == [["dflashops", "s", "RUN", "--g", "1"],
-                                                          ["dflashops", "s", "--all", "--g", "1"],
-                                                          ["dflashops", "s", "RUN"], ["dflashops", "s", "--all"]]
+    assert variants("dflashops s RUN | --all [--g 1]") == [
+        ["dflashops", "s", "RUN", "--g", "1"],
+        ["dflashops", "s", "--all", "--g", "1"],
+        ["dflashops", "s", "RUN"],
+        ["dflashops", "s", "--all"],
+    ]
     for argv in BAD_LINES:
         assert parse_errors(argv, known) is not None, argv
     assert parse_errors(["dflashops", "logs", "r1", "-f"], known) is None

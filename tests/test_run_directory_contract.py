@@ -32,8 +32,14 @@ DOC_TABLE = "## The files"  # the heading the table sits under
 AGENT_FILES = (REPO / "dflashops" / "agent.py", REPO / "dflashops" / "agent_supervisor.py")
 RUN_DIR_VARIABLES = {"directory", "old_dir"}  # how those files name a run directory (or `self.run_dir(...)`)
 # How a writer of RUN_FILES is named in the documentation's "written by" column.
-DOC_WRITER = {"agent": "agent", "supervisor": "supervisor", "trainer": "trainer", "wandb": "wandb",
-              "trainer export": "trainer export", "none": "nobody"}
+DOC_WRITER = {
+    "agent": "agent",
+    "supervisor": "supervisor",
+    "trainer": "trainer",
+    "wandb": "wandb",
+    "trainer export": "trainer export",
+    "none": "nobody",
+}
 
 
 def plain(name: str) -> str:
@@ -53,8 +59,13 @@ def test_the_trainer_names_are_the_tables_trainer_rows() -> None:
 
 def trainer_literals() -> list[str]:
     """`path:line "name"` for every string literal in trainer/ (outside run_files.py) that is one of its names."""
-    names = {run_files.STATUS, run_files.METRICS, run_files.TRAIN_CONFIG, run_files.CHECKPOINTS,
-             run_files.CHECKPOINT_PREFIX}
+    names = {
+        run_files.STATUS,
+        run_files.METRICS,
+        run_files.TRAIN_CONFIG,
+        run_files.CHECKPOINTS,
+        run_files.CHECKPOINT_PREFIX,
+    }
     found = []
     for path in sorted((REPO / "trainer").rglob("*.py")):
         if path.name == "run_files.py" and path.parent.name == "trainer":
@@ -77,7 +88,8 @@ def agent_code_names(path: Path) -> dict[str, int]:
             continue
         head, name = node.args[0], node.args[1]
         run_dir = (isinstance(head, ast.Name) and head.id in RUN_DIR_VARIABLES) or (
-            isinstance(head, ast.Call) and ast.unparse(head.func).endswith("run_dir"))
+            isinstance(head, ast.Call) and ast.unparse(head.func).endswith("run_dir")
+        )
         if run_dir and isinstance(name, ast.Constant) and isinstance(name.value, str):
             found.setdefault(name.value, node.lineno)
     return found
@@ -88,8 +100,11 @@ def test_the_agent_and_the_supervisor_use_only_names_of_the_table() -> None:
     for path in AGENT_FILES:
         for name, line in agent_code_names(path).items():
             used.setdefault(name, f"{path.relative_to(REPO)}:{line}")
-    constants = {agent.LAUNCH_SPEC: "LAUNCH_SPEC", agent.FETCH_CACHE: "FETCH_CACHE",
-                 **{f".{name}.reserved": "RESERVED_BYTES" for name in agent.RESERVED_BYTES}}
+    constants = {
+        agent.LAUNCH_SPEC: "LAUNCH_SPEC",
+        agent.FETCH_CACHE: "FETCH_CACHE",
+        **{f".{name}.reserved": "RESERVED_BYTES" for name in agent.RESERVED_BYTES},
+    }
     for name, where in constants.items():
         used.setdefault(name, f"dflashops/agent.py {where}")
     assert "run.json" in used and "stall.json" in used, "the scan found nothing: has the code's shape changed?"
@@ -142,8 +157,18 @@ def test_the_agent_reads_the_trainers_status_and_metrics(tmp_path: Path) -> None
     run.mkdir(parents=True)
     recorder = RunRecorder(run, total_steps=10, heartbeat_s=60.0)
     try:
-        recorder.log({"step": 7, "epoch": 0, "loss": 2.5, "tau_sim": 1.5, "lr": 1e-3, "grad_norm": 0.5,
-                      "block_tok_s": 100.0, "eta_s": 3.0})
+        recorder.log(
+            {
+                "step": 7,
+                "epoch": 0,
+                "loss": 2.5,
+                "tau_sim": 1.5,
+                "lr": 1e-3,
+                "grad_norm": 0.5,
+                "block_tok_s": 100.0,
+                "eta_s": 3.0,
+            }
+        )
         recorder.set_status(phase="saving")
         assert agent.saving_checkpoint(str(run))  # phase and a fresh heartbeat
         recorder.set_status(phase="stopped", exit_code=143)
@@ -162,8 +187,9 @@ def test_the_agent_lists_the_trainers_checkpoints_in_step_order(tmp_path: Path) 
 
     run = tmp_path / "runs" / "r1"
     for step in (5, 40, 100):
-        save_checkpoint(run, step, model={"w": torch.zeros(2)}, optimizer={}, scheduler={}, epoch=0, index=step,
-                        extra={}, keep=3)
+        save_checkpoint(
+            run, step, model={"w": torch.zeros(2)}, optimizer={}, scheduler={}, epoch=0, index=step, extra={}, keep=3
+        )
     (run / run_files.CHECKPOINTS / f".tmp-{run_files.CHECKPOINT_PREFIX}000200-1").mkdir()  # a save in flight
     listed = agent.run_status(str(run))["checkpoints"]
     assert listed == ["step_000005", "step_000040", "step_000100"]  # [-1] is the newest: restart, fetch, supervisor
@@ -185,7 +211,9 @@ def test_the_agent_and_the_trainer_agree_on_the_handover_contract(tmp_path: Path
     offer = {"checkpoint": str(inside), "step": 12, "devices_released": True}
     (run / run_files.STATUS).write_text(json.dumps({"handover": offer}))
     assert agent.handover_offer(str(run)) == {"checkpoint": str(inside), "step": 12}
-    (run / run_files.STATUS).write_text(json.dumps({"handover": {**offer, "checkpoint": str(tmp_path / "x" / "step_000012")}}))
+    (run / run_files.STATUS).write_text(
+        json.dumps({"handover": {**offer, "checkpoint": str(tmp_path / "x" / "step_000012")}})
+    )
     assert agent.handover_offer(str(run)) is None
     (run / run_files.STATUS).write_text(json.dumps({"handover": {**offer, "devices_released": False}}))
     assert agent.handover_offer(str(run)) is None

@@ -11,11 +11,20 @@ import libtmux
 
 
 class Screen:
-    def __init__(self, socket: str, command: str, *, width: int = 120, height: int = 30,
-                 config: Path | None = None, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        socket: str,
+        command: str,
+        *,
+        width: int = 120,
+        height: int = 30,
+        config: Path | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.server = libtmux.Server(socket_name=socket, config_file=str(config) if config else None)
-        session = self.server.new_session(session_name="screen", window_command=command, x=width, y=height,
-                                          environment=env)
+        session = self.server.new_session(
+            session_name="screen", window_command=command, x=width, y=height, environment=env
+        )
         self.pane = session.active_window.active_pane
         assert self.pane is not None
 

@@ -60,10 +60,15 @@ VARIANTS = {
 
 def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.device, args: argparse.Namespace) -> dict:
     # The loss kernels are explicit, so a variant measures the same thing whatever --loss-kernels auto picks.
-    kernels = {"triton": "triton", "triton-foreach": "triton", "soft-triton": "triton",
-               "eager": "eager"}.get(variant, "compiled")
-    extra = {"soft": ["--use-soft-labels"], "soft-triton": ["--use-soft-labels"], "cap": ["--cap-lambda", "0.1"],
-             "triton-foreach": ["--adamw", "foreach"]}.get(variant, [])
+    kernels = {"triton": "triton", "triton-foreach": "triton", "soft-triton": "triton", "eager": "eager"}.get(
+        variant, "compiled"
+    )
+    extra = {
+        "soft": ["--use-soft-labels"],
+        "soft-triton": ["--use-soft-labels"],
+        "cap": ["--cap-lambda", "0.1"],
+        "triton-foreach": ["--adamw", "foreach"],
+    }.get(variant, [])
     extra += ["--loss-kernels", kernels]
     cfg, dcfg = preset_config(preset, shape, extra)
     torch.manual_seed(0)
@@ -72,8 +77,16 @@ def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.devi
         drafter = DFlashDrafter(dcfg)
         embed = torch.randn(dcfg.vocab_size, dcfg.hidden_size, dtype=dtype) * 0.02
         lm_head = torch.randn(dcfg.vocab_size, dcfg.hidden_size, dtype=dtype) * 0.02
-    side = DrafterSide(cfg, drafter, embed, lm_head, device, total_steps=1000,
-                       compile=variant != "eager", activation_checkpointing=variant == "act-ckpt")
+    side = DrafterSide(
+        cfg,
+        drafter,
+        embed,
+        lm_head,
+        device,
+        total_steps=1000,
+        compile=variant != "eager",
+        activation_checkpointing=variant == "act-ckpt",
+    )
     batch = synthetic_batch(dcfg, shape, cfg.gamma, device, sorted_anchors=variant != "unsorted")
     ctx = torch.randn(shape.rows, shape.ctx, dcfg.num_taps * dcfg.hidden_size, device=device, dtype=dtype)
     soft = variant in ("soft", "soft-triton")
@@ -105,23 +118,42 @@ def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.devi
     del side, drafter, features, ctx, teacher
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"preset": preset, "shape": shape.name, "variant": variant, "ms": ms, "ms_spread": max(times) - min(times),
-            "tflops": flops / (ms * 1e-3) / 1e12, "block_tok_s": shape.block_tokens / (ms * 1e-3),
-            "ctx_tok_s": shape.rows * shape.ctx / (ms * 1e-3), "peak_gib": peak, "warmup_s": warm_s,
-            "recompiles": recompiles, "flops": flops}
+    return {
+        "preset": preset,
+        "shape": shape.name,
+        "variant": variant,
+        "ms": ms,
+        "ms_spread": max(times) - min(times),
+        "tflops": flops / (ms * 1e-3) / 1e12,
+        "block_tok_s": shape.block_tokens / (ms * 1e-3),
+        "ctx_tok_s": shape.rows * shape.ctx / (ms * 1e-3),
+        "peak_gib": peak,
+        "warmup_s": warm_s,
+        "recompiles": recompiles,
+        "flops": flops,
+    }
 
 
 def _ckpt_loss_result(hidden, weight, labels, weights, kw):  # adapter: the baseline loss in LossResult's shape
     from trainer.loss import LossResult
 
-    loss = checkpointed_loss(hidden, weight, labels, weights.to(torch.float32), kw["normalizer"],
-                             kw.get("chunk_size") or 4096)
+    loss = checkpointed_loss(
+        hidden, weight, labels, weights.to(torch.float32), kw["normalizer"], kw.get("chunk_size") or 4096
+    )
     zero = loss.detach() * 0
-    return LossResult(loss=loss, ce_sum=zero, kl_sum=zero, cap_sum=zero, weight_sum=weights.float().sum(),
-                      num_blocks=zero, correct=torch.zeros_like(labels, dtype=torch.bool))
+    return LossResult(
+        loss=loss,
+        ce_sum=zero,
+        kl_sum=zero,
+        cap_sum=zero,
+        weight_sum=weights.float().sum(),
+        num_blocks=zero,
+        correct=torch.zeros_like(labels, dtype=torch.bool),
+    )
 
 
 # ------------------------------------------------------------------------------------------- verbs
+
 
 def bench_step(args: argparse.Namespace, device: torch.device) -> list[dict]:
     ceiling = matmul_ceiling_tflops(device)
@@ -135,12 +167,16 @@ def bench_step(args: argparse.Namespace, device: torch.device) -> list[dict]:
             row["mfu_ceiling"] = row["tflops"] / ceiling if ceiling == ceiling else float("nan")
             rows.append(row)
             log(f"  {row['ms']:.1f} ms, {row['tflops']:.0f} TFLOP/s, peak {row['peak_gib']:.1f} GiB")
-    print(f"{'preset':<12} {'shape':<7} {'variant':<10} {'ms':>8} {'spread':>7} {'TFLOP/s':>8} {'MFU':>6} "
-          f"{'MFU/ceil':>8} {'blk tok/s':>10} {'ctx tok/s':>10} {'peak GiB':>8} {'warm s':>7} {'recomp':>6}")
+    print(
+        f"{'preset':<12} {'shape':<7} {'variant':<10} {'ms':>8} {'spread':>7} {'TFLOP/s':>8} {'MFU':>6} "
+        f"{'MFU/ceil':>8} {'blk tok/s':>10} {'ctx tok/s':>10} {'peak GiB':>8} {'warm s':>7} {'recomp':>6}"
+    )
     for r in rows:
-        print(f"{r['preset']:<12} {r['shape']:<7} {r['variant']:<10} {r['ms']:8.1f} {r['ms_spread']:7.1f} "
-              f"{r['tflops']:8.0f} {r['mfu']:6.1%} {r['mfu_ceiling']:8.1%} {r['block_tok_s']:10.0f} "
-              f"{r['ctx_tok_s']:10.0f} {r['peak_gib']:8.1f} {r['warmup_s']:7.1f} {r['recompiles']:6d}")
+        print(
+            f"{r['preset']:<12} {r['shape']:<7} {r['variant']:<10} {r['ms']:8.1f} {r['ms_spread']:7.1f} "
+            f"{r['tflops']:8.0f} {r['mfu']:6.1%} {r['mfu_ceiling']:8.1%} {r['block_tok_s']:10.0f} "
+            f"{r['ctx_tok_s']:10.0f} {r['peak_gib']:8.1f} {r['warmup_s']:7.1f} {r['recompiles']:6d}"
+        )
     return rows
 
 
@@ -160,16 +196,28 @@ def bench_loss(args: argparse.Namespace, device: torch.device) -> list[dict]:
     rows = []
     kernels = make_chunk_kernels("compiled" if device.type == "cuda" else "eager")
     cap = {"cap_lambda": 0.1, "num_blocks_normalizer": M / shape.block}
-    cases: list[tuple[str, ChunkKernels, dict[str, Any]]] = [("ce", kernels, {}), ("ce+kl", kernels, {"teacher_hidden": teacher, "kl_weight": 1.0}),
-             ("ce+cap", kernels, cap)]
+    cases: list[tuple[str, ChunkKernels, dict[str, Any]]] = [
+        ("ce", kernels, {}),
+        ("ce+kl", kernels, {"teacher_hidden": teacher, "kl_weight": 1.0}),
+        ("ce+cap", kernels, cap),
+    ]
     if device.type == "cuda":  # the fused Triton CE kernel (trainer/loss_triton.py; CE and CE+CAP only)
         fused = make_chunk_kernels("triton")
         cases += [("ce-triton", fused, {}), ("ce-cap-triton", fused, cap)]
     for name, chunk_kernels, kw in cases:
+
         def run() -> None:
             hidden.grad = None
-            out = dflash_loss(hidden, weight, labels, weights, block_size=shape.block,
-                              normalizer=float(weights.sum()), kernels=chunk_kernels, **kw)
+            out = dflash_loss(
+                hidden,
+                weight,
+                labels,
+                weights,
+                block_size=shape.block,
+                normalizer=float(weights.sum()),
+                kernels=chunk_kernels,
+                **kw,
+            )
             out.loss.backward()
 
         ms = statistics.median(time_ms(run, device, warmup=args.warmup, iters=args.iters))
@@ -196,8 +244,11 @@ def bench_attention(args: argparse.Namespace, device: torch.device) -> list[dict
     from trainer.model.attention import Backend, attend, build_draft_mask, parse_flex_options
 
     rows = []
-    layers = [(name, window) for name, window in [("full_attention", None), ("sliding_attention", 2048)]
-              if name.split("_")[0] in args.layers.split(",")]
+    layers = [
+        (name, window)
+        for name, window in [("full_attention", None), ("sliding_attention", 2048)]
+        if name.split("_")[0] in args.layers.split(",")
+    ]
     for shape_name in args.shape.split(","):
         shape = SHAPES[shape_name]
         _, dcfg = preset_config(args.preset, shape, [])
@@ -208,8 +259,15 @@ def bench_attention(args: argparse.Namespace, device: torch.device) -> list[dict
         for layer_type, window in layers:
             for order in args.orders.split(","):
                 batch = synthetic_batch(dcfg, shape, 7.0, device, sorted_anchors=order == "sorted")
-                mask = build_draft_mask(batch.anchors, batch.keep, shape.ctx, shape.block, sliding_window=window,
-                                        backend=backend, layer_types=[layer_type])
+                mask = build_draft_mask(
+                    batch.anchors,
+                    batch.keep,
+                    shape.ctx,
+                    shape.block,
+                    sliding_window=window,
+                    backend=backend,
+                    layer_types=[layer_type],
+                )
                 q = torch.randn(shape.rows, Hq, Q, D, device=device, dtype=dtype, requires_grad=True)
                 k = torch.randn(shape.rows, Hkv, K, D, device=device, dtype=dtype, requires_grad=True)
                 v = torch.randn(shape.rows, Hkv, K, D, device=device, dtype=dtype, requires_grad=True)
@@ -230,15 +288,27 @@ def bench_attention(args: argparse.Namespace, device: torch.device) -> list[dict
                     except Exception as exc:  # noqa: BLE001 - a config the kernel cannot take: say so, go on
                         log(f"- {options_text}: failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
                         ms = fwd = float("nan")
-                    log(f"- {shape_name} {layer_type} {order} [{options_text}]: {ms:.2f} ms fwd+bwd, {fwd:.2f} fwd "
-                        f"({time.perf_counter() - t0:.0f} s incl. compile)")
-                    rows.append({"shape": shape_name, "layer": layer_type.split("_")[0], "order": order, "ms": ms,
-                                 "fwd_ms": fwd, "options": options_text})
+                    log(
+                        f"- {shape_name} {layer_type} {order} [{options_text}]: {ms:.2f} ms fwd+bwd, {fwd:.2f} fwd "
+                        f"({time.perf_counter() - t0:.0f} s incl. compile)"
+                    )
+                    rows.append(
+                        {
+                            "shape": shape_name,
+                            "layer": layer_type.split("_")[0],
+                            "order": order,
+                            "ms": ms,
+                            "fwd_ms": fwd,
+                            "options": options_text,
+                        }
+                    )
     attention.FLEX_KERNEL_OPTIONS = None
     print(f"{'shape':<7} {'layer':<8} {'order':<9} {'fwd+bwd ms':>10} {'fwd ms':>7} {'bwd ms':>7}  flex options")
     for r in rows:
-        print(f"{r['shape']:<7} {r['layer']:<8} {r['order']:<9} {r['ms']:10.2f} {r['fwd_ms']:7.2f} "
-              f"{r['ms'] - r['fwd_ms']:7.2f}  {r['options']}")
+        print(
+            f"{r['shape']:<7} {r['layer']:<8} {r['order']:<9} {r['ms']:10.2f} {r['fwd_ms']:7.2f} "
+            f"{r['ms'] - r['fwd_ms']:7.2f}  {r['options']}"
+        )
     return rows
 
 
@@ -257,11 +327,17 @@ def bench_pipeline(args: argparse.Namespace, device: torch.device) -> list[dict]
     if cfg.tiny_target is not None:
         hf = Qwen3Config(**cfg.tiny_target)
     else:
-        hf = Qwen3Config(hidden_size=dcfg.hidden_size, intermediate_size=args.target_intermediate or 3 * dcfg.hidden_size,
-                         num_hidden_layers=max(dcfg.target_layer_ids) + 1, num_attention_heads=dcfg.num_attention_heads,
-                         num_key_value_heads=dcfg.num_key_value_heads, head_dim=dcfg.head_dim,
-                         vocab_size=dcfg.vocab_size, max_position_embeddings=dcfg.max_position_embeddings,
-                         tie_word_embeddings=False)
+        hf = Qwen3Config(
+            hidden_size=dcfg.hidden_size,
+            intermediate_size=args.target_intermediate or 3 * dcfg.hidden_size,
+            num_hidden_layers=max(dcfg.target_layer_ids) + 1,
+            num_attention_heads=dcfg.num_attention_heads,
+            num_key_value_heads=dcfg.num_key_value_heads,
+            head_dim=dcfg.head_dim,
+            vocab_size=dcfg.vocab_size,
+            max_position_embeddings=dcfg.max_position_embeddings,
+            tie_word_embeddings=False,
+        )
     log(f"building a {hf.num_hidden_layers}-layer random target ({dtype}) ...")
     target = TargetModel.from_config(hf, dcfg.target_layer_ids, dtype=dtype, device=device)
     target_side = TargetSide(target, device)
@@ -280,14 +356,21 @@ def bench_pipeline(args: argparse.Namespace, device: torch.device) -> list[dict]
     with torch.no_grad():
         features = target_side.features(batch)
     rows = []
+
     def both() -> None:
         prefill()
         drafter_step()
 
     for name, fn in [("target prefill", prefill), ("drafter step", drafter_step), ("prefill + step", both)]:
         ms = statistics.median(time_ms(fn, device, warmup=args.warmup, iters=args.iters))
-        rows.append({"what": name, "ms": ms, "ctx_tok_s": shape.rows * shape.ctx / (ms * 1e-3),
-                     "block_tok_s": shape.block_tokens / (ms * 1e-3)})
+        rows.append(
+            {
+                "what": name,
+                "ms": ms,
+                "ctx_tok_s": shape.rows * shape.ctx / (ms * 1e-3),
+                "block_tok_s": shape.block_tokens / (ms * 1e-3),
+            }
+        )
     print(f"{args.preset} {shape.name}: {shape.rows} x {shape.ctx} context tokens, {shape.block_tokens} block tokens")
     print(f"{'what':<16} {'ms':>9} {'ctx tok/s':>10} {'blk tok/s':>10}")
     for r in rows:
@@ -297,30 +380,59 @@ def bench_pipeline(args: argparse.Namespace, device: torch.device) -> list[dict]
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer bench", description=__doc__.split("\n")[0])
-    parser.add_argument("what", choices=["step", "loss", "attention", "pipeline"],
-                        help="step: drafter train step; loss: the LM-head loss; attention: the drafter's "
-                             "attention; pipeline: target prefill + drafter step")
-    parser.add_argument("--preset", default="qwen3-8b", choices=tuple(PRESETS),
-                        help="drafter shape, random weights (default: %(default)s)")
+    parser.add_argument(
+        "what",
+        choices=["step", "loss", "attention", "pipeline"],
+        help="step: drafter train step; loss: the LM-head loss; attention: the drafter's "
+        "attention; pipeline: target prefill + drafter step",
+    )
+    parser.add_argument(
+        "--preset",
+        default="qwen3-8b",
+        choices=tuple(PRESETS),
+        help="drafter shape, random weights (default: %(default)s)",
+    )
     parser.add_argument("--shape", default="seed", help=f"comma list of {', '.join(SHAPES)} (default: %(default)s)")
-    parser.add_argument("--variants", default="compiled,eager",
-                        help="comma list: " + ", ".join(VARIANTS) + " (default: %(default)s)")
-    parser.add_argument("--iters", type=int, default=10, help="timed iterations, the median is reported (default: %(default)s)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed iterations first, compiles included (default: %(default)s)")
-    parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu",
-                        help="device to measure on (default: %(default)s)")
-    parser.add_argument("--target-intermediate", type=int, default=0,
-                        help="pipeline: the random target's MLP width (default 3 x hidden; Qwen3-8B: 12288)")
+    parser.add_argument(
+        "--variants", default="compiled,eager", help="comma list: " + ", ".join(VARIANTS) + " (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--iters", type=int, default=10, help="timed iterations, the median is reported (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=3, help="untimed iterations first, compiles included (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--device",
+        default="cuda:0" if torch.cuda.is_available() else "cpu",
+        help="device to measure on (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--target-intermediate",
+        type=int,
+        default=0,
+        help="pipeline: the random target's MLP width (default 3 x hidden; Qwen3-8B: 12288)",
+    )
     parser.add_argument("--json-out", help="also write the rows as JSON to this file (default: none)")
-    parser.add_argument("--flex-options", default="default",
-                        help="attention: ';'-separated flex_attention kernel_options variants, each 'default' or "
-                             "KEY=VALUE,... (default: %(default)s)")
+    parser.add_argument(
+        "--flex-options",
+        default="default",
+        help="attention: ';'-separated flex_attention kernel_options variants, each 'default' or "
+        "KEY=VALUE,... (default: %(default)s)",
+    )
     parser.add_argument("--layers", default="full,sliding", help="attention: full,sliding (default: %(default)s)")
     parser.add_argument("--orders", default="sorted,unsorted", help="attention: sorted,unsorted (default: %(default)s)")
-    parser.add_argument("--profile", action="store_true",
-                        help="step: after timing, profile 3 steps and print where the time goes (CUDA only; default: off)")
-    parser.add_argument("--stacks-every", type=float, default=0,
-                        help="dump every thread's stack every N s to stderr (default: 0, never)")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="step: after timing, profile 3 steps and print where the time goes (CUDA only; default: off)",
+    )
+    parser.add_argument(
+        "--stacks-every",
+        type=float,
+        default=0,
+        help="dump every thread's stack every N s to stderr (default: 0, never)",
+    )
     args = parser.parse_args(argv)
     for name in args.shape.split(","):
         if name not in SHAPES:

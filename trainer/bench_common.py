@@ -52,6 +52,7 @@ def log(msg: str) -> None:
 
 # ------------------------------------------------------------------------------------------- measurement
 
+
 def time_ms(fn: Callable[[], object], device: torch.device, *, warmup: int, iters: int) -> list[float]:
     """Per-call wall times in ms: CUDA events on GPU (one sync per call), perf_counter on CPU."""
     for _ in range(warmup):
@@ -91,6 +92,7 @@ def recompile_count() -> int:
 
 # ------------------------------------------------------------------------------------------- FLOPs
 
+
 def visible_pairs(anchors: torch.Tensor, keep: torch.Tensor, block: int, window: int | None, causal: bool) -> int:
     """Query-key pairs the mask allows: per real block, B x (context before the anchor [within the window])
     plus the in-block pairs; on sliding layers slot s sees min(anchor, W - 1 - s) context keys. Tested against
@@ -112,22 +114,29 @@ def step_flops(cfg: DrafterConfig, shape: Shape, anchors: torch.Tensor, keep: to
     block_tokens = int(keep.sum().item()) * shape.block
     ctx_tokens = shape.rows * shape.ctx
     per_layer_block = H * q_dim * 2 + H * kv_dim * 2 + 3 * H * cfg.intermediate_size  # q,o,k,v,mlp on block tokens
-    per_layer_ctx = H * kv_dim * 2                                                   # k,v re-projected per layer
+    per_layer_ctx = H * kv_dim * 2  # k,v re-projected per layer
     flops = 6 * cfg.num_hidden_layers * (per_layer_block * block_tokens + per_layer_ctx * ctx_tokens)
-    flops += 6 * (cfg.num_taps * H * H) * ctx_tokens                                  # fc
+    flops += 6 * (cfg.num_taps * H * H) * ctx_tokens  # fc
     for layer_type in cfg.layer_types:
         sliding = layer_type == "sliding_attention"
-        pairs = visible_pairs(anchors, keep, shape.block, cfg.sliding_window if sliding else None,
-                              cfg.causal_in_block["sliding_attention" if sliding else "full_attention"])
-        flops += 3 * 4 * D * cfg.num_attention_heads * pairs                           # QK^T + PV, fwd + 2x bwd
-    flops += (4 + (2 if soft else 0)) * H * cfg.vocab_size * block_tokens              # LM head
+        pairs = visible_pairs(
+            anchors,
+            keep,
+            shape.block,
+            cfg.sliding_window if sliding else None,
+            cfg.causal_in_block["sliding_attention" if sliding else "full_attention"],
+        )
+        flops += 3 * 4 * D * cfg.num_attention_heads * pairs  # QK^T + PV, fwd + 2x bwd
+    flops += (4 + (2 if soft else 0)) * H * cfg.vocab_size * block_tokens  # LM head
     return float(flops)
 
 
 # ------------------------------------------------------------------------------------------- synthetic data
 
-def synthetic_batch(cfg: DrafterConfig, shape: Shape, gamma: float, device: torch.device, *,
-                    sorted_anchors: bool, seed: int = 0) -> Batch:
+
+def synthetic_batch(
+    cfg: DrafterConfig, shape: Shape, gamma: float, device: torch.device, *, sorted_anchors: bool, seed: int = 0
+) -> Batch:
     """Random tokens, every token supervised, `shape.anchors` distinct anchors per row (sorted or shuffled)."""
     gen = torch.Generator().manual_seed(seed)
     R, S, N, B = shape.rows, shape.ctx, shape.anchors, shape.block
@@ -135,14 +144,25 @@ def synthetic_batch(cfg: DrafterConfig, shape: Shape, gamma: float, device: torc
     anchors = torch.stack([torch.randperm(S - B, generator=gen)[:N] for _ in range(R)])
     anchors = anchors.sort(dim=1).values if sorted_anchors else anchors  # mask predicate is order-free
     keep = torch.ones(R, N, dtype=torch.bool)
-    positions = anchors[:, :, None] + torch.arange(B)                                # [R,N,B]
+    positions = anchors[:, :, None] + torch.arange(B)  # [R,N,B]
     labels = torch.gather(input_ids, 1, positions.reshape(R, -1))
     weights = position_weights(B, gamma).repeat(R, N).float()
     block_ids = make_block_input_ids(input_ids, anchors, B, cfg.mask_token_id)
-    batch = Batch(input_ids=input_ids, loss_mask=torch.ones(R, S, dtype=torch.bool),
-                  attention_mask=torch.ones(R, S, dtype=torch.long), anchors=anchors, keep=keep,
-                  block_ids=block_ids, labels=labels, weights=weights, epoch=0, index=0,
-                  num_ctx_tokens=R * S, num_blocks=R * N, weight_sum=float(weights.sum()))
+    batch = Batch(
+        input_ids=input_ids,
+        loss_mask=torch.ones(R, S, dtype=torch.bool),
+        attention_mask=torch.ones(R, S, dtype=torch.long),
+        anchors=anchors,
+        keep=keep,
+        block_ids=block_ids,
+        labels=labels,
+        weights=weights,
+        epoch=0,
+        index=0,
+        num_ctx_tokens=R * S,
+        num_blocks=R * N,
+        weight_sum=float(weights.sum()),
+    )
     return batch.to(device)
 
 
@@ -150,8 +170,20 @@ def preset_config(preset: str, shape: Shape, extra: list[str]) -> tuple[TrainCon
     """TrainConfig + DrafterConfig of a preset at a bench shape (random weights: no target is loaded)."""
     # Neither is read: the bench builds random weights and synthetic batches.
     target = [] if preset == "tiny" else ["--target-model", "(random weights)", "--data-dir", "(synthetic)"]
-    cfg = parse_train_args(["--preset", preset, *target, "--block-size", str(shape.block), "--output-dir", "/tmp/bench",
-                            "--wandb", "off", *extra])
+    cfg = parse_train_args(
+        [
+            "--preset",
+            preset,
+            *target,
+            "--block-size",
+            str(shape.block),
+            "--output-dir",
+            "/tmp/bench",
+            "--wandb",
+            "off",
+            *extra,
+        ]
+    )
     L = cfg.num_target_layers or 2
     # The ignores below: every preset sets these fields (None only means "take it from the target").
     dcfg = DrafterConfig(
@@ -178,8 +210,14 @@ def preset_config(preset: str, shape: Shape, extra: list[str]) -> tuple[TrainCon
 # ------------------------------------------------------------------------------------------- variants
 
 
-def checkpointed_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-                      normalizer: float, chunk: int) -> torch.Tensor:
+def checkpointed_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    normalizer: float,
+    chunk: int,
+) -> torch.Tensor:
     """Baseline: chunked CE with recomputation (logits rebuilt in backward: 3 GEMMs per chunk)."""
     from torch.utils.checkpoint import checkpoint
 
@@ -189,6 +227,7 @@ def checkpointed_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
 
     total = hidden.new_zeros((), dtype=torch.float32)
     for s in range(0, hidden.shape[0], chunk):
-        total = total + checkpoint(piece, hidden[s:s + chunk], labels[s:s + chunk], weights[s:s + chunk],
-                                   use_reentrant=False)
+        total = total + checkpoint(
+            piece, hidden[s : s + chunk], labels[s : s + chunk], weights[s : s + chunk], use_reentrant=False
+        )
     return total / normalizer

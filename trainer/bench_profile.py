@@ -70,8 +70,13 @@ def profile_steps(step: Callable[[], None], device: torch.device, steps: int = 3
             by_category[category] += ms
             kernels[category].append((ms, event.key))
     busy = sum(by_category.values())
-    return {"wall_ms": wall_ms, "busy_ms": busy, "gap_ms": max(0.0, wall_ms - busy), "categories": dict(by_category),
-            "top": {name: sorted(entries, reverse=True)[:5] for name, entries in kernels.items()}}
+    return {
+        "wall_ms": wall_ms,
+        "busy_ms": busy,
+        "gap_ms": max(0.0, wall_ms - busy),
+        "categories": dict(by_category),
+        "top": {name: sorted(entries, reverse=True)[:5] for name, entries in kernels.items()},
+    }
 
 
 def print_profile(label: str, result: dict, flops: float) -> None:
@@ -79,8 +84,10 @@ def print_profile(label: str, result: dict, flops: float) -> None:
     if not result:
         return
     wall = result["wall_ms"]
-    print(f"profile {label}: {wall:.1f} ms per step under the profiler, kernels busy {result['busy_ms']:.1f} ms, "
-          f"{flops / (wall * 1e-3) / 1e12:.0f} TFLOP/s overall")
+    print(
+        f"profile {label}: {wall:.1f} ms per step under the profiler, kernels busy {result['busy_ms']:.1f} ms, "
+        f"{flops / (wall * 1e-3) / 1e12:.0f} TFLOP/s overall"
+    )
     print(f"  {'where':<26} {'ms/step':>8} {'share':>7}")
     for name, ms in sorted(result["categories"].items(), key=lambda item: -item[1]):
         print(f"  {name:<26} {ms:8.2f} {ms / wall:7.1%}")

@@ -85,7 +85,11 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
 
 
 def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -155,17 +159,32 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def snapshot_checkpoint(step: int, *, model: dict[str, torch.Tensor], optimizer: dict[str, Any],
-                        scheduler: dict[str, Any], epoch: int, index: int, extra: dict[str, Any],
-                        spare: list[torch.Tensor] | None = None) -> CheckpointSnapshot:
+def snapshot_checkpoint(
+    step: int,
+    *,
+    model: dict[str, torch.Tensor],
+    optimizer: dict[str, Any],
+    scheduler: dict[str, Any],
+    epoch: int,
+    index: int,
+    extra: dict[str, Any],
+    spare: list[torch.Tensor] | None = None,
+) -> CheckpointSnapshot:
     """Copy a checkpoint's contents to host memory now, RNG state included (the RNG must be read at the step
     boundary, not when a background write gets to it), into the `spare` buffers of an earlier snapshot where
     they fit. Cost: one device->host copy of the weights and optimizer state, one device sync, and the same
     amount of host memory (pinned for CUDA tensors) for as long as the caller keeps the buffers."""
     copier = _HostCopier(spare or [])
-    snapshot = CheckpointSnapshot(step=step, epoch=epoch, index=index, model=copier(model),
-                                  optimizer=copier(optimizer), scheduler=copier(scheduler), rng=rng_state(),
-                                  extra=copier(extra))
+    snapshot = CheckpointSnapshot(
+        step=step,
+        epoch=epoch,
+        index=index,
+        model=copier(model),
+        optimizer=copier(optimizer),
+        scheduler=copier(scheduler),
+        rng=rng_state(),
+        extra=copier(extra),
+    )
     snapshot.buffers = copier.finish()
     return snapshot
 
@@ -192,8 +211,12 @@ def write_checkpoint(run_dir: Path, snapshot: CheckpointSnapshot, keep: int) -> 
         shutil.rmtree(tmp, ignore_errors=True)
         if no_space:
             mount = mount_point(root)
-            raise CheckpointWriteError(f"no space left on {mount} while writing checkpoint step {snapshot.step}",
-                                       step=snapshot.step, no_space_on=mount, needed_bytes=needed) from exc
+            raise CheckpointWriteError(
+                f"no space left on {mount} while writing checkpoint step {snapshot.step}",
+                step=snapshot.step,
+                no_space_on=mount,
+                needed_bytes=needed,
+            ) from exc
         raise
     except BaseException:  # KeyboardInterrupt and the like: no half-written directory either
         shutil.rmtree(tmp, ignore_errors=True)
@@ -211,8 +234,14 @@ def _write_parts(tmp: Path, snapshot: CheckpointSnapshot) -> None:
     save_file(snapshot.model, str(tmp / "model.safetensors"))
     torch.save(snapshot.optimizer, tmp / "optimizer.pt")
     torch.save(snapshot.rng, tmp / "rng.pt")
-    state = {"step": snapshot.step, "epoch": snapshot.epoch, "index": snapshot.index, "scheduler": snapshot.scheduler,
-             "shapes": {name: list(t.shape) for name, t in snapshot.model.items()}, **snapshot.extra}
+    state = {
+        "step": snapshot.step,
+        "epoch": snapshot.epoch,
+        "index": snapshot.index,
+        "scheduler": snapshot.scheduler,
+        "shapes": {name: list(t.shape) for name, t in snapshot.model.items()},
+        **snapshot.extra,
+    }
     (tmp / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
     for name in ("model.safetensors", "optimizer.pt", "rng.pt", "state.json"):
         with open(tmp / name, "rb") as handle:
@@ -224,11 +253,22 @@ def snapshot_bytes(snapshot: CheckpointSnapshot) -> int:
     return sum(t.numel() * t.element_size() for t in snapshot.buffers)
 
 
-def save_checkpoint(run_dir: Path, step: int, *, model: dict[str, torch.Tensor], optimizer: dict[str, Any],
-                    scheduler: dict[str, Any], epoch: int, index: int, extra: dict[str, Any], keep: int) -> Path:
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    *,
+    model: dict[str, torch.Tensor],
+    optimizer: dict[str, Any],
+    scheduler: dict[str, Any],
+    epoch: int,
+    index: int,
+    extra: dict[str, Any],
+    keep: int,
+) -> Path:
     """Snapshot and write checkpoint `step` now (synchronously); return its directory."""
-    snapshot = snapshot_checkpoint(step, model=model, optimizer=optimizer, scheduler=scheduler, epoch=epoch,
-                                   index=index, extra=extra)
+    snapshot = snapshot_checkpoint(
+        step, model=model, optimizer=optimizer, scheduler=scheduler, epoch=epoch, index=index, extra=extra
+    )
     return write_checkpoint(run_dir, snapshot, keep)
 
 
@@ -353,8 +393,10 @@ class CheckpointWriter:
             error, self._error = self._error, None
         if error is None or isinstance(error, CheckpointWriteError):
             return error
-        wrapped = CheckpointWriteError(f"writing checkpoint step_{self._failed_step:06d} failed: "
-                                       f"{type(error).__name__}: {error}", step=self._failed_step)
+        wrapped = CheckpointWriteError(
+            f"writing checkpoint step_{self._failed_step:06d} failed: {type(error).__name__}: {error}",
+            step=self._failed_step,
+        )
         wrapped.__cause__ = error
         return wrapped
 
@@ -391,8 +433,10 @@ def read_state(path: Path) -> dict[str, Any]:
     """state.json of a checkpoint directory (cheap: no tensors), or a TrainerInputError."""
     state_file = Path(path) / "state.json"
     if not state_file.is_file():
-        raise TrainerInputError(f"--resume: {path} is not a complete checkpoint (no state.json)",
-                                hint="point --resume at a checkpoints/step_NNNNNN directory")
+        raise TrainerInputError(
+            f"--resume: {path} is not a complete checkpoint (no state.json)",
+            hint="point --resume at a checkpoints/step_NNNNNN directory",
+        )
     return json.loads(state_file.read_text())
 
 
@@ -403,13 +447,16 @@ def check_shapes(path: Path, expected: dict[str, list[int]]) -> None:
     unexpected = sorted(set(saved) - set(expected))
     if missing or unexpected:
         what = f"lacks {missing[0]}" if missing else f"has an extra tensor {unexpected[0]}"
-        raise TrainerInputError(f"checkpoint {path} is of a different drafter shape: it {what}",
-                                hint="resume with the flags it was trained with (e.g. --num-draft-layers), or use a new --output-dir")
+        raise TrainerInputError(
+            f"checkpoint {path} is of a different drafter shape: it {what}",
+            hint="resume with the flags it was trained with (e.g. --num-draft-layers), or use a new --output-dir",
+        )
     for name, shape in expected.items():
         if list(saved[name]) != list(shape):
             raise TrainerInputError(
                 f"checkpoint {path} is of a different drafter shape: {name} is {saved[name]} there, {list(shape)} here",
-                hint="resume with the flags it was trained with, or use a new --output-dir")
+                hint="resume with the flags it was trained with, or use a new --output-dir",
+            )
 
 
 def load_checkpoint(path: Path) -> CheckpointState:
@@ -417,10 +464,15 @@ def load_checkpoint(path: Path) -> CheckpointState:
     state = read_state(path)
     extra = {k: v for k, v in state.items() if k not in ("step", "epoch", "index", "scheduler", "shapes")}
     return CheckpointState(
-        path=Path(path), step=int(state["step"]), epoch=int(state["epoch"]), index=int(state["index"]),
+        path=Path(path),
+        step=int(state["step"]),
+        epoch=int(state["epoch"]),
+        index=int(state["index"]),
         model=load_file(str(Path(path) / "model.safetensors")),
         optimizer=torch.load(Path(path) / "optimizer.pt", weights_only=False),
-        scheduler=state["scheduler"], rng=torch.load(Path(path) / "rng.pt", weights_only=False), extra=extra,
+        scheduler=state["scheduler"],
+        rng=torch.load(Path(path) / "rng.pt", weights_only=False),
+        extra=extra,
     )
 
 
@@ -432,8 +484,10 @@ def resolve_resume(resume: str, run_dir: Path) -> Path | None:
         return existing[-1][1] if existing else None
     if resume == "never":
         if existing:
-            raise TrainerInputError(f"--resume never: {run_dir} already holds checkpoints",
-                                    hint="use a new --output-dir, or --resume auto to continue that run")
+            raise TrainerInputError(
+                f"--resume never: {run_dir} already holds checkpoints",
+                hint="use a new --output-dir, or --resume auto to continue that run",
+            )
         return None
     path = Path(resume)
     read_state(path)

@@ -64,8 +64,12 @@ def replica_scope(key: Hashable) -> Iterator[None]:
         _SCOPE.reset(token)
 
 
-def scoped(cache: dict[tuple[Hashable, Hashable | None], Callable[..., Any]], key: Hashable,
-           fn: Callable[..., Any], **compile_kwargs: Any) -> Callable[..., Any]:
+def scoped(
+    cache: dict[tuple[Hashable, Hashable | None], Callable[..., Any]],
+    key: Hashable,
+    fn: Callable[..., Any],
+    **compile_kwargs: Any,
+) -> Callable[..., Any]:
     """The private compiled copy of `fn` for (key, current scope), created on first use. The lock only guards
     the dict: compiling still happens at the first call, so warm up every scope before threads start."""
     full_key = (key, _SCOPE.get())

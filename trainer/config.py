@@ -36,27 +36,82 @@ class TrainerInputError(ValueError):
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
         # Target built from `tiny_target` when --target-model is absent; data synthesised when --data-dir is.
-        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        vocab_size=256, mask_token_id=255, num_target_layers=2, num_draft_layers=2, rope_theta=10000.0,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+        mask_token_id=255,
+        num_target_layers=2,
+        num_draft_layers=2,
+        rope_theta=10000.0,
         max_position_embeddings=512,
-        tiny_target=dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=512,
-                         initializer_range=0.2),
-        block_size=8, gamma=4.0, max_seq_len=64, token_budget=256, max_batch_size=4, anchors_per_seq=8,
-        max_anchors=32, lr=3e-3, warmup_ratio=0.05, epochs=50, log_interval=10, save_interval=100,
+        tiny_target=dict(
+            num_hidden_layers=2,
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=256,
+            max_position_embeddings=512,
+            initializer_range=0.2,
+        ),
+        block_size=8,
+        gamma=4.0,
+        max_seq_len=64,
+        token_budget=256,
+        max_batch_size=4,
+        anchors_per_seq=8,
+        max_anchors=32,
+        lr=3e-3,
+        warmup_ratio=0.05,
+        epochs=50,
+        log_interval=10,
+        save_interval=100,
         synthetic_samples=256,
     ),
     "qwen3-8b": dict(
-        hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-        vocab_size=151936, mask_token_id=151669, num_target_layers=36, num_draft_layers=5, rope_theta=1000000.0,
-        max_position_embeddings=40960, block_size=16, gamma=7.0, max_seq_len=4096, token_budget=16384,
-        max_batch_size=8, anchors_per_seq=512, max_anchors=1024,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        mask_token_id=151669,
+        num_target_layers=36,
+        num_draft_layers=5,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        block_size=16,
+        gamma=7.0,
+        max_seq_len=4096,
+        token_budget=16384,
+        max_batch_size=8,
+        anchors_per_seq=512,
+        max_anchors=1024,
     ),
     "qwen3.6-27b": dict(
-        hidden_size=5120, intermediate_size=17408, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-        vocab_size=248320, mask_token_id=248070, num_target_layers=64, num_draft_layers=5,
-        rope_theta=10000000.0, max_position_embeddings=262144, sliding_layers=4, sliding_window=2048,
-        block_size=16, gamma=7.0, max_seq_len=4096, token_budget=16384, max_batch_size=8, anchors_per_seq=512,
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=248320,
+        mask_token_id=248070,
+        num_target_layers=64,
+        num_draft_layers=5,
+        rope_theta=10000000.0,
+        max_position_embeddings=262144,
+        sliding_layers=4,
+        sliding_window=2048,
+        block_size=16,
+        gamma=7.0,
+        max_seq_len=4096,
+        token_budget=16384,
+        max_batch_size=8,
+        anchors_per_seq=512,
         max_anchors=1024,
     ),
 }
@@ -118,7 +173,9 @@ class TrainConfig:
     cap_lambda: float = 0.0
     activation_checkpointing: bool = False  # recompute drafter layer activations in backward (memory for time)
     loss_chunk_size: int | None = None  # rows per chunk in the logits-free loss (None: ~1 GiB of fp32 logits)
-    loss_kernels: str = "auto"  # auto (triton on Hopper, else compiled; eager for an eager drafter) | compiled | eager | triton
+    loss_kernels: str = (
+        "auto"  # auto (triton on Hopper, else compiled; eager for an eager drafter) | compiled | eager | triton
+    )
     # drafter shape (hidden_size must equal the target's)
     num_draft_layers: int = 5
     hidden_size: int | None = None  # None: taken from the target
@@ -167,17 +224,28 @@ class TrainConfig:
             if not ok:
                 raise TrainerInputError(f"--{flag}: {why}", hint=hint)
 
-        need(self.preset is None or self.preset in PRESETS, "preset", f"unknown preset {self.preset!r}",
-             f"choose one of {', '.join(PRESETS)}")
-        need(self.block_size >= 2, "block-size", f"must be >= 2 (anchor + at least one drafted token), got {self.block_size}")
+        need(
+            self.preset is None or self.preset in PRESETS,
+            "preset",
+            f"unknown preset {self.preset!r}",
+            f"choose one of {', '.join(PRESETS)}",
+        )
+        need(
+            self.block_size >= 2,
+            "block-size",
+            f"must be >= 2 (anchor + at least one drafted token), got {self.block_size}",
+        )
         need(self.gamma > 0, "gamma", f"must be > 0 (position weights exp(-(k-1)/gamma)), got {self.gamma}")
         need(self.anchors_per_seq >= 1, "anchors-per-seq", f"must be >= 1, got {self.anchors_per_seq}")
         need(self.max_anchors >= 1, "max-anchors", f"must be >= 1, got {self.max_anchors}")
         need(self.max_seq_len >= 2, "max-seq-len", f"must be >= 2, got {self.max_seq_len}")
         need(self.max_batch_size >= 1, "max-batch-size", f"must be >= 1, got {self.max_batch_size}")
-        need(self.token_budget >= self.max_seq_len, "token-budget",
-             f"{self.token_budget} is smaller than one sequence (--max-seq-len {self.max_seq_len})",
-             "raise --token-budget or lower --max-seq-len")
+        need(
+            self.token_budget >= self.max_seq_len,
+            "token-budget",
+            f"{self.token_budget} is smaller than one sequence (--max-seq-len {self.max_seq_len})",
+            "raise --token-budget or lower --max-seq-len",
+        )
         need(self.epochs >= 1, "epochs", f"must be >= 1, got {self.epochs}")
         need(self.max_steps is None or self.max_steps >= 1, "max-steps", f"must be >= 1, got {self.max_steps}")
         need(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
@@ -186,23 +254,46 @@ class TrainConfig:
         need(self.adamw in ADAMW_IMPLS, "adamw", f"must be one of {', '.join(ADAMW_IMPLS)}, got {self.adamw!r}")
         need(self.grad_accum >= 1, "grad-accum", f"must be >= 1, got {self.grad_accum}")
         need(self.grad_clip >= 0, "grad-clip", f"must be >= 0 (0 disables clipping), got {self.grad_clip}")
-        need(self.noise_type in ("uniform", "gaussian"), "noise-type", f"must be uniform or gaussian, got {self.noise_type!r}")
-        need(self.noise_start >= 0 and self.noise_end >= 0, "noise-start",
-             f"noise std must be >= 0, got start {self.noise_start} end {self.noise_end}")
+        need(
+            self.noise_type in ("uniform", "gaussian"),
+            "noise-type",
+            f"must be uniform or gaussian, got {self.noise_type!r}",
+        )
+        need(
+            self.noise_start >= 0 and self.noise_end >= 0,
+            "noise-start",
+            f"noise std must be >= 0, got start {self.noise_start} end {self.noise_end}",
+        )
         need(self.kl_weight >= 0, "kl-weight", f"must be >= 0, got {self.kl_weight}")
         need(self.kl_temperature > 0, "kl-temperature", f"must be > 0, got {self.kl_temperature}")
         need(self.cap_lambda >= 0, "cap-lambda", f"must be >= 0, got {self.cap_lambda}")
-        need(self.loss_chunk_size is None or self.loss_chunk_size >= 1, "loss-chunk-size", f"must be >= 1, got {self.loss_chunk_size}")
-        need(self.loss_kernels in LOSS_KERNELS, "loss-kernels",
-             f"must be one of {', '.join(LOSS_KERNELS)}, got {self.loss_kernels!r}")
-        need(self.loss_kernels != "triton" or all(d.startswith("cuda") for d in self.drafter_gpus), "loss-kernels",
-             f"triton needs CUDA drafter devices, got --drafter-gpus {','.join(self.drafter_gpus)}",
-             "use --loss-kernels auto, compiled or eager")
+        need(
+            self.loss_chunk_size is None or self.loss_chunk_size >= 1,
+            "loss-chunk-size",
+            f"must be >= 1, got {self.loss_chunk_size}",
+        )
+        need(
+            self.loss_kernels in LOSS_KERNELS,
+            "loss-kernels",
+            f"must be one of {', '.join(LOSS_KERNELS)}, got {self.loss_kernels!r}",
+        )
+        need(
+            self.loss_kernels != "triton" or all(d.startswith("cuda") for d in self.drafter_gpus),
+            "loss-kernels",
+            f"triton needs CUDA drafter devices, got --drafter-gpus {','.join(self.drafter_gpus)}",
+            "use --loss-kernels auto, compiled or eager",
+        )
         need(self.num_draft_layers >= 1, "num-draft-layers", f"must be >= 1, got {self.num_draft_layers}")
-        need(0 <= self.sliding_layers <= self.num_draft_layers, "sliding-layers",
-             f"must be between 0 and --num-draft-layers ({self.num_draft_layers}), got {self.sliding_layers}")
-        need(self.sliding_layers == 0 or (self.sliding_window or 0) >= 1, "sliding-window",
-             "sliding layers need a window >= 1")
+        need(
+            0 <= self.sliding_layers <= self.num_draft_layers,
+            "sliding-layers",
+            f"must be between 0 and --num-draft-layers ({self.num_draft_layers}), got {self.sliding_layers}",
+        )
+        need(
+            self.sliding_layers == 0 or (self.sliding_window or 0) >= 1,
+            "sliding-window",
+            "sliding layers need a window >= 1",
+        )
         need(self.target_layer_ids is None or len(self.target_layer_ids) >= 1, "target-layer-ids", "must not be empty")
         need(self.save_interval >= 1, "save-interval", f"must be >= 1, got {self.save_interval}")
         need(self.keep_checkpoints >= 1, "keep-checkpoints", f"must be >= 1, got {self.keep_checkpoints}")
@@ -211,29 +302,52 @@ class TrainConfig:
         need(self.sync in ("grad", "average"), "sync", f"must be grad or average, got {self.sync!r}")
         need(self.sync_interval >= 1, "sync-interval", f"must be >= 1, got {self.sync_interval}")
         need(self.queue_depth >= 1, "queue-depth", f"must be >= 1, got {self.queue_depth}")
-        need(self.feature_transfer in ("device", "pinned"), "feature-transfer",
-             f"must be device or pinned, got {self.feature_transfer!r}")
+        need(
+            self.feature_transfer in ("device", "pinned"),
+            "feature-transfer",
+            f"must be device or pinned, got {self.feature_transfer!r}",
+        )
         need(self.stall_timeout > 0, "stall-timeout", f"must be > 0 seconds, got {self.stall_timeout}")
-        need(self.nodes >= 1, "nodes", f"must be >= 1, got {self.nodes}",
-             "the number of nodes of the run, as torchrun's --nnodes (1: this process alone)")
-        need(self.dist_timeout > 0, "dist-timeout", f"must be > 0 seconds, got {self.dist_timeout}",
-             "how long a collective may wait for the other nodes, e.g. 300")
+        need(
+            self.nodes >= 1,
+            "nodes",
+            f"must be >= 1, got {self.nodes}",
+            "the number of nodes of the run, as torchrun's --nnodes (1: this process alone)",
+        )
+        need(
+            self.dist_timeout > 0,
+            "dist-timeout",
+            f"must be > 0 seconds, got {self.dist_timeout}",
+            "how long a collective may wait for the other nodes, e.g. 300",
+        )
         if self.vocab_size is not None and self.mask_token_id is not None:
-            need(0 <= self.mask_token_id < self.vocab_size, "mask-token-id",
-                 f"{self.mask_token_id} is outside the vocabulary (size {self.vocab_size})")
+            need(
+                0 <= self.mask_token_id < self.vocab_size,
+                "mask-token-id",
+                f"{self.mask_token_id} is outside the vocabulary (size {self.vocab_size})",
+            )
         if self.target_model is None:
-            need(self.tiny_target is not None, "target-model",
-                 "is required (only the tiny preset builds its target from a config)",
-                 "pass --target-model /path/to/hf-model or use --preset tiny")
+            need(
+                self.tiny_target is not None,
+                "target-model",
+                "is required (only the tiny preset builds its target from a config)",
+                "pass --target-model /path/to/hf-model or use --preset tiny",
+            )
         if self.data_dir is None:
-            need(self.synthetic_samples > 0, "data-dir", "is required (only the tiny preset synthesises data)",
-                 "prepare one with `python -m trainer prepare` and pass --data-dir")
+            need(
+                self.synthetic_samples > 0,
+                "data-dir",
+                "is required (only the tiny preset synthesises data)",
+                "prepare one with `python -m trainer prepare` and pass --data-dir",
+            )
         return self
 
     # ---- derived ------------------------------------------------------------------------------------
     def layer_types(self) -> list[str]:
         """Per drafter layer: the first `sliding_layers` are sliding (docs/method.md#presets: Qwen3.6 is S,S,S,S,F)."""
-        return ["sliding_attention"] * self.sliding_layers + ["full_attention"] * (self.num_draft_layers - self.sliding_layers)
+        return ["sliding_attention"] * self.sliding_layers + ["full_attention"] * (
+            self.num_draft_layers - self.sliding_layers
+        )
 
     def anchors_per_row(self, rows: int) -> int:
         """Static anchor slots N per row for a micro-batch of `rows` rows (padded with keep=False)."""
@@ -280,20 +394,45 @@ def build_parser() -> argparse.ArgumentParser:
     so presets can tell what the user set; the help shows the real ones."""
     from trainer.train_help import FLAG_HELP, NOISE_TYPES, SYNC_MODES, TRANSFER_MODES, WANDB_MODES, flag_help
 
-    parser = _Parser(prog="python -m trainer train", description="Train a DFlash drafter.",
-                     argument_default=argparse.SUPPRESS, allow_abbrev=False,
-                     formatter_class=argparse.RawDescriptionHelpFormatter,  # keeps the epilog's lines
-                     epilog=f"presets: {', '.join(PRESETS)}; a preset sets the defaults listed after '--preset',\n"
-                            "and a flag given on the command line wins over both.\n"
-                            "exit codes: 0 done, 1 failed, 2 bad input, 128+signal stopped (resumable).")
-    types = {"target_gpus": _devices, "drafter_gpus": _devices, "target_layer_ids": _int_list,
-             "use_soft_labels": _bool, "pipeline": _bool, "enable_thinking": _bool,
-             "activation_checkpointing": _bool}
-    choices = {"preset": tuple(PRESETS), "loss_kernels": LOSS_KERNELS, "adamw": ADAMW_IMPLS, "wandb": WANDB_MODES, "sync": SYNC_MODES,
-               "feature_transfer": TRANSFER_MODES, "noise_type": NOISE_TYPES}
-    metavars = {"target_gpus": "DEVICES", "drafter_gpus": "DEVICES", "target_layer_ids": "IDS",
-                "resume": "auto|never|PATH", "target_model": "DIR", "data_dir": "DIR", "output_dir": "DIR",
-                "init_from": "DIR", "tokenizer": "DIR"}
+    parser = _Parser(
+        prog="python -m trainer train",
+        description="Train a DFlash drafter.",
+        argument_default=argparse.SUPPRESS,
+        allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # keeps the epilog's lines
+        epilog=f"presets: {', '.join(PRESETS)}; a preset sets the defaults listed after '--preset',\n"
+        "and a flag given on the command line wins over both.\n"
+        "exit codes: 0 done, 1 failed, 2 bad input, 128+signal stopped (resumable).",
+    )
+    types = {
+        "target_gpus": _devices,
+        "drafter_gpus": _devices,
+        "target_layer_ids": _int_list,
+        "use_soft_labels": _bool,
+        "pipeline": _bool,
+        "enable_thinking": _bool,
+        "activation_checkpointing": _bool,
+    }
+    choices = {
+        "preset": tuple(PRESETS),
+        "loss_kernels": LOSS_KERNELS,
+        "adamw": ADAMW_IMPLS,
+        "wandb": WANDB_MODES,
+        "sync": SYNC_MODES,
+        "feature_transfer": TRANSFER_MODES,
+        "noise_type": NOISE_TYPES,
+    }
+    metavars = {
+        "target_gpus": "DEVICES",
+        "drafter_gpus": "DEVICES",
+        "target_layer_ids": "IDS",
+        "resume": "auto|never|PATH",
+        "target_model": "DIR",
+        "data_dir": "DIR",
+        "output_dir": "DIR",
+        "init_from": "DIR",
+        "tokenizer": "DIR",
+    }
     skip = {"tiny_target"}
     for f in dataclasses.fields(TrainConfig):
         if f.name in skip:
@@ -306,11 +445,19 @@ def build_parser() -> argparse.ArgumentParser:
             text = str(f.type)
             kind = float if "float" in text else int if "int" in text else str
         if kind is _bool:
-            parser.add_argument(flag, dest=f.name, type=_bool, nargs="?", const=True, metavar="true|false",
-                                help=help_text + "; the flag alone means true")
+            parser.add_argument(
+                flag,
+                dest=f.name,
+                type=_bool,
+                nargs="?",
+                const=True,
+                metavar="true|false",
+                help=help_text + "; the flag alone means true",
+            )
         else:
-            parser.add_argument(flag, dest=f.name, type=kind, choices=choices.get(f.name),
-                                metavar=metavars.get(f.name), help=help_text)
+            parser.add_argument(
+                flag, dest=f.name, type=kind, choices=choices.get(f.name), metavar=metavars.get(f.name), help=help_text
+            )
     assert set(FLAG_HELP) == {f.name for f in dataclasses.fields(TrainConfig)} - skip, "FLAG_HELP out of date"
     return parser
 

@@ -104,7 +104,8 @@ def open_dataset(cfg: TrainConfig) -> ShardedDataset | SyntheticDataset:
     if cfg.vocab_size is not None and meta_vocab and meta_vocab > cfg.vocab_size:
         raise TrainerInputError(
             f"--data-dir: tokens come from a vocabulary of {meta_vocab} but the target has {cfg.vocab_size}",
-            hint="prepare the data with the target's own tokenizer")
+            hint="prepare the data with the target's own tokenizer",
+        )
     return dataset
 
 
@@ -139,7 +140,10 @@ def epoch_batches(lengths: np.ndarray, epoch: int, cfg: TrainConfig) -> list[np.
         longest = 0
         for sample in chunk.tolist():
             new_longest = max(longest, int(clipped[sample]))
-            fits = len(current) < cfg.max_batch_size and (len(current) + 1) * padded_length(new_longest, cfg.max_seq_len) <= cfg.token_budget
+            fits = (
+                len(current) < cfg.max_batch_size
+                and (len(current) + 1) * padded_length(new_longest, cfg.max_seq_len) <= cfg.token_budget
+            )
             if current and not fits:
                 batches.append(np.array(current, dtype=np.int64))
                 current, new_longest = [], int(clipped[sample])
@@ -158,8 +162,14 @@ def sample_anchors(loss_mask: np.ndarray, count: int, rng: np.random.Generator) 
     return np.sort(valid)
 
 
-def collate(dataset: ShardedDataset | SyntheticDataset, sample_ids: np.ndarray, epoch: int, index: int,
-            cfg: TrainConfig, slot_weights: np.ndarray) -> Batch:
+def collate(
+    dataset: ShardedDataset | SyntheticDataset,
+    sample_ids: np.ndarray,
+    epoch: int,
+    index: int,
+    cfg: TrainConfig,
+    slot_weights: np.ndarray,
+) -> Batch:
     """Pad samples into a Batch and build its anchors, block ids, labels and weights (see module doc)."""
     assert cfg.mask_token_id is not None and cfg.vocab_size is not None
     samples = [dataset[int(i)] for i in sample_ids]
@@ -185,8 +195,10 @@ def collate(dataset: ShardedDataset | SyntheticDataset, sample_ids: np.ndarray, 
         keep[r, : len(chosen)] = True
     if ids.max(initial=0) >= cfg.vocab_size or ids.min(initial=0) < 0:
         bad = int(sample_ids[int(np.argmax((ids >= cfg.vocab_size).any(1) | (ids < 0).any(1)))])
-        raise TrainerInputError(f"sample {bad} holds token ids outside the vocabulary (size {cfg.vocab_size})",
-                                hint="prepare the data with the target's own tokenizer")
+        raise TrainerInputError(
+            f"sample {bad} holds token ids outside the vocabulary (size {cfg.vocab_size})",
+            hint="prepare the data with the target's own tokenizer",
+        )
     # Block token (r, n, k) sits at position anchors[r,n] + k.
     positions = anchors[:, :, None] + np.arange(block)[None, None, :]  # [R,N,B]
     row_lengths = np.array(lengths + [0] * (rows - len(samples)))
@@ -200,11 +212,19 @@ def collate(dataset: ShardedDataset | SyntheticDataset, sample_ids: np.ndarray, 
     block_ids = np.full((rows, n_anchors, block), cfg.mask_token_id, np.int64)
     block_ids[:, :, 0] = ids[np.arange(rows)[:, None], anchors]
     return Batch(
-        input_ids=torch.from_numpy(ids), loss_mask=torch.from_numpy(mask), attention_mask=torch.from_numpy(attention),
-        anchors=torch.from_numpy(anchors), keep=torch.from_numpy(keep),
-        block_ids=torch.from_numpy(block_ids.reshape(rows, -1)), labels=torch.from_numpy(labels.reshape(rows, -1)),
-        weights=torch.from_numpy(weights.reshape(rows, -1)), epoch=epoch, index=index,
-        num_ctx_tokens=int(sum(lengths)), num_blocks=int(keep.sum()), weight_sum=float(weights.sum(dtype=np.float64)),
+        input_ids=torch.from_numpy(ids),
+        loss_mask=torch.from_numpy(mask),
+        attention_mask=torch.from_numpy(attention),
+        anchors=torch.from_numpy(anchors),
+        keep=torch.from_numpy(keep),
+        block_ids=torch.from_numpy(block_ids.reshape(rows, -1)),
+        labels=torch.from_numpy(labels.reshape(rows, -1)),
+        weights=torch.from_numpy(weights.reshape(rows, -1)),
+        epoch=epoch,
+        index=index,
+        num_ctx_tokens=int(sum(lengths)),
+        num_blocks=int(keep.sum()),
+        weight_sum=float(weights.sum(dtype=np.float64)),
     )
 
 

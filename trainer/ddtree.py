@@ -70,14 +70,17 @@ def check_options(budget: int | None, top_k: int | None, model: Any = None) -> N
             raise DataInputError("--ddtree-top-k needs --ddtree-budget", hint=hint)
         return
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-        raise DataInputError(f"--ddtree-budget {budget} must be a positive number of tree nodes (the root not counted)",
-                             hint=hint)
+        raise DataInputError(
+            f"--ddtree-budget {budget} must be a positive number of tree nodes (the root not counted)", hint=hint
+        )
     if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
         raise DataInputError(f"--ddtree-top-k {top_k} must be a positive number of candidates per depth", hint=hint)
     if model is not None and not supports_tree_mask(model):
         backend = model.config._attn_implementation
-        raise DataInputError(f"DDTree needs eager or sdpa attention; the target uses {backend}",
-                             hint="load the target with attn_implementation='sdpa'")
+        raise DataInputError(
+            f"DDTree needs eager or sdpa attention; the target uses {backend}",
+            hint="load the target with attn_implementation='sdpa'",
+        )
 
 
 def build_tree(slot_log_probs: torch.Tensor, budget: int, top_k: int | None = None) -> DraftTree:
@@ -88,9 +91,9 @@ def build_tree(slot_log_probs: torch.Tensor, budget: int, top_k: int | None = No
     if depth_limit == 0:
         return tree
     k = min(top_k or budget, budget, vocab)
-    top = slot_log_probs.float().topk(k, dim=-1)                         # [D, k]: one sort per step, not per node
+    top = slot_log_probs.float().topk(k, dim=-1)  # [D, k]: one sort per step, not per node
     values, ids = top.values.tolist(), top.indices.tolist()
-    counter = 0                                                          # heap tie-break: first pushed pops first
+    counter = 0  # heap tie-break: first pushed pops first
     # entry: (-score, counter, depth, rank, parent, parent_score)
     frontier = [(-values[0][0], counter, 1, 0, -1, 0.0)]
     while frontier and len(tree) < budget:
@@ -102,8 +105,10 @@ def build_tree(slot_log_probs: torch.Tensor, budget: int, top_k: int | None = No
         tree.scores.append(-neg_score)
         if rank + 1 < k:
             counter += 1
-            heapq.heappush(frontier, (-(parent_score + values[depth - 1][rank + 1]), counter, depth, rank + 1,
-                                      parent, parent_score))
+            heapq.heappush(
+                frontier,
+                (-(parent_score + values[depth - 1][rank + 1]), counter, depth, rank + 1, parent, parent_score),
+            )
         if depth < depth_limit:
             counter += 1
             heapq.heappush(frontier, (neg_score - values[depth][0], counter, depth + 1, 0, node, -neg_score))
@@ -115,11 +120,11 @@ def tree_attention_mask(tree: DraftTree, cached: int, dtype: torch.dtype, device
     prefix, the anchor, its ancestors and itself."""
     size = 1 + len(tree)
     allowed = torch.zeros((size, cached + size), dtype=torch.bool)
-    allowed[:, :cached + 1] = True                                       # prefix + anchor: seen by all
+    allowed[:, : cached + 1] = True  # prefix + anchor: seen by all
     for node, parent in enumerate(tree.parents):
         row = 1 + node
         if parent >= 0:
-            allowed[row, cached + 1:] = allowed[1 + parent, cached + 1:]  # parents precede children: row is final
+            allowed[row, cached + 1 :] = allowed[1 + parent, cached + 1 :]  # parents precede children: row is final
         allowed[row, cached + row] = True
     mask = torch.zeros(allowed.shape, dtype=dtype)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
@@ -131,7 +136,7 @@ def accept(tree: DraftTree, choice: list[int]) -> tuple[list[int], int]:
     Returns (accepted node indices root->leaf, bonus token)."""
     children: dict[int, dict[int, int]] = {}
     for node, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
-        children.setdefault(parent, {})[token] = node                  # siblings have distinct tokens (ranks)
+        children.setdefault(parent, {})[token] = node  # siblings have distinct tokens (ranks)
     path, current = [], -1
     while (nxt := children.get(current, {}).get(choice[1 + current])) is not None:
         path.append(nxt)
@@ -154,15 +159,25 @@ def keep_cache_rows(cache: Any, start: int, rows: list[int]) -> None:
             index = torch.tensor(rows, dtype=torch.long, device=layer.keys.device)
         kept = len(rows)
         # index_select gathers into a new tensor before the write: no overlap hazard
-        layer.keys[:, :, start:start + kept] = layer.keys.index_select(2, index)
-        layer.values[:, :, start:start + kept] = layer.values.index_select(2, index)
+        layer.keys[:, :, start : start + kept] = layer.keys.index_select(2, index)
+        layer.values[:, :, start : start + kept] = layer.values.index_select(2, index)
     extra = cache.get_seq_length() - (start + len(rows))
     if extra > 0:
         cache.crop(-extra)
 
 
-def ddtree_generate(runner: Any, prompt: list[int], slot_logits: Any, *, budget: int, top_k: int | None,
-                    slots: int, max_new_tokens: int, stops: set[int], stats: Any) -> list[int]:
+def ddtree_generate(
+    runner: Any,
+    prompt: list[int],
+    slot_logits: Any,
+    *,
+    budget: int,
+    top_k: int | None,
+    slots: int,
+    max_new_tokens: int,
+    stops: set[int],
+    stats: Any,
+) -> list[int]:
     """Greedy speculative decoding of one prompt with DDTree verification; the same contract and bookkeeping as
     `trainer.eval.speculative_generate` (tau = accepted + 1 per verify step, stop ids end the answer even inside
     an accepted path, per-depth acceptance in `stats`). `slot_logits(committed, taps, depth) -> [depth, V]`."""
@@ -172,8 +187,11 @@ def ddtree_generate(runner: Any, prompt: list[int], slot_logits: Any, *, budget:
     forwards = 1
     while len(committed) - len(prompt) < max_new_tokens and committed[-1] not in stops:
         depth = min(slots, max_new_tokens - (len(committed) - len(prompt)) - 1)
-        log_probs = torch.log_softmax(slot_logits(committed, taps, depth)[:depth].float(), dim=-1) if depth > 0 \
+        log_probs = (
+            torch.log_softmax(slot_logits(committed, taps, depth)[:depth].float(), dim=-1)
+            if depth > 0
             else torch.empty((0, 1))
+        )
         tree = build_tree(log_probs, budget, top_k)
         n = len(committed)
         dtype = next(runner.model.parameters()).dtype
@@ -182,11 +200,12 @@ def ddtree_generate(runner: Any, prompt: list[int], slot_logits: Any, *, budget:
         logits, new_taps = runner.forward([committed[-1]] + tree.tokens, position_ids=positions, attention_mask=mask)
         forwards += 1
         path, bonus = accept(tree, logits.argmax(-1).tolist())
-        new_tokens, accepted, proposed = cut_at_stop([tree.tokens[i] for i in path] + [bonus], len(path),
-                                                     max(tree.depths, default=0), stops)
-        rows = [0] + [1 + i for i in path[:len(new_tokens) - 1]]        # anchor + kept nodes (forward row ids)
+        new_tokens, accepted, proposed = cut_at_stop(
+            [tree.tokens[i] for i in path] + [bonus], len(path), max(tree.depths, default=0), stops
+        )
+        rows = [0] + [1 + i for i in path[: len(new_tokens) - 1]]  # anchor + kept nodes (forward row ids)
         committed += new_tokens
-        taps = torch.cat([taps, new_taps[rows]])                         # committed positions only
+        taps = torch.cat([taps, new_taps[rows]])  # committed positions only
         keep_cache_rows(runner.cache, n - 1, [n - 1 + r for r in rows])
         stats.record_step(proposed, accepted, slots)
         stats.tree_nodes += len(tree)

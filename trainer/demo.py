@@ -59,7 +59,7 @@ def split_prompts(world: WalkWorld, size: DemoSize, seed: int = 0) -> tuple[list
     rng = random.Random(seed)
     pairs = [(m, w) for m in MODES for w in world.words]
     rng.shuffle(pairs)
-    held, rest = pairs[:size.eval_prompts], pairs[size.eval_prompts:]
+    held, rest = pairs[: size.eval_prompts], pairs[size.eval_prompts :]
     train = [rng.choice(rest) for _ in range(size.train_prompts)]
     as_record = lambda pair: {"prompt": world.prompt(*pair)}  # noqa: E731
     return [as_record(p) for p in train], [as_record(p) for p in held]
@@ -72,13 +72,56 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 def train_argv(target: Path, data: Path, run: Path, mask_id: int, steps: int) -> list[str]:
     """Flags for `python -m trainer train` sized for a 64-wide, 4-layer target on CPU."""
-    return ["--target-model", str(target), "--data-dir", str(data), "--output-dir", str(run),
-            "--num-draft-layers", "2", "--mask-token-id", str(mask_id), "--block-size", "8", "--gamma", "4",
-            "--max-seq-len", "64", "--token-budget", "512", "--max-batch-size", "8", "--anchors-per-seq", "16",
-            "--max-anchors", "128", "--lr", "3e-3", "--warmup-ratio", "0.05", "--epochs", "1000",
-            "--max-steps", str(steps), "--log-interval", "50", "--save-interval", "100000", "--wandb", "off",
-            "--rope-theta", "10000", "--max-position-embeddings", "512", "--target-gpus", "cpu",
-            "--drafter-gpus", "cpu", "--resume", "never"]
+    return [
+        "--target-model",
+        str(target),
+        "--data-dir",
+        str(data),
+        "--output-dir",
+        str(run),
+        "--num-draft-layers",
+        "2",
+        "--mask-token-id",
+        str(mask_id),
+        "--block-size",
+        "8",
+        "--gamma",
+        "4",
+        "--max-seq-len",
+        "64",
+        "--token-budget",
+        "512",
+        "--max-batch-size",
+        "8",
+        "--anchors-per-seq",
+        "16",
+        "--max-anchors",
+        "128",
+        "--lr",
+        "3e-3",
+        "--warmup-ratio",
+        "0.05",
+        "--epochs",
+        "1000",
+        "--max-steps",
+        str(steps),
+        "--log-interval",
+        "50",
+        "--save-interval",
+        "100000",
+        "--wandb",
+        "off",
+        "--rope-theta",
+        "10000",
+        "--max-position-embeddings",
+        "512",
+        "--target-gpus",
+        "cpu",
+        "--drafter-gpus",
+        "cpu",
+        "--resume",
+        "never",
+    ]
 
 
 def run_demo(workdir: Path, size: DemoSize) -> int:
@@ -89,7 +132,9 @@ def run_demo(workdir: Path, size: DemoSize) -> int:
     from trainer.tokenizer_utils import end_of_turn_ids, tokenize_prompt
 
     if workdir.exists() and any(workdir.iterdir()):
-        raise DataInputError(f"--workdir {workdir} is not empty", hint="give a new or empty directory (nothing is overwritten)")
+        raise DataInputError(
+            f"--workdir {workdir} is not empty", hint="give a new or empty directory (nothing is overwritten)"
+        )
     workdir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     world = WalkWorld(num_words=40, answer_words=16)
@@ -98,17 +143,35 @@ def run_demo(workdir: Path, size: DemoSize) -> int:
     log(f"1/5 target: teaching the walk grammar ({size.pretrain_steps} steps)")
     result = pretrain_target(model, tokenizer, world.conversations(4000, seed=11), steps=size.pretrain_steps, log=log)
     if result["loss"] > TARGET_LOSS_CEILING:
-        raise DataInputError(f"the tiny target did not learn the walk grammar (loss {result['loss']:.2f})",
-                             hint="an untrained target loops and makes the acceptance table meaningless; raise pretrain steps")
+        raise DataInputError(
+            f"the tiny target did not learn the walk grammar (loss {result['loss']:.2f})",
+            hint="an untrained target loops and makes the acceptance table meaningless; raise pretrain steps",
+        )
     save_target(model, tokenizer, workdir / "target")
     log(f"    target loss {result['loss']:.3f} after {result['steps']} steps")
     train_rows, held_rows = split_prompts(world, size)
     train_file = write_jsonl(workdir / "prompts-train.jsonl", train_rows)
     write_jsonl(workdir / "prompts-heldout.jsonl", held_rows)  # kept for the user; eval below reads held_rows
     log(f"2/5 prepare --regenerate: {len(train_rows)} prompts")
-    code = prepare.main(["--target-model", str(workdir / "target"), "--input", str(train_file), "--output-dir",
-                         str(workdir / "data"), "--regenerate", "--max-new-tokens", str(size.max_new_tokens),
-                         "--enable-thinking", "off", "--batch-size", "32", "--shard-size", "128"])
+    code = prepare.main(
+        [
+            "--target-model",
+            str(workdir / "target"),
+            "--input",
+            str(train_file),
+            "--output-dir",
+            str(workdir / "data"),
+            "--regenerate",
+            "--max-new-tokens",
+            str(size.max_new_tokens),
+            "--enable-thinking",
+            "off",
+            "--batch-size",
+            "32",
+            "--shard-size",
+            "128",
+        ]
+    )
     if code:
         return code
     mask_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN)
@@ -122,15 +185,30 @@ def run_demo(workdir: Path, size: DemoSize) -> int:
     drafter = load_drafter(workdir / "export")
     target, _ = load_target_lm(str(workdir / "target"))
     prompts = [tokenize_prompt(tokenizer, [{"role": "user", "content": r["prompt"]}], False) for r in held_rows]
-    report = eval_mod.evaluate(target, drafter, prompts, max_new_tokens=size.max_new_tokens,
-                               stops=end_of_turn_ids(tokenizer), pad_id=tokenizer.pad_token_id)
+    report = eval_mod.evaluate(
+        target,
+        drafter,
+        prompts,
+        max_new_tokens=size.max_new_tokens,
+        stops=end_of_turn_ids(tokenizer),
+        pad_id=tokenizer.pad_token_id,
+    )
     # The same drafter on prompts it was trained on: with the pipeline right this is near what a perfect drafter
     # gets (on the tiny walks ~6.0 at B=8; below training's tau_sim because eval's anchors are the ends of
     # accepted runs, and every answer starts with its weakest anchor); the held-out gap is generalisation.
-    seen_prompts = [tokenize_prompt(tokenizer, [{"role": "user", "content": r["prompt"]}], False)
-                    for r in train_rows[:size.eval_prompts]]
-    seen = eval_mod.evaluate(target, drafter, seen_prompts, max_new_tokens=size.max_new_tokens,
-                             stops=end_of_turn_ids(tokenizer), pad_id=tokenizer.pad_token_id, baselines=False)
+    seen_prompts = [
+        tokenize_prompt(tokenizer, [{"role": "user", "content": r["prompt"]}], False)
+        for r in train_rows[: size.eval_prompts]
+    ]
+    seen = eval_mod.evaluate(
+        target,
+        drafter,
+        seen_prompts,
+        max_new_tokens=size.max_new_tokens,
+        stops=end_of_turn_ids(tokenizer),
+        pad_id=tokenizer.pad_token_id,
+        baselines=False,
+    )
     report["training_prompts"] = {"prompts": len(seen_prompts), **seen["methods"]["trained"]}
     report["demo_seconds"] = time.monotonic() - started
     (workdir / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -138,11 +216,15 @@ def run_demo(workdir: Path, size: DemoSize) -> int:
     taus = {name: m["tau"] for name, m in report["methods"].items()}
     best_baseline = max(taus["untrained"], taus["ngram"])
     seen_tau = report["training_prompts"]["tau"]
-    print(f"trained tau on {len(seen_prompts)} training prompts {seen_tau:.2f}, on held-out prompts "
-          f"{taus['trained']:.2f} (the difference is generalisation to unseen prompts)")
-    print(f"trained tau {taus['trained']:.2f} vs best baseline {best_baseline:.2f} "
-          f"(margin required {size.margin:.1f}); lossless: {'yes' if report['lossless'] else 'NO'}; "
-          f"{report['demo_seconds']:.0f}s")
+    print(
+        f"trained tau on {len(seen_prompts)} training prompts {seen_tau:.2f}, on held-out prompts "
+        f"{taus['trained']:.2f} (the difference is generalisation to unseen prompts)"
+    )
+    print(
+        f"trained tau {taus['trained']:.2f} vs best baseline {best_baseline:.2f} "
+        f"(margin required {size.margin:.1f}); lossless: {'yes' if report['lossless'] else 'NO'}; "
+        f"{report['demo_seconds']:.0f}s"
+    )
     if not (report["lossless"] and report["training_prompts"]["lossless"]):
         print("error: speculative output differs from the target's greedy output", file=sys.stderr)
         return 1
@@ -156,9 +238,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer demo", description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", required=True, help="new or empty directory for every artefact")
     parser.add_argument("--quick", action="store_true", help="the small variant (tests): under a minute (default: off)")
-    parser.add_argument("--train-steps", type=int, default=None,
-                        help=f"override the number of training steps (default: {FULL.train_steps}, "
-                             f"{QUICK.train_steps} with --quick)")
+    parser.add_argument(
+        "--train-steps",
+        type=int,
+        default=None,
+        help=f"override the number of training steps (default: {FULL.train_steps}, {QUICK.train_steps} with --quick)",
+    )
     args = parser.parse_args(argv)
     size = QUICK if args.quick else FULL
     if args.train_steps is not None:

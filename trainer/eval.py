@@ -54,14 +54,20 @@ class TargetRunner:
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
 
     @torch.inference_mode()
-    def forward(self, ids: list[int], position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, ids: list[int], position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append `ids` after the cached positions -> (logits [len,V], taps [len,T*H]). Default: consecutive
         positions under the causal mask; DDTree passes tree positions and a 4-D mask (trainer.ddtree)."""
         device = self.model.get_input_embeddings().weight.device
         extra = {} if position_ids is None else {"position_ids": position_ids, "attention_mask": attention_mask}
-        out = self.model(input_ids=torch.tensor([ids], device=device), use_cache=True, output_hidden_states=True,
-                         **{self._cache_kwarg: self.cache}, **extra)
+        out = self.model(
+            input_ids=torch.tensor([ids], device=device),
+            use_cache=True,
+            output_hidden_states=True,
+            **{self._cache_kwarg: self.cache},
+            **extra,
+        )
         taps = torch.cat([out.hidden_states[i + 1][0] for i in self.layer_ids], dim=-1)
         return out.logits[0].float(), taps
 
@@ -87,8 +93,8 @@ class MethodStats:
     slot_proposed: list[int] = field(default_factory=list)
     slot_accepted: list[int] = field(default_factory=list)
     mismatches: list[int] = field(default_factory=list)  # prompt indices whose output differed
-    tree_nodes: int = 0                                    # DDTree only: nodes verified over all steps
-    tree: dict[str, Any] | None = None                     # DDTree only: {"budget", "top_k"}
+    tree_nodes: int = 0  # DDTree only: nodes verified over all steps
+    tree: dict[str, Any] | None = None  # DDTree only: {"budget", "top_k"}
 
     def record_step(self, proposed: int, accepted: int, slots: int) -> None:
         if not self.slot_proposed:
@@ -103,8 +109,10 @@ class MethodStats:
             "tau": self.committed / max(self.steps, 1),
             "tokens_per_target_forward": self.generated / max(self.forwards, 1),
             "per_slot_acceptance": [a / p if p else None for a, p in zip(self.slot_accepted, self.slot_proposed)],
-            "lossless": not self.mismatches, "mismatched_prompts": self.mismatches,
-            "steps": self.steps, "generated_tokens": self.generated,
+            "lossless": not self.mismatches,
+            "mismatched_prompts": self.mismatches,
+            "steps": self.steps,
+            "generated_tokens": self.generated,
             **({} if self.tree is None else {**self.tree, "mean_tree_nodes": self.tree_nodes / max(self.steps, 1)}),
         }
 
@@ -136,7 +144,7 @@ def drafter_slot_logits(drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_h
         mask = drafter.build_mask(anchors, keep, ctx_len)
         dtype = next(drafter.parameters()).dtype
         hidden = drafter(taps[None].to(dtype), embed_weight[block][None].to(dtype), anchors, keep, mask)
-        return hidden[0, 1:slots + 1].float() @ lm_head_weight.float().T       # [slots, V]; B-1 x V at most
+        return hidden[0, 1 : slots + 1].float() @ lm_head_weight.float().T  # [slots, V]; B-1 x V at most
 
     return slot_logits
 
@@ -149,15 +157,23 @@ def ngram_proposer(max_ngram: int = 3) -> Proposer:
         for n in range(min(max_ngram, len(committed) - 1), 0, -1):
             tail = committed[-n:]
             for start in range(len(committed) - n - 1, -1, -1):
-                if committed[start:start + n] == tail:
-                    return committed[start + n:start + n + slots]
+                if committed[start : start + n] == tail:
+                    return committed[start + n : start + n + slots]
         return []
 
     return propose
 
 
-def speculative_generate(runner: TargetRunner, prompt: list[int], propose: Proposer, *, slots: int,
-                         max_new_tokens: int, stops: set[int], stats: MethodStats) -> list[int]:
+def speculative_generate(
+    runner: TargetRunner,
+    prompt: list[int],
+    propose: Proposer,
+    *,
+    slots: int,
+    max_new_tokens: int,
+    stops: set[int],
+    stats: MethodStats,
+) -> list[int]:
     """Greedy speculative decoding of one prompt; returns the generated ids (cut after the first stop id)."""
     runner.reset()
     logits, taps = runner.forward(prompt)
@@ -167,7 +183,7 @@ def speculative_generate(runner: TargetRunner, prompt: list[int], propose: Propo
         budget = min(slots, max_new_tokens - (len(committed) - len(prompt)) - 1)
         draft = propose(committed, taps, budget)[:budget] if budget > 0 else []
         n = len(committed)
-        logits, new_taps = runner.forward([committed[-1]] + draft)          # positions n-1 .. n-1+len(draft)
+        logits, new_taps = runner.forward([committed[-1]] + draft)  # positions n-1 .. n-1+len(draft)
         forwards += 1
         choice = logits.argmax(-1).tolist()
         accepted = 0
@@ -175,7 +191,7 @@ def speculative_generate(runner: TargetRunner, prompt: list[int], propose: Propo
             accepted += 1
         new_tokens, accepted, proposed = cut_at_stop(draft[:accepted] + [choice[accepted]], accepted, len(draft), stops)
         committed += new_tokens
-        taps = torch.cat([taps, new_taps[:len(new_tokens)]])               # committed positions only
+        taps = torch.cat([taps, new_taps[: len(new_tokens)]])  # committed positions only
         runner.crop(n - 1 + len(new_tokens))
         stats.record_step(proposed, accepted, slots)
     return finish_generation(committed, len(prompt), max_new_tokens, stops, stats, forwards)
@@ -185,9 +201,17 @@ def speculative_generate(runner: TargetRunner, prompt: list[int], propose: Propo
 def greedy_reference(model: Any, prompt: list[int], max_new_tokens: int, stops: list[int], pad_id: int) -> list[int]:
     """The target's own greedy output (HF generate), cut after the first stop id."""
     device = model.get_input_embeddings().weight.device
-    out = model.generate(torch.tensor([prompt], device=device), max_new_tokens=max_new_tokens, do_sample=False,
-                         temperature=None, top_p=None, top_k=None, eos_token_id=stops, pad_token_id=pad_id)
-    generated = out[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt], device=device),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+        eos_token_id=stops,
+        pad_token_id=pad_id,
+    )
+    generated = out[0, len(prompt) :].tolist()
     cut = next((i + 1 for i, t in enumerate(generated) if t in stops), len(generated))
     return generated[:cut]
 
@@ -196,24 +220,40 @@ def check_drafter_fits(drafter: DFlashDrafter, model: Any) -> None:
     """DataInputError unless the drafter's taps exist in the target and its hidden size equals the target's."""
     text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     try:
-        drafter.config.check_target(num_target_layers=int(text_config.num_hidden_layers),
-                                    hidden_size=int(text_config.hidden_size),
-                                    vocab_size=int(model.get_input_embeddings().weight.shape[0]))
+        drafter.config.check_target(
+            num_target_layers=int(text_config.num_hidden_layers),
+            hidden_size=int(text_config.hidden_size),
+            vocab_size=int(model.get_input_embeddings().weight.shape[0]),
+        )
     except ValueError as exc:
-        raise DataInputError(f"drafter does not fit the target: {exc}",
-                             hint="evaluate the drafter with the target it was trained for") from None
+        raise DataInputError(
+            f"drafter does not fit the target: {exc}", hint="evaluate the drafter with the target it was trained for"
+        ) from None
 
 
-def evaluate(model: Any, drafter: DFlashDrafter, prompts: list[list[int]], *, max_new_tokens: int,
-             block_size: int | None = None, stops: list[int], pad_id: int, baselines: bool = True,
-             seed: int = 0, ddtree_budget: int | None = None, ddtree_top_k: int | None = None) -> dict[str, Any]:
+def evaluate(
+    model: Any,
+    drafter: DFlashDrafter,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    block_size: int | None = None,
+    stops: list[int],
+    pad_id: int,
+    baselines: bool = True,
+    seed: int = 0,
+    ddtree_budget: int | None = None,
+    ddtree_top_k: int | None = None,
+) -> dict[str, Any]:
     """Run trained (+ untrained and n-gram baselines) over `prompts`; returns the report dict. With
     `ddtree_budget` the trained drafter is also run in DDTree mode (method "ddtree", same prompts)."""
     check_ddtree_options(ddtree_budget, ddtree_top_k, model)
     check_drafter_fits(drafter, model)
     block = block_size or drafter.config.block_size
     if not 2 <= block <= drafter.config.block_size:
-        raise DataInputError(f"--block-size {block} must be in 2..{drafter.config.block_size} (the drafter's block size)")
+        raise DataInputError(
+            f"--block-size {block} must be in 2..{drafter.config.block_size} (the drafter's block size)"
+        )
     slots = block - 1
     runner = TargetRunner(model, drafter.config.target_layer_ids)
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
@@ -223,7 +263,8 @@ def evaluate(model: Any, drafter: DFlashDrafter, prompts: list[list[int]], *, ma
         return lambda prompt, stats: speculative_generate(runner, prompt, propose, stats=stats, **common)
 
     methods: dict[str, tuple[Callable[[list[int], MethodStats], list[int]], dict[str, Any] | None]] = {
-        "trained": (block_mode(drafter_proposer(drafter.eval(), embed, head)), None)}
+        "trained": (block_mode(drafter_proposer(drafter.eval(), embed, head)), None)
+    }
     if baselines:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
@@ -232,11 +273,19 @@ def evaluate(model: Any, drafter: DFlashDrafter, prompts: list[list[int]], *, ma
         methods["ngram"] = (block_mode(ngram_proposer()), None)
     if ddtree_budget is not None:
         slot_logits = drafter_slot_logits(drafter, embed, head)
-        methods["ddtree"] = (lambda prompt, stats: ddtree_generate(runner, prompt, slot_logits, budget=ddtree_budget,
-                                                                   top_k=ddtree_top_k, stats=stats, **common),
-                             {"budget": ddtree_budget, "top_k": ddtree_top_k})
+        methods["ddtree"] = (
+            lambda prompt, stats: ddtree_generate(
+                runner, prompt, slot_logits, budget=ddtree_budget, top_k=ddtree_top_k, stats=stats, **common
+            ),
+            {"budget": ddtree_budget, "top_k": ddtree_top_k},
+        )
     references = [greedy_reference(model, p, max_new_tokens, stops, pad_id) for p in prompts]
-    report: dict[str, Any] = {"prompts": len(prompts), "block_size": block, "max_new_tokens": max_new_tokens, "methods": {}}
+    report: dict[str, Any] = {
+        "prompts": len(prompts),
+        "block_size": block,
+        "max_new_tokens": max_new_tokens,
+        "methods": {},
+    }
     for name, (generate, tree) in methods.items():
         stats = MethodStats(name, tree=tree)
         for index, (prompt, reference) in enumerate(zip(prompts, references)):
@@ -252,11 +301,15 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [f"{'method':<10} {'tau':>6} {'tok/fwd':>8} {'lossless':>8}  per-slot acceptance"]
     for name, m in report["methods"].items():
         slots = " ".join("  - " if a is None else f"{a:.2f}" for a in m["per_slot_acceptance"])
-        lines.append(f"{name:<10} {m['tau']:>6.2f} {m['tokens_per_target_forward']:>8.2f} "
-                     f"{'yes' if m['lossless'] else 'NO':>8}  {slots}")
+        lines.append(
+            f"{name:<10} {m['tau']:>6.2f} {m['tokens_per_target_forward']:>8.2f} "
+            f"{'yes' if m['lossless'] else 'NO':>8}  {slots}"
+        )
         if "budget" in m:
-            lines[-1] += (f"  (trained drafter, tree budget {m['budget']}, top-k {m['top_k'] or 'any'}, "
-                          f"{m['mean_tree_nodes']:.1f} nodes/step)")
+            lines[-1] += (
+                f"  (trained drafter, tree budget {m['budget']}, top-k {m['top_k'] or 'any'}, "
+                f"{m['mean_tree_nodes']:.1f} nodes/step)"
+            )
     return "\n".join(lines)
 
 
@@ -271,33 +324,59 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drafter", required=True, help="exported drafter directory (public DFlash format)")
     parser.add_argument("--prompts", required=True, help="JSONL like prepare's input; trailing answers are ignored")
     parser.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
-    parser.add_argument("--max-new-tokens", type=int, default=128,
-                        help="tokens generated per prompt at most (default: %(default)s)")
-    parser.add_argument("--enable-thinking", type=_on_off, default=None, metavar="on|off",
-                        help="the chat template's thinking mode (default: the template's own)")
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=128, help="tokens generated per prompt at most (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--enable-thinking",
+        type=_on_off,
+        default=None,
+        metavar="on|off",
+        help="the chat template's thinking mode (default: the template's own)",
+    )
     parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N prompts (default: all)")
-    parser.add_argument("--no-baselines", action="store_true",
-                        help="skip the untrained-drafter and n-gram baselines (default: run them)")
+    parser.add_argument(
+        "--no-baselines",
+        action="store_true",
+        help="skip the untrained-drafter and n-gram baselines (default: run them)",
+    )
     parser.add_argument("--json", default=None, help="also write the report to this file (default: stdout only)")
-    parser.add_argument("--ddtree-budget", type=int, default=None, metavar="K",
-                        help="also run DDTree with the trained drafter: at most K tree nodes per verify step "
-                             "(default: no DDTree)")
-    parser.add_argument("--ddtree-top-k", type=int, default=None, metavar="N",
-                        help="DDTree candidates per depth (default: unlimited, i.e. the budget decides)")
+    parser.add_argument(
+        "--ddtree-budget",
+        type=int,
+        default=None,
+        metavar="K",
+        help="also run DDTree with the trained drafter: at most K tree nodes per verify step (default: no DDTree)",
+    )
+    parser.add_argument(
+        "--ddtree-top-k",
+        type=int,
+        default=None,
+        metavar="N",
+        help="DDTree candidates per depth (default: unlimited, i.e. the budget decides)",
+    )
     args = parser.parse_args(argv)
     try:
-        check_ddtree_options(args.ddtree_budget, args.ddtree_top_k)         # bad numbers fail before any loading
+        check_ddtree_options(args.ddtree_budget, args.ddtree_top_k)  # bad numbers fail before any loading
         from transformers import AutoTokenizer
 
         drafter = load_drafter(args.drafter)
         tokenizer = AutoTokenizer.from_pretrained(args.target_model)
         records, _ = load_records(args.prompts, skip_bad=False)
-        prompts = [tokenize_prompt(tokenizer, prompt_part(r), args.enable_thinking) for r in records[:args.limit]]
+        prompts = [tokenize_prompt(tokenizer, prompt_part(r), args.enable_thinking) for r in records[: args.limit]]
         model, device = load_target_lm(args.target_model)
-        report = evaluate(model, drafter.to(device), prompts, max_new_tokens=args.max_new_tokens,
-                          block_size=args.block_size, stops=end_of_turn_ids(tokenizer),
-                          pad_id=tokenizer.pad_token_id or 0, baselines=not args.no_baselines,
-                          ddtree_budget=args.ddtree_budget, ddtree_top_k=args.ddtree_top_k)
+        report = evaluate(
+            model,
+            drafter.to(device),
+            prompts,
+            max_new_tokens=args.max_new_tokens,
+            block_size=args.block_size,
+            stops=end_of_turn_ids(tokenizer),
+            pad_id=tokenizer.pad_token_id or 0,
+            baselines=not args.no_baselines,
+            ddtree_budget=args.ddtree_budget,
+            ddtree_top_k=args.ddtree_top_k,
+        )
     except DataInputError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         if exc.hint:
@@ -310,7 +389,9 @@ def main(argv: list[str] | None = None) -> int:
             handle.write(text + "\n")
     print(text)
     if not report["lossless"]:
-        print("error: lossless check failed: speculative output differs from the target's greedy output", file=sys.stderr)
+        print(
+            "error: lossless check failed: speculative output differs from the target's greedy output", file=sys.stderr
+        )
         return 1
     return 0
 

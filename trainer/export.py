@@ -27,9 +27,17 @@ from trainer.run_files import CHECKPOINT_PREFIX, CHECKPOINTS
 from trainer.tokenizer_utils import DataInputError
 
 LAYER_TENSORS = (
-    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-    "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-    "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
 )
 TOP_TENSORS = ("norm.weight", "fc.weight", "hidden_norm.weight")
 
@@ -55,8 +63,10 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if (path / CHECKPOINTS).is_dir() and not (path / "state.json").exists():
         complete = sorted(p for p in (path / CHECKPOINTS).glob(f"{CHECKPOINT_PREFIX}*") if (p / "state.json").is_file())
         if not complete:
-            raise DataInputError(f"run directory {path} holds no complete checkpoint",
-                                 hint="a checkpoint is complete once its state.json exists; train longer or pass a step directory")
+            raise DataInputError(
+                f"run directory {path} holds no complete checkpoint",
+                hint="a checkpoint is complete once its state.json exists; train longer or pass a step directory",
+            )
         return complete[-1]
     return path
 
@@ -69,8 +79,10 @@ def load_training_checkpoint(path: str | Path) -> DFlashDrafter:
     step_dir = resolve_checkpoint(path)
     state_file, weights = step_dir / "state.json", step_dir / WEIGHTS_NAME
     if not state_file.is_file():
-        raise DataInputError(f"checkpoint {step_dir} is incomplete: no state.json (the save did not finish)",
-                             hint="export a complete checkpoints/step_NNNNNN directory, or the run directory")
+        raise DataInputError(
+            f"checkpoint {step_dir} is incomplete: no state.json (the save did not finish)",
+            hint="export a complete checkpoints/step_NNNNNN directory, or the run directory",
+        )
     if not weights.is_file():
         raise DataInputError(f"checkpoint {step_dir} is incomplete: {WEIGHTS_NAME} is missing")
     state = json.loads(state_file.read_text())
@@ -85,12 +97,16 @@ def load_training_checkpoint(path: str | Path) -> DFlashDrafter:
     expected = set(drafter.state_dict())
     missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
     if missing or unexpected:
-        raise DataInputError(f"checkpoint {step_dir} is incomplete or of another model: "
-                             f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise DataInputError(
+            f"checkpoint {step_dir} is incomplete or of another model: "
+            f"missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
     wrong = [n for n, t in drafter.state_dict().items() if tuple(tensors[n].shape) != tuple(t.shape)]
     if wrong:
-        raise DataInputError(f"checkpoint {step_dir}: {wrong[0]} has shape {tuple(tensors[wrong[0]].shape)}, "
-                             f"its drafter_config says {tuple(drafter.state_dict()[wrong[0]].shape)}")
+        raise DataInputError(
+            f"checkpoint {step_dir}: {wrong[0]} has shape {tuple(tensors[wrong[0]].shape)}, "
+            f"its drafter_config says {tuple(drafter.state_dict()[wrong[0]].shape)}"
+        )
     drafter.load_state_dict(tensors)
     return drafter
 
@@ -115,8 +131,10 @@ def export_drafter(drafter: DFlashDrafter, output: str | Path) -> Path:
     Every file gets the mode the process umask gives a new file (0o666 & ~umask: 0644 under umask 022)."""
     output = Path(output)
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
-        raise DataInputError(f"export output {output} already exists and is not empty",
-                             hint="choose a new --output directory (an export is never overwritten)")
+        raise DataInputError(
+            f"export output {output} already exists and is not empty",
+            hint="choose a new --output directory (an export is never overwritten)",
+        )
     names = sorted(drafter.state_dict())
     if names != sorted(public_tensor_names(drafter.config.num_hidden_layers)):
         raise DataInputError(f"drafter tensor names differ from the public DFlash names: {names[:3]} ...")
@@ -139,8 +157,10 @@ def load_drafter(directory: str | Path, device: str | torch.device = "cpu") -> D
     """A public-format drafter directory (ours or a published one) -> DFlashDrafter; DataInputError if invalid."""
     directory = Path(directory)
     if not (directory / CONFIG_NAME).is_file() or not (directory / WEIGHTS_NAME).is_file():
-        raise DataInputError(f"{directory} is not an exported drafter (needs {CONFIG_NAME} and {WEIGHTS_NAME})",
-                             hint="run `python -m trainer export CHECKPOINT --output DIR` first")
+        raise DataInputError(
+            f"{directory} is not an exported drafter (needs {CONFIG_NAME} and {WEIGHTS_NAME})",
+            hint="run `python -m trainer export CHECKPOINT --output DIR` first",
+        )
     try:
         return DFlashDrafter.from_pretrained(directory, device=device).eval()
     except (ValueError, json.JSONDecodeError) as exc:

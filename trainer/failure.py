@@ -38,8 +38,15 @@ def _disk_full(error: BaseException | None) -> CheckpointWriteError | None:
     return None
 
 
-def record_failure(recorder: RunRecorder, exc: BaseException, *, run_dir: Path, writer: CheckpointWriter | None,
-                   keep_checkpoints: int, exit_code: int) -> None:
+def record_failure(
+    recorder: RunRecorder,
+    exc: BaseException,
+    *,
+    run_dir: Path,
+    writer: CheckpointWriter | None,
+    keep_checkpoints: int,
+    exit_code: int,
+) -> None:
     """Report `exc` (the run's failure) on stderr and in status.json. `writer` must be closed already (its
     write in flight finished), so that a checkpoint write failing at the same time is seen. Never raises."""
     late = writer.take_error() if writer is not None else None
@@ -49,10 +56,14 @@ def record_failure(recorder: RunRecorder, exc: BaseException, *, run_dir: Path, 
         last_good = str(found[-1][1]) if found else "none"
         message = f"{full}; last good checkpoint: {last_good}"
         print(f"error: {message}", file=sys.stderr)
-        print(f"hint: free space on {full.no_space_on} (one checkpoint needs about "
-              f"{full.needed_bytes / 2**20:.1f} MiB) or keep fewer checkpoints with --keep-checkpoints (now "
-              f"{keep_checkpoints}), then run the same command again"
-              f"{' to resume from the last good checkpoint' if found else ''}", file=sys.stderr, flush=True)
+        print(
+            f"hint: free space on {full.no_space_on} (one checkpoint needs about "
+            f"{full.needed_bytes / 2**20:.1f} MiB) or keep fewer checkpoints with --keep-checkpoints (now "
+            f"{keep_checkpoints}), then run the same command again"
+            f"{' to resume from the last good checkpoint' if found else ''}",
+            file=sys.stderr,
+            flush=True,
+        )
     elif isinstance(exc, (ExplainedFailure, TrainerInputError)):  # e.g. a hand-over whose checkpoint never came
         message = exc.message
         print(f"error: {message}", file=sys.stderr, flush=True)

@@ -54,13 +54,16 @@ def pending_writer(resume: str | None, environ: dict[str, str] | None = None) ->
     if (path / "state.json").is_file():
         return None
     if path.parent.resolve() != root.resolve():
-        raise TrainerInputError(f"--resume: {path} is not a checkpoint of {writer} ({RESUME_WRITER_ENV})",
-                                hint=f"unset {RESUME_WRITER_ENV}, or resume from a complete checkpoint")
+        raise TrainerInputError(
+            f"--resume: {path} is not a checkpoint of {writer} ({RESUME_WRITER_ENV})",
+            hint=f"unset {RESUME_WRITER_ENV}, or resume from a complete checkpoint",
+        )
     return Path(writer)
 
 
-def wait_for_checkpoint(path: Path, writer: Path, on_wait: Callable[[], None] | None = None,
-                        timeout_s: float = 3600.0) -> None:
+def wait_for_checkpoint(
+    path: Path, writer: Path, on_wait: Callable[[], None] | None = None, timeout_s: float = 3600.0
+) -> None:
     """Block until checkpoint `path` is complete (its state.json exists: trainer.checkpoint renames whole
     directories into place). The writer's end without it (its `exit_code` file, or a final status phase) is a
     TrainerInputError naming what the writer left; so is `timeout_s` without either."""
@@ -70,10 +73,12 @@ def wait_for_checkpoint(path: Path, writer: Path, on_wait: Callable[[], None] | 
         if ended is not None and not (path / "state.json").is_file():
             raise TrainerInputError(
                 f"--resume: {writer.name} ended ({ended}) without writing its final checkpoint {path.name}",
-                hint=f"restart from its last complete checkpoint: {_last_complete(writer) or 'none'}")
+                hint=f"restart from its last complete checkpoint: {_last_complete(writer) or 'none'}",
+            )
         if time.monotonic() > deadline:
-            raise TrainerInputError(f"--resume: {path} did not appear within {timeout_s:.0f} s",
-                                    hint=f"see {writer / 'train.log'}")
+            raise TrainerInputError(
+                f"--resume: {path} did not appear within {timeout_s:.0f} s", hint=f"see {writer / 'train.log'}"
+            )
         if on_wait is not None:
             on_wait()
         time.sleep(WAIT_POLL_S)

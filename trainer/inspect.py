@@ -23,7 +23,10 @@ def length_histogram(lengths: np.ndarray, bins: int = 8, width: int = 40) -> lis
     edges = np.linspace(lo, hi + 1, num=min(bins, hi - lo + 1) + 1).astype(int)
     counts, _ = np.histogram(lengths, bins=edges)
     peak = max(int(counts.max()), 1)
-    return [f"{edges[i]:>7}-{edges[i + 1] - 1:<7} {int(c):>7}  {'#' * round(width * int(c) / peak)}" for i, c in enumerate(counts)]
+    return [
+        f"{edges[i]:>7}-{edges[i + 1] - 1:<7} {int(c):>7}  {'#' * round(width * int(c) / peak)}"
+        for i, c in enumerate(counts)
+    ]
 
 
 def render_sample(tokenizer, ids: np.ndarray, mask: np.ndarray) -> str:
@@ -64,7 +67,10 @@ def summarize(directory: str | Path, *, tokenizer_path: str | None = None, sampl
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(source)
-        lines += [f"sample {sample_index} (supervised part in [[ ]]):", render_sample(tokenizer, sample.input_ids, sample.loss_mask)]
+        lines += [
+            f"sample {sample_index} (supervised part in [[ ]]):",
+            render_sample(tokenizer, sample.input_ids, sample.loss_mask),
+        ]
     else:
         lines += [f"sample {sample_index}: tokenizer {source!r} not found; ids: {sample.input_ids[:64].tolist()}"]
     return "\n".join(lines)

@@ -50,7 +50,8 @@ def run_training(setup: RunSetup, engine: Engine) -> int:
     recorder = RunRecorder(run_dir, engine.total_steps, metrics=engine.writes_metrics)
     recorder.mark("preflight_done")
     on_force = lambda signum: recorder.set_status(  # noqa: E731 - a second signal: no checkpoint
-        phase="failed", error=f"second signal {signum}: exited without a checkpoint", exit_code=128 + signum)
+        phase="failed", error=f"second signal {signum}: exited without a checkpoint", exit_code=128 + signum
+    )
     writer: CheckpointWriter | None = None  # read by the failure report: a write that failed meanwhile
     failure: BaseException | None = None
     # Installed before the (possibly minutes long) target load, so a stop request is never lost.
@@ -77,8 +78,14 @@ def run_training(setup: RunSetup, engine: Engine) -> int:
             return ending.code
         except Exception as exc:  # noqa: BLE001 - reported on stderr and in status.json
             failure = exc
-            record_failure(recorder, exc, run_dir=run_dir, writer=writer, keep_checkpoints=cfg.keep_checkpoints,
-                           exit_code=EXIT_FAILED)
+            record_failure(
+                recorder,
+                exc,
+                run_dir=run_dir,
+                writer=writer,
+                keep_checkpoints=cfg.keep_checkpoints,
+                exit_code=EXIT_FAILED,
+            )
             return EXIT_FAILED
         finally:
             engine.close(failure)
@@ -100,8 +107,10 @@ def _resume(setup: RunSetup, engine: Engine, recorder: RunRecorder, run_dir: Pat
     state = engine.load_checkpoint(setup.resume_from)
     step, position = engine.restore(state)
     dropped = truncate_metrics(run_dir, step)
-    log(f"resumed from {setup.resume_from} at step {step} ({position}"
-        f"{f'; dropped {dropped} metrics lines past it' if dropped else ''})")
+    log(
+        f"resumed from {setup.resume_from} at step {step} ({position}"
+        f"{f'; dropped {dropped} metrics lines past it' if dropped else ''})"
+    )
     if engine.writes_checkpoints:
         recorder.set_status(step=step, last_checkpoint=str(setup.resume_from))
     else:
@@ -120,8 +129,9 @@ class Ending:
     trained: bool = True  # False: stopped before the first step of this process
 
 
-def _steps(setup: RunSetup, engine: Engine, recorder: RunRecorder, writer: CheckpointWriter, stop: GracefulStop,
-           step: int) -> Ending:
+def _steps(
+    setup: RunSetup, engine: Engine, recorder: RunRecorder, writer: CheckpointWriter, stop: GracefulStop, step: int
+) -> Ending:
     """The optimizer steps from `step` on. The last checkpoint (end of run, stop) is submitted, not waited
     for: the caller waits once the worker threads have stopped (and, on a stop, the devices are free)."""
     cfg, total_steps = setup.cfg, engine.total_steps
@@ -175,16 +185,26 @@ def _offer_handover(engine: Engine, recorder: RunRecorder, run_dir: Path, step: 
     left = engine.release_devices()
     recorder.mark("devices_released")
     if not devices_free(left):
-        log(f"devices still hold {', '.join(f'{d} {b / 2**30:.1f} GiB' for d, b in left.items())} after the "
-            "release: no hand-over")
+        log(
+            f"devices still hold {', '.join(f'{d} {b / 2**30:.1f} GiB' for d, b in left.items())} after the "
+            "release: no hand-over"
+        )
         return
     target = checkpoints_root(run_dir) / f"{CHECKPOINT_PREFIX}{step:06d}"
-    recorder.set_status(handover={"checkpoint": str(target), "step": step, "devices_released": True,
-                                  "device_bytes_left": left, "release_s": round(time.monotonic() - started, 3)})
+    recorder.set_status(
+        handover={
+            "checkpoint": str(target),
+            "step": step,
+            "devices_released": True,
+            "device_bytes_left": left,
+            "release_s": round(time.monotonic() - started, 3),
+        }
+    )
 
 
-def save_in_background(recorder: RunRecorder, writer: CheckpointWriter, step: int, parts: dict[str, Any], *,
-                       last: bool) -> None:
+def save_in_background(
+    recorder: RunRecorder, writer: CheckpointWriter, step: int, parts: dict[str, Any], *, last: bool
+) -> None:
     """Checkpoint `step` (`parts`: what `snapshot_checkpoint` takes) and report what has landed. Training waits
     only for the snapshot (device->host copy; status phase "saving" meanwhile); the write overlaps the next
     steps. The `last` checkpoint of this process (end of run, stop request) is only submitted here: the phase

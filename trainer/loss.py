@@ -254,8 +254,10 @@ def _compiled_stats_and_grad(backend: str = "inductor") -> tuple[Callable[..., t
     never evaluate one dynamo cache's guards at the same time (the race that failed 3 of 8 two-drafter runs on
     the H200). Static (dynamic=False): one entry per chunk shape (full chunks + the short last one) instead of
     a symbolic-shape entry whose guards run as Python code."""
-    return (private_compile(_student_stats, backend=backend),
-            private_compile(functools.partial(_logit_grad, onehot_by_compare=True), backend=backend))
+    return (
+        private_compile(_student_stats, backend=backend),
+        private_compile(functools.partial(_logit_grad, onehot_by_compare=True), backend=backend),
+    )
 
 
 # --loss-kernels auto picks the fused Triton kernel only where it has been measured: Hopper (H200, capability
@@ -280,8 +282,13 @@ def resolve_loss_kernels(requested: str, device: torch.device, compiled: bool) -
     return "compiled"
 
 
-def make_chunk_kernels(kind: str = "eager", *, triton_config: str | None = None,
-                       kl_triton_config: str | None = None, compile_backend: str = "inductor") -> ChunkKernels:
+def make_chunk_kernels(
+    kind: str = "eager",
+    *,
+    triton_config: str | None = None,
+    kl_triton_config: str | None = None,
+    compile_backend: str = "inductor",
+) -> ChunkKernels:
     """Kernels by kind (KERNEL_KINDS). eager: plain torch ops. compiled: new torch.compile'd functions
     (compiled lazily at the first call). triton (needs the triton package and a CUDA device): the fused Triton
     CE kernel for CE and CE+CAP, launch config ``triton_config`` ("BLOCK_V:NUM_WARPS[:PROGRAMS_PER_SM]"), else
@@ -298,20 +305,26 @@ def make_chunk_kernels(kind: str = "eager", *, triton_config: str | None = None,
 
         if not loss_triton.triton_available():
             raise loss_triton.TritonUnavailableError(
-                "the triton loss kernels need the triton package (CUDA torch wheels bring it)")
-        config = (loss_triton.CEKernelConfig.parse(triton_config) if triton_config
-                  else loss_triton.CEKernelConfig.from_env())
+                "the triton loss kernels need the triton package (CUDA torch wheels bring it)"
+            )
+        config = (
+            loss_triton.CEKernelConfig.parse(triton_config) if triton_config else loss_triton.CEKernelConfig.from_env()
+        )
         from trainer import loss_triton_kl
 
         fused = functools.partial(loss_triton.fused_ce, config=config)
-        kl_config = (loss_triton.CEKernelConfig.parse(kl_triton_config) if kl_triton_config
-                     else loss_triton_kl.config_from_env())
-        soft_label = SoftLabelKernels(fused=functools.partial(loss_triton_kl.fused_ce_kl, config=kl_config),
-                                      stats=functools.partial(loss_triton_kl.ce_kl_stats, config=kl_config),
-                                      grad=functools.partial(loss_triton_kl.ce_kl_grad, config=kl_config))
+        kl_config = (
+            loss_triton.CEKernelConfig.parse(kl_triton_config) if kl_triton_config else loss_triton_kl.config_from_env()
+        )
+        soft_label = SoftLabelKernels(
+            fused=functools.partial(loss_triton_kl.fused_ce_kl, config=kl_config),
+            stats=functools.partial(loss_triton_kl.ce_kl_stats, config=kl_config),
+            grad=functools.partial(loss_triton_kl.ce_kl_grad, config=kl_config),
+        )
         compiled = make_chunk_kernels("compiled", compile_backend=compile_backend)
-        return ChunkKernels(stats=compiled.stats, logit_grad=compiled.logit_grad, fused_ce=fused,
-                            soft_label=soft_label, kind="triton")
+        return ChunkKernels(
+            stats=compiled.stats, logit_grad=compiled.logit_grad, fused_ce=fused, soft_label=soft_label, kind="triton"
+        )
     raise ValueError(f"unknown loss kernels {kind!r}: one of {', '.join(KERNEL_KINDS)}")
 
 
@@ -369,8 +382,20 @@ def dflash_loss(
     when kl_weight == 0, ``soft_label`` when kl_weight > 0, where set; the stats + logit_grad path otherwise.
     The d/d hidden GEMM is skipped when hidden does not require grad (eval).
     """
-    _check_inputs(hidden, lm_head_weight, labels, weights, teacher_hidden, block_size, normalizer,
-                  kl_weight, kl_temperature, cap_lambda, num_blocks_normalizer, chunk_size)
+    _check_inputs(
+        hidden,
+        lm_head_weight,
+        labels,
+        weights,
+        teacher_hidden,
+        block_size,
+        normalizer,
+        kl_weight,
+        kl_temperature,
+        cap_lambda,
+        num_blocks_normalizer,
+        chunk_size,
+    )
     rows, vocab = hidden.shape[0], lm_head_weight.shape[0]
     use_kl, use_cap = kl_weight > 0, cap_lambda > 0
     kernels = kernels or ChunkKernels()
@@ -412,8 +437,15 @@ def dflash_loss(
             if soft is not None and not use_cap and grad_hidden is not None:
                 # one kernel: statistics, KL and the UNSCALED g, written over the teacher logits (each element
                 # is read before it is overwritten), so soft labels need no third [C, V] buffer
-                grad_logits, lse, ce, kl, argmax = soft.fused(logits, teacher_logits, lab, temperature=kl_temperature,
-                                                              kl_ratio=kl_ratio, want_grad=True, out=teacher_logits)
+                grad_logits, lse, ce, kl, argmax = soft.fused(
+                    logits,
+                    teacher_logits,
+                    lab,
+                    temperature=kl_temperature,
+                    kl_ratio=kl_ratio,
+                    want_grad=True,
+                    out=teacher_logits,
+                )
             elif soft is not None:  # CAP needs every CE of the chunk before g (or eval: no g at all)
                 row_state, lse, ce, kl, argmax = soft.stats(logits, teacher_logits, lab, temperature=kl_temperature)
             elif fused_ce:  # one kernel: statistics and the UNSCALED g = softmax - onehot (scaled after GEMM 2)
@@ -435,11 +467,13 @@ def dflash_loss(
                     # c_i = 0 (both carry w_i / normalizer and CAP's part is >= 0), so the ratio is 0 there
                     assert kl_coef is not None  # soft labels: use_kl
                     ratio = torch.where(ce_coef > 0, kl_coef / ce_coef, 0.0)
-                    grad_logits = soft.grad(logits, teacher_logits, lab, row_state, ratio,
-                                            temperature=kl_temperature, out=teacher_logits)
+                    grad_logits = soft.grad(
+                        logits, teacher_logits, lab, row_state, ratio, temperature=kl_temperature, out=teacher_logits
+                    )
             elif not fused:
-                grad_logits, kl = kernels.logit_grad(logits, lab, lse, ce_coef, teacher_logits, lse_t, kl_coef,
-                                                     kl_temperature)
+                grad_logits, kl = kernels.logit_grad(
+                    logits, lab, lse, ce_coef, teacher_logits, lse_t, kl_coef, kl_temperature
+                )
                 if kl is not None:
                     kl_sum += (w * kl).sum()
             if grad_hidden is not None and fused:
@@ -455,15 +489,36 @@ def dflash_loss(
     loss_value = (ce_sum + kl_weight * kl_temperature**2 * kl_sum) * inv_norm - cap_scale * cap_sum
     real_blocks = valid.view(-1, block_size).any(dim=1).sum().to(acc_dtype)
     loss = _AttachHiddenGrad.apply(hidden, loss_value, grad_hidden) if want_grad else loss_value
-    return LossResult(loss=loss, ce_sum=ce_sum, kl_sum=kl_sum, cap_sum=cap_sum,
-                      weight_sum=weights_acc.sum(), num_blocks=real_blocks, correct=correct)
+    return LossResult(
+        loss=loss,
+        ce_sum=ce_sum,
+        kl_sum=kl_sum,
+        cap_sum=cap_sum,
+        weight_sum=weights_acc.sum(),
+        num_blocks=real_blocks,
+        correct=correct,
+    )
 
 
-def _check_inputs(hidden, weight, labels, weights, teacher_hidden, block_size, normalizer,
-                  kl_weight, kl_temperature, cap_lambda, num_blocks_normalizer, chunk_size) -> None:
+def _check_inputs(
+    hidden,
+    weight,
+    labels,
+    weights,
+    teacher_hidden,
+    block_size,
+    normalizer,
+    kl_weight,
+    kl_temperature,
+    cap_lambda,
+    num_blocks_normalizer,
+    chunk_size,
+) -> None:
     """Shape and hyper-parameter checks that need no device sync (values on the device are trusted)."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise LossInputError(f"hidden {tuple(hidden.shape)} and lm_head_weight {tuple(weight.shape)} must be [M, H] and [V, H]")
+        raise LossInputError(
+            f"hidden {tuple(hidden.shape)} and lm_head_weight {tuple(weight.shape)} must be [M, H] and [V, H]"
+        )
     rows = hidden.shape[0]
     if labels.shape != (rows,) or weights.shape != (rows,):
         raise LossInputError(f"labels {tuple(labels.shape)} and weights {tuple(weights.shape)} must be [{rows}]")
@@ -475,8 +530,12 @@ def _check_inputs(hidden, weight, labels, weights, teacher_hidden, block_size, n
         raise LossInputError(f"teacher_hidden {tuple(teacher_hidden.shape)} must match hidden {tuple(hidden.shape)}")
     if kl_weight > 0 and teacher_hidden is None:
         raise LossInputError("kl_weight > 0 needs teacher_hidden (soft labels are on but no teacher states were given)")
-    for name, value in (("normalizer", normalizer), ("num_blocks_normalizer", num_blocks_normalizer),
-                        ("kl_weight", kl_weight), ("cap_lambda", cap_lambda)):
+    for name, value in (
+        ("normalizer", normalizer),
+        ("num_blocks_normalizer", num_blocks_normalizer),
+        ("kl_weight", kl_weight),
+        ("cap_lambda", cap_lambda),
+    ):
         if not (value >= 0 and math.isfinite(value)):
             raise LossInputError(f"{name} must be finite and >= 0 (got {value})")
     if not (kl_temperature > 0 and math.isfinite(kl_temperature)):

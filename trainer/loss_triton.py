@@ -127,12 +127,24 @@ def _kernel():
         import triton.language as tl
     except ImportError as exc:
         raise TritonUnavailableError(
-            "the triton loss kernels need the triton package (CUDA torch wheels bring it)") from exc
+            "the triton loss kernels need the triton package (CUDA torch wheels bring it)"
+        ) from exc
 
     @triton.jit(do_not_specialize=["n_rows"])
-    def _ce_rows_kernel(logits_ptr, labels_ptr, grad_ptr, lse_ptr, ce_ptr, argmax_ptr,
-                        n_rows, logits_stride, grad_stride,
-                        N_COLS: tl.constexpr, BLOCK_V: tl.constexpr, WRITE_GRAD: tl.constexpr):
+    def _ce_rows_kernel(
+        logits_ptr,
+        labels_ptr,
+        grad_ptr,
+        lse_ptr,
+        ce_ptr,
+        argmax_ptr,
+        n_rows,
+        logits_stride,
+        grad_stride,
+        N_COLS: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        WRITE_GRAD: tl.constexpr,
+    ):
         # V is a compile-time constant (fixed per run) and rows advance in a while loop: Triton 3.6's
         # interpreter under numpy >= 2.4 cannot take range() bounds that are runtime values (triton#9171).
         cols = tl.arange(0, BLOCK_V)
@@ -146,8 +158,9 @@ def _kernel():
             arg = tl.full((), 0, tl.int32)
             for start in range(0, N_COLS, BLOCK_V):
                 idx = start + cols
-                x = tl.load(x_row + idx, mask=idx < N_COLS, other=float("-inf"),
-                            eviction_policy="evict_last").to(tl.float32)
+                x = tl.load(x_row + idx, mask=idx < N_COLS, other=float("-inf"), eviction_policy="evict_last").to(
+                    tl.float32
+                )
                 tile_max, tile_arg = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
                 arg = tl.where(tile_max > m, start + tile_arg, arg)  # strict: an earlier tile wins a tie
                 m_new = tl.maximum(m, tile_max)
@@ -179,18 +192,22 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def fused_ce(logits: torch.Tensor, labels: torch.Tensor, *, want_grad: bool = True,
-             config: CEKernelConfig | None = None):
+def fused_ce(
+    logits: torch.Tensor, labels: torch.Tensor, *, want_grad: bool = True, config: CEKernelConfig | None = None
+):
     """(grad or None, lse, ce, argmax) of one chunk; see the module docstring for the contract."""
     config = config or CEKernelConfig()
     if logits.dim() != 2 or labels.shape != (logits.shape[0],):
         raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} must be [C, V] and [C]")
     if logits.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise TypeError(f"the triton CE kernel accumulates in fp32; {logits.dtype} logits need the eager or "
-                        "compiled kernels")
+        raise TypeError(
+            f"the triton CE kernel accumulates in fp32; {logits.dtype} logits need the eager or compiled kernels"
+        )
     if logits.device.type != "cuda" and not _interpreting():
-        raise TritonUnavailableError(f"the triton loss kernels need a CUDA device (logits are on {logits.device}; "
-                                     "TRITON_INTERPRET=1 runs them on CPU, slowly, for tests)")
+        raise TritonUnavailableError(
+            f"the triton loss kernels need a CUDA device (logits are on {logits.device}; "
+            "TRITON_INTERPRET=1 runs them on CPU, slowly, for tests)"
+        )
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     rows, vocab = logits.shape
@@ -204,8 +221,11 @@ def fused_ce(logits: torch.Tensor, labels: torch.Tensor, *, want_grad: bool = Tr
     if config.programs_per_sm == 0:
         programs = rows
     else:
-        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
-            if device.type == "cuda" else 2  # interpreter: 2 "SMs", enough to exercise the row loop
+        sms = (
+            _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+            if device.type == "cuda"
+            else 2
+        )  # interpreter: 2 "SMs", enough to exercise the row loop
         programs = min(rows, sms * config.programs_per_sm)
     block_v = min(config.block_v, max(16, 1 << (vocab - 1).bit_length()))
     # Triton launches on the current device's current stream, torch ops on the tensors' device: make them agree
@@ -213,7 +233,18 @@ def fused_ce(logits: torch.Tensor, labels: torch.Tensor, *, want_grad: bool = Tr
     guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with guard:
         _kernel()[(programs,)](
-            logits, labels, grad if grad is not None else logits, lse, ce, argmax,
-            rows, logits.stride(0), grad.stride(0) if grad is not None else 0,
-            N_COLS=vocab, BLOCK_V=block_v, WRITE_GRAD=want_grad, num_warps=config.num_warps)
+            logits,
+            labels,
+            grad if grad is not None else logits,
+            lse,
+            ce,
+            argmax,
+            rows,
+            logits.stride(0),
+            grad.stride(0) if grad is not None else 0,
+            N_COLS=vocab,
+            BLOCK_V=block_v,
+            WRITE_GRAD=want_grad,
+            num_warps=config.num_warps,
+        )
     return grad, lse, ce, argmax

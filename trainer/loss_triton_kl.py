@@ -105,18 +105,38 @@ def _kernel():
         import triton.language as tl
     except ImportError as exc:
         raise TritonUnavailableError(
-            "the triton loss kernels need the triton package (CUDA torch wheels bring it)") from exc
+            "the triton loss kernels need the triton package (CUDA torch wheels bring it)"
+        ) from exc
 
     # Triton's interpreter looks a kernel's callees up in its module's globals, not in this closure: publish the
     # jitted combine function and `tl` there, before the kernel is defined (the compiler finds them there too).
     globals().update(tl=tl, _max_first_index_and_max=triton.jit(_max_first_index_and_max_combine))
 
     @triton.jit(do_not_specialize=["n_rows"])
-    def _ce_kl_rows_kernel(x_ptr, t_ptr, labels_ptr, grad_ptr, ratio_ptr, state_ptr,
-                           lse_ptr, ce_ptr, kl_ptr, argmax_ptr,
-                           n_rows, x_stride, t_stride, grad_stride, ratio, inv_temperature,
-                           N_COLS: tl.constexpr, BLOCK_V: tl.constexpr, T_POWER: tl.constexpr,
-                           STATS: tl.constexpr, GRAD: tl.constexpr, RATIO_PER_ROW: tl.constexpr):
+    def _ce_kl_rows_kernel(
+        x_ptr,
+        t_ptr,
+        labels_ptr,
+        grad_ptr,
+        ratio_ptr,
+        state_ptr,
+        lse_ptr,
+        ce_ptr,
+        kl_ptr,
+        argmax_ptr,
+        n_rows,
+        x_stride,
+        t_stride,
+        grad_stride,
+        ratio,
+        inv_temperature,
+        N_COLS: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        T_POWER: tl.constexpr,
+        STATS: tl.constexpr,
+        GRAD: tl.constexpr,
+        RATIO_PER_ROW: tl.constexpr,
+    ):
         LOG2E: tl.constexpr = 1.4426950408889634
         cols = tl.arange(0, BLOCK_V)
         scale_t = inv_temperature * LOG2E  # exp((v - m)/T) = exp2((v - m) * scale_t)
@@ -143,10 +163,12 @@ def _kernel():
                     t = t_next.to(tl.float32)
                     # prefetch: the next tile's loads fly while this one is reduced (masked off past the end)
                     next_idx = idx + BLOCK_V
-                    x_next = tl.load(x_row + next_idx, mask=next_idx < N_COLS, other=float("-inf"),
-                                     eviction_policy="evict_last")
-                    t_next = tl.load(t_row + next_idx, mask=next_idx < N_COLS, other=float("-inf"),
-                                     eviction_policy="evict_last")
+                    x_next = tl.load(
+                        x_row + next_idx, mask=next_idx < N_COLS, other=float("-inf"), eviction_policy="evict_last"
+                    )
+                    t_next = tl.load(
+                        t_row + next_idx, mask=next_idx < N_COLS, other=float("-inf"), eviction_policy="evict_last"
+                    )
                     tile_max_x, tile_arg, tile_max_t = tl.reduce((x, idx, t), 0, _max_first_index_and_max)  # type: ignore[name-defined]  # noqa: F821
                     arg = tl.where(tile_max_x > m_x, tile_arg, arg)  # strict: an earlier tile wins a tie
                     m_x_new = tl.maximum(m_x, tile_max_x)
@@ -216,10 +238,8 @@ def _kernel():
                     x = x_next.to(tl.float32)
                     t = t_next.to(tl.float32)
                     next_idx = idx + BLOCK_V
-                    x_next = tl.load(x_row + next_idx, mask=next_idx < N_COLS, other=0.0,
-                                     eviction_policy="evict_first")
-                    t_next = tl.load(t_row + next_idx, mask=next_idx < N_COLS, other=0.0,
-                                     eviction_policy="evict_first")
+                    x_next = tl.load(x_row + next_idx, mask=next_idx < N_COLS, other=0.0, eviction_policy="evict_first")
+                    t_next = tl.load(t_row + next_idx, mask=next_idx < N_COLS, other=0.0, eviction_policy="evict_first")
                     d_x = x - m_x
                     e_x_t = tl.exp2(d_x * scale_t)
                     if T_POWER > 0:
@@ -240,24 +260,31 @@ def _kernel():
 
 def _check(logits: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor, temperature: float) -> None:
     if logits.dim() != 2 or teacher.shape != logits.shape or labels.shape != (logits.shape[0],):
-        raise ValueError(f"logits {tuple(logits.shape)}, teacher {tuple(teacher.shape)} and labels "
-                         f"{tuple(labels.shape)} must be [C, V], [C, V] and [C]")
+        raise ValueError(
+            f"logits {tuple(logits.shape)}, teacher {tuple(teacher.shape)} and labels "
+            f"{tuple(labels.shape)} must be [C, V], [C, V] and [C]"
+        )
     if logits.dtype not in (torch.bfloat16, torch.float16, torch.float32) or teacher.dtype != logits.dtype:
-        raise TypeError(f"the triton CE+KL kernel accumulates in fp32 and needs bf16/fp16/fp32 logits and teacher "
-                        f"logits of one dtype (got {logits.dtype}, {teacher.dtype}); use the eager or compiled kernels")
+        raise TypeError(
+            f"the triton CE+KL kernel accumulates in fp32 and needs bf16/fp16/fp32 logits and teacher "
+            f"logits of one dtype (got {logits.dtype}, {teacher.dtype}); use the eager or compiled kernels"
+        )
     if not (temperature > 0):
         raise ValueError(f"temperature must be > 0 (got {temperature})")
     if logits.device.type != "cuda" and not _interpreting():
-        raise TritonUnavailableError(f"the triton loss kernels need a CUDA device (logits are on {logits.device}; "
-                                     "TRITON_INTERPRET=1 runs them on CPU, slowly, for tests)")
+        raise TritonUnavailableError(
+            f"the triton loss kernels need a CUDA device (logits are on {logits.device}; "
+            "TRITON_INTERPRET=1 runs them on CPU, slowly, for tests)"
+        )
 
 
 def _rows_contiguous(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.stride(1) == 1 else tensor.contiguous()
 
 
-def _launch(logits, teacher, labels, *, grad, ratio, row_state, temperature: float, stats: bool,
-            config: CEKernelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _launch(
+    logits, teacher, labels, *, grad, ratio, row_state, temperature: float, stats: bool, config: CEKernelConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One kernel launch; returns (lse, ce, kl, argmax) (empty where ``stats`` is False)."""
     rows, vocab = logits.shape
     device = logits.device
@@ -268,8 +295,11 @@ def _launch(logits, teacher, labels, *, grad, ratio, row_state, temperature: flo
     if config.programs_per_sm == 0:
         programs = rows
     else:
-        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
-            if device.type == "cuda" else 2  # interpreter: 2 "SMs", enough to exercise the row loop
+        sms = (
+            _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+            if device.type == "cuda"
+            else 2
+        )  # interpreter: 2 "SMs", enough to exercise the row loop
         programs = min(rows, sms * config.programs_per_sm)
     block_v = min(config.block_v, max(16, 1 << (vocab - 1).bit_length()))
     per_row = isinstance(ratio, torch.Tensor)
@@ -277,14 +307,30 @@ def _launch(logits, teacher, labels, *, grad, ratio, row_state, temperature: flo
     guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with guard:
         _kernel()[(programs,)](
-            logits, teacher, labels, grad if grad is not None else placeholder,
-            ratio if per_row else placeholder, row_state if row_state is not None else placeholder,
-            lse if stats else placeholder, ce if stats else placeholder, kl if stats else placeholder,
+            logits,
+            teacher,
+            labels,
+            grad if grad is not None else placeholder,
+            ratio if per_row else placeholder,
+            row_state if row_state is not None else placeholder,
+            lse if stats else placeholder,
+            ce if stats else placeholder,
+            kl if stats else placeholder,
             argmax if stats else placeholder,
-            rows, logits.stride(0), teacher.stride(0), grad.stride(0) if grad is not None else 0,
-            0.0 if per_row else float(ratio), 1.0 / temperature,
-            N_COLS=vocab, BLOCK_V=block_v, T_POWER=temperature_power(temperature),
-            STATS=stats, GRAD=grad is not None, RATIO_PER_ROW=per_row, num_warps=config.num_warps)
+            rows,
+            logits.stride(0),
+            teacher.stride(0),
+            grad.stride(0) if grad is not None else 0,
+            0.0 if per_row else float(ratio),
+            1.0 / temperature,
+            N_COLS=vocab,
+            BLOCK_V=block_v,
+            T_POWER=temperature_power(temperature),
+            STATS=stats,
+            GRAD=grad is not None,
+            RATIO_PER_ROW=per_row,
+            num_warps=config.num_warps,
+        )
     return lse, ce, kl, argmax
 
 
@@ -296,9 +342,17 @@ def _grad_buffer(logits: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor
     return out
 
 
-def fused_ce_kl(logits: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor, *, temperature: float,
-                kl_ratio: float, want_grad: bool = True, out: torch.Tensor | None = None,
-                config: CEKernelConfig | None = None):
+def fused_ce_kl(
+    logits: torch.Tensor,
+    teacher: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float,
+    kl_ratio: float,
+    want_grad: bool = True,
+    out: torch.Tensor | None = None,
+    config: CEKernelConfig | None = None,
+):
     """(grad or None, lse, ce, kl, argmax) of one chunk in one launch; see the module docstring."""
     _check(logits, teacher, labels, temperature)
     logits, teacher = _rows_contiguous(logits), _rows_contiguous(teacher)
@@ -307,25 +361,57 @@ def fused_ce_kl(logits: torch.Tensor, teacher: torch.Tensor, labels: torch.Tenso
         _, lse, ce, kl, argmax = ce_kl_stats(logits, teacher, labels, temperature=temperature, config=config)
         return None, lse, ce, kl, argmax
     grad = _grad_buffer(logits, out)
-    lse, ce, kl, argmax = _launch(logits, teacher, labels, grad=grad, ratio=kl_ratio, row_state=None,
-                                  temperature=temperature, stats=True, config=config)
+    lse, ce, kl, argmax = _launch(
+        logits,
+        teacher,
+        labels,
+        grad=grad,
+        ratio=kl_ratio,
+        row_state=None,
+        temperature=temperature,
+        stats=True,
+        config=config,
+    )
     return grad, lse, ce, kl, argmax
 
 
-def ce_kl_stats(logits: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor, *, temperature: float,
-                config: CEKernelConfig | None = None):
+def ce_kl_stats(
+    logits: torch.Tensor,
+    teacher: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float,
+    config: CEKernelConfig | None = None,
+):
     """Pass 1 only: (row_state [C, 5] fp32 for ``ce_kl_grad``, lse, ce, kl, argmax)."""
     _check(logits, teacher, labels, temperature)
     logits, teacher = _rows_contiguous(logits), _rows_contiguous(teacher)
     row_state = torch.empty(logits.shape[0], ROW_STATE_WIDTH, dtype=torch.float32, device=logits.device)
-    lse, ce, kl, argmax = _launch(logits, teacher, labels, grad=None, ratio=0.0, row_state=row_state,
-                                  temperature=temperature, stats=True, config=config or DEFAULT_CONFIG)
+    lse, ce, kl, argmax = _launch(
+        logits,
+        teacher,
+        labels,
+        grad=None,
+        ratio=0.0,
+        row_state=row_state,
+        temperature=temperature,
+        stats=True,
+        config=config or DEFAULT_CONFIG,
+    )
     return row_state, lse, ce, kl, argmax
 
 
-def ce_kl_grad(logits: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor, row_state: torch.Tensor,
-               kl_ratio: torch.Tensor, *, temperature: float, out: torch.Tensor | None = None,
-               config: CEKernelConfig | None = None) -> torch.Tensor:
+def ce_kl_grad(
+    logits: torch.Tensor,
+    teacher: torch.Tensor,
+    labels: torch.Tensor,
+    row_state: torch.Tensor,
+    kl_ratio: torch.Tensor,
+    *,
+    temperature: float,
+    out: torch.Tensor | None = None,
+    config: CEKernelConfig | None = None,
+) -> torch.Tensor:
     """Pass 2 only: g = (p - y) + kl_ratio[:, None] * (p_T - q_T) from ``ce_kl_stats``'s row_state (same
     logits, teacher and temperature); kl_ratio [C] (used in fp32). Written into ``out`` (may be ``teacher``)."""
     _check(logits, teacher, labels, temperature)
@@ -336,6 +422,15 @@ def ce_kl_grad(logits: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor
     if kl_ratio.shape != (rows,) or not kl_ratio.is_floating_point():
         raise ValueError(f"kl_ratio must be a [{rows}] float tensor (got {tuple(kl_ratio.shape)} {kl_ratio.dtype})")
     grad = _grad_buffer(logits, out)
-    _launch(logits, teacher, labels, grad=grad, ratio=kl_ratio.to(torch.float32).contiguous(), row_state=row_state,
-            temperature=temperature, stats=False, config=config or DEFAULT_CONFIG)
+    _launch(
+        logits,
+        teacher,
+        labels,
+        grad=grad,
+        ratio=kl_ratio.to(torch.float32).contiguous(),
+        row_state=row_state,
+        temperature=temperature,
+        stats=False,
+        config=config or DEFAULT_CONFIG,
+    )
     return grad

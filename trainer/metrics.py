@@ -57,9 +57,17 @@ class RunRecorder:
         self.run_dir = Path(run_dir)
         self.total_steps = total_steps
         self._lock = threading.Lock()
-        self._status: dict[str, Any] = {"phase": "warmup", "step": 0, "total_steps": total_steps,
-                                        "started_at": time.time(), "pid": os.getpid(), "last_checkpoint": None,
-                                        "error": None, "exit_code": None, "timeline": dict(STARTUP_MARKS)}
+        self._status: dict[str, Any] = {
+            "phase": "warmup",
+            "step": 0,
+            "total_steps": total_steps,
+            "started_at": time.time(),
+            "pid": os.getpid(),
+            "last_checkpoint": None,
+            "error": None,
+            "exit_code": None,
+            "timeline": dict(STARTUP_MARKS),
+        }
         self._stop = threading.Event()
         self._wandb: Any = None
         if metrics:
@@ -129,8 +137,12 @@ class RunRecorder:
                 print("warning: --wandb on but wandb is not installed; continuing without it", file=sys.stderr)
             return
         try:
-            self._wandb = wandb.init(project=project, dir=str(self.run_dir), **wandb_lineage(run_name, config, os.environ),
-                                     mode="online" if os.environ.get("WANDB_API_KEY") else "offline")
+            self._wandb = wandb.init(
+                project=project,
+                dir=str(self.run_dir),
+                **wandb_lineage(run_name, config, os.environ),
+                mode="online" if os.environ.get("WANDB_API_KEY") else "offline",
+            )
         except Exception as exc:  # noqa: BLE001
             print(f"warning: wandb.init failed ({exc}); continuing without it", file=sys.stderr)
 
@@ -169,19 +181,30 @@ def truncate_metrics(run_dir: Path, after_step: int) -> int:
 
 def progress_line(record: dict[str, Any], total_steps: int) -> str:
     """One human line per log step: step, epoch, loss, tau_sim, lr, block tok/s, ETA."""
-    return (f"step {record['step']}/{total_steps} | epoch {record['epoch']} | loss {record['loss']:.4f} | "
-            f"tau_sim {record['tau_sim']:.3f} | lr {record['lr']:.2e} | grad_norm {record['grad_norm']:.3f} | "
-            f"block tok/s {record['block_tok_s']:,.0f} | eta {format_eta(record['eta_s'])}")
+    return (
+        f"step {record['step']}/{total_steps} | epoch {record['epoch']} | loss {record['loss']:.4f} | "
+        f"tau_sim {record['tau_sim']:.3f} | lr {record['lr']:.2e} | grad_norm {record['grad_norm']:.3f} | "
+        f"block tok/s {record['block_tok_s']:,.0f} | eta {format_eta(record['eta_s'])}"
+    )
 
 
 def wandb_lineage(run_name: str | None, config: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
     """wandb.init kwargs that mirror the dflashops lineage: name = the run's name, group = the lineage root,
     notes = the hypothesis, and config["dflashops"] = {run, parent, note} (dflashops sets DFLASHOPS_RUN_NAME,
     DFLASHOPS_RUN_PARENT, DFLASHOPS_RUN_NOTE and WANDB_RUN_GROUP in the launched process's environment)."""
-    lineage = {key: environ[var] for key, var in (("run", "DFLASHOPS_RUN_NAME"), ("parent", "DFLASHOPS_RUN_PARENT"),
-                                                  ("note", "DFLASHOPS_RUN_NOTE")) if environ.get(var)}
-    kwargs: dict[str, Any] = {"name": run_name or environ.get("DFLASHOPS_RUN_NAME") or None,
-                              "config": {**config, "dflashops": lineage} if lineage else dict(config)}
+    lineage = {
+        key: environ[var]
+        for key, var in (
+            ("run", "DFLASHOPS_RUN_NAME"),
+            ("parent", "DFLASHOPS_RUN_PARENT"),
+            ("note", "DFLASHOPS_RUN_NOTE"),
+        )
+        if environ.get(var)
+    }
+    kwargs: dict[str, Any] = {
+        "name": run_name or environ.get("DFLASHOPS_RUN_NAME") or None,
+        "config": {**config, "dflashops": lineage} if lineage else dict(config),
+    }
     if environ.get("WANDB_RUN_GROUP"):
         kwargs["group"] = environ["WANDB_RUN_GROUP"]
     if environ.get("DFLASHOPS_RUN_NOTE"):

@@ -54,12 +54,17 @@ def target_hf_config(cfg: TrainConfig) -> Any:
 
     if cfg.target_model is None:
         assert cfg.tiny_target is not None
-        return Qwen3Config(**cfg.tiny_target, tie_word_embeddings=False,
-                           rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta})
+        return Qwen3Config(
+            **cfg.tiny_target,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        )
     path = Path(cfg.target_model)
     if not (path / "config.json").is_file():
-        raise TrainerInputError(f"--target-model: {path} is not a model directory (no config.json)",
-                                hint="pass a local Hugging Face model directory")
+        raise TrainerInputError(
+            f"--target-model: {path} is not a model directory (no config.json)",
+            hint="pass a local Hugging Face model directory",
+        )
     return AutoConfig.from_pretrained(path, local_files_only=True)
 
 
@@ -71,14 +76,21 @@ def build_drafter_config(cfg: TrainConfig, hf_config: Any) -> DrafterConfig:
     hidden = cfg.hidden_size or text.hidden_size
     vocab = int(text.vocab_size)
     if hidden != text.hidden_size:
-        raise TrainerInputError(f"--hidden-size: drafter hidden size {hidden} != target hidden size {text.hidden_size}",
-                                hint="the drafter shares the target's embedding and LM head; use the matching preset")
+        raise TrainerInputError(
+            f"--hidden-size: drafter hidden size {hidden} != target hidden size {text.hidden_size}",
+            hint="the drafter shares the target's embedding and LM head; use the matching preset",
+        )
     if cfg.mask_token_id is None or not 0 <= cfg.mask_token_id < vocab:
-        raise TrainerInputError(f"--mask-token-id: {cfg.mask_token_id} is outside the target's vocabulary (size {vocab})",
-                                hint="use a reserved token id of the target's tokenizer (Qwen3: 151669)")
+        raise TrainerInputError(
+            f"--mask-token-id: {cfg.mask_token_id} is outside the target's vocabulary (size {vocab})",
+            hint="use a reserved token id of the target's tokenizer (Qwen3: 151669)",
+        )
     if cfg.num_target_layers is not None and cfg.num_target_layers != num_target_layers:
-        raise TrainerInputError(f"--num-target-layers: the preset expects a {cfg.num_target_layers}-layer target, "
-                                f"{cfg.target_model} has {num_target_layers}", hint="pick the preset of this target")
+        raise TrainerInputError(
+            f"--num-target-layers: the preset expects a {cfg.num_target_layers}-layer target, "
+            f"{cfg.target_model} has {num_target_layers}",
+            hint="pick the preset of this target",
+        )
     from trainer.model import default_target_layer_ids
 
     try:
@@ -87,17 +99,27 @@ def build_drafter_config(cfg: TrainConfig, hf_config: Any) -> DrafterConfig:
         if missing:
             raise ValueError(f"the target has layers 0..{num_target_layers - 1}, no layer {missing}")
         return DrafterConfig(
-            hidden_size=hidden, intermediate_size=cfg.intermediate_size or text.intermediate_size,
-            num_hidden_layers=cfg.num_draft_layers, num_attention_heads=heads,
+            hidden_size=hidden,
+            intermediate_size=cfg.intermediate_size or text.intermediate_size,
+            num_hidden_layers=cfg.num_draft_layers,
+            num_attention_heads=heads,
             num_key_value_heads=cfg.num_key_value_heads or getattr(text, "num_key_value_heads", heads),  # type: ignore[arg-type]
-            head_dim=cfg.head_dim or getattr(text, "head_dim", None) or hidden // heads, vocab_size=vocab,
-            block_size=cfg.block_size, target_layer_ids=layer_ids, num_target_layers=num_target_layers,
-            mask_token_id=cfg.mask_token_id, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
-            layer_types=cfg.layer_types(), sliding_window=cfg.sliding_window,
-            max_position_embeddings=cfg.max_position_embeddings)
+            head_dim=cfg.head_dim or getattr(text, "head_dim", None) or hidden // heads,
+            vocab_size=vocab,
+            block_size=cfg.block_size,
+            target_layer_ids=layer_ids,
+            num_target_layers=num_target_layers,
+            mask_token_id=cfg.mask_token_id,
+            rms_norm_eps=cfg.rms_norm_eps,
+            rope_theta=cfg.rope_theta,
+            layer_types=cfg.layer_types(),
+            sliding_window=cfg.sliding_window,
+            max_position_embeddings=cfg.max_position_embeddings,
+        )
     except ValueError as exc:
-        raise TrainerInputError(f"--num-draft-layers/--target-layer-ids: {exc}",
-                                hint="the drafter taps one target layer per drafter layer") from None
+        raise TrainerInputError(
+            f"--num-draft-layers/--target-layer-ids: {exc}", hint="the drafter taps one target layer per drafter layer"
+        ) from None
 
 
 def check_dataset_settings(cfg: TrainConfig, dataset: object) -> None:
@@ -118,16 +140,26 @@ def check_dataset_settings(cfg: TrainConfig, dataset: object) -> None:
 
             tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True) if source else None
         except (OSError, ValueError) as exc:
-            raise TrainerInputError(f"--tokenizer: cannot load a tokenizer from {source}: {str(exc).splitlines()[0]}",
-                                    hint="pass --tokenizer DIR (the serving tokenizer) to check the dataset's chat template") from None
+            raise TrainerInputError(
+                f"--tokenizer: cannot load a tokenizer from {source}: {str(exc).splitlines()[0]}",
+                hint="pass --tokenizer DIR (the serving tokenizer) to check the dataset's chat template",
+            ) from None
         if tokenizer is None:
-            raise TrainerInputError("--tokenizer: the dataset records a chat template but no tokenizer was given",
-                                    hint="pass --tokenizer DIR or --target-model DIR")
+            raise TrainerInputError(
+                "--tokenizer: the dataset records a chat template but no tokenizer was given",
+                hint="pass --tokenizer DIR or --target-model DIR",
+            )
     if tokenizer is not None:
         check_dataset_matches(meta, tokenizer, cfg.enable_thinking)
-    elif cfg.enable_thinking is not None and meta.enable_thinking is not None and meta.enable_thinking != cfg.enable_thinking:
-        raise TrainerInputError(f"--enable-thinking: the dataset was prepared with enable_thinking={meta.enable_thinking}",
-                                hint="re-run prepare with the serving thinking mode")
+    elif (
+        cfg.enable_thinking is not None
+        and meta.enable_thinking is not None
+        and meta.enable_thinking != cfg.enable_thinking
+    ):
+        raise TrainerInputError(
+            f"--enable-thinking: the dataset was prepared with enable_thinking={meta.enable_thinking}",
+            hint="re-run prepare with the serving thinking mode",
+        )
 
 
 def check_resume_nodes(path: Path, nodes: int) -> None:
@@ -136,10 +168,11 @@ def check_resume_nodes(path: Path, nodes: int) -> None:
     horizon: continuing on fewer or more nodes would be another run under the same name."""
     saved = int(read_state(path).get("pipeline", {}).get("nodes", 1))
     if saved != nodes:
-        raise TrainerInputError(f"--resume: checkpoint {path} was written by a run on {saved} node(s); this run has "
-                                f"--nodes {nodes}",
-                                hint=f"resume it on {saved} node(s) (--nodes {saved}, one torchrun per node), or "
-                                     "export it and start a new run with --init-from")
+        raise TrainerInputError(
+            f"--resume: checkpoint {path} was written by a run on {saved} node(s); this run has --nodes {nodes}",
+            hint=f"resume it on {saved} node(s) (--nodes {saved}, one torchrun per node), or "
+            "export it and start a new run with --init-from",
+        )
 
 
 def preflight(cfg: TrainConfig, *, reads_checkpoints: bool = True) -> RunSetup:
@@ -168,13 +201,25 @@ def preflight(cfg: TrainConfig, *, reads_checkpoints: bool = True) -> RunSetup:
     stream = BatchStream(dataset, cfg, position_weights(cfg.block_size, cfg.gamma).numpy())
     steps_in_data = stream.total_micro_batches() // cfg.grad_accum
     if steps_in_data < 1:
-        raise TrainerInputError(f"--grad-accum: the data holds {stream.total_micro_batches()} micro-batches over "
-                                f"--epochs {cfg.epochs}, fewer than one optimizer step", hint="use more data or epochs")
+        raise TrainerInputError(
+            f"--grad-accum: the data holds {stream.total_micro_batches()} micro-batches over "
+            f"--epochs {cfg.epochs}, fewer than one optimizer step",
+            hint="use more data or epochs",
+        )
     total_steps = min(cfg.max_steps, steps_in_data) if cfg.max_steps else steps_in_data
     drafter_device = first_device(cfg.drafter_gpus)
     check_loss_kernels(cfg.loss_kernels, drafter_device)  # before the (minutes long) target load
-    return RunSetup(cfg, hf_config, drafter_config, dataset, resume_from, first_device(cfg.target_gpus),
-                    drafter_device, total_steps, resume_writer=writer)
+    return RunSetup(
+        cfg,
+        hf_config,
+        drafter_config,
+        dataset,
+        resume_from,
+        first_device(cfg.target_gpus),
+        drafter_device,
+        total_steps,
+        resume_writer=writer,
+    )
 
 
 def expected_shapes(drafter_config: DrafterConfig) -> dict[str, list[int]]:
@@ -189,14 +234,18 @@ def check_init_from(directory: Path, expected: dict[str, list[int]]) -> None:
 
     weights = directory / "model.safetensors"
     if not weights.is_file():
-        raise TrainerInputError(f"--init-from: {directory} has no model.safetensors",
-                                hint="point it at an exported drafter directory (python -m trainer export)")
+        raise TrainerInputError(
+            f"--init-from: {directory} has no model.safetensors",
+            hint="point it at an exported drafter directory (python -m trainer export)",
+        )
     with safe_open(str(weights), framework="pt") as handle:  # reads the header only
         found = {name: list(handle.get_slice(name).get_shape()) for name in handle.keys()}  # noqa: SIM118 - not a dict
     if found != expected:
         diff = sorted(set(found) ^ set(expected)) or [n for n in expected if found[n] != expected[n]]
-        raise TrainerInputError(f"--init-from: {directory} is of a different drafter shape (first difference: {diff[0]})",
-                                hint="use the flags that drafter was trained with")
+        raise TrainerInputError(
+            f"--init-from: {directory} is of a different drafter shape (first difference: {diff[0]})",
+            hint="use the flags that drafter was trained with",
+        )
 
 
 def resolve_devices(names: list[str], flag: str) -> list[torch.device]:
@@ -206,8 +255,10 @@ def resolve_devices(names: list[str], flag: str) -> list[torch.device]:
         if device.type == "cuda":
             count = torch.cuda.device_count()
             if (device.index or 0) >= count:
-                raise TrainerInputError(f"--{flag}: {device} does not exist (this machine has {count} CUDA device(s))",
-                                        hint="list devices with nvidia-smi; use 'cpu' on a machine without GPUs")
+                raise TrainerInputError(
+                    f"--{flag}: {device} does not exist (this machine has {count} CUDA device(s))",
+                    hint="list devices with nvidia-smi; use 'cpu' on a machine without GPUs",
+                )
         elif device.type != "cpu":
             raise TrainerInputError(f"--{flag}: unsupported device {device}", hint="use GPU indices or 'cpu'")
     return devices

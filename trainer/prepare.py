@@ -93,7 +93,11 @@ def _parse_record(line: str) -> list[dict]:
         if not isinstance(messages, list) or not messages:
             raise ValueError("'messages' must be a non-empty list")
         for message in messages:
-            if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
+            if (
+                not isinstance(message, dict)
+                or not isinstance(message.get("role"), str)
+                or not isinstance(message.get("content"), str)
+            ):
                 raise ValueError("every message needs string 'role' and 'content'")
         return [dict(m) for m in messages]
     if isinstance(obj.get("prompt"), str):
@@ -134,13 +138,17 @@ def _claim_output_dir(out: Path, fingerprint: dict[str, Any]) -> None:
     manifest = out / MANIFEST
     if out.exists() and any(out.iterdir()):
         if not manifest.exists():
-            raise DataInputError(f"output directory {out} is not empty and holds no dataset made by prepare",
-                                 hint="choose an empty or new --output-dir")
+            raise DataInputError(
+                f"output directory {out} is not empty and holds no dataset made by prepare",
+                hint="choose an empty or new --output-dir",
+            )
         previous = json.loads(manifest.read_text())
         changed = sorted(k for k in set(previous) | set(fingerprint) if previous.get(k) != fingerprint.get(k))
         if changed:
-            raise DataInputError(f"output directory {out} already holds a different dataset (differs in: {', '.join(changed)})",
-                                 hint="choose a new --output-dir, or rerun with the original input and settings")
+            raise DataInputError(
+                f"output directory {out} already holds a different dataset (differs in: {', '.join(changed)})",
+                hint="choose a new --output-dir, or rerun with the original input and settings",
+            )
         return
     out.mkdir(parents=True, exist_ok=True)
     shards._atomic_write_json(manifest, fingerprint)
@@ -157,14 +165,18 @@ def shard_is_complete(out: Path, name: str, expected_samples: int) -> bool:
     return len(offsets) == expected_samples + 1 and int(offsets[-1]) == len(tokens) == len(mask)
 
 
-def _tokenize_shard(tokenizer_path: str, records: list[list[dict]], enable_thinking: bool | None) -> list[tuple[list[int], list[int]]]:
+def _tokenize_shard(
+    tokenizer_path: str, records: list[list[dict]], enable_thinking: bool | None
+) -> list[tuple[list[int], list[int]]]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     return [tokenize_conversation(tokenizer, r, enable_thinking) for r in records]
 
 
-def _write_tokenized_shard(out: Path, name: str, tokenizer_path: str, records: list[list[dict]], thinking: bool | None) -> dict:
+def _write_tokenized_shard(
+    out: Path, name: str, tokenizer_path: str, records: list[list[dict]], thinking: bool | None
+) -> dict:
     return shards.write_shard(out, name, _tokenize_shard(tokenizer_path, records, thinking))
 
 
@@ -185,12 +197,14 @@ def prepare(options: PrepareOptions, *, log=None) -> shards.DatasetMeta:
         if options.regenerate:
             prompt_part(record)
         elif not any(m["role"] == "assistant" for m in record):
-            raise DataInputError(f"record {index + 1} has no assistant turn to supervise",
-                                 hint="pass --regenerate to let the target answer the prompts")
+            raise DataInputError(
+                f"record {index + 1} has no assistant turn to supervise",
+                hint="pass --regenerate to let the target answer the prompts",
+            )
     out = Path(options.output_dir)
     _claim_output_dir(out, _fingerprint(options, template_sha))
     names = [f"shard-{k:05d}" for k in range((len(records) + options.shard_size - 1) // options.shard_size)]
-    chunks = [records[k * options.shard_size:(k + 1) * options.shard_size] for k in range(len(names))]
+    chunks = [records[k * options.shard_size : (k + 1) * options.shard_size] for k in range(len(names))]
     todo = [k for k in range(len(names)) if not shard_is_complete(out, names[k], len(chunks[k]))]
     if len(todo) < len(names):
         say(f"resuming: {len(names) - len(todo)} of {len(names)} shard(s) already complete, skipped")
@@ -199,11 +213,16 @@ def prepare(options: PrepareOptions, *, log=None) -> shards.DatasetMeta:
 
         regenerator = Regenerator(options.target_model, tokenizer, options)
         for k in todo:
-            samples = regenerator.shard_samples(chunks[k], seed=options.seed + k, label=f"{names[k]} ({k + 1}/{len(names)})")
+            samples = regenerator.shard_samples(
+                chunks[k], seed=options.seed + k, label=f"{names[k]} ({k + 1}/{len(names)})"
+            )
             shards.write_shard(out, names[k], samples)
     elif options.num_workers > 1 and len(todo) > 1:
         with ProcessPoolExecutor(max_workers=options.num_workers) as pool:
-            futures = [pool.submit(_write_tokenized_shard, out, names[k], tokenizer_path, chunks[k], options.enable_thinking) for k in todo]
+            futures = [
+                pool.submit(_write_tokenized_shard, out, names[k], tokenizer_path, chunks[k], options.enable_thinking)
+                for k in todo
+            ]
             for future in futures:
                 future.result()
     else:
@@ -220,8 +239,12 @@ def prepare(options: PrepareOptions, *, log=None) -> shards.DatasetMeta:
         enable_thinking=options.enable_thinking,
         regenerated=options.regenerate,
         vocab_size=len(tokenizer),
-        extra={"input": str(Path(options.input).resolve()), "skipped_lines": bad, "end_of_turn_ids": end_of_turn_ids(tokenizer),
-               "options": {k: v for k, v in asdict(options).items() if k not in ("output_dir",)}},
+        extra={
+            "input": str(Path(options.input).resolve()),
+            "skipped_lines": bad,
+            "end_of_turn_ids": end_of_turn_ids(tokenizer),
+            "options": {k: v for k, v in asdict(options).items() if k not in ("output_dir",)},
+        },
     )
     shards.write_index(out, entries, meta)
     say(f"dataset complete: {meta.num_samples} samples, {meta.num_tokens} tokens in {out}")
@@ -233,11 +256,17 @@ def check_dataset_matches(meta: shards.DatasetMeta, tokenizer: Any, enable_think
     (docs/method.md#data: such a mismatch has publicly cost half of the acceptance rate)."""
     expected = chat_template_sha256(tokenizer)
     if meta.chat_template_sha256 and meta.chat_template_sha256 != expected:
-        raise DataInputError(f"the dataset was tokenized with chat template sha256 {meta.chat_template_sha256[:12]}..., "
-                             f"this tokenizer's is {expected[:12]}...", hint="re-run prepare with the serving tokenizer")
+        raise DataInputError(
+            f"the dataset was tokenized with chat template sha256 {meta.chat_template_sha256[:12]}..., "
+            f"this tokenizer's is {expected[:12]}...",
+            hint="re-run prepare with the serving tokenizer",
+        )
     if enable_thinking is not None and meta.enable_thinking is not None and meta.enable_thinking != enable_thinking:
-        raise DataInputError(f"the dataset was prepared with enable_thinking={meta.enable_thinking}, "
-                             f"training asks for {enable_thinking}", hint="re-run prepare with the serving thinking mode")
+        raise DataInputError(
+            f"the dataset was prepared with enable_thinking={meta.enable_thinking}, "
+            f"training asks for {enable_thinking}",
+            hint="re-run prepare with the serving thinking mode",
+        )
 
 
 def _on_off(value: str) -> bool:
@@ -248,27 +277,47 @@ def _on_off(value: str) -> bool:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m trainer prepare", description=__doc__.splitlines()[0])
-    parser.add_argument("--target-model", required=True, help="HF model directory (its tokenizer and chat template are used)")
+    parser.add_argument(
+        "--target-model", required=True, help="HF model directory (its tokenizer and chat template are used)"
+    )
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --target-model)")
     parser.add_argument("--input", required=True, help="JSONL: {'messages': [...]} or {'prompt': ...} per line")
-    parser.add_argument("--output-dir", required=True,
-                        help="dataset directory (shards, meta.json); a rerun there resumes the same job")
+    parser.add_argument(
+        "--output-dir", required=True, help="dataset directory (shards, meta.json); a rerun there resumes the same job"
+    )
     parser.add_argument("--regenerate", action="store_true", help="let the target answer each prompt (default: off)")
-    parser.add_argument("--max-new-tokens", type=int, default=256,
-                        help="--regenerate: tokens generated per answer at most (default: %(default)s)")
-    parser.add_argument("--temperature", type=float, default=0.0,
-                        help="--regenerate: sampling temperature, 0 = greedy (default: %(default)s)")
-    parser.add_argument("--enable-thinking", type=_on_off, default=None, metavar="on|off",
-                        help="the chat template's thinking mode (default: the template's own)")
-    parser.add_argument("--num-workers", type=int, default=1,
-                        help="tokenization processes, one shard each (default: %(default)s)")
-    parser.add_argument("--batch-size", type=int, default=16,
-                        help="--regenerate: generation batch size (default: %(default)s)")
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=256,
+        help="--regenerate: tokens generated per answer at most (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="--regenerate: sampling temperature, 0 = greedy (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--enable-thinking",
+        type=_on_off,
+        default=None,
+        metavar="on|off",
+        help="the chat template's thinking mode (default: the template's own)",
+    )
+    parser.add_argument(
+        "--num-workers", type=int, default=1, help="tokenization processes, one shard each (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=16, help="--regenerate: generation batch size (default: %(default)s)"
+    )
     parser.add_argument("--shard-size", type=int, default=256, help="records per shard (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="--regenerate: sampling seed; shard k uses seed + k (default: %(default)s)")
-    parser.add_argument("--skip-bad", action="store_true",
-                        help="skip malformed lines instead of stopping (default: off)")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="--regenerate: sampling seed; shard k uses seed + k (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--skip-bad", action="store_true", help="skip malformed lines instead of stopping (default: off)"
+    )
     return parser
 
 

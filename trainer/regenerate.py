@@ -45,8 +45,8 @@ class Regenerator:
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         attention = torch.zeros((len(prompts), width), dtype=torch.long)
         for row, prompt in enumerate(prompts):
-            input_ids[row, width - len(prompt):] = torch.tensor(prompt)
-            attention[row, width - len(prompt):] = 1
+            input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            attention[row, width - len(prompt) :] = 1
         sampled = self.options.temperature > 0
         output = self.model.generate(
             input_ids=input_ids.to(self.device),
@@ -65,16 +65,22 @@ class Regenerator:
             answers.append(row[:cut])
         return answers
 
-    def shard_samples(self, records: list[list[dict]], *, seed: int, label: str = "") -> list[tuple[list[int], list[int]]]:
+    def shard_samples(
+        self, records: list[list[dict]], *, seed: int, label: str = ""
+    ) -> list[tuple[list[int], list[int]]]:
         from trainer.prepare import prompt_part
 
         prompts = [tokenize_prompt(self.tokenizer, prompt_part(r), self.options.enable_thinking) for r in records]
         samples: list[tuple[list[int], list[int]]] = []
         batch = self.options.batch_size
         for start in range(0, len(prompts), batch):
-            chunk = prompts[start:start + batch]
+            chunk = prompts[start : start + batch]
             for prompt, answer in zip(chunk, self.generate(chunk, seed * 1_000_003 + start)):
                 samples.append((prompt + answer, [0] * len(prompt) + [1] * len(answer)))
             # Progress on stderr, one line per batch (logs stay readable in a file; no carriage returns).
-            print(f"regenerate {label}: {min(start + batch, len(prompts))}/{len(prompts)} prompts", file=sys.stderr, flush=True)
+            print(
+                f"regenerate {label}: {min(start + batch, len(prompts))}/{len(prompts)} prompts",
+                file=sys.stderr,
+                flush=True,
+            )
         return samples

@@ -67,7 +67,9 @@ def _atomic_write_json(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def write_shard(directory: Path, name: str, samples: Sequence[tuple[list[int] | np.ndarray, list[int] | np.ndarray]]) -> dict:
+def write_shard(
+    directory: Path, name: str, samples: Sequence[tuple[list[int] | np.ndarray, list[int] | np.ndarray]]
+) -> dict:
     """Write one shard (ids and mask per sample) atomically; return its index entry."""
     lengths = [len(ids) for ids, _ in samples]
     for i, (ids, mask) in enumerate(samples):
@@ -75,7 +77,9 @@ def write_shard(directory: Path, name: str, samples: Sequence[tuple[list[int] | 
             raise ShardError(f"{name}: sample {i} has {len(ids)} ids but {len(mask)} mask values")
     offsets = np.zeros(len(samples) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    tokens = np.concatenate([np.asarray(ids, dtype=np.int32) for ids, _ in samples]) if samples else np.zeros(0, np.int32)
+    tokens = (
+        np.concatenate([np.asarray(ids, dtype=np.int32) for ids, _ in samples]) if samples else np.zeros(0, np.int32)
+    )
     mask = np.concatenate([np.asarray(m, dtype=np.uint8) for _, m in samples]) if samples else np.zeros(0, np.uint8)
     directory.mkdir(parents=True, exist_ok=True)
     # offsets last: a shard whose offsets file exists has its tokens and mask on disk.

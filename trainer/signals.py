@@ -48,8 +48,12 @@ class GracefulStop:
         name = signal.Signals(signum).name
         if self.signum is None:
             self.signum = signum
-            print(f"received {name}: finishing the current step, then saving a checkpoint "
-                  f"(send it again to exit at once)", file=sys.stderr, flush=True)
+            print(
+                f"received {name}: finishing the current step, then saving a checkpoint "
+                f"(send it again to exit at once)",
+                file=sys.stderr,
+                flush=True,
+            )
             return
         print(f"received {name} again: exiting now without a checkpoint", file=sys.stderr, flush=True)
         if self.on_force is not None:

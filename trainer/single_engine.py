@@ -36,14 +36,17 @@ class SingleEngine:
     def __init__(self, setup: RunSetup) -> None:
         self.setup, self.cfg = setup, setup.cfg
         self.total_steps = setup.total_steps
-        self.stream = BatchStream(setup.dataset, self.cfg,
-                                  position_weights(self.cfg.block_size, self.cfg.gamma).numpy())
+        self.stream = BatchStream(
+            setup.dataset, self.cfg, position_weights(self.cfg.block_size, self.cfg.gamma).numpy()
+        )
         self.epoch, self.index = 0, 0  # the next micro-batch to read
         self.recorder: RunRecorder | None = None
 
     def announce(self, run_dir: Path) -> list[str]:
-        return [f"run directory {run_dir.resolve()} ({self.total_steps} steps; target on {self.setup.target_device}, "
-                f"drafter on {self.setup.drafter_device})"]
+        return [
+            f"run directory {run_dir.resolve()} ({self.total_steps} steps; target on {self.setup.target_device}, "
+            f"drafter on {self.setup.drafter_device})"
+        ]
 
     def build(self) -> None:
         cfg, setup = self.cfg, self.setup
@@ -53,8 +56,9 @@ class SingleEngine:
         if cfg.init_from is not None:
             drafter.load_state_dict(DFlashDrafter.from_pretrained(cfg.init_from).state_dict())
         self.target_side = TargetSide(target, setup.target_device, soft_labels=cfg.use_soft_labels)
-        self.drafter_side = DrafterSide(cfg, drafter, target.embed_weight, target.lm_head_weight, setup.drafter_device,
-                                        self.total_steps)
+        self.drafter_side = DrafterSide(
+            cfg, drafter, target.embed_weight, target.lm_head_weight, setup.drafter_device, self.total_steps
+        )
         print(f"loss kernels: {self.drafter_side.loss_kernels.kind}", file=sys.stderr, flush=True)
 
     def load_checkpoint(self, path: Path) -> CheckpointState:
@@ -93,8 +97,9 @@ class SingleEngine:
         stats: StepStats | None = None
         for i, batch in enumerate(micro):
             features = self.target_side.features(batch)
-            part = side.forward_backward(features, normalizer, num_blocks, noise_std=self.noise,
-                                         noise_seed=(cfg.seed, step, i))
+            part = side.forward_backward(
+                features, normalizer, num_blocks, noise_std=self.noise, noise_seed=(cfg.seed, step, i)
+            )
             stats = part if stats is None else stats + part
         self.lr, self.grad_norm = side.optimizer_step()
         self.epoch, self.index = micro[-1].epoch, micro[-1].index + 1  # the next micro-batch to read
@@ -116,10 +121,18 @@ class SingleEngine:
         # loss terms, tau_sim and accuracies over the steps since the last log line
         summary = self.window.summary()
         summary["loss"] /= self.window_steps
-        record = {"step": step, "epoch": self.epoch, **summary, "lr": self.lr, "grad_norm": self.grad_norm,
-                  "noise_std": self.noise, "block_tok_s": self.window.block_tokens / elapsed,
-                  "ctx_tok_s": self.window.ctx_tokens / elapsed,
-                  "eta_s": (self.total_steps - step) * elapsed / self.window_steps, "time": time.time()}
+        record = {
+            "step": step,
+            "epoch": self.epoch,
+            **summary,
+            "lr": self.lr,
+            "grad_norm": self.grad_norm,
+            "noise_std": self.noise,
+            "block_tok_s": self.window.block_tokens / elapsed,
+            "ctx_tok_s": self.window.ctx_tokens / elapsed,
+            "eta_s": (self.total_steps - step) * elapsed / self.window_steps,
+            "time": time.time(),
+        }
         if self.on_cuda:
             record["gpu_mem_gb"] = torch.cuda.max_memory_allocated(self.drafter_side.device) / 2**30
         self._new_window()
@@ -127,9 +140,14 @@ class SingleEngine:
 
     def checkpoint_parts(self, step: int) -> dict[str, Any]:
         side = self.drafter_side
-        return dict(model=side.drafter.state_dict(), optimizer=side.optimizer.state_dict(),
-                    scheduler=side.scheduler.state_dict(), epoch=self.epoch, index=self.index,
-                    extra={"config": self.cfg.to_dict(), "drafter_config": side.drafter.config.to_hf_dict()})
+        return dict(
+            model=side.drafter.state_dict(),
+            optimizer=side.optimizer.state_dict(),
+            scheduler=side.scheduler.state_dict(),
+            epoch=self.epoch,
+            index=self.index,
+            extra={"config": self.cfg.to_dict(), "drafter_config": side.drafter.config.to_hf_dict()},
+        )
 
     def checkpoint_layout(self) -> dict[str, Any]:
         side = self.drafter_side

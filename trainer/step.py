@@ -34,8 +34,16 @@ from trainer.model import DFlashDrafter, TargetModel
 from trainer.model.attention import Backend
 from trainer.model.drafter import call_layer
 
-__all__ = ["Batch", "FeatureBatch", "StepStats", "TargetSide", "DrafterSide", "check_loss_kernels", "lr_factor",
-           "noise_std_at"]
+__all__ = [
+    "Batch",
+    "FeatureBatch",
+    "StepStats",
+    "TargetSide",
+    "DrafterSide",
+    "check_loss_kernels",
+    "lr_factor",
+    "noise_std_at",
+]
 
 
 @dataclass
@@ -65,19 +73,31 @@ class StepStats:
 
     def __add__(self, other: StepStats) -> StepStats:
         device = self.loss.device
-        return StepStats(**{name: (getattr(self, name) + getattr(other, name).to(device)
-                                   if isinstance(getattr(self, name), torch.Tensor) else getattr(self, name) + getattr(other, name))
-                            for name in self.__dataclass_fields__})
+        return StepStats(
+            **{
+                name: (
+                    getattr(self, name) + getattr(other, name).to(device)
+                    if isinstance(getattr(self, name), torch.Tensor)
+                    else getattr(self, name) + getattr(other, name)
+                )
+                for name in self.__dataclass_fields__
+            }
+        )
 
     def summary(self) -> dict[str, Any]:
         """Plain floats for metrics.jsonl (one host sync for all of them)."""
         blocks = max(float(self.num_blocks), 1.0)
         weights = float(self.weight_sum)
         accuracy = (self.slot_correct / self.slot_valid.clamp(min=1)).tolist()[1:]
-        return {"loss": float(self.loss), "ce": float(self.ce_sum) / weights if weights else 0.0,
-                "kl": float(self.kl_sum) / weights if weights else 0.0, "cap": float(self.cap_sum) / blocks,
-                "tau_sim": float(self.tau_sum) / blocks if float(self.num_blocks) else 1.0,
-                "acc_slot": [round(a, 5) for a in accuracy], "blocks": int(float(self.num_blocks))}
+        return {
+            "loss": float(self.loss),
+            "ce": float(self.ce_sum) / weights if weights else 0.0,
+            "kl": float(self.kl_sum) / weights if weights else 0.0,
+            "cap": float(self.cap_sum) / blocks,
+            "tau_sim": float(self.tau_sum) / blocks if float(self.num_blocks) else 1.0,
+            "acc_slot": [round(a, 5) for a in accuracy],
+            "blocks": int(float(self.num_blocks)),
+        }
 
 
 def lr_factor(step: int, total_steps: int, warmup_ratio: float) -> float:
@@ -119,11 +139,15 @@ def check_loss_kernels(kind: str, device: torch.device) -> None:
     if kind != "triton":
         return
     if device.type != "cuda":
-        raise TrainerInputError(f"--loss-kernels triton needs a CUDA drafter device (the drafter would run on "
-                                f"{device})", hint="use --loss-kernels auto, compiled or eager")
+        raise TrainerInputError(
+            f"--loss-kernels triton needs a CUDA drafter device (the drafter would run on {device})",
+            hint="use --loss-kernels auto, compiled or eager",
+        )
     if not triton_available():
-        raise TrainerInputError("--loss-kernels triton: the triton package is not installed",
-                                hint="pip install triton (CUDA torch wheels bring it), or use --loss-kernels auto")
+        raise TrainerInputError(
+            "--loss-kernels triton: the triton package is not installed",
+            hint="pip install triton (CUDA torch wheels bring it), or use --loss-kernels auto",
+        )
 
 
 _REPLICA_IDS = itertools.count()  # names each replica's compile scope
@@ -132,16 +156,26 @@ _REPLICA_IDS = itertools.count()  # names each replica's compile scope
 class DrafterSide:
     """The trainable drafter on its device with its optimizer (AdamW, trainable params only) and schedule."""
 
-    def __init__(self, cfg: TrainConfig, drafter: DFlashDrafter, embed_weight: torch.Tensor,
-                 lm_head_weight: torch.Tensor, device: torch.device | str, total_steps: int, *,
-                 compile: bool | None = None, activation_checkpointing: bool | None = None,
-                 compile_backend: str = "inductor") -> None:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        drafter: DFlashDrafter,
+        embed_weight: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        device: torch.device | str,
+        total_steps: int,
+        *,
+        compile: bool | None = None,
+        activation_checkpointing: bool | None = None,
+        compile_backend: str = "inductor",
+    ) -> None:
         self.cfg, self.device = cfg, torch.device(device)
         self.drafter = drafter.to(self.device).train()
         # Recompute layer activations in backward (--activation-checkpointing): measured on the H200 for the 27B
         # drafter at the seed shape, 66.1 -> 49.5 GiB peak for 18% more step time (bench/RESULTS.md).
-        self.drafter.activation_checkpointing = (cfg.activation_checkpointing if activation_checkpointing is None
-                                                 else activation_checkpointing)
+        self.drafter.activation_checkpointing = (
+            cfg.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
+        )
         # torch.compile per replica: the layer call, flex_attention and the loss kernels are compiled from private
         # copies (trainer/compile_scope.py), so no two replicas, hence no two worker threads, share a dynamo cache.
         # Default: on CUDA only. Compilation happens lazily at the first forward/backward: warm up sequentially
@@ -166,7 +200,8 @@ class DrafterSide:
         fused_kw: dict[str, Any] = {"fused": True} if fused else {}
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, **fused_kw)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: lr_factor(step, total_steps, cfg.warmup_ratio))
+            self.optimizer, lambda step: lr_factor(step, total_steps, cfg.warmup_ratio)
+        )
         self.backend: Backend = "flex" if self.device.type == "cuda" else "dense"
 
     def _noise(self, shape: torch.Size, dtype: torch.dtype, std: float, seed: tuple[int, ...]) -> torch.Tensor:
@@ -178,8 +213,15 @@ class DrafterSide:
             noise = (torch.rand(shape, generator=generator, device=self.device, dtype=torch.float32) * 2 - 1) * std
         return noise.to(dtype)
 
-    def forward_backward(self, features: FeatureBatch, normalizer: float, num_blocks: float, *,
-                         noise_std: float = 0.0, noise_seed: tuple[int, ...] = (0,)) -> StepStats:
+    def forward_backward(
+        self,
+        features: FeatureBatch,
+        normalizer: float,
+        num_blocks: float,
+        *,
+        noise_std: float = 0.0,
+        noise_seed: tuple[int, ...] = (0,),
+    ) -> StepStats:
         """Forward + backward of one micro-batch; gradients accumulate into the drafter's .grad."""
         cfg, batch = self.cfg, features.batch.to(self.device)
         ctx = features.ctx_features.to(self.device)
@@ -198,17 +240,35 @@ class DrafterSide:
             index = positions.reshape(rows, -1, 1).expand(-1, -1, features.teacher_hidden.shape[-1])
             teacher = torch.gather(features.teacher_hidden.to(self.device), 1, index).reshape(-1, hidden.shape[-1])
         result = self.loss_fn(
-            hidden.reshape(-1, hidden.shape[-1]), self.lm_head_weight, batch.labels.reshape(-1),
-            batch.weights.reshape(-1), block_size=block, normalizer=normalizer, teacher_hidden=teacher,
-            kl_weight=cfg.kl_weight if teacher is not None else 0.0, kl_temperature=cfg.kl_temperature,
-            cap_lambda=cfg.cap_lambda, num_blocks_normalizer=num_blocks, chunk_size=cfg.loss_chunk_size,
-            kernels=self.loss_kernels)
+            hidden.reshape(-1, hidden.shape[-1]),
+            self.lm_head_weight,
+            batch.labels.reshape(-1),
+            batch.weights.reshape(-1),
+            block_size=block,
+            normalizer=normalizer,
+            teacher_hidden=teacher,
+            kl_weight=cfg.kl_weight if teacher is not None else 0.0,
+            kl_temperature=cfg.kl_temperature,
+            cap_lambda=cfg.cap_lambda,
+            num_blocks_normalizer=num_blocks,
+            chunk_size=cfg.loss_chunk_size,
+            kernels=self.loss_kernels,
+        )
         result.loss.backward()
         tau = simulated_tau(result.correct.reshape(-1, block), (batch.weights > 0).reshape(-1, block))
-        return StepStats(loss=result.loss.detach().float(), ce_sum=result.ce_sum.float(), kl_sum=result.kl_sum.float(),
-                         cap_sum=result.cap_sum.float(), weight_sum=result.weight_sum.float(), tau_sum=tau.tau_sum,
-                         num_blocks=tau.num_blocks, slot_correct=tau.slot_correct, slot_valid=tau.slot_valid,
-                         block_tokens=batch.num_blocks * block, ctx_tokens=batch.num_ctx_tokens)
+        return StepStats(
+            loss=result.loss.detach().float(),
+            ce_sum=result.ce_sum.float(),
+            kl_sum=result.kl_sum.float(),
+            cap_sum=result.cap_sum.float(),
+            weight_sum=result.weight_sum.float(),
+            tau_sum=tau.tau_sum,
+            num_blocks=tau.num_blocks,
+            slot_correct=tau.slot_correct,
+            slot_valid=tau.slot_valid,
+            block_tokens=batch.num_blocks * block,
+            ctx_tokens=batch.num_ctx_tokens,
+        )
 
     def optimizer_step(self) -> tuple[float, float]:
         """Clip, step AdamW and the schedule, zero the grads; return (lr used, grad norm before clipping).

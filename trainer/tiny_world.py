@@ -57,8 +57,12 @@ class WalkWorld:
         out = []
         for _ in range(count):
             mode, start = rng.choice(MODES), rng.choice(self.words)
-            out.append([{"role": "user", "content": self.prompt(mode, start)},
-                        {"role": "assistant", "content": self.answer(mode, start)}])
+            out.append(
+                [
+                    {"role": "user", "content": self.prompt(mode, start)},
+                    {"role": "assistant", "content": self.answer(mode, start)},
+                ]
+            )
         return out
 
     def texts(self) -> list[str]:
@@ -70,17 +74,33 @@ class WalkWorld:
         return lines * 3
 
 
-def build_tiny_target(out_dir: str | Path, tokenizer: Any, *, hidden_size: int = 64, num_layers: int = 4,
-                      num_heads: int = 4, num_kv_heads: int = 2, seed: int = 0) -> Any:
+def build_tiny_target(
+    out_dir: str | Path,
+    tokenizer: Any,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    seed: int = 0,
+) -> Any:
     """A random-weight Qwen3ForCausalLM sized to the tokenizer, saved with the tokenizer to `out_dir`."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
     config = Qwen3Config(  # type: ignore[call-arg]  # rope_theta: a keyword of 4.x, taken into rope_parameters by 5.x
-        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=hidden_size * 3,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-        head_dim=hidden_size // num_heads, max_position_embeddings=512, rope_theta=10000.0,
-        tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 3,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
     )
     model = Qwen3ForCausalLM(config).eval()
@@ -95,8 +115,16 @@ def save_target(model: Any, tokenizer: Any, out_dir: str | Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def pretrain_target(model: Any, tokenizer: Any, conversations: list[list[dict]], *, steps: int,
-                    batch_size: int = 32, lr: float = 3e-3, log=None) -> dict[str, float]:
+def pretrain_target(
+    model: Any,
+    tokenizer: Any,
+    conversations: list[list[dict]],
+    *,
+    steps: int,
+    batch_size: int = 32,
+    lr: float = 3e-3,
+    log=None,
+) -> dict[str, float]:
     """Teach the tiny target the walk grammar by next-token CE on whole chat-formatted conversations.
 
     A fixed step count (not wall time: on a busy machine a time budget silently leaves the target untrained,
@@ -110,7 +138,7 @@ def pretrain_target(model: Any, tokenizer: Any, conversations: list[list[dict]],
     pad = tokenizer.pad_token_id
     data = torch.full((len(rows), width), pad, dtype=torch.long)
     for i, r in enumerate(rows):
-        data[i, :len(r)] = torch.tensor(r)
+        data[i, : len(r)] = torch.tensor(r)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     generator = torch.Generator().manual_seed(0)

@@ -114,7 +114,9 @@ def tokenize_conversation(
                 continue
             start = text.find(part, cursor)
             if start < 0:
-                raise DataInputError("the chat template does not copy assistant content verbatim; cannot build the loss mask")
+                raise DataInputError(
+                    "the chat template does not copy assistant content verbatim; cannot build the loss mask"
+                )
             spans.append((start, start + len(part)))
             cursor = start + len(part)
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)

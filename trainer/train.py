@@ -46,8 +46,10 @@ def main(argv: list[str]) -> int:
             try:
                 from trainer.pipeline.run import run_pipeline  # lazy: threads, compile guards
             except ImportError as exc:
-                raise TrainerInputError(f"--drafter-gpus/--target-gpus: the threaded pipeline is unavailable ({exc})",
-                                        hint="give one target and one drafter device") from None
+                raise TrainerInputError(
+                    f"--drafter-gpus/--target-gpus: the threaded pipeline is unavailable ({exc})",
+                    hint="give one target and one drafter device",
+                ) from None
             return int(run_pipeline(cfg))
         return run(cfg)
     except TrainerInputError as exc:

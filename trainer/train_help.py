@@ -23,12 +23,17 @@ NONE_MEANS = {
     "data_dir": "none: only the tiny preset, which synthesises token data",
     "output_dir": "runs/train-<timestamp>",
     "tokenizer": "--target-model",
-    "target_gpus": "cuda:0 if there is a GPU, else cpu", "drafter_gpus": "cuda:0 if there is a GPU, else cpu",
+    "target_gpus": "cuda:0 if there is a GPU, else cpu",
+    "drafter_gpus": "cuda:0 if there is a GPU, else cpu",
     "enable_thinking": "none: not checked",
     "max_steps": "none: no cap, every step the data holds",
     "loss_chunk_size": "none: about 1 GiB of fp32 logits per chunk",
-    "hidden_size": "the target's", "intermediate_size": "the target's", "num_attention_heads": "the target's",
-    "num_key_value_heads": "the target's", "head_dim": "the target's, else hidden / heads", "vocab_size": "the target's",
+    "hidden_size": "the target's",
+    "intermediate_size": "the target's",
+    "num_attention_heads": "the target's",
+    "num_key_value_heads": "the target's",
+    "head_dim": "the target's, else hidden / heads",
+    "vocab_size": "the target's",
     "mask_token_id": "none: required",
     "num_target_layers": "none: not checked",
     "target_layer_ids": "spread over the target's layers (docs/method.md#target-taps)",
@@ -46,33 +51,33 @@ FLAG_HELP: dict[str, str] = {
     "tokenizer": "tokenizer directory used to check that the dataset's chat template is the serving one",
     "enable_thinking": "the serving thinking mode, checked against the one the dataset was prepared with",
     "resume": "auto: continue from the newest checkpoint in --output-dir if any; never: refuse a directory "
-              "that has checkpoints; or a checkpoints/step_NNNNNN path",
+    "that has checkpoints; or a checkpoints/step_NNNNNN path",
     # devices and the threaded pipeline
     "target_gpus": "target devices, comma-separated GPU indices or names (0,1 / cpu); more than one starts "
-                   "the threaded pipeline",
+    "the threaded pipeline",
     "drafter_gpus": "drafter devices, as --target-gpus; more than one trains replicas in the threaded pipeline",
     "pipeline": "use the threaded pipeline even with one target and one drafter device",
     "sync": "replica sync with several drafters (threads of a node, and the nodes of a distributed run): grad "
-            "(gradients summed every step, replicas identical) or average (weights averaged every "
-            "--sync-interval steps, the mode for 10-100 Gb/s links between nodes)",
+    "(gradients summed every step, replicas identical) or average (weights averaged every "
+    "--sync-interval steps, the mode for 10-100 Gb/s links between nodes)",
     "sync_interval": "--sync average: steps between weight averages (unused by grad)",
     "queue_depth": "pipeline: feature batches in flight per (target, drafter) channel, the memory bound",
     "feature_transfer": "pipeline: device (features copied onto the drafter's GPU) or pinned (staged in "
-                        "pinned host memory)",
+    "pinned host memory)",
     "stall_timeout": "pipeline: seconds without an optimizer step before the run fails as stalled",
     "nodes": "nodes of a distributed run, one torchrun process per node (torchrun --nnodes N --nproc-per-node 1 "
-             "-m trainer train ... --nodes N); each node runs the threaded pipeline on its own devices",
+    "-m trainer train ... --nodes N); each node runs the threaded pipeline on its own devices",
     "dist_timeout": "distributed: seconds a collective waits for the other nodes; a node that died or whose "
-                    "network is cut ends every other node within about this long",
+    "network is cut ends every other node within about this long",
     # optimisation
     "epochs": "passes over the data",
     "max_steps": "a cap: stop after at most this many optimizer steps (fewer if --epochs of data run out "
-                 "first); also the horizon of the LR schedule",
+    "first); also the horizon of the LR schedule",
     "lr": "peak AdamW learning rate (linear warm-up, then cosine to 0 at the last step)",
     "warmup_ratio": "fraction of the run's steps spent in linear LR warm-up",
     "weight_decay": "AdamW weight decay",
     "adamw": "AdamW implementation: auto = torch's fused kernel for CUDA drafters (one kernel family instead of "
-             "a foreach chain of launches), torch's default elsewhere",
+    "a foreach chain of launches), torch's default elsewhere",
     "grad_accum": "micro-batches per optimizer step (the loss is normalised over the whole step)",
     "grad_clip": "clip the gradient norm to this (0 disables clipping)",
     "seed": "seed of the drafter's init, the data order, the anchors, the feature noise and synthetic data",
@@ -95,8 +100,8 @@ FLAG_HELP: dict[str, str] = {
     "activation_checkpointing": "recompute drafter layer activations in backward (less memory, more time)",
     "loss_chunk_size": "rows per chunk of the logits-free loss (rounded down to whole blocks)",
     "loss_kernels": "element-wise kernels of the loss: auto (eager for an uncompiled drafter, e.g. on the "
-                    "CPU; triton on CUDA compute capability >= 9.0 with triton installed; else compiled), "
-                    "compiled, eager, or triton (CUDA only)",
+    "CPU; triton on CUDA compute capability >= 9.0 with triton installed; else compiled), "
+    "compiled, eager, or triton (CUDA only)",
     # drafter shape
     "num_draft_layers": "drafter decoder layers (one target layer tapped per drafter layer)",
     "hidden_size": "drafter hidden size; must equal the target's",
@@ -119,7 +124,7 @@ FLAG_HELP: dict[str, str] = {
     "keep_checkpoints": "keep only the newest this many checkpoints of the run",
     "log_interval": "one metrics line and progress line every this many steps",
     "wandb": "Weights & Biases logging: auto (on if wandb is installed), on or off; offline unless "
-             "WANDB_API_KEY is set",
+    "WANDB_API_KEY is set",
     "wandb_project": "wandb project",
     "wandb_run_name": "wandb run name",
 }
@@ -138,8 +143,11 @@ def _shown(name: str, value: Any) -> str:
 def flag_help(name: str, default: Any, presets: dict[str, dict[str, Any]]) -> str:
     """FLAG_HELP[name] + `(default: X; preset P: Y, ...)`, listing each preset that sets another value.
     `%` is escaped: argparse formats help strings with `%`."""
-    preset_values = [f"{preset} {_shown(name, values[name])}" for preset, values in presets.items()
-                     if name in values and values[name] != default]
+    preset_values = [
+        f"{preset} {_shown(name, values[name])}"
+        for preset, values in presets.items()
+        if name in values and values[name] != default
+    ]
     text = f"{FLAG_HELP[name]} (default: {_shown(name, default)}"
     if preset_values:
         text += f"; --preset {', '.join(preset_values)}"

@@ -16,16 +16,17 @@ def cut_at_stop(new_tokens: list[int], accepted: int, proposed: int, stops: set[
     stop_at = next((i for i, t in enumerate(new_tokens) if t in stops), None)
     if stop_at is None:
         return new_tokens, accepted, proposed
-    return new_tokens[:stop_at + 1], min(accepted, stop_at + 1), min(proposed, stop_at + 1)
+    return new_tokens[: stop_at + 1], min(accepted, stop_at + 1), min(proposed, stop_at + 1)
 
 
-def finish_generation(committed: list[int], prompt_len: int, max_new_tokens: int, stops: set[int], stats: Any,
-                      forwards: int) -> list[int]:
+def finish_generation(
+    committed: list[int], prompt_len: int, max_new_tokens: int, stops: set[int], stats: Any, forwards: int
+) -> list[int]:
     """The generated ids (cut after the first stop id and at max_new_tokens); adds them and the target
     forwards to `stats` (a trainer.eval.MethodStats)."""
     generated = committed[prompt_len:]
     cut = next((i + 1 for i, t in enumerate(generated) if t in stops), len(generated))
-    generated = generated[:min(cut, max_new_tokens)]
+    generated = generated[: min(cut, max_new_tokens)]
     stats.generated += len(generated)
     stats.forwards += forwards
     return generated

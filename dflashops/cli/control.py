@@ -19,25 +19,35 @@ from dflashops.shell import join_argv, validate_name
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "stop", help="stop a run: SIGTERM its process group, grace, SIGKILL, wait",
+        "stop",
+        help="stop a run: SIGTERM its process group, grace, SIGKILL, wait",
         description="Stop RUN (or --all runs): SIGTERM to the run's own process group so the trainer writes its "
-                    "final checkpoint, SIGKILL after --grace, then wait until its processes and GPU memory are gone. "
-                    "Nothing outside the run's process group is signalled.")
+        "final checkpoint, SIGKILL after --grace, then wait until its processes and GPU memory are gone. "
+        "Nothing outside the run's process group is signalled.",
+    )
     p.add_argument("run", nargs="?", metavar="RUN", help="the run to stop (or give --all)")
     p.add_argument("--target", help="target (default: the one the lineage records for RUN)")
     add_all_options(p, "stop every running run on every target of the inventory, in parallel")
-    p.add_argument("--grace", type=float, default=60.0, metavar="S",
-                   help="seconds between SIGTERM and SIGKILL (default 60)")
-    p.add_argument("--save-grace", type=float, default=600.0, metavar="S",
-                   help="more seconds for a run still writing its checkpoint after --grace (default 600)")
+    p.add_argument(
+        "--grace", type=float, default=60.0, metavar="S", help="seconds between SIGTERM and SIGKILL (default 60)"
+    )
+    p.add_argument(
+        "--save-grace",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="more seconds for a run still writing its checkpoint after --grace (default 600)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the commands that would run; change nothing")
     p.set_defaults(func=with_run_hint(handle_stop))
 
     s = subparsers.add_parser(
-        "status", help="state of one run or of every run on a target",
+        "status",
+        help="state of one run or of every run on a target",
         description="Show RUN's state (running / crashed at step N with the error line / finished / stopped), "
-                    "its last metrics and the target's GPUs; with no RUN, every run on the target; with --all, "
-                    "every run on every target of the inventory.")
+        "its last metrics and the target's GPUs; with no RUN, every run on the target; with --all, "
+        "every run on every target of the inventory.",
+    )
     s.add_argument("run", nargs="?", metavar="RUN", help="the run to show (default: every run on the target)")
     s.add_argument("--target", help="target (default: RUN's recorded target, or the default target)")
     s.add_argument("--json", action="store_true", help="machine-readable output on stdout")
@@ -45,14 +55,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.set_defaults(func=with_run_hint(handle_status))
 
     lg = subparsers.add_parser(
-        "logs", help="print or follow a run's train.log",
+        "logs",
+        help="print or follow a run's train.log",
         description="Print RUN's train.log, or follow it (-f) until the run ends. --until and --fail-on turn it "
-                    "into a check for scripts: exit 0 on a match of --until, 7 on --fail-on, 8 on --timeout.")
+        "into a check for scripts: exit 0 on a match of --until, 7 on --fail-on, 8 on --timeout.",
+    )
     lg.add_argument("run", metavar="RUN", help="the run whose log to print")
     lg.add_argument("--target", help="target (default: RUN's recorded target, or the default target)")
-    lg.add_argument("--node", type=int, metavar="K",
-                    help="a run on several targets: only node K's log (default: every node's, lines prefixed "
-                         "[node K])")
+    lg.add_argument(
+        "--node",
+        type=int,
+        metavar="K",
+        help="a run on several targets: only node K's log (default: every node's, lines prefixed [node K])",
+    )
     lg.add_argument("-f", "--follow", action="store_true", help="keep following until the run ends")
     lg.add_argument("--since", type=int, default=0, metavar="BYTES", help="start at this byte offset")
     lg.add_argument("--until", metavar="REGEX", help="follow until REGEX matches a line (exit 0)")
@@ -62,9 +77,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     lg.set_defaults(func=with_run_hint(handle_logs))
 
     ex = subparsers.add_parser(
-        "exec", help="run a command on a target: dflashops exec TARGET -- argv",
+        "exec",
+        help="run a command on a target: dflashops exec TARGET -- argv",
         description="Run a command on TARGET (inside its container for pct targets) and pass its output and "
-                    "exit code through. Everything after `--` is the command, run without a shell.")
+        "exit code through. Everything after `--` is the command, run without a shell.",
+    )
     ex.add_argument("target", nargs="?", metavar="TARGET", help="target from the inventory (or give --all)")
     ex.add_argument("--dry-run", action="store_true", help="print the command that would run; run nothing")
     add_all_options(ex, "run the command on every target of the inventory, in parallel")
@@ -72,26 +89,35 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ex.set_defaults(func=handle_exec, misplaced_words=exec_words_before_separator)
 
     at = subparsers.add_parser(
-        "attach", help="attach to a run's tmux session (for humans)",
+        "attach",
+        help="attach to a run's tmux session (for humans)",
         description="Attach this terminal to RUN's tmux session (over ssh and pct exec for remote targets). "
-                    "Detach with the tmux prefix + d; detaching never stops the run. Needs a terminal; "
-                    "scripts use `dflashops logs RUN -f`.")
+        "Detach with the tmux prefix + d; detaching never stops the run. Needs a terminal; "
+        "scripts use `dflashops logs RUN -f`.",
+    )
     at.add_argument("run", metavar="RUN", help="the run to attach to (launched with --launcher tmux)")
     at.add_argument("--target", help="target (default: RUN's recorded target, or the default target)")
-    at.add_argument("--node", type=int, metavar="K", default=None,
-                    help="a run on several targets: node K's tmux session (default: node 0)")
+    at.add_argument(
+        "--node",
+        type=int,
+        metavar="K",
+        default=None,
+        help="a run on several targets: node K's tmux session (default: node 0)",
+    )
     at.set_defaults(func=with_run_hint(handle_attach))
 
     gc = subparsers.add_parser(
-        "gc", help="delete old releases and (only when named) finished run directories",
+        "gc",
+        help="delete old releases and (only when named) finished run directories",
         description="Delete code releases on TARGET except the newest --keep, the current one and any a live run "
-                    "uses, and the run directories named with --run (only runs that are not running). Nothing "
-                    "else is deleted; prints what was removed as JSON.")
-    gc.add_argument("target", nargs="?", metavar="TARGET",
-                    help="target from the inventory (default: the default target)")
+        "uses, and the run directories named with --run (only runs that are not running). Nothing "
+        "else is deleted; prints what was removed as JSON.",
+    )
+    gc.add_argument(
+        "target", nargs="?", metavar="TARGET", help="target from the inventory (default: the default target)"
+    )
     gc.add_argument("--keep", type=int, default=5, metavar="N", help="releases to keep (default 5)")
-    gc.add_argument("--run", action="append", default=[], metavar="RUN",
-                    help="a run directory to delete (repeatable)")
+    gc.add_argument("--run", action="append", default=[], metavar="RUN", help="a run directory to delete (repeatable)")
     gc.add_argument("--dry-run", action="store_true", help="print the commands that would run; change nothing")
     gc.set_defaults(func=handle_gc)
 
@@ -110,8 +136,11 @@ def with_run_hint(handler: Callable[[argparse.Namespace], int]) -> Callable[[arg
                 raise
             with open_invocation(args) as invocation:
                 close = invocation.close_run_names(name, getattr(args, "target", None))
-            hint = (f"did you mean: {', '.join(close)}?" if close else
-                    "`dflashops status` lists the runs of a target, `dflashops runs list` the recorded runs")
+            hint = (
+                f"did you mean: {', '.join(close)}?"
+                if close
+                else "`dflashops status` lists the runs of a target, `dflashops runs list` the recorded runs"
+            )
             raise NotFound(exc.message, hint=hint) from None
 
     return run
@@ -125,14 +154,21 @@ def exec_words_before_separator(args: argparse.Namespace, verb_words: list[str],
     for word in reversed(extra):  # the words argparse did not take, removed from the end
         del kept[len(kept) - 1 - kept[::-1].index(word)]
     fixed = join_argv(["dflashops", *kept, "--", *extra, *args.passthrough])
-    return UsageError(f"exec takes its command after `--` (found `{join_argv(extra)}` before it)",
-                      hint=f"put the command after --: {fixed}")
+    return UsageError(
+        f"exec takes its command after `--` (found `{join_argv(extra)}` before it)",
+        hint=f"put the command after --: {fixed}",
+    )
 
 
 def add_all_options(parser: argparse.ArgumentParser, help_text: str) -> None:
     parser.add_argument("--all", action="store_true", help=help_text)
-    parser.add_argument("--all-timeout", type=float, default=60.0, metavar="S",
-                        help="with --all: seconds before a slow target is reported as timed out (default 60)")
+    parser.add_argument(
+        "--all-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="with --all: seconds before a slow target is reported as timed out (default 60)",
+    )
 
 
 def handle_stop(args: argparse.Namespace) -> int:
@@ -158,16 +194,22 @@ def handle_stop(args: argparse.Namespace) -> int:
         else:
             progress(f"stopped {args.run} by {how} in {answer['seconds']}s; exit code {answer['exit_code']}")
         if answer.get("recorded") is False:
-            progress(f"warning: could not write {args.run}'s stop.json (is the target's disk full?); "
-                     "the run was stopped, but status may call it crashed")
+            progress(
+                f"warning: could not write {args.run}'s stop.json (is the target's disk full?); "
+                "the run was stopped, but status may call it crashed"
+            )
         if answer.get("waited_for_checkpoint_s"):
-            progress(f"waited {answer['waited_for_checkpoint_s']}s past the grace period for its checkpoint to be "
-                     f"written{' (then SIGKILL: --save-grace ran out)' if answer['escalated'] else ''}")
+            progress(
+                f"waited {answer['waited_for_checkpoint_s']}s past the grace period for its checkpoint to be "
+                f"written{' (then SIGKILL: --save-grace ran out)' if answer['escalated'] else ''}"
+            )
         if answer.get("gpu_released") is False:
             progress("warning: the run's GPU memory was not released within the timeout")
         for node in answer.get("nodes") or []:
-            progress(f"  node {node['node']} on {node['target']}: " + (
-                "was not running" if node.get("not_running") else f"exit code {node.get('exit_code')}"))
+            progress(
+                f"  node {node['node']} on {node['target']}: "
+                + ("was not running" if node.get("not_running") else f"exit code {node.get('exit_code')}")
+            )
         print(f"{args.run} stopped exit_code={answer['exit_code']}")
         return 0
 
@@ -202,8 +244,11 @@ def handle_status(args: argparse.Namespace) -> int:
         return fanout_cli.handle_status_all(args)
     with open_invocation(args) as invocation:
         runs = run_status(invocation, args.run, target=args.target)
-        gpus = invocation.agent(invocation.inventory.target(runs[0]["target"] if runs else args.target)).call(
-            "gpus", {}) if (args.json or args.run) else {"gpus": []}
+        gpus = (
+            invocation.agent(invocation.inventory.target(runs[0]["target"] if runs else args.target)).call("gpus", {})
+            if (args.json or args.run)
+            else {"gpus": []}
+        )
     if args.json:
         emit_json({"runs": runs, "gpus": gpus.get("gpus", [])})
         return 0
@@ -230,11 +275,27 @@ def handle_logs(args: argparse.Namespace) -> int:
             args.target = args.target or node_target(invocation, args.run, args.node)
         try:
             if args.until or args.fail_on:
-                wait_for(invocation, args.run, until=args.until, fail_on=args.fail_on, target=args.target,
-                         timeout=args.timeout, cursor=cursor, on_text=write, on_notice=progress)
+                wait_for(
+                    invocation,
+                    args.run,
+                    until=args.until,
+                    fail_on=args.fail_on,
+                    target=args.target,
+                    timeout=args.timeout,
+                    cursor=cursor,
+                    on_text=write,
+                    on_notice=progress,
+                )
             else:
-                for chunk in read_log(invocation, args.run, cursor, target=args.target, follow=args.follow,
-                                      timeout=args.timeout, on_notice=progress):
+                for chunk in read_log(
+                    invocation,
+                    args.run,
+                    cursor,
+                    target=args.target,
+                    follow=args.follow,
+                    timeout=args.timeout,
+                    on_notice=progress,
+                ):
                     write(chunk)
                 if args.follow and (failure := ended_badly(invocation, args.run, target=args.target)):
                     raise failure  # followed to the end of a crashed run: scripts see it in the exit status
@@ -272,8 +333,10 @@ def handle_attach(args: argparse.Namespace) -> int:
     with open_invocation(args) as invocation:
         argv = attach_argv(invocation, args.run, target=args.target, node=args.node)
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
-        raise UsageError("attach needs a terminal (stdin and stdout are not both one)",
-                         hint=f"`dflashops logs {args.run} -f` follows the run's output without one")
+        raise UsageError(
+            "attach needs a terminal (stdin and stdout are not both one)",
+            hint=f"`dflashops logs {args.run} -f` follows the run's output without one",
+        )
     executable = shutil.which(argv[0])
     if executable is None:
         raise TransportError(f"`{argv[0]}` is not installed here", hint="install it, or use `dflashops logs -f`")
@@ -286,7 +349,9 @@ def handle_gc(args: argparse.Namespace) -> int:
         validate_name(name, what="run name")
     with open_invocation(args, dry_run=args.dry_run) as invocation:
         target = invocation.inventory.target(args.target)
-        answer = invocation.agent(target).call("gc", {"workspace": target.workspace, "keep": args.keep, "runs": args.run})
+        answer = invocation.agent(target).call(
+            "gc", {"workspace": target.workspace, "keep": args.keep, "runs": args.run}
+        )
         if args.dry_run:
             print_plan(invocation)
             return 0

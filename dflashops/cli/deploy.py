@@ -13,12 +13,19 @@ from dflashops.ops.restart import RestartRequest, restart
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("deploy", help="sync the code and launch a run",
-                              description="Sync the code to TARGET, write run.json, launch the profile's command. "
-                                          "Arguments after `--` are appended to the trainer's command line.")
-    p.add_argument("target", nargs="?", metavar="TARGET",
-                   help="target from the inventory (default: the only one, or `local`); a group, or targets "
-                        "separated by commas (ct200,ct201), runs one job on several (node 0 first)")
+    p = subparsers.add_parser(
+        "deploy",
+        help="sync the code and launch a run",
+        description="Sync the code to TARGET, write run.json, launch the profile's command. "
+        "Arguments after `--` are appended to the trainer's command line.",
+    )
+    p.add_argument(
+        "target",
+        nargs="?",
+        metavar="TARGET",
+        help="target from the inventory (default: the only one, or `local`); a group, or targets "
+        "separated by commas (ct200,ct201), runs one job on several (node 0 first)",
+    )
     p.add_argument("--profile", default="tiny", help="run profile from the inventory (default: tiny)")
     p.add_argument("--name", help="run name, or + for the next name after --parent (default: PROFILE-TIME)")
     p.add_argument("--parent", help="the run this one derives from (recorded in the lineage)")
@@ -26,19 +33,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     show_passthrough(p, "[-- trainer args]")
     p.set_defaults(func=handle_deploy)
 
-    r = subparsers.add_parser("restart", help="stop a run and relaunch it as a new child run",
-                              description="Stop RUN cleanly, sync, relaunch as a new run whose parent is RUN. "
-                                          "Arguments after `--` replace the parent's extra trainer args.")
+    r = subparsers.add_parser(
+        "restart",
+        help="stop a run and relaunch it as a new child run",
+        description="Stop RUN cleanly, sync, relaunch as a new run whose parent is RUN. "
+        "Arguments after `--` replace the parent's extra trainer args.",
+    )
     r.add_argument("run", metavar="RUN", help="the run to restart")
     r.add_argument("--name", default="+", help="name of the new run (default: + = next name after RUN)")
     mode = r.add_mutually_exclusive_group()
     mode.add_argument("--fresh", action="store_true", help="start from scratch (default)")
     mode.add_argument("--resume", action="store_true", help="start from RUN's latest checkpoint")
     r.add_argument("--grace", type=float, default=60.0, help="seconds between SIGTERM and SIGKILL (default 60)")
-    r.add_argument("--wait-exit", action="store_true",
-                   help="with --resume: start the new run only after RUN has exited (default: as soon as RUN's "
-                        "trainer has freed its GPUs and is writing its final checkpoint, which the new run "
-                        "waits for before reading it)")
+    r.add_argument(
+        "--wait-exit",
+        action="store_true",
+        help="with --resume: start the new run only after RUN has exited (default: as soon as RUN's "
+        "trainer has freed its GPUs and is writing its final checkpoint, which the new run "
+        "waits for before reading it)",
+    )
     add_launch_options(r, launcher_default=None)
     show_passthrough(r, "[-- trainer args]")
     r.set_defaults(func=handle_restart)
@@ -46,12 +59,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def add_launch_options(p: argparse.ArgumentParser, launcher_default: str | None = "tmux") -> None:
     p.add_argument("--note", default="", help="the hypothesis this run tests (recorded in the lineage)")
-    p.add_argument("--launcher", choices=LAUNCHERS, default=launcher_default,
-                   help="tmux session or setsid/nohup (default: tmux; restart: the parent's)")
+    p.add_argument(
+        "--launcher",
+        choices=LAUNCHERS,
+        default=launcher_default,
+        help="tmux session or setsid/nohup (default: tmux; restart: the parent's)",
+    )
     p.add_argument("--clear-cache", action="store_true", help="remove this code's compile cache first")
     p.add_argument("--wait", metavar="REGEX", help="follow the log until REGEX matches (exit 0)")
-    p.add_argument("--fail-on", metavar="REGEX", default=DEFAULT_FAIL_ON,
-                   help="while waiting, fail when REGEX appears (default: Traceback)")
+    p.add_argument(
+        "--fail-on",
+        metavar="REGEX",
+        default=DEFAULT_FAIL_ON,
+        help="while waiting, fail when REGEX appears (default: Traceback)",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for --wait (default 600)")
     p.add_argument("--dry-run", action="store_true", help="print the commands that would run; change nothing")
 
@@ -62,37 +83,69 @@ def report(invocation: Invocation, outcome: DeployOutcome, args: argparse.Namesp
         return 0
     for rank, node in enumerate(outcome.nodes or [outcome]):
         where = f"node {rank} of {len(outcome.nodes)} on {node.target}" if outcome.nodes else node.target
-        progress(f"launched {node.name} on {where} (code {node.code_hash}, {node.uploaded} files uploaded, "
-                 f"pgid {node.pgid}) in {node.run_dir}")
+        progress(
+            f"launched {node.name} on {where} (code {node.code_hash}, {node.uploaded} files uploaded, "
+            f"pgid {node.pgid}) in {node.run_dir}"
+        )
     if outcome.supervisor is not None:
         if outcome.supervisor.get("ok"):
-            progress(f"supervised in the target by pid {outcome.supervisor.get('pid')} (on_failure/stall of the "
-                     f"profile; log: {outcome.supervisor.get('log')})")
+            progress(
+                f"supervised in the target by pid {outcome.supervisor.get('pid')} (on_failure/stall of the "
+                f"profile; log: {outcome.supervisor.get('log')})"
+            )
         else:
-            progress(f"warning: {outcome.supervisor.get('error')}"
-                     + (f"\nhint: {outcome.supervisor['hint']}" if outcome.supervisor.get("hint") else ""))
+            progress(
+                f"warning: {outcome.supervisor.get('error')}"
+                + (f"\nhint: {outcome.supervisor['hint']}" if outcome.supervisor.get("hint") else "")
+            )
     print(outcome.name)
     if args.wait:
-        line = wait_for(invocation, outcome.name, until=args.wait, fail_on=args.fail_on, timeout=args.timeout,
-                        on_text=lambda text: sys.stderr.write(highlight_errors(text, sys.stderr)))
+        line = wait_for(
+            invocation,
+            outcome.name,
+            until=args.wait,
+            fail_on=args.fail_on,
+            timeout=args.timeout,
+            on_text=lambda text: sys.stderr.write(highlight_errors(text, sys.stderr)),
+        )
         progress(f"matched: {line.strip()}")
     return 0
 
 
 def handle_deploy(args: argparse.Namespace) -> int:
     with open_invocation(args, dry_run=args.dry_run) as invocation:
-        outcome = deploy(invocation, DeployRequest(
-            target=args.target, profile=args.profile, name=args.name, parent=args.parent, note=args.note,
-            launcher=args.launcher, clear_cache=args.clear_cache, extra_args=args.passthrough))
+        outcome = deploy(
+            invocation,
+            DeployRequest(
+                target=args.target,
+                profile=args.profile,
+                name=args.name,
+                parent=args.parent,
+                note=args.note,
+                launcher=args.launcher,
+                clear_cache=args.clear_cache,
+                extra_args=args.passthrough,
+            ),
+        )
         return report(invocation, outcome, args)
 
 
 def handle_restart(args: argparse.Namespace) -> int:
     with open_invocation(args, dry_run=args.dry_run) as invocation:
-        outcome = restart(invocation, RestartRequest(
-            run=args.run, name=args.name, note=args.note, resume=args.resume, clear_cache=args.clear_cache,
-            launcher=args.launcher, extra_args=args.passthrough or None, grace=args.grace,
-            handover=not args.wait_exit))
+        outcome = restart(
+            invocation,
+            RestartRequest(
+                run=args.run,
+                name=args.name,
+                note=args.note,
+                resume=args.resume,
+                clear_cache=args.clear_cache,
+                launcher=args.launcher,
+                extra_args=args.passthrough or None,
+                grace=args.grace,
+                handover=not args.wait_exit,
+            ),
+        )
         if not args.dry_run:
             how = f"stopped (exit code {outcome.old_exit_code})" if outcome.stopped else "was not running"
             if outcome.handover:

@@ -20,19 +20,31 @@ COLOURS = {"ok": "32", "warn": "33", "fail": "1;31", "skip": "2"}
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "doctor", help="check that a target can run: host, container, GPUs, python, torch, disk, clock",
+        "doctor",
+        help="check that a target can run: host, container, GPUs, python, torch, disk, clock",
         description="Check TARGET (or --all targets) before a run: host reachable and host key known, container "
-                    "running, /dev/nvidia* passed through, nvidia-smi and its driver against the host's, the "
-                    "target python with torch/transformers/triton and the declared number of CUDA devices, tmux, "
-                    "free disk on the workspace and the compile cache, a writable workspace, the profiles' "
-                    "pass_env secrets in this shell (names only) and the clock. Exit status 1 when any check fails.")
+        "running, /dev/nvidia* passed through, nvidia-smi and its driver against the host's, the "
+        "target python with torch/transformers/triton and the declared number of CUDA devices, tmux, "
+        "free disk on the workspace and the compile cache, a writable workspace, the profiles' "
+        "pass_env secrets in this shell (names only) and the clock. Exit status 1 when any check fails.",
+    )
     p.add_argument("target", nargs="?", metavar="TARGET", help="target from the inventory (default: the default one)")
     p.add_argument("--all", action="store_true", help="check every target of the inventory, in parallel")
-    p.add_argument("--profile", action="append", default=[], metavar="P",
-                   help="check the secrets this profile passes (repeatable; default: every profile's, as warnings)")
+    p.add_argument(
+        "--profile",
+        action="append",
+        default=[],
+        metavar="P",
+        help="check the secrets this profile passes (repeatable; default: every profile's, as warnings)",
+    )
     p.add_argument("--json", action="store_true", help="the checks as JSON on stdout")
-    p.add_argument("--all-timeout", type=float, default=300.0, metavar="S",
-                   help="with --all: seconds before a slow target is reported as timed out (default 300)")
+    p.add_argument(
+        "--all-timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="with --all: seconds before a slow target is reported as timed out (default 300)",
+    )
     p.set_defaults(func=handle_doctor)
 
 
@@ -46,8 +58,9 @@ def check_target(inventory: Inventory, args: argparse.Namespace, name: str | Non
     invocation = Invocation(inventory)
     try:
         target = inventory.target(name)
-        return target.name, doctor(invocation, target, profiles_for(inventory, args.profile),
-                                   explicit_profile=bool(args.profile))
+        return target.name, doctor(
+            invocation, target, profiles_for(inventory, args.profile), explicit_profile=bool(args.profile)
+        )
     finally:
         invocation.close()
 
@@ -74,17 +87,31 @@ def handle_doctor(args: argparse.Namespace) -> int:
         from dflashops.ops.fanout import fan_out
 
         progress(f"checking {len(inventory.targets)} target(s)...")
-        results = fan_out(list(inventory.targets.values()), lambda t: check_target(inventory, args, t.name)[1],
-                          timeout=args.all_timeout)
-        reports = [(r.target, r.value if r.ok and r.value is not None else
-                    [Check("target", "fail", r.error or "no answer", r.hint)]) for r in results]
+        results = fan_out(
+            list(inventory.targets.values()),
+            lambda t: check_target(inventory, args, t.name)[1],
+            timeout=args.all_timeout,
+        )
+        reports = [
+            (
+                r.target,
+                r.value if r.ok and r.value is not None else [Check("target", "fail", r.error or "no answer", r.hint)],
+            )
+            for r in results
+        ]
     else:
         inventory.target(args.target)  # NotFound before any connection
         progress("checking (the torch import inside the target takes a few seconds)...")
         reports = [check_target(inventory, args, args.target)]
     if args.json:
-        emit_json({"targets": [{"target": name, "failed": failed(checks), "checks": [c.to_dict() for c in checks]}
-                               for name, checks in reports]})
+        emit_json(
+            {
+                "targets": [
+                    {"target": name, "failed": failed(checks), "checks": [c.to_dict() for c in checks]}
+                    for name, checks in reports
+                ]
+            }
+        )
     else:
         width = max(len(name) for name, _ in reports)
         for name, checks in reports:
@@ -93,8 +120,12 @@ def handle_doctor(args: argparse.Namespace) -> int:
     bad = [(name, sum(c.status == "fail" for c in checks)) for name, checks in reports if failed(checks)]
     for name, checks in reports:
         counts = {s: sum(c.status == s for c in checks) for s in ("fail", "warn", "ok", "skip")}
-        progress(f"{name}: {counts['fail']} failed, {counts['warn']} warning(s), {counts['ok']} ok, {counts['skip']} skipped")
+        progress(
+            f"{name}: {counts['fail']} failed, {counts['warn']} warning(s), {counts['ok']} ok, {counts['skip']} skipped"
+        )
     if bad:
-        raise ChecksFailed(f"doctor: {', '.join(f'{n} check(s) failed on {t}' for t, n in bad)}",
-                           hint="fix the FAIL lines (each has its hint), then run dflashops doctor again")
+        raise ChecksFailed(
+            f"doctor: {', '.join(f'{n} check(s) failed on {t}' for t, n in bad)}",
+            hint="fix the FAIL lines (each has its hint), then run dflashops doctor again",
+        )
     return 0

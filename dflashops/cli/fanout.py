@@ -21,8 +21,13 @@ from dflashops.ops.fanout import FanoutResult, exec_all, status_all, stop_all
 
 
 def console() -> Console:
-    return Console(file=sys.stdout, no_color=not use_colour(sys.stdout), highlight=False, soft_wrap=True,
-                   width=None if sys.stdout.isatty() else 160)
+    return Console(
+        file=sys.stdout,
+        no_color=not use_colour(sys.stdout),
+        highlight=False,
+        soft_wrap=True,
+        width=None if sys.stdout.isatty() else 160,
+    )
 
 
 def failed_row(table: Table, result: FanoutResult[Any], columns: int) -> None:
@@ -38,9 +43,22 @@ def handle_status_all(args: argparse.Namespace) -> int:
         raise UsageError("--all reports every run of every target; drop RUN/--target, or drop --all")
     results = status_all(load_inventory(getattr(args, "inventory", None)), timeout=args.all_timeout)
     if args.json:
-        emit_json({"targets": [{"target": r.target, "ok": r.ok, "error": r.error, "hint": r.hint,
-                                "timed_out": r.timed_out, "seconds": round(r.duration_s, 2),
-                                "runs": r.value or []} for r in results]})
+        emit_json(
+            {
+                "targets": [
+                    {
+                        "target": r.target,
+                        "ok": r.ok,
+                        "error": r.error,
+                        "hint": r.hint,
+                        "timed_out": r.timed_out,
+                        "seconds": round(r.duration_s, 2),
+                        "runs": r.value or [],
+                    }
+                    for r in results
+                ]
+            }
+        )
     else:
         table = Table(title="runs on every target", title_justify="left")
         for column in ("target", "run", "state", "step", "loss", "exit"):
@@ -54,10 +72,14 @@ def handle_status_all(args: argparse.Namespace) -> int:
             for entry in result.value or []:
                 metrics = entry.get("last_metrics") or {}
                 loss = metrics.get("loss")
-                table.add_row(result.target, str(entry["name"]), str(entry["state"]),
-                              "" if entry.get("step") is None else str(entry["step"]),
-                              f"{loss:.4g}" if isinstance(loss, (int, float)) else "",
-                              "" if entry.get("exit_code") is None else str(entry["exit_code"]))
+                table.add_row(
+                    result.target,
+                    str(entry["name"]),
+                    str(entry["state"]),
+                    "" if entry.get("step") is None else str(entry["step"]),
+                    f"{loss:.4g}" if isinstance(loss, (int, float)) else "",
+                    "" if entry.get("exit_code") is None else str(entry["exit_code"]),
+                )
         console().print(table)
     return 0 if all(r.ok for r in results) else 1
 
@@ -65,8 +87,13 @@ def handle_status_all(args: argparse.Namespace) -> int:
 def handle_stop_all(args: argparse.Namespace) -> int:
     if args.run or args.target:
         raise UsageError("--all stops every running run of every target; drop RUN/--target, or drop --all")
-    results = stop_all(load_inventory(getattr(args, "inventory", None)), grace=args.grace, save_grace=args.save_grace,
-                       dry_run=args.dry_run, timeout=args.grace + args.save_grace + args.all_timeout)
+    results = stop_all(
+        load_inventory(getattr(args, "inventory", None)),
+        grace=args.grace,
+        save_grace=args.save_grace,
+        dry_run=args.dry_run,
+        timeout=args.grace + args.save_grace + args.all_timeout,
+    )
     table = Table(title="stop --all" + (" (dry run: nothing stopped)" if args.dry_run else ""), title_justify="left")
     for column in ("target", "result", "runs"):
         table.add_column(column)
@@ -81,8 +108,9 @@ def handle_stop_all(args: argparse.Namespace) -> int:
 
 def handle_exec_all(args: argparse.Namespace) -> int:
     if args.target and not args.passthrough:
-        raise UsageError("exec takes its command after `--`",
-                         hint=f"put the command after --: dflashops exec --all -- {args.target}")
+        raise UsageError(
+            "exec takes its command after `--`", hint=f"put the command after --: dflashops exec --all -- {args.target}"
+        )
     if args.target:
         raise UsageError("--all runs on every target; drop TARGET, or drop --all")
     if not args.passthrough:

@@ -22,25 +22,35 @@ from dflashops.ops.fetch import FetchRequest, Progress, fetch
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "fetch", help="bring a run's checkpoint, export or logs here: resumable, sha256-verified, atomic",
+        "fetch",
+        help="bring a run's checkpoint, export or logs here: resumable, sha256-verified, atomic",
         description="Copy RUN's latest (or --checkpoint STEP) checkpoint, or with --export the public DFlash export "
-                    "of it (made on the target first), and/or its logs (--logs) into --to DIR, with run.json, "
-                    "status.json and metrics.jsonl. Files are verified against sha256 sums computed on the target; "
-                    "a cut connection continues where it stopped (also in a later fetch); a partial file is "
-                    "never visible under its final name.")
+        "of it (made on the target first), and/or its logs (--logs) into --to DIR, with run.json, "
+        "status.json and metrics.jsonl. Files are verified against sha256 sums computed on the target; "
+        "a cut connection continues where it stopped (also in a later fetch); a partial file is "
+        "never visible under its final name.",
+    )
     p.add_argument("run", metavar="RUN", help="the run to fetch from")
     p.add_argument("--target", help="target (default: RUN's recorded target, or the default target)")
-    p.add_argument("--checkpoint", metavar="latest|STEP",
-                   help="which checkpoint: latest (default) or a step number")
-    p.add_argument("--export", action="store_true",
-                   help="export that checkpoint on the target (python -m trainer export) and fetch the export")
+    p.add_argument("--checkpoint", metavar="latest|STEP", help="which checkpoint: latest (default) or a step number")
+    p.add_argument(
+        "--export",
+        action="store_true",
+        help="export that checkpoint on the target (python -m trainer export) and fetch the export",
+    )
     p.add_argument("--logs", action="store_true", help="fetch train.log too (alone: logs and metadata only)")
     p.add_argument("--to", metavar="DIR", type=Path, help="destination folder (default: ./fetched/RUN)")
-    p.add_argument("--retries", type=int, default=8, metavar="N",
-                   help="times to continue a file after a cut connection within this call (default 8)")
+    p.add_argument(
+        "--retries",
+        type=int,
+        default=8,
+        metavar="N",
+        help="times to continue a file after a cut connection within this call (default 8)",
+    )
     p.add_argument("--json", action="store_true", help="the outcome as JSON on stdout")
-    p.add_argument("--dry-run", action="store_true",
-                   help="show what would be exported and fetched; change nothing here or there")
+    p.add_argument(
+        "--dry-run", action="store_true", help="show what would be exported and fetched; change nothing here or there"
+    )
     p.set_defaults(func=with_run_hint(handle_fetch))
 
 
@@ -55,18 +65,35 @@ def progress_bar(quiet: bool) -> Iterator[Progress]:
     from rich.progress import Progress as Bar
 
     console = Console(stderr=True, no_color="NO_COLOR" in os.environ)
-    with Bar(TextColumn("fetch"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
-             console=console, transient=False) as bar:
+    with Bar(
+        TextColumn("fetch"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
+    ) as bar:
         task = bar.add_task("fetch", total=None)
-        yield Progress(begin=lambda total, done: bar.update(task, total=total, completed=done),
-                       advance=lambda n: bar.advance(task, n), note=lambda text: bar.console.print(text))
+        yield Progress(
+            begin=lambda total, done: bar.update(task, total=total, completed=done),
+            advance=lambda n: bar.advance(task, n),
+            note=lambda text: bar.console.print(text),
+        )
 
 
 def handle_fetch(args: argparse.Namespace) -> int:
     if args.retries < 0:
         raise UsageError("--retries must be >= 0", hint="--retries 8")
-    request = FetchRequest(run=args.run, target=args.target, checkpoint=args.checkpoint, export=args.export,
-                           logs=args.logs, to=args.to, retries=args.retries)
+    request = FetchRequest(
+        run=args.run,
+        target=args.target,
+        checkpoint=args.checkpoint,
+        export=args.export,
+        logs=args.logs,
+        to=args.to,
+        retries=args.retries,
+    )
     with open_invocation(args, dry_run=args.dry_run) as invocation, progress_bar(args.dry_run) as sink:
         outcome = fetch(invocation, request, sink)
         if args.dry_run:
@@ -76,9 +103,11 @@ def handle_fetch(args: argparse.Namespace) -> int:
             return 0
     sent = outcome.to_dict()
     kinds = {how: sum(f.how == how for f in outcome.files) for how in ("fetched", "resumed", "unchanged")}
-    progress(f"{args.run}: {len(outcome.files)} file(s) in {outcome.to} ({kinds['fetched']} fetched, "
-             f"{kinds['resumed']} resumed, {kinds['unchanged']} unchanged; {sent['bytes_sent']:,} bytes sent in "
-             f"{outcome.seconds:.1f}s, {sent['rate_mib_s'] or 0} MiB/s); every file matches its sha256")
+    progress(
+        f"{args.run}: {len(outcome.files)} file(s) in {outcome.to} ({kinds['fetched']} fetched, "
+        f"{kinds['resumed']} resumed, {kinds['unchanged']} unchanged; {sent['bytes_sent']:,} bytes sent in "
+        f"{outcome.seconds:.1f}s, {sent['rate_mib_s'] or 0} MiB/s); every file matches its sha256"
+    )
     if args.json:
         emit_json(sent)
     else:

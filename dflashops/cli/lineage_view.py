@@ -24,8 +24,13 @@ from dflashops.lineage import LineageDB, RunRecord, diff_runs
 from dflashops.lineage.files import AGENT_STATE_TO_LINEAGE, best_value, metric_series, read_metrics, run_dir_of
 from dflashops.ops.local_runs import LocalRuns
 
-STATE_STYLE = {"launched": "cyan", "running": "bold blue", "finished": "green", "crashed": "bold red",
-               "stopped": "yellow"}
+STATE_STYLE = {
+    "launched": "cyan",
+    "running": "bold blue",
+    "finished": "green",
+    "crashed": "bold red",
+    "stopped": "yellow",
+}
 EXPORT_COLUMNS = tuple(RunRecord.__dataclass_fields__)
 
 
@@ -66,8 +71,9 @@ class RunFacts:
             if best is None and isinstance(run.extra.get("best_tau_sim"), (int, float)):
                 best = float(run.extra["best_tau_sim"])
             state, exit_code = run.state, run.exit_code
-            live = self.local.status(directory) if directory is not None and (directory / "run.json").is_file() \
-                else None
+            live = (
+                self.local.status(directory) if directory is not None and (directory / "run.json").is_file() else None
+            )
             if live is not None:
                 state = AGENT_STATE_TO_LINEAGE.get(str(live.get("state")), state)
                 exit_code = live.get("exit_code", exit_code)
@@ -97,8 +103,14 @@ def lineage_forest(db: LineageDB, facts: RunFacts, only: str | None = None) -> l
         fact = facts(run)
         parent = by_name.get(run.parent) if run.parent else None
         return {
-            "name": run.name, "state": fact.state, "exit_code": fact.exit_code, "last_step": fact.last_step,
-            "best_tau_sim": fact.best_tau_sim, "note": run.note, "parent": run.parent, "parent_recorded": parent is not None,
+            "name": run.name,
+            "state": fact.state,
+            "exit_code": fact.exit_code,
+            "last_step": fact.last_step,
+            "best_tau_sim": fact.best_tau_sim,
+            "note": run.note,
+            "parent": run.parent,
+            "parent_recorded": parent is not None,
             "changes": diff_runs(parent, run).lines() if parent else [],
             "change_summary": diff_runs(parent, run).summary() if parent else "",
             "children": [node(child) for child in kids.get(run.name, []) if child.name not in seen],
@@ -145,10 +157,15 @@ def runs_table(runs: list[RunRecord], facts: Callable[[RunRecord], Facts]) -> Ta
         table.add_column(column, overflow="fold", no_wrap=column in ("name", "state", "started"))
     for run in runs:
         fact = facts(run)
-        table.add_row(escape(run.name), escape(run.parent or "-"),
-                      Text(state_word(fact.state, fact.exit_code), style=STATE_STYLE.get(fact.state, "")),
-                      "-" if fact.last_step is None else str(fact.last_step), escape(where(run)), run.started_at,
-                      escape(run.note))
+        table.add_row(
+            escape(run.name),
+            escape(run.parent or "-"),
+            Text(state_word(fact.state, fact.exit_code), style=STATE_STYLE.get(fact.state, "")),
+            "-" if fact.last_step is None else str(fact.last_step),
+            escape(where(run)),
+            run.started_at,
+            escape(run.note),
+        )
     return table
 
 
@@ -175,7 +192,9 @@ def export_text(runs: list[RunRecord], fmt: str) -> str:
     writer.writeheader()
     for run in runs:
         row = run.to_dict()
-        writer.writerow({k: json.dumps(v, sort_keys=True) if isinstance(v, (list, dict)) else v for k, v in row.items()})
+        writer.writerow(
+            {k: json.dumps(v, sort_keys=True) if isinstance(v, (list, dict)) else v for k, v in row.items()}
+        )
     return buffer.getvalue()
 
 

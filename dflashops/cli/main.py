@@ -17,20 +17,39 @@ from pathlib import Path
 
 from dflashops.errors import DflashopsError
 
-VERB_MODULES = ("dflashops.cli.deploy", "dflashops.cli.control", "dflashops.cli.runs", "dflashops.cli.trust",
-                "dflashops.cli.play", "dflashops.cli.watch", "dflashops.cli.doctor",
-                "dflashops.cli.fetch")
-OPTIONAL_MODULES = {"dflashops.cli.runs", "dflashops.cli.trust", "dflashops.cli.play", "dflashops.cli.watch",
-                    "dflashops.cli.doctor", "dflashops.cli.fetch"}
+VERB_MODULES = (
+    "dflashops.cli.deploy",
+    "dflashops.cli.control",
+    "dflashops.cli.runs",
+    "dflashops.cli.trust",
+    "dflashops.cli.play",
+    "dflashops.cli.watch",
+    "dflashops.cli.doctor",
+    "dflashops.cli.fetch",
+)
+OPTIONAL_MODULES = {
+    "dflashops.cli.runs",
+    "dflashops.cli.trust",
+    "dflashops.cli.play",
+    "dflashops.cli.watch",
+    "dflashops.cli.doctor",
+    "dflashops.cli.fetch",
+}
 # The module that registers each verb. When the command line names one of these, only that module is
 # imported: start-up is part of every scripted restart's wall time, and rich, the playbook engine and the
 # lineage views cost ~80 ms of imports that `restart`/`deploy` never use. Anything else (no verb,
 # --help, an unknown word) builds the full parser, so help and "invalid choice" errors list every verb.
-VERB_MODULE = {"deploy": "dflashops.cli.deploy", "restart": "dflashops.cli.deploy",
-               **{verb: "dflashops.cli.control" for verb in ("stop", "status", "logs", "exec", "attach", "gc")},
-               "runs": "dflashops.cli.runs", "trust": "dflashops.cli.trust", "play": "dflashops.cli.play",
-               "watch": "dflashops.cli.watch", "doctor": "dflashops.cli.doctor",
-               "fetch": "dflashops.cli.fetch"}
+VERB_MODULE = {
+    "deploy": "dflashops.cli.deploy",
+    "restart": "dflashops.cli.deploy",
+    **{verb: "dflashops.cli.control" for verb in ("stop", "status", "logs", "exec", "attach", "gc")},
+    "runs": "dflashops.cli.runs",
+    "trust": "dflashops.cli.trust",
+    "play": "dflashops.cli.play",
+    "watch": "dflashops.cli.watch",
+    "doctor": "dflashops.cli.doctor",
+    "fetch": "dflashops.cli.fetch",
+}
 
 
 def verb_index(words: Sequence[str]) -> int | None:
@@ -73,11 +92,13 @@ class VersionAction(argparse.Action):
     """`--version`: like argparse's own, but the version is only looked up when asked for."""
 
     def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: object) -> None:
-        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
-                         help="print the dflashops version and exit")
+        super().__init__(
+            option_strings, dest, nargs=0, default=argparse.SUPPRESS, help="print the dflashops version and exit"
+        )
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: object, values: object,
-                 option_string: str | None = None) -> None:
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: object, values: object, option_string: str | None = None
+    ) -> None:
         print(f"{parser.prog} {package_version()}")
         parser.exit()
 
@@ -87,11 +108,14 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
         prog="dflashops",
         description="Deploy, restart, stop and watch DFlash training runs on local and Proxmox targets.",
     )
-    parser.add_argument("--inventory", metavar="PATH",
-                        help="inventory.yaml to use (default: $DFLASHOPS_INVENTORY, ./inventory.yaml or a parent's)")
+    parser.add_argument(
+        "--inventory",
+        metavar="PATH",
+        help="inventory.yaml to use (default: $DFLASHOPS_INVENTORY, ./inventory.yaml or a parent's)",
+    )
     parser.add_argument("--version", action=VersionAction)
     subparsers = parser.add_subparsers(dest="verb", metavar="VERB")
-    for module_name in ([VERB_MODULE[verb]] if verb in VERB_MODULE else VERB_MODULES):
+    for module_name in [VERB_MODULE[verb]] if verb in VERB_MODULE else VERB_MODULES:
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:

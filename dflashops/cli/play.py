@@ -23,18 +23,28 @@ from dflashops.playbook.run import PlayReport, StepReport, run_playbook
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("play", help="run a playbook: ordered dflashops steps from a YAML file",
-                              description="Run the steps of PLAYBOOK in order and report each one "
-                                          "(ok / changed / failed / skipped) with its duration. Step kinds: stop, sync, "
-                                          "clear-cache, deploy, restart, wait (log REGEX or metric condition, "
-                                          "with a timeout), assert, exec, collect, loop, include; see "
-                                          "dflashops/playbook/ and playbooks/*.yaml.")
+    p = subparsers.add_parser(
+        "play",
+        help="run a playbook: ordered dflashops steps from a YAML file",
+        description="Run the steps of PLAYBOOK in order and report each one "
+        "(ok / changed / failed / skipped) with its duration. Step kinds: stop, sync, "
+        "clear-cache, deploy, restart, wait (log REGEX or metric condition, "
+        "with a timeout), assert, exec, collect, loop, include; see "
+        "dflashops/playbook/ and playbooks/*.yaml.",
+    )
     p.add_argument("playbook", help="path to a playbook YAML file (see playbooks/)")
     p.add_argument("--target", help="target for steps that name none (also the {{target}} variable)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="set a playbook variable (value read as YAML; repeatable)")
-    p.add_argument("--check", action="store_true",
-                   help="dry run: print the exact commands each step would run; run none of them")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set a playbook variable (value read as YAML; repeatable)",
+    )
+    p.add_argument(
+        "--check", action="store_true", help="dry run: print the exact commands each step would run; run none of them"
+    )
     p.add_argument("--json", action="store_true", help="the report as JSON on stdout")
     p.set_defaults(func=handle_play)
 
@@ -87,9 +97,15 @@ def handle_play(args: argparse.Namespace) -> int:
     playbook = load_playbook(args.playbook)  # PlaybookError (exit 2) before any invocation is opened
     playbook.bind(overrides)
     with open_invocation(args, dry_run=args.check) as invocation:
-        report = run_playbook(invocation, playbook, overrides, target=args.target, check=args.check,
-                              say=progress if os.environ.get("DFLASHOPS_VERBOSE") else lambda text: None,
-                              on_step=lambda entry: progress(_line(entry)))
+        report = run_playbook(
+            invocation,
+            playbook,
+            overrides,
+            target=args.target,
+            check=args.check,
+            say=progress if os.environ.get("DFLASHOPS_VERBOSE") else lambda text: None,
+            on_step=lambda entry: progress(_line(entry)),
+        )
     err = _console(sys.stderr)
     err.print(report_table(report))
     if args.json:

@@ -53,8 +53,10 @@ def _open(args: argparse.Namespace, *, create: bool = False) -> LineageDB | None
 
 
 def _missing(args: argparse.Namespace) -> NotFound:
-    return NotFound(f"no lineage database at {lineage_db_path(args)}",
-                    hint="deploy a run first, or `dflashops runs sync` to rebuild it from the targets")
+    return NotFound(
+        f"no lineage database at {lineage_db_path(args)}",
+        hint="deploy a run first, or `dflashops runs sync` to rebuild it from the targets",
+    )
 
 
 def _stdout() -> Console:
@@ -178,20 +180,29 @@ def cmd_sync(args: argparse.Namespace) -> int:
     for target in targets:
         sources.append((target, _statuses_from_target(args, target)))
     if not sources:
-        raise UsageError("nothing to sync from: the inventory has no targets",
-                         hint="name targets (`runs sync local`) or pass --workspace DIR")
+        raise UsageError(
+            "nothing to sync from: the inventory has no targets",
+            hint="name targets (`runs sync local`) or pass --workspace DIR",
+        )
     db = LineageDB(lineage_db_path(args))
     outcomes: list[dict[str, str]] = []
     for target, statuses in sources:
         for status in statuses:
             if (node := other_node(status)) is not None:
-                outcomes.append({"name": str(status.get("name")), "target": target, "outcome": "skipped",
-                                 "reason": f"node {node} of a run on several targets (its row is node 0's)"})
+                outcomes.append(
+                    {
+                        "name": str(status.get("name")),
+                        "target": target,
+                        "outcome": "skipped",
+                        "reason": f"node {node} of a run on several targets (its row is node 0's)",
+                    }
+                )
                 continue
             data = import_dict_from_status(status, target)
             if data is None:
-                outcomes.append({"name": str(status.get("name")), "target": target, "outcome": "skipped",
-                                 "reason": "no run.json"})
+                outcomes.append(
+                    {"name": str(status.get("name")), "target": target, "outcome": "skipped", "reason": "no run.json"}
+                )
                 continue
             outcome: str
             try:
@@ -203,8 +214,12 @@ def cmd_sync(args: argparse.Namespace) -> int:
         _print_json(outcomes)
     else:
         for item in outcomes:
-            print(f"{item['outcome']:<9} {item['name']} ({item['target']}){'  ' + item['reason'] if item['reason'] else ''}")
-    counts = {key: sum(1 for o in outcomes if o["outcome"] == key) for key in ("added", "updated", "unchanged", "failed")}
+            print(
+                f"{item['outcome']:<9} {item['name']} ({item['target']}){'  ' + item['reason'] if item['reason'] else ''}"
+            )
+    counts = {
+        key: sum(1 for o in outcomes if o["outcome"] == key) for key in ("added", "updated", "unchanged", "failed")
+    }
     print("sync: " + ", ".join(f"{n} {key}" for key, n in counts.items()), file=sys.stderr)
     return 1 if counts["failed"] else 0
 
@@ -233,8 +248,11 @@ def cmd_plot(args: argparse.Namespace) -> int:
         directory = run_dir_of(run, _runs_root(args), local_roots)
         rows = read_metrics(directory / "metrics.jsonl") if directory else []
         if directory is None:
-            print(f"warning: metrics of {run.name} are on target {run.target}, not on this machine "
-                  "(pass --runs-dir with a local copy)", file=sys.stderr)
+            print(
+                f"warning: metrics of {run.name} are on target {run.target}, not on this machine "
+                "(pass --runs-dir with a local copy)",
+                file=sys.stderr,
+            )
         elif not rows:
             print(f"warning: {run.name} has no metrics in {directory / 'metrics.jsonl'}", file=sys.stderr)
         found |= metric_names(rows)
@@ -242,8 +260,10 @@ def cmd_plot(args: argparse.Namespace) -> int:
         if rows and not series[run.name]:
             print(f"warning: {run.name} has no {args.metric!r} values", file=sys.stderr)
     if not any(series.values()):
-        raise UsageError(f"no run among {', '.join(args.runs)} has metric {args.metric!r}",
-                         hint=f"metrics found: {', '.join(sorted(found))}" if found else "no metrics found at all")
+        raise UsageError(
+            f"no run among {', '.join(args.runs)} has metric {args.metric!r}",
+            hint=f"metrics found: {', '.join(sorted(found))}" if found else "no metrics found at all",
+        )
     out = plot_runs(series, args.metric, Path(args.out), title=args.title, log_y=args.log_y)
     print(out)
     return 0
@@ -281,11 +301,15 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     as_json = argparse.ArgumentParser(add_help=False)
     as_json.add_argument("--json", action="store_true", help="print JSON on stdout")
     local_dirs = argparse.ArgumentParser(add_help=False)
-    local_dirs.add_argument("--runs-dir", metavar="DIR",
-                            help="local folder holding <run>/metrics.jsonl (default: each run's recorded run_dir)")
+    local_dirs.add_argument(
+        "--runs-dir",
+        metavar="DIR",
+        help="local folder holding <run>/metrics.jsonl (default: each run's recorded run_dir)",
+    )
 
-    runs = subparsers.add_parser("runs", help="run lineage: list, tree, show, diff, sync, plot, export",
-                                 description=__doc__.split("\n\n")[0])
+    runs = subparsers.add_parser(
+        "runs", help="run lineage: list, tree, show, diff, sync, plot, export", description=__doc__.split("\n\n")[0]
+    )
     verbs = runs.add_subparsers(dest="runs_verb", metavar="VERB", required=True)
 
     def add(name: str, handler: Handler, help_text: str, *parents: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -303,8 +327,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("a")
     p.add_argument("b")
     p = add("sync", cmd_sync, "rebuild lineage from each run's run.json on targets", as_json)
-    p.add_argument("targets", nargs="*", metavar="TARGET", help="targets to read (default: every target of the "
-                   "inventory)")
+    p.add_argument(
+        "targets", nargs="*", metavar="TARGET", help="targets to read (default: every target of the inventory)"
+    )
     p.add_argument("--workspace", metavar="DIR", help="a local workspace folder (holds runs/<name>/run.json)")
     p.add_argument("--target-label", default="local", help="target name recorded for --workspace runs")
     p = add("plot", cmd_plot, "PNG of a metric by step for several runs (readable without colour)", local_dirs)

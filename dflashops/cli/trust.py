@@ -18,9 +18,12 @@ from dflashops.inventory import load_inventory
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("trust", help="record a host's SSH key after showing its fingerprint",
-                              description="Fetch HOST's SSH host key, print its SHA256 fingerprint and record "
-                                          "it in known_hosts (the inventory's file, else ~/.ssh/known_hosts).")
+    p = subparsers.add_parser(
+        "trust",
+        help="record a host's SSH key after showing its fingerprint",
+        description="Fetch HOST's SSH host key, print its SHA256 fingerprint and record "
+        "it in known_hosts (the inventory's file, else ~/.ssh/known_hosts).",
+    )
     p.add_argument("host", help="inventory host or target name, or an ~/.ssh/config alias")
     p.add_argument("--yes", action="store_true", help="record without asking")
     p.add_argument("--fingerprint", metavar="SHA256:...", help="record only if the key has this fingerprint")
@@ -33,12 +36,16 @@ def handle_trust(args: argparse.Namespace) -> int:
     offer = fetch_offer(load_inventory(getattr(args, "inventory", None)), args.host)
     print(f"{offer.known_name} {offer.key_type} {offer.fingerprint}")
     if args.fingerprint and args.fingerprint != offer.fingerprint:
-        raise Conflict(f"{offer.known_name} presented {offer.fingerprint}, not the expected {args.fingerprint}; "
-                       "nothing recorded", hint="someone may be in between, or the fingerprint was copied wrong")
+        raise Conflict(
+            f"{offer.known_name} presented {offer.fingerprint}, not the expected {args.fingerprint}; nothing recorded",
+            hint="someone may be in between, or the fingerprint was copied wrong",
+        )
     if not (args.yes or args.fingerprint):
         if not sys.stdin.isatty():
-            raise UsageError("not recording without confirmation (stdin is not a terminal)",
-                             hint="compare the fingerprint above, then pass --yes or --fingerprint SHA256:...")
+            raise UsageError(
+                "not recording without confirmation (stdin is not a terminal)",
+                hint="compare the fingerprint above, then pass --yes or --fingerprint SHA256:...",
+            )
         sys.stderr.write(f"record this key for {offer.known_name} in {offer.known_hosts}? [y/N] ")
         sys.stderr.flush()
         if sys.stdin.readline().strip().lower() not in ("y", "yes"):

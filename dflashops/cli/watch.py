@@ -67,8 +67,10 @@ def render(watcher: Watcher, title: str) -> Group:
     assert snapshot is not None
     updated = time.strftime("%H:%M:%S", time.localtime(snapshot.taken_at))
     if watcher.stale_for is not None:
-        header = Text(f"{title} | STALE {watcher.stale_for:.0f}s (last data {updated}); reconnecting: "
-                      f"{watcher.error}", style="bold")
+        header = Text(
+            f"{title} | STALE {watcher.stale_for:.0f}s (last data {updated}); reconnecting: {watcher.error}",
+            style="bold",
+        )
     else:
         header = Text(f"{title} | updated {updated} | q quits")
     runs = Table(expand=False, pad_edge=False)
@@ -77,17 +79,33 @@ def render(watcher: Watcher, title: str) -> Group:
     details: list[Text] = []
     for row in snapshot.runs:
         step = "-" if row.step is None else (f"{row.step}/{row.total_steps}" if row.total_steps else str(row.step))
-        runs.add_row(row.name, _state(row), step, _num(row.loss), _num(row.tau_sim), _num(row.block_tok_s),
-                     _eta(row.eta_s), "-" if row.heartbeat_age_s is None else f"{row.heartbeat_age_s:.0f}s")
-        facts = [f"drafters {' '.join(_num(v) for v in row.block_tok_s_per_drafter)} tok/s"
-                 if row.block_tok_s_per_drafter else "",
-                 f"queues {' '.join(f'{k}={v}' for k, v in row.queues.items())}" if row.queues else "",
-                 f"gpu mem {' '.join(f'{k}:{v:.1f}GB' for k, v in row.gpu_mem_gb.items())}" if row.gpu_mem_gb else ""]
+        runs.add_row(
+            row.name,
+            _state(row),
+            step,
+            _num(row.loss),
+            _num(row.tau_sim),
+            _num(row.block_tok_s),
+            _eta(row.eta_s),
+            "-" if row.heartbeat_age_s is None else f"{row.heartbeat_age_s:.0f}s",
+        )
+        facts = [
+            f"drafters {' '.join(_num(v) for v in row.block_tok_s_per_drafter)} tok/s"
+            if row.block_tok_s_per_drafter
+            else "",
+            f"queues {' '.join(f'{k}={v}' for k, v in row.queues.items())}" if row.queues else "",
+            f"gpu mem {' '.join(f'{k}:{v:.1f}GB' for k, v in row.gpu_mem_gb.items())}" if row.gpu_mem_gb else "",
+        ]
         if any(facts):
             details.append(Text(f"{row.name}: " + " | ".join(f for f in facts if f), overflow="fold"))
         line = row.error_line if row.error_line else row.last_log_line
-        details.append(Text(f"{row.name} {'error' if row.error_line else 'log'}: {(line or '-').strip()}",
-                            overflow="ellipsis", no_wrap=True))
+        details.append(
+            Text(
+                f"{row.name} {'error' if row.error_line else 'log'}: {(line or '-').strip()}",
+                overflow="ellipsis",
+                no_wrap=True,
+            )
+        )
     if not snapshot.runs:
         details.append(Text("no runs on this target yet"))
     parts: list[Any] = [header, runs, *details]
@@ -96,8 +114,12 @@ def render(watcher: Watcher, title: str) -> Group:
         for column in ("gpu", "name", "memory MiB", "util %"):
             gpus.add_column(column)
         for gpu in snapshot.gpus:
-            gpus.add_row(f"{gpu.target}:{gpu.index}", gpu.name, f"{gpu.memory_used_mib}/{gpu.memory_total_mib}",
-                         str(gpu.utilization_pct))
+            gpus.add_row(
+                f"{gpu.target}:{gpu.index}",
+                gpu.name,
+                f"{gpu.memory_used_mib}/{gpu.memory_total_mib}",
+                str(gpu.utilization_pct),
+            )
         parts.append(gpus)
     else:
         parts.append(Text("gpus: none visible (no nvidia-smi on the target)"))

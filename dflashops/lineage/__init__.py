@@ -12,6 +12,17 @@ from dflashops.lineage.record import STATES, RunRecord, record_from_run_json, re
 from dflashops.lineage.sqlite import LineageDBError
 
 __all__ = [
-    "SCHEMA_VERSION", "STATES", "LineageDB", "LineageDBError", "RunDiff", "RunRecord", "diff_runs", "next_name",
-    "parse_argv", "record_from_run_json", "redact_argv", "redact_env", "wandb_env",
+    "SCHEMA_VERSION",
+    "STATES",
+    "LineageDB",
+    "LineageDBError",
+    "RunDiff",
+    "RunRecord",
+    "diff_runs",
+    "next_name",
+    "parse_argv",
+    "record_from_run_json",
+    "redact_argv",
+    "redact_env",
+    "wandb_env",
 ]

@@ -41,8 +41,18 @@ from dflashops.lineage.sqlite import (
 from dflashops.shell import validate_name
 
 __all__ = [
-    "STATES", "LineageDB", "LineageDBError", "RunDiff", "RunRecord", "diff_runs", "next_name",
-    "parse_argv", "record_from_run_json", "redact_argv", "redact_env", "wandb_env",
+    "STATES",
+    "LineageDB",
+    "LineageDBError",
+    "RunDiff",
+    "RunRecord",
+    "diff_runs",
+    "next_name",
+    "parse_argv",
+    "record_from_run_json",
+    "redact_argv",
+    "redact_env",
+    "wandb_env",
 ]
 
 SCHEMA_VERSION = 1
@@ -86,12 +96,16 @@ class LineageDB:
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path)
         if not self.path.parent.is_dir():
-            raise NotFound(f"lineage database folder {self.path.parent} does not exist",
-                           hint="create it, or pass --db PATH inside an existing folder")
+            raise NotFound(
+                f"lineage database folder {self.path.parent} does not exist",
+                hint="create it, or pass --db PATH inside an existing folder",
+            )
         existed = self.path.exists() and self.path.stat().st_size > 0
         if not existed and not_writable_reason(self.path):
-            raise LineageDBError(f"cannot create lineage database {self.path}: {not_writable_reason(self.path)}",
-                                 hint=writable_hint(self.path))
+            raise LineageDBError(
+                f"cannot create lineage database {self.path}: {not_writable_reason(self.path)}",
+                hint=writable_hint(self.path),
+            )
         # A file this process cannot write is opened read-only: list/show/status still read it, and the
         # first write (a deploy's name claim, before anything is synced) is refused with one error line.
         self._conn = Connection(self.path, timeout_s=BUSY_TIMEOUT_MS / 1000)
@@ -102,7 +116,9 @@ class LineageDB:
             if self._conn.read_only is None:
                 if self._conn.query("PRAGMA journal_mode")[0][0].lower() != "wal":
                     self._conn.run("PRAGMA journal_mode = WAL")  # persistent: set once per file
-                self._conn.run("PRAGMA synchronous = NORMAL")  # WAL + NORMAL: durable at checkpoint, no fsync per commit
+                self._conn.run(
+                    "PRAGMA synchronous = NORMAL"
+                )  # WAL + NORMAL: durable at checkpoint, no fsync per commit
                 self._migrate()
             elif self._schema_version() < SCHEMA_VERSION:
                 self._conn.refuse_writes()  # it needs a migration, which is a write
@@ -134,8 +150,9 @@ class LineageDB:
         except LineageDBError as exc:
             if "file is not a database" not in exc.message:
                 raise
-            raise LineageDBError(f"{self.path} is not a lineage database (file is not a database)",
-                                 hint=rebuild_hint(self.path)) from None
+            raise LineageDBError(
+                f"{self.path} is not a lineage database (file is not a database)", hint=rebuild_hint(self.path)
+            ) from None
         if version > SCHEMA_VERSION:
             raise LineageDBError(
                 f"{self.path} has lineage schema version {version}, newer than this dflashops "
@@ -150,8 +167,10 @@ class LineageDB:
             )
             current = self._schema_version()  # re-read inside the lock: another process may have migrated
             if current > SCHEMA_VERSION:
-                raise LineageDBError(f"{self.path} has lineage schema version {current}, newer than {SCHEMA_VERSION}",
-                                     hint="upgrade dflashops")
+                raise LineageDBError(
+                    f"{self.path} has lineage schema version {current}, newer than {SCHEMA_VERSION}",
+                    hint="upgrade dflashops",
+                )
             for version in range(current + 1, SCHEMA_VERSION + 1):
                 for statement in _MIGRATIONS[version].split(";"):
                     if statement.strip():
@@ -229,8 +248,7 @@ class LineageDB:
     def release(self, name: str) -> None:
         """Drop a reservation (the launch failed); a filled record is never touched."""
         with self._write():
-            self._conn.run(f"DELETE FROM runs WHERE name = ? AND json_extract(extra, '$.{RESERVED}') = 1",
-                               (name,))
+            self._conn.run(f"DELETE FROM runs WHERE name = ? AND json_extract(extra, '$.{RESERVED}') = 1", (name,))
 
     def _check_new(self, run: RunRecord, allow_missing_parent: bool) -> None:
         if self._exists(run.name):
@@ -253,8 +271,11 @@ class LineageDB:
 
     def _not_found(self, name: str, what: str = "run") -> NotFound:
         close = difflib.get_close_matches(name, self.names(), n=4, cutoff=0.5)
-        hint = (f"did you mean: {', '.join(close)}?" if close
-                else "`dflashops runs list` shows recorded runs; `dflashops runs sync` rebuilds them from the targets")
+        hint = (
+            f"did you mean: {', '.join(close)}?"
+            if close
+            else "`dflashops runs list` shows recorded runs; `dflashops runs sync` rebuilds them from the targets"
+        )
         return NotFound(f"no {what} named {name!r} in the lineage database {self.path}", hint=hint)
 
     def names(self) -> set[str]:
@@ -304,8 +325,10 @@ class LineageDB:
                 setattr(current, key, {**current.extra, **value} if key == "extra" else value)
             row = self._to_row(current)
             assignments = ", ".join(f"{c} = ?" for c in ("state", *fields, "updated_at"))
-            self._conn.run(f"UPDATE runs SET {assignments} WHERE name = ?",
-                               (*(row[c] for c in ("state", *fields, "updated_at")), name))
+            self._conn.run(
+                f"UPDATE runs SET {assignments} WHERE name = ?",
+                (*(row[c] for c in ("state", *fields, "updated_at")), name),
+            )
         return self.get(name)
 
     def import_run_json(self, data: Mapping[str, Any]) -> ImportOutcome:
@@ -326,11 +349,21 @@ class LineageDB:
                 return "added"
             stored = self.get(incoming.name)
             if (stored.target, stored.started_at) != (incoming.target, incoming.started_at):
-                raise Conflict(f"run {incoming.name!r} on {incoming.target} (started {incoming.started_at}) clashes "
-                               f"with the recorded run of that name on {stored.target} (started {stored.started_at})",
-                               hint="rename one of the run directories; names are unique across targets")
-            merged = RunRecord(**{**stored.to_dict(), **{k: v for k, v in incoming.to_dict().items()
-                                                         if k not in ("state", "exit_code", "last_step", "extra")}})
+                raise Conflict(
+                    f"run {incoming.name!r} on {incoming.target} (started {incoming.started_at}) clashes "
+                    f"with the recorded run of that name on {stored.target} (started {stored.started_at})",
+                    hint="rename one of the run directories; names are unique across targets",
+                )
+            merged = RunRecord(
+                **{
+                    **stored.to_dict(),
+                    **{
+                        k: v
+                        for k, v in incoming.to_dict().items()
+                        if k not in ("state", "exit_code", "last_step", "extra")
+                    },
+                }
+            )
             for key in ("state", "exit_code", "last_step"):
                 if key in data:
                     setattr(merged, key, getattr(incoming, key))

@@ -19,8 +19,18 @@ _NEGATIVE_NUMBER = re.compile(r"^-\d+(\.\d*)?([eE][-+]?\d+)?$|^-\.\d+")
 FLAG_PRESENT = "(set)"  # the value recorded for a boolean flag such as `--compile`
 # Env keys that name the run itself (dflashops sets them from the lineage): they differ between every
 # parent and child by construction, so showing them as "changes" would only bury the real ones.
-IDENTITY_ENV_KEYS = frozenset({"WANDB_NAME", "WANDB_RUN_GROUP", "WANDB_NOTES", "DFLASHOPS_RUN",
-                               "DFLASHOPS_RUN_NAME", "DFLASHOPS_RUN_PARENT", "DFLASHOPS_RUN_NOTE", "DFLASHOPS_RUN_ID"})
+IDENTITY_ENV_KEYS = frozenset(
+    {
+        "WANDB_NAME",
+        "WANDB_RUN_GROUP",
+        "WANDB_NOTES",
+        "DFLASHOPS_RUN",
+        "DFLASHOPS_RUN_NAME",
+        "DFLASHOPS_RUN_PARENT",
+        "DFLASHOPS_RUN_NOTE",
+        "DFLASHOPS_RUN_ID",
+    }
+)
 RUN_PLACEHOLDER, CODE_PLACEHOLDER = "{run}", "{code}"
 
 
@@ -97,8 +107,16 @@ class RunDiff:
     def empty(self) -> bool:
         """True when the two runs were launched identically (same args, env, code, profile, target)."""
         return not any(
-            (self.args_added, self.args_removed, self.args_changed, self.positional, self.env_added,
-             self.env_removed, self.env_changed, self.fields_changed)
+            (
+                self.args_added,
+                self.args_removed,
+                self.args_changed,
+                self.positional,
+                self.env_added,
+                self.env_removed,
+                self.env_changed,
+                self.fields_changed,
+            )
         )
 
     def lines(self) -> list[str]:
@@ -139,7 +157,9 @@ class RunDiff:
             return {key: {"a": old, "b": new} for key, (old, new) in d.items()}
 
         return {
-            "a": self.a, "b": self.b, "empty": self.empty,
+            "a": self.a,
+            "b": self.b,
+            "empty": self.empty,
             "args": {"added": self.args_added, "removed": self.args_removed, "changed": pairs(self.args_changed)},
             "positional": None if self.positional is None else {"a": self.positional[0], "b": self.positional[1]},
             "env": {"added": self.env_added, "removed": self.env_removed, "changed": pairs(self.env_changed)},

@@ -19,8 +19,13 @@ from dflashops.lineage.record import RunRecord
 # Agent states (dflashops/agent.py run_status) -> lineage states. "lost" = no live process and no exit
 # code: the process vanished without its wrapper (OOM killer, container restart), which is a crash.
 AGENT_STATE_TO_LINEAGE = {
-    "launching": "launched", "running": "running", "stopping": "running", "stopped": "stopped",
-    "finished": "finished", "crashed": "crashed", "lost": "crashed",
+    "launching": "launched",
+    "running": "running",
+    "stopping": "running",
+    "stopped": "stopped",
+    "finished": "finished",
+    "crashed": "crashed",
+    "lost": "crashed",
 }
 HIGHER_IS_BETTER = {"tau_sim": True, "block_tok_s": True, "ctx_tok_s": True, "loss": False}
 

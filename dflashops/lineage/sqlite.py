@@ -28,8 +28,10 @@ class LineageDBError(DflashopsError):
 
 
 def rebuild_hint(path: Path) -> str:
-    return (f"move it aside (mv {path} {path}.corrupt) and run `dflashops runs sync` to rebuild the lineage "
-            f"from the run.json files on the targets")
+    return (
+        f"move it aside (mv {path} {path}.corrupt) and run `dflashops runs sync` to rebuild the lineage "
+        f"from the run.json files on the targets"
+    )
 
 
 def writable_hint(path: Path) -> str:
@@ -77,23 +79,30 @@ class Connection:
     def error(self, exc: sqlite3.Error, *, doing: str = "use") -> LineageDBError:
         text = str(exc)
         lowered = text.lower()
-        if any(word in lowered for word in CORRUPT_WORDS) or (isinstance(exc, sqlite3.DatabaseError) and not \
-                isinstance(exc, sqlite3.OperationalError)):
+        if any(word in lowered for word in CORRUPT_WORDS) or (
+            isinstance(exc, sqlite3.DatabaseError) and not isinstance(exc, sqlite3.OperationalError)
+        ):
             return LineageDBError(f"lineage database {self.path} is corrupt ({text})", hint=rebuild_hint(self.path))
         if any(word in lowered for word in READ_ONLY_WORDS):
-            return LineageDBError(f"lineage database {self.path} cannot be written ({text}); nothing was changed",
-                                  hint=writable_hint(self.path))
+            return LineageDBError(
+                f"lineage database {self.path} cannot be written ({text}); nothing was changed",
+                hint=writable_hint(self.path),
+            )
         if "locked" in lowered or "busy" in lowered:
-            return LineageDBError(f"lineage database {self.path} is locked by another dflashops ({text})",
-                                  hint="wait for the other command to finish, then try again")
+            return LineageDBError(
+                f"lineage database {self.path} is locked by another dflashops ({text})",
+                hint="wait for the other command to finish, then try again",
+            )
         return LineageDBError(f"cannot {doing} lineage database {self.path}: {text}", hint=rebuild_hint(self.path))
 
     def refuse_writes(self) -> None:
         """LineageDBError when this connection is read-only: every write starts here (Transaction), so a
         deploy meets it when it claims the run name, before anything is synced or launched."""
         if self.read_only is not None:
-            raise LineageDBError(f"lineage database {self.path} cannot be written: {self.read_only}; nothing "
-                                 f"was changed", hint=writable_hint(self.path))
+            raise LineageDBError(
+                f"lineage database {self.path} cannot be written: {self.read_only}; nothing was changed",
+                hint=writable_hint(self.path),
+            )
 
     def close(self) -> None:
         self.raw.close()

@@ -22,8 +22,10 @@ from dflashops.transport.base import Result, Transport
 AGENT_SOURCE = Path(__file__).resolve().parent.parent / "agent.py"
 READ_ONLY_VERBS = {"ping", "status", "tail", "gpus", "manifest", "fetch-manifest"}
 # Writes stdin to argv[1] atomically; stdlib only, argv-only so no shell quoting is involved.
-_UPLOAD = ("import os,sys\np=sys.argv[1];os.makedirs(os.path.dirname(p),exist_ok=True)\n"
-           "t=p+'.tmp'+str(os.getpid());open(t,'wb').write(sys.stdin.buffer.read());os.replace(t,p)")
+_UPLOAD = (
+    "import os,sys\np=sys.argv[1];os.makedirs(os.path.dirname(p),exist_ok=True)\n"
+    "t=p+'.tmp'+str(os.getpid());open(t,'wb').write(sys.stdin.buffer.read());os.replace(t,p)"
+)
 
 
 class StaleRelease(Conflict):
@@ -31,8 +33,7 @@ class StaleRelease(Conflict):
     the controller's cached view of the target is out of date. Nothing was changed; ask `manifest`, retry."""
 
 
-_CODE_TO_ERROR = {"not_found": NotFound, "conflict": Conflict, "bad_request": UsageError,
-                  "stale_release": StaleRelease}
+_CODE_TO_ERROR = {"not_found": NotFound, "conflict": Conflict, "bad_request": UsageError, "stale_release": StaleRelease}
 
 
 def agent_bytes() -> bytes:
@@ -97,7 +98,8 @@ class Agent:
             raise InventoryError(
                 f"{self.target.name}: the target's python {python} cannot be run {where} ({detail})",
                 hint=f"set `python:` of target {self.target.name} in the inventory to an interpreter that exists "
-                     f"there (python3, or a venv's bin/python)")
+                f"there (python3, or a venv's bin/python)",
+            )
         return result
 
     def _upload(self) -> None:
@@ -105,12 +107,20 @@ class Agent:
         result = self._run([self.target.python, "-c", _UPLOAD, self.path], stdin=self.source)
         if not result.ok:
             detail = (result.stderr.strip().splitlines() or ["no output"])[-1].strip()
-            raise AgentError(f"{self.target.name}: could not write the agent to {self.path}: {detail}",
-                             hint=f"check that {self.target.workspace} exists or can be created there and has "
-                                  f"free space")
+            raise AgentError(
+                f"{self.target.name}: could not write the agent to {self.path}: {detail}",
+                hint=f"check that {self.target.workspace} exists or can be created there and has free space",
+            )
 
-    def call(self, verb: str, args: dict[str, Any], *, secret_args: dict[str, Any] | None = None,
-             shown_args: dict[str, Any] | None = None, stdin_tar: bytes | None = None) -> dict[str, Any]:
+    def call(
+        self,
+        verb: str,
+        args: dict[str, Any],
+        *,
+        secret_args: dict[str, Any] | None = None,
+        shown_args: dict[str, Any] | None = None,
+        stdin_tar: bytes | None = None,
+    ) -> dict[str, Any]:
         """Run one verb; return its JSON answer. `secret_args` travel on stdin (never on a command line);
         the dry-run plan shows `shown_args` (their redacted form) in their place. Raises NotFound /
         Conflict / UsageError / AgentError from the agent's error code."""
@@ -123,8 +133,9 @@ class Agent:
             argv = self.argv(verb)
             stdin = json.dumps({**args, **secret_args}).encode() + b"\n" + stdin_tar
             shown = shown_args if shown_args is not None else {k: "<redacted>" for k in secret_args}
-            note = ("request JSON: " + json.dumps({**args, **shown}, sort_keys=True)
-                    + f" + tar of {len(stdin_tar)} bytes")
+            note = (
+                "request JSON: " + json.dumps({**args, **shown}, sort_keys=True) + f" + tar of {len(stdin_tar)} bytes"
+            )
         elif stdin_tar is not None:
             argv, stdin = self.argv(verb), json.dumps(args).encode() + b"\n" + stdin_tar
             note = f"install request + tar of {len(stdin_tar)} bytes"
@@ -154,7 +165,6 @@ class Agent:
             error_class = _CODE_TO_ERROR.get(str(answer.get("code")), AgentError)
             raise error_class(f"{self.target.name}: {answer.get('error', 'agent failed')}")
         return answer
-
 
     def stream(self, verb: str, args: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """A streaming verb (`follow`): yield its JSON answer lines as they arrive. Ends when the agent does;

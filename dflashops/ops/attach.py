@@ -26,12 +26,15 @@ def attach_argv(invocation: Invocation, run: str, *, target: str | None = None, 
     tgt = invocation.target_for_run(run, target)
     entry = run_status(invocation, run, target=tgt.name)[0]
     if entry["run_json"].get("launcher") != "tmux":
-        raise UsageError(f"run {run!r} was launched with nohup; there is no session to attach",
-                         hint=f"`dflashops logs {run} -f`")
+        raise UsageError(
+            f"run {run!r} was launched with nohup; there is no session to attach", hint=f"`dflashops logs {run} -f`"
+        )
     names = entry["tmux"]
     if tgt.kind == "local" and not local_session_exists(names["socket"], names["session"]):
-        raise NotFound(f"run {run!r} has no tmux session any more ({entry['state']})",
-                       hint=f"`dflashops logs {run}` shows what it printed")
+        raise NotFound(
+            f"run {run!r} has no tmux session any more ({entry['state']})",
+            hint=f"`dflashops logs {run}` shows what it printed",
+        )
     tmux = ["tmux", "-L", names["socket"], "attach-session", "-t", "=" + names["session"]]
     # Remote: the terminal type travels (pct exec clears the environment); detach with the tmux prefix + d.
     term = {"TERM": os.environ.get("TERM", "xterm-256color")} if tgt.kind != "local" else None

@@ -23,8 +23,9 @@ class NotRunning(DflashopsError):
     exit_code = 9
 
 
-def stop_run(invocation: Invocation, name: str, *, target: str | None = None, grace: float = 60.0,
-             save_grace: float = 600.0) -> dict[str, Any]:
+def stop_run(
+    invocation: Invocation, name: str, *, target: str | None = None, grace: float = 60.0, save_grace: float = 600.0
+) -> dict[str, Any]:
     """TERM -> grace -> KILL the run's own processes, wait until they (and their GPU memory) are gone; a run
     still writing its checkpoint after `grace` gets up to `save_grace` seconds more before the KILL.
     Raises NotRunning (nothing signalled) when the run is not running, NotFound when it does not exist.
@@ -39,11 +40,14 @@ def stop_run(invocation: Invocation, name: str, *, target: str | None = None, gr
     if invocation.dry_run:  # read-only check, so the plan shows what a real stop would do
         state = agent.call("status", {"workspace": tgt.workspace, "name": name}).get("runs", [{}])[0].get("state")
         if state not in (None, "running", "stopping"):
-            raise NotRunning(f"{tgt.name}: run {name!r} is not running ({state})",
-                             hint=f"`dflashops status {name}` shows how it ended")
+            raise NotRunning(
+                f"{tgt.name}: run {name!r} is not running ({state})",
+                hint=f"`dflashops status {name}` shows how it ended",
+            )
     try:
-        answer = agent.call("stop", {"workspace": tgt.workspace, "name": name, "grace": grace,
-                                     "save_grace": save_grace})
+        answer = agent.call(
+            "stop", {"workspace": tgt.workspace, "name": name, "grace": grace, "save_grace": save_grace}
+        )
     except DflashopsError as exc:
         if "is not running" in exc.message:
             raise NotRunning(exc.message, hint=f"`dflashops status {name}` shows how it ended") from None
@@ -97,25 +101,49 @@ def call_resuming(agent: Any, verb: str, args: dict[str, Any]) -> dict[str, Any]
         except TransportError:
             if attempt == RECONNECT_ATTEMPTS - 1:
                 raise
-            time.sleep(min(0.2 * 2 ** attempt, 2.0))
+            time.sleep(min(0.2 * 2**attempt, 2.0))
     raise AssertionError("unreachable")
 
 
-def read_log(invocation: Invocation, name: str, cursor: LogCursor, *, target: str | None = None,
-             follow: bool = False, poll_s: float = 0.5, timeout: float | None = None,
-             on_notice: Callable[[str], None] = lambda notice: None,
-             should_stop: Callable[[], bool] = lambda: False) -> Iterator[str]:
+def read_log(
+    invocation: Invocation,
+    name: str,
+    cursor: LogCursor,
+    *,
+    target: str | None = None,
+    follow: bool = False,
+    poll_s: float = 0.5,
+    timeout: float | None = None,
+    on_notice: Callable[[str], None] = lambda notice: None,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> Iterator[str]:
     """Yield complete chunks of train.log from `cursor` (updated as it goes). With `follow`, keep reading
     until the run has finished and the log is drained, or `timeout` passes (WaitTimeout). A log truncated,
     rewritten or replaced under the reader is read again from its start, and `on_notice` is told why."""
     validate_name(name, what="run name")
     if nodes := nodes_of(invocation, name, target):
         if cursor.offset:
-            raise UsageError(f"run {name!r} runs on {len(nodes)} targets: a byte offset means one node's log",
-                             hint="add --node K (0 is the one with the metrics)")
-        yield from read_nodes(invocation, name, nodes, lambda node, follow_node, stop: read_log(
-            invocation, name, LogCursor(), target=node.target.name, follow=follow_node, poll_s=poll_s,
-            timeout=timeout, on_notice=on_notice, should_stop=stop), follow=follow)
+            raise UsageError(
+                f"run {name!r} runs on {len(nodes)} targets: a byte offset means one node's log",
+                hint="add --node K (0 is the one with the metrics)",
+            )
+        yield from read_nodes(
+            invocation,
+            name,
+            nodes,
+            lambda node, follow_node, stop: read_log(
+                invocation,
+                name,
+                LogCursor(),
+                target=node.target.name,
+                follow=follow_node,
+                poll_s=poll_s,
+                timeout=timeout,
+                on_notice=on_notice,
+                should_stop=stop,
+            ),
+            follow=follow,
+        )
         return
     tgt = invocation.target_for_run(name, target)
     agent = invocation.agent(tgt)
@@ -168,19 +196,33 @@ class LogReader:
 
     def take(self, answer: dict[str, Any]) -> str:
         """Advance the cursor past `answer`; its data ("" when none)."""
-        moved = (answer["offset"] != self.cursor.offset or answer["inode"] != self.cursor.inode
-                 or bool(answer.get("notice")))
-        self.cursor.offset, self.cursor.inode, self.cursor.check = answer["offset"], answer["inode"], answer.get("check")
+        moved = (
+            answer["offset"] != self.cursor.offset or answer["inode"] != self.cursor.inode or bool(answer.get("notice"))
+        )
+        self.cursor.offset, self.cursor.inode, self.cursor.check = (
+            answer["offset"],
+            answer["inode"],
+            answer.get("check"),
+        )
         if answer.get("notice"):
             self.on_notice(f"{self.name}: {answer['notice']}")
         self.done = bool(answer["finished"]) and not moved and not answer.get("more")
         return answer["data"]
 
 
-def wait_for(invocation: Invocation, name: str, *, until: str | None, fail_on: str | None = DEFAULT_FAIL_ON,
-             target: str | None = None, timeout: float | None = None, cursor: LogCursor | None = None,
-             on_text: Callable[[str], object] = lambda text: None, poll_s: float = 0.5,
-             on_notice: Callable[[str], None] = lambda notice: None) -> str:
+def wait_for(
+    invocation: Invocation,
+    name: str,
+    *,
+    until: str | None,
+    fail_on: str | None = DEFAULT_FAIL_ON,
+    target: str | None = None,
+    timeout: float | None = None,
+    cursor: LogCursor | None = None,
+    on_text: Callable[[str], object] = lambda text: None,
+    poll_s: float = 0.5,
+    on_notice: Callable[[str], None] = lambda notice: None,
+) -> str:
     """Follow the log until `until` matches a line (returns it), `fail_on` matches (RunFailed), the run
     ends first (RunFailed with its state; or returns "" when no `until` was given and it finished or was
     stopped), or
@@ -195,16 +237,26 @@ def wait_for(invocation: Invocation, name: str, *, until: str | None, fail_on: s
         pending = ""
         on_notice(notice)
 
-    for chunk in read_log(invocation, name, cursor or LogCursor(), target=target, follow=True,
-                          poll_s=poll_s, timeout=timeout, on_notice=restarted):
+    for chunk in read_log(
+        invocation,
+        name,
+        cursor or LogCursor(),
+        target=target,
+        follow=True,
+        poll_s=poll_s,
+        timeout=timeout,
+        on_notice=restarted,
+    ):
         pending += chunk
         *lines, pending = pending.split("\n")
         for line in lines:
             on_text(line + "\n")  # line by line, so the output stops exactly at the matching line
             recent = (recent + [line])[-10:]
             if fail_re and fail_re.search(line):
-                raise RunFailed(f"{name}: failure pattern {fail_on!r} in the log: {line.strip()}",
-                                hint=f"`dflashops logs {name}` shows the whole log")
+                raise RunFailed(
+                    f"{name}: failure pattern {fail_on!r} in the log: {line.strip()}",
+                    hint=f"`dflashops logs {name}` shows the whole log",
+                )
             if until_re and until_re.search(line):
                 return line
     if pending:
@@ -215,8 +267,10 @@ def wait_for(invocation: Invocation, name: str, *, until: str | None, fail_on: s
     if until_re is None and final["state"] in ("finished", "stopped"):
         return ""  # only watching for failures: a run that finished or was stopped cleanly did not fail
     last = "\n".join("  | " + line for line in recent[-5:])
-    raise RunFailed(f"{name} ended ({how_it_ended(final)}) before {until!r} appeared"
-                    + (f"\n{last}" if last else ""), hint=f"`dflashops logs {name}` shows the whole log")
+    raise RunFailed(
+        f"{name} ended ({how_it_ended(final)}) before {until!r} appeared" + (f"\n{last}" if last else ""),
+        hint=f"`dflashops logs {name}` shows the whole log",
+    )
 
 
 def how_it_ended(entry: dict[str, Any], *, exit_code: bool = True) -> str:

@@ -54,8 +54,13 @@ class NodePlace:
     targets: tuple[str, ...] = ()  # every node's target, node 0 first (empty: a run on one target)
 
     def values(self, name: str) -> dict[str, str]:
-        return {"nnodes": str(self.nnodes), "node_rank": str(self.rank), "master_addr": self.master_addr,
-                "master_port": str(self.master_port), "rdzv_id": name}
+        return {
+            "nnodes": str(self.nnodes),
+            "node_rank": str(self.rank),
+            "master_addr": self.master_addr,
+            "master_port": str(self.master_port),
+            "rdzv_id": name,
+        }
 
 
 @dataclass
@@ -75,8 +80,10 @@ class DeployOutcome:
 def expand(template: str, values: dict[str, str]) -> str:
     def substitute(match: re.Match[str]) -> str:
         if match.group(1) not in values:
-            raise UsageError(f"unknown placeholder {{{match.group(1)}}} in profile argument {template!r}",
-                             hint=f"placeholders: {', '.join('{' + k + '}' for k in sorted(values))}")
+            raise UsageError(
+                f"unknown placeholder {{{match.group(1)}}} in profile argument {template!r}",
+                hint=f"placeholders: {', '.join('{' + k + '}' for k in sorted(values))}",
+            )
         return values[match.group(1)]
 
     return PLACEHOLDER_RE.sub(substitute, template)
@@ -85,8 +92,10 @@ def expand(template: str, values: dict[str, str]) -> str:
 def choose_name(invocation: Invocation, request: DeployRequest) -> str:
     if request.name == "+":
         if not request.parent:
-            raise UsageError("--name + derives the name from the parent run, but no --parent was given",
-                             hint="add --parent RUN, or give an explicit --name")
+            raise UsageError(
+                "--name + derives the name from the parent run, but no --parent was given",
+                hint="add --parent RUN, or give an explicit --name",
+            )
         return next_name(request.parent, invocation.db.names())
     name = request.name
     if name is None:
@@ -95,12 +104,18 @@ def choose_name(invocation: Invocation, request: DeployRequest) -> str:
 
 
 def run_argv(profile: Profile, target: Target, values: dict[str, str], request: DeployRequest) -> list[str]:
-    argv = merge_extra_args([expand(arg, values) for arg in profile.argv], request.extra_args,
-                            managed_flags(profile.argv, profile.resume_args), profile.name)
+    argv = merge_extra_args(
+        [expand(arg, values) for arg in profile.argv],
+        request.extra_args,
+        managed_flags(profile.argv, profile.resume_args),
+        profile.name,
+    )
     if request.checkpoint:
         if not profile.resume_args:
-            raise UsageError(f"profile {profile.name!r} has no resume_args, so it cannot resume",
-                             hint="add resume_args: [--resume-from, '{checkpoint}'] to the profile, or use --fresh")
+            raise UsageError(
+                f"profile {profile.name!r} has no resume_args, so it cannot resume",
+                hint="add resume_args: [--resume-from, '{checkpoint}'] to the profile, or use --fresh",
+            )
         argv += [expand(arg, {**values, "checkpoint": request.checkpoint}) for arg in profile.resume_args]
     return argv
 
@@ -117,37 +132,77 @@ class LaunchSpec:
     env: dict[str, str]
 
 
-def launch_spec(invocation: Invocation, request: DeployRequest, target: Target, profile: Profile, name: str,
-                code_hash: str, release_path: str) -> LaunchSpec:
+def launch_spec(
+    invocation: Invocation,
+    request: DeployRequest,
+    target: Target,
+    profile: Profile,
+    name: str,
+    code_hash: str,
+    release_path: str,
+) -> LaunchSpec:
     run_dir = f"{target.workspace}/runs/{name}"
     cache_dir = f"{target.workspace}/cache/inductor/{code_hash}"
     place = request.node or NodePlace()
-    values = {"python": target.python, "release": release_path, "run_dir": run_dir,
-              "workspace": target.workspace, "name": name, "gpus": ",".join(map(str, target.gpus)),
-              **place.values(name)}
+    values = {
+        "python": target.python,
+        "release": release_path,
+        "run_dir": run_dir,
+        "workspace": target.workspace,
+        "name": name,
+        "gpus": ",".join(map(str, target.gpus)),
+        **place.values(name),
+    }
     argv = run_argv(profile, target, values, request)
     root = invocation.db.root(request.parent) if request.parent else name
-    env = {**target.env, **profile.env, **wandb_env(name, request.parent, request.note, root),
-           "PYTHONPATH": release_path, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "PYTHONUNBUFFERED": "1"}
+    env = {
+        **target.env,
+        **profile.env,
+        **wandb_env(name, request.parent, request.note, root),
+        "PYTHONPATH": release_path,
+        "TORCHINDUCTOR_CACHE_DIR": cache_dir,
+        "PYTHONUNBUFFERED": "1",
+    }
     if target.gpus:
         env.setdefault("CUDA_VISIBLE_DEVICES", ",".join(map(str, target.gpus)))
     secrets = {key: os.environ[key] for key in (*DEFAULT_PASS_ENV, *profile.pass_env) if key in os.environ}
     # Every pass_env variable is a secret whatever its name (DB_PASS, OPENAI_KEY): stored and shown by name only.
     shown_env = {**redact_env(env), **{key: REDACTED for key in secrets}}
-    record = RunRecord(name=name, parent=request.parent, note=request.note, code_hash=code_hash, argv=argv,
-                       env=shown_env, target=target.name, gpus=list(target.gpus),
-                       launcher=request.launcher, session=name, profile=profile.name,
-                       extra={"run_dir": run_dir, "release": release_path,
-                              "extra_args": list(request.extra_args), "resumed_from": request.checkpoint,
-                              **({"node": place.rank, "node_targets": list(place.targets)} if place.targets else {})})
+    record = RunRecord(
+        name=name,
+        parent=request.parent,
+        note=request.note,
+        code_hash=code_hash,
+        argv=argv,
+        env=shown_env,
+        target=target.name,
+        gpus=list(target.gpus),
+        launcher=request.launcher,
+        session=name,
+        profile=profile.name,
+        extra={
+            "run_dir": run_dir,
+            "release": release_path,
+            "extra_args": list(request.extra_args),
+            "resumed_from": request.checkpoint,
+            **({"node": place.rank, "node_targets": list(place.targets)} if place.targets else {}),
+        },
+    )
     run_json = {**record.to_dict(), "hypothesis": request.note, "release": release_path, "run_dir": run_dir}
-    args = {"workspace": target.workspace, "name": name, "argv": argv, "cwd": run_dir,
-            "launcher": request.launcher, "run_json": run_json}
+    args = {
+        "workspace": target.workspace,
+        "name": name,
+        "argv": argv,
+        "cwd": run_dir,
+        "launcher": request.launcher,
+        "run_json": run_json,
+    }
     return LaunchSpec(name=name, run_dir=run_dir, record=record, args=args, env={**env, **secrets})
 
 
-def check_request(invocation: Invocation, request: DeployRequest, target: Target, profile: Profile, *,
-                  ask_target: bool = True) -> str:
+def check_request(
+    invocation: Invocation, request: DeployRequest, target: Target, profile: Profile, *, ask_target: bool = True
+) -> str:
     """Every refusal that needs no change, before anything changes: launcher, parent, extra arguments, and the
     name (free in the lineage and, with `ask_target`, on the target: one read-only `status` call). Returns the
     chosen name. `restart` passes ask_target=False: its combined agent call refuses an existing run directory
@@ -157,8 +212,9 @@ def check_request(invocation: Invocation, request: DeployRequest, target: Target
     if request.parent:
         validate_name(request.parent, what="parent run name")
         invocation.db.get(request.parent)  # NotFound (with close names) before anything happens
-    merge_extra_args(list(profile.argv), request.extra_args, managed_flags(profile.argv, profile.resume_args),
-                     profile.name)
+    merge_extra_args(
+        list(profile.argv), request.extra_args, managed_flags(profile.argv, profile.resume_args), profile.name
+    )
     name = choose_name(invocation, request)
     if invocation.record_of(name) is not None:
         raise Conflict(f"run name {name!r} is already used", hint="choose another --name, or --name + with --parent")
@@ -175,8 +231,10 @@ def check_free_on_target(invocation: Invocation, target: Target, name: str) -> N
         return
     existing = invocation.agent(target).call("status", {"workspace": target.workspace})["runs"]
     if any(entry["name"] == name for entry in existing):
-        raise Conflict(f"run directory {target.workspace}/runs/{name} already exists on {target.name}",
-                       hint="`dflashops runs sync` records it; pick another --name")
+        raise Conflict(
+            f"run directory {target.workspace}/runs/{name} already exists on {target.name}",
+            hint="`dflashops runs sync` records it; pick another --name",
+        )
 
 
 def claim_name(invocation: Invocation, request: DeployRequest, target: Target, profile: Profile, name: str) -> str:
@@ -186,8 +244,14 @@ def claim_name(invocation: Invocation, request: DeployRequest, target: Target, p
     (`LineageDB.release`)."""
     if invocation.dry_run:
         return name
-    claim = RunRecord(name=name, parent=request.parent, note=request.note, target=target.name,
-                      launcher=request.launcher, profile=profile.name)
+    claim = RunRecord(
+        name=name,
+        parent=request.parent,
+        note=request.note,
+        target=target.name,
+        launcher=request.launcher,
+        profile=profile.name,
+    )
     return invocation.db.reserve(claim, after=request.parent if request.name == "+" else None)
 
 
@@ -210,8 +274,9 @@ def deploy(invocation: Invocation, request: DeployRequest) -> DeployOutcome:
         raise
 
 
-def launch_named(invocation: Invocation, request: DeployRequest, target: Target, profile: Profile,
-                 name: str) -> DeployOutcome:
+def launch_named(
+    invocation: Invocation, request: DeployRequest, target: Target, profile: Profile, name: str
+) -> DeployOutcome:
     """Sync, build the launch spec and launch the run `name` (already claimed), then fill in its lineage record."""
     outcome, spec = launch_on(invocation, request, target, profile, name)
     if not invocation.dry_run:
@@ -220,22 +285,37 @@ def launch_named(invocation: Invocation, request: DeployRequest, target: Target,
     return outcome
 
 
-def launch_on(invocation: Invocation, request: DeployRequest, target: Target, profile: Profile,
-              name: str) -> tuple[DeployOutcome, LaunchSpec]:
+def launch_on(
+    invocation: Invocation, request: DeployRequest, target: Target, profile: Profile, name: str
+) -> tuple[DeployOutcome, LaunchSpec]:
     """Sync the code to `target` and launch `name` there (one node of a run on several targets, or the whole
     run); the spec.s record has the pgid and session the agent answered. The lineage is the caller's."""
     agent = invocation.agent(target)
     run_dir = f"{target.workspace}/runs/{name}"
-    synced = sync(agent, extra_files=profile.files, extra_root=invocation.inventory.root, packages=profile.packages,
-                  cache=invocation.inventory.lineage_path)
+    synced = sync(
+        agent,
+        extra_files=profile.files,
+        extra_root=invocation.inventory.root,
+        packages=profile.packages,
+        cache=invocation.inventory.lineage_path,
+    )
     cleared = None
     if request.clear_cache:
-        cleared = agent.call("clear-cache", {"workspace": target.workspace, "code_hash": synced.code_hash}).get("removed")
+        cleared = agent.call("clear-cache", {"workspace": target.workspace, "code_hash": synced.code_hash}).get(
+            "removed"
+        )
     spec = launch_spec(invocation, request, target, profile, name, synced.code_hash, synced.release_path)
     answer = agent.call("launch", spec.args, secret_args={"env": spec.env}, shown_args={"env": spec.record.env})
     if not invocation.dry_run:
         spec.record.extra["pgid"] = answer.get("pgid")
         spec.record.session = answer.get("session") or spec.record.session
-    return DeployOutcome(name=name, target=target.name, run_dir=run_dir, code_hash=synced.code_hash,
-                         release=synced.release_path, pgid=answer.get("pgid"), uploaded=len(synced.uploaded),
-                         cache_cleared=cleared), spec
+    return DeployOutcome(
+        name=name,
+        target=target.name,
+        run_dir=run_dir,
+        code_hash=synced.code_hash,
+        release=synced.release_path,
+        pgid=answer.get("pgid"),
+        uploaded=len(synced.uploaded),
+        cache_cleared=cleared,
+    ), spec

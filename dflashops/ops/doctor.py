@@ -28,10 +28,19 @@ PROBE_TIMEOUT_S = 300.0  # the import probe inside has its own 180 s limit; this
 def run_probe(invocation: Invocation, target: Target, python: str) -> tuple[dict[str, Any] | None, float, str]:
     """(the probe's answer or None when `python` could not run it, controller time when it arrived, why not)."""
     transport = invocation.agent(target).transport
-    request = {"workspace": target.workspace, "python": target.python, "env": dict(target.env),
-               "gpus": list(target.gpus), "import_timeout": 180}
-    result = transport.run([python, "-", "--json-args", json.dumps(request, sort_keys=True)],
-                           stdin=PROBE_SOURCE.read_bytes(), check=False, timeout=PROBE_TIMEOUT_S)
+    request = {
+        "workspace": target.workspace,
+        "python": target.python,
+        "env": dict(target.env),
+        "gpus": list(target.gpus),
+        "import_timeout": 180,
+    }
+    result = transport.run(
+        [python, "-", "--json-args", json.dumps(request, sort_keys=True)],
+        stdin=PROBE_SOURCE.read_bytes(),
+        check=False,
+        timeout=PROBE_TIMEOUT_S,
+    )
     arrived = time.time()
     answer = _parse(result.stdout, result.stderr, "doctor", target.name)
     if not answer.get("ok"):
@@ -74,16 +83,23 @@ def host_driver(invocation: Invocation, target: Target) -> str | None:
     if host_transport is None:
         return None
     try:
-        result = host_transport.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                    check=False, timeout=60)
+        result = host_transport.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], check=False, timeout=60
+        )
     except DflashopsError:
         return None
     versions = {line.strip() for line in result.stdout.splitlines() if line.strip()}
     return versions.pop() if result.exit_code == 0 and len(versions) == 1 else None
 
 
-def doctor(invocation: Invocation, target: Target, profiles: list[Profile], *, explicit_profile: bool = False,
-           environ: dict[str, str] | None = None) -> list[Check]:
+def doctor(
+    invocation: Invocation,
+    target: Target,
+    profiles: list[Profile],
+    *,
+    explicit_profile: bool = False,
+    environ: dict[str, str] | None = None,
+) -> list[Check]:
     """Every check for `target`, in order. `profiles`: whose pass_env secrets to look for in this shell."""
     checks, reachable = connect_checks(invocation, target)
     if not reachable:
@@ -92,15 +108,22 @@ def doctor(invocation: Invocation, target: Target, profiles: list[Profile], *, e
     answer, arrived, why = run_probe(invocation, target, target.python)
     python_check = None
     if answer is None and target.python != "python3":
-        python_check = Check("python", "fail", f"{target.python} cannot run: {why}",
-                             f"install Python there, or fix `python:` of target {target.name} in the inventory")
+        python_check = Check(
+            "python",
+            "fail",
+            f"{target.python} cannot run: {why}",
+            f"install Python there, or fix `python:` of target {target.name} in the inventory",
+        )
         answer, arrived, _ = run_probe(invocation, target, "python3")  # the other checks still run
     if answer is None:
-        checks.append(python_check or Check("python", "fail", f"{target.python} cannot run: {why}",
-                                            "install python3 in the target"))
+        checks.append(
+            python_check
+            or Check("python", "fail", f"{target.python} cannot run: {why}", "install python3 in the target")
+        )
         return checks
-    checks += judge_probe(target, answer, arrived, host_driver=host_driver(invocation, target),
-                          python_check=python_check)
+    checks += judge_probe(
+        target, answer, arrived, host_driver=host_driver(invocation, target), python_check=python_check
+    )
     checks += secret_checks(profiles, environ if environ is not None else dict(os.environ), explicit_profile)
     return checks
 

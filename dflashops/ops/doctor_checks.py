@@ -12,16 +12,18 @@ from typing import Any
 
 from dflashops.inventory import Profile, Target
 
-GIB = 1024 ** 3
+GIB = 1024**3
 # A qwen3-8b checkpoint is 12.6 GB (bench/RESULTS.md); below 1 GiB even the tiny preset's logs and a
 # checkpoint can fail. The cache holds Inductor/Triton kernels: a few hundred MB to a few GB per code hash.
 WORKSPACE_FAIL, WORKSPACE_WARN = 1 * GIB, 20 * GIB
 CACHE_FAIL, CACHE_WARN = 1 * GIB, 5 * GIB
 # W&B and HTTPS refuse certificates and tokens with clocks minutes off; seconds already confuse log times.
 CLOCK_WARN_S, CLOCK_FAIL_S = 2.0, 60.0
-PASSTHROUGH_HINT = ("pass the devices into the container: lxc.cgroup2.devices.allow: c 195:* rwm (and the "
-                    "nvidia-uvm major) plus lxc.mount.entry: /dev/nvidia0 dev/nvidia0 none bind,optional,create=file "
-                    "for each GPU, nvidiactl and nvidia-uvm, in /etc/pve/lxc/CTID.conf")
+PASSTHROUGH_HINT = (
+    "pass the devices into the container: lxc.cgroup2.devices.allow: c 195:* rwm (and the "
+    "nvidia-uvm major) plus lxc.mount.entry: /dev/nvidia0 dev/nvidia0 none bind,optional,create=file "
+    "for each GPU, nvidiactl and nvidia-uvm, in /etc/pve/lxc/CTID.conf"
+)
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,7 @@ class Check:
 
 
 def size(n: int) -> str:
-    return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / 1024 ** 2:.0f} MiB"
+    return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / 1024**2:.0f} MiB"
 
 
 def gpu_checks(target: Target, answer: dict[str, Any], host_driver: str | None) -> list[Check]:
@@ -51,22 +53,42 @@ def gpu_checks(target: Target, answer: dict[str, Any], host_driver: str | None) 
         what = "no /dev/nvidia* device nodes" if not nodes else f"missing {', '.join(missing or ['/dev/nvidiaN'])}"
         checks.append(Check("gpu devices", "fail", f"{what} (target declares {want} GPU(s))", PASSTHROUGH_HINT))
     elif len(numbered) < want:
-        checks.append(Check("gpu devices", "fail", f"{len(numbered)} /dev/nvidiaN node(s) for {want} declared GPUs",
-                            PASSTHROUGH_HINT))
+        checks.append(
+            Check(
+                "gpu devices",
+                "fail",
+                f"{len(numbered)} /dev/nvidiaN node(s) for {want} declared GPUs",
+                PASSTHROUGH_HINT,
+            )
+        )
     else:
         checks.append(Check("gpu devices", "ok", f"{', '.join(nodes)}"))
     smi = answer.get("nvidia_smi") or {}
     driver = None
     if not smi.get("path"):
-        checks.append(Check("nvidia-smi", "fail", "nvidia-smi not found in the target",
-                            "install the host's driver version without its kernel module in the container "
-                            "(NVIDIA-Linux-*.run --no-kernel-module)"))
+        checks.append(
+            Check(
+                "nvidia-smi",
+                "fail",
+                "nvidia-smi not found in the target",
+                "install the host's driver version without its kernel module in the container "
+                "(NVIDIA-Linux-*.run --no-kernel-module)",
+            )
+        )
     elif smi.get("exit_code") != 0:
         said = " / ".join(smi.get("output") or []) or smi.get("error") or "no output"
         mismatch = "mismatch" in said.lower()
-        checks.append(Check("nvidia-smi", "fail", f"nvidia-smi failed (exit {smi.get('exit_code')}): {said}",
-                            "the container's NVIDIA libraries must be the host driver's exact version; reinstall "
-                            "them with --no-kernel-module" if mismatch else PASSTHROUGH_HINT))
+        checks.append(
+            Check(
+                "nvidia-smi",
+                "fail",
+                f"nvidia-smi failed (exit {smi.get('exit_code')}): {said}",
+                "the container's NVIDIA libraries must be the host driver's exact version; reinstall "
+                "them with --no-kernel-module"
+                if mismatch
+                else PASSTHROUGH_HINT,
+            )
+        )
     else:
         drivers = sorted({g["driver"] for g in smi.get("gpus") or []})
         driver = drivers[0] if len(drivers) == 1 else None
@@ -76,11 +98,23 @@ def gpu_checks(target: Target, answer: dict[str, Any], host_driver: str | None) 
     if driver is None:
         checks.append(Check("driver", "skip", "no working nvidia-smi to compare"))
     elif reference is None:
-        checks.append(Check("driver", "warn", f"container driver {driver}; the host's version could not be read",
-                            "run nvidia-smi on the host and compare by hand"))
+        checks.append(
+            Check(
+                "driver",
+                "warn",
+                f"container driver {driver}; the host's version could not be read",
+                "run nvidia-smi on the host and compare by hand",
+            )
+        )
     elif reference != driver:
-        checks.append(Check("driver", "fail", f"container driver {driver} != {source} {reference}",
-                            "install exactly the host's driver version (userspace only) in the container"))
+        checks.append(
+            Check(
+                "driver",
+                "fail",
+                f"container driver {driver} != {source} {reference}",
+                "install exactly the host's driver version (userspace only) in the container",
+            )
+        )
     else:
         checks.append(Check("driver", "ok", f"{driver} matches the {source}"))
     return checks
@@ -91,12 +125,24 @@ def import_checks(target: Target, imports: dict[str, Any]) -> list[Check]:
     if imports.get("missing"):
         return [Check("torch", "skip", "the run's python does not exist")]
     if imports.get("error"):
-        return [Check("torch", "fail", f"the import probe failed: {imports['error']}",
-                      "run the python in the target by hand: python -c 'import torch'")]
+        return [
+            Check(
+                "torch",
+                "fail",
+                f"the import probe failed: {imports['error']}",
+                "run the python in the target by hand: python -c 'import torch'",
+            )
+        ]
     checks = []
     if imports.get("torch_error"):
-        checks.append(Check("torch", "fail", f"{imports.get('executable')} cannot import torch: {imports['torch_error']}",
-                            f"install torch into that python (or point `python:` of {target.name} at a venv with it)"))
+        checks.append(
+            Check(
+                "torch",
+                "fail",
+                f"{imports.get('executable')} cannot import torch: {imports['torch_error']}",
+                f"install torch into that python (or point `python:` of {target.name} at a venv with it)",
+            )
+        )
     else:
         build = f"CUDA {imports['cuda_build']} build" if imports.get("cuda_build") else "CPU build"
         checks.append(Check("torch", "ok", f"torch {imports.get('torch')} ({build})"))
@@ -104,19 +150,37 @@ def import_checks(target: Target, imports: dict[str, Any]) -> list[Check]:
         if not want:
             checks.append(Check("cuda", "skip", "CPU target: no gpus declared"))
         elif not imports.get("cuda_available"):
-            checks.append(Check("cuda", "fail", f"torch.cuda.is_available() is False ({want} GPU(s) declared)",
-                                "a CPU build of torch, or no device nodes: see the gpu checks above"))
+            checks.append(
+                Check(
+                    "cuda",
+                    "fail",
+                    f"torch.cuda.is_available() is False ({want} GPU(s) declared)",
+                    "a CPU build of torch, or no device nodes: see the gpu checks above",
+                )
+            )
         elif seen != want:
-            checks.append(Check("cuda", "fail", f"torch sees {seen} CUDA device(s), the target declares {want}",
-                                "check CUDA_VISIBLE_DEVICES and the devices passed into the container"))
+            checks.append(
+                Check(
+                    "cuda",
+                    "fail",
+                    f"torch sees {seen} CUDA device(s), the target declares {want}",
+                    "check CUDA_VISIBLE_DEVICES and the devices passed into the container",
+                )
+            )
         else:
             checks.append(Check("cuda", "ok", f"{seen} device(s): {', '.join(imports.get('devices') or [])}"))
     for name, needed in (("transformers", True), ("triton", bool(want))):
         if imports.get(name):
             checks.append(Check(name, "ok", f"{name} {imports[name]}"))
         elif needed:
-            checks.append(Check(name, "fail", f"cannot import {name}: {imports.get(name + '_error')}",
-                                f"pip install {name} into the run's python"))
+            checks.append(
+                Check(
+                    name,
+                    "fail",
+                    f"cannot import {name}: {imports.get(name + '_error')}",
+                    f"pip install {name} into the run's python",
+                )
+            )
         else:
             checks.append(Check(name, "skip", "not installed; not needed on a CPU target"))
     return checks
@@ -135,17 +199,32 @@ def disk_check(name: str, facts: dict[str, Any], fail_at: int, warn_at: int, sam
     return Check(name, "warn", detail, hint) if free < warn_at else Check(name, "ok", detail)
 
 
-def judge_probe(target: Target, answer: dict[str, Any], arrived: float, *, host_driver: str | None,
-                python_check: Check | None) -> list[Check]:
+def judge_probe(
+    target: Target, answer: dict[str, Any], arrived: float, *, host_driver: str | None, python_check: Check | None
+) -> list[Check]:
     imports = answer.get("imports") or {}
-    checks = [python_check or Check("python", "ok", f"Python {imports.get('version', answer.get('probe_version'))}"
-                                    f" ({imports.get('executable') or target.python})")]
+    checks = [
+        python_check
+        or Check(
+            "python",
+            "ok",
+            f"Python {imports.get('version', answer.get('probe_version'))}"
+            f" ({imports.get('executable') or target.python})",
+        )
+    ]
     checks += gpu_checks(target, answer, host_driver)
     checks += import_checks(target, imports)
     tools = answer.get("tools") or {}
-    checks.append(Check("tmux", "ok", tools["tmux"]) if tools.get("tmux") else
-                  Check("tmux", "fail", "tmux not found: deploy's default launcher (and `attach`) need it",
-                        "apt-get install tmux in the target, or deploy with --launcher nohup"))
+    checks.append(
+        Check("tmux", "ok", tools["tmux"])
+        if tools.get("tmux")
+        else Check(
+            "tmux",
+            "fail",
+            "tmux not found: deploy's default launcher (and `attach`) need it",
+            "apt-get install tmux in the target, or deploy with --launcher nohup",
+        )
+    )
     checks.append(Check("nohup", "ok", "built into the agent (setsid, stdin from /dev/null): no binary needed"))
     disks = answer.get("disk") or {}
     workspace = disks.get("workspace") or {}
@@ -153,11 +232,24 @@ def judge_probe(target: Target, answer: dict[str, Any], arrived: float, *, host_
     checks.append(disk_check("disk cache", disks.get("cache") or {}, CACHE_FAIL, CACHE_WARN, workspace.get("device")))
     write = answer.get("writable") or {}
     if write.get("ok"):
-        checks.append(Check("workspace", "ok", f"{target.workspace} is writable" if write.get("exists")
-                            else f"{target.workspace} does not exist yet; {write.get('at')} takes new files"))
+        checks.append(
+            Check(
+                "workspace",
+                "ok",
+                f"{target.workspace} is writable"
+                if write.get("exists")
+                else f"{target.workspace} does not exist yet; {write.get('at')} takes new files",
+            )
+        )
     else:
-        checks.append(Check("workspace", "fail", f"cannot create a file: {write.get('error')}",
-                            f"make {target.workspace} writable for the user the agent runs as"))
+        checks.append(
+            Check(
+                "workspace",
+                "fail",
+                f"cannot create a file: {write.get('error')}",
+                f"make {target.workspace} writable for the user the agent runs as",
+            )
+        )
     offset = float(answer.get("time", arrived)) - arrived  # + the answer's one-way trip: milliseconds
     detail = f"target clock {offset:+.2f} s from this machine's"
     status = "fail" if abs(offset) >= CLOCK_FAIL_S else "warn" if abs(offset) >= CLOCK_WARN_S else "ok"
@@ -177,9 +269,17 @@ def secret_checks(profiles: list[Profile], environ: dict[str, str], explicit: bo
         if name in environ:
             checks.append(Check(f"secret {name}", "ok", f"set in this shell (passed by {', '.join(users)})"))
             continue
-        wandb = name == "WANDB_API_KEY" and explicit and any(
-            any(arg.startswith("--wandb-project") for arg in p.argv) for p in profiles)
-        checks.append(Check(f"secret {name}", "fail" if wandb else "warn",
-                            f"not set in this shell; {', '.join(users)} pass(es) it, so runs start without it",
-                            f"export {name}=... before deploying (it travels only in the run's environment)"))
+        wandb = (
+            name == "WANDB_API_KEY"
+            and explicit
+            and any(any(arg.startswith("--wandb-project") for arg in p.argv) for p in profiles)
+        )
+        checks.append(
+            Check(
+                f"secret {name}",
+                "fail" if wandb else "warn",
+                f"not set in this shell; {', '.join(users)} pass(es) it, so runs start without it",
+                f"export {name}=... before deploying (it travels only in the run's environment)",
+            )
+        )
     return checks

@@ -35,8 +35,12 @@ def split_options(argv: Sequence[str]) -> list[Item]:
             break
         if is_flag(word):
             flag = word.partition("=")[0]
-            takes_next = "=" not in word and index + 1 < len(words) and not is_flag(words[index + 1]) \
+            takes_next = (
+                "=" not in word
+                and index + 1 < len(words)
+                and not is_flag(words[index + 1])
                 and words[index + 1] != "--"
+            )
             items.append((flag, words[index : index + (2 if takes_next else 1)]))
             index += 2 if takes_next else 1
         else:
@@ -65,10 +69,12 @@ def merge_extra_args(argv: Sequence[str], extra: Sequence[str], managed: dict[st
             merged.append((None, words))
             continue
         if flag in managed:
-            raise UsageError(f"{flag} is managed by dflashops (profile {profile!r} sets it to {managed[flag]}) "
-                             "and cannot be given after --",
-                             hint="dflashops tracks the run through that value; change the profile in the inventory "
-                                  "if it really must differ")
+            raise UsageError(
+                f"{flag} is managed by dflashops (profile {profile!r} sets it to {managed[flag]}) "
+                "and cannot be given after --",
+                hint="dflashops tracks the run through that value; change the profile in the inventory "
+                "if it really must differ",
+            )
         if flag in seen:
             raise UsageError(f"{flag} is given twice after --", hint="keep one of them")
         seen.add(flag)

@@ -38,8 +38,9 @@ class FanoutResult(Generic[R]):
     timed_out: bool = False
 
 
-def fan_out(targets: Sequence[Target], work: Callable[[Target], R], *,
-            timeout: float = DEFAULT_TIMEOUT_S) -> list[FanoutResult[R]]:
+def fan_out(
+    targets: Sequence[Target], work: Callable[[Target], R], *, timeout: float = DEFAULT_TIMEOUT_S
+) -> list[FanoutResult[R]]:
     """Run `work` on every target concurrently; never raises for one target's failure."""
     slots: dict[str, FanoutResult[R]] = {}
     done = threading.Semaphore(0)
@@ -48,14 +49,15 @@ def fan_out(targets: Sequence[Target], work: Callable[[Target], R], *,
         started = time.monotonic()
         try:
             value = work(target)
-            slots[target.name] = FanoutResult(target.name, True, value=value,
-                                              duration_s=time.monotonic() - started)
+            slots[target.name] = FanoutResult(target.name, True, value=value, duration_s=time.monotonic() - started)
         except DflashopsError as exc:
-            slots[target.name] = FanoutResult(target.name, False, error=exc.message, hint=exc.hint,
-                                              duration_s=time.monotonic() - started)
+            slots[target.name] = FanoutResult(
+                target.name, False, error=exc.message, hint=exc.hint, duration_s=time.monotonic() - started
+            )
         except Exception as exc:  # noqa: BLE001 - one target's bug must not hide the others' answers
-            slots[target.name] = FanoutResult(target.name, False, error=f"{type(exc).__name__}: {exc}",
-                                              duration_s=time.monotonic() - started)
+            slots[target.name] = FanoutResult(
+                target.name, False, error=f"{type(exc).__name__}: {exc}", duration_s=time.monotonic() - started
+            )
         finally:
             done.release()
 
@@ -65,10 +67,18 @@ def fan_out(targets: Sequence[Target], work: Callable[[Target], R], *,
     for _ in targets:
         if not done.acquire(timeout=max(0.0, deadline - time.monotonic())):
             break
-    return [slots.get(t.name) or FanoutResult(t.name, False, error=f"no answer within {timeout:g}s",
-                                             hint="the host is slow or hung; try it alone",
-                                             duration_s=timeout, timed_out=True)
-            for t in targets]
+    return [
+        slots.get(t.name)
+        or FanoutResult(
+            t.name,
+            False,
+            error=f"no answer within {timeout:g}s",
+            hint="the host is slow or hung; try it alone",
+            duration_s=timeout,
+            timed_out=True,
+        )
+        for t in targets
+    ]
 
 
 def remote_targets(inventory: Inventory, include_local: bool = True) -> list[Target]:
@@ -85,13 +95,21 @@ def _with_invocation(inventory: Inventory, dry_run: bool, body: Callable[[Invoca
 
 def status_all(inventory: Inventory, *, timeout: float = DEFAULT_TIMEOUT_S) -> list[FanoutResult[list[dict[str, Any]]]]:
     """Every run on every target (the agent's status entries per target)."""
-    return fan_out(remote_targets(inventory),
-                   lambda t: _with_invocation(inventory, False, lambda inv: run_status(inv, None, target=t.name)),
-                   timeout=timeout)
+    return fan_out(
+        remote_targets(inventory),
+        lambda t: _with_invocation(inventory, False, lambda inv: run_status(inv, None, target=t.name)),
+        timeout=timeout,
+    )
 
 
-def stop_all(inventory: Inventory, *, grace: float = 60.0, save_grace: float = 600.0, dry_run: bool = False,
-             timeout: float = DEFAULT_TIMEOUT_S) -> list[FanoutResult[list[str]]]:
+def stop_all(
+    inventory: Inventory,
+    *,
+    grace: float = 60.0,
+    save_grace: float = 600.0,
+    dry_run: bool = False,
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> list[FanoutResult[list[str]]]:
     """Stop every running run on every target; each result lists the runs it stopped."""
 
     def stop_target(invocation: Invocation, target: Target) -> list[str]:
@@ -103,15 +121,21 @@ def stop_all(inventory: Inventory, *, grace: float = 60.0, save_grace: float = 6
                 stopped.append(str(entry["name"]))
         return stopped
 
-    return fan_out(remote_targets(inventory),
-                   lambda t: _with_invocation(inventory, dry_run, lambda inv: stop_target(inv, t)), timeout=timeout)
+    return fan_out(
+        remote_targets(inventory),
+        lambda t: _with_invocation(inventory, dry_run, lambda inv: stop_target(inv, t)),
+        timeout=timeout,
+    )
 
 
-def exec_all(inventory: Inventory, argv: Sequence[str], *,
-             timeout: float = DEFAULT_TIMEOUT_S) -> list[FanoutResult[Any]]:
+def exec_all(
+    inventory: Inventory, argv: Sequence[str], *, timeout: float = DEFAULT_TIMEOUT_S
+) -> list[FanoutResult[Any]]:
     """Run argv on every target; each value is the Result (exit code, stdout, stderr)."""
-    return fan_out(remote_targets(inventory),
-                   lambda t: _with_invocation(inventory, False,
-                                              lambda inv: inv.agent(t).transport.run(list(argv), check=False,
-                                                                                     timeout=timeout)),
-                   timeout=timeout)
+    return fan_out(
+        remote_targets(inventory),
+        lambda t: _with_invocation(
+            inventory, False, lambda inv: inv.agent(t).transport.run(list(argv), check=False, timeout=timeout)
+        ),
+        timeout=timeout,
+    )

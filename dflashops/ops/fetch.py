@@ -55,8 +55,12 @@ class FetchOutcome:
 
     def to_dict(self) -> dict[str, Any]:
         sent = sum(f.sent for f in self.files)
-        return {**asdict(self), "bytes_sent": sent, "bytes_total": sum(f.size for f in self.files),
-                "rate_mib_s": round(sent / 2 ** 20 / self.seconds, 1) if self.seconds > 0 else None}
+        return {
+            **asdict(self),
+            "bytes_sent": sent,
+            "bytes_total": sum(f.size for f in self.files),
+            "rate_mib_s": round(sent / 2**20 / self.seconds, 1) if self.seconds > 0 else None,
+        }
 
 
 def pick_checkpoint(entry: dict[str, Any], wanted: str) -> str:
@@ -70,21 +74,26 @@ def pick_checkpoint(entry: dict[str, Any], wanted: str) -> str:
         raise UsageError(f"--checkpoint takes `latest` or a step number, not {wanted!r}", hint="--checkpoint 1000")
     step = f"step_{int(wanted):06d}"
     if step not in checkpoints:
-        raise NotFound(f"run {name!r} has no checkpoint at step {int(wanted)}",
-                       hint=f"its checkpoints: {', '.join(c.removeprefix('step_').lstrip('0') or '0' for c in checkpoints)}")
+        raise NotFound(
+            f"run {name!r} has no checkpoint at step {int(wanted)}",
+            hint=f"its checkpoints: {', '.join(c.removeprefix('step_').lstrip('0') or '0' for c in checkpoints)}",
+        )
     return step
 
 
-def export_on_target(invocation: Invocation, target: Target, entry: dict[str, Any], step: str,
-                     note: Callable[[str], None]) -> str:
+def export_on_target(
+    invocation: Invocation, target: Target, entry: dict[str, Any], step: str, note: Callable[[str], None]
+) -> str:
     """`python -m trainer export` of checkpoint `step` into `export/<step>/` on the target (with the run's
     release on PYTHONPATH), unless that export exists already; returns its run-relative path."""
     from dflashops.errors import CommandFailed
 
     run_dir = entry["run_dir"]
     rel = f"export/{step}"
-    listed = invocation.agent(target).call("fetch-manifest", {"workspace": target.workspace, "name": entry["name"],
-                                                           "paths": [rel], "cache": not invocation.dry_run})
+    listed = invocation.agent(target).call(
+        "fetch-manifest",
+        {"workspace": target.workspace, "name": entry["name"], "paths": [rel], "cache": not invocation.dry_run},
+    )
     if listed["files"]:
         note(f"export {rel} exists on {target.name}; fetching it")
         return rel
@@ -102,8 +111,9 @@ def export_on_target(invocation: Invocation, target: Target, entry: dict[str, An
     return rel
 
 
-def select(invocation: Invocation, target: Target, entry: dict[str, Any], request: FetchRequest,
-           note: Callable[[str], None]) -> tuple[list[str], str | None]:
+def select(
+    invocation: Invocation, target: Target, entry: dict[str, Any], request: FetchRequest, note: Callable[[str], None]
+) -> tuple[list[str], str | None]:
     """(run-relative paths to bring, the export's path when one was made)."""
     paths = list(METADATA)
     exported = None
@@ -130,21 +140,33 @@ def fetch(invocation: Invocation, request: FetchRequest, progress: Progress | No
     paths, exported = select(invocation, target, entry, request, progress.note)
     agent = invocation.agent(target)
     outcome = FetchOutcome(run=request.run, target=target.name, to=str(root), selected=paths, exported=exported)
-    listed = agent.call("fetch-manifest", {"workspace": target.workspace, "name": request.run, "paths": paths,
-                                           "cache": not invocation.dry_run, "hash": False})
+    listed = agent.call(
+        "fetch-manifest",
+        {
+            "workspace": target.workspace,
+            "name": request.run,
+            "paths": paths,
+            "cache": not invocation.dry_run,
+            "hash": False,
+        },
+    )
     files = listed["files"]
     optional = {*METADATA, *LOGS[1:], *([exported] if invocation.dry_run else [])}  # a dry run made no export
     required = [p for p in listed["missing"] if p not in optional]
     if required:
-        raise NotFound(f"{target.name}: run {request.run!r} has no {required[0]}",
-                       hint=f"`dflashops status {request.run}` lists its checkpoints")
+        raise NotFound(
+            f"{target.name}: run {request.run!r} has no {required[0]}",
+            hint=f"`dflashops status {request.run}` lists its checkpoints",
+        )
     if invocation.dry_run:
         outcome.files = [FileOutcome(f["path"], f["size"], f["sha256"] or "(at fetch)", "planned", 0) for f in files]
         return outcome
     hashes = TargetHashes(agent, request.run, [f["path"] for f in files if not f["sha256"]])
     starts = [resume_point(item, root, hashes) for item in files]
-    progress.begin(sum(int(f["size"]) for f in files),
-                   sum(int(f["size"]) if start is None else start for f, start in zip(files, starts)))
+    progress.begin(
+        sum(int(f["size"]) for f in files),
+        sum(int(f["size"]) if start is None else start for f, start in zip(files, starts)),
+    )
     for item, start in zip(files, starts):
         outcome.files.append(fetch_file(agent, request.run, item, root, start, progress, hashes, request.retries))
     outcome.seconds = round(time.monotonic() - started, 3)

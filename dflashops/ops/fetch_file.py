@@ -73,8 +73,9 @@ class TargetHashes:
         from dflashops.ops.control import call_resuming  # read-only: retried across a cut, with backoff
 
         try:
-            answer = call_resuming(agent, "fetch-manifest", {"workspace": agent.target.workspace, "name": run,
-                                                             "paths": paths})
+            answer = call_resuming(
+                agent, "fetch-manifest", {"workspace": agent.target.workspace, "name": run, "paths": paths}
+            )
             self._sums = {f["path"]: f["sha256"] for f in answer["files"]}
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread by get()
             self._error = exc
@@ -114,8 +115,16 @@ def resume_point(item: dict[str, Any], root: Path, hashes: TargetHashes) -> int 
     return partial.stat().st_size if partial.is_file() and recorded == want and partial.stat().st_size <= size else 0
 
 
-def fetch_file(agent: Agent, run: str, item: dict[str, Any], root: Path, start: int | None,
-               progress: Progress, hashes: TargetHashes, retries: int = RESUME_ATTEMPTS) -> FileOutcome:
+def fetch_file(
+    agent: Agent,
+    run: str,
+    item: dict[str, Any],
+    root: Path,
+    start: int | None,
+    progress: Progress,
+    hashes: TargetHashes,
+    retries: int = RESUME_ATTEMPTS,
+) -> FileOutcome:
     """One file from byte `start` (resume_point), resumable and verified (module docstring, steps 2-4)."""
     rel, size = str(item["path"]), int(item["size"])
     if start is None:
@@ -142,8 +151,13 @@ def fetch_file(agent: Agent, run: str, item: dict[str, Any], root: Path, start: 
     with partial.open("ab") as out:
         out.truncate(start)
         while written < size:
-            args = {"workspace": agent.target.workspace, "name": run, "path": rel, "offset": written,
-                    "length": min(size - written, PIECE_BYTES)}
+            args = {
+                "workspace": agent.target.workspace,
+                "name": run,
+                "path": rel,
+                "offset": written,
+                "length": min(size - written, PIECE_BYTES),
+            }
             try:
                 for chunk in agent.transport.stream(agent.argv("read-file", args)):
                     out.write(chunk)
@@ -160,20 +174,26 @@ def fetch_file(agent: Agent, run: str, item: dict[str, Any], root: Path, start: 
                 break
             resumes += 1
             if resumes > retries:
-                raise TransportError(f"{rel}: transfer stopped at byte {written} of {size} {resumes - 1} times "
-                                     f"({last_error or 'the stream ended early'})",
-                                     hint=f"run the same fetch again: it continues from byte {written}")
-            progress.note(f"{rel}: link lost at byte {written:,} of {size:,}; continuing from there "
-                          f"(attempt {resumes} of {retries})")
+                raise TransportError(
+                    f"{rel}: transfer stopped at byte {written} of {size} {resumes - 1} times "
+                    f"({last_error or 'the stream ended early'})",
+                    hint=f"run the same fetch again: it continues from byte {written}",
+                )
+            progress.note(
+                f"{rel}: link lost at byte {written:,} of {size:,}; continuing from there "
+                f"(attempt {resumes} of {retries})"
+            )
             time.sleep(min(0.25 * 2 ** (resumes - 1), 5.0))
         os.fsync(out.fileno())
     want = hashes.get(item)
     if written != size or digest.hexdigest() != want:
         partial.unlink(missing_ok=True)
         meta.unlink(missing_ok=True)
-        raise DflashopsError(f"{rel}: sha256 of the fetched bytes does not match the target's (got {written} of "
-                             f"{size} bytes); the partial file was removed",
-                             hint="the file changed on the target while it was fetched? run fetch again")
+        raise DflashopsError(
+            f"{rel}: sha256 of the fetched bytes does not match the target's (got {written} of "
+            f"{size} bytes); the partial file was removed",
+            hint="the file changed on the target while it was fetched? run fetch again",
+        )
     os.replace(partial, final)  # atomic: the final name only ever holds a verified file
     meta.unlink(missing_ok=True)
     return FileOutcome(rel, size, want, "resumed" if start or resumes else "fetched", size - start, resumes)

@@ -77,8 +77,9 @@ class Invocation:
         except LineageDBError as exc:
             # A corrupt or unreadable database must not keep `stop`/`status`/`logs` from the run itself.
             fallback = self.inventory.target(None)
-            self.warn(f"{exc.message}; looked for {name} on the default target {fallback.name} "
-                      f"(pass --target to choose)")
+            self.warn(
+                f"{exc.message}; looked for {name} on the default target {fallback.name} (pass --target to choose)"
+            )
             return fallback
         if record is not None and record.target in self.inventory.targets:
             return self.inventory.targets[record.target]
@@ -95,8 +96,9 @@ class Invocation:
             pass
         try:
             target = self.target_for_run(name, explicit_target)
-            names |= {str(run["name"]) for run in self.agent(target).call(
-                "status", {"workspace": target.workspace})["runs"]}
+            names |= {
+                str(run["name"]) for run in self.agent(target).call("status", {"workspace": target.workspace})["runs"]
+            }
         except DflashopsError:
             pass
         names.discard(name)

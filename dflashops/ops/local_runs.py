@@ -35,8 +35,9 @@ class LocalRuns:
     def _of(self, workspace: Path) -> dict[str, dict[str, Any]]:
         if workspace not in self._answers:
             request = json.dumps({"workspace": str(workspace)})
-            result = self._transport.run([sys.executable, str(AGENT_SOURCE), "status", "--json-args", request],
-                                         check=False)
+            result = self._transport.run(
+                [sys.executable, str(AGENT_SOURCE), "status", "--json-args", request], check=False
+            )
             try:
                 answer = json.loads(result.stdout.strip().splitlines()[-1])
             except (ValueError, IndexError):

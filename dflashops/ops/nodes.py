@@ -52,22 +52,30 @@ def master_address(group: Group, targets: tuple[Target, ...]) -> str:
         return targets[0].address
     if all(target.kind == "local" for target in targets):
         return "127.0.0.1"
-    raise UsageError(f"no address for node 0 ({targets[0].name}) that the other nodes can reach",
-                     hint=f"add `address:` to target {targets[0].name} in the inventory (its own network "
-                          "address), or define a group with master_addr")
+    raise UsageError(
+        f"no address for node 0 ({targets[0].name}) that the other nodes can reach",
+        hint=f"add `address:` to target {targets[0].name} in the inventory (its own network "
+        "address), or define a group with master_addr",
+    )
 
 
-def deploy_nodes(invocation: Invocation, request: DeployRequest, targets: tuple[Target, ...], group: Group,
-                 profile: Profile) -> DeployOutcome:
+def deploy_nodes(
+    invocation: Invocation, request: DeployRequest, targets: tuple[Target, ...], group: Group, profile: Profile
+) -> DeployOutcome:
     """Launch `profile` as one job on `targets` (node 0 first); returns node 0's outcome with `nodes` filled."""
     if not any(NODE_PLACEHOLDERS.search(arg) for arg in profile.argv):
-        raise UsageError(f"profile {profile.name!r} does not use {{node_rank}} or {{nnodes}}: on {len(targets)} "
-                         "targets it would start that many separate runs under one name",
-                         hint="use a torchrun profile: torchrun --nnodes {nnodes} --node-rank {node_rank} "
-                              "--master-addr {master_addr} --master-port {master_port} -m trainer train ...")
+        raise UsageError(
+            f"profile {profile.name!r} does not use {{node_rank}} or {{nnodes}}: on {len(targets)} "
+            "targets it would start that many separate runs under one name",
+            hint="use a torchrun profile: torchrun --nnodes {nnodes} --node-rank {node_rank} "
+            "--master-addr {master_addr} --master-port {master_port} -m trainer train ...",
+        )
     if profile.on_failure or profile.stall:
-        raise UsageError(f"profile {profile.name!r} has on_failure/stall: the in-target supervisor watches a run "
-                         "on one target, not a job on several", hint="deploy it on one target, or remove them")
+        raise UsageError(
+            f"profile {profile.name!r} has on_failure/stall: the in-target supervisor watches a run "
+            "on one target, not a job on several",
+            hint="deploy it on one target, or remove them",
+        )
     address = master_address(group, targets)
     name = check_request(invocation, request, targets[0], profile)
     if request.name != "+":
@@ -81,8 +89,9 @@ def deploy_nodes(invocation: Invocation, request: DeployRequest, targets: tuple[
             for target in targets:
                 check_free_on_target(invocation, target, name)
         for rank, target in enumerate(targets):
-            place = NodePlace(rank=rank, nnodes=len(targets), master_addr=address, master_port=group.master_port,
-                              targets=names)
+            place = NodePlace(
+                rank=rank, nnodes=len(targets), master_addr=address, master_port=group.master_port, targets=names
+            )
             outcome, spec = launch_on(invocation, replace(request, node=place), target, profile, name)
             launched.append((target, outcome, spec))
     except BaseException:
@@ -98,8 +107,10 @@ def deploy_nodes(invocation: Invocation, request: DeployRequest, targets: tuple[
     first.nodes = [outcome for _, outcome, _ in launched]
     if not invocation.dry_run:
         record = launched[0][2].record
-        record.extra["nodes"] = [{"rank": rank, "target": target.name, "run_dir": outcome.run_dir,
-                                  "pgid": outcome.pgid} for rank, (target, outcome, _) in enumerate(launched)]
+        record.extra["nodes"] = [
+            {"rank": rank, "target": target.name, "run_dir": outcome.run_dir, "pgid": outcome.pgid}
+            for rank, (target, outcome, _) in enumerate(launched)
+        ]
         record.extra["group"] = group.name
         invocation.db.fill(record)
         from dflashops.ops.observe import started
@@ -124,8 +135,11 @@ def nodes_of(invocation: Invocation, name: str, explicit_target: str | None = No
     for entry in entries:
         target = str(entry.get("target"))
         if target not in invocation.inventory.targets:
-            raise NotFound(f"node {entry.get('rank')} of run {name!r} was on target {target!r}, which is not in "
-                           f"{invocation.inventory.path}", hint="add the target back, or pass --target for one node")
+            raise NotFound(
+                f"node {entry.get('rank')} of run {name!r} was on target {target!r}, which is not in "
+                f"{invocation.inventory.path}",
+                hint="add the target back, or pass --target for one node",
+            )
         nodes.append(RunNode(int(entry.get("rank", len(nodes))), invocation.inventory.targets[target]))
     return nodes
 
@@ -145,7 +159,9 @@ def node_target(invocation: Invocation, name: str, node: int | None) -> str | No
     raise UsageError(f"run {name!r} has nodes 0-{len(nodes) - 1}, not {node}")
 
 
-def on_every_node(invocation: Invocation, nodes: list[RunNode], work: Callable[[RunNode], Any]) -> list[tuple[RunNode, Any]]:
+def on_every_node(
+    invocation: Invocation, nodes: list[RunNode], work: Callable[[RunNode], Any]
+) -> list[tuple[RunNode, Any]]:
     """`work(node)` on every node at once (one thread each; the agents are made here first, on this thread).
     Returns (node, result or the DflashopsError it raised), in rank order."""
     for node in nodes:
@@ -161,42 +177,86 @@ def on_every_node(invocation: Invocation, nodes: list[RunNode], work: Callable[[
         return list(pool.map(attempt, nodes))
 
 
-def stop_nodes(invocation: Invocation, name: str, nodes: list[RunNode], *, grace: float, save_grace: float,
-               not_running: type[DflashopsError]) -> dict[str, Any]:
+def stop_nodes(
+    invocation: Invocation,
+    name: str,
+    nodes: list[RunNode],
+    *,
+    grace: float,
+    save_grace: float,
+    not_running: type[DflashopsError],
+) -> dict[str, Any]:
     """Stop every node at once; the answer is node 0's with `nodes` (each node's answer or error) added.
     Raises `not_running` when no node was running, the first node's error when one could not be stopped
     (after every other node was)."""
-    results = on_every_node(invocation, nodes, lambda node: invocation.agent(node.target).call(
-        "stop", {"workspace": node.target.workspace, "name": name, "grace": grace, "save_grace": save_grace}))
+    results = on_every_node(
+        invocation,
+        nodes,
+        lambda node: invocation.agent(node.target).call(
+            "stop", {"workspace": node.target.workspace, "name": name, "grace": grace, "save_grace": save_grace}
+        ),
+    )
     stopped = [(node, answer) for node, answer in results if not isinstance(answer, DflashopsError)]
-    failures = [(node, error) for node, error in results if isinstance(error, DflashopsError)
-                and "is not running" not in error.message]
+    failures = [
+        (node, error)
+        for node, error in results
+        if isinstance(error, DflashopsError) and "is not running" not in error.message
+    ]
     if failures:
         node, error = failures[0]
-        raise type(error)(f"node {node.rank} ({node.target.name}): {error.message}"
-                          + (f"; nodes {', '.join(str(n.rank) for n, _ in stopped)} were stopped" if stopped else ""),
-                          hint=error.hint)
+        raise type(error)(
+            f"node {node.rank} ({node.target.name}): {error.message}"
+            + (f"; nodes {', '.join(str(n.rank) for n, _ in stopped)} were stopped" if stopped else ""),
+            hint=error.hint,
+        )
     if not stopped:
-        raise not_running(f"run {name!r} is not running on any of its {len(nodes)} nodes",
-                          hint=f"`dflashops status {name}` shows how it ended")
+        raise not_running(
+            f"run {name!r} is not running on any of its {len(nodes)} nodes",
+            hint=f"`dflashops status {name}` shows how it ended",
+        )
     answer = dict(stopped[0][1])
-    answer.update({"escalated": any(a.get("escalated") for _, a in stopped),
-                   "seconds": max(a.get("seconds") or 0 for _, a in stopped),
-                   "recorded": all(a.get("recorded", True) for _, a in stopped),
-                   "nodes": [{"node": node.rank, "target": node.target.name, **(answer_ if not isinstance(
-                       answer_, DflashopsError) else {"not_running": True})} for node, answer_ in results]})
+    answer.update(
+        {
+            "escalated": any(a.get("escalated") for _, a in stopped),
+            "seconds": max(a.get("seconds") or 0 for _, a in stopped),
+            "recorded": all(a.get("recorded", True) for _, a in stopped),
+            "nodes": [
+                {
+                    "node": node.rank,
+                    "target": node.target.name,
+                    **(answer_ if not isinstance(answer_, DflashopsError) else {"not_running": True}),
+                }
+                for node, answer_ in results
+            ],
+        }
+    )
     return answer
 
 
 def status_nodes(invocation: Invocation, name: str, nodes: list[RunNode]) -> list[dict[str, Any]]:
     """Every node's status entry (with `node` and `target`), rank order; NotFound when no node has the run."""
-    results = on_every_node(invocation, nodes, lambda node: invocation.agent(node.target).call(
-        "status", {"workspace": node.target.workspace, "name": name})["runs"])
+    results = on_every_node(
+        invocation,
+        nodes,
+        lambda node: invocation.agent(node.target).call("status", {"workspace": node.target.workspace, "name": name})[
+            "runs"
+        ],
+    )
     entries = []
     for node, runs in results:
         if isinstance(runs, NotFound):
-            entries.append({"name": name, "node": node.rank, "target": node.target.name, "state": "missing",
-                            "exit_code": None, "step": None, "error_line": runs.message, "run_json": {}})
+            entries.append(
+                {
+                    "name": name,
+                    "node": node.rank,
+                    "target": node.target.name,
+                    "state": "missing",
+                    "exit_code": None,
+                    "step": None,
+                    "error_line": runs.message,
+                    "run_json": {},
+                }
+            )
             continue
         if isinstance(runs, DflashopsError):
             raise type(runs)(f"node {node.rank} ({node.target.name}): {runs.message}", hint=runs.hint)
@@ -216,17 +276,21 @@ def overall(entries: list[dict[str, Any]]) -> dict[str, Any]:
     for state in ("running", "stopping", "launching", "crashed", "lost", "missing"):
         hit = next((entry for entry in entries if entry["state"] == state), None)
         if hit is not None:
-            combined.update(state=hit["state"] if hit["state"] != "missing" else "lost",
-                            error_line=hit.get("error_line") or combined.get("error_line"),
-                            exit_code=hit.get("exit_code") if state in ("crashed", "lost") else combined["exit_code"])
+            combined.update(
+                state=hit["state"] if hit["state"] != "missing" else "lost",
+                error_line=hit.get("error_line") or combined.get("error_line"),
+                exit_code=hit.get("exit_code") if state in ("crashed", "lost") else combined["exit_code"],
+            )
             break
-    combined["nodes"] = [{key: entry.get(key) for key in ("node", "target", "state", "exit_code", "step")}
-                         for entry in entries]
+    combined["nodes"] = [
+        {key: entry.get(key) for key in ("node", "target", "state", "exit_code", "step")} for entry in entries
+    ]
     return combined
 
 
-def read_nodes(invocation: Invocation, name: str, nodes: list[RunNode], read_one: Callable[..., Iterator[str]], *,
-               follow: bool) -> Iterator[str]:
+def read_nodes(
+    invocation: Invocation, name: str, nodes: list[RunNode], read_one: Callable[..., Iterator[str]], *, follow: bool
+) -> Iterator[str]:
     """Every node's log as complete lines prefixed `[node K] `: node after node, or with `follow`, merged as
     they arrive (one follower thread per node; `read_one(node, follow, should_stop)` reads one node's log and
     ends soon after should_stop() turns true, which it does when this generator is closed)."""
@@ -250,8 +314,9 @@ def read_nodes(invocation: Invocation, name: str, nodes: list[RunNode], read_one
         finally:
             events.put(("done", node.rank, None))
 
-    threads = [threading.Thread(target=follow_node, args=(node,), daemon=True, name=f"logs-node-{node.rank}")
-               for node in nodes]
+    threads = [
+        threading.Thread(target=follow_node, args=(node,), daemon=True, name=f"logs-node-{node.rank}") for node in nodes
+    ]
     for thread in threads:
         thread.start()
     done, error = 0, None
@@ -281,8 +346,16 @@ def prefixed(chunks: Iterator[str], rank: int) -> Iterator[str]:
         yield f"[node {rank}] {pending}"
 
 
-def relaunch_nodes(invocation: Invocation, old: Any, profile: Profile, request: DeployRequest, *, resume: bool,
-                   grace: float, not_running: type[DflashopsError]) -> tuple[dict | None, str | None, DeployOutcome]:
+def relaunch_nodes(
+    invocation: Invocation,
+    old: Any,
+    profile: Profile,
+    request: DeployRequest,
+    *,
+    resume: bool,
+    grace: float,
+    not_running: type[DflashopsError],
+) -> tuple[dict | None, str | None, DeployOutcome]:
     """`restart` of a run on several targets: stop every node (a node already ended is fine), pick node 0's
     latest checkpoint when resuming (only node 0 reads it; every node gets the same --resume), and deploy the
     child on the same targets. Returns (stop answer or None, checkpoint, the child's outcome)."""
@@ -298,11 +371,14 @@ def relaunch_nodes(invocation: Invocation, old: Any, profile: Profile, request: 
     if resume:
         first = next(entry for entry in entries if entry["node"] == 0)
         if not first.get("checkpoints"):
-            raise NotFound(f"run {old.name!r} has no checkpoint on node 0 ({nodes[0].target.name}) to resume from",
-                           hint="use --fresh to start from scratch")
+            raise NotFound(
+                f"run {old.name!r} has no checkpoint on node 0 ({nodes[0].target.name}) to resume from",
+                hint="use --fresh to start from scratch",
+            )
         checkpoint = f"{first['run_dir']}/checkpoints/{first['checkpoints'][-1]}"
     targets = tuple(node.target for node in nodes)
     group = invocation.inventory.groups.get(str(old.extra.get("group"))) or Group(
-        name=",".join(target.name for target in targets), targets=tuple(target.name for target in targets))
+        name=",".join(target.name for target in targets), targets=tuple(target.name for target in targets)
+    )
     deployed = deploy_nodes(invocation, replace(request, checkpoint=checkpoint), targets, group, profile)
     return stop, checkpoint, deployed

@@ -36,16 +36,20 @@ class Ledger:
     def __init__(self, path: Path) -> None:
         self._conn = sqlite3.connect(path, timeout=15, isolation_level=None)
         self._conn.execute("PRAGMA journal_mode = WAL")
-        self._conn.execute("CREATE TABLE IF NOT EXISTS deliveries (id TEXT, channel TEXT, status TEXT NOT NULL, "
-                           "attempts INTEGER NOT NULL, last_try REAL NOT NULL, payload TEXT NOT NULL DEFAULT '{}', "
-                           "PRIMARY KEY (id, channel))")
+        self._conn.execute(
+            "CREATE TABLE IF NOT EXISTS deliveries (id TEXT, channel TEXT, status TEXT NOT NULL, "
+            "attempts INTEGER NOT NULL, last_try REAL NOT NULL, payload TEXT NOT NULL DEFAULT '{}', "
+            "PRIMARY KEY (id, channel))"
+        )
 
     def due(self) -> list[tuple[str, str, dict[str, Any]]]:
         """(id, channel, payload) of failed deliveries whose next try is due."""
         now = time.time()
-        rows = self._conn.execute("SELECT id, channel, payload FROM deliveries WHERE (status = 'failed' AND attempts < ? "
-                                  "AND last_try <= ?) OR (status = 'sending' AND last_try <= ?)",
-                                  (MAX_ATTEMPTS, now - RETRY_AFTER_S, now - STALE_SENDING_S)).fetchall()
+        rows = self._conn.execute(
+            "SELECT id, channel, payload FROM deliveries WHERE (status = 'failed' AND attempts < ? "
+            "AND last_try <= ?) OR (status = 'sending' AND last_try <= ?)",
+            (MAX_ATTEMPTS, now - RETRY_AFTER_S, now - STALE_SENDING_S),
+        ).fetchall()
         return [(event_id, channel, json.loads(payload)) for event_id, channel, payload in rows]
 
     def claim(self, event_id: str, channel: str, payload: dict[str, Any] | None = None) -> bool:
@@ -53,26 +57,35 @@ class Ledger:
         now = time.time()
         self._conn.execute("BEGIN IMMEDIATE")
         try:
-            row = self._conn.execute("SELECT status, attempts, last_try FROM deliveries WHERE id = ? AND channel = ?",
-                                     (event_id, channel)).fetchone()
+            row = self._conn.execute(
+                "SELECT status, attempts, last_try FROM deliveries WHERE id = ? AND channel = ?", (event_id, channel)
+            ).fetchone()
             if row is None:
-                self._conn.execute("INSERT INTO deliveries VALUES (?, ?, 'sending', 1, ?, ?)",
-                                   (event_id, channel, now, json.dumps(payload or {})))
+                self._conn.execute(
+                    "INSERT INTO deliveries VALUES (?, ?, 'sending', 1, ?, ?)",
+                    (event_id, channel, now, json.dumps(payload or {})),
+                )
                 return True
             status, attempts, last_try = row
             free = (status == "failed" and attempts < MAX_ATTEMPTS and now - last_try >= RETRY_AFTER_S) or (
-                status == "sending" and now - last_try >= STALE_SENDING_S)
+                status == "sending" and now - last_try >= STALE_SENDING_S
+            )
             if free:
-                self._conn.execute("UPDATE deliveries SET status = 'sending', attempts = attempts + 1, last_try = ? "
-                                   "WHERE id = ? AND channel = ?", (now, event_id, channel))
+                self._conn.execute(
+                    "UPDATE deliveries SET status = 'sending', attempts = attempts + 1, last_try = ? "
+                    "WHERE id = ? AND channel = ?",
+                    (now, event_id, channel),
+                )
             return free
         finally:
             self._conn.execute("COMMIT")
 
     def done(self, event_id: str, channel: str, ok: bool) -> None:
-        self._conn.execute("INSERT INTO deliveries VALUES (?, ?, ?, 1, ?, '{}') ON CONFLICT (id, channel) DO UPDATE "
-                           "SET status = excluded.status, last_try = excluded.last_try",
-                           (event_id, channel, "sent" if ok else "failed", time.time()))
+        self._conn.execute(
+            "INSERT INTO deliveries VALUES (?, ?, ?, 1, ?, '{}') ON CONFLICT (id, channel) DO UPDATE "
+            "SET status = excluded.status, last_try = excluded.last_try",
+            (event_id, channel, "sent" if ok else "failed", time.time()),
+        )
 
     def close(self) -> None:
         self._conn.close()
@@ -109,7 +122,9 @@ class Notifier:
         payload = {**{k: v for k, v in event.items() if k != "webhook"}, "text": f"dflashops: {event.get('message')}"}
         url = self.url
         if config.webhook_env and url is None and self.ledger().claim(event["id"], "webhook-env"):
-            self.notices.append(f"warning: notify.webhook_env {config.webhook_env} is not set; {event['id']} not POSTed")
+            self.notices.append(
+                f"warning: notify.webhook_env {config.webhook_env} is not set; {event['id']} not POSTed"
+            )
             self.ledger().done(event["id"], "webhook-env", True)  # said once per event
         if url and delivered_by_target:
             self.ledger().done(event["id"], "webhook", True)
@@ -127,8 +142,11 @@ class Notifier:
 
             url = self.url or ""
             failure = post_json(url, payload, timeout=config.timeout_s) if url else "no webhook URL"
-            self.notices.append(f"notified {event_id} to {shown_url(url)}" if failure is None else
-                                f"warning: notify webhook {shown_url(url)} failed for {event_id}: {failure}")
+            self.notices.append(
+                f"notified {event_id} to {shown_url(url)}"
+                if failure is None
+                else f"warning: notify webhook {shown_url(url)} failed for {event_id}: {failure}"
+            )
         else:
             failure = self.run_command(config, payload)
             if failure:
@@ -148,11 +166,16 @@ class Notifier:
         from dflashops.errors import DflashopsError
         from dflashops.transport.local import LocalTransport
 
-        env = {"DFLASHOPS_EVENT": str(payload.get("event")), "DFLASHOPS_RUN": str(payload.get("run")),
-               "DFLASHOPS_TARGET": str(payload.get("target") or ""), "DFLASHOPS_MESSAGE": str(payload.get("message"))}
+        env = {
+            "DFLASHOPS_EVENT": str(payload.get("event")),
+            "DFLASHOPS_RUN": str(payload.get("run")),
+            "DFLASHOPS_TARGET": str(payload.get("target") or ""),
+            "DFLASHOPS_MESSAGE": str(payload.get("message")),
+        }
         try:
-            result = LocalTransport(name="notify").run(list(config.command), env=env, check=False,
-                                                      stdin=json.dumps(payload).encode(), timeout=config.timeout_s)
+            result = LocalTransport(name="notify").run(
+                list(config.command), env=env, check=False, stdin=json.dumps(payload).encode(), timeout=config.timeout_s
+            )
         except DflashopsError as exc:
             return exc.message
         if result.exit_code != 0:

@@ -50,9 +50,18 @@ def ending_event(status: dict[str, Any], previous: str | None) -> dict[str, Any]
         message += f", exit code {status.get('exit_code')}" + (f": {line}" if line else "")
     if status.get("restarted_as"):
         message += f" (restarted as {status['restarted_as']})"
-    return {"id": f"{name}:{kind}", "event": kind, "run": name, "target": status.get("target"), "time": time.time(),
-            "message": message, "exit_code": status.get("exit_code"), "step": step, "log_line": line,
-            "source": "controller"}
+    return {
+        "id": f"{name}:{kind}",
+        "event": kind,
+        "run": name,
+        "target": status.get("target"),
+        "time": time.time(),
+        "message": message,
+        "exit_code": status.get("exit_code"),
+        "step": step,
+        "log_line": line,
+        "source": "controller",
+    }
 
 
 def observe(invocation: Invocation, status: dict[str, Any], record: RunRecord | None) -> None:
@@ -74,5 +83,15 @@ def started(invocation: Invocation, target: str, name: str, note: str, parent: s
     if invocation.dry_run or invocation.notifier.config is None:
         return
     message = f"{name} started on {target}" + (f" (parent {parent})" if parent else "") + (f": {note}" if note else "")
-    invocation.notifier.send({"id": f"{name}:started", "event": "started", "run": name, "target": target,
-                           "time": time.time(), "message": message, "parent": parent, "source": "controller"})
+    invocation.notifier.send(
+        {
+            "id": f"{name}:started",
+            "event": "started",
+            "run": name,
+            "target": target,
+            "time": time.time(),
+            "message": message,
+            "parent": parent,
+            "source": "controller",
+        }
+    )

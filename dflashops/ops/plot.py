@@ -16,7 +16,14 @@ from typing import Any
 from dflashops.errors import MissingDependency, UsageError
 
 LINE_STYLES: tuple[str | tuple[int, tuple[int, ...]], ...] = (
-    "-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)), (0, (8, 2)), (0, (1, 3)), (0, (3, 1, 3, 1, 1, 1)),
+    "-",
+    "--",
+    ":",
+    "-.",
+    (0, (5, 1, 1, 1, 1, 1)),
+    (0, (8, 2)),
+    (0, (1, 3)),
+    (0, (3, 1, 3, 1, 1, 1)),
 )
 MARKERS: tuple[str, ...] = ("o", "s", "^", "D", "v", "x", "P", "*")
 # Okabe-Ito palette: distinguishable for the common colour-vision deficiencies (styles carry the meaning).
@@ -40,8 +47,9 @@ def require_matplotlib() -> None:
         import matplotlib  # noqa: F401
         from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: F401
     except ImportError as exc:
-        raise MissingDependency(f"runs plot needs matplotlib, which cannot be imported here ({exc})",
-                                hint="pip install 'dflashops[plot]'") from None
+        raise MissingDependency(
+            f"runs plot needs matplotlib, which cannot be imported here ({exc})", hint="pip install 'dflashops[plot]'"
+        ) from None
 
 
 def plot_runs(
@@ -77,10 +85,18 @@ def plot_runs(
         values = [value for _, value in points]
         style = style_for(index)
         every = max(1, len(points) // MARKERS_PER_LINE)
-        axes.plot(steps, values, label=name, linewidth=1.8, markersize=6, markevery=every,
-                  markerfacecolor="white", **style)
-        axes.annotate(f" {name}", (steps[-1], values[-1]), fontsize=8, color=style["color"],
-                      va="center", ha="left", annotation_clip=False)
+        axes.plot(
+            steps, values, label=name, linewidth=1.8, markersize=6, markevery=every, markerfacecolor="white", **style
+        )
+        axes.annotate(
+            f" {name}",
+            (steps[-1], values[-1]),
+            fontsize=8,
+            color=style["color"],
+            va="center",
+            ha="left",
+            annotation_clip=False,
+        )
     if log_y:
         axes.set_yscale("log")
     axes.set_xlabel("step")

@@ -25,8 +25,13 @@ from dflashops.inventory import Target
 def target_key(target: Target) -> str:
     """Identity of the place releases live: two inventory names for the same container share the entry."""
     host = target.host
-    parts = [target.kind, host.address if host else "", str(host.port) if host else "", str(target.ctid or ""),
-             target.workspace]
+    parts = [
+        target.kind,
+        host.address if host else "",
+        str(host.port) if host else "",
+        str(target.ctid or ""),
+        target.workspace,
+    ]
     return "|".join(parts)
 
 

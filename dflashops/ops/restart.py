@@ -64,12 +64,16 @@ def restart(invocation: Invocation, request: RestartRequest) -> RestartOutcome:
     validate_name(request.run, what="run name")
     old = invocation.db.get(request.run)  # NotFound with close names
     if old.profile is None or old.profile not in invocation.inventory.profiles:
-        raise UsageError(f"run {old.name!r} was not started from a profile in this inventory",
-                         hint="deploy a new run with --profile and --parent instead")
+        raise UsageError(
+            f"run {old.name!r} was not started from a profile in this inventory",
+            hint="deploy a new run with --profile and --parent instead",
+        )
     profile = invocation.inventory.profile(old.profile)
     if request.resume and not profile.resume_args:
-        raise UsageError(f"profile {profile.name!r} has no resume_args, so --resume cannot work",
-                         hint="use --fresh, or add resume_args to the profile")
+        raise UsageError(
+            f"profile {profile.name!r} has no resume_args, so --resume cannot work",
+            hint="use --fresh, or add resume_args to the profile",
+        )
     if request.name not in (None, "+"):
         validate_name(request.name, what="run name")
         if invocation.record_of(request.name) is not None:
@@ -81,19 +85,49 @@ def restart(invocation: Invocation, request: RestartRequest) -> RestartOutcome:
         from dflashops.ops.nodes import relaunch_nodes
 
         stop, checkpoint, deployed = relaunch_nodes(
-            invocation, old, profile, DeployRequest(target=None, profile=profile.name, name=request.name or "+",
-                                                 parent=old.name, note=request.note, launcher=launcher,
-                                                 clear_cache=request.clear_cache, extra_args=extra),
-            resume=request.resume, grace=request.grace, not_running=NotRunning)
-        return RestartOutcome(stopped=stop is not None, old_exit_code=stop.get("exit_code") if stop else None,
-                              checkpoint=checkpoint, deployed=deployed, agent_calls=0)
+            invocation,
+            old,
+            profile,
+            DeployRequest(
+                target=None,
+                profile=profile.name,
+                name=request.name or "+",
+                parent=old.name,
+                note=request.note,
+                launcher=launcher,
+                clear_cache=request.clear_cache,
+                extra_args=extra,
+            ),
+            resume=request.resume,
+            grace=request.grace,
+            not_running=NotRunning,
+        )
+        return RestartOutcome(
+            stopped=stop is not None,
+            old_exit_code=stop.get("exit_code") if stop else None,
+            checkpoint=checkpoint,
+            deployed=deployed,
+            agent_calls=0,
+        )
     target = invocation.inventory.target(old.target)
     deploy_request = DeployRequest(
-        target=old.target, profile=profile.name, name=request.name or "+", parent=old.name, note=request.note,
-        launcher=launcher, clear_cache=request.clear_cache, extra_args=extra,
-        checkpoint=RESUME_PLACEHOLDER if request.resume else None)
-    name = claim_name(invocation, deploy_request, target, profile,
-                      check_request(invocation, deploy_request, target, profile, ask_target=False))
+        target=old.target,
+        profile=profile.name,
+        name=request.name or "+",
+        parent=old.name,
+        note=request.note,
+        launcher=launcher,
+        clear_cache=request.clear_cache,
+        extra_args=extra,
+        checkpoint=RESUME_PLACEHOLDER if request.resume else None,
+    )
+    name = claim_name(
+        invocation,
+        deploy_request,
+        target,
+        profile,
+        check_request(invocation, deploy_request, target, profile, ask_target=False),
+    )
     try:
         return relaunch(invocation, request, deploy_request, old, target, profile, name)
     except BaseException:
@@ -102,13 +136,21 @@ def restart(invocation: Invocation, request: RestartRequest) -> RestartOutcome:
         raise
 
 
-def relaunch(invocation: Invocation, request: RestartRequest, deploy_request: DeployRequest, old: RunRecord,
-             target: Target, profile: Profile, name: str) -> RestartOutcome:
+def relaunch(
+    invocation: Invocation,
+    request: RestartRequest,
+    deploy_request: DeployRequest,
+    old: RunRecord,
+    target: Target,
+    profile: Profile,
+    name: str,
+) -> RestartOutcome:
     """The combined stop + install + launch call for the claimed name `name`, and the lineage records."""
     files = release_files(profile.files, invocation.inventory.root, profile.packages)
     code_hash, manifest = local_manifest(files)
-    spec = launch_spec(invocation, deploy_request, target, profile, name, code_hash,
-                       f"{target.workspace}/releases/{code_hash}")
+    spec = launch_spec(
+        invocation, deploy_request, target, profile, name, code_hash, f"{target.workspace}/releases/{code_hash}"
+    )
     agent = invocation.agent(target)
     calls, fell_back = 0, False
     base: tuple[str | None, dict[str, str]] | None = release_cache.load(invocation.inventory.lineage_path, target)
@@ -135,14 +177,29 @@ def relaunch(invocation: Invocation, request: RestartRequest, deploy_request: De
         invocation.db.fill(spec.record)  # the new run, with its parent edge
         release_cache.save(invocation.inventory.lineage_path, target, code_hash, manifest)
     stop = answer.get("stop")
-    supervisor = after_launch(invocation, deploy_request, target, profile, name, code_hash,
-                               f"{target.workspace}/releases/{code_hash}")
-    deployed = DeployOutcome(name=name, target=target.name, run_dir=spec.run_dir, code_hash=code_hash,
-                             release=f"{target.workspace}/releases/{code_hash}", pgid=answer.get("pgid"),
-                             uploaded=len(payload[2]), cache_cleared=answer.get("cleared"), supervisor=supervisor)
-    return RestartOutcome(stopped=bool(stop), old_exit_code=stop.get("exit_code") if stop else None,
-                          checkpoint=checkpoint, deployed=deployed, agent_calls=calls, fell_back=fell_back,
-                          handover=bool(stop and stop.get("handover")))
+    supervisor = after_launch(
+        invocation, deploy_request, target, profile, name, code_hash, f"{target.workspace}/releases/{code_hash}"
+    )
+    deployed = DeployOutcome(
+        name=name,
+        target=target.name,
+        run_dir=spec.run_dir,
+        code_hash=code_hash,
+        release=f"{target.workspace}/releases/{code_hash}",
+        pgid=answer.get("pgid"),
+        uploaded=len(payload[2]),
+        cache_cleared=answer.get("cleared"),
+        supervisor=supervisor,
+    )
+    return RestartOutcome(
+        stopped=bool(stop),
+        old_exit_code=stop.get("exit_code") if stop else None,
+        checkpoint=checkpoint,
+        deployed=deployed,
+        agent_calls=calls,
+        fell_back=fell_back,
+        handover=bool(stop and stop.get("handover")),
+    )
 
 
 def remote_base(agent: Agent, code_hash: str, manifest: dict[str, str]) -> tuple[str | None, dict[str, str]]:
@@ -154,17 +211,26 @@ def remote_base(agent: Agent, code_hash: str, manifest: dict[str, str]) -> tuple
     return remote.get("release"), remote.get("files") or {}
 
 
-def combined_call(agent: Agent, old: str, request: RestartRequest, spec: LaunchSpec,
-                  payload: tuple[dict, bytes, tuple, tuple]) -> dict[str, Any]:
+def combined_call(
+    agent: Agent, old: str, request: RestartRequest, spec: LaunchSpec, payload: tuple[dict, bytes, tuple, tuple]
+) -> dict[str, Any]:
     """The agent's `restart` verb: request JSON (secrets only in it, on stdin) + the tar, one round trip."""
     install, tar = {k: v for k, v in payload[0].items() if k != "workspace"}, payload[1]
-    args = {**spec.args, "old": old, "grace": request.grace, "install": install, "tar_bytes": len(tar),
-            "clear_cache": request.clear_cache, "resume_placeholder": RESUME_PLACEHOLDER if request.resume else None,
-            "handover": request.resume and request.handover}
+    args = {
+        **spec.args,
+        "old": old,
+        "grace": request.grace,
+        "install": install,
+        "tar_bytes": len(tar),
+        "clear_cache": request.clear_cache,
+        "resume_placeholder": RESUME_PLACEHOLDER if request.resume else None,
+        "handover": request.resume and request.handover,
+    }
     target: Target = agent.target
     try:
-        return agent.call("restart", args, secret_args={"env": spec.env}, shown_args={"env": spec.record.env},
-                          stdin_tar=tar)
+        return agent.call(
+            "restart", args, secret_args={"env": spec.env}, shown_args={"env": spec.record.env}, stdin_tar=tar
+        )
     except StaleRelease:
         raise
     except NotFound as exc:
@@ -176,4 +242,5 @@ def combined_call(agent: Agent, old: str, request: RestartRequest, spec: LaunchS
         raise TransportError(
             f"{target.name}: connection lost during the restart of {old} as {spec.name}: {exc.message}",
             hint=f"the agent completes or refuses the whole step on its own; `dflashops status --target "
-                 f"{target.name}` shows whether {spec.name} runs, `dflashops runs sync` records it") from None
+            f"{target.name}` shows whether {spec.name} runs, `dflashops runs sync` records it",
+        ) from None

@@ -28,8 +28,12 @@ from dflashops.ops.agent_client import _UPLOAD, Agent, _parse
 from dflashops.ops.invocation import Invocation
 
 SOURCE = Path(__file__).resolve().parent.parent / "agent_supervisor.py"
-SENTINELS = {"name": "@dflashops-run-name@", "parent": "@dflashops-parent@", "note": "@dflashops-note@",
-             "checkpoint": "@dflashops-checkpoint@"}  # the same strings as agent_supervisor.SENTINELS
+SENTINELS = {
+    "name": "@dflashops-run-name@",
+    "parent": "@dflashops-parent@",
+    "note": "@dflashops-note@",
+    "checkpoint": "@dflashops-checkpoint@",
+}  # the same strings as agent_supervisor.SENTINELS
 POLL_S = 2.0  # a status poll is one read of a few small files: cheap; stall windows shorter than 8 s poll faster
 
 
@@ -37,8 +41,9 @@ def wanted(profile: Profile) -> bool:
     return profile.on_failure is not None or profile.stall is not None
 
 
-def template(invocation: Invocation, request: Any, target: Target, profile: Profile, code_hash: str,
-             release_path: str, root: str) -> dict[str, Any]:
+def template(
+    invocation: Invocation, request: Any, target: Target, profile: Profile, code_hash: str, release_path: str, root: str
+) -> dict[str, Any]:
     """The launch of a child run, with sentinels (see the module docstring)."""
     from dflashops.ops.deploy import launch_spec  # deploy imports this module: imported when used
 
@@ -46,23 +51,50 @@ def template(invocation: Invocation, request: Any, target: Target, profile: Prof
     fresh = launch_spec(invocation, base, target, profile, SENTINELS["name"], code_hash, release_path)
     resumed = None
     if profile.resume_args:
-        resumed = launch_spec(invocation, replace(base, checkpoint=SENTINELS["checkpoint"]), target, profile,
-                              SENTINELS["name"], code_hash, release_path)
-    env = {**fresh.env, "WANDB_RUN_GROUP": root, "DFLASHOPS_RUN_PARENT": SENTINELS["parent"],
-           "WANDB_NOTES": SENTINELS["note"], "DFLASHOPS_RUN_NOTE": SENTINELS["note"]}
+        resumed = launch_spec(
+            invocation,
+            replace(base, checkpoint=SENTINELS["checkpoint"]),
+            target,
+            profile,
+            SENTINELS["name"],
+            code_hash,
+            release_path,
+        )
+    env = {
+        **fresh.env,
+        "WANDB_RUN_GROUP": root,
+        "DFLASHOPS_RUN_PARENT": SENTINELS["parent"],
+        "WANDB_NOTES": SENTINELS["note"],
+        "DFLASHOPS_RUN_NOTE": SENTINELS["note"],
+    }
     run_json = dict(fresh.args["run_json"])
-    run_json["env"] = {**fresh.record.env, "WANDB_RUN_GROUP": root, "DFLASHOPS_RUN_PARENT": SENTINELS["parent"],
-                       "WANDB_NOTES": SENTINELS["note"], "DFLASHOPS_RUN_NOTE": SENTINELS["note"]}
-    return {"argv": fresh.args["argv"], "argv_resume": resumed.args["argv"] if resumed else None,
-            "shown_argv": fresh.record.argv, "shown_argv_resume": resumed.record.argv if resumed else None,
-            "env": env, "shown_env": run_json["env"], "cwd": fresh.args["cwd"], "launcher": fresh.args["launcher"],
-            "run_json": run_json}
+    run_json["env"] = {
+        **fresh.record.env,
+        "WANDB_RUN_GROUP": root,
+        "DFLASHOPS_RUN_PARENT": SENTINELS["parent"],
+        "WANDB_NOTES": SENTINELS["note"],
+        "DFLASHOPS_RUN_NOTE": SENTINELS["note"],
+    }
+    return {
+        "argv": fresh.args["argv"],
+        "argv_resume": resumed.args["argv"] if resumed else None,
+        "shown_argv": fresh.record.argv,
+        "shown_argv_resume": resumed.record.argv if resumed else None,
+        "env": env,
+        "shown_env": run_json["env"],
+        "cwd": fresh.args["cwd"],
+        "launcher": fresh.args["launcher"],
+        "run_json": run_json,
+    }
 
 
 def poll_interval(stall: Any) -> float:
     """POLL_S, or a quarter of the shortest stall window (so a stall is seen within window + window/4)."""
-    windows = [w for w in ((stall.heartbeat_s, stall.for_s if stall.gpu_util_below is not None else None)
-                           if stall else ()) if w]
+    windows = [
+        w
+        for w in ((stall.heartbeat_s, stall.for_s if stall.gpu_util_below is not None else None) if stall else ())
+        if w
+    ]
     return max(0.1, min([POLL_S, *(w / 4 for w in windows)]))
 
 
@@ -70,8 +102,16 @@ def supervisor_path(target: Target, source: bytes) -> str:
     return f"{target.workspace}/.dflashops/supervisor-{hashlib.sha256(source).hexdigest()[:12]}.py"
 
 
-def start(invocation: Invocation, request: Any, target: Target, profile: Profile, name: str, code_hash: str,
-          release_path: str, restarts: int = 0) -> dict[str, Any] | None:
+def start(
+    invocation: Invocation,
+    request: Any,
+    target: Target,
+    profile: Profile,
+    name: str,
+    code_hash: str,
+    release_path: str,
+    restarts: int = 0,
+) -> dict[str, Any] | None:
     """Start the supervisor for the run `name` just launched (None when the profile asks for none). Its
     failure to start is reported (AgentError) after the run is already running: the run stays up."""
     if not wanted(profile):
@@ -86,21 +126,46 @@ def start(invocation: Invocation, request: Any, target: Target, profile: Profile
         webhook = notify.webhook or (os.environ.get(notify.webhook_env) if notify.webhook_env else None)
     on_failure, stall = profile.on_failure, profile.stall
     launch_template = template(invocation, request, target, profile, code_hash, release_path, root)
-    req = {"workspace": target.workspace, "agent": agent.path, "root": name, "run": name, "restarts": restarts,
-           "target": target.name, "gpus": list(target.gpus), "poll_s": poll_interval(stall),
-           "on_failure": None if on_failure is None else {
-               "resume": on_failure.resume, "max_restarts": on_failure.max_restarts,
-               "backoff_s": on_failure.backoff_s, "exit_codes": list(on_failure.exit_codes)},
-           "stall": None if stall is None else {
-               "heartbeat_s": stall.heartbeat_s, "gpu_util_below": stall.gpu_util_below, "for_s": stall.for_s,
-               "grace_s": stall.grace_s},
-           "events": list(notify.events) if notify else [], "webhook": webhook,
-           "webhook_timeout_s": notify.timeout_s if notify else 10.0, "template": launch_template}
+    req = {
+        "workspace": target.workspace,
+        "agent": agent.path,
+        "root": name,
+        "run": name,
+        "restarts": restarts,
+        "target": target.name,
+        "gpus": list(target.gpus),
+        "poll_s": poll_interval(stall),
+        "on_failure": None
+        if on_failure is None
+        else {
+            "resume": on_failure.resume,
+            "max_restarts": on_failure.max_restarts,
+            "backoff_s": on_failure.backoff_s,
+            "exit_codes": list(on_failure.exit_codes),
+        },
+        "stall": None
+        if stall is None
+        else {
+            "heartbeat_s": stall.heartbeat_s,
+            "gpu_util_below": stall.gpu_util_below,
+            "for_s": stall.for_s,
+            "grace_s": stall.grace_s,
+        },
+        "events": list(notify.events) if notify else [],
+        "webhook": webhook,
+        "webhook_timeout_s": notify.timeout_s if notify else 10.0,
+        "template": launch_template,
+    }
     argv = [target.python, path, "start", "--json-stdin"]
     if invocation.dry_run:
-        shown = {**req, "webhook": shown_url(webhook) if webhook else None,
-                 "template": {**launch_template, "env": {k: launch_template["shown_env"].get(k, REDACTED)
-                                                         for k in launch_template["env"]}}}
+        shown = {
+            **req,
+            "webhook": shown_url(webhook) if webhook else None,
+            "template": {
+                **launch_template,
+                "env": {k: launch_template["shown_env"].get(k, REDACTED) for k in launch_template["env"]},
+            },
+        }
         agent.record([target.python, "-c", "<upload>", path], "agent_supervisor.py")
         agent.record(argv, "request JSON: " + json.dumps(shown, sort_keys=True))
         return {"dry_run": True}
@@ -108,13 +173,16 @@ def start(invocation: Invocation, request: Any, target: Target, profile: Profile
     result = agent.transport.run(argv, stdin=json.dumps(req).encode(), check=False, timeout=60)
     answer = _parse(result.stdout, result.stderr, "supervisor start", target.name)
     if not answer.get("ok"):
-        raise AgentError(f"{target.name}: the supervisor of {name} did not start: {answer.get('error')}",
-                         hint=f"{name} runs unsupervised; see {target.workspace}/supervisors/{name}.log")
+        raise AgentError(
+            f"{target.name}: the supervisor of {name} did not start: {answer.get('error')}",
+            hint=f"{name} runs unsupervised; see {target.workspace}/supervisors/{name}.log",
+        )
     return answer
 
 
-def after_launch(invocation: Invocation, request: Any, target: Target, profile: Profile, name: str, code_hash: str,
-                 release_path: str) -> dict[str, Any] | None:
+def after_launch(
+    invocation: Invocation, request: Any, target: Target, profile: Profile, name: str, code_hash: str, release_path: str
+) -> dict[str, Any] | None:
     """What follows every launch by deploy/restart: the `started` notification, then `start`, with a failure
     of the supervisor turned into {"ok": False, "error", "hint"}: the run is launched already and stays up,
     so the caller reports a warning instead of failing the deploy."""

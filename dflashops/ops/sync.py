@@ -36,8 +36,9 @@ class SyncOutcome:
     tar_bytes: int
 
 
-def release_files(extra_files: tuple[str, ...] = (), extra_root: Path | None = None,
-                  packages: tuple[str, ...] = ("trainer",)) -> dict[str, Path]:
+def release_files(
+    extra_files: tuple[str, ...] = (), extra_root: Path | None = None, packages: tuple[str, ...] = ("trainer",)
+) -> dict[str, Path]:
     """relative path in the release -> local file: the agent, each package's tree, the profile's files.
     Every file must really lie inside the folder it is listed from: a symlink (of the file or of a folder
     on its path) that leads outside is refused, so `files: [rootlink/etc/passwd]` cannot ship /etc/passwd."""
@@ -53,8 +54,10 @@ def release_files(extra_files: tuple[str, ...] = (), extra_root: Path | None = N
     for rel in extra_files:
         path = (extra_root or REPO_ROOT) / rel
         if not path.is_file():
-            raise UsageError(f"profile file {rel!r} does not exist at {path}",
-                             hint="profile `files` are paths relative to the inventory's folder")
+            raise UsageError(
+                f"profile file {rel!r} does not exist at {path}",
+                hint="profile `files` are paths relative to the inventory's folder",
+            )
         files[rel] = inside(path, extra_root or REPO_ROOT, f"profile file {rel!r}")
     return files
 
@@ -63,8 +66,10 @@ def inside(path: Path, root: Path, what: str) -> Path:
     """`path` when its real location (symlinks resolved) is inside `root`'s; UsageError otherwise."""
     real, real_root = path.resolve(), root.resolve()
     if not real.is_relative_to(real_root):
-        raise UsageError(f"{what} is {real} through a symlink, outside {real_root}",
-                         hint="copy the file into the folder, or list a path that stays inside it")
+        raise UsageError(
+            f"{what} is {real} through a symlink, outside {real_root}",
+            hint="copy the file into the folder, or list a path that stays inside it",
+        )
     return path
 
 
@@ -80,11 +85,15 @@ def readable(path: Path) -> Iterator[None]:
     try:
         yield
     except FileNotFoundError:
-        raise UsageError(f"{path} disappeared while the release was being built (deleted or renamed meanwhile)",
-                         hint="run the command again once whatever is changing the tree has finished") from None
+        raise UsageError(
+            f"{path} disappeared while the release was being built (deleted or renamed meanwhile)",
+            hint="run the command again once whatever is changing the tree has finished",
+        ) from None
     except OSError as exc:
-        raise UsageError(f"cannot read {path}: {exc.strerror}",
-                         hint=f"make it readable (chmod u+r {path}), or keep it out of the synced tree") from None
+        raise UsageError(
+            f"cannot read {path}: {exc.strerror}",
+            hint=f"make it readable (chmod u+r {path}), or keep it out of the synced tree",
+        ) from None
 
 
 def code_hash_of(manifest: dict[str, str]) -> str:
@@ -96,8 +105,15 @@ def local_manifest(files: dict[str, Path]) -> tuple[str, dict[str, str]]:
     return code_hash_of(manifest), manifest
 
 
-def install_payload(workspace: str, files: dict[str, Path], code_hash: str, manifest: dict[str, str],
-                    base: str | None, base_files: dict[str, str], keep: int = 5) -> tuple[dict, bytes, tuple, tuple]:
+def install_payload(
+    workspace: str,
+    files: dict[str, Path],
+    code_hash: str,
+    manifest: dict[str, str],
+    base: str | None,
+    base_files: dict[str, str],
+    keep: int = 5,
+) -> tuple[dict, bytes, tuple, tuple]:
     """(install request, gzip tar of the changed files, uploaded paths, linked paths) for making release
     `code_hash` from release `base` (whose manifest is `base_files`) on the target."""
     linked = tuple(sorted(rel for rel, digest in manifest.items() if base_files.get(rel) == digest))
@@ -113,14 +129,26 @@ def install_payload(workspace: str, files: dict[str, Path], code_hash: str, mani
                 archive.addfile(info, handle)
     # Compact request: only the changed entries and the removed paths; the agent rebuilds the full
     # manifest from the base release's (one 4 KiB change then sends ~4 KiB, not the whole manifest).
-    request = {"workspace": workspace, "hash": code_hash, "base": base,
-               "changed": {rel: manifest[rel] for rel in uploaded},
-               "removed": sorted(set(base_files) - set(manifest)), "keep": keep}
+    request = {
+        "workspace": workspace,
+        "hash": code_hash,
+        "base": base,
+        "changed": {rel: manifest[rel] for rel in uploaded},
+        "removed": sorted(set(base_files) - set(manifest)),
+        "keep": keep,
+    }
     return request, buffer.getvalue(), uploaded, linked
 
 
-def sync(agent: Agent, *, extra_files: tuple[str, ...] = (), extra_root: Path | None = None,
-         packages: tuple[str, ...] = ("trainer",), keep: int = 5, cache: Path | None = None) -> SyncOutcome:
+def sync(
+    agent: Agent,
+    *,
+    extra_files: tuple[str, ...] = (),
+    extra_root: Path | None = None,
+    packages: tuple[str, ...] = ("trainer",),
+    keep: int = 5,
+    cache: Path | None = None,
+) -> SyncOutcome:
     """Make `releases/<hash>` on the target hold exactly the local tree and point `current` at it.
     With `cache` (the lineage database path), remember what is now installed there (release_cache)."""
     files = release_files(extra_files, extra_root, packages)
@@ -131,8 +159,9 @@ def sync(agent: Agent, *, extra_files: tuple[str, ...] = (), extra_root: Path | 
         if cache is not None and not agent.dry_run:
             release_cache.save(cache, agent.target, code_hash, manifest)
         return SyncOutcome(code_hash, release_path, (), tuple(sorted(manifest)), 0)
-    request, tar, uploaded, linked = install_payload(agent.target.workspace, files, code_hash, manifest,
-                                                     remote.get("release"), remote.get("files") or {}, keep)
+    request, tar, uploaded, linked = install_payload(
+        agent.target.workspace, files, code_hash, manifest, remote.get("release"), remote.get("files") or {}, keep
+    )
     agent.call("install", request, stdin_tar=tar)
     if cache is not None and not agent.dry_run:
         release_cache.save(cache, agent.target, code_hash, manifest)

@@ -43,8 +43,13 @@ def fetch_offer(inventory: Inventory, name: str) -> HostKeyOffer:
 
     settings = settings_for(inventory, name)
     known_name, key = fetch_host_key(settings)
-    return HostKeyOffer(known_name=known_name, key_type=key.get_name(), fingerprint=fingerprint(key),
-                        known_hosts=settings.known_hosts_path(), key=key)
+    return HostKeyOffer(
+        known_name=known_name,
+        key_type=key.get_name(),
+        fingerprint=fingerprint(key),
+        known_hosts=settings.known_hosts_path(),
+        key=key,
+    )
 
 
 def record(offer: HostKeyOffer) -> bool:

@@ -56,7 +56,11 @@ class Snapshot:
     gpus: list[GpuRow]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"taken_at": self.taken_at, "runs": [asdict(r) for r in self.runs], "gpus": [asdict(g) for g in self.gpus]}
+        return {
+            "taken_at": self.taken_at,
+            "runs": [asdict(r) for r in self.runs],
+            "gpus": [asdict(g) for g in self.gpus],
+        }
 
 
 def _float(value: Any) -> float | None:
@@ -82,16 +86,24 @@ def run_row(entry: dict[str, Any], now: float) -> RunRow:
     heartbeat = _float(trainer.get("heartbeat"))
     return RunRow(
         name=entry["name"] + (f"@node{entry['node']}" if "node" in entry else ""),
-        target=str(entry.get("target", "")), state=entry["state"], step=entry.get("step"),
+        target=str(entry.get("target", "")),
+        state=entry["state"],
+        step=entry.get("step"),
         total_steps=trainer.get("total_steps") if isinstance(trainer.get("total_steps"), int) else None,
-        phase=trainer.get("phase"), loss=_float(metrics.get("loss")), tau_sim=_float(metrics.get("tau_sim")),
+        phase=trainer.get("phase"),
+        loss=_float(metrics.get("loss")),
+        tau_sim=_float(metrics.get("tau_sim")),
         block_tok_s=_float(metrics.get("block_tok_s")),
         block_tok_s_per_drafter=[v for v in (metrics.get("block_tok_s_per_drafter") or []) if _float(v) is not None],
         queues=queues,
-        gpu_mem_gb={str(k): float(v) for k, v in memory.items()} if isinstance(memory, dict)
+        gpu_mem_gb={str(k): float(v) for k, v in memory.items()}
+        if isinstance(memory, dict)
         else ({"0": memory_gb} if memory_gb is not None else {}),
-        eta_s=eta, heartbeat_age_s=None if heartbeat is None else max(0.0, now - heartbeat),
-        last_log_line=entry.get("last_log_line"), error_line=entry.get("error_line"))
+        eta_s=eta,
+        heartbeat_age_s=None if heartbeat is None else max(0.0, now - heartbeat),
+        last_log_line=entry.get("last_log_line"),
+        error_line=entry.get("error_line"),
+    )
 
 
 def gather(invocation: Invocation, run: str | None, target: str | None = None) -> Snapshot:
@@ -101,10 +113,17 @@ def gather(invocation: Invocation, run: str | None, target: str | None = None) -
     tgt = invocation.target_for_run(run, target) if run else invocation.inventory.target(target)
     gpus = invocation.agent(tgt).call("gpus", {}).get("gpus", [])
     now = time.time()
-    return Snapshot(taken_at=now, runs=[run_row(entry, now) for entry in entries],
-                    gpus=[GpuRow(target=tgt.name, **{k: g[k] for k in ("index", "name", "memory_used_mib",
-                                                                         "memory_total_mib", "utilization_pct")})
-                          for g in gpus])
+    return Snapshot(
+        taken_at=now,
+        runs=[run_row(entry, now) for entry in entries],
+        gpus=[
+            GpuRow(
+                target=tgt.name,
+                **{k: g[k] for k in ("index", "name", "memory_used_mib", "memory_total_mib", "utilization_pct")},
+            )
+            for g in gpus
+        ],
+    )
 
 
 @dataclass

@@ -21,15 +21,22 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-_TOKEN = re.compile(r"""\s*(?:
+_TOKEN = re.compile(
+    r"""\s*(?:
     (?P<number>-?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)
   | (?P<string>"[^"]*"|'[^']*')
   | (?P<op><=|>=|==|!=|<|>|\(|\))
   | (?P<name>[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*|\[\d+\])*)
-)""", re.VERBOSE)
+)""",
+    re.VERBOSE,
+)
 _COMPARE: dict[str, Callable[[Any, Any], bool]] = {
-    "<": lambda a, b: a < b, "<=": lambda a, b: a <= b, ">": lambda a, b: a > b,
-    ">=": lambda a, b: a >= b, "==": lambda a, b: a == b, "!=": lambda a, b: a != b,
+    "<": lambda a, b: a < b,
+    "<=": lambda a, b: a <= b,
+    ">": lambda a, b: a > b,
+    ">=": lambda a, b: a >= b,
+    "==": lambda a, b: a == b,
+    "!=": lambda a, b: a != b,
 }
 _KEYWORDS = {"and", "or", "not"}
 

@@ -119,13 +119,17 @@ class Playbook:
         """Variables with `--set` values applied; unknown or still-missing names are PlaybookErrors."""
         for key in overrides:
             if key not in self.variables and key not in BUILTINS:
-                raise PlaybookError(f"{self.path}: --set {key}=...: the playbook has no variable {key!r}",
-                                    hint=f"variables: {', '.join(sorted(self.variables)) or '(none)'}")
+                raise PlaybookError(
+                    f"{self.path}: --set {key}=...: the playbook has no variable {key!r}",
+                    hint=f"variables: {', '.join(sorted(self.variables)) or '(none)'}",
+                )
         values = {**self.variables, **overrides}
         for key, value in values.items():
             if value is REQUIRED:
-                raise PlaybookError(f"{self.var_where[key]}: missing variable {key!r} (declared with no default)",
-                                    hint=f"pass --set {key}=VALUE")
+                raise PlaybookError(
+                    f"{self.var_where[key]}: missing variable {key!r} (declared with no default)",
+                    hint=f"pass --set {key}=VALUE",
+                )
         return values
 
     def uses(self, name: str, values: dict[str, Any]) -> bool:
@@ -171,7 +175,6 @@ def load_playbook(path: str | Path) -> Playbook:
     return playbook
 
 
-
 def _read_yaml(path: Path) -> Any:
     try:
         text = read_yaml_text(path, what="playbook", error=PlaybookError)  # size, encoding, depth, alias bounds
@@ -182,8 +185,13 @@ def _read_yaml(path: Path) -> Any:
         raise PlaybookError(f"cannot read playbook {path}: {exc.strerror}") from None
 
 
-def _load_file(path: Path, variables: dict[str, Any], var_where: dict[str, str], chain: tuple[Path, ...],
-               include_vars: dict[str, Any]) -> tuple[str, list[Step]]:
+def _load_file(
+    path: Path,
+    variables: dict[str, Any],
+    var_where: dict[str, str],
+    chain: tuple[Path, ...],
+    include_vars: dict[str, Any],
+) -> tuple[str, list[Step]]:
     doc = _read_yaml(path)
     if not isinstance(doc, _Map):
         raise PlaybookError(f"{path}:1: a playbook is a mapping with `steps:`", hint="see playbooks/restart-cycle.yaml")
@@ -201,21 +209,25 @@ def _load_file(path: Path, variables: dict[str, Any], var_where: dict[str, str],
         default = include_vars.get(key, REQUIRED if value is None else value)
         if key not in variables or (variables[key] is REQUIRED and default is not REQUIRED):
             variables[key], var_where[key] = default, where
-    return str(doc.get("description") or ""), _steps(doc["steps"], path, doc.key_lines["steps"], variables,
-                                                        var_where, (*chain, path))
+    return str(doc.get("description") or ""), _steps(
+        doc["steps"], path, doc.key_lines["steps"], variables, var_where, (*chain, path)
+    )
 
 
 def _keys(mapping: _Map, where: str, required: set[str], optional: set[str], what: str) -> None:
     for key in mapping:
         if key not in required | optional:
-            raise PlaybookError(f"{where}:{mapping.key_lines[str(key)]}: unknown key {key!r} in {what}",
-                                hint=f"allowed: {', '.join(sorted(required | optional))}")
+            raise PlaybookError(
+                f"{where}:{mapping.key_lines[str(key)]}: unknown key {key!r} in {what}",
+                hint=f"allowed: {', '.join(sorted(required | optional))}",
+            )
     for key in sorted(required - set(mapping)):
         raise PlaybookError(f"{where}:{mapping.line}: {what} needs {key!r}")
 
 
-def _steps(items: Any, path: Path, line: int, variables: dict[str, Any], var_where: dict[str, str],
-           chain: tuple[Path, ...]) -> list[Step]:
+def _steps(
+    items: Any, path: Path, line: int, variables: dict[str, Any], var_where: dict[str, str], chain: tuple[Path, ...]
+) -> list[Step]:
     if not isinstance(items, list):
         raise PlaybookError(f"{path}:{line}: steps: expected a list of steps")
     out: list[Step] = []
@@ -226,11 +238,15 @@ def _steps(items: Any, path: Path, line: int, variables: dict[str, Any], var_whe
         kinds = [key for key in item if key not in COMMON_KEYS]
         unknown = [key for key in kinds if key not in STEP_KINDS]
         if unknown:
-            raise PlaybookError(f"{path}:{item.key_lines[str(unknown[0])]}: unknown step {unknown[0]!r}",
-                                hint=f"steps: {', '.join(sorted(STEP_KINDS))}; keys: {', '.join(sorted(COMMON_KEYS))}")
+            raise PlaybookError(
+                f"{path}:{item.key_lines[str(unknown[0])]}: unknown step {unknown[0]!r}",
+                hint=f"steps: {', '.join(sorted(STEP_KINDS))}; keys: {', '.join(sorted(COMMON_KEYS))}",
+            )
         if len(kinds) != 1:
-            raise PlaybookError(f"{where}: a step has exactly one kind, found {', '.join(kinds) or 'none'}",
-                                hint=f"steps: {', '.join(sorted(STEP_KINDS))}")
+            raise PlaybookError(
+                f"{where}: a step has exactly one kind, found {', '.join(kinds) or 'none'}",
+                hint=f"steps: {', '.join(sorted(STEP_KINDS))}",
+            )
         kind = kinds[0]
         args = item[kind]
         if args is None:
@@ -243,8 +259,14 @@ def _steps(items: Any, path: Path, line: int, variables: dict[str, Any], var_whe
         if kind == "include":
             out.extend(_include(args, path, args_where, variables, var_where, chain))
             continue
-        step = Step(kind=kind, args=dict(args), where=where, name=str(item.get("name") or ""),
-                    on_failure=str(item.get("on_failure", "stop")), register=item.get("register"))
+        step = Step(
+            kind=kind,
+            args=dict(args),
+            where=where,
+            name=str(item.get("name") or ""),
+            on_failure=str(item.get("on_failure", "stop")),
+            register=item.get("register"),
+        )
         _check_step(step, args, path)
         if kind == "loop":
             step.body = _steps(args["steps"], path, args.key_lines["steps"], variables, var_where, chain)
@@ -253,11 +275,12 @@ def _steps(items: Any, path: Path, line: int, variables: dict[str, Any], var_whe
     return out
 
 
-def _include(args: _Map, path: Path, where: str, variables: dict[str, Any], var_where: dict[str, str],
-             chain: tuple[Path, ...]) -> list[Step]:
+def _include(
+    args: _Map, path: Path, where: str, variables: dict[str, Any], var_where: dict[str, str], chain: tuple[Path, ...]
+) -> list[Step]:
     target = (path.parent / str(args["file"])).resolve()
     if target in chain:
-        cycle = " -> ".join(p.name for p in (*chain[chain.index(target):], target))
+        cycle = " -> ".join(p.name for p in (*chain[chain.index(target) :], target))
         raise PlaybookError(f"{where}: include cycle: {cycle}", hint="remove one of these includes")
     if len(chain) >= MAX_INCLUDE_DEPTH:
         raise PlaybookError(f"{where}: includes nested deeper than {MAX_INCLUDE_DEPTH}")
@@ -283,8 +306,9 @@ def _check_step(step: Step, args: _Map, path: Path) -> None:
         if ("log" in args) == ("metric" in args):
             raise PlaybookError(f"{step.where}: wait needs exactly one of `log: REGEX` or `metric: CONDITION`")
         timeout = args.get("timeout")
-        if not templated(timeout) and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                        or timeout <= 0):
+        if not templated(timeout) and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0
+        ):
             raise PlaybookError(f"{at('timeout')}: wait timeout must be a number of seconds > 0, got {timeout!r}")
     for key in ("log", "fail_on"):
         if isinstance(args.get(key), str) and not templated(args[key]):
@@ -297,8 +321,9 @@ def _check_step(step: Step, args: _Map, path: Path) -> None:
             try:
                 parse(str(args[key]))
             except ExprSyntaxError as exc:
-                raise PlaybookError(f"{at(key)}: {key}: {exc}",
-                                    hint="conditions look like `step >= 50 and block_tok_s > 5000`") from None
+                raise PlaybookError(
+                    f"{at(key)}: {key}: {exc}", hint="conditions look like `step >= 50 and block_tok_s > 5000`"
+                ) from None
     if step.kind == "exec" and not (isinstance(args["argv"], list) or templated(args["argv"])):
         raise PlaybookError(f"{at('argv')}: exec argv must be a list of words", hint='argv: [nvidia-smi, "-L"]')
     if step.kind == "loop" and not isinstance(args["steps"], list):
@@ -310,8 +335,10 @@ def _check_references(steps: list[Step], known: set[str]) -> set[str]:
     for step in steps:
         for name in references(step.args):
             if name not in known:
-                raise PlaybookError(f"{step.where}: step {step.label!r} uses {{{{{name}}}}}, which is not defined "
-                                    "before it", hint="declare it under vars:, or register it in an earlier step")
+                raise PlaybookError(
+                    f"{step.where}: step {step.label!r} uses {{{{{name}}}}}, which is not defined before it",
+                    hint="declare it under vars:, or register it in an earlier step",
+                )
         if step.kind == "loop":
             known = _check_references(step.body, known | {str(step.args.get("as", "item"))})
         if step.register:

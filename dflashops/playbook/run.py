@@ -52,10 +52,16 @@ class PlayReport:
         return 0 if self.error is None else self.error.exit_code
 
     def to_dict(self) -> dict[str, Any]:
-        return {"playbook": self.playbook, "check": self.check, "variables": self.variables,
-                "completed": self.error is None, "exit_code": self.exit_code,
-                "error": None if self.error is None else self.error.message,
-                "steps": [asdict(step) for step in self.steps], "tables": self.tables}
+        return {
+            "playbook": self.playbook,
+            "check": self.check,
+            "variables": self.variables,
+            "completed": self.error is None,
+            "exit_code": self.exit_code,
+            "error": None if self.error is None else self.error.message,
+            "steps": [asdict(step) for step in self.steps],
+            "tables": self.tables,
+        }
 
 
 class _Runner:
@@ -71,8 +77,9 @@ class _Runner:
         for number, step in enumerate(steps, 1):
             index = f"{prefix}{number}"
             if self.report.error is not None:
-                self.add(StepReport(index, self.label(step), step.kind, "skipped", 0.0, "an earlier step failed",
-                                    step.where))
+                self.add(
+                    StepReport(index, self.label(step), step.kind, "skipped", 0.0, "an earlier step failed", step.where)
+                )
             elif step.kind == "loop":
                 self.loop(step, index)
             else:
@@ -85,7 +92,9 @@ class _Runner:
             if not isinstance(items, list):
                 raise PlaybookError(f"{step.where}: loop items must be a list, got {items!r}")
         except DflashopsError as exc:
-            self.add(StepReport(index, step.label, "loop", "failed", time.monotonic() - started, exc.message, step.where))
+            self.add(
+                StepReport(index, step.label, "loop", "failed", time.monotonic() - started, exc.message, step.where)
+            )
             self.report.error = exc
             return
         self.add(StepReport(index, step.label, "loop", "ok", 0.0, f"{len(items)} items", step.where))
@@ -129,16 +138,30 @@ class _Runner:
         status = "planned" if self.ctx.check else ("changed" if outcome.changed else "ok")
         self.finish(step, index, started, status, outcome, commands)
 
-    def finish(self, step: Step, index: str, started: float, status: str, outcome: StepOutcome,
-               commands: list[str]) -> None:
+    def finish(
+        self, step: Step, index: str, started: float, status: str, outcome: StepOutcome, commands: list[str]
+    ) -> None:
         if step.register:
             self.ctx.scope[step.register] = outcome.result
-        self.add(StepReport(index, self.label(step), step.kind, status, time.monotonic() - started, outcome.detail,
-                            step.where, commands))
+        self.add(
+            StepReport(
+                index,
+                self.label(step),
+                step.kind,
+                status,
+                time.monotonic() - started,
+                outcome.detail,
+                step.where,
+                commands,
+            )
+        )
 
     def failed(self, step: Step, index: str, started: float, exc: DflashopsError) -> None:
-        self.add(StepReport(index, self.label(step), step.kind, "failed", time.monotonic() - started, exc.message,
-                            step.where))
+        self.add(
+            StepReport(
+                index, self.label(step), step.kind, "failed", time.monotonic() - started, exc.message, step.where
+            )
+        )
         if step.on_failure == "continue":
             return
         if step.on_failure == "restart-with-resume" and not self.ctx.check:
@@ -151,32 +174,72 @@ class _Runner:
         run = render(step.args["run"], self.ctx.scope)
         run = self.renamed.get(run, run)
         try:
-            outcome = restart(self.ctx.invocation, RestartRequest(
-                run=str(run), name="+", resume=True, note=f"restart-with-resume after step {index} failed: "
-                                                          f"{exc.message.splitlines()[0][:160]}"))
+            outcome = restart(
+                self.ctx.invocation,
+                RestartRequest(
+                    run=str(run),
+                    name="+",
+                    resume=True,
+                    note=f"restart-with-resume after step {index} failed: {exc.message.splitlines()[0][:160]}",
+                ),
+            )
         except DflashopsError as recovery_error:
-            self.add(StepReport(f"{index}r", f"restart {run} with resume", "restart", "failed",
-                                time.monotonic() - started, recovery_error.message, step.where))
+            self.add(
+                StepReport(
+                    f"{index}r",
+                    f"restart {run} with resume",
+                    "restart",
+                    "failed",
+                    time.monotonic() - started,
+                    recovery_error.message,
+                    step.where,
+                )
+            )
             self.report.error = recovery_error
             return
         child = outcome.deployed.name
         self.renamed[str(run)] = child
-        self.add(StepReport(f"{index}r", f"restart {run} with resume", "restart", "recovered",
-                            time.monotonic() - started, f"relaunched as {child} from {outcome.checkpoint}", step.where))
+        self.add(
+            StepReport(
+                f"{index}r",
+                f"restart {run} with resume",
+                "restart",
+                "recovered",
+                time.monotonic() - started,
+                f"relaunched as {child} from {outcome.checkpoint}",
+                step.where,
+            )
+        )
         retry_started = time.monotonic()
         try:
             retried, commands = self.attempt(step)
         except DflashopsError as again:
-            self.add(StepReport(f"{index}'", self.label(step), step.kind, "failed", time.monotonic() - retry_started,
-                                again.message, step.where))
+            self.add(
+                StepReport(
+                    f"{index}'",
+                    self.label(step),
+                    step.kind,
+                    "failed",
+                    time.monotonic() - retry_started,
+                    again.message,
+                    step.where,
+                )
+            )
             self.report.error = again
             return
         self.finish(step, f"{index}'", retry_started, "changed" if retried.changed else "ok", retried, commands)
 
 
-def run_playbook(invocation: Invocation, playbook: Playbook, overrides: dict[str, Any], *, target: str | None = None,
-                 check: bool = False, say: Callable[[str], None] = lambda text: None,
-                 on_step: Callable[[StepReport], None] = lambda entry: None) -> PlayReport:
+def run_playbook(
+    invocation: Invocation,
+    playbook: Playbook,
+    overrides: dict[str, Any],
+    *,
+    target: str | None = None,
+    check: bool = False,
+    say: Callable[[str], None] = lambda text: None,
+    on_step: Callable[[StepReport], None] = lambda entry: None,
+) -> PlayReport:
     """Run (or, with `check`, plan) every step. Bad variables raise PlaybookError before any step runs;
     a failing step is reported and handled by its on_failure (the report carries the stopping error)."""
     values = playbook.bind(overrides)

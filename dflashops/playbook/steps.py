@@ -84,17 +84,26 @@ def do_stop(ctx: Context, args: dict[str, Any]) -> StepOutcome:
     if ctx.check:
         return StepOutcome(True, f"would stop {run}", {"stopped": True, "exit_code": None})
     how = "SIGKILL after the grace period" if answer.get("escalated") else "SIGTERM"
-    return StepOutcome(True, f"stopped {run} by {how}, exit code {answer.get('exit_code')}",
-                       {"stopped": True, "exit_code": answer.get("exit_code"), "escalated": answer.get("escalated")})
+    return StepOutcome(
+        True,
+        f"stopped {run} by {how}, exit code {answer.get('exit_code')}",
+        {"stopped": True, "exit_code": answer.get("exit_code"), "escalated": answer.get("escalated")},
+    )
 
 
 def do_sync(ctx: Context, args: dict[str, Any]) -> StepOutcome:
     profile, target = _profile_and_target(ctx, args)
-    outcome = sync(ctx.invocation.agent(target), extra_files=profile.files if profile else (),
-                   extra_root=ctx.invocation.inventory.root)
+    outcome = sync(
+        ctx.invocation.agent(target),
+        extra_files=profile.files if profile else (),
+        extra_root=ctx.invocation.inventory.root,
+    )
     detail = f"release {outcome.code_hash}: {len(outcome.uploaded)} files uploaded, {len(outcome.linked)} unchanged"
-    return StepOutcome(bool(outcome.uploaded), detail, {"code_hash": outcome.code_hash, "release": outcome.release_path,
-                                                        "uploaded": list(outcome.uploaded)})
+    return StepOutcome(
+        bool(outcome.uploaded),
+        detail,
+        {"code_hash": outcome.code_hash, "release": outcome.release_path, "uploaded": list(outcome.uploaded)},
+    )
 
 
 def do_clear_cache(ctx: Context, args: dict[str, Any]) -> StepOutcome:
@@ -103,8 +112,13 @@ def do_clear_cache(ctx: Context, args: dict[str, Any]) -> StepOutcome:
     code_hash, _ = local_manifest(release_files(profile.files if profile else (), ctx.invocation.inventory.root))
     answer = ctx.invocation.agent(target).call("clear-cache", {"workspace": target.workspace, "code_hash": code_hash})
     removed = answer.get("removed")
-    detail = (f"would remove the compile cache of code {code_hash}" if ctx.check else
-              f"removed {removed}" if removed else f"no compile cache for code {code_hash}")
+    detail = (
+        f"would remove the compile cache of code {code_hash}"
+        if ctx.check
+        else f"removed {removed}"
+        if removed
+        else f"no compile cache for code {code_hash}"
+    )
     return StepOutcome(bool(removed) or ctx.check, detail, {"code_hash": code_hash, "removed": removed})
 
 
@@ -118,33 +132,65 @@ def do_deploy(ctx: Context, args: dict[str, Any]) -> StepOutcome:
     extra = args.get("extra_args", (record.extra.get("extra_args") if record else None) or [])
     if not isinstance(extra, list):
         raise UsageError(f"deploy extra_args must be a list, got {extra!r}")
-    outcome = deploy(ctx.invocation, DeployRequest(
-        target=ctx.target_arg(args) or (record.target if record else None), profile=str(profile),
-        name=str(args["name"]) if args.get("name") else ("+" if parent else None), parent=parent,
-        note=str(args.get("note") or ""), launcher=str(args.get("launcher") or (record.launcher if record else "tmux")),
-        clear_cache=bool(args.get("clear_cache", False)), extra_args=[str(a) for a in extra]))
+    outcome = deploy(
+        ctx.invocation,
+        DeployRequest(
+            target=ctx.target_arg(args) or (record.target if record else None),
+            profile=str(profile),
+            name=str(args["name"]) if args.get("name") else ("+" if parent else None),
+            parent=parent,
+            note=str(args.get("note") or ""),
+            launcher=str(args.get("launcher") or (record.launcher if record else "tmux")),
+            clear_cache=bool(args.get("clear_cache", False)),
+            extra_args=[str(a) for a in extra],
+        ),
+    )
     if ctx.check:
         ctx.planned_runs.add(outcome.name)
     verb = "would launch" if ctx.check else "launched"
-    return StepOutcome(True, f"{verb} {outcome.name} on {outcome.target}" + (f" (parent {parent})" if parent else ""),
-                       {"name": outcome.name, "target": outcome.target, "run_dir": outcome.run_dir,
-                        "code_hash": outcome.code_hash, "pgid": outcome.pgid})
+    return StepOutcome(
+        True,
+        f"{verb} {outcome.name} on {outcome.target}" + (f" (parent {parent})" if parent else ""),
+        {
+            "name": outcome.name,
+            "target": outcome.target,
+            "run_dir": outcome.run_dir,
+            "code_hash": outcome.code_hash,
+            "pgid": outcome.pgid,
+        },
+    )
 
 
 def do_restart(ctx: Context, args: dict[str, Any]) -> StepOutcome:
     extra = args.get("extra_args")
-    outcome = restart(ctx.invocation, RestartRequest(
-        run=str(args["run"]), name=str(args.get("name") or "+"), note=str(args.get("note") or ""),
-        resume=bool(args.get("resume", False)), clear_cache=bool(args.get("clear_cache", False)),
-        launcher=args.get("launcher"), extra_args=[str(a) for a in extra] if isinstance(extra, list) else None,
-        grace=_number(args, "grace", 60.0)))
+    outcome = restart(
+        ctx.invocation,
+        RestartRequest(
+            run=str(args["run"]),
+            name=str(args.get("name") or "+"),
+            note=str(args.get("note") or ""),
+            resume=bool(args.get("resume", False)),
+            clear_cache=bool(args.get("clear_cache", False)),
+            launcher=args.get("launcher"),
+            extra_args=[str(a) for a in extra] if isinstance(extra, list) else None,
+            grace=_number(args, "grace", 60.0),
+        ),
+    )
     new = outcome.deployed.name
     if ctx.check:
         ctx.planned_runs.add(new)
     how = f" from {outcome.checkpoint}" if outcome.checkpoint else ""
-    return StepOutcome(True, f"relaunched {args['run']} as {new}{how}",
-                       {"name": new, "parent": str(args["run"]), "checkpoint": outcome.checkpoint,
-                        "stopped": outcome.stopped, "old_exit_code": outcome.old_exit_code})
+    return StepOutcome(
+        True,
+        f"relaunched {args['run']} as {new}{how}",
+        {
+            "name": new,
+            "parent": str(args["run"]),
+            "checkpoint": outcome.checkpoint,
+            "stopped": outcome.stopped,
+            "old_exit_code": outcome.old_exit_code,
+        },
+    )
 
 
 def _poll_command(ctx: Context, run: str, args: dict[str, Any]) -> str:
@@ -161,17 +207,28 @@ def do_wait(ctx: Context, args: dict[str, Any]) -> StepOutcome:
     what = f"log /{args['log']}/" if "log" in args else f"metric {args['metric']}"
     if ctx.check:
         condition = f"until {what}" + (f", failing on /{fail_on}/" if fail_on else "") + f", at most {timeout:g}s"
-        return StepOutcome(False, f"would poll {run} {condition}",
-                           {"commands": [f"{_poll_command(ctx, run, args)}  # repeated {condition}"]})
+        return StepOutcome(
+            False,
+            f"would poll {run} {condition}",
+            {"commands": [f"{_poll_command(ctx, run, args)}  # repeated {condition}"]},
+        )
     if "log" in args:
-        line = wait_for(ctx.invocation, run, until=str(args["log"]), fail_on=fail_on, target=ctx.target_arg(args),
-                        timeout=timeout, poll_s=_number(args, "poll", 0.5))
+        line = wait_for(
+            ctx.invocation,
+            run,
+            until=str(args["log"]),
+            fail_on=fail_on,
+            target=ctx.target_arg(args),
+            timeout=timeout,
+            poll_s=_number(args, "poll", 0.5),
+        )
         return StepOutcome(False, f"{run}: matched {line.strip()[:120]!r}", {"line": line.strip()})
     return _wait_metric(ctx, run, str(args["metric"]), fail_on, timeout, args)
 
 
-def _wait_metric(ctx: Context, run: str, text: str, fail_on: str | None, timeout: float,
-                 args: dict[str, Any]) -> StepOutcome:
+def _wait_metric(
+    ctx: Context, run: str, text: str, fail_on: str | None, timeout: float, args: dict[str, Any]
+) -> StepOutcome:
     """Poll the run's last metrics until `text` holds; fail early on `fail_on` in the log or when it ends."""
     condition, fail_re = parse(text), re.compile(fail_on) if fail_on else None
     cursor, pending, poll = LogCursor(), "", _number(args, "poll", 0.5)
@@ -183,8 +240,10 @@ def _wait_metric(ctx: Context, run: str, text: str, fail_on: str | None, timeout
             *lines, pending = pending.split("\n")
             bad = next((line for line in lines if fail_re.search(line)), None)
             if bad is not None:
-                raise RunFailed(f"{run}: failure pattern {fail_on!r} in the log: {bad.strip()}",
-                                hint=f"`dflashops logs {run}` shows the whole log")
+                raise RunFailed(
+                    f"{run}: failure pattern {fail_on!r} in the log: {bad.strip()}",
+                    hint=f"`dflashops logs {run}` shows the whole log",
+                )
         entry = run_status(ctx.invocation, run, target=ctx.target_arg(args))[0]
         values = {**(entry.get("last_metrics") or {}), "state": entry["state"]}
         try:
@@ -194,19 +253,28 @@ def _wait_metric(ctx: Context, run: str, text: str, fail_on: str | None, timeout
             pass  # not logged yet
         if entry["state"] not in ("running", "launching", "stopping"):
             error = f": {entry['error_line']}" if entry.get("error_line") else ""
-            raise RunFailed(f"{run} ended ({entry['state']} at step {entry.get('step')}, exit code "
-                            f"{entry.get('exit_code')}) before {text}{error}",
-                            hint=f"`dflashops logs {run}` shows the whole log")
+            raise RunFailed(
+                f"{run} ended ({entry['state']} at step {entry.get('step')}, exit code "
+                f"{entry.get('exit_code')}) before {text}{error}",
+                hint=f"`dflashops logs {run}` shows the whole log",
+            )
         if time.monotonic() >= deadline:
-            raise WaitTimeout(f"{run}: {text} not reached within {timeout:g}s (last step {entry.get('step')})",
-                              hint="raise the step's timeout")
+            raise WaitTimeout(
+                f"{run}: {text} not reached within {timeout:g}s (last step {entry.get('step')})",
+                hint="raise the step's timeout",
+            )
         time.sleep(poll)
 
 
 def _run_values(ctx: Context, run: str, args: dict[str, Any]) -> dict[str, Any]:
     entry = run_status(ctx.invocation, run, target=ctx.target_arg(args))[0]
-    return {**(entry.get("last_metrics") or {}), "state": entry["state"], "exit_code": entry.get("exit_code"),
-            "step": entry.get("step"), "name": run}
+    return {
+        **(entry.get("last_metrics") or {}),
+        "state": entry["state"],
+        "exit_code": entry.get("exit_code"),
+        "step": entry.get("step"),
+        "name": run,
+    }
 
 
 def do_assert(ctx: Context, args: dict[str, Any]) -> StepOutcome:
@@ -247,8 +315,11 @@ def do_exec(ctx: Context, args: dict[str, Any]) -> StepOutcome:
     if result.exit_code != 0 and args.get("check", True):
         raise CommandFailed(result)
     last = (result.stdout.strip().splitlines() or [""])[-1]
-    return StepOutcome(True, f"exit code {result.exit_code}" + (f": {last[:100]}" if last else ""),
-                       {"exit_code": result.exit_code, "stdout": result.stdout, "stderr": result.stderr})
+    return StepOutcome(
+        True,
+        f"exit code {result.exit_code}" + (f": {last[:100]}" if last else ""),
+        {"exit_code": result.exit_code, "stdout": result.stdout, "stderr": result.stderr},
+    )
 
 
 def do_collect(ctx: Context, args: dict[str, Any]) -> StepOutcome:
@@ -274,12 +345,18 @@ def latest_running_run(invocation: Invocation, target: str | None) -> str:
     answer = invocation.agent(tgt).call("status", {"workspace": tgt.workspace})
     running = [e for e in answer.get("runs", []) if e["state"] == "running"]
     if not running:
-        raise NotFound(f"no run is running on target {tgt.name}",
-                       hint="name the run: --set run=NAME")
+        raise NotFound(f"no run is running on target {tgt.name}", hint="name the run: --set run=NAME")
     return max(running, key=lambda e: str((e.get("run_json") or {}).get("started_at") or ""))["name"]
 
 
 STEP_FUNCTIONS: dict[str, Callable[[Context, dict[str, Any]], StepOutcome]] = {
-    "stop": do_stop, "sync": do_sync, "clear-cache": do_clear_cache, "deploy": do_deploy, "restart": do_restart,
-    "wait": do_wait, "assert": do_assert, "exec": do_exec, "collect": do_collect,
+    "stop": do_stop,
+    "sync": do_sync,
+    "clear-cache": do_clear_cache,
+    "deploy": do_deploy,
+    "restart": do_restart,
+    "wait": do_wait,
+    "assert": do_assert,
+    "exec": do_exec,
+    "collect": do_collect,
 }

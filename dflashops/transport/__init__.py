@@ -23,5 +23,6 @@ def open_transport(target: Target) -> Transport:
         from dflashops.transport.pct import open_remote
 
         return open_remote(target)  # pct: ssh to the Proxmox host + `pct exec`; direct/host: ssh
-    raise TransportError(f"target {target.name!r} has unknown kind {target.kind!r}",
-                         hint="kinds: local, pct, direct, host")
+    raise TransportError(
+        f"target {target.name!r} has unknown kind {target.kind!r}", hint="kinds: local, pct, direct, host"
+    )

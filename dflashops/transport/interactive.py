@@ -17,9 +17,18 @@ from dflashops.transport.ssh_settings import SshSettings, settings_for_host
 def ssh_client_argv(settings: SshSettings, *, tty: bool) -> list[str]:
     """`ssh` options and destination for `settings` (no remote command). A gateway becomes a ProxyCommand built
     from the same rules, so the jump host's key is checked against its own known_hosts too."""
-    argv = ["ssh", "-t" if tty else "-T", "-o", "StrictHostKeyChecking=yes",
-            "-o", f"UserKnownHostsFile={settings.known_hosts_path()}",
-            "-o", f"ConnectTimeout={max(1, int(settings.connect_timeout))}", "-o", "BatchMode=yes"]
+    argv = [
+        "ssh",
+        "-t" if tty else "-T",
+        "-o",
+        "StrictHostKeyChecking=yes",
+        "-o",
+        f"UserKnownHostsFile={settings.known_hosts_path()}",
+        "-o",
+        f"ConnectTimeout={max(1, int(settings.connect_timeout))}",
+        "-o",
+        "BatchMode=yes",
+    ]
     if settings.port:
         argv += ["-p", str(settings.port)]
     if settings.identity_file:
@@ -30,8 +39,13 @@ def ssh_client_argv(settings: SshSettings, *, tty: bool) -> list[str]:
     return argv + [f"{settings.user}@{settings.host}" if settings.user else settings.host]
 
 
-def interactive_argv(target: object, argv: Sequence[str], *, hosts: Mapping[str, object] | None = None,
-                     env: Mapping[str, str] | None = None) -> list[str]:
+def interactive_argv(
+    target: object,
+    argv: Sequence[str],
+    *,
+    hosts: Mapping[str, object] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> list[str]:
     """The local argv that runs `argv` on `target` (duck-typed inventory Target) with the user's terminal
     attached: as is for `local`; `ssh -t HOST [sudo -n] pct exec CTID -- env K=V argv` for `pct`;
     `ssh -t HOST env K=V argv` for `direct` and `host`. `env` values travel on the command line: never secrets."""

@@ -48,16 +48,20 @@ def persist_seconds() -> float:
     try:
         value = float(text)
     except ValueError:
-        raise TransportError(f"DFLASHOPS_SSH_PERSIST={text!r} is not a number of seconds",
-                             hint="set it to e.g. 600, or 0 to connect anew on every command") from None
+        raise TransportError(
+            f"DFLASHOPS_SSH_PERSIST={text!r} is not a number of seconds",
+            hint="set it to e.g. 600, or 0 to connect anew on every command",
+        ) from None
     return max(0.0, value)
 
 
 def mux_dir() -> Path | None:
     """This user's multiplexer folder (created 0700), or None when none can be made safe here."""
     base = os.environ.get("DFLASHOPS_MUX_DIR") or (
-        os.path.join(os.environ["XDG_RUNTIME_DIR"], "dflashops-mux") if os.environ.get("XDG_RUNTIME_DIR")
-        else f"/tmp/dflashops-mux-{os.getuid()}")
+        os.path.join(os.environ["XDG_RUNTIME_DIR"], "dflashops-mux")
+        if os.environ.get("XDG_RUNTIME_DIR")
+        else f"/tmp/dflashops-mux-{os.getuid()}"
+    )
     path = Path(base)
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -65,9 +69,11 @@ def mux_dir() -> Path | None:
     except OSError:
         return None
     if info.st_uid != os.getuid() or info.st_mode & 0o077 or not path.is_dir() or path.is_symlink():
-        raise TransportError(f"the ssh multiplexer folder {path} is not yours alone (owner uid {info.st_uid}, "
-                             f"mode {oct(info.st_mode & 0o777)})",
-                             hint="remove it, or set DFLASHOPS_MUX_DIR to a folder of yours with mode 0700")
+        raise TransportError(
+            f"the ssh multiplexer folder {path} is not yours alone (owner uid {info.st_uid}, "
+            f"mode {oct(info.st_mode & 0o777)})",
+            hint="remove it, or set DFLASHOPS_MUX_DIR to a folder of yours with mode 0700",
+        )
     return path
 
 
@@ -99,8 +105,9 @@ class MuxTransport(Transport):
         return self._path
 
     # -- Transport ----------------------------------------------------------------------------------
-    def _run(self, argv: Sequence[str], *, env: Mapping[str, str], stdin: Stdin,
-             timeout: float | None) -> tuple[int, bytes, bytes]:
+    def _run(
+        self, argv: Sequence[str], *, env: Mapping[str, str], stdin: Stdin, timeout: float | None
+    ) -> tuple[int, bytes, bytes]:
         conn = self.backend()
         if conn is None:
             assert self._direct is not None
@@ -119,8 +126,9 @@ class MuxTransport(Transport):
                 elif kind == b"X":
                     raise error_from(payload)
 
-    def stream(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
-               timeout: float | None = None) -> Iterator[bytes]:
+    def stream(
+        self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float | None = None
+    ) -> Iterator[bytes]:
         merged = {**self.default_env, **(env or {})}
         conn = self.backend()
         if conn is None:
@@ -190,9 +198,22 @@ class MuxTransport(Transport):
             settings = json.dumps(settings_to_json(self.settings))
             pythonpath = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")]))
             starter = subprocess.Popen(
-                [sys.executable, "-m", "dflashops.transport.mux_server", str(self.path), settings, self.name,
-                 str(self.persist_s), str(lock.fileno())], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": pythonpath}, pass_fds=(lock.fileno(),))
+                [
+                    sys.executable,
+                    "-m",
+                    "dflashops.transport.mux_server",
+                    str(self.path),
+                    settings,
+                    self.name,
+                    str(self.persist_s),
+                    str(lock.fileno()),
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                env={**os.environ, "PYTHONPATH": pythonpath},
+                pass_fds=(lock.fileno(),),
+            )
             # It forks the server and exits as soon as its interpreter is up, which under load took 0.1-0.25 s
             # of this invocation's wall time when waited for here; a daemon thread reaps it instead (the CLI
             # usually exits first, and then init does).
@@ -203,25 +224,39 @@ class MuxTransport(Transport):
             lock.close()  # the server's inherited descriptor keeps the lock until it listens
 
     # -- one command over the socket ----------------------------------------------------------------
-    def request(self, conn: socket.socket, op: str, argv: Sequence[str], env: Mapping[str, str],
-                timeout: float | None, stdin: bytes | None) -> socket.socket:
+    def request(
+        self,
+        conn: socket.socket,
+        op: str,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        timeout: float | None,
+        stdin: bytes | None,
+    ) -> socket.socket:
         try:
-            send_json(conn, b"Q", {"op": op, "argv": list(argv), "env": dict(env), "timeout": timeout,
-                                   "stdin": stdin is not None})
+            send_json(
+                conn,
+                b"Q",
+                {"op": op, "argv": list(argv), "env": dict(env), "timeout": timeout, "stdin": stdin is not None},
+            )
             if stdin is not None:
                 send_frame(conn, b"I", bytes(stdin))
         except OSError as exc:
             conn.close()
-            raise TransportError(f"{self.name}: the ssh multiplexer refused the command: {exc.strerror or exc}",
-                                 hint="run the command again (a new multiplexer starts)") from None
+            raise TransportError(
+                f"{self.name}: the ssh multiplexer refused the command: {exc.strerror or exc}",
+                hint="run the command again (a new multiplexer starts)",
+            ) from None
         return conn
 
     def frame(self, conn: socket.socket, argv: Sequence[str]) -> tuple[bytes, bytes]:
         try:
             return recv_frame(conn)
         except (EOFError, OSError):
-            raise TransportError(f"{self.name}: the ssh multiplexer went away during: {' '.join(argv)[:200]}",
-                                 hint="run the command again (a new multiplexer starts)") from None
+            raise TransportError(
+                f"{self.name}: the ssh multiplexer went away during: {' '.join(argv)[:200]}",
+                hint="run the command again (a new multiplexer starts)",
+            ) from None
 
 
 def open_ssh(name: str, settings: Any) -> Transport:

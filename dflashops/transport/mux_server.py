@@ -95,13 +95,15 @@ class Server:
                 stdin = recv_frame(conn)[1] if request.get("stdin") else None
                 try:
                     if request["op"] == "stream":
-                        for chunk in self.transport.stream(request["argv"], env=request["env"],
-                                                           timeout=request.get("timeout")):
+                        for chunk in self.transport.stream(
+                            request["argv"], env=request["env"], timeout=request.get("timeout")
+                        ):
                             send_frame(conn, b"O", chunk)  # a gone client raises here: the stream closes
                         send_json(conn, b"R", {"exit_code": 0})
                     else:
-                        code, out, err = self.transport._run(request["argv"], env=request["env"], stdin=stdin,
-                                                             timeout=request.get("timeout"))
+                        code, out, err = self.transport._run(
+                            request["argv"], env=request["env"], stdin=stdin, timeout=request.get("timeout")
+                        )
                         send_frame(conn, b"O", out)
                         send_frame(conn, b"E", err)
                         send_json(conn, b"R", {"exit_code": code})

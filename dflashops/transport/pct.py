@@ -55,8 +55,7 @@ class PctTransport(Transport):
             if self._checked:
                 return
             assert self.host is not None
-            code, out, err = self.host._run(self.pct_argv("status", str(self.ctid)), env={}, stdin=None,
-                                            timeout=60)
+            code, out, err = self.host._run(self.pct_argv("status", str(self.ctid)), env={}, stdin=None, timeout=60)
             words = (out + err).decode(errors="replace").strip()
             self._raise_for_status(code, words)
             self._checked = True
@@ -68,25 +67,35 @@ class PctTransport(Transport):
             return
         if code == 0 and "status:" in words:
             state = words.split("status:", 1)[1].split()[0]
-            raise TransportError(f"{where} is {state} (pct status: {last})",
-                                 hint=f"start it on the host: pct start {self.ctid}")
+            raise TransportError(
+                f"{where} is {state} (pct status: {last})", hint=f"start it on the host: pct start {self.ctid}"
+            )
         if "does not exist" in words:
-            raise NotFound(f"{where} does not exist: {last}",
-                           hint="check the CTID in the inventory (`pct list` on the host shows them)")
+            raise NotFound(
+                f"{where} does not exist: {last}",
+                hint="check the CTID in the inventory (`pct list` on the host shows them)",
+            )
         if "password is required" in words or "a terminal is required" in words:
-            raise TransportError(f"sudo on {self.host.name if self.host else '?'} asks for a password: {last}",
-                                 hint="give the host user a NOPASSWD sudo rule for pct, or connect as root")
+            raise TransportError(
+                f"sudo on {self.host.name if self.host else '?'} asks for a password: {last}",
+                hint="give the host user a NOPASSWD sudo rule for pct, or connect as root",
+            )
         if "only root" in words or "permission denied" in words.lower():
-            raise TransportError(f"pct on {self.host.name if self.host else '?'} needs root: {last}",
-                                 hint="set `sudo: true` for this host in the inventory, or connect as root")
+            raise TransportError(
+                f"pct on {self.host.name if self.host else '?'} needs root: {last}",
+                hint="set `sudo: true` for this host in the inventory, or connect as root",
+            )
         if code == 127 or "not found" in words:
-            raise TransportError(f"no `pct` on {self.host.name if self.host else '?'}: {last}",
-                                 hint="not a Proxmox host? use mode `host` (plain server) or `direct`")
+            raise TransportError(
+                f"no `pct` on {self.host.name if self.host else '?'}: {last}",
+                hint="not a Proxmox host? use mode `host` (plain server) or `direct`",
+            )
         raise TransportError(f"pct status {self.ctid} failed with exit code {code}: {last}")
 
     # -- Transport ----------------------------------------------------------------------------------
-    def _run(self, argv: Sequence[str], *, env: Mapping[str, str], stdin: Stdin,
-             timeout: float | None) -> tuple[int, bytes, bytes]:
+    def _run(
+        self, argv: Sequence[str], *, env: Mapping[str, str], stdin: Stdin, timeout: float | None
+    ) -> tuple[int, bytes, bytes]:
         assert self.host is not None
         with self._check_lock:
             checked = self._checked
@@ -98,8 +107,11 @@ class PctTransport(Transport):
         # First command: `pct status` and `pct exec` chained in ONE host command (one round trip and
         # one ssh channel less, ~0.2-0.5 s per invocation); the exec only runs when status says running.
         code, out, err = self.host._run(self.checked_exec_argv(argv, env), env={}, stdin=stdin, timeout=timeout)
-        if code == STATUS_FAILED and err.rstrip().splitlines()[-1:] and \
-                err.rstrip().splitlines()[-1].startswith(STATUS_MARK.encode()):
+        if (
+            code == STATUS_FAILED
+            and err.rstrip().splitlines()[-1:]
+            and err.rstrip().splitlines()[-1].startswith(STATUS_MARK.encode())
+        ):
             lines = err.decode(errors="replace").rstrip().splitlines()
             self._raise_for_status(int(lines[-1].split("=", 1)[1] or 1), "\n".join(lines[:-1]))
         with self._check_lock:
@@ -115,19 +127,24 @@ class PctTransport(Transport):
         if re.fullmatch(rf"CT {self.ctid} not running", last):
             raise TransportError(f"{where} is stopped ({last})", hint=f"start it on the host: pct start {self.ctid}")
         if re.search(rf"\b{self.ctid}\.conf' does not exist", last):
-            raise NotFound(f"{where} does not exist any more ({last})",
-                           hint="check the CTID in the inventory (`pct list` on the host shows them)")
+            raise NotFound(
+                f"{where} does not exist any more ({last})",
+                hint="check the CTID in the inventory (`pct list` on the host shows them)",
+            )
 
     def checked_exec_argv(self, argv: Sequence[str], env: Mapping[str, str]) -> list[str]:
         """`sh -c` on the host: pct status; exec pct exec only if running, else report and exit 254.
         The script is a constant (sudo prefix and the integer CTID only); argv travels as "$@"."""
         status = " ".join([*self.pct_argv("status"), str(int(self.ctid))])
-        script = (f'st=$({status} 2>&1); rc=$?; case "$st" in *"status: running"*) exec "$@";; esac; '
-                  f'printf "%s\\n" "$st" >&2; printf "{STATUS_MARK}%s\\n" "$rc" >&2; exit {STATUS_FAILED}')
+        script = (
+            f'st=$({status} 2>&1); rc=$?; case "$st" in *"status: running"*) exec "$@";; esac; '
+            f'printf "%s\\n" "$st" >&2; printf "{STATUS_MARK}%s\\n" "$rc" >&2; exit {STATUS_FAILED}'
+        )
         return ["sh", "-c", script, "dflashops-pct", *self.exec_argv(argv, env)]
 
-    def stream(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
-               timeout: float | None = None) -> Iterator[bytes]:
+    def stream(
+        self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float | None = None
+    ) -> Iterator[bytes]:
         self.ensure_running()
         assert self.host is not None
         merged = {**self.default_env, **(env or {})}
@@ -154,8 +171,13 @@ def open_remote(target: object, hosts: Mapping[str, object] | None = None) -> Tr
         ctid = getattr(target, "ctid", None)
         if not isinstance(ctid, int):
             raise TransportError(f"target {name!r} is a pct target without a ctid", hint="set `ctid:` in the inventory")
-        return PctTransport(name=name, default_env={}, host=open_ssh(str(getattr(host, "name")), settings),
-                            ctid=ctid, sudo=bool(getattr(host, "sudo", False)))
+        return PctTransport(
+            name=name,
+            default_env={},
+            host=open_ssh(str(getattr(host, "name")), settings),
+            ctid=ctid,
+            sudo=bool(getattr(host, "sudo", False)),
+        )
     if kind in ("direct", "host"):
         return open_ssh(name, settings)
     raise TransportError(f"target {name!r} has kind {kind!r}, which is not a remote kind")

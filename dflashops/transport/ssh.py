@@ -117,12 +117,15 @@ class SshTransport(Transport):
             channel.exec_command(self.command_line(argv, env))
         except (paramiko.SSHException, OSError, EOFError) as exc:
             self.close()
-            raise TransportError(f"{self.name}: could not start a command: {exc or type(exc).__name__}",
-                                 hint="the connection broke; run the command again") from None
+            raise TransportError(
+                f"{self.name}: could not start a command: {exc or type(exc).__name__}",
+                hint="the connection broke; run the command again",
+            ) from None
         return channel
 
-    def _run(self, argv: Sequence[str], *, env: Mapping[str, str], stdin: Stdin,
-             timeout: float | None) -> tuple[int, bytes, bytes]:
+    def _run(
+        self, argv: Sequence[str], *, env: Mapping[str, str], stdin: Stdin, timeout: float | None
+    ) -> tuple[int, bytes, bytes]:
         channel = self._open_channel(argv, env)
         feeder = _start_feeder(channel, stdin)
         out, err = bytearray(), bytearray()
@@ -135,8 +138,9 @@ class SshTransport(Transport):
         feeder.join(timeout=1)
         return self._exit_code(channel, argv), bytes(out), bytes(err)
 
-    def stream(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
-               timeout: float | None = None) -> Iterator[bytes]:
+    def stream(
+        self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float | None = None
+    ) -> Iterator[bytes]:
         """Yield stdout chunks as they arrive (exit code ignored, as in the local transport); a lost
         connection raises TransportError mid-iteration. Closing the generator closes the channel."""
         channel = self._open_channel(argv, {**self.default_env, **(env or {})})
@@ -149,8 +153,9 @@ class SshTransport(Transport):
         finally:
             _close_quietly(channel)
 
-    def _drain(self, channel: paramiko.Channel, err: bytearray, deadline: float | None,
-               argv: Sequence[str]) -> Iterator[bytes]:
+    def _drain(
+        self, channel: paramiko.Channel, err: bytearray, deadline: float | None, argv: Sequence[str]
+    ) -> Iterator[bytes]:
         """Yield stdout, collect stderr, until the channel closes; bounded by deadline and liveness probes."""
         # Wake on data (the channel's fileno is a pipe paramiko sets when stdout or stderr data lands);
         # the 0.2 s select timeout bounds every check below even if a wake-up is missed.
@@ -165,8 +170,10 @@ class SshTransport(Transport):
                 chunk = channel.recv(CHUNK) if channel.recv_ready() else None
             except (paramiko.SSHException, OSError, EOFError) as exc:  # e.g. a key exchange that timed out
                 self.close()
-                raise TransportError(f"{self.name}: connection broke during: {join_argv(argv)} ({exc})",
-                                     hint="run it again; the next command reconnects") from None
+                raise TransportError(
+                    f"{self.name}: connection broke during: {join_argv(argv)} ({exc})",
+                    hint="run it again; the next command reconnects",
+                ) from None
             if chunk:
                 got = True
                 yield chunk
@@ -177,8 +184,9 @@ class SshTransport(Transport):
                 last_data = now
                 continue
             if deadline is not None and now > deadline:
-                raise TransportError(f"{self.name}: command timed out: {join_argv(argv)}",
-                                     hint="raise the timeout, or check the target")
+                raise TransportError(
+                    f"{self.name}: command timed out: {join_argv(argv)}", hint="raise the timeout, or check the target"
+                )
             if now - last_data > IDLE_PROBE_S:
                 self._probe_alive(argv)
                 last_data = time.monotonic()
@@ -210,16 +218,20 @@ class SshTransport(Transport):
         threading.Thread(target=ask, daemon=True).start()
         if not answered.wait(PROBE_TIMEOUT_S) and transport is not None:
             transport.close()
-            raise TransportError(f"{self.name}: connection stalled (no answer in {PROBE_TIMEOUT_S:.0f}s) "
-                                 f"during: {join_argv(argv)}", hint="check the network; run it again")
+            raise TransportError(
+                f"{self.name}: connection stalled (no answer in {PROBE_TIMEOUT_S:.0f}s) during: {join_argv(argv)}",
+                hint="check the network; run it again",
+            )
 
     def _exit_code(self, channel: paramiko.Channel, argv: Sequence[str]) -> int:
         code = channel.exit_status if channel.exit_status_ready() else -1
         if code == -1:
             if not self._link_alive():
                 self.close()
-                raise TransportError(f"{self.name}: connection lost during: {join_argv(argv)}",
-                                     hint="the link dropped; the next command reconnects")
+                raise TransportError(
+                    f"{self.name}: connection lost during: {join_argv(argv)}",
+                    hint="the link dropped; the next command reconnects",
+                )
             return 255  # killed by a signal (exit-signal): what OpenSSH's client reports too
         return code
 
@@ -232,7 +244,7 @@ def _start_feeder(channel: paramiko.Channel, stdin: Stdin) -> threading.Thread:
             if isinstance(stdin, (bytes, bytearray, memoryview)):
                 view = memoryview(stdin)
                 for start in range(0, len(view), CHUNK):
-                    channel.sendall(view[start:start + CHUNK])  # type: ignore[arg-type]  # any buffer works
+                    channel.sendall(view[start : start + CHUNK])  # type: ignore[arg-type]  # any buffer works
             elif stdin is not None:
                 while chunk := stdin.read(CHUNK):
                     channel.sendall(chunk)

@@ -32,8 +32,9 @@ def build_connection(settings: SshSettings) -> fabric.Connection:
     if settings.identity_file:
         # An explicit identity means exactly that key (like IdentitiesOnly): a wrong key must fail
         # as an authentication error, not silently succeed with some other key from ~/.ssh.
-        connect_kwargs.update(key_filename=[os.path.expanduser(settings.identity_file)],
-                              look_for_keys=False, allow_agent=False)
+        connect_kwargs.update(
+            key_filename=[os.path.expanduser(settings.identity_file)], look_for_keys=False, allow_agent=False
+        )
     conn = fabric.Connection(
         settings.host,
         user=settings.user,
@@ -53,7 +54,8 @@ def build_connection(settings: SshSettings) -> fabric.Connection:
         if known.exists():
             hop.client.load_system_host_keys(str(known))
         hop.client.set_missing_host_key_policy(
-            RefuseUnknownHost(trust_name=settings.trust_name or settings.host, known_hosts=known))
+            RefuseUnknownHost(trust_name=settings.trust_name or settings.host, known_hosts=known)
+        )
         hop = hop.gateway if gateway is None else None
     return conn
 

@@ -58,9 +58,11 @@ def record_host_key(known_hosts: Path, hostname: str, key: paramiko.PKey) -> boo
     if old == key:
         return False
     if old is not None:
-        raise Conflict(f"{known_hosts} already has a DIFFERENT {key.get_name()} key for {hostname} "
-                       f"({fingerprint(old)}); nothing recorded",
-                       hint=f"if the host was really reinstalled: ssh-keygen -R '{hostname}' -f {known_hosts}")
+        raise Conflict(
+            f"{known_hosts} already has a DIFFERENT {key.get_name()} key for {hostname} "
+            f"({fingerprint(old)}); nothing recorded",
+            hint=f"if the host was really reinstalled: ssh-keygen -R '{hostname}' -f {known_hosts}",
+        )
     line = f"{hostname} {key.get_name()} {key.get_base64()}\n"
     fd = os.open(known_hosts, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     with os.fdopen(fd, "a") as handle:
@@ -86,8 +88,10 @@ def check_identity_file(path: Path, host: str) -> None:
     try:
         data = path.read_bytes()
     except OSError as exc:
-        raise TransportError(f"cannot read identity file {path} (host {host}): {exc.strerror}",
-                             hint=f"make it readable for you (chmod 600 {path}), or {fix}") from None
+        raise TransportError(
+            f"cannot read identity file {path} (host {host}): {exc.strerror}",
+            hint=f"make it readable for you (chmod 600 {path}), or {fix}",
+        ) from None
     try:
         paramiko.PKey.from_path(path)
     except paramiko.PasswordRequiredException:
@@ -95,13 +99,15 @@ def check_identity_file(path: Path, host: str) -> None:
     except Exception as exc:  # noqa: BLE001 - every loader failure means the same to the user
         if b"PRIVATE KEY-----" not in data:  # a key paramiko cannot parse yet still a key: let connect say it
             kind = "a public key" if data.lstrip().startswith((b"ssh-", b"ecdsa-")) else "not a private key"
-            raise TransportError(f"identity file {path} (host {host}) is {kind} ({type(exc).__name__})",
-                                 hint=f"point identity_file at the private key, not the .pub; check a key with: "
-                                      f"ssh-keygen -y -f {path}") from None
+            raise TransportError(
+                f"identity file {path} (host {host}) is {kind} ({type(exc).__name__})",
+                hint=f"point identity_file at the private key, not the .pub; check a key with: ssh-keygen -y -f {path}",
+            ) from None
 
 
-def translate_connect_error(exc: BaseException, settings: SshSettings,
-                            conn: fabric.Connection | None = None) -> TransportError:
+def translate_connect_error(
+    exc: BaseException, settings: SshSettings, conn: fabric.Connection | None = None
+) -> TransportError:
     """One line a user can act on, for every failure of opening a connection."""
     where = f"{conn.user}@{conn.host}:{conn.port}" if conn is not None else settings.host
     name = settings.trust_name or settings.host
@@ -110,32 +116,46 @@ def translate_connect_error(exc: BaseException, settings: SshSettings,
         return TransportError(
             f"host key of {exc.hostname} is not known (not in {exc.known_hosts}); "
             f"its {exc.key.get_name()} fingerprint is {fingerprint(exc.key)}",
-            hint=f"check the fingerprint out of band, then run: dflashops trust {name}")
+            hint=f"check the fingerprint out of band, then run: dflashops trust {name}",
+        )
     if isinstance(exc, paramiko.BadHostKeyException):
         return TransportError(
             f"host key of {exc.hostname} CHANGED: got {fingerprint(exc.key)}, known_hosts has "
             f"{fingerprint(exc.expected_key)} (reinstalled host, or someone in between)",
-            hint=f"verify the new key out of band, remove the old line from known_hosts, then: dflashops trust {name}")
+            hint=f"verify the new key out of band, remove the old line from known_hosts, then: dflashops trust {name}",
+        )
     if isinstance(exc, paramiko.AuthenticationException):
         return TransportError(
             f"authentication failed for {where}: {exc}",
             hint="check identity_file in the inventory (or IdentityFile in ~/.ssh/config) and that its "
-                 "public key is in the server's authorized_keys")
+            "public key is in the server's authorized_keys",
+        )
     if isinstance(exc, (socket.timeout, TimeoutError)):
-        return TransportError(f"cannot reach {where}: no answer within {timeout:g}s (connect timeout)",
-                              hint="is the host up and the address/port right?")
+        return TransportError(
+            f"cannot reach {where}: no answer within {timeout:g}s (connect timeout)",
+            hint="is the host up and the address/port right?",
+        )
     if isinstance(exc, socket.gaierror):
-        return TransportError(f"cannot resolve host {conn.host if conn else settings.host!r}: {exc.strerror}",
-                              hint="check the address in the inventory or the alias in ~/.ssh/config")
+        return TransportError(
+            f"cannot resolve host {conn.host if conn else settings.host!r}: {exc.strerror}",
+            hint="check the address in the inventory or the alias in ~/.ssh/config",
+        )
     if isinstance(exc, (paramiko.ssh_exception.NoValidConnectionsError, ConnectionRefusedError)):
-        return TransportError(f"cannot reach {where}: connection refused",
-                              hint="is sshd running there, and is the port right?")
+        return TransportError(
+            f"cannot reach {where}: connection refused", hint="is sshd running there, and is the port right?"
+        )
     if isinstance(exc, (UnicodeDecodeError, ValueError)) and settings.identity_file:
-        return TransportError(f"cannot use identity file {settings.identity_file} for {where}: {type(exc).__name__}",
-                              hint=f"check the key with: ssh-keygen -y -f {settings.identity_file}")
+        return TransportError(
+            f"cannot use identity file {settings.identity_file} for {where}: {type(exc).__name__}",
+            hint=f"check the key with: ssh-keygen -y -f {settings.identity_file}",
+        )
     if isinstance(exc, (paramiko.SSHException, EOFError, OSError)):
         text = str(exc) or type(exc).__name__
-        return TransportError(f"ssh handshake with {where} failed: {text}",
-                              hint="the server closed the connection; is it an ssh server, and reachable?")
-    return TransportError(f"cannot connect to {where}: {type(exc).__name__}: {exc}",
-                          hint="check the host's address, port, user and identity_file in the inventory")
+        return TransportError(
+            f"ssh handshake with {where} failed: {text}",
+            hint="the server closed the connection; is it an ssh server, and reachable?",
+        )
+    return TransportError(
+        f"cannot connect to {where}: {type(exc).__name__}: {exc}",
+        hint="check the host's address, port, user and identity_file in the inventory",
+    )

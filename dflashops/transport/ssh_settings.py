@@ -32,8 +32,9 @@ class SshSettings:
         return Path(os.path.expanduser(self.known_hosts or "~/.ssh/known_hosts"))
 
 
-def settings_for_host(host: object, hosts: Mapping[str, object] | None = None, *,
-                      connect_timeout: float | None = None) -> SshSettings:
+def settings_for_host(
+    host: object, hosts: Mapping[str, object] | None = None, *, connect_timeout: float | None = None
+) -> SshSettings:
     """SshSettings from an inventory `Host` (duck-typed: this layer does not import the inventory);
     `jump_host` names another inventory host, resolved recursively (a cycle is refused)."""
     seen: set[str] = set()
@@ -48,16 +49,22 @@ def settings_for_host(host: object, hosts: Mapping[str, object] | None = None, *
         jump_name = getattr(entry, "jump_host", None)
         if jump is None and jump_name:
             if hosts is None or jump_name not in hosts:
-                raise TransportError(f"host {name!r}: jump_host {jump_name!r} is not an inventory host",
-                                     hint="add it under hosts: in the inventory")
+                raise TransportError(
+                    f"host {name!r}: jump_host {jump_name!r} is not an inventory host",
+                    hint="add it under hosts: in the inventory",
+                )
             jump = hosts[jump_name]
         gateway = build(jump) if jump is not None else None
         port = getattr(entry, "port", None)
         return SshSettings(
-            host=str(getattr(entry, "address")), user=getattr(entry, "user", None),
-            port=int(port) if port else None, identity_file=getattr(entry, "identity_file", None),
-            known_hosts=getattr(entry, "known_hosts", None), gateway=gateway,
+            host=str(getattr(entry, "address")),
+            user=getattr(entry, "user", None),
+            port=int(port) if port else None,
+            identity_file=getattr(entry, "identity_file", None),
+            known_hosts=getattr(entry, "known_hosts", None),
+            gateway=gateway,
             connect_timeout=connect_timeout or float(os.environ.get("DFLASHOPS_CONNECT_TIMEOUT", "10")),
-            trust_name=name)
+            trust_name=name,
+        )
 
     return build(host)

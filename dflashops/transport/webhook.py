@@ -36,8 +36,9 @@ def post_json(url: str, payload: dict[str, Any], *, timeout: float) -> str | Non
     """POST `payload`; None when the server answered 2xx, else a short reason (no part of the URL)."""
     body = json.dumps(payload, sort_keys=True).encode()
     url, auth = split_userinfo(url)
-    request = urllib.request.Request(url, data=body, method="POST",
-                                     headers={"Content-Type": "application/json", "User-Agent": "dflashops", **auth})
+    request = urllib.request.Request(
+        url, data=body, method="POST", headers={"Content-Type": "application/json", "User-Agent": "dflashops", **auth}
+    )
     try:
         with urllib.request.urlopen(request, timeout=timeout) as answer:
             return None if 200 <= answer.status < 300 else f"HTTP {answer.status}"
@@ -45,7 +46,10 @@ def post_json(url: str, payload: dict[str, Any], *, timeout: float) -> str | Non
         return f"HTTP {exc.code}"
     except urllib.error.URLError as exc:
         reason = exc.reason
-        return f"{type(reason).__name__}: {getattr(reason, 'strerror', None) or reason}" if not isinstance(
-            reason, str) else reason
+        return (
+            f"{type(reason).__name__}: {getattr(reason, 'strerror', None) or reason}"
+            if not isinstance(reason, str)
+            else reason
+        )
     except (OSError, ValueError) as exc:
         return type(exc).__name__

@@ -24,7 +24,6 @@ def env(tmp_path: Path) -> Iterator[Env]:
     cleanup(setup.workspace)
 
 
-
 @pytest.fixture
 def decoy() -> Iterator[subprocess.Popen]:
     """A python3 started outside dflashops on the same target: it must survive every stop/restart."""

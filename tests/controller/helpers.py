@@ -60,16 +60,27 @@ class Env:
         out, err = capsys.readouterr()
         return code, out, err
 
-    def run_cli(self, *args: str, extra_env: dict[str, str] | None = None,
-                timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    def run_cli(
+        self, *args: str, extra_env: dict[str, str] | None = None, timeout: float = 60
+    ) -> subprocess.CompletedProcess[str]:
         """dflashops as a real process, the way users and scripts call it."""
         env = {**os.environ, "PYTHONPATH": str(REPO), **(extra_env or {})}
-        return subprocess.run([sys.executable, "-m", "dflashops.cli.main", "--inventory", str(self.inventory), *args],
-                              capture_output=True, text=True, env=env, timeout=timeout, cwd=self.root)
+        return subprocess.run(
+            [sys.executable, "-m", "dflashops.cli.main", "--inventory", str(self.inventory), *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=timeout,
+            cwd=self.root,
+        )
 
     def agent(self, verb: str, request: dict) -> dict:
-        out = subprocess.run([sys.executable, str(AGENT), verb, "--json-args", json.dumps(request)],
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [sys.executable, str(AGENT), verb, "--json-args", json.dumps(request)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         return json.loads(out.stdout)
 
 
@@ -77,9 +88,17 @@ def cleanup(workspace: Path) -> None:
     """Stop every still-running run of this workspace (only ours: by recorded pgid/marker), then its tmux."""
     runs = workspace / "runs"
     for run in sorted(runs.iterdir()) if runs.is_dir() else []:
-        subprocess.run([sys.executable, str(AGENT), "stop", "--json-args",
-                        json.dumps({"workspace": str(workspace), "name": run.name, "grace": 1})],
-                       capture_output=True, timeout=60)
+        subprocess.run(
+            [
+                sys.executable,
+                str(AGENT),
+                "stop",
+                "--json-args",
+                json.dumps({"workspace": str(workspace), "name": run.name, "grace": 1}),
+            ],
+            capture_output=True,
+            timeout=60,
+        )
     if shutil.which("tmux"):
         kill_server(tmux_socket(str(workspace)))  # this workspace's own server and socket, nothing else
 

@@ -68,8 +68,13 @@ def test_tmux_stop_is_exact_about_session_names(env: Env, capsys: pytest.Capture
 
 
 def test_help_lists_the_verbs() -> None:
-    out = subprocess.run([os.sys.executable, "-m", "dflashops.cli.main", "--help"], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60).stdout
+    out = subprocess.run(
+        [os.sys.executable, "-m", "dflashops.cli.main", "--help"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=60,
+    ).stdout
     for verb in ("deploy", "restart", "stop", "status", "logs", "runs", "exec", "attach"):
         assert f"    {verb} " in out
 
@@ -91,8 +96,11 @@ def test_agent_is_reuploaded_when_its_file_vanishes(env: Env) -> None:
 
 def follow_process(env: Env, name: str, **cursor: object) -> subprocess.Popen[bytes]:
     request = {"workspace": str(env.workspace), "name": name, **cursor}
-    return subprocess.Popen([sys.executable, str(AGENT), "follow", "--json-args", json.dumps(request)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, str(AGENT), "follow", "--json-args", json.dumps(request)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def test_follow_streams_each_new_line_then_ends_with_the_run(env: Env) -> None:

@@ -16,12 +16,16 @@ from tests.controller.helpers import AGENT, Env
 
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:
     """Every file under root with its size and mtime: equal snapshots mean nothing changed."""
-    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
-@pytest.mark.parametrize("name", ["a;rm -rf x", "two words", "..", "a/b", "it's", 'q"uote', "x" * 65, "-lead",
-                                  "a..b", ""])
+@pytest.mark.parametrize(
+    "name", ["a;rm -rf x", "two words", "..", "a/b", "it's", 'q"uote', "x" * 65, "-lead", "a..b", ""]
+)
 def test_bad_run_names_are_refused_before_anything(env: Env, capsys: pytest.CaptureFixture[str], name: str) -> None:
     before = snapshot(env.root)
     code, out, err = env.cli("deploy", "--profile", "work", f"--name={name}", capsys=capsys)
@@ -31,8 +35,13 @@ def test_bad_run_names_are_refused_before_anything(env: Env, capsys: pytest.Capt
 
 
 def test_bad_names_in_other_verbs(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
-    for argv in (["stop", "a;b"], ["logs", "../x"], ["status", "a b"], ["restart", "x" * 65],
-                 ["deploy", "--profile", "work", "--parent", "a/b"]):
+    for argv in (
+        ["stop", "a;b"],
+        ["logs", "../x"],
+        ["status", "a b"],
+        ["restart", "x" * 65],
+        ["deploy", "--profile", "work", "--parent", "a/b"],
+    ):
         code, _, err = env.cli(*argv, capsys=capsys)
         assert code == 2 and "error: invalid" in err, argv
     assert not env.workspace.exists()
@@ -46,20 +55,33 @@ def test_unknown_target_and_profile(env: Env, capsys: pytest.CaptureFixture[str]
     assert not env.workspace.exists() and not env.db.exists()
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("targets:\n  local:\n    kind: local\n   workspace: ws\n", "inventory.yaml:4: invalid YAML"),
-    ("targets:\n  local:\n    kind: local\n    workspace: ws\n    gpus: zero\n",
-     "inventory.yaml:5: targets.local.gpus: expected a list of integers"),
-    ("targets:\n  local:\n    kind: local\n    workspace: ws\n    wrkspace: ws\n",
-     "inventory.yaml:5: targets.local.wrkspace: unknown key"),
-    ("targets:\n  local:\n    kind: lxc\n    workspace: ws\n", "inventory.yaml:3: targets.local.kind: must be one of"),
-    ("profiles:\n  p:\n    argv: python\n", "inventory.yaml:3: profiles.p.argv: expected a list of strings"),
-    ("hosts:\n  h:\n    user: root\n", "inventory.yaml:3: hosts.h: missing required key 'address'"),
-    ("targets: [1, 2]\n", "inventory.yaml:1: targets: expected a mapping"),
-    ("colour: blue\n", "inventory.yaml:1: colour: unknown key"),
-    ("profiles:\n  p:\n    argv: [x]\n    packages: [a-b]\n", "inventory.yaml:4: profiles.p.packages: 'a-b' is not"),
-    ("profiles:\n  p:\n    argv: [x]\n    env: {A-B: 1}\n", "profiles.p.env.A-B: invalid environment variable"),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("targets:\n  local:\n    kind: local\n   workspace: ws\n", "inventory.yaml:4: invalid YAML"),
+        (
+            "targets:\n  local:\n    kind: local\n    workspace: ws\n    gpus: zero\n",
+            "inventory.yaml:5: targets.local.gpus: expected a list of integers",
+        ),
+        (
+            "targets:\n  local:\n    kind: local\n    workspace: ws\n    wrkspace: ws\n",
+            "inventory.yaml:5: targets.local.wrkspace: unknown key",
+        ),
+        (
+            "targets:\n  local:\n    kind: lxc\n    workspace: ws\n",
+            "inventory.yaml:3: targets.local.kind: must be one of",
+        ),
+        ("profiles:\n  p:\n    argv: python\n", "inventory.yaml:3: profiles.p.argv: expected a list of strings"),
+        ("hosts:\n  h:\n    user: root\n", "inventory.yaml:3: hosts.h: missing required key 'address'"),
+        ("targets: [1, 2]\n", "inventory.yaml:1: targets: expected a mapping"),
+        ("colour: blue\n", "inventory.yaml:1: colour: unknown key"),
+        (
+            "profiles:\n  p:\n    argv: [x]\n    packages: [a-b]\n",
+            "inventory.yaml:4: profiles.p.packages: 'a-b' is not",
+        ),
+        ("profiles:\n  p:\n    argv: [x]\n    env: {A-B: 1}\n", "profiles.p.env.A-B: invalid environment variable"),
+    ],
+)
 def test_malformed_inventory(tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, expected: str) -> None:
     from dflashops.cli.main import main
 
@@ -107,8 +129,24 @@ def test_stop_logs_restart_of_missing_or_finished_runs(env: Env, capsys: pytest.
     assert code == 3 and "error:" in err
     code, _, err = env.cli("restart", "ghost", capsys=capsys)
     assert code == 3 and "no run named 'ghost'" in err
-    assert env.cli("deploy", "--profile", "work", "--name", "brief", "--launcher", "nohup", "--wait", "done",
-                   "--", "--steps", "2", capsys=capsys)[0] == 0
+    assert (
+        env.cli(
+            "deploy",
+            "--profile",
+            "work",
+            "--name",
+            "brief",
+            "--launcher",
+            "nohup",
+            "--wait",
+            "done",
+            "--",
+            "--steps",
+            "2",
+            capsys=capsys,
+        )[0]
+        == 0
+    )
     deadline = time.monotonic() + 10  # "done" is printed just before the job exits: let it finish
     while not (env.runs / "brief" / "exit_code").exists() and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -125,20 +163,39 @@ def test_logs_of_a_run_that_never_started(env: Env, capsys: pytest.CaptureFixtur
 
 
 def test_resume_without_resume_args_or_checkpoint(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
-    assert env.cli("deploy", "--profile", "work", "--name", "nockpt", "--launcher", "nohup", "--wait", "done",
-                   "--", "--steps", "1", capsys=capsys)[0] == 0
+    assert (
+        env.cli(
+            "deploy",
+            "--profile",
+            "work",
+            "--name",
+            "nockpt",
+            "--launcher",
+            "nohup",
+            "--wait",
+            "done",
+            "--",
+            "--steps",
+            "1",
+            capsys=capsys,
+        )[0]
+        == 0
+    )
     code, _, err = env.cli("restart", "nockpt", "--resume", capsys=capsys)
     assert code == 3 and "has no checkpoint" in err and "--fresh" in err
 
 
-@pytest.mark.parametrize("argv, fragment", [
-    (["stop", "--json-args", "garbage"], "not valid JSON"),
-    (["stop", "--json-args", "[1]"], "must be a JSON object"),
-    (["explode"], "unknown verb"),
-    (["launch", "--json-args", '{"workspace": "relative", "name": "x", "argv": ["true"]}'], "absolute path"),
-    (["launch", "--json-args", '{"workspace": "/tmp", "name": "../etc", "argv": ["true"]}'], "invalid run name"),
-    (["clear-cache", "--json-args", '{"workspace": "/tmp", "code_hash": "../../x"}'], "invalid code hash"),
-])
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["stop", "--json-args", "garbage"], "not valid JSON"),
+        (["stop", "--json-args", "[1]"], "must be a JSON object"),
+        (["explode"], "unknown verb"),
+        (["launch", "--json-args", '{"workspace": "relative", "name": "x", "argv": ["true"]}'], "absolute path"),
+        (["launch", "--json-args", '{"workspace": "/tmp", "name": "../etc", "argv": ["true"]}'], "invalid run name"),
+        (["clear-cache", "--json-args", '{"workspace": "/tmp", "code_hash": "../../x"}'], "invalid code hash"),
+    ],
+)
 def test_agent_refuses_garbage(argv: list[str], fragment: str) -> None:
     out = subprocess.run([sys.executable, str(AGENT), *argv], capture_output=True, text=True, timeout=30)
     lines = out.stdout.splitlines()
@@ -150,14 +207,31 @@ def test_agent_refuses_garbage(argv: list[str], fragment: str) -> None:
 def test_exec_needs_a_command(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = env.cli("exec", "local", capsys=capsys)
     assert code == 2 and "exec needs a command" in err
-    code, out, _ = env.cli("exec", "local", "--", sys.executable, "-c", "print('hi'); raise SystemExit(3)",
-                           capsys=capsys)
+    code, out, _ = env.cli(
+        "exec", "local", "--", sys.executable, "-c", "print('hi'); raise SystemExit(3)", capsys=capsys
+    )
     assert code == 3 and out == "hi\n"
     assert os.environ.get("DFLASHOPS_RUN_ID") is None
 
 
 def test_attach_refuses_a_nohup_run(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
-    assert env.cli("deploy", "--profile", "work", "--name", "bg", "--launcher", "nohup", "--wait", "done",
-                   "--", "--steps", "1", capsys=capsys)[0] == 0
+    assert (
+        env.cli(
+            "deploy",
+            "--profile",
+            "work",
+            "--name",
+            "bg",
+            "--launcher",
+            "nohup",
+            "--wait",
+            "done",
+            "--",
+            "--steps",
+            "1",
+            capsys=capsys,
+        )[0]
+        == 0
+    )
     code, _, err = env.cli("attach", "bg", capsys=capsys)
     assert code == 2 and "launched with nohup" in err and "hint: `dflashops logs bg -f`" in err

@@ -17,12 +17,20 @@ from tests.controller.helpers import REPO, Env
 DOCUMENTED_VERBS = ("stop", "status", "logs", "exec", "attach", "gc", "deploy", "restart")
 
 
-def dflashops(*args: str, cwd: Path = REPO, extra_env: dict[str, str] | None = None,
-              timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def dflashops(
+    *args: str, cwd: Path = REPO, extra_env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO), **(extra_env or {})}
     env.pop("DFLASHOPS_INVENTORY", None)
-    return subprocess.run([sys.executable, "-m", "dflashops.cli.main", *args], capture_output=True, text=True,
-                          env=env, timeout=timeout, cwd=cwd, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, "-m", "dflashops.cli.main", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def help_sections(text: str) -> tuple[str, dict[str, list[str]]]:
@@ -99,7 +107,7 @@ def test_item19_version_falls_back_to_pyproject_when_not_installed() -> None:
 
 # A real network guard for the processes of item 21's test: connecting to anything but loopback is refused
 # (and logged), so a shipped example target can never reach the network from a test.
-NETWORK_GUARD = '''
+NETWORK_GUARD = """
 import ipaddress, os, socket
 
 _connect, _connect_ex = socket.socket.connect, socket.socket.connect_ex
@@ -128,7 +136,7 @@ def connect_ex(self, address):
 
 
 socket.socket.connect, socket.socket.connect_ex = connect, connect_ex
-'''
+"""
 
 
 def test_item21_all_verbs_work_with_the_shipped_inventory_on_a_fresh_checkout(tmp_path: Path) -> None:
@@ -171,12 +179,39 @@ def test_item22_missing_run_names_get_close_names_as_a_hint(env: Env, capsys: py
     from dflashops.lineage import LineageDB, RunRecord
 
     # `alpha-7` exists only on the target (its lineage record is gone); `gamma-3` only in the lineage.
-    assert env.cli("deploy", "--profile", "work", "--name", "alpha-7", "--launcher", "nohup", "--wait", "done",
-                   "--", "--steps", "1", capsys=capsys)[0] == 0
+    assert (
+        env.cli(
+            "deploy",
+            "--profile",
+            "work",
+            "--name",
+            "alpha-7",
+            "--launcher",
+            "nohup",
+            "--wait",
+            "done",
+            "--",
+            "--steps",
+            "1",
+            capsys=capsys,
+        )[0]
+        == 0
+    )
     env.db.unlink()
     db = LineageDB(env.db)
-    db.record(RunRecord(name="gamma-3", parent=None, note="", code_hash="ab" * 20, argv=["x"], env={},
-                        target="local", gpus=[], profile="work"))
+    db.record(
+        RunRecord(
+            name="gamma-3",
+            parent=None,
+            note="",
+            code_hash="ab" * 20,
+            argv=["x"],
+            env={},
+            target="local",
+            gpus=[],
+            profile="work",
+        )
+    )
     db.close()
     for verb in ("status", "logs", "stop", "attach"):
         code, out, err = env.cli(verb, "alpha-8", capsys=capsys)

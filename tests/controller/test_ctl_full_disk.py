@@ -23,11 +23,15 @@ def full_disk_env(env: Env) -> Iterator[Env]:
     env.workspace.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(env.workspace)], check=True)
     (env.root / "sleeper.py").write_text(SLEEPER)
-    add_profile(env, "sleeper", """
+    add_profile(
+        env,
+        "sleeper",
+        """
 argv: ["{python}", "{release}/sleeper.py", "GO_FILE"]
 files: [sleeper.py]
 packages: []
-""".replace("GO_FILE", str(env.root / "go")))
+""".replace("GO_FILE", str(env.root / "go")),
+    )
     try:
         yield env
     finally:
@@ -48,8 +52,7 @@ def fill(folder: Path) -> None:
         (folder / "probe").write_bytes(b"x" * 8192)
 
 
-def test_item1_stop_on_a_full_disk_still_stops_the_run(full_disk_env: Env,
-                                                       capsys: pytest.CaptureFixture[str]) -> None:
+def test_item1_stop_on_a_full_disk_still_stops_the_run(full_disk_env: Env, capsys: pytest.CaptureFixture[str]) -> None:
     env = full_disk_env
     code, _, err = env.cli("deploy", "--profile", "sleeper", "--name", "full1", "--wait", "sleeping", capsys=capsys)
     assert code == 0, err
@@ -64,11 +67,13 @@ def test_item1_stop_on_a_full_disk_still_stops_the_run(full_disk_env: Env,
     assert not [p.name for p in (env.runs / "full1").iterdir() if ".tmp-" in p.name]
 
 
-def test_item7_a_run_that_ends_on_a_full_disk_records_its_exit_code(full_disk_env: Env,
-                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_item7_a_run_that_ends_on_a_full_disk_records_its_exit_code(
+    full_disk_env: Env, capsys: pytest.CaptureFixture[str]
+) -> None:
     env = full_disk_env
-    code, _, err = env.cli("deploy", "--profile", "sleeper", "--name", "full7", "--launcher", "nohup",
-                           "--wait", "sleeping", capsys=capsys)
+    code, _, err = env.cli(
+        "deploy", "--profile", "sleeper", "--name", "full7", "--launcher", "nohup", "--wait", "sleeping", capsys=capsys
+    )
     assert code == 0, err
     fill(env.workspace)
     (env.root / "go").write_text("")  # the job exits 3 now

@@ -24,14 +24,27 @@ esac
 
 
 def agent(verb: str, request: dict, path_env: dict[str, str]) -> dict:
-    out = subprocess.run([sys.executable, str(AGENT), verb, "--json-args", json.dumps(request)],
-                         capture_output=True, text=True, timeout=60, env={**os.environ, **path_env})
+    out = subprocess.run(
+        [sys.executable, str(AGENT), verb, "--json-args", json.dumps(request)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **path_env},
+    )
     return json.loads(out.stdout)
 
 
 def launch(env: Env, name: str, extra: dict[str, str]) -> int:
-    answer = agent("launch", {"workspace": str(env.workspace), "name": name, "launcher": "nohup",
-                              "argv": [sys.executable, str(WORKLOAD), "--output-dir", str(env.runs / name)]}, extra)
+    answer = agent(
+        "launch",
+        {
+            "workspace": str(env.workspace),
+            "name": name,
+            "launcher": "nohup",
+            "argv": [sys.executable, str(WORKLOAD), "--output-dir", str(env.runs / name)],
+        },
+        extra,
+    )
     assert answer["ok"], answer
     pid_file = env.runs / name / "pid"
     deadline = time.monotonic() + 10

@@ -45,14 +45,27 @@ def alive(pid: int) -> bool:
 
 def deploy_parent(env: Env, capsys: pytest.CaptureFixture[str], delay: float) -> int:
     add_profile(env, "tinyslow", PROFILE % delay)
-    code, _, err = env.cli("deploy", "--profile", "tinyslow", "--name", "ho1", "--launcher", "nohup", "--wait",
-                           r"^step 2/", "--timeout", "240", capsys=capsys)
+    code, _, err = env.cli(
+        "deploy",
+        "--profile",
+        "tinyslow",
+        "--name",
+        "ho1",
+        "--launcher",
+        "nohup",
+        "--wait",
+        r"^step 2/",
+        "--timeout",
+        "240",
+        capsys=capsys,
+    )
     assert code == 0, err
     return int(status(env, "ho1")["pid"])
 
 
 def test_restart_resume_starts_the_child_while_the_parent_writes_its_final_checkpoint(
-        env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    env: Env, capsys: pytest.CaptureFixture[str]
+) -> None:
     trainer = deploy_parent(env, capsys, delay=8.0)
     code, out, err = env.cli("restart", "ho1", "--resume", "--grace", "60", capsys=capsys)
     assert code == 0, err
@@ -90,7 +103,8 @@ def test_wait_exit_launches_only_after_the_parent_has_exited(env: Env, capsys: p
 
 
 def test_a_parent_whose_final_write_fails_ends_the_child_with_one_error_line(
-        env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    env: Env, capsys: pytest.CaptureFixture[str]
+) -> None:
     deploy_parent(env, capsys, delay=6.0)
     code, _, err = env.cli("restart", "ho1", "--resume", "--grace", "60", capsys=capsys)
     assert code == 0, err
@@ -101,8 +115,11 @@ def test_a_parent_whose_final_write_fails_ends_the_child_with_one_error_line(
     log = env.runs / "ho2" / "train.log"
     wait_until(lambda: (env.runs / "ho2" / "exit_code").is_file(), timeout=240)
     text = log.read_text()
-    assert re.search(r"error: --resume: ho1 ended \((exit code 1|status failed: CheckpointWriteError: writing "
-                     r"checkpoint step_\d+ failed: .*)\) without writing its final checkpoint step_\d+", text), text[-2000:]
+    assert re.search(
+        r"error: --resume: ho1 ended \((exit code 1|status failed: CheckpointWriteError: writing "
+        r"checkpoint step_\d+ failed: .*)\) without writing its final checkpoint step_\d+",
+        text,
+    ), text[-2000:]
     assert "hint: restart from its last complete checkpoint: none" in text and "Traceback" not in text
     assert (env.runs / "ho2" / "exit_code").read_text().strip() == "1"
     assert time.time() - status(env, "ho2")["heartbeat"] < 120

@@ -42,14 +42,18 @@ while True:
 def test_stop_signals_the_worker_a_launcher_stands_in_front_of(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
     (env.root / "launcher.py").write_text(LAUNCHER)
     (env.root / "worker.py").write_text(WORKER)
-    env.inventory.write_text(env.inventory.read_text() + """\
+    env.inventory.write_text(
+        env.inventory.read_text()
+        + """\
   launched:
     argv: ["{python}", "{release}/launcher.py", "{release}/worker.py", "{run_dir}"]
     files: [launcher.py, worker.py]
     packages: []
-""")
-    code, _, err = env.cli("deploy", "--profile", "launched", "--name", "tr1", "--wait", "^step 1", "--timeout", "30",
-                           capsys=capsys)
+"""
+    )
+    code, _, err = env.cli(
+        "deploy", "--profile", "launched", "--name", "tr1", "--wait", "^step 1", "--timeout", "30", capsys=capsys
+    )
     assert code == 0, err
     code, out, err = env.cli("stop", "tr1", "--grace", "20", capsys=capsys)
     assert code == 0, err

@@ -23,12 +23,39 @@ def pid_alive(pid: int) -> bool:
 
 
 def test_deploy_restart_stop_cycle(env: Env, decoy: subprocess.Popen) -> None:
-    first = env.run_cli("deploy", "local", "--profile", "work", "--name", "exp-flex5", "--note", "baseline",
-                        "--wait", r"step 3\b", "--timeout", "30")
+    first = env.run_cli(
+        "deploy",
+        "local",
+        "--profile",
+        "work",
+        "--name",
+        "exp-flex5",
+        "--note",
+        "baseline",
+        "--wait",
+        r"step 3\b",
+        "--timeout",
+        "30",
+    )
     assert first.returncode == 0, first.stderr
     assert first.stdout.strip() == "exp-flex5"
-    second = env.run_cli("restart", "exp-flex5", "--name", "+", "--note", "bigger lr", "--grace", "5",
-                         "--wait", r"step 2\b", "--timeout", "30", "--", "--steps", "5000")
+    second = env.run_cli(
+        "restart",
+        "exp-flex5",
+        "--name",
+        "+",
+        "--note",
+        "bigger lr",
+        "--grace",
+        "5",
+        "--wait",
+        r"step 2\b",
+        "--timeout",
+        "30",
+        "--",
+        "--steps",
+        "5000",
+    )
     assert second.returncode == 0, second.stderr
     assert second.stdout.strip() == "exp-flex6"
     assert "exp-flex5 stopped (exit code 143)" in second.stderr
@@ -52,8 +79,9 @@ def test_deploy_restart_stop_cycle(env: Env, decoy: subprocess.Popen) -> None:
 
 
 def test_setsid_child_dies_on_stop(env: Env, capsys: pytest.CaptureFixture[str], decoy: subprocess.Popen) -> None:
-    code, _, err = env.cli("deploy", "--profile", "work", "--name", "tree", "--wait", "step 2", "--",
-                           "--spawn-setsid", capsys=capsys)
+    code, _, err = env.cli(
+        "deploy", "--profile", "work", "--name", "tree", "--wait", "step 2", "--", "--spawn-setsid", capsys=capsys
+    )
     assert code == 0, err
     child_pid = int((env.runs / "tree" / "child.pid").read_text())
     assert pid_alive(child_pid)
@@ -68,8 +96,23 @@ def test_setsid_child_dies_on_stop(env: Env, capsys: pytest.CaptureFixture[str],
 
 
 def test_crash_is_reported_with_step_and_error(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = env.cli("deploy", "--profile", "work", "--name", "crashy", "--launcher", "nohup",
-                           "--wait", "never-printed", "--timeout", "30", "--", "--crash-at", "4", capsys=capsys)
+    code, _, err = env.cli(
+        "deploy",
+        "--profile",
+        "work",
+        "--name",
+        "crashy",
+        "--launcher",
+        "nohup",
+        "--wait",
+        "never-printed",
+        "--timeout",
+        "30",
+        "--",
+        "--crash-at",
+        "4",
+        capsys=capsys,
+    )
     assert code == 7, err  # RunFailed: the Traceback pattern appeared
     assert "Traceback" in err
     deadline = time.monotonic() + 10
@@ -83,21 +126,49 @@ def test_crash_is_reported_with_step_and_error(env: Env, capsys: pytest.CaptureF
 
 
 def test_wait_without_failure_pattern_reports_the_end(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = env.cli("deploy", "--profile", "work", "--name", "short", "--launcher", "nohup",
-                           "--wait", "never-printed", "--fail-on", "", "--", "--steps", "3", capsys=capsys)
+    code, _, err = env.cli(
+        "deploy",
+        "--profile",
+        "work",
+        "--name",
+        "short",
+        "--launcher",
+        "nohup",
+        "--wait",
+        "never-printed",
+        "--fail-on",
+        "",
+        "--",
+        "--steps",
+        "3",
+        capsys=capsys,
+    )
     assert code == 7
     assert "short ended (finished at step 3, exit code 0)" in err
 
 
 def test_wait_timeout_exit_code(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = env.cli("deploy", "--profile", "work", "--name", "slow", "--wait", "never-printed",
-                           "--timeout", "1", capsys=capsys)
+    code, _, err = env.cli(
+        "deploy", "--profile", "work", "--name", "slow", "--wait", "never-printed", "--timeout", "1", capsys=capsys
+    )
     assert code == 8 and "no match within 1s" in err
 
 
 def test_stop_escalates_to_sigkill(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = env.cli("deploy", "--profile", "work", "--name", "stubborn", "--launcher", "nohup",
-                           "--wait", "step 1", "--", "--ignore-term", capsys=capsys)
+    code, _, err = env.cli(
+        "deploy",
+        "--profile",
+        "work",
+        "--name",
+        "stubborn",
+        "--launcher",
+        "nohup",
+        "--wait",
+        "step 1",
+        "--",
+        "--ignore-term",
+        capsys=capsys,
+    )
     assert code == 0, err
     code, out, err = env.cli("stop", "stubborn", "--grace", "0.5", capsys=capsys)
     assert code == 0, err
@@ -105,10 +176,22 @@ def test_stop_escalates_to_sigkill(env: Env, capsys: pytest.CaptureFixture[str])
     assert (env.runs / "stubborn" / "exit_code").read_text().strip() == "137"
 
 
-def test_stop_waits_past_the_grace_for_a_checkpoint_being_written(env: Env,
-                                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = env.cli("deploy", "--profile", "work", "--name", "saver", "--launcher", "nohup",
-                           "--wait", "step 1", "--", "--slow-save", "2.5", capsys=capsys)
+def test_stop_waits_past_the_grace_for_a_checkpoint_being_written(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = env.cli(
+        "deploy",
+        "--profile",
+        "work",
+        "--name",
+        "saver",
+        "--launcher",
+        "nohup",
+        "--wait",
+        "step 1",
+        "--",
+        "--slow-save",
+        "2.5",
+        capsys=capsys,
+    )
     assert code == 0, err
     code, out, err = env.cli("stop", "saver", "--grace", "0.5", capsys=capsys)
     assert code == 0, err
@@ -119,8 +202,21 @@ def test_stop_waits_past_the_grace_for_a_checkpoint_being_written(env: Env,
 
 
 def test_a_checkpoint_that_outlasts_the_save_grace_is_killed(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = env.cli("deploy", "--profile", "work", "--name", "forever", "--launcher", "nohup",
-                           "--wait", "step 1", "--", "--slow-save", "60", capsys=capsys)
+    code, _, err = env.cli(
+        "deploy",
+        "--profile",
+        "work",
+        "--name",
+        "forever",
+        "--launcher",
+        "nohup",
+        "--wait",
+        "step 1",
+        "--",
+        "--slow-save",
+        "60",
+        capsys=capsys,
+    )
     assert code == 0, err
     started = time.monotonic()
     code, out, err = env.cli("stop", "forever", "--grace", "0.5", "--save-grace", "1", capsys=capsys)
@@ -131,8 +227,7 @@ def test_a_checkpoint_that_outlasts_the_save_grace_is_killed(env: Env, capsys: p
 
 def test_restart_resume_starts_from_latest_checkpoint(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
     assert env.cli("deploy", "--profile", "work", "--name", "res-v1", "--wait", "step 3", capsys=capsys)[0] == 0
-    code, out, err = env.cli("restart", "res-v1", "--resume", "--grace", "5", "--wait", "resumed from",
-                             capsys=capsys)
+    code, out, err = env.cli("restart", "res-v1", "--resume", "--grace", "5", "--wait", "resumed from", capsys=capsys)
     assert code == 0, err
     assert out.strip() == "res-v2"
     checkpoint = sorted((env.runs / "res-v1" / "checkpoints").iterdir())[-1]
@@ -142,8 +237,24 @@ def test_restart_resume_starts_from_latest_checkpoint(env: Env, capsys: pytest.C
 
 
 def test_logs_since_offset_and_until(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
-    assert env.cli("deploy", "--profile", "work", "--name", "logme", "--launcher", "nohup", "--wait", "done",
-                   "--", "--steps", "6", capsys=capsys)[0] == 0
+    assert (
+        env.cli(
+            "deploy",
+            "--profile",
+            "work",
+            "--name",
+            "logme",
+            "--launcher",
+            "nohup",
+            "--wait",
+            "done",
+            "--",
+            "--steps",
+            "6",
+            capsys=capsys,
+        )[0]
+        == 0
+    )
     code, full, _ = env.cli("logs", "logme", "--raw", capsys=capsys)
     assert code == 0 and full.endswith("done\n")
     half = len(full.encode()) // 2
@@ -173,8 +284,9 @@ def test_dry_runs_print_commands_and_change_nothing(env: Env, capsys: pytest.Cap
 def test_a_run_stopped_by_a_signal_from_elsewhere_is_stopped_not_crashed(env: Env) -> None:
     """The trainer checkpoints on SIGTERM from anyone (an OOM killer's warning, a user's kill) and records
     phase "stopped": status says stopped with its exit code, not "crashed"."""
-    started = env.run_cli("deploy", "local", "--profile", "work", "--name", "external", "--wait", r"step 2\b",
-                          "--timeout", "30")
+    started = env.run_cli(
+        "deploy", "local", "--profile", "work", "--name", "external", "--wait", r"step 2\b", "--timeout", "30"
+    )
     assert started.returncode == 0, started.stderr
     pgid = int((env.runs / "external" / "pgid").read_text())
     os.killpg(pgid, 15)  # the run's own process group, started by this test's deploy
@@ -189,11 +301,23 @@ def test_a_run_stopped_by_a_signal_from_elsewhere_is_stopped_not_crashed(env: En
 def test_a_reused_pgid_is_never_signalled(env: Env) -> None:
     """A run whose wrapper was lost leaves its pgid on disk; if an unrelated process group later gets that
     number, neither `status` nor `stop` may treat that group as the run's."""
-    started = env.run_cli("deploy", "local", "--profile", "work", "--name", "lost", "--launcher", "nohup",
-                          "--wait", r"step 2\b", "--timeout", "30")
+    started = env.run_cli(
+        "deploy",
+        "local",
+        "--profile",
+        "work",
+        "--name",
+        "lost",
+        "--launcher",
+        "nohup",
+        "--wait",
+        r"step 2\b",
+        "--timeout",
+        "30",
+    )
     assert started.returncode == 0, started.stderr
     assert env.run_cli("stop", "lost", "--grace", "5").returncode == 0
-    (env.runs / "lost" / "exit_code").unlink()   # as if the wrapper had been SIGKILLed before recording it
+    (env.runs / "lost" / "exit_code").unlink()  # as if the wrapper had been SIGKILLed before recording it
     (env.runs / "lost" / "stop.json").unlink()
     stranger = subprocess.Popen(["sleep", "60"], start_new_session=True)  # an unrelated group, ours to end
     try:

@@ -20,8 +20,7 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="a read-only bind moun
 
 
 def deploy(env: Env, name: str) -> subprocess.CompletedProcess[str]:
-    return env.run_cli("deploy", "local", "--profile", "work", "--name", name, "--wait", r"^step 1 ",
-                       "--timeout", "30")
+    return env.run_cli("deploy", "local", "--profile", "work", "--name", name, "--wait", r"^step 1 ", "--timeout", "30")
 
 
 def assert_one_error(result: subprocess.CompletedProcess[str], *words: str) -> None:

@@ -20,11 +20,13 @@ from tests.controller.helpers import AGENT, Env, all_bytes
 from tests.tmux_screen import session_names
 
 # A job that writes nothing but its log: prints a line, then waits for SIGTERM (exit 143) or `go` (exit 3).
-SLEEPER = ("import os, signal, sys, time\n"
-           "signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))\n"
-           "print('sleeping', flush=True)\n"
-           "while not os.path.exists(sys.argv[1]): time.sleep(0.05)\n"
-           "sys.exit(3)\n")
+SLEEPER = (
+    "import os, signal, sys, time\n"
+    "signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))\n"
+    "print('sleeping', flush=True)\n"
+    "while not os.path.exists(sys.argv[1]): time.sleep(0.05)\n"
+    "sys.exit(3)\n"
+)
 
 
 def add_profile(env: Env, name: str, body: str) -> None:
@@ -54,10 +56,17 @@ def test_item3_a_stop_that_races_the_launch_wins(env: Env) -> None:
     workload = str(env.root / "workload.py")
     for index in range(16):
         name = f"race{index}"
-        request = {"workspace": str(env.workspace), "name": name, "launcher": "nohup",
-                   "argv": [sys.executable, workload, "--output-dir", str(env.runs / name), "--interval", "0.05"]}
-        launch = subprocess.Popen([sys.executable, str(AGENT), "launch", "--json-args", json.dumps(request)],
-                                  stdout=subprocess.PIPE, text=True)
+        request = {
+            "workspace": str(env.workspace),
+            "name": name,
+            "launcher": "nohup",
+            "argv": [sys.executable, workload, "--output-dir", str(env.runs / name), "--interval", "0.05"],
+        }
+        launch = subprocess.Popen(
+            [sys.executable, str(AGENT), "launch", "--json-args", json.dumps(request)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         deadline = time.monotonic() + 10
         while not (env.runs / name).is_dir():
             assert time.monotonic() < deadline
@@ -73,8 +82,9 @@ def test_item3_a_stop_that_races_the_launch_wins(env: Env) -> None:
 
 
 # ------------------------------------------------------------------------------------------- item 4
-def test_item4_run_names_that_tmux_would_merge_get_their_own_sessions(env: Env,
-                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_item4_run_names_that_tmux_would_merge_get_their_own_sessions(
+    env: Env, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert session_name("exp.1") != session_name("exp_1") and session_name("exp-flex5") == "exp-flex5"
     for name in ("exp.1", "exp_1"):
         code, _, err = env.cli("deploy", "--profile", "work", "--name", name, "--wait", "step 1", capsys=capsys)
@@ -89,8 +99,9 @@ def test_item4_run_names_that_tmux_would_merge_get_their_own_sessions(env: Env,
 
 
 # ------------------------------------------------------------------------------------------- item 5
-def test_item5_a_failed_launch_leaves_no_secret_file(env: Env, capsys: pytest.CaptureFixture[str],
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_item5_a_failed_launch_leaves_no_secret_file(
+    env: Env, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("WORKLOAD_SECRET", "hunter2-launch-file")
     socket = tmux_socket(str(env.workspace))
     libtmux.Server(socket_name=socket).new_session(session_name="clash", window_command="sleep 60")
@@ -104,10 +115,14 @@ def test_item5_a_failed_launch_leaves_no_secret_file(env: Env, capsys: pytest.Ca
 
 
 # ------------------------------------------------------------------------------------------- item 6
-def test_item6_every_pass_env_value_is_a_secret_whatever_its_name(env: Env, capsys: pytest.CaptureFixture[str],
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    env.inventory.write_text(env.inventory.read_text().replace(
-        "pass_env: [WORKLOAD_SECRET]", "pass_env: [WORKLOAD_SECRET, DB_PASS, OPENAI_KEY]"))
+def test_item6_every_pass_env_value_is_a_secret_whatever_its_name(
+    env: Env, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env.inventory.write_text(
+        env.inventory.read_text().replace(
+            "pass_env: [WORKLOAD_SECRET]", "pass_env: [WORKLOAD_SECRET, DB_PASS, OPENAI_KEY]"
+        )
+    )
     values = {"DB_PASS": "plainpass42", "OPENAI_KEY": "short-key"}
     for key, value in values.items():
         monkeypatch.setenv(key, value)
@@ -132,10 +147,14 @@ def test_item6_every_pass_env_value_is_a_secret_whatever_its_name(env: Env, caps
 
 # ------------------------------------------------------------------------------------------- item 8
 def test_item8_status_shows_the_trainers_own_error_line(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
-    add_profile(env, "fails", """
+    add_profile(
+        env,
+        "fails",
+        """
 argv: ["{python}", "-c", "import sys; print('loading', flush=True); print('error: --target-model is required for preset qwen3-8b', file=sys.stderr); print('hint: pass --target-model PATH', file=sys.stderr); sys.exit(2)"]
 packages: []
-""")
+""",
+    )
     code, _, err = env.cli("deploy", "--profile", "fails", "--name", "bad", "--launcher", "nohup", capsys=capsys)
     assert code == 0, err
     wait_until(lambda: (env.runs / "bad" / "exit_code").exists())
@@ -147,43 +166,76 @@ packages: []
 
 # ------------------------------------------------------------------------------------------- item 9
 def test_item9_logs_follow_of_a_crashed_run_exits_non_zero(env: Env) -> None:
-    deployed = env.run_cli("deploy", "--profile", "work", "--name", "crash9", "--launcher", "nohup", "--",
-                           "--crash-at", "3")
+    deployed = env.run_cli(
+        "deploy", "--profile", "work", "--name", "crash9", "--launcher", "nohup", "--", "--crash-at", "3"
+    )
     assert deployed.returncode == 0, deployed.stderr
     follow = env.run_cli("logs", "crash9", "-f", "--timeout", "60")
     assert follow.returncode == 7, follow.stderr
     assert "step 2 loss" in follow.stdout and "Traceback" in follow.stdout
     assert "error: crash9 crashed at step 3" in follow.stderr and "RuntimeError: injected crash" in follow.stderr
-    finished = env.run_cli("deploy", "--profile", "work", "--name", "fine9", "--launcher", "nohup", "--",
-                           "--steps", "2")
+    finished = env.run_cli(
+        "deploy", "--profile", "work", "--name", "fine9", "--launcher", "nohup", "--", "--steps", "2"
+    )
     assert finished.returncode == 0 and env.run_cli("logs", "fine9", "-f", "--timeout", "60").returncode == 0
 
 
 # ------------------------------------------------------------------------------------------ item 10
-def test_item10_managed_flags_are_refused_and_others_replace_the_profiles(env: Env,
-                                                                          capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = env.cli("deploy", "--profile", "work", "--name", "m1", "--", "--output-dir", "/tmp/elsewhere",
-                           capsys=capsys)
+def test_item10_managed_flags_are_refused_and_others_replace_the_profiles(
+    env: Env, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = env.cli(
+        "deploy", "--profile", "work", "--name", "m1", "--", "--output-dir", "/tmp/elsewhere", capsys=capsys
+    )
     assert code == 2 and "error: --output-dir is managed by dflashops" in err and "{run_dir}" in err
     assert "hint:" in err and not env.workspace.exists() and not env.db.exists(), "a refused deploy changed something"
-    code, _, err = env.cli("deploy", "--profile", "work", "--name", "m1", "--", "--steps", "5", "--steps=6",
-                           capsys=capsys)
+    code, _, err = env.cli(
+        "deploy", "--profile", "work", "--name", "m1", "--", "--steps", "5", "--steps=6", capsys=capsys
+    )
     assert code == 2 and "error: --steps is given twice after --" in err
-    code, _, err = env.cli("deploy", "--profile", "work", "--name", "m1", "--launcher", "nohup", "--wait", "done",
-                           "--", "--interval", "0.01", "--steps", "3", capsys=capsys)
+    code, _, err = env.cli(
+        "deploy",
+        "--profile",
+        "work",
+        "--name",
+        "m1",
+        "--launcher",
+        "nohup",
+        "--wait",
+        "done",
+        "--",
+        "--interval",
+        "0.01",
+        "--steps",
+        "3",
+        capsys=capsys,
+    )
     assert code == 0, err
     argv = json.loads((env.runs / "m1" / "run.json").read_text())["argv"]
     assert argv.count("--interval") == 1 and argv[argv.index("--interval") + 1] == "0.01"
-    code, _, err = env.cli("restart", "m1", "--launcher", "nohup", "--wait", "done", "--", "--interval", "0.02",
-                           "--steps", "3", capsys=capsys)
+    code, _, err = env.cli(
+        "restart",
+        "m1",
+        "--launcher",
+        "nohup",
+        "--wait",
+        "done",
+        "--",
+        "--interval",
+        "0.02",
+        "--steps",
+        "3",
+        capsys=capsys,
+    )
     assert code == 0, err
     code, out, _ = env.cli("runs", "diff", "m1", "m2", capsys=capsys)
     assert "--interval" in out and "0.01" in out and "0.02" in out and "[" not in out
 
 
 # ------------------------------------------------------------------------------------------ item 11
-def test_item11_an_install_keeps_temporaries_whose_owner_is_alive(env: Env, capsys: pytest.CaptureFixture[str],
-                                                                   decoy: subprocess.Popen) -> None:
+def test_item11_an_install_keeps_temporaries_whose_owner_is_alive(
+    env: Env, capsys: pytest.CaptureFixture[str], decoy: subprocess.Popen
+) -> None:
     releases = env.workspace / "releases"
     releases.mkdir(parents=True)
     busy = releases / f".tmp-0123456789abcdef-{decoy.pid}"  # another install, still running
@@ -193,29 +245,53 @@ def test_item11_an_install_keeps_temporaries_whose_owner_is_alive(env: Env, caps
     for folder in (busy, abandoned):
         folder.mkdir()
         (folder / "half-written.py").write_text("x")
-    code, _, err = env.cli("deploy", "--profile", "work", "--name", "t11", "--launcher", "nohup", "--", "--steps", "1",
-                           capsys=capsys)
+    code, _, err = env.cli(
+        "deploy", "--profile", "work", "--name", "t11", "--launcher", "nohup", "--", "--steps", "1", capsys=capsys
+    )
     assert code == 0, err
     assert busy.is_dir() and (busy / "half-written.py").exists(), "an install deleted another one's work"
     assert not abandoned.exists()
 
 
 def test_item11_concurrent_deploys_of_new_code_all_succeed(env: Env) -> None:
-    add_profile(env, "other", """
+    add_profile(
+        env,
+        "other",
+        """
 argv: ["{python}", "{release}/workload.py", --output-dir, "{run_dir}", --steps, "1"]
 files: [workload.py, other.txt]
 packages: []
-""")
+""",
+    )
     workload = env.root / "workload.py"
     original = workload.read_text()
     for round_ in range(3):
         workload.write_text(original + f"\n# round {round_}\n")
         (env.root / "other.txt").write_text(f"round {round_}\n")
-        procs = [subprocess.Popen([sys.executable, "-m", "dflashops.cli.main", "--inventory", str(env.inventory),
-                                   "deploy", "--profile", profile, "--name", f"{profile}{round_}", "--launcher",
-                                   "nohup"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=env.root,
-                                  env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
-                 for profile in ("work", "other")]
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "dflashops.cli.main",
+                    "--inventory",
+                    str(env.inventory),
+                    "deploy",
+                    "--profile",
+                    profile,
+                    "--name",
+                    f"{profile}{round_}",
+                    "--launcher",
+                    "nohup",
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=env.root,
+                env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+            )
+            for profile in ("work", "other")
+        ]
         for proc in procs:
             _, err = proc.communicate(timeout=60)
             assert proc.returncode == 0, f"round {round_}: {err}"
@@ -251,10 +327,14 @@ def test_item12_tail_detects_a_truncated_or_replaced_log(env: Env) -> None:
 
 
 def test_item12_logs_follow_reads_a_truncated_log_again_and_says_so(env: Env) -> None:
-    add_profile(env, "truncates", """
+    add_profile(
+        env,
+        "truncates",
+        """
 argv: ["{python}", "-c", "import os, time\\nfor i in range(50): print('first %d' % i, flush=True)\\ntime.sleep(2)\\nos.truncate('train.log', 0)\\nfor i in range(80): print('second %d' % i, flush=True)\\ntime.sleep(0.5)"]
 packages: []
-""")
+""",
+    )
     assert env.run_cli("deploy", "--profile", "truncates", "--name", "tr", "--launcher", "nohup").returncode == 0
     follow = env.run_cli("logs", "tr", "-f", "--timeout", "60")
     assert follow.returncode == 0, follow.stderr
@@ -264,15 +344,35 @@ packages: []
 
 
 # ------------------------------------------------------------------------------------------ item 13
-def test_item13_lines_longer_than_a_read_are_cut_between_characters(env: Env,
-                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_item13_lines_longer_than_a_read_are_cut_between_characters(
+    env: Env, capsys: pytest.CaptureFixture[str]
+) -> None:
     long_line = "a" + "é€" * 400_000  # 2 MB of UTF-8: two and a bit 1 MiB reads, misaligned by the "a"
-    add_profile(env, "wide", """
+    add_profile(
+        env,
+        "wide",
+        """
 argv: ["{python}", "-c", "print('a' + 'é€' * 400000, flush=True); print('end', flush=True)"]
 packages: []
-""")
-    assert env.cli("deploy", "--profile", "wide", "--name", "wide", "--launcher", "nohup", "--wait", "^end",
-                   "--timeout", "60", capsys=capsys)[0] == 0
+""",
+    )
+    assert (
+        env.cli(
+            "deploy",
+            "--profile",
+            "wide",
+            "--name",
+            "wide",
+            "--launcher",
+            "nohup",
+            "--wait",
+            "^end",
+            "--timeout",
+            "60",
+            capsys=capsys,
+        )[0]
+        == 0
+    )
     code, out, _ = env.cli("logs", "wide", "--raw", capsys=capsys)
     assert code == 0 and "\ufffd" not in out
     assert out == long_line + "\nend\n"
@@ -280,16 +380,43 @@ packages: []
 
 # ------------------------------------------------------------------------------------------ item 15
 def test_item15_concurrent_next_name_deploys_both_succeed(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
-    assert env.cli("deploy", "--profile", "work", "--name", "base1", "--launcher", "nohup", "--", "--steps", "1",
-                   capsys=capsys)[0] == 0
+    assert (
+        env.cli(
+            "deploy", "--profile", "work", "--name", "base1", "--launcher", "nohup", "--", "--steps", "1", capsys=capsys
+        )[0]
+        == 0
+    )
     names: list[str] = []
     for round_ in range(3):
-        procs = [subprocess.Popen([sys.executable, "-m", "dflashops.cli.main", "--inventory", str(env.inventory),
-                                   "deploy", "--profile", "work", "--name", "+", "--parent", "base1", "--launcher",
-                                   "nohup", "--", "--steps", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True, cwd=env.root,
-                                  env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
-                 for _ in range(2)]
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "dflashops.cli.main",
+                    "--inventory",
+                    str(env.inventory),
+                    "deploy",
+                    "--profile",
+                    "work",
+                    "--name",
+                    "+",
+                    "--parent",
+                    "base1",
+                    "--launcher",
+                    "nohup",
+                    "--",
+                    "--steps",
+                    "1",
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=env.root,
+                env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+            )
+            for _ in range(2)
+        ]
         for proc in procs:
             out, err = proc.communicate(timeout=60)
             assert proc.returncode == 0, f"round {round_}: {err}"
@@ -302,18 +429,24 @@ def test_item15_concurrent_next_name_deploys_both_succeed(env: Env, capsys: pyte
 
 # ------------------------------------------------------------------------------------------- item 2
 @pytest.mark.slow
-def test_item2_stopping_a_run_with_wandb_leaves_no_traceback(env: Env, capsys: pytest.CaptureFixture[str],
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_item2_stopping_a_run_with_wandb_leaves_no_traceback(
+    env: Env, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The real trainer with W&B on (offline): the stop must let it checkpoint and close its W&B run before
     the W&B service is signalled, so the log ends cleanly and `logs --fail-on Traceback` passes."""
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    add_profile(env, "tinyw", """
+    add_profile(
+        env,
+        "tinyw",
+        """
 argv: ["{python}", -m, trainer, train, --preset, tiny, --output-dir, "{run_dir}", --max-steps, "100000",
        --wandb, "on", --log-interval, "1"]
 resume_args: [--resume, "{checkpoint}"]
-""")
-    code, _, err = env.cli("deploy", "--profile", "tinyw", "--name", "w1", "--wait", r"^step 3/", "--timeout", "240",
-                           capsys=capsys)
+""",
+    )
+    code, _, err = env.cli(
+        "deploy", "--profile", "tinyw", "--name", "w1", "--wait", r"^step 3/", "--timeout", "240", capsys=capsys
+    )
     assert code == 0, err
     job = int((env.runs / "w1" / "pid").read_text())
     code, out, err = env.cli("stop", "w1", "--grace", "60", capsys=capsys)

@@ -16,11 +16,25 @@ from tests.controller.helpers import AGENT, Env, all_bytes
 SECRET = "s3cr3t-restart-5a4b3c2d1e-token"
 
 
-def test_restart_passes_secrets_only_through_stdin_and_env(env: Env, capsys: pytest.CaptureFixture[str],
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_restart_passes_secrets_only_through_stdin_and_env(
+    env: Env, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("WORKLOAD_SECRET", SECRET)
-    assert env.cli("deploy", "--profile", "work", "--name", "rs-v1", "--launcher", "nohup", "--wait",
-                   "secret present", capsys=capsys)[0] == 0
+    assert (
+        env.cli(
+            "deploy",
+            "--profile",
+            "work",
+            "--name",
+            "rs-v1",
+            "--launcher",
+            "nohup",
+            "--wait",
+            "secret present",
+            capsys=capsys,
+        )[0]
+        == 0
+    )
     code, out, err = env.cli("restart", "rs-v1", "--dry-run", capsys=capsys)
     assert code == 0 and " restart  < request JSON: " in out and "<redacted>" in out
     assert SECRET not in out + err
@@ -33,16 +47,24 @@ def test_restart_passes_secrets_only_through_stdin_and_env(env: Env, capsys: pyt
 
 
 def call_restart(request: dict, tar: bytes) -> dict:
-    out = subprocess.run([sys.executable, str(AGENT), "restart"], input=json.dumps(request).encode() + b"\n" + tar,
-                         capture_output=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, str(AGENT), "restart"],
+        input=json.dumps(request).encode() + b"\n" + tar,
+        capture_output=True,
+        timeout=60,
+    )
     lines = out.stdout.decode().splitlines()
     assert len(lines) == 1, out
     return json.loads(lines[0])
 
 
 def test_agent_restart_refuses_before_changing_anything(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
-    assert env.cli("deploy", "--profile", "work", "--name", "ref-v1", "--launcher", "nohup", "--wait", "step 1",
-                   capsys=capsys)[0] == 0
+    assert (
+        env.cli(
+            "deploy", "--profile", "work", "--name", "ref-v1", "--launcher", "nohup", "--wait", "step 1", capsys=capsys
+        )[0]
+        == 0
+    )
     releases = env.workspace / "releases"
     current, before = os.readlink(releases / "current"), sorted(p.name for p in releases.iterdir())
     workload = env.root / "workload.py"
@@ -51,8 +73,17 @@ def test_agent_restart_refuses_before_changing_anything(env: Env, capsys: pytest
     code_hash, manifest = local_manifest(files)
     base_files = json.loads((releases / current / ".manifest.json").read_text())
     install, tar, _, _ = install_payload(str(env.workspace), files, code_hash, manifest, current, base_files)
-    request = {"workspace": str(env.workspace), "old": "ref-v1", "name": "ref-v2", "argv": ["true"],
-               "launcher": "nohup", "grace": 5, "install": install, "tar_bytes": len(tar), "env": {}}
+    request = {
+        "workspace": str(env.workspace),
+        "old": "ref-v1",
+        "name": "ref-v2",
+        "argv": ["true"],
+        "launcher": "nohup",
+        "grace": 5,
+        "install": install,
+        "tar_bytes": len(tar),
+        "env": {},
+    }
     stale = install_payload(str(env.workspace), files, code_hash, manifest, "00000000deadbeef", base_files)
     cases = [
         ({**request, "tar_bytes": len(tar) + 1}, tar, "incomplete"),  # the upload was cut short

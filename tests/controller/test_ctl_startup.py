@@ -22,8 +22,9 @@ print("HEAVY=" + ",".join(heavy))
 
 
 def probe(argv: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", PROBE.format(argv=argv)], capture_output=True, text=True,
-                          cwd=REPO, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-c", PROBE.format(argv=argv)], capture_output=True, text=True, cwd=REPO, timeout=60
+    )
 
 
 def test_verb_word_is_found_past_the_inventory_option() -> None:

@@ -16,8 +16,7 @@ import pytest
 import dflashops.ops.sync as sync_module
 from tests.controller.helpers import REPO, Env
 
-NO_OVERRIDE = ["setpriv", "--inh-caps=-dac_override,-dac_read_search",
-               "--bounding-set=-dac_override,-dac_read_search"]
+NO_OVERRIDE = ["setpriv", "--inh-caps=-dac_override,-dac_read_search", "--bounding-set=-dac_override,-dac_read_search"]
 
 
 def with_files(env: Env, *files: str) -> None:
@@ -38,13 +37,18 @@ def test_item17_a_symlinked_folder_leading_outside_is_refused(env: Env, capsys: 
     (env.root / "rootlink").symlink_to("/")
     with_files(env, "rootlink/etc/passwd")
     code, _, err = env.cli("deploy", "local", "--profile", "work", "--name", "sl-a1", capsys=capsys)
-    assert_refused(code, err, "profile file 'rootlink/etc/passwd' is /etc/passwd through a symlink",
-                   f"outside {env.root.resolve()}")
+    assert_refused(
+        code,
+        err,
+        "profile file 'rootlink/etc/passwd' is /etc/passwd through a symlink",
+        f"outside {env.root.resolve()}",
+    )
     assert not (env.workspace / "releases").exists() and not (env.runs / "sl-a1").exists()
 
 
-def test_item17_a_symlinked_file_leading_outside_is_refused(env: Env, capsys: pytest.CaptureFixture[str],
-                                                            tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_item17_a_symlinked_file_leading_outside_is_refused(
+    env: Env, capsys: pytest.CaptureFixture[str], tmp_path_factory: pytest.TempPathFactory
+) -> None:
     outside = tmp_path_factory.mktemp("elsewhere") / "secret.txt"
     outside.write_text("not for the target\n")
     (env.root / "config.txt").symlink_to(outside)
@@ -64,23 +68,43 @@ def test_item17_a_symlink_that_stays_inside_is_shipped(env: Env, capsys: pytest.
     assert (env.workspace / "releases" / "current" / "alias" / "real.txt").read_text() == "inside\n"
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
-                    reason="needs root's permission override dropped with setpriv to make a file unreadable")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("setpriv"),
+    reason="needs root's permission override dropped with setpriv to make a file unreadable",
+)
 def test_item18_an_unreadable_file_in_the_tree_is_one_error_line(env: Env) -> None:
     secret = env.root / "data.txt"
     secret.write_text("unreadable\n")
     secret.chmod(0)
     with_files(env, "data.txt")
-    done = subprocess.run([*NO_OVERRIDE, sys.executable, "-m", "dflashops.cli.main", "--inventory",
-                           str(env.inventory), "deploy", "local", "--profile", "work", "--name", "ur-a1"],
-                          capture_output=True, text=True, timeout=60, cwd=env.root,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    done = subprocess.run(
+        [
+            *NO_OVERRIDE,
+            sys.executable,
+            "-m",
+            "dflashops.cli.main",
+            "--inventory",
+            str(env.inventory),
+            "deploy",
+            "local",
+            "--profile",
+            "work",
+            "--name",
+            "ur-a1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=env.root,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert_refused(done.returncode, done.stderr, f"cannot read {secret}: Permission denied", "chmod u+r")
     assert not (env.runs / "ur-a1").exists()
 
 
-def test_item18_a_file_deleted_while_the_release_is_built(env: Env, capsys: pytest.CaptureFixture[str],
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_item18_a_file_deleted_while_the_release_is_built(
+    env: Env, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The race (an editor or a build removing a file between listing and reading) cannot be hit on purpose
     from outside, so the listing step is wrapped to delete a real file right after it was listed."""
     doomed = env.root / "doomed.txt"
@@ -102,8 +126,7 @@ def test_item18_a_file_deleted_while_the_release_is_built(env: Env, capsys: pyte
 def test_item18_a_local_python_that_is_not_executable(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
     not_a_program = env.root / "python-notes.txt"
     not_a_program.write_text("this is not a program\n")
-    env.inventory.write_text(env.inventory.read_text().replace(f"python: {sys.executable}",
-                                                               f"python: {not_a_program}"))
+    env.inventory.write_text(env.inventory.read_text().replace(f"python: {sys.executable}", f"python: {not_a_program}"))
     code, _, err = env.cli("status", capsys=capsys)
     assert_refused(code, err, f"the target's python {not_a_program} cannot be run on local", "`python:` of target")
     code, _, err = env.cli("deploy", "local", "--profile", "work", "--name", "px-a1", capsys=capsys)

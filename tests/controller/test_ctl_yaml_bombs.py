@@ -29,16 +29,30 @@ def billion_laughs(prefix: str = "") -> str:
 
 BAD_FILES = {
     # name: (file bytes, line the error names, words the error has)
-    "laughs_as_values": ((billion_laughs() + "targets:\n  local: {kind: local, workspace: ws, gpus: *i}\n").encode(),
-                         None, "aliases expand to more than"),
-    "laughs_as_a_key": (("targets:\n  local: {kind: local, workspace: ws}\nprofiles:\n  p:\n    argv: [x]\n"
-                         "    env:\n" + billion_laughs("      K") + "      ? *Ki\n      : boom\n").encode(),
-                        None, "aliases expand to more than"),
+    "laughs_as_values": (
+        (billion_laughs() + "targets:\n  local: {kind: local, workspace: ws, gpus: *i}\n").encode(),
+        None,
+        "aliases expand to more than",
+    ),
+    "laughs_as_a_key": (
+        (
+            "targets:\n  local: {kind: local, workspace: ws}\nprofiles:\n  p:\n    argv: [x]\n"
+            "    env:\n" + billion_laughs("      K") + "      ? *Ki\n      : boom\n"
+        ).encode(),
+        None,
+        "aliases expand to more than",
+    ),
     "deep": (b"targets: " + b"[" * 50_000 + b"]" * 50_000 + b"\n", 1, "nested more than 64 levels"),
-    "not_utf8": (b"targets:\n  local: {kind: local, workspace: \"w\xff\xfes\"}\n", 2,
-                 "not UTF-8 text (byte 0xff at column 37)"),
-    "ten_megabytes": (b"targets:\n  local: {kind: local, workspace: ws}\n# " + b"x" * 10_000_000 + b"\n", None,
-                      "more than the 1 MiB"),
+    "not_utf8": (
+        b'targets:\n  local: {kind: local, workspace: "w\xff\xfes"}\n',
+        2,
+        "not UTF-8 text (byte 0xff at column 37)",
+    ),
+    "ten_megabytes": (
+        b"targets:\n  local: {kind: local, workspace: ws}\n# " + b"x" * 10_000_000 + b"\n",
+        None,
+        "more than the 1 MiB",
+    ),
     "self_alias": (b"targets: &t\n  local: *t\n", 2, "refers to itself"),
 }
 
@@ -48,8 +62,15 @@ def limited_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
         resource.setrlimit(resource.RLIMIT_AS, (MEMORY_CAP, MEMORY_CAP))
 
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "dflashops.cli.main", *args], capture_output=True, text=True,
-                          env=env, timeout=60, cwd=cwd, preexec_fn=cap)
+    return subprocess.run(
+        [sys.executable, "-m", "dflashops.cli.main", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        cwd=cwd,
+        preexec_fn=cap,
+    )
 
 
 @pytest.mark.parametrize("case", sorted(BAD_FILES))
@@ -71,8 +92,9 @@ def test_item16_hostile_playbooks_get_one_error_line(env: Env, case: str) -> Non
     data = BAD_FILES[case][0].replace(b"targets", b"steps")
     playbook = env.root / "bomb.yaml"
     playbook.write_bytes(data)
-    result = limited_cli("--inventory", str(env.inventory), "play", str(playbook), "--target", "local",
-                         "--check", cwd=env.root)
+    result = limited_cli(
+        "--inventory", str(env.inventory), "play", str(playbook), "--target", "local", "--check", cwd=env.root
+    )
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr and str(playbook) in result.stderr.splitlines()[0]
     assert BAD_FILES[case][2] in result.stderr
@@ -80,14 +102,18 @@ def test_item16_hostile_playbooks_get_one_error_line(env: Env, case: str) -> Non
 
 def test_item16_ordinary_aliases_still_work(env: Env) -> None:
     """Anchors for shared settings (the reason to allow aliases at all) load as before."""
-    env.inventory.write_text(env.inventory.read_text().replace(
-        "    pass_env: [WORKLOAD_SECRET]\n",
-        "    pass_env: &secrets [WORKLOAD_SECRET]\n"
-        "  work2:\n"
-        "    argv: [\"{python}\", \"{release}/workload.py\", --output-dir, \"{run_dir}\"]\n"
-        "    files: [workload.py]\n    packages: []\n    pass_env: *secrets\n"))
-    result = limited_cli("--inventory", str(env.inventory), "deploy", "local", "--profile", "work2", "--dry-run",
-                         cwd=env.root)
+    env.inventory.write_text(
+        env.inventory.read_text().replace(
+            "    pass_env: [WORKLOAD_SECRET]\n",
+            "    pass_env: &secrets [WORKLOAD_SECRET]\n"
+            "  work2:\n"
+            '    argv: ["{python}", "{release}/workload.py", --output-dir, "{run_dir}"]\n'
+            "    files: [workload.py]\n    packages: []\n    pass_env: *secrets\n",
+        )
+    )
+    result = limited_cli(
+        "--inventory", str(env.inventory), "deploy", "local", "--profile", "work2", "--dry-run", cwd=env.root
+    )
     assert result.returncode == 0, result.stderr
     assert "workload.py" in result.stdout
     assert load_inventory(env.inventory).profile("work2").pass_env == ("WORKLOAD_SECRET",)

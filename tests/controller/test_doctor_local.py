@@ -10,8 +10,9 @@ import pytest
 from tests.controller.helpers import Env
 
 
-def test_cpu_target_passes_and_names_secrets_only(env: Env, capsys: pytest.CaptureFixture[str],
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cpu_target_passes_and_names_secrets_only(
+    env: Env, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("WORKLOAD_SECRET", raising=False)
     code, out, err = env.cli("doctor", "--json", capsys=capsys)
     checks = {c["name"]: c for c in json.loads(out)["targets"][0]["checks"]}
@@ -28,7 +29,9 @@ def test_cpu_target_passes_and_names_secrets_only(env: Env, capsys: pytest.Captu
 
 
 def test_declared_gpus_on_a_machine_without_any_fail(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
-    env.inventory.write_text(env.inventory.read_text().replace("    workspace: ws\n", "    workspace: ws\n    gpus: [0]\n"))
+    env.inventory.write_text(
+        env.inventory.read_text().replace("    workspace: ws\n", "    workspace: ws\n    gpus: [0]\n")
+    )
     code, out, err = env.cli("doctor", "local", capsys=capsys)
     fails = {line.split()[2] for line in out.splitlines() if " FAIL " in line}
     assert code == 1 and fails == {"gpu", "nvidia-smi", "cuda"}, out  # "gpu devices" splits at the space
@@ -36,11 +39,14 @@ def test_declared_gpus_on_a_machine_without_any_fail(env: Env, capsys: pytest.Ca
     assert err.splitlines()[-1].startswith("hint: ")
 
 
-@pytest.mark.parametrize("argv, code, message", [
-    (["doctor", "nowhere"], 3, "error: unknown target 'nowhere'"),
-    (["doctor", "local", "--all"], 2, "error: give a TARGET or --all, not both"),
-    (["doctor", "--profile", "nope"], 3, "error: unknown profile 'nope'"),
-])
+@pytest.mark.parametrize(
+    "argv, code, message",
+    [
+        (["doctor", "nowhere"], 3, "error: unknown target 'nowhere'"),
+        (["doctor", "local", "--all"], 2, "error: give a TARGET or --all, not both"),
+        (["doctor", "--profile", "nope"], 3, "error: unknown profile 'nope'"),
+    ],
+)
 def test_bad_input(env: Env, capsys: pytest.CaptureFixture[str], argv: list[str], code: int, message: str) -> None:
     got, out, err = env.cli(*argv, capsys=capsys)
     assert (got, out) == (code, "") and err.startswith(message) and "\nhint: " in err

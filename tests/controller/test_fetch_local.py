@@ -20,34 +20,61 @@ def sha(path: Path) -> str:
 
 
 def finished_run(env: Env, capsys: pytest.CaptureFixture[str], name: str, *extra: str) -> Path:
-    code, _, err = env.cli("deploy", "--profile", "work", "--name", name, "--launcher", "nohup", "--",
-                           "--steps", "6", "--interval", "0", "--save-every", "3", "--ckpt-bytes", str(CKPT_BYTES),
-                           *extra, capsys=capsys)
+    code, _, err = env.cli(
+        "deploy",
+        "--profile",
+        "work",
+        "--name",
+        name,
+        "--launcher",
+        "nohup",
+        "--",
+        "--steps",
+        "6",
+        "--interval",
+        "0",
+        "--save-every",
+        "3",
+        "--ckpt-bytes",
+        str(CKPT_BYTES),
+        *extra,
+        capsys=capsys,
+    )
     assert code == 0, err
     code, _, err = env.cli("logs", name, "-f", "--timeout", "60", capsys=capsys)
     assert code == 0, err
     return env.runs / name
 
 
-def test_fetch_brings_verified_files_and_skips_what_is_there(env: Env, capsys: pytest.CaptureFixture[str],
-                                                             tmp_path: Path) -> None:
+def test_fetch_brings_verified_files_and_skips_what_is_there(
+    env: Env, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     run = finished_run(env, capsys, "f1")
     dest = tmp_path / "here"
-    code, out, err = env.cli("fetch", "f1", "--checkpoint", "latest", "--logs", "--to", str(dest), "--json",
-                             capsys=capsys)
+    code, out, err = env.cli(
+        "fetch", "f1", "--checkpoint", "latest", "--logs", "--to", str(dest), "--json", capsys=capsys
+    )
     assert code == 0, err
     result = json.loads(out)
     got = {f["path"]: f for f in result["files"]}
-    assert set(got) == {"run.json", "status.json", "metrics.jsonl", "exit_code", "train.log",
-                        "checkpoints/step_000006/model.bin", "checkpoints/step_000006/state.json"}
+    assert set(got) == {
+        "run.json",
+        "status.json",
+        "metrics.jsonl",
+        "exit_code",
+        "train.log",
+        "checkpoints/step_000006/model.bin",
+        "checkpoints/step_000006/state.json",
+    }
     for rel, item in got.items():
         assert item["how"] == "fetched" and sha(dest / rel) == sha(run / rel) == item["sha256"], rel
     assert result["bytes_sent"] == result["bytes_total"] >= CKPT_BYTES
     assert not list(dest.rglob(".*partial*"))  # nothing left but final names
     assert "every file matches its sha256" in err
 
-    code, out, _ = env.cli("fetch", "f1", "--checkpoint", "latest", "--logs", "--to", str(dest), "--json",
-                             capsys=capsys)
+    code, out, _ = env.cli(
+        "fetch", "f1", "--checkpoint", "latest", "--logs", "--to", str(dest), "--json", capsys=capsys
+    )
     again = json.loads(out)
     assert code == 0 and again["bytes_sent"] == 0 and {f["how"] for f in again["files"]} == {"unchanged"}
 
@@ -57,8 +84,9 @@ def test_fetch_brings_verified_files_and_skips_what_is_there(env: Env, capsys: p
     assert not (dest / "train.log.1").exists()
 
 
-def test_a_partial_is_continued_and_a_corrupt_one_refused(env: Env, capsys: pytest.CaptureFixture[str],
-                                                           tmp_path: Path) -> None:
+def test_a_partial_is_continued_and_a_corrupt_one_refused(
+    env: Env, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     run = finished_run(env, capsys, "f2")
     source = run / "checkpoints/step_000006/model.bin"
     dest = tmp_path / "here"
@@ -86,15 +114,29 @@ def test_a_partial_is_continued_and_a_corrupt_one_refused(env: Env, capsys: pyte
     assert code == 0 and sha(target_dir / "model.bin") == sha(source)
 
 
-def test_export_runs_the_trainer_exporter_on_the_target(env: Env, capsys: pytest.CaptureFixture[str],
-                                                        tmp_path: Path) -> None:
+def test_export_runs_the_trainer_exporter_on_the_target(
+    env: Env, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     from tests.trainer.test_export import save_training_checkpoint
     from tests.trainer.tiny import build_tiny_target, tiny_drafter_config
     from trainer.model.drafter import DFlashDrafter
 
     env.inventory.write_text(env.inventory.read_text().replace("    packages: []\n", ""))  # ship trainer/
-    code, _, err = env.cli("deploy", "--profile", "work", "--name", "ex1", "--launcher", "nohup", "--",
-                           "--steps", "2", "--interval", "0", capsys=capsys)
+    code, _, err = env.cli(
+        "deploy",
+        "--profile",
+        "work",
+        "--name",
+        "ex1",
+        "--launcher",
+        "nohup",
+        "--",
+        "--steps",
+        "2",
+        "--interval",
+        "0",
+        capsys=capsys,
+    )
     assert code == 0, err
     assert env.cli("logs", "ex1", "-f", "--timeout", "60", capsys=capsys)[0] == 0
     model = DFlashDrafter(tiny_drafter_config(build_tiny_target(), num_hidden_layers=1, block_size=4))
@@ -111,14 +153,18 @@ def test_export_runs_the_trainer_exporter_on_the_target(env: Env, capsys: pytest
     assert code == 0 and "export export/step_000005 exists on local" in err  # made once, reused
 
 
-@pytest.mark.parametrize("argv, code, message", [
-    (["fetch", "f3", "--checkpoint", "soon"], 2, "error: --checkpoint takes `latest` or a step number"),
-    (["fetch", "f3", "--checkpoint", "99"], 3, "error: run 'f3' has no checkpoint at step 99"),
-    (["fetch", "nosuch"], 3, "error: local: run 'nosuch' does not exist"),
-    (["fetch", "a;b"], 2, "error: invalid run name"),
-])
-def test_bad_input_changes_nothing(env: Env, capsys: pytest.CaptureFixture[str], tmp_path: Path,
-                                   argv: list[str], code: int, message: str) -> None:
+@pytest.mark.parametrize(
+    "argv, code, message",
+    [
+        (["fetch", "f3", "--checkpoint", "soon"], 2, "error: --checkpoint takes `latest` or a step number"),
+        (["fetch", "f3", "--checkpoint", "99"], 3, "error: run 'f3' has no checkpoint at step 99"),
+        (["fetch", "nosuch"], 3, "error: local: run 'nosuch' does not exist"),
+        (["fetch", "a;b"], 2, "error: invalid run name"),
+    ],
+)
+def test_bad_input_changes_nothing(
+    env: Env, capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: list[str], code: int, message: str
+) -> None:
     finished_run(env, capsys, "f3")
     dest = tmp_path / "dest"
     got, out, err = env.cli(*argv, "--to", str(dest), capsys=capsys)
@@ -127,8 +173,21 @@ def test_bad_input_changes_nothing(env: Env, capsys: pytest.CaptureFixture[str],
 
 
 def test_a_run_without_checkpoints(env: Env, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    code, _, _ = env.cli("deploy", "--profile", "work", "--name", "f4", "--launcher", "nohup", "--",
-                         "--steps", "2", "--interval", "0", capsys=capsys)
+    code, _, _ = env.cli(
+        "deploy",
+        "--profile",
+        "work",
+        "--name",
+        "f4",
+        "--launcher",
+        "nohup",
+        "--",
+        "--steps",
+        "2",
+        "--interval",
+        "0",
+        capsys=capsys,
+    )
     assert code == 0 and env.cli("logs", "f4", "-f", "--timeout", "60", capsys=capsys)[0] == 0
     got, out, err = env.cli("fetch", "f4", "--to", str(tmp_path / "d"), capsys=capsys)
     assert got == 3 and "error: run 'f4' has no checkpoint yet" in err and "--logs" in err

@@ -19,29 +19,52 @@ SECRET = "sup3r-s3cret-value-for-the-child"
 
 
 def profile(name: str, extra_argv: str, policy: str) -> str:
-    return (f"  {name}:\n"
-            f"    argv: [\"{{python}}\", \"{{release}}/workload.py\", --output-dir, \"{{run_dir}}\", --interval, \"0.02\","
-            f" {extra_argv}]\n"
-            f"    files: [workload.py]\n    packages: []\n    resume_args: [--resume-from, \"{{checkpoint}}\"]\n"
-            f"    pass_env: [WORKLOAD_SECRET]\n{policy}")
+    return (
+        f"  {name}:\n"
+        f'    argv: ["{{python}}", "{{release}}/workload.py", --output-dir, "{{run_dir}}", --interval, "0.02",'
+        f" {extra_argv}]\n"
+        f'    files: [workload.py]\n    packages: []\n    resume_args: [--resume-from, "{{checkpoint}}"]\n'
+        f"    pass_env: [WORKLOAD_SECRET]\n{policy}"
+    )
 
 
 @pytest.fixture
 def sup(env: Env, monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:
     counter = env.root / "starts"
-    env.inventory.write_text(env.inventory.read_text() + "".join([
-        profile("flaky", f"--steps, \"30\", --save-every, \"5\", --crash-at, \"12\", --crash-times, \"2\", "
-                         f"--state-file, \"{counter}\"",
-                "    on_failure: {resume: true, max_restarts: 3, backoff: 0.2s}\n"),
-        profile("broken", "--steps, \"30\", --save-every, \"5\", --crash-at, \"7\"",
-                "    on_failure: {max_restarts: 2, backoff: 0.1s}\n"),
-        profile("hung", "--steps, \"1000\", --hang-after, \"5\"",
-                "    stall: {heartbeat: 1.5s, grace: 5s}\n    on_failure: {max_restarts: 0}\n"),
-        profile("slow", "--steps, \"30\", --crash-at, \"3\"", "    on_failure: {max_restarts: 3, backoff: 1h}\n"),
-        profile("stuck", "--steps, \"1000\", --hang-after, \"5\", --beat-while-hung",
-                "    stall: {heartbeat: 1.5s, grace: 5s}\n"),
-        profile("idle", "--steps, \"100000\", --interval, \"0.05\"", "    stall: {gpu_util_below: 5%, for: 1s, grace: 5s}\n"),
-    ]))
+    env.inventory.write_text(
+        env.inventory.read_text()
+        + "".join(
+            [
+                profile(
+                    "flaky",
+                    f'--steps, "30", --save-every, "5", --crash-at, "12", --crash-times, "2", '
+                    f'--state-file, "{counter}"',
+                    "    on_failure: {resume: true, max_restarts: 3, backoff: 0.2s}\n",
+                ),
+                profile(
+                    "broken",
+                    '--steps, "30", --save-every, "5", --crash-at, "7"',
+                    "    on_failure: {max_restarts: 2, backoff: 0.1s}\n",
+                ),
+                profile(
+                    "hung",
+                    '--steps, "1000", --hang-after, "5"',
+                    "    stall: {heartbeat: 1.5s, grace: 5s}\n    on_failure: {max_restarts: 0}\n",
+                ),
+                profile("slow", '--steps, "30", --crash-at, "3"', "    on_failure: {max_restarts: 3, backoff: 1h}\n"),
+                profile(
+                    "stuck",
+                    '--steps, "1000", --hang-after, "5", --beat-while-hung',
+                    "    stall: {heartbeat: 1.5s, grace: 5s}\n",
+                ),
+                profile(
+                    "idle",
+                    '--steps, "100000", --interval, "0.05"',
+                    "    stall: {gpu_util_below: 5%, for: 1s, grace: 5s}\n",
+                ),
+            ]
+        )
+    )
     monkeypatch.setenv("WORKLOAD_SECRET", SECRET)
     yield env
     stop_supervisors(env.workspace)
@@ -157,8 +180,9 @@ def test_steps_that_stop_while_the_heartbeat_beats_are_a_stall(sup: Env, capsys:
     assert stall["at"] - stall["last_heartbeat"] < 1.0  # the heartbeat was fresh all along
 
 
-def test_idle_gpus_while_training_are_a_stall(sup: Env, capsys: pytest.CaptureFixture[str], tmp_path: Path,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_idle_gpus_while_training_are_a_stall(
+    sup: Env, capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """This machine has no GPU: a fake `nvidia-smi` on PATH (a stand-in for hardware that cannot exist
     here) reports two GPUs at 0-1% while the workload says it is training."""
     fake = tmp_path / "bin" / "nvidia-smi"

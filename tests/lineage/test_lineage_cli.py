@@ -43,8 +43,9 @@ def test_list_show_diff_json(three_runs: dict, db_path: Path, capsys: pytest.Cap
     assert json.loads(out)["args"]["added"] == {"--compile": "(set)"}
 
 
-def test_tree_shows_state_steps_tau_note_and_change(three_runs: dict, db_path: Path,
-                                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_tree_shows_state_steps_tau_note_and_change(
+    three_runs: dict, db_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     code, out, _ = run_cli(capsys, "tree", "--db", str(db_path))
     assert code == 0
     assert "exp-flex5  [finished]  step 40  best tau_sim 1.500" in out
@@ -76,17 +77,20 @@ def test_reads_never_create_a_database(tmp_path: Path, capsys: pytest.CaptureFix
     assert not missing.exists()
 
 
-def test_plot_writes_png_and_refuses_unknown_metric(three_runs: dict, db_path: Path, tmp_path: Path,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_plot_writes_png_and_refuses_unknown_metric(
+    three_runs: dict, db_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out_png = tmp_path / "tau.png"
-    code, out, _ = run_cli(capsys, "plot", *three_runs["names"], "--metric", "tau_sim", "--out", str(out_png),
-                           "--db", str(db_path))
+    code, out, _ = run_cli(
+        capsys, "plot", *three_runs["names"], "--metric", "tau_sim", "--out", str(out_png), "--db", str(db_path)
+    )
     assert code == 0 and out.strip() == str(out_png)
     data = out_png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     before = sorted(p.name for p in tmp_path.iterdir())
-    code, out, err = run_cli(capsys, "plot", "exp-flex5", "--metric", "accuracy", "--out", str(tmp_path / "x.png"),
-                             "--db", str(db_path))
+    code, out, err = run_cli(
+        capsys, "plot", "exp-flex5", "--metric", "accuracy", "--out", str(tmp_path / "x.png"), "--db", str(db_path)
+    )
     assert code == 2 and "error: no run among exp-flex5 has metric 'accuracy'" in err
     assert "hint: metrics found: block_tok_s, loss, tau_sim" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written
@@ -101,9 +105,25 @@ def test_item23_plot_without_matplotlib_says_how_to_get_it(three_runs: dict, db_
     (shim / "__init__.py").write_text("raise ImportError('No module named matplotlib (hidden by the test)')\n")
     out_png = tmp_path / "loss.png"
     env = {**os.environ, "PYTHONPATH": f"{shim.parent}{os.pathsep}{REPO}"}
-    out = subprocess.run([sys.executable, "-m", "dflashops.cli.main", "runs", "plot", *three_runs["names"],
-                          "--out", str(out_png), "--db", str(db_path)],
-                         capture_output=True, text=True, env=env, timeout=60, cwd=tmp_path)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dflashops.cli.main",
+            "runs",
+            "plot",
+            *three_runs["names"],
+            "--out",
+            str(out_png),
+            "--db",
+            str(db_path),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert out.returncode == 2 and out.stdout == "" and not out_png.exists(), out.stderr
     lines = out.stderr.splitlines()
     assert lines[0].startswith("error: runs plot needs matplotlib") and "Traceback" not in out.stderr, out.stderr
@@ -119,8 +139,9 @@ def test_plot_styles_distinguish_runs_without_colour() -> None:
     assert len(pairs) == len(LINE_STYLES) * 8
 
 
-def test_item20_export_takes_json_like_the_other_data_verbs(three_runs: dict, db_path: Path,
-                                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_item20_export_takes_json_like_the_other_data_verbs(
+    three_runs: dict, db_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     code, as_json, _ = run_cli(capsys, "export", "--json", "--db", str(db_path))
     assert code == 0 and [row["name"] for row in json.loads(as_json)] == three_runs["names"]
     assert run_cli(capsys, "export", "--format", "json", "--db", str(db_path))[1] == as_json  # --format still works
@@ -128,7 +149,9 @@ def test_item20_export_takes_json_like_the_other_data_verbs(three_runs: dict, db
     assert code == 2 and out == "" and err.startswith("error: ") and "hint: " in err
 
 
-def test_export_csv_and_json(three_runs: dict, db_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_export_csv_and_json(
+    three_runs: dict, db_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     code, out, _ = run_cli(capsys, "export", "--format", "csv", "--db", str(db_path))
     rows = list(csv.DictReader(io.StringIO(out)))
     assert code == 0 and [r["name"] for r in rows] == three_runs["names"]
@@ -143,10 +166,19 @@ def test_export_csv_and_json(three_runs: dict, db_path: Path, tmp_path: Path, ca
 def _run_dir(workspace: Path, name: str, parent: str | None, exit_code: int | None, stopped: bool = False) -> None:
     directory = workspace / "runs" / name
     write_metrics(directory, [{"step": 5, "loss": 2.0, "tau_sim": 1.5}])
-    run_json = {"name": name, "parent": parent, "hypothesis": f"why {name}", "code_hash": "e" * 40,
-                "argv": ["python", "-m", "trainer", "train"], "env": {"HF_TOKEN": "<redacted>"}, "target": "local",
-                "launcher": "nohup", "session": name, "started_at": f"2026-11-29T07:0{len(name) % 10}:00Z",
-                "run_dir": str(directory)}
+    run_json = {
+        "name": name,
+        "parent": parent,
+        "hypothesis": f"why {name}",
+        "code_hash": "e" * 40,
+        "argv": ["python", "-m", "trainer", "train"],
+        "env": {"HF_TOKEN": "<redacted>"},
+        "target": "local",
+        "launcher": "nohup",
+        "session": name,
+        "started_at": f"2026-11-29T07:0{len(name) % 10}:00Z",
+        "run_dir": str(directory),
+    }
     (directory / "run.json").write_text(json.dumps(run_json))
     if exit_code is not None:
         (directory / "exit_code").write_text(f"{exit_code}\n")
@@ -154,7 +186,9 @@ def _run_dir(workspace: Path, name: str, parent: str | None, exit_code: int | No
         (directory / "stop.json").write_text("{}")
 
 
-def test_sync_rebuilds_lineage_from_a_workspace(tmp_path: Path, db_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_sync_rebuilds_lineage_from_a_workspace(
+    tmp_path: Path, db_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     workspace = tmp_path / "ws"
     _run_dir(workspace, "exp-b", "exp-a", 1)  # child first: import order must not matter
     _run_dir(workspace, "exp-a", None, 0)
@@ -165,14 +199,18 @@ def test_sync_rebuilds_lineage_from_a_workspace(tmp_path: Path, db_path: Path, c
     assert code == 0 and outcomes == {"exp-a": "added", "exp-b": "added", "exp-c": "added", "junk": "skipped"}
     with LineageDB(db_path) as db:
         assert [(r.name, r.state, r.exit_code, r.last_step) for r in db.list()] == [
-            ("exp-a", "finished", 0, 5), ("exp-b", "crashed", 1, 5), ("exp-c", "stopped", 143, 5)]
+            ("exp-a", "finished", 0, 5),
+            ("exp-b", "crashed", 1, 5),
+            ("exp-c", "stopped", 143, 5),
+        ]
         assert db.get("exp-b").note == "why exp-b" and db.root("exp-c") == "exp-a"
     code, out, err = run_cli(capsys, "sync", "--workspace", str(workspace), "--db", str(db_path))
     assert code == 0 and "0 added, 0 updated, 3 unchanged" in err
 
 
-def test_sync_without_a_source_is_refused(db_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sync_without_a_source_is_refused(
+    db_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`runs sync` alone reads every target of the inventory; one with no targets has nothing to read."""
     (tmp_path / "inventory.yaml").write_text("targets: {}\n")
     monkeypatch.setenv("DFLASHOPS_INVENTORY", str(tmp_path / "inventory.yaml"))
@@ -182,6 +220,12 @@ def test_sync_without_a_source_is_refused(db_path: Path, tmp_path: Path, capsys:
 
 def test_real_process_no_colour_and_data_on_stdout(three_runs: dict, db_path: Path) -> None:
     env = {**os.environ, "NO_COLOR": "1", "PYTHONPATH": str(REPO), "TERM": "xterm-256color"}
-    done = subprocess.run([sys.executable, "-m", "dflashops.cli.main", "runs", "tree", "--db", str(db_path)],
-                          capture_output=True, text=True, env=env, timeout=60, cwd=REPO)
+    done = subprocess.run(
+        [sys.executable, "-m", "dflashops.cli.main", "runs", "tree", "--db", str(db_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        cwd=REPO,
+    )
     assert done.returncode == 0 and "\x1b[" not in done.stdout and "exp-flex7" in done.stdout and done.stderr == ""

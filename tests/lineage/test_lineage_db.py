@@ -16,8 +16,15 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_record_roundtrip_real_wal_file_with_schema_version(db: LineageDB, db_path: Path) -> None:
-    stored = db.record(RunRecord(name="exp-a", note="try bigger lr", argv=["python", "-m", "trainer", "--lr", "3e-4"],
-                                 gpus="0,1", exit_code=None))
+    stored = db.record(
+        RunRecord(
+            name="exp-a",
+            note="try bigger lr",
+            argv=["python", "-m", "trainer", "--lr", "3e-4"],
+            gpus="0,1",
+            exit_code=None,
+        )
+    )
     assert stored.name == "exp-a" and stored.gpus == [0, 1] and stored.note == "try bigger lr"
     assert db.get("exp-a") == stored
     raw = sqlite3.connect(db_path)
@@ -85,9 +92,18 @@ def test_record_as_next_derives_the_name(db: LineageDB) -> None:
 
 
 def test_import_run_json_is_idempotent(db: LineageDB) -> None:
-    run_json = {"name": "exp-a", "hypothesis": "h1", "code_hash": "c" * 40, "argv": ["python", "x"],
-                "env": {"HF_TOKEN": "hf_abcdefghijklmnop"}, "target": "local", "launcher": "tmux",
-                "session": "exp-a", "started_at": "2026-11-29T07:00:00Z", "pgid": 1234}
+    run_json = {
+        "name": "exp-a",
+        "hypothesis": "h1",
+        "code_hash": "c" * 40,
+        "argv": ["python", "x"],
+        "env": {"HF_TOKEN": "hf_abcdefghijklmnop"},
+        "target": "local",
+        "launcher": "tmux",
+        "session": "exp-a",
+        "started_at": "2026-11-29T07:00:00Z",
+        "pgid": 1234,
+    }
     assert db.import_run_json(run_json) == "added"
     assert db.import_run_json(run_json) == "unchanged"
     stored = db.get("exp-a")
@@ -103,8 +119,13 @@ def test_import_run_json_is_idempotent(db: LineageDB) -> None:
 
 def test_secrets_never_reach_the_file(db: LineageDB, db_path: Path) -> None:
     secrets = ["wandbsecret0123456789", "hf_topsecretvalue123", "pw-hunter2-xyz"]
-    db.record(RunRecord(name="exp-s", env={"WANDB_API_KEY": secrets[0], "HF_TOKEN": secrets[1], "DB_PASSWORD": secrets[2]},
-                        argv=["python", "-m", "trainer", "--hf-token", secrets[1], f"--api-key={secrets[0]}"]))
+    db.record(
+        RunRecord(
+            name="exp-s",
+            env={"WANDB_API_KEY": secrets[0], "HF_TOKEN": secrets[1], "DB_PASSWORD": secrets[2]},
+            argv=["python", "-m", "trainer", "--hf-token", secrets[1], f"--api-key={secrets[0]}"],
+        )
+    )
     db.close()
     blob = b"".join(p.read_bytes() for p in db_path.parent.iterdir() if p.name.startswith(db_path.name))
     for secret in secrets:
@@ -169,8 +190,10 @@ db.close()
 
 def test_two_processes_write_at_once(db: LineageDB, db_path: Path) -> None:
     db.record(RunRecord(name="base"))
-    writers = [subprocess.Popen([sys.executable, "-c", WRITER, str(db_path)], cwd=REPO, stderr=subprocess.PIPE)
-               for _ in range(2)]
+    writers = [
+        subprocess.Popen([sys.executable, "-c", WRITER, str(db_path)], cwd=REPO, stderr=subprocess.PIPE)
+        for _ in range(2)
+    ]
     for writer in writers:
         _, err = writer.communicate(timeout=60)
         assert writer.returncode == 0, err.decode()

@@ -37,9 +37,17 @@ def inventory(tmp_path: Path):
     yield path
     runs = tmp_path / "ws" / "runs"
     for run in sorted(runs.iterdir()) if runs.is_dir() else []:  # stop only our own runs, by their records
-        subprocess.run([sys.executable, str(AGENT), "stop", "--json-args",
-                        json.dumps({"workspace": str(tmp_path / "ws"), "name": run.name, "grace": 1})],
-                       capture_output=True, timeout=60)
+        subprocess.run(
+            [
+                sys.executable,
+                str(AGENT),
+                "stop",
+                "--json-args",
+                json.dumps({"workspace": str(tmp_path / "ws"), "name": run.name, "grace": 1}),
+            ],
+            capture_output=True,
+            timeout=60,
+        )
 
 
 def cli(capsys: pytest.CaptureFixture[str], inventory: Path, *argv: str) -> tuple[int, str, str]:
@@ -49,13 +57,37 @@ def cli(capsys: pytest.CaptureFixture[str], inventory: Path, *argv: str) -> tupl
     return code, out, err
 
 
-def test_three_run_lineage_views_and_rebuild(inventory: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    launches = [("exp-flex5", [], "baseline"), ("+", ["--parent", "exp-flex5"], "faster steps"),
-                ("+", ["--parent", "exp-flex6"], "even faster")]
+def test_three_run_lineage_views_and_rebuild(
+    inventory: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    launches = [
+        ("exp-flex5", [], "baseline"),
+        ("+", ["--parent", "exp-flex5"], "faster steps"),
+        ("+", ["--parent", "exp-flex6"], "even faster"),
+    ]
     for index, (name, parent_args, note) in enumerate(launches):
-        code, out, err = cli(capsys, inventory, "deploy", "local", "--profile", "work", "--name", name, *parent_args,
-                             "--note", note, "--launcher", "nohup", "--wait", "^done", "--timeout", "30",
-                             "--", "--interval", f"0.00{index + 1}")
+        code, out, err = cli(
+            capsys,
+            inventory,
+            "deploy",
+            "local",
+            "--profile",
+            "work",
+            "--name",
+            name,
+            *parent_args,
+            "--note",
+            note,
+            "--launcher",
+            "nohup",
+            "--wait",
+            "^done",
+            "--timeout",
+            "30",
+            "--",
+            "--interval",
+            f"0.00{index + 1}",
+        )
         assert code == 0, err
     runs = tmp_path / "ws" / "runs"
     assert sorted(p.name for p in runs.iterdir()) == ["exp-flex5", "exp-flex6", "exp-flex7"]
@@ -68,11 +100,14 @@ def test_three_run_lineage_views_and_rebuild(inventory: Path, tmp_path: Path, ca
     assert code == 0, err
     assert "exp-flex5  [" in out and "step 6  best tau_sim 1.060" in out and "note: faster steps" in out
     assert "exp-flex5  [finished]  step 6  best tau_sim 1.060\n      note: baseline\n" in out  # live state
-    assert "note: faster steps\n          vs parent: --interval 0.001->0.002\n" in out  # nothing else: extra args replace the profile's value
+    assert (
+        "note: faster steps\n          vs parent: --interval 0.001->0.002\n" in out
+    )  # nothing else: extra args replace the profile's value
 
     png = tmp_path / "loss.png"
-    code, out, err = cli(capsys, inventory, "runs", "plot", "exp-flex5", "exp-flex6", "exp-flex7", "--metric", "loss",
-                         "--out", str(png))
+    code, out, err = cli(
+        capsys, inventory, "runs", "plot", "exp-flex5", "exp-flex6", "exp-flex7", "--metric", "loss", "--out", str(png)
+    )
     assert code == 0, err
     assert png.read_bytes()[:4] == b"\x89PNG" and "warning" not in err  # metrics found via the local workspace
 
@@ -82,10 +117,15 @@ def test_three_run_lineage_views_and_rebuild(inventory: Path, tmp_path: Path, ca
     code, out, err = cli(capsys, inventory, "runs", "sync", "local", "--json")
     assert code == 0, err
     assert sorted((o["name"], o["outcome"]) for o in json.loads(out)) == [
-        ("exp-flex5", "added"), ("exp-flex6", "added"), ("exp-flex7", "added")]
+        ("exp-flex5", "added"),
+        ("exp-flex6", "added"),
+        ("exp-flex7", "added"),
+    ]
     code, out, err = cli(capsys, inventory, "runs", "list", "--json")
     rebuilt = {r["name"]: (r["parent"], r["state"], r["exit_code"], r["last_step"], r["note"]) for r in json.loads(out)}
-    assert rebuilt == {"exp-flex5": (None, "finished", 0, 6, "baseline"),
-                       "exp-flex6": ("exp-flex5", "finished", 0, 6, "faster steps"),
-                       "exp-flex7": ("exp-flex6", "finished", 0, 6, "even faster")}
+    assert rebuilt == {
+        "exp-flex5": (None, "finished", 0, 6, "baseline"),
+        "exp-flex6": ("exp-flex5", "finished", 0, 6, "faster steps"),
+        "exp-flex7": ("exp-flex6", "finished", 0, 6, "even faster"),
+    }
     assert cli(capsys, inventory, "runs", "sync", "local")[0] == 0  # idempotent

@@ -37,15 +37,31 @@ def test_next_name_refuses_bad_parent_and_overlong_result() -> None:
 
 def test_redact_env() -> None:
     env = {
-        "WANDB_API_KEY": "abc", "HF_TOKEN": "hf_abcdefghijkl", "GITHUB_PAT": "x", "DB_PASSWORD": "p",
-        "AWS_SECRET_ACCESS_KEY": "s", "OPENAI_KEY": "sk-proj-abcdefghijklmnopqrstuvwx",
-        "S3_KEY": "AbCdEf0123456789ZzYy", "SOME_VAR": "hf_abcdefghijklmnop",
-        "KEYMAP": "us", "SSH_KEY_PATH": "/root/.ssh/id_ed25519_deploy_key", "HF_HOME": "/cache/hf",
-        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "PROXY": "http://bob:s3cret@proxy:3128",
+        "WANDB_API_KEY": "abc",
+        "HF_TOKEN": "hf_abcdefghijkl",
+        "GITHUB_PAT": "x",
+        "DB_PASSWORD": "p",
+        "AWS_SECRET_ACCESS_KEY": "s",
+        "OPENAI_KEY": "sk-proj-abcdefghijklmnopqrstuvwx",
+        "S3_KEY": "AbCdEf0123456789ZzYy",
+        "SOME_VAR": "hf_abcdefghijklmnop",
+        "KEYMAP": "us",
+        "SSH_KEY_PATH": "/root/.ssh/id_ed25519_deploy_key",
+        "HF_HOME": "/cache/hf",
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+        "PROXY": "http://bob:s3cret@proxy:3128",
     }
     out = redact_env(env)
-    for key in ("WANDB_API_KEY", "HF_TOKEN", "GITHUB_PAT", "DB_PASSWORD", "AWS_SECRET_ACCESS_KEY", "OPENAI_KEY",
-                "S3_KEY", "SOME_VAR"):
+    for key in (
+        "WANDB_API_KEY",
+        "HF_TOKEN",
+        "GITHUB_PAT",
+        "DB_PASSWORD",
+        "AWS_SECRET_ACCESS_KEY",
+        "OPENAI_KEY",
+        "S3_KEY",
+        "SOME_VAR",
+    ):
         assert out[key] == "<redacted>", key
     for key in ("KEYMAP", "SSH_KEY_PATH", "HF_HOME", "PYTORCH_CUDA_ALLOC_CONF"):
         assert out[key] == env[key], key
@@ -55,27 +71,78 @@ def test_redact_env() -> None:
 
 def test_redact_argv() -> None:
     argv = ["python", "--hf-token", "abc", "--api-key=xyz", "--lr", "1e-4", "hf_abcdefghijklmnop", "--password", "p"]
-    assert redact_argv(argv) == ["python", "--hf-token", "<redacted>", "--api-key=<redacted>", "--lr", "1e-4",
-                                 "<redacted>", "--password", "<redacted>"]
+    assert redact_argv(argv) == [
+        "python",
+        "--hf-token",
+        "<redacted>",
+        "--api-key=<redacted>",
+        "--lr",
+        "1e-4",
+        "<redacted>",
+        "--password",
+        "<redacted>",
+    ]
 
 
 def test_parse_argv_pairs_booleans_repeats_and_negatives() -> None:
     positional, options = parse_argv(
-        ["python", "-m", "trainer", "train", "--lr", "1e-4", "--compile", "--shift=-1", "--bias", "-0.5",
-         "--tap", "1", "--tap", "5", "-n", "3", "--", "--not-a-flag"])
+        [
+            "python",
+            "-m",
+            "trainer",
+            "train",
+            "--lr",
+            "1e-4",
+            "--compile",
+            "--shift=-1",
+            "--bias",
+            "-0.5",
+            "--tap",
+            "1",
+            "--tap",
+            "5",
+            "-n",
+            "3",
+            "--",
+            "--not-a-flag",
+        ]
+    )
     assert positional == ["python", "train", "--not-a-flag"]  # `-m trainer` is a short option with its value
-    assert options == {"-m": "trainer", "--lr": "1e-4", "--compile": FLAG_PRESENT, "--shift": "-1",
-                       "--bias": "-0.5", "--tap": ["1", "5"], "-n": "3"}
+    assert options == {
+        "-m": "trainer",
+        "--lr": "1e-4",
+        "--compile": FLAG_PRESENT,
+        "--shift": "-1",
+        "--bias": "-0.5",
+        "--tap": ["1", "5"],
+        "-n": "3",
+    }
 
 
 def test_diff_runs_is_order_insensitive_and_pair_aware() -> None:
-    a = RunRecord(name="a", argv=["t", "--lr", "1e-4", "--bs", "8", "--compile"], env={"X": "1", "Y": "2"},
-                  code_hash="1" * 40, profile="tiny")
-    same = RunRecord(name="same", argv=["t", "--compile", "--bs", "8", "--lr", "1e-4"], env={"Y": "2", "X": "1"},
-                     code_hash="1" * 40, profile="tiny")
+    a = RunRecord(
+        name="a",
+        argv=["t", "--lr", "1e-4", "--bs", "8", "--compile"],
+        env={"X": "1", "Y": "2"},
+        code_hash="1" * 40,
+        profile="tiny",
+    )
+    same = RunRecord(
+        name="same",
+        argv=["t", "--compile", "--bs", "8", "--lr", "1e-4"],
+        env={"Y": "2", "X": "1"},
+        code_hash="1" * 40,
+        profile="tiny",
+    )
     assert diff_runs(a, same).empty and diff_runs(a, same).summary() == "no change"
-    b = RunRecord(name="b", argv=["t", "--lr", "3e-4", "--bs", "8", "--warmup", "100"], env={"X": "1", "Z": "3"},
-                  code_hash="2" * 40, profile="qwen3-8b", target="ct200")
+    b = RunRecord(
+        name="b",
+        argv=["t", "--lr", "3e-4", "--bs", "8", "--warmup", "100"],
+        env={"X": "1", "Z": "3"},
+        code_hash="2" * 40,
+        profile="qwen3-8b",
+        target="ct200",
+    )
     diff = diff_runs(a, b)
     assert diff.args_changed == {"--lr": ("1e-4", "3e-4")}
     assert diff.args_added == {"--warmup": "100"} and diff.args_removed == {"--compile": FLAG_PRESENT}
@@ -101,10 +168,18 @@ def test_record_rejects_unknown_state() -> None:
 
 
 def test_diff_ignores_the_runs_own_name_hash_and_identity_env() -> None:
-    a = RunRecord(name="exp-flex5", code_hash="a" * 40, argv=["py", f"/w/releases/{'a' * 40}/t.py", "--out", "/w/runs/exp-flex5"],
-                  env={"WANDB_NAME": "exp-flex5", "DFLASHOPS_RUN_PARENT": "x", "LOG": "/w/runs/exp-flex5/x.log"})
-    b = RunRecord(name="exp-flex6", code_hash="b" * 40, argv=["py", f"/w/releases/{'b' * 40}/t.py", "--out", "/w/runs/exp-flex6"],
-                  env={"WANDB_NAME": "exp-flex6", "DFLASHOPS_RUN_PARENT": "exp-flex5", "LOG": "/w/runs/exp-flex6/x.log"})
+    a = RunRecord(
+        name="exp-flex5",
+        code_hash="a" * 40,
+        argv=["py", f"/w/releases/{'a' * 40}/t.py", "--out", "/w/runs/exp-flex5"],
+        env={"WANDB_NAME": "exp-flex5", "DFLASHOPS_RUN_PARENT": "x", "LOG": "/w/runs/exp-flex5/x.log"},
+    )
+    b = RunRecord(
+        name="exp-flex6",
+        code_hash="b" * 40,
+        argv=["py", f"/w/releases/{'b' * 40}/t.py", "--out", "/w/runs/exp-flex6"],
+        env={"WANDB_NAME": "exp-flex6", "DFLASHOPS_RUN_PARENT": "exp-flex5", "LOG": "/w/runs/exp-flex6/x.log"},
+    )
     diff = diff_runs(a, b)
     assert diff.lines() == ["~ code_hash: aaaaaaaaaaaa -> bbbbbbbbbbbb"]
     # A longer name that merely starts with the run's name is not the run's name.

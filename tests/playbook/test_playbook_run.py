@@ -25,17 +25,41 @@ def lineage(env: Env) -> dict[str, str | None]:
 
 
 def test_restart_cycle_for_real(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = env.cli("deploy", "local", "--profile", "work", "--name", "exp-flex5", "--wait", r"step 2\b",
-                             "--timeout", "30", capsys=capsys)
+    code, out, err = env.cli(
+        "deploy",
+        "local",
+        "--profile",
+        "work",
+        "--name",
+        "exp-flex5",
+        "--wait",
+        r"step 2\b",
+        "--timeout",
+        "30",
+        capsys=capsys,
+    )
     assert code == 0, err
     # No --set: `run` defaults to the most recently started running run on the target.
-    done = env.run_cli("play", str(PLAYBOOKS / "restart-cycle.yaml"), "--target", "local", "--json",
-                       "--set", "note=lr 6e-4", "--set", "grace=10")
+    done = env.run_cli(
+        "play",
+        str(PLAYBOOKS / "restart-cycle.yaml"),
+        "--target",
+        "local",
+        "--json",
+        "--set",
+        "note=lr 6e-4",
+        "--set",
+        "grace=10",
+    )
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     # sync is "ok" unless someone edited trainer/ since the deploy above (shared working trees do)
     assert [(s["kind"], s["status"]) for s in report["steps"] if s["kind"] != "sync"] == [
-        ("stop", "changed"), ("clear-cache", "ok"), ("deploy", "changed"), ("wait", "ok")]
+        ("stop", "changed"),
+        ("clear-cache", "ok"),
+        ("deploy", "changed"),
+        ("wait", "ok"),
+    ]
     assert report["steps"][1]["kind"] == "sync" and report["steps"][1]["status"] in ("ok", "changed")
     assert report["completed"] and report["variables"]["run"] == "exp-flex5"
     assert all(s["seconds"] >= 0 for s in report["steps"])
@@ -58,8 +82,9 @@ def test_check_lists_commands_and_runs_nothing(env: Env, capsys: pytest.CaptureF
     before_runs = sorted(p.name for p in env.runs.iterdir())
     before_releases = sorted(p.name for p in (env.workspace / "releases").iterdir())
     pgid = (env.runs / "base1" / "pgid").read_text()
-    code, out, err = env.cli("play", str(PLAYBOOKS / "restart-cycle.yaml"), "--check", "--set", "run=base1",
-                             capsys=capsys)
+    code, out, err = env.cli(
+        "play", str(PLAYBOOKS / "restart-cycle.yaml"), "--check", "--set", "run=base1", capsys=capsys
+    )
     assert code == 0, err
     assert "# [1] stop: stop the old run cleanly" in out
     assert " stop --json-args " in out and '"name": "base1"' in out
@@ -75,7 +100,9 @@ def test_check_lists_commands_and_runs_nothing(env: Env, capsys: pytest.CaptureF
 
 
 def test_failure_policies(env: Env, write: Write, capsys: pytest.CaptureFixture[str]) -> None:
-    path = write("crash.yaml", """\
+    path = write(
+        "crash.yaml",
+        """\
 vars:
   policy: continue
 steps:
@@ -89,12 +116,18 @@ steps:
   - name: assert fails and stops
     assert: {run: "{{d.name}}", that: "state == 'finished'"}
   - exec: {argv: ["{{python}}", "-c", "print('never')"]}
-""".replace("{{python}}", __import__("sys").executable))
+""".replace("{{python}}", __import__("sys").executable),
+    )
     code, out, err = env.cli("play", str(path), "--json", capsys=capsys)
     report = json.loads(out)
     statuses = [(s["kind"], s["status"]) for s in report["steps"]]
-    assert statuses == [("deploy", "changed"), ("wait", "failed"), ("exec", "changed"), ("assert", "failed"),
-                        ("exec", "skipped")]
+    assert statuses == [
+        ("deploy", "changed"),
+        ("wait", "failed"),
+        ("exec", "changed"),
+        ("assert", "failed"),
+        ("exec", "skipped"),
+    ]
     assert "failure pattern" in report["steps"][1]["detail"] or "crashed" in report["steps"][1]["detail"]
     assert "exit code 0: after" in report["steps"][2]["detail"]
     assert "state == 'finished'" in report["steps"][3]["detail"] and "state='crashed'" in report["steps"][3]["detail"]
@@ -103,7 +136,9 @@ steps:
 
 
 def test_restart_with_resume_recovers(env: Env, write: Write, capsys: pytest.CaptureFixture[str]) -> None:
-    path = write("resume.yaml", """\
+    path = write(
+        "resume.yaml",
+        """\
 steps:
   - deploy: {profile: work, name: long1}
     register: d
@@ -113,13 +148,20 @@ steps:
     on_failure: restart-with-resume
   - name: later steps follow the child
     assert: {run: "{{d.name}}", that: "state == 'running'"}
-""")
+""",
+    )
     code, out, err = env.cli("play", str(path), "--json", capsys=capsys)
     report = json.loads(out)
     assert code == 0, err
     rows = [(s["index"], s["kind"], s["status"]) for s in report["steps"]]
-    assert rows == [("1", "deploy", "changed"), ("2", "wait", "ok"), ("3", "wait", "failed"),
-                    ("3r", "restart", "recovered"), ("3'", "wait", "ok"), ("4", "assert", "ok")]
+    assert rows == [
+        ("1", "deploy", "changed"),
+        ("2", "wait", "ok"),
+        ("3", "wait", "failed"),
+        ("3r", "restart", "recovered"),
+        ("3'", "wait", "ok"),
+        ("4", "assert", "ok"),
+    ]
     assert "as long2 from" in report["steps"][3]["detail"] and "checkpoints/step_" in report["steps"][3]["detail"]
     assert lineage(env) == {"long1": None, "long2": "long1"}
     assert state_of(env, "long1") == "stopped" and state_of(env, "long2") == "running"
@@ -127,13 +169,32 @@ steps:
 
 def test_sweep_collects_one_table(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
     grid = '[{tag: fast, args: [--interval, "0.01"]}, {tag: slow, args: [--interval, "0.03"]}]'
-    code, out, err = env.cli("play", str(PLAYBOOKS / "sweep.yaml"), "--check", "--set", "profile=work",
-                             "--set", f"grid={grid}", capsys=capsys)
+    code, out, err = env.cli(
+        "play",
+        str(PLAYBOOKS / "sweep.yaml"),
+        "--check",
+        "--set",
+        "profile=work",
+        "--set",
+        f"grid={grid}",
+        capsys=capsys,
+    )
     assert code == 0, err
     assert out.count(" launch --json-stdin") == 2 and '"name": "sweep-slow"' in out  # stop of a planned run
     assert not env.runs.exists() and not env.db.exists()  # the check launched nothing
-    code, out, err = env.cli("play", str(PLAYBOOKS / "sweep.yaml"), "--set", "profile=work", "--set", "steps=5",
-                             "--set", "grace=5", "--set", f"grid={grid}", capsys=capsys)
+    code, out, err = env.cli(
+        "play",
+        str(PLAYBOOKS / "sweep.yaml"),
+        "--set",
+        "profile=work",
+        "--set",
+        "steps=5",
+        "--set",
+        "grace=5",
+        "--set",
+        f"grid={grid}",
+        capsys=capsys,
+    )
     assert code == 0, err
     lines = [line for line in out.splitlines() if "sweep-" in line]
     assert len(lines) == 2 and "sweep-fast" in lines[0] and "sweep-slow" in lines[1]

@@ -51,8 +51,10 @@ def test_missing_variable(write: Write) -> None:
     undefined = write("u.yaml", "steps:\n  - stop: {run: a}\n  - stop: {run: '{{nope}}'}\n")
     message = refused(undefined)
     assert message.startswith(f"{undefined}:3:") and "{{nope}}" in message
-    later = write("l.yaml", "steps:\n  - wait: {run: '{{d.name}}', log: x, timeout: 1}\n"
-                            "  - deploy: {profile: work}\n    register: d\n")
+    later = write(
+        "l.yaml",
+        "steps:\n  - wait: {run: '{{d.name}}', log: x, timeout: 1}\n  - deploy: {profile: work}\n    register: d\n",
+    )
     assert "{{d}}" in refused(later)
     with pytest.raises(PlaybookError, match="no variable 'rnu'"):
         load_playbook(path).bind({"rnu": "x"})
@@ -68,25 +70,29 @@ def test_include_cycle(write: Write) -> None:
 
 def test_include_splices_steps_and_vars(write: Write) -> None:
     write("inner.yaml", "vars:\n  grace: 5\nsteps:\n  - stop: {run: '{{run}}', grace: '{{grace}}'}\n")
-    outer = write("outer.yaml", "vars:\n  run: r1\nsteps:\n  - include: {file: inner.yaml, vars: {grace: 7}}\n"
-                                "  - sync: {}\n")
+    outer = write(
+        "outer.yaml", "vars:\n  run: r1\nsteps:\n  - include: {file: inner.yaml, vars: {grace: 7}}\n  - sync: {}\n"
+    )
     playbook = load_playbook(outer)
     assert [s.kind for s in playbook.steps] == ["stop", "sync"]
     assert render(playbook.steps[0].args, playbook.bind({})) == {"run": "r1", "grace": 7}
 
 
-@pytest.mark.parametrize("text, line, words", [
-    ("steps:\n  - stop: {run: a, graec: 3}\n", 2, "unknown key 'graec'"),
-    ("steps:\n  - stop: {run: a}\n    on_failure: retry\n", 2, "on_failure 'retry'"),
-    ("steps:\n  - sync: {}\n    on_failure: restart-with-resume\n", 2, "needs a step that names a `run`"),
-    ("steps:\n  - wait: {run: a, metric: 'step >> 3', timeout: 5}\n", 2, "unexpected '>'"),
-    ("steps:\n  - wait: {run: a, log: '(', timeout: 5}\n", 2, "invalid regular expression"),
-    ("steps:\n  - wait: {run: a, timeout: 5}\n", 2, "exactly one of"),
-    ("steps:\n  - stop: {run: a}\n    sync: {}\n", 2, "exactly one kind"),
-    ("steps:\n  - exec: {argv: 'rm -rf /'}\n", 2, "list of words"),
-    ("steps:\n  - stop: {run: a\n", 3, "invalid YAML"),
-    ("stesp: []\n", 1, "unknown key 'stesp'"),
-])
+@pytest.mark.parametrize(
+    "text, line, words",
+    [
+        ("steps:\n  - stop: {run: a, graec: 3}\n", 2, "unknown key 'graec'"),
+        ("steps:\n  - stop: {run: a}\n    on_failure: retry\n", 2, "on_failure 'retry'"),
+        ("steps:\n  - sync: {}\n    on_failure: restart-with-resume\n", 2, "needs a step that names a `run`"),
+        ("steps:\n  - wait: {run: a, metric: 'step >> 3', timeout: 5}\n", 2, "unexpected '>'"),
+        ("steps:\n  - wait: {run: a, log: '(', timeout: 5}\n", 2, "invalid regular expression"),
+        ("steps:\n  - wait: {run: a, timeout: 5}\n", 2, "exactly one of"),
+        ("steps:\n  - stop: {run: a}\n    sync: {}\n", 2, "exactly one kind"),
+        ("steps:\n  - exec: {argv: 'rm -rf /'}\n", 2, "list of words"),
+        ("steps:\n  - stop: {run: a\n", 3, "invalid YAML"),
+        ("stesp: []\n", 1, "unknown key 'stesp'"),
+    ],
+)
 def test_bad_playbooks(write: Write, text: str, line: int, words: str) -> None:
     path = write("p.yaml", text)
     message = refused(path)
@@ -96,7 +102,11 @@ def test_bad_playbooks(write: Write, text: str, line: int, words: str) -> None:
 
 def test_set_values_are_yaml() -> None:
     assert parse_set(["steps=10", "note=a b", "grid=[1, 2]", "empty="]) == {
-        "steps": 10, "note": "a b", "grid": [1, 2], "empty": ""}
+        "steps": 10,
+        "note": "a b",
+        "grid": [1, 2],
+        "empty": "",
+    }
     with pytest.raises(Exception, match="expected key=value"):
         parse_set(["novalue"])
 
@@ -107,8 +117,7 @@ def test_render_keeps_types_and_nests() -> None:
     assert render(["x-{{grid[0].tag}}", "{{note}}"], scope) == ["x-a", "restart of exp5"]
 
 
-def test_cli_refuses_bad_playbook_and_runs_nothing(env: Env, write: Write,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_refuses_bad_playbook_and_runs_nothing(env: Env, write: Write, capsys: pytest.CaptureFixture[str]) -> None:
     path = write("bad.yaml", "steps:\n  - deploy: {profile: work, name: never}\n  - wait: {run: never, log: x}\n")
     code, out, err = env.cli("play", str(path), capsys=capsys)
     assert code == 2 and out == ""
@@ -117,8 +126,9 @@ def test_cli_refuses_bad_playbook_and_runs_nothing(env: Env, write: Write,
     code, _, err = env.cli("play", str(PLAYBOOKS / "restart-cycle.yaml"), "--set", "bogus=1", capsys=capsys)
     assert code == 2 and "no variable 'bogus'" in err and "hint: variables:" in err
     for check in (["--check"], []):  # `run` defaults to the newest running run: there is none
-        code, out, err = env.cli("play", str(PLAYBOOKS / "restart-cycle.yaml"), "--target", "local", *check,
-                                 capsys=capsys)
+        code, out, err = env.cli(
+            "play", str(PLAYBOOKS / "restart-cycle.yaml"), "--target", "local", *check, capsys=capsys
+        )
         assert code == 3 and out == "" and "error: no run is running on target local" in err
         assert "hint: name the run: --set run=NAME" in err
     assert not env.runs.exists() and not env.db.exists()

@@ -61,9 +61,15 @@ def harness() -> Iterator[remote_harness.Harness]:
 
 
 def settings_for(h: remote_harness.Harness, port: int | None = None, **overrides: object) -> SshSettings:
-    fields: dict[str, object] = dict(host="127.0.0.1", user=h.user, port=port or h.port,
-                                     identity_file=str(h.client_key), known_hosts=str(h.known_hosts),
-                                     connect_timeout=5.0, trust_name="pve")
+    fields: dict[str, object] = dict(
+        host="127.0.0.1",
+        user=h.user,
+        port=port or h.port,
+        identity_file=str(h.client_key),
+        known_hosts=str(h.known_hosts),
+        connect_timeout=5.0,
+        trust_name="pve",
+    )
     fields.update(overrides)
     return SshSettings(**fields)  # type: ignore[arg-type]
 
@@ -77,8 +83,9 @@ def ssh(harness: remote_harness.Harness) -> Iterator[SshTransport]:
 
 @pytest.fixture
 def ct200(harness: remote_harness.Harness) -> Iterator[PctTransport]:
-    transport = PctTransport(name="ct200", host=SshTransport(name="pve", settings=settings_for(harness)),
-                             ctid=200, sudo=True)
+    transport = PctTransport(
+        name="ct200", host=SshTransport(name="pve", settings=settings_for(harness)), ctid=200, sudo=True
+    )
     yield transport
     transport.close()
 
@@ -91,8 +98,14 @@ def proxy(harness: remote_harness.Harness) -> Iterator[LoopProxy]:
     p.close()
 
 
-def write_inventory(path: Path, h: remote_harness.Harness, *, port: int | None = None,
-                    workspace: str = "/workspace/dfo", extra_targets: str = "") -> Path:
+def write_inventory(
+    path: Path,
+    h: remote_harness.Harness,
+    *,
+    port: int | None = None,
+    workspace: str = "/workspace/dfo",
+    extra_targets: str = "",
+) -> Path:
     """A remote inventory: host `pve` (sudo), pct targets ct200, ct201 (stopped), ct202, ct999 (missing),
     and the `work` profile running the controller tests' workload script from the synced release
     (workload.py and a 2 MiB blob.bin are copied next to the inventory: profile files are synced)."""
@@ -100,7 +113,8 @@ def write_inventory(path: Path, h: remote_harness.Harness, *, port: int | None =
     blob = path.parent / "blob.bin"
     if not blob.exists():
         blob.write_bytes(os.urandom(2 * 1024 * 1024))
-    path.write_text(textwrap.dedent(f"""\
+    path.write_text(
+        textwrap.dedent(f"""\
         hosts:
           pve:
             address: 127.0.0.1
@@ -114,13 +128,16 @@ def write_inventory(path: Path, h: remote_harness.Harness, *, port: int | None =
           ct201: {{kind: pct, host: pve, ctid: 201, workspace: {workspace}}}
           ct202: {{kind: pct, host: pve, ctid: 202, workspace: {workspace}}}
           ct999: {{kind: pct, host: pve, ctid: 999, workspace: {workspace}}}
-        """) + textwrap.indent(textwrap.dedent(extra_targets), "  ") + textwrap.dedent("""\
+        """)
+        + textwrap.indent(textwrap.dedent(extra_targets), "  ")
+        + textwrap.dedent("""\
         profiles:
           work:
             argv: ["{python}", "{release}/workload.py", "--output-dir", "{run_dir}", "--steps", "100000",
                    "--interval", "0.05"]
             files: [workload.py, blob.bin]
-        """))
+        """)
+    )
     return path
 
 
@@ -133,10 +150,13 @@ def inventory(tmp_path: Path, harness: remote_harness.Harness, monkeypatch: pyte
 
 
 @pytest.fixture
-def proxied_inventory(tmp_path: Path, harness: remote_harness.Harness, proxy: LoopProxy,
-                      monkeypatch: pytest.MonkeyPatch) -> Path:
+def proxied_inventory(
+    tmp_path: Path, harness: remote_harness.Harness, proxy: LoopProxy, monkeypatch: pytest.MonkeyPatch
+) -> Path:
     """Like `inventory`, but the host is reached through the loopback fault proxy (tests cut the link)."""
-    path = write_inventory(tmp_path / "inventory.yaml", harness, port=proxy.port, workspace=f"/workspace/{tmp_path.name}")
+    path = write_inventory(
+        tmp_path / "inventory.yaml", harness, port=proxy.port, workspace=f"/workspace/{tmp_path.name}"
+    )
     monkeypatch.setenv("DFLASHOPS_INVENTORY", str(path))
     return path
 

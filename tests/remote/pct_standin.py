@@ -76,7 +76,10 @@ def cmd_start(ctid: str) -> None:
     (directory / "tmp").chmod(0o1777)
     launcher = subprocess.Popen(
         ["unshare", "--pid", "--fork", "--mount-proc", "--", sys.executable, str(INIT_SCRIPT), str(directory)],
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     ready = launcher.stdout.readline().decode().strip() if launcher.stdout else ""
     if ready != "ready":
@@ -147,8 +150,12 @@ def main(argv: list[str]) -> None:
     if os.geteuid() != 0:
         die("only root can use this command.")
     # Only a harness state root (a temp dir of our own) is accepted: this runs as root via sudo.
-    if not (STATE_ROOT.is_absolute() and STATE_ROOT.name == "pct" and STATE_ROOT.parent.name.startswith("dfo-remote-")
-            and STATE_ROOT.is_dir()):
+    if not (
+        STATE_ROOT.is_absolute()
+        and STATE_ROOT.name == "pct"
+        and STATE_ROOT.parent.name.startswith("dfo-remote-")
+        and STATE_ROOT.is_dir()
+    ):
         die("pct stand-in: DFO_PCT_STATE does not name a harness state directory")
     if not argv:
         die("ERROR: no command specified")

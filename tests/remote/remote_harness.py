@@ -43,13 +43,15 @@ def free_port() -> int:
 
 def ensure_system_packages() -> None:
     """apt-get install openssh-server/sudo only when missing (a warm machine skips apt entirely)."""
-    missing = [pkg for pkg, path in (("openssh-server", "/usr/sbin/sshd"), ("sudo", "/usr/bin/sudo"))
-               if not Path(path).exists()]
+    missing = [
+        pkg
+        for pkg, path in (("openssh-server", "/usr/sbin/sshd"), ("sudo", "/usr/bin/sudo"))
+        if not Path(path).exists()
+    ]
     if missing:
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
         subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
-        subprocess.run(["apt-get", "install", "-y", "-qq", *missing], check=True, env=env,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run(["apt-get", "install", "-y", "-qq", *missing], check=True, env=env, stdout=subprocess.DEVNULL)
 
 
 def ensure_test_user() -> None:
@@ -104,8 +106,9 @@ class Harness:
     # -- containers ---------------------------------------------------------------------------------
     def pct(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         """Run the stand-in directly as root (set-up and assertions; tests of the product go via ssh)."""
-        return subprocess.run([str(STANDIN_DIR / "pct"), *args], capture_output=True, text=True,
-                              check=check, env=self.standin_env)
+        return subprocess.run(
+            [str(STANDIN_DIR / "pct"), *args], capture_output=True, text=True, check=check, env=self.standin_env
+        )
 
     def create_container(self, ctid: str, hostname: str, running: bool = True) -> None:
         directory = self.pct_state / ctid
@@ -121,7 +124,7 @@ class Harness:
     def container_path(self, ctid: str, path: str) -> Path:
         """Host-side path of a file under /workspace in the container (for assertions only)."""
         assert path.startswith("/workspace/") or path == "/workspace"
-        return self.pct_state / ctid / "workspace" / path[len("/workspace/"):]
+        return self.pct_state / ctid / "workspace" / path[len("/workspace/") :]
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def stop(self) -> None:
@@ -201,8 +204,9 @@ def start_harness() -> Harness:
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
     config = _write_sshd_config(root, port)
     sshd_log = open(root / "sshd.log", "wb")  # noqa: SIM115 - sshd's stderr while it runs
-    harness.sshd = subprocess.Popen(["/usr/sbin/sshd", "-D", "-e", "-f", str(config)],
-                                    stdin=subprocess.DEVNULL, stderr=sshd_log)
+    harness.sshd = subprocess.Popen(
+        ["/usr/sbin/sshd", "-D", "-e", "-f", str(config)], stdin=subprocess.DEVNULL, stderr=sshd_log
+    )
     (root / "known_hosts").write_text(harness.known_hosts_line(port))
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:

@@ -24,21 +24,35 @@ pytestmark = pytest.mark.skipif(not shutil.which("tmux") or not shutil.which("ss
 
 def test_attach_argv_checks_host_keys_and_goes_through_pct(inventory: Path) -> None:
     inv = load_inventory(inventory)
-    argv = interactive_argv(inv.target("ct200"), ["tmux", "attach-session", "-t", "=a b"], hosts=inv.hosts,
-                            env={"TERM": "xterm"})
+    argv = interactive_argv(
+        inv.target("ct200"), ["tmux", "attach-session", "-t", "=a b"], hosts=inv.hosts, env={"TERM": "xterm"}
+    )
     assert argv[:2] == ["ssh", "-t"] and "StrictHostKeyChecking=yes" in argv and "BatchMode=yes" in argv
     assert argv[-2] == "--" and argv[-1] == "sudo -n pct exec 200 -- env TERM=xterm tmux attach-session -t '=a b'"
 
 
 def test_attach_shows_the_remote_session_and_leaving_keeps_the_run(inventory: Path) -> None:
-    code, _, err = cli("deploy", "ct200", "--profile", "work", "--name", "att1", "--launcher", "tmux",
-                       "--wait", r"step 3\b", "--timeout", "60")
+    code, _, err = cli(
+        "deploy",
+        "ct200",
+        "--profile",
+        "work",
+        "--name",
+        "att1",
+        "--launcher",
+        "tmux",
+        "--wait",
+        r"step 3\b",
+        "--timeout",
+        "60",
+    )
     assert code == 0, err
     socket = f"dfo-attach-test-{os.getpid()}"  # this test's own tmux server, removed by exact socket name
     env = {"DFLASHOPS_INVENTORY": str(inventory), "PYTHONPATH": str(REPO), "TERM": "xterm"}
     # The pane lingers after attach exits, so a failure leaves its error on the screen for the assertion.
-    command = join_argv(["sh", "-c", f"{sys.executable} -m dflashops attach att1 --target ct200; "
-                                     "echo attach-exit=$?; sleep 60"])
+    command = join_argv(
+        ["sh", "-c", f"{sys.executable} -m dflashops attach att1 --target ct200; echo attach-exit=$?; sleep 60"]
+    )
     screen = Screen(socket, command, width=160, height=40, env=env)
     try:
         shown, deadline = "", time.monotonic() + 30

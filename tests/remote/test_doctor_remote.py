@@ -34,12 +34,17 @@ def container(harness: Harness) -> str:
 @pytest.fixture
 def doctor_inventory(tmp_path: Path, harness: Harness, container: str, monkeypatch: pytest.MonkeyPatch) -> Path:
     workspace = f"/workspace/{tmp_path.name}"
-    path = write_inventory(tmp_path / "inventory.yaml", harness, workspace=workspace, extra_targets=f"""\
+    path = write_inventory(
+        tmp_path / "inventory.yaml",
+        harness,
+        workspace=workspace,
+        extra_targets=f"""\
         cpu: {{kind: pct, host: pve, ctid: {container}, workspace: {workspace}, python: {VENV_PYTHON}}}
         gpu: {{kind: pct, host: pve, ctid: {container}, workspace: {workspace}, python: {VENV_PYTHON}, gpus: [0, 1]}}
         notorch: {{kind: pct, host: pve, ctid: {container}, workspace: {workspace}, python: /usr/bin/python3}}
         nopython: {{kind: pct, host: pve, ctid: {container}, workspace: {workspace}, python: /opt/none/bin/python}}
-        """)
+        """,
+    )
     monkeypatch.setenv("DFLASHOPS_INVENTORY", str(path))
     return path
 
@@ -85,8 +90,13 @@ def test_no_tmux_gives_the_one_tmux_line(doctor_inventory: Path, harness: Harnes
 
 def test_a_full_disk_gives_the_one_disk_line(doctor_inventory: Path, harness: Harness, container: str) -> None:
     workspace = f"/workspace/{doctor_inventory.parent.name}"
-    harness.in_container(container, "sh", "-c", f"mkdir -p {workspace} && mount -t tmpfs -o size=4m tmpfs {workspace}"
-                         f" && (dd if=/dev/zero of={workspace}/fill bs=64k 2>/dev/null; true)")
+    harness.in_container(
+        container,
+        "sh",
+        "-c",
+        f"mkdir -p {workspace} && mount -t tmpfs -o size=4m tmpfs {workspace}"
+        f" && (dd if=/dev/zero of={workspace}/fill bs=64k 2>/dev/null; true)",
+    )
     try:
         code, found, _ = statuses("cpu")
     finally:
@@ -115,8 +125,13 @@ def test_nvml_mismatch_from_a_fake_nvidia_smi(doctor_inventory: Path, harness: H
         echo "NVML library version: 550.90"
         exit 18
         """)
-    harness.in_container(container, "sh", "-c", "mount -t tmpfs tmpfs /usr/local/bin && "
-                         f"printf '%s' '{fake}' > /usr/local/bin/nvidia-smi && chmod +x /usr/local/bin/nvidia-smi")
+    harness.in_container(
+        container,
+        "sh",
+        "-c",
+        "mount -t tmpfs tmpfs /usr/local/bin && "
+        f"printf '%s' '{fake}' > /usr/local/bin/nvidia-smi && chmod +x /usr/local/bin/nvidia-smi",
+    )
     try:
         code, out, _ = cli("doctor", "gpu")
     finally:
@@ -136,7 +151,11 @@ def test_stopped_missing_and_untrusted(doctor_inventory: Path, harness: Harness,
     text = doctor_inventory.read_text().replace(str(harness.known_hosts), str(empty))
     (tmp_path / "untrusted.yaml").write_text(text)
     code, out, _ = cli("--inventory", str(tmp_path / "untrusted.yaml"), "doctor", "ct200")
-    assert code == 1 and " FAIL " in out and "hint: check the fingerprint out of band, then run: dflashops trust pve" in out
+    assert (
+        code == 1
+        and " FAIL " in out
+        and "hint: check the fingerprint out of band, then run: dflashops trust pve" in out
+    )
 
 
 def test_doctor_all_reports_every_target(doctor_inventory: Path) -> None:

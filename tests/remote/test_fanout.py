@@ -17,9 +17,12 @@ def fanout_inventory(tmp_path: Path, harness: Harness, hung_port: int) -> Path:
         dead: {{kind: pct, host: deadhost, ctid: 200, workspace: /workspace/{tmp_path.name}}}
         hung: {{kind: pct, host: hunghost, ctid: 200, workspace: /workspace/{tmp_path.name}}}
         """
-    path = write_inventory(tmp_path / "inventory.yaml", harness, workspace=f"/workspace/{tmp_path.name}",
-                           extra_targets=extra)
-    text = path.read_text().replace("targets:\n", f"""  deadhost:
+    path = write_inventory(
+        tmp_path / "inventory.yaml", harness, workspace=f"/workspace/{tmp_path.name}", extra_targets=extra
+    )
+    text = path.read_text().replace(
+        "targets:\n",
+        f"""  deadhost:
     address: 127.0.0.1
     port: {free_port()}
     user: {harness.user}
@@ -32,19 +35,22 @@ def fanout_inventory(tmp_path: Path, harness: Harness, hung_port: int) -> Path:
     identity_file: {harness.client_key}
     known_hosts: {harness.known_hosts}
 targets:
-""", 1)
+""",
+        1,
+    )
     path.write_text(text)
     return path
 
 
-def test_status_all_answers_for_every_target_within_the_timeout(tmp_path: Path, harness: Harness,
-                                                                proxy: LoopProxy,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_status_all_answers_for_every_target_within_the_timeout(
+    tmp_path: Path, harness: Harness, proxy: LoopProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
     proxy.stall()  # `hung` accepts TCP and then never answers
     monkeypatch.setenv("DFLASHOPS_INVENTORY", str(fanout_inventory(tmp_path, harness, proxy.port)))
     monkeypatch.setenv("DFLASHOPS_CONNECT_TIMEOUT", "30")  # longer than --all-timeout: the deadline must cut it
-    code, out, err = cli("deploy", "ct202", "--profile", "work", "--name", "fan-r1", "--wait", r"^step 1 ",
-                         "--timeout", "60")
+    code, out, err = cli(
+        "deploy", "ct202", "--profile", "work", "--name", "fan-r1", "--wait", r"^step 1 ", "--timeout", "60"
+    )
     assert code == 0, err
     started = time.monotonic()
     code, out, err = cli("status", "--all", "--json", "--all-timeout", "2.5")

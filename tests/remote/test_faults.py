@@ -24,12 +24,14 @@ def step_of(harness: Harness, run_dir: str) -> int:
     return json.loads(harness.container_path("200", f"{run_dir}/status.json").read_text())["step"]
 
 
-def test_cut_during_sync_never_exposes_a_partial_release(proxied_inventory: Path, harness: Harness,
-                                                         proxy: LoopProxy) -> None:
+def test_cut_during_sync_never_exposes_a_partial_release(
+    proxied_inventory: Path, harness: Harness, proxy: LoopProxy
+) -> None:
     workspace = f"/workspace/{proxied_inventory.parent.name}"
     releases = harness.container_path("200", f"{workspace}/releases")
-    code, out, err = cli("deploy", "ct200", "--profile", "work", "--name", "cut-r1", "--wait", r"^step 2 ",
-                         "--timeout", "60")
+    code, out, err = cli(
+        "deploy", "ct200", "--profile", "work", "--name", "cut-r1", "--wait", r"^step 2 ", "--timeout", "60"
+    )
     assert code == 0, err
     old_release = os.readlink(releases / "current")
     run_dir = f"{workspace}/runs/cut-r1"
@@ -57,8 +59,9 @@ def test_cut_during_sync_never_exposes_a_partial_release(proxied_inventory: Path
         time.sleep(0.3)
         assert step_of(harness, run_dir) > before
 
-    code, out, err = cli("deploy", "ct200", "--profile", "work", "--name", "cut-r2", "--wait", r"^step 1 ",
-                         "--timeout", "60")
+    code, out, err = cli(
+        "deploy", "ct200", "--profile", "work", "--name", "cut-r2", "--wait", r"^step 1 ", "--timeout", "60"
+    )
     assert code == 0, err
     new_release = os.readlink(releases / "current")
     assert new_release != old_release
@@ -70,11 +73,25 @@ def test_cut_during_sync_never_exposes_a_partial_release(proxied_inventory: Path
         assert cli("stop", name, "--grace", "10")[0] == 0
 
 
-def test_cut_during_logs_follow_loses_and_repeats_nothing(proxied_inventory: Path, harness: Harness,
-                                                          proxy: LoopProxy) -> None:
+def test_cut_during_logs_follow_loses_and_repeats_nothing(
+    proxied_inventory: Path, harness: Harness, proxy: LoopProxy
+) -> None:
     workspace = f"/workspace/{proxied_inventory.parent.name}"
-    code, out, err = cli("deploy", "ct200", "--profile", "work", "--name", "follow-r1", "--launcher", "nohup",
-                         "--", "--steps", "4000", "--interval", "0.0005")
+    code, out, err = cli(
+        "deploy",
+        "ct200",
+        "--profile",
+        "work",
+        "--name",
+        "follow-r1",
+        "--launcher",
+        "nohup",
+        "--",
+        "--steps",
+        "4000",
+        "--interval",
+        "0.0005",
+    )
     assert code == 0, err
     inventory = load_inventory(proxied_inventory)
     invocation = Invocation(inventory)

@@ -18,8 +18,25 @@ CKPT_BYTES = 8 * 1024 * 1024
 
 
 def finished_run(name: str) -> None:
-    code, _, err = cli("deploy", "ct200", "--profile", "work", "--name", name, "--launcher", "nohup", "--",
-                       "--steps", "3", "--interval", "0", "--save-every", "3", "--ckpt-bytes", str(CKPT_BYTES))
+    code, _, err = cli(
+        "deploy",
+        "ct200",
+        "--profile",
+        "work",
+        "--name",
+        name,
+        "--launcher",
+        "nohup",
+        "--",
+        "--steps",
+        "3",
+        "--interval",
+        "0",
+        "--save-every",
+        "3",
+        "--ckpt-bytes",
+        str(CKPT_BYTES),
+    )
     assert code == 0, err
     code, _, err = cli("logs", name, "-f", "--timeout", "60")
     assert code == 0, err
@@ -31,7 +48,8 @@ def container_sha(harness: Harness, inventory: Path, name: str, rel: str) -> str
 
 
 def test_a_cut_at_half_continues_without_sending_the_first_half_again(
-        proxied_inventory: Path, proxy: LoopProxy, harness: Harness, tmp_path: Path) -> None:
+    proxied_inventory: Path, proxy: LoopProxy, harness: Harness, tmp_path: Path
+) -> None:
     finished_run("rf1")
     dest = tmp_path / "dest"
     proxy.reset_counters()
@@ -47,11 +65,14 @@ def test_a_cut_at_half_continues_without_sending_the_first_half_again(
     after_cut = proxy.bytes_down - (proxy.bytes_down_at_cut or 0)
     assert after_cut < CKPT_BYTES - kept + 256 * 1024, (after_cut, kept)
     rel = "checkpoints/step_000003/model.bin"
-    assert hashlib.sha256((dest / rel).read_bytes()).hexdigest() == container_sha(harness, proxied_inventory, "rf1", rel)
+    assert hashlib.sha256((dest / rel).read_bytes()).hexdigest() == container_sha(
+        harness, proxied_inventory, "rf1", rel
+    )
 
 
 def test_a_fetch_that_cannot_reconnect_leaves_a_partial_the_next_one_continues(
-        proxied_inventory: Path, proxy: LoopProxy, harness: Harness, tmp_path: Path) -> None:
+    proxied_inventory: Path, proxy: LoopProxy, harness: Harness, tmp_path: Path
+) -> None:
     finished_run("rf2")
     dest = tmp_path / "dest"
     final = dest / "checkpoints/step_000003/model.bin"

@@ -52,10 +52,12 @@ def test_container_state_persists_between_calls_until_stopped(harness: Harness) 
 def test_keep_env_modes(harness: Harness) -> None:
     env = {**harness.standin_env, "HOST_ONLY_VAR": "x"}
     standin = str(STANDIN_DIR / "pct")
-    cleared = subprocess.run([standin, "exec", "200", "--keep-env", "0", "--", "env"],
-                             capture_output=True, text=True, env=env).stdout
-    kept = subprocess.run([standin, "exec", "200", "--keep-env", "1", "--", "env"],
-                          capture_output=True, text=True, env=env).stdout
+    cleared = subprocess.run(
+        [standin, "exec", "200", "--keep-env", "0", "--", "env"], capture_output=True, text=True, env=env
+    ).stdout
+    kept = subprocess.run(
+        [standin, "exec", "200", "--keep-env", "1", "--", "env"], capture_output=True, text=True, env=env
+    ).stdout
     assert "HOST_ONLY_VAR=x" not in cleared and "HOST_ONLY_VAR=x" in kept
 
 

@@ -25,15 +25,34 @@ def assert_one_error(code: int, err: str, *words: str) -> None:
 
 def test_item18_container_stopped_during_logs_follow_says_so(tmp_path: Path, harness: Harness) -> None:
     harness.create_container("204", "gpu204")
-    inventory = write_inventory(tmp_path / "inventory.yaml", harness, workspace=f"/workspace/{tmp_path.name}",
-                                extra_targets="ct204: {kind: pct, host: pve, ctid: 204, workspace: "
-                                              f"/workspace/{tmp_path.name}}}\n")
-    code, _, err = cli("--inventory", str(inventory), "deploy", "ct204", "--profile", "work", "--name", "cs-a1",
-                       "--wait", r"^step 1 ", "--timeout", "60")
+    inventory = write_inventory(
+        tmp_path / "inventory.yaml",
+        harness,
+        workspace=f"/workspace/{tmp_path.name}",
+        extra_targets=f"ct204: {{kind: pct, host: pve, ctid: 204, workspace: /workspace/{tmp_path.name}}}\n",
+    )
+    code, _, err = cli(
+        "--inventory",
+        str(inventory),
+        "deploy",
+        "ct204",
+        "--profile",
+        "work",
+        "--name",
+        "cs-a1",
+        "--wait",
+        r"^step 1 ",
+        "--timeout",
+        "60",
+    )
     assert code == 0, err
-    follower = subprocess.Popen([sys.executable, "-m", "dflashops.cli.main", "--inventory", str(inventory), "logs",
-                                 "cs-a1", "-f"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, "PYTHONPATH": str(REPO)})
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "dflashops.cli.main", "--inventory", str(inventory), "logs", "cs-a1", "-f"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     try:
         time.sleep(1.5)  # the follower has read some lines and is polling
         harness.pct("stop", "204")
@@ -65,9 +84,13 @@ def test_item18_garbage_key_file_is_named_not_decoded(tmp_path: Path, harness: H
 
 
 def test_item18_missing_python_in_the_container_names_the_setting(tmp_path: Path, harness: Harness) -> None:
-    inventory = write_inventory(tmp_path / "inventory.yaml", harness, workspace=f"/workspace/{tmp_path.name}",
-                                extra_targets="nopy: {kind: pct, host: pve, ctid: 200, workspace: "
-                                              f"/workspace/{tmp_path.name}, python: /opt/none/bin/python3}}\n")
+    inventory = write_inventory(
+        tmp_path / "inventory.yaml",
+        harness,
+        workspace=f"/workspace/{tmp_path.name}",
+        extra_targets="nopy: {kind: pct, host: pve, ctid: 200, workspace: "
+        f"/workspace/{tmp_path.name}, python: /opt/none/bin/python3}}\n",
+    )
     for verb in (("status", "--target", "nopy"), ("deploy", "nopy", "--profile", "work", "--name", "np-a1")):
         code, _, err = cli("--inventory", str(inventory), *verb)
         assert_one_error(code, err, "/opt/none/bin/python3 cannot be run in container 200", "`python:` of target nopy")

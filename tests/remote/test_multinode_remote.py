@@ -31,10 +31,16 @@ DIST_PROFILE = """\
 def pair(tmp_path: Path, harness: Harness, monkeypatch: pytest.MonkeyPatch) -> Path:
     workspace = f"/workspace/{tmp_path.name}"
     python = sys.executable  # the test's venv: torch is there, and the stand-in's containers see this path
-    nodes = "".join(f"n{ct}: {{kind: pct, host: pve, ctid: {ct}, workspace: {workspace}, python: {python}, "
-                    f"address: 127.0.0.1}}\n" for ct in (200, 202))
+    nodes = "".join(
+        f"n{ct}: {{kind: pct, host: pve, ctid: {ct}, workspace: {workspace}, python: {python}, address: 127.0.0.1}}\n"
+        for ct in (200, 202)
+    )
     inventory = write_inventory(tmp_path / "inventory.yaml", harness, workspace=workspace, extra_targets=nodes)
-    text = inventory.read_text() + DIST_PROFILE + f"groups:\n  pair: {{targets: [n200, n202], master_port: {free_port()}}}\n"
+    text = (
+        inventory.read_text()
+        + DIST_PROFILE
+        + f"groups:\n  pair: {{targets: [n200, n202], master_port: {free_port()}}}\n"
+    )
     inventory.write_text(text)
     monkeypatch.setenv("DFLASHOPS_INVENTORY", str(inventory))
     return inventory
@@ -46,8 +52,20 @@ def node_file(harness: Harness, ct: str, inventory: Path, run: str, name: str) -
 
 def test_a_two_node_run_is_one_run_through_every_verb(pair: Path, harness: Harness) -> None:
     try:
-        code, out, err = cli("deploy", "pair", "--profile", "dist", "--name", "mn-a1", "--launcher", "nohup",
-                             "--wait", r"^\[node 0\] step 3/", "--timeout", "180")
+        code, out, err = cli(
+            "deploy",
+            "pair",
+            "--profile",
+            "dist",
+            "--name",
+            "mn-a1",
+            "--launcher",
+            "nohup",
+            "--wait",
+            r"^\[node 0\] step 3/",
+            "--timeout",
+            "180",
+        )
         assert code == 0, err
         assert "on node 0 of 2 on n200" in err and "on node 1 of 2 on n202" in err
         code, out, err = cli("status", "mn-a1", "--json")
@@ -59,15 +77,26 @@ def test_a_two_node_run_is_one_run_through_every_verb(pair: Path, harness: Harne
         assert code == 0 and "step 1/" in out and "[node" not in out
         code, out, err = cli("stop", "mn-a1", "--grace", "60")
         assert code == 0 and "exit_code=143" in out, err
-        statuses = [json.loads(node_file(harness, ct, pair, "mn-a1", "status.json").read_text()) for ct in ("200", "202")]
+        statuses = [
+            json.loads(node_file(harness, ct, pair, "mn-a1", "status.json").read_text()) for ct in ("200", "202")
+        ]
         assert [s["phase"] for s in statuses] == ["stopped", "stopped"]
         step = statuses[0]["step"]
         assert statuses[1]["step"] == step  # every node finished the same step
         assert node_file(harness, "200", pair, "mn-a1", f"checkpoints/step_{step:06d}").is_dir()
         assert not node_file(harness, "202", pair, "mn-a1", "checkpoints").exists()  # written once, by node 0
 
-        code, out, err = cli("restart", "mn-a1", "--resume", "--launcher", "nohup", "--wait",
-                             r"^\[node 0\] step \d+/", "--timeout", "180")
+        code, out, err = cli(
+            "restart",
+            "mn-a1",
+            "--resume",
+            "--launcher",
+            "nohup",
+            "--wait",
+            r"^\[node 0\] step \d+/",
+            "--timeout",
+            "180",
+        )
         assert code == 0, err
         child = out.splitlines()[0]
         log = node_file(harness, "200", pair, child, "train.log").read_text()

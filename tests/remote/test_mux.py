@@ -21,12 +21,19 @@ from remote_harness import Harness
 def run_cli(inventory: Path, *args: str, mux: Path, **env: str) -> subprocess.CompletedProcess[str]:
     """The real CLI as a fresh process (the multiplexer's whole point is to span processes)."""
     full_env = {**os.environ, "PYTHONPATH": str(REPO), "DFLASHOPS_MUX_DIR": str(mux), **env}
-    return subprocess.run([sys.executable, "-m", "dflashops.cli.main", "--inventory", str(inventory), *args],
-                          capture_output=True, text=True, timeout=120, env=full_env)
+    return subprocess.run(
+        [sys.executable, "-m", "dflashops.cli.main", "--inventory", str(inventory), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=full_env,
+    )
 
 
 def daemon_pids(mux: Path) -> list[int]:
-    return [int(p.read_text()) for p in sorted(mux.glob("*.sock.pid")) if Path(f"/proc/{p.read_text().strip()}").exists()]
+    return [
+        int(p.read_text()) for p in sorted(mux.glob("*.sock.pid")) if Path(f"/proc/{p.read_text().strip()}").exists()
+    ]
 
 
 def wait_for_daemon(mux: Path, other_than: int | None = None, timeout: float = 20.0) -> int:
@@ -44,8 +51,9 @@ def wait_for_daemon(mux: Path, other_than: int | None = None, timeout: float = 2
 def setup(tmp_path: Path, harness: Harness, proxy: LoopProxy):
     from dflashops.transport.mux_client import stop_multiplexers
 
-    inventory = write_inventory(tmp_path / "inventory.yaml", harness, port=proxy.port,
-                                workspace=f"/workspace/{tmp_path.name}")
+    inventory = write_inventory(
+        tmp_path / "inventory.yaml", harness, port=proxy.port, workspace=f"/workspace/{tmp_path.name}"
+    )
     mux = tmp_path / "mux"
     yield inventory, mux, proxy
     if mux.is_dir():
@@ -65,17 +73,26 @@ def test_invocations_share_one_connection(setup) -> None:
     assert proxy.connections_accepted == 2 and daemon_pids(mux) == [pid]
     # Off: every invocation connects anew and leaves no daemon behind.
     for _ in range(2):
-        assert run_cli(inventory, "status", "--target", "ct200", mux=mux / "off",
-                       DFLASHOPS_SSH_PERSIST="0").returncode == 0
+        assert (
+            run_cli(inventory, "status", "--target", "ct200", mux=mux / "off", DFLASHOPS_SSH_PERSIST="0").returncode
+            == 0
+        )
     assert proxy.connections_accepted == 4 and not (mux / "off").exists()
 
 
 def test_concurrent_first_invocations_start_one_daemon(setup) -> None:
     inventory, mux, proxy = setup
     env = {**os.environ, "PYTHONPATH": str(REPO), "DFLASHOPS_MUX_DIR": str(mux)}
-    procs = [subprocess.Popen([sys.executable, "-m", "dflashops.cli.main", "--inventory", str(inventory), "status",
-                               "--target", "ct200"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=env) for _ in range(4)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "dflashops.cli.main", "--inventory", str(inventory), "status", "--target", "ct200"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for _ in range(4)
+    ]
     for proc in procs:
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err

@@ -22,15 +22,17 @@ class CountingSsh(SshTransport):
 
     seen: list[list[str]]
 
-    def _run(self, argv: Sequence[str], *, env: Mapping[str, str], stdin: Stdin,
-             timeout: float | None) -> tuple[int, bytes, bytes]:
+    def _run(
+        self, argv: Sequence[str], *, env: Mapping[str, str], stdin: Stdin, timeout: float | None
+    ) -> tuple[int, bytes, bytes]:
         self.seen.append(list(argv))
         return super()._run(argv, env=env, stdin=stdin, timeout=timeout)
 
 
 def pct_for(harness: Harness, ctid: int, *, sudo: bool = True) -> PctTransport:
-    return PctTransport(name=f"ct{ctid}", host=SshTransport(name="pve", settings=settings_for(harness)),
-                        ctid=ctid, sudo=sudo)
+    return PctTransport(
+        name=f"ct{ctid}", host=SshTransport(name="pve", settings=settings_for(harness)), ctid=ctid, sudo=sudo
+    )
 
 
 def test_commands_run_inside_the_container_namespaces(ct200: PctTransport, harness: Harness) -> None:

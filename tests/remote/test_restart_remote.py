@@ -60,8 +60,10 @@ def assert_release_is(harness: Harness, inventory: Path, release_dir: str) -> No
 
 
 def test_restart_is_one_call_and_records_lineage_and_exit_codes(inventory: Path, harness: Harness) -> None:
-    assert cli("deploy", "ct200", "--profile", "work", "--name", "one-a1", "--wait", r"^step 1 ",
-               "--timeout", "60")[0] == 0
+    assert (
+        cli("deploy", "ct200", "--profile", "work", "--name", "one-a1", "--wait", r"^step 1 ", "--timeout", "60")[0]
+        == 0
+    )
     edit(inventory, "one change")
     outcome, commands = restart_counting(inventory, "one-a1", grace=10.0, note="one call")
     assert commands == 1 and outcome.agent_calls == 1 and not outcome.fell_back
@@ -101,8 +103,10 @@ def test_stale_cache_falls_back_and_installs_the_local_tree(inventory: Path, har
     # Now the other controller deploys new code and prunes: our cached base (st-a2's release, no longer
     # in use) is gone.
     edit(other, "the other controller's second change")
-    assert cli("--inventory", str(other), "deploy", "ct200", "--profile", "work", "--name", "x2", "--",
-               "--steps", "3")[0] == 0
+    assert (
+        cli("--inventory", str(other), "deploy", "ct200", "--profile", "work", "--name", "x2", "--", "--steps", "3")[0]
+        == 0
+    )
     assert cli("--inventory", str(other), "gc", "ct200", "--keep", "1")[0] == 0
     assert not (releases / outcome.deployed.code_hash).exists()
     edit(inventory, "ours 2")
@@ -124,15 +128,18 @@ def visible_releases_complete(releases: Path) -> None:
             assert all((entry / rel).is_file() for rel in manifest), entry
 
 
-def test_cut_during_the_combined_call_leaves_nothing_half_done(proxied_inventory: Path, harness: Harness,
-                                                               proxy: LoopProxy) -> None:
+def test_cut_during_the_combined_call_leaves_nothing_half_done(
+    proxied_inventory: Path, harness: Harness, proxy: LoopProxy
+) -> None:
     inventory = proxied_inventory
     workspace = f"/workspace/{inventory.parent.name}"
     releases = harness.container_path("200", f"{workspace}/releases")
     runs = harness.container_path("200", f"{workspace}/runs")
     # --ignore-term: the stop needs the whole grace, so a cut can land while the agent is stopping.
-    assert cli("deploy", "ct200", "--profile", "work", "--name", "cc-a1", "--wait", r"^step 2 ", "--",
-               "--ignore-term")[0] == 0
+    assert (
+        cli("deploy", "ct200", "--profile", "work", "--name", "cc-a1", "--wait", r"^step 2 ", "--", "--ignore-term")[0]
+        == 0
+    )
     old_release = os.readlink(releases / "current")
     (inventory.parent / "blob.bin").write_bytes(os.urandom(2 * 1024 * 1024))  # a 2 MiB upload to cut into
     inv = load_inventory(inventory)

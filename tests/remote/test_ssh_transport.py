@@ -60,8 +60,11 @@ def test_unknown_host_key_is_refused_with_fingerprint_and_trust_hint(harness: Ha
     transport = SshTransport(name="pve", settings=settings_for(harness, known_hosts=str(empty)))
     with pytest.raises(TransportError) as caught:
         transport.run(["true"])
-    expected = "SHA256:" + __import__("base64").b64encode(hashlib.sha256(__import__("base64").b64decode(
-        (harness.root / "ssh_host_ed25519_key.pub").read_text().split()[1])).digest()).decode().rstrip("=")
+    expected = "SHA256:" + __import__("base64").b64encode(
+        hashlib.sha256(
+            __import__("base64").b64decode((harness.root / "ssh_host_ed25519_key.pub").read_text().split()[1])
+        ).digest()
+    ).decode().rstrip("=")
     assert "not known" in caught.value.message and expected in caught.value.message
     assert caught.value.hint and "dflashops trust pve" in caught.value.hint
     assert empty.read_text() == ""  # nothing was auto-added (Fabric's default would have)
@@ -119,8 +122,9 @@ def test_cut_during_a_command_raises_transport_error(harness: Harness, proxy: Lo
     transport.close()
 
 
-def test_stalled_link_during_a_stream_is_detected(harness: Harness, proxy: LoopProxy,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_stalled_link_during_a_stream_is_detected(
+    harness: Harness, proxy: LoopProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(ssh_module, "IDLE_PROBE_S", 0.5)
     monkeypatch.setattr(ssh_module, "PROBE_TIMEOUT_S", 1.0)
     transport = SshTransport(name="pve", settings=settings_for(harness, port=proxy.port))
@@ -135,17 +139,18 @@ def test_stalled_link_during_a_stream_is_detected(harness: Harness, proxy: LoopP
     transport.close()
 
 
-def test_ssh_config_alias_user_port_identity_and_proxyjump(harness: Harness, tmp_path: Path,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ssh_config_alias_user_port_identity_and_proxyjump(
+    harness: Harness, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     config = tmp_path / "ssh_config"
     config.write_text(
         f"Host jumpbox\n  HostName 127.0.0.1\n  Port {harness.port}\n  User {harness.user}\n"
         f"  IdentityFile {harness.client_key}\n"
         f"Host gpu-box\n  HostName 127.0.0.1\n  Port {harness.port}\n  User {harness.user}\n"
-        f"  IdentityFile {harness.client_key}\n  ProxyJump jumpbox\n")
+        f"  IdentityFile {harness.client_key}\n  ProxyJump jumpbox\n"
+    )
     monkeypatch.setenv("DFLASHOPS_SSH_CONFIG", str(config))
-    transport = SshTransport(name="gpu-box", settings=SshSettings(host="gpu-box",
-                                                                  known_hosts=str(harness.known_hosts)))
+    transport = SshTransport(name="gpu-box", settings=SshSettings(host="gpu-box", known_hosts=str(harness.known_hosts)))
     assert transport.run(["whoami"]).stdout.strip() == harness.user
     assert transport._conn is not None and transport._conn.gateway is not None
     assert transport._conn.gateway.is_connected  # the traffic really went through the jump host

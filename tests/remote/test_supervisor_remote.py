@@ -19,7 +19,9 @@ SECRET = "remote-s3cret-never-on-disk"
 
 def add_profiles(inventory: Path, workspace: str) -> None:
     common = '"{python}", "{release}/workload.py", "--output-dir", "{run_dir}", "--interval", "0.02"'
-    inventory.write_text(inventory.read_text() + f"""\
+    inventory.write_text(
+        inventory.read_text()
+        + f"""\
   flaky:
     argv: [{common}, "--steps", "30", "--save-every", "5", "--crash-at", "12", "--crash-times", "2",
            "--state-file", "{workspace}/starts"]
@@ -32,7 +34,8 @@ def add_profiles(inventory: Path, workspace: str) -> None:
     files: [workload.py]
     stall: {{heartbeat: 2s, grace: 5s}}
     on_failure: {{max_restarts: 0}}
-""")
+"""
+    )
 
 
 def container_file(harness: Harness, inventory: Path, rel: str) -> Path:
@@ -47,7 +50,8 @@ def wait_for(predicate, timeout: float = 90.0) -> None:
 
 
 def test_restarts_happen_with_the_controller_away_and_status_learns_them(
-        proxied_inventory: Path, proxy: LoopProxy, harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    proxied_inventory: Path, proxy: LoopProxy, harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
     workspace = f"/workspace/{proxied_inventory.parent.name}"
     add_profiles(proxied_inventory, workspace)
     monkeypatch.setenv("WORKLOAD_SECRET", SECRET)
@@ -63,7 +67,10 @@ def test_restarts_happen_with_the_controller_away_and_status_learns_them(
     code, out, err = cli("status", "--target", "ct200", "--json")
     assert code == 0, err
     assert {r["name"]: r["state"] for r in json.loads(out)["runs"]} == {
-        "rs": "crashed", "rs-r1": "crashed", "rs-r2": "finished"}
+        "rs": "crashed",
+        "rs-r1": "crashed",
+        "rs-r2": "finished",
+    }
     code, out, _ = cli("runs", "show", "rs-r2", "--json")
     record = json.loads(out)
     assert record["parent"] == "rs-r1" and record["target"] == "ct200" and record["launcher"] == "tmux"
@@ -80,9 +87,16 @@ def test_a_hung_run_is_stopped_and_stop_reaches_the_supervisor(inventory: Path, 
     stall = container_file(harness, inventory, "runs/hr/stall.json")
     wait_for(lambda: stall.is_file(), timeout=60)
     info = json.loads(stall.read_text())
-    assert "no status.json heartbeat" in info["reason"] and 2.0 <= info["at"] - info["last_heartbeat"] <= 2.0 + 0.5 + 1.5
-    wait_for(lambda: cli("status", "hr", "--json")[1] and json.loads(cli("status", "hr", "--json")[1])["runs"][0][
-        "state"] == "crashed", timeout=30)
+    assert (
+        "no status.json heartbeat" in info["reason"] and 2.0 <= info["at"] - info["last_heartbeat"] <= 2.0 + 0.5 + 1.5
+    )
+    wait_for(
+        lambda: (
+            cli("status", "hr", "--json")[1]
+            and json.loads(cli("status", "hr", "--json")[1])["runs"][0]["state"] == "crashed"
+        ),
+        timeout=30,
+    )
 
     code, _, err = cli("deploy", "ct200", "--profile", "flaky", "--name", "sv", "--launcher", "nohup")
     assert code == 0, err

@@ -44,8 +44,14 @@ def test_install_refuses_a_manifest_that_does_not_match_its_hash(inventory: Path
         first = sync(agent, extra_files=inv.profile("work").files, extra_root=inv.root)
         empty_tar = io.BytesIO()
         tarfile.open(fileobj=empty_tar, mode="w").close()
-        request = {"workspace": inv.target("ct200").workspace, "hash": "0123456789abcdef", "base": first.code_hash,
-                   "changed": {}, "removed": ["workload.py"], "keep": 5}
+        request = {
+            "workspace": inv.target("ct200").workspace,
+            "hash": "0123456789abcdef",
+            "base": first.code_hash,
+            "changed": {},
+            "removed": ["workload.py"],
+            "keep": 5,
+        }
         with pytest.raises(Conflict, match="does not match release"):
             agent.call("install", request, stdin_tar=empty_tar.getvalue())
     finally:

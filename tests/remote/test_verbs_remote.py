@@ -16,12 +16,14 @@ def workspace_of(inventory: Path) -> str:
 
 
 def test_deploy_status_logs_restart_stop_runs_exec(inventory: Path, harness: Harness) -> None:
-    code, out, err = cli("deploy", "ct200", "--profile", "work", "--name", "rem-a1", "--wait", r"^step 3 ",
-                         "--timeout", "60")
+    code, out, err = cli(
+        "deploy", "ct200", "--profile", "work", "--name", "rem-a1", "--wait", r"^step 3 ", "--timeout", "60"
+    )
     assert code == 0, err
     assert out.splitlines()[0] == "rem-a1"
-    decoy = harness.in_container("200", "sh", "-c", "python3 -c 'import time; time.sleep(600)' "
-                                 "</dev/null >/dev/null 2>&1 & echo $!").stdout.strip()
+    decoy = harness.in_container(
+        "200", "sh", "-c", "python3 -c 'import time; time.sleep(600)' </dev/null >/dev/null 2>&1 & echo $!"
+    ).stdout.strip()
     try:
         code, out, err = cli("status", "rem-a1", "--json")
         assert code == 0, err
@@ -62,8 +64,23 @@ def test_deploy_status_logs_restart_stop_runs_exec(inventory: Path, harness: Har
 
 
 def test_nohup_launcher_and_a_crash_are_reported(inventory: Path) -> None:
-    code, out, err = cli("deploy", "ct200", "--profile", "work", "--name", "rem-crash", "--launcher", "nohup",
-                         "--wait", "^never$", "--timeout", "60", "--", "--crash-at", "3")
+    code, out, err = cli(
+        "deploy",
+        "ct200",
+        "--profile",
+        "work",
+        "--name",
+        "rem-crash",
+        "--launcher",
+        "nohup",
+        "--wait",
+        "^never$",
+        "--timeout",
+        "60",
+        "--",
+        "--crash-at",
+        "3",
+    )
     assert code == 7, err  # RunFailed: the traceback pattern appeared while waiting
     assert "Traceback" in err or "crash" in err
     entry = json.loads(cli("status", "rem-crash", "--json")[1])["runs"][0]
@@ -80,19 +97,22 @@ def test_stopped_and_missing_containers_launch_nothing(inventory: Path, harness:
     assert "rem-s1" not in out and "rem-m1" not in out
 
 
-@pytest.mark.parametrize("argv", [
-    ("deploy", "ct200", "--profile", "work", "--name", "x;reboot"),
-    ("deploy", "ct200", "--profile", "work", "--name", "a b"),
-    ("deploy", "ct200", "--profile", "work", "--name", "../../etc"),
-    ("deploy", "ct200", "--profile", "work", "--name", "it's"),
-    ("deploy", "ct200", "--profile", "work", "--name", "x" * 65),
-    ("stop", "$(reboot)", "--target", "ct200"),
-    ("logs", "a|b", "--target", "ct200"),
-    ("status", "`id`", "--target", "ct200"),
-])
-def test_injection_in_names_is_refused_before_connecting(tmp_path: Path, harness: Harness,
-                                                         monkeypatch: pytest.MonkeyPatch,
-                                                         argv: tuple[str, ...]) -> None:
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("deploy", "ct200", "--profile", "work", "--name", "x;reboot"),
+        ("deploy", "ct200", "--profile", "work", "--name", "a b"),
+        ("deploy", "ct200", "--profile", "work", "--name", "../../etc"),
+        ("deploy", "ct200", "--profile", "work", "--name", "it's"),
+        ("deploy", "ct200", "--profile", "work", "--name", "x" * 65),
+        ("stop", "$(reboot)", "--target", "ct200"),
+        ("logs", "a|b", "--target", "ct200"),
+        ("status", "`id`", "--target", "ct200"),
+    ],
+)
+def test_injection_in_names_is_refused_before_connecting(
+    tmp_path: Path, harness: Harness, monkeypatch: pytest.MonkeyPatch, argv: tuple[str, ...]
+) -> None:
     # The host points at a closed port: had anything tried to connect, the error would be "refused".
     path = write_inventory(tmp_path / "inventory.yaml", harness, port=free_port())
     monkeypatch.setenv("DFLASHOPS_INVENTORY", str(path))
@@ -114,8 +134,9 @@ def test_unknown_host_key_through_the_cli(tmp_path: Path, harness: Harness, monk
     assert "Traceback" not in err
 
 
-def test_trust_records_the_key_then_commands_work(tmp_path: Path, harness: Harness,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_trust_records_the_key_then_commands_work(
+    tmp_path: Path, harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = write_inventory(tmp_path / "inventory.yaml", harness)
     known = tmp_path / "known_hosts_new"
     path.write_text(path.read_text().replace(str(harness.known_hosts), str(known)))
@@ -163,8 +184,9 @@ def test_host_and_direct_modes(tmp_path: Path, harness: Harness, monkeypatch: py
         for target in ("gpubox", "ctdirect"):
             code, out, err = cli("exec", target, "--", "id", "-un")
             assert code == 0 and out.strip() == harness.user, err
-        code, out, err = cli("deploy", "gpubox", "--profile", "work", "--name", "host-r1", "--wait", r"^step 2 ",
-                             "--timeout", "60")
+        code, out, err = cli(
+            "deploy", "gpubox", "--profile", "work", "--name", "host-r1", "--wait", r"^step 2 ", "--timeout", "60"
+        )
         assert code == 0, err
         code, out, err = cli("stop", "host-r1", "--grace", "10")
         assert code == 0, err

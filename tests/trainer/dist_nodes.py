@@ -20,8 +20,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = ["--preset", "tiny", "--wandb", "off", "--synthetic-samples", "48", "--log-interval", "1",
-        "--save-interval", "1000", "--target-gpus", "cpu", "--drafter-gpus", "cpu,cpu", "--dist-timeout", "20"]
+TINY = [
+    "--preset",
+    "tiny",
+    "--wandb",
+    "off",
+    "--synthetic-samples",
+    "48",
+    "--log-interval",
+    "1",
+    "--save-interval",
+    "1000",
+    "--target-gpus",
+    "cpu",
+    "--drafter-gpus",
+    "cpu,cpu",
+    "--dist-timeout",
+    "20",
+]
 
 
 def free_port() -> int:
@@ -59,8 +75,15 @@ class Node:
             return None
 
 
-def start_nodes(root: Path, args: list[str], *, nodes: int = 2, name: str = "run",
-                per_node: dict[int, list[str]] | None = None, code_dirs: dict[int, Path] | None = None) -> list[Node]:
+def start_nodes(
+    root: Path,
+    args: list[str],
+    *,
+    nodes: int = 2,
+    name: str = "run",
+    per_node: dict[int, list[str]] | None = None,
+    code_dirs: dict[int, Path] | None = None,
+) -> list[Node]:
     """Start `nodes` torchrun processes (one per node) on a fresh port; node r trains into root/name/node-r.
     `per_node[r]`: extra flags for node r; `code_dirs[r]`: the checkout node r runs the trainer from."""
     port = free_port()
@@ -71,12 +94,39 @@ def start_nodes(root: Path, args: list[str], *, nodes: int = 2, name: str = "run
         log_path = root / f"{name}-node-{rank}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONPATH": str(code), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-        argv = [*_torchrun(), "--nnodes", str(nodes), "--node-rank", str(rank), "--master-addr", "127.0.0.1",
-                "--master-port", str(port), "--nproc-per-node", "1", "-m", "trainer", "train", *TINY,
-                "--nodes", str(nodes), "--output-dir", str(run_dir), *args, *(per_node or {}).get(rank, [])]
+        argv = [
+            *_torchrun(),
+            "--nnodes",
+            str(nodes),
+            "--node-rank",
+            str(rank),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            "--nproc-per-node",
+            "1",
+            "-m",
+            "trainer",
+            "train",
+            *TINY,
+            "--nodes",
+            str(nodes),
+            "--output-dir",
+            str(run_dir),
+            *args,
+            *(per_node or {}).get(rank, []),
+        ]
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen(argv, cwd=code, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                argv,
+                cwd=code,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         started.append(Node(rank, run_dir, log_path, proc))
     return started
 
@@ -94,7 +144,9 @@ def wait_for_metrics(node: Node, lines: int, timeout: float = 90.0) -> None:
         if len(node.metrics()) >= lines:
             return
         time.sleep(0.1)
-    raise AssertionError(f"node {node.rank} has no {lines} metrics lines (exit {node.proc.poll()}):\n{node.log()[-3000:]}")
+    raise AssertionError(
+        f"node {node.rank} has no {lines} metrics lines (exit {node.proc.poll()}):\n{node.log()[-3000:]}"
+    )
 
 
 def stop_all(nodes: list[Node]) -> None:

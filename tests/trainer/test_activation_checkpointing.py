@@ -17,15 +17,18 @@ torch.set_num_threads(1)
 def _grads(checkpointing: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     target = build_tiny_target(seed=0)
     torch.manual_seed(0)
-    drafter = DFlashDrafter(tiny_drafter_config(target, layer_types=["sliding_attention", "full_attention"],
-                                                sliding_window=6))
+    drafter = DFlashDrafter(
+        tiny_drafter_config(target, layer_types=["sliding_attention", "full_attention"], sliding_window=6)
+    )
     drafter.activation_checkpointing = checkpointing
     B = drafter.config.block_size
     ids = torch.randint(0, 200, (2, 14), generator=torch.Generator().manual_seed(1))
     anchors, keep = torch.tensor([[2, 8], [5, 0]]), torch.tensor([[True, True], [True, False]])
     taps = target.features(ids, torch.ones_like(ids)).taps
     block_ids = make_block_input_ids(ids, anchors, B, TINY_MASK_TOKEN_ID)
-    hidden = drafter(taps, F.embedding(block_ids, target.embed_weight), anchors, keep, drafter.build_mask(anchors, keep, 14))
+    hidden = drafter(
+        taps, F.embedding(block_ids, target.embed_weight), anchors, keep, drafter.build_mask(anchors, keep, 14)
+    )
     (hidden @ target.lm_head_weight.T).logsumexp(-1).sum().backward()
     return hidden.detach(), {n: p.grad.clone() for n, p in drafter.named_parameters()}
 
@@ -44,8 +47,24 @@ def _losses(out, *extra: str) -> list[float]:
 
     from trainer import train
 
-    assert train.main(["--preset", "tiny", "--max-steps", "3", "--log-interval", "1", "--output-dir", str(out),
-                       "--wandb", "off", *extra]) == 0
+    assert (
+        train.main(
+            [
+                "--preset",
+                "tiny",
+                "--max-steps",
+                "3",
+                "--log-interval",
+                "1",
+                "--output-dir",
+                str(out),
+                "--wandb",
+                "off",
+                *extra,
+            ]
+        )
+        == 0
+    )
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 

@@ -28,8 +28,26 @@ def test_visible_pairs_counts_the_dense_mask(window: int | None, causal: bool) -
 
 
 def test_bench_step_runs_on_cpu_and_reports_no_recompiles(capsys) -> None:
-    assert bench.main(["step", "--preset", "tiny", "--shape", "tiny", "--variants", "eager,unsorted",
-                       "--iters", "1", "--warmup", "1", "--device", "cpu"]) == 0
+    assert (
+        bench.main(
+            [
+                "step",
+                "--preset",
+                "tiny",
+                "--shape",
+                "tiny",
+                "--variants",
+                "eager,unsorted",
+                "--iters",
+                "1",
+                "--warmup",
+                "1",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     table = capsys.readouterr().out.splitlines()
     rows = [line.split() for line in table if line.startswith("tiny")]
     assert [r[2] for r in rows] == ["eager", "unsorted"] and all(r[-1] == "0" for r in rows)
@@ -42,15 +60,23 @@ def test_unknown_shape_or_variant_is_a_clear_error(capsys, flag: str, value: str
     assert err.startswith(f"error: unknown {flag[2:].rstrip('s')} {value!r}") and "hint:" in err
 
 
-@pytest.mark.parametrize("script, args", [
-    ("checkpoint_pause.py", ["--preset", "tiny", "--device", "cpu", "--repeats", "1"]),
-    ("gpu_pipeline.py", ["--scale", "smoke", "--device", "cpu", "--steps", "12", "--modes", "dual"]),
-])
+@pytest.mark.parametrize(
+    "script, args",
+    [
+        ("checkpoint_pause.py", ["--preset", "tiny", "--device", "cpu", "--repeats", "1"]),
+        ("gpu_pipeline.py", ["--scale", "smoke", "--device", "cpu", "--steps", "12", "--modes", "dual"]),
+    ],
+)
 def test_gpu_bench_scripts_run_their_cpu_smoke_test(tmp_path, script: str, args: list[str]) -> None:
     """The scripts the GPU sessions run: a broken import or flag here would cost a device call."""
     repo = Path(__file__).resolve().parents[2]
     extra = ["--dir", str(tmp_path)] if script == "checkpoint_pause.py" else ["--log-dir", str(tmp_path)]
-    done = subprocess.run([sys.executable, str(repo / "bench" / script), *args, *extra], cwd=repo,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(repo / "bench" / script), *args, *extra],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "|" in done.stdout if script == "checkpoint_pause.py" else " ok" in done.stdout

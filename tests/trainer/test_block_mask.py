@@ -29,16 +29,20 @@ def random_case(rng: random.Random, *, with_full_tiles: bool = False) -> dict[st
     R, B = rng.randint(1, 2), rng.choice([2, 3, 5, 16, 32, 48])
     N = max(1, rng.randint(100, 600) // B)
     S = rng.randint(300, 500) if with_full_tiles else rng.randint(1, 500)
-    low = S // 2 if with_full_tiles else rng.choice([0, S // 2, S - S // 8])                      # late anchors make fully visible context tiles
+    low = (
+        S // 2 if with_full_tiles else rng.choice([0, S // 2, S - S // 8])
+    )  # late anchors make fully visible context tiles
     anchors = torch.randint(low, S, (R, N), generator=torch.Generator().manual_seed(rng.randint(0, 10**6)))
     if rng.random() < 0.6:
         anchors = anchors.sort(dim=1).values
     keep = torch.ones(R, N, dtype=torch.bool)
     for r in range(R):
-        padded = rng.choice([0, 0, 1, N // 3] + ([] if with_full_tiles else [N]))                 # trailing padded blocks (keep=False) ...
-        keep[r, N - padded:] = False
+        padded = rng.choice(
+            [0, 0, 1, N // 3] + ([] if with_full_tiles else [N])
+        )  # trailing padded blocks (keep=False) ...
+        keep[r, N - padded :] = False
         if rng.random() < 0.5:
-            anchors[r, N - padded:] = 0                            # ... anchored at 0 as the data loader pads
+            anchors[r, N - padded :] = 0  # ... anchored at 0 as the data loader pads
     doc = None
     if rng.random() < 0.35 and not with_full_tiles:
         doc = torch.randint(0, 3, (R, S)).sort(dim=1).values
@@ -47,20 +51,22 @@ def random_case(rng: random.Random, *, with_full_tiles: bool = False) -> dict[st
 
 
 def build(c: dict[str, Any]) -> Any:
-    return _flex_block_mask(c["anchors"], c["keep"], c["S"], c["B"], window=c["window"], causal=c["causal"],
-                            doc_ids=c["doc"])
+    return _flex_block_mask(
+        c["anchors"], c["keep"], c["S"], c["B"], window=c["window"], causal=c["causal"], doc_ids=c["doc"]
+    )
 
 
 def tile_sets(num_blocks: torch.Tensor, indices: torch.Tensor) -> list[list[set[int]]]:
     """[R,1,Qt] + [R,1,Qt,Kt] -> per row, per query tile, the set of listed key tiles."""
-    return [[set(indices[r, 0, t, :int(num_blocks[r, 0, t])].tolist()) for t in range(num_blocks.shape[2])]
-            for r in range(num_blocks.shape[0])]
+    return [
+        [set(indices[r, 0, t, : int(num_blocks[r, 0, t])].tolist()) for t in range(num_blocks.shape[2])]
+        for r in range(num_blocks.shape[0])
+    ]
 
 
 def padded_dense(c: dict[str, Any]) -> torch.Tensor:
     """The dense mask [R, Qt*128, Kt*128], out-of-range elements False."""
-    m = dense_mask(c["anchors"], c["keep"], c["S"], c["B"], window=c["window"], causal=c["causal"],
-                   doc_ids=c["doc"])
+    m = dense_mask(c["anchors"], c["keep"], c["S"], c["B"], window=c["window"], causal=c["causal"], doc_ids=c["doc"])
     R, Q, K = m.shape
     out = torch.zeros(R, -(-Q // TILE) * TILE, -(-K // TILE) * TILE, dtype=torch.bool)
     out[:, :Q, :K] = m
@@ -113,16 +119,19 @@ def test_block_mask_equals_uncompiled_create_block_mask(seed: int, monkeypatch: 
             assert torch.equal(getattr(got, name), getattr(want, name)), (name, c)
         assert got.kv_indices.dtype == got.full_kv_indices.dtype == got.kv_num_blocks.dtype == torch.int32
         assert tile_sets(got.kv_num_blocks, got.kv_indices) == tile_sets(want.kv_num_blocks, want.kv_indices)
-        assert (tile_sets(got.full_kv_num_blocks, got.full_kv_indices)
-                == tile_sets(want.full_kv_num_blocks, want.full_kv_indices))
+        assert tile_sets(got.full_kv_num_blocks, got.full_kv_indices) == tile_sets(
+            want.full_kv_num_blocks, want.full_kv_indices
+        )
 
         dense = padded_dense(c)
-        partial, full = tile_sets(got.kv_num_blocks, got.kv_indices), tile_sets(got.full_kv_num_blocks,
-                                                                                 got.full_kv_indices)
+        partial, full = (
+            tile_sets(got.kv_num_blocks, got.kv_indices),
+            tile_sets(got.full_kv_num_blocks, got.full_kv_indices),
+        )
         for r in range(R):
             for t in range(dense.shape[1] // TILE):
                 for kt in range(dense.shape[2] // TILE):
-                    tile = dense[r, t * TILE:(t + 1) * TILE, kt * TILE:(kt + 1) * TILE]
+                    tile = dense[r, t * TILE : (t + 1) * TILE, kt * TILE : (kt + 1) * TILE]
                     if kt in full[r][t]:
                         assert tile.all() and kt not in partial[r][t]
                     elif kt in partial[r][t]:
@@ -132,8 +141,8 @@ def test_block_mask_equals_uncompiled_create_block_mask(seed: int, monkeypatch: 
             kinds["full"] += sum(map(len, full[r]))
             kinds["partial"] += sum(map(len, partial[r]))
         kinds["chunks>1"] += attention._CHUNK_BOOLS // (TILE * dense.shape[2]) < dense.shape[1] // TILE
-    assert kinds["full"] and kinds["partial"], kinds                              # the split was exercised
-    assert kinds["chunks>1"] or seed % 2 == 0, kinds                              # ... and the chunking
+    assert kinds["full"] and kinds["partial"], kinds  # the split was exercised
+    assert kinds["chunks>1"] or seed % 2 == 0, kinds  # ... and the chunking
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -141,17 +150,26 @@ def test_flex_forward_with_the_block_mask_equals_dense_sdpa(seed: int) -> None:
     rng = random.Random(100 + seed)
     torch.manual_seed(seed)
     c = random_case(rng)
-    c["window"] = c["window"] if seed != 1 else 2 * c["B"]                    # one sliding case for sure
+    c["window"] = c["window"] if seed != 1 else 2 * c["B"]  # one sliding case for sure
     R, N = c["anchors"].shape
     Q, K = N * c["B"], c["S"] + N * c["B"]
     lt = SLIDING if c["window"] else FULL
-    dense = build_draft_mask(c["anchors"], c["keep"], c["S"], c["B"], sliding_window=c["window"],
-                             causal_full=c["causal"], causal_sliding=c["causal"], doc_ids=c["doc"], layer_types=[lt])
+    dense = build_draft_mask(
+        c["anchors"],
+        c["keep"],
+        c["S"],
+        c["B"],
+        sliding_window=c["window"],
+        causal_full=c["causal"],
+        causal_sliding=c["causal"],
+        doc_ids=c["doc"],
+        layer_types=[lt],
+    )
     bm = build(c)
     q, k, v = torch.randn(R, 4, Q, 16), torch.randn(R, 2, K, 16), torch.randn(R, 2, K, 16)
     want = attend(q, k, v, dense, lt)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")                                        # "called without torch.compile"
+        warnings.simplefilter("ignore")  # "called without torch.compile"
         eager = flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
     torch.testing.assert_close(eager, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(block_sparse_attention(q, k, v, bm), want, atol=1e-5, rtol=1e-5)
@@ -160,13 +178,12 @@ def test_flex_forward_with_the_block_mask_equals_dense_sdpa(seed: int) -> None:
 def test_exact_multiples_of_128_and_all_padding_rows() -> None:
     """Q and K exact tile multiples (no tail), one row fully padded (no tile listed), one row fully visible
     context tiles (full tiles present)."""
-    S, B, N = 256, 32, 8                                                       # Q = 256, K = 512
+    S, B, N = 256, 32, 8  # Q = 256, K = 512
     anchors = torch.tensor([[256] * N, [0] * N])
     keep = torch.tensor([[True] * N, [False] * N])
     bm = _flex_block_mask(anchors, keep, S, B, window=None, causal=False, doc_ids=None)
-    full, partial = (tile_sets(bm.full_kv_num_blocks, bm.full_kv_indices),
-                     tile_sets(bm.kv_num_blocks, bm.kv_indices))
-    assert full[0] == [{0, 1}, {0, 1}] and partial[0] == [{2}, {3}]        # context full; own blocks partial
+    full, partial = (tile_sets(bm.full_kv_num_blocks, bm.full_kv_indices), tile_sets(bm.kv_num_blocks, bm.kv_indices))
+    assert full[0] == [{0, 1}, {0, 1}] and partial[0] == [{2}, {3}]  # context full; own blocks partial
     assert full[1] == [set(), set()] and partial[1] == [set(), set()]
     want = create_block_mask(bm.mask_mod, 2, 1, N * B, S + N * B, device="cpu", _compile=False)
     assert torch.equal(bm.to_dense(), want.to_dense())

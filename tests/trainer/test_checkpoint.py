@@ -37,8 +37,17 @@ def _model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 
 def _save(run: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, keep: int = 3) -> Path:
-    return save_checkpoint(run, step, model=model.state_dict(), optimizer=optimizer.state_dict(),
-                           scheduler={"last_epoch": step}, epoch=1, index=step + 1, extra={"note": "x"}, keep=keep)
+    return save_checkpoint(
+        run,
+        step,
+        model=model.state_dict(),
+        optimizer=optimizer.state_dict(),
+        scheduler={"last_epoch": step},
+        epoch=1,
+        index=step + 1,
+        extra={"note": "x"},
+        keep=keep,
+    )
 
 
 def test_round_trip_restores_every_part_exactly(tmp_path: Path) -> None:
@@ -47,7 +56,13 @@ def test_round_trip_restores_every_part_exactly(tmp_path: Path) -> None:
     path = _save(tmp_path, 7, model, optimizer)
     expected_draw = torch.rand(3)
     state = load_checkpoint(path)
-    assert (state.step, state.epoch, state.index, state.scheduler, state.extra["note"]) == (7, 1, 8, {"last_epoch": 7}, "x")
+    assert (state.step, state.epoch, state.index, state.scheduler, state.extra["note"]) == (
+        7,
+        1,
+        8,
+        {"last_epoch": 7},
+        "x",
+    )
     assert all(torch.equal(state.model[k], v) for k, v in model.state_dict().items())
     restored = torch.optim.AdamW(model.parameters(), lr=0.1)
     restored.load_state_dict(state.optimizer)
@@ -77,8 +92,15 @@ def test_only_the_newest_k_are_kept_and_incomplete_ones_are_ignored(tmp_path: Pa
 
 
 def _snapshot(step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
-    return snapshot_checkpoint(step, model=model.state_dict(), optimizer=optimizer.state_dict(),
-                               scheduler={"last_epoch": step}, epoch=0, index=step, extra={})
+    return snapshot_checkpoint(
+        step,
+        model=model.state_dict(),
+        optimizer=optimizer.state_dict(),
+        scheduler={"last_epoch": step},
+        epoch=0,
+        index=step,
+        extra={},
+    )
 
 
 def test_background_write_keeps_the_state_of_its_step_while_training_goes_on(tmp_path: Path) -> None:
@@ -124,7 +146,8 @@ def test_the_next_snapshot_reuses_the_host_buffers_of_the_last_written_one(tmp_p
     """One snapshot's worth of host memory per run: after a write lands its buffers take the next snapshot."""
     model, optimizer = _model_and_optimizer()
     parts = lambda: dict(  # noqa: E731
-        model=model.state_dict(), optimizer=optimizer.state_dict(), scheduler={}, epoch=0, index=0, extra={})
+        model=model.state_dict(), optimizer=optimizer.state_dict(), scheduler={}, epoch=0, index=0, extra={}
+    )
     with CheckpointWriter(tmp_path, keep=3) as writer:
         first = writer.snapshot(1, **parts())
         addresses = [t.data_ptr() for t in first.buffers]
@@ -137,10 +160,12 @@ def test_the_next_snapshot_reuses_the_host_buffers_of_the_last_written_one(tmp_p
         assert torch.equal(second.model["0.weight"], model.state_dict()["0.weight"])  # the new values
         writer.submit(second)
         writer.wait()
-    assert torch.equal(load_checkpoint(tmp_path / "checkpoints" / "step_000002").model["0.weight"],
-                       model.state_dict()["0.weight"])
-    assert not torch.equal(load_checkpoint(tmp_path / "checkpoints" / "step_000001").model["0.weight"],
-                           model.state_dict()["0.weight"])
+    assert torch.equal(
+        load_checkpoint(tmp_path / "checkpoints" / "step_000002").model["0.weight"], model.state_dict()["0.weight"]
+    )
+    assert not torch.equal(
+        load_checkpoint(tmp_path / "checkpoints" / "step_000001").model["0.weight"], model.state_dict()["0.weight"]
+    )
 
 
 def test_a_failed_background_write_is_raised_on_the_training_thread(tmp_path: Path) -> None:
@@ -207,8 +232,13 @@ _SIGNAL_SCRIPT = textwrap.dedent("""
 
 def _start_training(run: Path, save_s: float) -> subprocess.Popen:
     """A stand-in training loop under GracefulStop in its own process, once its handlers are installed."""
-    proc = subprocess.Popen([sys.executable, "-c", _SIGNAL_SCRIPT, str(run), str(save_s)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SIGNAL_SCRIPT, str(run), str(save_s)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     line = proc.stdout.readline() if proc.stdout else ""
     if line != "ready\n":
         proc.kill()
@@ -220,8 +250,9 @@ STOP_SIGNALS = [signal.SIGTERM, signal.SIGHUP, signal.SIGINT]
 
 
 @pytest.mark.parametrize("sig", STOP_SIGNALS, ids=lambda s: s.name)
-def test_a_stop_signal_finishes_the_step_saves_a_checkpoint_and_exits_128_plus_signum(tmp_path: Path,
-                                                                                      sig: signal.Signals) -> None:
+def test_a_stop_signal_finishes_the_step_saves_a_checkpoint_and_exits_128_plus_signum(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
     proc = _start_training(tmp_path, 0)
     try:
         proc.send_signal(sig)  # from outside, as `dflashops stop` (SIGTERM), a closed terminal or Ctrl-C do

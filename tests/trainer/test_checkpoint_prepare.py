@@ -42,7 +42,9 @@ def test_buffers_made_ahead_are_the_ones_the_first_snapshot_fills(tmp_path: Path
 
 def test_a_snapshot_waits_for_the_buffers_being_made(tmp_path: Path) -> None:
     made = parts()
-    shapes = [(tuple(t.shape), t.dtype, False) for t in _tensors({"model": made["model"], "optimizer": made["optimizer"]})]
+    shapes = [
+        (tuple(t.shape), t.dtype, False) for t in _tensors({"model": made["model"], "optimizer": made["optimizer"]})
+    ]
     with CheckpointWriter(tmp_path, keep=2) as writer:
         writer._preparing = True
         thread = threading.Thread(target=lambda: (time.sleep(0.3), writer._pin(shapes)))

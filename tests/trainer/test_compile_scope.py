@@ -56,7 +56,7 @@ def _chunks(rows: int = 200, chunk: int = 104, vocab: int = 64) -> list[tuple[to
     """Two chunk shapes (104 and the short last 96) and a labels slice with a storage offset, like the loss."""
     gen = torch.Generator().manual_seed(0)
     logits, labels = torch.randn(rows, vocab, generator=gen), torch.randint(0, vocab, (rows,), generator=gen)
-    return [(logits[s:s + chunk].clone(), labels[s:s + chunk]) for s in range(0, rows, chunk)]
+    return [(logits[s : s + chunk].clone(), labels[s : s + chunk]) for s in range(0, rows, chunk)]
 
 
 def test_two_threads_with_private_loss_kernels_never_miss_the_cache() -> None:
@@ -90,13 +90,34 @@ def test_two_compiled_drafter_threads_run_without_a_recompile(tmp_path: Path) ->
     """The whole pipeline with both replicas compiled (eager backend on the CPU): layers, loss kernels and the
     warm-up, then worker threads under CompileGuard for 40 steps."""
     torch.set_num_threads(1)
-    cfg = parse_train_args(["--preset", "tiny", "--output-dir", str(tmp_path / "run"), "--wandb", "off",
-                            "--synthetic-samples", "192", "--log-interval", "10", "--save-interval", "1000",
-                            "--target-gpus", "cpu", "--drafter-gpus", "cpu,cpu", "--max-steps", "40",
-                            "--epochs", "2"])
+    cfg = parse_train_args(
+        [
+            "--preset",
+            "tiny",
+            "--output-dir",
+            str(tmp_path / "run"),
+            "--wandb",
+            "off",
+            "--synthetic-samples",
+            "192",
+            "--log-interval",
+            "10",
+            "--save-interval",
+            "1000",
+            "--target-gpus",
+            "cpu",
+            "--drafter-gpus",
+            "cpu,cpu",
+            "--max-steps",
+            "40",
+            "--epochs",
+            "2",
+        ]
+    )
     compiled: list[bool] = []
-    options = PipelineOptions(compile_backend="eager",
-                              on_step=lambda step, sides: compiled.append(all(s.compiled for s in sides)))
+    options = PipelineOptions(
+        compile_backend="eager", on_step=lambda step, sides: compiled.append(all(s.compiled for s in sides))
+    )
     assert run_pipeline(cfg, options) == EXIT_OK
     assert len(compiled) == 40 and all(compiled)
 
@@ -108,9 +129,28 @@ def test_inductor_compiled_replicas_train_like_the_uncompiled_ones(tmp_path: Pat
     losses = {}
     for backend in ("inductor", None):
         out = tmp_path / str(backend)
-        cfg = parse_train_args(["--preset", "tiny", "--output-dir", str(out), "--wandb", "off",
-                                "--synthetic-samples", "96", "--log-interval", "1", "--save-interval", "1000",
-                                "--target-gpus", "cpu", "--drafter-gpus", "cpu,cpu", "--max-steps", "4"])
+        cfg = parse_train_args(
+            [
+                "--preset",
+                "tiny",
+                "--output-dir",
+                str(out),
+                "--wandb",
+                "off",
+                "--synthetic-samples",
+                "96",
+                "--log-interval",
+                "1",
+                "--save-interval",
+                "1000",
+                "--target-gpus",
+                "cpu",
+                "--drafter-gpus",
+                "cpu,cpu",
+                "--max-steps",
+                "4",
+            ]
+        )
         assert run_pipeline(cfg, PipelineOptions(compile_backend=backend)) == EXIT_OK
         losses[backend] = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(losses[None]) == 4 and losses[None][-1] < losses[None][0]

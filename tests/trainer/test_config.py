@@ -9,14 +9,71 @@ from trainer.config import PRESETS, TrainConfig, TrainerInputError, parse_train_
 from trainer.train import build_drafter_config
 
 SEED_FLAGS = [  # every flag of the seed run, with a value of the right kind
-    "--target-model", "/models/t", "--data-dir", "/data", "--output-dir", "/out", "--target-gpus", "0",
-    "--drafter-gpus", "1", "--epochs", "2", "--lr", "1e-4", "--warmup-ratio", "0.1", "--weight-decay", "0.01",
-    "--grad-accum", "4", "--grad-clip", "0.5", "--token-budget", "8192", "--max-seq-len", "2048",
-    "--max-batch-size", "4", "--block-size", "32", "--max-anchors", "512", "--num-draft-layers", "5",
-    "--gamma", "10", "--noise-start", "0.1", "--noise-end", "0.0", "--noise-type", "gaussian", "--use-soft-labels",
-    "--kl-weight", "0.5", "--kl-temperature", "2.0", "--cap-lambda", "0.1", "--save-interval", "500",
-    "--wandb-project", "proj", "--wandb-run-name", "r1", "--anchors-per-seq", "256", "--sliding-window", "2048",
-    "--seed", "7", "--max-steps", "100", "--log-interval", "5",
+    "--target-model",
+    "/models/t",
+    "--data-dir",
+    "/data",
+    "--output-dir",
+    "/out",
+    "--target-gpus",
+    "0",
+    "--drafter-gpus",
+    "1",
+    "--epochs",
+    "2",
+    "--lr",
+    "1e-4",
+    "--warmup-ratio",
+    "0.1",
+    "--weight-decay",
+    "0.01",
+    "--grad-accum",
+    "4",
+    "--grad-clip",
+    "0.5",
+    "--token-budget",
+    "8192",
+    "--max-seq-len",
+    "2048",
+    "--max-batch-size",
+    "4",
+    "--block-size",
+    "32",
+    "--max-anchors",
+    "512",
+    "--num-draft-layers",
+    "5",
+    "--gamma",
+    "10",
+    "--noise-start",
+    "0.1",
+    "--noise-end",
+    "0.0",
+    "--noise-type",
+    "gaussian",
+    "--use-soft-labels",
+    "--kl-weight",
+    "0.5",
+    "--kl-temperature",
+    "2.0",
+    "--cap-lambda",
+    "0.1",
+    "--save-interval",
+    "500",
+    "--wandb-project",
+    "proj",
+    "--wandb-run-name",
+    "r1",
+    "--anchors-per-seq",
+    "256",
+    "--sliding-window",
+    "2048",
+    "--seed",
+    "7",
+    "--max-steps",
+    "100",
+    "--log-interval",
+    "5",
 ]
 
 
@@ -24,12 +81,31 @@ def test_every_seed_flag_is_accepted_with_its_meaning() -> None:
     cfg = parse_train_args(["--preset", "qwen3-8b", *SEED_FLAGS])
     assert (cfg.target_model, cfg.data_dir, cfg.output_dir) == ("/models/t", "/data", "/out")
     assert cfg.target_gpus == ["cuda:0"] and cfg.drafter_gpus == ["cuda:1"]
-    assert (cfg.epochs, cfg.lr, cfg.warmup_ratio, cfg.weight_decay, cfg.grad_accum, cfg.grad_clip) == (2, 1e-4, 0.1, 0.01, 4, 0.5)
-    assert (cfg.token_budget, cfg.max_seq_len, cfg.max_batch_size, cfg.block_size, cfg.max_anchors) == (8192, 2048, 4, 32, 512)
+    assert (cfg.epochs, cfg.lr, cfg.warmup_ratio, cfg.weight_decay, cfg.grad_accum, cfg.grad_clip) == (
+        2,
+        1e-4,
+        0.1,
+        0.01,
+        4,
+        0.5,
+    )
+    assert (cfg.token_budget, cfg.max_seq_len, cfg.max_batch_size, cfg.block_size, cfg.max_anchors) == (
+        8192,
+        2048,
+        4,
+        32,
+        512,
+    )
     assert (cfg.gamma, cfg.noise_start, cfg.noise_end, cfg.noise_type) == (10.0, 0.1, 0.0, "gaussian")
     assert cfg.use_soft_labels is True and (cfg.kl_weight, cfg.kl_temperature, cfg.cap_lambda) == (0.5, 2.0, 0.1)
     assert (cfg.save_interval, cfg.wandb_project, cfg.wandb_run_name) == (500, "proj", "r1")
-    assert (cfg.anchors_per_seq, cfg.sliding_window, cfg.seed, cfg.max_steps, cfg.log_interval) == (256, 2048, 7, 100, 5)
+    assert (cfg.anchors_per_seq, cfg.sliding_window, cfg.seed, cfg.max_steps, cfg.log_interval) == (
+        256,
+        2048,
+        7,
+        100,
+        5,
+    )
 
 
 def test_preset_values_are_defaults_and_flags_override_them() -> None:
@@ -50,43 +126,57 @@ def test_presets_have_the_published_drafter_shapes() -> None:
 
 
 def _target_config(layers: int, hidden: int, vocab: int) -> Qwen3Config:
-    return Qwen3Config(num_hidden_layers=layers, hidden_size=hidden, vocab_size=vocab, num_attention_heads=32,
-                       num_key_value_heads=8, head_dim=128, intermediate_size=hidden * 3)
+    return Qwen3Config(
+        num_hidden_layers=layers,
+        hidden_size=hidden,
+        vocab_size=vocab,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=hidden * 3,
+    )
 
 
-@pytest.mark.parametrize("preset, layers, hidden, vocab, taps", [
-    ("qwen3-8b", 36, 4096, 151936, [1, 9, 17, 25, 33]),
-    ("qwen3.6-27b", 64, 5120, 248320, [1, 16, 31, 46, 61]),
-])
-def test_drafter_config_from_preset_and_target_config(preset: str, layers: int, hidden: int, vocab: int,
-                                                      taps: list[int]) -> None:
+@pytest.mark.parametrize(
+    "preset, layers, hidden, vocab, taps",
+    [
+        ("qwen3-8b", 36, 4096, 151936, [1, 9, 17, 25, 33]),
+        ("qwen3.6-27b", 64, 5120, 248320, [1, 16, 31, 46, 61]),
+    ],
+)
+def test_drafter_config_from_preset_and_target_config(
+    preset: str, layers: int, hidden: int, vocab: int, taps: list[int]
+) -> None:
     cfg = parse_train_args(["--preset", preset, "--target-model", "/m", "--data-dir", "/d"])
     drafter = build_drafter_config(cfg, _target_config(layers, hidden, vocab))
     assert drafter.target_layer_ids == taps and drafter.hidden_size == hidden
     assert drafter.mask_token_id == cfg.mask_token_id and drafter.layer_types == cfg.layer_types()
 
 
-@pytest.mark.parametrize("flags, flag_named", [
-    (["--block-size", "1"], "--block-size"),
-    (["--gamma", "0"], "--gamma"),
-    (["--gamma", "-1"], "--gamma"),
-    (["--max-anchors", "0"], "--max-anchors"),
-    (["--anchors-per-seq", "0"], "--anchors-per-seq"),
-    (["--token-budget", "63"], "--token-budget"),
-    (["--noise-type", "pink"], "--noise-type"),
-    (["--grad-accum", "0"], "--grad-accum"),
-    (["--mask-token-id", "256"], "--mask-token-id"),
-    (["--sliding-layers", "3"], "--sliding-layers"),
-    (["--epochs", "many"], "--epochs"),
-    (["--bogus-flag", "1"], "--bogus-flag"),
-    (["--queue-depth", "0"], "--queue-depth"),
-    (["--feature-transfer", "carrier-pigeon"], "--feature-transfer"),
-    (["--stall-timeout", "0"], "--stall-timeout"),
-    (["--sync-interval", "0"], "--sync-interval"),
-    (["--preset", "huge"], "--preset"),
-    (["--loss-kernels", "turbo"], "--loss-kernels"),
-    (["--loss-kernels", "triton", "--drafter-gpus", "cpu"], "--loss-kernels"),
-])
+@pytest.mark.parametrize(
+    "flags, flag_named",
+    [
+        (["--block-size", "1"], "--block-size"),
+        (["--gamma", "0"], "--gamma"),
+        (["--gamma", "-1"], "--gamma"),
+        (["--max-anchors", "0"], "--max-anchors"),
+        (["--anchors-per-seq", "0"], "--anchors-per-seq"),
+        (["--token-budget", "63"], "--token-budget"),
+        (["--noise-type", "pink"], "--noise-type"),
+        (["--grad-accum", "0"], "--grad-accum"),
+        (["--mask-token-id", "256"], "--mask-token-id"),
+        (["--sliding-layers", "3"], "--sliding-layers"),
+        (["--epochs", "many"], "--epochs"),
+        (["--bogus-flag", "1"], "--bogus-flag"),
+        (["--queue-depth", "0"], "--queue-depth"),
+        (["--feature-transfer", "carrier-pigeon"], "--feature-transfer"),
+        (["--stall-timeout", "0"], "--stall-timeout"),
+        (["--sync-interval", "0"], "--sync-interval"),
+        (["--preset", "huge"], "--preset"),
+        (["--loss-kernels", "turbo"], "--loss-kernels"),
+        (["--loss-kernels", "triton", "--drafter-gpus", "cpu"], "--loss-kernels"),
+    ],
+)
 def test_bad_values_are_refused_naming_the_flag(flags: list[str], flag_named: str) -> None:
     with pytest.raises(TrainerInputError) as info:
         parse_train_args(["--preset", "tiny", *flags])

@@ -19,8 +19,9 @@ def _cfg(tmp_path: Path, *extra: str):
     return parse_train_args(["--preset", "tiny", "--output-dir", str(tmp_path / "run"), *extra])
 
 
-def _write_dataset(directory: Path, lengths: list[int], seed: int = 0, vocab: int = 200,
-                   meta_vocab: int = 256) -> list[tuple[np.ndarray, np.ndarray]]:
+def _write_dataset(
+    directory: Path, lengths: list[int], seed: int = 0, vocab: int = 200, meta_vocab: int = 256
+) -> list[tuple[np.ndarray, np.ndarray]]:
     rng = np.random.default_rng(seed)
     samples = []
     for length in lengths:
@@ -28,8 +29,10 @@ def _write_dataset(directory: Path, lengths: list[int], seed: int = 0, vocab: in
         mask = (rng.random(length) < 0.7).astype(np.uint8)
         mask[: length // 4] = 0  # a prompt
         samples.append((ids, mask))
-    entries = [write_shard(directory, "shard-00000", samples[: len(samples) // 2]),
-               write_shard(directory, "shard-00001", samples[len(samples) // 2 :])]
+    entries = [
+        write_shard(directory, "shard-00000", samples[: len(samples) // 2]),
+        write_shard(directory, "shard-00001", samples[len(samples) // 2 :]),
+    ]
     write_index(directory, entries, DatasetMeta(vocab_size=meta_vocab))
     return samples
 
@@ -50,8 +53,19 @@ def test_epoch_batches_are_deterministic_complete_and_within_budget(tmp_path: Pa
 def test_collate_builds_sorted_anchors_and_same_position_targets(tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
     samples = _write_dataset(data_dir, [40, 64, 90, 12, 3])
-    cfg = _cfg(tmp_path, "--data-dir", str(data_dir), "--anchors-per-seq", "6", "--max-anchors", "30",
-               "--block-size", "4", "--gamma", "2")
+    cfg = _cfg(
+        tmp_path,
+        "--data-dir",
+        str(data_dir),
+        "--anchors-per-seq",
+        "6",
+        "--max-anchors",
+        "30",
+        "--block-size",
+        "4",
+        "--gamma",
+        "2",
+    )
     dataset = open_dataset(cfg)
     slot_w = position_weights(4, 2.0).numpy()
     ids = np.array([0, 1, 2, 3, 4])
@@ -138,8 +152,19 @@ def test_data_from_a_larger_vocabulary_is_refused_up_front(tmp_path: Path) -> No
 
 
 def test_shapes_are_static_per_context_bucket(tmp_path: Path) -> None:
-    cfg = _cfg(tmp_path, "--max-seq-len", "1024", "--token-budget", "2048", "--max-batch-size", "8",
-               "--max-anchors", "64", "--synthetic-samples", "60")
+    cfg = _cfg(
+        tmp_path,
+        "--max-seq-len",
+        "1024",
+        "--token-budget",
+        "2048",
+        "--max-batch-size",
+        "8",
+        "--max-anchors",
+        "64",
+        "--synthetic-samples",
+        "60",
+    )
     assert len({padded_length(n, 1024) for n in range(1, 5000)}) == 8
     stream = BatchStream(open_dataset(cfg), cfg, position_weights(cfg.block_size, cfg.gamma).numpy())
     shapes: dict[int, set] = {}

@@ -20,8 +20,9 @@ MAX_NEW = 16
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     world = build_eval_setup(tmp_path_factory.mktemp("ddtree"), num_prompts=4)
-    world["references"] = [eval_cli.greedy_reference(world["model"], p, MAX_NEW, world["stops"], 0)
-                           for p in world["prompts"]]
+    world["references"] = [
+        eval_cli.greedy_reference(world["model"], p, MAX_NEW, world["stops"], 0) for p in world["prompts"]
+    ]
     world["vocab"] = world["model"].config.vocab_size
     return world
 
@@ -36,7 +37,7 @@ def noisy_oracle(prompt: list[int], reference: list[int], vocab: int):
         for slot in range(slots):
             position = done + slot
             truth = reference[position] if position < len(reference) else 0
-            rank = (position * 7 + slot * 3) % 3                          # 0, 1 or 2 wrong tokens ranked above it
+            rank = (position * 7 + slot * 3) % 3  # 0, 1 or 2 wrong tokens ranked above it
             for wrong in range(rank):
                 logits[slot, (truth + 1 + wrong) % vocab] = 5.0 - wrong
             logits[slot, truth] = 5.0 - rank
@@ -59,10 +60,10 @@ def test_tree_is_exactly_the_budget_best_paths_and_nested_in_the_budget():
         tree = ddtree.build_tree(log_probs, budget)
         got = {tuple(tree.tokens[i] for i in tree.path(n)) for n in range(len(tree))}
         best = sorted(scores.values(), reverse=True)[:budget]
-        assert sorted((scores[p] for p in got), reverse=True) == pytest.approx(best)   # the budget best paths
-        assert all(p[:-1] in got or len(p) == 1 for p in got)                           # prefix-closed
-        assert tree.tokens[:len(previous)] == previous                                  # larger budget: superset
-        assert all(tree.parents[n] < n for n in range(len(tree)))                        # parents first
+        assert sorted((scores[p] for p in got), reverse=True) == pytest.approx(best)  # the budget best paths
+        assert all(p[:-1] in got or len(p) == 1 for p in got)  # prefix-closed
+        assert tree.tokens[: len(previous)] == previous  # larger budget: superset
+        assert all(tree.parents[n] < n for n in range(len(tree)))  # parents first
         previous = tree.tokens
     chain = ddtree.build_tree(log_probs, 3, top_k=1)
     assert chain.tokens == log_probs.argmax(-1).tolist() and chain.parents == [-1, 0, 1]
@@ -87,7 +88,7 @@ def test_ancestor_mask_gives_every_node_the_logits_of_its_own_path(setup, attent
         prompt = setup["prompts"][0]
         torch.manual_seed(3)
         tree = ddtree.build_tree(torch.log_softmax(torch.randn(3, setup["vocab"]) * 6, dim=-1), 9)
-        assert max(tree.depths) == 3 and len(set(tree.parents)) > 2         # a real tree: branches and depth
+        assert max(tree.depths) == 3 and len(set(tree.parents)) > 2  # a real tree: branches and depth
         runner = eval_cli.TargetRunner(model, [1, 2])
         runner.forward(prompt[:-1])
         n = len(prompt)
@@ -119,24 +120,44 @@ def run_both(setup, slot_logits_for, budget, top_k):
     for prompt, reference in zip(setup["prompts"], setup["references"]):
         slot_logits = slot_logits_for(prompt, reference)
         propose = lambda c, t, k, f=slot_logits: f(c, t, k).argmax(-1).tolist()  # noqa: E731
-        out_block = eval_cli.speculative_generate(runner, prompt, propose, slots=3, max_new_tokens=MAX_NEW,
-                                                  stops=set(setup["stops"]), stats=block)
-        out_tree = ddtree.ddtree_generate(runner, prompt, slot_logits, budget=budget, top_k=top_k, slots=3,
-                                          max_new_tokens=MAX_NEW, stops=set(setup["stops"]), stats=tree)
-        assert out_block == reference and out_tree == reference              # both lossless
+        out_block = eval_cli.speculative_generate(
+            runner, prompt, propose, slots=3, max_new_tokens=MAX_NEW, stops=set(setup["stops"]), stats=block
+        )
+        out_tree = ddtree.ddtree_generate(
+            runner,
+            prompt,
+            slot_logits,
+            budget=budget,
+            top_k=top_k,
+            slots=3,
+            max_new_tokens=MAX_NEW,
+            stops=set(setup["stops"]),
+            stats=tree,
+        )
+        assert out_block == reference and out_tree == reference  # both lossless
     return block, tree
 
 
 def test_budget_b_minus_1_top_1_is_block_mode(setup):
-    drafter_logits = eval_cli.drafter_slot_logits(setup["drafter"], setup["model"].get_input_embeddings().weight,
-                                                  setup["model"].get_output_embeddings().weight)
+    drafter_logits = eval_cli.drafter_slot_logits(
+        setup["drafter"], setup["model"].get_input_embeddings().weight, setup["model"].get_output_embeddings().weight
+    )
     for slot_logits_for in (lambda p, r: noisy_oracle(p, r, setup["vocab"]), lambda p, r: drafter_logits):
         block, tree = run_both(setup, slot_logits_for, budget=3, top_k=1)
         for key in ("steps", "committed", "generated", "forwards", "slot_proposed", "slot_accepted"):
             assert getattr(block, key) == getattr(tree, key), key
     assert block.summary()["tau"] == tree.summary()["tau"]
-    report = eval_cli.evaluate(setup["model"], setup["drafter"], setup["prompts"], max_new_tokens=MAX_NEW,
-                               stops=setup["stops"], pad_id=0, baselines=False, ddtree_budget=3, ddtree_top_k=1)
+    report = eval_cli.evaluate(
+        setup["model"],
+        setup["drafter"],
+        setup["prompts"],
+        max_new_tokens=MAX_NEW,
+        stops=setup["stops"],
+        pad_id=0,
+        baselines=False,
+        ddtree_budget=3,
+        ddtree_top_k=1,
+    )
     assert report["methods"]["ddtree"]["tau"] == report["methods"]["trained"]["tau"] and report["lossless"]
 
 
@@ -145,8 +166,9 @@ def test_a_larger_budget_never_accepts_less_from_the_same_state(setup):
     the anchor where the drafter may do worse), so the per-step claim is what is tested, at every anchor of
     every reference, for the real drafter and the noisy oracle. The oracle also shows the budget paying off."""
     model = setup["model"]
-    drafter_logits = eval_cli.drafter_slot_logits(setup["drafter"], model.get_input_embeddings().weight,
-                                                  model.get_output_embeddings().weight)
+    drafter_logits = eval_cli.drafter_slot_logits(
+        setup["drafter"], model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    )
     runner = eval_cli.TargetRunner(model, [1, 2])
     for prompt, reference in zip(setup["prompts"], setup["references"]):
         runner.reset()
@@ -156,20 +178,28 @@ def test_a_larger_budget_never_accepts_less_from_the_same_state(setup):
         for slot_logits in (drafter_logits, noisy_oracle(prompt, reference, setup["vocab"])):
             for done in range(1, len(reference) - 1):
                 committed = prompt + reference[:done]
-                log_probs = torch.log_softmax(slot_logits(committed, taps[:len(committed) - 1], 3), dim=-1)
+                log_probs = torch.log_softmax(slot_logits(committed, taps[: len(committed) - 1], 3), dim=-1)
                 truth, accepted = reference[done:], []
                 for budget in range(1, 16):
                     tree = ddtree.build_tree(log_probs, budget)
                     choice = [truth[0]] + [truth[d] if d < len(truth) else -1 for d in tree.depths]
-                    accepted.append(len(ddtree.accept(tree, choice)[0]))   # the target's greedy choices here
+                    accepted.append(len(ddtree.accept(tree, choice)[0]))  # the target's greedy choices here
                 assert accepted == sorted(accepted)
     block, wide = run_both(setup, lambda p, r: noisy_oracle(p, r, setup["vocab"]), budget=12, top_k=None)
     assert wide.summary()["tau"] > block.summary()["tau"] + 0.5
 
 
 def test_evaluate_reports_ddtree_beside_block_lossless(setup):
-    report = eval_cli.evaluate(setup["model"], setup["drafter"], setup["prompts"], max_new_tokens=MAX_NEW,
-                               stops=setup["stops"], pad_id=0, baselines=False, ddtree_budget=8)
+    report = eval_cli.evaluate(
+        setup["model"],
+        setup["drafter"],
+        setup["prompts"],
+        max_new_tokens=MAX_NEW,
+        stops=setup["stops"],
+        pad_id=0,
+        baselines=False,
+        ddtree_budget=8,
+    )
     tree = report["methods"]["ddtree"]
     assert report["lossless"] and tree["lossless"] and tree["budget"] == 8 and tree["top_k"] is None
     assert 1 <= tree["mean_tree_nodes"] <= 8 and tree["tau"] >= 1.0 and len(tree["per_slot_acceptance"]) == 3
@@ -183,26 +213,47 @@ def test_a_stop_id_inside_the_accepted_path_ends_the_answer(setup):
     stop_index = 5
     assert free_run[stop_index] not in free_run[:stop_index]
     stops = {free_run[stop_index]}
-    reference = free_run[:stop_index + 1]
+    reference = free_run[: stop_index + 1]
     stats = eval_cli.MethodStats("tree")
     oracle = noisy_oracle(prompt, free_run, setup["vocab"])
-    output = ddtree.ddtree_generate(eval_cli.TargetRunner(model, [1, 2]), prompt, oracle,
-                                    budget=12, top_k=None, slots=3, max_new_tokens=20, stops=stops, stats=stats)
+    output = ddtree.ddtree_generate(
+        eval_cli.TargetRunner(model, [1, 2]),
+        prompt,
+        oracle,
+        budget=12,
+        top_k=None,
+        slots=3,
+        max_new_tokens=20,
+        stops=stops,
+        stats=stats,
+    )
     assert output == reference and stats.generated == len(reference) and stats.forwards == stats.steps + 1
     # The step that accepts the stop still counts accepted + 1 (block mode's and tau_sim's convention), so the
     # committed count is the prefill token short of the output plus one; nothing past the stop is verified.
     assert stats.committed == len(reference)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--ddtree-budget", "0"], "--ddtree-budget 0 must be a positive number of tree nodes"),
-    (["--ddtree-budget", "-3"], "--ddtree-budget -3 must be a positive number of tree nodes"),
-    (["--ddtree-budget", "4", "--ddtree-top-k", "0"], "--ddtree-top-k 0 must be a positive number"),
-    (["--ddtree-top-k", "2"], "--ddtree-top-k needs --ddtree-budget"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--ddtree-budget", "0"], "--ddtree-budget 0 must be a positive number of tree nodes"),
+        (["--ddtree-budget", "-3"], "--ddtree-budget -3 must be a positive number of tree nodes"),
+        (["--ddtree-budget", "4", "--ddtree-top-k", "0"], "--ddtree-top-k 0 must be a positive number"),
+        (["--ddtree-top-k", "2"], "--ddtree-top-k needs --ddtree-budget"),
+    ],
+)
 def test_bad_ddtree_options_are_refused_before_anything_loads(tmp_path, capsys, argv, message):
-    code = eval_cli.main(["--target-model", str(tmp_path / "none"), "--drafter", str(tmp_path / "none"),
-                          "--prompts", str(tmp_path / "none.jsonl"), *argv])
+    code = eval_cli.main(
+        [
+            "--target-model",
+            str(tmp_path / "none"),
+            "--drafter",
+            str(tmp_path / "none"),
+            "--prompts",
+            str(tmp_path / "none.jsonl"),
+            *argv,
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and err.startswith(f"error: {message}") and "hint:" in err
 
@@ -210,8 +261,15 @@ def test_bad_ddtree_options_are_refused_before_anything_loads(tmp_path, capsys, 
 def test_bad_budget_in_evaluate_and_unsupported_attention(setup):
     for budget in (0, -1):
         with pytest.raises(eval_cli.DataInputError, match=f"--ddtree-budget {budget} must be a positive"):
-            eval_cli.evaluate(setup["model"], setup["drafter"], setup["prompts"], max_new_tokens=4,
-                              stops=setup["stops"], pad_id=0, ddtree_budget=budget)
+            eval_cli.evaluate(
+                setup["model"],
+                setup["drafter"],
+                setup["prompts"],
+                max_new_tokens=4,
+                stops=setup["stops"],
+                pad_id=0,
+                ddtree_budget=budget,
+            )
     with pytest.raises(ValueError, match="--ddtree-budget 0"):
         ddtree.build_tree(torch.zeros(2, 4), 0)
 
@@ -229,9 +287,23 @@ def test_eval_cli_with_ddtree(setup, tmp_path, capsys):
     setup["drafter"].save_pretrained(tmp_path / "drafter")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "walk north from bop"}\n{"prompt": "walk east"}\n')
-    code = eval_cli.main(["--target-model", str(setup["root"] / "target"), "--drafter", str(tmp_path / "drafter"),
-                          "--prompts", str(prompts), "--max-new-tokens", "8", "--enable-thinking", "off",
-                          "--no-baselines", "--ddtree-budget", "6"])
+    code = eval_cli.main(
+        [
+            "--target-model",
+            str(setup["root"] / "target"),
+            "--drafter",
+            str(tmp_path / "drafter"),
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "8",
+            "--enable-thinking",
+            "off",
+            "--no-baselines",
+            "--ddtree-budget",
+            "6",
+        ]
+    )
     captured = capsys.readouterr()
     assert code == 0, captured.err
     report = json.loads(captured.out)

@@ -23,8 +23,20 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SMALL = ["--preset", "tiny", "--synthetic-samples", "48", "--max-seq-len", "32", "--token-budget", "128",
-         "--wandb", "off", "--log-interval", "1"]
+SMALL = [
+    "--preset",
+    "tiny",
+    "--synthetic-samples",
+    "48",
+    "--max-seq-len",
+    "32",
+    "--token-budget",
+    "128",
+    "--wandb",
+    "off",
+    "--log-interval",
+    "1",
+]
 # One tiny-preset checkpoint is about 1.04 MB on disk (model 0.33 MB + AdamW moments 0.68 MB + RNG, JSON).
 CHECKPOINT_KB = 1040
 
@@ -33,8 +45,9 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs (a r
 
 def _mount_tmpfs(path: Path, size_kb: int) -> None:
     path.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kb}k", "tmpfs", str(path)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_kb}k", "tmpfs", str(path)], capture_output=True, text=True
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
 
@@ -57,14 +70,20 @@ def small_disk(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
 
 def _train(run: Path, *flags: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "trainer", "train", *SMALL, "--output-dir", str(run), *flags],
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env, cwd=REPO, timeout=180)
+    return subprocess.run(
+        [sys.executable, "-m", "trainer", "train", *SMALL, "--output-dir", str(run), *flags],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=180,
+    )
 
 
 def _check_clean_failure(done: subprocess.CompletedProcess, run: Path, mount: Path, step: int, last_good: str) -> None:
     log = done.stdout + done.stderr
-    line = (f"error: no space left on {mount} while writing checkpoint step {step}; last good checkpoint: "
-            f"{last_good}")
+    line = f"error: no space left on {mount} while writing checkpoint step {step}; last good checkpoint: {last_good}"
     assert done.returncode == 1, log[-3000:]
     assert "Traceback" not in log, log[-3000:]
     errors = [text for text in done.stderr.splitlines() if text.startswith("error:")]
@@ -88,8 +107,19 @@ def test_item7_disk_full_during_a_checkpoint_fails_the_run_with_one_error_line(s
 def test_item7_pipeline_disk_full_at_the_first_checkpoint_names_no_good_checkpoint(small_disk) -> None:
     mount = small_disk(CHECKPOINT_KB // 2)  # training and its records fit, no checkpoint does
     run = mount / "run"
-    done = _train(run, "--pipeline", "true", "--target-gpus", "cpu", "--drafter-gpus", "cpu", "--max-steps", "4",
-                  "--save-interval", "2")
+    done = _train(
+        run,
+        "--pipeline",
+        "true",
+        "--target-gpus",
+        "cpu",
+        "--drafter-gpus",
+        "cpu",
+        "--max-steps",
+        "4",
+        "--save-interval",
+        "2",
+    )
     assert "sync grad" in done.stderr, done.stderr[-3000:]  # the threaded pipeline ran (its start-up line)
     _check_clean_failure(done, run, mount, 2, "none")
 
@@ -126,8 +156,11 @@ def test_item7_a_status_write_that_hits_the_full_disk_first_reports_the_checkpoi
         recorder.set_status(phase="training", step=3)
     filler.unlink()
     with CheckpointWriter(run, keep=3) as writer:  # a checkpoint four times the disk: fails on the writer thread
-        writer.submit(writer.snapshot(3, model={"w": torch.zeros(256 * 1024)}, optimizer={}, scheduler={},
-                                      epoch=0, index=3, extra={}))
+        writer.submit(
+            writer.snapshot(
+                3, model={"w": torch.zeros(256 * 1024)}, optimizer={}, scheduler={}, epoch=0, index=3, extra={}
+            )
+        )
     record_failure(recorder, tripped.value, run_dir=run, writer=writer, keep_checkpoints=3, exit_code=1)
     recorder.close()
     err = capsys.readouterr().err

@@ -69,15 +69,20 @@ def test_two_nodes_under_grad_sync_train_like_one_node_with_all_their_drafters(t
     assert (kinds["grad"], kinds["normaliser"], kinds["stop"]) == (4 * trainable, 16, 8)
     assert final["nodes"] == 2 and final["dist_bytes_per_step"] >= 4 * trainable + 24
     # Node 0 writes the job's metrics and checkpoints; node 1 its status and config only.
-    assert (zero.status()["phase"], one.status()["phase"], one.status()["node"], one.status()["step"]) == \
-        ("done", "done", 1, 6)
+    assert (zero.status()["phase"], one.status()["phase"], one.status()["node"], one.status()["step"]) == (
+        "done",
+        "done",
+        1,
+        6,
+    )
     assert sorted(p.name for p in one.run_dir.iterdir()) == ["status.json", "train_config.json"]
     state = json.loads((_newest_checkpoint(zero.run_dir) / "state.json").read_text())
     assert state["pipeline"]["nodes"] == 2 and state["pipeline"]["next_micro_batch"] == 24
 
 
-def test_average_sync_averages_every_replica_of_both_nodes_and_resumes_each_replica(tmp_path: Path,
-                                                                                      nodes_started) -> None:
+def test_average_sync_averages_every_replica_of_both_nodes_and_resumes_each_replica(
+    tmp_path: Path, nodes_started
+) -> None:
     args = ["--max-steps", "6", "--sync", "average", "--sync-interval", "2", "--save-interval", "4"]
     nodes = start_nodes(tmp_path, args)
     nodes_started += nodes
@@ -101,8 +106,9 @@ def test_average_sync_averages_every_replica_of_both_nodes_and_resumes_each_repl
     assert [(m["step"], m["loss"]) for m in resumed[0].metrics()] == [(m["step"], m["loss"]) for m in metrics[4:]]
 
 
-def test_sigterm_to_one_node_stops_every_node_after_the_same_step_and_both_resume(tmp_path: Path, nodes_started,
-                                                                                 capsys) -> None:
+def test_sigterm_to_one_node_stops_every_node_after_the_same_step_and_both_resume(
+    tmp_path: Path, nodes_started, capsys
+) -> None:
     nodes = start_nodes(tmp_path, ["--max-steps", "5000"], name="long")
     nodes_started += nodes
     zero, one = nodes
@@ -111,23 +117,39 @@ def test_sigterm_to_one_node_stops_every_node_after_the_same_step_and_both_resum
     wait_all(nodes, 90)
     stopped = [zero.status(), one.status()]
     step = stopped[0]["step"]
-    assert [(s["phase"], s["exit_code"], s["step"]) for s in stopped] == [("stopped", 143, step)] * 2, \
+    assert [(s["phase"], s["exit_code"], s["step"]) for s in stopped] == [("stopped", 143, step)] * 2, (
         zero.log()[-2000:] + one.log()[-2000:]
+    )
     for node in nodes:
         assert f"stop requested on node 1 (SIGTERM): every node stops after step {step}" in node.log()
     assert (zero.run_dir / "checkpoints" / f"step_{step:06d}" / "state.json").is_file()
     assert not (one.run_dir / "checkpoints").exists()  # checkpoints are written once, by node 0
 
     # The checkpoint of two nodes does not resume on one.
-    assert trainer_main(["train", *[a for a in TINY if a not in ("--dist-timeout", "20")],
-                         "--output-dir", str(zero.run_dir), "--max-steps", "5000"]) == 2
+    assert (
+        trainer_main(
+            [
+                "train",
+                *[a for a in TINY if a not in ("--dist-timeout", "20")],
+                "--output-dir",
+                str(zero.run_dir),
+                "--max-steps",
+                "5000",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.startswith("error: --resume: checkpoint ") and "was written by a run on 2 node(s)" in err
     assert "hint: resume it on 2 node(s)" in err
 
     # The two run directories swapped between the nodes: the node that would read checkpoints has none.
-    swapped = start_nodes(tmp_path, ["--max-steps", "5000"], name="long",
-                          per_node={0: ["--output-dir", str(one.run_dir)], 1: ["--output-dir", str(zero.run_dir)]})
+    swapped = start_nodes(
+        tmp_path,
+        ["--max-steps", "5000"],
+        name="long",
+        per_node={0: ["--output-dir", str(one.run_dir)], 1: ["--output-dir", str(zero.run_dir)]},
+    )
     nodes_started += swapped
     assert all(code != 0 for code in wait_all(swapped, 120))
     assert "holds the run's checkpoints" in swapped[0].log() and "the nodes' ranks changed" in swapped[1].log()
@@ -166,8 +188,9 @@ def test_a_node_killed_with_sigkill_ends_the_other_in_bounded_time_naming_it(tmp
 
 
 @pytest.mark.parametrize("differs", ["code", "config", "input"])
-def test_nodes_with_other_code_config_or_bad_input_are_refused_before_training(tmp_path: Path, nodes_started,
-                                                                              differs: str) -> None:
+def test_nodes_with_other_code_config_or_bad_input_are_refused_before_training(
+    tmp_path: Path, nodes_started, differs: str
+) -> None:
     code_dirs, per_node = {}, {}
     if differs == "input":  # node 1's own pre-flight refuses (its data directory is missing)
         per_node[1] = ["--data-dir", str(tmp_path / "missing")]
@@ -183,8 +206,11 @@ def test_nodes_with_other_code_config_or_bad_input_are_refused_before_training(t
     nodes_started += nodes
     codes = wait_all(nodes, 120)
     assert all(code != 0 for code in codes)
-    expected = {"code": "runs other trainer code than node 0", "config": "--lr is 0.001 there, 0.003 on node 0",
-                "input": "refused to start: --data-dir: "}[differs]
+    expected = {
+        "code": "runs other trainer code than node 0",
+        "config": "--lr is 0.001 there, 0.003 on node 0",
+        "input": "refused to start: --data-dir: ",
+    }[differs]
     for node in nodes:
         log = node.log()
         if differs == "input" and node.rank == 1:
@@ -195,15 +221,19 @@ def test_nodes_with_other_code_config_or_bad_input_are_refused_before_training(t
         assert not node.run_dir.exists()  # refused before anything was written
 
 
-@pytest.mark.parametrize("env, flags, message", [
-    ({}, ["--nodes", "2"], "--nodes 2: a run on several nodes is started by torchrun, one process per node"),
-    ({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_WORLD_SIZE": "2"}, ["--nodes", "2"], "torchrun --nproc-per-node 2"),
-    ({"WORLD_SIZE": "3", "RANK": "0", "LOCAL_WORLD_SIZE": "1"}, ["--nodes", "2"], "torchrun started 3 node(s)"),
-    ({}, ["--nodes", "0"], "--nodes: must be >= 1"),
-    ({}, ["--dist-timeout", "0"], "--dist-timeout: must be > 0"),
-])
-def test_bad_distributed_input_is_one_error_and_a_hint(tmp_path: Path, monkeypatch, capsys, env: dict, flags: list,
-                                                       message: str) -> None:
+@pytest.mark.parametrize(
+    "env, flags, message",
+    [
+        ({}, ["--nodes", "2"], "--nodes 2: a run on several nodes is started by torchrun, one process per node"),
+        ({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_WORLD_SIZE": "2"}, ["--nodes", "2"], "torchrun --nproc-per-node 2"),
+        ({"WORLD_SIZE": "3", "RANK": "0", "LOCAL_WORLD_SIZE": "1"}, ["--nodes", "2"], "torchrun started 3 node(s)"),
+        ({}, ["--nodes", "0"], "--nodes: must be >= 1"),
+        ({}, ["--dist-timeout", "0"], "--dist-timeout: must be > 0"),
+    ],
+)
+def test_bad_distributed_input_is_one_error_and_a_hint(
+    tmp_path: Path, monkeypatch, capsys, env: dict, flags: list, message: str
+) -> None:
     for key in ("TORCHELASTIC_RUN_ID", "WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)
     if env:  # what torchrun would have set for this process

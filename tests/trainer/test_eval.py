@@ -26,19 +26,26 @@ def test_oracle_proposer_accepts_whole_blocks_and_garbage_accepts_nothing(setup)
 
     def oracle(committed, taps, slots):
         done = len(committed) - len(prompt)
-        return reference[done:done + slots]
+        return reference[done : done + slots]
 
     stats = eval_cli.MethodStats("oracle")
-    output = eval_cli.speculative_generate(runner, prompt, oracle, slots=3, max_new_tokens=20, stops=set(stops), stats=stats)
+    output = eval_cli.speculative_generate(
+        runner, prompt, oracle, slots=3, max_new_tokens=20, stops=set(stops), stats=stats
+    )
     assert output == reference
     # 1 token from the prefill, then 4 per step (3 accepted + bonus) until the length limit.
     assert stats.steps == -(-(len(reference) - 1) // 4) and stats.slot_accepted[0] == stats.slot_proposed[0]
     garbage = eval_cli.MethodStats("garbage")
 
     def wrong(committed, taps, slots):
-        return [(t + 1) % 300 for t in reference[len(committed) - len(prompt):][:slots]]
+        return [(t + 1) % 300 for t in reference[len(committed) - len(prompt) :][:slots]]
 
-    assert eval_cli.speculative_generate(runner, prompt, wrong, slots=3, max_new_tokens=20, stops=set(stops), stats=garbage) == reference
+    assert (
+        eval_cli.speculative_generate(
+            runner, prompt, wrong, slots=3, max_new_tokens=20, stops=set(stops), stats=garbage
+        )
+        == reference
+    )
     assert garbage.summary()["tau"] == 1.0 and garbage.steps == len(reference) - 1
 
 
@@ -47,16 +54,16 @@ def test_generation_ends_at_a_stop_id_accepted_inside_a_draft(setup):
     by more verify steps over text past the answer's end (until max_new_tokens), each counted in tau. On the
     demo this pulled tau on TRAINING prompts from 5.83 to 3.64."""
     model, prompt = setup["model"], setup["prompts"][1]
-    free_run = eval_cli.greedy_reference(model, prompt, 20, [], 0)        # this target never emits a stop by itself
+    free_run = eval_cli.greedy_reference(model, prompt, 20, [], 0)  # this target never emits a stop by itself
     stop_index = 5
     assert free_run[stop_index] not in free_run[:stop_index]
-    stops = {free_run[stop_index]}                                      # pretend that token ends the turn
+    stops = {free_run[stop_index]}  # pretend that token ends the turn
     reference = eval_cli.greedy_reference(model, prompt, 20, sorted(stops), 0)
-    assert reference == free_run[:stop_index + 1]
+    assert reference == free_run[: stop_index + 1]
 
-    def oracle(committed, taps, slots):                                 # drafts the free run, past the stop too
+    def oracle(committed, taps, slots):  # drafts the free run, past the stop too
         done = len(committed) - len(prompt)
-        return free_run[done:done + slots]
+        return free_run[done : done + slots]
 
     stats = eval_cli.MethodStats("oracle")
     runner = eval_cli.TargetRunner(model, [1, 2])
@@ -64,9 +71,9 @@ def test_generation_ends_at_a_stop_id_accepted_inside_a_draft(setup):
     assert output == reference
     # prefill -> token 0; step 1 commits 1..3 + bonus 4; step 2 accepts the stop (token 5) as its first slot and ends.
     assert stats.steps == 2 and stats.forwards == 3
-    assert stats.committed == 4 + 2                                     # accepted + 1 per step, as tau_sim counts
+    assert stats.committed == 4 + 2  # accepted + 1 per step, as tau_sim counts
     assert stats.slot_proposed == [2, 1, 1] and stats.slot_accepted == [2, 1, 1]  # slots past the stop: not counted
-    assert runner.cache.get_seq_length() == len(prompt) + stop_index    # cache = committed positions but the last
+    assert runner.cache.get_seq_length() == len(prompt) + stop_index  # cache = committed positions but the last
 
 
 def test_training_forward_and_eval_proposer_draft_the_same_tokens(setup):
@@ -81,17 +88,19 @@ def test_training_forward_and_eval_proposer_draft_the_same_tokens(setup):
     keep = torch.ones_like(anchors, dtype=torch.bool)
     with torch.no_grad():
         features = TargetModel(model, cfg.target_layer_ids).features(torch.tensor([ids])).taps
-        blocks = F.embedding(make_block_input_ids(torch.tensor([ids]), anchors, cfg.block_size, cfg.mask_token_id), embed)
+        blocks = F.embedding(
+            make_block_input_ids(torch.tensor([ids]), anchors, cfg.block_size, cfg.mask_token_id), embed
+        )
         hidden = drafter(features, blocks, anchors, keep, drafter.build_mask(anchors, keep, len(ids)))
     trained = (hidden[0] @ head.T).argmax(-1).view(-1, cfg.block_size)[:, 1:].tolist()
     runner = eval_cli.TargetRunner(model, cfg.target_layer_ids)
-    _, first = runner.forward(ids[:len(prompt)])
-    _, rest = runner.forward(ids[len(prompt):])                         # incremental taps, as eval builds them
+    _, first = runner.forward(ids[: len(prompt)])
+    _, rest = runner.forward(ids[len(prompt) :])  # incremental taps, as eval builds them
     taps = torch.cat([first, rest])
     propose = eval_cli.drafter_proposer(drafter, embed, head)
-    proposed = [propose(ids[:p + 1], taps[:p], cfg.block_size - 1) for p in anchors[0].tolist()]
+    proposed = [propose(ids[: p + 1], taps[:p], cfg.block_size - 1) for p in anchors[0].tolist()]
     assert proposed == trained
-    assert len({tuple(d) for d in trained}) > 1                         # anchors really draft different tokens
+    assert len({tuple(d) for d in trained}) > 1  # anchors really draft different tokens
 
 
 def test_runner_taps_match_the_training_target_features(setup):
@@ -104,8 +113,9 @@ def test_runner_taps_match_the_training_target_features(setup):
 
 
 def test_evaluate_reports_all_methods_lossless(setup):
-    report = eval_cli.evaluate(setup["model"], setup["drafter"], setup["prompts"], max_new_tokens=16,
-                               stops=setup["stops"], pad_id=0)
+    report = eval_cli.evaluate(
+        setup["model"], setup["drafter"], setup["prompts"], max_new_tokens=16, stops=setup["stops"], pad_id=0
+    )
     assert set(report["methods"]) == {"trained", "untrained", "ngram"} and report["lossless"]
     for method in report["methods"].values():
         assert method["tau"] >= 1.0 and len(method["per_slot_acceptance"]) == 3
@@ -124,27 +134,59 @@ def test_drafter_that_does_not_fit_the_target_is_refused(setup):
     config = setup["drafter"].config
     too_deep = DrafterConfig(**{**config.__dict__, "target_layer_ids": [1, 7], "num_target_layers": 8})
     with pytest.raises(eval_cli.DataInputError, match="target has 4 layers but the drafter taps"):
-        eval_cli.evaluate(setup["model"], DFlashDrafter(too_deep), setup["prompts"], max_new_tokens=4, stops=setup["stops"], pad_id=0)
+        eval_cli.evaluate(
+            setup["model"], DFlashDrafter(too_deep), setup["prompts"], max_new_tokens=4, stops=setup["stops"], pad_id=0
+        )
     wide = DrafterConfig(**{**config.__dict__, "hidden_size": 48})
     with pytest.raises(eval_cli.DataInputError, match="hidden_size 48 != target hidden size 32"):
-        eval_cli.evaluate(setup["model"], DFlashDrafter(wide), setup["prompts"], max_new_tokens=4, stops=setup["stops"], pad_id=0)
+        eval_cli.evaluate(
+            setup["model"], DFlashDrafter(wide), setup["prompts"], max_new_tokens=4, stops=setup["stops"], pad_id=0
+        )
     with pytest.raises(eval_cli.DataInputError, match="--block-size 9 must be in 2..4"):
-        eval_cli.evaluate(setup["model"], setup["drafter"], setup["prompts"], max_new_tokens=4, block_size=9,
-                          stops=setup["stops"], pad_id=0)
+        eval_cli.evaluate(
+            setup["model"],
+            setup["drafter"],
+            setup["prompts"],
+            max_new_tokens=4,
+            block_size=9,
+            stops=setup["stops"],
+            pad_id=0,
+        )
 
 
 def test_eval_cli_end_to_end(setup, tmp_path, capsys):
     setup["drafter"].save_pretrained(tmp_path / "drafter")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "walk north from bop"}\n{"messages": [{"role": "user", "content": "walk east"}]}\n')
-    code = eval_cli.main(["--target-model", str(setup["root"] / "target"), "--drafter", str(tmp_path / "drafter"),
-                          "--prompts", str(prompts), "--max-new-tokens", "8", "--enable-thinking", "off",
-                          "--json", str(tmp_path / "r.json")])
+    code = eval_cli.main(
+        [
+            "--target-model",
+            str(setup["root"] / "target"),
+            "--drafter",
+            str(tmp_path / "drafter"),
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "8",
+            "--enable-thinking",
+            "off",
+            "--json",
+            str(tmp_path / "r.json"),
+        ]
+    )
     captured = capsys.readouterr()
     assert code == 0, captured.err
     report = json.loads(captured.out)
     assert report["prompts"] == 2 and report["lossless"] and json.loads((tmp_path / "r.json").read_text()) == report
     assert "per-slot acceptance" in captured.err
-    code = eval_cli.main(["--target-model", str(setup["root"] / "target"), "--drafter", str(tmp_path / "nothing"),
-                          "--prompts", str(prompts)])
+    code = eval_cli.main(
+        [
+            "--target-model",
+            str(setup["root"] / "target"),
+            "--drafter",
+            str(tmp_path / "nothing"),
+            "--prompts",
+            str(prompts),
+        ]
+    )
     assert code == 2 and "is not an exported drafter" in capsys.readouterr().err

@@ -28,8 +28,17 @@ def drafter() -> DFlashDrafter:
 
 
 def save_training_checkpoint(run_dir: Path, model: DFlashDrafter, step: int = 5) -> Path:
-    return save_checkpoint(run_dir, step, model=model.state_dict(), optimizer={}, scheduler={}, epoch=0, index=0,
-                           extra={"drafter_config": model.config.to_hf_dict()}, keep=3)
+    return save_checkpoint(
+        run_dir,
+        step,
+        model=model.state_dict(),
+        optimizer={},
+        scheduler={},
+        epoch=0,
+        index=0,
+        extra={"drafter_config": model.config.to_hf_dict()},
+        keep=3,
+    )
 
 
 def drafter_outputs(model: DFlashDrafter) -> torch.Tensor:
@@ -122,9 +131,15 @@ def test_item23_exported_files_get_the_umask_mode_of_a_new_file(drafter, tmp_pat
     repo = Path(__file__).resolve().parents[2]
     step_dir = save_training_checkpoint(tmp_path / "run", drafter)
     out = tmp_path / "export"
-    done = subprocess.run([sys.executable, "-m", "trainer", "export", str(step_dir), "--output", str(out)],
-                          capture_output=True, text=True, cwd=repo, umask=umask, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(repo)})
+    done = subprocess.run(
+        [sys.executable, "-m", "trainer", "export", str(step_dir), "--output", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=repo,
+        umask=umask,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+    )
     assert done.returncode == 0, done.stderr
     files = sorted(out.iterdir())
     assert [p.name for p in files] == ["config.json", "model.safetensors"]

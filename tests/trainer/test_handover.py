@@ -74,9 +74,30 @@ def test_a_stopped_trainer_offers_the_handover_while_its_final_checkpoint_is_wri
     before that checkpoint exists; the process then writes it and exits 143."""
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO), "TRAINER_TEST_WRITE_DELAY_S": "4"}
-    proc = subprocess.Popen([sys.executable, "-m", "trainer", "train", "--preset", "tiny", "--output-dir", str(run_dir),
-                             "--max-steps", "100000", "--wandb", "off", "--drafter-gpus", "cpu,cpu", "--log-interval", "1"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "trainer",
+            "train",
+            "--preset",
+            "tiny",
+            "--output-dir",
+            str(run_dir),
+            "--max-steps",
+            "100000",
+            "--wandb",
+            "off",
+            "--drafter-gpus",
+            "cpu,cpu",
+            "--log-interval",
+            "1",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         status = run_dir / "status.json"
         deadline = time.monotonic() + 240
@@ -100,7 +121,17 @@ def test_a_stopped_trainer_offers_the_handover_while_its_final_checkpoint_is_wri
     final = json.loads(status.read_text())
     assert (checkpoint / "state.json").is_file() and final["phase"] == "stopped"
     timeline = final["timeline"]
-    order = ["python_started", "imports_done", "preflight_done", "built", "warmed_up", "first_step", "stop_agreed",
-             "final_snapshot", "devices_released", "ended"]
+    order = [
+        "python_started",
+        "imports_done",
+        "preflight_done",
+        "built",
+        "warmed_up",
+        "first_step",
+        "stop_agreed",
+        "final_snapshot",
+        "devices_released",
+        "ended",
+    ]
     assert [timeline[k] for k in order] == sorted(timeline[k] for k in order), timeline
     assert timeline["ended"] - timeline["devices_released"] >= 3.5  # the write came after the release

@@ -18,8 +18,14 @@ _MORE = re.compile(r"^ {6,}(\S.*)$")  # a wrapped help line
 
 
 def _help(verb: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "trainer", verb, "--help"], capture_output=True, text=True,
-                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "trainer", verb, "--help"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -40,8 +46,10 @@ def _option_help(text: str) -> dict[str, tuple[str, str]]:
             current.append(more.group(1))
         else:
             current = None
-    return {option: (invocation, " ".join(part for part in parts if part))
-            for option, (invocation, parts) in entries.items()}
+    return {
+        option: (invocation, " ".join(part for part in parts if part))
+        for option, (invocation, parts) in entries.items()
+    }
 
 
 def test_item19_train_help_every_flag_has_help_with_its_default_and_choices() -> None:
@@ -64,8 +72,14 @@ def test_item19_train_help_every_flag_has_help_with_its_default_and_choices() ->
 def test_item19_train_flags_with_a_fixed_set_refuse_other_values_naming_the_choices() -> None:
     from trainer.config import TrainerInputError, parse_train_args
 
-    for flag, bad in (("--loss-kernels", "turbo"), ("--wandb", "maybe"), ("--sync", "sometimes"),
-                      ("--feature-transfer", "pigeon"), ("--noise-type", "pink"), ("--preset", "huge")):
+    for flag, bad in (
+        ("--loss-kernels", "turbo"),
+        ("--wandb", "maybe"),
+        ("--sync", "sometimes"),
+        ("--feature-transfer", "pigeon"),
+        ("--noise-type", "pink"),
+        ("--preset", "huge"),
+    ):
         with pytest.raises(TrainerInputError) as info:
             parse_train_args(["--preset", "tiny", flag, bad])
         assert flag in info.value.message and "choose from" in info.value.message, info.value.message
@@ -73,8 +87,13 @@ def test_item19_train_flags_with_a_fixed_set_refuse_other_values_naming_the_choi
 
 # Flags a verb requires (no default to show). `export` is not listed below: its two arguments, both required,
 # already had help.
-REQUIRED = {"prepare": {"--target-model", "--input", "--output-dir"}, "inspect": set(),
-            "eval": {"--target-model", "--drafter", "--prompts"}, "demo": {"--workdir"}, "bench": set()}
+REQUIRED = {
+    "prepare": {"--target-model", "--input", "--output-dir"},
+    "inspect": set(),
+    "eval": {"--target-model", "--drafter", "--prompts"},
+    "demo": {"--workdir"},
+    "bench": set(),
+}
 
 
 @pytest.mark.parametrize("verb", sorted(REQUIRED))

@@ -11,8 +11,15 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-TRAINING = ("trainer.train", "trainer.loop", "trainer.engine", "trainer.preflight", "trainer.single_engine",
-            "trainer.pipeline", "trainer.dist")
+TRAINING = (
+    "trainer.train",
+    "trainer.loop",
+    "trainer.engine",
+    "trainer.preflight",
+    "trainer.single_engine",
+    "trainer.pipeline",
+    "trainer.dist",
+)
 ENGINES = ("trainer.single_engine", "trainer.pipeline", "trainer.dist")
 
 
@@ -51,7 +58,7 @@ def test_no_import_circle_passes_through_the_loop_or_an_engine() -> None:
         state[path[-1]] = 1
         for dep in sorted(graph[path[-1]]):
             if state.get(dep) == 1:  # back to a module on the path: a circle
-                circles.append(path[path.index(dep):] + [dep])
+                circles.append(path[path.index(dep) :] + [dep])
             elif dep not in state:
                 visit([*path, dep])
         state[path[-1]] = 2
@@ -65,5 +72,7 @@ def test_no_import_circle_passes_through_the_loop_or_an_engine() -> None:
 def test_the_loop_imports_no_engine_and_no_engine_imports_the_entry_point() -> None:
     graph = _graph()
     assert not [d for d in graph["trainer.loop"] | graph["trainer.engine"] if _in(d, ENGINES)]
-    offenders = [m for m, deps in graph.items() if (_in(m, ENGINES) or m == "trainer.preflight") and "trainer.train" in deps]
+    offenders = [
+        m for m, deps in graph.items() if (_in(m, ENGINES) or m == "trainer.preflight") and "trainer.train" in deps
+    ]
     assert offenders == []

@@ -28,8 +28,20 @@ from trainer.loss import (
 torch.set_num_threads(1)
 
 
-def dense_reference(hidden, weight, labels, weights, *, block_size, normalizer, teacher_hidden=None,
-                    kl_weight=0.0, kl_temperature=1.0, cap_lambda=0.0, num_blocks_normalizer=1.0):
+def dense_reference(
+    hidden,
+    weight,
+    labels,
+    weights,
+    *,
+    block_size,
+    normalizer,
+    teacher_hidden=None,
+    kl_weight=0.0,
+    kl_temperature=1.0,
+    cap_lambda=0.0,
+    num_blocks_normalizer=1.0,
+):
     """The loss written the obvious way: full [M, V] logits, log_softmax, autograd does the rest."""
     logits = hidden @ weight.T
     log_probs = torch.log_softmax(logits, dim=-1)
@@ -59,8 +71,11 @@ def make_case(blocks=7, block_size=4, hidden_size=16, vocab=37, seed=0, dtype=to
     hidden = torch.randn(rows, hidden_size, generator=gen, dtype=dtype)
     weight = torch.randn(vocab, hidden_size, generator=gen, dtype=dtype) / math.sqrt(hidden_size)
     # labels biased towards the argmax so CAP's prefix products are not all ~0
-    labels = torch.where(torch.rand(rows, generator=gen) < 0.5, (hidden @ weight.T).argmax(-1),
-                         torch.randint(0, vocab, (rows,), generator=gen))
+    labels = torch.where(
+        torch.rand(rows, generator=gen) < 0.5,
+        (hidden @ weight.T).argmax(-1),
+        torch.randint(0, vocab, (rows,), generator=gen),
+    )
     weights = position_weights(block_size, 2.0).to(dtype).repeat(blocks)
     weights[torch.rand(rows, generator=gen) < 0.2] = 0.0  # unsupervised / past-the-end slots
     weights[-block_size:] = 0.0  # a padded block (keep=False)
@@ -106,8 +121,9 @@ def test_sums_decompose_the_loss():
     hidden, weight, labels, weights, teacher = make_case(seed=3)
     kw = TERMS["ce+kl+cap"]
     result = dflash_loss(hidden, weight, labels, weights, block_size=4, normalizer=2.0, teacher_hidden=teacher, **kw)
-    expected = (result.ce_sum + kw["kl_weight"] * kw["kl_temperature"] ** 2 * result.kl_sum) / 2.0 \
-        - kw["cap_lambda"] * result.cap_sum / kw["num_blocks_normalizer"]
+    expected = (result.ce_sum + kw["kl_weight"] * kw["kl_temperature"] ** 2 * result.kl_sum) / 2.0 - kw[
+        "cap_lambda"
+    ] * result.cap_sum / kw["num_blocks_normalizer"]
     torch.testing.assert_close(result.loss, expected)
     assert result.weight_sum.item() == pytest.approx(float(weights.sum()))
     assert result.num_blocks.item() == 6  # 7 blocks, the last one padded
@@ -126,8 +142,18 @@ def test_all_zero_weights_give_zero_loss_and_gradient_without_nan():
     hidden, weight, labels, _, teacher = make_case(seed=2)
     weights = torch.zeros(hidden.shape[0], dtype=hidden.dtype)
     hidden.requires_grad_(True)
-    result = dflash_loss(hidden, weight, labels, weights, block_size=4, normalizer=0.0, teacher_hidden=teacher,
-                         kl_weight=1.0, cap_lambda=1.0, num_blocks_normalizer=0.0)
+    result = dflash_loss(
+        hidden,
+        weight,
+        labels,
+        weights,
+        block_size=4,
+        normalizer=0.0,
+        teacher_hidden=teacher,
+        kl_weight=1.0,
+        cap_lambda=1.0,
+        num_blocks_normalizer=0.0,
+    )
     result.loss.backward()
     assert result.loss.item() == 0.0 and result.num_blocks.item() == 0
     assert torch.all(hidden.grad == 0)
@@ -141,19 +167,31 @@ def test_micro_batches_with_global_normalizer_equal_one_big_batch():
     normalizer = float(weights.sum())
 
     whole = hidden.clone().requires_grad_(True)
-    dflash_loss(whole, weight, labels, weights, normalizer=normalizer, **{**kw, "teacher_hidden": teacher}
-                ).loss.backward()
+    dflash_loss(
+        whole, weight, labels, weights, normalizer=normalizer, **{**kw, "teacher_hidden": teacher}
+    ).loss.backward()
 
     accumulated = hidden.clone().requires_grad_(True)
     total = 0.0
     for part in (slice(0, 12), slice(12, 32)):  # 3 blocks + 5 blocks, different shapes
-        result = dflash_loss(accumulated[part], weight, labels[part], weights[part], normalizer=normalizer,
-                             chunk_size=8, **{**kw, "teacher_hidden": teacher[part]})
+        result = dflash_loss(
+            accumulated[part],
+            weight,
+            labels[part],
+            weights[part],
+            normalizer=normalizer,
+            chunk_size=8,
+            **{**kw, "teacher_hidden": teacher[part]},
+        )
         result.loss.backward()
         total += result.loss.item()
     torch.testing.assert_close(accumulated.grad, whole.grad, rtol=1e-10, atol=1e-12)
-    assert total == pytest.approx(dense_reference(hidden, weight, labels, weights, normalizer=normalizer,
-                                                  **{**kw, "teacher_hidden": teacher}).item(), rel=1e-10)
+    assert total == pytest.approx(
+        dense_reference(
+            hidden, weight, labels, weights, normalizer=normalizer, **{**kw, "teacher_hidden": teacher}
+        ).item(),
+        rel=1e-10,
+    )
 
 
 def test_backward_scales_with_grad_output_and_no_grad_skips_it():
@@ -188,8 +226,18 @@ def test_no_tensor_larger_than_one_chunk_of_logits():
     hidden, weight, labels, weights, teacher = make_case(blocks=16, hidden_size=6, vocab=301, seed=6)
     hidden.requires_grad_(True)
     with _LargestTensor() as probe:
-        result = dflash_loss(hidden, weight, labels, weights, block_size=4, normalizer=1.0, teacher_hidden=teacher,
-                             kl_weight=1.0, cap_lambda=1.0, chunk_size=8)
+        result = dflash_loss(
+            hidden,
+            weight,
+            labels,
+            weights,
+            block_size=4,
+            normalizer=1.0,
+            teacher_hidden=teacher,
+            kl_weight=1.0,
+            cap_lambda=1.0,
+            chunk_size=8,
+        )
         result.loss.backward()
     assert probe.largest <= 8 * 301 < hidden.shape[0] * 301
 
@@ -198,8 +246,9 @@ def test_low_precision_gemm_path_stays_close_to_reference():
     hidden, weight, labels, weights, teacher = make_case(blocks=6, hidden_size=32, vocab=64, seed=7)
     kw = dict(block_size=4, normalizer=float(weights.sum()), **TERMS["ce+kl+cap"])
     h32 = hidden.float().requires_grad_(True)
-    result = dflash_loss(h32, weight.bfloat16(), labels, weights.float(), teacher_hidden=teacher.float(),
-                         chunk_size=8, **kw)
+    result = dflash_loss(
+        h32, weight.bfloat16(), labels, weights.float(), teacher_hidden=teacher.float(), chunk_size=8, **kw
+    )
     result.loss.backward()
     assert h32.grad.dtype == torch.float32 and result.loss.dtype == torch.float32
     ref_h = hidden.clone().requires_grad_(True)
@@ -231,14 +280,17 @@ def test_position_weights():
 
 
 def test_simulated_tau_counts_leading_correct_valid_slots():
-    correct = torch.tensor([[False, True, True, False],   # 2 accepted -> 3
-                            [True, False, True, True],    # 0 accepted -> 1 (slot 0 never counts)
-                            [False, True, True, True],    # slot 3 invalid stops the run at 2 -> 3
-                            [True, True, True, True]])    # padded block: not real
-    valid = torch.tensor([[False, True, True, True],
-                          [False, True, True, True],
-                          [False, True, True, False],
-                          [False, False, False, False]])
+    correct = torch.tensor(
+        [
+            [False, True, True, False],  # 2 accepted -> 3
+            [True, False, True, True],  # 0 accepted -> 1 (slot 0 never counts)
+            [False, True, True, True],  # slot 3 invalid stops the run at 2 -> 3
+            [True, True, True, True],
+        ]
+    )  # padded block: not real
+    valid = torch.tensor(
+        [[False, True, True, True], [False, True, True, True], [False, True, True, False], [False, False, False, False]]
+    )
     stats = simulated_tau(correct, valid)
     assert stats.num_blocks.item() == 3 and stats.tau_sum.item() == 7
     assert stats.tau.item() == pytest.approx(7 / 3)
@@ -270,7 +322,12 @@ BAD_INPUTS = [
 def test_bad_inputs_are_rejected_with_a_clear_message(override, message):
     hidden, weight, labels, weights, teacher = make_case()
     args = {"lm_head_weight": weight, "labels": labels, "weights": weights, "block_size": 4, "normalizer": 1.0}
-    replacements = {"ok": teacher, "short": None, "float": labels.double(), "wide": torch.zeros(37, 17, dtype=weight.dtype)}
+    replacements = {
+        "ok": teacher,
+        "short": None,
+        "float": labels.double(),
+        "wide": torch.zeros(37, 17, dtype=weight.dtype),
+    }
     for key, value in override.items():
         if value == "short":
             value = (teacher if key == "teacher_hidden" else weights)[:-1]
@@ -318,16 +375,30 @@ def test_fused_ce_contract_gives_the_reference_and_soft_labels_never_use_it(term
         kwargs["teacher_hidden"] = teacher
     calls: list = []
     ours = hidden.clone().requires_grad_(True)
-    result = dflash_loss(ours, weight, labels, weights, chunk_size=8,
-                         kernels=ChunkKernels(fused_ce=_eager_fused_ce(calls), kind="fused-stand-in"), **kwargs)
+    result = dflash_loss(
+        ours,
+        weight,
+        labels,
+        weights,
+        chunk_size=8,
+        kernels=ChunkKernels(fused_ce=_eager_fused_ce(calls), kind="fused-stand-in"),
+        **kwargs,
+    )
     result.loss.backward()
     ref_hidden = hidden.clone().requires_grad_(True)
     dense_reference(ref_hidden, weight, labels, weights, **kwargs).backward()
     torch.testing.assert_close(ours.grad, ref_hidden.grad, rtol=1e-6, atol=1e-9)
     assert calls == ([] if "kl" in terms else [True] * 4)  # 28 rows, chunks of 8: 4 chunks
     with torch.no_grad():
-        dflash_loss(hidden, weight, labels, weights, chunk_size=8, kernels=ChunkKernels(fused_ce=_eager_fused_ce(calls)),
-                    **kwargs)
+        dflash_loss(
+            hidden,
+            weight,
+            labels,
+            weights,
+            chunk_size=8,
+            kernels=ChunkKernels(fused_ce=_eager_fused_ce(calls)),
+            **kwargs,
+        )
     assert calls[4:] == ([] if "kl" in terms else [False] * 4)  # eval: no gradient written
 
 
@@ -343,8 +414,11 @@ def _eager_soft_label(calls: list) -> SoftLabelKernels:
 
     def gradient(x, t, labels, ratio, temperature, out):
         onehot = torch.nn.functional.one_hot(labels, x.shape[1]).to(x.dtype)
-        grad = torch.softmax(x, -1) - onehot + ratio * (torch.softmax(x / temperature, -1)
-                                                        - torch.softmax(t / temperature, -1))
+        grad = (
+            torch.softmax(x, -1)
+            - onehot
+            + ratio * (torch.softmax(x / temperature, -1) - torch.softmax(t / temperature, -1))
+        )
         return out.copy_(grad) if out is not None else grad
 
     def fused(x, t, labels, *, temperature, kl_ratio, want_grad, out=None):
@@ -417,7 +491,13 @@ def test_the_trainer_imports_without_importing_triton():
     """triton is imported at the first fused-kernel call only: the CPU CI's torch wheel does not bring it."""
     repo = Path(__file__).resolve().parents[2]
     code = "import sys, trainer.loss, trainer.loss_triton, trainer.step; print('triton' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": str(repo)})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "False"

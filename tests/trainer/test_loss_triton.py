@@ -59,7 +59,9 @@ KERNEL_CASES = {
 
 LOSS_CASES = {  # (terms, chunk_size, config): 28 rows in blocks of 4; chunks 8 and 13 -> 12 leave a short last one
     f"{terms}-chunk{chunk}-{config}": (terms, chunk, config)
-    for terms in ("ce", "ce+cap") for chunk in (None, 8, 13) for config in (TILED, PERSISTENT)
+    for terms in ("ce", "ce+cap")
+    for chunk in (None, 8, 13)
+    for config in (TILED, PERSISTENT)
 }
 
 
@@ -70,8 +72,9 @@ def _loss_inputs(terms: str, chunk, hidden_scale: float = 1.0, head_dtype: torch
     kwargs = dict(block_size=4, normalizer=float(weights.sum()) * 1.5, chunk_size=chunk, **TERMS[terms])
     if "kl_weight" in kwargs:
         kwargs["teacher_hidden"] = teacher * hidden_scale
-    return dict(hidden=hidden * hidden_scale, weight=weight.to(head_dtype), labels=labels, weights=weights,
-                kwargs=kwargs)
+    return dict(
+        hidden=hidden * hidden_scale, weight=weight.to(head_dtype), labels=labels, weights=weights, kwargs=kwargs
+    )
 
 
 KL_KERNEL_CASES = {  # op, shape, scale, config, temperature, dtype
@@ -81,14 +84,13 @@ KL_KERNEL_CASES = {  # op, shape, scale, config, temperature, dtype
     "kl-exact-tiles-t3": dict(op="fused_ce_kl", shape=(4, 64), scale=3.0, config="32:4:0", temperature=3.0),
     "kl-large-logits-t2": dict(op="fused_ce_kl", shape=(6, 37), scale=60.0, config=TILED, temperature=2.0),
     "kl-large-logits-t0.7": dict(op="fused_ce_kl", shape=(6, 37), scale=60.0, config=PERSISTENT, temperature=0.7),
-    "kl-bf16-t2": dict(op="fused_ce_kl", shape=(9, 37), scale=3.0, config=TILED, temperature=2.0,
-                       dtype=torch.bfloat16),
-    "kl-no-grad": dict(op="fused_ce_kl", shape=(9, 37), scale=3.0, config=PERSISTENT, temperature=2.0,
-                       want_grad=False),
+    "kl-bf16-t2": dict(op="fused_ce_kl", shape=(9, 37), scale=3.0, config=TILED, temperature=2.0, dtype=torch.bfloat16),
+    "kl-no-grad": dict(op="fused_ce_kl", shape=(9, 37), scale=3.0, config=PERSISTENT, temperature=2.0, want_grad=False),
     "kl-split-t2": dict(op="ce_kl_split", shape=(9, 37), scale=3.0, config=TILED, temperature=2.0),
     "kl-split-t0.7": dict(op="ce_kl_split", shape=(9, 37), scale=3.0, config=PERSISTENT, temperature=0.7),
-    "kl-split-large-bf16": dict(op="ce_kl_split", shape=(6, 37), scale=60.0, config=TILED, temperature=2.0,
-                                dtype=torch.bfloat16),
+    "kl-split-large-bf16": dict(
+        op="ce_kl_split", shape=(6, 37), scale=60.0, config=TILED, temperature=2.0, dtype=torch.bfloat16
+    ),
 }
 KL_RATIO = 0.15 * 2.0  # the seed's kl_weight * T
 
@@ -105,13 +107,25 @@ def _kl_kernel_case(name: str, spec: dict) -> dict:
     else:
         ratio = KL_RATIO
     dtype = spec.get("dtype", torch.float32)
-    return dict(op=spec["op"], logits=logits.to(dtype), teacher=teacher.to(dtype), labels=labels, ratio=ratio,
-                temperature=spec["temperature"], config=spec["config"], want_grad=spec.get("want_grad", True))
+    return dict(
+        op=spec["op"],
+        logits=logits.to(dtype),
+        teacher=teacher.to(dtype),
+        labels=labels,
+        ratio=ratio,
+        temperature=spec["temperature"],
+        config=spec["config"],
+        want_grad=spec.get("want_grad", True),
+    )
 
 
 LOSS_KL_CASES = {  # (terms, chunk_size, config, hidden_scale, head dtype); 28 rows in blocks of 4
-    **{f"{terms}-chunk{chunk}-{config}": (terms, chunk, config, 1.0, torch.float32)
-       for terms in ("ce+kl", "ce+kl+cap") for chunk in (None, 8, 13) for config in (TILED, PERSISTENT)},
+    **{
+        f"{terms}-chunk{chunk}-{config}": (terms, chunk, config, 1.0, torch.float32)
+        for terms in ("ce+kl", "ce+kl+cap")
+        for chunk in (None, 8, 13)
+        for config in (TILED, PERSISTENT)
+    },
     "ce+kl-large-logits": ("ce+kl", 8, TILED, 30.0, torch.float32),
     "ce+kl+cap-large-logits": ("ce+kl+cap", 13, PERSISTENT, 30.0, torch.float32),
 }
@@ -127,10 +141,20 @@ def interpreted(tmp_path_factory) -> dict:
     cases = {}
     for name, spec in KERNEL_CASES.items():
         logits, labels = _logits(*spec["shape"], spec["scale"], seed=len(name))
-        cases[name] = dict(op="fused_ce", logits=logits.to(spec.get("dtype", torch.float32)), labels=labels,
-                           config=spec["config"], want_grad=spec.get("want_grad", True))
-    cases["bad-label"] = dict(op="fused_ce", logits=cases["tiled"]["logits"], config=TILED, want_grad=True,
-                              labels=torch.where(torch.arange(9) == 4, 37, cases["tiled"]["labels"]))
+        cases[name] = dict(
+            op="fused_ce",
+            logits=logits.to(spec.get("dtype", torch.float32)),
+            labels=labels,
+            config=spec["config"],
+            want_grad=spec.get("want_grad", True),
+        )
+    cases["bad-label"] = dict(
+        op="fused_ce",
+        logits=cases["tiled"]["logits"],
+        config=TILED,
+        want_grad=True,
+        labels=torch.where(torch.arange(9) == 4, 37, cases["tiled"]["labels"]),
+    )
     for name, (terms, chunk, config) in LOSS_CASES.items():
         cases[name] = dict(op="loss", config=config, **_loss_inputs(terms, chunk))
     for name, spec in KL_KERNEL_CASES.items():
@@ -144,8 +168,14 @@ def interpreted(tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("triton-interp")
     torch.save(cases, folder / "cases.pt")
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, str(WORKER), str(folder / "cases.pt"), str(folder / "out.pt")],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    out = subprocess.run(
+        [sys.executable, str(WORKER), str(folder / "cases.pt"), str(folder / "out.pt")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.returncode == 0, out.stderr[-6000:]
     return {"cases": cases, "out": torch.load(folder / "out.pt")}
 
@@ -203,16 +233,18 @@ def _kl_reference(logits: torch.Tensor, teacher: torch.Tensor, labels: torch.Ten
     log_p_t, log_q_t = torch.log_softmax(x / temperature, -1), torch.log_softmax(t / temperature, -1)
     kl = (log_q_t.exp() * (log_q_t - log_p_t)).sum(-1)
     ratio = ratio.double()[:, None] if isinstance(ratio, torch.Tensor) else ratio
-    grad = torch.softmax(x, -1) - torch.nn.functional.one_hot(labels, x.shape[1]) \
-        + ratio * (log_p_t.exp() - log_q_t.exp())
+    grad = (
+        torch.softmax(x, -1) - torch.nn.functional.one_hot(labels, x.shape[1]) + ratio * (log_p_t.exp() - log_q_t.exp())
+    )
     return lse, lse - x.gather(1, labels[:, None])[:, 0], kl, grad
 
 
 @pytest.mark.parametrize("name", list(KL_KERNEL_CASES))
 def test_kl_kernel_matches_float64(interpreted, name):
     case, got = interpreted["cases"][name], interpreted["out"][name]
-    lse, ce, kl, grad = _kl_reference(case["logits"], case["teacher"], case["labels"], case["temperature"],
-                                      case["ratio"])
+    lse, ce, kl, grad = _kl_reference(
+        case["logits"], case["teacher"], case["labels"], case["temperature"], case["ratio"]
+    )
     # fp32 statistics: summation order and fp32 rounding against float64, a few ulps of each result
     torch.testing.assert_close(got["lse"].double(), lse, rtol=2e-6, atol=2e-6)
     torch.testing.assert_close(got["ce"].double(), ce, rtol=2e-6, atol=2e-6)
@@ -255,8 +287,14 @@ def _float64_eager(case: dict):
 def test_soft_label_loss_matches_float64(interpreted, name):
     case, got = interpreted["cases"][name], interpreted["out"][name]
     ref, ref_grad = _float64_eager(case)
-    for key, value in (("loss", ref.loss.detach()), ("eval_loss", ref.loss.detach()), ("ce_sum", ref.ce_sum),
-                       ("kl_sum", ref.kl_sum), ("eval_kl_sum", ref.kl_sum), ("cap_sum", ref.cap_sum)):
+    for key, value in (
+        ("loss", ref.loss.detach()),
+        ("eval_loss", ref.loss.detach()),
+        ("ce_sum", ref.ce_sum),
+        ("kl_sum", ref.kl_sum),
+        ("eval_kl_sum", ref.kl_sum),
+        ("cap_sum", ref.cap_sum),
+    ):
         torch.testing.assert_close(got[key].double(), value, rtol=1e-5, atol=1e-6, msg=key)
     scale = ref_grad.abs().max()
     torch.testing.assert_close(got["grad"].double(), ref_grad, rtol=1e-5, atol=1e-6 * scale)
@@ -276,8 +314,12 @@ def test_soft_label_loss_with_a_bf16_head_matches_the_eager_path(interpreted, na
     hidden = case["hidden"].clone().requires_grad_(True)
     eager = dflash_loss(hidden, case["weight"], case["labels"], case["weights"], **case["kwargs"])
     eager.loss.backward()
-    for key, value in (("loss", eager.loss.detach()), ("ce_sum", eager.ce_sum), ("kl_sum", eager.kl_sum),
-                       ("cap_sum", eager.cap_sum)):
+    for key, value in (
+        ("loss", eager.loss.detach()),
+        ("ce_sum", eager.ce_sum),
+        ("kl_sum", eager.kl_sum),
+        ("cap_sum", eager.cap_sum),
+    ):
         torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=key)
     assert got["correct"].tolist() == eager.correct.tolist()
     relative = (got["grad"] - hidden.grad).norm() / hidden.grad.norm()
@@ -289,25 +331,56 @@ def test_loss_gemm_bench_runs_soft_labels_on_the_triton_kernels():
     included: one row per term for the triton kernels (the KL config labels the soft-label rows), each matching
     the eager gradient, and the summary table (best row per term and kernels) is the last thing printed."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
-    command = [sys.executable, str(REPO / "bench" / "loss_gemm.py"), "--device", "cpu", "--rows", "32", "--hidden",
-               "16", "--vocab", "37", "--block-size", "4", "--chunks", "12", "--kernels", "eager,triton",
-               "--terms", "ce,ce-kl,ce-kl-cap", "--triton-configs", TILED, "--kl-triton-configs", PERSISTENT,
-               "--repeats", "1", "--profile"]
+    command = [
+        sys.executable,
+        str(REPO / "bench" / "loss_gemm.py"),
+        "--device",
+        "cpu",
+        "--rows",
+        "32",
+        "--hidden",
+        "16",
+        "--vocab",
+        "37",
+        "--block-size",
+        "4",
+        "--chunks",
+        "12",
+        "--kernels",
+        "eager,triton",
+        "--terms",
+        "ce,ce-kl,ce-kl-cap",
+        "--triton-configs",
+        TILED,
+        "--kl-triton-configs",
+        PERSISTENT,
+        "--repeats",
+        "1",
+        "--profile",
+    ]
     out = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-6000:]
     lines = out.stdout.strip().splitlines()
-    rows = [line.split() for line in lines if line.split()[:2] in (["12", f"triton[{TILED}]"],
-                                                                   ["12", f"triton[{PERSISTENT}]"])]
+    rows = [
+        line.split()
+        for line in lines
+        if line.split()[:2] in (["12", f"triton[{TILED}]"], ["12", f"triton[{PERSISTENT}]"])
+    ]
     assert [row[2] for row in rows] == ["ce", "ce-kl", "ce-kl-cap"]
     assert all(float(row[-2]) < 1e-5 for row in rows), rows  # gradient vs the eager kernels (relative L2)
     summary = lines[-8:]
     assert summary[0].startswith("summary") and summary[1].split()[:2] == ["terms", "kernels"]
     assert [line.split()[:2] for line in summary[2:]] == [
-        ["ce", "eager"], ["ce", f"triton[{TILED}]"], ["ce-kl", "eager"], ["ce-kl", f"triton[{PERSISTENT}]"],
-        ["ce-kl-cap", "eager"], ["ce-kl-cap", f"triton[{PERSISTENT}]"]]
+        ["ce", "eager"],
+        ["ce", f"triton[{TILED}]"],
+        ["ce-kl", "eager"],
+        ["ce-kl", f"triton[{PERSISTENT}]"],
+        ["ce-kl-cap", "eager"],
+        ["ce-kl-cap", f"triton[{PERSISTENT}]"],
+    ]
 
 
-SM90_RESOURCES = '''
+SM90_RESOURCES = """
 import json, os, re, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
@@ -336,7 +409,7 @@ for mode, (stats, grad, per_row) in {"fused": (True, True, False), "stats": (Tru
                               check=True).stdout
     usage[mode] = {key: int(value) for key, value in re.findall(r"(REG|STACK):(\\d+)", dump)}
 print(json.dumps(usage))
-'''
+"""
 
 
 def test_kl_kernel_default_config_compiles_for_sm90_without_spills(tmp_path):
@@ -349,8 +422,9 @@ def test_kl_kernel_default_config_compiles_for_sm90_without_spills(tmp_path):
         pytest.skip("this triton has no bundled cuobjdump (CUDA backend tools)")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=str(REPO), TRITON_DEFAULT_FP_FUSION="1", TRITON_CACHE_DIR=str(tmp_path))
-    out = subprocess.run([sys.executable, "-c", SM90_RESOURCES], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", SM90_RESOURCES], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-6000:]
     usage = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(usage) == {"fused", "stats", "grad"}

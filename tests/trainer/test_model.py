@@ -43,16 +43,17 @@ def make_drafter(target: TargetModel, seed: int = 0, **kwargs) -> DFlashDrafter:
 
 # ------------------------------------------------------------------------------------------------------ taps
 
+
 def test_default_tap_ids_match_the_published_drafters() -> None:
     assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert default_target_layer_ids(64, 5) == [1, 16, 31, 46, 61]
 
 
 def test_tap_ids_edge_cases_are_defined() -> None:
-    assert default_target_layer_ids(36, 1) == [18]                 # n == 1: the middle layer
-    assert default_target_layer_ids(2, 2) == [0, 1]                # tiny fallback: spread over all layers
+    assert default_target_layer_ids(36, 1) == [18]  # n == 1: the middle layer
+    assert default_target_layer_ids(2, 2) == [0, 1]  # tiny fallback: spread over all layers
     assert default_target_layer_ids(4, 2) == [0, 3]
-    assert default_target_layer_ids(39, 3) == [1, 18, 36]          # 18.5 rounds half to even, like the reference
+    assert default_target_layer_ids(39, 3) == [1, 18, 36]  # 18.5 rounds half to even, like the reference
     for num_layers in range(1, 70):
         for n in range(1, min(num_layers, 8) + 1):
             ids = default_target_layer_ids(num_layers, n)
@@ -64,13 +65,13 @@ def test_tap_ids_edge_cases_are_defined() -> None:
 def test_taps_equal_hf_hidden_states(target: TargetModel) -> None:
     ids = torch.randint(0, 200, (2, 11))
     attn = torch.ones_like(ids)
-    attn[1, 8:] = 0                                                # right padding
+    attn[1, 8:] = 0  # right padding
     out = target.features(ids, attn, return_final_hidden=True)
     hf = target.model(ids, attention_mask=attn, output_hidden_states=True)
     H = target.hidden_size
     assert out.taps.shape == (2, 11, len(target.layer_ids) * H)
-    for k, layer in enumerate(target.layer_ids):                   # [0, 1]; layer 1 is the last: post-norm
-        torch.testing.assert_close(out.taps[..., k * H:(k + 1) * H], hf.hidden_states[layer + 1])
+    for k, layer in enumerate(target.layer_ids):  # [0, 1]; layer 1 is the last: post-norm
+        torch.testing.assert_close(out.taps[..., k * H : (k + 1) * H], hf.hidden_states[layer + 1])
     torch.testing.assert_close(out.final_hidden, hf.hidden_states[-1])
     assert target.features(ids, attn).final_hidden is None
 
@@ -78,9 +79,9 @@ def test_taps_equal_hf_hidden_states(target: TargetModel) -> None:
 def test_early_exit_above_the_highest_tap_gives_the_same_taps_and_leaves_no_hooks() -> None:
     deep = TargetModel.from_config(tiny_target_config(num_hidden_layers=4), layer_ids=[0, 2], seed=3)
     ids = torch.randint(0, 200, (1, 7))
-    hf = deep.model(ids, output_hidden_states=True)                # (installs HF's own capture hooks)
+    hf = deep.model(ids, output_hidden_states=True)  # (installs HF's own capture hooks)
     hooks_before = [len(layer._forward_hooks) for layer in deep.model.model.layers]
-    for _ in range(2):                                             # twice: the first call must clean up after itself
+    for _ in range(2):  # twice: the first call must clean up after itself
         taps = deep.features(ids).taps
         torch.testing.assert_close(taps, torch.cat([hf.hidden_states[1], hf.hidden_states[3]], dim=-1))
     assert [len(layer._forward_hooks) for layer in deep.model.model.layers] == hooks_before
@@ -102,12 +103,14 @@ def test_target_without_a_tapped_layer_is_a_clear_error() -> None:
 
 # -------------------------------------------------------------------------------------------- config checks
 
+
 def test_drafter_hidden_size_must_match_the_target(target: TargetModel) -> None:
     wide = build_tiny_target(seed=1, hidden_size=32, head_dim=8)
     cfg = tiny_drafter_config(wide)
     with pytest.raises(ValueError, match="drafter hidden_size 32 != target hidden size 64"):
-        cfg.check_target(num_target_layers=target.num_layers, hidden_size=target.hidden_size,
-                         vocab_size=target.vocab_size)
+        cfg.check_target(
+            num_target_layers=target.num_layers, hidden_size=target.hidden_size, vocab_size=target.vocab_size
+        )
 
 
 def test_mask_id_outside_the_vocabulary_is_a_clear_error(target: TargetModel) -> None:
@@ -143,13 +146,17 @@ def test_hf_config_round_trip_and_public_style_config(target: TargetModel) -> No
 
 # ------------------------------------------------------------------------------------------------ the drafter
 
+
 def test_state_dict_has_exactly_the_public_names(target: TargetModel) -> None:
     sd = DFlashDrafter(tiny_drafter_config(target)).state_dict()
     per_layer = [f"self_attn.{p}_proj.weight" for p in "qkvo"] + ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
     per_layer += [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
     per_layer += ["input_layernorm.weight", "post_attention_layernorm.weight"]
-    expected = {f"layers.{i}.{n}" for i in range(2) for n in per_layer} | {"norm.weight", "fc.weight",
-                                                                           "hidden_norm.weight"}
+    expected = {f"layers.{i}.{n}" for i in range(2) for n in per_layer} | {
+        "norm.weight",
+        "fc.weight",
+        "hidden_norm.weight",
+    }
     assert len(sd) == 25 and set(sd) == expected
     assert sd["fc.weight"].shape == (64, 2 * 64)
 
@@ -173,16 +180,20 @@ def test_norm_and_rope_match_hf_qwen3() -> None:
     torch.testing.assert_close(apply_rope(k, our_cos[:, None], our_sin[:, None]), want_k)
 
 
-def run_drafter(drafter: DFlashDrafter, ctx: torch.Tensor, block_embeds: torch.Tensor, anchors: torch.Tensor,
-                keep: torch.Tensor) -> torch.Tensor:
+def run_drafter(
+    drafter: DFlashDrafter, ctx: torch.Tensor, block_embeds: torch.Tensor, anchors: torch.Tensor, keep: torch.Tensor
+) -> torch.Tensor:
     mask = drafter.build_mask(anchors, keep, ctx.shape[1])
     return drafter(ctx, block_embeds, anchors, keep, mask)
 
 
 @pytest.mark.parametrize("variant", ["full", "sliding+causal", "full+causal"])
 def test_no_leakage_from_future_context_or_other_blocks(target: TargetModel, variant: str) -> None:
-    kwargs = {"full": {}, "full+causal": {"causal_in_block": {"full_attention": True}},
-              "sliding+causal": {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6}}[variant]
+    kwargs = {
+        "full": {},
+        "full+causal": {"causal_in_block": {"full_attention": True}},
+        "sliding+causal": {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6},
+    }[variant]
     drafter = make_drafter(target, **kwargs).double()
     B, S = drafter.config.block_size, 24
     torch.manual_seed(5)
@@ -207,7 +218,7 @@ def test_no_leakage_from_future_context_or_other_blocks(target: TargetModel, var
             past = ctx.clone()
             past[:, a - 1] += 1.0
             assert not torch.allclose(run_drafter(drafter, past, emb, anchors, keep)[:, rows], base[:, rows])
-    assert base[:, (N - 1) * B:].abs().max() == 0                                   # padded block: exactly 0
+    assert base[:, (N - 1) * B :].abs().max() == 0  # padded block: exactly 0
 
 
 def test_in_block_causality_follows_the_config(target: TargetModel) -> None:
@@ -218,7 +229,7 @@ def test_in_block_causality_follows_the_config(target: TargetModel) -> None:
         ctx, emb = torch.randn(1, 8, 128, dtype=torch.float64), torch.randn(1, B, 64, dtype=torch.float64)
         base = run_drafter(drafter, ctx, emb, anchors, keep)
         changed = emb.clone()
-        changed[:, 2] += 1.0                                                         # slot 2 of the block
+        changed[:, 2] += 1.0  # slot 2 of the block
         diff = (run_drafter(drafter, ctx, changed, anchors, keep) - base).abs().amax(-1)[0]
         assert (diff[:2] == 0).all() if causal else (diff[:2] > 0).all()
         assert (diff[2:] > 0).all()
@@ -234,8 +245,8 @@ def test_truncated_context_equals_inference_form(target: TargetModel) -> None:
     emb = torch.randn(1, 2 * B, 64, dtype=torch.float64)
     trained = run_drafter(drafter, ctx, emb, anchors, keep)
     for n, a in enumerate((4, 11)):
-        single = run_drafter(drafter, ctx[:, :a], emb[:, n * B:(n + 1) * B], torch.tensor([[a]]), keep[:, :1])
-        torch.testing.assert_close(single, trained[:, n * B:(n + 1) * B], rtol=1e-12, atol=1e-12)
+        single = run_drafter(drafter, ctx[:, :a], emb[:, n * B : (n + 1) * B], torch.tensor([[a]]), keep[:, :1])
+        torch.testing.assert_close(single, trained[:, n * B : (n + 1) * B], rtol=1e-12, atol=1e-12)
 
 
 def test_end_to_end_future_tokens_do_not_leak(target: TargetModel) -> None:
@@ -250,7 +261,7 @@ def test_end_to_end_future_tokens_do_not_leak(target: TargetModel) -> None:
         return run_drafter(drafter, taps, emb, anchors, keep)
 
     changed = ids.clone()
-    changed[:, 7:] = (changed[:, 7:] + 1) % 200                                      # every token after the anchor
+    changed[:, 7:] = (changed[:, 7:] + 1) % 200  # every token after the anchor
     assert torch.equal(hidden(changed), hidden(ids))
 
 
@@ -268,8 +279,9 @@ def test_gradients_reach_the_drafter_but_not_the_frozen_target(target: TargetMod
     keep = torch.tensor([[True, True], [True, False]])
     out = target.features(ids, torch.ones_like(ids))
     block_ids = make_block_input_ids(ids, anchors, B, TINY_MASK_TOKEN_ID)
-    hidden = drafter(out.taps, F.embedding(block_ids, target.embed_weight), anchors, keep,
-                     drafter.build_mask(anchors, keep, 14))
+    hidden = drafter(
+        out.taps, F.embedding(block_ids, target.embed_weight), anchors, keep, drafter.build_mask(anchors, keep, 14)
+    )
     logits = hidden @ target.lm_head_weight.T
     labels = torch.gather(ids, 1, (anchors[:, :, None] + torch.arange(B)).clamp(max=13).reshape(2, -1))
     F.cross_entropy(logits.reshape(-1, 256), labels.reshape(-1)).backward()
@@ -283,7 +295,7 @@ def test_drafter_rejects_inputs_of_the_wrong_shape(target: TargetModel) -> None:
     anchors, keep = torch.tensor([[3]]), torch.tensor([[True]])
     mask = build_draft_mask(anchors, keep, 8, 4)
     with pytest.raises(ValueError, match="expected 2 taps x 64"):
-        drafter(torch.randn(1, 8, 2 * 32), torch.randn(1, 4, 64), anchors, keep, mask)   # a hidden-32 target
+        drafter(torch.randn(1, 8, 2 * 32), torch.randn(1, 4, 64), anchors, keep, mask)  # a hidden-32 target
     with pytest.raises(ValueError, match="mask was built for S=8"):
         drafter(torch.randn(1, 9, 128), torch.randn(1, 4, 64), anchors, keep, mask)
 
@@ -297,8 +309,9 @@ def test_save_and_load_public_checkpoint(target: TargetModel, tmp_path: Path) ->
     loaded = DFlashDrafter.from_pretrained(tmp_path / "d")
     anchors, keep = torch.tensor([[3, 6]]), torch.tensor([[True, True]])
     ctx, emb = torch.randn(1, 9, 128), torch.randn(1, 8, 64)
-    torch.testing.assert_close(run_drafter(loaded, ctx, emb, anchors, keep),
-                               run_drafter(drafter, ctx, emb, anchors, keep))
+    torch.testing.assert_close(
+        run_drafter(loaded, ctx, emb, anchors, keep), run_drafter(drafter, ctx, emb, anchors, keep)
+    )
 
     state = load_file(str(tmp_path / "d" / "model.safetensors"))
     state["fc.weight"] = torch.zeros(64, 64)

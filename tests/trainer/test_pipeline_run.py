@@ -26,8 +26,21 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _cfg(out: Path, *extra: str):
-    argv = ["--preset", "tiny", "--output-dir", str(out), "--wandb", "off", "--synthetic-samples", "48",
-            "--log-interval", "1", "--save-interval", "1000", *extra]
+    argv = [
+        "--preset",
+        "tiny",
+        "--output-dir",
+        str(out),
+        "--wandb",
+        "off",
+        "--synthetic-samples",
+        "48",
+        "--log-interval",
+        "1",
+        "--save-interval",
+        "1000",
+        *extra,
+    ]
     return parse_train_args(argv)
 
 
@@ -47,11 +60,14 @@ def _final_weights(out: Path) -> dict[str, torch.Tensor]:
 def test_grad_sync_keeps_replicas_bitwise_identical_and_matches_one_drafter(tmp_path: Path) -> None:
     torch.set_num_threads(1)
     seen: list[float] = []
-    options = PipelineOptions(on_step=lambda step, sides: seen.append(max_replica_difference([s.drafter for s in sides])),
-                              checksum_interval=2)
+    options = PipelineOptions(
+        on_step=lambda step, sides: seen.append(max_replica_difference([s.drafter for s in sides])), checksum_interval=2
+    )
     pipe = tmp_path / "pipe"
-    code = run_pipeline(_cfg(pipe, "--target-gpus", "cpu,cpu", "--drafter-gpus", "cpu,cpu", "--sync", "grad",
-                             "--max-steps", "6"), options)
+    code = run_pipeline(
+        _cfg(pipe, "--target-gpus", "cpu,cpu", "--drafter-gpus", "cpu,cpu", "--sync", "grad", "--max-steps", "6"),
+        options,
+    )
     assert code == EXIT_OK
     assert seen == [0.0] * 6  # bitwise identical after every optimizer step
     single = tmp_path / "single"  # one drafter, the two micro-batches of each step accumulated
@@ -84,8 +100,10 @@ def test_replicas_that_drift_apart_under_grad_sync_fail_the_run(tmp_path: Path, 
             nudged.append(name)
 
     out = tmp_path / "drift"
-    code = run_pipeline(_cfg(out, "--target-gpus", "cpu", "--drafter-gpus", "cpu,cpu", "--sync", "grad",
-                             "--max-steps", "6"), PipelineOptions(on_step=nudge, checksum_interval=3))
+    code = run_pipeline(
+        _cfg(out, "--target-gpus", "cpu", "--drafter-gpus", "cpu,cpu", "--sync", "grad", "--max-steps", "6"),
+        PipelineOptions(on_step=nudge, checksum_interval=3),
+    )
     assert code == EXIT_FAILED
     error = _status(out)["error"]
     assert "replicas differ at step 3 under --sync grad" in error
@@ -96,27 +114,48 @@ def test_replicas_that_drift_apart_under_grad_sync_fail_the_run(tmp_path: Path, 
 def test_average_sync_with_one_target_feeding_two_drafters(tmp_path: Path) -> None:
     torch.set_num_threads(1)
     seen: list[float] = []
-    options = PipelineOptions(on_step=lambda step, sides: seen.append(max_replica_difference([s.drafter for s in sides])))
+    options = PipelineOptions(
+        on_step=lambda step, sides: seen.append(max_replica_difference([s.drafter for s in sides]))
+    )
     out = tmp_path / "avg"
-    code = run_pipeline(_cfg(out, "--target-gpus", "cpu", "--drafter-gpus", "cpu,cpu", "--sync", "average",
-                             "--sync-interval", "2", "--max-steps", "4"), options)
+    code = run_pipeline(
+        _cfg(
+            out,
+            "--target-gpus",
+            "cpu",
+            "--drafter-gpus",
+            "cpu,cpu",
+            "--sync",
+            "average",
+            "--sync-interval",
+            "2",
+            "--max-steps",
+            "4",
+        ),
+        options,
+    )
     assert code == EXIT_OK
     assert seen[0] > 0 and seen[1] == 0.0 and seen[2] > 0 and seen[3] == 0.0  # averaged every 2nd step
     state = torch.load(sorted((out / "checkpoints").glob("step_*"))[-1] / "optimizer.pt", weights_only=False)
     assert len(state["pipeline_replicas"]) == 1  # the second replica's own AdamW state
 
 
-@pytest.mark.parametrize("fault, worker", [
-    ("target1.features@2", "target1"),
-    ("drafter1.forward_backward@2", "drafter1"),
-    ("target0.put@2", "target0"),
-    ("drafter0.get@3", "drafter0"),
-])
+@pytest.mark.parametrize(
+    "fault, worker",
+    [
+        ("target1.features@2", "target1"),
+        ("drafter1.forward_backward@2", "drafter1"),
+        ("target0.put@2", "target0"),
+        ("drafter0.get@3", "drafter0"),
+    ],
+)
 def test_an_error_in_any_worker_ends_the_run_with_its_traceback(tmp_path: Path, capfd, fault: str, worker: str) -> None:
     torch.set_num_threads(1)
     started = time.monotonic()
-    code = run_pipeline(_cfg(tmp_path, "--target-gpus", "cpu,cpu", "--drafter-gpus", "cpu,cpu", "--max-steps", "50"),
-                        PipelineOptions(faults=[fault], join_timeout_s=10))
+    code = run_pipeline(
+        _cfg(tmp_path, "--target-gpus", "cpu,cpu", "--drafter-gpus", "cpu,cpu", "--max-steps", "50"),
+        PipelineOptions(faults=[fault], join_timeout_s=10),
+    )
     assert code == EXIT_FAILED
     assert time.monotonic() - started < 30
     err = capfd.readouterr().err
@@ -129,9 +168,10 @@ def test_an_error_in_any_worker_ends_the_run_with_its_traceback(tmp_path: Path, 
 def test_a_hung_target_is_reported_as_a_stall_that_names_the_starving_side(tmp_path: Path, capfd) -> None:
     torch.set_num_threads(1)
     started = time.monotonic()
-    code = run_pipeline(_cfg(tmp_path, "--target-gpus", "cpu", "--drafter-gpus", "cpu", "--pipeline", "--max-steps", "50"),
-                        PipelineOptions(faults=["target0.features@3=hang"], stall_warn_s=0.5, stall_abort_s=1.5,
-                                        join_timeout_s=10))
+    code = run_pipeline(
+        _cfg(tmp_path, "--target-gpus", "cpu", "--drafter-gpus", "cpu", "--pipeline", "--max-steps", "50"),
+        PipelineOptions(faults=["target0.features@3=hang"], stall_warn_s=0.5, stall_abort_s=1.5, join_timeout_s=10),
+    )
     assert code == EXIT_FAILED
     assert time.monotonic() - started < 30
     err = capfd.readouterr().err
@@ -153,7 +193,10 @@ def test_sigterm_mid_run_checkpoints_and_resume_reproduces_the_uninterrupted_run
     status = _status(stopped)
     assert status["phase"] == "stopped" and status["step"] == 3
     state = json.loads((stopped / "checkpoints" / "step_000003" / "state.json").read_text())
-    assert state["pipeline"]["next_micro_batch"] == 6 and state["pipeline"]["target_next_micro_batch"] == {"target0": 6, "target1": 7}
+    assert state["pipeline"]["next_micro_batch"] == 6 and state["pipeline"]["target_next_micro_batch"] == {
+        "target0": 6,
+        "target1": 7,
+    }
     assert run_pipeline(_cfg(stopped, *args)) == EXIT_OK  # --resume auto
     reference = tmp_path / "reference"
     assert run_pipeline(_cfg(reference, *args)) == EXIT_OK
@@ -176,12 +219,39 @@ def test_sigterm_from_outside_stops_the_cli_run_with_a_checkpoint_that_resumes(t
     import sys
 
     out = tmp_path / "cli"
-    argv = [sys.executable, "-m", "trainer", "train", "--preset", "tiny", "--output-dir", str(out), "--wandb", "off",
-            "--synthetic-samples", "48", "--log-interval", "1", "--save-interval", "1000",
-            "--target-gpus", "cpu,cpu", "--drafter-gpus", "cpu,cpu", "--max-steps", "5000"]
+    argv = [
+        sys.executable,
+        "-m",
+        "trainer",
+        "train",
+        "--preset",
+        "tiny",
+        "--output-dir",
+        str(out),
+        "--wandb",
+        "off",
+        "--synthetic-samples",
+        "48",
+        "--log-interval",
+        "1",
+        "--save-interval",
+        "1000",
+        "--target-gpus",
+        "cpu,cpu",
+        "--drafter-gpus",
+        "cpu,cpu",
+        "--max-steps",
+        "5000",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
-                            cwd=Path(__file__).resolve().parents[2])
+    proc = subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=env,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     try:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and proc.poll() is None:
@@ -208,11 +278,14 @@ def test_sigterm_from_outside_stops_the_cli_run_with_a_checkpoint_that_resumes(t
     assert [m["step"] for m in _metrics(out)][-3:] == [stopped_at, stopped_at + 1, stopped_at + 2]
 
 
-@pytest.mark.parametrize("options, message", [
-    (PipelineOptions(feature_transfer="nvlink"), "--feature-transfer: must be one of device, pinned"),
-    (PipelineOptions(queue_capacity=0), "--queue-depth: must be >= 1"),
-    (PipelineOptions(checksum_interval=0), "checksum interval must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (PipelineOptions(feature_transfer="nvlink"), "--feature-transfer: must be one of device, pinned"),
+        (PipelineOptions(queue_capacity=0), "--queue-depth: must be >= 1"),
+        (PipelineOptions(checksum_interval=0), "checksum interval must be >= 1"),
+    ],
+)
 def test_bad_pipeline_options_are_bad_input(tmp_path: Path, options: PipelineOptions, message: str) -> None:
     with pytest.raises(TrainerInputError, match=message):
         run_pipeline(_cfg(tmp_path / "never", "--pipeline"), options)
@@ -220,26 +293,56 @@ def test_bad_pipeline_options_are_bad_input(tmp_path: Path, options: PipelineOpt
 
 
 def test_pipeline_options_come_from_the_command_line() -> None:
-    cfg = parse_train_args(["--preset", "tiny", "--output-dir", "/tmp/unused", "--queue-depth", "3",
-                            "--feature-transfer", "pinned", "--stall-timeout", "60"])
+    cfg = parse_train_args(
+        [
+            "--preset",
+            "tiny",
+            "--output-dir",
+            "/tmp/unused",
+            "--queue-depth",
+            "3",
+            "--feature-transfer",
+            "pinned",
+            "--stall-timeout",
+            "60",
+        ]
+    )
     options = PipelineOptions.from_config(cfg)
-    assert (options.queue_capacity, options.feature_transfer, options.stall_warn_s, options.stall_abort_s) == \
-        (3, "pinned", 30.0, 60.0)
+    assert (options.queue_capacity, options.feature_transfer, options.stall_warn_s, options.stall_abort_s) == (
+        3,
+        "pinned",
+        30.0,
+        60.0,
+    )
 
 
 def test_periodic_checkpoints_are_written_in_the_background_and_a_failed_write_ends_the_run(tmp_path: Path) -> None:
     torch.set_num_threads(1)
     good = tmp_path / "good"
-    code = run_pipeline(_cfg(good, "--target-gpus", "cpu", "--drafter-gpus", "cpu,cpu", "--max-steps", "5",
-                             "--save-interval", "2", "--keep-checkpoints", "5"))
+    code = run_pipeline(
+        _cfg(
+            good,
+            "--target-gpus",
+            "cpu",
+            "--drafter-gpus",
+            "cpu,cpu",
+            "--max-steps",
+            "5",
+            "--save-interval",
+            "2",
+            "--keep-checkpoints",
+            "5",
+        )
+    )
     assert code == EXIT_OK
     assert sorted(p.name for p in (good / "checkpoints").iterdir()) == ["step_000002", "step_000004", "step_000005"]
     assert _status(good)["last_checkpoint"].endswith("step_000005")
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "checkpoints").write_text("not a directory\n")  # a real fault on the writer thread
-    code = run_pipeline(_cfg(bad, "--target-gpus", "cpu", "--drafter-gpus", "cpu,cpu", "--max-steps", "6",
-                             "--save-interval", "2"))
+    code = run_pipeline(
+        _cfg(bad, "--target-gpus", "cpu", "--drafter-gpus", "cpu,cpu", "--max-steps", "6", "--save-interval", "2")
+    )
     assert code == EXIT_FAILED
     status = _status(bad)
     assert status["phase"] == "failed" and status["step"] <= 4

@@ -83,8 +83,9 @@ def test_assignment_is_deterministic_balanced_and_step_major() -> None:
     assert [assignment.micro_index(1, d, a) for d in range(3) for a in range(2)] == list(range(6, 12))
     assert [assignment.target_of(g) for g in range(6)] == [0, 1, 2, 3, 4, 0]
     assert list(assignment.indices_of_target(2, 10, 30)) == [12, 17, 22, 27]
-    assert "target4 (cuda:4) -> drafter0 (cuda:5)" in assignment.describe([f"cuda:{i}" for i in range(5)],
-                                                                         ["cuda:5", "cuda:6", "cuda:7"])
+    assert "target4 (cuda:4) -> drafter0 (cuda:5)" in assignment.describe(
+        [f"cuda:{i}" for i in range(5)], ["cuda:5", "cuda:6", "cuda:7"]
+    )
     with pytest.raises(ValueError, match="at least one target worker"):
         Assignment(0, 1, 1)
 

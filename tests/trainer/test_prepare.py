@@ -52,27 +52,54 @@ def test_loss_mask_covers_assistant_content_and_end_of_turn_only(target_dir):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    messages = [{"role": "system", "content": "walk well"}, {"role": "user", "content": "walk north from bop"},
-                {"role": "assistant", "content": "bop bon feb"}, {"role": "user", "content": "again"},
-                {"role": "assistant", "content": "feb bug ."}]
+    messages = [
+        {"role": "system", "content": "walk well"},
+        {"role": "user", "content": "walk north from bop"},
+        {"role": "assistant", "content": "bop bon feb"},
+        {"role": "user", "content": "again"},
+        {"role": "assistant", "content": "feb bug ."},
+    ]
     ids, mask = tokenize_conversation(tokenizer, messages, enable_thinking=False)
     supervised = tokenizer.decode([i for i, m in zip(ids, mask) if m])
     assert supervised == "bop bon feb<|im_end|>feb bug .<|im_end|>"
     assert "<think>" in tokenizer.decode(ids)  # thinking off: empty think block in the last turn, unsupervised
     on = tokenize_prompt(tokenizer, messages[:2], enable_thinking=True)
     off = tokenize_prompt(tokenizer, messages[:2], enable_thinking=False)
-    assert tokenizer.decode(off).endswith("<think>\n\n</think>\n\n") and not tokenizer.decode(on).endswith("</think>\n\n")
+    assert tokenizer.decode(off).endswith("<think>\n\n</think>\n\n") and not tokenizer.decode(on).endswith(
+        "</think>\n\n"
+    )
 
 
 def test_prepare_dataset_answers_with_shards_meta_and_inspect(target_dir, world, tmp_path, capsys):
     conversations = world.conversations(5, seed=1)
-    source = write_jsonl(tmp_path / "in.jsonl", [{"messages": c} for c in conversations[:4]]
-                         + [{"prompt": "walk east from x", "response": "x y ."}])
+    source = write_jsonl(
+        tmp_path / "in.jsonl",
+        [{"messages": c} for c in conversations[:4]] + [{"prompt": "walk east from x", "response": "x y ."}],
+    )
     out = tmp_path / "ds"
-    assert prepare_cli.main(["--target-model", str(target_dir), "--input", str(source), "--output-dir", str(out),
-                             "--shard-size", "2", "--enable-thinking", "off", "--num-workers", "2"]) == 0
+    assert (
+        prepare_cli.main(
+            [
+                "--target-model",
+                str(target_dir),
+                "--input",
+                str(source),
+                "--output-dir",
+                str(out),
+                "--shard-size",
+                "2",
+                "--enable-thinking",
+                "off",
+                "--num-workers",
+                "2",
+            ]
+        )
+        == 0
+    )
     dataset = ShardedDataset(out)
-    assert len(dataset) == 5 and sorted(p.name for p in out.glob("*.offsets.npy")) == [f"shard-0000{i}.offsets.npy" for i in range(3)]
+    assert len(dataset) == 5 and sorted(p.name for p in out.glob("*.offsets.npy")) == [
+        f"shard-0000{i}.offsets.npy" for i in range(3)
+    ]
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
@@ -91,20 +118,46 @@ def test_regenerate_uses_target_greedy_answer(target_dir, world, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     conversations = world.conversations(3, seed=2)
-    rows = [{"messages": conversations[0]}, {"messages": conversations[1][:1]}, {"prompt": conversations[2][0]["content"]}]
+    rows = [
+        {"messages": conversations[0]},
+        {"messages": conversations[1][:1]},
+        {"prompt": conversations[2][0]["content"]},
+    ]
     out = tmp_path / "regen"
-    assert prepare_cli.main(["--target-model", str(target_dir), "--input", str(write_jsonl(tmp_path / "p.jsonl", rows)),
-                             "--output-dir", str(out), "--regenerate", "--max-new-tokens", "12", "--batch-size", "2",
-                             "--enable-thinking", "off"]) == 0
+    assert (
+        prepare_cli.main(
+            [
+                "--target-model",
+                str(target_dir),
+                "--input",
+                str(write_jsonl(tmp_path / "p.jsonl", rows)),
+                "--output-dir",
+                str(out),
+                "--regenerate",
+                "--max-new-tokens",
+                "12",
+                "--batch-size",
+                "2",
+                "--enable-thinking",
+                "off",
+            ]
+        )
+        == 0
+    )
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
     dataset = ShardedDataset(out)
     for i, conversation in enumerate(conversations):
         prompt = tokenize_prompt(tokenizer, conversation[:1], False)
-        expected = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)[0, len(prompt):].tolist()
+        expected = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=12,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )[0, len(prompt) :].tolist()
         if tokenizer.eos_token_id in expected:
-            expected = expected[:expected.index(tokenizer.eos_token_id) + 1]
+            expected = expected[: expected.index(tokenizer.eos_token_id) + 1]
         sample = dataset[i]
         assert sample.input_ids.tolist() == prompt + expected
         assert sample.loss_mask.tolist() == [0] * len(prompt) + [1] * len(expected)
@@ -116,12 +169,31 @@ def test_interrupted_regeneration_resumes_without_duplicates(target_dir, world, 
     conversations = world.conversations(16, seed=3)
     source = write_jsonl(tmp_path / "p.jsonl", [{"messages": c[:1]} for c in conversations])
     out = tmp_path / "resume"
-    argv = ["--target-model", str(target_dir), "--input", str(source), "--output-dir", str(out), "--regenerate",
-            "--max-new-tokens", "24", "--shard-size", "2", "--batch-size", "1"]
+    argv = [
+        "--target-model",
+        str(target_dir),
+        "--input",
+        str(source),
+        "--output-dir",
+        str(out),
+        "--regenerate",
+        "--max-new-tokens",
+        "24",
+        "--shard-size",
+        "2",
+        "--batch-size",
+        "1",
+    ]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     # A real process killed (SIGKILL: no cleanup) as soon as its first shard is on disk.
-    process = subprocess.Popen([sys.executable, "-m", "trainer.prepare", *argv], env=env, cwd=REPO,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "trainer.prepare", *argv],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     first = out / "shard-00000.offsets.npy"
     deadline = time.monotonic() + 60
     while not first.exists() and process.poll() is None and time.monotonic() < deadline:
@@ -142,7 +214,7 @@ def test_interrupted_regeneration_resumes_without_duplicates(target_dir, world, 
     assert len(dataset) == 16
     for i, conversation in enumerate(conversations):  # every prompt exactly once, in input order
         prompt = tokenize_prompt(tokenizer, conversation[:1], None)
-        assert dataset[i].input_ids[:len(prompt)].tolist() == prompt and dataset[i].loss_mask[len(prompt):].all()
+        assert dataset[i].input_ids[: len(prompt)].tolist() == prompt and dataset[i].loss_mask[len(prompt) :].all()
 
 
 def run_prepare(capsys, *argv: str) -> tuple[int, str]:
@@ -156,15 +228,24 @@ def test_malformed_line_reports_line_number_and_skip_bad(target_dir, world, tmp_
     out = tmp_path / "ds"
     code, err = run_prepare(capsys, "--target-model", str(target_dir), "--input", str(source), "--output-dir", str(out))
     assert code == 2 and f"{source}:2: malformed JSON" in err and "--skip-bad" in err and not out.exists()
-    code, err = run_prepare(capsys, "--target-model", str(target_dir), "--input", str(source), "--output-dir", str(out), "--skip-bad")
+    code, err = run_prepare(
+        capsys, "--target-model", str(target_dir), "--input", str(source), "--output-dir", str(out), "--skip-bad"
+    )
     assert code == 0 and "skipped 2 malformed line(s): 2, 4" in err
     assert len(ShardedDataset(out)) == 2 and read_meta(out).extra["skipped_lines"] == [2, 4]
 
 
 def test_missing_assistant_turn_without_regenerate(target_dir, tmp_path, capsys):
     source = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "walk north from bop"}])
-    code, err = run_prepare(capsys, "--target-model", str(target_dir), "--input", str(source), "--output-dir", str(tmp_path / "o"))
-    assert code == 2 and "record 1 has no assistant turn" in err and "--regenerate" in err and not (tmp_path / "o").exists()
+    code, err = run_prepare(
+        capsys, "--target-model", str(target_dir), "--input", str(source), "--output-dir", str(tmp_path / "o")
+    )
+    assert (
+        code == 2
+        and "record 1 has no assistant turn" in err
+        and "--regenerate" in err
+        and not (tmp_path / "o").exists()
+    )
 
 
 def test_tokenizer_without_chat_template(target_dir, tmp_path, capsys):
@@ -176,8 +257,17 @@ def test_tokenizer_without_chat_template(target_dir, tmp_path, capsys):
     for leftover in (tmp_path / "plain").glob("chat_template.*"):
         leftover.unlink()
     source = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a", "response": "b"}])
-    code, err = run_prepare(capsys, "--target-model", str(target_dir), "--tokenizer", str(tmp_path / "plain"),
-                            "--input", str(source), "--output-dir", str(tmp_path / "o"))
+    code, err = run_prepare(
+        capsys,
+        "--target-model",
+        str(target_dir),
+        "--tokenizer",
+        str(tmp_path / "plain"),
+        "--input",
+        str(source),
+        "--output-dir",
+        str(tmp_path / "o"),
+    )
     assert code == 2 and "the tokenizer has no chat template" in err and not (tmp_path / "o").exists()
 
 
@@ -185,18 +275,31 @@ def test_output_dir_holding_a_different_dataset_is_refused(target_dir, tmp_path,
     first = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "a", "response": "b"}])
     second = write_jsonl(tmp_path / "b.jsonl", [{"prompt": "c", "response": "d"}])
     out = tmp_path / "ds"
-    assert run_prepare(capsys, "--target-model", str(target_dir), "--input", str(first), "--output-dir", str(out))[0] == 0
+    assert (
+        run_prepare(capsys, "--target-model", str(target_dir), "--input", str(first), "--output-dir", str(out))[0] == 0
+    )
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     code, err = run_prepare(capsys, "--target-model", str(target_dir), "--input", str(second), "--output-dir", str(out))
     assert code == 2 and "already holds a different dataset (differs in: input_sha256)" in err
-    code, err = run_prepare(capsys, "--target-model", str(target_dir), "--input", str(first), "--output-dir", str(out),
-                            "--enable-thinking", "on")
+    code, err = run_prepare(
+        capsys,
+        "--target-model",
+        str(target_dir),
+        "--input",
+        str(first),
+        "--output-dir",
+        str(out),
+        "--enable-thinking",
+        "on",
+    )
     assert code == 2 and "enable_thinking" in err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing changed
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
-    code, err = run_prepare(capsys, "--target-model", str(target_dir), "--input", str(first), "--output-dir", str(foreign))
+    code, err = run_prepare(
+        capsys, "--target-model", str(target_dir), "--input", str(first), "--output-dir", str(foreign)
+    )
     assert code == 2 and "holds no dataset made by prepare" in err and os.listdir(foreign) == ["notes.txt"]
     # The same job again is a no-op resume.
     code, err = run_prepare(capsys, "--target-model", str(target_dir), "--input", str(first), "--output-dir", str(out))

@@ -32,7 +32,18 @@ from trainer.shards import DatasetMeta, write_index, write_shard
 from trainer.step import DrafterSide, TargetSide, lr_factor, noise_std_at
 
 REPO = Path(__file__).resolve().parents[2]
-SMALL = ["--preset", "tiny", "--synthetic-samples", "48", "--max-seq-len", "32", "--token-budget", "128", "--wandb", "off"]
+SMALL = [
+    "--preset",
+    "tiny",
+    "--synthetic-samples",
+    "48",
+    "--max-seq-len",
+    "32",
+    "--token-budget",
+    "128",
+    "--wandb",
+    "off",
+]
 
 
 def _read_metrics(run: Path) -> list[dict]:
@@ -40,13 +51,31 @@ def _read_metrics(run: Path) -> list[dict]:
 
 
 def _snapshot(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_short_run_follows_the_run_directory_contract(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = tmp_path / "run"
-    code = trainer_main(["train", *SMALL, "--max-steps", "4", "--log-interval", "2", "--save-interval", "3",
-                         "--output-dir", str(run), "--wandb", "on"])
+    code = trainer_main(
+        [
+            "train",
+            *SMALL,
+            "--max-steps",
+            "4",
+            "--log-interval",
+            "2",
+            "--save-interval",
+            "3",
+            "--output-dir",
+            str(run),
+            "--wandb",
+            "on",
+        ]
+    )
     assert code == 0
     metrics = _read_metrics(run)
     assert [m["step"] for m in metrics] == [2, 4]
@@ -74,27 +103,31 @@ def _bad_shard_dir(tmp_path: Path) -> Path:
     return data
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--data-dir", "{tmp}/missing"], "does not exist"),
-    (["--data-dir", "{tmp}/empty"], "meta.json is missing"),
-    (["--data-dir", "{bad_shard}"], "must agree"),
-    (["--block-size", "1"], "--block-size"),
-    (["--gamma", "0"], "--gamma"),
-    (["--max-anchors", "0"], "--max-anchors"),
-    (["--anchors-per-seq", "0"], "--anchors-per-seq"),
-    (["--token-budget", "16"], "smaller than one sequence"),
-    (["--num-draft-layers", "3"], "cannot tap 3 distinct layers"),
-    (["--target-layer-ids", "0,5"], "no layer [5]"),
-    (["--mask-token-id", "300"], "outside the vocabulary"),
-    (["--hidden-size", "32"], "drafter hidden size 32 != target hidden size 64"),
-    (["--target-model", "{tmp}/no-model"], "not a model directory"),
-    (["--grad-accum", "1000"], "fewer than one optimizer step"),
-    (["--resume", "{tmp}/empty"], "not a complete checkpoint"),
-    (["--init-from", "{tmp}/empty"], "has no model.safetensors"),
-    (["--loss-kernels", "triton"], "needs a CUDA drafter device"),  # this machine has no GPU: cpu is chosen
-])
-def test_bad_input_is_a_clear_error_and_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                       flags: list[str], message: str) -> None:
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--data-dir", "{tmp}/missing"], "does not exist"),
+        (["--data-dir", "{tmp}/empty"], "meta.json is missing"),
+        (["--data-dir", "{bad_shard}"], "must agree"),
+        (["--block-size", "1"], "--block-size"),
+        (["--gamma", "0"], "--gamma"),
+        (["--max-anchors", "0"], "--max-anchors"),
+        (["--anchors-per-seq", "0"], "--anchors-per-seq"),
+        (["--token-budget", "16"], "smaller than one sequence"),
+        (["--num-draft-layers", "3"], "cannot tap 3 distinct layers"),
+        (["--target-layer-ids", "0,5"], "no layer [5]"),
+        (["--mask-token-id", "300"], "outside the vocabulary"),
+        (["--hidden-size", "32"], "drafter hidden size 32 != target hidden size 64"),
+        (["--target-model", "{tmp}/no-model"], "not a model directory"),
+        (["--grad-accum", "1000"], "fewer than one optimizer step"),
+        (["--resume", "{tmp}/empty"], "not a complete checkpoint"),
+        (["--init-from", "{tmp}/empty"], "has no model.safetensors"),
+        (["--loss-kernels", "triton"], "needs a CUDA drafter device"),  # this machine has no GPU: cpu is chosen
+    ],
+)
+def test_bad_input_is_a_clear_error_and_writes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
     (tmp_path / "empty").mkdir()
     bad_shard = _bad_shard_dir(tmp_path) if "{bad_shard}" in flags else None
     flags = [f.format(tmp=tmp_path, bad_shard=bad_shard) for f in flags]
@@ -106,8 +139,9 @@ def test_bad_input_is_a_clear_error_and_writes_nothing(tmp_path: Path, capsys: p
     assert not run.exists()
 
 
-def test_resume_with_a_different_shape_is_refused_and_changes_nothing(tmp_path: Path,
-                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_resume_with_a_different_shape_is_refused_and_changes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     run = tmp_path / "run"
     assert trainer_main(["train", *SMALL, "--max-steps", "2", "--output-dir", str(run)]) == 0
     before = _snapshot(run)
@@ -142,9 +176,33 @@ def test_gradient_accumulation_normalises_over_the_whole_step(tmp_path: Path) ->
 
 def test_every_objective_term_and_accumulation_run_end_to_end(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    code = trainer_main(["train", *SMALL, "--max-steps", "2", "--log-interval", "1", "--output-dir", str(run),
-                         "--use-soft-labels", "--kl-weight", "0.5", "--kl-temperature", "2", "--cap-lambda", "0.2",
-                         "--noise-start", "0.05", "--noise-end", "0.01", "--noise-type", "gaussian", "--grad-accum", "2"])
+    code = trainer_main(
+        [
+            "train",
+            *SMALL,
+            "--max-steps",
+            "2",
+            "--log-interval",
+            "1",
+            "--output-dir",
+            str(run),
+            "--use-soft-labels",
+            "--kl-weight",
+            "0.5",
+            "--kl-temperature",
+            "2",
+            "--cap-lambda",
+            "0.2",
+            "--noise-start",
+            "0.05",
+            "--noise-end",
+            "0.01",
+            "--noise-type",
+            "gaussian",
+            "--grad-accum",
+            "2",
+        ]
+    )
     assert code == 0
     last = _read_metrics(run)[-1]
     assert last["kl"] > 0 and last["cap"] > 0 and last["noise_std"] == pytest.approx(0.01)
@@ -162,15 +220,30 @@ def test_schedule_and_noise_are_deterministic_functions_of_the_step(tmp_path: Pa
     features = TargetSide(target, "cpu").features(batch)
     torch.manual_seed(0)
     side = DrafterSide(cfg, DFlashDrafter(dcfg), target.embed_weight, target.lm_head_weight, "cpu", 10)
-    losses = [float(side.forward_backward(features, batch.weight_sum, batch.num_blocks, noise_std=std, noise_seed=seed).loss)
-              for std, seed in ((0.0, (0,)), (0.5, (0, 1, 0)), (0.5, (0, 1, 0)), (0.5, (0, 2, 0)))]
+    losses = [
+        float(side.forward_backward(features, batch.weight_sum, batch.num_blocks, noise_std=std, noise_seed=seed).loss)
+        for std, seed in ((0.0, (0,)), (0.5, (0, 1, 0)), (0.5, (0, 1, 0)), (0.5, (0, 2, 0)))
+    ]
     assert losses[1] == losses[2] and len({losses[0], losses[1], losses[3]}) == 3
 
 
 def _train_process(run: Path, steps: int) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    argv = [sys.executable, "-m", "trainer", "train", *SMALL, "--max-steps", str(steps), "--log-interval", "1",
-            "--save-interval", "1000", "--output-dir", str(run)]
+    argv = [
+        sys.executable,
+        "-m",
+        "trainer",
+        "train",
+        *SMALL,
+        "--max-steps",
+        str(steps),
+        "--log-interval",
+        "1",
+        "--save-interval",
+        "1000",
+        "--output-dir",
+        str(run),
+    ]
     log = open(run.parent / f"{run.name}.log", "ab")  # noqa: SIM115 - the child's stdout, for its lifetime
     return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
 
@@ -209,7 +282,18 @@ def test_sigterm_then_resume_reproduces_the_uninterrupted_run_bitwise(tmp_path: 
 def test_resume_after_a_hard_kill_redoes_the_steps_after_the_last_checkpoint(tmp_path: Path) -> None:
     """A SIGKILL leaves metrics lines past the last periodic checkpoint: resume drops and recomputes them."""
     run = tmp_path / "run"
-    argv = ["train", *SMALL, "--max-steps", "6", "--log-interval", "1", "--save-interval", "4", "--output-dir", str(run)]
+    argv = [
+        "train",
+        *SMALL,
+        "--max-steps",
+        "6",
+        "--log-interval",
+        "1",
+        "--save-interval",
+        "4",
+        "--output-dir",
+        str(run),
+    ]
     assert trainer_main(argv) == 0
     reference = _read_metrics(run)
     shutil.rmtree(run / "checkpoints" / "step_000006")  # as if killed after step 6 was logged, before its save
@@ -219,13 +303,15 @@ def test_resume_after_a_hard_kill_redoes_the_steps_after_the_last_checkpoint(tmp
     assert [(m["step"], m["loss"]) for m in _read_metrics(run)] == [(m["step"], m["loss"]) for m in reference]
 
 
-def test_a_checkpoint_that_cannot_be_written_fails_the_run_clearly(tmp_path: Path,
-                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_checkpoint_that_cannot_be_written_fails_the_run_clearly(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     run = tmp_path / "run"
     run.mkdir()
     (run / "checkpoints").write_text("not a directory\n")  # a real fault: the write fails on the writer thread
-    code = trainer_main(["train", *SMALL, "--max-steps", "6", "--log-interval", "1", "--save-interval", "2",
-                         "--output-dir", str(run)])
+    code = trainer_main(
+        ["train", *SMALL, "--max-steps", "6", "--log-interval", "1", "--save-interval", "2", "--output-dir", str(run)]
+    )
     assert code == 1
     status = json.loads((run / "status.json").read_text())
     assert status["phase"] == "failed" and status["step"] <= 4  # noticed at the latest by the next save
@@ -238,7 +324,9 @@ def test_init_from_an_exported_drafter_checks_its_shape(tmp_path: Path, capsys: 
     DFlashDrafter(build_drafter_config(cfg, _target_hf_config(cfg))).save_pretrained(tmp_path / "export")
     base = ["train", *SMALL, "--max-steps", "1", "--init-from", str(tmp_path / "export")]
     assert trainer_main([*base, "--output-dir", str(tmp_path / "ok")]) == 0
-    code = trainer_main([*base, "--output-dir", str(tmp_path / "bad"), "--num-draft-layers", "1", "--target-layer-ids", "1"])
+    code = trainer_main(
+        [*base, "--output-dir", str(tmp_path / "bad"), "--num-draft-layers", "1", "--target-layer-ids", "1"]
+    )
     assert code == 2 and "different drafter shape" in capsys.readouterr().err and not (tmp_path / "bad").exists()
 
 
@@ -251,7 +339,10 @@ def test_trainer_verbs_dispatch_lazily(capsys: pytest.CaptureFixture[str]) -> No
 @pytest.mark.slow
 def test_tiny_preset_200_steps_learns(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    assert trainer_main(["train", "--preset", "tiny", "--max-steps", "200", "--wandb", "off", "--output-dir", str(run)]) == 0
+    assert (
+        trainer_main(["train", "--preset", "tiny", "--max-steps", "200", "--wandb", "off", "--output-dir", str(run)])
+        == 0
+    )
     metrics = _read_metrics(run)
     first, last = metrics[:3], metrics[-3:]
     assert sum(m["loss"] for m in last) / 3 < sum(m["loss"] for m in first) / 3 - 0.5

@@ -27,8 +27,21 @@ def prepared(tmp_path_factory) -> tuple[Path, Path, Path]:
     source = root / "in.jsonl"
     source.write_text("".join(json.dumps({"messages": c}) + "\n" for c in world.conversations(4, seed=1)))
     data = root / "ds"
-    assert prepare_cli.main(["--target-model", str(target), "--input", str(source), "--output-dir", str(data),
-                             "--enable-thinking", "off"]) == 0
+    assert (
+        prepare_cli.main(
+            [
+                "--target-model",
+                str(target),
+                "--input",
+                str(source),
+                "--output-dir",
+                str(data),
+                "--enable-thinking",
+                "off",
+            ]
+        )
+        == 0
+    )
     other = build_tiny_tokenizer(world.texts(), root / "other", vocab_size=320)
     other.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     other.save_pretrained(root / "other")
@@ -37,9 +50,31 @@ def prepared(tmp_path_factory) -> tuple[Path, Path, Path]:
 
 def argv(target: Path, data: Path, out: Path, *extra: str) -> list[str]:
     mask_id = 300
-    return ["--target-model", str(target), "--data-dir", str(data), "--output-dir", str(out), "--num-draft-layers", "2",
-            "--mask-token-id", str(mask_id), "--block-size", "4", "--max-seq-len", "64", "--token-budget", "256",
-            "--wandb", "off", "--resume", "never", "--rope-theta", "10000", *extra]
+    return [
+        "--target-model",
+        str(target),
+        "--data-dir",
+        str(data),
+        "--output-dir",
+        str(out),
+        "--num-draft-layers",
+        "2",
+        "--mask-token-id",
+        str(mask_id),
+        "--block-size",
+        "4",
+        "--max-seq-len",
+        "64",
+        "--token-budget",
+        "256",
+        "--wandb",
+        "off",
+        "--resume",
+        "never",
+        "--rope-theta",
+        "10000",
+        *extra,
+    ]
 
 
 def test_matching_settings_are_checked_and_pass(prepared, tmp_path, monkeypatch) -> None:
@@ -59,8 +94,9 @@ def test_matching_settings_are_checked_and_pass(prepared, tmp_path, monkeypatch)
     assert not out.exists()  # pre-flight reads, never writes
 
 
-@pytest.mark.parametrize("extra, words", [(["--enable-thinking", "on"], "enable_thinking"),
-                                          (["--tokenizer", "OTHER"], "chat template")])
+@pytest.mark.parametrize(
+    "extra, words", [(["--enable-thinking", "on"], "enable_thinking"), (["--tokenizer", "OTHER"], "chat template")]
+)
 def test_mismatch_is_refused_before_anything_is_written(prepared, tmp_path, capsys, extra, words) -> None:
     target, data, other = prepared
     extra = [str(other) if e == "OTHER" else e for e in extra]
@@ -74,5 +110,6 @@ def test_mismatch_is_refused_before_anything_is_written(prepared, tmp_path, caps
 def test_unloadable_tokenizer_is_a_clear_error(prepared, tmp_path) -> None:
     target, data, _ = prepared
     with pytest.raises(TrainerInputError, match="--tokenizer"):
-        train_cli.preflight(parse_train_args(argv(target, data, tmp_path / "run", "--tokenizer",
-                                                  str(tmp_path / "none"))))
+        train_cli.preflight(
+            parse_train_args(argv(target, data, tmp_path / "run", "--tokenizer", str(tmp_path / "none")))
+        )

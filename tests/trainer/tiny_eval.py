@@ -20,8 +20,15 @@ def build_eval_setup(root: Path, num_prompts: int) -> dict[str, Any]:
     tokenizer = build_tiny_tokenizer(world.texts(), root / "tok", vocab_size=320)
     model = build_tiny_target(root / "target", tokenizer, hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1)
     torch.manual_seed(0)
-    config = DrafterConfig.for_target(model.config, num_hidden_layers=2, block_size=4,
-                                      mask_token_id=tokenizer.convert_tokens_to_ids(MASK_TOKEN))
+    config = DrafterConfig.for_target(
+        model.config, num_hidden_layers=2, block_size=4, mask_token_id=tokenizer.convert_tokens_to_ids(MASK_TOKEN)
+    )
     prompts = [tokenize_prompt(tokenizer, c[:1], False) for c in world.conversations(num_prompts, seed=5)]
-    return {"root": root, "tokenizer": tokenizer, "model": model, "drafter": DFlashDrafter(config).eval(),
-            "prompts": prompts, "stops": end_of_turn_ids(tokenizer)}
+    return {
+        "root": root,
+        "tokenizer": tokenizer,
+        "model": model,
+        "drafter": DFlashDrafter(config).eval(),
+        "prompts": prompts,
+        "stops": end_of_turn_ids(tokenizer),
+    }

@@ -23,8 +23,9 @@ from trainer.loss_triton_kl import ce_kl_grad, ce_kl_stats, fused_ce_kl
 
 def run_case(case: dict) -> dict:
     if case["op"] == "fused_ce":
-        grad, lse, ce, argmax = fused_ce(case["logits"], case["labels"], want_grad=case["want_grad"],
-                                         config=CEKernelConfig.parse(case["config"]))
+        grad, lse, ce, argmax = fused_ce(
+            case["logits"], case["labels"], want_grad=case["want_grad"], config=CEKernelConfig.parse(case["config"])
+        )
         return {"grad": grad, "lse": lse, "ce": ce, "argmax": argmax}
     if case["op"] in ("fused_ce_kl", "ce_kl_split"):
         return run_kl_case(case)
@@ -33,11 +34,19 @@ def run_case(case: dict) -> dict:
     result = dflash_loss(hidden, case["weight"], case["labels"], case["weights"], kernels=kernels, **case["kwargs"])
     result.loss.backward()
     with torch.no_grad():
-        evaluated = dflash_loss(hidden, case["weight"], case["labels"], case["weights"], kernels=kernels,
-                                **case["kwargs"])
-    return {"loss": result.loss.detach(), "grad": hidden.grad, "ce_sum": result.ce_sum, "cap_sum": result.cap_sum,
-            "kl_sum": result.kl_sum, "correct": result.correct, "eval_loss": evaluated.loss,
-            "eval_kl_sum": evaluated.kl_sum}
+        evaluated = dflash_loss(
+            hidden, case["weight"], case["labels"], case["weights"], kernels=kernels, **case["kwargs"]
+        )
+    return {
+        "loss": result.loss.detach(),
+        "grad": hidden.grad,
+        "ce_sum": result.ce_sum,
+        "cap_sum": result.cap_sum,
+        "kl_sum": result.kl_sum,
+        "correct": result.correct,
+        "eval_loss": evaluated.loss,
+        "eval_kl_sum": evaluated.kl_sum,
+    }
 
 
 def run_kl_case(case: dict) -> dict:
@@ -49,13 +58,21 @@ def run_kl_case(case: dict) -> dict:
         state, lse, ce, kl, argmax = ce_kl_stats(logits, teacher, labels, temperature=temperature, config=config)
         grad = ce_kl_grad(logits, teacher, labels, state, case["ratio"], temperature=temperature, config=config)
         return {"grad": grad, "lse": lse, "ce": ce, "kl": kl, "argmax": argmax}
-    grad, lse, ce, kl, argmax = fused_ce_kl(logits, teacher, labels, temperature=temperature, kl_ratio=case["ratio"],
-                                            want_grad=case["want_grad"], config=config)
+    grad, lse, ce, kl, argmax = fused_ce_kl(
+        logits,
+        teacher,
+        labels,
+        temperature=temperature,
+        kl_ratio=case["ratio"],
+        want_grad=case["want_grad"],
+        config=config,
+    )
     out = {"grad": grad, "lse": lse, "ce": ce, "kl": kl, "argmax": argmax}
     if case["want_grad"]:
         overwritten = teacher.clone()
-        in_place = fused_ce_kl(logits, overwritten, labels, temperature=temperature, kl_ratio=case["ratio"],
-                               out=overwritten, config=config)[0]
+        in_place = fused_ce_kl(
+            logits, overwritten, labels, temperature=temperature, kl_ratio=case["ratio"], out=overwritten, config=config
+        )[0]
         out.update(in_place_grad=in_place, overwritten_teacher=overwritten)
     return out
 

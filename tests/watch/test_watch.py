@@ -37,8 +37,22 @@ def env(tmp_path: Path) -> Iterator[Env]:
 
 
 def launch(env: Env, name: str, capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = env.cli("deploy", "local", "--profile", "work", "--name", name, "--wait", r"step 2\b",
-                           "--timeout", "30", "--", "--interval", "0.1", capsys=capsys)
+    code, _, err = env.cli(
+        "deploy",
+        "local",
+        "--profile",
+        "work",
+        "--name",
+        name,
+        "--wait",
+        r"step 2\b",
+        "--timeout",
+        "30",
+        "--",
+        "--interval",
+        "0.1",
+        capsys=capsys,
+    )
     assert code == 0, err
 
 
@@ -59,12 +73,29 @@ def test_watch_in_a_tmux_pane(env: Env, capsys: pytest.CaptureFixture[str]) -> N
     socket = f"dflashops-watch-test-{os.getpid()}"
     conf = env.root / "tmux.conf"
     conf.write_text("set -g remain-on-exit on\n")
-    command = join_argv(["env", f"PYTHONPATH={REPO}", "NO_COLOR=1", sys.executable, "-X", "faulthandler", "-m", "dflashops.cli.main",
-                         "--inventory", str(env.inventory), "watch", "w1", "--interval", "0.3"])
+    command = join_argv(
+        [
+            "env",
+            f"PYTHONPATH={REPO}",
+            "NO_COLOR=1",
+            sys.executable,
+            "-X",
+            "faulthandler",
+            "-m",
+            "dflashops.cli.main",
+            "--inventory",
+            str(env.inventory),
+            "watch",
+            "w1",
+            "--interval",
+            "0.3",
+        ]
+    )
     exit_file = env.root / "watch.exit"
     command += f"; echo $? > {exit_file}"  # tmux 3.3 does not always record pane_dead_status
     screen = Screen(socket, command, width=120, height=30, config=conf)
     try:
+
         def step_shown() -> int | None:
             match = re.search(r"w1\s*│\s*running\s*│\s*(\d+)", screen.text())
             return int(match.group(1)) if match else None
@@ -82,8 +113,11 @@ def test_watch_in_a_tmux_pane(env: Env, capsys: pytest.CaptureFixture[str]) -> N
         screen.keys("q")
 
         try:
-            wait_until(lambda: exit_file.exists() and exit_file.read_text().strip() != "", timeout=10,
-                       what="watch to quit on q")
+            wait_until(
+                lambda: exit_file.exists() and exit_file.read_text().strip() != "",
+                timeout=10,
+                what="watch to quit on q",
+            )
         except AssertionError:
             os.kill(screen.pid(), 6)  # our own pane's process: faulthandler prints where it hangs
             time.sleep(1)
@@ -149,11 +183,25 @@ def test_watch_once_json_and_bad_input(env: Env, capsys: pytest.CaptureFixture[s
 def test_trainer_metrics_become_columns() -> None:
     """The trainer's metrics line (per-drafter tok/s, queues, GPU memory, ETA) maps onto the view's row."""
     now = time.time()
-    entry = {"name": "x", "state": "running", "step": 40, "target": "ct200", "last_log_line": "step 40/100 | ...",
-             "trainer_status": {"phase": "training", "total_steps": 100, "heartbeat": now - 3},
-             "last_metrics": {"step": 40, "loss": 2.5, "tau_sim": 3.1, "block_tok_s": 12345.6,
-                              "block_tok_s_per_drafter": [6000.1, 6345.5], "eta_s": 600.0, "time": now - 60,
-                              "queues": {"t0->d0": {"depth": 3, "max": 4}}, "gpu_mem_gb": {"cuda:2": 30.5}}}
+    entry = {
+        "name": "x",
+        "state": "running",
+        "step": 40,
+        "target": "ct200",
+        "last_log_line": "step 40/100 | ...",
+        "trainer_status": {"phase": "training", "total_steps": 100, "heartbeat": now - 3},
+        "last_metrics": {
+            "step": 40,
+            "loss": 2.5,
+            "tau_sim": 3.1,
+            "block_tok_s": 12345.6,
+            "block_tok_s_per_drafter": [6000.1, 6345.5],
+            "eta_s": 600.0,
+            "time": now - 60,
+            "queues": {"t0->d0": {"depth": 3, "max": 4}},
+            "gpu_mem_gb": {"cuda:2": 30.5},
+        },
+    }
     row = run_row(entry, now)
     assert (row.step, row.total_steps, row.block_tok_s_per_drafter) == (40, 100, [6000.1, 6345.5])
     assert row.queues == {"t0->d0": "3/4"} and row.gpu_mem_gb == {"cuda:2": 30.5}

@@ -96,8 +96,9 @@ def main() -> int:
             start = json.load(handle)["step"]
         print(f"resumed from {args.resume_from} at step {start}", flush=True)
     if args.spawn_setsid:
-        child = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(1)"],
-                                 start_new_session=True)
+        child = subprocess.Popen(
+            [sys.executable, "-c", "import time\nwhile True: time.sleep(1)"], start_new_session=True
+        )
         with open(os.path.join(out, "child.pid"), "w") as handle:
             handle.write(f"{child.pid}\n")
     print(f"secret present: {'WORKLOAD_SECRET' in os.environ}", flush=True)

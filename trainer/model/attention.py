@@ -52,8 +52,19 @@ SLIDING = "sliding_attention"
 LAYER_TYPES = (FULL, SLIDING)
 
 
-def visible(q: Any, kv: Any, *, anchors_row: Any, keep_row: Any, ctx_len: int, block_size: int, num_blocks: int,
-            window: int | None, causal: bool, doc_row: Any = None) -> Any:
+def visible(
+    q: Any,
+    kv: Any,
+    *,
+    anchors_row: Any,
+    keep_row: Any,
+    ctx_len: int,
+    block_size: int,
+    num_blocks: int,
+    window: int | None,
+    causal: bool,
+    doc_row: Any = None,
+) -> Any:
     """The mask predicate (docs/method.md#attention-mask) for one batch row; works on python ints and on
     broadcastable tensors.
 
@@ -103,13 +114,21 @@ class DraftMask:
         return self.ctx_len + self.num_blocks * self.block_size
 
 
-def _check_inputs(anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, block_size: int,
-                  sliding_window: int | None, doc_ids: torch.Tensor | None) -> None:
+def _check_inputs(
+    anchors: torch.Tensor,
+    keep: torch.Tensor,
+    ctx_len: int,
+    block_size: int,
+    sliding_window: int | None,
+    doc_ids: torch.Tensor | None,
+) -> None:
     if anchors.dim() != 2 or anchors.dtype != torch.int64:
         raise ValueError(f"anchors must be an int64 tensor [rows, blocks], got {anchors.dtype} {tuple(anchors.shape)}")
     if keep.shape != anchors.shape or keep.dtype != torch.bool:
-        raise ValueError(f"keep must be a bool tensor shaped like anchors {tuple(anchors.shape)}, "
-                         f"got {keep.dtype} {tuple(keep.shape)}")
+        raise ValueError(
+            f"keep must be a bool tensor shaped like anchors {tuple(anchors.shape)}, "
+            f"got {keep.dtype} {tuple(keep.shape)}"
+        )
     if anchors.shape[1] < 1:
         raise ValueError("anchors must hold at least one block per row (pad with keep=False)")
     if block_size < 2:
@@ -122,19 +141,38 @@ def _check_inputs(anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, block
         raise ValueError(f"doc_ids must be [rows, ctx_len] = {(anchors.shape[0], ctx_len)}, got {tuple(doc_ids.shape)}")
 
 
-def dense_mask(anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, block_size: int, *,
-               window: int | None, causal: bool, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+def dense_mask(
+    anchors: torch.Tensor,
+    keep: torch.Tensor,
+    ctx_len: int,
+    block_size: int,
+    *,
+    window: int | None,
+    causal: bool,
+    doc_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The predicate materialised: bool [R, N*B, S+N*B] (True = may attend). Memory R*Q*K bytes."""
     rows, num_blocks = anchors.shape
     q_len, device = num_blocks * block_size, anchors.device
-    q = torch.arange(q_len, device=device)[:, None]                     # [Q,1]
-    kv = torch.arange(ctx_len + q_len, device=device)[None, :]          # [1,K]
+    q = torch.arange(q_len, device=device)[:, None]  # [Q,1]
+    kv = torch.arange(ctx_len + q_len, device=device)[None, :]  # [1,K]
     out = []
     for r in range(rows):  # R is small (a handful of rows per batch); a python loop keeps the predicate single-sourced
-        out.append(visible(q, kv, anchors_row=anchors[r], keep_row=keep[r], ctx_len=ctx_len, block_size=block_size,
-                           num_blocks=num_blocks, window=window, causal=causal,
-                           doc_row=None if doc_ids is None else doc_ids[r]))
-    return torch.stack(out)                                             # [R,Q,K]
+        out.append(
+            visible(
+                q,
+                kv,
+                anchors_row=anchors[r],
+                keep_row=keep[r],
+                ctx_len=ctx_len,
+                block_size=block_size,
+                num_blocks=num_blocks,
+                window=window,
+                causal=causal,
+                doc_row=None if doc_ids is None else doc_ids[r],
+            )
+        )
+    return torch.stack(out)  # [R,Q,K]
 
 
 _COMPILED_FLEX: dict = {}  # (device, replica scope) -> private compiled flex_attention (trainer.compile_scope)
@@ -173,12 +211,20 @@ def compiled_flex_attention(device: torch.device) -> Callable[..., torch.Tensor]
     return scoped(_COMPILED_FLEX, device, flex_attention)
 
 
-TILE = 128                     # flex_attention's sparse block (query tile x key tile)
-_CHUNK_BOOLS = 1 << 24         # query rows per chunk are sized so one [rows, K] bool stays <= 16 MiB
+TILE = 128  # flex_attention's sparse block (query tile x key tile)
+_CHUNK_BOOLS = 1 << 24  # query rows per chunk are sized so one [rows, K] bool stays <= 16 MiB
 
 
-def _tile_classes(anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, block_size: int, *,
-                  window: int | None, causal: bool, doc_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _tile_classes(
+    anchors: torch.Tensor,
+    keep: torch.Tensor,
+    ctx_len: int,
+    block_size: int,
+    *,
+    window: int | None,
+    causal: bool,
+    doc_ids: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(partial, full): bool [R, 1, Qt, Kt], one entry per (TILE-query tile, TILE-key tile) pair of each row.
 
     full = every element visible; partial = some but not all. Out-of-range elements of the last tiles (Q, K not
@@ -195,21 +241,30 @@ def _tile_classes(anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, block
     rows, num_blocks = anchors.shape
     q_len, kv_len, device = num_blocks * block_size, ctx_len + num_blocks * block_size, anchors.device
     q_tiles, kv_tiles = -(-q_len // TILE), -(-kv_len // TILE)
-    kv = torch.arange(kv_tiles * TILE, device=device)[None, :]                       # [1, Kpad] int64
+    kv = torch.arange(kv_tiles * TILE, device=device)[None, :]  # [1, Kpad] int64
     tiles_per_chunk = max(1, _CHUNK_BOOLS // (TILE * kv_tiles * TILE))
     partial = torch.empty(rows, 1, q_tiles, kv_tiles, dtype=torch.bool, device=device)
     full = torch.empty_like(partial)
     for r in range(rows):
         for t0 in range(0, q_tiles, tiles_per_chunk):
             t1 = min(q_tiles, t0 + tiles_per_chunk)
-            q = torch.arange(t0 * TILE, t1 * TILE, device=device)[:, None]         # [rows_in_chunk, 1] int64
-            vis = visible(q, kv, anchors_row=anchors[r], keep_row=keep[r], ctx_len=ctx_len, block_size=block_size,
-                          num_blocks=num_blocks, window=window, causal=causal,
-                          doc_row=None if doc_ids is None else doc_ids[r])
-            vis &= q < q_len                                                         # padding rows/columns of
-            vis &= kv < kv_len                                                       # the tail tiles: invisible
+            q = torch.arange(t0 * TILE, t1 * TILE, device=device)[:, None]  # [rows_in_chunk, 1] int64
+            vis = visible(
+                q,
+                kv,
+                anchors_row=anchors[r],
+                keep_row=keep[r],
+                ctx_len=ctx_len,
+                block_size=block_size,
+                num_blocks=num_blocks,
+                window=window,
+                causal=causal,
+                doc_row=None if doc_ids is None else doc_ids[r],
+            )
+            vis &= q < q_len  # padding rows/columns of
+            vis &= kv < kv_len  # the tail tiles: invisible
             tiles = vis.view(t1 - t0, TILE, kv_tiles, TILE)
-            any_visible = tiles.any(dim=3).any(dim=1)                                # [chunk, Kt]
+            any_visible = tiles.any(dim=3).any(dim=1)  # [chunk, Kt]
             all_visible = tiles.all(dim=3).all(dim=1)
             full[r, 0, t0:t1] = all_visible
             partial[r, 0, t0:t1] = any_visible & ~all_visible
@@ -224,8 +279,16 @@ def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return as_int.sum(dim=-1).to(torch.int32), order.to(torch.int32)
 
 
-def _flex_block_mask(anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, block_size: int, *,
-                     window: int | None, causal: bool, doc_ids: torch.Tensor | None) -> Any:
+def _flex_block_mask(
+    anchors: torch.Tensor,
+    keep: torch.Tensor,
+    ctx_len: int,
+    block_size: int,
+    *,
+    window: int | None,
+    causal: bool,
+    doc_ids: torch.Tensor | None,
+) -> Any:
     """The BlockMask of one batch and layer type, built without compiling anything.
 
     A compiled create_block_mask was measured to hang > 4 min in Triton's make_llir on an H200 for the qwen3-8b
@@ -237,23 +300,47 @@ def _flex_block_mask(anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, bl
     q_len = num_blocks * block_size
 
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        return visible(q_idx, kv_idx, anchors_row=anchors[b], keep_row=keep[b], ctx_len=ctx_len,
-                       block_size=block_size, num_blocks=num_blocks, window=window, causal=causal,
-                       doc_row=None if doc_ids is None else doc_ids[b])
+        return visible(
+            q_idx,
+            kv_idx,
+            anchors_row=anchors[b],
+            keep_row=keep[b],
+            ctx_len=ctx_len,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            window=window,
+            causal=causal,
+            doc_row=None if doc_ids is None else doc_ids[b],
+        )
 
     partial, full = _tile_classes(anchors, keep, ctx_len, block_size, window=window, causal=causal, doc_ids=doc_ids)
     kv_num_blocks, kv_indices = _ordered(partial)
     full_kv_num_blocks, full_kv_indices = _ordered(full)
     # Keyword arguments only: these seven exist with these names in torch 2.5 .. 2.13 (GPU machine runs 2.11).
-    return BlockMask.from_kv_blocks(kv_num_blocks=kv_num_blocks, kv_indices=kv_indices,
-                                    full_kv_num_blocks=full_kv_num_blocks, full_kv_indices=full_kv_indices,
-                                    BLOCK_SIZE=TILE, mask_mod=mask_mod, seq_lengths=(q_len, ctx_len + q_len))
+    return BlockMask.from_kv_blocks(
+        kv_num_blocks=kv_num_blocks,
+        kv_indices=kv_indices,
+        full_kv_num_blocks=full_kv_num_blocks,
+        full_kv_indices=full_kv_indices,
+        BLOCK_SIZE=TILE,
+        mask_mod=mask_mod,
+        seq_lengths=(q_len, ctx_len + q_len),
+    )
 
 
-def build_draft_mask(anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, block_size: int, *,
-                     sliding_window: int | None = None, causal_full: bool = False, causal_sliding: bool = True,
-                     backend: Backend = "dense", doc_ids: torch.Tensor | None = None,
-                     layer_types: Iterable[str] | None = None) -> DraftMask:
+def build_draft_mask(
+    anchors: torch.Tensor,
+    keep: torch.Tensor,
+    ctx_len: int,
+    block_size: int,
+    *,
+    sliding_window: int | None = None,
+    causal_full: bool = False,
+    causal_sliding: bool = True,
+    backend: Backend = "dense",
+    doc_ids: torch.Tensor | None = None,
+    layer_types: Iterable[str] | None = None,
+) -> DraftMask:
     """Build the per-layer-type masks of one batch.
 
     anchors [R,N] int64 (sorted ascending per row for speed; any order is correct), keep [R,N] bool (False =
@@ -280,12 +367,13 @@ def build_draft_mask(anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, bl
         window = sliding_window if lt == SLIDING else None
         causal = causal_sliding if lt == SLIDING else causal_full
         if backend == "flex":
-            mask.flex[lt] = _flex_block_mask(anchors, keep, ctx_len, block_size, window=window, causal=causal,
-                                             doc_ids=doc_ids)
+            mask.flex[lt] = _flex_block_mask(
+                anchors, keep, ctx_len, block_size, window=window, causal=causal, doc_ids=doc_ids
+            )
         else:
             allowed = dense_mask(anchors, keep, ctx_len, block_size, window=window, causal=causal, doc_ids=doc_ids)
-            row_visible = allowed.any(dim=-1, keepdim=True)                  # [R,Q,1]
-            sdpa_mask = allowed | ~row_visible                               # fully masked rows: attend anywhere
+            row_visible = allowed.any(dim=-1, keepdim=True)  # [R,Q,1]
+            sdpa_mask = allowed | ~row_visible  # fully masked rows: attend anywhere
             mask.dense[lt] = (sdpa_mask.unsqueeze(1), row_visible.unsqueeze(1))
     return mask
 
@@ -296,8 +384,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DraftMask, l
     Rows that may see nothing (padded blocks) return exactly 0 on both back-ends, with zero gradient.
     """
     if q.shape[2] != mask.q_len or k.shape[2] != mask.kv_len:
-        raise ValueError(f"attention shapes Q={q.shape[2]}, K={k.shape[2]} do not match the mask "
-                         f"(Q={mask.q_len}, K={mask.kv_len})")
+        raise ValueError(
+            f"attention shapes Q={q.shape[2]}, K={k.shape[2]} do not match the mask (Q={mask.q_len}, K={mask.kv_len})"
+        )
     gqa = q.shape[1] != k.shape[1]
     if mask.backend == "flex":
         if layer_type not in mask.flex:

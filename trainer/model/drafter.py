@@ -59,7 +59,7 @@ class DrafterConfig:
     mask_token_id: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
-    layer_types: list[str] = field(default_factory=list)   # empty -> all "full_attention"
+    layer_types: list[str] = field(default_factory=list)  # empty -> all "full_attention"
     sliding_window: int | None = None
     causal_in_block: dict[str, bool] = field(default_factory=_default_causal_in_block)
     max_position_embeddings: int = 40960
@@ -73,21 +73,33 @@ class DrafterConfig:
         self.validate()
 
     def validate(self) -> None:
-        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "vocab_size", "num_target_layers"):
+        for name in (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "vocab_size",
+            "num_target_layers",
+        ):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"drafter {name} must be >= 1, got {getattr(self, name)}")
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2 (an anchor plus at least one MASK slot), got {self.block_size}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                             f"num_key_value_heads ({self.num_key_value_heads})")
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary "
-                             f"(0..{self.vocab_size - 1}); use a reserved id that exists in the target's "
-                             f"embedding (never resize it)")
+            raise ValueError(
+                f"mask_token_id {self.mask_token_id} is outside the vocabulary "
+                f"(0..{self.vocab_size - 1}); use a reserved id that exists in the target's "
+                f"embedding (never resize it)"
+            )
         ids = self.target_layer_ids
         if not ids or sorted(set(ids)) != ids:
             raise ValueError(f"target_layer_ids must be a non-empty strictly increasing list, got {ids}")
@@ -99,8 +111,9 @@ class DrafterConfig:
             if lt not in LAYER_TYPES:
                 raise ValueError(f"unknown layer type {lt!r}; expected one of {LAYER_TYPES}")
         if SLIDING in self.layer_types and (self.sliding_window is None or self.sliding_window < self.block_size):
-            raise ValueError(f"sliding layers need sliding_window >= block_size ({self.block_size}), "
-                             f"got {self.sliding_window}")
+            raise ValueError(
+                f"sliding layers need sliding_window >= block_size ({self.block_size}), got {self.sliding_window}"
+            )
         unknown = set(self.causal_in_block) - set(LAYER_TYPES)
         if unknown:
             raise ValueError(f"causal_in_block has unknown layer types {sorted(unknown)}")
@@ -112,22 +125,36 @@ class DrafterConfig:
     def check_target(self, *, num_target_layers: int, hidden_size: int, vocab_size: int) -> None:
         """Raise ValueError unless this drafter fits a target of the given shape."""
         if hidden_size != self.hidden_size:
-            raise ValueError(f"drafter hidden_size {self.hidden_size} != target hidden size {hidden_size}: "
-                             f"the drafter shares the target's embedding and LM head")
+            raise ValueError(
+                f"drafter hidden_size {self.hidden_size} != target hidden size {hidden_size}: "
+                f"the drafter shares the target's embedding and LM head"
+            )
         if self.target_layer_ids[-1] >= num_target_layers:
             raise ValueError(f"target has {num_target_layers} layers but the drafter taps {self.target_layer_ids}")
         if num_target_layers != self.num_target_layers:
-            raise ValueError(f"drafter was configured for a {self.num_target_layers}-layer target, "
-                             f"this target has {num_target_layers}")
+            raise ValueError(
+                f"drafter was configured for a {self.num_target_layers}-layer target, "
+                f"this target has {num_target_layers}"
+            )
         if vocab_size != self.vocab_size or not 0 <= self.mask_token_id < vocab_size:
-            raise ValueError(f"drafter vocab_size {self.vocab_size} / mask_token_id {self.mask_token_id} do not fit "
-                             f"the target's {vocab_size}-row embedding")
+            raise ValueError(
+                f"drafter vocab_size {self.vocab_size} / mask_token_id {self.mask_token_id} do not fit "
+                f"the target's {vocab_size}-row embedding"
+            )
 
     @classmethod
-    def for_target(cls, target: Any, *, num_hidden_layers: int, block_size: int, mask_token_id: int,
-                   target_layer_ids: list[int] | None = None, layer_types: list[str] | None = None,
-                   sliding_window: int | None = None,
-                   causal_in_block: dict[str, bool] | None = None) -> DrafterConfig:
+    def for_target(
+        cls,
+        target: Any,
+        *,
+        num_hidden_layers: int,
+        block_size: int,
+        mask_token_id: int,
+        target_layer_ids: list[int] | None = None,
+        layer_types: list[str] | None = None,
+        sliding_window: int | None = None,
+        causal_in_block: dict[str, bool] | None = None,
+    ) -> DrafterConfig:
         """A drafter shaped like the target (as the published drafters are). `target` is a TargetModel or an HF
         config. Taps default to `default_target_layer_ids(L, num_hidden_layers)`."""
         hf = getattr(target, "hf_config", target)
@@ -136,38 +163,61 @@ class DrafterConfig:
         rope = getattr(hf, "rope_parameters", None) or {}
         num_target_layers = getattr(target, "num_layers", hf.num_hidden_layers)
         config = cls(
-            hidden_size=hf.hidden_size, intermediate_size=hf.intermediate_size, num_hidden_layers=num_hidden_layers,
-            num_attention_heads=heads, num_key_value_heads=getattr(hf, "num_key_value_heads", None) or heads,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_hidden_layers=num_hidden_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(hf, "num_key_value_heads", None) or heads,
             head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
-            vocab_size=getattr(target, "vocab_size", hf.vocab_size), block_size=block_size,
+            vocab_size=getattr(target, "vocab_size", hf.vocab_size),
+            block_size=block_size,
             target_layer_ids=target_layer_ids or default_target_layer_ids(num_target_layers, num_hidden_layers),
-            num_target_layers=num_target_layers, mask_token_id=mask_token_id,
+            num_target_layers=num_target_layers,
+            mask_token_id=mask_token_id,
             rms_norm_eps=getattr(hf, "rms_norm_eps", 1e-6),
             rope_theta=float(rope.get("rope_theta", getattr(hf, "rope_theta", 1_000_000.0))),
-            layer_types=list(layer_types or []), sliding_window=sliding_window,
+            layer_types=list(layer_types or []),
+            sliding_window=sliding_window,
             causal_in_block=dict(causal_in_block or {}),
-            max_position_embeddings=getattr(hf, "max_position_embeddings", 40960))
-        config.check_target(num_target_layers=num_target_layers, hidden_size=hf.hidden_size,
-                            vocab_size=config.vocab_size)
+            max_position_embeddings=getattr(hf, "max_position_embeddings", 40960),
+        )
+        config.check_target(
+            num_target_layers=num_target_layers, hidden_size=hf.hidden_size, vocab_size=config.vocab_size
+        )
         return config
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The public config.json: a Qwen3 config plus the DFlash fields the public loaders read."""
         return {
-            "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
-            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers, "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
-            "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
-            "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
             "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
-            "vocab_size": self.vocab_size, "max_position_embeddings": self.max_position_embeddings,
-            "initializer_range": self.initializer_range, "tie_word_embeddings": False,
-            "layer_types": list(self.layer_types), "sliding_window": self.sliding_window,
+            "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.max_position_embeddings,
+            "initializer_range": self.initializer_range,
+            "tie_word_embeddings": False,
+            "layer_types": list(self.layer_types),
+            "sliding_window": self.sliding_window,
             "use_sliding_window": SLIDING in self.layer_types,
-            "block_size": self.block_size, "num_target_layers": self.num_target_layers,
-            "dflash_config": {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id,
-                              "block_size": self.block_size, "causal_in_block": dict(self.causal_in_block)},
+            "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+            "dflash_config": {
+                "target_layer_ids": list(self.target_layer_ids),
+                "mask_token_id": self.mask_token_id,
+                "block_size": self.block_size,
+                "causal_in_block": dict(self.causal_in_block),
+            },
         }
 
     @classmethod
@@ -183,25 +233,33 @@ class DrafterConfig:
             mask_token_id = int(dflash.get("mask_token_id", d.get("mask_token_id")))  # type: ignore[arg-type]
             rope = d.get("rope_parameters") or {}
             return cls(
-                hidden_size=int(d["hidden_size"]), intermediate_size=int(d["intermediate_size"]),
-                num_hidden_layers=num_layers, num_attention_heads=heads,
+                hidden_size=int(d["hidden_size"]),
+                intermediate_size=int(d["intermediate_size"]),
+                num_hidden_layers=num_layers,
+                num_attention_heads=heads,
                 num_key_value_heads=int(d.get("num_key_value_heads") or heads),
                 head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
-                vocab_size=int(d["vocab_size"]), block_size=block_size,
-                target_layer_ids=list(dflash.get("target_layer_ids")
-                                      or default_target_layer_ids(num_target_layers, num_layers)),
-                num_target_layers=num_target_layers, mask_token_id=mask_token_id,
+                vocab_size=int(d["vocab_size"]),
+                block_size=block_size,
+                target_layer_ids=list(
+                    dflash.get("target_layer_ids") or default_target_layer_ids(num_target_layers, num_layers)
+                ),
+                num_target_layers=num_target_layers,
+                mask_token_id=mask_token_id,
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(d.get("rope_theta") or rope.get("rope_theta", 1_000_000.0)),
-                layer_types=list(d.get("layer_types") or []), sliding_window=d.get("sliding_window"),
+                layer_types=list(d.get("layer_types") or []),
+                sliding_window=d.get("sliding_window"),
                 causal_in_block=dict(dflash.get("causal_in_block") or {}),
                 max_position_embeddings=int(d.get("max_position_embeddings", 40960)),
-                initializer_range=float(d.get("initializer_range", 0.02)))
+                initializer_range=float(d.get("initializer_range", 0.02)),
+            )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a DFlash drafter config (missing or invalid field: {exc})") from exc
 
 
 # ----------------------------------------------------------------------------------------------- building blocks
+
 
 class RMSNorm(nn.Module):
     """Qwen3 RMSNorm: normalise in float32, scale in the input dtype (bit-compatible with HF Qwen3RMSNorm)."""
@@ -221,9 +279,9 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[
     """positions [...] int -> cos, sin [..., head_dim] in float32 (HF 'default' RoPE, half-rotation layout).
     inv_freq is recomputed here rather than kept as a buffer: a buffer would be cast to bf16 by module.to()."""
     exponent = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
-    inv_freq = 1.0 / (theta ** exponent)                                   # [D/2]
-    freqs = positions[..., None].float() * inv_freq                         # [..., D/2]
-    emb = torch.cat((freqs, freqs), dim=-1)                                 # [..., D]
+    inv_freq = 1.0 / (theta**exponent)  # [D/2]
+    freqs = positions[..., None].float() * inv_freq  # [..., D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [..., D]
     return emb.cos(), emb.sin()
 
 
@@ -248,20 +306,27 @@ class DrafterAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
-                rope_k: tuple[torch.Tensor, torch.Tensor], mask: DraftMask, layer_type: str) -> torch.Tensor:
-        R, Q, _ = x.shape                                                    # x: normed block tokens [R,Q,H]
-        S = ctx.shape[1]                                                     # ctx: context features [R,S,H]
+    def forward(
+        self,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        rope_q: tuple[torch.Tensor, torch.Tensor],
+        rope_k: tuple[torch.Tensor, torch.Tensor],
+        mask: DraftMask,
+        layer_type: str,
+    ) -> torch.Tensor:
+        R, Q, _ = x.shape  # x: normed block tokens [R,Q,H]
+        S = ctx.shape[1]  # ctx: context features [R,S,H]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.q_norm(self.q_proj(x).view(R, Q, hq, d)).transpose(1, 2)            # [R,hq,Q,D]
+        q = self.q_norm(self.q_proj(x).view(R, Q, hq, d)).transpose(1, 2)  # [R,hq,Q,D]
         # Context re-projected by this layer's own k/v; k_norm on context keys too. Separate GEMMs + cat of the
         # (narrower, GQA) k/v rather than one GEMM over cat([ctx, x]): the cat copies hkv*d instead of H columns.
         k = torch.cat([self.k_proj(ctx).view(R, S, hkv, d), self.k_proj(x).view(R, Q, hkv, d)], dim=1)
         v = torch.cat([self.v_proj(ctx).view(R, S, hkv, d), self.v_proj(x).view(R, Q, hkv, d)], dim=1)
-        k = self.k_norm(k).transpose(1, 2)                                            # [R,hkv,S+Q,D]
-        v = v.transpose(1, 2)                                                         # [R,hkv,S+Q,D]
+        k = self.k_norm(k).transpose(1, 2)  # [R,hkv,S+Q,D]
+        v = v.transpose(1, 2)  # [R,hkv,S+Q,D]
         q, k = apply_rope(q, *rope_q), apply_rope(k, *rope_k)
-        out = attend(q, k, v, mask, layer_type)                                       # [R,hq,Q,D]
+        out = attend(q, k, v, mask, layer_type)  # [R,hq,Q,D]
         return self.o_proj(out.transpose(1, 2).reshape(R, Q, hq * d))
 
 
@@ -289,16 +354,29 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
-                rope_k: tuple[torch.Tensor, torch.Tensor], mask: DraftMask) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        rope_q: tuple[torch.Tensor, torch.Tensor],
+        rope_k: tuple[torch.Tensor, torch.Tensor],
+        mask: DraftMask,
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, mask, self.layer_type)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 # ---------------------------------------------------------------------------------------------------- the model
 
-def call_layer(layer: nn.Module, x: torch.Tensor, ctx: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
-               rope_k: tuple[torch.Tensor, torch.Tensor], mask: DraftMask) -> torch.Tensor:
+
+def call_layer(
+    layer: nn.Module,
+    x: torch.Tensor,
+    ctx: torch.Tensor,
+    rope_q: tuple[torch.Tensor, torch.Tensor],
+    rope_k: tuple[torch.Tensor, torch.Tensor],
+    mask: DraftMask,
+) -> torch.Tensor:
     """One layer's forward; the unit a replica compiles (all layers of one type share its graph)."""
     return layer(x, ctx, rope_q, rope_k, mask)
 
@@ -328,16 +406,38 @@ class DFlashDrafter(nn.Module):
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
 
-    def build_mask(self, anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, *, backend: Backend = "dense",
-                   doc_ids: torch.Tensor | None = None) -> DraftMask:
+    def build_mask(
+        self,
+        anchors: torch.Tensor,
+        keep: torch.Tensor,
+        ctx_len: int,
+        *,
+        backend: Backend = "dense",
+        doc_ids: torch.Tensor | None = None,
+    ) -> DraftMask:
         """build_draft_mask with this drafter's block size, window, in-block causality and layer types."""
         cfg = self.config
-        return build_draft_mask(anchors, keep, ctx_len, cfg.block_size, sliding_window=cfg.sliding_window,
-                                causal_full=cfg.causal_in_block[FULL], causal_sliding=cfg.causal_in_block[SLIDING],
-                                backend=backend, doc_ids=doc_ids, layer_types=cfg.layer_types)
+        return build_draft_mask(
+            anchors,
+            keep,
+            ctx_len,
+            cfg.block_size,
+            sliding_window=cfg.sliding_window,
+            causal_full=cfg.causal_in_block[FULL],
+            causal_sliding=cfg.causal_in_block[SLIDING],
+            backend=backend,
+            doc_ids=doc_ids,
+            layer_types=cfg.layer_types,
+        )
 
-    def forward(self, ctx_features: torch.Tensor, block_embeds: torch.Tensor, anchors: torch.Tensor,
-                keep: torch.Tensor, mask: DraftMask) -> torch.Tensor:
+    def forward(
+        self,
+        ctx_features: torch.Tensor,
+        block_embeds: torch.Tensor,
+        anchors: torch.Tensor,
+        keep: torch.Tensor,
+        mask: DraftMask,
+    ) -> torch.Tensor:
         """ctx_features [R,S,T*H], block_embeds [R,N*B,H], anchors [R,N] int64, keep [R,N] bool, mask built for
         the same anchors/keep/S -> hidden [R,N*B,H] after the final norm; rows of padded blocks are exactly 0."""
         cfg = self.config
@@ -348,25 +448,30 @@ class DFlashDrafter(nn.Module):
         if block_embeds.shape != (R, N * B, cfg.hidden_size):
             raise ValueError(f"block_embeds must be {(R, N * B, cfg.hidden_size)}, got {tuple(block_embeds.shape)}")
         if (mask.ctx_len, mask.num_blocks, mask.block_size) != (S, N, B):
-            raise ValueError(f"mask was built for S={mask.ctx_len}, N={mask.num_blocks}, B={mask.block_size}; "
-                             f"inputs have S={S}, N={N}, B={B}")
+            raise ValueError(
+                f"mask was built for S={mask.ctx_len}, N={mask.num_blocks}, B={mask.block_size}; "
+                f"inputs have S={S}, N={N}, B={B}"
+            )
 
-        ctx = self.hidden_norm(self.fc(ctx_features))                          # [R,S,H], never updated below
+        ctx = self.hidden_norm(self.fc(ctx_features))  # [R,S,H], never updated below
         offsets = torch.arange(B, device=anchors.device)
-        pos_blk = (anchors[:, :, None] + offsets).reshape(R, N * B)             # [R,Q]  anchor+j
-        pos_ctx = torch.arange(S, device=anchors.device)                        # [S]    0..S-1
-        cos_q, sin_q = rope_cos_sin(pos_blk, cfg.head_dim, cfg.rope_theta)      # [R,Q,D]
-        cos_c, sin_c = rope_cos_sin(pos_ctx, cfg.head_dim, cfg.rope_theta)      # [S,D]
-        rope_q = (cos_q[:, None], sin_q[:, None])                               # [R,1,Q,D]
-        rope_k = (torch.cat([cos_c.expand(R, 1, S, -1), rope_q[0]], dim=2),     # [R,1,S+Q,D]
-                  torch.cat([sin_c.expand(R, 1, S, -1), rope_q[1]], dim=2))
+        pos_blk = (anchors[:, :, None] + offsets).reshape(R, N * B)  # [R,Q]  anchor+j
+        pos_ctx = torch.arange(S, device=anchors.device)  # [S]    0..S-1
+        cos_q, sin_q = rope_cos_sin(pos_blk, cfg.head_dim, cfg.rope_theta)  # [R,Q,D]
+        cos_c, sin_c = rope_cos_sin(pos_ctx, cfg.head_dim, cfg.rope_theta)  # [S,D]
+        rope_q = (cos_q[:, None], sin_q[:, None])  # [R,1,Q,D]
+        rope_k = (
+            torch.cat([cos_c.expand(R, 1, S, -1), rope_q[0]], dim=2),  # [R,1,S+Q,D]
+            torch.cat([sin_c.expand(R, 1, S, -1), rope_q[1]], dim=2),
+        )
 
-        x = block_embeds                                                        # [R,Q,H]
+        x = block_embeds  # [R,Q,H]
         for layer in self.layers:
             if self.activation_checkpointing and torch.is_grad_enabled():
                 # Keep only each layer's input; recompute its activations in backward (~1/3 more layer FLOPs).
-                x = torch.utils.checkpoint.checkpoint(self.layer_call, layer, x, ctx, rope_q, rope_k, mask,
-                                                      use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(
+                    self.layer_call, layer, x, ctx, rope_q, rope_k, mask, use_reentrant=False
+                )
             else:
                 x = self.layer_call(layer, x, ctx, rope_q, rope_k, mask)
         x = self.norm(x)
@@ -399,14 +504,17 @@ class DFlashDrafter(nn.Module):
         missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
         wrong = [n for n in own if n in state and state[n].shape != own[n].shape]
         if missing or unexpected or wrong:
-            raise ValueError(f"drafter checkpoint {directory} does not match its config: missing {missing[:3]}, "
-                             f"unexpected {unexpected[:3]}, wrong shape {wrong[:3]}")
+            raise ValueError(
+                f"drafter checkpoint {directory} does not match its config: missing {missing[:3]}, "
+                f"unexpected {unexpected[:3]}, wrong shape {wrong[:3]}"
+            )
         model.load_state_dict(state)
         return model.to(device)
 
 
-def make_block_input_ids(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int,
-                         mask_token_id: int) -> torch.Tensor:
+def make_block_input_ids(
+    input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int
+) -> torch.Tensor:
     """[x_anchor, MASK, ..., MASK] per block: input_ids [R,S], anchors [R,N] -> [R,N*B] int64.
     Padded anchors only need to be inside 0..S-1 (their blocks are masked out)."""
     R, N = anchors.shape

@@ -35,8 +35,10 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     if num_layers < 1 or n < 1:
         raise ValueError(f"need at least one target layer and one tap, got L={num_layers}, n={n}")
     if n > num_layers:
-        raise ValueError(f"cannot tap {n} distinct layers of a {num_layers}-layer target; use fewer drafter layers "
-                         f"or pass explicit target_layer_ids")
+        raise ValueError(
+            f"cannot tap {n} distinct layers of a {num_layers}-layer target; use fewer drafter layers "
+            f"or pass explicit target_layer_ids"
+        )
     if n == 1:
         return [num_layers // 2]
     if num_layers >= n + 3:
@@ -59,8 +61,11 @@ class _StopForward(Exception):
 def _decoder_layers(model: Any) -> nn.ModuleList:
     """The decoder layer list of an HF causal LM (plain, or a multimodal wrapper with a language model inside)."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    for candidate in (decoder, getattr(model, "model", None), getattr(getattr(model, "model", None),
-                                                                       "language_model", None)):
+    for candidate in (
+        decoder,
+        getattr(model, "model", None),
+        getattr(getattr(model, "model", None), "language_model", None),
+    ):
         layers = getattr(candidate, "layers", None)
         if isinstance(layers, nn.ModuleList):
             return layers
@@ -82,20 +87,30 @@ class TargetModel:
         self._decoder = model.get_decoder()
         self._layers = _decoder_layers(model)
         self.num_layers = len(self._layers)
-        self.layer_ids = list(layer_ids) if layer_ids is not None else default_target_layer_ids(
-            self.num_layers, num_draft_layers)
+        self.layer_ids = (
+            list(layer_ids) if layer_ids is not None else default_target_layer_ids(self.num_layers, num_draft_layers)
+        )
         bad = [i for i in self.layer_ids if not 0 <= i < self.num_layers]
         if bad:
-            raise ValueError(f"target has {self.num_layers} layers (ids 0..{self.num_layers - 1}) but tapped layer "
-                             f"id(s) {bad} were requested; check target_layer_ids / --num-draft-layers")
+            raise ValueError(
+                f"target has {self.num_layers} layers (ids 0..{self.num_layers - 1}) but tapped layer "
+                f"id(s) {bad} were requested; check target_layer_ids / --num-draft-layers"
+            )
         if sorted(set(self.layer_ids)) != self.layer_ids:
             raise ValueError(f"target_layer_ids must be strictly increasing, got {self.layer_ids}")
         self.hidden_size = int(self.embed_weight.shape[1])
         self.vocab_size = int(self.embed_weight.shape[0])
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, layer_ids: list[int] | None = None, *, num_draft_layers: int = 5,
-                        dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu") -> TargetModel:
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        layer_ids: list[int] | None = None,
+        *,
+        num_draft_layers: int = 5,
+        dtype: torch.dtype = torch.bfloat16,
+        device: str | torch.device = "cpu",
+    ) -> TargetModel:
         """Load a local HF checkpoint directory (no network) frozen, in `dtype`, on `device`."""
         from transformers import AutoModelForCausalLM
 
@@ -106,9 +121,16 @@ class TargetModel:
         return cls(model.to(device), layer_ids, num_draft_layers=num_draft_layers)  # type: ignore[arg-type]  # .to() typed by wraps()
 
     @classmethod
-    def from_config(cls, hf_config: Any, layer_ids: list[int] | None = None, *, num_draft_layers: int = 5,
-                    seed: int = 0, dtype: torch.dtype = torch.float32,
-                    device: str | torch.device = "cpu") -> TargetModel:
+    def from_config(
+        cls,
+        hf_config: Any,
+        layer_ids: list[int] | None = None,
+        *,
+        num_draft_layers: int = 5,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> TargetModel:
         """Build a randomly initialised target from an HF config (tests, speed work). Deterministic in `seed`."""
         from transformers import AutoModelForCausalLM
 
@@ -140,8 +162,9 @@ class TargetModel:
         return self
 
     @torch.no_grad()
-    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                 return_final_hidden: bool = False) -> TargetOutput:
+    def features(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *, return_final_hidden: bool = False
+    ) -> TargetOutput:
         """input_ids [R,S] (right-padded), attention_mask [R,S] -> TargetOutput(taps [R,S,T*H], final_hidden)."""
         last = self.num_layers - 1
         # Tapping the last layer means HF hidden_states[L], which is post-norm: take it from the base model output.
@@ -155,13 +178,14 @@ class TargetModel:
                 captured[layer_id] = output[0] if isinstance(output, tuple) else output
                 if layer_id == stop_after:
                     raise _StopForward
+
             return hook
 
         handles = [self._layers[i].register_forward_hook(make_hook(i)) for i in hooked]
         final_hidden = None
         try:
             out = self._decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-            final_hidden = out.last_hidden_state                          # [R,S,H] after the final norm
+            final_hidden = out.last_hidden_state  # [R,S,H] after the final norm
         except _StopForward:
             pass
         finally:
@@ -170,5 +194,5 @@ class TargetModel:
         if last in self.layer_ids:
             assert final_hidden is not None  # no layer stops the forward when the last one is tapped
             captured[last] = final_hidden
-        taps = torch.cat([captured[i] for i in self.layer_ids], dim=-1)   # [R,S,T*H], low layer first
+        taps = torch.cat([captured[i] for i in self.layer_ids], dim=-1)  # [R,S,T*H], low layer first
         return TargetOutput(taps=taps, final_hidden=final_hidden if return_final_hidden else None)

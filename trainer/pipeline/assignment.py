@@ -116,16 +116,22 @@ class Assignment:
         feeds: dict[int, list[int]] = {}
         for t, d in self.channel_pairs():
             feeds.setdefault(t, []).append(d)
-        lines = [f"target{t} ({target_devices[t]}) -> " + ", ".join(f"drafter{d} ({drafter_devices[d]})" for d in ds)
-                 for t, ds in sorted(feeds.items())]
+        lines = [
+            f"target{t} ({target_devices[t]}) -> " + ", ".join(f"drafter{d} ({drafter_devices[d]})" for d in ds)
+            for t, ds in sorted(feeds.items())
+        ]
         if self.num_nodes > 1:
             last = self.first_drafter + self.num_drafters - 1
-            head = (f"pipeline of node {self.node_rank}: {self.num_targets} target worker(s), {self.num_drafters} "
-                    f"drafter worker(s) (the job's drafters {self.first_drafter}-{last} of {self.total_drafters}), "
-                    f"{self.per_step} micro-batches per optimizer step on all {self.num_nodes} nodes")
+            head = (
+                f"pipeline of node {self.node_rank}: {self.num_targets} target worker(s), {self.num_drafters} "
+                f"drafter worker(s) (the job's drafters {self.first_drafter}-{last} of {self.total_drafters}), "
+                f"{self.per_step} micro-batches per optimizer step on all {self.num_nodes} nodes"
+            )
         else:
-            head = (f"pipeline: {self.num_targets} target worker(s), {self.num_drafters} drafter worker(s), "
-                    f"{self.per_step} micro-batches per optimizer step")
+            head = (
+                f"pipeline: {self.num_targets} target worker(s), {self.num_drafters} drafter worker(s), "
+                f"{self.per_step} micro-batches per optimizer step"
+            )
         return head + "\n  " + "\n  ".join(lines)
 
 

@@ -66,7 +66,9 @@ class WarmupReport(Generic[V]):
         return f"warm-up of {len(self.seconds_per_variant)} variants took {self.total_s:.1f} s ({parts}); compiles {self.compiles}"
 
 
-def warm_up(variants: Sequence[V], run_one: Callable[[V], None], log: Callable[[str], None] = lambda m: None) -> WarmupReport[V]:
+def warm_up(
+    variants: Sequence[V], run_one: Callable[[V], None], log: Callable[[str], None] = lambda m: None
+) -> WarmupReport[V]:
     """Run `run_one(variant)` (a full forward + backward) for every variant, sequentially, in the calling thread.
 
     Must be called from the main thread before worker threads exist. Raises the recompile limit so that all
@@ -125,7 +127,9 @@ class CompileGuard:
         self._active = True
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self._active = False
         torch.compiler.set_stance("default")
         torch._dynamo.config.fail_on_recompile_limit_hit = self._previous_fail_on_limit

@@ -50,11 +50,20 @@ class StepResult:
 
 
 class Coordinator:
-    def __init__(self, supervisor: Supervisor, drafters: list[DrafterHandle], sync: ReplicaSync,
-                 noise_std_at: Callable[[int], float], seed: int, *, guard: CompileGuard | None = None,
-                 stall_warn_s: float = 120.0, stall_abort_s: float = 900.0,
-                 log: Callable[[str], None] = lambda message: None,
-                 step_totals: Callable[[float, int], tuple[float, int]] | None = None) -> None:
+    def __init__(
+        self,
+        supervisor: Supervisor,
+        drafters: list[DrafterHandle],
+        sync: ReplicaSync,
+        noise_std_at: Callable[[int], float],
+        seed: int,
+        *,
+        guard: CompileGuard | None = None,
+        stall_warn_s: float = 120.0,
+        stall_abort_s: float = 900.0,
+        log: Callable[[str], None] = lambda message: None,
+        step_totals: Callable[[float, int], tuple[float, int]] | None = None,
+    ) -> None:
         self.supervisor = supervisor
         self.drafters = drafters
         self.sync = sync
@@ -86,11 +95,16 @@ class Coordinator:
         if self.guard is not None:
             self.guard.check()
         return StepResult(
-            step=step, weight_sum=weight_sum, num_blocks=num_blocks,
+            step=step,
+            weight_sum=weight_sum,
+            num_blocks=num_blocks,
             num_ctx_tokens=sum(g.num_ctx_tokens for g in gathered),
             positions=[p for g in gathered for p in g.positions],
-            stats=[c.stats for c in computed], optimizer=[s.result for s in stepped],
-            compute_s=[c.seconds for c in computed], sync_s=sync_s, seconds=time.monotonic() - started,
+            stats=[c.stats for c in computed],
+            optimizer=[s.result for s in stepped],
+            compute_s=[c.seconds for c in computed],
+            sync_s=sync_s,
+            seconds=time.monotonic() - started,
         )
 
     def _round(self, command: Any, expect: type[Any], started: float) -> list[Any]:
@@ -121,7 +135,8 @@ class Coordinator:
             if waited > self.stall_abort_s:
                 raise PipelineStalled(
                     f"no optimizer step completed for {waited:.0f} s (limit {self.stall_abort_s:.0f} s): "
-                    f"{self.supervisor.stall_report()}")
+                    f"{self.supervisor.stall_report()}"
+                )
             if waited > self.stall_warn_s and not self._warned:
                 self._warned = True
                 self.log(f"warning: step stalled for {waited:.0f} s: {self.supervisor.stall_report()}")

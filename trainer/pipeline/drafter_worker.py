@@ -33,8 +33,15 @@ class DrafterSideLike(Protocol):
 
     device: torch.device
 
-    def forward_backward(self, features: Any, normalizer: float, num_blocks: float, *, noise_std: float = 0.0,
-                         noise_seed: tuple[int, ...] = (0,)) -> Any: ...
+    def forward_backward(
+        self,
+        features: Any,
+        normalizer: float,
+        num_blocks: float,
+        *,
+        noise_std: float = 0.0,
+        noise_seed: tuple[int, ...] = (0,),
+    ) -> Any: ...
 
     def optimizer_step(self) -> Any: ...
 
@@ -120,9 +127,15 @@ class DrafterWorker:
             for accum, parcel in enumerate(self._held):
                 faults.hit(f"{self.name}.forward_backward", self.supervisor.stop_event)
                 micro = self.number * self.assignment.grad_accum + accum
-                stats.append(self.side.forward_backward(
-                    accept(parcel, device), command.normalizer, command.num_blocks, noise_std=command.noise_std,
-                    noise_seed=(command.seed, command.step, micro)))
+                stats.append(
+                    self.side.forward_backward(
+                        accept(parcel, device),
+                        command.normalizer,
+                        command.num_blocks,
+                        noise_std=command.noise_std,
+                        noise_seed=(command.seed, command.step, micro),
+                    )
+                )
             self._held = []
             if device.type == "cuda":  # the main thread reduces these gradients next: one sync per step
                 torch.cuda.current_stream(device).synchronize()

@@ -68,8 +68,9 @@ class PipelineEngine:
         cfg = self.cfg
         self.target_devices = resolve_devices(cfg.target_gpus, "target-gpus")
         self.drafter_devices = resolve_devices(cfg.drafter_gpus, "drafter-gpus")
-        self.assignment = Assignment(len(self.target_devices), len(self.drafter_devices), cfg.grad_accum,
-                                     self.cluster.nodes, self.cluster.rank)
+        self.assignment = Assignment(
+            len(self.target_devices), len(self.drafter_devices), cfg.grad_accum, self.cluster.nodes, self.cluster.rank
+        )
         self.sync_mode = cfg.sync if self.assignment.total_drafters > 1 else "grad"
         self.faults = FaultPoints(options.faults)
         self.slot_weights = position_weights(cfg.block_size, cfg.gamma).numpy()
@@ -78,9 +79,11 @@ class PipelineEngine:
         steps_in_data = self.order.total // self.assignment.per_step
         self.total_steps = min(cfg.max_steps, steps_in_data) if cfg.max_steps else steps_in_data
         if self.total_steps < 1:
-            raise TrainerInputError(f"--data-dir: the data holds {self.order.total} micro-batches, fewer than one "
-                                    f"optimizer step of the pipeline ({self.assignment.per_step} = drafters x "
-                                    f"--grad-accum{' x nodes' if self.cluster.nodes > 1 else ''})")
+            raise TrainerInputError(
+                f"--data-dir: the data holds {self.order.total} micro-batches, fewer than one "
+                f"optimizer step of the pipeline ({self.assignment.per_step} = drafters x "
+                f"--grad-accum{' x nodes' if self.cluster.nodes > 1 else ''})"
+            )
         self.writes_metrics = self.writes_checkpoints = self.cluster.rank == 0
         self.supervisor: Supervisor | None = None
         self.failure: BaseException | None = None
@@ -89,28 +92,45 @@ class PipelineEngine:
         self._told_stop = False
 
     def announce(self, run_dir: Path) -> list[str]:
-        return [f"run directory {run_dir.resolve()} ({self.total_steps} steps, sync {self.sync_mode})",
-                *self.cluster.describe(),
-                self.assignment.describe([str(d) for d in self.target_devices], [str(d) for d in self.drafter_devices])]
+        return [
+            f"run directory {run_dir.resolve()} ({self.total_steps} steps, sync {self.sync_mode})",
+            *self.cluster.describe(),
+            self.assignment.describe([str(d) for d in self.target_devices], [str(d) for d in self.drafter_devices]),
+        ]
 
     def build(self) -> None:
         cfg, setup = self.cfg, self.setup
         started = time.monotonic()
         targets = [load_target(setup, d) for d in self.target_devices]
         loaded = time.monotonic()
-        self.target_sides = [TargetSide(t, d, soft_labels=cfg.use_soft_labels) for t, d in zip(targets, self.target_devices)]
+        self.target_sides = [
+            TargetSide(t, d, soft_labels=cfg.use_soft_labels) for t, d in zip(targets, self.target_devices)
+        ]
         torch.manual_seed(cfg.seed)  # the drafter's init is a function of --seed, as in the single-process engine
         base = DFlashDrafter(setup.drafter_config)
         if cfg.init_from is not None and self.cluster.rank == 0:
             base.load_state_dict(DFlashDrafter.from_pretrained(cfg.init_from).state_dict())
         self.cluster.broadcast_module_(base)  # every node starts from node 0's weights (--init-from: node 0's file)
-        compile_kw: dict[str, Any] = (dict(compile=True, compile_backend=self.options.compile_backend)
-                      if self.options.compile_backend else {})
-        self.sides = [DrafterSide(cfg, copy.deepcopy(base), targets[0].embed_weight, targets[0].lm_head_weight, d,
-                                  self.total_steps, **compile_kw) for d in self.drafter_devices]
+        compile_kw: dict[str, Any] = (
+            dict(compile=True, compile_backend=self.options.compile_backend) if self.options.compile_backend else {}
+        )
+        self.sides = [
+            DrafterSide(
+                cfg,
+                copy.deepcopy(base),
+                targets[0].embed_weight,
+                targets[0].lm_head_weight,
+                d,
+                self.total_steps,
+                **compile_kw,
+            )
+            for d in self.drafter_devices
+        ]
         _log(f"loss kernels: {', '.join(f'{side.device} {side.loss_kernels.kind}' for side in self.sides)}")
-        _log(f"built in {time.monotonic() - started:.1f} s: target(s) {loaded - started:.1f} s, "
-             f"drafter replicas {time.monotonic() - loaded:.1f} s")
+        _log(
+            f"built in {time.monotonic() - started:.1f} s: target(s) {loaded - started:.1f} s, "
+            f"drafter replicas {time.monotonic() - loaded:.1f} s"
+        )
 
     def load_checkpoint(self, path: Path) -> CheckpointState:
         drafters, nodes = self.assignment.num_drafters, self.cluster.nodes
@@ -127,8 +147,9 @@ class PipelineEngine:
 
     def _make_batch(self, g: int, stream: BatchStream) -> Any:
         epoch, index = self.order.position(g)
-        return collate(self.setup.dataset, stream.epoch_batches(epoch)[index], epoch, index, self.cfg,
-                       self.slot_weights)
+        return collate(
+            self.setup.dataset, stream.epoch_batches(epoch)[index], epoch, index, self.cfg, self.slot_weights
+        )
 
     @contextlib.contextmanager
     def running(self, step: int, recorder: RunRecorder) -> Iterator[None]:
@@ -136,42 +157,94 @@ class PipelineEngine:
         # One node: nothing to sum across, and the flat copies of every gradient would cost time (qwen3-8b: three
         # 4.2 GB copies per step); the job is then the threaded pipeline plus a few tiny control collectives.
         across = self.cluster.all_reduce_sum_ if self.cluster.nodes > 1 else None
-        self.sync = ReplicaSync([s.drafter for s in self.sides], self.sync_mode, cfg.sync_interval, across=across,
-                                world=assignment.total_drafters)
+        self.sync = ReplicaSync(
+            [s.drafter for s in self.sides],
+            self.sync_mode,
+            cfg.sync_interval,
+            across=across,
+            world=assignment.total_drafters,
+        )
         self.start_step = self.steps_done = step
         g_start, g_end = self.g_start, self.g_start + (self.total_steps - step) * assignment.per_step
         if self.cluster.distributed:  # status.json says which node of the run this directory belongs to
             recorder.set_status(node=self.cluster.rank, nodes=self.cluster.nodes)
         recorder.set_status(phase="compiling", step=step)
-        report = warm_up_drafters(self.sides, self.target_sides[0], lambda g: self._make_batch(g, self.stream),
-                                  self.stream, self.order, g_start, g_end, owns=assignment.owns)
+        report = warm_up_drafters(
+            self.sides,
+            self.target_sides[0],
+            lambda g: self._make_batch(g, self.stream),
+            self.stream,
+            self.order,
+            g_start,
+            g_end,
+            owns=assignment.owns,
+        )
         _log(report.summary())
         if options.on_warmup is not None:
             options.on_warmup(report)
         self.channels = channels = ChannelGroup(threading.Event())
         self.supervisor = supervisor = Supervisor(channels, join_timeout_s=options.join_timeout_s)
-        feature_channels = {pair: channels.new(f"target{pair[0]}->drafter{pair[1]}", options.queue_capacity)
-                            for pair in assignment.channel_pairs()}
-        handles = [DrafterHandle(f"drafter{d}", channels.new(f"drafter{d}.commands", 1), channels.new(f"drafter{d}.results", 1))
-                   for d in range(len(self.sides))]
+        feature_channels = {
+            pair: channels.new(f"target{pair[0]}->drafter{pair[1]}", options.queue_capacity)
+            for pair in assignment.channel_pairs()
+        }
+        handles = [
+            DrafterHandle(
+                f"drafter{d}", channels.new(f"drafter{d}.commands", 1), channels.new(f"drafter{d}.results", 1)
+            )
+            for d in range(len(self.sides))
+        ]
         with CompileGuard() as guard:
             for d, (side, handle) in enumerate(zip(self.sides, handles)):
                 inputs = {t: ch for (t, dd), ch in feature_channels.items() if dd == d}
-                supervisor.spawn(handle.name, "drafter", DrafterWorker(
-                    handle.name, assignment.first_drafter + d, side, inputs, handle.commands, handle.results,
-                    assignment, supervisor, get_timeout_s=options.worker_timeout_s, faults=self.faults))
+                supervisor.spawn(
+                    handle.name,
+                    "drafter",
+                    DrafterWorker(
+                        handle.name,
+                        assignment.first_drafter + d,
+                        side,
+                        inputs,
+                        handle.commands,
+                        handle.results,
+                        assignment,
+                        supervisor,
+                        get_timeout_s=options.worker_timeout_s,
+                        faults=self.faults,
+                    ),
+                )
             for t, target_side in enumerate(self.target_sides):
                 own_stream = BatchStream(self.setup.dataset, cfg, self.slot_weights)
                 outputs = {dd: ch for (tt, dd), ch in feature_channels.items() if tt == t}
-                supervisor.spawn(f"target{t}", "target", TargetWorker(
-                    f"target{t}", target_side, functools.partial(self._make_batch, stream=own_stream),
-                    assignment.indices_of_target(t, g_start, g_end), outputs, self.drafter_devices, assignment,
-                    supervisor, transfer=options.feature_transfer, put_timeout_s=options.worker_timeout_s,
-                    faults=self.faults))
+                supervisor.spawn(
+                    f"target{t}",
+                    "target",
+                    TargetWorker(
+                        f"target{t}",
+                        target_side,
+                        functools.partial(self._make_batch, stream=own_stream),
+                        assignment.indices_of_target(t, g_start, g_end),
+                        outputs,
+                        self.drafter_devices,
+                        assignment,
+                        supervisor,
+                        transfer=options.feature_transfer,
+                        put_timeout_s=options.worker_timeout_s,
+                        faults=self.faults,
+                    ),
+                )
             self.coordinator = Coordinator(
-                supervisor, handles, self.sync, lambda k: noise_std_at(k, self.total_steps, cfg.noise_start, cfg.noise_end),
-                cfg.seed, guard=guard, stall_warn_s=options.stall_warn_s, stall_abort_s=options.stall_abort_s, log=_log,
-                step_totals=self._step_totals if self.cluster.distributed else None)
+                supervisor,
+                handles,
+                self.sync,
+                lambda k: noise_std_at(k, self.total_steps, cfg.noise_start, cfg.noise_end),
+                cfg.seed,
+                guard=guard,
+                stall_warn_s=options.stall_warn_s,
+                stall_abort_s=options.stall_abort_s,
+                log=_log,
+                step_totals=self._step_totals if self.cluster.distributed else None,
+            )
             recorder.set_status(phase="training", step=step)
             self.window = StepWindow(len(self.sides), supervisor)
             yield
@@ -195,7 +268,9 @@ class PipelineEngine:
     def after_step(self, step: int) -> dict[str, Any] | None:
         if self.options.on_step is not None:
             self.options.on_step(step, self.sides)
-        if self.assignment.total_drafters > 1 and (step % self.options.checksum_interval == 0 or step == self.total_steps):
+        if self.assignment.total_drafters > 1 and (
+            step % self.options.checksum_interval == 0 or step == self.total_steps
+        ):
             return {"replica_checksums": check_replicas(self.sides, self.sync_mode, step, self.cluster)}
         return None
 
@@ -212,9 +287,15 @@ class PipelineEngine:
     def record(self, step: int) -> dict[str, Any]:
         cfg = self.cfg
         _, epoch, _ = self._position(step)
-        return self.window.record(step, epoch, self.total_steps, self.channels, self.drafter_devices,
-                                  noise_std_at(step - 1, self.total_steps, cfg.noise_start, cfg.noise_end),
-                                  self.cluster)
+        return self.window.record(
+            step,
+            epoch,
+            self.total_steps,
+            self.channels,
+            self.drafter_devices,
+            noise_std_at(step - 1, self.total_steps, cfg.noise_start, cfg.noise_end),
+            self.cluster,
+        )
 
     def checkpoint_parts(self, step: int) -> dict[str, Any] | None:
         self.sync.before_checkpoint()
@@ -225,9 +306,17 @@ class PipelineEngine:
             states = None if per_node is None else [s for node in per_node for s in node]
         if not self.writes_checkpoints:
             return None
-        return pipeline_checkpoint_parts(self.cfg, self.sides, self.sync_mode, epoch, index, self.assignment, g_next,
-                                         replica_optimizers=states,
-                                         nodes=self.cluster.nodes if self.cluster.distributed else None)
+        return pipeline_checkpoint_parts(
+            self.cfg,
+            self.sides,
+            self.sync_mode,
+            epoch,
+            index,
+            self.assignment,
+            g_next,
+            replica_optimizers=states,
+            nodes=self.cluster.nodes if self.cluster.distributed else None,
+        )
 
     def checkpoint_layout(self) -> dict[str, Any] | None:
         if not self.writes_checkpoints:
@@ -253,5 +342,7 @@ class PipelineEngine:
             stuck = self.supervisor.shutdown()
             self.supervisor = None
             if stuck:
-                _log(f"warning: worker thread(s) {', '.join(stuck)} did not stop within "
-                     f"{self.options.join_timeout_s:.0f} s")
+                _log(
+                    f"warning: worker thread(s) {', '.join(stuck)} did not stop within "
+                    f"{self.options.join_timeout_s:.0f} s"
+                )

@@ -68,7 +68,9 @@ class Parcel:
     on_host: bool = False  # pinned-transfer mode: still has to be copied to the drafter's device
 
 
-def publish(features: Any, producer: torch.device, consumer: torch.device, mode: str) -> tuple[Any, torch.cuda.Event | None, bool]:
+def publish(
+    features: Any, producer: torch.device, consumer: torch.device, mode: str
+) -> tuple[Any, torch.cuda.Event | None, bool]:
     """Producer side. Returns (features placed for the consumer, ready event or None, still_on_host)."""
     if mode not in TRANSFER_MODES:
         raise ValueError(f"--feature-transfer must be one of {', '.join(TRANSFER_MODES)}, got {mode!r}")

@@ -23,14 +23,19 @@ class PipelineOptions:
     @classmethod
     def from_config(cls, cfg: TrainConfig) -> PipelineOptions:
         """The knobs the command line sets (--queue-depth, --feature-transfer, --stall-timeout)."""
-        return cls(queue_capacity=cfg.queue_depth, feature_transfer=cfg.feature_transfer,
-                   stall_warn_s=min(120.0, cfg.stall_timeout / 2), stall_abort_s=cfg.stall_timeout)
+        return cls(
+            queue_capacity=cfg.queue_depth,
+            feature_transfer=cfg.feature_transfer,
+            stall_warn_s=min(120.0, cfg.stall_timeout / 2),
+            stall_abort_s=cfg.stall_timeout,
+        )
 
     @property
     def worker_timeout_s(self) -> float:
         """A worker's own bound on one put/get: a backstop behind the main thread's stall limit, which fires
         first and says more (which side starves)."""
         return 2 * self.stall_abort_s + 10.0
+
     faults: list[str] = field(default_factory=list)  # test hook, see trainer.pipeline.assignment.FaultPoints
     # Called in the main thread after every optimizer step with (step, drafter sides), every worker idle:
     # lets tests check replica identity and send signals at a known step.
@@ -46,8 +51,9 @@ class PipelineOptions:
     def check(self) -> None:
         """Bad knobs are bad input (before anything is set up or written)."""
         if self.feature_transfer not in TRANSFER_MODES:
-            raise TrainerInputError(f"--feature-transfer: must be one of {', '.join(TRANSFER_MODES)}, got "
-                                    f"{self.feature_transfer!r}")
+            raise TrainerInputError(
+                f"--feature-transfer: must be one of {', '.join(TRANSFER_MODES)}, got {self.feature_transfer!r}"
+            )
         if self.queue_capacity < 1:
             raise TrainerInputError(f"--queue-depth: must be >= 1, got {self.queue_capacity}")
         if self.checksum_interval < 1:

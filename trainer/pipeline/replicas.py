@@ -33,8 +33,11 @@ def check_replicas(sides: list[Any], sync_mode: str, step: int, cluster: Cluster
     per_node: list[list[str]] = cluster.all_gather(local, "checksums")
     checksums = [c for node in per_node for c in node]
     same = len(set(checksums)) == 1
-    print(f"replica checksums at step {step}: {' '.join(checksums)} ({'identical' if same else 'different'})",
-          file=sys.stderr, flush=True)
+    print(
+        f"replica checksums at step {step}: {' '.join(checksums)} ({'identical' if same else 'different'})",
+        file=sys.stderr,
+        flush=True,
+    )
     if sync_mode == "grad" and not same:
         if len(set(local)) > 1:
             first = "; ".join(differing_parameters([s.drafter for s in sides]))
@@ -42,9 +45,11 @@ def check_replicas(sides: list[Any], sync_mode: str, step: int, cluster: Cluster
         else:
             node = next(n for n, sums in enumerate(per_node) if sums[0] != per_node[0][0])
             where = f"node {node}'s replicas differ from node 0's"
-        raise ReplicaDivergenceError(f"drafter replicas differ at step {step} under --sync grad (checksums "
-                                     f"{', '.join(checksums)}; {where}): the gradient reduction or an optimizer "
-                                     f"step is not deterministic")
+        raise ReplicaDivergenceError(
+            f"drafter replicas differ at step {step} under --sync grad (checksums "
+            f"{', '.join(checksums)}; {where}): the gradient reduction or an optimizer "
+            f"step is not deterministic"
+        )
     return checksums
 
 
@@ -62,5 +67,5 @@ def node_share(state: CheckpointState, node: int, drafters_per_node: int, nodes:
     """The part of a loaded checkpoint that `node` needs: everything but the optimizer, and its own replicas'
     optimizer states (a private deep copy each: replicas sharing moment tensors would update each other's)."""
     states = replica_optimizer_states(state, drafters_per_node * nodes)
-    own = states[node * drafters_per_node:(node + 1) * drafters_per_node]
+    own = states[node * drafters_per_node : (node + 1) * drafters_per_node]
     return dataclasses.replace(state, optimizer={"replicas": [copy.deepcopy(s) for s in own]})

@@ -37,8 +37,17 @@ from trainer.pipeline.supervisor import Supervisor
 from trainer.step import StepStats
 
 ONE_OFF_KINDS = ("setup", "checkpoint")  # collectives that are not part of every step
-_STAT_FIELDS = ("loss", "ce_sum", "kl_sum", "cap_sum", "weight_sum", "tau_sum", "num_blocks", "slot_correct",
-                "slot_valid")
+_STAT_FIELDS = (
+    "loss",
+    "ce_sum",
+    "kl_sum",
+    "cap_sum",
+    "weight_sum",
+    "tau_sum",
+    "num_blocks",
+    "slot_correct",
+    "slot_valid",
+)
 
 
 class StepWindow:
@@ -66,8 +75,16 @@ class StepWindow:
         self.ctx_tokens += result.num_ctx_tokens
         self.sync_s += result.sync_s
 
-    def record(self, step: int, epoch: int, total_steps: int, channels: ChannelGroup, drafter_devices: list[torch.device],
-               noise_std: float, cluster: Cluster | None = None) -> dict[str, Any]:
+    def record(
+        self,
+        step: int,
+        epoch: int,
+        total_steps: int,
+        channels: ChannelGroup,
+        drafter_devices: list[torch.device],
+        noise_std: float,
+        cluster: Cluster | None = None,
+    ) -> dict[str, Any]:
         """The metrics line for the window that ends at `step`, then start a new window. With a distributed
         `cluster` every node must call this at the same step (it holds collectives)."""
         assert self.last is not None
@@ -85,11 +102,18 @@ class StepWindow:
             per_drafter = [rate for node in cluster.all_gather(per_drafter, "metrics") for rate in node]
         lr, grad_norm = self.last.optimizer[0]
         record: dict[str, Any] = {
-            "step": step, "epoch": epoch, **combined.summary(), "lr": lr, "grad_norm": grad_norm, "noise_std": noise_std,
-            "block_tok_s": block_tokens / elapsed, "ctx_tok_s": ctx_tokens / elapsed,
+            "step": step,
+            "epoch": epoch,
+            **combined.summary(),
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "noise_std": noise_std,
+            "block_tok_s": block_tokens / elapsed,
+            "ctx_tok_s": ctx_tokens / elapsed,
             "block_tok_s_per_drafter": per_drafter,
             "sync_s_per_step": self.sync_s / self.steps,
-            "eta_s": (total_steps - step) * elapsed / self.steps, "time": time.time(),
+            "eta_s": (total_steps - step) * elapsed / self.steps,
+            "time": time.time(),
         }
         if cluster.distributed:
             traffic = cluster.take_traffic()
@@ -98,10 +122,18 @@ class StepWindow:
             record["dist_bytes_per_step_by_kind"] = {k: v / self.steps for k, v in sorted(traffic.items())}
         targets = {s.name: s.steps for s in self.supervisor.states() if s.role == "target"}
         record["micro_batches_s_per_target"] = {
-            name: round((count - self.target_steps.get(name, 0)) / elapsed, 3) for name, count in targets.items()}
-        record["queues"] = {c.name: {"depth": c.depth, "max": c.max_depth, "put_blocked_s": c.put_blocked_s,
-                                     "get_blocked_s": c.get_blocked_s}
-                            for c in channels.stats() if "->" in c.name}
+            name: round((count - self.target_steps.get(name, 0)) / elapsed, 3) for name, count in targets.items()
+        }
+        record["queues"] = {
+            c.name: {
+                "depth": c.depth,
+                "max": c.max_depth,
+                "put_blocked_s": c.put_blocked_s,
+                "get_blocked_s": c.get_blocked_s,
+            }
+            for c in channels.stats()
+            if "->" in c.name
+        }
         gpus = sorted({d for d in drafter_devices if d.type == "cuda"}, key=str)
         if gpus:
             record["gpu_mem_gb"] = {str(d): round(torch.cuda.max_memory_allocated(d) / 2**30, 3) for d in gpus}
@@ -116,17 +148,25 @@ def sum_over_nodes(cluster: Cluster, stats: StepStats, extra: list[float]) -> tu
     cluster.all_reduce_sum_(packed, "metrics")
     values, start = {}, 0
     for name, tensor in zip(_STAT_FIELDS, tensors):
-        values[name] = packed[start:start + tensor.numel()].reshape(getattr(stats, name).shape)
+        values[name] = packed[start : start + tensor.numel()].reshape(getattr(stats, name).shape)
         start += tensor.numel()
     block_tokens, ctx_tokens = int(packed[-2]), int(packed[-1])
     total = StepStats(**values, block_tokens=block_tokens, ctx_tokens=ctx_tokens)
     return total, packed[start:].tolist()
 
 
-def pipeline_checkpoint_parts(cfg: TrainConfig, sides: list[Any], sync_mode: str, epoch: int, index: int,
-                              assignment: Assignment, g_next: int, *,
-                              replica_optimizers: list[dict[str, Any]] | None = None,
-                              nodes: int | None = None) -> dict[str, Any]:
+def pipeline_checkpoint_parts(
+    cfg: TrainConfig,
+    sides: list[Any],
+    sync_mode: str,
+    epoch: int,
+    index: int,
+    assignment: Assignment,
+    g_next: int,
+    *,
+    replica_optimizers: list[dict[str, Any]] | None = None,
+    nodes: int | None = None,
+) -> dict[str, Any]:
     """What one consistent checkpoint of the whole pipeline holds, taken at a step boundary (every worker idle):
     the synced drafter, the optimizer state (per replica under `average`: `replica_optimizers`, every replica of
     the job, node-major; default this process's), the data position of every target. `nodes`: recorded for a
@@ -137,13 +177,26 @@ def pipeline_checkpoint_parts(cfg: TrainConfig, sides: list[Any], sync_mode: str
         if len(states) > 1:
             optimizer = {**states[0], "pipeline_replicas": states[1:]}
     window = assignment.per_step * assignment.num_targets  # holds the next g of every target worker of the node
-    targets = {f"target{t}": next(iter(assignment.indices_of_target(t, g_next, g_next + window)))
-               for t in range(assignment.num_targets)}
-    pipeline: dict[str, Any] = {"drafters": assignment.num_drafters, "targets": assignment.num_targets,
-                                "sync": sync_mode, "grad_accum": assignment.grad_accum, "next_micro_batch": g_next,
-                                "target_next_micro_batch": targets}
+    targets = {
+        f"target{t}": next(iter(assignment.indices_of_target(t, g_next, g_next + window)))
+        for t in range(assignment.num_targets)
+    }
+    pipeline: dict[str, Any] = {
+        "drafters": assignment.num_drafters,
+        "targets": assignment.num_targets,
+        "sync": sync_mode,
+        "grad_accum": assignment.grad_accum,
+        "next_micro_batch": g_next,
+        "target_next_micro_batch": targets,
+    }
     if nodes is not None:
         pipeline["nodes"] = nodes
     extra = {"config": cfg.to_dict(), "drafter_config": sides[0].drafter.config.to_hf_dict(), "pipeline": pipeline}
-    return dict(model=sides[0].drafter.state_dict(), optimizer=optimizer, scheduler=sides[0].scheduler.state_dict(),
-                epoch=epoch, index=index, extra=extra)
+    return dict(
+        model=sides[0].drafter.state_dict(),
+        optimizer=optimizer,
+        scheduler=sides[0].scheduler.state_dict(),
+        epoch=epoch,
+        index=index,
+        extra=extra,
+    )

@@ -122,10 +122,16 @@ class Supervisor:
         """Describe what each worker is doing and which side starves (for the log and PipelineStalled)."""
         now = time.monotonic()
         lines = [f"{s.name} ({s.role}): {s.phase} for {now - s.since:.1f} s, {s.steps} steps" for s in self.states()]
-        waiting_drafters = [s.name for s in self.states() if s.role == "drafter" and s.phase.startswith("waiting for features")]
-        blocked_targets = [s.name for s in self.states() if s.role == "target" and s.phase.startswith("blocked on full")]
+        waiting_drafters = [
+            s.name for s in self.states() if s.role == "drafter" and s.phase.startswith("waiting for features")
+        ]
+        blocked_targets = [
+            s.name for s in self.states() if s.role == "target" and s.phase.startswith("blocked on full")
+        ]
         if waiting_drafters:
-            verdict = f"drafters starve: {', '.join(waiting_drafters)} wait for features (the target side is slow or stuck)"
+            verdict = (
+                f"drafters starve: {', '.join(waiting_drafters)} wait for features (the target side is slow or stuck)"
+            )
         elif blocked_targets:
             verdict = f"targets starve for room: {', '.join(blocked_targets)} are blocked on full queues (the drafter side is slow or stuck)"
         else:

@@ -143,8 +143,9 @@ def reduce_gradients(replicas: Sequence[nn.Module], *, across: Across | None = N
 
 
 @torch.no_grad()
-def average_parameters(replicas: Sequence[nn.Module], *, across: Across | None = None,
-                       world: int | None = None) -> None:
+def average_parameters(
+    replicas: Sequence[nn.Module], *, across: Across | None = None, world: int | None = None
+) -> None:
     """Replace every replica's trainable parameters by the mean over all `world` replicas (default: the local
     ones; with `across`, every node's), identical on all replicas."""
     params = _check_same_layout(replicas)
@@ -177,8 +178,9 @@ def differing_parameters(replicas: Sequence[nn.Module], limit: int = 3) -> list[
     for name, number, diff in _differences(replicas):
         count = int((diff != 0).sum())
         if count and name not in found:
-            found[name] = (f"{name} (replica {number}, max |diff| {float(diff.max()):.3g}, {count} of "
-                           f"{diff.numel()} elements)")
+            found[name] = (
+                f"{name} (replica {number}, max |diff| {float(diff.max()):.3g}, {count} of {diff.numel()} elements)"
+            )
             if len(found) >= limit:
                 break
     return list(found.values())
@@ -210,8 +212,15 @@ def replica_checksums(replicas: Sequence[nn.Module]) -> list[str]:
 class ReplicaSync:
     """The policy object the step loop calls: `after_backward()` then, after the optimizer step, `after_step(step)`."""
 
-    def __init__(self, replicas: Sequence[nn.Module], mode: str, interval: int = 50, *,
-                 across: Callable[[torch.Tensor, str], None] | None = None, world: int | None = None) -> None:
+    def __init__(
+        self,
+        replicas: Sequence[nn.Module],
+        mode: str,
+        interval: int = 50,
+        *,
+        across: Callable[[torch.Tensor, str], None] | None = None,
+        world: int | None = None,
+    ) -> None:
         """`across(buffer, kind)`: the cross-node sum of the distributed engine (kind "grad" or "average", for
         its byte counts); `world`: replicas in the whole job. Without `across`: this process's replicas only."""
         if mode not in SYNC_MODES:

@@ -58,12 +58,22 @@ class TargetWorker:
             faults.hit(f"{self.name}.features", self.supervisor.stop_event)
             drafter = self.assignment.local_drafter_of(g)  # this node's worker number
             placed, ready, on_host = publish(features, device, self.drafter_devices[drafter], self.transfer)
-            parcel = Parcel(g=g, epoch=batch.epoch, index=batch.index, features=placed, weight_sum=batch.weight_sum,
-                            num_blocks=batch.num_blocks, num_ctx_tokens=batch.num_ctx_tokens, ready=ready, on_host=on_host)
+            parcel = Parcel(
+                g=g,
+                epoch=batch.epoch,
+                index=batch.index,
+                features=placed,
+                weight_sum=batch.weight_sum,
+                num_blocks=batch.num_blocks,
+                num_ctx_tokens=batch.num_ctx_tokens,
+                ready=ready,
+                on_host=on_host,
+            )
             channel = self.outputs[drafter]
             full = channel.depth() >= channel.capacity
             self.supervisor.set_phase(
-                self.name, f"blocked on full queue {channel.name}" if full else f"putting {g} into {channel.name}")
+                self.name, f"blocked on full queue {channel.name}" if full else f"putting {g} into {channel.name}"
+            )
             faults.hit(f"{self.name}.put", self.supervisor.stop_event)
             channel.put(parcel, timeout=self.put_timeout_s)
             self.supervisor.count_step(self.name)

@@ -22,8 +22,9 @@ from trainer.pipeline.assignment import GlobalOrder
 from trainer.pipeline.compile_guard import WarmupReport, warm_up
 
 
-def shapes_to_warm(stream: BatchStream, order: GlobalOrder, g_start: int, g_end: int,
-                   owns: Callable[[int], bool] | None = None) -> dict[tuple[int, int], int]:
+def shapes_to_warm(
+    stream: BatchStream, order: GlobalOrder, g_start: int, g_end: int, owns: Callable[[int], bool] | None = None
+) -> dict[tuple[int, int], int]:
     """(rows, padded context length) of every micro-batch in [g_start, g_end) (that this node `owns`, in a
     distributed run) -> the first g with that shape."""
     cfg = stream.cfg
@@ -39,9 +40,16 @@ def shapes_to_warm(stream: BatchStream, order: GlobalOrder, g_start: int, g_end:
     return first
 
 
-def warm_up_drafters(sides: Sequence[Any], target_side: Any, make_batch: Callable[[int], Any], stream: BatchStream,
-                     order: GlobalOrder, g_start: int, g_end: int,
-                     owns: Callable[[int], bool] | None = None) -> WarmupReport:
+def warm_up_drafters(
+    sides: Sequence[Any],
+    target_side: Any,
+    make_batch: Callable[[int], Any],
+    stream: BatchStream,
+    order: GlobalOrder,
+    g_start: int,
+    g_end: int,
+    owns: Callable[[int], bool] | None = None,
+) -> WarmupReport:
     """Forward+backward every replica on one real batch of every shape; leaves weights, grads, RNG untouched."""
     shapes = shapes_to_warm(stream, order, g_start, g_end, owns)
     variants = [(number, shape) for number in range(len(sides)) for shape in sorted(shapes)]
