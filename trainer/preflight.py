@@ -9,6 +9,7 @@ one place a target model is loaded, shared by every engine (single-process, thre
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from trainer.config import TrainConfig, TrainerInputError
 from trainer.data import BatchStream, open_dataset
 from trainer.handover import pending_writer
 from trainer.loss import position_weights
+from trainer.metrics import STARTUP_MARKS
 from trainer.model import DFlashDrafter, DrafterConfig, TargetModel
 from trainer.step import check_loss_kernels
 
@@ -209,6 +211,7 @@ def preflight(cfg: TrainConfig, *, reads_checkpoints: bool = True) -> RunSetup:
     total_steps = min(cfg.max_steps, steps_in_data) if cfg.max_steps else steps_in_data
     drafter_device = first_device(cfg.drafter_gpus)
     check_loss_kernels(cfg.loss_kernels, drafter_device)  # before the (minutes long) target load
+    STARTUP_MARKS["checked"] = round(time.time(), 3)  # the pre-flight's share of a start (status.json timeline)
     return RunSetup(
         cfg,
         hf_config,

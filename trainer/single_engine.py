@@ -52,9 +52,13 @@ class SingleEngine:
         cfg, setup = self.cfg, self.setup
         target = load_target(setup)
         torch.manual_seed(cfg.seed)  # the drafter's init is a function of --seed
-        drafter = DFlashDrafter(setup.drafter_config)
-        if cfg.init_from is not None:
-            drafter.load_state_dict(DFlashDrafter.from_pretrained(cfg.init_from).state_dict())
+        if setup.resume_from is not None:  # every weight comes from the checkpoint: init on the device, no copy
+            with torch.device(setup.drafter_device):
+                drafter = DFlashDrafter(setup.drafter_config)
+        else:
+            drafter = DFlashDrafter(setup.drafter_config)
+            if cfg.init_from is not None:
+                drafter.load_state_dict(DFlashDrafter.from_pretrained(cfg.init_from).state_dict())
         self.target_side = TargetSide(target, setup.target_device, soft_labels=cfg.use_soft_labels)
         self.drafter_side = DrafterSide(
             cfg, drafter, target.embed_weight, target.lm_head_weight, setup.drafter_device, self.total_steps
@@ -62,7 +66,7 @@ class SingleEngine:
         print(f"loss kernels: {self.drafter_side.loss_kernels.kind}", file=sys.stderr, flush=True)
 
     def load_checkpoint(self, path: Path) -> CheckpointState:
-        return load_checkpoint(path)
+        return load_checkpoint(path, self.setup.drafter_device)
 
     def restore(self, state: CheckpointState) -> tuple[int, str]:
         side = self.drafter_side

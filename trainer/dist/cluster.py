@@ -45,8 +45,10 @@ class Cluster(Protocol):
     def broadcast_module_(self, module: nn.Module) -> None:
         """In place: node 0's parameters and buffers into every node's `module` (its tensors on the CPU)."""
 
-    def load_checkpoint(self, path: Path, split: Splitter) -> CheckpointState:
-        """Node 0 reads `path` and gives every node its part `split(state, node)`; no other node reads files."""
+    def load_checkpoint(self, path: Path, split: Splitter, device: torch.device | None = None) -> CheckpointState:
+        """Node 0 reads `path` and gives every node its part `split(state, node)`; no other node reads files.
+        `device`: where this node wants the tensors (one node: loaded straight there; several: the CPU, what
+        node 0 sends travels from there)."""
 
     def gather_to_writer(self, value: Any, kind: str) -> list[Any] | None:
         """Every node's `value` on node 0 (in node order); None elsewhere."""
@@ -86,8 +88,8 @@ class LocalCluster:
     def broadcast_module_(self, module: nn.Module) -> None:
         pass
 
-    def load_checkpoint(self, path: Path, split: Splitter) -> CheckpointState:
-        return split(load_checkpoint(path), 0)
+    def load_checkpoint(self, path: Path, split: Splitter, device: torch.device | None = None) -> CheckpointState:
+        return split(load_checkpoint(path, device), 0)
 
     def gather_to_writer(self, value: Any, kind: str) -> list[Any] | None:
         return [value]

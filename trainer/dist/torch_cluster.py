@@ -115,7 +115,7 @@ class TorchCluster:
             self._traffic["setup"] += tensor.numel() * tensor.element_size()
             self._run("initial weight broadcast", functools.partial(dist.broadcast, tensor, src=0, group=self.control))
 
-    def load_checkpoint(self, path: Path, split: Splitter) -> CheckpointState:
+    def load_checkpoint(self, path: Path, split: Splitter, device: torch.device | None = None) -> CheckpointState:
         """Node 0 reads the checkpoint and sends every other node its share; the others never touch the disk,
         so resuming needs no storage shared between nodes (and works the same with it)."""
         def transfer() -> CheckpointState:

@@ -106,14 +106,32 @@ class PipelineEngine:
         self.target_sides = [
             TargetSide(t, d, soft_labels=cfg.use_soft_labels) for t, d in zip(targets, self.target_devices)
         ]
+        compile_kw: dict[str, Any] = (
+            dict(compile=True, compile_backend=self.options.compile_backend) if self.options.compile_backend else {}
+        )
+        if setup.resume_from is not None and not self.cluster.distributed:
+            # Resuming on one node: every weight is overwritten by the checkpoint, so each replica is made on its
+            # device (a GPU's init takes milliseconds) instead of a CPU init and a copy per replica (qwen3-8b:
+            # ~16 s of a restart, bench/RESULTS.md session 6). The RNG is restored from the checkpoint after.
+            self.sides = [
+                DrafterSide(
+                    cfg,
+                    self._drafter_on(d),
+                    targets[0].embed_weight,
+                    targets[0].lm_head_weight,
+                    d,
+                    self.total_steps,
+                    **compile_kw,
+                )
+                for d in self.drafter_devices
+            ]
+            self._log_built(started, loaded)
+            return
         torch.manual_seed(cfg.seed)  # the drafter's init is a function of --seed, as in the single-process engine
         base = DFlashDrafter(setup.drafter_config)
         if cfg.init_from is not None and self.cluster.rank == 0:
             base.load_state_dict(DFlashDrafter.from_pretrained(cfg.init_from).state_dict())
         self.cluster.broadcast_module_(base)  # every node starts from node 0's weights (--init-from: node 0's file)
-        compile_kw: dict[str, Any] = (
-            dict(compile=True, compile_backend=self.options.compile_backend) if self.options.compile_backend else {}
-        )
         self.sides = [
             DrafterSide(
                 cfg,
@@ -126,6 +144,13 @@ class PipelineEngine:
             )
             for d in self.drafter_devices
         ]
+        self._log_built(started, loaded)
+
+    def _drafter_on(self, device: torch.device) -> DFlashDrafter:
+        with torch.device(device):
+            return DFlashDrafter(self.setup.drafter_config)
+
+    def _log_built(self, started: float, loaded: float) -> None:
         _log(f"loss kernels: {', '.join(f'{side.device} {side.loss_kernels.kind}' for side in self.sides)}")
         _log(
             f"built in {time.monotonic() - started:.1f} s: target(s) {loaded - started:.1f} s, "
@@ -134,7 +159,9 @@ class PipelineEngine:
 
     def load_checkpoint(self, path: Path) -> CheckpointState:
         drafters, nodes = self.assignment.num_drafters, self.cluster.nodes
-        return self.cluster.load_checkpoint(path, lambda state, node: node_share(state, node, drafters, nodes))
+        return self.cluster.load_checkpoint(
+            path, lambda state, node: node_share(state, node, drafters, nodes), device=self.drafter_devices[0]
+        )
 
     def restore(self, state: CheckpointState) -> tuple[int, str]:
         for side, optimizer in zip(self.sides, state.optimizer["replicas"]):

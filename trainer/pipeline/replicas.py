@@ -65,7 +65,10 @@ def replica_optimizer_states(state: CheckpointState, replicas: int) -> list[dict
 
 def node_share(state: CheckpointState, node: int, drafters_per_node: int, nodes: int) -> CheckpointState:
     """The part of a loaded checkpoint that `node` needs: everything but the optimizer, and its own replicas'
-    optimizer states (a private deep copy each: replicas sharing moment tensors would update each other's)."""
+    optimizer states. No two replicas may share a moment tensor (they would update each other's: load_state_dict
+    keeps a tensor already on the parameter's device and dtype), so a state given to several replicas is copied
+    for every one but the last, which takes the loaded tensors (one copy fewer of 8.4 GB for the qwen3-8b)."""
     states = replica_optimizer_states(state, drafters_per_node * nodes)
     own = states[node * drafters_per_node : (node + 1) * drafters_per_node]
-    return dataclasses.replace(state, optimizer={"replicas": [copy.deepcopy(s) for s in own]})
+    shares = [copy.deepcopy(s) if any(s is later for later in own[i + 1 :]) else s for i, s in enumerate(own)]
+    return dataclasses.replace(state, optimizer={"replicas": shares})
