@@ -10,7 +10,7 @@ one place a target model is loaded, shared by every engine (single-process, thre
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,8 @@ class RunSetup:
     target_device: torch.device
     drafter_device: torch.device
     total_steps: int = 0  # optimizer steps of this run: min(--max-steps, what the data holds)
+    # Micro-batches in each epoch (BatchStream.epoch_sizes): counted once here, reused by the engine.
+    epoch_sizes: list[int] = field(default_factory=list)
     # The run still writing the --resume checkpoint (a restart's hand-over, trainer.handover): its checks are
     # deferred until trainer.loop has waited for it.
     resume_writer: Path | None = None
@@ -222,6 +224,7 @@ def preflight(cfg: TrainConfig, *, reads_checkpoints: bool = True) -> RunSetup:
         drafter_device,
         total_steps,
         resume_writer=writer,
+        epoch_sizes=stream.epoch_sizes(),
     )
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainer.config import TrainerInputError, parse_train_args
+from trainer.config import TrainConfig, TrainerInputError, parse_train_args
 from trainer.data import BatchStream, batch_shape, collate, epoch_batches, open_dataset, padded_length
 from trainer.loss import position_weights
 from trainer.shards import DatasetMeta, write_index, write_shard
@@ -178,3 +178,48 @@ def test_shapes_are_static_per_context_bucket(tmp_path: Path) -> None:
         padded_rows = ~batch.keep.any(1) & ~batch.loss_mask.any(1)
         assert batch.weights[padded_rows].sum() == 0 and batch.num_ctx_tokens <= real * seq
     assert all(len(v) == 1 for v in shapes.values())  # one (R, N) per context bucket
+
+
+def _epoch_batches_reference(lengths: np.ndarray, epoch: int, cfg: TrainConfig) -> list[np.ndarray]:
+    """epoch_batches as first written (one padded_length call per sample): the order every existing checkpoint's
+    data position refers to, so the faster version must give exactly these batches."""
+    from trainer.data import _ORDER_SALT
+
+    rng = np.random.default_rng([cfg.seed, epoch, _ORDER_SALT])
+    clipped = np.minimum(lengths, cfg.max_seq_len)
+    order = rng.permutation(len(lengths))
+    order = order[clipped[order] >= 2]
+    batches: list[np.ndarray] = []
+    for start in range(0, len(order), cfg.max_batch_size * 32):
+        chunk = order[start : start + cfg.max_batch_size * 32]
+        chunk = chunk[np.argsort(clipped[chunk], kind="stable")]
+        current: list[int] = []
+        longest = 0
+        for sample in chunk.tolist():
+            new_longest = max(longest, int(clipped[sample]))
+            fits = (
+                len(current) < cfg.max_batch_size
+                and (len(current) + 1) * padded_length(new_longest, cfg.max_seq_len) <= cfg.token_budget
+            )
+            if current and not fits:
+                batches.append(np.array(current, dtype=np.int64))
+                current, new_longest = [], int(clipped[sample])
+            current.append(sample)
+            longest = new_longest
+        if current:
+            batches.append(np.array(current, dtype=np.int64))
+    return [batches[i] for i in rng.permutation(len(batches))]
+
+
+@pytest.mark.parametrize(
+    "flags", [("3072", "64", "65536"), ("100", "3", "300"), ("1000", "8", "2000"), ("1024", "4", "4096")]
+)
+def test_epoch_batches_are_the_batches_of_the_first_version(flags: tuple[str, str, str]) -> None:
+    seq, rows, budget = flags
+    cfg = parse_train_args(
+        ["--preset", "tiny", "--max-seq-len", seq, "--max-batch-size", rows, "--token-budget", budget]
+    )
+    lengths = np.random.default_rng(7).integers(0, 2 * int(seq), size=20_000)
+    for epoch in (0, 3):
+        fast, first = epoch_batches(lengths, epoch, cfg), _epoch_batches_reference(lengths, epoch, cfg)
+        assert len(fast) == len(first) and all(np.array_equal(a, b) for a, b in zip(fast, first))

@@ -75,7 +75,7 @@ class PipelineEngine:
         self.faults = FaultPoints(options.faults)
         self.slot_weights = position_weights(cfg.block_size, cfg.gamma).numpy()
         self.stream = BatchStream(setup.dataset, cfg, self.slot_weights)
-        self.order = GlobalOrder([len(self.stream.epoch_batches(e)) for e in range(cfg.epochs)])
+        self.order = GlobalOrder(setup.epoch_sizes or self.stream.epoch_sizes())
         steps_in_data = self.order.total // self.assignment.per_step
         self.total_steps = min(cfg.max_steps, steps_in_data) if cfg.max_steps else steps_in_data
         if self.total_steps < 1:
