@@ -101,6 +101,20 @@ def write_shards(directory: Path, scale: dict, samples: int, seed: int = 0) -> N
     write_index(directory, [entry], DatasetMeta(tokenizer="synthetic", vocab_size=scale["vocab"]))
 
 
+def target_shape(scale: dict) -> dict:
+    """Qwen3Config keyword arguments of a scale's random target."""
+    return dict(
+        num_hidden_layers=scale["target_layers"],
+        hidden_size=scale["hidden"],
+        intermediate_size=scale["intermediate"],
+        num_attention_heads=scale["heads"],
+        num_key_value_heads=scale["kv_heads"],
+        head_dim=scale["head_dim"],
+        vocab_size=scale["vocab"],
+        max_position_embeddings=40960,
+    )
+
+
 def shape_flags(scale: dict) -> list[str]:
     """`python -m trainer train` flags for a scale's drafter, data shape and schedule (the target's shape is
     the caller's: a tiny_target config, or a saved model, bench/restart_cycle.py)."""
@@ -187,16 +201,7 @@ def child(args: argparse.Namespace) -> int:
         args.loss_kernels,
     ]
     cfg = parse_train_args(argv)
-    cfg.tiny_target = dict(
-        num_hidden_layers=scale["target_layers"],
-        hidden_size=scale["hidden"],
-        intermediate_size=scale["intermediate"],
-        num_attention_heads=scale["heads"],
-        num_key_value_heads=scale["kv_heads"],
-        head_dim=scale["head_dim"],
-        vocab_size=scale["vocab"],
-        max_position_embeddings=40960,
-    )
+    cfg.tiny_target = target_shape(scale)
     cfg.validate()
     seen: dict = {}
 

@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
-from gpu_pipeline import SCALES, shape_flags, write_shards  # noqa: E402
+from gpu_pipeline import SCALES, shape_flags, target_shape, write_shards  # noqa: E402
 
 START = [
     "python_started",
@@ -59,17 +59,7 @@ def save_target(directory: Path, scale: dict, device: str) -> float:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(
-        num_hidden_layers=scale["target_layers"],
-        hidden_size=scale["hidden"],
-        intermediate_size=scale["intermediate"],
-        num_attention_heads=scale["heads"],
-        num_key_value_heads=scale["kv_heads"],
-        head_dim=scale["head_dim"],
-        vocab_size=scale["vocab"],
-        max_position_embeddings=40960,
-        tie_word_embeddings=False,
-    )
+    config = Qwen3Config(**target_shape(scale), tie_word_embeddings=False)
     with torch.device(device):
         model = Qwen3ForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(directory, safe_serialization=True)

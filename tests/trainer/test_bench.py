@@ -80,3 +80,22 @@ def test_gpu_bench_scripts_run_their_cpu_smoke_test(tmp_path, script: str, args:
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "|" in done.stdout if script == "checkpoint_pause.py" else " ok" in done.stdout
+
+
+@pytest.mark.slow
+def test_the_restart_cycle_bench_runs_its_cpu_smoke_test(tmp_path) -> None:
+    """bench/restart_cycle.py through the real CLI on the local target, tiny shapes on the CPU: a deploy, one
+    restart with the hand-over and one in the old order, each child resumed from its parent's final checkpoint."""
+    repo = Path(__file__).resolve().parents[2]
+    args = ["--scale", "smoke", "--device", "cpu", "--modes", "handover,wait-exit", "--steps", "3"]
+    done = subprocess.run(
+        [sys.executable, str(repo / "bench" / "restart_cycle.py"), *args, "--workdir", str(tmp_path)],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = [line.split(" | ") for line in done.stdout.splitlines() if line.startswith(("handover |", "wait-exit |"))]
+    assert [row[0] for row in rows] == ["handover", "wait-exit"]
+    assert "old exit 143: yes" in done.stdout
