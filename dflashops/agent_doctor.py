@@ -26,20 +26,22 @@ STARTED = time.time()
 IMPORT_PROBE = r"""
 import json, sys
 out = {"version": sys.version.split()[0], "executable": sys.executable}
-try:
-    import torch
-    out["torch"] = torch.__version__
-    out["cuda_build"] = torch.version.cuda
-    out["cuda_available"] = bool(torch.cuda.is_available())
-    out["device_count"] = torch.cuda.device_count() if out["cuda_available"] else 0
-    out["devices"] = [torch.cuda.get_device_name(i) for i in range(out["device_count"])]
-except Exception as exc:
-    out["torch_error"] = f"{type(exc).__name__}: {exc}"
-for name in ("transformers", "triton"):
+found = {}
+for name in ("torch", "transformers", "triton"):  # the target's own packages, imported in the target's python
     try:
-        out[name] = getattr(__import__(name), "__version__", "unknown")
+        found[name] = __import__(name)
+        out[name] = getattr(found[name], "__version__", "unknown")
     except Exception as exc:
         out[name + "_error"] = f"{type(exc).__name__}: {exc}"
+cuda = found["torch"].cuda if "torch" in found else None
+try:
+    if cuda is not None:
+        out["cuda_build"] = found["torch"].version.cuda
+        out["cuda_available"] = bool(cuda.is_available())
+        out["device_count"] = cuda.device_count() if out["cuda_available"] else 0
+        out["devices"] = [cuda.get_device_name(i) for i in range(out["device_count"])]
+except Exception as exc:
+    out["torch_error"] = f"{type(exc).__name__}: {exc}"
 print(json.dumps(out))
 """
 

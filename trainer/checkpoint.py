@@ -72,6 +72,11 @@ def checkpoints_root(run_dir: Path) -> Path:
     return Path(run_dir) / CHECKPOINTS
 
 
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    """Where checkpoint `step` of a run lands (complete once its state.json is there)."""
+    return checkpoints_root(run_dir) / f"{CHECKPOINT_PREFIX}{step:06d}"
+
+
 def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     """Complete checkpoints (those with state.json), oldest first."""
     root = checkpoints_root(run_dir)
@@ -201,8 +206,8 @@ def write_checkpoint(run_dir: Path, snapshot: CheckpointSnapshot, keep: int) -> 
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-*"):  # a crash during an earlier save
         shutil.rmtree(stale, ignore_errors=True)
-    final = root / f"{CHECKPOINT_PREFIX}{snapshot.step:06d}"
-    tmp = root / f".tmp-{CHECKPOINT_PREFIX}{snapshot.step:06d}-{os.getpid()}"
+    final = checkpoint_dir(run_dir, snapshot.step)
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
     try:
         tmp.mkdir()
         _write_parts(tmp, snapshot)

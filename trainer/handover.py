@@ -27,14 +27,14 @@ import gc
 import json
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
-from trainer.checkpoint import checkpoints_root
+from trainer.checkpoint import checkpoints_root, list_checkpoints
 from trainer.config import TrainerInputError
-from trainer.run_files import CHECKPOINT_PREFIX, STATUS
+from trainer.run_files import STATUS
 
 RESUME_WRITER_ENV = "DFLASHOPS_RESUME_WRITER"  # the run directory whose final checkpoint --resume names
 WAIT_POLL_S = 0.1
@@ -61,9 +61,7 @@ def pending_writer(resume: str | None, environ: dict[str, str] | None = None) ->
     return Path(writer)
 
 
-def wait_for_checkpoint(
-    path: Path, writer: Path, on_wait: Callable[[], None] | None = None, timeout_s: float = 3600.0
-) -> None:
+def wait_for_checkpoint(path: Path, writer: Path, timeout_s: float = 3600.0) -> None:
     """Block until checkpoint `path` is complete (its state.json exists: trainer.checkpoint renames whole
     directories into place). The writer's end without it (its `exit_code` file, or a final status phase) is a
     TrainerInputError naming what the writer left; so is `timeout_s` without either."""
@@ -79,8 +77,6 @@ def wait_for_checkpoint(
             raise TrainerInputError(
                 f"--resume: {path} did not appear within {timeout_s:.0f} s", hint=f"see {writer / 'train.log'}"
             )
-        if on_wait is not None:
-            on_wait()
         time.sleep(WAIT_POLL_S)
 
 
@@ -99,8 +95,8 @@ def _writer_end(writer: Path) -> str | None:
 
 
 def _last_complete(writer: Path) -> str | None:
-    done = sorted(p for p in checkpoints_root(writer).glob(f"{CHECKPOINT_PREFIX}*") if (p / "state.json").is_file())
-    return str(done[-1]) if done else None
+    done = list_checkpoints(writer)
+    return str(done[-1][1]) if done else None
 
 
 def free_device_memory(devices: Iterable[torch.device]) -> dict[str, int]:

@@ -24,13 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpoint import CheckpointWriter, check_shapes, checkpoints_root
+from trainer.checkpoint import CheckpointWriter, check_shapes, checkpoint_dir
 from trainer.engine import Engine
 from trainer.failure import record_failure
 from trainer.handover import devices_free, wait_for_checkpoint
 from trainer.metrics import RunRecorder, truncate_metrics
 from trainer.preflight import RunSetup, check_resume_nodes, expected_shapes
-from trainer.run_files import CHECKPOINT_PREFIX, TRAIN_CONFIG
+from trainer.run_files import TRAIN_CONFIG
 from trainer.signals import GracefulStop
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
@@ -190,7 +190,7 @@ def _offer_handover(engine: Engine, recorder: RunRecorder, run_dir: Path, step: 
             "release: no hand-over"
         )
         return
-    target = checkpoints_root(run_dir) / f"{CHECKPOINT_PREFIX}{step:06d}"
+    target = checkpoint_dir(run_dir, step)
     recorder.set_status(
         handover={
             "checkpoint": str(target),

@@ -113,36 +113,19 @@ class PipelineEngine:
             # Resuming on one node: every weight is overwritten by the checkpoint, so each replica is made on its
             # device (a GPU's init takes milliseconds) instead of a CPU init and a copy per replica (qwen3-8b:
             # ~16 s of a restart, bench/RESULTS.md session 6). The RNG is restored from the checkpoint after.
-            self.sides = [
-                DrafterSide(
-                    cfg,
-                    self._drafter_on(d),
-                    targets[0].embed_weight,
-                    targets[0].lm_head_weight,
-                    d,
-                    self.total_steps,
-                    **compile_kw,
-                )
-                for d in self.drafter_devices
-            ]
-            self._log_built(started, loaded)
-            return
-        torch.manual_seed(cfg.seed)  # the drafter's init is a function of --seed, as in the single-process engine
-        base = DFlashDrafter(setup.drafter_config)
-        if cfg.init_from is not None and self.cluster.rank == 0:
-            base.load_state_dict(DFlashDrafter.from_pretrained(cfg.init_from).state_dict())
-        self.cluster.broadcast_module_(base)  # every node starts from node 0's weights (--init-from: node 0's file)
+            replicas = [self._drafter_on(d) for d in self.drafter_devices]
+        else:
+            torch.manual_seed(cfg.seed)  # the drafter's init is a function of --seed, as in the single-process engine
+            base = DFlashDrafter(setup.drafter_config)
+            if cfg.init_from is not None and self.cluster.rank == 0:
+                base.load_state_dict(DFlashDrafter.from_pretrained(cfg.init_from).state_dict())
+            self.cluster.broadcast_module_(base)  # every node starts from node 0's weights (--init-from: its file)
+            replicas = [copy.deepcopy(base) for _ in self.drafter_devices]
         self.sides = [
             DrafterSide(
-                cfg,
-                copy.deepcopy(base),
-                targets[0].embed_weight,
-                targets[0].lm_head_weight,
-                d,
-                self.total_steps,
-                **compile_kw,
+                cfg, drafter, targets[0].embed_weight, targets[0].lm_head_weight, d, self.total_steps, **compile_kw
             )
-            for d in self.drafter_devices
+            for drafter, d in zip(replicas, self.drafter_devices)
         ]
         self._log_built(started, loaded)
 
