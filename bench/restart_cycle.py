@@ -66,8 +66,10 @@ def save_target(directory: Path, scale: dict, device: str) -> float:
     return sum(p.stat().st_size for p in directory.glob("*.safetensors"))
 
 
-def write_inventory(work: Path, scale: dict, device: str) -> Path:
-    flags = [
+def train_flags(work: Path, scale: dict, device: str) -> list[str]:
+    """`python -m trainer train` flags of the cycle's run (no --output-dir): one target thread and two drafter
+    threads on `device`, checkpoints only on a stop."""
+    return [
         "--preset",
         "tiny",
         "--target-model",
@@ -89,7 +91,10 @@ def write_inventory(work: Path, scale: dict, device: str) -> Path:
         "off",
         *shape_flags(scale),
     ]
-    argv = ["{python}", "-m", "trainer", "train", "--output-dir", "{run_dir}", *flags]
+
+
+def write_inventory(work: Path, scale: dict, device: str) -> Path:
+    argv = ["{python}", "-m", "trainer", "train", "--output-dir", "{run_dir}", *train_flags(work, scale, device)]
     inventory = work / "inventory.yaml"
     inventory.write_text(
         json.dumps(
