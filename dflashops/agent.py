@@ -268,21 +268,33 @@ def check_launch(req: dict) -> tuple:
 
 
 def verb_launch(req: dict) -> dict:
+    """Start a run: a new wrapper and job, or (`standby: true` and a `python -m trainer` argv) the waiting
+    interpreter of a matching standby (see the standby section), which skips the job's imports. Either way the
+    run directory gets the same records (run.json, marker, pgid, pid, exit_code) and `stop` treats both alike."""
     directory, argv, env, launcher = check_launch(req)
     os.makedirs(os.path.dirname(directory), exist_ok=True)
     try:
         os.mkdir(directory)  # atomic claim of the name: a second launch of the same name fails here
     except FileExistsError:
         raise AgentFailure(f"run directory {directory} already exists", "conflict") from None
-    marker = f"{req['name']}.{os.urandom(6).hex()}"
     session = session_name(req["name"])
     run_json = dict(req.get("run_json") or {})
     run_json.update(name=req["name"], launcher=launcher, session=session, run_dir=directory)
     write_atomic(os.path.join(directory, "run.json"), json.dumps(run_json, indent=2, sort_keys=True) + "\n")
-    write_atomic(os.path.join(directory, "marker"), marker + "\n")
     launch_env = {str(k): str(v) for k, v in env.items()}
+    cwd = req.get("cwd") or directory
+    wants_standby = bool(req.get("standby")) and standby_eligible(argv)
+    if wants_standby:
+        adopted = adopt_standby(req, directory, argv, launch_env, cwd, launcher, session)
+        if adopted is not None:
+            start_standby(req, argv, launch_env, launcher, directory)
+            return adopted
+    elif req.get("standby") is False:
+        retire_standbys(req["workspace"], keep=None)
+    marker = f"{req['name']}.{os.urandom(6).hex()}"
+    write_atomic(os.path.join(directory, "marker"), marker + "\n")
     launch_env.update(DFLASHOPS_RUN=req["name"], **{MARKER_KEY: marker})
-    spec = {"argv": argv, "env": launch_env, "cwd": req.get("cwd") or directory}
+    spec = {"argv": argv, "env": launch_env, "cwd": cwd}
     spec_path = os.path.join(directory, LAUNCH_SPEC)
     wrapper = [sys.executable, os.path.abspath(__file__), "wrap", "--json-args", json.dumps({"dir": directory})]
     try:
@@ -324,7 +336,16 @@ def verb_launch(req: dict) -> dict:
         # timed out), the secrets must not stay on disk, and a wrapper that starts late then finds no spec and
         # does not start the job.
         remove_quietly(spec_path)
-    return {"run_dir": directory, "pgid": pgid, "marker": marker, "launcher": launcher, "session": session}
+    if wants_standby:
+        start_standby(req, argv, launch_env, launcher, directory)
+    return {
+        "run_dir": directory,
+        "pgid": pgid,
+        "marker": marker,
+        "launcher": launcher,
+        "session": session,
+        "standby": False,
+    }
 
 
 def launch_failed(directory: str, reason: str) -> None:
@@ -386,7 +407,9 @@ def stop_requested(directory: str) -> bool:
 def verb_wrap(req: dict) -> dict:
     """Runs as the leader of the run's new process group/session (setsid or tmux pane). Records pgid, starts
     the job with output appended to train.log unless a stop was requested first, records its pid, waits, and
-    writes `exit_code` (128+N for signal N)."""
+    writes `exit_code` (128+N for signal N). With `standby` (a standby's folder): the standby's wrapper."""
+    if "standby" in req:
+        return wrap_standby(req["standby"])
     directory = req["dir"]
     spec_path = os.path.join(directory, LAUNCH_SPEC)
     try:
@@ -398,12 +421,7 @@ def verb_wrap(req: dict) -> dict:
         return {"exit_code": 127}
     finally:
         remove_quietly(spec_path)
-    if os.getpgrp() != os.getpid():
-        os.setsid()
-    # Python-level handlers (not SIG_IGN, which exec would pass on to the job): the wrapper outlives the
-    # group-wide SIGTERM so it can record the job's real exit status.
-    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-        signal.signal(signum, lambda *_: None)
+    become_group_leader()
     reserve_records(directory)
     write_atomic(os.path.join(directory, "pgid"), f"{os.getpgrp()}\n")
     # A stop that raced the launch wrote its request before the job existed: it wins, the job never starts.
@@ -426,8 +444,25 @@ def verb_wrap(req: dict) -> dict:
             record_exit_code(directory, 127)
             return {"exit_code": 127}
     write_atomic(os.path.join(directory, "pid"), f"{child.pid}\n")
+    status = wait_job(child, log_path)
+    record_exit_code(directory, status)
+    return {"exit_code": status}
+
+
+def become_group_leader() -> None:
+    """The wrapper's start: leader of its own session and process group (the run's pgid), and alive through
+    the group-wide SIGTERM of a stop: Python-level handlers (not SIG_IGN, which exec would pass on to the job),
+    so it can record the job's real exit status."""
+    if os.getpgrp() != os.getpid():
+        os.setsid()
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(signum, lambda *_: None)
+
+
+def wait_job(child: subprocess.Popen, log_path: str) -> int:
+    """Wait for the job, mirroring `log_path` to a tmux pane meanwhile; its exit status (128+N for signal N)."""
     tee = sys.stdout.isatty()  # in a tmux pane: mirror the log for humans who attach
-    offset = os.path.getsize(log_path)
+    offset = os.path.getsize(log_path) if os.path.exists(log_path) else 0
     while True:
         try:
             code = child.wait(timeout=0.2)
@@ -440,17 +475,18 @@ def verb_wrap(req: dict) -> dict:
             offset = mirror(log_path, offset)
     if tee:
         mirror(log_path, offset)
-    status = code if code >= 0 else 128 - code
-    record_exit_code(directory, status)
-    return {"exit_code": status}
+    return code if code >= 0 else 128 - code
 
 
 def mirror(path: str, offset: int) -> int:
     """Copy new log bytes to the tmux pane. A pane that went away (EIO) must not kill the wrapper, which
     still has to record the exit code, so write errors are swallowed."""
-    with open(path, "rb") as handle:
-        handle.seek(offset)
-        data = handle.read()
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(offset)
+            data = handle.read()
+    except FileNotFoundError:  # an adopted standby's job has not written its first line yet
+        return offset
     if data:
         try:
             sys.stdout.buffer.write(data)
@@ -458,6 +494,339 @@ def mirror(path: str, offset: int) -> int:
         except OSError:
             pass
     return offset + len(data)
+
+
+# --------------------------------------------------------------------------------------------- standby
+# A standby is a `python -m trainer` interpreter started ahead of its run. After a launch with `standby: true`
+# the agent starts one more wrapper and interpreter in <workspace>/standby/<id>/. The interpreter waits until
+# the run it follows has taken its first step (so that its imports do not slow that start), imports torch,
+# dynamo, inductor, triton and transformers (~9-10 s of every start on the H200 machine: bench/RESULTS.md,
+# session 7), and waits. The next launch with the same python, launcher and start-up environment adopts it: the
+# run directory gets the standby's marker and process group, its wrapper records pgid, pid and exit_code there,
+# and the interpreter takes the run's argv, environment, working directory and log, then runs `trainer` as
+# `python -m` would. Only third-party modules are imported ahead, never the release's code (PYTHONPATH is left
+# out until the adoption), so a restart after a code change runs the new code. A standby that is not adopted
+# exits after its idle time (default 1 h), when its folder is removed, or when a launch with another start-up
+# environment (or `standby: false`) retires it; nothing else ever stops it.
+STANDBY_ROOT = "standby"
+STANDBY_IDLE_S = 3600.0
+STANDBY_AFTER_S = 600.0  # the longest a new standby waits for the run it follows to start before importing
+STANDBY_POLL_S = 0.02  # how often a ready standby looks for its run: the adoption's latency
+STANDBY_PRELOAD = (  # module or module:attribute (transformers builds its lazy import table on first access)
+    "torch",
+    "torch._dynamo",
+    "torch._inductor.compile_fx",
+    "torch.nn.attention.flex_attention",
+    "triton",
+    "transformers:AutoConfig",
+    "transformers.models.qwen3.modeling_qwen3",
+    "safetensors.torch",
+    "numpy",
+)
+# What an interpreter reads as it starts (its flags, the import-time settings of torch, inductor, triton,
+# transformers, the loader's paths): these must be the same for a standby and the run it takes. PYTHONPATH is
+# not among them: it names the release, which a standby never imports from.
+STARTUP_ENV_RE = re.compile(
+    r"^(PYTHON|TORCH|PYTORCH|TRITON|CUDA|NCCL|HF_|TRANSFORMERS|LD_|OMP_|MKL_|KMP_|PATH$|VIRTUAL_ENV$)"
+)
+SECRET_KEY_RE = re.compile(r"(TOKEN|KEY|SECRET|PASSWORD|PASSWD)", re.IGNORECASE)  # never in a standby's files
+
+
+def standby_eligible(argv: list[str]) -> bool:
+    """Only `<python> -m trainer ...` jobs: the modules a standby imports ahead are the trainer's."""
+    return len(argv) >= 3 and argv[1:3] == ["-m", "trainer"]
+
+
+def standby_fingerprint(python: str, env: dict, launcher: str) -> str:
+    """Which standby may take a launch: the same python, launcher and start-up environment (the agent's own
+    environment with the launch's on top, as the wrapper gives the job)."""
+    full = {**os.environ, **env}
+    view = {
+        k: v for k, v in full.items() if STARTUP_ENV_RE.match(k) and k != "PYTHONPATH" and not SECRET_KEY_RE.search(k)
+    }
+    text = json.dumps([python, launcher, sorted(view.items())])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def standbys(workspace: str) -> list[tuple[str, dict]]:
+    """(folder, spec) of every standby of the workspace, oldest first."""
+    root = os.path.join(workspace, STANDBY_ROOT)
+    found = []
+    for entry in os.listdir(root) if os.path.isdir(root) else []:
+        spec = read_json(os.path.join(root, entry, "spec.json"))
+        if spec is not None:
+            found.append((os.path.join(root, entry), spec))
+    return sorted(found, key=lambda item: float(item[1].get("created", 0.0)))
+
+
+def carries_marker(pid: int | None, marker: str) -> bool:
+    return bool(pid) and f"{MARKER_KEY}={marker}".encode() in read_proc(int(pid or 0), "environ").split(b"\0")
+
+
+def standby_alive(folder: str, spec: dict) -> bool:
+    """Its wrapper is running (or was started less than LAUNCH_SETTLE_S ago and has not said so yet)."""
+    pgid = read_int(os.path.join(folder, "pgid"))
+    if pgid is None:
+        return time.time() - float(spec.get("created", 0.0)) < LAUNCH_SETTLE_S
+    return carries_marker(pgid, spec["marker"])
+
+
+def retire_standbys(workspace: str, keep: str | None) -> None:
+    """Ask every standby of another fingerprint than `keep` (all with None) to exit; forget dead ones."""
+    for folder, spec in standbys(workspace):
+        if not standby_alive(folder, spec):
+            shutil.rmtree(folder, ignore_errors=True)
+        elif spec.get("fingerprint") != keep:
+            write_atomic(os.path.join(folder, "retired"), "\n")
+
+
+def start_standby(req: dict, argv: list[str], launch_env: dict, launcher: str, after: str) -> None:
+    """Make sure one unclaimed standby for the next launch like this one exists (best effort: a standby that
+    cannot start costs the next launch its head start, never this launch)."""
+    workspace = req["workspace"]
+    fingerprint = standby_fingerprint(argv[0], launch_env, launcher)
+    retire_standbys(workspace, keep=fingerprint)
+    for folder, spec in standbys(workspace):
+        if spec.get("fingerprint") == fingerprint and not os.path.exists(os.path.join(folder, "claimed")):
+            return
+    ident = f"{int(time.time() * 1000):x}-{os.urandom(3).hex()}"
+    folder = os.path.join(workspace, STANDBY_ROOT, ident)
+    marker = f"standby-{ident}.{os.urandom(6).hex()}"
+    env = {
+        k: v
+        for k, v in launch_env.items()
+        if k != "PYTHONPATH" and not k.startswith("DFLASHOPS_") and not SECRET_KEY_RE.search(k)
+    }
+    spec = {
+        "fingerprint": fingerprint,
+        "python": argv[0],
+        "launcher": launcher,
+        "session": f"standby-{ident}",
+        "marker": marker,
+        "env": {**env, MARKER_KEY: marker},
+        "after": after,
+        "idle_s": float(req.get("standby_idle_s") or STANDBY_IDLE_S),
+        "preload": list(req.get("standby_preload") or STANDBY_PRELOAD),
+        "created": time.time(),
+    }
+    wrapper = [sys.executable, os.path.abspath(__file__), "wrap", "--json-args", json.dumps({"standby": folder})]
+    try:
+        os.makedirs(folder)
+        write_atomic(os.path.join(folder, "spec.json"), json.dumps(spec), mode=0o600)
+        if launcher == "tmux":
+            command = ["env", f"{MARKER_KEY}={marker}", *wrapper]
+            subprocess.run(
+                ["tmux", "-L", tmux_socket(workspace), "new-session", "-d", "-s", spec["session"], "-x", "200",
+                 "-y", "50", "--", *command],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=20, check=True,
+            )  # fmt: skip
+        else:
+            with open(os.devnull, "rb") as devnull, open(os.path.join(folder, "wrapper.log"), "ab") as log:
+                subprocess.Popen(
+                    wrapper, stdin=devnull, stdout=log, stderr=log, start_new_session=True, close_fds=True,
+                    env={**os.environ, MARKER_KEY: marker},
+                )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def adopt_standby(
+    req: dict, directory: str, argv: list[str], launch_env: dict, cwd: str, launcher: str, session: str
+) -> dict | None:
+    """Hand this launch to a ready standby of the same fingerprint; the launch's answer, or None (none ready:
+    the caller launches as usual)."""
+    workspace = req["workspace"]
+    fingerprint = standby_fingerprint(argv[0], launch_env, launcher)
+    for folder, spec in standbys(workspace):
+        ready = read_int(os.path.join(folder, "ready"))
+        if spec.get("fingerprint") != fingerprint or not carries_marker(ready, spec["marker"]):
+            continue
+        try:
+            os.mkdir(os.path.join(folder, "claimed"))  # one launch per standby (the standby claims itself to exit)
+        except FileExistsError:
+            continue
+        marker = spec["marker"]
+        if launcher == "tmux":
+            renamed = subprocess.run(
+                ["tmux", "-L", tmux_socket(workspace), "rename-session", "-t", "=" + spec["session"], session],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=20,
+            )  # fmt: skip
+            if renamed.returncode != 0:
+                write_atomic(os.path.join(folder, "retired"), "\n")
+                continue
+        write_atomic(os.path.join(directory, "marker"), marker + "\n")
+        env = {**os.environ, **launch_env, "DFLASHOPS_RUN": req["name"], MARKER_KEY: marker}
+        claim = os.path.join(folder, "claim.json")
+        # The run's secrets reach the standby's wrapper through this 0600 file, deleted as soon as it is read.
+        write_atomic(claim, json.dumps({"dir": directory, "argv": argv, "env": env, "cwd": cwd}), mode=0o600)
+        pgid = wait_for_file(os.path.join(directory, "pgid"), 10.0)
+        if pgid is None and take_file(claim) is not None:  # its wrapper never took it: launch as usual
+            write_atomic(os.path.join(folder, "retired"), "\n")
+            if launcher == "tmux":
+                subprocess.run(
+                    ["tmux", "-L", tmux_socket(workspace), "rename-session", "-t", "=" + session, spec["session"]],
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=20,
+                )  # fmt: skip
+            return None
+        if pgid is None:
+            pgid = wait_for_file(os.path.join(directory, "pgid"), 10.0)
+        if pgid is None:
+            launch_failed(directory, f"the standby {os.path.basename(folder)} took the run but did not start it")
+        return {
+            "run_dir": directory,
+            "pgid": pgid,
+            "marker": marker,
+            "launcher": launcher,
+            "session": session,
+            "standby": True,
+        }
+    return None
+
+
+def take_file(path: str) -> dict | None:
+    """Read and delete a JSON hand-off file, atomically with respect to anyone else taking it (rename first)."""
+    taken = f"{path}.taken.{os.getpid()}"
+    try:
+        os.rename(path, taken)
+    except FileNotFoundError:
+        return None
+    try:
+        return read_json(taken) or {}
+    finally:
+        remove_quietly(taken)
+
+
+def wrap_standby(folder: str) -> dict:
+    """The standby's wrapper: the leader of its process group, it starts the interpreter, waits for a launch
+    to claim it (`claim.json`), then does for that run what `verb_wrap` does (pgid, a stop that came first, pid,
+    the job's exit code) and passes the run on to the interpreter (`go.json`, 0600)."""
+    spec = read_json(os.path.join(folder, "spec.json")) or {}
+    become_group_leader()
+    write_atomic(os.path.join(folder, "pgid"), f"{os.getpgrp()}\n")
+    try:
+        with open(os.devnull, "rb") as devnull, open(os.path.join(folder, "standby.log"), "ab") as log:
+            child = subprocess.Popen(
+                [spec["python"], os.path.abspath(__file__), "standby", "--json-args", json.dumps({"dir": folder})],
+                cwd=folder, env={**os.environ, **spec["env"]}, stdin=devnull, stdout=log, stderr=log,
+            )  # fmt: skip
+    except (OSError, KeyError):
+        shutil.rmtree(folder, ignore_errors=True)
+        return {"exit_code": 127}
+    claim = None
+    while claim is None:
+        if child.poll() is not None:  # idle time over, retired, or broken: the standby is gone
+            shutil.rmtree(folder, ignore_errors=True)
+            return {"exit_code": 0}
+        claim = take_file(os.path.join(folder, "claim.json"))
+        if claim is None:
+            time.sleep(STANDBY_POLL_S)
+    directory = claim["dir"]
+    reserve_records(directory)
+    write_atomic(os.path.join(directory, "pgid"), f"{os.getpgrp()}\n")
+    log_path = os.path.join(directory, "train.log")
+    if stop_requested(directory) or child.poll() is not None:
+        reason = "stop requested before the job started" if child.poll() is None else "the standby had exited"
+        child.terminate()
+        child.wait()
+        append_log(directory, f"{reason}; not starting it")
+        status = 128 + signal.SIGTERM if reason.startswith("stop") else 127
+    else:
+        write_atomic(os.path.join(folder, "go.json"), json.dumps({**claim, "log": log_path}), mode=0o600)
+        write_atomic(os.path.join(directory, "pid"), f"{child.pid}\n")
+        status = wait_job(child, log_path)
+    record_exit_code(directory, status)
+    shutil.rmtree(folder, ignore_errors=True)
+    return {"exit_code": status}
+
+
+def verb_standby(req: dict) -> dict:
+    """The standby's interpreter (run with the run's python): wait for the run it follows to start, import
+    ahead, say `ready`, then run the launch it is given, or exit when idle, retired or removed."""
+    folder = req["dir"]
+    spec = read_json(os.path.join(folder, "spec.json")) or {}
+    after = spec.get("after")
+    deadline = time.monotonic() + STANDBY_AFTER_S
+    while after and time.monotonic() < deadline and os.path.isdir(folder):
+        timeline = (read_json(os.path.join(after, "status.json")) or {}).get("timeline") or {}
+        if "first_step" in timeline or os.path.exists(os.path.join(after, "exit_code")) or not os.path.isdir(after):
+            break
+        time.sleep(1.0)
+    import importlib
+
+    for name in spec.get("preload", ()):
+        module, _, attribute = name.partition(":")
+        try:
+            imported = importlib.import_module(module)
+            if attribute:
+                getattr(imported, attribute)
+        except Exception as exc:  # noqa: BLE001 - the run imports what it needs itself, and reports it
+            print(f"standby: cannot import {name} ahead: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+    write_atomic(os.path.join(folder, "ready"), f"{os.getpid()}\n")
+    go = wait_for_go(folder, float(spec.get("idle_s", STANDBY_IDLE_S)))
+    return {"exit_code": 0 if go is None else run_adopted(go)}
+
+
+def wait_for_go(folder: str, idle_s: float) -> dict | None:
+    """The run handed to this standby, or None once it should exit (claiming itself first, so that no launch
+    can claim it meanwhile; a launch that got there first is waited for)."""
+    deadline = time.monotonic() + idle_s
+    next_check = 0.0
+    while True:
+        go = take_file(os.path.join(folder, "go.json"))
+        if go is not None:
+            return go
+        now = time.monotonic()
+        if now >= next_check:
+            next_check = now + 1.0
+            leaving = now >= deadline or os.path.exists(os.path.join(folder, "retired")) or not os.path.isdir(folder)
+            if leaving:
+                try:
+                    os.mkdir(os.path.join(folder, "claimed"))
+                    return None
+                except FileExistsError:  # a launch claimed it: its run comes within seconds
+                    pass
+                except FileNotFoundError:  # the folder is gone
+                    return None
+        time.sleep(STANDBY_POLL_S)
+
+
+def run_adopted(go: dict) -> int:
+    """Become the run `go` describes, as `python -m trainer ...` would have started: its log on stdout and
+    stderr, its working directory, exactly its environment, `-m`'s sys.path (the working directory, then
+    PYTHONPATH) and argv; returns its exit status."""
+    import runpy
+    import traceback
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(go["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.chdir(go["cwd"])
+    os.environ.clear()
+    os.environ.update(go["env"])
+    pythonpath = [os.path.abspath(p) for p in go["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[0:1] = [os.getcwd(), *pythonpath]  # sys.path[0] was this file's folder
+    argv = go["argv"]
+    sys.argv = [argv[0], *argv[3:]]  # run_module puts the module's file in argv[0]
+    try:
+        runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            return int(exc.code or 0)
+        print(exc.code, file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        return 128 + signal.SIGINT
+    except BaseException:  # noqa: BLE001 - as the interpreter would: the traceback, exit status 1
+        traceback.print_exc()
+        return 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    return 0
 
 
 # ------------------------------------------------------------------------------------------------ stop
@@ -1532,6 +1901,7 @@ VERBS = {
     "manifest": verb_manifest,
     "gc": verb_gc,
     "wrap": verb_wrap,
+    "standby": verb_standby,
     "fetch-manifest": verb_fetch_manifest,
 }
 # Verbs whose answer is raw bytes on stdout (a refusal: JSON on stderr, exit 3).
@@ -1567,7 +1937,7 @@ def main(argv: list[str]) -> int:
         if verb in RAW_VERBS:
             return raw_call(RAW_VERBS[verb], req)
         result = STDIN_VERBS[verb](req, stdin) if verb in STDIN_VERBS else VERBS[verb](req)
-        if verb == "wrap":
+        if verb in ("wrap", "standby"):
             return int(result["exit_code"])
         if result.get("streamed"):  # `follow` printed its answers itself
             return 0

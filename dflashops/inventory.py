@@ -62,6 +62,9 @@ class Target:
     gpus: tuple[int, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     address: str | None = None  # where the other nodes of a multi-node run reach this target (inventory_groups)
+    # Keep a `python -m trainer` interpreter with its imports done waiting for the next launch (agent.py, standby).
+    standby: bool = False
+    standby_idle_s: int = 3600  # an unused standby exits after this long
 
 
 @dataclass(frozen=True)
@@ -280,7 +283,11 @@ def _resolve_gateways(reader: _Reader, hosts: dict[str, Host], nodes: dict[str, 
 def _target(reader: _Reader, base: Path, hosts: dict[str, Host], name: str, node: yaml.Node) -> Target:
     key = f"targets.{name}"
     reader.check_name(name, node, key)
-    fields = reader.mapping(node, key, {"kind", "host", "ctid", "gpus", "workspace", "python", "env", "address"})
+    fields = reader.mapping(
+        node,
+        key,
+        {"kind", "host", "ctid", "gpus", "workspace", "python", "env", "address", "standby", "standby_idle_s"},
+    )
     for required in ("kind", "workspace"):
         if required not in fields:
             raise reader.fail(node, key, f"missing required key {required!r}")
@@ -309,6 +316,12 @@ def _target(reader: _Reader, base: Path, hosts: dict[str, Host], name: str, node
     gpus = reader.int_list(fields["gpus"], f"{key}.gpus") if "gpus" in fields else ()
     env = reader.env(fields["env"], f"{key}.env") if "env" in fields else {}
     address = reader.scalar(fields["address"], f"{key}.address", str) if "address" in fields else None
+    standby = reader.scalar(fields["standby"], f"{key}.standby", bool) if "standby" in fields else False
+    idle_s = (
+        reader.scalar(fields["standby_idle_s"], f"{key}.standby_idle_s", int) if "standby_idle_s" in fields else 3600
+    )
+    if idle_s < 1:
+        raise reader.fail(fields["standby_idle_s"], f"{key}.standby_idle_s", "must be a positive number of seconds")
     return Target(
         name=name,
         kind=kind,
@@ -319,6 +332,8 @@ def _target(reader: _Reader, base: Path, hosts: dict[str, Host], name: str, node
         gpus=gpus,
         env=env,
         address=address,
+        standby=standby,
+        standby_idle_s=idle_s,
     )
 
 

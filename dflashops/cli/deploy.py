@@ -85,7 +85,7 @@ def report(invocation: Invocation, outcome: DeployOutcome, args: argparse.Namesp
         where = f"node {rank} of {len(outcome.nodes)} on {node.target}" if outcome.nodes else node.target
         progress(
             f"launched {node.name} on {where} (code {node.code_hash}, {node.uploaded} files uploaded, "
-            f"pgid {node.pgid}) in {node.run_dir}"
+            f"pgid {node.pgid}{', standby interpreter' if node.standby else ''}) in {node.run_dir}"
         )
     if outcome.supervisor is not None:
         if outcome.supervisor.get("ok"):

@@ -74,6 +74,7 @@ class DeployOutcome:
     uploaded: int
     cache_cleared: str | None
     supervisor: dict | None = None  # the in-target supervisor's start answer (ops/supervise.py), if any
+    standby: bool = False  # started by a standby interpreter of the target (agent.py): no imports to wait for
     nodes: list[DeployOutcome] = field(default_factory=list)  # a run on several targets: each node's, node 0 first
 
 
@@ -196,6 +197,8 @@ def launch_spec(
         "cwd": run_dir,
         "launcher": request.launcher,
         "run_json": run_json,
+        "standby": target.standby,
+        "standby_idle_s": target.standby_idle_s,
     }
     return LaunchSpec(name=name, run_dir=run_dir, record=record, args=args, env={**env, **secrets})
 
@@ -318,4 +321,5 @@ def launch_on(
         pgid=answer.get("pgid"),
         uploaded=len(synced.uploaded),
         cache_cleared=cleared,
+        standby=bool(answer.get("standby")),
     ), spec

@@ -190,6 +190,7 @@ def relaunch(
         uploaded=len(payload[2]),
         cache_cleared=answer.get("cleared"),
         supervisor=supervisor,
+        standby=bool(answer.get("standby")),
     )
     return RestartOutcome(
         stopped=bool(stop),

@@ -9,12 +9,13 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from dflashops.agent import tmux_socket
+from dflashops.agent import retire_standbys, standbys, tmux_socket
 from dflashops.cli.main import main
 from tests.tmux_screen import kill_server
 
@@ -85,7 +86,8 @@ class Env:
 
 
 def cleanup(workspace: Path) -> None:
-    """Stop every still-running run of this workspace (only ours: by recorded pgid/marker), then its tmux."""
+    """Stop every still-running run of this workspace (only ours: by recorded pgid/marker), retire its
+    standby interpreters (they exit by themselves once asked), then its tmux."""
     runs = workspace / "runs"
     for run in sorted(runs.iterdir()) if runs.is_dir() else []:
         subprocess.run(
@@ -99,6 +101,10 @@ def cleanup(workspace: Path) -> None:
             capture_output=True,
             timeout=60,
         )
+    retire_standbys(str(workspace), keep=None)
+    deadline = time.monotonic() + 10
+    while standbys(str(workspace)) and time.monotonic() < deadline:
+        time.sleep(0.1)
     if shutil.which("tmux"):
         kill_server(tmux_socket(str(workspace)))  # this workspace's own server and socket, nothing else
 

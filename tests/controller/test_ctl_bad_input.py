@@ -80,6 +80,14 @@ def test_unknown_target_and_profile(env: Env, capsys: pytest.CaptureFixture[str]
             "inventory.yaml:4: profiles.p.packages: 'a-b' is not",
         ),
         ("profiles:\n  p:\n    argv: [x]\n    env: {A-B: 1}\n", "profiles.p.env.A-B: invalid environment variable"),
+        (
+            "targets:\n  local:\n    kind: local\n    workspace: ws\n    standby: maybe\n",
+            "inventory.yaml:5: targets.local.standby: expected bool",
+        ),
+        (
+            "targets:\n  local:\n    kind: local\n    workspace: ws\n    standby_idle_s: 0\n",
+            "inventory.yaml:5: targets.local.standby_idle_s: must be a positive number of seconds",
+        ),
     ],
 )
 def test_malformed_inventory(tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, expected: str) -> None:
