@@ -17,9 +17,10 @@ prints where the seconds from `restart` typed to the child's first step went:
 
   stop:   typed -> the old trainer agreed to stop (finishes its step) -> final snapshot in host memory ->
           devices released (hand-over offered) ... final checkpoint written -> old process exited
-  start:  typed -> restart returned -> job spawned -> python up -> imports -> pre-flight -> build (target,
-          drafters) -> checkpoint ready (waited for the old writer) -> resumed (read + loaded) -> warm-up (warm
-          compile cache: same code hash) -> first step
+  start:  typed -> restart returned -> job spawned (a standby interpreter: imports done already) -> python
+          up -> imports -> pre-flight -> build (target, drafters) -> compiled (warm-up for the batch shapes ahead,
+          warm compile cache: same code hash; before the checkpoint is read) -> checkpoint ready (waited for the
+          old writer's data) -> resumed (read + loaded) -> worker threads started -> first step
 
 `handover` is the default restart (trainer/handover.py: the child starts once the old trainer's devices are free);
 `wait-exit` the old order (the child starts after the old process exited). Checks: the child resumed from the
@@ -47,6 +48,7 @@ START = [
     "imports_done",
     "preflight_done",
     "built",
+    "compiled",
     "checkpoint_ready",
     "resumed",
     "warmed_up",
@@ -93,7 +95,7 @@ def train_flags(work: Path, scale: dict, device: str) -> list[str]:
     ]
 
 
-def write_inventory(work: Path, scale: dict, device: str) -> Path:
+def write_inventory(work: Path, scale: dict, device: str, standby: bool = True) -> Path:
     argv = ["{python}", "-m", "trainer", "train", "--output-dir", "{run_dir}", *train_flags(work, scale, device)]
     inventory = work / "inventory.yaml"
     inventory.write_text(
@@ -104,6 +106,7 @@ def write_inventory(work: Path, scale: dict, device: str) -> Path:
                         "kind": "local",
                         "workspace": str(work / "ws"),
                         "python": sys.executable,
+                        "standby": standby,
                         "env": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "PYTHONUNBUFFERED": "1"},
                     }
                 },
@@ -149,12 +152,30 @@ def mtime(path: Path) -> float | None:
     return path.stat().st_mtime if path.exists() else None
 
 
-def restart_row(mode: str, typed: float, returned: float, old_dir: Path, new_dir: Path) -> dict:
+def ready_standby(workspace: Path, timeout: float) -> int | None:
+    """The pid of the workspace's ready standby interpreter (dflashops/agent.py), waiting up to `timeout` s for
+    one (it imports once the run it follows has taken its first step); None without one."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for ready in sorted((workspace / "standby").glob("*/ready")):
+            if (ready.parent / "claimed").exists():  # adopted by a running run, or on its way out
+                continue
+            try:
+                return int(ready.read_text())
+            except (OSError, ValueError):
+                pass
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.2)
+
+
+def restart_row(mode: str, typed: float, returned: float, old_dir: Path, new_dir: Path, standby: int | None) -> dict:
     old, new = status(old_dir), status(new_dir)
     told, tnew = old.get("timeline", {}), new.get("timeline", {})
     rel = lambda t: None if t is None else round(t - typed, 2)  # noqa: E731
     row: dict = {
         "mode": mode,
+        "standby": standby is not None and (new_dir / "pid").read_text().strip() == str(standby),
         "returned": rel(returned),
         "old_exit_code": (old_dir / "exit_code").read_text().strip(),
         "stop_agreed": rel(told.get("stop_agreed")),
@@ -182,6 +203,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10, help="steps each run trains before it is restarted")
     parser.add_argument("--workdir", default="/tmp/restart-cycle")
     parser.add_argument("--json-out")
+    parser.add_argument(
+        "--no-standby", action="store_true", help="no standby interpreter: every child imports torch itself"
+    )
     args = parser.parse_args()
     scale, work = SCALES[args.scale], Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -191,7 +215,7 @@ def main() -> int:
     if not (work / "target" / "config.json").exists():
         size = save_target(work / "target", scale, args.device)
         print(f"target: {size / 1e9:.2f} GB of safetensors written in {time.monotonic() - t:.1f} s", file=sys.stderr)
-    inventory = write_inventory(work, scale, args.device)
+    inventory = write_inventory(work, scale, args.device, standby=not args.no_standby)
     runs = work / "ws" / "runs"
     name = f"c{int(time.time()) % 100000}-1"
     started = time.time()
@@ -206,6 +230,7 @@ def main() -> int:
     rows = []
     for k, mode in enumerate(args.modes.split(",")):
         old, new = name, f"{name.rsplit('-', 1)[0]}-{k + 2}"
+        standby = None if args.no_standby else ready_standby(work / "ws", 300)
         typed = time.time()
         cli(
             inventory,
@@ -222,13 +247,16 @@ def main() -> int:
         new_dir, old_dir = runs / new, runs / old
         wait(lambda: "first_step" in status(new_dir).get("timeline", {}), 600, f"{new} first step", new_dir)  # noqa: B023 - called here
         wait(lambda: (old_dir / "exit_code").is_file(), 600, f"{old} exit", old_dir)  # noqa: B023 - called here
-        row = restart_row(mode, typed, returned, runs / old, runs / new)
+        row = restart_row(mode, typed, returned, runs / old, runs / new, standby)
         rows.append(row)
         print(json.dumps(row), file=sys.stderr)
         until = row["stopped_at"] + args.steps
         wait(lambda: status(new_dir).get("step", 0) >= until, 600, f"{new} {args.steps} steps", new_dir)  # noqa: B023 - called here
         name = new
     cli(inventory, "stop", name, "--grace", "300")
+    from dflashops.agent import retire_standbys
+
+    retire_standbys(str(work / "ws"), keep=None)  # the last run's standby: not needed after the bench
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"cold": cold, "rows": rows}, indent=1))
     ok = all(
@@ -237,6 +265,7 @@ def main() -> int:
     )
     cols = [
         "mode",
+        "standby",
         "stop_agreed",
         "final_snapshot",
         "devices_released",
@@ -245,6 +274,7 @@ def main() -> int:
         "imports_done",
         "preflight_done",
         "built",
+        "compiled",
         "final_written",
         "checkpoint_ready",
         "resumed",

@@ -22,7 +22,6 @@ Four measurements, in one scratch folder (--workdir), each printed as a table at
 from __future__ import annotations
 
 import argparse
-import cProfile
 import io
 import json
 import os
@@ -106,9 +105,7 @@ def make_state(gb: float):
 
     n = max(int(gb * 1e9 / 4 / 3 / 40), 1024)  # 40 tensors of the model's third
     model = {f"layers.{i}.weight": torch.rand(n) for i in range(40)}
-    state = {
-        i: {"step": torch.tensor(7.0), "exp_avg": torch.rand(n), "exp_avg_sq": torch.rand(n)} for i in range(40)
-    }
+    state = {i: {"step": torch.tensor(7.0), "exp_avg": torch.rand(n), "exp_avg_sq": torch.rand(n)} for i in range(40)}
     groups = [{"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0, "params": list(range(40))}]
     return model, {"state": state, "param_groups": groups}
 
@@ -116,7 +113,7 @@ def make_state(gb: float):
 def write_variant(directory: Path, model, optimizer, *, crc: bool, parallel: bool) -> tuple[float, float]:
     """(s to the data written, s to both files fsynced) of one checkpoint write."""
     import torch
-    import torch.utils.serialization  # noqa: F401 - torch.utils.serialization.config
+    import torch.utils.serialization
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)

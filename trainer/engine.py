@@ -6,7 +6,7 @@
 - the same PipelineEngine with a trainer.dist.cluster.TorchCluster: the distributed engine (torchrun, one
   process per node, the threaded pipeline inside each node, torch.distributed between the nodes)
 
-Call order, all from the main thread: announce, build, [load_checkpoint, restore], running(...) { train_step,
+Call order, all from the main thread: announce, build, [warm_up], [load_checkpoint, restore], running(...) { train_step,
 after_step, agree_stop, [record], [checkpoint_parts], ... finish }, [release_devices], close (always, also after a failure).
 In a distributed run every node makes the same calls in the same order, so the collectives inside them match
 up; which calls are made is decided from values all nodes agree on (step numbers, the agreed stop).
@@ -32,6 +32,11 @@ class Engine(Protocol):
 
     def build(self) -> None:
         """Load the target(s), build the drafter replica(s), optimizers and schedules."""
+
+    def warm_up(self, step: int, position: tuple[int, int], recorder: RunRecorder) -> None:
+        """Whatever the steps from `step` on (first micro-batch at data position (epoch, index)) need before they
+        start that reads no weights: the pipeline compiles every replica for their batch shapes. Called after
+        build and before the checkpoint is read; `running` does what it did not."""
 
     def load_checkpoint(self, path: Path) -> CheckpointState:
         """The checkpoint to resume from (distributed: node 0 reads it and sends it to the others)."""

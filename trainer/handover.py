@@ -61,12 +61,32 @@ def pending_writer(resume: str | None, environ: dict[str, str] | None = None) ->
     return Path(writer)
 
 
-def wait_for_checkpoint(path: Path, writer: Path, timeout_s: float = 3600.0) -> None:
-    """Block until checkpoint `path` is complete (its state.json exists: trainer.checkpoint renames whole
-    directories into place). The writer's end without it (its `exit_code` file, or a final status phase) is a
-    TrainerInputError naming what the writer left; so is `timeout_s` without either."""
+def offered_start(writer: Path, checkpoint: Path) -> tuple[int, tuple[int, int]] | None:
+    """(step, (epoch, index)) of `checkpoint` from the hand-over offer in `writer`'s status.json, or None when
+    the offer is not about it or does not say (a trainer from before `position` was offered)."""
+    try:
+        offer = json.loads((writer / STATUS).read_text()).get("handover") or {}
+    except (OSError, ValueError):
+        return None
+    position = offer.get("position")
+    if Path(str(offer.get("checkpoint"))) != Path(checkpoint) or not isinstance(position, list) or len(position) != 2:
+        return None
+    return int(offer["step"]), (int(position[0]), int(position[1]))
+
+
+def wait_for_checkpoint(path: Path, writer: Path, timeout_s: float = 3600.0, *, durable: bool = False) -> Path:
+    """Block until checkpoint `path` can be read; return where to read it: `path` once it is complete (its
+    state.json exists: trainer.checkpoint renames whole directories into place), or, unless `durable`, the
+    writer's temporary directory as soon as all its files are written and only their fsyncs are left
+    (state.json is written last): the page cache serves the same bytes, and the disk's seconds are no longer
+    the next run's. A read from there that finds it gone (renamed into place, or removed after a failed fsync)
+    asks again with `durable=True`. The writer's end without the checkpoint (its `exit_code` file, or a final
+    status phase) is a TrainerInputError naming what the writer left; so is `timeout_s` without either."""
     deadline = time.monotonic() + timeout_s
     while not (path / "state.json").is_file():
+        written = None if durable else _written_not_durable(path, writer)
+        if written is not None:
+            return written
         ended = _writer_end(writer)
         if ended is not None and not (path / "state.json").is_file():
             raise TrainerInputError(
@@ -78,6 +98,18 @@ def wait_for_checkpoint(path: Path, writer: Path, timeout_s: float = 3600.0) -> 
                 f"--resume: {path} did not appear within {timeout_s:.0f} s", hint=f"see {writer / 'train.log'}"
             )
         time.sleep(WAIT_POLL_S)
+    return path
+
+
+def _written_not_durable(path: Path, writer: Path) -> Path | None:
+    """The writer's temporary directory of checkpoint `path` (`.tmp-<name>-<its pid>`, trainer.checkpoint)
+    once its state.json is there, else None."""
+    try:
+        pid = int(json.loads((writer / STATUS).read_text())["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    tmp = path.parent / f".tmp-{path.name}-{pid}"
+    return tmp if (tmp / "state.json").is_file() else None
 
 
 def _writer_end(writer: Path) -> str | None:

@@ -3,8 +3,10 @@
 `run_training(setup, engine)` reads top to bottom like torchtitan's Trainer.train:
   1. run directory, train_config.json, status.json (warmup), the engine's start lines
   2. inside the stop handler (SIGTERM/SIGHUP/SIGINT, installed before the minutes-long target load):
-     wandb, engine.build() (targets, drafters), resume (model, optimizer, schedule, RNG, data position)
-  3. engine.running(): warm-up and worker threads; then per optimizer step:
+     wandb, engine.build() (targets, drafters), engine.warm_up() (compiles for the batch shapes ahead: it needs
+     no weights, so a restart's warm-up runs while the stopped run still writes the checkpoint), resume (model,
+     optimizer, schedule, RNG, data position)
+  3. engine.running(): worker threads (and what warm-up is left); then per optimizer step:
      train_step -> after_step (replica checks) -> agree_stop (one collective across nodes) -> log line every
      --log-interval -> checkpoint every --save-interval (and at the end and on a stop) -> stop
   4. the final checkpoint (end of run, stop request) is written after the worker threads stop; on a stop the
@@ -24,10 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpoint import CheckpointWriter, check_shapes, checkpoint_dir
+from trainer.checkpoint import CheckpointWriter, check_shapes, checkpoint_dir, read_state
 from trainer.engine import Engine
 from trainer.failure import record_failure
-from trainer.handover import devices_free, wait_for_checkpoint
+from trainer.handover import devices_free, offered_start, wait_for_checkpoint
 from trainer.metrics import RunRecorder, truncate_metrics
 from trainer.preflight import RunSetup, check_resume_nodes, expected_shapes
 from trainer.run_files import TRAIN_CONFIG
@@ -63,13 +65,17 @@ def run_training(setup: RunSetup, engine: Engine) -> int:
                 recorder.open_wandb(cfg.wandb, cfg.wandb_project, cfg.wandb_run_name, cfg.to_dict())
             engine.build()
             recorder.mark("built")
+            start = start_point(setup)
+            if start is not None:
+                engine.warm_up(*start, recorder)
+                recorder.mark("compiled")
             step = _resume(setup, engine, recorder, run_dir)
             # The writer exits before the failure report: a checkpoint snapshotted before a failure still lands.
             with CheckpointWriter(run_dir, cfg.keep_checkpoints) as writer:
                 with engine.running(step, recorder):
                     ending = _steps(setup, engine, recorder, writer, stop, step)
                 if ending.phase == "stopped" and writer.in_flight():
-                    _offer_handover(engine, recorder, run_dir, ending.step)
+                    _offer_handover(engine, recorder, run_dir, ending)
                 report_checkpoints(recorder, writer.wait())  # the final checkpoint: waited for, never cut short
             recorder.mark("ended")
             recorder.set_status(phase=ending.phase, step=ending.step, exit_code=ending.code)
@@ -92,19 +98,39 @@ def run_training(setup: RunSetup, engine: Engine) -> int:
             recorder.close()
 
 
+def start_point(setup: RunSetup) -> tuple[int, tuple[int, int]] | None:
+    """(step, (epoch, index)) this run continues from, as far as it is known before the checkpoint is read: the
+    beginning, the --resume checkpoint's state.json, or, while the stopped run still writes it, that run's
+    hand-over offer (trainer.handover); None when none of these says it."""
+    if setup.resume_from is None:
+        return 0, (0, 0)
+    if setup.resume_writer is None:
+        state = read_state(setup.resume_from)
+        return int(state["step"]), (int(state["epoch"]), int(state["index"]))
+    return offered_start(setup.resume_writer, setup.resume_from)
+
+
 def _resume(setup: RunSetup, engine: Engine, recorder: RunRecorder, run_dir: Path) -> int:
     """Restore the checkpoint the setup names (if any) into the engine; return the first step to train."""
     if setup.resume_from is None:
         return 0
+    source = setup.resume_from
     if setup.resume_writer is not None:  # the stopped run is still writing it (trainer.handover)
         log(f"waiting for {setup.resume_writer.name} to finish writing {setup.resume_from}")
         recorder.set_status(waiting_for=str(setup.resume_from))
-        wait_for_checkpoint(setup.resume_from, setup.resume_writer)
-        check_shapes(setup.resume_from, expected_shapes(setup.drafter_config))  # the checks the pre-flight deferred
-        check_resume_nodes(setup.resume_from, setup.cfg.nodes)
+        source = wait_for_checkpoint(setup.resume_from, setup.resume_writer)
+        check_shapes(source, expected_shapes(setup.drafter_config))  # the checks the pre-flight deferred
+        check_resume_nodes(source, setup.cfg.nodes)
         recorder.set_status(waiting_for=None)
         recorder.mark("checkpoint_ready")
-    state = engine.load_checkpoint(setup.resume_from)
+    try:
+        state = engine.load_checkpoint(source)
+    except Exception:
+        if source == setup.resume_from or source.exists() or setup.resume_writer is None:
+            raise
+        # The writer renamed its written files into place (or removed them after a failed fsync) while they
+        # were being read: read the complete checkpoint, or report the writer's failure.
+        state = engine.load_checkpoint(wait_for_checkpoint(setup.resume_from, setup.resume_writer, durable=True))
     step, position = engine.restore(state)
     dropped = truncate_metrics(run_dir, step)
     log(
@@ -127,6 +153,7 @@ class Ending:
     step: int
     phase: str
     trained: bool = True  # False: stopped before the first step of this process
+    position: tuple[int, int] | None = None  # (epoch, index) of the last checkpoint's next micro-batch
 
 
 def _steps(
@@ -141,6 +168,7 @@ def _steps(
         return Ending(128 + signum, step, "stopped", trained=False)
     recorder.mark("warmed_up")
     first = step
+    position: tuple[int, int] | None = None
     while step < total_steps:
         engine.train_step(step)
         step += 1
@@ -166,17 +194,18 @@ def _steps(
             parts = engine.checkpoint_parts(step)  # a collective under --sync average across nodes
             if parts is not None:
                 save_in_background(recorder, writer, step, parts, last=last)
+                position = (int(parts["epoch"]), int(parts["index"]))
         else:
             report_checkpoints(recorder, writer.poll())  # a lock, no I/O: also raises a failed write here
         if stopping:
             assert signum is not None
             engine.finish()
-            return Ending(128 + signum, step, "stopped")
+            return Ending(128 + signum, step, "stopped", position=position)
     engine.finish()
     return Ending(EXIT_OK, step, "done")
 
 
-def _offer_handover(engine: Engine, recorder: RunRecorder, run_dir: Path, step: int) -> None:
+def _offer_handover(engine: Engine, recorder: RunRecorder, run_dir: Path, ending: Ending) -> None:
     """The final checkpoint of a stop is in host memory and still being written: drop every device tensor,
     and if the devices are free say so in status.json, so a restart may start the next run beside this
     process (trainer.handover). Memory still held (references this engine does not know of) means no offer:
@@ -190,11 +219,12 @@ def _offer_handover(engine: Engine, recorder: RunRecorder, run_dir: Path, step: 
             "release: no hand-over"
         )
         return
-    target = checkpoint_dir(run_dir, step)
+    target = checkpoint_dir(run_dir, ending.step)
     recorder.set_status(
         handover={
             "checkpoint": str(target),
-            "step": step,
+            "step": ending.step,
+            "position": list(ending.position) if ending.position else None,  # the next run warms up from here
             "devices_released": True,
             "device_bytes_left": left,
             "release_s": round(time.monotonic() - started, 3),

@@ -56,7 +56,8 @@ class SingleEngine:
             with torch.device(setup.drafter_device):
                 drafter = DFlashDrafter(setup.drafter_config)
         else:
-            drafter = DFlashDrafter(setup.drafter_config)
+            with torch.device(setup.drafter_device):  # a GPU initialises in milliseconds, the CPU in seconds
+                drafter = DFlashDrafter(setup.drafter_config)
             if cfg.init_from is not None:
                 drafter.load_state_dict(DFlashDrafter.from_pretrained(cfg.init_from).state_dict())
         self.target_side = TargetSide(target, setup.target_device, soft_labels=cfg.use_soft_labels)
@@ -64,6 +65,9 @@ class SingleEngine:
             cfg, drafter, target.embed_weight, target.lm_head_weight, setup.drafter_device, self.total_steps
         )
         print(f"loss kernels: {self.drafter_side.loss_kernels.kind}", file=sys.stderr, flush=True)
+
+    def warm_up(self, step: int, position: tuple[int, int], recorder: RunRecorder) -> None:
+        """Nothing ahead: the first step compiles (one drafter, one shape bucket at a time)."""
 
     def load_checkpoint(self, path: Path) -> CheckpointState:
         return load_checkpoint(path, self.setup.drafter_device)

@@ -27,7 +27,7 @@ PROFILE = """
 argv: ["{python}", -m, trainer, train, --preset, tiny, --output-dir, "{run_dir}", --max-steps, "100000",
        --wandb, "off", --log-interval, "1", --save-interval, "100000"]
 resume_args: [--resume, "{checkpoint}"]
-env: {TRAINER_TEST_WRITE_DELAY_S: "%s"}
+env: {TRAINER_TEST_WRITE_DELAY_S: "%s", TRAINER_TEST_SYNC_DELAY_S: "%s"}
 """
 
 
@@ -43,8 +43,8 @@ def alive(pid: int) -> bool:
         return False
 
 
-def deploy_parent(env: Env, capsys: pytest.CaptureFixture[str], delay: float) -> int:
-    add_profile(env, "tinyslow", PROFILE % delay)
+def deploy_parent(env: Env, capsys: pytest.CaptureFixture[str], delay: float, sync_delay: float = 0.0) -> int:
+    add_profile(env, "tinyslow", PROFILE % (delay, sync_delay))
     code, _, err = env.cli(
         "deploy",
         "--profile",
@@ -89,6 +89,25 @@ def test_restart_resume_starts_the_child_while_the_parent_writes_its_final_check
     assert timeline["checkpoint_ready"] <= timeline["resumed"] <= timeline["first_step"]
     code, out, _ = env.cli("status", "ho1", "--json", capsys=capsys)
     assert code == 0 and json.loads(out)["runs"][0]["state"] == "stopped"
+
+
+def test_the_child_reads_the_written_checkpoint_before_the_parents_fsyncs_end(
+    env: Env, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The parent's files are all written, only their fsyncs are left (slowed to 8 s): the child reads them from
+    the parent's temporary directory through the page cache instead of waiting for the disk, and resumes at
+    the offered step; the parent then makes the checkpoint durable and renames it into place as before."""
+    deploy_parent(env, capsys, delay=0.0, sync_delay=8.0)
+    code, _, err = env.cli("restart", "ho1", "--resume", "--grace", "60", capsys=capsys)
+    assert code == 0, err
+    offer = status(env, "ho1")["handover"]
+    checkpoint = Path(offer["checkpoint"])
+    log = env.runs / "ho2" / "train.log"
+    wait_until(lambda: f"resumed from {checkpoint} at step {offer['step']}" in log.read_text(), timeout=240)
+    wait_until(lambda: "ended" in status(env, "ho1")["timeline"], timeout=120)
+    assert status(env, "ho2")["timeline"]["resumed"] < status(env, "ho1")["timeline"]["ended"]
+    assert (checkpoint / "state.json").is_file() and not list(checkpoint.parent.glob(".tmp-*"))
+    assert status(env, "ho2")["last_checkpoint"] == str(checkpoint)
 
 
 def test_wait_exit_launches_only_after_the_parent_has_exited(env: Env, capsys: pytest.CaptureFixture[str]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -85,7 +86,8 @@ def test_gpu_bench_scripts_run_their_cpu_smoke_test(tmp_path, script: str, args:
 @pytest.mark.slow
 def test_the_restart_cycle_bench_runs_its_cpu_smoke_test(tmp_path) -> None:
     """bench/restart_cycle.py through the real CLI on the local target, tiny shapes on the CPU: a deploy, one
-    restart with the hand-over and one in the old order, each child resumed from its parent's final checkpoint."""
+    restart with the hand-over and one in the old order, each child resumed from its parent's final checkpoint,
+    each started by the standby interpreter the run before it left (real torch imported ahead)."""
     repo = Path(__file__).resolve().parents[2]
     args = ["--scale", "smoke", "--device", "cpu", "--modes", "handover,wait-exit", "--steps", "3"]
     done = subprocess.run(
@@ -98,4 +100,9 @@ def test_the_restart_cycle_bench_runs_its_cpu_smoke_test(tmp_path) -> None:
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     rows = [line.split(" | ") for line in done.stdout.splitlines() if line.startswith(("handover |", "wait-exit |"))]
     assert [row[0] for row in rows] == ["handover", "wait-exit"]
+    assert [row[1] for row in rows] == ["True", "True"], "a restart did not adopt the standby"
+    for line in done.stderr.splitlines():
+        if line.startswith('{"mode"'):
+            row = json.loads(line)  # the child compiled for its batch shapes before it read the checkpoint
+            assert row["compiled"] is not None and row["compiled"] <= row["resumed"], row
     assert "old exit 143: yes" in done.stdout

@@ -57,6 +57,26 @@ def test_the_wait_ends_when_the_checkpoint_is_renamed_into_place(tmp_path: Path)
     assert (target / "state.json").is_file() and 0.3 < time.monotonic() - started < 10
 
 
+def test_a_written_checkpoint_is_readable_from_the_writers_temporary_directory(tmp_path: Path) -> None:
+    """All files written (state.json last), fsyncs pending: `wait_for_checkpoint` returns the writer's own
+    `.tmp-<name>-<pid>`; not with `durable=True`, not another process's, not one without state.json."""
+    writer = tmp_path / "old"
+    target = writer / "checkpoints" / "step_000007"
+    (writer / "checkpoints").mkdir(parents=True)
+    (writer / "status.json").write_text(json.dumps({"pid": 4242}))
+    other = writer / "checkpoints" / ".tmp-step_000007-99"
+    other.mkdir()
+    (other / "state.json").write_text("{}")  # a crashed earlier writer's leftover: not this writer's
+    mine = writer / "checkpoints" / ".tmp-step_000007-4242"
+    mine.mkdir()
+    timer = threading.Timer(0.3, (mine / "state.json").write_text, args=("{}",))
+    timer.start()
+    assert wait_for_checkpoint(target, writer, timeout_s=30) == mine
+    timer = threading.Timer(0.3, make_checkpoint, args=(target,))
+    timer.start()
+    assert wait_for_checkpoint(target, writer, timeout_s=30, durable=True) == target
+
+
 def test_a_writer_that_ends_without_the_checkpoint_names_its_last_good_one(tmp_path: Path) -> None:
     writer = tmp_path / "old"
     make_checkpoint(writer / "checkpoints" / "step_000003")
@@ -112,6 +132,7 @@ def test_a_stopped_trainer_offers_the_handover_while_its_final_checkpoint_is_wri
             time.sleep(0.05)
         checkpoint = Path(offer["checkpoint"])
         assert offer["devices_released"] is True and offer["device_bytes_left"] == {}  # the CPU holds no cache
+        assert isinstance(offer["position"], list) and len(offer["position"]) == 2  # where the next run warms up
         assert checkpoint.parent == run_dir / "checkpoints" and not checkpoint.exists()  # still being written
         assert proc.wait(timeout=120) == 143
     finally:
@@ -126,6 +147,7 @@ def test_a_stopped_trainer_offers_the_handover_while_its_final_checkpoint_is_wri
         "imports_done",
         "preflight_done",
         "built",
+        "compiled",
         "warmed_up",
         "first_step",
         "stop_agreed",

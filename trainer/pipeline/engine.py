@@ -88,6 +88,7 @@ class PipelineEngine:
         self.supervisor: Supervisor | None = None
         self.failure: BaseException | None = None
         self.g_start = 0  # the first micro-batch this process trains (0, or the resumed position)
+        self.warmed: set[tuple[int, int]] = set()  # (rows, padded length) shapes the replicas are compiled for
         self.steps_done = 0
         self._told_stop = False
 
@@ -116,11 +117,17 @@ class PipelineEngine:
             replicas = [self._drafter_on(d) for d in self.drafter_devices]
         else:
             torch.manual_seed(cfg.seed)  # the drafter's init is a function of --seed, as in the single-process engine
-            base = DFlashDrafter(setup.drafter_config)
+            # One node: initialised on the first drafter device (a GPU takes milliseconds, the CPU ~17 s for the
+            # qwen3-8b drafter's 1.05 B parameters: bench/RESULTS.md session 7), so the values depend on the seed
+            # and the device type. Several nodes: on the CPU, which the weight broadcast (gloo) sends from.
+            home = torch.device("cpu") if self.cluster.distributed else self.drafter_devices[0]
+            with torch.device(home):
+                base = DFlashDrafter(setup.drafter_config)
             if cfg.init_from is not None and self.cluster.rank == 0:
                 base.load_state_dict(DFlashDrafter.from_pretrained(cfg.init_from).state_dict())
             self.cluster.broadcast_module_(base)  # every node starts from node 0's weights (--init-from: its file)
-            replicas = [copy.deepcopy(base) for _ in self.drafter_devices]
+            # The last replica is the base itself: one copy fewer of the weights on the device at once.
+            replicas = [copy.deepcopy(base) for _ in self.drafter_devices[:-1]] + [base]
         self.sides = [
             DrafterSide(
                 cfg, drafter, targets[0].embed_weight, targets[0].lm_head_weight, d, self.total_steps, **compile_kw
@@ -161,6 +168,33 @@ class PipelineEngine:
             self.setup.dataset, stream.epoch_batches(epoch)[index], epoch, index, self.cfg, self.slot_weights
         )
 
+    def warm_up(self, step: int, position: tuple[int, int] | None, recorder: RunRecorder) -> None:
+        """Compile every replica for every batch shape of the steps from `step` on, whose first micro-batch is
+        at data position `position` (epoch, index), before the checkpoint is read: on a restart this overlaps
+        the stopped run's final write. A distributed run warms up in `running`, once every node knows it."""
+        if position is None or self.cluster.distributed:
+            return
+        self._warm_up(step, self.order.index(*position), recorder)
+
+    def _warm_up(self, step: int, g_start: int, recorder: RunRecorder) -> None:
+        g_end = min(g_start + (self.total_steps - step) * self.assignment.per_step, self.order.total)
+        recorder.set_status(phase="compiling")
+        report, self.warmed = warm_up_drafters(
+            self.sides,
+            self.target_sides[0],
+            lambda g: self._make_batch(g, self.stream),
+            self.stream,
+            self.order,
+            g_start,
+            g_end,
+            owns=self.assignment.owns,
+            done=self.warmed,
+        )
+        if report.seconds_per_variant:
+            _log(report.summary())
+            if self.options.on_warmup is not None:
+                self.options.on_warmup(report)
+
     @contextlib.contextmanager
     def running(self, step: int, recorder: RunRecorder) -> Iterator[None]:
         cfg, options, assignment = self.cfg, self.options, self.assignment
@@ -178,20 +212,8 @@ class PipelineEngine:
         g_start, g_end = self.g_start, self.g_start + (self.total_steps - step) * assignment.per_step
         if self.cluster.distributed:  # status.json says which node of the run this directory belongs to
             recorder.set_status(node=self.cluster.rank, nodes=self.cluster.nodes)
-        recorder.set_status(phase="compiling", step=step)
-        report = warm_up_drafters(
-            self.sides,
-            self.target_sides[0],
-            lambda g: self._make_batch(g, self.stream),
-            self.stream,
-            self.order,
-            g_start,
-            g_end,
-            owns=assignment.owns,
-        )
-        _log(report.summary())
-        if options.on_warmup is not None:
-            options.on_warmup(report)
+        recorder.set_status(step=step)
+        self._warm_up(step, g_start, recorder)  # the shapes `warm_up` did not cover (all, if it was not called)
         self.channels = channels = ChannelGroup(threading.Event())
         self.supervisor = supervisor = Supervisor(channels, join_timeout_s=options.join_timeout_s)
         feature_channels = {

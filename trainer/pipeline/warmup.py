@@ -49,9 +49,12 @@ def warm_up_drafters(
     g_start: int,
     g_end: int,
     owns: Callable[[int], bool] | None = None,
-) -> WarmupReport:
-    """Forward+backward every replica on one real batch of every shape; leaves weights, grads, RNG untouched."""
-    shapes = shapes_to_warm(stream, order, g_start, g_end, owns)
+    done: set[tuple[int, int]] | frozenset[tuple[int, int]] = frozenset(),
+) -> tuple[WarmupReport, set[tuple[int, int]]]:
+    """Forward+backward every replica on one real batch of every shape not in `done` (warmed already); leaves
+    weights, grads, RNG untouched. Returns the report and every shape warmed now or before. Needs no particular
+    weights: a restart warms its replicas before the checkpoint is read (trainer.loop)."""
+    shapes = {s: g for s, g in shapes_to_warm(stream, order, g_start, g_end, owns).items() if s not in done}
     variants = [(number, shape) for number in range(len(sides)) for shape in sorted(shapes)]
     features_by_shape: dict[tuple[int, int], Any] = {}
     saved_rng = rng_state()
@@ -75,4 +78,4 @@ def warm_up_drafters(
 
     report = warm_up([Label(v) for v in variants], run_one)
     restore_rng(saved_rng)
-    return report
+    return report, {*done, *shapes}
