@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -209,6 +210,9 @@ def main() -> int:
     args = parser.parse_args()
     scale, work = SCALES[args.scale], Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
+    # Runs of an earlier call (each keeps its final checkpoint: 12.6 GB at the 8B shape) would fill the disk; the
+    # target and data are kept. Its standbys, if any, exit when their folder is gone.
+    shutil.rmtree(work / "ws", ignore_errors=True)
     t = time.monotonic()
     if not (work / "data" / "meta.json").exists():
         write_shards(work / "data", scale, samples=scale["rows"] * 2 * 400)

@@ -28,6 +28,7 @@ import re
 import shutil
 import threading
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -216,6 +217,7 @@ def write_checkpoint(run_dir: Path, snapshot: CheckpointSnapshot, keep: int) -> 
     except Exception as exc:
         needed = snapshot_bytes(snapshot)
         no_space = is_out_of_space(exc, root, needed)  # measured before the cleanup frees the space
+        _drop_frames(exc)
         shutil.rmtree(tmp, ignore_errors=True)
         if no_space:
             mount = mount_point(root)
@@ -235,6 +237,22 @@ def write_checkpoint(run_dir: Path, snapshot: CheckpointSnapshot, keep: int) -> 
     for _, old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _drop_frames(exc: BaseException) -> None:
+    """Clear the local variables of the finished frames `exc` (and what it was raised from) holds. A failed
+    writer's file object lives in its frame (torch.save's zip writer, the side-by-side writer's futures), and
+    an open file keeps its blocks allocated after the unlink: on a full disk the cleanup would free nothing
+    while the exception is alive. Tracebacks still print (file, line, function stay)."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        error = pending.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        pending += [error.__cause__, error.__context__]
 
 
 def _write_parts(tmp: Path, snapshot: CheckpointSnapshot) -> None:
