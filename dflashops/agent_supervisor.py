@@ -317,6 +317,8 @@ class Supervisor:
                 "env": fill(template["env"], values),
                 "cwd": fill(template["cwd"], values),
                 "launcher": template.get("launcher", "nohup"),
+                "standby": template.get("standby", False),
+                "standby_idle_s": template.get("standby_idle_s"),
                 "run_json": run_json,
             }
         )

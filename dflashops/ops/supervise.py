@@ -84,6 +84,8 @@ def template(
         "shown_env": run_json["env"],
         "cwd": fresh.args["cwd"],
         "launcher": fresh.args["launcher"],
+        "standby": fresh.args.get("standby", False),  # an auto-restart takes the target's standby interpreter too
+        "standby_idle_s": fresh.args.get("standby_idle_s"),
         "run_json": run_json,
     }
 
