@@ -338,13 +338,19 @@ def verb_launch(req: dict) -> dict:
         remove_quietly(spec_path)
     if wants_standby:
         start_standby(req, argv, launch_env, launcher, directory)
+    return launch_answer(directory, pgid, marker, launcher, session, standby=False)
+
+
+def launch_answer(directory: str, pgid: int | None, marker: str, launcher: str, session: str, *, standby: bool) -> dict:
+    """What `launch` answers: where the run is, its group and marker, how it was started (`standby`: a standby
+    interpreter took it)."""
     return {
         "run_dir": directory,
         "pgid": pgid,
         "marker": marker,
         "launcher": launcher,
         "session": session,
-        "standby": False,
+        "standby": standby,
     }
 
 
@@ -672,14 +678,7 @@ def adopt_standby(
             pgid = wait_for_file(os.path.join(directory, "pgid"), 10.0)
         if pgid is None:
             launch_failed(directory, f"the standby {os.path.basename(folder)} took the run but did not start it")
-        return {
-            "run_dir": directory,
-            "pgid": pgid,
-            "marker": marker,
-            "launcher": launcher,
-            "session": session,
-            "standby": True,
-        }
+        return launch_answer(directory, pgid, marker, launcher, session, standby=True)
     return None
 
 
