@@ -1778,8 +1778,9 @@ def prune_releases(workspace: str, keep: int) -> list[str]:
 
 
 def verb_gc(req: dict) -> dict:
-    """Explicit clean-up: old releases beyond `keep`, and the run directories named in `runs` that are not
-    running. Nothing else is ever deleted."""
+    """Explicit clean-up: old releases beyond `keep`, the run directories named in `runs` that are not
+    running, and with `standby` every waiting standby interpreter (asked to exit: `retired`; one that a launch
+    has just claimed runs its run). Nothing else is ever deleted."""
     workspace = workspace_of(req)
     removed_runs = []
     for name in req.get("runs") or []:
@@ -1794,7 +1795,11 @@ def verb_gc(req: dict) -> dict:
     removed = (
         prune_releases(workspace, int(req.get("keep", 5))) if os.path.isdir(os.path.join(workspace, "releases")) else []
     )
-    return {"removed_releases": removed, "removed_runs": removed_runs}
+    retired = []
+    if req.get("standby"):
+        retired = [os.path.basename(folder) for folder, _ in standbys(workspace)]
+        retire_standbys(workspace, keep=None)
+    return {"removed_releases": removed, "removed_runs": removed_runs, "retired_standbys": retired}
 
 
 # ----------------------------------------------------------------------------------------------- fetch

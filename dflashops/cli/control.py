@@ -110,14 +110,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "gc",
         help="delete old releases and (only when named) finished run directories",
         description="Delete code releases on TARGET except the newest --keep, the current one and any a live run "
-        "uses, and the run directories named with --run (only runs that are not running). Nothing "
-        "else is deleted; prints what was removed as JSON.",
+        "uses, and the run directories named with --run (only runs that are not running); with --standby, "
+        "ask TARGET's standby interpreters to exit. Nothing else is deleted or stopped; prints what was "
+        "removed as JSON.",
     )
     gc.add_argument(
         "target", nargs="?", metavar="TARGET", help="target from the inventory (default: the default target)"
     )
     gc.add_argument("--keep", type=int, default=5, metavar="N", help="releases to keep (default 5)")
     gc.add_argument("--run", action="append", default=[], metavar="RUN", help="a run directory to delete (repeatable)")
+    gc.add_argument(
+        "--standby",
+        action="store_true",
+        help="also retire the target's waiting standby interpreters (inventory `standby`)",
+    )
     gc.add_argument("--dry-run", action="store_true", help="print the commands that would run; change nothing")
     gc.set_defaults(func=handle_gc)
 
@@ -350,7 +356,7 @@ def handle_gc(args: argparse.Namespace) -> int:
     with open_invocation(args, dry_run=args.dry_run) as invocation:
         target = invocation.inventory.target(args.target)
         answer = invocation.agent(target).call(
-            "gc", {"workspace": target.workspace, "keep": args.keep, "runs": args.run}
+            "gc", {"workspace": target.workspace, "keep": args.keep, "runs": args.run, "standby": args.standby}
         )
         if args.dry_run:
             print_plan(invocation)

@@ -192,3 +192,14 @@ def test_a_job_that_is_not_the_trainer_never_gets_a_standby(env: Env) -> None:
     assert env.agent("launch", request)["standby"] is False
     time.sleep(0.5)
     assert standbys(str(env.workspace)) == []
+
+
+def test_gc_standby_retires_the_waiting_interpreters(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    rel = release(env.root, "rel1", "v1")
+    launch(env, "sg1", rel)
+    finished(env, "sg1")
+    folder, _ = ready_standby(env)
+    code, out, err = env.cli("gc", "--standby", capsys=capsys)
+    assert code == 0, err
+    assert json.loads(out)["retired_standbys"] == [folder.name]
+    wait_for(lambda: standbys(str(env.workspace)) == [], "the standby to exit")
