@@ -530,12 +530,28 @@ STANDBY_PRELOAD = (  # module or module:attribute (transformers builds its lazy 
     "numpy",
 )
 # What an interpreter reads as it starts (its flags, the import-time settings of torch, inductor, triton,
-# transformers, the loader's paths): these must be the same for a standby and the run it takes. PYTHONPATH is
-# not among them: it names the release, which a standby never imports from.
+# transformers, the loader's paths): these must be the same for a standby and the run it takes. Not among them,
+# and not given to a standby ahead: what is only read later and changes with the code (PYTHONPATH names the
+# release, which a standby never imports from; the compile caches are per code hash and read when compiling).
 STARTUP_ENV_RE = re.compile(
     r"^(PYTHON|TORCH|PYTORCH|TRITON|CUDA|NCCL|HF_|TRANSFORMERS|LD_|OMP_|MKL_|KMP_|PATH$|VIRTUAL_ENV$)"
 )
-SECRET_KEY_RE = re.compile(r"(TOKEN|KEY|SECRET|PASSWORD|PASSWD)", re.IGNORECASE)  # never in a standby's files
+PER_RUN_ENV = ("PYTHONPATH", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+# Never in a standby's files or environment: the launch's `secret_keys` (the profile's pass_env), and any name
+# that looks like one.
+SECRET_KEY_RE = re.compile(r"(TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL)", re.IGNORECASE)
+
+
+def standby_env(env: dict, secret_keys: list) -> dict:
+    """The part of a launch's environment a standby may start with: no secrets, nothing per run."""
+    return {
+        k: v
+        for k, v in env.items()
+        if k not in PER_RUN_ENV
+        and k not in secret_keys
+        and not k.startswith("DFLASHOPS_")
+        and not SECRET_KEY_RE.search(k)
+    }
 
 
 def standby_eligible(argv: list[str]) -> bool:
@@ -543,13 +559,10 @@ def standby_eligible(argv: list[str]) -> bool:
     return len(argv) >= 3 and argv[1:3] == ["-m", "trainer"]
 
 
-def standby_fingerprint(python: str, env: dict, launcher: str) -> str:
+def standby_fingerprint(python: str, env: dict, launcher: str, secret_keys: list) -> str:
     """Which standby may take a launch: the same python, launcher and start-up environment (the agent's own
     environment with the launch's on top, as the wrapper gives the job)."""
-    full = {**os.environ, **env}
-    view = {
-        k: v for k, v in full.items() if STARTUP_ENV_RE.match(k) and k != "PYTHONPATH" and not SECRET_KEY_RE.search(k)
-    }
+    view = {k: v for k, v in standby_env({**os.environ, **env}, secret_keys).items() if STARTUP_ENV_RE.match(k)}
     text = json.dumps([python, launcher, sorted(view.items())])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -589,8 +602,8 @@ def retire_standbys(workspace: str, keep: str | None) -> None:
 def start_standby(req: dict, argv: list[str], launch_env: dict, launcher: str, after: str) -> None:
     """Make sure one unclaimed standby for the next launch like this one exists (best effort: a standby that
     cannot start costs the next launch its head start, never this launch)."""
-    workspace = req["workspace"]
-    fingerprint = standby_fingerprint(argv[0], launch_env, launcher)
+    workspace, secret_keys = req["workspace"], list(req.get("secret_keys") or [])
+    fingerprint = standby_fingerprint(argv[0], launch_env, launcher, secret_keys)
     retire_standbys(workspace, keep=fingerprint)
     for folder, spec in standbys(workspace):
         if spec.get("fingerprint") == fingerprint and not os.path.exists(os.path.join(folder, "claimed")):
@@ -598,11 +611,7 @@ def start_standby(req: dict, argv: list[str], launch_env: dict, launcher: str, a
     ident = f"{int(time.time() * 1000):x}-{os.urandom(3).hex()}"
     folder = os.path.join(workspace, STANDBY_ROOT, ident)
     marker = f"standby-{ident}.{os.urandom(6).hex()}"
-    env = {
-        k: v
-        for k, v in launch_env.items()
-        if k != "PYTHONPATH" and not k.startswith("DFLASHOPS_") and not SECRET_KEY_RE.search(k)
-    }
+    env = standby_env(launch_env, secret_keys)
     spec = {
         "fingerprint": fingerprint,
         "python": argv[0],
@@ -642,7 +651,7 @@ def adopt_standby(
     """Hand this launch to a ready standby of the same fingerprint; the launch's answer, or None (none ready:
     the caller launches as usual)."""
     workspace = req["workspace"]
-    fingerprint = standby_fingerprint(argv[0], launch_env, launcher)
+    fingerprint = standby_fingerprint(argv[0], launch_env, launcher, list(req.get("secret_keys") or []))
     for folder, spec in standbys(workspace):
         ready = read_int(os.path.join(folder, "ready"))
         if spec.get("fingerprint") != fingerprint or not carries_marker(ready, spec["marker"]):

@@ -199,6 +199,7 @@ def launch_spec(
         "run_json": run_json,
         "standby": target.standby,
         "standby_idle_s": target.standby_idle_s,
+        "secret_keys": sorted(secrets),  # names only: kept out of a standby interpreter's files and environment
     }
     return LaunchSpec(name=name, run_dir=run_dir, record=record, args=args, env={**env, **secrets})
 

@@ -44,7 +44,14 @@ def launch(
         "workspace": str(env.workspace),
         "name": name,
         "argv": [sys.executable, "-m", "trainer", "train", *args],
-        "env": {"PYTHONPATH": str(rel), "RUN_TOKEN": "s3cret-token", **(job_env or {})},
+        "env": {
+            "PYTHONPATH": str(rel),
+            "TORCHINDUCTOR_CACHE_DIR": str(env.workspace / "cache" / "inductor" / rel.name),  # per code, as deploy
+            "RUN_TOKEN": "s3cret-token",
+            "PLAIN_NAMED": "s3cret-plain",  # a pass_env secret whose name looks like nothing
+            **(job_env or {}),
+        },
+        "secret_keys": ["PLAIN_NAMED", "RUN_TOKEN"],
         "launcher": launcher,
         "standby": True,
         "standby_preload": ["json"],
@@ -105,7 +112,9 @@ def test_the_next_launch_takes_the_standby_with_its_own_argv_env_cwd_and_exit_co
     assert run["path0"] == str(env.runs / "sb2")  # `-m`'s sys.path: the working directory first
     wait_for(lambda: not folder.exists(), "the adopted standby's folder to go")
     ready_standby(env)  # the next one is started, following sb2
-    assert b"s3cret-token" not in all_bytes(env.workspace / "standby")
+    assert b"s3cret" not in all_bytes(env.workspace / "standby")
+    spare = next(iter(standbys(str(env.workspace))))[1]
+    assert "PLAIN_NAMED" not in spare["env"] and "RUN_TOKEN" not in spare["env"]
 
 
 def test_a_code_change_reaches_the_adopted_run(env: Env) -> None:
