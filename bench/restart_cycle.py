@@ -23,7 +23,9 @@ prints where the seconds from `restart` typed to the child's first step went:
           old writer's data) -> resumed (read + loaded) -> worker threads started -> first step
 
 `handover` is the default restart (trainer/handover.py: the child starts once the old trainer's devices are free);
-`wait-exit` the old order (the child starts after the old process exited). Checks: the child resumed from the
+`wait-exit` the old order (the child starts after the old process exited); `code-change` a hand-over restart
+after a change of the code (one file added to the trainer package, removed again once `restart` returned): a new
+release, so a new, empty compile cache (the cache is per code hash). Checks: the child resumed from the
 old run's final checkpoint at the step it stopped at, and the old run ended with exit code 143.
 """
 
@@ -44,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 from gpu_pipeline import SCALES, shape_flags, target_shape, write_shards  # noqa: E402
 
+CHANGE = ROOT / "trainer" / "_restart_cycle_change.py"  # `--modes code-change`: one file added to the release
 START = [
     "python_started",
     "imports_done",
@@ -235,6 +238,10 @@ def main() -> int:
     for k, mode in enumerate(args.modes.split(",")):
         old, new = name, f"{name.rsplit('-', 1)[0]}-{k + 2}"
         standby = None if args.no_standby else ready_standby(work / "ws", 300)
+        if mode == "code-change":  # a new release (new code hash): its compile cache is a new, empty folder
+            CHANGE.write_text(
+                f"# bench/restart_cycle.py: a code change for restart {k + 1}\nCHANGED_AT = {time.time()!r}\n"
+            )
         typed = time.time()
         cli(
             inventory,
@@ -248,6 +255,7 @@ def main() -> int:
             *(["--wait-exit"] if mode == "wait-exit" else []),
         )
         returned = time.time()
+        CHANGE.unlink(missing_ok=True)  # shipped with the release already; the checkout stays as it was
         new_dir, old_dir = runs / new, runs / old
         wait(lambda: "first_step" in status(new_dir).get("timeline", {}), 600, f"{new} first step", new_dir)  # noqa: B023 - called here
         wait(lambda: (old_dir / "exit_code").is_file(), 600, f"{old} exit", old_dir)  # noqa: B023 - called here
