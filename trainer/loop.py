@@ -101,7 +101,10 @@ def run_training(setup: RunSetup, engine: Engine) -> int:
 def start_point(setup: RunSetup) -> tuple[int, tuple[int, int]] | None:
     """(step, (epoch, index)) this run continues from, as far as it is known before the checkpoint is read: the
     beginning, the --resume checkpoint's state.json, or, while the stopped run still writes it, that run's
-    hand-over offer (trainer.handover); None when none of these says it."""
+    hand-over offer (trainer.handover); None when none of these says it, and on a node that reads no
+    checkpoints (a distributed run's nodes other than node 0: the checkpoint is on node 0's disk)."""
+    if not setup.reads_checkpoints:
+        return None
     if setup.resume_from is None:
         return 0, (0, 0)
     if setup.resume_writer is None:

@@ -43,6 +43,9 @@ class RunSetup:
     # The run still writing the --resume checkpoint (a restart's hand-over, trainer.handover): its checks are
     # deferred until trainer.loop has waited for it.
     resume_writer: Path | None = None
+    # False on the nodes of a distributed run other than node 0: `resume_from` then names node 0's checkpoint,
+    # which only node 0 reads (and sends); it may not exist on this node's disk.
+    reads_checkpoints: bool = True
 
 
 def first_device(devices: list[str]) -> torch.device:
@@ -225,6 +228,7 @@ def preflight(cfg: TrainConfig, *, reads_checkpoints: bool = True) -> RunSetup:
         total_steps,
         resume_writer=writer,
         epoch_sizes=stream.epoch_sizes(),
+        reads_checkpoints=reads_checkpoints,
     )
 
 

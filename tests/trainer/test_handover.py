@@ -157,3 +157,30 @@ def test_a_stopped_trainer_offers_the_handover_while_its_final_checkpoint_is_wri
     ]
     assert [timeline[k] for k in order] == sorted(timeline[k] for k in order), timeline
     assert timeline["ended"] - timeline["devices_released"] >= 3.5  # the write came after the release
+
+
+def test_the_start_point_comes_from_the_checkpoint_or_the_offer_and_never_from_another_nodes_disk(
+    tmp_path: Path,
+) -> None:
+    """Where the warm-up starts before the checkpoint is read (trainer.loop.start_point): the beginning, the
+    checkpoint's state.json, the writer's hand-over offer; nothing on a node that reads no checkpoints (a
+    distributed run's node 1 names node 0's checkpoint, which is not on its disk: read, it failed the run)."""
+    from trainer.config import parse_train_args
+    from trainer.loop import start_point
+    from trainer.preflight import preflight
+
+    setup = preflight(parse_train_args(["--preset", "tiny", "--output-dir", str(tmp_path / "run"), "--wandb", "off"]))
+    assert start_point(setup) == (0, (0, 0))
+    checkpoint = tmp_path / "old" / "checkpoints" / "step_000009"
+    setup.resume_from = checkpoint  # not on this node's disk
+    setup.reads_checkpoints = False
+    assert start_point(setup) is None
+    setup.reads_checkpoints = True
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "state.json").write_text(json.dumps({"step": 9, "epoch": 1, "index": 4, "scheduler": {}}))
+    assert start_point(setup) == (9, (1, 4))
+    pending = tmp_path / "old" / "checkpoints" / "step_000012"
+    offer = {"checkpoint": str(pending), "step": 12, "position": [2, 0]}
+    (tmp_path / "old" / "status.json").write_text(json.dumps({"pid": 1, "handover": offer}))
+    setup.resume_from, setup.resume_writer = pending, tmp_path / "old"
+    assert start_point(setup) == (12, (2, 0))
