@@ -142,6 +142,33 @@ def imports(req: dict) -> dict:
     return json.loads(lines[-1])
 
 
+def standbys(workspace: str) -> list[dict]:
+    """The standby interpreters waiting in the workspace (agent.py, standby section): id, whether its imports
+    are done (`ready`: the interpreter's pid, and for how long), claimed or retired. Reads files only."""
+    found = []
+    for folder in sorted(glob.glob(os.path.join(workspace, "standby", "*", "spec.json"))):
+        folder = os.path.dirname(folder)
+        ready = os.path.join(folder, "ready")
+        pid, waiting_s = None, None
+        try:
+            with open(ready) as handle:
+                pid = int(handle.read().strip())
+            waiting_s = time.time() - os.path.getmtime(ready)
+        except (OSError, ValueError):  # not ready yet (or it just left)
+            pass
+        found.append(
+            {
+                "id": os.path.basename(folder),
+                "pid": pid,
+                "alive": bool(pid) and os.path.exists(f"/proc/{pid}"),
+                "waiting_s": waiting_s,
+                "claimed": os.path.exists(os.path.join(folder, "claimed")),
+                "retired": os.path.exists(os.path.join(folder, "retired")),
+            }
+        )
+    return found
+
+
 def main(argv: list[str]) -> int:
     try:
         req = json.loads(argv[argv.index("--json-args") + 1]) if "--json-args" in argv else {}
@@ -157,6 +184,7 @@ def main(argv: list[str]) -> int:
             "tools": {name: shutil.which(name) for name in ("tmux", "nohup", "setsid")},
             "disk": {"workspace": disk(workspace), "cache": disk(os.path.join(workspace, "cache", "inductor"))},
             "writable": writable(workspace),
+            "standbys": standbys(workspace),
             "time_started": STARTED,
             "time": time.time(),
         }

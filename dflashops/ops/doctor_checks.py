@@ -250,11 +250,34 @@ def judge_probe(
                 f"make {target.workspace} writable for the user the agent runs as",
             )
         )
+    checks.append(standby_check(target, answer.get("standbys") or []))
     offset = float(answer.get("time", arrived)) - arrived  # + the answer's one-way trip: milliseconds
     detail = f"target clock {offset:+.2f} s from this machine's"
     status = "fail" if abs(offset) >= CLOCK_FAIL_S else "warn" if abs(offset) >= CLOCK_WARN_S else "ok"
     checks.append(Check("clock", status, detail, None if status == "ok" else "enable NTP (chrony/systemd-timesyncd)"))
     return checks
+
+
+def standby_check(target: Target, found: list[dict[str, Any]]) -> Check:
+    """The standby interpreters (dflashops/agent.py): what waits, and whether that is what the inventory asks."""
+    waiting = [s for s in found if s.get("pid") and s.get("alive") and not s.get("claimed") and not s.get("retired")]
+    described = ", ".join(f"pid {s['pid']} ready for {float(s.get('waiting_s') or 0) / 60:.0f} min" for s in waiting)
+    if not target.standby:
+        if waiting:
+            return Check(
+                "standby",
+                "warn",
+                f"{len(waiting)} standby interpreter(s) waiting ({described}) although the target's standby is off",
+                f"dflashops gc {target.name} --standby (they also exit after standby_idle_s)",
+            )
+        return Check("standby", "skip", "off (inventory `standby: true` keeps the next run's python ready)")
+    if waiting:
+        return Check(
+            "standby",
+            "ok",
+            f"{described}; the next trainer launch takes it (unused, it exits after {target.standby_idle_s} s)",
+        )
+    return Check("standby", "ok", "none waiting yet: a trainer launch starts one, ready after that run's first step")
 
 
 def secret_checks(profiles: list[Profile], environ: dict[str, str], explicit: bool) -> list[Check]:

@@ -212,3 +212,21 @@ def test_gc_standby_retires_the_waiting_interpreters(env: Env, capsys: pytest.Ca
     assert code == 0, err
     assert json.loads(out)["retired_standbys"] == [folder.name]
     wait_for(lambda: standbys(str(env.workspace)) == [], "the standby to exit")
+
+
+def test_doctor_tells_what_waits(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = env.cli("doctor", "--json", capsys=capsys)
+    checks = {c["name"]: c for c in json.loads(out)["targets"][0]["checks"]}
+    assert checks["standby"]["status"] == "skip"  # the inventory's target has no `standby: true`
+    launch(env, "sd1", release(env.root, "rel1", "v1"))
+    finished(env, "sd1")
+    _, pid = ready_standby(env)
+    code, out, _ = env.cli("doctor", "--json", capsys=capsys)
+    check = {c["name"]: c for c in json.loads(out)["targets"][0]["checks"]}["standby"]
+    assert check["status"] == "warn" and f"pid {pid}" in check["detail"] and "--standby" in check["hint"]
+    env.inventory.write_text(
+        env.inventory.read_text().replace("    workspace: ws\n", "    workspace: ws\n    standby: true\n")
+    )
+    code, out, _ = env.cli("doctor", "--json", capsys=capsys)
+    check = {c["name"]: c for c in json.loads(out)["targets"][0]["checks"]}["standby"]
+    assert check["status"] == "ok" and f"pid {pid}" in check["detail"]
