@@ -656,6 +656,8 @@ def adopt_standby(
         ready = read_int(os.path.join(folder, "ready"))
         if spec.get("fingerprint") != fingerprint or not carries_marker(ready, spec["marker"]):
             continue
+        if not standby_alive(folder, spec):  # its wrapper is gone: nobody would take the claim
+            continue
         try:
             os.mkdir(os.path.join(folder, "claimed"))  # one launch per standby (the standby claims itself to exit)
         except FileExistsError:
