@@ -6,8 +6,7 @@ The schema is versioned by a `schema_migrations` table. A file that is not SQLit
 program's database, or was written by a newer dflashops is refused before anything is written to it.
 
 Every record is also mirrored by its run's `run.json` on the target, so `runs sync` can rebuild this
-file (`import_run_json` is idempotent). Public names re-exported here: RunRecord, STATES, next_name,
-redact_env, redact_argv, diff_runs, RunDiff, wandb_env.
+file (`import_run_json` is idempotent). The package (dflashops.lineage) exports the public names.
 """
 
 from __future__ import annotations
@@ -20,14 +19,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dflashops.errors import Conflict, DflashopsError, NotFound
-from dflashops.lineage.diff import RunDiff, diff_runs, parse_argv
-from dflashops.lineage.naming import lineage_root, next_name, wandb_env
+from dflashops.lineage.naming import lineage_root, next_name
 from dflashops.lineage.record import (
     STATES,
     RunRecord,
     record_from_run_json,
-    redact_argv,
-    redact_env,
     utc_now_iso,
 )
 from dflashops.lineage.sqlite import (
@@ -40,20 +36,7 @@ from dflashops.lineage.sqlite import (
 )
 from dflashops.shell import validate_name
 
-__all__ = [
-    "STATES",
-    "LineageDB",
-    "LineageDBError",
-    "RunDiff",
-    "RunRecord",
-    "diff_runs",
-    "next_name",
-    "parse_argv",
-    "record_from_run_json",
-    "redact_argv",
-    "redact_env",
-    "wandb_env",
-]
+__all__ = ["SCHEMA_VERSION", "LineageDB"]
 
 SCHEMA_VERSION = 1
 BUSY_TIMEOUT_MS = 15_000  # a writer waits this long for the other process's transaction (each is < 10 ms)
