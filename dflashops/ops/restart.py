@@ -16,7 +16,7 @@ No cache yet: `manifest` + the combined call (2 calls). Steady state: 1 call.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from dflashops.errors import Conflict, NotFound, TransportError, UsageError
@@ -80,6 +80,17 @@ def restart(invocation: Invocation, request: RestartRequest) -> RestartOutcome:
             raise Conflict(f"run name {request.name!r} is already used", hint="use --name + for the next free name")
     launcher = request.launcher or old.launcher
     extra = request.extra_args if request.extra_args is not None else list(old.extra.get("extra_args") or [])
+    deploy_request = DeployRequest(
+        target=old.target,
+        profile=profile.name,
+        name=request.name or "+",
+        parent=old.name,
+        note=request.note,
+        launcher=launcher,
+        clear_cache=request.clear_cache,
+        extra_args=extra,
+        checkpoint=RESUME_PLACEHOLDER if request.resume else None,
+    )
     if len(old.extra.get("nodes") or []) >= 2:  # a run on several targets: stop all, deploy all (ops/nodes.py)
         from dflashops.ops.control import NotRunning
         from dflashops.ops.nodes import relaunch_nodes
@@ -88,16 +99,7 @@ def restart(invocation: Invocation, request: RestartRequest) -> RestartOutcome:
             invocation,
             old,
             profile,
-            DeployRequest(
-                target=None,
-                profile=profile.name,
-                name=request.name or "+",
-                parent=old.name,
-                note=request.note,
-                launcher=launcher,
-                clear_cache=request.clear_cache,
-                extra_args=extra,
-            ),
+            replace(deploy_request, target=None, checkpoint=None),  # relaunch_nodes resumes each node itself
             resume=request.resume,
             grace=request.grace,
             not_running=NotRunning,
@@ -110,17 +112,6 @@ def restart(invocation: Invocation, request: RestartRequest) -> RestartOutcome:
             agent_calls=0,
         )
     target = invocation.inventory.target(old.target)
-    deploy_request = DeployRequest(
-        target=old.target,
-        profile=profile.name,
-        name=request.name or "+",
-        parent=old.name,
-        note=request.note,
-        launcher=launcher,
-        clear_cache=request.clear_cache,
-        extra_args=extra,
-        checkpoint=RESUME_PLACEHOLDER if request.resume else None,
-    )
     name = claim_name(
         invocation,
         deploy_request,
