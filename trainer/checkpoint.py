@@ -262,7 +262,7 @@ def _write_parts(tmp: Path, snapshot: CheckpointSnapshot) -> None:
     torch.save skips its zip records' CRC32 (one core at ~2-3 GB/s over 8.4 GB for the qwen3-8b drafter's
     optimizer; safetensors has no checksum either; torch.load accepts both). From the moment state.json is in
     `tmp` the data is complete and readable through the page cache, durable only after the fsyncs: a restart's
-    next run may read it from there (trainer.handover.readable_checkpoint) instead of waiting for the disk."""
+    next run may read it from there (trainer.handover.wait_for_checkpoint) instead of waiting for the disk."""
     torch.utils.serialization.config.save.compute_crc32 = False  # process-wide; checkpoints are its only torch.save
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="checkpoint-write") as pool:
         written = [

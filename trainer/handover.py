@@ -15,8 +15,10 @@ checkpoint being written and `RESUME_WRITER_ENV` naming the old run's directory.
 (the old process's exit, its group, the escalation after --grace) completes in the background as before.
 
 New run: the pre-flight accepts a `--resume` checkpoint that is not there yet only when `RESUME_WRITER_ENV`
-names the run directory it belongs to, and defers its checks; the loop builds, then `wait_for_checkpoint`
-waits for the checkpoint directory (it appears complete, by rename) before anything is read from it. If the
+names the run directory it belongs to, and defers its checks; the loop builds and compiles (from the offer's
+data position), then `wait_for_checkpoint` waits until every file of the checkpoint is written: it reads them
+from the writer's temporary directory while only their fsyncs are left, or from the checkpoint directory once
+it is renamed into place (`read_handed_over` falls back to the latter if the former goes away). If the
 old run ends without writing it, the new run fails with one error line naming the old run's last complete
 checkpoint. Without the variable nothing changes: a missing --resume path is refused up front.
 """
@@ -27,8 +29,9 @@ import gc
 import json
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
@@ -36,6 +39,7 @@ from trainer.checkpoint import checkpoints_root, list_checkpoints
 from trainer.config import TrainerInputError
 from trainer.run_files import STATUS
 
+T = TypeVar("T")
 RESUME_WRITER_ENV = "DFLASHOPS_RESUME_WRITER"  # the run directory whose final checkpoint --resume names
 WAIT_POLL_S = 0.1
 # Device memory the old process may still hold after the release (its CUDA context lives outside the caching
@@ -61,13 +65,19 @@ def pending_writer(resume: str | None, environ: dict[str, str] | None = None) ->
     return Path(writer)
 
 
+def _status(writer: Path) -> dict[str, Any]:
+    """The writer's status.json, or {} while it cannot be read (it is replaced atomically, so only absent)."""
+    try:
+        status = json.loads((writer / STATUS).read_text())
+    except (OSError, ValueError):
+        return {}
+    return status if isinstance(status, dict) else {}
+
+
 def offered_start(writer: Path, checkpoint: Path) -> tuple[int, tuple[int, int]] | None:
     """(step, (epoch, index)) of `checkpoint` from the hand-over offer in `writer`'s status.json, or None when
     the offer is not about it or does not say (a trainer from before `position` was offered)."""
-    try:
-        offer = json.loads((writer / STATUS).read_text()).get("handover") or {}
-    except (OSError, ValueError):
-        return None
+    offer = _status(writer).get("handover") or {}
     position = offer.get("position")
     if Path(str(offer.get("checkpoint"))) != Path(checkpoint) or not isinstance(position, list) or len(position) != 2:
         return None
@@ -84,10 +94,11 @@ def wait_for_checkpoint(path: Path, writer: Path, timeout_s: float = 3600.0, *, 
     status phase) is a TrainerInputError naming what the writer left; so is `timeout_s` without either."""
     deadline = time.monotonic() + timeout_s
     while not (path / "state.json").is_file():
-        written = None if durable else _written_not_durable(path, writer)
+        status = _status(writer)  # read once a poll: the writer's pid and how it ended
+        written = None if durable else _written_not_durable(path, status)
         if written is not None:
             return written
-        ended = _writer_end(writer)
+        ended = _writer_end(writer, status)
         if ended is not None and not (path / "state.json").is_file():
             raise TrainerInputError(
                 f"--resume: {writer.name} ended ({ended}) without writing its final checkpoint {path.name}",
@@ -101,26 +112,32 @@ def wait_for_checkpoint(path: Path, writer: Path, timeout_s: float = 3600.0, *, 
     return path
 
 
-def _written_not_durable(path: Path, writer: Path) -> Path | None:
-    """The writer's temporary directory of checkpoint `path` (`.tmp-<name>-<its pid>`, trainer.checkpoint)
-    once its state.json is there, else None."""
+def read_handed_over(load: Callable[[Path], T], source: Path, path: Path, writer: Path) -> T:
+    """`load(source)`, where `source` is what `wait_for_checkpoint(path, writer)` returned. When that was the
+    writer's temporary directory and it went away during the read (renamed into place, or removed after a
+    failed fsync), load the complete checkpoint instead, or raise the writer's failure."""
     try:
-        pid = int(json.loads((writer / STATUS).read_text())["pid"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return load(source)
+    except Exception:
+        if source == path or source.exists():
+            raise
+        return load(wait_for_checkpoint(path, writer, durable=True))
+
+
+def _written_not_durable(path: Path, status: dict[str, Any]) -> Path | None:
+    """The writer's temporary directory of checkpoint `path` (`.tmp-<name>-<its pid>`, trainer.checkpoint;
+    the pid from its `status`) once its state.json is there, else None."""
+    if not isinstance(status.get("pid"), int):
         return None
-    tmp = path.parent / f".tmp-{path.name}-{pid}"
+    tmp = path.parent / f".tmp-{path.name}-{status['pid']}"
     return tmp if (tmp / "state.json").is_file() else None
 
 
-def _writer_end(writer: Path) -> str | None:
-    """How the writing run ended, in words, or None while it has not."""
+def _writer_end(writer: Path, status: dict[str, Any]) -> str | None:
+    """How the writing run ended, in words (its exit_code file, else its `status`), or None while it has not."""
     code = writer / "exit_code"
     if code.is_file():
         return f"exit code {code.read_text().strip()}"
-    try:
-        status = json.loads((writer / STATUS).read_text())
-    except (OSError, ValueError):
-        return None
     if status.get("phase") in ("stopped", "done", "failed"):
         return f"status {status['phase']}" + (f": {status['error']}" if status.get("error") else "")
     return None

@@ -29,7 +29,7 @@ from typing import Any
 from trainer.checkpoint import CheckpointWriter, check_shapes, checkpoint_dir, read_state
 from trainer.engine import Engine
 from trainer.failure import record_failure
-from trainer.handover import devices_free, offered_start, wait_for_checkpoint
+from trainer.handover import devices_free, offered_start, read_handed_over, wait_for_checkpoint
 from trainer.metrics import RunRecorder, truncate_metrics
 from trainer.preflight import RunSetup, check_resume_nodes, expected_shapes
 from trainer.run_files import TRAIN_CONFIG
@@ -126,14 +126,10 @@ def _resume(setup: RunSetup, engine: Engine, recorder: RunRecorder, run_dir: Pat
         check_resume_nodes(source, setup.cfg.nodes)
         recorder.set_status(waiting_for=None)
         recorder.mark("checkpoint_ready")
-    try:
+    if setup.resume_writer is None:
         state = engine.load_checkpoint(source)
-    except Exception:
-        if source == setup.resume_from or source.exists() or setup.resume_writer is None:
-            raise
-        # The writer renamed its written files into place (or removed them after a failed fsync) while they
-        # were being read: read the complete checkpoint, or report the writer's failure.
-        state = engine.load_checkpoint(wait_for_checkpoint(setup.resume_from, setup.resume_writer, durable=True))
+    else:
+        state = read_handed_over(engine.load_checkpoint, source, setup.resume_from, setup.resume_writer)
     step, position = engine.restore(state)
     dropped = truncate_metrics(run_dir, step)
     log(

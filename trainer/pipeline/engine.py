@@ -176,8 +176,12 @@ class PipelineEngine:
             return
         self._warm_up(step, self.order.index(*position), recorder)
 
+    def _g_end(self, step: int, g_start: int) -> int:
+        """One past the last micro-batch of the steps from `step` on, whose first is `g_start`."""
+        return g_start + (self.total_steps - step) * self.assignment.per_step
+
     def _warm_up(self, step: int, g_start: int, recorder: RunRecorder) -> None:
-        g_end = min(g_start + (self.total_steps - step) * self.assignment.per_step, self.order.total)
+        g_end = self._g_end(step, g_start)
         recorder.set_status(phase="compiling")
         report, self.warmed = warm_up_drafters(
             self.sides,
@@ -209,7 +213,7 @@ class PipelineEngine:
             world=assignment.total_drafters,
         )
         self.start_step = self.steps_done = step
-        g_start, g_end = self.g_start, self.g_start + (self.total_steps - step) * assignment.per_step
+        g_start, g_end = self.g_start, self._g_end(step, self.g_start)
         if self.cluster.distributed:  # status.json says which node of the run this directory belongs to
             recorder.set_status(node=self.cluster.rank, nodes=self.cluster.nodes)
         recorder.set_status(step=step)
