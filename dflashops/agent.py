@@ -284,10 +284,11 @@ def verb_launch(req: dict) -> dict:
     launch_env = {str(k): str(v) for k, v in env.items()}
     cwd = req.get("cwd") or directory
     wants_standby = bool(req.get("standby")) and standby_eligible(argv)
+    fingerprint = standby_fingerprint(argv[0], launch_env, launcher, list(req.get("secret_keys") or []))
     if wants_standby:
-        adopted = adopt_standby(req, directory, argv, launch_env, cwd, launcher, session)
+        adopted = adopt_standby(req, directory, argv, launch_env, cwd, launcher, session, fingerprint)
         if adopted is not None:
-            start_standby(req, argv, launch_env, launcher, directory)
+            start_standby(req, argv, launch_env, launcher, directory, fingerprint)
             return adopted
     elif req.get("standby") is False:
         retire_standbys(req["workspace"], keep=None)
@@ -337,7 +338,7 @@ def verb_launch(req: dict) -> dict:
         # does not start the job.
         remove_quietly(spec_path)
     if wants_standby:
-        start_standby(req, argv, launch_env, launcher, directory)
+        start_standby(req, argv, launch_env, launcher, directory, fingerprint)
     return launch_answer(directory, pgid, marker, launcher, session, standby=False)
 
 
@@ -590,33 +591,37 @@ def standby_alive(folder: str, spec: dict) -> bool:
     return carries_marker(pgid, spec["marker"])
 
 
-def retire_standbys(workspace: str, keep: str | None) -> None:
-    """Ask every standby of another fingerprint than `keep` (all with None) to exit; forget dead ones."""
+def retire_standbys(workspace: str, keep: str | None) -> list[tuple[str, dict]]:
+    """Ask every standby of another fingerprint than `keep` (all with None) to exit; forget dead ones. Returns
+    the live standbys of fingerprint `keep`, oldest first."""
+    kept = []
     for folder, spec in standbys(workspace):
         if not standby_alive(folder, spec):
             shutil.rmtree(folder, ignore_errors=True)
         elif spec.get("fingerprint") != keep:
             write_atomic(os.path.join(folder, "retired"), "\n")
+        else:
+            kept.append((folder, spec))
+    return kept
 
 
-def start_standby(req: dict, argv: list[str], launch_env: dict, launcher: str, after: str) -> None:
-    """Make sure one unclaimed standby for the next launch like this one exists (best effort: a standby that
-    cannot start costs the next launch its head start, never this launch)."""
+def start_standby(req: dict, argv: list[str], launch_env: dict, launcher: str, after: str, fingerprint: str) -> None:
+    """Make sure one unclaimed standby for the next launch like this one (`fingerprint`) exists (best effort: a
+    standby that cannot start costs the next launch its head start, never this launch)."""
     workspace, secret_keys = req["workspace"], list(req.get("secret_keys") or [])
-    fingerprint = standby_fingerprint(argv[0], launch_env, launcher, secret_keys)
-    retire_standbys(workspace, keep=fingerprint)
-    for folder, spec in standbys(workspace):
-        if spec.get("fingerprint") == fingerprint and not os.path.exists(os.path.join(folder, "claimed")):
-            return
+    if any(
+        not os.path.exists(os.path.join(folder, "claimed")) for folder, _ in retire_standbys(workspace, fingerprint)
+    ):
+        return
     ident = f"{int(time.time() * 1000):x}-{os.urandom(3).hex()}"
     folder = os.path.join(workspace, STANDBY_ROOT, ident)
-    marker = f"standby-{ident}.{os.urandom(6).hex()}"
+    marker, session = f"standby-{ident}.{os.urandom(6).hex()}", f"standby-{ident}"
     env = standby_env(launch_env, secret_keys)
     spec = {
         "fingerprint": fingerprint,
         "python": argv[0],
         "launcher": launcher,
-        "session": f"standby-{ident}",
+        "session": session,
         "marker": marker,
         "env": {**env, MARKER_KEY: marker},
         "after": after,
@@ -631,7 +636,7 @@ def start_standby(req: dict, argv: list[str], launch_env: dict, launcher: str, a
         if launcher == "tmux":
             command = ["env", f"{MARKER_KEY}={marker}", *wrapper]
             subprocess.run(
-                ["tmux", "-L", tmux_socket(workspace), "new-session", "-d", "-s", spec["session"], "-x", "200",
+                ["tmux", "-L", tmux_socket(workspace), "new-session", "-d", "-s", session, "-x", "200",
                  "-y", "50", "--", *command],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=20, check=True,
             )  # fmt: skip
@@ -646,12 +651,18 @@ def start_standby(req: dict, argv: list[str], launch_env: dict, launcher: str, a
 
 
 def adopt_standby(
-    req: dict, directory: str, argv: list[str], launch_env: dict, cwd: str, launcher: str, session: str
+    req: dict,
+    directory: str,
+    argv: list[str],
+    launch_env: dict,
+    cwd: str,
+    launcher: str,
+    session: str,
+    fingerprint: str,
 ) -> dict | None:
-    """Hand this launch to a ready standby of the same fingerprint; the launch's answer, or None (none ready:
-    the caller launches as usual)."""
+    """Hand this launch to a ready standby of its `fingerprint`; the launch's answer, or None (none ready: the
+    caller launches as usual)."""
     workspace = req["workspace"]
-    fingerprint = standby_fingerprint(argv[0], launch_env, launcher, list(req.get("secret_keys") or []))
     for folder, spec in standbys(workspace):
         ready = read_int(os.path.join(folder, "ready"))
         if spec.get("fingerprint") != fingerprint or not carries_marker(ready, spec["marker"]):
