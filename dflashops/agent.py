@@ -284,7 +284,9 @@ def verb_launch(req: dict) -> dict:
     launch_env = {str(k): str(v) for k, v in env.items()}
     cwd = req.get("cwd") or directory
     wants_standby = bool(req.get("standby")) and standby_eligible(argv)
-    fingerprint = standby_fingerprint(argv[0], launch_env, launcher, list(req.get("secret_keys") or []))
+    fingerprint = (
+        standby_fingerprint(argv[0], launch_env, launcher, list(req.get("secret_keys") or [])) if wants_standby else ""
+    )
     if wants_standby:
         adopted = adopt_standby(req, directory, argv, launch_env, cwd, launcher, session, fingerprint)
         if adopted is not None:

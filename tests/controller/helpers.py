@@ -61,6 +61,13 @@ class Env:
         out, err = capsys.readouterr()
         return code, out, err
 
+    def deploy_one_step(self, name: str, capsys: pytest.CaptureFixture[str]) -> int:
+        """`deploy --profile work` of a run that trains one step and finishes (nohup); its exit code."""
+        return self.cli(
+            "deploy", "--profile", "work", "--name", name, "--launcher", "nohup", "--wait", "done", "--", "--steps", "1",
+            capsys=capsys,
+        )[0]  # fmt: skip
+
     def run_cli(
         self, *args: str, extra_env: dict[str, str] | None = None, timeout: float = 60
     ) -> subprocess.CompletedProcess[str]:

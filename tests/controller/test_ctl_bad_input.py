@@ -171,24 +171,7 @@ def test_logs_of_a_run_that_never_started(env: Env, capsys: pytest.CaptureFixtur
 
 
 def test_resume_without_resume_args_or_checkpoint(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
-    assert (
-        env.cli(
-            "deploy",
-            "--profile",
-            "work",
-            "--name",
-            "nockpt",
-            "--launcher",
-            "nohup",
-            "--wait",
-            "done",
-            "--",
-            "--steps",
-            "1",
-            capsys=capsys,
-        )[0]
-        == 0
-    )
+    assert env.deploy_one_step("nockpt", capsys) == 0
     code, _, err = env.cli("restart", "nockpt", "--resume", capsys=capsys)
     assert code == 3 and "has no checkpoint" in err and "--fresh" in err
 
@@ -223,23 +206,6 @@ def test_exec_needs_a_command(env: Env, capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_attach_refuses_a_nohup_run(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
-    assert (
-        env.cli(
-            "deploy",
-            "--profile",
-            "work",
-            "--name",
-            "bg",
-            "--launcher",
-            "nohup",
-            "--wait",
-            "done",
-            "--",
-            "--steps",
-            "1",
-            capsys=capsys,
-        )[0]
-        == 0
-    )
+    assert env.deploy_one_step("bg", capsys) == 0
     code, _, err = env.cli("attach", "bg", capsys=capsys)
     assert code == 2 and "launched with nohup" in err and "hint: `dflashops logs bg -f`" in err

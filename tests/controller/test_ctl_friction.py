@@ -179,24 +179,7 @@ def test_item22_missing_run_names_get_close_names_as_a_hint(env: Env, capsys: py
     from dflashops.lineage import LineageDB, RunRecord
 
     # `alpha-7` exists only on the target (its lineage record is gone); `gamma-3` only in the lineage.
-    assert (
-        env.cli(
-            "deploy",
-            "--profile",
-            "work",
-            "--name",
-            "alpha-7",
-            "--launcher",
-            "nohup",
-            "--wait",
-            "done",
-            "--",
-            "--steps",
-            "1",
-            capsys=capsys,
-        )[0]
-        == 0
-    )
+    assert env.deploy_one_step("alpha-7", capsys) == 0
     env.db.unlink()
     db = LineageDB(env.db)
     db.record(

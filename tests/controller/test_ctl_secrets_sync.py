@@ -103,24 +103,7 @@ def test_sync_is_incremental_and_flips_current(env: Env, capsys: pytest.CaptureF
 
 
 def test_clear_cache_removes_only_this_code_hash(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
-    assert (
-        env.cli(
-            "deploy",
-            "--profile",
-            "work",
-            "--name",
-            "c1",
-            "--launcher",
-            "nohup",
-            "--wait",
-            "done",
-            "--",
-            "--steps",
-            "1",
-            capsys=capsys,
-        )[0]
-        == 0
-    )
+    assert env.deploy_one_step("c1", capsys) == 0
     code_hash = json.loads((env.runs / "c1" / "run.json").read_text())["code_hash"]
     mine = env.workspace / "cache" / "inductor" / code_hash
     other = env.workspace / "cache" / "inductor" / "0123456789abcdef"
