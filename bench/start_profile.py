@@ -22,6 +22,7 @@ Four measurements, in one scratch folder (--workdir), each printed as a table at
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
@@ -142,12 +143,27 @@ def write_variant(directory: Path, model, optimizer, *, crc: bool, parallel: boo
         config.compute_crc32 = saved_crc
 
 
-def busy_python(stop: threading.Event, counts: list[int]) -> None:
-    n = 0
-    while not stop.is_set():
-        for _ in range(1000):
-            n += 1
-    counts.append(n)
+class BusyPython:
+    """A thread that holds the GIL in pure Python (as dynamo's tracing does) while the `with` block runs;
+    `rate` is its loop rate afterwards, in M iterations/s."""
+
+    def __enter__(self) -> BusyPython:
+        self.stop, self.count, self.started = threading.Event(), 0, time.perf_counter()
+        self.thread = threading.Thread(target=self._spin)
+        self.thread.start()
+        return self
+
+    def _spin(self) -> None:
+        n = 0
+        while not self.stop.is_set():
+            for _ in range(1000):
+                n += 1
+        self.count = n
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.rate = self.count / (time.perf_counter() - self.started) / 1e6
 
 
 def read_variant(directory: Path, device: str, busy: bool) -> tuple[float, float]:
@@ -156,20 +172,15 @@ def read_variant(directory: Path, device: str, busy: bool) -> tuple[float, float
 
     from trainer.checkpoint import load_checkpoint
 
-    stop, counts = threading.Event(), []
-    thread = threading.Thread(target=busy_python, args=(stop, counts))
-    if busy:
-        thread.start()
-    started = time.perf_counter()
-    state = load_checkpoint(directory, torch.device(device))
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    took = time.perf_counter() - started
-    stop.set()
-    if busy:
-        thread.join()
+    with contextlib.ExitStack() as stack:
+        hog = stack.enter_context(BusyPython()) if busy else None
+        started = time.perf_counter()
+        state = load_checkpoint(directory, torch.device(device))
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        took = time.perf_counter() - started
     del state
-    return took, (counts[0] / took / 1e6 if counts else 0.0)
+    return took, (hog.rate if hog else 0.0)
 
 
 def main() -> int:
@@ -228,22 +239,14 @@ def main() -> int:
         for busy in (False, True, False, True):
             took, rate = read_variant(checkpoint, args.device, busy)
             report.append(f"  {'beside a GIL-bound thread' if busy else 'alone'}: {took:.2f} s; {rate:.1f}")
-        alone_rate = _loop_rate()
+        with BusyPython() as alone:
+            time.sleep(1.0)
+        alone_rate = alone.rate
         report.append(f"  the loop alone: {alone_rate:.1f} M/s")
     text = "\n".join(report)
     (out / "start_profile.txt").write_text(text + "\n")
     print(text)
     return 0
-
-
-def _loop_rate() -> float:
-    stop, counts = threading.Event(), []
-    thread = threading.Thread(target=busy_python, args=(stop, counts))
-    thread.start()
-    time.sleep(1.0)
-    stop.set()
-    thread.join()
-    return counts[0] / 1.0 / 1e6
 
 
 if __name__ == "__main__":
