@@ -18,6 +18,7 @@ The last thing printed is the table (stdout); progress goes to stderr.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -41,7 +42,8 @@ from trainer.bench_common import (
 )
 from trainer.config import PRESETS, TrainerInputError
 from trainer.loss import ChunkKernels, dflash_loss, make_chunk_kernels, position_weights
-from trainer.model import DFlashDrafter
+from trainer.model import DFlashDrafter, attention
+from trainer.model.drafter import embed_context, finish_hidden
 from trainer.step import DrafterSide, FeatureBatch, TargetSide
 
 VARIANTS = {
@@ -55,14 +57,14 @@ VARIANTS = {
     "soft-triton": "soft labels on, loss through the fused Triton CE+KL kernel (trainer/loss_triton_kl.py)",
     "ckpt-loss": "compiled layers, loss = per-chunk torch.utils.checkpoint of logits+CE (the 3-4 GEMM baseline)",
     "act-ckpt": "compiled, activation checkpointing of every drafter layer (memory for time)",
+    "triton-s7": "as triton, as session 7 ran it: predicate-form BlockMask, context fc+norm and final norm eager",
+    "triton-tma": "as triton, flex_attention with kernel_options USE_TMA=True (Hopper's bulk tensor copies)",
 }
 
 
 def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.device, args: argparse.Namespace) -> dict:
     # The loss kernels are explicit, so a variant measures the same thing whatever --loss-kernels auto picks.
-    kernels = {"triton": "triton", "triton-foreach": "triton", "soft-triton": "triton", "eager": "eager"}.get(
-        variant, "compiled"
-    )
+    kernels = {"eager": "eager"}.get(variant, "triton" if variant.startswith(("triton", "soft-triton")) else "compiled")
     extra = {
         "soft": ["--use-soft-labels"],
         "soft-triton": ["--use-soft-labels"],
@@ -94,6 +96,11 @@ def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.devi
     features = FeatureBatch(batch=batch, ctx_features=ctx, teacher_hidden=teacher)
     if variant == "ckpt-loss":
         side.loss_fn = lambda h, w, lab, wts, **kw: _ckpt_loss_result(h, w, lab, wts, kw)
+    if variant == "triton-s7":
+        drafter.context_call, drafter.output_call = embed_context, finish_hidden
+        attention.FLEX_MASK_FORM = "predicate"  # bench_step restores both module settings after the variant
+    if variant == "triton-tma":
+        attention.FLEX_KERNEL_OPTIONS = {**(attention.FLEX_KERNEL_OPTIONS or {}), "USE_TMA": True}
 
     def step() -> None:
         side.forward_backward(features, batch.weight_sum, float(batch.num_blocks))  # noqa: F821 - del'd below
@@ -159,10 +166,17 @@ def bench_step(args: argparse.Namespace, device: torch.device) -> list[dict]:
     ceiling = matmul_ceiling_tflops(device)
     log(f"matmul ceiling: {ceiling:.0f} TFLOP/s on {device}")
     rows = []
+    settings = attention.FLEX_MASK_FORM, attention.FLEX_KERNEL_OPTIONS
     for shape_name in args.shape.split(","):
         for variant in args.variants.split(","):
             log(f"- {args.preset} {shape_name} {variant} ...")
-            row = run_step_variant(args.preset, SHAPES[shape_name], variant, device, args)
+            try:
+                row = run_step_variant(args.preset, SHAPES[shape_name], variant, device, args)
+            except Exception as exc:  # noqa: BLE001 - a variant this torch cannot run: say so, measure the rest
+                log(f"  failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
+                continue
+            finally:
+                attention.FLEX_MASK_FORM, attention.FLEX_KERNEL_OPTIONS = settings
             row["mfu"] = row["tflops"] / H200_PEAK_TFLOPS
             row["mfu_ceiling"] = row["tflops"] / ceiling if ceiling == ceiling else float("nan")
             rows.append(row)
@@ -238,9 +252,9 @@ def bench_loss(args: argparse.Namespace, device: torch.device) -> list[dict]:
 
 def bench_attention(args: argparse.Namespace, device: torch.device) -> list[dict]:
     """One attention layer's fwd+bwd (and fwd alone) through the drafter's attend(): sorted vs unsorted anchors,
-    full and sliding layers, and flex_attention kernel_options variants (--flex-options A;B;..., 'default' =
-    torch's own heuristics)."""
-    from trainer.model import attention
+    full and sliding layers, BlockMask forms (--mask-forms intervals,predicate: how the mask is built, with the
+    build's own time), and flex_attention kernel_options variants (--flex-options A;B;..., 'default' = torch's
+    own heuristics)."""
     from trainer.model.attention import Backend, attend, build_draft_mask, parse_flex_options
 
     rows = []
@@ -249,6 +263,7 @@ def bench_attention(args: argparse.Namespace, device: torch.device) -> list[dict
         for name, window in [("full_attention", None), ("sliding_attention", 2048)]
         if name.split("_")[0] in args.layers.split(",")
     ]
+    settings = attention.FLEX_MASK_FORM, attention.FLEX_KERNEL_OPTIONS
     for shape_name in args.shape.split(","):
         shape = SHAPES[shape_name]
         _, dcfg = preset_config(args.preset, shape, [])
@@ -256,10 +271,14 @@ def bench_attention(args: argparse.Namespace, device: torch.device) -> list[dict
         backend: Backend = "flex" if device.type == "cuda" else "dense"
         Hq, Hkv, D = dcfg.num_attention_heads, dcfg.num_key_value_heads, dcfg.head_dim
         Q, K = shape.anchors * shape.block, shape.ctx + shape.anchors * shape.block
-        for layer_type, window in layers:
-            for order in args.orders.split(","):
-                batch = synthetic_batch(dcfg, shape, 7.0, device, sorted_anchors=order == "sorted")
-                mask = build_draft_mask(
+        for (layer_type, window), order, form in itertools.product(
+            layers, args.orders.split(","), args.mask_forms.split(",")
+        ):
+            batch = synthetic_batch(dcfg, shape, 7.0, device, sorted_anchors=order == "sorted")
+            attention.FLEX_MASK_FORM = form  # checked in main()
+
+            def build() -> attention.DraftMask:
+                return build_draft_mask(
                     batch.anchors,
                     batch.keep,
                     shape.ctx,
@@ -268,46 +287,54 @@ def bench_attention(args: argparse.Namespace, device: torch.device) -> list[dict
                     backend=backend,
                     layer_types=[layer_type],
                 )
-                q = torch.randn(shape.rows, Hq, Q, D, device=device, dtype=dtype, requires_grad=True)
-                k = torch.randn(shape.rows, Hkv, K, D, device=device, dtype=dtype, requires_grad=True)
-                v = torch.randn(shape.rows, Hkv, K, D, device=device, dtype=dtype, requires_grad=True)
 
-                def run() -> None:
-                    attend(q, k, v, mask, layer_type).sum().backward()
+            build_ms = statistics.median(time_ms(build, device, warmup=1, iters=5))
+            mask = build()
+            q = torch.randn(shape.rows, Hq, Q, D, device=device, dtype=dtype, requires_grad=True)
+            k = torch.randn(shape.rows, Hkv, K, D, device=device, dtype=dtype, requires_grad=True)
+            v = torch.randn(shape.rows, Hkv, K, D, device=device, dtype=dtype, requires_grad=True)
 
-                def forward() -> None:
-                    with torch.no_grad():
-                        attend(q, k, v, mask, layer_type)
+            def run() -> None:
+                attend(q, k, v, mask, layer_type).sum().backward()
 
-                for options_text in args.flex_options.split(";"):
-                    attention.FLEX_KERNEL_OPTIONS = parse_flex_options(options_text)
-                    t0 = time.perf_counter()
-                    try:
-                        ms = statistics.median(time_ms(run, device, warmup=args.warmup, iters=args.iters))
-                        fwd = statistics.median(time_ms(forward, device, warmup=1, iters=args.iters))
-                    except Exception as exc:  # noqa: BLE001 - a config the kernel cannot take: say so, go on
-                        log(f"- {options_text}: failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
-                        ms = fwd = float("nan")
-                    log(
-                        f"- {shape_name} {layer_type} {order} [{options_text}]: {ms:.2f} ms fwd+bwd, {fwd:.2f} fwd "
-                        f"({time.perf_counter() - t0:.0f} s incl. compile)"
-                    )
-                    rows.append(
-                        {
-                            "shape": shape_name,
-                            "layer": layer_type.split("_")[0],
-                            "order": order,
-                            "ms": ms,
-                            "fwd_ms": fwd,
-                            "options": options_text,
-                        }
-                    )
-    attention.FLEX_KERNEL_OPTIONS = None
-    print(f"{'shape':<7} {'layer':<8} {'order':<9} {'fwd+bwd ms':>10} {'fwd ms':>7} {'bwd ms':>7}  flex options")
+            def forward() -> None:
+                with torch.no_grad():
+                    attend(q, k, v, mask, layer_type)
+
+            for options_text in args.flex_options.split(";"):
+                attention.FLEX_KERNEL_OPTIONS = parse_flex_options(options_text)
+                t0 = time.perf_counter()
+                try:
+                    ms = statistics.median(time_ms(run, device, warmup=args.warmup, iters=args.iters))
+                    fwd = statistics.median(time_ms(forward, device, warmup=1, iters=args.iters))
+                except Exception as exc:  # noqa: BLE001 - a config the kernel cannot take: say so, go on
+                    log(f"- {options_text}: failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+                    ms = fwd = float("nan")
+                log(
+                    f"- {shape_name} {layer_type} {order} {form} [{options_text}]: {ms:.2f} ms fwd+bwd, "
+                    f"{fwd:.2f} fwd, mask build {build_ms:.2f} ms ({time.perf_counter() - t0:.0f} s incl. compile)"
+                )
+                rows.append(
+                    {
+                        "shape": shape_name,
+                        "layer": layer_type.split("_")[0],
+                        "order": order,
+                        "mask_form": form,
+                        "build_ms": build_ms,
+                        "ms": ms,
+                        "fwd_ms": fwd,
+                        "options": options_text,
+                    }
+                )
+    attention.FLEX_MASK_FORM, attention.FLEX_KERNEL_OPTIONS = settings
+    print(
+        f"{'shape':<7} {'layer':<8} {'order':<9} {'mask':<10} {'build ms':>8} {'fwd+bwd ms':>10} {'fwd ms':>7} "
+        f"{'bwd ms':>7}  flex options"
+    )
     for r in rows:
         print(
-            f"{r['shape']:<7} {r['layer']:<8} {r['order']:<9} {r['ms']:10.2f} {r['fwd_ms']:7.2f} "
-            f"{r['ms'] - r['fwd_ms']:7.2f}  {r['options']}"
+            f"{r['shape']:<7} {r['layer']:<8} {r['order']:<9} {r['mask_form']:<10} {r['build_ms']:8.2f} "
+            f"{r['ms']:10.2f} {r['fwd_ms']:7.2f} {r['ms'] - r['fwd_ms']:7.2f}  {r['options']}"
         )
     return rows
 
@@ -423,6 +450,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--layers", default="full,sliding", help="attention: full,sliding (default: %(default)s)")
     parser.add_argument("--orders", default="sorted,unsorted", help="attention: sorted,unsorted (default: %(default)s)")
     parser.add_argument(
+        "--mask-forms",
+        default="intervals",
+        help="attention: comma list of BlockMask forms, intervals and/or predicate (default: %(default)s)",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="step: after timing, profile 3 steps and print where the time goes (CUDA only; default: off)",
@@ -437,6 +469,10 @@ def main(argv: list[str]) -> int:
     for name in args.shape.split(","):
         if name not in SHAPES:
             print(f"error: unknown shape {name!r}\nhint: one of {', '.join(SHAPES)}", file=sys.stderr)
+            return 2
+    for name in args.mask_forms.split(","):
+        if name not in ("intervals", "predicate"):
+            print(f"error: unknown mask form {name!r}\nhint: intervals or predicate", file=sys.stderr)
             return 2
     for name in args.variants.split(","):
         if name not in VARIANTS:

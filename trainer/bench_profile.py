@@ -6,7 +6,7 @@ kernel is put in one category by its name, and the step's wall time that no kern
 be won: the matmuls of the layers and the LM head, attention (flex_attention's forward and backward
 templates), the loss's element-wise kernels (the fused Triton CE kernel or the compiled stats/grad pair),
 the other element-wise and reduction work Inductor generates (norms, RoPE, SwiGLU, residuals, casts), the
-optimizer, copies. Kernel names are matched, not guessed from the model: the table also lists the five
+optimizer, copies. Kernel names are matched, not guessed from the model: the table also lists the ten
 largest kernels of each category, so a miscategorised one is visible.
 """
 
@@ -27,6 +27,9 @@ CATEGORIES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("element-wise, reductions", re.compile(r"triton_(poi|red|per)_|elementwise|reduce|vectorized|unrolled", re.I)),
     ("copies, fills", re.compile(r"memcpy|memset|copy|fill|cat_|Memcpy|Memset", re.I)),
 )
+
+
+TOP_KERNELS = 10  # largest kernels listed per category
 
 
 def category_of(kernel: str) -> str:
@@ -75,7 +78,7 @@ def profile_steps(step: Callable[[], None], device: torch.device, steps: int = 3
         "busy_ms": busy,
         "gap_ms": max(0.0, wall_ms - busy),
         "categories": dict(by_category),
-        "top": {name: sorted(entries, reverse=True)[:5] for name, entries in kernels.items()},
+        "top": {name: sorted(entries, reverse=True)[:TOP_KERNELS] for name, entries in kernels.items()},
     }
 
 

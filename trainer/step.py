@@ -32,7 +32,7 @@ from trainer.loss import dflash_loss, make_chunk_kernels, resolve_loss_kernels, 
 from trainer.loss_triton import triton_available
 from trainer.model import DFlashDrafter, TargetModel
 from trainer.model.attention import Backend
-from trainer.model.drafter import call_layer
+from trainer.model.drafter import call_layer, embed_context, finish_hidden
 
 __all__ = [
     "Batch",
@@ -185,6 +185,8 @@ class DrafterSide:
         self.scope = f"replica-{next(_REPLICA_IDS)}"
         if self.compiled:
             self.drafter.layer_call = private_compile(call_layer, backend=compile_backend)
+            self.drafter.context_call = private_compile(embed_context, backend=compile_backend)
+            self.drafter.output_call = private_compile(finish_hidden, backend=compile_backend)
         # --loss-kernels auto: the fused Triton kernel on Hopper, else follows the layers (trainer/loss.py).
         kind = resolve_loss_kernels(cfg.loss_kernels, self.device, self.compiled)
         check_loss_kernels(kind, self.device)

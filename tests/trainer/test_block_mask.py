@@ -18,7 +18,17 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import trainer.model.attention as attention
-from trainer.model.attention import FULL, SLIDING, TILE, _flex_block_mask, attend, build_draft_mask, dense_mask
+from trainer.model.attention import (
+    FULL,
+    SLIDING,
+    TILE,
+    _flex_block_mask,
+    attend,
+    build_draft_mask,
+    dense_mask,
+    query_bounds,
+    visible,
+)
 
 torch.set_num_threads(1)
 
@@ -50,9 +60,9 @@ def random_case(rng: random.Random, *, with_full_tiles: bool = False) -> dict[st
     return dict(anchors=anchors, keep=keep, S=S, B=B, window=window, causal=rng.random() < 0.5, doc=doc)
 
 
-def build(c: dict[str, Any]) -> Any:
+def build(c: dict[str, Any], form: str | None = None) -> Any:
     return _flex_block_mask(
-        c["anchors"], c["keep"], c["S"], c["B"], window=c["window"], causal=c["causal"], doc_ids=c["doc"]
+        c["anchors"], c["keep"], c["S"], c["B"], window=c["window"], causal=c["causal"], doc_ids=c["doc"], form=form
     )
 
 
@@ -99,10 +109,12 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bm
     return out
 
 
+@pytest.mark.parametrize("form", ["intervals", "predicate"])
 @pytest.mark.parametrize("seed", range(4))
-def test_block_mask_equals_uncompiled_create_block_mask(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Same tiles, same order, same split as create_block_mask(_compile=False) on the same predicate; and the
-    split means what it says. Odd seeds shrink the chunk so one row is classified in several query chunks."""
+def test_block_mask_equals_uncompiled_create_block_mask(seed: int, form: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same tiles, same order, same split as create_block_mask(_compile=False) on the same mask_mod; the split
+    means what the dense mask (`visible`) says, for both mask forms. Odd seeds shrink the predicate form's chunk
+    so one row is classified in several query chunks."""
     if seed % 2:
         monkeypatch.setattr(attention, "_CHUNK_BOOLS", 3 * TILE * TILE * 4)
     rng = random.Random(seed)
@@ -111,7 +123,7 @@ def test_block_mask_equals_uncompiled_create_block_mask(seed: int, monkeypatch: 
         c = random_case(rng, with_full_tiles=i == 3)
         R, N = c["anchors"].shape
         Q, K = N * c["B"], c["S"] + N * c["B"]
-        got = build(c)
+        got = build(c, form)
         want = create_block_mask(got.mask_mod, R, 1, Q, K, device="cpu", _compile=False)
         assert got.seq_lengths == want.seq_lengths == (Q, K)
         assert torch.equal(got.to_dense(), want.to_dense()), c
@@ -142,11 +154,87 @@ def test_block_mask_equals_uncompiled_create_block_mask(seed: int, monkeypatch: 
             kinds["partial"] += sum(map(len, partial[r]))
         kinds["chunks>1"] += attention._CHUNK_BOOLS // (TILE * dense.shape[2]) < dense.shape[1] // TILE
     assert kinds["full"] and kinds["partial"], kinds  # the split was exercised
-    assert kinds["chunks>1"] or seed % 2 == 0, kinds  # ... and the chunking
+    assert kinds["chunks>1"] or seed % 2 == 0, kinds  # ... and the predicate form's chunking
+
+
+def case_bounds(c: dict[str, Any]) -> tuple[Any, torch.Tensor]:
+    """QueryBounds of a case and the predicate on the same padded grid [R, Qpad, Kpad]."""
+    a, keep, S, B = c["anchors"], c["keep"], c["S"], c["B"]
+    bounds = query_bounds(a, keep, S, B, window=c["window"], causal=c["causal"], doc_ids=c["doc"])
+    assert bounds is not None
+    q = torch.arange(bounds.ctx_lo.shape[1])[:, None]
+    kv = torch.arange(-(-(S + a.shape[1] * B) // TILE) * TILE)[None, :]
+    doc = c["doc"]
+    want = torch.stack(
+        [
+            visible(
+                q,
+                kv,
+                anchors_row=a[r],
+                keep_row=keep[r],
+                ctx_len=S,
+                block_size=B,
+                num_blocks=a.shape[1],
+                window=c["window"],
+                causal=c["causal"],
+                doc_row=None if doc is None else doc[r],
+            )
+            for r in range(a.shape[0])
+        ]
+    )
+    return bounds, want
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_flex_forward_with_the_block_mask_equals_dense_sdpa(seed: int) -> None:
+def test_query_bounds_are_the_predicate(seed: int) -> None:
+    """Per query row (padding rows too) the two intervals hold exactly the keys `visible` allows, and the tiles
+    classified from them are the predicate classifier's, bit for bit: windows, doc ids, in-block causality,
+    padded blocks, and anchors at S (context and own block touch: one interval covering a tile)."""
+    rng = random.Random(200 + seed)
+    cases, touching = 0, 0
+    while cases < 25:
+        try:
+            c = random_case(rng, with_full_tiles=cases % 4 == 3)
+        except RuntimeError:  # torch.randint(low, S) with low == S: not a case
+            continue
+        if cases % 5 == 0:
+            c["anchors"][0, 0] = c["S"]
+            touching += 1
+        bounds, want = case_bounds(c)
+        k = bounds.ctx_lo[..., None], bounds.ctx_hi[..., None], bounds.blk_lo[..., None], bounds.blk_hi[..., None]
+        kv = torch.arange(want.shape[2])
+        got = ((kv >= k[0]) & (kv < k[1])) | ((kv >= k[2]) & (kv < k[3]))
+        assert torch.equal(got, want), c
+        R, N = c["anchors"].shape
+        q_len, kv_len = N * c["B"], c["S"] + N * c["B"]
+        reference = attention._tile_classes(
+            c["anchors"], c["keep"], c["S"], c["B"], window=c["window"], causal=c["causal"], doc_ids=c["doc"]
+        )
+        for mine, theirs in zip(attention._tile_classes_from_bounds(bounds, q_len, kv_len), reference, strict=True):
+            assert torch.equal(mine, theirs), c
+        cases += 1
+    assert touching
+
+
+def test_doc_ids_that_are_not_runs_fall_back_to_the_predicate() -> None:
+    """One document in two runs (ids 0,1,0): the context a query sees is not one interval, so query_bounds
+    declines and the BlockMask is built from the predicate, still equal to the dense mask."""
+    S, B, N = 300, 16, 10
+    anchors = torch.linspace(20, 290, N).long()[None, :]
+    keep = torch.ones(1, N, dtype=torch.bool)
+    doc = torch.cat([torch.zeros(100), torch.ones(100), torch.zeros(100)]).long()[None, :]
+    assert query_bounds(anchors, keep, S, B, window=None, causal=False, doc_ids=doc) is None
+    bm = _flex_block_mask(anchors, keep, S, B, window=None, causal=False, doc_ids=doc)
+    want = dense_mask(anchors, keep, S, B, window=None, causal=False, doc_ids=doc)[0]
+    q, kv = torch.arange(N * B)[:, None], torch.arange(S + N * B)[None, :]
+    assert torch.equal(bm.mask_mod(torch.tensor(0), torch.tensor(0), q, kv), want)
+    reference = create_block_mask(bm.mask_mod, 1, 1, N * B, S + N * B, device="cpu", _compile=False)
+    assert torch.equal(bm.to_dense(), reference.to_dense())
+
+
+@pytest.mark.parametrize("form", ["intervals", "predicate"])
+@pytest.mark.parametrize("seed", range(3))
+def test_flex_forward_with_the_block_mask_equals_dense_sdpa(seed: int, form: str) -> None:
     rng = random.Random(100 + seed)
     torch.manual_seed(seed)
     c = random_case(rng)
@@ -165,7 +253,7 @@ def test_flex_forward_with_the_block_mask_equals_dense_sdpa(seed: int) -> None:
         doc_ids=c["doc"],
         layer_types=[lt],
     )
-    bm = build(c)
+    bm = build(c, form)
     q, k, v = torch.randn(R, 4, Q, 16), torch.randn(R, 2, K, 16), torch.randn(R, 2, K, 16)
     want = attend(q, k, v, dense, lt)
     with warnings.catch_warnings():

@@ -18,9 +18,11 @@ Back-ends:
   returns NaN on a fully masked row (softmax over nothing) and the NaN also poisons the backward, so such rows
   are given an all-True mask (finite, ignored) and their output is multiplied by zero afterwards.
 - "flex" (CUDA): a BlockMask per batch and per layer type, consumed by flex_attention. The BlockMask is built
-  eagerly, without compiling anything: every (128-query, 128-key) tile of each row is classified empty / partial
-  / full with plain tensor ops from `visible` and handed to BlockMask.from_kv_blocks (a compiled
-  create_block_mask hung > 4 min in Triton on an H200 at a real shape). flex_attention itself is torch.compile'd
+  eagerly, without compiling anything (a compiled create_block_mask hung > 4 min in Triton on an H200 at a real
+  shape): `visible` is rewritten per query row as two key intervals (QueryBounds: the context the block sees,
+  its own block), every (128-query, 128-key) tile of each row is classified empty / partial / full from those
+  intervals, and the mask_mod of the partial tiles compares against them. Where the predicate is not two
+  intervals per row (doc ids in which one document comes back), the tiles and mask_mod use `visible` itself. flex_attention itself is torch.compile'd
   once per device (a dict keyed by device, never one process-wide object shared across devices). torch.compile
   is not thread safe (docs/method.md#compiling): warm every device x shape x mask variant up sequentially before worker
   threads start. flex_attention has no CPU backward, so this path refuses CPU tensors.
@@ -271,12 +273,105 @@ def _tile_classes(
     return partial, full
 
 
+@dataclass(frozen=True)
+class QueryBounds:
+    """The mask in interval form: query row q of batch row r may see exactly the keys
+    [ctx_lo, ctx_hi) and [blk_lo, blk_hi) (int32 [R, Qpad] each; Qpad = Q rounded up to TILE, padding rows
+    computed like the predicate's clamped last block). An empty interval has lo >= hi.
+
+    Equal to `visible` wherever the context part is one interval, i.e. without doc ids or with doc ids that never
+    decrease along a row (packed documents; `query_bounds` returns None otherwise). Why it exists: flex's
+    mask_mod then costs four per-row loads and four compares per element instead of `visible`'s division,
+    modulo and gathers, and a tile's class follows from R x Qpad x Kt interval tests instead of R x Q x K
+    predicate evaluations (the 8B seed shape: 3.5 M instead of 450 M elements, ~15 kernels per chunk).
+    """
+
+    ctx_lo: torch.Tensor
+    ctx_hi: torch.Tensor
+    blk_lo: torch.Tensor
+    blk_hi: torch.Tensor
+
+
+def query_bounds(
+    anchors: torch.Tensor,
+    keep: torch.Tensor,
+    ctx_len: int,
+    block_size: int,
+    *,
+    window: int | None,
+    causal: bool,
+    doc_ids: torch.Tensor | None,
+) -> QueryBounds | None:
+    """`visible` rewritten per query row as two key intervals (QueryBounds); None where it is not two intervals
+    (doc ids that decrease somewhere in a row: one document in two runs). Needs one host sync only with doc ids."""
+    rows, num_blocks = anchors.shape
+    device = anchors.device
+    q = torch.arange(-(-num_blocks * block_size // TILE) * TILE, device=device)  # [Qpad]
+    blk = torch.clamp(q // block_size, max=num_blocks - 1)  # as in `visible`: padding rows use the last block
+    off = q % block_size
+    anchor = anchors[:, blk]  # [R, Qpad]
+    kept = keep[:, blk]
+    ctx_hi = anchor.clamp(0, ctx_len)  # kv < S and kv < anchor
+    ctx_lo = torch.zeros_like(ctx_hi)
+    if window is not None:
+        ctx_lo = torch.maximum(ctx_lo, anchor + off - (window - 1))  # kv >= anchor + off - (W-1)
+    if doc_ids is not None:
+        if bool((doc_ids[:, 1:] < doc_ids[:, :-1]).any()):
+            return None
+        # With non-decreasing ids a document is one run: doc[kv] == doc[anchor] is kv >= the run's first position
+        # (its last position is >= the anchor, and kv < anchor already).
+        positions = torch.arange(ctx_len, device=device).expand(rows, ctx_len)
+        starts_run = torch.ones_like(doc_ids, dtype=torch.bool)
+        starts_run[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+        run_start = torch.where(starts_run, positions, 0).cummax(dim=1).values  # [R, S]
+        ctx_lo = torch.maximum(ctx_lo, torch.gather(run_start, 1, anchor.clamp(0, ctx_len - 1)))
+    blk_lo = ctx_len + blk * block_size  # a block sees only itself ...
+    blk_hi = blk_lo + (off + 1 if causal else block_size)  # ... causally, where configured
+    blk_lo, blk_hi = blk_lo.expand(rows, -1), blk_hi.expand(rows, -1)
+    empty = torch.zeros((), dtype=anchor.dtype, device=device)  # padded blocks see nothing
+    return QueryBounds(*(torch.where(kept, bound, empty).to(torch.int32) for bound in (ctx_lo, ctx_hi, blk_lo, blk_hi)))
+
+
+def _tile_classes_from_bounds(bounds: QueryBounds, q_len: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partial, full) as `_tile_classes` returns them, from the intervals: a (query tile, key tile) pair is
+    full when every real query row's intervals cover the whole key tile (keys >= K count as not visible, rows
+    >= Q as seeing nothing), partial when some row's intervals meet it and it is not full.
+    Work per batch row: Qpad x Kt interval tests (~0.6 M at the 8B seed shape); no host sync."""
+    rows, q_pad = bounds.ctx_lo.shape
+    q_tiles, kv_tiles = q_pad // TILE, -(-kv_len // TILE)
+    device = bounds.ctx_lo.device
+    k0 = torch.arange(kv_tiles, device=device, dtype=torch.int32) * TILE  # [Kt] first key of each tile
+    k1 = k0 + TILE
+    real = (torch.arange(q_pad, device=device) < q_len)[:, None]  # [Qpad, 1]
+    partial = torch.empty(rows, 1, q_tiles, kv_tiles, dtype=torch.bool, device=device)
+    full = torch.empty_like(partial)
+    for r in range(rows):  # one [Qpad, Kt] set of temporaries at a time, whatever R
+        lo1, hi1 = bounds.ctx_lo[r, :, None], bounds.ctx_hi[r, :, None].clamp(max=kv_len)  # [Qpad, 1]
+        lo2, hi2 = bounds.blk_lo[r, :, None], bounds.blk_hi[r, :, None].clamp(max=kv_len)
+        meets = (torch.maximum(lo1, k0) < torch.minimum(hi1, k1)) | (torch.maximum(lo2, k0) < torch.minimum(hi2, k1))
+        covers = ((lo1 <= k0) & (hi1 >= k1)) | ((lo2 <= k0) & (hi2 >= k1))
+        # Both intervals non-empty and touching (hi1 == lo2 == S: an anchor at S, block 0): one interval.
+        joined = (lo1 < hi1) & (lo2 < hi2) & (hi1 >= lo2)
+        covers |= joined & (lo1 <= k0) & (hi2 >= k1)
+        meets, covers = (meets & real).view(q_tiles, TILE, kv_tiles), (covers & real).view(q_tiles, TILE, kv_tiles)
+        all_visible = covers.all(dim=1)
+        full[r, 0] = all_visible
+        partial[r, 0] = meets.any(dim=1) & ~all_visible
+    return partial, full
+
+
 def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """bool [R,1,Qt,Kt] -> (num_blocks int32 [R,1,Qt], indices int32 [R,1,Qt,Kt]): per query tile, the marked key
     tiles in ascending order first (a stable descending sort, the same layout create_block_mask produces)."""
     as_int = tiles.to(torch.int32)
     order = torch.argsort(as_int, dim=-1, descending=True, stable=True)
     return as_int.sum(dim=-1).to(torch.int32), order.to(torch.int32)
+
+
+MaskForm = Literal["intervals", "predicate"]
+# How flex BlockMasks are built: "intervals" (QueryBounds; the default) or "predicate" (`visible` per element,
+# the form before session 8, kept as the general fallback and for side-by-side benches).
+FLEX_MASK_FORM: MaskForm = "intervals"
 
 
 def _flex_block_mask(
@@ -288,32 +383,47 @@ def _flex_block_mask(
     window: int | None,
     causal: bool,
     doc_ids: torch.Tensor | None,
+    form: MaskForm | None = None,
 ) -> Any:
     """The BlockMask of one batch and layer type, built without compiling anything.
 
     A compiled create_block_mask was measured to hang > 4 min in Triton's make_llir on an H200 for the qwen3-8b
     seed shape (Q=5472, K=13664, neither a multiple of 128), and an uncompiled one materialises [R,Q,K] at once.
-    Here the tiles are classified by `_tile_classes` and handed to BlockMask.from_kv_blocks: partial tiles keep
-    mask_mod for element-wise masking, full tiles skip it, empty tiles are never visited.
+    Here the tiles are classified (from QueryBounds, or by `_tile_classes` where the mask is not two intervals
+    per query or `form` is "predicate") and handed to BlockMask.from_kv_blocks: partial tiles keep mask_mod for
+    element-wise masking, full tiles skip it, empty tiles are never visited. `form` defaults to FLEX_MASK_FORM.
     """
     rows, num_blocks = anchors.shape
     q_len = num_blocks * block_size
+    bounds = None
+    if (form or FLEX_MASK_FORM) == "intervals":
+        bounds = query_bounds(anchors, keep, ctx_len, block_size, window=window, causal=causal, doc_ids=doc_ids)
 
-    def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        return visible(
-            q_idx,
-            kv_idx,
-            anchors_row=anchors[b],
-            keep_row=keep[b],
-            ctx_len=ctx_len,
-            block_size=block_size,
-            num_blocks=num_blocks,
-            window=window,
-            causal=causal,
-            doc_row=None if doc_ids is None else doc_ids[b],
-        )
+    if bounds is not None:
+        ctx_lo, ctx_hi, blk_lo, blk_hi = bounds.ctx_lo, bounds.ctx_hi, bounds.blk_lo, bounds.blk_hi
 
-    partial, full = _tile_classes(anchors, keep, ctx_len, block_size, window=window, causal=causal, doc_ids=doc_ids)
+        def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+            in_context = (kv_idx >= ctx_lo[b, q_idx]) & (kv_idx < ctx_hi[b, q_idx])
+            return in_context | ((kv_idx >= blk_lo[b, q_idx]) & (kv_idx < blk_hi[b, q_idx]))
+
+        partial, full = _tile_classes_from_bounds(bounds, q_len, ctx_len + q_len)
+    else:
+
+        def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+            return visible(
+                q_idx,
+                kv_idx,
+                anchors_row=anchors[b],
+                keep_row=keep[b],
+                ctx_len=ctx_len,
+                block_size=block_size,
+                num_blocks=num_blocks,
+                window=window,
+                causal=causal,
+                doc_row=None if doc_ids is None else doc_ids[b],
+            )
+
+        partial, full = _tile_classes(anchors, keep, ctx_len, block_size, window=window, causal=causal, doc_ids=doc_ids)
     kv_num_blocks, kv_indices = _ordered(partial)
     full_kv_num_blocks, full_kv_indices = _ordered(full)
     # Keyword arguments only: these seven exist with these names in torch 2.5 .. 2.13 (GPU machine runs 2.11).

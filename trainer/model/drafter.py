@@ -381,6 +381,19 @@ def call_layer(
     return layer(x, ctx, rope_q, rope_k, mask)
 
 
+def embed_context(fc: nn.Module, hidden_norm: nn.Module, ctx_features: torch.Tensor) -> torch.Tensor:
+    """taps [R,S,T*H] -> ctx [R,S,H]: the unit a replica compiles for the context (the fc GEMM plus one fused
+    norm; eager, the norm alone is ~7 passes over a [R*S, H] fp32 copy forward and more backward)."""
+    return hidden_norm(fc(ctx_features))
+
+
+def finish_hidden(norm: nn.Module, x: torch.Tensor, keep: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The final norm, with padded blocks' rows zeroed (nothing downstream may depend on their arbitrary
+    anchors): x [R,N*B,H], keep [R,N] -> [R,N*B,H]. Compiled per replica like embed_context."""
+    x = norm(x)
+    return x * keep.repeat_interleave(block_size, dim=1)[:, :, None].to(x.dtype)
+
+
 class DFlashDrafter(nn.Module):
     """The trainable drafter: layers, fc, hidden_norm, norm. Embedding and LM head belong to the target."""
 
@@ -396,6 +409,8 @@ class DFlashDrafter(nn.Module):
         # How a layer is called: plain by default; a replica's trainer installs its private compiled copy of
         # `call_layer` (trainer/compile_scope.py: one dynamo cache per replica, never shared across threads).
         self.layer_call: Callable[..., torch.Tensor] = call_layer
+        self.context_call: Callable[..., torch.Tensor] = embed_context
+        self.output_call: Callable[..., torch.Tensor] = finish_hidden
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -453,7 +468,7 @@ class DFlashDrafter(nn.Module):
                 f"inputs have S={S}, N={N}, B={B}"
             )
 
-        ctx = self.hidden_norm(self.fc(ctx_features))  # [R,S,H], never updated below
+        ctx = self.context_call(self.fc, self.hidden_norm, ctx_features)  # [R,S,H], never updated below
         offsets = torch.arange(B, device=anchors.device)
         pos_blk = (anchors[:, :, None] + offsets).reshape(R, N * B)  # [R,Q]  anchor+j
         pos_ctx = torch.arange(S, device=anchors.device)  # [S]    0..S-1
@@ -474,9 +489,7 @@ class DFlashDrafter(nn.Module):
                 )
             else:
                 x = self.layer_call(layer, x, ctx, rope_q, rope_k, mask)
-        x = self.norm(x)
-        # Padded blocks see nothing; zero their hidden so nothing downstream depends on their (arbitrary) anchors.
-        return x * keep.repeat_interleave(B, dim=1)[:, :, None].to(x.dtype)
+        return self.output_call(self.norm, x, keep, B)
 
     # ------------------------------------------------------------------------------------- public checkpoint I/O
 
@@ -523,4 +536,14 @@ def make_block_input_ids(
     return ids.reshape(R, N * block_size)
 
 
-__all__ = ["DrafterConfig", "DFlashDrafter", "make_block_input_ids", "RMSNorm", "rope_cos_sin", "apply_rope"]
+__all__ = [
+    "DrafterConfig",
+    "DFlashDrafter",
+    "make_block_input_ids",
+    "RMSNorm",
+    "rope_cos_sin",
+    "apply_rope",
+    "call_layer",
+    "embed_context",
+    "finish_hidden",
+]
