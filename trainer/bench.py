@@ -40,10 +40,11 @@ from trainer.bench_common import (
     synthetic_batch,
     time_ms,
 )
+from trainer.compile_scope import private_compile
 from trainer.config import PRESETS, TrainerInputError
 from trainer.loss import ChunkKernels, dflash_loss, make_chunk_kernels, position_weights
 from trainer.model import DFlashDrafter, attention
-from trainer.model.drafter import embed_context, finish_hidden
+from trainer.model.drafter import finish_hidden
 from trainer.step import DrafterSide, FeatureBatch, TargetSide
 
 VARIANTS = {
@@ -57,9 +58,17 @@ VARIANTS = {
     "soft-triton": "soft labels on, loss through the fused Triton CE+KL kernel (trainer/loss_triton_kl.py)",
     "ckpt-loss": "compiled layers, loss = per-chunk torch.utils.checkpoint of logits+CE (the 3-4 GEMM baseline)",
     "act-ckpt": "compiled, activation checkpointing of every drafter layer (memory for time)",
-    "triton-s7": "as triton, as session 7 ran it: predicate-form BlockMask, context fc+norm and final norm eager",
+    "triton-s7": "as triton, as session 7 ran it: predicate-form BlockMask not padded, context fc+norm (fp32) and "
+    "final norm eager",
     "triton-tma": "as triton, flex_attention with kernel_options USE_TMA=True (Hopper's bulk tensor copies)",
+    "triton-nopad": "as triton, q/k/v not padded to 128-row multiples (flex without IS_DIVISIBLE)",
+    "triton-ctx32": "as triton, the context kept in fp32 after its norm (session 8's first call)",
+    "triton-noprologue": "as triton, Inductor's prologue fusion off (nothing fused into flex_attention's loads)",
 }
+
+
+def _embed_context_fp32(fc: torch.nn.Module, hidden_norm: torch.nn.Module, ctx_features: torch.Tensor) -> torch.Tensor:
+    return hidden_norm(fc(ctx_features))  # embed_context without the cast back (RMSNorm's fp32 output)
 
 
 def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.device, args: argparse.Namespace) -> dict:
@@ -97,10 +106,17 @@ def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.devi
     if variant == "ckpt-loss":
         side.loss_fn = lambda h, w, lab, wts, **kw: _ckpt_loss_result(h, w, lab, wts, kw)
     if variant == "triton-s7":
-        drafter.context_call, drafter.output_call = embed_context, finish_hidden
-        attention.FLEX_MASK_FORM = "predicate"  # bench_step restores both module settings after the variant
+        drafter.context_call, drafter.output_call = _embed_context_fp32, finish_hidden  # eager, as before
+        attention.FLEX_MASK_FORM = "predicate"  # bench_step restores the module settings after the variant
+        attention.FLEX_PAD_TO_TILES = False
     if variant == "triton-tma":
         attention.FLEX_KERNEL_OPTIONS = {**(attention.FLEX_KERNEL_OPTIONS or {}), "USE_TMA": True}
+    if variant == "triton-nopad":
+        attention.FLEX_PAD_TO_TILES = False
+    if variant == "triton-ctx32":
+        drafter.context_call = private_compile(_embed_context_fp32)
+    if variant == "triton-noprologue":
+        torch._inductor.config.prologue_fusion = False  # read when the layer compiles, at the first warm-up step
 
     def step() -> None:
         side.forward_backward(features, batch.weight_sum, float(batch.num_blocks))  # noqa: F821 - del'd below
@@ -166,7 +182,10 @@ def bench_step(args: argparse.Namespace, device: torch.device) -> list[dict]:
     ceiling = matmul_ceiling_tflops(device)
     log(f"matmul ceiling: {ceiling:.0f} TFLOP/s on {device}")
     rows = []
-    settings = attention.FLEX_MASK_FORM, attention.FLEX_KERNEL_OPTIONS
+    import torch._inductor.config
+
+    settings = attention.FLEX_MASK_FORM, attention.FLEX_KERNEL_OPTIONS, attention.FLEX_PAD_TO_TILES
+    prologue_fusion = torch._inductor.config.prologue_fusion
     for shape_name in args.shape.split(","):
         for variant in args.variants.split(","):
             log(f"- {args.preset} {shape_name} {variant} ...")
@@ -176,18 +195,19 @@ def bench_step(args: argparse.Namespace, device: torch.device) -> list[dict]:
                 log(f"  failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
                 continue
             finally:
-                attention.FLEX_MASK_FORM, attention.FLEX_KERNEL_OPTIONS = settings
+                attention.FLEX_MASK_FORM, attention.FLEX_KERNEL_OPTIONS, attention.FLEX_PAD_TO_TILES = settings
+                torch._inductor.config.prologue_fusion = prologue_fusion
             row["mfu"] = row["tflops"] / H200_PEAK_TFLOPS
             row["mfu_ceiling"] = row["tflops"] / ceiling if ceiling == ceiling else float("nan")
             rows.append(row)
             log(f"  {row['ms']:.1f} ms, {row['tflops']:.0f} TFLOP/s, peak {row['peak_gib']:.1f} GiB")
     print(
-        f"{'preset':<12} {'shape':<7} {'variant':<10} {'ms':>8} {'spread':>7} {'TFLOP/s':>8} {'MFU':>6} "
+        f"{'preset':<12} {'shape':<7} {'variant':<17} {'ms':>8} {'spread':>7} {'TFLOP/s':>8} {'MFU':>6} "
         f"{'MFU/ceil':>8} {'blk tok/s':>10} {'ctx tok/s':>10} {'peak GiB':>8} {'warm s':>7} {'recomp':>6}"
     )
     for r in rows:
         print(
-            f"{r['preset']:<12} {r['shape']:<7} {r['variant']:<10} {r['ms']:8.1f} {r['ms_spread']:7.1f} "
+            f"{r['preset']:<12} {r['shape']:<7} {r['variant']:<17} {r['ms']:8.1f} {r['ms_spread']:7.1f} "
             f"{r['tflops']:8.0f} {r['mfu']:6.1%} {r['mfu_ceiling']:8.1%} {r['block_tok_s']:10.0f} "
             f"{r['ctx_tok_s']:10.0f} {r['peak_gib']:8.1f} {r['warmup_s']:7.1f} {r['recompiles']:6d}"
         )

@@ -20,6 +20,7 @@ from trainer.model.attention import (
     build_draft_mask,
     compiled_flex_attention,
     dense_mask,
+    pad_to_tiles,
 )
 
 torch.set_num_threads(1)
@@ -163,9 +164,9 @@ def test_dense_attend_zeroes_fully_masked_rows_without_nan_gradients() -> None:
 
 @pytest.mark.parametrize("window,causal,with_doc", [(None, False, False), (5, True, False), (None, True, True)])
 def test_flex_mask_mod_matches_dense_path(window: int | None, causal: bool, with_doc: bool) -> None:
-    """The flex BlockMask path cannot run its backward on CPU; its mask_mod (including the clamp on padding
-    tiles: Q=12 is padded to a 128 tile) and its forward (eager flex, CPU) are checked here, fwd+bwd on GPU by
-    bench/gpu_parity.py."""
+    """The flex BlockMask path cannot run its backward on CPU; its mask_mod (Q=12 and K=24 are padded to one
+    128 tile, whose padding rows and keys see nothing) and its forward (eager flex, CPU) are checked here, fwd+bwd
+    on GPU by bench/gpu_parity.py."""
     torch.manual_seed(1)
     R, S, N, B = 2, 13, 3, 4
     anchors = torch.tensor([[2, 5, 9], [3, 7, 0]])
@@ -173,8 +174,11 @@ def test_flex_mask_mod_matches_dense_path(window: int | None, causal: bool, with
     doc = torch.tensor([[0] * 6 + [1] * 7, [0] * 13]) if with_doc else None
     block_mask = _flex_block_mask(anchors, keep, S, B, window=window, causal=causal, doc_ids=doc)
     want = dense_mask(anchors, keep, S, B, window=window, causal=causal, doc_ids=doc)
-    got = create_mask(block_mask.mask_mod, R, 1, N * B, S + N * B, device="cpu")[:, 0]
-    assert torch.equal(got, want)
+    q_pad, kv_pad = block_mask.seq_lengths  # tile multiples: the padding rows and keys see nothing
+    assert (q_pad, kv_pad) == (128, 128)
+    got = create_mask(block_mask.mask_mod, R, 1, q_pad, kv_pad, device="cpu")[:, 0]
+    assert torch.equal(got[:, : N * B, : S + N * B], want)
+    assert not got[:, N * B :].any() and not got[:, :, S + N * B :].any()
 
     lt = SLIDING if window else FULL
     dense = build_draft_mask(
@@ -191,8 +195,8 @@ def test_flex_mask_mod_matches_dense_path(window: int | None, causal: bool, with
     q, k, v = torch.randn(R, 4, N * B, 8), torch.randn(R, 2, S + N * B, 8), torch.randn(R, 2, S + N * B, 8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "called without torch.compile"
-        flex_out = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
-    torch.testing.assert_close(flex_out, attend(q, k, v, dense, lt), atol=1e-5, rtol=1e-5)
+        flex_out = flex_attention(*pad_to_tiles(q, k, v, block_mask), block_mask=block_mask, enable_gqa=True)
+    torch.testing.assert_close(flex_out[:, :, : N * B], attend(q, k, v, dense, lt), atol=1e-5, rtol=1e-5)
 
 
 def test_compiled_flex_is_held_per_device_and_replica_scope() -> None:

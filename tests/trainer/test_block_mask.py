@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
 
 import trainer.model.attention as attention
 from trainer.model.attention import (
@@ -26,6 +26,7 @@ from trainer.model.attention import (
     attend,
     build_draft_mask,
     dense_mask,
+    pad_to_tiles,
     query_bounds,
     visible,
 )
@@ -124,8 +125,9 @@ def test_block_mask_equals_uncompiled_create_block_mask(seed: int, form: str, mo
         R, N = c["anchors"].shape
         Q, K = N * c["B"], c["S"] + N * c["B"]
         got = build(c, form)
-        want = create_block_mask(got.mask_mod, R, 1, Q, K, device="cpu", _compile=False)
-        assert got.seq_lengths == want.seq_lengths == (Q, K)
+        q_pad, kv_pad = -(-Q // TILE) * TILE, -(-K // TILE) * TILE  # the mask is for tile multiples
+        want = create_block_mask(got.mask_mod, R, 1, q_pad, kv_pad, device="cpu", _compile=False)
+        assert got.seq_lengths == want.seq_lengths == (q_pad, kv_pad)
         assert torch.equal(got.to_dense(), want.to_dense()), c
         for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
             assert torch.equal(getattr(got, name), getattr(want, name)), (name, c)
@@ -136,6 +138,9 @@ def test_block_mask_equals_uncompiled_create_block_mask(seed: int, form: str, mo
         )
 
         dense = padded_dense(c)
+        assert torch.equal(got.to_dense(), want.to_dense())
+        grid = create_mask(got.mask_mod, R, 1, q_pad, kv_pad, device="cpu")[:, 0]
+        assert torch.equal(grid, dense), c  # mask_mod = the predicate; padding rows and keys see nothing
         partial, full = (
             tile_sets(got.kv_num_blocks, got.kv_indices),
             tile_sets(got.full_kv_num_blocks, got.full_kv_indices),
@@ -187,7 +192,7 @@ def case_bounds(c: dict[str, Any]) -> tuple[Any, torch.Tensor]:
 
 @pytest.mark.parametrize("seed", range(3))
 def test_query_bounds_are_the_predicate(seed: int) -> None:
-    """Per query row (padding rows too) the two intervals hold exactly the keys `visible` allows, and the tiles
+    """Per query row the two intervals hold exactly the keys `visible` allows (padding rows: none), and the tiles
     classified from them are the predicate classifier's, bit for bit: windows, doc ids, in-block causality,
     padded blocks, and anchors at S (context and own block touch: one interval covering a tile)."""
     rng = random.Random(200 + seed)
@@ -204,9 +209,10 @@ def test_query_bounds_are_the_predicate(seed: int) -> None:
         k = bounds.ctx_lo[..., None], bounds.ctx_hi[..., None], bounds.blk_lo[..., None], bounds.blk_hi[..., None]
         kv = torch.arange(want.shape[2])
         got = ((kv >= k[0]) & (kv < k[1])) | ((kv >= k[2]) & (kv < k[3]))
-        assert torch.equal(got, want), c
         R, N = c["anchors"].shape
         q_len, kv_len = N * c["B"], c["S"] + N * c["B"]
+        assert torch.equal(got[:, :q_len], want[:, :q_len]), c
+        assert not got[:, q_len:].any()  # the padding rows see nothing
         reference = attention._tile_classes(
             c["anchors"], c["keep"], c["S"], c["B"], window=c["window"], causal=c["causal"], doc_ids=c["doc"]
         )
@@ -228,7 +234,7 @@ def test_doc_ids_that_are_not_runs_fall_back_to_the_predicate() -> None:
     want = dense_mask(anchors, keep, S, B, window=None, causal=False, doc_ids=doc)[0]
     q, kv = torch.arange(N * B)[:, None], torch.arange(S + N * B)[None, :]
     assert torch.equal(bm.mask_mod(torch.tensor(0), torch.tensor(0), q, kv), want)
-    reference = create_block_mask(bm.mask_mod, 1, 1, N * B, S + N * B, device="cpu", _compile=False)
+    reference = create_block_mask(bm.mask_mod, 1, 1, *bm.seq_lengths, device="cpu", _compile=False)
     assert torch.equal(bm.to_dense(), reference.to_dense())
 
 
@@ -258,9 +264,10 @@ def test_flex_forward_with_the_block_mask_equals_dense_sdpa(seed: int, form: str
     want = attend(q, k, v, dense, lt)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "called without torch.compile"
-        eager = flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
+        eager = flex_attention(*pad_to_tiles(q, k, v, bm), block_mask=bm, enable_gqa=True)[:, :, :Q]
     torch.testing.assert_close(eager, want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(block_sparse_attention(q, k, v, bm), want, atol=1e-5, rtol=1e-5)
+    replayed = block_sparse_attention(*pad_to_tiles(q, k, v, bm), bm)[:, :, :Q]
+    torch.testing.assert_close(replayed, want, atol=1e-5, rtol=1e-5)
 
 
 def test_exact_multiples_of_128_and_all_padding_rows() -> None:

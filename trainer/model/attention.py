@@ -276,8 +276,8 @@ def _tile_classes(
 @dataclass(frozen=True)
 class QueryBounds:
     """The mask in interval form: query row q of batch row r may see exactly the keys
-    [ctx_lo, ctx_hi) and [blk_lo, blk_hi) (int32 [R, Qpad] each; Qpad = Q rounded up to TILE, padding rows
-    computed like the predicate's clamped last block). An empty interval has lo >= hi.
+    [ctx_lo, ctx_hi) and [blk_lo, blk_hi) (int32 [R, Qpad] each; Qpad = Q rounded up to TILE; the padding rows
+    q >= Q see nothing: attend() pads the queries to Qpad). An empty interval has lo >= hi.
 
     Equal to `visible` wherever the context part is one interval, i.e. without doc ids or with doc ids that never
     decrease along a row (packed documents; `query_bounds` returns None otherwise). Why it exists: flex's
@@ -307,7 +307,7 @@ def query_bounds(
     rows, num_blocks = anchors.shape
     device = anchors.device
     q = torch.arange(-(-num_blocks * block_size // TILE) * TILE, device=device)  # [Qpad]
-    blk = torch.clamp(q // block_size, max=num_blocks - 1)  # as in `visible`: padding rows use the last block
+    blk = torch.clamp(q // block_size, max=num_blocks - 1)  # padding rows: any valid block (they see nothing)
     off = q % block_size
     anchor = anchors[:, blk]  # [R, Qpad]
     kept = keep[:, blk]
@@ -328,7 +328,8 @@ def query_bounds(
     blk_lo = ctx_len + blk * block_size  # a block sees only itself ...
     blk_hi = blk_lo + (off + 1 if causal else block_size)  # ... causally, where configured
     blk_lo, blk_hi = blk_lo.expand(rows, -1), blk_hi.expand(rows, -1)
-    empty = torch.zeros((), dtype=anchor.dtype, device=device)  # padded blocks see nothing
+    kept = kept & (q < num_blocks * block_size)  # padded blocks and the padding rows see nothing
+    empty = torch.zeros((), dtype=anchor.dtype, device=device)
     return QueryBounds(*(torch.where(kept, bound, empty).to(torch.int32) for bound in (ctx_lo, ctx_hi, blk_lo, blk_hi)))
 
 
@@ -372,6 +373,9 @@ MaskForm = Literal["intervals", "predicate"]
 # How flex BlockMasks are built: "intervals" (QueryBounds; the default) or "predicate" (`visible` per element,
 # the form before session 8, kept as the general fallback and for side-by-side benches).
 FLEX_MASK_FORM: MaskForm = "intervals"
+# Build flex BlockMasks for Q and K rounded up to TILE (attend() pads q, k, v to match): see pad_to_tiles. Off only
+# in side-by-side benches.
+FLEX_PAD_TO_TILES = True
 
 
 def _flex_block_mask(
@@ -392,9 +396,10 @@ def _flex_block_mask(
     Here the tiles are classified (from QueryBounds, or by `_tile_classes` where the mask is not two intervals
     per query or `form` is "predicate") and handed to BlockMask.from_kv_blocks: partial tiles keep mask_mod for
     element-wise masking, full tiles skip it, empty tiles are never visited. `form` defaults to FLEX_MASK_FORM.
+    The mask is for Q and K rounded up to TILE (`seq_lengths`); the padding rows and keys are never visible.
     """
     rows, num_blocks = anchors.shape
-    q_len = num_blocks * block_size
+    q_len, kv_len = num_blocks * block_size, ctx_len + num_blocks * block_size
     bounds = None
     if (form or FLEX_MASK_FORM) == "intervals":
         bounds = query_bounds(anchors, keep, ctx_len, block_size, window=window, causal=causal, doc_ids=doc_ids)
@@ -406,11 +411,11 @@ def _flex_block_mask(
             in_context = (kv_idx >= ctx_lo[b, q_idx]) & (kv_idx < ctx_hi[b, q_idx])
             return in_context | ((kv_idx >= blk_lo[b, q_idx]) & (kv_idx < blk_hi[b, q_idx]))
 
-        partial, full = _tile_classes_from_bounds(bounds, q_len, ctx_len + q_len)
+        partial, full = _tile_classes_from_bounds(bounds, q_len, kv_len)
     else:
 
         def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-            return visible(
+            return (q_idx < q_len) & visible(  # the padding rows (attend() pads to tile multiples) see nothing
                 q_idx,
                 kv_idx,
                 anchors_row=anchors[b],
@@ -434,7 +439,9 @@ def _flex_block_mask(
         full_kv_indices=full_kv_indices,
         BLOCK_SIZE=TILE,
         mask_mod=mask_mod,
-        seq_lengths=(q_len, ctx_len + q_len),
+        # Tile multiples: attend() pads q, k, v to these lengths, so flex compiles its IS_DIVISIBLE kernels (no
+        # bound check, modulo or masked load per element); the padding keys are never visible (kv < K always).
+        seq_lengths=(partial.shape[2] * TILE, partial.shape[3] * TILE) if FLEX_PAD_TO_TILES else (q_len, kv_len),
     )
 
 
@@ -488,6 +495,18 @@ def build_draft_mask(
     return mask
 
 
+def pad_to_tiles(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [R,Hq,Q,D], k/v [R,Hkv,K,D] with zero rows appended up to the block mask's lengths (Q and K rounded up to
+    TILE; those rows and keys are never visible). Why: flex then compiles its IS_DIVISIBLE kernels, without a
+    bound check, modulo and masked load per element; inside a compiled layer the pads fuse into the kernels that
+    produce q, k and v, so they cost no extra pass. The caller slices the output back to Q rows."""
+    q_pad, kv_pad = block_mask.seq_lengths
+    q = F.pad(q, (0, 0, 0, q_pad - q.shape[2]))
+    return q, F.pad(k, (0, 0, 0, kv_pad - k.shape[2])), F.pad(v, (0, 0, 0, kv_pad - v.shape[2]))
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DraftMask, layer_type: str) -> torch.Tensor:
     """Masked attention. q [R,Hq,Q,D], k/v [R,Hkv,K,D] (Hq a multiple of Hkv) -> [R,Hq,Q,D].
 
@@ -506,9 +525,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DraftMask, l
         flex: Callable[..., Any] = flex_attention
         if not torch.compiler.is_compiling():
             flex = compiled_flex_attention(q.device)
-        if FLEX_KERNEL_OPTIONS is not None:
-            return flex(q, k, v, block_mask=mask.flex[layer_type], enable_gqa=gqa, kernel_options=FLEX_KERNEL_OPTIONS)
-        return flex(q, k, v, block_mask=mask.flex[layer_type], enable_gqa=gqa)
+        block_mask = mask.flex[layer_type]
+        options = {"kernel_options": FLEX_KERNEL_OPTIONS} if FLEX_KERNEL_OPTIONS is not None else {}
+        out = flex(*pad_to_tiles(q, k, v, block_mask), block_mask=block_mask, enable_gqa=gqa, **options)
+        return out[:, :, : q.shape[2]]
     if layer_type not in mask.dense:
         raise KeyError(f"mask has no {layer_type!r} entry (built for {sorted(mask.dense)})")
     sdpa_mask, row_visible = mask.dense[layer_type]
