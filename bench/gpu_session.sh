@@ -90,7 +90,9 @@ for section in "$@"; do
               --iters 5 --warmup 2 --profile --json-out "$OUT/s8-step2-profile.json"
             step s8-step2-variants 330 python3 -m trainer bench step --preset qwen3-8b --shape seed \
               --variants triton-s7,triton,triton-nopad,triton-ctx32,triton-noprologue --iters 5 --warmup 2 \
-              --json-out "$OUT/s8-step2.json" ;;
+              --json-out "$OUT/s8-step2.json"
+            step s8-step2-27b 200 python3 -m trainer bench step --preset qwen3.6-27b --shape seed --variants triton \
+              --iters 4 --warmup 2 --json-out "$OUT/s8-step2-27b.json" ;;
     step8b-soft) step step8b-soft 200 python3 -m trainer bench step --preset qwen3-8b --shape seed \
               --variants soft,soft-triton --iters 5 --warmup 2 --json-out "$OUT/step8b-soft.json" ;;
     dist-small) step dist-small 260 python3 bench/gpu_pipeline.py --scale small --modes dual --engines threaded,dist \
