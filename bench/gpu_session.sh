@@ -3,7 +3,7 @@
 # Usage (on the GPU machine, repo root): bash bench/gpu_session.sh SECTION...   (logs under $OUT when set)
 # Session 3 calls: `verify pipeline-triton`, then `verify-pipeline pipeline-triton step8b-more` (the ten cold
 # two-drafter runs again after the stream fix), then `verify-pipeline pipeline-8b`.
-# Session 8 calls: `env s8-attn s8-step`, then `s8-attn2 s8-step2` (the interval-form BlockMask, compiled context/output, flex options).
+# Session 8 calls: `env s8-attn s8-step`, then `s8-attn2 s8-step2`, then `s8-attn2 s8-confirm` (the interval-form BlockMask, compiled context/output, flex options).
 # Session 5 calls: `env profile dist-small`, then `step8b-adamw attn-tune dist-8b` (recorded in bench/RESULTS.md).
 # Session 4 calls: `env pipeline-transfer` (features via the device vs via pinned host memory), then
 # `pipeline-recheck`, then `auto-kernels` (all recorded in bench/RESULTS.md).
@@ -93,6 +93,8 @@ for section in "$@"; do
               --json-out "$OUT/s8-step2.json"
             step s8-step2-27b 200 python3 -m trainer bench step --preset qwen3.6-27b --shape seed --variants triton \
               --iters 4 --warmup 2 --json-out "$OUT/s8-step2-27b.json" ;;
+    s8-confirm) step s8-confirm 330 python3 -m trainer bench step --preset qwen3-8b --shape seed \
+              --variants triton,triton,triton --iters 7 --warmup 3 --json-out "$OUT/s8-confirm.json" ;;
     step8b-soft) step step8b-soft 200 python3 -m trainer bench step --preset qwen3-8b --shape seed \
               --variants soft,soft-triton --iters 5 --warmup 2 --json-out "$OUT/step8b-soft.json" ;;
     dist-small) step dist-small 260 python3 bench/gpu_pipeline.py --scale small --modes dual --engines threaded,dist \

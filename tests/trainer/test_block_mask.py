@@ -191,10 +191,13 @@ def case_bounds(c: dict[str, Any]) -> tuple[Any, torch.Tensor]:
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_query_bounds_are_the_predicate(seed: int) -> None:
+def test_query_bounds_are_the_predicate(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Per query row the two intervals hold exactly the keys `visible` allows (padding rows: none), and the tiles
     classified from them are the predicate classifier's, bit for bit: windows, doc ids, in-block causality,
-    padded blocks, and anchors at S (context and own block touch: one interval covering a tile)."""
+    padded blocks, and anchors at S (context and own block touch: one interval covering a tile); with all batch
+    rows in one chunk and with one row per chunk."""
+    if seed == 1:  # one batch row per chunk of the tile classifier (otherwise all rows in one)
+        monkeypatch.setattr(attention, "_CHUNK_TESTS", 1)
     rng = random.Random(200 + seed)
     cases, touching = 0, 0
     while cases < 25:
