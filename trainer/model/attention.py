@@ -22,10 +22,12 @@ Back-ends:
   shape): `visible` is rewritten per query row as two key intervals (QueryBounds: the context the block sees,
   its own block), every (128-query, 128-key) tile of each row is classified empty / partial / full from those
   intervals, and the mask_mod of the partial tiles compares against them. Where the predicate is not two
-  intervals per row (doc ids in which one document comes back), the tiles and mask_mod use `visible` itself. flex_attention itself is torch.compile'd
-  once per device (a dict keyed by device, never one process-wide object shared across devices). torch.compile
-  is not thread safe (docs/method.md#compiling): warm every device x shape x mask variant up sequentially before worker
-  threads start. flex_attention has no CPU backward, so this path refuses CPU tensors.
+  intervals per row (doc ids in which one document comes back), the tiles and mask_mod use `visible` itself.
+  The mask covers Q and K rounded up to 128 and attend() pads q, k, v to match (pad_to_tiles).
+  flex_attention itself is torch.compile'd once per device (a dict keyed by device, never one process-wide
+  object shared across devices). torch.compile is not thread safe (docs/method.md#compiling): warm every
+  device x shape x mask variant up sequentially before worker threads start. flex_attention has no CPU
+  backward, so this path refuses CPU tensors.
 """
 
 from __future__ import annotations
