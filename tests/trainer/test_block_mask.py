@@ -28,7 +28,6 @@ from trainer.model.attention import (
     dense_mask,
     pad_to_tiles,
     query_bounds,
-    visible,
 )
 
 torch.set_num_threads(1)
@@ -61,9 +60,9 @@ def random_case(rng: random.Random, *, with_full_tiles: bool = False) -> dict[st
     return dict(anchors=anchors, keep=keep, S=S, B=B, window=window, causal=rng.random() < 0.5, doc=doc)
 
 
-def build(c: dict[str, Any], form: str | None = None) -> Any:
+def build(c: dict[str, Any]) -> Any:
     return _flex_block_mask(
-        c["anchors"], c["keep"], c["S"], c["B"], window=c["window"], causal=c["causal"], doc_ids=c["doc"], form=form
+        c["anchors"], c["keep"], c["S"], c["B"], window=c["window"], causal=c["causal"], doc_ids=c["doc"]
     )
 
 
@@ -116,6 +115,7 @@ def test_block_mask_equals_uncompiled_create_block_mask(seed: int, form: str, mo
     """Same tiles, same order, same split as create_block_mask(_compile=False) on the same mask_mod; the split
     means what the dense mask (`visible`) says, for both mask forms. Odd seeds shrink the predicate form's chunk
     so one row is classified in several query chunks."""
+    monkeypatch.setattr(attention, "FLEX_MASK_FORM", form)
     if seed % 2:
         monkeypatch.setattr(attention, "_CHUNK_BOOLS", 3 * TILE * TILE * 4)
     rng = random.Random(seed)
@@ -124,7 +124,7 @@ def test_block_mask_equals_uncompiled_create_block_mask(seed: int, form: str, mo
         c = random_case(rng, with_full_tiles=i == 3)
         R, N = c["anchors"].shape
         Q, K = N * c["B"], c["S"] + N * c["B"]
-        got = build(c, form)
+        got = build(c)
         q_pad, kv_pad = -(-Q // TILE) * TILE, -(-K // TILE) * TILE  # the mask is for tile multiples
         want = create_block_mask(got.mask_mod, R, 1, q_pad, kv_pad, device="cpu", _compile=False)
         assert got.seq_lengths == want.seq_lengths == (q_pad, kv_pad)
@@ -164,30 +164,11 @@ def test_block_mask_equals_uncompiled_create_block_mask(seed: int, form: str, mo
 
 def case_bounds(c: dict[str, Any]) -> tuple[Any, torch.Tensor]:
     """QueryBounds of a case and the predicate on the same padded grid [R, Qpad, Kpad]."""
-    a, keep, S, B = c["anchors"], c["keep"], c["S"], c["B"]
-    bounds = query_bounds(a, keep, S, B, window=c["window"], causal=c["causal"], doc_ids=c["doc"])
-    assert bounds is not None
-    q = torch.arange(bounds.ctx_lo.shape[1])[:, None]
-    kv = torch.arange(-(-(S + a.shape[1] * B) // TILE) * TILE)[None, :]
-    doc = c["doc"]
-    want = torch.stack(
-        [
-            visible(
-                q,
-                kv,
-                anchors_row=a[r],
-                keep_row=keep[r],
-                ctx_len=S,
-                block_size=B,
-                num_blocks=a.shape[1],
-                window=c["window"],
-                causal=c["causal"],
-                doc_row=None if doc is None else doc[r],
-            )
-            for r in range(a.shape[0])
-        ]
+    bounds = query_bounds(
+        c["anchors"], c["keep"], c["S"], c["B"], window=c["window"], causal=c["causal"], doc_ids=c["doc"]
     )
-    return bounds, want
+    assert bounds is not None
+    return bounds, padded_dense(c)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -243,7 +224,10 @@ def test_doc_ids_that_are_not_runs_fall_back_to_the_predicate() -> None:
 
 @pytest.mark.parametrize("form", ["intervals", "predicate"])
 @pytest.mark.parametrize("seed", range(3))
-def test_flex_forward_with_the_block_mask_equals_dense_sdpa(seed: int, form: str) -> None:
+def test_flex_forward_with_the_block_mask_equals_dense_sdpa(
+    seed: int, form: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(attention, "FLEX_MASK_FORM", form)
     rng = random.Random(100 + seed)
     torch.manual_seed(seed)
     c = random_case(rng)
@@ -262,7 +246,7 @@ def test_flex_forward_with_the_block_mask_equals_dense_sdpa(seed: int, form: str
         doc_ids=c["doc"],
         layer_types=[lt],
     )
-    bm = build(c, form)
+    bm = build(c)
     q, k, v = torch.randn(R, 4, Q, 16), torch.randn(R, 2, K, 16), torch.randn(R, 2, K, 16)
     want = attend(q, k, v, dense, lt)
     with warnings.catch_warnings():

@@ -95,6 +95,34 @@ def visible(
     return (ctx_ok | blk_ok) & keep_row[blk]
 
 
+def _visible_in_row(
+    q: Any,
+    kv: Any,
+    row: Any,
+    anchors: torch.Tensor,
+    keep: torch.Tensor,
+    doc_ids: torch.Tensor | None,
+    *,
+    ctx_len: int,
+    block_size: int,
+    window: int | None,
+    causal: bool,
+) -> Any:
+    """`visible` for batch row `row` (an int, or flex's batch index tensor) of a batch's anchors/keep/doc ids."""
+    return visible(
+        q,
+        kv,
+        anchors_row=anchors[row],
+        keep_row=keep[row],
+        ctx_len=ctx_len,
+        block_size=block_size,
+        num_blocks=anchors.shape[1],
+        window=window,
+        causal=causal,
+        doc_row=None if doc_ids is None else doc_ids[row],
+    )
+
+
 @dataclass
 class DraftMask:
     """The attention mask of one batch, one entry per layer type present in the drafter.
@@ -163,17 +191,8 @@ def dense_mask(
     out = []
     for r in range(rows):  # R is small (a handful of rows per batch); a python loop keeps the predicate single-sourced
         out.append(
-            visible(
-                q,
-                kv,
-                anchors_row=anchors[r],
-                keep_row=keep[r],
-                ctx_len=ctx_len,
-                block_size=block_size,
-                num_blocks=num_blocks,
-                window=window,
-                causal=causal,
-                doc_row=None if doc_ids is None else doc_ids[r],
+            _visible_in_row(
+                q, kv, r, anchors, keep, doc_ids, ctx_len=ctx_len, block_size=block_size, window=window, causal=causal
             )
         )
     return torch.stack(out)  # [R,Q,K]
@@ -253,17 +272,8 @@ def _tile_classes(
         for t0 in range(0, q_tiles, tiles_per_chunk):
             t1 = min(q_tiles, t0 + tiles_per_chunk)
             q = torch.arange(t0 * TILE, t1 * TILE, device=device)[:, None]  # [rows_in_chunk, 1] int64
-            vis = visible(
-                q,
-                kv,
-                anchors_row=anchors[r],
-                keep_row=keep[r],
-                ctx_len=ctx_len,
-                block_size=block_size,
-                num_blocks=num_blocks,
-                window=window,
-                causal=causal,
-                doc_row=None if doc_ids is None else doc_ids[r],
+            vis = _visible_in_row(
+                q, kv, r, anchors, keep, doc_ids, ctx_len=ctx_len, block_size=block_size, window=window, causal=causal
             )
             vis &= q < q_len  # padding rows/columns of
             vis &= kv < kv_len  # the tail tiles: invisible
@@ -398,21 +408,20 @@ def _flex_block_mask(
     window: int | None,
     causal: bool,
     doc_ids: torch.Tensor | None,
-    form: MaskForm | None = None,
 ) -> Any:
     """The BlockMask of one batch and layer type, built without compiling anything.
 
     A compiled create_block_mask was measured to hang > 4 min in Triton's make_llir on an H200 for the qwen3-8b
     seed shape (Q=5472, K=13664, neither a multiple of 128), and an uncompiled one materialises [R,Q,K] at once.
     Here the tiles are classified (from QueryBounds, or by `_tile_classes` where the mask is not two intervals
-    per query or `form` is "predicate") and handed to BlockMask.from_kv_blocks: partial tiles keep mask_mod for
-    element-wise masking, full tiles skip it, empty tiles are never visited. `form` defaults to FLEX_MASK_FORM.
+    per query or FLEX_MASK_FORM is "predicate") and handed to BlockMask.from_kv_blocks: partial tiles keep mask_mod
+    for element-wise masking, full tiles skip it, empty tiles are never visited.
     The mask is for Q and K rounded up to TILE (`seq_lengths`); the padding rows and keys are never visible.
     """
     rows, num_blocks = anchors.shape
     q_len, kv_len = num_blocks * block_size, ctx_len + num_blocks * block_size
     bounds = None
-    if (form or FLEX_MASK_FORM) == "intervals":
+    if FLEX_MASK_FORM == "intervals":
         bounds = query_bounds(anchors, keep, ctx_len, block_size, window=window, causal=causal, doc_ids=doc_ids)
 
     if bounds is not None:
@@ -426,18 +435,19 @@ def _flex_block_mask(
     else:
 
         def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-            return (q_idx < q_len) & visible(  # the padding rows (attend() pads to tile multiples) see nothing
+            row_visible = _visible_in_row(
                 q_idx,
                 kv_idx,
-                anchors_row=anchors[b],
-                keep_row=keep[b],
+                b,
+                anchors,
+                keep,
+                doc_ids,
                 ctx_len=ctx_len,
                 block_size=block_size,
-                num_blocks=num_blocks,
                 window=window,
                 causal=causal,
-                doc_row=None if doc_ids is None else doc_ids[b],
             )
+            return (q_idx < q_len) & row_visible  # the padding rows (attend() pads to tile multiples) see nothing
 
         partial, full = _tile_classes(anchors, keep, ctx_len, block_size, window=window, causal=causal, doc_ids=doc_ids)
     kv_num_blocks, kv_indices = _ordered(partial)
