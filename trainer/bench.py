@@ -18,11 +18,13 @@ The last thing printed is the table (stdout); progress goes to stderr.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -44,6 +46,7 @@ from trainer.compile_scope import private_compile
 from trainer.config import PRESETS, TrainerInputError
 from trainer.loss import ChunkKernels, dflash_loss, make_chunk_kernels, position_weights
 from trainer.model import DFlashDrafter, attention
+from trainer.model import drafter as drafter_module
 from trainer.model.drafter import finish_hidden
 from trainer.step import DrafterSide, FeatureBatch, TargetSide
 
@@ -64,6 +67,8 @@ VARIANTS = {
     "triton-nopad": "as triton, q/k/v not padded to 128-row multiples (flex without IS_DIVISIBLE)",
     "triton-ctx32": "as triton, the context kept in fp32 after its norm (session 8's first call)",
     "triton-noprologue": "as triton, Inductor's prologue fusion off (nothing fused into flex_attention's loads)",
+    "triton-sepproj": "as triton, one GEMM per projection (q, k, v, gate, up; before session 9) instead of the "
+    "fused q/k/v, context k/v and gate/up GEMMs",
 }
 
 
@@ -117,6 +122,8 @@ def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.devi
         drafter.context_call = private_compile(_embed_context_fp32)
     if variant == "triton-noprologue":
         torch._inductor.config.prologue_fusion = False  # read when the layer compiles, at the first warm-up step
+    if variant == "triton-sepproj":
+        drafter_module.FUSED_PROJECTIONS = False  # read when the layer is traced, at the first warm-up step
 
     def step() -> None:
         side.forward_backward(features, batch.weight_sum, float(batch.num_blocks))  # noqa: F821 - del'd below
@@ -178,25 +185,44 @@ def _ckpt_loss_result(hidden, weight, labels, weights, kw):  # adapter: the base
 # ------------------------------------------------------------------------------------------- verbs
 
 
+@contextlib.contextmanager
+def module_settings_restored() -> Iterator[None]:
+    """Put back the module-level settings a variant may change (attention's mask form, kernel options and
+    padding, the drafter's fused projections, Inductor's prologue fusion) however the variant ends."""
+    import torch._inductor.config
+
+    saved = (
+        attention.FLEX_MASK_FORM,
+        attention.FLEX_KERNEL_OPTIONS,
+        attention.FLEX_PAD_TO_TILES,
+        drafter_module.FUSED_PROJECTIONS,
+        torch._inductor.config.prologue_fusion,
+    )
+    try:
+        yield
+    finally:
+        (
+            attention.FLEX_MASK_FORM,
+            attention.FLEX_KERNEL_OPTIONS,
+            attention.FLEX_PAD_TO_TILES,
+            drafter_module.FUSED_PROJECTIONS,
+            torch._inductor.config.prologue_fusion,
+        ) = saved
+
+
 def bench_step(args: argparse.Namespace, device: torch.device) -> list[dict]:
     ceiling = matmul_ceiling_tflops(device)
     log(f"matmul ceiling: {ceiling:.0f} TFLOP/s on {device}")
     rows = []
-    import torch._inductor.config
-
-    settings = attention.FLEX_MASK_FORM, attention.FLEX_KERNEL_OPTIONS, attention.FLEX_PAD_TO_TILES
-    prologue_fusion = torch._inductor.config.prologue_fusion
     for shape_name in args.shape.split(","):
         for variant in args.variants.split(","):
             log(f"- {args.preset} {shape_name} {variant} ...")
             try:
-                row = run_step_variant(args.preset, SHAPES[shape_name], variant, device, args)
+                with module_settings_restored():
+                    row = run_step_variant(args.preset, SHAPES[shape_name], variant, device, args)
             except Exception as exc:  # noqa: BLE001 - a variant this torch cannot run: say so, measure the rest
                 log(f"  failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
                 continue
-            finally:
-                attention.FLEX_MASK_FORM, attention.FLEX_KERNEL_OPTIONS, attention.FLEX_PAD_TO_TILES = settings
-                torch._inductor.config.prologue_fusion = prologue_fusion
             row["mfu"] = row["tflops"] / H200_PEAK_TFLOPS
             row["mfu_ceiling"] = row["tflops"] / ceiling if ceiling == ceiling else float("nan")
             rows.append(row)
@@ -291,8 +317,8 @@ def bench_attention(args: argparse.Namespace, device: torch.device) -> list[dict
         backend: Backend = "flex" if device.type == "cuda" else "dense"
         Hq, Hkv, D = dcfg.num_attention_heads, dcfg.num_key_value_heads, dcfg.head_dim
         Q, K = shape.anchors * shape.block, shape.ctx + shape.anchors * shape.block
-        for (layer_type, window), order, form in itertools.product(
-            layers, args.orders.split(","), args.mask_forms.split(",")
+        for (layer_type, window), order, form, layout in itertools.product(
+            layers, args.orders.split(","), args.mask_forms.split(","), args.layouts.split(",")
         ):
             batch = synthetic_batch(dcfg, shape, 7.0, device, sorted_anchors=order == "sorted")
             attention.FLEX_MASK_FORM = form  # checked in main()
@@ -310,16 +336,30 @@ def bench_attention(args: argparse.Namespace, device: torch.device) -> list[dict
 
             build_ms = statistics.median(time_ms(build, device, warmup=1, iters=5))
             mask = build()
-            q = torch.randn(shape.rows, Hq, Q, D, device=device, dtype=dtype, requires_grad=True)
-            k = torch.randn(shape.rows, Hkv, K, D, device=device, dtype=dtype, requires_grad=True)
-            v = torch.randn(shape.rows, Hkv, K, D, device=device, dtype=dtype, requires_grad=True)
+            # bhsd: contiguous [R,h,L,D] leaves and the gradient of a sum (the bench before session 9); bshd: as a
+            # layer hands them over, transposed views of [R,L,h,D] and a random [R,Q,h,D] output gradient
+            # (o_proj's input gradient, transposed back).
+            dims = (lambda h, n: (shape.rows, n, h, D)) if layout == "bshd" else (lambda h, n: (shape.rows, h, n, D))
+            leaves = [
+                torch.randn(*dims(h, n), device=device, dtype=dtype, requires_grad=True)
+                for h, n in ((Hq, Q), (Hkv, K), (Hkv, K))
+            ]
+            grad_out = torch.randn(*dims(Hq, Q), device=device, dtype=dtype)
+
+            def inputs() -> list[torch.Tensor]:
+                return [t.transpose(1, 2) for t in leaves] if layout == "bshd" else leaves
 
             def run() -> None:
-                attend(q, k, v, mask, layer_type).sum().backward()
+                q, k, v = inputs()
+                out = attend(q, k, v, mask, layer_type)
+                if layout == "bshd":
+                    out.backward(grad_out.transpose(1, 2))
+                else:
+                    out.sum().backward()
 
             def forward() -> None:
                 with torch.no_grad():
-                    attend(q, k, v, mask, layer_type)
+                    attend(*inputs(), mask, layer_type)
 
             for options_text in args.flex_options.split(";"):
                 attention.FLEX_KERNEL_OPTIONS = parse_flex_options(options_text)
@@ -331,7 +371,7 @@ def bench_attention(args: argparse.Namespace, device: torch.device) -> list[dict
                     log(f"- {options_text}: failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
                     ms = fwd = float("nan")
                 log(
-                    f"- {shape_name} {layer_type} {order} {form} [{options_text}]: {ms:.2f} ms fwd+bwd, "
+                    f"- {shape_name} {layer_type} {order} {form} {layout} [{options_text}]: {ms:.2f} ms fwd+bwd, "
                     f"{fwd:.2f} fwd, mask build {build_ms:.2f} ms ({time.perf_counter() - t0:.0f} s incl. compile)"
                 )
                 rows.append(
@@ -340,6 +380,7 @@ def bench_attention(args: argparse.Namespace, device: torch.device) -> list[dict
                         "layer": layer_type.split("_")[0],
                         "order": order,
                         "mask_form": form,
+                        "layout": layout,
                         "build_ms": build_ms,
                         "ms": ms,
                         "fwd_ms": fwd,
@@ -348,12 +389,12 @@ def bench_attention(args: argparse.Namespace, device: torch.device) -> list[dict
                 )
     attention.FLEX_MASK_FORM, attention.FLEX_KERNEL_OPTIONS = settings
     print(
-        f"{'shape':<7} {'layer':<8} {'order':<9} {'mask':<10} {'build ms':>8} {'fwd+bwd ms':>10} {'fwd ms':>7} "
-        f"{'bwd ms':>7}  flex options"
+        f"{'shape':<7} {'layer':<8} {'order':<9} {'mask':<10} {'layout':<6} {'build ms':>8} {'fwd+bwd ms':>10} "
+        f"{'fwd ms':>7} {'bwd ms':>7}  flex options"
     )
     for r in rows:
         print(
-            f"{r['shape']:<7} {r['layer']:<8} {r['order']:<9} {r['mask_form']:<10} {r['build_ms']:8.2f} "
+            f"{r['shape']:<7} {r['layer']:<8} {r['order']:<9} {r['mask_form']:<10} {r['layout']:<6} {r['build_ms']:8.2f} "
             f"{r['ms']:10.2f} {r['fwd_ms']:7.2f} {r['ms'] - r['fwd_ms']:7.2f}  {r['options']}"
         )
     return rows
@@ -475,6 +516,12 @@ def main(argv: list[str]) -> int:
         help="attention: comma list of BlockMask forms, intervals and/or predicate (default: %(default)s)",
     )
     parser.add_argument(
+        "--layouts",
+        default="bhsd",
+        help="attention: comma list of input layouts, bhsd (contiguous) and/or bshd (as a layer hands them over) "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="step: after timing, profile 3 steps and print where the time goes (CUDA only; default: off)",
@@ -493,6 +540,10 @@ def main(argv: list[str]) -> int:
     for name in args.mask_forms.split(","):
         if name not in ("intervals", "predicate"):
             print(f"error: unknown mask form {name!r}\nhint: intervals or predicate", file=sys.stderr)
+            return 2
+    for name in args.layouts.split(","):
+        if name not in ("bhsd", "bshd"):
+            print(f"error: unknown layout {name!r}\nhint: bhsd or bshd", file=sys.stderr)
             return 2
     for name in args.variants.split(","):
         if name not in VARIANTS:

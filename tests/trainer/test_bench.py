@@ -54,11 +54,31 @@ def test_bench_step_runs_on_cpu_and_reports_no_recompiles(capsys) -> None:
     assert [r[2] for r in rows] == ["eager", "unsorted"] and all(r[-1] == "0" for r in rows)
 
 
-@pytest.mark.parametrize("flag, value", [("--shape", "huge"), ("--variants", "turbo")])
+@pytest.mark.parametrize("flag, value", [("--shape", "huge"), ("--variants", "turbo"), ("--layouts", "zigzag")])
 def test_unknown_shape_or_variant_is_a_clear_error(capsys, flag: str, value: str) -> None:
     assert bench.main(["step", "--preset", "tiny", flag, value, "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: unknown {flag[2:].rstrip('s')} {value!r}") and "hint:" in err
+
+
+def test_a_failed_variant_is_reported_and_its_settings_restored(capsys) -> None:
+    """triton-sepproj switches the fused projections off and then fails on a CPU (its loss kernels need CUDA):
+    the failure is one line, the next variant still runs, and the module setting is back to its default."""
+    from trainer.model import drafter
+
+    args = ["step", "--preset", "tiny", "--shape", "tiny", "--variants", "triton-sepproj,eager", "--device", "cpu"]
+    assert bench.main([*args, "--iters", "1", "--warmup", "1"]) == 0
+    captured = capsys.readouterr()
+    assert "triton-sepproj ...\n  failed: TrainerInputError" in captured.err
+    assert [line.split()[2] for line in captured.out.splitlines() if line.startswith("tiny")] == ["eager"]
+    assert drafter.FUSED_PROJECTIONS is True
+
+
+def test_bench_attention_runs_both_layouts_on_cpu(capsys) -> None:
+    args = ["attention", "--preset", "tiny", "--shape", "tiny", "--layers", "full", "--orders", "sorted"]
+    assert bench.main([*args, "--layouts", "bhsd,bshd", "--iters", "1", "--warmup", "1", "--device", "cpu"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("tiny")]
+    assert [r[4] for r in rows] == ["bhsd", "bshd"]
 
 
 @pytest.mark.parametrize(

@@ -292,6 +292,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+# Projections that read the same input run as ONE GEMM over their concatenated weights (q/k/v of the block
+# tokens, k/v of the context, gate/up): the weights' fp32 -> bf16 cast writes the concatenation at no extra
+# cost, and backward does one input-gradient GEMM with the summed K (6144, 2048, 24576 at 8B) where separate
+# GEMMs would each write an [M, H] partial that autograd then adds up (three extra [M, H] passes per layer),
+# and the narrow GQA k/v GEMMs (N = 1024) fill the GPU's waves worse. Read when a layer is traced; the
+# parameters and the checkpoint names stay separate. The bench's `triton-sepproj` variant turns it off.
+FUSED_PROJECTIONS = True
+
+
+def _linear_split(x: torch.Tensor, *projections: nn.Linear) -> tuple[torch.Tensor, ...]:
+    """[proj(x) for proj in projections] from one GEMM: x [..., H] -> views [..., out_i] of one [..., sum out_i]."""
+    weight = torch.cat([p.weight for p in projections])  # [sum out_i, H]
+    return F.linear(x, weight).split([p.out_features for p in projections], dim=-1)
+
+
 class DrafterAttention(nn.Module):
     """Queries from the block tokens; keys/values from [context ; block tokens] (KV injection)."""
 
@@ -318,11 +333,18 @@ class DrafterAttention(nn.Module):
         R, Q, _ = x.shape  # x: normed block tokens [R,Q,H]
         S = ctx.shape[1]  # ctx: context features [R,S,H]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.q_norm(self.q_proj(x).view(R, Q, hq, d)).transpose(1, 2)  # [R,hq,Q,D]
-        # Context re-projected by this layer's own k/v; k_norm on context keys too. Separate GEMMs + cat of the
-        # (narrower, GQA) k/v rather than one GEMM over cat([ctx, x]): the cat copies hkv*d instead of H columns.
-        k = torch.cat([self.k_proj(ctx).view(R, S, hkv, d), self.k_proj(x).view(R, Q, hkv, d)], dim=1)
-        v = torch.cat([self.v_proj(ctx).view(R, S, hkv, d), self.v_proj(x).view(R, Q, hkv, d)], dim=1)
+        # Context re-projected by this layer's own k/v; k_norm on context keys too. Separate GEMMs for the block
+        # tokens and the context + cat of the (narrower, GQA) k/v rather than one GEMM over cat([ctx, x]): the
+        # cat copies hkv*d instead of H columns.
+        if FUSED_PROJECTIONS:
+            q_blk, k_blk, v_blk = _linear_split(x, self.q_proj, self.k_proj, self.v_proj)  # [R,Q,hq*d], 2x [R,Q,hkv*d]
+            k_ctx, v_ctx = _linear_split(ctx, self.k_proj, self.v_proj)  # 2x [R,S,hkv*d]
+        else:
+            q_blk, k_blk, v_blk = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            k_ctx, v_ctx = self.k_proj(ctx), self.v_proj(ctx)
+        q = self.q_norm(q_blk.view(R, Q, hq, d)).transpose(1, 2)  # [R,hq,Q,D]
+        k = torch.cat([k_ctx.view(R, S, hkv, d), k_blk.view(R, Q, hkv, d)], dim=1)
+        v = torch.cat([v_ctx.view(R, S, hkv, d), v_blk.view(R, Q, hkv, d)], dim=1)
         k = self.k_norm(k).transpose(1, 2)  # [R,hkv,S+Q,D]
         v = v.transpose(1, 2)  # [R,hkv,S+Q,D]
         q, k = apply_rope(q, *rope_q), apply_rope(k, *rope_k)
@@ -340,7 +362,11 @@ class DrafterMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if FUSED_PROJECTIONS:
+            gate, up = _linear_split(x, self.gate_proj, self.up_proj)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DrafterLayer(nn.Module):
