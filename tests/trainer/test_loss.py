@@ -364,6 +364,26 @@ def _eager_fused_ce(calls: list):
     return fused_ce
 
 
+@pytest.mark.parametrize(
+    "blocks, chunk_size, expected",
+    [(9, 16, [12, 12, 12]), (7, 8, [8, 8, 8, 4]), (7, 20, [16, 12]), (7, 28, [28])],
+)
+def test_rows_are_split_into_equal_chunks_under_the_chunk_size(blocks, chunk_size, expected):
+    """Blocks of 4 rows: at most chunk_size rows (rounded down to whole blocks) per chunk, as few chunks as that
+    allows, as equal as whole blocks make them: 36 rows under 16 are 12 + 12 + 12, not 16 + 16 + 4."""
+    hidden, weight, labels, weights, _ = make_case(blocks=blocks)
+    sizes: list[int] = []
+    recording = _eager_fused_ce([])
+
+    def fused_ce(logits, labels, *, want_grad=True):
+        sizes.append(logits.shape[0])
+        return recording(logits, labels, want_grad=want_grad)
+
+    kernels = ChunkKernels(fused_ce=fused_ce)
+    dflash_loss(hidden, weight, labels, weights, block_size=4, normalizer=1.0, chunk_size=chunk_size, kernels=kernels)
+    assert sizes == expected
+
+
 @pytest.mark.parametrize("terms", list(TERMS))
 def test_fused_ce_contract_gives_the_reference_and_soft_labels_never_use_it(terms):
     """Kernels with fused_ce: CE and CE+CAP go through it (coefficients applied after GEMM 2); with soft labels
