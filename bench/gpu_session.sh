@@ -3,6 +3,7 @@
 # Usage (on the GPU machine, repo root): bash bench/gpu_session.sh SECTION...   (logs under $OUT when set)
 # Session 3 calls: `verify pipeline-triton`, then `verify-pipeline pipeline-triton step8b-more` (the ten cold
 # two-drafter runs again after the stream fix), then `verify-pipeline pipeline-8b`.
+# Session 9 calls: `env s9-attn s9-step` (fused projections, attention input layouts, Inductor's code of the layer).
 # Session 8 calls: `env s8-attn s8-step`, then `s8-attn2 s8-step2`, then `s8-attn2 s8-confirm` (the interval-form BlockMask, compiled context/output, flex options).
 # Session 5 calls: `env profile dist-small`, then `step8b-adamw attn-tune dist-8b` (recorded in bench/RESULTS.md).
 # Session 4 calls: `env pipeline-transfer` (features via the device vs via pinned host memory), then
@@ -95,6 +96,15 @@ for section in "$@"; do
               --iters 4 --warmup 2 --json-out "$OUT/s8-step2-27b.json" ;;
     s8-confirm) step s8-confirm 330 python3 -m trainer bench step --preset qwen3-8b --shape seed \
               --variants triton,triton,triton --iters 7 --warmup 3 --json-out "$OUT/s8-confirm.json" ;;
+    s9-attn) step s9-attn 200 python3 -m trainer bench attention --preset qwen3-8b --shape seed --layers full \
+              --orders sorted --layouts bhsd,bshd --iters 5 --warmup 2 ;;
+    s9-step) TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-s9 step s9-step 420 python3 -m trainer bench step --preset qwen3-8b \
+              --shape seed --variants triton-sepproj,triton --iters 5 --warmup 2 --profile --json-out "$OUT/s9-step.json"
+            # Inductor's output code of the newest (fused, default) layer graphs, forward and backward
+            code=$(grep -rl --include='*.py' -e "def call(" /tmp/inductor-s9)
+            bwd=$(grep -l flex_attention_backward $code | xargs ls -t | head -1)
+            fwd=$(grep -l flex_attention $code | xargs grep -L flex_attention_backward | xargs ls -t | head -1)
+            cp "$bwd" "$OUT/layer-backward.py"; cp "$fwd" "$OUT/layer-forward.py"; ls -la "$OUT" ;;
     step8b-soft) step step8b-soft 200 python3 -m trainer bench step --preset qwen3-8b --shape seed \
               --variants soft,soft-triton --iters 5 --warmup 2 --json-out "$OUT/step8b-soft.json" ;;
     dist-small) step dist-small 260 python3 bench/gpu_pipeline.py --scale small --modes dual --engines threaded,dist \
