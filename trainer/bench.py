@@ -69,6 +69,8 @@ VARIANTS = {
     "triton-noprologue": "as triton, Inductor's prologue fusion off (nothing fused into flex_attention's loads)",
     "triton-sepproj": "as triton, one GEMM per projection (q, k, v, gate, up; before session 9) instead of the "
     "fused q/k/v, context k/v and gate/up GEMMs",
+    "triton-sepmlp": "as triton, gate and up as two GEMMs (q/k/v and the context's k/v stay fused)",
+    "triton-dobshd": "as triton, flex_attention's output gradient left in the transposed order it arrives in",
 }
 
 
@@ -122,8 +124,12 @@ def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.devi
         drafter.context_call = private_compile(_embed_context_fp32)
     if variant == "triton-noprologue":
         torch._inductor.config.prologue_fusion = False  # read when the layer compiles, at the first warm-up step
-    if variant == "triton-sepproj":
-        drafter_module.FUSED_PROJECTIONS = False  # read when the layer is traced, at the first warm-up step
+    if variant == "triton-sepproj":  # these three are read when the layer is traced, at the first warm-up step
+        drafter_module.FUSED_PROJECTIONS = drafter_module.FUSED_MLP = False
+    if variant == "triton-sepmlp":
+        drafter_module.FUSED_MLP = False
+    if variant == "triton-dobshd":
+        attention.FLEX_CONTIGUOUS_GRAD = False
 
     def step() -> None:
         side.forward_backward(features, batch.weight_sum, float(batch.num_blocks))  # noqa: F821 - del'd below
@@ -187,15 +193,17 @@ def _ckpt_loss_result(hidden, weight, labels, weights, kw):  # adapter: the base
 
 @contextlib.contextmanager
 def module_settings_restored() -> Iterator[None]:
-    """Put back the module-level settings a variant may change (attention's mask form, kernel options and
-    padding, the drafter's fused projections, Inductor's prologue fusion) however the variant ends."""
+    """Put back the module-level settings a variant may change (attention's mask form, kernel options, padding
+    and gradient order, the drafter's fused projections, Inductor's prologue fusion) however the variant ends."""
     import torch._inductor.config
 
     saved = (
         attention.FLEX_MASK_FORM,
         attention.FLEX_KERNEL_OPTIONS,
         attention.FLEX_PAD_TO_TILES,
+        attention.FLEX_CONTIGUOUS_GRAD,
         drafter_module.FUSED_PROJECTIONS,
+        drafter_module.FUSED_MLP,
         torch._inductor.config.prologue_fusion,
     )
     try:
@@ -205,7 +213,9 @@ def module_settings_restored() -> Iterator[None]:
             attention.FLEX_MASK_FORM,
             attention.FLEX_KERNEL_OPTIONS,
             attention.FLEX_PAD_TO_TILES,
+            attention.FLEX_CONTIGUOUS_GRAD,
             drafter_module.FUSED_PROJECTIONS,
+            drafter_module.FUSED_MLP,
             torch._inductor.config.prologue_fusion,
         ) = saved
 

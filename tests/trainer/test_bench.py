@@ -71,7 +71,7 @@ def test_a_failed_variant_is_reported_and_its_settings_restored(capsys) -> None:
     captured = capsys.readouterr()
     assert "triton-sepproj ...\n  failed: TrainerInputError" in captured.err
     assert [line.split()[2] for line in captured.out.splitlines() if line.startswith("tiny")] == ["eager"]
-    assert drafter.FUSED_PROJECTIONS is True
+    assert drafter.FUSED_PROJECTIONS is True and drafter.FUSED_MLP is True
 
 
 def test_bench_attention_runs_both_layouts_on_cpu(capsys) -> None:

@@ -291,8 +291,8 @@ def test_gradients_reach_the_drafter_but_not_the_frozen_target(target: TargetMod
 
 
 def test_fused_projections_equal_the_separate_ones(target: TargetModel, monkeypatch: pytest.MonkeyPatch) -> None:
-    """q/k/v, the context's k/v and gate/up as one GEMM each (drafter.FUSED_PROJECTIONS) compute the same hidden
-    states and the same gradients as the separate projections, in float64."""
+    """q/k/v, the context's k/v (drafter.FUSED_PROJECTIONS) and gate/up interleaved (drafter.FUSED_MLP) as one
+    GEMM each compute the same hidden states and the same gradients as the separate projections, in float64."""
     from trainer.model import drafter as drafter_module
 
     drafter = make_drafter(target, layer_types=["sliding_attention", "full_attention"], sliding_window=6).double()
@@ -305,6 +305,7 @@ def test_fused_projections_equal_the_separate_ones(target: TargetModel, monkeypa
     results = {}
     for fused in (True, False):
         monkeypatch.setattr(drafter_module, "FUSED_PROJECTIONS", fused)
+        monkeypatch.setattr(drafter_module, "FUSED_MLP", fused)
         drafter.zero_grad(set_to_none=True)
         hidden = run_drafter(drafter, ctx, emb, anchors, keep)
         (hidden * probe).sum().backward()

@@ -292,19 +292,33 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-# Projections that read the same input run as ONE GEMM over their concatenated weights (q/k/v of the block
-# tokens, k/v of the context, gate/up): the weights' fp32 -> bf16 cast writes the concatenation at no extra
-# cost, and backward does one input-gradient GEMM with the summed K (6144, 2048, 24576 at 8B) where separate
-# GEMMs would each write an [M, H] partial that autograd then adds up (three extra [M, H] passes per layer),
-# and the narrow GQA k/v GEMMs (N = 1024) fill the GPU's waves worse. Read when a layer is traced; the
-# parameters and the checkpoint names stay separate. The bench's `triton-sepproj` variant turns it off.
+# Projections that read the same input run as ONE GEMM over their concatenated weights: q/k/v of the block tokens
+# and k/v of the context (FUSED_PROJECTIONS), gate/up (FUSED_MLP). The weights' fp32 -> bf16 cast writes the
+# concatenation at no extra cost; backward does one input-gradient GEMM with the summed K (6144, 2048, 24576 at 8B)
+# where separate GEMMs would each write an [M, H] partial for autograd to add up, and the narrow GQA k/v GEMMs
+# (N = 1024, four per layer forward, eight backward) are gone. Measured on the H200 (bench/RESULTS.md, session 9):
+# the layer's GEMMs -4 ms per 8B seed step. gate/up are interleaved row by row (g0, u0, g1, u1, ...), not
+# concatenated: Inductor writes the backward's (d gate, d up) with one where-select kernel over the whole
+# [M, 2I] output, and with the halves I columns apart each half re-read gate, up and the incoming gradient from
+# HBM (9.5 instead of 4.7 ms per step); interleaved, the two neighbours share every load. Read when a layer is
+# traced; the parameters and the checkpoint names stay separate. Bench variants: `triton-sepproj` (neither),
+# `triton-sepmlp` (gate/up separate).
 FUSED_PROJECTIONS = True
+FUSED_MLP = True
 
 
 def _linear_split(x: torch.Tensor, *projections: nn.Linear) -> tuple[torch.Tensor, ...]:
     """[proj(x) for proj in projections] from one GEMM: x [..., H] -> views [..., out_i] of one [..., sum out_i]."""
     weight = torch.cat([p.weight for p in projections])  # [sum out_i, H]
     return F.linear(x, weight).split([p.out_features for p in projections], dim=-1)
+
+
+def _linear_pair(x: torch.Tensor, first: nn.Linear, second: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first(x), second(x)) from one GEMM over the two weights interleaved row by row: x [..., H] -> two
+    stride-2 views [..., N] of one [..., N, 2]."""
+    weight = torch.stack([first.weight, second.weight], dim=1).flatten(0, 1)  # [2N, H]: f0, s0, f1, s1, ...
+    pairs = F.linear(x, weight).unflatten(-1, (-1, 2))  # [..., N, 2]
+    return pairs[..., 0], pairs[..., 1]
 
 
 class DrafterAttention(nn.Module):
@@ -362,8 +376,8 @@ class DrafterMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if FUSED_PROJECTIONS:
-            gate, up = _linear_split(x, self.gate_proj, self.up_proj)
+        if FUSED_MLP:
+            gate, up = _linear_pair(x, self.gate_proj, self.up_proj)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * up)
