@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import itertools
 import json
 import statistics
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -67,15 +68,30 @@ VARIANTS = {
     "triton-nopad": "as triton, q/k/v not padded to 128-row multiples (flex without IS_DIVISIBLE)",
     "triton-ctx32": "as triton, the context kept in fp32 after its norm (session 8's first call)",
     "triton-noprologue": "as triton, Inductor's prologue fusion off (nothing fused into flex_attention's loads)",
-    "triton-sepproj": "as triton, one GEMM per projection (q, k, v, gate, up; before session 9) instead of the "
-    "fused q/k/v, context k/v and gate/up GEMMs",
-    "triton-sepmlp": "as triton, gate and up as two GEMMs (q/k/v and the context's k/v stay fused)",
-    "triton-dobshd": "as triton, flex_attention's output gradient left in the transposed order it arrives in",
+    "triton-sepproj": "as triton, one GEMM per projection (q, k, v, as before session 9) instead of the fused "
+    "q/k/v and context k/v GEMMs",
+    "triton-s8": "as triton, as session 8 ran it: separate projections, the mask built before the context's GEMM "
+    "is queued, the gradient clip as a pass of its own (clip_grad_norm_)",
 }
 
 
 def _embed_context_fp32(fc: torch.nn.Module, hidden_norm: torch.nn.Module, ctx_features: torch.Tensor) -> torch.Tensor:
     return hidden_norm(fc(ctx_features))  # embed_context without the cast back (RMSNorm's fp32 output)
+
+
+def _mask_first(
+    forward: Callable[..., torch.Tensor],
+    build: Callable[..., attention.DraftMask],
+    ctx: torch.Tensor,
+    emb: torch.Tensor,
+    anchors: torch.Tensor,
+    keep: torch.Tensor,
+    mask: attention.DraftMask | str,
+) -> torch.Tensor:
+    """DFlashDrafter.forward with the mask built before the context's GEMM is queued, as before session 9."""
+    if isinstance(mask, str):
+        mask = build(anchors, keep, ctx.shape[1], backend=mask)
+    return forward(ctx, emb, anchors, keep, mask)
 
 
 def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.device, args: argparse.Namespace) -> dict:
@@ -124,12 +140,11 @@ def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.devi
         drafter.context_call = private_compile(_embed_context_fp32)
     if variant == "triton-noprologue":
         torch._inductor.config.prologue_fusion = False  # read when the layer compiles, at the first warm-up step
-    if variant == "triton-sepproj":  # these three are read when the layer is traced, at the first warm-up step
-        drafter_module.FUSED_PROJECTIONS = drafter_module.FUSED_MLP = False
-    if variant == "triton-sepmlp":
-        drafter_module.FUSED_MLP = False
-    if variant == "triton-dobshd":
-        attention.FLEX_CONTIGUOUS_GRAD = False
+    if variant in ("triton-sepproj", "triton-s8"):
+        drafter_module.FUSED_PROJECTIONS = False  # read when the layer is traced, at the first warm-up step
+    if variant == "triton-s8":
+        side.clip_in_adamw = False
+        setattr(drafter, "forward", functools.partial(_mask_first, drafter.forward, drafter.build_mask))  # noqa: B010
 
     def step() -> None:
         side.forward_backward(features, batch.weight_sum, float(batch.num_blocks))  # noqa: F821 - del'd below
@@ -193,17 +208,15 @@ def _ckpt_loss_result(hidden, weight, labels, weights, kw):  # adapter: the base
 
 @contextlib.contextmanager
 def module_settings_restored() -> Iterator[None]:
-    """Put back the module-level settings a variant may change (attention's mask form, kernel options, padding
-    and gradient order, the drafter's fused projections, Inductor's prologue fusion) however the variant ends."""
+    """Put back the module-level settings a variant may change (attention's mask form, kernel options and
+    padding, the drafter's fused projections, Inductor's prologue fusion) however the variant ends."""
     import torch._inductor.config
 
     saved = (
         attention.FLEX_MASK_FORM,
         attention.FLEX_KERNEL_OPTIONS,
         attention.FLEX_PAD_TO_TILES,
-        attention.FLEX_CONTIGUOUS_GRAD,
         drafter_module.FUSED_PROJECTIONS,
-        drafter_module.FUSED_MLP,
         torch._inductor.config.prologue_fusion,
     )
     try:
@@ -213,9 +226,7 @@ def module_settings_restored() -> Iterator[None]:
             attention.FLEX_MASK_FORM,
             attention.FLEX_KERNEL_OPTIONS,
             attention.FLEX_PAD_TO_TILES,
-            attention.FLEX_CONTIGUOUS_GRAD,
             drafter_module.FUSED_PROJECTIONS,
-            drafter_module.FUSED_MLP,
             torch._inductor.config.prologue_fusion,
         ) = saved
 
@@ -368,8 +379,9 @@ def bench_attention(args: argparse.Namespace, device: torch.device) -> list[dict
                     out.sum().backward()
 
             def forward() -> None:
+                q, k, v = inputs()
                 with torch.no_grad():
-                    attend(*inputs(), mask, layer_type)
+                    attend(q, k, v, mask, layer_type)
 
             for options_text in args.flex_options.split(";"):
                 attention.FLEX_KERNEL_OPTIONS = parse_flex_options(options_text)

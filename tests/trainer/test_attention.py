@@ -239,20 +239,3 @@ def test_attend_rejects_shapes_the_mask_was_not_built_for() -> None:
         attend(q, kv, kv, mask, FULL)
     with pytest.raises(KeyError, match="sliding_attention"):
         attend(q, torch.randn(1, 2, 8, 8), torch.randn(1, 2, 8, 8), mask, SLIDING)
-
-
-@pytest.mark.parametrize("contiguous", [True, False])
-def test_flex_output_gradient_reaches_the_kernel_contiguous(contiguous: bool) -> None:
-    """attend() wraps flex's output so that its backward receives the output gradient in [R,H,Q,D] order, not in
-    the transposed order o_proj's input gradient has (the wrapper alone, on the CPU: flex has no CPU backward)."""
-    from trainer.model.attention import _ContiguousGrad
-
-    out = torch.randn(2, 4, 8, 16, requires_grad=True)
-    flowing = out * 1.0  # a non-leaf, so a hook sees exactly what the wrapper's backward hands on
-    seen: list[torch.Tensor] = []
-    flowing.register_hook(seen.append)
-    wrapped = _ContiguousGrad.apply(flowing) if contiguous else flowing
-    merged = wrapped.transpose(1, 2).reshape(2, 8, 64)  # what DrafterAttention feeds o_proj
-    (merged @ torch.randn(64, 5)).sum().backward()
-    assert seen[0].is_contiguous() is contiguous
-    torch.testing.assert_close(out.grad, seen[0])

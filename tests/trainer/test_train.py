@@ -174,6 +174,35 @@ def test_gradient_accumulation_normalises_over_the_whole_step(tmp_path: Path) ->
         torch.testing.assert_close(grads[1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("grad_clip", ["0.05", "0"])
+def test_fused_adamw_clips_inside_its_kernel_like_clip_grad_norm(tmp_path: Path, grad_clip: str) -> None:
+    """--adamw fused clips through the kernel's grad_scale; --adamw foreach through clip_grad_norm_. With a clip
+    small enough to act (and with none) both report the same norm and move the parameters the same way."""
+    sides = {}
+    for adamw in ("fused", "foreach"):
+        args = [*SMALL, "--output-dir", str(tmp_path), "--adamw", adamw, "--grad-clip", grad_clip]
+        cfg = parse_train_args(args)
+        hf = _target_hf_config(cfg)
+        dcfg = build_drafter_config(cfg, hf)
+        target = TargetModel.from_config(hf, dcfg.target_layer_ids, seed=0)
+        slot_w = position_weights(cfg.block_size, cfg.gamma).numpy()
+        batch = collate(open_dataset(cfg), np.array([1, 2]), 0, 0, cfg, slot_w)
+        features = TargetSide(target, "cpu").features(batch)
+        torch.manual_seed(0)
+        side = DrafterSide(cfg, DFlashDrafter(dcfg), target.embed_weight, target.lm_head_weight, "cpu", 10)
+        norms = []
+        for _ in range(2):
+            side.forward_backward(features, batch.weight_sum, batch.num_blocks)
+            norms.append(side.optimizer_step()[1])
+        sides[adamw] = side, norms
+    (fused, fused_norms), (reference, reference_norms) = sides["fused"], sides["foreach"]
+    assert fused_norms == pytest.approx(reference_norms, rel=1e-5)
+    if grad_clip != "0":
+        assert min(fused_norms) > 0.05  # the clip acted in both steps
+    for (name, p), q in zip(fused.drafter.named_parameters(), reference.drafter.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_every_objective_term_and_accumulation_run_end_to_end(tmp_path: Path) -> None:
     run = tmp_path / "run"
     code = trainer_main(

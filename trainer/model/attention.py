@@ -528,25 +528,6 @@ def pad_to_tiles(
     return q, F.pad(k, (0, 0, 0, kv_pad - k.shape[2])), F.pad(v, (0, 0, 0, kv_pad - v.shape[2]))
 
 
-# Hand flex_attention's backward a contiguous [R,Hq,Q,D] output gradient. It arrives from o_proj's input-gradient
-# GEMM as [R,Q,Hq*D], i.e. transposed, and Inductor keeps that order when it writes the zero-padded copy, so the
-# backward kernel read dO with a row stride of Hq*D (bench attention --layouts bshd: +0.7 ms per 8B layer for
-# transposed inputs). The copy exists anyway (the padding); this only fixes its order. Off only in benches.
-FLEX_CONTIGUOUS_GRAD = True
-
-
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity forward; backward returns the incoming gradient made contiguous."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad.contiguous()
-
-
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DraftMask, layer_type: str) -> torch.Tensor:
     """Masked attention. q [R,Hq,Q,D], k/v [R,Hkv,K,D] (Hq a multiple of Hkv) -> [R,Hq,Q,D].
 
@@ -568,8 +549,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DraftMask, l
         block_mask = mask.flex[layer_type]
         options = {"kernel_options": FLEX_KERNEL_OPTIONS} if FLEX_KERNEL_OPTIONS is not None else {}
         out = flex(*pad_to_tiles(q, k, v, block_mask), block_mask=block_mask, enable_gqa=gqa, **options)
-        if FLEX_CONTIGUOUS_GRAD:
-            out = _ContiguousGrad.apply(out)
         return out[:, :, : q.shape[2]]
     if layer_type not in mask.dense:
         raise KeyError(f"mask has no {layer_type!r} entry (built for {sorted(mask.dense)})")

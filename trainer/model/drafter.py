@@ -292,33 +292,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-# Projections that read the same input run as ONE GEMM over their concatenated weights: q/k/v of the block tokens
-# and k/v of the context (FUSED_PROJECTIONS), gate/up (FUSED_MLP). The weights' fp32 -> bf16 cast writes the
-# concatenation at no extra cost; backward does one input-gradient GEMM with the summed K (6144, 2048, 24576 at 8B)
-# where separate GEMMs would each write an [M, H] partial for autograd to add up, and the narrow GQA k/v GEMMs
-# (N = 1024, four per layer forward, eight backward) are gone. Measured on the H200 (bench/RESULTS.md, session 9):
-# the layer's GEMMs -4 ms per 8B seed step. gate/up are interleaved row by row (g0, u0, g1, u1, ...), not
-# concatenated: Inductor writes the backward's (d gate, d up) with one where-select kernel over the whole
-# [M, 2I] output, and with the halves I columns apart each half re-read gate, up and the incoming gradient from
-# HBM (9.5 instead of 4.7 ms per step); interleaved, the two neighbours share every load. Read when a layer is
-# traced; the parameters and the checkpoint names stay separate. Bench variants: `triton-sepproj` (neither),
-# `triton-sepmlp` (gate/up separate).
+# Projections that read the same input run as ONE GEMM over their concatenated weights: q/k/v of the block
+# tokens, and k/v of the context. Backward then does one input-gradient GEMM with the summed K (6144 and 2048 at
+# 8B) where separate GEMMs would each write an [M, H] partial for autograd to add up, and the narrow GQA k/v GEMMs
+# (N = 1024, four per layer forward, eight backward) are gone: measured on the H200, the 8B seed step's GEMMs
+# -3.7 ms and its element-wise work -1 ms (bench/RESULTS.md, session 9). gate/up stay two GEMMs: they are wide
+# already (no GEMM gain measured), and fused, Inductor writes the backward's (d gate, d up) with one where-select
+# kernel over the [M, 2I] gradient that re-reads gate, up and the incoming gradient per half (4.7 -> 9.5 ms per
+# step); interleaving the rows instead cost more in the forward's strided loads and a copy of the weight grads.
+# Read when a layer is traced; the parameters and the checkpoint names stay separate. The bench's
+# `triton-sepproj` variant turns it off.
 FUSED_PROJECTIONS = True
-FUSED_MLP = True
 
 
 def _linear_split(x: torch.Tensor, *projections: nn.Linear) -> tuple[torch.Tensor, ...]:
     """[proj(x) for proj in projections] from one GEMM: x [..., H] -> views [..., out_i] of one [..., sum out_i]."""
     weight = torch.cat([p.weight for p in projections])  # [sum out_i, H]
     return F.linear(x, weight).split([p.out_features for p in projections], dim=-1)
-
-
-def _linear_pair(x: torch.Tensor, first: nn.Linear, second: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
-    """(first(x), second(x)) from one GEMM over the two weights interleaved row by row: x [..., H] -> two
-    stride-2 views [..., N] of one [..., N, 2]."""
-    weight = torch.stack([first.weight, second.weight], dim=1).flatten(0, 1)  # [2N, H]: f0, s0, f1, s1, ...
-    pairs = F.linear(x, weight).unflatten(-1, (-1, 2))  # [..., N, 2]
-    return pairs[..., 0], pairs[..., 1]
 
 
 class DrafterAttention(nn.Module):
@@ -376,11 +366,7 @@ class DrafterMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if FUSED_MLP:
-            gate, up = _linear_pair(x, self.gate_proj, self.up_proj)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DrafterLayer(nn.Module):
@@ -498,10 +484,15 @@ class DFlashDrafter(nn.Module):
         block_embeds: torch.Tensor,
         anchors: torch.Tensor,
         keep: torch.Tensor,
-        mask: DraftMask,
+        mask: DraftMask | Backend,
     ) -> torch.Tensor:
-        """ctx_features [R,S,T*H], block_embeds [R,N*B,H], anchors [R,N] int64, keep [R,N] bool, mask built for
-        the same anchors/keep/S -> hidden [R,N*B,H] after the final norm; rows of padded blocks are exactly 0."""
+        """ctx_features [R,S,T*H], block_embeds [R,N*B,H], anchors [R,N] int64, keep [R,N] bool, and either the
+        mask built for the same anchors/keep/S or the back-end to build it for ("flex" | "dense") -> hidden
+        [R,N*B,H] after the final norm; rows of padded blocks are exactly 0.
+
+        Given a back-end, the mask is built here after the context's fc GEMM has been queued: the build is
+        host-bound (~2-3 ms at the 8B seed shape, bench attention's `build ms`), and a training step starts with
+        the GPU idle after the last step's sync, so the GPU now runs the fc GEMM (~10 ms) meanwhile."""
         cfg = self.config
         R, S, F_in = ctx_features.shape
         N, B = anchors.shape[1], cfg.block_size
@@ -509,13 +500,15 @@ class DFlashDrafter(nn.Module):
             raise ValueError(f"ctx_features has {F_in} features, expected {cfg.num_taps} taps x {cfg.hidden_size}")
         if block_embeds.shape != (R, N * B, cfg.hidden_size):
             raise ValueError(f"block_embeds must be {(R, N * B, cfg.hidden_size)}, got {tuple(block_embeds.shape)}")
-        if (mask.ctx_len, mask.num_blocks, mask.block_size) != (S, N, B):
+        if not isinstance(mask, str) and (mask.ctx_len, mask.num_blocks, mask.block_size) != (S, N, B):
             raise ValueError(
                 f"mask was built for S={mask.ctx_len}, N={mask.num_blocks}, B={mask.block_size}; "
                 f"inputs have S={S}, N={N}, B={B}"
             )
 
         ctx = self.context_call(self.fc, self.hidden_norm, ctx_features)  # [R,S,H], never updated below
+        if isinstance(mask, str):
+            mask = self.build_mask(anchors, keep, S, backend=mask)
         offsets = torch.arange(B, device=anchors.device)
         pos_blk = (anchors[:, :, None] + offsets).reshape(R, N * B)  # [R,Q]  anchor+j
         pos_ctx = torch.arange(S, device=anchors.device)  # [S]    0..S-1
