@@ -5,7 +5,7 @@
 # two-drafter runs again after the stream fix), then `verify-pipeline pipeline-8b`.
 # Session 9 calls: `env s9-attn s9-step` (fused projections, attention input layouts, Inductor's code of the layer),
 # then `s9-step2 s9-27b` (gate/up interleaved, flex's output gradient contiguous), then `s9-step3 s9-27b`
-# (session 8's form against today's, twice each, interleaved against the GPU's drift).
+# (session 8's form against today's, twice each, interleaved against the GPU's drift), then `s9-clocks s9-27b`.
 # Session 8 calls: `env s8-attn s8-step`, then `s8-attn2 s8-step2`, then `s8-attn2 s8-confirm` (the interval-form BlockMask, compiled context/output, flex options).
 # Session 5 calls: `env profile dist-small`, then `step8b-adamw attn-tune dist-8b` (recorded in bench/RESULTS.md).
 # Session 4 calls: `env pipeline-transfer` (features via the device vs via pinned host memory), then
@@ -15,10 +15,10 @@ export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
 OUT=${OUT:-/tmp/bench-out}; mkdir -p "$OUT"
 step() {  # step NAME TIMEOUT CMD...
   local name=$1 limit=$2; shift 2
-  echo "=== $name" >&2
+  echo "=== $name ($(date +%T))" >&2
   local t0=$SECONDS
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1; local rc=$?
-  echo "=== $name rc=$rc in $((SECONDS - t0)) s" >&2
+  echo "=== $name rc=$rc in $((SECONDS - t0)) s ($(date +%T))" >&2
   tail -n 25 "$OUT/$name.log"
 }
 for section in "$@"; do
@@ -100,6 +100,7 @@ for section in "$@"; do
               --variants triton,triton,triton --iters 7 --warmup 3 --json-out "$OUT/s8-confirm.json" ;;
     s9-attn) step s9-attn 200 python3 -m trainer bench attention --preset qwen3-8b --shape seed --layers full \
               --orders sorted --layouts bhsd,bshd --iters 5 --warmup 2 ;;
+    # s9-step and s9-step2 ran at 9cff5bb and 9633018; their fused-projection variants are gone since.
     s9-step) TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-s9 step s9-step 420 python3 -m trainer bench step --preset qwen3-8b \
               --shape seed --variants triton-sepproj,triton --iters 5 --warmup 2 --profile --json-out "$OUT/s9-step.json"
             # Inductor's output code of the newest (fused, default) layer graphs, forward and backward
@@ -116,6 +117,14 @@ for section in "$@"; do
               --iters 4 --warmup 2 --json-out "$OUT/s9-27b.json" ;;
     s9-step3) step s9-step3 480 python3 -m trainer bench step --preset qwen3-8b --shape seed \
               --variants triton-s8,triton,triton-s8,triton --iters 5 --warmup 2 --profile --json-out "$OUT/s9-step3.json" ;;
+    s9-clocks) # SM clock, power and throttle reasons every 200 ms while one attention layer runs alone, then the step
+            nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+              --format=csv -lms 200 >"$OUT/clocks.csv" & smi=$!
+            step s9-attn-clocks 150 python3 -m trainer bench attention --preset qwen3-8b --shape seed --layers full \
+              --orders sorted --layouts bhsd,bshd --iters 20 --warmup 2
+            step s9-step3 480 python3 -m trainer bench step --preset qwen3-8b --shape seed \
+              --variants triton-s8,triton,triton-s8,triton --iters 5 --warmup 2 --profile --json-out "$OUT/s9-step3.json"
+            kill $smi ;;
     step8b-soft) step step8b-soft 200 python3 -m trainer bench step --preset qwen3-8b --shape seed \
               --variants soft,soft-triton --iters 5 --warmup 2 --json-out "$OUT/step8b-soft.json" ;;
     dist-small) step dist-small 260 python3 bench/gpu_pipeline.py --scale small --modes dual --engines threaded,dist \

@@ -47,7 +47,6 @@ from trainer.compile_scope import private_compile
 from trainer.config import PRESETS, TrainerInputError
 from trainer.loss import ChunkKernels, dflash_loss, make_chunk_kernels, position_weights
 from trainer.model import DFlashDrafter, attention
-from trainer.model import drafter as drafter_module
 from trainer.model.drafter import finish_hidden
 from trainer.step import DrafterSide, FeatureBatch, TargetSide
 
@@ -68,10 +67,8 @@ VARIANTS = {
     "triton-nopad": "as triton, q/k/v not padded to 128-row multiples (flex without IS_DIVISIBLE)",
     "triton-ctx32": "as triton, the context kept in fp32 after its norm (session 8's first call)",
     "triton-noprologue": "as triton, Inductor's prologue fusion off (nothing fused into flex_attention's loads)",
-    "triton-sepproj": "as triton, one GEMM per projection (q, k, v, as before session 9) instead of the fused "
-    "q/k/v and context k/v GEMMs",
-    "triton-s8": "as triton, as session 8 ran it: separate projections, the mask built before the context's GEMM "
-    "is queued, the gradient clip as a pass of its own (clip_grad_norm_)",
+    "triton-s8": "as triton, as session 8 ran it: the mask built before the context's GEMM is queued, the gradient "
+    "clip as a pass of its own (clip_grad_norm_)",
 }
 
 
@@ -140,8 +137,6 @@ def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.devi
         drafter.context_call = private_compile(_embed_context_fp32)
     if variant == "triton-noprologue":
         torch._inductor.config.prologue_fusion = False  # read when the layer compiles, at the first warm-up step
-    if variant in ("triton-sepproj", "triton-s8"):
-        drafter_module.FUSED_PROJECTIONS = False  # read when the layer is traced, at the first warm-up step
     if variant == "triton-s8":
         side.clip_in_adamw = False
         setattr(drafter, "forward", functools.partial(_mask_first, drafter.forward, drafter.build_mask))  # noqa: B010
@@ -209,14 +204,13 @@ def _ckpt_loss_result(hidden, weight, labels, weights, kw):  # adapter: the base
 @contextlib.contextmanager
 def module_settings_restored() -> Iterator[None]:
     """Put back the module-level settings a variant may change (attention's mask form, kernel options and
-    padding, the drafter's fused projections, Inductor's prologue fusion) however the variant ends."""
+    padding, Inductor's prologue fusion) however the variant ends."""
     import torch._inductor.config
 
     saved = (
         attention.FLEX_MASK_FORM,
         attention.FLEX_KERNEL_OPTIONS,
         attention.FLEX_PAD_TO_TILES,
-        drafter_module.FUSED_PROJECTIONS,
         torch._inductor.config.prologue_fusion,
     )
     try:
@@ -226,7 +220,6 @@ def module_settings_restored() -> Iterator[None]:
             attention.FLEX_MASK_FORM,
             attention.FLEX_KERNEL_OPTIONS,
             attention.FLEX_PAD_TO_TILES,
-            drafter_module.FUSED_PROJECTIONS,
             torch._inductor.config.prologue_fusion,
         ) = saved
 

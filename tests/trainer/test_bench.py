@@ -62,16 +62,16 @@ def test_unknown_shape_or_variant_is_a_clear_error(capsys, flag: str, value: str
 
 
 def test_a_failed_variant_is_reported_and_its_settings_restored(capsys) -> None:
-    """triton-sepproj switches the fused projections off and then fails on a CPU (its loss kernels need CUDA):
-    the failure is one line, the next variant still runs, and the module setting is back to its default."""
-    from trainer.model import drafter
+    """triton-nopad switches the padding off and then fails on a CPU (its loss kernels need CUDA): the failure is
+    one line, the next variant still runs, and the module setting is back to its default."""
+    from trainer.model import attention
 
-    args = ["step", "--preset", "tiny", "--shape", "tiny", "--variants", "triton-sepproj,eager", "--device", "cpu"]
+    args = ["step", "--preset", "tiny", "--shape", "tiny", "--variants", "triton-nopad,eager", "--device", "cpu"]
     assert bench.main([*args, "--iters", "1", "--warmup", "1"]) == 0
     captured = capsys.readouterr()
-    assert "triton-sepproj ...\n  failed: TrainerInputError" in captured.err
+    assert "triton-nopad ...\n  failed: TrainerInputError" in captured.err
     assert [line.split()[2] for line in captured.out.splitlines() if line.startswith("tiny")] == ["eager"]
-    assert drafter.FUSED_PROJECTIONS is True
+    assert attention.FLEX_PAD_TO_TILES is True
 
 
 def test_bench_attention_runs_both_layouts_on_cpu(capsys) -> None:

@@ -290,33 +290,6 @@ def test_gradients_reach_the_drafter_but_not_the_frozen_target(target: TargetMod
     assert all(p.grad is None for p in target.model.parameters())
 
 
-def test_fused_projections_equal_the_separate_ones(target: TargetModel, monkeypatch: pytest.MonkeyPatch) -> None:
-    """q/k/v and the context's k/v as one GEMM each (drafter.FUSED_PROJECTIONS) compute the same hidden states and
-    the same gradients as the separate projections, in float64."""
-    from trainer.model import drafter as drafter_module
-
-    drafter = make_drafter(target, layer_types=["sliding_attention", "full_attention"], sliding_window=6).double()
-    B = drafter.config.block_size
-    torch.manual_seed(3)
-    anchors, keep = torch.tensor([[2, 8, 5]]), torch.tensor([[True, True, False]])
-    ctx = torch.randn(1, 14, 128, dtype=torch.float64)
-    emb = torch.randn(1, 3 * B, 64, dtype=torch.float64)
-    probe = torch.randn(1, 3 * B, 64, dtype=torch.float64)
-    results = {}
-    for fused in (True, False):
-        monkeypatch.setattr(drafter_module, "FUSED_PROJECTIONS", fused)
-        drafter.zero_grad(set_to_none=True)
-        hidden = run_drafter(drafter, ctx, emb, anchors, keep)
-        (hidden * probe).sum().backward()
-        results[fused] = hidden.detach(), {n: p.grad.clone() for n, p in drafter.named_parameters()}
-    torch.testing.assert_close(results[True][0], results[False][0], rtol=1e-12, atol=1e-12)
-    assert results[True][1].keys() == results[False][1].keys()
-    for name, grad in results[True][1].items():
-        torch.testing.assert_close(grad, results[False][1][name], rtol=1e-10, atol=1e-12, msg=name)
-    # The k/v projections get gradient from both the block tokens and the context (two GEMMs share them).
-    assert results[True][1]["layers.0.self_attn.k_proj.weight"].abs().sum() > 0
-
-
 def test_a_mask_built_inside_equals_the_one_passed_in(target: TargetModel) -> None:
     """forward(..., "dense") builds the mask itself (after queuing the context's GEMM): same hidden states as with
     the mask built beforehand."""

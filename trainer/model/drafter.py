@@ -292,25 +292,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-# Projections that read the same input run as ONE GEMM over their concatenated weights: q/k/v of the block
-# tokens, and k/v of the context. Backward then does one input-gradient GEMM with the summed K (6144 and 2048 at
-# 8B) where separate GEMMs would each write an [M, H] partial for autograd to add up, and the narrow GQA k/v GEMMs
-# (N = 1024, four per layer forward, eight backward) are gone: measured on the H200, the 8B seed step's GEMMs
-# -3.7 ms and its element-wise work -1 ms (bench/RESULTS.md, session 9). gate/up stay two GEMMs: they are wide
-# already (no GEMM gain measured), and fused, Inductor writes the backward's (d gate, d up) with one where-select
-# kernel over the [M, 2I] gradient that re-reads gate, up and the incoming gradient per half (4.7 -> 9.5 ms per
-# step); interleaving the rows instead cost more in the forward's strided loads and a copy of the weight grads.
-# Read when a layer is traced; the parameters and the checkpoint names stay separate. The bench's
-# `triton-sepproj` variant turns it off.
-FUSED_PROJECTIONS = True
-
-
-def _linear_split(x: torch.Tensor, *projections: nn.Linear) -> tuple[torch.Tensor, ...]:
-    """[proj(x) for proj in projections] from one GEMM: x [..., H] -> views [..., out_i] of one [..., sum out_i]."""
-    weight = torch.cat([p.weight for p in projections])  # [sum out_i, H]
-    return F.linear(x, weight).split([p.out_features for p in projections], dim=-1)
-
-
 class DrafterAttention(nn.Module):
     """Queries from the block tokens; keys/values from [context ; block tokens] (KV injection)."""
 
@@ -337,18 +318,12 @@ class DrafterAttention(nn.Module):
         R, Q, _ = x.shape  # x: normed block tokens [R,Q,H]
         S = ctx.shape[1]  # ctx: context features [R,S,H]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        # Context re-projected by this layer's own k/v; k_norm on context keys too. Separate GEMMs for the block
-        # tokens and the context + cat of the (narrower, GQA) k/v rather than one GEMM over cat([ctx, x]): the
-        # cat copies hkv*d instead of H columns.
-        if FUSED_PROJECTIONS:
-            q_blk, k_blk, v_blk = _linear_split(x, self.q_proj, self.k_proj, self.v_proj)  # [R,Q,hq*d], 2x [R,Q,hkv*d]
-            k_ctx, v_ctx = _linear_split(ctx, self.k_proj, self.v_proj)  # 2x [R,S,hkv*d]
-        else:
-            q_blk, k_blk, v_blk = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-            k_ctx, v_ctx = self.k_proj(ctx), self.v_proj(ctx)
-        q = self.q_norm(q_blk.view(R, Q, hq, d)).transpose(1, 2)  # [R,hq,Q,D]
-        k = torch.cat([k_ctx.view(R, S, hkv, d), k_blk.view(R, Q, hkv, d)], dim=1)
-        v = torch.cat([v_ctx.view(R, S, hkv, d), v_blk.view(R, Q, hkv, d)], dim=1)
+        q = self.q_norm(self.q_proj(x).view(R, Q, hq, d)).transpose(1, 2)  # [R,hq,Q,D]
+        # Context re-projected by this layer's own k/v; k_norm on context keys too. Separate GEMMs + cat of the
+        # (narrower, GQA) k/v rather than one GEMM over cat([ctx, x]): the cat copies hkv*d instead of H columns.
+        # (q/k/v as one GEMM over concatenated weights was measured in session 9: no net gain, bench/RESULTS.md.)
+        k = torch.cat([self.k_proj(ctx).view(R, S, hkv, d), self.k_proj(x).view(R, Q, hkv, d)], dim=1)
+        v = torch.cat([self.v_proj(ctx).view(R, S, hkv, d), self.v_proj(x).view(R, Q, hkv, d)], dim=1)
         k = self.k_norm(k).transpose(1, 2)  # [R,hkv,S+Q,D]
         v = v.transpose(1, 2)  # [R,hkv,S+Q,D]
         q, k = apply_rope(q, *rope_q), apply_rope(k, *rope_k)
