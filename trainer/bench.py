@@ -8,9 +8,9 @@
 Every number comes from this process on this device: the matmul ceiling is measured first (an 8192^3 bf16
 GEMM), each variant is warmed up (compiles happen there), then timed with CUDA events, median of `--iters`.
 FLOPs are counted from the shapes (`step_flops`): 6 x params x tokens for the linear layers, 3 x the forward
-for attention over the pairs the mask makes visible, and the LM head as docs/method.md#flops-and-throughput counts
-it (2HV forward + 2HV input gradient per block token; +2HV for the teacher with soft labels). MFU is reported
-against 989 TFLOP/s (the H200 datasheet) and against the measured ceiling. A recompile after warm-up is reported
+for attention over the pairs the mask makes visible, and the LM head as docs/method.md#flops-and-throughput
+counts it (2HV forward + 2HV input gradient per supervised block token, slots 1..B-1; +2HV for the teacher with
+soft labels). MFU is reported against 989 TFLOP/s (the H200 datasheet) and against the measured ceiling. A recompile after warm-up is reported
 in the `recompiles` column (it must be 0). On CPU the command runs too (tiny shapes only make sense there).
 The last thing printed is the table (stdout); progress goes to stderr.
 """
@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from trainer import loss as loss_module
 from trainer.bench_common import (
     H200_PEAK_TFLOPS,
     SHAPES,
@@ -68,7 +69,7 @@ VARIANTS = {
     "triton-ctx32": "as triton, the context kept in fp32 after its norm (session 8's first call)",
     "triton-noprologue": "as triton, Inductor's prologue fusion off (nothing fused into flex_attention's loads)",
     "triton-s8": "as triton, as session 8 ran it: the mask built before the context's GEMM is queued, the gradient "
-    "clip as a pass of its own (clip_grad_norm_)",
+    "clip as a pass of its own (clip_grad_norm_), the anchor slot's logits computed",
 }
 
 
@@ -139,6 +140,7 @@ def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.devi
         torch._inductor.config.prologue_fusion = False  # read when the layer compiles, at the first warm-up step
     if variant == "triton-s8":
         side.clip_in_adamw = False
+        loss_module.SKIP_ANCHOR_SLOT = False  # restored by module_settings_restored
         setattr(drafter, "forward", functools.partial(_mask_first, drafter.forward, drafter.build_mask))  # noqa: B010
 
     def step() -> None:
@@ -204,13 +206,14 @@ def _ckpt_loss_result(hidden, weight, labels, weights, kw):  # adapter: the base
 @contextlib.contextmanager
 def module_settings_restored() -> Iterator[None]:
     """Put back the module-level settings a variant may change (attention's mask form, kernel options and
-    padding, Inductor's prologue fusion) however the variant ends."""
+    padding, the loss's anchor slot, Inductor's prologue fusion) however the variant ends."""
     import torch._inductor.config
 
     saved = (
         attention.FLEX_MASK_FORM,
         attention.FLEX_KERNEL_OPTIONS,
         attention.FLEX_PAD_TO_TILES,
+        loss_module.SKIP_ANCHOR_SLOT,
         torch._inductor.config.prologue_fusion,
     )
     try:
@@ -220,6 +223,7 @@ def module_settings_restored() -> Iterator[None]:
             attention.FLEX_MASK_FORM,
             attention.FLEX_KERNEL_OPTIONS,
             attention.FLEX_PAD_TO_TILES,
+            loss_module.SKIP_ANCHOR_SLOT,
             torch._inductor.config.prologue_fusion,
         ) = saved
 
@@ -255,7 +259,7 @@ def bench_step(args: argparse.Namespace, device: torch.device) -> list[dict]:
 
 
 def bench_loss(args: argparse.Namespace, device: torch.device) -> list[dict]:
-    """The loss alone in GEMM-equivalents: loss fwd+bwd time / one [M,H]x[H,V] logits GEMM."""
+    """The loss alone in GEMM-equivalents: loss fwd+bwd time / one logits GEMM over the M(B-1)/B rows it computes."""
     shape = SHAPES[args.shape.split(",")[0]]
     _, dcfg = preset_config(args.preset, shape, [])
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -266,7 +270,9 @@ def bench_loss(args: argparse.Namespace, device: torch.device) -> list[dict]:
     weight = torch.randn(V, H, device=device, dtype=dtype, generator=gen) * 0.02
     labels = torch.randint(0, V, (M,), device=device, generator=gen)
     weights = position_weights(shape.block, 7.0).to(device).repeat(M // shape.block)
-    gemm_ms = statistics.median(time_ms(lambda: hidden.detach() @ weight.T, device, warmup=2, iters=args.iters))
+    # the unit: one logits GEMM over the rows the loss computes (slot 0 of each block never is)
+    supervised = hidden.detach()[: M // shape.block * (shape.block - 1)]
+    gemm_ms = statistics.median(time_ms(lambda: supervised @ weight.T, device, warmup=2, iters=args.iters))
     rows = []
     kernels = make_chunk_kernels("compiled" if device.type == "cuda" else "eager")
     cap = {"cap_lambda": 0.1, "num_blocks_normalizer": M / shape.block}

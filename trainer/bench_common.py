@@ -127,7 +127,8 @@ def step_flops(cfg: DrafterConfig, shape: Shape, anchors: torch.Tensor, keep: to
             cfg.causal_in_block["sliding_attention" if sliding else "full_attention"],
         )
         flops += 3 * 4 * D * cfg.num_attention_heads * pairs  # QK^T + PV, fwd + 2x bwd
-    flops += (4 + (2 if soft else 0)) * H * cfg.vocab_size * block_tokens  # LM head
+    # LM head: slots 1..B-1 of each block only (slot 0, the anchor, has no target and is never computed)
+    flops += (4 + (2 if soft else 0)) * H * cfg.vocab_size * block_tokens * (shape.block - 1) // shape.block
     return float(flops)
 
 

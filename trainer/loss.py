@@ -14,6 +14,9 @@ Invalid slots (v_j = 0: padding, past the sequence end, unsupervised) neither co
 ``normalizer`` is sum(w) over the whole optimizer step and ``num_blocks_normalizer`` the number of real
 blocks (blocks with a valid slot) over the whole step, so micro-batch losses simply add up.
 
+Slot 0 of each block (the anchor: weight 0, no target) never goes through the LM head (``SKIP_ANCHOR_SLOT``):
+a chunk of k blocks has k * (B - 1) rows of logits, its rows of the gradient are 0 and of ``correct`` False.
+
 How the logits are avoided: rows are processed in chunks; for each chunk the logits [C, V] exist only
 transiently and the gradient w.r.t. the chunk's hidden rows is computed right away (the LM head is
 frozen, so d/dW is never needed): d loss / d logits is
@@ -56,6 +59,10 @@ from dataclasses import dataclass
 import torch
 
 from trainer.compile_scope import private_compile
+
+# Compute no logits for slot 0 of a block (the anchor: weight 0, no target). Off only in the bench's session-8
+# variant, which measures what computing them cost.
+SKIP_ANCHOR_SLOT = True
 
 
 class LossInputError(ValueError):
@@ -328,14 +335,15 @@ def make_chunk_kernels(
     raise ValueError(f"unknown loss kernels {kind!r}: one of {', '.join(KERNEL_KINDS)}")
 
 
-def _cap_coefficients(ce: torch.Tensor, valid: torch.Tensor, block_size: int, scale: float):
+def _cap_coefficients(ce: torch.Tensor, valid: torch.Tensor, slots: int, scale: float, block_size: int):
     """Per-block CAP for whole blocks in one chunk: returns (sum_b A_b/(B-1), d CAP-loss / d CE per token).
 
-    ce, valid: [C] with C a multiple of B. CAP loss = -scale * sum_b A_b/(B-1) with scale =
-    cap_lambda/num_blocks_normalizer; d/dl_j = -scale/(B-1) * v_j * sum_{k>=j} v_k exp(S_k), and
-    dl_j/dCE_j = -1, so the coefficient of (softmax - onehot) is +scale/(B-1) * v_j * suffix_j."""
-    v = valid.view(-1, block_size).to(ce.dtype)
-    log_prefix = torch.cumsum(-ce.view(-1, block_size) * v, dim=1)  # S_k <= 0: exp never overflows
+    ce, valid: [C] with C a multiple of `slots`: slots 1..B-1 of each block (or all B; slot 0 is invalid, so it
+    adds nothing either way). CAP loss = -scale * sum_b A_b/(B-1) with scale = cap_lambda/num_blocks_normalizer;
+    d/dl_j = -scale/(B-1) * v_j * sum_{k>=j} v_k exp(S_k), and dl_j/dCE_j = -1, so the coefficient of
+    (softmax - onehot) is +scale/(B-1) * v_j * suffix_j."""
+    v = valid.view(-1, slots).to(ce.dtype)
+    log_prefix = torch.cumsum(-ce.view(-1, slots) * v, dim=1)  # S_k <= 0: exp never overflows
     terms = v * torch.exp(log_prefix)
     suffix = terms.flip(1).cumsum(1).flip(1)
     per_token = (scale / (block_size - 1)) * v * suffix
@@ -425,19 +433,34 @@ def dflash_loss(
     weights_acc = weights.to(acc_dtype)
     zero = torch.zeros((), dtype=acc_dtype, device=hidden.device)
     ce_sum, kl_sum, cap_sum = zero.clone(), zero.clone(), zero.clone()
-    correct = torch.empty(rows, dtype=torch.bool, device=hidden.device)
-    grad_hidden = torch.empty_like(hidden) if want_grad else None
+    # Slot 0 (the anchor, weight 0) is never computed: its logits would cost 1/B of every LM-head GEMM and of the
+    # [C, V] element-wise work (qwen3-8b seed, B = 32: ~7 ms per step) for a prediction nothing uses. The chunks
+    # below see blocks x (B - 1) rows; slot 0's gradient is 0 and its `correct` False.
+    first = 1 if SKIP_ANCHOR_SLOT else 0
+    num_blocks, slots, hidden_size = rows // block_size, block_size - first, hidden.shape[1]
+
+    def supervised(t: torch.Tensor, b0: int, b1: int) -> torch.Tensor:  # rows of blocks b0..b1-1, slots 1..B-1
+        return t.view(num_blocks, block_size, *t.shape[1:])[b0:b1, first:].reshape(-1, *t.shape[1:])
+
+    correct = torch.zeros(rows, dtype=torch.bool, device=hidden.device)
+    grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if want_grad else None
+    hidden_rows = hidden.detach().contiguous()  # the [blocks, B, H] views below need it (a no-op when it is)
+    teacher_rows = teacher_hidden.detach().contiguous() if teacher_hidden is not None else None
+    if grad_hidden is not None and first:
+        grad_hidden.view(num_blocks, block_size, hidden_size)[:, 0] = 0
+    chunk_blocks = chunk // block_size
 
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
-        for start in range(0, rows, chunk):
-            end = min(start + chunk, rows)
-            h = hidden[start:end].detach().to(gemm_dtype)
-            lab, w = safe_labels[start:end], weights_acc[start:end]
+        for b0 in range(0, num_blocks, chunk_blocks):
+            b1 = min(b0 + chunk_blocks, num_blocks)
+            h = supervised(hidden_rows, b0, b1).to(gemm_dtype)
+            lab, w = supervised(safe_labels, b0, b1), supervised(weights_acc, b0, b1)
             logits = h @ lm_head_weight.T  # GEMM 1
             teacher_logits = kl_coef = row_state = grad_logits = None
             if use_kl:
-                assert teacher_hidden is not None
-                teacher_logits = teacher_hidden[start:end].detach().to(gemm_dtype) @ lm_head_weight.T  # GEMM 3
+                assert teacher_rows is not None
+                teacher = supervised(teacher_rows, b0, b1).to(gemm_dtype)
+                teacher_logits = teacher @ lm_head_weight.T  # GEMM 3
                 kl_coef = w * (inv_norm * kl_weight * kl_temperature)
             if soft is not None and not use_cap and grad_hidden is not None:
                 # one kernel: statistics, KL and the UNSCALED g, written over the teacher logits (each element
@@ -458,11 +481,11 @@ def dflash_loss(
                 grad_logits, lse, ce, argmax = kernels.fused_ce(logits, lab, want_grad=grad_hidden is not None)
             else:
                 lse, ce, argmax, lse_t = kernels.stats(logits, lab, kl_temperature, use_kl)
-            correct[start:end] = argmax == labels[start:end]
+            correct.view(num_blocks, block_size)[b0:b1, first:] = (argmax == supervised(labels, b0, b1)).view(-1, slots)
             ce_sum += (w * ce).sum()
             ce_coef = w * inv_norm
             if use_cap:
-                block_cap, cap_coef = _cap_coefficients(ce, valid[start:end], block_size, cap_scale)
+                block_cap, cap_coef = _cap_coefficients(ce, supervised(valid, b0, b1), slots, cap_scale, block_size)
                 cap_sum += block_cap
                 ce_coef = ce_coef + cap_coef
             if soft is not None:
@@ -481,14 +504,16 @@ def dflash_loss(
                 )
                 if kl is not None:
                     kl_sum += (w * kl).sum()
-            if grad_hidden is not None and fused:
-                # GEMM 2, then the per-row coefficient: diag(c) (P - Y) W. One [C, H] pass (H << V), in fp32
-                # before the single rounding to the gradient's dtype; weight-0 rows get c = 0 exactly.
+            if grad_hidden is not None:
                 assert grad_logits is not None  # every path above computes g when a gradient is wanted
-                torch.mul(grad_logits @ lm_head_weight, ce_coef[:, None], out=grad_hidden[start:end])
-            elif grad_hidden is not None:
-                assert grad_logits is not None
-                grad_hidden[start:end] = grad_logits @ lm_head_weight  # GEMM 2
+                out = grad_hidden.view(num_blocks, block_size, hidden_size)[b0:b1, first:]  # [blocks, B-1, H]
+                direction = (grad_logits @ lm_head_weight).view(out.shape)  # GEMM 2
+                if fused:
+                    # then the per-row coefficient: diag(c) (P - Y) W. One [C, H] pass (H << V), in fp32 before
+                    # the single rounding to the gradient's dtype; weight-0 rows get c = 0 exactly.
+                    torch.mul(direction, ce_coef.view(-1, slots, 1), out=out)
+                else:
+                    out.copy_(direction)
             del logits, grad_logits, teacher_logits
 
     loss_value = (ce_sum + kl_weight * kl_temperature**2 * kl_sum) * inv_norm - cap_scale * cap_sum

@@ -364,13 +364,68 @@ def _eager_fused_ce(calls: list):
     return fused_ce
 
 
+def test_slot_zero_is_never_computed_and_gets_no_gradient():
+    """The anchor slot's logits are never formed: the kernels see the hidden rows of slots 1..B-1 only, in order;
+    slot 0's gradient is exactly 0 and its `correct` False."""
+    hidden, weight, labels, weights, _ = make_case()
+    seen: list[torch.Tensor] = []
+    recording = _eager_fused_ce([])
+
+    def fused_ce(logits, labels, *, want_grad=True):
+        seen.append(logits)
+        return recording(logits, labels, want_grad=want_grad)
+
+    ours = hidden.clone().requires_grad_(True)
+    result = dflash_loss(
+        ours,
+        weight,
+        labels,
+        weights,
+        block_size=4,
+        normalizer=1.0,
+        chunk_size=8,
+        kernels=ChunkKernels(fused_ce=fused_ce),
+    )
+    result.loss.backward()
+    supervised = hidden.view(7, 4, -1)[:, 1:].reshape(21, -1)
+    torch.testing.assert_close(torch.cat(seen), supervised @ weight.T, rtol=1e-12, atol=1e-12)
+    assert torch.all(ours.grad.view(7, 4, -1)[:, 0] == 0) and ours.grad.view(7, 4, -1)[:, 1:].abs().sum() > 0
+    assert not result.correct.view(7, 4)[:, 0].any()
+
+
+@pytest.mark.parametrize("terms", list(TERMS))
+def test_computing_the_anchor_slot_changes_nothing_but_the_work(terms, monkeypatch):
+    """loss.SKIP_ANCHOR_SLOT off (the bench's session-8 variant) computes slot 0's logits too: the same loss, sums,
+    gradient and `correct` on the supervised slots."""
+    from trainer import loss as loss_module
+
+    hidden, weight, labels, weights, teacher = make_case()
+    kwargs = dict(block_size=4, normalizer=float(weights.sum()) * 1.5, chunk_size=8, **TERMS[terms])
+    if "kl_weight" in kwargs:
+        kwargs["teacher_hidden"] = teacher
+    results = {}
+    for skip in (True, False):
+        monkeypatch.setattr(loss_module, "SKIP_ANCHOR_SLOT", skip)
+        ours = hidden.clone().requires_grad_(True)
+        result = dflash_loss(ours, weight, labels, weights, **kwargs)
+        result.loss.backward()
+        results[skip] = result, ours.grad
+    (skipped, grad_skipped), (computed, grad_computed) = results[True], results[False]
+    for name in ("loss", "ce_sum", "kl_sum", "cap_sum", "weight_sum", "num_blocks"):
+        torch.testing.assert_close(getattr(skipped, name), getattr(computed, name), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(grad_skipped, grad_computed, rtol=1e-12, atol=1e-14)
+    supervised = torch.arange(28) % 4 > 0
+    assert skipped.correct[supervised].tolist() == computed.correct[supervised].tolist()
+
+
 @pytest.mark.parametrize(
     "blocks, chunk_size, expected",
-    [(9, 16, [12, 12, 12]), (7, 8, [8, 8, 8, 4]), (7, 20, [16, 12]), (7, 28, [28])],
+    [(9, 16, [9, 9, 9]), (7, 8, [6, 6, 6, 3]), (7, 20, [12, 9]), (7, 28, [21])],
 )
 def test_rows_are_split_into_equal_chunks_under_the_chunk_size(blocks, chunk_size, expected):
     """Blocks of 4 rows: at most chunk_size rows (rounded down to whole blocks) per chunk, as few chunks as that
-    allows, as equal as whole blocks make them: 36 rows under 16 are 12 + 12 + 12, not 16 + 16 + 4."""
+    allows, as equal as whole blocks make them: 36 rows under 16 are 3 chunks of 3 blocks, not 4 + 4 + 1. The
+    kernels see 3 rows per block: slot 0 (the anchor) is never computed."""
     hidden, weight, labels, weights, _ = make_case(blocks=blocks)
     sizes: list[int] = []
     recording = _eager_fused_ce([])
@@ -489,8 +544,8 @@ def test_soft_label_contract_gives_the_reference(terms):
     else:
         assert kinds == ["stats", "grad"] * 4
         ratios = torch.cat([call[1] for call in calls if call[0] == "grad"])
-        valid = (weights > 0) & (torch.arange(28) % 4 > 0)
-        assert torch.all(ratios[~valid] == 0)
+        valid = (weights > 0).view(7, 4)[:, 1:].reshape(-1)  # the kernels see slots 1..3 of each block only
+        assert ratios.shape == (21,) and torch.all(ratios[~valid] == 0)
         # CAP's coefficient adds to the CE one, so the KL/CE ratio drops below kl_weight * T where CAP acts
         constant = kwargs["kl_weight"] * kwargs["kl_temperature"]
         assert torch.all(ratios[valid] > 0) and torch.all(ratios[valid] < constant)
