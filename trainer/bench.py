@@ -10,8 +10,9 @@ GEMM), each variant is warmed up (compiles happen there), then timed with CUDA e
 FLOPs are counted from the shapes (`step_flops`): 6 x params x tokens for the linear layers, 3 x the forward
 for attention over the pairs the mask makes visible, and the LM head as docs/method.md#flops-and-throughput
 counts it (2HV forward + 2HV input gradient per supervised block token, slots 1..B-1; +2HV for the teacher with
-soft labels). MFU is reported against 989 TFLOP/s (the H200 datasheet) and against the measured ceiling. A recompile after warm-up is reported
-in the `recompiles` column (it must be 0). On CPU the command runs too (tiny shapes only make sense there).
+soft labels). MFU is reported against 989 TFLOP/s (the H200 datasheet) and against the measured ceiling. A
+recompile after warm-up is reported in the `recompiles` column (it must be 0). On CPU the command runs too (tiny
+shapes only make sense there).
 The last thing printed is the table (stdout); progress goes to stderr.
 """
 

@@ -417,7 +417,7 @@ def dflash_loss(
         chunk = chunk_size
     chunk = max(block_size, chunk // block_size * block_size)
     if rows:  # equal chunks of whole blocks, none above `chunk`: a short last chunk is a GEMM pair that reads the
-        # whole LM head for a few rows (qwen3-8b seed: 32832 rows in chunks of 4096 left 64, ~0.6 ms; now 9 x 3648)
+        # whole LM head for a few rows (qwen3-8b seed: 1026 blocks of 32 in chunks of 128 left 2; now 9 x 114)
         blocks, most = rows // block_size, chunk // block_size
         chunk = -(-blocks // -(-blocks // most)) * block_size
     want_grad = hidden.requires_grad and torch.is_grad_enabled()
@@ -433,9 +433,10 @@ def dflash_loss(
     weights_acc = weights.to(acc_dtype)
     zero = torch.zeros((), dtype=acc_dtype, device=hidden.device)
     ce_sum, kl_sum, cap_sum = zero.clone(), zero.clone(), zero.clone()
-    # Slot 0 (the anchor, weight 0) is never computed: its logits would cost 1/B of every LM-head GEMM and of the
-    # [C, V] element-wise work (qwen3-8b seed, B = 32: ~7 ms per step) for a prediction nothing uses. The chunks
-    # below see blocks x (B - 1) rows; slot 0's gradient is 0 and its `correct` False.
+    # Slot 0 (the anchor, weight 0) is never computed: its logits cost 1/B of every LM-head GEMM and of the [C, V]
+    # element-wise work for a prediction nothing uses (qwen3-8b seed, B = 32: -6 ms per step on the H200,
+    # bench/RESULTS.md session 9). The chunks below see blocks x (B - 1) rows; slot 0's gradient is 0 and its
+    # `correct` False.
     first = 1 if SKIP_ANCHOR_SLOT else 0
     num_blocks, slots, hidden_size = rows // block_size, block_size - first, hidden.shape[1]
 

@@ -280,8 +280,9 @@ class DrafterSide:
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
         if self.clip_in_adamw:
             # The clip inside the fused AdamW kernel: it divides every gradient by `grad_scale` as it reads it (the
-            # hook GradScaler uses), so clipping costs no pass of its own; clip_grad_norm_ reads and writes all the
-            # fp32 gradients once more (2.3 ms of the 8B seed step). Same coefficient as clip_grad_norm_:
+            # hook GradScaler uses) instead of clip_grad_norm_'s own read-and-write pass over all fp32 gradients.
+            # The kernel then writes the rescaled gradients back, so the 8B seed step saves 0.8 of that pass's
+            # 2.3 ms (bench/RESULTS.md, session 9). Same coefficient as clip_grad_norm_:
             # grad * min(max_norm / (norm + 1e-6), 1) = grad / max((norm + 1e-6) / max_norm, 1).
             grads = [p.grad for p in self.params if p.grad is not None]
             grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
