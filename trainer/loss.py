@@ -440,8 +440,10 @@ def dflash_loss(
     first = 1 if SKIP_ANCHOR_SLOT else 0
     num_blocks, slots, hidden_size = rows // block_size, block_size - first, hidden.shape[1]
 
-    def supervised(t: torch.Tensor, b0: int, b1: int) -> torch.Tensor:  # rows of blocks b0..b1-1, slots 1..B-1
-        return t.view(num_blocks, block_size, *t.shape[1:])[b0:b1, first:].reshape(-1, *t.shape[1:])
+    def supervised(t: torch.Tensor, b0: int, b1: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Rows of blocks b0..b1-1, slots 1..B-1, as one [rows, ...] tensor (cast first: one copy, not two)."""
+        rows_of_blocks = t.view(num_blocks, block_size, *t.shape[1:])[b0:b1, first:]
+        return rows_of_blocks.to(dtype or t.dtype).reshape(-1, *t.shape[1:])
 
     correct = torch.zeros(rows, dtype=torch.bool, device=hidden.device)
     grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if want_grad else None
@@ -454,13 +456,13 @@ def dflash_loss(
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
         for b0 in range(0, num_blocks, chunk_blocks):
             b1 = min(b0 + chunk_blocks, num_blocks)
-            h = supervised(hidden_rows, b0, b1).to(gemm_dtype)
+            h = supervised(hidden_rows, b0, b1, gemm_dtype)
             lab, w = supervised(safe_labels, b0, b1), supervised(weights_acc, b0, b1)
             logits = h @ lm_head_weight.T  # GEMM 1
             teacher_logits = kl_coef = row_state = grad_logits = None
             if use_kl:
                 assert teacher_rows is not None
-                teacher = supervised(teacher_rows, b0, b1).to(gemm_dtype)
+                teacher = supervised(teacher_rows, b0, b1, gemm_dtype)
                 teacher_logits = teacher @ lm_head_weight.T  # GEMM 3
                 kl_coef = w * (inv_norm * kl_weight * kl_temperature)
             if soft is not None and not use_cap and grad_hidden is not None:
