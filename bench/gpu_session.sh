@@ -6,7 +6,8 @@
 # Session 9 calls: `env s9-attn s9-step` (fused projections, attention input layouts, Inductor's code of the layer),
 # then `s9-step2 s9-27b` (gate/up interleaved, flex's output gradient contiguous), then `s9-step3 s9-27b`
 # (session 8's form against today's, twice each, interleaved against the GPU's drift), then `s9-clocks s9-27b`,
-# then `s9-final s9-27b` (the anchor slot's logits no longer computed) twice, then `s9-chunks`.
+# then `s9-final s9-27b` (the anchor slot's logits no longer computed) twice, then `s9-chunks` (its c6k and
+# c8k at 6176 and 8224 rows; c6k became the default), then `s9-chunks2`.
 # Session 8 calls: `env s8-attn s8-step`, then `s8-attn2 s8-step2`, then `s8-attn2 s8-confirm` (the interval-form BlockMask, compiled context/output, flex options).
 # Session 5 calls: `env profile dist-small`, then `step8b-adamw attn-tune dist-8b` (recorded in bench/RESULTS.md).
 # Session 4 calls: `env pipeline-transfer` (features via the device vs via pinned host memory), then
@@ -132,6 +133,10 @@ for section in "$@"; do
               --variants triton,triton,triton --iters 7 --warmup 3 --json-out "$OUT/s9-confirm.json" ;;
     s9-chunks) step s9-chunks 400 python3 -m trainer bench step --preset qwen3-8b --shape seed \
               --variants triton,triton-c8k,triton-c6k,triton,triton-c8k --iters 5 --warmup 2 --json-out "$OUT/s9-chunks.json" ;;
+    s9-chunks2) step s9-chunks2-8b 200 python3 -m trainer bench step --preset qwen3-8b --shape seed \
+              --variants triton-c4k,triton,triton-c4k,triton --iters 5 --warmup 2 --json-out "$OUT/s9-chunks2-8b.json"
+            step s9-chunks2-27b 200 python3 -m trainer bench step --preset qwen3.6-27b --shape seed \
+              --variants triton-c4k,triton --iters 4 --warmup 2 --json-out "$OUT/s9-chunks2-27b.json" ;;
     step8b-soft) step step8b-soft 200 python3 -m trainer bench step --preset qwen3-8b --shape seed \
               --variants soft,soft-triton --iters 5 --warmup 2 --json-out "$OUT/step8b-soft.json" ;;
     dist-small) step dist-small 260 python3 bench/gpu_pipeline.py --scale small --modes dual --engines threaded,dist \
