@@ -7,7 +7,8 @@
 # then `s9-step2 s9-27b` (gate/up interleaved, flex's output gradient contiguous), then `s9-step3 s9-27b`
 # (session 8's form against today's, twice each, interleaved against the GPU's drift), then `s9-clocks s9-27b`,
 # then `s9-final s9-27b` (the anchor slot's logits no longer computed) twice, then `s9-chunks` (its c6k and
-# c8k at 6176 and 8224 rows; c6k became the default), then `s9-chunks2`.
+# c8k at 6176 and 8224 rows), then `s9-chunks2` (6144 rows as the default against the old sizing, `triton-c4k`,
+# run at b479183; the default went back to 4096 rows after it and triton-c4k is gone).
 # Session 8 calls: `env s8-attn s8-step`, then `s8-attn2 s8-step2`, then `s8-attn2 s8-confirm` (the interval-form BlockMask, compiled context/output, flex options).
 # Session 5 calls: `env profile dist-small`, then `step8b-adamw attn-tune dist-8b` (recorded in bench/RESULTS.md).
 # Session 4 calls: `env pipeline-transfer` (features via the device vs via pinned host memory), then

@@ -47,7 +47,7 @@ from trainer.bench_common import (
 )
 from trainer.compile_scope import private_compile
 from trainer.config import PRESETS, TrainerInputError
-from trainer.loss import ChunkKernels, default_chunk_rows, dflash_loss, make_chunk_kernels, position_weights
+from trainer.loss import ChunkKernels, dflash_loss, make_chunk_kernels, position_weights
 from trainer.model import DFlashDrafter, attention
 from trainer.model.drafter import finish_hidden
 from trainer.step import DrafterSide, FeatureBatch, TargetSide
@@ -69,8 +69,8 @@ VARIANTS = {
     "triton-nopad": "as triton, q/k/v not padded to 128-row multiples (flex without IS_DIVISIBLE)",
     "triton-ctx32": "as triton, the context kept in fp32 after its norm (session 8's first call)",
     "triton-noprologue": "as triton, Inductor's prologue fusion off (nothing fused into flex_attention's loads)",
-    "triton-c8k": "as triton, loss chunks of at most 8224 rows (257 blocks of 32) instead of 6144",
-    "triton-c4k": "as triton, loss chunks sized as before session 9 (at most 4096 rows and 2.5 GiB of buffers)",
+    "triton-c6k": "as triton, loss chunks of at most 6176 rows (193 blocks of 32) instead of 4096",
+    "triton-c8k": "as triton, loss chunks of at most 8224 rows (257 blocks of 32) instead of 4096",
     "triton-s8": "as triton, as session 8 ran it: the mask built before the context's GEMM is queued, the gradient "
     "clip as a pass of its own (clip_grad_norm_), the anchor slot's logits computed",
 }
@@ -103,13 +103,11 @@ def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.devi
         "soft-triton": ["--use-soft-labels"],
         "cap": ["--cap-lambda", "0.1"],
         "triton-foreach": ["--adamw", "foreach"],
+        "triton-c6k": ["--loss-chunk-size", "6176"],
         "triton-c8k": ["--loss-chunk-size", "8224"],
     }.get(variant, [])
     extra += ["--loss-kernels", kernels]
     cfg, dcfg = preset_config(preset, shape, extra)
-    if variant == "triton-c4k":
-        rows = min(4096 // shape.block * shape.block, default_chunk_rows(dcfg.vocab_size, shape.block, 5 << 29))
-        cfg, dcfg = preset_config(preset, shape, [*extra, "--loss-chunk-size", str(rows)])
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.device(device):

@@ -153,14 +153,14 @@ def default_chunk_rows(vocab_size: int, block_size: int, budget_bytes: int = 1 <
     return max(block_size, rows // block_size * block_size)
 
 
-def fused_chunk_rows(vocab_size: int, block_size: int, budget_bytes: int = 1 << 32) -> int:
-    """Rows per chunk for the fused Triton kernels: 6144, fewer when the two bf16 [C, V] buffers would pass
-    `budget_bytes` (4 GiB), whole blocks. The buffers: logits and gradient for CE; logits and teacher logits for
-    soft labels (the gradient is written over the teacher logits). Larger chunks fill the input-gradient GEMM
-    [C, V] x [V, H] (only C x H outputs) in fewer, fuller waves: on the H200, CE 2.25 GEMM-eq at 1728 rows, 2.14
-    at 4096, and the qwen3-8b seed step 4-5 ms faster at 6144 than at 4096 (8192 no better; bench/RESULTS.md,
-    session 9), for ~1 GiB more peak memory."""
-    return min(6144 // block_size * block_size, default_chunk_rows(vocab_size, block_size, budget_bytes))
+def fused_chunk_rows(vocab_size: int, block_size: int, budget_bytes: int = 5 << 29) -> int:
+    """Rows per chunk for the fused Triton kernels: 4096 (H200, V=151936, CE: 2.14 GEMM-eq against 2.25 at the
+    1728-row default, because the input-gradient GEMM [C, V] x [V, H] fills its waves better), fewer when the
+    two bf16 [C, V] buffers would pass `budget_bytes` (2.5 GiB), whole blocks. The buffers: logits and gradient
+    for CE; logits and teacher logits for soft labels (the gradient is written over the teacher logits).
+    6144 and 8192 rows measured no better in the whole 8B seed step (-5 ms in one run, +2 to +7 in the next:
+    inside the power-capped GPU's run-to-run spread; bench/RESULTS.md, session 9) for 1-2.6 GiB more memory."""
+    return min(4096 // block_size * block_size, default_chunk_rows(vocab_size, block_size, budget_bytes))
 
 
 def _student_stats(logits: torch.Tensor, labels: torch.Tensor, temperature: float, want_tempered: bool):

@@ -264,10 +264,10 @@ def test_default_chunk_rows_are_whole_blocks_within_budget():
     assert default_chunk_rows(100, 7, budget_bytes=4000) == 7
 
 
-def test_fused_chunk_rows_are_6144_unless_the_vocabulary_is_large():
-    assert fused_chunk_rows(151936, 32) == 6144  # the measured best on the H200 (bench/RESULTS.md, session 9)
-    assert fused_chunk_rows(248320, 32) == 4320  # 4 GiB / (4 B * V) = 4324 rows -> 135 blocks
-    assert fused_chunk_rows(151936, 40) == 6120  # whole blocks
+def test_fused_chunk_rows_are_4096_unless_the_vocabulary_is_large():
+    assert fused_chunk_rows(151936, 32) == 4096  # the measured best on the H200 (bench/RESULTS.md)
+    assert fused_chunk_rows(248320, 32) == 2688  # 2.5 GiB / (4 B * V) = 2702 rows -> 84 blocks
+    assert fused_chunk_rows(151936, 24) == 4080  # whole blocks
 
 
 def test_position_weights():
