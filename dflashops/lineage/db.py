@@ -14,6 +14,7 @@ from __future__ import annotations
 import builtins
 import difflib
 import json
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -97,8 +98,7 @@ class LineageDB:
                 self._check_readable()  # reads only: a refused file is left byte-for-byte as it was
             self._conn.run(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
             if self._conn.read_only is None:
-                if self._conn.query("PRAGMA journal_mode")[0][0].lower() != "wal":
-                    self._conn.run("PRAGMA journal_mode = WAL")  # persistent: set once per file
+                self._switch_to_wal()
                 self._conn.run(
                     "PRAGMA synchronous = NORMAL"
                 )  # WAL + NORMAL: durable at checkpoint, no fsync per commit
@@ -113,6 +113,32 @@ class LineageDB:
     def read_only(self) -> str | None:
         """Why this database cannot be written here (read-only file or folder), or None."""
         return self._conn.read_only
+
+    def _switch_to_wal(self) -> None:
+        """Put the file in WAL mode (persistent: once per file). The switch needs the file to itself, and
+        SQLite answers "database is locked" at once instead of running the busy handler, so two commands
+        opening a new database together failed one of them (a concurrent-deploy test, ~1 run in 6). Retry until
+        the busy timeout, re-reading the mode each time: the other command may have switched it meanwhile."""
+        deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
+        pause_s = 0.005
+        while True:
+            try:
+                if self._conn.query("PRAGMA journal_mode")[0][0].lower() == "wal":
+                    return
+                if self._conn.query("PRAGMA journal_mode = WAL")[0][0].lower() == "wal":
+                    return
+                # not switched and no error: another connection still has the file open; same as busy
+            except LineageDBError as exc:
+                if "is locked" not in exc.message:
+                    raise
+            if time.monotonic() > deadline:
+                raise LineageDBError(
+                    f"lineage database {self.path} is locked by another dflashops (could not switch it to WAL "
+                    f"within {BUSY_TIMEOUT_MS / 1000:g} s)",
+                    hint="wait for the other command to finish, then try again",
+                )
+            time.sleep(pause_s)
+            pause_s = min(pause_s * 2, 0.1)
 
     # -- schema ---------------------------------------------------------------------------------------
     def _schema_version(self) -> int:
