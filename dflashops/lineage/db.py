@@ -123,11 +123,9 @@ class LineageDB:
         pause_s = 0.005
         while True:
             try:
-                if self._conn.query("PRAGMA journal_mode")[0][0].lower() == "wal":
-                    return
-                if self._conn.query("PRAGMA journal_mode = WAL")[0][0].lower() == "wal":
-                    return
-                # not switched and no error: another connection still has the file open; same as busy
+                if self._conn.query("PRAGMA journal_mode")[0][0].lower() != "wal":
+                    self._conn.run("PRAGMA journal_mode = WAL")  # answers the old mode where WAL cannot be (:memory:)
+                return
             except LineageDBError as exc:
                 if "is locked" not in exc.message:
                     raise

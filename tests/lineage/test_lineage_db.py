@@ -255,3 +255,13 @@ def test_a_reader_that_never_leaves_is_a_clear_locked_error(tmp_path: Path, monk
         LineageDB(path)
     assert caught.value.hint and "try again" in caught.value.hint
     other.close()
+
+
+def test_an_in_memory_database_opens_at_once() -> None:
+    """:memory: cannot be WAL (SQLite answers the old mode, no error): that is no reason to wait or fail."""
+    import time
+
+    started = time.monotonic()
+    db = LineageDB(Path(":memory:"))
+    assert time.monotonic() - started < 5
+    assert db._conn.query("PRAGMA journal_mode")[0][0] == "memory"
