@@ -334,7 +334,6 @@ def bench_attention(args: argparse.Namespace, device: torch.device) -> list[dict
         for name, window in [("full_attention", None), ("sliding_attention", 2048)]
         if name.split("_")[0] in args.layers.split(",")
     ]
-    settings = attention.FLEX_MASK_FORM, attention.FLEX_KERNEL_OPTIONS
     for shape_name in args.shape.split(","):
         shape = SHAPES[shape_name]
         _, dcfg = preset_config(args.preset, shape, [])
@@ -413,7 +412,6 @@ def bench_attention(args: argparse.Namespace, device: torch.device) -> list[dict
                         "options": options_text,
                     }
                 )
-    attention.FLEX_MASK_FORM, attention.FLEX_KERNEL_OPTIONS = settings
     print(
         f"{'shape':<7} {'layer':<8} {'order':<9} {'mask':<10} {'layout':<6} {'build ms':>8} {'fwd+bwd ms':>10} "
         f"{'fwd ms':>7} {'bwd ms':>7}  flex options"
@@ -585,7 +583,8 @@ def main(argv: list[str]) -> int:
     torch._dynamo.config.cache_size_limit = 64
     try:
         verbs = {"step": bench_step, "loss": bench_loss, "attention": bench_attention, "pipeline": bench_pipeline}
-        rows = verbs[args.what](args, device)
+        with module_settings_restored():  # bench attention sets the mask form and kernel options per case
+            rows = verbs[args.what](args, device)
     except TrainerInputError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2

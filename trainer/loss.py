@@ -417,11 +417,10 @@ def dflash_loss(
         chunk = fused_chunk_rows(vocab, block_size) if fused else default_chunk_rows(vocab, block_size)
     else:
         chunk = chunk_size
-    chunk = max(block_size, chunk // block_size * block_size)
-    if rows:  # equal chunks of whole blocks, none above `chunk`: a short last chunk is a GEMM pair that reads the
-        # whole LM head for a few rows (qwen3-8b seed: 1026 blocks of 32 in chunks of 128 left 2; now 9 x 114)
-        blocks, most = rows // block_size, chunk // block_size
-        chunk = -(-blocks // -(-blocks // most)) * block_size
+    # Equal chunks of whole blocks, none above `chunk` rows: a short last chunk is a GEMM pair that reads the whole
+    # LM head for a few rows (qwen3-8b seed: 1026 blocks of 32 in chunks of 128 left 2; now 9 x 114).
+    num_blocks, most = rows // block_size, max(1, chunk // block_size)
+    chunk_blocks = -(-num_blocks // -(-num_blocks // most)) if num_blocks else most
     want_grad = hidden.requires_grad and torch.is_grad_enabled()
     inv_norm = 1.0 / normalizer if normalizer > 0 else 0.0  # all-zero weights: every sum is 0, no NaN
     cap_scale = cap_lambda / num_blocks_normalizer if num_blocks_normalizer > 0 else 0.0
@@ -440,7 +439,7 @@ def dflash_loss(
     # bench/RESULTS.md session 9). The chunks below see blocks x (B - 1) rows; slot 0's gradient is 0 and its
     # `correct` False.
     first = 1 if SKIP_ANCHOR_SLOT else 0
-    num_blocks, slots, hidden_size = rows // block_size, block_size - first, hidden.shape[1]
+    slots, hidden_size = block_size - first, hidden.shape[1]
 
     def supervised(t: torch.Tensor, b0: int, b1: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Rows of blocks b0..b1-1, slots 1..B-1, as one [rows, ...] tensor (cast first: one copy, not two)."""
@@ -453,7 +452,6 @@ def dflash_loss(
     teacher_rows = teacher_hidden.detach().contiguous() if teacher_hidden is not None else None
     if grad_hidden is not None and first:
         grad_hidden.view(num_blocks, block_size, hidden_size)[:, 0] = 0
-    chunk_blocks = chunk // block_size
 
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
         for b0 in range(0, num_blocks, chunk_blocks):

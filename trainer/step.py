@@ -286,8 +286,8 @@ class DrafterSide:
             # grad * min(max_norm / (norm + 1e-6), 1) = grad / max((norm + 1e-6) / max_norm, 1).
             grads = [p.grad for p in self.params if p.grad is not None]
             grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
-            clip = self.cfg.grad_clip > 0  # without a clip the kernel need not rescale (nor write back) anything
-            scale = ((grad_norm + 1e-6) / max_norm).clamp(min=1.0) if clip else None
+            # without a clip (max_norm inf) the kernel need not rescale, nor write back, anything
+            scale = ((grad_norm + 1e-6) / max_norm).clamp(min=1.0) if self.cfg.grad_clip > 0 else None
             self.optimizer.grad_scale = scale  # type: ignore[attr-defined]
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)

@@ -352,11 +352,14 @@ def test_compile_friendly_onehot_equals_scatter():
     assert torch.all(scatter[0][coef == 0] == 0) and torch.isfinite(scatter[0]).all()
 
 
-def _eager_fused_ce(calls: list):
-    """A fused-CE stand-in with the Triton kernel's contract (unscaled softmax - onehot), recording its calls."""
+def _eager_fused_ce(calls: list, logits_seen: list | None = None):
+    """A fused-CE stand-in with the Triton kernel's contract (unscaled softmax - onehot), recording its calls
+    (want_grad) and, given `logits_seen`, the chunks of logits it was handed."""
 
     def fused_ce(logits, labels, *, want_grad=True):
         calls.append(want_grad)
+        if logits_seen is not None:
+            logits_seen.append(logits)
         lse = torch.logsumexp(logits, -1)
         grad = torch.softmax(logits, -1) - torch.nn.functional.one_hot(labels, logits.shape[1]).to(logits.dtype)
         return (grad if want_grad else None), lse, lse - logits.gather(1, labels[:, None])[:, 0], logits.argmax(-1)
@@ -369,23 +372,9 @@ def test_slot_zero_is_never_computed_and_gets_no_gradient():
     slot 0's gradient is exactly 0 and its `correct` False."""
     hidden, weight, labels, weights, _ = make_case()
     seen: list[torch.Tensor] = []
-    recording = _eager_fused_ce([])
-
-    def fused_ce(logits, labels, *, want_grad=True):
-        seen.append(logits)
-        return recording(logits, labels, want_grad=want_grad)
-
+    kernels = ChunkKernels(fused_ce=_eager_fused_ce([], seen))
     ours = hidden.clone().requires_grad_(True)
-    result = dflash_loss(
-        ours,
-        weight,
-        labels,
-        weights,
-        block_size=4,
-        normalizer=1.0,
-        chunk_size=8,
-        kernels=ChunkKernels(fused_ce=fused_ce),
-    )
+    result = dflash_loss(ours, weight, labels, weights, block_size=4, normalizer=1.0, chunk_size=8, kernels=kernels)
     result.loss.backward()
     supervised = hidden.view(7, 4, -1)[:, 1:].reshape(21, -1)
     torch.testing.assert_close(torch.cat(seen), supervised @ weight.T, rtol=1e-12, atol=1e-12)
@@ -427,16 +416,10 @@ def test_rows_are_split_into_equal_chunks_under_the_chunk_size(blocks, chunk_siz
     allows, as equal as whole blocks make them: 36 rows under 16 are 3 chunks of 3 blocks, not 4 + 4 + 1. The
     kernels see 3 rows per block: slot 0 (the anchor) is never computed."""
     hidden, weight, labels, weights, _ = make_case(blocks=blocks)
-    sizes: list[int] = []
-    recording = _eager_fused_ce([])
-
-    def fused_ce(logits, labels, *, want_grad=True):
-        sizes.append(logits.shape[0])
-        return recording(logits, labels, want_grad=want_grad)
-
-    kernels = ChunkKernels(fused_ce=fused_ce)
+    seen: list[torch.Tensor] = []
+    kernels = ChunkKernels(fused_ce=_eager_fused_ce([], seen))
     dflash_loss(hidden, weight, labels, weights, block_size=4, normalizer=1.0, chunk_size=chunk_size, kernels=kernels)
-    assert sizes == expected
+    assert [logits.shape[0] for logits in seen] == expected
 
 
 @pytest.mark.parametrize("terms", list(TERMS))

@@ -475,15 +475,15 @@ class DFlashDrafter(nn.Module):
             raise ValueError(f"ctx_features has {F_in} features, expected {cfg.num_taps} taps x {cfg.hidden_size}")
         if block_embeds.shape != (R, N * B, cfg.hidden_size):
             raise ValueError(f"block_embeds must be {(R, N * B, cfg.hidden_size)}, got {tuple(block_embeds.shape)}")
-        if not isinstance(mask, str) and (mask.ctx_len, mask.num_blocks, mask.block_size) != (S, N, B):
-            raise ValueError(
-                f"mask was built for S={mask.ctx_len}, N={mask.num_blocks}, B={mask.block_size}; "
-                f"inputs have S={S}, N={N}, B={B}"
-            )
 
         ctx = self.context_call(self.fc, self.hidden_norm, ctx_features)  # [R,S,H], never updated below
         if isinstance(mask, str):
             mask = self.build_mask(anchors, keep, S, backend=mask)
+        if (mask.ctx_len, mask.num_blocks, mask.block_size) != (S, N, B):
+            raise ValueError(
+                f"mask was built for S={mask.ctx_len}, N={mask.num_blocks}, B={mask.block_size}; "
+                f"inputs have S={S}, N={N}, B={B}"
+            )
         offsets = torch.arange(B, device=anchors.device)
         pos_blk = (anchors[:, :, None] + offsets).reshape(R, N * B)  # [R,Q]  anchor+j
         pos_ctx = torch.arange(S, device=anchors.device)  # [S]    0..S-1
