@@ -21,6 +21,7 @@ the run's unique marker (DFLASHOPS_RUN_ID=<name>.<nonce>).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import io
 import json
@@ -32,6 +33,7 @@ import subprocess
 import sys
 import tarfile
 import time
+import zipfile
 
 NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 LAUNCHERS = ("tmux", "nohup")  # how a run is started: a tmux session, or setsid + nohup (the controller uses these)
@@ -57,6 +59,7 @@ RUN_FILES = {
     ".exit_code.reserved": "agent",
     ".stop.json.reserved": "agent",
     "stop.json": "agent",
+    ".control.json": "agent",
     ".fetch-sha256.json": "agent",
     "supervisor.json": "supervisor",
     "events.jsonl": "supervisor",
@@ -236,6 +239,9 @@ LAUNCH_SPEC = ".launch.json"  # argv + env (with every pass_env secret) for the 
 # written on a full disk: the exit status, and a stop request with its outcome.
 RESERVED_BYTES = {"exit_code": 16, "stop.json": 4096}
 LAUNCH_SETTLE_S = 30.0  # a launch still in flight this long after its directory was made has failed
+# A tmux pane's command starts with the environment of the tmux server, which the first launch of the workspace
+# started with ITS environment (an earlier deploy's secrets included): wrappers started in tmux drop it all.
+CLEAN_ENV = ("env", "-i")
 
 
 def tmux_socket(workspace: str) -> str:
@@ -272,12 +278,24 @@ def verb_launch(req: dict) -> dict:
     interpreter of a matching standby (see the standby section), which skips the job's imports. Either way the
     run directory gets the same records (run.json, marker, pgid, pid, exit_code) and `stop` treats both alike."""
     directory, argv, env, launcher = check_launch(req)
+    if os.path.exists(directory):  # the same refusal as the mkdir below, before a pre-flight's seconds
+        raise AgentFailure(f"run directory {directory} already exists", "conflict")
+    verdict = None
+    if req.get("preflight"):  # before the name is taken: a refused launch leaves nothing behind
+        release = str((req.get("run_json") or {}).get("release") or env.get("PYTHONPATH") or "")
+        verdict = preflight_release(req, release, argv, env) if os.path.isdir(release) else None
+    session = session_name(req["name"])
+    if launcher == "tmux" and tmux_has_session(req["workspace"], session):  # refused before the name is taken
+        raise AgentFailure(
+            f"a tmux session named {session!r} already exists on this workspace's tmux server "
+            f"(socket {tmux_socket(req['workspace'])})",
+            "conflict",
+        )
     os.makedirs(os.path.dirname(directory), exist_ok=True)
     try:
         os.mkdir(directory)  # atomic claim of the name: a second launch of the same name fails here
     except FileExistsError:
         raise AgentFailure(f"run directory {directory} already exists", "conflict") from None
-    session = session_name(req["name"])
     run_json = dict(req.get("run_json") or {})
     run_json.update(name=req["name"], launcher=launcher, session=session, run_dir=directory)
     write_atomic(os.path.join(directory, "run.json"), json.dumps(run_json, indent=2, sort_keys=True) + "\n")
@@ -291,13 +309,15 @@ def verb_launch(req: dict) -> dict:
         adopted = adopt_standby(req, directory, argv, launch_env, cwd, launcher, session, fingerprint)
         if adopted is not None:
             start_standby(req, argv, launch_env, launcher, directory, fingerprint)
-            return adopted
+            return {**adopted, "preflight": verdict}
     elif req.get("standby") is False:
         retire_standbys(req["workspace"], keep=None)
     marker = f"{req['name']}.{os.urandom(6).hex()}"
     write_atomic(os.path.join(directory, "marker"), marker + "\n")
     launch_env.update(DFLASHOPS_RUN=req["name"], **{MARKER_KEY: marker})
-    spec = {"argv": argv, "env": launch_env, "cwd": cwd}
+    # The job's whole environment: this agent's (what the controller gave this call) with the launch's on top.
+    # Never the tmux server's: that server was started by an earlier call, with an earlier deploy's environment.
+    spec = {"argv": argv, "env": {**os.environ, **launch_env}, "cwd": cwd}
     spec_path = os.path.join(directory, LAUNCH_SPEC)
     wrapper = [sys.executable, os.path.abspath(__file__), "wrap", "--json-args", json.dumps({"dir": directory})]
     try:
@@ -318,6 +338,7 @@ def verb_launch(req: dict) -> dict:
                     "-y",
                     "50",
                     "--",
+                    *CLEAN_ENV,
                     *wrapper,
                 ],
                 stdin=subprocess.DEVNULL,
@@ -341,7 +362,16 @@ def verb_launch(req: dict) -> dict:
         remove_quietly(spec_path)
     if wants_standby:
         start_standby(req, argv, launch_env, launcher, directory, fingerprint)
-    return launch_answer(directory, pgid, marker, launcher, session, standby=False)
+    return {**launch_answer(directory, pgid, marker, launcher, session, standby=False), "preflight": verdict}
+
+
+def tmux_has_session(workspace: str, session: str) -> bool:
+    """The workspace's tmux server has a session of exactly this name (`=`: no prefix match)."""
+    found = subprocess.run(
+        ["tmux", "-L", tmux_socket(workspace), "has-session", "-t", "=" + session],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=20,
+    )  # fmt: skip
+    return found.returncode == 0
 
 
 def launch_answer(directory: str, pgid: int | None, marker: str, launcher: str, session: str, *, standby: bool) -> dict:
@@ -394,13 +424,16 @@ def write_record(directory: str, name: str, text: str) -> None:
         write_atomic(path, text)
     except OSError:
         data = text.encode()
-        if not os.path.exists(reserve) or len(data) > os.path.getsize(reserve):
+        # The reserve, or (once it was used) the record it became: both hold blocks this write can reuse.
+        spare = reserve if os.path.exists(reserve) else path
+        if not os.path.exists(spare) or len(data) > os.path.getsize(spare):
             raise
-        with open(reserve, "r+b") as handle:
-            handle.write(data.ljust(os.path.getsize(reserve)))
+        with open(spare, "r+b") as handle:
+            handle.write(data.ljust(os.path.getsize(spare)))
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(reserve, path)
+        if spare == reserve:
+            os.replace(reserve, path)
     else:
         remove_quietly(reserve)
 
@@ -440,13 +473,11 @@ def verb_wrap(req: dict) -> dict:
         status = 128 + signal.SIGTERM
         record_exit_code(directory, status)
         return {"exit_code": status}
-    env = dict(os.environ)
-    env.update(spec["env"])
     log_path = os.path.join(directory, "train.log")
     with open(log_path, "ab") as log:
         try:
             child = subprocess.Popen(
-                spec["argv"], cwd=spec["cwd"], env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log
+                spec["argv"], cwd=spec["cwd"], env=spec["env"], stdin=subprocess.DEVNULL, stdout=log, stderr=log
             )
         except OSError as exc:
             log.write(f"dflashops: cannot start {spec['argv'][0]}: {exc}\n".encode())
@@ -540,6 +571,7 @@ STARTUP_ENV_RE = re.compile(
     r"^(PYTHON|TORCH|PYTORCH|TRITON|CUDA|NCCL|HF_|TRANSFORMERS|LD_|OMP_|MKL_|KMP_|PATH$|VIRTUAL_ENV$)"
 )
 PER_RUN_ENV = ("PYTHONPATH", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+BASIC_ENV = ("HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "SHELL", "TERM")
 # Never in a standby's files or environment: the launch's `secret_keys` (the profile's pass_env), and any name
 # that looks like one.
 SECRET_KEY_RE = re.compile(r"(TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL)", re.IGNORECASE)
@@ -554,6 +586,18 @@ def standby_env(env: dict, secret_keys: list) -> dict:
         and k not in secret_keys
         and not k.startswith("DFLASHOPS_")
         and not SECRET_KEY_RE.search(k)
+    }
+
+
+def standby_start_env(launch_env: dict, secret_keys: list) -> dict:
+    """The whole environment a standby's interpreter starts with: the start-up part of the launch's environment
+    (on this agent's own), plus the few basics a process expects (HOME, USER, LANG, ...). Nothing else: a
+    standby outlives the deploy that started it and is adopted by a later run, and /proc/PID/environ keeps what
+    a process started with for its whole life, whatever it later sets."""
+    return {
+        k: v
+        for k, v in standby_env({**os.environ, **launch_env}, secret_keys).items()
+        if STARTUP_ENV_RE.match(k) or k in BASIC_ENV or k.startswith("LC_")
     }
 
 
@@ -618,7 +662,7 @@ def start_standby(req: dict, argv: list[str], launch_env: dict, launcher: str, a
     ident = f"{int(time.time() * 1000):x}-{os.urandom(3).hex()}"
     folder = os.path.join(workspace, STANDBY_ROOT, ident)
     marker, session = f"standby-{ident}.{os.urandom(6).hex()}", f"standby-{ident}"
-    env = standby_env(launch_env, secret_keys)
+    env = standby_start_env(launch_env, secret_keys)
     spec = {
         "fingerprint": fingerprint,
         "python": argv[0],
@@ -636,7 +680,7 @@ def start_standby(req: dict, argv: list[str], launch_env: dict, launcher: str, a
         os.makedirs(folder)
         write_atomic(os.path.join(folder, "spec.json"), json.dumps(spec), mode=0o600)
         if launcher == "tmux":
-            command = ["env", f"{MARKER_KEY}={marker}", *wrapper]
+            command = [*CLEAN_ENV, f"{MARKER_KEY}={marker}", *wrapper]
             subprocess.run(
                 ["tmux", "-L", tmux_socket(workspace), "new-session", "-d", "-s", session, "-x", "200",
                  "-y", "50", "--", *command],
@@ -646,7 +690,7 @@ def start_standby(req: dict, argv: list[str], launch_env: dict, launcher: str, a
             with open(os.devnull, "rb") as devnull, open(os.path.join(folder, "wrapper.log"), "ab") as log:
                 subprocess.Popen(
                     wrapper, stdin=devnull, stdout=log, stderr=log, start_new_session=True, close_fds=True,
-                    env={**os.environ, MARKER_KEY: marker},
+                    env={MARKER_KEY: marker},
                 )  # fmt: skip
     except (OSError, subprocess.SubprocessError):
         shutil.rmtree(folder, ignore_errors=True)
@@ -730,7 +774,7 @@ def wrap_standby(folder: str) -> dict:
         with open(os.devnull, "rb") as devnull, open(os.path.join(folder, "standby.log"), "ab") as log:
             child = subprocess.Popen(
                 [spec["python"], os.path.abspath(__file__), "standby", "--json-args", json.dumps({"dir": folder})],
-                cwd=folder, env={**os.environ, **spec["env"]}, stdin=devnull, stdout=log, stderr=log,
+                cwd=folder, env=spec["env"], stdin=devnull, stdout=log, stderr=log,
             )  # fmt: skip
     except (OSError, KeyError):
         shutil.rmtree(folder, ignore_errors=True)
@@ -798,6 +842,9 @@ def wait_for_go(folder: str, idle_s: float) -> dict | None:
         go = take_file(os.path.join(folder, "go.json"))
         if go is not None:
             return go
+        check = take_file(os.path.join(folder, CHECK_REQUEST))
+        if check is not None:
+            check_in_child(folder, check)
         now = time.monotonic()
         if now >= next_check:
             next_check = now + 1.0
@@ -813,19 +860,56 @@ def wait_for_go(folder: str, idle_s: float) -> dict | None:
         time.sleep(STANDBY_POLL_S)
 
 
+def check_in_child(folder: str, check: dict) -> None:
+    """A launch's pre-flight (`python -m trainer check ...`, see preflight_release) in a forked child of this
+    standby: it has torch, inductor and transformers imported already, so the check costs the trainer's own
+    imports and its pre-flight, not an interpreter's start. The child imports the release's code; the standby
+    itself never does (a fork shares nothing back). Its verdict goes to CHECK_ANSWER."""
+    log = os.path.join(folder, "check.log")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    child = os.fork()
+    if child:
+        os.waitpid(child, 0)
+        return
+    code = 1
+    try:
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        code = run_module_as_main(check)
+    finally:
+        try:
+            write_atomic(
+                os.path.join(folder, CHECK_ANSWER),
+                json.dumps({"exit_code": code, "output": read_text(log) or ""}),
+                mode=0o600,
+            )
+        finally:
+            remove_quietly(log)
+            os._exit(0)
+
+
 def run_adopted(go: dict) -> int:
     """Become the run `go` describes, as `python -m trainer ...` would have started: its log on stdout and
     stderr, its working directory, exactly its environment, `-m`'s sys.path (the working directory, then
     PYTHONPATH) and argv; returns its exit status."""
-    import runpy
-    import traceback
-
     sys.stdout.flush()
     sys.stderr.flush()
     fd = os.open(go["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    return run_module_as_main(go)
+
+
+def run_module_as_main(go: dict) -> int:
+    """Run `go["argv"]` (`python -m MODULE ...`) in this process as the interpreter would: `go`'s working
+    directory, exactly its environment, `-m`'s sys.path and argv; returns its exit status."""
+    import runpy
+    import traceback
+
     os.chdir(go["cwd"])
     os.environ.clear()
     os.environ.update(go["env"])
@@ -850,6 +934,121 @@ def run_adopted(go: dict) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
     return 0
+
+
+# ------------------------------------------------------------------------------------------- pre-flight
+# Before a deploy launches and before a restart stops the old run, the new release proves it can start: every
+# Python file of it compiles (here, with the target's python), and for a trainer job `python -m trainer check
+# <its train flags>` (trainer/check.py: the package compiles, the flags validate, the training stack imports,
+# train's own pre-flight passes). In a ready standby that check is a fork of an interpreter with torch imported
+# already; else a fresh interpreter pays the imports. A refusal (code `preflight`) changes nothing.
+CHECK_REQUEST, CHECK_ANSWER, CHECK_CLAIM = "check.json", "check.out.json", "checking"
+PREFLIGHT_TIMEOUT_S = 600.0  # train's pre-flight reads the target's config and opens the data: bounded, never hung
+
+
+def trainer_flags(argv: list[str]) -> list[str] | None:
+    """The flags of a job that runs `python -m trainer train ...`, directly or behind a launcher (torchrun's
+    `... -m trainer train ...`); None for any other job."""
+    for index in range(len(argv) - 2):
+        if argv[index : index + 3] == ["-m", "trainer", "train"]:
+            return argv[index + 3 :]
+    return None
+
+
+def compile_release(release: str) -> None:
+    """Every .py file of the release compiles with this (the target's) python; in memory, nothing written."""
+    for root, _, names in os.walk(release):
+        for name in sorted(names):
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(root, name)
+            try:
+                with open(path, "rb") as handle:
+                    compile(handle.read(), path, "exec", dont_inherit=True)
+            except SyntaxError as exc:
+                where = os.path.relpath(path, release) + (f":{exc.lineno}" if exc.lineno else "")
+                raise AgentFailure(
+                    f"error: {where}: SyntaxError: {exc.msg}\nhint: fix it and try again", "preflight"
+                ) from None
+
+
+def preflight_release(req: dict, release: str, argv: list[str], env: dict) -> dict:
+    """The pre-flight of `argv` (run from `release`, with `env`): what it checked, or AgentFailure `preflight`
+    whose message is the check's own `error:`/`hint:` lines. Secrets stay out of it: a check needs none."""
+    started = time.monotonic()
+    compile_release(release)
+    flags = trainer_flags(argv)
+    if flags is None:
+        return {"checked": "compile", "seconds": round(time.monotonic() - started, 3)}
+    secret_keys = list(req.get("secret_keys") or [])
+    check_env = {k: v for k, v in {**os.environ, **env}.items() if k not in secret_keys and not SECRET_KEY_RE.search(k)}
+    check = {"argv": [argv[0], "-m", "trainer", "check", *flags], "env": check_env, "cwd": req["workspace"]}
+    answer, where = None, "a new interpreter"
+    if req.get("standby") and standby_eligible(argv):
+        fingerprint = standby_fingerprint(argv[0], env, str(req.get("launcher", "nohup")), secret_keys)
+        answer = check_in_standby(req["workspace"], fingerprint, check)
+        where = "a standby interpreter" if answer is not None else where
+    if answer is None:
+        answer = check_fresh(check)
+    seconds = round(time.monotonic() - started, 3)
+    output = str(answer.get("output") or "").strip()
+    if answer.get("exit_code") != 0:
+        lines = [ln for ln in output.splitlines() if ln.startswith(("error: ", "hint: "))]
+        if not lines:  # not a refusal the trainer explained: its last lines (a traceback's end)
+            tail = "; ".join(output.splitlines()[-2:]) or f"exit code {answer.get('exit_code')}"
+            lines = [f"error: the trainer's pre-flight failed: {tail}"]
+        raise AgentFailure("\n".join(lines[:2]), "preflight")
+    return {"checked": "trainer", "summary": output.splitlines()[-1] if output else "", "in": where,
+            "seconds": seconds}  # fmt: skip
+
+
+def check_fresh(check: dict) -> dict:
+    """The check in a new interpreter: exit code and output."""
+    try:
+        done = subprocess.run(
+            check["argv"], cwd=check["cwd"], env=check["env"], stdin=subprocess.DEVNULL, capture_output=True,
+            text=True, timeout=PREFLIGHT_TIMEOUT_S,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return {"exit_code": None, "output": f"no verdict within {PREFLIGHT_TIMEOUT_S:.0f} s"}
+    except OSError as exc:
+        return {"exit_code": None, "output": f"cannot start {check['argv'][0]}: {exc.strerror}"}
+    return {"exit_code": done.returncode, "output": done.stdout + done.stderr}
+
+
+def check_in_standby(workspace: str, fingerprint: str, check: dict) -> dict | None:
+    """The check in a ready standby of `fingerprint` (check_in_child), or None when none is free (none ready,
+    one busy with another check, or it left meanwhile): the caller checks in a new interpreter."""
+    for folder, spec in standbys(workspace):
+        ready = read_int(os.path.join(folder, "ready"))
+        if spec.get("fingerprint") != fingerprint or not carries_marker(ready, spec["marker"]):
+            continue
+        if os.path.exists(os.path.join(folder, "claimed")) or not standby_alive(folder, spec):
+            continue
+        try:
+            os.mkdir(os.path.join(folder, CHECK_CLAIM))  # one check at a time per standby
+        except OSError:
+            continue
+        try:
+            remove_quietly(os.path.join(folder, CHECK_ANSWER))
+            write_atomic(os.path.join(folder, CHECK_REQUEST), json.dumps(check), mode=0o600)
+            deadline = time.monotonic() + PREFLIGHT_TIMEOUT_S
+            while time.monotonic() < deadline:
+                answer = take_file(os.path.join(folder, CHECK_ANSWER))
+                if answer is not None:
+                    return answer
+                if not carries_marker(ready, spec["marker"]):  # it exited (idle, retired): nobody will answer
+                    break
+                time.sleep(0.02)
+            if take_file(os.path.join(folder, CHECK_REQUEST)) is None:  # taken, never answered: it is broken
+                write_atomic(os.path.join(folder, "retired"), "\n")
+            return None
+        finally:
+            try:
+                os.rmdir(os.path.join(folder, CHECK_CLAIM))
+            except OSError:
+                pass
+    return None
 
 
 # ------------------------------------------------------------------------------------------------ stop
@@ -894,8 +1093,135 @@ def saving_checkpoint(directory: str) -> bool:
     return status.get("phase") == "saving" and fresh
 
 
+# ------------------------------------------------------------------------------------- per-run control
+# The commands that change a run (stop, restart, the supervisor's stop of a stalled run) are serialised per run:
+# each holds an exclusive flock on the run's directory while it acts, including the part of a hand-over stop
+# that finishes in the background. Two that meet act once: the second waits for the first, then reports what
+# the first did instead of acting again. Without this, two stops each sent SIGTERM, and the trainer reads a
+# second SIGTERM as "exit now, without the checkpoint the first one asked for". flock needs no new disk blocks
+# (a full disk cannot keep a stop from taking it), and the kernel drops it when its holder dies, so a command
+# killed mid-way never leaves a stale lock behind.
+CONTROL = ".control.json"  # the last holder of the run's lock: op, pid, since; its outcome once it let go
+
+
+def control_wait_s(req: dict) -> float:
+    """How long a command waits for another one on the same run: as long as that one's stop may take with the
+    same settings (grace, save grace, the SIGKILL and GPU waits), plus a launch's settle time."""
+    return (
+        float(req.get("grace", 60.0))
+        + float(req.get("save_grace", 600.0))
+        + float(req.get("kill_timeout", 10.0))
+        + float(req.get("gpu_timeout", 60.0))
+        + LAUNCH_SETTLE_S
+    )
+
+
+def try_control(directory: str, op: str) -> int | None:
+    """Take the run's control lock if it is free: its descriptor (close it with release_control), else None."""
+    fd = lock_run(directory)
+    if fd is not None:
+        note_control(directory, {"op": op, "pid": os.getpid(), "since": time.time()})
+    return fd
+
+
+def lock_run(directory: str) -> int | None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def take_control(directory: str, op: str, wait_s: float) -> tuple[int, dict | None]:
+    """The run's control lock: (descriptor, None) when it was free; (descriptor, the previous holder's record
+    with its outcome) when another command held it and this one waited for it to finish. AgentFailure `busy`
+    when it is still held after `wait_s`. The wait is a blocking flock (the kernel lists it in /proc/locks as a
+    waiter), bounded by an interval timer."""
+    fd = try_control(directory, op)
+    if fd is not None:
+        return fd, None
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    previous = signal.signal(signal.SIGALRM, _wait_expired)
+    try:
+        try:
+            signal.setitimer(signal.ITIMER_REAL, max(wait_s, 0.001))
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        except _WaitExpired:  # during the wait, or just after it ended: holding the lock is what counts
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                holder = read_json(os.path.join(directory, CONTROL)) or {}
+                since = holder.get("since")
+                age = f", for {time.time() - float(since):.0f} s" if isinstance(since, (int, float)) else ""
+                raise AgentFailure(
+                    f"a {holder.get('op', 'stop or restart')} of run {os.path.basename(directory)!r} is already in "
+                    f"progress (pid {holder.get('pid', '?')}{age}); nothing was done",
+                    "busy",
+                ) from None
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    holder = read_json(os.path.join(directory, CONTROL)) or {}  # read before this holder's record replaces it
+    note_control(directory, {"op": op, "pid": os.getpid(), "since": time.time()})
+    return fd, holder
+
+
+class _WaitExpired(Exception):
+    pass
+
+
+def _wait_expired(signum: int, frame: object) -> None:
+    raise _WaitExpired
+
+
+def note_control(directory: str, fields: dict, *, replace: bool = True) -> None:
+    """Write the lock holder's record (best effort: the lock itself is what serialises; this only tells)."""
+    record = fields if replace else {**(read_json(os.path.join(directory, CONTROL)) or {}), **fields}
+    try:
+        write_atomic(os.path.join(directory, CONTROL), json.dumps(record) + "\n")
+    except OSError:
+        pass
+
+
+def release_control(directory: str, fd: int, outcome: dict) -> None:
+    """Record this holder's outcome for a command that waited, then let go (a background part of a hand-over
+    stop that inherited `fd` keeps the lock until it exits)."""
+    if (read_json(os.path.join(directory, CONTROL)) or {}).get("pid") == os.getpid():
+        note_control(directory, {"outcome": outcome, "finished_at": time.time()}, replace=False)
+    os.close(fd)
+
+
+def joined_answer(directory: str, holder: dict, started: float) -> dict:
+    """A stop's answer when another command had the run and stopped it meanwhile: what that one did."""
+    status = run_status(directory)
+    stop = read_json(os.path.join(directory, "stop.json")) or {}
+    return {
+        "joined": {k: holder.get(k) for k in ("op", "pid", "since", "outcome", "finished_at")},
+        "state": status["state"],
+        "escalated": bool(stop.get("escalated")),
+        "signalled": [],
+        "gpu_released": stop.get("gpu_released"),
+        "waited_for_checkpoint_s": 0.0,
+        "before_start": bool(stop.get("before_start")),
+        "exit_code": status["exit_code"],
+        "checkpoints": status["checkpoints"][-1:],
+        "seconds": round(time.monotonic() - started, 3),
+        "recorded": True,
+    }
+
+
 def verb_stop(req: dict) -> dict:
     """Stop the run; its checkpoint first, then its processes. Refuses a run that is not running.
+
+    Serialised per run (`take_control`): a stop that meets another stop or a restart of the same run waits for
+    it and answers with its outcome (`joined`) instead of signalling again: a second SIGTERM tells the trainer
+    to exit at once, without the checkpoint the first one asked for. With `now` (`stop --now`, the deliberate
+    second signal) it neither waits nor checkpoints: SIGKILL to the whole run at once (`stop_now`).
 
     1. A launch still in flight (no job pid yet): record the stop request, which the wrapper reads before it
        starts the job, and wait for the launch to settle; the stop wins either way (verb_wrap).
@@ -911,12 +1237,36 @@ def verb_stop(req: dict) -> dict:
     Signals come first, bookkeeping after, and bookkeeping is best effort: a full disk must not stop a stop.
     With `handover` (restart --resume): once the trainer says in status.json that its final checkpoint is in
     host memory and its devices are free (`handover`, trainer/handover.py), answer at once with that offer;
-    steps 2-5 then finish in a background process of the agent, exactly as they would have here."""
+    steps 2-5 then finish in a background process of the agent, exactly as they would have here, holding
+    the run's control lock until they are done."""
     directory = run_dir(req)
     if not os.path.isdir(directory):
         raise AgentFailure(f"run {req['name']!r} does not exist on this target", "not_found")
+    if req.get("now"):
+        return stop_now(req, directory)
     started = time.monotonic()
     supervisor_cancelled = cancel_supervisor(directory)  # first: it must not restart what is being stopped
+    by = "restart" if req.get("by") == "restart" else "stop"  # a restart of a run on several targets stops here
+    lock, met = take_control(directory, by, control_wait_s(req))
+    answer: dict = {}
+    try:
+        if met is not None and by == "restart" and met.get("op") == "restart":
+            raise AgentFailure(
+                f"run {req['name']!r} was restarted meanwhile by another command; nothing was done", "superseded"
+            )
+        if met is not None and not run_processes_of(directory)[1]:
+            answer = joined_answer(directory, met, started)
+        else:
+            answer = stop_held(req, directory, started, lock, supervisor_cancelled=supervisor_cancelled)
+        return answer
+    finally:
+        release_control(directory, lock, {"exit_code": answer.get("exit_code"), "handover": "handover" in answer})
+
+
+def stop_held(req: dict, directory: str, started: float, lock: int, *, supervisor_cancelled: bool = False) -> dict:
+    """verb_stop's work, for a caller that holds the run's control lock (`lock`: its descriptor, which the
+    background part of a hand-over keeps open until it is done). `supervisor_cancelled`: the caller stopped the
+    run's supervisor, so a run that had ended already is answered as a cancelled automatic restart."""
     if launch_in_flight(directory):
         record_stop(directory, {"requested_at": time.time()})
         wait_for_any(directory, ("pid", "exit_code"), LAUNCH_SETTLE_S)
@@ -951,29 +1301,18 @@ def verb_stop(req: dict) -> dict:
     recorded = record_stop(directory, {"requested_at": time.time()})
     grace_deadline = time.monotonic() + grace
     save_deadline = grace_deadline + float(req.get("save_grace", 600.0))
+    stopping = (req, directory, started, pgid, marker, pids, job, job_first, grace_deadline, save_deadline, recorded)
     if req.get("handover") and job_first:
         offer = wait_for_handover(directory, job, grace_deadline, save_deadline)
         if offer is not None:
 
             def finish() -> None:
                 try:
-                    complete_stop(
-                        req,
-                        directory,
-                        started,
-                        pgid,
-                        marker,
-                        pids,
-                        job,
-                        job_first,
-                        grace_deadline,
-                        save_deadline,
-                        recorded,
-                    )
+                    complete_stop(*stopping)
                 except Exception as exc:  # noqa: BLE001 - nobody is listening: stop.json says what went wrong
                     record_stop(directory, {"error": f"{type(exc).__name__}: {exc}", "finished_at": time.time()})
 
-            in_background(finish)
+            in_background(finish, keep_fd=lock)
             return {
                 "handover": offer,
                 "escalated": False,
@@ -986,12 +1325,44 @@ def verb_stop(req: dict) -> dict:
                 "recorded": recorded,
                 "supervisor_cancelled": supervisor_cancelled,
             }
-    return {
-        **complete_stop(
-            req, directory, started, pgid, marker, pids, job, job_first, grace_deadline, save_deadline, recorded
-        ),
-        "supervisor_cancelled": supervisor_cancelled,
-    }
+    return {**complete_stop(*stopping), "supervisor_cancelled": supervisor_cancelled}
+
+
+def stop_now(req: dict, directory: str) -> dict:
+    """`stop --now`: SIGKILL to every process of the run at once, whatever else is going on (a stop or restart
+    in progress keeps its lock and finds the processes gone); no final checkpoint, the last periodic one stays.
+    The bookkeeping (exit code, stop.json) is done here only when no other command holds the run."""
+    started = time.monotonic()
+    cancel_supervisor(directory)
+    if launch_in_flight(directory):
+        record_stop(directory, {"requested_at": time.time(), "now": True})
+        wait_for_any(directory, ("pid", "exit_code"), LAUNCH_SETTLE_S)
+    pgid, pids = run_processes_of(directory)
+    if not pids and read_int(os.path.join(directory, "exit_code")) is None and not stop_requested(directory):
+        raise AgentFailure(f"run {req['name']!r} is not running", "not_running")
+    signal_run(pgid, pids, signal.SIGKILL)
+    marker = (read_text(os.path.join(directory, "marker")) or "").strip() or None
+    left = wait_gone(pgid, marker, directory, float(req.get("kill_timeout", 10.0)))
+    if left:
+        raise AgentFailure(f"processes {sorted(left)} of run {req['name']!r} survived SIGKILL", "stuck")
+    lock = try_control(directory, "stop --now")
+    if lock is None:  # a stop or restart holds the run: it sees the processes gone and records the end itself
+        return {"now": True, "escalated": True, "signalled": sorted(pids), "exit_code": 128 + signal.SIGKILL,
+                "seconds": round(time.monotonic() - started, 3), "recorded": None, "gpu_released": None,
+                "waited_for_checkpoint_s": 0.0, "before_start": False}  # fmt: skip
+    try:
+        record_stop(directory, {"requested_at": time.time(), "now": True})
+        answer = finish_stop(req, directory, started, escalated=True, seen=set(pids), waited=0.0,
+                             gpu_timeout=float(req.get("gpu_timeout", 60.0)))  # fmt: skip
+        return {**answer, "now": True}
+    finally:
+        release_control(directory, lock, {"exit_code": 128 + signal.SIGKILL, "now": True})
+
+
+def run_processes_of(directory: str) -> tuple[int | None, set[int]]:
+    """run_processes with the run directory's own pgid and marker."""
+    marker = (read_text(os.path.join(directory, "marker")) or "").strip() or None
+    return run_processes(read_int(os.path.join(directory, "pgid")), marker, directory)
 
 
 def complete_stop(
@@ -1021,7 +1392,9 @@ def complete_stop(
     if left and job_first:
         seen |= left
         signal_run(pgid, left, signal.SIGTERM)
-        deadline = max(grace_deadline, time.monotonic() + min(grace, REST_GRACE_S))
+        # The rest of the group (the W&B service, data workers) gets what is left of the grace, and at least
+        # REST_GRACE_S to close once the job has exited; a job that outlived the grace leaves it none.
+        deadline = grace_deadline if job in left else max(grace_deadline, time.monotonic() + min(grace, REST_GRACE_S))
         left, more = wait_out(rest, deadline, save_deadline, directory)
         waited += more
     elif left:
@@ -1079,9 +1452,10 @@ def wait_for_handover(directory: str, job: int | None, grace_deadline: float, sa
     return None
 
 
-def in_background(work) -> None:
+def in_background(work, keep_fd: int) -> None:
     """Run `work()` in a detached process (double fork, own session, stdio on /dev/null, so the caller's pipe
-    to the controller closes when the caller exits); return once it is on its way."""
+    to the controller closes when the caller exits); return once it is on its way. `keep_fd` (the run's
+    control lock) stays open in it, so the lock is held until `work` is done."""
     child = os.fork()
     if child:
         os.waitpid(child, 0)
@@ -1093,7 +1467,8 @@ def in_background(work) -> None:
         null = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(null, fd)
-        os.closerange(3, 1 << 16)
+        os.closerange(3, keep_fd)
+        os.closerange(keep_fd + 1, 1 << 16)
         try:
             work()
         except BaseException:  # noqa: BLE001 - nobody is listening; stop.json says how far it got
@@ -1102,7 +1477,7 @@ def in_background(work) -> None:
         os._exit(0)
 
 
-REST_GRACE_S = 10.0  # the rest of the group gets at least this long (within --grace) after the job exited
+REST_GRACE_S = 1.0  # the rest of the group gets at least this long (within --grace) after the job exited
 
 
 def first_to_stop(directory: str, pids: set[int]) -> int | None:
@@ -1320,6 +1695,93 @@ def run_status(directory: str) -> dict:
     }
 
 
+# ------------------------------------------------------------------------------------------ checkpoints
+# The trainer writes checkpoints/.tmp-step_N-<pid>/ (state.json last), fsyncs it and renames it to step_N
+# (trainer/checkpoint.py). A checkpoint exists when it is durable under its final name. A writer killed after its
+# data was complete but before the rename leaves a temporary that holds the whole checkpoint: whoever resumes
+# (restart --resume, the supervisor, the hand-over child in trainer/handover.py) commits it before using it.
+CHECKPOINT_RE = re.compile(r"^step_(\d{6,})$")
+TEMPORARY_CHECKPOINT_RE = re.compile(r"^\.tmp-(step_\d{6,})-(\d+)$")
+CHECKPOINT_FILES = ("model.safetensors", "optimizer.pt", "rng.pt", "state.json")
+
+
+def checkpoint_names(directory: str) -> list[str]:
+    """The run's complete checkpoints (step_N with state.json), oldest first."""
+    root = os.path.join(directory, "checkpoints")
+    names = os.listdir(root) if os.path.isdir(root) else []
+    done = [n for n in names if CHECKPOINT_RE.match(n) and os.path.isfile(os.path.join(root, n, "state.json"))]
+    return sorted(done, key=lambda n: int(n[5:]))
+
+
+def latest_checkpoint(directory: str) -> str | None:
+    """The newest complete checkpoint of a run (after committing one its dead writer left unfinished), or None."""
+    commit_orphans(directory)
+    names = checkpoint_names(directory)
+    return os.path.join(directory, "checkpoints", names[-1]) if names else None
+
+
+def complete_checkpoint(path: str) -> bool:
+    """`path` is a complete checkpoint (committing it first when its dead writer left it unfinished)."""
+    if not os.path.isfile(os.path.join(path, "state.json")):
+        commit_orphans(os.path.dirname(os.path.dirname(os.path.abspath(path))))
+    return os.path.isfile(os.path.join(path, "state.json"))
+
+
+def commit_orphans(directory: str) -> list[str]:
+    """Commit (fsync every file, rename into place, fsync the folder) each temporary checkpoint of the run whose
+    writer has died after writing all of it and which has no final folder yet; return their final paths. A
+    temporary that is incomplete, or whose writer lives (it is still fsyncing), is left alone."""
+    root = os.path.join(directory, "checkpoints")
+    committed = []
+    for entry in os.listdir(root) if os.path.isdir(root) else []:
+        match = TEMPORARY_CHECKPOINT_RE.match(entry)
+        if not match or alive(int(match.group(2))):
+            continue
+        tmp, final = os.path.join(root, entry), os.path.join(root, match.group(1))
+        if os.path.exists(final) or not checkpoint_data_complete(tmp, int(match.group(1)[5:])):
+            continue
+        try:
+            for name in CHECKPOINT_FILES:
+                fd = os.open(os.path.join(tmp, name), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            os.rename(tmp, final)
+            fsync_folder(root)
+        except OSError:  # another resumer committed it first, or the disk failed: the caller looks again
+            continue
+        committed.append(final)
+    return committed
+
+
+def checkpoint_data_complete(path: str, step: int) -> bool:
+    """Every file of checkpoint `path` was written to its end: state.json (written last) parses and names `step`,
+    the safetensors file is as long as its header says, and the torch files end in a zip directory."""
+    state = read_json(os.path.join(path, "state.json"))
+    if state is None or state.get("step") != step:
+        return False
+    if not all(zipfile.is_zipfile(os.path.join(path, name)) for name in ("optimizer.pt", "rng.pt")):
+        return False
+    try:
+        with open(os.path.join(path, "model.safetensors"), "rb") as handle:
+            header_bytes = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(header_bytes))
+            size = os.fstat(handle.fileno()).st_size
+    except (OSError, ValueError):
+        return False
+    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)]
+    return size == 8 + header_bytes + max(ends, default=0)
+
+
+def fsync_folder(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def supervision(directory: str) -> dict:
     """What agent_supervisor.py left in the run directory: the run that replaced this one, the events it
     recorded (events.jsonl) and its own state (supervisor.json); empty for an unsupervised run."""
@@ -1327,18 +1789,33 @@ def supervision(directory: str) -> dict:
     child = (read_text(os.path.join(directory, "restarted_as")) or "").strip()
     if child:
         found["restarted_as"] = child
-    events = []
+    events: list[dict] = []
     for line in last_lines(os.path.join(directory, "events.jsonl"), 65536):
         try:
-            events.append(json.loads(line))
+            entry = json.loads(line)
         except ValueError:
             continue
+        if not isinstance(entry, dict):
+            continue
+        if "delivery" in entry:  # the supervisor's courier: how the webhook POST of an earlier event went
+            for event in events:
+                if event.get("id") == entry["delivery"]:
+                    event["webhook"] = entry.get("webhook")
+            continue
+        events.append(entry)
     if events:
         found["events"] = events
     state = read_json(os.path.join(directory, "supervisor.json"))
     if state:
+        if state.get("state") in ("watching", "backoff"):
+            state["alive"] = supervisor_alive(state.get("pid"))
         found["supervisor"] = state
     return found
+
+
+def supervisor_alive(pid: object) -> bool:
+    """`pid` is a live supervisor process (its command line names a supervisor file: a reused pid is not)."""
+    return isinstance(pid, int) and alive(pid) and b"supervisor-" in read_proc(pid, "cmdline")
 
 
 def cancel_supervisor(directory: str) -> bool:
@@ -1346,19 +1823,19 @@ def cancel_supervisor(directory: str) -> bool:
     a stop means no automatic restart. True when one was running."""
     state = read_json(os.path.join(directory, "supervisor.json")) or {}
     pid = state.get("pid")
-    if (
-        not isinstance(pid, int)
-        or state.get("state") not in ("watching", "backoff")
-        or not alive(pid)
-        or b"supervisor-" not in read_proc(pid, "cmdline")
-    ):
+    if state.get("state") not in ("watching", "backoff") or not supervisor_alive(pid):
         return False
+    assert isinstance(pid, int)
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
         return False
+    # Until it has exited or said `cancelled` (it may still be finishing a webhook delivery: that is no restart).
     deadline = time.monotonic() + 5.0
     while alive(pid) and time.monotonic() < deadline:
+        now = read_json(os.path.join(directory, "supervisor.json")) or {}
+        if now.get("pid") == pid and now.get("state") not in ("watching", "backoff"):
+            break
         time.sleep(0.02)
     return True
 
@@ -1715,9 +2192,15 @@ def verb_restart(req: dict, stdin: bytes) -> dict:
     old_dir = run_dir({"workspace": workspace, "name": old})
     if not os.path.isdir(old_dir):
         raise AgentFailure(f"run {old!r} does not exist on this target", "not_found")
-    new_dir = check_launch(req)[0]
+    new_dir, _, _, launcher = check_launch(req)
     if os.path.exists(new_dir):
         raise AgentFailure(f"run directory {new_dir} already exists", "conflict")
+    if launcher == "tmux" and tmux_has_session(workspace, session_name(req["name"])):
+        raise AgentFailure(
+            f"a tmux session named {session_name(req['name'])!r} already exists on this workspace's tmux server "
+            f"(socket {tmux_socket(workspace)}); nothing was stopped",
+            "conflict",
+        )
     if req.get("tar_bytes") is not None and len(stdin) != int(req["tar_bytes"]):
         raise AgentFailure(
             f"upload incomplete ({len(stdin)} of {req['tar_bytes']} bytes); nothing was changed", "incomplete"
@@ -1726,52 +2209,125 @@ def verb_restart(req: dict, stdin: bytes) -> dict:
     if not isinstance(install, dict):
         raise AgentFailure("restart needs an install request", "bad_request")
     install = {**install, "workspace": workspace}
-    code_hash, release = build_release(install, stdin, stale_code="stale_release")
-    stop = None
     placeholder = req.get("resume_placeholder")
+    chosen = req.get("resume_checkpoint")  # restart --checkpoint: this one, not the run's newest
+    if chosen is not None and (not isinstance(chosen, str) or not complete_checkpoint(chosen)):
+        raise AgentFailure(f"checkpoint {chosen} is not a complete checkpoint on this target", "not_found")
+    code_hash, release = build_release(install, stdin, stale_code="stale_release")  # not current yet
+    verdict = None
+    if req.get("preflight"):  # the new code and flags prove they can start before the old run is signalled
+        probe = chosen or latest_checkpoint(old_dir) or started_from(old_dir)
+        verdict = preflight_release(req, release, argv_for_check(req["argv"], placeholder, probe), req.get("env") or {})
+    lock, met = take_control(old_dir, "restart", control_wait_s(req))
+    outcome: dict = {}
     try:
-        stop = verb_stop(
-            {
-                "workspace": workspace,
-                "name": old,
-                "grace": req.get("grace", 60.0),
-                "handover": bool(placeholder and req.get("handover")),
-                **{k: req[k] for k in ("kill_timeout", "gpu_timeout") if k in req},
-            }
-        )
-    except AgentFailure as exc:
-        if exc.code != "not_running":
-            raise
-    old_status = run_status(old_dir)
-    launch = dict(req)
-    checkpoint = None
-    handover = (stop or {}).get("handover")
-    if placeholder:
-        if handover:
-            checkpoint = handover["checkpoint"]
-            launch["env"] = {**(req.get("env") or {}), RESUME_WRITER_KEY: old_dir}
-        elif not old_status["checkpoints"]:
-            raise AgentFailure(f"run {old!r} has no checkpoint to resume from", "not_found")
-        else:
-            checkpoint = os.path.join(old_dir, "checkpoints", old_status["checkpoints"][-1])
-        launch["argv"] = substitute(req["argv"], str(placeholder), checkpoint)
-        launch["run_json"] = substitute(req.get("run_json") or {}, str(placeholder), checkpoint)
-    flip_current(workspace, code_hash)
-    removed = prune_releases(workspace, int(install.get("keep", 5)))
-    cleared = None
-    if req.get("clear_cache"):
-        cleared = verb_clear_cache({"workspace": workspace, "code_hash": code_hash})["removed"]
-    launched = verb_launch(launch)
-    return {
-        "stop": stop,
-        "old_status": old_status,
-        "release": code_hash,
-        "path": release,
-        "removed": removed,
-        "cleared": cleared,
-        "checkpoint": checkpoint,
-        **launched,
-    }
+        child = ((met or {}).get("outcome") or {}).get("name") if (met or {}).get("op") == "restart" else None
+        if child:  # two restarts met: the first one's child is the answer, not a second child
+            raise AgentFailure(
+                f"run {old!r} was restarted meanwhile by another command, as {child!r}; nothing was done", "superseded"
+            )
+        # Refused before anything is stopped when the run has no checkpoint and will write none.
+        fallback = resume_fallback(old_dir, old) if placeholder and chosen is None else None
+        stop = None
+        try:
+            stop = stop_held(
+                {
+                    "workspace": workspace,
+                    "name": old,
+                    "grace": req.get("grace", 60.0),
+                    "handover": bool(placeholder and chosen is None and req.get("handover")),
+                    **{k: req[k] for k in ("kill_timeout", "gpu_timeout") if k in req},
+                },
+                old_dir,
+                time.monotonic(),
+                lock,
+                supervisor_cancelled=cancel_supervisor(old_dir),
+            )
+        except AgentFailure as exc:
+            if exc.code != "not_running":
+                raise
+        old_status = run_status(old_dir)
+        launch = {**req, "preflight": False}  # checked above, on this argv with a stand-in checkpoint
+        checkpoint = None
+        handover = (stop or {}).get("handover")
+        if placeholder:
+            if chosen is not None:
+                checkpoint = chosen
+            elif handover:
+                checkpoint = handover["checkpoint"]
+                launch["env"] = {**(req.get("env") or {}), RESUME_WRITER_KEY: old_dir}
+            else:
+                checkpoint = latest_checkpoint(old_dir) or fallback
+            if checkpoint is None:
+                how = "was stopped" if stop else "had ended"
+                raise AgentFailure(f"run {old!r} {how} but left no checkpoint to resume from", "not_found")
+            launch["argv"] = substitute(req["argv"], str(placeholder), checkpoint)
+            launch["run_json"] = substitute(req.get("run_json") or {}, str(placeholder), checkpoint)
+        flip_current(workspace, code_hash)
+        removed = prune_releases(workspace, int(install.get("keep", 5)))
+        cleared = None
+        if req.get("clear_cache"):
+            cleared = verb_clear_cache({"workspace": workspace, "code_hash": code_hash})["removed"]
+        launched = verb_launch(launch)
+        outcome = {"name": req["name"], "checkpoint": checkpoint}
+        return {
+            "stop": stop,
+            "old_status": old_status,
+            "release": code_hash,
+            "path": release,
+            "removed": removed,
+            "cleared": cleared,
+            "checkpoint": checkpoint,
+            **launched,
+            "preflight": verdict,
+        }
+    finally:
+        release_control(old_dir, lock, outcome)
+
+
+def started_from(directory: str) -> str | None:
+    """The complete checkpoint the run was started from (run.json's `resumed_from`), or None."""
+    origin = ((read_json(os.path.join(directory, "run.json")) or {}).get("extra") or {}).get("resumed_from")
+    return origin if isinstance(origin, str) and complete_checkpoint(origin) else None
+
+
+def argv_for_check(argv: list[str], placeholder: object, checkpoint: str | None) -> list[str]:
+    """A restart's argv for its pre-flight: the resume placeholder replaced by `checkpoint` (the one it will
+    resume, or one of the same run and shape), or, with none yet, dropped with the flag before it."""
+    if not placeholder or str(placeholder) not in argv:
+        return argv
+    if checkpoint is not None:
+        return [checkpoint if arg == placeholder else arg for arg in argv]
+    index = argv.index(str(placeholder))
+    return argv[: max(index - 1, 0)] + argv[index + 1 :]
+
+
+def trained_a_step(status: dict) -> bool:
+    """The job has finished an optimizer step in this process, so a stop makes it checkpoint: the trainer's
+    timeline says `first_step`; a job that keeps no timeline counts when status.json names a step past 0."""
+    timeline = status.get("timeline")
+    if isinstance(timeline, dict):
+        return "first_step" in timeline
+    return isinstance(status.get("step"), int) and status["step"] > 0
+
+
+def resume_fallback(directory: str, name: str) -> str | None:
+    """Before a `restart --resume` stops anything: None when the run has a checkpoint of its own or its stop will
+    write one (it has taken a step in this process); else the checkpoint the run itself started from (run.json's
+    `resumed_from`, committed if its writer left it unfinished); else AgentFailure, with nothing changed yet."""
+    if latest_checkpoint(directory) is not None:
+        return None
+    if run_processes_of(directory)[1] and trained_a_step(read_json(os.path.join(directory, "status.json")) or {}):
+        return None  # its stop writes the final checkpoint of the steps it took
+    origin = ((read_json(os.path.join(directory, "run.json")) or {}).get("extra") or {}).get("resumed_from")
+    if started_from(directory):
+        return origin
+    raise AgentFailure(
+        f"run {name!r} has no checkpoint to resume from: it has not finished a step"
+        + (f", and the checkpoint it started from ({origin}) is gone" if origin else " and started fresh")
+        + "; nothing was stopped",
+        "not_found",
+    )
 
 
 def releases_in_use(workspace: str) -> set[str]:

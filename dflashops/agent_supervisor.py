@@ -29,13 +29,16 @@ python3 the container has.
 from __future__ import annotations
 
 import base64
+import fcntl
 import importlib.util
 import json
 import os
+import queue
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -48,6 +51,7 @@ SENTINELS = {
     "checkpoint": "@dflashops-checkpoint@",
 }
 CANCELLED: list[bool] = []  # set by SIGTERM: the daemon ends at its next check, restarting nothing
+WEBHOOK_RETRY_S = (5.0, 30.0)  # the waits before a failed POST's second and third try (notify.retry)
 
 
 def load_agent(path: str):
@@ -81,6 +85,9 @@ class Supervisor:
         self.policy = req.get("on_failure") or None
         self.stall: dict = req.get("stall") or {}
         self.poll_s = float(req.get("poll_s", 2.0))
+        self.courier: queue.Queue = queue.Queue()
+        self.courier_thread = threading.Thread(target=self.deliver, name="webhook-courier", daemon=True)
+        self.courier_thread.start()
 
     # -- bookkeeping ----------------------------------------------------------------------------------
     def run_dir(self, name: str) -> str:
@@ -106,7 +113,9 @@ class Supervisor:
             pass  # a full disk must not end the supervision
 
     def event(self, run: str, kind: str, message: str, **fields) -> None:
-        """Append the event to the run's events.jsonl, after trying the webhook (at most once)."""
+        """Append the event to the run's events.jsonl at once; a webhook POST (when asked for) is only queued
+        here and made by the courier thread, so a slow or dead webhook never delays a restart. The courier
+        appends the delivery's outcome as a line of its own (`delivery`, `webhook`)."""
         entry = {
             "id": f"{run}:{kind}",
             "event": kind,
@@ -117,13 +126,39 @@ class Supervisor:
             "source": "supervisor",
             **fields,
         }
-        entry["webhook"] = self.post(entry) if kind in (self.req.get("events") or [kind]) else "off"
+        wanted = kind in (self.req.get("events") or [kind]) and bool(self.req.get("webhook"))
+        entry["webhook"] = "queued" if wanted else "off"
         self.log(f"{kind}: {message} (webhook {entry['webhook']})")
+        self.append_event(run, entry)
+        if wanted:
+            self.courier.put((run, entry))
+
+    def append_event(self, run: str, entry: dict) -> None:
         try:
             with open(os.path.join(self.run_dir(run), "events.jsonl"), "a", encoding="utf-8") as handle:
                 handle.write(json.dumps(entry) + "\n")
         except OSError:
             pass
+
+    def deliver(self) -> None:
+        """The courier thread: POST each queued event (each try bounded by webhook_timeout_s; a failure tried
+        again after each of the `webhook_retry_s` waits), then record the outcome in the run's events.jsonl."""
+        while True:
+            item = self.courier.get()
+            if item is None:
+                return
+            run, entry = item
+            outcome, waits = "off", [float(w) for w in self.req.get("webhook_retry_s", WEBHOOK_RETRY_S)]
+            for attempt in range(len(waits) + 1):
+                if attempt:
+                    time.sleep(waits[attempt - 1])
+                outcome = self.post(entry)
+                if outcome == "sent":
+                    break
+            self.log(f"webhook for {entry['id']}: {outcome} ({attempt + 1} attempt(s))")
+            self.append_event(run, {"delivery": entry["id"], "webhook": outcome, "attempts": attempt + 1,
+                                    "time": time.time()})  # fmt: skip
+            self.courier.task_done()
 
     def post(self, entry: dict) -> str:
         url = self.req.get("webhook")
@@ -149,6 +184,11 @@ class Supervisor:
         except (OSError, ValueError) as exc:  # the URL stays out of the message: it may carry a token
             return f"failed: {type(exc).__name__}"
 
+    def drain(self) -> None:
+        """Before the daemon exits: let the courier finish what is queued (each POST is bounded)."""
+        self.courier.put(None)
+        self.courier_thread.join()
+
     # -- watching -------------------------------------------------------------------------------------
     def gpu_utilisation(self) -> list[int] | None:
         if not shutil.which("nvidia-smi"):
@@ -172,7 +212,18 @@ class Supervisor:
 
     def stop_stalled(self, directory: str, reason: str, clock: dict) -> None:
         """stall.json first (so the end reads as a stall, not a stop), then TERM the run's own group, KILL
-        after the grace."""
+        after the grace; holding the run's control lock (agent.take_control), so that it never meets a stop or
+        restart of the same run: while one of those acts, the stall waits for the next look."""
+        agent = self.agent
+        lock = agent.try_control(directory, "stall stop")
+        if lock is None:
+            return
+        try:
+            self.signal_stalled(directory, reason, clock)
+        finally:
+            agent.release_control(directory, lock, {"stalled": reason})
+
+    def signal_stalled(self, directory: str, reason: str, clock: dict) -> None:
         agent = self.agent
         self.agent.write_atomic(
             os.path.join(directory, "stall.json"),
@@ -259,11 +310,11 @@ class Supervisor:
     # -- restarting -----------------------------------------------------------------------------------
     def latest_checkpoint(self, chain: list[str]) -> str | None:
         """The newest checkpoint of the failed run, else of its supervised ancestors (a run that crashed before
-        its first save resumes from the one before it)."""
+        its first save resumes from the one before it); one its dead writer left unfinished is committed first."""
         for run in reversed(chain):
-            found = self.agent.run_status(self.run_dir(run))["checkpoints"]
+            found = self.agent.latest_checkpoint(self.run_dir(run))
             if found:
-                return os.path.join(self.run_dir(run), "checkpoints", found[-1])
+                return found
         return None
 
     def child_name(self) -> str:
@@ -356,16 +407,19 @@ class Supervisor:
         deadline = time.monotonic() + backoff
         while time.monotonic() < deadline and not CANCELLED:
             time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
-        if CANCELLED:
+        lock = self.control(run)  # a user's stop or restart of `run` acts first, and cancels this supervisor
+        if lock is None:
             return None
         self.restarts += 1
         note = f"auto-restart after {what}{where}" + (f": {line}" if line else "")
         try:
             child, checkpoint = self.launch_child({**outcome, "name": run, "line": line}, chain, note)
         except (self.agent.AgentFailure, OSError) as exc:
+            self.agent.release_control(self.run_dir(run), lock, {"error": str(exc)})
             self.event(run, "gave-up", f"could not launch the restart of {run}: {exc}")
             self.state(run, "gave-up", reason=str(exc))
             return None
+        self.agent.release_control(self.run_dir(run), lock, {"name": child, "checkpoint": checkpoint})
         self.agent.write_atomic(os.path.join(self.run_dir(run), "restarted_as"), child + "\n")
         self.state(run, "restarted", child=child)
         self.event(
@@ -381,6 +435,19 @@ class Supervisor:
             log_line=line,
         )
         return child
+
+    def control(self, run: str) -> int | None:
+        """The control lock of `run` (agent.take_control), waited for while a stop or restart holds it; None
+        once this supervisor is cancelled (those cancel it before they act)."""
+        while not CANCELLED:
+            lock = self.agent.try_control(self.run_dir(run), "auto-restart")
+            if lock is not None:
+                if not CANCELLED:
+                    return lock
+                self.agent.release_control(self.run_dir(run), lock, {"cancelled": True})
+                break
+            time.sleep(0.2)
+        return None
 
     def run(self) -> None:
         current, chain = self.req["run"], [self.req["run"]]
@@ -418,26 +485,37 @@ def daemonize(req: dict) -> int:
         with os.fdopen(read_end) as pipe:
             pid = pipe.read().strip()
         os.wait()
-        print(
-            json.dumps(
-                {"ok": True, "pid": int(pid), "log": os.path.join(logs, f"{req['root']}.log")}
-                if pid.isdigit()
-                else {"ok": False, "error": "supervisor did not start", "code": "error"}
-            ),
-            flush=True,
-        )
+        if pid.isdigit():
+            answer = {"ok": True, "pid": int(pid), "log": os.path.join(logs, f"{req['root']}.log")}
+        elif pid.startswith("busy "):
+            holder = pid.split()[1]
+            answer = {"ok": False, "error": f"{req['root']} is supervised already (pid {holder})", "code": "conflict"}
+        else:
+            answer = {"ok": False, "error": "supervisor did not start", "code": "error"}
+        print(json.dumps(answer), flush=True)
         return 0
     os.close(read_end)
     os.setsid()
     if os.fork():
         os._exit(0)
+    # One supervisor per lineage root: two commands that both found it dead and started a new one (ops/supervise
+    # revive) must not get two, each restarting every crash. The kernel drops the lock when the daemon dies.
+    guard = os.open(os.path.join(logs, f"{req['root']}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.write(write_end, f"busy {os.pread(guard, 32, 0).decode(errors='replace').strip() or '?'}".encode())
+        os._exit(0)
+    os.ftruncate(guard, 0)
+    os.pwrite(guard, str(os.getpid()).encode(), 0)
     log = os.open(os.path.join(logs, f"{req['root']}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.dup2(log, 1)
     os.dup2(log, 2)
-    os.closerange(3, write_end)
-    os.closerange(write_end + 1, 1 << 16)
+    for low, high in ((3, min(write_end, guard)), (min(write_end, guard) + 1, max(write_end, guard))):
+        os.closerange(low, high)
+    os.closerange(max(write_end, guard) + 1, 1 << 16)
     signal.signal(signal.SIGTERM, lambda *_: CANCELLED.append(True))
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the controller's ssh channel going away is not a reason
     supervisor = Supervisor(req)
@@ -446,6 +524,7 @@ def daemonize(req: dict) -> int:
     try:
         supervisor.log(f"supervising {req['run']} (restarts so far {supervisor.restarts})")
         supervisor.run()
+        supervisor.drain()
     except BaseException as exc:  # noqa: BLE001 - the log is the only place left to say it
         supervisor.log(f"supervisor failed: {type(exc).__name__}: {exc}")
     os._exit(0)

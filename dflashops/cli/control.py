@@ -14,6 +14,7 @@ from dflashops.cli.common import emit_json, highlight_errors, open_invocation, p
 from dflashops.errors import NotFound, TransportError, UsageError
 from dflashops.ops.control import LogCursor, ended_badly, how_it_ended, read_log, run_status, stop_run, wait_for
 from dflashops.ops.nodes import node_target
+from dflashops.ops.supervise import supervision_note
 from dflashops.shell import join_argv, validate_name
 
 
@@ -37,6 +38,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=600.0,
         metavar="S",
         help="more seconds for a run still writing its checkpoint after --grace (default 600)",
+    )
+    p.add_argument(
+        "--now",
+        action="store_true",
+        help="SIGKILL the run at once, without its final checkpoint (the last periodic one stays), even while "
+        "another stop or restart of it is in progress",
     )
     p.add_argument("--dry-run", action="store_true", help="print the commands that would run; change nothing")
     p.set_defaults(func=with_run_hint(handle_stop))
@@ -185,11 +192,17 @@ def handle_stop(args: argparse.Namespace) -> int:
     if not args.run:
         raise UsageError("stop needs a RUN (or --all)")
     with open_invocation(args, dry_run=args.dry_run) as invocation:
-        answer = stop_run(invocation, args.run, target=args.target, grace=args.grace, save_grace=args.save_grace)
+        answer = stop_run(
+            invocation, args.run, target=args.target, grace=args.grace, save_grace=args.save_grace, now=args.now
+        )
         if args.dry_run:
             print_plan(invocation)
             return 0
+        if answer.get("joined"):
+            return report_joined_stop(args.run, answer)
         how = "SIGKILL after the grace period" if answer["escalated"] else "SIGTERM"
+        if answer.get("now"):
+            how = "SIGKILL at once (--now: no final checkpoint)"
         if answer.get("supervisor_cancelled"):
             progress(f"{args.run}'s supervisor was stopped: no automatic restart will follow")
         if answer.get("supervisor_cancelled") and not answer.get("signalled"):
@@ -220,15 +233,31 @@ def handle_stop(args: argparse.Namespace) -> int:
         return 0
 
 
+def report_joined_stop(run: str, answer: dict[str, Any]) -> int:
+    """A stop that met another stop or restart of the run: it waited for that one instead of signalling again
+    (a second SIGTERM would have cost the final checkpoint); say what that one did."""
+    joined = answer["joined"]
+    outcome = joined.get("outcome") or {}
+    progress(
+        f"{run}: a {joined.get('op') or 'stop'} of it by another command (pid {joined.get('pid')}) was already in "
+        "progress; waited for it instead of signalling again"
+    )
+    if outcome.get("name"):
+        progress(f"{run} was restarted as {outcome['name']}, which runs on: `dflashops stop {outcome['name']}`")
+    if answer.get("checkpoints"):
+        progress(f"{run}'s last checkpoint: {answer['checkpoints'][-1]}")
+    print(f"{run} {answer['state']} exit_code={answer['exit_code']}")
+    return 0
+
+
 def describe(entry: dict[str, Any]) -> str:
     state = entry["state"]
     if state in ("crashed", "lost"):
         state = how_it_ended(entry, exit_code=False)  # the exit code has its own column
-    supervisor = (entry.get("supervisor") or {}).get("state")
     if entry.get("restarted_as"):
         state += f" -> auto-restarted as {entry['restarted_as']}"
-    elif supervisor in ("watching", "backoff"):
-        state += " (supervised" + (", restart pending)" if supervisor == "backoff" else ")")
+    elif note := supervision_note(entry):
+        state += f" ({note})"
     metrics = entry.get("last_metrics") or {}
 
     def value(key: str) -> str:

@@ -56,9 +56,12 @@ def _eta(seconds: float | None) -> str:
 
 
 def _state(row: RunRow) -> str:
+    state = row.state
     if row.state == "running" and row.phase and row.phase != "training":
-        return f"running ({row.phase})"
-    return row.state
+        state = f"running ({row.phase})"
+    if row.supervision and row.supervision.startswith("supervisor died"):
+        state += f" [{row.supervision}]"  # a helper that went silent is said, never shown by colour alone
+    return state
 
 
 def render(watcher: Watcher, title: str) -> Group:

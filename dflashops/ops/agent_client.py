@@ -33,7 +33,23 @@ class StaleRelease(Conflict):
     the controller's cached view of the target is out of date. Nothing was changed; ask `manifest`, retry."""
 
 
-_CODE_TO_ERROR = {"not_found": NotFound, "conflict": Conflict, "bad_request": UsageError, "stale_release": StaleRelease}
+class Busy(Conflict):
+    """Another command is stopping or restarting the same run, and went on longer than this one would wait (code
+    `busy`): nothing was done."""
+
+
+class Superseded(Conflict):
+    """Two restarts of one run met: the other one restarted it first (code `superseded`); nothing was done."""
+
+
+_CODE_TO_ERROR = {
+    "not_found": NotFound,
+    "conflict": Conflict,
+    "bad_request": UsageError,
+    "stale_release": StaleRelease,
+    "busy": Busy,
+    "superseded": Superseded,
+}
 
 
 def agent_bytes() -> bytes:

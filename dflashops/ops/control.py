@@ -8,8 +8,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from dflashops.errors import DflashopsError, RunFailed, TransportError, UsageError, WaitTimeout
+from dflashops.errors import Conflict, DflashopsError, RunFailed, TransportError, UsageError, WaitTimeout
 from dflashops.lineage.files import other_node
+from dflashops.ops.agent_client import Busy
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.nodes import nodes_of, overall, read_nodes, status_nodes, stop_nodes
 from dflashops.shell import validate_name
@@ -24,15 +25,25 @@ class NotRunning(DflashopsError):
 
 
 def stop_run(
-    invocation: Invocation, name: str, *, target: str | None = None, grace: float = 60.0, save_grace: float = 600.0
+    invocation: Invocation,
+    name: str,
+    *,
+    target: str | None = None,
+    grace: float = 60.0,
+    save_grace: float = 600.0,
+    now: bool = False,
 ) -> dict[str, Any]:
     """TERM -> grace -> KILL the run's own processes, wait until they (and their GPU memory) are gone; a run
-    still writing its checkpoint after `grace` gets up to `save_grace` seconds more before the KILL.
+    still writing its checkpoint after `grace` gets up to `save_grace` seconds more before the KILL. A stop that
+    meets another stop or restart of the run waits for it and answers with its outcome (`joined`) instead of
+    signalling again; `now` kills the run at once (no final checkpoint), whatever else is going on.
     Raises NotRunning (nothing signalled) when the run is not running, NotFound when it does not exist.
     A run on several targets is stopped on every node at once (ops/nodes.py)."""
     validate_name(name, what="run name")
     if not invocation.dry_run and (nodes := nodes_of(invocation, name, target)):
-        answer = stop_nodes(invocation, name, nodes, grace=grace, save_grace=save_grace, not_running=NotRunning)
+        answer = stop_nodes(
+            invocation, name, nodes, grace=grace, save_grace=save_grace, not_running=NotRunning, now=now
+        )
         invocation.note_state(overall(status_nodes(invocation, name, nodes)))
         return answer
     tgt = invocation.target_for_run(name, target)
@@ -44,10 +55,13 @@ def stop_run(
                 f"{tgt.name}: run {name!r} is not running ({state})",
                 hint=f"`dflashops status {name}` shows how it ended",
             )
+    request = {"workspace": tgt.workspace, "name": name, "grace": grace, "save_grace": save_grace}
     try:
-        answer = agent.call(
-            "stop", {"workspace": tgt.workspace, "name": name, "grace": grace, "save_grace": save_grace}
-        )
+        answer = agent.call("stop", {**request, "now": True} if now else request)
+    except Busy as exc:
+        raise Conflict(
+            exc.message, hint=f"wait for it (`dflashops status {name}`), or end it at once: dflashops stop {name} --now"
+        ) from None
     except DflashopsError as exc:
         if "is not running" in exc.message:
             raise NotRunning(exc.message, hint=f"`dflashops status {name}` shows how it ended") from None

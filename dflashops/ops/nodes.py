@@ -185,6 +185,8 @@ def stop_nodes(
     grace: float,
     save_grace: float,
     not_running: type[DflashopsError],
+    now: bool = False,
+    by: str = "stop",
 ) -> dict[str, Any]:
     """Stop every node at once; the answer is node 0's with `nodes` (each node's answer or error) added.
     Raises `not_running` when no node was running, the first node's error when one could not be stopped
@@ -193,7 +195,9 @@ def stop_nodes(
         invocation,
         nodes,
         lambda node: invocation.agent(node.target).call(
-            "stop", {"workspace": node.target.workspace, "name": name, "grace": grace, "save_grace": save_grace}
+            "stop",
+            {"workspace": node.target.workspace, "name": name, "grace": grace, "save_grace": save_grace, "by": by}
+            | ({"now": True} if now else {}),
         ),
     )
     stopped = [(node, answer) for node, answer in results if not isinstance(answer, DflashopsError)]
@@ -362,7 +366,9 @@ def relaunch_nodes(
     nodes = nodes_of(invocation, old.name)
     assert nodes is not None
     try:
-        stop = stop_nodes(invocation, old.name, nodes, grace=grace, save_grace=600.0, not_running=not_running)
+        stop = stop_nodes(
+            invocation, old.name, nodes, grace=grace, save_grace=600.0, not_running=not_running, by="restart"
+        )
     except not_running:
         stop = None
     entries = status_nodes(invocation, old.name, nodes)

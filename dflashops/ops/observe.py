@@ -3,7 +3,8 @@
 1. a run the lineage does not know, whose run.json says the in-target supervisor made it (`extra.auto_restart`),
    is recorded (the same import `runs sync` does), so `runs tree` shows the auto-restarts after a `status`;
 2. events the supervisor recorded in the run's events.jsonl are delivered (ops/notify.py; once each);
-3. a state change against the lineage record (running -> crashed/finished/stopped) becomes an event.
+3. a state change against the lineage record (running -> crashed/finished/stopped) becomes an event;
+4. a run whose in-target supervisor died gets a new one (ops/supervise.py `revive`).
 Cost: nothing when `notify` is not configured and no run is new; else one ledger lookup per event.
 """
 
@@ -67,10 +68,15 @@ def ending_event(status: dict[str, Any], previous: str | None) -> dict[str, Any]
 def observe(invocation: Invocation, status: dict[str, Any], record: RunRecord | None) -> None:
     if record is None and adopt(invocation, status):
         record = invocation.record_of(str(status.get("name")))
+    if (status.get("supervisor") or {}).get("alive") is False:  # a helper that died is seen and restarted
+        from dflashops.ops.supervise import revive  # supervise -> deploy -> invocation -> this module
+
+        if notice := revive(invocation, status):
+            invocation.notices.append(notice)
     notifier = invocation.notifier
     if notifier.config is None:
         return
-    notifier.retry_due()
+    notifier.look()
     for event in status.get("events") or []:
         if isinstance(event, dict) and event.get("id"):
             notifier.send(event, delivered_by_target=event.get("webhook") == "sent")

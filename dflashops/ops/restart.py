@@ -23,7 +23,7 @@ from dflashops.errors import Conflict, NotFound, TransportError, UsageError
 from dflashops.inventory import Profile, Target
 from dflashops.lineage import RunRecord
 from dflashops.ops import release_cache
-from dflashops.ops.agent_client import Agent, StaleRelease
+from dflashops.ops.agent_client import Agent, Busy, StaleRelease, Superseded
 from dflashops.ops.deploy import DeployOutcome, DeployRequest, LaunchSpec, check_request, claim_name, launch_spec
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.supervise import after_launch
@@ -225,6 +225,12 @@ def combined_call(
         )
     except StaleRelease:
         raise
+    except Superseded as exc:
+        raise Conflict(exc.message, hint="`dflashops runs tree` shows the new run; restart that one to go on") from None
+    except Busy as exc:
+        raise Conflict(
+            exc.message, hint=f"wait for it (`dflashops status {old}`), or end it at once: dflashops stop {old} --now"
+        ) from None
     except NotFound as exc:
         hint = "use --fresh to start from scratch" if "no checkpoint" in exc.message else exc.hint
         raise NotFound(exc.message, hint=hint) from None

@@ -20,7 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from dflashops.errors import AgentError, DflashopsError
+from dflashops.errors import AgentError, Conflict, DflashopsError
 from dflashops.inventory import Profile, Target
 from dflashops.inventory_policy import shown_url
 from dflashops.lineage.record import REDACTED
@@ -113,9 +113,11 @@ def start(
     code_hash: str,
     release_path: str,
     restarts: int = 0,
+    root: str | None = None,
 ) -> dict[str, Any] | None:
     """Start the supervisor for the run `name` just launched (None when the profile asks for none). Its
-    failure to start is reported (AgentError) after the run is already running: the run stays up."""
+    failure to start is reported (AgentError) after the run is already running: the run stays up. `restarts`
+    and `root` (the name its restarts are named after) carry on a supervisor that died (`revive`)."""
     if not wanted(profile):
         return None
     agent: Agent = invocation.agent(target)
@@ -131,7 +133,7 @@ def start(
     req = {
         "workspace": target.workspace,
         "agent": agent.path,
-        "root": name,
+        "root": root or name,
         "run": name,
         "restarts": restarts,
         "target": target.name,
@@ -156,6 +158,7 @@ def start(
         "events": list(notify.events) if notify else [],
         "webhook": webhook,
         "webhook_timeout_s": notify.timeout_s if notify else 10.0,
+        "webhook_retry_s": list(notify.retry_s) if notify else [],
         "template": launch_template,
     }
     argv = [target.python, path, "start", "--json-stdin"]
@@ -174,6 +177,8 @@ def start(
     agent.transport.run([target.python, "-c", _UPLOAD, path], stdin=source)  # a few KB; idempotent
     result = agent.transport.run(argv, stdin=json.dumps(req).encode(), check=False, timeout=60)
     answer = _parse(result.stdout, result.stderr, "supervisor start", target.name)
+    if answer.get("code") == "conflict":
+        raise Conflict(f"{target.name}: {answer.get('error')}")
     if not answer.get("ok"):
         raise AgentError(
             f"{target.name}: the supervisor of {name} did not start: {answer.get('error')}",
@@ -195,3 +200,68 @@ def after_launch(
         return start(invocation, request, target, profile, name, code_hash, release_path)
     except DflashopsError as exc:
         return {"ok": False, "error": exc.message, "hint": exc.hint}
+
+
+def revive(invocation: Invocation, status: dict[str, Any]) -> str | None:
+    """A run's supervisor that died (the agent's status says its supervisor.json is watching or waiting out a
+    backoff, and its pid is no supervisor): start a new one with the same root and restart count, from the
+    run's lineage record and this shell's environment (its secrets), and return a line saying so (a warning
+    when it cannot be done from here). A crash that happened meanwhile is then handled by `on_failure` as if
+    it had been watching: the new supervisor finds the run ended and acts on it. Two commands that both revive
+    it get one supervisor: the second start finds the root supervised already. None when nothing was dead."""
+    supervisor = status.get("supervisor") or {}
+    if supervisor.get("alive") is not False or invocation.dry_run:
+        return None
+    name, dead = str(supervisor.get("run") or status.get("name")), supervisor.get("pid")
+    record = invocation.record_of(name)
+    target = invocation.inventory.targets.get(record.target) if record else None
+    profile = invocation.inventory.profiles.get(record.profile or "") if record else None
+    if record is None or target is None or profile is None or not wanted(profile):
+        why = "no lineage record" if record is None else f"its profile {record.profile!r} asks for none here"
+        return f"warning: {name}'s supervisor (pid {dead}) has died and cannot be started again from here ({why})"
+    from dflashops.ops.deploy import DeployRequest  # deploy imports this module: imported when used
+
+    request = DeployRequest(
+        target=target.name,
+        profile=profile.name,
+        name=name,
+        parent=record.parent,
+        note=record.note,
+        launcher=record.launcher,
+        extra_args=list(record.extra.get("extra_args") or []),
+    )
+    release = str(record.extra.get("release") or f"{target.workspace}/releases/{record.code_hash}")
+    try:
+        answer = start(
+            invocation,
+            request,
+            target,
+            profile,
+            name,
+            record.code_hash,
+            release,
+            restarts=int(supervisor.get("restarts") or 0),
+            root=str(supervisor.get("root") or name),
+        )
+    except Conflict:
+        supervisor["revived"] = "elsewhere"
+        return None  # another command started it again a moment ago
+    except DflashopsError as exc:
+        return f"warning: {name}'s supervisor (pid {dead}) has died and could not be started again: {exc.message}"
+    supervisor["revived"] = (answer or {}).get("pid")
+    return f"{name}'s supervisor (pid {dead}) had died; started a new one (pid {supervisor['revived']})"
+
+
+def supervision_note(entry: dict[str, Any]) -> str | None:
+    """How a status entry's run is supervised, in words for `status` and `watch`: "supervised", "supervised,
+    restart pending", "supervisor died, restarted (pid N)", "supervisor died, NOT restarted"; None when no
+    supervisor watches it."""
+    supervisor = entry.get("supervisor") or {}
+    if supervisor.get("state") not in ("watching", "backoff"):
+        return None
+    if supervisor.get("alive") is False:
+        revived = supervisor.get("revived")
+        if revived == "elsewhere":
+            return "supervisor died, restarted by another command"
+        return f"supervisor died, restarted (pid {revived})" if revived else "supervisor died, NOT restarted"
+    return "supervised, restart pending" if supervisor.get("state") == "backoff" else "supervised"

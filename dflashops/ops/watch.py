@@ -17,6 +17,7 @@ from typing import Any
 from dflashops.errors import DflashopsError
 from dflashops.ops.control import run_status
 from dflashops.ops.invocation import Invocation
+from dflashops.ops.supervise import supervision_note
 
 
 @dataclass
@@ -37,6 +38,7 @@ class RunRow:
     heartbeat_age_s: float | None = None
     last_log_line: str | None = None
     error_line: str | None = None
+    supervision: str | None = None  # ops/supervise.py supervision_note: "supervised", "supervisor died, ..."
 
 
 @dataclass
@@ -103,6 +105,7 @@ def run_row(entry: dict[str, Any], now: float) -> RunRow:
         heartbeat_age_s=None if heartbeat is None else max(0.0, now - heartbeat),
         last_log_line=entry.get("last_log_line"),
         error_line=entry.get("error_line"),
+        supervision=supervision_note(entry),
     )
 
 
