@@ -9,7 +9,8 @@
       command: [notify-send, dflashops]          #  the controller's environment); command: argv run on the
       events: [crashed, stalled, auto-restarted] #  controller, event JSON on stdin; default: every event
       from_target: true                          # the in-container supervisor POSTs too (laptop asleep)
-      timeout: 10s
+      timeout: 10s                               # each POST or command run, at most
+      retry: [5s, 30s]                           # the waits before a failed delivery's second and third try
 
 Durations are a number of seconds or a number with a unit: `500ms`, `90s`, `15m`, `1.5h`. Percentages are
 `5%` or a bare number 0-100. Parsing goes through inventory.py's reader (duck-typed here: `fail`, `mapping`,
@@ -22,6 +23,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
+
+import yaml
 
 EVENTS = ("started", "crashed", "stalled", "auto-restarted", "gave-up", "finished", "stopped")
 _DURATION = re.compile(r"^\s*(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>ms|s|m|h)?\s*$")
@@ -58,6 +61,7 @@ class Notify:
     events: tuple[str, ...] = EVENTS
     from_target: bool = False
     timeout_s: float = 10.0
+    retry_s: tuple[float, ...] = (5.0, 30.0)  # the waits before each try after the first (three tries)
 
 
 def parse_duration(text: object) -> float | None:
@@ -153,7 +157,9 @@ def parse_stall(reader: Any, node: Any, key: str) -> Stall:
 def parse_notify(reader: Any, node: Any, key: str = "notify") -> Notify:
     from dflashops.shell import ENV_KEY_RE
 
-    fields = reader.mapping(node, key, {"webhook", "webhook_env", "command", "events", "from_target", "timeout"})
+    fields = reader.mapping(
+        node, key, {"webhook", "webhook_env", "command", "events", "from_target", "timeout", "retry"}
+    )
     values: dict[str, Any] = {}
     if "webhook" in fields and "webhook_env" in fields:
         raise reader.fail(fields["webhook_env"], f"{key}.webhook_env", "give webhook or webhook_env, not both")
@@ -183,6 +189,11 @@ def parse_notify(reader: Any, node: Any, key: str = "notify") -> Notify:
         values["from_target"] = reader.scalar(fields["from_target"], f"{key}.from_target", bool)
     if "timeout" in fields:
         values["timeout_s"] = _duration(reader, fields["timeout"], f"{key}.timeout")
+    if "retry" in fields:
+        waits = fields["retry"]
+        if not isinstance(waits, yaml.SequenceNode) or len(waits.value) > 10:
+            raise reader.fail(waits, f"{key}.retry", "expected a list of up to 10 durations such as [5s, 30s]")
+        values["retry_s"] = tuple(_duration(reader, w, f"{key}.retry[{i}]") for i, w in enumerate(waits.value))
     if not (values.get("webhook") or values.get("webhook_env") or values.get("command")):
         raise reader.fail(node, key, "set webhook, webhook_env and/or command")
     return Notify(**values)

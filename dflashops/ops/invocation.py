@@ -131,6 +131,8 @@ class Invocation:
 
     def close(self) -> None:
         if self._notifier is not None:
+            if not self.dry_run:
+                self._notifier.flush()  # a detached courier delivers what this call queued
             self._notifier.close()
         for agent in self._agents.values():
             agent.transport.close()
