@@ -1,4 +1,4 @@
-"""`python -m trainer <verb> [flags]`: train | prepare | inspect | eval | export | demo | bench.
+"""`python -m trainer <verb> [flags]`: train | check | prepare | inspect | eval | export | demo | bench.
 
 Each verb lives in its own module with a `main(argv: list[str]) -> int`, imported only when called, so
 `python -m trainer prepare` never pays for the training stack and a broken optional module cannot break
@@ -12,6 +12,7 @@ import sys
 
 VERBS = {
     "train": ("trainer.train", "train a DFlash drafter"),
+    "check": ("trainer.check", "would `train` start with these flags? (code, flags, imports, pre-flight)"),
     "prepare": ("trainer.prepare", "tokenize / regenerate data into token shards"),
     "inspect": ("trainer.inspect", "show a prepared dataset"),
     "eval": ("trainer.eval", "measure acceptance length with a target and a drafter"),

@@ -44,10 +44,19 @@ from trainer.diskspace import is_out_of_space, mount_point
 from trainer.run_files import CHECKPOINT_PREFIX, CHECKPOINTS
 
 _STEP_DIR = re.compile(rf"^{CHECKPOINT_PREFIX}(\d{{6,}})$")
-# Tests only: seconds each background write waits before it starts, standing in for a slow disk (an 8B
-# drafter's 12.6 GB take ~15-20 s on the H200 machine; the CPU tests' checkpoints take milliseconds).
-WRITE_DELAY_ENV = "TRAINER_TEST_WRITE_DELAY_S"
-SYNC_DELAY_ENV = "TRAINER_TEST_SYNC_DELAY_S"  # between a checkpoint's files written and their fsyncs
+# Tests only, standing in for a slow disk (an 8B drafter's 12.6 GB take ~15-20 s on the H200 machine; the CPU
+# tests' checkpoints take milliseconds): each background write waits DELAY seconds before it starts, and/or until
+# the file GATE names exists (a test opens the gate once it has seen what must come first: an ordering, not a
+# race); the SYNC pair holds the write between its files written and their fsyncs.
+WRITE_DELAY_ENV, WRITE_GATE_ENV = "TRAINER_TEST_WRITE_DELAY_S", "TRAINER_TEST_WRITE_GATE"
+SYNC_DELAY_ENV, SYNC_GATE_ENV = "TRAINER_TEST_SYNC_DELAY_S", "TRAINER_TEST_SYNC_GATE"
+
+
+def _test_hold(delay_env: str, gate_env: str) -> None:
+    time.sleep(float(os.environ.get(delay_env) or 0.0))
+    gate = os.environ.get(gate_env)
+    while gate and not os.path.exists(gate):
+        time.sleep(0.05)
 
 
 @dataclass
@@ -281,7 +290,7 @@ def _write_parts(tmp: Path, snapshot: CheckpointSnapshot) -> None:
         **snapshot.extra,
     }
     (tmp / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
-    time.sleep(float(os.environ.get(SYNC_DELAY_ENV) or 0.0))  # tests: a disk slow to make it durable
+    _test_hold(SYNC_DELAY_ENV, SYNC_GATE_ENV)  # tests: a disk slow to make it durable
     for name in ("model.safetensors", "optimizer.pt", "rng.pt", "state.json"):
         with open(tmp / name, "rb") as handle:
             os.fsync(handle.fileno())
@@ -453,7 +462,7 @@ class CheckpointWriter:
                     return
                 snapshot, self._pending, self._busy = self._pending, None, True
             try:
-                time.sleep(float(os.environ.get(WRITE_DELAY_ENV) or 0.0))
+                _test_hold(WRITE_DELAY_ENV, WRITE_GATE_ENV)
                 path = write_checkpoint(self.run_dir, snapshot, self.keep)
             except BaseException as exc:  # noqa: BLE001 - handed to the training thread
                 with self._lock:

@@ -18,9 +18,11 @@ New run: the pre-flight accepts a `--resume` checkpoint that is not there yet on
 names the run directory it belongs to, and defers its checks; the loop builds and compiles (from the offer's
 data position), then `wait_for_checkpoint` waits until every file of the checkpoint is written: it reads them
 from the writer's temporary directory while only their fsyncs are left, or from the checkpoint directory once
-it is renamed into place (`read_handed_over` falls back to the latter if the former goes away). If the
-old run ends without writing it, the new run fails with one error line naming the old run's last complete
-checkpoint. Without the variable nothing changes: a missing --resume path is refused up front.
+it is renamed into place (`read_handed_over` falls back to the latter if the former goes away). It resumes only
+once the checkpoint is durable under its final name (`commit_when_durable`): the old run renames it there after
+its fsyncs, and if the old run died between writing and renaming, the new run commits it itself (fsync, rename)
+and says so. If the old run ends without writing it, the new run fails with one error line naming the old run's
+last complete checkpoint. Without the variable nothing changes: a missing --resume path is refused up front.
 """
 
 from __future__ import annotations
@@ -124,6 +126,53 @@ def read_handed_over(load: Callable[[Path], T], source: Path, path: Path, writer
         return load(wait_for_checkpoint(path, writer, durable=True))
 
 
+def commit_when_durable(path: Path, writer: Path, source: Path, timeout_s: float = 3600.0) -> str | None:
+    """After the hand-over's checkpoint was read from `source` (the writer's temporary directory, while its
+    fsyncs were left): wait until checkpoint `path` is durable under its final name, for this run resumes only
+    from a checkpoint that exists (lineage, run.json and `fetch` name `path`). The writer renames it into place
+    once its fsyncs end; if the writer ended before that with the data complete (it was just read whole from
+    `source`), commit it here: fsync every file, rename, fsync the folder; return a line saying so. A writer that
+    ended and took `source` with it (a failed fsync removes it) is a TrainerInputError naming the last
+    complete checkpoint. Returns None when the writer made it durable itself."""
+    deadline = time.monotonic() + timeout_s
+    while not (path / "state.json").is_file():
+        status = _status(writer)
+        ended = _writer_end(writer, status)
+        if ended is not None and not (path / "state.json").is_file():
+            if source != path and (source / "state.json").is_file():
+                _commit(source, path)
+                return f"committed {path}: {writer.name} ended ({ended}) after writing it, before making it durable"
+            raise TrainerInputError(
+                f"--resume: {writer.name} ended ({ended}) without writing its final checkpoint {path.name}",
+                hint=f"restart from its last complete checkpoint: {_last_complete(writer) or 'none'}",
+            )
+        if time.monotonic() > deadline:
+            raise TrainerInputError(
+                f"--resume: {path} was not made durable within {timeout_s:.0f} s", hint=f"see {writer / 'train.log'}"
+            )
+        time.sleep(WAIT_POLL_S)
+    return None
+
+
+def _commit(tmp: Path, final: Path) -> None:
+    """What trainer.checkpoint.write_checkpoint's end does, for a writer that died before it: fsync each file,
+    rename the folder into place, fsync the parent (the rename's durability). Another resumer (the agent's
+    restart or supervisor) may commit it at the same moment: its rename wins, ours finds the folder gone."""
+    for part in sorted(tmp.iterdir()):
+        with open(part, "rb") as handle:
+            os.fsync(handle.fileno())
+    try:
+        os.rename(tmp, final)
+    except FileNotFoundError:
+        if not (final / "state.json").is_file():
+            raise
+    fd = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _written_not_durable(path: Path, status: dict[str, Any]) -> Path | None:
     """The writer's temporary directory of checkpoint `path` (`.tmp-<name>-<its pid>`, trainer.checkpoint;
     the pid from its `status`) once its state.json is there, else None."""
@@ -134,13 +183,26 @@ def _written_not_durable(path: Path, status: dict[str, Any]) -> Path | None:
 
 
 def _writer_end(writer: Path, status: dict[str, Any]) -> str | None:
-    """How the writing run ended, in words (its exit_code file, else its `status`), or None while it has not."""
+    """How the writing run ended, in words (its exit_code file, else its `status`, else its trainer process gone
+    with its wrapper: a SIGKILL of the whole group leaves no exit code), or None while it has not."""
     code = writer / "exit_code"
     if code.is_file():
         return f"exit code {code.read_text().strip()}"
     if status.get("phase") in ("stopped", "done", "failed"):
         return f"status {status['phase']}" + (f": {status['error']}" if status.get("error") else "")
+    pid = status.get("pid")
+    if isinstance(pid, int) and not _alive(pid):
+        return f"its process {pid} is gone"
     return None
+
+
+def _alive(pid: int) -> bool:
+    """`pid` runs (a zombie, which no wrapper reaped yet, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2 :][:1] not in ("Z", "X")
 
 
 def _last_complete(writer: Path) -> str | None:

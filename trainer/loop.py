@@ -29,7 +29,13 @@ from typing import Any
 from trainer.checkpoint import CheckpointWriter, check_shapes, checkpoint_dir, read_state
 from trainer.engine import Engine
 from trainer.failure import record_failure
-from trainer.handover import devices_free, offered_start, read_handed_over, wait_for_checkpoint
+from trainer.handover import (
+    commit_when_durable,
+    devices_free,
+    offered_start,
+    read_handed_over,
+    wait_for_checkpoint,
+)
 from trainer.metrics import RunRecorder, truncate_metrics
 from trainer.preflight import RunSetup, check_resume_nodes, expected_shapes
 from trainer.run_files import TRAIN_CONFIG
@@ -130,6 +136,11 @@ def _resume(setup: RunSetup, engine: Engine, recorder: RunRecorder, run_dir: Pat
         state = engine.load_checkpoint(source)
     else:
         state = read_handed_over(engine.load_checkpoint, source, setup.resume_from, setup.resume_writer)
+        recorder.mark("checkpoint_read")
+        # Read through the page cache while the writer's fsyncs ran; resumed only once it is durable.
+        committed = commit_when_durable(setup.resume_from, setup.resume_writer, source)
+        if committed:
+            log(committed)
     step, position = engine.restore(state)
     dropped = truncate_metrics(run_dir, step)
     log(
