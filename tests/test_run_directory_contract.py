@@ -103,6 +103,7 @@ def test_the_agent_and_the_supervisor_use_only_names_of_the_table() -> None:
     constants = {
         agent.LAUNCH_SPEC: "LAUNCH_SPEC",
         agent.FETCH_CACHE: "FETCH_CACHE",
+        agent.CONTROL: "CONTROL",
         **{f".{name}.reserved": "RESERVED_BYTES" for name in agent.RESERVED_BYTES},
     }
     for name, where in constants.items():

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import libtmux
+import libtmux.exc
 
 
 class Screen:
@@ -48,8 +49,11 @@ class Screen:
 def kill_server(socket: str) -> None:
     """End the tmux server of `socket` (a workspace's own) and remove its socket file."""
     server = libtmux.Server(socket_name=socket)
-    if server.is_alive():
-        server.kill()
+    try:
+        if server.is_alive():
+            server.kill()
+    except libtmux.exc.LibTmuxException:  # it exited between the two calls (its last session just ended)
+        pass
     tmpdir = Path(os.environ.get("TMUX_TMPDIR", "/tmp")) / f"tmux-{os.getuid()}"
     (tmpdir / socket).unlink(missing_ok=True)
 

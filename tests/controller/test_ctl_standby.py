@@ -230,3 +230,55 @@ def test_doctor_tells_what_waits(env: Env, capsys: pytest.CaptureFixture[str]) -
     code, out, _ = env.cli("doctor", "--json", capsys=capsys)
     check = {c["name"]: c for c in json.loads(out)["targets"][0]["checks"]}["standby"]
     assert check["status"] == "ok" and f"pid {pid}" in check["detail"]
+
+
+def environ_of(pid: int) -> list[bytes]:
+    """The environment a process started with (/proc/PID/environ keeps it for the process's whole life)."""
+    return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+
+
+def test_a_standby_starts_with_no_secret_and_hands_none_to_the_run_that_takes_it(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first deploy's shell holds DB_PASS (its profile's pass_env) and the launch names its run in WANDB_NAME;
+    the standby started after it must hold neither (its interpreter and its wrapper), and a later run deployed
+    from a shell without DB_PASS, which adopts that standby, must not carry it."""
+    rel = release(env.root, "rel1", "v1")
+    monkeypatch.setenv("DB_PASS", "db-s3cret-pass")  # in the agent's own environment, as on a local target
+    launch(env, "sx1", rel, job_env={"DB_PASS": "db-s3cret-pass", "WANDB_NAME": "sx1"},
+           secret_keys=["DB_PASS", "PLAIN_NAMED", "RUN_TOKEN"])  # fmt: skip
+    finished(env, "sx1")
+    folder, standby_pid = ready_standby(env)
+    wrapper_pid = int((folder / "pgid").read_text())
+    for pid in (standby_pid, wrapper_pid):
+        environ = environ_of(pid)
+        assert not [v for v in environ if b"s3cret" in v or v.startswith((b"WANDB_NAME=", b"DB_PASS="))], environ
+    monkeypatch.delenv("DB_PASS")
+    answer = launch(env, "sx2", rel, "--sleep", "60", job_env={"RUN_TOKEN": "sx2-token"})
+    assert answer["standby"] is True
+    job = int((env.runs / "sx2" / "pid").read_text())
+    assert job == standby_pid
+    assert not [v for v in environ_of(job) if v.startswith(b"DB_PASS=") or b"s3cret" in v]
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_a_tmux_run_gets_its_own_environment_not_the_tmux_servers(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The workspace's tmux server is started by the first launch, with that agent's environment (DB_PASS here);
+    a later tmux run launched from an environment without it must not inherit it from the server."""
+
+    def run_printing_db_pass(name: str) -> str:
+        request = {
+            "workspace": str(env.workspace),
+            "name": name,
+            "argv": [sys.executable, "-c", "import os; print('DB_PASS=' + str(os.environ.get('DB_PASS')))"],
+            "env": {},
+            "launcher": "tmux",
+        }
+        assert env.agent("launch", request)["ok"]
+        wait_for(lambda: (env.runs / name / "exit_code").exists(), f"{name} to end")
+        return (env.runs / name / "train.log").read_text()
+
+    monkeypatch.setenv("DB_PASS", "db-s3cret-pass")
+    assert "DB_PASS=db-s3cret-pass" in run_printing_db_pass("tx1")  # the shell it was launched from has it
+    monkeypatch.delenv("DB_PASS")
+    assert "DB_PASS=None" in run_printing_db_pass("tx2")

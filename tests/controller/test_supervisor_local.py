@@ -58,6 +58,12 @@ def sup(env: Env, monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:
                     "    stall: {heartbeat: 1.5s, grace: 5s}\n",
                 ),
                 profile(
+                    "gated",
+                    f'--steps, "100000", --crash-file, "{env.root / "crash-now"}", --crash-times, "1", '
+                    f'--state-file, "{counter}"',
+                    "    on_failure: {max_restarts: 2, backoff: 0.1s}\n",
+                ),
+                profile(
                     "idle",
                     '--steps, "100000", --interval, "0.05"',
                     "    stall: {gpu_util_below: 5%, for: 1s, grace: 5s}\n",
@@ -214,3 +220,42 @@ def test_status_says_what_the_supervisor_did(sup: Env, capsys: pytest.CaptureFix
     lines = {line.split("\t")[0]: line for line in out.splitlines()}
     assert "crashed at step 7: RuntimeError: injected crash at step 7 -> auto-restarted as bs-r1" in lines["bs"]
     assert "auto-restarted as" not in lines["bs-r2"]
+
+
+def test_a_dead_supervisor_is_seen_said_and_started_again_by_the_next_status(
+    sup: Env, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The supervisor is killed; then the run crashes. The next `status` says the supervisor had died, starts a
+    new one with the same root and restart count, and that one handles the crash that happened meanwhile as if
+    it had been watching: the run is restarted as sv-r1."""
+    code, _, err = sup.cli("deploy", "--profile", "gated", "--name", "sv", "--launcher", "nohup", capsys=capsys)
+    assert code == 0, err
+    dead = wait_supervisor(sup, "sv", states=("watching",))["pid"]
+    os.kill(dead, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{dead}").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    (sup.root / "crash-now").touch()
+    deadline = time.monotonic() + 60
+    while sup.agent("status", {"workspace": str(sup.workspace), "name": "sv"})["runs"][0]["state"] != "crashed":
+        assert time.monotonic() < deadline, "the run did not crash"
+        time.sleep(0.05)
+    assert not (sup.runs / "sv" / "restarted_as").exists()  # nobody watched it
+    entry = sup.agent("status", {"workspace": str(sup.workspace), "name": "sv"})["runs"][0]
+    assert entry["supervisor"]["state"] == "watching" and entry["supervisor"]["alive"] is False
+
+    code, out, err = sup.cli("status", "sv", capsys=capsys)
+    assert code == 0, err
+    assert f"sv's supervisor (pid {dead}) had died; started a new one (pid " in err
+    assert "(supervisor died, restarted (pid " in out
+    deadline = time.monotonic() + 90
+    while not (sup.runs / "sv" / "restarted_as").is_file():
+        assert time.monotonic() < deadline, "the crash that happened meanwhile was not handled"
+        time.sleep(0.1)
+    assert (sup.runs / "sv" / "restarted_as").read_text().strip() == "sv-r1"
+    child = wait_supervisor(sup, "sv", states=("watching",))
+    assert child["last"] == "sv-r1" and child["restarts"] == 1 and child["root"] == "sv"
+    assert [e["event"] for e in events(sup, "sv")] == ["crashed"]
+    code, out, err = sup.cli("status", "sv", capsys=capsys)  # said once: the new supervisor is alive (or done)
+    assert "had died" not in err and "supervisor died" not in out

@@ -9,6 +9,7 @@ session (it keeps the environment, so only the run marker can find it) and write
 For issue 17: `--save-every N` checkpoints every N steps (with `--ckpt-bytes B`, a B-byte `model.bin` of
 seeded pseudo-random bytes beside state.json); `--crash-times N --state-file F` makes `--crash-at` fire only
 in the first N starts (counted in F, which outlives the run directory: a supervisor's restarts share it);
+`--crash-file F` crashes at the first step after F exists (a test's ordering, as --crash-at is a count);
 `--hang-after K` stops all progress after step K (no step, no metrics, no status.json heartbeat) but still
 honours SIGTERM, as a trainer whose loop is stuck in a collective; with `--beat-while-hung` its status.json
 heartbeat keeps beating meanwhile (the trainer's heartbeat thread does), so only the missing steps show it.
@@ -79,6 +80,7 @@ def main() -> int:
     parser.add_argument("--slow-save", type=float, default=0.0, help="seconds the SIGTERM checkpoint takes")
     parser.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only on SIGTERM)")
     parser.add_argument("--ckpt-bytes", type=int, default=0, help="size of each checkpoint's model.bin")
+    parser.add_argument("--crash-file", default=None, help="crash at the first step after this file exists")
     parser.add_argument("--crash-times", type=int, default=-1, help="--crash-at fires only in the first N starts")
     parser.add_argument("--state-file", default=None, help="where --crash-times counts starts")
     parser.add_argument("--hang-after", type=int, default=-1, help="stop making progress after this step")
@@ -118,7 +120,8 @@ def main() -> int:
             print(f"SIGTERM: checkpoint {path}, exiting {EXIT_ON_SIGTERM}", flush=True)
             return EXIT_ON_SIGTERM
         step += 1
-        if step == args.crash_at and crash_armed:
+        crash_now = step == args.crash_at or bool(args.crash_file and os.path.exists(args.crash_file))
+        if crash_now and crash_armed:
             write_status(out, phase="failed", step=step, error="RuntimeError: injected crash")
             raise RuntimeError(f"injected crash at step {step}")
         loss = 10.0 / step
