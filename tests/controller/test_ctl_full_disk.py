@@ -61,6 +61,7 @@ def test_item1_stop_on_a_full_disk_still_stops_the_run(full_disk_env: Env, capsy
     code, out, err = env.cli("stop", "full1", "--grace", "5", capsys=capsys)
     assert code == 0, err
     assert "Traceback" not in err and "exit_code=143" in out
+    assert "could not write" not in err  # stop.json went into its reserve, then was rewritten in place
     assert not Path(f"/proc/{job}").exists(), "the run kept running"
     entry = state_of(env, "full1")
     assert entry["state"] == "stopped" and entry["exit_code"] == 143  # recorded in the blocks set aside at start

@@ -176,6 +176,19 @@ def test_stop_escalates_to_sigkill(env: Env, capsys: pytest.CaptureFixture[str])
     assert (env.runs / "stubborn" / "exit_code").read_text().strip() == "137"
 
 
+def test_the_grace_is_counted_once(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    """A job that ignores SIGTERM: SIGKILL comes `--grace` after the SIGTERM, not a second grace later for the
+    rest of its group (the fault tester's `stop --grace 3` took 6.1 s)."""
+    code, _, err = env.cli(
+        "deploy", "--profile", "work", "--name", "deaf", "--launcher", "nohup", "--wait", "step 1", "--",
+        "--ignore-term", capsys=capsys,
+    )  # fmt: skip
+    assert code == 0, err
+    answer = env.agent("stop", {"workspace": str(env.workspace), "name": "deaf", "grace": 4})
+    assert answer["ok"] and answer["escalated"], answer
+    assert 4 <= answer["seconds"] < 7, answer  # twice the grace (8 s and more) before the fix
+
+
 def test_stop_waits_past_the_grace_for_a_checkpoint_being_written(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = env.cli(
         "deploy",
