@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflashops.agent import tmux_socket  # the agent names the tmux server; its function, so the hint agrees
 from dflashops.errors import AgentError, Conflict, InventoryError, NotFound, UsageError
 from dflashops.inventory import Target
 from dflashops.shell import join_argv
@@ -34,6 +36,22 @@ class StaleRelease(Conflict):
 
 
 _CODE_TO_ERROR = {"not_found": NotFound, "conflict": Conflict, "bad_request": UsageError, "stale_release": StaleRelease}
+DUPLICATE_SESSION = re.compile(r"duplicate session: (\S+)")
+
+
+def refusal(answer: dict[str, Any], target: Target, args: dict[str, Any]) -> Exception:
+    """The typed error of an agent's `{"ok": false}` answer, with a hint where the fix is known."""
+    error = str(answer.get("error", "agent failed"))
+    hint = None
+    duplicate = DUPLICATE_SESSION.search(error) if answer.get("code") == "launch_failed" else None
+    if duplicate:  # tmux's own words: a session of the run's session name is on the workspace's server already
+        socket = tmux_socket(str(args.get("workspace") or target.workspace))
+        hint = (
+            f"a tmux session named {duplicate.group(1)!r} already exists on this workspace's tmux server (socket "
+            f"{socket}); look at it with `tmux -L {socket} ls` there (from here: `dflashops exec {target.name} -- "
+            f"tmux -L {socket} ls`); launch again under another --name, or with --launcher nohup (no tmux session)"
+        )
+    return _CODE_TO_ERROR.get(str(answer.get("code")), AgentError)(f"{target.name}: {error}", hint=hint)
 
 
 def agent_bytes() -> bytes:
@@ -162,8 +180,7 @@ class Agent:
             result = self._run(argv, stdin)
             answer = _parse(result.stdout, result.stderr, verb, self.target.name)
         if not answer.get("ok"):
-            error_class = _CODE_TO_ERROR.get(str(answer.get("code")), AgentError)
-            raise error_class(f"{self.target.name}: {answer.get('error', 'agent failed')}")
+            raise refusal(answer, self.target, args)
         return answer
 
     def stream(self, verb: str, args: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -181,8 +198,7 @@ class Agent:
                     continue
                 answer = _parse(line.decode("utf-8", errors="replace"), "", verb, self.target.name)
                 if not answer.get("ok"):
-                    error_class = _CODE_TO_ERROR.get(str(answer.get("code")), AgentError)
-                    raise error_class(f"{self.target.name}: {answer.get('error', 'agent failed')}")
+                    raise refusal(answer, self.target, args)
                 yield answer
 
 
