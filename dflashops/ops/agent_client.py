@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from dflashops.agent import tmux_socket  # the agent names the tmux server; its function, so the hint agrees
-from dflashops.errors import AgentError, Conflict, InventoryError, NotFound, UsageError
+from dflashops.errors import AgentError, Conflict, DflashopsError, InventoryError, NotFound, UsageError
 from dflashops.inventory import Target
 from dflashops.shell import join_argv
 from dflashops.transport.base import Result, Transport
@@ -39,7 +39,7 @@ _CODE_TO_ERROR = {"not_found": NotFound, "conflict": Conflict, "bad_request": Us
 DUPLICATE_SESSION = re.compile(r"duplicate session: (\S+)")
 
 
-def refusal(answer: dict[str, Any], target: Target, args: dict[str, Any]) -> Exception:
+def refusal(answer: dict[str, Any], target: Target, args: dict[str, Any]) -> DflashopsError:
     """The typed error of an agent's `{"ok": false}` answer, with a hint where the fix is known."""
     error = str(answer.get("error", "agent failed"))
     hint = None
@@ -49,7 +49,8 @@ def refusal(answer: dict[str, Any], target: Target, args: dict[str, Any]) -> Exc
         hint = (
             f"a tmux session named {duplicate.group(1)!r} already exists on this workspace's tmux server (socket "
             f"{socket}); look at it with `tmux -L {socket} ls` there (from here: `dflashops exec {target.name} -- "
-            f"tmux -L {socket} ls`); launch again under another --name, or with --launcher nohup (no tmux session)"
+            f"tmux -L {socket} ls`); launch again under another --name (this one now records the failed launch), "
+            "with tmux or with --launcher nohup (no tmux session)"
         )
     return _CODE_TO_ERROR.get(str(answer.get("code")), AgentError)(f"{target.name}: {error}", hint=hint)
 
