@@ -9,7 +9,8 @@ launchers' tools, free space on the workspace and inductor-cache filesystems, wh
 new file, and this machine's clock.
 
 Request: {"workspace": abs path, "python": the run's python, "env": the target's env (no secrets),
-"gpus": [declared ids], "import_timeout": seconds}.
+"gpus": [declared ids], "import_timeout": seconds, "imports": false when the run's python is known not to run
+(the probe then does not start it)}.
 """
 
 from __future__ import annotations
@@ -180,7 +181,7 @@ def main(argv: list[str]) -> int:
             "devices": sorted(glob.glob("/dev/nvidia*")),
             "nvidia_smi": nvidia_smi(),
             "kernel_module": kernel_module(),
-            "imports": imports(req),
+            "imports": imports(req) if req.get("imports", True) else {"skipped": True},
             "tools": {name: shutil.which(name) for name in ("tmux", "nohup", "setsid")},
             "disk": {"workspace": disk(workspace), "cache": disk(os.path.join(workspace, "cache", "inductor"))},
             "writable": writable(workspace),

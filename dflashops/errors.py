@@ -57,6 +57,12 @@ class Conflict(DflashopsError):
     exit_code = 4
 
 
+class LocalDiskFull(DflashopsError):
+    """A file this machine was writing (a fetch) met a full disk (ENOSPC, or the user's quota)."""
+
+    exit_code = 1
+
+
 class TransportError(DflashopsError):
     """The target could not be reached or the channel broke (ssh down, container stopped, ...)."""
 

@@ -13,7 +13,7 @@ from typing import Any
 from dflashops.cli.common import emit_json, highlight_errors, open_invocation, print_plan, progress, show_passthrough
 from dflashops.errors import NotFound, TransportError, UsageError
 from dflashops.ops.control import LogCursor, ended_badly, how_it_ended, read_log, run_status, stop_run, wait_for
-from dflashops.ops.nodes import node_target
+from dflashops.ops.nodes import node_target, unreachable_error
 from dflashops.ops.supervise import supervision_note
 from dflashops.shell import join_argv, validate_name
 
@@ -254,6 +254,8 @@ def describe(entry: dict[str, Any]) -> str:
     state = entry["state"]
     if state in ("crashed", "lost"):
         state = how_it_ended(entry, exit_code=False)  # the exit code has its own column
+    elif state == "unreachable":
+        state += f": {entry['error']}"
     if entry.get("restarted_as"):
         state += f" -> auto-restarted as {entry['restarted_as']}"
     elif note := supervision_note(entry):
@@ -278,21 +280,30 @@ def handle_status(args: argparse.Namespace) -> int:
 
         return fanout_cli.handle_status_all(args)
     with open_invocation(args) as invocation:
-        runs = run_status(invocation, args.run, target=args.target)
+        runs = run_status(invocation, args.run, target=args.target, unreachable_ok=True)
+        # A run on several targets: every node's line, also when one cannot be reached; the GPUs are those
+        # of the first node that answered.
+        reached = [entry for entry in runs if entry["state"] != "unreachable"]
         gpus = (
-            invocation.agent(invocation.inventory.target(runs[0]["target"] if runs else args.target)).call("gpus", {})
-            if (args.json or args.run)
+            invocation.agent(invocation.inventory.target(reached[0]["target"] if runs else args.target)).call(
+                "gpus", {}
+            )
+            if (args.json or args.run) and (reached or not runs)
             else {"gpus": []}
         )
     if args.json:
         emit_json({"runs": runs, "gpus": gpus.get("gpus", [])})
-        return 0
-    for entry in runs:
-        print(describe(entry))
-    for gpu in gpus.get("gpus", []):
-        print(f"gpu{gpu['index']}\t{gpu['memory_used_mib']}/{gpu['memory_total_mib']} MiB\t{gpu['utilization_pct']}%")
-    if not runs:
-        progress("no runs on this target yet")
+    else:
+        for entry in runs:
+            print(describe(entry))
+        for gpu in gpus.get("gpus", []):
+            print(
+                f"gpu{gpu['index']}\t{gpu['memory_used_mib']}/{gpu['memory_total_mib']} MiB\t{gpu['utilization_pct']}%"
+            )
+        if not runs:
+            progress("no runs on this target yet")
+    if args.run and (error := unreachable_error(args.run, runs)):
+        raise error  # after every node's line, with the exit status of a target that cannot be reached
     return 0
 
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflashops.errors import AgentError, Conflict, InventoryError, NotFound, UsageError
+from dflashops.agent import tmux_socket  # the agent names the tmux server; its function, so the hint agrees
+from dflashops.errors import AgentError, Conflict, DflashopsError, InventoryError, NotFound, UsageError
 from dflashops.inventory import Target
 from dflashops.shell import join_argv
 from dflashops.transport.base import Result, Transport
@@ -50,6 +52,43 @@ _CODE_TO_ERROR = {
     "busy": Busy,
     "superseded": Superseded,
 }
+# tmux's own words for a launch that lost a race to a session of the same name, and the agent's for one it
+# refused before taking the run's name.
+DUPLICATE_SESSION = re.compile(r"duplicate session: (\S+)|a tmux session named '([^']+)' already exists")
+
+
+def refusal(answer: dict[str, Any], target: Target, args: dict[str, Any]) -> DflashopsError:
+    """The typed error of an agent's `{"ok": false}` answer, with a hint where the fix is known."""
+    error = str(answer.get("error", "agent failed"))
+    code = str(answer.get("code"))
+    if code == "preflight":  # the new code's own `error:` and `hint:` lines (agent.preflight_release)
+        return PreflightFailed.from_lines(target.name, error)
+    hint = None
+    duplicate = DUPLICATE_SESSION.search(error) if code in ("launch_failed", "conflict") else None
+    if duplicate:  # a session of the run's session name is on the workspace's tmux server already
+        session = duplicate.group(1) or duplicate.group(2)
+        socket = tmux_socket(str(args.get("workspace") or target.workspace))
+        taken = " (this one now records the failed launch)" if code == "launch_failed" else ""
+        hint = (
+            f"look at the session {session!r} with `tmux -L {socket} ls` there (from here: `dflashops exec "
+            f"{target.name} -- tmux -L {socket} ls`); launch under another --name{taken}, or with --launcher nohup"
+        )
+    return _CODE_TO_ERROR.get(code, AgentError)(f"{target.name}: {error}", hint=hint)
+
+
+class PreflightFailed(UsageError):
+    """The new code or its flags would not start (the agent's pre-flight, code `preflight`): nothing was
+    stopped or launched."""
+
+    @classmethod
+    def from_lines(cls, target: str, text: str) -> PreflightFailed:
+        lines = text.splitlines()
+        error = next((ln.removeprefix("error: ") for ln in lines if ln.startswith("error: ")), text)
+        hint = next((ln.removeprefix("hint: ") for ln in lines if ln.startswith("hint: ")), None)
+        return cls(
+            f"{target}: pre-flight of the new code: {error}",
+            hint=(hint + "; " if hint else "") + "the old run was not touched (--skip-preflight skips this check)",
+        )
 
 
 def agent_bytes() -> bytes:
@@ -178,8 +217,7 @@ class Agent:
             result = self._run(argv, stdin)
             answer = _parse(result.stdout, result.stderr, verb, self.target.name)
         if not answer.get("ok"):
-            error_class = _CODE_TO_ERROR.get(str(answer.get("code")), AgentError)
-            raise error_class(f"{self.target.name}: {answer.get('error', 'agent failed')}")
+            raise refusal(answer, self.target, args)
         return answer
 
     def stream(self, verb: str, args: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -197,8 +235,7 @@ class Agent:
                     continue
                 answer = _parse(line.decode("utf-8", errors="replace"), "", verb, self.target.name)
                 if not answer.get("ok"):
-                    error_class = _CODE_TO_ERROR.get(str(answer.get("code")), AgentError)
-                    raise error_class(f"{self.target.name}: {answer.get('error', 'agent failed')}")
+                    raise refusal(answer, self.target, args)
                 yield answer
 
 

@@ -72,14 +72,18 @@ def stop_run(
     return answer
 
 
-def run_status(invocation: Invocation, name: str | None = None, *, target: str | None = None) -> list[dict[str, Any]]:
+def run_status(
+    invocation: Invocation, name: str | None = None, *, target: str | None = None, unreachable_ok: bool = False
+) -> list[dict[str, Any]]:
     """Agent status entries (one run, or every run of the target); the lineage records follow along. A run on
-    several targets gives one entry per node (`node`, `target`), node 0 first; `overall` makes them one."""
+    several targets gives one entry per node (`node`, `target`), node 0 first; `overall` makes them one. With
+    `unreachable_ok`, a node that cannot be reached is an entry of state "unreachable" (status_nodes)."""
     if name is not None:
         validate_name(name, what="run name")
         if nodes := nodes_of(invocation, name, target):
-            entries = status_nodes(invocation, name, nodes)
-            invocation.note_state(overall(entries))
+            entries = status_nodes(invocation, name, nodes, unreachable_ok=unreachable_ok)
+            if (job := overall(entries))["state"] != "unreachable":  # else the job's state is not known
+                invocation.note_state(job)
             return entries
         tgt = invocation.target_for_run(name, target)
     else:

@@ -25,8 +25,11 @@ PROBE_SOURCE = Path(__file__).resolve().parent.parent / "agent_doctor.py"
 PROBE_TIMEOUT_S = 300.0  # the import probe inside has its own 180 s limit; this bounds a hung transport
 
 
-def run_probe(invocation: Invocation, target: Target, python: str) -> tuple[dict[str, Any] | None, float, str]:
-    """(the probe's answer or None when `python` could not run it, controller time when it arrived, why not)."""
+def run_probe(
+    invocation: Invocation, target: Target, python: str, *, imports: bool = True
+) -> tuple[dict[str, Any] | None, float, str]:
+    """(the probe's answer or None when `python` could not run it, controller time when it arrived, why not).
+    `imports`: whether the probe tries the run's python's imports (not when that python could not run it)."""
     transport = invocation.agent(target).transport
     request = {
         "workspace": target.workspace,
@@ -34,6 +37,7 @@ def run_probe(invocation: Invocation, target: Target, python: str) -> tuple[dict
         "env": dict(target.env),
         "gpus": list(target.gpus),
         "import_timeout": 180,
+        "imports": imports,
     }
     result = transport.run(
         [python, "-", "--json-args", json.dumps(request, sort_keys=True)],
@@ -114,7 +118,9 @@ def doctor(
             f"{target.python} cannot run: {why}",
             f"install Python there, or fix `python:` of target {target.name} in the inventory",
         )
-        answer, arrived, _ = run_probe(invocation, target, "python3")  # the other checks still run
+        # The other checks still run, with the target's python3; the ones that need the run's python are
+        # skipped (doctor_checks.python_skips), so the probe does not start it again only to fail (or hang).
+        answer, arrived, _ = run_probe(invocation, target, "python3", imports=False)
     if answer is None:
         checks.append(
             python_check

@@ -120,10 +120,19 @@ def gpu_checks(target: Target, answer: dict[str, Any], host_driver: str | None) 
     return checks
 
 
+PYTHON_DEPENDENT = ("torch", "cuda", "transformers", "triton")  # judged on what the run's python imports
+
+
+def python_skips(python: str) -> list[Check]:
+    """The checks a run's python that cannot run leaves nothing to judge on: skipped, as the README says of
+    every check after a failed one (else `/bin/true` as the python would fail torch too)."""
+    return [Check(name, "skip", f"the python check failed ({python} cannot run)") for name in PYTHON_DEPENDENT]
+
+
 def import_checks(target: Target, imports: dict[str, Any]) -> list[Check]:
     want = len(target.gpus)
-    if imports.get("missing"):
-        return [Check("torch", "skip", "the run's python does not exist")]
+    if imports.get("missing"):  # gone between the python check and the import probe
+        return python_skips(target.python)
     if imports.get("error"):
         return [
             Check(
@@ -213,7 +222,8 @@ def judge_probe(
         )
     ]
     checks += gpu_checks(target, answer, host_driver)
-    checks += import_checks(target, imports)
+    python_failed = python_check is not None and python_check.status == "fail"
+    checks += python_skips(target.python) if python_failed else import_checks(target, imports)
     tools = answer.get("tools") or {}
     checks.append(
         Check("tmux", "ok", tools["tmux"])

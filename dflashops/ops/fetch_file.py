@@ -3,25 +3,28 @@ arrive while the bytes flow.
 
 `resume_point` decides where a file starts (an earlier partial for the same content is continued);
 `fetch_file` streams `read-file` from that byte into `.NAME.partial`, continues after a cut with backoff,
-checks the sha256 of the whole file and renames it into place.
+checks the sha256 of the whole file and renames it into place. A local disk that fills up ends the fetch
+with LocalDiskFull, the partial and its record kept, so the next fetch continues from them.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflashops.errors import DflashopsError, NotFound, TransportError
+from dflashops.errors import DflashopsError, LocalDiskFull, NotFound, TransportError
 from dflashops.ops.agent_client import Agent
 
 RESUME_ATTEMPTS = 8
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 PIECE_BYTES = 1 << 62  # one stream per file: the cut-and-continue loop, not pieces, bounds a lost transfer
 
 
@@ -96,6 +99,35 @@ class TargetHashes:
         return self._sums[item["path"]]
 
 
+def write_record(meta: Path, record: dict[str, Any], width: int, fresh: bool = False) -> None:
+    """The partial's record, padded with spaces to `width` (JSON allows them) and written over the file's
+    own bytes, never truncating it: `fresh` (at the start) sets aside its blocks while there is room, and
+    the later write with the sum needs no new block, so it still lands once the disk has filled up."""
+    fd = os.open(meta, os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if fresh else 0), 0o644)
+    try:
+        os.write(fd, json.dumps(record).ljust(width).encode())
+    finally:
+        os.close(fd)
+
+
+def disk_full(rel: str, root: Path, partial: Path, written: int, size: int) -> LocalDiskFull:
+    """The error of a full local disk; with nothing of the file written, its partial and record go (they
+    would only hold space), else they stay for the next fetch to continue."""
+    if not written:
+        for path in partial_paths(root / rel):
+            path.unlink(missing_ok=True)
+        return LocalDiskFull(
+            f"{rel}: the local disk is full at {root}: none of its {size:,} bytes fetched",
+            hint="free space on that disk and run the same fetch again (files already fetched are kept), "
+            "or choose --to on another disk",
+        )
+    return LocalDiskFull(
+        f"{rel}: the local disk is full at {root}: {written:,} of {size:,} bytes of it fetched, kept in {partial.name}",
+        hint=f"free space on that disk and run the same fetch again: it continues from byte {written:,} "
+        "(or choose --to on another disk; that fetch starts this file over)",
+    )
+
+
 def resume_point(item: dict[str, Any], root: Path, hashes: TargetHashes) -> int | None:
     """None when the final file is already there with the manifest's size and sha256; else the byte to
     start at: the size of a partial left for this same content (its .partial.json names the sha256), or 0.
@@ -115,6 +147,71 @@ def resume_point(item: dict[str, Any], root: Path, hashes: TargetHashes) -> int 
     return partial.stat().st_size if partial.is_file() and recorded == want and partial.stat().st_size <= size else 0
 
 
+@dataclass
+class Landed:
+    """What the partial file holds, kept exact while bytes arrive (so a full disk can say it, and keep it)."""
+
+    written: int
+    digest: hashlib._Hash = field(default_factory=hashlib.sha256)  # of the partial's `written` bytes
+    resumes: int = 0
+
+
+def stream_into(
+    agent: Agent,
+    run: str,
+    item: dict[str, Any],
+    partial: Path,
+    landed: Landed,
+    progress: Progress,
+    record: Callable[[], None],
+    retries: int,
+) -> None:
+    """Append the file's bytes from `landed.written` to `partial` with `read-file` streams, continuing after
+    a cut with backoff. An OSError of the local disk (full) propagates with `landed` true to the byte."""
+    rel, size = str(item["path"]), int(item["size"])
+    landed.digest = sha256_of(partial, landed.written) if landed.written else hashlib.sha256()
+    last_error = ""
+    with partial.open("ab", buffering=0) as out:  # unbuffered: what write() returns is on the disk
+        out.truncate(landed.written)
+        while landed.written < size:
+            args = {
+                "workspace": agent.target.workspace,
+                "name": run,
+                "path": rel,
+                "offset": landed.written,
+                "length": min(size - landed.written, PIECE_BYTES),
+            }
+            try:
+                for chunk in agent.transport.stream(agent.argv("read-file", args)):
+                    view = memoryview(chunk)
+                    while view:  # a write may land part of a chunk (the last bytes that fit a disk)
+                        count = out.write(view)
+                        landed.digest.update(view[:count])
+                        landed.written += count
+                        progress.advance(count)
+                        view = view[count:]
+                    if landed.written % (64 << 20) < len(chunk):
+                        record()  # once the sum is known (a no-op after)
+            except TransportError as exc:
+                last_error = exc.message.splitlines()[0]
+            record()
+            if landed.written >= size:
+                break
+            landed.resumes += 1
+            if landed.resumes > retries:
+                raise TransportError(
+                    f"{rel}: transfer stopped at byte {landed.written} of {size} {landed.resumes - 1} times "
+                    f"({last_error or 'the stream ended early'})",
+                    hint=f"run the same fetch again: it continues from byte {landed.written}",
+                )
+            progress.note(
+                f"{rel}: link lost at byte {landed.written:,} of {size:,}; continuing from there "
+                f"(attempt {landed.resumes} of {retries})"
+            )
+            time.sleep(min(0.25 * 2 ** (landed.resumes - 1), 5.0))
+        os.fsync(out.fileno())
+
+
 def fetch_file(
     agent: Agent,
     run: str,
@@ -131,60 +228,36 @@ def fetch_file(
         return FileOutcome(rel, size, hashes.get(item), "unchanged", 0)
     final = root / rel
     partial, meta = partial_paths(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    if not start:
-        partial.unlink(missing_ok=True)
+    shape = {"size": size, "run": run, "path": rel}
+    width = len(json.dumps({"sha256": "0" * 64, **shape}))  # the record with any sum fits its first blocks
     recorded = False
 
     def record() -> None:
         """Name the content beside the partial as soon as its sum is known, so a later fetch (after a kill,
-        a sleep, a cut) continues it; a partial without this record is started again."""
+        a sleep, a cut, a full disk) continues it; a partial without this record is started again."""
         nonlocal recorded
         if not recorded and (known := hashes.peek(item)):
-            meta.write_text(json.dumps({"sha256": known, "size": size, "run": run, "path": rel}))
+            write_record(meta, {"sha256": known, **shape}, width)
             recorded = True
 
-    meta.unlink(missing_ok=True)
-    record()
-    digest = sha256_of(partial, start) if start else hashlib.sha256()
-    written, resumes, last_error = start, 0, ""
-    with partial.open("ab") as out:
-        out.truncate(start)
-        while written < size:
-            args = {
-                "workspace": agent.target.workspace,
-                "name": run,
-                "path": rel,
-                "offset": written,
-                "length": min(size - written, PIECE_BYTES),
-            }
-            try:
-                for chunk in agent.transport.stream(agent.argv("read-file", args)):
-                    out.write(chunk)
-                    digest.update(chunk)
-                    written += len(chunk)
-                    progress.advance(len(chunk))
-                    if not recorded and written % (64 << 20) < len(chunk):
-                        record()
-            except TransportError as exc:
-                last_error = exc.message.splitlines()[0]
-            out.flush()
+    landed = Landed(start)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        if not start:
+            partial.unlink(missing_ok=True)
+        write_record(meta, {"sha256": None, **shape}, width, fresh=True)
+        record()
+        stream_into(agent, run, item, partial, landed, progress, record, retries)
+    except OSError as exc:
+        if exc.errno not in DISK_FULL:
+            raise
+        try:
+            hashes.get(item)  # the sum, even if it is still being computed on the target: the record needs it
             record()
-            if written >= size:
-                break
-            resumes += 1
-            if resumes > retries:
-                raise TransportError(
-                    f"{rel}: transfer stopped at byte {written} of {size} {resumes - 1} times "
-                    f"({last_error or 'the stream ended early'})",
-                    hint=f"run the same fetch again: it continues from byte {written}",
-                )
-            progress.note(
-                f"{rel}: link lost at byte {written:,} of {size:,}; continuing from there "
-                f"(attempt {resumes} of {retries})"
-            )
-            time.sleep(min(0.25 * 2 ** (resumes - 1), 5.0))
-        os.fsync(out.fileno())
+        except (DflashopsError, OSError):
+            pass  # no record: the next fetch starts this file over, as it did before
+        raise disk_full(rel, root, partial, landed.written, size) from None
+    written, digest, resumes = landed.written, landed.digest, landed.resumes
     want = hashes.get(item)
     if written != size or digest.hexdigest() != want:
         partial.unlink(missing_ok=True)

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
-from dflashops.errors import DflashopsError, NotFound, UsageError
+from dflashops.errors import DflashopsError, NotFound, TransportError, UsageError
 from dflashops.inventory import Group, Profile, Target
 from dflashops.lineage import LineageDBError
 from dflashops.ops.deploy import (
@@ -237,8 +237,12 @@ def stop_nodes(
     return answer
 
 
-def status_nodes(invocation: Invocation, name: str, nodes: list[RunNode]) -> list[dict[str, Any]]:
-    """Every node's status entry (with `node` and `target`), rank order; NotFound when no node has the run."""
+def status_nodes(
+    invocation: Invocation, name: str, nodes: list[RunNode], *, unreachable_ok: bool = False
+) -> list[dict[str, Any]]:
+    """Every node's status entry (with `node` and `target`), rank order; NotFound when no node has the run.
+    A node that cannot be reached (TransportError) raises, or with `unreachable_ok` (`status`, which shows
+    every node) gives an entry of state "unreachable" with the reason in `error` and `hint`."""
     results = on_every_node(
         invocation,
         nodes,
@@ -246,19 +250,23 @@ def status_nodes(invocation: Invocation, name: str, nodes: list[RunNode]) -> lis
             "runs"
         ],
     )
-    entries = []
+    entries: list[dict[str, Any]] = []
     for node, runs in results:
-        if isinstance(runs, NotFound):
+        if isinstance(runs, (NotFound, TransportError)):
+            unreachable = isinstance(runs, TransportError)
+            if unreachable and not unreachable_ok:
+                raise type(runs)(f"node {node.rank} ({node.target.name}): {runs.message}", hint=runs.hint)
             entries.append(
                 {
                     "name": name,
                     "node": node.rank,
                     "target": node.target.name,
-                    "state": "missing",
+                    "state": "unreachable" if unreachable else "missing",
                     "exit_code": None,
                     "step": None,
-                    "error_line": runs.message,
+                    "error_line": None if unreachable else runs.message,
                     "run_json": {},
+                    **({"error": runs.message.splitlines()[0], "hint": runs.hint} if unreachable else {}),
                 }
             )
             continue
@@ -271,13 +279,26 @@ def status_nodes(invocation: Invocation, name: str, nodes: list[RunNode]) -> lis
     return entries
 
 
+def unreachable_error(name: str, entries: list[dict[str, Any]]) -> TransportError | None:
+    """The error of the first node `status_nodes(unreachable_ok=True)` could not reach (None when it reached
+    them all): what the CLI ends with after showing every node, as a one-target status would."""
+    for entry in entries:
+        if entry.get("state") == "unreachable":
+            return TransportError(
+                f"node {entry['node']} ({entry['target']}) of run {name!r} is unreachable: {entry['error']}",
+                hint=entry.get("hint"),
+            )
+    return None
+
+
 def overall(entries: list[dict[str, Any]]) -> dict[str, Any]:
     """One entry for a whole run: itself for one node; for several, node 0's with the job's state: running
-    while any node runs, else crashed/lost when any node did (with that node's error line), else node 0's."""
+    while any node runs, else crashed/lost when any node did (with that node's error line), else unreachable
+    when a node could not be asked (its state is not known), else node 0's."""
     if len(entries) == 1 or "node" not in entries[0]:
         return entries[0]
     combined = dict(entries[0])
-    for state in ("running", "stopping", "launching", "crashed", "lost", "missing"):
+    for state in ("running", "stopping", "launching", "crashed", "lost", "unreachable", "missing"):
         hit = next((entry for entry in entries if entry["state"] == state), None)
         if hit is not None:
             combined.update(
@@ -287,7 +308,11 @@ def overall(entries: list[dict[str, Any]]) -> dict[str, Any]:
             )
             break
     combined["nodes"] = [
-        {key: entry.get(key) for key in ("node", "target", "state", "exit_code", "step")} for entry in entries
+        {
+            **{key: entry.get(key) for key in ("node", "target", "state", "exit_code", "step")},
+            **({"error": entry["error"]} if "error" in entry else {}),
+        }
+        for entry in entries
     ]
     return combined
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import paramiko
 
 from dflashops.errors import Conflict, TransportError
+from dflashops.transport.key_files import damage
 
 if TYPE_CHECKING:
     import fabric
@@ -72,8 +73,9 @@ def record_host_key(known_hosts: Path, hostname: str, key: paramiko.PKey) -> boo
 
 def check_identity_files(settings: SshSettings) -> None:
     """Refuse, before connecting, an inventory `identity_file` (this host's or a gateway's) that is missing,
-    unreadable or not a private key, naming the file: paramiko would report a missing file as a failed
-    handshake ("is it an ssh server?") and a garbage file as a UnicodeDecodeError."""
+    unreadable, not a private key or a damaged one (key_files.py), naming the file: paramiko would report a
+    missing or damaged file as a failed handshake ("is it an ssh server?") and a garbage file as a
+    UnicodeDecodeError."""
     hop: SshSettings | None = settings
     while hop is not None:
         if hop.identity_file:
@@ -97,11 +99,20 @@ def check_identity_file(path: Path, host: str) -> None:
     except paramiko.PasswordRequiredException:
         return  # an encrypted key: the connection asks the agent / reports the authentication failure
     except Exception as exc:  # noqa: BLE001 - every loader failure means the same to the user
-        if b"PRIVATE KEY-----" not in data:  # a key paramiko cannot parse yet still a key: let connect say it
+        if b"PRIVATE KEY-----" not in data:
             kind = "a public key" if data.lstrip().startswith((b"ssh-", b"ecdsa-")) else "not a private key"
             raise TransportError(
                 f"identity file {path} (host {host}) is {kind} ({type(exc).__name__})",
                 hint=f"point identity_file at the private key, not the .pub; check a key with: ssh-keygen -y -f {path}",
+            ) from None
+        # Armoured: a body that is whole is a key paramiko cannot load only for its cipher (encrypted keys fail
+        # as TypeError here too) or its type (DSA, PKCS#8 ed25519): the connection says what it makes of it.
+        # A body that is not base64, or cut short, would reach the server as a failed "ssh handshake".
+        if problem := damage(data):
+            raise TransportError(
+                f"identity file {path} (host {host}) is damaged: {problem}",
+                hint=f"copy the key again or point identity_file at another one; check a key with: "
+                f"ssh-keygen -y -f {path}",
             ) from None
 
 

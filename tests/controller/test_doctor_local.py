@@ -4,6 +4,7 @@ is refused before anything runs, and the doctor itself changes nothing (no works
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -51,3 +52,20 @@ def test_bad_input(env: Env, capsys: pytest.CaptureFixture[str], argv: list[str]
     got, out, err = env.cli(*argv, capsys=capsys)
     assert (got, out) == (code, "") and err.startswith(message) and "\nhint: " in err
     assert not env.workspace.exists() and not env.db.exists()
+
+
+@pytest.mark.parametrize("python", ["/nonexistent/bin/python3", "/bin/true"], ids=["missing", "not-python"])
+def test_a_failed_python_check_skips_the_checks_that_need_it(
+    env: Env, capsys: pytest.CaptureFixture[str], python: str
+) -> None:
+    env.inventory.write_text(
+        env.inventory.read_text().replace(f"    python: {sys.executable}\n", f"    python: {python}\n")
+    )
+    code, out, err = env.cli("doctor", "local", "--json", capsys=capsys)
+    checks = {c["name"]: c for c in json.loads(out)["targets"][0]["checks"]}
+    assert code == 1 and checks["python"]["status"] == "fail" and python in checks["python"]["detail"], out
+    for name in ("torch", "cuda", "transformers", "triton"):
+        assert checks[name]["status"] == "skip", checks.get(name)
+        assert checks[name]["detail"] == f"the python check failed ({python} cannot run)", checks[name]
+    assert [c["name"] for c in checks.values() if c["status"] == "fail"] == ["python"]  # nothing judged on it
+    assert checks["tmux"]["status"] == "ok" and checks["workspace"]["status"] == "ok"  # the rest still ran
