@@ -41,6 +41,9 @@ class DeployRequest:
     extra_args: list[str] = field(default_factory=list)
     checkpoint: str | None = None  # resume from this checkpoint (profile's resume_args)
     node: NodePlace | None = None  # this target's place in a run on several targets (ops/nodes.py)
+    # The new code and flags prove they can start in the target before anything is launched or stopped (the
+    # agent's preflight_release: compile, `python -m trainer check`); False: --skip-preflight.
+    preflight: bool = True
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,7 @@ class DeployOutcome:
     uploaded: int
     cache_cleared: str | None
     supervisor: dict | None = None  # the in-target supervisor's start answer (ops/supervise.py), if any
+    preflight: dict | None = None  # what the agent's pre-flight checked (None: skipped, or a dry run)
     standby: bool = False  # started by a standby interpreter of the target (agent.py): no imports to wait for
     nodes: list[DeployOutcome] = field(default_factory=list)  # a run on several targets: each node's, node 0 first
 
@@ -200,6 +204,7 @@ def launch_spec(
         "standby": target.standby,
         "standby_idle_s": target.standby_idle_s,
         "secret_keys": sorted(secrets),  # names only: kept out of a standby interpreter's files and environment
+        "preflight": request.preflight,
     }
     return LaunchSpec(name=name, run_dir=run_dir, record=record, args=args, env={**env, **secrets})
 
@@ -323,4 +328,5 @@ def launch_on(
         uploaded=len(synced.uploaded),
         cache_cleared=cleared,
         standby=bool(answer.get("standby")),
+        preflight=answer.get("preflight"),
     ), spec

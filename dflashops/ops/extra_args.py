@@ -69,16 +69,34 @@ def merge_extra_args(argv: Sequence[str], extra: Sequence[str], managed: dict[st
             merged.append((None, words))
             continue
         if flag in managed:
+            resume = "{checkpoint}" in managed[flag]
             raise UsageError(
                 f"{flag} is managed by dflashops (profile {profile!r} sets it to {managed[flag]}) "
                 "and cannot be given after --",
-                hint="dflashops tracks the run through that value; change the profile in the inventory "
+                hint="resume from a checkpoint of your choice with: dflashops restart RUN --resume --checkpoint "
+                "STEP|PATH"
+                if resume
+                else "dflashops tracks the run through that value; change the profile in the inventory "
                 "if it really must differ",
             )
         if flag in seen:
             raise UsageError(f"{flag} is given twice after --", hint="keep one of them")
         seen.add(flag)
         at = next((i for i, (f, _) in enumerate(merged) if f == flag), None)
+        if at is None:
+            merged.append((flag, words))
+        else:
+            merged[at] = (flag, words)
+    return [word for _, words in merged for word in words]
+
+
+def over(base: Sequence[str], extra: Sequence[str]) -> list[str]:
+    """`base` (a parent run's extra arguments) with `extra` (a restart's `-- ARGS`) on top: an option `extra`
+    gives replaces the same option of `base` where it stands, anything else is appended. `restart -- --lr 1e-3`
+    keeps the parent's `--save-interval 50`."""
+    merged = split_options(base)
+    for flag, words in split_options(extra):
+        at = None if flag is None else next((i for i, (f, _) in enumerate(merged) if f == flag), None)
         if at is None:
             merged.append((flag, words))
         else:

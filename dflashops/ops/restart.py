@@ -25,6 +25,7 @@ from dflashops.lineage import RunRecord
 from dflashops.ops import release_cache
 from dflashops.ops.agent_client import Agent, Busy, StaleRelease, Superseded
 from dflashops.ops.deploy import DeployOutcome, DeployRequest, LaunchSpec, check_request, claim_name, launch_spec
+from dflashops.ops.extra_args import over
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.supervise import after_launch
 from dflashops.ops.sync import install_payload, local_manifest, release_files
@@ -42,7 +43,10 @@ class RestartRequest:
     resume: bool = False
     clear_cache: bool = False
     launcher: str | None = None
-    extra_args: list[str] | None = None  # None: the parent's extra args
+    extra_args: list[str] | None = None  # merged over the parent's extra args, option by option
+    reset_args: bool = False  # start from the profile's arguments: the parent's extra args are dropped
+    checkpoint: str | None = None  # with resume: this STEP or PATH of the run or an ancestor, not the newest
+    preflight: bool = True  # the new code and flags prove they can start before the old run is signalled
     grace: float = 60.0
     # With resume: launch as soon as the old trainer's devices are free and its final checkpoint is being
     # written (the agent's stop hand-over; the new trainer waits for the checkpoint). False: after its exit.
@@ -79,7 +83,9 @@ def restart(invocation: Invocation, request: RestartRequest) -> RestartOutcome:
         if invocation.record_of(request.name) is not None:
             raise Conflict(f"run name {request.name!r} is already used", hint="use --name + for the next free name")
     launcher = request.launcher or old.launcher
-    extra = request.extra_args if request.extra_args is not None else list(old.extra.get("extra_args") or [])
+    extra = over([] if request.reset_args else list(old.extra.get("extra_args") or []), request.extra_args or [])
+    if request.checkpoint is not None and not request.resume:
+        raise UsageError("--checkpoint names the checkpoint to resume from", hint="add --resume")
     deploy_request = DeployRequest(
         target=old.target,
         profile=profile.name,
@@ -90,6 +96,7 @@ def restart(invocation: Invocation, request: RestartRequest) -> RestartOutcome:
         clear_cache=request.clear_cache,
         extra_args=extra,
         checkpoint=RESUME_PLACEHOLDER if request.resume else None,
+        preflight=request.preflight,
     )
     if len(old.extra.get("nodes") or []) >= 2:  # a run on several targets: stop all, deploy all (ops/nodes.py)
         from dflashops.ops.control import NotRunning
@@ -112,6 +119,7 @@ def restart(invocation: Invocation, request: RestartRequest) -> RestartOutcome:
             agent_calls=0,
         )
     target = invocation.inventory.target(old.target)
+    chosen = chosen_checkpoint(invocation, old, target, request.checkpoint) if request.checkpoint else None
     name = claim_name(
         invocation,
         deploy_request,
@@ -120,7 +128,7 @@ def restart(invocation: Invocation, request: RestartRequest) -> RestartOutcome:
         check_request(invocation, deploy_request, target, profile, ask_target=False),
     )
     try:
-        return relaunch(invocation, request, deploy_request, old, target, profile, name)
+        return relaunch(invocation, request, deploy_request, old, target, profile, name, chosen)
     except BaseException:
         if not invocation.dry_run:
             invocation.db.release(name)
@@ -135,8 +143,10 @@ def relaunch(
     target: Target,
     profile: Profile,
     name: str,
+    chosen: str | None = None,
 ) -> RestartOutcome:
-    """The combined stop + install + launch call for the claimed name `name`, and the lineage records."""
+    """The combined stop + install + launch call for the claimed name `name`, and the lineage records;
+    `chosen`: the checkpoint to resume from instead of the old run's newest."""
     files = release_files(profile.files, invocation.inventory.root, profile.packages)
     code_hash, manifest = local_manifest(files)
     spec = launch_spec(
@@ -150,13 +160,13 @@ def relaunch(
     payload = install_payload(target.workspace, files, code_hash, manifest, base[0], base[1])
     try:
         calls += 1
-        answer = combined_call(agent, old.name, request, spec, payload)
+        answer = combined_call(agent, old.name, request, spec, payload, chosen)
     except StaleRelease:  # nothing was changed: ask what is there, build the tar again, call again
         base, fell_back = remote_base(agent, code_hash, manifest), True
         payload = install_payload(target.workspace, files, code_hash, manifest, base[0], base[1])
         calls += 2
-        answer = combined_call(agent, old.name, request, spec, payload)
-    checkpoint = f"<latest checkpoint of {old.name}>" if request.resume else None
+        answer = combined_call(agent, old.name, request, spec, payload, chosen)
+    checkpoint = (chosen or f"<latest checkpoint of {old.name}>") if request.resume else None
     if not invocation.dry_run:
         checkpoint = answer.get("checkpoint")
         if checkpoint:
@@ -182,6 +192,7 @@ def relaunch(
         cache_cleared=answer.get("cleared"),
         supervisor=supervisor,
         standby=bool(answer.get("standby")),
+        preflight=answer.get("preflight"),
     )
     return RestartOutcome(
         stopped=bool(stop),
@@ -204,7 +215,12 @@ def remote_base(agent: Agent, code_hash: str, manifest: dict[str, str]) -> tuple
 
 
 def combined_call(
-    agent: Agent, old: str, request: RestartRequest, spec: LaunchSpec, payload: tuple[dict, bytes, tuple, tuple]
+    agent: Agent,
+    old: str,
+    request: RestartRequest,
+    spec: LaunchSpec,
+    payload: tuple[dict, bytes, tuple, tuple],
+    chosen: str | None = None,
 ) -> dict[str, Any]:
     """The agent's `restart` verb: request JSON (secrets only in it, on stdin) + the tar, one round trip."""
     install, tar = {k: v for k, v in payload[0].items() if k != "workspace"}, payload[1]
@@ -216,6 +232,7 @@ def combined_call(
         "tar_bytes": len(tar),
         "clear_cache": request.clear_cache,
         "resume_placeholder": RESUME_PLACEHOLDER if request.resume else None,
+        "resume_checkpoint": chosen,
         "handover": request.resume and request.handover,
     }
     target: Target = agent.target
@@ -242,3 +259,34 @@ def combined_call(
             hint=f"the agent completes or refuses the whole step on its own; `dflashops status --target "
             f"{target.name}` shows whether {spec.name} runs, `dflashops runs sync` records it",
         ) from None
+
+
+def chosen_checkpoint(invocation: Invocation, old: RunRecord, target: Target, wanted: str) -> str:
+    """`restart --checkpoint STEP|PATH`: the path of that checkpoint of `old` or of one of its ancestors on the
+    same target (the newest run first: a step both hold comes from the nearer one); NotFound naming what there
+    is. One `status` call per run of the chain."""
+    chain: list[str] = []
+    record: RunRecord | None = old
+    while record is not None and len(chain) < 100:
+        if record.target == old.target:
+            chain.append(record.name)
+        record = invocation.record_of(record.parent) if record.parent else None
+    found: dict[str, list[str]] = {}
+    agent = invocation.agent(target)
+    for run in chain:
+        try:
+            entry = agent.call("status", {"workspace": target.workspace, "name": run})["runs"][0]
+        except NotFound:
+            continue
+        paths = [f"{entry['run_dir']}/checkpoints/{name}" for name in entry.get("checkpoints") or []]
+        found[run] = paths
+        for path in reversed(paths):
+            step = path.rsplit("_", 1)[-1]
+            if (wanted.isdigit() and int(step) == int(wanted)) or path == wanted.rstrip("/"):
+                return path
+    listed = ", ".join(f"{run}: {', '.join(p.rsplit('_', 1)[-1].lstrip('0') or '0' for p in paths) or 'none'}"
+                       for run, paths in found.items())  # fmt: skip
+    raise NotFound(
+        f"no checkpoint {wanted} in {old.name} or its ancestors on {target.name} (steps: {listed or 'none'})",
+        hint="give a step listed there, or a path under a run of that chain",
+    )
