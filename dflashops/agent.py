@@ -67,6 +67,7 @@ RUN_FILES = {
     "restarted_as": "supervisor",
     "train_config.json": "trainer",
     "status.json": "trainer",
+    ".status.json.reserved": "trainer",
     "metrics.jsonl": "trainer",
     "checkpoints/": "trainer",
     "wandb/": "wandb",

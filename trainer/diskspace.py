@@ -1,4 +1,5 @@
-"""Is a failed write a full disk? Used by checkpoint writes to turn a library's error into "no space left on X".
+"""Is a failed write a full disk? Used by checkpoint writes to turn a library's error into "no space left on X",
+and by the run's records (status.json, metrics.jsonl, train_config.json: trainer.metrics) to raise `NoSpaceError`.
 
 A full disk does not always surface as `OSError(ENOSPC)`:
   - torch.save (PytorchStreamWriter, C++ iostreams) raises `RuntimeError: [enforce fail at inline_container.cc]
@@ -47,6 +48,33 @@ def mount_point(path: Path) -> Path:
     while not os.path.ismount(path) and path != path.parent:
         path = path.parent
     return path
+
+
+class NoSpaceError(OSError):
+    """A run record could not be written because its filesystem is full: "no space left on MOUNT while writing
+    PATH". An OSError (ENOSPC), so code that handles a failed write as an OSError still does."""
+
+    def __init__(self, path: Path, mount: Path) -> None:
+        super().__init__(errno.ENOSPC, f"no space left on {mount} while writing {path}")
+        self.path, self.mount = path, mount
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def as_no_space(exc: BaseException, path: Path | None = None) -> NoSpaceError | None:
+    """`exc` as a NoSpaceError when it is a full disk's error for a write of `path` (default: the OSError's own
+    `filename`), else None. `path` is the file written, so its folder exists and names the filesystem."""
+    if isinstance(exc, NoSpaceError):
+        return exc
+    if path is None:
+        filename = getattr(exc, "filename", None)
+        if not isinstance(filename, (str, os.PathLike)):
+            return None
+        path = Path(filename)
+    if not any(isinstance(item, OSError) and item.errno in _NO_SPACE_ERRNOS for item in _chain(exc)):
+        return None
+    return NoSpaceError(path, mount_point(path.parent))
 
 
 def is_out_of_space(exc: BaseException, path: Path, needed_bytes: int) -> bool:

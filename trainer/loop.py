@@ -1,9 +1,9 @@
 """The one training loop: resume, log window, checkpoint schedule, stop and failure handling, for every engine.
 
 `run_training(setup, engine)` reads top to bottom like torchtitan's Trainer.train:
-  1. run directory, train_config.json, status.json (warmup), the engine's start lines
-  2. inside the stop handler (SIGTERM/SIGHUP/SIGINT, installed before the minutes-long target load):
-     wandb, engine.build() (targets, drafters), engine.warm_up() (compiles for the batch shapes ahead: it needs
+  1. run directory; inside the stop handler (SIGTERM/SIGHUP/SIGINT, installed before the minutes-long target
+     load): status.json (warmup, and its reserve for a full disk), train_config.json, the engine's start lines
+  2. wandb, engine.build() (targets, drafters), engine.warm_up() (compiles for the batch shapes ahead: it needs
      no weights, so a restart's warm-up runs while the stopped run still writes the checkpoint), resume (model,
      optimizer, schedule, RNG, data position)
   3. engine.running(): worker threads (and what warm-up is left); then per optimizer step:
@@ -13,14 +13,14 @@
      devices are released first and status.json offers the hand-over (trainer.handover), so a restart can
      start the next run while the write goes on
   5. exit 0 done, 1 failed (status.json `failed`; trainer.failure), 128+signum stopped with a checkpoint
+A full disk at a record's write (status.json, metrics.jsonl, train_config.json) raises NoSpaceError, and a
+heartbeat that could not write is raised at the next step (RunRecorder.check_heartbeat): one `error:` line.
 The engine (trainer.engine.Engine: single-process, threaded pipeline, distributed) owns how a step is computed
 and what its metrics line holds; the loop owns when things happen. The loop imports no engine.
 """
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,16 +36,16 @@ from trainer.handover import (
     read_handed_over,
     wait_for_checkpoint,
 )
+from trainer.lines import say
 from trainer.metrics import RunRecorder, truncate_metrics
 from trainer.preflight import RunSetup, check_resume_nodes, expected_shapes
-from trainer.run_files import TRAIN_CONFIG
 from trainer.signals import GracefulStop
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
 
 def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    say(message)  # whole or not at all: train.log may be on a full disk (trainer.lines)
 
 
 def run_training(setup: RunSetup, engine: Engine) -> int:
@@ -54,9 +54,7 @@ def run_training(setup: RunSetup, engine: Engine) -> int:
     cfg = setup.cfg
     run_dir = Path(cfg.output_dir or ".")
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / TRAIN_CONFIG).write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n")
     recorder = RunRecorder(run_dir, engine.total_steps, metrics=engine.writes_metrics)
-    recorder.mark("preflight_done")
     on_force = lambda signum: recorder.set_status(  # noqa: E731 - a second signal: no checkpoint
         phase="failed", error=f"second signal {signum}: exited without a checkpoint", exit_code=128 + signum
     )
@@ -65,6 +63,9 @@ def run_training(setup: RunSetup, engine: Engine) -> int:
     # Installed before the (possibly minutes long) target load, so a stop request is never lost.
     with GracefulStop(on_force=on_force) as stop:
         try:
+            recorder.start()  # a full disk from here on is the failure report's, with status.json `failed`
+            recorder.write_config(cfg.to_dict())
+            recorder.mark("preflight_done")
             for line in engine.announce(run_dir):
                 log(line)
             if engine.writes_metrics:
@@ -181,6 +182,7 @@ def _steps(
     position: tuple[int, int] | None = None
     while step < total_steps:
         engine.train_step(step)
+        recorder.check_heartbeat()  # a status.json the heartbeat could not write ends the run (RunRecorder._beat)
         step += 1
         if step == first + 1:
             recorder.mark("first_step")

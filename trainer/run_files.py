@@ -8,9 +8,12 @@ are exactly the rows that list says the trainer writes.
 from __future__ import annotations
 
 STATUS = "status.json"  # phase, step, heartbeat, pid, exit code: trainer.metrics.RunRecorder (atomic rewrites)
+# Blocks set aside at start for the last status.json on a full disk (overwritten in place, renamed over STATUS).
+STATUS_RESERVE = ".status.json.reserved"
 METRICS = "metrics.jsonl"  # one JSON object per log step: trainer.metrics.RunRecorder.log
-TRAIN_CONFIG = "train_config.json"  # the run's TrainConfig, written first: trainer.loop.run_training
+TRAIN_CONFIG = "train_config.json"  # the run's TrainConfig, written at the start: trainer.metrics.RunRecorder
 CHECKPOINTS = "checkpoints"  # a folder of CHECKPOINT_PREFIX + six-digit step folders: trainer.checkpoint
 CHECKPOINT_PREFIX = "step_"  # checkpoints/step_000120/: zero-padded, so names sort in step order
 
-NAMES = (STATUS, METRICS, TRAIN_CONFIG, CHECKPOINTS + "/")  # as RUN_FILES writes them (a folder ends in "/")
+# As RUN_FILES writes them (a folder ends in "/").
+NAMES = (STATUS, STATUS_RESERVE, METRICS, TRAIN_CONFIG, CHECKPOINTS + "/")

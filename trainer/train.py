@@ -9,8 +9,9 @@
   3. pre-flight (trainer.preflight): everything that can refuse the run, BEFORE anything is written (bad input:
      `error:`/`hint:`, exit 2, no run directory)
   4. trainer.loop.run_training: resume, steps, log lines, checkpoints, stop and failure handling
-Exit codes: 0 done, 1 failed (status.json `failed` with the error; a full disk while checkpointing is one
-`error:` line naming the filesystem, the step and the last good checkpoint: trainer.failure), 2 bad input,
+Exit codes: 0 done, 1 failed (status.json `failed` with the error; a full disk while checkpointing or writing
+status.json, metrics.jsonl or train_config.json is one `error:` line naming the filesystem, the write and the
+last good checkpoint: trainer.failure), 2 bad input,
 128+signum stopped (SIGTERM/SIGHUP/SIGINT: the step finishes, a checkpoint is written; resumable).
 """
 

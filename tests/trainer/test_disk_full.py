@@ -12,64 +12,24 @@ Needs root (mount); the tests are skipped with that reason otherwise.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-SMALL = [
-    "--preset",
-    "tiny",
-    "--synthetic-samples",
-    "48",
-    "--max-seq-len",
-    "32",
-    "--token-budget",
-    "128",
-    "--wandb",
-    "off",
-    "--log-interval",
-    "1",
-]
+from tests.trainer.full_disk import REPO, SMALL, TRAINER_ENV, fill, needs_root
+
 # One tiny-preset checkpoint is about 1.04 MB on disk (model 0.33 MB + AdamW moments 0.68 MB + RNG, JSON).
 CHECKPOINT_KB = 1040
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs (a real full disk) needs root")
-
-
-def _mount_tmpfs(path: Path, size_kb: int) -> None:
-    path.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size_kb}k", "tmpfs", str(path)], capture_output=True, text=True
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-
-
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
-    """`small_disk(size_kb)` -> the mount point of a fresh tmpfs of that size; unmounted at teardown."""
-    mounted: list[Path] = []
-
-    def make(size_kb: int) -> Path:
-        path = tmp_path / f"disk{len(mounted)}"
-        _mount_tmpfs(path, size_kb)
-        mounted.append(path)
-        return path
-
-    yield make
-    for path in mounted:
-        subprocess.run(["umount", str(path)], check=True)
+pytestmark = needs_root
 
 
 def _train(run: Path, *flags: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env = {**os.environ, **TRAINER_ENV}
     return subprocess.run(
         [sys.executable, "-m", "trainer", "train", *SMALL, "--output-dir", str(run), *flags],
         stdin=subprocess.DEVNULL,
@@ -124,20 +84,6 @@ def test_item7_pipeline_disk_full_at_the_first_checkpoint_names_no_good_checkpoi
     _check_clean_failure(done, run, mount, 2, "none")
 
 
-def _fill(disk: Path) -> Path:
-    """Write a filler file until the filesystem is really full (ENOSPC); return it."""
-    filler = disk / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)  # unbuffered: nothing left to flush at close
-    try:
-        while True:
-            os.write(fd, b"\0" * 4096)
-    except OSError as exc:
-        assert exc.errno == errno.ENOSPC, exc
-    finally:
-        os.close(fd)
-    return filler
-
-
 def test_item7_a_status_write_that_hits_the_full_disk_first_reports_the_checkpoint_write(small_disk, capsys) -> None:
     """The race: the writer thread fills the disk, the training thread's own status write fails first. The run's
     exception is then a plain ENOSPC; the report must name the checkpoint write, collected from the writer."""
@@ -151,7 +97,7 @@ def test_item7_a_status_write_that_hits_the_full_disk_first_reports_the_checkpoi
     run = disk / "run"
     run.mkdir()
     recorder = RunRecorder(run, total_steps=10, heartbeat_s=60)
-    filler = _fill(disk)
+    filler = fill(disk)
     with pytest.raises(OSError) as tripped:  # the training thread's status write, for real
         recorder.set_status(phase="training", step=3)
     filler.unlink()
@@ -169,29 +115,3 @@ def test_item7_a_status_write_that_hits_the_full_disk_first_reports_the_checkpoi
     status = json.loads((run / "status.json").read_text())
     assert (status["phase"], status["error"], status["exit_code"]) == ("failed", line, 1)
     assert not list((run / "checkpoints").glob(".tmp-*"))
-
-
-def test_item7_status_heartbeat_survives_a_full_disk_and_leaves_no_partial_file(small_disk) -> None:
-    import threading
-    import time
-
-    from trainer.metrics import RunRecorder
-
-    disk = small_disk(64)
-    run = disk / "run"
-    run.mkdir()
-    crashed: list[BaseException] = []
-    previous_hook, threading.excepthook = threading.excepthook, lambda args: crashed.append(args.exc_value)
-    try:
-        recorder = RunRecorder(run, total_steps=10, heartbeat_s=0.02)
-        filler = _fill(disk)
-        time.sleep(0.3)  # ~15 beats against the full disk
-        assert recorder._thread.is_alive() and not crashed, crashed
-        assert not list(run.glob(".status.json.*")), "a partial status file keeps holding space"
-        filler.unlink()
-        before = json.loads((run / "status.json").read_text())["heartbeat"]
-        time.sleep(0.3)
-        assert json.loads((run / "status.json").read_text())["heartbeat"] > before  # beating again
-        recorder.close()
-    finally:
-        threading.excepthook = previous_hook
