@@ -1003,6 +1003,26 @@ def preflight_release(req: dict, release: str, argv: list[str], env: dict) -> di
             "seconds": seconds}  # fmt: skip
 
 
+def verb_preflight(req: dict) -> dict:
+    """The pre-flight alone, read-only (a dry run's verdict): release `release` (a hash) must be on the target
+    already; with `old`, the resume placeholder stands for that run's newest checkpoint (or the one it started
+    from). Answers `{"preflight": verdict}`, `{"preflight": None, "skipped": why}`, or refuses as a launch
+    would (code `preflight`)."""
+    workspace = workspace_of(req)
+    code_hash = str(req.get("release") or "")
+    release = os.path.join(workspace, "releases", code_hash)
+    if not HASH_RE.match(code_hash) or not os.path.isdir(release):
+        return {"preflight": None, "skipped": "the new code is not on the target yet: it is checked after its upload"}
+    argv = req.get("argv")
+    if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+        raise AgentFailure("argv must be a list of strings", "bad_request")
+    if req.get("old"):
+        old_dir = run_dir({"workspace": workspace, "name": req["old"]})
+        probe = (latest_checkpoint(old_dir) or started_from(old_dir)) if os.path.isdir(old_dir) else None
+        argv = argv_for_check(argv, req.get("resume_placeholder"), req.get("resume_checkpoint") or probe)
+    return {"preflight": preflight_release(req, release, argv, dict(req.get("env") or {}))}
+
+
 def check_fresh(check: dict) -> dict:
     """The check in a new interpreter: exit code and output."""
     try:
@@ -2488,6 +2508,7 @@ VERBS = {
     "wrap": verb_wrap,
     "standby": verb_standby,
     "fetch-manifest": verb_fetch_manifest,
+    "preflight": verb_preflight,
 }
 # Verbs whose answer is raw bytes on stdout (a refusal: JSON on stderr, exit 3).
 RAW_VERBS = {"read-file": verb_read_file}

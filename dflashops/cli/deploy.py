@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from dflashops.cli.common import highlight_errors, open_invocation, print_plan, progress, show_passthrough
+from dflashops.errors import UsageError
 from dflashops.ops.control import DEFAULT_FAIL_ON, wait_for
 from dflashops.ops.deploy import LAUNCHERS, DeployOutcome, DeployRequest, deploy
 from dflashops.ops.invocation import Invocation
@@ -16,8 +17,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "deploy",
         help="sync the code and launch a run",
-        description="Sync the code to TARGET, write run.json, launch the profile's command. "
-        "Arguments after `--` are appended to the trainer's command line.",
+        description="Sync the code to TARGET, check that it can start there (the pre-flight: it compiles, the "
+        "trainer imports, its arguments validate), write run.json, launch the profile's command. Arguments after "
+        "`--` replace the profile's value of the same option, or are appended.",
     )
     p.add_argument(
         "target",
@@ -36,14 +38,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     r = subparsers.add_parser(
         "restart",
         help="stop a run and relaunch it as a new child run",
-        description="Stop RUN cleanly, sync, relaunch as a new run whose parent is RUN. "
-        "Arguments after `--` replace the parent's extra trainer args.",
+        description="Sync, check that the new code can start (the pre-flight: it compiles, the trainer imports, "
+        "its arguments validate; a failure leaves RUN running), stop RUN cleanly, relaunch as a new run whose "
+        "parent is RUN. Arguments after `--` are merged over RUN's own extra arguments option by option (a value "
+        "given here replaces the same option); --reset-args starts from the profile's instead.",
     )
     r.add_argument("run", metavar="RUN", help="the run to restart")
     r.add_argument("--name", default="+", help="name of the new run (default: + = next name after RUN)")
     mode = r.add_mutually_exclusive_group()
     mode.add_argument("--fresh", action="store_true", help="start from scratch (default)")
-    mode.add_argument("--resume", action="store_true", help="start from RUN's latest checkpoint")
+    mode.add_argument(
+        "--resume",
+        action="store_true",
+        help="start from RUN's latest checkpoint (none of its own: the one RUN started from)",
+    )
+    r.add_argument(
+        "--checkpoint",
+        metavar="STEP|PATH",
+        help="with --resume: this checkpoint of RUN or of one of its ancestors instead of the latest",
+    )
+    r.add_argument(
+        "--reset-args",
+        action="store_true",
+        help="drop RUN's extra arguments: start from the profile's (and what follows `--`)",
+    )
     r.add_argument("--grace", type=float, default=60.0, help="seconds between SIGTERM and SIGKILL (default 60)")
     r.add_argument(
         "--wait-exit",
@@ -66,6 +84,11 @@ def add_launch_options(p: argparse.ArgumentParser, launcher_default: str | None 
         help="tmux session or setsid/nohup (default: tmux; restart: the parent's)",
     )
     p.add_argument("--clear-cache", action="store_true", help="remove this code's compile cache first")
+    p.add_argument(
+        "--skip-preflight",
+        action="store_true",
+        help="launch without first checking that the new code and arguments can start in the target",
+    )
     p.add_argument("--wait", metavar="REGEX", help="follow the log until REGEX matches (exit 0)")
     p.add_argument(
         "--fail-on",
@@ -78,6 +101,9 @@ def add_launch_options(p: argparse.ArgumentParser, launcher_default: str | None 
 
 
 def report(invocation: Invocation, outcome: DeployOutcome, args: argparse.Namespace) -> int:
+    for node in outcome.nodes or [outcome]:
+        if node.preflight:
+            progress(preflight_line(node.preflight))
     if args.dry_run:
         print_plan(invocation)
         return 0
@@ -112,6 +138,15 @@ def report(invocation: Invocation, outcome: DeployOutcome, args: argparse.Namesp
     return 0
 
 
+def preflight_line(verdict: dict) -> str:
+    """`pre-flight: ok: 200 optimizer steps (a standby interpreter, 0.8 s)`, or why it could not run yet."""
+    if verdict.get("skipped"):
+        return f"pre-flight: not run in the dry run: {verdict['skipped']}"
+    what = verdict.get("summary") or "every Python file compiles"
+    where = f"{verdict['in']}, " if verdict.get("in") else ""
+    return f"pre-flight: {what} ({where}{verdict.get('seconds', 0):.1f} s)"
+
+
 def handle_deploy(args: argparse.Namespace) -> int:
     with open_invocation(args, dry_run=args.dry_run) as invocation:
         outcome = deploy(
@@ -125,12 +160,17 @@ def handle_deploy(args: argparse.Namespace) -> int:
                 launcher=args.launcher,
                 clear_cache=args.clear_cache,
                 extra_args=args.passthrough,
+                preflight=not args.skip_preflight,
             ),
         )
         return report(invocation, outcome, args)
 
 
 def handle_restart(args: argparse.Namespace) -> int:
+    if args.checkpoint is not None:
+        if args.fresh:
+            raise UsageError("--checkpoint names the checkpoint to resume from; --fresh starts from none")
+        args.resume = True
     with open_invocation(args, dry_run=args.dry_run) as invocation:
         outcome = restart(
             invocation,
@@ -142,6 +182,9 @@ def handle_restart(args: argparse.Namespace) -> int:
                 clear_cache=args.clear_cache,
                 launcher=args.launcher,
                 extra_args=args.passthrough or None,
+                reset_args=args.reset_args,
+                checkpoint=args.checkpoint,
+                preflight=not args.skip_preflight,
                 grace=args.grace,
                 handover=not args.wait_exit,
             ),

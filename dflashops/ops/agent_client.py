@@ -22,7 +22,7 @@ from dflashops.shell import join_argv
 from dflashops.transport.base import Result, Transport
 
 AGENT_SOURCE = Path(__file__).resolve().parent.parent / "agent.py"
-READ_ONLY_VERBS = {"ping", "status", "tail", "gpus", "manifest", "fetch-manifest"}
+READ_ONLY_VERBS = {"ping", "status", "tail", "gpus", "manifest", "fetch-manifest", "preflight"}
 # Writes stdin to argv[1] atomically; stdlib only, argv-only so no shell quoting is involved.
 _UPLOAD = (
     "import os,sys\np=sys.argv[1];os.makedirs(os.path.dirname(p),exist_ok=True)\n"

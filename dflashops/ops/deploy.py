@@ -18,6 +18,7 @@ from dflashops.errors import Conflict, UsageError
 from dflashops.inventory import Profile, Target
 from dflashops.lineage import RunRecord, next_name, redact_env, wandb_env
 from dflashops.lineage.record import REDACTED, utc_now_iso
+from dflashops.ops.agent_client import Agent
 from dflashops.ops.extra_args import managed_flags, merge_extra_args
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.supervise import after_launch
@@ -314,7 +315,10 @@ def launch_on(
             "removed"
         )
     spec = launch_spec(invocation, request, target, profile, name, synced.code_hash, synced.release_path)
+    verdict = dry_run_preflight(agent, spec, synced.code_hash) if invocation.dry_run and request.preflight else None
     answer = agent.call("launch", spec.args, secret_args={"env": spec.env}, shown_args={"env": spec.record.env})
+    if verdict is not None:
+        answer = {**answer, "preflight": verdict}
     if not invocation.dry_run:
         spec.record.extra["pgid"] = answer.get("pgid")
         spec.record.session = answer.get("session") or spec.record.session
@@ -330,3 +334,15 @@ def launch_on(
         standby=bool(answer.get("standby")),
         preflight=answer.get("preflight"),
     ), spec
+
+
+def dry_run_preflight(agent: Agent, spec: LaunchSpec, code_hash: str, **more: object) -> dict:
+    """A dry run's pre-flight verdict: the agent's read-only `preflight` of the release when the target has it
+    already (a refusal raises PreflightFailed, as the real launch would), else why it could not run yet."""
+    answer = agent.call(
+        "preflight",
+        {**{k: v for k, v in spec.args.items() if k != "run_json"}, "release": code_hash, **more},
+        secret_args={"env": spec.env},
+        shown_args={"env": spec.record.env},
+    )
+    return answer.get("preflight") or {"skipped": answer.get("skipped")}

@@ -24,7 +24,15 @@ from dflashops.inventory import Profile, Target
 from dflashops.lineage import RunRecord
 from dflashops.ops import release_cache
 from dflashops.ops.agent_client import Agent, Busy, StaleRelease, Superseded
-from dflashops.ops.deploy import DeployOutcome, DeployRequest, LaunchSpec, check_request, claim_name, launch_spec
+from dflashops.ops.deploy import (
+    DeployOutcome,
+    DeployRequest,
+    LaunchSpec,
+    check_request,
+    claim_name,
+    dry_run_preflight,
+    launch_spec,
+)
 from dflashops.ops.extra_args import over
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.supervise import after_launch
@@ -167,6 +175,18 @@ def relaunch(
         calls += 2
         answer = combined_call(agent, old.name, request, spec, payload, chosen)
     checkpoint = (chosen or f"<latest checkpoint of {old.name}>") if request.resume else None
+    if invocation.dry_run and request.preflight:
+        answer = {
+            **answer,
+            "preflight": dry_run_preflight(
+                agent,
+                spec,
+                code_hash,
+                old=old.name,
+                resume_placeholder=RESUME_PLACEHOLDER if request.resume else None,
+                resume_checkpoint=chosen,
+            ),
+        }
     if not invocation.dry_run:
         checkpoint = answer.get("checkpoint")
         if checkpoint:
