@@ -285,6 +285,7 @@ def verb_launch(req: dict) -> dict:
     if req.get("preflight"):  # before the name is taken: a refused launch leaves nothing behind
         release = str((req.get("run_json") or {}).get("release") or env.get("PYTHONPATH") or "")
         verdict = preflight_release(req, release, argv, env) if os.path.isdir(release) else None
+    cleared = verb_clear_cache({"workspace": req["workspace"]}) if req.get("clear_cache") else None
     session = session_name(req["name"])
     if launcher == "tmux" and tmux_has_session(req["workspace"], session):  # refused before the name is taken
         raise AgentFailure(
@@ -310,7 +311,7 @@ def verb_launch(req: dict) -> dict:
         adopted = adopt_standby(req, directory, argv, launch_env, cwd, launcher, session, fingerprint)
         if adopted is not None:
             start_standby(req, argv, launch_env, launcher, directory, fingerprint)
-            return {**adopted, "preflight": verdict}
+            return {**adopted, "preflight": verdict, "cleared": cleared}
     elif req.get("standby") is False:
         retire_standbys(req["workspace"], keep=None)
     marker = f"{req['name']}.{os.urandom(6).hex()}"
@@ -363,7 +364,8 @@ def verb_launch(req: dict) -> dict:
         remove_quietly(spec_path)
     if wants_standby:
         start_standby(req, argv, launch_env, launcher, directory, fingerprint)
-    return {**launch_answer(directory, pgid, marker, launcher, session, standby=False), "preflight": verdict}
+    answer = launch_answer(directory, pgid, marker, launcher, session, standby=False)
+    return {**answer, "preflight": verdict, "cleared": cleared}
 
 
 def tmux_has_session(workspace: str, session: str) -> bool:
@@ -2032,16 +2034,50 @@ def workspace_of(req: dict) -> str:
     return workspace
 
 
+COMPILE_CACHE = ("cache", "compile")  # <workspace>/cache/compile/<python-torch-triton-gpu key>/: trainer/compile_cache.py
+OLD_COMPILE_CACHE = ("cache", "inductor")  # one cache per code hash, before it was shared
+
+
 def verb_clear_cache(req: dict) -> dict:
-    """Remove exactly <workspace>/cache/inductor/<code_hash> (this code's compile cache) and nothing else."""
-    code_hash = str(req.get("code_hash") or "")
-    if not HASH_RE.match(code_hash):
-        raise AgentFailure(f"invalid code hash {code_hash!r}", "bad_request")
-    path = os.path.join(workspace_of(req), "cache", "inductor", code_hash)
-    existed = os.path.isdir(path)
-    if existed:
+    """`--clear-cache`: remove the workspace's compile caches (every kind's, the shared ones and any left from
+    the per-code-hash layout) and nothing else; how many bytes and files went."""
+    workspace = workspace_of(req)
+    removed, freed, files = [], 0, 0
+    for parts in (COMPILE_CACHE, OLD_COMPILE_CACHE):
+        path = os.path.join(workspace, *parts)
+        if not os.path.isdir(path):
+            continue
+        for root, _, names in os.walk(path):
+            for name in names:
+                try:
+                    freed += os.lstat(os.path.join(root, name)).st_size
+                    files += 1
+                except OSError:
+                    pass
         shutil.rmtree(path)
-    return {"removed": path if existed else None}
+        removed.append(path)
+    return {"removed": removed, "bytes": freed, "files": files}
+
+
+def compile_caches(workspace: str) -> list[dict]:
+    """The compile caches of a workspace: one per kind of machine (key), with their size (doctor, status)."""
+    root = os.path.join(workspace, *COMPILE_CACHE)
+    found = []
+    for key in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        path = os.path.join(root, key)
+        if not os.path.isdir(path):
+            continue
+        size = entries = 0
+        for folder, _, names in os.walk(path):
+            for name in names:
+                try:
+                    size += os.lstat(os.path.join(folder, name)).st_size
+                    entries += 1
+                except OSError:
+                    pass
+        artifacts = os.path.join(root, f"{key}.artifacts")
+        found.append({"key": key, "bytes": size, "files": entries, "artifacts": os.path.isfile(artifacts)})
+    return found
 
 
 def file_sha256(path: str) -> str:
@@ -2268,7 +2304,7 @@ def verb_restart(req: dict, stdin: bytes) -> dict:
             if exc.code != "not_running":
                 raise
         old_status = run_status(old_dir)
-        launch = {**req, "preflight": False}  # checked above, on this argv with a stand-in checkpoint
+        launch = {**req, "preflight": False, "clear_cache": False}  # both done above
         checkpoint = None
         handover = (stop or {}).get("handover")
         if placeholder:
@@ -2286,9 +2322,7 @@ def verb_restart(req: dict, stdin: bytes) -> dict:
             launch["run_json"] = substitute(req.get("run_json") or {}, str(placeholder), checkpoint)
         flip_current(workspace, code_hash)
         removed = prune_releases(workspace, int(install.get("keep", 5)))
-        cleared = None
-        if req.get("clear_cache"):
-            cleared = verb_clear_cache({"workspace": workspace, "code_hash": code_hash})["removed"]
+        cleared = verb_clear_cache({"workspace": workspace}) if req.get("clear_cache") else None
         launched = verb_launch(launch)
         outcome = {"name": req["name"], "checkpoint": checkpoint}
         return {
@@ -2297,9 +2331,9 @@ def verb_restart(req: dict, stdin: bytes) -> dict:
             "release": code_hash,
             "path": release,
             "removed": removed,
-            "cleared": cleared,
             "checkpoint": checkpoint,
             **launched,
+            "cleared": cleared,
             "preflight": verdict,
         }
     finally:

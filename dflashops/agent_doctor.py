@@ -10,7 +10,7 @@ new file, and this machine's clock.
 
 Request: {"workspace": abs path, "python": the run's python, "env": the target's env (no secrets),
 "gpus": [declared ids], "import_timeout": seconds, "imports": false when the run's python is known not to run
-(the probe then does not start it)}.
+(the probe then does not start it), "code_hash": the code the controller would deploy now}.
 """
 
 from __future__ import annotations
@@ -170,6 +170,40 @@ def standbys(workspace: str) -> list[dict]:
     return found
 
 
+def compile_cache(workspace: str, code_hash: str) -> dict:
+    """The workspace's compile caches (trainer/compile_cache.py: one folder per machine kind, shared by every code
+    version) with their sizes, and what the newest run of `code_hash` said of them (its status.json
+    `compile_cache`: graphs reused and compiled). Reads files only."""
+    root = os.path.join(workspace, "cache", "compile")
+    caches = []
+    for key in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        path = os.path.join(root, key)
+        if os.path.isdir(path):
+            size = files = 0
+            for folder, _, names in os.walk(path):
+                for name in names:
+                    try:
+                        size += os.lstat(os.path.join(folder, name)).st_size
+                        files += 1
+                    except OSError:
+                        pass
+            caches.append({"key": key, "bytes": size, "files": files})
+    newest = None
+    for run_json in glob.glob(os.path.join(workspace, "runs", "*", "run.json")):
+        try:
+            with open(run_json) as handle:
+                if json.load(handle).get("code_hash") != code_hash:
+                    continue
+            with open(os.path.join(os.path.dirname(run_json), "status.json")) as handle:
+                seen = json.load(handle).get("compile_cache")
+            when = os.path.getmtime(run_json)
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(seen, dict) and (newest is None or when > newest["when"]):
+            newest = {"run": os.path.basename(os.path.dirname(run_json)), "when": when, **seen}
+    return {"caches": caches, "code_hash": code_hash, "newest_run": newest}
+
+
 def main(argv: list[str]) -> int:
     try:
         req = json.loads(argv[argv.index("--json-args") + 1]) if "--json-args" in argv else {}
@@ -183,9 +217,10 @@ def main(argv: list[str]) -> int:
             "kernel_module": kernel_module(),
             "imports": imports(req) if req.get("imports", True) else {"skipped": True},
             "tools": {name: shutil.which(name) for name in ("tmux", "nohup", "setsid")},
-            "disk": {"workspace": disk(workspace), "cache": disk(os.path.join(workspace, "cache", "inductor"))},
+            "disk": {"workspace": disk(workspace), "cache": disk(os.path.join(workspace, "cache", "compile"))},
             "writable": writable(workspace),
             "standbys": standbys(workspace),
+            "compile_cache": compile_cache(workspace, str(req.get("code_hash") or "")),
             "time_started": STARTED,
             "time": time.time(),
         }

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer import compile_cache
 from trainer.checkpoint import CheckpointWriter, check_shapes, checkpoint_dir, read_state
 from trainer.engine import Engine
 from trainer.failure import record_failure
@@ -72,10 +73,20 @@ def run_training(setup: RunSetup, engine: Engine) -> int:
                 recorder.open_wandb(cfg.wandb, cfg.wandb_project, cfg.wandb_run_name, cfg.to_dict())
             engine.build()
             recorder.mark("built")
+            cache = compile_cache.choose(setup.drafter_device)  # shared by code versions: content-addressed
+            if cache is not None and not any(cache.iterdir()) and (loaded := compile_cache.load_artifacts(cache)):
+                log(f"compile cache {cache}: started from {loaded} bytes of artifacts of an earlier run")
             start = start_point(setup)
             if start is not None:
                 engine.warm_up(*start, recorder)
                 recorder.mark("compiled")
+            if cache is not None:
+                counts = compile_cache.stats()
+                recorder.set_status(compile_cache={"dir": str(cache), **counts})
+                if counts["fxgraph_hit"] or counts["fxgraph_miss"]:
+                    log(compile_cache.describe(cache, counts))
+                if counts["fxgraph_miss"] and engine.writes_checkpoints:  # new work: carry it to other machines
+                    compile_cache.save_artifacts(cache)
             step = _resume(setup, engine, recorder, run_dir)
             # The writer exits before the failure report: a checkpoint snapshotted before a failure still lands.
             with CheckpointWriter(run_dir, cfg.keep_checkpoints) as writer:

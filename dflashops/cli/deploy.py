@@ -83,7 +83,11 @@ def add_launch_options(p: argparse.ArgumentParser, launcher_default: str | None 
         default=launcher_default,
         help="tmux session or setsid/nohup (default: tmux; restart: the parent's)",
     )
-    p.add_argument("--clear-cache", action="store_true", help="remove this code's compile cache first")
+    p.add_argument(
+        "--clear-cache",
+        action="store_true",
+        help="remove the target's compile caches first (shared by every code version): compile cold",
+    )
     p.add_argument(
         "--skip-preflight",
         action="store_true",
@@ -104,6 +108,12 @@ def report(invocation: Invocation, outcome: DeployOutcome, args: argparse.Namesp
     for node in outcome.nodes or [outcome]:
         if node.preflight:
             progress(preflight_line(node.preflight))
+        if node.cache_cleared:
+            gone = node.cache_cleared
+            progress(
+                f"cleared the compile caches of {node.target}: {size(int(gone.get('bytes') or 0))} in "
+                f"{gone.get('files', 0)} files ({', '.join(gone.get('removed') or []) or 'there were none'})"
+            )
     if args.dry_run:
         print_plan(invocation)
         return 0
@@ -136,6 +146,16 @@ def report(invocation: Invocation, outcome: DeployOutcome, args: argparse.Namesp
         )
         progress(f"matched: {line.strip()}")
     return 0
+
+
+def size(count: int) -> str:
+    """`2.0 KiB`, `12.6 GiB`: bytes in the largest unit that keeps a number >= 1."""
+    value, unit = float(count), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    return f"{value:.0f} B" if unit == "B" else f"{value:.1f} {unit}"
 
 
 def preflight_line(verdict: dict) -> str:

@@ -76,7 +76,7 @@ class DeployOutcome:
     release: str
     pgid: int | None
     uploaded: int
-    cache_cleared: str | None
+    cache_cleared: dict | None  # the agent's clear-cache answer: what went (folders, bytes, files)
     supervisor: dict | None = None  # the in-target supervisor's start answer (ops/supervise.py), if any
     preflight: dict | None = None  # what the agent's pre-flight checked (None: skipped, or a dry run)
     standby: bool = False  # started by a standby interpreter of the target (agent.py): no imports to wait for
@@ -148,7 +148,9 @@ def launch_spec(
     release_path: str,
 ) -> LaunchSpec:
     run_dir = f"{target.workspace}/runs/{name}"
-    cache_dir = f"{target.workspace}/cache/inductor/{code_hash}"
+    # One compile cache per target, shared by every code version (torch's caches are content-addressed); the
+    # trainer names its folder inside by python/torch/triton/GPU (trainer/compile_cache.py).
+    cache_root = f"{target.workspace}/cache/compile"
     place = request.node or NodePlace()
     values = {
         "python": target.python,
@@ -166,7 +168,7 @@ def launch_spec(
         **profile.env,
         **wandb_env(name, request.parent, request.note, root),
         "PYTHONPATH": release_path,
-        "TORCHINDUCTOR_CACHE_DIR": cache_dir,
+        "TRAINER_COMPILE_CACHE_ROOT": cache_root,
         "PYTHONUNBUFFERED": "1",
     }
     if target.gpus:
@@ -206,6 +208,7 @@ def launch_spec(
         "standby_idle_s": target.standby_idle_s,
         "secret_keys": sorted(secrets),  # names only: kept out of a standby interpreter's files and environment
         "preflight": request.preflight,
+        "clear_cache": request.clear_cache,  # after the pre-flight: a refused launch leaves the cache warm
     }
     return LaunchSpec(name=name, run_dir=run_dir, record=record, args=args, env={**env, **secrets})
 
@@ -309,11 +312,6 @@ def launch_on(
         packages=profile.packages,
         cache=invocation.inventory.lineage_path,
     )
-    cleared = None
-    if request.clear_cache:
-        cleared = agent.call("clear-cache", {"workspace": target.workspace, "code_hash": synced.code_hash}).get(
-            "removed"
-        )
     spec = launch_spec(invocation, request, target, profile, name, synced.code_hash, synced.release_path)
     verdict = dry_run_preflight(agent, spec, synced.code_hash) if invocation.dry_run and request.preflight else None
     answer = agent.call("launch", spec.args, secret_args={"env": spec.env}, shown_args={"env": spec.record.env})
@@ -330,7 +328,7 @@ def launch_on(
         release=synced.release_path,
         pgid=answer.get("pgid"),
         uploaded=len(synced.uploaded),
-        cache_cleared=cleared,
+        cache_cleared=answer.get("cleared"),
         standby=bool(answer.get("standby")),
         preflight=answer.get("preflight"),
     ), spec

@@ -20,13 +20,14 @@ from dflashops.inventory import Profile, Target
 from dflashops.ops.agent_client import _parse
 from dflashops.ops.doctor_checks import Check, judge_probe, secret_checks
 from dflashops.ops.invocation import Invocation
+from dflashops.ops.sync import local_manifest, release_files
 
 PROBE_SOURCE = Path(__file__).resolve().parent.parent / "agent_doctor.py"
 PROBE_TIMEOUT_S = 300.0  # the import probe inside has its own 180 s limit; this bounds a hung transport
 
 
 def run_probe(
-    invocation: Invocation, target: Target, python: str, *, imports: bool = True
+    invocation: Invocation, target: Target, python: str, *, imports: bool = True, code_hash: str = ""
 ) -> tuple[dict[str, Any] | None, float, str]:
     """(the probe's answer or None when `python` could not run it, controller time when it arrived, why not).
     `imports`: whether the probe tries the run's python's imports (not when that python could not run it)."""
@@ -38,6 +39,7 @@ def run_probe(
         "gpus": list(target.gpus),
         "import_timeout": 180,
         "imports": imports,
+        "code_hash": code_hash,
     }
     result = transport.run(
         [python, "-", "--json-args", json.dumps(request, sort_keys=True)],
@@ -109,7 +111,10 @@ def doctor(
     if not reachable:
         checks.append(Check("target", "skip", "the checks inside the target need the steps above"))
         return checks
-    answer, arrived, why = run_probe(invocation, target, target.python)
+    profile = profiles[0] if explicit_profile and profiles else None
+    files = release_files(profile.files, invocation.inventory.root, profile.packages) if profile else release_files()
+    code_hash = local_manifest(files)[0]  # the code a deploy would send now: is the target's cache warm for it?
+    answer, arrived, why = run_probe(invocation, target, target.python, code_hash=code_hash)
     python_check = None
     if answer is None and target.python != "python3":
         python_check = Check(
@@ -120,7 +125,7 @@ def doctor(
         )
         # The other checks still run, with the target's python3; the ones that need the run's python are
         # skipped (doctor_checks.python_skips), so the probe does not start it again only to fail (or hang).
-        answer, arrived, _ = run_probe(invocation, target, "python3", imports=False)
+        answer, arrived, _ = run_probe(invocation, target, "python3", imports=False, code_hash=code_hash)
     if answer is None:
         checks.append(
             python_check

@@ -261,6 +261,7 @@ def judge_probe(
             )
         )
     checks.append(standby_check(target, answer.get("standbys") or []))
+    checks.append(compile_cache_check(answer.get("compile_cache") or {}))
     offset = float(answer.get("time", arrived)) - arrived  # + the answer's one-way trip: milliseconds
     detail = f"target clock {offset:+.2f} s from this machine's"
     status = "fail" if abs(offset) >= CLOCK_FAIL_S else "warn" if abs(offset) >= CLOCK_WARN_S else "ok"
@@ -316,3 +317,24 @@ def secret_checks(profiles: list[Profile], environ: dict[str, str], explicit: bo
             )
         )
     return checks
+
+
+def compile_cache_check(found: dict[str, Any]) -> Check:
+    """Whether the target's compile cache is warm for the code this controller would deploy now (a run of it
+    has compiled or reused its graphs there), and what the cache holds. Never a failure: cold costs time only."""
+    caches = found.get("caches") or []
+    held = ", ".join(f"{c['key']}: {c['files']} files, {c['bytes'] / 2**20:.0f} MiB" for c in caches) or "empty"
+    newest = found.get("newest_run")
+    code = str(found.get("code_hash") or "")[:16]
+    if newest:
+        return Check(
+            "compile cache",
+            "ok",
+            f"warm for the current code {code}: its run {newest['run']} compiled {newest.get('fxgraph_miss', 0)} "
+            f"graph(s) and reused {newest.get('fxgraph_hit', 0)} ({held})",
+        )
+    return Check(
+        "compile cache",
+        "ok",
+        f"no run of the current code {code} here yet: its first run compiles what changed, reuses the rest ({held})",
+    )

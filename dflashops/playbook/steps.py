@@ -20,7 +20,7 @@ from dflashops.ops.control import DEFAULT_FAIL_ON, LogCursor, NotRunning, read_l
 from dflashops.ops.deploy import DeployRequest, deploy
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.restart import RestartRequest, restart
-from dflashops.ops.sync import local_manifest, release_files, sync
+from dflashops.ops.sync import sync
 from dflashops.playbook.expr import MissingMetric, lookup, parse
 from dflashops.shell import join_argv
 
@@ -107,19 +107,18 @@ def do_sync(ctx: Context, args: dict[str, Any]) -> StepOutcome:
 
 
 def do_clear_cache(ctx: Context, args: dict[str, Any]) -> StepOutcome:
-    """Remove the compile cache of the code that is about to run (its hash, computed here) and nothing else."""
-    profile, target = _profile_and_target(ctx, args)
-    code_hash, _ = local_manifest(release_files(profile.files if profile else (), ctx.invocation.inventory.root))
-    answer = ctx.invocation.agent(target).call("clear-cache", {"workspace": target.workspace, "code_hash": code_hash})
-    removed = answer.get("removed")
+    """Remove the target's compile caches (shared by every code version: the next run compiles cold)."""
+    _, target = _profile_and_target(ctx, args)
+    answer = ctx.invocation.agent(target).call("clear-cache", {"workspace": target.workspace})
+    removed = answer.get("removed") or []
     detail = (
-        f"would remove the compile cache of code {code_hash}"
+        f"would remove the compile caches of {target.name}"
         if ctx.check
-        else f"removed {removed}"
+        else f"removed {', '.join(removed)} ({answer.get('bytes', 0)} bytes)"
         if removed
-        else f"no compile cache for code {code_hash}"
+        else f"no compile cache on {target.name}"
     )
-    return StepOutcome(bool(removed) or ctx.check, detail, {"code_hash": code_hash, "removed": removed})
+    return StepOutcome(bool(removed) or ctx.check, detail, {"removed": removed, "bytes": answer.get("bytes")})
 
 
 def do_deploy(ctx: Context, args: dict[str, Any]) -> StepOutcome:

@@ -1,5 +1,5 @@
 """Secrets stay out of run.json, the lineage database and dry-run output; sync is content-addressed,
-incremental and atomic; --clear-cache removes only this code's compile cache."""
+incremental and atomic; --clear-cache removes the compile caches and nothing else."""
 
 from __future__ import annotations
 
@@ -102,33 +102,26 @@ def test_sync_is_incremental_and_flips_current(env: Env, capsys: pytest.CaptureF
     assert json.loads(out)["removed_releases"] == [first.name] and second.is_dir()
 
 
-def test_clear_cache_removes_only_this_code_hash(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+def test_clear_cache_removes_the_compile_caches_and_nothing_else(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    """One compile cache per target, shared by every code version (trainer/compile_cache.py names its folder
+    inside); --clear-cache empties it (and a cache of the old per-code-hash layout) and says how much went."""
     assert env.deploy_one_step("c1", capsys) == 0
-    code_hash = json.loads((env.runs / "c1" / "run.json").read_text())["code_hash"]
-    mine = env.workspace / "cache" / "inductor" / code_hash
-    other = env.workspace / "cache" / "inductor" / "0123456789abcdef"
-    for folder in (mine, other):
-        folder.mkdir(parents=True)
-        (folder / "kernel.so").write_bytes(b"x")
     run_json = json.loads((env.runs / "c1" / "run.json").read_text())
-    assert run_json["env"]["TORCHINDUCTOR_CACHE_DIR"] == str(mine)
-    assert (
-        env.cli(
-            "deploy",
-            "--profile",
-            "work",
-            "--name",
-            "c2",
-            "--launcher",
-            "nohup",
-            "--clear-cache",
-            "--wait",
-            "done",
-            "--",
-            "--steps",
-            "1",
-            capsys=capsys,
-        )[0]
-        == 0
-    )
-    assert not mine.exists() and (other / "kernel.so").exists()
+    assert run_json["env"]["TRAINER_COMPILE_CACHE_ROOT"] == str(env.workspace / "cache" / "compile")
+    assert "TORCHINDUCTOR_CACHE_DIR" not in run_json["env"]  # no longer one per code hash
+    shared = env.workspace / "cache" / "compile" / "py3.11-torch2.13.0-triton3.9.0-cpu"
+    legacy = env.workspace / "cache" / "inductor" / "0123456789abcdef"
+    for folder in (shared, legacy):
+        folder.mkdir(parents=True)
+        (folder / "kernel.so").write_bytes(b"x" * 1000)
+    keep = env.workspace / "cache" / "other-tool" / "keep.bin"
+    keep.parent.mkdir(parents=True)
+    keep.write_bytes(b"mine")
+    code, _, err = env.cli(
+        "deploy", "--profile", "work", "--name", "c2", "--launcher", "nohup", "--clear-cache", "--wait", "done",
+        "--", "--steps", "1", capsys=capsys,
+    )  # fmt: skip
+    assert code == 0, err
+    assert "cleared the compile caches of local: 2.0 KiB in 2 files" in err
+    assert not shared.exists() and not legacy.exists() and keep.read_bytes() == b"mine"
+    assert (env.runs / "c1").is_dir() and (env.workspace / "releases").is_dir()

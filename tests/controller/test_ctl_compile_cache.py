@@ -1,0 +1,91 @@
+"""Warm compiles across code versions (issue 28, item 3): one compile cache per target and machine kind, shared by
+every release, with no stale kernel ever run. Real torch.compile with Inductor's CPU backend (a C++ compiler
+builds each graph), real deploys and restarts on the local target: a job compiles `scale` from a module of its
+release and prints the result and torch's own cache counters."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.controller.helpers import Env
+from tests.controller.test_ctl_reliability import add_profile
+
+pytestmark = pytest.mark.slow
+
+JOB = """\
+import json
+import torch
+from trainer import compile_cache
+from scaled import scale
+
+cache = compile_cache.choose(torch.device("cpu"))
+out = torch.compile(scale)(torch.arange(4.0))
+print(json.dumps({"out": out.tolist(), "cache": str(cache), "tag": TAG, **compile_cache.stats()}), flush=True)
+with open("status.json", "w") as handle:  # as trainer.loop records it (docs/run-directory.md, status.json)
+    json.dump({"compile_cache": {"dir": str(cache), **compile_cache.stats()}}, handle)
+"""
+
+
+def write_release_files(env: Env, body: str, tag: str) -> None:
+    (env.root / "scaled.py").write_text(f"def scale(x):\n    return {body}\n")
+    (env.root / "compiled_job.py").write_text(f"TAG = {tag!r}\n" + JOB)
+
+
+def result(env: Env, run: str) -> dict:
+    return json.loads((env.runs / run / "train.log").read_text().strip().splitlines()[-1])
+
+
+def test_a_code_change_compiles_only_what_changed_and_never_runs_a_stale_kernel(
+    env: Env, capsys: pytest.CaptureFixture[str]
+) -> None:
+    add_profile(
+        env,
+        "compiled",
+        """
+argv: ["{python}", "{release}/compiled_job.py"]
+files: [compiled_job.py, scaled.py]
+""",
+    )
+    write_release_files(env, "x * 2 + 1", "v1")
+    code, _, err = env.cli(
+        "deploy", "--profile", "compiled", "--name", "cc1", "--launcher", "nohup", "--wait", '"out"', "--timeout",
+        "600", capsys=capsys,
+    )  # fmt: skip
+    assert code == 0, err
+    first = result(env, "cc1")
+    assert first["out"] == [1.0, 3.0, 5.0, 7.0] and first["fxgraph_miss"] >= 1  # cold: compiled
+    assert first["cache"].startswith(str(env.workspace / "cache" / "compile" / "py3."))
+
+    write_release_files(env, "x * 2 + 1", "v2")  # a change outside the compiled function: a new release
+    code, _, err = env.cli("restart", "cc1", "--name", "cc2", "--wait", '"out"', "--timeout", "600", capsys=capsys)
+    assert code == 0, err
+    second = result(env, "cc2")
+    assert second["tag"] == "v2" and second["out"] == first["out"]
+    assert second["cache"] == first["cache"]  # one cache for both code versions ...
+    assert second["fxgraph_hit"] >= 1 and second["fxgraph_miss"] == 0  # ... so nothing compiled again
+
+    write_release_files(env, "x * 3 + 1", "v3")  # the compiled function's body changed
+    code, _, err = env.cli("restart", "cc2", "--name", "cc3", "--wait", '"out"', "--timeout", "600", capsys=capsys)
+    assert code == 0, err
+    third = result(env, "cc3")
+    assert third["out"] == [1.0, 4.0, 7.0, 10.0]  # the new code's result, not the cached kernel's
+    assert third["cache"] == first["cache"] and third["fxgraph_miss"] >= 1
+
+    code, _, err = env.cli(
+        "restart", "cc3", "--name", "cc4", "--clear-cache", "--wait", '"out"', "--timeout", "600", capsys=capsys
+    )
+    assert code == 0, err
+    assert "cleared the compile caches of local: " in err
+    fourth = result(env, "cc4")
+    assert fourth["out"] == third["out"] and fourth["fxgraph_hit"] == 0 and fourth["fxgraph_miss"] >= 1  # cold
+
+    code, out, _ = env.cli("doctor", "--profile", "compiled", "--json", capsys=capsys)
+    check = {c["name"]: c for c in json.loads(out)["targets"][0]["checks"]}["compile cache"]
+    assert check["status"] == "ok" and "warm for the current code" in check["detail"], check
+    assert "its run cc4 compiled 1 graph(s) and reused 0" in check["detail"], check
+    write_release_files(env, "x * 3 + 1", "v5")  # code no run has used yet
+    code, out, _ = env.cli("doctor", "--profile", "compiled", "--json", capsys=capsys)
+    check = {c["name"]: c for c in json.loads(out)["targets"][0]["checks"]}["compile cache"]
+    assert "no run of the current code" in check["detail"] and "files" in check["detail"], check

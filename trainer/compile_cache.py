@@ -1,0 +1,110 @@
+"""Where compiled work is kept: one cache per machine kind, shared by every code version.
+
+torch.compile's caches are content-addressed by torch itself: Inductor's FX graph cache and the AOTAutograd
+cache key each entry by the traced graph, its inputs and settings, and torch's own source; Triton keys each
+kernel by its source, Triton's version and the GPU architecture. So a cache shared across code versions never
+serves stale work: an edit to the drafter's forward changes the traced graph and compiles anew, while every
+graph the edit did not touch (and every graph of an edit outside the compiled code) is a hit. A cache per code
+version, as before, compiled everything cold after every edit (bench/RESULTS.md: 39.7 s of a 46.9 s restart).
+
+`TRAINER_COMPILE_CACHE_ROOT` (dflashops sets it to `<workspace>/cache/compile`) names the root; the run's
+cache is `<root>/<key>`, the key naming what makes compiled work reusable at all: Python, torch and Triton
+versions and the GPU (name and compute capability; `cpu` without one). A TORCHINDUCTOR_CACHE_DIR set by hand
+wins. Inductor reads the variable when it first needs its cache, so setting it before the first compile is
+enough.
+
+Portable warm starts: `save_artifacts` writes torch's cache artifacts (torch.compiler.save_cache_artifacts:
+the FX graph, AOTAutograd and Triton entries this process used) to `<root>/<key>.artifacts`; `load_artifacts`
+puts such a file, carried to a fresh workspace or another node of the same kind, into the cache before the
+first compile.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT_ENV = "TRAINER_COMPILE_CACHE_ROOT"
+CACHE_DIR_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def cache_key(device: torch.device | None = None) -> str:
+    """`py3.12-torch2.11.0-triton3.6.0-nvidia_h200-sm90` (or `...-cpu`): what a compiled entry depends on
+    beyond its own content. Reads the device's properties (the caller's CUDA context exists by then)."""
+    try:
+        from importlib.metadata import version
+
+        triton = version("triton")
+    except Exception:  # noqa: BLE001 - no triton (a CPU build): inductor compiles C++ only
+        triton = "none"
+    gpu = "cpu"
+    if device is not None and device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        gpu = f"{props.name}-sm{props.major}{props.minor}"
+    python = f"{sys.version_info.major}.{sys.version_info.minor}"
+    key = f"py{python}-torch{torch.__version__}-triton{triton}-{gpu}"
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", key).lower()
+
+
+def choose(device: torch.device | None = None) -> Path | None:
+    """Point Inductor at `<root>/<key>` (and return it) when TRAINER_COMPILE_CACHE_ROOT is set and no cache
+    directory was set by hand; else None (torch's own default, or the hand-set one). Call before the first
+    compile."""
+    root = os.environ.get(ROOT_ENV)
+    if not root or os.environ.get(CACHE_DIR_ENV):
+        return None
+    path = Path(root) / cache_key(device)
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ[CACHE_DIR_ENV] = str(path)
+    return path
+
+
+def artifacts_file(cache: Path) -> Path:
+    return cache.parent / f"{cache.name}.artifacts"
+
+
+def load_artifacts(cache: Path) -> int:
+    """Put `<key>.artifacts` (from an earlier run of this kind, here or elsewhere) into the cache; the number of
+    bytes loaded (0: none there)."""
+    source = artifacts_file(cache)
+    if not source.is_file():
+        return 0
+    data = source.read_bytes()
+    torch.compiler.load_cache_artifacts(data)
+    return len(data)
+
+
+def save_artifacts(cache: Path) -> int:
+    """Write the cache artifacts this process used to `<key>.artifacts` (atomically); the bytes written."""
+    saved = torch.compiler.save_cache_artifacts()
+    if saved is None:
+        return 0
+    data = saved[0]
+    target = artifacts_file(cache)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, target)
+    return len(data)
+
+
+def stats() -> dict[str, int]:
+    """This process's compile-cache hits and misses so far (Inductor's FX graph cache, AOTAutograd's cache)."""
+    from torch._dynamo.utils import counters
+
+    inductor, aot = counters["inductor"], counters["aot_autograd"]
+    return {
+        "fxgraph_hit": int(inductor.get("fxgraph_cache_hit", 0)),
+        "fxgraph_miss": int(inductor.get("fxgraph_cache_miss", 0)),
+        "autograd_hit": int(aot.get("autograd_cache_hit", 0)),
+        "autograd_miss": int(aot.get("autograd_cache_miss", 0)),
+    }
+
+
+def describe(cache: Path, counts: dict[str, int]) -> str:
+    """One log line: where the compiled work came from."""
+    hits, misses = counts["fxgraph_hit"], counts["fxgraph_miss"]
+    return f"compile cache {cache}: {hits} graph(s) reused, {misses} compiled"
