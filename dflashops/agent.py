@@ -285,7 +285,7 @@ def verb_launch(req: dict) -> dict:
     if req.get("preflight"):  # before the name is taken: a refused launch leaves nothing behind
         release = str((req.get("run_json") or {}).get("release") or env.get("PYTHONPATH") or "")
         verdict = preflight_release(req, release, argv, env) if os.path.isdir(release) else None
-    cleared = verb_clear_cache({"workspace": req["workspace"]}) if req.get("clear_cache") else None
+    cleared = verb_clear_cache(req) if req.get("clear_cache") else None
     session = session_name(req["name"])
     if launcher == "tmux" and tmux_has_session(req["workspace"], session):  # refused before the name is taken
         raise AgentFailure(
@@ -2034,50 +2034,36 @@ def workspace_of(req: dict) -> str:
     return workspace
 
 
-COMPILE_CACHE = ("cache", "compile")  # <workspace>/cache/compile/<python-torch-triton-gpu key>/: trainer/compile_cache.py
-OLD_COMPILE_CACHE = ("cache", "inductor")  # one cache per code hash, before it was shared
+COMPILE_CACHE_KEY_RE = re.compile(r"^py\d+\.\d+-torch[A-Za-z0-9._-]+$")  # trainer/compile_cache.py cache_key
 
 
 def verb_clear_cache(req: dict) -> dict:
-    """`--clear-cache`: remove the workspace's compile caches (every kind's, the shared ones and any left from
-    the per-code-hash layout) and nothing else; how many bytes and files went."""
+    """`--clear-cache`: remove the compile caches and nothing else: in the compile cache root (`compile_cache`,
+    default <workspace>/cache/compile) only the folders named like a cache key and their `.artifacts` files,
+    and the per-code-hash folders of the old layout (<workspace>/cache/inductor/<hash>). How much went."""
     workspace = workspace_of(req)
-    removed, freed, files = [], 0, 0
-    for parts in (COMPILE_CACHE, OLD_COMPILE_CACHE):
-        path = os.path.join(workspace, *parts)
-        if not os.path.isdir(path):
-            continue
-        for root, _, names in os.walk(path):
+    root = str(req.get("compile_cache") or os.path.join(workspace, "cache", "compile"))
+    if not os.path.isabs(root):
+        raise AgentFailure("compile_cache must be an absolute path", "bad_request")
+    doomed = []
+    for folder, pattern in ((root, COMPILE_CACHE_KEY_RE), (os.path.join(workspace, "cache", "inductor"), HASH_RE)):
+        for entry in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+            if pattern.match(entry.removesuffix(".artifacts")):
+                doomed.append(os.path.join(folder, entry))
+    freed = files = 0
+    for path in doomed:
+        for base, _, names in os.walk(path) if os.path.isdir(path) else [(os.path.dirname(path), [], [path])]:
             for name in names:
                 try:
-                    freed += os.lstat(os.path.join(root, name)).st_size
+                    freed += os.lstat(os.path.join(base, name)).st_size
                     files += 1
                 except OSError:
                     pass
-        shutil.rmtree(path)
-        removed.append(path)
-    return {"removed": removed, "bytes": freed, "files": files}
-
-
-def compile_caches(workspace: str) -> list[dict]:
-    """The compile caches of a workspace: one per kind of machine (key), with their size (doctor, status)."""
-    root = os.path.join(workspace, *COMPILE_CACHE)
-    found = []
-    for key in sorted(os.listdir(root)) if os.path.isdir(root) else []:
-        path = os.path.join(root, key)
-        if not os.path.isdir(path):
-            continue
-        size = entries = 0
-        for folder, _, names in os.walk(path):
-            for name in names:
-                try:
-                    size += os.lstat(os.path.join(folder, name)).st_size
-                    entries += 1
-                except OSError:
-                    pass
-        artifacts = os.path.join(root, f"{key}.artifacts")
-        found.append({"key": key, "bytes": size, "files": entries, "artifacts": os.path.isfile(artifacts)})
-    return found
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        else:
+            remove_quietly(path)
+    return {"removed": doomed, "bytes": freed, "files": files}
 
 
 def file_sha256(path: str) -> str:
@@ -2322,7 +2308,7 @@ def verb_restart(req: dict, stdin: bytes) -> dict:
             launch["run_json"] = substitute(req.get("run_json") or {}, str(placeholder), checkpoint)
         flip_current(workspace, code_hash)
         removed = prune_releases(workspace, int(install.get("keep", 5)))
-        cleared = verb_clear_cache({"workspace": workspace}) if req.get("clear_cache") else None
+        cleared = verb_clear_cache({**req, "workspace": workspace}) if req.get("clear_cache") else None
         launched = verb_launch(launch)
         outcome = {"name": req["name"], "checkpoint": checkpoint}
         return {

@@ -10,7 +10,8 @@ new file, and this machine's clock.
 
 Request: {"workspace": abs path, "python": the run's python, "env": the target's env (no secrets),
 "gpus": [declared ids], "import_timeout": seconds, "imports": false when the run's python is known not to run
-(the probe then does not start it), "code_hash": the code the controller would deploy now}.
+(the probe then does not start it), "code_hash": the code the controller would deploy now, "compile_cache": the
+compile caches' root}.
 """
 
 from __future__ import annotations
@@ -170,11 +171,10 @@ def standbys(workspace: str) -> list[dict]:
     return found
 
 
-def compile_cache(workspace: str, code_hash: str) -> dict:
+def compile_cache(workspace: str, root: str, code_hash: str) -> dict:
     """The workspace's compile caches (trainer/compile_cache.py: one folder per machine kind, shared by every code
     version) with their sizes, and what the newest run of `code_hash` said of them (its status.json
     `compile_cache`: graphs reused and compiled). Reads files only."""
-    root = os.path.join(workspace, "cache", "compile")
     caches = []
     for key in sorted(os.listdir(root)) if os.path.isdir(root) else []:
         path = os.path.join(root, key)
@@ -208,6 +208,7 @@ def main(argv: list[str]) -> int:
     try:
         req = json.loads(argv[argv.index("--json-args") + 1]) if "--json-args" in argv else {}
         workspace = str(req["workspace"])
+        cache_root = str(req.get("compile_cache") or os.path.join(workspace, "cache", "compile"))
         answer = {
             "ok": True,
             "probe_python": sys.executable,
@@ -217,10 +218,10 @@ def main(argv: list[str]) -> int:
             "kernel_module": kernel_module(),
             "imports": imports(req) if req.get("imports", True) else {"skipped": True},
             "tools": {name: shutil.which(name) for name in ("tmux", "nohup", "setsid")},
-            "disk": {"workspace": disk(workspace), "cache": disk(os.path.join(workspace, "cache", "compile"))},
+            "disk": {"workspace": disk(workspace), "cache": disk(cache_root)},
             "writable": writable(workspace),
             "standbys": standbys(workspace),
-            "compile_cache": compile_cache(workspace, str(req.get("code_hash") or "")),
+            "compile_cache": compile_cache(workspace, cache_root, str(req.get("code_hash") or "")),
             "time_started": STARTED,
             "time": time.time(),
         }

@@ -65,6 +65,13 @@ class Target:
     # Keep a `python -m trainer` interpreter with its imports done waiting for the next launch (agent.py, standby).
     standby: bool = False
     standby_idle_s: int = 3600  # an unused standby exits after this long
+    # The compile caches' root (trainer/compile_cache.py), default <workspace>/cache/compile: a folder shared by
+    # several workspaces or containers of one GPU kind (a bind mount) lets each start warm from the others' work.
+    compile_cache: str | None = None
+
+    @property
+    def compile_cache_root(self) -> str:
+        return self.compile_cache or f"{self.workspace}/cache/compile"
 
 
 @dataclass(frozen=True)
@@ -286,7 +293,19 @@ def _target(reader: _Reader, base: Path, hosts: dict[str, Host], name: str, node
     fields = reader.mapping(
         node,
         key,
-        {"kind", "host", "ctid", "gpus", "workspace", "python", "env", "address", "standby", "standby_idle_s"},
+        {
+            "kind",
+            "host",
+            "ctid",
+            "gpus",
+            "workspace",
+            "python",
+            "env",
+            "address",
+            "standby",
+            "standby_idle_s",
+            "compile_cache",
+        },
     )
     for required in ("kind", "workspace"):
         if required not in fields:
@@ -322,6 +341,13 @@ def _target(reader: _Reader, base: Path, hosts: dict[str, Host], name: str, node
     )
     if idle_s < 1:
         raise reader.fail(fields["standby_idle_s"], f"{key}.standby_idle_s", "must be a positive number of seconds")
+    compile_cache = None
+    if "compile_cache" in fields:
+        compile_cache = reader.scalar(fields["compile_cache"], f"{key}.compile_cache", str)
+        if kind == "local":
+            compile_cache = str((base / compile_cache).resolve())
+        elif not compile_cache.startswith("/"):
+            raise reader.fail(fields["compile_cache"], f"{key}.compile_cache", "must be an absolute path")
     return Target(
         name=name,
         kind=kind,
@@ -334,6 +360,7 @@ def _target(reader: _Reader, base: Path, hosts: dict[str, Host], name: str, node
         address=address,
         standby=standby,
         standby_idle_s=idle_s,
+        compile_cache=compile_cache,
     )
 
 

@@ -150,7 +150,7 @@ def launch_spec(
     run_dir = f"{target.workspace}/runs/{name}"
     # One compile cache per target, shared by every code version (torch's caches are content-addressed); the
     # trainer names its folder inside by python/torch/triton/GPU (trainer/compile_cache.py).
-    cache_root = f"{target.workspace}/cache/compile"
+    cache_root = target.compile_cache_root
     place = request.node or NodePlace()
     values = {
         "python": target.python,
@@ -209,6 +209,7 @@ def launch_spec(
         "secret_keys": sorted(secrets),  # names only: kept out of a standby interpreter's files and environment
         "preflight": request.preflight,
         "clear_cache": request.clear_cache,  # after the pre-flight: a refused launch leaves the cache warm
+        "compile_cache": cache_root,
     }
     return LaunchSpec(name=name, run_dir=run_dir, record=record, args=args, env={**env, **secrets})
 

@@ -40,6 +40,7 @@ def run_probe(
         "import_timeout": 180,
         "imports": imports,
         "code_hash": code_hash,
+        "compile_cache": target.compile_cache_root,
     }
     result = transport.run(
         [python, "-", "--json-args", json.dumps(request, sort_keys=True)],

@@ -109,7 +109,9 @@ def do_sync(ctx: Context, args: dict[str, Any]) -> StepOutcome:
 def do_clear_cache(ctx: Context, args: dict[str, Any]) -> StepOutcome:
     """Remove the target's compile caches (shared by every code version: the next run compiles cold)."""
     _, target = _profile_and_target(ctx, args)
-    answer = ctx.invocation.agent(target).call("clear-cache", {"workspace": target.workspace})
+    answer = ctx.invocation.agent(target).call(
+        "clear-cache", {"workspace": target.workspace, "compile_cache": target.compile_cache_root}
+    )
     removed = answer.get("removed") or []
     detail = (
         f"would remove the compile caches of {target.name}"

@@ -6,6 +6,7 @@ release and prints the result and torch's own cache counters."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -16,6 +17,7 @@ pytestmark = pytest.mark.slow
 
 JOB = """\
 import json
+import sys
 import torch
 from trainer import compile_cache
 from scaled import scale
@@ -33,8 +35,9 @@ def write_release_files(env: Env, body: str, tag: str) -> None:
     (env.root / "compiled_job.py").write_text(f"TAG = {tag!r}\n" + JOB)
 
 
-def result(env: Env, run: str) -> dict:
-    return json.loads((env.runs / run / "train.log").read_text().strip().splitlines()[-1])
+def result(env: Env, run: str, workspace: str = "ws") -> dict:
+    log = env.root / workspace / "runs" / run / "train.log"
+    return json.loads(log.read_text().strip().splitlines()[-1])
 
 
 def test_a_code_change_compiles_only_what_changed_and_never_runs_a_stale_kernel(
@@ -89,3 +92,27 @@ files: [compiled_job.py, scaled.py]
     code, out, _ = env.cli("doctor", "--profile", "compiled", "--json", capsys=capsys)
     check = {c["name"]: c for c in json.loads(out)["targets"][0]["checks"]}["compile cache"]
     assert "no run of the current code" in check["detail"] and "files" in check["detail"], check
+
+
+def test_a_fresh_workspace_starts_warm_from_a_compile_cache_it_shares(
+    env: Env, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two targets (two workspaces: a fresh container's, say) with one `compile_cache:` folder (a bind mount of
+    one GPU kind): the first deploy in the fresh workspace compiles nothing."""
+    shared = env.root / "shared-cache"
+    text = env.inventory.read_text().replace(
+        "    workspace: ws\n", "    workspace: ws\n    compile_cache: shared-cache\n"
+    )
+    second = "  fresh:\n    kind: local\n    workspace: ws-fresh\n    python: PY\n    compile_cache: shared-cache\n"
+    env.inventory.write_text(text.replace("profiles:\n", second.replace("PY", sys.executable) + "profiles:\n", 1))
+    add_profile(env, "compiled", 'argv: ["{python}", "{release}/compiled_job.py"]\nfiles: [compiled_job.py, scaled.py]')
+    write_release_files(env, "x * 2 + 1", "v1")
+    for target, run in (("local", "fw1"), ("fresh", "fw2")):
+        code, _, err = env.cli(
+            "deploy", target, "--profile", "compiled", "--name", run, "--launcher", "nohup", "--wait", '"out"',
+            "--timeout", "600", capsys=capsys,
+        )  # fmt: skip
+        assert code == 0, err
+    first, fresh = result(env, "fw1"), result(env, "fw2", "ws-fresh")
+    assert first["cache"] == fresh["cache"] and fresh["cache"].startswith(str(shared))
+    assert first["fxgraph_miss"] >= 1 and fresh["fxgraph_miss"] == 0 and fresh["fxgraph_hit"] >= 1

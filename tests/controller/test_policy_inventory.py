@@ -116,6 +116,13 @@ def _write(tmp_path: Path, text: str) -> Path:
         (BASE + "notify:\n  webhook_env: 1BAD\n", "inventory.yaml:5: notify.webhook_env: invalid environment variable"),
         (BASE + "notify:\n  command: []\n", "inventory.yaml:5: notify.command: must not be empty"),
         (BASE + "notify:\n  command: [x]\n  when: always\n", "inventory.yaml:6: notify.when: unknown key"),
+        (BASE + "notify:\n  command: [x]\n  retry: 5s\n", "inventory.yaml:6: notify.retry: expected a list"),
+        (BASE + "notify:\n  command: [x]\n  retry: [5s, soon]\n", "notify.retry[1]: expected a duration"),
+        (
+            "hosts:\n  h: {address: 127.0.0.1}\ntargets:\n  t: {kind: pct, host: h, ctid: 200, workspace: /w, "
+            "compile_cache: shared}\n" + BASE,
+            "targets.t.compile_cache: must be an absolute path",
+        ),
     ],
 )
 def test_bad_policy_values_are_refused_with_their_line(
