@@ -86,7 +86,10 @@ def check(argv: list[str]) -> str:
     import_training_stack(cfg)
     from trainer.preflight import preflight
 
-    setup = preflight(cfg)
+    # Under torchrun only node 0 reads checkpoints (trainer.dist.run); this node's rank is unknown here, so a
+    # --resume checkpoint that is not on this node's disk is node 0's to check.
+    resume_here = cfg.nodes == 1 or cfg.resume in ("auto", "never") or Path(cfg.resume).exists()
+    setup = preflight(cfg, reads_checkpoints=resume_here)
     resume = f", resumes from {setup.resume_from}" if setup.resume_from else ""
     return f"ok: {setup.total_steps} optimizer steps{resume}"
 

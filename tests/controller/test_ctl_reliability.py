@@ -12,7 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-import libtmux
 import pytest
 
 from dflashops.agent import session_name, tmux_socket
@@ -103,8 +102,10 @@ def test_item5_a_failed_launch_leaves_no_secret_file(
     env: Env, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("WORKLOAD_SECRET", "hunter2-launch-file")
-    socket = tmux_socket(str(env.workspace))
-    libtmux.Server(socket_name=socket).new_session(session_name="clash", window_command="sleep 60")
+    # tmux refuses after the launch wrote its spec: its socket folder cannot be made (a file stands there).
+    # (A session of the same name is refused before anything is written: test_ctl_tmux_duplicate.py.)
+    (env.root / "not-a-folder").write_text("")
+    monkeypatch.setenv("TMUX_TMPDIR", str(env.root / "not-a-folder"))
     code, _, err = env.cli("deploy", "--profile", "work", "--name", "clash", capsys=capsys)
     assert code != 0 and "tmux new-session failed" in err and "Traceback" not in err
     assert not (env.runs / "clash" / ".launch.json").exists()
