@@ -23,10 +23,18 @@ prints where the seconds from `restart` typed to the child's first step went:
           old writer's data) -> resumed (read + loaded) -> worker threads started -> first step
 
 `handover` is the default restart (trainer/handover.py: the child starts once the old trainer's devices are free);
-`wait-exit` the old order (the child starts after the old process exited); `code-change` a hand-over restart
-after a change of the code (one file added to the trainer package, removed again once `restart` returned): a new
-release, so a new, empty compile cache (the cache is per code hash). Checks: the child resumed from the
-old run's final checkpoint at the step it stopped at, and the old run ended with exit code 143.
+`wait-exit` the old order (the child starts after the old process exited); `code-change-outside` (alias
+`code-change`) a hand-over restart after a change of the code outside the compiled code (one file added to the
+trainer package, removed again once `restart` returned): a new release, which compiles nothing since the compile
+cache is shared by code versions; `code-change-inside` the same after a change inside the drafter's forward (its
+MLP multiplies by 1.0: the same numbers, another traced graph), which recompiles only the layer graphs;
+`bad-code` and `bad-flag` a restart with a syntax error (a new file that does not compile) or a bad trainer flag,
+refused by the pre-flight: the row says how long the refusal took and that the old run kept training (the next
+restart goes on from that run). With `--fresh-workspace`, after the modes: a deploy into a new workspace whose
+compile cache holds only the artifacts file the runs above saved (`<key>.artifacts`, trainer/compile_cache.py),
+as a fresh container would get it, followed to its first step. Checks: each child resumed from the old run's
+final checkpoint at the step it stopped at, the old run ended with exit code 143, a refused restart left its old
+run running.
 """
 
 from __future__ import annotations
@@ -46,7 +54,10 @@ sys.path.insert(0, str(ROOT))
 
 from gpu_pipeline import SCALES, shape_flags, target_shape, write_shards  # noqa: E402
 
-CHANGE = ROOT / "trainer" / "_restart_cycle_change.py"  # `--modes code-change`: one file added to the release
+CHANGE = ROOT / "trainer" / "_restart_cycle_change.py"  # `--modes code-change-outside`: one file added to the release
+DRAFTER = ROOT / "trainer" / "model" / "drafter.py"  # `--modes code-change-inside` edits its MLP for one restart
+MLP_LINE = "        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))\n"
+MLP_EDITED = "        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x) * 1.0)\n"
 START = [
     "python_started",
     "imports_done",
@@ -122,7 +133,7 @@ def write_inventory(work: Path, scale: dict, device: str, standby: bool = True) 
     return inventory
 
 
-def cli(inventory: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+def cli(inventory: Path, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run(
         [sys.executable, "-m", "dflashops", "--inventory", str(inventory), *args],
@@ -131,7 +142,7 @@ def cli(inventory: Path, *args: str, timeout: float = 600) -> subprocess.Complet
         timeout=timeout,
         env=env,
     )
-    if result.returncode != 0:
+    if check and result.returncode != 0:
         raise SystemExit(f"dflashops {' '.join(args)} failed ({result.returncode}):\n{result.stderr[-3000:]}")
     return result
 
@@ -196,7 +207,26 @@ def restart_row(mode: str, typed: float, returned: float, old_dir: Path, new_dir
     row["build_line"] = build[0] if build else None
     row["resumed_line"] = next((line for line in log.splitlines() if line.startswith("resumed from")), None)
     row["stopped_at"] = old.get("step")
+    row["compile_cache"] = new.get("compile_cache")  # graphs reused / compiled by the child (trainer.compile_cache)
     return row
+
+
+def refused_row(mode: str, inventory: Path, old: str, old_dir: Path) -> dict:
+    """A restart the pre-flight must refuse: how long until the error, and whether the old run kept training."""
+    extra: list[str] = ["--", "--max-steps", "abc"] if mode == "bad-flag" else []
+    if mode == "bad-code":
+        CHANGE.write_text("def broken(:\n    pass\n")
+    typed = time.time()
+    try:
+        done = cli(inventory, "restart", old, "--resume", "--grace", "300", *extra, check=False)
+    finally:
+        CHANGE.unlink(missing_ok=True)
+    refused_in = round(time.time() - typed, 2)
+    step = status(old_dir).get("step", 0)
+    wait(lambda: status(old_dir).get("step", 0) > step, 120, f"{old} training on", old_dir)
+    error = next((ln for ln in done.stderr.splitlines() if ln.startswith("error: ")), None)
+    return {"mode": mode, "refused": done.returncode == 2, "refused_in": refused_in, "error": error,
+            "old_trains_on": not (old_dir / "exit_code").exists()}  # fmt: skip
 
 
 def main() -> int:
@@ -209,6 +239,11 @@ def main() -> int:
     parser.add_argument("--json-out")
     parser.add_argument(
         "--no-standby", action="store_true", help="no standby interpreter: every child imports torch itself"
+    )
+    parser.add_argument(
+        "--fresh-workspace",
+        action="store_true",
+        help="after the modes: a deploy into a new workspace that has only the compile artifacts of the runs above",
     )
     args = parser.parse_args()
     scale, work = SCALES[args.scale], Path(args.workdir)
@@ -234,14 +269,23 @@ def main() -> int:
         f"build {cold['built'] - cold['preflight_done']:.1f} s, warm-up {cold['warmed_up'] - cold['built']:.1f} s",
         file=sys.stderr,
     )
-    rows = []
+    rows, refused = [], []
+    print(f"cold compile: {json.dumps(status(runs / name).get('compile_cache'))}", file=sys.stderr)
     for k, mode in enumerate(args.modes.split(",")):
         old, new = name, f"{name.rsplit('-', 1)[0]}-{k + 2}"
+        if mode in ("bad-code", "bad-flag"):
+            refused.append(refused_row(mode, inventory, old, runs / old))
+            print(json.dumps(refused[-1]), file=sys.stderr)
+            continue
         standby = None if args.no_standby else ready_standby(work / "ws", 300)
-        if mode == "code-change":  # a new release (new code hash): its compile cache is a new, empty folder
+        if mode in ("code-change", "code-change-outside"):  # a new release; the shared cache has all its graphs
             CHANGE.write_text(
                 f"# bench/restart_cycle.py: a code change for restart {k + 1}\nCHANGED_AT = {time.time()!r}\n"
             )
+        if mode == "code-change-inside":  # the layers' traced graph changes: those recompile, the rest is reused
+            source = DRAFTER.read_text()
+            assert source.count(MLP_LINE) == 1, "the MLP line this mode edits has changed: update MLP_LINE"
+            DRAFTER.write_text(source.replace(MLP_LINE, MLP_EDITED))
         typed = time.time()
         cli(
             inventory,
@@ -256,6 +300,8 @@ def main() -> int:
         )
         returned = time.time()
         CHANGE.unlink(missing_ok=True)  # shipped with the release already; the checkout stays as it was
+        if mode == "code-change-inside":
+            DRAFTER.write_text(DRAFTER.read_text().replace(MLP_EDITED, MLP_LINE))
         new_dir, old_dir = runs / new, runs / old
         wait(lambda: "first_step" in status(new_dir).get("timeline", {}), 600, f"{new} first step", new_dir)  # noqa: B023 - called here
         wait(lambda: (old_dir / "exit_code").is_file(), 600, f"{old} exit", old_dir)  # noqa: B023 - called here
@@ -269,12 +315,15 @@ def main() -> int:
     from dflashops.agent import retire_standbys
 
     retire_standbys(str(work / "ws"), keep=None)  # the last run's standby: not needed after the bench
+    fresh = fresh_workspace(work, scale, args.device, args.steps) if args.fresh_workspace else None
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"cold": cold, "rows": rows}, indent=1))
+        Path(args.json_out).write_text(
+            json.dumps({"cold": cold, "rows": rows, "refused": refused, "fresh": fresh}, indent=1)
+        )
     ok = all(
         r["old_exit_code"] == "143" and r["resumed_line"] and f"at step {r['stopped_at']}" in r["resumed_line"]
         for r in rows
-    )
+    ) and all(r["refused"] and r["old_trains_on"] for r in refused)
     cols = [
         "mode",
         "standby",
@@ -298,8 +347,42 @@ def main() -> int:
     print(" | ".join(cols))
     for row in rows:
         print(" | ".join(str(row.get(c)) for c in cols))
+    for row in rows:
+        print(f"{row['mode']}: compile cache {json.dumps(row.get('compile_cache'))}")
+    for row in refused:
+        print(
+            f"{row['mode']}: refused in {row['refused_in']} s, old run trains on: {row['old_trains_on']}: {row['error']}"
+        )
+    if fresh is not None:
+        print(f"fresh workspace: first step {fresh['first_step']} s after deploy typed; compile cache {fresh['cache']}")
     print("resumed from the old run's final checkpoint at its stop step, old exit 143:", "yes" if ok else "NO")
     return 0 if ok else 1
+
+
+def fresh_workspace(work: Path, scale: dict, device: str, steps: int) -> dict:
+    """A deploy into a new workspace whose compile cache root holds only the `<key>.artifacts` file of the runs
+    above (what a fresh container of the same GPU kind gets), to its first step: seconds and cache counters."""
+    fresh = work / "ws-fresh"
+    shutil.rmtree(fresh, ignore_errors=True)
+    (fresh / "cache" / "compile").mkdir(parents=True)
+    carried = sorted((work / "ws" / "cache" / "compile").glob("*.artifacts"))
+    for artifacts in carried:
+        shutil.copy(artifacts, fresh / "cache" / "compile" / artifacts.name)
+    inventory = write_inventory(work, scale, device, standby=False)
+    text = json.loads(inventory.read_text())
+    text["targets"]["local"]["workspace"] = str(fresh)
+    inventory.write_text(json.dumps(text, indent=1))
+    typed = time.time()
+    cli(inventory, "deploy", "local", "--profile", "cycle", "--name", "fresh-1", "--launcher", "nohup")
+    run = fresh / "runs" / "fresh-1"
+    wait(lambda: "first_step" in status(run).get("timeline", {}), 900, "fresh-1 first step", run)
+    first = round(status(run)["timeline"]["first_step"] - typed, 2)
+    cache = status(run).get("compile_cache")
+    cli(inventory, "stop", "fresh-1", "--grace", "300")
+    write_inventory(work, scale, device)  # as it was
+    row = {"first_step": first, "cache": cache, "artifacts": [a.name for a in carried]}
+    print(json.dumps({"fresh": row}), file=sys.stderr)
+    return row
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ version, as before, compiled everything cold after every edit (bench/RESULTS.md:
 `TRAINER_COMPILE_CACHE_ROOT` (dflashops sets it to `<workspace>/cache/compile`) names the root; the run's
 cache is `<root>/<key>`, the key naming what makes compiled work reusable at all: Python, torch and Triton
 versions and the GPU (name and compute capability; `cpu` without one). A TORCHINDUCTOR_CACHE_DIR set by hand
-wins. Inductor reads the variable when it first needs its cache, so setting it before the first compile is
-enough.
+wins (trainer.CACHE_DIR_SET_BY_HAND: torch sets the variable itself to its default the first time anything asks).
+Inductor reads the variable each time it needs its cache, so setting it before the first compile is enough.
 
 Portable warm starts: `save_artifacts` writes torch's cache artifacts (torch.compiler.save_cache_artifacts:
 the FX graph, AOTAutograd and Triton entries this process used) to `<root>/<key>.artifacts`; `load_artifacts`
@@ -54,8 +54,10 @@ def choose(device: torch.device | None = None) -> Path | None:
     """Point Inductor at `<root>/<key>` (and return it) when TRAINER_COMPILE_CACHE_ROOT is set and no cache
     directory was set by hand; else None (torch's own default, or the hand-set one). Call before the first
     compile."""
+    from trainer import CACHE_DIR_SET_BY_HAND
+
     root = os.environ.get(ROOT_ENV)
-    if not root or os.environ.get(CACHE_DIR_ENV):
+    if not root or CACHE_DIR_SET_BY_HAND:
         return None
     path = Path(root) / cache_key(device)
     path.mkdir(parents=True, exist_ok=True)

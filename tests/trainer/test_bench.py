@@ -105,11 +105,14 @@ def test_gpu_bench_scripts_run_their_cpu_smoke_test(tmp_path, script: str, args:
 
 @pytest.mark.slow
 def test_the_restart_cycle_bench_runs_its_cpu_smoke_test(tmp_path) -> None:
-    """bench/restart_cycle.py through the real CLI on the local target, tiny shapes on the CPU: a deploy, one
-    restart with the hand-over and one in the old order, each child resumed from its parent's final checkpoint,
-    each started by the standby interpreter the run before it left (real torch imported ahead)."""
+    """bench/restart_cycle.py through the real CLI on the local target, tiny shapes on the CPU: a deploy, then
+    restarts with the hand-over, after a change outside and inside the compiled code, refused ones (a syntax error,
+    a bad flag) that leave the old run training, one in the old order, and a deploy into a fresh workspace; each
+    child resumed from its parent's final checkpoint, each started by the standby interpreter the run before it
+    left (real torch imported ahead)."""
     repo = Path(__file__).resolve().parents[2]
-    args = ["--scale", "smoke", "--device", "cpu", "--modes", "handover,wait-exit", "--steps", "3"]
+    modes = "handover,code-change-outside,code-change-inside,bad-code,bad-flag,wait-exit"
+    args = ["--scale", "smoke", "--device", "cpu", "--modes", modes, "--steps", "3", "--fresh-workspace"]
     done = subprocess.run(
         [sys.executable, str(repo / "bench" / "restart_cycle.py"), *args, "--workdir", str(tmp_path)],
         cwd=repo,
@@ -118,12 +121,21 @@ def test_the_restart_cycle_bench_runs_its_cpu_smoke_test(tmp_path) -> None:
         timeout=600,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    rows = [line.split(" | ") for line in done.stdout.splitlines() if line.startswith(("handover |", "wait-exit |"))]
-    assert [row[0] for row in rows] == ["handover", "wait-exit"]
-    assert [row[1] for row in rows] == ["True", "True"], "a restart did not adopt the standby"
+    started = ("handover |", "code-change-outside |", "code-change-inside |", "wait-exit |")
+    rows = [line.split(" | ") for line in done.stdout.splitlines() if line.startswith(started)]
+    assert [row[0] for row in rows] == ["handover", "code-change-outside", "code-change-inside", "wait-exit"]
+    assert [row[1] for row in rows] == ["True"] * 4, "a restart did not adopt the standby"
+    assert "bad-code: refused in " in done.stdout and "SyntaxError" in done.stdout
+    assert "bad-flag: refused in " in done.stdout and "invalid int value: 'abc'" in done.stdout
+    assert done.stdout.count("old run trains on: True") == 2
+    assert "fresh workspace: first step " in done.stdout
+    assert not (repo / "trainer" / "_restart_cycle_change.py").exists()
+    assert "* 1.0)" not in (repo / "trainer" / "model" / "drafter.py").read_text()  # the checkout as it was
     for line in done.stderr.splitlines():
         if line.startswith('{"mode"'):
             row = json.loads(line)  # the child compiled for its batch shapes before it read the checkpoint
+            if "refused" in row:  # a restart the pre-flight refused: no child
+                continue
             assert row["compiled"] is not None and row["compiled"] <= row["resumed"], row
     assert "old exit 143: yes" in done.stdout
 
