@@ -26,6 +26,11 @@ step() {  # step NAME TIMEOUT CMD...
 }
 for section in "$@"; do
   case $section in
+    # Session 10 (issue 28): the restart cycle through the CLI with the shared compile cache, which the trainer
+    # chooses itself (trainer/compile_cache.py) only when TORCHINDUCTOR_CACHE_DIR is not set by hand.
+    s10-cycle) step s10-cycle 560 env -u TORCHINDUCTOR_CACHE_DIR python3 bench/restart_cycle.py --steps 10 \
+              --modes handover,code-change-outside,code-change-inside,bad-code,bad-flag --fresh-workspace \
+              --prune-checkpoints --json-out "$OUT/s10-cycle.json" ;;
     env) nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
          python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' ;;
     parity) step parity 240 python3 bench/gpu_parity.py ;;
