@@ -29,7 +29,7 @@ for section in "$@"; do
     # Session 10 (issue 28): the restart cycle through the CLI with the shared compile cache, which the trainer
     # chooses itself (trainer/compile_cache.py) only when TORCHINDUCTOR_CACHE_DIR is not set by hand.
     s10-cycle) step s10-cycle 560 env -u TORCHINDUCTOR_CACHE_DIR python3 bench/restart_cycle.py --steps 10 \
-              --modes handover,code-change-outside,code-change-inside,bad-code,bad-flag --fresh-workspace \
+              --modes handover,code-change-outside,code-change-inside,handover,bad-code,bad-flag --fresh-workspace \
               --prune-checkpoints --json-out "$OUT/s10-cycle.json" ;;
     env) nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
          python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' ;;

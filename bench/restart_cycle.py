@@ -54,6 +54,7 @@ sys.path.insert(0, str(ROOT))
 
 from gpu_pipeline import SCALES, shape_flags, target_shape, write_shards  # noqa: E402
 
+CACHE_DIR_SET_BY_HAND = "TORCHINDUCTOR_CACHE_DIR" in os.environ  # before torch sets its default in this process
 CHANGE = ROOT / "trainer" / "_restart_cycle_change.py"  # `--modes code-change-outside`: one file added to the release
 DRAFTER = ROOT / "trainer" / "model" / "drafter.py"  # `--modes code-change-inside` edits its MLP for one restart
 MLP_LINE = "        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))\n"
@@ -135,6 +136,8 @@ def write_inventory(work: Path, scale: dict, device: str, standby: bool = True) 
 
 def cli(inventory: Path, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    if not CACHE_DIR_SET_BY_HAND:  # torch set it in this process (save_target): it is no choice for the runs
+        env.pop("TORCHINDUCTOR_CACHE_DIR", None)
     result = subprocess.run(
         [sys.executable, "-m", "dflashops", "--inventory", str(inventory), *args],
         capture_output=True,
