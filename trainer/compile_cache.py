@@ -106,6 +106,26 @@ def stats() -> dict[str, int]:
     }
 
 
+def settings_digest() -> dict[str, str]:
+    """The process-wide settings that torch's cache keys include beside the graph (matmul precision, TF32,
+    determinism, Inductor's and Dynamo's config), as short digests: two processes whose values differ miss each
+    other's entries, which is worth seeing when a warm cache compiles anyway."""
+    import hashlib
+
+    import torch._dynamo.config as dynamo_config
+    import torch._inductor.config as inductor_config
+
+    def digest(value: object) -> str:
+        return hashlib.sha256(repr(value).encode()).hexdigest()[:10]
+
+    return {
+        "matmul": f"{torch.get_float32_matmul_precision()}/tf32={torch.backends.cuda.matmul.allow_tf32}"
+        f"/cudnn_tf32={torch.backends.cudnn.allow_tf32}/det={torch.are_deterministic_algorithms_enabled()}",
+        "inductor_config": digest(sorted(inductor_config.save_config_portable().items())),
+        "dynamo_config": digest(sorted(dynamo_config.save_config_portable().items())),
+    }
+
+
 def describe(cache: Path, counts: dict[str, int]) -> str:
     """One log line: where the compiled work came from."""
     hits, misses = counts["fxgraph_hit"], counts["fxgraph_miss"]

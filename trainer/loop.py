@@ -82,7 +82,7 @@ def run_training(setup: RunSetup, engine: Engine) -> int:
                 recorder.mark("compiled")
             if cache is not None:
                 counts = compile_cache.stats()
-                recorder.set_status(compile_cache={"dir": str(cache), **counts})
+                recorder.set_status(compile_cache={"dir": str(cache), **counts, **compile_cache.settings_digest()})
                 if counts["fxgraph_hit"] or counts["fxgraph_miss"]:
                     log(compile_cache.describe(cache, counts))
                 if counts["fxgraph_miss"] and engine.writes_checkpoints:  # new work: carry it to other machines
