@@ -570,8 +570,13 @@ STANDBY_PRELOAD = (  # module or module:attribute (transformers builds its lazy 
 # transformers, the loader's paths): these must be the same for a standby and the run it takes. Not among them,
 # and not given to a standby ahead: what is only read later and changes with the code (PYTHONPATH names the
 # release, which a standby never imports from; the compile caches are per code hash and read when compiling).
+# Inductor's config also reads the C/C++ toolchain (CC, CXX, ... and their paths) and a few names of its own when
+# it is imported; a standby imported without them keys its compile-cache entries apart from a fresh interpreter's
+# (measured: the first restart after a cold deploy compiled every graph again; bench/RESULTS.md, session 10).
 STARTUP_ENV_RE = re.compile(
-    r"^(PYTHON|TORCH|PYTORCH|TRITON|CUDA|NCCL|HF_|TRANSFORMERS|LD_|OMP_|MKL_|KMP_|PATH$|VIRTUAL_ENV$)"
+    r"^(PYTHON|TORCH|PYTORCH|TRITON|CUDA|NCCL|HF_|TRANSFORMERS|LD_|OMP_|MKL_|KMP_|PATH$|VIRTUAL_ENV$"
+    r"|CC$|CXX$|CFLAGS$|CXXFLAGS$|LDFLAGS$|CPATH$|LIBRARY_PATH$|C_INCLUDE_PATH$|CPLUS_INCLUDE_PATH$|NVCC"
+    r"|INDUCTOR_|AOT_?INDUCTOR|CUTLASS|CUTEDSL|NVIDIA|ENABLE_(PERSISTENT|TEMPLATE|TMA)|LOG_AUTOTUNE)"
 )
 PER_RUN_ENV = ("PYTHONPATH", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 BASIC_ENV = ("HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "SHELL", "TERM")
