@@ -2057,18 +2057,26 @@ def verb_clear_cache(req: dict) -> dict:
                 doomed.append(os.path.join(folder, entry))
     freed = files = 0
     for path in doomed:
-        for base, _, names in os.walk(path) if os.path.isdir(path) else [(os.path.dirname(path), [], [path])]:
-            for name in names:
-                try:
-                    freed += os.lstat(os.path.join(base, name)).st_size
-                    files += 1
-                except OSError:
-                    pass
+        size, count = tree_size(path)
+        freed, files = freed + size, files + count
         if os.path.isdir(path):
             shutil.rmtree(path)
         else:
             remove_quietly(path)
     return {"removed": doomed, "bytes": freed, "files": files}
+
+
+def tree_size(path: str) -> tuple[int, int]:
+    """(bytes, files) of a file or of every file under a folder; what vanishes meanwhile counts nothing."""
+    paths = [os.path.join(b, n) for b, _, names in os.walk(path) for n in names] if os.path.isdir(path) else [path]
+    size = count = 0
+    for each in paths:
+        try:
+            size += os.lstat(each).st_size
+            count += 1
+        except OSError:
+            pass
+    return size, count
 
 
 def file_sha256(path: str) -> str:

@@ -102,10 +102,7 @@ def wait_for_checkpoint(path: Path, writer: Path, timeout_s: float = 3600.0, *, 
             return written
         ended = _writer_end(writer, status)
         if ended is not None and not (path / "state.json").is_file():
-            raise TrainerInputError(
-                f"--resume: {writer.name} ended ({ended}) without writing its final checkpoint {path.name}",
-                hint=f"restart from its last complete checkpoint: {_last_complete(writer) or 'none'}",
-            )
+            raise _ended_without(writer, ended, path)
         if time.monotonic() > deadline:
             raise TrainerInputError(
                 f"--resume: {path} did not appear within {timeout_s:.0f} s", hint=f"see {writer / 'train.log'}"
@@ -142,16 +139,20 @@ def commit_when_durable(path: Path, writer: Path, source: Path, timeout_s: float
             if source != path and (source / "state.json").is_file():
                 _commit(source, path)
                 return f"committed {path}: {writer.name} ended ({ended}) after writing it, before making it durable"
-            raise TrainerInputError(
-                f"--resume: {writer.name} ended ({ended}) without writing its final checkpoint {path.name}",
-                hint=f"restart from its last complete checkpoint: {_last_complete(writer) or 'none'}",
-            )
+            raise _ended_without(writer, ended, path)
         if time.monotonic() > deadline:
             raise TrainerInputError(
                 f"--resume: {path} was not made durable within {timeout_s:.0f} s", hint=f"see {writer / 'train.log'}"
             )
         time.sleep(WAIT_POLL_S)
     return None
+
+
+def _ended_without(writer: Path, ended: str, path: Path) -> TrainerInputError:
+    return TrainerInputError(
+        f"--resume: {writer.name} ended ({ended}) without writing its final checkpoint {path.name}",
+        hint=f"restart from its last complete checkpoint: {_last_complete(writer) or 'none'}",
+    )
 
 
 def _commit(tmp: Path, final: Path) -> None:
