@@ -31,8 +31,9 @@ MLP multiplies by 1.0: the same numbers, another traced graph), which recompiles
 `bad-code` and `bad-flag` a restart with a syntax error (a new file that does not compile) or a bad trainer flag,
 refused by the pre-flight: the row says how long the refusal took and that the old run kept training (the next
 restart goes on from that run). With `--fresh-workspace`, after the modes: a deploy into a new workspace whose
-compile cache holds only the artifacts file the runs above saved (`<key>.artifacts`, trainer/compile_cache.py),
-as a fresh container would get it, followed to its first step. Checks: each child resumed from the old run's
+compile cache holds only the artifacts the runs above saved (`<key>.artifacts.d/`, trainer/compile_cache.py),
+as a fresh container would get them, with the standby on (the deploy starts one, checks in it and adopts it),
+followed to its first step. Checks: each child resumed from the old run's
 final checkpoint at the step it stopped at, the old run ended with exit code 143, a refused restart left its old
 run running.
 """
@@ -370,15 +371,15 @@ def main() -> int:
 
 
 def fresh_workspace(work: Path, scale: dict, device: str, steps: int) -> dict:
-    """A deploy into a new workspace whose compile cache root holds only the `<key>.artifacts` file of the runs
+    """A deploy into a new workspace whose compile cache root holds only the `<key>.artifacts.d/` folder of the runs
     above (what a fresh container of the same GPU kind gets), to its first step: seconds and cache counters."""
     fresh = work / "ws-fresh"
     shutil.rmtree(fresh, ignore_errors=True)
     (fresh / "cache" / "compile").mkdir(parents=True)
-    carried = sorted((work / "ws" / "cache" / "compile").glob("*.artifacts"))
+    carried = sorted((work / "ws" / "cache" / "compile").glob("*.artifacts.d"))
     for artifacts in carried:
-        shutil.copy(artifacts, fresh / "cache" / "compile" / artifacts.name)
-    inventory = write_inventory(work, scale, device, standby=False)
+        shutil.copytree(artifacts, fresh / "cache" / "compile" / artifacts.name)
+    inventory = write_inventory(work, scale, device)  # the standby on: the deploy starts one and adopts it
     text = json.loads(inventory.read_text())
     text["targets"]["local"]["workspace"] = str(fresh)
     inventory.write_text(json.dumps(text, indent=1))
@@ -390,7 +391,11 @@ def fresh_workspace(work: Path, scale: dict, device: str, steps: int) -> dict:
     cache = status(run).get("compile_cache")
     cli(inventory, "stop", "fresh-1", "--now")  # its final checkpoint is of no use here
     write_inventory(work, scale, device)  # as it was
-    row = {"first_step": first, "cache": cache, "artifacts": [a.name for a in carried]}
+    row = {
+        "first_step": first,
+        "cache": cache,
+        "artifacts": [f"{a.name}/{f.name}" for a in carried for f in a.iterdir()],
+    }
     print(json.dumps({"fresh": row}), file=sys.stderr)
     return row
 

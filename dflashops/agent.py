@@ -281,10 +281,18 @@ def verb_launch(req: dict) -> dict:
     directory, argv, env, launcher = check_launch(req)
     if os.path.exists(directory):  # the same refusal as the mkdir below, before a pre-flight's seconds
         raise AgentFailure(f"run directory {directory} already exists", "conflict")
+    launch_env = {str(k): str(v) for k, v in env.items()}
+    wants_standby = bool(req.get("standby")) and standby_eligible(argv)
+    fingerprint = (
+        standby_fingerprint(argv[0], launch_env, launcher, list(req.get("secret_keys") or [])) if wants_standby else ""
+    )
     verdict = None
     if req.get("preflight"):  # before the name is taken: a refused launch leaves nothing behind
         release = str((req.get("run_json") or {}).get("release") or env.get("PYTHONPATH") or "")
-        verdict = preflight_release(req, release, argv, env) if os.path.isdir(release) else None
+        if os.path.isdir(release):
+            if wants_standby:  # none ready (a fresh workspace): the check waits for this one, the run adopts it,
+                start_standby(req, argv, launch_env, launcher, "", fingerprint)  # and the imports are paid once
+            verdict = preflight_release(req, release, argv, env)
     cleared = verb_clear_cache(req) if req.get("clear_cache") else None
     session = session_name(req["name"])
     if launcher == "tmux" and tmux_has_session(req["workspace"], session):  # refused before the name is taken
@@ -301,12 +309,7 @@ def verb_launch(req: dict) -> dict:
     run_json = dict(req.get("run_json") or {})
     run_json.update(name=req["name"], launcher=launcher, session=session, run_dir=directory)
     write_atomic(os.path.join(directory, "run.json"), json.dumps(run_json, indent=2, sort_keys=True) + "\n")
-    launch_env = {str(k): str(v) for k, v in env.items()}
     cwd = req.get("cwd") or directory
-    wants_standby = bool(req.get("standby")) and standby_eligible(argv)
-    fingerprint = (
-        standby_fingerprint(argv[0], launch_env, launcher, list(req.get("secret_keys") or [])) if wants_standby else ""
-    )
     if wants_standby:
         adopted = adopt_standby(req, directory, argv, launch_env, cwd, launcher, session, fingerprint)
         if adopted is not None:
@@ -994,6 +997,7 @@ def preflight_release(req: dict, release: str, argv: list[str], env: dict) -> di
     answer, where = None, "a new interpreter"
     if req.get("standby") and standby_eligible(argv):
         fingerprint = standby_fingerprint(argv[0], env, str(req.get("launcher", "nohup")), secret_keys)
+        await_starting_standby(req["workspace"], fingerprint, time.monotonic() + PREFLIGHT_TIMEOUT_S)
         answer = check_in_standby(req["workspace"], fingerprint, check)
         where = "a standby interpreter" if answer is not None else where
     if answer is None:
@@ -1042,6 +1046,23 @@ def check_fresh(check: dict) -> dict:
     except OSError as exc:
         return {"exit_code": None, "output": f"cannot start {check['argv'][0]}: {exc.strerror}"}
     return {"exit_code": done.returncode, "output": done.stdout + done.stderr}
+
+
+def await_starting_standby(workspace: str, fingerprint: str, deadline: float) -> None:
+    """Wait while a standby of `fingerprint` started for this very launch (no run to follow: `after` empty) is
+    still importing and none is ready: a new interpreter for the check would pay the same imports, and the run
+    then a third time. Returns at once when one is ready or none is starting; a standby that dies ends the wait."""
+    while time.monotonic() < deadline:
+        starting = False
+        for folder, spec in standbys(workspace):
+            if spec.get("fingerprint") != fingerprint or os.path.exists(os.path.join(folder, "claimed")):
+                continue
+            if carries_marker(read_int(os.path.join(folder, "ready")), spec["marker"]):
+                return
+            starting = starting or (not spec.get("after") and standby_alive(folder, spec))
+        if not starting:
+            return
+        time.sleep(STANDBY_POLL_S * 5)
 
 
 def check_in_standby(workspace: str, fingerprint: str, check: dict) -> dict | None:
@@ -2044,8 +2065,8 @@ COMPILE_CACHE_KEY_RE = re.compile(r"^py\d+\.\d+-torch[A-Za-z0-9._-]+$")  # train
 
 def verb_clear_cache(req: dict) -> dict:
     """`--clear-cache`: remove the compile caches and nothing else: in the compile cache root (`compile_cache`,
-    default <workspace>/cache/compile) only the folders named like a cache key and their `.artifacts` files,
-    and the per-code-hash folders of the old layout (<workspace>/cache/inductor/<hash>). How much went."""
+    default <workspace>/cache/compile) only the folders named like a cache key and their artifacts (the
+    `<key>.artifacts.d/` folder, or an older trainer's `<key>.artifacts` file), and the per-code-hash folders of the old layout (<workspace>/cache/inductor/<hash>). How much went."""
     workspace = workspace_of(req)
     root = str(req.get("compile_cache") or os.path.join(workspace, "cache", "compile"))
     if not os.path.isabs(root):
@@ -2053,7 +2074,7 @@ def verb_clear_cache(req: dict) -> dict:
     doomed = []
     for folder, pattern in ((root, COMPILE_CACHE_KEY_RE), (os.path.join(workspace, "cache", "inductor"), HASH_RE)):
         for entry in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
-            if pattern.match(entry.removesuffix(".artifacts")):
+            if pattern.match(entry.removesuffix(".d").removesuffix(".artifacts")):
                 doomed.append(os.path.join(folder, entry))
     freed = files = 0
     for path in doomed:

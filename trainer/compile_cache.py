@@ -14,9 +14,9 @@ wins (trainer.CACHE_DIR_SET_BY_HAND: torch sets the variable itself to its defau
 Inductor reads the variable each time it needs its cache, so setting it before the first compile is enough.
 
 Portable warm starts: `save_artifacts` writes torch's cache artifacts (torch.compiler.save_cache_artifacts:
-the FX graph, AOTAutograd and Triton entries this process used) to `<root>/<key>.artifacts`; `load_artifacts`
-puts such a file, carried to a fresh workspace or another node of the same kind, into the cache before the
-first compile.
+the FX graph, AOTAutograd and Triton entries this process used) to a new file of `<root>/<key>.artifacts.d/`
+(the newest few kept); `load_artifacts` puts them all, carried to a fresh workspace or another node of the same
+kind, into an empty cache before the first compile.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -65,31 +66,49 @@ def choose(device: torch.device | None = None) -> Path | None:
     return path
 
 
-def artifacts_file(cache: Path) -> Path:
-    return cache.parent / f"{cache.name}.artifacts"
+ARTIFACT_FILES_KEPT = 4  # the newest saves kept: ~20 MB each at the 8B shape (bench/RESULTS.md, session 10)
+
+
+def artifacts_folder(cache: Path) -> Path:
+    """`<root>/<key>.artifacts.d/`: one file per run that compiled new work, newest kept."""
+    return cache.parent / f"{cache.name}.artifacts.d"
+
+
+def artifact_files(cache: Path) -> list[Path]:
+    """The saved artifacts of this cache, oldest first (a single `<key>.artifacts` of an older trainer first)."""
+    legacy = cache.parent / f"{cache.name}.artifacts"
+    folder = artifacts_folder(cache)
+    saved = sorted(folder.glob("*.bin")) if folder.is_dir() else []
+    return ([legacy] if legacy.is_file() else []) + saved
 
 
 def load_artifacts(cache: Path) -> int:
-    """Put `<key>.artifacts` (from an earlier run of this kind, here or elsewhere) into the cache; the number of
-    bytes loaded (0: none there)."""
-    source = artifacts_file(cache)
-    if not source.is_file():
-        return 0
-    data = source.read_bytes()
-    torch.compiler.load_cache_artifacts(data)
-    return len(data)
+    """Put every saved artifacts file of this kind (from earlier runs, here or elsewhere) into the cache, oldest
+    first; the bytes loaded (0: none there). Each save holds only what its own run used, so a file per run that
+    compiled new work is kept: a fresh workspace on an older code version finds that version's graphs too."""
+    loaded = 0
+    for source in artifact_files(cache):
+        data = source.read_bytes()
+        torch.compiler.load_cache_artifacts(data)
+        loaded += len(data)
+    return loaded
 
 
 def save_artifacts(cache: Path) -> int:
-    """Write the cache artifacts this process used to `<key>.artifacts` (atomically); the bytes written."""
+    """Write the cache artifacts this process used (its hits and its new work) as a new file of
+    `<key>.artifacts.d/` (atomically), keeping the newest ARTIFACT_FILES_KEPT; the bytes written."""
     saved = torch.compiler.save_cache_artifacts()
     if saved is None:
         return 0
     data = saved[0]
-    target = artifacts_file(cache)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    folder = artifacts_folder(cache)
+    folder.mkdir(parents=True, exist_ok=True)
+    name = f"{time.time_ns():020d}-{os.getpid()}.bin"  # sorts by time of the save
+    tmp = folder / f".{name}.tmp"
     tmp.write_bytes(data)
-    os.replace(tmp, target)
+    os.replace(tmp, folder / name)
+    for old in sorted(folder.glob("*.bin"))[:-ARTIFACT_FILES_KEPT]:
+        old.unlink(missing_ok=True)
     return len(data)
 
 

@@ -117,6 +117,19 @@ def test_the_next_launch_takes_the_standby_with_its_own_argv_env_cwd_and_exit_co
     assert "PLAIN_NAMED" not in spare["env"] and "RUN_TOKEN" not in spare["env"]
 
 
+def test_a_first_launch_with_a_preflight_pays_the_imports_once(env: Env) -> None:
+    """A fresh workspace has no standby: the launch starts one first, checks in a fork of it once it is ready,
+    and the run adopts it, instead of a new interpreter for the check and another for the run (issue 28's
+    fresh-workspace start)."""
+    rel = release(env.root, "rel1", "v1")
+    first = launch(env, "pf1", rel, preflight=True, run_json={"release": str(rel)})
+    assert first["preflight"]["in"] == "a standby interpreter", first["preflight"]
+    assert first["standby"] is True  # the run is the interpreter that checked its flags' parent
+    run = finished(env, "pf1")
+    assert run["exit_code"] == 0 and run["argv"] == ["train"] and run["secret"] == "s3cret-token"
+    ready_standby(env)  # and one more waits for the next launch
+
+
 def test_a_code_change_reaches_the_adopted_run(env: Env) -> None:
     launch(env, "sc1", release(env.root, "rel1", "old code"))
     finished(env, "sc1")
