@@ -31,6 +31,10 @@ for section in "$@"; do
     s10-cycle) step s10-cycle 560 env -u TORCHINDUCTOR_CACHE_DIR python3 bench/restart_cycle.py --steps 10 \
               --modes handover,code-change-outside,code-change-inside,handover,bad-code,bad-flag --fresh-workspace \
               --prune-checkpoints --json-out "$OUT/s10-cycle.json" ;;
+    # Session 11 (issue 28's missed goal): a cold deploy, one restart inside the compiled code (two code versions'
+    # artifacts saved), then a deploy into a fresh workspace given only the artifacts folder, standby on.
+    s11-fresh) step s11-fresh 300 env -u TORCHINDUCTOR_CACHE_DIR python3 bench/restart_cycle.py --steps 10 \
+              --modes code-change-inside --fresh-workspace --prune-checkpoints --json-out "$OUT/s11-fresh.json" ;;
     env) nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
          python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' ;;
     parity) step parity 240 python3 bench/gpu_parity.py ;;
