@@ -390,6 +390,9 @@ def fresh_workspace(work: Path, scale: dict, device: str, steps: int) -> dict:
     first = round(status(run)["timeline"]["first_step"] - typed, 2)
     cache = status(run).get("compile_cache")
     cli(inventory, "stop", "fresh-1", "--now")  # its final checkpoint is of no use here
+    from dflashops.agent import retire_standbys
+
+    retire_standbys(str(fresh), keep=None)  # the one started for the next launch
     write_inventory(work, scale, device)  # as it was
     row = {
         "first_step": first,
