@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -203,7 +204,12 @@ def test_the_child_commits_a_checkpoint_its_killed_writer_left_complete(
     os.kill(trainer, signal.SIGKILL)
     wait_until(lambda: "resumed" in status_json(env, "hk2").get("timeline", {}), timeout=SLOW)
     text = log_text(env, "hk2")
-    assert f"committed {checkpoint}: hk1 ended (exit code 137) after writing it, before making it durable" in text
+    # The child names the end as it saw it: the wrapper's exit code, or (when it looked before the wrapper wrote
+    # one, which load makes likely) the process gone. Both are the truth; the order is not the test's to fix.
+    ended = r"hk1 ended \((exit code 137|its process \d+ is gone)\)"
+    assert re.search(
+        rf"committed {re.escape(str(checkpoint))}: {ended} after writing it, before making it durable", text
+    )
     assert f"resumed from {checkpoint} at step" in text
     assert (checkpoint / "state.json").is_file() and not list(checkpoint.parent.glob(".tmp-*"))
     wait_until(lambda: "first_step" in status_json(env, "hk2").get("timeline", {}), timeout=SLOW)
@@ -225,7 +231,8 @@ def test_the_child_fails_naming_the_last_good_checkpoint_when_the_writer_died_mi
     os.kill(trainer, signal.SIGKILL)
     wait_until(lambda: (env.runs / "hw2" / "exit_code").is_file(), timeout=SLOW)
     text = log_text(env, "hw2")
-    assert "error: --resume: hw1 ended (exit code 137) without writing its final checkpoint step_" in text
+    ended = r"hw1 ended \((exit code 137|its process \d+ is gone)\)"  # as the child saw it first (see above)
+    assert re.search(rf"error: --resume: {ended} without writing its final checkpoint step_", text), text
     assert "hint: restart from its last complete checkpoint: none" in text and "Traceback" not in text
 
 
