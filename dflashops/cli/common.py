@@ -39,12 +39,24 @@ def show_passthrough(parser: argparse.ArgumentParser, tail: str) -> None:
     parser.usage = parser.format_usage().removeprefix("usage: ").rstrip().replace("%", "%%") + " " + tail
 
 
+def moved_after_separator(verb_words: list[str], extra: list[str], passthrough: list[str]) -> list[str]:
+    """The command line `verb_words` with the words argparse did not take (`extra`) moved after `--` (in front
+    of what was there already): the fix for a command or trainer arguments typed without `--`."""
+    kept = list(verb_words)
+    for word in reversed(extra):  # the words argparse did not take, removed from the end
+        del kept[len(kept) - 1 - kept[::-1].index(word)]
+    return ["dflashops", *kept, "--", *extra, *passthrough]
+
+
 def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
 def print_error(error: DflashopsError, prefix: str = "") -> None:
-    """The one error format (uv's): `error: <message>`, then `hint: <fix>` when there is one, on stderr."""
+    """The one error format (uv's): `error: <message>`, then `hint: <fix>` when there is one, on stderr (after
+    the verb's usage line when the error carries one)."""
+    if error.usage:
+        progress(error.usage.rstrip())
     progress(f"error: {prefix}{error.message}")
     if error.hint:
         progress(f"hint: {error.hint}")

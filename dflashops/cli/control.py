@@ -10,7 +10,15 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from dflashops.cli.common import emit_json, highlight_errors, open_invocation, print_plan, progress, show_passthrough
+from dflashops.cli.common import (
+    emit_json,
+    highlight_errors,
+    moved_after_separator,
+    open_invocation,
+    print_plan,
+    progress,
+    show_passthrough,
+)
 from dflashops.errors import NotFound, TransportError, UsageError
 from dflashops.ops.control import LogCursor, ended_badly, how_it_ended, read_log, run_status, stop_run, wait_for
 from dflashops.ops.nodes import node_target, unreachable_error
@@ -163,10 +171,7 @@ def exec_words_before_separator(args: argparse.Namespace, verb_words: list[str],
     """`dflashops exec local echo hi`: the command was given without `--` in front of it."""
     if args.all and args.target is not None:  # `exec --all echo hi`: argparse took `echo` for the TARGET
         extra = [args.target, *extra]
-    kept = list(verb_words)
-    for word in reversed(extra):  # the words argparse did not take, removed from the end
-        del kept[len(kept) - 1 - kept[::-1].index(word)]
-    fixed = join_argv(["dflashops", *kept, "--", *extra, *args.passthrough])
+    fixed = join_argv(moved_after_separator(verb_words, extra, args.passthrough))
     return UsageError(
         f"exec takes its command after `--` (found `{join_argv(extra)}` before it)",
         hint=f"put the command after --: {fixed}",

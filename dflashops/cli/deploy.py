@@ -5,12 +5,20 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dflashops.cli.common import highlight_errors, open_invocation, print_plan, progress, show_passthrough
+from dflashops.cli.common import (
+    highlight_errors,
+    moved_after_separator,
+    open_invocation,
+    print_plan,
+    progress,
+    show_passthrough,
+)
 from dflashops.errors import UsageError
 from dflashops.ops.control import DEFAULT_FAIL_ON, wait_for
 from dflashops.ops.deploy import LAUNCHERS, DeployOutcome, DeployRequest, deploy
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.restart import RestartRequest, restart
+from dflashops.shell import join_argv
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -33,7 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--parent", help="the run this one derives from (recorded in the lineage)")
     add_launch_options(p)
     show_passthrough(p, "[-- trainer args]")
-    p.set_defaults(func=handle_deploy)
+    p.set_defaults(func=handle_deploy, misplaced_words=trainer_args_before_separator, verb_usage=p.format_usage)
 
     r = subparsers.add_parser(
         "restart",
@@ -72,7 +80,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_launch_options(r, launcher_default=None)
     show_passthrough(r, "[-- trainer args]")
-    r.set_defaults(func=handle_restart)
+    r.set_defaults(func=handle_restart, misplaced_words=trainer_args_before_separator, verb_usage=r.format_usage)
+
+
+def trainer_args_before_separator(args: argparse.Namespace, verb_words: list[str], extra: list[str]) -> UsageError:
+    """`dflashops deploy --profile tiny --max-steps 10`: trainer arguments given without `--` in front of them.
+    The error names them, the hint is the same command with them after `--`, and the verb's usage comes first
+    (argparse's own order), exit 2."""
+    extra = list(extra)
+    target = getattr(args, "target", None)
+    if target is not None and target in verb_words:  # `--max-steps 10`: argparse took `10` for the TARGET
+        before = verb_words[verb_words.index(target) - 1] if verb_words.index(target) else ""
+        if before in extra and before.startswith("-") and "=" not in before:
+            extra.insert(extra.index(before) + 1, target)
+    error = UsageError(
+        f"unrecognized arguments: {join_argv(extra)}",
+        hint=f"trainer arguments go after `--`: {join_argv(moved_after_separator(verb_words, extra, args.passthrough))}",
+    )
+    error.usage = args.verb_usage()
+    return error
 
 
 def add_launch_options(p: argparse.ArgumentParser, launcher_default: str | None = "tmux") -> None:
