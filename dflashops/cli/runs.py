@@ -86,10 +86,12 @@ def _local_roots(args: argparse.Namespace) -> dict[str, Path]:
     return {t.name: Path(t.workspace) / "runs" for t in inventory.targets.values() if t.kind == "local"}
 
 
-def _facts(args: argparse.Namespace) -> Any:
+def _facts(args: argparse.Namespace, db: LineageDB | None = None) -> Any:
+    """Every view's source of a run's state (RunFacts): its run directory when it is on this machine, read now
+    by the agent as `dflashops status` reads it, else the record and when it was written."""
     from dflashops.cli.lineage_view import RunFacts
 
-    return RunFacts(_runs_root(args), {} if _runs_root(args) else _local_roots(args))
+    return RunFacts(_runs_root(args), {} if _runs_root(args) else _local_roots(args), db)
 
 
 # ---------------------------------------------------------------------------------------------- verbs
@@ -103,7 +105,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     elif not runs:
         print("no runs recorded" + ("" if db else f" (no database at {lineage_db_path(args)})"), file=sys.stderr)
     else:
-        _stdout().print(runs_table(runs, _facts(args)))
+        _stdout().print(runs_table(runs, _facts(args, db)))
     return 0
 
 
@@ -118,7 +120,7 @@ def cmd_tree(args: argparse.Namespace) -> int:
     else:
         if args.run:
             db.get(args.run)  # NotFound with close names
-        forest = lineage_forest(db, _facts(args), only=args.run)
+        forest = lineage_forest(db, _facts(args, db), only=args.run)
     if args.json:
         _print_json(forest)
     elif not forest:
@@ -129,18 +131,26 @@ def cmd_tree(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from dflashops.cli.lineage_view import show_table
+    from dflashops.cli.lineage_view import current_record, show_table
 
     db = _open(args) or _raise(_missing(args))
     run = db.get(args.run)
     parent = db.get(run.parent) if run.parent and run.parent in db.names() else None
     changes = diff_runs(parent, run).lines() if parent else []
     children = [child.name for child in db.children(run.name)]
+    fact = _facts(args, db)(run)
+    row = current_record(run, fact)
     if args.json:
-        _print_json({**run.to_dict(), "children": children, "changes_vs_parent": changes})
+        _print_json({**row, "children": children, "changes_vs_parent": changes})
         return 0
+    if fact.as_of is not None and not run.extra.get("collected"):
+        print(
+            f"note: {run.name}'s state is as recorded at {fact.as_of}: its run directory is on {run.target}, not "
+            f"on this machine (`dflashops status {run.name}` reads it there)",
+            file=sys.stderr,
+        )
     console = _stdout()
-    console.print(show_table(run))
+    console.print(show_table(row))
     console.print(f"children: {', '.join(children) or '-'}", markup=False)
     if parent:
         console.print(f"changes vs parent {parent.name}:", markup=False)
@@ -270,12 +280,14 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from dflashops.cli.lineage_view import export_text
+    from dflashops.cli.lineage_view import current_record, export_text
 
     if args.json and args.format == "csv":
         raise UsageError("--json and --format csv ask for different formats", hint="give one of them")
     db = _open(args)
-    text = export_text([] if db is None else db.list(), "json" if args.json else args.format or "csv")
+    facts = _facts(args, db)
+    rows = [current_record(run, facts(run)) for run in ([] if db is None else db.list())]
+    text = export_text(rows, "json" if args.json else args.format or "csv")
     if args.out in (None, "-"):
         sys.stdout.write(text)
         return 0

@@ -3,9 +3,16 @@ running the command as a user types it (real processes, real tmux, real SQLite, 
 
 from __future__ import annotations
 
+import csv
+import io
+import json
 import os
+import re
+import shutil
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -52,3 +59,54 @@ def test_item4_trainer_arguments_without_the_separator_get_the_fixed_command(
         f"hint: trainer arguments go after `--`: {fixed}",
     ]
     assert not any(env.runs.glob("*")), "nothing was launched"
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+# ---------------------------------------------------- item 1: every lineage view shows the state of now
+def test_item1_show_export_and_tree_show_the_state_the_run_directory_holds_now(
+    env: Env, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run that finished at step 20 after its deploy returned (no `status` call since): the record still
+    says `launched`, but every view reads the run directory, as `runs list` does."""
+    code, _, err = env.cli(
+        "deploy", "--profile", "work", "--name", "fin-1", "--launcher", "nohup", "--", "--steps", "20", "--interval", "0",
+        capsys=capsys,
+    )  # fmt: skip
+    assert code == 0, err
+    wait_until(lambda: (env.runs / "fin-1" / "exit_code").is_file())
+    current = {"state": "finished", "exit_code": 0, "last_step": 20, "state_from": "run directory"}
+    code, out, _ = env.cli("runs", "show", "fin-1", "--json", capsys=capsys)
+    assert code == 0 and {k: json.loads(out)[k] for k in current} == current, out
+    code, out, _ = env.cli("runs", "export", "--json", capsys=capsys)
+    assert code == 0 and {k: json.loads(out)[0][k] for k in current} == current, out
+    code, out, _ = env.cli("runs", "export", capsys=capsys)  # CSV
+    row = next(csv.DictReader(io.StringIO(out)))
+    assert (row["state"], row["exit_code"], row["last_step"], row["state_from"]) == (
+        "finished",
+        "0",
+        "20",
+        "run directory",
+    )
+    code, out, _ = env.cli("runs", "tree", "--json", capsys=capsys)
+    node = json.loads(out)[0]
+    assert (node["state"], node["exit_code"], node["last_step"], node["state_as_of"]) == ("finished", 0, 20, None)
+    code, out, _ = env.cli("runs", "show", "fin-1", capsys=capsys)
+    assert re.search(r"^state\s+finished\s*$", out, re.M) and re.search(r"^last_step\s+20\s*$", out, re.M), out
+
+
+def test_item1_a_run_whose_directory_is_elsewhere_says_when_its_state_was_recorded(
+    env: Env, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert env.deploy_one_step("far-1", capsys) == 0
+    shutil.move(env.runs / "far-1", env.root / "moved")  # as if on a target this machine cannot read
+    code, out, err = env.cli("runs", "show", "far-1", capsys=capsys)
+    assert code == 0 and "note: far-1's state is as recorded at 20" in err and "`dflashops status far-1`" in err
+    assert re.search(r"^state_from\s+lineage record \(its run directory on local is not on this machine\)", out, re.M)
+    code, out, _ = env.cli("runs", "tree", capsys=capsys)
+    assert code == 0 and "(state as recorded 20" in out, out
