@@ -1895,6 +1895,7 @@ def verb_tail(req: dict) -> dict:
     path = os.path.join(directory, "train.log")
     if not os.path.exists(path):
         raise AgentFailure(f"run {req['name']!r} has no log (it never started here)", "not_found")
+    req = start_of_reading(req, path)
     deadline = time.monotonic() + max(0.0, min(float(req.get("wait_s", 0)), 10.0))
     while True:
         answer = _tail_once(req, directory, path)
@@ -1919,6 +1920,7 @@ def verb_follow(req: dict) -> dict:
     path = os.path.join(directory, "train.log")
     if not os.path.exists(path):
         raise AgentFailure(f"run {req['name']!r} has no log (it never started here)", "not_found")
+    req = start_of_reading(req, path)
     cursor = {"offset": int(req.get("offset") or 0), "inode": req.get("inode"), "check": req.get("check")}
     last_sent = 0.0
     while True:
@@ -1935,6 +1937,57 @@ def verb_follow(req: dict) -> dict:
             return {"streamed": True}
         if not (answer["data"] and answer["more"]):
             time.sleep(FOLLOW_POLL_S)
+
+
+def start_of_reading(req: dict, path: str) -> dict:
+    """A reader's first request, moved to a line start: `lines` N starts at the last N lines of train.log
+    (`logs -n N`); `align` moves an `offset` inside a line (`logs --since N` typed by hand) forward to the start
+    of the next line, so no line is shown from its middle. Later requests carry neither: their offsets are the
+    answers' own, which may be inside a line longer than one answer."""
+    if req.get("lines") is None and not req.get("align"):
+        return req
+    with open(path, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if req.get("lines") is not None:
+            offset = last_lines_start(handle, size, int(req["lines"]))
+        else:
+            offset = int(req.get("offset") or 0)
+            if 0 < offset <= size:
+                offset = next_line_start(handle, offset, size)
+    return {**req, "offset": offset, "check": None, "lines": None, "align": False}
+
+
+def last_lines_start(handle, size: int, lines: int) -> int:
+    """The offset where the last `lines` lines of the file start (a last line without its newline counts)."""
+    if lines <= 0 or size == 0:
+        return size
+    handle.seek(size - 1)
+    end = size - 1 if handle.read(1) == b"\n" else size  # the newline that ends the last line starts nothing
+    found, pos = 0, end
+    while pos > 0:
+        start = max(0, pos - 65536)
+        handle.seek(start)
+        block = handle.read(pos - start)
+        index = len(block)
+        while (index := block.rfind(b"\n", 0, index)) >= 0:
+            found += 1
+            if found == lines:
+                return start + index + 1
+        pos = start
+    return 0
+
+
+def next_line_start(handle, offset: int, size: int) -> int:
+    """`offset` when a line starts there, else the start of the next line (the end of the file if none)."""
+    handle.seek(offset - 1)
+    if handle.read(1) == b"\n":
+        return offset
+    while offset < size:
+        block = handle.read(65536)
+        if (index := block.find(b"\n")) >= 0:
+            return offset + index + 1
+        offset += len(block)
+    return size
 
 
 def prefix_check(handle, offset: int) -> str:
@@ -2585,6 +2638,11 @@ def main(argv: list[str]) -> int:
     except BrokenPipeError:  # the reader of a `follow` stream went away: nothing to tell anyone
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
         return 0
+    except KeyboardInterrupt:
+        # Ctrl-C in the terminal of a local-target `logs -f` reaches this process too (same process group): the
+        # CLI says what to do next; a traceback from here would only bury that line. Its reader is going away.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGINT
     except AgentFailure as exc:
         print(json.dumps({"ok": False, "error": str(exc), "code": exc.code}), flush=True)
         return 2 if exc.code == "bad_request" else 0

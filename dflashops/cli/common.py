@@ -17,6 +17,7 @@ from typing import Any
 from dflashops.errors import DflashopsError
 from dflashops.inventory import load_inventory
 from dflashops.ops.invocation import Invocation
+from dflashops.shell import join_argv
 
 
 @contextmanager
@@ -46,6 +47,17 @@ def moved_after_separator(verb_words: list[str], extra: list[str], passthrough: 
     for word in reversed(extra):  # the words argparse did not take, removed from the end
         del kept[len(kept) - 1 - kept[::-1].index(word)]
     return ["dflashops", *kept, "--", *extra, *passthrough]
+
+
+def follow_again(run: str, offset: int, *, ended: bool = False, node: int | None = None) -> str:
+    """What Ctrl-C during a follow (`logs -f`, `deploy --wait`) says: the run keeps going (a follow never stops
+    it) and the whole command that follows on from the line start where this one stopped."""
+    command = join_argv(
+        ["dflashops", "logs", run, "-f", "--since", str(offset), *(["--node", str(node)] if node is not None else [])]
+    )
+    if ended:
+        return f"{run} has ended (`dflashops status {run}` says how); the rest of its log: {command}"
+    return f"{run} is still running; follow again: {command}"
 
 
 def progress(message: str) -> None:

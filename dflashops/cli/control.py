@@ -12,6 +12,7 @@ from typing import Any
 
 from dflashops.cli.common import (
     emit_json,
+    follow_again,
     highlight_errors,
     moved_after_separator,
     open_invocation,
@@ -84,7 +85,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="a run on several targets: only node K's log (default: every node's, lines prefixed [node K])",
     )
     lg.add_argument("-f", "--follow", action="store_true", help="keep following until the run ends")
-    lg.add_argument("--since", type=int, default=0, metavar="BYTES", help="start at this byte offset")
+    lg.add_argument(
+        "--since",
+        type=int,
+        default=0,
+        metavar="BYTES",
+        help="start at this byte offset (a line start: one inside a line starts at the next line)",
+    )
+    lg.add_argument(
+        "-n", "--tail", type=int, metavar="N", help="start at the last N lines of the log (with -f: then follow)"
+    )
     lg.add_argument("--until", metavar="REGEX", help="follow until REGEX matches a line (exit 0)")
     lg.add_argument("--fail-on", metavar="REGEX", help="exit non-zero (7) when REGEX matches a line")
     lg.add_argument("--timeout", type=float, metavar="S", help="give up after this many seconds (exit 8)")
@@ -315,7 +325,12 @@ def handle_status(args: argparse.Namespace) -> int:
 def handle_logs(args: argparse.Namespace) -> int:
     if args.since < 0:
         raise UsageError("--since must be a byte offset >= 0")
-    cursor = LogCursor(offset=args.since)
+    if args.tail is not None and (args.tail < 0 or args.since):
+        raise UsageError(
+            "-n/--tail takes a number of lines >= 0, and not with --since",
+            hint=f"dflashops logs {args.run} -n 20  (the last 20 lines)",
+        )
+    cursor = LogCursor(offset=args.since, last_lines=args.tail, to_line_start=args.since > 0)
 
     def write(text: str) -> None:
         sys.stdout.write(text if args.raw else highlight_errors(text))
@@ -350,8 +365,8 @@ def handle_logs(args: argparse.Namespace) -> int:
                     write(chunk)
                 if args.follow and (failure := ended_badly(invocation, args.run, target=args.target)):
                     raise failure  # followed to the end of a crashed run: scripts see it in the exit status
-        except KeyboardInterrupt:
-            progress(f"interrupted; resume with --since {cursor.offset}")
+        except KeyboardInterrupt:  # quietly: the run goes on, and the line says how to follow it again
+            progress(follow_again(args.run, cursor.offset, ended=cursor.run_ended, node=args.node))
             return 130
     return 0
 

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from dflashops.cli.common import (
+    follow_again,
     highlight_errors,
     moved_after_separator,
     open_invocation,
@@ -14,7 +15,7 @@ from dflashops.cli.common import (
     show_passthrough,
 )
 from dflashops.errors import UsageError
-from dflashops.ops.control import DEFAULT_FAIL_ON, wait_for
+from dflashops.ops.control import DEFAULT_FAIL_ON, LogCursor, wait_for
 from dflashops.ops.deploy import LAUNCHERS, DeployOutcome, DeployRequest, deploy
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.restart import RestartRequest, restart
@@ -162,14 +163,21 @@ def report(invocation: Invocation, outcome: DeployOutcome, args: argparse.Namesp
             )
     print(outcome.name)
     if args.wait:
-        line = wait_for(
-            invocation,
-            outcome.name,
-            until=args.wait,
-            fail_on=args.fail_on,
-            timeout=args.timeout,
-            on_text=lambda text: sys.stderr.write(highlight_errors(text, sys.stderr)),
-        )
+        cursor = LogCursor()
+        try:
+            line = wait_for(
+                invocation,
+                outcome.name,
+                until=args.wait,
+                fail_on=args.fail_on,
+                timeout=args.timeout,
+                cursor=cursor,
+                on_text=lambda text: sys.stderr.write(highlight_errors(text, sys.stderr)),
+            )
+        except KeyboardInterrupt:  # quietly: the run was launched and goes on; say how to follow it again
+            sys.stderr.flush()
+            progress(follow_again(outcome.name, cursor.offset, ended=cursor.run_ended))
+            return 130
         progress(f"matched: {line.strip()}")
     return 0
 

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -110,3 +111,88 @@ def test_item1_a_run_whose_directory_is_elsewhere_says_when_its_state_was_record
     assert re.search(r"^state_from\s+lineage record \(its run directory on local is not on this machine\)", out, re.M)
     code, out, _ = env.cli("runs", "tree", capsys=capsys)
     assert code == 0 and "(state as recorded 20" in out, out
+
+
+# ----------------------------------------------------------- item 2: Ctrl-C during a follow, on the local target
+def interrupted(env: Env, *words: str, ready: Callable[[str], bool]) -> tuple[int, str, str]:
+    """dflashops as a real process in a process group of its own (as a shell runs it); once `ready(stderr and
+    stdout so far)`, SIGINT to that group as a terminal's Ctrl-C sends it. (exit code, stdout, stderr)."""
+    out_path, err_path = env.root / "ctrl-c.out", env.root / "ctrl-c.err"
+    with out_path.open("w") as out, err_path.open("w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dflashops.cli.main", "--inventory", str(env.inventory), *words],
+            stdout=out,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            cwd=env.root,
+            start_new_session=True,
+        )
+        try:
+            wait_until(lambda: ready(out_path.read_text() + err_path.read_text()))
+            time.sleep(0.3)  # inside the follow stream, not between two answers
+            os.killpg(proc.pid, signal.SIGINT)  # the group we started: the CLI and its local agent
+            code = proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return code, out_path.read_text(), err_path.read_text()
+
+
+def test_item2_ctrl_c_during_logs_follow_says_the_run_goes_on_and_how_to_follow_again(
+    env: Env, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = env.cli(
+        "deploy", "--profile", "work", "--name", "cc-1", "--launcher", "nohup", "--wait", "step 2", "--",
+        "--interval", "0.05", capsys=capsys,
+    )  # fmt: skip
+    assert code == 0, err
+    code, out, err = interrupted(env, "logs", "cc-1", "-f", ready=lambda text: "step 5 " in text)
+    assert code == 130 and "step 5 " in out
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    found = re.fullmatch(r"cc-1 is still running; follow again: dflashops logs cc-1 -f --since (\d+)\n", err)
+    assert found, err
+    offset = int(found.group(1))
+    log = (env.runs / "cc-1" / "train.log").read_bytes()
+    assert offset > 0 and log[offset - 1 : offset] == b"\n"  # a line start
+    assert log[:offset].decode() in out  # everything before it was shown
+    code, again, _ = env.cli("logs", "cc-1", "--since", str(offset), capsys=capsys)
+    assert code == 0 and log[offset:].decode().startswith(again.splitlines()[0] + "\n")  # it goes on from there
+    code, status, _ = env.cli("status", "cc-1", capsys=capsys)
+    assert "\trunning\t" in status  # the follow ended, the run did not
+
+
+def test_item2_ctrl_c_during_deploy_wait_says_the_run_goes_on(env: Env) -> None:
+    code, out, err = interrupted(
+        env, "deploy", "--profile", "work", "--name", "cc-2", "--launcher", "nohup", "--wait", "never matches",
+        ready=lambda text: "step 5 " in text,
+    )  # fmt: skip
+    assert code == 130 and out == "cc-2\n", err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert re.search(r"^cc-2 is still running; follow again: dflashops logs cc-2 -f --since \d+$", err, re.M), err
+    assert err.endswith("\n") and err.splitlines()[-1].startswith("cc-2 is still running")
+
+
+# ------------------------------------------------------------------ item 6: logs -n N, --since on a line start
+def test_item6_logs_tail_n_and_since_on_a_line_start(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = env.cli(
+        "deploy", "--profile", "work", "--name", "tl-1", "--launcher", "nohup", "--wait", "done", "--",
+        "--steps", "12", "--interval", "0", capsys=capsys,
+    )  # fmt: skip
+    assert code == 0, err
+    log = (env.runs / "tl-1" / "train.log").read_text()
+    lines = log.splitlines(keepends=True)
+    code, out, _ = env.cli("logs", "tl-1", "-n", "3", capsys=capsys)
+    assert code == 0 and out == "".join(lines[-3:])
+    code, out, _ = env.cli("logs", "tl-1", "--tail", "3", "-f", capsys=capsys)  # the run has ended: -f returns
+    assert code == 0 and out == "".join(lines[-3:])
+    assert env.cli("logs", "tl-1", "-n", "0", capsys=capsys)[1] == ""
+    assert env.cli("logs", "tl-1", "-n", "1000", capsys=capsys)[1] == log
+    middle = len(lines[0]) + 3  # inside the second line
+    code, out, _ = env.cli("logs", "tl-1", "--since", str(middle), capsys=capsys)
+    assert code == 0 and out == "".join(lines[2:])  # from the next line start, never half a line
+    start = len(lines[0]) + len(lines[1])  # a line start stays where it is
+    assert env.cli("logs", "tl-1", "--since", str(start), capsys=capsys)[1] == "".join(lines[2:])
+    code, _, err = env.cli("logs", "tl-1", "-n", "3", "--since", "5", capsys=capsys)
+    assert code == 2 and err.startswith("error: ") and "hint: " in err
