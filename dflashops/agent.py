@@ -1872,7 +1872,7 @@ def verb_status(req: dict) -> dict:
     if req.get("name"):
         directory = run_dir(req)
         if not os.path.isdir(directory):
-            raise AgentFailure(f"run {req['name']!r} does not exist on this target", "not_found")
+            raise missing_run(req, "does not exist on this target")
         return {"runs": [run_status(directory)]}
     runs_root = os.path.join(workspace_of(req), "runs")
     names = sorted(os.listdir(runs_root)) if os.path.isdir(runs_root) else []
@@ -1894,7 +1894,7 @@ def verb_tail(req: dict) -> dict:
     directory = run_dir(req)
     path = os.path.join(directory, "train.log")
     if not os.path.exists(path):
-        raise AgentFailure(f"run {req['name']!r} has no log (it never started here)", "not_found")
+        raise missing_run(req, "has no log (it never started here)")
     req = start_of_reading(req, path)
     deadline = time.monotonic() + max(0.0, min(float(req.get("wait_s", 0)), 10.0))
     while True:
@@ -1919,7 +1919,7 @@ def verb_follow(req: dict) -> dict:
     directory = run_dir(req)
     path = os.path.join(directory, "train.log")
     if not os.path.exists(path):
-        raise AgentFailure(f"run {req['name']!r} has no log (it never started here)", "not_found")
+        raise missing_run(req, "has no log (it never started here)")
     req = start_of_reading(req, path)
     cursor = {"offset": int(req.get("offset") or 0), "inode": req.get("inode"), "check": req.get("check")}
     last_sent = 0.0
@@ -2450,7 +2450,7 @@ def releases_in_use(workspace: str) -> set[str]:
     return used
 
 
-def prune_releases(workspace: str, keep: int) -> list[str]:
+def prune_releases(workspace: str, keep: int, *, dry_run: bool = False) -> list[str]:
     releases = os.path.join(workspace, "releases")
     current = os.path.basename(os.path.realpath(os.path.join(releases, "current")))
     entries = [e for e in os.listdir(releases) if HASH_RE.match(e) and os.path.isdir(os.path.join(releases, e))]
@@ -2459,34 +2459,88 @@ def prune_releases(workspace: str, keep: int) -> list[str]:
     removed = []
     for entry in entries[max(keep, 1) :]:
         if entry not in protected:
-            shutil.rmtree(os.path.join(releases, entry))
+            if not dry_run:
+                shutil.rmtree(os.path.join(releases, entry))
             removed.append(entry)
     return removed
+
+
+COLLECTED = "collected.jsonl"  # in the workspace: one line per run directory gc deleted (name, when, by)
+
+
+def collected_run(workspace: str, name: str) -> dict | None:
+    """The last record of gc deleting run `name`'s directory in `workspace`, or None."""
+    found = None
+    for line in (read_text(os.path.join(workspace, COLLECTED)) or "").splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue  # a torn last line
+        if isinstance(entry, dict) and entry.get("name") == name:
+            found = entry
+    return found
+
+
+def missing_run(req: dict, what: str) -> AgentFailure:
+    """The refusal for a run without a directory (`what`: "does not exist" ...): one that gc deleted says so."""
+    name = req["name"]
+    entry = collected_run(workspace_of(req), name)
+    if entry is not None:
+        return AgentFailure(
+            f"run {name!r} was collected: its run directory was deleted by `dflashops gc` at {entry.get('at')}",
+            "not_found",
+        )
+    return AgentFailure(f"run {name!r} {what}", "not_found")
 
 
 def verb_gc(req: dict) -> dict:
     """Explicit clean-up: old releases beyond `keep`, the run directories named in `runs` that are not
     running, and with `standby` every waiting standby interpreter (asked to exit: `retired`; one that a launch
-    has just claimed runs its run). Nothing else is ever deleted."""
+    has just claimed runs its run). Nothing else is ever deleted. `removed` lists each deleted folder with its
+    path, bytes and files; a deleted run directory is recorded in <workspace>/collected.jsonl (so `logs` and
+    `status` of it say it was collected). With `dry_run`, the same answer and nothing deleted or asked."""
     workspace = workspace_of(req)
-    removed_runs = []
+    dry_run = bool(req.get("dry_run"))
+    final = {}  # each run's last state, for the lineage record that outlives its directory
     for name in req.get("runs") or []:
         directory = run_dir({"workspace": workspace, "name": name})
         if not os.path.isdir(directory):
-            raise AgentFailure(f"run {name!r} does not exist on this target", "not_found")
-        if run_status(directory)["state"] in ("running", "stopping", "launching"):
+            raise missing_run({"workspace": workspace, "name": name}, "does not exist on this target")
+        status = run_status(directory)
+        if status["state"] in ("running", "stopping", "launching"):
             raise AgentFailure(f"run {name!r} is still running; stop it first", "conflict")
+        final[name] = {key: status[key] for key in ("state", "exit_code", "step")}
+    removed = []
     for name in req.get("runs") or []:
-        shutil.rmtree(run_dir({"workspace": workspace, "name": name}))
-        removed_runs.append(name)
-    removed = (
-        prune_releases(workspace, int(req.get("keep", 5))) if os.path.isdir(os.path.join(workspace, "releases")) else []
-    )
+        directory = run_dir({"workspace": workspace, "name": name})
+        size, files = tree_size(directory)
+        if not dry_run:
+            at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            with open(os.path.join(workspace, COLLECTED), "a", encoding="utf-8") as handle:  # before: no silent loss
+                handle.write(json.dumps({"name": name, "at": at, "by": "gc", "bytes": size}) + "\n")
+            shutil.rmtree(directory)
+        removed.append(
+            {"kind": "run", "name": name, "path": directory, "bytes": size, "files": files, "final": final[name]}
+        )
+    releases = os.path.join(workspace, "releases")
+    for entry in prune_releases(workspace, int(req.get("keep", 5)), dry_run=True) if os.path.isdir(releases) else []:
+        path = os.path.join(releases, entry)
+        size, files = tree_size(path)
+        if not dry_run:
+            shutil.rmtree(path)
+        removed.append({"kind": "release", "name": entry, "path": path, "bytes": size, "files": files})
     retired = []
     if req.get("standby"):
         retired = [os.path.basename(folder) for folder, _ in standbys(workspace)]
-        retire_standbys(workspace, keep=None)
-    return {"removed_releases": removed, "removed_runs": removed_runs, "retired_standbys": retired}
+        if not dry_run:
+            retire_standbys(workspace, keep=None)
+    return {
+        "removed_releases": [r["name"] for r in removed if r["kind"] == "release"],
+        "removed_runs": [r["name"] for r in removed if r["kind"] == "run"],
+        "retired_standbys": retired,
+        "removed": removed,
+        "dry_run": dry_run,
+    }
 
 
 # ----------------------------------------------------------------------------------------------- fetch

@@ -60,6 +60,16 @@ def follow_again(run: str, offset: int, *, ended: bool = False, node: int | None
     return f"{run} is still running; follow again: {command}"
 
 
+def size(count: int) -> str:
+    """`2.0 KiB`, `12.6 GiB`: bytes in the largest unit that keeps a number >= 1."""
+    value, unit = float(count), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    return f"{value:.0f} B" if unit == "B" else f"{value:.1f} {unit}"
+
+
 def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 

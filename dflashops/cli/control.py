@@ -19,8 +19,11 @@ from dflashops.cli.common import (
     print_plan,
     progress,
     show_passthrough,
+    size,
 )
 from dflashops.errors import NotFound, TransportError, UsageError
+from dflashops.lineage.files import AGENT_STATE_TO_LINEAGE
+from dflashops.lineage.record import utc_now_iso
 from dflashops.ops.control import LogCursor, ended_badly, how_it_ended, read_log, run_status, stop_run, wait_for
 from dflashops.ops.nodes import node_target, unreachable_error
 from dflashops.ops.supervise import supervision_note
@@ -136,8 +139,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="delete old releases and (only when named) finished run directories",
         description="Delete code releases on TARGET except the newest --keep, the current one and any a live run "
         "uses, and the run directories named with --run (only runs that are not running); with --standby, "
-        "ask TARGET's standby interpreters to exit. Nothing else is deleted or stopped; prints what was "
-        "removed as JSON.",
+        "ask TARGET's standby interpreters to exit. Nothing else is deleted or stopped. Prints what was "
+        "removed (path and size, one line each; --json for JSON); the lineage keeps a deleted run's record, "
+        "marked collected.",
     )
     gc.add_argument(
         "target", nargs="?", metavar="TARGET", help="target from the inventory (default: the default target)"
@@ -149,7 +153,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="also retire the target's waiting standby interpreters (inventory `standby`)",
     )
-    gc.add_argument("--dry-run", action="store_true", help="print the commands that would run; change nothing")
+    gc.add_argument("--json", action="store_true", help="print what was removed as JSON")
+    gc.add_argument(
+        "--dry-run", action="store_true", help="list what would be deleted (paths and sizes); delete nothing"
+    )
     gc.set_defaults(func=handle_gc)
 
 
@@ -165,6 +172,8 @@ def with_run_hint(handler: Callable[[argparse.Namespace], int]) -> Callable[[arg
             name = getattr(args, "run", None)
             if not name or exc.hint or f"run {name!r}" not in exc.message:
                 raise
+            if f"run {name!r} was collected" in exc.message:  # by gc: no other name was meant
+                raise NotFound(exc.message, hint=f"its lineage record stays: dflashops runs show {name}") from None
             with open_invocation(args) as invocation:
                 close = invocation.close_run_names(name, getattr(args, "target", None))
             hint = (
@@ -413,13 +422,46 @@ def handle_attach(args: argparse.Namespace) -> int:
 def handle_gc(args: argparse.Namespace) -> int:
     for name in args.run:
         validate_name(name, what="run name")
-    with open_invocation(args, dry_run=args.dry_run) as invocation:
+    # Not a dry-run invocation even for --dry-run: the agent's own dry run reads what would go (paths, sizes).
+    with open_invocation(args) as invocation:
         target = invocation.inventory.target(args.target)
-        answer = invocation.agent(target).call(
-            "gc", {"workspace": target.workspace, "keep": args.keep, "runs": args.run, "standby": args.standby}
+        request = {"workspace": target.workspace, "keep": args.keep, "runs": args.run, "standby": args.standby}
+        answer = invocation.agent(target).call("gc", {**request, "dry_run": True} if args.dry_run else request)
+        if not args.dry_run:
+            mark_collected(invocation, target.name, answer)
+    if args.json:
+        emit_json({k: v for k, v in answer.items() if k != "ok"})
+        return 0
+    verb = "would remove" if args.dry_run else "removed"
+    for item in answer["removed"]:
+        print(f"{verb} {item['kind']} {item['name']}  {item['path']}  {size(item['bytes'])} in {item['files']} files")
+    for folder in answer["retired_standbys"]:
+        print(f"{'would retire' if args.dry_run else 'retired'} standby {folder}")
+    total = sum(int(item["bytes"]) for item in answer["removed"])
+    runs, releases = len(answer["removed_runs"]), len(answer["removed_releases"])
+    summary = f"{runs} run director{'y' if runs == 1 else 'ies'} and {releases} release(s), {size(total)}"
+    if args.dry_run:
+        progress(f"dry run on {target.name}: {summary} would be deleted; nothing was")
+    elif answer["removed"] or answer["retired_standbys"]:
+        progress(f"gc on {target.name}: deleted {summary}")
+    else:
+        progress(
+            f"gc on {target.name}: nothing to delete (releases kept: the newest {args.keep}, the current one "
+            "and those of live runs)"
         )
-        if args.dry_run:
-            print_plan(invocation)
-            return 0
-    emit_json({k: v for k, v in answer.items() if k != "ok"})
     return 0
+
+
+def mark_collected(invocation: Any, target: str, answer: dict[str, Any]) -> None:
+    """The lineage keeps the record of a run whose directory gc deleted, with the state that directory held last
+    and marked collected (when, by gc), so the views say where its files went."""
+    for item in answer.get("removed") or []:
+        record = invocation.record_of(item["name"]) if item["kind"] == "run" else None
+        if record is not None and record.target == target:
+            final = item.get("final") or {}
+            fields = {"exit_code": final.get("exit_code", record.exit_code)}
+            if isinstance(final.get("step"), int):
+                fields["last_step"] = final["step"]
+            collected = {"at": utc_now_iso(), "by": "gc", "target": target, "bytes": item["bytes"]}
+            state = AGENT_STATE_TO_LINEAGE.get(str(final.get("state")), record.state)
+            invocation.db.set_state(record.name, state, **fields, extra={"collected": collected})

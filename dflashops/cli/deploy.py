@@ -13,6 +13,7 @@ from dflashops.cli.common import (
     print_plan,
     progress,
     show_passthrough,
+    size,
 )
 from dflashops.errors import UsageError
 from dflashops.ops.control import DEFAULT_FAIL_ON, LogCursor, wait_for
@@ -180,16 +181,6 @@ def report(invocation: Invocation, outcome: DeployOutcome, args: argparse.Namesp
             return 130
         progress(f"matched: {line.strip()}")
     return 0
-
-
-def size(count: int) -> str:
-    """`2.0 KiB`, `12.6 GiB`: bytes in the largest unit that keeps a number >= 1."""
-    value, unit = float(count), "B"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            break
-        value /= 1024
-    return f"{value:.0f} B" if unit == "B" else f"{value:.1f} {unit}"
 
 
 def preflight_line(verdict: dict) -> str:

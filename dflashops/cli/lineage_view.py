@@ -127,6 +127,7 @@ def lineage_forest(db: LineageDB, facts: RunFacts, only: str | None = None) -> l
             "last_step": fact.last_step,
             "best_tau_sim": fact.best_tau_sim,
             "state_as_of": fact.as_of,
+            "collected": run.extra.get("collected"),
             "note": run.note,
             "parent": run.parent,
             "parent_recorded": parent is not None,
@@ -147,7 +148,9 @@ def _label(item: dict[str, Any]) -> Text:
         text.append(f"  step {item['last_step']}")
     if item["best_tau_sim"] is not None:
         text.append(f"  best tau_sim {item['best_tau_sim']:.3f}")
-    if item.get("state_as_of"):
+    if item.get("collected"):
+        text.append(f"  [collected: run directory deleted by gc at {item['collected'].get('at')}]", style="dim")
+    elif item.get("state_as_of"):
         text.append(f"  (state as recorded {item['state_as_of']})", style="dim")
     if item["parent"] and not item["parent_recorded"]:
         text.append(f"  (parent {item['parent']} not recorded)", style="dim")

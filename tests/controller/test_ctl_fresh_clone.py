@@ -196,3 +196,42 @@ def test_item6_logs_tail_n_and_since_on_a_line_start(env: Env, capsys: pytest.Ca
     assert env.cli("logs", "tl-1", "--since", str(start), capsys=capsys)[1] == "".join(lines[2:])
     code, _, err = env.cli("logs", "tl-1", "-n", "3", "--since", "5", capsys=capsys)
     assert code == 2 and err.startswith("error: ") and "hint: " in err
+
+
+# -------------------------------------------------------------------- item 8: gc says what it deletes, and did
+def test_item8_gc_dry_run_lists_paths_and_sizes_and_a_collected_run_says_so(
+    env: Env, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert env.deploy_one_step("gc-1", capsys) == 0
+    directory = env.runs / "gc-1"
+    wait_until(lambda: (directory / "exit_code").is_file())
+    code, out, err = env.cli("gc", "--run", "gc-1", "--dry-run", capsys=capsys)
+    assert code == 0 and directory.is_dir(), err  # nothing deleted
+    line = next(line for line in out.splitlines() if line.startswith("would remove run gc-1"))
+    assert f"  {directory}  " in line and re.search(r"  [\d.]+ (B|KiB|MiB) in \d+ files$", line), out
+    assert "nothing was" in err and "{" not in out  # a summary, not JSON
+    bytes_now = sum(p.stat().st_size for p in directory.rglob("*") if p.is_file() and not p.is_symlink())
+    code, out, err = env.cli("gc", "--run", "gc-1", "--dry-run", "--json", capsys=capsys)
+    item = json.loads(out)["removed"][0]
+    assert (item["path"], item["bytes"], json.loads(out)["dry_run"]) == (str(directory), bytes_now, True)
+    assert directory.is_dir()
+
+    code, out, err = env.cli("gc", "--run", "gc-1", capsys=capsys)
+    assert code == 0 and not directory.exists(), err
+    assert out.startswith(f"removed run gc-1  {directory}  ") and "gc on local: deleted 1 run directory" in err
+
+    code, out, err = env.cli("logs", "gc-1", capsys=capsys)
+    assert code == 3 and out == "", err
+    assert re.search(
+        r"^error: local: run 'gc-1' was collected: its run directory was deleted by `dflashops gc` at 20", err
+    )
+    assert err.splitlines()[-1] == "hint: its lineage record stays: dflashops runs show gc-1"
+    assert "never started" not in err
+    code, out, _ = env.cli("runs", "tree", capsys=capsys)
+    assert code == 0 and "gc-1  [finished]" in out and "[collected: run directory deleted by gc at 20" in out, out
+    code, out, _ = env.cli("runs", "show", "gc-1", "--json", capsys=capsys)
+    shown = json.loads(out)
+    assert shown["extra"]["collected"]["by"] == "gc" and shown["state_from"].endswith("deleted by gc)")
+
+    code, out, _ = env.cli("gc", "--json", capsys=capsys)  # --json: the JSON it printed before
+    assert code == 0 and json.loads(out)["removed_runs"] == []
