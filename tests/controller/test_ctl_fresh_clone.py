@@ -235,3 +235,23 @@ def test_item8_gc_dry_run_lists_paths_and_sizes_and_a_collected_run_says_so(
 
     code, out, _ = env.cli("gc", "--json", capsys=capsys)  # --json: the JSON it printed before
     assert code == 0 and json.loads(out)["removed_runs"] == []
+
+
+# ------------------------------------------------------ item 3: `dflashops` after `make demo`, venv not active
+def test_item3_the_command_the_demo_prints_runs_dflashops_without_an_active_venv() -> None:
+    """The demo's "next:" line names `dflashops` the way it runs from the repository with the Makefile's
+    .venv not activated (PATH without it, as after `make demo`), and the `source` line it adds works too."""
+    script = Path(sys.executable).parent / "dflashops"
+    if not script.is_file():
+        pytest.skip("dflashops is not installed beside this Python (not the Makefile's .venv)")
+    bare = {**os.environ, "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
+    bare.pop("VIRTUAL_ENV", None)
+    show = "from dflashops.demo import dflashops_command as c; print(*c(), sep='\\n')"
+    out = subprocess.run([sys.executable, "-c", show], capture_output=True, text=True, env=bare, cwd=REPO, check=True)
+    command, activate = out.stdout.splitlines()
+    assert command != "dflashops" and activate.endswith("bin/activate"), out.stdout
+    for line in (f"{command} --version", f"source {activate} && dflashops --version"):
+        typed = subprocess.run(["bash", "-c", line], capture_output=True, text=True, env=bare, cwd=REPO)
+        assert typed.returncode == 0 and typed.stdout.startswith("dflashops "), (line, typed.stderr)
+    typed = subprocess.run(["bash", "-c", "dflashops --version"], capture_output=True, text=True, env=bare, cwd=REPO)
+    assert typed.returncode == 127  # what the issue saw: not on PATH until then
