@@ -236,7 +236,9 @@ def handle_restart(args: argparse.Namespace) -> int:
         )
         if not args.dry_run:
             how = f"stopped (exit code {outcome.old_exit_code})" if outcome.stopped else "was not running"
-            if outcome.handover:
-                how = "stopping: its trainer freed its GPUs and is writing its final checkpoint"
+            if outcome.handover:  # GPUs only for a run that had some: a CPU run's trainer freed none
+                record = invocation.record_of(args.run)
+                freed = "freed its GPUs" if record is not None and record.gpus else "stopped training"
+                how = f"stopping: its trainer {freed} and is writing its final checkpoint"
             progress(f"{args.run} {how}" + (f"; resuming from {outcome.checkpoint}" if outcome.checkpoint else ""))
         return report(invocation, outcome.deployed, args)

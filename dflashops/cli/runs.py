@@ -96,16 +96,23 @@ def _facts(args: argparse.Namespace, db: LineageDB | None = None) -> Any:
 
 # ---------------------------------------------------------------------------------------------- verbs
 def cmd_list(args: argparse.Namespace) -> int:
-    from dflashops.cli.lineage_view import runs_table
+    from dflashops.cli.lineage_view import current_record, runs_table
 
     db = _open(args)
-    runs = [] if db is None else db.list(state=args.state, target=args.target)
+    runs = [] if db is None else db.list(target=args.target)
+    facts = _facts(args, db)
+    if args.state:  # the state the table shows (the run directory's, when it is here), not the last recorded one
+        runs = [run for run in runs if facts(run).state == args.state]
     if args.json:
-        _print_json([run.to_dict() for run in runs])
+        _print_json([current_record(run, facts(run)) for run in runs])
     elif not runs:
-        print("no runs recorded" + ("" if db else f" (no database at {lineage_db_path(args)})"), file=sys.stderr)
+        asked = [f"--{key} {getattr(args, key)}" for key in ("state", "target") if getattr(args, key)]
+        if db is not None and asked and db.list():  # runs are recorded, none of them matches
+            print(f"no runs match {' '.join(asked)}", file=sys.stderr)
+        else:
+            print("no runs recorded" + ("" if db else f" (no database at {lineage_db_path(args)})"), file=sys.stderr)
     else:
-        _stdout().print(runs_table(runs, _facts(args, db)))
+        _stdout().print(runs_table(runs, facts))
     return 0
 
 
@@ -330,8 +337,12 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         return parser
 
     p = add("list", cmd_list, "recorded runs, oldest first", as_json, local_dirs)
-    p.add_argument("--state", choices=("launched", "running", "finished", "crashed", "stopped"))
-    p.add_argument("--target")
+    p.add_argument(
+        "--state",
+        choices=("launched", "running", "finished", "crashed", "stopped"),
+        help="only runs in this state (as the table shows it: read from the run directory when it is here)",
+    )
+    p.add_argument("--target", help="only runs on this target")
     p = add("tree", cmd_tree, "lineage tree: state, steps, best tau_sim, note, change vs parent", as_json, local_dirs)
     p.add_argument("run", nargs="?", help="show only the tree containing this run")
     add("show", cmd_show, "one run's record, children and change vs parent", as_json).add_argument("run")
@@ -347,9 +358,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p = add("plot", cmd_plot, "PNG of a metric by step for several runs (readable without colour)", local_dirs)
     p.add_argument("runs", nargs="+", metavar="RUN")
     p.add_argument("--metric", default="loss", help="loss, tau_sim, block_tok_s, or any metrics.jsonl key (loss.ce)")
-    p.add_argument("--out", required=True, metavar="FILE.png")
-    p.add_argument("--title")
-    p.add_argument("--log-y", action="store_true")
+    p.add_argument("--out", required=True, metavar="FILE.png", help="the PNG file to write")
+    p.add_argument("--title", help="the plot's title (default: METRIC by step)")
+    p.add_argument("--log-y", action="store_true", help="logarithmic y axis (for losses over many steps)")
     p = add("export", cmd_export, "all records as CSV or JSON")
     p.add_argument("--json", action="store_true", help="JSON instead of CSV (the same as --format json)")
     p.add_argument("--format", choices=("csv", "json"), help="csv (default) or json")

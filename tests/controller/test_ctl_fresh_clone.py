@@ -255,3 +255,46 @@ def test_item3_the_command_the_demo_prints_runs_dflashops_without_an_active_venv
         assert typed.returncode == 0 and typed.stdout.startswith("dflashops "), (line, typed.stderr)
     typed = subprocess.run(["bash", "-c", "dflashops --version"], capture_output=True, text=True, env=bare, cwd=REPO)
     assert typed.returncode == 127  # what the issue saw: not on PATH until then
+
+
+# ------------------------------------------------------------------------------ item 9: the small ones
+def test_item9_runs_list_with_no_match_says_which_filter_matched_nothing(
+    env: Env, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = env.cli("runs", "list", "--state", "running", capsys=capsys)
+    assert code == 0 and err.startswith("no runs recorded")  # nothing recorded at all
+    assert env.deploy_one_step("ls-1", capsys) == 0
+    wait_until(lambda: (env.runs / "ls-1" / "exit_code").is_file())
+    code, out, err = env.cli("runs", "list", "--state", "running", capsys=capsys)
+    assert code == 0 and out == "" and err == "no runs match --state running\n"
+    code, out, err = env.cli("runs", "list", "--state", "finished", "--target", "local", capsys=capsys)
+    assert code == 0 and "ls-1" in out  # the state the table shows, read from the run directory
+
+
+def test_item9_fetched_folder_is_ignored_by_git() -> None:
+    assert "fetched/" in (REPO / ".gitignore").read_text().splitlines()
+
+
+def test_item9_a_command_run_from_another_folder_says_which_inventory_it_uses(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out = dflashops("runs", "list", cwd=elsewhere)
+    assert out.returncode == 0
+    assert out.stderr.splitlines()[0] == (
+        f"using inventory {REPO / 'inventory.yaml'} (there is no inventory.yaml in {elsewhere}; "
+        "--inventory PATH names another)"
+    )
+    (elsewhere / "inventory.yaml").write_text("targets:\n  local: {kind: local, workspace: ws}\n")
+    out = dflashops("runs", "list", cwd=elsewhere)
+    assert out.returncode == 0 and "using inventory" not in out.stderr  # the current folder's: nothing to say
+    out = dflashops("--inventory", str(REPO / "inventory.yaml"), "runs", "list", cwd=tmp_path)
+    assert "using inventory" not in out.stderr  # named: nothing to say
+
+
+def test_item9_runs_plot_and_list_options_have_help() -> None:
+    for verb, options in (("plot", ("--out", "--title", "--log-y")), ("list", ("--state", "--target"))):
+        out = dflashops("runs", verb, "--help", cwd=REPO, timeout=60)
+        assert out.returncode == 0, out.stderr
+        for option in options:
+            entry = re.search(rf"^  {option}\b.*?(?=^  \S|\Z)", out.stdout, re.M | re.S)
+            assert entry and len(entry.group(0).split()) > 3, (option, out.stdout)  # more than the invocation
