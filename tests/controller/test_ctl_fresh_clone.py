@@ -298,3 +298,20 @@ def test_item9_runs_plot_and_list_options_have_help() -> None:
         for option in options:
             entry = re.search(rf"^  {option}\b.*?(?=^  \S|\Z)", out.stdout, re.M | re.S)
             assert entry and len(entry.group(0).split()) > 3, (option, out.stdout)  # more than the invocation
+
+
+# -------------------------------------------------------------------- item 10: the CPU build of torch, named
+def test_item10_make_setup_installs_the_cpu_build_of_torch_and_no_cuda() -> None:
+    plan = subprocess.run(
+        ["make", "-n", "-B", ".venv/.installed"], capture_output=True, text=True, cwd=REPO, timeout=60
+    )
+    assert plan.returncode == 0, plan.stderr
+    installs = [line for line in plan.stdout.splitlines() if "pip install" in line and "torch==" in line]
+    assert installs and all(re.search(r'"torch==[\d.]+\+cpu"', line) for line in installs), installs
+    assert any("--extra-index-url https://download.pytorch.org/whl/cpu" in line for line in installs)
+    if Path(sys.prefix).resolve() != (REPO / ".venv").resolve():
+        return  # not the Makefile's environment: what it installed is someone else's business
+    from importlib.metadata import distributions, version
+
+    assert version("torch").endswith("+cpu")
+    assert not [d.metadata["Name"] for d in distributions() if d.metadata["Name"].lower().startswith("nvidia-")]
