@@ -4,6 +4,8 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
+# PyTorch's CPU wheels (`torch==X+cpu`); PyPI has only the CUDA build, which pulls ~3 GB of nvidia-* wheels.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test setup system-deps clean
@@ -23,8 +25,12 @@ $(STAMP): pyproject.toml Makefile
 	$(MAKE) system-deps
 	[ -x $(BIN)/python ] || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# Pinned CPU torch first: an unpinned torch requirement would pull a multi-GB CUDA build.
-	$(BIN)/pip install -q torch==$(TORCH_VERSION)
+	# The CPU build of torch first, pinned with its local version (+cpu), so no requirement can pull the CUDA
+	# build: from a wheel pip's own configuration already finds without an index (find-links; no network), else
+	# from PyTorch's CPU index. Then its dependencies from the usual index (a no-op after the second form).
+	$(BIN)/pip install -q --no-index --no-deps "torch==$(TORCH_VERSION)+cpu" 2>/dev/null \
+		|| $(BIN)/pip install -q --extra-index-url $(TORCH_CPU_INDEX) "torch==$(TORCH_VERSION)+cpu"
+	$(BIN)/pip install -q "torch==$(TORCH_VERSION)+cpu"
 	$(BIN)/pip install -q -e '.[train,dev]'
 	touch $(STAMP)
 

@@ -1893,7 +1893,7 @@ def verb_status(req: dict) -> dict:
     if req.get("name"):
         directory = run_dir(req)
         if not os.path.isdir(directory):
-            raise AgentFailure(f"run {req['name']!r} does not exist on this target", "not_found")
+            raise missing_run(req, "does not exist on this target")
         return {"runs": [run_status(directory)]}
     runs_root = os.path.join(workspace_of(req), "runs")
     names = sorted(os.listdir(runs_root)) if os.path.isdir(runs_root) else []
@@ -1915,7 +1915,8 @@ def verb_tail(req: dict) -> dict:
     directory = run_dir(req)
     path = os.path.join(directory, "train.log")
     if not os.path.exists(path):
-        raise AgentFailure(f"run {req['name']!r} has no log (it never started here)", "not_found")
+        raise missing_run(req, "has no log (it never started here)")
+    req = start_of_reading(req, path)
     deadline = time.monotonic() + max(0.0, min(float(req.get("wait_s", 0)), 10.0))
     while True:
         answer = _tail_once(req, directory, path)
@@ -1939,7 +1940,8 @@ def verb_follow(req: dict) -> dict:
     directory = run_dir(req)
     path = os.path.join(directory, "train.log")
     if not os.path.exists(path):
-        raise AgentFailure(f"run {req['name']!r} has no log (it never started here)", "not_found")
+        raise missing_run(req, "has no log (it never started here)")
+    req = start_of_reading(req, path)
     cursor = {"offset": int(req.get("offset") or 0), "inode": req.get("inode"), "check": req.get("check")}
     last_sent = 0.0
     while True:
@@ -1956,6 +1958,57 @@ def verb_follow(req: dict) -> dict:
             return {"streamed": True}
         if not (answer["data"] and answer["more"]):
             time.sleep(FOLLOW_POLL_S)
+
+
+def start_of_reading(req: dict, path: str) -> dict:
+    """A reader's first request, moved to a line start: `lines` N starts at the last N lines of train.log
+    (`logs -n N`); `align` moves an `offset` inside a line (`logs --since N` typed by hand) forward to the start
+    of the next line, so no line is shown from its middle. Later requests carry neither: their offsets are the
+    answers' own, which may be inside a line longer than one answer."""
+    if req.get("lines") is None and not req.get("align"):
+        return req
+    with open(path, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if req.get("lines") is not None:
+            offset = last_lines_start(handle, size, int(req["lines"]))
+        else:
+            offset = int(req.get("offset") or 0)
+            if 0 < offset <= size:
+                offset = next_line_start(handle, offset, size)
+    return {**req, "offset": offset, "check": None, "lines": None, "align": False}
+
+
+def last_lines_start(handle, size: int, lines: int) -> int:
+    """The offset where the last `lines` lines of the file start (a last line without its newline counts)."""
+    if lines <= 0 or size == 0:
+        return size
+    handle.seek(size - 1)
+    end = size - 1 if handle.read(1) == b"\n" else size  # the newline that ends the last line starts nothing
+    found, pos = 0, end
+    while pos > 0:
+        start = max(0, pos - 65536)
+        handle.seek(start)
+        block = handle.read(pos - start)
+        index = len(block)
+        while (index := block.rfind(b"\n", 0, index)) >= 0:
+            found += 1
+            if found == lines:
+                return start + index + 1
+        pos = start
+    return 0
+
+
+def next_line_start(handle, offset: int, size: int) -> int:
+    """`offset` when a line starts there, else the start of the next line (the end of the file if none)."""
+    handle.seek(offset - 1)
+    if handle.read(1) == b"\n":
+        return offset
+    while offset < size:
+        block = handle.read(65536)
+        if (index := block.find(b"\n")) >= 0:
+            return offset + index + 1
+        offset += len(block)
+    return size
 
 
 def prefix_check(handle, offset: int) -> str:
@@ -2418,7 +2471,7 @@ def releases_in_use(workspace: str) -> set[str]:
     return used
 
 
-def prune_releases(workspace: str, keep: int) -> list[str]:
+def prune_releases(workspace: str, keep: int, *, dry_run: bool = False) -> list[str]:
     releases = os.path.join(workspace, "releases")
     current = os.path.basename(os.path.realpath(os.path.join(releases, "current")))
     entries = [e for e in os.listdir(releases) if HASH_RE.match(e) and os.path.isdir(os.path.join(releases, e))]
@@ -2427,34 +2480,88 @@ def prune_releases(workspace: str, keep: int) -> list[str]:
     removed = []
     for entry in entries[max(keep, 1) :]:
         if entry not in protected:
-            shutil.rmtree(os.path.join(releases, entry))
+            if not dry_run:
+                shutil.rmtree(os.path.join(releases, entry))
             removed.append(entry)
     return removed
+
+
+COLLECTED = "collected.jsonl"  # in the workspace: one line per run directory gc deleted (name, when, by)
+
+
+def collected_run(workspace: str, name: str) -> dict | None:
+    """The last record of gc deleting run `name`'s directory in `workspace`, or None."""
+    found = None
+    for line in (read_text(os.path.join(workspace, COLLECTED)) or "").splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue  # a torn last line
+        if isinstance(entry, dict) and entry.get("name") == name:
+            found = entry
+    return found
+
+
+def missing_run(req: dict, what: str) -> AgentFailure:
+    """The refusal for a run without a directory (`what`: "does not exist" ...): one that gc deleted says so."""
+    name = req["name"]
+    entry = collected_run(workspace_of(req), name)
+    if entry is not None:
+        return AgentFailure(
+            f"run {name!r} was collected: its run directory was deleted by `dflashops gc` at {entry.get('at')}",
+            "not_found",
+        )
+    return AgentFailure(f"run {name!r} {what}", "not_found")
 
 
 def verb_gc(req: dict) -> dict:
     """Explicit clean-up: old releases beyond `keep`, the run directories named in `runs` that are not
     running, and with `standby` every waiting standby interpreter (asked to exit: `retired`; one that a launch
-    has just claimed runs its run). Nothing else is ever deleted."""
+    has just claimed runs its run). Nothing else is ever deleted. `removed` lists each deleted folder with its
+    path, bytes and files; a deleted run directory is recorded in <workspace>/collected.jsonl (so `logs` and
+    `status` of it say it was collected). With `dry_run`, the same answer and nothing deleted or asked."""
     workspace = workspace_of(req)
-    removed_runs = []
+    dry_run = bool(req.get("dry_run"))
+    final = {}  # each run's last state, for the lineage record that outlives its directory
     for name in req.get("runs") or []:
         directory = run_dir({"workspace": workspace, "name": name})
         if not os.path.isdir(directory):
-            raise AgentFailure(f"run {name!r} does not exist on this target", "not_found")
-        if run_status(directory)["state"] in ("running", "stopping", "launching"):
+            raise missing_run({"workspace": workspace, "name": name}, "does not exist on this target")
+        status = run_status(directory)
+        if status["state"] in ("running", "stopping", "launching"):
             raise AgentFailure(f"run {name!r} is still running; stop it first", "conflict")
+        final[name] = {key: status[key] for key in ("state", "exit_code", "step")}
+    removed = []
     for name in req.get("runs") or []:
-        shutil.rmtree(run_dir({"workspace": workspace, "name": name}))
-        removed_runs.append(name)
-    removed = (
-        prune_releases(workspace, int(req.get("keep", 5))) if os.path.isdir(os.path.join(workspace, "releases")) else []
-    )
+        directory = run_dir({"workspace": workspace, "name": name})
+        size, files = tree_size(directory)
+        if not dry_run:
+            at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            with open(os.path.join(workspace, COLLECTED), "a", encoding="utf-8") as handle:  # before: no silent loss
+                handle.write(json.dumps({"name": name, "at": at, "by": "gc", "bytes": size}) + "\n")
+            shutil.rmtree(directory)
+        removed.append(
+            {"kind": "run", "name": name, "path": directory, "bytes": size, "files": files, "final": final[name]}
+        )
+    releases = os.path.join(workspace, "releases")
+    for entry in prune_releases(workspace, int(req.get("keep", 5)), dry_run=True) if os.path.isdir(releases) else []:
+        path = os.path.join(releases, entry)
+        size, files = tree_size(path)
+        if not dry_run:
+            shutil.rmtree(path)
+        removed.append({"kind": "release", "name": entry, "path": path, "bytes": size, "files": files})
     retired = []
     if req.get("standby"):
         retired = [os.path.basename(folder) for folder, _ in standbys(workspace)]
-        retire_standbys(workspace, keep=None)
-    return {"removed_releases": removed, "removed_runs": removed_runs, "retired_standbys": retired}
+        if not dry_run:
+            retire_standbys(workspace, keep=None)
+    return {
+        "removed_releases": [r["name"] for r in removed if r["kind"] == "release"],
+        "removed_runs": [r["name"] for r in removed if r["kind"] == "run"],
+        "retired_standbys": retired,
+        "removed": removed,
+        "dry_run": dry_run,
+    }
 
 
 # ----------------------------------------------------------------------------------------------- fetch
@@ -2606,6 +2713,11 @@ def main(argv: list[str]) -> int:
     except BrokenPipeError:  # the reader of a `follow` stream went away: nothing to tell anyone
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
         return 0
+    except KeyboardInterrupt:
+        # Ctrl-C in the terminal of a local-target `logs -f` reaches this process too (same process group): the
+        # CLI says what to do next; a traceback from here would only bury that line. Its reader is going away.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGINT
     except AgentFailure as exc:
         print(json.dumps({"ok": False, "error": str(exc), "code": exc.code}), flush=True)
         return 2 if exc.code == "bad_request" else 0

@@ -8,9 +8,11 @@ finishes, and prints where everything is. Exit 0 only when the run finished with
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from dflashops.cli.common import open_invocation, print_error, progress
 from dflashops.errors import DflashopsError
@@ -45,8 +47,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_error(exc)
         return exc.exit_code
     print(f"{outcome.name}: {final['state']} (exit code {final['exit_code']}) in {outcome.run_dir}")
-    print(f"next: dflashops runs tree; dflashops logs {outcome.name}; dflashops restart {outcome.name} --name +")
+    command, activate = dflashops_command()
+    print(f"next: {command} runs tree; {command} logs {outcome.name}; {command} restart {outcome.name} --name +")
+    if activate:
+        print(f"(or `source {activate}` first, then plain `dflashops`)")
     return 0 if final["state"] == "finished" else 1
+
+
+def dflashops_command() -> tuple[str, str | None]:
+    """How to type `dflashops` from here: the word itself when it is on PATH, else the script beside this
+    Python (`.venv/bin/dflashops` after `make demo`: the Makefile never activates the virtual environment), with
+    the activate script that puts it on PATH."""
+    script = Path(sys.executable).parent / "dflashops"
+    found = shutil.which("dflashops")
+    if not script.is_file() or (found is not None and Path(found).resolve() == script.resolve()):
+        return "dflashops", None
+    try:
+        shown = script.relative_to(Path.cwd())
+    except ValueError:
+        shown = script
+    activate = shown.parent / "activate"
+    return str(shown), str(activate) if (script.parent / "activate").is_file() else None
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ class DflashopsError(Exception):
     """Base class: a failure the user can understand and act on (never a stack trace)."""
 
     exit_code: int = 1
+    usage: str | None = None  # a verb's usage line, printed before the error (argparse's order) when set
 
     def __init__(self, message: str, *, hint: str | None = None) -> None:
         super().__init__(message)

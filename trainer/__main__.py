@@ -22,6 +22,10 @@ VERBS = {
 }
 
 
+# Verbs whose `--help` is printed by a light module's `build_parser()` instead of importing the verb's module.
+HELP_PARSERS = {"train": "trainer.config"}
+
+
 def usage() -> str:
     lines = ["usage: python -m trainer <verb> [flags]", "", "verbs:"]
     lines += [f"  {verb:<8} {about}" for verb, (_, about) in VERBS.items()]
@@ -38,6 +42,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown verb {verb!r}", file=sys.stderr)
         print(f"hint: one of {', '.join(VERBS)}", file=sys.stderr)
         return 2
+    if verb in HELP_PARSERS and any(word in ("-h", "--help") for word in rest):
+        # The help comes from the flags' own parser (no torch): trainer.train imports the training stack first,
+        # seconds before a word of help.
+        importlib.import_module(HELP_PARSERS[verb]).build_parser().print_help()
+        return 0
     module_name = VERBS[verb][0]
     try:
         module = importlib.import_module(module_name)

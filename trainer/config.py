@@ -375,6 +375,9 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+ON_OFF_FLAGS = {"enable_thinking"}
+
+
 def _bool(text: str) -> bool:
     if text.lower() in ("1", "true", "yes", "on"):
         return True
@@ -445,14 +448,16 @@ def build_parser() -> argparse.ArgumentParser:
             text = str(f.type)
             kind = float if "float" in text else int if "int" in text else str
         if kind is _bool:
+            # --enable-thinking is a mode, written on|off as eval's and prepare's (each takes true|false too).
+            words = ("on", "off") if f.name in ON_OFF_FLAGS else ("true", "false")
             parser.add_argument(
                 flag,
                 dest=f.name,
                 type=_bool,
                 nargs="?",
                 const=True,
-                metavar="true|false",
-                help=help_text + "; the flag alone means true",
+                metavar="|".join(words),
+                help=help_text + f"; the flag alone means {words[0]}",
             )
         else:
             parser.add_argument(

@@ -159,12 +159,33 @@ def _resume(setup: RunSetup, engine: Engine, recorder: RunRecorder, run_dir: Pat
         f"resumed from {setup.resume_from} at step {step} ({position}"
         f"{f'; dropped {dropped} metrics lines past it' if dropped else ''})"
     )
+    if change := schedule_change(setup.cfg, state, step, engine.total_steps):
+        log(change)
     if engine.writes_checkpoints:
         recorder.set_status(step=step, last_checkpoint=str(setup.resume_from))
     else:
         recorder.set_status(step=step)
     recorder.mark("resumed")
     return step
+
+
+def schedule_change(cfg: Any, state: Any, step: int, total_steps: int) -> str | None:
+    """A resume with another --max-steps than the checkpoint's run recomputes the learning-rate schedule (warmup,
+    then cosine to 0 at the last step) over the new length, so the LR jumps at the resumed step: one line says
+    so, with the LR there under the old schedule and the new one. None when --max-steps did not change."""
+    from trainer.step import lr_factor
+
+    config = (getattr(state, "extra", None) or {}).get("config") or {}
+    if "max_steps" not in config or config["max_steps"] == cfg.max_steps:
+        return None
+    last_lr = ((getattr(state, "scheduler", None) or {}).get("_last_lr") or [None])[0]
+    new_lr = cfg.lr * lr_factor(step, total_steps, cfg.warmup_ratio)
+    was = f"{last_lr:.3g} -> " if isinstance(last_lr, (int, float)) else ""
+    return (
+        f"--max-steps {cfg.max_steps or 'none'} (the checkpoint's run had {config['max_steps'] or 'none'}): the "
+        f"learning-rate schedule is recomputed to end at step {total_steps} (warmup, then cosine to 0 there); "
+        f"LR at step {step}: {was}{new_lr:.3g}"
+    )
 
 
 @dataclass

@@ -270,9 +270,12 @@ def check_dataset_matches(meta: shards.DatasetMeta, tokenizer: Any, enable_think
 
 
 def _on_off(value: str) -> bool:
-    if value not in ("on", "off"):
-        raise argparse.ArgumentTypeError("expected on or off")
-    return value == "on"
+    """on|off (the documented spelling), or true|false, yes|no, 1|0 as `train --enable-thinking` takes them."""
+    if value.lower() in ("on", "true", "yes", "1"):
+        return True
+    if value.lower() in ("off", "false", "no", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected on or off, got {value!r}")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,6 +17,7 @@ from typing import Any
 from dflashops.errors import DflashopsError
 from dflashops.inventory import load_inventory
 from dflashops.ops.invocation import Invocation
+from dflashops.shell import join_argv
 
 
 @contextmanager
@@ -39,12 +40,45 @@ def show_passthrough(parser: argparse.ArgumentParser, tail: str) -> None:
     parser.usage = parser.format_usage().removeprefix("usage: ").rstrip().replace("%", "%%") + " " + tail
 
 
+def moved_after_separator(verb_words: list[str], extra: list[str], passthrough: list[str]) -> list[str]:
+    """The command line `verb_words` with the words argparse did not take (`extra`) moved after `--` (in front
+    of what was there already): the fix for a command or trainer arguments typed without `--`."""
+    kept = list(verb_words)
+    for word in reversed(extra):  # the words argparse did not take, removed from the end
+        del kept[len(kept) - 1 - kept[::-1].index(word)]
+    return ["dflashops", *kept, "--", *extra, *passthrough]
+
+
+def follow_again(run: str, offset: int, *, ended: bool = False, node: int | None = None) -> str:
+    """What Ctrl-C during a follow (`logs -f`, `deploy --wait`) says: the run keeps going (a follow never stops
+    it) and the whole command that follows on from the line start where this one stopped."""
+    command = join_argv(
+        ["dflashops", "logs", run, "-f", "--since", str(offset), *(["--node", str(node)] if node is not None else [])]
+    )
+    if ended:
+        return f"{run} has ended (`dflashops status {run}` says how); the rest of its log: {command}"
+    return f"{run} is still running; follow again: {command}"
+
+
+def size(count: int) -> str:
+    """`2.0 KiB`, `12.6 GiB`: bytes in the largest unit that keeps a number >= 1."""
+    value, unit = float(count), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    return f"{value:.0f} B" if unit == "B" else f"{value:.1f} {unit}"
+
+
 def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
 def print_error(error: DflashopsError, prefix: str = "") -> None:
-    """The one error format (uv's): `error: <message>`, then `hint: <fix>` when there is one, on stderr."""
+    """The one error format (uv's): `error: <message>`, then `hint: <fix>` when there is one, on stderr (after
+    the verb's usage line when the error carries one)."""
+    if error.usage:
+        progress(error.usage.rstrip())
     progress(f"error: {prefix}{error.message}")
     if error.hint:
         progress(f"hint: {error.hint}")

@@ -10,8 +10,20 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from dflashops.cli.common import emit_json, highlight_errors, open_invocation, print_plan, progress, show_passthrough
+from dflashops.cli.common import (
+    emit_json,
+    follow_again,
+    highlight_errors,
+    moved_after_separator,
+    open_invocation,
+    print_plan,
+    progress,
+    show_passthrough,
+    size,
+)
 from dflashops.errors import NotFound, TransportError, UsageError
+from dflashops.lineage.files import AGENT_STATE_TO_LINEAGE
+from dflashops.lineage.record import utc_now_iso
 from dflashops.ops.control import LogCursor, ended_badly, how_it_ended, read_log, run_status, stop_run, wait_for
 from dflashops.ops.nodes import node_target, unreachable_error
 from dflashops.ops.supervise import supervision_note
@@ -76,7 +88,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="a run on several targets: only node K's log (default: every node's, lines prefixed [node K])",
     )
     lg.add_argument("-f", "--follow", action="store_true", help="keep following until the run ends")
-    lg.add_argument("--since", type=int, default=0, metavar="BYTES", help="start at this byte offset")
+    lg.add_argument(
+        "--since",
+        type=int,
+        default=0,
+        metavar="BYTES",
+        help="start at this byte offset (a line start: one inside a line starts at the next line)",
+    )
+    lg.add_argument(
+        "-n", "--tail", type=int, metavar="N", help="start at the last N lines of the log (with -f: then follow)"
+    )
     lg.add_argument("--until", metavar="REGEX", help="follow until REGEX matches a line (exit 0)")
     lg.add_argument("--fail-on", metavar="REGEX", help="exit non-zero (7) when REGEX matches a line")
     lg.add_argument("--timeout", type=float, metavar="S", help="give up after this many seconds (exit 8)")
@@ -118,8 +139,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="delete old releases and (only when named) finished run directories",
         description="Delete code releases on TARGET except the newest --keep, the current one and any a live run "
         "uses, and the run directories named with --run (only runs that are not running); with --standby, "
-        "ask TARGET's standby interpreters to exit. Nothing else is deleted or stopped; prints what was "
-        "removed as JSON.",
+        "ask TARGET's standby interpreters to exit. Nothing else is deleted or stopped. Prints what was "
+        "removed (path and size, one line each; --json for JSON); the lineage keeps a deleted run's record, "
+        "marked collected.",
     )
     gc.add_argument(
         "target", nargs="?", metavar="TARGET", help="target from the inventory (default: the default target)"
@@ -131,7 +153,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="also retire the target's waiting standby interpreters (inventory `standby`)",
     )
-    gc.add_argument("--dry-run", action="store_true", help="print the commands that would run; change nothing")
+    gc.add_argument("--json", action="store_true", help="print what was removed as JSON")
+    gc.add_argument(
+        "--dry-run", action="store_true", help="list what would be deleted (paths and sizes); delete nothing"
+    )
     gc.set_defaults(func=handle_gc)
 
 
@@ -147,6 +172,8 @@ def with_run_hint(handler: Callable[[argparse.Namespace], int]) -> Callable[[arg
             name = getattr(args, "run", None)
             if not name or exc.hint or f"run {name!r}" not in exc.message:
                 raise
+            if f"run {name!r} was collected" in exc.message:  # by gc: no other name was meant
+                raise NotFound(exc.message, hint=f"its lineage record stays: dflashops runs show {name}") from None
             with open_invocation(args) as invocation:
                 close = invocation.close_run_names(name, getattr(args, "target", None))
             hint = (
@@ -163,10 +190,7 @@ def exec_words_before_separator(args: argparse.Namespace, verb_words: list[str],
     """`dflashops exec local echo hi`: the command was given without `--` in front of it."""
     if args.all and args.target is not None:  # `exec --all echo hi`: argparse took `echo` for the TARGET
         extra = [args.target, *extra]
-    kept = list(verb_words)
-    for word in reversed(extra):  # the words argparse did not take, removed from the end
-        del kept[len(kept) - 1 - kept[::-1].index(word)]
-    fixed = join_argv(["dflashops", *kept, "--", *extra, *args.passthrough])
+    fixed = join_argv(moved_after_separator(verb_words, extra, args.passthrough))
     return UsageError(
         f"exec takes its command after `--` (found `{join_argv(extra)}` before it)",
         hint=f"put the command after --: {fixed}",
@@ -310,7 +334,12 @@ def handle_status(args: argparse.Namespace) -> int:
 def handle_logs(args: argparse.Namespace) -> int:
     if args.since < 0:
         raise UsageError("--since must be a byte offset >= 0")
-    cursor = LogCursor(offset=args.since)
+    if args.tail is not None and (args.tail < 0 or args.since):
+        raise UsageError(
+            "-n/--tail takes a number of lines >= 0, and not with --since",
+            hint=f"dflashops logs {args.run} -n 20  (the last 20 lines)",
+        )
+    cursor = LogCursor(offset=args.since, last_lines=args.tail, to_line_start=args.since > 0)
 
     def write(text: str) -> None:
         sys.stdout.write(text if args.raw else highlight_errors(text))
@@ -345,8 +374,8 @@ def handle_logs(args: argparse.Namespace) -> int:
                     write(chunk)
                 if args.follow and (failure := ended_badly(invocation, args.run, target=args.target)):
                     raise failure  # followed to the end of a crashed run: scripts see it in the exit status
-        except KeyboardInterrupt:
-            progress(f"interrupted; resume with --since {cursor.offset}")
+        except KeyboardInterrupt:  # quietly: the run goes on, and the line says how to follow it again
+            progress(follow_again(args.run, cursor.offset, ended=cursor.run_ended, node=args.node))
             return 130
     return 0
 
@@ -393,13 +422,46 @@ def handle_attach(args: argparse.Namespace) -> int:
 def handle_gc(args: argparse.Namespace) -> int:
     for name in args.run:
         validate_name(name, what="run name")
-    with open_invocation(args, dry_run=args.dry_run) as invocation:
+    # Not a dry-run invocation even for --dry-run: the agent's own dry run reads what would go (paths, sizes).
+    with open_invocation(args) as invocation:
         target = invocation.inventory.target(args.target)
-        answer = invocation.agent(target).call(
-            "gc", {"workspace": target.workspace, "keep": args.keep, "runs": args.run, "standby": args.standby}
+        request = {"workspace": target.workspace, "keep": args.keep, "runs": args.run, "standby": args.standby}
+        answer = invocation.agent(target).call("gc", {**request, "dry_run": True} if args.dry_run else request)
+        if not args.dry_run:
+            mark_collected(invocation, target.name, answer)
+    if args.json:
+        emit_json({k: v for k, v in answer.items() if k != "ok"})
+        return 0
+    verb = "would remove" if args.dry_run else "removed"
+    for item in answer["removed"]:
+        print(f"{verb} {item['kind']} {item['name']}  {item['path']}  {size(item['bytes'])} in {item['files']} files")
+    for folder in answer["retired_standbys"]:
+        print(f"{'would retire' if args.dry_run else 'retired'} standby {folder}")
+    total = sum(int(item["bytes"]) for item in answer["removed"])
+    runs, releases = len(answer["removed_runs"]), len(answer["removed_releases"])
+    summary = f"{runs} run director{'y' if runs == 1 else 'ies'} and {releases} release(s), {size(total)}"
+    if args.dry_run:
+        progress(f"dry run on {target.name}: {summary} would be deleted; nothing was")
+    elif answer["removed"] or answer["retired_standbys"]:
+        progress(f"gc on {target.name}: deleted {summary}")
+    else:
+        progress(
+            f"gc on {target.name}: nothing to delete (releases kept: the newest {args.keep}, the current one "
+            "and those of live runs)"
         )
-        if args.dry_run:
-            print_plan(invocation)
-            return 0
-    emit_json({k: v for k, v in answer.items() if k != "ok"})
     return 0
+
+
+def mark_collected(invocation: Any, target: str, answer: dict[str, Any]) -> None:
+    """The lineage keeps the record of a run whose directory gc deleted, with the state that directory held last
+    and marked collected (when, by gc), so the views say where its files went."""
+    for item in answer.get("removed") or []:
+        record = invocation.record_of(item["name"]) if item["kind"] == "run" else None
+        if record is not None and record.target == target:
+            final = item.get("final") or {}
+            fields = {"exit_code": final.get("exit_code", record.exit_code)}
+            if isinstance(final.get("step"), int):
+                fields["last_step"] = final["step"]
+            collected = {"at": utc_now_iso(), "by": "gc", "target": target, "bytes": item["bytes"]}
+            state = AGENT_STATE_TO_LINEAGE.get(str(final.get("state")), record.state)
+            invocation.db.set_state(record.name, state, **fields, extra={"collected": collected})

@@ -5,12 +5,22 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dflashops.cli.common import highlight_errors, open_invocation, print_plan, progress, show_passthrough
+from dflashops.cli.common import (
+    follow_again,
+    highlight_errors,
+    moved_after_separator,
+    open_invocation,
+    print_plan,
+    progress,
+    show_passthrough,
+    size,
+)
 from dflashops.errors import UsageError
-from dflashops.ops.control import DEFAULT_FAIL_ON, wait_for
+from dflashops.ops.control import DEFAULT_FAIL_ON, LogCursor, wait_for
 from dflashops.ops.deploy import LAUNCHERS, DeployOutcome, DeployRequest, deploy
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.restart import RestartRequest, restart
+from dflashops.shell import join_argv
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -33,7 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--parent", help="the run this one derives from (recorded in the lineage)")
     add_launch_options(p)
     show_passthrough(p, "[-- trainer args]")
-    p.set_defaults(func=handle_deploy)
+    p.set_defaults(func=handle_deploy, misplaced_words=trainer_args_before_separator, verb_usage=p.format_usage)
 
     r = subparsers.add_parser(
         "restart",
@@ -72,7 +82,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_launch_options(r, launcher_default=None)
     show_passthrough(r, "[-- trainer args]")
-    r.set_defaults(func=handle_restart)
+    r.set_defaults(func=handle_restart, misplaced_words=trainer_args_before_separator, verb_usage=r.format_usage)
+
+
+def trainer_args_before_separator(args: argparse.Namespace, verb_words: list[str], extra: list[str]) -> UsageError:
+    """`dflashops deploy --profile tiny --max-steps 10`: trainer arguments given without `--` in front of them.
+    The error names them, the hint is the same command with them after `--`, and the verb's usage comes first
+    (argparse's own order), exit 2."""
+    extra = list(extra)
+    target = getattr(args, "target", None)
+    if target is not None and target in verb_words:  # `--max-steps 10`: argparse took `10` for the TARGET
+        before = verb_words[verb_words.index(target) - 1] if verb_words.index(target) else ""
+        if before in extra and before.startswith("-") and "=" not in before:
+            extra.insert(extra.index(before) + 1, target)
+    error = UsageError(
+        f"unrecognized arguments: {join_argv(extra)}",
+        hint=f"trainer arguments go after `--`: {join_argv(moved_after_separator(verb_words, extra, args.passthrough))}",
+    )
+    error.usage = args.verb_usage()
+    return error
 
 
 def add_launch_options(p: argparse.ArgumentParser, launcher_default: str | None = "tmux") -> None:
@@ -136,26 +164,23 @@ def report(invocation: Invocation, outcome: DeployOutcome, args: argparse.Namesp
             )
     print(outcome.name)
     if args.wait:
-        line = wait_for(
-            invocation,
-            outcome.name,
-            until=args.wait,
-            fail_on=args.fail_on,
-            timeout=args.timeout,
-            on_text=lambda text: sys.stderr.write(highlight_errors(text, sys.stderr)),
-        )
+        cursor = LogCursor()
+        try:
+            line = wait_for(
+                invocation,
+                outcome.name,
+                until=args.wait,
+                fail_on=args.fail_on,
+                timeout=args.timeout,
+                cursor=cursor,
+                on_text=lambda text: sys.stderr.write(highlight_errors(text, sys.stderr)),
+            )
+        except KeyboardInterrupt:  # quietly: the run was launched and goes on; say how to follow it again
+            sys.stderr.flush()
+            progress(follow_again(outcome.name, cursor.offset, ended=cursor.run_ended))
+            return 130
         progress(f"matched: {line.strip()}")
     return 0
-
-
-def size(count: int) -> str:
-    """`2.0 KiB`, `12.6 GiB`: bytes in the largest unit that keeps a number >= 1."""
-    value, unit = float(count), "B"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            break
-        value /= 1024
-    return f"{value:.0f} B" if unit == "B" else f"{value:.1f} {unit}"
 
 
 def preflight_line(verdict: dict) -> str:
@@ -211,7 +236,9 @@ def handle_restart(args: argparse.Namespace) -> int:
         )
         if not args.dry_run:
             how = f"stopped (exit code {outcome.old_exit_code})" if outcome.stopped else "was not running"
-            if outcome.handover:
-                how = "stopping: its trainer freed its GPUs and is writing its final checkpoint"
+            if outcome.handover:  # GPUs only for a run that had some: a CPU run's trainer freed none
+                record = invocation.record_of(args.run)
+                freed = "freed its GPUs" if record is not None and record.gpus else "stopped training"
+                how = f"stopping: its trainer {freed} and is writing its final checkpoint"
             progress(f"{args.run} {how}" + (f"; resuming from {outcome.checkpoint}" if outcome.checkpoint else ""))
         return report(invocation, outcome.deployed, args)

@@ -22,6 +22,7 @@ from rich.tree import Tree
 
 from dflashops.lineage import LineageDB, RunRecord, diff_runs
 from dflashops.lineage.files import AGENT_STATE_TO_LINEAGE, best_value, metric_series, read_metrics, run_dir_of
+from dflashops.lineage.record import utc_now_iso
 from dflashops.ops.local_runs import LocalRuns
 
 STATE_STYLE = {
@@ -31,7 +32,7 @@ STATE_STYLE = {
     "crashed": "bold red",
     "stopped": "yellow",
 }
-EXPORT_COLUMNS = tuple(RunRecord.__dataclass_fields__)
+EXPORT_COLUMNS = (*RunRecord.__dataclass_fields__, "state_as_of", "state_from")
 
 
 def state_word(state: str, exit_code: int | None) -> str:
@@ -49,6 +50,15 @@ class Facts:
     best_tau_sim: float | None
     state: str
     exit_code: int | None
+    as_of: str | None = None  # None: read now from the run directory; else when the record was last written
+
+    def where_from(self, run: RunRecord) -> str:
+        """Where the state came from, in words (`runs show`, the `state_from` of `runs export`)."""
+        if self.as_of is None:
+            return "run directory"
+        if run.extra.get("collected"):
+            return "lineage record (its run directory was deleted by gc)"
+        return f"lineage record (its run directory on {where(run)} is not on this machine)"
 
 
 class RunFacts:
@@ -56,9 +66,12 @@ class RunFacts:
     whose directory is on this machine the live state from the same rules `dflashops status` uses (the
     agent's run_status). Views only read: `runs sync` / `dflashops status` write states to the database."""
 
-    def __init__(self, runs_root: Path | None, local_roots: Mapping[str, Path] | None = None) -> None:
+    def __init__(
+        self, runs_root: Path | None, local_roots: Mapping[str, Path] | None = None, db: LineageDB | None = None
+    ) -> None:
         self.runs_root = runs_root
         self.local_roots = dict(local_roots or {})
+        self.db = db  # for when a record that could not be read live was last written
         self._cache: dict[str, Facts] = {}
         self.local = LocalRuns()  # the agent, as a process, for run directories on this machine
 
@@ -74,10 +87,15 @@ class RunFacts:
             live = (
                 self.local.status(directory) if directory is not None and (directory / "run.json").is_file() else None
             )
+            as_of = None
             if live is not None:
                 state = AGENT_STATE_TO_LINEAGE.get(str(live.get("state")), state)
                 exit_code = live.get("exit_code", exit_code)
-            self._cache[run.name] = Facts(max(steps) if steps else run.last_step, best, state, exit_code)
+                if isinstance(live.get("step"), int):
+                    steps.append(live["step"])
+            else:
+                as_of = (self.db.updated_at(run.name) if self.db else None) or run.started_at
+            self._cache[run.name] = Facts(max(steps) if steps else run.last_step, best, state, exit_code, as_of)
         return self._cache[run.name]
 
 
@@ -108,6 +126,8 @@ def lineage_forest(db: LineageDB, facts: RunFacts, only: str | None = None) -> l
             "exit_code": fact.exit_code,
             "last_step": fact.last_step,
             "best_tau_sim": fact.best_tau_sim,
+            "state_as_of": fact.as_of,
+            "collected": run.extra.get("collected"),
             "note": run.note,
             "parent": run.parent,
             "parent_recorded": parent is not None,
@@ -128,6 +148,10 @@ def _label(item: dict[str, Any]) -> Text:
         text.append(f"  step {item['last_step']}")
     if item["best_tau_sim"] is not None:
         text.append(f"  best tau_sim {item['best_tau_sim']:.3f}")
+    if item.get("collected"):
+        text.append(f"  [collected: run directory deleted by gc at {item['collected'].get('at')}]", style="dim")
+    elif item.get("state_as_of"):
+        text.append(f"  (state as recorded {item['state_as_of']})", style="dim")
     if item["parent"] and not item["parent_recorded"]:
         text.append(f"  (parent {item['parent']} not recorded)", style="dim")
     if item["note"]:
@@ -169,13 +193,27 @@ def runs_table(runs: list[RunRecord], facts: Callable[[RunRecord], Facts]) -> Ta
     return table
 
 
-def show_table(run: RunRecord) -> Table:
+def current_record(run: RunRecord, fact: Facts) -> dict[str, Any]:
+    """The run's record as `runs show` and `runs export` give it: state, exit code and last step as the run
+    directory holds them now (the Facts), with when that state was seen (`state_as_of`) and from where."""
+    return {
+        **run.to_dict(),
+        "state": fact.state,
+        "exit_code": fact.exit_code,
+        "last_step": fact.last_step,
+        "state_as_of": fact.as_of or utc_now_iso(),
+        "state_from": fact.where_from(run),
+    }
+
+
+def show_table(row: dict[str, Any]) -> Table:
+    """One run's current_record as a two-column table."""
     table = Table(box=None, show_header=False, pad_edge=False)
     table.add_column("field", style="bold")
     table.add_column("value", overflow="fold")
-    for key, value in run.to_dict().items():
+    for key, value in row.items():
         if key == "state":
-            table.add_row(key, Text(state_word(run.state, run.exit_code), style=STATE_STYLE.get(run.state, "")))
+            table.add_row(key, Text(state_word(value, row["exit_code"]), style=STATE_STYLE.get(value, "")))
             continue
         if isinstance(value, (list, dict)):
             value = json.dumps(value, sort_keys=True) if value else "-"
@@ -183,15 +221,15 @@ def show_table(run: RunRecord) -> Table:
     return table
 
 
-def export_text(runs: list[RunRecord], fmt: str) -> str:
-    """All records as JSON (a list of objects) or CSV (one row per run; lists/dicts as JSON cells)."""
+def export_text(rows: list[dict[str, Any]], fmt: str) -> str:
+    """Records (current_record rows) as JSON (a list of objects) or CSV (one row per run; lists/dicts as JSON
+    cells)."""
     if fmt == "json":
-        return json.dumps([run.to_dict() for run in runs], indent=2, sort_keys=True) + "\n"
+        return json.dumps(rows, indent=2, sort_keys=True) + "\n"
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=EXPORT_COLUMNS, lineterminator="\n")
     writer.writeheader()
-    for run in runs:
-        row = run.to_dict()
+    for row in rows:
         writer.writerow(
             {k: json.dumps(v, sort_keys=True) if isinstance(v, (list, dict)) else v for k, v in row.items()}
         )

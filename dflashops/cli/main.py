@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -148,12 +149,28 @@ def parse_command_line(words: Sequence[str]) -> tuple[argparse.ArgumentParser, a
     return parser, args
 
 
+def inventory_notice(args: argparse.Namespace) -> str | None:
+    """`using inventory ...` when the inventory was neither named (--inventory, $DFLASHOPS_INVENTORY) nor found in
+    the current folder: a command typed in another folder would otherwise act on a parent's inventory, or the
+    package's own, without a word. None for `runs ... --db PATH`, which reads no inventory."""
+    if args.inventory or os.environ.get("DFLASHOPS_INVENTORY") or getattr(args, "db", None):
+        return None
+    from dflashops.inventory import find_inventory
+
+    path = find_inventory(None)
+    if path.parent == Path.cwd():
+        return None
+    return f"using inventory {path} (there is no inventory.yaml in {Path.cwd()}; --inventory PATH names another)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         parser, args = parse_command_line(sys.argv[1:] if argv is None else argv)
         if not getattr(args, "func", None):
             parser.print_help(sys.stderr)
             return 2
+        if notice := inventory_notice(args):
+            print(notice, file=sys.stderr)
         return int(args.func(args) or 0)
     except DflashopsError as exc:
         from dflashops.cli.common import print_error

@@ -86,24 +86,33 @@ def _local_roots(args: argparse.Namespace) -> dict[str, Path]:
     return {t.name: Path(t.workspace) / "runs" for t in inventory.targets.values() if t.kind == "local"}
 
 
-def _facts(args: argparse.Namespace) -> Any:
+def _facts(args: argparse.Namespace, db: LineageDB | None = None) -> Any:
+    """Every view's source of a run's state (RunFacts): its run directory when it is on this machine, read now
+    by the agent as `dflashops status` reads it, else the record and when it was written."""
     from dflashops.cli.lineage_view import RunFacts
 
-    return RunFacts(_runs_root(args), {} if _runs_root(args) else _local_roots(args))
+    return RunFacts(_runs_root(args), {} if _runs_root(args) else _local_roots(args), db)
 
 
 # ---------------------------------------------------------------------------------------------- verbs
 def cmd_list(args: argparse.Namespace) -> int:
-    from dflashops.cli.lineage_view import runs_table
+    from dflashops.cli.lineage_view import current_record, runs_table
 
     db = _open(args)
-    runs = [] if db is None else db.list(state=args.state, target=args.target)
+    runs = [] if db is None else db.list(target=args.target)
+    facts = _facts(args, db)
+    if args.state:  # the state the table shows (the run directory's, when it is here), not the last recorded one
+        runs = [run for run in runs if facts(run).state == args.state]
     if args.json:
-        _print_json([run.to_dict() for run in runs])
+        _print_json([current_record(run, facts(run)) for run in runs])
     elif not runs:
-        print("no runs recorded" + ("" if db else f" (no database at {lineage_db_path(args)})"), file=sys.stderr)
+        asked = [f"--{key} {getattr(args, key)}" for key in ("state", "target") if getattr(args, key)]
+        if db is not None and asked and db.list():  # runs are recorded, none of them matches
+            print(f"no runs match {' '.join(asked)}", file=sys.stderr)
+        else:
+            print("no runs recorded" + ("" if db else f" (no database at {lineage_db_path(args)})"), file=sys.stderr)
     else:
-        _stdout().print(runs_table(runs, _facts(args)))
+        _stdout().print(runs_table(runs, facts))
     return 0
 
 
@@ -118,7 +127,7 @@ def cmd_tree(args: argparse.Namespace) -> int:
     else:
         if args.run:
             db.get(args.run)  # NotFound with close names
-        forest = lineage_forest(db, _facts(args), only=args.run)
+        forest = lineage_forest(db, _facts(args, db), only=args.run)
     if args.json:
         _print_json(forest)
     elif not forest:
@@ -129,18 +138,26 @@ def cmd_tree(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from dflashops.cli.lineage_view import show_table
+    from dflashops.cli.lineage_view import current_record, show_table
 
     db = _open(args) or _raise(_missing(args))
     run = db.get(args.run)
     parent = db.get(run.parent) if run.parent and run.parent in db.names() else None
     changes = diff_runs(parent, run).lines() if parent else []
     children = [child.name for child in db.children(run.name)]
+    fact = _facts(args, db)(run)
+    row = current_record(run, fact)
     if args.json:
-        _print_json({**run.to_dict(), "children": children, "changes_vs_parent": changes})
+        _print_json({**row, "children": children, "changes_vs_parent": changes})
         return 0
+    if fact.as_of is not None and not run.extra.get("collected"):
+        print(
+            f"note: {run.name}'s state is as recorded at {fact.as_of}: its run directory is on {run.target}, not "
+            f"on this machine (`dflashops status {run.name}` reads it there)",
+            file=sys.stderr,
+        )
     console = _stdout()
-    console.print(show_table(run))
+    console.print(show_table(row))
     console.print(f"children: {', '.join(children) or '-'}", markup=False)
     if parent:
         console.print(f"changes vs parent {parent.name}:", markup=False)
@@ -270,12 +287,14 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from dflashops.cli.lineage_view import export_text
+    from dflashops.cli.lineage_view import current_record, export_text
 
     if args.json and args.format == "csv":
         raise UsageError("--json and --format csv ask for different formats", hint="give one of them")
     db = _open(args)
-    text = export_text([] if db is None else db.list(), "json" if args.json else args.format or "csv")
+    facts = _facts(args, db)
+    rows = [current_record(run, facts(run)) for run in ([] if db is None else db.list())]
+    text = export_text(rows, "json" if args.json else args.format or "csv")
     if args.out in (None, "-"):
         sys.stdout.write(text)
         return 0
@@ -318,8 +337,12 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         return parser
 
     p = add("list", cmd_list, "recorded runs, oldest first", as_json, local_dirs)
-    p.add_argument("--state", choices=("launched", "running", "finished", "crashed", "stopped"))
-    p.add_argument("--target")
+    p.add_argument(
+        "--state",
+        choices=("launched", "running", "finished", "crashed", "stopped"),
+        help="only runs in this state (as the table shows it: read from the run directory when it is here)",
+    )
+    p.add_argument("--target", help="only runs on this target")
     p = add("tree", cmd_tree, "lineage tree: state, steps, best tau_sim, note, change vs parent", as_json, local_dirs)
     p.add_argument("run", nargs="?", help="show only the tree containing this run")
     add("show", cmd_show, "one run's record, children and change vs parent", as_json).add_argument("run")
@@ -335,9 +358,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p = add("plot", cmd_plot, "PNG of a metric by step for several runs (readable without colour)", local_dirs)
     p.add_argument("runs", nargs="+", metavar="RUN")
     p.add_argument("--metric", default="loss", help="loss, tau_sim, block_tok_s, or any metrics.jsonl key (loss.ce)")
-    p.add_argument("--out", required=True, metavar="FILE.png")
-    p.add_argument("--title")
-    p.add_argument("--log-y", action="store_true")
+    p.add_argument("--out", required=True, metavar="FILE.png", help="the PNG file to write")
+    p.add_argument("--title", help="the plot's title (default: METRIC by step)")
+    p.add_argument("--log-y", action="store_true", help="logarithmic y axis (for losses over many steps)")
     p = add("export", cmd_export, "all records as CSV or JSON")
     p.add_argument("--json", action="store_true", help="JSON instead of CSV (the same as --format json)")
     p.add_argument("--format", choices=("csv", "json"), help="csv (default) or json")

@@ -285,6 +285,11 @@ class LineageDB:
         )
         return NotFound(f"no {what} named {name!r} in the lineage database {self.path}", hint=hint)
 
+    def updated_at(self, name: str) -> str | None:
+        """When the run's row was last written (ISO 8601 UTC): the last time dflashops saw its state."""
+        rows = self._conn.query("SELECT updated_at FROM runs WHERE name = ?", (name,))
+        return str(rows[0][0]) if rows else None
+
     def names(self) -> set[str]:
         return {row[0] for row in self._conn.query("SELECT name FROM runs")}
 

@@ -104,6 +104,10 @@ class LogCursor:
     offset: int = 0
     inode: int | None = None
     check: str | None = None  # the agent's digest of the bytes before `offset` (detects a rewritten log)
+    # Where the first read starts, for the agent (start_of_reading); both are dropped once an answer came:
+    last_lines: int | None = None  # the last N lines of the log (`logs -n N`)
+    to_line_start: bool = False  # `offset` typed by a person: move it forward to a line start
+    run_ended: bool = False  # the last answer said the run had ended (its exit code is written)
 
 
 RECONNECT_ATTEMPTS = 6
@@ -152,7 +156,7 @@ def read_log(
             lambda node, follow_node, stop: read_log(
                 invocation,
                 name,
-                LogCursor(),
+                LogCursor(last_lines=cursor.last_lines),
                 target=node.target.name,
                 follow=follow_node,
                 poll_s=poll_s,
@@ -210,7 +214,10 @@ class LogReader:
     done: bool = False  # the run has ended and everything up to the end of its log was delivered
 
     def args(self) -> dict[str, Any]:
-        return {"offset": self.cursor.offset, "inode": self.cursor.inode, "check": self.cursor.check}
+        start = {"lines": self.cursor.last_lines} if self.cursor.last_lines is not None else {}
+        if self.cursor.to_line_start:
+            start["align"] = True
+        return {"offset": self.cursor.offset, "inode": self.cursor.inode, "check": self.cursor.check, **start}
 
     def take(self, answer: dict[str, Any]) -> str:
         """Advance the cursor past `answer`; its data ("" when none)."""
@@ -222,6 +229,8 @@ class LogReader:
             answer["inode"],
             answer.get("check"),
         )
+        self.cursor.last_lines, self.cursor.to_line_start = None, False
+        self.cursor.run_ended = bool(answer["finished"])
         if answer.get("notice"):
             self.on_notice(f"{self.name}: {answer['notice']}")
         self.done = bool(answer["finished"]) and not moved and not answer.get("more")

@@ -97,7 +97,7 @@ def test_sync_is_incremental_and_flips_current(env: Env, capsys: pytest.CaptureF
     assert (second / "workload.py").read_text().endswith("# changed\n")
     assert (second / "dflashops_agent.py").stat().st_ino == (first / "dflashops_agent.py").stat().st_ino  # linked
     assert not [p for p in (env.workspace / "releases").iterdir() if p.name.startswith(".tmp-")]
-    code, out, _ = env.cli("gc", "--keep", "1", "--run", "s1", capsys=capsys)
+    code, out, _ = env.cli("gc", "--keep", "1", "--run", "s1", "--json", capsys=capsys)
     assert code == 0 and json.loads(out)["removed_runs"] == ["s1"] and not (env.runs / "s1").exists()
     assert json.loads(out)["removed_releases"] == [first.name] and second.is_dir()
 

@@ -221,7 +221,7 @@ def test_gc_standby_retires_the_waiting_interpreters(env: Env, capsys: pytest.Ca
     launch(env, "sg1", rel)
     finished(env, "sg1")
     folder, _ = ready_standby(env)
-    code, out, err = env.cli("gc", "--standby", capsys=capsys)
+    code, out, err = env.cli("gc", "--standby", "--json", capsys=capsys)
     assert code == 0, err
     assert json.loads(out)["retired_standbys"] == [folder.name]
     wait_for(lambda: standbys(str(env.workspace)) == [], "the standby to exit")
