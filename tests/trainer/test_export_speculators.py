@@ -52,11 +52,11 @@ def drafter(target: tuple[TargetModel, Path]) -> DFlashDrafter:
     return model
 
 
-def checkpoint(run_dir: Path, model: DFlashDrafter, target_dir: Path | None) -> Path:
+def checkpoint(run_dir: Path, model: DFlashDrafter, target_dir: Path | None, step: int = 5) -> Path:
     """A training checkpoint whose state.json records the run's target_model, as the trainer writes it."""
     return save_checkpoint(
         run_dir,
-        5,
+        step,
         model=model.state_dict(),
         optimizer={},
         scheduler={},
