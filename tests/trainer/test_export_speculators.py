@@ -3,7 +3,7 @@ forward gives our drafter's draft logits; the z-lab form of the same checkpoint 
 
 The target is the tiny demo's shape, 4 layers with taps [0, 3]: layer 3 is the last one, the tap that speculators
 0.9's own z-lab converter drops by default. speculators runs in its own environment (speculators_env.py: built on
-first use, about a minute), in a subprocess.
+first use, 30-95 s), in a subprocess.
 """
 
 from __future__ import annotations
@@ -91,6 +91,9 @@ def our_logits(model: DFlashDrafter, target: TargetModel, batch: dict[str, torch
         return hidden @ target.lm_head_weight.T
 
 
+# The first run in a fresh clone builds the speculators environment inside this test (95 s measured with an empty
+# pip cache, more on a slow link): past pytest's default 300 s limit is possible there, so this test gets more.
+@pytest.mark.timeout(900)
 def test_speculators_loads_our_export_strictly_and_gives_our_draft_logits(drafter, target, tmp_path):
     target_model, target_dir = target
     step = checkpoint(tmp_path / "run", drafter, target_dir)
@@ -121,36 +124,42 @@ def test_speculators_loads_our_export_strictly_and_gives_our_draft_logits(drafte
         cwd=tmp_path,  # not the repository: its own imports must not come from our checkout
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    theirs = torch.load(tmp_path / "out.pt")
+    result = torch.load(tmp_path / "out.pt")
 
     # Strict: the loader reports nothing, and the file holds every tensor of the model except
     # verifier_lm_head.weight (speculators' training-only copy of the LM head, which it never saves either;
     # its loader fills it from the verifier).
-    assert theirs["loading_info"] == {
+    assert result["loading_info"] == {
         "missing_keys": [],
         "unexpected_keys": [],
         "mismatched_keys": [],
         "error_msgs": [],
     }
-    assert set(theirs["model_keys"]) - set(theirs["file_keys"]) == {"verifier_lm_head.weight"}
-    assert set(theirs["file_keys"]) - set(theirs["model_keys"]) == set()
-    assert theirs["nan_parameters"] == []
-    assert all(theirs["target_parts_equal"].values()), theirs["target_parts_equal"]
-    assert theirs["aux_hidden_state_layer_ids"] == [1, 4] and theirs["fc_in_features"] == 2 * 64
-
-    assert theirs["anchors"].tolist() == ANCHORS
     ours = our_logits(drafter, target_model, batch)
-    assert theirs["logits"].shape == ours.shape == (1, len(ANCHORS) * BLOCK, 256)
-    diff = (theirs["logits"] - ours).abs().max().item()
-    print(f"max |logit difference| speculators vs ours: {diff:.3g} (scale {ours.abs().max().item():.3g})")
-    assert diff <= LOGIT_ATOL
+    slots = torch.arange(ours.shape[1]) % BLOCK != 0  # the drafted slots 1..B-1 of every block
+    for how in ("alone", "filled"):  # the file's own target parts; the verifier's, loaded over them
+        theirs = result[how]
+        assert set(theirs["model_keys"]) - set(result["file_keys"]) == {"verifier_lm_head.weight"}, how
+        assert set(result["file_keys"]) - set(theirs["model_keys"]) == set(), how
+        assert all(theirs["target_parts_equal"].values()), (how, theirs["target_parts_equal"])
+        assert theirs["aux_hidden_state_layer_ids"] == [1, 4] and theirs["fc_in_features"] == 2 * 64
+        assert theirs["anchors"].tolist() == ANCHORS
+        assert theirs["logits"].shape == ours.shape == (1, len(ANCHORS) * BLOCK, 256)
+        diff = (theirs["logits"] - ours).abs().max().item()
+        print(f"{how}: max |logit difference| speculators vs ours: {diff:.3g} (scale {ours.abs().max().item():.3g})")
+        assert diff <= LOGIT_ATOL, how
+        assert torch.equal(theirs["logits"][0, slots].argmax(-1), ours[0, slots].argmax(-1)), how
+    # The plain load leaves nothing unloaded (the other path skips the fill of verifier_lm_head, see
+    # speculators_forward.py, and that tensor is never read on the way to the draft logits).
+    assert result["filled"]["not_finite"] == []
+    assert result["alone"]["not_finite"] in ([], ["verifier_lm_head.weight"])
+
     # control: the comparison can fail. The same features with the two taps swapped give other logits.
     features = batch["hidden_states"]
     swapped = {**batch, "hidden_states": torch.cat(features.chunk(2, dim=-1)[::-1], dim=-1)}
-    assert (theirs["logits"] - our_logits(drafter, target_model, swapped)).abs().max().item() > 1e3 * LOGIT_ATOL
-    # and the drafts agree: the argmax of every drafted slot (1..B-1)
-    slots = torch.arange(ours.shape[1]) % BLOCK != 0
-    assert torch.equal(theirs["logits"][0, slots].argmax(-1), ours[0, slots].argmax(-1))
+    assert (
+        result["filled"]["logits"] - our_logits(drafter, target_model, swapped)
+    ).abs().max().item() > 1e3 * LOGIT_ATOL
 
 
 def test_the_two_formats_agree_on_every_tap(drafter, target, tmp_path):
