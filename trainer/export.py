@@ -1,10 +1,16 @@
-"""`python -m trainer export CHECKPOINT --output DIR`: a training checkpoint -> the public DFlash format.
+"""`python -m trainer export CHECKPOINT --output DIR [--format zlab|speculators]`: a training checkpoint -> a
+drafter that public loaders read.
 
-The output directory holds exactly `config.json` (a Qwen3 config + `architectures: ["DFlashDraftModel"]`,
+`--format zlab` (the default, the public DFlash format): the output directory holds exactly `config.json` (a Qwen3 config + `architectures: ["DFlashDraftModel"]`,
 `block_size`, `num_target_layers`, `dflash_config`, `layer_types`, `sliding_window`; DrafterConfig.to_hf_dict)
 and `model.safetensors` with the public tensor names (11 per layer + norm, fc, hidden_norm; no embedding, no
 LM head), which public DFlash loaders and `trainer train --init-from DIR` read. It is written to a temporary
 sibling directory and renamed, so DIR is either complete or absent; an existing non-empty DIR is refused.
+
+`--format speculators`: what vLLM's `speculators` library loads (trainer/export_speculators.py): a
+`DFlashSpeculatorConfig` whose `aux_hidden_state_layer_ids` are our tap ids + 1, and the same drafter tensors plus
+the target's embedding, LM head and final norm, read from `--target-model` (default: the run's recorded
+`target_model`). Both forms say the same thing about a tap: docs/method.md#export-formats.
 
 CHECKPOINT is a `checkpoints/step_NNNNNN` directory (trainer/checkpoint.py) or a run directory (its newest
 complete checkpoint is used). The drafter's shape comes from `drafter_config` in the checkpoint's state.json.
@@ -22,6 +28,7 @@ from typing import Any
 
 import torch
 
+from trainer.export_speculators import save_speculators, speculators_tensor_names, target_parts_from_dir
 from trainer.model.drafter import CONFIG_NAME, WEIGHTS_NAME, DFlashDrafter, DrafterConfig
 from trainer.run_files import CHECKPOINT_PREFIX, CHECKPOINTS
 from trainer.tokenizer_utils import DataInputError
@@ -40,6 +47,7 @@ LAYER_TENSORS = (
     "post_attention_layernorm.weight",
 )
 TOP_TENSORS = ("norm.weight", "fc.weight", "hidden_norm.weight")
+FORMATS = ("zlab", "speculators")
 
 
 def public_tensor_names(num_layers: int) -> list[str]:
@@ -126,9 +134,28 @@ def current_umask() -> int:
     return mask
 
 
-def export_drafter(drafter: DFlashDrafter, output: str | Path) -> Path:
-    """Write `drafter` in the public format to `output` atomically; refuse a non-empty existing `output`.
+def recorded_target_model(path: str | Path) -> str | None:
+    """The `target_model` directory the checkpoint's run trained against (state.json `config`), or None when the
+    run built its target from the tiny preset's config or the checkpoint does not record it."""
+    state = json.loads((resolve_checkpoint(path) / "state.json").read_text())
+    value = (state.get("config") or {}).get("target_model")
+    return str(value) if value else None
+
+
+def export_drafter(
+    drafter: DFlashDrafter,
+    output: str | Path,
+    *,
+    format: str = "zlab",
+    target_model: str | Path | None = None,
+    verifier: str | None = None,
+) -> Path:
+    """Write `drafter` in `format` (FORMATS) to `output` atomically; refuse a non-empty existing `output`.
+    The speculators form needs `target_model` (a local HF directory: its embedding, LM head and final norm are
+    copied in) and records `verifier` (default: `target_model` as given) as the verifier's name_or_path.
     Every file gets the mode the process umask gives a new file (0o666 & ~umask: 0644 under umask 022)."""
+    if format not in FORMATS:
+        raise DataInputError(f"unknown export format {format!r}", hint=f"choose one of {', '.join(FORMATS)}")
     output = Path(output)
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise DataInputError(
@@ -138,9 +165,22 @@ def export_drafter(drafter: DFlashDrafter, output: str | Path) -> Path:
     names = sorted(drafter.state_dict())
     if names != sorted(public_tensor_names(drafter.config.num_hidden_layers)):
         raise DataInputError(f"drafter tensor names differ from the public DFlash names: {names[:3]} ...")
+    parts = None
+    if format == "speculators":
+        if target_model is None:
+            raise DataInputError(
+                "--format speculators copies the target's embedding, LM head and final norm into the export, "
+                "and this checkpoint's run records no target model directory",
+                hint="pass --target-model DIR (the local Hugging Face directory of the target)",
+            )
+        parts = target_parts_from_dir(target_model)  # read (and shape-checked) before anything is written
+        parts.check(drafter.config)
     tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    drafter.save_pretrained(tmp)
+    if parts is None:
+        drafter.save_pretrained(tmp)
+    else:
+        save_speculators(drafter, parts, tmp, verifier=verifier if verifier is not None else str(target_model))
     # safetensors writes through a private temporary file, so model.safetensors comes out 0600. An export is
     # meant to be copied to serving machines and read by their users: give every file the mode a normal new
     # file gets under this process's umask (0644 under umask 022), before the rename publishes the directory.
@@ -171,17 +211,44 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer export", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="checkpoints/step_NNNNNN directory, or a run directory (newest checkpoint)")
     parser.add_argument("--output", required=True, help="new directory for config.json + model.safetensors")
+    parser.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="zlab",
+        help="zlab: the public DFlash format (drafter tensors only); speculators: vLLM speculators' DFlash "
+        "format, with the target's embedding, LM head and final norm (default: zlab)",
+    )
+    parser.add_argument(
+        "--target-model",
+        metavar="DIR",
+        help="speculators only: the target's local HF directory (default: the run's recorded --target-model)",
+    )
+    parser.add_argument(
+        "--verifier",
+        metavar="NAME_OR_PATH",
+        help="speculators only: the verifier name_or_path written into the config, e.g. Qwen/Qwen3-8B, so that "
+        "loaders on other machines find the target (default: the --target-model directory)",
+    )
     args = parser.parse_args(argv)
     try:
+        if args.format != "speculators" and (args.target_model or args.verifier):
+            raise DataInputError(
+                "--target-model and --verifier only apply to --format speculators",
+                hint="add --format speculators, or drop them",
+            )
         drafter = load_training_checkpoint(args.checkpoint)
-        out = export_drafter(drafter, args.output)
+        target = args.target_model
+        if args.format == "speculators" and target is None:
+            target = recorded_target_model(args.checkpoint)
+        out = export_drafter(drafter, args.output, format=args.format, target_model=target, verifier=args.verifier)
     except DataInputError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         if exc.hint:
             print(f"hint: {exc.hint}", file=sys.stderr)
         return 2
-    count = len(public_tensor_names(drafter.config.num_hidden_layers))
-    print(f"exported {count} tensors to {out}", file=sys.stderr)
+    layers = drafter.config.num_hidden_layers
+    count = len(speculators_tensor_names(layers) if args.format == "speculators" else public_tensor_names(layers))
+    print(f"exported {count} tensors ({args.format} format) to {out}", file=sys.stderr)
     print(out)
     return 0
 

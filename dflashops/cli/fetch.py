@@ -1,4 +1,4 @@
-"""`dflashops fetch RUN [--checkpoint latest|STEP] [--export] [--logs] [--to DIR] [--json]`.
+"""`dflashops fetch RUN [--checkpoint latest|STEP] [--export [--format zlab|speculators]] [--logs] [--to DIR] [--json]`.
 
 A rich progress bar with the rate on stderr (plain lines when stderr is not a terminal); on stdout the
 destination folder, or with --json the whole outcome (files, how each came: fetched / resumed / unchanged,
@@ -17,7 +17,7 @@ from pathlib import Path
 from dflashops.cli.common import emit_json, open_invocation, print_plan, progress
 from dflashops.cli.control import with_run_hint
 from dflashops.errors import UsageError
-from dflashops.ops.fetch import FetchRequest, Progress, fetch
+from dflashops.ops.fetch import EXPORT_FORMATS, FetchRequest, Progress, fetch
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -37,6 +37,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--export",
         action="store_true",
         help="export that checkpoint on the target (python -m trainer export) and fetch the export",
+    )
+    p.add_argument(
+        "--format",
+        choices=EXPORT_FORMATS,
+        help="with --export: zlab, the public DFlash format, into export/step_N/; or speculators, vLLM speculators' "
+        "form with the target's embedding, LM head and final norm, into export/step_N-speculators/ (default: zlab)",
     )
     p.add_argument("--logs", action="store_true", help="fetch train.log too (alone: logs and metadata only)")
     p.add_argument("--to", metavar="DIR", type=Path, help="destination folder (default: ./fetched/RUN)")
@@ -85,11 +91,16 @@ def progress_bar(quiet: bool) -> Iterator[Progress]:
 def handle_fetch(args: argparse.Namespace) -> int:
     if args.retries < 0:
         raise UsageError("--retries must be >= 0", hint="--retries 8")
+    if args.format is not None and not args.export:
+        raise UsageError(
+            "--format chooses the export's format: it needs --export", hint="--export --format speculators"
+        )
     request = FetchRequest(
         run=args.run,
         target=args.target,
         checkpoint=args.checkpoint,
         export=args.export,
+        export_format=args.format or "zlab",
         logs=args.logs,
         to=args.to,
         retries=args.retries,

@@ -30,6 +30,7 @@ from dflashops.shell import validate_name
 
 METADATA = ("run.json", "status.json", "metrics.jsonl", "exit_code")
 LOGS = ("train.log", "train.log.1")
+EXPORT_FORMATS = ("zlab", "speculators")  # trainer/export.py FORMATS (dflashops does not import the trainer)
 
 
 @dataclass
@@ -38,6 +39,7 @@ class FetchRequest:
     target: str | None = None
     checkpoint: str | None = None  # "latest", a step number, or None (latest unless only --logs/--export)
     export: bool = False
+    export_format: str = "zlab"  # `trainer export --format`: zlab (the public DFlash format) or speculators
     logs: bool = False
     to: Path | None = None
     retries: int = RESUME_ATTEMPTS  # continues after a cut, per file, within this call
@@ -81,15 +83,28 @@ def pick_checkpoint(entry: dict[str, Any], wanted: str) -> str:
     return step
 
 
+def export_dir(step: str, export_format: str) -> str:
+    """The run-relative folder of a checkpoint's export: `export/<step>` (zlab), `export/<step>-speculators`."""
+    return f"export/{step}" if export_format == "zlab" else f"export/{step}-{export_format}"
+
+
 def export_on_target(
-    invocation: Invocation, target: Target, entry: dict[str, Any], step: str, note: Callable[[str], None]
+    invocation: Invocation,
+    target: Target,
+    entry: dict[str, Any],
+    step: str,
+    note: Callable[[str], None],
+    export_format: str = "zlab",
 ) -> str:
-    """`python -m trainer export` of checkpoint `step` into `export/<step>/` on the target (with the run's
-    release on PYTHONPATH), unless that export exists already; returns its run-relative path."""
+    """`python -m trainer export [--format F]` of checkpoint `step` into `export_dir(step, F)` on the target (with
+    the run's release on PYTHONPATH), unless that export exists already; returns its run-relative path. The
+    speculators form takes the target's embedding, LM head and final norm from the run's recorded target model."""
     from dflashops.errors import CommandFailed
 
+    if export_format not in EXPORT_FORMATS:
+        raise UsageError(f"--format takes {' or '.join(EXPORT_FORMATS)}, not {export_format!r}", hint="--format zlab")
     run_dir = entry["run_dir"]
-    rel = f"export/{step}"
+    rel = export_dir(step, export_format)
     listed = invocation.agent(target).call(
         "fetch-manifest",
         {"workspace": target.workspace, "name": entry["name"], "paths": [rel], "cache": not invocation.dry_run},
@@ -99,12 +114,14 @@ def export_on_target(
         return rel
     release = (entry.get("run_json") or {}).get("release") or f"{target.workspace}/releases/current"
     argv = [target.python, "-m", "trainer", "export", f"{run_dir}/checkpoints/{step}", "--output", f"{run_dir}/{rel}"]
+    if export_format != "zlab":  # the default needs no flag, so releases older than --format still export it
+        argv += ["--format", export_format]
     env = {**target.env, "PYTHONPATH": release}
     agent = invocation.agent(target)
     if invocation.dry_run:
         agent.record(["env", *(f"{k}={v}" for k, v in env.items()), *argv])
         return rel
-    note(f"exporting {step} on {target.name} (python -m trainer export)")
+    note(f"exporting {step} ({export_format} format) on {target.name} (python -m trainer export)")
     result = agent.transport.run(argv, env=env, check=False, timeout=3600)
     if result.exit_code != 0:
         raise CommandFailed(result, hint="the trainer's own error is above; `dflashops exec` runs it by hand")
@@ -120,7 +137,7 @@ def select(
     wants_checkpoint = request.checkpoint is not None or not (request.logs or request.export)
     if request.export:
         step = pick_checkpoint(entry, request.checkpoint or "latest")
-        exported = export_on_target(invocation, target, entry, step, note)
+        exported = export_on_target(invocation, target, entry, step, note, request.export_format)
         paths.append(exported)
     elif wants_checkpoint:
         paths.append(f"checkpoints/{pick_checkpoint(entry, request.checkpoint or 'latest')}")

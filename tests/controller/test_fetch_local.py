@@ -152,6 +152,21 @@ def test_export_runs_the_trainer_exporter_on_the_target(
     code, _, err = env.cli("fetch", "ex1", "--export", "--to", str(dest), capsys=capsys)
     assert code == 0 and "export export/step_000005 exists on local" in err  # made once, reused
 
+    # --format speculators: the run's recorded target model gives the embedding, LM head and final norm
+    from tests.trainer.test_export_speculators import checkpoint
+
+    target = build_tiny_target()
+    target.model.save_pretrained(tmp_path / "target")
+    checkpoint(env.runs / "ex1", model, tmp_path / "target", step=6)  # with the run's config, as the trainer saves
+    code, out, err = env.cli("fetch", "ex1", "--export", "--format", "speculators", "--to", str(dest), capsys=capsys)
+    assert code == 0, err
+    assert "exporting step_000006 (speculators format)" in err
+    spec = dest / "export/step_000006-speculators"
+    assert sorted(p.name for p in spec.iterdir()) == ["config.json", "model.safetensors"]
+    assert json.loads((spec / "config.json").read_text())["aux_hidden_state_layer_ids"] == [1, 2]  # taps [0, 1] + 1
+    code, _, err = env.cli("fetch", "ex1", "--format", "speculators", capsys=capsys)
+    assert code == 2 and "--format chooses the export's format: it needs --export" in err
+
 
 @pytest.mark.parametrize(
     "argv, code, message",
