@@ -97,6 +97,8 @@ def cleanup(workspace: Path) -> None:
     standby interpreters (they exit by themselves once asked), then its tmux."""
     runs = workspace / "runs"
     for run in sorted(runs.iterdir()) if runs.is_dir() else []:
+        if not (run / "pgid").exists():  # never launched (made by the test, or refused): the agent's stop would
+            continue  # wait its launch-settle time for a start that cannot come (30 s of teardown each)
         subprocess.run(
             [
                 sys.executable,
