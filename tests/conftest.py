@@ -15,6 +15,11 @@ import pytest
 TORCH_SETS_ITSELF = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 STARTED_WITH = {name: os.environ.get(name) for name in TORCH_SETS_ITSELF}
 
+# The CLI's tables and trees use COLUMNS when stdout is not a terminal (else their wide default): a width left by
+# the shell or by pytest-xdist's workers (80) would wrap them differently from run to run. Tests that care about a
+# width set their own.
+os.environ.pop("COLUMNS", None)
+
 
 @pytest.fixture(autouse=True)
 def no_cache_dir_set_by_torch() -> Iterator[None]:
