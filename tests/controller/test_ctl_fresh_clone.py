@@ -19,21 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.controller.helpers import REPO, Env
-
-
-def dflashops(*args: str, cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    """dflashops as a real process started in `cwd`, with no inventory named (as a user types it)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop("DFLASHOPS_INVENTORY", None)
-    return subprocess.run(
-        [sys.executable, "-m", "dflashops.cli.main", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-        cwd=cwd,
-        stdin=subprocess.DEVNULL,
-    )
+from tests.controller.test_ctl_friction import dflashops  # a real process in `cwd`, no inventory named
 
 
 # ------------------------------------------------------------------ item 4: trainer arguments without `--`

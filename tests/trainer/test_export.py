@@ -27,7 +27,8 @@ def drafter() -> DFlashDrafter:
     return model
 
 
-def save_training_checkpoint(run_dir: Path, model: DFlashDrafter, step: int = 5) -> Path:
+def save_training_checkpoint(run_dir: Path, model: DFlashDrafter, step: int = 5, config: dict | None = None) -> Path:
+    """A training checkpoint as the trainer writes it; `config`: the run's config recorded in it (none: omitted)."""
     return save_checkpoint(
         run_dir,
         step,
@@ -36,7 +37,7 @@ def save_training_checkpoint(run_dir: Path, model: DFlashDrafter, step: int = 5)
         scheduler={},
         epoch=0,
         index=0,
-        extra={"drafter_config": model.config.to_hf_dict()},
+        extra={"drafter_config": model.config.to_hf_dict(), **({"config": config} if config is not None else {})},
         keep=3,
     )
 

@@ -17,9 +17,9 @@ import torch
 from safetensors import safe_open
 
 from tests.trainer.speculators_env import SPECULATORS_VERSION, speculators_python
+from tests.trainer.test_export import save_training_checkpoint
 from tests.trainer.tiny import build_tiny_target, tiny_drafter_config
 from trainer import export as export_cli
-from trainer.checkpoint import save_checkpoint
 from trainer.export_speculators import speculators_layer_ids, speculators_tensor_names
 from trainer.model.drafter import DFlashDrafter, make_block_input_ids
 from trainer.model.target import TargetModel
@@ -54,17 +54,7 @@ def drafter(target: tuple[TargetModel, Path]) -> DFlashDrafter:
 
 def checkpoint(run_dir: Path, model: DFlashDrafter, target_dir: Path | None, step: int = 5) -> Path:
     """A training checkpoint whose state.json records the run's target_model, as the trainer writes it."""
-    return save_checkpoint(
-        run_dir,
-        step,
-        model=model.state_dict(),
-        optimizer={},
-        scheduler={},
-        epoch=0,
-        index=0,
-        extra={"config": {"target_model": target_dir and str(target_dir)}, "drafter_config": model.config.to_hf_dict()},
-        keep=3,
-    )
+    return save_training_checkpoint(run_dir, model, step, config={"target_model": target_dir and str(target_dir)})
 
 
 def fixed_batch(target: TargetModel) -> dict[str, torch.Tensor]:
