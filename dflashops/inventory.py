@@ -86,6 +86,9 @@ class Profile:
     packages: tuple[str, ...] = ("trainer",)  # Python packages from the repository shipped in the release
     on_failure: OnFailure | None = None  # auto-restart by the in-container supervisor (inventory_policy.py)
     stall: Stall | None = None  # stall detection by the same supervisor
+    # When `deploy`/`restart` (without --detach) call the run started (ops/start_wait.py): a status.json
+    # timeline milestone of the trainer, or `settle` for any other job (alive after a short settle time).
+    started_when: str = "settle"
 
 
 @dataclass(frozen=True)
@@ -364,12 +367,29 @@ def _target(reader: _Reader, base: Path, hosts: dict[str, Host], name: str, node
     )
 
 
+STARTED_WHEN = ("preflight_done", "first_step", "settle")
+
+
+def default_started_when(argv: tuple[str, ...]) -> str:
+    """`preflight_done` for `python -m trainer train` (whose status.json keeps a timeline), else `settle`."""
+    words = list(argv)
+    for index, word in enumerate(words[:-2]):
+        if word == "-m" and words[index + 1] == "trainer" and words[index + 2] == "train":
+            return "preflight_done"
+    return "settle"
+
+
 def _profile(reader: _Reader, name: str, node: yaml.Node) -> Profile:
     key = f"profiles.{name}"
     reader.check_name(name, node, key)
     fields = reader.mapping(
-        node, key, {"argv", "env", "pass_env", "files", "resume_args", "description", "packages", "on_failure", "stall"}
-    )
+        node,
+        key,
+        {
+            "argv", "env", "pass_env", "files", "resume_args", "description", "packages", "on_failure", "stall",
+            "started_when",
+        },
+    )  # fmt: skip
     if "argv" not in fields:
         raise reader.fail(node, key, "missing required key 'argv'")
     argv = reader.str_list(fields["argv"], f"{key}.argv")
@@ -387,7 +407,15 @@ def _profile(reader: _Reader, name: str, node: yaml.Node) -> Profile:
     for package in packages:
         if not package.isidentifier():
             raise reader.fail(fields["packages"], f"{key}.packages", f"{package!r} is not a package name")
+    started_when = default_started_when(argv)
+    if "started_when" in fields:
+        started_when = reader.scalar(fields["started_when"], f"{key}.started_when", str)
+        if started_when not in STARTED_WHEN:
+            raise reader.fail(
+                fields["started_when"], f"{key}.started_when", f"must be one of {', '.join(STARTED_WHEN)}"
+            )
     return Profile(
+        started_when=started_when,
         packages=packages,
         name=name,
         argv=argv,

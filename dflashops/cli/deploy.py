@@ -20,6 +20,7 @@ from dflashops.ops.control import DEFAULT_FAIL_ON, LogCursor, wait_for
 from dflashops.ops.deploy import LAUNCHERS, DeployOutcome, DeployRequest, deploy
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.restart import RestartRequest, restart
+from dflashops.ops.start_wait import wait_started
 from dflashops.shell import join_argv
 
 
@@ -121,14 +122,26 @@ def add_launch_options(p: argparse.ArgumentParser, launcher_default: str | None 
         action="store_true",
         help="launch without first checking that the new code and arguments can start in the target",
     )
-    p.add_argument("--wait", metavar="REGEX", help="follow the log until REGEX matches (exit 0)")
+    p.add_argument(
+        "--wait",
+        metavar="REGEX",
+        help="follow the log until REGEX matches (exit 0), instead of waiting for the run's start",
+    )
+    p.add_argument(
+        "--detach",
+        action="store_true",
+        help="return as soon as the run is launched (default: wait until it has passed its start: the "
+        "profile's started_when, e.g. the trainer's pre-flight; a crash there is an error)",
+    )
     p.add_argument(
         "--fail-on",
         metavar="REGEX",
         default=DEFAULT_FAIL_ON,
         help="while waiting, fail when REGEX appears (default: Traceback)",
     )
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for --wait (default 600)")
+    p.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds to wait for --wait or for the start (default 600)"
+    )
     p.add_argument("--dry-run", action="store_true", help="print the commands that would run; change nothing")
 
 
@@ -163,6 +176,8 @@ def report(invocation: Invocation, outcome: DeployOutcome, args: argparse.Namesp
                 + (f"\nhint: {outcome.supervisor['hint']}" if outcome.supervisor.get("hint") else "")
             )
     print(outcome.name)
+    if not args.wait and not args.detach:
+        return report_start(invocation, outcome.name, args.timeout)
     if args.wait:
         cursor = LogCursor()
         try:
@@ -183,6 +198,26 @@ def report(invocation: Invocation, outcome: DeployOutcome, args: argparse.Namesp
     return 0
 
 
+def report_start(invocation: Invocation, name: str, timeout: float) -> int:
+    """Wait until `name` has passed its start (ops/start_wait.py) and say how on stderr; a crash in that
+    window raises RunFailed (its end, the last log lines, hint `dflashops logs RUN`)."""
+    record = invocation.record_of(name)
+    profiles = invocation.inventory.profiles
+    profile = profiles.get(record.profile) if record is not None and record.profile else None
+    try:
+        started = wait_started(
+            invocation, name, started_when=profile.started_when if profile else "settle", timeout=timeout
+        )
+    except KeyboardInterrupt:  # quietly: the run was launched and goes on
+        progress(f"{name} goes on; `dflashops watch {name}` shows how it does")
+        return 130
+    if started.ended:
+        progress(f"{name} {started.how}, inside its start window ({started.seconds:.1f} s)")
+    else:
+        progress(f"{name} passed its start: {started.how} ({started.seconds:.1f} s)")
+    return 0
+
+
 def preflight_line(verdict: dict) -> str:
     """`pre-flight: ok: 200 optimizer steps (a standby interpreter, 0.8 s)`, or why it could not run yet."""
     if verdict.get("skipped"):
@@ -192,7 +227,13 @@ def preflight_line(verdict: dict) -> str:
     return f"pre-flight: {what} ({where}{verdict.get('seconds', 0):.1f} s)"
 
 
+def check_wait_options(args: argparse.Namespace) -> None:
+    if args.detach and args.wait:
+        raise UsageError("--detach returns at once; --wait REGEX follows the log: give one of them")
+
+
 def handle_deploy(args: argparse.Namespace) -> int:
+    check_wait_options(args)
     with open_invocation(args, dry_run=args.dry_run) as invocation:
         outcome = deploy(
             invocation,
@@ -212,6 +253,7 @@ def handle_deploy(args: argparse.Namespace) -> int:
 
 
 def handle_restart(args: argparse.Namespace) -> int:
+    check_wait_options(args)
     if args.checkpoint is not None:
         if args.fresh:
             raise UsageError("--checkpoint names the checkpoint to resume from; --fresh starts from none")
