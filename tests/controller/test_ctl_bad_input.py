@@ -28,7 +28,7 @@ def snapshot(root: Path) -> dict[str, tuple[int, int]]:
 )
 def test_bad_run_names_are_refused_before_anything(env: Env, capsys: pytest.CaptureFixture[str], name: str) -> None:
     before = snapshot(env.root)
-    code, out, err = env.cli("deploy", "--profile", "work", f"--name={name}", capsys=capsys)
+    code, out, err = env.cli("deploy", "--detach", "--profile", "work", f"--name={name}", capsys=capsys)
     assert code == 2
     assert err.startswith("error: invalid run name") and "\nhint: " in err
     assert out == "" and snapshot(env.root) == before and not env.workspace.exists()
@@ -39,8 +39,8 @@ def test_bad_names_in_other_verbs(env: Env, capsys: pytest.CaptureFixture[str]) 
         ["stop", "a;b"],
         ["logs", "../x"],
         ["status", "a b"],
-        ["restart", "x" * 65],
-        ["deploy", "--profile", "work", "--parent", "a/b"],
+        ["restart", "--detach", "x" * 65],
+        ["deploy", "--detach", "--profile", "work", "--parent", "a/b"],
     ):
         code, _, err = env.cli(*argv, capsys=capsys)
         assert code == 2 and "error: invalid" in err, argv
@@ -48,9 +48,9 @@ def test_bad_names_in_other_verbs(env: Env, capsys: pytest.CaptureFixture[str]) 
 
 
 def test_unknown_target_and_profile(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = env.cli("deploy", "nowhere", "--profile", "work", capsys=capsys)
+    code, _, err = env.cli("deploy", "--detach", "nowhere", "--profile", "work", capsys=capsys)
     assert code == 3 and "error: unknown target 'nowhere'" in err and "hint: targets: local" in err
-    code, _, err = env.cli("deploy", "local", "--profile", "nope", capsys=capsys)
+    code, _, err = env.cli("deploy", "--detach", "local", "--profile", "nope", capsys=capsys)
     assert code == 3 and "error: unknown profile 'nope'" in err and "hint: profiles: work" in err
     assert not env.workspace.exists() and not env.db.exists()
 
@@ -111,20 +111,20 @@ def test_deploy_onto_existing_name_changes_nothing(env: Env, capsys: pytest.Capt
     assert env.cli("deploy", "--profile", "work", "--name", "taken", "--wait", "step 2", capsys=capsys)[0] == 0
     assert env.cli("stop", "taken", "--grace", "5", capsys=capsys)[0] == 0
     before = snapshot(env.root)
-    code, _, err = env.cli("deploy", "--profile", "work", "--name", "taken", capsys=capsys)
+    code, _, err = env.cli("deploy", "--detach", "--profile", "work", "--name", "taken", capsys=capsys)
     assert code == 4 and "error: run name 'taken' is already used" in err and "hint:" in err
     assert snapshot(env.root) == before
     # A run directory the database does not know (db lost): still refused, before any sync.
     (env.runs / "orphan").mkdir()
     before = snapshot(env.root)
-    code, _, err = env.cli("deploy", "--profile", "work", "--name", "orphan", capsys=capsys)
+    code, _, err = env.cli("deploy", "--detach", "--profile", "work", "--name", "orphan", capsys=capsys)
     assert code == 4 and "already exists" in err and snapshot(env.root) == before
 
 
 def test_restart_onto_existing_name_leaves_the_run_running(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
     assert env.cli("deploy", "--profile", "work", "--name", "keep-v1", "--wait", "step 1", capsys=capsys)[0] == 0
     assert env.cli("deploy", "--profile", "work", "--name", "other", "--wait", "step 1", capsys=capsys)[0] == 0
-    code, _, err = env.cli("restart", "keep-v1", "--name", "other", capsys=capsys)
+    code, _, err = env.cli("restart", "--detach", "keep-v1", "--name", "other", capsys=capsys)
     assert code == 4 and "already used" in err
     code, out, _ = env.cli("status", "keep-v1", capsys=capsys)
     assert "\trunning\t" in out
@@ -135,7 +135,7 @@ def test_stop_logs_restart_of_missing_or_finished_runs(env: Env, capsys: pytest.
     assert code == 3 and "does not exist" in err
     code, _, err = env.cli("logs", "ghost", capsys=capsys)
     assert code == 3 and "error:" in err
-    code, _, err = env.cli("restart", "ghost", capsys=capsys)
+    code, _, err = env.cli("restart", "--detach", "ghost", capsys=capsys)
     assert code == 3 and "no run named 'ghost'" in err
     assert (
         env.cli(
@@ -172,7 +172,7 @@ def test_logs_of_a_run_that_never_started(env: Env, capsys: pytest.CaptureFixtur
 
 def test_resume_without_resume_args_or_checkpoint(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
     assert env.deploy_one_step("nockpt", capsys) == 0
-    code, _, err = env.cli("restart", "nockpt", "--resume", capsys=capsys)
+    code, _, err = env.cli("restart", "--detach", "nockpt", "--resume", capsys=capsys)
     assert code == 3 and "has no checkpoint" in err and "--fresh" in err
 
 

@@ -136,11 +136,11 @@ def test_two_stops_that_meet_act_once_and_keep_the_final_checkpoint(
 
 def test_two_restarts_that_meet_make_one_child(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
     deploy_trainer(env, capsys, "cr1")
-    first = cli_process(env, "restart", "cr1", "--resume", "--name", "cr2")
+    first = cli_process(env, "restart", "--detach", "cr1", "--resume", "--name", "cr2")
     # The first restart's child starts at the hand-over; the rest of its stop (the write, held at the gate)
     # goes on in the background, holding the old run's lock.
     wait_until(lambda: (env.runs / "cr2").is_dir(), timeout=SLOW)
-    second = cli_process(env, "restart", "cr1", "--resume", "--name", "cr3")
+    second = cli_process(env, "restart", "--detach", "cr1", "--resume", "--name", "cr3")
     wait_until(lambda: lock_waiters(env.runs / "cr1") == 1, timeout=SLOW)
     gates(env)[0].touch()
     code1, out1, err1 = finish(first)
@@ -158,7 +158,7 @@ def test_two_restarts_that_meet_make_one_child(env: Env, capsys: pytest.CaptureF
 
 def test_a_stop_that_meets_a_restart_says_what_the_restart_did(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
     deploy_trainer(env, capsys, "cs1")
-    restart = cli_process(env, "restart", "cs1", "--resume", "--name", "cs2")
+    restart = cli_process(env, "restart", "--detach", "cs1", "--resume", "--name", "cs2")
     wait_until(lambda: (env.runs / "cs2").is_dir(), timeout=SLOW)
     stop = cli_process(env, "stop", "cs1")
     wait_until(lambda: lock_waiters(env.runs / "cs1") == 1, timeout=SLOW)
@@ -195,7 +195,7 @@ def test_the_child_commits_a_checkpoint_its_killed_writer_left_complete(
     `.tmp-step_N-<pid>/`, before the fsyncs and the rename: the child, which read the data meanwhile, commits
     it (fsync, rename) before it resumes, and says so; the checkpoint exists under its final name."""
     trainer = deploy_trainer(env, capsys, "hk1", sync_gate=True)
-    code, _, err = env.cli("restart", "hk1", "--resume", "--name", "hk2", capsys=capsys)
+    code, _, err = env.cli("restart", "--detach", "hk1", "--resume", "--name", "hk2", capsys=capsys)
     assert code == 0, err
     checkpoint = Path(status_json(env, "hk1")["handover"]["checkpoint"])
     # The child has read the written data (page cache) and waits for it to be durable.
@@ -225,7 +225,7 @@ def test_the_child_fails_naming_the_last_good_checkpoint_when_the_writer_died_mi
     env: Env, capsys: pytest.CaptureFixture[str]
 ) -> None:
     trainer = deploy_trainer(env, capsys, "hw1")  # held before its final write starts
-    code, _, err = env.cli("restart", "hw1", "--resume", "--name", "hw2", capsys=capsys)
+    code, _, err = env.cli("restart", "--detach", "hw1", "--resume", "--name", "hw2", capsys=capsys)
     assert code == 0, err
     wait_until(lambda: status_json(env, "hw2").get("waiting_for"), timeout=SLOW)
     os.kill(trainer, signal.SIGKILL)
@@ -259,12 +259,12 @@ def test_resume_of_a_run_that_never_took_a_step_is_refused_before_it_is_stopped(
     env: Env, capsys: pytest.CaptureFixture[str]
 ) -> None:
     code, _, err = env.cli(
-        "deploy", "--profile", "work", "--name", "ns1", "--launcher", "nohup", "--", "--hang-after", "0",
+        "deploy", "--detach", "--profile", "work", "--name", "ns1", "--launcher", "nohup", "--", "--hang-after", "0",
         capsys=capsys,
     )  # fmt: skip
     assert code == 0, err
     wait_until(lambda: (env.runs / "ns1" / "pid").is_file())
-    code, out, err = env.cli("restart", "ns1", "--resume", capsys=capsys)
+    code, out, err = env.cli("restart", "--detach", "ns1", "--resume", capsys=capsys)
     assert code == 3, err
     assert (
         "run 'ns1' has no checkpoint to resume from: it has not finished a step and started fresh; nothing was " in err
@@ -279,14 +279,18 @@ def test_resume_of_a_run_stopped_before_its_first_step_takes_the_checkpoint_it_s
     env: Env, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert env.cli("deploy", "--profile", "work", "--name", "nr1", "--wait", "step 3", capsys=capsys)[0] == 0
-    code, _, err = env.cli("restart", "nr1", "--resume", "--name", "nr2", "--", "--hang-after", "3", capsys=capsys)
+    code, _, err = env.cli(
+        "restart", "--detach", "nr1", "--resume", "--name", "nr2", "--", "--hang-after", "3", capsys=capsys
+    )
     assert code == 0, err
     started_from = err.split("resuming from ")[1].split()[0]
     wait_until(lambda: "resumed from" in log_text(env, "nr2"))
     # nr2 never takes a step; a stop that ends it without a checkpoint of its own (SIGKILL after the grace):
     code, _, err = env.cli("stop", "nr2", "--now", capsys=capsys)
     assert code == 0, err
-    code, out, err = env.cli("restart", "nr2", "--resume", "--name", "nr3", "--", "--steps", "5", capsys=capsys)
+    code, out, err = env.cli(
+        "restart", "--detach", "nr2", "--resume", "--name", "nr3", "--", "--steps", "5", capsys=capsys
+    )
     assert code == 0, err
     assert f"resuming from {started_from}" in err
     step = int(Path(started_from).name[5:])

@@ -62,7 +62,7 @@ def test_item1_show_export_and_tree_show_the_state_the_run_directory_holds_now(
     """A run that finished at step 20 after its deploy returned (no `status` call since): the record still
     says `launched`, but every view reads the run directory, as `runs list` does."""
     code, _, err = env.cli(
-        "deploy", "--profile", "work", "--name", "fin-1", "--launcher", "nohup", "--", "--steps", "20", "--interval", "0",
+        "deploy", "--detach", "--profile", "work", "--name", "fin-1", "--launcher", "nohup", "--", "--steps", "20", "--interval", "0",
         capsys=capsys,
     )  # fmt: skip
     assert code == 0, err

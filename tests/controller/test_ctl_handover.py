@@ -88,7 +88,7 @@ def test_restart_resume_starts_the_child_while_the_parent_writes_its_final_check
     env: Env, capsys: pytest.CaptureFixture[str]
 ) -> None:
     trainer, gate = deploy_parent(env, capsys, hold="write")
-    code, out, err = env.cli("restart", "ho1", "--resume", "--grace", "60", capsys=capsys)
+    code, out, err = env.cli("restart", "--detach", "ho1", "--resume", "--grace", "60", capsys=capsys)
     assert code == 0, err
     assert out.strip() == "ho2"
     # The local target has no GPUs: nothing is said about freeing any (issue 29 item 9).
@@ -123,7 +123,7 @@ def test_the_child_reads_the_written_checkpoint_during_the_parents_fsyncs_and_re
     from the parent's temporary directory through the page cache instead of waiting for the disk, but resumes
     only once the parent has made the checkpoint durable and renamed it into place."""
     trainer, gate = deploy_parent(env, capsys, hold="sync")
-    code, _, err = env.cli("restart", "ho1", "--resume", "--grace", "60", capsys=capsys)
+    code, _, err = env.cli("restart", "--detach", "ho1", "--resume", "--grace", "60", capsys=capsys)
     assert code == 0, err
     offer = status(env, "ho1")["handover"]
     checkpoint = Path(offer["checkpoint"])
@@ -154,7 +154,7 @@ def test_a_parent_whose_final_write_fails_ends_the_child_with_one_error_line(
     env: Env, capsys: pytest.CaptureFixture[str]
 ) -> None:
     _, gate = deploy_parent(env, capsys, hold="write")
-    code, _, err = env.cli("restart", "ho1", "--resume", "--grace", "60", capsys=capsys)
+    code, _, err = env.cli("restart", "--detach", "ho1", "--resume", "--grace", "60", capsys=capsys)
     assert code == 0, err
     # A real failure of the parent's write: its checkpoints folder becomes a file while the write is held.
     checkpoints = env.runs / "ho1" / "checkpoints"

@@ -60,7 +60,7 @@ def test_a_syntax_error_or_an_import_error_leaves_the_old_run_training(
     deploy_running(env, capsys, "pf1")
     good = edited.read_text()
     edited.write_text(good + "\ndef broken(:\n    pass\n")
-    code, out, err = env.cli("restart", "pf1", "--resume", "--name", "pf2", capsys=capsys)
+    code, out, err = env.cli("restart", "--detach", "pf1", "--resume", "--name", "pf2", capsys=capsys)
     assert code == 2 and out == "", err
     line = len(good.splitlines()) + 2
     lines = err.strip().splitlines()
@@ -70,13 +70,13 @@ def test_a_syntax_error_or_an_import_error_leaves_the_old_run_training(
     assert not (env.runs / "pf2").exists() and "pf2" not in names(env, capsys)  # no name used up, no row
 
     edited.write_text(good + "\nNOT_DEFINED_ANYWHERE + 1\n")  # compiles, fails when imported
-    code, out, err = env.cli("restart", "pf1", "--resume", "--name", "pf2", capsys=capsys)
+    code, out, err = env.cli("restart", "--detach", "pf1", "--resume", "--name", "pf2", capsys=capsys)
     assert code == 2, err
     assert f"trainer/metrics.py:{line}: NameError: name 'NOT_DEFINED_ANYWHERE' is not defined" in err
     assert state(env, capsys, "pf1") == "running"
 
     edited.write_text(good)  # fixed: the restart goes through, and its pre-flight says so
-    code, out, err = env.cli("restart", "pf1", "--resume", "--name", "pf2", capsys=capsys)
+    code, out, err = env.cli("restart", "--detach", "pf1", "--resume", "--name", "pf2", capsys=capsys)
     assert code == 0 and out.strip() == "pf2", err
     assert "pre-flight: ok: " in err
 
@@ -85,20 +85,22 @@ def test_bad_trainer_arguments_are_refused_before_anything_starts_or_stops(
     env: Env, capsys: pytest.CaptureFixture[str], edited: Path
 ) -> None:
     code, out, err = env.cli(
-        "deploy", "--profile", "tinyedit", "--name", "ba0", "--launcher", "nohup", "--", "--max-stepz", "3",
+        "deploy", "--detach", "--profile", "tinyedit", "--name", "ba0", "--launcher", "nohup", "--", "--max-stepz", "3",
         capsys=capsys,
     )  # fmt: skip
     assert code == 2 and "unrecognized arguments: --max-stepz 3" in err, err
     assert not (env.runs / "ba0").exists() and "ba0" not in names(env, capsys)
     deploy_running(env, capsys, "ba1")
-    code, out, err = env.cli("restart", "ba1", "--resume", "--", "--max-steps", "abc", capsys=capsys)
+    code, out, err = env.cli("restart", "--detach", "ba1", "--resume", "--", "--max-steps", "abc", capsys=capsys)
     assert code == 2 and "argument --max-steps: invalid int value: 'abc'" in err, err
     assert state(env, capsys, "ba1") == "running"
     # --dry-run shows the verdict and changes nothing; --skip-preflight lets the check be skipped
     code, out, err = env.cli("restart", "ba1", "--resume", "--dry-run", capsys=capsys)
     assert code == 0 and "pre-flight: ok: " in err, err  # (its checkpoint is the one its stop will write)
     assert state(env, capsys, "ba1") == "running"
-    code, out, err = env.cli("restart", "ba1", "--resume", "--name", "ba2", "--skip-preflight", capsys=capsys)
+    code, out, err = env.cli(
+        "restart", "--detach", "ba1", "--resume", "--name", "ba2", "--skip-preflight", capsys=capsys
+    )
     assert code == 0 and "pre-flight" not in err, err
 
 
@@ -110,23 +112,25 @@ def test_restart_merges_its_arguments_with_the_parents_and_resumes_any_checkpoin
         "--save-every", "5", "--interval", "0.02", capsys=capsys,
     )  # fmt: skip
     assert code == 0, err
-    code, _, err = env.cli("restart", "ma1", "--resume", "--name", "ma2", "--", "--interval", "0.01", capsys=capsys)
+    code, _, err = env.cli(
+        "restart", "--detach", "ma1", "--resume", "--name", "ma2", "--", "--interval", "0.01", capsys=capsys
+    )
     assert code == 0, err
     run_json = json.loads((env.runs / "ma2" / "run.json").read_text())
     assert run_json["extra"]["extra_args"] == ["--save-every", "5", "--interval", "0.01"]  # the parent's kept
 
     # Any checkpoint of the run or its ancestors: step 5 of ma1, from ma2.
     wait_until(lambda: "step" in (env.runs / "ma2" / "train.log").read_text())
-    code, _, err = env.cli("restart", "ma2", "--checkpoint", "5", "--name", "ma3", capsys=capsys)
+    code, _, err = env.cli("restart", "--detach", "ma2", "--checkpoint", "5", "--name", "ma3", capsys=capsys)
     assert code == 0, err
     assert f"resuming from {env.runs / 'ma1' / 'checkpoints' / 'step_000005'}" in err
     wait_until(lambda: "at step 5" in (env.runs / "ma3" / "train.log").read_text())
-    code, _, err = env.cli("restart", "ma3", "--checkpoint", "999", capsys=capsys)
+    code, _, err = env.cli("restart", "--detach", "ma3", "--checkpoint", "999", capsys=capsys)
     assert code == 3 and "no checkpoint 999 in ma3 or its ancestors on local (steps: " in err, err
     assert state(env, capsys, "ma3") == "running"
 
-    code, _, err = env.cli("restart", "ma3", "--fresh", "--reset-args", "--name", "ma4", capsys=capsys)
+    code, _, err = env.cli("restart", "--detach", "ma3", "--fresh", "--reset-args", "--name", "ma4", capsys=capsys)
     assert code == 0, err
     assert json.loads((env.runs / "ma4" / "run.json").read_text())["extra"]["extra_args"] == []
-    code, _, err = env.cli("restart", "ma4", "--", "--resume-from", "x", capsys=capsys)
+    code, _, err = env.cli("restart", "--detach", "ma4", "--", "--resume-from", "x", capsys=capsys)
     assert code == 2 and "dflashops restart RUN --resume --checkpoint STEP|PATH" in err, err

@@ -106,7 +106,7 @@ def test_item5_a_failed_launch_leaves_no_secret_file(
     # (A session of the same name is refused before anything is written: test_ctl_tmux_duplicate.py.)
     (env.root / "not-a-folder").write_text("")
     monkeypatch.setenv("TMUX_TMPDIR", str(env.root / "not-a-folder"))
-    code, _, err = env.cli("deploy", "--profile", "work", "--name", "clash", capsys=capsys)
+    code, _, err = env.cli("deploy", "--detach", "--profile", "work", "--name", "clash", capsys=capsys)
     assert code != 0 and "tmux new-session failed" in err and "Traceback" not in err
     assert not (env.runs / "clash" / ".launch.json").exists()
     assert b"hunter2-launch-file" not in all_bytes(env.root)
@@ -156,7 +156,9 @@ argv: ["{python}", "-c", "import sys; print('loading', flush=True); print('error
 packages: []
 """,
     )
-    code, _, err = env.cli("deploy", "--profile", "fails", "--name", "bad", "--launcher", "nohup", capsys=capsys)
+    code, _, err = env.cli(
+        "deploy", "--detach", "--profile", "fails", "--name", "bad", "--launcher", "nohup", capsys=capsys
+    )
     assert code == 0, err
     wait_until(lambda: (env.runs / "bad" / "exit_code").exists())
     code, out, _ = env.cli("status", "bad", capsys=capsys)
@@ -168,7 +170,7 @@ packages: []
 # ------------------------------------------------------------------------------------------- item 9
 def test_item9_logs_follow_of_a_crashed_run_exits_non_zero(env: Env) -> None:
     deployed = env.run_cli(
-        "deploy", "--profile", "work", "--name", "crash9", "--launcher", "nohup", "--", "--crash-at", "3"
+        "deploy", "--detach", "--profile", "work", "--name", "crash9", "--launcher", "nohup", "--", "--crash-at", "3"
     )
     assert deployed.returncode == 0, deployed.stderr
     follow = env.run_cli("logs", "crash9", "-f", "--timeout", "60")
@@ -176,7 +178,7 @@ def test_item9_logs_follow_of_a_crashed_run_exits_non_zero(env: Env) -> None:
     assert "step 2 loss" in follow.stdout and "Traceback" in follow.stdout
     assert "error: crash9 crashed at step 3" in follow.stderr and "RuntimeError: injected crash" in follow.stderr
     finished = env.run_cli(
-        "deploy", "--profile", "work", "--name", "fine9", "--launcher", "nohup", "--", "--steps", "2"
+        "deploy", "--detach", "--profile", "work", "--name", "fine9", "--launcher", "nohup", "--", "--steps", "2"
     )
     assert finished.returncode == 0 and env.run_cli("logs", "fine9", "-f", "--timeout", "60").returncode == 0
 
@@ -186,12 +188,12 @@ def test_item10_managed_flags_are_refused_and_others_replace_the_profiles(
     env: Env, capsys: pytest.CaptureFixture[str]
 ) -> None:
     code, _, err = env.cli(
-        "deploy", "--profile", "work", "--name", "m1", "--", "--output-dir", "/tmp/elsewhere", capsys=capsys
+        "deploy", "--detach", "--profile", "work", "--name", "m1", "--", "--output-dir", "/tmp/elsewhere", capsys=capsys
     )
     assert code == 2 and "error: --output-dir is managed by dflashops" in err and "{run_dir}" in err
     assert "hint:" in err and not env.workspace.exists() and not env.db.exists(), "a refused deploy changed something"
     code, _, err = env.cli(
-        "deploy", "--profile", "work", "--name", "m1", "--", "--steps", "5", "--steps=6", capsys=capsys
+        "deploy", "--detach", "--profile", "work", "--name", "m1", "--", "--steps", "5", "--steps=6", capsys=capsys
     )
     assert code == 2 and "error: --steps is given twice after --" in err
     code, _, err = env.cli(
@@ -247,7 +249,18 @@ def test_item11_an_install_keeps_temporaries_whose_owner_is_alive(
         folder.mkdir()
         (folder / "half-written.py").write_text("x")
     code, _, err = env.cli(
-        "deploy", "--profile", "work", "--name", "t11", "--launcher", "nohup", "--", "--steps", "1", capsys=capsys
+        "deploy",
+        "--detach",
+        "--profile",
+        "work",
+        "--name",
+        "t11",
+        "--launcher",
+        "nohup",
+        "--",
+        "--steps",
+        "1",
+        capsys=capsys,
     )
     assert code == 0, err
     assert busy.is_dir() and (busy / "half-written.py").exists(), "an install deleted another one's work"
@@ -278,6 +291,7 @@ packages: []
                     "--inventory",
                     str(env.inventory),
                     "deploy",
+                    "--detach",
                     "--profile",
                     profile,
                     "--name",
@@ -336,7 +350,10 @@ argv: ["{python}", "-c", "import os, time\\nfor i in range(50): print('first %d'
 packages: []
 """,
     )
-    assert env.run_cli("deploy", "--profile", "truncates", "--name", "tr", "--launcher", "nohup").returncode == 0
+    assert (
+        env.run_cli("deploy", "--detach", "--profile", "truncates", "--name", "tr", "--launcher", "nohup").returncode
+        == 0
+    )
     follow = env.run_cli("logs", "tr", "-f", "--timeout", "60")
     assert follow.returncode == 0, follow.stderr
     assert "train.log was truncated or rewritten" in follow.stderr
@@ -383,7 +400,18 @@ packages: []
 def test_item15_concurrent_next_name_deploys_both_succeed(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
     assert (
         env.cli(
-            "deploy", "--profile", "work", "--name", "base1", "--launcher", "nohup", "--", "--steps", "1", capsys=capsys
+            "deploy",
+            "--detach",
+            "--profile",
+            "work",
+            "--name",
+            "base1",
+            "--launcher",
+            "nohup",
+            "--",
+            "--steps",
+            "1",
+            capsys=capsys,
         )[0]
         == 0
     )
@@ -398,6 +426,7 @@ def test_item15_concurrent_next_name_deploys_both_succeed(env: Env, capsys: pyte
                     "--inventory",
                     str(env.inventory),
                     "deploy",
+                    "--detach",
                     "--profile",
                     "work",
                     "--name",

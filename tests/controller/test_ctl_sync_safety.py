@@ -36,7 +36,7 @@ def assert_refused(code: int, err: str, *words: str) -> None:
 def test_item17_a_symlinked_folder_leading_outside_is_refused(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
     (env.root / "rootlink").symlink_to("/")
     with_files(env, "rootlink/etc/passwd")
-    code, _, err = env.cli("deploy", "local", "--profile", "work", "--name", "sl-a1", capsys=capsys)
+    code, _, err = env.cli("deploy", "--detach", "local", "--profile", "work", "--name", "sl-a1", capsys=capsys)
     assert_refused(
         code,
         err,
@@ -53,7 +53,7 @@ def test_item17_a_symlinked_file_leading_outside_is_refused(
     outside.write_text("not for the target\n")
     (env.root / "config.txt").symlink_to(outside)
     with_files(env, "config.txt")
-    code, _, err = env.cli("deploy", "local", "--profile", "work", "--name", "sl-a2", capsys=capsys)
+    code, _, err = env.cli("deploy", "--detach", "local", "--profile", "work", "--name", "sl-a2", capsys=capsys)
     assert_refused(code, err, f"is {outside} through a symlink")
     assert not (env.workspace / "releases").exists()
 
@@ -63,7 +63,7 @@ def test_item17_a_symlink_that_stays_inside_is_shipped(env: Env, capsys: pytest.
     (env.root / "data" / "real.txt").write_text("inside\n")
     (env.root / "alias").symlink_to("data")
     with_files(env, "alias/real.txt")
-    code, _, err = env.cli("deploy", "local", "--profile", "work", "--name", "sl-a3", capsys=capsys)
+    code, _, err = env.cli("deploy", "--detach", "local", "--profile", "work", "--name", "sl-a3", capsys=capsys)
     assert code == 0, err
     assert (env.workspace / "releases" / "current" / "alias" / "real.txt").read_text() == "inside\n"
 
@@ -86,6 +86,7 @@ def test_item18_an_unreadable_file_in_the_tree_is_one_error_line(env: Env) -> No
             "--inventory",
             str(env.inventory),
             "deploy",
+            "--detach",
             "local",
             "--profile",
             "work",
@@ -118,7 +119,7 @@ def test_item18_a_file_deleted_while_the_release_is_built(
         return files
 
     monkeypatch.setattr(sync_module, "release_files", listing_then_delete)
-    code, _, err = env.cli("deploy", "local", "--profile", "work", "--name", "gone-a1", capsys=capsys)
+    code, _, err = env.cli("deploy", "--detach", "local", "--profile", "work", "--name", "gone-a1", capsys=capsys)
     assert_refused(code, err, f"{doomed} disappeared while the release was being built", "run the command again")
     assert not (env.runs / "gone-a1").exists()
 
@@ -129,6 +130,6 @@ def test_item18_a_local_python_that_is_not_executable(env: Env, capsys: pytest.C
     env.inventory.write_text(env.inventory.read_text().replace(f"python: {sys.executable}", f"python: {not_a_program}"))
     code, _, err = env.cli("status", capsys=capsys)
     assert_refused(code, err, f"the target's python {not_a_program} cannot be run on local", "`python:` of target")
-    code, _, err = env.cli("deploy", "local", "--profile", "work", "--name", "px-a1", capsys=capsys)
+    code, _, err = env.cli("deploy", "--detach", "local", "--profile", "work", "--name", "px-a1", capsys=capsys)
     assert_refused(code, err, "cannot be run on local")
     assert not (env.runs / "px-a1").exists()

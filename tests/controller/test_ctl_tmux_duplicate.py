@@ -19,7 +19,9 @@ def test_a_duplicate_tmux_session_gets_a_hint(env: Env, capsys: pytest.CaptureFi
     socket = tmux_socket(str(env.workspace))
     # Someone's own session on the workspace's server, under the name the run's session would have.
     subprocess.run(["tmux", "-L", socket, "new-session", "-d", "-s", "dup1", "sleep", "300"], check=True)
-    code, out, err = env.cli("deploy", "--profile", "work", "--name", "dup1", "--launcher", "tmux", capsys=capsys)
+    code, out, err = env.cli(
+        "deploy", "--detach", "--profile", "work", "--name", "dup1", "--launcher", "tmux", capsys=capsys
+    )
     assert code == 4 and "Traceback" not in err, err
     lines = err.strip().splitlines()
     assert lines[-2].startswith("error: ") and "a tmux session named 'dup1' already exists" in lines[-2], err
@@ -31,7 +33,11 @@ def test_a_duplicate_tmux_session_gets_a_hint(env: Env, capsys: pytest.CaptureFi
     assert listed.startswith("dup1:")  # the session that was there is left alone
 
     assert not (env.runs / "dup1").exists()  # the name is still free: with nohup it launches under it
-    code, out, err = env.cli("deploy", "--profile", "work", "--name", "dup1", "--launcher", "nohup", capsys=capsys)
+    code, out, err = env.cli(
+        "deploy", "--detach", "--profile", "work", "--name", "dup1", "--launcher", "nohup", capsys=capsys
+    )
     assert code == 0, err
-    code, out, err = env.cli("deploy", "--profile", "work", "--name", "dup2", "--launcher", "tmux", capsys=capsys)
+    code, out, err = env.cli(
+        "deploy", "--detach", "--profile", "work", "--name", "dup2", "--launcher", "tmux", capsys=capsys
+    )
     assert code == 0, err  # another --name: another session, on the same server

@@ -22,6 +22,7 @@ def sha(path: Path) -> str:
 def finished_run(env: Env, capsys: pytest.CaptureFixture[str], name: str, *extra: str) -> Path:
     code, _, err = env.cli(
         "deploy",
+        "--detach",
         "--profile",
         "work",
         "--name",
@@ -124,6 +125,7 @@ def test_export_runs_the_trainer_exporter_on_the_target(
     env.inventory.write_text(env.inventory.read_text().replace("    packages: []\n", ""))  # ship trainer/
     code, _, err = env.cli(
         "deploy",
+        "--detach",
         "--profile",
         "work",
         "--name",
@@ -190,6 +192,7 @@ def test_bad_input_changes_nothing(
 def test_a_run_without_checkpoints(env: Env, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code, _, _ = env.cli(
         "deploy",
+        "--detach",
         "--profile",
         "work",
         "--name",

@@ -137,7 +137,9 @@ def test_the_supervisor_posts_while_the_controller_is_away_and_the_controller_ru
 ) -> None:
     log = configure(env, hook, from_target=True)
     try:
-        code, out, err = env.cli("deploy", "--profile", "flaky", "--name", "nt", "--launcher", "nohup", capsys=capsys)
+        code, out, err = env.cli(
+            "deploy", "--detach", "--profile", "flaky", "--name", "nt", "--launcher", "nohup", capsys=capsys
+        )
         assert code == 0, err
         assert "notification nt:started queued for http://127.0.0.1:" in err
         wait_supervisor(env, "nt")
@@ -203,6 +205,7 @@ def test_the_controller_sends_what_it_sees_and_retries_a_failed_webhook(
     hook.statuses = [500, 200]  # the first try fails; the courier tries again by itself
     code, _, err = env.cli(
         "deploy",
+        "--detach",
         "--profile",
         "work",
         "--name",
@@ -241,6 +244,7 @@ def test_a_webhook_that_fails_for_good_is_a_warning_without_the_url(
     )
     code, out, err = env.cli(
         "deploy",
+        "--detach",
         "--profile",
         "work",
         "--name",
@@ -273,7 +277,9 @@ def test_a_hanging_webhook_delays_neither_deploy_nor_an_auto_restart(
     configure(env, hook, from_target=True, extra="  timeout: 60s\n")
     hook.hold()
     try:
-        code, out, err = env.cli("deploy", "--profile", "flaky", "--name", "hw", "--launcher", "nohup", capsys=capsys)
+        code, out, err = env.cli(
+            "deploy", "--detach", "--profile", "flaky", "--name", "hw", "--launcher", "nohup", capsys=capsys
+        )
         assert code == 0, err
         assert "notification hw:started queued" in err and "failed" not in err
         deadline = time.monotonic() + 60

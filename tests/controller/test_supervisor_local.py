@@ -109,7 +109,9 @@ def events(env: Env, run: str) -> list[dict]:
 
 
 def test_two_crashes_then_success_make_a_three_run_lineage(sup: Env, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = sup.cli("deploy", "--profile", "flaky", "--name", "fl", "--launcher", "nohup", capsys=capsys)
+    code, out, err = sup.cli(
+        "deploy", "--detach", "--profile", "flaky", "--name", "fl", "--launcher", "nohup", capsys=capsys
+    )
     assert code == 0 and "supervised in the target by pid" in err, err
     final = wait_supervisor(sup, "fl")
     assert final == {**final, "last": "fl-r2", "state": "done", "reason": "finished", "restarts": 2}
@@ -134,7 +136,10 @@ def test_two_crashes_then_success_make_a_three_run_lineage(sup: Env, capsys: pyt
 
 
 def test_always_crashing_stops_after_max_restarts(sup: Env, capsys: pytest.CaptureFixture[str]) -> None:
-    assert sup.cli("deploy", "--profile", "broken", "--name", "br", "--launcher", "nohup", capsys=capsys)[0] == 0
+    assert (
+        sup.cli("deploy", "--detach", "--profile", "broken", "--name", "br", "--launcher", "nohup", capsys=capsys)[0]
+        == 0
+    )
     final = wait_supervisor(sup, "br")
     assert final["state"] == "gave-up" and final["last"] == "br-r2" and final["reason"] == "max_restarts 2 reached"
     assert sorted(p.name for p in sup.runs.iterdir()) == ["br", "br-r1", "br-r2"]
@@ -145,7 +150,9 @@ def test_always_crashing_stops_after_max_restarts(sup: Env, capsys: pytest.Captu
 
 
 def test_a_hung_run_is_stopped_within_the_window(sup: Env, capsys: pytest.CaptureFixture[str]) -> None:
-    assert sup.cli("deploy", "--profile", "hung", "--name", "hg", "--launcher", "nohup", capsys=capsys)[0] == 0
+    assert (
+        sup.cli("deploy", "--detach", "--profile", "hung", "--name", "hg", "--launcher", "nohup", capsys=capsys)[0] == 0
+    )
     final = wait_supervisor(sup, "hg", timeout=60)
     assert final["state"] == "gave-up" and final["last"] == "hg"
     stall = json.loads((sup.runs / "hg" / "stall.json").read_text())
@@ -161,7 +168,9 @@ def test_a_hung_run_is_stopped_within_the_window(sup: Env, capsys: pytest.Captur
 
 @pytest.mark.parametrize("how", [["stop", "sl"], ["stop", "--all"]])
 def test_stop_cancels_a_pending_restart(sup: Env, capsys: pytest.CaptureFixture[str], how: list[str]) -> None:
-    assert sup.cli("deploy", "--profile", "slow", "--name", "sl", "--launcher", "nohup", capsys=capsys)[0] == 0
+    assert (
+        sup.cli("deploy", "--detach", "--profile", "slow", "--name", "sl", "--launcher", "nohup", capsys=capsys)[0] == 0
+    )
     state = wait_supervisor(sup, "sl", states=("backoff",))
     code, out, err = sup.cli(*how, capsys=capsys)
     assert code == 0, err
@@ -177,7 +186,10 @@ def test_stop_cancels_a_pending_restart(sup: Env, capsys: pytest.CaptureFixture[
 
 def test_steps_that_stop_while_the_heartbeat_beats_are_a_stall(sup: Env, capsys: pytest.CaptureFixture[str]) -> None:
     """The trainer's heartbeat thread beats even when its loop hangs: missing steps must show it."""
-    assert sup.cli("deploy", "--profile", "stuck", "--name", "st", "--launcher", "nohup", capsys=capsys)[0] == 0
+    assert (
+        sup.cli("deploy", "--detach", "--profile", "stuck", "--name", "st", "--launcher", "nohup", capsys=capsys)[0]
+        == 0
+    )
     final = wait_supervisor(sup, "st", timeout=60)
     stall = json.loads((sup.runs / "st" / "stall.json").read_text())
     assert final["state"] == "done" and final["reason"] == "no on_failure policy"
@@ -196,7 +208,9 @@ def test_idle_gpus_while_training_are_a_stall(
     fake.write_text("#!/bin/sh\ncase \"$*\" in *utilization.gpu*) printf '0, 1\\n1, 0\\n';; esac\n")
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")  # the local supervisor inherits it
-    assert sup.cli("deploy", "--profile", "idle", "--name", "gi", "--launcher", "nohup", capsys=capsys)[0] == 0
+    assert (
+        sup.cli("deploy", "--detach", "--profile", "idle", "--name", "gi", "--launcher", "nohup", capsys=capsys)[0] == 0
+    )
     wait_supervisor(sup, "gi", timeout=60)
     stall = json.loads((sup.runs / "gi" / "stall.json").read_text())
     assert stall["reason"].startswith("GPUs [1, 0]% busy (below 5%) for") and "while training" in stall["reason"]
@@ -214,7 +228,10 @@ def test_dry_run_shows_the_supervisor_start_without_secrets(sup: Env, capsys: py
 
 
 def test_status_says_what_the_supervisor_did(sup: Env, capsys: pytest.CaptureFixture[str]) -> None:
-    assert sup.cli("deploy", "--profile", "broken", "--name", "bs", "--launcher", "nohup", capsys=capsys)[0] == 0
+    assert (
+        sup.cli("deploy", "--detach", "--profile", "broken", "--name", "bs", "--launcher", "nohup", capsys=capsys)[0]
+        == 0
+    )
     wait_supervisor(sup, "bs")
     code, out, _ = sup.cli("status", capsys=capsys)
     lines = {line.split("\t")[0]: line for line in out.splitlines()}
@@ -228,7 +245,9 @@ def test_a_dead_supervisor_is_seen_said_and_started_again_by_the_next_status(
     """The supervisor is killed; then the run crashes. The next `status` says the supervisor had died, starts a
     new one with the same root and restart count, and that one handles the crash that happened meanwhile as if
     it had been watching: the run is restarted as sv-r1."""
-    code, _, err = sup.cli("deploy", "--profile", "gated", "--name", "sv", "--launcher", "nohup", capsys=capsys)
+    code, _, err = sup.cli(
+        "deploy", "--detach", "--profile", "gated", "--name", "sv", "--launcher", "nohup", capsys=capsys
+    )
     assert code == 0, err
     dead = wait_supervisor(sup, "sv", states=("watching",))["pid"]
     os.kill(dead, signal.SIGKILL)

@@ -77,7 +77,7 @@ def test_restart_cycle_for_real(env: Env, capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_check_lists_commands_and_runs_nothing(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = env.cli("deploy", "local", "--profile", "work", "--name", "base1", capsys=capsys)
+    code, _, err = env.cli("deploy", "--detach", "local", "--profile", "work", "--name", "base1", capsys=capsys)
     assert code == 0, err
     before_runs = sorted(p.name for p in env.runs.iterdir())
     before_releases = sorted(p.name for p in (env.workspace / "releases").iterdir())

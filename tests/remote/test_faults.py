@@ -79,6 +79,7 @@ def test_cut_during_logs_follow_loses_and_repeats_nothing(
     workspace = f"/workspace/{proxied_inventory.parent.name}"
     code, out, err = cli(
         "deploy",
+        "--detach",
         "ct200",
         "--profile",
         "work",

@@ -20,6 +20,7 @@ CKPT_BYTES = 8 * 1024 * 1024
 def finished_run(name: str) -> None:
     code, _, err = cli(
         "deploy",
+        "--detach",
         "ct200",
         "--profile",
         "work",

@@ -91,7 +91,10 @@ def test_item18_missing_python_in_the_container_names_the_setting(tmp_path: Path
         extra_targets="nopy: {kind: pct, host: pve, ctid: 200, workspace: "
         f"/workspace/{tmp_path.name}, python: /opt/none/bin/python3}}\n",
     )
-    for verb in (("status", "--target", "nopy"), ("deploy", "nopy", "--profile", "work", "--name", "np-a1")):
+    for verb in (
+        ("status", "--target", "nopy"),
+        ("deploy", "--detach", "nopy", "--profile", "work", "--name", "np-a1"),
+    ):
         code, _, err = cli("--inventory", str(inventory), *verb)
         assert_one_error(code, err, "/opt/none/bin/python3 cannot be run in container 200", "`python:` of target nopy")
     assert not harness.container_path("200", f"/workspace/{tmp_path.name}/runs/np-a1").exists()

@@ -114,12 +114,12 @@ def test_a_two_node_run_is_one_run_through_every_verb(pair: Path, harness: Harne
 
 
 def test_bad_multi_node_requests_launch_nothing(pair: Path, harness: Harness) -> None:
-    code, _, err = cli("deploy", "pair", "--profile", "single", "--name", "mn-b1")
+    code, _, err = cli("deploy", "--detach", "pair", "--profile", "single", "--name", "mn-b1")
     assert code == 2 and "does not use {node_rank}" in err and "hint: use a torchrun profile" in err
-    code, _, err = cli("deploy", "n200,n999", "--profile", "dist", "--name", "mn-b2")
+    code, _, err = cli("deploy", "--detach", "n200,n999", "--profile", "dist", "--name", "mn-b2")
     assert code == 3 and "unknown target 'n999'" in err
     pair.write_text(pair.read_text().replace("address: 127.0.0.1}", "}"))
-    code, _, err = cli("deploy", "n200,n202", "--profile", "dist", "--name", "mn-b3")
+    code, _, err = cli("deploy", "--detach", "n200,n202", "--profile", "dist", "--name", "mn-b3")
     assert code == 2 and "no address for node 0 (n200)" in err and "hint: add `address:`" in err
     for ct in ("200", "202"):
         for name in ("mn-b1", "mn-b2", "mn-b3"):

@@ -87,7 +87,7 @@ def test_status_of_a_run_with_a_stopped_node_shows_every_node(pair: Path, harnes
 
 def test_an_ended_run_with_a_stopped_node_is_not_recorded_as_crashed(pair: Path, harness: Harness) -> None:
     code, _, err = cli(
-        "--inventory", str(pair), "deploy", "n206,n207", "--profile", "pairwork", "--name", "mn-u2",
+        "--inventory", str(pair), "deploy", "--detach", "n206,n207", "--profile", "pairwork", "--name", "mn-u2",
         "--launcher", "nohup", "--", "--steps", "3", "--interval", "0",
     )  # fmt: skip
     assert code == 0, err

@@ -92,7 +92,7 @@ def test_stale_cache_falls_back_and_installs_the_local_tree(inventory: Path, har
     (tmp_path / "other").mkdir()
     other = write_inventory(tmp_path / "other" / "inventory.yaml", harness, workspace=workspace)
     edit(other, "the other controller's code")
-    assert cli("--inventory", str(other), "deploy", "ct200", "--profile", "work", "--name", "x1")[0] == 0
+    assert cli("--inventory", str(other), "deploy", "--detach", "ct200", "--profile", "work", "--name", "x1")[0] == 0
     moved_to = os.readlink(releases / "current")
     # `current` moved on, but our cached base still exists and is content-addressed: still one call.
     edit(inventory, "ours 1")
@@ -104,7 +104,20 @@ def test_stale_cache_falls_back_and_installs_the_local_tree(inventory: Path, har
     # in use) is gone.
     edit(other, "the other controller's second change")
     assert (
-        cli("--inventory", str(other), "deploy", "ct200", "--profile", "work", "--name", "x2", "--", "--steps", "3")[0]
+        cli(
+            "--inventory",
+            str(other),
+            "deploy",
+            "--detach",
+            "ct200",
+            "--profile",
+            "work",
+            "--name",
+            "x2",
+            "--",
+            "--steps",
+            "3",
+        )[0]
         == 0
     )
     assert cli("--inventory", str(other), "gc", "ct200", "--keep", "1")[0] == 0

@@ -55,7 +55,7 @@ def test_restarts_happen_with_the_controller_away_and_status_learns_them(
     workspace = f"/workspace/{proxied_inventory.parent.name}"
     add_profiles(proxied_inventory, workspace)
     monkeypatch.setenv("WORKLOAD_SECRET", SECRET)
-    code, out, err = cli("deploy", "ct200", "--profile", "flaky", "--name", "rs", "--launcher", "tmux")
+    code, out, err = cli("deploy", "--detach", "ct200", "--profile", "flaky", "--name", "rs", "--launcher", "tmux")
     assert code == 0 and "supervised in the target by pid" in err, err
     proxy.refuse = True  # the laptop is gone: nothing reaches the host from here on
     proxy.cut_all()
@@ -83,7 +83,7 @@ def test_restarts_happen_with_the_controller_away_and_status_learns_them(
 
 def test_a_hung_run_is_stopped_and_stop_reaches_the_supervisor(inventory: Path, harness: Harness) -> None:
     add_profiles(inventory, f"/workspace/{inventory.parent.name}")
-    assert cli("deploy", "ct200", "--profile", "hung", "--name", "hr", "--launcher", "nohup")[0] == 0
+    assert cli("deploy", "--detach", "ct200", "--profile", "hung", "--name", "hr", "--launcher", "nohup")[0] == 0
     stall = container_file(harness, inventory, "runs/hr/stall.json")
     wait_for(lambda: stall.is_file(), timeout=60)
     info = json.loads(stall.read_text())
@@ -98,7 +98,7 @@ def test_a_hung_run_is_stopped_and_stop_reaches_the_supervisor(inventory: Path, 
         timeout=30,
     )
 
-    code, _, err = cli("deploy", "ct200", "--profile", "flaky", "--name", "sv", "--launcher", "nohup")
+    code, _, err = cli("deploy", "--detach", "ct200", "--profile", "flaky", "--name", "sv", "--launcher", "nohup")
     assert code == 0, err
     code, out, err = cli("stop", "sv", "--grace", "10")
     assert code == 0 and "no automatic restart will follow" in err, err

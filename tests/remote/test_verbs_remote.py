@@ -88,9 +88,9 @@ def test_nohup_launcher_and_a_crash_are_reported(inventory: Path) -> None:
 
 
 def test_stopped_and_missing_containers_launch_nothing(inventory: Path, harness: Harness) -> None:
-    code, out, err = cli("deploy", "ct201", "--profile", "work", "--name", "rem-s1")
+    code, out, err = cli("deploy", "--detach", "ct201", "--profile", "work", "--name", "rem-s1")
     assert code == 5 and "error: container 201 on pve is stopped" in err and "hint: start it" in err
-    code, out, err = cli("deploy", "ct999", "--profile", "work", "--name", "rem-m1")
+    code, out, err = cli("deploy", "--detach", "ct999", "--profile", "work", "--name", "rem-m1")
     assert code == 3 and "Configuration file 'nodes/" in err and "999.conf' does not exist" in err
     assert not (harness.pct_state / "201" / "workspace" / inventory.parent.name).exists()
     code, out, err = cli("runs", "list", "--json")
@@ -100,11 +100,11 @@ def test_stopped_and_missing_containers_launch_nothing(inventory: Path, harness:
 @pytest.mark.parametrize(
     "argv",
     [
-        ("deploy", "ct200", "--profile", "work", "--name", "x;reboot"),
-        ("deploy", "ct200", "--profile", "work", "--name", "a b"),
-        ("deploy", "ct200", "--profile", "work", "--name", "../../etc"),
-        ("deploy", "ct200", "--profile", "work", "--name", "it's"),
-        ("deploy", "ct200", "--profile", "work", "--name", "x" * 65),
+        ("deploy", "--detach", "ct200", "--profile", "work", "--name", "x;reboot"),
+        ("deploy", "--detach", "ct200", "--profile", "work", "--name", "a b"),
+        ("deploy", "--detach", "ct200", "--profile", "work", "--name", "../../etc"),
+        ("deploy", "--detach", "ct200", "--profile", "work", "--name", "it's"),
+        ("deploy", "--detach", "ct200", "--profile", "work", "--name", "x" * 65),
         ("stop", "$(reboot)", "--target", "ct200"),
         ("logs", "a|b", "--target", "ct200"),
         ("status", "`id`", "--target", "ct200"),
