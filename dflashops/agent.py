@@ -1660,6 +1660,12 @@ def last_lines(path: str, max_bytes: int = 65536) -> list[str]:
         return []
 
 
+def last_log_line(log_tail: list[str]) -> str | None:
+    """The log's last line that says something about the run: wandb's housekeeping at exit (`wandb: Find logs
+    at ...`, `wandb: Synced ...`) and blank lines are skipped."""
+    return next((ln for ln in reversed(log_tail) if ln.strip() and not ln.startswith("wandb:")), None)
+
+
 def trainer_exit_code(directory: str, trainer_status: dict | None) -> int | None:
     """The exit code the trainer recorded in status.json when a launcher (torchrun) ran it: torchrun exits 1
     whenever its worker exits non-zero, so its own code would call a clean stop (143) a failure of 1. None
@@ -1736,7 +1742,7 @@ def run_status(directory: str) -> dict:
         "error_line": error_line if state in ("crashed", "lost") else None,
         "trainer_status": trainer_status,
         "last_metrics": last_metrics,
-        "last_log_line": log_tail[-1] if log_tail else None,
+        "last_log_line": last_log_line(log_tail),
         "checkpoints": checkpoints,
         "run_dir": directory,
         "run_json": run_json,

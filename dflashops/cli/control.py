@@ -7,6 +7,7 @@ import functools
 import os
 import shutil
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,9 +25,8 @@ from dflashops.cli.common import (
 from dflashops.errors import NotFound, TransportError, UsageError
 from dflashops.lineage.files import AGENT_STATE_TO_LINEAGE
 from dflashops.lineage.record import utc_now_iso
-from dflashops.ops.control import LogCursor, ended_badly, how_it_ended, read_log, run_status, stop_run, wait_for
+from dflashops.ops.control import LogCursor, ended_badly, read_log, run_status, stop_run, wait_for
 from dflashops.ops.nodes import node_target, unreachable_error
-from dflashops.ops.supervise import supervision_note
 from dflashops.shell import join_argv, validate_name
 
 
@@ -274,30 +274,6 @@ def report_joined_stop(run: str, answer: dict[str, Any]) -> int:
     return 0
 
 
-def describe(entry: dict[str, Any]) -> str:
-    state = entry["state"]
-    if state in ("crashed", "lost"):
-        state = how_it_ended(entry, exit_code=False)  # the exit code has its own column
-    elif state == "unreachable":
-        state += f": {entry['error']}"
-    if entry.get("restarted_as"):
-        state += f" -> auto-restarted as {entry['restarted_as']}"
-    elif note := supervision_note(entry):
-        state += f" ({note})"
-    metrics = entry.get("last_metrics") or {}
-
-    def value(key: str) -> str:
-        v = metrics[key]
-        if key.endswith("_tok_s") and isinstance(v, (int, float)):
-            return f"{v:,.0f}"  # 10,140 rather than 1.014e+04
-        return f"{v:.4g}" if isinstance(v, float) else str(v)
-
-    shown = " ".join(f"{k}={value(k)}" for k in ("step", "loss", "tau_sim", "block_tok_s") if k in metrics)
-    exit_code = "-" if entry.get("exit_code") is None else entry["exit_code"]
-    name = f"{entry['name']}@node{entry['node']}({entry['target']})" if "node" in entry else entry["name"]
-    return f"{name}\t{state}\texit={exit_code}\t{shown}"
-
-
 def handle_status(args: argparse.Namespace) -> int:
     if args.all:
         from dflashops.cli import fanout as fanout_cli  # rich: only --all pays its import
@@ -318,17 +294,31 @@ def handle_status(args: argparse.Namespace) -> int:
     if args.json:
         emit_json({"runs": runs, "gpus": gpus.get("gpus", [])})
     else:
-        for entry in runs:
-            print(describe(entry))
-        for gpu in gpus.get("gpus", []):
-            print(
-                f"gpu{gpu['index']}\t{gpu['memory_used_mib']}/{gpu['memory_total_mib']} MiB\t{gpu['utilization_pct']}%"
-            )
-        if not runs:
-            progress("no runs on this target yet")
+        print_runs(runs, gpus.get("gpus", []))
     if args.run and (error := unreachable_error(args.run, runs)):
         raise error  # after every node's line, with the exit status of a target that cannot be reached
     return 0
+
+
+def print_runs(entries: list[dict[str, Any]], gpus: list[dict[str, Any]]) -> None:
+    """The table `watch` shows (cli/run_table.py), its per-run lines, and the GPUs of the target."""
+    from dflashops.cli.run_table import console, detail_lines, gpu_table, ordered, runs_table
+    from dflashops.ops.watch import GpuRow, run_row
+
+    if not entries:
+        progress("no runs on this target yet")
+        return
+    now = time.time()
+    rows = [run_row(entry, now) for entry in entries]
+    out = console()
+    out.print(runs_table(rows))
+    for row in ordered(rows):
+        for line in detail_lines(row):
+            out.print(line, markup=False, overflow="ignore", crop=False)
+    if gpus:
+        target = str(entries[0].get("target", ""))
+        keys = ("index", "name", "memory_used_mib", "memory_total_mib", "utilization_pct")
+        out.print(gpu_table([GpuRow(target=target, **{k: g[k] for k in keys}) for g in gpus]))
 
 
 def handle_logs(args: argparse.Namespace) -> int:

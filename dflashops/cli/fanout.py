@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from typing import Any
 
 from rich.console import Console
@@ -60,27 +61,28 @@ def handle_status_all(args: argparse.Namespace) -> int:
             }
         )
     else:
-        table = Table(title="runs on every target", title_justify="left")
-        for column in ("target", "run", "state", "step", "loss", "exit"):
-            table.add_column(column)
+        # The one table of runs (cli/run_table.py, as `status` and `watch`); a target that failed gets a row
+        # of its own (state `unreachable` or `timed out`) and its error below the table.
+        from dflashops.cli.run_table import detail_lines, ordered, runs_table
+        from dflashops.ops.watch import RunRow, run_row
+
+        now = time.time()
+        rows: list[RunRow] = []
         for result in results:
             if not result.ok:
-                failed_row(table, result, 6)
-                continue
-            if not result.value:
-                table.add_row(result.target, "-", "no runs", "", "", "")
+                error = (result.error or "") + (f" (hint: {result.hint})" if result.hint else "")
+                state = "timed out" if result.timed_out else "unreachable"
+                rows.append(RunRow(name="-", target=result.target, state=state, error_line=error))
             for entry in result.value or []:
-                metrics = entry.get("last_metrics") or {}
-                loss = metrics.get("loss")
-                table.add_row(
-                    result.target,
-                    str(entry["name"]),
-                    str(entry["state"]),
-                    "" if entry.get("step") is None else str(entry["step"]),
-                    f"{loss:.4g}" if isinstance(loss, (int, float)) else "",
-                    "" if entry.get("exit_code") is None else str(entry["exit_code"]),
-                )
-        console().print(table)
+                rows.append(run_row({**entry, "target": result.target}, now))
+        out = console()
+        out.print(runs_table(rows, title="runs on every target"))
+        for row in ordered(rows):
+            for line in detail_lines(row):
+                out.print(line if row.name != "-" else line.replace("- error:", f"{row.target}:", 1), markup=False)
+        for result in results:
+            if result.ok and not result.value:
+                out.print(f"{result.target}: no runs", markup=False)
     return 0 if all(r.ok for r in results) else 1
 
 

@@ -1,8 +1,10 @@
 """`dflashops watch [RUN|--all] [--target T] [--interval S] [--once] [--json]`: a live view of runs.
 
-A rich table refreshed every `--interval` seconds: state (a word), step, loss, tau_sim, block tok/s
-(total and per drafter), queue depths, GPU memory, ETA, heartbeat age and the last log line, plus the
-target's GPUs (memory and utilisation). When the target stops answering, the last data stays on screen
+A rich table refreshed every `--interval` seconds, the one `status` prints (cli/run_table.py): running
+runs first, state (a word), step, loss, tau_sim, block tok/s, ETA, heartbeat age, exit code; ended runs with
+their end state and no ETA or heartbeat age; per run its error or last log line (not wandb's housekeeping),
+plus the target's GPUs (memory and utilisation). `watch RUN` ends when the run ends: exit 0 when it finished
+or was stopped, 7 (`error:` with how it ended) when it crashed or was lost. When the target stops answering, the last data stays on screen
 with `STALE <n>s` and the error, and each refresh tries again. `q` quits (keys are read from the tty
 without blocking; Ctrl-C works too). `--once` renders one frame to stdout; `--json` prints one snapshot.
 It never changes a run: it only reads (ops/watch.py).
@@ -21,14 +23,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from rich.console import Console, Group
+from rich.console import Group
 from rich.live import Live
-from rich.table import Table
 from rich.text import Text
 
 from dflashops.cli.common import emit_json, open_invocation
-from dflashops.errors import NotFound, UsageError
-from dflashops.ops.watch import RunRow, Watcher
+from dflashops.cli.run_table import console as table_console
+from dflashops.cli.run_table import detail_lines, gpu_table, ordered, runs_table
+from dflashops.errors import NotFound, RunFailed, UsageError
+from dflashops.ops.watch import LIVE_STATES, Watcher
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -42,30 +45,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=handle_watch)
 
 
-def _num(value: float | None, digits: int = 4) -> str:
-    if value is None:
-        return "-"
-    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.{digits}g}"
-
-
-def _eta(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    seconds = int(seconds)
-    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
-
-
-def _state(row: RunRow) -> str:
-    state = row.state
-    if row.state == "running" and row.phase and row.phase != "training":
-        state = f"running ({row.phase})"
-    if row.supervision and row.supervision.startswith("supervisor died"):
-        state += f" [{row.supervision}]"  # a helper that went silent is said, never shown by colour alone
-    return state
-
-
 def render(watcher: Watcher, title: str) -> Group:
-    """One frame: a header line (fresh or STALE), the runs table, per-run detail lines, the GPU table."""
+    """One frame: a header line (fresh or STALE), the runs table (cli/run_table.py, the one `status` prints),
+    per-run detail lines, the GPU table."""
     snapshot = watcher.snapshot
     assert snapshot is not None
     updated = time.strftime("%H:%M:%S", time.localtime(snapshot.taken_at))
@@ -76,57 +58,36 @@ def render(watcher: Watcher, title: str) -> Group:
         )
     else:
         header = Text(f"{title} | updated {updated} | q quits")
-    runs = Table(expand=False, pad_edge=False)
-    for column in ("run", "state", "step", "loss", "tau_sim", "blk tok/s", "eta", "beat"):
-        runs.add_column(column, no_wrap=True)
-    details: list[Text] = []
-    for row in snapshot.runs:
-        step = "-" if row.step is None else (f"{row.step}/{row.total_steps}" if row.total_steps else str(row.step))
-        runs.add_row(
-            row.name,
-            _state(row),
-            step,
-            _num(row.loss),
-            _num(row.tau_sim),
-            _num(row.block_tok_s),
-            _eta(row.eta_s),
-            "-" if row.heartbeat_age_s is None else f"{row.heartbeat_age_s:.0f}s",
-        )
-        facts = [
-            f"drafters {' '.join(_num(v) for v in row.block_tok_s_per_drafter)} tok/s"
-            if row.block_tok_s_per_drafter
-            else "",
-            f"queues {' '.join(f'{k}={v}' for k, v in row.queues.items())}" if row.queues else "",
-            f"gpu mem {' '.join(f'{k}:{v:.1f}GB' for k, v in row.gpu_mem_gb.items())}" if row.gpu_mem_gb else "",
-        ]
-        if any(facts):
-            details.append(Text(f"{row.name}: " + " | ".join(f for f in facts if f), overflow="fold"))
-        line = row.error_line if row.error_line else row.last_log_line
-        details.append(
-            Text(
-                f"{row.name} {'error' if row.error_line else 'log'}: {(line or '-').strip()}",
-                overflow="ellipsis",
-                no_wrap=True,
-            )
-        )
+    details = [
+        Text(line, overflow="ellipsis", no_wrap=True) for row in ordered(snapshot.runs) for line in detail_lines(row)
+    ]
     if not snapshot.runs:
         details.append(Text("no runs on this target yet"))
-    parts: list[Any] = [header, runs, *details]
+    parts: list[Any] = [header, runs_table(snapshot.runs), *details]
     if snapshot.gpus:
-        gpus = Table(expand=False)
-        for column in ("gpu", "name", "memory MiB", "util %"):
-            gpus.add_column(column)
-        for gpu in snapshot.gpus:
-            gpus.add_row(
-                f"{gpu.target}:{gpu.index}",
-                gpu.name,
-                f"{gpu.memory_used_mib}/{gpu.memory_total_mib}",
-                str(gpu.utilization_pct),
-            )
-        parts.append(gpus)
+        parts.append(gpu_table(snapshot.gpus))
     else:
         parts.append(Text("gpus: none visible (no nvidia-smi on the target)"))
     return Group(*parts)
+
+
+def ended(watcher: Watcher, *, quiet: bool = False) -> int | None:
+    """For `watch RUN`: None while any of the run's rows (one per node) is live; else 0 when it finished or
+    was stopped. A run that crashed or was lost raises RunFailed with how it ended (`quiet`: returns 7)."""
+    snapshot = watcher.snapshot
+    if snapshot is None or not snapshot.runs or any(row.state in LIVE_STATES for row in snapshot.runs):
+        return None
+    failed = [row for row in snapshot.runs if row.state in ("crashed", "lost")]
+    if failed and quiet:
+        return RunFailed.exit_code
+    if failed:
+        row = failed[0]
+        step = f" at step {row.step}" if row.step is not None else ""
+        error = f": {row.error_line.strip().removeprefix('error: ')}" if row.error_line else ""
+        raise RunFailed(
+            f"{row.name} {row.state}{step}, exit code {row.exit_code}{error}", hint=f"dflashops logs {row.name}"
+        )
+    return 0
 
 
 @contextmanager
@@ -168,10 +129,13 @@ def handle_watch(args: argparse.Namespace) -> int:
             emit_json(watcher.to_dict())
             return 0
         title = f"dflashops watch {args.run or '--all'}"
-        console = Console(highlight=False)
+        console = table_console()
         if args.once:
             console.print(render(watcher, title))
             return 0
+        if args.run and ended(watcher, quiet=True) is not None:  # ended before the view started: one frame
+            console.print(render(watcher, title))
+            return ended(watcher) or 0
         with keys() as read_key, Live(render(watcher, title), console=console, auto_refresh=False) as live:
             next_refresh = time.monotonic() + args.interval
             while True:
@@ -185,3 +149,5 @@ def handle_watch(args: argparse.Namespace) -> int:
                     watcher.refresh()
                     next_refresh = time.monotonic() + args.interval
                 live.update(render(watcher, title), refresh=True)
+                if args.run and (code := ended(watcher)) is not None:  # the last frame stays on screen
+                    return code

@@ -19,6 +19,8 @@ from dflashops.ops.control import run_status
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.supervise import supervision_note
 
+LIVE_STATES = ("launching", "running", "stopping")
+
 
 @dataclass
 class RunRow:
@@ -39,6 +41,8 @@ class RunRow:
     last_log_line: str | None = None
     error_line: str | None = None
     supervision: str | None = None  # ops/supervise.py supervision_note: "supervised", "supervisor died, ..."
+    exit_code: int | None = None
+    restarted_as: str | None = None  # the run the in-target supervisor restarted this one as
 
 
 @dataclass
@@ -70,7 +74,8 @@ def _float(value: Any) -> float | None:
 
 
 def run_row(entry: dict[str, Any], now: float) -> RunRow:
-    """One agent status entry -> the row the view shows (missing metrics stay None)."""
+    """One agent status entry -> the row the view shows (missing metrics stay None; an ended run has no eta
+    and no heartbeat age)."""
     metrics = entry.get("last_metrics") or {}
     trainer = entry.get("trainer_status") or {}
     eta = _float(metrics.get("eta_s"))
@@ -86,6 +91,9 @@ def run_row(entry: dict[str, Any], now: float) -> RunRow:
     memory = metrics.get("gpu_mem_gb")
     memory_gb = _float(memory)  # one number for the whole target
     heartbeat = _float(trainer.get("heartbeat"))
+    live = entry["state"] in LIVE_STATES
+    if not live:  # an ended run has no time left and no heartbeat to age: both would only be stale numbers
+        eta, heartbeat = None, None
     return RunRow(
         name=entry["name"] + (f"@node{entry['node']}" if "node" in entry else ""),
         target=str(entry.get("target", "")),
@@ -104,8 +112,10 @@ def run_row(entry: dict[str, Any], now: float) -> RunRow:
         eta_s=eta,
         heartbeat_age_s=None if heartbeat is None else max(0.0, now - heartbeat),
         last_log_line=entry.get("last_log_line"),
-        error_line=entry.get("error_line"),
+        error_line=entry.get("error_line") or (entry.get("error") if entry["state"] == "unreachable" else None),
         supervision=supervision_note(entry),
+        exit_code=entry.get("exit_code") if isinstance(entry.get("exit_code"), int) else None,
+        restarted_as=entry.get("restarted_as"),
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -64,7 +65,7 @@ def test_tmux_stop_is_exact_about_session_names(env: Env, capsys: pytest.Capture
     sessions = session_names(tmux_socket(str(env.workspace)))
     assert sessions == ["dflash2"]
     code, out, _ = env.cli("status", "dflash2", capsys=capsys)
-    assert "\trunning\t" in out
+    assert re.search(r"^dflash2\s+local\s+running\s", out, re.M), out
 
 
 def test_help_lists_the_verbs() -> None:

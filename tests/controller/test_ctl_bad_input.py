@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -127,7 +128,7 @@ def test_restart_onto_existing_name_leaves_the_run_running(env: Env, capsys: pyt
     code, _, err = env.cli("restart", "--detach", "keep-v1", "--name", "other", capsys=capsys)
     assert code == 4 and "already used" in err
     code, out, _ = env.cli("status", "keep-v1", capsys=capsys)
-    assert "\trunning\t" in out
+    assert re.search(r"^keep-v1\s+local\s+running\s", out, re.M), out
 
 
 def test_stop_logs_restart_of_missing_or_finished_runs(env: Env, capsys: pytest.CaptureFixture[str]) -> None:

@@ -213,7 +213,9 @@ def test_item22_attach_refuses_without_a_terminal(env: Env, capsys: pytest.Captu
     assert out.stderr.startswith("error: attach needs a terminal"), out.stderr
     assert "hint: `dflashops logs tty-1 -f`" in out.stderr
     code, status, _ = env.cli("status", "tty-1", capsys=capsys)
-    assert code == 0 and "\trunning\t" in status  # refused before anything touched the run
+    assert code == 0 and re.search(
+        r"^tty-1\s+local\s+running\s", status, re.M
+    )  # refused before anything touched the run
 
 
 def test_item22_exec_command_without_the_separator_gets_a_hint(env: Env, capsys: pytest.CaptureFixture[str]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sqlite3
 import subprocess
 import time
@@ -120,7 +121,8 @@ def test_crash_is_reported_with_step_and_error(env: Env, capsys: pytest.CaptureF
         time.sleep(0.05)
     code, out, _ = env.cli("status", "crashy", capsys=capsys)
     assert code == 0
-    assert "crashed at step 4: RuntimeError: injected crash at step 4" in out and "exit=1" in out
+    assert re.search(r"^crashy\s+local\s+crashed\s+4\s.*\s1\s*$", out, re.M), out  # state, step, ..., exit code
+    assert "crashy error: RuntimeError: injected crash at step 4" in out.splitlines()
     code, out, _ = env.cli("runs", "show", "crashy", "--json", capsys=capsys)
     assert json.loads(out)["state"] == "crashed"
 
@@ -291,7 +293,7 @@ def test_dry_runs_print_commands_and_change_nothing(env: Env, capsys: pytest.Cap
     assert code == 0 and out.count("\n") == 1 and " stop --json-args " in out
     assert sorted(p.name for p in env.runs.iterdir()) == before
     code, out, _ = env.cli("status", "dry-v1", capsys=capsys)
-    assert "\trunning\t" in out
+    assert re.search(r"^dry-v1\s+local\s+running\s", out, re.M), out
     code, out, _ = env.cli("runs", "list", "--json", capsys=capsys)
     assert "dry-v2" not in out
 

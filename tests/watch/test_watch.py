@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -97,14 +98,13 @@ def test_watch_in_a_tmux_pane(env: Env, capsys: pytest.CaptureFixture[str]) -> N
     try:
 
         def step_shown() -> int | None:
-            match = re.search(r"w1\s*│\s*running\s*│\s*(\d+)", screen.text())
+            match = re.search(r"w1\s+local\s+running\s+(\d+)", screen.text())
             return int(match.group(1)) if match else None
 
         wait_until(lambda: step_shown() is not None, what="the w1 row in the pane")
         shown = screen.text()
         assert "dflashops watch w1 | updated" in shown and "q quits" in shown
-        for column in ("run", "state", "step", "loss", "tau_sim", "blk tok/s", "eta"):
-            assert column in shown
+        assert re.search(r"run\s+target\s+state\s+step\s+loss\s+tau_sim\s+blk tok/s\s+eta\s+beat\s+exit", shown)
         assert re.search(r"w1 log: step \d+ loss", shown)
         assert "gpus: none visible" in shown
         first = step_shown()
@@ -206,3 +206,62 @@ def test_trainer_metrics_become_columns() -> None:
     assert (row.step, row.total_steps, row.block_tok_s_per_drafter) == (40, 100, [6000.1, 6345.5])
     assert row.queues == {"t0->d0": "3/4"} and row.gpu_mem_gb == {"cuda:2": 30.5}
     assert 539 <= (row.eta_s or 0) <= 541 and 2.5 <= (row.heartbeat_age_s or 0) <= 4
+
+
+def test_watch_run_ends_when_the_run_ends(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    """`watch RUN` as a user types it: it exits 7 with how the run ended when it crashes, 0 when it finished."""
+    crash = env.root / "crash-now"
+    code, _, err = env.cli(
+        "deploy", "--profile", "work", "--name", "we1", "--wait", r"step 1\b", "--", "--crash-file", str(crash),
+        capsys=capsys,
+    )  # fmt: skip
+    assert code == 0, err
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "dflashops.cli.main", "--inventory", str(env.inventory), "watch", "we1",
+         "--interval", "0.2"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=env.root,
+        env={**os.environ, "PYTHONPATH": str(REPO), "NO_COLOR": "1"},
+    )  # fmt: skip
+    try:
+        crash.touch()  # the run crashes at its next step; watch must notice and end
+        out, err = watch.communicate(timeout=60)
+    finally:
+        watch.kill() if watch.poll() is None else None
+    assert watch.returncode == 7, (out, err)
+    assert re.search(r"^error: we1 crashed at step \d+, exit code 1: RuntimeError: injected crash", err, re.M), err
+    assert "hint: dflashops logs we1" in err
+    assert re.search(r"^we1\s+local\s+crashed\s", out, re.M), out  # the last frame stays
+    assert env.deploy_one_step("we2", capsys) == 0
+    code, out, err = env.cli("watch", "we2", capsys=capsys)
+    assert code == 0 and re.search(r"^we2\s+local\s+finished\s+1\s", out, re.M), (out, err)
+
+
+def test_status_and_watch_print_one_table(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    """One layout for `status`, `status --all` and `watch --all`: a header, running runs first, an ended run
+    with its end state and no eta or heartbeat age, its last log line not wandb's housekeeping."""
+    assert env.deploy_one_step("ta1", capsys) == 0
+    with open(env.runs / "ta1" / "train.log", "a") as log:  # what wandb prints as the job exits
+        log.write("wandb: \nwandb: Find logs at: wandb/run-20250101_000000-abc/logs\n")
+    launch(env, "ta2", capsys)
+    header = r"^run\s+target\s+state\s+step\s+loss\s+tau_sim\s+blk tok/s\s+eta\s+beat\s+exit\s*$"
+    for verb in (["status"], ["status", "--all"], ["watch", "--all", "--once"]):
+        code, out, err = env.cli(*verb, capsys=capsys)
+        assert code == 0, err
+        assert re.search(header, out, re.M), (verb, out)
+        rows = [line.split()[0] for line in out.splitlines() if re.match(r"ta\d\s+local\s", line)]
+        assert rows == ["ta2", "ta1"], (verb, out)  # the running run first
+        assert re.search(r"^ta1\s+local\s+finished\s+1\s+\S+\s+\S+\s+-\s+-\s+-\s+0\s*$", out, re.M), out
+        assert re.search(r"^ta2\s+local\s+running\s+\d+\s.*\s\d+s\s+-\s*$", out, re.M), out  # a heartbeat age
+        assert "ta1 log: done" in out.splitlines() and "wandb:" not in out
+        assert "\x1b[" not in out
+    code, out, _ = env.cli("status", "--json", capsys=capsys)
+    assert code == 0 and set(json.loads(out)) == {"runs", "gpus"}
+
+
+def test_an_error_line_is_not_prefixed_twice() -> None:
+    from dflashops.cli.run_table import detail_lines
+
+    entry = {"name": "x", "state": "crashed", "exit_code": 2, "error_line": "error: argument --lr: invalid float"}
+    row = run_row(entry, time.time())
+    assert detail_lines(row) == ["x error: argument --lr: invalid float"]
+    assert row.eta_s is None and row.heartbeat_age_s is None
