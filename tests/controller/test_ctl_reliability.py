@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sqlite3
 import subprocess
 import sys
@@ -162,7 +163,8 @@ packages: []
     assert code == 0, err
     wait_until(lambda: (env.runs / "bad" / "exit_code").exists())
     code, out, _ = env.cli("status", "bad", capsys=capsys)
-    assert "crashed: error: --target-model is required for preset qwen3-8b" in out and "step None" not in out
+    assert re.search(r"^bad\s+local\s+crashed\b", out, re.M), out  # the table's row, then its error line
+    assert "bad error: --target-model is required for preset qwen3-8b" in out and "None" not in out
     code, out, _ = env.cli("status", "bad", "--json", capsys=capsys)
     assert json.loads(out)["runs"][0]["error_line"] == "error: --target-model is required for preset qwen3-8b"
 
