@@ -34,6 +34,7 @@ import sys
 import tarfile
 import time
 import zipfile
+from collections.abc import Iterator
 
 NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 LAUNCHERS = ("tmux", "nohup")  # how a run is started: a tmux session, or setsid + nohup (the controller uses these)
@@ -707,6 +708,16 @@ def start_standby(req: dict, argv: list[str], launch_env: dict, launcher: str, a
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def ready_standbys(workspace: str, fingerprint: str) -> Iterator[tuple[str, dict]]:
+    """(folder, spec) of each standby of `fingerprint` whose interpreter is ready (its imports done), whose
+    wrapper is alive (someone takes a claim) and that no launch has claimed yet, oldest first."""
+    for folder, spec in standbys(workspace):
+        if spec.get("fingerprint") != fingerprint or os.path.exists(os.path.join(folder, "claimed")):
+            continue
+        if carries_marker(read_int(os.path.join(folder, "ready")), spec["marker"]) and standby_alive(folder, spec):
+            yield folder, spec
+
+
 def adopt_standby(
     req: dict,
     directory: str,
@@ -720,12 +731,7 @@ def adopt_standby(
     """Hand this launch to a ready standby of its `fingerprint`; the launch's answer, or None (none ready: the
     caller launches as usual)."""
     workspace = req["workspace"]
-    for folder, spec in standbys(workspace):
-        ready = read_int(os.path.join(folder, "ready"))
-        if spec.get("fingerprint") != fingerprint or not carries_marker(ready, spec["marker"]):
-            continue
-        if not standby_alive(folder, spec):  # its wrapper is gone: nobody would take the claim
-            continue
+    for folder, spec in ready_standbys(workspace, fingerprint):
         try:
             os.mkdir(os.path.join(folder, "claimed"))  # one launch per standby (the standby claims itself to exit)
         except FileExistsError:
@@ -1052,15 +1058,13 @@ def await_starting_standby(workspace: str, fingerprint: str, deadline: float) ->
     """Wait while a standby of `fingerprint` started for this very launch (no run to follow: `after` empty) is
     still importing and none is ready: a new interpreter for the check would pay the same imports, and the run
     then a third time. Returns at once when one is ready or none is starting; a standby that dies ends the wait."""
-    while time.monotonic() < deadline:
-        starting = False
-        for folder, spec in standbys(workspace):
-            if spec.get("fingerprint") != fingerprint or os.path.exists(os.path.join(folder, "claimed")):
-                continue
-            if carries_marker(read_int(os.path.join(folder, "ready")), spec["marker"]):
-                return
-            starting = starting or (not spec.get("after") and standby_alive(folder, spec))
-        if not starting:
+    while time.monotonic() < deadline and not any(ready_standbys(workspace, fingerprint)):
+        starting = (
+            spec.get("fingerprint") == fingerprint and not spec.get("after") and standby_alive(folder, spec)
+            for folder, spec in standbys(workspace)
+            if not os.path.exists(os.path.join(folder, "claimed"))
+        )
+        if not any(starting):
             return
         time.sleep(STANDBY_POLL_S * 5)
 
@@ -1068,12 +1072,8 @@ def await_starting_standby(workspace: str, fingerprint: str, deadline: float) ->
 def check_in_standby(workspace: str, fingerprint: str, check: dict) -> dict | None:
     """The check in a ready standby of `fingerprint` (check_in_child), or None when none is free (none ready,
     one busy with another check, or it left meanwhile): the caller checks in a new interpreter."""
-    for folder, spec in standbys(workspace):
+    for folder, spec in ready_standbys(workspace, fingerprint):
         ready = read_int(os.path.join(folder, "ready"))
-        if spec.get("fingerprint") != fingerprint or not carries_marker(ready, spec["marker"]):
-            continue
-        if os.path.exists(os.path.join(folder, "claimed")) or not standby_alive(folder, spec):
-            continue
         try:
             os.mkdir(os.path.join(folder, CHECK_CLAIM))  # one check at a time per standby
         except OSError:
@@ -2125,7 +2125,8 @@ COMPILE_CACHE_KEY_RE = re.compile(r"^py\d+\.\d+-torch[A-Za-z0-9._-]+$")  # train
 def verb_clear_cache(req: dict) -> dict:
     """`--clear-cache`: remove the compile caches and nothing else: in the compile cache root (`compile_cache`,
     default <workspace>/cache/compile) only the folders named like a cache key and their artifacts (the
-    `<key>.artifacts.d/` folder, or an older trainer's `<key>.artifacts` file), and the per-code-hash folders of the old layout (<workspace>/cache/inductor/<hash>). How much went."""
+    `<key>.artifacts.d/` folder, or an older trainer's `<key>.artifacts` file), and the per-code-hash folders of
+    the old layout (<workspace>/cache/inductor/<hash>). How much went."""
     workspace = workspace_of(req)
     root = str(req.get("compile_cache") or os.path.join(workspace, "cache", "compile"))
     if not os.path.isabs(root):
@@ -2477,18 +2478,21 @@ def releases_in_use(workspace: str) -> set[str]:
     return used
 
 
-def prune_releases(workspace: str, keep: int, *, dry_run: bool = False) -> list[str]:
+def prunable_releases(workspace: str, keep: int) -> list[str]:
+    """The releases gc may delete: beyond the newest `keep`, neither `current` nor in use by a run."""
     releases = os.path.join(workspace, "releases")
     current = os.path.basename(os.path.realpath(os.path.join(releases, "current")))
     entries = [e for e in os.listdir(releases) if HASH_RE.match(e) and os.path.isdir(os.path.join(releases, e))]
     entries.sort(key=lambda e: os.stat(os.path.join(releases, e)).st_mtime, reverse=True)
     protected = releases_in_use(workspace) | {current}
-    removed = []
-    for entry in entries[max(keep, 1) :]:
-        if entry not in protected:
-            if not dry_run:
-                shutil.rmtree(os.path.join(releases, entry))
-            removed.append(entry)
+    return [entry for entry in entries[max(keep, 1) :] if entry not in protected]
+
+
+def prune_releases(workspace: str, keep: int) -> list[str]:
+    """Delete the prunable releases; their names."""
+    removed = prunable_releases(workspace, keep)
+    for entry in removed:
+        shutil.rmtree(os.path.join(workspace, "releases", entry))
     return removed
 
 
@@ -2550,7 +2554,7 @@ def verb_gc(req: dict) -> dict:
             {"kind": "run", "name": name, "path": directory, "bytes": size, "files": files, "final": final[name]}
         )
     releases = os.path.join(workspace, "releases")
-    for entry in prune_releases(workspace, int(req.get("keep", 5)), dry_run=True) if os.path.isdir(releases) else []:
+    for entry in prunable_releases(workspace, int(req.get("keep", 5))) if os.path.isdir(releases) else []:
         path = os.path.join(releases, entry)
         size, files = tree_size(path)
         if not dry_run:
