@@ -176,6 +176,13 @@ class TrainConfig:
     loss_kernels: str = (
         "auto"  # auto (triton on Hopper, else compiled; eager for an eager drafter) | compiled | eager | triton
     )
+    # architecture: dflash, or dflash2 (block convolutions + candidate selector, docs/method.md#dflash2)
+    arch: str = "dflash"
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+    selector_loss_alpha: float = 1.0
     # drafter shape (hidden_size must equal the target's)
     num_draft_layers: int = 5
     hidden_size: int | None = None  # None: taken from the target
@@ -234,6 +241,21 @@ class TrainConfig:
             self.block_size >= 2,
             "block-size",
             f"must be >= 2 (anchor + at least one drafted token), got {self.block_size}",
+        )
+        need(
+            self.conv_kernel_size >= 1 and self.conv_kernel_size <= self.block_size,
+            "conv-kernel-size",
+            f"must be 1..block-size ({self.block_size}), got {self.conv_kernel_size}",
+        )
+        need(self.conv_group_size >= 1, "conv-group-size", f"must be >= 1, got {self.conv_group_size}")
+        need(self.selector_rank >= 1, "selector-rank", f"must be >= 1, got {self.selector_rank}")
+        need(
+            self.selector_top_k >= 2, "selector-top-k", f"must be >= 2 (a choice to rerank), got {self.selector_top_k}"
+        )
+        need(
+            self.selector_loss_alpha >= 0,
+            "selector-loss-alpha",
+            f"must be >= 0, got {self.selector_loss_alpha}",
         )
         need(self.gamma > 0, "gamma", f"must be > 0 (position weights exp(-(k-1)/gamma)), got {self.gamma}")
         need(self.anchors_per_seq >= 1, "anchors-per-seq", f"must be >= 1, got {self.anchors_per_seq}")
@@ -395,7 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     """One flag per TrainConfig field, each with its help line (trainer.train_help: what it does, its default and
     each preset's) and, where the set of values is fixed, its choices. The parser's own defaults are SUPPRESSed
     so presets can tell what the user set; the help shows the real ones."""
-    from trainer.train_help import FLAG_HELP, NOISE_TYPES, SYNC_MODES, TRANSFER_MODES, WANDB_MODES, flag_help
+    from trainer.train_help import ARCHS, FLAG_HELP, NOISE_TYPES, SYNC_MODES, TRANSFER_MODES, WANDB_MODES, flag_help
 
     parser = _Parser(
         prog="python -m trainer train",
@@ -424,6 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
         "sync": SYNC_MODES,
         "feature_transfer": TRANSFER_MODES,
         "noise_type": NOISE_TYPES,
+        "arch": ARCHS,
     }
     metavars = {
         "target_gpus": "DEVICES",

@@ -89,6 +89,12 @@ class LossResult:
     weight_sum: torch.Tensor
     num_blocks: torch.Tensor
     correct: torch.Tensor
+    # DFlash2 (``topk > 0``): each row's unary top-k with the label put last where missing [M, k] int64, their
+    # unary logits [M, k] (fp32, detached), the label's place [M]; slot-0 rows are 0 / False.
+    candidates: torch.Tensor | None = None
+    candidate_logits: torch.Tensor | None = None
+    label_place: torch.Tensor | None = None
+    label_found: torch.Tensor | None = None  # [M] bool: the unary top-k held the label (what serving can pick)
 
 
 def position_weights(block_size: int, gamma: float) -> torch.Tensor:
@@ -381,6 +387,7 @@ def dflash_loss(
     num_blocks_normalizer: float = 1.0,
     chunk_size: int | None = None,
     kernels: ChunkKernels | None = None,
+    topk: int = 0,
 ) -> LossResult:
     """The DFlash loss of one micro-batch; see the module docstring for the formula.
 
@@ -392,6 +399,8 @@ def dflash_loss(
     kernels: the per-chunk element-wise functions (default eager; see ``make_chunk_kernels``): ``fused_ce``
     when kl_weight == 0, ``soft_label`` when kl_weight > 0, where set; the stats + logit_grad path otherwise.
     The d/d hidden GEMM is skipped when hidden does not require grad (eval).
+    topk > 0 (DFlash2's candidate selector): also return each supervised row's unary top-k candidates, read from
+    the chunk's logits while they exist (before a fused kernel overwrites them): no extra LM-head GEMM.
     """
     _check_inputs(
         hidden,
@@ -452,6 +461,14 @@ def dflash_loss(
     teacher_rows = teacher_hidden.detach().contiguous() if teacher_hidden is not None else None
     if grad_hidden is not None and first:
         grad_hidden.view(num_blocks, block_size, hidden_size)[:, 0] = 0
+    cand = cand_logits = cand_place = cand_found = None
+    if topk > 0:
+        from trainer.model.dflash2 import training_candidates
+
+        cand = torch.zeros(rows, topk, dtype=torch.long, device=hidden.device)
+        cand_logits = torch.zeros(rows, topk, dtype=torch.float32, device=hidden.device)
+        cand_place = torch.zeros(rows, dtype=torch.long, device=hidden.device)
+        cand_found = torch.zeros(rows, dtype=torch.bool, device=hidden.device)
 
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
         for b0 in range(0, num_blocks, chunk_blocks):
@@ -460,6 +477,14 @@ def dflash_loss(
             lab, w = supervised(safe_labels, b0, b1), supervised(weights_acc, b0, b1)
             logits = h @ lm_head_weight.T  # GEMM 1
             teacher_logits = kl_coef = row_state = grad_logits = None
+            if cand is not None and cand_logits is not None and cand_place is not None and cand_found is not None:
+                ids, place, found = training_candidates(logits.topk(topk, dim=-1).indices, lab)
+                cand.view(num_blocks, block_size, topk)[b0:b1, first:] = ids.view(-1, slots, topk)
+                cand_logits.view(num_blocks, block_size, topk)[b0:b1, first:] = (
+                    logits.gather(1, ids).float().view(-1, slots, topk)
+                )
+                cand_place.view(num_blocks, block_size)[b0:b1, first:] = place.view(-1, slots)
+                cand_found.view(num_blocks, block_size)[b0:b1, first:] = found.view(-1, slots)
             if use_kl:
                 assert teacher_rows is not None
                 teacher = supervised(teacher_rows, b0, b1, gemm_dtype)
@@ -530,6 +555,10 @@ def dflash_loss(
         weight_sum=weights_acc.sum(),
         num_blocks=real_blocks,
         correct=correct,
+        candidates=cand,
+        candidate_logits=cand_logits,
+        label_place=cand_place,
+        label_found=cand_found,
     )
 
 

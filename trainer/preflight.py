@@ -122,8 +122,15 @@ def build_drafter_config(cfg: TrainConfig, hf_config: Any) -> DrafterConfig:
             layer_types=cfg.layer_types(),
             sliding_window=cfg.sliding_window,
             max_position_embeddings=cfg.max_position_embeddings,
+            arch=cfg.arch,
+            conv_kernel_size=cfg.conv_kernel_size,
+            conv_group_size=cfg.conv_group_size,
+            selector_rank=cfg.selector_rank,
+            selector_top_k=cfg.selector_top_k,
         )
     except ValueError as exc:
+        if any(key in str(exc) for key in ("conv_", "selector_")):
+            raise TrainerInputError(f"--arch dflash2: {exc}", hint="see --help for the dflash2 settings") from None
         raise TrainerInputError(
             f"--num-draft-layers/--target-layer-ids: {exc}", hint="the drafter taps one target layer per drafter layer"
         ) from None

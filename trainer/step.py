@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,10 +28,11 @@ import torch.nn.functional as F
 from trainer.compile_scope import private_compile, replica_scope
 from trainer.config import TrainConfig, TrainerInputError
 from trainer.data import Batch
-from trainer.loss import dflash_loss, make_chunk_kernels, resolve_loss_kernels, simulated_tau
+from trainer.loss import LossResult, dflash_loss, make_chunk_kernels, resolve_loss_kernels, simulated_tau
 from trainer.loss_triton import triton_available
 from trainer.model import DFlashDrafter, TargetModel
 from trainer.model.attention import Backend
+from trainer.model.dflash2 import block_predecessors, selector_loss
 from trainer.model.drafter import call_layer, embed_context, finish_hidden
 
 __all__ = [
@@ -68,6 +69,11 @@ class StepStats:
     num_blocks: torch.Tensor
     slot_correct: torch.Tensor  # [B]
     slot_valid: torch.Tensor  # [B]
+    # DFlash2's selector (zeros for DFlash): sum_i w_i CE_K, the simulated tau of the selector's teacher-forced
+    # picks (a pick counts only where the unary top-k held the label: what serving can propose), per-slot hits
+    sel_ce_sum: torch.Tensor
+    sel_tau_sum: torch.Tensor
+    sel_slot_correct: torch.Tensor  # [B]
     block_tokens: int = 0  # real blocks x B
     ctx_tokens: int = 0  # real context tokens
 
@@ -89,6 +95,14 @@ class StepStats:
         blocks = max(float(self.num_blocks), 1.0)
         weights = float(self.weight_sum)
         accuracy = (self.slot_correct / self.slot_valid.clamp(min=1)).tolist()[1:]
+        selector: dict[str, Any] = {}
+        if float(self.sel_tau_sum):  # a DFlash2 step (its tau is >= 1 per real block)
+            sel_accuracy = (self.sel_slot_correct / self.slot_valid.clamp(min=1)).tolist()[1:]
+            selector = {
+                "sel_ce": float(self.sel_ce_sum) / weights if weights else 0.0,
+                "sel_tau_sim": float(self.sel_tau_sum) / blocks,
+                "sel_acc_slot": [round(a, 5) for a in sel_accuracy],
+            }
         return {
             "loss": float(self.loss),
             "ce": float(self.ce_sum) / weights if weights else 0.0,
@@ -97,6 +111,7 @@ class StepStats:
             "tau_sim": float(self.tau_sum) / blocks if float(self.num_blocks) else 1.0,
             "acc_slot": [round(a, 5) for a in accuracy],
             "blocks": int(float(self.num_blocks)),
+            **selector,
         }
 
 
@@ -187,6 +202,11 @@ class DrafterSide:
             self.drafter.layer_call = private_compile(call_layer, backend=compile_backend)
             self.drafter.context_call = private_compile(embed_context, backend=compile_backend)
             self.drafter.output_call = private_compile(finish_hidden, backend=compile_backend)
+        # DFlash2's selector objective: compiled per replica like the layers (gathers, a [M', k, r] product and a
+        # K-way CE: eager, ~8 kernels forward and more backward); its shapes are the step's static ones.
+        self.selector_call: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = (
+            private_compile(selector_loss, backend=compile_backend) if self.compiled else selector_loss
+        )
         # --loss-kernels auto: the fused Triton kernel on Hopper, else follows the layers (trainer/loss.py).
         kind = resolve_loss_kernels(cfg.loss_kernels, self.device, self.compiled)
         check_loss_kernels(kind, self.device)
@@ -256,11 +276,21 @@ class DrafterSide:
             num_blocks_normalizer=num_blocks,
             chunk_size=cfg.loss_chunk_size,
             kernels=self.loss_kernels,
+            **({"topk": self.drafter.config.selector_top_k} if self.drafter.candidate_selector is not None else {}),
         )
-        result.loss.backward()
-        tau = simulated_tau(result.correct.reshape(-1, block), (batch.weights > 0).reshape(-1, block))
+        valid = (batch.weights > 0).reshape(-1, block)
+        loss = result.loss
+        zero = torch.zeros((), device=self.device)
+        sel_ce, sel_tau, sel_slots = zero, zero, torch.zeros(block, device=self.device)
+        if self.drafter.candidate_selector is not None:
+            loss_sel, sel_ce, sel_hits = self._selector_loss(batch, hidden, result, normalizer)
+            loss = loss + cfg.selector_loss_alpha * loss_sel
+            sel_stats = simulated_tau(sel_hits.reshape(-1, block), valid)
+            sel_tau, sel_slots = sel_stats.tau_sum, sel_stats.slot_correct
+        loss.backward()
+        tau = simulated_tau(result.correct.reshape(-1, block), valid)
         return StepStats(
-            loss=result.loss.detach().float(),
+            loss=loss.detach().float(),  # DFlash2: the unary loss plus alpha times the selector's
             ce_sum=result.ce_sum.float(),
             kl_sum=result.kl_sum.float(),
             cap_sum=result.cap_sum.float(),
@@ -269,9 +299,37 @@ class DrafterSide:
             num_blocks=tau.num_blocks,
             slot_correct=tau.slot_correct,
             slot_valid=tau.slot_valid,
+            sel_ce_sum=sel_ce.float(),
+            sel_tau_sum=sel_tau.float(),
+            sel_slot_correct=sel_slots.float(),
             block_tokens=batch.num_blocks * block,
             ctx_tokens=batch.num_ctx_tokens,
         )
+
+    def _selector_loss(
+        self, batch: Batch, hidden: torch.Tensor, result: LossResult, normalizer: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """DFlash2's K-way selector objective over the unary top-k that dflash_loss returned (trainer/model/
+        dflash2.py: selector_loss) -> (its normalised loss, sum w CE, [M] bool teacher-forced hits that serving
+        could make: the pick is the label and the unary top-k held it)."""
+        selector = self.drafter.candidate_selector
+        assert selector is not None and result.candidates is not None and result.candidate_logits is not None
+        assert result.label_place is not None and result.label_found is not None
+        block = self.cfg.block_size
+        predecessors = block_predecessors(batch.block_ids, batch.labels, block).reshape(-1)
+        with _autocast(self.device), replica_scope(self.scope):
+            loss, ce_sum, pick = self.selector_call(
+                selector,
+                hidden.reshape(-1, hidden.shape[-1]),
+                predecessors,
+                result.candidates,
+                result.candidate_logits,
+                result.label_place,
+                batch.weights.reshape(-1),
+                block_size=block,
+                normalizer=normalizer,
+            )
+        return loss, ce_sum, (pick == batch.labels.reshape(-1)) & result.label_found
 
     def optimizer_step(self) -> tuple[float, float]:
         """Clip, step AdamW and the schedule, zero the grads; return (lr used, grad norm before clipping).

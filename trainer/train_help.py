@@ -15,6 +15,7 @@ WANDB_MODES = ("auto", "on", "off")
 SYNC_MODES = ("grad", "average")  # as trainer.pipeline.sync.SYNC_MODES (not imported: that pulls in torch)
 TRANSFER_MODES = ("device", "pinned")  # as trainer.pipeline.handoff.TRANSFER_MODES
 NOISE_TYPES = ("uniform", "gaussian")
+ARCHS = ("dflash", "dflash2")  # as trainer.model.dflash2.ARCHS (not imported: that pulls in torch)
 
 # What a default of None (or an empty list) means, where it means something (otherwise "none" is shown).
 NONE_MEANS = {
@@ -85,6 +86,13 @@ FLAG_HELP: dict[str, str] = {
     "token_budget": "padded context tokens (rows x padded length) per micro-batch",
     "max_seq_len": "longer samples are truncated to this many tokens",
     "max_batch_size": "rows per micro-batch at most",
+    "arch": "drafter architecture: dflash, or dflash2 (block convolutions around each sublayer and a candidate "
+    "selector that reranks each slot's unary top-k; docs/method.md#dflash2)",
+    "conv_kernel_size": "dflash2: taps of each block convolution (slot j reads slots j-K+1..j of its block)",
+    "conv_group_size": "dflash2: hidden channels sharing one dynamic kernel coefficient (must divide the hidden size)",
+    "selector_rank": "dflash2: rank of the candidate selector's codebooks",
+    "selector_top_k": "dflash2: unary candidates the selector reranks per slot",
+    "selector_loss_alpha": "dflash2: weight of the selector's K-way cross-entropy next to the unary loss",
     "block_size": "tokens per draft block (the anchor plus block-size - 1 drafted tokens)",
     "anchors_per_seq": "anchor positions sampled per sequence, at most (see --max-anchors)",
     "max_anchors": "anchors per micro-batch, all rows together",

@@ -30,9 +30,11 @@ import torch.utils.checkpoint
 from torch import nn
 
 from trainer.model.attention import FULL, LAYER_TYPES, SLIDING, Backend, DraftMask, attend, build_draft_mask
+from trainer.model.dflash2 import ARCHS, BlockConv, CandidateSelector
 from trainer.model.target import default_target_layer_ids
 
 CONFIG_NAME = "config.json"
+_DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 WEIGHTS_NAME = "model.safetensors"
 
 
@@ -64,6 +66,12 @@ class DrafterConfig:
     causal_in_block: dict[str, bool] = field(default_factory=_default_causal_in_block)
     max_position_embeddings: int = 40960
     initializer_range: float = 0.02
+    # DFlash2 (trainer/model/dflash2.py): "dflash2" adds the block convolutions and the candidate selector
+    arch: str = "dflash"
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
 
     def __post_init__(self) -> None:
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
@@ -117,6 +125,21 @@ class DrafterConfig:
         unknown = set(self.causal_in_block) - set(LAYER_TYPES)
         if unknown:
             raise ValueError(f"causal_in_block has unknown layer types {sorted(unknown)}")
+        if self.arch not in ARCHS:
+            raise ValueError(f"unknown drafter arch {self.arch!r}; expected one of {ARCHS}")
+        if self.arch == "dflash2":
+            if not 1 <= self.conv_kernel_size <= self.block_size:
+                raise ValueError(
+                    f"conv_kernel_size must be 1..block_size ({self.block_size}), got {self.conv_kernel_size}"
+                )
+            if self.conv_group_size < 1 or self.hidden_size % self.conv_group_size:
+                raise ValueError(
+                    f"conv_group_size must divide hidden_size ({self.hidden_size}), got {self.conv_group_size}"
+                )
+            if self.selector_rank < 1:
+                raise ValueError(f"selector_rank must be >= 1, got {self.selector_rank}")
+            if not 1 <= self.selector_top_k <= self.vocab_size:
+                raise ValueError(f"selector_top_k must be 1..vocab_size ({self.vocab_size}), got {self.selector_top_k}")
 
     @property
     def num_taps(self) -> int:
@@ -186,10 +209,23 @@ class DrafterConfig:
         )
         return config
 
-    def to_hf_dict(self) -> dict[str, Any]:
-        """The public config.json: a Qwen3 config plus the DFlash fields the public loaders read."""
+    def dflash2_fields(self) -> dict[str, int]:
+        """The four DFlash2 settings under speculators' field names (empty for a DFlash drafter)."""
+        if self.arch != "dflash2":
+            return {}
         return {
-            "architectures": ["DFlashDraftModel"],
+            "conv_kernel_size": self.conv_kernel_size,
+            "conv_group_size": self.conv_group_size,
+            "selector_rank": self.selector_rank,
+            "selector_top_k": self.selector_top_k,
+        }
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The public config.json: a Qwen3 config plus the DFlash fields the public loaders read (a DFlash2
+        drafter: `DFlash2DraftModel`, and `arch` plus its four settings in `dflash_config`)."""
+        extra: dict[str, Any] = {"arch": self.arch, **self.dflash2_fields()} if self.arch != "dflash" else {}
+        return {
+            "architectures": ["DFlash2DraftModel" if self.arch == "dflash2" else "DFlashDraftModel"],
             "model_type": "qwen3",
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -217,6 +253,7 @@ class DrafterConfig:
                 "mask_token_id": self.mask_token_id,
                 "block_size": self.block_size,
                 "causal_in_block": dict(self.causal_in_block),
+                **extra,
             },
         }
 
@@ -253,6 +290,8 @@ class DrafterConfig:
                 causal_in_block=dict(dflash.get("causal_in_block") or {}),
                 max_position_embeddings=int(d.get("max_position_embeddings", 40960)),
                 initializer_range=float(d.get("initializer_range", 0.02)),
+                arch=str(dflash.get("arch", "dflash")),
+                **{k: int(dflash[k]) for k in _DFLASH2_KEYS if k in dflash},
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a DFlash drafter config (missing or invalid field: {exc})") from exc
@@ -354,6 +393,16 @@ class DrafterLayer(nn.Module):
         self.mlp = DrafterMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attention_conv: BlockConv | None = None
+        self.mlp_conv: BlockConv | None = None
+        if cfg.arch == "dflash2":
+            conv = {
+                "block_size": cfg.block_size,
+                "kernel_size": cfg.conv_kernel_size,
+                "group_size": cfg.conv_group_size,
+            }
+            self.attention_conv = BlockConv(cfg.hidden_size, **conv)
+            self.mlp_conv = BlockConv(cfg.hidden_size, **conv)
 
     def forward(
         self,
@@ -363,8 +412,14 @@ class DrafterLayer(nn.Module):
         rope_k: tuple[torch.Tensor, torch.Tensor],
         mask: DraftMask,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, mask, self.layer_type)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if self.attention_conv is None or self.mlp_conv is None:
+            x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, mask, self.layer_type)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        # DFlash2: the block convolution around each sublayer (its input after the norm, its output before the add)
+        h, delta = self.attention_conv.prepare(self.input_layernorm(x))
+        x = x + self.attention_conv.finish(self.self_attn(h, ctx, rope_q, rope_k, mask, self.layer_type), delta)
+        h, delta = self.mlp_conv.prepare(self.post_attention_layernorm(x))
+        return x + self.mlp_conv.finish(self.mlp(h), delta)
 
 
 # ---------------------------------------------------------------------------------------------------- the model
@@ -412,6 +467,15 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.fc = nn.Linear(config.num_taps * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.candidate_selector: CandidateSelector | None = None
+        if config.arch == "dflash2":
+            self.candidate_selector = CandidateSelector(
+                vocab_size=config.vocab_size,
+                hidden_size=config.hidden_size,
+                rank=config.selector_rank,
+                top_k=config.selector_top_k,
+                init_std=config.initializer_range,
+            )
         # Training-time memory option (not part of the checkpoint format): recompute layer activations in backward.
         self.activation_checkpointing = False
         # How a layer is called: plain by default; a replica's trainer installs its private compiled copy of
@@ -428,6 +492,9 @@ class DFlashDrafter(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
+        for module in self.modules():  # DFlash2's own inits after the generic one: identity convolutions
+            if isinstance(module, (BlockConv, CandidateSelector)):
+                module.reset_parameters()
 
     def build_mask(
         self,
@@ -509,7 +576,8 @@ class DFlashDrafter(nn.Module):
     # ------------------------------------------------------------------------------------- public checkpoint I/O
 
     def save_pretrained(self, directory: str | Path) -> None:
-        """Write config.json + model.safetensors in the public DFlash format (25 tensors for 2 layers)."""
+        """Write config.json + model.safetensors in the public DFlash format (25 tensors for 2 layers; DFlash2 adds
+        4 per layer and 3 for the selector)."""
         from safetensors.torch import save_file
 
         directory = Path(directory)

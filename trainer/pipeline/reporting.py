@@ -47,6 +47,9 @@ _STAT_FIELDS = (
     "num_blocks",
     "slot_correct",
     "slot_valid",
+    "sel_ce_sum",
+    "sel_tau_sum",
+    "sel_slot_correct",
 )
 
 

@@ -1,0 +1,196 @@
+"""DFlash2's two additions to the DFlash drafter (docs/method.md#dflash2), as in speculators 0.9's `dflash2`:
+
+- `BlockConv`: a two-sided grouped dynamic causal convolution around each sublayer (attention and MLP):
+  before the sublayer, x_j <- sum_t (base_in[t] + delta_in[j, t, g]) * x_{j-t}; after it, the same with the
+  output-side kernel, where both deltas are one projection of the sublayer's (normed) input. The taps never cross
+  a block boundary (slot j only sees slots j-t >= 0 of its own block), so the convolution is the same at any
+  block size >= kernel_size: trained at 16, served at 8. Initialised to the identity (base tap 0 = 1, the
+  projection 0), so a fresh DFlash2 drafter computes exactly what a DFlash drafter with the same weights does.
+  Per layer it adds 2 * (2 K H + 2 K (H/G) H) parameters: at H = 4096, K = 2, G = 16, 4.2 M per sublayer pair.
+- `CandidateSelector`: a rank-r bilinear score of (predecessor token, hidden state, candidate) added to the
+  unary logits of each slot's top-k candidates: score(c) = logit(c) + <P[prev] * (W h), S[c]>. At inference the
+  block is decoded left to right, slot j's predecessor being slot j-1's pick (the anchor for slot 1); in training
+  the predecessor is the true token (teacher forcing) and the objective is a K-way cross-entropy over the unary
+  top-k with the label put in the last place when it is missing (`training_candidates`).
+
+State-dict names (speculators' own): `layers.{i}.{attention,mlp}_conv.base_kernel` [2,K,H],
+`layers.{i}.{attention,mlp}_conv.kernel_projection.weight` [2*K*H/G, H], `candidate_selector.{predecessor,
+successor}_codebook` [V,r], `candidate_selector.hidden_projection.weight` [r,H].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ARCHS = ("dflash", "dflash2")
+
+
+def grouped_dynamic_conv(
+    x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, *, block_size: int, group_size: int
+) -> torch.Tensor:
+    """x [R,N*B,H], delta [R,N*B,K,G] (G = H / group_size), base [K,H] -> [R,N*B,H]:
+    out_j = sum_{t < K, t <= j % B} x_{j-t} * (base[t] + delta[j, t, group(h)]), block-local."""
+    R, Q, H = x.shape
+    K, G = base.shape[0], H // group_size
+    blocks = x.view(R, Q // block_size, block_size, G, group_size)
+    coef = delta.view(R, Q // block_size, block_size, K, G)
+    out = blocks * (base[0].to(x.dtype).view(G, group_size) + coef[:, :, :, 0, :, None])
+    for tap in range(1, K):
+        # slot j reads slot j - tap of its own block; the first `tap` slots read zeros (padding inside the block)
+        shifted = F.pad(blocks[:, :, : block_size - tap], (0, 0, 0, 0, tap, 0))
+        out = out + shifted * (base[tap].to(x.dtype).view(G, group_size) + coef[:, :, :, tap, :, None])
+    return out.reshape(R, Q, H)
+
+
+class BlockConv(nn.Module):
+    """The input- and output-side convolutions of one sublayer, driven by one projection of its input."""
+
+    def __init__(self, hidden_size: int, *, block_size: int, kernel_size: int, group_size: int) -> None:
+        super().__init__()
+        self.block_size, self.kernel_size, self.group_size = block_size, kernel_size, group_size
+        self.num_groups = hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.num_groups, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The identity: tap 0 of both base kernels 1, every other tap and the projection 0."""
+        with torch.no_grad():
+            self.base_kernel.zero_()
+            self.base_kernel[:, 0].fill_(1.0)
+            self.kernel_projection.weight.zero_()
+
+    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [R,Q,H] (the sublayer's normed input) -> (its convolved input, the output side's kernel deltas)."""
+        kernels = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, self.num_groups)
+        conv = grouped_dynamic_conv(
+            x, kernels[..., 0, :, :], self.base_kernel[0], block_size=self.block_size, group_size=self.group_size
+        )
+        return conv, kernels[..., 1, :, :]
+
+    def finish(self, y: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """The sublayer's output y [R,Q,H] through the output-side convolution."""
+        return grouped_dynamic_conv(
+            y, delta, self.base_kernel[1], block_size=self.block_size, group_size=self.group_size
+        )
+
+
+class CandidateSelector(nn.Module):
+    """Bilinear (predecessor, hidden, candidate) scores added to the unary logits of a few candidates."""
+
+    def __init__(self, *, vocab_size: int, hidden_size: int, rank: int, top_k: int, init_std: float) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+        self.init_std = init_std
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for weight in (self.predecessor_codebook, self.successor_codebook, self.hidden_projection.weight):
+            nn.init.normal_(weight, std=self.init_std)
+
+    def transition(self, hidden: torch.Tensor, predecessor: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H], predecessor [...] int, candidates [..., k] int -> transition scores [..., k] (the
+        codebooks' dtype: fp32 under autocast too, where the projection's output is cast up)."""
+        context = self.predecessor_codebook[predecessor] * self.hidden_projection(hidden).to(
+            self.predecessor_codebook.dtype
+        )
+        return (context.unsqueeze(-2) * self.successor_codebook[candidates]).sum(-1)
+
+
+def training_candidates(
+    candidates: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """candidates [M,k] (unary top-k, best first), labels [M] -> (the candidates with the label in the last place
+    where it is missing, the label's place [M], whether the unary top-k held the label [M] bool). As speculators' `selector_training_candidates`: the K-way
+    cross-entropy then always has its label, and serving's candidate set is changed only where it lacks it."""
+    k = candidates.shape[1]
+    hit = candidates.eq(labels[:, None])
+    present = hit.any(dim=1)
+    place = torch.where(present, hit.to(torch.int64).argmax(dim=1), k - 1)
+    out = candidates.clone()
+    out[:, -1] = torch.where(present, candidates[:, -1], labels)
+    return out, place, present
+
+
+def block_predecessors(block_ids: torch.Tensor, labels: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The teacher-forced predecessor of every slot, [R, N*B] -> [R, N*B]: slot 1's is the anchor token, slot j's
+    (j >= 2) the true token of slot j-1 (its label); slot 0 (never scored) gets the anchor. Labels of unsupervised
+    slots may be -100: those become the anchor too (their weight is 0, so their score is never used)."""
+    R, Q = labels.shape
+    ids = labels.view(R, Q // block_size, block_size)
+    anchor = block_ids.view(R, Q // block_size, block_size)[:, :, :1]
+    prev = torch.cat([anchor, ids[:, :, :-1]], dim=2)
+    prev[:, :, 1] = anchor[:, :, 0]
+    return torch.where(prev >= 0, prev, anchor).reshape(R, Q)
+
+
+def selector_loss(
+    selector: CandidateSelector,
+    hidden: torch.Tensor,
+    predecessors: torch.Tensor,
+    candidates: torch.Tensor,
+    candidate_logits: torch.Tensor,
+    place: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    block_size: int,
+    normalizer: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The selector's objective on one micro-batch: sum_i w_i CE_K(unary_i + transition_i, place_i) / normalizer,
+    the same slot weights and normaliser as the unary loss, slot 0 left out (static shapes: [N, B-1] rows).
+
+    hidden [M,H] (the drafter's final hidden, with grad), predecessors/place [M], candidates/candidate_logits [M,k]
+    (from dflash_loss(topk=k)), weights [M]. The unary part of the score is held constant here (detached): the
+    LM head's gradient through k gathered rows per slot would need a [M,k,H] gather (4 GB at the qwen3-8b seed),
+    and the unary logits already learn from the full-vocabulary CE; speculators lets it flow. Returns (loss,
+    sum_i w_i CE_i, pick [M] int64: each row's argmax candidate id, 0 on slot 0)."""
+    M, H = hidden.shape
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        return t.view(M // block_size, block_size, *t.shape[1:])[:, 1:].reshape(-1, *t.shape[1:])
+
+    cand = rows(candidates)
+    scores = rows(candidate_logits).detach() + selector.transition(rows(hidden), rows(predecessors), cand).float()
+    w = rows(weights).float()
+    ce = F.cross_entropy(scores, rows(place), reduction="none")
+    ce_sum = (w * ce).sum()
+    inv = 1.0 / normalizer if normalizer > 0 else 0.0
+    pick = torch.zeros(M, dtype=torch.long, device=hidden.device)
+    best = cand.gather(1, scores.detach().argmax(dim=1, keepdim=True)).squeeze(1)
+    pick.view(M // block_size, block_size)[:, 1:] = best.view(-1, block_size - 1)
+    return ce_sum * inv, ce_sum.detach(), pick
+
+
+def select_block(
+    selector: CandidateSelector, logits: torch.Tensor, hidden: torch.Tensor, anchor_token: int, top_k: int | None = None
+) -> list[int]:
+    """Inference: one block's drafted tokens. logits [J,V] and hidden [J,H] of slots 1..J; slot 1's predecessor is
+    the anchor, each next slot's the previous pick. Each pick is the argmax of unary + transition over the unary
+    top-k (the verifier makes any pick lossless; the selector only decides which token is proposed)."""
+    k = min(top_k or selector.top_k, logits.shape[-1])
+    unary, candidates = logits.float().topk(k, dim=-1)  # [J,k]
+    picks: list[int] = []
+    previous = anchor_token
+    for j in range(logits.shape[0]):
+        prev = torch.tensor(previous, device=logits.device)
+        scores = unary[j] + selector.transition(hidden[j], prev, candidates[j]).float()
+        previous = int(candidates[j, int(scores.argmax())])
+        picks.append(previous)
+    return picks
+
+
+__all__ = [
+    "ARCHS",
+    "BlockConv",
+    "CandidateSelector",
+    "block_predecessors",
+    "grouped_dynamic_conv",
+    "select_block",
+    "selector_loss",
+    "training_candidates",
+]
