@@ -9,6 +9,8 @@ Reported per drafter (trained, untrained = same config freshly initialised, prom
   tau_sim and the public reference count it), so no step verifies text past the end of the answer;
 - tokens per target forward: generated tokens / (verify steps + the prefill forward);
 - per-slot acceptance: share of steps where slot k was accepted (slot k is accepted only if 1..k-1 were);
+- DFlash2 drafters (docs/method.md#dflash2): "trained" proposes with the selector's reranking, "trained_unary"
+  with each slot's plain argmax (what the selector adds, on the same prompts);
 - lossless: every output must equal the target's own greedy `generate` output token for token; a mismatch
   is a failure (exit code 1).
 DDTree mode (`--ddtree-budget K [--ddtree-top-k N]`, docs/method.md#ddtree; rule, mask and cache handling in
@@ -34,6 +36,7 @@ import torch
 
 from trainer.ddtree import check_options as check_ddtree_options
 from trainer.ddtree import ddtree_generate
+from trainer.model.dflash2 import select_block
 from trainer.model.drafter import DFlashDrafter
 from trainer.tokenizer_utils import DataInputError, end_of_turn_ids
 from trainer.verify import cut_at_stop, finish_generation
@@ -120,23 +123,45 @@ class MethodStats:
 SlotLogits = Callable[[list[int], torch.Tensor, int], torch.Tensor]  # same arguments -> per-slot logits [k, V]
 
 
-def drafter_proposer(drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> Proposer:
-    """Block drafting: each slot's argmax of `drafter_slot_logits`."""
-    slot_logits = drafter_slot_logits(drafter, embed_weight, lm_head_weight)
+def drafter_proposer(
+    drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, *, selector: bool = True
+) -> Proposer:
+    """Block drafting: each slot's argmax of `drafter_slot_logits`; a DFlash2 drafter's selector (unless
+    `selector=False`) instead reranks each slot's unary top-k left to right (trainer/model/dflash2.py:
+    select_block), slot j's predecessor being slot j-1's pick."""
+    hidden_of = drafter_slot_hidden(drafter, embed_weight)
+    head = lm_head_weight.float()
+    rerank = drafter.candidate_selector if selector else None
 
+    @torch.inference_mode()
     def propose(committed: list[int], taps: torch.Tensor, slots: int) -> list[int]:
-        return slot_logits(committed, taps, slots).argmax(-1).tolist()
+        hidden = hidden_of(committed, taps, slots)
+        logits = hidden @ head.T  # [slots, V]
+        if rerank is None:
+            return logits.argmax(-1).tolist()
+        return select_block(rerank, logits, hidden.to(next(rerank.parameters()).dtype), committed[-1])
 
     return propose
 
 
 def drafter_slot_logits(drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> SlotLogits:
-    """One drafter block [anchor, MASK * (B-1)] at positions n-1.., context = taps of positions 0..n-2;
-    returns slot k's logits hidden_k @ lm_head^T for k = 1..slots."""
-    cfg = drafter.config
+    """Slot k's logits hidden_k @ lm_head^T for k = 1..slots (`drafter_slot_hidden`)."""
+    hidden_of = drafter_slot_hidden(drafter, embed_weight)
 
     @torch.inference_mode()
     def slot_logits(committed: list[int], taps: torch.Tensor, slots: int) -> torch.Tensor:
+        return hidden_of(committed, taps, slots) @ lm_head_weight.float().T  # [slots, V]; B-1 x V at most
+
+    return slot_logits
+
+
+def drafter_slot_hidden(drafter: DFlashDrafter, embed_weight: torch.Tensor) -> SlotLogits:
+    """One drafter block [anchor, MASK * (B-1)] at positions n-1.., context = taps of positions 0..n-2;
+    returns slot k's final hidden state (float32) for k = 1..slots."""
+    cfg = drafter.config
+
+    @torch.inference_mode()
+    def slot_hidden(committed: list[int], taps: torch.Tensor, slots: int) -> torch.Tensor:
         ctx_len = taps.shape[0]
         block = torch.tensor([committed[-1]] + [cfg.mask_token_id] * (cfg.block_size - 1), device=taps.device)
         anchors = torch.tensor([[ctx_len]], device=taps.device)
@@ -144,9 +169,9 @@ def drafter_slot_logits(drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_h
         mask = drafter.build_mask(anchors, keep, ctx_len)
         dtype = next(drafter.parameters()).dtype
         hidden = drafter(taps[None].to(dtype), embed_weight[block][None].to(dtype), anchors, keep, mask)
-        return hidden[0, 1 : slots + 1].float() @ lm_head_weight.float().T  # [slots, V]; B-1 x V at most
+        return hidden[0, 1 : slots + 1].float()  # [slots, H]
 
-    return slot_logits
+    return slot_hidden
 
 
 def ngram_proposer(max_ngram: int = 3) -> Proposer:
@@ -265,6 +290,8 @@ def evaluate(
     methods: dict[str, tuple[Callable[[list[int], MethodStats], list[int]], dict[str, Any] | None]] = {
         "trained": (block_mode(drafter_proposer(drafter.eval(), embed, head)), None)
     }
+    if drafter.candidate_selector is not None:  # DFlash2: the same drafter without its selector's reranking
+        methods["trained_unary"] = (block_mode(drafter_proposer(drafter, embed, head, selector=False)), None)
     if baselines:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
@@ -298,11 +325,11 @@ def evaluate(
 
 def format_table(report: dict[str, Any]) -> str:
     """The acceptance table: one row per method."""
-    lines = [f"{'method':<10} {'tau':>6} {'tok/fwd':>8} {'lossless':>8}  per-slot acceptance"]
+    lines = [f"{'method':<13} {'tau':>6} {'tok/fwd':>8} {'lossless':>8}  per-slot acceptance"]
     for name, m in report["methods"].items():
         slots = " ".join("  - " if a is None else f"{a:.2f}" for a in m["per_slot_acceptance"])
         lines.append(
-            f"{name:<10} {m['tau']:>6.2f} {m['tokens_per_target_forward']:>8.2f} "
+            f"{name:<13} {m['tau']:>6.2f} {m['tokens_per_target_forward']:>8.2f} "
             f"{'yes' if m['lossless'] else 'NO':>8}  {slots}"
         )
         if "budget" in m:

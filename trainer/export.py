@@ -47,12 +47,22 @@ LAYER_TENSORS = (
     "post_attention_layernorm.weight",
 )
 TOP_TENSORS = ("norm.weight", "fc.weight", "hidden_norm.weight")
+# DFlash2's additions (speculators' names, trainer/model/dflash2.py): 4 per layer, 3 for the selector
+DFLASH2_LAYER_TENSORS = tuple(
+    f"{conv}.{name}" for conv in ("attention_conv", "mlp_conv") for name in ("base_kernel", "kernel_projection.weight")
+)
+DFLASH2_TOP_TENSORS = tuple(
+    f"candidate_selector.{name}" for name in ("predecessor_codebook", "successor_codebook", "hidden_projection.weight")
+)
 FORMATS = ("zlab", "speculators")
 
 
-def public_tensor_names(num_layers: int) -> list[str]:
-    """The exact tensor names of a public DFlash drafter with `num_layers` layers (11 * layers + 3)."""
-    return [f"layers.{i}.{name}" for i in range(num_layers) for name in LAYER_TENSORS] + list(TOP_TENSORS)
+def public_tensor_names(num_layers: int, arch: str = "dflash") -> list[str]:
+    """The exact tensor names of a public DFlash drafter with `num_layers` layers (11 * layers + 3), or of a
+    DFlash2 drafter (15 * layers + 6)."""
+    per_layer = LAYER_TENSORS + (DFLASH2_LAYER_TENSORS if arch == "dflash2" else ())
+    top = TOP_TENSORS + (DFLASH2_TOP_TENSORS if arch == "dflash2" else ())
+    return [f"layers.{i}.{name}" for i in range(num_layers) for name in per_layer] + list(top)
 
 
 def drafter_config_from_dict(raw: dict[str, Any]) -> DrafterConfig:
@@ -163,7 +173,7 @@ def export_drafter(
             hint="choose a new --output directory (an export is never overwritten)",
         )
     names = sorted(drafter.state_dict())
-    if names != sorted(public_tensor_names(drafter.config.num_hidden_layers)):
+    if names != sorted(public_tensor_names(drafter.config.num_hidden_layers, drafter.config.arch)):
         raise DataInputError(f"drafter tensor names differ from the public DFlash names: {names[:3]} ...")
     parts = None
     if format == "speculators":
@@ -246,8 +256,11 @@ def main(argv: list[str] | None = None) -> int:
         if exc.hint:
             print(f"hint: {exc.hint}", file=sys.stderr)
         return 2
-    layers = drafter.config.num_hidden_layers
-    count = len(speculators_tensor_names(layers) if args.format == "speculators" else public_tensor_names(layers))
+    layers, arch = drafter.config.num_hidden_layers, drafter.config.arch
+    names = (
+        speculators_tensor_names(layers, arch) if args.format == "speculators" else public_tensor_names(layers, arch)
+    )
+    count = len(names)
     print(f"exported {count} tensors ({args.format} format) to {out}", file=sys.stderr)
     print(out)
     return 0

@@ -42,11 +42,11 @@ def speculators_layer_ids(target_layer_ids: list[int]) -> list[int]:
     return [int(i) + 1 for i in target_layer_ids]
 
 
-def speculators_tensor_names(num_layers: int) -> list[str]:
-    """Every tensor of a speculators-form export: the z-lab names plus the three target parts."""
+def speculators_tensor_names(num_layers: int, arch: str = "dflash") -> list[str]:
+    """Every tensor of a speculators-form export: the z-lab names (of `arch`) plus the three target parts."""
     from trainer.export import public_tensor_names
 
-    return public_tensor_names(num_layers) + list(TARGET_TENSORS)
+    return public_tensor_names(num_layers, arch) + list(TARGET_TENSORS)
 
 
 @dataclass
@@ -165,9 +165,11 @@ def speculators_config(
             "use_sliding_window",
         )
     }
+    dflash2 = config.arch == "dflash2"
     return {
-        "architectures": ["DFlashDraftModel"],
-        "speculators_model_type": "dflash",
+        "architectures": ["DFlash2DraftModel" if dflash2 else "DFlashDraftModel"],
+        "speculators_model_type": config.arch,  # "dflash" | "dflash2" (DFlash2SpeculatorConfig)
+        **config.dflash2_fields(),  # conv_kernel_size, conv_group_size, selector_rank, selector_top_k
         "speculators_version": SPECULATORS_VERSION,
         "dtype": str(dtype).removeprefix("torch."),
         "transformer_layer_config": layer_config,
@@ -180,7 +182,7 @@ def speculators_config(
         "sample_from_anchor": False,  # slot 0 is the anchor (the bonus token); slots 1..B-1 are drafted
         "tie_word_embeddings": False,
         "speculators_config": {
-            "algorithm": "dflash",
+            "algorithm": config.arch,
             "default_proposal_method": "greedy",
             "proposal_methods": [
                 {
@@ -206,7 +208,7 @@ def save_speculators(drafter: DFlashDrafter, parts: TargetParts, directory: Path
     tensors = {name: t.detach().contiguous().cpu() for name, t in drafter.state_dict().items()}
     for name, tensor in zip(TARGET_TENSORS, (parts.embed, parts.lm_head, parts.norm)):
         tensors[name] = tensor.detach().to(device="cpu", dtype=dtype).contiguous()
-    assert sorted(tensors) == sorted(speculators_tensor_names(config.num_hidden_layers))
+    assert sorted(tensors) == sorted(speculators_tensor_names(config.num_hidden_layers, config.arch))
     directory.mkdir(parents=True, exist_ok=True)
     text = speculators_config(config, verifier=verifier, verifier_architectures=parts.architectures, dtype=dtype)
     (directory / CONFIG_NAME).write_text(json.dumps(text, indent=2) + "\n")
