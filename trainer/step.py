@@ -204,7 +204,7 @@ class DrafterSide:
             self.drafter.output_call = private_compile(finish_hidden, backend=compile_backend)
         # DFlash2's selector objective: compiled per replica like the layers (gathers, a [M', k, r] product and a
         # K-way CE: eager, ~8 kernels forward and more backward); its shapes are the step's static ones.
-        self.selector_call: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = (
+        self.selector_call: Callable[..., tuple[torch.Tensor, torch.Tensor]] = (
             private_compile(selector_loss, backend=compile_backend) if self.compiled else selector_loss
         )
         # --loss-kernels auto: the fused Triton kernel on Hopper, else follows the layers (trainer/loss.py).
@@ -318,7 +318,7 @@ class DrafterSide:
         block = self.cfg.block_size
         predecessors = block_predecessors(batch.block_ids, batch.labels, block).reshape(-1)
         with _autocast(self.device), replica_scope(self.scope):
-            loss, ce_sum, pick = self.selector_call(
+            ce_sum, pick = self.selector_call(
                 selector,
                 hidden.reshape(-1, hidden.shape[-1]),
                 predecessors,
@@ -327,9 +327,9 @@ class DrafterSide:
                 result.label_place,
                 batch.weights.reshape(-1),
                 block_size=block,
-                normalizer=normalizer,
             )
-        return loss, ce_sum, (pick == batch.labels.reshape(-1)) & result.label_found
+        inv = 1.0 / normalizer if normalizer > 0 else 0.0  # all-zero weights: 0, not NaN (as dflash_loss)
+        return ce_sum * inv, ce_sum.detach(), (pick == batch.labels.reshape(-1)) & result.label_found
 
     def optimizer_step(self) -> tuple[float, float]:
         """Clip, step AdamW and the schedule, zero the grads; return (lr used, grad norm before clipping).

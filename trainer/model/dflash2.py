@@ -139,16 +139,16 @@ def selector_loss(
     weights: torch.Tensor,
     *,
     block_size: int,
-    normalizer: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The selector's objective on one micro-batch: sum_i w_i CE_K(unary_i + transition_i, place_i) / normalizer,
-    the same slot weights and normaliser as the unary loss, slot 0 left out (static shapes: [N, B-1] rows).
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The selector's objective on one micro-batch: sum_i w_i CE_K(unary_i + transition_i, place_i), with the
+    unary loss's slot weights, slot 0 left out (static shapes: [N, B-1] rows). The caller divides by the step's
+    normaliser: a Python float argument would be a constant of the compiled graph, recompiled every step.
 
     hidden [M,H] (the drafter's final hidden, with grad), predecessors/place [M], candidates/candidate_logits [M,k]
     (from dflash_loss(topk=k)), weights [M]. The unary part of the score is held constant here (detached): the
     LM head's gradient through k gathered rows per slot would need a [M,k,H] gather (4 GB at the qwen3-8b seed),
-    and the unary logits already learn from the full-vocabulary CE; speculators lets it flow. Returns (loss,
-    sum_i w_i CE_i, pick [M] int64: each row's argmax candidate id, 0 on slot 0)."""
+    and the unary logits already learn from the full-vocabulary CE; speculators lets it flow. Returns (sum_i w_i CE_i
+    with its graph, pick [M] int64: each row's argmax candidate id, 0 on slot 0)."""
     M, H = hidden.shape
 
     def rows(t: torch.Tensor) -> torch.Tensor:
@@ -159,11 +159,10 @@ def selector_loss(
     w = rows(weights).float()
     ce = F.cross_entropy(scores, rows(place), reduction="none")
     ce_sum = (w * ce).sum()
-    inv = 1.0 / normalizer if normalizer > 0 else 0.0
     pick = torch.zeros(M, dtype=torch.long, device=hidden.device)
     best = cand.gather(1, scores.detach().argmax(dim=1, keepdim=True)).squeeze(1)
     pick.view(M // block_size, block_size)[:, 1:] = best.view(-1, block_size - 1)
-    return ce_sum * inv, ce_sum.detach(), pick
+    return ce_sum, pick
 
 
 def select_block(

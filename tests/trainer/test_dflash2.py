@@ -1,0 +1,190 @@
+"""DFlash2 (--arch dflash2, trainer/model/dflash2.py) on the CPU with the tiny preset (dense attention path): the
+convolutions' identity start and block locality, the selector objective's candidates, the threaded pipeline with
+two compiled replicas under the compile guard (zero recompiles after warm-up), SIGTERM + resume reproducing the
+uninterrupted run bitwise, and eval's reranking (lossless, per-slot acceptance)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.trainer.tiny import build_tiny_target, tiny_drafter_config
+from trainer import eval as eval_cli
+from trainer.config import parse_train_args
+from trainer.model.dflash2 import block_predecessors, grouped_dynamic_conv, select_block, training_candidates
+from trainer.model.drafter import DFlashDrafter
+from trainer.pipeline.run import PipelineOptions, run_pipeline
+from trainer.pipeline.sync import max_replica_difference
+from trainer.train import EXIT_OK
+
+pytestmark = pytest.mark.timeout(240)
+DFLASH2 = ("--arch", "dflash2", "--selector-top-k", "8", "--selector-rank", "16")
+
+
+def _cfg(out: Path, *extra: str):
+    return parse_train_args(
+        [
+            "--preset",
+            "tiny",
+            "--output-dir",
+            str(out),
+            "--wandb",
+            "off",
+            "--synthetic-samples",
+            "48",
+            "--log-interval",
+            "1",
+            "--save-interval",
+            "1000",
+            *DFLASH2,
+            *extra,
+        ]
+    )
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _final_weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(sorted((out / "checkpoints").glob("step_*"))[-1] / "model.safetensors"))
+
+
+def _drafters(block: int = 4) -> tuple[DFlashDrafter, DFlashDrafter]:
+    target = build_tiny_target(seed=0)
+    base = tiny_drafter_config(target, block_size=block)
+    torch.manual_seed(0)
+    dflash = DFlashDrafter(base)
+    dflash2 = DFlashDrafter(dataclasses.replace(base, arch="dflash2", selector_top_k=8, selector_rank=16))
+    dflash2.load_state_dict(dflash.state_dict(), strict=False)  # the shared tensors; convs stay at identity
+    return dflash, dflash2
+
+
+def _forward(model: DFlashDrafter, block_embeds: torch.Tensor) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1)
+    cfg = model.config
+    ctx = torch.randn(1, 9, cfg.num_taps * cfg.hidden_size, generator=generator)
+    anchors, keep = torch.tensor([[2, 5]]), torch.tensor([[True, True]])
+    with torch.no_grad():
+        return model(ctx, block_embeds, anchors, keep, "dense")
+
+
+def test_fresh_convolutions_are_the_identity_and_change_the_output_once_trained() -> None:
+    dflash, dflash2 = _drafters()
+    extra = set(dflash2.state_dict()) - set(dflash.state_dict())
+    assert len(extra) == 4 * 2 + 3 and set(dflash.state_dict()) < set(dflash2.state_dict())
+    embeds = torch.randn(1, 8, 64, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(_forward(dflash, embeds), _forward(dflash2, embeds))
+    with torch.no_grad():
+        dflash2.layers[0].mlp_conv.kernel_projection.weight.normal_(std=0.5)
+    assert (_forward(dflash, embeds) - _forward(dflash2, embeds)).abs().max() > 1e-3
+
+
+def test_the_convolution_is_causal_inside_the_block_and_never_crosses_it() -> None:
+    generator = torch.Generator().manual_seed(3)
+    block, kernel, hidden, group = 4, 3, 8, 2
+    x = torch.randn(2, 3 * block, hidden, generator=generator)
+    delta = torch.randn(2, 3 * block, kernel, hidden // group, generator=generator)
+    base = torch.randn(kernel, hidden, generator=generator)
+    out = grouped_dynamic_conv(x, delta, base, block_size=block, group_size=group)
+    for position in range(3 * block):  # slot j = position % B reads slots j-t >= 0 of its block only
+        expect = torch.zeros(2, hidden)
+        for tap in range(min(kernel, position % block + 1)):
+            coefficient = base[tap] + delta[:, position, tap].repeat_interleave(group, dim=-1)
+            expect += x[:, position - tap] * coefficient
+        torch.testing.assert_close(out[:, position], expect)
+
+
+def test_training_candidates_put_a_missing_label_last_and_predecessors_are_teacher_forced() -> None:
+    candidates = torch.tensor([[5, 3, 9], [5, 3, 9]])
+    ids, place, found = training_candidates(candidates, torch.tensor([3, 7]))
+    assert ids.tolist() == [[5, 3, 9], [5, 3, 7]] and place.tolist() == [1, 2] and found.tolist() == [True, False]
+    block_ids = torch.tensor([[10, 99, 99, 99, 20, 99, 99, 99]])
+    labels = torch.tensor([[0, 11, 12, 13, 0, 21, 0, 0]])  # 0: unsupervised
+    assert block_predecessors(block_ids, labels, 4).tolist() == [[10, 10, 11, 12, 20, 20, 21, 0]]
+
+
+def test_select_block_follows_its_own_picks_left_to_right() -> None:
+    _, dflash2 = _drafters()
+    selector = dflash2.candidate_selector
+    assert selector is not None
+    generator = torch.Generator().manual_seed(4)
+    logits, hidden = torch.randn(3, 256, generator=generator), torch.randn(3, 64, generator=generator)
+    picks = select_block(selector, logits, hidden, anchor_token=17)
+    previous = 17
+    for j, pick in enumerate(picks):
+        unary, candidates = logits[j].topk(8)
+        scores = unary + selector.transition(hidden[j], torch.tensor(previous), candidates)
+        assert pick == int(candidates[scores.argmax()])
+        previous = pick
+    with torch.no_grad():
+        selector.successor_codebook.zero_()  # no transition score: the plain argmax
+    assert select_block(selector, logits, hidden, anchor_token=17) == logits.argmax(-1).tolist()
+
+
+def test_two_compiled_dflash2_replicas_train_in_threads_without_a_recompile(tmp_path: Path) -> None:
+    """The pipeline's compile guard fails the run on any compile after warm-up; grad sync keeps them equal."""
+    torch.set_num_threads(1)
+    seen: list[tuple[float, bool]] = []
+    options = PipelineOptions(
+        compile_backend="eager",
+        on_step=lambda step, sides: seen.append(
+            (max_replica_difference([s.drafter for s in sides]), all(s.compiled for s in sides))
+        ),
+    )
+    out = tmp_path / "run"
+    args = ("--target-gpus", "cpu", "--drafter-gpus", "cpu,cpu", "--sync", "grad", "--max-steps", "10")
+    assert run_pipeline(_cfg(out, *args), options) == EXIT_OK
+    assert seen == [(0.0, True)] * 10
+    records = _metrics(out)
+    assert all(r["sel_tau_sim"] >= 1.0 and len(r["sel_acc_slot"]) == 7 for r in records)
+    assert records[-1]["sel_ce"] < records[0]["sel_ce"]  # the selector objective is learning
+    assert any(name.startswith("candidate_selector.") for name in _final_weights(out))
+
+
+def test_sigterm_then_resume_reproduces_the_uninterrupted_dflash2_run(tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    args = ("--target-gpus", "cpu,cpu", "--drafter-gpus", "cpu,cpu", "--max-steps", "6")
+
+    def terminate_at_3(step: int, sides) -> None:
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    stopped, reference = tmp_path / "stopped", tmp_path / "reference"
+    assert run_pipeline(_cfg(stopped, *args), PipelineOptions(on_step=terminate_at_3)) == 128 + signal.SIGTERM
+    assert run_pipeline(_cfg(stopped, *args)) == EXIT_OK  # --resume auto
+    assert run_pipeline(_cfg(reference, *args)) == EXIT_OK
+    keys = ("loss", "sel_ce", "sel_tau_sim", "tau_sim")
+    assert [[m[k] for k in keys] for m in _metrics(stopped)] == [[m[k] for k in keys] for m in _metrics(reference)]
+    final = _final_weights(reference)
+    assert sum(1 for name in final if "_conv." in name) == 2 * 2 * 2
+    for name, tensor in final.items():
+        assert torch.equal(_final_weights(stopped)[name], tensor), name
+
+
+def test_eval_reranks_with_the_selector_and_stays_lossless(tmp_path: Path) -> None:
+    from tests.trainer.tiny_eval import build_eval_setup
+
+    setup = build_eval_setup(tmp_path, num_prompts=2)
+    trained = setup["drafter"]
+    config = dataclasses.replace(trained.config, arch="dflash2", selector_top_k=8, selector_rank=16)
+    torch.manual_seed(5)
+    drafter = DFlashDrafter(config)
+    drafter.load_state_dict(trained.state_dict(), strict=False)
+    assert drafter.candidate_selector is not None
+    with torch.no_grad():  # a selector strong enough to change picks
+        drafter.candidate_selector.successor_codebook.mul_(100.0)
+    report = eval_cli.evaluate(
+        setup["model"], drafter, setup["prompts"], max_new_tokens=16, stops=setup["stops"], pad_id=0
+    )
+    assert {"trained", "trained_unary"} <= set(report["methods"]) and report["lossless"]
+    for name in ("trained", "trained_unary"):
+        assert len(report["methods"][name]["per_slot_acceptance"]) == config.block_size - 1
+    assert "trained_unary" in eval_cli.format_table(report)
