@@ -71,6 +71,7 @@ VARIANTS = {
     "triton-noprologue": "as triton, Inductor's prologue fusion off (nothing fused into flex_attention's loads)",
     "triton-c6k": "as triton, loss chunks of at most 6176 rows (193 blocks of 32) instead of 4096",
     "triton-c8k": "as triton, loss chunks of at most 8224 rows (257 blocks of 32) instead of 4096",
+    "dflash2": "as triton, the DFlash2 drafter (--arch dflash2: block convolutions, candidate selector top-16 rank 256)",
     "triton-s8": "as triton, as session 8 ran it: the mask built before the context's GEMM is queued, the gradient "
     "clip as a pass of its own (clip_grad_norm_), the anchor slot's logits computed",
 }
@@ -97,7 +98,9 @@ def _mask_first(
 
 def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.device, args: argparse.Namespace) -> dict:
     # The loss kernels are explicit, so a variant measures the same thing whatever --loss-kernels auto picks.
-    kernels = {"eager": "eager"}.get(variant, "triton" if variant.startswith(("triton", "soft-triton")) else "compiled")
+    kernels = {"eager": "eager", "dflash2": "triton"}.get(
+        variant, "triton" if variant.startswith(("triton", "soft-triton")) else "compiled"
+    )
     extra = {
         "soft": ["--use-soft-labels"],
         "soft-triton": ["--use-soft-labels"],
@@ -105,6 +108,7 @@ def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.devi
         "triton-foreach": ["--adamw", "foreach"],
         "triton-c6k": ["--loss-chunk-size", "6176"],
         "triton-c8k": ["--loss-chunk-size", "8224"],
+        "dflash2": ["--arch", "dflash2"],
     }.get(variant, [])
     extra += ["--loss-kernels", kernels]
     cfg, dcfg = preset_config(preset, shape, extra)

@@ -129,6 +129,12 @@ def step_flops(cfg: DrafterConfig, shape: Shape, anchors: torch.Tensor, keep: to
         flops += 3 * 4 * D * cfg.num_attention_heads * pairs  # QK^T + PV, fwd + 2x bwd
     # LM head: slots 1..B-1 of each block only (slot 0, the anchor, has no target and is never computed)
     flops += (4 + (2 if soft else 0)) * H * cfg.vocab_size * block_tokens * (shape.block - 1) // shape.block
+    if cfg.arch == "dflash2":  # docs/method.md#dflash2; the convolutions' element-wise work is not counted
+        groups = H // cfg.conv_group_size
+        flops += 6 * cfg.num_hidden_layers * 2 * (H * 2 * cfg.conv_kernel_size * groups) * block_tokens  # kernels
+        supervised = block_tokens * (shape.block - 1) // shape.block
+        rank, k = cfg.selector_rank, cfg.selector_top_k
+        flops += 6 * H * rank * supervised + 6 * k * rank * supervised  # hidden projection + K-way product
     return float(flops)
 
 
@@ -204,6 +210,11 @@ def preset_config(preset: str, shape: Shape, extra: list[str]) -> tuple[TrainCon
         layer_types=cfg.layer_types(),
         sliding_window=cfg.sliding_window,
         max_position_embeddings=max(cfg.max_position_embeddings, shape.ctx + shape.block),
+        arch=cfg.arch,
+        conv_kernel_size=cfg.conv_kernel_size,
+        conv_group_size=cfg.conv_group_size,
+        selector_rank=cfg.selector_rank,
+        selector_top_k=cfg.selector_top_k,
     )
     return cfg, dcfg
 

@@ -11,6 +11,9 @@
    far below tau_sim would mean eval and training disagree). The acceptance table goes to stdout; exit 1
    when the trained drafter does not beat both baselines by the required margin or any output differs
    from the target's.
+`--arch both` (`make demo DEMO_ARCH=both`): steps 3-5 for DFlash and for DFlash2 (docs/method.md#dflash2) on the
+same data, steps and seed (run-<arch>/, export-<arch>/), both tables, then one line comparing their held-out tau
+and training wall time.
 Every artefact stays in DIR (tokenizer/, target/, prompts-*.jsonl, data/, run/, export/, eval.json).
 Budget on 2 CPU cores: about 6 minutes full, under a minute with --quick.
 """
@@ -86,8 +89,6 @@ def train_argv(target: Path, data: Path, run: Path, mask_id: int, steps: int) ->
         "2",
         "--mask-token-id",
         str(mask_id),
-        "--block-size",
-        "8",
         "--gamma",
         "4",
         "--max-seq-len",
@@ -127,7 +128,7 @@ def train_argv(target: Path, data: Path, run: Path, mask_id: int, steps: int) ->
     ]
 
 
-def run_demo(workdir: Path, size: DemoSize) -> int:
+def run_demo(workdir: Path, size: DemoSize, arch: str = "dflash", block_size: int = 8) -> int:
     from trainer import eval as eval_mod
     from trainer import prepare, train
     from trainer.export import export_drafter, load_drafter, load_training_checkpoint
@@ -178,55 +179,91 @@ def run_demo(workdir: Path, size: DemoSize) -> int:
     if code:
         return code
     mask_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN)
-    log(f"3/5 train: {size.train_steps} steps")
-    code = train.main(train_argv(workdir / "target", workdir / "data", workdir / "run", mask_id, size.train_steps))
-    if code:
-        return code
-    log("4/5 export")
-    export_drafter(load_training_checkpoint(workdir / "run"), workdir / "export")
-    log(f"5/5 eval on {len(held_rows)} held-out prompts")
-    drafter = load_drafter(workdir / "export")
+    archs = ["dflash", "dflash2"] if arch == "both" else [arch]
     target, _ = load_target_lm(str(workdir / "target"))
-    prompts = [tokenize_prompt(tokenizer, [{"role": "user", "content": r["prompt"]}], False) for r in held_rows]
-    report = eval_mod.evaluate(
-        target,
-        drafter,
-        prompts,
-        max_new_tokens=size.max_new_tokens,
-        stops=end_of_turn_ids(tokenizer),
-        pad_id=tokenizer.pad_token_id,
-    )
-    # The same drafter on prompts it was trained on: with the pipeline right this is near what a perfect drafter
-    # gets (on the tiny walks ~6.0 at B=8; below training's tau_sim because eval's anchors are the ends of
-    # accepted runs, and every answer starts with its weakest anchor); the held-out gap is generalisation.
-    seen_prompts = [
-        tokenize_prompt(tokenizer, [{"role": "user", "content": r["prompt"]}], False)
-        for r in train_rows[: size.eval_prompts]
+    as_ids = lambda rows: [  # noqa: E731
+        tokenize_prompt(tokenizer, [{"role": "user", "content": r["prompt"]}], False) for r in rows
     ]
-    seen = eval_mod.evaluate(
-        target,
-        drafter,
-        seen_prompts,
-        max_new_tokens=size.max_new_tokens,
-        stops=end_of_turn_ids(tokenizer),
-        pad_id=tokenizer.pad_token_id,
-        baselines=False,
-    )
-    report["training_prompts"] = {"prompts": len(seen_prompts), **seen["methods"]["trained"]}
+    prompts, seen_prompts = as_ids(held_rows), as_ids(train_rows[: size.eval_prompts])
+    common = {
+        "max_new_tokens": size.max_new_tokens,
+        "stops": end_of_turn_ids(tokenizer),
+        "pad_id": tokenizer.pad_token_id,
+    }
+    reports: dict[str, dict] = {}
+    for name in archs:
+        # one arch: run/ and export/ as before; both: run-<arch>/, export-<arch>/, the same data, steps and seed
+        suffix = "" if len(archs) == 1 else f"-{name}"
+        log(f"3/5 train {name}: {size.train_steps} steps at block size {block_size}")
+        started_train = time.monotonic()
+        argv = train_argv(workdir / "target", workdir / "data", workdir / f"run{suffix}", mask_id, size.train_steps)
+        code = train.main([*argv, "--arch", name, "--block-size", str(block_size)])
+        if code:
+            return code
+        train_seconds = time.monotonic() - started_train
+        log(f"4/5 export {name}")
+        export_drafter(load_training_checkpoint(workdir / f"run{suffix}"), workdir / f"export{suffix}")
+        log(f"5/5 eval {name} on {len(held_rows)} held-out prompts")
+        drafter = load_drafter(workdir / f"export{suffix}")
+        report = eval_mod.evaluate(target, drafter, prompts, **common)
+        # The same drafter on prompts it was trained on: with the pipeline right this is near what a perfect
+        # drafter gets (on the tiny walks ~6.0 at B=8; below training's tau_sim because eval's anchors are the
+        # ends of accepted runs, and every answer starts with its weakest anchor); the held-out gap is
+        # generalisation.
+        seen = eval_mod.evaluate(target, drafter, seen_prompts, baselines=False, **common)
+        report["training_prompts"] = {"prompts": len(seen_prompts), **seen["methods"]["trained"]}
+        report["budget"] = {"arch": name, "steps": size.train_steps, "train_seconds": round(train_seconds, 1)}
+        report["budget"].update(run_tokens(workdir / f"run{suffix}", block_size))
+        reports[name] = report
+    report = reports[archs[0]] if len(archs) == 1 else {"archs": reports}
     report["demo_seconds"] = time.monotonic() - started
     (workdir / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
+    failed = 0
+    for name, one in reports.items():
+        if len(archs) > 1:
+            print(f"== {name} (block size {block_size}) ==")
+        failed = max(failed, print_and_check(one, size, len(seen_prompts)))
+    if len(archs) > 1:
+        print(compare_line(reports))
+    print(f"{report['demo_seconds']:.0f}s")
+    return failed
+
+
+def run_tokens(run: Path, block_size: int) -> dict[str, int]:
+    """The real blocks the run trained on and their tokens (blocks x B), summed over metrics.jsonl's windows
+    (each record sums the steps since the previous one)."""
+    blocks = sum(int(json.loads(line).get("blocks", 0)) for line in (run / "metrics.jsonl").read_text().splitlines())
+    return {"blocks": blocks, "block_tokens": blocks * block_size}
+
+
+def compare_line(reports: dict[str, dict]) -> str:
+    """One line: DFlash2's held-out tau against DFlash's, at the same steps (and data), with their wall times."""
+    a, b = reports["dflash"], reports["dflash2"]
+    ta, tb = a["methods"]["trained"]["tau"], b["methods"]["trained"]["tau"]
+    unary = b["methods"].get("trained_unary", {}).get("tau")
+    return (
+        f"dflash2 tau {tb:.2f} vs dflash {ta:.2f} on held-out prompts: {tb / ta:.2f}x "
+        f"(dflash2 without its selector: {unary:.2f}); {a['budget']['steps']} steps and "
+        f"{a['budget']['block_tokens']} vs {b['budget']['block_tokens']} block tokens each, "
+        f"train wall {b['budget']['train_seconds']:.0f}s vs {a['budget']['train_seconds']:.0f}s"
+    )
+
+
+def print_and_check(report: dict, size: DemoSize, seen_count: int) -> int:
+    """The acceptance table and the demo's two checks for one trained drafter: 0, or 1 when it fails one."""
+    from trainer import eval as eval_mod
+
     print(eval_mod.format_table(report))
     taus = {name: m["tau"] for name, m in report["methods"].items()}
     best_baseline = max(taus["untrained"], taus["ngram"])
     seen_tau = report["training_prompts"]["tau"]
     print(
-        f"trained tau on {len(seen_prompts)} training prompts {seen_tau:.2f}, on held-out prompts "
+        f"trained tau on {seen_count} training prompts {seen_tau:.2f}, on held-out prompts "
         f"{taus['trained']:.2f} (the difference is generalisation to unseen prompts)"
     )
     print(
         f"trained tau {taus['trained']:.2f} vs best baseline {best_baseline:.2f} "
-        f"(margin required {size.margin:.1f}); lossless: {'yes' if report['lossless'] else 'NO'}; "
-        f"{report['demo_seconds']:.0f}s"
+        f"(margin required {size.margin:.1f}); lossless: {'yes' if report['lossless'] else 'NO'}"
     )
     if not (report["lossless"] and report["training_prompts"]["lossless"]):
         print("error: speculative output differs from the target's greedy output", file=sys.stderr)
@@ -247,6 +284,14 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help=f"override the number of training steps (default: {FULL.train_steps}, {QUICK.train_steps} with --quick)",
     )
+    parser.add_argument(
+        "--arch",
+        choices=("dflash", "dflash2", "both"),
+        default="dflash",
+        help="drafter architecture; both: train and evaluate DFlash and DFlash2 on the same data and steps "
+        "(make demo DEMO_ARCH=both) (default: dflash)",
+    )
+    parser.add_argument("--block-size", type=int, default=8, help="training and eval block size (default: 8)")
     args = parser.parse_args(argv)
     size = QUICK if args.quick else FULL
     if args.train_steps is not None:
@@ -255,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     # threads spinning against other processes made steps 10-50x slower (measured).
     torch.set_num_threads(1)
     try:
-        return run_demo(Path(args.workdir), size)
+        return run_demo(Path(args.workdir), size, args.arch, args.block_size)
     except DataInputError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         if exc.hint:
