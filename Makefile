@@ -34,8 +34,10 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e '.[train,dev]'
 	touch $(STAMP)
 
+# DEMO_ARCH=dflash2 or DEMO_ARCH=both (DFlash and DFlash2 on the same data and steps, both tables).
+DEMO_ARCH ?= dflash
 demo: $(STAMP)
-	$(BIN)/python -m dflashops.demo
+	$(BIN)/python -m dflashops.demo --arch $(DEMO_ARCH)
 
 # Lint, format and types first (pyproject.toml configures all three), then the tests, in TEST_WORKERS processes
 # (pytest-xdist): most tests wait on real processes, so two workers on two cores take ~40% less time; the remote

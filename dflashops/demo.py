@@ -25,13 +25,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--inventory", help="inventory.yaml (default: the repository's)")
     parser.add_argument("--profile", default="demo", help="profile to run (default: demo; `tiny` trains only)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before giving up (default 1800)")
+    parser.add_argument(
+        "--arch",
+        choices=("dflash", "dflash2", "both"),
+        default="dflash",
+        help="demo profile only: the drafter architecture; both trains DFlash and DFlash2 on the same data and "
+        "steps and prints both tables (make demo DEMO_ARCH=both) (default: dflash)",
+    )
     args = parser.parse_args(argv)
+    extra = ["--arch", args.arch] if args.arch != "dflash" else []
     name = time.strftime(f"{args.profile}-%Y%m%d-%H%M%S", time.gmtime())
     try:
         with open_invocation(args) as invocation:
             outcome = deploy(
                 invocation,
-                DeployRequest(target="local", profile=args.profile, name=name, launcher="nohup", note="make demo"),
+                DeployRequest(
+                    target="local",
+                    profile=args.profile,
+                    name=name,
+                    launcher="nohup",
+                    note="make demo",
+                    extra_args=extra,
+                ),
             )
             progress(f"launched {outcome.name} in {outcome.run_dir}; following its log")
             wait_for(
