@@ -138,8 +138,7 @@ def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.devi
         attention.FLEX_MASK_FORM = "predicate"  # bench_step restores the module settings after the variant
         attention.FLEX_PAD_TO_TILES = False
     if variant == "triton-attn":
-        attention.ATTENTION_KERNEL = "triton"  # restored by module_settings_restored
-        side.backend = attention.cuda_backend()
+        side.backend = attention.cuda_backend("triton")
     if variant == "triton-tma":
         attention.FLEX_KERNEL_OPTIONS = {**(attention.FLEX_KERNEL_OPTIONS or {}), "USE_TMA": True}
     if variant == "triton-nopad":

@@ -205,8 +205,10 @@ class DrafterSide:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, total_steps, cfg.warmup_ratio)
         )
-        # flex or our Triton kernel on CUDA ($DFLASH_ATTENTION_KERNEL, trainer/model/attention.py), dense on CPU
-        self.backend: Backend = attention.cuda_backend() if self.device.type == "cuda" else "dense"
+        # --attention-kernel on CUDA (flex, or our Triton kernel; $DFLASH_ATTENTION_KERNEL when the flag is the
+        # default, for benches), the dense mask on CPU
+        kernel = cfg.attention_kernel if cfg.attention_kernel != "flex" else attention.ATTENTION_KERNEL
+        self.backend: Backend = attention.cuda_backend(kernel) if self.device.type == "cuda" else "dense"
 
     def _noise(self, shape: torch.Size, dtype: torch.dtype, std: float, seed: tuple[int, ...]) -> torch.Tensor:
         generator = torch.Generator(device=self.device)

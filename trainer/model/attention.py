@@ -536,11 +536,13 @@ ATTENTION_KERNEL: str = os.environ.get(ATTENTION_KERNEL_ENV, "flex").strip() or 
 _TRITON_USABLE: dict[str, bool] = {}
 
 
-def cuda_backend() -> Backend:
-    """The back-end a CUDA drafter builds its masks for (ATTENTION_KERNEL; ValueError on an unknown name)."""
-    if ATTENTION_KERNEL not in ("flex", "triton"):
-        raise ValueError(f"attention kernel {ATTENTION_KERNEL!r}: expected 'flex' or 'triton'")
-    return "triton" if ATTENTION_KERNEL == "triton" else "flex"
+def cuda_backend(kernel: str | None = None) -> Backend:
+    """The back-end a CUDA drafter builds its masks for (`kernel`, else ATTENTION_KERNEL; ValueError on an unknown
+    name)."""
+    kernel = ATTENTION_KERNEL if kernel is None else kernel
+    if kernel not in ("flex", "triton"):
+        raise ValueError(f"attention kernel {kernel!r}: expected 'flex' or 'triton'")
+    return "triton" if kernel == "triton" else "flex"
 
 
 def _triton_attention_usable(device: torch.device) -> bool:
