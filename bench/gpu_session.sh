@@ -35,6 +35,15 @@ for section in "$@"; do
     # artifacts saved), then a deploy into a fresh workspace given only the artifacts folder, standby on.
     s11-fresh) step s11-fresh 300 env -u TORCHINDUCTOR_CACHE_DIR python3 bench/restart_cycle.py --steps 10 \
               --modes code-change-inside --fresh-workspace --prune-checkpoints --json-out "$OUT/s11-fresh.json" ;;
+    # Session 12 (issue 31): our Triton interval attention vs flex (parity, fwd/bwd), the ~100 KB shared-memory
+    # rehearsal (DFLASH_SMEM_LIMIT=99K), the specforge shape's step (flex vs triton attention, interleaved).
+    s12-attn) step s12-attn 300 python3 bench/s12_attention.py --ref-dir "$OUT"
+            step s12-fit 150 env DFLASH_SMEM_LIMIT=99K python3 bench/s12_attention.py --fit-only --ref-dir "$OUT" ;;
+    s12-specforge) step s12-specforge 330 python3 -m trainer bench step --preset qwen3-8b --shape specforge \
+              --variants triton,triton-attn,triton,triton-attn --iters 10 --warmup 3 --profile \
+              --json-out "$OUT/s12-specforge.json" ;;
+    s12-seed) step s12-seed 420 python3 -m trainer bench step --preset qwen3-8b --shape seed \
+              --variants triton,triton-attn,triton,triton-attn --iters 5 --warmup 2 --json-out "$OUT/s12-seed.json" ;;
     env) nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
          python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' ;;
     parity) step parity 240 python3 bench/gpu_parity.py ;;

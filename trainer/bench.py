@@ -72,6 +72,8 @@ VARIANTS = {
     "triton-c6k": "as triton, loss chunks of at most 6176 rows (193 blocks of 32) instead of 4096",
     "triton-c8k": "as triton, loss chunks of at most 8224 rows (257 blocks of 32) instead of 4096",
     "dflash2": "as triton, the DFlash2 drafter (--arch dflash2: block convolutions, candidate selector top-16 rank 256)",
+    "triton-attn": "as triton, attention through our Triton kernel for the interval mask "
+    "(--attention-kernel triton, trainer/model/attention_triton.py) instead of flex_attention",
     "triton-s8": "as triton, as session 8 ran it: the mask built before the context's GEMM is queued, the gradient "
     "clip as a pass of its own (clip_grad_norm_), the anchor slot's logits computed",
 }
@@ -139,6 +141,8 @@ def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.devi
         drafter.context_call, drafter.output_call = _embed_context_fp32, finish_hidden  # eager, as before
         attention.FLEX_MASK_FORM = "predicate"  # bench_step restores the module settings after the variant
         attention.FLEX_PAD_TO_TILES = False
+    if variant == "triton-attn":
+        side.backend = attention.cuda_backend("triton")
     if variant == "triton-tma":
         attention.FLEX_KERNEL_OPTIONS = {**(attention.FLEX_KERNEL_OPTIONS or {}), "USE_TMA": True}
     if variant == "triton-nopad":
@@ -181,6 +185,7 @@ def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.devi
         "variant": variant,
         "ms": ms,
         "ms_spread": max(times) - min(times),
+        "ms_sample": ms / shape.rows,  # per sequence, as SpecForge reports its steps
         "tflops": flops / (ms * 1e-3) / 1e12,
         "block_tok_s": shape.block_tokens / (ms * 1e-3),
         "ctx_tok_s": shape.rows * shape.ctx / (ms * 1e-3),
@@ -222,6 +227,7 @@ def module_settings_restored() -> Iterator[None]:
         attention.FLEX_MASK_FORM,
         attention.FLEX_KERNEL_OPTIONS,
         attention.FLEX_PAD_TO_TILES,
+        attention.ATTENTION_KERNEL,
         loss_module.SKIP_ANCHOR_SLOT,
         torch._inductor.config.prologue_fusion,
     )
@@ -232,6 +238,7 @@ def module_settings_restored() -> Iterator[None]:
             attention.FLEX_MASK_FORM,
             attention.FLEX_KERNEL_OPTIONS,
             attention.FLEX_PAD_TO_TILES,
+            attention.ATTENTION_KERNEL,
             loss_module.SKIP_ANCHOR_SLOT,
             torch._inductor.config.prologue_fusion,
         ) = saved
@@ -255,13 +262,13 @@ def bench_step(args: argparse.Namespace, device: torch.device) -> list[dict]:
             rows.append(row)
             log(f"  {row['ms']:.1f} ms, {row['tflops']:.0f} TFLOP/s, peak {row['peak_gib']:.1f} GiB")
     print(
-        f"{'preset':<12} {'shape':<7} {'variant':<17} {'ms':>8} {'spread':>7} {'TFLOP/s':>8} {'MFU':>6} "
+        f"{'preset':<12} {'shape':<9} {'variant':<17} {'ms':>8} {'spread':>7} {'ms/smpl':>7} {'TFLOP/s':>8} {'MFU':>6} "
         f"{'MFU/ceil':>8} {'blk tok/s':>10} {'ctx tok/s':>10} {'peak GiB':>8} {'warm s':>7} {'recomp':>6}"
     )
     for r in rows:
         print(
-            f"{r['preset']:<12} {r['shape']:<7} {r['variant']:<17} {r['ms']:8.1f} {r['ms_spread']:7.1f} "
-            f"{r['tflops']:8.0f} {r['mfu']:6.1%} {r['mfu_ceiling']:8.1%} {r['block_tok_s']:10.0f} "
+            f"{r['preset']:<12} {r['shape']:<9} {r['variant']:<17} {r['ms']:8.1f} {r['ms_spread']:7.1f} "
+            f"{r['ms_sample']:7.1f} {r['tflops']:8.0f} {r['mfu']:6.1%} {r['mfu_ceiling']:8.1%} {r['block_tok_s']:10.0f} "
             f"{r['ctx_tok_s']:10.0f} {r['peak_gib']:8.1f} {r['warmup_s']:7.1f} {r['recompiles']:6d}"
         )
     return rows
@@ -422,7 +429,7 @@ def bench_attention(args: argparse.Namespace, device: torch.device) -> list[dict
     )
     for r in rows:
         print(
-            f"{r['shape']:<7} {r['layer']:<8} {r['order']:<9} {r['mask_form']:<10} {r['layout']:<6} {r['build_ms']:8.2f} "
+            f"{r['shape']:<9} {r['layer']:<8} {r['order']:<9} {r['mask_form']:<10} {r['layout']:<6} {r['build_ms']:8.2f} "
             f"{r['ms']:10.2f} {r['fwd_ms']:7.2f} {r['ms'] - r['fwd_ms']:7.2f}  {r['options']}"
         )
     return rows

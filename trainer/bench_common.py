@@ -42,6 +42,9 @@ class Shape:
 SHAPES = {
     "seed": Shape("seed", rows=6, ctx=8192, anchors=171, block=32),
     "recipe": Shape("recipe", rows=4, ctx=4096, anchors=512, block=16),
+    # specforge: SpecForge's published 8xH200 run (docs/benchmarks/domino-disaggregated-performance.md there):
+    # batch 2 x 768 tokens, 256 anchors x block 16, its ~1.1B Qwen3-8B DFlash drafter (our qwen3-8b preset).
+    "specforge": Shape("specforge", rows=2, ctx=768, anchors=256, block=16),
     "tiny": Shape("tiny", rows=2, ctx=64, anchors=8, block=8),
 }
 

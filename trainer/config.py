@@ -120,6 +120,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 # --loss-kernels: the per-chunk element-wise kernels of the loss (trainer/loss.py make_chunk_kernels).
 # triton = one fused Triton kernel per chunk for CE (+CAP); soft labels keep the compiled kernels.
 LOSS_KERNELS = ("auto", "compiled", "eager", "triton")
+# --attention-kernel: the drafter's attention on CUDA (trainer/model/attention.py): flex_attention with a BlockMask,
+# or our Triton kernel for the interval-form mask (trainer/model/attention_triton.py; bench/RESULTS.md session 12).
+ATTENTION_KERNELS = ("flex", "triton")
 ADAMW_IMPLS = ("auto", "fused", "foreach")
 
 
@@ -183,6 +186,7 @@ class TrainConfig:
     selector_rank: int = 256
     selector_top_k: int = 16
     selector_loss_alpha: float = 1.0
+    attention_kernel: str = "flex"  # flex | triton (CUDA; CPU always runs the dense mask)
     # drafter shape (hidden_size must equal the target's)
     num_draft_layers: int = 5
     hidden_size: int | None = None  # None: taken from the target
@@ -441,6 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
     choices = {
         "preset": tuple(PRESETS),
         "loss_kernels": LOSS_KERNELS,
+        "attention_kernel": ATTENTION_KERNELS,
         "adamw": ADAMW_IMPLS,
         "wandb": WANDB_MODES,
         "sync": SYNC_MODES,

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -293,7 +294,14 @@ def resolve_loss_kernels(requested: str, device: torch.device, compiled: bool) -
         from trainer.loss_triton import triton_available
 
         if torch.cuda.get_device_capability(device) >= TRITON_AUTO_MIN_CAPABILITY and triton_available():
-            return "triton"
+            from trainer.loss_triton import fits_device
+
+            # never a kernel that cannot launch here: the ladder is compiled against the device's shared memory
+            if fits_device(device):
+                return "triton"
+            print(
+                f"loss kernels: the triton CE kernel does not fit {device}'s shared memory; compiled", file=sys.stderr
+            )
     return "compiled"
 
 

@@ -62,6 +62,8 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer import triton_fit
+
 ENV_CONFIG = "DFLASH_CE_TRITON"
 
 
@@ -107,6 +109,35 @@ class CEKernelConfig:
     @property
     def label(self) -> str:
         return f"{self.block_v}:{self.num_warps}:{self.programs_per_sm}"
+
+
+def config_ladder(config: CEKernelConfig) -> tuple[CEKernelConfig, ...]:
+    """`config`, then smaller tiles for GPUs with less shared memory (trainer/triton_fit.py walks it): the CE
+    kernels keep only per-warp reduction scratch in shared memory, so the smaller rungs are a safety net, not a
+    tuning (Blackwell's ~100 KB fits the default)."""
+    rungs = [config, CEKernelConfig(2048, 4, config.programs_per_sm), CEKernelConfig(1024, 4, config.programs_per_sm)]
+    return tuple(dict.fromkeys(rungs))
+
+
+def fits_device(device: torch.device, config: CEKernelConfig | None = None) -> bool:
+    """Whether some rung of the CE kernel's ladder compiles within `device`'s shared memory (compiled for a
+    tiny bf16 problem, not launched; once per device and config): --loss-kernels auto asks this."""
+    key = (str(device), config)
+    if key not in _FITS:
+        logits = torch.zeros(4, 151936, dtype=torch.bfloat16, device=device)
+        labels = torch.zeros(4, dtype=torch.int64, device=device)
+        out = torch.zeros(4, dtype=torch.float32, device=device)
+
+        def launch(c: CEKernelConfig) -> tuple[tuple, tuple, dict]:
+            args = (logits, labels, logits, out, out, labels, 4, logits.stride(0), logits.stride(0))
+            return (4,), args, dict(N_COLS=151936, BLOCK_V=c.block_v, WRITE_GRAD=True, num_warps=c.num_warps)
+
+        ladder = config_ladder(config or CEKernelConfig.from_env())
+        _FITS[key] = triton_fit.fits("ce", _kernel(), ladder, launch, device) is not None
+    return _FITS[key]
+
+
+_FITS: dict[tuple, bool] = {}
 
 
 def triton_available() -> bool:
@@ -227,12 +258,13 @@ def fused_ce(
             else 2
         )  # interpreter: 2 "SMs", enough to exercise the row loop
         programs = min(rows, sms * config.programs_per_sm)
-    block_v = min(config.block_v, max(16, 1 << (vocab - 1).bit_length()))
     # Triton launches on the current device's current stream, torch ops on the tensors' device: make them agree
     # (drafter threads of the pipeline each own a GPU; the stream then is the one torch uses there).
     guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-    with guard:
-        _kernel()[(programs,)](
+    ladder = config_ladder(config)
+
+    def launch(c: CEKernelConfig) -> tuple[tuple, tuple, dict]:
+        args = (
             logits,
             labels,
             grad if grad is not None else logits,
@@ -242,9 +274,11 @@ def fused_ce(
             rows,
             logits.stride(0),
             grad.stride(0) if grad is not None else 0,
-            N_COLS=vocab,
-            BLOCK_V=block_v,
-            WRITE_GRAD=want_grad,
-            num_warps=config.num_warps,
         )
+        width = min(c.block_v, max(16, 1 << (vocab - 1).bit_length()))
+        grid = (rows if c.programs_per_sm == 0 else programs,)
+        return grid, args, dict(N_COLS=vocab, BLOCK_V=width, WRITE_GRAD=want_grad, num_warps=c.num_warps)
+
+    with guard:  # the first configuration of the ladder that fits the device's shared memory (trainer/triton_fit.py)
+        triton_fit.launch_first_fit("ce", _kernel(), ladder, launch, device, (logits.dtype, vocab, want_grad))
     return grad, lse, ce, argmax

@@ -71,7 +71,8 @@ import os
 
 import torch
 
-from trainer.loss_triton import CEKernelConfig, TritonUnavailableError, _interpreting, _sm_count
+from trainer import triton_fit
+from trainer.loss_triton import CEKernelConfig, TritonUnavailableError, _interpreting, _sm_count, config_ladder
 
 ENV_CONFIG = "DFLASH_KL_TRITON"
 DEFAULT_CONFIG = CEKernelConfig(block_v=2048, num_warps=4, programs_per_sm=0)
@@ -301,12 +302,12 @@ def _launch(
             else 2
         )  # interpreter: 2 "SMs", enough to exercise the row loop
         programs = min(rows, sms * config.programs_per_sm)
-    block_v = min(config.block_v, max(16, 1 << (vocab - 1).bit_length()))
     per_row = isinstance(ratio, torch.Tensor)
     placeholder = logits  # for pointers the selected passes never touch
     guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-    with guard:
-        _kernel()[(programs,)](
+
+    def launch(c: CEKernelConfig) -> tuple[tuple, tuple, dict]:
+        args = (
             logits,
             teacher,
             labels,
@@ -323,14 +324,26 @@ def _launch(
             grad.stride(0) if grad is not None else 0,
             0.0 if per_row else float(ratio),
             1.0 / temperature,
-            N_COLS=vocab,
-            BLOCK_V=block_v,
-            T_POWER=temperature_power(temperature),
-            STATS=stats,
-            GRAD=grad is not None,
-            RATIO_PER_ROW=per_row,
-            num_warps=config.num_warps,
         )
+        width = min(c.block_v, max(16, 1 << (vocab - 1).bit_length()))
+        grid = (rows if c.programs_per_sm == 0 else programs,)
+        return (
+            grid,
+            args,
+            dict(
+                N_COLS=vocab,
+                BLOCK_V=width,
+                T_POWER=temperature_power(temperature),
+                STATS=stats,
+                GRAD=grad is not None,
+                RATIO_PER_ROW=per_row,
+                num_warps=c.num_warps,
+            ),
+        )
+
+    with guard:  # the first configuration of the ladder that fits the device's shared memory (trainer/triton_fit.py)
+        specialisation = (logits.dtype, vocab, stats, grad is not None, per_row, temperature_power(temperature))
+        triton_fit.launch_first_fit("ce-kl", _kernel(), config_ladder(config), launch, device, specialisation)
     return lse, ce, kl, argmax
 
 

@@ -30,7 +30,7 @@ from trainer.config import TrainConfig, TrainerInputError
 from trainer.data import Batch
 from trainer.loss import LossResult, dflash_loss, make_chunk_kernels, resolve_loss_kernels, simulated_tau
 from trainer.loss_triton import triton_available
-from trainer.model import DFlashDrafter, TargetModel
+from trainer.model import DFlashDrafter, TargetModel, attention
 from trainer.model.attention import Backend
 from trainer.model.dflash2 import block_predecessors, selector_loss
 from trainer.model.drafter import call_layer, embed_context, finish_hidden
@@ -225,7 +225,10 @@ class DrafterSide:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, total_steps, cfg.warmup_ratio)
         )
-        self.backend: Backend = "flex" if self.device.type == "cuda" else "dense"
+        # --attention-kernel on CUDA (flex, or our Triton kernel; $DFLASH_ATTENTION_KERNEL when the flag is the
+        # default, for benches), the dense mask on CPU
+        kernel = cfg.attention_kernel if cfg.attention_kernel != "flex" else attention.ATTENTION_KERNEL
+        self.backend: Backend = attention.cuda_backend(kernel) if self.device.type == "cuda" else "dense"
 
     def _noise(self, shape: torch.Size, dtype: torch.dtype, std: float, seed: tuple[int, ...]) -> torch.Tensor:
         generator = torch.Generator(device=self.device)

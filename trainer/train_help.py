@@ -107,6 +107,8 @@ FLAG_HELP: dict[str, str] = {
     "cap_lambda": "weight of the CAP (expected accepted length) term; 0: off",
     "activation_checkpointing": "recompute drafter layer activations in backward (less memory, more time)",
     "loss_chunk_size": "rows per chunk of the logits-free loss (rounded down to whole blocks)",
+    "attention_kernel": "the drafter's attention on CUDA: flex (flex_attention with a BlockMask) or triton (our "
+    "kernel for the interval-form mask, forward and backward; bench/RESULTS.md session 12)",
     "loss_kernels": "element-wise kernels of the loss: auto (eager for an uncompiled drafter, e.g. on the "
     "CPU; triton on CUDA compute capability >= 9.0 with triton installed; else compiled), "
     "compiled, eager, or triton (CUDA only)",

@@ -50,7 +50,7 @@ except ImportError:  # pragma: no cover - depends on the torch build
     BlockMask = Any  # type: ignore[misc,assignment]
     HAVE_FLEX = False
 
-Backend = Literal["dense", "flex"]
+Backend = Literal["dense", "flex", "triton"]
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 LAYER_TYPES = (FULL, SLIDING)
@@ -136,6 +136,7 @@ class DraftMask:
     num_blocks: int
     dense: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     flex: dict[str, Any] = field(default_factory=dict)
+    triton: dict[str, Any] = field(default_factory=dict)  # IntervalTable (trainer/model/attention_triton.py)
 
     @property
     def q_len(self) -> int:
@@ -492,19 +493,31 @@ def build_draft_mask(
             raise ValueError(f"unknown layer type {lt!r}; expected one of {LAYER_TYPES}")
         if lt == SLIDING and sliding_window is None:
             raise ValueError("a sliding_attention layer needs sliding_window to be set")
-    if backend == "flex":
+    if backend == "triton" and not _triton_attention_usable(anchors.device):
+        backend = "flex"  # one log line said why (_triton_attention_usable)
+    if backend in ("flex", "triton"):
         if not HAVE_FLEX:
             raise RuntimeError("this torch build has no flex_attention; use backend='dense'")
-        if anchors.device.type != "cuda":
+        if anchors.device.type != "cuda" and backend == "flex":
             raise ValueError("backend='flex' needs CUDA tensors (flex_attention has no CPU backward); use 'dense'")
     elif backend != "dense":
-        raise ValueError(f"unknown attention backend {backend!r}; expected 'dense' or 'flex'")
+        raise ValueError(f"unknown attention backend {backend!r}; expected 'dense', 'flex' or 'triton'")
 
     mask = DraftMask(backend=backend, ctx_len=ctx_len, block_size=block_size, num_blocks=anchors.shape[1])
     for lt in dict.fromkeys(wanted):
         window = sliding_window if lt == SLIDING else None
         causal = causal_sliding if lt == SLIDING else causal_full
-        if backend == "flex":
+        bounds = None
+        if backend == "triton":
+            bounds = query_bounds(anchors, keep, ctx_len, block_size, window=window, causal=causal, doc_ids=doc_ids)
+        if bounds is not None:
+            from trainer.model.attention_triton import build_table
+
+            q_len = anchors.shape[1] * block_size
+            mask.triton[lt] = build_table(
+                bounds.ctx_lo, bounds.ctx_hi, bounds.blk_lo, bounds.blk_hi, q_len, ctx_len + q_len
+            )
+        elif backend in ("flex", "triton"):  # triton: doc ids that are not one run each fall back to flex here
             mask.flex[lt] = _flex_block_mask(
                 anchors, keep, ctx_len, block_size, window=window, causal=causal, doc_ids=doc_ids
             )
@@ -514,6 +527,38 @@ def build_draft_mask(
             sdpa_mask = allowed | ~row_visible  # fully masked rows: attend anywhere
             mask.dense[lt] = (sdpa_mask.unsqueeze(1), row_visible.unsqueeze(1))
     return mask
+
+
+# The attention kernel on CUDA (--attention-kernel / $DFLASH_ATTENTION_KERNEL): "flex" (flex_attention with a
+# BlockMask) or "triton" (trainer/model/attention_triton.py: our kernel for the interval form).
+ATTENTION_KERNEL_ENV = "DFLASH_ATTENTION_KERNEL"
+ATTENTION_KERNEL: str = os.environ.get(ATTENTION_KERNEL_ENV, "flex").strip() or "flex"
+_TRITON_USABLE: dict[str, bool] = {}
+
+
+def cuda_backend(kernel: str | None = None) -> Backend:
+    """The back-end a CUDA drafter builds its masks for (`kernel`, else ATTENTION_KERNEL; ValueError on an unknown
+    name)."""
+    kernel = ATTENTION_KERNEL if kernel is None else kernel
+    if kernel not in ("flex", "triton"):
+        raise ValueError(f"attention kernel {kernel!r}: expected 'flex' or 'triton'")
+    return "triton" if kernel == "triton" else "flex"
+
+
+def _triton_attention_usable(device: torch.device) -> bool:
+    """Whether our Triton attention compiles within this device's shared memory (once per device; one log line
+    when it does not, and the masks are then built for flex)."""
+    key = str(device)
+    if key not in _TRITON_USABLE:
+        from trainer.model.attention_triton import usable
+
+        ok, why = usable(device)
+        if not ok:
+            import sys
+
+            print(f"attention: the triton kernel cannot run on {device} ({why}); using flex", file=sys.stderr)
+        _TRITON_USABLE[key] = ok
+    return _TRITON_USABLE[key]
 
 
 def pad_to_tiles(
@@ -538,7 +583,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DraftMask, l
             f"attention shapes Q={q.shape[2]}, K={k.shape[2]} do not match the mask (Q={mask.q_len}, K={mask.kv_len})"
         )
     gqa = q.shape[1] != k.shape[1]
-    if mask.backend == "flex":
+    if layer_type in mask.triton:
+        from trainer.model.attention_triton import interval_attention
+
+        return interval_attention(q, k, v, mask.triton[layer_type])
+    if mask.backend in ("flex", "triton"):
         if layer_type not in mask.flex:
             raise KeyError(f"mask has no {layer_type!r} entry (built for {sorted(mask.flex)})")
         # Inside a compiled layer the plain function is traced into the layer's graph; outside, the replica's

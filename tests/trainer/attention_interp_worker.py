@@ -1,0 +1,71 @@
+"""Child process of tests/trainer/test_attention_triton.py: our Triton interval attention under Triton's CPU
+interpreter (TRITON_INTERPRET=1 is set here only, before any kernel is defined), float64, against the dense
+back-end. Prints one JSON line: per case, the relative errors of o, dq, dk, dv and which configuration rungs ran.
+Usage: python attention_interp_worker.py [--forced-limit]   (the latter sets $DFLASH_SMEM_LIMIT first)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+if "--forced-limit" in sys.argv:
+    os.environ["DFLASH_SMEM_LIMIT"] = "99K"
+
+import torch
+
+from trainer import triton_fit
+from trainer.model import attention as A
+
+# name: (rows, q heads, kv heads, head dim, context, blocks, block size, sorted, window, causal, doc ids, padded)
+CASES = {
+    "gqa-sorted": (2, 4, 2, 16, 150, 5, 8, True, None, False, False, True),
+    "causal-unsorted": (2, 2, 1, 16, 140, 6, 8, False, None, True, False, False),
+    "sliding": (1, 2, 2, 16, 200, 4, 8, True, 24, True, False, False),
+    "packed-docs": (2, 2, 1, 16, 130, 4, 8, True, None, False, True, False),
+    "anchor-at-zero": (1, 2, 1, 16, 70, 3, 16, True, None, False, False, False),
+}
+
+
+def run(name: str) -> dict:
+    R, hq, hkv, d, S, N, B, ordered, window, causal, docs, padded = CASES[name]
+    gen = torch.Generator().manual_seed(len(name))
+    anchors = torch.stack([torch.randperm(S - B, generator=gen)[:N] for _ in range(R)])
+    if ordered:
+        anchors = anchors.sort(dim=1).values
+    if name == "anchor-at-zero":
+        anchors[0, 0] = 0
+    keep = torch.ones(R, N, dtype=torch.bool)
+    if padded:
+        keep[-1, -2:] = False
+    doc_ids = torch.sort(torch.randint(0, 4, (R, S), generator=gen), dim=1).values if docs else None
+    kw = dict(sliding_window=window, causal_full=causal, causal_sliding=causal, doc_ids=doc_ids)
+    layer = A.SLIDING if window else A.FULL
+    kw["layer_types"] = [layer]
+    tri = A.build_draft_mask(anchors, keep, S, B, backend="triton", **kw)
+    dense = A.build_draft_mask(anchors, keep, S, B, backend="dense", **kw)
+    assert layer in tri.triton, "the interval form must be used"
+    q = torch.randn(R, N * B, hq, d, dtype=torch.float64, generator=gen).transpose(1, 2).requires_grad_()
+    k = torch.randn(R, hkv, S + N * B, d, dtype=torch.float64, generator=gen).requires_grad_()
+    v = torch.randn(R, hkv, S + N * B, d, dtype=torch.float64, generator=gen).requires_grad_()
+    go = torch.randn(R, hq, N * B, d, dtype=torch.float64, generator=gen)
+    results = []
+    for mask in (tri, dense):
+        out = A.attend(q, k, v, mask, layer)
+        out.backward(go)
+        results.append([out.detach(), q.grad, k.grad, v.grad])
+        q.grad = k.grad = v.grad = None
+    errs = {n: float((a - b).norm() / b.norm()) for n, a, b in zip(("o", "dq", "dk", "dv"), *results)}
+    padded_rows_zero = bool((results[0][0][-1, :, -2 * B :] == 0).all()) if padded else True
+    return {**errs, "padded_rows_zero": padded_rows_zero}
+
+
+if __name__ == "__main__":
+    out = {name: run(name) for name in CASES}
+    out["rungs"] = {
+        "fwd": sorted(set(triton_fit.chosen("attention-fwd").values())),
+        "bwd": sorted(set(triton_fit.chosen("attention-bwd").values())),
+    }
+    print(json.dumps(out))

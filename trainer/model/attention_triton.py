@@ -1,0 +1,593 @@
+"""Our own Triton attention for the DFlash interval-form mask (issue 31, item 2), forward and backward.
+
+Each query row q of batch row r sees exactly the keys [ctx_lo, ctx_hi) and [blk_lo, blk_hi) (QueryBounds in
+trainer/model/attention.py: the context before its anchor, and its own block). The two intervals never overlap:
+the first lies in [0, S), the second in [S, K).
+
+Forward (one program per (BLOCK_M query rows, batch row x q head)): two loops over key tiles, one per interval,
+each from the lowest `lo` to the highest `hi` of the tile's rows (sorted anchors: a tile's rows share a few
+anchors, so the context loop stops near them: flex's tile skipping, read off the intervals). Online softmax in
+fp32; writes O and the log-sum-exp (base 2) per row. A row that sees nothing gets O = 0.
+
+Backward (FA2's schedule with an atomic dq): one program per (BLOCK_N key tile, batch row x kv head) keeps its K
+and V tiles and the dK/dV accumulators on chip and walks the query tiles that meet it (a compacted list per key
+tile, built once per mask: no empty tile visited, none branched over) for every q head of its GQA group:
+S = QK^T, P = exp2(S - lse), dV += P^T dO, dP = dO V^T, dS = P (dP - delta), dK += dS^T Q, dQ += dS K (fp32
+atomics into a [R, Hq, Q, D] buffer). Five matmuls per tile pair where flex's backward does seven (its dq
+programs recompute QK^T and dP).
+
+Launch configurations come from a ladder per kernel, fastest first on the H200, walked by
+trainer/triton_fit.py against the device's shared-memory limit (Blackwell: ~100 KB). The query-tile lists are at
+BLOCK_M_TABLE x TILE_N_TABLE granularity; every backward rung uses BLOCK_M = BLOCK_M_TABLE and a key tile that
+divides TILE_N_TABLE.
+
+Entry point: `interval_attention(q, k, v, table)` (autograd through torch.library custom ops, so a compiled
+layer treats it as one opaque call). Triton is imported at the first call.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from trainer import triton_fit
+
+BLOCK_M_TABLE = 64  # query rows per tile of the backward's lists
+TILE_N_TABLE = 128  # keys per tile of the backward's lists
+
+
+@dataclass(frozen=True)
+class IntervalTable:
+    """What the kernels read besides q, k, v: the four bounds (int32 [R, Qpad]) and, per key tile of
+    TILE_N_TABLE keys, the query tiles of BLOCK_M_TABLE rows that meet it (q_count int32 [R, Kt], q_index int32
+    [R, Kt, Qt], the meeting tiles first, ascending)."""
+
+    ctx_lo: torch.Tensor
+    ctx_hi: torch.Tensor
+    blk_lo: torch.Tensor
+    blk_hi: torch.Tensor
+    q_count: torch.Tensor
+    q_index: torch.Tensor
+
+
+def build_table(
+    ctx_lo: torch.Tensor, ctx_hi: torch.Tensor, blk_lo: torch.Tensor, blk_hi: torch.Tensor, q_len: int, kv_len: int
+) -> IntervalTable:
+    """IntervalTable from the bounds (torch ops on their device, no host sync; R x Qpad x Kt interval tests)."""
+    rows, q_pad = ctx_lo.shape
+    device = ctx_lo.device
+    q_tiles = -(-q_len // BLOCK_M_TABLE)
+    kv_tiles = -(-kv_len // TILE_N_TABLE)
+    k0 = torch.arange(kv_tiles, device=device, dtype=torch.int32) * TILE_N_TABLE
+    k1 = (k0 + TILE_N_TABLE).clamp(max=kv_len)
+    bounds = [
+        b[:, : q_tiles * BLOCK_M_TABLE]
+        if b.shape[1] >= q_tiles * BLOCK_M_TABLE
+        else torch.nn.functional.pad(b, (0, q_tiles * BLOCK_M_TABLE - b.shape[1]))
+        for b in (ctx_lo, ctx_hi, blk_lo, blk_hi)
+    ]
+    lo1, hi1, lo2, hi2 = (b[:, :, None] for b in bounds)  # [R, Qp, 1]
+    meets = (torch.maximum(lo1, k0) < torch.minimum(hi1, k1)) | (torch.maximum(lo2, k0) < torch.minimum(hi2, k1))
+    meets &= (torch.arange(q_tiles * BLOCK_M_TABLE, device=device) < q_len)[None, :, None]
+    tiles = meets.view(rows, q_tiles, BLOCK_M_TABLE, kv_tiles).any(dim=2).transpose(1, 2)  # [R, Kt, Qt]
+    as_int = tiles.to(torch.int32)
+    order = torch.argsort(as_int, dim=-1, descending=True, stable=True).to(torch.int32)
+    return IntervalTable(ctx_lo, ctx_hi, blk_lo, blk_hi, as_int.sum(-1).to(torch.int32), order.contiguous())
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Fastest first (H200); the later rungs for ~100 KB of shared memory (Blackwell), the last for anything.
+FWD_CONFIGS = (FwdConfig(128, 128, 8, 2), FwdConfig(128, 64, 8, 2), FwdConfig(64, 64, 4, 2), FwdConfig(64, 32, 4, 1))
+BWD_CONFIGS = (BwdConfig(128, 8, 2), BwdConfig(128, 8, 1), BwdConfig(64, 4, 1), BwdConfig(32, 4, 1))
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _fwd(
+        Q,
+        K,
+        V,
+        OUT,
+        LSE,
+        CLO,
+        CHI,
+        BLO,
+        BHI,
+        sqb,
+        sqh,
+        sqm,
+        skb,
+        skh,
+        skn,
+        svb,
+        svh,
+        svn,
+        n_q,
+        n_kv,
+        q_pad,
+        H,
+        GROUP,
+        qk_scale,
+        D: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        hk = h // GROUP
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, D)
+        row_ok = offs_m < n_q
+        lo1 = tl.load(CLO + b * q_pad + offs_m, mask=row_ok, other=0)
+        hi1 = tl.load(CHI + b * q_pad + offs_m, mask=row_ok, other=0)
+        lo2 = tl.load(BLO + b * q_pad + offs_m, mask=row_ok, other=0)
+        hi2 = tl.load(BHI + b * q_pad + offs_m, mask=row_ok, other=0)
+        q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        k_base = b * skb + hk * skh
+        v_base = b * svb + hk * svh
+        for which in tl.static_range(2):  # the context interval, then the block's own (disjoint key ranges)
+            if which == 0:
+                lo = lo1
+                hi = hi1
+            else:
+                lo = lo2
+                hi = hi2
+            start = (tl.min(tl.where(lo < hi, lo, n_kv)) // BLOCK_N) * BLOCK_N
+            end = tl.max(tl.where(lo < hi, hi, 0))
+            for start_n in range(start, end, BLOCK_N):
+                offs_n = start_n + tl.arange(0, BLOCK_N)
+                in_kv = offs_n < n_kv
+                k = tl.load(K + k_base + offs_n[None, :] * skn + offs_d[:, None], mask=in_kv[None, :], other=0.0)
+                s = tl.dot(q, k) * qk_scale
+                vis = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
+                s = tl.where(vis, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.exp2(s - m_safe[:, None])
+                alpha = tl.exp2(m_i - m_safe)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = tl.load(V + v_base + offs_n[:, None] * svn + offs_d[None, :], mask=in_kv[:, None], other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m_i = m_new
+        seen = l_i > 0
+        out = acc / tl.where(seen, l_i, 1.0)[:, None]
+        o_rows = OUT + bh * n_q * D + offs_m[:, None] * D + offs_d[None, :]
+        tl.store(o_rows, out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(LSE + bh * n_q + offs_m, tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), 0.0), mask=row_ok)
+
+    @triton.jit
+    def _bwd(
+        Q,
+        K,
+        V,
+        DO,
+        LSE,
+        DELTA,
+        DQ,
+        DK,
+        DV,
+        CLO,
+        CHI,
+        BLO,
+        BHI,
+        QCOUNT,
+        QINDEX,
+        sqb,
+        sqh,
+        sqm,
+        skb,
+        skh,
+        skn,
+        svb,
+        svh,
+        svn,
+        sdb,
+        sdh,
+        sdm,
+        n_q,
+        n_kv,
+        q_pad,
+        q_tiles,
+        kv_tiles_t,
+        HK,
+        GROUP,
+        qk_scale,
+        scale,
+        D: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        TABLE_N: tl.constexpr,
+    ):
+        pid_n = tl.program_id(0)
+        bhk = tl.program_id(1)
+        b = bhk // HK
+        hk = bhk % HK
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, D)
+        in_kv = offs_n < n_kv
+        k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :], mask=in_kv[:, None], other=0.0)
+        v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :], mask=in_kv[:, None], other=0.0)
+        dk = tl.zeros([BLOCK_N, D], DQ.dtype.element_ty)  # fp32 (fp64 for float64 inputs: exact parity tests)
+        dv = tl.zeros([BLOCK_N, D], DQ.dtype.element_ty)
+        kt = (pid_n * BLOCK_N) // TABLE_N
+        count = tl.load(QCOUNT + b * kv_tiles_t + kt)
+        list_base = QINDEX + (b * kv_tiles_t + kt) * q_tiles
+        for g in range(0, GROUP):
+            h = hk * GROUP + g
+            bh = b * HK * GROUP + h
+            for i in range(0, count):
+                qt = tl.load(list_base + i)
+                offs_m = qt * BLOCK_M + tl.arange(0, BLOCK_M)
+                row_ok = offs_m < n_q
+                lo1 = tl.load(CLO + b * q_pad + offs_m, mask=row_ok, other=0)
+                hi1 = tl.load(CHI + b * q_pad + offs_m, mask=row_ok, other=0)
+                lo2 = tl.load(BLO + b * q_pad + offs_m, mask=row_ok, other=0)
+                hi2 = tl.load(BHI + b * q_pad + offs_m, mask=row_ok, other=0)
+                q = tl.load(
+                    Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :], mask=row_ok[:, None], other=0.0
+                )
+                do = tl.load(
+                    DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_d[None, :], mask=row_ok[:, None], other=0.0
+                )
+                lse = tl.load(LSE + bh * n_q + offs_m, mask=row_ok, other=0.0)
+                delta = tl.load(DELTA + bh * n_q + offs_m, mask=row_ok, other=0.0)
+                s = tl.dot(q, tl.trans(k)) * qk_scale
+                n_row = offs_n[None, :]
+                vis = ((n_row >= lo1[:, None]) & (n_row < hi1[:, None])) | (
+                    (n_row >= lo2[:, None]) & (n_row < hi2[:, None])
+                )
+                p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+                dv += tl.dot(tl.trans(p.to(q.dtype)), do)
+                dp = tl.dot(do, tl.trans(v))
+                ds = (p * (dp - delta[:, None])).to(q.dtype)
+                dk += tl.dot(tl.trans(ds), q)
+                dq = tl.dot(ds, k) * scale
+                tl.atomic_add(
+                    DQ + bh * n_q * D + offs_m[:, None] * D + offs_d[None, :], dq, mask=row_ok[:, None], sem="relaxed"
+                )
+        kv_rows = bhk * n_kv * D + offs_n[:, None] * D + offs_d[None, :]
+        tl.store(DK + kv_rows, (dk * scale).to(DK.dtype.element_ty), mask=in_kv[:, None])
+        tl.store(DV + kv_rows, dv.to(DV.dtype.element_ty), mask=in_kv[:, None])
+
+    return triton, _fwd, _bwd
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} must be [R,Hq,Q,D] and k, v {tuple(k.shape)} [R,Hkv,K,D]")
+    if q.shape[1] % k.shape[1] or q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1:
+        raise ValueError("Hq must be a multiple of Hkv and the head dimension contiguous")
+
+
+def forward(q, k, v, ctx_lo, ctx_hi, blk_lo, blk_hi, scale: float):
+    """(o [R,Hq,Q,D] contiguous, lse fp32 [R,Hq,Q] in base 2) of the interval-masked attention."""
+    _check(q, k, v)
+    _, fwd, _ = _kernels()
+    R, H, n_q, D = q.shape
+    hkv, n_kv = k.shape[1], k.shape[2]
+    o = torch.empty(R, H, n_q, D, dtype=q.dtype, device=q.device)
+    # fp32 (fp64 for float64 inputs: the exact parity tests on CPU)
+    lse = torch.empty(R, H, n_q, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32, device=q.device)
+    qk_scale = scale * 1.4426950408889634
+
+    def launch(c: FwdConfig):
+        grid = (-(-n_q // c.block_m), R * H)
+        args = (
+            q,
+            k,
+            v,
+            o,
+            lse,
+            ctx_lo,
+            ctx_hi,
+            blk_lo,
+            blk_hi,
+            q.stride(0),
+            q.stride(1),
+            q.stride(2),
+            k.stride(0),
+            k.stride(1),
+            k.stride(2),
+            v.stride(0),
+            v.stride(1),
+            v.stride(2),
+            n_q,
+            n_kv,
+            ctx_lo.shape[1],
+            H,
+            H // hkv,
+            qk_scale,
+        )
+        return (
+            grid,
+            args,
+            dict(D=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages),
+        )
+
+    with torch.cuda.device(q.device) if q.is_cuda else _null():
+        triton_fit.launch_first_fit("attention-fwd", fwd, FWD_CONFIGS, launch, q.device, (q.dtype, D))
+    return o, lse
+
+
+def backward(do, q, k, v, o, lse, table: IntervalTable, scale: float):
+    """(dq, dk, dv), each contiguous in its input's shape and dtype."""
+    _, _, bwd = _kernels()
+    R, H, n_q, D = q.shape
+    hkv, n_kv = k.shape[1], k.shape[2]
+    if do.stride(3) != 1:
+        do = do.contiguous()
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    delta = (o.to(acc_dtype) * do.to(acc_dtype)).sum(-1)  # [R, H, Q]
+    dq = torch.zeros(R, H, n_q, D, dtype=acc_dtype, device=q.device)
+    dk = torch.empty(R, hkv, n_kv, D, dtype=k.dtype, device=k.device)
+    dv = torch.empty(R, hkv, n_kv, D, dtype=v.dtype, device=v.device)
+    qk_scale = scale * 1.4426950408889634
+    kv_tiles_t, q_tiles = table.q_index.shape[1], table.q_index.shape[2]
+
+    def launch(c: BwdConfig):
+        grid = (-(-n_kv // c.block_n), R * hkv)
+        args = (
+            q,
+            k,
+            v,
+            do,
+            lse,
+            delta,
+            dq,
+            dk,
+            dv,
+            table.ctx_lo,
+            table.ctx_hi,
+            table.blk_lo,
+            table.blk_hi,
+            table.q_count,
+            table.q_index,
+            q.stride(0),
+            q.stride(1),
+            q.stride(2),
+            k.stride(0),
+            k.stride(1),
+            k.stride(2),
+            v.stride(0),
+            v.stride(1),
+            v.stride(2),
+            do.stride(0),
+            do.stride(1),
+            do.stride(2),
+            n_q,
+            n_kv,
+            table.ctx_lo.shape[1],
+            q_tiles,
+            kv_tiles_t,
+            hkv,
+            H // hkv,
+            qk_scale,
+            scale,
+        )
+        return (
+            grid,
+            args,
+            dict(
+                D=D,
+                BLOCK_M=BLOCK_M_TABLE,
+                BLOCK_N=c.block_n,
+                TABLE_N=TILE_N_TABLE,
+                num_warps=c.num_warps,
+                num_stages=c.num_stages,
+            ),
+        )
+
+    # dq is accumulated with atomics: a rung refused after a partial launch never happens (the fit is decided by
+    # compiling, before any launch; an OutOfResources at launch means nothing ran).
+    with torch.cuda.device(q.device) if q.is_cuda else _null():
+        triton_fit.launch_first_fit("attention-bwd", bwd, BWD_CONFIGS, launch, q.device, (q.dtype, D))
+    return dq.to(q.dtype), dk, dv
+
+
+def _null():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+# ----------------------------------------------------------------------------------- autograd through custom ops
+
+
+@torch.library.custom_op("dflash::interval_attention", mutates_args=())
+def _attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ctx_lo: torch.Tensor,
+    ctx_hi: torch.Tensor,
+    blk_lo: torch.Tensor,
+    blk_hi: torch.Tensor,
+    q_count: torch.Tensor,
+    q_index: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return forward(q, k, v, ctx_lo, ctx_hi, blk_lo, blk_hi, scale)
+
+
+@_attention_op.register_fake
+def _(q, k, v, ctx_lo, ctx_hi, blk_lo, blk_hi, q_count, q_index, scale):
+    R, H, n_q, D = q.shape
+    return q.new_empty(R, H, n_q, D), q.new_empty(
+        R, H, n_q, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32
+    )
+
+
+@torch.library.custom_op("dflash::interval_attention_backward", mutates_args=())
+def _attention_backward_op(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    ctx_lo: torch.Tensor,
+    ctx_hi: torch.Tensor,
+    blk_lo: torch.Tensor,
+    blk_hi: torch.Tensor,
+    q_count: torch.Tensor,
+    q_index: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    table = IntervalTable(ctx_lo, ctx_hi, blk_lo, blk_hi, q_count, q_index)
+    return backward(do, q, k, v, o, lse, table, scale)
+
+
+@_attention_backward_op.register_fake
+def _(do, q, k, v, o, lse, ctx_lo, ctx_hi, blk_lo, blk_hi, q_count, q_index, scale):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, *table, scale = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, *table)
+    ctx.scale = scale
+
+
+def _backward(ctx, do, dlse):
+    q, k, v, o, lse, *table = ctx.saved_tensors
+    dq, dk, dv = _attention_backward_op(do, q, k, v, o, lse, *table, ctx.scale)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def interval_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: IntervalTable, scale: float | None = None
+) -> torch.Tensor:
+    """Attention of q [R,Hq,Q,D] over k, v [R,Hkv,K,D] under the table's intervals -> [R,Hq,Q,D] (rows that see
+    nothing: 0, zero gradient). Differentiable in q, k, v."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    o, _ = _attention_op(
+        q, k, v, table.ctx_lo, table.ctx_hi, table.blk_lo, table.blk_hi, table.q_count, table.q_index, scale
+    )
+    return o
+
+
+def usable(device: torch.device) -> tuple[bool, str]:
+    """(whether both kernels have a configuration that fits `device`, why not): compiles them for a tiny
+    problem once (no launch). CPU: only under the Triton interpreter."""
+    import os
+
+    if device.type != "cuda":
+        interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+        return interpreting, "" if interpreting else "needs a CUDA device (or TRITON_INTERPRET=1)"
+    try:
+        _, fwd, bwd = _kernels()
+    except ImportError as exc:
+        return False, f"no triton: {exc}"
+    R, H, n, D = 1, 2, 64, 128
+    q = torch.zeros(R, H, n, D, dtype=torch.bfloat16, device=device)
+    bounds = torch.zeros(R, n, dtype=torch.int32, device=device)
+    table = build_table(bounds, bounds, bounds, bounds, n, n)
+    lse = torch.zeros(R, H, n, device=device)
+
+    def fwd_args(c: FwdConfig):
+        args = (
+            q,
+            q,
+            q,
+            q,
+            lse,
+            bounds,
+            bounds,
+            bounds,
+            bounds,
+            *q.stride()[:3],
+            *q.stride()[:3],
+            *q.stride()[:3],
+            n,
+            n,
+            n,
+            H,
+            1,
+            1.0,
+        )
+        return (
+            (1, 1),
+            args,
+            dict(D=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages),
+        )
+
+    def bwd_args(c: BwdConfig):
+        args = (
+            q,
+            q,
+            q,
+            q,
+            lse,
+            lse,
+            lse,
+            q,
+            q,
+            bounds,
+            bounds,
+            bounds,
+            bounds,
+            table.q_count,
+            table.q_index,
+            *q.stride()[:3],
+            *q.stride()[:3],
+            *q.stride()[:3],
+            *q.stride()[:3],
+            n,
+            n,
+            n,
+            1,
+            1,
+            H,
+            1,
+            1.0,
+            1.0,
+        )
+        return (
+            (1, 1),
+            args,
+            dict(
+                D=D,
+                BLOCK_M=BLOCK_M_TABLE,
+                BLOCK_N=c.block_n,
+                TABLE_N=TILE_N_TABLE,
+                num_warps=c.num_warps,
+                num_stages=c.num_stages,
+            ),
+        )
+
+    limit = triton_fit.smem_limit(device)
+    if triton_fit.fits("attention-fwd", fwd, FWD_CONFIGS, fwd_args, device) is None:
+        return False, f"no forward configuration within {limit} B of shared memory"
+    if triton_fit.fits("attention-bwd", bwd, BWD_CONFIGS, bwd_args, device) is None:
+        return False, f"no backward configuration within {limit} B of shared memory"
+    return True, ""
