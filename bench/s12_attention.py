@@ -22,10 +22,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer import triton_fit  # noqa: E402
-from trainer.bench_common import SHAPES, synthetic_batch  # noqa: E402
-from trainer.model import attention as A  # noqa: E402
-from trainer.model import attention_triton as T  # noqa: E402
+from trainer import triton_fit
+from trainer.bench_common import SHAPES, synthetic_batch
+from trainer.model import attention as A
+from trainer.model import attention_triton as T
 
 HQ, HKV, D = 32, 8, 128
 
@@ -99,8 +99,11 @@ def full(args) -> None:
         if name == "specforge":
             od, gd = dense_reference(q, k, v, go, batch, shape)
             for label, (o, g) in (("flex", (of, gf)), ("triton", (ot, gt))):
-                print(f"{name}: {label} vs fp32 dense: o {rel(o, od):.2e} dq {rel(g[0], gd[0]):.2e} "
-                      f"dk {rel(g[1], gd[1]):.2e} dv {rel(g[2], gd[2]):.2e}", flush=True)
+                print(
+                    f"{name}: {label} vs fp32 dense: o {rel(o, od):.2e} dq {rel(g[0], gd[0]):.2e} "
+                    f"dk {rel(g[1], gd[1]):.2e} dv {rel(g[2], gd[2]):.2e}",
+                    flush=True,
+                )
             del od, gd
             if args.ref_dir:
                 torch.save({"o": ot.cpu(), "g": [t.cpu() for t in gt]}, Path(args.ref_dir) / "specforge.pt")
@@ -109,18 +112,21 @@ def full(args) -> None:
         f2, t2 = masks(batch2, shape)
         o2f, g2f = run(q2, k2, v2, go2, f2, True)
         o2t, g2t = run(q2, k2, v2, go2, t2, True)
-        print(f"{name} seed 1: o {rel(o2t, o2f):.2e} dq {rel(g2t[0], g2f[0]):.2e} dk {rel(g2t[1], g2f[1]):.2e}",
-              flush=True)
+        print(
+            f"{name} seed 1: o {rel(o2t, o2f):.2e} dq {rel(g2t[0], g2f[0]):.2e} dk {rel(g2t[1], g2f[1]):.2e}",
+            flush=True,
+        )
         res = {}
-        for rnd in range(2):
+        for _round in range(2):
             for label, mask in (("flex", flex), ("triton", tri)):
                 fwd = time_ms(lambda m=mask: run(q, k, v, go, m, False))
                 both = time_ms(lambda m=mask: run(q, k, v, go, m, True))
                 res.setdefault(label, []).append((fwd, both))
         build = {}
         for label, backend in (("flex", "flex"), ("triton", "triton")):
-            build[label] = time_ms(lambda b=backend: A.build_draft_mask(batch.anchors, batch.keep, shape.ctx,
-                                                                         shape.block, backend=b))
+            build[label] = time_ms(
+                lambda b=backend: A.build_draft_mask(batch.anchors, batch.keep, shape.ctx, shape.block, backend=b)
+            )
         for label, runs in res.items():
             for rnd, (fwd, both) in enumerate(runs):
                 table.append((name, label, rnd, fwd, both - fwd, (both - fwd) / fwd, build[label]))
@@ -146,24 +152,44 @@ def fit_only(args) -> None:
     print("chosen fwd", triton_fit.chosen("attention-fwd"), "bwd", triton_fit.chosen("attention-bwd"))
     _, fwd, bwd = T._kernels()
     R, H, n_q, _ = q.shape
-    for (key, index) in triton_fit.chosen("attention-fwd").items():
+    for _key, index in triton_fit.chosen("attention-fwd").items():
         c = T.FWD_CONFIGS[index]
         o = torch.empty(R, H, n_q, D, dtype=q.dtype, device="cuda")
         lse = torch.empty(R, H, n_q, device="cuda")
         tb = tri.triton[A.FULL]
-        a = (q, k, v, o, lse, tb.ctx_lo, tb.ctx_hi, tb.blk_lo, tb.blk_hi, *q.stride()[:3], *k.stride()[:3],
-             *v.stride()[:3], n_q, k.shape[2], tb.ctx_lo.shape[1], H, H // k.shape[1], 1.0)
+        a = (
+            q,
+            k,
+            v,
+            o,
+            lse,
+            tb.ctx_lo,
+            tb.ctx_hi,
+            tb.blk_lo,
+            tb.blk_hi,
+            *q.stride()[:3],
+            *k.stride()[:3],
+            *v.stride()[:3],
+            n_q,
+            k.shape[2],
+            tb.ctx_lo.shape[1],
+            H,
+            H // k.shape[1],
+            1.0,
+        )
         kw = dict(D=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages)
         print(f"fwd rung {index} {c}: shared {int(fwd.warmup(*a, grid=(1, 1), **kw).metadata.shared)} B", flush=True)
         for j, c0 in enumerate(T.FWD_CONFIGS[:index]):
             kw0 = dict(D=D, BLOCK_M=c0.block_m, BLOCK_N=c0.block_n, num_warps=c0.num_warps, num_stages=c0.num_stages)
             print(f"  refused rung {j} {c0}: shared {int(fwd.warmup(*a, grid=(1, 1), **kw0).metadata.shared)} B")
-    for key, index in triton_fit.chosen("attention-bwd").items():
+    for _key, index in triton_fit.chosen("attention-bwd").items():
         print(f"bwd rung {index} {T.BWD_CONFIGS[index]}")
     if args.ref_dir and (Path(args.ref_dir) / "specforge.pt").exists():
         ref = torch.load(Path(args.ref_dir) / "specforge.pt")
-        print(f"99K vs default configs: o {rel(ot.cpu(), ref['o']):.2e} "
-              + " ".join(f"{n} {rel(g.cpu(), r):.2e}" for n, g, r in zip(("dq", "dk", "dv"), gt, ref["g"])))
+        print(
+            f"99K vs default configs: o {rel(ot.cpu(), ref['o']):.2e} "
+            + " ".join(f"{n} {rel(g.cpu(), r):.2e}" for n, g, r in zip(("dq", "dk", "dv"), gt, ref["g"]))
+        )
     from trainer.loss import resolve_loss_kernels
     from trainer.loss_triton import fused_ce
 
