@@ -40,14 +40,18 @@ demo: $(STAMP)
 	$(BIN)/python -m dflashops.demo --arch $(DEMO_ARCH)
 
 # Lint, format and types first (pyproject.toml configures all three), then the tests, in TEST_WORKERS processes
-# (pytest-xdist): most tests wait on real processes, so two workers on two cores take ~40% less time; the remote
-# tests share one sshd harness and run in one worker (xdist_group "remote"). TEST_WORKERS=0 runs them in-process.
+# (pytest-xdist): most tests wait on real processes, so two workers on two cores take ~40% less time. `--dist
+# loadfile` keeps each test file on one worker, so a module-scoped fixture (the Triton interpreter's run of every
+# loss case, the tiny trained drafters of eval/export/ddtree) is built once, not once per worker. (`--dist
+# loadgroup` did nothing here: xdist 3.8 marks a group by rewriting `item._nodeid`, which pytest 9 no longer reads.)
+# The remote tests' sshd harness is safe to start once per worker (free port, its own folder and sudoers file).
+# TEST_WORKERS=0 runs them in-process.
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
 clean:
 	rm -rf $(VENV) demo-workspace

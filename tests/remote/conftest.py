@@ -33,9 +33,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "tests/remote" in str(item.fspath):
             item.add_marker(pytest.mark.ssh)
-            # One xdist worker runs them all: the harness (sshd, a test user, container folders) is one per
-            # session, and two workers would each start one with the same user and names.
-            item.add_marker(pytest.mark.xdist_group("remote"))
 
 
 @pytest.fixture(scope="session")

@@ -55,10 +55,12 @@ def ensure_system_packages() -> None:
 
 
 def ensure_test_user() -> None:
-    try:
-        subprocess.run(["id", "-u", TEST_USER], check=True, capture_output=True)
-    except subprocess.CalledProcessError:
-        subprocess.run(["useradd", "--create-home", "--shell", "/bin/bash", TEST_USER], check=True)
+    if subprocess.run(["id", "-u", TEST_USER], capture_output=True).returncode != 0:
+        added = subprocess.run(["useradd", "--create-home", "--shell", "/bin/bash", TEST_USER], capture_output=True)
+        # Two xdist workers start their harnesses at once on a fresh machine: the loser's useradd fails with
+        # "already exists" (exit 9), and the user it wanted is there.
+        if added.returncode != 0 and subprocess.run(["id", "-u", TEST_USER], capture_output=True).returncode != 0:
+            raise RuntimeError(f"useradd {TEST_USER} failed: {added.stderr.decode(errors='replace').strip()}")
     # '!' (locked) makes sshd refuse even key logins when UsePAM is off; '*' means "no password".
     subprocess.run(["usermod", "-p", "*", TEST_USER], check=True)
 
