@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from trainer import run_files
 from trainer.tiny_world import MODES, WalkWorld, build_tiny_target, pretrain_target, save_target
 from trainer.tokenizer_utils import MASK_TOKEN, DataInputError, build_tiny_tokenizer
 
@@ -232,7 +233,7 @@ def run_demo(workdir: Path, size: DemoSize, arch: str = "dflash", block_size: in
 def run_tokens(run: Path, block_size: int) -> dict[str, int]:
     """The real blocks the run trained on and their tokens (blocks x B), summed over metrics.jsonl's windows
     (each record sums the steps since the previous one)."""
-    blocks = sum(int(json.loads(line).get("blocks", 0)) for line in (run / "metrics.jsonl").read_text().splitlines())
+    blocks = sum(int(json.loads(line).get("blocks", 0)) for line in (run / run_files.METRICS).read_text().splitlines())
     return {"blocks": blocks, "block_tokens": blocks * block_size}
 
 
