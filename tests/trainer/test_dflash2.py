@@ -15,9 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.trainer.tiny import build_tiny_target, tiny_drafter_config
+from tests.trainer.tiny import build_tiny_target, tiny_drafter_config, tiny_train_config
 from trainer import eval as eval_cli
-from trainer.config import parse_train_args
 from trainer.model.dflash2 import block_predecessors, grouped_dynamic_conv, select_block, training_candidates
 from trainer.model.drafter import DFlashDrafter
 from trainer.pipeline.run import PipelineOptions, run_pipeline
@@ -29,24 +28,7 @@ DFLASH2 = ("--arch", "dflash2", "--selector-top-k", "8", "--selector-rank", "16"
 
 
 def _cfg(out: Path, *extra: str):
-    return parse_train_args(
-        [
-            "--preset",
-            "tiny",
-            "--output-dir",
-            str(out),
-            "--wandb",
-            "off",
-            "--synthetic-samples",
-            "48",
-            "--log-interval",
-            "1",
-            "--save-interval",
-            "1000",
-            *DFLASH2,
-            *extra,
-        ]
-    )
+    return tiny_train_config(out, *DFLASH2, *extra)
 
 
 def _metrics(out: Path) -> list[dict]:

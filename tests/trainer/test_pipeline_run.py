@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.trainer.tiny import tiny_train_config
 from trainer.config import TrainerInputError, parse_train_args
 from trainer.pipeline.run import PipelineOptions, run_pipeline
 from trainer.pipeline.sync import max_replica_difference
@@ -26,22 +27,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _cfg(out: Path, *extra: str):
-    argv = [
-        "--preset",
-        "tiny",
-        "--output-dir",
-        str(out),
-        "--wandb",
-        "off",
-        "--synthetic-samples",
-        "48",
-        "--log-interval",
-        "1",
-        "--save-interval",
-        "1000",
-        *extra,
-    ]
-    return parse_train_args(argv)
+    return tiny_train_config(out, *extra)
 
 
 def _metrics(out: Path) -> list[dict]:

@@ -11,8 +11,11 @@ id (255), reserved by convention: the tiny tests never use byte 255 as text.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from transformers import Qwen3Config
 
+from trainer.config import TrainConfig, parse_train_args
 from trainer.model.drafter import DrafterConfig
 from trainer.model.target import TargetModel
 
@@ -71,4 +74,13 @@ def tiny_drafter_config(
         layer_types=layer_types,
         sliding_window=sliding_window,
         causal_in_block=causal_in_block,
+    )
+
+
+def tiny_train_config(out: Path, *extra: str) -> TrainConfig:
+    """The tiny preset's TrainConfig for a quick CPU run into `out`: synthetic data, no wandb, a log line per step,
+    no periodic checkpoint; `extra` flags come last and win."""
+    return parse_train_args(
+        ["--preset", "tiny", "--output-dir", str(out), "--wandb", "off", "--synthetic-samples", "48"]
+        + ["--log-interval", "1", "--save-interval", "1000", *extra]
     )
