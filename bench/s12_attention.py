@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer import triton_fit
 from trainer.bench_common import SHAPES, synthetic_batch
+from trainer.bench_common import time_ms as bench_time_ms
 from trainer.model import attention as A
 from trainer.model import attention_triton as T
 
@@ -64,18 +65,9 @@ def rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
 
 
-def time_ms(fn, iters=10):
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
+def time_ms(fn) -> float:
+    """Median of 10 timed calls after 2 warm-up calls (bench_common's CUDA-event timer)."""
+    return statistics.median(bench_time_ms(fn, torch.device("cuda"), warmup=2, iters=10))
 
 
 def dense_reference(q, k, v, go, batch, shape):
