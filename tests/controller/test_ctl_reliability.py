@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from dflashops.agent import session_name, tmux_socket
-from tests.controller.helpers import AGENT, Env, all_bytes
+from tests.controller.helpers import AGENT, REPO, Env, all_bytes
 from tests.tmux_screen import session_names
 
 # A job that writes nothing but its log: prints a line, then waits for SIGTERM (exit 143) or `go` (exit 3).
@@ -35,10 +35,11 @@ def add_profile(env: Env, name: str, body: str) -> None:
     env.inventory.write_text(text + f"  {name}:\n" + "".join(f"    {line}\n" for line in body.strip().splitlines()))
 
 
-def wait_until(predicate, timeout: float = 30.0) -> None:
+def wait_until(predicate, timeout: float = 30.0, explain=None) -> None:
+    """Poll `predicate` until true; past `timeout` fail, with `explain()` (what the test can show of why)."""
     deadline = time.monotonic() + timeout
     while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
+        assert time.monotonic() < deadline, "condition not met in time" + (f":\n{explain()}" if explain else "")
         time.sleep(0.05)
 
 
@@ -344,11 +345,14 @@ def test_item12_tail_detects_a_truncated_or_replaced_log(env: Env) -> None:
 
 
 def test_item12_logs_follow_reads_a_truncated_log_again_and_says_so(env: Env) -> None:
+    # The run truncates its log only once the follower has shown the first part (the test drops `go` into the
+    # run directory then), so the follower is certain to be reading when the log is cut, however slow the
+    # machine: a fixed sleep before the cut raced the follower's start under load.
     add_profile(
         env,
         "truncates",
         """
-argv: ["{python}", "-c", "import os, time\\nfor i in range(50): print('first %d' % i, flush=True)\\ntime.sleep(2)\\nos.truncate('train.log', 0)\\nfor i in range(80): print('second %d' % i, flush=True)\\ntime.sleep(0.5)"]
+argv: ["{python}", "-c", "import os, time\\nfor i in range(50): print('first %d' % i, flush=True)\\nwhile not os.path.exists('go'): time.sleep(0.05)\\nos.truncate('train.log', 0)\\nfor i in range(80): print('second %d' % i, flush=True)\\ntime.sleep(0.5)"]
 packages: []
 """,
     )
@@ -356,10 +360,27 @@ packages: []
         env.run_cli("deploy", "--detach", "--profile", "truncates", "--name", "tr", "--launcher", "nohup").returncode
         == 0
     )
-    follow = env.run_cli("logs", "tr", "-f", "--timeout", "60")
-    assert follow.returncode == 0, follow.stderr
-    assert "train.log was truncated or rewritten" in follow.stderr
-    second = [line for line in follow.stdout.splitlines() if line.startswith("second")]
+    follow = subprocess.Popen(
+        [sys.executable, "-m", "dflashops.cli.main", "--inventory", str(env.inventory), "logs", "tr", "-f"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        cwd=env.root,
+    )
+    try:
+        assert follow.stdout is not None
+        shown = []
+        while (line := follow.stdout.readline()) and line != "first 49\n":
+            shown.append(line)
+        assert line == "first 49\n", f"the follower ended before the first part: {shown[-3:]}"
+        (env.runs / "tr" / "go").touch()
+        rest, err = follow.communicate(timeout=120)
+    finally:
+        follow.kill()
+    assert follow.returncode == 0, err
+    assert "train.log was truncated or rewritten" in err
+    second = [line for line in rest.splitlines() if line.startswith("second")]
     assert second == [f"second {i}" for i in range(80)], "lines after the truncation were lost or repeated"
 
 
