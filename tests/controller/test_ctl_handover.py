@@ -58,6 +58,16 @@ def gates_open_at_the_end(env: Env) -> Iterator[None]:
         (env.root / gate).touch()
 
 
+def both_logs(env: Env) -> str:
+    """The last lines of both runs' logs and statuses: what a failed wait shows."""
+    parts = []
+    for run in ("ho1", "ho2"):
+        log = env.runs / run / "train.log"
+        tail = log.read_text().splitlines()[-15:] if log.is_file() else ["(no log)"]
+        parts.append(f"--- {run} status {status(env, run)}\n" + "\n".join(tail))
+    return "\n".join(parts)
+
+
 def deploy_parent(env: Env, capsys: pytest.CaptureFixture[str], *, hold: str) -> tuple[int, Path]:
     """ho1 at its second step; its final checkpoint write held at the `hold` gate ("write": before it starts,
     "sync": between its files written and their fsyncs, "none"); (its trainer's pid, the gate to open)."""
@@ -100,9 +110,13 @@ def test_restart_resume_starts_the_child_while_the_parent_writes_its_final_check
     assert f"resuming from {checkpoint}" in err
     # The child builds meanwhile, waits for the checkpoint, and resumes from exactly that one.
     log = env.runs / "ho2" / "train.log"
-    wait_until(lambda: bool(status(env, "ho2").get("waiting_for")), timeout=240)
+    wait_until(lambda: bool(status(env, "ho2").get("waiting_for")), timeout=240, explain=lambda: both_logs(env))
     gate.touch()
-    wait_until(lambda: f"resumed from {checkpoint} at step {offer['step']}" in log.read_text(), timeout=240)
+    wait_until(
+        lambda: f"resumed from {checkpoint} at step {offer['step']}" in log.read_text(),
+        timeout=240,
+        explain=lambda: both_logs(env),
+    )
     assert f"waiting for ho1 to finish writing {checkpoint}" in log.read_text()
     # The parent's stop finished in the background, as a plain stop would have.
     wait_until(lambda: "finished_at" in json.loads((env.runs / "ho1" / "stop.json").read_text()), timeout=120)
@@ -110,7 +124,11 @@ def test_restart_resume_starts_the_child_while_the_parent_writes_its_final_check
     assert (env.runs / "ho1" / "exit_code").read_text().strip() == "143"
     assert (checkpoint / "state.json").is_file() and status(env, "ho1")["phase"] == "stopped"
     assert "Traceback" not in (env.runs / "ho1" / "train.log").read_text()
-    timeline = status(env, "ho2").get("timeline", {})
+    # "resumed from" is logged before the child's first step: wait for that step, not for the log line.
+    wait_until(
+        lambda: "first_step" in status(env, "ho2").get("timeline", {}), timeout=240, explain=lambda: both_logs(env)
+    )
+    timeline = status(env, "ho2")["timeline"]
     assert timeline["checkpoint_ready"] <= timeline["resumed"] <= timeline["first_step"]
     code, out, _ = env.cli("status", "ho1", "--json", capsys=capsys)
     assert code == 0 and json.loads(out)["runs"][0]["state"] == "stopped"
