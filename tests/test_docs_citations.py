@@ -1,5 +1,5 @@
 """Citations of the documentation resolve: every `docs/<page>.md#<heading>` cited in the repository, and every link
-between the pages of docs/, names a page that exists and a heading on it; no file cites notes that are not in
+from README.md and between the pages of docs/, names a page that exists and a heading on it; no file cites notes that are not in
 the repository (the design and method notes the code once cited lived outside it: issue 18)."""
 
 from __future__ import annotations
@@ -58,18 +58,35 @@ def test_cited_docs_exist() -> None:
     assert problems == []
 
 
-def test_links_between_docs_resolve() -> None:
-    problems = []
-    for page in sorted(DOCS.glob("*.md")):
-        for link in LINK.findall(page.read_text(encoding="utf-8")):
-            if "://" in link:
-                continue
-            name, _, fragment = link.partition("#")
-            target = (page.parent / name).resolve() if name else page
-            if not target.exists():
-                problems.append(f"{page.name}: ({link}): no such file")
-            elif fragment and target.suffix == ".md" and fragment not in anchors(target):
-                problems.append(f"{page.name}: ({link}): no heading #{fragment}")
+def link_problems(page: Path) -> tuple[int, list[str]]:
+    """How many relative links `page` has, and those that name no file or, with `#anchor`, no heading there."""
+    problems, checked = [], 0
+    for link in LINK.findall(page.read_text(encoding="utf-8")):
+        if "://" in link or link.startswith("mailto:"):
+            continue
+        checked += 1
+        name, _, fragment = link.partition("#")
+        target = (page.parent / name).resolve() if name else page
+        if not target.exists():
+            problems.append(f"{page.name}: ({link}): no such file")
+        elif fragment and target.suffix == ".md" and fragment not in anchors(target):
+            problems.append(f"{page.name}: ({link}): no heading #{fragment}")
+    return checked, problems
+
+
+def test_links_from_the_readme_and_between_docs_resolve(tmp_path: Path) -> None:
+    """Every relative markdown link of README.md and docs/*.md names an existing file and, with `#anchor`, a
+    heading on it (issue 30 item 5: the README points into docs/, the pages into each other)."""
+    (tmp_path / "a.md").write_text("# A page\n\n## Its `part`: two\n")
+    made_up = tmp_path / "b.md"
+    made_up.write_text("[ok](a.md#its-part-two) [self](#b) [gone](c.md) [bad](a.md#nope) [web](https://x.org/y)\n# B\n")
+    assert link_problems(made_up) == (4, ["b.md: (c.md): no such file", "b.md: (a.md#nope): no heading #nope"])
+    problems, checked = [], 0
+    for page in [REPO / "README.md", *sorted(DOCS.glob("*.md"))]:
+        count, found = link_problems(page)
+        checked += count
+        problems += found
+    assert checked > 40, "the scan found (almost) no links: has it stopped reading the pages?"
     assert problems == []
 
 

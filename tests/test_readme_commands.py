@@ -1,11 +1,14 @@
-"""Every command line in README.md's code blocks parses with the shipped CLIs' own argparse parsers (issue 15,
-item 20). Nothing is executed: only argparse runs.
+"""Every command line in the code blocks of README.md and of every docs/*.md page parses with the shipped CLIs'
+own argparse parsers (issue 15, item 20; the docs pages since the README's reference moved there, issue 30
+item 5). Nothing is executed: only argparse runs.
 
 Extraction, kept simple on purpose:
 - Only fenced code blocks (```) are read. A command starts with `dflashops ` or `python -m trainer `, at the
   start of a line or after three or more spaces (one line may show several commands side by side).
 - A `#` after whitespace starts a comment. An indented line right after a command line continues that
   command (after its comment is cut off, so an indented `# ...` line continues only the comment).
+- A spaced arrow ` -> ` ends a command: what follows is a diagram's (docs/architecture.md draws the trainer's
+  structure from `python -m trainer train ->`), not the command's.
 
 Expansion of the usage notation into concrete command lines:
 - `[ ... ]` is an optional part; `A|B` offers alternatives for one word (`A | B`, spaced, too).
@@ -34,6 +37,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+DOCS = REPO / "docs"
+ARROW = re.compile(r"\s->\s")
 COMMAND_START = re.compile(r"(?:^|(?<=\s{3}))(?=dflashops |python -m trainer )")
 NUMBERS = {"S": "60", "N": "0"}
 
@@ -72,7 +77,7 @@ def command_lines(text: str) -> list[str]:
                 continue
             for begin, end in zip(starts, [*starts[1:], len(line)]):
                 commands.append(line[begin:end].strip())
-    return commands
+    return [ARROW.split(command, maxsplit=1)[0].strip() for command in commands]
 
 
 # ------------------------------------------------------------------------------------------- expansion
@@ -259,12 +264,14 @@ def check_the_checker(known: dict[str, set[str]]) -> None:
     text = (
         "```\ndflashops a [--x X|+] [--y]   dflashops b (prose)  # note\n"
         "              [--z 1] [-- t args]\nmake demo\n   dflashops c\n"
-        "python -m trainer t --p a|b [more flags...]   # one\n      # two\n```\n"
+        "python -m trainer t --p a|b [more flags...]   # one\n      # two\n"
+        "python -m trainer d  ->  a/b.py   a box\n                    ->  c.py\n```\n"
     )
     assert command_lines(text) == [
         "dflashops a [--x X|+] [--y]",
         "dflashops b (prose) [--z 1] [-- t args]",
         "python -m trainer t --p a|b [more flags...]",
+        "python -m trainer d",
     ]
     assert variants("dflashops a [--x X|+] [--note ...] [--t S]") == [
         ["dflashops", "a", "--x", "X", "--note", "x", "--t", "60"],
@@ -284,16 +291,40 @@ def check_the_checker(known: dict[str, set[str]]) -> None:
     assert parse_errors(["python", "-m", "trainer", "export", "ckpt", "--output", "d"], known) is None
 
 
-def test_item20_every_readme_command_line_parses() -> None:
-    known = known_names()
-    check_the_checker(known)
-    commands = command_lines(README.read_text(encoding="utf-8"))
-    assert sum(c.startswith("dflashops ") for c in commands) >= 15, commands
-    assert sum(c.startswith("python -m trainer ") for c in commands) >= 7, commands
+def refused(page: Path, known: dict[str, set[str]]) -> tuple[list[str], list[str]]:
+    """The command lines of `page` and, for each variant the CLI refuses, what went wrong."""
+    commands = command_lines(page.read_text(encoding="utf-8"))
     failures = []
     for command in commands:
         for argv in variants(command):
             error = parse_errors(argv, known)
             if error:
-                failures.append(f"{' '.join(argv)}\n    (from README: {command})\n    {error}")
+                failures.append(f"{' '.join(argv)}\n    (from {page.relative_to(REPO)}: {command})\n    {error}")
+    return commands, failures
+
+
+def counts(commands: list[str]) -> tuple[int, int]:
+    return sum(c.startswith("dflashops ") for c in commands), sum(c.startswith("python -m trainer ") for c in commands)
+
+
+def test_item20_every_readme_command_line_parses() -> None:
+    known = known_names()
+    check_the_checker(known)
+    commands, failures = refused(README, known)
+    dflashops, trainer = counts(commands)
+    assert dflashops >= 10 and trainer >= 2, commands  # the quickstart, the daily loop, targets, the trainer
     assert not failures, "README command lines the CLI refuses:\n" + "\n".join(failures)
+
+
+def test_every_docs_command_line_parses() -> None:
+    """The same check over every page of docs/, where the verbs' and the trainer's reference lives."""
+    known = known_names()
+    check_the_checker(known)
+    commands, failures = [], []
+    for page in sorted(DOCS.glob("*.md")):
+        found, refusals = refused(page, known)
+        commands += found
+        failures += refusals
+    dflashops, trainer = counts(commands)
+    assert dflashops >= 30 and trainer >= 7, commands  # docs/cli.md alone shows every verb
+    assert not failures, "docs/ command lines the CLI refuses:\n" + "\n".join(failures)
