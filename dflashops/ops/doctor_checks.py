@@ -124,7 +124,7 @@ PYTHON_DEPENDENT = ("torch", "cuda", "transformers", "triton")  # judged on what
 
 
 def python_skips(python: str) -> list[Check]:
-    """The checks a run's python that cannot run leaves nothing to judge on: skipped, as the README says of
+    """The checks a run's python that cannot run leaves nothing to judge on: skipped, as docs/targets.md says of
     every check after a failed one (else `/bin/true` as the python would fail torch too)."""
     return [Check(name, "skip", f"the python check failed ({python} cannot run)") for name in PYTHON_DEPENDENT]
 

@@ -1,6 +1,6 @@
 """Run notifications from the controller: a JSON POST to `notify.webhook` and/or `notify.command` run here.
 
-Who sends what (README "Notifications"): the controller sends what it sees itself (a launch -> `started`; a
+Who sends what (docs/notifications.md): the controller sends what it sees itself (a launch -> `started`; a
 state change that status/stop/watch/logs/restart observe -> `crashed`, `stalled`, `finished`, `stopped`) and
 delivers the events the in-target supervisor recorded in a run's events.jsonl (`auto-restarted`, `gave-up`,
 ...) the next time it looks. With `notify.from_target`, the supervisor POSTs them itself at once (laptop
