@@ -17,8 +17,9 @@ from dflashops.cli.common import (
 )
 from dflashops.errors import UsageError
 from dflashops.ops.control import DEFAULT_FAIL_ON, LogCursor, wait_for
-from dflashops.ops.deploy import LAUNCHERS, DeployOutcome, DeployRequest, deploy
+from dflashops.ops.deploy import deploy
 from dflashops.ops.invocation import Invocation
+from dflashops.ops.launch import LAUNCHERS, DeployOutcome, DeployRequest
 from dflashops.ops.restart import RestartRequest, restart
 from dflashops.ops.start_wait import wait_started
 from dflashops.shell import join_argv

@@ -23,7 +23,8 @@ from typing import Any
 from dflashops.errors import DflashopsError, NotFound, TransportError, UsageError
 from dflashops.inventory import Group, Profile, Target
 from dflashops.lineage import LineageDBError
-from dflashops.ops.deploy import (
+from dflashops.ops.invocation import Invocation
+from dflashops.ops.launch import (
     DeployOutcome,
     DeployRequest,
     NodePlace,
@@ -32,7 +33,6 @@ from dflashops.ops.deploy import (
     claim_name,
     launch_on,
 )
-from dflashops.ops.invocation import Invocation
 
 NODE_PLACEHOLDERS = re.compile(r"\{(node_rank|nnodes|master_addr|master_port|rdzv_id)\}")
 

@@ -24,7 +24,9 @@ from dflashops.inventory import Profile, Target
 from dflashops.lineage import RunRecord
 from dflashops.ops import release_cache
 from dflashops.ops.agent_client import Agent, Busy, StaleRelease, Superseded
-from dflashops.ops.deploy import (
+from dflashops.ops.extra_args import over
+from dflashops.ops.invocation import Invocation
+from dflashops.ops.launch import (
     DeployOutcome,
     DeployRequest,
     LaunchSpec,
@@ -33,8 +35,6 @@ from dflashops.ops.deploy import (
     dry_run_preflight,
     launch_spec,
 )
-from dflashops.ops.extra_args import over
-from dflashops.ops.invocation import Invocation
 from dflashops.ops.supervise import after_launch
 from dflashops.ops.sync import install_payload, local_manifest, release_files
 from dflashops.shell import validate_name

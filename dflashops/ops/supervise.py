@@ -2,7 +2,7 @@
 
 Recovery must not depend on the controller staying awake, so everything the supervisor needs travels in
 its start request: the policy, and a launch TEMPLATE for the runs it may have to start (the profile's argv,
-environment and run.json built by deploy's own `launch_spec`, with sentinels where the child's name, parent,
+environment and run.json built by launch's own `launch_spec`, with sentinels where the child's name, parent,
 note and checkpoint go). The request holds the run's secrets (and the webhook URL when `notify.from_target`
 is set): it goes on stdin, the supervisor keeps it in memory only, and the dry-run plan shows it redacted.
 
@@ -26,6 +26,7 @@ from dflashops.inventory_policy import shown_url
 from dflashops.lineage.record import REDACTED
 from dflashops.ops.agent_client import _UPLOAD, Agent, _parse
 from dflashops.ops.invocation import Invocation
+from dflashops.ops.launch import DeployRequest, launch_spec
 
 SOURCE = Path(__file__).resolve().parent.parent / "agent_supervisor.py"
 SENTINELS = {
@@ -45,8 +46,6 @@ def template(
     invocation: Invocation, request: Any, target: Target, profile: Profile, code_hash: str, release_path: str, root: str
 ) -> dict[str, Any]:
     """The launch of a child run, with sentinels (see the module docstring)."""
-    from dflashops.ops.deploy import launch_spec  # deploy imports this module: imported when used
-
     base = replace(request, parent=None, note="", checkpoint=None)
     fresh = launch_spec(invocation, base, target, profile, SENTINELS["name"], code_hash, release_path)
     resumed = None
@@ -219,8 +218,6 @@ def revive(invocation: Invocation, status: dict[str, Any]) -> str | None:
     if record is None or target is None or profile is None or not wanted(profile):
         why = "no lineage record" if record is None else f"its profile {record.profile!r} asks for none here"
         return f"warning: {name}'s supervisor (pid {dead}) has died and cannot be started again from here ({why})"
-    from dflashops.ops.deploy import DeployRequest  # deploy imports this module: imported when used
-
     request = DeployRequest(
         target=target.name,
         profile=profile.name,
