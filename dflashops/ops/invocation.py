@@ -15,6 +15,7 @@ from dflashops.lineage.files import AGENT_STATE_TO_LINEAGE
 from dflashops.ops.agent_client import Agent
 from dflashops.ops.notify import Notifier
 from dflashops.ops.observe import observe
+from dflashops.ops.supervise import revive
 from dflashops.transport import open_transport
 
 
@@ -118,7 +119,7 @@ class Invocation:
 
     def _note_state(self, status: dict) -> None:
         record = self.record_of(str(status.get("name")))
-        observe(self, status, record)
+        observe(self, status, record, revive)
         record = record or self.record_of(str(status.get("name")))
         if record is None:
             return

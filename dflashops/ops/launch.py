@@ -23,7 +23,7 @@ from dflashops.lineage import RunRecord, next_name, redact_env, wandb_env
 from dflashops.lineage.record import REDACTED, utc_now_iso
 from dflashops.ops.agent_client import Agent
 from dflashops.ops.extra_args import managed_flags, merge_extra_args
-from dflashops.ops.invocation import Invocation
+from dflashops.ops.session import Session
 from dflashops.ops.sync import sync
 from dflashops.shell import validate_name
 
@@ -97,7 +97,7 @@ def expand(template: str, values: dict[str, str]) -> str:
     return PLACEHOLDER_RE.sub(substitute, template)
 
 
-def choose_name(invocation: Invocation, request: DeployRequest) -> str:
+def choose_name(invocation: Session, request: DeployRequest) -> str:
     if request.name == "+":
         if not request.parent:
             raise UsageError(
@@ -141,7 +141,7 @@ class LaunchSpec:
 
 
 def launch_spec(
-    invocation: Invocation,
+    invocation: Session,
     request: DeployRequest,
     target: Target,
     profile: Profile,
@@ -217,7 +217,7 @@ def launch_spec(
 
 
 def check_request(
-    invocation: Invocation, request: DeployRequest, target: Target, profile: Profile, *, ask_target: bool = True
+    invocation: Session, request: DeployRequest, target: Target, profile: Profile, *, ask_target: bool = True
 ) -> str:
     """Every refusal that needs no change, before anything changes: launcher, parent, extra arguments, and the
     name (free in the lineage and, with `ask_target`, on the target: one read-only `status` call). Returns the
@@ -241,7 +241,7 @@ def check_request(
     return name
 
 
-def check_free_on_target(invocation: Invocation, target: Target, name: str) -> None:
+def check_free_on_target(invocation: Session, target: Target, name: str) -> None:
     """Conflict when `runs/<name>` exists on the target (a run the lineage does not know); read-only."""
     if invocation.dry_run:
         return
@@ -253,7 +253,7 @@ def check_free_on_target(invocation: Invocation, target: Target, name: str) -> N
         )
 
 
-def claim_name(invocation: Invocation, request: DeployRequest, target: Target, profile: Profile, name: str) -> str:
+def claim_name(invocation: Session, request: DeployRequest, target: Target, profile: Profile, name: str) -> str:
     """Claim the new run's name (checked by `check_request`) in the lineage database before anything is
     synced or launched; `--name +` picks the next free name in the same transaction, so two shells deploying
     at once get two names. A dry run claims nothing. The caller releases the claim when the launch fails
@@ -272,7 +272,7 @@ def claim_name(invocation: Invocation, request: DeployRequest, target: Target, p
 
 
 def launch_on(
-    invocation: Invocation, request: DeployRequest, target: Target, profile: Profile, name: str
+    invocation: Session, request: DeployRequest, target: Target, profile: Profile, name: str
 ) -> tuple[DeployOutcome, LaunchSpec]:
     """Sync the code to `target` and launch `name` there (one node of a run on several targets, or the whole
     run); the spec.s record has the pgid and session the agent answered. The lineage is the caller's."""

@@ -33,6 +33,7 @@ from dflashops.ops.launch import (
     claim_name,
     launch_on,
 )
+from dflashops.ops.observe import started
 
 NODE_PLACEHOLDERS = re.compile(r"\{(node_rank|nnodes|master_addr|master_port|rdzv_id)\}")
 
@@ -113,8 +114,6 @@ def deploy_nodes(
         ]
         record.extra["group"] = group.name
         invocation.db.fill(record)
-        from dflashops.ops.observe import started
-
         started(invocation, targets[0].name, name, request.note, request.parent)
     return first
 

@@ -25,8 +25,9 @@ from dflashops.inventory import Profile, Target
 from dflashops.inventory_policy import shown_url
 from dflashops.lineage.record import REDACTED
 from dflashops.ops.agent_client import _UPLOAD, Agent, _parse
-from dflashops.ops.invocation import Invocation
 from dflashops.ops.launch import DeployRequest, launch_spec
+from dflashops.ops.observe import started
+from dflashops.ops.session import Session
 
 SOURCE = Path(__file__).resolve().parent.parent / "agent_supervisor.py"
 SENTINELS = {
@@ -43,7 +44,7 @@ def wanted(profile: Profile) -> bool:
 
 
 def template(
-    invocation: Invocation, request: Any, target: Target, profile: Profile, code_hash: str, release_path: str, root: str
+    invocation: Session, request: Any, target: Target, profile: Profile, code_hash: str, release_path: str, root: str
 ) -> dict[str, Any]:
     """The launch of a child run, with sentinels (see the module docstring)."""
     base = replace(request, parent=None, note="", checkpoint=None)
@@ -104,7 +105,7 @@ def supervisor_path(target: Target, source: bytes) -> str:
 
 
 def start(
-    invocation: Invocation,
+    invocation: Session,
     request: Any,
     target: Target,
     profile: Profile,
@@ -187,13 +188,11 @@ def start(
 
 
 def after_launch(
-    invocation: Invocation, request: Any, target: Target, profile: Profile, name: str, code_hash: str, release_path: str
+    invocation: Session, request: Any, target: Target, profile: Profile, name: str, code_hash: str, release_path: str
 ) -> dict[str, Any] | None:
     """What follows every launch by deploy/restart: the `started` notification, then `start`, with a failure
     of the supervisor turned into {"ok": False, "error", "hint"}: the run is launched already and stays up,
     so the caller reports a warning instead of failing the deploy."""
-    from dflashops.ops.observe import started
-
     started(invocation, target.name, name, request.note, request.parent)
     try:
         return start(invocation, request, target, profile, name, code_hash, release_path)
@@ -201,7 +200,7 @@ def after_launch(
         return {"ok": False, "error": exc.message, "hint": exc.hint}
 
 
-def revive(invocation: Invocation, status: dict[str, Any]) -> str | None:
+def revive(invocation: Session, status: dict[str, Any]) -> str | None:
     """A run's supervisor that died (the agent's status says its supervisor.json is watching or waiting out a
     backoff, and its pid is no supervisor): start a new one with the same root and restart count, from the
     run's lineage record and this shell's environment (its secrets), and return a line saying so (a warning
