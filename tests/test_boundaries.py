@@ -168,9 +168,11 @@ def import_graph() -> dict[str, dict[str, int]]:
         edges: dict[str, int] = {}
         for node in ast.walk(tree):
             names: list[str] = []
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
+            else:
                 base = node.module or ""
                 if node.level:
                     anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
@@ -238,4 +240,48 @@ def test_the_circle_check_finds_circles(tmp_path: Path, monkeypatch: pytest.Monk
         "dflashops.ops.a -> dflashops.ops.b -> dflashops.ops.a",
         "trainer.p -> trainer.q -> trainer.r -> trainer.p",
         "trainer.x -> trainer.y -> trainer.x",
+    ]
+
+
+def ops_picture() -> list[list[str]]:
+    """The ops modules of docs/architecture.md#the-ops-layer-top-to-bottom, one list per line of its block."""
+    text = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
+    block = text.split("## The ops layer, top to bottom", 1)[1].split("```", 2)[1]
+    return [
+        [f"dflashops.ops.{word[:-3]}" for word in line.split() if word.endswith(".py")]
+        for line in block.splitlines()
+        if line.strip()
+    ]
+
+
+def picture_violations(picture: list[list[str]], graph: dict[str, dict[str, int]]) -> list[str]:
+    """Each module of the picture imports only modules listed on a later line (or on its own line, for the
+    row of leaves); a module of the picture that does not exist is named too."""
+    found = []
+    for row, line in enumerate(picture):
+        below = {module for later in picture[row:] for module in later}
+        listed = {module for every in picture for module in every}
+        for module in line:
+            if module not in graph:
+                found.append(f"{module} is in the picture but not in dflashops/ops")
+                continue
+            for imported in graph[module]:
+                if imported in listed and imported not in below:
+                    found.append(f"{module} imports {imported}, drawn above it")
+    return found
+
+
+def test_the_ops_picture_of_architecture_md_holds() -> None:
+    picture = ops_picture()
+    assert len(picture) >= 5 and all(picture)
+    assert picture_violations(picture, import_graph()) == []
+
+
+def test_the_ops_picture_check_can_fail() -> None:
+    graph = {"dflashops.ops.a": {"dflashops.ops.b": 1}, "dflashops.ops.b": {}}
+    assert picture_violations([["dflashops.ops.b"], ["dflashops.ops.a"]], graph) == [
+        "dflashops.ops.a imports dflashops.ops.b, drawn above it"
+    ]
+    assert picture_violations([["dflashops.ops.c"]], graph) == [
+        "dflashops.ops.c is in the picture but not in dflashops/ops"
     ]
