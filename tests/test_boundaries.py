@@ -248,7 +248,7 @@ def ops_picture() -> list[list[str]]:
     text = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
     block = text.split("## The ops layer, top to bottom", 1)[1].split("```", 2)[1]
     return [
-        [f"dflashops.ops.{word[:-3]}" for word in line.split() if word.endswith(".py")]
+        ["dflashops.ops." + word[:-3].replace("/", ".") for word in line.split() if word.endswith(".py")]
         for line in block.splitlines()
         if line.strip()
     ]

@@ -1,8 +1,8 @@
 """What the services below an Invocation use of it: the seam that keeps ops/invocation.py at the top.
 
 `Invocation` (ops/invocation.py) owns one CLI call's state and the services that act on it: observation
-(ops/observe.py), notification (ops/notify.py), the in-target supervisor (ops/supervise.py) and the one-target
-launch (ops/launch.py). Those take a `Session`, this Protocol, instead of importing Invocation, so that
+(ops/observe/observe.py), notification (ops/observe/notify.py), the in-target supervisor (ops/runs/supervise.py) and the one-target
+launch (ops/runs/launch.py). Those take a `Session`, this Protocol, instead of importing Invocation, so that
 Invocation can import them without an import circle; an Invocation is a Session as it is (structural typing).
 """
 
@@ -13,7 +13,7 @@ from typing import Protocol
 from dflashops.inventory import Inventory, Target
 from dflashops.lineage import LineageDB, RunRecord
 from dflashops.ops.agent_client import Agent
-from dflashops.ops.notify import Notifier
+from dflashops.ops.observe.notify import Notifier
 
 
 class Session(Protocol):

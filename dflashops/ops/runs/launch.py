@@ -5,8 +5,8 @@ parent, launcher, extra arguments: read-only), `claim_name` (the lineage row, be
 `launch_on` (sync, then the agent's `launch`, which claims the run directory with one mkdir, so two launches
 of the same name cannot both start). Secrets from the controller's environment travel to the launched process
 on the agent's stdin only; run.json, the database and the dry-run plan hold the redacted environment.
-Callers: ops/deploy.py (a run on one target), ops/nodes.py (one launch per node), ops/restart.py and
-ops/supervise.py (the spec of a child run). Nothing here starts a supervisor or records the launched run:
+Callers: ops/runs/deploy.py (a run on one target), ops/fleet/nodes.py (one launch per node), ops/runs/restart.py and
+ops/runs/supervise.py (the spec of a child run). Nothing here starts a supervisor or records the launched run:
 whoever launched does.
 """
 
@@ -22,9 +22,9 @@ from dflashops.inventory import Profile, Target
 from dflashops.lineage import RunRecord, next_name, redact_env, wandb_env
 from dflashops.lineage.record import REDACTED, utc_now_iso
 from dflashops.ops.agent_client import Agent
-from dflashops.ops.extra_args import managed_flags, merge_extra_args
+from dflashops.ops.releases.sync import sync
+from dflashops.ops.runs.extra_args import managed_flags, merge_extra_args
 from dflashops.ops.session import Session
-from dflashops.ops.sync import sync
 from dflashops.shell import validate_name
 
 # Passed through from the controller's environment when set, whatever the profile says.
@@ -43,7 +43,7 @@ class DeployRequest:
     clear_cache: bool = False
     extra_args: list[str] = field(default_factory=list)
     checkpoint: str | None = None  # resume from this checkpoint (profile's resume_args)
-    node: NodePlace | None = None  # this target's place in a run on several targets (ops/nodes.py)
+    node: NodePlace | None = None  # this target's place in a run on several targets (ops/fleet/nodes.py)
     # The new code and flags prove they can start in the target before anything is launched or stopped (the
     # agent's preflight_release: compile, `python -m trainer check`); False: --skip-preflight.
     preflight: bool = True
@@ -79,7 +79,7 @@ class DeployOutcome:
     pgid: int | None
     uploaded: int
     cache_cleared: dict | None  # the agent's clear-cache answer: what went (folders, bytes, files)
-    supervisor: dict | None = None  # the in-target supervisor's start answer (ops/supervise.py), if any
+    supervisor: dict | None = None  # the in-target supervisor's start answer (ops/runs/supervise.py), if any
     preflight: dict | None = None  # what the agent's pre-flight checked (None: skipped, or a dry run)
     standby: bool = False  # started by a standby interpreter of the target (agent.py): no imports to wait for
     nodes: list[DeployOutcome] = field(default_factory=list)  # a run on several targets: each node's, node 0 first

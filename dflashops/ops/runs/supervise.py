@@ -25,11 +25,11 @@ from dflashops.inventory import Profile, Target
 from dflashops.inventory_policy import shown_url
 from dflashops.lineage.record import REDACTED
 from dflashops.ops.agent_client import _UPLOAD, Agent, _parse
-from dflashops.ops.launch import DeployRequest, launch_spec
-from dflashops.ops.observe import started
+from dflashops.ops.observe.observe import started
+from dflashops.ops.runs.launch import DeployRequest, launch_spec
 from dflashops.ops.session import Session
 
-SOURCE = Path(__file__).resolve().parent.parent / "agent_supervisor.py"
+SOURCE = Path(__file__).resolve().parents[2] / "agent_supervisor.py"  # dflashops/ops/runs/ -> dflashops/
 SENTINELS = {
     "name": "@dflashops-run-name@",
     "parent": "@dflashops-parent@",

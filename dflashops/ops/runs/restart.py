@@ -23,12 +23,14 @@ from typing import Any
 from dflashops.errors import Conflict, NotFound, TransportError, UsageError
 from dflashops.inventory import Profile, Target
 from dflashops.lineage import RunRecord
-from dflashops.ops import release_cache
 from dflashops.ops.agent_client import Agent, Busy, StaleRelease, Superseded
-from dflashops.ops.control import NotRunning
-from dflashops.ops.extra_args import over
+from dflashops.ops.fleet.nodes import relaunch_nodes
 from dflashops.ops.invocation import Invocation
-from dflashops.ops.launch import (
+from dflashops.ops.releases import release_cache
+from dflashops.ops.releases.sync import install_payload, local_manifest, release_files
+from dflashops.ops.runs.control import NotRunning
+from dflashops.ops.runs.extra_args import over
+from dflashops.ops.runs.launch import (
     DeployOutcome,
     DeployRequest,
     LaunchSpec,
@@ -37,9 +39,7 @@ from dflashops.ops.launch import (
     dry_run_preflight,
     launch_spec,
 )
-from dflashops.ops.nodes import relaunch_nodes
-from dflashops.ops.supervise import after_launch
-from dflashops.ops.sync import install_payload, local_manifest, release_files
+from dflashops.ops.runs.supervise import after_launch
 from dflashops.shell import validate_name
 
 # Stands in argv/run.json for the old run's latest checkpoint, which only the agent knows after the stop.
@@ -79,7 +79,7 @@ def restart(invocation: Invocation, request: RestartRequest) -> RestartOutcome:
     """`dflashops restart RUN`: the old run's child, in six steps, one function each, called in this order:
 
     1. `resolve`: the old run's record and profile -> the child's DeployRequest (refusals from the lineage alone);
-    2. `preflight`: the request's checks (ops/launch.py check_request), the `--checkpoint` looked up, the
+    2. `preflight`: the request's checks (ops/runs/launch.py check_request), the `--checkpoint` looked up, the
        child's name claimed in the lineage (released again if a later step fails);
     3. `sync`: the release the child runs from: the tar of changed files against the release this controller
        last installed there (release_cache; `manifest` asked only without one) and the child's launch spec;
@@ -87,7 +87,7 @@ def restart(invocation: Invocation, request: RestartRequest) -> RestartOutcome:
        installs the tar and launches the child (stop and launch are one step: split, they would be two round
        trips, and a cut between them would leave the old run stopped and no child);
     6. `record`: the old run's end and the child into the lineage, the release cache, the started notice and
-       the child's supervisor (ops/supervise.py after_launch).
+       the child's supervisor (ops/runs/supervise.py after_launch).
     A run on several targets takes `restart_nodes` after step 1: every node stopped, then deployed again."""
     old, profile, child = resolve(invocation, request)
     if len(old.extra.get("nodes") or []) >= 2:
@@ -145,7 +145,7 @@ def resolve(invocation: Invocation, request: RestartRequest) -> tuple[RunRecord,
 def restart_nodes(
     invocation: Invocation, request: RestartRequest, old: RunRecord, profile: Profile, child: DeployRequest
 ) -> RestartOutcome:
-    """Steps 2-6 for a run on several targets (ops/nodes.py relaunch_nodes): stop every node, deploy the child
+    """Steps 2-6 for a run on several targets (ops/fleet/nodes.py relaunch_nodes): stop every node, deploy the child
     as a job on the same targets; no combined agent call."""
     stop, checkpoint, deployed = relaunch_nodes(
         invocation,

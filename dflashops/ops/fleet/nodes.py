@@ -24,7 +24,8 @@ from dflashops.errors import DflashopsError, NotFound, TransportError, UsageErro
 from dflashops.inventory import Group, Profile, Target
 from dflashops.lineage import LineageDBError
 from dflashops.ops.invocation import Invocation
-from dflashops.ops.launch import (
+from dflashops.ops.observe.observe import started
+from dflashops.ops.runs.launch import (
     DeployOutcome,
     DeployRequest,
     NodePlace,
@@ -33,7 +34,6 @@ from dflashops.ops.launch import (
     claim_name,
     launch_on,
 )
-from dflashops.ops.observe import started
 
 NODE_PLACEHOLDERS = re.compile(r"\{(node_rank|nnodes|master_addr|master_port|rdzv_id)\}")
 

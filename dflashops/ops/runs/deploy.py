@@ -10,8 +10,9 @@ hold the redacted environment.
 from __future__ import annotations
 
 from dflashops.inventory import Profile, Target
+from dflashops.ops.fleet.nodes import deploy_nodes
 from dflashops.ops.invocation import Invocation
-from dflashops.ops.launch import (
+from dflashops.ops.runs.launch import (
     DeployOutcome,
     DeployRequest,
     check_free_on_target,
@@ -19,8 +20,7 @@ from dflashops.ops.launch import (
     claim_name,
     launch_on,
 )
-from dflashops.ops.nodes import deploy_nodes
-from dflashops.ops.supervise import after_launch
+from dflashops.ops.runs.supervise import after_launch
 
 
 def deploy(invocation: Invocation, request: DeployRequest) -> DeployOutcome:

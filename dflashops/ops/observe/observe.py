@@ -2,9 +2,9 @@
 
 1. a run the lineage does not know, whose run.json says the in-target supervisor made it (`extra.auto_restart`),
    is recorded (the same import `runs sync` does), so `runs tree` shows the auto-restarts after a `status`;
-2. events the supervisor recorded in the run's events.jsonl are delivered (ops/notify.py; once each);
+2. events the supervisor recorded in the run's events.jsonl are delivered (ops/observe/notify.py; once each);
 3. a state change against the lineage record (running -> crashed/finished/stopped) becomes an event;
-4. a run whose in-target supervisor died gets a new one (ops/supervise.py `revive`, handed in by the Invocation).
+4. a run whose in-target supervisor died gets a new one (ops/runs/supervise.py `revive`, handed in by the Invocation).
 Cost: nothing when `notify` is not configured and no run is new; else one ledger lookup per event.
 """
 
@@ -19,7 +19,7 @@ from dflashops.lineage import RunRecord
 from dflashops.lineage.files import AGENT_STATE_TO_LINEAGE, import_dict_from_status
 from dflashops.ops.session import Session
 
-# Starts a dead supervisor again and says so (ops/supervise.py `revive`): passed in by the Invocation, which
+# Starts a dead supervisor again and says so (ops/runs/supervise.py `revive`): passed in by the Invocation, which
 # owns this service, so that observe needs nothing of the launch layer (supervise imports this module).
 Reviver = Callable[[Session, dict[str, Any]], str | None]
 
@@ -69,7 +69,7 @@ def ending_event(status: dict[str, Any], previous: str | None) -> dict[str, Any]
 
 
 def observe(invocation: Session, status: dict[str, Any], record: RunRecord | None, revive: Reviver) -> None:
-    """Steps 1-4 of the module docstring for one status entry; `revive` is step 4's (ops/supervise.py)."""
+    """Steps 1-4 of the module docstring for one status entry; `revive` is step 4's (ops/runs/supervise.py)."""
     if record is None and adopt(invocation, status):
         record = invocation.record_of(str(status.get("name")))
     dead = (status.get("supervisor") or {}).get("alive") is False  # a helper that died is seen and restarted
