@@ -18,9 +18,10 @@ from pathlib import Path
 from remote_common import harness_session, median, percentile, write_inventory
 
 from dflashops.inventory import load_inventory
-from dflashops.ops.control import LogCursor, read_log
-from dflashops.ops.deploy import DeployRequest, deploy
 from dflashops.ops.invocation import Invocation
+from dflashops.ops.runs.control import LogCursor, read_log
+from dflashops.ops.runs.deploy import deploy
+from dflashops.ops.runs.launch import DeployRequest
 
 WRITER = (
     "import sys,time\nfor i in range(int(sys.argv[1])):\n    print(f'tick {i} {time.time():.6f}', flush=True)\n"

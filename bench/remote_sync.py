@@ -21,7 +21,7 @@ from remote_common import harness_session, write_inventory
 
 from dflashops.inventory import load_inventory
 from dflashops.ops.invocation import Invocation
-from dflashops.ops.sync import release_files, sync
+from dflashops.ops.releases.sync import release_files, sync
 
 FILES = 300
 FILE_BYTES = 4096

@@ -16,8 +16,9 @@ from pathlib import Path
 
 from dflashops.cli.common import open_invocation, print_error, progress
 from dflashops.errors import DflashopsError
-from dflashops.ops.control import DEFAULT_FAIL_ON, run_status, wait_for
-from dflashops.ops.deploy import DeployRequest, deploy
+from dflashops.ops.runs.control import DEFAULT_FAIL_ON, run_status, wait_for
+from dflashops.ops.runs.deploy import deploy
+from dflashops.ops.runs.launch import DeployRequest
 
 
 def main(argv: Sequence[str] | None = None) -> int:

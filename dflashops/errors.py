@@ -7,10 +7,31 @@ code the CLI should use. The CLI prints `error: <message>` and, when present, `h
 from __future__ import annotations
 
 import shlex  # not dflashops.shell, which imports this module: the same quoting, no import circle
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from dflashops.transport.base import Result  # which imports this module
+
+class CommandOutcome(Protocol):
+    """What `CommandFailed` reads from a finished command: `dflashops.transport.base.Result` fits it.
+
+    A Protocol rather than an import of Result, because transport.base imports this module: errors stays the
+    bottom of the house and imports nothing of dflashops.
+    """
+
+    @property
+    def argv(self) -> Sequence[str]: ...
+
+    @property
+    def exit_code(self) -> int: ...
+
+    @property
+    def stdout(self) -> str: ...
+
+    @property
+    def stderr(self) -> str: ...
+
+    @property
+    def target(self) -> str: ...
 
 
 class DflashopsError(Exception):
@@ -71,11 +92,11 @@ class TransportError(DflashopsError):
 
 
 class CommandFailed(DflashopsError):
-    """A command on the target exited non-zero. Carries the Result so callers can inspect it."""
+    """A command on the target exited non-zero. Carries the Result (a `CommandOutcome`) so callers can inspect it."""
 
     exit_code = 6
 
-    def __init__(self, result: Result, *, hint: str | None = None, tail_lines: int = 10) -> None:
+    def __init__(self, result: CommandOutcome, *, hint: str | None = None, tail_lines: int = 10) -> None:
         stderr_tail = "\n".join(result.stderr.rstrip().splitlines()[-tail_lines:])
         message = (
             f"command failed with exit code {result.exit_code} on {result.target}: {shlex.join(map(str, result.argv))}"

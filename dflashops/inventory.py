@@ -86,7 +86,7 @@ class Profile:
     packages: tuple[str, ...] = ("trainer",)  # Python packages from the repository shipped in the release
     on_failure: OnFailure | None = None  # auto-restart by the in-container supervisor (inventory_policy.py)
     stall: Stall | None = None  # stall detection by the same supervisor
-    # When `deploy`/`restart` (without --detach) call the run started (ops/start_wait.py): a status.json
+    # When `deploy`/`restart` (without --detach) call the run started (ops/runs/start_wait.py): a status.json
     # timeline milestone of the trainer, or `settle` for any other job (alive after a short settle time).
     started_when: str = "settle"
 

@@ -6,7 +6,9 @@ before it ships.
   lower ones, and cli/playbook reach targets through ops only (never transport or the agent's code). Library modules (errors, shell, inventory, lineage*, agent) import no layer above transport.
 - Only dflashops/transport/ touches subprocess, fabric, paramiko or libtmux (the agent and its siblings
   `dflashops/agent_*.py` are the exception: they run inside the target); those import the standard library only.
-Imports under `if TYPE_CHECKING:` are annotations, not dependencies, and are skipped.
+Imports under `if TYPE_CHECKING:` are annotations, not dependencies, and are skipped by these layer checks.
+- No import circle in dflashops or trainer: here every import counts (module level, inside a function, under
+  `if TYPE_CHECKING:`), because a reader who follows one must not come back where they started.
 """
 
 from __future__ import annotations
@@ -147,3 +149,139 @@ def test_the_checker_catches_a_violation(tmp_path: Path, monkeypatch: pytest.Mon
     ):
         assert expected in found
     assert "ok.py" not in found and "agent_probe.py:1" not in found  # shipped programs may spawn
+
+
+def project_modules() -> dict[str, Path]:
+    return {module_name(path): path for package in ("dflashops", "trainer") for path in sources(package)}
+
+
+def import_graph() -> dict[str, dict[str, int]]:
+    """module -> {project module it imports: first line}, for every import: module level, inside a function,
+    under `if TYPE_CHECKING:` (an annotation import is still a circle for a reader). `from pkg import name`
+    counts pkg.name when that is a module, else pkg (its __init__); a submodule's implicit import of its
+    package's __init__ (Python runs it first) is not an edge, or every package would be a circle."""
+    modules = project_modules()
+    graph: dict[str, dict[str, int]] = {}
+    for me, path in modules.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+        edges: dict[str, int] = {}
+        for node in ast.walk(tree):
+            names: list[str] = []
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*anchor, base] if base else anchor)
+                names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+            for name in names:
+                if name in modules and name != me:
+                    edges.setdefault(name, node.lineno)
+        graph[me] = edges
+    return graph
+
+
+def circles(graph: dict[str, dict[str, int]]) -> list[str]:
+    """Every import circle, each named once as `a -> b -> ... -> a` (started at its smallest module): for each
+    edge a -> b, the shortest way back from b to a (breadth first), if there is one."""
+    found: set[tuple[str, ...]] = set()
+    for start, edges in graph.items():
+        for first in edges:
+            came_from = {first: start}  # module -> the one it was reached from
+            frontier = [first]
+            while frontier and start not in came_from:
+                reached = []
+                for module in frontier:
+                    for nxt in graph.get(module, {}):
+                        if nxt not in came_from:
+                            came_from[nxt] = module
+                            reached.append(nxt)
+                frontier = reached
+            if start not in came_from:
+                continue
+            loop = [start]
+            while loop[-1] != first:
+                loop.append(came_from[loop[-1]])
+            loop = [start, *reversed(loop[1:])]  # start -> first -> ... -> the module that imports start
+            turn = loop.index(min(loop))
+            found.add(tuple(loop[turn:] + loop[:turn]))
+    return sorted(" -> ".join([*loop, loop[0]]) for loop in found)
+
+
+def test_no_import_circles() -> None:
+    found = circles(import_graph())
+    assert found == [], "import circles:\n" + "\n".join(found)
+
+
+def test_the_circle_check_finds_circles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The circle check must be able to fail: a synthetic tree with a lazy circle, an annotation-only circle
+    and a three-module one; a package __init__ and its submodule (the implicit import) are not one."""
+    fake = tmp_path / "repo"
+    (fake / "dflashops" / "ops").mkdir(parents=True)
+    (fake / "trainer").mkdir()
+    (fake / "dflashops" / "__init__.py").write_text("")
+    (fake / "dflashops" / "ops" / "__init__.py").write_text("from dflashops.ops.c import VALUE\n")
+    (fake / "dflashops" / "ops" / "a.py").write_text("def f():\n    from dflashops.ops import b\n")
+    (fake / "dflashops" / "ops" / "b.py").write_text("from . import a\n")
+    (fake / "dflashops" / "ops" / "c.py").write_text("VALUE = 1\n")
+    (fake / "trainer" / "x.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from trainer.y import Y\n"
+    )
+    (fake / "trainer" / "y.py").write_text("import trainer.x\n")
+    (fake / "trainer" / "p.py").write_text("from trainer import q\n")
+    (fake / "trainer" / "q.py").write_text("from trainer.r import thing\n")
+    (fake / "trainer" / "r.py").write_text("import trainer.p\n")
+    monkeypatch.setattr(sys.modules[__name__], "REPO", fake)
+    assert circles(import_graph()) == [
+        "dflashops.ops.a -> dflashops.ops.b -> dflashops.ops.a",
+        "trainer.p -> trainer.q -> trainer.r -> trainer.p",
+        "trainer.x -> trainer.y -> trainer.x",
+    ]
+
+
+def ops_picture() -> list[list[str]]:
+    """The ops modules of docs/architecture.md#the-ops-layer-top-to-bottom, one list per line of its block."""
+    text = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
+    block = text.split("## The ops layer, top to bottom", 1)[1].split("```", 2)[1]
+    return [
+        ["dflashops.ops." + word[:-3].replace("/", ".") for word in line.split() if word.endswith(".py")]
+        for line in block.splitlines()
+        if line.strip()
+    ]
+
+
+def picture_violations(picture: list[list[str]], graph: dict[str, dict[str, int]]) -> list[str]:
+    """Each module of the picture imports only modules listed on a later line (or on its own line, for the
+    row of leaves); a module of the picture that does not exist is named too."""
+    found = []
+    for row, line in enumerate(picture):
+        below = {module for later in picture[row:] for module in later}
+        listed = {module for every in picture for module in every}
+        for module in line:
+            if module not in graph:
+                found.append(f"{module} is in the picture but not in dflashops/ops")
+                continue
+            for imported in graph[module]:
+                if imported in listed and imported not in below:
+                    found.append(f"{module} imports {imported}, drawn above it")
+    return found
+
+
+def test_the_ops_picture_of_architecture_md_holds() -> None:
+    picture = ops_picture()
+    assert len(picture) >= 5 and all(picture)
+    assert picture_violations(picture, import_graph()) == []
+
+
+def test_the_ops_picture_check_can_fail() -> None:
+    graph = {"dflashops.ops.a": {"dflashops.ops.b": 1}, "dflashops.ops.b": {}}
+    assert picture_violations([["dflashops.ops.b"], ["dflashops.ops.a"]], graph) == [
+        "dflashops.ops.a imports dflashops.ops.b, drawn above it"
+    ]
+    assert picture_violations([["dflashops.ops.c"]], graph) == [
+        "dflashops.ops.c is in the picture but not in dflashops/ops"
+    ]

@@ -20,8 +20,8 @@ import pytest
 from dflashops.errors import TransportError
 from dflashops.inventory import load_inventory
 from dflashops.ops.agent_client import _UPLOAD, Agent, agent_bytes
-from dflashops.ops.control import stop_run
 from dflashops.ops.invocation import Invocation
+from dflashops.ops.runs.control import stop_run
 from dflashops.shell import join_argv
 from dflashops.transport.base import Stdin, Transport
 from dflashops.transport.pct import STATUS_MARK, PctTransport

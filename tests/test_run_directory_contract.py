@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from dflashops import agent
-from dflashops.ops import fetch
+from dflashops.ops.fetch import fetch
 from trainer import run_files
 
 REPO = Path(__file__).resolve().parents[1]

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from trainer.export_names import public_tensor_names
 from trainer.model.attention import FULL, SLIDING
 from trainer.model.drafter import CONFIG_NAME, WEIGHTS_NAME, DFlashDrafter, DrafterConfig
 from trainer.tokenizer_utils import DataInputError
@@ -44,8 +45,6 @@ def speculators_layer_ids(target_layer_ids: list[int]) -> list[int]:
 
 def speculators_tensor_names(num_layers: int, arch: str = "dflash") -> list[str]:
     """Every tensor of a speculators-form export: the z-lab names (of `arch`) plus the three target parts."""
-    from trainer.export import public_tensor_names
-
     return public_tensor_names(num_layers, arch) + list(TARGET_TENSORS)
 
 

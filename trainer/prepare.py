@@ -214,7 +214,7 @@ def prepare(options: PrepareOptions, *, log=None) -> shards.DatasetMeta:
         regenerator = Regenerator(options.target_model, tokenizer, options)
         for k in todo:
             samples = regenerator.shard_samples(
-                chunks[k], seed=options.seed + k, label=f"{names[k]} ({k + 1}/{len(names)})"
+                [prompt_part(r) for r in chunks[k]], seed=options.seed + k, label=f"{names[k]} ({k + 1}/{len(names)})"
             )
             shards.write_shard(out, names[k], samples)
     elif options.num_workers > 1 and len(todo) > 1:

@@ -28,7 +28,7 @@ def load_target_lm(path: str) -> tuple[Any, torch.device]:
 
 
 class Regenerator:
-    """Holds the target and tokenizer; `shard_samples(records, seed)` -> [(ids, mask)] in record order."""
+    """Holds the target and tokenizer; `shard_samples(prompts, seed)` -> [(ids, mask)] in prompt order."""
 
     def __init__(self, target_path: str, tokenizer: Any, options: Any) -> None:
         self.model, self.device = load_target_lm(target_path)
@@ -66,11 +66,11 @@ class Regenerator:
         return answers
 
     def shard_samples(
-        self, records: list[list[dict]], *, seed: int, label: str = ""
+        self, conversations: list[list[dict]], *, seed: int, label: str = ""
     ) -> list[tuple[list[int], list[int]]]:
-        from trainer.prepare import prompt_part
-
-        prompts = [tokenize_prompt(self.tokenizer, prompt_part(r), self.options.enable_thinking) for r in records]
+        """One (ids, loss mask) per conversation, whose trailing assistant turns the caller has already cut
+        (prepare.prompt_part): this module takes prompts, so it needs nothing back from prepare."""
+        prompts = [tokenize_prompt(self.tokenizer, c, self.options.enable_thinking) for c in conversations]
         samples: list[tuple[list[int], list[int]]] = []
         batch = self.options.batch_size
         for start in range(0, len(prompts), batch):

@@ -25,8 +25,8 @@ from dflashops.cli.common import (
 from dflashops.errors import NotFound, TransportError, UsageError
 from dflashops.lineage.files import AGENT_STATE_TO_LINEAGE
 from dflashops.lineage.record import utc_now_iso
-from dflashops.ops.control import LogCursor, ended_badly, read_log, run_status, stop_run, wait_for
-from dflashops.ops.nodes import node_target, unreachable_error
+from dflashops.ops.fleet.nodes import node_target, unreachable_error
+from dflashops.ops.runs.control import LogCursor, ended_badly, read_log, run_status, stop_run, wait_for
 from dflashops.shell import join_argv, validate_name
 
 
@@ -303,7 +303,7 @@ def handle_status(args: argparse.Namespace) -> int:
 def print_runs(entries: list[dict[str, Any]], gpus: list[dict[str, Any]]) -> None:
     """The table `watch` shows (cli/run_table.py), its per-run lines, and the GPUs of the target."""
     from dflashops.cli.run_table import console, detail_lines, gpu_table, ordered, runs_table
-    from dflashops.ops.watch import GpuRow, run_row
+    from dflashops.ops.observe.watch import GpuRow, run_row
 
     if not entries:
         progress("no runs on this target yet")
@@ -393,7 +393,7 @@ def handle_exec(args: argparse.Namespace) -> int:
 
 
 def handle_attach(args: argparse.Namespace) -> int:
-    from dflashops.ops.attach import attach_argv
+    from dflashops.ops.runs.attach import attach_argv
 
     with open_invocation(args) as invocation:
         argv = attach_argv(invocation, args.run, target=args.target, node=args.node)

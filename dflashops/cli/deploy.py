@@ -16,11 +16,12 @@ from dflashops.cli.common import (
     size,
 )
 from dflashops.errors import UsageError
-from dflashops.ops.control import DEFAULT_FAIL_ON, LogCursor, wait_for
-from dflashops.ops.deploy import LAUNCHERS, DeployOutcome, DeployRequest, deploy
 from dflashops.ops.invocation import Invocation
-from dflashops.ops.restart import RestartRequest, restart
-from dflashops.ops.start_wait import wait_started
+from dflashops.ops.runs.control import DEFAULT_FAIL_ON, LogCursor, wait_for
+from dflashops.ops.runs.deploy import deploy
+from dflashops.ops.runs.launch import LAUNCHERS, DeployOutcome, DeployRequest
+from dflashops.ops.runs.restart import RestartRequest, restart
+from dflashops.ops.runs.start_wait import wait_started
 from dflashops.shell import join_argv
 
 
@@ -199,7 +200,7 @@ def report(invocation: Invocation, outcome: DeployOutcome, args: argparse.Namesp
 
 
 def report_start(invocation: Invocation, name: str, timeout: float) -> int:
-    """Wait until `name` has passed its start (ops/start_wait.py) and say how on stderr; a crash in that
+    """Wait until `name` has passed its start (ops/runs/start_wait.py) and say how on stderr; a crash in that
     window raises RunFailed (its end, the last log lines, hint `dflashops logs RUN`)."""
     record = invocation.record_of(name)
     profiles = invocation.inventory.profiles

@@ -12,8 +12,8 @@ import sys
 from dflashops.cli.common import emit_json, progress, use_colour
 from dflashops.errors import UsageError
 from dflashops.inventory import Inventory, load_inventory
-from dflashops.ops.doctor import ChecksFailed, doctor, failed
-from dflashops.ops.doctor_checks import Check
+from dflashops.ops.doctor.doctor import ChecksFailed, doctor, failed
+from dflashops.ops.doctor.doctor_checks import Check
 
 COLOURS = {"ok": "32", "warn": "33", "fail": "1;31", "skip": "2"}
 
@@ -84,7 +84,7 @@ def handle_doctor(args: argparse.Namespace) -> int:
     inventory = load_inventory(getattr(args, "inventory", None))
     profiles_for(inventory, args.profile)  # an unknown --profile is refused before anything runs
     if args.all:
-        from dflashops.ops.fanout import fan_out
+        from dflashops.ops.fleet.fanout import fan_out
 
         progress(f"checking {len(inventory.targets)} target(s)...")
         results = fan_out(

@@ -1,4 +1,4 @@
-"""`status --all`, `stop --all`, `exec --all`: one verb over every target at once (dflashops.ops.fanout).
+"""`status --all`, `stop --all`, `exec --all`: one verb over every target at once (dflashops.ops.fleet.fanout).
 
 Output: a rich table on stdout (colour only on a terminal, none with NO_COLOR; every state is a word),
 or `--json`. Exit code 0 when every target answered, 1 when any failed or timed out: the failed rows
@@ -18,7 +18,7 @@ from rich.table import Table
 from dflashops.cli.common import emit_json, progress, use_colour
 from dflashops.errors import UsageError
 from dflashops.inventory import load_inventory
-from dflashops.ops.fanout import FanoutResult, exec_all, status_all, stop_all
+from dflashops.ops.fleet.fanout import FanoutResult, exec_all, status_all, stop_all
 
 
 def console() -> Console:
@@ -64,7 +64,7 @@ def handle_status_all(args: argparse.Namespace) -> int:
         # The one table of runs (cli/run_table.py, as `status` and `watch`); a target that failed gets a row
         # of its own (state `unreachable` or `timed out`) and its error below the table.
         from dflashops.cli.run_table import detail_lines, ordered, runs_table
-        from dflashops.ops.watch import RunRow, run_row
+        from dflashops.ops.observe.watch import RunRow, run_row
 
         now = time.time()
         rows: list[RunRow] = []

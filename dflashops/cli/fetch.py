@@ -17,7 +17,7 @@ from pathlib import Path
 from dflashops.cli.common import emit_json, open_invocation, print_plan, progress
 from dflashops.cli.control import with_run_hint
 from dflashops.errors import UsageError
-from dflashops.ops.fetch import EXPORT_FORMATS, FetchRequest, Progress, fetch
+from dflashops.ops.fetch.fetch import EXPORT_FORMATS, FetchRequest, Progress, fetch
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -23,7 +23,7 @@ from rich.tree import Tree
 from dflashops.lineage import LineageDB, RunRecord, diff_runs
 from dflashops.lineage.files import AGENT_STATE_TO_LINEAGE, best_value, metric_series, read_metrics, run_dir_of
 from dflashops.lineage.record import utc_now_iso
-from dflashops.ops.local_runs import LocalRuns
+from dflashops.ops.runs.local_runs import LocalRuns
 
 STATE_STYLE = {
     "launched": "cyan",

@@ -1,4 +1,4 @@
-"""The one table of runs that `status`, `status --all` and `watch` print (rows are ops/watch.py RunRows).
+"""The one table of runs that `status`, `status --all` and `watch` print (rows are ops/observe/watch.py RunRows).
 
 Layout: a header row, then running runs (launching, running, stopping) first and ended runs after them. An
 ended run shows its end state (crashed, lost, finished, stopped) and its exit code, and no eta or heartbeat
@@ -18,8 +18,8 @@ from rich.table import Table
 from rich.text import Text
 
 from dflashops.cli.common import use_colour
-from dflashops.ops.watch import LIVE_STATES as LIVE
-from dflashops.ops.watch import GpuRow, RunRow
+from dflashops.ops.observe.watch import LIVE_STATES as LIVE
+from dflashops.ops.observe.watch import GpuRow, RunRow
 
 COLUMNS = ("run", "target", "state", "step", "loss", "tau_sim", "blk tok/s", "eta", "beat", "exit")
 

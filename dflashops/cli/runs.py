@@ -183,7 +183,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
     through the agent's `status` verb (the same state rules `dflashops status` uses)."""
     sources: list[tuple[str, list[dict[str, Any]]]] = []
     if args.workspace:
-        from dflashops.ops.local_runs import LocalRuns
+        from dflashops.ops.runs.local_runs import LocalRuns
 
         workspace = Path(args.workspace).resolve()
         if not workspace.is_dir():
@@ -253,7 +253,7 @@ def _statuses_from_target(args: argparse.Namespace, target: str) -> list[dict[st
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from dflashops.ops.plot import plot_runs, require_matplotlib
+    from dflashops.ops.observe.plot import plot_runs, require_matplotlib
 
     require_matplotlib()
     db = _open(args) or _raise(_missing(args))

@@ -31,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def handle_trust(args: argparse.Namespace) -> int:
-    from dflashops.ops.trust import fetch_offer, record
+    from dflashops.ops.doctor.trust import fetch_offer, record
 
     offer = fetch_offer(load_inventory(getattr(args, "inventory", None)), args.host)
     print(f"{offer.known_name} {offer.key_type} {offer.fingerprint}")

@@ -7,7 +7,7 @@ plus the target's GPUs (memory and utilisation). `watch RUN` ends when the run e
 or was stopped, 7 (`error:` with how it ended) when it crashed or was lost. When the target stops answering, the last data stays on screen
 with `STALE <n>s` and the error, and each refresh tries again. `q` quits (keys are read from the tty
 without blocking; Ctrl-C works too). `--once` renders one frame to stdout; `--json` prints one snapshot.
-It never changes a run: it only reads (ops/watch.py).
+It never changes a run: it only reads (ops/observe/watch.py).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from dflashops.cli.common import emit_json, open_invocation
 from dflashops.cli.run_table import console as table_console
 from dflashops.cli.run_table import detail_lines, gpu_table, ordered, runs_table
 from dflashops.errors import NotFound, RunFailed, UsageError
-from dflashops.ops.watch import LIVE_STATES, Watcher
+from dflashops.ops.observe.watch import LIVE_STATES, Watcher
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -13,8 +13,9 @@ from dflashops.inventory import Inventory, Target
 from dflashops.lineage import LineageDB, LineageDBError, RunRecord
 from dflashops.lineage.files import AGENT_STATE_TO_LINEAGE
 from dflashops.ops.agent_client import Agent
-from dflashops.ops.notify import Notifier
-from dflashops.ops.observe import observe
+from dflashops.ops.observe.notify import Notifier
+from dflashops.ops.observe.observe import observe
+from dflashops.ops.runs.supervise import revive
 from dflashops.transport import open_transport
 
 
@@ -35,7 +36,7 @@ class Invocation:
 
     @property
     def notifier(self) -> Notifier:
-        """Run notifications (ops/notify.py); `notices` lists what it did, for the CLI to print."""
+        """Run notifications (ops/observe/notify.py); `notices` lists what it did, for the CLI to print."""
         if self._notifier is None:
             self._notifier = Notifier(self.inventory)
         return self._notifier
@@ -106,7 +107,7 @@ class Invocation:
 
     def note_state(self, status: dict) -> None:
         """Mirror an agent status entry into the lineage record (when the run is recorded); first adopt a
-        supervisor-made run and notify what changed (ops/observe.py). Best effort: the verb that asked (stop,
+        supervisor-made run and notify what changed (ops/observe/observe.py). Best effort: the verb that asked (stop,
         status) has done its job on the target already, so a database that cannot be read or written becomes
         a warning, not a failure."""
         if self.dry_run:
@@ -118,7 +119,7 @@ class Invocation:
 
     def _note_state(self, status: dict) -> None:
         record = self.record_of(str(status.get("name")))
-        observe(self, status, record)
+        observe(self, status, record, revive)
         record = record or self.record_of(str(status.get("name")))
         if record is None:
             return

@@ -19,7 +19,7 @@ from typing import Any
 
 from dflashops.errors import DflashopsError
 from dflashops.ops.invocation import Invocation
-from dflashops.ops.restart import RestartRequest, restart
+from dflashops.ops.runs.restart import RestartRequest, restart
 from dflashops.playbook import Playbook, Step
 from dflashops.playbook.expr import ExprSyntaxError
 from dflashops.playbook.steps import STEP_FUNCTIONS, Context, StepOutcome, latest_running_run

@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflashops.errors import CommandFailed, NotFound, RunFailed, UsageError, WaitTimeout
-from dflashops.ops.control import DEFAULT_FAIL_ON, LogCursor, NotRunning, read_log, run_status, stop_run, wait_for
-from dflashops.ops.deploy import DeployRequest, deploy
 from dflashops.ops.invocation import Invocation
-from dflashops.ops.restart import RestartRequest, restart
-from dflashops.ops.sync import sync
+from dflashops.ops.releases.sync import sync
+from dflashops.ops.runs.control import DEFAULT_FAIL_ON, LogCursor, NotRunning, read_log, run_status, stop_run, wait_for
+from dflashops.ops.runs.deploy import deploy
+from dflashops.ops.runs.launch import DeployRequest
+from dflashops.ops.runs.restart import RestartRequest, restart
 from dflashops.playbook.expr import MissingMetric, lookup, parse
 from dflashops.shell import join_argv
 

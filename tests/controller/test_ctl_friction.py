@@ -141,7 +141,7 @@ socket.socket.connect, socket.socket.connect_ex = connect, connect_ex
 
 def test_item21_all_verbs_work_with_the_shipped_inventory_on_a_fresh_checkout(tmp_path: Path) -> None:
     from dflashops.inventory import load_inventory
-    from dflashops.ops.fanout import remote_targets
+    from dflashops.ops.fleet.fanout import remote_targets
 
     checkout = tmp_path / "checkout"  # a fresh checkout after `make`: the shipped inventory and a .venv
     checkout.mkdir()

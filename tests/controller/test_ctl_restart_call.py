@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from dflashops.ops.sync import install_payload, local_manifest, release_files
+from dflashops.ops.releases.sync import install_payload, local_manifest, release_files
 from tests.controller.helpers import AGENT, Env, all_bytes
 
 SECRET = "s3cr3t-restart-5a4b3c2d1e-token"

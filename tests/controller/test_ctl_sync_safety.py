@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-import dflashops.ops.sync as sync_module
+import dflashops.ops.releases.sync as sync_module
 from tests.controller.helpers import REPO, Env
 
 NO_OVERRIDE = ["setpriv", "--inh-caps=-dac_override,-dac_read_search", "--bounding-set=-dac_override,-dac_read_search"]

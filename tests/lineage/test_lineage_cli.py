@@ -14,7 +14,7 @@ import pytest
 
 from dflashops.cli.main import main
 from dflashops.lineage import LineageDB
-from dflashops.ops.plot import LINE_STYLES, style_for
+from dflashops.ops.observe.plot import LINE_STYLES, style_for
 
 from .conftest import write_metrics
 

@@ -15,9 +15,9 @@ from remote_harness import Harness
 
 from dflashops.errors import TransportError
 from dflashops.inventory import load_inventory
-from dflashops.ops.control import LogCursor, read_log
 from dflashops.ops.invocation import Invocation
-from dflashops.ops.sync import sync
+from dflashops.ops.releases.sync import sync
+from dflashops.ops.runs.control import LogCursor, read_log
 
 
 def step_of(harness: Harness, run_dir: str) -> int:

@@ -18,8 +18,8 @@ from dflashops.errors import TransportError
 from dflashops.inventory import load_inventory
 from dflashops.lineage import LineageDB
 from dflashops.ops.invocation import Invocation
-from dflashops.ops.restart import RestartOutcome, RestartRequest, restart
-from dflashops.ops.sync import local_manifest, release_files
+from dflashops.ops.releases.sync import local_manifest, release_files
+from dflashops.ops.runs.restart import RestartOutcome, RestartRequest, restart
 
 
 def restart_counting(inventory: Path, run: str, **fields: object) -> tuple[RestartOutcome, int]:

@@ -14,7 +14,7 @@ from remote_harness import Harness
 from dflashops.errors import Conflict
 from dflashops.inventory import load_inventory
 from dflashops.ops.invocation import Invocation
-from dflashops.ops.sync import release_files, sync
+from dflashops.ops.releases.sync import release_files, sync
 
 
 def test_one_changed_file_travels_alone_and_the_release_is_complete(inventory: Path, harness: Harness) -> None:

@@ -20,8 +20,8 @@ from typing import Any, Generic, TypeVar
 
 from dflashops.errors import DflashopsError
 from dflashops.inventory import Inventory, Target
-from dflashops.ops.control import run_status, stop_run
 from dflashops.ops.invocation import Invocation
+from dflashops.ops.runs.control import run_status, stop_run
 
 R = TypeVar("R")
 DEFAULT_TIMEOUT_S = 60.0

@@ -1,4 +1,4 @@
-"""One file of a fetch: resumable and verified (ops/fetch.py's steps 2-4), and the target's hashes that
+"""One file of a fetch: resumable and verified (ops/fetch/fetch.py's steps 2-4), and the target's hashes that
 arrive while the bytes flow.
 
 `resume_point` decides where a file starts (an earlier partial for the same content is continued);
@@ -73,7 +73,7 @@ class TargetHashes:
             self._thread.start()
 
     def _ask(self, agent: Agent, run: str, paths: list[str]) -> None:
-        from dflashops.ops.control import call_resuming  # read-only: retried across a cut, with backoff
+        from dflashops.ops.runs.control import call_resuming  # read-only: retried across a cut, with backoff
 
         try:
             answer = call_resuming(

@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dflashops.errors import DflashopsError
-from dflashops.ops.control import run_status
 from dflashops.ops.invocation import Invocation
-from dflashops.ops.supervise import supervision_note
+from dflashops.ops.runs.control import run_status
+from dflashops.ops.runs.supervise import supervision_note
 
 LIVE_STATES = ("launching", "running", "stopping")
 
@@ -40,7 +40,7 @@ class RunRow:
     heartbeat_age_s: float | None = None
     last_log_line: str | None = None
     error_line: str | None = None
-    supervision: str | None = None  # ops/supervise.py supervision_note: "supervised", "supervisor died, ..."
+    supervision: str | None = None  # ops/runs/supervise.py supervision_note: "supervised", "supervisor died, ..."
     exit_code: int | None = None
     restarted_as: str | None = None  # the run the in-target supervisor restarted this one as
 

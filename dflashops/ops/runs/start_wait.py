@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflashops.errors import RunFailed, WaitTimeout
-from dflashops.ops.control import LogCursor, how_it_ended, read_log, run_status
+from dflashops.ops.fleet.nodes import overall
 from dflashops.ops.invocation import Invocation
-from dflashops.ops.nodes import overall
+from dflashops.ops.runs.control import LogCursor, how_it_ended, read_log, run_status
 
 SETTLE_S = 2.0
 LIVE_STATES = ("launching", "running")

@@ -1,10 +1,13 @@
-"""deploy: sync the code, write run.json, launch the run, record it in the lineage.
+"""launch: one run on one target. The request, its checks, the name's claim, the launch spec, the launch.
 
-Order matters for "refused means nothing changed": the name, the parent and the profile are checked
-(lineage + target) before any byte is synced; the agent's `launch` claims the run directory with one
-mkdir, so two deploys of the same name cannot both start. Secrets from the controller's environment
-travel to the launched process on the agent's stdin only; run.json, the database and the dry-run plan
-hold the redacted environment.
+The layers above call these in the order that keeps "refused means nothing changed": `check_request` (name,
+parent, launcher, extra arguments: read-only), `claim_name` (the lineage row, before any byte is synced),
+`launch_on` (sync, then the agent's `launch`, which claims the run directory with one mkdir, so two launches
+of the same name cannot both start). Secrets from the controller's environment travel to the launched process
+on the agent's stdin only; run.json, the database and the dry-run plan hold the redacted environment.
+Callers: ops/runs/deploy.py (a run on one target), ops/fleet/nodes.py (one launch per node), ops/runs/restart.py and
+ops/runs/supervise.py (the spec of a child run). Nothing here starts a supervisor or records the launched run:
+whoever launched does.
 """
 
 from __future__ import annotations
@@ -19,10 +22,9 @@ from dflashops.inventory import Profile, Target
 from dflashops.lineage import RunRecord, next_name, redact_env, wandb_env
 from dflashops.lineage.record import REDACTED, utc_now_iso
 from dflashops.ops.agent_client import Agent
-from dflashops.ops.extra_args import managed_flags, merge_extra_args
-from dflashops.ops.invocation import Invocation
-from dflashops.ops.supervise import after_launch
-from dflashops.ops.sync import sync
+from dflashops.ops.releases.sync import sync
+from dflashops.ops.runs.extra_args import managed_flags, merge_extra_args
+from dflashops.ops.session import Session
 from dflashops.shell import validate_name
 
 # Passed through from the controller's environment when set, whatever the profile says.
@@ -41,7 +43,7 @@ class DeployRequest:
     clear_cache: bool = False
     extra_args: list[str] = field(default_factory=list)
     checkpoint: str | None = None  # resume from this checkpoint (profile's resume_args)
-    node: NodePlace | None = None  # this target's place in a run on several targets (ops/nodes.py)
+    node: NodePlace | None = None  # this target's place in a run on several targets (ops/fleet/nodes.py)
     # The new code and flags prove they can start in the target before anything is launched or stopped (the
     # agent's preflight_release: compile, `python -m trainer check`); False: --skip-preflight.
     preflight: bool = True
@@ -77,7 +79,7 @@ class DeployOutcome:
     pgid: int | None
     uploaded: int
     cache_cleared: dict | None  # the agent's clear-cache answer: what went (folders, bytes, files)
-    supervisor: dict | None = None  # the in-target supervisor's start answer (ops/supervise.py), if any
+    supervisor: dict | None = None  # the in-target supervisor's start answer (ops/runs/supervise.py), if any
     preflight: dict | None = None  # what the agent's pre-flight checked (None: skipped, or a dry run)
     standby: bool = False  # started by a standby interpreter of the target (agent.py): no imports to wait for
     nodes: list[DeployOutcome] = field(default_factory=list)  # a run on several targets: each node's, node 0 first
@@ -95,7 +97,7 @@ def expand(template: str, values: dict[str, str]) -> str:
     return PLACEHOLDER_RE.sub(substitute, template)
 
 
-def choose_name(invocation: Invocation, request: DeployRequest) -> str:
+def choose_name(invocation: Session, request: DeployRequest) -> str:
     if request.name == "+":
         if not request.parent:
             raise UsageError(
@@ -139,7 +141,7 @@ class LaunchSpec:
 
 
 def launch_spec(
-    invocation: Invocation,
+    invocation: Session,
     request: DeployRequest,
     target: Target,
     profile: Profile,
@@ -215,7 +217,7 @@ def launch_spec(
 
 
 def check_request(
-    invocation: Invocation, request: DeployRequest, target: Target, profile: Profile, *, ask_target: bool = True
+    invocation: Session, request: DeployRequest, target: Target, profile: Profile, *, ask_target: bool = True
 ) -> str:
     """Every refusal that needs no change, before anything changes: launcher, parent, extra arguments, and the
     name (free in the lineage and, with `ask_target`, on the target: one read-only `status` call). Returns the
@@ -239,7 +241,7 @@ def check_request(
     return name
 
 
-def check_free_on_target(invocation: Invocation, target: Target, name: str) -> None:
+def check_free_on_target(invocation: Session, target: Target, name: str) -> None:
     """Conflict when `runs/<name>` exists on the target (a run the lineage does not know); read-only."""
     if invocation.dry_run:
         return
@@ -251,7 +253,7 @@ def check_free_on_target(invocation: Invocation, target: Target, name: str) -> N
         )
 
 
-def claim_name(invocation: Invocation, request: DeployRequest, target: Target, profile: Profile, name: str) -> str:
+def claim_name(invocation: Session, request: DeployRequest, target: Target, profile: Profile, name: str) -> str:
     """Claim the new run's name (checked by `check_request`) in the lineage database before anything is
     synced or launched; `--name +` picks the next free name in the same transaction, so two shells deploying
     at once get two names. A dry run claims nothing. The caller releases the claim when the launch fails
@@ -269,38 +271,8 @@ def claim_name(invocation: Invocation, request: DeployRequest, target: Target, p
     return invocation.db.reserve(claim, after=request.parent if request.name == "+" else None)
 
 
-def deploy(invocation: Invocation, request: DeployRequest) -> DeployOutcome:
-    targets, group = invocation.inventory.nodes(request.target)
-    profile = invocation.inventory.profile(request.profile)
-    if group is not None:
-        from dflashops.ops.nodes import deploy_nodes  # a run on several targets: one job, one lineage row
-
-        return deploy_nodes(invocation, request, targets, group, profile)
-    target = targets[0]
-    name = claim_name(invocation, request, target, profile, check_request(invocation, request, target, profile))
-    try:
-        if request.name == "+":
-            check_free_on_target(invocation, target, name)
-        return launch_named(invocation, request, target, profile, name)
-    except BaseException:
-        if not invocation.dry_run:
-            invocation.db.release(name)
-        raise
-
-
-def launch_named(
-    invocation: Invocation, request: DeployRequest, target: Target, profile: Profile, name: str
-) -> DeployOutcome:
-    """Sync, build the launch spec and launch the run `name` (already claimed), then fill in its lineage record."""
-    outcome, spec = launch_on(invocation, request, target, profile, name)
-    if not invocation.dry_run:
-        invocation.db.fill(spec.record)
-    outcome.supervisor = after_launch(invocation, request, target, profile, name, outcome.code_hash, outcome.release)
-    return outcome
-
-
 def launch_on(
-    invocation: Invocation, request: DeployRequest, target: Target, profile: Profile, name: str
+    invocation: Session, request: DeployRequest, target: Target, profile: Profile, name: str
 ) -> tuple[DeployOutcome, LaunchSpec]:
     """Sync the code to `target` and launch `name` there (one node of a run on several targets, or the whole
     run); the spec.s record has the pgid and session the agent answered. The lineage is the caller's."""

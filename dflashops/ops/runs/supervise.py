@@ -2,7 +2,7 @@
 
 Recovery must not depend on the controller staying awake, so everything the supervisor needs travels in
 its start request: the policy, and a launch TEMPLATE for the runs it may have to start (the profile's argv,
-environment and run.json built by deploy's own `launch_spec`, with sentinels where the child's name, parent,
+environment and run.json built by launch's own `launch_spec`, with sentinels where the child's name, parent,
 note and checkpoint go). The request holds the run's secrets (and the webhook URL when `notify.from_target`
 is set): it goes on stdin, the supervisor keeps it in memory only, and the dry-run plan shows it redacted.
 
@@ -25,9 +25,11 @@ from dflashops.inventory import Profile, Target
 from dflashops.inventory_policy import shown_url
 from dflashops.lineage.record import REDACTED
 from dflashops.ops.agent_client import _UPLOAD, Agent, _parse
-from dflashops.ops.invocation import Invocation
+from dflashops.ops.observe.observe import started
+from dflashops.ops.runs.launch import DeployRequest, launch_spec
+from dflashops.ops.session import Session
 
-SOURCE = Path(__file__).resolve().parent.parent / "agent_supervisor.py"
+SOURCE = Path(__file__).resolve().parents[2] / "agent_supervisor.py"  # dflashops/ops/runs/ -> dflashops/
 SENTINELS = {
     "name": "@dflashops-run-name@",
     "parent": "@dflashops-parent@",
@@ -42,11 +44,9 @@ def wanted(profile: Profile) -> bool:
 
 
 def template(
-    invocation: Invocation, request: Any, target: Target, profile: Profile, code_hash: str, release_path: str, root: str
+    invocation: Session, request: Any, target: Target, profile: Profile, code_hash: str, release_path: str, root: str
 ) -> dict[str, Any]:
     """The launch of a child run, with sentinels (see the module docstring)."""
-    from dflashops.ops.deploy import launch_spec  # deploy imports this module: imported when used
-
     base = replace(request, parent=None, note="", checkpoint=None)
     fresh = launch_spec(invocation, base, target, profile, SENTINELS["name"], code_hash, release_path)
     resumed = None
@@ -105,7 +105,7 @@ def supervisor_path(target: Target, source: bytes) -> str:
 
 
 def start(
-    invocation: Invocation,
+    invocation: Session,
     request: Any,
     target: Target,
     profile: Profile,
@@ -188,13 +188,11 @@ def start(
 
 
 def after_launch(
-    invocation: Invocation, request: Any, target: Target, profile: Profile, name: str, code_hash: str, release_path: str
+    invocation: Session, request: Any, target: Target, profile: Profile, name: str, code_hash: str, release_path: str
 ) -> dict[str, Any] | None:
     """What follows every launch by deploy/restart: the `started` notification, then `start`, with a failure
     of the supervisor turned into {"ok": False, "error", "hint"}: the run is launched already and stays up,
     so the caller reports a warning instead of failing the deploy."""
-    from dflashops.ops.observe import started
-
     started(invocation, target.name, name, request.note, request.parent)
     try:
         return start(invocation, request, target, profile, name, code_hash, release_path)
@@ -202,7 +200,7 @@ def after_launch(
         return {"ok": False, "error": exc.message, "hint": exc.hint}
 
 
-def revive(invocation: Invocation, status: dict[str, Any]) -> str | None:
+def revive(invocation: Session, status: dict[str, Any]) -> str | None:
     """A run's supervisor that died (the agent's status says its supervisor.json is watching or waiting out a
     backoff, and its pid is no supervisor): start a new one with the same root and restart count, from the
     run's lineage record and this shell's environment (its secrets), and return a line saying so (a warning
@@ -219,8 +217,6 @@ def revive(invocation: Invocation, status: dict[str, Any]) -> str | None:
     if record is None or target is None or profile is None or not wanted(profile):
         why = "no lineage record" if record is None else f"its profile {record.profile!r} asks for none here"
         return f"warning: {name}'s supervisor (pid {dead}) has died and cannot be started again from here ({why})"
-    from dflashops.ops.deploy import DeployRequest  # deploy imports this module: imported when used
-
     request = DeployRequest(
         target=target.name,
         profile=profile.name,

@@ -11,8 +11,8 @@ from typing import Any
 from dflashops.errors import Conflict, DflashopsError, RunFailed, TransportError, UsageError, WaitTimeout
 from dflashops.lineage.files import other_node
 from dflashops.ops.agent_client import Busy
+from dflashops.ops.fleet.nodes import nodes_of, overall, read_nodes, status_nodes, stop_nodes
 from dflashops.ops.invocation import Invocation
-from dflashops.ops.nodes import nodes_of, overall, read_nodes, status_nodes, stop_nodes
 from dflashops.shell import validate_name
 
 DEFAULT_FAIL_ON = r"Traceback \(most recent call last\)"
@@ -38,7 +38,7 @@ def stop_run(
     meets another stop or restart of the run waits for it and answers with its outcome (`joined`) instead of
     signalling again; `now` kills the run at once (no final checkpoint), whatever else is going on.
     Raises NotRunning (nothing signalled) when the run is not running, NotFound when it does not exist.
-    A run on several targets is stopped on every node at once (ops/nodes.py)."""
+    A run on several targets is stopped on every node at once (ops/fleet/nodes.py)."""
     validate_name(name, what="run name")
     if not invocation.dry_run and (nodes := nodes_of(invocation, name, target)):
         answer = stop_nodes(

@@ -17,14 +17,20 @@ No cache yet: `manifest` + the combined call (2 calls). Steady state: 1 call.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from dflashops.errors import Conflict, NotFound, TransportError, UsageError
 from dflashops.inventory import Profile, Target
 from dflashops.lineage import RunRecord
-from dflashops.ops import release_cache
 from dflashops.ops.agent_client import Agent, Busy, StaleRelease, Superseded
-from dflashops.ops.deploy import (
+from dflashops.ops.fleet.nodes import relaunch_nodes
+from dflashops.ops.invocation import Invocation
+from dflashops.ops.releases import release_cache
+from dflashops.ops.releases.sync import install_payload, local_manifest, release_files
+from dflashops.ops.runs.control import NotRunning
+from dflashops.ops.runs.extra_args import over
+from dflashops.ops.runs.launch import (
     DeployOutcome,
     DeployRequest,
     LaunchSpec,
@@ -33,10 +39,7 @@ from dflashops.ops.deploy import (
     dry_run_preflight,
     launch_spec,
 )
-from dflashops.ops.extra_args import over
-from dflashops.ops.invocation import Invocation
-from dflashops.ops.supervise import after_launch
-from dflashops.ops.sync import install_payload, local_manifest, release_files
+from dflashops.ops.runs.supervise import after_launch
 from dflashops.shell import validate_name
 
 # Stands in argv/run.json for the old run's latest checkpoint, which only the agent knows after the stop.
@@ -73,6 +76,36 @@ class RestartOutcome:
 
 
 def restart(invocation: Invocation, request: RestartRequest) -> RestartOutcome:
+    """`dflashops restart RUN`: the old run's child, in six steps, one function each, called in this order:
+
+    1. `resolve`: the old run's record and profile -> the child's DeployRequest (refusals from the lineage alone);
+    2. `preflight`: the request's checks (ops/runs/launch.py check_request), the `--checkpoint` looked up, the
+       child's name claimed in the lineage (released again if a later step fails);
+    3. `sync`: the release the child runs from: the tar of changed files against the release this controller
+       last installed there (release_cache; `manifest` asked only without one) and the child's launch spec;
+    4-5. `stop_and_launch`: ONE agent call (`restart` verb) that pre-flights the new code, stops the old run,
+       installs the tar and launches the child (stop and launch are one step: split, they would be two round
+       trips, and a cut between them would leave the old run stopped and no child);
+    6. `record`: the old run's end and the child into the lineage, the release cache, the started notice and
+       the child's supervisor (ops/runs/supervise.py after_launch).
+    A run on several targets takes `restart_nodes` after step 1: every node stopped, then deployed again."""
+    old, profile, child = resolve(invocation, request)
+    if len(old.extra.get("nodes") or []) >= 2:
+        return restart_nodes(invocation, request, old, profile, child)
+    target, name, chosen = preflight(invocation, request, old, profile, child)
+    try:
+        release = sync(invocation, child, target, profile, name)
+        answer, calls, fell_back = stop_and_launch(invocation, request, old, release, chosen)
+        return record(invocation, request, child, old, release, answer, chosen, calls=calls, fell_back=fell_back)
+    except BaseException:
+        if not invocation.dry_run:
+            invocation.db.release(name)
+        raise
+
+
+def resolve(invocation: Invocation, request: RestartRequest) -> tuple[RunRecord, Profile, DeployRequest]:
+    """Step 1: (the old run's record, its profile, the child's DeployRequest); UsageError/NotFound/Conflict for
+    what the lineage and the inventory refuse. Nothing is asked of the target."""
     validate_name(request.run, what="run name")
     old = invocation.db.get(request.run)  # NotFound with close names
     if old.profile is None or old.profile not in invocation.inventory.profiles:
@@ -94,7 +127,7 @@ def restart(invocation: Invocation, request: RestartRequest) -> RestartOutcome:
     extra = over([] if request.reset_args else list(old.extra.get("extra_args") or []), request.extra_args or [])
     if request.checkpoint is not None and not request.resume:
         raise UsageError("--checkpoint names the checkpoint to resume from", hint="add --resume")
-    deploy_request = DeployRequest(
+    child = DeployRequest(
         target=old.target,
         profile=profile.name,
         name=request.name or "+",
@@ -106,87 +139,132 @@ def restart(invocation: Invocation, request: RestartRequest) -> RestartOutcome:
         checkpoint=RESUME_PLACEHOLDER if request.resume else None,
         preflight=request.preflight,
     )
-    if len(old.extra.get("nodes") or []) >= 2:  # a run on several targets: stop all, deploy all (ops/nodes.py)
-        from dflashops.ops.control import NotRunning
-        from dflashops.ops.nodes import relaunch_nodes
+    return old, profile, child
 
-        stop, checkpoint, deployed = relaunch_nodes(
-            invocation,
-            old,
-            profile,
-            replace(deploy_request, target=None, checkpoint=None),  # relaunch_nodes resumes each node itself
-            resume=request.resume,
-            grace=request.grace,
-            not_running=NotRunning,
-        )
-        return RestartOutcome(
-            stopped=stop is not None,
-            old_exit_code=stop.get("exit_code") if stop else None,
-            checkpoint=checkpoint,
-            deployed=deployed,
-            agent_calls=0,
-        )
+
+def restart_nodes(
+    invocation: Invocation, request: RestartRequest, old: RunRecord, profile: Profile, child: DeployRequest
+) -> RestartOutcome:
+    """Steps 2-6 for a run on several targets (ops/fleet/nodes.py relaunch_nodes): stop every node, deploy the child
+    as a job on the same targets; no combined agent call."""
+    stop, checkpoint, deployed = relaunch_nodes(
+        invocation,
+        old,
+        profile,
+        replace(child, target=None, checkpoint=None),  # relaunch_nodes resumes each node itself
+        resume=request.resume,
+        grace=request.grace,
+        not_running=NotRunning,
+    )
+    return RestartOutcome(
+        stopped=stop is not None,
+        old_exit_code=stop.get("exit_code") if stop else None,
+        checkpoint=checkpoint,
+        deployed=deployed,
+        agent_calls=0,
+    )
+
+
+def preflight(
+    invocation: Invocation, request: RestartRequest, old: RunRecord, profile: Profile, child: DeployRequest
+) -> tuple[Target, str, str | None]:
+    """Step 2: (target, the claimed name, the chosen checkpoint or None). The request's checks need no round
+    trip (ask_target=False: the combined call refuses an existing run directory before it changes anything);
+    `--checkpoint` costs one `status` call per run of the chain. The new code's own pre-flight (compile,
+    `python -m trainer check`) runs in the target, inside step 4-5's call, before the old run is signalled."""
     target = invocation.inventory.target(old.target)
     chosen = chosen_checkpoint(invocation, old, target, request.checkpoint) if request.checkpoint else None
     name = claim_name(
         invocation,
-        deploy_request,
+        child,
         target,
         profile,
-        check_request(invocation, deploy_request, target, profile, ask_target=False),
+        check_request(invocation, child, target, profile, ask_target=False),
     )
-    try:
-        return relaunch(invocation, request, deploy_request, old, target, profile, name, chosen)
-    except BaseException:
-        if not invocation.dry_run:
-            invocation.db.release(name)
-        raise
+    return target, name, chosen
 
 
-def relaunch(
-    invocation: Invocation,
-    request: RestartRequest,
-    deploy_request: DeployRequest,
-    old: RunRecord,
-    target: Target,
-    profile: Profile,
-    name: str,
-    chosen: str | None = None,
-) -> RestartOutcome:
-    """The combined stop + install + launch call for the claimed name `name`, and the lineage records;
-    `chosen`: the checkpoint to resume from instead of the old run's newest."""
+@dataclass
+class Release:
+    """What step 3 prepared: the files, their hash and manifest, the tar against the target's base, the spec."""
+
+    target: Target
+    profile: Profile
+    files: dict[str, Path]
+    code_hash: str
+    manifest: dict[str, str]
+    payload: tuple[dict, bytes, tuple, tuple]
+    spec: LaunchSpec
+    calls: int  # agent calls it took: 0 with a cached base, 1 (`manifest`) without
+
+    @property
+    def path(self) -> str:
+        return f"{self.target.workspace}/releases/{self.code_hash}"
+
+
+def sync(invocation: Invocation, child: DeployRequest, target: Target, profile: Profile, name: str) -> Release:
+    """Step 3: the child's release and launch spec; the tar holds only the files that differ from the release
+    this controller last installed on `target` (release_cache), or from what `manifest` says is there."""
     files = release_files(profile.files, invocation.inventory.root, profile.packages)
     code_hash, manifest = local_manifest(files)
-    spec = launch_spec(
-        invocation, deploy_request, target, profile, name, code_hash, f"{target.workspace}/releases/{code_hash}"
-    )
-    agent = invocation.agent(target)
-    calls, fell_back = 0, False
+    spec = launch_spec(invocation, child, target, profile, name, code_hash, f"{target.workspace}/releases/{code_hash}")
+    calls = 0
     base: tuple[str | None, dict[str, str]] | None = release_cache.load(invocation.inventory.lineage_path, target)
     if base is None:
-        base, calls = remote_base(agent, code_hash, manifest), calls + 1
+        base, calls = remote_base(invocation.agent(target), code_hash, manifest), calls + 1
     payload = install_payload(target.workspace, files, code_hash, manifest, base[0], base[1])
+    return Release(target, profile, files, code_hash, manifest, payload, spec, calls)
+
+
+def stop_and_launch(
+    invocation: Invocation, request: RestartRequest, old: RunRecord, release: Release, chosen: str | None
+) -> tuple[dict[str, Any], int, bool]:
+    """Steps 4-5: the combined call; returns (the agent's answer, agent calls in all, fell back). When the
+    cached base is gone from the target (StaleRelease: nothing was changed) the tar is built again against
+    what `manifest` says and the call repeated. A dry run adds the read-only pre-flight's verdict."""
+    agent = invocation.agent(release.target)
+    calls, fell_back = release.calls, False
     try:
         calls += 1
-        answer = combined_call(agent, old.name, request, spec, payload, chosen)
+        answer = combined_call(agent, old.name, request, release.spec, release.payload, chosen)
     except StaleRelease:  # nothing was changed: ask what is there, build the tar again, call again
-        base, fell_back = remote_base(agent, code_hash, manifest), True
-        payload = install_payload(target.workspace, files, code_hash, manifest, base[0], base[1])
+        base, fell_back = remote_base(agent, release.code_hash, release.manifest), True
+        release.payload = install_payload(
+            release.target.workspace, release.files, release.code_hash, release.manifest, base[0], base[1]
+        )
         calls += 2
-        answer = combined_call(agent, old.name, request, spec, payload, chosen)
-    checkpoint = (chosen or f"<latest checkpoint of {old.name}>") if request.resume else None
+        answer = combined_call(agent, old.name, request, release.spec, release.payload, chosen)
     if invocation.dry_run and request.preflight:
         answer = {
             **answer,
             "preflight": dry_run_preflight(
                 agent,
-                spec,
-                code_hash,
+                release.spec,
+                release.code_hash,
                 old=old.name,
                 resume_placeholder=RESUME_PLACEHOLDER if request.resume else None,
                 resume_checkpoint=chosen,
             ),
         }
+    return answer, calls, fell_back
+
+
+def record(
+    invocation: Invocation,
+    request: RestartRequest,
+    child: DeployRequest,
+    old: RunRecord,
+    release: Release,
+    answer: dict[str, Any],
+    chosen: str | None,
+    *,
+    calls: int,
+    fell_back: bool,
+) -> RestartOutcome:
+    """Step 6: the lineage (the old run's end, the child with its parent edge, its resumed checkpoint, pgid and
+    session), the release cache, then the started notice and the child's supervisor; the outcome."""
+    target, spec, code_hash = release.target, release.spec, release.code_hash
+    checkpoint = (chosen or f"<latest checkpoint of {old.name}>") if request.resume else None
     if not invocation.dry_run:
         checkpoint = answer.get("checkpoint")
         if checkpoint:
@@ -196,19 +274,17 @@ def relaunch(
         spec.record.session = answer.get("session") or spec.record.session
         invocation.note_state(answer["old_status"])  # the old run's end (exit code, step) into its record
         invocation.db.fill(spec.record)  # the new run, with its parent edge
-        release_cache.save(invocation.inventory.lineage_path, target, code_hash, manifest)
+        release_cache.save(invocation.inventory.lineage_path, target, code_hash, release.manifest)
     stop = answer.get("stop")
-    supervisor = after_launch(
-        invocation, deploy_request, target, profile, name, code_hash, f"{target.workspace}/releases/{code_hash}"
-    )
+    supervisor = after_launch(invocation, child, target, release.profile, spec.name, code_hash, release.path)
     deployed = DeployOutcome(
-        name=name,
+        name=spec.name,
         target=target.name,
         run_dir=spec.run_dir,
         code_hash=code_hash,
-        release=f"{target.workspace}/releases/{code_hash}",
+        release=release.path,
         pgid=answer.get("pgid"),
-        uploaded=len(payload[2]),
+        uploaded=len(release.payload[2]),
         cache_cleared=answer.get("cleared"),
         supervisor=supervisor,
         standby=bool(answer.get("standby")),

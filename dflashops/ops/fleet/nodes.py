@@ -23,7 +23,9 @@ from typing import Any
 from dflashops.errors import DflashopsError, NotFound, TransportError, UsageError
 from dflashops.inventory import Group, Profile, Target
 from dflashops.lineage import LineageDBError
-from dflashops.ops.deploy import (
+from dflashops.ops.invocation import Invocation
+from dflashops.ops.observe.observe import started
+from dflashops.ops.runs.launch import (
     DeployOutcome,
     DeployRequest,
     NodePlace,
@@ -32,7 +34,6 @@ from dflashops.ops.deploy import (
     claim_name,
     launch_on,
 )
-from dflashops.ops.invocation import Invocation
 
 NODE_PLACEHOLDERS = re.compile(r"\{(node_rank|nnodes|master_addr|master_port|rdzv_id)\}")
 
@@ -113,8 +114,6 @@ def deploy_nodes(
         ]
         record.extra["group"] = group.name
         invocation.db.fill(record)
-        from dflashops.ops.observe import started
-
         started(invocation, targets[0].name, name, request.note, request.parent)
     return first
 

@@ -5,7 +5,7 @@ sha256 of the sorted (path, file sha256) list, so the same tree always gives the
 Only files whose hash differs from the current release's manifest go into the tar stream; the agent
 hard-links the unchanged ones from the previous release, verifies every hash, renames the folder into
 `releases/<hash>/` and flips `current` atomically. Cost: one `manifest` call + one `install` call
-(`restart` folds the install into its one combined call, against a cached base: ops/restart.py).
+(`restart` folds the install into its one combined call, against a cached base: ops/runs/restart.py).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflashops.errors import UsageError
-from dflashops.ops import release_cache
 from dflashops.ops.agent_client import AGENT_SOURCE, Agent
+from dflashops.ops.releases import release_cache
 
 REPO_ROOT = AGENT_SOURCE.parent.parent
 SKIP_PARTS = {"__pycache__", ".pytest_cache"}

@@ -1,7 +1,7 @@
 """doctor: "will a run work on this target?", answered before a run fails ten minutes in.
 
 Order: the host (reachable, host key known), the container (`pct status`), then one probe inside the target
-(agent_doctor.py, sent on stdin so it writes nothing there) whose facts ops/doctor_checks.py judges; a
+(agent_doctor.py, sent on stdin so it writes nothing there) whose facts ops/doctor/doctor_checks.py judges; a
 later step is skipped when an earlier one failed (no container check on an unreachable host). Cost: for a
 pct target three commands (host `true` + its nvidia-smi, `pct status`, the probe); the probe's import of
 torch/transformers/triton dominates (~3-10 s).
@@ -18,11 +18,11 @@ from typing import Any
 from dflashops.errors import DflashopsError
 from dflashops.inventory import Profile, Target
 from dflashops.ops.agent_client import _parse
-from dflashops.ops.doctor_checks import Check, judge_probe, secret_checks
+from dflashops.ops.doctor.doctor_checks import Check, judge_probe, secret_checks
 from dflashops.ops.invocation import Invocation
-from dflashops.ops.sync import local_manifest, release_files
+from dflashops.ops.releases.sync import local_manifest, release_files
 
-PROBE_SOURCE = Path(__file__).resolve().parent.parent / "agent_doctor.py"
+PROBE_SOURCE = Path(__file__).resolve().parents[2] / "agent_doctor.py"  # dflashops/ops/doctor/ -> dflashops/
 PROBE_TIMEOUT_S = 300.0  # the import probe inside has its own 180 s limit; this bounds a hung transport
 
 

@@ -2,28 +2,31 @@
 
 1. a run the lineage does not know, whose run.json says the in-target supervisor made it (`extra.auto_restart`),
    is recorded (the same import `runs sync` does), so `runs tree` shows the auto-restarts after a `status`;
-2. events the supervisor recorded in the run's events.jsonl are delivered (ops/notify.py; once each);
+2. events the supervisor recorded in the run's events.jsonl are delivered (ops/observe/notify.py; once each);
 3. a state change against the lineage record (running -> crashed/finished/stopped) becomes an event;
-4. a run whose in-target supervisor died gets a new one (ops/supervise.py `revive`).
+4. a run whose in-target supervisor died gets a new one (ops/runs/supervise.py `revive`, handed in by the Invocation).
 Cost: nothing when `notify` is not configured and no run is new; else one ledger lookup per event.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from dflashops.errors import DflashopsError
 from dflashops.lineage import RunRecord
 from dflashops.lineage.files import AGENT_STATE_TO_LINEAGE, import_dict_from_status
+from dflashops.ops.session import Session
 
-if TYPE_CHECKING:
-    from dflashops.ops.invocation import Invocation
+# Starts a dead supervisor again and says so (ops/runs/supervise.py `revive`): passed in by the Invocation, which
+# owns this service, so that observe needs nothing of the launch layer (supervise imports this module).
+Reviver = Callable[[Session, dict[str, Any]], str | None]
 
 ENDINGS = {"crashed": "crashed", "finished": "finished", "stopped": "stopped"}
 
 
-def adopt(invocation: Invocation, status: dict[str, Any]) -> bool:
+def adopt(invocation: Session, status: dict[str, Any]) -> bool:
     """Record a supervisor-made run (its parent chain is what the lineage needs); True when added."""
     run_json = status.get("run_json") or {}
     if not (run_json.get("extra") or {}).get("auto_restart") or not status.get("target"):
@@ -65,14 +68,13 @@ def ending_event(status: dict[str, Any], previous: str | None) -> dict[str, Any]
     }
 
 
-def observe(invocation: Invocation, status: dict[str, Any], record: RunRecord | None) -> None:
+def observe(invocation: Session, status: dict[str, Any], record: RunRecord | None, revive: Reviver) -> None:
+    """Steps 1-4 of the module docstring for one status entry; `revive` is step 4's (ops/runs/supervise.py)."""
     if record is None and adopt(invocation, status):
         record = invocation.record_of(str(status.get("name")))
-    if (status.get("supervisor") or {}).get("alive") is False:  # a helper that died is seen and restarted
-        from dflashops.ops.supervise import revive  # supervise -> deploy -> invocation -> this module
-
-        if notice := revive(invocation, status):
-            invocation.notices.append(notice)
+    dead = (status.get("supervisor") or {}).get("alive") is False  # a helper that died is seen and restarted
+    if dead and (notice := revive(invocation, status)):
+        invocation.notices.append(notice)
     notifier = invocation.notifier
     if notifier.config is None:
         return
@@ -84,7 +86,7 @@ def observe(invocation: Invocation, status: dict[str, Any], record: RunRecord | 
         notifier.send(event)
 
 
-def started(invocation: Invocation, target: str, name: str, note: str, parent: str | None) -> None:
+def started(invocation: Session, target: str, name: str, note: str, parent: str | None) -> None:
     """The controller launched `name` (deploy, restart)."""
     if invocation.dry_run or invocation.notifier.config is None:
         return

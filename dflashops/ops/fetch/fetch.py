@@ -23,9 +23,16 @@ from typing import Any
 
 from dflashops.errors import NotFound, UsageError
 from dflashops.inventory import Target
-from dflashops.ops.control import run_status
-from dflashops.ops.fetch_file import RESUME_ATTEMPTS, FileOutcome, Progress, TargetHashes, fetch_file, resume_point
+from dflashops.ops.fetch.fetch_file import (
+    RESUME_ATTEMPTS,
+    FileOutcome,
+    Progress,
+    TargetHashes,
+    fetch_file,
+    resume_point,
+)
 from dflashops.ops.invocation import Invocation
+from dflashops.ops.runs.control import run_status
 from dflashops.shell import validate_name
 
 METADATA = ("run.json", "status.json", "metrics.jsonl", "exit_code")

@@ -1,0 +1,1 @@
+"""Checking a target before use: doctor and its checks, trust (host keys)."""

@@ -1,0 +1,1 @@
+"""What the controller sees and says: observation of statuses, notifications and their courier, watch, plots."""

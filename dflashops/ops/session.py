@@ -1,0 +1,43 @@
+"""What the services below an Invocation use of it: the seam that keeps ops/invocation.py at the top.
+
+`Invocation` (ops/invocation.py) owns one CLI call's state and the services that act on it: observation
+(ops/observe/observe.py), notification (ops/observe/notify.py), the in-target supervisor (ops/runs/supervise.py) and the one-target
+launch (ops/runs/launch.py). Those take a `Session`, this Protocol, instead of importing Invocation, so that
+Invocation can import them without an import circle; an Invocation is a Session as it is (structural typing).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from dflashops.inventory import Inventory, Target
+from dflashops.lineage import LineageDB, RunRecord
+from dflashops.ops.agent_client import Agent
+from dflashops.ops.observe.notify import Notifier
+
+
+class Session(Protocol):
+    """One CLI call's inventory, lineage, agents and notifier (read-only views: an Invocation holds them)."""
+
+    @property
+    def inventory(self) -> Inventory: ...
+
+    @property
+    def dry_run(self) -> bool: ...
+
+    @property
+    def db(self) -> LineageDB: ...
+
+    @property
+    def notifier(self) -> Notifier: ...
+
+    @property
+    def notices(self) -> list[str]: ...
+
+    def agent(self, target: Target) -> Agent:
+        """The agent of `target`, connected once per call and reused."""
+        ...
+
+    def record_of(self, name: str) -> RunRecord | None:
+        """The lineage record of run `name`, None when the lineage does not know it."""
+        ...
