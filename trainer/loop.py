@@ -21,6 +21,7 @@ and what its metrics line holds; the loop owns when things happen. The loop impo
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,11 @@ from trainer.lines import say
 from trainer.metrics import RunRecorder, truncate_metrics
 from trainer.preflight import RunSetup, check_resume_nodes, expected_shapes
 from trainer.signals import GracefulStop
+
+# Tests: each optimizer step takes at least this many seconds. A tiny run on the CPU trains ~50 steps/s and keeps
+# a core busy while its test waits on something else (a restart, a standby, a gate); on a 2-core machine running
+# two test workers, a few such runs were a third of the suite's CPU time. Paced, the run is the same run, slower.
+MIN_STEP_ENV = "TRAINER_TEST_MIN_STEP_S"
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -212,8 +218,12 @@ def _steps(
     recorder.mark("warmed_up")
     first = step
     position: tuple[int, int] | None = None
+    min_step_s = float(os.environ.get(MIN_STEP_ENV) or 0.0)
     while step < total_steps:
+        started = time.monotonic()
         engine.train_step(step)
+        if (left := min_step_s - (time.monotonic() - started)) > 0 and stop.signum is None:
+            time.sleep(left)
         recorder.check_heartbeat()  # a status.json the heartbeat could not write ends the run (RunRecorder._beat)
         step += 1
         if step == first + 1:
