@@ -124,7 +124,14 @@ def write_inventory(work: Path, scale: dict, device: str, standby: bool = True) 
                         "workspace": str(work / "ws"),
                         "python": sys.executable,
                         "standby": standby,
-                        "env": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "PYTHONUNBUFFERED": "1"},
+                        "env": {
+                            "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+                            "PYTHONUNBUFFERED": "1",
+                            # On the CPU (the smoke test) each step takes >= 0.1 s (trainer/loop.py): the old run
+                            # trains on beside each restart, and unpaced its three threads took the cores the
+                            # child builds on (a third of the test suite's CPU time went to this bench).
+                            **({"TRAINER_TEST_MIN_STEP_S": "0.1"} if device == "cpu" else {}),
+                        },
                     }
                 },
                 "profiles": {"cycle": {"argv": argv, "resume_args": ["--resume", "{checkpoint}"]}},

@@ -29,7 +29,7 @@ PROFILE = """
 argv: ["{python}", -m, trainer, train, --preset, tiny, --output-dir, "{run_dir}", --max-steps, "100000",
        --wandb, "off", --log-interval, "1", --save-interval, "100000"]
 resume_args: [--resume, "{checkpoint}"]
-env: {TRAINER_TEST_WRITE_GATE: "@WRITE@", TRAINER_TEST_SYNC_GATE: "@SYNC@"}
+env: {TRAINER_TEST_WRITE_GATE: "@WRITE@", TRAINER_TEST_SYNC_GATE: "@SYNC@", TRAINER_TEST_MIN_STEP_S: "0.1"}
 """
 
 

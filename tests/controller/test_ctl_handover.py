@@ -30,7 +30,7 @@ PROFILE = """
 argv: ["{python}", -m, trainer, train, --preset, tiny, --output-dir, "{run_dir}", --max-steps, "100000",
        --wandb, "off", --log-interval, "1", --save-interval, "100000"]
 resume_args: [--resume, "{checkpoint}"]
-env: {TRAINER_TEST_WRITE_GATE: "%s", TRAINER_TEST_SYNC_GATE: "%s"}
+env: {TRAINER_TEST_WRITE_GATE: "%s", TRAINER_TEST_SYNC_GATE: "%s", TRAINER_TEST_MIN_STEP_S: "0.1"}
 """
 
 

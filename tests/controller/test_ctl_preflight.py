@@ -22,6 +22,7 @@ argv: ["{python}", -m, trainer, train, --preset, tiny, --output-dir, "{run_dir}"
        --wandb, "off", --log-interval, "1", --save-interval, "100000"]
 resume_args: [--resume, "{checkpoint}"]
 files: [trainer/metrics.py]
+env: {TRAINER_TEST_MIN_STEP_S: "0.1"}  # a paced run: it trains on while the test restarts it (trainer/loop.py)
 """
 
 

@@ -495,6 +495,7 @@ def test_item2_stopping_a_run_with_wandb_leaves_no_traceback(
 argv: ["{python}", -m, trainer, train, --preset, tiny, --output-dir, "{run_dir}", --max-steps, "100000",
        --wandb, "on", --log-interval, "1"]
 resume_args: [--resume, "{checkpoint}"]
+env: {TRAINER_TEST_MIN_STEP_S: "0.1"}
 """,
     )
     code, _, err = env.cli(

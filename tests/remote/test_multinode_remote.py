@@ -20,7 +20,7 @@ DIST_PROFILE = """\
            --max-steps, "100000", --log-interval, "1", --save-interval, "1000", --target-gpus, cpu,
            --drafter-gpus, "cpu,cpu", --dist-timeout, "60", --nodes, "{nnodes}", --output-dir, "{run_dir}"]
     resume_args: [--resume, "{checkpoint}"]
-    env: {GLOO_SOCKET_IFNAME: lo, OMP_NUM_THREADS: "1"}
+    env: {GLOO_SOCKET_IFNAME: lo, OMP_NUM_THREADS: "1", TRAINER_TEST_MIN_STEP_S: "0.1"}
   single:
     argv: ["{python}", "{release}/workload.py", --output-dir, "{run_dir}"]
     files: [workload.py]

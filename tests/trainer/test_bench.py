@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,8 @@ import torch
 from trainer import bench
 from trainer.bench_common import visible_pairs
 from trainer.model.attention import dense_mask
+
+REPO = Path(__file__).resolve().parents[2]
 
 torch.set_num_threads(1)
 
@@ -110,11 +113,16 @@ def test_the_restart_cycle_bench_runs_its_cpu_smoke_test(tmp_path) -> None:
     a bad flag) that leave the old run training, one in the old order, and a deploy into a fresh workspace; each
     child resumed from its parent's final checkpoint, each started by the standby interpreter the run before it
     left (real torch imported ahead)."""
-    repo = Path(__file__).resolve().parents[2]
+    # The bench edits the code it deploys (a file added, drafter.py's MLP changed for one restart): it runs from
+    # a copy of the checkout, so a test running beside it in another worker never imports the edited code.
+    repo = tmp_path / "checkout"
+    for part in ("bench", "dflashops", "trainer"):
+        shutil.copytree(REPO / part, repo / part, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copy(REPO / "pyproject.toml", repo / "pyproject.toml")
     modes = "handover,code-change-outside,code-change-inside,bad-code,bad-flag,wait-exit"
     args = ["--scale", "smoke", "--device", "cpu", "--modes", modes, "--steps", "3", "--fresh-workspace"]
     done = subprocess.run(
-        [sys.executable, str(repo / "bench" / "restart_cycle.py"), *args, "--workdir", str(tmp_path)],
+        [sys.executable, str(repo / "bench" / "restart_cycle.py"), *args, "--workdir", str(tmp_path / "work")],
         cwd=repo,
         capture_output=True,
         text=True,
