@@ -44,6 +44,11 @@ for section in "$@"; do
               --json-out "$OUT/s12-specforge.json" ;;
     s12-seed) step s12-seed 420 python3 -m trainer bench step --preset qwen3-8b --shape seed \
               --variants triton,triton-attn,triton,triton-attn --iters 5 --warmup 2 --json-out "$OUT/s12-seed.json" ;;
+    # Session 13 (issue 32 item 4): DFlash2's top-k inside the fused CE kernel (parity and cost on one chunk),
+    # then DFlash vs DFlash2 at the qwen3-8b seed shape, interleaved, each profiled after timing.
+    s13-topk) step s13-topk 200 python3 bench/s13_topk.py ;;
+    s13-step) step s13-step 420 python3 -m trainer bench step --preset qwen3-8b --shape seed \
+              --variants triton,dflash2,triton,dflash2 --iters 5 --warmup 2 --profile --json-out "$OUT/s13-step.json" ;;
     env) nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
          python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' ;;
     parity) step parity 240 python3 bench/gpu_parity.py ;;
