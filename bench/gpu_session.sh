@@ -49,6 +49,11 @@ for section in "$@"; do
     s13-topk) step s13-topk 200 python3 bench/s13_topk.py ;;
     s13-step) step s13-step 420 python3 -m trainer bench step --preset qwen3-8b --shape seed \
               --variants triton,dflash2,triton,dflash2 --iters 5 --warmup 2 --profile --json-out "$OUT/s13-step.json" ;;
+    # then the convolutions through trainer/model/conv_triton.py: parity and cost of one, then in the step
+    s13-conv) step s13-conv 150 python3 bench/s13_conv.py ;;
+    s13-step2) step s13-step2 450 python3 -m trainer bench step --preset qwen3-8b --shape seed \
+              --variants triton,dflash2-conv,triton,dflash2-conv,dflash2 --iters 5 --warmup 2 --profile \
+              --json-out "$OUT/s13-step2.json" ;;
     env) nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
          python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' ;;
     parity) step parity 240 python3 bench/gpu_parity.py ;;
