@@ -30,6 +30,9 @@ def _kernels():
     import triton
     import triton.language as tl
 
+    # Tiles are 3-D, [BM rows, NG groups, GROUP channels] (NG * GROUP = BH contiguous channels): the deltas load as a
+    # [BM, NG] tile and broadcast over the last axis, the per-group sums reduce it. (The first version indexed the
+    # deltas per channel, cols // GROUP: scalar, unvectorised loads, 3.7x slower than Inductor's code, call 2.)
     @triton.jit
     def conv_fwd(
         x_ptr,
@@ -43,26 +46,32 @@ def _kernels():
         GROUP: tl.constexpr,
         BLOCK: tl.constexpr,
         BM: tl.constexpr,
-        BH: tl.constexpr,
+        NG: tl.constexpr,
     ):
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
-        cols = tl.program_id(1) * BH + tl.arange(0, BH)
+        groups = tl.program_id(1) * NG + tl.arange(0, NG)
+        cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [NG, GROUP]
         row_ok = rows < M
         slot = rows % BLOCK
-        grp = cols // GROUP
-        acc = tl.zeros((BM, BH), dtype=tl.float32)
+        acc = tl.zeros((BM, NG, GROUP), dtype=tl.float32)
         for t in tl.static_range(K):
             src_ok = row_ok & (slot >= t)  # slot j reads slot j - t of its own block, zeros before its start
-            x = tl.load(x_ptr + (rows - t).to(tl.int64)[:, None] * H + cols[None, :], mask=src_ok[:, None], other=0.0)
+            x = tl.load(
+                x_ptr + (rows - t).to(tl.int64)[:, None, None] * H + cols[None, :, :],
+                mask=src_ok[:, None, None],
+                other=0.0,
+            )
             d = tl.load(
-                delta_ptr + rows.to(tl.int64)[:, None] * (K * G) + t * G + grp[None, :], mask=row_ok[:, None], other=0.0
+                delta_ptr + rows.to(tl.int64)[:, None] * (K * G) + t * G + groups[None, :],
+                mask=row_ok[:, None],
+                other=0.0,
             )
             b = tl.load(base_ptr + t * H + cols)
-            acc += x.to(tl.float32) * (b.to(tl.float32)[None, :] + d.to(tl.float32))
+            acc += x.to(tl.float32) * (b.to(tl.float32)[None, :, :] + d.to(tl.float32)[:, :, None])
         tl.store(
-            out_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :],
+            out_ptr + rows.to(tl.int64)[:, None, None] * H + cols[None, :, :],
             acc.to(out_ptr.dtype.element_ty),
-            mask=row_ok[:, None],
+            mask=row_ok[:, None, None],
         )
 
     @triton.jit
@@ -81,48 +90,39 @@ def _kernels():
         GROUP: tl.constexpr,
         BLOCK: tl.constexpr,
         BM: tl.constexpr,
-        BH: tl.constexpr,
+        NG: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         rows = pid_m * BM + tl.arange(0, BM)
-        cols = tl.program_id(1) * BH + tl.arange(0, BH)
+        groups = tl.program_id(1) * NG + tl.arange(0, NG)
+        cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [NG, GROUP]
         row_ok = rows < M
         slot = rows % BLOCK
-        grp = cols // GROUP
-        g = tl.load(g_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], mask=row_ok[:, None], other=0.0).to(
-            tl.float32
-        )
-        dx = tl.zeros((BM, BH), dtype=tl.float32)
+        at = rows.to(tl.int64)[:, None, None] * H + cols[None, :, :]
+        g = tl.load(g_ptr + at, mask=row_ok[:, None, None], other=0.0).to(tl.float32)
+        dx = tl.zeros((BM, NG, GROUP), dtype=tl.float32)
         for t in tl.static_range(K):
             # d delta[m, t, group] and d base[t, h]: g[m] * x[m - t] (where slot m - t is in m's block)
             src_ok = row_ok & (slot >= t)
-            x = tl.load(x_ptr + (rows - t).to(tl.int64)[:, None] * H + cols[None, :], mask=src_ok[:, None], other=0.0)
+            x = tl.load(x_ptr + at - t * H, mask=src_ok[:, None, None], other=0.0)
             prod = g * x.to(tl.float32)
-            per_group = tl.sum(tl.reshape(prod, (BM, BH // GROUP, GROUP)), axis=2)
-            groups = tl.program_id(1) * (BH // GROUP) + tl.arange(0, BH // GROUP)
             tl.store(
                 ddelta_ptr + rows.to(tl.int64)[:, None] * (K * G) + t * G + groups[None, :],
-                per_group.to(ddelta_ptr.dtype.element_ty),
+                tl.sum(prod, axis=2).to(ddelta_ptr.dtype.element_ty),
                 mask=row_ok[:, None],
             )
             tl.store(dbase_ptr + (pid_m * K + t) * H + cols, tl.sum(prod, axis=0))
             # dx[m]: g[m + t] * (base[t] + delta[m + t, t]) where slot m + t is in m's block
             dst_ok = (rows + t < M) & (slot + t < BLOCK)
-            g_t = tl.load(
-                g_ptr + (rows + t).to(tl.int64)[:, None] * H + cols[None, :], mask=dst_ok[:, None], other=0.0
-            ).to(tl.float32)
+            g_t = tl.load(g_ptr + at + t * H, mask=dst_ok[:, None, None], other=0.0).to(tl.float32)
             d_t = tl.load(
-                delta_ptr + (rows + t).to(tl.int64)[:, None] * (K * G) + t * G + grp[None, :],
+                delta_ptr + (rows + t).to(tl.int64)[:, None] * (K * G) + t * G + groups[None, :],
                 mask=dst_ok[:, None],
                 other=0.0,
             ).to(tl.float32)
             b = tl.load(base_ptr + t * H + cols).to(tl.float32)
-            dx += g_t * (b[None, :] + d_t)
-        tl.store(
-            dx_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :],
-            dx.to(dx_ptr.dtype.element_ty),
-            mask=row_ok[:, None],
-        )
+            dx += g_t * (b[None, :, :] + d_t[:, :, None])
+        tl.store(dx_ptr + at, dx.to(dx_ptr.dtype.element_ty), mask=row_ok[:, None, None])
 
     return conv_fwd, conv_bwd
 
@@ -133,11 +133,14 @@ def _meta(x: torch.Tensor, delta: torch.Tensor, block_size: int) -> dict:
     bh = min(BLOCK_H, H)
     if H % bh or bh % (H // G):
         raise ValueError(f"hidden {H} must be a multiple of {bh} and {bh} of the group size {H // G}")
-    return dict(H=H, K=K, G=G, GROUP=H // G, BLOCK=block_size, BM=BLOCK_M, BH=bh, num_warps=4)
+    group = H // G
+    if group & (group - 1) or (bh // group) & (bh // group - 1):
+        raise ValueError(f"the group size {group} and {bh} // it must be powers of two (tl.arange)")
+    return dict(H=H, K=K, G=G, GROUP=group, BLOCK=block_size, BM=BLOCK_M, NG=bh // group, num_warps=4)
 
 
 def _grid(M: int, meta: dict) -> tuple[int, int]:
-    return (-(-M // meta["BM"]), meta["H"] // meta["BH"])
+    return (-(-M // meta["BM"]), meta["G"] // meta["NG"])
 
 
 def _device_guard(t: torch.Tensor):
