@@ -50,7 +50,12 @@ for section in "$@"; do
     s13-step) step s13-step 420 python3 -m trainer bench step --preset qwen3-8b --shape seed \
               --variants triton,dflash2,triton,dflash2 --iters 5 --warmup 2 --profile --json-out "$OUT/s13-step.json" ;;
     # then the convolutions through trainer/model/conv_triton.py: parity and cost of one, then in the step
-    s13-conv) step s13-conv 150 python3 bench/s13_conv.py ;;
+    s13-conv) step s13-conv 150 python3 bench/s13_conv.py --best-out "$OUT/conv-best.txt" ;;
+    # only when s13-conv found a backward config faster than Inductor's: the step with it
+    s13-step3) [ -s "$OUT/conv-best.txt" ] && step s13-step3 450 \
+              env DFLASH_CONV_TRITON_BWD="$(cat "$OUT/conv-best.txt")" python3 -m trainer bench step --preset qwen3-8b --shape seed \
+              --variants triton,dflash2-conv,triton,dflash2-conv --iters 5 --warmup 2 --profile \
+              --json-out "$OUT/s13-step3.json" ;;
     s13-step2) step s13-step2 450 python3 -m trainer bench step --preset qwen3-8b --shape seed \
               --variants triton,dflash2-conv,triton,dflash2-conv,dflash2 --iters 5 --warmup 2 --profile \
               --json-out "$OUT/s13-step2.json" ;;

@@ -20,6 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.bench_common import time_ms
+from trainer.model import conv_triton
 from trainer.model.conv_triton import block_conv
 from trainer.model.dflash2 import grouped_dynamic_conv
 
@@ -39,6 +40,7 @@ def timed(fn, x, delta, base, go, device: torch.device, iters: int) -> list[floa
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--best-out", default="", help="write the best backward config here if it beats torch")
     args = parser.parse_args()
     device = torch.device("cuda")
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -68,6 +70,17 @@ def main() -> int:
     for _ in range(2):
         for name, fn in forms.items():
             times.setdefault(name, []).extend(timed(fn, x, delta, base, go, device, args.iters))
+    # the backward's tile rows x warps (conv_triton.BWD_CONFIG); the best is written for the step run that follows
+    ladder: dict[tuple[int, int], float] = {}
+    for config in ((32, 4), (32, 8), (16, 4), (16, 8), (64, 8)):
+        conv_triton.BWD_CONFIG = config
+        ladder[config] = timed(forms["triton"], x, delta, base, go, device, args.iters)[1]
+    best = min(ladder, key=ladder.__getitem__)
+    print("triton fwd+bwd by backward config: " + ", ".join(f"{r}:{w} {ms:.3f}" for (r, w), ms in ladder.items()))
+    torch_ms = min(times["torch (compiled)"][1::2])
+    if args.best_out and ladder[best] < torch_ms:
+        Path(args.best_out).write_text(f"{best[0]}:{best[1]}")
+    print(f"best {best[0]}:{best[1]} {ladder[best]:.3f} ms against torch {torch_ms:.3f}")
     print(f"\nconvolution x [{R}, {Q}, {H}] bf16, K={K}, groups of {GS}; ms, two interleaved medians")
     print(f"{'form':<18} {'fwd':>14} {'fwd+bwd':>14} {'max rel err':>12}")
     for name, errs in rows:

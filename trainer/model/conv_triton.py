@@ -19,10 +19,14 @@ on CPU tensors for tests (tests/trainer/test_conv_triton.py).
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
-BLOCK_M, BLOCK_H = 32, 256  # a tile: 32 rows x 256 channels (16 groups of 16), 4 warps
+BLOCK_M, BLOCK_H = 32, 256  # a forward tile: 32 rows x 256 channels (16 groups of 16), 4 warps
+# The backward's (rows per tile, warps): it holds ~5 fp32 tiles (g, x, g shifted, the product, dx), so 32 x 256 on
+# 4 warps is ~320 registers a thread (spills). $DFLASH_CONV_TRITON_BWD="ROWS:WARPS" overrides, for benches.
+BWD_CONFIG: tuple[int, int] = tuple(int(v) for v in os.environ.get("DFLASH_CONV_TRITON_BWD", "32:8").split(":"))  # type: ignore[assignment]
 
 
 @functools.cache
@@ -167,7 +171,7 @@ def _(x, delta, base, block_size):
 def _conv_backward_op(
     g: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    meta = _meta(x, delta, block_size)
+    meta = {**_meta(x, delta, block_size), "BM": BWD_CONFIG[0], "num_warps": BWD_CONFIG[1]}
     grid = _grid(x.shape[0], meta)
     dx, ddelta = torch.empty_like(x), torch.empty_like(delta)
     partial = torch.empty(grid[0], delta.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
