@@ -59,6 +59,9 @@ for section in "$@"; do
     s13-step2) step s13-step2 450 python3 -m trainer bench step --preset qwen3-8b --shape seed \
               --variants triton,dflash2-conv,triton,dflash2-conv,dflash2 --iters 5 --warmup 2 --profile \
               --json-out "$OUT/s13-step2.json" ;;
+    # issue 31 item 2's in-step fault (q/k fp32 from the norms, v bf16): our Triton attention inside the compiled step
+    s13-attn) step s13-attn 300 python3 -m trainer bench step --preset qwen3-8b --shape specforge \
+              --variants triton,triton-attn,triton,triton-attn --iters 10 --warmup 3 --json-out "$OUT/s13-attn.json" ;;
     env) nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
          python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' ;;
     parity) step parity 240 python3 bench/gpu_parity.py ;;
