@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call = one of these sections; each step has its own timeout so one hang cannot eat the call.
 # Usage (on the GPU machine, repo root): bash bench/gpu_session.sh SECTION...   (logs under $OUT when set)
+# Session 13 calls (issue 32 item 4, issue 31 item 2): `env s13-topk s13-step`, `s13-conv s13-step2`, `s13-conv` (twice,
+# the second with s13-step3 gated on it), `s13-attn`.
 # Session 3 calls: `verify pipeline-triton`, then `verify-pipeline pipeline-triton step8b-more` (the ten cold
 # two-drafter runs again after the stream fix), then `verify-pipeline pipeline-8b`.
 # Session 9 calls: `env s9-attn s9-step` (fused projections, attention input layouts, Inductor's code of the layer),
