@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call = one of these sections; each step has its own timeout so one hang cannot eat the call.
 # Usage (on the GPU machine, repo root): bash bench/gpu_session.sh SECTION...   (logs under $OUT when set)
+# Session 13 calls (issue 32 item 4, issue 31 item 2): `env s13-topk s13-step`, `s13-conv s13-step2`, `s13-conv` (twice,
+# the second with s13-step3 gated on it), `s13-attn`.
 # Session 3 calls: `verify pipeline-triton`, then `verify-pipeline pipeline-triton step8b-more` (the ten cold
 # two-drafter runs again after the stream fix), then `verify-pipeline pipeline-8b`.
 # Session 9 calls: `env s9-attn s9-step` (fused projections, attention input layouts, Inductor's code of the layer),
@@ -44,6 +46,24 @@ for section in "$@"; do
               --json-out "$OUT/s12-specforge.json" ;;
     s12-seed) step s12-seed 420 python3 -m trainer bench step --preset qwen3-8b --shape seed \
               --variants triton,triton-attn,triton,triton-attn --iters 5 --warmup 2 --json-out "$OUT/s12-seed.json" ;;
+    # Session 13 (issue 32 item 4): DFlash2's top-k inside the fused CE kernel (parity and cost on one chunk),
+    # then DFlash vs DFlash2 at the qwen3-8b seed shape, interleaved, each profiled after timing.
+    s13-topk) step s13-topk 200 python3 bench/s13_topk.py ;;
+    s13-step) step s13-step 420 python3 -m trainer bench step --preset qwen3-8b --shape seed \
+              --variants triton,dflash2,triton,dflash2 --iters 5 --warmup 2 --profile --json-out "$OUT/s13-step.json" ;;
+    # then the convolutions through trainer/model/conv_triton.py: parity and cost of one, then in the step
+    s13-conv) step s13-conv 150 python3 bench/s13_conv.py --best-out "$OUT/conv-best.txt" ;;
+    # only when s13-conv found a backward config faster than Inductor's: the step with it
+    s13-step3) [ -s "$OUT/conv-best.txt" ] && step s13-step3 450 \
+              env DFLASH_CONV_TRITON_BWD="$(cat "$OUT/conv-best.txt")" python3 -m trainer bench step --preset qwen3-8b --shape seed \
+              --variants triton,dflash2-conv,triton,dflash2-conv --iters 5 --warmup 2 --profile \
+              --json-out "$OUT/s13-step3.json" ;;
+    s13-step2) step s13-step2 450 python3 -m trainer bench step --preset qwen3-8b --shape seed \
+              --variants triton,dflash2-conv,triton,dflash2-conv,dflash2 --iters 5 --warmup 2 --profile \
+              --json-out "$OUT/s13-step2.json" ;;
+    # issue 31 item 2's in-step fault (q/k fp32 from the norms, v bf16): our Triton attention inside the compiled step
+    s13-attn) step s13-attn 300 python3 -m trainer bench step --preset qwen3-8b --shape specforge \
+              --variants triton,triton-attn,triton,triton-attn --iters 10 --warmup 3 --json-out "$OUT/s13-attn.json" ;;
     env) nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
          python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' ;;
     parity) step parity 240 python3 bench/gpu_parity.py ;;

@@ -49,6 +49,7 @@ from trainer.compile_scope import private_compile
 from trainer.config import PRESETS, TrainerInputError
 from trainer.loss import ChunkKernels, dflash_loss, make_chunk_kernels, position_weights
 from trainer.model import DFlashDrafter, attention
+from trainer.model.dflash2 import BlockConv
 from trainer.model.drafter import finish_hidden
 from trainer.step import DrafterSide, FeatureBatch, TargetSide
 
@@ -72,6 +73,7 @@ VARIANTS = {
     "triton-c6k": "as triton, loss chunks of at most 6176 rows (193 blocks of 32) instead of 4096",
     "triton-c8k": "as triton, loss chunks of at most 8224 rows (257 blocks of 32) instead of 4096",
     "dflash2": "as triton, the DFlash2 drafter (--arch dflash2: block convolutions, candidate selector top-16 rank 256)",
+    "dflash2-conv": "as dflash2, the convolutions through trainer/model/conv_triton.py (DFLASH_CONV_KERNEL=triton)",
     "triton-attn": "as triton, attention through our Triton kernel for the interval mask "
     "(--attention-kernel triton, trainer/model/attention_triton.py) instead of flex_attention",
     "triton-s8": "as triton, as session 8 ran it: the mask built before the context's GEMM is queued, the gradient "
@@ -100,7 +102,7 @@ def _mask_first(
 
 def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.device, args: argparse.Namespace) -> dict:
     # The loss kernels are explicit, so a variant measures the same thing whatever --loss-kernels auto picks.
-    kernels = {"eager": "eager", "dflash2": "triton"}.get(
+    kernels = {"eager": "eager", "dflash2": "triton", "dflash2-conv": "triton"}.get(
         variant, "triton" if variant.startswith(("triton", "soft-triton")) else "compiled"
     )
     extra = {
@@ -111,6 +113,7 @@ def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.devi
         "triton-c6k": ["--loss-chunk-size", "6176"],
         "triton-c8k": ["--loss-chunk-size", "8224"],
         "dflash2": ["--arch", "dflash2"],
+        "dflash2-conv": ["--arch", "dflash2"],
     }.get(variant, [])
     extra += ["--loss-kernels", kernels]
     cfg, dcfg = preset_config(preset, shape, extra)
@@ -120,6 +123,10 @@ def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.devi
         drafter = DFlashDrafter(dcfg)
         embed = torch.randn(dcfg.vocab_size, dcfg.hidden_size, dtype=dtype) * 0.02
         lm_head = torch.randn(dcfg.vocab_size, dcfg.hidden_size, dtype=dtype) * 0.02
+    if variant == "dflash2-conv":  # before DrafterSide compiles anything: the layers' graphs see the attribute
+        for module in drafter.modules():
+            if isinstance(module, BlockConv):
+                module.kernel = "triton"
     side = DrafterSide(
         cfg,
         drafter,

@@ -240,6 +240,9 @@ class ChunkKernels:
     stats: Callable[..., tuple] = _student_stats
     logit_grad: Callable[..., tuple] = _logit_grad
     fused_ce: Callable[..., tuple] | None = None
+    # fused_ce with a running top-k (DFlash2's candidates): (logits, labels, k, *, want_grad) -> fused_ce's four
+    # outputs + (values [C, k] fp32, ids [C, k] int64), best first, ties to the lower column
+    fused_ce_topk: Callable[..., tuple] | None = None
     soft_label: SoftLabelKernels | None = None
     kind: str = "eager"
 
@@ -346,7 +349,12 @@ def make_chunk_kernels(
         )
         compiled = make_chunk_kernels("compiled", compile_backend=compile_backend)
         return ChunkKernels(
-            stats=compiled.stats, logit_grad=compiled.logit_grad, fused_ce=fused, soft_label=soft_label, kind="triton"
+            stats=compiled.stats,
+            logit_grad=compiled.logit_grad,
+            fused_ce=fused,
+            fused_ce_topk=functools.partial(loss_triton.fused_ce_topk, config=config),
+            soft_label=soft_label,
+            kind="triton",
         )
     raise ValueError(f"unknown loss kernels {kind!r}: one of {', '.join(KERNEL_KINDS)}")
 
@@ -485,14 +493,11 @@ def dflash_loss(
             lab, w = supervised(safe_labels, b0, b1), supervised(weights_acc, b0, b1)
             logits = h @ lm_head_weight.T  # GEMM 1
             teacher_logits = kl_coef = row_state = grad_logits = None
-            if cand is not None and cand_logits is not None and cand_place is not None and cand_found is not None:
-                ids, place, found = training_candidates(logits.topk(topk, dim=-1).indices, lab)
-                cand.view(num_blocks, block_size, topk)[b0:b1, first:] = ids.view(-1, slots, topk)
-                cand_logits.view(num_blocks, block_size, topk)[b0:b1, first:] = (
-                    logits.gather(1, ids).float().view(-1, slots, topk)
-                )
-                cand_place.view(num_blocks, block_size)[b0:b1, first:] = place.view(-1, slots)
-                cand_found.view(num_blocks, block_size)[b0:b1, first:] = found.view(-1, slots)
+            # The fused CE kernel keeps a running top-k as it streams the row (no sort over [C, V]: the sort cost
+            # 39 ms per step at the qwen3-8b seed shape, bench/RESULTS.md session 12); every other path sorts here.
+            # No kernel below writes into `logits` (g goes to its own buffer), so the gather after them reads it.
+            topk_in_kernel = topk > 0 and fused_ce and kernels.fused_ce_topk is not None
+            unary = logits.topk(topk, dim=-1).indices if topk > 0 and not topk_in_kernel else None
             if use_kl:
                 assert teacher_rows is not None
                 teacher = supervised(teacher_rows, b0, b1, gemm_dtype)
@@ -514,10 +519,25 @@ def dflash_loss(
                 row_state, lse, ce, kl, argmax = soft.stats(logits, teacher_logits, lab, temperature=kl_temperature)
             elif fused_ce:  # one kernel: statistics and the UNSCALED g = softmax - onehot (scaled after GEMM 2)
                 assert kernels.fused_ce is not None
-                grad_logits, lse, ce, argmax = kernels.fused_ce(logits, lab, want_grad=grad_hidden is not None)
+                if topk_in_kernel:
+                    assert kernels.fused_ce_topk is not None
+                    grad_logits, lse, ce, argmax, _, unary = kernels.fused_ce_topk(
+                        logits, lab, topk, want_grad=grad_hidden is not None
+                    )
+                else:
+                    grad_logits, lse, ce, argmax = kernels.fused_ce(logits, lab, want_grad=grad_hidden is not None)
             else:
                 lse, ce, argmax, lse_t = kernels.stats(logits, lab, kl_temperature, use_kl)
             correct.view(num_blocks, block_size)[b0:b1, first:] = (argmax == supervised(labels, b0, b1)).view(-1, slots)
+            if unary is not None and cand is not None and cand_logits is not None:
+                assert cand_place is not None and cand_found is not None
+                ids, place, found = training_candidates(unary, lab)
+                cand.view(num_blocks, block_size, topk)[b0:b1, first:] = ids.view(-1, slots, topk)
+                cand_logits.view(num_blocks, block_size, topk)[b0:b1, first:] = (
+                    logits.gather(1, ids).float().view(-1, slots, topk)
+                )
+                cand_place.view(num_blocks, block_size)[b0:b1, first:] = place.view(-1, slots)
+                cand_found.view(num_blocks, block_size)[b0:b1, first:] = found.view(-1, slots)
             ce_sum += (w * ce).sum()
             ce_coef = w * inv_norm
             if use_cap:

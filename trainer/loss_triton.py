@@ -129,7 +129,7 @@ def fits_device(device: torch.device, config: CEKernelConfig | None = None) -> b
         out = torch.zeros(4, dtype=torch.float32, device=device)
 
         def launch(c: CEKernelConfig) -> tuple[tuple, tuple, dict]:
-            args = (logits, labels, logits, out, out, labels, 4, logits.stride(0), logits.stride(0))
+            args = (logits, labels, logits, out, out, labels, 4, logits.stride(0), logits.stride(0), out, labels)
             return (4,), args, dict(N_COLS=151936, BLOCK_V=c.block_v, WRITE_GRAD=True, num_warps=c.num_warps)
 
         ladder = config_ladder(config or CEKernelConfig.from_env())
@@ -172,9 +172,13 @@ def _kernel():
         n_rows,
         logits_stride,
         grad_stride,
+        top_values_ptr,
+        top_ids_ptr,
         N_COLS: tl.constexpr,
         BLOCK_V: tl.constexpr,
         WRITE_GRAD: tl.constexpr,
+        TOP_K: tl.constexpr = 0,
+        TOP_PAD: tl.constexpr = 1,
     ):
         # V is a compile-time constant (fixed per run) and rows advance in a while loop: Triton 3.6's
         # interpreter under numpy >= 2.4 cannot take range() bounds that are runtime values (triton#9171).
@@ -187,6 +191,12 @@ def _kernel():
             m = tl.full((), float("-inf"), tl.float32)
             s = tl.full((), 0.0, tl.float32)
             arg = tl.full((), 0, tl.int32)
+            if TOP_K > 0:
+                # the running top-TOP_PAD of the row (values, column ids), unordered; placeholders hold -inf and
+                # distinct ids >= N_COLS, so they are the first evicted and never collide with a real column
+                slots = tl.arange(0, TOP_PAD)
+                top_v = tl.full((TOP_PAD,), float("-inf"), tl.float32)
+                top_i = N_COLS + slots
             for start in range(0, N_COLS, BLOCK_V):
                 idx = start + cols
                 x = tl.load(x_row + idx, mask=idx < N_COLS, other=float("-inf"), eviction_policy="evict_last").to(
@@ -197,12 +207,38 @@ def _kernel():
                 m_new = tl.maximum(m, tile_max)
                 s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)  # masked lanes: exp(-inf) = 0
                 m = m_new
+                if TOP_K > 0:
+                    # Merge the tile into the running top: take the tile's elements best first (value, then the
+                    # lower column) while they beat the worst held one (strictly: an equal value at a later column
+                    # loses), each replacing the worst (the lowest value, of those the highest column). Held
+                    # elements then are the row's top under (value desc, column asc). Cost: one tile reduction
+                    # per insertion; after the first tiles only a few elements a tile get in (~TOP_K/t at the
+                    # t-th tile for unordered rows), and a tile whose maximum is below the worst costs nothing.
+                    worst = tl.min(top_v, 0)
+                    cur, cur_arg, xk = tile_max, tile_arg, x
+                    while cur > worst:
+                        out_id = tl.max(tl.where(top_v == worst, top_i, -1), 0)
+                        held = top_i == out_id
+                        top_v = tl.where(held, cur, top_v)
+                        top_i = tl.where(held, start + cur_arg, top_i)
+                        xk = tl.where(cols == cur_arg, float("-inf"), xk)
+                        cur, cur_arg = tl.max(xk, 0, return_indices=True, return_indices_tie_break_left=True)
+                        worst = tl.min(top_v, 0)
             lse = m + tl.log(s)
             in_range = (label >= 0) & (label < N_COLS)
             x_label = tl.load(x_row + label, mask=in_range, other=float("nan")).to(tl.float32)
             tl.store(lse_ptr + row, lse)
             tl.store(ce_ptr + row, lse - x_label)
             tl.store(argmax_ptr + row, arg.to(tl.int64))
+            if TOP_K > 0:
+                # the held elements best first, as torch.topk(sorted=True) orders them (ties: the lower column)
+                alive = slots < TOP_PAD
+                for j in range(0, TOP_K):
+                    best = tl.max(tl.where(alive, top_v, float("-inf")), 0)
+                    best_id = tl.min(tl.where(alive & (top_v == best), top_i, N_COLS + TOP_PAD), 0)
+                    alive = alive & (top_i != best_id)
+                    tl.store(top_values_ptr + row.to(tl.int64) * TOP_K + j, best)
+                    tl.store(top_ids_ptr + row.to(tl.int64) * TOP_K + j, best_id.to(tl.int64))
             if WRITE_GRAD:
                 # pass 2: the same row again (L2 if the rows in flight fit), g = softmax - onehot, unscaled
                 g_row = grad_ptr + row.to(tl.int64) * grad_stride
@@ -227,6 +263,29 @@ def fused_ce(
     logits: torch.Tensor, labels: torch.Tensor, *, want_grad: bool = True, config: CEKernelConfig | None = None
 ):
     """(grad or None, lse, ce, argmax) of one chunk; see the module docstring for the contract."""
+    grad, lse, ce, argmax, _, _ = _fused_ce(logits, labels, want_grad=want_grad, config=config, topk=0)
+    return grad, lse, ce, argmax
+
+
+def fused_ce_topk(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    topk: int,
+    *,
+    want_grad: bool = True,
+    config: CEKernelConfig | None = None,
+):
+    """fused_ce's (grad or None, lse, ce, argmax), plus each row's top-``topk`` logits from the same pass over the
+    row: (values [C, topk] fp32, ids [C, topk] int64), best first, as ``logits.float().topk(topk)`` with ties
+    broken by the lower column (torch.topk leaves the order of ties, and which of them fill the last places,
+    unspecified). 1 <= topk <= V; NaN rows: unspecified; rows with fewer than topk logits above -inf: the
+    missing places hold ids >= V."""
+    if not 1 <= topk <= logits.shape[-1]:
+        raise ValueError(f"topk must be in [1, {logits.shape[-1]}] (got {topk})")
+    return _fused_ce(logits, labels, want_grad=want_grad, config=config, topk=topk)
+
+
+def _fused_ce(logits: torch.Tensor, labels: torch.Tensor, *, want_grad: bool, config: CEKernelConfig | None, topk: int):
     config = config or CEKernelConfig()
     if logits.dim() != 2 or labels.shape != (logits.shape[0],):
         raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} must be [C, V] and [C]")
@@ -247,8 +306,11 @@ def fused_ce(
     lse = torch.empty(rows, dtype=torch.float32, device=device)
     ce = torch.empty(rows, dtype=torch.float32, device=device)
     argmax = torch.empty(rows, dtype=torch.int64, device=device)
+    top_values = torch.empty(rows, topk, dtype=torch.float32, device=device) if topk else lse
+    top_ids = torch.empty(rows, topk, dtype=torch.int64, device=device) if topk else argmax
+    outputs = (grad, lse, ce, argmax, top_values if topk else None, top_ids if topk else None)
     if rows == 0:
-        return grad, lse, ce, argmax
+        return outputs
     if config.programs_per_sm == 0:
         programs = rows
     else:
@@ -274,11 +336,16 @@ def fused_ce(
             rows,
             logits.stride(0),
             grad.stride(0) if grad is not None else 0,
+            top_values,
+            top_ids,
         )
         width = min(c.block_v, max(16, 1 << (vocab - 1).bit_length()))
         grid = (rows if c.programs_per_sm == 0 else programs,)
-        return grid, args, dict(N_COLS=vocab, BLOCK_V=width, WRITE_GRAD=want_grad, num_warps=c.num_warps)
+        pad = 1 << max(0, topk - 1).bit_length()  # the running top's width: tl.arange wants a power of two
+        meta = dict(N_COLS=vocab, BLOCK_V=width, WRITE_GRAD=want_grad, TOP_K=topk, TOP_PAD=pad, num_warps=c.num_warps)
+        return grid, args, meta
 
     with guard:  # the first configuration of the ladder that fits the device's shared memory (trainer/triton_fit.py)
-        triton_fit.launch_first_fit("ce", _kernel(), ladder, launch, device, (logits.dtype, vocab, want_grad))
-    return grad, lse, ce, argmax
+        key = (logits.dtype, vocab, want_grad, topk)
+        triton_fit.launch_first_fit("ce", _kernel(), ladder, launch, device, key)
+    return outputs

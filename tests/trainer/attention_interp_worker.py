@@ -62,8 +62,41 @@ def run(name: str) -> dict:
     return {**errs, "padded_rows_zero": padded_rows_zero}
 
 
+def run_mixed_dtypes() -> dict:
+    """q, k float64 and v float32 (as fp32 q/k from the norms with bf16 v in the autocast step): the result of the
+    all-float32 computation, gradients in each input's dtype; the kernels themselves refuse mixed dtypes."""
+    R, hq, hkv, d, S, N, B = 1, 2, 1, 16, 70, 3, 8
+    gen = torch.Generator().manual_seed(7)
+    anchors = torch.randperm(S - B, generator=gen)[:N].sort().values[None]
+    tri = A.build_draft_mask(anchors, torch.ones(1, N, dtype=torch.bool), S, B, backend="triton", layer_types=[A.FULL])
+    q = torch.randn(R, hq, N * B, d, dtype=torch.float64, generator=gen).requires_grad_()
+    k = torch.randn(R, hkv, S + N * B, d, dtype=torch.float64, generator=gen).requires_grad_()
+    v = torch.randn(R, hkv, S + N * B, d, dtype=torch.float32, generator=gen).requires_grad_()
+    out = A.attend(q, k, v, tri, A.FULL)
+    out.sum().backward()
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref = A.attend(q32, k32, v32, tri, A.FULL)
+    ref.sum().backward()
+    from trainer.model import attention_triton as T
+
+    table = tri.triton[A.FULL]
+    try:
+        T.forward(q, k, v, table.ctx_lo, table.ctx_hi, table.blk_lo, table.blk_hi, 0.25)
+        refused = ""
+    except TypeError as exc:
+        refused = str(exc)
+    return {
+        "dtypes": [str(t.dtype) for t in (out, q.grad, k.grad, v.grad)],
+        "equal_to_fp32": bool(
+            torch.equal(out, ref) and torch.equal(q.grad.float(), q32.grad) and torch.equal(v.grad, v32.grad)
+        ),
+        "refused": refused,
+    }
+
+
 if __name__ == "__main__":
     out = {name: run(name) for name in CASES}
+    out["mixed-dtypes"] = run_mixed_dtypes()
     out["rungs"] = {
         "fwd": sorted(set(triton_fit.chosen("attention-fwd").values())),
         "bwd": sorted(set(triton_fit.chosen("attention-bwd").values())),

@@ -41,6 +41,16 @@ def test_forward_and_gradients_match_dense_float64(interpreted, case):
     assert errs["padded_rows_zero"]
 
 
+def test_mixed_dtypes_run_in_the_narrowest_and_the_kernels_refuse_them(interpreted):
+    """The autocast step's fp32 q/k and bf16 v (issue 31 item 2's in-step CompilationError): interval_attention
+    casts to the narrowest dtype (the all-float32 result, bit for bit; gradients in each input's dtype), and the
+    kernels' entry refuses mixed dtypes with a message instead of Triton's bare source position."""
+    got = interpreted["mixed-dtypes"]
+    assert got["dtypes"] == ["torch.float32", "torch.float64", "torch.float64", "torch.float32"]
+    assert got["equal_to_fp32"]
+    assert "one dtype" in got["refused"]
+
+
 def test_default_rungs_are_the_first(interpreted):
     assert interpreted["rungs"] == {"fwd": [0], "bwd": [0]}
 

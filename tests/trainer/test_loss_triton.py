@@ -57,6 +57,15 @@ KERNEL_CASES = {
     "no-grad": dict(shape=(9, 37), scale=3.0, config=PERSISTENT, want_grad=False),
 }
 
+TOPK_CASES = {  # DFlash2's running top-k in the CE kernel: k, logits rounded to integers (ties everywhere)
+    "topk16-tiled-ties": dict(shape=(9, 37), scale=3.0, config=TILED, topk=16, ties=True),
+    "topk5-persistent-ties": dict(shape=(9, 37), scale=3.0, config=PERSISTENT, topk=5, ties=True),
+    "topk3-one-tile": dict(shape=(5, 37), scale=3.0, config="4096:8:0", topk=3),
+    "topk1-exact-tiles": dict(shape=(4, 64), scale=3.0, config="32:4:0", topk=1),
+    "topk37-all": dict(shape=(4, 37), scale=3.0, config=TILED, topk=37, ties=True),
+    "topk8-bf16-no-grad": dict(shape=(9, 37), scale=3.0, config=TILED, topk=8, dtype=torch.bfloat16, want_grad=False),
+}
+
 LOSS_CASES = {  # (terms, chunk_size, config): 28 rows in blocks of 4; chunks 8 and 13 -> 12 leave a short last one
     f"{terms}-chunk{chunk}-{config}": (terms, chunk, config)
     for terms in ("ce", "ce+cap")
@@ -65,11 +74,14 @@ LOSS_CASES = {  # (terms, chunk_size, config): 28 rows in blocks of 4; chunks 8 
 }
 
 
-def _loss_inputs(terms: str, chunk, hidden_scale: float = 1.0, head_dtype: torch.dtype = torch.float32):
+def _loss_inputs(terms: str, chunk, hidden_scale: float = 1.0, head_dtype: torch.dtype = torch.float32, topk: int = 0):
     """make_case's inputs (V=37, zero-weight rows, -100 labels, a padded block) in float32 (the head in
-    ``head_dtype``: the GEMM and logits dtype), hidden states times ``hidden_scale`` (logits ~N(0, scale^2))."""
+    ``head_dtype``: the GEMM and logits dtype), hidden states times ``hidden_scale`` (logits ~N(0, scale^2));
+    topk > 0: DFlash2's candidates too."""
     hidden, weight, labels, weights, teacher = make_case(dtype=torch.float32)
     kwargs = dict(block_size=4, normalizer=float(weights.sum()) * 1.5, chunk_size=chunk, **TERMS[terms])
+    if topk:
+        kwargs["topk"] = topk
     if "kl_weight" in kwargs:
         kwargs["teacher_hidden"] = teacher * hidden_scale
     return dict(
@@ -148,6 +160,21 @@ def interpreted(tmp_path_factory) -> dict:
             config=spec["config"],
             want_grad=spec.get("want_grad", True),
         )
+    for name, spec in TOPK_CASES.items():
+        logits, labels = _logits(*spec["shape"], spec["scale"], seed=len(name))
+        if spec.get("ties"):
+            logits = logits.round()
+            logits[1, :] = 1.0  # one row of a single value: the k lowest columns, in column order
+        cases[name] = dict(
+            op="fused_ce_topk",
+            logits=logits.to(spec.get("dtype", torch.float32)),
+            labels=labels,
+            config=spec["config"],
+            topk=spec["topk"],
+            want_grad=spec.get("want_grad", True),
+        )
+    for chunk in (None, 13):  # DFlash2's candidates through dflash_loss(topk=...) with the kernel's running top-k
+        cases[f"loss-topk5-chunk{chunk}"] = dict(op="loss", config=TILED, **_loss_inputs("ce", chunk, topk=5))
     cases["bad-label"] = dict(
         op="fused_ce",
         logits=cases["tiled"]["logits"],
@@ -199,6 +226,39 @@ def test_kernel_matches_torch(interpreted, name):
         torch.testing.assert_close(got["grad"].float(), expected, rtol=2**-7, atol=1e-6)
     else:
         torch.testing.assert_close(got["grad"], expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", list(TOPK_CASES))
+def test_kernel_topk_matches_a_stable_sort(interpreted, name):
+    """The running top-k: values and ids as a stable descending sort gives them (equal values: the lower column
+    first, and the lower columns fill the last places), whatever the tiling; every other output unchanged."""
+    case, got = interpreted["cases"][name], interpreted["out"][name]
+    k, x = case["topk"], case["logits"].float()
+    values, ids = torch.sort(x, dim=1, descending=True, stable=True)
+    assert got["ids"].dtype == torch.int64 and got["values"].dtype == torch.float32
+    assert torch.equal(got["ids"], ids[:, :k]), (got["ids"], ids[:, :k])
+    assert torch.equal(got["values"], values[:, :k])
+    torch.testing.assert_close(got["values"], x.topk(k, dim=1).values, rtol=0, atol=0)  # the same values as topk
+    if TOPK_CASES[name].get("ties"):  # the case has ties at the k-th place, so the tie rule is exercised
+        assert (x[1] == 1.0).all() and got["ids"][1].tolist() == list(range(k))
+    plain = got["plain"]
+    for key, value in zip(("grad", "lse", "ce", "argmax"), plain):
+        assert (value is None and got[key] is None) or torch.equal(got[key], value), key
+
+
+@pytest.mark.parametrize("chunk", [None, 13])
+def test_loss_candidates_from_the_kernel_match_the_eager_topk(interpreted, chunk):
+    """dflash_loss(topk=5) on the fused kernel (running top-k) and on eager torch.topk: the same candidates (the
+    label put last where missing), their logits, places and hits; the loss as without candidates."""
+    name = f"loss-topk5-chunk{chunk}"
+    case, got = interpreted["cases"][name], interpreted["out"][name]
+    eager = dflash_loss(case["hidden"], case["weight"], case["labels"], case["weights"], **case["kwargs"])
+    assert eager.candidates is not None and eager.label_found is not None and eager.label_found.any()
+    assert not eager.label_found[case["weights"] > 0].all()  # some rows have their label put last
+    assert torch.equal(got["candidates"], eager.candidates)
+    torch.testing.assert_close(got["candidate_logits"], eager.candidate_logits, rtol=0, atol=0)
+    assert torch.equal(got["label_place"], eager.label_place) and torch.equal(got["label_found"], eager.label_found)
+    torch.testing.assert_close(got["loss"], eager.loss, rtol=1e-5, atol=1e-6)
 
 
 def test_out_of_range_label_gives_nan_ce_not_a_wild_read(interpreted):

@@ -17,7 +17,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import torch
 
 from trainer.loss import dflash_loss, make_chunk_kernels
-from trainer.loss_triton import CEKernelConfig, fused_ce
+from trainer.loss_triton import CEKernelConfig, fused_ce, fused_ce_topk
 from trainer.loss_triton_kl import ce_kl_grad, ce_kl_stats, fused_ce_kl
 
 
@@ -27,6 +27,13 @@ def run_case(case: dict) -> dict:
             case["logits"], case["labels"], want_grad=case["want_grad"], config=CEKernelConfig.parse(case["config"])
         )
         return {"grad": grad, "lse": lse, "ce": ce, "argmax": argmax}
+    if case["op"] == "fused_ce_topk":
+        config = CEKernelConfig.parse(case["config"])
+        grad, lse, ce, argmax, values, ids = fused_ce_topk(
+            case["logits"], case["labels"], case["topk"], want_grad=case["want_grad"], config=config
+        )
+        plain = fused_ce(case["logits"], case["labels"], want_grad=case["want_grad"], config=config)
+        return {"grad": grad, "lse": lse, "ce": ce, "argmax": argmax, "values": values, "ids": ids, "plain": plain}
     if case["op"] in ("fused_ce_kl", "ce_kl_split"):
         return run_kl_case(case)
     kernels = make_chunk_kernels("triton", triton_config=case["config"], kl_triton_config=case["config"])
@@ -46,6 +53,10 @@ def run_case(case: dict) -> dict:
         "correct": result.correct,
         "eval_loss": evaluated.loss,
         "eval_kl_sum": evaluated.kl_sum,
+        "candidates": result.candidates,
+        "candidate_logits": result.candidate_logits,
+        "label_place": result.label_place,
+        "label_found": result.label_found,
     }
 
 

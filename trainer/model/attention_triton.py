@@ -283,6 +283,10 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"q {tuple(q.shape)} must be [R,Hq,Q,D] and k, v {tuple(k.shape)} [R,Hkv,K,D]")
     if q.shape[1] % k.shape[1] or q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1:
         raise ValueError("Hq must be a multiple of Hkv and the head dimension contiguous")
+    if not q.dtype == k.dtype == v.dtype:
+        # the kernels' tl.dot needs equal operand dtypes: mixed ones fail inside Triton's compiler with a bare
+        # position ("CompilationError at 83:17", issue 31 item 2), so say it here; interval_attention casts first
+        raise TypeError(f"q, k, v must have one dtype (got {q.dtype}, {k.dtype}, {v.dtype})")
 
 
 def forward(q, k, v, ctx_lo, ctx_hi, blk_lo, blk_hi, scale: float):
@@ -477,7 +481,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, do, dlse):
     q, k, v, o, lse, *table = ctx.saved_tensors
-    dq, dk, dv = _attention_backward_op(do, q, k, v, o, lse, *table, ctx.scale)
+    dq, dk, dv = _attention_backward_op(do.to(o.dtype), q, k, v, o, lse, *table, ctx.scale)
     return dq, dk, dv, None, None, None, None, None, None, None
 
 
@@ -490,6 +494,11 @@ def interval_attention(
     """Attention of q [R,Hq,Q,D] over k, v [R,Hkv,K,D] under the table's intervals -> [R,Hq,Q,D] (rows that see
     nothing: 0, zero gradient). Differentiable in q, k, v."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    # One dtype for the kernels, the narrowest of the three: in the bf16-autocast step q and k leave q_norm/k_norm in
+    # fp32 (fp32 weight x bf16) while v stays bf16; the fp32 q/k tiles also doubled the backward's shared memory
+    # (262,144 B against the H200's 232,448, session 12 call 1). Gradients return in each input's dtype.
+    dtype = min((q.dtype, k.dtype, v.dtype), key=lambda d: torch.finfo(d).bits)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     o, _ = _attention_op(
         q, k, v, table.ctx_lo, table.ctx_hi, table.blk_lo, table.blk_hi, table.q_count, table.q_index, scale
     )

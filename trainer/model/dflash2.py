@@ -20,11 +20,17 @@ successor}_codebook` [V,r], `candidate_selector.hidden_projection.weight` [r,H].
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 ARCHS = ("dflash", "dflash2")
+# The convolutions' kernels on CUDA ($DFLASH_CONV_KERNEL): "torch" (grouped_dynamic_conv, compiled into the layer)
+# or "triton" (trainer/model/conv_triton.py: one fused kernel each way behind a custom op); CPU always runs torch.
+CONV_KERNELS = ("torch", "triton")
+CONV_KERNEL: str = os.environ.get("DFLASH_CONV_KERNEL", "torch").strip() or "torch"
 
 
 def grouped_dynamic_conv(
@@ -51,6 +57,9 @@ class BlockConv(nn.Module):
         super().__init__()
         self.block_size, self.kernel_size, self.group_size = block_size, kernel_size, group_size
         self.num_groups = hidden_size // group_size
+        if CONV_KERNEL not in CONV_KERNELS:
+            raise ValueError(f"DFLASH_CONV_KERNEL must be one of {', '.join(CONV_KERNELS)}, got {CONV_KERNEL!r}")
+        self.kernel = CONV_KERNEL  # an attribute, so a bench variant can switch one drafter (read at compile time)
         self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))
         self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.num_groups, bias=False)
         self.reset_parameters()
@@ -65,16 +74,18 @@ class BlockConv(nn.Module):
     def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [R,Q,H] (the sublayer's normed input) -> (its convolved input, the output side's kernel deltas)."""
         kernels = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, self.num_groups)
-        conv = grouped_dynamic_conv(
-            x, kernels[..., 0, :, :], self.base_kernel[0], block_size=self.block_size, group_size=self.group_size
-        )
-        return conv, kernels[..., 1, :, :]
+        return self._conv(x, kernels[..., 0, :, :], self.base_kernel[0]), kernels[..., 1, :, :]
 
     def finish(self, y: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """The sublayer's output y [R,Q,H] through the output-side convolution."""
-        return grouped_dynamic_conv(
-            y, delta, self.base_kernel[1], block_size=self.block_size, group_size=self.group_size
-        )
+        return self._conv(y, delta, self.base_kernel[1])
+
+    def _conv(self, x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "triton" and x.is_cuda:
+            from trainer.model.conv_triton import block_conv
+
+            return block_conv(x, delta, base, block_size=self.block_size, group_size=self.group_size)
+        return grouped_dynamic_conv(x, delta, base, block_size=self.block_size, group_size=self.group_size)
 
 
 class CandidateSelector(nn.Module):
