@@ -22,14 +22,14 @@ from pathlib import Path
 
 import pytest
 
-from dflashops import agent
+from dflashops.agent import core as agent
 from dflashops.ops import fetch
 from trainer import run_files
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "run-directory.md"
 DOC_TABLE = "## The files"  # the heading the table sits under
-AGENT_FILES = (REPO / "dflashops" / "agent.py", REPO / "dflashops" / "agent_supervisor.py")
+AGENT_FILES = tuple(sorted((REPO / "dflashops" / "agent").glob("*.py")))  # the agent's package, supervisor included
 RUN_DIR_VARIABLES = {"directory", "old_dir"}  # how those files name a run directory (or `self.run_dir(...)`)
 # How a writer of RUN_FILES is named in the documentation's "written by" column.
 DOC_WRITER = {
@@ -107,7 +107,7 @@ def test_the_agent_and_the_supervisor_use_only_names_of_the_table() -> None:
         **{f".{name}.reserved": "RESERVED_BYTES" for name in agent.RESERVED_BYTES},
     }
     for name, where in constants.items():
-        used.setdefault(name, f"dflashops/agent.py {where}")
+        used.setdefault(name, f"dflashops/agent/core.py {where}")
     assert "run.json" in used and "stall.json" in used, "the scan found nothing: has the code's shape changed?"
     table = {plain(name) for name in agent.RUN_FILES}
     unknown = {name: where for name, where in used.items() if name not in table}

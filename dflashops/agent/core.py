@@ -1,6 +1,6 @@
 """dflashops agent: a stdlib-only program that runs inside the target with its own python3.
 
-Contract: `python3 agent.py VERB [--json-args JSON | --json-stdin]` prints exactly ONE JSON line on stdout,
+Contract: `python3 agent-<sha12>.pyz VERB [--json-args JSON | --json-stdin]` prints exactly ONE JSON line on stdout,
 `{"ok": true, ...}` or `{"ok": false, "error": "...", "code": "..."}`, and exits 0 either way (exit 2 only
 for a request that could not even be parsed, still with its JSON line). The controller trusts the JSON line,
 never the exit status, because ssh (255) and pct/lxc-attach (1) make exit codes ambiguous. The one
@@ -12,8 +12,8 @@ from stdin, then the tar stream of the changed files.
 
 Verbs: ping, launch, stop, status, tail, follow (tail, streamed), gpus, clear-cache, manifest, install, restart (stop + install +
 launch in one call), gc, and the internal `wrap`
-(the launch wrapper that records pid/pgid/exit code). It is one file, longer than the usual module size,
-because it is uploaded alone and run with whatever python3 the container has.
+(the launch wrapper that records pid/pgid/exit code). It runs with whatever python3 the container has, so it
+imports the standard library only; it travels as one zipapp built from the package (dflashops/agent/).
 
 It never kills by name: only the recorded process group of a run and processes whose environment carries
 the run's unique marker (DFLASHOPS_RUN_ID=<name>.<nonce>).
@@ -246,6 +246,13 @@ LAUNCH_SETTLE_S = 30.0  # a launch still in flight this long after its directory
 CLEAN_ENV = ("env", "-i")
 
 
+def program() -> str:
+    """What python runs to start this agent again (the launch wrapper, a standby): the zipapp it was loaded
+    from (zipimport's loader names its archive), else, from a checkout, the package folder (its __main__.py)."""
+    archive = getattr(__spec__.loader, "archive", None) if __spec__ is not None else None
+    return archive if isinstance(archive, str) else os.path.dirname(os.path.abspath(__file__))
+
+
 def tmux_socket(workspace: str) -> str:
     """One tmux server per workspace, so `=name` targets and kills never touch anyone else's sessions."""
     return "dflashops-" + hashlib.sha1(workspace.encode()).hexdigest()[:10]
@@ -325,7 +332,7 @@ def verb_launch(req: dict) -> dict:
     # Never the tmux server's: that server was started by an earlier call, with an earlier deploy's environment.
     spec = {"argv": argv, "env": {**os.environ, **launch_env}, "cwd": cwd}
     spec_path = os.path.join(directory, LAUNCH_SPEC)
-    wrapper = [sys.executable, os.path.abspath(__file__), "wrap", "--json-args", json.dumps({"dir": directory})]
+    wrapper = [sys.executable, program(), "wrap", "--json-args", json.dumps({"dir": directory})]
     try:
         # Secrets reach the wrapper through this 0600 file; the wrapper deletes it as soon as it has read it.
         write_atomic(spec_path, json.dumps(spec), mode=0o600)
@@ -687,7 +694,7 @@ def start_standby(req: dict, argv: list[str], launch_env: dict, launcher: str, a
         "preload": list(req.get("standby_preload") or STANDBY_PRELOAD),
         "created": time.time(),
     }
-    wrapper = [sys.executable, os.path.abspath(__file__), "wrap", "--json-args", json.dumps({"standby": folder})]
+    wrapper = [sys.executable, program(), "wrap", "--json-args", json.dumps({"standby": folder})]
     try:
         os.makedirs(folder)
         write_atomic(os.path.join(folder, "spec.json"), json.dumps(spec), mode=0o600)
@@ -790,7 +797,7 @@ def wrap_standby(folder: str) -> dict:
     try:
         with open(os.devnull, "rb") as devnull, open(os.path.join(folder, "standby.log"), "ab") as log:
             child = subprocess.Popen(
-                [spec["python"], os.path.abspath(__file__), "standby", "--json-args", json.dumps({"dir": folder})],
+                [spec["python"], program(), "standby", "--json-args", json.dumps({"dir": folder})],
                 cwd=folder, env=spec["env"], stdin=devnull, stdout=log, stderr=log,
             )  # fmt: skip
     except (OSError, KeyError):
@@ -2746,7 +2753,3 @@ def raw_call(verb, req: dict) -> int:
     except (OSError, ValueError, TypeError, KeyError) as exc:
         sys.stderr.write(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}", "code": "internal"}) + "\n")
     return 3
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

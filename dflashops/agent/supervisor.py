@@ -22,15 +22,15 @@ Each event (crashed, stalled, auto-restarted, gave-up, finished) is appended to 
 (and POSTed to the webhook when one was given); `supervisor.json` in the watched run's directory says
 what the supervisor does now (the agent's `stop` reads it to cancel a pending restart).
 
-One file, longer than the usual module, for the agent's reason: it is uploaded alone and run with whatever
-python3 the container has.
+One file, longer than the usual module, for the agent's reason: it is uploaded alone (beside the agent's zipapp,
+whose core it imports from that zipapp) and run with whatever python3 the container has.
 """
 
 from __future__ import annotations
 
 import base64
 import fcntl
-import importlib.util
+import importlib
 import json
 import os
 import queue
@@ -55,11 +55,11 @@ WEBHOOK_RETRY_S = (5.0, 30.0)  # the waits before a failed POST's second and thi
 
 
 def load_agent(path: str):
-    spec = importlib.util.spec_from_file_location("dflashops_agent", path)
-    assert spec is not None and spec.loader is not None  # a path ending in .py always has both
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The agent's core module from `path`: its zipapp (`agent-<sha12>.pyz`, as the controller gives it), or a
+    checkout's package folder `.../dflashops/agent`. Put first on sys.path: this daemon imports nothing else."""
+    root = path if path.endswith(".pyz") else os.path.dirname(os.path.dirname(os.path.abspath(path)))
+    sys.path.insert(0, root)
+    return importlib.import_module("dflashops.agent.core")
 
 
 def fill(value, values: dict):

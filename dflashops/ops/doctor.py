@@ -22,7 +22,7 @@ from dflashops.ops.doctor_checks import Check, judge_probe, secret_checks
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.sync import local_manifest, release_files
 
-PROBE_SOURCE = Path(__file__).resolve().parent.parent / "agent_doctor.py"
+PROBE_SOURCE = Path(__file__).resolve().parent.parent / "agent" / "doctor_probe.py"
 PROBE_TIMEOUT_S = 300.0  # the import probe inside has its own 180 s limit; this bounds a hung transport
 
 

@@ -27,7 +27,7 @@ from dflashops.lineage.record import REDACTED
 from dflashops.ops.agent_client import _UPLOAD, Agent, _parse
 from dflashops.ops.invocation import Invocation
 
-SOURCE = Path(__file__).resolve().parent.parent / "agent_supervisor.py"
+SOURCE = Path(__file__).resolve().parent.parent / "agent" / "supervisor.py"
 SENTINELS = {
     "name": "@dflashops-run-name@",
     "parent": "@dflashops-parent@",

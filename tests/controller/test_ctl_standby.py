@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dflashops.agent import run_processes, standbys, tmux_socket
+from dflashops.agent.core import run_processes, standbys, tmux_socket
 from tests.controller.helpers import Env, all_bytes
 
 FAKE_TRAINER = """\
