@@ -40,6 +40,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -54,12 +55,20 @@ CANCELLED: list[bool] = []  # set by SIGTERM: the daemon ends at its next check,
 WEBHOOK_RETRY_S = (5.0, 30.0)  # the waits before a failed POST's second and third try (notify.retry)
 
 
-def load_agent(path: str):
-    """The agent's core module from `path`: its zipapp (`agent-<sha12>.pyz`, as the controller gives it), or a
-    checkout's package folder `.../dflashops/agent`. Put first on sys.path: this daemon imports nothing else."""
+AGENT_MODULES = ("common", "checkpoints", "control", "status", "launch")  # what a supervised run needs of the agent
+
+
+def load_agent(path: str) -> types.SimpleNamespace:
+    """The agent's functions from `path` (its zipapp `agent-<sha12>.pyz`, as the controller gives it, or a
+    checkout's package folder `.../dflashops/agent`), as one namespace: `agent.run_status`, `agent.verb_launch`.
+    The zipapp goes first on sys.path; this daemon imports nothing else of the package."""
     root = path if path.endswith(".pyz") else os.path.dirname(os.path.dirname(os.path.abspath(path)))
     sys.path.insert(0, root)
-    return importlib.import_module("dflashops.agent.core")
+    names: dict = {}
+    for name in AGENT_MODULES:
+        module = importlib.import_module(f"dflashops.agent.{name}")
+        names.update({key: value for key, value in vars(module).items() if not key.startswith("_")})
+    return types.SimpleNamespace(**names)
 
 
 def fill(value, values: dict):

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflashops.agent.core import tmux_socket  # the agent names the tmux server; its function, so the hint agrees
+from dflashops.agent.common import tmux_socket  # the agent names the tmux server; its function, so the hint agrees
 from dflashops.errors import AgentError, Conflict, DflashopsError, InventoryError, NotFound, UsageError
 from dflashops.inventory import Target
 from dflashops.ops.agent_build import PACKAGE, build_zipapp

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from dflashops.agent.core import retire_standbys, standbys, tmux_socket
+from dflashops.agent.common import tmux_socket
+from dflashops.agent.standby import retire_standbys, standbys
 from dflashops.cli.main import main
 from tests.tmux_screen import kill_server
 

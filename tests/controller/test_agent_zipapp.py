@@ -28,7 +28,7 @@ def test_the_same_sources_give_the_same_bytes_whatever_their_times_and_modes(tmp
     folder = copy_of_package(tmp_path)
     first = build_zipapp(folder)
     (folder / "__pycache__").mkdir()  # what running the package from a checkout leaves behind
-    (folder / "__pycache__" / "core.cpython-312.pyc").write_bytes(b"compiled")
+    (folder / "__pycache__" / "stop.cpython-312.pyc").write_bytes(b"compiled")
     for path in folder.glob("*.py"):
         os.utime(path, (1_700_000_000, 1_700_000_000))
         path.chmod(0o600)
@@ -37,7 +37,7 @@ def test_the_same_sources_give_the_same_bytes_whatever_their_times_and_modes(tmp
     with zipfile.ZipFile(io.BytesIO(first)) as archive:
         infos = archive.infolist()
     names = [info.filename for info in infos]
-    assert names == sorted(names) and "__main__.py" in names and "dflashops/agent/core.py" in names
+    assert names == sorted(names) and "__main__.py" in names and "dflashops/agent/common.py" in names
     assert not [name for name in names if "__pycache__" in name or name.endswith(".pyc")]
     assert {info.date_time for info in infos} == {(1980, 1, 1, 0, 0, 0)}
     assert {info.external_attr >> 16 for info in infos} == {0o100644}
@@ -46,7 +46,7 @@ def test_the_same_sources_give_the_same_bytes_whatever_their_times_and_modes(tmp
 def test_one_changed_source_byte_changes_the_hash(tmp_path: Path) -> None:
     folder = copy_of_package(tmp_path)
     before = hashlib.sha256(build_zipapp(folder)).hexdigest()
-    stop = folder / "core.py"
+    stop = folder / "stop.py"
     stop.write_bytes(stop.read_bytes() + b"#")
     assert hashlib.sha256(build_zipapp(folder)).hexdigest() != before
 
@@ -60,6 +60,6 @@ def test_the_zipapp_runs_alone_with_the_target_python(tmp_path: Path) -> None:
         [sys.executable, "-I", str(pyz), "ping"], capture_output=True, text=True, cwd=tmp_path, env=clean, check=False
     )
     assert out.returncode == 0 and json.loads(out.stdout)["ok"] is True, out.stderr
-    probe = "import sys; sys.path.insert(0, sys.argv[1]); from dflashops.agent import core; print(core.program())"
+    probe = "import sys; sys.path.insert(0, sys.argv[1]); from dflashops.agent import common; print(common.program())"
     where = subprocess.run([sys.executable, "-I", "-c", probe, str(pyz)], capture_output=True, text=True, check=False)
     assert where.stdout.strip() == str(pyz), where.stderr  # how the agent starts itself again: this very file

@@ -12,7 +12,7 @@ import pytest
 from tests.controller.helpers import Env, all_bytes
 
 SECRET = "s3cr3t-9f8e7d6c5b4a-token"
-AGENT_FILE = "dflashops/agent/core.py"  # the agent in a release: its package, as the trainer's
+AGENT_FILE = "dflashops/agent/common.py"  # the agent in a release: its package, as the trainer's
 
 
 def test_secret_reaches_the_run_but_no_record(
