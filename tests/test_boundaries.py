@@ -167,3 +167,43 @@ def test_the_checker_catches_a_violation(tmp_path: Path, monkeypatch: pytest.Mon
         assert expected in found
     assert "ok.py" not in found and "probe.py:1" not in found  # shipped programs may spawn
     assert "core.py:2" not in found and "stop.py:2" not in found  # the package may import itself
+
+
+def agent_circles(root: Path) -> list[list[str]]:
+    """Import circles among the agent's modules (module-level and function-level imports alike), each as the
+    path of modules that closes it. The zipapp runs whatever the controller's tests ran, so a circle that works
+    by import order here would work there too; it is refused for the reader's sake (the package reads bottom-up:
+    common, then wrap, ..., restart, and __main__ on top)."""
+    modules = {module_name(path): path for path in sorted((root / "dflashops" / "agent").glob("*.py"))}
+    graph = {
+        me: sorted({name for name, _ in imports_of(path) if name in modules and name != me})
+        for me, path in modules.items()
+    }
+    circles, done = [], set()
+
+    def walk(module: str, path: list[str]) -> None:
+        if module in path:
+            circles.append([*path[path.index(module) :], module])
+            return
+        if module in done:
+            return
+        for name in graph[module]:
+            walk(name, [*path, module])
+        done.add(module)
+
+    for module in graph:
+        walk(module, [])
+    return circles
+
+
+def test_the_agent_package_has_no_import_circle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert agent_circles(REPO) == []
+    fake = tmp_path / "repo"
+    (fake / "dflashops" / "agent").mkdir(parents=True)
+    (fake / "dflashops" / "agent" / "stop.py").write_text("from .status import run_status\n")
+    (fake / "dflashops" / "agent" / "status.py").write_text("def f():\n    from dflashops.agent import stop\n")
+    monkeypatch.setattr(sys.modules[__name__], "REPO", fake)
+    assert agent_circles(fake) in (
+        [["dflashops.agent.stop", "dflashops.agent.status", "dflashops.agent.stop"]],
+        [["dflashops.agent.status", "dflashops.agent.stop", "dflashops.agent.status"]],
+    )
