@@ -21,7 +21,7 @@ RESUME_WRITER_KEY = "DFLASHOPS_RESUME_WRITER"  # trainer/handover.py: the run st
 # (and dflashops' own wrapper) print for failures they explain themselves.
 ERROR_LINE_RE = re.compile(r"(Traceback \(most recent call last\)|^\w*(Error|Exception)\b.*|^error: .+)")
 # THE list of names in a run directory `<workspace>/runs/<name>/` (a folder ends in "/"), with who writes each:
-# this agent, its supervisor (agent_supervisor.py), the trainer, the wandb library it starts, `trainer export`
+# this agent, its supervisor (supervisor.py), the trainer, the wandb library it starts, `trainer export`
 # (run by `dflashops fetch --export`), or nobody here ("none": read when present). The trainer cannot import
 # this file, so it keeps its own names (trainer/run_files.py); tests/test_run_directory_contract.py checks that
 # they, the code here and the table of docs/run-directory.md all agree with this one.

@@ -427,7 +427,7 @@ def run_module_as_main(go: dict) -> int:
     os.environ.clear()
     os.environ.update(go["env"])
     pythonpath = [os.path.abspath(p) for p in go["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
-    sys.path[0:1] = [os.getcwd(), *pythonpath]  # sys.path[0] was this file's folder
+    sys.path[0:1] = [os.getcwd(), *pythonpath]  # sys.path[0] was the agent's zipapp (or its folder)
     argv = go["argv"]
     sys.argv = [argv[0], *argv[3:]]  # run_module puts the module's file in argv[0]
     try:

@@ -85,7 +85,7 @@ def run_status(directory: str) -> dict:
     stopped = os.path.exists(os.path.join(directory, "stop.json")) or (trainer_status or {}).get("phase") == "stopped"
     if launcher_exit_code is not None and exit_code == 0 and (trainer_status or {}).get("phase") == "done":
         stopped = False  # the trainer had finished; the stop only met its launcher on the way out
-    stall = read_json(os.path.join(directory, "stall.json"))  # written by agent_supervisor.py
+    stall = read_json(os.path.join(directory, "stall.json"))  # written by supervisor.py
     if stall and stall.get("reason"):
         error_line = f"stalled: {stall['reason']}"
     if live:
@@ -127,7 +127,7 @@ def run_status(directory: str) -> dict:
 
 
 def supervision(directory: str) -> dict:
-    """What agent_supervisor.py left in the run directory: the run that replaced this one, the events it
+    """What supervisor.py left in the run directory: the run that replaced this one, the events it
     recorded (events.jsonl) and its own state (supervisor.json); empty for an unsupervised run."""
     found: dict = {}
     child = (read_text(os.path.join(directory, "restarted_as")) or "").strip()
