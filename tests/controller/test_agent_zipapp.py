@@ -63,3 +63,15 @@ def test_the_zipapp_runs_alone_with_the_target_python(tmp_path: Path) -> None:
     probe = "import sys; sys.path.insert(0, sys.argv[1]); from dflashops.agent import common; print(common.program())"
     where = subprocess.run([sys.executable, "-I", "-c", probe, str(pyz)], capture_output=True, text=True, check=False)
     assert where.stdout.strip() == str(pyz), where.stderr  # how the agent starts itself again: this very file
+
+
+def test_every_verb_of_the_tables_names_a_function_of_the_package() -> None:
+    """The verb tables name modules and functions as strings (a call imports only its own module): a typo there
+    would surface only when that verb is called on a target."""
+    from dflashops.agent.__main__ import RAW_VERBS, STDIN_VERBS, VERBS, verb_function
+
+    tables = {**VERBS, **RAW_VERBS, **STDIN_VERBS}
+    assert len(tables) == len(VERBS) + len(RAW_VERBS) + len(STDIN_VERBS)  # no verb in two tables
+    for verb, entry in tables.items():
+        assert callable(verb_function(entry)), verb
+    assert verb_function(VERBS["ping"])({})["version"] == 1
