@@ -330,7 +330,7 @@ def main() -> int:
             shutil.rmtree(old_dir / "checkpoints", ignore_errors=True)
         name = new
     cli(inventory, "stop", name, "--grace", "300")
-    from dflashops.agent import retire_standbys
+    from dflashops.agent.standby import retire_standbys
 
     retire_standbys(str(work / "ws"), keep=None)  # the last run's standby: not needed after the bench
     fresh = fresh_workspace(work, scale, args.device, args.steps) if args.fresh_workspace else None
@@ -397,7 +397,7 @@ def fresh_workspace(work: Path, scale: dict, device: str, steps: int) -> dict:
     first = round(status(run)["timeline"]["first_step"] - typed, 2)
     cache = status(run).get("compile_cache")
     cli(inventory, "stop", "fresh-1", "--now")  # its final checkpoint is of no use here
-    from dflashops.agent import retire_standbys
+    from dflashops.agent.standby import retire_standbys
 
     retire_standbys(str(fresh), keep=None)  # the one started for the next launch
     write_inventory(work, scale, device)  # as it was

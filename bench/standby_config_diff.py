@@ -33,7 +33,7 @@ print(json.dumps({k: repr(v) for k, v in sorted(c.save_config_portable().items()
 
 def main() -> int:
     sys.path.insert(0, str(ROOT))
-    from dflashops.agent import STANDBY_PRELOAD, standby_start_env
+    from dflashops.agent.standby import STANDBY_PRELOAD, standby_start_env
 
     run_env = {**os.environ, "PYTHONPATH": str(ROOT)}
     code = DUMP.replace("PRELOAD", repr(STANDBY_PRELOAD)).replace("RUN_ENV", repr(run_env))

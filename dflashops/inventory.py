@@ -62,7 +62,7 @@ class Target:
     gpus: tuple[int, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     address: str | None = None  # where the other nodes of a multi-node run reach this target (inventory_groups)
-    # Keep a `python -m trainer` interpreter with its imports done waiting for the next launch (agent.py, standby).
+    # Keep a `python -m trainer` interpreter with its imports done waiting for the next launch (agent/standby.py).
     standby: bool = False
     standby_idle_s: int = 3600  # an unused standby exits after this long
     # The compile caches' root (trainer/compile_cache.py), default <workspace>/cache/compile: a folder shared by

@@ -4,11 +4,13 @@ before it ships.
 - `trainer` never imports `dflashops`; `dflashops` never imports `trainer` or `torch`.
 - Inside dflashops the layers run cli -> playbook -> ops -> transport: each imports only its own layer or
   lower ones, and cli/playbook reach targets through ops only (never transport or the agent's code). Library modules (errors, shell, inventory, lineage*, agent) import no layer above transport.
-- Only dflashops/transport/ touches subprocess, fabric, paramiko or libtmux (the agent and its siblings
-  `dflashops/agent_*.py` are the exception: they run inside the target); those import the standard library only.
+- Only dflashops/transport/ touches subprocess, fabric, paramiko or libtmux (the agent's package
+  `dflashops/agent/` is the exception: it runs inside the target); it imports the standard library and itself
+  only, and the two programs of it that are sent alone (supervisor.py, doctor_probe.py) the standard library only.
 Imports under `if TYPE_CHECKING:` are annotations, not dependencies, and are skipped by these layer checks.
-- No import circle in dflashops or trainer: here every import counts (module level, inside a function, under
-  `if TYPE_CHECKING:`), because a reader who follows one must not come back where they started.
+- No import circle in dflashops or trainer (the agent's package included): here every import counts (module
+  level, inside a function, under `if TYPE_CHECKING:`), because a reader who follows one must not come back where
+  they started.
 """
 
 from __future__ import annotations
@@ -57,8 +59,19 @@ ENTRY_POINTS = {"dflashops.__main__", "dflashops.demo"}  # programs, not librari
 
 
 def runs_in_target(module: str) -> bool:
-    """The agent and the programs shipped beside it (doctor probe, supervisor): stdlib only, may spawn."""
-    return module == "dflashops.agent" or module.startswith("dflashops.agent_")
+    """The agent's package (its zipapp, and the doctor probe and supervisor sent alone): stdlib only, may spawn."""
+    return module == "dflashops.agent" or module.startswith("dflashops.agent.")
+
+
+SENT_ALONE = {"dflashops.agent.supervisor", "dflashops.agent.doctor_probe"}  # uploaded or piped as one file
+
+
+def agent_may_import(module: str, name: str) -> bool:
+    """The standard library, and (except for a program sent alone) the agent's own package."""
+    top = name.split(".")[0]
+    if top in sys.stdlib_module_names or top == "__future__":
+        return True
+    return module not in SENT_ALONE and (name == "dflashops.agent" or name.startswith("dflashops.agent."))
 
 
 def layer_of(module: str) -> int | None:
@@ -90,7 +103,7 @@ def violations() -> list[str]:
                 found.append(f"{where} dflashops imports {name}")
             if top in PROCESS_MODULES and my_layer != 0 and not runs_in_target(me):
                 found.append(f"{where} only dflashops.transport may import {top}")
-            if runs_in_target(me) and top not in sys.stdlib_module_names and top != "__future__":
+            if runs_in_target(me) and not agent_may_import(me, name):
                 found.append(f"{where} the agent must be stdlib-only, imports {name}")
             if (
                 my_layer is not None
@@ -124,8 +137,13 @@ def test_the_checker_catches_a_violation(tmp_path: Path, monkeypatch: pytest.Mon
     (fake / "trainer").mkdir()
     (fake / "dflashops" / "transport" / "x.py").write_text("from dflashops.ops import deploy\n")
     (fake / "dflashops" / "ops" / "y.py").write_text("import torch\nimport subprocess\nfrom ..cli import main\n")
-    (fake / "dflashops" / "agent.py").write_text("import yaml\n")
-    (fake / "dflashops" / "agent_probe.py").write_text("import subprocess\nimport rich\n")
+    (fake / "dflashops" / "agent").mkdir()
+    (fake / "dflashops" / "agent" / "core.py").write_text("import yaml\nfrom dflashops.agent import stop\n")
+    (fake / "dflashops" / "agent" / "probe.py").write_text("import subprocess\nimport rich\n")
+    (fake / "dflashops" / "agent" / "stop.py").write_text(
+        "from dflashops.inventory import Target\nfrom . import core\n"
+    )
+    (fake / "dflashops" / "agent" / "supervisor.py").write_text("import os\nfrom dflashops.agent import core\n")
     (fake / "trainer" / "z.py").write_text("from dflashops import shell\n")
     (fake / "dflashops" / "cli").mkdir()
     (fake / "dflashops" / "cli" / "w.py").write_text(
@@ -141,14 +159,17 @@ def test_the_checker_catches_a_violation(tmp_path: Path, monkeypatch: pytest.Mon
         "y.py:1 dflashops imports torch",
         "y.py:2 only dflashops.transport may import subprocess",
         "y.py:3 dflashops.ops.y imports the higher layer dflashops.cli",
-        "agent.py:1 the agent must be stdlib-only",
+        "core.py:1 the agent must be stdlib-only",
+        "stop.py:1 the agent must be stdlib-only, imports dflashops.inventory",
+        "supervisor.py:2 the agent must be stdlib-only, imports dflashops.agent",
         "z.py:1 trainer imports dflashops",
-        "agent_probe.py:2 the agent must be stdlib-only",
+        "probe.py:2 the agent must be stdlib-only",
         "w.py:1 dflashops.cli.w reaches past ops into dflashops.transport.local",
         "w.py:2 dflashops.cli.w reaches past ops into dflashops.agent",
     ):
         assert expected in found
-    assert "ok.py" not in found and "agent_probe.py:1" not in found  # shipped programs may spawn
+    assert "ok.py" not in found and "probe.py:1" not in found  # shipped programs may spawn
+    assert "core.py:2" not in found and "stop.py:2" not in found  # the package may import itself
 
 
 def project_modules() -> dict[str, Path]:

@@ -52,7 +52,7 @@ class RecordingHost(Transport):
 
 def agent_request(argv: list[str], stdin: bytes) -> tuple[str, dict]:
     """The agent verb and its request in an argv (whatever wraps it), from --json-args or stdin."""
-    index = next((i for i, word in enumerate(argv) if "/.dflashops/agent-" in word and word.endswith(".py")), None)
+    index = next((i for i, word in enumerate(argv) if "/.dflashops/agent-" in word and word.endswith(".pyz")), None)
     if index is None or index + 1 >= len(argv) or argv[index - 1] == "-c" or argv[index - 2] == "-c":
         return "", {}
     verb, rest = argv[index + 1], argv[index + 2 :]
@@ -100,7 +100,7 @@ def remote(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     invocation.close()
 
 
-AGENT_PATH = "/workspace/.dflashops/agent-{}.py"
+AGENT_PATH = "/workspace/.dflashops/agent-{}.pyz"
 
 
 def agent_path() -> str:

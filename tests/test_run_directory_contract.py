@@ -22,14 +22,16 @@ from pathlib import Path
 
 import pytest
 
-from dflashops import agent
+from dflashops.agent import common, control, stop, wrap
+from dflashops.agent import status as agent_status
+from dflashops.agent.fetch import FETCH_CACHE
 from dflashops.ops.fetch import fetch
 from trainer import run_files
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "run-directory.md"
 DOC_TABLE = "## The files"  # the heading the table sits under
-AGENT_FILES = (REPO / "dflashops" / "agent.py", REPO / "dflashops" / "agent_supervisor.py")
+AGENT_FILES = tuple(sorted((REPO / "dflashops" / "agent").glob("*.py")))  # the agent's package, supervisor included
 RUN_DIR_VARIABLES = {"directory", "old_dir"}  # how those files name a run directory (or `self.run_dir(...)`)
 # How a writer of RUN_FILES is named in the documentation's "written by" column.
 DOC_WRITER = {
@@ -47,14 +49,14 @@ def plain(name: str) -> str:
 
 
 def rows_of(*writers: str) -> set[str]:
-    return {plain(name) for name, writer in agent.RUN_FILES.items() if writer in writers}
+    return {plain(name) for name, writer in common.RUN_FILES.items() if writer in writers}
 
 
 # ------------------------------------------------------------------------------------------- the names
 def test_the_trainer_names_are_the_tables_trainer_rows() -> None:
     assert len(set(run_files.NAMES)) == len(run_files.NAMES)
-    assert {name for name, writer in agent.RUN_FILES.items() if writer == "trainer"} == set(run_files.NAMES)
-    assert set(agent.RUN_FILES.values()) <= set(DOC_WRITER), "a new kind of writer: name it in DOC_WRITER"
+    assert {name for name, writer in common.RUN_FILES.items() if writer == "trainer"} == set(run_files.NAMES)
+    assert set(common.RUN_FILES.values()) <= set(DOC_WRITER), "a new kind of writer: name it in DOC_WRITER"
 
 
 def trainer_literals() -> list[str]:
@@ -101,23 +103,23 @@ def test_the_agent_and_the_supervisor_use_only_names_of_the_table() -> None:
         for name, line in agent_code_names(path).items():
             used.setdefault(name, f"{path.relative_to(REPO)}:{line}")
     constants = {
-        agent.LAUNCH_SPEC: "LAUNCH_SPEC",
-        agent.FETCH_CACHE: "FETCH_CACHE",
-        agent.CONTROL: "CONTROL",
-        **{f".{name}.reserved": "RESERVED_BYTES" for name in agent.RESERVED_BYTES},
+        wrap.LAUNCH_SPEC: "LAUNCH_SPEC",
+        FETCH_CACHE: "FETCH_CACHE",
+        control.CONTROL: "CONTROL",
+        **{f".{name}.reserved": "RESERVED_BYTES" for name in wrap.RESERVED_BYTES},
     }
     for name, where in constants.items():
-        used.setdefault(name, f"dflashops/agent.py {where}")
+        used.setdefault(name, f"dflashops/agent/ {where}")
     assert "run.json" in used and "stall.json" in used, "the scan found nothing: has the code's shape changed?"
-    table = {plain(name) for name in agent.RUN_FILES}
+    table = {plain(name) for name in common.RUN_FILES}
     unknown = {name: where for name, where in used.items() if name not in table}
     assert unknown == {}, "run-directory names missing from agent.RUN_FILES"
     assert rows_of("agent", "supervisor") - set(used) == set(), "RUN_FILES rows that no agent code writes"
-    assert set(agent.RESERVED_BYTES) <= table
+    assert set(wrap.RESERVED_BYTES) <= table
 
 
 def test_the_controller_fetches_names_of_the_table() -> None:
-    table = {plain(name) for name in agent.RUN_FILES}
+    table = {plain(name) for name in common.RUN_FILES}
     assert set(fetch.METADATA) | set(fetch.LOGS) <= table
 
 
@@ -144,9 +146,9 @@ def test_the_documented_table_lists_exactly_the_names() -> None:
     rows = doc_rows()
     names = [name for name, _ in rows]
     assert sorted(names) == sorted(set(names)), "a name is listed twice"
-    assert set(names) == set(agent.RUN_FILES)
+    assert set(names) == set(common.RUN_FILES)
     for name, written_by in rows:
-        writer = DOC_WRITER[agent.RUN_FILES[name]]
+        writer = DOC_WRITER[common.RUN_FILES[name]]
         assert writer in written_by, f"{name}: the table says written by {written_by!r}, RUN_FILES {writer!r}"
 
 
@@ -171,13 +173,13 @@ def test_the_agent_reads_the_trainers_status_and_metrics(tmp_path: Path) -> None
             }
         )
         recorder.set_status(phase="saving")
-        assert agent.saving_checkpoint(str(run))  # phase and a fresh heartbeat
+        assert stop.saving_checkpoint(str(run))  # phase and a fresh heartbeat
         recorder.set_status(phase="stopped", exit_code=143)
     finally:
         recorder.close()
     (run / "pid").write_text(f"{os.getpid() + 1}\n")  # the job the wrapper started: a launcher, not the trainer
     (run / "exit_code").write_text("1\n")  # what a launcher such as torchrun returns after its worker stopped
-    status = agent.run_status(str(run))
+    status = agent_status.run_status(str(run))
     assert status["step"] == 7 and status["last_metrics"]["loss"] == 2.5
     assert (status["state"], status["exit_code"], status["launcher_exit_code"]) == ("stopped", 143, 1)
 
@@ -192,7 +194,7 @@ def test_the_agent_lists_the_trainers_checkpoints_in_step_order(tmp_path: Path) 
             run, step, model={"w": torch.zeros(2)}, optimizer={}, scheduler={}, epoch=0, index=step, extra={}, keep=3
         )
     (run / run_files.CHECKPOINTS / f".tmp-{run_files.CHECKPOINT_PREFIX}000200-1").mkdir()  # a save in flight
-    listed = agent.run_status(str(run))["checkpoints"]
+    listed = agent_status.run_status(str(run))["checkpoints"]
     assert listed == ["step_000005", "step_000040", "step_000100"]  # [-1] is the newest: restart, fetch, supervisor
 
 
@@ -205,16 +207,16 @@ def test_the_agent_and_the_trainer_agree_on_the_handover_contract(tmp_path: Path
     from trainer.checkpoint import checkpoints_root
     from trainer.handover import RESUME_WRITER_ENV
 
-    assert agent.RESUME_WRITER_KEY == RESUME_WRITER_ENV
+    assert common.RESUME_WRITER_KEY == RESUME_WRITER_ENV
     run = tmp_path / "old"
     run.mkdir()
     inside = checkpoints_root(run) / f"{run_files.CHECKPOINT_PREFIX}000012"
     offer = {"checkpoint": str(inside), "step": 12, "devices_released": True}
     (run / run_files.STATUS).write_text(json.dumps({"handover": offer}))
-    assert agent.handover_offer(str(run)) == {"checkpoint": str(inside), "step": 12}
+    assert stop.handover_offer(str(run)) == {"checkpoint": str(inside), "step": 12}
     (run / run_files.STATUS).write_text(
         json.dumps({"handover": {**offer, "checkpoint": str(tmp_path / "x" / "step_000012")}})
     )
-    assert agent.handover_offer(str(run)) is None
+    assert stop.handover_offer(str(run)) is None
     (run / run_files.STATUS).write_text(json.dumps({"handover": {**offer, "devices_released": False}}))
-    assert agent.handover_offer(str(run)) is None
+    assert stop.handover_offer(str(run)) is None

@@ -1,6 +1,6 @@
 """The names the trainer writes in its run directory (`--output-dir`): its share of docs/run-directory.md.
 
-The one list of every name in a run directory is `RUN_FILES` in dflashops/agent.py. The trainer never imports
+The one list of every name in a run directory is `RUN_FILES` in dflashops/agent/common.py. The trainer never imports
 dflashops, so it spells its own names here, and only here; tests/test_run_directory_contract.py checks that they
 are exactly the rows that list says the trainer writes.
 """

@@ -16,7 +16,7 @@ from typing import Any
 
 from dflashops.lineage.record import RunRecord
 
-# Agent states (dflashops/agent.py run_status) -> lineage states. "lost" = no live process and no exit
+# Agent states (dflashops/agent/status.py run_status) -> lineage states. "lost" = no live process and no exit
 # code: the process vanished without its wrapper (OOM killer, container restart), which is a crash.
 AGENT_STATE_TO_LINEAGE = {
     "launching": "launched",

@@ -1,7 +1,7 @@
 """Calling the agent on a target: upload it once (content-addressed), run one verb, parse its one JSON line.
 
-The agent lives at `<workspace>/.dflashops/agent-<sha12>.py` on the target, so a changed agent is a new
-file and two controller versions never overwrite each other's agent mid-call. In dry-run mode mutating
+The agent lives at `<workspace>/.dflashops/agent-<sha12>.pyz` on the target (one zipapp built from the package
+dflashops/agent/: ops/agent_build.py), so a changed agent is a new file and two controller versions never overwrite each other's agent mid-call. In dry-run mode mutating
 calls are recorded as the exact command lines they would run (secrets replaced), and read-only calls run.
 """
 
@@ -12,16 +12,16 @@ import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from dflashops.agent import tmux_socket  # the agent names the tmux server; its function, so the hint agrees
+from dflashops.agent.common import tmux_socket  # the agent names the tmux server; its function, so the hint agrees
 from dflashops.errors import AgentError, Conflict, DflashopsError, InventoryError, NotFound, UsageError
 from dflashops.inventory import Target
+from dflashops.ops.agent_build import PACKAGE, build_zipapp
 from dflashops.shell import join_argv
 from dflashops.transport.base import Result, Transport
 
-AGENT_SOURCE = Path(__file__).resolve().parent.parent / "agent.py"
+AGENT_SOURCE = PACKAGE  # the package folder; python runs it as the agent from a checkout (local_runs)
 READ_ONLY_VERBS = {"ping", "status", "tail", "gpus", "manifest", "fetch-manifest", "preflight"}
 # Writes stdin to argv[1] atomically; stdlib only, argv-only so no shell quoting is involved.
 _UPLOAD = (
@@ -92,7 +92,8 @@ class PreflightFailed(UsageError):
 
 
 def agent_bytes() -> bytes:
-    return AGENT_SOURCE.read_bytes()
+    """The agent's zipapp, built from the package as it is now."""
+    return build_zipapp()
 
 
 @dataclass
@@ -105,14 +106,14 @@ class Agent:
     plan: list[str] = field(default_factory=list)
     _ready: bool = False
     _upload_planned: bool = False
-    # Read once: a long `logs -f` must keep calling the agent it uploaded even if agent.py is edited
+    # Read once: a long `logs -f` must keep calling the agent it uploaded even if the package is edited
     # meanwhile (the path is content-addressed, so re-reading would name a file that was never uploaded).
     source: bytes = field(default_factory=agent_bytes)
 
     @property
     def path(self) -> str:
         digest = hashlib.sha256(self.source).hexdigest()[:12]
-        return f"{self.target.workspace}/.dflashops/agent-{digest}.py"
+        return f"{self.target.workspace}/.dflashops/agent-{digest}.pyz"
 
     def argv(self, verb: str, args: dict[str, Any] | None = None, *, stdin_request: bool = False) -> list[str]:
         argv = [self.target.python, self.path, verb]
@@ -135,7 +136,7 @@ class Agent:
             upload = [self.target.python, "-c", _UPLOAD, self.path]
             if self.dry_run:
                 if not self._upload_planned:
-                    self.record(upload, "agent.py")
+                    self.record(upload, "agent.pyz")
                     self._upload_planned = True
                 return
             self._upload()

@@ -15,13 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from dflashops.agent import retire_standbys, standbys, tmux_socket
+from dflashops.agent.common import tmux_socket
+from dflashops.agent.standby import retire_standbys, standbys
 from dflashops.cli.main import main
 from tests.tmux_screen import kill_server
 
 REPO = Path(__file__).resolve().parents[2]
 WORKLOAD = REPO / "tests" / "workloads" / "workload.py"
-AGENT = REPO / "dflashops" / "agent.py"
+AGENT = REPO / "dflashops" / "agent"  # the package folder: python runs its __main__.py
 
 INVENTORY = """\
 targets:

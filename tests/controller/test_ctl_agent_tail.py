@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from dflashops.agent import tmux_socket
+from dflashops.agent.common import tmux_socket
 from dflashops.inventory import load_inventory
 from tests.controller.helpers import AGENT, REPO, Env
 from tests.tmux_screen import session_names

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dflashops.agent import session_name, tmux_socket
+from dflashops.agent.common import session_name, tmux_socket
 from tests.controller.helpers import AGENT, REPO, Env, all_bytes
 from tests.tmux_screen import session_names
 
@@ -52,7 +52,7 @@ def test_item3_a_stop_that_races_the_launch_wins(env: Env) -> None:
     """`stop` issued the moment the run directory appears, before the job has started: 16 of 16 times the
     job must end stopped, never start a second later and keep running. The stop runs in this process (the
     agent's own function), so it lands inside the launch's first milliseconds."""
-    from dflashops import agent
+    from dflashops.agent import common, stop
 
     workload = str(env.root / "workload.py")
     for index in range(16):
@@ -72,8 +72,8 @@ def test_item3_a_stop_that_races_the_launch_wins(env: Env) -> None:
         while not (env.runs / name).is_dir():
             assert time.monotonic() < deadline
         try:
-            answer = agent.verb_stop({"workspace": str(env.workspace), "name": name, "grace": 5})
-        except agent.AgentFailure as exc:
+            answer = stop.verb_stop({"workspace": str(env.workspace), "name": name, "grace": 5})
+        except common.AgentFailure as exc:
             answer = {"error": str(exc)}
         launch.communicate(timeout=30)
         assert "error" not in answer, f"round {index}: {answer}"

@@ -12,6 +12,7 @@ import pytest
 from tests.controller.helpers import Env, all_bytes
 
 SECRET = "s3cr3t-9f8e7d6c5b4a-token"
+AGENT_FILE = "dflashops/agent/common.py"  # the agent in a release: its package, as the trainer's
 
 
 def test_secret_reaches_the_run_but_no_record(
@@ -95,7 +96,7 @@ def test_sync_is_incremental_and_flips_current(env: Env, capsys: pytest.CaptureF
     assert second != first and first.is_dir(), "the previous release must stay for runs that use it"
     assert os.readlink(env.workspace / "releases" / "current") == second.name
     assert (second / "workload.py").read_text().endswith("# changed\n")
-    assert (second / "dflashops_agent.py").stat().st_ino == (first / "dflashops_agent.py").stat().st_ino  # linked
+    assert (second / AGENT_FILE).stat().st_ino == (first / AGENT_FILE).stat().st_ino  # linked
     assert not [p for p in (env.workspace / "releases").iterdir() if p.name.startswith(".tmp-")]
     code, out, _ = env.cli("gc", "--keep", "1", "--run", "s1", "--json", capsys=capsys)
     assert code == 0 and json.loads(out)["removed_runs"] == ["s1"] and not (env.runs / "s1").exists()

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from dflashops.agent import run_processes, standbys, tmux_socket
+from dflashops.agent.common import run_processes, tmux_socket
+from dflashops.agent.standby import standbys
 from tests.controller.helpers import Env, all_bytes
 
 FAKE_TRAINER = """\

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from dflashops.agent import tmux_socket
+from dflashops.agent.common import tmux_socket
 from tests.controller.helpers import Env
 
 

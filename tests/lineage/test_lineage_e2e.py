@@ -15,7 +15,7 @@ import pytest
 from dflashops.cli.main import main
 
 REPO = Path(__file__).resolve().parents[2]
-AGENT = REPO / "dflashops" / "agent.py"
+AGENT = REPO / "dflashops" / "agent"  # the package folder: python runs its __main__.py
 INVENTORY = """\
 targets:
   local:

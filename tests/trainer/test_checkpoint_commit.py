@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflashops import agent
+from dflashops.agent import checkpoints as agent
 from trainer.checkpoint import save_checkpoint
 from trainer.config import TrainerInputError
 from trainer.handover import commit_when_durable

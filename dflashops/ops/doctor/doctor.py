@@ -1,7 +1,7 @@
 """doctor: "will a run work on this target?", answered before a run fails ten minutes in.
 
 Order: the host (reachable, host key known), the container (`pct status`), then one probe inside the target
-(agent_doctor.py, sent on stdin so it writes nothing there) whose facts ops/doctor/doctor_checks.py judges; a
+(agent/doctor_probe.py, sent on stdin so it writes nothing there) whose facts ops/doctor/doctor_checks.py judges; a
 later step is skipped when an earlier one failed (no container check on an unreachable host). Cost: for a
 pct target three commands (host `true` + its nvidia-smi, `pct status`, the probe); the probe's import of
 torch/transformers/triton dominates (~3-10 s).
@@ -22,7 +22,7 @@ from dflashops.ops.doctor.doctor_checks import Check, judge_probe, secret_checks
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.releases.sync import local_manifest, release_files
 
-PROBE_SOURCE = Path(__file__).resolve().parents[2] / "agent_doctor.py"  # dflashops/ops/doctor/ -> dflashops/
+PROBE_SOURCE = Path(__file__).resolve().parents[2] / "agent" / "doctor_probe.py"  # dflashops/ops/doctor/ -> dflashops/
 PROBE_TIMEOUT_S = 300.0  # the import probe inside has its own 180 s limit; this bounds a hung transport
 
 

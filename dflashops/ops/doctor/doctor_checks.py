@@ -1,4 +1,4 @@
-"""The doctor's verdicts: the probe's facts (agent_doctor.py) -> one ok/warn/fail/skip line each, with a hint.
+"""The doctor's verdicts: the probe's facts (agent/doctor_probe.py) -> one ok/warn/fail/skip line each, with a hint.
 
 GPU checks depend on what the target declares: a target with `gpus:` must show the device nodes, a working
 nvidia-smi whose driver matches the host's, and torch seeing exactly that many CUDA devices; a CPU target
@@ -270,7 +270,7 @@ def judge_probe(
 
 
 def standby_check(target: Target, found: list[dict[str, Any]]) -> Check:
-    """The standby interpreters (dflashops/agent.py): what waits, and whether that is what the inventory asks."""
+    """The standby interpreters (dflashops/agent/standby.py): what waits, and whether that is what the inventory asks."""
     waiting = [s for s in found if s.get("pid") and s.get("alive") and not s.get("claimed") and not s.get("retired")]
     described = ", ".join(f"pid {s['pid']} ready for {float(s.get('waiting_s') or 0) / 60:.0f} min" for s in waiting)
     if not target.standby:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflashops.errors import UsageError
+from dflashops.ops.agent_build import package_files
 from dflashops.ops.agent_client import AGENT_SOURCE, Agent
 from dflashops.ops.releases import release_cache
 
@@ -39,10 +40,10 @@ class SyncOutcome:
 def release_files(
     extra_files: tuple[str, ...] = (), extra_root: Path | None = None, packages: tuple[str, ...] = ("trainer",)
 ) -> dict[str, Path]:
-    """relative path in the release -> local file: the agent, each package's tree, the profile's files.
+    """relative path in the release -> local file: the agent's package (dflashops/agent/*.py), each package's tree, the profile's files.
     Every file must really lie inside the folder it is listed from: a symlink (of the file or of a folder
     on its path) that leads outside is refused, so `files: [rootlink/etc/passwd]` cannot ship /etc/passwd."""
-    files: dict[str, Path] = {"dflashops_agent.py": AGENT_SOURCE}
+    files: dict[str, Path] = {path.relative_to(REPO_ROOT).as_posix(): path for path in package_files().values()}
     for package in packages:
         root = REPO_ROOT / package
         if not root.is_dir():

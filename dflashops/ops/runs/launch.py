@@ -16,7 +16,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from dflashops.agent import LAUNCHERS  # the agent starts runs; its list is the list
+from dflashops.agent.common import LAUNCHERS  # the agent starts runs; its list is the list
 from dflashops.errors import Conflict, UsageError
 from dflashops.inventory import Profile, Target
 from dflashops.lineage import RunRecord, next_name, redact_env, wandb_env

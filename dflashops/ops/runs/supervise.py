@@ -29,7 +29,7 @@ from dflashops.ops.observe.observe import started
 from dflashops.ops.runs.launch import DeployRequest, launch_spec
 from dflashops.ops.session import Session
 
-SOURCE = Path(__file__).resolve().parents[2] / "agent_supervisor.py"  # dflashops/ops/runs/ -> dflashops/
+SOURCE = Path(__file__).resolve().parents[2] / "agent" / "supervisor.py"  # dflashops/ops/runs/ -> dflashops/
 SENTINELS = {
     "name": "@dflashops-run-name@",
     "parent": "@dflashops-parent@",

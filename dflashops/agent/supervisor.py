@@ -22,15 +22,15 @@ Each event (crashed, stalled, auto-restarted, gave-up, finished) is appended to 
 (and POSTed to the webhook when one was given); `supervisor.json` in the watched run's directory says
 what the supervisor does now (the agent's `stop` reads it to cancel a pending restart).
 
-One file, longer than the usual module, for the agent's reason: it is uploaded alone and run with whatever
-python3 the container has.
+One file, longer than the usual module, for the agent's reason: it is uploaded alone (beside the agent's zipapp,
+whose core it imports from that zipapp) and run with whatever python3 the container has.
 """
 
 from __future__ import annotations
 
 import base64
 import fcntl
-import importlib.util
+import importlib
 import json
 import os
 import queue
@@ -40,6 +40,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -54,12 +55,20 @@ CANCELLED: list[bool] = []  # set by SIGTERM: the daemon ends at its next check,
 WEBHOOK_RETRY_S = (5.0, 30.0)  # the waits before a failed POST's second and third try (notify.retry)
 
 
-def load_agent(path: str):
-    spec = importlib.util.spec_from_file_location("dflashops_agent", path)
-    assert spec is not None and spec.loader is not None  # a path ending in .py always has both
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+AGENT_MODULES = ("common", "checkpoints", "control", "status", "launch")  # what a supervised run needs of the agent
+
+
+def load_agent(path: str) -> types.SimpleNamespace:
+    """The agent's functions from `path` (its zipapp `agent-<sha12>.pyz`, as the controller gives it, or a
+    checkout's package folder `.../dflashops/agent`), as one namespace: `agent.run_status`, `agent.verb_launch`.
+    The zipapp goes first on sys.path; this daemon imports nothing else of the package."""
+    root = path if path.endswith(".pyz") else os.path.dirname(os.path.dirname(os.path.abspath(path)))
+    sys.path.insert(0, root)
+    names: dict = {}
+    for name in AGENT_MODULES:
+        module = importlib.import_module(f"dflashops.agent.{name}")
+        names.update({key: value for key, value in vars(module).items() if not key.startswith("_")})
+    return types.SimpleNamespace(**names)
 
 
 def fill(value, values: dict):

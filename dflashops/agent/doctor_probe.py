@@ -145,7 +145,7 @@ def imports(req: dict) -> dict:
 
 
 def standbys(workspace: str) -> list[dict]:
-    """The standby interpreters waiting in the workspace (agent.py, standby section): id, whether its imports
+    """The standby interpreters waiting in the workspace (standby.py): id, whether its imports
     are done (`ready`: the interpreter's pid, and for how long), claimed or retired. Reads files only."""
     found = []
     for folder in sorted(glob.glob(os.path.join(workspace, "standby", "*", "spec.json"))):

@@ -1,0 +1,283 @@
+"""The agent's shared ground: the run directory's names (RUN_FILES), the name rule, atomic files, reading
+records, process discovery by process group and marker, the tmux socket and session names, and how the agent
+starts itself again (program). It never kills by name: only the recorded process group of a run and processes
+whose environment carries the run's unique marker (DFLASHOPS_RUN_ID=<name>.<nonce>).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+
+NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+LAUNCHERS = ("tmux", "nohup")  # how a run is started: a tmux session, or setsid + nohup (the controller uses these)
+HASH_RE = re.compile(r"^[0-9a-f]{8,64}$")
+MARKER_KEY = "DFLASHOPS_RUN_ID"
+RESUME_WRITER_KEY = "DFLASHOPS_RESUME_WRITER"  # trainer/handover.py: the run still writing the --resume checkpoint
+# A crash's one-line reason in train.log: a Python exception line, or the `error: ...` line that the trainer
+# (and dflashops' own wrapper) print for failures they explain themselves.
+ERROR_LINE_RE = re.compile(r"(Traceback \(most recent call last\)|^\w*(Error|Exception)\b.*|^error: .+)")
+# THE list of names in a run directory `<workspace>/runs/<name>/` (a folder ends in "/"), with who writes each:
+# this agent, its supervisor (supervisor.py), the trainer, the wandb library it starts, `trainer export`
+# (run by `dflashops fetch --export`), or nobody here ("none": read when present). The trainer cannot import
+# this file, so it keeps its own names (trainer/run_files.py); tests/test_run_directory_contract.py checks that
+# they, the code here and the table of docs/run-directory.md all agree with this one.
+RUN_FILES = {
+    "run.json": "agent",
+    "marker": "agent",
+    ".launch.json": "agent",
+    "pgid": "agent",
+    "pid": "agent",
+    "train.log": "agent",
+    "exit_code": "agent",
+    ".exit_code.reserved": "agent",
+    ".stop.json.reserved": "agent",
+    "stop.json": "agent",
+    ".control.json": "agent",
+    ".fetch-sha256.json": "agent",
+    "supervisor.json": "supervisor",
+    "events.jsonl": "supervisor",
+    "stall.json": "supervisor",
+    "restarted_as": "supervisor",
+    "train_config.json": "trainer",
+    "status.json": "trainer",
+    ".status.json.reserved": "trainer",
+    "metrics.jsonl": "trainer",
+    "checkpoints/": "trainer",
+    "wandb/": "wandb",
+    "export/": "trainer export",
+    "train.log.1": "none",
+}
+
+
+class AgentFailure(Exception):
+    """A refusal the controller shows to the user; `code` is machine-readable (not_found, conflict, ...)."""
+
+    def __init__(self, message: str, code: str = "error") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def is_safe_name(text: str) -> bool:
+    """THE rule for names that reach command lines, file paths and tmux (runs, sessions, targets, hosts,
+    profiles): 1-64 of A-Z a-z 0-9 . _ -, no `..`, no leading `-`. The controller imports it from here
+    (dflashops/shell.py), so the agent and the controller can never disagree on a name."""
+    return bool(NAME_RE.match(text)) and text != "." and ".." not in text and not text.startswith("-")
+
+
+def check_name(value: object, what: str = "run name") -> str:
+    text = str(value or "")
+    if not is_safe_name(text):
+        raise AgentFailure(f"invalid {what} {text!r}", "bad_request")
+    return text
+
+
+def run_dir(req: dict) -> str:
+    workspace = req.get("workspace")
+    if not isinstance(workspace, str) or not os.path.isabs(workspace):
+        raise AgentFailure("workspace must be an absolute path", "bad_request")
+    return os.path.join(workspace, "runs", check_name(req.get("name")))
+
+
+def write_atomic(path: str, text: str, mode: int = 0o644) -> None:
+    """Write through a temporary file and rename(2); on any failure (a full disk) the temporary is removed."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        remove_quietly(tmp)
+        raise
+
+
+def remove_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def append_log(directory: str, line: str) -> None:
+    """One `dflashops: ...` line in the run's train.log; best effort (the disk may be full)."""
+    try:
+        with open(os.path.join(directory, "train.log"), "ab") as log:
+            log.write(f"dflashops: {line}\n".encode())
+    except OSError:
+        pass
+
+
+def read_text(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            return handle.read()
+    except OSError:
+        return None
+
+
+def read_json(path: str) -> dict | None:
+    text = read_text(path)
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def read_int(path: str) -> int | None:
+    text = read_text(path)
+    try:
+        return int(text.strip()) if text is not None else None
+    except ValueError:
+        return None
+
+
+def proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, pgid) of a live process, or None when it is gone."""
+    text = read_text(f"/proc/{pid}/stat")
+    if not text:
+        return None
+    fields = text[text.rfind(")") + 2 :].split()  # comm may contain spaces and parentheses
+    return fields[0], int(fields[2])
+
+
+def alive(pid: int) -> bool:
+    stat = proc_stat(pid)
+    return stat is not None and stat[0] not in ("Z", "X")
+
+
+def all_pids() -> list[int]:
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+
+
+def run_processes(pgid: int | None, marker: str | None, directory: str) -> tuple[int | None, set[int]]:
+    """(the run's process group or None, its live processes), from one scan of /proc.
+
+    Live processes: members of the recorded group, plus any process whose environment has the run's exact
+    marker (children that called setsid left the group but kept the environment). A pgid outlives its run on
+    disk: after a lost wrapper (SIGKILL, reboot) the number can be reused by an unrelated group. So the group
+    counts, and is returned for killpg, only while a member carries the marker or is the run's own launch
+    wrapper (its command line names this run directory); otherwise only marked processes are the run's."""
+    needle = f"{MARKER_KEY}={marker}".encode() if marker else None
+    wrapper_arg = json.dumps({"dir": directory}).encode()  # exactly as verb_launch builds the wrapper's argv
+    members: set[int] = set()
+    marked: set[int] = set()
+    owned = False
+    for pid in all_pids():
+        if pid == os.getpid():
+            continue
+        stat = proc_stat(pid)
+        if stat is None or stat[0] in ("Z", "X"):
+            continue
+        has_marker = needle is not None and needle in read_proc(pid, "environ").split(b"\0")
+        if has_marker:
+            marked.add(pid)
+        if pgid and pgid > 1 and stat[1] == pgid:
+            members.add(pid)
+            owned = owned or has_marker or wrapper_arg in read_proc(pid, "cmdline")
+    return (pgid, members | marked) if owned else (None, marked)
+
+
+def read_proc(pid: int, name: str) -> bytes:
+    """/proc/PID/NAME, or b"" when the process is gone or not ours to read."""
+    try:
+        with open(f"/proc/{pid}/{name}", "rb") as handle:
+            return handle.read()
+    except OSError:
+        return b""
+
+
+def signal_run(pgid: int | None, pids: set[int], signum: int) -> None:
+    """Signal the run's group and each marked process; never anything else."""
+    if pgid and pgid > 1:
+        try:
+            os.killpg(pgid, signum)
+        except ProcessLookupError:
+            pass
+    for pid in pids:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+LAUNCH_SETTLE_S = 30.0  # a launch still in flight this long after its directory was made has failed
+
+
+def program() -> str:
+    """What python runs to start this agent again (the launch wrapper, a standby): the zipapp it was loaded
+    from (zipimport's loader names its archive), else, from a checkout, the package folder (its __main__.py)."""
+    archive = getattr(__spec__.loader, "archive", None) if __spec__ is not None else None
+    return archive if isinstance(archive, str) else os.path.dirname(os.path.abspath(__file__))
+
+
+def tmux_socket(workspace: str) -> str:
+    """One tmux server per workspace, so `=name` targets and kills never touch anyone else's sessions."""
+    return "dflashops-" + hashlib.sha1(workspace.encode()).hexdigest()[:10]
+
+
+def session_name(run: str) -> str:
+    """The run's tmux session name. tmux rewrites `.` and `:` in session names to `_`, so `exp.1` and `exp_1`
+    would share one session; this encoding is injective (prefix-free: `_` -> `__`, `.` -> `_d`) and leaves
+    names without `_` or `.` as typed."""
+    return run.replace("_", "__").replace(".", "_d")
+
+
+def tmux_has_session(workspace: str, session: str) -> bool:
+    """The workspace's tmux server has a session of exactly this name (`=`: no prefix match)."""
+    found = subprocess.run(
+        ["tmux", "-L", tmux_socket(workspace), "has-session", "-t", "=" + session],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=20,
+    )  # fmt: skip
+    return found.returncode == 0
+
+
+def workspace_of(req: dict) -> str:
+    workspace = req.get("workspace")
+    if not isinstance(workspace, str) or not os.path.isabs(workspace):
+        raise AgentFailure("workspace must be an absolute path", "bad_request")
+    return workspace
+
+
+def file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+COLLECTED = "collected.jsonl"  # in the workspace: one line per run directory gc deleted (name, when, by)
+
+
+def collected_run(workspace: str, name: str) -> dict | None:
+    """The last record of gc deleting run `name`'s directory in `workspace`, or None."""
+    found = None
+    for line in (read_text(os.path.join(workspace, COLLECTED)) or "").splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue  # a torn last line
+        if isinstance(entry, dict) and entry.get("name") == name:
+            found = entry
+    return found
+
+
+def missing_run(req: dict, what: str) -> AgentFailure:
+    """The refusal for a run without a directory (`what`: "does not exist" ...): one that gc deleted says so."""
+    name = req["name"]
+    entry = collected_run(workspace_of(req), name)
+    if entry is not None:
+        return AgentFailure(
+            f"run {name!r} was collected: its run directory was deleted by `dflashops gc` at {entry.get('at')}",
+            "not_found",
+        )
+    return AgentFailure(f"run {name!r} {what}", "not_found")

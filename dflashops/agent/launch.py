@@ -1,0 +1,196 @@
+"""`launch` and `wrap`: starting a run, with a new wrapper and job or by adopting a ready standby."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+from .common import (
+    LAUNCHERS,
+    MARKER_KEY,
+    AgentFailure,
+    append_log,
+    program,
+    remove_quietly,
+    run_dir,
+    session_name,
+    tmux_has_session,
+    tmux_socket,
+    write_atomic,
+)
+from .gc import verb_clear_cache
+from .preflight import preflight_release
+from .standby import adopt_standby, retire_standbys, standby_eligible, standby_fingerprint, start_standby, wrap_standby
+from .wrap import (
+    CLEAN_ENV,
+    LAUNCH_SPEC,
+    become_group_leader,
+    launch_answer,
+    launch_failed,
+    record_exit_code,
+    reserve_records,
+    stop_requested,
+    wait_for_file,
+    wait_job,
+)
+
+
+def check_launch(req: dict) -> tuple:
+    """(run dir, argv, env, launcher) of a launch request, or AgentFailure; changes nothing."""
+    directory = run_dir(req)
+    argv = req.get("argv")
+    if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
+        raise AgentFailure("argv must be a non-empty list of strings", "bad_request")
+    env = req.get("env") or {}
+    if not isinstance(env, dict):
+        raise AgentFailure("env must be an object", "bad_request")
+    launcher = req.get("launcher", "nohup")
+    if launcher not in LAUNCHERS:
+        raise AgentFailure(f"unknown launcher {launcher!r}", "bad_request")
+    if launcher == "tmux" and not shutil.which("tmux"):
+        raise AgentFailure("tmux is not installed on the target", "missing_tool")
+    return directory, argv, env, launcher
+
+
+def verb_launch(req: dict) -> dict:
+    """Start a run: a new wrapper and job, or (`standby: true` and a `python -m trainer` argv) the waiting
+    interpreter of a matching standby (see the standby section), which skips the job's imports. Either way the
+    run directory gets the same records (run.json, marker, pgid, pid, exit_code) and `stop` treats both alike."""
+    directory, argv, env, launcher = check_launch(req)
+    if os.path.exists(directory):  # the same refusal as the mkdir below, before a pre-flight's seconds
+        raise AgentFailure(f"run directory {directory} already exists", "conflict")
+    launch_env = {str(k): str(v) for k, v in env.items()}
+    wants_standby = bool(req.get("standby")) and standby_eligible(argv)
+    fingerprint = (
+        standby_fingerprint(argv[0], launch_env, launcher, list(req.get("secret_keys") or [])) if wants_standby else ""
+    )
+    verdict = None
+    if req.get("preflight"):  # before the name is taken: a refused launch leaves nothing behind
+        release = str((req.get("run_json") or {}).get("release") or env.get("PYTHONPATH") or "")
+        if os.path.isdir(release):
+            if wants_standby:  # none ready (a fresh workspace): the check waits for this one, the run adopts it,
+                start_standby(req, argv, launch_env, launcher, "", fingerprint)  # and the imports are paid once
+            verdict = preflight_release(req, release, argv, env)
+    cleared = verb_clear_cache(req) if req.get("clear_cache") else None
+    session = session_name(req["name"])
+    if launcher == "tmux" and tmux_has_session(req["workspace"], session):  # refused before the name is taken
+        raise AgentFailure(
+            f"a tmux session named {session!r} already exists on this workspace's tmux server "
+            f"(socket {tmux_socket(req['workspace'])})",
+            "conflict",
+        )
+    os.makedirs(os.path.dirname(directory), exist_ok=True)
+    try:
+        os.mkdir(directory)  # atomic claim of the name: a second launch of the same name fails here
+    except FileExistsError:
+        raise AgentFailure(f"run directory {directory} already exists", "conflict") from None
+    run_json = dict(req.get("run_json") or {})
+    run_json.update(name=req["name"], launcher=launcher, session=session, run_dir=directory)
+    write_atomic(os.path.join(directory, "run.json"), json.dumps(run_json, indent=2, sort_keys=True) + "\n")
+    cwd = req.get("cwd") or directory
+    if wants_standby:
+        adopted = adopt_standby(req, directory, argv, launch_env, cwd, launcher, session, fingerprint)
+        if adopted is not None:
+            start_standby(req, argv, launch_env, launcher, directory, fingerprint)
+            return {**adopted, "preflight": verdict, "cleared": cleared}
+    elif req.get("standby") is False:
+        retire_standbys(req["workspace"], keep=None)
+    marker = f"{req['name']}.{os.urandom(6).hex()}"
+    write_atomic(os.path.join(directory, "marker"), marker + "\n")
+    launch_env.update(DFLASHOPS_RUN=req["name"], **{MARKER_KEY: marker})
+    # The job's whole environment: this agent's (what the controller gave this call) with the launch's on top.
+    # Never the tmux server's: that server was started by an earlier call, with an earlier deploy's environment.
+    spec = {"argv": argv, "env": {**os.environ, **launch_env}, "cwd": cwd}
+    spec_path = os.path.join(directory, LAUNCH_SPEC)
+    wrapper = [sys.executable, program(), "wrap", "--json-args", json.dumps({"dir": directory})]
+    try:
+        # Secrets reach the wrapper through this 0600 file; the wrapper deletes it as soon as it has read it.
+        write_atomic(spec_path, json.dumps(spec), mode=0o600)
+        if launcher == "tmux":
+            started = subprocess.run(
+                [
+                    "tmux",
+                    "-L",
+                    tmux_socket(req["workspace"]),
+                    "new-session",
+                    "-d",
+                    "-s",
+                    session,
+                    "-x",
+                    "200",
+                    "-y",
+                    "50",
+                    "--",
+                    *CLEAN_ENV,
+                    *wrapper,
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                timeout=20,
+            )
+            if started.returncode != 0:
+                reason = started.stderr.decode(errors="replace").strip()
+                launch_failed(directory, f"tmux new-session failed: {reason}")
+        else:
+            with open(os.devnull, "rb") as devnull, open(os.path.join(directory, "train.log"), "ab") as log:
+                subprocess.Popen(wrapper, stdin=devnull, stdout=log, stderr=log, start_new_session=True, close_fds=True)
+        pgid = wait_for_file(os.path.join(directory, "pgid"), 10.0)
+        if pgid is None:
+            launch_failed(directory, f"the launch wrapper did not start within 10 s (see {directory}/train.log)")
+    finally:
+        # The wrapper has read and deleted the spec before it writes `pgid`; if it has not (the launch failed or
+        # timed out), the secrets must not stay on disk, and a wrapper that starts late then finds no spec and
+        # does not start the job.
+        remove_quietly(spec_path)
+    if wants_standby:
+        start_standby(req, argv, launch_env, launcher, directory, fingerprint)
+    answer = launch_answer(directory, pgid, marker, launcher, session, standby=False)
+    return {**answer, "preflight": verdict, "cleared": cleared}
+
+
+def verb_wrap(req: dict) -> dict:
+    """Runs as the leader of the run's new process group/session (setsid or tmux pane). Records pgid, starts
+    the job with output appended to train.log unless a stop was requested first, records its pid, waits, and
+    writes `exit_code` (128+N for signal N). With `standby` (a standby's folder): the standby's wrapper."""
+    if "standby" in req:
+        return wrap_standby(req["standby"])
+    directory = req["dir"]
+    spec_path = os.path.join(directory, LAUNCH_SPEC)
+    try:
+        with open(spec_path, encoding="utf-8") as handle:
+            spec = json.load(handle)
+    except FileNotFoundError:  # verb_launch gave up waiting for this wrapper and removed the spec
+        append_log(directory, "the launch timed out before the wrapper started; the job was not started")
+        record_exit_code(directory, 127)
+        return {"exit_code": 127}
+    finally:
+        remove_quietly(spec_path)
+    become_group_leader()
+    reserve_records(directory)
+    write_atomic(os.path.join(directory, "pgid"), f"{os.getpgrp()}\n")
+    # A stop that raced the launch wrote its request before the job existed: it wins, the job never starts.
+    # (A stop after this check finds the group and waits for `pid`: verb_stop.)
+    if stop_requested(directory):
+        append_log(directory, "stop requested before the job started; not starting it")
+        status = 128 + signal.SIGTERM
+        record_exit_code(directory, status)
+        return {"exit_code": status}
+    log_path = os.path.join(directory, "train.log")
+    with open(log_path, "ab") as log:
+        try:
+            child = subprocess.Popen(
+                spec["argv"], cwd=spec["cwd"], env=spec["env"], stdin=subprocess.DEVNULL, stdout=log, stderr=log
+            )
+        except OSError as exc:
+            log.write(f"dflashops: cannot start {spec['argv'][0]}: {exc}\n".encode())
+            record_exit_code(directory, 127)
+            return {"exit_code": 127}
+    write_atomic(os.path.join(directory, "pid"), f"{child.pid}\n")
+    status = wait_job(child, log_path)
+    record_exit_code(directory, status)
+    return {"exit_code": status}

@@ -1,0 +1,188 @@
+"""The new release proves it can start before a deploy launches or a restart stops (`preflight`).
+
+Before a deploy launches and before a restart stops the old run, the new release proves it can start: every
+Python file of it compiles (here, with the target's python), and for a trainer job `python -m trainer check
+<its train flags>` (trainer/check.py: the package compiles, the flags validate, the training stack imports,
+train's own pre-flight passes). In a ready standby that check is a fork of an interpreter with torch imported
+already; else a fresh interpreter pays the imports. A refusal (code `preflight`) changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+
+from .checkpoints import complete_checkpoint, latest_checkpoint
+from .common import HASH_RE, AgentFailure, read_int, read_json, remove_quietly, run_dir, workspace_of, write_atomic
+from .standby import (
+    CHECK_ANSWER,
+    CHECK_CLAIM,
+    CHECK_REQUEST,
+    SECRET_KEY_RE,
+    STANDBY_POLL_S,
+    carries_marker,
+    ready_standbys,
+    standby_alive,
+    standby_eligible,
+    standby_fingerprint,
+    standbys,
+    take_file,
+)
+
+PREFLIGHT_TIMEOUT_S = 600.0  # train's pre-flight reads the target's config and opens the data: bounded, never hung
+
+
+def trainer_flags(argv: list[str]) -> list[str] | None:
+    """The flags of a job that runs `python -m trainer train ...`, directly or behind a launcher (torchrun's
+    `... -m trainer train ...`); None for any other job."""
+    for index in range(len(argv) - 2):
+        if argv[index : index + 3] == ["-m", "trainer", "train"]:
+            return argv[index + 3 :]
+    return None
+
+
+def compile_release(release: str) -> None:
+    """Every .py file of the release compiles with this (the target's) python; in memory, nothing written."""
+    for root, _, names in os.walk(release):
+        for name in sorted(names):
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(root, name)
+            try:
+                with open(path, "rb") as handle:
+                    compile(handle.read(), path, "exec", dont_inherit=True)
+            except SyntaxError as exc:
+                where = os.path.relpath(path, release) + (f":{exc.lineno}" if exc.lineno else "")
+                raise AgentFailure(
+                    f"error: {where}: SyntaxError: {exc.msg}\nhint: fix it and try again", "preflight"
+                ) from None
+
+
+def preflight_release(req: dict, release: str, argv: list[str], env: dict) -> dict:
+    """The pre-flight of `argv` (run from `release`, with `env`): what it checked, or AgentFailure `preflight`
+    whose message is the check's own `error:`/`hint:` lines. Secrets stay out of it: a check needs none."""
+    started = time.monotonic()
+    compile_release(release)
+    flags = trainer_flags(argv)
+    if flags is None:
+        return {"checked": "compile", "seconds": round(time.monotonic() - started, 3)}
+    secret_keys = list(req.get("secret_keys") or [])
+    check_env = {k: v for k, v in {**os.environ, **env}.items() if k not in secret_keys and not SECRET_KEY_RE.search(k)}
+    check = {"argv": [argv[0], "-m", "trainer", "check", *flags], "env": check_env, "cwd": req["workspace"]}
+    answer, where = None, "a new interpreter"
+    if req.get("standby") and standby_eligible(argv):
+        fingerprint = standby_fingerprint(argv[0], env, str(req.get("launcher", "nohup")), secret_keys)
+        await_starting_standby(req["workspace"], fingerprint, time.monotonic() + PREFLIGHT_TIMEOUT_S)
+        answer = check_in_standby(req["workspace"], fingerprint, check)
+        where = "a standby interpreter" if answer is not None else where
+    if answer is None:
+        answer = check_fresh(check)
+    seconds = round(time.monotonic() - started, 3)
+    output = str(answer.get("output") or "").strip()
+    if answer.get("exit_code") != 0:
+        lines = [ln for ln in output.splitlines() if ln.startswith(("error: ", "hint: "))]
+        if not lines:  # not a refusal the trainer explained: its last lines (a traceback's end)
+            tail = "; ".join(output.splitlines()[-2:]) or f"exit code {answer.get('exit_code')}"
+            lines = [f"error: the trainer's pre-flight failed: {tail}"]
+        raise AgentFailure("\n".join(lines[:2]), "preflight")
+    return {"checked": "trainer", "summary": output.splitlines()[-1] if output else "", "in": where,
+            "seconds": seconds}  # fmt: skip
+
+
+def verb_preflight(req: dict) -> dict:
+    """The pre-flight alone, read-only (a dry run's verdict): release `release` (a hash) must be on the target
+    already; with `old`, the resume placeholder stands for that run's newest checkpoint (or the one it started
+    from). Answers `{"preflight": verdict}`, `{"preflight": None, "skipped": why}`, or refuses as a launch
+    would (code `preflight`)."""
+    workspace = workspace_of(req)
+    code_hash = str(req.get("release") or "")
+    release = os.path.join(workspace, "releases", code_hash)
+    if not HASH_RE.match(code_hash) or not os.path.isdir(release):
+        return {"preflight": None, "skipped": "the new code is not on the target yet: it is checked after its upload"}
+    argv = req.get("argv")
+    if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+        raise AgentFailure("argv must be a list of strings", "bad_request")
+    if req.get("old"):
+        old_dir = run_dir({"workspace": workspace, "name": req["old"]})
+        probe = (latest_checkpoint(old_dir) or started_from(old_dir)) if os.path.isdir(old_dir) else None
+        argv = argv_for_check(argv, req.get("resume_placeholder"), req.get("resume_checkpoint") or probe)
+    return {"preflight": preflight_release(req, release, argv, dict(req.get("env") or {}))}
+
+
+def check_fresh(check: dict) -> dict:
+    """The check in a new interpreter: exit code and output."""
+    try:
+        done = subprocess.run(
+            check["argv"], cwd=check["cwd"], env=check["env"], stdin=subprocess.DEVNULL, capture_output=True,
+            text=True, timeout=PREFLIGHT_TIMEOUT_S,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return {"exit_code": None, "output": f"no verdict within {PREFLIGHT_TIMEOUT_S:.0f} s"}
+    except OSError as exc:
+        return {"exit_code": None, "output": f"cannot start {check['argv'][0]}: {exc.strerror}"}
+    return {"exit_code": done.returncode, "output": done.stdout + done.stderr}
+
+
+def await_starting_standby(workspace: str, fingerprint: str, deadline: float) -> None:
+    """Wait while a standby of `fingerprint` started for this very launch (no run to follow: `after` empty) is
+    still importing and none is ready: a new interpreter for the check would pay the same imports, and the run
+    then a third time. Returns at once when one is ready or none is starting; a standby that dies ends the wait."""
+    while time.monotonic() < deadline and not any(ready_standbys(workspace, fingerprint)):
+        starting = (
+            spec.get("fingerprint") == fingerprint and not spec.get("after") and standby_alive(folder, spec)
+            for folder, spec in standbys(workspace)
+            if not os.path.exists(os.path.join(folder, "claimed"))
+        )
+        if not any(starting):
+            return
+        time.sleep(STANDBY_POLL_S * 5)
+
+
+def check_in_standby(workspace: str, fingerprint: str, check: dict) -> dict | None:
+    """The check in a ready standby of `fingerprint` (check_in_child), or None when none is free (none ready,
+    one busy with another check, or it left meanwhile): the caller checks in a new interpreter."""
+    for folder, spec in ready_standbys(workspace, fingerprint):
+        ready = read_int(os.path.join(folder, "ready"))
+        try:
+            os.mkdir(os.path.join(folder, CHECK_CLAIM))  # one check at a time per standby
+        except OSError:
+            continue
+        try:
+            remove_quietly(os.path.join(folder, CHECK_ANSWER))
+            write_atomic(os.path.join(folder, CHECK_REQUEST), json.dumps(check), mode=0o600)
+            deadline = time.monotonic() + PREFLIGHT_TIMEOUT_S
+            while time.monotonic() < deadline:
+                answer = take_file(os.path.join(folder, CHECK_ANSWER))
+                if answer is not None:
+                    return answer
+                if not carries_marker(ready, spec["marker"]):  # it exited (idle, retired): nobody will answer
+                    break
+                time.sleep(0.02)
+            if take_file(os.path.join(folder, CHECK_REQUEST)) is None:  # taken, never answered: it is broken
+                write_atomic(os.path.join(folder, "retired"), "\n")
+            return None
+        finally:
+            try:
+                os.rmdir(os.path.join(folder, CHECK_CLAIM))
+            except OSError:
+                pass
+    return None
+
+
+def started_from(directory: str) -> str | None:
+    """The complete checkpoint the run was started from (run.json's `resumed_from`), or None."""
+    origin = ((read_json(os.path.join(directory, "run.json")) or {}).get("extra") or {}).get("resumed_from")
+    return origin if isinstance(origin, str) and complete_checkpoint(origin) else None
+
+
+def argv_for_check(argv: list[str], placeholder: object, checkpoint: str | None) -> list[str]:
+    """A restart's argv for its pre-flight: the resume placeholder replaced by `checkpoint` (the one it will
+    resume, or one of the same run and shape), or, with none yet, dropped with the flag before it."""
+    if not placeholder or str(placeholder) not in argv:
+        return argv
+    if checkpoint is not None:
+        return [checkpoint if arg == placeholder else arg for arg in argv]
+    index = argv.index(str(placeholder))
+    return argv[: max(index - 1, 0)] + argv[index + 1 :]

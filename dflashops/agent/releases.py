@@ -1,0 +1,167 @@
+"""`manifest` and `install`: content-addressed releases built from a tar stream, verified, flipped, pruned."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import tarfile
+
+from .common import HASH_RE, AgentFailure, alive, file_sha256, read_int, read_json, workspace_of, write_atomic
+
+
+def verb_manifest(req: dict) -> dict:
+    """The current release's code hash and per-file sha256 (written at install, so this reads one file)."""
+    current = os.path.join(workspace_of(req), "releases", "current")
+    if not os.path.islink(current):
+        return {"release": None, "files": {}}
+    target = os.path.realpath(current)
+    if req.get("hash") and req.get("hash") == os.path.basename(target):
+        return {"release": os.path.basename(target), "path": target, "files": {}}  # up to date: skip the list
+    manifest = read_json(os.path.join(target, ".manifest.json"))
+    if manifest is None:
+        return {"release": None, "files": {}}
+    return {"release": os.path.basename(target), "path": target, "files": manifest}
+
+
+def safe_members(archive: tarfile.TarFile) -> list[tarfile.TarInfo]:
+    members = []
+    for member in archive.getmembers():
+        parts = member.name.split("/")
+        if member.name.startswith("/") or ".." in parts or not (member.isfile() or member.isdir()):
+            raise AgentFailure(f"refusing tar member {member.name!r}", "bad_request")
+        members.append(member)
+    return members
+
+
+def install_manifest(req: dict, releases: str) -> tuple:
+    """(full manifest, files to hard-link from the base). The request carries either the full `files`
+    manifest and a `link` list, or only `changed` entries and `removed` paths relative to `base` (the
+    compact form: an install of one changed file then sends about that file, not the whole manifest)."""
+    if isinstance(req.get("files"), dict):
+        return req["files"], list(req.get("link") or [])
+    changed, removed, base = req.get("changed"), req.get("removed") or [], req.get("base")
+    if not isinstance(changed, dict) or not isinstance(removed, list):
+        return None, []
+    base_files = {}
+    if isinstance(base, str) and HASH_RE.match(base):
+        base_files = read_json(os.path.join(releases, base, ".manifest.json")) or {}
+    files = {rel: digest for rel, digest in base_files.items() if rel not in removed}
+    files.update(changed)
+    return files, sorted(rel for rel in files if rel not in changed)
+
+
+def build_release(req: dict, stdin: bytes, stale_code: str = "conflict") -> tuple:
+    """Make releases/<hash>/ complete (or find it already there) WITHOUT making it current; returns
+    (code_hash, path). Unpack the tar of changed files into a temp dir, hard-link unchanged files from
+    the base release, verify every hash, then rename. A failure removes its own `.tmp-*` folder; a cut
+    connection or a crash leaves one, removed by a later install once its owner is gone: a release is
+    complete or absent, and concurrent installs never delete each other's work."""
+    workspace = workspace_of(req)
+    code_hash = str(req.get("hash") or "")
+    releases = os.path.join(workspace, "releases")
+    files, link = install_manifest(req, releases)
+    if not HASH_RE.match(code_hash) or not isinstance(files, dict):
+        raise AgentFailure("install needs a hash and a files manifest", "bad_request")
+    # The release name is the hash of its manifest (ops/sync.py code_hash_of): a rebuilt manifest that does
+    # not match (base release pruned or changed since `manifest` was read) is refused, never installed.
+    if hashlib.sha256(json.dumps(sorted(files.items())).encode()).hexdigest()[:16] != code_hash:
+        raise AgentFailure(
+            f"manifest does not match release {code_hash} (base {req.get('base')!r} changed?); sync again", stale_code
+        )
+    os.makedirs(releases, exist_ok=True)
+    remove_abandoned_temporaries(releases)
+    final = os.path.join(releases, code_hash)
+    if os.path.isdir(final):
+        return code_hash, final
+    tmp = os.path.join(releases, f".tmp-{code_hash}-{os.getpid()}")
+    os.makedirs(tmp)
+    try:
+        fill_release(tmp, stdin, link, releases, req.get("base"), files, stale_code)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if not os.path.isdir(final):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # a concurrent install of the same code finished first
+    return code_hash, final
+
+
+def remove_abandoned_temporaries(releases: str) -> None:
+    """Remove `.tmp-<hash>-<pid>` folders whose installing agent is gone (a cut connection, a crash); never
+    one whose owner is still running: two deploys of new code may build releases side by side."""
+    for entry in os.listdir(releases):
+        owner = entry.rsplit("-", 1)[-1]
+        if entry.startswith(".tmp-") and owner.isdigit() and int(owner) != os.getpid() and not alive(int(owner)):
+            shutil.rmtree(os.path.join(releases, entry), ignore_errors=True)
+
+
+def fill_release(tmp: str, stdin: bytes, link: list, releases: str, base: object, files: dict, stale_code: str) -> None:
+    """Unpack the changed files into `tmp`, hard-link the unchanged ones from `base`, verify every hash."""
+    with tarfile.open(fileobj=io.BytesIO(stdin), mode="r:*") as archive:  # plain or gzip
+        archive.extractall(tmp, members=safe_members(archive))
+    base_dir = os.path.join(releases, base) if isinstance(base, str) and HASH_RE.match(base) else None
+    for rel in link:
+        source = os.path.join(base_dir or "/nonexistent", rel)
+        dest = os.path.join(tmp, rel)
+        if ".." in rel.split("/") or not os.path.isfile(source):
+            raise AgentFailure(f"cannot link unchanged file {rel!r} from release {base!r}", stale_code)
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        os.link(source, dest)
+    for rel, digest in files.items():
+        path = os.path.join(tmp, rel)
+        if not os.path.isfile(path) or file_sha256(path) != digest:
+            raise AgentFailure(f"release file {rel!r} is missing or corrupt after transfer", "corrupt")
+    write_atomic(os.path.join(tmp, ".manifest.json"), json.dumps(files, sort_keys=True))
+
+
+def flip_current(workspace: str, code_hash: str) -> None:
+    releases = os.path.join(workspace, "releases")
+    link_tmp = os.path.join(releases, f".current-{os.getpid()}")
+    os.symlink(code_hash, link_tmp)
+    os.replace(link_tmp, os.path.join(releases, "current"))  # rename(2) over the old link: atomic flip
+
+
+def verb_install(req: dict, stdin: bytes) -> dict:
+    """build_release, then flip `current` atomically and prune old releases; `current` never points at a
+    partial tree."""
+    code_hash, final = build_release(req, stdin)
+    flip_current(workspace_of(req), code_hash)
+    removed = prune_releases(workspace_of(req), int(req.get("keep", 5)))
+    return {"release": code_hash, "path": final, "removed": removed}
+
+
+def releases_in_use(workspace: str) -> set[str]:
+    """Releases that a live run was started from (its run.json names the resolved release path)."""
+    used: set[str] = set()
+    runs_root = os.path.join(workspace, "runs")
+    for name in os.listdir(runs_root) if os.path.isdir(runs_root) else []:
+        directory = os.path.join(runs_root, name)
+        if read_int(os.path.join(directory, "exit_code")) is None:
+            release = (read_json(os.path.join(directory, "run.json")) or {}).get("release")
+            if isinstance(release, str):
+                used.add(os.path.basename(release.rstrip("/")))
+    return used
+
+
+def prunable_releases(workspace: str, keep: int) -> list[str]:
+    """The releases gc may delete: beyond the newest `keep`, neither `current` nor in use by a run."""
+    releases = os.path.join(workspace, "releases")
+    current = os.path.basename(os.path.realpath(os.path.join(releases, "current")))
+    entries = [e for e in os.listdir(releases) if HASH_RE.match(e) and os.path.isdir(os.path.join(releases, e))]
+    entries.sort(key=lambda e: os.stat(os.path.join(releases, e)).st_mtime, reverse=True)
+    protected = releases_in_use(workspace) | {current}
+    return [entry for entry in entries[max(keep, 1) :] if entry not in protected]
+
+
+def prune_releases(workspace: str, keep: int) -> list[str]:
+    """Delete the prunable releases; their names."""
+    removed = prunable_releases(workspace, keep)
+    for entry in removed:
+        shutil.rmtree(os.path.join(workspace, "releases", entry))
+    return removed

@@ -1,0 +1,182 @@
+"""`restart`: stop + install + launch in one call (checks, build release, pre-flight, stop, flip, launch)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from .checkpoints import complete_checkpoint, latest_checkpoint
+from .common import (
+    RESUME_WRITER_KEY,
+    AgentFailure,
+    check_name,
+    read_json,
+    run_dir,
+    session_name,
+    tmux_has_session,
+    tmux_socket,
+    workspace_of,
+)
+from .control import control_wait_s, release_control, take_control
+from .gc import verb_clear_cache
+from .launch import check_launch, verb_launch
+from .preflight import argv_for_check, preflight_release, started_from
+from .releases import build_release, flip_current, prune_releases
+from .status import cancel_supervisor, run_status
+from .stop import run_processes_of, stop_held
+
+
+def substitute(value: object, placeholder: str, text: str) -> object:
+    """`value` with every occurrence of `placeholder` in its strings replaced by `text` (lists/dicts deep)."""
+    if isinstance(value, str):
+        return value.replace(placeholder, text)
+    if isinstance(value, list):
+        return [substitute(item, placeholder, text) for item in value]
+    if isinstance(value, dict):
+        return {key: substitute(item, placeholder, text) for key, item in value.items()}
+    return value
+
+
+def verb_restart(req: dict, stdin: bytes) -> dict:
+    """The kill-copy-relaunch cycle in ONE call (one ssh round trip instead of six): `old` is stopped,
+    the release `install` describes is made current, and the new run `name` is launched from it.
+
+    Order, so that a refusal or a cut connection never leaves anything half-done:
+    1. every check that can refuse, with nothing changed yet: names, the old run exists, the new run
+       directory is free, the launch request is valid, the upload is complete (`tar_bytes`), and the
+       release manifest rebuilt against `install.base` matches its hash (code `stale_release` when the
+       base is gone: the controller's cached idea of the target is out of date; it then asks `manifest`
+       and calls again);
+    2. the release is built complete under releases/<hash>/, not yet current;
+    3. the old run is stopped exactly like `stop` (its group + marker, TERM, grace, KILL, GPU wait);
+       a run that already ended is fine;
+    4. with `resume_placeholder`: the old run's latest checkpoint replaces it in argv and run.json; with
+       `handover` too, the stop may answer as soon as the old trainer has its final checkpoint in host memory
+       and its devices free: that checkpoint (still being written) is the one resumed, and the new run's
+       environment names the old run directory (DFLASHOPS_RESUME_WRITER), so the trainer waits for the
+       checkpoint to be complete before it reads it (trainer/handover.py) while it builds meanwhile;
+    5. `current` is flipped, old releases pruned, this code's compile cache cleared when asked;
+    6. launch, as `launch`.
+    The request (with the run's secrets in `env`) comes on stdin as one JSON line, then the tar."""
+    workspace = workspace_of(req)
+    old = check_name(req.get("old"), "old run name")
+    old_dir = run_dir({"workspace": workspace, "name": old})
+    if not os.path.isdir(old_dir):
+        raise AgentFailure(f"run {old!r} does not exist on this target", "not_found")
+    new_dir, _, _, launcher = check_launch(req)
+    if os.path.exists(new_dir):
+        raise AgentFailure(f"run directory {new_dir} already exists", "conflict")
+    if launcher == "tmux" and tmux_has_session(workspace, session_name(req["name"])):
+        raise AgentFailure(
+            f"a tmux session named {session_name(req['name'])!r} already exists on this workspace's tmux server "
+            f"(socket {tmux_socket(workspace)}); nothing was stopped",
+            "conflict",
+        )
+    if req.get("tar_bytes") is not None and len(stdin) != int(req["tar_bytes"]):
+        raise AgentFailure(
+            f"upload incomplete ({len(stdin)} of {req['tar_bytes']} bytes); nothing was changed", "incomplete"
+        )
+    install = req.get("install")
+    if not isinstance(install, dict):
+        raise AgentFailure("restart needs an install request", "bad_request")
+    install = {**install, "workspace": workspace}
+    placeholder = req.get("resume_placeholder")
+    chosen = req.get("resume_checkpoint")  # restart --checkpoint: this one, not the run's newest
+    if chosen is not None and (not isinstance(chosen, str) or not complete_checkpoint(chosen)):
+        raise AgentFailure(f"checkpoint {chosen} is not a complete checkpoint on this target", "not_found")
+    code_hash, release = build_release(install, stdin, stale_code="stale_release")  # not current yet
+    verdict = None
+    if req.get("preflight"):  # the new code and flags prove they can start before the old run is signalled
+        probe = chosen or latest_checkpoint(old_dir) or started_from(old_dir)
+        verdict = preflight_release(req, release, argv_for_check(req["argv"], placeholder, probe), req.get("env") or {})
+    lock, met = take_control(old_dir, "restart", control_wait_s(req))
+    outcome: dict = {}
+    try:
+        child = ((met or {}).get("outcome") or {}).get("name") if (met or {}).get("op") == "restart" else None
+        if child:  # two restarts met: the first one's child is the answer, not a second child
+            raise AgentFailure(
+                f"run {old!r} was restarted meanwhile by another command, as {child!r}; nothing was done", "superseded"
+            )
+        # Refused before anything is stopped when the run has no checkpoint and will write none.
+        fallback = resume_fallback(old_dir, old) if placeholder and chosen is None else None
+        stop = None
+        try:
+            stop = stop_held(
+                {
+                    "workspace": workspace,
+                    "name": old,
+                    "grace": req.get("grace", 60.0),
+                    "handover": bool(placeholder and chosen is None and req.get("handover")),
+                    **{k: req[k] for k in ("kill_timeout", "gpu_timeout") if k in req},
+                },
+                old_dir,
+                time.monotonic(),
+                lock,
+                supervisor_cancelled=cancel_supervisor(old_dir),
+            )
+        except AgentFailure as exc:
+            if exc.code != "not_running":
+                raise
+        old_status = run_status(old_dir)
+        launch = {**req, "preflight": False, "clear_cache": False}  # both done above
+        checkpoint = None
+        handover = (stop or {}).get("handover")
+        if placeholder:
+            if chosen is not None:
+                checkpoint = chosen
+            elif handover:
+                checkpoint = handover["checkpoint"]
+                launch["env"] = {**(req.get("env") or {}), RESUME_WRITER_KEY: old_dir}
+            else:
+                checkpoint = latest_checkpoint(old_dir) or fallback
+            if checkpoint is None:
+                how = "was stopped" if stop else "had ended"
+                raise AgentFailure(f"run {old!r} {how} but left no checkpoint to resume from", "not_found")
+            launch["argv"] = substitute(req["argv"], str(placeholder), checkpoint)
+            launch["run_json"] = substitute(req.get("run_json") or {}, str(placeholder), checkpoint)
+        flip_current(workspace, code_hash)
+        removed = prune_releases(workspace, int(install.get("keep", 5)))
+        cleared = verb_clear_cache({**req, "workspace": workspace}) if req.get("clear_cache") else None
+        launched = verb_launch(launch)
+        outcome = {"name": req["name"], "checkpoint": checkpoint}
+        return {
+            "stop": stop,
+            "old_status": old_status,
+            "release": code_hash,
+            "path": release,
+            "removed": removed,
+            "checkpoint": checkpoint,
+            **launched,
+            "cleared": cleared,
+            "preflight": verdict,
+        }
+    finally:
+        release_control(old_dir, lock, outcome)
+
+
+def trained_a_step(status: dict) -> bool:
+    """The job has finished an optimizer step in this process, so a stop makes it checkpoint: the trainer's
+    timeline says `first_step`; a job that keeps no timeline counts when status.json names a step past 0."""
+    timeline = status.get("timeline")
+    if isinstance(timeline, dict):
+        return "first_step" in timeline
+    return isinstance(status.get("step"), int) and status["step"] > 0
+
+
+def resume_fallback(directory: str, name: str) -> str | None:
+    """Before a `restart --resume` stops anything: None when the run has a checkpoint of its own or its stop will
+    write one (it has taken a step in this process); else the checkpoint the run itself started from (run.json's
+    `resumed_from`, committed if its writer left it unfinished); else AgentFailure, with nothing changed yet."""
+    if latest_checkpoint(directory) is not None:
+        return None
+    if run_processes_of(directory)[1] and trained_a_step(read_json(os.path.join(directory, "status.json")) or {}):
+        return None  # its stop writes the final checkpoint of the steps it took
+    origin = ((read_json(os.path.join(directory, "run.json")) or {}).get("extra") or {}).get("resumed_from")
+    if started_from(directory):
+        return origin
+    raise AgentFailure(
+        f"run {name!r} has no checkpoint to resume from: it has not finished a step"
+        + (f", and the checkpoint it started from ({origin}) is gone" if origin else " and started fresh")
+        + "; nothing was stopped",
+        "not_found",
+    )
