@@ -179,7 +179,7 @@ def mtime(path: Path) -> float | None:
 
 
 def ready_standby(workspace: Path, timeout: float) -> int | None:
-    """The pid of the workspace's ready standby interpreter (dflashops/agent.py), waiting up to `timeout` s for
+    """The pid of the workspace's ready standby interpreter (dflashops/agent/standby.py), waiting up to `timeout` s for
     one (it imports once the run it follows has taken its first step); None without one."""
     deadline = time.monotonic() + timeout
     while True:

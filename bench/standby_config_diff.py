@@ -1,4 +1,4 @@
-"""Which of Inductor's settings differ between a fresh `python -m trainer` and a standby interpreter (agent.py)?
+"""Which of Inductor's settings differ between a fresh `python -m trainer` and a standby interpreter (dflashops/agent/standby.py)?
 
 Each side imports what it would (the fresh one with the run's whole environment; the standby the agent's
 STANDBY_PRELOAD under the agent's start-up environment, then the run's environment on top), then the trainer's

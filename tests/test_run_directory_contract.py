@@ -1,4 +1,4 @@
-"""The run directory's names are defined once: `RUN_FILES` in dflashops/agent.py (docs/run-directory.md).
+"""The run directory's names are defined once: `RUN_FILES` in dflashops/agent/common.py (docs/run-directory.md).
 
 The agent is shipped alone into the target and the trainer never imports dflashops, so the trainer spells its
 own names in trainer/run_files.py. These tests hold the three places (the agent's table, the code on both sides,

@@ -1,7 +1,7 @@
 """dflashops doctor probe: a stdlib-only program run inside the target, sent on stdin (`python3 - --json-args
 JSON`), so it writes nothing there: a full disk, an unwritable workspace or a missing agent do not stop it.
 
-It reports facts, never verdicts (ops/doctor.py judges them), as ONE JSON line on stdout, like the agent:
+It reports facts, never verdicts (ops/doctor/doctor_checks.py judges them), as ONE JSON line on stdout, like the agent:
 the python that runs it, the /dev/nvidia* nodes, nvidia-smi's answer, the kernel module's version, what the
 run's python imports (torch and whether it sees CUDA and how many devices, transformers, triton; run in a
 child with the run's environment and a timeout, since a broken CUDA install can hang an import), the

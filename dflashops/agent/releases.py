@@ -65,7 +65,7 @@ def build_release(req: dict, stdin: bytes, stale_code: str = "conflict") -> tupl
     files, link = install_manifest(req, releases)
     if not HASH_RE.match(code_hash) or not isinstance(files, dict):
         raise AgentFailure("install needs a hash and a files manifest", "bad_request")
-    # The release name is the hash of its manifest (ops/sync.py code_hash_of): a rebuilt manifest that does
+    # The release name is the hash of its manifest (ops/releases/sync.py code_hash_of): a rebuilt manifest that does
     # not match (base release pruned or changed since `manifest` was read) is refused, never installed.
     if hashlib.sha256(json.dumps(sorted(files.items())).encode()).hexdigest()[:16] != code_hash:
         raise AgentFailure(

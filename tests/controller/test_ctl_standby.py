@@ -1,4 +1,4 @@
-"""Standby interpreters (agent.py, standby section): a `python -m trainer` launch with `standby: true` leaves an
+"""Standby interpreters (dflashops/agent/standby.py): a `python -m trainer` launch with `standby: true` leaves an
 interpreter with its imports done, waiting; the next launch like it adopts it. Real agent, real processes,
 real tmux: the `trainer` here is a small package in a release folder that prints what it was started with, and
 the standbys import `json` ahead instead of torch (the real trainer's adoption: tests/trainer/test_bench.py)."""

@@ -81,7 +81,7 @@ class DeployOutcome:
     cache_cleared: dict | None  # the agent's clear-cache answer: what went (folders, bytes, files)
     supervisor: dict | None = None  # the in-target supervisor's start answer (ops/runs/supervise.py), if any
     preflight: dict | None = None  # what the agent's pre-flight checked (None: skipped, or a dry run)
-    standby: bool = False  # started by a standby interpreter of the target (agent.py): no imports to wait for
+    standby: bool = False  # started by a standby interpreter of the target (agent/standby.py): no imports to wait for
     nodes: list[DeployOutcome] = field(default_factory=list)  # a run on several targets: each node's, node 0 first
 
 

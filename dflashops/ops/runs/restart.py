@@ -6,7 +6,7 @@ starts from the old run's latest checkpoint; nothing of the old run is deleted. 
 program outside the run is never touched (stop works by process group and run marker, never by name).
 
 Cost on a remote target, where each agent call is a round trip through ssh + pct + python start-up
-(~0.26 s at 50 ms RTT): the agent's `restart` verb does stop + install + launch in one call (agent.py
+(~0.26 s at 50 ms RTT): the agent's `restart` verb does stop + install + launch in one call (agent/restart.py
 verb_restart has the order that keeps a refusal or a cut from leaving anything half-done). The tar of
 changed files is built against the release this controller last installed there (release_cache), so no
 `manifest` call is needed first. When that base is gone from the target the agent refuses with

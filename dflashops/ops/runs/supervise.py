@@ -1,4 +1,4 @@
-"""Starting the in-target supervisor (agent_supervisor.py) beside a run whose profile sets `on_failure`/`stall`.
+"""Starting the in-target supervisor (agent/supervisor.py) beside a run whose profile sets `on_failure`/`stall`.
 
 Recovery must not depend on the controller staying awake, so everything the supervisor needs travels in
 its start request: the policy, and a launch TEMPLATE for the runs it may have to start (the profile's argv,
@@ -35,7 +35,7 @@ SENTINELS = {
     "parent": "@dflashops-parent@",
     "note": "@dflashops-note@",
     "checkpoint": "@dflashops-checkpoint@",
-}  # the same strings as agent_supervisor.SENTINELS
+}  # the same strings as agent/supervisor.py SENTINELS
 POLL_S = 2.0  # a status poll is one read of a few small files: cheap; stall windows shorter than 8 s poll faster
 
 
@@ -171,7 +171,7 @@ def start(
                 "env": {k: launch_template["shown_env"].get(k, REDACTED) for k in launch_template["env"]},
             },
         }
-        agent.record([target.python, "-c", "<upload>", path], "agent_supervisor.py")
+        agent.record([target.python, "-c", "<upload>", path], "supervisor.py")
         agent.record(argv, "request JSON: " + json.dumps(shown, sort_keys=True))
         return {"dry_run": True}
     agent.transport.run([target.python, "-c", _UPLOAD, path], stdin=source)  # a few KB; idempotent
