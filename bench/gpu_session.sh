@@ -64,6 +64,15 @@ for section in "$@"; do
     # issue 31 item 2's in-step fault (q/k fp32 from the norms, v bf16): our Triton attention inside the compiled step
     s13-attn) step s13-attn 300 python3 -m trainer bench step --preset qwen3-8b --shape specforge \
               --variants triton,triton-attn,triton,triton-attn --iters 10 --warmup 3 --json-out "$OUT/s13-attn.json" ;;
+    # Session 14 (issue 31 item 1): q and k reach flex_attention in fp32 (RMSNorm's fp32 weight promotes under
+    # autocast): the step with them cast to v's bf16 (variant triton-qkv16), A B A B, seed then specforge shape.
+    s14-qk) step s14-dtype 60 python3 -c 'import torch; from trainer.model.drafter import RMSNorm
+n = RMSNorm(128, 1e-6).cuda(); x = torch.randn(4, 128, device="cuda", dtype=torch.bfloat16)
+with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under autocast:", n(x).dtype)'
+            step s14-seed 300 python3 -m trainer bench step --preset qwen3-8b --shape seed \
+              --variants triton,triton-qkv16,triton,triton-qkv16 --iters 5 --warmup 2 --json-out "$OUT/s14-seed.json"
+            step s14-specforge 200 python3 -m trainer bench step --preset qwen3-8b --shape specforge \
+              --variants triton,triton-qkv16,triton,triton-qkv16 --iters 10 --warmup 3 --json-out "$OUT/s14-sf.json" ;;
     env) nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
          python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' ;;
     parity) step parity 240 python3 bench/gpu_parity.py ;;
