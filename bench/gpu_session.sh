@@ -66,6 +66,7 @@ for section in "$@"; do
               --variants triton,triton-attn,triton,triton-attn --iters 10 --warmup 3 --json-out "$OUT/s13-attn.json" ;;
     # Session 14 (issue 31 item 1): q and k reach flex_attention in fp32 (RMSNorm's fp32 weight promotes under
     # autocast): the step with them cast to v's bf16 (variant triton-qkv16), A B A B, seed then specforge shape.
+    # No difference (bench/RESULTS.md session 14): the variant is gone again; the section stays as the record.
     s14-qk) step s14-dtype 60 python3 -c 'import torch; from trainer.model.drafter import RMSNorm
 n = RMSNorm(128, 1e-6).cuda(); x = torch.randn(4, 128, device="cuda", dtype=torch.bfloat16)
 with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under autocast:", n(x).dtype)'

@@ -67,8 +67,6 @@ VARIANTS = {
     "triton-s7": "as triton, as session 7 ran it: predicate-form BlockMask not padded, context fc+norm (fp32) and "
     "final norm eager",
     "triton-tma": "as triton, flex_attention with kernel_options USE_TMA=True (Hopper's bulk tensor copies)",
-    "triton-qkv16": "as triton, q and k cast to v's dtype (bf16) before flex_attention (attention.FLEX_QK_AS_V); "
-    "by default they arrive in fp32 (RMSNorm's fp32 weight promotes)",
     "triton-nopad": "as triton, q/k/v not padded to 128-row multiples (flex without IS_DIVISIBLE)",
     "triton-ctx32": "as triton, the context kept in fp32 after its norm (session 8's first call)",
     "triton-noprologue": "as triton, Inductor's prologue fusion off (nothing fused into flex_attention's loads)",
@@ -156,8 +154,6 @@ def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.devi
         attention.FLEX_KERNEL_OPTIONS = {**(attention.FLEX_KERNEL_OPTIONS or {}), "USE_TMA": True}
     if variant == "triton-nopad":
         attention.FLEX_PAD_TO_TILES = False
-    if variant == "triton-qkv16":
-        attention.FLEX_QK_AS_V = True  # read when the layer is traced, at the first warm-up step
     if variant == "triton-ctx32":
         drafter.context_call = private_compile(_embed_context_fp32)
     if variant == "triton-noprologue":
@@ -238,7 +234,6 @@ def module_settings_restored() -> Iterator[None]:
         attention.FLEX_MASK_FORM,
         attention.FLEX_KERNEL_OPTIONS,
         attention.FLEX_PAD_TO_TILES,
-        attention.FLEX_QK_AS_V,
         attention.ATTENTION_KERNEL,
         loss_module.SKIP_ANCHOR_SLOT,
         torch._inductor.config.prologue_fusion,
@@ -250,7 +245,6 @@ def module_settings_restored() -> Iterator[None]:
             attention.FLEX_MASK_FORM,
             attention.FLEX_KERNEL_OPTIONS,
             attention.FLEX_PAD_TO_TILES,
-            attention.FLEX_QK_AS_V,
             attention.ATTENTION_KERNEL,
             loss_module.SKIP_ANCHOR_SLOT,
             torch._inductor.config.prologue_fusion,

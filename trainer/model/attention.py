@@ -398,10 +398,6 @@ FLEX_MASK_FORM: MaskForm = "intervals"
 # Build flex BlockMasks for Q and K rounded up to TILE (attend() pads q, k, v to match): see pad_to_tiles. Off only
 # in side-by-side benches.
 FLEX_PAD_TO_TILES = True
-# Under bf16 autocast q and k reach attend() in float32 (RMSNorm's fp32 weight times its bf16 output promotes; RoPE
-# keeps the dtype) while v is bf16. True: flex gets q and k cast to v's dtype, as a bf16 model would hand them
-# over. A side-by-side bench setting while it is measured (bench step variant triton-qkv16).
-FLEX_QK_AS_V = False
 
 
 def _flex_block_mask(
@@ -600,8 +596,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DraftMask, l
         if not torch.compiler.is_compiling():
             flex = compiled_flex_attention(q.device)
         block_mask = mask.flex[layer_type]
-        if FLEX_QK_AS_V:
-            q, k = q.to(v.dtype), k.to(v.dtype)
         options = {"kernel_options": FLEX_KERNEL_OPTIONS} if FLEX_KERNEL_OPTIONS is not None else {}
         out = flex(*pad_to_tiles(q, k, v, block_mask), block_mask=block_mask, enable_gqa=gqa, **options)
         return out[:, :, : q.shape[2]]
