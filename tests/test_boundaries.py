@@ -6,7 +6,7 @@ before it ships.
   lower ones, and cli/playbook reach targets through ops only (never transport or the agent's code). Library modules (errors, shell, inventory, lineage*, agent) import no layer above transport.
 - Only dflashops/transport/ touches subprocess, fabric, paramiko or libtmux (the agent's package
   `dflashops/agent/` is the exception: it runs inside the target); it imports the standard library and itself
-  only, and the two programs of it that are sent alone (supervisor.py, doctor_probe.py) the standard library only.
+  only, and the program of it that is sent alone (doctor_probe.py, the doctor's probe) the standard library only.
 Imports under `if TYPE_CHECKING:` are annotations, not dependencies, and are skipped by these layer checks.
 - No import circle in dflashops or trainer (the agent's package included): here every import counts (module
   level, inside a function, under `if TYPE_CHECKING:`), because a reader who follows one must not come back where
@@ -59,11 +59,11 @@ ENTRY_POINTS = {"dflashops.__main__", "dflashops.demo"}  # programs, not librari
 
 
 def runs_in_target(module: str) -> bool:
-    """The agent's package (its zipapp, and the doctor probe and supervisor sent alone): stdlib only, may spawn."""
+    """The agent's package (its zipapp, and the doctor probe sent alone): stdlib only, may spawn."""
     return module == "dflashops.agent" or module.startswith("dflashops.agent.")
 
 
-SENT_ALONE = {"dflashops.agent.supervisor", "dflashops.agent.doctor_probe"}  # uploaded or piped as one file
+SENT_ALONE = {"dflashops.agent.doctor_probe"}  # piped to the target's python3 alone, as one file
 
 
 def agent_may_import(module: str, name: str) -> bool:
@@ -143,7 +143,7 @@ def test_the_checker_catches_a_violation(tmp_path: Path, monkeypatch: pytest.Mon
     (fake / "dflashops" / "agent" / "stop.py").write_text(
         "from dflashops.inventory import Target\nfrom . import core\n"
     )
-    (fake / "dflashops" / "agent" / "supervisor.py").write_text("import os\nfrom dflashops.agent import core\n")
+    (fake / "dflashops" / "agent" / "doctor_probe.py").write_text("import os\nfrom dflashops.agent import core\n")
     (fake / "trainer" / "z.py").write_text("from dflashops import shell\n")
     (fake / "dflashops" / "cli").mkdir()
     (fake / "dflashops" / "cli" / "w.py").write_text(
@@ -161,7 +161,7 @@ def test_the_checker_catches_a_violation(tmp_path: Path, monkeypatch: pytest.Mon
         "y.py:3 dflashops.ops.y imports the higher layer dflashops.cli",
         "core.py:1 the agent must be stdlib-only",
         "stop.py:1 the agent must be stdlib-only, imports dflashops.inventory",
-        "supervisor.py:2 the agent must be stdlib-only, imports dflashops.agent",
+        "doctor_probe.py:2 the agent must be stdlib-only, imports dflashops.agent",
         "z.py:1 trainer imports dflashops",
         "probe.py:2 the agent must be stdlib-only",
         "w.py:1 dflashops.cli.w reaches past ops into dflashops.transport.local",

@@ -11,8 +11,8 @@ the launched process never appear on a command line). `install` and `restart` re
 from stdin, then the tar stream of the changed files.
 
 Verbs: ping, launch, stop, status, tail, follow (tail, streamed), gpus, clear-cache, manifest, install, restart (stop + install +
-launch in one call), gc, and the internal `wrap`
-(the launch wrapper that records pid/pgid/exit code). This module dispatches them to the package's modules, one
+launch in one call), gc, and the internal `wrap` (the launch wrapper that records pid/pgid/exit code) and
+`supervise start --json-stdin` (the auto-recovery supervisor's daemon, supervisor.py: its own answer, one line). This module dispatches them to the package's modules, one
 per concern. It runs with whatever python3 the container has, so the package imports the standard library only;
 it travels as one zipapp built from the package (ops/agent_build.py), whose own __main__ calls `main` here.
 
@@ -74,6 +74,10 @@ def verb_function(entry: tuple[str, str]) -> Callable:
 
 def main(argv: list[str]) -> int:
     verb = argv[0] if argv else ""
+    if verb == "supervise":  # a daemon with its own protocol (one JSON line from its start), not a request verb
+        from dflashops.agent import supervisor
+
+        return supervisor.main(argv[1:])
     try:
         if verb not in STDIN_VERBS and verb not in VERBS and verb not in RAW_VERBS:
             raise AgentFailure(

@@ -186,6 +186,10 @@ def run_processes(pgid: int | None, marker: str | None, directory: str) -> tuple
     return (pgid, members | marked) if owned else (None, marked)
 
 
+# A supervisor daemon's /proc/PID/cmdline holds these words (`python3 agent-<sha12>.pyz supervise start ...`).
+SUPERVISOR_ARGV = b"\0supervise\0start\0"
+
+
 def read_proc(pid: int, name: str) -> bytes:
     """/proc/PID/NAME, or b"" when the process is gone or not ours to read."""
     try:

@@ -12,6 +12,7 @@ import time
 from .common import (
     ERROR_LINE_RE,
     NAME_RE,
+    SUPERVISOR_ARGV,
     alive,
     missing_run,
     read_int,
@@ -158,8 +159,8 @@ def supervision(directory: str) -> dict:
 
 
 def supervisor_alive(pid: object) -> bool:
-    """`pid` is a live supervisor process (its command line names a supervisor file: a reused pid is not)."""
-    return isinstance(pid, int) and alive(pid) and b"supervisor-" in read_proc(pid, "cmdline")
+    """`pid` is a live supervisor process (its command line is the agent's `supervise` verb: a reused pid is not)."""
+    return isinstance(pid, int) and alive(pid) and SUPERVISOR_ARGV in read_proc(pid, "cmdline")
 
 
 def cancel_supervisor(directory: str) -> bool:

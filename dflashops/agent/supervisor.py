@@ -1,7 +1,7 @@
 """dflashops supervisor: a stdlib-only daemon in the target, beside one run, that outlives the controller.
 
 Started by the controller after a launch whose profile sets `on_failure` and/or `stall`:
-`python3 supervisor-<sha>.py start --json-stdin` reads the request (with the run's secrets and an optional
+`python3 agent-<sha12>.pyz supervise start --json-stdin` reads the request (with the run's secrets and an optional
 webhook URL: both held in memory only, never written), forks a daemon detached by setsid (not in the run's
 process group and without the run's marker, so `stop` never hits it), prints ONE JSON line
 `{"ok": true, "pid": N}` and exits. The daemon uses the agent it was given (`agent`: the path of the
@@ -22,8 +22,8 @@ Each event (crashed, stalled, auto-restarted, gave-up, finished) is appended to 
 (and POSTed to the webhook when one was given); `supervisor.json` in the watched run's directory says
 what the supervisor does now (the agent's `stop` reads it to cancel a pending restart).
 
-One file, longer than the usual module, for the agent's reason: it is uploaded alone (beside the agent's zipapp,
-whose core it imports from that zipapp) and run with whatever python3 the container has.
+Part of the agent's package, so it travels inside the agent's one zipapp and runs with whatever python3 the
+container has; `stop` and `status` know a live supervisor by the `supervise` word of its command line.
 """
 
 from __future__ import annotations

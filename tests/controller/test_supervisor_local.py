@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from dflashops.agent.common import SUPERVISOR_ARGV
 from tests.controller.helpers import Env, all_bytes
 
 SECRET = "sup3r-s3cret-value-for-the-child"
@@ -82,7 +83,7 @@ def stop_supervisors(workspace: Path) -> None:
     for state in workspace.glob("runs/*/supervisor.json"):
         pid = json.loads(state.read_text()).get("pid")
         try:
-            if b"supervisor-" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            if SUPERVISOR_ARGV in Path(f"/proc/{pid}/cmdline").read_bytes():
                 os.kill(pid, signal.SIGTERM)
         except (OSError, TypeError):
             pass
@@ -114,6 +115,9 @@ def test_two_crashes_then_success_make_a_three_run_lineage(sup: Env, capsys: pyt
         "deploy", "--detach", "--profile", "flaky", "--name", "fl", "--launcher", "nohup", capsys=capsys
     )
     assert code == 0 and "supervised in the target by pid" in err, err
+    # The supervisor runs from the agent's one zipapp: no second program was uploaded for it.
+    shipped = sorted(p.name for p in (sup.workspace / ".dflashops").iterdir() if p.suffix in (".py", ".pyz"))
+    assert len(shipped) == 1 and shipped[0].startswith("agent-") and shipped[0].endswith(".pyz"), shipped
     final = wait_supervisor(sup, "fl")
     assert final == {**final, "last": "fl-r2", "state": "done", "reason": "finished", "restarts": 2}
     code, out, err = sup.cli("status", "--json", capsys=capsys)  # the controller learns the children here
@@ -223,7 +227,7 @@ def test_dry_run_shows_the_supervisor_start_without_secrets(sup: Env, capsys: py
     code, out, err = sup.cli("deploy", "--profile", "flaky", "--name", "dr", "--dry-run", capsys=capsys)
     assert code == 0, err
     start = next(line for line in out.splitlines() if "start --json-stdin" in line)
-    assert "/.dflashops/supervisor-" in start and '"max_restarts": 3' in start
+    assert "/.dflashops/agent-" in start and ".pyz supervise start" in start and '"max_restarts": 3' in start
     assert '"WORKLOAD_SECRET": "<redacted>"' in start and SECRET not in out + err
     assert not sup.workspace.exists()
 

@@ -6,30 +6,27 @@ environment and run.json built by launch's own `launch_spec`, with sentinels whe
 note and checkpoint go). The request holds the run's secrets (and the webhook URL when `notify.from_target`
 is set): it goes on stdin, the supervisor keeps it in memory only, and the dry-run plan shows it redacted.
 
-The supervisor file is content-addressed beside the agent (`<workspace>/.dflashops/supervisor-<sha12>.py`),
-like the agent, so a running supervisor's file is never replaced under it. Cost: one upload when the
-supervisor changed, one `start` call (~one agent round trip).
+The supervisor is part of the agent's package: it runs from the agent's one content-addressed zipapp
+(`python3 agent-<sha12>.pyz supervise start --json-stdin`), so a running supervisor's code is never replaced
+under it and nothing else is uploaded. Cost: one `start` call (~one agent round trip).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from dflashops.errors import AgentError, Conflict, DflashopsError
 from dflashops.inventory import Profile, Target
 from dflashops.inventory_policy import shown_url
 from dflashops.lineage.record import REDACTED
-from dflashops.ops.agent_client import _UPLOAD, Agent, _parse
+from dflashops.ops.agent_client import Agent, _parse
 from dflashops.ops.observe.observe import started
 from dflashops.ops.runs.launch import DeployRequest, launch_spec
 from dflashops.ops.session import Session
 
-SOURCE = Path(__file__).resolve().parents[2] / "agent" / "supervisor.py"  # dflashops/ops/runs/ -> dflashops/
 SENTINELS = {
     "name": "@dflashops-run-name@",
     "parent": "@dflashops-parent@",
@@ -100,10 +97,6 @@ def poll_interval(stall: Any) -> float:
     return max(0.1, min([POLL_S, *(w / 4 for w in windows)]))
 
 
-def supervisor_path(target: Target, source: bytes) -> str:
-    return f"{target.workspace}/.dflashops/supervisor-{hashlib.sha256(source).hexdigest()[:12]}.py"
-
-
 def start(
     invocation: Session,
     request: Any,
@@ -122,8 +115,6 @@ def start(
         return None
     agent: Agent = invocation.agent(target)
     root = invocation.db.root(name) if invocation.record_of(name) else name
-    source = SOURCE.read_bytes()
-    path = supervisor_path(target, source)
     notify = invocation.inventory.notify
     webhook = None
     if notify is not None and notify.from_target:
@@ -161,7 +152,8 @@ def start(
         "webhook_retry_s": list(notify.retry_s) if notify else [],
         "template": launch_template,
     }
-    argv = [target.python, path, "start", "--json-stdin"]
+    agent.ensure()  # the zipapp the supervisor runs from (uploaded by the launch already, unless in a dry run)
+    argv = [target.python, agent.path, "supervise", "start", "--json-stdin"]
     if invocation.dry_run:
         shown = {
             **req,
@@ -171,10 +163,8 @@ def start(
                 "env": {k: launch_template["shown_env"].get(k, REDACTED) for k in launch_template["env"]},
             },
         }
-        agent.record([target.python, "-c", "<upload>", path], "supervisor.py")
         agent.record(argv, "request JSON: " + json.dumps(shown, sort_keys=True))
         return {"dry_run": True}
-    agent.transport.run([target.python, "-c", _UPLOAD, path], stdin=source)  # a few KB; idempotent
     result = agent.transport.run(argv, stdin=json.dumps(req).encode(), check=False, timeout=60)
     answer = _parse(result.stdout, result.stderr, "supervisor start", target.name)
     if answer.get("code") == "conflict":
