@@ -159,8 +159,13 @@ def supervision(directory: str) -> dict:
 
 
 def supervisor_alive(pid: object) -> bool:
-    """`pid` is a live supervisor process (its command line is the agent's `supervise` verb: a reused pid is not)."""
-    return isinstance(pid, int) and alive(pid) and SUPERVISOR_ARGV in read_proc(pid, "cmdline")
+    """`pid` is a live supervisor process (its command line is the agent's `supervise` verb: a reused pid is not).
+    A supervisor started before the agent became one zipapp ran as `.dflashops/supervisor-<sha12>.py`: it is
+    still known, so a stop after an upgrade cancels its pending restart too."""
+    if not (isinstance(pid, int) and alive(pid)):
+        return False
+    cmdline = read_proc(pid, "cmdline")
+    return SUPERVISOR_ARGV in cmdline or b"/.dflashops/supervisor-" in cmdline
 
 
 def cancel_supervisor(directory: str) -> bool:

@@ -8,6 +8,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -283,3 +285,23 @@ def test_a_dead_supervisor_is_seen_said_and_started_again_by_the_next_status(
     assert [e["event"] for e in events(sup, "sv")] == ["crashed"]
     code, out, err = sup.cli("status", "sv", capsys=capsys)  # said once: the new supervisor is alive (or done)
     assert "had died" not in err and "supervisor died" not in out
+
+
+def test_a_supervisor_of_the_file_era_is_still_known_after_an_upgrade(tmp_path: Path) -> None:
+    """A supervisor started by an older controller ran as its own file (`.dflashops/supervisor-<sha12>.py`): the
+    agent still knows it as one, so a stop after the upgrade cancels it; any other process is not one."""
+    from dflashops.agent.status import supervisor_alive
+
+    old = tmp_path / ".dflashops" / "supervisor-0123456789ab.py"
+    old.parent.mkdir()
+    old.write_text("import time\ntime.sleep(60)\n")
+    other = tmp_path / "other.py"
+    other.write_text("import time\ntime.sleep(60)\n")
+    procs = [subprocess.Popen([sys.executable, str(path)]) for path in (old, other)]
+    try:
+        assert supervisor_alive(procs[0].pid) and not supervisor_alive(procs[1].pid)
+    finally:
+        for proc in procs:  # our own children, by pid
+            proc.kill()
+            proc.wait()
+    assert not supervisor_alive(procs[0].pid)
