@@ -161,6 +161,29 @@ def test_state_dict_has_exactly_the_public_names(target: TargetModel) -> None:
     assert sd["fc.weight"].shape == (64, 2 * 64)
 
 
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+def test_a_drafter_built_on_meta_has_the_real_ones_shapes_and_leaves_the_rng_alone(
+    target: TargetModel, arch: str
+) -> None:
+    """The pre-flight builds the drafter on the meta device for its tensor shapes (preflight.expected_shapes); its
+    init is skipped there (nothing to draw), which must change neither a shape nor the RNG a real build draws."""
+    from dataclasses import replace
+
+    from trainer.preflight import expected_shapes
+
+    config = replace(tiny_drafter_config(target), arch=arch)
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    shapes = expected_shapes(config)
+    assert torch.equal(torch.get_rng_state(), before)
+    real = DFlashDrafter(config)
+    assert shapes == {name: list(tensor.shape) for name, tensor in real.state_dict().items()}
+    torch.manual_seed(0)
+    again = DFlashDrafter(config)
+    assert all(torch.equal(a, b) for a, b in zip(real.state_dict().values(), again.state_dict().values()))
+    assert real.fc.weight.std() > 0  # a real build still draws its init
+
+
 def test_norm_and_rope_match_hf_qwen3() -> None:
     torch.manual_seed(0)
     x = torch.randn(2, 5, 16)

@@ -101,6 +101,8 @@ class CandidateSelector(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        if self.predecessor_codebook.is_meta:  # built for its shapes only (see DFlashDrafter.reset_parameters)
+            return
         for weight in (self.predecessor_codebook, self.successor_codebook, self.hidden_projection.weight):
             nn.init.normal_(weight, std=self.init_std)
 
