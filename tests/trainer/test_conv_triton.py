@@ -5,19 +5,16 @@ channel tiles (H = 512: the 256-wide tiles) and a delta that is a strided view o
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.trainer.triton_interp import interpret_cases
 from trainer.model.dflash2 import grouped_dynamic_conv
 
 pytest.importorskip("triton", reason="the triton package is not installed (`make test` installs it: dev extra)")
 
-REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("conv_interp_worker.py")
 CASES = {  # rows, blocks, block size, hidden, group size, taps
     "k2-b8": (2, 3, 8, 64, 16, 2),
@@ -47,19 +44,7 @@ def _case(name: str) -> dict:
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory) -> dict:
     cases = {name: _case(name) for name in CASES}
-    folder = tmp_path_factory.mktemp("conv-interp")
-    torch.save(cases, folder / "cases.pt")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(
-        [sys.executable, str(WORKER), str(folder / "cases.pt"), str(folder / "out.pt")],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,  # a hang guard: the interpreter's runs take minutes on a loaded 2-core machine
-    )
-    assert out.returncode == 0, out.stderr[-6000:]
-    return {"cases": cases, "out": torch.load(folder / "out.pt")}
+    return interpret_cases(WORKER, cases, tmp_path_factory.mktemp("conv-interp"))
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from tests.trainer.test_loss import TERMS, make_case
+from tests.trainer.triton_interp import interpret_cases
 from trainer.loss import dflash_loss
 
 pytest.importorskip("triton", reason="the triton package is not installed (`make test` installs it: dev extra)")
@@ -192,19 +193,7 @@ def interpreted(tmp_path_factory) -> dict:
         cases[name] = dict(op="loss", config=config, **_loss_inputs(terms, chunk, scale, head_dtype))
     for name, (terms, chunk, config) in LOSS_KL_BF16_CASES.items():
         cases[name] = dict(op="loss", config=config, **_loss_inputs(terms, chunk, head_dtype=torch.bfloat16))
-    folder = tmp_path_factory.mktemp("triton-interp")
-    torch.save(cases, folder / "cases.pt")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(
-        [sys.executable, str(WORKER), str(folder / "cases.pt"), str(folder / "out.pt")],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,  # a hang guard, not a speed goal: ~35 s on an idle 2-core machine, 240 s was hit under load
-    )
-    assert out.returncode == 0, out.stderr[-6000:]
-    return {"cases": cases, "out": torch.load(folder / "out.pt")}
+    return interpret_cases(WORKER, cases, tmp_path_factory.mktemp("triton-interp"))
 
 
 @pytest.mark.parametrize("name", list(KERNEL_CASES))

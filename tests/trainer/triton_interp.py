@@ -1,0 +1,32 @@
+"""Running Triton kernels under the CPU interpreter for a test module: one child process for all its cases.
+
+TRITON_INTERPRET=1 changes how every Triton kernel of a process runs, so it is set only in the child (a
+`*_interp_worker.py` script: `python WORKER CASES_IN OUTPUTS_OUT`, both torch.save files); one child for all of a
+module's cases pays the interpreter's start once."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def interpret_cases(worker: Path, cases: dict, folder: Path) -> dict:
+    """{"cases": cases, "out": the worker's outputs by case name}; the child's stderr tail on failure."""
+    torch.save(cases, folder / "cases.pt")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, str(worker), str(folder / "cases.pt"), str(folder / "out.pt")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,  # a hang guard, not a speed goal: ~35 s on an idle 2-core machine, 240 s was hit under load
+    )
+    assert done.returncode == 0, done.stderr[-6000:]
+    return {"cases": cases, "out": torch.load(folder / "out.pt")}
