@@ -88,14 +88,29 @@ class FwdConfig:
 
 @dataclass(frozen=True)
 class BwdConfig:
+    """One backward launch: keys per program (block_n, divides TILE_N_TABLE), query rows per step (block_m,
+    divides BLOCK_M_TABLE), warps, pipeline stages, the orientation (key_major: S^T as FA2 computes it) and how dQ
+    is accumulated: "tma" (bulk reduce-add by the TMA unit, FA3's way; Hopper and later), "atomic" (one fp32
+    atomic per element) or "none" (dQ not computed: a timing diagnostic only, never in a ladder)."""
+
     block_n: int
+    block_m: int
     num_warps: int
     num_stages: int
+    key_major: bool
+    dq: str
 
+
+DQ_MODES = {"none": 0, "atomic": 1, "tma": 2}
 
 # Fastest first (H200); the later rungs for ~100 KB of shared memory (Blackwell), the last for anything.
 FWD_CONFIGS = (FwdConfig(128, 128, 8, 2), FwdConfig(128, 64, 8, 2), FwdConfig(64, 64, 4, 2), FwdConfig(64, 32, 4, 1))
-BWD_CONFIGS = (BwdConfig(128, 8, 2), BwdConfig(128, 8, 1), BwdConfig(64, 4, 1), BwdConfig(32, 4, 1))
+BWD_CONFIGS = (
+    BwdConfig(128, 64, 8, 2, True, "tma"),
+    BwdConfig(128, 64, 8, 1, True, "tma"),
+    BwdConfig(64, 64, 4, 1, True, "atomic"),
+    BwdConfig(32, 64, 4, 1, True, "atomic"),
+)
 
 
 @functools.cache
@@ -190,6 +205,7 @@ def _kernels():
         LSE,
         DELTA,
         DQ,
+        DQ_DESC,
         DK,
         DV,
         CLO,
@@ -222,7 +238,10 @@ def _kernels():
         D: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        TABLE_M: tl.constexpr,
         TABLE_N: tl.constexpr,
+        KEY_MAJOR: tl.constexpr,
+        DQ_MODE: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         bhk = tl.program_id(1)
@@ -238,25 +257,48 @@ def _kernels():
         kt = (pid_n * BLOCK_N) // TABLE_N
         count = tl.load(QCOUNT + b * kv_tiles_t + kt)
         list_base = QINDEX + (b * kv_tiles_t + kt) * q_tiles
-        for g in range(0, GROUP):
+        steps = count * (TABLE_M // BLOCK_M)
+        # One flat walk over (q head of the group, listed query tile, sub-tile): one software pipeline, no drain
+        # and refill per head.
+        for it in range(0, GROUP * steps):
+            g = it // steps
+            j = it - g * steps
+            qt = tl.load(list_base + j // (TABLE_M // BLOCK_M))
+            offs_m = qt * TABLE_M + (j % (TABLE_M // BLOCK_M)) * BLOCK_M + tl.arange(0, BLOCK_M)
             h = hk * GROUP + g
             bh = b * HK * GROUP + h
-            for i in range(0, count):
-                qt = tl.load(list_base + i)
-                offs_m = qt * BLOCK_M + tl.arange(0, BLOCK_M)
-                row_ok = offs_m < n_q
-                lo1 = tl.load(CLO + b * q_pad + offs_m, mask=row_ok, other=0)
-                hi1 = tl.load(CHI + b * q_pad + offs_m, mask=row_ok, other=0)
-                lo2 = tl.load(BLO + b * q_pad + offs_m, mask=row_ok, other=0)
-                hi2 = tl.load(BHI + b * q_pad + offs_m, mask=row_ok, other=0)
+            row_ok = offs_m < n_q
+            lo1 = tl.load(CLO + b * q_pad + offs_m, mask=row_ok, other=0)
+            hi1 = tl.load(CHI + b * q_pad + offs_m, mask=row_ok, other=0)
+            lo2 = tl.load(BLO + b * q_pad + offs_m, mask=row_ok, other=0)
+            hi2 = tl.load(BHI + b * q_pad + offs_m, mask=row_ok, other=0)
+            lse = tl.load(LSE + bh * n_q + offs_m, mask=row_ok, other=0.0)
+            delta = tl.load(DELTA + bh * n_q + offs_m, mask=row_ok, other=0.0)
+            do = tl.load(
+                DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_d[None, :], mask=row_ok[:, None], other=0.0
+            )
+            if KEY_MAJOR:
+                # FA2's orientation: S^T [keys, rows], so P^T and dS^T are the A operands of dV and dK as they
+                # come out of their matmuls (no transpose through shared memory); only dQ's A is transposed.
+                qt_tile = tl.load(
+                    Q + b * sqb + h * sqh + offs_m[None, :] * sqm + offs_d[:, None], mask=row_ok[None, :], other=0.0
+                )  # [D, BLOCK_M]
+                st = tl.dot(k, qt_tile) * qk_scale
+                n_col = offs_n[:, None]
+                vis = ((n_col >= lo1[None, :]) & (n_col < hi1[None, :])) | (
+                    (n_col >= lo2[None, :]) & (n_col < hi2[None, :])
+                )
+                pt = tl.where(vis, tl.exp2(st - lse[None, :]), 0.0)
+                dv += tl.dot(pt.to(do.dtype), do)
+                dpt = tl.dot(v, tl.trans(do))
+                dst = (pt * (dpt - delta[None, :])).to(do.dtype)
+                dk += tl.dot(dst, tl.trans(qt_tile))
+                if DQ_MODE != 0:
+                    dq = tl.dot(tl.trans(dst), k) * scale
+            else:
                 q = tl.load(
                     Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :], mask=row_ok[:, None], other=0.0
                 )
-                do = tl.load(
-                    DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_d[None, :], mask=row_ok[:, None], other=0.0
-                )
-                lse = tl.load(LSE + bh * n_q + offs_m, mask=row_ok, other=0.0)
-                delta = tl.load(DELTA + bh * n_q + offs_m, mask=row_ok, other=0.0)
                 s = tl.dot(q, tl.trans(k)) * qk_scale
                 n_row = offs_n[None, :]
                 vis = ((n_row >= lo1[:, None]) & (n_row < hi1[:, None])) | (
@@ -267,15 +309,48 @@ def _kernels():
                 dp = tl.dot(do, tl.trans(v))
                 ds = (p * (dp - delta[:, None])).to(q.dtype)
                 dk += tl.dot(tl.trans(ds), q)
-                dq = tl.dot(ds, k) * scale
+                if DQ_MODE != 0:
+                    dq = tl.dot(ds, k) * scale
+            if DQ_MODE == 1:  # fp32 atomics, one per element
                 tl.atomic_add(
                     DQ + bh * n_q * D + offs_m[:, None] * D + offs_d[None, :], dq, mask=row_ok[:, None], sem="relaxed"
                 )
+            elif DQ_MODE == 2:
+                # FA3's dQ: one bulk reduce-add of the tile by the TMA unit (cp.reduce.async.bulk.tensor), issued
+                # and left in flight while the next tile's matmuls run. The descriptor spans [R*Hq*Q, D]: rows of
+                # a tile past this head's n_q hold exact zeros (their p is 0), so adding them to the next head's
+                # first rows changes nothing; past the last row the TMA unit drops them.
+                DQ_DESC.atomic_add([bh * n_q + qt * TABLE_M + (j % (TABLE_M // BLOCK_M)) * BLOCK_M, 0], dq)
         kv_rows = bhk * n_kv * D + offs_n[:, None] * D + offs_d[None, :]
         tl.store(DK + kv_rows, (dk * scale).to(DK.dtype.element_ty), mask=in_kv[:, None])
         tl.store(DV + kv_rows, dv.to(DV.dtype.element_ty), mask=in_kv[:, None])
 
     return triton, _fwd, _bwd
+
+
+@functools.cache
+def _delta_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _delta(OUT, DO, DELTA, sdb, sdh, sdm, n_q, H, D: tl.constexpr, BLOCK_M: tl.constexpr):
+        """delta[r, h, m] = sum_d o * do in the accumulation dtype, one read of each (o contiguous)."""
+        pid_m = tl.program_id(0)
+        bh = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, D)
+        row_ok = offs_m < n_q
+        o = tl.load(OUT + bh * n_q * D + offs_m[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        do = tl.load(
+            DO + (bh // H) * sdb + (bh % H) * sdh + offs_m[:, None] * sdm + offs_d[None, :],
+            mask=row_ok[:, None],
+            other=0.0,
+        )
+        acc_ty = DELTA.dtype.element_ty
+        tl.store(DELTA + bh * n_q + offs_m, tl.sum(o.to(acc_ty) * do.to(acc_ty), 1), mask=row_ok)
+
+    return _delta
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -339,78 +414,110 @@ def forward(q, k, v, ctx_lo, ctx_hi, blk_lo, blk_hi, scale: float):
     return o, lse
 
 
-def backward(do, q, k, v, o, lse, table: IntervalTable, scale: float):
-    """(dq, dk, dv), each contiguous in its input's shape and dtype."""
-    _, _, bwd = _kernels()
+def effective(c: BwdConfig, device: torch.device) -> BwdConfig:
+    """`c` as it can run on `device`: the TMA reduce needs Hopper or later and a compiled kernel (Triton's CPU
+    interpreter has no descriptor reduce), elsewhere the same tiles accumulate dQ with atomics."""
+    if c.dq != "tma":
+        return c
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return BwdConfig(c.block_n, c.block_m, c.num_warps, c.num_stages, c.key_major, "atomic")
+    return c
+
+
+def _bwd_launch(c: BwdConfig, q, k, v, do, lse, delta, dq, dk, dv, table: IntervalTable, scale: float):
+    """(grid, args, keyword args) of one backward launch of configuration `c` (already `effective`)."""
     R, H, n_q, D = q.shape
     hkv, n_kv = k.shape[1], k.shape[2]
+    kv_tiles_t, q_tiles = table.q_index.shape[1], table.q_index.shape[2]
+    desc = None
+    if c.dq == "tma":
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        desc = TensorDescriptor.from_tensor(dq.view(R * H * n_q, D), [c.block_m, D])
+    grid = (-(-n_kv // c.block_n), R * hkv)
+    args = (
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        dq,
+        desc,
+        dk,
+        dv,
+        table.ctx_lo,
+        table.ctx_hi,
+        table.blk_lo,
+        table.blk_hi,
+        table.q_count,
+        table.q_index,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        do.stride(0),
+        do.stride(1),
+        do.stride(2),
+        n_q,
+        n_kv,
+        table.ctx_lo.shape[1],
+        q_tiles,
+        kv_tiles_t,
+        hkv,
+        H // hkv,
+        scale * 1.4426950408889634,
+        scale,
+    )
+    kwargs = dict(
+        D=D,
+        BLOCK_M=c.block_m,
+        BLOCK_N=c.block_n,
+        TABLE_M=BLOCK_M_TABLE,
+        TABLE_N=TILE_N_TABLE,
+        KEY_MAJOR=c.key_major,
+        DQ_MODE=DQ_MODES[c.dq],
+        num_warps=c.num_warps,
+        num_stages=c.num_stages,
+    )
+    return grid, args, kwargs
+
+
+def backward(do, q, k, v, o, lse, table: IntervalTable, scale: float, config: BwdConfig | None = None):
+    """(dq, dk, dv), each contiguous in its input's shape and dtype. `config`: launch that one configuration
+    (benches; no fit check) instead of the first of BWD_CONFIGS that fits the device."""
+    _, _, bwd = _kernels()
+    R, H, n_q, D = q.shape
     if do.stride(3) != 1:
         do = do.contiguous()
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    delta = (o.to(acc_dtype) * do.to(acc_dtype)).sum(-1)  # [R, H, Q]
+    # delta = rowsum(o * do) by one small kernel: the torch expression (fp32 copies of o and do, their product,
+    # its sum) moved ~2.7 GB at the seed shape, ~0.8 ms against one ~0.55 GB read.
+    delta = torch.empty(R, H, n_q, dtype=acc_dtype, device=q.device)
+    o = o.contiguous()
     dq = torch.zeros(R, H, n_q, D, dtype=acc_dtype, device=q.device)
-    dk = torch.empty(R, hkv, n_kv, D, dtype=k.dtype, device=k.device)
-    dv = torch.empty(R, hkv, n_kv, D, dtype=v.dtype, device=v.device)
-    qk_scale = scale * 1.4426950408889634
-    kv_tiles_t, q_tiles = table.q_index.shape[1], table.q_index.shape[2]
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
 
     def launch(c: BwdConfig):
-        grid = (-(-n_kv // c.block_n), R * hkv)
-        args = (
-            q,
-            k,
-            v,
-            do,
-            lse,
-            delta,
-            dq,
-            dk,
-            dv,
-            table.ctx_lo,
-            table.ctx_hi,
-            table.blk_lo,
-            table.blk_hi,
-            table.q_count,
-            table.q_index,
-            q.stride(0),
-            q.stride(1),
-            q.stride(2),
-            k.stride(0),
-            k.stride(1),
-            k.stride(2),
-            v.stride(0),
-            v.stride(1),
-            v.stride(2),
-            do.stride(0),
-            do.stride(1),
-            do.stride(2),
-            n_q,
-            n_kv,
-            table.ctx_lo.shape[1],
-            q_tiles,
-            kv_tiles_t,
-            hkv,
-            H // hkv,
-            qk_scale,
-            scale,
-        )
-        return (
-            grid,
-            args,
-            dict(
-                D=D,
-                BLOCK_M=BLOCK_M_TABLE,
-                BLOCK_N=c.block_n,
-                TABLE_N=TILE_N_TABLE,
-                num_warps=c.num_warps,
-                num_stages=c.num_stages,
-            ),
-        )
+        return _bwd_launch(effective(c, q.device), q, k, v, do, lse, delta, dq, dk, dv, table, scale)
 
-    # dq is accumulated with atomics: a rung refused after a partial launch never happens (the fit is decided by
+    # dq is accumulated in place: a rung refused after a partial launch never happens (the fit is decided by
     # compiling, before any launch; an OutOfResources at launch means nothing ran).
     with torch.cuda.device(q.device) if q.is_cuda else _null():
-        triton_fit.launch_first_fit("attention-bwd", bwd, BWD_CONFIGS, launch, q.device, (q.dtype, D))
+        _delta_kernel()[(-(-n_q // 64), R * H)](
+            o, do, delta, do.stride(0), do.stride(1), do.stride(2), n_q, H, D=D, BLOCK_M=64, num_warps=4
+        )
+        if config is not None:
+            grid, args, kwargs = launch(config)
+            bwd[grid](*args, **kwargs)
+        else:
+            triton_fit.launch_first_fit("attention-bwd", bwd, BWD_CONFIGS, launch, q.device, (q.dtype, D))
     return dq.to(q.dtype), dk, dv
 
 
@@ -551,48 +658,9 @@ def usable(device: torch.device) -> tuple[bool, str]:
         )
 
     def bwd_args(c: BwdConfig):
-        args = (
-            q,
-            q,
-            q,
-            q,
-            lse,
-            lse,
-            lse,
-            q,
-            q,
-            bounds,
-            bounds,
-            bounds,
-            bounds,
-            table.q_count,
-            table.q_index,
-            *q.stride()[:3],
-            *q.stride()[:3],
-            *q.stride()[:3],
-            *q.stride()[:3],
-            n,
-            n,
-            n,
-            1,
-            1,
-            H,
-            1,
-            1.0,
-            1.0,
-        )
-        return (
-            (1, 1),
-            args,
-            dict(
-                D=D,
-                BLOCK_M=BLOCK_M_TABLE,
-                BLOCK_N=c.block_n,
-                TABLE_N=TILE_N_TABLE,
-                num_warps=c.num_warps,
-                num_stages=c.num_stages,
-            ),
-        )
+        dq = torch.zeros(R, H, n, D, device=device)
+        grid, args, kwargs = _bwd_launch(effective(c, device), q, q, q, q, lse, lse, dq, q, q, table, 1.0)
+        return (1, 1), args, kwargs
 
     limit = triton_fit.smem_limit(device)
     if triton_fit.fits("attention-fwd", fwd, FWD_CONFIGS, fwd_args, device) is None:
