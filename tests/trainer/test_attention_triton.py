@@ -19,7 +19,11 @@ WORKER = Path(__file__).with_name("attention_interp_worker.py")
 
 
 def _run(*flags: str) -> dict:
-    env = {key: value for key, value in os.environ.items() if key != "DFLASH_SMEM_LIMIT"}
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in ("DFLASH_SMEM_LIMIT", "DFLASH_ATTENTION_BWD_CONFIG")
+    }
     env["PYTHONPATH"] = str(REPO)
     out = subprocess.run(
         [sys.executable, str(WORKER), *flags], cwd=REPO, env=env, capture_output=True, text=True, timeout=900
@@ -73,3 +77,16 @@ def test_forced_limit_walks_to_the_next_rung_with_the_same_results():
     assert got["rungs"] == {"fwd": [1], "bwd": [1]}
     for case in ("gqa-sorted", "sliding"):
         assert max(got[case][name] for name in ("o", "dq", "dk", "dv")) < 1e-12, got[case]
+
+
+def test_bwd_config_from_the_environment_leads_the_ladder_and_bad_text_is_named(monkeypatch):
+    from trainer.model import attention_triton as T
+
+    monkeypatch.delenv(T.BWD_ENV, raising=False)
+    assert T.bwd_ladder() == T.BWD_CONFIGS
+    monkeypatch.setenv(T.BWD_ENV, "64, 32, 4, 3, query, atomic")
+    assert T.bwd_ladder() == (T.BwdConfig(64, 32, 4, 3, False, "atomic"), *T.BWD_CONFIGS)
+    for bad in ("128,64,8,2,key", "96,64,8,2,key,tma", "128,48,8,2,key,tma", "128,64,3,2,key,tma", "128,64,8,2,k,tma"):
+        monkeypatch.setenv(T.BWD_ENV, bad)
+        with pytest.raises(ValueError, match=T.BWD_ENV):
+            T.bwd_ladder()

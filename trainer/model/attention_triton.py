@@ -111,6 +111,35 @@ BWD_CONFIGS = (
     BwdConfig(64, 64, 4, 1, True, "atomic"),
     BwdConfig(32, 64, 4, 1, True, "atomic"),
 )
+BWD_ENV = "DFLASH_ATTENTION_BWD_CONFIG"
+
+
+def parse_bwd_config(text: str) -> BwdConfig:
+    """'block_n,block_m,warps,stages,key|query,tma|atomic' (e.g. '128,64,8,2,key,tma') -> BwdConfig; ValueError
+    names what is wrong."""
+    parts = [p.strip() for p in text.split(",")]
+    hint = "expected block_n,block_m,warps,stages,key|query,tma|atomic, e.g. 128,64,8,2,key,tma"
+    if len(parts) != 6 or not all(p.isdigit() for p in parts[:4]):
+        raise ValueError(f"${BWD_ENV}={text!r}: {hint}")
+    block_n, block_m, warps, stages = (int(p) for p in parts[:4])
+    if block_n < 16 or TILE_N_TABLE % block_n or block_m < 16 or BLOCK_M_TABLE % block_m:
+        raise ValueError(
+            f"${BWD_ENV}={text!r}: block_n must divide {TILE_N_TABLE} and block_m {BLOCK_M_TABLE} (each >= 16)"
+        )
+    if warps not in (1, 2, 4, 8, 16) or not 1 <= stages <= 6:
+        raise ValueError(f"${BWD_ENV}={text!r}: warps one of 1, 2, 4, 8, 16 and stages 1 to 6")
+    if parts[4] not in ("key", "query") or parts[5] not in ("tma", "atomic"):
+        raise ValueError(f"${BWD_ENV}={text!r}: {hint}")
+    return BwdConfig(block_n, block_m, warps, stages, parts[4] == "key", parts[5])
+
+
+def bwd_ladder() -> tuple[BwdConfig, ...]:
+    """BWD_CONFIGS, led by $DFLASH_ATTENTION_BWD_CONFIG where set (tuning: the step bench takes a schedule this
+    way; the ladder's own rungs stay behind it for a device it does not fit)."""
+    import os
+
+    text = os.environ.get(BWD_ENV, "").strip()
+    return (parse_bwd_config(text), *BWD_CONFIGS) if text else BWD_CONFIGS
 
 
 @functools.cache
@@ -517,7 +546,7 @@ def backward(do, q, k, v, o, lse, table: IntervalTable, scale: float, config: Bw
             grid, args, kwargs = launch(config)
             bwd[grid](*args, **kwargs)
         else:
-            triton_fit.launch_first_fit("attention-bwd", bwd, BWD_CONFIGS, launch, q.device, (q.dtype, D))
+            triton_fit.launch_first_fit("attention-bwd", bwd, bwd_ladder(), launch, q.device, (q.dtype, D))
     return dq.to(q.dtype), dk, dv
 
 
@@ -665,6 +694,6 @@ def usable(device: torch.device) -> tuple[bool, str]:
     limit = triton_fit.smem_limit(device)
     if triton_fit.fits("attention-fwd", fwd, FWD_CONFIGS, fwd_args, device) is None:
         return False, f"no forward configuration within {limit} B of shared memory"
-    if triton_fit.fits("attention-bwd", bwd, BWD_CONFIGS, bwd_args, device) is None:
+    if triton_fit.fits("attention-bwd", bwd, bwd_ladder(), bwd_args, device) is None:
         return False, f"no backward configuration within {limit} B of shared memory"
     return True, ""
