@@ -51,6 +51,7 @@ VARIANTS = {
     "k-tma-s3": C(128, 64, 8, 3, True, "tma"),
     "k-tma-m32": C(128, 32, 8, 2, True, "tma"),
     "k-tma-n64": C(64, 64, 4, 2, True, "tma"),
+    "k-tma-n64-w8": C(64, 64, 8, 2, True, "tma"),
     "k-atomic-m32": C(128, 32, 8, 2, True, "atomic"),
     "q-tma-s1": C(128, 64, 8, 1, False, "tma"),
     "k-atomic-n64s1": C(64, 64, 4, 1, True, "atomic"),  # the ladder's ~100 KB rungs
