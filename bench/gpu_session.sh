@@ -87,7 +87,8 @@ with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under auto
                 step s15-specforge 90 python3 -m trainer bench step --preset qwen3-8b --shape specforge \
                   --variants triton,triton-attn,triton,triton-attn --iters 10 --warmup 3 --json-out "$OUT/s15-sf.json"
               else echo "s15: gate closed (no schedule beats flex standalone): no step"; fi
-              step s15-fit 60 env DFLASH_SMEM_LIMIT=99K python3 bench/s12_attention.py --fit-only ;;
+              step s15-fit 60 env -u DFLASH_ATTENTION_BWD_CONFIG DFLASH_SMEM_LIMIT=99K python3 bench/s12_attention.py \
+                --fit-only ;;
     env) nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
          python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' ;;
     parity) step parity 240 python3 bench/gpu_parity.py ;;
