@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call = one of these sections; each step has its own timeout so one hang cannot eat the call.
 # Usage (on the GPU machine, repo root): bash bench/gpu_session.sh SECTION...   (logs under $OUT when set)
+# Session 15 calls (issue 31 item 2): `env s15-attn`, then `s15-attn` (with the ~99 KB rehearsal).
 # Session 13 calls (issue 32 item 4, issue 31 item 2): `env s13-topk s13-step`, `s13-conv s13-step2`, `s13-conv` (twice,
 # the second with s13-step3 gated on it), `s13-attn`.
 # Session 3 calls: `verify pipeline-triton`, then `verify-pipeline pipeline-triton step8b-more` (the ten cold
@@ -74,6 +75,20 @@ with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under auto
               --variants triton,triton-qkv16,triton,triton-qkv16 --iters 5 --warmup 2 --json-out "$OUT/s14-seed.json"
             step s14-specforge 200 python3 -m trainer bench step --preset qwen3-8b --shape specforge \
               --variants triton,triton-qkv16,triton,triton-qkv16 --iters 10 --warmup 3 --json-out "$OUT/s14-sf.json" ;;
+    # Session 15 (issue 31 item 2): backward schedules of our interval attention against flex (parity, registers,
+    # timing at both shapes), then the step with the fastest correct schedule only where our fwd + bwd beat
+    # flex's standalone (bench/s15_attention_bwd.py writes the gate file).
+    s15-attn) step s15-bwd 200 python3 bench/s15_attention_bwd.py --json-out "$OUT/s15-bwd.json" \
+              --best-out "$OUT/s15-best.txt"
+              if [ -s "$OUT/s15-best.txt" ]; then
+                export DFLASH_ATTENTION_BWD_CONFIG=$(cat "$OUT/s15-best.txt")
+                step s15-seed 170 python3 -m trainer bench step --preset qwen3-8b --shape seed \
+                  --variants triton,triton-attn,triton,triton-attn --iters 5 --warmup 2 --json-out "$OUT/s15-seed.json"
+                step s15-specforge 90 python3 -m trainer bench step --preset qwen3-8b --shape specforge \
+                  --variants triton,triton-attn,triton,triton-attn --iters 10 --warmup 3 --json-out "$OUT/s15-sf.json"
+              else echo "s15: gate closed (no schedule beats flex standalone): no step"; fi
+              step s15-fit 60 env -u DFLASH_ATTENTION_BWD_CONFIG DFLASH_SMEM_LIMIT=99K python3 bench/s12_attention.py \
+                --fit-only ;;
     env) nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
          python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' ;;
     parity) step parity 240 python3 bench/gpu_parity.py ;;

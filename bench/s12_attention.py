@@ -175,7 +175,7 @@ def fit_only(args) -> None:
             kw0 = dict(D=D, BLOCK_M=c0.block_m, BLOCK_N=c0.block_n, num_warps=c0.num_warps, num_stages=c0.num_stages)
             print(f"  refused rung {j} {c0}: shared {int(fwd.warmup(*a, grid=(1, 1), **kw0).metadata.shared)} B")
     for _key, index in triton_fit.chosen("attention-bwd").items():
-        print(f"bwd rung {index} {T.BWD_CONFIGS[index]}")
+        print(f"bwd rung {index} {T.bwd_ladder()[index]}")  # the ladder $DFLASH_ATTENTION_BWD_CONFIG may lead
     if args.ref_dir and (Path(args.ref_dir) / "specforge.pt").exists():
         ref = torch.load(Path(args.ref_dir) / "specforge.pt")
         print(

@@ -6,9 +6,11 @@ Usage: python attention_interp_worker.py [--forced-limit]   (the latter sets $DF
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+from unittest import mock
 
 os.environ["TRITON_INTERPRET"] = "1"
 if "--forced-limit" in sys.argv:
@@ -26,12 +28,14 @@ CASES = {
     "sliding": (1, 2, 2, 16, 200, 4, 8, True, 24, True, False, False),
     "packed-docs": (2, 2, 1, 16, 130, 4, 8, True, None, False, True, False),
     "anchor-at-zero": (1, 2, 1, 16, 70, 3, 16, True, None, False, False, False),
+    # long enough for full (key tile, query tile) pairs beside partial ones; padded rows make their tiles partial
+    "full-tiles": (1, 4, 1, 16, 400, 24, 8, True, None, False, False, True),
 }
 
 
-def run(name: str) -> dict:
+def _inputs(name: str, seed: int | None = None):
     R, hq, hkv, d, S, N, B, ordered, window, causal, docs, padded = CASES[name]
-    gen = torch.Generator().manual_seed(len(name))
+    gen = torch.Generator().manual_seed(len(name) if seed is None else seed)
     anchors = torch.stack([torch.randperm(S - B, generator=gen)[:N] for _ in range(R)])
     if ordered:
         anchors = anchors.sort(dim=1).values
@@ -51,6 +55,12 @@ def run(name: str) -> dict:
     k = torch.randn(R, hkv, S + N * B, d, dtype=torch.float64, generator=gen).requires_grad_()
     v = torch.randn(R, hkv, S + N * B, d, dtype=torch.float64, generator=gen).requires_grad_()
     go = torch.randn(R, hq, N * B, d, dtype=torch.float64, generator=gen)
+    return tri, dense, layer, q, k, v, go
+
+
+def run(name: str) -> dict:
+    tri, dense, layer, q, k, v, go = _inputs(name)
+    B, padded = CASES[name][6], CASES[name][11]
     results = []
     for mask in (tri, dense):
         out = A.attend(q, k, v, mask, layer)
@@ -59,7 +69,52 @@ def run(name: str) -> dict:
         q.grad = k.grad = v.grad = None
     errs = {n: float((a - b).norm() / b.norm()) for n, a, b in zip(("o", "dq", "dk", "dv"), *results)}
     padded_rows_zero = bool((results[0][0][-1, :, -2 * B :] == 0).all()) if padded else True
-    return {**errs, "padded_rows_zero": padded_rows_zero}
+    counts = tri.triton[layer].q_count
+    pairs = {"full": int(counts[..., 0].sum()), "partial": int(counts[..., 1].sum())}
+    return {**errs, "padded_rows_zero": padded_rows_zero, "pairs": pairs}
+
+
+# Backward schedules besides the ladder's first (keys per program, query rows per step); dQ by atomics (the TMA
+# reduce has no interpreter: GPU parity covers it, bench/s15_attention_bwd.py).
+SCHEDULES = [(128, 32), (64, 64), (64, 32), (32, 32)]
+
+
+@contextlib.contextmanager
+def poisoned_empty():
+    """torch.empty hands out NaN-filled memory: an output element the kernels fail to write shows as NaN."""
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        out = real(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    with mock.patch.object(torch, "empty", empty):
+        yield
+
+
+def run_schedules(name: str) -> dict:
+    """Each of SCHEDULES through trainer.model.attention_triton.backward directly, on a fresh random draw (its seed
+    in the result), outputs poisoned first, against the dense back-end's gradients: {schedule: max rel err over dq,
+    dk, dv}."""
+    from trainer.model import attention_triton as T
+
+    seed = int.from_bytes(os.urandom(4), "little")
+    tri, dense, layer, q, k, v, go = _inputs(name, seed)
+    out = A.attend(q, k, v, dense, layer)
+    out.backward(go)
+    ref = (q.grad, k.grad, v.grad)
+    table = tri.triton[layer]
+    scale = q.shape[-1] ** -0.5
+    qd, kd, vd = (t.detach() for t in (q, k, v))
+    errs = {}
+    with poisoned_empty():
+        o, lse = T.forward(qd, kd, vd, table.ctx_lo, table.ctx_hi, table.blk_lo, table.blk_hi, scale)
+        for block_n, block_m in SCHEDULES:
+            config = T.BwdConfig(block_n, block_m, 4, 1, "atomic")
+            got = T.backward(go, qd, kd, vd, o, lse, table, scale, config=config)
+            errs[f"{block_n}x{block_m}"] = max(float((a - b).norm() / b.norm()) for a, b in zip(got, ref))
+    errs["o"] = float((o - out.detach()).norm() / out.detach().norm())
+    return {"seed": seed, "errs": errs}
 
 
 def run_mixed_dtypes() -> dict:
@@ -97,6 +152,7 @@ def run_mixed_dtypes() -> dict:
 if __name__ == "__main__":
     out = {name: run(name) for name in CASES}
     out["mixed-dtypes"] = run_mixed_dtypes()
+    out["schedules"] = {name: run_schedules(name) for name in ("full-tiles", "sliding")}
     out["rungs"] = {
         "fwd": sorted(set(triton_fit.chosen("attention-fwd").values())),
         "bwd": sorted(set(triton_fit.chosen("attention-bwd").values())),

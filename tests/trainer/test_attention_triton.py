@@ -19,7 +19,11 @@ WORKER = Path(__file__).with_name("attention_interp_worker.py")
 
 
 def _run(*flags: str) -> dict:
-    env = {key: value for key, value in os.environ.items() if key != "DFLASH_SMEM_LIMIT"}
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in ("DFLASH_SMEM_LIMIT", "DFLASH_ATTENTION_BWD_CONFIG")
+    }
     env["PYTHONPATH"] = str(REPO)
     out = subprocess.run(
         [sys.executable, str(WORKER), *flags], cwd=REPO, env=env, capture_output=True, text=True, timeout=900
@@ -33,12 +37,34 @@ def interpreted() -> dict:
     return _run()
 
 
-@pytest.mark.parametrize("case", ["gqa-sorted", "causal-unsorted", "sliding", "packed-docs", "anchor-at-zero"])
+@pytest.mark.parametrize(
+    "case", ["gqa-sorted", "causal-unsorted", "sliding", "packed-docs", "anchor-at-zero", "full-tiles"]
+)
 def test_forward_and_gradients_match_dense_float64(interpreted, case):
     errs = interpreted[case]
     for name in ("o", "dq", "dk", "dv"):
         assert errs[name] < 1e-12, (case, name, errs)
     assert errs["padded_rows_zero"]
+    assert errs["pairs"]["partial"] > 0, errs
+
+
+def test_full_pairs_take_the_unmasked_walk_and_padded_rows_keep_theirs_partial(interpreted):
+    """The table's full (key tile, query tile) pairs (every row sees every key: no mask, no bounds loaded) are
+    really walked in the long-context case, beside partial ones; its padded rows (keep=False) see nothing, so the
+    tiles holding them must stay partial, or those rows would get gradients (padded_rows_zero above and the dense
+    parity of dk, dv catch that)."""
+    pairs = interpreted["full-tiles"]["pairs"]
+    assert pairs["full"] > 0 and pairs["partial"] > 0, pairs
+
+
+@pytest.mark.parametrize("case", ["full-tiles", "sliding"])
+def test_every_backward_schedule_matches_dense_float64(interpreted, case):
+    """128/64/32 keys per program, 64/32 query rows per step (sub-tiles of the table's 64-row tiles), on a fresh
+    random draw with NaN-poisoned outputs: every gradient element written and equal to the dense float64 one."""
+    got = interpreted["schedules"][case]
+    assert set(got["errs"]) == {"128x32", "64x64", "64x32", "32x32", "o"}, got
+    for schedule, err in got["errs"].items():
+        assert err < 1e-12, (case, schedule, got)
 
 
 def test_mixed_dtypes_run_in_the_narrowest_and_the_kernels_refuse_them(interpreted):
@@ -62,3 +88,16 @@ def test_forced_limit_walks_to_the_next_rung_with_the_same_results():
     assert got["rungs"] == {"fwd": [1], "bwd": [1]}
     for case in ("gqa-sorted", "sliding"):
         assert max(got[case][name] for name in ("o", "dq", "dk", "dv")) < 1e-12, got[case]
+
+
+def test_bwd_config_from_the_environment_leads_the_ladder_and_bad_text_is_named(monkeypatch):
+    from trainer.model import attention_triton as T
+
+    monkeypatch.delenv(T.BWD_ENV, raising=False)
+    assert T.bwd_ladder() == T.BWD_CONFIGS
+    monkeypatch.setenv(T.BWD_ENV, "64, 32, 4, 3, atomic")
+    assert T.bwd_ladder() == (T.BwdConfig(64, 32, 4, 3, "atomic"), *T.BWD_CONFIGS)
+    for bad in ("128,64,8,2", "96,64,8,2,tma", "128,48,8,2,tma", "128,64,3,2,tma", "128,64,8,2,none", "a,64,8,2,tma"):
+        monkeypatch.setenv(T.BWD_ENV, bad)
+        with pytest.raises(ValueError, match=T.BWD_ENV):
+            T.bwd_ladder()

@@ -9,17 +9,20 @@ each from the lowest `lo` to the highest `hi` of the tile's rows (sorted anchors
 anchors, so the context loop stops near them: flex's tile skipping, read off the intervals). Online softmax in
 fp32; writes O and the log-sum-exp (base 2) per row. A row that sees nothing gets O = 0.
 
-Backward (FA2's schedule with an atomic dq): one program per (BLOCK_N key tile, batch row x kv head) keeps its K
-and V tiles and the dK/dV accumulators on chip and walks the query tiles that meet it (a compacted list per key
-tile, built once per mask: no empty tile visited, none branched over) for every q head of its GQA group:
-S = QK^T, P = exp2(S - lse), dV += P^T dO, dP = dO V^T, dS = P (dP - delta), dK += dS^T Q, dQ += dS K (fp32
-atomics into a [R, Hq, Q, D] buffer). Five matmuls per tile pair where flex's backward does seven (its dq
-programs recompute QK^T and dP).
+Backward (FA2's schedule, FA3's dQ accumulation): one program per (BLOCK_N key tile, batch row x kv head) keeps
+its K and V tiles and the dK/dV accumulators on chip and walks the query tiles that meet it (a compacted list per
+key tile, built once per mask: no empty tile visited) for every q head of its GQA group, in FA2's orientation:
+S^T = K Q^T, P^T = exp2(S^T - lse), dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q,
+dQ = dS K: five matmuls per tile pair where flex's backward does seven (its dq programs recompute QK^T and dP).
+dQ is added into an fp32 [R*Hq*Q, D] buffer by the TMA unit's bulk reduce-add (Hopper and later; fp32 atomics
+elsewhere and under the interpreter). The full pairs (every row sees every key of the tile) are walked first,
+without the mask and without loading the rows' bounds; the partial ones after, masked. bench/RESULTS.md session
+15 has the measurements behind each of these choices.
 
 Launch configurations come from a ladder per kernel, fastest first on the H200, walked by
 trainer/triton_fit.py against the device's shared-memory limit (Blackwell: ~100 KB). The query-tile lists are at
-BLOCK_M_TABLE x TILE_N_TABLE granularity; every backward rung uses BLOCK_M = BLOCK_M_TABLE and a key tile that
-divides TILE_N_TABLE.
+BLOCK_M_TABLE x TILE_N_TABLE granularity; a backward rung steps through them in BLOCK_M rows (dividing
+BLOCK_M_TABLE) with a key tile that divides TILE_N_TABLE.
 
 Entry point: `interval_attention(q, k, v, table)` (autograd through torch.library custom ops, so a compiled
 layer treats it as one opaque call). Triton is imported at the first call.
@@ -42,8 +45,9 @@ TILE_N_TABLE = 128  # keys per tile of the backward's lists
 @dataclass(frozen=True)
 class IntervalTable:
     """What the kernels read besides q, k, v: the four bounds (int32 [R, Qpad]) and, per key tile of
-    TILE_N_TABLE keys, the query tiles of BLOCK_M_TABLE rows that meet it (q_count int32 [R, Kt], q_index int32
-    [R, Kt, Qt], the meeting tiles first, ascending)."""
+    TILE_N_TABLE keys, the query tiles of BLOCK_M_TABLE rows that meet it: q_count int32 [R, Kt, 2] (how many
+    are full: every row of the tile sees every key of the key tile; how many partial) and q_index int32
+    [R, Kt, Qt] (the full tiles first, then the partial ones, each ascending)."""
 
     ctx_lo: torch.Tensor
     ctx_hi: torch.Tensor
@@ -56,7 +60,12 @@ class IntervalTable:
 def build_table(
     ctx_lo: torch.Tensor, ctx_hi: torch.Tensor, blk_lo: torch.Tensor, blk_hi: torch.Tensor, q_len: int, kv_len: int
 ) -> IntervalTable:
-    """IntervalTable from the bounds (torch ops on their device, no host sync; R x Qpad x Kt interval tests)."""
+    """IntervalTable from the bounds (torch ops on their device, no host sync; R x Qpad x Kt interval tests).
+
+    A full pair needs no mask: the backward walks those without loading the rows' bounds (session 15: the
+    bounds, broadcast over a 128-key tile, cost each thread ~64 registers and ~50 shared-memory loads per tile
+    pair; at the seed shape ~93% of the pairs are full). Rows past q_len count as covered (their q and dO load
+    as zeros, so they contribute nothing unmasked); a key tile that runs past kv_len is never full."""
     rows, q_pad = ctx_lo.shape
     device = ctx_lo.device
     q_tiles = -(-q_len // BLOCK_M_TABLE)
@@ -70,12 +79,18 @@ def build_table(
         for b in (ctx_lo, ctx_hi, blk_lo, blk_hi)
     ]
     lo1, hi1, lo2, hi2 = (b[:, :, None] for b in bounds)  # [R, Qp, 1]
+    row_ok = (torch.arange(q_tiles * BLOCK_M_TABLE, device=device) < q_len)[None, :, None]
     meets = (torch.maximum(lo1, k0) < torch.minimum(hi1, k1)) | (torch.maximum(lo2, k0) < torch.minimum(hi2, k1))
-    meets &= (torch.arange(q_tiles * BLOCK_M_TABLE, device=device) < q_len)[None, :, None]
+    meets &= row_ok
+    covers = ((lo1 <= k0) & (k1 <= hi1)) | ((lo2 <= k0) & (k1 <= hi2)) | ~row_ok
     tiles = meets.view(rows, q_tiles, BLOCK_M_TABLE, kv_tiles).any(dim=2).transpose(1, 2)  # [R, Kt, Qt]
-    as_int = tiles.to(torch.int32)
-    order = torch.argsort(as_int, dim=-1, descending=True, stable=True).to(torch.int32)
-    return IntervalTable(ctx_lo, ctx_hi, blk_lo, blk_hi, as_int.sum(-1).to(torch.int32), order.contiguous())
+    full = covers.view(rows, q_tiles, BLOCK_M_TABLE, kv_tiles).all(dim=2).transpose(1, 2)
+    full &= tiles & (k0 + TILE_N_TABLE <= kv_len)[None, :, None]
+    rank = tiles.to(torch.int32) + full.to(torch.int32)  # 2 full, 1 partial, 0 does not meet
+    order = torch.argsort(rank, dim=-1, descending=True, stable=True).to(torch.int32)
+    n_full = full.sum(-1)
+    counts = torch.stack((n_full, tiles.sum(-1) - n_full), dim=-1).to(torch.int32)
+    return IntervalTable(ctx_lo, ctx_hi, blk_lo, blk_hi, counts.contiguous(), order.contiguous())
 
 
 @dataclass(frozen=True)
@@ -88,14 +103,57 @@ class FwdConfig:
 
 @dataclass(frozen=True)
 class BwdConfig:
+    """One backward launch: keys per program (block_n, divides TILE_N_TABLE), query rows per step (block_m,
+    divides BLOCK_M_TABLE), warps, pipeline stages, and how dQ is accumulated: "tma" (bulk reduce-add by the
+    TMA unit, FA3's way; Hopper and later), "atomic" (fp32 atomics) or "none" (dQ not computed: a timing
+    diagnostic only, never in a ladder)."""
+
     block_n: int
+    block_m: int
     num_warps: int
     num_stages: int
+    dq: str
 
 
-# Fastest first (H200); the later rungs for ~100 KB of shared memory (Blackwell), the last for anything.
+DQ_MODES = {"none": 0, "atomic": 1, "tma": 2}
+
+# Fastest first (H200, session 15); the later rungs for ~100 KB of shared memory (Blackwell), the last for anything.
 FWD_CONFIGS = (FwdConfig(128, 128, 8, 2), FwdConfig(128, 64, 8, 2), FwdConfig(64, 64, 4, 2), FwdConfig(64, 32, 4, 1))
-BWD_CONFIGS = (BwdConfig(128, 8, 2), BwdConfig(128, 8, 1), BwdConfig(64, 4, 1), BwdConfig(32, 4, 1))
+BWD_CONFIGS = (
+    BwdConfig(128, 64, 8, 2, "tma"),
+    BwdConfig(128, 64, 8, 1, "tma"),
+    BwdConfig(64, 64, 4, 1, "atomic"),
+    BwdConfig(32, 64, 4, 1, "atomic"),
+)
+BWD_ENV = "DFLASH_ATTENTION_BWD_CONFIG"
+
+
+def parse_bwd_config(text: str) -> BwdConfig:
+    """'block_n,block_m,warps,stages,tma|atomic' (e.g. '128,64,8,2,tma') -> BwdConfig; ValueError names what is
+    wrong."""
+    parts = [p.strip() for p in text.split(",")]
+    hint = "expected block_n,block_m,warps,stages,tma|atomic, e.g. 128,64,8,2,tma"
+    if len(parts) != 5 or not all(p.isdigit() for p in parts[:4]):
+        raise ValueError(f"${BWD_ENV}={text!r}: {hint}")
+    block_n, block_m, warps, stages = (int(p) for p in parts[:4])
+    if block_n < 16 or TILE_N_TABLE % block_n or block_m < 16 or BLOCK_M_TABLE % block_m:
+        raise ValueError(
+            f"${BWD_ENV}={text!r}: block_n must divide {TILE_N_TABLE} and block_m {BLOCK_M_TABLE} (each >= 16)"
+        )
+    if warps not in (1, 2, 4, 8, 16) or not 1 <= stages <= 6:
+        raise ValueError(f"${BWD_ENV}={text!r}: warps one of 1, 2, 4, 8, 16 and stages 1 to 6")
+    if parts[4] not in ("tma", "atomic"):
+        raise ValueError(f"${BWD_ENV}={text!r}: {hint}")
+    return BwdConfig(block_n, block_m, warps, stages, parts[4])
+
+
+def bwd_ladder() -> tuple[BwdConfig, ...]:
+    """BWD_CONFIGS, led by $DFLASH_ATTENTION_BWD_CONFIG where set (tuning: the step bench takes a schedule this
+    way; the ladder's own rungs stay behind it for a device it does not fit)."""
+    import os
+
+    text = os.environ.get(BWD_ENV, "").strip()
+    return (parse_bwd_config(text), *BWD_CONFIGS) if text else BWD_CONFIGS
 
 
 @functools.cache
@@ -182,6 +240,96 @@ def _kernels():
         tl.store(LSE + bh * n_q + offs_m, tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), 0.0), mask=row_ok)
 
     @triton.jit
+    def _bwd_pair(
+        dk,
+        dv,
+        k,
+        v,
+        Q,
+        DO,
+        LSE,
+        DELTA,
+        DQ,
+        DQ_DESC,
+        CLO,
+        CHI,
+        BLO,
+        BHI,
+        list_base,
+        j,
+        g,
+        b,
+        hk,
+        offs_n,
+        sqb,
+        sqh,
+        sqm,
+        sdb,
+        sdh,
+        sdm,
+        n_q,
+        q_pad,
+        HK,
+        GROUP,
+        qk_scale,
+        scale,
+        D: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        TABLE_M: tl.constexpr,
+        MASKED: tl.constexpr,
+        DQ_MODE: tl.constexpr,
+    ):
+        """One (key tile, BLOCK_M query rows of q head g) pair in FA2's orientation: S^T [keys, rows], so P^T
+        and dS^T are the A operands of dV and dK as they leave their matmuls; only dQ's is transposed.
+        Returns (dk, dv)."""
+        qt = tl.load(list_base + j // (TABLE_M // BLOCK_M))
+        offs_m = qt * TABLE_M + (j % (TABLE_M // BLOCK_M)) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, D)
+        h = hk * GROUP + g
+        bh = b * HK * GROUP + h
+        row_ok = offs_m < n_q
+        lse = tl.load(LSE + bh * n_q + offs_m, mask=row_ok, other=0.0)
+        delta = tl.load(DELTA + bh * n_q + offs_m, mask=row_ok, other=0.0)
+        do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        q_t = tl.load(
+            Q + b * sqb + h * sqh + offs_m[None, :] * sqm + offs_d[:, None], mask=row_ok[None, :], other=0.0
+        )  # [D, BLOCK_M]
+        st = tl.dot(k, q_t) * qk_scale
+        pt = tl.exp2(st - lse[None, :])
+        if MASKED:
+            lo1 = tl.load(CLO + b * q_pad + offs_m, mask=row_ok, other=0)
+            hi1 = tl.load(CHI + b * q_pad + offs_m, mask=row_ok, other=0)
+            lo2 = tl.load(BLO + b * q_pad + offs_m, mask=row_ok, other=0)
+            hi2 = tl.load(BHI + b * q_pad + offs_m, mask=row_ok, other=0)
+            n_col = offs_n[:, None]
+            vis = ((n_col >= lo1[None, :]) & (n_col < hi1[None, :])) | (
+                (n_col >= lo2[None, :]) & (n_col < hi2[None, :])
+            )
+            pt = tl.where(vis, pt, 0.0)
+        # (unmasked: a row past n_q has q = dO = lse = delta = 0, so p = 1 and every product below is 0)
+        dv += tl.dot(pt.to(do.dtype), do)
+        dpt = tl.dot(v, tl.trans(do))
+        dst = (pt * (dpt - delta[None, :])).to(do.dtype)
+        dk += tl.dot(dst, tl.trans(q_t))
+        if DQ_MODE != 0:
+            dq = tl.dot(tl.trans(dst), k) * scale
+            if DQ_MODE == 1:  # fp32 atomics (vectorised where Triton can)
+                tl.atomic_add(
+                    DQ + bh * n_q * D + offs_m[:, None] * D + offs_d[None, :], dq, mask=row_ok[:, None], sem="relaxed"
+                )
+            else:
+                # FA3's dQ: one bulk reduce-add of the tile by the TMA unit (cp.reduce.async.bulk.tensor), left in
+                # flight while the next pair's matmuls run. The descriptor spans [R*Hq*Q, D]: rows of a tile past
+                # this head's n_q hold exact zeros, so adding them to the next head's first rows changes nothing;
+                # past the last row the TMA unit drops them.
+                DQ_DESC.atomic_add([bh * n_q + qt * TABLE_M + (j % (TABLE_M // BLOCK_M)) * BLOCK_M, 0], dq)
+        return dk, dv
+
+    # Triton resolves a kernel's callees among its module's globals, not this closure's locals: publish the helper
+    # (import triton stays lazy, so the kernels are built here, not at module level).
+    globals()["_bwd_pair"] = _bwd_pair
+
+    @triton.jit
     def _bwd(
         Q,
         K,
@@ -190,6 +338,7 @@ def _kernels():
         LSE,
         DELTA,
         DQ,
+        DQ_DESC,
         DK,
         DV,
         CLO,
@@ -222,7 +371,9 @@ def _kernels():
         D: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        TABLE_M: tl.constexpr,
         TABLE_N: tl.constexpr,
+        DQ_MODE: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         bhk = tl.program_id(1)
@@ -236,46 +387,59 @@ def _kernels():
         dk = tl.zeros([BLOCK_N, D], DQ.dtype.element_ty)  # fp32 (fp64 for float64 inputs: exact parity tests)
         dv = tl.zeros([BLOCK_N, D], DQ.dtype.element_ty)
         kt = (pid_n * BLOCK_N) // TABLE_N
-        count = tl.load(QCOUNT + b * kv_tiles_t + kt)
+        n_full = tl.load(QCOUNT + (b * kv_tiles_t + kt) * 2)
+        n_part = tl.load(QCOUNT + (b * kv_tiles_t + kt) * 2 + 1)
         list_base = QINDEX + (b * kv_tiles_t + kt) * q_tiles
-        for g in range(0, GROUP):
-            h = hk * GROUP + g
-            bh = b * HK * GROUP + h
-            for i in range(0, count):
-                qt = tl.load(list_base + i)
-                offs_m = qt * BLOCK_M + tl.arange(0, BLOCK_M)
-                row_ok = offs_m < n_q
-                lo1 = tl.load(CLO + b * q_pad + offs_m, mask=row_ok, other=0)
-                hi1 = tl.load(CHI + b * q_pad + offs_m, mask=row_ok, other=0)
-                lo2 = tl.load(BLO + b * q_pad + offs_m, mask=row_ok, other=0)
-                hi2 = tl.load(BHI + b * q_pad + offs_m, mask=row_ok, other=0)
-                q = tl.load(
-                    Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :], mask=row_ok[:, None], other=0.0
-                )
-                do = tl.load(
-                    DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_d[None, :], mask=row_ok[:, None], other=0.0
-                )
-                lse = tl.load(LSE + bh * n_q + offs_m, mask=row_ok, other=0.0)
-                delta = tl.load(DELTA + bh * n_q + offs_m, mask=row_ok, other=0.0)
-                s = tl.dot(q, tl.trans(k)) * qk_scale
-                n_row = offs_n[None, :]
-                vis = ((n_row >= lo1[:, None]) & (n_row < hi1[:, None])) | (
-                    (n_row >= lo2[:, None]) & (n_row < hi2[:, None])
-                )
-                p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
-                dv += tl.dot(tl.trans(p.to(q.dtype)), do)
-                dp = tl.dot(do, tl.trans(v))
-                ds = (p * (dp - delta[:, None])).to(q.dtype)
-                dk += tl.dot(tl.trans(ds), q)
-                dq = tl.dot(ds, k) * scale
-                tl.atomic_add(
-                    DQ + bh * n_q * D + offs_m[:, None] * D + offs_d[None, :], dq, mask=row_ok[:, None], sem="relaxed"
-                )
+        # Two flat walks over (q head of the group, listed query tile, sub-tile), as flex splits its full and
+        # partial blocks: the full pairs without the mask (no bounds loaded), then the partial ones with it. One
+        # software pipeline each, no drain and refill per head.
+        steps = n_full * (TABLE_M // BLOCK_M)
+        for it in range(0, GROUP * steps):
+            g = it // steps
+            dk, dv = _bwd_pair(
+                dk, dv, k, v, Q, DO, LSE, DELTA, DQ, DQ_DESC, CLO, CHI, BLO, BHI, list_base, it - g * steps, g,
+                b, hk, offs_n, sqb, sqh, sqm, sdb, sdh, sdm, n_q, q_pad, HK, GROUP, qk_scale, scale,
+                D, BLOCK_M, TABLE_M, False, DQ_MODE,
+            )  # fmt: skip
+        first = steps
+        steps = n_part * (TABLE_M // BLOCK_M)
+        for it in range(0, GROUP * steps):
+            g = it // steps
+            dk, dv = _bwd_pair(
+                dk, dv, k, v, Q, DO, LSE, DELTA, DQ, DQ_DESC, CLO, CHI, BLO, BHI, list_base, first + it - g * steps,
+                g, b, hk, offs_n, sqb, sqh, sqm, sdb, sdh, sdm, n_q, q_pad, HK, GROUP, qk_scale, scale,
+                D, BLOCK_M, TABLE_M, True, DQ_MODE,
+            )  # fmt: skip
         kv_rows = bhk * n_kv * D + offs_n[:, None] * D + offs_d[None, :]
         tl.store(DK + kv_rows, (dk * scale).to(DK.dtype.element_ty), mask=in_kv[:, None])
         tl.store(DV + kv_rows, dv.to(DV.dtype.element_ty), mask=in_kv[:, None])
 
     return triton, _fwd, _bwd
+
+
+@functools.cache
+def _delta_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _delta(OUT, DO, DELTA, sdb, sdh, sdm, n_q, H, D: tl.constexpr, BLOCK_M: tl.constexpr):
+        """delta[r, h, m] = sum_d o * do in the accumulation dtype, one read of each (o contiguous)."""
+        pid_m = tl.program_id(0)
+        bh = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, D)
+        row_ok = offs_m < n_q
+        o = tl.load(OUT + bh * n_q * D + offs_m[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        do = tl.load(
+            DO + (bh // H) * sdb + (bh % H) * sdh + offs_m[:, None] * sdm + offs_d[None, :],
+            mask=row_ok[:, None],
+            other=0.0,
+        )
+        acc_ty = DELTA.dtype.element_ty
+        tl.store(DELTA + bh * n_q + offs_m, tl.sum(o.to(acc_ty) * do.to(acc_ty), 1), mask=row_ok)
+
+    return _delta
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -339,78 +503,109 @@ def forward(q, k, v, ctx_lo, ctx_hi, blk_lo, blk_hi, scale: float):
     return o, lse
 
 
-def backward(do, q, k, v, o, lse, table: IntervalTable, scale: float):
-    """(dq, dk, dv), each contiguous in its input's shape and dtype."""
-    _, _, bwd = _kernels()
+def effective(c: BwdConfig, device: torch.device) -> BwdConfig:
+    """`c` as it can run on `device`: the TMA reduce needs Hopper or later and a compiled kernel (Triton's CPU
+    interpreter has no descriptor reduce), elsewhere the same tiles accumulate dQ with atomics."""
+    if c.dq != "tma":
+        return c
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return BwdConfig(c.block_n, c.block_m, c.num_warps, c.num_stages, "atomic")
+    return c
+
+
+def _bwd_launch(c: BwdConfig, q, k, v, do, lse, delta, dq, dk, dv, table: IntervalTable, scale: float):
+    """(grid, args, keyword args) of one backward launch of configuration `c` (already `effective`)."""
     R, H, n_q, D = q.shape
     hkv, n_kv = k.shape[1], k.shape[2]
+    kv_tiles_t, q_tiles = table.q_index.shape[1], table.q_index.shape[2]
+    desc = None
+    if c.dq == "tma":
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        desc = TensorDescriptor.from_tensor(dq.view(R * H * n_q, D), [c.block_m, D])
+    grid = (-(-n_kv // c.block_n), R * hkv)
+    args = (
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        dq,
+        desc,
+        dk,
+        dv,
+        table.ctx_lo,
+        table.ctx_hi,
+        table.blk_lo,
+        table.blk_hi,
+        table.q_count,
+        table.q_index,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        do.stride(0),
+        do.stride(1),
+        do.stride(2),
+        n_q,
+        n_kv,
+        table.ctx_lo.shape[1],
+        q_tiles,
+        kv_tiles_t,
+        hkv,
+        H // hkv,
+        scale * 1.4426950408889634,
+        scale,
+    )
+    kwargs = dict(
+        D=D,
+        BLOCK_M=c.block_m,
+        BLOCK_N=c.block_n,
+        TABLE_M=BLOCK_M_TABLE,
+        TABLE_N=TILE_N_TABLE,
+        DQ_MODE=DQ_MODES[c.dq],
+        num_warps=c.num_warps,
+        num_stages=c.num_stages,
+    )
+    return grid, args, kwargs
+
+
+def backward(do, q, k, v, o, lse, table: IntervalTable, scale: float, config: BwdConfig | None = None):
+    """(dq, dk, dv), each contiguous in its input's shape and dtype. `config`: launch that one configuration
+    (benches; no fit check) instead of the first of BWD_CONFIGS that fits the device."""
+    _, _, bwd = _kernels()
+    R, H, n_q, D = q.shape
     if do.stride(3) != 1:
         do = do.contiguous()
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    delta = (o.to(acc_dtype) * do.to(acc_dtype)).sum(-1)  # [R, H, Q]
+    # delta = rowsum(o * do) by one small kernel: the torch expression (fp32 copies of o and do, their product,
+    # its sum) moved ~2.7 GB at the seed shape, ~0.8 ms against one ~0.55 GB read.
+    delta = torch.empty(R, H, n_q, dtype=acc_dtype, device=q.device)
+    o = o.contiguous()
     dq = torch.zeros(R, H, n_q, D, dtype=acc_dtype, device=q.device)
-    dk = torch.empty(R, hkv, n_kv, D, dtype=k.dtype, device=k.device)
-    dv = torch.empty(R, hkv, n_kv, D, dtype=v.dtype, device=v.device)
-    qk_scale = scale * 1.4426950408889634
-    kv_tiles_t, q_tiles = table.q_index.shape[1], table.q_index.shape[2]
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
 
     def launch(c: BwdConfig):
-        grid = (-(-n_kv // c.block_n), R * hkv)
-        args = (
-            q,
-            k,
-            v,
-            do,
-            lse,
-            delta,
-            dq,
-            dk,
-            dv,
-            table.ctx_lo,
-            table.ctx_hi,
-            table.blk_lo,
-            table.blk_hi,
-            table.q_count,
-            table.q_index,
-            q.stride(0),
-            q.stride(1),
-            q.stride(2),
-            k.stride(0),
-            k.stride(1),
-            k.stride(2),
-            v.stride(0),
-            v.stride(1),
-            v.stride(2),
-            do.stride(0),
-            do.stride(1),
-            do.stride(2),
-            n_q,
-            n_kv,
-            table.ctx_lo.shape[1],
-            q_tiles,
-            kv_tiles_t,
-            hkv,
-            H // hkv,
-            qk_scale,
-            scale,
-        )
-        return (
-            grid,
-            args,
-            dict(
-                D=D,
-                BLOCK_M=BLOCK_M_TABLE,
-                BLOCK_N=c.block_n,
-                TABLE_N=TILE_N_TABLE,
-                num_warps=c.num_warps,
-                num_stages=c.num_stages,
-            ),
-        )
+        return _bwd_launch(effective(c, q.device), q, k, v, do, lse, delta, dq, dk, dv, table, scale)
 
-    # dq is accumulated with atomics: a rung refused after a partial launch never happens (the fit is decided by
+    # dq is accumulated in place: a rung refused after a partial launch never happens (the fit is decided by
     # compiling, before any launch; an OutOfResources at launch means nothing ran).
     with torch.cuda.device(q.device) if q.is_cuda else _null():
-        triton_fit.launch_first_fit("attention-bwd", bwd, BWD_CONFIGS, launch, q.device, (q.dtype, D))
+        _delta_kernel()[(-(-n_q // 64), R * H)](
+            o, do, delta, do.stride(0), do.stride(1), do.stride(2), n_q, H, D=D, BLOCK_M=64, num_warps=4
+        )
+        if config is not None:
+            grid, args, kwargs = launch(config)
+            bwd[grid](*args, **kwargs)
+        else:
+            triton_fit.launch_first_fit("attention-bwd", bwd, bwd_ladder(), launch, q.device, (q.dtype, D))
     return dq.to(q.dtype), dk, dv
 
 
@@ -551,52 +746,13 @@ def usable(device: torch.device) -> tuple[bool, str]:
         )
 
     def bwd_args(c: BwdConfig):
-        args = (
-            q,
-            q,
-            q,
-            q,
-            lse,
-            lse,
-            lse,
-            q,
-            q,
-            bounds,
-            bounds,
-            bounds,
-            bounds,
-            table.q_count,
-            table.q_index,
-            *q.stride()[:3],
-            *q.stride()[:3],
-            *q.stride()[:3],
-            *q.stride()[:3],
-            n,
-            n,
-            n,
-            1,
-            1,
-            H,
-            1,
-            1.0,
-            1.0,
-        )
-        return (
-            (1, 1),
-            args,
-            dict(
-                D=D,
-                BLOCK_M=BLOCK_M_TABLE,
-                BLOCK_N=c.block_n,
-                TABLE_N=TILE_N_TABLE,
-                num_warps=c.num_warps,
-                num_stages=c.num_stages,
-            ),
-        )
+        dq = torch.zeros(R, H, n, D, device=device)
+        grid, args, kwargs = _bwd_launch(effective(c, device), q, q, q, q, lse, lse, dq, q, q, table, 1.0)
+        return (1, 1), args, kwargs
 
     limit = triton_fit.smem_limit(device)
     if triton_fit.fits("attention-fwd", fwd, FWD_CONFIGS, fwd_args, device) is None:
         return False, f"no forward configuration within {limit} B of shared memory"
-    if triton_fit.fits("attention-bwd", bwd, BWD_CONFIGS, bwd_args, device) is None:
+    if triton_fit.fits("attention-bwd", bwd, bwd_ladder(), bwd_args, device) is None:
         return False, f"no backward configuration within {limit} B of shared memory"
     return True, ""
