@@ -74,6 +74,14 @@ with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under auto
               --variants triton,triton-qkv16,triton,triton-qkv16 --iters 5 --warmup 2 --json-out "$OUT/s14-seed.json"
             step s14-specforge 200 python3 -m trainer bench step --preset qwen3-8b --shape specforge \
               --variants triton,triton-qkv16,triton,triton-qkv16 --iters 10 --warmup 3 --json-out "$OUT/s14-sf.json" ;;
+    # Session 15 (issue 31 items 3-4): the optimizer step alone (torch's fused AdamW vs trainer/adamw_triton.py),
+    # the specforge step with and without it (per call and back to back, profiled), the one-GPU pipeline at the
+    # specforge shape (full-depth random Qwen3-8B target, two drafter threads).
+    s15-sf) step s15-adamw 100 python3 bench/s15_adamw.py --iters 10 --configs 4096:8,2048:4,8192:8
+            step s15-step 200 python3 -m trainer bench step --preset qwen3-8b --shape specforge \
+              --variants triton,triton-adamw,triton,triton-adamw --iters 10 --warmup 3 --profile \
+              --json-out "$OUT/s15-step.json"
+            step s15-pipe 200 python3 bench/gpu_pipeline.py --scale specforge --modes dual --steps 40 --timeout-s 190 ;;
     env) nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
          python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' ;;
     parity) step parity 240 python3 bench/gpu_parity.py ;;
