@@ -239,6 +239,8 @@ def child(args: argparse.Namespace) -> int:
         *shape_flags(scale),
         "--loss-kernels",
         args.loss_kernels,
+        "--adamw",
+        args.adamw,
     ]
     cfg = parse_train_args(argv)
     cfg.tiny_target = target_shape(scale)
@@ -281,6 +283,7 @@ def child(args: argparse.Namespace) -> int:
         "drafters": drafters,
         "transfer": args.transfer,
         "exit_code": code,
+        "adamw": args.adamw,
         "target_layers": scale["target_layers"],
         "taps": cfg.target_layer_ids or default_target_layer_ids(scale["target_layers"], scale["draft_layers"]),
         "warmup_s": round(seen.get("warmup_s", float("nan")), 1),
@@ -291,6 +294,8 @@ def child(args: argparse.Namespace) -> int:
         # samples (sequences) trained per second on this one GPU (target and drafters share it): every sample is
         # exactly `seq` real tokens, so context tokens / seq; SpecForge's published system: ~6.3 per GPU
         "samples_s": round(statistics.median(r["ctx_tok_s"] for r in steady) / scale["seq"], 2) if steady else 0.0,
+        # the main thread's replica sync per step (the drafters wait for it; the target thread may run meanwhile)
+        "sync_ms": round(statistics.median(r.get("sync_s_per_step", 0.0) for r in steady) * 1e3, 2) if steady else 0.0,
         "busy_tok_s_per_drafter": [
             round(statistics.median(r["block_tok_s_per_drafter"][d] for r in steady)) for d in range(drafters)
         ]
@@ -321,6 +326,9 @@ def main() -> int:
         "one node under torchrun: NCCL on CUDA, gloo on the CPU)",
     )
     parser.add_argument("--loss-kernels", default="auto", help="passed to the trainer (auto, compiled, triton)")
+    parser.add_argument(
+        "--adamw", default="auto", help="comma list, each passed to the trainer (auto, fused, foreach, triton)"
+    )
     parser.add_argument("--warm-cache", action="store_true", help="share one compile cache across runs")
     parser.add_argument("--timeout-s", type=float, default=1200, help="per run")
     parser.add_argument(
@@ -356,17 +364,18 @@ def main() -> int:
         return 2
     shared_cache = Path(tempfile.mkdtemp(prefix="bench-pipeline-cache-"))
     jobs = [
-        (repeat, mode, transfer, engine)
+        (repeat, mode, transfer, engine, adamw)
         for repeat in range(args.repeats)
         for engine in args.engines.split(",")
         for mode in args.modes.split(",")
         for transfer in args.transfers.split(",")
+        for adamw in args.adamw.split(",")
     ]
     rows, failed, began = [], False, time.monotonic()
     running: list[tuple[tuple, subprocess.Popen, Path, float]] = []
     print(
-        "run engine   mode   drafters transfer warmup_s steps recompiles block_tok/s per_drafter samples/s "
-        "busy_tok/s/drafter  build_s steps_s save_s result",
+        "run engine   mode   drafters transfer adamw   warmup_s steps recompiles block_tok/s per_drafter samples/s "
+        "sync_ms busy_tok/s/drafter  build_s steps_s save_s result",
         flush=True,
     )
     while jobs or running:
@@ -380,7 +389,7 @@ def main() -> int:
             job = jobs.pop(0)
             running.append(_start_run(job, args, shared_cache))
         for entry in list(running):
-            (repeat, mode, transfer, engine), proc, log_path, started = entry
+            (repeat, mode, transfer, engine, adamw), proc, log_path, started = entry
             timed_out = time.monotonic() - started > args.timeout_s
             if proc.poll() is None and not timed_out:
                 continue
@@ -404,8 +413,9 @@ def main() -> int:
             rows.append({"repeat": repeat, **r})
             per = r["block_tok_s"] / r["drafters"]
             print(
-                f"{repeat:3} {engine:8} {mode:6} {r['drafters']:8} {transfer:8} {r['warmup_s']:8} {r['steps']:5} "
-                f"{r['recompiles_after_warmup']:10} {r['block_tok_s']:11,} {per:11,.0f} {r['samples_s']:9.2f} "
+                f"{repeat:3} {engine:8} {mode:6} {r['drafters']:8} {transfer:8} {adamw:7} {r['warmup_s']:8} "
+                f"{r['steps']:5} {r['recompiles_after_warmup']:10} {r['block_tok_s']:11,} {per:11,.0f} "
+                f"{r['samples_s']:9.2f} {r['sync_ms']:7.1f} "
                 f"{r['busy_tok_s_per_drafter']!s:20} {r['build_s']:7} {r['steps_s']:7} {r['final_save_s']:6} "
                 f"{'ok' if ok else 'FAIL'}{' FX-error' if fx_error else ''}{' eager-flex' if flex_eager else ''}",
                 flush=True,
@@ -421,7 +431,7 @@ def main() -> int:
 
 def _start_run(job: tuple, args: argparse.Namespace, shared_cache: Path) -> tuple[tuple, subprocess.Popen, Path, float]:
     """Launch one child run; its stderr streams to a log file, so a run cut off still shows how far it got."""
-    repeat, mode, transfer, engine = job
+    repeat, mode, transfer, engine, adamw = job
     work = Path(tempfile.mkdtemp(prefix=f"bench-pipeline-{mode}-"))
     cache = shared_cache if args.warm_cache else work / "compile-cache"
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton")}
@@ -443,6 +453,8 @@ def _start_run(job: tuple, args: argparse.Namespace, shared_cache: Path) -> tupl
         args.device,
         "--loss-kernels",
         args.loss_kernels,
+        "--adamw",
+        adamw,
         "--engine",
         engine,
     ]
@@ -463,7 +475,7 @@ def _start_run(job: tuple, args: argparse.Namespace, shared_cache: Path) -> tupl
             str(_free_port()),
             *cmd[1:],
         ]
-    log_path = Path(args.log_dir or work) / f"pipeline-{engine}-{mode}-{transfer}-{repeat}.log"
+    log_path = Path(args.log_dir or work) / f"pipeline-{engine}-{mode}-{transfer}-{adamw}-{repeat}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(

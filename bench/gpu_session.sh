@@ -82,6 +82,13 @@ with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under auto
               --variants triton,triton-adamw,triton,triton-adamw --iters 10 --warmup 3 --profile \
               --json-out "$OUT/s15-step.json"
             step s15-pipe 200 python3 bench/gpu_pipeline.py --scale specforge --modes dual --steps 40 --timeout-s 190 ;;
+    # call 2: the AdamW parity again (IEEE div/sqrt), the pipeline with replica followers (fused vs triton AdamW, one
+    # shared compile cache), the qwen3-8b seed step with and without --adamw triton (issue 31 item 1)
+    s15-2) step s15-adamw2 60 python3 bench/s15_adamw.py --iters 10 --configs 4096:8,2048:4
+           step s15-pipe2 170 python3 bench/gpu_pipeline.py --scale specforge --modes dual --steps 30 \
+              --adamw auto,triton --warm-cache --timeout-s 120
+           step s15-seed 100 python3 -m trainer bench step --preset qwen3-8b --shape seed \
+              --variants triton,triton-adamw --iters 5 --warmup 2 --json-out "$OUT/s15-seed.json" ;;
     env) nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
          python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' ;;
     parity) step parity 240 python3 bench/gpu_parity.py ;;

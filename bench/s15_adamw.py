@@ -87,13 +87,16 @@ def main() -> int:
     triton_p, triton_opt = make("triton", base, grads)
     clip_and_step(fused_p, fused_opt)  # type: ignore[arg-type]
     clip_and_step(triton_p, triton_opt)  # type: ignore[arg-type]
+    # |difference| / max(|value|, floor): the floor is the update's size for parameters (lr: where p - update
+    # cancels to ~0 a plain relative error measures the cancellation, not the kernel) and 1e-3 of the tensor's
+    # largest value for the moments
     worst = {"param": 0.0, "exp_avg": 0.0, "exp_avg_sq": 0.0}
     for a, b in zip(fused_p, triton_p):
-        worst["param"] = max(worst["param"], float(((a - b).abs() / b.abs().clamp(min=1e-6)).max()))
+        worst["param"] = max(worst["param"], float(((a - b).abs() / b.abs().clamp(min=6e-4)).max()))
         sa, sb = fused_opt.state[a], triton_opt.state[b]  # type: ignore[attr-defined]
         for key in ("exp_avg", "exp_avg_sq"):
-            diff = ((sa[key] - sb[key]).abs() / sb[key].abs().clamp(min=1e-12)).max()
-            worst[key] = max(worst[key], float(diff))
+            floor = float(sb[key].abs().max()) * 1e-3
+            worst[key] = max(worst[key], float(((sa[key] - sb[key]).abs() / sb[key].abs().clamp(min=floor)).max()))
     print(
         "parity, max relative difference fused vs triton after one step: "
         + ", ".join(f"{k} {v:.2e}" for k, v in worst.items())

@@ -13,9 +13,9 @@ bench/RESULTS.md session 12).
 
 The math is torch's AdamW (decoupled weight decay, no amsgrad, no maximize), in fp32 with the bias corrections
 computed on the host in float64, as torch's single-tensor AdamW does for a CPU step count:
-    p *= 1 - lr * wd;  m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
+    p -= lr * wd * p;  m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
     p -= (lr / (1 - b1^t)) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
-so results equal torch.optim.AdamW's to fp32 rounding (tests/trainer/test_adamw_triton.py, under the Triton
+with IEEE division and square root, so results equal torch.optim.AdamW's to fp32 rounding (tests/trainer/test_adamw_triton.py, under the Triton
 interpreter). The state is torch's: `step` (a CPU float32 tensor: reading it never syncs the device), `exp_avg`,
 `exp_avg_sq` per parameter, so checkpoints move between `--adamw fused`, `foreach` and `triton` either way.
 """
@@ -50,15 +50,20 @@ if HAVE_TRITON:
         v_ptr,
         scale_ptr,
         n,
-        keep,  # 1 - lr * weight_decay
+        decay,  # lr * weight_decay
         beta1,
+        one_minus_beta1,
         beta2,
+        one_minus_beta2,
         eps,
         step_size,  # lr / (1 - beta1^t)
         bc2_sqrt,  # sqrt(1 - beta2^t)
         HAS_SCALE: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
+        # Scalars arrive as fp32, so every constant is formed on the host in float64 first: 1 - beta2 formed here
+        # from fp32 0.999 would be 0.00099998713 (1.3e-5 off, in every v). Division and square root are the
+        # IEEE round-to-nearest forms (div_rn, sqrt_rn): Triton's `/` and tl.sqrt are the approximate PTX ones.
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inside = offs < n
         # streamed once: nothing here is read again, so none of it should stay in L2
@@ -67,11 +72,11 @@ if HAVE_TRITON:
         m = tl.load(m_ptr + offs, mask=inside, eviction_policy="evict_first")
         v = tl.load(v_ptr + offs, mask=inside, eviction_policy="evict_first")
         if HAS_SCALE:
-            g = g / tl.load(scale_ptr)
-        p = p * keep
-        m = beta1 * m + (1.0 - beta1) * g
-        v = beta2 * v + (1.0 - beta2) * g * g
-        p = p - step_size * m / (tl.sqrt(v) / bc2_sqrt + eps)
+            g = tl.div_rn(g, tl.load(scale_ptr))
+        p = p - p * decay  # torch's fused form (param -= lr * wd * param)
+        m = beta1 * m + one_minus_beta1 * g
+        v = beta2 * v + one_minus_beta2 * g * g
+        p = p - tl.div_rn(step_size * m, tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps)
         tl.store(p_ptr + offs, p, mask=inside)
         tl.store(m_ptr + offs, m, mask=inside)
         tl.store(v_ptr + offs, v, mask=inside)
@@ -164,9 +169,11 @@ class TritonAdamW(torch.optim.AdamW):
             v,
             scale if scale is not None else p,  # never read without HAS_SCALE
             n,
-            1.0 - lr * weight_decay,
+            lr * weight_decay,
             beta1,
+            1.0 - beta1,
             beta2,
+            1.0 - beta2,
             eps,
             lr / (1.0 - beta1**t),
             (1.0 - beta2**t) ** 0.5,

@@ -79,8 +79,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def _close(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
+    """Within a few fp32 roundings, elementwise; the absolute floor scales with the tensor (moments are ~1e-3 and
+    ~1e-2: a fixed floor would hide a relative error of 1e-5 in them)."""
     for a, e in zip(actual, expected):
-        torch.testing.assert_close(a, e, rtol=2e-6, atol=2e-7)
+        torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-6 * float(e.abs().max()))
 
 
 @pytest.mark.parametrize("name", ["plain", "scaled", "bf16-grads"])
