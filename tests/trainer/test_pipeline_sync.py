@@ -56,6 +56,27 @@ def test_missing_grads_count_as_zero() -> None:
         assert torch.equal(p0.grad, p1.grad)
 
 
+def test_replicas_on_one_device_follow_replica_zero() -> None:
+    """--sync grad with every replica on one device: replica 0's gradients become the sum (the bits
+    reduce_gradients gives every replica), the followers' gradients are freed, and after replica 0's step its
+    weights are copied into the followers; a missing gradient counts as zero."""
+    replicas = _replicas(3)
+    sync = ReplicaSync(replicas, "grad")
+    assert sync.followers
+    for number, r in enumerate(replicas[:2]):  # replica 2 has no gradients at all
+        r(torch.randn(4, 6, generator=torch.Generator().manual_seed(number))).pow(2).sum().backward()
+    want = [a.grad + b.grad for a, b in zip(replicas[0].parameters(), replicas[1].parameters())]  # (g0 + g1) + 0
+    sync.after_backward()
+    for p, w in zip(replicas[0].parameters(), want):
+        assert torch.equal(p.grad, w)
+    assert all(p.grad is None for r in replicas[1:] for p in r.parameters())
+    with torch.no_grad():
+        for p in replicas[0].parameters():
+            p.sub_(0.01 * p.grad)  # replica 0's optimizer step
+    sync.after_step(1)
+    assert max_replica_difference(replicas) == 0.0
+
+
 def test_average_mode_averages_every_interval_and_before_checkpoint() -> None:
     replicas = _replicas(2)
     sync = ReplicaSync(replicas, "average", interval=2)
