@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call = one of these sections; each step has its own timeout so one hang cannot eat the call.
 # Usage (on the GPU machine, repo root): bash bench/gpu_session.sh SECTION...   (logs under $OUT when set)
+# Session 15 calls (issue 31 items 3-4): `env s15-sf`, then `s15-2`; `s15-next` is what to run next.
 # Session 13 calls (issue 32 item 4, issue 31 item 2): `env s13-topk s13-step`, `s13-conv s13-step2`, `s13-conv` (twice,
 # the second with s13-step3 gated on it), `s13-attn`.
 # Session 3 calls: `verify pipeline-triton`, then `verify-pipeline pipeline-triton step8b-more` (the ten cold
@@ -89,6 +90,12 @@ with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under auto
               --adamw auto,triton --warm-cache --timeout-s 120
            step s15-seed 100 python3 -m trainer bench step --preset qwen3-8b --shape seed \
               --variants triton,triton-adamw --iters 5 --warmup 2 --json-out "$OUT/s15-seed.json" ;;
+    # next (not run in session 15): the target's forward alone at the specforge shape (the pipeline's unmeasured
+    # ~90 ms per step), and the pipeline A B A B with torch's fused AdamW against --adamw triton, 100 steps each
+    s15-next) step s15-prefill 150 python3 -m trainer bench pipeline --preset qwen3-8b --shape specforge \
+              --target-intermediate 12288 --iters 10 --warmup 3
+              step s15-pipe3 420 python3 bench/gpu_pipeline.py --scale specforge --modes dual --steps 100 \
+              --adamw auto,triton --repeats 2 --warm-cache --timeout-s 200 ;;
     env) nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
          python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' ;;
     parity) step parity 240 python3 bench/gpu_parity.py ;;
