@@ -5,7 +5,13 @@ Run on the GPU machine from the repository root (no weights or data needed; ever
     python bench/gpu_pipeline.py                      # 8B-shaped drafter, 200 steps, each mode once, cold cache
     python bench/gpu_pipeline.py --repeats 10 --modes dual   # the "ten times in a row" check
     python bench/gpu_pipeline.py --scale small --steps 50     # a quick look (1K hidden, 32K vocab)
+    python bench/gpu_pipeline.py --scale specforge --modes dual --steps 80 --warm-cache   # issue 31 item 4
     .venv/bin/python bench/gpu_pipeline.py --scale smoke --device cpu --steps 20   # this script's own smoke test
+
+`--scale specforge` is SpecForge's published shape on one GPU: a full-depth random Qwen3-8B-shaped target (36
+layers, bf16) and the drafter threads on the same device, 2 rows x 768 tokens, 256 anchors x 16 per micro-batch;
+its `samples/s` column (sequences trained per second on the GPU, from metrics.jsonl's context tokens/s, the first
+logged window skipped) is the number to hold against SpecForge's ~6.3 samples/s per GPU.
 
 Each run is a fresh child process (`--child`) with its own empty TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR
 (a cold compile cache; `--warm-cache` shares one directory instead), driving trainer.pipeline.run.run_pipeline
@@ -66,6 +72,40 @@ SCALES = {
         rows=4,
         anchors=256,
         block=16,
+    ),
+    # SpecForge's published shape (issue 31 item 4): a full-depth random Qwen3-8B-shaped target (36 layers, taps
+    # at the default [1, 9, 17, 25, 33]: layers 34-35 exist but never run, TargetModel exits after the highest tap),
+    # 2 rows x 768 tokens per micro-batch, 256 anchors x block 16 per row, one micro-batch per drafter per step.
+    "specforge": dict(
+        hidden=4096,
+        intermediate=12288,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        vocab=151936,
+        target_layers=36,
+        draft_layers=5,
+        seq=768,
+        rows=2,
+        anchors=256,
+        block=16,
+        taps=None,
+    ),
+    # the specforge scale's structure (default taps of a deeper target, 2 rows) at CPU size: its smoke test
+    "specforge-smoke": dict(
+        hidden=64,
+        intermediate=128,
+        heads=4,
+        kv_heads=2,
+        head_dim=16,
+        vocab=512,
+        target_layers=12,
+        draft_layers=3,
+        seq=96,
+        rows=2,
+        anchors=16,
+        block=4,
+        taps=None,
     ),
     # CPU smoke test of this script only: python bench/gpu_pipeline.py --child --scale smoke --device cpu ...
     "smoke": dict(
@@ -139,8 +179,7 @@ def shape_flags(scale: dict) -> list[str]:
         str(scale["target_layers"]),
         "--num-draft-layers",
         str(scale["draft_layers"]),
-        "--target-layer-ids",
-        "0,1,2,3,4",
+        *(["--target-layer-ids", scale.get("taps", "0,1,2,3,4")] if scale.get("taps", "") is not None else []),
         "--max-seq-len",
         str(scale["seq"]),
         "--token-budget",
@@ -167,6 +206,7 @@ def child(args: argparse.Namespace) -> int:
     import torch
 
     from trainer.config import parse_train_args
+    from trainer.model import default_target_layer_ids
     from trainer.pipeline.compile_guard import compile_counts
     from trainer.pipeline.run import PipelineOptions, run_pipeline
 
@@ -199,6 +239,8 @@ def child(args: argparse.Namespace) -> int:
         *shape_flags(scale),
         "--loss-kernels",
         args.loss_kernels,
+        "--adamw",
+        args.adamw,
     ]
     cfg = parse_train_args(argv)
     cfg.tiny_target = target_shape(scale)
@@ -241,11 +283,19 @@ def child(args: argparse.Namespace) -> int:
         "drafters": drafters,
         "transfer": args.transfer,
         "exit_code": code,
+        "adamw": args.adamw,
+        "target_layers": scale["target_layers"],
+        "taps": cfg.target_layer_ids or default_target_layer_ids(scale["target_layers"], scale["draft_layers"]),
         "warmup_s": round(seen.get("warmup_s", float("nan")), 1),
         "steps": seen.get("steps", 0),
         "wall_s": round(time.monotonic() - started, 1),
         "recompiles_after_warmup": recompiles,
         "block_tok_s": round(statistics.median(r["block_tok_s"] for r in steady)) if steady else 0,
+        # samples (sequences) trained per second on this one GPU (target and drafters share it): every sample is
+        # exactly `seq` real tokens, so context tokens / seq; SpecForge's published system: ~6.3 per GPU
+        "samples_s": round(statistics.median(r["ctx_tok_s"] for r in steady) / scale["seq"], 2) if steady else 0.0,
+        # the main thread's replica sync per step (the drafters wait for it; the target thread may run meanwhile)
+        "sync_ms": round(statistics.median(r.get("sync_s_per_step", 0.0) for r in steady) * 1e3, 2) if steady else 0.0,
         "busy_tok_s_per_drafter": [
             round(statistics.median(r["block_tok_s_per_drafter"][d] for r in steady)) for d in range(drafters)
         ]
@@ -276,6 +326,9 @@ def main() -> int:
         "one node under torchrun: NCCL on CUDA, gloo on the CPU)",
     )
     parser.add_argument("--loss-kernels", default="auto", help="passed to the trainer (auto, compiled, triton)")
+    parser.add_argument(
+        "--adamw", default="auto", help="comma list, each passed to the trainer (auto, fused, foreach, triton)"
+    )
     parser.add_argument("--warm-cache", action="store_true", help="share one compile cache across runs")
     parser.add_argument("--timeout-s", type=float, default=1200, help="per run")
     parser.add_argument(
@@ -311,17 +364,18 @@ def main() -> int:
         return 2
     shared_cache = Path(tempfile.mkdtemp(prefix="bench-pipeline-cache-"))
     jobs = [
-        (repeat, mode, transfer, engine)
+        (repeat, mode, transfer, engine, adamw)
         for repeat in range(args.repeats)
         for engine in args.engines.split(",")
         for mode in args.modes.split(",")
         for transfer in args.transfers.split(",")
+        for adamw in args.adamw.split(",")
     ]
     rows, failed, began = [], False, time.monotonic()
     running: list[tuple[tuple, subprocess.Popen, Path, float]] = []
     print(
-        "run engine   mode   drafters transfer warmup_s steps recompiles block_tok/s per_drafter busy_tok/s/drafter  "
-        "build_s steps_s save_s result",
+        "run engine   mode   drafters transfer adamw   warmup_s steps recompiles block_tok/s per_drafter samples/s "
+        "sync_ms busy_tok/s/drafter  build_s steps_s save_s result",
         flush=True,
     )
     while jobs or running:
@@ -335,7 +389,7 @@ def main() -> int:
             job = jobs.pop(0)
             running.append(_start_run(job, args, shared_cache))
         for entry in list(running):
-            (repeat, mode, transfer, engine), proc, log_path, started = entry
+            (repeat, mode, transfer, engine, adamw), proc, log_path, started = entry
             timed_out = time.monotonic() - started > args.timeout_s
             if proc.poll() is None and not timed_out:
                 continue
@@ -359,8 +413,9 @@ def main() -> int:
             rows.append({"repeat": repeat, **r})
             per = r["block_tok_s"] / r["drafters"]
             print(
-                f"{repeat:3} {engine:8} {mode:6} {r['drafters']:8} {transfer:8} {r['warmup_s']:8} {r['steps']:5} "
-                f"{r['recompiles_after_warmup']:10} {r['block_tok_s']:11,} {per:11,.0f} "
+                f"{repeat:3} {engine:8} {mode:6} {r['drafters']:8} {transfer:8} {adamw:7} {r['warmup_s']:8} "
+                f"{r['steps']:5} {r['recompiles_after_warmup']:10} {r['block_tok_s']:11,} {per:11,.0f} "
+                f"{r['samples_s']:9.2f} {r['sync_ms']:7.1f} "
                 f"{r['busy_tok_s_per_drafter']!s:20} {r['build_s']:7} {r['steps_s']:7} {r['final_save_s']:6} "
                 f"{'ok' if ok else 'FAIL'}{' FX-error' if fx_error else ''}{' eager-flex' if flex_eager else ''}",
                 flush=True,
@@ -376,7 +431,7 @@ def main() -> int:
 
 def _start_run(job: tuple, args: argparse.Namespace, shared_cache: Path) -> tuple[tuple, subprocess.Popen, Path, float]:
     """Launch one child run; its stderr streams to a log file, so a run cut off still shows how far it got."""
-    repeat, mode, transfer, engine = job
+    repeat, mode, transfer, engine, adamw = job
     work = Path(tempfile.mkdtemp(prefix=f"bench-pipeline-{mode}-"))
     cache = shared_cache if args.warm_cache else work / "compile-cache"
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton")}
@@ -398,6 +453,8 @@ def _start_run(job: tuple, args: argparse.Namespace, shared_cache: Path) -> tupl
         args.device,
         "--loss-kernels",
         args.loss_kernels,
+        "--adamw",
+        adamw,
         "--engine",
         engine,
     ]
@@ -418,7 +475,7 @@ def _start_run(job: tuple, args: argparse.Namespace, shared_cache: Path) -> tupl
             str(_free_port()),
             *cmd[1:],
         ]
-    log_path = Path(args.log_dir or work) / f"pipeline-{engine}-{mode}-{transfer}-{repeat}.log"
+    log_path = Path(args.log_dir or work) / f"pipeline-{engine}-{mode}-{transfer}-{adamw}-{repeat}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(

@@ -2,6 +2,7 @@
 # One device call = one of these sections; each step has its own timeout so one hang cannot eat the call.
 # Usage (on the GPU machine, repo root): bash bench/gpu_session.sh SECTION...   (logs under $OUT when set)
 # Session 15 calls (issue 31 item 2): `env s15-attn`, then `s15-attn` (with the ~99 KB rehearsal).
+# Session 15 calls (issue 31 items 3-4): `env s15-sf`, then `s15-2`; `s15-next` is what to run next.
 # Session 13 calls (issue 32 item 4, issue 31 item 2): `env s13-topk s13-step`, `s13-conv s13-step2`, `s13-conv` (twice,
 # the second with s13-step3 gated on it), `s13-attn`.
 # Session 3 calls: `verify pipeline-triton`, then `verify-pipeline pipeline-triton step8b-more` (the ten cold
@@ -89,6 +90,27 @@ with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under auto
               else echo "s15: gate closed (no schedule beats flex standalone): no step"; fi
               step s15-fit 60 env -u DFLASH_ATTENTION_BWD_CONFIG DFLASH_SMEM_LIMIT=99K python3 bench/s12_attention.py \
                 --fit-only ;;
+    # Session 15 (issue 31 items 3-4): the optimizer step alone (torch's fused AdamW vs trainer/adamw_triton.py),
+    # the specforge step with and without it (per call and back to back, profiled), the one-GPU pipeline at the
+    # specforge shape (full-depth random Qwen3-8B target, two drafter threads).
+    s15-sf) step s15-adamw 100 python3 bench/s15_adamw.py --iters 10 --configs 4096:8,2048:4,8192:8
+            step s15-step 200 python3 -m trainer bench step --preset qwen3-8b --shape specforge \
+              --variants triton,triton-adamw,triton,triton-adamw --iters 10 --warmup 3 --profile \
+              --json-out "$OUT/s15-step.json"
+            step s15-pipe 200 python3 bench/gpu_pipeline.py --scale specforge --modes dual --steps 40 --timeout-s 190 ;;
+    # call 2: the AdamW parity again (IEEE div/sqrt), the pipeline with replica followers (fused vs triton AdamW, one
+    # shared compile cache), the qwen3-8b seed step with and without --adamw triton (issue 31 item 1)
+    s15-2) step s15-adamw2 60 python3 bench/s15_adamw.py --iters 10 --configs 4096:8,2048:4
+           step s15-pipe2 170 python3 bench/gpu_pipeline.py --scale specforge --modes dual --steps 30 \
+              --adamw auto,triton --warm-cache --timeout-s 120
+           step s15-seed 100 python3 -m trainer bench step --preset qwen3-8b --shape seed \
+              --variants triton,triton-adamw --iters 5 --warmup 2 --json-out "$OUT/s15-seed.json" ;;
+    # next (not run in session 15): the target's forward alone at the specforge shape (the pipeline's unmeasured
+    # ~90 ms per step), and the pipeline A B A B with torch's fused AdamW against --adamw triton, 100 steps each
+    s15-next) step s15-prefill 150 python3 -m trainer bench pipeline --preset qwen3-8b --shape specforge \
+              --target-intermediate 12288 --iters 10 --warmup 3
+              step s15-pipe3 420 python3 bench/gpu_pipeline.py --scale specforge --modes dual --steps 100 \
+              --adamw auto,triton --repeats 2 --warm-cache --timeout-s 200 ;;
     env) nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
          python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' ;;
     parity) step parity 240 python3 bench/gpu_parity.py ;;

@@ -76,6 +76,24 @@ def time_ms(fn: Callable[[], object], device: torch.device, *, warmup: int, iter
     return times
 
 
+def back_to_back_ms(fn: Callable[[], object], device: torch.device, iters: int) -> float:
+    """Mean ms per call of `iters` calls queued back to back with one sync at the end (CUDA events around all of
+    them; perf_counter on CPU): what a loop that never waits for the device between calls gets."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) * 1e3 / iters
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
 def matmul_ceiling_tflops(device: torch.device, n: int = 8192) -> float:
     """bf16 GEMM rate on random data (the practical ceiling MFU is also reported against)."""
     if device.type != "cuda":

@@ -123,7 +123,8 @@ LOSS_KERNELS = ("auto", "compiled", "eager", "triton")
 # --attention-kernel: the drafter's attention on CUDA (trainer/model/attention.py): flex_attention with a BlockMask,
 # or our Triton kernel for the interval-form mask (trainer/model/attention_triton.py; bench/RESULTS.md session 12).
 ATTENTION_KERNELS = ("flex", "triton")
-ADAMW_IMPLS = ("auto", "fused", "foreach")
+# --adamw: torch's fused or foreach AdamW, or trainer/adamw_triton.py's kernel (CUDA; opt-in until measured to pay)
+ADAMW_IMPLS = ("auto", "fused", "foreach", "triton")
 
 
 @dataclass

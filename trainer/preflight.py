@@ -23,7 +23,7 @@ from trainer.handover import pending_writer
 from trainer.loss import position_weights
 from trainer.metrics import STARTUP_MARKS
 from trainer.model import DFlashDrafter, DrafterConfig, TargetModel
-from trainer.step import check_loss_kernels
+from trainer.step import check_loss_kernels, check_triton_adamw
 
 
 @dataclass
@@ -223,6 +223,8 @@ def preflight(cfg: TrainConfig, *, reads_checkpoints: bool = True) -> RunSetup:
     total_steps = min(cfg.max_steps, steps_in_data) if cfg.max_steps else steps_in_data
     drafter_device = first_device(cfg.drafter_gpus)
     check_loss_kernels(cfg.loss_kernels, drafter_device)  # before the (minutes long) target load
+    if cfg.adamw == "triton":
+        check_triton_adamw(drafter_device)
     STARTUP_MARKS["checked"] = round(time.time(), 3)  # the pre-flight's share of a start (status.json timeline)
     return RunSetup(
         cfg,

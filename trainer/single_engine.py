@@ -134,7 +134,7 @@ class SingleEngine:
             "epoch": self.epoch,
             **summary,
             "lr": self.lr,
-            "grad_norm": self.grad_norm,
+            "grad_norm": float(self.grad_norm),  # the one read of it: a log step syncs, the others do not
             "noise_std": self.noise,
             "block_tok_s": self.window.block_tokens / elapsed,
             "ctx_tok_s": self.window.ctx_tokens / elapsed,

@@ -3,7 +3,7 @@
     TargetSide(target, device).features(batch)                    -> FeatureBatch   (frozen target, no grad)
     DrafterSide(cfg, drafter, embed, lm_head, device, total_steps)
         .forward_backward(features, normalizer, num_blocks, ...)  -> StepStats      (accumulates .grad)
-        .optimizer_step()                                         -> (lr, grad_norm)
+        .optimizer_step()                                         -> (lr, grad_norm tensor: no sync)
 
 Nothing here touches process-global state: each side holds its own device, and the noise on the context
 features comes from a generator seeded per (seed, step, micro-batch), so the same step gives the same noise
@@ -42,6 +42,7 @@ __all__ = [
     "TargetSide",
     "DrafterSide",
     "check_loss_kernels",
+    "check_triton_adamw",
     "lr_factor",
     "noise_std_at",
 ]
@@ -165,6 +166,20 @@ def check_loss_kernels(kind: str, device: torch.device) -> None:
         )
 
 
+def check_triton_adamw(device: torch.device) -> None:
+    """Raise TrainerInputError when a drafter on ``device`` cannot run ``--adamw triton``."""
+    if device.type != "cuda":
+        raise TrainerInputError(
+            f"--adamw triton needs a CUDA drafter device (the drafter would run on {device})",
+            hint="use --adamw auto",
+        )
+    if not triton_available():
+        raise TrainerInputError(
+            "--adamw triton: the triton package is not installed",
+            hint="pip install triton (CUDA torch wheels bring it), or use --adamw auto",
+        )
+
+
 _REPLICA_IDS = itertools.count()  # names each replica's compile scope
 
 
@@ -212,6 +227,9 @@ class DrafterSide:
         check_loss_kernels(kind, self.device)
         self.loss_kernels = make_chunk_kernels(kind, compile_backend=compile_backend)
         self.loss_fn = dflash_loss  # replaceable for benchmarks (e.g. a recomputing baseline)
+        # A follower replica's optimizer never steps: the pipeline's replica sync gives it replica 0's weights after
+        # replica 0 stepped on the summed gradients (trainer/pipeline/sync.py, every replica on one device)
+        self.follower = False
         # Frozen, shared with the target; a copy only when the target lives on another device.
         self.embed_weight = embed_weight.detach().to(self.device)
         self.lm_head_weight = lm_head_weight.detach().to(self.device)
@@ -219,9 +237,16 @@ class DrafterSide:
         # Fused on CUDA (--adamw auto): one kernel family for the whole update instead of foreach's chain of
         # multi_tensor_apply launches (23.6 ms of the 8B seed step in the profile, bench/RESULTS.md session 5).
         fused = cfg.adamw == "fused" or (cfg.adamw == "auto" and self.device.type == "cuda")
-        self.clip_in_adamw = fused  # see optimizer_step
+        self.clip_in_adamw = fused or cfg.adamw == "triton"  # see optimizer_step
         fused_kw: dict[str, Any] = {"fused": True} if fused else {}
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, **fused_kw)
+        self.optimizer: torch.optim.AdamW
+        if cfg.adamw == "triton":  # --adamw triton: trainer/adamw_triton.py (the same state, 28 instead of 32 B/param)
+            check_triton_adamw(self.device)
+            from trainer.adamw_triton import TritonAdamW
+
+            self.optimizer = TritonAdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        else:
+            self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, **fused_kw)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, total_steps, cfg.warmup_ratio)
         )
@@ -334,13 +359,21 @@ class DrafterSide:
         inv = 1.0 / normalizer if normalizer > 0 else 0.0  # all-zero weights: 0, not NaN (as dflash_loss)
         return ce_sum * inv, ce_sum.detach(), (pick == batch.labels.reshape(-1)) & result.label_found
 
-    def optimizer_step(self) -> tuple[float, float]:
-        """Clip, step AdamW and the schedule, zero the grads; return (lr used, grad norm before clipping).
-        Reading the grad norm syncs the device once per optimizer step."""
+    def optimizer_step(self) -> tuple[float, torch.Tensor]:
+        """Clip, step AdamW and the schedule, zero the grads; return (lr used, grad norm before clipping as a
+        detached 0-dim tensor on the drafter's device). Nothing here waits for the device: reading the norm
+        (float()) syncs, so callers read it when they log, not every step. Why: a step that ends in a sync leaves
+        the GPU idle while the host builds the next step (the mask build alone is ~3.5 ms of host time at the
+        specforge shape, bench/RESULTS.md session 12); without it the host queues step n+1 while step n runs."""
         lr = self.optimizer.param_groups[0]["lr"]
+        if self.follower:  # the replica sync steps another replica's optimizer for this one (pipeline/sync.py);
+            # its own optimizer and schedule stay as they were (nothing reads them: metrics and checkpoints take
+            # replica 0's under --sync grad)
+            self.optimizer.zero_grad(set_to_none=True)
+            return lr, torch.zeros((), device=self.device)
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
         if self.clip_in_adamw:
-            # The clip inside the fused AdamW kernel: it divides every gradient by `grad_scale` as it reads it (the
+            # The clip inside the fused AdamW kernel (and --adamw triton's, which reads the same attribute): it divides every gradient by `grad_scale` as it reads it (the
             # hook GradScaler uses) instead of clip_grad_norm_'s own read-and-write pass over all fp32 gradients.
             # The kernel then writes the rescaled gradients back, so the 8B seed step saves 0.8 of that pass's
             # 2.3 ms (bench/RESULTS.md, session 9). Same coefficient as clip_grad_norm_:
@@ -355,7 +388,7 @@ class DrafterSide:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return lr, float(grad_norm)
+        return lr, grad_norm.detach()
 
 
 def micro_batches(stream: Iterator[Batch], count: int) -> list[Batch]:

@@ -78,7 +78,8 @@ FLAG_HELP: dict[str, str] = {
     "warmup_ratio": "fraction of the run's steps spent in linear LR warm-up",
     "weight_decay": "AdamW weight decay",
     "adamw": "AdamW implementation: auto = torch's fused kernel for CUDA drafters (one kernel family instead of "
-    "a foreach chain of launches), torch's default elsewhere",
+    "a foreach chain of launches), torch's default elsewhere; triton = one Triton kernel per parameter that does "
+    "not write the clipped gradients back (CUDA only; trainer/adamw_triton.py)",
     "grad_accum": "micro-batches per optimizer step (the loss is normalised over the whole step)",
     "grad_clip": "clip the gradient norm to this (0 disables clipping)",
     "seed": "seed of the drafter's init, the data order, the anchors, the feature noise and synthetic data",

@@ -89,6 +89,7 @@ def test_bench_attention_runs_both_layouts_on_cpu(capsys) -> None:
     [
         ("checkpoint_pause.py", ["--preset", "tiny", "--device", "cpu", "--repeats", "1"]),
         ("gpu_pipeline.py", ["--scale", "smoke", "--device", "cpu", "--steps", "12", "--modes", "dual"]),
+        ("gpu_pipeline.py", ["--scale", "specforge-smoke", "--device", "cpu", "--steps", "12", "--modes", "dual"]),
     ],
 )
 def test_gpu_bench_scripts_run_their_cpu_smoke_test(tmp_path, script: str, args: list[str]) -> None:
@@ -104,6 +105,10 @@ def test_gpu_bench_scripts_run_their_cpu_smoke_test(tmp_path, script: str, args:
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "|" in done.stdout if script == "checkpoint_pause.py" else " ok" in done.stdout
+    if "specforge-smoke" in args:  # the full-depth target's default taps, and samples/s = block tokens/s / (N x B)
+        (row,) = json.loads(done.stdout.splitlines()[-1])
+        assert (row["target_layers"], row["taps"], row["recompiles_after_warmup"]) == (12, [1, 5, 9], 0)
+        assert row["samples_s"] == pytest.approx(row["block_tok_s"] / (16 * 4), rel=0.01) and row["samples_s"] > 0
 
 
 @pytest.mark.slow

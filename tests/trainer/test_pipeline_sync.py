@@ -40,7 +40,8 @@ def test_grad_sync_sums_and_gives_every_replica_identical_bits() -> None:
     expected = [sum(r_p.grad.clone() for r_p in ps) for ps in zip(*(list(r.parameters()) for r in replicas))]
     reduce_gradients(replicas)
     for ps, want in zip(zip(*(list(r.parameters()) for r in replicas)), expected):
-        torch.testing.assert_close(ps[0].grad, want)
+        # bitwise: (g0 + g1) + g2 in replica order, as the flat path sums (one device: the in-place path)
+        assert torch.equal(ps[0].grad, want)
         assert all(torch.equal(ps[0].grad, p.grad) for p in ps[1:])
 
 
@@ -53,6 +54,27 @@ def test_missing_grads_count_as_zero() -> None:
     for p0, p1, w in zip(replicas[0].parameters(), replicas[1].parameters(), want):
         torch.testing.assert_close(p0.grad, w)
         assert torch.equal(p0.grad, p1.grad)
+
+
+def test_replicas_on_one_device_follow_replica_zero() -> None:
+    """--sync grad with every replica on one device: replica 0's gradients become the sum (the bits
+    reduce_gradients gives every replica), the followers' gradients are freed, and after replica 0's step its
+    weights are copied into the followers; a missing gradient counts as zero."""
+    replicas = _replicas(3)
+    sync = ReplicaSync(replicas, "grad")
+    assert sync.followers
+    for number, r in enumerate(replicas[:2]):  # replica 2 has no gradients at all
+        r(torch.randn(4, 6, generator=torch.Generator().manual_seed(number))).pow(2).sum().backward()
+    want = [a.grad + b.grad for a, b in zip(replicas[0].parameters(), replicas[1].parameters())]  # (g0 + g1) + 0
+    sync.after_backward()
+    for p, w in zip(replicas[0].parameters(), want):
+        assert torch.equal(p.grad, w)
+    assert all(p.grad is None for r in replicas[1:] for p in r.parameters())
+    with torch.no_grad():
+        for p in replicas[0].parameters():
+            p.sub_(0.01 * p.grad)  # replica 0's optimizer step
+    sync.after_step(1)
+    assert max_replica_difference(replicas) == 0.0
 
 
 def test_average_mode_averages_every_interval_and_before_checkpoint() -> None:

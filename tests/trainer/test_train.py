@@ -123,6 +123,7 @@ def _bad_shard_dir(tmp_path: Path) -> Path:
         (["--resume", "{tmp}/empty"], "not a complete checkpoint"),
         (["--init-from", "{tmp}/empty"], "has no model.safetensors"),
         (["--loss-kernels", "triton"], "needs a CUDA drafter device"),  # this machine has no GPU: cpu is chosen
+        (["--adamw", "triton"], "--adamw triton needs a CUDA drafter device"),
     ],
 )
 def test_bad_input_is_a_clear_error_and_writes_nothing(
@@ -193,7 +194,7 @@ def test_fused_adamw_clips_inside_its_kernel_like_clip_grad_norm(tmp_path: Path,
         norms = []
         for _ in range(2):
             side.forward_backward(features, batch.weight_sum, batch.num_blocks)
-            norms.append(side.optimizer_step()[1])
+            norms.append(float(side.optimizer_step()[1]))
         sides[adamw] = side, norms
     (fused, fused_norms), (reference, reference_norms) = sides["fused"], sides["foreach"]
     assert fused_norms == pytest.approx(reference_norms, rel=1e-5)

@@ -8,7 +8,7 @@ The main thread sends commands; the worker answers each on its result channel:
                             job-wide drafter number (the same on one node with N*D drafters as on N nodes of D),
                             which for one drafter is exactly the single-process trainer's (seed, step, a); then
                             synchronize the stream so the main thread can reduce the gradients
-  OptimizerStep(step)       DrafterSide.optimizer_step(); answer (lr, grad_norm)
+  OptimizerStep(step)       DrafterSide.optimizer_step(); answer (lr, grad_norm as a device tensor)
 Keeping the step loop in the main thread makes a stop, a gradient reduction or a checkpoint happen while every
 drafter is idle at a step boundary: consistent by construction, with no barrier to get out of step.
 """

@@ -212,6 +212,10 @@ class PipelineEngine:
             across=across,
             world=assignment.total_drafters,
         )
+        for side in self.sides[1:]:  # replica 0 steps for every replica on its device (trainer/pipeline/sync.py)
+            side.follower = self.sync.followers
+            if side.follower:
+                side.optimizer.state.clear()  # a resumed follower's moments: never read (8 B/param)
         self.start_step = self.steps_done = step
         g_start, g_end = self.g_start, self._g_end(step, self.g_start)
         if self.cluster.distributed:  # status.json says which node of the run this directory belongs to

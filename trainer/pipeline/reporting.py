@@ -109,7 +109,7 @@ class StepWindow:
             "epoch": epoch,
             **combined.summary(),
             "lr": lr,
-            "grad_norm": grad_norm,
+            "grad_norm": float(grad_norm),  # a device tensor (DrafterSide.optimizer_step); the worker synced already
             "noise_std": noise_std,
             "block_tok_s": block_tokens / elapsed,
             "ctx_tok_s": ctx_tokens / elapsed,
