@@ -74,6 +74,8 @@ VARIANTS = {
     "triton-c8k": "as triton, loss chunks of at most 8224 rows (257 blocks of 32) instead of 4096",
     "dflash2": "as triton, the DFlash2 drafter (--arch dflash2: block convolutions, candidate selector top-16 rank 256)",
     "dflash2-conv": "as dflash2, the convolutions through trainer/model/conv_triton.py (DFLASH_CONV_KERNEL=triton)",
+    "dflash2-autograd": "as dflash2, the convolutions as before session 15 (autograd through grouped_dynamic_conv, "
+    "DFLASH_CONV_KERNEL=autograd)",
     "triton-attn": "as triton, attention through our Triton kernel for the interval mask "
     "(--attention-kernel triton, trainer/model/attention_triton.py) instead of flex_attention",
     "triton-s8": "as triton, as session 8 ran it: the mask built before the context's GEMM is queued, the gradient "
@@ -102,7 +104,7 @@ def _mask_first(
 
 def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.device, args: argparse.Namespace) -> dict:
     # The loss kernels are explicit, so a variant measures the same thing whatever --loss-kernels auto picks.
-    kernels = {"eager": "eager", "dflash2": "triton", "dflash2-conv": "triton"}.get(
+    kernels = {"eager": "eager", "dflash2": "triton", "dflash2-conv": "triton", "dflash2-autograd": "triton"}.get(
         variant, "triton" if variant.startswith(("triton", "soft-triton")) else "compiled"
     )
     extra = {
@@ -114,6 +116,7 @@ def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.devi
         "triton-c8k": ["--loss-chunk-size", "8224"],
         "dflash2": ["--arch", "dflash2"],
         "dflash2-conv": ["--arch", "dflash2"],
+        "dflash2-autograd": ["--arch", "dflash2"],
     }.get(variant, [])
     extra += ["--loss-kernels", kernels]
     cfg, dcfg = preset_config(preset, shape, extra)
@@ -123,10 +126,10 @@ def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.devi
         drafter = DFlashDrafter(dcfg)
         embed = torch.randn(dcfg.vocab_size, dcfg.hidden_size, dtype=dtype) * 0.02
         lm_head = torch.randn(dcfg.vocab_size, dcfg.hidden_size, dtype=dtype) * 0.02
-    if variant == "dflash2-conv":  # before DrafterSide compiles anything: the layers' graphs see the attribute
+    if variant in ("dflash2-conv", "dflash2-autograd"):  # before DrafterSide compiles: the layers' graphs see it
         for module in drafter.modules():
             if isinstance(module, BlockConv):
-                module.kernel = "triton"
+                module.kernel = "triton" if variant == "dflash2-conv" else "autograd"
     side = DrafterSide(
         cfg,
         drafter,
