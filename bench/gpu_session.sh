@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call = one of these sections; each step has its own timeout so one hang cannot eat the call.
 # Usage (on the GPU machine, repo root): bash bench/gpu_session.sh SECTION...   (logs under $OUT when set)
+# Session 15 calls (issue 32 item 4): `s15-topk s15-step`, then a confirmation.
 # Session 13 calls (issue 32 item 4, issue 31 item 2): `env s13-topk s13-step`, `s13-conv s13-step2`, `s13-conv` (twice,
 # the second with s13-step3 gated on it), `s13-attn`.
 # Session 3 calls: `verify pipeline-triton`, then `verify-pipeline pipeline-triton step8b-more` (the ten cold
@@ -74,6 +75,12 @@ with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under auto
               --variants triton,triton-qkv16,triton,triton-qkv16 --iters 5 --warmup 2 --json-out "$OUT/s14-seed.json"
             step s14-specforge 200 python3 -m trainer bench step --preset qwen3-8b --shape specforge \
               --variants triton,triton-qkv16,triton,triton-qkv16 --iters 10 --warmup 3 --json-out "$OUT/s14-sf.json" ;;
+    # Session 15 (issue 32 item 4): the DFlash2 convolutions' hand-written backward (GroupedDynamicConv) against
+    # the session-13 form (dflash2-autograd), DFlash between, profiled; and the in-kernel top-16 by tile width.
+    s15-topk) step s15-topk 120 python3 bench/s15_topk_tiles.py ;;
+    s15-step) step s15-step 420 python3 -m trainer bench step --preset qwen3-8b --shape seed \
+              --variants triton,dflash2,dflash2-autograd,triton,dflash2 --iters 5 --warmup 2 --profile \
+              --json-out "$OUT/s15-step.json" ;;
     env) nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
          python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' ;;
     parity) step parity 240 python3 bench/gpu_parity.py ;;
