@@ -4,10 +4,12 @@ tile width, on the H200, one chunk of the qwen3-8b seed shape (bf16 logits [3968
     python3 bench/s15_topk_tiles.py [--rows 3968] [--iters 10]
 
 Each insertion into the running top-k costs a reduction over one tile (BLOCK_V wide), and an unordered row takes
-~k (1 + ln(tiles)) insertions: narrower tiles make each insertion cheaper and add a few. For N(0, 1) rows (a fresh
-drafter's near-uniform logits, the bench step's case) and Zipf-biased rows (a trained drafter's), the time of
-fused_ce_topk per config against plain fused_ce at the default, and parity: every config's ids and values equal
-the default config's (the kernel's order is exact: value desc, then the lower column). Table last.
+~k (1 + ln(tiles)) insertions: narrower tiles and fewer warps make each insertion cheaper (one warp reduces
+without shared memory or a barrier) and add a few insertions; one program per row keeps many rows in flight.
+For N(0, 1) rows (a fresh drafter's near-uniform logits, the bench step's case) and Zipf-biased rows (a trained
+drafter's), the time of fused_ce_topk per config against plain fused_ce at the default, and parity: every
+config's ids and values equal the default config's (the kernel's order is exact: value desc, then the lower
+column). Table last.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from trainer.bench_common import time_ms
 from trainer.loss_triton import CEKernelConfig, fused_ce, fused_ce_topk
 
 VOCAB, K = 151936, 16
-CONFIGS = ("4096:8", "2048:8", "2048:4", "1024:4", "1024:2", "512:2")
+CONFIGS = ("4096:8", "2048:8", "2048:4", "2048:2", "1024:4", "1024:2", "1024:1", "512:1")
 
 
 def logits_of(kind: str, rows: int) -> torch.Tensor:
