@@ -18,10 +18,12 @@ from safetensors.torch import load_file
 from tests.trainer.tiny import build_tiny_target, tiny_drafter_config, tiny_train_config
 from trainer import eval as eval_cli
 from trainer.model.dflash2 import (
+    CandidateSelector,
     GroupedDynamicConv,
     block_predecessors,
     grouped_dynamic_conv,
     select_block,
+    selector_loss,
     training_candidates,
 )
 from trainer.model.drafter import DFlashDrafter
@@ -169,6 +171,36 @@ def test_training_candidates_put_a_missing_label_last_and_predecessors_are_teach
     block_ids = torch.tensor([[10, 99, 99, 99, 20, 99, 99, 99]])
     labels = torch.tensor([[0, 11, 12, 13, 0, 21, 0, 0]])  # 0: unsupervised
     assert block_predecessors(block_ids, labels, 4).tolist() == [[10, 10, 11, 12, 20, 20, 21, 0]]
+
+
+def test_the_selector_objective_is_the_k_way_cross_entropy_of_slots_1_and_up() -> None:
+    """selector_loss (which projects every slot's hidden, then drops slot 0) against the objective written out from
+    transition() row by row: the same sum of weighted CEs, the same gradients, the picks the scores' argmax."""
+    generator = torch.Generator().manual_seed(9)
+    block, k, hidden_size = 4, 5, 16
+    torch.manual_seed(9)
+    selector = CandidateSelector(vocab_size=50, hidden_size=hidden_size, rank=8, top_k=k, init_std=0.5)
+    rows = 3 * block
+    hidden = torch.randn(rows, hidden_size, generator=generator, requires_grad=True)
+    predecessors = torch.randint(0, 50, (rows,), generator=generator)
+    candidates = torch.randint(0, 50, (rows, k), generator=generator)
+    logits = torch.randn(rows, k, generator=generator)
+    place = torch.randint(0, k, (rows,), generator=generator)
+    weights = torch.rand(rows, generator=generator)
+    ce_sum, pick = selector_loss(selector, hidden, predecessors, candidates, logits, place, weights, block_size=block)
+    want, picks = torch.zeros(()), []
+    for i in range(rows):
+        if i % block == 0:
+            picks.append(0)
+            continue
+        scores = logits[i] + selector.transition(hidden[i], predecessors[i], candidates[i])
+        want = want + weights[i] * torch.nn.functional.cross_entropy(scores[None], place[i : i + 1])
+        picks.append(int(candidates[i, scores.argmax()]))
+    torch.testing.assert_close(ce_sum, want)
+    assert pick.tolist() == picks
+    params = [hidden, selector.hidden_projection.weight, selector.predecessor_codebook, selector.successor_codebook]
+    for got, expect in zip(torch.autograd.grad(ce_sum, params), torch.autograd.grad(want, params), strict=True):
+        torch.testing.assert_close(got, expect)
 
 
 def test_select_block_follows_its_own_picks_left_to_right() -> None:
