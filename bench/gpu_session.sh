@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call = one of these sections; each step has its own timeout so one hang cannot eat the call.
 # Usage (on the GPU machine, repo root): bash bench/gpu_session.sh SECTION...   (logs under $OUT when set)
-# Session 15 calls (issue 32 item 4): `s15-topk s15-step`, then a confirmation.
+# Session 15 calls (issue 32 item 4): `s15-topk s15-step`, then `s15-step2`.
 # Session 13 calls (issue 32 item 4, issue 31 item 2): `env s13-topk s13-step`, `s13-conv s13-step2`, `s13-conv` (twice,
 # the second with s13-step3 gated on it), `s13-attn`.
 # Session 3 calls: `verify pipeline-triton`, then `verify-pipeline pipeline-triton step8b-more` (the ten cold
@@ -81,6 +81,11 @@ with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under auto
     s15-step) step s15-step 420 python3 -m trainer bench step --preset qwen3-8b --shape seed \
               --variants triton,dflash2,dflash2-autograd,triton,dflash2 --iters 5 --warmup 2 --profile \
               --json-out "$OUT/s15-step.json" ;;
+    # then the confirmation with the top-16 kernel at 2048:4 and the selector's projection before the slot-0 drop,
+    # and one experiment: Inductor's N-D tiling for the element-wise kernels (dflash2-nd)
+    s15-step2) step s15-step2 420 python3 -m trainer bench step --preset qwen3-8b --shape seed \
+              --variants triton,dflash2,dflash2-nd,triton,dflash2 --iters 5 --warmup 2 --profile \
+              --json-out "$OUT/s15-step2.json" ;;
     env) nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
          python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' ;;
     parity) step parity 240 python3 bench/gpu_parity.py ;;
