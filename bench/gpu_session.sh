@@ -3,6 +3,7 @@
 # Usage (on the GPU machine, repo root): bash bench/gpu_session.sh SECTION...   (logs under $OUT when set)
 # Session 15 calls (issue 31 item 2): `env s15-attn`, then `s15-attn` (with the ~99 KB rehearsal).
 # Session 15 calls (issue 31 items 3-4): `env s15-sf`, then `s15-2`; `s15-next` is what to run next.
+# Session 15 calls (issue 32 item 4): `s15-topk s15-step`, then `s15-step2`.
 # Session 13 calls (issue 32 item 4, issue 31 item 2): `env s13-topk s13-step`, `s13-conv s13-step2`, `s13-conv` (twice,
 # the second with s13-step3 gated on it), `s13-attn`.
 # Session 3 calls: `verify pipeline-triton`, then `verify-pipeline pipeline-triton step8b-more` (the ten cold
@@ -111,6 +112,17 @@ with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under auto
               --target-intermediate 12288 --iters 10 --warmup 3
               step s15-pipe3 420 python3 bench/gpu_pipeline.py --scale specforge --modes dual --steps 100 \
               --adamw auto,triton --repeats 2 --warm-cache --timeout-s 200 ;;
+    # Session 15 (issue 32 item 4): the DFlash2 convolutions' hand-written backward (GroupedDynamicConv) against
+    # the session-13 form (dflash2-autograd), DFlash between, profiled; and the in-kernel top-16 by tile width.
+    s15-topk) step s15-topk 120 python3 bench/s15_topk_tiles.py ;;
+    s15-step) step s15-step 420 python3 -m trainer bench step --preset qwen3-8b --shape seed \
+              --variants triton,dflash2,dflash2-autograd,triton,dflash2 --iters 5 --warmup 2 --profile \
+              --json-out "$OUT/s15-step.json" ;;
+    # then the confirmation with the top-16 kernel at 2048:4 and the selector's projection before the slot-0 drop,
+    # and one experiment: Inductor's N-D tiling for the element-wise kernels (dflash2-nd)
+    s15-step2) step s15-step2 420 python3 -m trainer bench step --preset qwen3-8b --shape seed \
+              --variants triton,dflash2,dflash2-nd,triton,dflash2 --iters 5 --warmup 2 --profile \
+              --json-out "$OUT/s15-step2.json" ;;
     env) nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
          python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' ;;
     parity) step parity 240 python3 bench/gpu_parity.py ;;

@@ -77,6 +77,10 @@ VARIANTS = {
     "triton-c8k": "as triton, loss chunks of at most 8224 rows (257 blocks of 32) instead of 4096",
     "dflash2": "as triton, the DFlash2 drafter (--arch dflash2: block convolutions, candidate selector top-16 rank 256)",
     "dflash2-conv": "as dflash2, the convolutions through trainer/model/conv_triton.py (DFLASH_CONV_KERNEL=triton)",
+    "dflash2-autograd": "as dflash2, the convolutions as before session 15 (autograd through grouped_dynamic_conv, "
+    "DFLASH_CONV_KERNEL=autograd)",
+    "dflash2-nd": "as dflash2, Inductor's N-D tiling preferred for element-wise kernels (triton.prefer_nd_tiling): the "
+    "convolutions' per-row and per-group loads once per tile row instead of per element",
     "triton-attn": "as triton, attention through our Triton kernel for the interval mask "
     "(--attention-kernel triton, trainer/model/attention_triton.py) instead of flex_attention",
     "triton-s8": "as triton, as session 8 ran it: the mask built before the context's GEMM is queued, the gradient "
@@ -105,8 +109,12 @@ def _mask_first(
 
 def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.device, args: argparse.Namespace) -> dict:
     # The loss kernels are explicit, so a variant measures the same thing whatever --loss-kernels auto picks.
-    kernels = {"eager": "eager", "dflash2": "triton", "dflash2-conv": "triton"}.get(
-        variant, "triton" if variant.startswith(("triton", "soft-triton")) else "compiled"
+    kernels = (
+        "eager"
+        if variant == "eager"
+        else "triton"
+        if variant.startswith(("triton", "soft-triton", "dflash2"))
+        else "compiled"
     )
     extra = {
         "soft": ["--use-soft-labels"],
@@ -118,6 +126,8 @@ def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.devi
         "triton-c8k": ["--loss-chunk-size", "8224"],
         "dflash2": ["--arch", "dflash2"],
         "dflash2-conv": ["--arch", "dflash2"],
+        "dflash2-autograd": ["--arch", "dflash2"],
+        "dflash2-nd": ["--arch", "dflash2"],
     }.get(variant, [])
     extra += ["--loss-kernels", kernels]
     cfg, dcfg = preset_config(preset, shape, extra)
@@ -127,10 +137,10 @@ def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.devi
         drafter = DFlashDrafter(dcfg)
         embed = torch.randn(dcfg.vocab_size, dcfg.hidden_size, dtype=dtype) * 0.02
         lm_head = torch.randn(dcfg.vocab_size, dcfg.hidden_size, dtype=dtype) * 0.02
-    if variant == "dflash2-conv":  # before DrafterSide compiles anything: the layers' graphs see the attribute
+    if variant in ("dflash2-conv", "dflash2-autograd"):  # before DrafterSide compiles: the layers' graphs see it
         for module in drafter.modules():
             if isinstance(module, BlockConv):
-                module.kernel = "triton"
+                module.kernel = "triton" if variant == "dflash2-conv" else "autograd"
     side = DrafterSide(
         cfg,
         drafter,
@@ -162,6 +172,8 @@ def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.devi
         drafter.context_call = private_compile(_embed_context_fp32)
     if variant == "triton-noprologue":
         torch._inductor.config.prologue_fusion = False  # read when the layer compiles, at the first warm-up step
+    if variant == "dflash2-nd":
+        torch._inductor.config.triton.prefer_nd_tiling = True  # likewise; restored by module_settings_restored
     if variant == "triton-s8":
         side.clip_in_adamw = False
         loss_module.SKIP_ANCHOR_SLOT = False  # restored by module_settings_restored
@@ -237,7 +249,7 @@ def _ckpt_loss_result(hidden, weight, labels, weights, kw):  # adapter: the base
 @contextlib.contextmanager
 def module_settings_restored() -> Iterator[None]:
     """Put back the module-level settings a variant may change (attention's mask form, kernel options and
-    padding, the loss's anchor slot, Inductor's prologue fusion) however the variant ends."""
+    padding, the loss's anchor slot, Inductor's prologue fusion and N-D tiling) however the variant ends."""
     import torch._inductor.config
 
     saved = (
@@ -247,6 +259,7 @@ def module_settings_restored() -> Iterator[None]:
         attention.ATTENTION_KERNEL,
         loss_module.SKIP_ANCHOR_SLOT,
         torch._inductor.config.prologue_fusion,
+        torch._inductor.config.triton.prefer_nd_tiling,
     )
     try:
         yield
@@ -258,6 +271,7 @@ def module_settings_restored() -> Iterator[None]:
             attention.ATTENTION_KERNEL,
             loss_module.SKIP_ANCHOR_SLOT,
             torch._inductor.config.prologue_fusion,
+            torch._inductor.config.triton.prefer_nd_tiling,
         ) = saved
 
 

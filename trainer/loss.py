@@ -313,6 +313,7 @@ def make_chunk_kernels(
     *,
     triton_config: str | None = None,
     kl_triton_config: str | None = None,
+    topk_triton_config: str | None = None,
     compile_backend: str = "inductor",
 ) -> ChunkKernels:
     """Kernels by kind (KERNEL_KINDS). eager: plain torch ops. compiled: new torch.compile'd functions
@@ -320,7 +321,9 @@ def make_chunk_kernels(
     CE kernel for CE and CE+CAP, launch config ``triton_config`` ("BLOCK_V:NUM_WARPS[:PROGRAMS_PER_SM]"), else
     $DFLASH_CE_TRITON, else trainer/loss_triton.py's default; and the fused CE+KL kernels for soft labels
     (CE+KL and CE+KL+CAP), config ``kl_triton_config``, else $DFLASH_KL_TRITON, else
-    trainer/loss_triton_kl.py's default. (Its stats/logit_grad are compiled kernels that dflash_loss no longer
+    trainer/loss_triton_kl.py's default; DFlash2's CE kernel with the running top-k, config
+    ``topk_triton_config``, else ``triton_config``, else $DFLASH_CE_TOPK_TRITON, else loss_triton.TOPK_CONFIG.
+    (Its stats/logit_grad are compiled kernels that dflash_loss no longer
     calls: every combination of terms has a fused kernel; float64 logits are refused by both kernels.)"""
     if kind == "eager":
         return ChunkKernels()
@@ -339,6 +342,8 @@ def make_chunk_kernels(
         from trainer import loss_triton_kl
 
         fused = functools.partial(loss_triton.fused_ce, config=config)
+        topk_text = topk_triton_config or triton_config
+        topk_config = loss_triton.CEKernelConfig.parse(topk_text) if topk_text else loss_triton.topk_config_from_env()
         kl_config = (
             loss_triton.CEKernelConfig.parse(kl_triton_config) if kl_triton_config else loss_triton_kl.config_from_env()
         )
@@ -352,7 +357,7 @@ def make_chunk_kernels(
             stats=compiled.stats,
             logit_grad=compiled.logit_grad,
             fused_ce=fused,
-            fused_ce_topk=functools.partial(loss_triton.fused_ce_topk, config=config),
+            fused_ce_topk=functools.partial(loss_triton.fused_ce_topk, config=topk_config),
             soft_label=soft_label,
             kind="triton",
         )

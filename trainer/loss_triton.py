@@ -65,6 +65,7 @@ import torch
 from trainer import triton_fit
 
 ENV_CONFIG = "DFLASH_CE_TRITON"
+TOPK_ENV_CONFIG = "DFLASH_CE_TOPK_TRITON"
 
 
 class TritonUnavailableError(RuntimeError):
@@ -109,6 +110,20 @@ class CEKernelConfig:
     @property
     def label(self) -> str:
         return f"{self.block_v}:{self.num_warps}:{self.programs_per_sm}"
+
+
+# DFlash2's kernel (fused_ce_topk) has a default of its own: each insertion into the running top-k is an arg-max over
+# one tile, whose cost is mostly the cross-warp step (shared memory and barriers), so fewer warps and a narrower tile
+# win although the row takes a few more insertions. One chunk [3968, 151936] bf16 on the H200 (bench/RESULTS.md
+# session 15, bench/s15_topk_tiles.py), N(0,1) / Zipf-biased rows: 4096:8 2.00-2.05 / 1.61 ms, 2048:4 1.57-1.63 /
+# 1.44, 1024:1 1.59-1.60 / 1.48, 2048:8 2.01-2.07 / 1.71; plain fused_ce at 4096:8 1.25-1.30.
+TOPK_CONFIG = CEKernelConfig(block_v=2048, num_warps=4, programs_per_sm=0)
+
+
+def topk_config_from_env() -> CEKernelConfig:
+    """$DFLASH_CE_TOPK_TRITON ("BLOCK_V:NUM_WARPS[:PROGRAMS_PER_SM]") or TOPK_CONFIG."""
+    text = os.environ.get(TOPK_ENV_CONFIG, "").strip()
+    return CEKernelConfig.parse(text) if text else TOPK_CONFIG
 
 
 def config_ladder(config: CEKernelConfig) -> tuple[CEKernelConfig, ...]:

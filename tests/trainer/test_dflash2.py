@@ -17,7 +17,15 @@ from safetensors.torch import load_file
 
 from tests.trainer.tiny import build_tiny_target, tiny_drafter_config, tiny_train_config
 from trainer import eval as eval_cli
-from trainer.model.dflash2 import block_predecessors, grouped_dynamic_conv, select_block, training_candidates
+from trainer.model.dflash2 import (
+    CandidateSelector,
+    GroupedDynamicConv,
+    block_predecessors,
+    grouped_dynamic_conv,
+    select_block,
+    selector_loss,
+    training_candidates,
+)
 from trainer.model.drafter import DFlashDrafter
 from trainer.pipeline.run import PipelineOptions, run_pipeline
 from trainer.pipeline.sync import max_replica_difference
@@ -84,6 +92,78 @@ def test_the_convolution_is_causal_inside_the_block_and_never_crosses_it() -> No
         torch.testing.assert_close(out[:, position], expect)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(
+    ("block", "kernel", "hidden", "group"), [(4, 2, 8, 2), (4, 3, 8, 4), (8, 2, 32, 16), (4, 1, 8, 2)]
+)
+def test_the_layers_convolution_has_the_reference_values_and_gradients(
+    dtype: torch.dtype, block: int, kernel: int, hidden: int, group: int
+) -> None:
+    """GroupedDynamicConv (the layers' form: index shift forward, hand-written backward) against autograd through
+    grouped_dynamic_conv: the same forward bits, gradients equal to rounding. delta is a strided view, as in
+    BlockConv.prepare (the input side's half of one projection)."""
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 3 * block, hidden, generator=generator, dtype=dtype, requires_grad=True)
+    kernels = torch.randn(2, 3 * block, 2, kernel, hidden // group, generator=generator, dtype=dtype)
+    kernels.requires_grad_(True)
+    base = torch.randn(kernel, hidden, generator=generator, dtype=dtype, requires_grad=True)
+    grad_out = torch.randn(2, 3 * block, hidden, generator=generator, dtype=dtype)
+    ref = grouped_dynamic_conv(x, kernels[..., 0, :, :], base, block_size=block, group_size=group)
+    out = GroupedDynamicConv.apply(x, kernels[..., 0, :, :], base, block, group)
+    assert torch.equal(out, ref)
+    tolerance = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-5}
+    for got, want in zip(
+        torch.autograd.grad(out, (x, kernels, base), grad_out),
+        torch.autograd.grad(ref, (x, kernels, base), grad_out),
+        strict=True,
+    ):
+        torch.testing.assert_close(got, want, **tolerance)
+
+
+def test_the_layers_convolution_saves_no_shifted_copy_for_the_backward() -> None:
+    """What the min-cut partitioner keeps for the backward of norm -> convolution (the input side, as compiled in
+    the layer): autograd's form saves the constant_pad_nd of the normed input (the partitioner never recomputes a
+    pad: a [rows, H] float32 copy written in the forward and read in the backward, bench/RESULTS.md session 15);
+    GroupedDynamicConv saves only what the norm's backward keeps anyway."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    def saved_ops(conv) -> set[str]:
+        graphs = []
+
+        def forward_compiler(gm: torch.fx.GraphModule, _inputs):
+            graphs.append(gm)
+            return make_boxed_func(gm.forward)
+
+        backend = aot_autograd(
+            fw_compiler=forward_compiler,
+            bw_compiler=lambda gm, _: make_boxed_func(gm.forward),
+            partition_fn=min_cut_rematerialization_partition,
+        )
+
+        def layer(x: torch.Tensor, weight: torch.Tensor, delta: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+            normed = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+            return conv(normed, delta, base)
+
+        torch._dynamo.reset()
+        compiled = torch.compile(layer, backend=backend, fullgraph=True)
+        generator = torch.Generator().manual_seed(8)
+        inputs = [
+            torch.randn(2, 8, 16, generator=generator),
+            torch.ones(16),
+            torch.randn(2, 8, 2, 4, generator=generator),
+            torch.randn(2, 16, generator=generator),
+        ]
+        compiled(*[t.requires_grad_(True) for t in inputs]).sum().backward()
+        (output,) = [node for node in graphs[0].graph.nodes if node.op == "output"]
+        return {str(node.target) for node in output.args[0][1:] if isinstance(node, torch.fx.Node)}
+
+    assert "aten.constant_pad_nd.default" in saved_ops(
+        lambda x, d, b: grouped_dynamic_conv(x, d, b, block_size=4, group_size=4)
+    )
+    assert not {op for op in saved_ops(lambda x, d, b: GroupedDynamicConv.apply(x, d, b, 4, 4)) if "pad" in op}
+
+
 def test_training_candidates_put_a_missing_label_last_and_predecessors_are_teacher_forced() -> None:
     candidates = torch.tensor([[5, 3, 9], [5, 3, 9]])
     ids, place, found = training_candidates(candidates, torch.tensor([3, 7]))
@@ -91,6 +171,36 @@ def test_training_candidates_put_a_missing_label_last_and_predecessors_are_teach
     block_ids = torch.tensor([[10, 99, 99, 99, 20, 99, 99, 99]])
     labels = torch.tensor([[0, 11, 12, 13, 0, 21, 0, 0]])  # 0: unsupervised
     assert block_predecessors(block_ids, labels, 4).tolist() == [[10, 10, 11, 12, 20, 20, 21, 0]]
+
+
+def test_the_selector_objective_is_the_k_way_cross_entropy_of_slots_1_and_up() -> None:
+    """selector_loss (which projects every slot's hidden, then drops slot 0) against the objective written out from
+    transition() row by row: the same sum of weighted CEs, the same gradients, the picks the scores' argmax."""
+    generator = torch.Generator().manual_seed(9)
+    block, k, hidden_size = 4, 5, 16
+    torch.manual_seed(9)
+    selector = CandidateSelector(vocab_size=50, hidden_size=hidden_size, rank=8, top_k=k, init_std=0.5)
+    rows = 3 * block
+    hidden = torch.randn(rows, hidden_size, generator=generator, requires_grad=True)
+    predecessors = torch.randint(0, 50, (rows,), generator=generator)
+    candidates = torch.randint(0, 50, (rows, k), generator=generator)
+    logits = torch.randn(rows, k, generator=generator)
+    place = torch.randint(0, k, (rows,), generator=generator)
+    weights = torch.rand(rows, generator=generator)
+    ce_sum, pick = selector_loss(selector, hidden, predecessors, candidates, logits, place, weights, block_size=block)
+    want, picks = torch.zeros(()), []
+    for i in range(rows):
+        if i % block == 0:
+            picks.append(0)
+            continue
+        scores = logits[i] + selector.transition(hidden[i], predecessors[i], candidates[i])
+        want = want + weights[i] * torch.nn.functional.cross_entropy(scores[None], place[i : i + 1])
+        picks.append(int(candidates[i, scores.argmax()]))
+    torch.testing.assert_close(ce_sum, want)
+    assert pick.tolist() == picks
+    params = [hidden, selector.hidden_projection.weight, selector.predecessor_codebook, selector.successor_codebook]
+    for got, expect in zip(torch.autograd.grad(ce_sum, params), torch.autograd.grad(want, params), strict=True):
+        torch.testing.assert_close(got, expect)
 
 
 def test_select_block_follows_its_own_picks_left_to_right() -> None:

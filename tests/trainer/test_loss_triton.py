@@ -479,3 +479,23 @@ def test_kl_kernel_default_config_compiles_for_sm90_without_spills(tmp_path):
     assert set(usage) == {"fused", "stats", "grad"}
     for mode, resources in usage.items():
         assert resources["STACK"] == 0 and 0 < resources["REG"] <= 192, (mode, resources)
+
+
+def test_the_topk_kernel_has_its_own_config(monkeypatch):
+    """DFlash2's CE kernel with the running top-k: TOPK_CONFIG (2048:4, bench/RESULTS.md session 15) unless
+    $DFLASH_CE_TOPK_TRITON says otherwise; an explicit config for the CE kernel, or one for the top-k kernel, wins."""
+    from trainer import loss_triton
+    from trainer.loss import make_chunk_kernels
+
+    def topk_config(**kwargs) -> loss_triton.CEKernelConfig:
+        fused_ce_topk = make_chunk_kernels("triton", **kwargs).fused_ce_topk
+        assert fused_ce_topk is not None
+        return fused_ce_topk.keywords["config"]  # type: ignore[attr-defined]
+
+    monkeypatch.delenv(loss_triton.TOPK_ENV_CONFIG, raising=False)
+    monkeypatch.setenv(loss_triton.ENV_CONFIG, "8192:16")  # the plain CE kernel's setting is not the top-k's
+    assert topk_config() == loss_triton.TOPK_CONFIG == loss_triton.CEKernelConfig(2048, 4, 0)
+    monkeypatch.setenv(loss_triton.TOPK_ENV_CONFIG, "1024:1")
+    assert topk_config() == loss_triton.CEKernelConfig(1024, 1, 0)
+    assert topk_config(triton_config="512:2") == loss_triton.CEKernelConfig(512, 2, 0)
+    assert topk_config(triton_config="512:2", topk_triton_config="256:1:2") == loss_triton.CEKernelConfig(256, 1, 2)

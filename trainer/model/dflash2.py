@@ -21,15 +21,17 @@ successor}_codebook` [V,r], `candidate_selector.hidden_projection.weight` [r,H].
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 ARCHS = ("dflash", "dflash2")
-# The convolutions' kernels on CUDA ($DFLASH_CONV_KERNEL): "torch" (grouped_dynamic_conv, compiled into the layer)
-# or "triton" (trainer/model/conv_triton.py: one fused kernel each way behind a custom op); CPU always runs torch.
-CONV_KERNELS = ("torch", "triton")
+# The convolutions' kernels ($DFLASH_CONV_KERNEL): "torch" (GroupedDynamicConv, compiled into the layer), "autograd"
+# (grouped_dynamic_conv through autograd, the form before session 15, kept for A/B benches) or "triton"
+# (trainer/model/conv_triton.py: one fused kernel each way behind a custom op; CUDA only, CPU runs torch).
+CONV_KERNELS = ("torch", "autograd", "triton")
 CONV_KERNEL: str = os.environ.get("DFLASH_CONV_KERNEL", "torch").strip() or "torch"
 
 
@@ -37,7 +39,10 @@ def grouped_dynamic_conv(
     x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, *, block_size: int, group_size: int
 ) -> torch.Tensor:
     """x [R,N*B,H], delta [R,N*B,K,G] (G = H / group_size), base [K,H] -> [R,N*B,H]:
-    out_j = sum_{t < K, t <= j % B} x_{j-t} * (base[t] + delta[j, t, group(h)]), block-local."""
+    out_j = sum_{t < K, t <= j % B} x_{j-t} * (base[t] + delta[j, t, group(h)]), block-local.
+
+    The plain expression, differentiated by autograd: the reference of `GroupedDynamicConv` (the layers' form) and
+    of trainer/model/conv_triton.py, and the layers' form before session 15 ($DFLASH_CONV_KERNEL=autograd)."""
     R, Q, H = x.shape
     K, G = base.shape[0], H // group_size
     blocks = x.view(R, Q // block_size, block_size, G, group_size)
@@ -48,6 +53,85 @@ def grouped_dynamic_conv(
         shifted = F.pad(blocks[:, :, : block_size - tap], (0, 0, 0, 0, tap, 0))
         out = out + shifted * (base[tap].to(x.dtype).view(G, group_size) + coef[:, :, :, tap, :, None])
     return out.reshape(R, Q, H)
+
+
+def _shift(t: torch.Tensor, tap: int) -> torch.Tensor:
+    """Block-local shift of [R,N,B,...] along B, zeros in: slot j gets slot j - tap (tap > 0) or j + |tap| (tap < 0)."""
+    B, tail = t.shape[2], (0, 0) * (t.dim() - 3)
+    if tap > 0:
+        return F.pad(t[:, :, : B - tap], (*tail, tap, 0))
+    return F.pad(t[:, :, -tap:], (*tail, 0, -tap))
+
+
+class GroupedDynamicConv(torch.autograd.Function):
+    """grouped_dynamic_conv's values with a backward written for the compiled layer (bench/RESULTS.md session 15,
+    from Inductor's code of one qwen3-8b-sized layer: the DFlash2 layer moved ~14.6 GB more than DFlash's per
+    step through its element-wise kernels, ~6.8 GB now).
+
+    What autograd's form cost: (1) each F.pad'ed input was saved for the backward ([R,Q,H], float32 on the input
+    side, where x is the norm's fp32 output): the partitioner may recompute element-wise ops, views and `index`,
+    never `constant_pad_nd`, so four copies per layer were written in the forward and read in the backward (and
+    held: the +13 GiB of peak memory); (2) its gradients came out as one reduction kernel per tap and per kind, each
+    re-reading the output gradient and x, and the shared g * x products written once in float32 for two of them.
+
+    Here: the forward shifts with `index` + `where` (recomputable; the same values: slot j < tap gets 0 * coef = 0
+    either way), so only x, delta and base are live for the backward and Inductor recomputes x (the norm's output)
+    from the layer input it keeps anyway; the backward shifts g, never x (a pad of x would be a forward value again),
+    so every tap's delta sums share one iteration space (one reduction, with dx beside it) and every tap's base sums
+    another; the base sums' products are their own nodes (operands swapped: CSE keeps them apart), which Inductor
+    inlines into the reduction instead of writing [R,Q,H] float32 products. Products and sums in float32 (wider for
+    wider inputs), each gradient rounded once to its input's dtype (autograd rounded every bf16 product first)."""
+
+    @staticmethod
+    def forward(
+        x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int, group_size: int
+    ) -> torch.Tensor:
+        R, Q, H = x.shape
+        K, G = base.shape[0], H // group_size
+        blocks = x.view(R, Q // block_size, block_size, G, group_size)
+        coef = delta.view(R, Q // block_size, block_size, K, G)
+        out = blocks * (base[0].to(x.dtype).view(G, group_size) + coef[:, :, :, 0, :, None])
+        slot = torch.arange(block_size, device=x.device)
+        for tap in range(1, K):
+            shifted = torch.where((slot >= tap)[:, None, None], blocks[:, :, (slot - tap).clamp(min=0)], 0)
+            out = out + shifted * (base[tap].to(x.dtype).view(G, group_size) + coef[:, :, :, tap, :, None])
+        return out.reshape(R, Q, H)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        x, delta, base, block_size, group_size = inputs
+        ctx.save_for_backward(x, delta, base)
+        ctx.block_size, ctx.group_size = block_size, group_size
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
+        x, delta, base = ctx.saved_tensors
+        R, Q, H = x.shape
+        K, S = base.shape[0], ctx.group_size
+        B, G = ctx.block_size, H // S
+        acc = torch.promote_types(torch.promote_types(x.dtype, grad.dtype), torch.float32)
+        blocks = x.view(R, Q // B, B, G, S).to(acc)
+        g = grad.view(R, Q // B, B, G, S).to(acc)
+        coef = delta.view(R, Q // B, B, K, G)
+        d_delta, d_base = [], []
+        dx = torch.zeros_like(g)
+        for tap in range(K):
+            # d coef_t at slot j is g_j * x_{j-t}: formed at slot j - t (g shifted up, x in place), group sums
+            # shifted back down; the slots shifted in hold zeros, so they add exact zeros to the base sums
+            gs = g if tap == 0 else _shift(g, -tap)
+            sums = (gs * blocks).sum(-1)
+            d_delta.append(sums if tap == 0 else _shift(sums, tap))
+            d_base.append((blocks * gs).sum((0, 1, 2)).reshape(H))
+            # dx_j gets g_{j+t} times slot j+t's coefficient, rounded as the forward rounded it (x's dtype)
+            term = g * (base[tap].to(x.dtype).view(G, S) + coef[:, :, :, tap, :, None]).to(acc)
+            dx = dx + (term if tap == 0 else _shift(term, -tap))
+        return (
+            dx.to(x.dtype).reshape(R, Q, H),
+            torch.stack(d_delta, dim=3).to(delta.dtype).reshape(delta.shape),
+            torch.stack(d_base).to(base.dtype),
+            None,
+            None,
+        )
 
 
 class BlockConv(nn.Module):
@@ -85,7 +169,9 @@ class BlockConv(nn.Module):
             from trainer.model.conv_triton import block_conv
 
             return block_conv(x, delta, base, block_size=self.block_size, group_size=self.group_size)
-        return grouped_dynamic_conv(x, delta, base, block_size=self.block_size, group_size=self.group_size)
+        if self.kernel == "autograd":  # the form before session 15: autograd through the forward expression
+            return grouped_dynamic_conv(x, delta, base, block_size=self.block_size, group_size=self.group_size)
+        return GroupedDynamicConv.apply(x, delta, base, self.block_size, self.group_size)
 
 
 class CandidateSelector(nn.Module):
@@ -109,9 +195,15 @@ class CandidateSelector(nn.Module):
     def transition(self, hidden: torch.Tensor, predecessor: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
         """hidden [..., H], predecessor [...] int, candidates [..., k] int -> transition scores [..., k] (the
         codebooks' dtype: fp32 under autocast too, where the projection's output is cast up)."""
-        context = self.predecessor_codebook[predecessor] * self.hidden_projection(hidden).to(
-            self.predecessor_codebook.dtype
-        )
+        return self.projected_transition(self.hidden_projection(hidden), predecessor, candidates)
+
+    def projected_transition(
+        self, projected: torch.Tensor, predecessor: torch.Tensor, candidates: torch.Tensor
+    ) -> torch.Tensor:
+        """transition() from hidden_projection(hidden) [..., r]: the training objective projects every slot's hidden
+        (slot 0 too, 1/B more of a small GEMM) and then drops slot 0 from the [.., r] result, where dropping it
+        from the [.., H] hidden first copied it (qwen3-8b seed: 261 MB forward, 269 MB of zero-padded gradient)."""
+        context = self.predecessor_codebook[predecessor] * projected.to(self.predecessor_codebook.dtype)
         return (context.unsqueeze(-2) * self.successor_codebook[candidates]).sum(-1)
 
 
@@ -168,7 +260,10 @@ def selector_loss(
         return t.view(M // block_size, block_size, *t.shape[1:])[:, 1:].reshape(-1, *t.shape[1:])
 
     cand = rows(candidates)
-    scores = rows(candidate_logits).detach() + selector.transition(rows(hidden), rows(predecessors), cand).float()
+    projected = rows(selector.hidden_projection(hidden))
+    scores = (
+        rows(candidate_logits).detach() + selector.projected_transition(projected, rows(predecessors), cand).float()
+    )
     w = rows(weights).float()
     ce = F.cross_entropy(scores, rows(place), reduction="none")
     ce_sum = (w * ce).sum()
