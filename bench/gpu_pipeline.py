@@ -329,6 +329,11 @@ def main() -> int:
     parser.add_argument(
         "--adamw", default="auto", help="comma list, each passed to the trainer (auto, fused, foreach, triton)"
     )
+    parser.add_argument(
+        "--sync-wait",
+        default="device",
+        help="comma list of how the replica sync waits ($DFLASH_SYNC_WAIT: device, stream; trainer/pipeline/sync.py)",
+    )
     parser.add_argument("--warm-cache", action="store_true", help="share one compile cache across runs")
     parser.add_argument("--timeout-s", type=float, default=1200, help="per run")
     parser.add_argument(
@@ -364,17 +369,18 @@ def main() -> int:
         return 2
     shared_cache = Path(tempfile.mkdtemp(prefix="bench-pipeline-cache-"))
     jobs = [
-        (repeat, mode, transfer, engine, adamw)
+        (repeat, mode, transfer, engine, adamw, wait)
         for repeat in range(args.repeats)
         for engine in args.engines.split(",")
         for mode in args.modes.split(",")
         for transfer in args.transfers.split(",")
         for adamw in args.adamw.split(",")
+        for wait in args.sync_wait.split(",")
     ]
     rows, failed, began = [], False, time.monotonic()
     running: list[tuple[tuple, subprocess.Popen, Path, float]] = []
     print(
-        "run engine   mode   drafters transfer adamw   warmup_s steps recompiles block_tok/s per_drafter samples/s "
+        "run engine   mode   drafters transfer adamw   wait   warmup_s steps recompiles block_tok/s per_drafter samples/s "
         "sync_ms busy_tok/s/drafter  build_s steps_s save_s result",
         flush=True,
     )
@@ -389,7 +395,7 @@ def main() -> int:
             job = jobs.pop(0)
             running.append(_start_run(job, args, shared_cache))
         for entry in list(running):
-            (repeat, mode, transfer, engine, adamw), proc, log_path, started = entry
+            (repeat, mode, transfer, engine, adamw, wait), proc, log_path, started = entry
             timed_out = time.monotonic() - started > args.timeout_s
             if proc.poll() is None and not timed_out:
                 continue
@@ -410,10 +416,10 @@ def main() -> int:
             r = json.loads(line[len("RESULT ") :])
             ok = r["exit_code"] == 0 and r["recompiles_after_warmup"] == 0 and not fx_error and not flex_eager
             failed |= not ok
-            rows.append({"repeat": repeat, **r})
+            rows.append({"repeat": repeat, "sync_wait": wait, **r})
             per = r["block_tok_s"] / r["drafters"]
             print(
-                f"{repeat:3} {engine:8} {mode:6} {r['drafters']:8} {transfer:8} {adamw:7} {r['warmup_s']:8} "
+                f"{repeat:3} {engine:8} {mode:6} {r['drafters']:8} {transfer:8} {adamw:7} {wait:6} {r['warmup_s']:8} "
                 f"{r['steps']:5} {r['recompiles_after_warmup']:10} {r['block_tok_s']:11,} {per:11,.0f} "
                 f"{r['samples_s']:9.2f} {r['sync_ms']:7.1f} "
                 f"{r['busy_tok_s_per_drafter']!s:20} {r['build_s']:7} {r['steps_s']:7} {r['final_save_s']:6} "
@@ -431,10 +437,15 @@ def main() -> int:
 
 def _start_run(job: tuple, args: argparse.Namespace, shared_cache: Path) -> tuple[tuple, subprocess.Popen, Path, float]:
     """Launch one child run; its stderr streams to a log file, so a run cut off still shows how far it got."""
-    repeat, mode, transfer, engine, adamw = job
+    repeat, mode, transfer, engine, adamw, wait = job
     work = Path(tempfile.mkdtemp(prefix=f"bench-pipeline-{mode}-"))
     cache = shared_cache if args.warm_cache else work / "compile-cache"
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton")}
+    env = {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+        "TRITON_CACHE_DIR": str(cache / "triton"),
+        "DFLASH_SYNC_WAIT": wait,
+    }
     cmd = [
         sys.executable,
         __file__,
@@ -475,7 +486,7 @@ def _start_run(job: tuple, args: argparse.Namespace, shared_cache: Path) -> tupl
             str(_free_port()),
             *cmd[1:],
         ]
-    log_path = Path(args.log_dir or work) / f"pipeline-{engine}-{mode}-{transfer}-{adamw}-{repeat}.log"
+    log_path = Path(args.log_dir or work) / f"pipeline-{engine}-{mode}-{transfer}-{adamw}-{wait}-{repeat}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(

@@ -2,7 +2,8 @@
 # One device call = one of these sections; each step has its own timeout so one hang cannot eat the call.
 # Usage (on the GPU machine, repo root): bash bench/gpu_session.sh SECTION...   (logs under $OUT when set)
 # Session 15 calls (issue 31 item 2): `env s15-attn`, then `s15-attn` (with the ~99 KB rehearsal).
-# Session 15 calls (issue 31 items 3-4): `env s15-sf`, then `s15-2`; `s15-next` is what to run next.
+# Session 15 calls (issue 31 items 3-4): `env s15-sf`, then `s15-2`, then (the coordinator) `s15-wait`; `s15-next` is
+# what to run next.
 # Session 15 calls (issue 32 item 4): `s15-topk s15-step`, then `s15-step2`.
 # Session 13 calls (issue 32 item 4, issue 31 item 2): `env s13-topk s13-step`, `s13-conv s13-step2`, `s13-conv` (twice,
 # the second with s13-step3 gated on it), `s13-attn`.
@@ -123,6 +124,10 @@ with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under auto
     s15-step2) step s15-step2 420 python3 -m trainer bench step --preset qwen3-8b --shape seed \
               --variants triton,dflash2,dflash2-nd,triton,dflash2 --iters 5 --warmup 2 --profile \
               --json-out "$OUT/s15-step2.json" ;;
+    # Session 15, coordinator's call: the one-GPU specforge pipeline with the replica sync waiting on the whole device
+    # (every sync also waited for the target thread's forward) against its own stream only ($DFLASH_SYNC_WAIT), A B A B
+    s15-wait) step s15-wait 400 python3 bench/gpu_pipeline.py --scale specforge --modes dual --steps 50 \
+              --sync-wait device,stream --repeats 2 --warm-cache --timeout-s 150 --budget-s 330 ;;
     env) nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
          python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' ;;
     parity) step parity 240 python3 bench/gpu_parity.py ;;

@@ -115,6 +115,22 @@ def test_bad_sync_settings_are_clear_errors() -> None:
         reduce_gradients([nn.Linear(2, 2), nn.Linear(3, 2)])
 
 
+def test_a_bad_sync_wait_is_a_clear_error_before_the_first_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """$DFLASH_SYNC_WAIT (device or stream: how the sync waits for its own copies) is checked when the sync is made,
+    before any step; "stream" gives the same bits as the default on CPU replicas (no stream there to wait for)."""
+    monkeypatch.setenv("DFLASH_SYNC_WAIT", "everything")
+    with pytest.raises(ValueError, match=r"\$DFLASH_SYNC_WAIT must be one of device, stream, got 'everything'"):
+        ReplicaSync(_replicas(2), "grad")
+    monkeypatch.setenv("DFLASH_SYNC_WAIT", "stream")
+    replicas = _replicas(2)
+    sync = ReplicaSync(replicas, "grad")
+    for r in replicas:
+        r(torch.ones(1, 6)).sum().backward()
+    want = [p0.grad + p1.grad for p0, p1 in zip(replicas[0].parameters(), replicas[1].parameters())]
+    sync.after_backward()
+    assert all(torch.equal(p0.grad, w) for p0, w in zip(replicas[0].parameters(), want))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_replica_checksums_see_a_one_bit_change(dtype: torch.dtype) -> None:
     torch.manual_seed(0)

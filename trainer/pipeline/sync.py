@@ -35,6 +35,7 @@ Averages then divide by `world` (all replicas of the job), not by the local coun
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -109,11 +110,30 @@ def _hierarchical_sum(buffers: list[torch.Tensor], across: Across) -> None:
             buffer.copy_(total)  # the same `total` everywhere: identical bits on every replica
 
 
+# How `_finish` waits (`$DFLASH_SYNC_WAIT`, for A/B benches): "device" waits for every stream of the device, the
+# target thread's forward included (in the one-GPU pipeline that forward is in flight at every sync, so the main
+# thread, and the drafters after it, idled until it ended); "stream" waits for this thread's own queue only,
+# which holds every write made here: the copies and foreach ops run on this thread's current stream, and the NCCL
+# calls (torch.cuda.nccl, and the process group's collectives behind `across`) are ordered on it too.
+SYNC_WAITS = ("device", "stream")
+
+
+def _sync_wait() -> str:
+    wait = os.environ.get("DFLASH_SYNC_WAIT", "device")
+    if wait not in SYNC_WAITS:
+        raise ValueError(f"$DFLASH_SYNC_WAIT must be one of {', '.join(SYNC_WAITS)}, got {wait!r}")
+    return wait
+
+
 def _finish(tensors: Sequence[torch.Tensor]) -> None:
     """Wait for this thread's work on every CUDA device among `tensors`: the next reader is a drafter worker on its
     own stream, which would otherwise race the copies still queued here (one sync per device per call)."""
+    whole_device = _sync_wait() == "device"
     for device in {t.device for t in tensors if t.device.type == "cuda"}:
-        torch.cuda.synchronize(device)
+        if whole_device:
+            torch.cuda.synchronize(device)
+        else:
+            torch.cuda.current_stream(device).synchronize()
 
 
 @torch.no_grad()
@@ -278,6 +298,7 @@ class ReplicaSync:
             raise ValueError(f"--sync must be one of {', '.join(SYNC_MODES)}, got {mode!r}")
         if mode == "average" and interval < 1:
             raise ValueError(f"--sync-interval must be >= 1, got {interval}")
+        _sync_wait()  # a bad $DFLASH_SYNC_WAIT is an error here, before any step, not at the first sync
         self.replicas = list(replicas)
         self.mode = mode
         self.interval = interval
