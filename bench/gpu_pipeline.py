@@ -331,7 +331,7 @@ def main() -> int:
     )
     parser.add_argument(
         "--sync-wait",
-        default="device",
+        default="stream",
         help="comma list of how the replica sync waits ($DFLASH_SYNC_WAIT: device, stream; trainer/pipeline/sync.py)",
     )
     parser.add_argument("--warm-cache", action="store_true", help="share one compile cache across runs")

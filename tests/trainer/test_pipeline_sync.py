@@ -115,13 +115,14 @@ def test_bad_sync_settings_are_clear_errors() -> None:
         reduce_gradients([nn.Linear(2, 2), nn.Linear(3, 2)])
 
 
-def test_a_bad_sync_wait_is_a_clear_error_before_the_first_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    """$DFLASH_SYNC_WAIT (device or stream: how the sync waits for its own copies) is checked when the sync is made,
-    before any step; "stream" gives the same bits as the default on CPU replicas (no stream there to wait for)."""
+@pytest.mark.parametrize("wait", ["device", "stream"])
+def test_a_bad_sync_wait_is_a_clear_error_before_the_first_step(monkeypatch: pytest.MonkeyPatch, wait: str) -> None:
+    """$DFLASH_SYNC_WAIT (how the sync waits for its own copies: stream, the default, or device) is checked when the
+    sync is made, before any step; either good value gives the sum (on CPU replicas there is no stream to wait for)."""
     monkeypatch.setenv("DFLASH_SYNC_WAIT", "everything")
     with pytest.raises(ValueError, match=r"\$DFLASH_SYNC_WAIT must be one of device, stream, got 'everything'"):
         ReplicaSync(_replicas(2), "grad")
-    monkeypatch.setenv("DFLASH_SYNC_WAIT", "stream")
+    monkeypatch.setenv("DFLASH_SYNC_WAIT", wait)
     replicas = _replicas(2)
     sync = ReplicaSync(replicas, "grad")
     for r in replicas:

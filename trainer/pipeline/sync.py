@@ -110,16 +110,17 @@ def _hierarchical_sum(buffers: list[torch.Tensor], across: Across) -> None:
             buffer.copy_(total)  # the same `total` everywhere: identical bits on every replica
 
 
-# How `_finish` waits (`$DFLASH_SYNC_WAIT`, for A/B benches): "device" waits for every stream of the device, the
-# target thread's forward included (in the one-GPU pipeline that forward is in flight at every sync, so the main
-# thread, and the drafters after it, idled until it ended); "stream" waits for this thread's own queue only,
-# which holds every write made here: the copies and foreach ops run on this thread's current stream, and the NCCL
-# calls (torch.cuda.nccl, and the process group's collectives behind `across`) are ordered on it too.
+# How `_finish` waits (`$DFLASH_SYNC_WAIT`): "stream" (the default) waits for this thread's own queue only, which
+# holds every write made here: the copies and foreach ops run on this thread's current stream, and the NCCL calls
+# (torch.cuda.nccl, and the process group's collectives behind `across`) are ordered on it too. "device" (before
+# session 15) waited for every stream of the device, the target thread's forward included: in the one-GPU specforge
+# pipeline the main thread then spent 36-37 ms per step in the sync against 12.4-12.5, at +0.5-2.0% samples/s and
+# the same bits (bench/RESULTS.md, session 15, the coordinator's call).
 SYNC_WAITS = ("device", "stream")
 
 
 def _sync_wait() -> str:
-    wait = os.environ.get("DFLASH_SYNC_WAIT", "device")
+    wait = os.environ.get("DFLASH_SYNC_WAIT", "stream")
     if wait not in SYNC_WAITS:
         raise ValueError(f"$DFLASH_SYNC_WAIT must be one of {', '.join(SYNC_WAITS)}, got {wait!r}")
     return wait
