@@ -287,8 +287,19 @@ TRITON_AUTO_MIN_CAPABILITY = (9, 0)
 
 def resolve_loss_kernels(requested: str, device: torch.device, compiled: bool) -> str:
     """The chunk kernels a drafter on ``device`` uses for ``--loss-kernels requested`` (explicit kinds pass
-    through): for auto, eager when the drafter is not compiled, triton on a CUDA device of compute capability
+    through, except triton on a CUDA device where no rung of its ladder fits: compiled, with one line): for auto, eager when the drafter is not compiled, triton on a CUDA device of compute capability
     >= TRITON_AUTO_MIN_CAPABILITY with the triton package installed, else compiled."""
+    if requested == "triton" and device.type == "cuda":
+        from trainer.loss_triton import fits_device
+
+        # asked for by name, still never a kernel that cannot launch here (a ~100 KB-shared-memory GPU): the
+        # compiled kernels compute the same loss, and one line says so
+        if not fits_device(device):
+            print(
+                f"loss kernels: the triton CE kernel does not fit {device}'s shared memory (asked: triton); compiled",
+                file=sys.stderr,
+            )
+            return "compiled"
     if requested != "auto":
         return requested
     if not compiled:

@@ -111,3 +111,24 @@ def test_loss_kernels_auto_resolves_by_device_and_compile() -> None:
     assert resolve_loss_kernels("auto", cpu, compiled=True) == "compiled"
     for kind in ("eager", "compiled", "triton"):
         assert resolve_loss_kernels(kind, cpu, compiled=True) == kind
+
+
+def test_loss_kernels_triton_asked_by_name_falls_back_where_no_rung_fits(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--loss-kernels triton on a GPU whose shared memory fits no rung of the CE kernel's ladder (a ~100 KB
+    Blackwell card; issue 31 item 5) runs the compiled kernels, with one line, instead of failing at the first
+    launch. A GPU that small cannot be had here: `fits_device` (which compiles the ladder against the device; its
+    own test rehearses the limit under the interpreter) is the one part replaced."""
+    import trainer.loss_triton
+    from trainer.loss import resolve_loss_kernels
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(trainer.loss_triton, "fits_device", lambda device: False)
+    assert resolve_loss_kernels("triton", cuda, compiled=True) == "compiled"
+    assert capsys.readouterr().err.splitlines() == [
+        "loss kernels: the triton CE kernel does not fit cuda:0's shared memory (asked: triton); compiled"
+    ]
+    monkeypatch.setattr(trainer.loss_triton, "fits_device", lambda device: True)  # the control: it fits, it runs
+    assert resolve_loss_kernels("triton", cuda, compiled=True) == "triton"
+    assert capsys.readouterr().err == ""
