@@ -20,6 +20,15 @@ STARTED_WITH = {name: os.environ.get(name) for name in TORCH_SETS_ITSELF}
 # width set their own.
 os.environ.pop("COLUMNS", None)
 
+# One compute thread per torch process, in the workers and every process they start (trainers, pre-flights,
+# standbys, torchrun nodes: the environment reaches them all on the local target). The tests' tensors are tiny,
+# and two xdist workers plus their children already share the machine's cores: torch's default of one OpenMP
+# thread per core made each process spin on its own thread pool while the others held the cores. Measured on 2
+# loaded cores: a 60-step tiny `trainer train` took 5-20 CPU-s with the default and 4.4-5.9 with one thread, in
+# the same or less wall time (issue 29 item 11). A test that sets its own value keeps it.
+for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_name, "1")
+
 
 @pytest.fixture(autouse=True)
 def no_cache_dir_set_by_torch() -> Iterator[None]:

@@ -91,6 +91,17 @@ def finish(proc: subprocess.Popen[str]) -> tuple[int, str, str]:
     return proc.returncode, out, err
 
 
+def written_state(checkpoints: Path) -> bool:
+    """A temporary checkpoint's state.json is there and whole (it parses)."""
+    for state in checkpoints.glob(".tmp-step_*/state.json"):
+        try:
+            json.loads(state.read_text())
+            return True
+        except (OSError, ValueError):
+            pass
+    return False
+
+
 def lock_waiters(directory: Path) -> int:
     """How many processes are blocked waiting for a flock on `directory` (the run's control lock)."""
     st = os.stat(directory)
@@ -243,7 +254,10 @@ def test_restart_commits_the_checkpoint_a_dead_writer_left_complete(
     restart commits that checkpoint and resumes from it instead of an older one."""
     trainer = deploy_trainer(env, capsys, "rk1", sync_gate=True)
     stop = cli_process(env, "stop", "rk1", "--grace", "60")
-    wait_until(lambda: list((env.runs / "rk1" / "checkpoints").glob(".tmp-step_*/state.json")), timeout=SLOW)
+    # Killed once state.json (written last, with write_text: created, then filled) is whole: the writer is then at
+    # its sync gate, every file written. Killed the moment the file appeared (load made it likely), it left an
+    # empty state.json: a checkpoint nobody may commit, and the restart rightly found none.
+    wait_until(lambda: written_state(env.runs / "rk1" / "checkpoints"), timeout=SLOW)
     os.kill(trainer, signal.SIGKILL)
     assert finish(stop)[0] == 0
     tmp = next((env.runs / "rk1" / "checkpoints").glob(".tmp-step_*"))

@@ -179,8 +179,11 @@ def test_cut_during_the_combined_call_leaves_nothing_half_done(
         finally:
             cli_restart.close()
     timer.join()
-    deadline = time.monotonic() + 30
-    while not (runs / "cc-a2" / "pgid").exists() and time.monotonic() < deadline:
+    # The agent stops cc-a1 (its exit code recorded) before it launches cc-a2: wait for both, with a hang guard
+    # (a 30 s wait ran out under load with neither there yet), then check what they say.
+    deadline = time.monotonic() + 240
+    while not ((runs / "cc-a2" / "pgid").exists() and (runs / "cc-a1" / "exit_code").exists()):
+        assert time.monotonic() < deadline, "the restart the agent finished on its own did not launch cc-a2"
         time.sleep(0.2)
     assert (runs / "cc-a1" / "exit_code").read_text().strip() == "137"  # TERM ignored, KILL after the grace
     new_release = os.readlink(releases / "current")
