@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -378,7 +379,7 @@ def main() -> int:
         for wait in args.sync_wait.split(",")
     ]
     rows, failed, began = [], False, time.monotonic()
-    running: list[tuple[tuple, subprocess.Popen, Path, float]] = []
+    running: list[tuple[tuple, subprocess.Popen, Path, float, Path]] = []
     print(
         "run engine   mode   drafters transfer adamw   wait   warmup_s steps recompiles block_tok/s per_drafter samples/s "
         "sync_ms busy_tok/s/drafter  build_s steps_s save_s result",
@@ -395,7 +396,7 @@ def main() -> int:
             job = jobs.pop(0)
             running.append(_start_run(job, args, shared_cache))
         for entry in list(running):
-            (repeat, mode, transfer, engine, adamw, wait), proc, log_path, started = entry
+            (repeat, mode, transfer, engine, adamw, wait), proc, log_path, started, work = entry
             timed_out = time.monotonic() - started > args.timeout_s
             if proc.poll() is None and not timed_out:
                 continue
@@ -405,6 +406,8 @@ def main() -> int:
             stdout = proc.stdout.read() if proc.stdout else ""
             proc.wait()
             stderr = log_path.read_text(errors="replace")
+            if args.log_dir:  # the log lives there: the run's data, checkpoints and cache go (~MBs a smoke run)
+                shutil.rmtree(work, ignore_errors=True)
             line = next((ln for ln in stdout.splitlines() if ln.startswith("RESULT ")), None)
             fx_error = "symbolically trace a dynamo-optimized function" in stderr
             flex_eager = "flex_attention called without torch.compile" in stderr
@@ -431,11 +434,14 @@ def main() -> int:
             ):  # the run's own error (a traceback, CompileGuardError, ReplicaDivergenceError) in the table's log
                 print(f"    {log_path} tail:\n{stderr[-1500:]}", flush=True)
         time.sleep(0.5)
+    shutil.rmtree(shared_cache, ignore_errors=True)
     print(json.dumps(rows))
     return 1 if failed else 0
 
 
-def _start_run(job: tuple, args: argparse.Namespace, shared_cache: Path) -> tuple[tuple, subprocess.Popen, Path, float]:
+def _start_run(
+    job: tuple, args: argparse.Namespace, shared_cache: Path
+) -> tuple[tuple, subprocess.Popen, Path, float, Path]:
     """Launch one child run; its stderr streams to a log file, so a run cut off still shows how far it got."""
     repeat, mode, transfer, engine, adamw, wait = job
     work = Path(tempfile.mkdtemp(prefix=f"bench-pipeline-{mode}-"))
@@ -492,7 +498,7 @@ def _start_run(job: tuple, args: argparse.Namespace, shared_cache: Path) -> tupl
         proc = subprocess.Popen(
             cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, text=True
         )
-    return job, proc, log_path, time.monotonic()
+    return job, proc, log_path, time.monotonic(), work
 
 
 def _free_port() -> int:
