@@ -48,7 +48,8 @@ demo: $(STAMP)
 # (the Triton interpreter's run of every loss case, the tiny trained drafters of eval/export/ddtree) is built once,
 # not once per worker. (`--dist loadgroup` did nothing here: xdist 3.8 marks a group by rewriting `item._nodeid`,
 # which pytest 9 no longer reads.) The remote tests' sshd harness is safe to start once per worker (free port, its
-# own folder and sudoers file). TEST_WORKERS=0 runs them in-process. The tests run with bytecode caches whatever
+# own folder and sudoers file). `--no-loadscope-reorder` keeps the order tests/conftest.py gives the files (the
+# longest first, so the run does not end on one long file). TEST_WORKERS=0 runs them in-process. The tests run with bytecode caches whatever
 # PYTHONDONTWRITEBYTECODE says (some sandboxes set it): the suite starts ~2,500 interpreters from a few sources (the
 # checkout, each test's release copy), and without __pycache__ each one compiled every module it imported again and
 # every worker rewrote every test module's asserts again (collecting: 9.0 -> 6.7 CPU-s a worker). __pycache__ is
@@ -60,8 +61,8 @@ test: $(STAMP)
 	@types_out=$$(mktemp); \
 	$(BIN)/mypy >"$$types_out" 2>&1 & types=$$!; \
 	echo "$(BIN)/mypy (beside the tests; its verdict after theirs)"; \
-	echo "$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile"; \
-	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile; tests_rc=$$?; \
+	echo "$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder"; \
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder; tests_rc=$$?; \
 	wait $$types; types_rc=$$?; \
 	echo "mypy:"; cat "$$types_out"; rm -f "$$types_out"; \
 	[ $$tests_rc -eq 0 ] && [ $$types_rc -eq 0 ]

@@ -36,3 +36,39 @@ def no_cache_dir_set_by_torch() -> Iterator[None]:
         if value is None:
             os.environ.pop(name, None)
     yield
+
+
+# The files that kept a worker busiest (seconds of wall time on the idle 2-core machine, `make test` with three
+# workers, 2026-12-04), longest first. With `--dist loadfile` a worker takes the next file when its own run dry,
+# and xdist's default order (most tests first) started these late: the suite ended on a 50-80 s file while the
+# other workers had finished. Running the longest first (LPT scheduling) leaves the short files for the end. A
+# stale entry costs nothing but balance: a missing file is skipped, a new slow file runs in the default order.
+LONGEST_FIRST = (
+    "tests/controller/test_ctl_concurrency.py",  # 128 s
+    "tests/trainer/test_distributed.py",  # 107
+    "tests/trainer/test_bench.py",  # 95
+    "tests/controller/test_ctl_compile_cache.py",  # 81
+    "tests/controller/test_ctl_handover.py",  # 73
+    "tests/controller/test_supervisor_local.py",  # 61
+    "tests/controller/test_ctl_reliability.py",  # 57
+    "tests/trainer/test_loss_triton.py",  # 54
+    "tests/remote/test_multinode_remote.py",  # 49
+    "tests/trainer/test_compile_cache_artifacts.py",  # 47
+    "tests/controller/test_ctl_lifecycle.py",  # 42
+    "tests/remote/test_fanout.py",  # 42
+    "tests/controller/test_ctl_standby.py",  # 41
+    "tests/controller/test_ctl_preflight.py",  # 38
+    "tests/remote/test_restart_remote.py",  # 35
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files in LONGEST_FIRST order, then the others by their number of tests (xdist's own default, which the
+    Makefile turns off with --no-loadscope-reorder so this order reaches the workers); a file's tests keep their
+    order. The same order in every worker: xdist checks that all collected the same list."""
+    by_file: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        by_file.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    rank = {path: index for index, path in enumerate(LONGEST_FIRST)}
+    files = sorted(by_file, key=lambda path: (rank.get(path, len(rank)), -len(by_file[path])))
+    items[:] = [item for path in files for item in by_file[path]]
