@@ -10,11 +10,15 @@ runtime requirements minus torch, torchvision and torchaudio, under a constraint
 resolution can replace it. pip never removes a package outside the environment it installs into, so this venv's
 packages are left alone.
 
-Made once, on first use, at `<this venv>/speculators-<version>/` (`make clean` removes it with .venv), under a
-file lock; `.complete` (naming speculators' and our torch's versions) is written last, and an environment without
-it, or made for another torch, is rebuilt. Measured on the 2-core test machine: 95 s with an empty pip cache
-(~130 MB of downloads: transformers, datasets with pyarrow and pandas, openai, ...; 430 MB installed), 30 s with
-a warm one; later sessions reuse it.
+Made once per machine, on first use, in the user's cache (`~/.cache/dflashops/speculators-<version>-py<X.Y>-torch
+<version>/`, or under $XDG_CACHE_HOME), under a file lock; `.complete` (naming speculators' and our torch's
+versions) is written last, and an environment without it is rebuilt. Shared by every clone of this repository on
+the machine: the environment does not name our venv; its `.pth` line appends the site-packages that
+$DFLASHOPS_BASE_SITE names when the interpreter starts (`speculators_env()` sets it to the running venv's), so a
+fresh clone's first `make test` does not build it again. pip writes no bytecode for it (--no-compile: the test
+imports a small part of the ~430 MB, and the first import writes what it uses). Measured on the 2-core test
+machine: 95 s with an empty pip cache (~130 MB of downloads: transformers, datasets with pyarrow and pandas,
+openai, ...), 13 s with a warm one (23 s compiling everything); later sessions and clones reuse it.
 """
 
 from __future__ import annotations
@@ -25,7 +29,6 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-import tempfile
 from pathlib import Path
 
 SPECULATORS_VERSION = "0.9.0"
@@ -48,15 +51,30 @@ for line in importlib.metadata.requires("speculators") or []:
 """
 
 
+# The environment's `.pth` line: our venv's site-packages after its own, named at each start by the caller (a plain
+# path, as a .pth path line would add it: our own .pth files, the editable install's, stay out).
+BASE_SITE_VARIABLE = "DFLASHOPS_BASE_SITE"
+_BASE_SITE_PTH = (
+    f"import os, sys; p = os.environ.get({BASE_SITE_VARIABLE!r}); p and p not in sys.path and sys.path.append(p)\n"
+)
+
+
 def environment_dir() -> Path:
-    """Where the environment lives: inside the venv running the tests, else the temporary directory."""
-    if sys.prefix != sys.base_prefix:
-        return Path(sys.prefix) / f"speculators-{SPECULATORS_VERSION}"
-    return Path(tempfile.gettempdir()) / f"dflashops-speculators-{SPECULATORS_VERSION}-{os.getuid()}"
+    """Where the environment lives: the user's cache, one per speculators version, Python minor and torch build."""
+    import torch
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    python = f"{sys.version_info.major}.{sys.version_info.minor}"
+    return cache / "dflashops" / f"speculators-{SPECULATORS_VERSION}-py{python}-torch{torch.__version__}"
+
+
+def speculators_env() -> dict[str, str]:
+    """The environment variables to run the environment's python with: ours, plus where our packages are."""
+    return {**os.environ, BASE_SITE_VARIABLE: sysconfig.get_paths()["purelib"]}
 
 
 def _run(argv: list[str], log: Path) -> str:
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=1200)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=1200, env=speculators_env())
     with log.open("a") as handle:
         handle.write(f"$ {' '.join(argv)}\n{done.stdout}{done.stderr}\n")
     if done.returncode != 0:
@@ -78,11 +96,11 @@ def _build(env: Path) -> None:
         check=True,
     ).stdout.strip()
     # Appended after the environment's own site-packages: ours are the fallback, its own packages win.
-    (Path(purelib) / "zz_dflashops_venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    (Path(purelib) / "zz_dflashops_venv.pth").write_text(_BASE_SITE_PTH)
     constraints = env / "constraints.txt"
     constraints.write_text(f"torch=={torch.__version__.split('+')[0]}\n")  # 2.13.0 matches 2.13.0+cpu too
     log = env / "install.log"
-    pip = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-c", str(constraints)]
+    pip = [str(python), "-m", "pip", "install", "--no-compile", "--disable-pip-version-check", "-c", str(constraints)]
     _run([*pip, "--no-deps", f"speculators=={SPECULATORS_VERSION}"], log)
     wanted = _run([str(python), "-c", _REQUIREMENTS, ",".join(sorted(LEFT_OUT))], log).split()
     _run([*pip, *wanted], log)

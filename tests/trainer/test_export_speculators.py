@@ -3,7 +3,7 @@ forward gives our drafter's draft logits; the z-lab form of the same checkpoint 
 
 The target is the tiny demo's shape, 4 layers with taps [0, 3]: layer 3 is the last one, the tap that speculators
 0.9's own z-lab converter drops by default. speculators runs in its own environment (speculators_env.py: built on
-first use, 30-95 s), in a subprocess.
+a machine's first use, 13-95 s), in a subprocess.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.trainer.speculators_env import SPECULATORS_VERSION, speculators_python
+from tests.trainer.speculators_env import SPECULATORS_VERSION, speculators_env, speculators_python
 from tests.trainer.test_export import save_training_checkpoint
 from tests.trainer.tiny import build_tiny_target, tiny_drafter_config
 from trainer import export as export_cli
@@ -111,6 +111,7 @@ def test_speculators_loads_our_export_strictly_and_gives_our_draft_logits(drafte
         capture_output=True,
         text=True,
         timeout=600,
+        env=speculators_env(),
         cwd=tmp_path,  # not the repository: its own imports must not come from our checkout
     )
     assert done.returncode == 0, done.stderr[-4000:]

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.trainer.speculators_env import speculators_python
+from tests.trainer.speculators_env import speculators_env, speculators_python
 from tests.trainer.test_export_speculators import ANCHORS, BLOCK, FORWARD, checkpoint, fixed_batch, target  # noqa: F401
 from tests.trainer.tiny import tiny_drafter_config
 from trainer import export as export_cli
@@ -89,6 +89,7 @@ def test_speculators_loads_our_dflash2_export_and_gives_our_logits_and_selector_
         capture_output=True,
         text=True,
         timeout=600,
+        env=speculators_env(),
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr[-4000:]
