@@ -42,25 +42,28 @@ demo: $(STAMP)
 # Lint and format first (instant), then the tests in TEST_WORKERS processes (pytest-xdist) with mypy beside them:
 # most tests wait on real processes, and every torch process of the tests runs one compute thread (tests/conftest.py),
 # so a third worker fills the cores the first two leave idle (CPU-seconds per test file: bench/suite_cpu.py; on the
-# loaded 2-core machine, 942 tests: 825 s with 2 workers, 718 s with 3; issue 29 item 11). mypy without its cache,
-# as in a fresh clone, takes ~30 s of one core: it runs beside the tests, its verdict is printed after theirs, and
-# either failing fails `make test`. `--dist loadfile` keeps each test file on one worker, so a module-scoped fixture
-# (the Triton interpreter's run of every loss case, the tiny trained drafters of eval/export/ddtree) is built once,
-# not once per worker. (`--dist loadgroup` did nothing here: xdist 3.8 marks a group by rewriting `item._nodeid`,
-# which pytest 9 no longer reads.) The remote tests' sshd harness is safe to start once per worker (free port, its
-# own folder and sudoers file). `--no-loadscope-reorder` keeps the order tests/conftest.py gives the files (the
-# longest first, so the run does not end on one long file). TEST_WORKERS=0 runs them in-process. The tests run with bytecode caches whatever
+# loaded 2-core machine, 942 tests: 825 s with 2 workers, 718 s with 3; a fourth gained nothing idle; issue 29
+# item 11). mypy's verdict is printed after the tests'; either failing fails `make test`. Its cache lives in the
+# user's cache (MYPY_CACHE), shared by the machine's clones: mypy checks each cached module against its source's
+# hash, and without a cache (a fresh clone) it took ~30 s of one core from the tests.
+# `--dist loadfile` keeps each test file on one worker, so a module-scoped fixture (the Triton interpreter's run of
+# every loss case, the tiny trained drafters of eval/export/ddtree) is built once, not once per worker. (`--dist
+# loadgroup` did nothing here: xdist 3.8 marks a group by rewriting `item._nodeid`, which pytest 9 no longer reads.)
+# The remote tests' sshd harness is safe to start once per worker (free port, its own folder and sudoers file).
+# `--no-loadscope-reorder` keeps the order tests/conftest.py gives the files (the longest first, so the run does not
+# end on one long file). TEST_WORKERS=0 runs them in-process. The tests run with bytecode caches whatever
 # PYTHONDONTWRITEBYTECODE says (some sandboxes set it): the suite starts ~2,500 interpreters from a few sources (the
 # checkout, each test's release copy), and without __pycache__ each one compiled every module it imported again and
 # every worker rewrote every test module's asserts again (collecting: 9.0 -> 6.7 CPU-s a worker). __pycache__ is
 # git-ignored and release syncs skip it, as on any machine where Python writes its caches.
 TEST_WORKERS ?= 3
+MYPY_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/dflashops/mypy
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	@types_out=$$(mktemp); \
-	$(BIN)/mypy >"$$types_out" 2>&1 & types=$$!; \
-	echo "$(BIN)/mypy (beside the tests; its verdict after theirs)"; \
+	$(BIN)/mypy --cache-dir "$(MYPY_CACHE)" >"$$types_out" 2>&1 & types=$$!; \
+	echo "$(BIN)/mypy --cache-dir $(MYPY_CACHE) (beside the tests; its verdict after theirs)"; \
 	echo "$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder"; \
 	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder; tests_rc=$$?; \
 	wait $$types; types_rc=$$?; \
