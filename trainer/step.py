@@ -43,6 +43,7 @@ __all__ = [
     "DrafterSide",
     "check_loss_kernels",
     "check_triton_adamw",
+    "load_optimizer_state",
     "lr_factor",
     "noise_std_at",
 ]
@@ -114,6 +115,29 @@ class StepStats:
             "blocks": int(float(self.num_blocks)),
             **selector,
         }
+
+
+# The settings that pick AdamW's kernel (torch's fused, foreach or for-loop path), not its math. torch's
+# Optimizer.load_state_dict takes every setting of the saved groups, these too: a checkpoint written by a CPU run
+# (fused=None) and resumed on a GPU ran the foreach path there (~24 ms of the 8B seed step, bench/RESULTS.md
+# session 5), and one written with --adamw fused kept that kernel after a resume with another --adamw.
+OPTIMIZER_IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """``optimizer.load_state_dict(state)`` that keeps this run's kernel settings (OPTIMIZER_IMPLEMENTATION_KEYS:
+    what --adamw and the device chose) and takes everything else from the checkpoint. The saved groups get this
+    run's settings before the load, so torch places each `step` count where this run's kernel wants it (fused
+    and capturable: a float32 tensor on the parameter's device). A state with another number of groups goes to
+    torch unchanged, which refuses it."""
+    saved = state["param_groups"]
+    if len(saved) == len(optimizer.param_groups):
+        chosen = [
+            {key: group[key] for key in OPTIMIZER_IMPLEMENTATION_KEYS if key in group}
+            for group in optimizer.param_groups
+        ]
+        state = {**state, "param_groups": [{**group, **mine} for group, mine in zip(saved, chosen)]}
+    optimizer.load_state_dict(state)
 
 
 def lr_factor(step: int, total_steps: int, warmup_ratio: float) -> float:
