@@ -123,6 +123,19 @@ def read_handed_over(load: Callable[[Path], T], source: Path, path: Path, writer
         return load(wait_for_checkpoint(path, writer, durable=True))
 
 
+def check_handed_over(check: Callable[[Path], None], source: Path, path: Path, writer: Path) -> Path:
+    """Run `check` (the pre-flight's checks, deferred while the checkpoint was written) on `source`, what
+    `wait_for_checkpoint(path, writer)` returned, as `read_handed_over` reads: the writer may rename its temporary
+    directory into place between that wait and the check, and then the check runs on `path`. Returns where it
+    read, the place to read the rest from."""
+
+    def checked(where: Path) -> Path:
+        check(where)
+        return where
+
+    return read_handed_over(checked, source, path, writer)
+
+
 def commit_when_durable(path: Path, writer: Path, source: Path, timeout_s: float = 3600.0) -> str | None:
     """After the hand-over's checkpoint was read from `source` (the writer's temporary directory, while its
     fsyncs were left): wait until checkpoint `path` is durable under its final name, for this run resumes only

@@ -32,6 +32,7 @@ from trainer.checkpoint import CheckpointWriter, check_shapes, checkpoint_dir, r
 from trainer.engine import Engine
 from trainer.failure import record_failure
 from trainer.handover import (
+    check_handed_over,
     commit_when_durable,
     devices_free,
     offered_start,
@@ -146,8 +147,12 @@ def _resume(setup: RunSetup, engine: Engine, recorder: RunRecorder, run_dir: Pat
         log(f"waiting for {setup.resume_writer.name} to finish writing {setup.resume_from}")
         recorder.set_status(waiting_for=str(setup.resume_from))
         source = wait_for_checkpoint(setup.resume_from, setup.resume_writer)
-        check_shapes(source, expected_shapes(setup.drafter_config))  # the checks the pre-flight deferred
-        check_resume_nodes(source, setup.cfg.nodes)
+
+        def deferred_checks(checkpoint: Path) -> None:  # the pre-flight's checks of a checkpoint not yet there
+            check_shapes(checkpoint, expected_shapes(setup.drafter_config))
+            check_resume_nodes(checkpoint, setup.cfg.nodes)
+
+        source = check_handed_over(deferred_checks, source, setup.resume_from, setup.resume_writer)
         recorder.set_status(waiting_for=None)
         recorder.mark("checkpoint_ready")
     if setup.resume_writer is None:

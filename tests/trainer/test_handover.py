@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from trainer.checkpoint import check_shapes
 from trainer.config import TrainerInputError
-from trainer.handover import RESUME_WRITER_ENV, pending_writer, wait_for_checkpoint
+from trainer.handover import RESUME_WRITER_ENV, check_handed_over, pending_writer, wait_for_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -76,6 +77,33 @@ def test_a_written_checkpoint_is_readable_from_the_writers_temporary_directory(t
     timer = threading.Timer(0.3, make_checkpoint, args=(target,))
     timer.start()
     assert wait_for_checkpoint(target, writer, timeout_s=30, durable=True) == target
+
+
+def test_the_deferred_checks_follow_a_rename_between_the_wait_and_the_check(tmp_path: Path) -> None:
+    """The window a fresh-clone `make test` hit (the hand-over test's child failed with "--resume:
+    .tmp-step_000057-PID is not a complete checkpoint"): the wait returns the writer's temporary directory, the
+    writer renames it into place, and only then do the pre-flight's deferred checks read it. They must read the
+    checkpoint under its final name, and say so; a real mismatch is still refused, from either place."""
+    writer = tmp_path / "old"
+    target = writer / "checkpoints" / "step_000007"
+    (writer / "checkpoints").mkdir(parents=True)
+    (writer / "status.json").write_text(json.dumps({"pid": os.getpid()}))  # the writer, alive
+    written = writer / "checkpoints" / f".tmp-step_000007-{os.getpid()}"
+    written.mkdir()
+    (written / "state.json").write_text(json.dumps({"shapes": {"w": [2, 3]}}))
+    source = wait_for_checkpoint(target, writer, timeout_s=30)
+    assert source == written
+    os.replace(written, target)  # the writer's fsyncs end: the rename, right after the wait returned
+
+    with pytest.raises(TrainerInputError, match="is not a complete checkpoint"):
+        check_shapes(source, {"w": [2, 3]})  # the check on what the wait returned, as the loop did before
+    assert check_handed_over(lambda where: check_shapes(where, {"w": [2, 3]}), source, target, writer) == target
+    with pytest.raises(TrainerInputError, match="different drafter shape"):
+        check_handed_over(lambda where: check_shapes(where, {"v": [2, 3]}), source, target, writer)
+    os.replace(target, written)  # not yet renamed: the check reads the temporary directory and refuses there
+    with pytest.raises(TrainerInputError, match="different drafter shape"):
+        check_handed_over(lambda where: check_shapes(where, {"v": [2, 3]}), written, target, writer)
+    assert check_handed_over(lambda where: check_shapes(where, {"w": [2, 3]}), written, target, writer) == written
 
 
 def test_a_writer_that_ends_without_the_checkpoint_names_its_last_good_one(tmp_path: Path) -> None:
