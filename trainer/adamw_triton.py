@@ -111,13 +111,6 @@ class TritonAdamW(torch.optim.AdamW):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False, fused=False)
         self.grad_scale: torch.Tensor | None = None
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch's load, then this optimizer's own flags back: a group loaded from a fused run says fused=True,
-        which would make torch's own step (never called here) and its state policy keep `step` on the device."""
-        super().load_state_dict(state_dict)
-        for group in self.param_groups:
-            group.update(fused=False, foreach=False, capturable=False)
-
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = None

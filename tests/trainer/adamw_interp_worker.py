@@ -12,6 +12,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import torch
 
 from trainer.adamw_triton import TritonAdamW
+from trainer.step import load_optimizer_state
 
 
 def run_case(case: dict) -> dict:
@@ -20,7 +21,7 @@ def run_case(case: dict) -> dict:
     params = [p.clone() for p in case["params"]]
     opt = TritonAdamW(params, lr=case["lr"][0], weight_decay=case["weight_decay"])
     if case.get("resume") is not None:
-        opt.load_state_dict(case["resume"])
+        load_optimizer_state(opt, case["resume"])  # as the engines resume: this optimizer keeps its own flags
     flags = [(g["fused"], g["foreach"]) for g in opt.param_groups]
     for step, grads in enumerate(case["grads"]):
         for group in opt.param_groups:
