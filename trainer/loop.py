@@ -180,22 +180,37 @@ def _resume(setup: RunSetup, engine: Engine, recorder: RunRecorder, run_dir: Pat
     return step
 
 
+# The flags that shape the optimizer's schedule and step size: a resume takes them from this run
+# (trainer.step.apply_run_hyperparameters), so a change gets one log line.
+SCHEDULE_FLAGS = ("max_steps", "lr", "warmup_ratio", "weight_decay")
+
+
 def schedule_change(cfg: Any, state: Any, step: int, total_steps: int) -> str | None:
-    """A resume with another --max-steps than the checkpoint's run recomputes the learning-rate schedule (warmup,
-    then cosine to 0 at the last step) over the new length, so the LR jumps at the resumed step: one line says
-    so, with the LR there under the old schedule and the new one. None when --max-steps did not change."""
+    """A resume whose --max-steps, --lr, --warmup-ratio or --weight-decay differ from the checkpoint's run trains
+    on this run's values from the resumed step on (the LR schedule, warmup then cosine to 0 at the last step,
+    recomputed over this run's length and peak LR), so the LR may jump there: one line names each changed flag
+    with the checkpoint's value, and the LR at the resumed step under the old schedule and the new one. None when
+    none changed (or the checkpoint records no config)."""
     from trainer.step import lr_factor
 
     config = (getattr(state, "extra", None) or {}).get("config") or {}
-    if "max_steps" not in config or config["max_steps"] == cfg.max_steps:
+    changed = [flag for flag in SCHEDULE_FLAGS if flag in config and config[flag] != getattr(cfg, flag)]
+    if not changed:
         return None
+
+    def shown(value: Any) -> str:
+        return "none" if value is None else f"{value:g}"
+
+    flags = ", ".join(
+        f"--{flag.replace('_', '-')} {shown(getattr(cfg, flag))} (the checkpoint's run had {shown(config[flag])})"
+        for flag in changed
+    )
     last_lr = ((getattr(state, "scheduler", None) or {}).get("_last_lr") or [None])[0]
     new_lr = cfg.lr * lr_factor(step, total_steps, cfg.warmup_ratio)
     was = f"{last_lr:.3g} -> " if isinstance(last_lr, (int, float)) else ""
     return (
-        f"--max-steps {cfg.max_steps or 'none'} (the checkpoint's run had {config['max_steps'] or 'none'}): the "
-        f"learning-rate schedule is recomputed to end at step {total_steps} (warmup, then cosine to 0 there); "
-        f"LR at step {step}: {was}{new_lr:.3g}"
+        f"{flags}: the learning-rate schedule is recomputed to end at step {total_steps} (warmup, then cosine to 0 "
+        f"there); LR at step {step}: {was}{new_lr:.3g}"
     )
 
 

@@ -24,7 +24,7 @@ from trainer.loss import position_weights
 from trainer.metrics import RunRecorder
 from trainer.model import DFlashDrafter
 from trainer.preflight import RunSetup, load_target
-from trainer.step import DrafterSide, StepStats, TargetSide, load_optimizer_state, micro_batches, noise_std_at
+from trainer.step import DrafterSide, StepStats, TargetSide, micro_batches, noise_std_at
 
 
 class SingleEngine:
@@ -75,8 +75,7 @@ class SingleEngine:
     def restore(self, state: CheckpointState) -> tuple[int, str]:
         side = self.drafter_side
         side.drafter.load_state_dict(state.model)
-        load_optimizer_state(side.optimizer, state.optimizer)
-        side.scheduler.load_state_dict(state.scheduler)
+        side.restore_optimizer(state.optimizer, state.scheduler)
         restore_rng(state.rng)
         self.epoch, self.index = state.epoch, state.index
         return state.step, f"epoch {state.epoch}, batch {state.index}"

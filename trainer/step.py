@@ -44,6 +44,7 @@ __all__ = [
     "check_loss_kernels",
     "check_triton_adamw",
     "load_optimizer_state",
+    "apply_run_hyperparameters",
     "lr_factor",
     "noise_std_at",
 ]
@@ -138,6 +139,23 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]
         ]
         state = {**state, "param_groups": [{**group, **mine} for group, mine in zip(saved, chosen)]}
     optimizer.load_state_dict(state)
+
+
+def apply_run_hyperparameters(
+    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, lr: float, weight_decay: float
+) -> None:
+    """After a resume's loads (load_optimizer_state, then the scheduler's): this run's --lr and --weight-decay.
+    torch's loads restore the saved run's: LambdaLR.load_state_dict its base_lrs, the optimizer's its groups'
+    lr, initial_lr and weight_decay, so `restart R -- --lr 1e-3` trained on at R's LR while the lineage diff
+    showed the new one. The LR of the step about to run is set on this run's schedule (its lambda closes over
+    this run's total steps), as LambdaLR's own step computes it, so an unchanged run resumes bitwise (the same
+    float product) and a changed --max-steps takes effect at the resumed step itself, not one step later."""
+    scheduler.base_lrs = [lr for _ in optimizer.param_groups]
+    for group, schedule in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"] = lr
+        group["weight_decay"] = weight_decay
+        group["lr"] = lr * schedule(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports
 
 
 def lr_factor(step: int, total_steps: int, warmup_ratio: float) -> float:
@@ -278,6 +296,13 @@ class DrafterSide:
         # default, for benches), the dense mask on CPU
         kernel = cfg.attention_kernel if cfg.attention_kernel != "flex" else attention.ATTENTION_KERNEL
         self.backend: Backend = attention.cuda_backend(kernel) if self.device.type == "cuda" else "dense"
+
+    def restore_optimizer(self, optimizer_state: dict[str, Any], scheduler_state: dict[str, Any]) -> None:
+        """A checkpoint's optimizer and schedule state, with this run's kernel (load_optimizer_state) and this run's
+        --lr, --weight-decay and schedule length (apply_run_hyperparameters)."""
+        load_optimizer_state(self.optimizer, optimizer_state)
+        self.scheduler.load_state_dict(scheduler_state)
+        apply_run_hyperparameters(self.optimizer, self.scheduler, self.cfg.lr, self.cfg.weight_decay)
 
     def _noise(self, shape: torch.Size, dtype: torch.dtype, std: float, seed: tuple[int, ...]) -> torch.Tensor:
         generator = torch.Generator(device=self.device)

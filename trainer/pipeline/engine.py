@@ -51,7 +51,7 @@ from trainer.pipeline.sync import ReplicaSync
 from trainer.pipeline.target_worker import TargetWorker
 from trainer.pipeline.warmup import warm_up_drafters
 from trainer.preflight import RunSetup, load_target, resolve_devices
-from trainer.step import DrafterSide, TargetSide, load_optimizer_state, noise_std_at
+from trainer.step import DrafterSide, TargetSide, noise_std_at
 
 
 def _log(message: str) -> None:
@@ -156,8 +156,7 @@ class PipelineEngine:
     def restore(self, state: CheckpointState) -> tuple[int, str]:
         for side, optimizer in zip(self.sides, state.optimizer["replicas"]):
             side.drafter.load_state_dict(state.model)
-            load_optimizer_state(side.optimizer, optimizer)
-            side.scheduler.load_state_dict(state.scheduler)
+            side.restore_optimizer(optimizer, state.scheduler)
         restore_rng(state.rng)
         self.g_start = self.order.index(state.epoch, state.index)
         return state.step, f"epoch {state.epoch}, batch {state.index}, micro-batch {self.g_start}"
