@@ -242,6 +242,8 @@ def child(args: argparse.Namespace) -> int:
         args.loss_kernels,
         "--adamw",
         args.adamw,
+        "--target-compile",
+        args.target_compile,
     ]
     cfg = parse_train_args(argv)
     cfg.tiny_target = target_shape(scale)
@@ -285,6 +287,7 @@ def child(args: argparse.Namespace) -> int:
         "transfer": args.transfer,
         "exit_code": code,
         "adamw": args.adamw,
+        "target_compile": args.target_compile,
         "target_layers": scale["target_layers"],
         "taps": cfg.target_layer_ids or default_target_layer_ids(scale["target_layers"], scale["draft_layers"]),
         "warmup_s": round(seen.get("warmup_s", float("nan")), 1),
@@ -331,6 +334,11 @@ def main() -> int:
         "--adamw", default="auto", help="comma list, each passed to the trainer (auto, fused, foreach, triton)"
     )
     parser.add_argument(
+        "--target-compile",
+        default="off",
+        help="comma list of off,on: the target's layers through one compiled call (the trainer's --target-compile)",
+    )
+    parser.add_argument(
         "--sync-wait",
         default="stream",
         help="comma list of how the replica sync waits ($DFLASH_SYNC_WAIT: device, stream; trainer/pipeline/sync.py)",
@@ -370,18 +378,19 @@ def main() -> int:
         return 2
     shared_cache = Path(tempfile.mkdtemp(prefix="bench-pipeline-cache-"))
     jobs = [
-        (repeat, mode, transfer, engine, adamw, wait)
+        (repeat, mode, transfer, engine, adamw, wait, tc)
         for repeat in range(args.repeats)
         for engine in args.engines.split(",")
         for mode in args.modes.split(",")
         for transfer in args.transfers.split(",")
         for adamw in args.adamw.split(",")
         for wait in args.sync_wait.split(",")
+        for tc in args.target_compile.split(",")
     ]
     rows, failed, began = [], False, time.monotonic()
     running: list[tuple[tuple, subprocess.Popen, Path, float, Path]] = []
     print(
-        "run engine   mode   drafters transfer adamw   wait   warmup_s steps recompiles block_tok/s per_drafter samples/s "
+        "run engine   mode   drafters transfer adamw   wait   tc  warmup_s steps recompiles block_tok/s per_drafter samples/s "
         "sync_ms busy_tok/s/drafter  build_s steps_s save_s result",
         flush=True,
     )
@@ -396,7 +405,7 @@ def main() -> int:
             job = jobs.pop(0)
             running.append(_start_run(job, args, shared_cache))
         for entry in list(running):
-            (repeat, mode, transfer, engine, adamw, wait), proc, log_path, started, work = entry
+            (repeat, mode, transfer, engine, adamw, wait, tc), proc, log_path, started, work = entry
             timed_out = time.monotonic() - started > args.timeout_s
             if proc.poll() is None and not timed_out:
                 continue
@@ -422,7 +431,7 @@ def main() -> int:
             rows.append({"repeat": repeat, "sync_wait": wait, **r})
             per = r["block_tok_s"] / r["drafters"]
             print(
-                f"{repeat:3} {engine:8} {mode:6} {r['drafters']:8} {transfer:8} {adamw:7} {wait:6} {r['warmup_s']:8} "
+                f"{repeat:3} {engine:8} {mode:6} {r['drafters']:8} {transfer:8} {adamw:7} {wait:6} {tc:3} {r['warmup_s']:8} "
                 f"{r['steps']:5} {r['recompiles_after_warmup']:10} {r['block_tok_s']:11,} {per:11,.0f} "
                 f"{r['samples_s']:9.2f} {r['sync_ms']:7.1f} "
                 f"{r['busy_tok_s_per_drafter']!s:20} {r['build_s']:7} {r['steps_s']:7} {r['final_save_s']:6} "
@@ -443,7 +452,7 @@ def _start_run(
     job: tuple, args: argparse.Namespace, shared_cache: Path
 ) -> tuple[tuple, subprocess.Popen, Path, float, Path]:
     """Launch one child run; its stderr streams to a log file, so a run cut off still shows how far it got."""
-    repeat, mode, transfer, engine, adamw, wait = job
+    repeat, mode, transfer, engine, adamw, wait, tc = job
     work = Path(tempfile.mkdtemp(prefix=f"bench-pipeline-{mode}-"))
     cache = shared_cache if args.warm_cache else work / "compile-cache"
     env = {
@@ -472,6 +481,8 @@ def _start_run(
         args.loss_kernels,
         "--adamw",
         adamw,
+        "--target-compile",
+        tc,
         "--engine",
         engine,
     ]
@@ -492,7 +503,7 @@ def _start_run(
             str(_free_port()),
             *cmd[1:],
         ]
-    log_path = Path(args.log_dir or work) / f"pipeline-{engine}-{mode}-{transfer}-{adamw}-{wait}-{repeat}.log"
+    log_path = Path(args.log_dir or work) / f"pipeline-{engine}-{mode}-{transfer}-{adamw}-{wait}-tc{tc}-{repeat}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(

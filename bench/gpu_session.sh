@@ -113,6 +113,12 @@ with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under auto
               --target-intermediate 12288 --iters 10 --warmup 3
               step s15-pipe3 420 python3 bench/gpu_pipeline.py --scale specforge --modes dual --steps 100 \
               --adamw auto,triton --repeats 2 --warm-cache --timeout-s 200 ;;
+    # Session 17 (issue 31 item 4): the target's layers through one compiled call (--target-compile): the prefill
+    # alone eager vs compiled (and the taps' difference), then the specforge pipeline A B A B, triton AdamW
+    s17-target) step s17-prefill 200 python3 -m trainer bench pipeline --preset qwen3-8b --shape specforge \
+              --target-intermediate 12288 --iters 10 --warmup 3 --target-compile
+              step s17-pipe 420 python3 bench/gpu_pipeline.py --scale specforge --modes dual --steps 80 \
+              --adamw triton --target-compile off,on --repeats 2 --warm-cache --timeout-s 200 --budget-s 380 ;;
     # Session 15 (issue 32 item 4): the DFlash2 convolutions' hand-written backward (GroupedDynamicConv) against
     # the session-13 form (dflash2-autograd), DFlash between, profiled; and the in-kernel top-16 by tile width.
     s15-topk) step s15-topk 120 python3 bench/s15_topk_tiles.py ;;

@@ -518,16 +518,29 @@ def bench_pipeline(args: argparse.Namespace, device: torch.device) -> list[dict]
         prefill()
         drafter_step()
 
-    for name, fn in [("target prefill", prefill), ("drafter step", drafter_step), ("prefill + step", both)]:
-        ms = statistics.median(time_ms(fn, device, warmup=args.warmup, iters=args.iters))
-        rows.append(
-            {
-                "what": name,
-                "ms": ms,
-                "ctx_tok_s": shape.rows * shape.ctx / (ms * 1e-3),
-                "block_tok_s": shape.block_tokens / (ms * 1e-3),
-            }
+    def measure(timed: list[tuple[str, Callable[[], None]]]) -> None:
+        for name, fn in timed:
+            ms = statistics.median(time_ms(fn, device, warmup=args.warmup, iters=args.iters))
+            rows.append(
+                {
+                    "what": name,
+                    "ms": ms,
+                    "ctx_tok_s": shape.rows * shape.ctx / (ms * 1e-3),
+                    "block_tok_s": shape.block_tokens / (ms * 1e-3),
+                }
+            )
+
+    measure([("target prefill", prefill), ("drafter step", drafter_step), ("prefill + step", both)])
+    if args.target_compile:  # the same target, its layers now through the compiled call (TargetModel.compile_layers)
+        target.compile_layers()
+        with torch.no_grad():
+            eager_taps = features.ctx_features
+            compiled_taps = target_side.features(batch).ctx_features  # compiles here, outside the timing
+        diff = (compiled_taps.float() - eager_taps.float()).abs().max().item()
+        log(
+            f"compiled target: largest tap difference {diff:.3g} (taps' largest magnitude {eager_taps.abs().max():.3g})"
         )
+        measure([("target compiled", prefill), ("compiled + step", both)])
     print(f"{args.preset} {shape.name}: {shape.rows} x {shape.ctx} context tokens, {shape.block_tokens} block tokens")
     print(f"{'what':<16} {'ms':>9} {'ctx tok/s':>10} {'blk tok/s':>10}")
     for r in rows:
@@ -569,6 +582,12 @@ def main(argv: list[str]) -> int:
         type=int,
         default=0,
         help="pipeline: the random target's MLP width (default 3 x hidden; Qwen3-8B: 12288)",
+    )
+    parser.add_argument(
+        "--target-compile",
+        action="store_true",
+        help="pipeline: then the same rows with the target's layers compiled (--target-compile), and the "
+        "largest difference of the taps (default: off)",
     )
     parser.add_argument("--json-out", help="also write the rows as JSON to this file (default: none)")
     parser.add_argument(

@@ -176,6 +176,8 @@ class TrainConfig:
     kl_temperature: float = 1.0
     cap_lambda: float = 0.0
     activation_checkpointing: bool = False  # recompute drafter layer activations in backward (memory for time)
+    # the target's decoder layer through one compiled call per target (opt-in until measured on the H200)
+    target_compile: bool = False
     loss_chunk_size: int | None = None  # rows per chunk in the logits-free loss (None: ~1 GiB of fp32 logits)
     loss_kernels: str = (
         "auto"  # auto (triton on Hopper, else compiled; eager for an eager drafter) | compiled | eager | triton
@@ -442,6 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
         "pipeline": _bool,
         "enable_thinking": _bool,
         "activation_checkpointing": _bool,
+        "target_compile": _bool,
     }
     choices = {
         "preset": tuple(PRESETS),

@@ -60,7 +60,9 @@ class SingleEngine:
                 drafter = DFlashDrafter(setup.drafter_config)
             if cfg.init_from is not None:
                 drafter.load_state_dict(DFlashDrafter.from_pretrained(cfg.init_from).state_dict())
-        self.target_side = TargetSide(target, setup.target_device, soft_labels=cfg.use_soft_labels)
+        self.target_side = TargetSide(
+            target, setup.target_device, soft_labels=cfg.use_soft_labels, compile=cfg.target_compile
+        )
         self.drafter_side = DrafterSide(
             cfg, drafter, target.embed_weight, target.lm_head_weight, setup.drafter_device, self.total_steps
         )

@@ -180,8 +180,21 @@ def _autocast(device: torch.device) -> contextlib.AbstractContextManager:
 class TargetSide:
     """The frozen target on its device: batch -> FeatureBatch."""
 
-    def __init__(self, target: TargetModel, device: torch.device | str, *, soft_labels: bool = False) -> None:
+    def __init__(
+        self,
+        target: TargetModel,
+        device: torch.device | str,
+        *,
+        soft_labels: bool = False,
+        compile: bool = False,
+        compile_backend: str | None = None,
+    ) -> None:
+        """compile (--target-compile): the target's decoder layers through one compiled call
+        (TargetModel.compile_layers; compile_backend: tests use "eager", as for the drafter)."""
         self.target, self.device, self.soft_labels = target, torch.device(device), soft_labels
+        self.compiled = compile
+        if compile:
+            target.compile_layers(**({"backend": compile_backend} if compile_backend else {}))
 
     def features(self, batch: Batch) -> FeatureBatch:
         batch = batch.to(self.device)

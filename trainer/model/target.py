@@ -12,6 +12,7 @@ not needed, the forward stops right after the highest tapped layer (skips 2 of 3
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,11 @@ def _decoder_layers(model: Any) -> nn.ModuleList:
         if isinstance(layers, nn.ModuleList):
             return layers
     raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (looked for .model.layers)")
+
+
+def _call_layer(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """One decoder layer's own forward (TargetModel.compile_layers compiles this, with the layer as an input)."""
+    return type(layer).forward(layer, *args, **kwargs)
 
 
 class TargetModel:
@@ -142,6 +148,22 @@ class TargetModel:
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
         return cls(model, layer_ids, num_draft_layers=num_draft_layers)
+
+    def compile_layers(self, **compile_kwargs: Any) -> None:
+        """Run every decoder layer through one compiled layer call private to this target (--target-compile).
+
+        Eager HF runs ~30 small element-wise kernels a layer (the norms in fp32, rotary, SiLU x up, the residual
+        adds) between the GEMMs: the qwen3-8b-shaped target's forward at the specforge shape ran at 417 TFLOP/s
+        where its GEMMs alone reach ~600 (bench/RESULTS.md session 17). One call for all layers, as the drafter's
+        `call_layer`: dynamo takes the layer module as an input, so the 36 layers share one graph per input shape
+        instead of one each. A private copy (trainer/compile_scope.py), so targets in different threads never
+        share a dynamo cache. The layers' forward hooks (the taps) still run: they wrap the compiled forward.
+        Compiles at the first call of each shape: the pipeline warms every target before its threads start."""
+        from trainer.compile_scope import private_compile
+
+        call = private_compile(_call_layer, **compile_kwargs)
+        for layer in self._layers:
+            layer.forward = functools.partial(call, layer)
 
     @property
     def embed_weight(self) -> torch.Tensor:

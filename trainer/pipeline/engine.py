@@ -105,7 +105,14 @@ class PipelineEngine:
         targets = [load_target(setup, d) for d in self.target_devices]
         loaded = time.monotonic()
         self.target_sides = [
-            TargetSide(t, d, soft_labels=cfg.use_soft_labels) for t, d in zip(targets, self.target_devices)
+            TargetSide(
+                t,
+                d,
+                soft_labels=cfg.use_soft_labels,
+                compile=cfg.target_compile,
+                compile_backend=self.options.compile_backend,
+            )
+            for t, d in zip(targets, self.target_devices)
         ]
         compile_kw: dict[str, Any] = (
             dict(compile=True, compile_backend=self.options.compile_backend) if self.options.compile_backend else {}
@@ -184,7 +191,7 @@ class PipelineEngine:
         recorder.set_status(phase="compiling")
         report, self.warmed = warm_up_drafters(
             self.sides,
-            self.target_sides[0],
+            self.target_sides,
             lambda g: self._make_batch(g, self.stream),
             self.stream,
             self.order,

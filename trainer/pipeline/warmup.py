@@ -42,7 +42,7 @@ def shapes_to_warm(
 
 def warm_up_drafters(
     sides: Sequence[Any],
-    target_side: Any,
+    target_sides: Sequence[Any],
     make_batch: Callable[[int], Any],
     stream: BatchStream,
     order: GlobalOrder,
@@ -53,7 +53,9 @@ def warm_up_drafters(
 ) -> tuple[WarmupReport, set[tuple[int, int]]]:
     """Forward+backward every replica on one real batch of every shape not in `done` (warmed already); leaves
     weights, grads, RNG untouched. Returns the report and every shape warmed now or before. Needs no particular
-    weights: a restart warms its replicas before the checkpoint is read (trainer.loop)."""
+    weights: a restart warms its replicas before the checkpoint is read (trainer.loop). The features come from
+    the first target; a compiled target (--target-compile) runs every shape too, since each compiles its own
+    private copy and its thread may meet any shape."""
     shapes = {s: g for s, g in shapes_to_warm(stream, order, g_start, g_end, owns).items() if s not in done}
     variants = [(number, shape) for number in range(len(sides)) for shape in sorted(shapes)]
     features_by_shape: dict[tuple[int, int], Any] = {}
@@ -62,8 +64,12 @@ def warm_up_drafters(
     def run_one(variant: tuple[int, tuple[int, int]]) -> None:
         number, shape = variant
         if shape not in features_by_shape:
+            batch = make_batch(shapes[shape])
             with torch.no_grad():
-                features_by_shape[shape] = target_side.features(make_batch(shapes[shape]))
+                features_by_shape[shape] = target_sides[0].features(batch)
+                for other in target_sides[1:]:
+                    if other.compiled:
+                        other.features(batch)
         features = features_by_shape[shape]
         side = sides[number]
         weight_sum = max(float(features.batch.weight_sum), 1.0)
