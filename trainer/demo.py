@@ -129,7 +129,13 @@ def train_argv(target: Path, data: Path, run: Path, mask_id: int, steps: int) ->
     ]
 
 
-def run_demo(workdir: Path, size: DemoSize, arch: str = "dflash", block_size: int = 8) -> int:
+def run_demo(
+    workdir: Path, size: DemoSize, arch: str = "dflash", block_size: int = 8, train_dir: Path | None = None
+) -> int:
+    """Build the tiny world in `workdir`, then train, export and evaluate each arch. The (first) arch trains into
+    `train_dir` when given (dflashops' demo profile passes its run directory, so `status`, `logs` and `runs`
+    show the training's step and loss there), else into workdir/run; with both archs the second into
+    workdir/run-<arch>."""
     from trainer import eval as eval_mod
     from trainer import prepare, train
     from trainer.export import export_drafter, load_drafter, load_training_checkpoint
@@ -192,18 +198,19 @@ def run_demo(workdir: Path, size: DemoSize, arch: str = "dflash", block_size: in
         "pad_id": tokenizer.pad_token_id,
     }
     reports: dict[str, dict] = {}
-    for name in archs:
+    for number, name in enumerate(archs):
         # one arch: run/ and export/ as before; both: run-<arch>/, export-<arch>/, the same data, steps and seed
         suffix = "" if len(archs) == 1 else f"-{name}"
+        run_dir = train_dir if train_dir is not None and number == 0 else workdir / f"run{suffix}"
         log(f"3/5 train {name}: {size.train_steps} steps at block size {block_size}")
         started_train = time.monotonic()
-        argv = train_argv(workdir / "target", workdir / "data", workdir / f"run{suffix}", mask_id, size.train_steps)
+        argv = train_argv(workdir / "target", workdir / "data", run_dir, mask_id, size.train_steps)
         code = train.main([*argv, "--arch", name, "--block-size", str(block_size)])
         if code:
             return code
         train_seconds = time.monotonic() - started_train
         log(f"4/5 export {name}")
-        export_drafter(load_training_checkpoint(workdir / f"run{suffix}"), workdir / f"export{suffix}")
+        export_drafter(load_training_checkpoint(run_dir), workdir / f"export{suffix}")
         log(f"5/5 eval {name} on {len(held_rows)} held-out prompts")
         drafter = load_drafter(workdir / f"export{suffix}")
         report = eval_mod.evaluate(target, drafter, prompts, **common)
@@ -214,7 +221,7 @@ def run_demo(workdir: Path, size: DemoSize, arch: str = "dflash", block_size: in
         seen = eval_mod.evaluate(target, drafter, seen_prompts, baselines=False, **common)
         report["training_prompts"] = {"prompts": len(seen_prompts), **seen["methods"]["trained"]}
         report["budget"] = {"arch": name, "steps": size.train_steps, "train_seconds": round(train_seconds, 1)}
-        report["budget"].update(run_tokens(workdir / f"run{suffix}", block_size))
+        report["budget"].update(run_tokens(run_dir, block_size))
         reports[name] = report
     report = reports[archs[0]] if len(archs) == 1 else {"archs": reports}
     report["demo_seconds"] = time.monotonic() - started
@@ -293,6 +300,11 @@ def main(argv: list[str] | None = None) -> int:
         "(make demo DEMO_ARCH=both) (default: dflash)",
     )
     parser.add_argument("--block-size", type=int, default=8, help="training and eval block size (default: 8)")
+    parser.add_argument(
+        "--train-dir",
+        help="the (first) arch's training run directory (default: WORKDIR/run); dflashops' demo profile passes "
+        "its run directory, so status and runs show the training's step and loss",
+    )
     args = parser.parse_args(argv)
     size = QUICK if args.quick else FULL
     if args.train_steps is not None:
@@ -301,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     # threads spinning against other processes made steps 10-50x slower (measured).
     torch.set_num_threads(1)
     try:
-        return run_demo(Path(args.workdir), size, args.arch, args.block_size)
+        train_dir = Path(args.train_dir) if args.train_dir else None
+        return run_demo(Path(args.workdir), size, args.arch, args.block_size, train_dir)
     except DataInputError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         if exc.hint:

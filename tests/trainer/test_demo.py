@@ -14,8 +14,10 @@ from trainer.shards import read_meta
 
 @pytest.mark.slow
 def test_quick_demo_trained_drafter_beats_both_baselines_losslessly(tmp_path, capsys):
-    workdir = tmp_path / "demo"
-    assert demo.main(["--workdir", str(workdir), "--quick"]) == 0
+    workdir, run_dir = tmp_path / "demo", tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "train.log").write_text("")  # the run directory as dflashops' demo profile hands it over
+    assert demo.main(["--workdir", str(workdir), "--quick", "--train-dir", str(run_dir)]) == 0
     out = capsys.readouterr().out
     assert "trained" in out and "untrained" in out and "ngram" in out
     report = json.loads((workdir / "eval.json").read_text())
@@ -28,6 +30,11 @@ def test_quick_demo_trained_drafter_beats_both_baselines_losslessly(tmp_path, ca
     assert config["architectures"] == ["DFlashDraftModel"] and config["dflash_config"]["block_size"] == 8
     with safe_open(str(workdir / "export" / "model.safetensors"), "pt") as handle:
         assert sorted(handle.keys()) == sorted(public_tensor_names(2))
+    # the training ran in the run directory given, so dflashops' status and runs show its step and loss there
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["step"] == demo.QUICK.train_steps and status["phase"] == "done", status
+    assert (run_dir / "metrics.jsonl").read_text().count("\n") >= 1 and not (workdir / "run").exists()
+    assert report["budget"]["blocks"] > 0  # counted from the run directory's metrics
 
 
 def test_demo_refuses_a_non_empty_workdir(tmp_path, capsys):
