@@ -186,6 +186,9 @@ def fit_only(args) -> None:
     from trainer.loss_triton import fused_ce
 
     print("loss kernels auto ->", resolve_loss_kernels("auto", torch.device("cuda"), True))
+    print(
+        "loss kernels auto, soft labels ->", resolve_loss_kernels("auto", torch.device("cuda"), True, soft_labels=True)
+    )
     logits = torch.randn(512, 151936, device="cuda", dtype=torch.bfloat16)
     labels = torch.randint(0, 151936, (512,), device="cuda")
     grad, lse, ce, _ = fused_ce(logits, labels)

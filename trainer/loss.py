@@ -285,20 +285,18 @@ def _compiled_stats_and_grad(backend: str = "inductor") -> tuple[Callable[..., t
 TRITON_AUTO_MIN_CAPABILITY = (9, 0)
 
 
-def resolve_loss_kernels(requested: str, device: torch.device, compiled: bool) -> str:
+def resolve_loss_kernels(requested: str, device: torch.device, compiled: bool, soft_labels: bool = False) -> str:
     """The chunk kernels a drafter on ``device`` uses for ``--loss-kernels requested`` (explicit kinds pass
-    through, except triton on a CUDA device where no rung of its ladder fits: compiled, with one line): for auto, eager when the drafter is not compiled, triton on a CUDA device of compute capability
-    >= TRITON_AUTO_MIN_CAPABILITY with the triton package installed, else compiled."""
+    through, except triton on a CUDA device where no rung of the run's kernel's ladder fits: compiled, with one
+    line): for auto, eager when the drafter is not compiled, triton on a CUDA device of compute capability >=
+    TRITON_AUTO_MIN_CAPABILITY with the triton package installed and the kernel fitting, else compiled. The
+    kernel is the CE kernel, and with ``soft_labels`` the CE+KL kernel too (its own ladder)."""
     if requested == "triton" and device.type == "cuda":
-        from trainer.loss_triton import fits_device
-
         # asked for by name, still never a kernel that cannot launch here (a ~100 KB-shared-memory GPU): the
         # compiled kernels compute the same loss, and one line says so
-        if not fits_device(device):
-            print(
-                f"loss kernels: the triton CE kernel does not fit {device}'s shared memory (asked: triton); compiled",
-                file=sys.stderr,
-            )
+        misfit = _triton_misfit(device, soft_labels)
+        if misfit:
+            print(f"loss kernels: {misfit} (asked: triton); compiled", file=sys.stderr)
             return "compiled"
     if requested != "auto":
         return requested
@@ -308,15 +306,27 @@ def resolve_loss_kernels(requested: str, device: torch.device, compiled: bool) -
         from trainer.loss_triton import triton_available
 
         if torch.cuda.get_device_capability(device) >= TRITON_AUTO_MIN_CAPABILITY and triton_available():
-            from trainer.loss_triton import fits_device
-
             # never a kernel that cannot launch here: the ladder is compiled against the device's shared memory
-            if fits_device(device):
+            misfit = _triton_misfit(device, soft_labels)
+            if not misfit:
                 return "triton"
-            print(
-                f"loss kernels: the triton CE kernel does not fit {device}'s shared memory; compiled", file=sys.stderr
-            )
+            print(f"loss kernels: {misfit}; compiled", file=sys.stderr)
     return "compiled"
+
+
+def _triton_misfit(device: torch.device, soft_labels: bool) -> str | None:
+    """Why the run's Triton loss kernel cannot launch on `device` (no rung of its ladder fits its shared
+    memory), or None when it can."""
+    from trainer import loss_triton
+
+    if not loss_triton.fits_device(device):
+        return f"the triton CE kernel does not fit {device}'s shared memory"
+    if soft_labels:
+        from trainer import loss_triton_kl
+
+        if not loss_triton_kl.fits_device(device):
+            return f"the triton CE+KL kernel (soft labels) does not fit {device}'s shared memory"
+    return None
 
 
 def make_chunk_kernels(

@@ -68,6 +68,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -283,16 +284,15 @@ def _rows_contiguous(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.stride(1) == 1 else tensor.contiguous()
 
 
-def _launch(
+def _prepare(
     logits, teacher, labels, *, grad, ratio, row_state, temperature: float, stats: bool, config: CEKernelConfig
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One kernel launch; returns (lse, ce, kl, argmax) (empty where ``stats`` is False)."""
+) -> tuple[tuple[torch.Tensor, ...], Callable[[CEKernelConfig], tuple[tuple, tuple, dict]], tuple]:
+    """The outputs (lse, ce, kl, argmax; empty where ``stats`` is False), the launch arguments by configuration
+    and the kernel's specialisation key, for one launch (``_launch``) or a fit check (``fits_device``)."""
     rows, vocab = logits.shape
     device = logits.device
     lse, ce, kl = (torch.empty(rows if stats else 0, dtype=torch.float32, device=device) for _ in range(3))
     argmax = torch.empty(rows if stats else 0, dtype=torch.int64, device=device)
-    if rows == 0:
-        return lse, ce, kl, argmax
     if config.programs_per_sm == 0:
         programs = rows
     else:
@@ -304,7 +304,6 @@ def _launch(
         programs = min(rows, sms * config.programs_per_sm)
     per_row = isinstance(ratio, torch.Tensor)
     placeholder = logits  # for pointers the selected passes never touch
-    guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
     def launch(c: CEKernelConfig) -> tuple[tuple, tuple, dict]:
         args = (
@@ -341,10 +340,60 @@ def _launch(
             ),
         )
 
+    specialisation = (logits.dtype, vocab, stats, grad is not None, per_row, temperature_power(temperature))
+    return (lse, ce, kl, argmax), launch, specialisation
+
+
+def _launch(
+    logits, teacher, labels, *, grad, ratio, row_state, temperature: float, stats: bool, config: CEKernelConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One kernel launch; returns (lse, ce, kl, argmax) (empty where ``stats`` is False)."""
+    outputs, launch, specialisation = _prepare(
+        logits,
+        teacher,
+        labels,
+        grad=grad,
+        ratio=ratio,
+        row_state=row_state,
+        temperature=temperature,
+        stats=stats,
+        config=config,
+    )
+    lse, ce, kl, argmax = outputs
+    if logits.shape[0] == 0:
+        return lse, ce, kl, argmax
+    device = logits.device
+    guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with guard:  # the first configuration of the ladder that fits the device's shared memory (trainer/triton_fit.py)
-        specialisation = (logits.dtype, vocab, stats, grad is not None, per_row, temperature_power(temperature))
         triton_fit.launch_first_fit("ce-kl", _kernel(), config_ladder(config), launch, device, specialisation)
     return lse, ce, kl, argmax
+
+
+def fits_device(device: torch.device, config: CEKernelConfig | None = None) -> bool:
+    """Whether some rung of the CE+KL kernel's ladder compiles within `device`'s shared memory (compiled for a
+    tiny bf16 problem with the gradient pass, not launched; once per device and config): --loss-kernels asks
+    this for a run with soft labels, as trainer.loss_triton.fits_device for CE."""
+    key = (str(device), config)
+    if key not in _FITS:
+        logits = torch.zeros(4, 151936, dtype=torch.bfloat16, device=device)
+        labels = torch.zeros(4, dtype=torch.int64, device=device)
+        _, launch, _ = _prepare(
+            logits,
+            logits,
+            labels,
+            grad=logits,
+            ratio=1.0,
+            row_state=None,
+            temperature=1.0,
+            stats=True,
+            config=config or config_from_env(),
+        )
+        ladder = config_ladder(config or config_from_env())
+        _FITS[key] = triton_fit.fits("ce-kl", _kernel(), ladder, launch, device) is not None
+    return _FITS[key]
+
+
+_FITS: dict[tuple, bool] = {}
 
 
 def _grad_buffer(logits: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

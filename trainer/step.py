@@ -278,7 +278,7 @@ class DrafterSide:
             private_compile(selector_loss, backend=compile_backend) if self.compiled else selector_loss
         )
         # --loss-kernels auto: the fused Triton kernel on Hopper, else follows the layers (trainer/loss.py).
-        kind = resolve_loss_kernels(cfg.loss_kernels, self.device, self.compiled)
+        kind = resolve_loss_kernels(cfg.loss_kernels, self.device, self.compiled, soft_labels=cfg.use_soft_labels)
         check_loss_kernels(kind, self.device)
         self.loss_kernels = make_chunk_kernels(kind, compile_backend=compile_backend)
         self.loss_fn = dflash_loss  # replaceable for benchmarks (e.g. a recomputing baseline)

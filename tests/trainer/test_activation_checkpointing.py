@@ -132,3 +132,37 @@ def test_loss_kernels_triton_asked_by_name_falls_back_where_no_rung_fits(
     monkeypatch.setattr(trainer.loss_triton, "fits_device", lambda device: True)  # the control: it fits, it runs
     assert resolve_loss_kernels("triton", cuda, compiled=True) == "triton"
     assert capsys.readouterr().err == ""
+
+
+def test_loss_kernels_with_soft_labels_also_need_the_ce_kl_kernel_to_fit(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With soft labels the run's Triton loss kernel is the CE+KL kernel (trainer/loss_triton_kl.py), whose ladder
+    is its own: where the CE kernel fits and the CE+KL kernel does not, auto and triton both take the compiled
+    kernels with one line naming the CE+KL kernel; where both fit, triton; without soft labels the CE+KL kernel
+    is never asked. As above, `fits_device` is the one part replaced (no ~100 KB GPU here)."""
+    import trainer.loss_triton
+    import trainer.loss_triton_kl
+    from trainer.loss import resolve_loss_kernels
+
+    cuda = torch.device("cuda", 0)
+    asked: list[str] = []
+
+    def ce_kl_fits(fits: bool):
+        def check(device: torch.device) -> bool:
+            asked.append(str(device))
+            return fits
+
+        return check
+
+    monkeypatch.setattr(trainer.loss_triton, "fits_device", lambda device: True)
+    monkeypatch.setattr(trainer.loss_triton_kl, "fits_device", ce_kl_fits(False))
+    assert resolve_loss_kernels("triton", cuda, compiled=True, soft_labels=True) == "compiled"
+    assert capsys.readouterr().err.splitlines() == [
+        "loss kernels: the triton CE+KL kernel (soft labels) does not fit cuda:0's shared memory (asked: triton); "
+        "compiled"
+    ]
+    assert resolve_loss_kernels("triton", cuda, compiled=True) == "triton" and asked == ["cuda:0"]  # not asked
+    monkeypatch.setattr(trainer.loss_triton_kl, "fits_device", ce_kl_fits(True))  # the control: both fit
+    assert resolve_loss_kernels("triton", cuda, compiled=True, soft_labels=True) == "triton"
+    assert capsys.readouterr().err == ""
