@@ -43,7 +43,7 @@ C = T.BwdConfig
 VARIANTS = {
     "none": C(128, 64, 8, 2, "none"),  # dK, dV only: the 4-matmul floor of this schedule
     "atomic": C(128, 64, 8, 2, "atomic"),
-    "tma": C(128, 64, 8, 2, "tma"),  # the ladder's first rung
+    "tma": C(128, 64, 8, 2, "tma"),  # the ladder's first rung (session 15)
     "tma-s1": C(128, 64, 8, 1, "tma"),  # its second: ~96 KB of shared memory
     "tma-s3": C(128, 64, 8, 3, "tma"),
     "tma-m32": C(128, 32, 8, 2, "tma"),
@@ -51,6 +51,14 @@ VARIANTS = {
     "tma-n64-w8": C(64, 64, 8, 2, "tma"),
     "atomic-n64s1": C(64, 64, 4, 1, "atomic"),  # the ladder's last rungs
     "atomic-n32s1": C(32, 64, 4, 1, "atomic"),
+    # session 17: dQ transposed ("t": dQ^T = K^T dS^T, both operands from shared memory) and the softmax scale
+    # folded into P ("f"); BwdConfig says what each changes
+    "tma-f": C(128, 64, 8, 2, "tma", "f"),
+    "tma-t": C(128, 64, 8, 2, "tma", "t"),
+    "tma-tf": C(128, 64, 8, 2, "tma", "tf"),
+    "tma-tf-s3": C(128, 64, 8, 3, "tma", "tf"),
+    "tma-tf-s1": C(128, 64, 8, 1, "tma", "tf"),
+    "atomic-tf": C(128, 64, 8, 2, "atomic", "tf"),
 }
 SHAPE_NAMES = ("seed", "specforge")
 # bf16 against flex (session 12: 1.2e-3 to 1.8e-3) and against fp32 dense (2.1e-3 to 2.4e-3, flex's own): a wrong
@@ -59,7 +67,7 @@ PARITY_TOL = 1e-2
 
 
 def spec(c: T.BwdConfig) -> str:
-    return f"{c.block_n},{c.block_m},{c.num_warps},{c.num_stages},{c.dq}"
+    return f"{c.block_n},{c.block_m},{c.num_warps},{c.num_stages},{c.dq}" + (f",{c.flags}" if c.flags else "")
 
 
 def time_ms(fn) -> float:
@@ -90,7 +98,7 @@ class Problem:
         """Registers, spills, shared memory of `c`'s compiled kernel (compiles it: the Triton cache keeps it)."""
         _, _, bwd = T._kernels()
         R, H, n_q, D = self.q.shape
-        dq = torch.zeros(R, H, n_q, D, device="cuda")
+        dq = T.dq_buffer(c, self.q)
         delta = torch.zeros(R, H, n_q, device="cuda")
         # dtypes as backward allocates them: the kernel's signature (and so its cache entry) includes them
         dk = torch.empty(self.k.shape, dtype=self.k.dtype, device="cuda")
@@ -147,7 +155,16 @@ def main() -> None:
     ap.add_argument("--best-out", default="")
     ap.add_argument("--workers", type=int, default=14)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--variants", default="", help="comma-separated names of VARIANTS (default: all)")
     args = ap.parse_args()
+    if args.variants:
+        keep = args.variants.split(",")
+        unknown = [n for n in keep if n not in VARIANTS]
+        if unknown:
+            raise SystemExit(f"error: unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+        for name in list(VARIANTS):
+            if name not in keep:
+                del VARIANTS[name]
     import triton
 
     print(f"torch {torch.__version__} triton {triton.__version__} {torch.cuda.get_device_name()}", flush=True)

@@ -74,9 +74,10 @@ def run(name: str) -> dict:
     return {**errs, "padded_rows_zero": padded_rows_zero, "pairs": pairs}
 
 
-# Backward schedules besides the ladder's first (keys per program, query rows per step); dQ by atomics (the TMA
-# reduce has no interpreter: GPU parity covers it, bench/s15_attention_bwd.py).
-SCHEDULES = [(128, 32), (64, 64), (64, 32), (32, 32)]
+# Backward schedules besides the ladder's first (keys per program, query rows per step, BwdConfig flags: "t" dQ
+# transposed, "f" the scale folded into P); dQ by atomics (the TMA reduce has no interpreter: GPU parity covers it,
+# bench/s15_attention_bwd.py).
+SCHEDULES = [(128, 32, ""), (64, 64, ""), (64, 32, ""), (32, 32, ""), (128, 64, "t"), (128, 64, "f"), (64, 32, "tf")]
 
 
 @contextlib.contextmanager
@@ -109,10 +110,11 @@ def run_schedules(name: str) -> dict:
     errs = {}
     with poisoned_empty():
         o, lse = T.forward(qd, kd, vd, table.ctx_lo, table.ctx_hi, table.blk_lo, table.blk_hi, scale)
-        for block_n, block_m in SCHEDULES:
-            config = T.BwdConfig(block_n, block_m, 4, 1, "atomic")
+        for block_n, block_m, flags in SCHEDULES:
+            config = T.BwdConfig(block_n, block_m, 4, 1, "atomic", flags)
             got = T.backward(go, qd, kd, vd, o, lse, table, scale, config=config)
-            errs[f"{block_n}x{block_m}"] = max(float((a - b).norm() / b.norm()) for a, b in zip(got, ref))
+            name = f"{block_n}x{block_m}{'-' + flags if flags else ''}"
+            errs[name] = max(float((a - b).norm() / b.norm()) for a, b in zip(got, ref))
     errs["o"] = float((o - out.detach()).norm() / out.detach().norm())
     return {"seed": seed, "errs": errs}
 

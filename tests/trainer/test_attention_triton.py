@@ -59,10 +59,12 @@ def test_full_pairs_take_the_unmasked_walk_and_padded_rows_keep_theirs_partial(i
 
 @pytest.mark.parametrize("case", ["full-tiles", "sliding"])
 def test_every_backward_schedule_matches_dense_float64(interpreted, case):
-    """128/64/32 keys per program, 64/32 query rows per step (sub-tiles of the table's 64-row tiles), on a fresh
-    random draw with NaN-poisoned outputs: every gradient element written and equal to the dense float64 one."""
+    """128/64/32 keys per program, 64/32 query rows per step (sub-tiles of the table's 64-row tiles), dQ
+    transposed ("t": its own accumulator layout and the kernel that transposes it back) and the softmax scale
+    folded into P ("f"), on a fresh random draw with NaN-poisoned outputs: every gradient element written and
+    equal to the dense float64 one."""
     got = interpreted["schedules"][case]
-    assert set(got["errs"]) == {"128x32", "64x64", "64x32", "32x32", "o"}, got
+    assert set(got["errs"]) == {"128x32", "64x64", "64x32", "32x32", "128x64-t", "128x64-f", "64x32-tf", "o"}, got
     for schedule, err in got["errs"].items():
         assert err < 1e-12, (case, schedule, got)
 
@@ -97,7 +99,19 @@ def test_bwd_config_from_the_environment_leads_the_ladder_and_bad_text_is_named(
     assert T.bwd_ladder() == T.BWD_CONFIGS
     monkeypatch.setenv(T.BWD_ENV, "64, 32, 4, 3, atomic")
     assert T.bwd_ladder() == (T.BwdConfig(64, 32, 4, 3, "atomic"), *T.BWD_CONFIGS)
-    for bad in ("128,64,8,2", "96,64,8,2,tma", "128,48,8,2,tma", "128,64,3,2,tma", "128,64,8,2,none", "a,64,8,2,tma"):
+    monkeypatch.setenv(T.BWD_ENV, "128,64,8,2,tma,ft")
+    assert T.bwd_ladder()[0] == T.BwdConfig(128, 64, 8, 2, "tma", "tf")
+    for bad in (
+        "128,64,8,2",
+        "96,64,8,2,tma",
+        "128,48,8,2,tma",
+        "128,64,3,2,tma",
+        "128,64,8,2,none",
+        "a,64,8,2,tma",
+        "128,64,8,2,tma,x",
+        "128,64,8,2,tma,tt",
+        "128,64,8,2,tma,t,f",
+    ):
         monkeypatch.setenv(T.BWD_ENV, bad)
         with pytest.raises(ValueError, match=T.BWD_ENV):
             T.bwd_ladder()

@@ -106,13 +106,19 @@ class BwdConfig:
     """One backward launch: keys per program (block_n, divides TILE_N_TABLE), query rows per step (block_m,
     divides BLOCK_M_TABLE), warps, pipeline stages, and how dQ is accumulated: "tma" (bulk reduce-add by the
     TMA unit, FA3's way; Hopper and later), "atomic" (fp32 atomics) or "none" (dQ not computed: a timing
-    diagnostic only, never in a ladder)."""
+    diagnostic only, never in a ladder). `flags`, letters of:
+    - "t": dQ computed transposed, dQ^T = K^T dS^T [D, rows], into an fp32 buffer [R, Hq, D, Q] (one more small
+      kernel transposes and casts it at the end): dS^T is stored to shared memory as it is (the B operand of
+      that matmul) instead of transposed through shared memory into registers (the A operand of dS K);
+    - "f": the softmax scale folded into P^T (exp2(S^T - lse + log2 scale): dS^T leaves its matmul scaled, so
+      neither dQ nor dK is multiplied by it per tile; dV divides once at the end)."""
 
     block_n: int
     block_m: int
     num_warps: int
     num_stages: int
     dq: str
+    flags: str = ""
 
 
 DQ_MODES = {"none": 0, "atomic": 1, "tma": 2}
@@ -129,10 +135,13 @@ BWD_ENV = "DFLASH_ATTENTION_BWD_CONFIG"
 
 
 def parse_bwd_config(text: str) -> BwdConfig:
-    """'block_n,block_m,warps,stages,tma|atomic' (e.g. '128,64,8,2,tma') -> BwdConfig; ValueError names what is
-    wrong."""
+    """'block_n,block_m,warps,stages,tma|atomic[,flags]' (e.g. '128,64,8,2,tma' or '128,64,8,2,tma,tf') ->
+    BwdConfig; ValueError names what is wrong."""
     parts = [p.strip() for p in text.split(",")]
-    hint = "expected block_n,block_m,warps,stages,tma|atomic, e.g. 128,64,8,2,tma"
+    hint = "expected block_n,block_m,warps,stages,tma|atomic[,flags of t, f], e.g. 128,64,8,2,tma,tf"
+    flags = parts.pop() if len(parts) == 6 else ""
+    if flags.strip("tf") or len(set(flags)) != len(flags):
+        raise ValueError(f"${BWD_ENV}={text!r}: {hint}")
     if len(parts) != 5 or not all(p.isdigit() for p in parts[:4]):
         raise ValueError(f"${BWD_ENV}={text!r}: {hint}")
     block_n, block_m, warps, stages = (int(p) for p in parts[:4])
@@ -144,7 +153,7 @@ def parse_bwd_config(text: str) -> BwdConfig:
         raise ValueError(f"${BWD_ENV}={text!r}: warps one of 1, 2, 4, 8, 16 and stages 1 to 6")
     if parts[4] not in ("tma", "atomic"):
         raise ValueError(f"${BWD_ENV}={text!r}: {hint}")
-    return BwdConfig(block_n, block_m, warps, stages, parts[4])
+    return BwdConfig(block_n, block_m, warps, stages, parts[4], "".join(f for f in "tf" if f in flags))
 
 
 def bwd_ladder() -> tuple[BwdConfig, ...]:
@@ -269,6 +278,7 @@ def _kernels():
         sdm,
         n_q,
         q_pad,
+        dq_sm,
         HK,
         GROUP,
         qk_scale,
@@ -278,6 +288,8 @@ def _kernels():
         TABLE_M: tl.constexpr,
         MASKED: tl.constexpr,
         DQ_MODE: tl.constexpr,
+        DQ_T: tl.constexpr,
+        FOLD: tl.constexpr,
     ):
         """One (key tile, BLOCK_M query rows of q head g) pair in FA2's orientation: S^T [keys, rows], so P^T
         and dS^T are the A operands of dV and dK as they leave their matmuls; only dQ's is transposed.
@@ -311,8 +323,27 @@ def _kernels():
         dpt = tl.dot(v, tl.trans(do))
         dst = (pt * (dpt - delta[None, :])).to(do.dtype)
         dk += tl.dot(dst, tl.trans(q_t))
-        if DQ_MODE != 0:
-            dq = tl.dot(tl.trans(dst), k) * scale
+        m0 = qt * TABLE_M + (j % (TABLE_M // BLOCK_M)) * BLOCK_M
+        if DQ_MODE != 0 and DQ_T:
+            # dQ^T = K^T dS^T [D, rows]: both operands straight from shared memory (K's tile is there already,
+            # dS^T is stored as it is), no transpose through registers; rows past n_q are clipped by the mask
+            # or by the descriptor's bounds (its columns are this head's n_q rows)
+            dqt = tl.dot(tl.trans(k), dst)
+            if not FOLD:
+                dqt = dqt * scale
+            if DQ_MODE == 1:
+                tl.atomic_add(
+                    DQ + bh * D * dq_sm + offs_d[:, None] * dq_sm + offs_m[None, :],
+                    dqt,
+                    mask=row_ok[None, :],
+                    sem="relaxed",
+                )
+            else:
+                DQ_DESC.atomic_add([bh * D, m0], dqt)
+        elif DQ_MODE != 0:
+            dq = tl.dot(tl.trans(dst), k)
+            if not FOLD:
+                dq = dq * scale
             if DQ_MODE == 1:  # fp32 atomics (vectorised where Triton can)
                 tl.atomic_add(
                     DQ + bh * n_q * D + offs_m[:, None] * D + offs_d[None, :], dq, mask=row_ok[:, None], sem="relaxed"
@@ -322,7 +353,7 @@ def _kernels():
                 # flight while the next pair's matmuls run. The descriptor spans [R*Hq*Q, D]: rows of a tile past
                 # this head's n_q hold exact zeros, so adding them to the next head's first rows changes nothing;
                 # past the last row the TMA unit drops them.
-                DQ_DESC.atomic_add([bh * n_q + qt * TABLE_M + (j % (TABLE_M // BLOCK_M)) * BLOCK_M, 0], dq)
+                DQ_DESC.atomic_add([bh * n_q + m0, 0], dq)
         return dk, dv
 
     # Triton resolves a kernel's callees among its module's globals, not this closure's locals: publish the helper
@@ -364,6 +395,7 @@ def _kernels():
         q_pad,
         q_tiles,
         kv_tiles_t,
+        dq_sm,
         HK,
         GROUP,
         qk_scale,
@@ -374,6 +406,8 @@ def _kernels():
         TABLE_M: tl.constexpr,
         TABLE_N: tl.constexpr,
         DQ_MODE: tl.constexpr,
+        DQ_T: tl.constexpr,
+        FOLD: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         bhk = tl.program_id(1)
@@ -398,8 +432,8 @@ def _kernels():
             g = it // steps
             dk, dv = _bwd_pair(
                 dk, dv, k, v, Q, DO, LSE, DELTA, DQ, DQ_DESC, CLO, CHI, BLO, BHI, list_base, it - g * steps, g,
-                b, hk, offs_n, sqb, sqh, sqm, sdb, sdh, sdm, n_q, q_pad, HK, GROUP, qk_scale, scale,
-                D, BLOCK_M, TABLE_M, False, DQ_MODE,
+                b, hk, offs_n, sqb, sqh, sqm, sdb, sdh, sdm, n_q, q_pad, dq_sm, HK, GROUP, qk_scale, scale,
+                D, BLOCK_M, TABLE_M, False, DQ_MODE, DQ_T, FOLD,
             )  # fmt: skip
         first = steps
         steps = n_part * (TABLE_M // BLOCK_M)
@@ -407,12 +441,16 @@ def _kernels():
             g = it // steps
             dk, dv = _bwd_pair(
                 dk, dv, k, v, Q, DO, LSE, DELTA, DQ, DQ_DESC, CLO, CHI, BLO, BHI, list_base, first + it - g * steps,
-                g, b, hk, offs_n, sqb, sqh, sqm, sdb, sdh, sdm, n_q, q_pad, HK, GROUP, qk_scale, scale,
-                D, BLOCK_M, TABLE_M, True, DQ_MODE,
+                g, b, hk, offs_n, sqb, sqh, sqm, sdb, sdh, sdm, n_q, q_pad, dq_sm, HK, GROUP, qk_scale, scale,
+                D, BLOCK_M, TABLE_M, True, DQ_MODE, DQ_T, FOLD,
             )  # fmt: skip
         kv_rows = bhk * n_kv * D + offs_n[:, None] * D + offs_d[None, :]
-        tl.store(DK + kv_rows, (dk * scale).to(DK.dtype.element_ty), mask=in_kv[:, None])
-        tl.store(DV + kv_rows, dv.to(DV.dtype.element_ty), mask=in_kv[:, None])
+        if FOLD:  # P^T was scale * P (the LSE came in shifted by log2 scale): dS^T and so dK already carry it
+            tl.store(DK + kv_rows, dk.to(DK.dtype.element_ty), mask=in_kv[:, None])
+            tl.store(DV + kv_rows, (dv * (1.0 / scale)).to(DV.dtype.element_ty), mask=in_kv[:, None])
+        else:
+            tl.store(DK + kv_rows, (dk * scale).to(DK.dtype.element_ty), mask=in_kv[:, None])
+            tl.store(DV + kv_rows, dv.to(DV.dtype.element_ty), mask=in_kv[:, None])
 
     return triton, _fwd, _bwd
 
@@ -440,6 +478,28 @@ def _delta_kernel():
         tl.store(DELTA + bh * n_q + offs_m, tl.sum(o.to(acc_ty) * do.to(acc_ty), 1), mask=row_ok)
 
     return _delta
+
+
+@functools.cache
+def _dq_out_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _dq_out(DQT, DQ, n_q, dq_sm, D: tl.constexpr, BLOCK_M: tl.constexpr):
+        """dq[r, h, m, :] = dqt[r, h, :, m] in dq's dtype: the transposed accumulator (BwdConfig flag "t") back
+        to q's layout, one read and one write (Triton transposes the tile on chip)."""
+        pid_m = tl.program_id(0)
+        bh = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, D)
+        row_ok = offs_m < n_q
+        t = tl.load(DQT + bh * D * dq_sm + offs_d[None, :] * dq_sm + offs_m[:, None], mask=row_ok[:, None])
+        tl.store(
+            DQ + bh * n_q * D + offs_m[:, None] * D + offs_d[None, :], t.to(DQ.dtype.element_ty), mask=row_ok[:, None]
+        )
+
+    return _dq_out
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -509,20 +569,37 @@ def effective(c: BwdConfig, device: torch.device) -> BwdConfig:
     if c.dq != "tma":
         return c
     if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
-        return BwdConfig(c.block_n, c.block_m, c.num_warps, c.num_stages, "atomic")
+        return BwdConfig(c.block_n, c.block_m, c.num_warps, c.num_stages, "atomic", c.flags)
     return c
 
 
+def dq_buffer(c: BwdConfig, q: torch.Tensor) -> torch.Tensor:
+    """The zeroed accumulator `c` adds dQ into: fp32 (fp64 for float64 inputs) [R, Hq, Q, D], or with flag "t"
+    [R, Hq, D, Qp] (Qp = Q rounded up to 4: the TMA unit needs 16-byte row strides)."""
+    R, H, n_q, D = q.shape
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if "t" in c.flags:
+        return torch.zeros(R, H, D, -(-n_q // 4) * 4, dtype=acc_dtype, device=q.device)
+    return torch.zeros(R, H, n_q, D, dtype=acc_dtype, device=q.device)
+
+
 def _bwd_launch(c: BwdConfig, q, k, v, do, lse, delta, dq, dk, dv, table: IntervalTable, scale: float):
-    """(grid, args, keyword args) of one backward launch of configuration `c` (already `effective`)."""
+    """(grid, args, keyword args) of one backward launch of configuration `c` (already `effective`); dq from
+    dq_buffer(c, q)."""
     R, H, n_q, D = q.shape
     hkv, n_kv = k.shape[1], k.shape[2]
     kv_tiles_t, q_tiles = table.q_index.shape[1], table.q_index.shape[2]
+    transposed = "t" in c.flags
     desc = None
     if c.dq == "tma":
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        desc = TensorDescriptor.from_tensor(dq.view(R * H * n_q, D), [c.block_m, D])
+        if transposed:  # columns are one head's n_q rows: a tile's rows past n_q are dropped by the TMA unit
+            desc = TensorDescriptor(dq, [R * H * D, n_q], [dq.stride(2), 1], [D, c.block_m])
+        else:
+            desc = TensorDescriptor.from_tensor(dq.view(R * H * n_q, D), [c.block_m, D])
+    if "f" in c.flags:  # P^T = exp2(S^T - lse + log2 scale) = scale * P^T (see BwdConfig)
+        lse = lse - math.log2(scale)
     grid = (-(-n_kv // c.block_n), R * hkv)
     args = (
         q,
@@ -558,6 +635,7 @@ def _bwd_launch(c: BwdConfig, q, k, v, do, lse, delta, dq, dk, dv, table: Interv
         table.ctx_lo.shape[1],
         q_tiles,
         kv_tiles_t,
+        dq.stride(2) if transposed else 0,
         hkv,
         H // hkv,
         scale * 1.4426950408889634,
@@ -570,6 +648,8 @@ def _bwd_launch(c: BwdConfig, q, k, v, do, lse, delta, dq, dk, dv, table: Interv
         TABLE_M=BLOCK_M_TABLE,
         TABLE_N=TILE_N_TABLE,
         DQ_MODE=DQ_MODES[c.dq],
+        DQ_T=transposed,
+        FOLD="f" in c.flags,
         num_warps=c.num_warps,
         num_stages=c.num_stages,
     )
@@ -588,12 +668,18 @@ def backward(do, q, k, v, o, lse, table: IntervalTable, scale: float, config: Bw
     # its sum) moved ~2.7 GB at the seed shape, ~0.8 ms against one ~0.55 GB read.
     delta = torch.empty(R, H, n_q, dtype=acc_dtype, device=q.device)
     o = o.contiguous()
-    dq = torch.zeros(R, H, n_q, D, dtype=acc_dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    buffers: dict[bool, torch.Tensor] = {}  # dQ's accumulator per layout (a ladder may mix them)
+
+    def buffer(c: BwdConfig) -> torch.Tensor:
+        transposed = "t" in c.flags
+        if transposed not in buffers:
+            buffers[transposed] = dq_buffer(c, q)
+        return buffers[transposed]
 
     def launch(c: BwdConfig):
-        return _bwd_launch(effective(c, q.device), q, k, v, do, lse, delta, dq, dk, dv, table, scale)
+        return _bwd_launch(effective(c, q.device), q, k, v, do, lse, delta, buffer(c), dk, dv, table, scale)
 
     # dq is accumulated in place: a rung refused after a partial launch never happens (the fit is decided by
     # compiling, before any launch; an OutOfResources at launch means nothing ran).
@@ -604,9 +690,15 @@ def backward(do, q, k, v, o, lse, table: IntervalTable, scale: float, config: Bw
         if config is not None:
             grid, args, kwargs = launch(config)
             bwd[grid](*args, **kwargs)
+            used = config
         else:
-            triton_fit.launch_first_fit("attention-bwd", bwd, bwd_ladder(), launch, q.device, (q.dtype, D))
-    return dq.to(q.dtype), dk, dv
+            used = triton_fit.launch_first_fit("attention-bwd", bwd, bwd_ladder(), launch, q.device, (q.dtype, D))
+        if "t" not in used.flags:
+            return buffers[False].to(q.dtype), dk, dv
+        dqt = buffers[True]
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        _dq_out_kernel()[(-(-n_q // 64), R * H)](dqt, dq, n_q, dqt.stride(2), D=D, BLOCK_M=64, num_warps=4)
+    return dq, dk, dv
 
 
 def _null():
@@ -746,8 +838,7 @@ def usable(device: torch.device) -> tuple[bool, str]:
         )
 
     def bwd_args(c: BwdConfig):
-        dq = torch.zeros(R, H, n, D, device=device)
-        grid, args, kwargs = _bwd_launch(effective(c, device), q, q, q, q, lse, lse, dq, q, q, table, 1.0)
+        grid, args, kwargs = _bwd_launch(effective(c, device), q, q, q, q, lse, lse, dq_buffer(c, q), q, q, table, 1.0)
         return (1, 1), args, kwargs
 
     limit = triton_fit.smem_limit(device)
