@@ -93,14 +93,14 @@ with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under auto
               else echo "s15: gate closed (no schedule beats flex standalone): no step"; fi
               step s15-fit 60 env -u DFLASH_ATTENTION_BWD_CONFIG DFLASH_SMEM_LIMIT=99K python3 bench/s12_attention.py \
                 --fit-only ;;
-    # Session 17 (issue 31 item 2): the backward's session-15 schedules against dQ transposed ("t") and the scale
-    # folded into P ("f"), three interleaved rounds; the seed step A B A B only when the fastest correct schedule
+    # Session 17 (issue 31 item 2): the backward's session-15 schedules against dQ transposed ("t"), the scale
+    # folded into P ("f") and the matmuls reordered ("o"), three interleaved rounds; the seed step A B A B only when the fastest correct schedule
     # is a new one and the gate opens; then the ~99 KB rehearsal of the new one-stage rung.
-    s17-attn) step s17-bwd 240 python3 bench/s15_attention_bwd.py --rounds 3 --json-out "$OUT/s17-bwd.json" \
-              --best-out "$OUT/s17-best.txt" --variants none,tma,tma-s1,atomic,tma-f,tma-t,tma-tf,tma-tf-s3,tma-tf-s1,atomic-tf
+    s17-attn) step s17-bwd 220 python3 bench/s15_attention_bwd.py --rounds 3 --json-out "$OUT/s17-bwd.json" \
+              --best-out "$OUT/s17-best.txt" --variants none,tma,tma-s1,atomic,tma-f,tma-t,tma-tf,tma-o,tma-tfo,tma-tf-s3,tma-tf-s1,atomic-tf
               if grep -q ',tma,' "$OUT/s17-best.txt" 2>/dev/null; then  # flags follow the mode: a new schedule
                 export DFLASH_ATTENTION_BWD_CONFIG=$(cat "$OUT/s17-best.txt")
-                step s17-seed 170 python3 -m trainer bench step --preset qwen3-8b --shape seed \
+                step s17-seed 160 python3 -m trainer bench step --preset qwen3-8b --shape seed \
                   --variants triton,triton-attn,triton,triton-attn --iters 5 --warmup 2 --json-out "$OUT/s17-seed.json"
               else echo "s17: no new schedule won (or the gate is closed): no step"; fi
               # the candidate ~99 KB rung (dQ transposed, one stage) leading the ladder under the forced limit

@@ -51,14 +51,16 @@ VARIANTS = {
     "tma-n64-w8": C(64, 64, 8, 2, "tma"),
     "atomic-n64s1": C(64, 64, 4, 1, "atomic"),  # the ladder's last rungs
     "atomic-n32s1": C(32, 64, 4, 1, "atomic"),
-    # session 17: dQ transposed ("t": dQ^T = K^T dS^T, both operands from shared memory) and the softmax scale
-    # folded into P ("f"); BwdConfig says what each changes
+    # session 17: dQ transposed ("t": dQ^T = K^T dS^T, both operands from shared memory), the softmax scale
+    # folded into P ("f"), the matmuls reordered ("o"); BwdConfig says what each changes
     "tma-f": C(128, 64, 8, 2, "tma", "f"),
     "tma-t": C(128, 64, 8, 2, "tma", "t"),
     "tma-tf": C(128, 64, 8, 2, "tma", "tf"),
     "tma-tf-s3": C(128, 64, 8, 3, "tma", "tf"),
     "tma-tf-s1": C(128, 64, 8, 1, "tma", "tf"),
     "atomic-tf": C(128, 64, 8, 2, "atomic", "tf"),
+    "tma-o": C(128, 64, 8, 2, "tma", "o"),
+    "tma-tfo": C(128, 64, 8, 2, "tma", "tfo"),
 }
 SHAPE_NAMES = ("seed", "specforge")
 # bf16 against flex (session 12: 1.2e-3 to 1.8e-3) and against fp32 dense (2.1e-3 to 2.4e-3, flex's own): a wrong

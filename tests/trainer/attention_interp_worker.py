@@ -75,9 +75,18 @@ def run(name: str) -> dict:
 
 
 # Backward schedules besides the ladder's first (keys per program, query rows per step, BwdConfig flags: "t" dQ
-# transposed, "f" the scale folded into P); dQ by atomics (the TMA reduce has no interpreter: GPU parity covers it,
+# transposed, "f" the scale folded into P, "o" the matmuls reordered); dQ by atomics (the TMA reduce has no interpreter: GPU parity covers it,
 # bench/s15_attention_bwd.py).
-SCHEDULES = [(128, 32, ""), (64, 64, ""), (64, 32, ""), (32, 32, ""), (128, 64, "t"), (128, 64, "f"), (64, 32, "tf")]
+SCHEDULES = [
+    (128, 32, ""),
+    (64, 64, ""),
+    (64, 32, ""),
+    (32, 32, ""),
+    (128, 64, "t"),
+    (128, 64, "f"),
+    (128, 64, "o"),
+    (64, 32, "tfo"),
+]
 
 
 @contextlib.contextmanager

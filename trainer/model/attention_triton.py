@@ -111,7 +111,9 @@ class BwdConfig:
       kernel transposes and casts it at the end): dS^T is stored to shared memory as it is (the B operand of
       that matmul) instead of transposed through shared memory into registers (the A operand of dS K);
     - "f": the softmax scale folded into P^T (exp2(S^T - lse + log2 scale): dS^T leaves its matmul scaled, so
-      neither dQ nor dK is multiplied by it per tile; dV divides once at the end)."""
+      neither dQ nor dK is multiplied by it per tile; dV divides once at the end);
+    - "o": dP^T's matmul before dV's and dQ's before dK's (Triton waits for each matmul whose result is used next
+      with nothing left in flight: this order lets dV run while dS^T is formed and dK while dQ is reduced)."""
 
     block_n: int
     block_m: int
@@ -138,9 +140,9 @@ def parse_bwd_config(text: str) -> BwdConfig:
     """'block_n,block_m,warps,stages,tma|atomic[,flags]' (e.g. '128,64,8,2,tma' or '128,64,8,2,tma,tf') ->
     BwdConfig; ValueError names what is wrong."""
     parts = [p.strip() for p in text.split(",")]
-    hint = "expected block_n,block_m,warps,stages,tma|atomic[,flags of t, f], e.g. 128,64,8,2,tma,tf"
+    hint = "expected block_n,block_m,warps,stages,tma|atomic[,flags of t, f, o], e.g. 128,64,8,2,tma,tf"
     flags = parts.pop() if len(parts) == 6 else ""
-    if flags.strip("tf") or len(set(flags)) != len(flags):
+    if flags.strip("tfo") or len(set(flags)) != len(flags):
         raise ValueError(f"${BWD_ENV}={text!r}: {hint}")
     if len(parts) != 5 or not all(p.isdigit() for p in parts[:4]):
         raise ValueError(f"${BWD_ENV}={text!r}: {hint}")
@@ -153,7 +155,7 @@ def parse_bwd_config(text: str) -> BwdConfig:
         raise ValueError(f"${BWD_ENV}={text!r}: warps one of 1, 2, 4, 8, 16 and stages 1 to 6")
     if parts[4] not in ("tma", "atomic"):
         raise ValueError(f"${BWD_ENV}={text!r}: {hint}")
-    return BwdConfig(block_n, block_m, warps, stages, parts[4], "".join(f for f in "tf" if f in flags))
+    return BwdConfig(block_n, block_m, warps, stages, parts[4], "".join(f for f in "tfo" if f in flags))
 
 
 def bwd_ladder() -> tuple[BwdConfig, ...]:
@@ -290,6 +292,7 @@ def _kernels():
         DQ_MODE: tl.constexpr,
         DQ_T: tl.constexpr,
         FOLD: tl.constexpr,
+        ORDER: tl.constexpr,
     ):
         """One (key tile, BLOCK_M query rows of q head g) pair in FA2's orientation: S^T [keys, rows], so P^T
         and dS^T are the A operands of dV and dK as they leave their matmuls; only dQ's is transposed.
@@ -319,10 +322,15 @@ def _kernels():
             )
             pt = tl.where(vis, pt, 0.0)
         # (unmasked: a row past n_q has q = dO = lse = delta = 0, so p = 1 and every product below is 0)
-        dv += tl.dot(pt.to(do.dtype), do)
-        dpt = tl.dot(v, tl.trans(do))
+        if ORDER:  # dP^T first: dV's matmul may still run while dS^T is formed
+            dpt = tl.dot(v, tl.trans(do))
+            dv += tl.dot(pt.to(do.dtype), do)
+        else:
+            dv += tl.dot(pt.to(do.dtype), do)
+            dpt = tl.dot(v, tl.trans(do))
         dst = (pt * (dpt - delta[None, :])).to(do.dtype)
-        dk += tl.dot(dst, tl.trans(q_t))
+        if not ORDER:
+            dk += tl.dot(dst, tl.trans(q_t))
         m0 = qt * TABLE_M + (j % (TABLE_M // BLOCK_M)) * BLOCK_M
         if DQ_MODE != 0 and DQ_T:
             # dQ^T = K^T dS^T [D, rows]: both operands straight from shared memory (K's tile is there already,
@@ -354,6 +362,8 @@ def _kernels():
                 # this head's n_q hold exact zeros, so adding them to the next head's first rows changes nothing;
                 # past the last row the TMA unit drops them.
                 DQ_DESC.atomic_add([bh * n_q + m0, 0], dq)
+        if ORDER:  # dK's matmul after dQ's: it may still run while dQ is staged and reduced
+            dk += tl.dot(dst, tl.trans(q_t))
         return dk, dv
 
     # Triton resolves a kernel's callees among its module's globals, not this closure's locals: publish the helper
@@ -408,6 +418,7 @@ def _kernels():
         DQ_MODE: tl.constexpr,
         DQ_T: tl.constexpr,
         FOLD: tl.constexpr,
+        ORDER: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         bhk = tl.program_id(1)
@@ -433,7 +444,7 @@ def _kernels():
             dk, dv = _bwd_pair(
                 dk, dv, k, v, Q, DO, LSE, DELTA, DQ, DQ_DESC, CLO, CHI, BLO, BHI, list_base, it - g * steps, g,
                 b, hk, offs_n, sqb, sqh, sqm, sdb, sdh, sdm, n_q, q_pad, dq_sm, HK, GROUP, qk_scale, scale,
-                D, BLOCK_M, TABLE_M, False, DQ_MODE, DQ_T, FOLD,
+                D, BLOCK_M, TABLE_M, False, DQ_MODE, DQ_T, FOLD, ORDER,
             )  # fmt: skip
         first = steps
         steps = n_part * (TABLE_M // BLOCK_M)
@@ -442,7 +453,7 @@ def _kernels():
             dk, dv = _bwd_pair(
                 dk, dv, k, v, Q, DO, LSE, DELTA, DQ, DQ_DESC, CLO, CHI, BLO, BHI, list_base, first + it - g * steps,
                 g, b, hk, offs_n, sqb, sqh, sqm, sdb, sdh, sdm, n_q, q_pad, dq_sm, HK, GROUP, qk_scale, scale,
-                D, BLOCK_M, TABLE_M, True, DQ_MODE, DQ_T, FOLD,
+                D, BLOCK_M, TABLE_M, True, DQ_MODE, DQ_T, FOLD, ORDER,
             )  # fmt: skip
         kv_rows = bhk * n_kv * D + offs_n[:, None] * D + offs_d[None, :]
         if FOLD:  # P^T was scale * P (the LSE came in shifted by log2 scale): dS^T and so dK already carry it
@@ -650,6 +661,7 @@ def _bwd_launch(c: BwdConfig, q, k, v, do, lse, delta, dq, dk, dv, table: Interv
         DQ_MODE=DQ_MODES[c.dq],
         DQ_T=transposed,
         FOLD="f" in c.flags,
+        ORDER="o" in c.flags,
         num_warps=c.num_warps,
         num_stages=c.num_stages,
     )
