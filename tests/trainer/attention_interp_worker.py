@@ -89,6 +89,12 @@ SCHEDULES = [
 ]
 
 
+def _fwd_split():
+    from trainer.model import attention_triton as T
+
+    return [T.FwdConfig(32, 32, 4, 1, True), T.FwdConfig(64, 128, 4, 1, True)]
+
+
 @contextlib.contextmanager
 def poisoned_empty():
     """torch.empty hands out NaN-filled memory: an output element the kernels fail to write shows as NaN."""
@@ -109,6 +115,7 @@ def run_schedules(name: str) -> dict:
     from trainer.model import attention_triton as T
 
     seed = int.from_bytes(os.urandom(4), "little")
+    FWD_SPLIT = _fwd_split()
     tri, dense, layer, q, k, v, go = _inputs(name, seed)
     out = A.attend(q, k, v, dense, layer)
     out.backward(go)
@@ -125,6 +132,10 @@ def run_schedules(name: str) -> dict:
             name = f"{block_n}x{block_m}{'-' + flags if flags else ''}"
             errs[name] = max(float((a - b).norm() / b.norm()) for a, b in zip(got, ref))
     errs["o"] = float((o - out.detach()).norm() / out.detach().norm())
+    for c in FWD_SPLIT:  # the forward walking its full tiles unmasked: o against dense, lse against the masked walk
+        o2, lse2 = T.forward(qd, kd, vd, table.ctx_lo, table.ctx_hi, table.blk_lo, table.blk_hi, scale, config=c)
+        name = f"o-split-{c.block_m}x{c.block_n}"
+        errs[name] = max(float((o2 - out.detach()).norm() / out.detach().norm()), float((lse2 - lse).abs().max()))
     return {"seed": seed, "errs": errs}
 
 

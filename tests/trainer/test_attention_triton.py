@@ -22,7 +22,7 @@ def _run(*flags: str) -> dict:
     env = {
         key: value
         for key, value in os.environ.items()
-        if key not in ("DFLASH_SMEM_LIMIT", "DFLASH_ATTENTION_BWD_CONFIG")
+        if key not in ("DFLASH_SMEM_LIMIT", "DFLASH_ATTENTION_BWD_CONFIG", "DFLASH_ATTENTION_FWD_SPLIT")
     }
     env["PYTHONPATH"] = str(REPO)
     out = subprocess.run(
@@ -65,6 +65,7 @@ def test_every_backward_schedule_matches_dense_float64(interpreted, case):
     equal to the dense float64 one."""
     got = interpreted["schedules"][case]
     names = {"128x32", "64x64", "64x32", "32x32", "128x64-t", "128x64-f", "128x64-o", "64x32-tfo", "o"}
+    names |= {"o-split-32x32", "o-split-64x128"}
     assert set(got["errs"]) == names, got
     for schedule, err in got["errs"].items():
         assert err < 1e-12, (case, schedule, got)
@@ -116,3 +117,18 @@ def test_bwd_config_from_the_environment_leads_the_ladder_and_bad_text_is_named(
         monkeypatch.setenv(T.BWD_ENV, bad)
         with pytest.raises(ValueError, match=T.BWD_ENV):
             T.bwd_ladder()
+
+
+def test_fwd_split_from_the_environment_and_bad_text_is_named(monkeypatch):
+    from trainer.model import attention_triton as T
+
+    monkeypatch.delenv(T.FWD_SPLIT_ENV, raising=False)
+    assert T.fwd_ladder() == T.FWD_CONFIGS
+    monkeypatch.setenv(T.FWD_SPLIT_ENV, "1")
+    assert [c.split for c in T.fwd_ladder()] == [True] * len(T.FWD_CONFIGS)
+    assert [(c.block_m, c.block_n) for c in T.fwd_ladder()] == [(c.block_m, c.block_n) for c in T.FWD_CONFIGS]
+    monkeypatch.setenv(T.FWD_SPLIT_ENV, "0")
+    assert not any(c.split for c in T.fwd_ladder())
+    monkeypatch.setenv(T.FWD_SPLIT_ENV, "yes")
+    with pytest.raises(ValueError, match=T.FWD_SPLIT_ENV):
+        T.fwd_ladder()

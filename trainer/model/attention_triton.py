@@ -95,10 +95,14 @@ def build_table(
 
 @dataclass(frozen=True)
 class FwdConfig:
+    """One forward launch. `split`: the key tiles every (in-range) row of the query tile sees whole are walked
+    without the mask (as the backward walks its full pairs), the rest masked."""
+
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    split: bool = False
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,19 @@ BWD_CONFIGS = (
     BwdConfig(32, 64, 4, 1, "atomic"),
 )
 BWD_ENV = "DFLASH_ATTENTION_BWD_CONFIG"
+FWD_SPLIT_ENV = "DFLASH_ATTENTION_FWD_SPLIT"
+
+
+def fwd_ladder() -> tuple[FwdConfig, ...]:
+    """FWD_CONFIGS, each with `split` set to $DFLASH_ATTENTION_FWD_SPLIT ("1" or "0") where that is set (the step
+    bench's knob for measuring the split forward in the step)."""
+    import dataclasses
+    import os
+
+    text = os.environ.get(FWD_SPLIT_ENV, "").strip()
+    if text not in ("", "0", "1"):
+        raise ValueError(f"${FWD_SPLIT_ENV}={text!r}: expected 0 or 1")
+    return tuple(dataclasses.replace(c, split=text == "1") for c in FWD_CONFIGS) if text else FWD_CONFIGS
 
 
 def parse_bwd_config(text: str) -> BwdConfig:
@@ -173,6 +190,33 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
+    def _fwd_tiles(
+        acc, m_i, l_i, q, K, V, k_base, v_base, skn, svn, lo, hi, t0, t1, n_kv, qk_scale,
+        D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    ):  # fmt: skip
+        """Online softmax over the key tiles [t0, t1) of one interval; returns (acc, m_i, l_i)."""
+        offs_d = tl.arange(0, D)
+        for start_n in range(t0, t1, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            in_kv = offs_n < n_kv
+            k = tl.load(K + k_base + offs_n[None, :] * skn + offs_d[:, None], mask=in_kv[None, :], other=0.0)
+            s = tl.dot(q, k) * qk_scale
+            if MASKED:
+                vis = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
+                s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V + v_base + offs_n[:, None] * svn + offs_d[None, :], mask=in_kv[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        return acc, m_i, l_i
+
+    globals()["_fwd_tiles"] = _fwd_tiles
+
+    @triton.jit
     def _fwd(
         Q,
         K,
@@ -201,6 +245,7 @@ def _kernels():
         D: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        SPLIT: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
@@ -229,21 +274,25 @@ def _kernels():
                 hi = hi2
             start = (tl.min(tl.where(lo < hi, lo, n_kv)) // BLOCK_N) * BLOCK_N
             end = tl.max(tl.where(lo < hi, hi, 0))
-            for start_n in range(start, end, BLOCK_N):
-                offs_n = start_n + tl.arange(0, BLOCK_N)
-                in_kv = offs_n < n_kv
-                k = tl.load(K + k_base + offs_n[None, :] * skn + offs_d[:, None], mask=in_kv[None, :], other=0.0)
-                s = tl.dot(q, k) * qk_scale
-                vis = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
-                s = tl.where(vis, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                p = tl.exp2(s - m_safe[:, None])
-                alpha = tl.exp2(m_i - m_safe)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(V + v_base + offs_n[:, None] * svn + offs_d[None, :], mask=in_kv[:, None], other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-                m_i = m_new
+            if SPLIT:
+                # [full_lo, full_hi): tiles every in-range row sees whole (a row with an empty interval has
+                # lo >= hi, which leaves the range empty); rows past n_q are never stored, so they may see more
+                full_lo = tl.cdiv(tl.max(tl.where(row_ok, lo, 0)), BLOCK_N) * BLOCK_N
+                full_hi = (tl.min(tl.where(row_ok, hi, n_kv)) // BLOCK_N) * BLOCK_N
+                if full_lo < full_hi:
+                    acc, m_i, l_i = _fwd_tiles(
+                        acc, m_i, l_i, q, K, V, k_base, v_base, skn, svn, lo, hi, start, full_lo, n_kv, qk_scale,
+                        D, BLOCK_N, True,
+                    )  # fmt: skip
+                    acc, m_i, l_i = _fwd_tiles(
+                        acc, m_i, l_i, q, K, V, k_base, v_base, skn, svn, lo, hi, full_lo, full_hi, n_kv, qk_scale,
+                        D, BLOCK_N, False,
+                    )  # fmt: skip
+                    start = full_hi
+            acc, m_i, l_i = _fwd_tiles(
+                acc, m_i, l_i, q, K, V, k_base, v_base, skn, svn, lo, hi, start, end, n_kv, qk_scale,
+                D, BLOCK_N, True,
+            )  # fmt: skip
         seen = l_i > 0
         out = acc / tl.where(seen, l_i, 1.0)[:, None]
         o_rows = OUT + bh * n_q * D + offs_m[:, None] * D + offs_d[None, :]
@@ -524,8 +573,9 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise TypeError(f"q, k, v must have one dtype (got {q.dtype}, {k.dtype}, {v.dtype})")
 
 
-def forward(q, k, v, ctx_lo, ctx_hi, blk_lo, blk_hi, scale: float):
-    """(o [R,Hq,Q,D] contiguous, lse fp32 [R,Hq,Q] in base 2) of the interval-masked attention."""
+def forward(q, k, v, ctx_lo, ctx_hi, blk_lo, blk_hi, scale: float, config: FwdConfig | None = None):
+    """(o [R,Hq,Q,D] contiguous, lse fp32 [R,Hq,Q] in base 2) of the interval-masked attention. `config`: launch
+    that one configuration (benches, tests; no fit check) instead of the first of FWD_CONFIGS that fits."""
     _check(q, k, v)
     _, fwd, _ = _kernels()
     R, H, n_q, D = q.shape
@@ -566,11 +616,22 @@ def forward(q, k, v, ctx_lo, ctx_hi, blk_lo, blk_hi, scale: float):
         return (
             grid,
             args,
-            dict(D=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages),
+            dict(
+                D=D,
+                BLOCK_M=c.block_m,
+                BLOCK_N=c.block_n,
+                SPLIT=c.split,
+                num_warps=c.num_warps,
+                num_stages=c.num_stages,
+            ),
         )
 
     with torch.cuda.device(q.device) if q.is_cuda else _null():
-        triton_fit.launch_first_fit("attention-fwd", fwd, FWD_CONFIGS, launch, q.device, (q.dtype, D))
+        if config is not None:
+            grid, args, kwargs = launch(config)
+            fwd[grid](*args, **kwargs)
+        else:
+            triton_fit.launch_first_fit("attention-fwd", fwd, fwd_ladder(), launch, q.device, (q.dtype, D))
     return o, lse
 
 
@@ -846,7 +907,14 @@ def usable(device: torch.device) -> tuple[bool, str]:
         return (
             (1, 1),
             args,
-            dict(D=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages),
+            dict(
+                D=D,
+                BLOCK_M=c.block_m,
+                BLOCK_N=c.block_n,
+                SPLIT=c.split,
+                num_warps=c.num_warps,
+                num_stages=c.num_stages,
+            ),
         )
 
     def bwd_args(c: BwdConfig):
@@ -854,7 +922,7 @@ def usable(device: torch.device) -> tuple[bool, str]:
         return (1, 1), args, kwargs
 
     limit = triton_fit.smem_limit(device)
-    if triton_fit.fits("attention-fwd", fwd, FWD_CONFIGS, fwd_args, device) is None:
+    if triton_fit.fits("attention-fwd", fwd, fwd_ladder(), fwd_args, device) is None:
         return False, f"no forward configuration within {limit} B of shared memory"
     if triton_fit.fits("attention-bwd", bwd, bwd_ladder(), bwd_args, device) is None:
         return False, f"no backward configuration within {limit} B of shared memory"
