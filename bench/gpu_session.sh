@@ -101,12 +101,12 @@ with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under auto
               --best-out "$OUT/s17-best.txt" --split-out "$OUT/s17-split.txt" \
               --variants none,tma,tma-s1,atomic,tma-f,tma-t,tma-tf,tma-o,tma-tfo,tma-tf-s3,tma-tf-s1,atomic-tf
               if [ -s "$OUT/s17-best.txt" ]; then
-                step s17-seed 170 env DFLASH_ATTENTION_BWD_CONFIG="$(cat "$OUT/s17-best.txt")" \
+                step s17-seed 150 env DFLASH_ATTENTION_BWD_CONFIG="$(cat "$OUT/s17-best.txt")" \
                   DFLASH_ATTENTION_FWD_SPLIT="$(cat "$OUT/s17-split.txt")" python3 -m trainer bench step \
                   --preset qwen3-8b --shape seed --variants triton,triton-attn,triton,triton-attn --iters 5 --warmup 2 \
                   --json-out "$OUT/s17-seed.json"
               else echo "s17: the gate is closed: no step"; fi
-              step s17-fit 60 env DFLASH_ATTENTION_BWD_CONFIG=128,64,8,1,tma,tf DFLASH_SMEM_LIMIT=99K \
+              step s17-fit 45 env DFLASH_ATTENTION_BWD_CONFIG=128,64,8,1,tma,tf DFLASH_SMEM_LIMIT=99K \
                 python3 bench/s12_attention.py --fit-only ;;
     # Session 15 (issue 31 items 3-4): the optimizer step alone (torch's fused AdamW vs trainer/adamw_triton.py),
     # the specforge step with and without it (per call and back to back, profiled), the one-GPU pipeline at the
