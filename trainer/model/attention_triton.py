@@ -129,10 +129,19 @@ class BwdConfig:
 
 DQ_MODES = {"none": 0, "atomic": 1, "tma": 2}
 
-# Fastest first (H200, session 15); the later rungs for ~100 KB of shared memory (Blackwell), the last for anything.
-FWD_CONFIGS = (FwdConfig(128, 128, 8, 2), FwdConfig(128, 64, 8, 2), FwdConfig(64, 64, 4, 2), FwdConfig(64, 32, 4, 1))
+# Fastest first (H200, sessions 15 and 17); the later rungs for ~100 KB of shared memory (Blackwell), the last for
+# anything. The forward walks its full key tiles unmasked (session 17: 6.10 against 6.67 ms at the seed shape); the
+# backward's rung 0 is `128,64,8,2,tma,tfo` (session 17: 14.30 ms against session 15's `128,64,8,2,tma` at 16.39,
+# still selectable through $DFLASH_ATTENTION_BWD_CONFIG); rung 1 keeps session 15's one-stage schedule (19.8 ms,
+# "tf" did not help it: 19.9).
+FWD_CONFIGS = (
+    FwdConfig(128, 128, 8, 2, True),
+    FwdConfig(128, 64, 8, 2, True),
+    FwdConfig(64, 64, 4, 2, True),
+    FwdConfig(64, 32, 4, 1, True),
+)
 BWD_CONFIGS = (
-    BwdConfig(128, 64, 8, 2, "tma"),
+    BwdConfig(128, 64, 8, 2, "tma", "tfo"),
     BwdConfig(128, 64, 8, 1, "tma"),
     BwdConfig(64, 64, 4, 1, "atomic"),
     BwdConfig(32, 64, 4, 1, "atomic"),
@@ -143,7 +152,7 @@ FWD_SPLIT_ENV = "DFLASH_ATTENTION_FWD_SPLIT"
 
 def fwd_ladder() -> tuple[FwdConfig, ...]:
     """FWD_CONFIGS, each with `split` set to $DFLASH_ATTENTION_FWD_SPLIT ("1" or "0") where that is set (the step
-    bench's knob for measuring the split forward in the step)."""
+    bench's knob: "0" is the masked forward of session 15)."""
     import dataclasses
     import os
 
@@ -637,11 +646,12 @@ def forward(q, k, v, ctx_lo, ctx_hi, blk_lo, blk_hi, scale: float, config: FwdCo
 
 def effective(c: BwdConfig, device: torch.device) -> BwdConfig:
     """`c` as it can run on `device`: the TMA reduce needs Hopper or later and a compiled kernel (Triton's CPU
-    interpreter has no descriptor reduce), elsewhere the same tiles accumulate dQ with atomics."""
+    interpreter has no descriptor reduce), elsewhere the same tiles accumulate dQ with atomics, without flag "t"
+    (its transposed atomics were slower on the H200: `atomic-tf` 18.4 against `atomic` 17.4 ms, session 17)."""
     if c.dq != "tma":
         return c
     if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
-        return BwdConfig(c.block_n, c.block_m, c.num_warps, c.num_stages, "atomic", c.flags)
+        return BwdConfig(c.block_n, c.block_m, c.num_warps, c.num_stages, "atomic", c.flags.replace("t", ""))
     return c
 
 
@@ -752,7 +762,8 @@ def backward(do, q, k, v, o, lse, table: IntervalTable, scale: float, config: Bw
         return buffers[transposed]
 
     def launch(c: BwdConfig):
-        return _bwd_launch(effective(c, q.device), q, k, v, do, lse, delta, buffer(c), dk, dv, table, scale)
+        e = effective(c, q.device)
+        return _bwd_launch(e, q, k, v, do, lse, delta, buffer(e), dk, dv, table, scale)
 
     # dq is accumulated in place: a rung refused after a partial launch never happens (the fit is decided by
     # compiling, before any launch; an OutOfResources at launch means nothing ran).
@@ -766,7 +777,7 @@ def backward(do, q, k, v, o, lse, table: IntervalTable, scale: float, config: Bw
             used = config
         else:
             used = triton_fit.launch_first_fit("attention-bwd", bwd, bwd_ladder(), launch, q.device, (q.dtype, D))
-        if "t" not in used.flags:
+        if "t" not in effective(used, q.device).flags:
             return buffers[False].to(q.dtype), dk, dv
         dqt = buffers[True]
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -918,7 +929,8 @@ def usable(device: torch.device) -> tuple[bool, str]:
         )
 
     def bwd_args(c: BwdConfig):
-        grid, args, kwargs = _bwd_launch(effective(c, device), q, q, q, q, lse, lse, dq_buffer(c, q), q, q, table, 1.0)
+        e = effective(c, device)
+        grid, args, kwargs = _bwd_launch(e, q, q, q, q, lse, lse, dq_buffer(e, q), q, q, table, 1.0)
         return (1, 1), args, kwargs
 
     limit = triton_fit.smem_limit(device)
