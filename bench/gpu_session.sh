@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call = one of these sections; each step has its own timeout so one hang cannot eat the call.
 # Usage (on the GPU machine, repo root): bash bench/gpu_session.sh SECTION...   (logs under $OUT when set)
-# Session 17 call (issue 31 item 2): `s17-attn`.
+# Session 17 call (issue 31 item 2): `s17-attn` (run at d2278b9; since then the split forward and `tma,tfo` are
+# the defaults, and the bench times the masked forward beside the default one).
 # Session 15 calls (issue 31 item 2): `env s15-attn`, then `s15-attn` (with the ~99 KB rehearsal).
 # Session 15 calls (issue 31 items 3-4): `env s15-sf`, then `s15-2`, then (the coordinator) `s15-wait`; `s15-next` is
 # what to run next.
