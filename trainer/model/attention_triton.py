@@ -7,17 +7,20 @@ the first lies in [0, S), the second in [S, K).
 Forward (one program per (BLOCK_M query rows, batch row x q head)): two loops over key tiles, one per interval,
 each from the lowest `lo` to the highest `hi` of the tile's rows (sorted anchors: a tile's rows share a few
 anchors, so the context loop stops near them: flex's tile skipping, read off the intervals). Online softmax in
-fp32; writes O and the log-sum-exp (base 2) per row. A row that sees nothing gets O = 0.
+fp32; writes O and the log-sum-exp (base 2) per row. A row that sees nothing gets O = 0. The key tiles every row
+of the query tile sees whole are walked without the mask (FwdConfig.split), the ones before and after masked.
 
 Backward (FA2's schedule, FA3's dQ accumulation): one program per (BLOCK_N key tile, batch row x kv head) keeps
 its K and V tiles and the dK/dV accumulators on chip and walks the query tiles that meet it (a compacted list per
 key tile, built once per mask: no empty tile visited) for every q head of its GQA group, in FA2's orientation:
 S^T = K Q^T, P^T = exp2(S^T - lse), dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q,
 dQ = dS K: five matmuls per tile pair where flex's backward does seven (its dq programs recompute QK^T and dP).
-dQ is added into an fp32 [R*Hq*Q, D] buffer by the TMA unit's bulk reduce-add (Hopper and later; fp32 atomics
-elsewhere and under the interpreter). The full pairs (every row sees every key of the tile) are walked first,
-without the mask and without loading the rows' bounds; the partial ones after, masked. bench/RESULTS.md session
-15 has the measurements behind each of these choices.
+dQ is added into an fp32 buffer by the TMA unit's bulk reduce-add (Hopper and later; fp32 atomics elsewhere and
+under the interpreter); the default schedule computes it transposed into [R, Hq, D, Q], folds the softmax scale
+into P, and issues the matmuls in the order that lets dV and dK overlap other work (BwdConfig's flags). The full
+pairs (every row sees every key of the tile) are walked first, without the mask and without loading the rows'
+bounds; the partial ones after, masked. bench/RESULTS.md sessions 15 and 17 have the measurements behind each of
+these choices.
 
 Launch configurations come from a ladder per kernel, fastest first on the H200, walked by
 trainer/triton_fit.py against the device's shared-memory limit (Blackwell: ~100 KB). The query-tile lists are at
