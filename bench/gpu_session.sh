@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call = one of these sections; each step has its own timeout so one hang cannot eat the call.
 # Usage (on the GPU machine, repo root): bash bench/gpu_session.sh SECTION...   (logs under $OUT when set)
+# Session 17 call (issue 31 item 2): `s17-attn` (run at d2278b9; since then the split forward and `tma,tfo` are
+# the defaults, and the bench times the masked forward beside the default one).
 # Session 15 calls (issue 31 item 2): `env s15-attn`, then `s15-attn` (with the ~99 KB rehearsal).
 # Session 15 calls (issue 31 items 3-4): `env s15-sf`, then `s15-2`, then (the coordinator) `s15-wait`; `s15-next` is
 # what to run next.
@@ -92,6 +94,21 @@ with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under auto
               else echo "s15: gate closed (no schedule beats flex standalone): no step"; fi
               step s15-fit 60 env -u DFLASH_ATTENTION_BWD_CONFIG DFLASH_SMEM_LIMIT=99K python3 bench/s12_attention.py \
                 --fit-only ;;
+    # Session 17 (issue 31 item 2): the backward's session-15 schedules against dQ transposed ("t"), the scale
+    # folded into P ("f") and the matmuls reordered ("o"), and the forward walking its full tiles unmasked, three
+    # interleaved rounds; the seed step A B A B (flex against ours with the fastest correct backward and, where it
+    # won standalone, the split forward) when the gate opens; then the ~99 KB rehearsal of the new one-stage rung.
+    s17-attn) step s17-bwd 220 python3 bench/s15_attention_bwd.py --rounds 3 --json-out "$OUT/s17-bwd.json" \
+              --best-out "$OUT/s17-best.txt" --split-out "$OUT/s17-split.txt" \
+              --variants none,tma,tma-s1,atomic,tma-f,tma-t,tma-tf,tma-o,tma-tfo,tma-tf-s3,tma-tf-s1,atomic-tf
+              if [ -s "$OUT/s17-best.txt" ]; then
+                step s17-seed 150 env DFLASH_ATTENTION_BWD_CONFIG="$(cat "$OUT/s17-best.txt")" \
+                  DFLASH_ATTENTION_FWD_SPLIT="$(cat "$OUT/s17-split.txt")" python3 -m trainer bench step \
+                  --preset qwen3-8b --shape seed --variants triton,triton-attn,triton,triton-attn --iters 5 --warmup 2 \
+                  --json-out "$OUT/s17-seed.json"
+              else echo "s17: the gate is closed: no step"; fi
+              step s17-fit 45 env DFLASH_ATTENTION_BWD_CONFIG=128,64,8,1,tma,tf DFLASH_SMEM_LIMIT=99K \
+                python3 bench/s12_attention.py --fit-only ;;
     # Session 15 (issue 31 items 3-4): the optimizer step alone (torch's fused AdamW vs trainer/adamw_triton.py),
     # the specforge step with and without it (per call and back to back, profiled), the one-GPU pipeline at the
     # specforge shape (full-depth random Qwen3-8B target, two drafter threads).

@@ -145,7 +145,7 @@ def fit_only(args) -> None:
     _, fwd, bwd = T._kernels()
     R, H, n_q, _ = q.shape
     for _key, index in triton_fit.chosen("attention-fwd").items():
-        c = T.FWD_CONFIGS[index]
+        c = T.fwd_ladder()[index]
         o = torch.empty(R, H, n_q, D, dtype=q.dtype, device="cuda")
         lse = torch.empty(R, H, n_q, device="cuda")
         tb = tri.triton[A.FULL]
@@ -169,10 +169,19 @@ def fit_only(args) -> None:
             H // k.shape[1],
             1.0,
         )
-        kw = dict(D=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages)
+        kw = dict(
+            D=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n, SPLIT=c.split, num_warps=c.num_warps, num_stages=c.num_stages
+        )
         print(f"fwd rung {index} {c}: shared {int(fwd.warmup(*a, grid=(1, 1), **kw).metadata.shared)} B", flush=True)
-        for j, c0 in enumerate(T.FWD_CONFIGS[:index]):
-            kw0 = dict(D=D, BLOCK_M=c0.block_m, BLOCK_N=c0.block_n, num_warps=c0.num_warps, num_stages=c0.num_stages)
+        for j, c0 in enumerate(T.fwd_ladder()[:index]):
+            kw0 = dict(
+                D=D,
+                BLOCK_M=c0.block_m,
+                BLOCK_N=c0.block_n,
+                SPLIT=c0.split,
+                num_warps=c0.num_warps,
+                num_stages=c0.num_stages,
+            )
             print(f"  refused rung {j} {c0}: shared {int(fwd.warmup(*a, grid=(1, 1), **kw0).metadata.shared)} B")
     for _key, index in triton_fit.chosen("attention-bwd").items():
         print(f"bwd rung {index} {T.bwd_ladder()[index]}")  # the ladder $DFLASH_ATTENTION_BWD_CONFIG may lead

@@ -43,7 +43,7 @@ C = T.BwdConfig
 VARIANTS = {
     "none": C(128, 64, 8, 2, "none"),  # dK, dV only: the 4-matmul floor of this schedule
     "atomic": C(128, 64, 8, 2, "atomic"),
-    "tma": C(128, 64, 8, 2, "tma"),  # the ladder's first rung
+    "tma": C(128, 64, 8, 2, "tma"),  # the ladder's first rung (session 15)
     "tma-s1": C(128, 64, 8, 1, "tma"),  # its second: ~96 KB of shared memory
     "tma-s3": C(128, 64, 8, 3, "tma"),
     "tma-m32": C(128, 32, 8, 2, "tma"),
@@ -51,7 +51,19 @@ VARIANTS = {
     "tma-n64-w8": C(64, 64, 8, 2, "tma"),
     "atomic-n64s1": C(64, 64, 4, 1, "atomic"),  # the ladder's last rungs
     "atomic-n32s1": C(32, 64, 4, 1, "atomic"),
+    # session 17: dQ transposed ("t": dQ^T = K^T dS^T, both operands from shared memory), the softmax scale
+    # folded into P ("f"), the matmuls reordered ("o"); BwdConfig says what each changes
+    "tma-f": C(128, 64, 8, 2, "tma", "f"),
+    "tma-t": C(128, 64, 8, 2, "tma", "t"),
+    "tma-tf": C(128, 64, 8, 2, "tma", "tf"),
+    "tma-tf-s3": C(128, 64, 8, 3, "tma", "tf"),
+    "tma-tf-s1": C(128, 64, 8, 1, "tma", "tf"),
+    "atomic-tf": C(128, 64, 8, 2, "atomic", "tf"),
+    "tma-o": C(128, 64, 8, 2, "tma", "o"),
+    "tma-tfo": C(128, 64, 8, 2, "tma", "tfo"),
 }
+# session 15's forward (every key tile masked), timed beside the default (since session 17: full tiles unmasked)
+FWD_MASKED = T.FwdConfig(128, 128, 8, 2, False)
 SHAPE_NAMES = ("seed", "specforge")
 # bf16 against flex (session 12: 1.2e-3 to 1.8e-3) and against fp32 dense (2.1e-3 to 2.4e-3, flex's own): a wrong
 # index or a lost tile is O(1)
@@ -59,7 +71,7 @@ PARITY_TOL = 1e-2
 
 
 def spec(c: T.BwdConfig) -> str:
-    return f"{c.block_n},{c.block_m},{c.num_warps},{c.num_stages},{c.dq}"
+    return f"{c.block_n},{c.block_m},{c.num_warps},{c.num_stages},{c.dq}" + (f",{c.flags}" if c.flags else "")
 
 
 def time_ms(fn) -> float:
@@ -79,9 +91,9 @@ class Problem:
         if with_flex:
             _, self.flex_grads = run(self.q, self.k, self.v, self.go, self.flex, True)
 
-    def forward(self):
+    def forward(self, config: T.FwdConfig | None = None):
         t = self.table
-        return T.forward(self.q, self.k, self.v, t.ctx_lo, t.ctx_hi, t.blk_lo, t.blk_hi, self.scale)
+        return T.forward(self.q, self.k, self.v, t.ctx_lo, t.ctx_hi, t.blk_lo, t.blk_hi, self.scale, config=config)
 
     def backward(self, c: T.BwdConfig):
         return T.backward(self.go, self.q, self.k, self.v, self.o, self.lse, self.table, self.scale, config=c)
@@ -90,12 +102,12 @@ class Problem:
         """Registers, spills, shared memory of `c`'s compiled kernel (compiles it: the Triton cache keeps it)."""
         _, _, bwd = T._kernels()
         R, H, n_q, D = self.q.shape
-        dq = torch.zeros(R, H, n_q, D, device="cuda")
         delta = torch.zeros(R, H, n_q, device="cuda")
         # dtypes as backward allocates them: the kernel's signature (and so its cache entry) includes them
         dk = torch.empty(self.k.shape, dtype=self.k.dtype, device="cuda")
         dv = torch.empty(self.v.shape, dtype=self.v.dtype, device="cuda")
         e = T.effective(c, self.q.device)
+        dq = T.dq_buffer(e, self.q)
         grid, args, kwargs = T._bwd_launch(
             e, self.q, self.k, self.v, self.go, self.lse, delta, dq, dk, dv, self.table, 1.0
         )
@@ -145,9 +157,21 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json-out", default="")
     ap.add_argument("--best-out", default="")
+    ap.add_argument(
+        "--split-out", default="", help="write 1 when the (default) split forward beats the masked one at seed, else 0"
+    )
     ap.add_argument("--workers", type=int, default=14)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--variants", default="", help="comma-separated names of VARIANTS (default: all)")
     args = ap.parse_args()
+    if args.variants:
+        keep = args.variants.split(",")
+        unknown = [n for n in keep if n not in VARIANTS]
+        if unknown:
+            raise SystemExit(f"error: unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+        for name in list(VARIANTS):
+            if name not in keep:
+                del VARIANTS[name]
     import triton
 
     print(f"torch {torch.__version__} triton {triton.__version__} {torch.cuda.get_device_name()}", flush=True)
@@ -209,6 +233,10 @@ def main() -> None:
                         errs.pop("dq")
                     out["parity"][name]["vs_dense"] = errs
             del od, gd
+        with poisoned_empty():
+            o_masked, lse_masked = p.forward(FWD_MASKED)
+        out["fwd_masked_vs_fwd"] = {"o": rel(o_masked, p.o), "lse": float((lse_masked - p.lse).abs().max())}
+        print(f"{shape_name}: masked forward vs the default {out['fwd_masked_vs_fwd']}", flush=True)
         print(f"{shape_name}: set up + parity in {time.perf_counter() - t0:.1f} s", flush=True)
         for name, par in out["parity"].items():
             print(f"{shape_name} {name:<16} {out['stats'][name]} {json.dumps(par)}", flush=True)
@@ -219,6 +247,7 @@ def main() -> None:
             both = time_ms(lambda p=p: run(p.q, p.k, p.v, p.go, p.flex, True))
             ms.setdefault("flex bwd", []).append(both - ms["flex fwd"][-1])
             ms.setdefault("ours fwd", []).append(time_ms(p.forward))
+            ms.setdefault("ours fwd masked", []).append(time_ms(lambda p=p: p.forward(FWD_MASKED)))
             for name in runnable:
                 ms.setdefault(name, []).append(time_ms(lambda p=p, c=VARIANTS[name]: p.backward(c)))
         results["shapes"][shape_name] = out
@@ -227,7 +256,7 @@ def main() -> None:
         f"\n{'variant':<16} {'spec':<22} {'regs':>4} {'spill':>5} {'smem':>7} | seed ms (x fwd) | specforge ms | parity"
     )
     seed, sf = results["shapes"]["seed"], results["shapes"]["specforge"]
-    for label in ("flex fwd", "flex bwd", "ours fwd"):
+    for label in ("flex fwd", "flex bwd", "ours fwd", "ours fwd masked"):
         print(f"{label:<16} {'':<22} {'':>4} {'':>5} {'':>7} | {fmt(seed['ms'][label])} | {fmt(sf['ms'][label])}")
     best, best_ms = None, float("inf")
     for name, c in VARIANTS.items():
@@ -251,11 +280,23 @@ def main() -> None:
     flex_total = statistics.median(seed["ms"]["flex fwd"]) + statistics.median(seed["ms"]["flex bwd"])
     ours_total = statistics.median(seed["ms"]["ours fwd"]) + best_ms
     gate = best is not None and ours_total < flex_total
+    masked_fwd = statistics.median(seed["ms"]["ours fwd masked"])
     print(f"best {best} ({best_ms:.2f} ms); seed fwd+bwd ours {ours_total:.2f} vs flex {flex_total:.2f}: gate {gate}")
+    print(
+        f"with the masked forward: fwd {masked_fwd:.2f} ms, bwd/fwd {best_ms / masked_fwd:.2f}x, "
+        f"fwd+bwd {masked_fwd + best_ms:.2f}"
+    )
     results["best"] = best
     results["gate"] = gate
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=1, default=str))
+    split_ok = all(v < PARITY_TOL for r in results["shapes"].values() for v in r["fwd_masked_vs_fwd"].values())
+    split_wins = split_ok and statistics.median(seed["ms"]["ours fwd"]) < masked_fwd
+    print(
+        f"default (split) forward: parity {'ok' if split_ok else 'FAILED'}, {'faster' if split_wins else 'not faster'}"
+    )
+    if args.split_out:
+        Path(args.split_out).write_text("1\n" if split_wins else "0\n")
     if args.best_out:
         Path(args.best_out).write_text(spec(VARIANTS[best]) + "\n" if gate and best else "")
 

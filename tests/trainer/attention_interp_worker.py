@@ -74,9 +74,26 @@ def run(name: str) -> dict:
     return {**errs, "padded_rows_zero": padded_rows_zero, "pairs": pairs}
 
 
-# Backward schedules besides the ladder's first (keys per program, query rows per step); dQ by atomics (the TMA
-# reduce has no interpreter: GPU parity covers it, bench/s15_attention_bwd.py).
-SCHEDULES = [(128, 32), (64, 64), (64, 32), (32, 32)]
+# Backward schedules besides the ladder's first (keys per program, query rows per step, BwdConfig flags: "t" dQ
+# transposed, "f" the scale folded into P, "o" the matmuls reordered); dQ by atomics (the TMA reduce has no interpreter: GPU parity covers it,
+# bench/s15_attention_bwd.py).
+SCHEDULES = [
+    (128, 32, ""),
+    (64, 64, ""),
+    (64, 32, ""),
+    (32, 32, ""),
+    (128, 64, "t"),
+    (128, 64, "f"),
+    (128, 64, "o"),
+    (64, 32, "tfo"),
+]
+
+
+def _fwd_split():
+    from trainer.model import attention_triton as T
+
+    # split (the default) at two tile shapes, and session 15's masked walk
+    return [T.FwdConfig(32, 32, 4, 1, True), T.FwdConfig(64, 128, 4, 1, True), T.FwdConfig(64, 64, 4, 1, False)]
 
 
 @contextlib.contextmanager
@@ -99,6 +116,7 @@ def run_schedules(name: str) -> dict:
     from trainer.model import attention_triton as T
 
     seed = int.from_bytes(os.urandom(4), "little")
+    FWD_SPLIT = _fwd_split()
     tri, dense, layer, q, k, v, go = _inputs(name, seed)
     out = A.attend(q, k, v, dense, layer)
     out.backward(go)
@@ -109,11 +127,16 @@ def run_schedules(name: str) -> dict:
     errs = {}
     with poisoned_empty():
         o, lse = T.forward(qd, kd, vd, table.ctx_lo, table.ctx_hi, table.blk_lo, table.blk_hi, scale)
-        for block_n, block_m in SCHEDULES:
-            config = T.BwdConfig(block_n, block_m, 4, 1, "atomic")
+        for block_n, block_m, flags in SCHEDULES:
+            config = T.BwdConfig(block_n, block_m, 4, 1, "atomic", flags)
             got = T.backward(go, qd, kd, vd, o, lse, table, scale, config=config)
-            errs[f"{block_n}x{block_m}"] = max(float((a - b).norm() / b.norm()) for a, b in zip(got, ref))
+            name = f"{block_n}x{block_m}{'-' + flags if flags else ''}"
+            errs[name] = max(float((a - b).norm() / b.norm()) for a, b in zip(got, ref))
     errs["o"] = float((o - out.detach()).norm() / out.detach().norm())
+    for c in FWD_SPLIT:  # o against dense, lse against the default rung's
+        o2, lse2 = T.forward(qd, kd, vd, table.ctx_lo, table.ctx_hi, table.blk_lo, table.blk_hi, scale, config=c)
+        name = f"o-{'split' if c.split else 'masked'}-{c.block_m}x{c.block_n}"
+        errs[name] = max(float((o2 - out.detach()).norm() / out.detach().norm()), float((lse2 - lse).abs().max()))
     return {"seed": seed, "errs": errs}
 
 

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
@@ -22,7 +23,7 @@ def _run(*flags: str) -> dict:
     env = {
         key: value
         for key, value in os.environ.items()
-        if key not in ("DFLASH_SMEM_LIMIT", "DFLASH_ATTENTION_BWD_CONFIG")
+        if key not in ("DFLASH_SMEM_LIMIT", "DFLASH_ATTENTION_BWD_CONFIG", "DFLASH_ATTENTION_FWD_SPLIT")
     }
     env["PYTHONPATH"] = str(REPO)
     out = subprocess.run(
@@ -59,10 +60,14 @@ def test_full_pairs_take_the_unmasked_walk_and_padded_rows_keep_theirs_partial(i
 
 @pytest.mark.parametrize("case", ["full-tiles", "sliding"])
 def test_every_backward_schedule_matches_dense_float64(interpreted, case):
-    """128/64/32 keys per program, 64/32 query rows per step (sub-tiles of the table's 64-row tiles), on a fresh
-    random draw with NaN-poisoned outputs: every gradient element written and equal to the dense float64 one."""
+    """128/64/32 keys per program, 64/32 query rows per step (sub-tiles of the table's 64-row tiles), dQ
+    transposed ("t": its own accumulator layout and the kernel that transposes it back) and the softmax scale
+    folded into P ("f"), the matmuls reordered ("o"), on a fresh random draw with NaN-poisoned outputs: every gradient element written and
+    equal to the dense float64 one."""
     got = interpreted["schedules"][case]
-    assert set(got["errs"]) == {"128x32", "64x64", "64x32", "32x32", "o"}, got
+    names = {"128x32", "64x64", "64x32", "32x32", "128x64-t", "128x64-f", "128x64-o", "64x32-tfo", "o"}
+    names |= {"o-split-32x32", "o-split-64x128", "o-masked-64x64"}
+    assert set(got["errs"]) == names, got
     for schedule, err in got["errs"].items():
         assert err < 1e-12, (case, schedule, got)
 
@@ -97,7 +102,45 @@ def test_bwd_config_from_the_environment_leads_the_ladder_and_bad_text_is_named(
     assert T.bwd_ladder() == T.BWD_CONFIGS
     monkeypatch.setenv(T.BWD_ENV, "64, 32, 4, 3, atomic")
     assert T.bwd_ladder() == (T.BwdConfig(64, 32, 4, 3, "atomic"), *T.BWD_CONFIGS)
-    for bad in ("128,64,8,2", "96,64,8,2,tma", "128,48,8,2,tma", "128,64,3,2,tma", "128,64,8,2,none", "a,64,8,2,tma"):
+    monkeypatch.setenv(T.BWD_ENV, "128,64,8,2,tma,oft")
+    assert T.bwd_ladder()[0] == T.BwdConfig(128, 64, 8, 2, "tma", "tfo")
+    for bad in (
+        "128,64,8,2",
+        "96,64,8,2,tma",
+        "128,48,8,2,tma",
+        "128,64,3,2,tma",
+        "128,64,8,2,none",
+        "a,64,8,2,tma",
+        "128,64,8,2,tma,x",
+        "128,64,8,2,tma,tt",
+        "128,64,8,2,tma,t,f",
+    ):
         monkeypatch.setenv(T.BWD_ENV, bad)
         with pytest.raises(ValueError, match=T.BWD_ENV):
             T.bwd_ladder()
+
+
+def test_the_atomic_twin_of_a_tma_rung_drops_the_transposed_dq():
+    """Where the TMA reduce cannot run (the interpreter, pre-Hopper GPUs) a rung accumulates dQ with atomics, and
+    without flag "t" (its transposed atomics measured slower on the H200, session 17); the other flags stay."""
+    from trainer.model import attention_triton as T
+
+    cpu = torch.device("cpu")
+    assert T.effective(T.BWD_CONFIGS[0], cpu) == T.BwdConfig(128, 64, 8, 2, "atomic", "fo")
+    assert T.effective(T.BwdConfig(64, 32, 4, 1, "atomic", "tf"), cpu) == T.BwdConfig(64, 32, 4, 1, "atomic", "tf")
+
+
+def test_fwd_split_from_the_environment_and_bad_text_is_named(monkeypatch):
+    from trainer.model import attention_triton as T
+
+    monkeypatch.delenv(T.FWD_SPLIT_ENV, raising=False)
+    assert T.fwd_ladder() == T.FWD_CONFIGS
+    assert all(c.split for c in T.FWD_CONFIGS)  # the default since session 17
+    monkeypatch.setenv(T.FWD_SPLIT_ENV, "0")
+    assert not any(c.split for c in T.fwd_ladder())
+    assert [(c.block_m, c.block_n) for c in T.fwd_ladder()] == [(c.block_m, c.block_n) for c in T.FWD_CONFIGS]
+    monkeypatch.setenv(T.FWD_SPLIT_ENV, "1")
+    assert T.fwd_ladder() == T.FWD_CONFIGS
+    monkeypatch.setenv(T.FWD_SPLIT_ENV, "yes")
+    with pytest.raises(ValueError, match=T.FWD_SPLIT_ENV):
+        T.fwd_ladder()

@@ -7,17 +7,20 @@ the first lies in [0, S), the second in [S, K).
 Forward (one program per (BLOCK_M query rows, batch row x q head)): two loops over key tiles, one per interval,
 each from the lowest `lo` to the highest `hi` of the tile's rows (sorted anchors: a tile's rows share a few
 anchors, so the context loop stops near them: flex's tile skipping, read off the intervals). Online softmax in
-fp32; writes O and the log-sum-exp (base 2) per row. A row that sees nothing gets O = 0.
+fp32; writes O and the log-sum-exp (base 2) per row. A row that sees nothing gets O = 0. The key tiles every row
+of the query tile sees whole are walked without the mask (FwdConfig.split), the ones before and after masked.
 
 Backward (FA2's schedule, FA3's dQ accumulation): one program per (BLOCK_N key tile, batch row x kv head) keeps
 its K and V tiles and the dK/dV accumulators on chip and walks the query tiles that meet it (a compacted list per
 key tile, built once per mask: no empty tile visited) for every q head of its GQA group, in FA2's orientation:
 S^T = K Q^T, P^T = exp2(S^T - lse), dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q,
 dQ = dS K: five matmuls per tile pair where flex's backward does seven (its dq programs recompute QK^T and dP).
-dQ is added into an fp32 [R*Hq*Q, D] buffer by the TMA unit's bulk reduce-add (Hopper and later; fp32 atomics
-elsewhere and under the interpreter). The full pairs (every row sees every key of the tile) are walked first,
-without the mask and without loading the rows' bounds; the partial ones after, masked. bench/RESULTS.md session
-15 has the measurements behind each of these choices.
+dQ is added into an fp32 buffer by the TMA unit's bulk reduce-add (Hopper and later; fp32 atomics elsewhere and
+under the interpreter); the default schedule computes it transposed into [R, Hq, D, Q], folds the softmax scale
+into P, and issues the matmuls in the order that lets dV and dK overlap other work (BwdConfig's flags). The full
+pairs (every row sees every key of the tile) are walked first, without the mask and without loading the rows'
+bounds; the partial ones after, masked. bench/RESULTS.md sessions 15 and 17 have the measurements behind each of
+these choices.
 
 Launch configurations come from a ladder per kernel, fastest first on the H200, walked by
 trainer/triton_fit.py against the device's shared-memory limit (Blackwell: ~100 KB). The query-tile lists are at
@@ -95,10 +98,14 @@ def build_table(
 
 @dataclass(frozen=True)
 class FwdConfig:
+    """One forward launch. `split`: the key tiles every (in-range) row of the query tile sees whole are walked
+    without the mask (as the backward walks its full pairs), the rest masked."""
+
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    split: bool = False
 
 
 @dataclass(frozen=True)
@@ -106,33 +113,66 @@ class BwdConfig:
     """One backward launch: keys per program (block_n, divides TILE_N_TABLE), query rows per step (block_m,
     divides BLOCK_M_TABLE), warps, pipeline stages, and how dQ is accumulated: "tma" (bulk reduce-add by the
     TMA unit, FA3's way; Hopper and later), "atomic" (fp32 atomics) or "none" (dQ not computed: a timing
-    diagnostic only, never in a ladder)."""
+    diagnostic only, never in a ladder). `flags`, letters of:
+    - "t": dQ computed transposed, dQ^T = K^T dS^T [D, rows], into an fp32 buffer [R, Hq, D, Q] (one more small
+      kernel transposes and casts it at the end): dS^T is stored to shared memory as it is (the B operand of
+      that matmul) instead of transposed through shared memory into registers (the A operand of dS K);
+    - "f": the softmax scale folded into P^T (exp2(S^T - lse + log2 scale): dS^T leaves its matmul scaled, so
+      neither dQ nor dK is multiplied by it per tile; dV divides once at the end);
+    - "o": dP^T's matmul before dV's and dQ's before dK's (Triton waits for each matmul whose result is used next
+      with nothing left in flight: this order lets dV run while dS^T is formed and dK while dQ is reduced)."""
 
     block_n: int
     block_m: int
     num_warps: int
     num_stages: int
     dq: str
+    flags: str = ""
 
 
 DQ_MODES = {"none": 0, "atomic": 1, "tma": 2}
 
-# Fastest first (H200, session 15); the later rungs for ~100 KB of shared memory (Blackwell), the last for anything.
-FWD_CONFIGS = (FwdConfig(128, 128, 8, 2), FwdConfig(128, 64, 8, 2), FwdConfig(64, 64, 4, 2), FwdConfig(64, 32, 4, 1))
+# Fastest first (H200, sessions 15 and 17); the later rungs for ~100 KB of shared memory (Blackwell), the last for
+# anything. The forward walks its full key tiles unmasked (session 17: 6.10 against 6.67 ms at the seed shape); the
+# backward's rung 0 is `128,64,8,2,tma,tfo` (session 17: 14.30 ms against session 15's `128,64,8,2,tma` at 16.39,
+# still selectable through $DFLASH_ATTENTION_BWD_CONFIG); rung 1 keeps session 15's one-stage schedule (19.8 ms,
+# "tf" did not help it: 19.9).
+FWD_CONFIGS = (
+    FwdConfig(128, 128, 8, 2, True),
+    FwdConfig(128, 64, 8, 2, True),
+    FwdConfig(64, 64, 4, 2, True),
+    FwdConfig(64, 32, 4, 1, True),
+)
 BWD_CONFIGS = (
-    BwdConfig(128, 64, 8, 2, "tma"),
+    BwdConfig(128, 64, 8, 2, "tma", "tfo"),
     BwdConfig(128, 64, 8, 1, "tma"),
     BwdConfig(64, 64, 4, 1, "atomic"),
     BwdConfig(32, 64, 4, 1, "atomic"),
 )
 BWD_ENV = "DFLASH_ATTENTION_BWD_CONFIG"
+FWD_SPLIT_ENV = "DFLASH_ATTENTION_FWD_SPLIT"
+
+
+def fwd_ladder() -> tuple[FwdConfig, ...]:
+    """FWD_CONFIGS, each with `split` set to $DFLASH_ATTENTION_FWD_SPLIT ("1" or "0") where that is set (the step
+    bench's knob: "0" is the masked forward of session 15)."""
+    import dataclasses
+    import os
+
+    text = os.environ.get(FWD_SPLIT_ENV, "").strip()
+    if text not in ("", "0", "1"):
+        raise ValueError(f"${FWD_SPLIT_ENV}={text!r}: expected 0 or 1")
+    return tuple(dataclasses.replace(c, split=text == "1") for c in FWD_CONFIGS) if text else FWD_CONFIGS
 
 
 def parse_bwd_config(text: str) -> BwdConfig:
-    """'block_n,block_m,warps,stages,tma|atomic' (e.g. '128,64,8,2,tma') -> BwdConfig; ValueError names what is
-    wrong."""
+    """'block_n,block_m,warps,stages,tma|atomic[,flags]' (e.g. '128,64,8,2,tma' or '128,64,8,2,tma,tf') ->
+    BwdConfig; ValueError names what is wrong."""
     parts = [p.strip() for p in text.split(",")]
-    hint = "expected block_n,block_m,warps,stages,tma|atomic, e.g. 128,64,8,2,tma"
+    hint = "expected block_n,block_m,warps,stages,tma|atomic[,flags of t, f, o], e.g. 128,64,8,2,tma,tf"
+    flags = parts.pop() if len(parts) == 6 else ""
+    if flags.strip("tfo") or len(set(flags)) != len(flags):
+        raise ValueError(f"${BWD_ENV}={text!r}: {hint}")
     if len(parts) != 5 or not all(p.isdigit() for p in parts[:4]):
         raise ValueError(f"${BWD_ENV}={text!r}: {hint}")
     block_n, block_m, warps, stages = (int(p) for p in parts[:4])
@@ -144,7 +184,7 @@ def parse_bwd_config(text: str) -> BwdConfig:
         raise ValueError(f"${BWD_ENV}={text!r}: warps one of 1, 2, 4, 8, 16 and stages 1 to 6")
     if parts[4] not in ("tma", "atomic"):
         raise ValueError(f"${BWD_ENV}={text!r}: {hint}")
-    return BwdConfig(block_n, block_m, warps, stages, parts[4])
+    return BwdConfig(block_n, block_m, warps, stages, parts[4], "".join(f for f in "tfo" if f in flags))
 
 
 def bwd_ladder() -> tuple[BwdConfig, ...]:
@@ -160,6 +200,33 @@ def bwd_ladder() -> tuple[BwdConfig, ...]:
 def _kernels():
     import triton
     import triton.language as tl
+
+    @triton.jit
+    def _fwd_tiles(
+        acc, m_i, l_i, q, K, V, k_base, v_base, skn, svn, lo, hi, t0, t1, n_kv, qk_scale,
+        D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    ):  # fmt: skip
+        """Online softmax over the key tiles [t0, t1) of one interval; returns (acc, m_i, l_i)."""
+        offs_d = tl.arange(0, D)
+        for start_n in range(t0, t1, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            in_kv = offs_n < n_kv
+            k = tl.load(K + k_base + offs_n[None, :] * skn + offs_d[:, None], mask=in_kv[None, :], other=0.0)
+            s = tl.dot(q, k) * qk_scale
+            if MASKED:
+                vis = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
+                s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V + v_base + offs_n[:, None] * svn + offs_d[None, :], mask=in_kv[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        return acc, m_i, l_i
+
+    globals()["_fwd_tiles"] = _fwd_tiles
 
     @triton.jit
     def _fwd(
@@ -190,6 +257,7 @@ def _kernels():
         D: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        SPLIT: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
@@ -218,21 +286,25 @@ def _kernels():
                 hi = hi2
             start = (tl.min(tl.where(lo < hi, lo, n_kv)) // BLOCK_N) * BLOCK_N
             end = tl.max(tl.where(lo < hi, hi, 0))
-            for start_n in range(start, end, BLOCK_N):
-                offs_n = start_n + tl.arange(0, BLOCK_N)
-                in_kv = offs_n < n_kv
-                k = tl.load(K + k_base + offs_n[None, :] * skn + offs_d[:, None], mask=in_kv[None, :], other=0.0)
-                s = tl.dot(q, k) * qk_scale
-                vis = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
-                s = tl.where(vis, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                p = tl.exp2(s - m_safe[:, None])
-                alpha = tl.exp2(m_i - m_safe)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(V + v_base + offs_n[:, None] * svn + offs_d[None, :], mask=in_kv[:, None], other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-                m_i = m_new
+            if SPLIT:
+                # [full_lo, full_hi): tiles every in-range row sees whole (a row with an empty interval has
+                # lo >= hi, which leaves the range empty); rows past n_q are never stored, so they may see more
+                full_lo = tl.cdiv(tl.max(tl.where(row_ok, lo, 0)), BLOCK_N) * BLOCK_N
+                full_hi = (tl.min(tl.where(row_ok, hi, n_kv)) // BLOCK_N) * BLOCK_N
+                if full_lo < full_hi:
+                    acc, m_i, l_i = _fwd_tiles(
+                        acc, m_i, l_i, q, K, V, k_base, v_base, skn, svn, lo, hi, start, full_lo, n_kv, qk_scale,
+                        D, BLOCK_N, True,
+                    )  # fmt: skip
+                    acc, m_i, l_i = _fwd_tiles(
+                        acc, m_i, l_i, q, K, V, k_base, v_base, skn, svn, lo, hi, full_lo, full_hi, n_kv, qk_scale,
+                        D, BLOCK_N, False,
+                    )  # fmt: skip
+                    start = full_hi
+            acc, m_i, l_i = _fwd_tiles(
+                acc, m_i, l_i, q, K, V, k_base, v_base, skn, svn, lo, hi, start, end, n_kv, qk_scale,
+                D, BLOCK_N, True,
+            )  # fmt: skip
         seen = l_i > 0
         out = acc / tl.where(seen, l_i, 1.0)[:, None]
         o_rows = OUT + bh * n_q * D + offs_m[:, None] * D + offs_d[None, :]
@@ -269,6 +341,7 @@ def _kernels():
         sdm,
         n_q,
         q_pad,
+        dq_sm,
         HK,
         GROUP,
         qk_scale,
@@ -278,6 +351,9 @@ def _kernels():
         TABLE_M: tl.constexpr,
         MASKED: tl.constexpr,
         DQ_MODE: tl.constexpr,
+        DQ_T: tl.constexpr,
+        FOLD: tl.constexpr,
+        ORDER: tl.constexpr,
     ):
         """One (key tile, BLOCK_M query rows of q head g) pair in FA2's orientation: S^T [keys, rows], so P^T
         and dS^T are the A operands of dV and dK as they leave their matmuls; only dQ's is transposed.
@@ -307,12 +383,36 @@ def _kernels():
             )
             pt = tl.where(vis, pt, 0.0)
         # (unmasked: a row past n_q has q = dO = lse = delta = 0, so p = 1 and every product below is 0)
-        dv += tl.dot(pt.to(do.dtype), do)
-        dpt = tl.dot(v, tl.trans(do))
+        if ORDER:  # dP^T first: dV's matmul may still run while dS^T is formed
+            dpt = tl.dot(v, tl.trans(do))
+            dv += tl.dot(pt.to(do.dtype), do)
+        else:
+            dv += tl.dot(pt.to(do.dtype), do)
+            dpt = tl.dot(v, tl.trans(do))
         dst = (pt * (dpt - delta[None, :])).to(do.dtype)
-        dk += tl.dot(dst, tl.trans(q_t))
-        if DQ_MODE != 0:
-            dq = tl.dot(tl.trans(dst), k) * scale
+        if not ORDER:
+            dk += tl.dot(dst, tl.trans(q_t))
+        m0 = qt * TABLE_M + (j % (TABLE_M // BLOCK_M)) * BLOCK_M
+        if DQ_MODE != 0 and DQ_T:
+            # dQ^T = K^T dS^T [D, rows]: both operands straight from shared memory (K's tile is there already,
+            # dS^T is stored as it is), no transpose through registers; rows past n_q are clipped by the mask
+            # or by the descriptor's bounds (its columns are this head's n_q rows)
+            dqt = tl.dot(tl.trans(k), dst)
+            if not FOLD:
+                dqt = dqt * scale
+            if DQ_MODE == 1:
+                tl.atomic_add(
+                    DQ + bh * D * dq_sm + offs_d[:, None] * dq_sm + offs_m[None, :],
+                    dqt,
+                    mask=row_ok[None, :],
+                    sem="relaxed",
+                )
+            else:
+                DQ_DESC.atomic_add([bh * D, m0], dqt)
+        elif DQ_MODE != 0:
+            dq = tl.dot(tl.trans(dst), k)
+            if not FOLD:
+                dq = dq * scale
             if DQ_MODE == 1:  # fp32 atomics (vectorised where Triton can)
                 tl.atomic_add(
                     DQ + bh * n_q * D + offs_m[:, None] * D + offs_d[None, :], dq, mask=row_ok[:, None], sem="relaxed"
@@ -322,7 +422,9 @@ def _kernels():
                 # flight while the next pair's matmuls run. The descriptor spans [R*Hq*Q, D]: rows of a tile past
                 # this head's n_q hold exact zeros, so adding them to the next head's first rows changes nothing;
                 # past the last row the TMA unit drops them.
-                DQ_DESC.atomic_add([bh * n_q + qt * TABLE_M + (j % (TABLE_M // BLOCK_M)) * BLOCK_M, 0], dq)
+                DQ_DESC.atomic_add([bh * n_q + m0, 0], dq)
+        if ORDER:  # dK's matmul after dQ's: it may still run while dQ is staged and reduced
+            dk += tl.dot(dst, tl.trans(q_t))
         return dk, dv
 
     # Triton resolves a kernel's callees among its module's globals, not this closure's locals: publish the helper
@@ -364,6 +466,7 @@ def _kernels():
         q_pad,
         q_tiles,
         kv_tiles_t,
+        dq_sm,
         HK,
         GROUP,
         qk_scale,
@@ -374,6 +477,9 @@ def _kernels():
         TABLE_M: tl.constexpr,
         TABLE_N: tl.constexpr,
         DQ_MODE: tl.constexpr,
+        DQ_T: tl.constexpr,
+        FOLD: tl.constexpr,
+        ORDER: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         bhk = tl.program_id(1)
@@ -398,8 +504,8 @@ def _kernels():
             g = it // steps
             dk, dv = _bwd_pair(
                 dk, dv, k, v, Q, DO, LSE, DELTA, DQ, DQ_DESC, CLO, CHI, BLO, BHI, list_base, it - g * steps, g,
-                b, hk, offs_n, sqb, sqh, sqm, sdb, sdh, sdm, n_q, q_pad, HK, GROUP, qk_scale, scale,
-                D, BLOCK_M, TABLE_M, False, DQ_MODE,
+                b, hk, offs_n, sqb, sqh, sqm, sdb, sdh, sdm, n_q, q_pad, dq_sm, HK, GROUP, qk_scale, scale,
+                D, BLOCK_M, TABLE_M, False, DQ_MODE, DQ_T, FOLD, ORDER,
             )  # fmt: skip
         first = steps
         steps = n_part * (TABLE_M // BLOCK_M)
@@ -407,12 +513,16 @@ def _kernels():
             g = it // steps
             dk, dv = _bwd_pair(
                 dk, dv, k, v, Q, DO, LSE, DELTA, DQ, DQ_DESC, CLO, CHI, BLO, BHI, list_base, first + it - g * steps,
-                g, b, hk, offs_n, sqb, sqh, sqm, sdb, sdh, sdm, n_q, q_pad, HK, GROUP, qk_scale, scale,
-                D, BLOCK_M, TABLE_M, True, DQ_MODE,
+                g, b, hk, offs_n, sqb, sqh, sqm, sdb, sdh, sdm, n_q, q_pad, dq_sm, HK, GROUP, qk_scale, scale,
+                D, BLOCK_M, TABLE_M, True, DQ_MODE, DQ_T, FOLD, ORDER,
             )  # fmt: skip
         kv_rows = bhk * n_kv * D + offs_n[:, None] * D + offs_d[None, :]
-        tl.store(DK + kv_rows, (dk * scale).to(DK.dtype.element_ty), mask=in_kv[:, None])
-        tl.store(DV + kv_rows, dv.to(DV.dtype.element_ty), mask=in_kv[:, None])
+        if FOLD:  # P^T was scale * P (the LSE came in shifted by log2 scale): dS^T and so dK already carry it
+            tl.store(DK + kv_rows, dk.to(DK.dtype.element_ty), mask=in_kv[:, None])
+            tl.store(DV + kv_rows, (dv * (1.0 / scale)).to(DV.dtype.element_ty), mask=in_kv[:, None])
+        else:
+            tl.store(DK + kv_rows, (dk * scale).to(DK.dtype.element_ty), mask=in_kv[:, None])
+            tl.store(DV + kv_rows, dv.to(DV.dtype.element_ty), mask=in_kv[:, None])
 
     return triton, _fwd, _bwd
 
@@ -442,6 +552,28 @@ def _delta_kernel():
     return _delta
 
 
+@functools.cache
+def _dq_out_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _dq_out(DQT, DQ, n_q, dq_sm, D: tl.constexpr, BLOCK_M: tl.constexpr):
+        """dq[r, h, m, :] = dqt[r, h, :, m] in dq's dtype: the transposed accumulator (BwdConfig flag "t") back
+        to q's layout, one read and one write (Triton transposes the tile on chip)."""
+        pid_m = tl.program_id(0)
+        bh = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, D)
+        row_ok = offs_m < n_q
+        t = tl.load(DQT + bh * D * dq_sm + offs_d[None, :] * dq_sm + offs_m[:, None], mask=row_ok[:, None])
+        tl.store(
+            DQ + bh * n_q * D + offs_m[:, None] * D + offs_d[None, :], t.to(DQ.dtype.element_ty), mask=row_ok[:, None]
+        )
+
+    return _dq_out
+
+
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(f"q {tuple(q.shape)} must be [R,Hq,Q,D] and k, v {tuple(k.shape)} [R,Hkv,K,D]")
@@ -453,8 +585,9 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise TypeError(f"q, k, v must have one dtype (got {q.dtype}, {k.dtype}, {v.dtype})")
 
 
-def forward(q, k, v, ctx_lo, ctx_hi, blk_lo, blk_hi, scale: float):
-    """(o [R,Hq,Q,D] contiguous, lse fp32 [R,Hq,Q] in base 2) of the interval-masked attention."""
+def forward(q, k, v, ctx_lo, ctx_hi, blk_lo, blk_hi, scale: float, config: FwdConfig | None = None):
+    """(o [R,Hq,Q,D] contiguous, lse fp32 [R,Hq,Q] in base 2) of the interval-masked attention. `config`: launch
+    that one configuration (benches, tests; no fit check) instead of the first of FWD_CONFIGS that fits."""
     _check(q, k, v)
     _, fwd, _ = _kernels()
     R, H, n_q, D = q.shape
@@ -495,34 +628,63 @@ def forward(q, k, v, ctx_lo, ctx_hi, blk_lo, blk_hi, scale: float):
         return (
             grid,
             args,
-            dict(D=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages),
+            dict(
+                D=D,
+                BLOCK_M=c.block_m,
+                BLOCK_N=c.block_n,
+                SPLIT=c.split,
+                num_warps=c.num_warps,
+                num_stages=c.num_stages,
+            ),
         )
 
     with torch.cuda.device(q.device) if q.is_cuda else _null():
-        triton_fit.launch_first_fit("attention-fwd", fwd, FWD_CONFIGS, launch, q.device, (q.dtype, D))
+        if config is not None:
+            grid, args, kwargs = launch(config)
+            fwd[grid](*args, **kwargs)
+        else:
+            triton_fit.launch_first_fit("attention-fwd", fwd, fwd_ladder(), launch, q.device, (q.dtype, D))
     return o, lse
 
 
 def effective(c: BwdConfig, device: torch.device) -> BwdConfig:
     """`c` as it can run on `device`: the TMA reduce needs Hopper or later and a compiled kernel (Triton's CPU
-    interpreter has no descriptor reduce), elsewhere the same tiles accumulate dQ with atomics."""
+    interpreter has no descriptor reduce), elsewhere the same tiles accumulate dQ with atomics, without flag "t"
+    (its transposed atomics were slower on the H200: `atomic-tf` 18.4 against `atomic` 17.4 ms, session 17)."""
     if c.dq != "tma":
         return c
     if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
-        return BwdConfig(c.block_n, c.block_m, c.num_warps, c.num_stages, "atomic")
+        return BwdConfig(c.block_n, c.block_m, c.num_warps, c.num_stages, "atomic", c.flags.replace("t", ""))
     return c
 
 
+def dq_buffer(c: BwdConfig, q: torch.Tensor) -> torch.Tensor:
+    """The zeroed accumulator `c` adds dQ into: fp32 (fp64 for float64 inputs) [R, Hq, Q, D], or with flag "t"
+    [R, Hq, D, Qp] (Qp = Q rounded up to 4: the TMA unit needs 16-byte row strides)."""
+    R, H, n_q, D = q.shape
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if "t" in c.flags:
+        return torch.zeros(R, H, D, -(-n_q // 4) * 4, dtype=acc_dtype, device=q.device)
+    return torch.zeros(R, H, n_q, D, dtype=acc_dtype, device=q.device)
+
+
 def _bwd_launch(c: BwdConfig, q, k, v, do, lse, delta, dq, dk, dv, table: IntervalTable, scale: float):
-    """(grid, args, keyword args) of one backward launch of configuration `c` (already `effective`)."""
+    """(grid, args, keyword args) of one backward launch of configuration `c` (already `effective`); dq from
+    dq_buffer(c, q)."""
     R, H, n_q, D = q.shape
     hkv, n_kv = k.shape[1], k.shape[2]
     kv_tiles_t, q_tiles = table.q_index.shape[1], table.q_index.shape[2]
+    transposed = "t" in c.flags
     desc = None
     if c.dq == "tma":
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        desc = TensorDescriptor.from_tensor(dq.view(R * H * n_q, D), [c.block_m, D])
+        if transposed:  # columns are one head's n_q rows: a tile's rows past n_q are dropped by the TMA unit
+            desc = TensorDescriptor(dq, [R * H * D, n_q], [dq.stride(2), 1], [D, c.block_m])
+        else:
+            desc = TensorDescriptor.from_tensor(dq.view(R * H * n_q, D), [c.block_m, D])
+    if "f" in c.flags:  # P^T = exp2(S^T - lse + log2 scale) = scale * P^T (see BwdConfig)
+        lse = lse - math.log2(scale)
     grid = (-(-n_kv // c.block_n), R * hkv)
     args = (
         q,
@@ -558,6 +720,7 @@ def _bwd_launch(c: BwdConfig, q, k, v, do, lse, delta, dq, dk, dv, table: Interv
         table.ctx_lo.shape[1],
         q_tiles,
         kv_tiles_t,
+        dq.stride(2) if transposed else 0,
         hkv,
         H // hkv,
         scale * 1.4426950408889634,
@@ -570,6 +733,9 @@ def _bwd_launch(c: BwdConfig, q, k, v, do, lse, delta, dq, dk, dv, table: Interv
         TABLE_M=BLOCK_M_TABLE,
         TABLE_N=TILE_N_TABLE,
         DQ_MODE=DQ_MODES[c.dq],
+        DQ_T=transposed,
+        FOLD="f" in c.flags,
+        ORDER="o" in c.flags,
         num_warps=c.num_warps,
         num_stages=c.num_stages,
     )
@@ -588,12 +754,19 @@ def backward(do, q, k, v, o, lse, table: IntervalTable, scale: float, config: Bw
     # its sum) moved ~2.7 GB at the seed shape, ~0.8 ms against one ~0.55 GB read.
     delta = torch.empty(R, H, n_q, dtype=acc_dtype, device=q.device)
     o = o.contiguous()
-    dq = torch.zeros(R, H, n_q, D, dtype=acc_dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    buffers: dict[bool, torch.Tensor] = {}  # dQ's accumulator per layout (a ladder may mix them)
+
+    def buffer(c: BwdConfig) -> torch.Tensor:
+        transposed = "t" in c.flags
+        if transposed not in buffers:
+            buffers[transposed] = dq_buffer(c, q)
+        return buffers[transposed]
 
     def launch(c: BwdConfig):
-        return _bwd_launch(effective(c, q.device), q, k, v, do, lse, delta, dq, dk, dv, table, scale)
+        e = effective(c, q.device)
+        return _bwd_launch(e, q, k, v, do, lse, delta, buffer(e), dk, dv, table, scale)
 
     # dq is accumulated in place: a rung refused after a partial launch never happens (the fit is decided by
     # compiling, before any launch; an OutOfResources at launch means nothing ran).
@@ -604,9 +777,15 @@ def backward(do, q, k, v, o, lse, table: IntervalTable, scale: float, config: Bw
         if config is not None:
             grid, args, kwargs = launch(config)
             bwd[grid](*args, **kwargs)
+            used = config
         else:
-            triton_fit.launch_first_fit("attention-bwd", bwd, bwd_ladder(), launch, q.device, (q.dtype, D))
-    return dq.to(q.dtype), dk, dv
+            used = triton_fit.launch_first_fit("attention-bwd", bwd, bwd_ladder(), launch, q.device, (q.dtype, D))
+        if "t" not in effective(used, q.device).flags:
+            return buffers[False].to(q.dtype), dk, dv
+        dqt = buffers[True]
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        _dq_out_kernel()[(-(-n_q // 64), R * H)](dqt, dq, n_q, dqt.stride(2), D=D, BLOCK_M=64, num_warps=4)
+    return dq, dk, dv
 
 
 def _null():
@@ -742,16 +921,23 @@ def usable(device: torch.device) -> tuple[bool, str]:
         return (
             (1, 1),
             args,
-            dict(D=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages),
+            dict(
+                D=D,
+                BLOCK_M=c.block_m,
+                BLOCK_N=c.block_n,
+                SPLIT=c.split,
+                num_warps=c.num_warps,
+                num_stages=c.num_stages,
+            ),
         )
 
     def bwd_args(c: BwdConfig):
-        dq = torch.zeros(R, H, n, D, device=device)
-        grid, args, kwargs = _bwd_launch(effective(c, device), q, q, q, q, lse, lse, dq, q, q, table, 1.0)
+        e = effective(c, device)
+        grid, args, kwargs = _bwd_launch(e, q, q, q, q, lse, lse, dq_buffer(e, q), q, q, table, 1.0)
         return (1, 1), args, kwargs
 
     limit = triton_fit.smem_limit(device)
-    if triton_fit.fits("attention-fwd", fwd, FWD_CONFIGS, fwd_args, device) is None:
+    if triton_fit.fits("attention-fwd", fwd, fwd_ladder(), fwd_args, device) is None:
         return False, f"no forward configuration within {limit} B of shared memory"
     if triton_fit.fits("attention-bwd", bwd, bwd_ladder(), bwd_args, device) is None:
         return False, f"no backward configuration within {limit} B of shared memory"
