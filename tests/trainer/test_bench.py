@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import shutil
 import subprocess
@@ -113,19 +114,26 @@ def test_gpu_bench_scripts_run_their_cpu_smoke_test(tmp_path, script: str, args:
 
 @pytest.mark.slow
 def test_the_restart_cycle_bench_runs_its_cpu_smoke_test(tmp_path) -> None:
-    """bench/restart_cycle.py through the real CLI on the local target, tiny shapes on the CPU: a deploy, then
-    restarts with the hand-over, after a change outside and inside the compiled code, refused ones (a syntax error,
-    a bad flag) that leave the old run training, one in the old order, and a deploy into a fresh workspace; each
-    child resumed from its parent's final checkpoint, each started by the standby interpreter the run before it
-    left (real torch imported ahead)."""
-    # The bench edits the code it deploys (a file added, drafter.py's MLP changed for one restart): it runs from
-    # a copy of the checkout, so a test running beside it in another worker never imports the edited code.
+    """bench/restart_cycle.py through the real CLI on the local target, tiny shapes on the CPU: a deploy, a
+    restart with the hand-over, started by the standby interpreter the deploy left (real torch imported ahead;
+    the only test of a real trainer's adoption) and resumed from its parent's final checkpoint, and a restart with
+    a bad flag that the check in a fork of the next standby refuses while the old run trains on.
+
+    The bench's other modes repeat paths the controller tests cover with less CPU (issue 29 item 11: this test
+    took ~86 CPU-s with all of them, ~41 with these two): a change outside the compiled code (a new release that
+    compiles nothing) and inside it (only the changed graph recompiles) in test_ctl_compile_cache.py's
+    code-change test and test_ctl_standby.py's code-change adoption; a syntax error (refused by the agent's
+    compile step before any interpreter) in test_ctl_preflight.py; --wait-exit in test_ctl_handover.py; the fresh
+    workspace (a standby started for the launch, checked in and adopted; the carried compile artifacts) in
+    test_ctl_standby.py's first-launch test and test_compile_cache_artifacts.py. The line the code-change-inside
+    mode edits is checked below without a run."""
+    # The bench may edit the code it deploys (its code-change and bad-code modes): it runs from a copy of the
+    # checkout, so a test running beside it in another worker never imports edited code.
     repo = tmp_path / "checkout"
     for part in ("bench", "dflashops", "trainer"):
         shutil.copytree(REPO / part, repo / part, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     shutil.copy(REPO / "pyproject.toml", repo / "pyproject.toml")
-    modes = "handover,code-change-outside,code-change-inside,bad-code,bad-flag,wait-exit"
-    args = ["--scale", "smoke", "--device", "cpu", "--modes", modes, "--steps", "3", "--fresh-workspace"]
+    args = ["--scale", "smoke", "--device", "cpu", "--modes", "handover,bad-flag", "--steps", "3"]
     done = subprocess.run(
         [sys.executable, str(repo / "bench" / "restart_cycle.py"), *args, "--workdir", str(tmp_path / "work")],
         cwd=repo,
@@ -134,23 +142,29 @@ def test_the_restart_cycle_bench_runs_its_cpu_smoke_test(tmp_path) -> None:
         timeout=600,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    started = ("handover |", "code-change-outside |", "code-change-inside |", "wait-exit |")
-    rows = [line.split(" | ") for line in done.stdout.splitlines() if line.startswith(started)]
-    assert [row[0] for row in rows] == ["handover", "code-change-outside", "code-change-inside", "wait-exit"]
-    assert [row[1] for row in rows] == ["True"] * 4, "a restart did not adopt the standby"
-    assert "bad-code: refused in " in done.stdout and "SyntaxError" in done.stdout
+    rows = [line.split(" | ") for line in done.stdout.splitlines() if line.startswith("handover |")]
+    assert [row[1] for row in rows] == ["True"], "the restart did not adopt the standby"
     assert "bad-flag: refused in " in done.stdout and "invalid int value: 'abc'" in done.stdout
-    assert done.stdout.count("old run trains on: True") == 2
-    assert "fresh workspace: first step " in done.stdout
-    assert not (repo / "trainer" / "_restart_cycle_change.py").exists()
-    assert "* 1.0)" not in (repo / "trainer" / "model" / "drafter.py").read_text()  # the checkout as it was
-    for line in done.stderr.splitlines():
-        if line.startswith('{"mode"'):
-            row = json.loads(line)  # the child compiled for its batch shapes before it read the checkpoint
-            if "refused" in row:  # a restart the pre-flight refused: no child
-                continue
-            assert row["compiled"] is not None and row["compiled"] <= row["resumed"], row
+    assert done.stdout.count("old run trains on: True") == 1
+    compiled = [json.loads(line) for line in done.stderr.splitlines() if line.startswith('{"mode": "handover"')]
+    assert len(compiled) == 1  # the child compiled for its batch shapes before it read the checkpoint
+    assert compiled[0]["compiled"] is not None and compiled[0]["compiled"] <= compiled[0]["resumed"], compiled
     assert "old exit 143: yes" in done.stdout
+
+
+def test_the_restart_cycle_bench_edits_a_line_the_drafter_has() -> None:
+    """`--modes code-change-inside` (run on the GPU machine, not here) edits one line of drafter.py's MLP: that
+    line must still be there, once, or the device call fails at the bench's own assertion."""
+    source = (REPO / "bench" / "restart_cycle.py").read_text()
+    constants = {
+        node.targets[0].id: ast.literal_eval(node.value)
+        for node in ast.parse(source).body
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
+        and node.targets[0].id in ("MLP_LINE", "MLP_EDITED")
+    }  # fmt: skip
+    drafter = (REPO / "trainer" / "model" / "drafter.py").read_text()
+    assert drafter.count(constants["MLP_LINE"]) == 1
+    assert constants["MLP_EDITED"] != constants["MLP_LINE"] and constants["MLP_EDITED"] not in drafter
 
 
 def test_the_session_8_variant_builds_the_mask_before_the_forward() -> None:
