@@ -1,0 +1,243 @@
+"""The backward of DFlash2's output-side block convolution as one Triton kernel (issue 32 item 4, session 17).
+
+For out[j] = sum_{t < K, t <= j % B} y[j - t] * (base[t] + delta[j, t, group]) (trainer/model/dflash2.py:
+grouped_dynamic_conv) and its output gradient g, one pass over g and y gives all three gradients:
+
+    d delta[j, t, grp] = sum_{c in grp} g[j, c] * y[j - t, c]            (0 where slot j < t)
+    d base[t, c]       = sum_j g[j, c] * y[j - t, c]
+    dy[j, c]           = sum_t g[j + t, c] * (base[t, c] + delta[j + t, t, grp])   (slot j + t inside j's block)
+
+Why only the output side (`BlockConv.finish`): its backward reads only materialised tensors (g, the residual
+stream's gradient; y, the sublayer's GEMM output, saved anyway; the deltas) and its dy feeds a GEMM, so a kernel
+of our own loses no fusion there. Inductor's code for it (GroupedDynamicConv.backward, compiled in the layer) runs at
+~1.6-1.8 TB/s: its per-row and per-group scalars are re-loaded per element (bench/RESULTS.md session 15). Here the
+tile is 4-D, [taps, rows, groups, channels of a group]: the deltas load once per (tap, row, group) and broadcast
+over the group's channels, y[j - t] and g[j + t] are the same rows shifted (L1/L2 hits, not DRAM traffic), the
+per-group sums reduce the last axis, and d base is accumulated in registers over a chunk of row tiles and reduced
+once per program into a [chunks, K, H] partial (summed by torch: deterministic, no atomics). DRAM traffic: g and y
+read once, dy written once, the deltas read and written once (~0.87 GB per call at the qwen3-8b seed shape).
+
+Rounding as GroupedDynamicConv.backward: products and sums in float32 (float64 for float64 inputs), the
+coefficient base[t] + delta rounded as the forward rounded it (base cast to y's dtype, the sum in the promoted
+dtype), each gradient rounded once to its input's dtype.
+
+Where it runs: CUDA (the Triton interpreter on CPU tensors for tests: TRITON_INTERPRET=1), when `supported()` says
+the shapes fit; the launch walks a configuration ladder through trainer/triton_fit.py, and if no configuration
+fits the device the op computes the same gradients with torch (one log line).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import sys
+
+import torch
+
+from trainer import triton_fit
+
+# (rows per tile, warps, groups per tile, programs per SM) from the fastest on the H200 (bench/s17_conv_bwd.py)
+# down. Compiled offline for sm_90 (triton 3.9, K = 2, 16-channel groups, bf16): 8:4:16 128 registers, 4:4:16 and
+# 2:2:16 80, none spilled; 2-8 KB of shared memory (the per-group tiles' layout changes, d base's final sum), so
+# every rung fits a ~100 KB Blackwell too; the ladder (trainer/triton_fit.py) is there for what the compiler does
+# elsewhere. The rows of a program's chunk are walked tile by tile, so "programs per SM" sets how many chunks (and
+# d base partials) there are. $DFLASH_CONV_BWD_CONFIG="ROWS:WARPS:GROUPS:PER_SM" puts one configuration first.
+Config = tuple[int, int, int, int]
+CONFIGS: list[Config] = [(8, 4, 16, 4), (4, 4, 16, 6), (16, 8, 16, 2), (2, 2, 16, 8)]
+_FORCED = os.environ.get("DFLASH_CONV_BWD_CONFIG", "").strip()
+if _FORCED:
+    CONFIGS.insert(0, tuple(int(v) for v in _FORCED.split(":")))  # type: ignore[arg-type]
+MAX_TAPS = 4  # the tap axis is padded to a power of two and held whole in each thread's registers
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def supported(hidden: int, group_size: int, taps: int, dtype: torch.dtype) -> str | None:
+    """None when the kernel takes these shapes, else why not (the caller keeps Inductor's backward)."""
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        return f"dtype {dtype}"
+    if not _pow2(group_size) or group_size > 64:
+        return f"group size {group_size} (a power of two up to 64)"
+    if hidden % group_size:
+        return f"hidden {hidden} not a multiple of the group size {group_size}"
+    if taps > MAX_TAPS:
+        return f"{taps} taps (at most {MAX_TAPS})"
+    return None
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def finish_bwd(
+        g_ptr,
+        y_ptr,
+        delta_ptr,
+        base_ptr,
+        dy_ptr,
+        dd_ptr,
+        part_ptr,
+        M,
+        tiles_per_prog,
+        stride_g,
+        stride_y,
+        stride_d,
+        H: tl.constexpr,
+        K: tl.constexpr,
+        KP: tl.constexpr,
+        G: tl.constexpr,
+        S: tl.constexpr,
+        BLOCK: tl.constexpr,
+        BM: tl.constexpr,
+        NG: tl.constexpr,
+        WIDE: tl.constexpr,
+        COEF_Y: tl.constexpr,
+    ):
+        acc_t = tl.float64 if WIDE else tl.float32
+        pid_h = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        tap = tl.arange(0, KP)[:, None, None, None]  # [KP,1,1,1]
+        grp = pid_h * NG + tl.arange(0, NG)[None, None, :, None]  # [1,1,NG,1]
+        col = grp * S + tl.arange(0, S)[None, None, None, :]  # [1,1,NG,S]
+        tap_ok = tap < K
+        # base as the forward rounded it (cast to y's dtype by the caller: loaded as y is, in y's tile layout)
+        # (a whole [KP,BM,NG,S] tile, rows broadcast: a [KP,1,NG,S] load got a layout of its own, and every row
+        # tile's coefficient then went through shared memory to reach the others')
+        rows0 = tl.arange(0, BM)[None, :, None, None]
+        base = tl.load(base_ptr + tap * H + col + 0 * rows0, mask=tap_ok & (rows0 >= 0), other=0.0)
+        acc_b = tl.zeros((KP, BM, NG, S), dtype=acc_t)
+        for i in range(tiles_per_prog):
+            r = (pid_m * tiles_per_prog + i) * BM + tl.arange(0, BM)[None, :, None, None]  # [1,BM,1,1]
+            r64 = r.to(tl.int64)
+            ok = r < M
+            slot = r % BLOCK
+            g = tl.load(g_ptr + r64 * stride_g + col, mask=ok, other=0.0).to(acc_t)  # [1,BM,NG,S]
+            # d delta[j, t] and d base[t]: g[j] * y[j - t], zero where slot j - t is before j's block
+            src_ok = ok & tap_ok & (slot >= tap)  # [KP,BM,1,1]
+            ys = tl.load(y_ptr + (r64 - tap) * stride_y + col, mask=src_ok, other=0.0).to(acc_t)
+            prod = g * ys  # [KP,BM,NG,S]
+            acc_b += prod
+            dd = tl.sum(prod, axis=3, keep_dims=True)  # [KP,BM,NG,1]
+            tl.store(dd_ptr + r64 * (K * G) + tap * G + grp, dd.to(dd_ptr.dtype.element_ty), mask=ok & tap_ok)
+            # dy[j] = sum_t g[j + t] * (base[t] + delta[j + t, t]), slot j + t inside j's block
+            dst_ok = ok & tap_ok & (slot + tap < BLOCK) & (r + tap < M)
+            gs = tl.load(g_ptr + (r64 + tap) * stride_g + col, mask=dst_ok, other=0.0).to(acc_t)
+            # the deltas as a 3-D [KP,BM,NG] tile, one per (tap, row, group), broadcast over the group's channels
+            d3 = tl.load(
+                delta_ptr + tl.reshape((r64 + tap) * stride_d + tap * G + grp, (KP, BM, NG)),
+                mask=tl.reshape(dst_ok, (KP, BM, 1)),
+                other=0.0,
+            )
+            d = tl.expand_dims(d3, 3)
+            # base + delta as torch adds them: in float32 (float64), rounded once to the promoted dtype
+            coef_t = y_ptr.dtype.element_ty if COEF_Y else delta_ptr.dtype.element_ty
+            coef = (base.to(acc_t) + d.to(acc_t)).to(coef_t).to(acc_t)  # [KP,BM,NG,S]
+            dy = tl.sum(gs * coef, axis=0, keep_dims=True)  # [1,BM,NG,S]
+            tl.store(dy_ptr + r64 * H + col, dy.to(dy_ptr.dtype.element_ty), mask=ok)
+        part = tl.sum(acc_b, axis=1, keep_dims=True)  # [KP,1,NG,S]
+        tl.store(part_ptr + (pid_m * K + tap) * H + col, part, mask=tap_ok)
+
+    return finish_bwd
+
+
+def _rows(t: torch.Tensor, *inner: int) -> torch.Tensor:
+    """t [..., *inner] as [M, *inner] with any row stride and dense inner dims (a view where it can be, a copy where
+    not: the deltas are a strided view of the kernel projection's output, [R,Q,2,K,G][..., 1, :, :])."""
+    flat = t.reshape(-1, *inner)
+    dense = flat.stride(-1) == 1 and (len(inner) == 1 or flat.stride(-2) == inner[-1])
+    return flat if dense else flat.contiguous()
+
+
+def _torch_gradients(
+    g: torch.Tensor, y: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The same gradients with torch (the fallback where no configuration fits the device): [M,H], [M,K,G]."""
+    from trainer.model.dflash2 import conv_gradients
+
+    M, H = y.shape
+    K, G = delta.shape[1], delta.shape[2]
+    dx, dd, db = conv_gradients(g.view(1, M, H), y.view(1, M, H), delta.view(1, M, K, G), base, block_size, H // G)
+    return dx.view(M, H), dd.reshape(M, K, G), db
+
+
+_LOGGED: set[str] = set()
+
+
+@torch.library.custom_op("dflash::conv_finish_backward", mutates_args=())
+def conv_finish_backward(
+    g: torch.Tensor, y: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """g, y [..., H], delta [..., K, G], base [K, H] -> (dy like y, d delta like delta, d base like base)."""
+    H = y.shape[-1]
+    K, G = delta.shape[-2], delta.shape[-1]
+    g2, y2, d2 = _rows(g, H), _rows(y, H), _rows(delta, K, G)
+    M = y2.shape[0]
+    wide = torch.float64 in (g.dtype, y.dtype, delta.dtype)
+    acc = torch.float64 if wide else torch.float32
+    base_y = base.to(y.dtype)  # the forward's rounding of base (GroupedDynamicConv.forward)
+    coef_y = torch.promote_types(y.dtype, delta.dtype) == y.dtype  # the forward's base + delta dtype
+    dy = torch.empty(M, H, dtype=y.dtype, device=y.device)
+    dd = torch.empty(M, K, G, dtype=delta.dtype, device=y.device)
+    partial: list[torch.Tensor] = []  # the launched configuration's d base partial, [chunks, K, H]
+    sms = _sm_count(y.device)
+
+    def launch(config: Config) -> tuple[tuple, tuple, dict]:
+        bm, warps, ng, per_sm = config
+        programs = per_sm * sms
+        ng = math.gcd(ng, G & -G)  # a power of two dividing G (tl.arange): fewer groups per tile for small H
+        tiles = -(-M // bm)
+        col_tiles = G // ng
+        chunks = max(1, min(tiles, -(-programs // col_tiles)))
+        per = -(-tiles // chunks)
+        chunks = -(-tiles // per)
+        part = torch.empty(chunks, K, H, dtype=acc, device=y.device)
+        partial[:] = [part]
+        meta = dict(
+            H=H, K=K, KP=triton_next_pow2(K), G=G, S=H // G, BLOCK=block_size, BM=bm, NG=ng, WIDE=wide, COEF_Y=coef_y
+        )
+        args = (g2, y2, d2, base_y, dy, dd, part, M, per, g2.stride(0), y2.stride(0), d2.stride(0))
+        return (col_tiles, chunks), args, {**meta, "num_warps": warps}
+
+    ladder = CONFIGS
+    guard = torch.cuda.device(y.device) if y.is_cuda else _null()
+    try:
+        with guard:
+            triton_fit.launch_first_fit(
+                "conv-finish-bwd", _kernel(), ladder, launch, y.device, (y.dtype, delta.dtype, K, H // G, block_size)
+            )
+    except triton_fit.NoConfigFitsError as exc:
+        if str(y.device) not in _LOGGED:
+            _LOGGED.add(str(y.device))
+            print(f"{exc}; the convolution's backward runs in torch", file=sys.stderr, flush=True)
+        dx, ddt, db = _torch_gradients(g2, y2, d2, base, block_size)
+        return dx.view(y.shape), ddt.view(delta.shape), db
+    dbase = partial[0].sum(0).to(base.dtype)
+    return dy.view(y.shape), dd.view(delta.shape), dbase
+
+
+@conv_finish_backward.register_fake
+def _(g, y, delta, base, block_size):
+    return y.new_empty(y.shape), delta.new_empty(delta.shape), base.new_empty(base.shape)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _null():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+__all__ = ["CONFIGS", "conv_finish_backward", "supported"]
