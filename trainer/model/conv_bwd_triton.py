@@ -10,12 +10,23 @@ grouped_dynamic_conv) and its output gradient g, one pass over g and y gives all
 Why only the output side (`BlockConv.finish`): its backward reads only materialised tensors (g, the residual
 stream's gradient; y, the sublayer's GEMM output, saved anyway; the deltas) and its dy feeds a GEMM, so a kernel
 of our own loses no fusion there. Inductor's code for it (GroupedDynamicConv.backward, compiled in the layer) runs at
-~1.6-1.8 TB/s: its per-row and per-group scalars are re-loaded per element (bench/RESULTS.md session 15). Here the
-tile is 4-D, [taps, rows, groups, channels of a group]: the deltas load once per (tap, row, group) and broadcast
-over the group's channels, y[j - t] and g[j + t] are the same rows shifted (L1/L2 hits, not DRAM traffic), the
-per-group sums reduce the last axis, and d base is accumulated in registers over a chunk of row tiles and reduced
-once per program into a [chunks, K, H] partial (summed by torch: deterministic, no atomics). DRAM traffic: g and y
-read once, dy written once, the deltas read and written once (~0.87 GB per call at the qwen3-8b seed shape).
+~1.6-1.8 TB/s: its per-row and per-group scalars are re-loaded per element (bench/RESULTS.md session 15). Here a
+program owns a strip of channels (NG groups of S) and walks a chunk of row tiles; a tile is 2-D, [KP x BM, NG x S],
+its rows the (tap, row) pairs tap-major (KP: the taps padded to a power of two). Every [rows, H]-sized operand is
+such a tile: g (the same rows for every tap: L1 hits), y[j - t] and g[j + t] (rows shifted: L1/L2 hits, not DRAM
+traffic), dy (stored from the tap-0 rows only); so they all get one layout, each warp reading whole rows of the
+strip, and the reshapes that sum the taps ([KP, BM, ...], in-thread) and the groups ([.., NG, S]: 8 in-thread, one
+shuffle) move no data. The deltas load once per (tap, row, group), [KP x BM, NG], and broadcast over the group.
+d base is accumulated in registers over the chunk and reduced once per program into a [chunks, K, H] partial
+(summed by torch: deterministic, no atomics). DRAM traffic: g and y read once, dy written once, the deltas read and
+written once (~0.87 GB per call at the qwen3-8b seed shape).
+
+Tile shapes that did worse, compiled offline for sm_90 (triton 3.6, the H200's, and 3.9): a 4-D [taps, rows,
+groups, channels] tile got a layout per operand shape (g [1, ...], base [KP, 1, ...]) and per Triton version
+(3.6 ordered the tap axis before the channels' groups: each warp read 32-byte pieces of 16 rows), with 2-5
+[tile]-sized shared-memory layout conversions per row tile; a 3-D [taps, rows, channels] tile put warps on the tap
+axis under 3.6 (the tap sum then crossed warps through shared memory). The 2-D form compiles to the same layouts
+under both versions, with two [KP x BM, NG] conversions per tile (the deltas in, their gradient out).
 
 Rounding as GroupedDynamicConv.backward: products and sums in float32 (float64 for float64 inputs), the
 coefficient base[t] + delta rounded as the forward rounded it (base cast to y's dtype, the sum in the promoted
@@ -38,17 +49,18 @@ import torch
 from trainer import triton_fit
 
 # (rows per tile, warps, groups per tile, programs per SM) from the fastest on the H200 (bench/s17_conv_bwd.py)
-# down. Compiled offline for sm_90 (triton 3.9, K = 2, 16-channel groups, bf16): 8:4:16 128 registers, 4:4:16 and
-# 2:2:16 80, none spilled; 2-8 KB of shared memory (the per-group tiles' layout changes, d base's final sum), so
-# every rung fits a ~100 KB Blackwell too; the ladder (trainer/triton_fit.py) is there for what the compiler does
-# elsewhere. The rows of a program's chunk are walked tile by tile, so "programs per SM" sets how many chunks (and
-# d base partials) there are. $DFLASH_CONV_BWD_CONFIG="ROWS:WARPS:GROUPS:PER_SM" puts one configuration first.
+# down. Compiled offline for sm_90 (triton 3.6, K = 2, 16-channel groups, bf16): 8:4:16 96 registers, 4:4:16 64,
+# 16:8:16 102, 8:8:32 100, none spilled (16:4:16 184, 4:2:16 spills); 4-16 KB of shared memory (the per-group
+# tiles' layout changes, d base's final sum), so every rung fits a ~100 KB Blackwell too; the ladder
+# (trainer/triton_fit.py) is there for what another compiler or GPU does. "Programs per SM" sets how many row
+# chunks (and d base partials) there are: about the CTAs that fit an SM at those registers.
+# $DFLASH_CONV_BWD_CONFIG="ROWS:WARPS:GROUPS:PER_SM" puts one configuration first.
 Config = tuple[int, int, int, int]
-CONFIGS: list[Config] = [(8, 4, 16, 4), (4, 4, 16, 6), (16, 8, 16, 2), (2, 2, 16, 8)]
+CONFIGS: list[Config] = [(8, 4, 16, 5), (4, 4, 16, 8), (16, 8, 16, 2), (8, 8, 32, 2)]
 _FORCED = os.environ.get("DFLASH_CONV_BWD_CONFIG", "").strip()
 if _FORCED:
     CONFIGS.insert(0, tuple(int(v) for v in _FORCED.split(":")))  # type: ignore[arg-type]
-MAX_TAPS = 4  # the tap axis is padded to a power of two and held whole in each thread's registers
+MAX_TAPS = 4  # the taps are padded to a power of two and their rows held in each thread's registers
 
 
 def _pow2(n: int) -> bool:
@@ -74,7 +86,7 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def finish_bwd(
+    def conv_finish_bwd(
         g_ptr,
         y_ptr,
         delta_ptr,
@@ -101,48 +113,47 @@ def _kernel():
         acc_t = tl.float64 if WIDE else tl.float32
         pid_h = tl.program_id(0)
         pid_m = tl.program_id(1)
-        tap = tl.arange(0, KP)[:, None, None, None]  # [KP,1,1,1]
-        grp = pid_h * NG + tl.arange(0, NG)[None, None, :, None]  # [1,1,NG,1]
-        col = grp * S + tl.arange(0, S)[None, None, None, :]  # [1,1,NG,S]
+        BH: tl.constexpr = NG * S
+        QT: tl.constexpr = KP * BM
+        q = tl.arange(0, QT)[:, None]  # [QT,1]: tap-major (tap, row) pairs
+        tap = q // BM
+        row_in_tile = q % BM
+        col = pid_h * BH + tl.arange(0, BH)[None, :]  # [1,BH]
+        grp = pid_h * NG + tl.arange(0, NG)[None, :]  # [1,NG]
         tap_ok = tap < K
-        # base as the forward rounded it (cast to y's dtype by the caller: loaded as y is, in y's tile layout)
-        # (a whole [KP,BM,NG,S] tile, rows broadcast: a [KP,1,NG,S] load got a layout of its own, and every row
-        # tile's coefficient then went through shared memory to reach the others')
-        rows0 = tl.arange(0, BM)[None, :, None, None]
-        base = tl.load(base_ptr + tap * H + col + 0 * rows0, mask=tap_ok & (rows0 >= 0), other=0.0)
-        acc_b = tl.zeros((KP, BM, NG, S), dtype=acc_t)
+        # base as the forward rounded it (cast to y's dtype by the caller), one row per (tap, row)
+        base = tl.load(base_ptr + tap * H + col, mask=tap_ok, other=0.0)  # [QT,BH]
+        acc_b = tl.zeros((QT, BH), dtype=acc_t)
         for i in range(tiles_per_prog):
-            r = (pid_m * tiles_per_prog + i) * BM + tl.arange(0, BM)[None, :, None, None]  # [1,BM,1,1]
+            r = (pid_m * tiles_per_prog + i) * BM + row_in_tile
             r64 = r.to(tl.int64)
             ok = r < M
             slot = r % BLOCK
-            g = tl.load(g_ptr + r64 * stride_g + col, mask=ok, other=0.0).to(acc_t)  # [1,BM,NG,S]
             # d delta[j, t] and d base[t]: g[j] * y[j - t], zero where slot j - t is before j's block
-            src_ok = ok & tap_ok & (slot >= tap)  # [KP,BM,1,1]
+            g = tl.load(g_ptr + r64 * stride_g + col, mask=ok & tap_ok, other=0.0).to(acc_t)
+            src_ok = ok & tap_ok & (slot >= tap)
             ys = tl.load(y_ptr + (r64 - tap) * stride_y + col, mask=src_ok, other=0.0).to(acc_t)
-            prod = g * ys  # [KP,BM,NG,S]
+            prod = g * ys  # [QT,BH]
             acc_b += prod
-            dd = tl.sum(prod, axis=3, keep_dims=True)  # [KP,BM,NG,1]
+            dd = tl.sum(tl.reshape(prod, (QT, NG, S)), axis=2)  # [QT,NG]
             tl.store(dd_ptr + r64 * (K * G) + tap * G + grp, dd.to(dd_ptr.dtype.element_ty), mask=ok & tap_ok)
             # dy[j] = sum_t g[j + t] * (base[t] + delta[j + t, t]), slot j + t inside j's block
             dst_ok = ok & tap_ok & (slot + tap < BLOCK) & (r + tap < M)
             gs = tl.load(g_ptr + (r64 + tap) * stride_g + col, mask=dst_ok, other=0.0).to(acc_t)
-            # the deltas as a 3-D [KP,BM,NG] tile, one per (tap, row, group), broadcast over the group's channels
-            d3 = tl.load(
-                delta_ptr + tl.reshape((r64 + tap) * stride_d + tap * G + grp, (KP, BM, NG)),
-                mask=tl.reshape(dst_ok, (KP, BM, 1)),
-                other=0.0,
-            )
-            d = tl.expand_dims(d3, 3)
+            d2 = tl.load(delta_ptr + (r64 + tap) * stride_d + tap * G + grp, mask=dst_ok, other=0.0)  # [QT,NG]
+            d = tl.reshape(tl.broadcast_to(tl.expand_dims(d2, 2), (QT, NG, S)), (QT, BH))
             # base + delta as torch adds them: in float32 (float64), rounded once to the promoted dtype
             coef_t = y_ptr.dtype.element_ty if COEF_Y else delta_ptr.dtype.element_ty
-            coef = (base.to(acc_t) + d.to(acc_t)).to(coef_t).to(acc_t)  # [KP,BM,NG,S]
-            dy = tl.sum(gs * coef, axis=0, keep_dims=True)  # [1,BM,NG,S]
-            tl.store(dy_ptr + r64 * H + col, dy.to(dy_ptr.dtype.element_ty), mask=ok)
-        part = tl.sum(acc_b, axis=1, keep_dims=True)  # [KP,1,NG,S]
-        tl.store(part_ptr + (pid_m * K + tap) * H + col, part, mask=tap_ok)
+            coef = (base.to(acc_t) + d.to(acc_t)).to(coef_t).to(acc_t)
+            dy = tl.sum(tl.reshape(gs * coef, (KP, BM, BH)), axis=0)  # [BM,BH]
+            # back to the tile's shape (its layout, no data moved), stored from the tap-0 rows
+            dy = tl.reshape(tl.broadcast_to(tl.expand_dims(dy, 0), (KP, BM, BH)), (QT, BH))
+            tl.store(dy_ptr + r64 * H + col, dy.to(dy_ptr.dtype.element_ty), mask=ok & (tap == 0))
+        part = tl.sum(tl.reshape(acc_b, (KP, BM, BH)), axis=1)  # [KP,BH]
+        taps = tl.arange(0, KP)[:, None]
+        tl.store(part_ptr + (pid_m * K + taps) * H + col, part, mask=taps < K)
 
-    return finish_bwd
+    return conv_finish_bwd
 
 
 def _rows(t: torch.Tensor, *inner: int) -> torch.Tensor:
