@@ -126,3 +126,18 @@ def test_no_rung_fitting_falls_back_to_torch_with_one_log_line(interpreted):
 def test_supported_names_what_the_kernel_does_not_take(hidden, group, taps, dtype, why):
     got = supported(hidden, group, taps, dtype)
     assert got is None if why is None else (got is not None and why in got)
+
+
+def test_an_unknown_backward_kernel_is_refused_by_name(monkeypatch):
+    from trainer.model import dflash2
+
+    monkeypatch.setattr(dflash2, "CONV_BACKWARD", "cuda")
+    with pytest.raises(ValueError, match="DFLASH_CONV_BACKWARD must be one of triton, inductor, got 'cuda'"):
+        dflash2.BlockConv(32, block_size=4, kernel_size=2, group_size=8)
+
+
+def test_the_layers_keep_inductors_backward_on_cpu():
+    from trainer.model.dflash2 import BlockConv
+
+    conv = BlockConv(32, block_size=4, kernel_size=2, group_size=8)
+    assert conv.backward_kernel == "triton" and not conv._triton_backward(torch.zeros(1, 4, 32), 2)
