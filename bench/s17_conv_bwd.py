@@ -29,7 +29,16 @@ from trainer.model import conv_bwd_triton
 from trainer.model.dflash2 import conv_gradients, grouped_dynamic_conv
 
 R, Q, H, B, GS, K = 6, 171 * 32, 4096, 32, 16, 2
-LADDER = [(8, 4, 16, 5), (8, 4, 16, 10), (4, 4, 16, 8), (4, 4, 16, 16), (16, 8, 16, 2), (8, 8, 32, 2), (4, 4, 32, 5)]
+LADDER = [
+    (4, 4, 16, 8),
+    (4, 4, 16, 12),
+    (2, 4, 16, 12),
+    (2, 4, 16, 24),
+    (4, 8, 32, 4),
+    (4, 8, 32, 6),
+    (8, 4, 16, 10),
+    (2, 2, 16, 24),
+]
 
 
 def main() -> int:

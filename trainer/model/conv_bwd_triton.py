@@ -28,9 +28,10 @@ groups, channels] tile got a layout per operand shape (g [1, ...], base [KP, 1, 
 axis under 3.6 (the tap sum then crossed warps through shared memory). The 2-D form compiles to the same layouts
 under both versions, with two [KP x BM, NG] conversions per tile (the deltas in, their gradient out).
 
-Rounding as GroupedDynamicConv.backward: products and sums in float32 (float64 for float64 inputs), the
-coefficient base[t] + delta rounded as the forward rounded it (base cast to y's dtype, the sum in the promoted
-dtype), each gradient rounded once to its input's dtype.
+Rounding as Inductor's code for GroupedDynamicConv (forward and backward): products and sums in float32 (float64 for
+float64 inputs), the coefficient base[t] + delta unrounded (float32 base, the delta widened), each gradient rounded
+once to its input's dtype. Eager bf16 rounds base and the coefficient to bf16 first (the torch backward,
+`conv_gradients`, follows it): the two agree to that rounding.
 
 Where it runs: CUDA (the Triton interpreter on CPU tensors for tests: TRITON_INTERPRET=1), when `supported()` says
 the shapes fit; the launch walks a configuration ladder through trainer/triton_fit.py, and if no configuration
@@ -48,15 +49,16 @@ import torch
 
 from trainer import triton_fit
 
-# (rows per tile, warps, groups per tile, programs per SM) from the fastest on the H200 (bench/s17_conv_bwd.py)
-# down. Compiled offline for sm_90 (triton 3.6, K = 2, 16-channel groups, bf16): 8:4:16 96 registers, 4:4:16 64,
-# 16:8:16 102, 8:8:32 100, none spilled (16:4:16 184, 4:2:16 spills); 4-16 KB of shared memory (the per-group
-# tiles' layout changes, d base's final sum), so every rung fits a ~100 KB Blackwell too; the ladder
-# (trainer/triton_fit.py) is there for what another compiler or GPU does. "Programs per SM" sets how many row
-# chunks (and d base partials) there are: about the CTAs that fit an SM at those registers.
+# (rows per tile, warps, groups per tile, programs per SM), the fastest on the H200 first (bench/s17_conv_bwd.py,
+# session 17, back to back at the qwen3-8b seed shape: 4:4:16:8 0.325 ms, 4:4:16:16 0.340, 8:4:16:10 0.365,
+# 8:8:32:2 0.424, 8:4:16:5 0.512, 4:4:32:5 0.509, 16:8:16:2 0.680; Inductor's code 0.394). Compiled offline for
+# sm_90 (triton 3.6, K = 2, 16-channel groups, bf16): 4:4:16 80 registers, 8:4:16 130, 8:8:32 ~100, none spilled;
+# 4-16 KB of shared memory (the per-group tiles' layout changes, d base's final sum), so every rung fits a ~100 KB
+# Blackwell too; the ladder (trainer/triton_fit.py) is there for what another compiler or GPU does. "Programs per
+# SM" sets how many row chunks (and d base partials) there are: more, smaller chunks won (5 -> 10 at 8:4:16).
 # $DFLASH_CONV_BWD_CONFIG="ROWS:WARPS:GROUPS:PER_SM" puts one configuration first.
 Config = tuple[int, int, int, int]
-CONFIGS: list[Config] = [(8, 4, 16, 5), (4, 4, 16, 8), (16, 8, 16, 2), (8, 8, 32, 2)]
+CONFIGS: list[Config] = [(4, 4, 16, 8), (8, 4, 16, 10), (4, 4, 16, 16), (8, 8, 32, 2)]
 _FORCED = os.environ.get("DFLASH_CONV_BWD_CONFIG", "").strip()
 if _FORCED:
     CONFIGS.insert(0, tuple(int(v) for v in _FORCED.split(":")))  # type: ignore[arg-type]
@@ -108,7 +110,6 @@ def _kernel():
         BM: tl.constexpr,
         NG: tl.constexpr,
         WIDE: tl.constexpr,
-        COEF_Y: tl.constexpr,
     ):
         acc_t = tl.float64 if WIDE else tl.float32
         pid_h = tl.program_id(0)
@@ -121,8 +122,8 @@ def _kernel():
         col = pid_h * BH + tl.arange(0, BH)[None, :]  # [1,BH]
         grp = pid_h * NG + tl.arange(0, NG)[None, :]  # [1,NG]
         tap_ok = tap < K
-        # base as the forward rounded it (cast to y's dtype by the caller), one row per (tap, row)
-        base = tl.load(base_ptr + tap * H + col, mask=tap_ok, other=0.0)  # [QT,BH]
+        # base in its own dtype (float32: the parameter), one row per (tap, row)
+        base = tl.load(base_ptr + tap * H + col, mask=tap_ok, other=0.0).to(acc_t)  # [QT,BH]
         acc_b = tl.zeros((QT, BH), dtype=acc_t)
         for i in range(tiles_per_prog):
             r = (pid_m * tiles_per_prog + i) * BM + row_in_tile
@@ -142,9 +143,10 @@ def _kernel():
             gs = tl.load(g_ptr + (r64 + tap) * stride_g + col, mask=dst_ok, other=0.0).to(acc_t)
             d2 = tl.load(delta_ptr + (r64 + tap) * stride_d + tap * G + grp, mask=dst_ok, other=0.0)  # [QT,NG]
             d = tl.reshape(tl.broadcast_to(tl.expand_dims(d2, 2), (QT, NG, S)), (QT, BH))
-            # base + delta as torch adds them: in float32 (float64), rounded once to the promoted dtype
-            coef_t = y_ptr.dtype.element_ty if COEF_Y else delta_ptr.dtype.element_ty
-            coef = (base.to(acc_t) + d.to(acc_t)).to(coef_t).to(acc_t)
+            # base + delta unrounded, as Inductor computes the compiled forward's coefficient (it keeps float32
+            # through the fused kernel: eager bf16 would round base and the sum; session 17's first GPU call
+            # rounded them here, and dy moved off Inductor's by up to a few bf16 steps, 1.7x its error)
+            coef = base + d.to(acc_t)
             dy = tl.sum(tl.reshape(gs * coef, (KP, BM, BH)), axis=0)  # [BM,BH]
             # back to the tile's shape (its layout, no data moved), stored from the tap-0 rows
             dy = tl.reshape(tl.broadcast_to(tl.expand_dims(dy, 0), (KP, BM, BH)), (QT, BH))
@@ -190,8 +192,6 @@ def conv_finish_backward(
     M = y2.shape[0]
     wide = torch.float64 in (g.dtype, y.dtype, delta.dtype)
     acc = torch.float64 if wide else torch.float32
-    base_y = base.to(y.dtype)  # the forward's rounding of base (GroupedDynamicConv.forward)
-    coef_y = torch.promote_types(y.dtype, delta.dtype) == y.dtype  # the forward's base + delta dtype
     dy = torch.empty(M, H, dtype=y.dtype, device=y.device)
     dd = torch.empty(M, K, G, dtype=delta.dtype, device=y.device)
     partial: list[torch.Tensor] = []  # the launched configuration's d base partial, [chunks, K, H]
@@ -208,10 +208,8 @@ def conv_finish_backward(
         chunks = -(-tiles // per)
         part = torch.empty(chunks, K, H, dtype=acc, device=y.device)
         partial[:] = [part]
-        meta = dict(
-            H=H, K=K, KP=triton_next_pow2(K), G=G, S=H // G, BLOCK=block_size, BM=bm, NG=ng, WIDE=wide, COEF_Y=coef_y
-        )
-        args = (g2, y2, d2, base_y, dy, dd, part, M, per, g2.stride(0), y2.stride(0), d2.stride(0))
+        meta = dict(H=H, K=K, KP=triton_next_pow2(K), G=G, S=H // G, BLOCK=block_size, BM=bm, NG=ng, WIDE=wide)
+        args = (g2, y2, d2, base, dy, dd, part, M, per, g2.stride(0), y2.stride(0), d2.stride(0))
         return (col_tiles, chunks), args, {**meta, "num_warps": warps}
 
     ladder = CONFIGS
