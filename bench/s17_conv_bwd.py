@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trainer import triton_fit
 from trainer.bench_common import back_to_back_ms, time_ms
 from trainer.model import conv_bwd_triton
-from trainer.model.dflash2 import conv_gradients, grouped_dynamic_conv
+from trainer.model.conv_grad import conv_gradients
+from trainer.model.dflash2 import grouped_dynamic_conv
 
 R, Q, H, B, GS, K = 6, 171 * 32, 4096, 32, 16, 2
 LADDER = [

@@ -16,7 +16,8 @@ import torch
 
 from tests.trainer.triton_interp import interpret_cases
 from trainer.model.conv_bwd_triton import supported
-from trainer.model.dflash2 import conv_gradients, grouped_dynamic_conv
+from trainer.model.conv_grad import conv_gradients
+from trainer.model.dflash2 import grouped_dynamic_conv
 
 pytest.importorskip("triton", reason="the triton package is not installed (`make test` installs it: dev extra)")
 

@@ -170,7 +170,7 @@ def _torch_gradients(
     g: torch.Tensor, y: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The same gradients with torch (the fallback where no configuration fits the device): [M,H], [M,K,G]."""
-    from trainer.model.dflash2 import conv_gradients
+    from trainer.model.conv_grad import conv_gradients
 
     M, H = y.shape
     K, G = delta.shape[1], delta.shape[2]
