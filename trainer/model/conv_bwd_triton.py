@@ -50,15 +50,16 @@ import torch
 from trainer import triton_fit
 
 # (rows per tile, warps, groups per tile, programs per SM), the fastest on the H200 first (bench/s17_conv_bwd.py,
-# session 17, back to back at the qwen3-8b seed shape: 4:4:16:8 0.325 ms, 4:4:16:16 0.340, 8:4:16:10 0.365,
-# 8:8:32:2 0.424, 8:4:16:5 0.512, 4:4:32:5 0.509, 16:8:16:2 0.680; Inductor's code 0.394). Compiled offline for
-# sm_90 (triton 3.6, K = 2, 16-channel groups, bf16): 4:4:16 80 registers, 8:4:16 130, 8:8:32 ~100, none spilled;
-# 4-16 KB of shared memory (the per-group tiles' layout changes, d base's final sum), so every rung fits a ~100 KB
-# Blackwell too; the ladder (trainer/triton_fit.py) is there for what another compiler or GPU does. "Programs per
-# SM" sets how many row chunks (and d base partials) there are: more, smaller chunks won (5 -> 10 at 8:4:16).
-# $DFLASH_CONV_BWD_CONFIG="ROWS:WARPS:GROUPS:PER_SM" puts one configuration first.
+# session 17 call 2, back to back at the qwen3-8b seed shape, the coefficient in float32: 2:2:16:24 0.335 ms,
+# 4:4:16:12 0.365, 4:8:32:6 0.375, 8:4:16:10 0.428, 4:4:16:8 0.463, 4:8:32:4 0.482, 2:4:16:12 1.37; Inductor's
+# code 0.394). With the bf16-rounded coefficient of call 1 (base held as bf16: 16 fewer registers a thread)
+# 4:4:16:8 took 0.325. Compiled offline for sm_90 (triton 3.6, K = 2, 16-channel groups, bf16): 4:4:16 and 2:2:16
+# 80 registers, 8:4:16 130, none spilled; 4-16 KB of shared memory (the per-group tiles' layout changes, d base's
+# final sum), so every rung fits a ~100 KB Blackwell too; the ladder (trainer/triton_fit.py) is there for what
+# another compiler or GPU does. "Programs per SM" sets how many row chunks (and d base partials) there are: more,
+# smaller chunks won. $DFLASH_CONV_BWD_CONFIG="ROWS:WARPS:GROUPS:PER_SM" puts one configuration first.
 Config = tuple[int, int, int, int]
-CONFIGS: list[Config] = [(4, 4, 16, 8), (8, 4, 16, 10), (4, 4, 16, 16), (8, 8, 32, 2)]
+CONFIGS: list[Config] = [(2, 2, 16, 24), (4, 4, 16, 12), (4, 8, 32, 6), (8, 4, 16, 10)]
 _FORCED = os.environ.get("DFLASH_CONV_BWD_CONFIG", "").strip()
 if _FORCED:
     CONFIGS.insert(0, tuple(int(v) for v in _FORCED.split(":")))  # type: ignore[arg-type]
