@@ -6,6 +6,7 @@
 # Session 15 calls (issue 31 item 2): `env s15-attn`, then `s15-attn` (with the ~99 KB rehearsal).
 # Session 15 calls (issue 31 items 3-4): `env s15-sf`, then `s15-2`, then (the coordinator) `s15-wait`; `s15-next` is
 # what to run next.
+# Session 17 calls (issue 32 item 4, helper conv-bwd): `s17-conv`, then `s17-conv2`.
 # Session 15 calls (issue 32 item 4): `s15-topk s15-step`, then `s15-step2`.
 # Session 13 calls (issue 32 item 4, issue 31 item 2): `env s13-topk s13-step`, `s13-conv s13-step2`, `s13-conv` (twice,
 # the second with s13-step3 gated on it), `s13-attn`.
@@ -147,6 +148,18 @@ with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under auto
     s15-step2) step s15-step2 420 python3 -m trainer bench step --preset qwen3-8b --shape seed \
               --variants triton,dflash2,dflash2-nd,triton,dflash2 --iters 5 --warmup 2 --profile \
               --json-out "$OUT/s15-step2.json" ;;
+    # Session 17 (issue 32 item 4): the output-side convolution's backward as one Triton kernel
+    # (trainer/model/conv_bwd_triton.py) against Inductor's, one call's shapes (parity, cost, the config ladder; the
+    # fastest rung goes first in the step), then the seed step A B A B with Inductor's backward as the third form
+    s17-conv) step s17-conv 150 python3 bench/s17_conv_bwd.py --iters 20 --best-out "$OUT/s17-best.txt"
+              export DFLASH_CONV_BWD_CONFIG="$(cat "$OUT/s17-best.txt" 2>/dev/null)"
+              echo "DFLASH_CONV_BWD_CONFIG=$DFLASH_CONV_BWD_CONFIG" >&2
+              step s17-step 330 python3 -m trainer bench step --preset qwen3-8b --shape seed \
+              --variants triton,dflash2,dflash2-ibwd,triton,dflash2 --iters 5 --warmup 2 --profile \
+              --json-out "$OUT/s17-step.json"
+              unset DFLASH_CONV_BWD_CONFIG ;;
+    # call 2: the coefficient left unrounded (Inductor's semantics), parity and a wider ladder, no step
+    s17-conv2) step s17-conv2 120 python3 bench/s17_conv_bwd.py --iters 20 ;;
     # Session 15, coordinator's call: the one-GPU specforge pipeline with the replica sync waiting on the whole device
     # (every sync also waited for the target thread's forward) against its own stream only ($DFLASH_SYNC_WAIT), A B A B
     s15-wait) step s15-wait 400 python3 bench/gpu_pipeline.py --scale specforge --modes dual --steps 50 \

@@ -79,6 +79,8 @@ VARIANTS = {
     "dflash2-conv": "as dflash2, the convolutions through trainer/model/conv_triton.py (DFLASH_CONV_KERNEL=triton)",
     "dflash2-autograd": "as dflash2, the convolutions as before session 15 (autograd through grouped_dynamic_conv, "
     "DFLASH_CONV_KERNEL=autograd)",
+    "dflash2-ibwd": "as dflash2, the output-side convolutions' backward compiled by Inductor (DFLASH_CONV_BACKWARD="
+    "inductor, the form before session 17) instead of trainer/model/conv_bwd_triton.py's kernel",
     "dflash2-nd": "as dflash2, Inductor's N-D tiling preferred for element-wise kernels (triton.prefer_nd_tiling): the "
     "convolutions' per-row and per-group loads once per tile row instead of per element",
     "triton-attn": "as triton, attention through our Triton kernel for the interval mask "
@@ -128,6 +130,7 @@ def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.devi
         "dflash2-conv": ["--arch", "dflash2"],
         "dflash2-autograd": ["--arch", "dflash2"],
         "dflash2-nd": ["--arch", "dflash2"],
+        "dflash2-ibwd": ["--arch", "dflash2"],
     }.get(variant, [])
     extra += ["--loss-kernels", kernels]
     cfg, dcfg = preset_config(preset, shape, extra)
@@ -137,9 +140,11 @@ def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.devi
         drafter = DFlashDrafter(dcfg)
         embed = torch.randn(dcfg.vocab_size, dcfg.hidden_size, dtype=dtype) * 0.02
         lm_head = torch.randn(dcfg.vocab_size, dcfg.hidden_size, dtype=dtype) * 0.02
-    if variant in ("dflash2-conv", "dflash2-autograd"):  # before DrafterSide compiles: the layers' graphs see it
+    if variant in ("dflash2-conv", "dflash2-autograd", "dflash2-ibwd"):  # before DrafterSide compiles (graphs see it)
         for module in drafter.modules():
-            if isinstance(module, BlockConv):
+            if isinstance(module, BlockConv) and variant == "dflash2-ibwd":
+                module.backward_kernel = "inductor"
+            elif isinstance(module, BlockConv):
                 module.kernel = "triton" if variant == "dflash2-conv" else "autograd"
     side = DrafterSide(
         cfg,

@@ -21,11 +21,14 @@ successor}_codebook` [V,r], `candidate_selector.hidden_projection.weight` [r,H].
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from trainer.model.conv_grad import conv_gradients
 
 ARCHS = ("dflash", "dflash2")
 # The convolutions' kernels ($DFLASH_CONV_KERNEL): "torch" (GroupedDynamicConv, compiled into the layer), "autograd"
@@ -33,6 +36,12 @@ ARCHS = ("dflash", "dflash2")
 # (trainer/model/conv_triton.py: one fused kernel each way behind a custom op; CUDA only, CPU runs torch).
 CONV_KERNELS = ("torch", "autograd", "triton")
 CONV_KERNEL: str = os.environ.get("DFLASH_CONV_KERNEL", "torch").strip() or "torch"
+# The output-side convolution's backward under "torch" ($DFLASH_CONV_BACKWARD): "triton" (one kernel for its three
+# gradients, trainer/model/conv_bwd_triton.py, where it fits: CUDA, shapes in `supported`; else Inductor's) or
+# "inductor" (GroupedDynamicConv.backward compiled into the layer, the form before session 17, for A/B benches).
+CONV_BACKWARDS = ("triton", "inductor")
+CONV_BACKWARD: str = os.environ.get("DFLASH_CONV_BACKWARD", "triton").strip() or "triton"
+_UNFIT_LOGGED: set[str] = set()
 
 
 def grouped_dynamic_conv(
@@ -53,14 +62,6 @@ def grouped_dynamic_conv(
         shifted = F.pad(blocks[:, :, : block_size - tap], (0, 0, 0, 0, tap, 0))
         out = out + shifted * (base[tap].to(x.dtype).view(G, group_size) + coef[:, :, :, tap, :, None])
     return out.reshape(R, Q, H)
-
-
-def _shift(t: torch.Tensor, tap: int) -> torch.Tensor:
-    """Block-local shift of [R,N,B,...] along B, zeros in: slot j gets slot j - tap (tap > 0) or j + |tap| (tap < 0)."""
-    B, tail = t.shape[2], (0, 0) * (t.dim() - 3)
-    if tap > 0:
-        return F.pad(t[:, :, : B - tap], (*tail, tap, 0))
-    return F.pad(t[:, :, -tap:], (*tail, 0, -tap))
 
 
 class GroupedDynamicConv(torch.autograd.Function):
@@ -84,7 +85,12 @@ class GroupedDynamicConv(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int, group_size: int
+        x: torch.Tensor,
+        delta: torch.Tensor,
+        base: torch.Tensor,
+        block_size: int,
+        group_size: int,
+        triton_backward: bool = False,
     ) -> torch.Tensor:
         R, Q, H = x.shape
         K, G = base.shape[0], H // group_size
@@ -99,39 +105,23 @@ class GroupedDynamicConv(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        x, delta, base, block_size, group_size = inputs
+        x, delta, base, block_size, group_size, *rest = inputs
         ctx.save_for_backward(x, delta, base)
         ctx.block_size, ctx.group_size = block_size, group_size
+        ctx.triton_backward = bool(rest and rest[0])
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None, None]:
         x, delta, base = ctx.saved_tensors
-        R, Q, H = x.shape
-        K, S = base.shape[0], ctx.group_size
-        B, G = ctx.block_size, H // S
-        acc = torch.promote_types(torch.promote_types(x.dtype, grad.dtype), torch.float32)
-        blocks = x.view(R, Q // B, B, G, S).to(acc)
-        g = grad.view(R, Q // B, B, G, S).to(acc)
-        coef = delta.view(R, Q // B, B, K, G)
-        d_delta, d_base = [], []
-        dx = torch.zeros_like(g)
-        for tap in range(K):
-            # d coef_t at slot j is g_j * x_{j-t}: formed at slot j - t (g shifted up, x in place), group sums
-            # shifted back down; the slots shifted in hold zeros, so they add exact zeros to the base sums
-            gs = g if tap == 0 else _shift(g, -tap)
-            sums = (gs * blocks).sum(-1)
-            d_delta.append(sums if tap == 0 else _shift(sums, tap))
-            d_base.append((blocks * gs).sum((0, 1, 2)).reshape(H))
-            # dx_j gets g_{j+t} times slot j+t's coefficient, rounded as the forward rounded it (x's dtype)
-            term = g * (base[tap].to(x.dtype).view(G, S) + coef[:, :, :, tap, :, None]).to(acc)
-            dx = dx + (term if tap == 0 else _shift(term, -tap))
-        return (
-            dx.to(x.dtype).reshape(R, Q, H),
-            torch.stack(d_delta, dim=3).to(delta.dtype).reshape(delta.shape),
-            torch.stack(d_base).to(base.dtype),
-            None,
-            None,
-        )
+        if (
+            ctx.triton_backward
+        ):  # the output side on CUDA (BlockConv.finish): one kernel, trainer/model/conv_bwd_triton.py
+            from trainer.model.conv_bwd_triton import conv_finish_backward
+
+            dx, d_delta, d_base = conv_finish_backward(grad, x, delta, base, ctx.block_size)
+        else:
+            dx, d_delta, d_base = conv_gradients(grad, x, delta, base, ctx.block_size, ctx.group_size)
+        return dx, d_delta, d_base, None, None, None
 
 
 class BlockConv(nn.Module):
@@ -143,7 +133,10 @@ class BlockConv(nn.Module):
         self.num_groups = hidden_size // group_size
         if CONV_KERNEL not in CONV_KERNELS:
             raise ValueError(f"DFLASH_CONV_KERNEL must be one of {', '.join(CONV_KERNELS)}, got {CONV_KERNEL!r}")
+        if CONV_BACKWARD not in CONV_BACKWARDS:
+            raise ValueError(f"DFLASH_CONV_BACKWARD must be one of {', '.join(CONV_BACKWARDS)}, got {CONV_BACKWARD!r}")
         self.kernel = CONV_KERNEL  # an attribute, so a bench variant can switch one drafter (read at compile time)
+        self.backward_kernel = CONV_BACKWARD  # likewise
         self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))
         self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.num_groups, bias=False)
         self.reset_parameters()
@@ -162,16 +155,30 @@ class BlockConv(nn.Module):
 
     def finish(self, y: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """The sublayer's output y [R,Q,H] through the output-side convolution."""
-        return self._conv(y, delta, self.base_kernel[1])
+        return self._conv(y, delta, self.base_kernel[1], finish=True)
 
-    def _conv(self, x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    def _triton_backward(self, y: torch.Tensor, taps: int) -> bool:
+        """Whether the output side's backward runs conv_bwd_triton's kernel: chosen on CUDA where the shapes fit,
+        else Inductor's backward, with one log line per reason (decided while tracing: a constant of the graph)."""
+        if self.backward_kernel != "triton" or not y.is_cuda:
+            return False
+        from trainer.model.conv_bwd_triton import supported
+
+        why = supported(y.shape[-1], self.group_size, taps, y.dtype)
+        if why is not None and why not in _UNFIT_LOGGED:
+            _UNFIT_LOGGED.add(why)
+            print(f"dflash2: the convolution's Triton backward does not take {why}; Inductor's", file=sys.stderr)
+        return why is None
+
+    def _conv(self, x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, *, finish: bool = False) -> torch.Tensor:
         if self.kernel == "triton" and x.is_cuda:
             from trainer.model.conv_triton import block_conv
 
             return block_conv(x, delta, base, block_size=self.block_size, group_size=self.group_size)
         if self.kernel == "autograd":  # the form before session 15: autograd through the forward expression
             return grouped_dynamic_conv(x, delta, base, block_size=self.block_size, group_size=self.group_size)
-        return GroupedDynamicConv.apply(x, delta, base, self.block_size, self.group_size)
+        triton_backward = finish and self._triton_backward(x, base.shape[0])
+        return GroupedDynamicConv.apply(x, delta, base, self.block_size, self.group_size, triton_backward)
 
 
 class CandidateSelector(nn.Module):
