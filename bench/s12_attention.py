@@ -169,19 +169,10 @@ def fit_only(args) -> None:
             H // k.shape[1],
             1.0,
         )
-        kw = dict(
-            D=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n, SPLIT=c.split, num_warps=c.num_warps, num_stages=c.num_stages
-        )
+        kw = c.launch_kwargs(D)
         print(f"fwd rung {index} {c}: shared {int(fwd.warmup(*a, grid=(1, 1), **kw).metadata.shared)} B", flush=True)
         for j, c0 in enumerate(T.fwd_ladder()[:index]):
-            kw0 = dict(
-                D=D,
-                BLOCK_M=c0.block_m,
-                BLOCK_N=c0.block_n,
-                SPLIT=c0.split,
-                num_warps=c0.num_warps,
-                num_stages=c0.num_stages,
-            )
+            kw0 = c0.launch_kwargs(D)
             print(f"  refused rung {j} {c0}: shared {int(fwd.warmup(*a, grid=(1, 1), **kw0).metadata.shared)} B")
     for _key, index in triton_fit.chosen("attention-bwd").items():
         print(f"bwd rung {index} {T.bwd_ladder()[index]}")  # the ladder $DFLASH_ATTENTION_BWD_CONFIG may lead

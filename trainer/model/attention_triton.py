@@ -107,6 +107,17 @@ class FwdConfig:
     num_stages: int
     split: bool = False
 
+    def launch_kwargs(self, head_dim: int) -> dict[str, int | bool]:
+        """The forward kernel's constexprs and launch options for this configuration."""
+        return dict(
+            D=head_dim,
+            BLOCK_M=self.block_m,
+            BLOCK_N=self.block_n,
+            SPLIT=self.split,
+            num_warps=self.num_warps,
+            num_stages=self.num_stages,
+        )
+
 
 @dataclass(frozen=True)
 class BwdConfig:
@@ -625,18 +636,7 @@ def forward(q, k, v, ctx_lo, ctx_hi, blk_lo, blk_hi, scale: float, config: FwdCo
             H // hkv,
             qk_scale,
         )
-        return (
-            grid,
-            args,
-            dict(
-                D=D,
-                BLOCK_M=c.block_m,
-                BLOCK_N=c.block_n,
-                SPLIT=c.split,
-                num_warps=c.num_warps,
-                num_stages=c.num_stages,
-            ),
-        )
+        return grid, args, c.launch_kwargs(D)
 
     with torch.cuda.device(q.device) if q.is_cuda else _null():
         if config is not None:
@@ -918,18 +918,7 @@ def usable(device: torch.device) -> tuple[bool, str]:
             1,
             1.0,
         )
-        return (
-            (1, 1),
-            args,
-            dict(
-                D=D,
-                BLOCK_M=c.block_m,
-                BLOCK_N=c.block_n,
-                SPLIT=c.split,
-                num_warps=c.num_warps,
-                num_stages=c.num_stages,
-            ),
-        )
+        return (1, 1), args, c.launch_kwargs(D)
 
     def bwd_args(c: BwdConfig):
         e = effective(c, device)
