@@ -9,8 +9,8 @@ import sys
 
 os.environ["TRITON_INTERPRET"] = "1"
 
-import torch
 
+from tests.trainer.triton_interp import serve_cases
 from trainer.adamw_triton import TritonAdamW
 from trainer.step import load_optimizer_state
 
@@ -36,11 +36,5 @@ def run_case(case: dict) -> dict:
     return {"params": params, "state": opt.state_dict(), "flags": flags}
 
 
-def main(argv: list[str]) -> int:
-    cases = torch.load(argv[0])
-    torch.save({name: run_case(case) for name, case in cases.items()}, argv[1])
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(serve_cases(run_case, sys.argv[1:]))

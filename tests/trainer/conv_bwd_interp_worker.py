@@ -20,6 +20,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
 
+from tests.trainer.triton_interp import serve_cases
 from trainer import triton_fit
 from trainer.model import conv_bwd_triton
 from trainer.model.dflash2 import GroupedDynamicConv
@@ -62,11 +63,5 @@ def run_case(case: dict) -> dict:
     return {**out, "dy": dy, "dd": dd, "db": db, "rung": next(iter(verdicts.values()), -1), "log": log.getvalue()}
 
 
-def main(argv: list[str]) -> int:
-    cases = torch.load(argv[0])
-    torch.save({name: run_case(case) for name, case in cases.items()}, argv[1])
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(serve_cases(run_case, sys.argv[1:]))

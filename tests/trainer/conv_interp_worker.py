@@ -11,6 +11,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
 
+from tests.trainer.triton_interp import serve_cases
 from trainer.model.conv_triton import block_conv
 
 
@@ -21,11 +22,5 @@ def run_case(case: dict) -> dict:
     return {"out": out.detach(), "dx": dx, "ddelta": ddelta, "dbase": dbase}
 
 
-def main(argv: list[str]) -> int:
-    cases = torch.load(argv[0])
-    torch.save({name: run_case(case) for name, case in cases.items()}, argv[1])
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(serve_cases(run_case, sys.argv[1:]))

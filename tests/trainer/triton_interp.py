@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -30,3 +31,10 @@ def interpret_cases(worker: Path, cases: dict, folder: Path) -> dict:
     )
     assert done.returncode == 0, done.stderr[-6000:]
     return {"cases": cases, "out": torch.load(folder / "out.pt")}
+
+
+def serve_cases(run_case: Callable[[dict], dict], argv: list[str]) -> int:
+    """A worker's main: `argv` = [CASES_IN, OUTPUTS_OUT]; runs every case, saves {name: run_case(case)}."""
+    cases = torch.load(argv[0])
+    torch.save({name: run_case(case) for name, case in cases.items()}, argv[1])
+    return 0

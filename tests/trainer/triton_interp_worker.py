@@ -16,6 +16,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
 
+from tests.trainer.triton_interp import serve_cases
 from trainer.loss import dflash_loss, make_chunk_kernels
 from trainer.loss_triton import CEKernelConfig, fused_ce, fused_ce_topk
 from trainer.loss_triton_kl import ce_kl_grad, ce_kl_stats, fused_ce_kl
@@ -88,11 +89,5 @@ def run_kl_case(case: dict) -> dict:
     return out
 
 
-def main(argv: list[str]) -> int:
-    cases = torch.load(argv[0])
-    torch.save({name: run_case(case) for name, case in cases.items()}, argv[1])
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(serve_cases(run_case, sys.argv[1:]))
