@@ -54,7 +54,6 @@ Triton's interpreter, which is how tests/trainer/test_loss_triton.py checks it a
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.util
 import os
@@ -269,11 +268,6 @@ def _kernel():
     return _ce_rows_kernel
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def fused_ce(
     logits: torch.Tensor, labels: torch.Tensor, *, want_grad: bool = True, config: CEKernelConfig | None = None
 ):
@@ -326,18 +320,9 @@ def _fused_ce(logits: torch.Tensor, labels: torch.Tensor, *, want_grad: bool, co
     outputs = (grad, lse, ce, argmax, top_values if topk else None, top_ids if topk else None)
     if rows == 0:
         return outputs
-    if config.programs_per_sm == 0:
-        programs = rows
-    else:
-        sms = (
-            _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-            if device.type == "cuda"
-            else 2
-        )  # interpreter: 2 "SMs", enough to exercise the row loop
-        programs = min(rows, sms * config.programs_per_sm)
-    # Triton launches on the current device's current stream, torch ops on the tensors' device: make them agree
-    # (drafter threads of the pipeline each own a GPU; the stream then is the one torch uses there).
-    guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    # a persistent grid of programs_per_sm programs per SM, else one program per row
+    programs = rows if config.programs_per_sm == 0 else min(rows, triton_fit.sm_count(device) * config.programs_per_sm)
+    guard = triton_fit.on_device(device)
     ladder = config_ladder(config)
 
     def launch(c: CEKernelConfig) -> tuple[tuple, tuple, dict]:

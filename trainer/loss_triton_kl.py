@@ -65,7 +65,6 @@ Triton is imported at the first call (trainer/loss_triton.py explains why and ho
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 from collections.abc import Callable
@@ -73,7 +72,7 @@ from collections.abc import Callable
 import torch
 
 from trainer import triton_fit
-from trainer.loss_triton import CEKernelConfig, TritonUnavailableError, _interpreting, _sm_count, config_ladder
+from trainer.loss_triton import CEKernelConfig, TritonUnavailableError, _interpreting, config_ladder
 
 ENV_CONFIG = "DFLASH_KL_TRITON"
 DEFAULT_CONFIG = CEKernelConfig(block_v=2048, num_warps=4, programs_per_sm=0)
@@ -293,15 +292,8 @@ def _prepare(
     device = logits.device
     lse, ce, kl = (torch.empty(rows if stats else 0, dtype=torch.float32, device=device) for _ in range(3))
     argmax = torch.empty(rows if stats else 0, dtype=torch.int64, device=device)
-    if config.programs_per_sm == 0:
-        programs = rows
-    else:
-        sms = (
-            _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-            if device.type == "cuda"
-            else 2
-        )  # interpreter: 2 "SMs", enough to exercise the row loop
-        programs = min(rows, sms * config.programs_per_sm)
+    # a persistent grid of programs_per_sm programs per SM, else one program per row
+    programs = rows if config.programs_per_sm == 0 else min(rows, triton_fit.sm_count(device) * config.programs_per_sm)
     per_row = isinstance(ratio, torch.Tensor)
     placeholder = logits  # for pointers the selected passes never touch
 
@@ -363,8 +355,9 @@ def _launch(
     if logits.shape[0] == 0:
         return lse, ce, kl, argmax
     device = logits.device
-    guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-    with guard:  # the first configuration of the ladder that fits the device's shared memory (trainer/triton_fit.py)
+    with triton_fit.on_device(
+        device
+    ):  # the first configuration of the ladder that fits the device's shared memory (trainer/triton_fit.py)
         triton_fit.launch_first_fit("ce-kl", _kernel(), config_ladder(config), launch, device, specialisation)
     return lse, ce, kl, argmax
 
@@ -375,6 +368,7 @@ def fits_device(device: torch.device, config: CEKernelConfig | None = None) -> b
     this for a run with soft labels, as trainer.loss_triton.fits_device for CE."""
     key = (str(device), config)
     if key not in _FITS:
+        config = config or config_from_env()
         logits = torch.zeros(4, 151936, dtype=torch.bfloat16, device=device)
         labels = torch.zeros(4, dtype=torch.int64, device=device)
         _, launch, _ = _prepare(
@@ -386,10 +380,9 @@ def fits_device(device: torch.device, config: CEKernelConfig | None = None) -> b
             row_state=None,
             temperature=1.0,
             stats=True,
-            config=config or config_from_env(),
+            config=config,
         )
-        ladder = config_ladder(config or config_from_env())
-        _FITS[key] = triton_fit.fits("ce-kl", _kernel(), ladder, launch, device) is not None
+        _FITS[key] = triton_fit.fits("ce-kl", _kernel(), config_ladder(config), launch, device) is not None
     return _FITS[key]
 
 

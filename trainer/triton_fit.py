@@ -15,6 +15,8 @@ Under TRITON_INTERPRET=1 nothing is compiled and every configuration fits unless
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -23,6 +25,25 @@ from typing import Any
 import torch
 
 SMEM_ENV = "DFLASH_SMEM_LIMIT"
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """Around a launch: Triton launches on the current CUDA device's current stream, torch ops on the tensors'
+    device, so make them agree (the pipeline's drafter threads each own a GPU). Nothing on the CPU (interpreter)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def sm_count(device: torch.device) -> int:
+    """The device's streaming multiprocessors (persistent grids size by it); 2 under the CPU interpreter, enough
+    to exercise a kernel's row loop."""
+    if device.type != "cuda":
+        return 2
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
 class NoConfigFitsError(RuntimeError):

@@ -638,7 +638,7 @@ def forward(q, k, v, ctx_lo, ctx_hi, blk_lo, blk_hi, scale: float, config: FwdCo
         )
         return grid, args, c.launch_kwargs(D)
 
-    with torch.cuda.device(q.device) if q.is_cuda else _null():
+    with triton_fit.on_device(q.device):
         if config is not None:
             grid, args, kwargs = launch(config)
             fwd[grid](*args, **kwargs)
@@ -770,7 +770,7 @@ def backward(do, q, k, v, o, lse, table: IntervalTable, scale: float, config: Bw
 
     # dq is accumulated in place: a rung refused after a partial launch never happens (the fit is decided by
     # compiling, before any launch; an OutOfResources at launch means nothing ran).
-    with torch.cuda.device(q.device) if q.is_cuda else _null():
+    with triton_fit.on_device(q.device):
         _delta_kernel()[(-(-n_q // 64), R * H)](
             o, do, delta, do.stride(0), do.stride(1), do.stride(2), n_q, H, D=D, BLOCK_M=64, num_warps=4
         )
@@ -786,12 +786,6 @@ def backward(do, q, k, v, o, lse, table: IntervalTable, scale: float, config: Bw
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         _dq_out_kernel()[(-(-n_q // 64), R * H)](dqt, dq, n_q, dqt.stride(2), D=D, BLOCK_M=64, num_warps=4)
     return dq, dk, dv
-
-
-def _null():
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 # ----------------------------------------------------------------------------------- autograd through custom ops

@@ -196,7 +196,7 @@ def conv_finish_backward(
     dy = torch.empty(M, H, dtype=y.dtype, device=y.device)
     dd = torch.empty(M, K, G, dtype=delta.dtype, device=y.device)
     partial: list[torch.Tensor] = []  # the launched configuration's d base partial, [chunks, K, H]
-    sms = _sm_count(y.device)
+    sms = triton_fit.sm_count(y.device)
 
     def launch(config: Config) -> tuple[tuple, tuple, dict]:
         bm, warps, ng, per_sm = config
@@ -214,7 +214,7 @@ def conv_finish_backward(
         return (col_tiles, chunks), args, {**meta, "num_warps": warps}
 
     ladder = CONFIGS
-    guard = torch.cuda.device(y.device) if y.is_cuda else _null()
+    guard = triton_fit.on_device(y.device)
     try:
         with guard:
             triton_fit.launch_first_fit(
@@ -235,19 +235,8 @@ def _(g, y, delta, base, block_size):
     return y.new_empty(y.shape), delta.new_empty(delta.shape), base.new_empty(base.shape)
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-
-
 def triton_next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
-
-
-def _null():
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 __all__ = ["CONFIGS", "conv_finish_backward", "supported"]

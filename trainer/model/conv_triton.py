@@ -23,6 +23,8 @@ import os
 
 import torch
 
+from trainer import triton_fit
+
 BLOCK_M, BLOCK_H = 32, 256  # a forward tile: 32 rows x 256 channels (16 groups of 16), 4 warps
 # The backward's (rows per tile, warps): it holds ~5 fp32 tiles (g, x, g shifted, the product, dx), so 32 x 256 on
 # 4 warps is ~320 registers a thread (spills). $DFLASH_CONV_TRITON_BWD="ROWS:WARPS" overrides, for benches.
@@ -147,17 +149,11 @@ def _grid(M: int, meta: dict) -> tuple[int, int]:
     return (-(-M // meta["BM"]), meta["G"] // meta["NG"])
 
 
-def _device_guard(t: torch.Tensor):
-    import contextlib
-
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
-
-
 @torch.library.custom_op("dflash::block_conv", mutates_args=())
 def _conv_op(x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int) -> torch.Tensor:
     out = torch.empty_like(x)
     meta = _meta(x, delta, block_size)
-    with _device_guard(x):
+    with triton_fit.on_device(x.device):
         _kernels()[0][_grid(x.shape[0], meta)](x, delta, base, out, x.shape[0], **meta)
     return out
 
@@ -175,7 +171,7 @@ def _conv_backward_op(
     grid = _grid(x.shape[0], meta)
     dx, ddelta = torch.empty_like(x), torch.empty_like(delta)
     partial = torch.empty(grid[0], delta.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
-    with _device_guard(x):
+    with triton_fit.on_device(x.device):
         _kernels()[1][grid](g, x, delta, base, dx, ddelta, partial, x.shape[0], **meta)
     return dx, ddelta, partial.sum(0).to(base.dtype)
 

@@ -113,9 +113,8 @@ class GroupedDynamicConv(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None, None]:
         x, delta, base = ctx.saved_tensors
-        if (
-            ctx.triton_backward
-        ):  # the output side on CUDA (BlockConv.finish): one kernel, trainer/model/conv_bwd_triton.py
+        # the output side on CUDA (BlockConv.finish): one kernel, trainer/model/conv_bwd_triton.py
+        if ctx.triton_backward:
             from trainer.model.conv_bwd_triton import conv_finish_backward
 
             dx, d_delta, d_base = conv_finish_backward(grad, x, delta, base, ctx.block_size)
