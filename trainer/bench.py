@@ -478,7 +478,8 @@ def bench_pipeline(args: argparse.Namespace, device: torch.device) -> list[dict]
     """Target + drafter on one device, end to end and sequentially (the threaded version with several drafter
     threads is bench/gpu_pipeline.py): the frozen target's prefill (context tokens/s, against the public anchor of
     ~27K tok/s for Qwen3-8B on one H200 in SGLang), the drafter step, and both back to back. The target has random
-    weights and only the layers up to the highest tap (the layers above it never run: TargetModel exits early)."""
+    weights and only the layers up to the highest tap (the layers above it never run: TargetModel exits early).
+    --target-only: the prefill rows alone (no drafter is built or compiled)."""
     from transformers import Qwen3Config
 
     from trainer.model import TargetModel
@@ -503,8 +504,10 @@ def bench_pipeline(args: argparse.Namespace, device: torch.device) -> list[dict]
     log(f"building a {hf.num_hidden_layers}-layer random target ({dtype}) ...")
     target = TargetModel.from_config(hf, dcfg.target_layer_ids, dtype=dtype, device=device)
     target_side = TargetSide(target, device)
-    drafter = DFlashDrafter(dcfg).to(device=device)
-    drafter_side = DrafterSide(cfg, drafter, target.embed_weight, target.lm_head_weight, device, total_steps=1000)
+    drafter_side = None
+    if not args.target_only:
+        drafter = DFlashDrafter(dcfg).to(device=device)
+        drafter_side = DrafterSide(cfg, drafter, target.embed_weight, target.lm_head_weight, device, total_steps=1000)
     batch = synthetic_batch(dcfg, shape, cfg.gamma, device, sorted_anchors=True)
 
     def prefill() -> None:
@@ -512,6 +515,7 @@ def bench_pipeline(args: argparse.Namespace, device: torch.device) -> list[dict]
             target_side.features(batch)
 
     def drafter_step() -> None:
+        assert drafter_side is not None
         drafter_side.forward_backward(features, batch.weight_sum, float(batch.num_blocks))
         drafter_side.optimizer_step()
 
@@ -535,7 +539,8 @@ def bench_pipeline(args: argparse.Namespace, device: torch.device) -> list[dict]
                 }
             )
 
-    measure([("target prefill", prefill), ("drafter step", drafter_step), ("prefill + step", both)])
+    with_drafter = [] if args.target_only else [("drafter step", drafter_step), ("prefill + step", both)]
+    measure([("target prefill", prefill), *with_drafter])
     if args.target_compile:  # the same target, its layers now through the compiled call (TargetModel.compile_layers)
         target.compile_layers()
         with torch.no_grad():
@@ -545,7 +550,7 @@ def bench_pipeline(args: argparse.Namespace, device: torch.device) -> list[dict]
         log(
             f"compiled target: largest tap difference {diff:.3g} (taps' largest magnitude {eager_taps.abs().max():.3g})"
         )
-        measure([("target compiled", prefill), ("compiled + step", both)])
+        measure([("target compiled", prefill), *([] if args.target_only else [("compiled + step", both)])])
     print(f"{args.preset} {shape.name}: {shape.rows} x {shape.ctx} context tokens, {shape.block_tokens} block tokens")
     print(f"{'what':<16} {'ms':>9} {'ctx tok/s':>10} {'blk tok/s':>10}")
     for r in rows:
@@ -593,6 +598,11 @@ def main(argv: list[str]) -> int:
         action="store_true",
         help="pipeline: then the same rows with the target's layers compiled (--target-compile), and the "
         "largest difference of the taps (default: off)",
+    )
+    parser.add_argument(
+        "--target-only",
+        action="store_true",
+        help="pipeline: the target's prefill rows only, no drafter built or compiled (default: off)",
     )
     parser.add_argument("--json-out", help="also write the rows as JSON to this file (default: none)")
     parser.add_argument(

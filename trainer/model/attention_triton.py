@@ -33,8 +33,10 @@ layer treats it as one opaque call). Triton is imported at the first call.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -167,9 +169,6 @@ FWD_SPLIT_ENV = "DFLASH_ATTENTION_FWD_SPLIT"
 def fwd_ladder() -> tuple[FwdConfig, ...]:
     """FWD_CONFIGS, each with `split` set to $DFLASH_ATTENTION_FWD_SPLIT ("1" or "0") where that is set (the step
     bench's knob: "0" is the masked forward of session 15)."""
-    import dataclasses
-    import os
-
     text = os.environ.get(FWD_SPLIT_ENV, "").strip()
     if text not in ("", "0", "1"):
         raise ValueError(f"${FWD_SPLIT_ENV}={text!r}: expected 0 or 1")
@@ -201,8 +200,6 @@ def parse_bwd_config(text: str) -> BwdConfig:
 def bwd_ladder() -> tuple[BwdConfig, ...]:
     """BWD_CONFIGS, led by $DFLASH_ATTENTION_BWD_CONFIG where set (tuning: the step bench takes a schedule this
     way; the ladder's own rungs stay behind it for a device it does not fit)."""
-    import os
-
     text = os.environ.get(BWD_ENV, "").strip()
     return (parse_bwd_config(text), *BWD_CONFIGS) if text else BWD_CONFIGS
 
@@ -876,10 +873,8 @@ def interval_attention(
 def usable(device: torch.device) -> tuple[bool, str]:
     """(whether both kernels have a configuration that fits `device`, why not): compiles them for a tiny
     problem once (no launch). CPU: only under the Triton interpreter."""
-    import os
-
     if device.type != "cuda":
-        interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+        interpreting = triton_fit._interpreting()
         return interpreting, "" if interpreting else "needs a CUDA device (or TRITON_INTERPRET=1)"
     try:
         _, fwd, bwd = _kernels()
