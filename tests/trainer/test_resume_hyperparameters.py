@@ -90,7 +90,7 @@ def test_restart_with_another_lr_trains_at_it_and_says_so(
     tmp_path: Path, engine: str, capfd: pytest.CaptureFixture[str]
 ) -> None:
     torch.set_num_threads(1)
-    run = (lambda cfg: run_pipeline(cfg)) if engine == "pipeline" else run_single
+    run = run_pipeline if engine == "pipeline" else run_single
     extra = ("--pipeline",) if engine == "pipeline" else ()
     out = tmp_path / "run"
     first = tiny_train_config(out, *extra, "--max-steps", "3", "--save-interval", "3", "--lr", "3e-3")
