@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call = one of these sections; each step has its own timeout so one hang cannot eat the call.
 # Usage (on the GPU machine, repo root): bash bench/gpu_session.sh SECTION...   (logs under $OUT when set)
+# Session 18 calls (coordinator): `s17-target`, then `s18-attn`.
 # Session 17 call (issue 31 item 2): `s17-attn` (run at d2278b9; since then the split forward and `tma,tfo` are
 # the defaults, and the bench times the masked forward beside the default one).
 # Session 15 calls (issue 31 item 2): `env s15-attn`, then `s15-attn` (with the ~99 KB rehearsal).
@@ -110,6 +111,12 @@ with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under auto
               else echo "s17: the gate is closed: no step"; fi
               step s17-fit 45 env DFLASH_ATTENTION_BWD_CONFIG=128,64,8,1,tma,tf DFLASH_SMEM_LIMIT=99K \
                 python3 bench/s12_attention.py --fit-only ;;
+    # Session 18 (issue 31 items 2, 4, 5): rung 0's schedule with `o` on other tiles and the ~99 KB candidates
+    # (two rounds, no step), then the specforge step flex against ours with session 17's defaults, A B A B
+    s18-attn) step s18-bwd 150 python3 bench/s15_attention_bwd.py --rounds 2 --json-out "$OUT/s18-bwd.json" \
+              --variants tma,tma-tfo,tma-tfo-s3,tma-tfo-s1,tma-m32-tfo,tma-m32-tfo-s1,tma-n64-o-s1,tma-n64-w4-tfo,tma-s1
+              step s18-specforge 150 python3 -m trainer bench step --preset qwen3-8b --shape specforge \
+                --variants triton,triton-attn,triton,triton-attn --iters 10 --warmup 3 --json-out "$OUT/s18-sf.json" ;;
     # Session 15 (issue 31 items 3-4): the optimizer step alone (torch's fused AdamW vs trainer/adamw_triton.py),
     # the specforge step with and without it (per call and back to back, profiled), the one-GPU pipeline at the
     # specforge shape (full-depth random Qwen3-8B target, two drafter threads).

@@ -61,6 +61,14 @@ VARIANTS = {
     "atomic-tf": C(128, 64, 8, 2, "atomic", "tf"),
     "tma-o": C(128, 64, 8, 2, "tma", "o"),
     "tma-tfo": C(128, 64, 8, 2, "tma", "tfo"),
+    # session 18: `o` on other tiles: the one- and three-stage forms of rung 0, and the ~99 KB candidates for the
+    # ladder's second rung (90,112 and 81,920 B compiled here with Triton 3.9; session 17's rung 1 is 98,304 B)
+    "tma-tfo-s3": C(128, 64, 8, 3, "tma", "tfo"),
+    "tma-tfo-s1": C(128, 64, 8, 1, "tma", "tfo"),
+    "tma-m32-tfo": C(128, 32, 8, 2, "tma", "tfo"),
+    "tma-m32-tfo-s1": C(128, 32, 8, 1, "tma", "tfo"),
+    "tma-n64-o-s1": C(64, 64, 8, 1, "tma", "o"),
+    "tma-n64-w4-tfo": C(64, 64, 4, 2, "tma", "tfo"),
 }
 # session 15's forward (every key tile masked), timed beside the default (since session 17: full tiles unmasked)
 FWD_MASKED = T.FwdConfig(128, 128, 8, 2, False)
