@@ -335,8 +335,9 @@ def main() -> int:
     )
     parser.add_argument(
         "--target-compile",
-        default="off",
-        help="comma list of off,on: the target's layers through one compiled call (the trainer's --target-compile)",
+        default="auto",
+        help="comma list of auto,on,off: the target's layers through one compiled call (the trainer's "
+        "--target-compile; auto, its default, is on for a CUDA target)",
     )
     parser.add_argument(
         "--sync-wait",

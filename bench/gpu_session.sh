@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call = one of these sections; each step has its own timeout so one hang cannot eat the call.
 # Usage (on the GPU machine, repo root): bash bench/gpu_session.sh SECTION...   (logs under $OUT when set)
-# Session 18 calls (coordinator): `s17-target`, then `s18-attn`.
+# Session 18 calls (coordinator): `s17-target`, then `s18-attn`, then `s18-verify`.
 # Session 17 call (issue 31 item 2): `s17-attn` (run at d2278b9; since then the split forward and `tma,tfo` are
 # the defaults, and the bench times the masked forward beside the default one).
 # Session 15 calls (issue 31 item 2): `env s15-attn`, then `s15-attn` (with the ~99 KB rehearsal).
@@ -117,6 +117,15 @@ with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under auto
               --variants tma,tma-tfo,tma-tfo-s3,tma-tfo-s1,tma-m32-tfo,tma-m32-tfo-s1,tma-n64-o-s1,tma-n64-w4-tfo,tma-s1
               step s18-specforge 150 python3 -m trainer bench step --preset qwen3-8b --shape specforge \
                 --variants triton,triton-attn,triton,triton-attn --iters 10 --warmup 3 --json-out "$OUT/s18-sf.json" ;;
+    # Session 18: --target-compile auto (on for a CUDA target) as the default: the taps of the eager and the compiled
+    # bf16 target against the same weights in fp32 at both shapes, then the small pipeline single and dual through the
+    # defaults (the single engine compiles the target at its first step, the pipeline in its warm-up)
+    s18-verify) step s18-prefill-sf 120 python3 -m trainer bench pipeline --preset qwen3-8b --shape specforge \
+                --target-intermediate 12288 --iters 10 --warmup 3 --target-compile --target-only
+              step s18-prefill-seed 150 python3 -m trainer bench pipeline --preset qwen3-8b --shape seed \
+                --target-intermediate 12288 --iters 5 --warmup 2 --target-compile --target-only
+              step s18-pipeline 200 python3 bench/gpu_pipeline.py --scale small --modes single,dual --steps 100 \
+                --timeout-s 150 --budget-s 180 --log-dir "$OUT/pipeline-logs" ;;
     # Session 15 (issue 31 items 3-4): the optimizer step alone (torch's fused AdamW vs trainer/adamw_triton.py),
     # the specforge step with and without it (per call and back to back, profiled), the one-GPU pipeline at the
     # specforge shape (full-depth random Qwen3-8B target, two drafter threads).

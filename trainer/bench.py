@@ -474,6 +474,27 @@ def bench_attention(args: argparse.Namespace, device: torch.device) -> list[dict
     return rows
 
 
+def _fp32_taps(target: Any, hf: Any, layer_ids: list[int], batch: Any, device: torch.device) -> torch.Tensor:
+    """The taps of `target`'s own weights run in float32 (a second copy, freed before returning: ~30 GB for the
+    qwen3-8b-shaped target, once): the truth both the eager and the compiled bf16 forward are rounded from."""
+    from trainer.model import TargetModel
+
+    reference = TargetModel.from_config(hf, layer_ids, dtype=torch.float32, device=device)
+    reference.model.load_state_dict(target.model.state_dict())  # the same (bf16) weights, cast up
+    with torch.no_grad():
+        taps = TargetSide(reference, device).features(batch).ctx_features.float()
+    del reference
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return taps
+
+
+def _relative_rms_per_tap(taps: torch.Tensor, reference: torch.Tensor, num_taps: int) -> list[float]:
+    """||taps - reference|| / ||reference|| for each tap's slice of the last dim ([R,S,T*H] -> T values)."""
+    pairs = zip(taps.float().chunk(num_taps, dim=-1), reference.chunk(num_taps, dim=-1))
+    return [((t - r).norm() / r.norm()).item() for t, r in pairs]
+
+
 def bench_pipeline(args: argparse.Namespace, device: torch.device) -> list[dict]:
     """Target + drafter on one device, end to end and sequentially (the threaded version with several drafter
     threads is bench/gpu_pipeline.py): the frozen target's prefill (context tokens/s, against the public anchor of
@@ -542,6 +563,7 @@ def bench_pipeline(args: argparse.Namespace, device: torch.device) -> list[dict]
     with_drafter = [] if args.target_only else [("drafter step", drafter_step), ("prefill + step", both)]
     measure([("target prefill", prefill), *with_drafter])
     if args.target_compile:  # the same target, its layers now through the compiled call (TargetModel.compile_layers)
+        reference = _fp32_taps(target, hf, dcfg.target_layer_ids, batch, device)
         target.compile_layers()
         with torch.no_grad():
             eager_taps = features.ctx_features
@@ -550,6 +572,9 @@ def bench_pipeline(args: argparse.Namespace, device: torch.device) -> list[dict]
         log(
             f"compiled target: largest tap difference {diff:.3g} (taps' largest magnitude {eager_taps.abs().max():.3g})"
         )
+        for name, taps in (("eager", eager_taps), ("compiled", compiled_taps)):
+            errors = _relative_rms_per_tap(taps, reference, len(dcfg.target_layer_ids))
+            log(f"taps vs fp32, relative RMS per tap, {name}: {' '.join(f'{e:.2e}' for e in errors)}")
         measure([("target compiled", prefill), *([] if args.target_only else [("compiled + step", both)])])
     print(f"{args.preset} {shape.name}: {shape.rows} x {shape.ctx} context tokens, {shape.block_tokens} block tokens")
     print(f"{'what':<16} {'ms':>9} {'ctx tok/s':>10} {'blk tok/s':>10}")

@@ -125,6 +125,17 @@ LOSS_KERNELS = ("auto", "compiled", "eager", "triton")
 ATTENTION_KERNELS = ("flex", "triton")
 # --adamw: torch's fused or foreach AdamW, or trainer/adamw_triton.py's kernel (CUDA; opt-in until measured to pay)
 ADAMW_IMPLS = ("auto", "fused", "foreach", "triton")
+# --target-compile: the frozen target's decoder layers through one compiled layer call per target. auto = on where
+# the target runs on CUDA (H200, bench/RESULTS.md session 18: the Qwen3-8B-shaped target's forward 47.7 -> 34.5 ms,
+# the one-GPU pipeline 11.84 -> 12.96 samples/s), off on the CPU (Inductor's C++ compiles cost more than they save
+# on the tiny targets CPU runs use).
+TARGET_COMPILE = ("auto", "on", "off")
+
+
+def target_compile_enabled(setting: str, device: object) -> bool:
+    """--target-compile's value for a target on `device` (a torch.device or its string; this module does not import
+    torch, so `--help` stays fast): "on", or "auto" on a CUDA device."""
+    return setting == "on" or (setting == "auto" and str(device).split(":")[0] == "cuda")
 
 
 @dataclass
@@ -176,8 +187,7 @@ class TrainConfig:
     kl_temperature: float = 1.0
     cap_lambda: float = 0.0
     activation_checkpointing: bool = False  # recompute drafter layer activations in backward (memory for time)
-    # the target's decoder layer through one compiled call per target (opt-in until measured on the H200)
-    target_compile: bool = False
+    target_compile: str = "auto"  # auto (on for a CUDA target) | on | off: TARGET_COMPILE
     loss_chunk_size: int | None = None  # rows per chunk in the logits-free loss (None: ~1 GiB of fp32 logits)
     loss_kernels: str = (
         "auto"  # auto (triton on Hopper, else compiled; eager for an eager drafter) | compiled | eager | triton
@@ -221,6 +231,8 @@ class TrainConfig:
     def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
         """Build from a plain dict; unknown keys are an error naming them."""
         known = {f.name for f in dataclasses.fields(cls)}
+        if isinstance(values.get("target_compile"), bool):  # checkpoints of session 17 stored it as a bool
+            values = {**values, "target_compile": "on" if values["target_compile"] else "off"}
         unknown = sorted(set(values) - known)
         if unknown:
             flags = ", ".join("--" + k.replace("_", "-") for k in unknown)
@@ -281,6 +293,11 @@ class TrainConfig:
         need(0 <= self.warmup_ratio < 1, "warmup-ratio", f"must be in [0, 1), got {self.warmup_ratio}")
         need(self.weight_decay >= 0, "weight-decay", f"must be >= 0, got {self.weight_decay}")
         need(self.adamw in ADAMW_IMPLS, "adamw", f"must be one of {', '.join(ADAMW_IMPLS)}, got {self.adamw!r}")
+        need(
+            self.target_compile in TARGET_COMPILE,
+            "target-compile",
+            f"must be one of {', '.join(TARGET_COMPILE)}, got {self.target_compile!r}",
+        )
         need(self.grad_accum >= 1, "grad-accum", f"must be >= 1, got {self.grad_accum}")
         need(self.grad_clip >= 0, "grad-clip", f"must be >= 0 (0 disables clipping), got {self.grad_clip}")
         need(
@@ -444,7 +461,6 @@ def build_parser() -> argparse.ArgumentParser:
         "pipeline": _bool,
         "enable_thinking": _bool,
         "activation_checkpointing": _bool,
-        "target_compile": _bool,
     }
     choices = {
         "preset": tuple(PRESETS),
@@ -456,6 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
         "feature_transfer": TRANSFER_MODES,
         "noise_type": NOISE_TYPES,
         "arch": ARCHS,
+        "target_compile": TARGET_COMPILE,
     }
     metavars = {
         "target_gpus": "DEVICES",

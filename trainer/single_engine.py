@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from trainer.checkpoint import CheckpointState, load_checkpoint, restore_rng
+from trainer.config import target_compile_enabled
 from trainer.data import Batch, BatchStream
 from trainer.handover import free_device_memory
 from trainer.loss import position_weights
@@ -61,12 +62,17 @@ class SingleEngine:
             if cfg.init_from is not None:
                 drafter.load_state_dict(DFlashDrafter.from_pretrained(cfg.init_from).state_dict())
         self.target_side = TargetSide(
-            target, setup.target_device, soft_labels=cfg.use_soft_labels, compile=cfg.target_compile
+            target,
+            setup.target_device,
+            soft_labels=cfg.use_soft_labels,
+            compile=target_compile_enabled(cfg.target_compile, setup.target_device),
         )
         self.drafter_side = DrafterSide(
             cfg, drafter, target.embed_weight, target.lm_head_weight, setup.drafter_device, self.total_steps
         )
         print(f"loss kernels: {self.drafter_side.loss_kernels.kind}", file=sys.stderr, flush=True)
+        layers = "compiled" if self.target_side.compiled else "eager"
+        print(f"target layers: {layers} (--target-compile {cfg.target_compile})", file=sys.stderr, flush=True)
 
     def warm_up(self, step: int, position: tuple[int, int], recorder: RunRecorder) -> None:
         """Nothing ahead: the first step compiles (one drafter, one shape bucket at a time)."""

@@ -108,7 +108,8 @@ FLAG_HELP: dict[str, str] = {
     "cap_lambda": "weight of the CAP (expected accepted length) term; 0: off",
     "activation_checkpointing": "recompute drafter layer activations in backward (less memory, more time)",
     "target_compile": "run the frozen target's decoder layers through one torch.compile'd layer call per target "
-    "(fuses the eager norms, rotary and SiLU; compiled during the warm-up, cached across restarts)",
+    "(fuses the eager norms, rotary and SiLU; compiled during the warm-up, cached across restarts); auto: on for a "
+    "CUDA target",
     "loss_chunk_size": "rows per chunk of the logits-free loss (rounded down to whole blocks)",
     "attention_kernel": "the drafter's attention on CUDA: flex (flex_attention with a BlockMask) or triton (our "
     "kernel for the interval-form mask, forward and backward; bench/RESULTS.md session 12)",

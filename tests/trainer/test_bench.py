@@ -196,3 +196,30 @@ def test_the_session_8_variant_builds_the_mask_before_the_forward() -> None:
     wrapped = functools.partial(bench._mask_first, drafter.forward, drafter.build_mask)
     assert torch.equal(wrapped(ctx, emb, batch.anchors, batch.keep, "dense"), expected)
     assert order == ["mask", "fc"]
+
+
+def test_the_compiled_targets_fp32_reference_measures_rounding_per_tap() -> None:
+    """bench pipeline --target-compile rates the eager and the compiled bf16 taps against the target's own
+    weights run in float32: zero for the float32 forward itself, bf16-sized for the bf16 one, and per tap."""
+    from transformers import Qwen3Config
+
+    from trainer.bench_common import SHAPES, preset_config, synthetic_batch
+    from trainer.model import TargetModel
+    from trainer.step import TargetSide
+
+    cfg, dcfg = preset_config("tiny", SHAPES["tiny"], [])
+    hf = Qwen3Config(**cfg.tiny_target)
+    taps = dcfg.target_layer_ids
+    target = TargetModel.from_config(hf, taps, dtype=torch.bfloat16)
+    batch = synthetic_batch(dcfg, SHAPES["tiny"], cfg.gamma, torch.device("cpu"), sorted_anchors=True)
+    reference = bench._fp32_taps(target, hf, taps, batch, torch.device("cpu"))
+    assert reference.dtype == torch.float32
+    bf16 = TargetSide(target, "cpu").features(batch).ctx_features
+    errors = bench._relative_rms_per_tap(bf16, reference, len(taps))
+    assert len(errors) == len(taps) >= 2 and all(1e-4 < e < 3e-2 for e in errors)  # bf16's rounding, not a fault
+    assert bench._relative_rms_per_tap(reference, reference, len(taps)) == [0.0] * len(taps)
+    moved = reference.clone()
+    moved[..., -hf.hidden_size :] *= 1.5  # only the last tap's slice
+    assert bench._relative_rms_per_tap(moved, reference, len(taps)) == pytest.approx(
+        [0.0] * (len(taps) - 1) + [0.5], abs=1e-5
+    )

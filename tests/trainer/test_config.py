@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from transformers import Qwen3Config
 
-from trainer.config import PRESETS, TrainConfig, TrainerInputError, parse_train_args
+from trainer.config import PRESETS, TrainConfig, TrainerInputError, parse_train_args, target_compile_enabled
 from trainer.train import build_drafter_config
 
 SEED_FLAGS = [  # every flag of the seed run, with a value of the right kind
@@ -175,12 +176,24 @@ def test_drafter_config_from_preset_and_target_config(
         (["--preset", "huge"], "--preset"),
         (["--loss-kernels", "turbo"], "--loss-kernels"),
         (["--loss-kernels", "triton", "--drafter-gpus", "cpu"], "--loss-kernels"),
+        (["--target-compile", "yes"], "--target-compile"),
     ],
 )
 def test_bad_values_are_refused_naming_the_flag(flags: list[str], flag_named: str) -> None:
     with pytest.raises(TrainerInputError) as info:
         parse_train_args(["--preset", "tiny", *flags])
     assert flag_named in info.value.message
+
+
+def test_target_compile_is_on_by_default_for_a_cuda_target_only() -> None:
+    cfg = parse_train_args(["--preset", "tiny"])
+    assert cfg.target_compile == "auto"
+    assert target_compile_enabled("auto", "cuda:1") and target_compile_enabled("auto", torch.device("cuda", 0))
+    assert not target_compile_enabled("auto", "cpu") and not target_compile_enabled("auto", torch.device("cpu"))
+    assert target_compile_enabled("on", "cpu") and not target_compile_enabled("off", "cuda:0")
+    # session 17's checkpoints stored the flag as a bool
+    assert TrainConfig.from_dict({**cfg.to_dict(), "target_compile": True}).target_compile == "on"
+    assert TrainConfig.from_dict({**cfg.to_dict(), "target_compile": False}).target_compile == "off"
 
 
 def test_real_presets_need_a_target_and_data() -> None:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from trainer.checkpoint import CheckpointState, restore_rng
-from trainer.config import TrainerInputError
+from trainer.config import TrainerInputError, target_compile_enabled
 from trainer.data import BatchStream, collate
 from trainer.dist.cluster import Cluster, LocalCluster
 from trainer.handover import free_device_memory
@@ -109,7 +109,7 @@ class PipelineEngine:
                 t,
                 d,
                 soft_labels=cfg.use_soft_labels,
-                compile=cfg.target_compile,
+                compile=target_compile_enabled(cfg.target_compile, d),
                 compile_backend=self.options.compile_backend,
             )
             for t, d in zip(targets, self.target_devices)
@@ -149,6 +149,8 @@ class PipelineEngine:
 
     def _log_built(self, started: float, loaded: float) -> None:
         _log(f"loss kernels: {', '.join(f'{side.device} {side.loss_kernels.kind}' for side in self.sides)}")
+        layers = ", ".join(f"{t.device} {'compiled' if t.compiled else 'eager'}" for t in self.target_sides)
+        _log(f"target layers: {layers} (--target-compile {self.cfg.target_compile})")
         _log(
             f"built in {time.monotonic() - started:.1f} s: target(s) {loaded - started:.1f} s, "
             f"drafter replicas {time.monotonic() - loaded:.1f} s"
