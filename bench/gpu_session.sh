@@ -118,12 +118,14 @@ with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under auto
               step s18-specforge 150 python3 -m trainer bench step --preset qwen3-8b --shape specforge \
                 --variants triton,triton-attn,triton,triton-attn --iters 10 --warmup 3 --json-out "$OUT/s18-sf.json" ;;
     # Session 18: --target-compile auto (on for a CUDA target) as the default: the taps of the eager and the compiled
-    # bf16 target against the same weights in fp32 (specforge shape), then the small pipeline single and dual through the
+    # bf16 target against the same weights in fp32 (specforge shape; the seed shape last), then the small pipeline single and dual through the
     # defaults (the single engine compiles the target at its first step, the pipeline in its warm-up)
     s18-verify) step s18-prefill-sf 120 python3 -m trainer bench pipeline --preset qwen3-8b --shape specforge \
                 --target-intermediate 12288 --iters 10 --warmup 3 --target-compile --target-only
               step s18-pipeline 200 python3 bench/gpu_pipeline.py --scale small --modes single,dual --steps 100 \
-                --timeout-s 150 --budget-s 180 --log-dir "$OUT/pipeline-logs" ;;
+                --timeout-s 150 --budget-s 180 --log-dir "$OUT/pipeline-logs"
+              step s18-prefill-seed 140 python3 -m trainer bench pipeline --preset qwen3-8b --shape seed \
+                --target-intermediate 12288 --iters 3 --warmup 1 --target-compile --target-only ;;
     # Session 15 (issue 31 items 3-4): the optimizer step alone (torch's fused AdamW vs trainer/adamw_triton.py),
     # the specforge step with and without it (per call and back to back, profiled), the one-GPU pipeline at the
     # specforge shape (full-depth random Qwen3-8B target, two drafter threads).
