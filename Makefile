@@ -8,7 +8,7 @@ TORCH_VERSION ?= 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test setup system-deps clean
+.PHONY: demo test setup system-deps pip-install clean
 
 setup: $(STAMP)
 
@@ -21,18 +21,40 @@ system-deps:
 			tmux openssh-server openssh-client sudo rsync >/dev/null; \
 	fi
 
+# The venv's packages through uv (from PyPI, into the venv) when it installs, else through pip as before: both
+# install the same pins from the same indexes. pip unpacked and byte-compiled ~100 wheels (torch, triton,
+# transformers: ~45 s of one core in a fresh clone, every clone); uv links them from its cache (~/.cache/uv, shared
+# by the machine's clones; the first install downloads) and byte-compiles on every core: ~20 s, ~9 without the
+# compile (which each first import would then pay, in three test workers at once). uv reads no pip configuration:
+# it gets the find-links folders where pip's configuration names them (a machine's local copy of the CPU torch
+# wheel), else PyTorch's CPU index with pip's rule (the best version over all indexes, not uv's first index that
+# has the name: that index mirrors numpy and others at a few versions). Anything failing on the uv path (no uv
+# wheel for this platform, no network to its index) falls back to the pip path, which needs nothing but pip
+# (issue 29 items 10 and 11).
+UV_INSTALL = $(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python
+# The CPU build of torch first, pinned with its local version (+cpu), so no requirement can pull the CUDA build:
+# from a wheel pip's own configuration already finds without an index (find-links; no network), else from
+# PyTorch's CPU index. Then its dependencies from the usual index (a no-op after the second form).
+PIP_INSTALL = $(BIN)/pip install -q --upgrade pip \
+	&& { $(BIN)/pip install -q --no-index --no-deps "torch==$(TORCH_VERSION)+cpu" 2>/dev/null \
+	|| $(BIN)/pip install -q --extra-index-url $(TORCH_CPU_INDEX) "torch==$(TORCH_VERSION)+cpu"; } \
+	&& $(BIN)/pip install -q "torch==$(TORCH_VERSION)+cpu" && $(BIN)/pip install -q -e '.[train,dev]'
+# The fallback is inlined, not a `$(MAKE) pip-install`: `make -n` runs a line naming $(MAKE), and
+# tests/controller/test_ctl_fresh_clone.py reads `make -n`'s plan.
 $(STAMP): pyproject.toml Makefile
 	$(MAKE) system-deps
 	[ -x $(BIN)/python ] || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	# The CPU build of torch first, pinned with its local version (+cpu), so no requirement can pull the CUDA
-	# build: from a wheel pip's own configuration already finds without an index (find-links; no network), else
-	# from PyTorch's CPU index. Then its dependencies from the usual index (a no-op after the second form).
-	$(BIN)/pip install -q --no-index --no-deps "torch==$(TORCH_VERSION)+cpu" 2>/dev/null \
-		|| $(BIN)/pip install -q --extra-index-url $(TORCH_CPU_INDEX) "torch==$(TORCH_VERSION)+cpu"
-	$(BIN)/pip install -q "torch==$(TORCH_VERSION)+cpu"
-	$(BIN)/pip install -q -e '.[train,dev]'
+	torch_from=; for link in $$($(BIN)/pip config get global.find-links 2>/dev/null); do \
+		torch_from="$$torch_from --find-links $$link"; done; \
+	[ -n "$$torch_from" ] || torch_from="--extra-index-url $(TORCH_CPU_INDEX) --index-strategy unsafe-best-match"; \
+	$(BIN)/pip install -q uv && $(UV_INSTALL) $$torch_from "torch==$(TORCH_VERSION)+cpu" -e '.[train,dev]' \
+		|| { echo "uv did not install; pip instead" >&2; $(PIP_INSTALL); }
 	touch $(STAMP)
+
+# The same packages through pip alone (the fallback above, by hand).
+pip-install:
+	[ -x $(BIN)/python ] || $(PY) -m venv $(VENV)
+	$(PIP_INSTALL)
 
 # DEMO_ARCH=dflash2 or DEMO_ARCH=both (DFlash and DFlash2 on the same data and steps, both tables).
 DEMO_ARCH ?= dflash

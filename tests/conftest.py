@@ -38,27 +38,33 @@ def no_cache_dir_set_by_torch() -> Iterator[None]:
     yield
 
 
-# The files that kept a worker busiest (seconds of wall time on the idle 2-core machine, `make test` with three
-# workers, 2026-12-04), longest first. With `--dist loadfile` a worker takes the next file when its own run dry,
-# and xdist's default order (most tests first) started these late: the suite ended on a 50-80 s file while the
-# other workers had finished. Running the longest first (LPT scheduling) leaves the short files for the end. A
-# stale entry costs nothing but balance: a missing file is skipped, a new slow file runs in the default order.
+# The files that kept a worker busiest (the sum of their tests' wall seconds, `make test`'s arguments with three
+# workers and `--durations=0`, 2026-12-05, the machine shared: load average ~4, so ~1.3x an idle run's), longest
+# first. With `--dist loadfile` a worker takes the next file when its own run dry, and xdist's default order (most
+# tests first) started these late: the suite ended on a 50-80 s file while the other workers had finished. Running
+# the longest first (LPT scheduling) leaves the short files for the end. A stale entry costs nothing but balance: a
+# missing file is skipped, a new slow file runs in the default order.
 LONGEST_FIRST = (
-    "tests/controller/test_ctl_concurrency.py",  # 128 s
-    "tests/trainer/test_distributed.py",  # 107
-    "tests/trainer/test_bench.py",  # 95
-    "tests/controller/test_ctl_compile_cache.py",  # 81
-    "tests/controller/test_ctl_handover.py",  # 73
-    "tests/controller/test_supervisor_local.py",  # 61
-    "tests/controller/test_ctl_reliability.py",  # 57
-    "tests/trainer/test_loss_triton.py",  # 54
-    "tests/remote/test_multinode_remote.py",  # 49
-    "tests/trainer/test_compile_cache_artifacts.py",  # 47
-    "tests/controller/test_ctl_lifecycle.py",  # 42
-    "tests/remote/test_fanout.py",  # 42
-    "tests/controller/test_ctl_standby.py",  # 41
-    "tests/controller/test_ctl_preflight.py",  # 38
+    "tests/trainer/test_bench.py",  # 229 s
+    "tests/controller/test_ctl_concurrency.py",  # 216
+    "tests/trainer/test_distributed.py",  # 151
+    "tests/controller/test_ctl_compile_cache.py",  # 88
+    "tests/controller/test_ctl_handover.py",  # 70
+    "tests/trainer/test_compile_cache_artifacts.py",  # 59
+    "tests/controller/test_ctl_preflight.py",  # 58
+    "tests/trainer/test_loss_triton.py",  # 57
+    "tests/trainer/test_demo.py",  # 57
+    "tests/remote/test_multinode_remote.py",  # 53
+    "tests/trainer/test_compile_scope.py",  # 53
+    "tests/controller/test_supervisor_local.py",  # 50
+    "tests/trainer/test_attention_triton.py",  # 79 before its worker was halved, ~40 after
+    "tests/trainer/test_checkpoint.py",  # 40
+    "tests/remote/test_fanout.py",  # 40
+    "tests/trainer/test_train.py",  # 38
+    "tests/controller/test_ctl_standby.py",  # 38
     "tests/remote/test_restart_remote.py",  # 35
+    "tests/controller/test_ctl_lifecycle.py",  # 33
+    "tests/controller/test_ctl_reliability.py",  # 32
 )
 
 

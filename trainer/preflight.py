@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -31,6 +32,8 @@ class RunSetup:
     """Everything decided before the run directory exists."""
 
     cfg: TrainConfig
+    # The target's HF config (--target-model), or the tiny preset's target values (target_shape): load_target
+    # builds the tiny target's Qwen3Config itself.
     hf_config: Any
     drafter_config: DrafterConfig
     dataset: Any
@@ -73,6 +76,17 @@ def target_hf_config(cfg: TrainConfig) -> Any:
             hint="pass a local Hugging Face model directory",
         )
     return AutoConfig.from_pretrained(path, local_files_only=True)
+
+
+def target_shape(cfg: TrainConfig) -> Any:
+    """What build_drafter_config reads of the target: the tiny preset's own values (a namespace: they name every
+    field it reads; tests/trainer/test_train.py checks both give one drafter config), else the HF config. The tiny
+    target's needs no transformers: importing it reads the `__all__` of every model file in transformers.models
+    (~1 CPU-s of a `trainer check`'s ~2.7, ~25 checks a test suite); load_target imports it to build the model."""
+    if cfg.target_model is None:
+        assert cfg.tiny_target is not None
+        return SimpleNamespace(**cfg.tiny_target)
+    return target_hf_config(cfg)
 
 
 def build_drafter_config(cfg: TrainConfig, hf_config: Any) -> DrafterConfig:
@@ -193,7 +207,7 @@ def preflight(cfg: TrainConfig, *, reads_checkpoints: bool = True) -> RunSetup:
     """Every check that can refuse the run; reads, never writes. `reads_checkpoints=False` (the nodes other than
     node 0 of a distributed run, which never read checkpoints or drafter files) skips --resume and --init-from:
     node 0 reads them and sends what it read to every node."""
-    hf_config = target_hf_config(cfg)
+    hf_config = target_shape(cfg)
     drafter_config = build_drafter_config(cfg, hf_config)
     cfg.vocab_size = drafter_config.vocab_size
     dataset = open_dataset(cfg)
@@ -289,5 +303,5 @@ def load_target(setup: RunSetup, device: torch.device | None = None) -> TargetMo
     device = device or setup.target_device
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if cfg.target_model is None:
-        return TargetModel.from_config(setup.hf_config, ids, seed=cfg.seed, dtype=dtype, device=device)
+        return TargetModel.from_config(target_hf_config(cfg), ids, seed=cfg.seed, dtype=dtype, device=device)
     return TargetModel.from_pretrained(cfg.target_model, ids, dtype=dtype, device=device)

@@ -68,6 +68,7 @@ def test_every_backward_schedule_matches_dense_float64(interpreted, case):
     names = {"128x32", "64x64", "64x32", "32x32", "128x64-t", "128x64-f", "128x64-o", "64x32-tfo", "o"}
     names |= {"o-split-32x32", "o-split-64x128", "o-masked-64x64"}
     assert set(got["errs"]) == names, got
+    assert got["pairs"]["partial"] > 0 and (case != "full-tiles" or got["pairs"]["full"] > 0), got
     for schedule, err in got["errs"].items():
         assert err < 1e-12, (case, schedule, got)
 

@@ -67,11 +67,24 @@ TOPK_CASES = {  # DFlash2's running top-k in the CE kernel: k, logits rounded to
     "topk8-bf16-no-grad": dict(shape=(9, 37), scale=3.0, config=TILED, topk=8, dtype=torch.bfloat16, want_grad=False),
 }
 
+
+def pairwise(terms: tuple[str, str]) -> list[tuple[str, int | None, str]]:
+    """(terms, chunk_size, config) with every pair of values once: both terms with each chunking, both configs with
+    each chunking and with each terms. Six cases where the product has twelve: each interprets the loss forward,
+    backward and evaluation (~0.3 CPU-s for plain terms, ~0.8 with KL); the configs' own paths are the kernel cases'."""
+    first, second = terms
+    return [
+        (first, None, TILED),
+        (first, 8, PERSISTENT),
+        (first, 13, TILED),
+        (second, None, PERSISTENT),
+        (second, 8, TILED),
+        (second, 13, PERSISTENT),
+    ]
+
+
 LOSS_CASES = {  # (terms, chunk_size, config): 28 rows in blocks of 4; chunks 8 and 13 -> 12 leave a short last one
-    f"{terms}-chunk{chunk}-{config}": (terms, chunk, config)
-    for terms in ("ce", "ce+cap")
-    for chunk in (None, 8, 13)
-    for config in (TILED, PERSISTENT)
+    f"{terms}-chunk{chunk}-{config}": (terms, chunk, config) for terms, chunk, config in pairwise(("ce", "ce+cap"))
 }
 
 
@@ -135,9 +148,7 @@ def _kl_kernel_case(name: str, spec: dict) -> dict:
 LOSS_KL_CASES = {  # (terms, chunk_size, config, hidden_scale, head dtype); 28 rows in blocks of 4
     **{
         f"{terms}-chunk{chunk}-{config}": (terms, chunk, config, 1.0, torch.float32)
-        for terms in ("ce+kl", "ce+kl+cap")
-        for chunk in (None, 8, 13)
-        for config in (TILED, PERSISTENT)
+        for terms, chunk, config in pairwise(("ce+kl", "ce+kl+cap"))
     },
     "ce+kl-large-logits": ("ce+kl", 8, TILED, 30.0, torch.float32),
     "ce+kl+cap-large-logits": ("ce+kl+cap", 13, PERSISTENT, 30.0, torch.float32),

@@ -26,7 +26,7 @@ from trainer.config import parse_train_args
 from trainer.data import collate, open_dataset
 from trainer.loss import position_weights
 from trainer.model import DFlashDrafter, TargetModel
-from trainer.preflight import build_drafter_config
+from trainer.preflight import build_drafter_config, target_shape
 from trainer.preflight import target_hf_config as _target_hf_config
 from trainer.shards import DatasetMeta, write_index, write_shard
 from trainer.step import DrafterSide, TargetSide, lr_factor, noise_std_at
@@ -150,6 +150,19 @@ def test_resume_with_a_different_shape_is_refused_and_changes_nothing(
     err = capsys.readouterr().err
     assert code == 2 and "different drafter shape" in err and "hint: " in err
     assert _snapshot(run) == before
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [[], ["--num-draft-layers", "2", "--target-layer-ids", "0,1"], ["--arch", "dflash2", "--num-attention-heads", "2"]],
+)
+def test_the_tiny_targets_values_give_the_drafter_config_of_its_hf_config(tmp_path: Path, flags: list[str]) -> None:
+    """The pre-flight reads the tiny target's shape from the preset (no transformers import); the run builds the
+    Qwen3Config. Both must give one drafter config: a field the preset left to Qwen3Config's defaults would not."""
+    cfg = parse_train_args(["--preset", "tiny", "--output-dir", str(tmp_path), *flags])
+    shape = target_shape(cfg)
+    assert not hasattr(shape, "to_dict")  # the namespace, not a transformers config
+    assert build_drafter_config(cfg, shape) == build_drafter_config(cfg, _target_hf_config(cfg))
 
 
 def test_gradient_accumulation_normalises_over_the_whole_step(tmp_path: Path) -> None:
