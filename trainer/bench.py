@@ -474,17 +474,17 @@ def bench_attention(args: argparse.Namespace, device: torch.device) -> list[dict
     return rows
 
 
-def _fp32_taps(target: Any, hf: Any, layer_ids: list[int], batch: Any, device: torch.device) -> torch.Tensor:
+def _fp32_taps(target: Any, batch: Any) -> torch.Tensor:
     """The taps of `target`'s own weights run in float32 (a second copy, freed before returning: ~30 GB for the
     qwen3-8b-shaped target, once): the truth both the eager and the compiled bf16 forward are rounded from."""
     from trainer.model import TargetModel
 
-    reference = TargetModel.from_config(hf, layer_ids, dtype=torch.float32, device=device)
+    reference = TargetModel.from_config(target.hf_config, target.layer_ids, dtype=torch.float32, device=target.device)
     reference.model.load_state_dict(target.model.state_dict())  # the same (bf16) weights, cast up
     with torch.no_grad():
-        taps = TargetSide(reference, device).features(batch).ctx_features.float()
+        taps = TargetSide(reference, target.device).features(batch).ctx_features.float()
     del reference
-    if device.type == "cuda":
+    if target.device.type == "cuda":
         torch.cuda.empty_cache()
     return taps
 
@@ -563,7 +563,7 @@ def bench_pipeline(args: argparse.Namespace, device: torch.device) -> list[dict]
     with_drafter = [] if args.target_only else [("drafter step", drafter_step), ("prefill + step", both)]
     measure([("target prefill", prefill), *with_drafter])
     if args.target_compile:  # the same target, its layers now through the compiled call (TargetModel.compile_layers)
-        reference = _fp32_taps(target, hf, dcfg.target_layer_ids, batch, device)
+        reference = _fp32_taps(target, batch)
         target.compile_layers()
         with torch.no_grad():
             eager_taps = features.ctx_features

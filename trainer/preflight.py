@@ -32,9 +32,6 @@ class RunSetup:
     """Everything decided before the run directory exists."""
 
     cfg: TrainConfig
-    # The target's HF config (--target-model), or the tiny preset's target values (target_shape): load_target
-    # builds the tiny target's Qwen3Config itself.
-    hf_config: Any
     drafter_config: DrafterConfig
     dataset: Any
     resume_from: Path | None
@@ -207,8 +204,7 @@ def preflight(cfg: TrainConfig, *, reads_checkpoints: bool = True) -> RunSetup:
     """Every check that can refuse the run; reads, never writes. `reads_checkpoints=False` (the nodes other than
     node 0 of a distributed run, which never read checkpoints or drafter files) skips --resume and --init-from:
     node 0 reads them and sends what it read to every node."""
-    hf_config = target_shape(cfg)
-    drafter_config = build_drafter_config(cfg, hf_config)
+    drafter_config = build_drafter_config(cfg, target_shape(cfg))
     cfg.vocab_size = drafter_config.vocab_size
     dataset = open_dataset(cfg)
     check_dataset_settings(cfg, dataset)
@@ -242,7 +238,6 @@ def preflight(cfg: TrainConfig, *, reads_checkpoints: bool = True) -> RunSetup:
     STARTUP_MARKS["checked"] = round(time.time(), 3)  # the pre-flight's share of a start (status.json timeline)
     return RunSetup(
         cfg,
-        hf_config,
         drafter_config,
         dataset,
         resume_from,

@@ -71,7 +71,7 @@ class SingleEngine:
             cfg, drafter, target.embed_weight, target.lm_head_weight, setup.drafter_device, self.total_steps
         )
         print(f"loss kernels: {self.drafter_side.loss_kernels.kind}", file=sys.stderr, flush=True)
-        layers = "compiled" if self.target_side.compiled else "eager"
+        layers = self.target_side.layers
         print(f"target layers: {layers} (--target-compile {cfg.target_compile})", file=sys.stderr, flush=True)
 
     def warm_up(self, step: int, position: tuple[int, int], recorder: RunRecorder) -> None:

@@ -196,6 +196,11 @@ class TargetSide:
         if compile:
             target.compile_layers(**({"backend": compile_backend} if compile_backend else {}))
 
+    @property
+    def layers(self) -> str:
+        """How the target's decoder layers run, for the run's log: "compiled" or "eager"."""
+        return "compiled" if self.compiled else "eager"
+
     def features(self, batch: Batch) -> FeatureBatch:
         batch = batch.to(self.device)
         with _autocast(self.device):

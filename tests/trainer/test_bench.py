@@ -212,7 +212,7 @@ def test_the_compiled_targets_fp32_reference_measures_rounding_per_tap() -> None
     taps = dcfg.target_layer_ids
     target = TargetModel.from_config(hf, taps, dtype=torch.bfloat16)
     batch = synthetic_batch(dcfg, SHAPES["tiny"], cfg.gamma, torch.device("cpu"), sorted_anchors=True)
-    reference = bench._fp32_taps(target, hf, taps, batch, torch.device("cpu"))
+    reference = bench._fp32_taps(target, batch)
     assert reference.dtype == torch.float32
     bf16 = TargetSide(target, "cpu").features(batch).ctx_features
     errors = bench._relative_rms_per_tap(bf16, reference, len(taps))

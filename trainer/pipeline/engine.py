@@ -149,7 +149,7 @@ class PipelineEngine:
 
     def _log_built(self, started: float, loaded: float) -> None:
         _log(f"loss kernels: {', '.join(f'{side.device} {side.loss_kernels.kind}' for side in self.sides)}")
-        layers = ", ".join(f"{t.device} {'compiled' if t.compiled else 'eager'}" for t in self.target_sides)
+        layers = ", ".join(f"{t.device} {t.layers}" for t in self.target_sides)
         _log(f"target layers: {layers} (--target-compile {self.cfg.target_compile})")
         _log(
             f"built in {time.monotonic() - started:.1f} s: target(s) {loaded - started:.1f} s, "
