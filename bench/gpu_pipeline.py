@@ -38,11 +38,26 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+
+class Job(NamedTuple):
+    """One child run: a point of the settings' grid (each comma list of the command line is one axis)."""
+
+    repeat: int
+    mode: str
+    transfer: str
+    engine: str
+    adamw: str
+    wait: str
+    target_compile: str
+    attention: str
+
 
 SCALES = {
     # Qwen3-8B drafter shape; the target keeps the 8B layer shape but only 6 layers (taps 0..4) to load fast.
@@ -244,6 +259,8 @@ def child(args: argparse.Namespace) -> int:
         args.adamw,
         "--target-compile",
         args.target_compile,
+        "--attention-kernel",
+        args.attention_kernel,
     ]
     cfg = parse_train_args(argv)
     cfg.tiny_target = target_shape(scale)
@@ -288,6 +305,7 @@ def child(args: argparse.Namespace) -> int:
         "exit_code": code,
         "adamw": args.adamw,
         "target_compile": args.target_compile,
+        "attention_kernel": args.attention_kernel,
         "target_layers": scale["target_layers"],
         "taps": cfg.target_layer_ids or default_target_layer_ids(scale["target_layers"], scale["draft_layers"]),
         "warmup_s": round(seen.get("warmup_s", float("nan")), 1),
@@ -340,6 +358,11 @@ def main() -> int:
         "--target-compile; auto, its default, is on for a CUDA target)",
     )
     parser.add_argument(
+        "--attention-kernel",
+        default="flex",
+        help="comma list of flex,triton: the drafters' attention (the trainer's --attention-kernel)",
+    )
+    parser.add_argument(
         "--sync-wait",
         default="stream",
         help="comma list of how the replica sync waits ($DFLASH_SYNC_WAIT: device, stream; trainer/pipeline/sync.py)",
@@ -379,7 +402,7 @@ def main() -> int:
         return 2
     shared_cache = Path(tempfile.mkdtemp(prefix="bench-pipeline-cache-"))
     jobs = [
-        (repeat, mode, transfer, engine, adamw, wait, tc)
+        Job(repeat, mode, transfer, engine, adamw, wait, tc, attention)
         for repeat in range(args.repeats)
         for engine in args.engines.split(",")
         for mode in args.modes.split(",")
@@ -387,11 +410,12 @@ def main() -> int:
         for adamw in args.adamw.split(",")
         for wait in args.sync_wait.split(",")
         for tc in args.target_compile.split(",")
+        for attention in args.attention_kernel.split(",")
     ]
     rows, failed, began = [], False, time.monotonic()
-    running: list[tuple[tuple, subprocess.Popen, Path, float, Path]] = []
+    running: list[tuple[Job, subprocess.Popen, Path, float, Path]] = []
     print(
-        "run engine   mode   drafters transfer adamw   wait   tc  warmup_s steps recompiles block_tok/s per_drafter samples/s "
+        "run engine   mode   drafters transfer adamw   wait   tc  attn   warmup_s steps recompiles block_tok/s per_drafter samples/s "
         "sync_ms busy_tok/s/drafter  build_s steps_s save_s result",
         flush=True,
     )
@@ -406,7 +430,7 @@ def main() -> int:
             job = jobs.pop(0)
             running.append(_start_run(job, args, shared_cache))
         for entry in list(running):
-            (repeat, mode, transfer, engine, adamw, wait, tc), proc, log_path, started, work = entry
+            (repeat, mode, transfer, engine, adamw, wait, tc, attention), proc, log_path, started, work = entry
             timed_out = time.monotonic() - started > args.timeout_s
             if proc.poll() is None and not timed_out:
                 continue
@@ -432,7 +456,7 @@ def main() -> int:
             rows.append({"repeat": repeat, "sync_wait": wait, **r})
             per = r["block_tok_s"] / r["drafters"]
             print(
-                f"{repeat:3} {engine:8} {mode:6} {r['drafters']:8} {transfer:8} {adamw:7} {wait:6} {tc:3} {r['warmup_s']:8} "
+                f"{repeat:3} {engine:8} {mode:6} {r['drafters']:8} {transfer:8} {adamw:7} {wait:6} {tc:3} {attention:6} {r['warmup_s']:8} "
                 f"{r['steps']:5} {r['recompiles_after_warmup']:10} {r['block_tok_s']:11,} {per:11,.0f} "
                 f"{r['samples_s']:9.2f} {r['sync_ms']:7.1f} "
                 f"{r['busy_tok_s_per_drafter']!s:20} {r['build_s']:7} {r['steps_s']:7} {r['final_save_s']:6} "
@@ -450,10 +474,10 @@ def main() -> int:
 
 
 def _start_run(
-    job: tuple, args: argparse.Namespace, shared_cache: Path
-) -> tuple[tuple, subprocess.Popen, Path, float, Path]:
+    job: Job, args: argparse.Namespace, shared_cache: Path
+) -> tuple[Job, subprocess.Popen, Path, float, Path]:
     """Launch one child run; its stderr streams to a log file, so a run cut off still shows how far it got."""
-    repeat, mode, transfer, engine, adamw, wait, tc = job
+    repeat, mode, transfer, engine, adamw, wait, tc, attention = job
     work = Path(tempfile.mkdtemp(prefix=f"bench-pipeline-{mode}-"))
     cache = shared_cache if args.warm_cache else work / "compile-cache"
     env = {
@@ -484,6 +508,8 @@ def _start_run(
         adamw,
         "--target-compile",
         tc,
+        "--attention-kernel",
+        attention,
         "--engine",
         engine,
     ]
@@ -504,7 +530,10 @@ def _start_run(
             str(_free_port()),
             *cmd[1:],
         ]
-    log_path = Path(args.log_dir or work) / f"pipeline-{engine}-{mode}-{transfer}-{adamw}-{wait}-tc{tc}-{repeat}.log"
+    log_path = (
+        Path(args.log_dir or work)
+        / f"pipeline-{engine}-{mode}-{transfer}-{adamw}-{wait}-tc{tc}-{attention}-{repeat}.log"
+    )
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call = one of these sections; each step has its own timeout so one hang cannot eat the call.
 # Usage (on the GPU machine, repo root): bash bench/gpu_session.sh SECTION...   (logs under $OUT when set)
+# Session 19 call (coordinator, issue 31): `s19-attn`.
 # Session 18 calls (coordinator): `s17-target`, then `s18-attn`, then `s18-verify`.
 # Session 17 call (issue 31 item 2): `s17-attn` (run at d2278b9; since then the split forward and `tma,tfo` are
 # the defaults, and the bench times the masked forward beside the default one).
@@ -111,6 +112,16 @@ with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under auto
               else echo "s17: the gate is closed: no step"; fi
               step s17-fit 45 env DFLASH_ATTENTION_BWD_CONFIG=128,64,8,1,tma,tf DFLASH_SMEM_LIMIT=99K \
                 python3 bench/s12_attention.py --fit-only ;;
+    # Session 19 (issue 31 items 1, 4): our attention as the default on Hopper (`--attention-kernel auto`): the
+    # one-GPU specforge pipeline flex against auto A B A B (the threaded pipeline never ran our kernel), then the
+    # qwen3-8b and qwen3.6-27b seed steps flex (`triton`) against ours (`triton-attn`), interleaved
+    s19-attn) step s19-pipe 340 python3 bench/gpu_pipeline.py --scale specforge --modes dual --steps 60 \
+                --adamw triton --attention-kernel flex,auto --repeats 2 --warm-cache --timeout-s 200 --budget-s 300 \
+                --log-dir "$OUT/pipeline-logs"
+              step s19-seed 170 python3 -m trainer bench step --preset qwen3-8b --shape seed \
+                --variants triton,triton-attn,triton,triton-attn --iters 5 --warmup 2 --json-out "$OUT/s19-seed.json"
+              step s19-27b 170 python3 -m trainer bench step --preset qwen3.6-27b --shape seed \
+                --variants triton,triton-attn,triton,triton-attn --iters 3 --warmup 2 --json-out "$OUT/s19-27b.json" ;;
     # Session 18 (issue 31 items 2, 4, 5): rung 0's schedule with `o` on other tiles and the ~99 KB candidates
     # (two rounds, no step), then the specforge step flex against ours with session 17's defaults, A B A B
     s18-attn) step s18-bwd 150 python3 bench/s15_attention_bwd.py --rounds 2 --json-out "$OUT/s18-bwd.json" \

@@ -121,8 +121,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 # triton = one fused Triton kernel per chunk for CE (+CAP); soft labels keep the compiled kernels.
 LOSS_KERNELS = ("auto", "compiled", "eager", "triton")
 # --attention-kernel: the drafter's attention on CUDA (trainer/model/attention.py): flex_attention with a BlockMask,
-# or our Triton kernel for the interval-form mask (trainer/model/attention_triton.py; bench/RESULTS.md session 12).
-ATTENTION_KERNELS = ("flex", "triton")
+# our Triton kernel for the interval-form mask (trainer/model/attention_triton.py; bench/RESULTS.md session 12), or
+# auto: triton on Hopper (compute capability 9.x), flex elsewhere.
+ATTENTION_KERNELS = ("auto", "flex", "triton")
 # --adamw: torch's fused or foreach AdamW, or trainer/adamw_triton.py's kernel (CUDA; opt-in until measured to pay)
 ADAMW_IMPLS = ("auto", "fused", "foreach", "triton")
 # --target-compile: the frozen target's decoder layers through one compiled layer call per target. auto = on where
@@ -199,7 +200,7 @@ class TrainConfig:
     selector_rank: int = 256
     selector_top_k: int = 16
     selector_loss_alpha: float = 1.0
-    attention_kernel: str = "flex"  # flex | triton (CUDA; CPU always runs the dense mask)
+    attention_kernel: str = "flex"  # auto | flex | triton: ATTENTION_KERNELS (CUDA; CPU always runs the dense mask)
     # drafter shape (hidden_size must equal the target's)
     num_draft_layers: int = 5
     hidden_size: int | None = None  # None: taken from the target

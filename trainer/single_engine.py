@@ -73,6 +73,10 @@ class SingleEngine:
         print(f"loss kernels: {self.drafter_side.loss_kernels.kind}", file=sys.stderr, flush=True)
         layers = self.target_side.layers
         print(f"target layers: {layers} (--target-compile {cfg.target_compile})", file=sys.stderr, flush=True)
+        attention = f"{self.drafter_side.device} {self.drafter_side.backend}"
+        print(
+            f"drafter attention: {attention} (--attention-kernel {cfg.attention_kernel})", file=sys.stderr, flush=True
+        )
 
     def warm_up(self, step: int, position: tuple[int, int], recorder: RunRecorder) -> None:
         """Nothing ahead: the first step compiles (one drafter, one shape bucket at a time)."""

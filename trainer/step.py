@@ -310,10 +310,14 @@ class DrafterSide:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, total_steps, cfg.warmup_ratio)
         )
-        # --attention-kernel on CUDA (flex, or our Triton kernel; $DFLASH_ATTENTION_KERNEL when the flag is the
-        # default, for benches), the dense mask on CPU
-        kernel = cfg.attention_kernel if cfg.attention_kernel != "flex" else attention.ATTENTION_KERNEL
-        self.backend: Backend = attention.cuda_backend(kernel) if self.device.type == "cuda" else "dense"
+        # --attention-kernel on CUDA (flex, our Triton kernel, or auto; $DFLASH_ATTENTION_KERNEL when the flag is
+        # its default, for benches), the dense mask on CPU
+        kernel = cfg.attention_kernel
+        if kernel == TrainConfig.attention_kernel and attention.ATTENTION_KERNEL:
+            kernel = attention.ATTENTION_KERNEL
+        self.backend: Backend = "dense"
+        if self.device.type == "cuda":
+            self.backend = attention.cuda_backend(kernel, torch.cuda.get_device_capability(self.device))
 
     def restore_optimizer(self, optimizer_state: dict[str, Any], scheduler_state: dict[str, Any]) -> None:
         """A checkpoint's optimizer and schedule state, with this run's kernel (load_optimizer_state) and this run's

@@ -177,6 +177,7 @@ def test_drafter_config_from_preset_and_target_config(
         (["--loss-kernels", "turbo"], "--loss-kernels"),
         (["--loss-kernels", "triton", "--drafter-gpus", "cpu"], "--loss-kernels"),
         (["--target-compile", "yes"], "--target-compile"),
+        (["--attention-kernel", "fast"], "--attention-kernel"),
     ],
 )
 def test_bad_values_are_refused_naming_the_flag(flags: list[str], flag_named: str) -> None:
@@ -194,6 +195,18 @@ def test_target_compile_is_on_by_default_for_a_cuda_target_only() -> None:
     # session 17's checkpoints stored the flag as a bool
     assert TrainConfig.from_dict({**cfg.to_dict(), "target_compile": True}).target_compile == "on"
     assert TrainConfig.from_dict({**cfg.to_dict(), "target_compile": False}).target_compile == "off"
+
+
+def test_attention_kernel_auto_is_triton_on_hopper_only() -> None:
+    from trainer.model.attention import cuda_backend
+
+    assert parse_train_args(["--preset", "tiny", "--attention-kernel", "auto"]).attention_kernel == "auto"
+    assert cuda_backend("auto", (9, 0)) == "triton"
+    assert cuda_backend("auto", (12, 0)) == "flex" and cuda_backend("auto", (8, 0)) == "flex"
+    assert cuda_backend("auto") == "flex"  # capability unknown
+    assert cuda_backend("triton", (8, 0)) == "triton" and cuda_backend("flex", (9, 0)) == "flex"
+    with pytest.raises(ValueError, match="expected 'auto', 'flex' or 'triton'"):
+        cuda_backend("fast")
 
 
 def test_real_presets_need_a_target_and_data() -> None:

@@ -93,6 +93,7 @@ def test_short_run_follows_the_run_directory_contract(tmp_path: Path, capsys: py
     if importlib.util.find_spec("wandb") is None:  # optional: a warning, never a failure
         assert "wandb is not installed; continuing without it" in err
     assert "step 4/4" in out and "tau_sim" in out and "block tok/s" in out and "eta" in out
+    assert "drafter attention: cpu dense (--attention-kernel flex)" in err  # the CPU's dense mask, whatever the flag
 
 
 def _bad_shard_dir(tmp_path: Path) -> Path:

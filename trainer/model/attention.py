@@ -530,18 +530,22 @@ def build_draft_mask(
 
 
 # The attention kernel on CUDA (--attention-kernel / $DFLASH_ATTENTION_KERNEL): "flex" (flex_attention with a
-# BlockMask) or "triton" (trainer/model/attention_triton.py: our kernel for the interval form).
+# BlockMask), "triton" (trainer/model/attention_triton.py: our kernel for the interval form) or "auto" (triton on
+# Hopper, where it was measured: bench/RESULTS.md sessions 17-19; flex elsewhere, e.g. Blackwell's ~100 KB parts,
+# where only the one-stage rung fits and it was never timed). The variable overrides the flag's default only.
 ATTENTION_KERNEL_ENV = "DFLASH_ATTENTION_KERNEL"
-ATTENTION_KERNEL: str = os.environ.get(ATTENTION_KERNEL_ENV, "flex").strip() or "flex"
+ATTENTION_KERNEL: str = os.environ.get(ATTENTION_KERNEL_ENV, "").strip()
 _TRITON_USABLE: dict[str, bool] = {}
 
 
-def cuda_backend(kernel: str | None = None) -> Backend:
-    """The back-end a CUDA drafter builds its masks for (`kernel`, else ATTENTION_KERNEL; ValueError on an unknown
-    name)."""
-    kernel = ATTENTION_KERNEL if kernel is None else kernel
-    if kernel not in ("flex", "triton"):
-        raise ValueError(f"attention kernel {kernel!r}: expected 'flex' or 'triton'")
+def cuda_backend(kernel: str, capability: tuple[int, int] | None = None) -> Backend:
+    """The back-end a CUDA drafter builds its masks for: `kernel` is flex, triton or auto (triton where the device's
+    compute `capability` is 9.x, else flex); ValueError on an unknown name. Whether triton then compiles within the
+    device's shared memory is build_masks' check (flex, with one log line, when it does not)."""
+    if kernel not in ("auto", "flex", "triton"):
+        raise ValueError(f"attention kernel {kernel!r}: expected 'auto', 'flex' or 'triton'")
+    if kernel == "auto":
+        return "triton" if capability is not None and capability[0] == 9 else "flex"
     return "triton" if kernel == "triton" else "flex"
 
 

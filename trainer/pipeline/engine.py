@@ -151,6 +151,8 @@ class PipelineEngine:
         _log(f"loss kernels: {', '.join(f'{side.device} {side.loss_kernels.kind}' for side in self.sides)}")
         layers = ", ".join(f"{t.device} {t.layers}" for t in self.target_sides)
         _log(f"target layers: {layers} (--target-compile {self.cfg.target_compile})")
+        attention = ", ".join(f"{side.device} {side.backend}" for side in self.sides)
+        _log(f"drafter attention: {attention} (--attention-kernel {self.cfg.attention_kernel})")
         _log(
             f"built in {time.monotonic() - started:.1f} s: target(s) {loaded - started:.1f} s, "
             f"drafter replicas {time.monotonic() - loaded:.1f} s"
