@@ -79,3 +79,43 @@ def test_status_all_answers_for_every_target_within_the_timeout(
     assert "fan-r1" in out and code == 1  # stopped on ct202; the broken targets are listed as errors
     entry = json.loads(cli("status", "fan-r1", "--json")[1])["runs"][0]
     assert entry["state"] == "stopped"
+
+
+def test_at_most_eight_targets_of_one_host_are_worked_on_at_once() -> None:
+    """A host's sshd refuses the 11th connection being set up or the 11th channel by default: --all gates a host's
+    targets (12 containers on `pve` here), while other hosts and the local target do not wait for it."""
+    from dflashops.inventory import Host, Target
+    from dflashops.ops.fleet.fanout import PER_HOST_LIMIT, fan_out
+
+    pve, other = Host("pve", "127.0.0.1"), Host("other", "127.0.0.2")
+    targets = [Target(f"ct{200 + i}", "pct", "/workspace", host=pve, ctid=200 + i) for i in range(12)]
+    targets += [Target(f"o{i}", "pct", "/workspace", host=other, ctid=300 + i) for i in range(3)]
+    targets.append(Target("here", "local", "/tmp/dfo-fanout-test"))
+    lock, changed, release = threading.Lock(), threading.Condition(), threading.Event()
+    active: dict[str, int] = {}
+    peak: dict[str, int] = {}
+    entered = 0
+
+    def work(target: Target) -> str:
+        nonlocal entered
+        host = target.host.name if target.host else "local"
+        with lock:
+            active[host] = active.get(host, 0) + 1
+            peak[host] = max(peak.get(host, 0), active[host])
+        with changed:
+            entered += 1
+            changed.notify_all()
+        assert release.wait(60)
+        with lock:
+            active[host] -= 1
+        return target.name
+
+    results: list = []
+    runner = threading.Thread(target=lambda: results.extend(fan_out(targets, work, timeout=120)))
+    runner.start()
+    with changed:  # all that may enter at once have entered: 8 of pve's, other's 3, the local one
+        assert changed.wait_for(lambda: entered >= PER_HOST_LIMIT + 3 + 1, timeout=60)
+    release.set()
+    runner.join(120)
+    assert PER_HOST_LIMIT == 8 and peak == {"pve": 8, "other": 3, "local": 1}
+    assert [r.value for r in results] == [t.name for t in targets] and all(r.ok for r in results)

@@ -8,10 +8,17 @@ host never holds the others' answers beyond `timeout`.
 
 Each worker opens its own Invocation (its own connection and its own SQLite handle: sqlite3 connections
 must not cross threads) and closes it when done. Cost: wall time ~= the slowest target's, not the sum.
+
+At most PER_HOST_LIMIT targets of one host are worked on at once; the others wait for a slot. Why: every
+target of a Proxmox host goes through that host's one sshd, whose defaults are MaxStartups 10:30:100 (from the
+11th connection being set up at once, sshd drops 30% of new ones, more as they grow) and MaxSessions 10 (the
+11th channel on one multiplexed connection is refused). A host with a dozen containers would otherwise fail a
+random few targets of every `--all`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -25,6 +32,7 @@ from dflashops.ops.runs.control import run_status, stop_run
 
 R = TypeVar("R")
 DEFAULT_TIMEOUT_S = 60.0
+PER_HOST_LIMIT = 8  # below OpenSSH's default MaxStartups and MaxSessions (10 each): see the module docstring
 
 
 @dataclass
@@ -39,16 +47,24 @@ class FanoutResult(Generic[R]):
 
 
 def fan_out(
-    targets: Sequence[Target], work: Callable[[Target], R], *, timeout: float = DEFAULT_TIMEOUT_S
+    targets: Sequence[Target],
+    work: Callable[[Target], R],
+    *,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    per_host: int = PER_HOST_LIMIT,
 ) -> list[FanoutResult[R]]:
-    """Run `work` on every target concurrently; never raises for one target's failure."""
+    """Run `work` on every target concurrently, at most `per_host` targets of one host at a time; never raises for
+    one target's failure."""
     slots: dict[str, FanoutResult[R]] = {}
     done = threading.Semaphore(0)
+    gates = {t.host.name: threading.Semaphore(per_host) for t in targets if t.host is not None}
 
     def worker(target: Target) -> None:
         started = time.monotonic()
+        gate = gates[target.host.name] if target.host is not None else contextlib.nullcontext()
         try:
-            value = work(target)
+            with gate:
+                value = work(target)
             slots[target.name] = FanoutResult(target.name, True, value=value, duration_s=time.monotonic() - started)
         except DflashopsError as exc:
             slots[target.name] = FanoutResult(
