@@ -65,9 +65,9 @@ demo: $(STAMP)
 # most tests wait on real processes, and every torch process of the tests runs one compute thread (tests/conftest.py),
 # so a third worker fills the cores the first two leave idle (CPU-seconds per test file: bench/suite_cpu.py; on the
 # loaded 2-core machine, 942 tests: 825 s with 2 workers, 718 s with 3; issue 29 item 11). A fourth gained nothing
-# idle at 942 tests; at 997 it did (pytest 550 s with 3, 504 s with 4, one fresh clone, idle, back to back), but the
-# under-load run with 4 failed one test (doctor --all's cpu target; bench/RESULTS.md session 18): 3 until that is
-# understood.
+# idle at 942 tests; at 997 it did (pytest 550 s with 3, 504 s with 4, one fresh clone, idle, back to back). Session
+# 18's one under-load failure with 4 (doctor --all's cpu target) did not come back in session 19's runs at ~5x the
+# cores in load (bench/RESULTS.md session 19).
 # mypy's verdict is printed after the tests'; either failing fails `make test`. Its cache lives in the
 # user's cache (MYPY_CACHE), shared by the machine's clones: mypy checks each cached module against its source's
 # hash, and without a cache (a fresh clone) it took ~30 s of one core from the tests.
@@ -81,7 +81,7 @@ demo: $(STAMP)
 # checkout, each test's release copy), and without __pycache__ each one compiled every module it imported again and
 # every worker rewrote every test module's asserts again (collecting: 9.0 -> 6.7 CPU-s a worker). __pycache__ is
 # git-ignored and release syncs skip it, as on any machine where Python writes its caches.
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 4
 MYPY_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/dflashops/mypy
 test: $(STAMP)
 	$(BIN)/ruff check .
