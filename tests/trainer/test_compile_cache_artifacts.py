@@ -5,8 +5,8 @@ Inductor's CPU backend, each run in its own interpreter (the in-memory caches an
 
 The compiled functions are matrix products only: Inductor lowers them to its extern kernels (aten's mm), so
 their FX graphs are cached, saved as artifacts and loaded like any other, but no C++ kernel is generated. An
-element-wise body (`x * 2 + 1`) made each of the four interpreters start Inductor's compile workers and g++ on
-an empty cache: 11-18 CPU-s each against ~4 (issue 29 item 11). What the test proves is the artifacts' path (which
+element-wise body (`x * 2 + 1`) made each of the four interpreters build Inductor's vector-ISA probes and its
+kernel with g++ on an empty cache: 11-18 CPU-s each against ~4 (issue 29 item 11). What the test proves is the artifacts' path (which
 FX graphs an empty cache finds), the same whatever kernels a graph holds."""
 
 from __future__ import annotations
