@@ -39,32 +39,32 @@ def no_cache_dir_set_by_torch() -> Iterator[None]:
 
 
 # The files that kept a worker busiest (the sum of their tests' wall seconds, `make test`'s arguments with three
-# workers and `--durations=0`, 2026-12-05, the machine shared: load average ~4, so ~1.3x an idle run's), longest
-# first. With `--dist loadfile` a worker takes the next file when its own run dry, and xdist's default order (most
-# tests first) started these late: the suite ended on a 50-80 s file while the other workers had finished. Running
-# the longest first (LPT scheduling) leaves the short files for the end. A stale entry costs nothing but balance: a
-# missing file is skipped, a new slow file runs in the default order.
+# workers and `--durations=0`, 2026-12-05 session 19, the machine shared: load average 7.4 at the start, ~3 at
+# the end), longest first. With `--dist loadfile` a worker takes the next file when its own run dry, and xdist's
+# default order (most tests first) started these late: the suite ended on a 50-80 s file while the other workers
+# had finished. Running the longest first (LPT scheduling) leaves the short files for the end. A stale entry costs
+# nothing but balance: a missing file is skipped, a new slow file runs in the default order.
 LONGEST_FIRST = (
-    "tests/trainer/test_bench.py",  # 229 s
-    "tests/controller/test_ctl_concurrency.py",  # 216
-    "tests/trainer/test_distributed.py",  # 151
-    "tests/controller/test_ctl_compile_cache.py",  # 88
-    "tests/controller/test_ctl_handover.py",  # 70
-    "tests/trainer/test_compile_cache_artifacts.py",  # 59
-    "tests/controller/test_ctl_preflight.py",  # 58
-    "tests/trainer/test_loss_triton.py",  # 57
-    "tests/trainer/test_demo.py",  # 57
-    "tests/remote/test_multinode_remote.py",  # 53
-    "tests/trainer/test_compile_scope.py",  # 53
-    "tests/controller/test_supervisor_local.py",  # 50
-    "tests/trainer/test_attention_triton.py",  # 79 before its worker was halved, ~40 after
-    "tests/trainer/test_checkpoint.py",  # 40
-    "tests/remote/test_fanout.py",  # 40
-    "tests/trainer/test_train.py",  # 38
-    "tests/controller/test_ctl_standby.py",  # 38
-    "tests/remote/test_restart_remote.py",  # 35
-    "tests/controller/test_ctl_lifecycle.py",  # 33
-    "tests/controller/test_ctl_reliability.py",  # 32
+    "tests/trainer/test_distributed.py",  # 165 s
+    "tests/controller/test_ctl_concurrency.py",  # 160
+    "tests/trainer/test_bench.py",  # 131
+    "tests/controller/test_ctl_handover.py",  # 59
+    "tests/controller/test_ctl_compile_cache.py",  # 54
+    "tests/controller/test_supervisor_local.py",  # 49
+    "tests/trainer/test_loss_triton.py",  # 49
+    "tests/controller/test_ctl_preflight.py",  # 42
+    "tests/remote/test_fanout.py",  # 41
+    "tests/trainer/test_demo.py",  # 40
+    "tests/remote/test_multinode_remote.py",  # 39
+    "tests/trainer/test_compile_cache_artifacts.py",  # 34
+    "tests/controller/test_ctl_reliability.py",  # 31
+    "tests/remote/test_restart_remote.py",  # 27
+    "tests/controller/test_ctl_lifecycle.py",  # 27
+    "tests/controller/test_notify_local.py",  # 23
+    "tests/remote/test_mux.py",  # 22
+    "tests/controller/test_ctl_standby.py",  # 21
+    "tests/trainer/test_checkpoint.py",  # 21
+    "tests/trainer/test_compile_scope.py",  # 20
 )
 
 
