@@ -430,7 +430,7 @@ def main() -> int:
             job = jobs.pop(0)
             running.append(_start_run(job, args, shared_cache))
         for entry in list(running):
-            (repeat, mode, transfer, engine, adamw, wait, tc, attention), proc, log_path, started, work = entry
+            job, proc, log_path, started, work = entry
             timed_out = time.monotonic() - started > args.timeout_s
             if proc.poll() is None and not timed_out:
                 continue
@@ -448,15 +448,19 @@ def main() -> int:
             if line is None:
                 failed = True
                 why = f"timed out after {args.timeout_s:.0f} s" if timed_out else f"exit {proc.returncode}"
-                print(f"{repeat:3} {engine:8} {mode:6} FAILED ({why}); {log_path} tail:\n{stderr[-3000:]}", flush=True)
+                print(
+                    f"{job.repeat:3} {job.engine:8} {job.mode:6} FAILED ({why}); {log_path} tail:\n{stderr[-3000:]}",
+                    flush=True,
+                )
                 continue
             r = json.loads(line[len("RESULT ") :])
             ok = r["exit_code"] == 0 and r["recompiles_after_warmup"] == 0 and not fx_error and not flex_eager
             failed |= not ok
-            rows.append({"repeat": repeat, "sync_wait": wait, **r})
+            rows.append({"repeat": job.repeat, "sync_wait": job.wait, **r})
             per = r["block_tok_s"] / r["drafters"]
             print(
-                f"{repeat:3} {engine:8} {mode:6} {r['drafters']:8} {transfer:8} {adamw:7} {wait:6} {tc:3} {attention:6} {r['warmup_s']:8} "
+                f"{job.repeat:3} {job.engine:8} {job.mode:6} {r['drafters']:8} {job.transfer:8} {job.adamw:7} {job.wait:6} "
+                f"{job.target_compile:3} {job.attention:6} {r['warmup_s']:8} "
                 f"{r['steps']:5} {r['recompiles_after_warmup']:10} {r['block_tok_s']:11,} {per:11,.0f} "
                 f"{r['samples_s']:9.2f} {r['sync_ms']:7.1f} "
                 f"{r['busy_tok_s_per_drafter']!s:20} {r['build_s']:7} {r['steps_s']:7} {r['final_save_s']:6} "
@@ -477,14 +481,13 @@ def _start_run(
     job: Job, args: argparse.Namespace, shared_cache: Path
 ) -> tuple[Job, subprocess.Popen, Path, float, Path]:
     """Launch one child run; its stderr streams to a log file, so a run cut off still shows how far it got."""
-    repeat, mode, transfer, engine, adamw, wait, tc, attention = job
-    work = Path(tempfile.mkdtemp(prefix=f"bench-pipeline-{mode}-"))
+    work = Path(tempfile.mkdtemp(prefix=f"bench-pipeline-{job.mode}-"))
     cache = shared_cache if args.warm_cache else work / "compile-cache"
     env = {
         **os.environ,
         "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
         "TRITON_CACHE_DIR": str(cache / "triton"),
-        "DFLASH_SYNC_WAIT": wait,
+        "DFLASH_SYNC_WAIT": job.wait,
     }
     cmd = [
         sys.executable,
@@ -495,9 +498,9 @@ def _start_run(
         "--steps",
         str(args.steps),
         "--mode",
-        mode,
+        job.mode,
         "--transfer",
-        transfer,
+        job.transfer,
         "--workdir",
         str(work),
         "--device",
@@ -505,15 +508,15 @@ def _start_run(
         "--loss-kernels",
         args.loss_kernels,
         "--adamw",
-        adamw,
+        job.adamw,
         "--target-compile",
-        tc,
+        job.target_compile,
         "--attention-kernel",
-        attention,
+        job.attention,
         "--engine",
-        engine,
+        job.engine,
     ]
-    if engine == "dist":  # one node: torchrun's static rendezvous on a free loopback port
+    if job.engine == "dist":  # one node: torchrun's static rendezvous on a free loopback port
         cmd = [
             sys.executable,
             "-m",
@@ -530,10 +533,8 @@ def _start_run(
             str(_free_port()),
             *cmd[1:],
         ]
-    log_path = (
-        Path(args.log_dir or work)
-        / f"pipeline-{engine}-{mode}-{transfer}-{adamw}-{wait}-tc{tc}-{attention}-{repeat}.log"
-    )
+    settings = (job.engine, job.mode, job.transfer, job.adamw, job.wait, f"tc{job.target_compile}", job.attention)
+    log_path = Path(args.log_dir or work) / f"pipeline-{'-'.join(settings)}-{job.repeat}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(
