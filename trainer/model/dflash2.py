@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.model.conv_grad import conv_gradients
+from trainer.model.conv_grad import conv_gradients, conv_input_gradient
 
 ARCHS = ("dflash", "dflash2")
 # The convolutions' kernels ($DFLASH_CONV_KERNEL): "torch" (GroupedDynamicConv, compiled into the layer), "autograd"
@@ -41,6 +41,13 @@ CONV_KERNEL: str = os.environ.get("DFLASH_CONV_KERNEL", "torch").strip() or "tor
 # "inductor" (GroupedDynamicConv.backward compiled into the layer, the form before session 17, for A/B benches).
 CONV_BACKWARDS = ("triton", "inductor")
 CONV_BACKWARD: str = os.environ.get("DFLASH_CONV_BACKWARD", "triton").strip() or "triton"
+# The input-side convolution's backward under "torch" ($DFLASH_CONV_INPUT_BACKWARD): "triton" (its kernel gradients
+# in one kernel, trainer/model/conv_in_triton.py, where it fits: CUDA, shapes in `supported`; the sublayer then gets
+# the convolution's output in the autocast dtype, see NormedConv; elsewhere "inductor"), "inductor" (the form before
+# session 19: GroupedDynamicConv on the norm's output, its backward compiled into the layer) or "torch" (NormedConv
+# with its backward in torch: the bf16 output without the kernel, for A/B benches; any device).
+CONV_INPUT_BACKWARDS = ("triton", "inductor", "torch")
+CONV_INPUT_BACKWARD: str = os.environ.get("DFLASH_CONV_INPUT_BACKWARD", "triton").strip() or "triton"
 _UNFIT_LOGGED: set[str] = set()
 
 
@@ -123,6 +130,57 @@ class GroupedDynamicConv(torch.autograd.Function):
         return dx, d_delta, d_base, None, None, None
 
 
+class NormedConv(torch.autograd.Function):
+    """The input side's convolution (GroupedDynamicConv's values) of the norm's output n = normed(x, rstd, weight),
+    with the norm's parts at hand for the backward: its kernel gradients (d delta, d base) recompute n from them
+    (trainer/model/conv_in_triton.py's kernel on CUDA, torch elsewhere), never from a saved or materialised n (a
+    float32 [R,Q,H]: ~0.3 ms a call of extra traffic at the qwen3-8b seed); dn stays torch code that Inductor
+    fuses into the norm's backward. x, rstd and weight get no gradient here (they reach n's own graph).
+
+    The output is cast to `out_dtype` (the autocast dtype, to which the sublayer's GEMMs cast it anyway: the same
+    forward values): its gradient then arrives as one bf16 tensor (the GEMMs' input gradients summed and rounded
+    once) that a kernel can read, where Inductor summed the 2-3 float32-widened pieces inside each consumer."""
+
+    @staticmethod
+    def forward(
+        n: torch.Tensor,
+        delta: torch.Tensor,
+        base: torch.Tensor,
+        x: torch.Tensor,
+        rstd: torch.Tensor,
+        weight: torch.Tensor,
+        block_size: int,
+        group_size: int,
+        out_dtype: torch.dtype,
+        triton_backward: bool,
+    ) -> torch.Tensor:
+        return GroupedDynamicConv.forward(n, delta, base, block_size, group_size).to(out_dtype)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        n, delta, base, x, rstd, weight, block_size, group_size, _, triton_backward = inputs
+        ctx.save_for_backward(delta, base, x, rstd, weight)
+        ctx.block_size, ctx.group_size, ctx.triton_backward, ctx.n_dtype = (
+            block_size,
+            group_size,
+            triton_backward,
+            n.dtype,
+        )
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        delta, base, x, rstd, weight = ctx.saved_tensors
+        B, S = ctx.block_size, ctx.group_size
+        from trainer.model.conv_in_triton import conv_prepare_kernel_grads, normed
+
+        if ctx.triton_backward:
+            d_delta, d_base = conv_prepare_kernel_grads(grad, x, rstd, weight, delta, base, B)
+            dn = conv_input_gradient(grad, delta, base, B, S, ctx.n_dtype)
+        else:
+            dn, d_delta, d_base = conv_gradients(grad, normed(x, rstd, weight), delta, base, B, S)
+        return dn, d_delta, d_base, None, None, None, None, None, None, None
+
+
 class BlockConv(nn.Module):
     """The input- and output-side convolutions of one sublayer, driven by one projection of its input."""
 
@@ -134,8 +192,14 @@ class BlockConv(nn.Module):
             raise ValueError(f"DFLASH_CONV_KERNEL must be one of {', '.join(CONV_KERNELS)}, got {CONV_KERNEL!r}")
         if CONV_BACKWARD not in CONV_BACKWARDS:
             raise ValueError(f"DFLASH_CONV_BACKWARD must be one of {', '.join(CONV_BACKWARDS)}, got {CONV_BACKWARD!r}")
+        if CONV_INPUT_BACKWARD not in CONV_INPUT_BACKWARDS:
+            raise ValueError(
+                f"DFLASH_CONV_INPUT_BACKWARD must be one of {', '.join(CONV_INPUT_BACKWARDS)}, "
+                f"got {CONV_INPUT_BACKWARD!r}"
+            )
         self.kernel = CONV_KERNEL  # an attribute, so a bench variant can switch one drafter (read at compile time)
         self.backward_kernel = CONV_BACKWARD  # likewise
+        self.input_backward_kernel = CONV_INPUT_BACKWARD  # likewise
         self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))
         self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.num_groups, bias=False)
         self.reset_parameters()
@@ -147,10 +211,39 @@ class BlockConv(nn.Module):
             self.base_kernel[:, 0].fill_(1.0)
             self.kernel_projection.weight.zero_()
 
-    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [R,Q,H] (the sublayer's normed input) -> (its convolved input, the output side's kernel deltas)."""
-        kernels = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, self.num_groups)
-        return self._conv(x, kernels[..., 0, :, :], self.base_kernel[0]), kernels[..., 1, :, :]
+    def prepare(self, x: torch.Tensor, norm: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [R,Q,H]: the sublayer's normed input, or with `norm` (the layer's RMSNorm: `parts(x)` gives its output
+        and the per-row rstd) its input before the norm -> (its convolved input, the output side's kernel deltas).
+        With the norm at hand the input side's backward may run conv_in_triton's kernel (NormedConv); then the
+        convolved input comes in the autocast dtype where autocast is on (what the sublayer's GEMMs cast it to)."""
+        n, rstd = norm.parts(x) if norm is not None else (x, None)
+        kernels = self.kernel_projection(n).view(*n.shape[:-1], 2, self.kernel_size, self.num_groups)
+        delta_in, delta_out = kernels[..., 0, :, :], kernels[..., 1, :, :]
+        mode = self._input_mode(x) if norm is not None and self.kernel == "torch" else "inductor"
+        if mode == "inductor" or norm is None:
+            return self._conv(n, delta_in, self.base_kernel[0]), delta_out
+        device = x.device.type
+        out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else n.dtype
+        h = NormedConv.apply(
+            n, delta_in, self.base_kernel[0], x, rstd, norm.weight, self.block_size, self.group_size, out_dtype,
+            mode == "triton",
+        )  # fmt: skip
+        return h, delta_out
+
+    def _input_mode(self, x: torch.Tensor) -> str:
+        """The input side's backward: "triton" on CUDA where conv_in_triton's kernel takes the shapes (else
+        Inductor's, with one log line per reason), "torch" when asked for, else "inductor"."""
+        if self.input_backward_kernel != "triton":
+            return self.input_backward_kernel
+        if not x.is_cuda:
+            return "inductor"
+        from trainer.model.conv_in_triton import supported
+
+        why = supported(x.shape[-1], self.group_size, self.kernel_size, x.dtype)
+        if why is not None and "in " + why not in _UNFIT_LOGGED:
+            _UNFIT_LOGGED.add("in " + why)
+            print(f"dflash2: the input convolution's Triton backward does not take {why}; Inductor's", file=sys.stderr)
+        return "triton" if why is None else "inductor"
 
     def finish(self, y: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """The sublayer's output y [R,Q,H] through the output-side convolution."""
@@ -301,6 +394,7 @@ __all__ = [
     "ARCHS",
     "BlockConv",
     "CandidateSelector",
+    "NormedConv",
     "block_predecessors",
     "grouped_dynamic_conv",
     "select_block",

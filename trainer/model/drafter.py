@@ -309,9 +309,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.parts(x)[0]
+
+    def parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the norm's output, the per-row rstd [..., 1] in float32): DFlash2's input convolution recomputes the
+        output from x, rstd and the weight in its backward (trainer/model/conv_in_triton.py: `normed`)."""
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * (x32 * rstd).to(x.dtype), rstd
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -416,9 +421,9 @@ class DrafterLayer(nn.Module):
             x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, mask, self.layer_type)
             return x + self.mlp(self.post_attention_layernorm(x))
         # DFlash2: the block convolution around each sublayer (its input after the norm, its output before the add)
-        h, delta = self.attention_conv.prepare(self.input_layernorm(x))
+        h, delta = self.attention_conv.prepare(x, self.input_layernorm)
         x = x + self.attention_conv.finish(self.self_attn(h, ctx, rope_q, rope_k, mask, self.layer_type), delta)
-        h, delta = self.mlp_conv.prepare(self.post_attention_layernorm(x))
+        h, delta = self.mlp_conv.prepare(x, self.post_attention_layernorm)
         return x + self.mlp_conv.finish(self.mlp(h), delta)
 
 

@@ -1,0 +1,67 @@
+"""Child process of tests/trainer/test_conv_in_triton.py: the input-side convolution's kernel gradients
+(trainer/model/conv_in_triton.py) under Triton's CPU interpreter. Usage: python conv_in_interp_worker.py CASES_IN
+OUTPUTS_OUT (torch.save files). TRITON_INTERPRET=1 is set here only.
+
+A case's "mode": "op" calls the custom op on (g, x, rstd, weight, delta, base); "autograd" differentiates
+NormedConv.apply(..., triton_backward=True) (the layers' wiring) for n, delta and base; "compiled" does the same
+through torch.compile (aot_eager: the op traced through its fake implementation, no recompile on a second call).
+"configs" replaces the ladder; "smem" sets $DFLASH_SMEM_LIMIT. Each output records which rung ran ("rung", -1 for
+the torch fallback) and what it logged."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import torch
+
+from tests.trainer.triton_interp import serve_cases
+from trainer import triton_fit
+from trainer.model import conv_in_triton
+from trainer.model.dflash2 import NormedConv
+
+DEFAULT_CONFIGS = list(conv_in_triton.CONFIGS)
+
+
+def run_case(case: dict) -> dict:
+    conv_in_triton.CONFIGS[:] = case.get("configs", DEFAULT_CONFIGS)
+    triton_fit._VERDICT.clear()
+    conv_in_triton._LOGGED.clear()
+    os.environ.pop(triton_fit.SMEM_ENV, None)
+    if case.get("smem"):
+        os.environ[triton_fit.SMEM_ENV] = case["smem"]
+    g, x, rstd, weight, delta, base = (case[k] for k in ("g", "x", "rstd", "weight", "delta", "base"))
+    B, S = case["block_size"], case["group_size"]
+    log = io.StringIO()
+    out: dict = {}
+    with contextlib.redirect_stderr(log):
+        if case["mode"] == "op":
+            dd, db = conv_in_triton.conv_prepare_kernel_grads(g, x, rstd, weight, delta, base, B)
+        else:
+            n = conv_in_triton.normed(x, rstd, weight).detach().requires_grad_(True)
+            delta, base = (t.detach().clone().requires_grad_(True) for t in (delta, base))
+
+            def conv(a: torch.Tensor, d: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+                return NormedConv.apply(a, d, b, x, rstd, weight, B, S, g.dtype, True)
+
+            if case["mode"] == "compiled":
+                torch._dynamo.reset()
+                torch._dynamo.utils.counters.clear()
+                conv = torch.compile(conv, backend="aot_eager", fullgraph=True)
+                conv(n, delta, base).backward(g)  # a first call: warm-up
+                n.grad = delta.grad = base.grad = None
+            out_t = conv(n, delta, base)
+            dn, dd, db = torch.autograd.grad(out_t, (n, delta, base), g)
+            out = {"out": out_t.detach(), "dn": dn}
+            if case["mode"] == "compiled":
+                out["frames"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    verdicts = triton_fit.chosen("conv-prepare-bwd")
+    return {**out, "dd": dd, "db": db, "rung": next(iter(verdicts.values()), -1), "log": log.getvalue()}
+
+
+if __name__ == "__main__":
+    sys.exit(serve_cases(run_case, sys.argv[1:]))

@@ -1,0 +1,185 @@
+"""The input-side convolution's kernel gradients (trainer/model/conv_in_triton.py) against autograd through the
+plain expression (grouped_dynamic_conv of the norm's output), on CPU through Triton's interpreter (one child
+process: tests/trainer/conv_in_interp_worker.py): float64 to 1e-12, float32 to 1e-5 as the output side's kernel is
+tested. Small shapes (the suite's time is a goal): taps K = 1..4, blocks of 4 and 8, partial row tiles and several
+row chunks, two channel tiles, a strided delta; the wiring (NormedConv, eager and through torch.compile), the
+ladder's next rung and the torch fallback; then the layer's own wiring on CPU (BlockConv.prepare with the norm,
+NormedConv's torch backward) against autograd through the norm and the plain expression."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.trainer.triton_interp import interpret_cases
+from trainer.model.conv_in_triton import normed
+from trainer.model.dflash2 import BlockConv, grouped_dynamic_conv
+
+pytest.importorskip("triton", reason="the triton package is not installed (`make test` installs it: dev extra)")
+
+WORKER = Path(__file__).with_name("conv_in_interp_worker.py")
+CASES = {  # rows, blocks, block size, hidden, group size, taps, dtype, extra
+    "k2-b8-strided-delta": (2, 3, 8, 64, 16, 2, torch.float32, {}),
+    "k1-b4": (1, 5, 4, 32, 8, 1, torch.float32, {}),
+    "k3-b4-two-tiles": (1, 3, 4, 512, 16, 3, torch.float32, {}),
+    "k4-b4-f64-many-chunks": (3, 5, 4, 64, 4, 4, torch.float64, {}),
+    "k2-b8-bf16": (2, 2, 8, 64, 16, 2, torch.bfloat16, {}),
+    "autograd-f64": (2, 3, 8, 64, 16, 2, torch.float64, {"mode": "autograd"}),
+    "compiled": (1, 3, 8, 64, 16, 2, torch.float32, {"mode": "compiled"}),
+    "next-rung": (1, 3, 8, 64, 16, 2, torch.float32, {"smem": "1K"}),
+    "no-rung-fits": (1, 3, 8, 64, 16, 2, torch.float32, {"smem": "1K", "configs": [(8, 4, 16, 4)]}),
+}
+
+
+def _case(name: str) -> dict:
+    R, N, B, H, gs, K, dtype, extra = CASES[name]
+    gen = torch.Generator().manual_seed(len(name))
+    shape = (R, N * B)
+    x = torch.randn(*shape, H, generator=gen).to(dtype)  # the residual stream (bf16 in the layer)
+    wide = torch.promote_types(dtype, torch.float32)
+    rstd = torch.rsqrt(x.to(wide).pow(2).mean(-1, keepdim=True) + 1e-6)
+    kernels = torch.randn(*shape, 2, K, H // gs, generator=gen).to(dtype)
+    return {
+        "x": x,
+        "rstd": rstd,
+        "weight": (torch.rand(H, generator=gen) + 0.5).to(wide),  # a float32 parameter (float64 cases: float64)
+        "delta": kernels[..., 0, :, :],  # the input side's half: a strided view
+        "base": torch.randn(K, H, generator=gen).to(wide),
+        "g": torch.randn(*shape, H, generator=gen).to(dtype),
+        "block_size": B,
+        "group_size": gs,
+        "mode": extra.get("mode", "op"),
+        **{k: v for k, v in extra.items() if k in ("smem", "configs")},
+    }
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory) -> dict:
+    cases = {name: _case(name) for name in CASES}
+    return interpret_cases(WORKER, cases, tmp_path_factory.mktemp("conv-in-interp"))
+
+
+def _reference(case: dict) -> tuple[torch.Tensor, ...]:
+    """Autograd through grouped_dynamic_conv of the norm's output, in float64: (out, dn, d delta, d base)."""
+    n = normed(case["x"], case["rstd"], case["weight"]).double().requires_grad_(True)
+    delta, base = (case[k].double().requires_grad_(True) for k in ("delta", "base"))
+    out = grouped_dynamic_conv(n, delta, base, block_size=case["block_size"], group_size=case["group_size"])
+    return (out.detach(), *torch.autograd.grad(out, (n, delta, base), case["g"].double()))
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if CASES[n][6] != torch.bfloat16])
+def test_the_kernel_gives_autograds_gradients(interpreted, name):
+    case, got = interpreted["cases"][name], interpreted["out"][name]
+    out, dn, *grads = _reference(case)
+    f64 = case["x"].dtype == torch.float64
+    tolerance = {"rtol": 1e-12, "atol": 1e-12} if f64 else {"rtol": 1e-5, "atol": 1e-5}
+    for key, want, like in zip(("dd", "db"), grads, ("delta", "base"), strict=True):
+        assert got[key].shape == want.shape and got[key].dtype == case[like].dtype, key
+        torch.testing.assert_close(got[key].double(), want, **tolerance, msg=key)
+    if "out" in got:  # the forward and dn are GroupedDynamicConv's own
+        torch.testing.assert_close(got["out"].double(), out, **tolerance)
+        torch.testing.assert_close(got["dn"].double(), dn, **tolerance)
+    if CASES[name][5] > 1:  # the taps reach back: slot 0 of each block gets no d delta from the block before
+        first = got["dd"].view(*case["delta"].shape)[:, :: case["block_size"], 1:]
+        assert torch.equal(first, torch.zeros_like(first))
+
+
+def test_bfloat16_gives_the_float32_gradients_to_rounding(interpreted):
+    """bf16 x and g, n recomputed as the norm computes it (float32 rstd, rounded to bf16, times the float32
+    weight), float32 products and sums, d delta rounded once. The interpreter's float32 -> bf16 casts truncate
+    where the GPU rounds to nearest (n and d delta each up to 2^-8 low, one-sided), so each gradient is bounded by
+    2^-6 of the sum of its products' magnitudes (the same sums of |g| |n|), not of its own (cancelling) value; the
+    GPU's parity against Inductor's code is bench/s19_conv_in.py's."""
+    case, got = interpreted["cases"]["k2-b8-bf16"], interpreted["out"]["k2-b8-bf16"]
+    B, S = case["block_size"], case["group_size"]
+
+    def grads(n: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        delta, base = (case[k].float().requires_grad_(True) for k in ("delta", "base"))
+        out = grouped_dynamic_conv(n, delta, base, block_size=B, group_size=S)
+        return torch.autograd.grad(out, (delta, base), g)
+
+    n = normed(case["x"], case["rstd"], case["weight"]).float()
+    want, scale = grads(n, case["g"].float()), grads(n.abs(), case["g"].float().abs())
+    for key, value, bound, like in zip(("dd", "db"), want, scale, ("delta", "base"), strict=True):
+        assert got[key].dtype == case[like].dtype, key
+        assert bool(((got[key].float() - value).abs() <= 2**-6 * bound + 1e-6).all()), key
+
+
+def test_compiled_layers_trace_the_op_once(interpreted):
+    assert interpreted["out"]["compiled"]["frames"] == 1
+    assert interpreted["out"]["compiled"]["rung"] == 0
+
+
+def test_a_rung_that_does_not_fit_gives_way_to_the_next_with_one_log_line(interpreted):
+    got = interpreted["out"]["next-rung"]
+    assert got["rung"] == 1
+    assert got["log"].count("\n") == 1 and "triton conv-prepare-bwd: using" in got["log"] and "refused" in got["log"]
+
+
+def test_no_rung_fitting_falls_back_to_torch_with_one_log_line(interpreted):
+    got = interpreted["out"]["no-rung-fits"]
+    assert got["rung"] == -1
+    assert got["log"].count("\n") == 1 and "no configuration fits" in got["log"] and "run in torch" in got["log"]
+
+
+def _prepare_grads(conv: BlockConv, x: torch.Tensor, norm: torch.nn.Module, plain: bool) -> list[torch.Tensor]:
+    h, delta = conv.prepare(norm(x)) if plain else conv.prepare(x, norm)
+    loss = (h.float() * torch.linspace(-1, 1, h.numel()).view_as(h)).sum() + delta.float().pow(2).sum()
+    params = [x, norm.weight, conv.base_kernel, conv.kernel_projection.weight]
+    return [h.detach(), *torch.autograd.grad(loss, params)]
+
+
+def test_the_layers_norm_wiring_gives_autograds_gradients_in_float64():
+    """BlockConv.prepare(x, norm) through NormedConv (its torch backward: n recomputed from x, rstd and the weight,
+    no gradient for them from the convolution itself) against prepare(norm(x)) through the plain expression."""
+    from trainer.model.drafter import RMSNorm
+
+    torch.manual_seed(0)
+    conv = BlockConv(64, block_size=8, kernel_size=2, group_size=16).double()
+    norm = RMSNorm(64, 1e-6).double()
+    with torch.no_grad():
+        conv.base_kernel.normal_()
+        conv.kernel_projection.weight.normal_(std=0.1)
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 24, 64, dtype=torch.float64, requires_grad=True)
+    conv.input_backward_kernel, conv.kernel = "torch", "torch"
+    got = _prepare_grads(conv, x, norm, plain=False)
+    conv.kernel = "autograd"  # grouped_dynamic_conv through autograd, the norm outside
+    want = _prepare_grads(conv, x, norm, plain=True)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_the_convolved_input_comes_in_the_autocast_dtype_with_the_same_values():
+    from trainer.model.drafter import RMSNorm
+
+    torch.manual_seed(0)
+    conv, norm = BlockConv(32, block_size=4, kernel_size=2, group_size=8), RMSNorm(32, 1e-6)
+    with torch.no_grad():
+        conv.base_kernel.normal_()
+        conv.kernel_projection.weight.normal_(std=0.1)
+    x = torch.randn(1, 8, 32).to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        conv.input_backward_kernel = "inductor"
+        old, _ = conv.prepare(x, norm)
+        conv.input_backward_kernel = "torch"
+        new, _ = conv.prepare(x, norm)
+    assert old.dtype == torch.float32 and new.dtype == torch.bfloat16
+    assert torch.equal(new, old.to(torch.bfloat16))
+
+
+def test_an_unknown_input_backward_kernel_is_refused_by_name(monkeypatch):
+    from trainer.model import dflash2
+
+    monkeypatch.setattr(dflash2, "CONV_INPUT_BACKWARD", "cuda")
+    with pytest.raises(
+        ValueError, match="DFLASH_CONV_INPUT_BACKWARD must be one of triton, inductor, torch, got 'cuda'"
+    ):
+        dflash2.BlockConv(32, block_size=4, kernel_size=2, group_size=8)
+
+
+def test_the_layers_keep_inductors_input_backward_on_cpu():
+    conv = BlockConv(32, block_size=4, kernel_size=2, group_size=8)
+    assert conv.input_backward_kernel == "triton" and conv._input_mode(torch.zeros(1, 4, 32)) == "inductor"

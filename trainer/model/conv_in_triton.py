@@ -1,0 +1,203 @@
+"""The input-side block convolution's kernel gradients as one Triton kernel (issue 32 item 4, session 19).
+
+`BlockConv.prepare` convolves the sublayer's normed input n = w * (x * rstd).to(x.dtype) (the RMSNorm's output,
+float32 under bf16 autocast: x the residual stream, rstd its per-row 1/rms, w the norm's weight). For the output
+gradient g of the convolution, its two kernel gradients are
+
+    d delta[j, t, grp] = sum_{c in grp} g[j, c] * n[j - t, c]      (0 where slot j < t)
+    d base[t, c]       = sum_j g[j, c] * n[j - t, c]
+
+and this kernel computes both in one pass over g and x, n recomputed per element from x, rstd and w (as Inductor's
+code recomputes it: n is never materialised, not in the forward either). The input gradient dn (and the norm's
+backward it feeds, with the kernel projection's input gradient and the skip path's) stays Inductor's: it is a
+per-element sum that Inductor fuses into the norm's backward kernel, and taking it here would cut that fusion
+(an extra [rows, H] write and read). What it replaces (bench/RESULTS.md session 19, Inductor's code of one
+qwen3-8b layer): a per-group reduction kernel for d delta and a column reduction for d base (fused with the norm
+weight's column sums), each reading g's pieces and x again.
+
+Its input g must be materialised (a custom op's argument): the conv's output goes to 2-3 GEMMs (q/k/v, gate/up),
+whose input gradients Inductor summed inside each consumer. So the layer hands the GEMMs the convolution's output
+already in the autocast dtype (bf16: what autocast would cast it to, so the forward's values are unchanged), and
+g arrives as one bf16 tensor (the pieces summed once, rounded once), read by this kernel and by Inductor's dn.
+
+Tile and launch as trainer/model/conv_bwd_triton.py's (2-D [(tap, row) pairs, NG groups x S channels], d base in
+registers over a chunk of row tiles, one float32 partial per program summed by torch): that module's dy part gone,
+its y operand replaced by n. Rounding: n exactly Inductor's bits (one product in rstd's dtype, one rounding to x's
+dtype, one product with w: no sums, so no order to differ), products and sums in float32 (float64 for float64
+inputs), d delta rounded once to delta's dtype, d base in float32 (the parameter's dtype).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import sys
+
+import torch
+
+from trainer import triton_fit
+
+# (rows per tile, warps, groups per tile, programs per SM): conv_bwd_triton's ladder, its dy half gone (fewer
+# registers: base and dy's tiles), so the same rungs fit; the order is session 17's measurement of that kernel
+# until this one is measured (bench/s19_conv_in.py). $DFLASH_CONV_IN_CONFIG="ROWS:WARPS:GROUPS:PER_SM" puts one
+# configuration first.
+Config = tuple[int, int, int, int]
+CONFIGS: list[Config] = [(2, 2, 16, 24), (4, 4, 16, 12), (4, 8, 32, 6), (8, 4, 16, 10)]
+_FORCED = os.environ.get("DFLASH_CONV_IN_CONFIG", "").strip()
+if _FORCED:
+    CONFIGS.insert(0, tuple(int(v) for v in _FORCED.split(":")))  # type: ignore[arg-type]
+MAX_TAPS = 4
+
+
+def supported(hidden: int, group_size: int, taps: int, dtype: torch.dtype) -> str | None:
+    """None when the kernel takes these shapes (x's dtype), else why not (the caller keeps Inductor's backward)."""
+    from trainer.model.conv_bwd_triton import supported as finish_supported
+
+    return finish_supported(hidden, group_size, taps, dtype)
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def conv_prepare_bwd(
+        g_ptr,
+        x_ptr,
+        rstd_ptr,
+        w_ptr,
+        dd_ptr,
+        part_ptr,
+        M,
+        tiles_per_prog,
+        stride_g,
+        stride_x,
+        H: tl.constexpr,
+        K: tl.constexpr,
+        KP: tl.constexpr,
+        G: tl.constexpr,
+        S: tl.constexpr,
+        BLOCK: tl.constexpr,
+        BM: tl.constexpr,
+        NG: tl.constexpr,
+        WIDE: tl.constexpr,
+    ):
+        acc_t = tl.float64 if WIDE else tl.float32
+        pid_h = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        BH: tl.constexpr = NG * S
+        QT: tl.constexpr = KP * BM
+        q = tl.arange(0, QT)[:, None]  # [QT,1]: tap-major (tap, row) pairs
+        tap = q // BM
+        row_in_tile = q % BM
+        col = pid_h * BH + tl.arange(0, BH)[None, :]  # [1,BH]
+        grp = pid_h * NG + tl.arange(0, NG)[None, :]  # [1,NG]
+        tap_ok = tap < K
+        w = tl.load(w_ptr + col).to(acc_t)  # [1,BH]
+        acc_b = tl.zeros((QT, BH), dtype=acc_t)
+        for i in range(tiles_per_prog):
+            r = (pid_m * tiles_per_prog + i) * BM + row_in_tile
+            r64 = r.to(tl.int64)
+            ok = r < M
+            slot = r % BLOCK
+            g = tl.load(g_ptr + r64 * stride_g + col, mask=ok & tap_ok, other=0.0).to(acc_t)
+            src_ok = ok & tap_ok & (slot >= tap)
+            xs = tl.load(x_ptr + (r64 - tap) * stride_x + col, mask=src_ok, other=0.0)  # [QT,BH], x's dtype
+            rs = tl.load(rstd_ptr + (r64 - tap), mask=src_ok, other=0.0)  # [QT,1], once per (tap, row)
+            # n as RMSNorm computes it: (x * rstd) in rstd's dtype, rounded to x's, times the weight
+            n = w * (xs.to(rs.dtype) * rs).to(xs.dtype).to(acc_t)
+            prod = g * n  # [QT,BH]
+            acc_b += prod
+            dd = tl.sum(tl.reshape(prod, (QT, NG, S)), axis=2)  # [QT,NG]
+            tl.store(dd_ptr + r64 * (K * G) + tap * G + grp, dd.to(dd_ptr.dtype.element_ty), mask=ok & tap_ok)
+        part = tl.sum(tl.reshape(acc_b, (KP, BM, BH)), axis=1)  # [KP,BH]
+        taps = tl.arange(0, KP)[:, None]
+        tl.store(part_ptr + (pid_m * K + taps) * H + col, part, mask=taps < K)
+
+    return conv_prepare_bwd
+
+
+def normed(x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The norm's output as the kernel recomputes it (and trainer/model/drafter.py's RMSNorm computes it)."""
+    return weight * (x.to(rstd.dtype) * rstd).to(x.dtype)
+
+
+def _torch_gradients(
+    g: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, K: int, G: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same two gradients with torch (the fallback where no configuration fits the device): [M,K,G], [K,H]."""
+    from trainer.model.conv_grad import conv_gradients
+
+    M, H = x.shape
+    n = normed(x, rstd.view(M, 1), weight)
+    base = torch.zeros(K, H, dtype=n.dtype, device=x.device)
+    delta = torch.zeros(1, M, K, G, dtype=g.dtype, device=x.device)
+    _, dd, db = conv_gradients(g.view(1, M, H), n.view(1, M, H), delta, base, block_size, H // G)
+    return dd.view(M, K, G), db
+
+
+_LOGGED: set[str] = set()
+
+
+@torch.library.custom_op("dflash::conv_prepare_kernel_grads", mutates_args=())
+def conv_prepare_kernel_grads(
+    g: torch.Tensor,
+    x: torch.Tensor,
+    rstd: torch.Tensor,
+    weight: torch.Tensor,
+    delta: torch.Tensor,
+    base: torch.Tensor,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """g, x [..., H], rstd [..., 1], weight [H], delta [..., K, G] (read for its shape and dtype only), base [K, H]
+    (likewise) -> (d delta like delta, d base like base) of the convolution of normed(x, rstd, weight)."""
+    H = x.shape[-1]
+    K, G = delta.shape[-2], delta.shape[-1]
+    g2, x2 = g.reshape(-1, H), x.reshape(-1, H)
+    g2 = g2 if g2.stride(-1) == 1 else g2.contiguous()
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    r2 = rstd.reshape(-1).contiguous()
+    M = x2.shape[0]
+    wide = torch.float64 in (g.dtype, x.dtype, rstd.dtype, weight.dtype)
+    acc = torch.float64 if wide else torch.float32
+    dd = torch.empty(M, K, G, dtype=delta.dtype, device=x.device)
+    partial: list[torch.Tensor] = []
+    sms = triton_fit.sm_count(x.device)
+
+    def launch(config: Config) -> tuple[tuple, tuple, dict]:
+        bm, warps, ng, per_sm = config
+        ng = math.gcd(ng, G & -G)  # a power of two dividing G (tl.arange): fewer groups per tile for small H
+        tiles = -(-M // bm)
+        col_tiles = G // ng
+        chunks = max(1, min(tiles, -(-per_sm * sms // col_tiles)))
+        per = -(-tiles // chunks)
+        chunks = -(-tiles // per)
+        part = torch.empty(chunks, K, H, dtype=acc, device=x.device)
+        partial[:] = [part]
+        kp = 1 << (K - 1).bit_length()
+        meta = dict(H=H, K=K, KP=kp, G=G, S=H // G, BLOCK=block_size, BM=bm, NG=ng, WIDE=wide)
+        args = (g2, x2, r2, weight, dd, part, M, per, g2.stride(0), x2.stride(0))
+        return (col_tiles, chunks), args, {**meta, "num_warps": warps}
+
+    try:
+        with triton_fit.on_device(x.device):
+            triton_fit.launch_first_fit(
+                "conv-prepare-bwd", _kernel(), CONFIGS, launch, x.device, (x.dtype, g.dtype, K, H // G, block_size)
+            )
+    except triton_fit.NoConfigFitsError as exc:
+        if str(x.device) not in _LOGGED:
+            _LOGGED.add(str(x.device))
+            print(f"{exc}; the convolution's kernel gradients run in torch", file=sys.stderr, flush=True)
+        ddt, db = _torch_gradients(g2, x2, r2, weight, K, G, block_size)
+        return ddt.to(delta.dtype).view(delta.shape), db.to(base.dtype)
+    return dd.view(delta.shape), partial[0].sum(0).to(base.dtype)
+
+
+@conv_prepare_kernel_grads.register_fake
+def _(g, x, rstd, weight, delta, base, block_size):
+    return delta.new_empty(delta.shape), base.new_empty(base.shape)
+
+
+__all__ = ["CONFIGS", "conv_prepare_kernel_grads", "normed", "supported"]
