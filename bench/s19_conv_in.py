@@ -11,7 +11,8 @@ n = normed(x, rstd, w) recomputed, g the float32 sum of two bf16 pieces, all tor
 sum and the norm's recompute into its reductions); "inductor-g16" = the same on the one bf16 g the new form hands
 its kernel (what the kernel's rounding should be compared with); "triton" = the kernel on that bf16 g; "sum" = the
 kernel's extra cost in the layer: the pieces summed into that bf16 g. Parity: relative errors of d delta and
-d base against float32 autograd (g the unrounded sum), and the kernel's bits against inductor-g16's. Timing: back to
+d base against float32 autograd (g the unrounded sum, n as the compiled layer computes it: inductor_normed), and the
+kernel's bits against inductor-g16's. Timing: back to
 back (a queue, one sync: the step's situation), interleaved twice; then the kernel's ladder. Table last.
 """
 
@@ -36,7 +37,7 @@ LADDER = [(2, 2, 16, 24), (4, 4, 16, 12), (4, 4, 16, 8), (2, 4, 16, 24), (4, 8, 
 
 
 def kernel_grads(g, x, rstd, w, delta, base):
-    n = conv_in_triton.normed(x, rstd, w)
+    n = conv_in_triton.normed(x, rstd, w)  # Inductor drops the rounding of x * rstd (inductor_normed)
     _, dd, db = conv_gradients(g, n, delta, base, B, GS)
     return dd, db
 
@@ -81,7 +82,7 @@ def main() -> int:
         triton_fit._VERDICT.clear()
 
     use(LADDER[0])
-    n = conv_in_triton.normed(x, rstd, w).float().requires_grad_(True)
+    n = conv_in_triton.inductor_normed(x, rstd, w).float().requires_grad_(True)  # the compiled layer's n
     rd, rb = (t.detach().float().requires_grad_(True) for t in (delta, base))
     ref_out = grouped_dynamic_conv(n, rd, rb, block_size=B, group_size=GS)
     ref = torch.autograd.grad(ref_out, (rd, rb), pa.float() + pb.float())

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.trainer.triton_interp import interpret_cases
-from trainer.model.conv_in_triton import normed
+from trainer.model.conv_in_triton import inductor_normed, normed
 from trainer.model.dflash2 import BlockConv, grouped_dynamic_conv
 
 pytest.importorskip("triton", reason="the triton package is not installed (`make test` installs it: dev extra)")
@@ -87,8 +87,8 @@ def test_the_kernel_gives_autograds_gradients(interpreted, name):
 
 
 def test_bfloat16_gives_the_float32_gradients_to_rounding(interpreted):
-    """bf16 x and g, n recomputed as the norm computes it (float32 rstd, rounded to bf16, times the float32
-    weight), float32 products and sums, d delta rounded once. The interpreter's float32 -> bf16 casts truncate
+    """bf16 x and g, n recomputed as Inductor's code for the layer computes it (float32 rstd, x * rstd not rounded
+    to bf16, times the float32 weight: inductor_normed), float32 products and sums, d delta rounded once. The interpreter's float32 -> bf16 casts truncate
     where the GPU rounds to nearest (n and d delta each up to 2^-8 low, one-sided), so each gradient is bounded by
     2^-6 of the sum of its products' magnitudes (the same sums of |g| |n|), not of its own (cancelling) value; the
     GPU's parity against Inductor's code is bench/s19_conv_in.py's."""
@@ -100,7 +100,7 @@ def test_bfloat16_gives_the_float32_gradients_to_rounding(interpreted):
         out = grouped_dynamic_conv(n, delta, base, block_size=B, group_size=S)
         return torch.autograd.grad(out, (delta, base), g)
 
-    n = normed(case["x"], case["rstd"], case["weight"]).float()
+    n = inductor_normed(case["x"], case["rstd"], case["weight"]).float()
     want, scale = grads(n, case["g"].float()), grads(n.abs(), case["g"].float().abs())
     for key, value, bound, like in zip(("dd", "db"), want, scale, ("delta", "base"), strict=True):
         assert got[key].dtype == case[like].dtype, key

@@ -22,9 +22,10 @@ g arrives as one bf16 tensor (the pieces summed once, rounded once), read by thi
 
 Tile and launch as trainer/model/conv_bwd_triton.py's (2-D [(tap, row) pairs, NG groups x S channels], d base in
 registers over a chunk of row tiles, one float32 partial per program summed by torch): that module's dy part gone,
-its y operand replaced by n. Rounding: n exactly Inductor's bits (one product in rstd's dtype, one rounding to x's
-dtype, one product with w: no sums, so no order to differ), products and sums in float32 (float64 for float64
-inputs), d delta rounded once to delta's dtype, d base in float32 (the parameter's dtype).
+its y operand replaced by n. Rounding: n exactly Inductor's bits (`inductor_normed`: x * rstd in rstd's dtype,
+not rounded to x's dtype, as Inductor's code for the compiled layer computes it in the forward too, times w: no
+sums, so no order to differ), products and sums in float32 (float64 for float64 inputs), d delta rounded once to
+delta's dtype, d base in float32 (the parameter's dtype). The one rounding that moves is g's: see above.
 """
 
 from __future__ import annotations
@@ -106,8 +107,8 @@ def _kernel():
             src_ok = ok & tap_ok & (slot >= tap)
             xs = tl.load(x_ptr + (r64 - tap) * stride_x + col, mask=src_ok, other=0.0)  # [QT,BH], x's dtype
             rs = tl.load(rstd_ptr + (r64 - tap), mask=src_ok, other=0.0)  # [QT,1], once per (tap, row)
-            # n as RMSNorm computes it: (x * rstd) in rstd's dtype, rounded to x's, times the weight
-            n = w * (xs.to(rs.dtype) * rs).to(xs.dtype).to(acc_t)
+            # n as Inductor's code for the layer computes it (`inductor_normed`): x * rstd never rounded to x's dtype
+            n = w * (xs.to(rs.dtype) * rs).to(acc_t)
             prod = g * n  # [QT,BH]
             acc_b += prod
             dd = tl.sum(tl.reshape(prod, (QT, NG, S)), axis=2)  # [QT,NG]
@@ -120,8 +121,16 @@ def _kernel():
 
 
 def normed(x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The norm's output as the kernel recomputes it (and trainer/model/drafter.py's RMSNorm computes it)."""
+    """The norm's output as trainer/model/drafter.py's RMSNorm computes it in eager: x * rstd rounded to x's dtype."""
     return weight * (x.to(rstd.dtype) * rstd).to(x.dtype)
+
+
+def inductor_normed(x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The norm's output as Inductor's code for the compiled layer computes it, forward and backward, and as the
+    kernel recomputes it: x * rstd NOT rounded to x's dtype (Inductor drops the round trip of a value it never
+    stores: its code reads `tmp.to(tl.float32)` where eager rounds to bf16, bench/RESULTS.md session 19). Equal to
+    `normed` for float32 and float64 x; for bf16 x one rounding apart (relative 2^-9 of n at most)."""
+    return weight * (x.to(rstd.dtype) * rstd)
 
 
 def _torch_gradients(
@@ -131,7 +140,7 @@ def _torch_gradients(
     from trainer.model.conv_grad import conv_gradients
 
     M, H = x.shape
-    n = normed(x, rstd.view(M, 1), weight)
+    n = inductor_normed(x, rstd.view(M, 1), weight)
     base = torch.zeros(K, H, dtype=n.dtype, device=x.device)
     delta = torch.zeros(1, M, K, G, dtype=g.dtype, device=x.device)
     _, dd, db = conv_gradients(g.view(1, M, H), n.view(1, M, H), delta, base, block_size, H // G)
@@ -200,4 +209,4 @@ def _(g, x, rstd, weight, delta, base, block_size):
     return delta.new_empty(delta.shape), base.new_empty(base.shape)
 
 
-__all__ = ["CONFIGS", "conv_prepare_kernel_grads", "normed", "supported"]
+__all__ = ["CONFIGS", "conv_prepare_kernel_grads", "inductor_normed", "normed", "supported"]
