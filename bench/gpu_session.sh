@@ -169,12 +169,13 @@ with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under auto
     # (trainer/model/conv_bwd_triton.py) against Inductor's, one call's shapes (parity, cost, the config ladder; the
     # fastest rung goes first in the step), then the seed step A B A B with Inductor's backward as the third form
     # Session 19 (issue 32 item 4): the input-side convolution's kernel gradients (trainer/model/conv_in_triton.py):
-    # one call's parity and cost with its ladder, then the seed step A B A B with the old input side (dflash2-iin)
+    # one call's parity and cost with its ladder, then the seed step A B A B: the kernel (dflash2-tin) against the
+    # default input side (dflash2: Inductor's)
     s19-convin) step s19-convin 120 python3 bench/s19_conv_in.py --iters 20 --best-out "$OUT/s19-best.txt"
-              export DFLASH_CONV_IN_CONFIG="$(cat "$OUT/s19-best.txt" 2>/dev/null)"
+              export DFLASH_CONV_IN_CONFIG="$(cat "$OUT/s19-best.txt" 2>/dev/null)"  # the sweep's best rung first
               echo "DFLASH_CONV_IN_CONFIG=$DFLASH_CONV_IN_CONFIG" >&2
               step s19-step 360 python3 -m trainer bench step --preset qwen3-8b --shape seed \
-              --variants triton,dflash2,dflash2-iin,triton,dflash2,dflash2-iin --iters 5 --warmup 2 --profile \
+              --variants triton,dflash2-tin,dflash2,triton,dflash2-tin,dflash2 --iters 5 --warmup 2 --profile \
               --json-out "$OUT/s19-step.json"
               unset DFLASH_CONV_IN_CONFIG ;;
     s17-conv) step s17-conv 150 python3 bench/s17_conv_bwd.py --iters 20 --best-out "$OUT/s17-best.txt"

@@ -180,6 +180,8 @@ def test_an_unknown_input_backward_kernel_is_refused_by_name(monkeypatch):
         dflash2.BlockConv(32, block_size=4, kernel_size=2, group_size=8)
 
 
-def test_the_layers_keep_inductors_input_backward_on_cpu():
+def test_the_layers_keep_inductors_input_backward_by_default_and_on_cpu():
     conv = BlockConv(32, block_size=4, kernel_size=2, group_size=8)
-    assert conv.input_backward_kernel == "triton" and conv._input_mode(torch.zeros(1, 4, 32)) == "inductor"
+    assert conv.input_backward_kernel == "inductor" and conv._input_mode(torch.zeros(1, 4, 32)) == "inductor"
+    conv.input_backward_kernel = "triton"  # asked for: still Inductor's on CPU (the kernel is CUDA's)
+    assert conv._input_mode(torch.zeros(1, 4, 32)) == "inductor"

@@ -41,13 +41,14 @@ CONV_KERNEL: str = os.environ.get("DFLASH_CONV_KERNEL", "torch").strip() or "tor
 # "inductor" (GroupedDynamicConv.backward compiled into the layer, the form before session 17, for A/B benches).
 CONV_BACKWARDS = ("triton", "inductor")
 CONV_BACKWARD: str = os.environ.get("DFLASH_CONV_BACKWARD", "triton").strip() or "triton"
-# The input-side convolution's backward under "torch" ($DFLASH_CONV_INPUT_BACKWARD): "triton" (its kernel gradients
-# in one kernel, trainer/model/conv_in_triton.py, where it fits: CUDA, shapes in `supported`; the sublayer then gets
-# the convolution's output in the autocast dtype, see NormedConv; elsewhere "inductor"), "inductor" (the form before
-# session 19: GroupedDynamicConv on the norm's output, its backward compiled into the layer) or "torch" (NormedConv
-# with its backward in torch: the bf16 output without the kernel, for A/B benches; any device).
+# The input-side convolution's backward under "torch" ($DFLASH_CONV_INPUT_BACKWARD): "inductor" (GroupedDynamicConv
+# on the norm's output, its backward compiled into the layer: the default until the kernel below is measured on the
+# GPU, bench/RESULTS.md session 19), "triton" (its kernel gradients in one kernel, trainer/model/conv_in_triton.py,
+# where it fits: CUDA, shapes in `supported`; the sublayer then gets the convolution's output in the autocast dtype,
+# see NormedConv; elsewhere "inductor") or "torch" (NormedConv with its backward in torch, any device: the CPU's
+# check of the wiring, and Inductor's code for the bf16 output without the kernel).
 CONV_INPUT_BACKWARDS = ("triton", "inductor", "torch")
-CONV_INPUT_BACKWARD: str = os.environ.get("DFLASH_CONV_INPUT_BACKWARD", "triton").strip() or "triton"
+CONV_INPUT_BACKWARD: str = os.environ.get("DFLASH_CONV_INPUT_BACKWARD", "inductor").strip() or "inductor"
 _UNFIT_LOGGED: set[str] = set()
 
 
