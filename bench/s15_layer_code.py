@@ -81,7 +81,8 @@ def dump(arch: str, conv_kernel: str, shape: str, conv_input: str = "inductor") 
             self.k_proj, self.v_proj = nn.Linear(H, 1024, bias=False), nn.Linear(H, 1024, bias=False)
 
         def forward(self, x, *_):
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            xq, xk, xv = x if isinstance(x, tuple) else (x, x, x)  # DFlash2's views (BlockConv.prepare)
+            q, k, v = self.q_proj(xq), self.k_proj(xk), self.v_proj(xv)
             return self.o_proj(q * (k * v).repeat(1, 1, H // 1024))
 
     layer = DrafterLayer(cfg, "full_attention")

@@ -1,19 +1,17 @@
 """Session 19 (issue 32 item 4): the input-side convolution's kernel gradients through
 trainer/model/conv_in_triton.py against Inductor's code for the same gradients, on the H200 at one call's shape of
 the qwen3-8b seed step: x (the residual stream) and the GEMMs' input-gradient pieces [6, 5472, 4096] bf16 (171
-blocks of 32 a row), rstd [6, 5472, 1] float32, the norm weight float32, K = 2 taps, groups of 16, the deltas a
-strided view of the [6, 5472, 2, 2, 256] projection.
+blocks of 32 a row; 2 pieces as the MLP's gate/up, 3 as attention's q/k/v), rstd [6, 5472, 1] float32, the norm
+weight float32, K = 2 taps, groups of 16, the deltas a strided view of the [6, 5472, 2, 2, 256] projection.
 
     python3 bench/s19_conv_in.py [--iters 20] [--best-out FILE] [--dry-run]
 
-Forms: "inductor" = the layers' form before session 19 (d delta and d base of GroupedDynamicConv's torch backward on
-n = normed(x, rstd, w) recomputed, g the float32 sum of two bf16 pieces, all torch.compile'd: Inductor fuses the
-sum and the norm's recompute into its reductions); "inductor-g16" = the same on the one bf16 g the new form hands
-its kernel (what the kernel's rounding should be compared with); "triton" = the kernel on that bf16 g; "sum" = the
-kernel's extra cost in the layer: the pieces summed into that bf16 g. Parity: relative errors of d delta and
-d base against float32 autograd (g the unrounded sum, n as the compiled layer computes it: inductor_normed), and the
-kernel's bits against inductor-g16's. Timing: back to
-back (a queue, one sync: the step's situation), interleaved twice; then the kernel's ladder. Table last.
+Forms, for 2 and 3 pieces: "inductor" = the layers' form before session 19 (d delta and d base of
+GroupedDynamicConv's torch backward, g the float32 sum of the pieces, n = normed(x, rstd, w) recomputed, all
+torch.compile'd: Inductor fuses the sum and the norm's recompute into its reductions); "triton" = the kernel on the
+same pieces. Parity: relative errors of d delta and d base against float32 autograd (n as the compiled layer
+computes it: inductor_normed), and the kernel's bits against Inductor's. Timing: back to back (a queue, one sync:
+the step's situation), interleaved twice; then the kernel's ladder (2 pieces). Table last.
 """
 
 from __future__ import annotations
@@ -59,75 +57,67 @@ def main() -> int:
     kernels = (torch.randn(R, Q, 2, K, H // GS, device=device, generator=gen) * 0.1).to(torch.bfloat16)
     delta = kernels[..., 0, :, :]
     base = torch.randn(K, H, device=device, generator=gen) * 0.5 + 0.5
-    pa, pb = (torch.randn(R, Q, H, device=device, generator=gen).to(torch.bfloat16) for _ in range(2))
-    g16 = pa + pb  # the new form's g: the pieces summed and rounded once
+    pieces = [torch.randn(R, Q, H, device=device, generator=gen).to(torch.bfloat16) for _ in range(3)]
 
     compiled = torch.compile(kernel_grads)
-    summed = torch.compile(lambda a, b: a + b)
 
-    def run_inductor():
-        return compiled(pa.float() + pb.float(), x, rstd, w, delta, base)
-
-    def run_inductor_g16():
-        return compiled(g16, x, rstd, w, delta, base)
-
-    def run_triton():
-        return conv_in_triton.conv_prepare_kernel_grads(g16, x, rstd, w, delta, base, B)
-
-    def run_sum():
-        return summed(pa, pb)
+    def forms(np: int) -> dict:
+        ps = pieces[:np]
+        return {
+            f"inductor x{np}": lambda: compiled(sum(p.float() for p in ps), x, rstd, w, delta, base),
+            f"triton x{np}": lambda: conv_in_triton.conv_prepare_kernel_grads(ps, x, rstd, w, delta, base, B),
+        }
 
     def use(config) -> None:
         conv_in_triton.CONFIGS[:] = [config]
         triton_fit._VERDICT.clear()
 
     use(LADDER[0])
-    n = conv_in_triton.inductor_normed(x, rstd, w).float().requires_grad_(True)  # the compiled layer's n
-    rd, rb = (t.detach().float().requires_grad_(True) for t in (delta, base))
-    ref_out = grouped_dynamic_conv(n, rd, rb, block_size=B, group_size=GS)
-    ref = torch.autograd.grad(ref_out, (rd, rb), pa.float() + pb.float())
-    del ref_out, n, rd, rb
-    got = {"inductor": run_inductor(), "inductor-g16": run_inductor_g16(), "triton": run_triton()}
-    for name, outs in got.items():
-        errs = [float((a.float() - b).norm() / b.norm()) for a, b in zip(outs, ref, strict=True)]
-        print(f"{name}: rel err vs fp32 autograd: d delta {errs[0]:.2e} d base {errs[1]:.2e}")
-    a, b = got["triton"][0].float(), got["inductor-g16"][0].float()
-    print(f"triton vs inductor-g16 d delta: {int((a != b).sum())} of {a.numel()} elements differ")
-    print(
-        f"triton vs inductor-g16 d base: rel {float((got['triton'][1] - got['inductor-g16'][1]).norm() / got['inductor-g16'][1].norm()):.2e}"
-    )
-    del got, ref
-    forms = (("inductor", run_inductor), ("inductor-g16", run_inductor_g16), ("triton", run_triton), ("sum", run_sum))
+    runs = {**forms(2), **forms(3)}
+    for np in (2, 3):
+        g = sum(p.float() for p in pieces[:np])
+        n = conv_in_triton.inductor_normed(x, rstd, w).float().requires_grad_(True)  # the compiled layer's n
+        rd, rb = (t.detach().float().requires_grad_(True) for t in (delta, base))
+        ref = torch.autograd.grad(grouped_dynamic_conv(n, rd, rb, block_size=B, group_size=GS), (rd, rb), g)
+        got = {name: runs[name]() for name in (f"inductor x{np}", f"triton x{np}")}
+        for name, outs in got.items():
+            errs = [float((a.float() - b).norm() / b.norm()) for a, b in zip(outs, ref, strict=True)]
+            print(f"{name}: rel err vs fp32 autograd: d delta {errs[0]:.2e} d base {errs[1]:.2e}")
+        (td, tb), (idd, ib) = got[f"triton x{np}"], got[f"inductor x{np}"]
+        print(
+            f"triton vs inductor x{np}: d delta {int((td.float() != idd.float()).sum())} of {td.numel()} elements "
+            f"differ; d base relative {float((tb - ib).norm() / ib.norm()):.2e}"
+        )
+        del got, ref, n, rd, rb, g
     times: dict[str, list[float]] = {}
-    for fn in (f for _, f in forms):
+    for fn in runs.values():
         fn()
     for _ in range(2):
-        for name, fn in forms:
+        for name, fn in runs.items():
             use(LADDER[0])
             times.setdefault(name, []).append(back_to_back_ms(fn, device, args.iters))
     ladder: dict[tuple, float] = {}
     for config in LADDER:
         use(config)
-        run_triton()
-        ladder[config] = min(back_to_back_ms(run_triton, device, args.iters) for _ in range(2))
+        runs["triton x2"]()
+        ladder[config] = min(back_to_back_ms(runs["triton x2"], device, args.iters) for _ in range(2))
     best = min(ladder, key=ladder.__getitem__)
-    print("ladder (back to back ms): " + ", ".join(f"{':'.join(map(str, c))} {ms:.3f}" for c, ms in ladder.items()))
+    print(
+        "ladder, 2 pieces (back to back ms): "
+        + ", ".join(f"{':'.join(map(str, c))} {ms:.3f}" for c, ms in ladder.items())
+    )
     if args.best_out:
         Path(args.best_out).write_text(":".join(map(str, best)))
-    moved = {  # DRAM bytes at least, GB: reads of g (pieces or one), x; d delta written
-        "inductor": (3 * R * Q * H * 2 + R * Q * K * (H // GS) * 2) / 1e9,
-        "inductor-g16": (2 * R * Q * H * 2 + R * Q * K * (H // GS) * 2) / 1e9,
-        "triton": (2 * R * Q * H * 2 + R * Q * K * (H // GS) * 2) / 1e9,
-        "sum": 3 * R * Q * H * 2 / 1e9,
-    }
-    print(f"\none call: x, g [{R}, {Q}, {H}] bf16, K={K}, groups of {GS}")
+    print(f"\none call: x, pieces [{R}, {Q}, {H}] bf16, K={K}, groups of {GS}")
     print(f"{'form':<14} {'back to back ms':>18} {'GB':>6} {'TB/s':>6}")
-    for name, _ in forms:
+    for name in runs:
+        np = int(name[-1])
+        moved = ((np + 1) * R * Q * H * 2 + R * Q * K * (H // GS) * 2) / 1e9  # DRAM at least: pieces, x, d delta
         t = times[name]
-        print(f"{name:<14} {t[0]:8.3f}/{t[1]:8.3f} {moved[name]:6.3f} {moved[name] / min(t) / 1e3:6.2f}")
+        print(f"{name:<14} {t[0]:8.3f}/{t[1]:8.3f} {moved:6.3f} {moved / min(t) / 1e3:6.2f}")
     print(
-        f"best rung {':'.join(map(str, best))}: {ladder[best]:.3f} ms; triton + sum {ladder[best] + min(times['sum']):.3f}"
-        f" ms against inductor's {min(times['inductor']):.3f}"
+        f"best rung {':'.join(map(str, best))}: {ladder[best]:.3f} ms (2 pieces) against Inductor's "
+        f"{min(times['inductor x2']):.3f}"
     )
     return 0
 

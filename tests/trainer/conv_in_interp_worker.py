@@ -1,10 +1,12 @@
 """Child process of tests/trainer/test_conv_in_triton.py: the input-side convolution's kernel gradients
 (trainer/model/conv_in_triton.py) under Triton's CPU interpreter. Usage: python conv_in_interp_worker.py CASES_IN
-OUTPUTS_OUT (torch.save files). TRITON_INTERPRET=1 is set here only.
+OUTPUTS_OUT (torch.save files). TRITON_INTERPRET=1 is set here only, when run as a script (the test module calls
+run_case in its own process for the cases that need no kernel: an empty ladder, the torch fallback).
 
-A case's "mode": "op" calls the custom op on (g, x, rstd, weight, delta, base); "autograd" differentiates
-NormedConv.apply(..., triton_backward=True) (the layers' wiring) for n, delta and base; "compiled" does the same
-through torch.compile (aot_eager: the op traced through its fake implementation, no recompile on a second call).
+A case's "mode": "op" calls the custom op on (gs, x, rstd, weight, delta, base), gs the case's gradient pieces;
+"autograd" differentiates NormedConv.apply(..., fanout=len(gs), triton_backward=True) (the layers' wiring) for n,
+delta and base, piece i the gradient of view i; "compiled" does the same through torch.compile (aot_eager: the op
+traced through its fake implementation, no recompile on a second call).
 "configs" replaces the ladder; "smem" sets $DFLASH_SMEM_LIMIT. Each output records which rung ran ("rung", -1 for
 the torch fallback) and what it logged."""
 
@@ -15,7 +17,8 @@ import io
 import os
 import sys
 
-os.environ["TRITON_INTERPRET"] = "1"
+if __name__ == "__main__":  # the child only: the test module imports run_case for its in-process cases
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
 
@@ -34,29 +37,32 @@ def run_case(case: dict) -> dict:
     os.environ.pop(triton_fit.SMEM_ENV, None)
     if case.get("smem"):
         os.environ[triton_fit.SMEM_ENV] = case["smem"]
-    g, x, rstd, weight, delta, base = (case[k] for k in ("g", "x", "rstd", "weight", "delta", "base"))
+    gs, x, rstd, weight, delta, base = (case[k] for k in ("gs", "x", "rstd", "weight", "delta", "base"))
     B, S = case["block_size"], case["group_size"]
     log = io.StringIO()
     out: dict = {}
     with contextlib.redirect_stderr(log):
         if case["mode"] == "op":
-            dd, db = conv_in_triton.conv_prepare_kernel_grads(g, x, rstd, weight, delta, base, B)
+            dd, db = conv_in_triton.conv_prepare_kernel_grads(gs, x, rstd, weight, delta, base, B)
         else:
             n = conv_in_triton.normed(x, rstd, weight).detach().requires_grad_(True)
             delta, base = (t.detach().clone().requires_grad_(True) for t in (delta, base))
 
-            def conv(a: torch.Tensor, d: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-                return NormedConv.apply(a, d, b, x, rstd, weight, B, S, g.dtype, True)
+            def conv(a: torch.Tensor, d: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                return NormedConv.apply(a, d, b, x, rstd, weight, B, S, gs[0].dtype, len(gs), True)
+
+            def backward(outs: tuple[torch.Tensor, ...]) -> None:
+                torch.autograd.backward(outs, list(gs))
 
             if case["mode"] == "compiled":
                 torch._dynamo.reset()
                 torch._dynamo.utils.counters.clear()
                 conv = torch.compile(conv, backend="aot_eager", fullgraph=True)
-                conv(n, delta, base).backward(g)  # a first call: warm-up
+                backward(conv(n, delta, base))  # a first call: warm-up
                 n.grad = delta.grad = base.grad = None
-            out_t = conv(n, delta, base)
-            dn, dd, db = torch.autograd.grad(out_t, (n, delta, base), g)
-            out = {"out": out_t.detach(), "dn": dn}
+            outs = conv(n, delta, base)
+            dn, dd, db = torch.autograd.grad(outs, (n, delta, base), list(gs))
+            out = {"out": outs[0].detach(), "dn": dn}
             if case["mode"] == "compiled":
                 out["frames"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     verdicts = triton_fit.chosen("conv-prepare-bwd")

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.trainer.conv_in_interp_worker import run_case
 from tests.trainer.triton_interp import interpret_cases
 from trainer.model.conv_in_triton import inductor_normed, normed
 from trainer.model.dflash2 import BlockConv, grouped_dynamic_conv
@@ -20,21 +21,25 @@ from trainer.model.dflash2 import BlockConv, grouped_dynamic_conv
 pytest.importorskip("triton", reason="the triton package is not installed (`make test` installs it: dev extra)")
 
 WORKER = Path(__file__).with_name("conv_in_interp_worker.py")
-CASES = {  # rows, blocks, block size, hidden, group size, taps, dtype, extra
-    "k2-b8-strided-delta": (2, 3, 8, 64, 16, 2, torch.float32, {}),
+CASES = {  # rows, blocks, block size, hidden, group size, taps, dtype, extra ("pieces": g's, default 1)
+    "k2-b8-strided-delta-3-pieces": (2, 3, 8, 64, 16, 2, torch.float32, {"pieces": 3}),
     "k1-b4": (1, 5, 4, 32, 8, 1, torch.float32, {}),
-    "k3-b4-two-tiles": (1, 3, 4, 512, 16, 3, torch.float32, {}),
+    "k3-b4-two-tiles-2-pieces": (1, 3, 4, 512, 16, 3, torch.float32, {"pieces": 2}),
     "k4-b4-f64-many-chunks": (3, 5, 4, 64, 4, 4, torch.float64, {}),
-    "k2-b8-bf16": (2, 2, 8, 64, 16, 2, torch.bfloat16, {}),
-    "autograd-f64": (2, 3, 8, 64, 16, 2, torch.float64, {"mode": "autograd"}),
-    "compiled": (1, 3, 8, 64, 16, 2, torch.float32, {"mode": "compiled"}),
+    "k2-b8-bf16-2-pieces": (2, 2, 8, 64, 16, 2, torch.bfloat16, {"pieces": 2}),
+    "autograd-f64-3-pieces": (2, 3, 8, 64, 16, 2, torch.float64, {"mode": "autograd", "pieces": 3}),
     "next-rung": (1, 3, 8, 64, 16, 2, torch.float32, {"smem": "1K"}),
-    "no-rung-fits": (1, 3, 8, 64, 16, 2, torch.float32, {"smem": "1K", "configs": [(8, 4, 16, 4)]}),
+}
+# In this process (no interpreter: the suite's time), with an empty ladder so the op takes its torch fallback:
+# tracing through the fake implementation and the fallback's log line need no kernel to run.
+IN_PROCESS = {
+    "compiled-2-pieces": (1, 3, 8, 64, 16, 2, torch.float32, {"mode": "compiled", "pieces": 2}),
+    "no-rung-fits-3-pieces": (1, 3, 8, 64, 16, 2, torch.float64, {"pieces": 3}),
 }
 
 
 def _case(name: str) -> dict:
-    R, N, B, H, gs, K, dtype, extra = CASES[name]
+    R, N, B, H, gs, K, dtype, extra = {**CASES, **IN_PROCESS}[name]
     gen = torch.Generator().manual_seed(len(name))
     shape = (R, N * B)
     x = torch.randn(*shape, H, generator=gen).to(dtype)  # the residual stream (bf16 in the layer)
@@ -47,7 +52,8 @@ def _case(name: str) -> dict:
         "weight": (torch.rand(H, generator=gen) + 0.5).to(wide),  # a float32 parameter (float64 cases: float64)
         "delta": kernels[..., 0, :, :],  # the input side's half: a strided view
         "base": torch.randn(K, H, generator=gen).to(wide),
-        "g": torch.randn(*shape, H, generator=gen).to(dtype),
+        # the GEMMs' input-gradient pieces (their sum is the convolution's output gradient)
+        "gs": [torch.randn(*shape, H, generator=gen).to(dtype) for _ in range(extra.get("pieces", 1))],
         "block_size": B,
         "group_size": gs,
         "mode": extra.get("mode", "op"),
@@ -66,7 +72,12 @@ def _reference(case: dict) -> tuple[torch.Tensor, ...]:
     n = normed(case["x"], case["rstd"], case["weight"]).double().requires_grad_(True)
     delta, base = (case[k].double().requires_grad_(True) for k in ("delta", "base"))
     out = grouped_dynamic_conv(n, delta, base, block_size=case["block_size"], group_size=case["group_size"])
-    return (out.detach(), *torch.autograd.grad(out, (n, delta, base), case["g"].double()))
+    return (out.detach(), *torch.autograd.grad(out, (n, delta, base), _g(case)))
+
+
+def _g(case: dict) -> torch.Tensor:
+    """The output gradient: the pieces' sum, in float64."""
+    return sum(piece.double() for piece in case["gs"])
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if CASES[n][6] != torch.bfloat16])
@@ -92,7 +103,7 @@ def test_bfloat16_gives_the_float32_gradients_to_rounding(interpreted):
     where the GPU rounds to nearest (n and d delta each up to 2^-8 low, one-sided), so each gradient is bounded by
     2^-6 of the sum of its products' magnitudes (the same sums of |g| |n|), not of its own (cancelling) value; the
     GPU's parity against Inductor's code is bench/s19_conv_in.py's."""
-    case, got = interpreted["cases"]["k2-b8-bf16"], interpreted["out"]["k2-b8-bf16"]
+    case, got = interpreted["cases"]["k2-b8-bf16-2-pieces"], interpreted["out"]["k2-b8-bf16-2-pieces"]
     B, S = case["block_size"], case["group_size"]
 
     def grads(n: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -101,15 +112,32 @@ def test_bfloat16_gives_the_float32_gradients_to_rounding(interpreted):
         return torch.autograd.grad(out, (delta, base), g)
 
     n = inductor_normed(case["x"], case["rstd"], case["weight"]).float()
-    want, scale = grads(n, case["g"].float()), grads(n.abs(), case["g"].float().abs())
+    g = _g(case).float()  # the float32 sum of bf16 pieces: exact here (two bf16 values)
+    want, scale = grads(n, g), grads(n.abs(), sum(piece.float().abs() for piece in case["gs"]))
     for key, value, bound, like in zip(("dd", "db"), want, scale, ("delta", "base"), strict=True):
         assert got[key].dtype == case[like].dtype, key
         assert bool(((got[key].float() - value).abs() <= 2**-6 * bound + 1e-6).all()), key
 
 
-def test_compiled_layers_trace_the_op_once(interpreted):
-    assert interpreted["out"]["compiled"]["frames"] == 1
-    assert interpreted["out"]["compiled"]["rung"] == 0
+@pytest.fixture
+def no_rung(monkeypatch):
+    """The op's ladder emptied: every call takes the torch fallback (run_case restores nothing in this process)."""
+    from trainer import triton_fit
+    from trainer.model import conv_in_triton
+
+    monkeypatch.setattr(conv_in_triton, "CONFIGS", [])
+    monkeypatch.setattr(conv_in_triton, "_LOGGED", set())
+    monkeypatch.setattr(triton_fit, "_VERDICT", {})
+    return run_case
+
+
+def test_compiled_layers_trace_the_op_once(no_rung):
+    case = _case("compiled-2-pieces")
+    got = no_rung({**case, "configs": []})
+    assert got["frames"] == 1 and got["rung"] == -1
+    _, dn, *grads = _reference(case)
+    for key, want in zip(("dn", "dd", "db"), (dn, *grads), strict=True):
+        torch.testing.assert_close(got[key].double(), want, rtol=1e-5, atol=1e-5, msg=key)
 
 
 def test_a_rung_that_does_not_fit_gives_way_to_the_next_with_one_log_line(interpreted):
@@ -118,22 +146,31 @@ def test_a_rung_that_does_not_fit_gives_way_to_the_next_with_one_log_line(interp
     assert got["log"].count("\n") == 1 and "triton conv-prepare-bwd: using" in got["log"] and "refused" in got["log"]
 
 
-def test_no_rung_fitting_falls_back_to_torch_with_one_log_line(interpreted):
-    got = interpreted["out"]["no-rung-fits"]
+def test_no_rung_fitting_falls_back_to_torch_with_one_log_line(no_rung):
+    case = _case("no-rung-fits-3-pieces")
+    got = no_rung({**case, "configs": []})
     assert got["rung"] == -1
     assert got["log"].count("\n") == 1 and "no configuration fits" in got["log"] and "run in torch" in got["log"]
+    _, _, *grads = _reference(case)
+    for key, want in zip(("dd", "db"), grads, strict=True):
+        torch.testing.assert_close(got[key], want, rtol=1e-12, atol=1e-12, msg=key)
 
 
 def _prepare_grads(conv: BlockConv, x: torch.Tensor, norm: torch.nn.Module, plain: bool) -> list[torch.Tensor]:
-    h, delta = conv.prepare(norm(x)) if plain else conv.prepare(x, norm)
-    loss = (h.float() * torch.linspace(-1, 1, h.numel()).view_as(h)).sum() + delta.float().pow(2).sum()
+    """Three consumers of the convolved input (the three views of fanout=3, or the one plain tensor three times)."""
+    h, delta = conv.prepare(norm(x)) if plain else conv.prepare(x, norm, fanout=3)
+    views = (h, h, h) if plain else h
+    loss = delta.pow(2).sum()
+    for i, view in enumerate(views):
+        loss = loss + (view * torch.linspace(-1, 1 + i, view.numel(), dtype=view.dtype).view_as(view)).sum()
     params = [x, norm.weight, conv.base_kernel, conv.kernel_projection.weight]
-    return [h.detach(), *torch.autograd.grad(loss, params)]
+    return [views[0].detach(), *torch.autograd.grad(loss, params)]
 
 
 def test_the_layers_norm_wiring_gives_autograds_gradients_in_float64():
-    """BlockConv.prepare(x, norm) through NormedConv (its torch backward: n recomputed from x, rstd and the weight,
-    no gradient for them from the convolution itself) against prepare(norm(x)) through the plain expression."""
+    """BlockConv.prepare(x, norm, fanout=3) through NormedConv (its torch backward: the three views' gradients
+    summed, n recomputed from x, rstd and the weight, no gradient for them from the convolution itself) against
+    prepare(norm(x)) through the plain expression, its one output read three times."""
     from trainer.model.drafter import RMSNorm
 
     torch.manual_seed(0)

@@ -1,8 +1,8 @@
 """The input-side block convolution's kernel gradients as one Triton kernel (issue 32 item 4, session 19).
 
-`BlockConv.prepare` convolves the sublayer's normed input n = w * (x * rstd).to(x.dtype) (the RMSNorm's output,
-float32 under bf16 autocast: x the residual stream, rstd its per-row 1/rms, w the norm's weight). For the output
-gradient g of the convolution, its two kernel gradients are
+`BlockConv.prepare` convolves the sublayer's normed input n = w * (x * rstd) (the RMSNorm's output, float32 under
+bf16 autocast: x the residual stream, rstd its per-row 1/rms, w the norm's weight). For the output gradient g of
+the convolution, its two kernel gradients are
 
     d delta[j, t, grp] = sum_{c in grp} g[j, c] * n[j - t, c]      (0 where slot j < t)
     d base[t, c]       = sum_j g[j, c] * n[j - t, c]
@@ -12,20 +12,24 @@ code recomputes it: n is never materialised, not in the forward either). The inp
 backward it feeds, with the kernel projection's input gradient and the skip path's) stays Inductor's: it is a
 per-element sum that Inductor fuses into the norm's backward kernel, and taking it here would cut that fusion
 (an extra [rows, H] write and read). What it replaces (bench/RESULTS.md session 19, Inductor's code of one
-qwen3-8b layer): a per-group reduction kernel for d delta and a column reduction for d base (fused with the norm
-weight's column sums), each reading g's pieces and x again.
+qwen3-8b layer): a per-group reduction kernel for d delta and the d base half of a column-reduction kernel (with
+the norm weight's sums), each reading g and x again. Why d base belongs here: it sums the same products g * n as
+d delta, and d delta must be done before the kernel projection's input-gradient GEMM that dn needs, so the first
+pass over g is the one place both fit.
 
-Its input g must be materialised (a custom op's argument): the conv's output goes to 2-3 GEMMs (q/k/v, gate/up),
-whose input gradients Inductor summed inside each consumer. So the layer hands the GEMMs the convolution's output
-already in the autocast dtype (bf16: what autocast would cast it to, so the forward's values are unchanged), and
-g arrives as one bf16 tensor (the pieces summed once, rounded once), read by this kernel and by Inductor's dn.
+g is not one tensor: the convolved input feeds 2-3 GEMMs (gate/up, q/k/v), and its gradient is the sum of their
+input gradients, which Inductor summed in float32 inside each consumer (never rounded, never materialised). A
+custom op's tensor arguments are materialised, so the layer hands each GEMM a view of its own (NormedConv's
+fan-out) and the op gets the pieces (`gs`, 1..3), summed here in float32 as they are read: no extra pass over
+them, and g's bits as before.
 
 Tile and launch as trainer/model/conv_bwd_triton.py's (2-D [(tap, row) pairs, NG groups x S channels], d base in
 registers over a chunk of row tiles, one float32 partial per program summed by torch): that module's dy part gone,
-its y operand replaced by n. Rounding: n exactly Inductor's bits (`inductor_normed`: x * rstd in rstd's dtype,
-not rounded to x's dtype, as Inductor's code for the compiled layer computes it in the forward too, times w: no
-sums, so no order to differ), products and sums in float32 (float64 for float64 inputs), d delta rounded once to
-delta's dtype, d base in float32 (the parameter's dtype). The one rounding that moves is g's: see above.
+its y operand replaced by n, its g by the pieces' sum. Rounding: n exactly Inductor's bits (`inductor_normed`:
+x * rstd in rstd's dtype, not rounded to x's dtype, as Inductor's code for the compiled layer computes it in the
+forward too, times w: no sums, so no order to differ), g the pieces' float32 sum, products and sums in float32
+(float64 for float64 inputs), d delta rounded once to delta's dtype, d base in float32 (the parameter's dtype):
+only the order of the 16-channel group sums and of d base's row sums differs from Inductor's.
 """
 
 from __future__ import annotations
@@ -39,10 +43,12 @@ import torch
 
 from trainer import triton_fit
 
-# (rows per tile, warps, groups per tile, programs per SM): conv_bwd_triton's ladder, its dy half gone (fewer
-# registers: base and dy's tiles), so the same rungs fit; the order is session 17's measurement of that kernel
-# until this one is measured (bench/s19_conv_in.py). $DFLASH_CONV_IN_CONFIG="ROWS:WARPS:GROUPS:PER_SM" puts one
-# configuration first.
+# (rows per tile, warps, groups per tile, programs per SM): conv_bwd_triton's ladder (its order is session 17's
+# measurement of that kernel), until this one is measured on the GPU (bench/s19_conv_in.py; not yet: session 19
+# had no device). Compiled offline for sm_90 (triton 3.9, ptxas 12.8, K = 2, 16-channel groups, bf16, strides
+# divisible by 16 as the JIT specialises them): 2 / 3 pieces 2:2:16 72 / 90 registers, 4:4:16 72 / 89, 4:8:32 80 /
+# 80, 8:4:16 128 / 158, no spills, 1-4 KB of shared memory, 16-byte loads of the pieces and x.
+# $DFLASH_CONV_IN_CONFIG="ROWS:WARPS:GROUPS:PER_SM" puts one configuration first.
 Config = tuple[int, int, int, int]
 CONFIGS: list[Config] = [(2, 2, 16, 24), (4, 4, 16, 12), (4, 8, 32, 6), (8, 4, 16, 10)]
 _FORCED = os.environ.get("DFLASH_CONV_IN_CONFIG", "").strip()
@@ -65,7 +71,9 @@ def _kernel():
 
     @triton.jit
     def conv_prepare_bwd(
-        g_ptr,
+        g0_ptr,
+        g1_ptr,
+        g2_ptr,
         x_ptr,
         rstd_ptr,
         w_ptr,
@@ -73,7 +81,9 @@ def _kernel():
         part_ptr,
         M,
         tiles_per_prog,
-        stride_g,
+        stride_g0,
+        stride_g1,
+        stride_g2,
         stride_x,
         H: tl.constexpr,
         K: tl.constexpr,
@@ -83,6 +93,7 @@ def _kernel():
         BLOCK: tl.constexpr,
         BM: tl.constexpr,
         NG: tl.constexpr,
+        NP: tl.constexpr,
         WIDE: tl.constexpr,
     ):
         acc_t = tl.float64 if WIDE else tl.float32
@@ -103,7 +114,13 @@ def _kernel():
             r64 = r.to(tl.int64)
             ok = r < M
             slot = r % BLOCK
-            g = tl.load(g_ptr + r64 * stride_g + col, mask=ok & tap_ok, other=0.0).to(acc_t)
+            # g: the sum of the NP gradient pieces (one per GEMM that read the convolved input), summed here in
+            # float32 as Inductor's code summed them inside each consumer (never rounded to their dtype)
+            g = tl.load(g0_ptr + r64 * stride_g0 + col, mask=ok & tap_ok, other=0.0).to(acc_t)
+            if NP > 1:
+                g += tl.load(g1_ptr + r64 * stride_g1 + col, mask=ok & tap_ok, other=0.0).to(acc_t)
+            if NP > 2:
+                g += tl.load(g2_ptr + r64 * stride_g2 + col, mask=ok & tap_ok, other=0.0).to(acc_t)
             src_ok = ok & tap_ok & (slot >= tap)
             xs = tl.load(x_ptr + (r64 - tap) * stride_x + col, mask=src_ok, other=0.0)  # [QT,BH], x's dtype
             rs = tl.load(rstd_ptr + (r64 - tap), mask=src_ok, other=0.0)  # [QT,1], once per (tap, row)
@@ -150,9 +167,12 @@ def _torch_gradients(
 _LOGGED: set[str] = set()
 
 
+MAX_PIECES = 3
+
+
 @torch.library.custom_op("dflash::conv_prepare_kernel_grads", mutates_args=())
 def conv_prepare_kernel_grads(
-    g: torch.Tensor,
+    gs: list[torch.Tensor],
     x: torch.Tensor,
     rstd: torch.Tensor,
     weight: torch.Tensor,
@@ -160,16 +180,18 @@ def conv_prepare_kernel_grads(
     base: torch.Tensor,
     block_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """g, x [..., H], rstd [..., 1], weight [H], delta [..., K, G] (read for its shape and dtype only), base [K, H]
-    (likewise) -> (d delta like delta, d base like base) of the convolution of normed(x, rstd, weight)."""
+    """gs: 1..MAX_PIECES output-gradient pieces [..., H] (their float32 sum is g), x [..., H], rstd [..., 1], weight
+    [H], delta [..., K, G] (read for its shape and dtype only), base [K, H] (likewise) -> (d delta like delta,
+    d base like base) of the convolution of inductor_normed(x, rstd, weight)."""
     H = x.shape[-1]
     K, G = delta.shape[-2], delta.shape[-1]
-    g2, x2 = g.reshape(-1, H), x.reshape(-1, H)
-    g2 = g2 if g2.stride(-1) == 1 else g2.contiguous()
-    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    if not 1 <= len(gs) <= MAX_PIECES:
+        raise ValueError(f"conv_prepare_kernel_grads takes 1..{MAX_PIECES} gradient pieces, got {len(gs)}")
+    rows = [t.reshape(-1, H) for t in (*gs, x)]
+    *pieces, x2 = [t if t.stride(-1) == 1 else t.contiguous() for t in rows]
     r2 = rstd.reshape(-1).contiguous()
     M = x2.shape[0]
-    wide = torch.float64 in (g.dtype, x.dtype, rstd.dtype, weight.dtype)
+    wide = torch.float64 in (*(t.dtype for t in gs), x.dtype, rstd.dtype, weight.dtype)
     acc = torch.float64 if wide else torch.float32
     dd = torch.empty(M, K, G, dtype=delta.dtype, device=x.device)
     partial: list[torch.Tensor] = []
@@ -186,26 +208,33 @@ def conv_prepare_kernel_grads(
         part = torch.empty(chunks, K, H, dtype=acc, device=x.device)
         partial[:] = [part]
         kp = 1 << (K - 1).bit_length()
-        meta = dict(H=H, K=K, KP=kp, G=G, S=H // G, BLOCK=block_size, BM=bm, NG=ng, WIDE=wide)
-        args = (g2, x2, r2, weight, dd, part, M, per, g2.stride(0), x2.stride(0))
+        meta = dict(H=H, K=K, KP=kp, G=G, S=H // G, BLOCK=block_size, BM=bm, NG=ng, NP=len(pieces), WIDE=wide)
+        gp = (pieces + pieces[:1] * MAX_PIECES)[:MAX_PIECES]  # the unused pointers are never read
+        args = (*gp, x2, r2, weight, dd, part, M, per, *(t.stride(0) for t in gp), x2.stride(0))
         return (col_tiles, chunks), args, {**meta, "num_warps": warps}
 
     try:
         with triton_fit.on_device(x.device):
             triton_fit.launch_first_fit(
-                "conv-prepare-bwd", _kernel(), CONFIGS, launch, x.device, (x.dtype, g.dtype, K, H // G, block_size)
+                "conv-prepare-bwd",
+                _kernel(),
+                CONFIGS,
+                launch,
+                x.device,
+                (x.dtype, gs[0].dtype, len(gs), K, H // G, block_size),
             )
     except triton_fit.NoConfigFitsError as exc:
         if str(x.device) not in _LOGGED:
             _LOGGED.add(str(x.device))
             print(f"{exc}; the convolution's kernel gradients run in torch", file=sys.stderr, flush=True)
-        ddt, db = _torch_gradients(g2, x2, r2, weight, K, G, block_size)
+        acc_g = functools.reduce(torch.add, [t.to(acc) for t in pieces])
+        ddt, db = _torch_gradients(acc_g, x2, r2, weight, K, G, block_size)
         return ddt.to(delta.dtype).view(delta.shape), db.to(base.dtype)
     return dd.view(delta.shape), partial[0].sum(0).to(base.dtype)
 
 
 @conv_prepare_kernel_grads.register_fake
-def _(g, x, rstd, weight, delta, base, block_size):
+def _(gs, x, rstd, weight, delta, base, block_size):
     return delta.new_empty(delta.shape), base.new_empty(base.shape)
 
 

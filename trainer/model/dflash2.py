@@ -45,7 +45,7 @@ CONV_BACKWARD: str = os.environ.get("DFLASH_CONV_BACKWARD", "triton").strip() or
 # on the norm's output, its backward compiled into the layer: the default until the kernel below is measured on the
 # GPU, bench/RESULTS.md session 19), "triton" (its kernel gradients in one kernel, trainer/model/conv_in_triton.py,
 # where it fits: CUDA, shapes in `supported`; the sublayer then gets the convolution's output in the autocast dtype,
-# see NormedConv; elsewhere "inductor") or "torch" (NormedConv with its backward in torch, any device: the CPU's
+# one view for each of its GEMMs, see NormedConv; elsewhere "inductor") or "torch" (NormedConv with its backward in torch, any device: the CPU's
 # check of the wiring, and Inductor's code for the bf16 output without the kernel).
 CONV_INPUT_BACKWARDS = ("triton", "inductor", "torch")
 CONV_INPUT_BACKWARD: str = os.environ.get("DFLASH_CONV_INPUT_BACKWARD", "inductor").strip() or "inductor"
@@ -138,9 +138,11 @@ class NormedConv(torch.autograd.Function):
     float32 [R,Q,H]: ~0.3 ms a call of extra traffic at the qwen3-8b seed); dn stays torch code that Inductor
     fuses into the norm's backward. x, rstd and weight get no gradient here (they reach n's own graph).
 
-    The output is cast to `out_dtype` (the autocast dtype, to which the sublayer's GEMMs cast it anyway: the same
-    forward values): its gradient then arrives as one bf16 tensor (the GEMMs' input gradients summed and rounded
-    once) that a kernel can read, where Inductor summed the 2-3 float32-widened pieces inside each consumer."""
+    The output comes in `out_dtype` (the autocast dtype, to which the sublayer's GEMMs cast it anyway: the same
+    forward values) as `fanout` views, one for each GEMM that reads it (q/k/v: 3, gate/up: 2): the backward then
+    gets each GEMM's input gradient as a piece of its own, which the kernel sums in float32 as it reads them, as
+    Inductor's code did inside each consumer. One output instead would be given the pieces' sum as one tensor,
+    which a custom op needs materialised: an extra pass over the pieces and one more bf16 rounding of g."""
 
     @staticmethod
     def forward(
@@ -153,13 +155,15 @@ class NormedConv(torch.autograd.Function):
         block_size: int,
         group_size: int,
         out_dtype: torch.dtype,
+        fanout: int,
         triton_backward: bool,
-    ) -> torch.Tensor:
-        return GroupedDynamicConv.forward(n, delta, base, block_size, group_size).to(out_dtype)
+    ) -> tuple[torch.Tensor, ...]:
+        out = GroupedDynamicConv.forward(n, delta, base, block_size, group_size).to(out_dtype)
+        return tuple(out.view_as(out) for _ in range(fanout))
 
     @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        n, delta, base, x, rstd, weight, block_size, group_size, _, triton_backward = inputs
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+        n, delta, base, x, rstd, weight, block_size, group_size, _, _, triton_backward = inputs
         ctx.save_for_backward(delta, base, x, rstd, weight)
         ctx.block_size, ctx.group_size, ctx.triton_backward, ctx.n_dtype = (
             block_size,
@@ -169,17 +173,25 @@ class NormedConv(torch.autograd.Function):
         )
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         delta, base, x, rstd, weight = ctx.saved_tensors
         B, S = ctx.block_size, ctx.group_size
         from trainer.model.conv_in_triton import conv_prepare_kernel_grads, normed
 
+        pieces = [g for g in grads if g is not None]
+        none = (None,) * 8
+        if not pieces:
+            return None, None, None, *none
+        acc = torch.promote_types(torch.promote_types(ctx.n_dtype, pieces[0].dtype), torch.float32)
+        grad = pieces[0].to(acc)
+        for piece in pieces[1:]:
+            grad = grad + piece.to(acc)
         if ctx.triton_backward:
-            d_delta, d_base = conv_prepare_kernel_grads(grad, x, rstd, weight, delta, base, B)
+            d_delta, d_base = conv_prepare_kernel_grads(pieces, x, rstd, weight, delta, base, B)
             dn = conv_input_gradient(grad, delta, base, B, S, ctx.n_dtype)
         else:
             dn, d_delta, d_base = conv_gradients(grad, normed(x, rstd, weight), delta, base, B, S)
-        return dn, d_delta, d_base, None, None, None, None, None, None, None
+        return dn, d_delta, d_base, *none
 
 
 class BlockConv(nn.Module):
@@ -212,11 +224,12 @@ class BlockConv(nn.Module):
             self.base_kernel[:, 0].fill_(1.0)
             self.kernel_projection.weight.zero_()
 
-    def prepare(self, x: torch.Tensor, norm: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def prepare(self, x: torch.Tensor, norm: Any = None, fanout: int = 1) -> tuple[Any, torch.Tensor]:
         """x [R,Q,H]: the sublayer's normed input, or with `norm` (the layer's RMSNorm: `parts(x)` gives its output
         and the per-row rstd) its input before the norm -> (its convolved input, the output side's kernel deltas).
         With the norm at hand the input side's backward may run conv_in_triton's kernel (NormedConv); then the
-        convolved input comes in the autocast dtype where autocast is on (what the sublayer's GEMMs cast it to)."""
+        convolved input comes in the autocast dtype where autocast is on (what the sublayer's GEMMs cast it to), as
+        a tuple of `fanout` views (one for each of the sublayer's GEMMs) when fanout > 1; else one tensor."""
         n, rstd = norm.parts(x) if norm is not None else (x, None)
         kernels = self.kernel_projection(n).view(*n.shape[:-1], 2, self.kernel_size, self.num_groups)
         delta_in, delta_out = kernels[..., 0, :, :], kernels[..., 1, :, :]
@@ -227,9 +240,9 @@ class BlockConv(nn.Module):
         out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else n.dtype
         h = NormedConv.apply(
             n, delta_in, self.base_kernel[0], x, rstd, norm.weight, self.block_size, self.group_size, out_dtype,
-            mode == "triton",
+            fanout, mode == "triton",
         )  # fmt: skip
-        return h, delta_out
+        return (h if fanout > 1 else h[0]), delta_out
 
     def _input_mode(self, x: torch.Tensor) -> str:
         """The input side's backward: "triton" on CUDA where conv_in_triton's kernel takes the shapes (else
