@@ -6,10 +6,11 @@ weight float32, K = 2 taps, groups of 16, the deltas a strided view of the [6, 5
 
     python3 bench/s19_conv_in.py [--iters 20] [--best-out FILE] [--dry-run]
 
-Forms, for 2 and 3 pieces: "inductor" = the layers' form before session 19 (d delta and d base of
-GroupedDynamicConv's torch backward, g the float32 sum of the pieces, n = normed(x, rstd, w) recomputed, all
-torch.compile'd: Inductor fuses the sum and the norm's recompute into its reductions); "triton" = the kernel on the
-same pieces. Parity: relative errors of d delta and d base against float32 autograd (n as the compiled layer
+Forms, for 2 and 3 pieces: "inductor" = the op's three gradients (d delta, d base, and the norm weight's gradient
+through the convolution, sum of dn * xhat) as torch code, g the float32 sum of the pieces, xhat = x * rstd
+recomputed, torch.compile'd (Inductor fuses the sum and the recompute into its reductions; in the layer the old form
+computed these inside the layer's own kernels, so this is a like-for-like of the op, not of the step); "triton" =
+the kernel on the same pieces. Parity: relative errors of d delta and d base against float32 autograd (n as the compiled layer
 computes it: inductor_normed), and the kernel's bits against Inductor's. Timing: back to back (a queue, one sync:
 the step's situation), interleaved twice; then the kernel's ladder (2 pieces). Table last.
 """
@@ -31,13 +32,14 @@ from trainer.model.conv_grad import conv_gradients
 from trainer.model.dflash2 import grouped_dynamic_conv
 
 R, Q, H, B, GS, K = 6, 171 * 32, 4096, 32, 16, 2
-LADDER = [(2, 2, 16, 24), (4, 4, 16, 12), (4, 4, 16, 8), (2, 4, 16, 24), (4, 8, 32, 6), (8, 4, 16, 10), (8, 8, 32, 4)]
+LADDER = [(2, 2, 16, 24), (4, 4, 16, 12), (4, 4, 16, 8), (2, 4, 16, 24), (2, 4, 16, 12), (4, 8, 32, 6), (2, 2, 16, 12)]
 
 
 def kernel_grads(g, x, rstd, w, delta, base):
-    n = conv_in_triton.normed(x, rstd, w)  # Inductor drops the rounding of x * rstd (inductor_normed)
-    _, dd, db = conv_gradients(g, n, delta, base, B, GS)
-    return dd, db
+    """The op's three gradients in torch (compiled: Inductor's code for them); xhat as Inductor computes it."""
+    xhat = x.float() * rstd
+    dn, dd, db = conv_gradients(g, w * xhat, delta, base, B, GS)
+    return dd, db, (dn * xhat).sum((0, 1))
 
 
 def main() -> int:
@@ -76,19 +78,19 @@ def main() -> int:
     runs = {**forms(2), **forms(3)}
     for np in (2, 3):
         g = sum(p.float() for p in pieces[:np])
-        n = conv_in_triton.inductor_normed(x, rstd, w).float().requires_grad_(True)  # the compiled layer's n
-        rd, rb = (t.detach().float().requires_grad_(True) for t in (delta, base))
-        ref = torch.autograd.grad(grouped_dynamic_conv(n, rd, rb, block_size=B, group_size=GS), (rd, rb), g)
+        xhat = x.float() * rstd  # the compiled layer's (inductor_normed)
+        rw, rd, rb = (t.detach().float().requires_grad_(True) for t in (w, delta, base))
+        ref = torch.autograd.grad(grouped_dynamic_conv(rw * xhat, rd, rb, block_size=B, group_size=GS), (rd, rb, rw), g)
         got = {name: runs[name]() for name in (f"inductor x{np}", f"triton x{np}")}
         for name, outs in got.items():
             errs = [float((a.float() - b).norm() / b.norm()) for a, b in zip(outs, ref, strict=True)]
-            print(f"{name}: rel err vs fp32 autograd: d delta {errs[0]:.2e} d base {errs[1]:.2e}")
-        (td, tb), (idd, ib) = got[f"triton x{np}"], got[f"inductor x{np}"]
+            print(f"{name}: rel err vs fp32 autograd: d delta {errs[0]:.2e} d base {errs[1]:.2e} d w {errs[2]:.2e}")
+        (td, tb, tw), (idd, ib, iw) = got[f"triton x{np}"], got[f"inductor x{np}"]
         print(
             f"triton vs inductor x{np}: d delta {int((td.float() != idd.float()).sum())} of {td.numel()} elements "
-            f"differ; d base relative {float((tb - ib).norm() / ib.norm()):.2e}"
+            f"differ; d base relative {float((tb - ib).norm() / ib.norm()):.2e}, d w {float((tw - iw).norm() / iw.norm()):.2e}"
         )
-        del got, ref, n, rd, rb, g
+        del got, ref, rw, rd, rb, g, xhat
     times: dict[str, list[float]] = {}
     for fn in runs.values():
         fn()
@@ -112,7 +114,7 @@ def main() -> int:
     print(f"{'form':<14} {'back to back ms':>18} {'GB':>6} {'TB/s':>6}")
     for name in runs:
         np = int(name[-1])
-        moved = ((np + 1) * R * Q * H * 2 + R * Q * K * (H // GS) * 2) / 1e9  # DRAM at least: pieces, x, d delta
+        moved = ((np + 1) * R * Q * H * 2 + 2 * R * Q * K * (H // GS) * 2) / 1e9  # DRAM at least: pieces, x, deltas
         t = times[name]
         print(f"{name:<14} {t[0]:8.3f}/{t[1]:8.3f} {moved:6.3f} {moved / min(t) / 1e3:6.2f}")
     print(

@@ -4,8 +4,8 @@ OUTPUTS_OUT (torch.save files). TRITON_INTERPRET=1 is set here only, when run as
 run_case in its own process for the cases that need no kernel: an empty ladder, the torch fallback).
 
 A case's "mode": "op" calls the custom op on (gs, x, rstd, weight, delta, base), gs the case's gradient pieces;
-"autograd" differentiates NormedConv.apply(..., fanout=len(gs), triton_backward=True) (the layers' wiring) for n,
-delta and base, piece i the gradient of view i; "compiled" does the same through torch.compile (aot_eager: the op
+"autograd" differentiates NormedConv.apply(..., fanout=len(gs), triton_backward=True) (the layers' wiring) for
+xhat, weight, delta and base, piece i the gradient of view i; "compiled" does the same through torch.compile (aot_eager: the op
 traced through its fake implementation, no recompile on a second call).
 "configs" replaces the ladder; "smem" sets $DFLASH_SMEM_LIMIT. Each output records which rung ran ("rung", -1 for
 the torch fallback) and what it logged."""
@@ -43,30 +43,27 @@ def run_case(case: dict) -> dict:
     out: dict = {}
     with contextlib.redirect_stderr(log):
         if case["mode"] == "op":
-            dd, db = conv_in_triton.conv_prepare_kernel_grads(gs, x, rstd, weight, delta, base, B)
+            dd, db, dw = conv_in_triton.conv_prepare_kernel_grads(gs, x, rstd, weight, delta, base, B)
         else:
-            n = conv_in_triton.normed(x, rstd, weight).detach().requires_grad_(True)
-            delta, base = (t.detach().clone().requires_grad_(True) for t in (delta, base))
+            xhat = (x.to(rstd.dtype) * rstd).to(x.dtype).detach().requires_grad_(True)
+            weight, delta, base = (t.detach().clone().requires_grad_(True) for t in (weight, delta, base))
 
-            def conv(a: torch.Tensor, d: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
-                return NormedConv.apply(a, d, b, x, rstd, weight, B, S, gs[0].dtype, len(gs), True)
+            def conv(*t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                return NormedConv.apply(*t, x, rstd, B, S, gs[0].dtype, len(gs), True)
 
-            def backward(outs: tuple[torch.Tensor, ...]) -> None:
-                torch.autograd.backward(outs, list(gs))
-
+            leaves = (xhat, weight, delta, base)
             if case["mode"] == "compiled":
                 torch._dynamo.reset()
                 torch._dynamo.utils.counters.clear()
                 conv = torch.compile(conv, backend="aot_eager", fullgraph=True)
-                backward(conv(n, delta, base))  # a first call: warm-up
-                n.grad = delta.grad = base.grad = None
-            outs = conv(n, delta, base)
-            dn, dd, db = torch.autograd.grad(outs, (n, delta, base), list(gs))
-            out = {"out": outs[0].detach(), "dn": dn}
+                torch.autograd.backward(conv(*leaves), list(gs))  # a first call: warm-up
+            outs = conv(*leaves)
+            dxhat, dw, dd, db = torch.autograd.grad(outs, leaves, list(gs))
+            out = {"out": outs[0].detach(), "dxhat": dxhat}
             if case["mode"] == "compiled":
                 out["frames"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     verdicts = triton_fit.chosen("conv-prepare-bwd")
-    return {**out, "dd": dd, "db": db, "rung": next(iter(verdicts.values()), -1), "log": log.getvalue()}
+    return {**out, "dd": dd, "db": db, "dw": dw, "rung": next(iter(verdicts.values()), -1), "log": log.getvalue()}
 
 
 if __name__ == "__main__":

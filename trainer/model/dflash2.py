@@ -132,11 +132,16 @@ class GroupedDynamicConv(torch.autograd.Function):
 
 
 class NormedConv(torch.autograd.Function):
-    """The input side's convolution (GroupedDynamicConv's values) of the norm's output n = normed(x, rstd, weight),
-    with the norm's parts at hand for the backward: its kernel gradients (d delta, d base) recompute n from them
-    (trainer/model/conv_in_triton.py's kernel on CUDA, torch elsewhere), never from a saved or materialised n (a
-    float32 [R,Q,H]: ~0.3 ms a call of extra traffic at the qwen3-8b seed); dn stays torch code that Inductor
-    fuses into the norm's backward. x, rstd and weight get no gradient here (they reach n's own graph).
+    """The input side's convolution (GroupedDynamicConv's values) of the norm's output n = weight * xhat (xhat =
+    x * rstd, the RMSNorm's normalised input), with the norm's parts at hand for the backward, which gives
+    (trainer/model/conv_in_triton.py's kernel on CUDA, torch elsewhere):
+    - d delta and d base, from n recomputed from x, rstd and the weight, never saved or materialised (a float32
+      [R,Q,H]: ~0.3 ms a call of extra traffic at the qwen3-8b seed);
+    - the norm weight's gradient through the convolution, sum over rows of dn * xhat: the kernel has dn's terms at
+      hand (g and the coefficients), so Inductor's norm backward no longer writes dn in float32 and reads it back
+      for these column sums (the kernel projection's half, sum of its input gradient * xhat, stays autograd's);
+    - d xhat = dn * weight as torch code, which Inductor fuses into the norm's backward (rstd's row reductions).
+    x and rstd get no gradient here (they reach xhat's own graph).
 
     The output comes in `out_dtype` (the autocast dtype, to which the sublayer's GEMMs cast it anyway: the same
     forward values) as `fanout` views, one for each GEMM that reads it (q/k/v: 3, gate/up: 2): the backward then
@@ -146,52 +151,50 @@ class NormedConv(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        n: torch.Tensor,
+        xhat: torch.Tensor,
+        weight: torch.Tensor,
         delta: torch.Tensor,
         base: torch.Tensor,
         x: torch.Tensor,
         rstd: torch.Tensor,
-        weight: torch.Tensor,
         block_size: int,
         group_size: int,
         out_dtype: torch.dtype,
         fanout: int,
         triton_backward: bool,
     ) -> tuple[torch.Tensor, ...]:
-        out = GroupedDynamicConv.forward(n, delta, base, block_size, group_size).to(out_dtype)
+        out = GroupedDynamicConv.forward(weight * xhat, delta, base, block_size, group_size).to(out_dtype)
         return tuple(out.view_as(out) for _ in range(fanout))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-        n, delta, base, x, rstd, weight, block_size, group_size, _, _, triton_backward = inputs
-        ctx.save_for_backward(delta, base, x, rstd, weight)
-        ctx.block_size, ctx.group_size, ctx.triton_backward, ctx.n_dtype = (
-            block_size,
-            group_size,
-            triton_backward,
-            n.dtype,
-        )
+        xhat, weight, delta, base, x, rstd, block_size, group_size, _, _, triton_backward = inputs
+        ctx.save_for_backward(weight, delta, base, x, rstd)
+        ctx.block_size, ctx.group_size, ctx.triton_backward = block_size, group_size, triton_backward
+        ctx.xhat_dtype, ctx.n_dtype = xhat.dtype, torch.promote_types(weight.dtype, xhat.dtype)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        delta, base, x, rstd, weight = ctx.saved_tensors
+        weight, delta, base, x, rstd = ctx.saved_tensors
         B, S = ctx.block_size, ctx.group_size
-        from trainer.model.conv_in_triton import conv_prepare_kernel_grads, normed
+        from trainer.model.conv_in_triton import conv_prepare_kernel_grads
 
         pieces = [g for g in grads if g is not None]
-        none = (None,) * 8
+        none = (None,) * 7
         if not pieces:
-            return None, None, None, *none
+            return None, None, None, None, *none
         acc = torch.promote_types(torch.promote_types(ctx.n_dtype, pieces[0].dtype), torch.float32)
         grad = pieces[0].to(acc)
         for piece in pieces[1:]:
             grad = grad + piece.to(acc)
+        dn = conv_input_gradient(grad, delta, base, B, S, ctx.n_dtype)
         if ctx.triton_backward:
-            d_delta, d_base = conv_prepare_kernel_grads(pieces, x, rstd, weight, delta, base, B)
-            dn = conv_input_gradient(grad, delta, base, B, S, ctx.n_dtype)
+            d_delta, d_base, d_weight = conv_prepare_kernel_grads(pieces, x, rstd, weight, delta, base, B)
         else:
-            dn, d_delta, d_base = conv_gradients(grad, normed(x, rstd, weight), delta, base, B, S)
-        return dn, d_delta, d_base, *none
+            xhat = (x.to(rstd.dtype) * rstd).to(ctx.xhat_dtype)  # as RMSNorm.parts computes it
+            _, d_delta, d_base = conv_gradients(grad, weight * xhat, delta, base, B, S)
+            d_weight = (dn * xhat).reshape(-1, xhat.shape[-1]).sum(0).to(weight.dtype)
+        return (dn * weight).to(ctx.xhat_dtype), d_weight, d_delta, d_base, *none
 
 
 class BlockConv(nn.Module):
@@ -225,12 +228,13 @@ class BlockConv(nn.Module):
             self.kernel_projection.weight.zero_()
 
     def prepare(self, x: torch.Tensor, norm: Any = None, fanout: int = 1) -> tuple[Any, torch.Tensor]:
-        """x [R,Q,H]: the sublayer's normed input, or with `norm` (the layer's RMSNorm: `parts(x)` gives its output
-        and the per-row rstd) its input before the norm -> (its convolved input, the output side's kernel deltas).
+        """x [R,Q,H]: the sublayer's normed input, or with `norm` (the layer's RMSNorm: `parts(x)` gives the
+        normalised x before the weight and the per-row rstd) its input before the norm -> (its convolved input, the output side's kernel deltas).
         With the norm at hand the input side's backward may run conv_in_triton's kernel (NormedConv); then the
         convolved input comes in the autocast dtype where autocast is on (what the sublayer's GEMMs cast it to), as
         a tuple of `fanout` views (one for each of the sublayer's GEMMs) when fanout > 1; else one tensor."""
-        n, rstd = norm.parts(x) if norm is not None else (x, None)
+        xhat, rstd = norm.parts(x) if norm is not None else (x, None)
+        n = norm.weight * xhat if norm is not None else x  # the norm's output, as RMSNorm.forward computes it
         kernels = self.kernel_projection(n).view(*n.shape[:-1], 2, self.kernel_size, self.num_groups)
         delta_in, delta_out = kernels[..., 0, :, :], kernels[..., 1, :, :]
         mode = self._input_mode(x) if norm is not None and self.kernel == "torch" else "inductor"
@@ -239,7 +243,7 @@ class BlockConv(nn.Module):
         device = x.device.type
         out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else n.dtype
         h = NormedConv.apply(
-            n, delta_in, self.base_kernel[0], x, rstd, norm.weight, self.block_size, self.group_size, out_dtype,
+            xhat, norm.weight, delta_in, self.base_kernel[0], x, rstd, self.block_size, self.group_size, out_dtype,
             fanout, mode == "triton",
         )  # fmt: skip
         return (h if fanout > 1 else h[0]), delta_out

@@ -309,14 +309,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.parts(x)[0]
+        return self.weight * self.parts(x)[0]
 
     def parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the norm's output, the per-row rstd [..., 1] in float32): DFlash2's input convolution recomputes the
-        output from x, rstd and the weight in its backward (trainer/model/conv_in_triton.py: `normed`)."""
+        """(the normalised x in x's dtype, before the weight; the per-row rstd [..., 1] in float32): DFlash2's input
+        convolution (dflash2.NormedConv) recomputes them from x and rstd in its backward."""
         x32 = x.float()
         rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * (x32 * rstd).to(x.dtype), rstd
+        return (x32 * rstd).to(x.dtype), rstd
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
