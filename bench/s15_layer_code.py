@@ -11,9 +11,9 @@ archs) compiled forward + backward under bf16 autocast with Inductor's Triton ba
 graph, each kernel that touches >= 50 MB with the summed size of its pointer arguments (an upper bound on its
 bytes: a broadcast read counts whole; inputs of unknown dtype count as bf16) and the activations the forward saves
 for the backward. Caveats: the CPU device's properties steer a few choices (split reductions; mix-order reductions
-are GPU-only), so the GPU's code differs in places; the bytes are a model, and the convolutions' kernels turned
-out issue-bound on the H200 (~1.7 TB/s), so time follows bytes only roughly. `--conv-input`: the input side's backward as
-BlockConv.input_backward_kernel (session 19; "triton": the custom op an extern call whose launch is stubbed, its
+are GPU-only), so the GPU's code differs in places; the bytes are a model, and the convolutions' kernels turned out
+issue-bound on the H200 (~1.7 TB/s), so time follows bytes only roughly. `--conv-input`: the input side's backward
+as BlockConv.input_backward_kernel (session 19; "triton": the custom op an extern call whose launch is stubbed, its
 traffic not counted: add it by hand). `ptx`: compile one kernel of such a dump for sm_90 (no GPU needed) and count
 its global loads by width and its PTX instructions.
 

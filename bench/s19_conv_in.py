@@ -10,9 +10,9 @@ Forms, for 2 and 3 pieces: "inductor" = the op's three gradients (d delta, d bas
 through the convolution, sum of dn * xhat) as torch code, g the float32 sum of the pieces, xhat = x * rstd
 recomputed, torch.compile'd (Inductor fuses the sum and the recompute into its reductions; in the layer the old form
 computed these inside the layer's own kernels, so this is a like-for-like of the op, not of the step); "triton" =
-the kernel on the same pieces. Parity: relative errors of d delta and d base against float32 autograd (n as the compiled layer
-computes it: inductor_normed), and the kernel's bits against Inductor's. Timing: back to back (a queue, one sync:
-the step's situation), interleaved twice; then the kernel's ladder (2 pieces). Table last.
+the kernel on the same pieces. Parity: relative errors of d delta and d base against float32 autograd (n as the
+compiled layer computes it: inductor_normed), and the kernel's bits against Inductor's. Timing: back to back (a
+queue, one sync: the step's situation), interleaved twice; then the kernel's ladder (2 pieces). Table last.
 """
 
 from __future__ import annotations
@@ -86,9 +86,10 @@ def main() -> int:
             errs = [float((a.float() - b).norm() / b.norm()) for a, b in zip(outs, ref, strict=True)]
             print(f"{name}: rel err vs fp32 autograd: d delta {errs[0]:.2e} d base {errs[1]:.2e} d w {errs[2]:.2e}")
         (td, tb, tw), (idd, ib, iw) = got[f"triton x{np}"], got[f"inductor x{np}"]
+        base_rel, w_rel = (float((a - b).norm() / b.norm()) for a, b in ((tb, ib), (tw, iw)))
         print(
             f"triton vs inductor x{np}: d delta {int((td.float() != idd.float()).sum())} of {td.numel()} elements "
-            f"differ; d base relative {float((tb - ib).norm() / ib.norm()):.2e}, d w {float((tw - iw).norm() / iw.norm()):.2e}"
+            f"differ; d base relative {base_rel:.2e}, d w {w_rel:.2e}"
         )
         del got, ref, rw, rd, rb, g, xhat
     times: dict[str, list[float]] = {}

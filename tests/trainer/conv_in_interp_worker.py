@@ -4,9 +4,9 @@ OUTPUTS_OUT (torch.save files). TRITON_INTERPRET=1 is set here only, when run as
 run_case in its own process for the cases that need no kernel: an empty ladder, the torch fallback).
 
 A case's "mode": "op" calls the custom op on (gs, x, rstd, weight, delta, base), gs the case's gradient pieces;
-"autograd" differentiates NormedConv.apply(..., fanout=len(gs), triton_backward=True) (the layers' wiring) for
-xhat, weight, delta and base, piece i the gradient of view i; "compiled" does the same through torch.compile (aot_eager: the op
-traced through its fake implementation, no recompile on a second call).
+"autograd" differentiates NormedConv.apply(..., fanout=len(gs), triton_backward=True) (the layers' wiring) for xhat,
+weight, delta and base, piece i the gradient of view i; "compiled" does the same through torch.compile (aot_eager:
+the op traced through its fake implementation, no recompile on a second call).
 "configs" replaces the ladder; "smem" sets $DFLASH_SMEM_LIMIT. Each output records which rung ran ("rung", -1 for
 the torch fallback) and what it logged."""
 

@@ -27,13 +27,13 @@ fan-out) and the op gets the pieces (`gs`, 1..3), summed here in float32 as they
 them, and g's bits as before.
 
 Tile and launch as trainer/model/conv_bwd_triton.py's (2-D [(tap, row) pairs, NG groups x S channels], d base in
-registers over a chunk of row tiles, one float32 partial per program summed by torch): its y operand replaced by
-n, its g by the pieces' sum, its dy (here dn) multiplied by xhat and summed over rows instead of stored. Rounding:
-n exactly Inductor's bits (`inductor_normed`: x * rstd in rstd's dtype, not rounded to x's dtype, as Inductor's
-code for the compiled layer computes it in the forward too, times w: no sums, so no order to differ), g the pieces' float32 sum, products and sums in float32
-(float64 for float64 inputs), d delta rounded once to delta's dtype, d base and d w in float32 (the parameters'
-dtype): only the order of the 16-channel group sums, of the row sums, and d w's split in two halves (summed by
-autograd) differ from Inductor's.
+registers over a chunk of row tiles, one float32 partial per program summed by torch): its y operand replaced by n,
+its g by the pieces' sum, its dy (here dn) multiplied by xhat and summed over rows instead of stored. Rounding: n
+exactly Inductor's bits (`inductor_normed`: x * rstd in rstd's dtype, not rounded to x's dtype, as Inductor's code
+for the compiled layer computes it in the forward too, times w: no sums, so no order to differ), g the pieces'
+float32 sum, products and sums in float32 (float64 for float64 inputs), d delta rounded once to delta's dtype, d
+base and d w in float32 (the parameters' dtype): only the order of the 16-channel group sums, of the row sums, and d
+w's split in two halves (summed by autograd) differ from Inductor's.
 """
 
 from __future__ import annotations

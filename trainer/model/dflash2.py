@@ -43,10 +43,10 @@ CONV_BACKWARDS = ("triton", "inductor")
 CONV_BACKWARD: str = os.environ.get("DFLASH_CONV_BACKWARD", "triton").strip() or "triton"
 # The input-side convolution's backward under "torch" ($DFLASH_CONV_INPUT_BACKWARD): "inductor" (GroupedDynamicConv
 # on the norm's output, its backward compiled into the layer: the default until the kernel below is measured on the
-# GPU, bench/RESULTS.md session 19), "triton" (its kernel gradients in one kernel, trainer/model/conv_in_triton.py,
-# where it fits: CUDA, shapes in `supported`; the sublayer then gets the convolution's output in the autocast dtype,
-# one view for each of its GEMMs, see NormedConv; elsewhere "inductor") or "torch" (NormedConv with its backward in torch, any device: the CPU's
-# check of the wiring, and Inductor's code for the bf16 output without the kernel).
+# GPU, bench/RESULTS.md session 19), "triton" (its kernel gradients and the norm weight's through it in one kernel,
+# trainer/model/conv_in_triton.py, where it fits: CUDA, shapes in `supported`; the sublayer then gets the
+# convolution's output in the autocast dtype, one view for each of its GEMMs, see NormedConv; elsewhere "inductor")
+# or "torch" (NormedConv with its backward in torch, any device: the CPU's check of the wiring).
 CONV_INPUT_BACKWARDS = ("triton", "inductor", "torch")
 CONV_INPUT_BACKWARD: str = os.environ.get("DFLASH_CONV_INPUT_BACKWARD", "inductor").strip() or "inductor"
 _UNFIT_LOGGED: set[str] = set()
@@ -229,10 +229,11 @@ class BlockConv(nn.Module):
 
     def prepare(self, x: torch.Tensor, norm: Any = None, fanout: int = 1) -> tuple[Any, torch.Tensor]:
         """x [R,Q,H]: the sublayer's normed input, or with `norm` (the layer's RMSNorm: `parts(x)` gives the
-        normalised x before the weight and the per-row rstd) its input before the norm -> (its convolved input, the output side's kernel deltas).
-        With the norm at hand the input side's backward may run conv_in_triton's kernel (NormedConv); then the
-        convolved input comes in the autocast dtype where autocast is on (what the sublayer's GEMMs cast it to), as
-        a tuple of `fanout` views (one for each of the sublayer's GEMMs) when fanout > 1; else one tensor."""
+        normalised x before the weight and the per-row rstd) its input before the norm -> (its convolved input, the
+        output side's kernel deltas). With the norm at hand the input side's backward may run conv_in_triton's
+        kernel (NormedConv); then the convolved input comes in the autocast dtype where autocast is on (what the
+        sublayer's GEMMs cast it to), as a tuple of `fanout` views (one for each of the sublayer's GEMMs) when
+        fanout > 1; else one tensor."""
         xhat, rstd = norm.parts(x) if norm is not None else (x, None)
         n = norm.weight * xhat if norm is not None else x  # the norm's output, as RMSNorm.forward computes it
         kernels = self.kernel_projection(n).view(*n.shape[:-1], 2, self.kernel_size, self.num_groups)
