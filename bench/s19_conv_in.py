@@ -11,7 +11,7 @@ through the convolution, sum of dn * xhat) as torch code, g the float32 sum of t
 recomputed, torch.compile'd (Inductor fuses the sum and the recompute into its reductions; in the layer the old form
 computed these inside the layer's own kernels, so this is a like-for-like of the op, not of the step); "triton" =
 the kernel on the same pieces. Parity: relative errors of d delta and d base against float32 autograd (n as the
-compiled layer computes it: inductor_normed), and the kernel's bits against Inductor's. Timing: back to back (a
+compiled layer computes it: inductor_xhat), and the kernel's bits against Inductor's. Timing: back to back (a
 queue, one sync: the step's situation), interleaved twice; then the kernel's ladder (2 pieces). Table last.
 """
 
@@ -37,7 +37,7 @@ LADDER = [(2, 2, 16, 24), (4, 4, 16, 12), (4, 4, 16, 8), (2, 4, 16, 24), (2, 4, 
 
 def kernel_grads(g, x, rstd, w, delta, base):
     """The op's three gradients in torch (compiled: Inductor's code for them); xhat as Inductor computes it."""
-    xhat = x.float() * rstd
+    xhat = conv_in_triton.inductor_xhat(x, rstd)
     dn, dd, db = conv_gradients(g, w * xhat, delta, base, B, GS)
     return dd, db, (dn * xhat).sum((0, 1))
 
@@ -78,7 +78,7 @@ def main() -> int:
     runs = {**forms(2), **forms(3)}
     for np in (2, 3):
         g = sum(p.float() for p in pieces[:np])
-        xhat = x.float() * rstd  # the compiled layer's (inductor_normed)
+        xhat = conv_in_triton.inductor_xhat(x, rstd)  # the compiled layer's
         rw, rd, rb = (t.detach().float().requires_grad_(True) for t in (w, delta, base))
         ref = torch.autograd.grad(grouped_dynamic_conv(rw * xhat, rd, rb, block_size=B, group_size=GS), (rd, rb, rw), g)
         got = {name: runs[name]() for name in (f"inductor x{np}", f"triton x{np}")}

@@ -15,6 +15,7 @@ import torch
 
 from tests.trainer.conv_in_interp_worker import run_case
 from tests.trainer.triton_interp import interpret_cases
+from trainer.model.conv_in_triton import inductor_xhat
 from trainer.model.dflash2 import BlockConv, grouped_dynamic_conv
 
 pytest.importorskip("triton", reason="the triton package is not installed (`make test` installs it: dev extra)")
@@ -70,7 +71,7 @@ def _reference(case: dict) -> tuple[torch.Tensor, ...]:
     """Autograd through grouped_dynamic_conv of n = weight * xhat (xhat = x * rstd as Inductor computes it: not
     rounded to x's dtype), in float64: (out, d xhat, d weight, d delta, d base)."""
     x, rstd = case["x"], case["rstd"]
-    xhat = (x.to(rstd.dtype) * rstd).double().requires_grad_(True)
+    xhat = inductor_xhat(x, rstd).double().requires_grad_(True)
     weight, delta, base = (case[k].double().requires_grad_(True) for k in ("weight", "delta", "base"))
     out = grouped_dynamic_conv(weight * xhat, delta, base, block_size=case["block_size"], group_size=case["group_size"])
     return (out.detach(), *torch.autograd.grad(out, (xhat, weight, delta, base), _g(case)))
@@ -106,7 +107,7 @@ def test_bfloat16_gives_the_float32_gradients_to_rounding(interpreted):
     GPU's parity against Inductor's code is bench/s19_conv_in.py's."""
     case, got = interpreted["cases"]["k2-b8-bf16-2-pieces"], interpreted["out"]["k2-b8-bf16-2-pieces"]
     B, S = case["block_size"], case["group_size"]
-    xhat = case["x"].float() * case["rstd"]
+    xhat = inductor_xhat(case["x"], case["rstd"]).float()
 
     def grads(xh: torch.Tensor, g: torch.Tensor, delta: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, ...]:
         weight, delta, base = (t.float().requires_grad_(True) for t in (case["weight"], delta, base))

@@ -29,7 +29,7 @@ them, and g's bits as before.
 Tile and launch as trainer/model/conv_bwd_triton.py's (2-D [(tap, row) pairs, NG groups x S channels], d base in
 registers over a chunk of row tiles, one float32 partial per program summed by torch): its y operand replaced by n,
 its g by the pieces' sum, its dy (here dn) multiplied by xhat and summed over rows instead of stored. Rounding: n
-exactly Inductor's bits (`inductor_normed`: x * rstd in rstd's dtype, not rounded to x's dtype, as Inductor's code
+exactly Inductor's bits (`inductor_xhat`: x * rstd in rstd's dtype, not rounded to x's dtype, as Inductor's code
 for the compiled layer computes it in the forward too, times w: no sums, so no order to differ), g the pieces'
 float32 sum, products and sums in float32 (float64 for float64 inputs), d delta rounded once to delta's dtype, d
 base and d w in float32 (the parameters' dtype): only the order of the 16-channel group sums, of the row sums, and d
@@ -139,7 +139,7 @@ def _kernel():
             src_ok = ok & tap_ok & (slot >= tap)
             xs = tl.load(x_ptr + (r64 - tap) * stride_x + col, mask=src_ok, other=0.0)  # [QT,BH], x's dtype
             rs = tl.load(rstd_ptr + (r64 - tap), mask=src_ok, other=0.0)  # [QT,1], once per (tap, row)
-            # xhat and n as Inductor's code for the layer computes them (`inductor_normed`): x * rstd never
+            # xhat and n as Inductor's code for the layer computes them (`inductor_xhat`): x * rstd never
             # rounded to x's dtype
             xh = (xs.to(rs.dtype) * rs).to(acc_t)
             prod = g * (w * xh)  # [QT,BH]
@@ -168,17 +168,13 @@ def _kernel():
     return conv_prepare_bwd
 
 
-def normed(x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The norm's output as trainer/model/drafter.py's RMSNorm computes it in eager: x * rstd rounded to x's dtype."""
-    return weight * (x.to(rstd.dtype) * rstd).to(x.dtype)
-
-
-def inductor_normed(x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The norm's output as Inductor's code for the compiled layer computes it, forward and backward, and as the
-    kernel recomputes it: x * rstd NOT rounded to x's dtype (Inductor drops the round trip of a value it never
-    stores: its code reads `tmp.to(tl.float32)` where eager rounds to bf16, bench/RESULTS.md session 19). Equal to
-    `normed` for float32 and float64 x; for bf16 x one rounding apart (relative 2^-9 of n at most)."""
-    return weight * (x.to(rstd.dtype) * rstd)
+def inductor_xhat(x: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """The norm's normalised input as Inductor's code for the compiled layer computes it, forward and backward, and
+    as the kernel recomputes it: x * rstd in rstd's dtype, NOT rounded to x's dtype (Inductor drops the round trip
+    of a value it never stores: its code reads `tmp.to(tl.float32)` where eager RMSNorm rounds to bf16,
+    bench/RESULTS.md session 19). The same as eager's for float32 and float64 x; for bf16 x one rounding apart
+    (relative 2^-9 at most)."""
+    return x.to(rstd.dtype) * rstd
 
 
 def _torch_gradients(
@@ -195,7 +191,7 @@ def _torch_gradients(
     from trainer.model.conv_grad import conv_gradients
 
     M, H = x.shape
-    xhat = x.to(rstd.dtype) * rstd.view(M, 1)  # inductor_normed's, without the weight
+    xhat = inductor_xhat(x, rstd.view(M, 1))
     n = weight * xhat
     dn, dd, db = conv_gradients(g.view(1, M, H), n.view(1, M, H), delta.view(1, *delta.shape), base, block_size,
                                 H // delta.shape[-1])  # fmt: skip
@@ -220,7 +216,7 @@ def conv_prepare_kernel_grads(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """gs: 1..MAX_PIECES output-gradient pieces [..., H] (their float32 sum is g), x [..., H], rstd [..., 1], weight
     [H], delta [..., K, G], base [K, H] -> (d delta like delta, d base like base, d weight like weight) of the
-    convolution of n = weight * xhat, xhat = x * rstd (inductor_normed), for that g: d weight = sum over rows of
+    convolution of n = weight * xhat, xhat = x * rstd (inductor_xhat), for that g: d weight = sum over rows of
     dn * xhat, dn the convolution's input gradient (the norm weight's gradient through the convolution only)."""
     H = x.shape[-1]
     K, G = delta.shape[-2], delta.shape[-1]
@@ -280,4 +276,4 @@ def _(gs, x, rstd, weight, delta, base, block_size):
     return delta.new_empty(delta.shape), base.new_empty(base.shape), weight.new_empty(weight.shape)
 
 
-__all__ = ["CONFIGS", "conv_prepare_kernel_grads", "inductor_normed", "normed", "supported"]
+__all__ = ["CONFIGS", "conv_prepare_kernel_grads", "inductor_xhat", "supported"]
