@@ -8,6 +8,7 @@
 # Session 15 calls (issue 31 item 2): `env s15-attn`, then `s15-attn` (with the ~99 KB rehearsal).
 # Session 15 calls (issue 31 items 3-4): `env s15-sf`, then `s15-2`, then (the coordinator) `s15-wait`; `s15-next` is
 # what to run next.
+# Session 19 call (issue 32 item 4, helper conv-in): `s19-convin`.
 # Session 17 calls (issue 32 item 4, helper conv-bwd): `s17-conv`, then `s17-conv2`.
 # Session 15 calls (issue 32 item 4): `s15-topk s15-step`, then `s15-step2`.
 # Session 13 calls (issue 32 item 4, issue 31 item 2): `env s13-topk s13-step`, `s13-conv s13-step2`, `s13-conv` (twice,
@@ -178,6 +179,16 @@ with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under auto
     # Session 17 (issue 32 item 4): the output-side convolution's backward as one Triton kernel
     # (trainer/model/conv_bwd_triton.py) against Inductor's, one call's shapes (parity, cost, the config ladder; the
     # fastest rung goes first in the step), then the seed step A B A B with Inductor's backward as the third form
+    # Session 19 (issue 32 item 4): the input-side convolution's kernel gradients (trainer/model/conv_in_triton.py):
+    # one call's parity and cost with its ladder, then the seed step A B A B: the kernel (dflash2-tin) against the
+    # default input side (dflash2: Inductor's)
+    s19-convin) step s19-convin 120 python3 bench/s19_conv_in.py --iters 20 --best-out "$OUT/s19-best.txt"
+              export DFLASH_CONV_IN_CONFIG="$(cat "$OUT/s19-best.txt" 2>/dev/null)"  # the sweep's best rung first
+              echo "DFLASH_CONV_IN_CONFIG=$DFLASH_CONV_IN_CONFIG" >&2
+              step s19-step 360 python3 -m trainer bench step --preset qwen3-8b --shape seed \
+              --variants triton,dflash2-tin,dflash2,triton,dflash2-tin,dflash2 --iters 5 --warmup 2 --profile \
+              --json-out "$OUT/s19-step.json"
+              unset DFLASH_CONV_IN_CONFIG ;;
     s17-conv) step s17-conv 150 python3 bench/s17_conv_bwd.py --iters 20 --best-out "$OUT/s17-best.txt"
               export DFLASH_CONV_BWD_CONFIG="$(cat "$OUT/s17-best.txt" 2>/dev/null)"
               echo "DFLASH_CONV_BWD_CONFIG=$DFLASH_CONV_BWD_CONFIG" >&2

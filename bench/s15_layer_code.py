@@ -1,7 +1,8 @@
 """Session 15 (issue 32 item 4): Inductor's Triton code for one drafter layer, made on a CPU-only machine, and what
 it moves: how the DFlash2 convolutions' cost was found and predicted without a GPU (bench/RESULTS.md session 15).
 
-    python3 bench/s15_layer_code.py dump dflash2 [--conv-kernel torch|autograd] [--out code.txt] [--shape 6,171,32,4096,12288]
+    python3 bench/s15_layer_code.py dump dflash2 [--conv-kernel torch|autograd] [--conv-input inductor|triton|torch]
+        [--out code.txt] [--shape 6,171,32,4096,12288]
     python3 bench/s15_layer_code.py ptx code.txt KERNEL_SUBSTRING [--consts XBLOCK=1024] [--warps 4]
 
 `dump`: one DrafterLayer (attention replaced by its q/k/v/o projections and an element-wise mix, the same for both
@@ -10,9 +11,11 @@ archs) compiled forward + backward under bf16 autocast with Inductor's Triton ba
 graph, each kernel that touches >= 50 MB with the summed size of its pointer arguments (an upper bound on its
 bytes: a broadcast read counts whole; inputs of unknown dtype count as bf16) and the activations the forward saves
 for the backward. Caveats: the CPU device's properties steer a few choices (split reductions; mix-order reductions
-are GPU-only), so the GPU's code differs in places; the bytes are a model, and the convolutions' kernels turned
-out issue-bound on the H200 (~1.7 TB/s), so time follows bytes only roughly. `ptx`: compile one kernel of such a
-dump for sm_90 (no GPU needed) and count its global loads by width and its PTX instructions.
+are GPU-only), so the GPU's code differs in places; the bytes are a model, and the convolutions' kernels turned out
+issue-bound on the H200 (~1.7 TB/s), so time follows bytes only roughly. `--conv-input`: the input side's backward
+as BlockConv.input_backward_kernel (session 19; "triton": the custom op an extern call whose launch is stubbed, its
+traffic not counted: add it by hand). `ptx`: compile one kernel of such a dump for sm_90 (no GPU needed) and count
+its global loads by width and its PTX instructions.
 
 Both lean on torch/triton internals (torch 2.13, triton 3.9 on the CPU machine): a bench tool, not a test.
 """
@@ -56,7 +59,7 @@ def _force_triton_codegen_on_cpu() -> None:
     inductor_config.cpu_backend = "triton"
 
 
-def dump(arch: str, conv_kernel: str, shape: str) -> str:
+def dump(arch: str, conv_kernel: str, shape: str, conv_input: str = "inductor") -> str:
     """Inductor's output code (forward and backward) of one layer, as one text."""
     import logging
 
@@ -78,7 +81,8 @@ def dump(arch: str, conv_kernel: str, shape: str) -> str:
             self.k_proj, self.v_proj = nn.Linear(H, 1024, bias=False), nn.Linear(H, 1024, bias=False)
 
         def forward(self, x, *_):
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            xq, xk, xv = x if isinstance(x, tuple) else (x, x, x)  # DFlash2's views (BlockConv.prepare)
+            q, k, v = self.q_proj(xq), self.k_proj(xk), self.v_proj(xv)
             return self.o_proj(q * (k * v).repeat(1, 1, H // 1024))
 
     layer = DrafterLayer(cfg, "full_attention")
@@ -86,6 +90,12 @@ def dump(arch: str, conv_kernel: str, shape: str) -> str:
     for conv in (layer.attention_conv, layer.mlp_conv):
         if conv is not None:
             conv.kernel = conv_kernel
+            conv.input_backward_kernel = conv_input
+            conv._input_mode = lambda x: conv_input  # type: ignore[method-assign]  # "triton" on the CPU device too
+    if conv_input == "triton":  # the op's launch never runs (its outputs are never read): only the code is wanted
+        from trainer import triton_fit
+
+        triton_fit.launch_first_fit = lambda name, kernel, ladder, launch, *a: launch(ladder[0])  # type: ignore
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
     torch._logging.set_logs(output_code=True)
@@ -165,6 +175,7 @@ def main() -> int:
     d.add_argument("arch", choices=("dflash", "dflash2"))
     d.add_argument("--conv-kernel", default="torch", choices=("torch", "autograd"))
     d.add_argument("--shape", default="6,171,32,4096,12288", help="rows,blocks,block,hidden,intermediate")
+    d.add_argument("--conv-input", default="inductor", choices=("inductor", "triton", "torch"))
     d.add_argument("--out", default="", help="write the output code here too")
     p = sub.add_parser("ptx")
     p.add_argument("code")
@@ -174,7 +185,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.verb == "dump":
         with contextlib.redirect_stderr(io.StringIO()):
-            text = dump(args.arch, args.conv_kernel, args.shape)
+            text = dump(args.arch, args.conv_kernel, args.shape, args.conv_input)
         text = re.sub(r"^[VI]\d{4} [^\]]*\] \[[^\]]*\] \[__output_code\] ", "", text, flags=re.M)
         if args.out:
             Path(args.out).write_text(text)

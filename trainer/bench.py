@@ -81,6 +81,8 @@ VARIANTS = {
     "DFLASH_CONV_KERNEL=autograd)",
     "dflash2-ibwd": "as dflash2, the output-side convolutions' backward compiled by Inductor (DFLASH_CONV_BACKWARD="
     "inductor, the form before session 17) instead of trainer/model/conv_bwd_triton.py's kernel",
+    "dflash2-tin": "as dflash2, the input-side convolutions' kernel gradients through trainer/model/conv_in_triton.py's "
+    "kernel (DFLASH_CONV_INPUT_BACKWARD=triton) instead of Inductor's code (session 19; not yet the default)",
     "dflash2-nd": "as dflash2, Inductor's N-D tiling preferred for element-wise kernels (triton.prefer_nd_tiling): the "
     "convolutions' per-row and per-group loads once per tile row instead of per element",
     "triton-attn": "as triton, attention through our Triton kernel for the interval mask "
@@ -109,6 +111,9 @@ def _mask_first(
     return forward(ctx, emb, anchors, keep, mask)
 
 
+CONV_VARIANTS = ("dflash2-conv", "dflash2-autograd", "dflash2-ibwd", "dflash2-tin")
+
+
 def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.device, args: argparse.Namespace) -> dict:
     # The loss kernels are explicit, so a variant measures the same thing whatever --loss-kernels auto picks.
     kernels = (
@@ -131,6 +136,7 @@ def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.devi
         "dflash2-autograd": ["--arch", "dflash2"],
         "dflash2-nd": ["--arch", "dflash2"],
         "dflash2-ibwd": ["--arch", "dflash2"],
+        "dflash2-tin": ["--arch", "dflash2"],
     }.get(variant, [])
     extra += ["--loss-kernels", kernels]
     cfg, dcfg = preset_config(preset, shape, extra)
@@ -140,10 +146,12 @@ def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.devi
         drafter = DFlashDrafter(dcfg)
         embed = torch.randn(dcfg.vocab_size, dcfg.hidden_size, dtype=dtype) * 0.02
         lm_head = torch.randn(dcfg.vocab_size, dcfg.hidden_size, dtype=dtype) * 0.02
-    if variant in ("dflash2-conv", "dflash2-autograd", "dflash2-ibwd"):  # before DrafterSide compiles (graphs see it)
+    if variant in CONV_VARIANTS:  # before DrafterSide compiles (graphs see it)
         for module in drafter.modules():
             if isinstance(module, BlockConv) and variant == "dflash2-ibwd":
                 module.backward_kernel = "inductor"
+            elif isinstance(module, BlockConv) and variant == "dflash2-tin":
+                module.input_backward_kernel = "triton"
             elif isinstance(module, BlockConv):
                 module.kernel = "triton" if variant == "dflash2-conv" else "autograd"
     side = DrafterSide(

@@ -47,4 +47,21 @@ def conv_gradients(
     )
 
 
-__all__ = ["conv_gradients"]
+def conv_input_gradient(
+    grad: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int, group_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """conv_gradients' dx alone, for an input of `dtype` (the input itself is not needed): grad [R,Q,H]."""
+    R, Q, H = grad.shape
+    K, S = base.shape[0], group_size
+    B, G = block_size, H // S
+    acc = torch.promote_types(torch.promote_types(dtype, grad.dtype), torch.float32)
+    g = grad.view(R, Q // B, B, G, S).to(acc)
+    coef = delta.view(R, Q // B, B, K, G)
+    dx = torch.zeros_like(g)
+    for tap in range(K):
+        term = g * (base[tap].to(dtype).view(G, S) + coef[:, :, :, tap, :, None]).to(acc)
+        dx = dx + (term if tap == 0 else _shift(term, -tap))
+    return dx.to(dtype).reshape(R, Q, H)
+
+
+__all__ = ["conv_gradients", "conv_input_gradient"]

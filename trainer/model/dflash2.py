@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.model.conv_grad import conv_gradients
+from trainer.model.conv_grad import conv_gradients, conv_input_gradient
 
 ARCHS = ("dflash", "dflash2")
 # The convolutions' kernels ($DFLASH_CONV_KERNEL): "torch" (GroupedDynamicConv, compiled into the layer), "autograd"
@@ -41,6 +41,14 @@ CONV_KERNEL: str = os.environ.get("DFLASH_CONV_KERNEL", "torch").strip() or "tor
 # "inductor" (GroupedDynamicConv.backward compiled into the layer, the form before session 17, for A/B benches).
 CONV_BACKWARDS = ("triton", "inductor")
 CONV_BACKWARD: str = os.environ.get("DFLASH_CONV_BACKWARD", "triton").strip() or "triton"
+# The input-side convolution's backward under "torch" ($DFLASH_CONV_INPUT_BACKWARD): "inductor" (GroupedDynamicConv
+# on the norm's output, its backward compiled into the layer: the default until the kernel below is measured on the
+# GPU, bench/RESULTS.md session 19), "triton" (its kernel gradients and the norm weight's through it in one kernel,
+# trainer/model/conv_in_triton.py, where it fits: CUDA, shapes in `supported`; the sublayer then gets the
+# convolution's output in the autocast dtype, one view for each of its GEMMs, see NormedConv; elsewhere "inductor")
+# or "torch" (NormedConv with its backward in torch, any device: the CPU's check of the wiring).
+CONV_INPUT_BACKWARDS = ("triton", "inductor", "torch")
+CONV_INPUT_BACKWARD: str = os.environ.get("DFLASH_CONV_INPUT_BACKWARD", "inductor").strip() or "inductor"
 _UNFIT_LOGGED: set[str] = set()
 
 
@@ -123,6 +131,72 @@ class GroupedDynamicConv(torch.autograd.Function):
         return dx, d_delta, d_base, None, None, None
 
 
+class NormedConv(torch.autograd.Function):
+    """The input side's convolution (GroupedDynamicConv's values) of the norm's output n = weight * xhat (xhat =
+    x * rstd, the RMSNorm's normalised input), with the norm's parts at hand for the backward, which gives
+    (trainer/model/conv_in_triton.py's kernel on CUDA, torch elsewhere):
+    - d delta and d base, from n recomputed from x, rstd and the weight, never saved or materialised (a float32
+      [R,Q,H]: ~0.3 ms a call of extra traffic at the qwen3-8b seed);
+    - the norm weight's gradient through the convolution, sum over rows of dn * xhat: the kernel has dn's terms at
+      hand (g and the coefficients), so Inductor's norm backward no longer writes dn in float32 and reads it back
+      for these column sums (the kernel projection's half, sum of its input gradient * xhat, stays autograd's);
+    - d xhat = dn * weight as torch code, which Inductor fuses into the norm's backward (rstd's row reductions).
+    x and rstd get no gradient here (they reach xhat's own graph).
+
+    The output comes in `out_dtype` (the autocast dtype, to which the sublayer's GEMMs cast it anyway: the same
+    forward values) as `fanout` views, one for each GEMM that reads it (q/k/v: 3, gate/up: 2): the backward then
+    gets each GEMM's input gradient as a piece of its own, which the kernel sums in float32 as it reads them, as
+    Inductor's code did inside each consumer. One output instead would be given the pieces' sum as one tensor,
+    which a custom op needs materialised: an extra pass over the pieces and one more bf16 rounding of g."""
+
+    @staticmethod
+    def forward(
+        xhat: torch.Tensor,
+        weight: torch.Tensor,
+        delta: torch.Tensor,
+        base: torch.Tensor,
+        x: torch.Tensor,
+        rstd: torch.Tensor,
+        block_size: int,
+        group_size: int,
+        out_dtype: torch.dtype,
+        fanout: int,
+        triton_backward: bool,
+    ) -> tuple[torch.Tensor, ...]:
+        out = GroupedDynamicConv.forward(weight * xhat, delta, base, block_size, group_size).to(out_dtype)
+        return tuple(out.view_as(out) for _ in range(fanout))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+        xhat, weight, delta, base, x, rstd, block_size, group_size, _, _, triton_backward = inputs
+        ctx.save_for_backward(weight, delta, base, x, rstd)
+        ctx.block_size, ctx.group_size, ctx.triton_backward = block_size, group_size, triton_backward
+        ctx.xhat_dtype, ctx.n_dtype = xhat.dtype, torch.promote_types(weight.dtype, xhat.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        weight, delta, base, x, rstd = ctx.saved_tensors
+        B, S = ctx.block_size, ctx.group_size
+        from trainer.model.conv_in_triton import conv_prepare_kernel_grads
+
+        pieces = [g for g in grads if g is not None]
+        none = (None,) * 7
+        if not pieces:
+            return None, None, None, None, *none
+        acc = torch.promote_types(torch.promote_types(ctx.n_dtype, pieces[0].dtype), torch.float32)
+        grad = pieces[0].to(acc)
+        for piece in pieces[1:]:
+            grad = grad + piece.to(acc)
+        dn = conv_input_gradient(grad, delta, base, B, S, ctx.n_dtype)
+        if ctx.triton_backward:
+            d_delta, d_base, d_weight = conv_prepare_kernel_grads(pieces, x, rstd, weight, delta, base, B)
+        else:
+            xhat = (x.to(rstd.dtype) * rstd).to(ctx.xhat_dtype)  # as RMSNorm.parts computes it
+            _, d_delta, d_base = conv_gradients(grad, weight * xhat, delta, base, B, S)
+            d_weight = (dn * xhat).reshape(-1, xhat.shape[-1]).sum(0).to(weight.dtype)
+        return (dn * weight).to(ctx.xhat_dtype), d_weight, d_delta, d_base, *none
+
+
 class BlockConv(nn.Module):
     """The input- and output-side convolutions of one sublayer, driven by one projection of its input."""
 
@@ -134,8 +208,14 @@ class BlockConv(nn.Module):
             raise ValueError(f"DFLASH_CONV_KERNEL must be one of {', '.join(CONV_KERNELS)}, got {CONV_KERNEL!r}")
         if CONV_BACKWARD not in CONV_BACKWARDS:
             raise ValueError(f"DFLASH_CONV_BACKWARD must be one of {', '.join(CONV_BACKWARDS)}, got {CONV_BACKWARD!r}")
+        if CONV_INPUT_BACKWARD not in CONV_INPUT_BACKWARDS:
+            raise ValueError(
+                f"DFLASH_CONV_INPUT_BACKWARD must be one of {', '.join(CONV_INPUT_BACKWARDS)}, "
+                f"got {CONV_INPUT_BACKWARD!r}"
+            )
         self.kernel = CONV_KERNEL  # an attribute, so a bench variant can switch one drafter (read at compile time)
         self.backward_kernel = CONV_BACKWARD  # likewise
+        self.input_backward_kernel = CONV_INPUT_BACKWARD  # likewise
         self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))
         self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.num_groups, bias=False)
         self.reset_parameters()
@@ -147,10 +227,42 @@ class BlockConv(nn.Module):
             self.base_kernel[:, 0].fill_(1.0)
             self.kernel_projection.weight.zero_()
 
-    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [R,Q,H] (the sublayer's normed input) -> (its convolved input, the output side's kernel deltas)."""
-        kernels = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, self.num_groups)
-        return self._conv(x, kernels[..., 0, :, :], self.base_kernel[0]), kernels[..., 1, :, :]
+    def prepare(self, x: torch.Tensor, norm: Any = None, fanout: int = 1) -> tuple[Any, torch.Tensor]:
+        """x [R,Q,H]: the sublayer's normed input, or with `norm` (the layer's RMSNorm: `parts(x)` gives the
+        normalised x before the weight and the per-row rstd) its input before the norm -> (its convolved input, the
+        output side's kernel deltas). With the norm at hand the input side's backward may run conv_in_triton's
+        kernel (NormedConv); then the convolved input comes in the autocast dtype where autocast is on (what the
+        sublayer's GEMMs cast it to), as a tuple of `fanout` views (one for each of the sublayer's GEMMs) when
+        fanout > 1; else one tensor."""
+        xhat, rstd = norm.parts(x) if norm is not None else (x, None)
+        n = norm.weight * xhat if norm is not None else x  # the norm's output, as RMSNorm.forward computes it
+        kernels = self.kernel_projection(n).view(*n.shape[:-1], 2, self.kernel_size, self.num_groups)
+        delta_in, delta_out = kernels[..., 0, :, :], kernels[..., 1, :, :]
+        mode = self._input_mode(x) if norm is not None and self.kernel == "torch" else "inductor"
+        if mode == "inductor" or norm is None:
+            return self._conv(n, delta_in, self.base_kernel[0]), delta_out
+        device = x.device.type
+        out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else n.dtype
+        h = NormedConv.apply(
+            xhat, norm.weight, delta_in, self.base_kernel[0], x, rstd, self.block_size, self.group_size, out_dtype,
+            fanout, mode == "triton",
+        )  # fmt: skip
+        return (h if fanout > 1 else h[0]), delta_out
+
+    def _input_mode(self, x: torch.Tensor) -> str:
+        """The input side's backward: "triton" on CUDA where conv_in_triton's kernel takes the shapes (else
+        Inductor's, with one log line per reason), "torch" when asked for, else "inductor"."""
+        if self.input_backward_kernel != "triton":
+            return self.input_backward_kernel
+        if not x.is_cuda:
+            return "inductor"
+        from trainer.model.conv_in_triton import supported
+
+        why = supported(x.shape[-1], self.group_size, self.kernel_size, x.dtype)
+        if why is not None and "in " + why not in _UNFIT_LOGGED:
+            _UNFIT_LOGGED.add("in " + why)
+            print(f"dflash2: the input convolution's Triton backward does not take {why}; Inductor's", file=sys.stderr)
+        return "triton" if why is None else "inductor"
 
     def finish(self, y: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """The sublayer's output y [R,Q,H] through the output-side convolution."""
@@ -301,6 +413,7 @@ __all__ = [
     "ARCHS",
     "BlockConv",
     "CandidateSelector",
+    "NormedConv",
     "block_predecessors",
     "grouped_dynamic_conv",
     "select_block",

@@ -309,9 +309,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * self.parts(x)[0]
+
+    def parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the normalised x in x's dtype, before the weight; the per-row rstd [..., 1] in float32): DFlash2's input
+        convolution (dflash2.NormedConv) recomputes them from x and rstd in its backward."""
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * rstd).to(x.dtype), rstd
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -347,22 +352,24 @@ class DrafterAttention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | tuple[torch.Tensor, ...],
         ctx: torch.Tensor,
         rope_q: tuple[torch.Tensor, torch.Tensor],
         rope_k: tuple[torch.Tensor, torch.Tensor],
         mask: DraftMask,
         layer_type: str,
     ) -> torch.Tensor:
-        R, Q, _ = x.shape  # x: normed block tokens [R,Q,H]
+        # x: normed block tokens [R,Q,H], or DFlash2's three views of them, for q, k and v (BlockConv.prepare)
+        xq, xk, xv = x if isinstance(x, tuple) else (x, x, x)
+        R, Q, _ = xq.shape
         S = ctx.shape[1]  # ctx: context features [R,S,H]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.q_norm(self.q_proj(x).view(R, Q, hq, d)).transpose(1, 2)  # [R,hq,Q,D]
+        q = self.q_norm(self.q_proj(xq).view(R, Q, hq, d)).transpose(1, 2)  # [R,hq,Q,D]
         # Context re-projected by this layer's own k/v; k_norm on context keys too. Separate GEMMs + cat of the
         # (narrower, GQA) k/v rather than one GEMM over cat([ctx, x]): the cat copies hkv*d instead of H columns.
         # (q/k/v as one GEMM over concatenated weights was measured in session 9: no net gain, bench/RESULTS.md.)
-        k = torch.cat([self.k_proj(ctx).view(R, S, hkv, d), self.k_proj(x).view(R, Q, hkv, d)], dim=1)
-        v = torch.cat([self.v_proj(ctx).view(R, S, hkv, d), self.v_proj(x).view(R, Q, hkv, d)], dim=1)
+        k = torch.cat([self.k_proj(ctx).view(R, S, hkv, d), self.k_proj(xk).view(R, Q, hkv, d)], dim=1)
+        v = torch.cat([self.v_proj(ctx).view(R, S, hkv, d), self.v_proj(xv).view(R, Q, hkv, d)], dim=1)
         k = self.k_norm(k).transpose(1, 2)  # [R,hkv,S+Q,D]
         v = v.transpose(1, 2)  # [R,hkv,S+Q,D]
         q, k = apply_rope(q, *rope_q), apply_rope(k, *rope_k)
@@ -379,8 +386,9 @@ class DrafterMLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
+        xg, xu = x if isinstance(x, tuple) else (x, x)  # DFlash2: one view for each GEMM (BlockConv.prepare)
+        return self.down_proj(F.silu(self.gate_proj(xg)) * self.up_proj(xu))
 
 
 class DrafterLayer(nn.Module):
@@ -416,9 +424,10 @@ class DrafterLayer(nn.Module):
             x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, mask, self.layer_type)
             return x + self.mlp(self.post_attention_layernorm(x))
         # DFlash2: the block convolution around each sublayer (its input after the norm, its output before the add)
-        h, delta = self.attention_conv.prepare(self.input_layernorm(x))
+        # (fanout: one view of the convolved input per GEMM that reads it, q/k/v and gate/up: BlockConv.prepare)
+        h, delta = self.attention_conv.prepare(x, self.input_layernorm, fanout=3)
         x = x + self.attention_conv.finish(self.self_attn(h, ctx, rope_q, rope_k, mask, self.layer_type), delta)
-        h, delta = self.mlp_conv.prepare(self.post_attention_layernorm(x))
+        h, delta = self.mlp_conv.prepare(x, self.post_attention_layernorm, fanout=2)
         return x + self.mlp_conv.finish(self.mlp(h), delta)
 
 
