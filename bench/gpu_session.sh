@@ -116,10 +116,12 @@ with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under auto
     # Session 19 (issue 31 items 1, 4): our attention as the default on Hopper (`--attention-kernel auto`): the
     # one-GPU specforge pipeline flex against auto A B A B (the threaded pipeline never ran our kernel), then the
     # qwen3-8b and qwen3.6-27b seed steps flex (`triton`) against ours (`triton-attn`), interleaved
-    s19-attn) step s19-pipe 340 python3 bench/gpu_pipeline.py --scale specforge --modes dual --steps 60 \
+    # s19-attn runs both halves (~680 s at the limits: over one call's 600 s); session 20 runs them as two calls
+    s19-attn|s19-pipe) step s19-pipe 340 python3 bench/gpu_pipeline.py --scale specforge --modes dual --steps 60 \
                 --adamw triton --attention-kernel flex,auto --repeats 2 --warm-cache --timeout-s 200 --budget-s 300 \
                 --log-dir "$OUT/pipeline-logs"
-              step s19-seed 170 python3 -m trainer bench step --preset qwen3-8b --shape seed \
+              [ "$section" = s19-pipe ] && continue ;;&
+    s19-attn|s19-seeds) step s19-seed 170 python3 -m trainer bench step --preset qwen3-8b --shape seed \
                 --variants triton,triton-attn,triton,triton-attn --iters 5 --warmup 2 --json-out "$OUT/s19-seed.json"
               step s19-27b 170 python3 -m trainer bench step --preset qwen3.6-27b --shape seed \
                 --variants triton,triton-attn,triton,triton-attn --iters 3 --warmup 2 --json-out "$OUT/s19-27b.json" ;;
