@@ -10,7 +10,8 @@ GEMM), each variant is warmed up (compiles happen there), then timed with CUDA e
 FLOPs are counted from the shapes (`step_flops`): 6 x params x tokens for the linear layers, 3 x the forward
 for attention over the pairs the mask makes visible, and the LM head as docs/method.md#flops-and-throughput
 counts it (2HV forward + 2HV input gradient per supervised block token, slots 1..B-1; +2HV for the teacher with
-soft labels). MFU is reported against 989 TFLOP/s (the H200 datasheet) and against the measured ceiling. A
+soft labels). MFU is reported against the card's datasheet peak (989 TFLOP/s on an H100 SXM or H200;
+`bench_common.DATASHEET_PEAK_TFLOPS`, blank for a card it does not list) and against the measured ceiling. A
 recompile after warm-up is reported in the `recompiles` column (it must be 0). On CPU the command runs too (tiny
 shapes only make sense there).
 The last thing printed is the table (stdout); progress goes to stderr.
@@ -33,11 +34,11 @@ import torch
 
 from trainer import loss as loss_module
 from trainer.bench_common import (
-    H200_PEAK_TFLOPS,
     SHAPES,
     Shape,
     back_to_back_ms,
     checkpointed_loss,
+    datasheet_peak_tflops,
     log,
     matmul_ceiling_tflops,
     preset_config,
@@ -290,7 +291,9 @@ def module_settings_restored() -> Iterator[None]:
 
 def bench_step(args: argparse.Namespace, device: torch.device) -> list[dict]:
     ceiling = matmul_ceiling_tflops(device)
-    log(f"matmul ceiling: {ceiling:.0f} TFLOP/s on {device}")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    peak = datasheet_peak_tflops(name)
+    log(f"matmul ceiling: {ceiling:.0f} TFLOP/s on {device} ({name}; datasheet peak {peak:.0f} TFLOP/s)")
     rows = []
     for shape_name in args.shape.split(","):
         for variant in args.variants.split(","):
@@ -301,7 +304,7 @@ def bench_step(args: argparse.Namespace, device: torch.device) -> list[dict]:
             except Exception as exc:  # noqa: BLE001 - a variant this torch cannot run: say so, measure the rest
                 log(f"  failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
                 continue
-            row["mfu"] = row["tflops"] / H200_PEAK_TFLOPS
+            row["mfu"] = row["tflops"] / peak
             row["mfu_ceiling"] = row["tflops"] / ceiling if ceiling == ceiling else float("nan")
             rows.append(row)
             log(f"  {row['ms']:.1f} ms, {row['tflops']:.0f} TFLOP/s, peak {row['peak_gib']:.1f} GiB")
@@ -314,7 +317,7 @@ def bench_step(args: argparse.Namespace, device: torch.device) -> list[dict]:
         print(
             f"{r['preset']:<12} {r['shape']:<9} {r['variant']:<17} {r['ms']:8.1f} {r['ms_spread']:7.1f} "
             f"{r['ms_sample']:7.1f} {r['tflops']:8.0f} {r['mfu']:6.1%} {r['mfu_ceiling']:8.1%} {r['ms_b2b']:7.1f} "
-            f"{r['ms_sample_b2b']:8.1f} {r['flops'] / (r['ms_b2b'] * 1e-3) / 1e12 / H200_PEAK_TFLOPS:7.1%} "
+            f"{r['ms_sample_b2b']:8.1f} {r['flops'] / (r['ms_b2b'] * 1e-3) / 1e12 / peak:7.1%} "
             f"{r['block_tok_s']:10.0f} {r['ctx_tok_s']:10.0f} {r['peak_gib']:8.1f} {r['warmup_s']:7.1f} "
             f"{r['recompiles']:6d}"
         )

@@ -20,6 +20,28 @@ from trainer.model import DrafterConfig, default_target_layer_ids
 from trainer.model.drafter import make_block_input_ids
 
 H200_PEAK_TFLOPS = 989.0
+# Dense bf16 tensor-core peaks from the datasheets (TFLOP/s, fp32 accumulation, no sparsity), matched by a
+# substring of torch.cuda.get_device_name: MFU on another card against the H200's 989 would
+# mislead (an H100 PCIe peaks at 756). A card not listed gets no datasheet MFU, only the measured ceiling's.
+DATASHEET_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", H200_PEAK_TFLOPS),  # SXM: the same tensor cores and clocks as the H200
+    ("H200", H200_PEAK_TFLOPS),
+    ("H800", H200_PEAK_TFLOPS),
+    ("GH200", H200_PEAK_TFLOPS),
+    ("A100", 312.0),
+    ("B200", 2250.0),
+)
+
+
+def datasheet_peak_tflops(device_name: str) -> float:
+    """The datasheet's dense bf16 peak of a card named `device_name` (torch.cuda.get_device_name), NaN if the
+    table above does not know it. The longest matching key wins ("NVIDIA H100 PCIe" is "H100 PCIe", not "H100")."""
+    for key, tflops in sorted(DATASHEET_PEAK_TFLOPS, key=lambda item: -len(item[0])):
+        if key.lower() in device_name.lower():
+            return tflops
+    return float("nan")
 
 
 @dataclass(frozen=True)

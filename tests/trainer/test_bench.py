@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from trainer import bench
-from trainer.bench_common import visible_pairs
+from trainer.bench_common import datasheet_peak_tflops, visible_pairs
 from trainer.model.attention import dense_mask
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,6 +31,24 @@ def test_visible_pairs_counts_the_dense_mask(window: int | None, causal: bool) -
         keep = torch.rand(2, N, generator=gen) > 0.3
         expected = int(dense_mask(anchors, keep, S, B, window=window, causal=causal).sum())
         assert visible_pairs(anchors, keep, B, window, causal) == expected
+
+
+@pytest.mark.parametrize(
+    ("name", "tflops"),
+    [
+        ("NVIDIA H200", 989.0),
+        ("NVIDIA H100 80GB HBM3", 989.0),  # SXM
+        ("NVIDIA H100 PCIe", 756.0),  # not the SXM's 989: the longest key wins
+        ("NVIDIA H100 NVL", 835.0),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+    ],
+)
+def test_mfu_is_against_the_cards_own_datasheet_peak(name: str, tflops: float) -> None:
+    assert datasheet_peak_tflops(name) == tflops
+
+
+def test_a_card_the_table_does_not_know_gets_no_datasheet_mfu() -> None:
+    assert math.isnan(datasheet_peak_tflops("NVIDIA RTX PRO 6000 Blackwell Server Edition"))
 
 
 def test_bench_step_runs_on_cpu_and_reports_no_recompiles(capsys) -> None:
