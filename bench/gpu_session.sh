@@ -184,6 +184,14 @@ with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under auto
     # Session 19 (issue 32 item 4): the input-side convolution's kernel gradients (trainer/model/conv_in_triton.py):
     # one call's parity and cost with its ladder, then the seed step A B A B: the kernel (dflash2-tin) against the
     # default input side (dflash2: Inductor's)
+    # Session 20: s19-convin cut to the session's last ~390 s of device time (six refused starts): the sweep's
+    # parity and ladder at 10 iterations, the step unprofiled, the same six variants
+    s20-convin) step s19-convin 60 python3 bench/s19_conv_in.py --iters 10 --best-out "$OUT/s19-best.txt"
+              export DFLASH_CONV_IN_CONFIG="$(cat "$OUT/s19-best.txt" 2>/dev/null)"
+              echo "DFLASH_CONV_IN_CONFIG=$DFLASH_CONV_IN_CONFIG" >&2
+              step s19-step 230 python3 -m trainer bench step --preset qwen3-8b --shape seed \
+              --variants triton,dflash2-tin,dflash2,triton,dflash2-tin,dflash2 --iters 5 --warmup 2 \
+              --json-out "$OUT/s19-step.json" ;;
     s19-convin) step s19-convin 120 python3 bench/s19_conv_in.py --iters 20 --best-out "$OUT/s19-best.txt"
               export DFLASH_CONV_IN_CONFIG="$(cat "$OUT/s19-best.txt" 2>/dev/null)"  # the sweep's best rung first
               echo "DFLASH_CONV_IN_CONFIG=$DFLASH_CONV_IN_CONFIG" >&2
