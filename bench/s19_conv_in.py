@@ -18,8 +18,12 @@ queue, one sync: the step's situation), interleaved twice; then the kernel's lad
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
+
+if "--dry-run" in sys.argv:  # the CPU has no Triton driver: the interpreter, set before triton is first imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch
 
@@ -46,7 +50,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--best-out", default="")
-    parser.add_argument("--dry-run", action="store_true", help="CPU, 2 x 64 rows x 256 (TRITON_INTERPRET=1)")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, 2 x 64 rows x 256, through the Triton interpreter")
     args = parser.parse_args()
     global R, Q, H
     if args.dry_run:
