@@ -233,7 +233,8 @@ def run_demo(
         failed = max(failed, print_and_check(one, size, len(seen_prompts)))
     if len(archs) > 1:
         print(compare_line(reports))
-    print(f"{report['demo_seconds']:.0f}s")
+    # A sentence, not a bare "94s": it is the run's last log line, which `dflashops status` shows
+    print(f"demo finished in {report['demo_seconds']:.0f} s (training, export and eval of {', '.join(archs)})")
     return failed
 
 

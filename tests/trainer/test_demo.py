@@ -20,6 +20,7 @@ def test_quick_demo_trained_drafter_beats_both_baselines_losslessly(tmp_path, ca
     assert demo.main(["--workdir", str(workdir), "--quick", "--train-dir", str(run_dir)]) == 0
     out = capsys.readouterr().out
     assert "trained" in out and "untrained" in out and "ngram" in out
+    assert out.splitlines()[-1].startswith("demo finished in "), out  # the line `dflashops status` shows last
     report = json.loads((workdir / "eval.json").read_text())
     assert report["lossless"] and all(m["lossless"] for m in report["methods"].values())
     taus = {name: m["tau"] for name, m in report["methods"].items()}
