@@ -9,15 +9,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import IO, TYPE_CHECKING, Any, cast
 
 from dflashops.errors import DflashopsError
 from dflashops.inventory import load_inventory
 from dflashops.ops.invocation import Invocation
 from dflashops.shell import join_argv
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 @contextmanager
@@ -91,6 +95,43 @@ def emit_json(value: Any) -> None:
 def use_colour(stream: Any = None) -> bool:
     stream = sys.stdout if stream is None else stream
     return "NO_COLOR" not in os.environ and hasattr(stream, "isatty") and stream.isatty()
+
+
+class _UnpaddedLines:
+    """A text stream that drops the spaces before each line end: rich pads every table cell to its column's
+    width, so piped rows would end in up to a line's width of blanks (noise in files, diffs and copies)."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self.encoding: str = getattr(stream, "encoding", None) or "utf-8"  # rich picks its box characters by it
+
+    def write(self, text: str) -> int:
+        self._stream.write(re.sub(r" +(?=\n)", "", text))
+        return len(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+
+def output_console(stream: Any = None, *, piped_width: int = 200, **options: Any) -> Console:
+    """The rich Console for a verb's data on `stream` (stdout by default). On a terminal: its width, colour
+    unless NO_COLOR. Piped: no colour, a virtual terminal $COLUMNS or `piped_width` wide (so rows stay one line each
+    for grep and awk), and no trailing blanks on a line. `options` go to Console (e.g. soft_wrap)."""
+    from rich.console import Console  # rich's import is ~40 ms: only verbs that print tables pay it
+
+    stream = sys.stdout if stream is None else stream
+    tty = hasattr(stream, "isatty") and stream.isatty()
+    width = None if tty else int(os.environ.get("COLUMNS", "0") or 0) or piped_width
+    return Console(
+        file=stream if tty else cast("IO[str]", _UnpaddedLines(stream)),
+        no_color=not use_colour(stream),
+        highlight=False,
+        width=width,
+        **options,
+    )
 
 
 def highlight_errors(text: str, stream: Any = None) -> str:

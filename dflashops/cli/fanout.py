@@ -8,27 +8,20 @@ carry the error and hint, so one dead host is visible without hiding the others.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from dflashops.cli.common import emit_json, progress, use_colour
+from dflashops.cli.common import emit_json, output_console, progress
 from dflashops.errors import UsageError
 from dflashops.inventory import load_inventory
 from dflashops.ops.fleet.fanout import FanoutResult, exec_all, status_all, stop_all
 
 
 def console() -> Console:
-    return Console(
-        file=sys.stdout,
-        no_color=not use_colour(sys.stdout),
-        highlight=False,
-        soft_wrap=True,
-        width=None if sys.stdout.isatty() else 160,
-    )
+    return output_console(piped_width=160, soft_wrap=True)
 
 
 def failed_row(table: Table, result: FanoutResult[Any], columns: int) -> None:

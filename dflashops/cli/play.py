@@ -17,7 +17,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from dflashops.cli.common import emit_json, open_invocation, print_error, progress
+from dflashops.cli.common import emit_json, open_invocation, output_console, print_error, progress
 from dflashops.playbook import load_playbook, parse_set
 from dflashops.playbook.run import PlayReport, StepReport, run_playbook
 
@@ -50,8 +50,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _console(stream: Any) -> Console:
-    width = None if stream.isatty() else int(os.environ.get("COLUMNS", "0") or 0) or 160
-    return Console(file=stream, highlight=False, width=width)
+    return output_console(stream, piped_width=160)
 
 
 def _line(entry: StepReport) -> str:

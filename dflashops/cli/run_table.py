@@ -9,7 +9,6 @@ means the same without colour; colour only on a terminal and never with NO_COLOR
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from rich import box
@@ -17,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from dflashops.cli.common import use_colour
+from dflashops.cli.common import output_console
 from dflashops.ops.observe.watch import LIVE_STATES as LIVE
 from dflashops.ops.observe.watch import GpuRow, RunRow
 
@@ -25,11 +24,8 @@ COLUMNS = ("run", "target", "state", "step", "loss", "tau_sim", "blk tok/s", "et
 
 
 def console(file: Any = None) -> Console:
-    """stdout's console: no colour off a terminal or with NO_COLOR; a wide one when piped, so rows stay one
-    line each for grep and awk."""
-    file = sys.stdout if file is None else file
-    tty = hasattr(file, "isatty") and file.isatty()
-    return Console(file=file, no_color=not use_colour(file), highlight=False, width=None if tty else 200)
+    """stdout's console (common.output_console: colour only on a terminal, wide and unpadded when piped)."""
+    return output_console(file)
 
 
 def ordered(rows: list[RunRow]) -> list[RunRow]:

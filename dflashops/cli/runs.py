@@ -60,10 +60,9 @@ def _missing(args: argparse.Namespace) -> NotFound:
 
 
 def _stdout() -> Console:
-    # Piped output gets a wide virtual terminal so rows stay one line each for grep/awk; rich drops the
-    # colour itself for NO_COLOR and non-tty output.
-    width = None if sys.stdout.isatty() else int(os.environ.get("COLUMNS", "0") or 0) or 200
-    return Console(file=sys.stdout, highlight=False, width=width)
+    from dflashops.cli.common import output_console
+
+    return output_console()
 
 
 def _print_json(data: Any) -> None:

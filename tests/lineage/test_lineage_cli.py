@@ -37,6 +37,10 @@ def test_list_show_diff_json(three_runs: dict, db_path: Path, capsys: pytest.Cap
     shown = json.loads(out)
     assert shown["children"] == ["exp-flex7"] and "~ --lr 1e-4 -> 3e-4" in shown["changes_vs_parent"]
     assert shown["env"]["WANDB_API_KEY"] == "<redacted>"
+    code, out, _ = run_cli(capsys, "show", "exp-flex6", "--db", str(db_path))
+    assert code == 0 and "exp-flex6" in out and "children: exp-flex7" in out
+    # rich pads each cell to its column's width: piped, no line keeps those trailing blanks
+    assert [line for line in out.splitlines() if line.endswith(" ")] == []
     code, out, _ = run_cli(capsys, "diff", "exp-flex5", "exp-flex7", "--db", str(db_path))
     assert code == 0 and "+ --compile (set)" in out and "~ --lr 1e-4 -> 3e-4" in out and "code_hash" in out
     code, out, _ = run_cli(capsys, "diff", "exp-flex6", "exp-flex7", "--db", str(db_path), "--json")
