@@ -58,8 +58,8 @@ from gpu_pipeline import SCALES, shape_flags, target_shape, write_shards  # noqa
 CACHE_DIR_SET_BY_HAND = "TORCHINDUCTOR_CACHE_DIR" in os.environ  # before torch sets its default in this process
 CHANGE = ROOT / "trainer" / "_restart_cycle_change.py"  # `--modes code-change-outside`: one file added to the release
 DRAFTER = ROOT / "trainer" / "model" / "drafter.py"  # `--modes code-change-inside` edits its MLP for one restart
-MLP_LINE = "        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))\n"
-MLP_EDITED = "        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x) * 1.0)\n"
+MLP_LINE = "        return self.down_proj(F.silu(self.gate_proj(xg)) * self.up_proj(xu))\n"
+MLP_EDITED = "        return self.down_proj(F.silu(self.gate_proj(xg)) * self.up_proj(xu) * 1.0)\n"
 START = [
     "python_started",
     "imports_done",
