@@ -61,6 +61,11 @@ def run_status(directory: str) -> dict:
     pgid = read_int(os.path.join(directory, "pgid"))
     marker = (read_text(os.path.join(directory, "marker")) or "").strip() or None
     live = sorted(run_processes(pgid, marker, directory)[1]) if exit_code is None or pgid else []
+    if exit_code is None and not live:
+        # The wrapper writes exit_code, then exits: between the read above and the scan it may have done both, and
+        # the run would read as lost (seen under load: deploy reported a crash in its start as "lost, exit code
+        # None"). With no process of the run left, this second read is final.
+        exit_code = read_int(os.path.join(directory, "exit_code"))
     trainer_status = read_json(os.path.join(directory, "status.json"))
     launcher_exit_code = None
     trainer_exit = trainer_exit_code(directory, trainer_status)
