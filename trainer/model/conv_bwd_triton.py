@@ -167,6 +167,19 @@ def _rows(t: torch.Tensor, *inner: int) -> torch.Tensor:
     return flat if dense else flat.contiguous()
 
 
+def tile_grid(rows: int, groups: int, config: Config, sms: int) -> tuple[int, int, int, int]:
+    """How a configuration tiles `rows` x `groups` (this kernel's and conv_in_triton's): (groups per tile, a
+    power of two dividing `groups` for tl.arange, so fewer for small H; column tiles; row tiles per program; row
+    chunks, i.e. programs down the rows and d base partials, about `per_sm` x `sms` programs in all)."""
+    bm, _, ng, per_sm = config
+    ng = math.gcd(ng, groups & -groups)
+    tiles = -(-rows // bm)
+    col_tiles = groups // ng
+    chunks = max(1, min(tiles, -(-per_sm * sms // col_tiles)))
+    per = -(-tiles // chunks)
+    return ng, col_tiles, per, -(-tiles // per)
+
+
 def _torch_gradients(
     g: torch.Tensor, y: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -199,14 +212,8 @@ def conv_finish_backward(
     sms = triton_fit.sm_count(y.device)
 
     def launch(config: Config) -> tuple[tuple, tuple, dict]:
-        bm, warps, ng, per_sm = config
-        programs = per_sm * sms
-        ng = math.gcd(ng, G & -G)  # a power of two dividing G (tl.arange): fewer groups per tile for small H
-        tiles = -(-M // bm)
-        col_tiles = G // ng
-        chunks = max(1, min(tiles, -(-programs // col_tiles)))
-        per = -(-tiles // chunks)
-        chunks = -(-tiles // per)
+        bm, warps = config[:2]
+        ng, col_tiles, per, chunks = tile_grid(M, G, config, sms)
         part = torch.empty(chunks, K, H, dtype=acc, device=y.device)
         partial[:] = [part]
         meta = dict(H=H, K=K, KP=triton_next_pow2(K), G=G, S=H // G, BLOCK=block_size, BM=bm, NG=ng, WIDE=wide)

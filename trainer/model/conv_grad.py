@@ -27,9 +27,7 @@ def conv_gradients(
     acc = torch.promote_types(torch.promote_types(x.dtype, grad.dtype), torch.float32)
     blocks = x.view(R, Q // B, B, G, S).to(acc)
     g = grad.view(R, Q // B, B, G, S).to(acc)
-    coef = delta.view(R, Q // B, B, K, G)
     d_delta, d_base = [], []
-    dx = torch.zeros_like(g)
     for tap in range(K):
         # d coef_t at slot j is g_j * x_{j-t}: formed at slot j - t (g shifted up, x in place), group sums
         # shifted back down; the slots shifted in hold zeros, so they add exact zeros to the base sums
@@ -37,11 +35,8 @@ def conv_gradients(
         sums = (gs * blocks).sum(-1)
         d_delta.append(sums if tap == 0 else _shift(sums, tap))
         d_base.append((blocks * gs).sum((0, 1, 2)).reshape(H))
-        # dx_j gets g_{j+t} times slot j+t's coefficient, rounded as the forward rounded it (x's dtype)
-        term = g * (base[tap].to(x.dtype).view(G, S) + coef[:, :, :, tap, :, None]).to(acc)
-        dx = dx + (term if tap == 0 else _shift(term, -tap))
     return (
-        dx.to(x.dtype).reshape(R, Q, H),
+        conv_input_gradient(grad, delta, base, block_size, group_size, x.dtype),
         torch.stack(d_delta, dim=3).to(delta.dtype).reshape(delta.shape),
         torch.stack(d_base).to(base.dtype),
     )
@@ -50,7 +45,8 @@ def conv_gradients(
 def conv_input_gradient(
     grad: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int, group_size: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """conv_gradients' dx alone, for an input of `dtype` (the input itself is not needed): grad [R,Q,H]."""
+    """conv_gradients' dx, for an input of `dtype` (the input itself is not needed): grad [R,Q,H] -> [R,Q,H]. dx_j
+    gets g_{j+t} times slot j+t's coefficient, rounded as the forward rounded it (to `dtype`)."""
     R, Q, H = grad.shape
     K, S = base.shape[0], group_size
     B, G = block_size, H // S

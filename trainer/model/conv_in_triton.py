@@ -39,14 +39,15 @@ w's split in two halves (summed by autograd) differ from Inductor's.
 from __future__ import annotations
 
 import functools
-import math
 import os
 import sys
 
 import torch
 
 from trainer import triton_fit
-from trainer.model.conv_bwd_triton import _rows
+
+# supported(): the same tile as conv_bwd_triton's takes the same shapes (else the caller keeps Inductor's backward)
+from trainer.model.conv_bwd_triton import _rows, supported, tile_grid, triton_next_pow2
 
 # (rows per tile, warps, groups per tile, programs per SM): conv_bwd_triton's ladder (its order is session 17's
 # measurement of that kernel), until this one is measured on the GPU (bench/s19_conv_in.py; not yet: session 19
@@ -60,14 +61,6 @@ CONFIGS: list[Config] = [(2, 2, 16, 24), (4, 4, 16, 12), (4, 8, 32, 6), (2, 4, 1
 _FORCED = os.environ.get("DFLASH_CONV_IN_CONFIG", "").strip()
 if _FORCED:
     CONFIGS.insert(0, tuple(int(v) for v in _FORCED.split(":")))  # type: ignore[arg-type]
-MAX_TAPS = 4
-
-
-def supported(hidden: int, group_size: int, taps: int, dtype: torch.dtype) -> str | None:
-    """None when the kernel takes these shapes (x's dtype), else why not (the caller keeps Inductor's backward)."""
-    from trainer.model.conv_bwd_triton import supported as finish_supported
-
-    return finish_supported(hidden, group_size, taps, dtype)
 
 
 @functools.cache
@@ -222,8 +215,7 @@ def conv_prepare_kernel_grads(
     K, G = delta.shape[-2], delta.shape[-1]
     if not 1 <= len(gs) <= MAX_PIECES:
         raise ValueError(f"conv_prepare_kernel_grads takes 1..{MAX_PIECES} gradient pieces, got {len(gs)}")
-    rows = [t.reshape(-1, H) for t in (*gs, x)]
-    *pieces, x2 = [t if t.stride(-1) == 1 else t.contiguous() for t in rows]
+    pieces, x2 = [_rows(t, H) for t in gs], _rows(x, H)
     r2 = rstd.reshape(-1).contiguous()
     M = x2.shape[0]
     wide = torch.float64 in (*(t.dtype for t in gs), x.dtype, rstd.dtype, weight.dtype)
@@ -234,21 +226,17 @@ def conv_prepare_kernel_grads(
     sms = triton_fit.sm_count(x.device)
 
     def launch(config: Config) -> tuple[tuple, tuple, dict]:
-        bm, warps, ng, per_sm = config
-        ng = math.gcd(ng, G & -G)  # a power of two dividing G (tl.arange): fewer groups per tile for small H
-        tiles = -(-M // bm)
-        col_tiles = G // ng
-        chunks = max(1, min(tiles, -(-per_sm * sms // col_tiles)))
-        per = -(-tiles // chunks)
-        chunks = -(-tiles // per)
+        bm, warps = config[:2]
+        ng, col_tiles, per, chunks = tile_grid(M, G, config, sms)
         part = torch.empty(chunks, K, H, dtype=acc, device=x.device)
         wpart = torch.empty(chunks, H, dtype=acc, device=x.device)
         partial[:] = [part, wpart]
-        kp = 1 << (K - 1).bit_length()
-        meta = dict(H=H, K=K, KP=kp, G=G, S=H // G, BLOCK=block_size, BM=bm, NG=ng, NP=len(pieces), WIDE=wide)
+        meta = dict(
+            H=H, K=K, KP=triton_next_pow2(K), G=G, S=H // G, BLOCK=block_size, BM=bm, NG=ng, NP=len(pieces), WIDE=wide
+        )
         gp = (pieces + pieces[:1] * MAX_PIECES)[:MAX_PIECES]  # the unused pointers are never read
-        args = (*gp, x2, r2, weight, d2, base, dd, part, wpart, M, per, *(t.stride(0) for t in gp), x2.stride(0))
-        args = (*args, d2.stride(0))
+        strides = (*(t.stride(0) for t in gp), x2.stride(0), d2.stride(0))
+        args = (*gp, x2, r2, weight, d2, base, dd, part, wpart, M, per, *strides)
         return (col_tiles, chunks), args, {**meta, "num_warps": warps}
 
     try:

@@ -177,8 +177,6 @@ class NormedConv(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         weight, delta, base, x, rstd = ctx.saved_tensors
         B, S = ctx.block_size, ctx.group_size
-        from trainer.model.conv_in_triton import conv_prepare_kernel_grads
-
         pieces = [g for g in grads if g is not None]
         none = (None,) * 7
         if not pieces:
@@ -187,12 +185,14 @@ class NormedConv(torch.autograd.Function):
         grad = pieces[0].to(acc)
         for piece in pieces[1:]:
             grad = grad + piece.to(acc)
-        dn = conv_input_gradient(grad, delta, base, B, S, ctx.n_dtype)
         if ctx.triton_backward:
+            from trainer.model.conv_in_triton import conv_prepare_kernel_grads
+
             d_delta, d_base, d_weight = conv_prepare_kernel_grads(pieces, x, rstd, weight, delta, base, B)
+            dn = conv_input_gradient(grad, delta, base, B, S, ctx.n_dtype)  # the kernel leaves dn to Inductor
         else:
             xhat = (x.to(rstd.dtype) * rstd).to(ctx.xhat_dtype)  # as RMSNorm.parts computes it
-            _, d_delta, d_base = conv_gradients(grad, weight * xhat, delta, base, B, S)
+            dn, d_delta, d_base = conv_gradients(grad, weight * xhat, delta, base, B, S)  # dn in n's dtype
             d_weight = (dn * xhat).reshape(-1, xhat.shape[-1]).sum(0).to(weight.dtype)
         return (dn * weight).to(ctx.xhat_dtype), d_weight, d_delta, d_base, *none
 
