@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call = one of these sections; each step has its own timeout so one hang cannot eat the call.
 # Usage (on the GPU machine, repo root): bash bench/gpu_session.sh SECTION...   (logs under $OUT when set)
-# Session 19 call (coordinator, issue 31): `s19-attn`.
+# Session 19 calls (coordinator, issue 31): `s19-seeds`, then `s19-pipe` (planned as one `s19-attn`, over 600 s).
 # Session 18 calls (coordinator): `s17-target`, then `s18-attn`, then `s18-verify`.
 # Session 17 call (issue 31 item 2): `s17-attn` (run at d2278b9; since then the split forward and `tma,tfo` are
 # the defaults, and the bench times the masked forward beside the default one).
@@ -116,12 +116,11 @@ with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under auto
     # Session 19 (issue 31 items 1, 4): our attention as the default on Hopper (`--attention-kernel auto`): the
     # one-GPU specforge pipeline flex against auto A B A B (the threaded pipeline never ran our kernel), then the
     # qwen3-8b and qwen3.6-27b seed steps flex (`triton`) against ours (`triton-attn`), interleaved
-    # s19-attn runs both halves (~680 s at the limits: over one call's 600 s); session 20 runs them as two calls
-    s19-attn|s19-pipe) step s19-pipe 340 python3 bench/gpu_pipeline.py --scale specforge --modes dual --steps 60 \
+    # (`s19-pipe s19-seeds` in one call would be ~680 s at the steps' limits, over one call's 600 s: two calls)
+    s19-pipe) step s19-pipe 340 python3 bench/gpu_pipeline.py --scale specforge --modes dual --steps 60 \
                 --adamw triton --attention-kernel flex,auto --repeats 2 --warm-cache --timeout-s 200 --budget-s 300 \
-                --log-dir "$OUT/pipeline-logs"
-              [ "$section" = s19-pipe ] && continue ;;&
-    s19-attn|s19-seeds) step s19-seed 170 python3 -m trainer bench step --preset qwen3-8b --shape seed \
+                --log-dir "$OUT/pipeline-logs" ;;
+    s19-seeds) step s19-seed 170 python3 -m trainer bench step --preset qwen3-8b --shape seed \
                 --variants triton,triton-attn,triton,triton-attn --iters 5 --warmup 2 --json-out "$OUT/s19-seed.json"
               step s19-27b 170 python3 -m trainer bench step --preset qwen3.6-27b --shape seed \
                 --variants triton,triton-attn,triton,triton-attn --iters 3 --warmup 2 --json-out "$OUT/s19-27b.json" ;;
@@ -184,14 +183,6 @@ with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under auto
     # Session 19 (issue 32 item 4): the input-side convolution's kernel gradients (trainer/model/conv_in_triton.py):
     # one call's parity and cost with its ladder, then the seed step A B A B: the kernel (dflash2-tin) against the
     # default input side (dflash2: Inductor's)
-    # Session 20: s19-convin cut to the session's last ~390 s of device time (six refused starts): the sweep's
-    # parity and ladder at 10 iterations, the step unprofiled, the same six variants
-    s20-convin) step s19-convin 60 python3 bench/s19_conv_in.py --iters 10 --best-out "$OUT/s19-best.txt"
-              export DFLASH_CONV_IN_CONFIG="$(cat "$OUT/s19-best.txt" 2>/dev/null)"
-              echo "DFLASH_CONV_IN_CONFIG=$DFLASH_CONV_IN_CONFIG" >&2
-              step s19-step 230 python3 -m trainer bench step --preset qwen3-8b --shape seed \
-              --variants triton,dflash2-tin,dflash2,triton,dflash2-tin,dflash2 --iters 5 --warmup 2 \
-              --json-out "$OUT/s19-step.json" ;;
     s19-convin) step s19-convin 120 python3 bench/s19_conv_in.py --iters 20 --best-out "$OUT/s19-best.txt"
               export DFLASH_CONV_IN_CONFIG="$(cat "$OUT/s19-best.txt" 2>/dev/null)"  # the sweep's best rung first
               echo "DFLASH_CONV_IN_CONFIG=$DFLASH_CONV_IN_CONFIG" >&2

@@ -17,6 +17,7 @@ from dflashops.cli.common import (
     highlight_errors,
     moved_after_separator,
     open_invocation,
+    output_console,
     print_plan,
     progress,
     show_passthrough,
@@ -302,7 +303,7 @@ def handle_status(args: argparse.Namespace) -> int:
 
 def print_runs(entries: list[dict[str, Any]], gpus: list[dict[str, Any]]) -> None:
     """The table `watch` shows (cli/run_table.py), its per-run lines, and the GPUs of the target."""
-    from dflashops.cli.run_table import console, detail_lines, gpu_table, ordered, runs_table
+    from dflashops.cli.run_table import detail_lines, gpu_table, ordered, runs_table
     from dflashops.ops.observe.watch import GpuRow, run_row
 
     if not entries:
@@ -310,7 +311,7 @@ def print_runs(entries: list[dict[str, Any]], gpus: list[dict[str, Any]]) -> Non
         return
     now = time.time()
     rows = [run_row(entry, now) for entry in entries]
-    out = console()
+    out = output_console()
     out.print(runs_table(rows))
     for row in ordered(rows):
         for line in detail_lines(row):

@@ -9,23 +9,14 @@ means the same without colour; colour only on a terminal and never with NO_COLOR
 
 from __future__ import annotations
 
-from typing import Any
-
 from rich import box
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from dflashops.cli.common import output_console
 from dflashops.ops.observe.watch import LIVE_STATES as LIVE
 from dflashops.ops.observe.watch import GpuRow, RunRow
 
 COLUMNS = ("run", "target", "state", "step", "loss", "tau_sim", "blk tok/s", "eta", "beat", "exit")
-
-
-def console(file: Any = None) -> Console:
-    """stdout's console (common.output_console: colour only on a terminal, wide and unpadded when piped)."""
-    return output_console(file)
 
 
 def ordered(rows: list[RunRow]) -> list[RunRow]:

@@ -27,8 +27,7 @@ from rich.console import Group
 from rich.live import Live
 from rich.text import Text
 
-from dflashops.cli.common import emit_json, open_invocation
-from dflashops.cli.run_table import console as table_console
+from dflashops.cli.common import emit_json, open_invocation, output_console
 from dflashops.cli.run_table import detail_lines, gpu_table, ordered, runs_table
 from dflashops.errors import NotFound, RunFailed, UsageError
 from dflashops.ops.observe.watch import LIVE_STATES, Watcher
@@ -129,7 +128,7 @@ def handle_watch(args: argparse.Namespace) -> int:
             emit_json(watcher.to_dict())
             return 0
         title = f"dflashops watch {args.run or '--all'}"
-        console = table_console()
+        console = output_console()
         if args.once:
             console.print(render(watcher, title))
             return 0
