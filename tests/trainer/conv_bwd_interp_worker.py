@@ -20,7 +20,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
 
-from tests.trainer.triton_interp import serve_cases
+from tests.trainer.triton_interp import reset_ladder, serve_cases
 from trainer import triton_fit
 from trainer.model import conv_bwd_triton
 from trainer.model.dflash2 import GroupedDynamicConv
@@ -29,12 +29,7 @@ DEFAULT_CONFIGS = list(conv_bwd_triton.CONFIGS)
 
 
 def run_case(case: dict) -> dict:
-    conv_bwd_triton.CONFIGS[:] = case.get("configs", DEFAULT_CONFIGS)
-    triton_fit._VERDICT.clear()
-    conv_bwd_triton._LOGGED.clear()
-    os.environ.pop(triton_fit.SMEM_ENV, None)
-    if case.get("smem"):
-        os.environ[triton_fit.SMEM_ENV] = case["smem"]
+    reset_ladder(conv_bwd_triton, DEFAULT_CONFIGS, case)
     g, y, delta, base = (case[k] for k in ("g", "y", "delta", "base"))
     log = io.StringIO()
     with contextlib.redirect_stderr(log):

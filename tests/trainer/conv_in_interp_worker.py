@@ -22,7 +22,7 @@ if __name__ == "__main__":  # the child only: the test module imports run_case f
 
 import torch
 
-from tests.trainer.triton_interp import serve_cases
+from tests.trainer.triton_interp import reset_ladder, serve_cases
 from trainer import triton_fit
 from trainer.model import conv_in_triton
 from trainer.model.dflash2 import NormedConv
@@ -31,12 +31,7 @@ DEFAULT_CONFIGS = list(conv_in_triton.CONFIGS)
 
 
 def run_case(case: dict) -> dict:
-    conv_in_triton.CONFIGS[:] = case.get("configs", DEFAULT_CONFIGS)
-    triton_fit._VERDICT.clear()
-    conv_in_triton._LOGGED.clear()
-    os.environ.pop(triton_fit.SMEM_ENV, None)
-    if case.get("smem"):
-        os.environ[triton_fit.SMEM_ENV] = case["smem"]
+    reset_ladder(conv_in_triton, DEFAULT_CONFIGS, case)
     gs, x, rstd, weight, delta, base = (case[k] for k in ("gs", "x", "rstd", "weight", "delta", "base"))
     B, S = case["block_size"], case["group_size"]
     log = io.StringIO()

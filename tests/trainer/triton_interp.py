@@ -11,6 +11,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -31,6 +32,19 @@ def interpret_cases(worker: Path, cases: dict, folder: Path) -> dict:
     )
     assert done.returncode == 0, done.stderr[-6000:]
     return {"cases": cases, "out": torch.load(folder / "out.pt")}
+
+
+def reset_ladder(module: ModuleType, defaults: list, case: dict) -> None:
+    """Before a case of a kernel `module` that launches through trainer/triton_fit.py: its ladder the case's
+    "configs" (else `defaults`), no remembered verdicts or logged fallbacks, $DFLASH_SMEM_LIMIT the case's "smem"."""
+    from trainer import triton_fit
+
+    module.CONFIGS[:] = case.get("configs", defaults)
+    triton_fit._VERDICT.clear()
+    module._LOGGED.clear()
+    os.environ.pop(triton_fit.SMEM_ENV, None)
+    if case.get("smem"):
+        os.environ[triton_fit.SMEM_ENV] = case["smem"]
 
 
 def serve_cases(run_case: Callable[[dict], dict], argv: list[str]) -> int:
