@@ -54,6 +54,19 @@ class Env:
     def db(self) -> Path:
         return self.root / "lineage.sqlite"
 
+    def job_pid(self, name: str, timeout: float = 30.0) -> int:
+        """The pid of run `name`'s job. `launch` answers once the wrapper has recorded the group (`pgid`); the
+        wrapper records `pid` only after it has started the job, and the job may print (and a `--wait` match)
+        before that write, so a test reads it by waiting, never at once."""
+        path = self.runs / name / "pid"
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return int(path.read_text())
+            except (FileNotFoundError, ValueError):  # not written yet (write_atomic: never half-written)
+                assert time.monotonic() < deadline, f"{path} was not written within {timeout:.0f} s"
+                time.sleep(0.02)
+
     def cli(self, *args: str, capsys: pytest.CaptureFixture[str] | None = None) -> tuple[int, str, str]:
         """dflashops in this process (fast); returns (exit code, stdout, stderr)."""
         assert capsys is not None

@@ -56,7 +56,7 @@ def test_item1_stop_on_a_full_disk_still_stops_the_run(full_disk_env: Env, capsy
     env = full_disk_env
     code, _, err = env.cli("deploy", "--profile", "sleeper", "--name", "full1", "--wait", "sleeping", capsys=capsys)
     assert code == 0, err
-    job = int((env.runs / "full1" / "pid").read_text())
+    job = env.job_pid("full1")
     fill(env.workspace)
     code, out, err = env.cli("stop", "full1", "--grace", "5", capsys=capsys)
     assert code == 0, err

@@ -10,7 +10,6 @@ import stat
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 from tests.controller.helpers import AGENT, WORKLOAD, Env
@@ -46,11 +45,7 @@ def launch(env: Env, name: str, extra: dict[str, str]) -> int:
         extra,
     )
     assert answer["ok"], answer
-    pid_file = env.runs / name / "pid"
-    deadline = time.monotonic() + 10
-    while not pid_file.exists() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return int(pid_file.read_text())
+    return env.job_pid(name)
 
 
 def test_stop_waits_for_gpu_memory_release(env: Env, tmp_path: Path) -> None:

@@ -134,7 +134,7 @@ def test_item6_every_pass_env_value_is_a_secret_whatever_its_name(
     shown = out + err
     code, out, err = env.cli("deploy", "--profile", "work", "--name", "pe", "--wait", "step 1", capsys=capsys)
     assert code == 0, err
-    job = int((env.runs / "pe" / "pid").read_text())
+    job = env.job_pid("pe")
     environ = Path(f"/proc/{job}/environ").read_bytes().split(b"\0")
     assert b"DB_PASS=plainpass42" in environ and b"OPENAI_KEY=short-key" in environ  # the run has them
     for verb in (("status", "pe", "--json"), ("runs", "show", "pe", "--json"), ("runs", "export", "--format", "json")):
@@ -502,7 +502,7 @@ env: {TRAINER_TEST_MIN_STEP_S: "0.1"}
         "deploy", "--profile", "tinyw", "--name", "w1", "--wait", r"^step 3/", "--timeout", "240", capsys=capsys
     )
     assert code == 0, err
-    job = int((env.runs / "w1" / "pid").read_text())
+    job = env.job_pid("w1")
     code, out, err = env.cli("stop", "w1", "--grace", "60", capsys=capsys)
     assert code == 0 and "exit_code=143" in out, err
     log = (env.runs / "w1" / "train.log").read_text()

@@ -101,7 +101,7 @@ def test_the_next_launch_takes_the_standby_with_its_own_argv_env_cwd_and_exit_co
 
     second = launch(env, "sb2", rel, "--lr", "3e-4", job_env={"EXIT_WITH": "3"})
     assert second["standby"] is True
-    assert int((env.runs / "sb2" / "pid").read_text()) == standby_pid
+    assert env.job_pid("sb2") == standby_pid
     assert (env.runs / "sb2" / "marker").read_text().strip() == second["marker"]
     run = finished(env, "sb2")
     assert run["exit_code"] == 3
@@ -270,7 +270,7 @@ def test_a_standby_starts_with_no_secret_and_hands_none_to_the_run_that_takes_it
     monkeypatch.delenv("DB_PASS")
     answer = launch(env, "sx2", rel, "--sleep", "60", job_env={"RUN_TOKEN": "sx2-token"})
     assert answer["standby"] is True
-    job = int((env.runs / "sx2" / "pid").read_text())
+    job = env.job_pid("sx2")
     assert job == standby_pid
     assert not [v for v in environ_of(job) if v.startswith(b"DB_PASS=") or b"s3cret" in v]
 
