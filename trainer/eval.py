@@ -337,7 +337,7 @@ def format_table(report: dict[str, Any]) -> str:
                 f"  (trained drafter, tree budget {m['budget']}, top-k {m['top_k'] or 'any'}, "
                 f"{m['mean_tree_nodes']:.1f} nodes/step)"
             )
-    return "\n".join(lines)
+    return "\n".join(line.rstrip() for line in lines)  # a last slot never reached ("  - ") left a trailing blank
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,7 +35,7 @@ def run_case(case: dict) -> dict:
     with contextlib.redirect_stderr(log):
         if case["mode"] == "op":
             dy, dd, db = conv_bwd_triton.conv_finish_backward(g, y, delta, base, case["block_size"])
-            out = {}
+            out: dict[str, object] = {}
         else:
             y, delta, base = (t.detach().clone().requires_grad_(True) for t in (y, delta, base))
 

@@ -124,6 +124,12 @@ def test_evaluate_reports_all_methods_lossless(setup):
     assert "trained" in table and "ngram" in table
 
 
+def test_the_acceptance_table_has_no_trailing_blanks_where_a_slot_was_never_reached() -> None:
+    method = {"tau": 1.5, "tokens_per_target_forward": 1.5, "lossless": True, "per_slot_acceptance": [0.5, None]}
+    lines = eval_cli.format_table({"methods": {"ngram": method}}).splitlines()
+    assert lines[1].endswith("0.50   -") and all(line == line.rstrip() for line in lines), lines
+
+
 def test_ngram_proposer_copies_what_followed_the_last_match():
     propose = eval_cli.ngram_proposer(max_ngram=2)
     assert propose([5, 6, 7, 8, 1, 6, 7], torch.empty(0), 3) == [8, 1, 6]
