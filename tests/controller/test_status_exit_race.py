@@ -11,11 +11,21 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from dflashops.agent import status as agent_status
+
+RECORD_PGID_AND_SLEEP = """
+import os, sys, time
+path = sys.argv[2]
+with open(path + ".tmp", "w") as handle:
+    handle.write(f"{os.getpgrp()}\\n")
+os.replace(path + ".tmp", path)  # whole or absent, as write_atomic
+time.sleep(60)
+"""
 
 
 def test_a_wrapper_that_records_its_exit_and_ends_mid_read_reads_as_crashed(
@@ -24,12 +34,19 @@ def test_a_wrapper_that_records_its_exit_and_ends_mid_read_reads_as_crashed(
     run = tmp_path / "runs" / "r1"
     run.mkdir(parents=True)
     # A stand-in for the launch wrapper: the leader of its own group, its command line naming the run directory
-    # as verb_launch's wrapper argv does, so the scan counts its group as the run's.
+    # as verb_launch's wrapper argv does, so the scan counts its group as the run's. Like the real one it records
+    # `pgid` itself, from its own code: Popen returns once exec has begun, and the kernel closes the exec pipe
+    # before it sets the new argv, so a scan made right after Popen can read an empty /proc/PID/cmdline (it did,
+    # under load) and not count the group.
     wrapper = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(60)", json.dumps({"dir": str(run)})], start_new_session=True
+        [sys.executable, "-c", RECORD_PGID_AND_SLEEP, json.dumps({"dir": str(run)}), str(run / "pgid")],
+        start_new_session=True,
     )
     try:
-        (run / "pgid").write_text(f"{wrapper.pid}\n")
+        deadline = time.monotonic() + 30
+        while not (run / "pgid").exists():
+            assert wrapper.poll() is None and time.monotonic() < deadline, "the stand-in did not record its pgid"
+            time.sleep(0.02)
         assert agent_status.run_status(str(run))["state"] == "running"  # the scan sees it while it lives
 
         real_scan = agent_status.run_processes
