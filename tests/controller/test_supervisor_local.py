@@ -294,11 +294,15 @@ def test_a_supervisor_of_the_file_era_is_still_known_after_an_upgrade(tmp_path: 
 
     old = tmp_path / ".dflashops" / "supervisor-0123456789ab.py"
     old.parent.mkdir()
-    old.write_text("import time\ntime.sleep(60)\n")
+    sleeper = "import time\nprint('ready', flush=True)\ntime.sleep(60)\n"
+    old.write_text(sleeper)
     other = tmp_path / "other.py"
-    other.write_text("import time\ntime.sleep(60)\n")
-    procs = [subprocess.Popen([sys.executable, str(path)]) for path in (old, other)]
+    other.write_text(sleeper)
+    procs = [subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE) for path in (old, other)]
     try:
+        # Read only once each runs its own code: Popen returns before the kernel has set the new command line
+        # (an immediate /proc/PID/cmdline read is often empty), which would read as "not a supervisor".
+        assert [proc.stdout.readline() for proc in procs if proc.stdout] == [b"ready\n"] * 2
         assert supervisor_alive(procs[0].pid) and not supervisor_alive(procs[1].pid)
     finally:
         for proc in procs:  # our own children, by pid
