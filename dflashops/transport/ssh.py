@@ -227,13 +227,26 @@ class SshTransport(Transport):
         code = channel.exit_status if channel.exit_status_ready() else -1
         if code == -1:
             if not self._link_alive():
+                reason = link_loss_reason(channel.get_transport())
                 self.close()
                 raise TransportError(
-                    f"{self.name}: connection lost during: {join_argv(argv)}",
+                    f"{self.name}: connection lost during: {join_argv(argv)} ({reason})",
                     hint="the link dropped; the next command reconnects",
                 )
             return 255  # killed by a signal (exit-signal): what OpenSSH's client reports too
         return code
+
+
+def link_loss_reason(transport: paramiko.Transport | None) -> str:
+    """Why a paramiko link is gone, in words: its thread keeps the exception that ended it (EOF when the server
+    closed the connection), and keeps none when this side closed it (a liveness probe, another command's
+    failure on a shared connection, close())."""
+    saved = getattr(transport, "saved_exception", None)
+    if isinstance(saved, EOFError):
+        return "closed from the far end: the server or something on the way"
+    if saved is not None:
+        return f"{type(saved).__name__}: {saved}" if str(saved) else type(saved).__name__
+    return "no cause recorded: closed on this side"
 
 
 def _start_feeder(channel: paramiko.Channel, stdin: Stdin) -> threading.Thread:

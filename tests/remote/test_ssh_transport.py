@@ -122,6 +122,20 @@ def test_cut_during_a_command_raises_transport_error(harness: Harness, proxy: Lo
     transport.close()
 
 
+def test_a_link_lost_mid_command_says_which_end_closed_it(harness: Harness, proxy: LoopProxy) -> None:
+    """The "connection lost" error carries the link's own cause: EOF when the far end closed it (here the proxy
+    cuts both sockets), none recorded when this side closed it (close(), as a liveness probe or a failing command
+    on a shared multiplexer connection does). Each cut comes once the command has printed: it is running."""
+    transport = SshTransport(name="pve", settings=settings_for(harness, port=proxy.port))
+    for cut, cause in ((proxy.cut_all, "closed from the far end"), (transport.close, "no cause recorded")):
+        stream = transport.stream(["sh", "-c", "echo running; sleep 20"], timeout=30)
+        assert next(stream) == b"running\n"
+        cut()
+        with pytest.raises(TransportError, match=rf"connection lost during: sh -c .*\({cause}"):
+            next(stream)
+    transport.close()
+
+
 def test_stalled_link_during_a_stream_is_detected(
     harness: Harness, proxy: LoopProxy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
