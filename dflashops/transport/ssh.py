@@ -12,6 +12,8 @@ Contract:
   `$DFLASHOPS_SSH_CONFIG` points at another file (tests use it). Inventory values win over ssh_config.
 - stdin is written on the raw channel from a thread (binary-safe: Fabric's `in_stream` decodes text byte
   by byte) while stdout/stderr are drained, so a command that talks back while reading cannot deadlock.
+- A channel the server refuses (sshd's MaxSessions) fails that command only; the connection stays up for the
+  others (a multiplexer's one connection carries every invocation's commands).
 - Every paramiko/socket failure becomes a one-line `TransportError` with a hint; paramiko's own logging is
   silenced unless DFLASHOPS_DEBUG is set (its "Exception (client)" tracebacks would reach the terminal).
 """
@@ -43,6 +45,7 @@ if not os.environ.get("DFLASHOPS_DEBUG"):
     logging.getLogger("paramiko").propagate = False
 
 CHUNK = 64 * 1024
+CLOSED_HERE = "dflashops_closed_here"  # set on a paramiko Transport this side closes: why (see link_loss_reason)
 # With no byte from the server for this long, a keepalive with reply is sent; no reply within
 # PROBE_TIMEOUT_S means the link is dead (paramiko's own keepalive never notices a silent peer).
 IDLE_PROBE_S = 15.0
@@ -94,12 +97,15 @@ class SshTransport(Transport):
         conn = self._conn
         return conn is not None and conn.transport is not None and conn.transport.is_active()
 
-    def close(self) -> None:
+    def close(self, why: str = "closed on this side") -> None:
+        """Drop the connection; `why` is what a command still running on it reports as the link's cause."""
         with self._lock:
-            self._close_quietly()
+            self._close_quietly(why)
 
-    def _close_quietly(self) -> None:
+    def _close_quietly(self, why: str = "closed on this side") -> None:
         if self._conn is not None:
+            if self._conn.transport is not None:
+                setattr(self._conn.transport, CLOSED_HERE, why)
             try:
                 self._conn.close()
             except Exception:  # noqa: BLE001 - closing a broken link may raise anything
@@ -114,14 +120,29 @@ class SshTransport(Transport):
         transport = self.connection()
         try:
             channel = transport.open_session(timeout=self.settings.connect_timeout if self.settings else None)
+        except paramiko.ChannelException as exc:
+            # The server answered and refused this one channel (sshd's MaxSessions, 10 by default, counts the
+            # channels of one connection): the link is fine. Closing it would end every other command on it,
+            # and a multiplexer's connection carries every dflashops invocation of this user to this host.
+            raise TransportError(
+                f"{self.name}: the host refused a new session ({exc.text or exc.code}) for: {join_argv(argv)}",
+                hint="too many commands at once on one connection (sshd's MaxSessions); run it again when some end",
+            ) from None
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            raise self._start_failed(exc) from None
+        try:
             channel.exec_command(self.command_line(argv, env))
         except (paramiko.SSHException, OSError, EOFError) as exc:
-            self.close()
-            raise TransportError(
-                f"{self.name}: could not start a command: {exc or type(exc).__name__}",
-                hint="the connection broke; run the command again",
-            ) from None
+            raise self._start_failed(exc) from None
         return channel
+
+    def _start_failed(self, exc: BaseException) -> TransportError:
+        """The link broke while a command was being started: drop it (the next command reconnects)."""
+        self.close(f"closed on this side: starting a command failed ({exc or type(exc).__name__})")
+        return TransportError(
+            f"{self.name}: could not start a command: {exc or type(exc).__name__}",
+            hint="the connection broke; run the command again",
+        )
 
     def _run(
         self, argv: Sequence[str], *, env: Mapping[str, str], stdin: Stdin, timeout: float | None
@@ -169,7 +190,7 @@ class SshTransport(Transport):
                     got = True
                 chunk = channel.recv(CHUNK) if channel.recv_ready() else None
             except (paramiko.SSHException, OSError, EOFError) as exc:  # e.g. a key exchange that timed out
-                self.close()
+                self.close(f"closed on this side: a read failed ({exc or type(exc).__name__})")
                 raise TransportError(
                     f"{self.name}: connection broke during: {join_argv(argv)} ({exc})",
                     hint="run it again; the next command reconnects",
@@ -217,6 +238,9 @@ class SshTransport(Transport):
 
         threading.Thread(target=ask, daemon=True).start()
         if not answered.wait(PROBE_TIMEOUT_S) and transport is not None:
+            setattr(
+                transport, CLOSED_HERE, f"closed on this side: no answer to a liveness probe in {PROBE_TIMEOUT_S:.0f}s"
+            )
             transport.close()
             raise TransportError(
                 f"{self.name}: connection stalled (no answer in {PROBE_TIMEOUT_S:.0f}s) during: {join_argv(argv)}",
@@ -228,7 +252,7 @@ class SshTransport(Transport):
         if code == -1:
             if not self._link_alive():
                 reason = link_loss_reason(channel.get_transport())
-                self.close()
+                self.close(reason)
                 raise TransportError(
                     f"{self.name}: connection lost during: {join_argv(argv)} ({reason})",
                     hint="the link dropped; the next command reconnects",
@@ -238,15 +262,19 @@ class SshTransport(Transport):
 
 
 def link_loss_reason(transport: paramiko.Transport | None) -> str:
-    """Why a paramiko link is gone, in words: its thread keeps the exception that ended it (EOF when the server
-    closed the connection), and keeps none when this side closed it (a liveness probe, another command's
-    failure on a shared connection, close())."""
+    """Why a paramiko link is gone, in words: why this side closed it (CLOSED_HERE: a liveness probe, another
+    command's failure on a shared connection, close()), else the exception that ended its thread (EOF when the
+    far end closed the connection). A local close must be marked: the thread of a link closed here often ends
+    on an EOF of its own socket too."""
+    here = getattr(transport, CLOSED_HERE, None)
+    if here:
+        return str(here)
     saved = getattr(transport, "saved_exception", None)
-    if isinstance(saved, EOFError):
+    if isinstance(saved, (EOFError, ConnectionResetError)):
         return "closed from the far end: the server or something on the way"
     if saved is not None:
         return f"{type(saved).__name__}: {saved}" if str(saved) else type(saved).__name__
-    return "no cause recorded: closed on this side"
+    return "no cause recorded"
 
 
 def _start_feeder(channel: paramiko.Channel, stdin: Stdin) -> threading.Thread:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
+import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -124,16 +127,65 @@ def test_cut_during_a_command_raises_transport_error(harness: Harness, proxy: Lo
 
 def test_a_link_lost_mid_command_says_which_end_closed_it(harness: Harness, proxy: LoopProxy) -> None:
     """The "connection lost" error carries the link's own cause: EOF when the far end closed it (here the proxy
-    cuts both sockets), none recorded when this side closed it (close(), as a liveness probe or a failing command
-    on a shared multiplexer connection does). Each cut comes once the command has printed: it is running."""
+    cuts both sockets), or why this side closed it (close() here; a liveness probe or another command's failure
+    on a shared multiplexer connection say theirs). Each cut comes once the command has printed: it is running."""
     transport = SshTransport(name="pve", settings=settings_for(harness, port=proxy.port))
-    for cut, cause in ((proxy.cut_all, "closed from the far end"), (transport.close, "no cause recorded")):
+    for cut, cause in ((proxy.cut_all, "closed from the far end"), (transport.close, "closed on this side")):
         stream = transport.stream(["sh", "-c", "echo running; sleep 20"], timeout=30)
         assert next(stream) == b"running\n"
         cut()
         with pytest.raises(TransportError, match=rf"connection lost during: sh -c .*\({cause}"):
             next(stream)
     transport.close()
+
+
+@pytest.fixture
+def two_session_sshd(harness: Harness, tmp_path: Path) -> Iterator[int]:
+    """A second real sshd of the harness (same host key, user and keys) that allows two sessions per
+    connection, as a host whose MaxSessions is reached (OpenSSH's default is 10); its port."""
+    port = free_port()
+    text = (harness.root / "sshd_config").read_text()
+    text = text.replace(f"Port {harness.port}\n", f"Port {port}\n").replace("MaxSessions 64", "MaxSessions 2")
+    config = tmp_path / "sshd_config"
+    config.write_text(text.replace(f"PidFile {harness.root}/sshd.pid", f"PidFile {tmp_path}/sshd.pid"))
+    with (tmp_path / "sshd.log").open("wb") as log:  # -e: its log on stderr, beside its config
+        sshd = subprocess.Popen(["/usr/sbin/sshd", "-D", "-e", "-f", str(config)], stdin=subprocess.DEVNULL, stderr=log)
+    try:
+        harness.trust_port(port)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                assert sshd.poll() is None and time.monotonic() < deadline, "the second sshd did not start"
+                time.sleep(0.05)
+        yield port
+    finally:
+        sshd.terminate()  # our own child, by its handle
+        sshd.wait(10)
+
+
+def test_a_session_the_host_refuses_fails_alone_and_the_link_stays(two_session_sshd: int, harness: Harness) -> None:
+    """A third command at once on a connection whose host allows two sessions is refused by the host; that
+    command fails with its own error, the two running ones go on and the connection is not dropped (a
+    multiplexer's one connection carries every invocation's commands: closing it would end them all)."""
+    go = harness.root / f"go-{two_session_sshd}"  # the two commands hold their sessions until it exists
+    hold = f"echo running; while [ ! -e {go} ]; do sleep 0.05; done; echo done"
+    transport = SshTransport(name="pve", settings=settings_for(harness, port=two_session_sshd))
+    try:
+        streams = [transport.stream(["sh", "-c", hold], timeout=60) for _ in range(2)]
+        assert [next(stream) for stream in streams] == [b"running\n"] * 2  # both sessions are open
+        link = transport.connection()
+        with pytest.raises(TransportError, match=r"the host refused a new session \(.+\) for: true") as refused:
+            transport.run(["true"])
+        assert "MaxSessions" in (refused.value.hint or "") and transport.connected
+        go.touch()
+        assert [b"".join(stream) for stream in streams] == [b"done\n"] * 2  # they ran on to their end
+        assert transport.run(["echo", "after"]).stdout == "after\n" and transport.connection() is link
+    finally:
+        go.unlink(missing_ok=True)
+        transport.close()
 
 
 def test_stalled_link_during_a_stream_is_detected(
