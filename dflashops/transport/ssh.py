@@ -104,8 +104,7 @@ class SshTransport(Transport):
 
     def _close_quietly(self, why: str = "closed on this side") -> None:
         if self._conn is not None:
-            if self._conn.transport is not None:
-                setattr(self._conn.transport, CLOSED_HERE, why)
+            mark_closed_here(self._conn.transport, why)
             try:
                 self._conn.close()
             except Exception:  # noqa: BLE001 - closing a broken link may raise anything
@@ -129,16 +128,27 @@ class SshTransport(Transport):
                 hint="too many commands at once on one connection (sshd's MaxSessions); run it again when some end",
             ) from None
         except (paramiko.SSHException, OSError, EOFError) as exc:
-            raise self._start_failed(exc) from None
+            raise self._start_failed(transport, exc) from None
         try:
             channel.exec_command(self.command_line(argv, env))
         except (paramiko.SSHException, OSError, EOFError) as exc:
-            raise self._start_failed(exc) from None
+            raise self._start_failed(transport, exc) from None
         return channel
 
-    def _start_failed(self, exc: BaseException) -> TransportError:
+    def _drop(self, link: paramiko.Transport | None, why: str) -> None:
+        """Close `link`, the connection a command ran on, and forget it if it is still this transport's. A newer
+        connection that another thread made meanwhile (a multiplexer serves many) stays up."""
+        with self._lock:
+            if self._conn is not None and self._conn.transport is link:
+                self._close_quietly(why)
+                return
+        if link is not None:
+            mark_closed_here(link, why)
+            link.close()
+
+    def _start_failed(self, link: paramiko.Transport, exc: BaseException) -> TransportError:
         """The link broke while a command was being started: drop it (the next command reconnects)."""
-        self.close(f"closed on this side: starting a command failed ({exc or type(exc).__name__})")
+        self._drop(link, f"closed on this side: starting a command failed ({exc or type(exc).__name__})")
         return TransportError(
             f"{self.name}: could not start a command: {exc or type(exc).__name__}",
             hint="the connection broke; run the command again",
@@ -190,7 +200,7 @@ class SshTransport(Transport):
                     got = True
                 chunk = channel.recv(CHUNK) if channel.recv_ready() else None
             except (paramiko.SSHException, OSError, EOFError) as exc:  # e.g. a key exchange that timed out
-                self.close(f"closed on this side: a read failed ({exc or type(exc).__name__})")
+                self._drop(channel.get_transport(), f"closed on this side: a read failed ({exc or type(exc).__name__})")
                 raise TransportError(
                     f"{self.name}: connection broke during: {join_argv(argv)} ({exc})",
                     hint="run it again; the next command reconnects",
@@ -209,20 +219,16 @@ class SshTransport(Transport):
                     f"{self.name}: command timed out: {join_argv(argv)}", hint="raise the timeout, or check the target"
                 )
             if now - last_data > IDLE_PROBE_S:
-                self._probe_alive(argv)
+                self._probe_alive(channel.get_transport(), argv)
                 last_data = time.monotonic()
             select.select([wake], [], [], 0.2)
-        while not channel.exit_status_ready() and self._link_alive():
+        while not channel.exit_status_ready() and _active(channel):
             time.sleep(0.005)
         while channel.recv_stderr_ready():
             err += channel.recv_stderr(CHUNK)
 
-    def _link_alive(self) -> bool:
-        return bool(self._conn and self._conn.transport and self._conn.transport.is_active())
-
-    def _probe_alive(self, argv: Sequence[str]) -> None:
-        """A keepalive that wants a reply; none within PROBE_TIMEOUT_S means the link is gone."""
-        transport = self._conn.transport if self._conn else None
+    def _probe_alive(self, transport: paramiko.Transport | None, argv: Sequence[str]) -> None:
+        """A keepalive on the command's link that wants a reply; none within PROBE_TIMEOUT_S means it is gone."""
         answered = threading.Event()
 
         def ask() -> None:
@@ -238,9 +244,7 @@ class SshTransport(Transport):
 
         threading.Thread(target=ask, daemon=True).start()
         if not answered.wait(PROBE_TIMEOUT_S) and transport is not None:
-            setattr(
-                transport, CLOSED_HERE, f"closed on this side: no answer to a liveness probe in {PROBE_TIMEOUT_S:.0f}s"
-            )
+            mark_closed_here(transport, f"closed on this side: no answer to a liveness probe in {PROBE_TIMEOUT_S:.0f}s")
             transport.close()
             raise TransportError(
                 f"{self.name}: connection stalled (no answer in {PROBE_TIMEOUT_S:.0f}s) during: {join_argv(argv)}",
@@ -250,15 +254,27 @@ class SshTransport(Transport):
     def _exit_code(self, channel: paramiko.Channel, argv: Sequence[str]) -> int:
         code = channel.exit_status if channel.exit_status_ready() else -1
         if code == -1:
-            if not self._link_alive():
+            if not _active(channel):
                 reason = link_loss_reason(channel.get_transport())
-                self.close(reason)
+                self._drop(channel.get_transport(), reason)
                 raise TransportError(
                     f"{self.name}: connection lost during: {join_argv(argv)} ({reason})",
                     hint="the link dropped; the next command reconnects",
                 )
             return 255  # killed by a signal (exit-signal): what OpenSSH's client reports too
         return code
+
+
+def mark_closed_here(link: paramiko.Transport | None, why: str) -> None:
+    """Record why this side is closing a link that is still up; a link already gone keeps its own cause."""
+    if link is not None and link.is_active() and not getattr(link, CLOSED_HERE, None):
+        setattr(link, CLOSED_HERE, why)
+
+
+def _active(channel: paramiko.Channel) -> bool:
+    """The channel's own link is up (not the transport's current one: another thread may have reconnected)."""
+    link = channel.get_transport()
+    return bool(link is not None and link.is_active())
 
 
 def link_loss_reason(transport: paramiko.Transport | None) -> str:

@@ -139,6 +139,29 @@ def test_a_link_lost_mid_command_says_which_end_closed_it(harness: Harness, prox
     transport.close()
 
 
+def test_a_command_whose_link_died_fails_even_after_another_reconnected(harness: Harness, proxy: LoopProxy) -> None:
+    """On a shared transport (a multiplexer's, used by many threads) a command whose own link was cut raises
+    "connection lost" also when another command has reconnected meanwhile: it used to read the new link as
+    its own, end as if the command had finished (exit 255; a stream just stopped), and the new link stayed up
+    only by luck. The new link is left alone."""
+    transport = SshTransport(name="pve", settings=settings_for(harness, port=proxy.port))
+    stream = transport.stream(["sh", "-c", "echo running; sleep 20"], timeout=30)
+    assert next(stream) == b"running\n"
+    first = transport.connection()
+    proxy.cut_all()
+    deadline = time.monotonic() + 10
+    while first.is_active():  # paramiko's thread has seen the cut
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert transport.run(["echo", "other"]).stdout == "other\n"  # another user of the transport reconnects
+    second = transport.connection()
+    assert second is not first
+    with pytest.raises(TransportError, match=r"connection lost during: sh -c .*\(closed from the far end"):
+        next(stream)
+    assert transport.connection() is second and transport.run(["echo", "still"]).stdout == "still\n"
+    transport.close()
+
+
 @pytest.fixture
 def two_session_sshd(harness: Harness, tmp_path: Path) -> Iterator[int]:
     """A second real sshd of the harness (same host key, user and keys) that allows two sessions per
