@@ -46,6 +46,7 @@ if not os.environ.get("DFLASHOPS_DEBUG"):
 
 CHUNK = 64 * 1024
 CLOSED_HERE = "dflashops_closed_here"  # set on a paramiko Transport this side closes: why (see link_loss_reason)
+LOCAL_CLOSE = "closed on this side"
 # With no byte from the server for this long, a keepalive with reply is sent; no reply within
 # PROBE_TIMEOUT_S means the link is dead (paramiko's own keepalive never notices a silent peer).
 IDLE_PROBE_S = 15.0
@@ -97,12 +98,12 @@ class SshTransport(Transport):
         conn = self._conn
         return conn is not None and conn.transport is not None and conn.transport.is_active()
 
-    def close(self, why: str = "closed on this side") -> None:
+    def close(self, why: str = LOCAL_CLOSE) -> None:
         """Drop the connection; `why` is what a command still running on it reports as the link's cause."""
         with self._lock:
             self._close_quietly(why)
 
-    def _close_quietly(self, why: str = "closed on this side") -> None:
+    def _close_quietly(self, why: str = LOCAL_CLOSE) -> None:
         if self._conn is not None:
             mark_closed_here(self._conn.transport, why)
             try:
@@ -148,7 +149,7 @@ class SshTransport(Transport):
 
     def _start_failed(self, link: paramiko.Transport, exc: BaseException) -> TransportError:
         """The link broke while a command was being started: drop it (the next command reconnects)."""
-        self._drop(link, f"closed on this side: starting a command failed ({exc or type(exc).__name__})")
+        self._drop(link, f"{LOCAL_CLOSE}: starting a command failed ({exc or type(exc).__name__})")
         return TransportError(
             f"{self.name}: could not start a command: {exc or type(exc).__name__}",
             hint="the connection broke; run the command again",
@@ -200,7 +201,7 @@ class SshTransport(Transport):
                     got = True
                 chunk = channel.recv(CHUNK) if channel.recv_ready() else None
             except (paramiko.SSHException, OSError, EOFError) as exc:  # e.g. a key exchange that timed out
-                self._drop(channel.get_transport(), f"closed on this side: a read failed ({exc or type(exc).__name__})")
+                self._drop(channel.get_transport(), f"{LOCAL_CLOSE}: a read failed ({exc or type(exc).__name__})")
                 raise TransportError(
                     f"{self.name}: connection broke during: {join_argv(argv)} ({exc})",
                     hint="run it again; the next command reconnects",
@@ -244,8 +245,7 @@ class SshTransport(Transport):
 
         threading.Thread(target=ask, daemon=True).start()
         if not answered.wait(PROBE_TIMEOUT_S) and transport is not None:
-            mark_closed_here(transport, f"closed on this side: no answer to a liveness probe in {PROBE_TIMEOUT_S:.0f}s")
-            transport.close()
+            self._drop(transport, f"{LOCAL_CLOSE}: no answer to a liveness probe in {PROBE_TIMEOUT_S:.0f}s")
             raise TransportError(
                 f"{self.name}: connection stalled (no answer in {PROBE_TIMEOUT_S:.0f}s) during: {join_argv(argv)}",
                 hint="check the network; run it again",

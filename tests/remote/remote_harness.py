@@ -153,13 +153,13 @@ def install_standin() -> None:
         os.replace(tmp, STANDIN_DIR / name)
 
 
-def _write_sshd_config(root: Path, port: int) -> Path:
-    config = root / "sshd_config"
+def _write_sshd_config(root: Path, port: int, folder: Path, max_sessions: int) -> Path:
+    config = folder / "sshd_config"
     config.write_text(
         f"""Port {port}
 ListenAddress 127.0.0.1
 HostKey {root}/ssh_host_ed25519_key
-PidFile {root}/sshd.pid
+PidFile {folder}/sshd.pid
 AuthorizedKeysFile {root}/authorized_keys
 StrictModes no
 UsePAM no
@@ -172,7 +172,7 @@ AllowTcpForwarding yes
 X11Forwarding no
 PrintMotd no
 LogLevel ERROR
-MaxSessions 64
+MaxSessions {max_sessions}
 MaxStartups 64:30:128
 SetEnv PATH={STANDIN_DIR}:/usr/local/bin:/usr/bin:/bin DFO_PCT_STATE={root}/pct
 """
@@ -204,21 +204,33 @@ def start_harness() -> Harness:
     )
     harness.sudoers_file.chmod(0o440)
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
-    config = _write_sshd_config(root, port)
-    sshd_log = open(root / "sshd.log", "wb")  # noqa: SIM115 - sshd's stderr while it runs
-    harness.sshd = subprocess.Popen(
-        ["/usr/sbin/sshd", "-D", "-e", "-f", str(config)], stdin=subprocess.DEVNULL, stderr=sshd_log
-    )
     (root / "known_hosts").write_text(harness.known_hosts_line(port))
+    try:
+        harness.sshd = start_sshd(root, port)
+    except RuntimeError:
+        harness.stop()
+        raise
+    return harness
+
+
+def start_sshd(root: Path, port: int, folder: Path | None = None, max_sessions: int = 64) -> subprocess.Popen:
+    """An sshd of the harness in `root` (its host key, user and authorized keys) on `port`, with its config,
+    pid file and log (-e: stderr) in `folder` (default: root), once it accepts connections. A test may start a
+    second one with other limits (max_sessions: sessions per connection, OpenSSH's default is 10)."""
+    folder = root if folder is None else folder
+    config = _write_sshd_config(root, port, folder, max_sessions)
+    with open(folder / "sshd.log", "wb") as log:  # the child keeps its own copy of the descriptor
+        sshd = subprocess.Popen(["/usr/sbin/sshd", "-D", "-e", "-f", str(config)], stdin=subprocess.DEVNULL, stderr=log)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return harness
+            return sshd
         except OSError:
-            if harness.sshd.poll() is not None:
+            if sshd.poll() is not None:
                 break
             time.sleep(0.05)
-    log = (root / "sshd.log").read_text(errors="replace")
-    harness.stop()
-    raise RuntimeError(f"sshd did not start: {log}")
+    if sshd.poll() is None:
+        sshd.kill()  # our own child, by its handle
+        sshd.wait()
+    raise RuntimeError(f"sshd did not start: {(folder / 'sshd.log').read_text(errors='replace')}")

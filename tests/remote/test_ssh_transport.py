@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import socket
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import settings_for
 from loopproxy import LoopProxy
-from remote_harness import Harness, free_port
+from remote_harness import Harness, free_port, start_sshd
 
 import dflashops.transport.ssh as ssh_module
 from dflashops.errors import TransportError
@@ -167,22 +165,9 @@ def two_session_sshd(harness: Harness, tmp_path: Path) -> Iterator[int]:
     """A second real sshd of the harness (same host key, user and keys) that allows two sessions per
     connection, as a host whose MaxSessions is reached (OpenSSH's default is 10); its port."""
     port = free_port()
-    text = (harness.root / "sshd_config").read_text()
-    text = text.replace(f"Port {harness.port}\n", f"Port {port}\n").replace("MaxSessions 64", "MaxSessions 2")
-    config = tmp_path / "sshd_config"
-    config.write_text(text.replace(f"PidFile {harness.root}/sshd.pid", f"PidFile {tmp_path}/sshd.pid"))
-    with (tmp_path / "sshd.log").open("wb") as log:  # -e: its log on stderr, beside its config
-        sshd = subprocess.Popen(["/usr/sbin/sshd", "-D", "-e", "-f", str(config)], stdin=subprocess.DEVNULL, stderr=log)
+    sshd = start_sshd(harness.root, port, folder=tmp_path, max_sessions=2)
     try:
         harness.trust_port(port)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                assert sshd.poll() is None and time.monotonic() < deadline, "the second sshd did not start"
-                time.sleep(0.05)
         yield port
     finally:
         sshd.terminate()  # our own child, by its handle
