@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -529,6 +530,10 @@ def parse_train_args(argv: list[str]) -> TrainConfig:
     values.update(given)
     if preset != "tiny":
         values.setdefault("tiny_target", None)
+    if values.get("target_model"):
+        # Recorded absolute (the checkpoint's config): `trainer export --format speculators` reads the target's
+        # embedding, LM head and norm from it later, from whatever folder the export runs in.
+        values["target_model"] = os.path.abspath(values["target_model"])
     if values.get("output_dir") is None:
         values["output_dir"] = f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}"
     return TrainConfig.from_dict(values).validate()

@@ -1,4 +1,5 @@
-"""`dflashops fetch RUN [--checkpoint latest|STEP] [--export [--format zlab|speculators]] [--logs] [--to DIR] [--json]`.
+"""`dflashops fetch RUN [--checkpoint latest|STEP] [--export [--format zlab|speculators [--target-model DIR]
+[--verifier NAME]]] [--logs] [--to DIR] [--json]`.
 
 A rich progress bar with the rate on stderr (plain lines when stderr is not a terminal); on stdout the
 destination folder, or with --json the whole outcome (files, how each came: fetched / resumed / unchanged,
@@ -43,6 +44,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=EXPORT_FORMATS,
         help="with --export: zlab, the public DFlash format, into export/step_N/; or speculators, vLLM speculators' "
         "form with the target's embedding, LM head and final norm, into export/step_N-speculators/ (default: zlab)",
+    )
+    p.add_argument(
+        "--target-model",
+        metavar="DIR",
+        help="with --format speculators: the target's Hugging Face directory ON THE TARGET (default: the one the "
+        "run's checkpoint records; a tiny-preset run's target is rebuilt from its config)",
+    )
+    p.add_argument(
+        "--verifier",
+        metavar="NAME",
+        help="with --format speculators: the target's name written into the export, e.g. Qwen/Qwen3-8B, so that "
+        "serving machines find it (default: the target directory)",
     )
     p.add_argument("--logs", action="store_true", help="fetch train.log too (alone: logs and metadata only)")
     p.add_argument("--to", metavar="DIR", type=Path, help="destination folder (default: ./fetched/RUN)")
@@ -95,12 +108,19 @@ def handle_fetch(args: argparse.Namespace) -> int:
         raise UsageError(
             "--format chooses the export's format: it needs --export", hint="--export --format speculators"
         )
+    if (args.target_model or args.verifier) and args.format != "speculators":
+        raise UsageError(
+            "--target-model and --verifier apply to the speculators export only",
+            hint="--export --format speculators --target-model DIR",
+        )
     request = FetchRequest(
         run=args.run,
         target=args.target,
         checkpoint=args.checkpoint,
         export=args.export,
         export_format=args.format or "zlab",
+        target_model=args.target_model,
+        verifier=args.verifier,
         logs=args.logs,
         to=args.to,
         retries=args.retries,
