@@ -39,6 +39,10 @@ PIP_INSTALL = $(BIN)/pip install -q --upgrade pip \
 	&& { $(BIN)/pip install -q --no-index --no-deps "torch==$(TORCH_VERSION)+cpu" 2>/dev/null \
 	|| $(BIN)/pip install -q --extra-index-url $(TORCH_CPU_INDEX) "torch==$(TORCH_VERSION)+cpu"; } \
 	&& $(BIN)/pip install -q "torch==$(TORCH_VERSION)+cpu" && $(BIN)/pip install -q -e '.[train,dev]'
+# The controller's own modules are byte-compiled once here: the editable install leaves them uncompiled, and where
+# PYTHONDONTWRITEBYTECODE is set (some sandboxes set it) nothing a call compiles is kept, so every `dflashops` call
+# compiled ~40 modules again (`status --help` 0.13 s -> 0.09 s, bench/cli_startup.py; bench/RESULTS.md
+# "2026-12-06 — what one dflashops call costs"). A module edited later is compiled again in memory, as usual.
 # The fallback is inlined, not a `$(MAKE) pip-install`: `make -n` runs a line naming $(MAKE), and
 # tests/controller/test_ctl_fresh_clone.py reads `make -n`'s plan.
 $(STAMP): pyproject.toml Makefile
@@ -49,6 +53,7 @@ $(STAMP): pyproject.toml Makefile
 	[ -n "$$torch_from" ] || torch_from="--extra-index-url $(TORCH_CPU_INDEX) --index-strategy unsafe-best-match"; \
 	$(BIN)/pip install -q uv && $(UV_INSTALL) $$torch_from "torch==$(TORCH_VERSION)+cpu" -e '.[train,dev]' \
 		|| { echo "uv did not install; pip instead" >&2; $(PIP_INSTALL); }
+	$(BIN)/python -m compileall -q dflashops
 	touch $(STAMP)
 
 # The same packages through pip alone (the fallback above, by hand).
