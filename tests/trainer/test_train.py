@@ -141,6 +141,20 @@ def test_bad_input_is_a_clear_error_and_writes_nothing(
     assert not run.exists()
 
 
+def test_an_unknown_flag_names_the_closest_one(tmp_path: Path) -> None:
+    """`python -m trainer train --lrr 1`, typed as a user would: one error line, the flag it was close to."""
+    run = tmp_path / "run"
+    typed = [sys.executable, "-m", "trainer", "train", "--preset", "tiny", "--output-dir", str(run)]
+    out = subprocess.run([*typed, "--lrr", "1"], capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stdout) == (2, "") and not run.exists()
+    assert out.stderr == (
+        "error: unrecognized arguments: --lrr 1\n"
+        "hint: did you mean --lr? (`python -m trainer train --help` lists every flag)\n"
+    )
+    out = subprocess.run([*typed, "--qqqqqq"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.endswith("\nhint: `python -m trainer train --help` lists every flag\n")
+
+
 def test_resume_with_a_different_shape_is_refused_and_changes_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
