@@ -16,7 +16,7 @@ setup: $(STAMP)
 system-deps:
 	@if ! command -v tmux >/dev/null || [ ! -x /usr/sbin/sshd ] || ! command -v sudo >/dev/null \
 	    || ! command -v rsync >/dev/null; then \
-		echo "installing tmux, openssh-server, sudo and rsync" >&2; \
+		echo "setup: tmux, openssh-server, sudo and rsync (apt-get)" >&2; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 			tmux openssh-server openssh-client sudo rsync >/dev/null; \
 	fi
@@ -45,16 +45,20 @@ PIP_INSTALL = $(BIN)/pip install -q --upgrade pip \
 # "2026-12-06 — what one dflashops call costs"). A module edited later is compiled again in memory, as usual.
 # The fallback is inlined, not a `$(MAKE) pip-install`: `make -n` runs a line naming $(MAKE), and
 # tests/controller/test_ctl_fresh_clone.py reads `make -n`'s plan.
+# Each stage says what it installs in one line on stderr; the recipes themselves are not echoed (`make -n` shows
+# them): the install line alone was ~10 lines of shell before ~2 minutes of silence (issue 46 item 5).
 $(STAMP): pyproject.toml Makefile
-	$(MAKE) system-deps
-	[ -x $(BIN)/python ] || $(PY) -m venv $(VENV)
-	torch_from=; for link in $$($(BIN)/pip config get global.find-links 2>/dev/null); do \
+	@$(MAKE) --no-print-directory system-deps
+	@[ -x $(BIN)/python ] || { echo "setup: a virtual environment in $(VENV) ($(PY) -m venv)" >&2; $(PY) -m venv $(VENV); }
+	@echo "setup: torch $(TORCH_VERSION) (CPU build), transformers and dflashops into $(VENV) (a few minutes the first time)" >&2
+	@torch_from=; for link in $$($(BIN)/pip config get global.find-links 2>/dev/null); do \
 		torch_from="$$torch_from --find-links $$link"; done; \
 	[ -n "$$torch_from" ] || torch_from="--extra-index-url $(TORCH_CPU_INDEX) --index-strategy unsafe-best-match"; \
 	$(BIN)/pip install -q uv && $(UV_INSTALL) $$torch_from "torch==$(TORCH_VERSION)+cpu" -e '.[train,dev]' \
 		|| { echo "uv did not install; pip instead" >&2; $(PIP_INSTALL); }
-	$(BIN)/python -m compileall -q dflashops
-	touch $(STAMP)
+	@$(BIN)/python -m compileall -q dflashops
+	@echo "setup: done ($(VENV))" >&2
+	@touch $(STAMP)
 
 # The same packages through pip alone (the fallback above, by hand).
 pip-install:
