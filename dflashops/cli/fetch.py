@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from dflashops.cli.common import emit_json, open_invocation, print_plan, progress
+from dflashops.cli.common import emit_json, open_invocation, print_plan, progress, size
 from dflashops.cli.control import with_run_hint
 from dflashops.errors import UsageError
 from dflashops.ops.fetch.fetch import EXPORT_FORMATS, FetchRequest, Progress, fetch
@@ -101,6 +101,15 @@ def progress_bar(quiet: bool) -> Iterator[Progress]:
         )
 
 
+def transfer(sent: int, seconds: float) -> str:
+    """`1,048,576 bytes sent in 0.3 s, 3.3 MiB/s`: the rate in a unit that keeps its digits (a 1 MB fetch was
+    `0 MiB/s`), or `nothing sent` when every file was here already."""
+    if sent == 0:
+        return "nothing sent"
+    rate = f", {size(round(sent / seconds))}/s" if seconds > 0 else ""
+    return f"{sent:,} bytes sent in {seconds:.1f} s{rate}"
+
+
 def handle_fetch(args: argparse.Namespace) -> int:
     if args.retries < 0:
         raise UsageError("--retries must be >= 0", hint="--retries 8")
@@ -136,8 +145,8 @@ def handle_fetch(args: argparse.Namespace) -> int:
     kinds = {how: sum(f.how == how for f in outcome.files) for how in ("fetched", "resumed", "unchanged")}
     progress(
         f"{args.run}: {len(outcome.files)} file(s) in {outcome.to} ({kinds['fetched']} fetched, "
-        f"{kinds['resumed']} resumed, {kinds['unchanged']} unchanged; {sent['bytes_sent']:,} bytes sent in "
-        f"{outcome.seconds:.1f}s, {sent['rate_mib_s'] or 0} MiB/s); every file matches its sha256"
+        f"{kinds['resumed']} resumed, {kinds['unchanged']} unchanged; {transfer(sent['bytes_sent'], outcome.seconds)}"
+        "); every file matches its sha256"
     )
     if args.json:
         emit_json(sent)
