@@ -432,7 +432,7 @@ def handle_gc(args: argparse.Namespace) -> int:
     runs, releases = len(answer["removed_runs"]), len(answer["removed_releases"])
     summary = f"{runs} run director{'y' if runs == 1 else 'ies'} and {releases} release(s), {size(total)}"
     if args.dry_run:
-        progress(f"dry run on {target.name}: {summary} would be deleted; nothing was")
+        progress(f"dry run on {target.name}: {summary} would be deleted; nothing was deleted")
     elif answer["removed"] or answer["retired_standbys"]:
         progress(f"gc on {target.name}: deleted {summary}")
     else:
