@@ -1,9 +1,12 @@
 """Small output warts of issue 46 item 12, each typed as a user would: `status` cells in one format per column
-(as the trainer's log line writes them), ..."""
+(as the trainer's log line writes them); an ended run's last log lines are the trainer's, not wandb's, and its log
+names the drafter; `runs diff` names the files that changed between two code hashes."""
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 
 import pytest
 
@@ -49,3 +52,21 @@ def test_an_ended_runs_last_lines_are_the_trainers_and_its_log_names_the_drafter
     log = (env.runs / "d2" / "train.log").read_text()
     assert "wandb: " in log  # wandb ran (its start lines stay)
     assert "drafter: DFlash2, 2 layers, block 8, taps " in log
+
+
+def test_runs_diff_names_the_files_that_changed(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    """`runs diff A B` of two runs whose code differs names the files, read from the target's two releases."""
+    assert env.deploy_one_step("cd1", capsys) == 0
+    workload = env.root / "workload.py"
+    workload.write_text(workload.read_text() + "\n# an edit\n")
+    assert env.deploy_one_step("cd2", capsys) == 0
+    code, out, err = env.cli("runs", "diff", "cd1", "cd2", capsys=capsys)
+    assert code == 0, err
+    assert "\n  ~ code_hash: " in out and "\n    file changed: workload.py\n" in out, out
+    code, out, _ = env.cli("runs", "diff", "cd1", "cd2", "--json", capsys=capsys)
+    assert json.loads(out)["files"] == {"changed": [{"how": "M", "path": "workload.py"}], "unknown": None}
+    # a release gc removed: not known, and why
+    release = json.loads((env.runs / "cd1" / "run.json").read_text())["release"]
+    shutil.rmtree(release)
+    code, out, err = env.cli("runs", "diff", "cd1", "cd2", capsys=capsys)
+    assert code == 0 and "    files: not known (release " in out and "is no longer on local: gc removed it)" in out
