@@ -101,13 +101,15 @@ def progress_bar(quiet: bool) -> Iterator[Progress]:
         )
 
 
-def transfer(sent: int, seconds: float) -> str:
-    """`1,048,576 bytes sent in 0.3 s, 3.3 MiB/s`: the rate in a unit that keeps its digits (a 1 MB fetch was
+def transfer(sent: int, seconds: float, total: float | None = None) -> str:
+    """`1,048,576 bytes sent in 0.3 s, 3.3 MiB/s`: the rate of the transfer alone (`seconds`; the whole call,
+    with an export, is `total`), in a unit that keeps its digits (a 1 MB fetch after an export said
     `0 MiB/s`), or `nothing sent` when every file was here already."""
     if sent == 0:
         return "nothing sent"
     rate = f", {size(round(sent / seconds))}/s" if seconds > 0 else ""
-    return f"{sent:,} bytes sent in {seconds:.1f} s{rate}"
+    whole = f" ({total:.1f} s in all, the export included)" if total is not None else ""
+    return f"{sent:,} bytes sent in {seconds:.1f} s{whole}{rate}"
 
 
 def handle_fetch(args: argparse.Namespace) -> int:
@@ -143,10 +145,10 @@ def handle_fetch(args: argparse.Namespace) -> int:
             return 0
     sent = outcome.to_dict()
     kinds = {how: sum(f.how == how for f in outcome.files) for how in ("fetched", "resumed", "unchanged")}
+    moved = transfer(sent["bytes_sent"], outcome.transfer_seconds, outcome.seconds if args.export else None)
     progress(
         f"{args.run}: {len(outcome.files)} file(s) in {outcome.to} ({kinds['fetched']} fetched, "
-        f"{kinds['resumed']} resumed, {kinds['unchanged']} unchanged; {transfer(sent['bytes_sent'], outcome.seconds)}"
-        "); every file matches its sha256"
+        f"{kinds['resumed']} resumed, {kinds['unchanged']} unchanged; {moved}); every file matches its sha256"
     )
     if args.json:
         emit_json(sent)

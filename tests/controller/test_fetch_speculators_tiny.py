@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,9 @@ def test_speculators_export_of_a_tiny_run(env: Env, capsys: pytest.CaptureFixtur
     assert code == 0, err
     spec = dest / "export/step_000002-speculators"
     assert out.strip() == str(dest) and sorted(p.name for p in spec.iterdir()) == ["config.json", "model.safetensors"]
+    # the rate is the transfer's, not over the export's seconds too (that said `0 MiB/s` for a ~1 MB fetch)
+    said = re.search(r"bytes sent in (\d+\.\d) s \((\d+\.\d) s in all, the export included\), [\d.]+ \w+/s\)", err)
+    assert said and float(said.group(1)) < float(said.group(2)), err
     assert (
         "tiny-preset target (seed 0"
         in json.loads((spec / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"]
