@@ -17,6 +17,24 @@ container_dir = sys.argv[1]
 os.makedirs("/workspace", exist_ok=True)
 subprocess.run(["mount", "--bind", f"{container_dir}/workspace", "/workspace"], check=True)
 subprocess.run(["mount", "--bind", f"{container_dir}/tmp", "/tmp"], check=True)
+if os.path.exists(f"{container_dir}/provisioned"):
+    # A container made by `pct create/clone`: its own /usr/local/bin (what is installed in it), a /dev with only
+    # the devices its config passes through (as LXC gives it), and the host driver's version where the NVIDIA
+    # userspace reads it (the fresh /proc of --mount-proc lacks the fake host's).
+    subprocess.run(["mount", "--bind", f"{container_dir}/usr-local-bin", "/usr/local/bin"], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=755", "tmpfs", "/dev"], check=True)
+    for name, major, minor in (("null", 1, 3), ("zero", 1, 5), ("full", 1, 7), ("random", 1, 8), ("urandom", 1, 9)):
+        os.mknod(f"/dev/{name}", 0o20666, os.makedev(major, minor))
+    with open(f"{container_dir}/devices") as listing:
+        for line in listing:
+            path, major, minor = line.split()
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            os.mknod(path, 0o20666, os.makedev(int(major), int(minor)))
+    if os.path.exists(f"{container_dir}/driver_version"):
+        subprocess.run(["mount", "-t", "tmpfs", "tmpfs", "/proc/driver"], check=True)
+        os.makedirs("/proc/driver/nvidia")
+        with open(f"{container_dir}/driver_version") as source, open("/proc/driver/nvidia/version", "w") as out:
+            out.write(source.read())
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
 sys.stdout.write("ready\n")
 sys.stdout.flush()

@@ -20,6 +20,7 @@ recorded PID; it removes its sudoers file. Concurrent sessions (two engineers' t
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import socket
@@ -31,7 +32,14 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 TEST_USER = "dfotest"
-STANDIN_DIR = Path("/usr/local/lib/dflashops-test")  # shared by concurrent sessions (same content)
+STANDIN_FILES = (("pct_standin.py", "pct"), ("ct_init.py", "ct_init.py"))
+STANDIN_TOOLS = ("pct", "pveam", "pvesm")  # one program: it acts as the tool it is called as
+# Shared by concurrent sessions of the same stand-in; a folder per content, so a session of another branch (whose
+# stand-in lacks a verb, or has one more) never replaces the programs this session's sshd runs.
+STANDIN_DIR = (
+    Path("/usr/local/lib/dflashops-test")
+    / hashlib.sha256(b"".join((HERE / source).read_bytes() for source, _ in STANDIN_FILES)).hexdigest()[:12]
+)
 SUDOERS_DIR = Path("/etc/sudoers.d")
 
 
@@ -146,11 +154,15 @@ class Harness:
 def install_standin() -> None:
     """Copy the stand-in and its init to STANDIN_DIR atomically (a concurrent session may be using them)."""
     STANDIN_DIR.mkdir(parents=True, exist_ok=True)
-    for source, name in ((HERE / "pct_standin.py", "pct"), (HERE / "ct_init.py", "ct_init.py")):
+    for source, name in STANDIN_FILES:
         tmp = STANDIN_DIR / f".{name}.{os.getpid()}"
-        shutil.copy(source, tmp)
+        shutil.copy(HERE / source, tmp)
         tmp.chmod(0o755)
         os.replace(tmp, STANDIN_DIR / name)
+    for tool in STANDIN_TOOLS[1:]:  # pveam and pvesm: the same program under their names
+        tmp = STANDIN_DIR / f".{tool}.{os.getpid()}"
+        shutil.copy(STANDIN_DIR / "pct", tmp)
+        os.replace(tmp, STANDIN_DIR / tool)
 
 
 def _write_sshd_config(root: Path, port: int, folder: Path, max_sessions: int) -> Path:
@@ -200,7 +212,7 @@ def start_harness() -> Harness:
     harness.sudoers_file.write_text(
         f'Defaults:{TEST_USER} secure_path="{STANDIN_DIR}:/usr/sbin:/usr/bin:/sbin:/bin"\n'
         f'Defaults:{TEST_USER} env_keep += "DFO_PCT_STATE"\n'
-        f"{TEST_USER} ALL=(root) NOPASSWD: {STANDIN_DIR}/pct\n"
+        f"{TEST_USER} ALL=(root) NOPASSWD: {', '.join(f'{STANDIN_DIR}/{tool}' for tool in STANDIN_TOOLS)}\n"
     )
     harness.sudoers_file.chmod(0o440)
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
@@ -213,14 +225,19 @@ def start_harness() -> Harness:
     return harness
 
 
-def start_sshd(root: Path, port: int, folder: Path | None = None, max_sessions: int = 64) -> subprocess.Popen:
+def start_sshd(
+    root: Path, port: int, folder: Path | None = None, max_sessions: int = 64, wrapper: tuple[str, ...] = ()
+) -> subprocess.Popen:
     """An sshd of the harness in `root` (its host key, user and authorized keys) on `port`, with its config,
     pid file and log (-e: stderr) in `folder` (default: root), once it accepts connections. A test may start a
-    second one with other limits (max_sessions: sessions per connection, OpenSSH's default is 10)."""
+    second one with other limits (max_sessions: sessions per connection, OpenSSH's default is 10), or inside a
+    `wrapper` that execs its arguments after setting the stage (a mount namespace with a fake GPU host's files)."""
     folder = root if folder is None else folder
     config = _write_sshd_config(root, port, folder, max_sessions)
     with open(folder / "sshd.log", "wb") as log:  # the child keeps its own copy of the descriptor
-        sshd = subprocess.Popen(["/usr/sbin/sshd", "-D", "-e", "-f", str(config)], stdin=subprocess.DEVNULL, stderr=log)
+        sshd = subprocess.Popen(
+            [*wrapper, "/usr/sbin/sshd", "-D", "-e", "-f", str(config)], stdin=subprocess.DEVNULL, stderr=log
+        )
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:

@@ -130,7 +130,9 @@ def device_lines(nodes: list[DeviceNode], facts: HostFacts) -> tuple[dict[str, s
         return {node.path: f"{node.path},mode=0666" for node in nodes}, []
     # nvidia-uvm's and nvidia-caps' majors are given out at module load: /proc/devices says which (a node's own
     # number where /proc/devices lacks the name).
-    named = {name: facts.char_majors[name] for name in ("nvidia-uvm", "nvidia-caps") if name in facts.char_majors}
+    named: dict[str, int] = {
+        name: facts.char_majors[name] for name in ("nvidia-uvm", "nvidia-caps") if name in facts.char_majors
+    }
     majors = sorted({NVIDIA_MAJOR, *named.values(), *(n.major for n in nodes if not _named(n, named))})
     lines = [f"lxc.cgroup2.devices.allow: c {major}:* rwm" for major in majors]
     lines += [f"lxc.mount.entry: {node.path} {node.path[1:]} none bind,optional,create=file" for node in nodes]
