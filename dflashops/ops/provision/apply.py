@@ -87,7 +87,14 @@ def _provision(
     total = len(plan.steps)
     for number, step in enumerate(plan.steps, 1):
         _apply(step, number, total, target, ct, host, sudo, progress, outcome)
-    inside = plan_container(target, spec, facts, read_container(ct, spec))
+    try:
+        inside = plan_container(target, spec, facts, read_container(ct, spec))
+    except DflashopsError as exc:
+        if not outcome.changed and cfg.UNFINISHED_TAG not in cfg.tags(cfg.parse_config("\n".join(plan.before))):
+            raise
+        # The host steps ran (or an earlier run's did): say that the container waits, unfinished, for the fix.
+        exc.hint = f"{exc.hint}; then provision again to finish container {plan.vmid} (tagged {cfg.UNFINISHED_TAG})"
+        raise
     for number, step in enumerate(inside, 1):
         _apply(step, number, len(inside), target, ct, host, sudo, progress, outcome)
     if inside and inside[-1].check:

@@ -23,7 +23,7 @@ from dflashops.ops.provision import config as cfg
 from dflashops.ops.provision.config import OWNER_TAG, UNFINISHED_TAG, Lines
 
 NVIDIA_MAJOR = 195  # /dev/nvidia[0-9]* and nvidiactl: fixed by the driver (nvidia-uvm's and nvidia-caps' vary)
-INSTALLER_IN_CT = "/root/dflashops-nvidia-installer.run"
+INSTALLER_IN_CT = "/tmp/dflashops-nvidia-installer.run"
 INSTALLER_FLAGS = ("--silent", "--no-kernel-module")  # the host's kernel module serves the container
 
 

@@ -1,0 +1,258 @@
+"""`dflashops provision` through a real sshd -> sudo pct stand-in, on a fake GPU host (provision_host.py).
+
+Planned first (--dry-run changes nothing), applied with a progress line per step, idempotent (a second run
+changes nothing and says so), refusals with one error and one hint before anything changes, the NVIDIA
+userspace of the host's driver version installed without a kernel module, and a half-made container finished by
+the next run.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import cli
+from provision_host import DRIVER, TEMPLATE, GpuHost, start_gpu_host
+from remote_harness import Harness
+
+
+@pytest.fixture(scope="module")
+def gpu_host(harness: Harness) -> Iterator[GpuHost]:
+    host = start_gpu_host(harness)
+    try:
+        yield host
+    finally:
+        host.stop()
+
+
+@pytest.fixture
+def made(harness: Harness) -> Iterator[list[int]]:
+    """The vmids a test makes: stopped and destroyed after it, so the next test's GPUs are free."""
+    vmids: list[int] = []
+    yield vmids
+    for vmid in vmids:
+        harness.pct("stop", str(vmid), check=False)
+        harness.pct("destroy", str(vmid), check=False)
+
+
+def write_inventory(path: Path, h: Harness, host: GpuHost, ctid: int, extra: str = "", **fields: str) -> Path:
+    block = {
+        "template": TEMPLATE,
+        "storage": "local-lvm",
+        "disk_gb": "8",
+        "cores": "4",
+        "memory_mb": "4096",
+        "network": "name=eth0,bridge=vmbr0,ip=dhcp",
+        "gpus": "[1]",
+        "driver_installer": f"{host.folder}/installers/NVIDIA-Linux-x86_64-{{version}}.run",
+        **fields,
+    }
+    lines = "".join(f"      {key}: {value}\n" for key, value in block.items() if value)
+    path.write_text(
+        textwrap.dedent(f"""\
+        hosts:
+          gpuhost:
+            address: 127.0.0.1
+            port: {host.port}
+            user: {h.user}
+            identity_file: {h.client_key}
+            known_hosts: {h.known_hosts}
+            sudo: true
+        targets:
+          box:
+            kind: pct
+            host: gpuhost
+            ctid: {ctid}
+            workspace: /workspace/box
+            python: /workspace/box/venv/bin/python
+            provision:
+        """)
+        + lines
+        + extra
+    )
+    h.trust_port(host.port)
+    return path
+
+
+def config_of(h: Harness, ctid: int) -> str:
+    return h.pct("config", str(ctid)).stdout
+
+
+def test_plan_apply_and_a_second_run_that_changes_nothing(
+    tmp_path: Path, harness: Harness, gpu_host: GpuHost, made: list[int]
+) -> None:
+    ctid = 300
+    made.append(ctid)
+    wheels = harness.pct_state / str(ctid) / "workspace" / "wheels"  # the container's /workspace/wheels
+    wheels.mkdir(parents=True)
+    make_wheel(wheels)
+    inventory = write_inventory(
+        tmp_path / "inventory.yaml",
+        harness,
+        gpu_host,
+        ctid,
+        packages="[tinypkg==1.0]",
+        pip_args="[--no-index, --find-links, /workspace/wheels]",
+    )
+    code, out, err = cli("--inventory", str(inventory), "provision", "box", "--dry-run")
+    assert code == 0, err
+    assert not (harness.pct_state / str(ctid) / f"{ctid}.conf").exists()  # planned only
+    lines = out.splitlines()
+    assert lines[0].startswith(f"sudo -n pct create {ctid} {TEMPLATE} --hostname box --cores 4")
+    assert f"sudo -n pct set {ctid} --dev0 /dev/nvidia1,mode=0666 --dev1 /dev/nvidiactl,mode=0666" in out
+    assert "--dev4 /dev/nvidia-caps/nvidia-cap1,mode=0666 --dev5 /dev/nvidia-caps/nvidia-cap2,mode=0666" in out
+    assert f"sudo -n pct exec {ctid} -- sh /tmp/dflashops-nvidia-installer.run --silent --no-kernel-module" in out
+    assert "+dev0: /dev/nvidia1,mode=0666" in lines and "--- /dev/null" in lines
+    assert f"sudo -n pct exec {ctid} -- nvidia-smi -L   # check" in lines
+
+    code, out, err = cli("--inventory", str(inventory), "provision", "box")
+    assert code == 0, err
+    assert out.strip().startswith(f"container {ctid} (box) provisioned:")
+    progress = [line for line in err.splitlines() if line.startswith("[")]
+    assert progress[0] == f"[1/3] create container {ctid} from {TEMPLATE}"
+    assert any("install the NVIDIA userspace 550.54.14, no kernel module" in line for line in progress)
+    config = config_of(harness, ctid)
+    assert "tags: dflashops\n" in config and "dev0: /dev/nvidia1,mode=0666" in config
+    assert "dflashops-unfinished" not in config
+    inside = harness.pct_state / str(ctid) / "usr-local-bin"
+    assert (inside / ".nvidia-installer.log").read_text() == f"{DRIVER} --silent --no-kernel-module\n"
+    listed = harness.in_container(str(ctid), "nvidia-smi", "-L").stdout.splitlines()
+    assert listed == ["GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0000-1)"]  # GPU 1 of the host, and only it
+    frozen = harness.in_container(str(ctid), "/workspace/box/venv/bin/python", "-m", "pip", "freeze").stdout
+    assert "tinypkg==1.0" in frozen
+
+    code, out, err = cli("--inventory", str(inventory), "provision", "box")
+    assert code == 0, err
+    assert out.strip() == f"container {ctid} (box) is as declared: nothing changed"
+    assert not [line for line in err.splitlines() if line.startswith("[") and "check" not in line]
+    assert (inside / ".nvidia-installer.log").read_text().count("\n") == 1
+    code, out, _ = cli("--inventory", str(inventory), "provision", "box", "--dry-run")
+    assert code == 0 and out.splitlines()[-1] == f"# container {ctid} is as declared: nothing to change"
+
+
+def make_wheel(folder: Path) -> None:
+    """tinypkg 1.0 as a wheel pip installs offline (--no-index --find-links)."""
+    import zipfile
+
+    dist = "tinypkg-1.0.dist-info"
+    files = {
+        "tinypkg/__init__.py": "VALUE = 1\n",
+        f"{dist}/METADATA": "Metadata-Version: 2.1\nName: tinypkg\nVersion: 1.0\n",
+        f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = "".join(f"{name},,\n" for name in files) + f"{dist}/RECORD,,\n"
+    with zipfile.ZipFile(folder / "tinypkg-1.0-py3-none-any.whl", "w") as wheel:
+        for name, text in {**files, f"{dist}/RECORD": record}.items():
+            wheel.writestr(name, text)
+
+
+def refused(inventory: Path, *extra: str) -> tuple[int, str, str]:
+    code, out, err = cli("--inventory", str(inventory), "provision", "box", *extra)
+    lines = err.splitlines()
+    assert code != 0 and [line.split(":")[0] for line in lines[-2:]] == ["error", "hint"], err
+    assert not [line for line in lines if line.startswith("[")]  # no step ran
+    return code, lines[-2], lines[-1]
+
+
+def test_refusals_before_any_change(tmp_path: Path, harness: Harness, gpu_host: GpuHost) -> None:
+    path = tmp_path / "inventory.yaml"
+    before = sorted(p.name for p in harness.pct_state.iterdir())
+    inventory = write_inventory(path, harness, gpu_host, 310, template="local:vztmpl/debian-13-missing.tar.zst")
+    _, error, hint = refused(inventory)
+    assert "template local:vztmpl/debian-13-missing.tar.zst is not on gpuhost's storage 'local'" in error
+    assert hint == "hint: fetch it on the host: pveam update && pveam download local debian-13-missing.tar.zst"
+    inventory = write_inventory(path, harness, gpu_host, 200)  # the harness's container, not ours
+    code, error, hint = refused(inventory)
+    assert code == 4 and "vmid 200 on gpuhost is taken by container 'gpu200'" in error and "--adopt" in hint
+    (gpu_host.knobs / "storage" / "local-lvm").write_text(str(2 * 1024 * 1024))  # 2 GiB free, in KiB
+    try:
+        _, error, hint = refused(write_inventory(path, harness, gpu_host, 310))
+        assert "storage 'local-lvm' on gpuhost has 2.0 GiB free, the container's disk needs 8 GiB" in error
+    finally:
+        (gpu_host.knobs / "storage" / "local-lvm").unlink()
+    holder = harness.pct_state / "311"
+    holder.mkdir()
+    (holder / "311.conf").write_text("arch: amd64\nhostname: holder\ndev0: /dev/nvidia1\n")
+    try:
+        _, error, hint = refused(write_inventory(path, harness, gpu_host, 310))
+        assert "GPU 1 (/dev/nvidia1) is passed to container 311 (holder) in its config" in error
+        _, error, _ = refused(write_inventory(path, harness, gpu_host, 310, gpus="[5]"))
+        assert "gpuhost has no /dev/nvidia5 (its GPUs: 0, 1)" in error
+    finally:
+        (holder / "311.conf").unlink()
+        holder.rmdir()
+    assert sorted(p.name for p in harness.pct_state.iterdir()) == before
+
+
+def test_a_half_made_container_is_finished_by_the_next_run(
+    tmp_path: Path, harness: Harness, gpu_host: GpuHost, made: list[int]
+) -> None:
+    """The installer is missing when the run reaches the container's steps: the container exists, tagged
+    unfinished, and the error says so; with the installer in place the next run finishes it."""
+    ctid = 320
+    made.append(ctid)
+    missing = f"{gpu_host.folder}/none/NVIDIA-Linux-x86_64-{{version}}.run"
+    inventory = write_inventory(tmp_path / "inventory.yaml", harness, gpu_host, ctid, driver_installer=missing)
+    code, out, err = cli("--inventory", str(inventory), "provision", "box")
+    lines = err.splitlines()
+    assert code == 3 and lines[-2].startswith("error: the driver installer") and lines[-1].startswith("hint: ")
+    assert f"provision again to finish container {ctid} (tagged dflashops-unfinished)" in lines[-1]
+    assert "tags: dflashops-unfinished" in config_of(harness, ctid)
+    inventory = write_inventory(tmp_path / "inventory.yaml", harness, gpu_host, ctid)
+    code, out, err = cli("--inventory", str(inventory), "provision", "box")
+    assert code == 0, err
+    assert f"container {ctid} was left unfinished by an earlier run: finishing it" in err
+    assert "tags: dflashops\n" in config_of(harness, ctid)
+    assert harness.in_container(str(ctid), "nvidia-smi", "-L").stdout.count("GPU ") == 1
+
+
+def test_adopt_tags_a_container_it_did_not_make(
+    tmp_path: Path, harness: Harness, gpu_host: GpuHost, made: list[int]
+) -> None:
+    ctid = 330
+    made.append(ctid)
+    folder = harness.pct_state / str(ctid)
+    folder.mkdir()
+    (folder / f"{ctid}.conf").write_text(
+        "arch: amd64\ncores: 4\nhostname: box\nmemory: 4096\nnet0: name=eth0,bridge=vmbr0,hwaddr=BC:24:11:01:02:03,"
+        "ip=dhcp,type=veth\nrootfs: local-lvm:vm-330-disk-0,size=8G\nswap: 0\ntags: mine\nunprivileged: 1\n"
+    )
+    (folder / "provisioned").touch()
+    inventory = write_inventory(tmp_path / "inventory.yaml", harness, gpu_host, ctid, gpus="")
+    code, error, hint = refused(inventory)
+    assert code == 4 and "which dflashops did not create" in error
+    code, out, err = cli("--inventory", str(inventory), "provision", "box", "--adopt")
+    assert code == 0, err
+    assert "adopting container 330 (tagging it dflashops)" in err
+    assert "tags: mine;dflashops\n" in config_of(harness, ctid)
+    code, out, _ = cli("--inventory", str(inventory), "provision", "box")
+    assert code == 0 and "nothing changed" in out
+
+
+def test_an_older_pct_gets_lxc_lines_to_add_by_hand(
+    tmp_path: Path, harness: Harness, gpu_host: GpuHost, made: list[int]
+) -> None:
+    ctid = 340
+    made.append(ctid)
+    (gpu_host.knobs / "no-dev").touch()
+    try:
+        inventory = write_inventory(tmp_path / "inventory.yaml", harness, gpu_host, ctid)
+        code, out, err = cli("--inventory", str(inventory), "provision", "box", "--dry-run")
+        assert code == 0, err
+        assert "--dev0" not in out
+        assert "+lxc.cgroup2.devices.allow: c 508:* rwm" in out.splitlines()  # nvidia-uvm, from /proc/devices
+        assert "+lxc.mount.entry: /dev/nvidia1 dev/nvidia1 none bind,optional,create=file" in out.splitlines()
+        code, out, err = cli("--inventory", str(inventory), "provision", "box")
+        lines = err.splitlines()
+        assert code == 6 and "gpuhost's pct has no devN option: add 9 GPU lines" in lines[-2]
+        plan = cli("--inventory", str(inventory), "provision", "box", "--dry-run")[1]
+        added = [line[1:] for line in plan.splitlines() if line.startswith("+lxc.")]
+        conf = harness.pct_state / str(ctid) / f"{ctid}.conf"
+        conf.write_text(conf.read_text() + "".join(f"{line}\n" for line in added))  # by hand, as the hint says
+        code, out, err = cli("--inventory", str(inventory), "provision", "box")
+        assert code == 0, err
+        assert harness.in_container(str(ctid), "nvidia-smi", "-L").stdout.count("GPU ") == 1
+    finally:
+        (gpu_host.knobs / "no-dev").unlink()
