@@ -34,6 +34,12 @@ if provisioned:
     subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=755", "tmpfs", "/dev"], check=True)
     for name, major, minor in (("null", 1, 3), ("zero", 1, 5), ("full", 1, 7), ("random", 1, 8), ("urandom", 1, 9)):
         os.mknod(f"/dev/{name}", 0o20666, os.makedev(major, minor))
+    os.mknod("/dev/tty", 0o20666, os.makedev(5, 0))
+    os.makedirs("/dev/pts")
+    os.makedirs("/dev/shm")
+    subprocess.run(["mount", "-t", "devpts", "-o", "newinstance,ptmxmode=0666", "devpts", "/dev/pts"], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", "/dev/shm"], check=True)
+    os.symlink("pts/ptmx", "/dev/ptmx")  # ptys for tmux, as LXC sets them up
     for path, major, minor in devices:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         os.mknod(path, 0o20666, os.makedev(int(major), int(minor)))

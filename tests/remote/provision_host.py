@@ -132,3 +132,20 @@ def set_host_driver(host: GpuHost, version: str) -> None:
     """A host driver upgrade, as the host's /proc shows it (the namespace's copy; containers see it at start)."""
     command = f"printf %s {shlex.quote(version_line(version))} > /proc/driver/nvidia/version"
     subprocess.run(["nsenter", f"--target={host.sshd.pid}", "--mount", "--", "sh", "-c", command], check=True)
+
+
+def host_pct(host: GpuHost, *args: str) -> subprocess.CompletedProcess:
+    """The stand-in pct as the fake GPU host runs it (inside its namespace: `pct start` copies the driver version
+    the container will see from there)."""
+    pct = str(remote_harness.STANDIN_DIR / "pct")
+    return subprocess.run(
+        ["nsenter", f"--target={host.sshd.pid}", "--mount", "--", pct, *args],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=host.harness.standin_env,
+    )
+
+
+def add_installer(host: GpuHost, version: str) -> None:
+    host.installer_path(version).write_text(installer_text(version))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import cli
-from provision_host import DRIVER, TEMPLATE, GpuHost, start_gpu_host
+from provision_host import DRIVER, TEMPLATE, GpuHost, add_installer, host_pct, set_host_driver, start_gpu_host
 from remote_harness import Harness
 
 
@@ -37,7 +37,15 @@ def made(harness: Harness) -> Iterator[list[int]]:
         harness.pct("destroy", str(vmid), check=False)
 
 
-def write_inventory(path: Path, h: Harness, host: GpuHost, ctid: int, extra: str = "", **fields: str) -> Path:
+def write_inventory(
+    path: Path,
+    h: Harness,
+    host: GpuHost,
+    ctid: int,
+    extra: str = "",
+    python: str = "/workspace/box/venv/bin/python",
+    **fields: str,
+) -> Path:
     block = {
         "template": TEMPLATE,
         "storage": "local-lvm",
@@ -66,7 +74,7 @@ def write_inventory(path: Path, h: Harness, host: GpuHost, ctid: int, extra: str
             host: gpuhost
             ctid: {ctid}
             workspace: /workspace/box
-            python: /workspace/box/venv/bin/python
+            python: {python}
             provision:
         """)
         + lines
@@ -256,3 +264,76 @@ def test_an_older_pct_gets_lxc_lines_to_add_by_hand(
         assert harness.in_container(str(ctid), "nvidia-smi", "-L").stdout.count("GPU ") == 1
     finally:
         (gpu_host.knobs / "no-dev").unlink()
+
+
+SLEEPER = """\
+profiles:
+  sleeper:
+    argv: ["{python}", "-c", "import time; time.sleep(600)"]
+    packages: []
+"""
+
+
+def test_repair_after_a_host_driver_upgrade_waits_for_the_run(
+    tmp_path: Path, harness: Harness, gpu_host: GpuHost, made: list[int]
+) -> None:
+    ctid = 350
+    made.append(ctid)
+    inventory = write_inventory(tmp_path / "inventory.yaml", harness, gpu_host, ctid, SLEEPER, python="python3")
+    assert cli("--inventory", str(inventory), "provision", "box")[0] == 0
+    new = "555.42.06"
+    add_installer(gpu_host, new)
+    set_host_driver(gpu_host, new)
+    try:
+        host_pct(gpu_host, "stop", str(ctid))  # the module reload that comes with a driver upgrade restarts it
+        host_pct(gpu_host, "start", str(ctid))
+        code, error, hint = refused(inventory)
+        assert code == 4
+        assert (
+            error
+            == f"error: driver drift in container {ctid}: its NVIDIA userspace is {DRIVER}, the host's driver {new}"
+        )
+        assert "dflashops provision box --repair" in hint
+        code, out, err = cli("--inventory", str(inventory), "deploy", "box", "--profile", "sleeper", "--name", "nap")
+        assert code == 0, err
+        code, error, hint = refused(inventory, "--repair")
+        assert code == 4 and error.startswith(f"error: run nap is active in container {ctid}: not re-installing")
+        assert "dflashops stop nap" in hint
+        assert cli("--inventory", str(inventory), "stop", "nap")[0] == 0
+        code, out, err = cli("--inventory", str(inventory), "provision", "box", "--repair")
+        assert code == 0, err
+        log = (harness.pct_state / str(ctid) / "usr-local-bin" / ".nvidia-installer.log").read_text()
+        assert log.splitlines() == [f"{DRIVER} --silent --no-kernel-module", f"{new} --silent --no-kernel-module"]
+        assert harness.in_container(str(ctid), "nvidia-smi", "-L").stdout.count("GPU ") == 1
+    finally:
+        set_host_driver(gpu_host, DRIVER)
+
+
+def test_destroy_needs_the_name_typed_back(
+    tmp_path: Path, harness: Harness, gpu_host: GpuHost, made: list[int]
+) -> None:
+    ctid = 360
+    made.append(ctid)
+    inventory = write_inventory(tmp_path / "inventory.yaml", harness, gpu_host, ctid, gpus="")
+    assert cli("--inventory", str(inventory), "provision", "box")[0] == 0
+    code, error, hint = refused(inventory, "--destroy")
+    assert code == 2 and error == f"error: destroying container {ctid} needs its name typed back"
+    assert hint == "hint: pass --yes-destroy box"
+    code, error, _ = refused(inventory, "--destroy", "--yes-destroy", "box2")
+    assert code == 2 and "('box2' is not 'box')" in error
+    code, out, err = cli("--inventory", str(inventory), "provision", "box", "--destroy", "--dry-run")
+    assert code == 0, err
+    assert out.splitlines() == [
+        f"sudo -n pct stop {ctid}",
+        f"sudo -n pct destroy {ctid}",
+        "# to run it: dflashops provision box --destroy --yes-destroy box",
+    ]
+    assert (harness.pct_state / str(ctid) / f"{ctid}.conf").exists()
+    code, out, err = cli("--inventory", str(inventory), "provision", "box", "--destroy", "--yes-destroy", "box")
+    assert code == 0, err
+    assert out.strip() == f"container {ctid} (box) destroyed"
+    assert not (harness.pct_state / str(ctid)).exists()
+    theirs = write_inventory(tmp_path / "inventory.yaml", harness, gpu_host, 200)
+    code, error, hint = refused(theirs, "--destroy", "--yes-destroy", "gpu200")
+    assert code == 4 and "container 200 (gpu200) on gpuhost was not created by dflashops" in error
+    assert "running" in harness.pct("status", "200").stdout

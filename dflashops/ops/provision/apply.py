@@ -13,12 +13,13 @@ import difflib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dflashops.errors import CommandFailed, DflashopsError, UsageError
+from dflashops.errors import CommandFailed, Conflict, DflashopsError, UsageError
 from dflashops.inventory import Target
 from dflashops.inventory_provision import ProvisionSpec
 from dflashops.ops.provision import config as cfg
 from dflashops.ops.provision.facts import read_container, read_host
 from dflashops.ops.provision.plan import ContainerFacts, Plan, Step, finish_step, plan_container, plan_host
+from dflashops.ops.provision.retire import refuse_under_runs
 from dflashops.shell import join_argv
 from dflashops.transport import open_transport
 from dflashops.transport.base import Transport
@@ -49,12 +50,16 @@ def spec_of(target: Target) -> ProvisionSpec:
     return target.provision
 
 
-def provision(target: Target, *, dry_run: bool = False, adopt: bool = False, progress: Progress) -> Outcome:
+def provision(
+    target: Target, *, dry_run: bool = False, adopt: bool = False, repair: bool = False, progress: Progress
+) -> Outcome:
     spec = spec_of(target)
     transport = open_transport(target)
     try:
         assert isinstance(transport, PctTransport) and transport.host is not None
-        return _provision(target, spec, transport, transport.host, dry_run=dry_run, adopt=adopt, progress=progress)
+        return _provision(
+            target, spec, transport, transport.host, dry_run=dry_run, adopt=adopt, repair=repair, progress=progress
+        )
     finally:
         transport.close()
 
@@ -67,6 +72,7 @@ def _provision(
     *,
     dry_run: bool,
     adopt: bool,
+    repair: bool,
     progress: Progress,
 ) -> Outcome:
     sudo = ["sudo", "-n"] if ct.sudo else []
@@ -79,6 +85,8 @@ def _provision(
     if dry_run:
         running = plan.vmid in facts.running and not plan.changes
         ct_facts = read_container(ct, spec) if running else ContainerFacts(python3=bool(plan.before))
+        if running:
+            check_drift(target, facts.driver_version, ct_facts, ct, repair=repair)
         inside = plan_container(target, spec, facts, ct_facts)
         last = finish_step(plan.vmid, cfg.parse_config("\n".join(plan.after)))
         outcome.lines = _dry_run_text(plan, [*plan.steps, *inside, *([last] if last else [])], ct, sudo)
@@ -88,7 +96,9 @@ def _provision(
     for number, step in enumerate(plan.steps, 1):
         _apply(step, number, total, target, ct, host, sudo, progress, outcome)
     try:
-        inside = plan_container(target, spec, facts, read_container(ct, spec))
+        ct_facts = read_container(ct, spec)
+        check_drift(target, facts.driver_version, ct_facts, ct, repair=repair)
+        inside = plan_container(target, spec, facts, ct_facts)
     except DflashopsError as exc:
         if not outcome.changed and cfg.UNFINISHED_TAG not in cfg.tags(cfg.parse_config("\n".join(plan.before))):
             raise
@@ -104,6 +114,22 @@ def _provision(
     if last is not None:
         _apply(last, 1, 1, target, ct, host, sudo, progress, outcome)
     return outcome
+
+
+def check_drift(
+    target: Target, host_version: str | None, ct_facts: ContainerFacts, ct: PctTransport, *, repair: bool
+) -> None:
+    """A container whose NVIDIA userspace is another version than the host's driver (a host driver upgrade):
+    re-installed only with --repair, and never under an active run."""
+    have = ct_facts.nvidia_version
+    if have is None or host_version is None or have == host_version:
+        return
+    if not repair:
+        raise Conflict(
+            f"driver drift in container {target.ctid}: its NVIDIA userspace is {have}, the host's driver {host_version}",
+            hint=f"`dflashops provision {target.name} --repair` installs {host_version} there (no run may be active)",
+        )
+    refuse_under_runs(target, ct, f"re-installing the NVIDIA userspace ({have} -> {host_version})")
 
 
 def _apply(

@@ -17,6 +17,7 @@ from dflashops.ops.provision import config as cfg
 from dflashops.ops.provision.plan import ContainerFacts, DeviceNode, HostFacts
 from dflashops.transport.base import Result, Transport
 
+MISMATCH_RE = re.compile(r"NVML library version: (\d+\.\d+(?:\.\d+)?)")
 DRIVER_RE = re.compile(r"Kernel Module(?: for \S+)?\s+(\d+\.\d+(?:\.\d+)?)")
 # Each node as `path major minor` (stat prints the numbers in hex); a host without the driver has none.
 NODES_SCRIPT = 'for f in /dev/nvidia* /dev/nvidia-caps/*; do [ -c "$f" ] && stat -c "%n %t %T" "$f"; done; true'
@@ -105,6 +106,9 @@ def read_container(ct: Transport, spec: ProvisionSpec) -> ContainerFacts:
 
     query = run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
     version = query.stdout.strip().splitlines()[0].strip() if query.ok and query.stdout.strip() else None
+    if version is None:  # NVML refuses a userspace of another version than the kernel module, and names it
+        found = MISMATCH_RE.search(query.stdout + query.stderr)
+        version = found.group(1) if found else None
     listed = run(["nvidia-smi", "-L"])
     gpus = sum(line.startswith("GPU ") for line in listed.stdout.splitlines()) if listed.ok else None
     python3 = run(["sh", "-c", "command -v python3"]).ok
