@@ -14,6 +14,10 @@ rule), so two sessions never see each other's containers. Each container CTID ha
 `nsenter --target <init> --pid --mount -- argv`, exec'd so stdin/stdout/exit code pass straight through.
 A kill inside a container can only reach that container's PID namespace, as with real LXC.
 Words and exit codes follow Proxmox's (`pct` dies with exit 255 and a one-line message).
+
+For `dflashops provision` it also answers `create/set/config/clone/resize/destroy/help set` (the config kept in
+`<ctid>.conf` in Proxmox's format: keys sorted, raw `lxc.*` keys last), and, called as `pveam` or `pvesm`,
+`pveam list STORAGE` and `pvesm status --storage NAME` (see HOST_DIR below).
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import remote_harness
+from remote_harness import PROVISION_USER
 
 DRIVER = "550.54.14"
 UVM_MAJOR, CAPS_MAJOR = 508, 237
@@ -95,10 +96,15 @@ class GpuHost:
     def installer_path(self, version: str = DRIVER) -> Path:
         return self.folder / "installers" / f"NVIDIA-Linux-x86_64-{version}.run"
 
+    @property
+    def sudoers_file(self) -> Path:
+        return self.harness.sudoers_file.with_name(self.harness.sudoers_file.name + "-provision")
+
     def stop(self) -> None:
         if self.sshd.poll() is None:
             self.sshd.terminate()
             self.sshd.wait(10)
+        self.sudoers_file.unlink(missing_ok=True)
 
 
 def start_gpu_host(harness: remote_harness.Harness) -> GpuHost:
@@ -118,13 +124,23 @@ def start_gpu_host(harness: remote_harness.Harness) -> GpuHost:
         "set -e; mount -t tmpfs tmpfs /proc/driver; mkdir /proc/driver/nvidia; "
         f"cp {folder}/version /proc/driver/nvidia/version; "
         f"mount --bind {folder}/devices /proc/devices; "
+        "mount -t tmpfs -o mode=1777 tmpfs /run/lock; "  # the host's own /run/lock (provision's lock folders)
         "mount -t tmpfs -o mode=755 tmpfs /dev; mkdir /dev/nvidia-caps /dev/pts /dev/shm; "
         "mknod -m 666 /dev/null c 1 3; mknod -m 666 /dev/zero c 1 5; mknod -m 666 /dev/random c 1 8; "
         f"mknod -m 666 /dev/urandom c 1 9; mknod -m 666 /dev/tty c 5 0; {nodes}; "
         'exec "$@"'
     )
     wrapper = ("unshare", "--mount", "--propagation", "private", "--", "sh", "-c", stage, "gpuhost")
-    sshd = remote_harness.start_sshd(harness.root, port, folder, wrapper=wrapper)
+    remote_harness.ensure_test_user(PROVISION_USER)
+    tools = remote_harness.PROVISION_STANDIN_DIR
+    sudoers = harness.sudoers_file.with_name(harness.sudoers_file.name + "-provision")
+    sudoers.write_text(
+        f'Defaults:{PROVISION_USER} secure_path="{tools}:/usr/sbin:/usr/bin:/sbin:/bin"\n'
+        f'Defaults:{PROVISION_USER} env_keep += "DFO_PCT_STATE"\n'
+        f"{PROVISION_USER} ALL=(root) NOPASSWD: {', '.join(f'{tools}/{tool}' for tool in remote_harness.STANDIN_TOOLS)}\n"
+    )
+    sudoers.chmod(0o440)
+    sshd = remote_harness.start_sshd(harness.root, port, folder, wrapper=wrapper, user=PROVISION_USER, tools=tools)
     return GpuHost(harness=harness, folder=folder, port=port, sshd=sshd)
 
 
@@ -137,7 +153,7 @@ def set_host_driver(host: GpuHost, version: str) -> None:
 def host_pct(host: GpuHost, *args: str) -> subprocess.CompletedProcess:
     """The stand-in pct as the fake GPU host runs it (inside its namespace: `pct start` copies the driver version
     the container will see from there)."""
-    pct = str(remote_harness.STANDIN_DIR / "pct")
+    pct = str(remote_harness.PROVISION_STANDIN_DIR / "pct")
     return subprocess.run(
         ["nsenter", f"--target={host.sshd.pid}", "--mount", "--", pct, *args],
         capture_output=True,
@@ -149,3 +165,13 @@ def host_pct(host: GpuHost, *args: str) -> subprocess.CompletedProcess:
 
 def add_installer(host: GpuHost, version: str) -> None:
     host.installer_path(version).write_text(installer_text(version))
+
+
+def in_host(host: GpuHost, script: str) -> subprocess.CompletedProcess:
+    """A shell command in the fake GPU host's mount namespace (its /run/lock, /dev and /proc files)."""
+    return subprocess.run(
+        ["nsenter", f"--target={host.sshd.pid}", "--mount", "--", "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        check=True,
+    )

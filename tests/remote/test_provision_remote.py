@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import cli
 from provision_host import DRIVER, TEMPLATE, GpuHost, add_installer, host_pct, set_host_driver, start_gpu_host
-from remote_harness import Harness
+from remote_harness import PROVISION_USER, Harness
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def write_inventory(
           gpuhost:
             address: 127.0.0.1
             port: {host.port}
-            user: {h.user}
+            user: {PROVISION_USER}
             identity_file: {h.client_key}
             known_hosts: {h.known_hosts}
             sudo: true
@@ -337,3 +337,66 @@ def test_destroy_needs_the_name_typed_back(
     code, error, hint = refused(theirs, "--destroy", "--yes-destroy", "gpu200")
     assert code == 4 and "container 200 (gpu200) on gpuhost was not created by dflashops" in error
     assert "running" in harness.pct("status", "200").stdout
+
+
+def test_two_provisions_at_once_act_once(tmp_path: Path, harness: Harness, gpu_host: GpuHost, made: list[int]) -> None:
+    """Two runs started together: one provisions, the other is refused naming it (or, when it comes after the
+    first has finished, finds nothing to change); the installer runs once and the container ends as declared."""
+    import subprocess
+    import sys
+    import time
+
+    ctid = 370
+    made.append(ctid)
+    inventory = write_inventory(tmp_path / "inventory.yaml", harness, gpu_host, ctid)
+    argv = [sys.executable, "-m", "dflashops", "--inventory", str(inventory), "provision", "box"]
+    first = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.3)
+    second = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    outcomes = []
+    for proc in (first, second):
+        out, err = proc.communicate(timeout=300)
+        outcomes.append((proc.returncode, out.strip(), err.strip().splitlines()[-2:]))
+    finished = [o for o in outcomes if o[0] == 0 and "provisioned:" in o[1]]
+    assert len(finished) == 1, outcomes
+    other = next(o for o in outcomes if o is not finished[0])
+    assert (other[0] == 0 and "nothing changed" in other[1]) or (
+        other[0] == 4
+        and other[2][0].startswith(f"error: container {ctid} on gpuhost is being provisioned by another run (")
+        and other[2][1].startswith("hint: wait for it to end; if that run is gone for good, remove /run/lock/")
+    ), outcomes
+    log = (harness.pct_state / str(ctid) / "usr-local-bin" / ".nvidia-installer.log").read_text()
+    assert log.count("\n") == 1 and "tags: dflashops\n" in config_of(harness, ctid)
+
+
+def test_a_stale_lock_of_this_machine_is_taken_over_another_machines_is_named(
+    tmp_path: Path, harness: Harness, gpu_host: GpuHost, made: list[int]
+) -> None:
+    import socket
+    import subprocess
+
+    from provision_host import in_host
+
+    ctid = 380
+    made.append(ctid)
+    inventory = write_inventory(tmp_path / "inventory.yaml", harness, gpu_host, ctid, gpus="")
+    ended = subprocess.Popen(["true"])
+    ended.wait()  # a pid of this machine that has ended (the run that held the lock was killed)
+    lock = f"/run/lock/dflashops-provision-{ctid}"
+    in_host(
+        gpu_host,
+        f"mkdir {lock} && echo '{socket.gethostname()} pid {ended.pid} since 2026-12-06T01:00:00Z' > {lock}/owner && chown -R {PROVISION_USER} {lock}",
+    )
+    code, out, err = cli("--inventory", str(inventory), "provision", "box")
+    assert code == 0, err
+    assert f"the provision lock of {socket.gethostname()} pid {ended.pid}" in err and "taking it over" in err
+    assert in_host(gpu_host, f"test -e {lock} && echo held || echo free").stdout.strip() == "free"
+    in_host(gpu_host, f"mkdir {lock} && echo 'laptop2 pid 4242 since 2026-12-06T01:00:00Z' > {lock}/owner")
+    try:
+        code, error, hint = refused(inventory)
+        assert code == 4 and "is being provisioned by another run (laptop2 pid 4242 since" in error
+        assert hint == f"hint: wait for it to end; if that run is gone for good, remove {lock} on gpuhost"
+        code, out, _ = cli("--inventory", str(inventory), "provision", "box", "--dry-run")
+        assert code == 0 and "nothing to change" in out  # a plan is reading only: it needs no lock
+    finally:
+        in_host(gpu_host, f"rm -rf {lock}")

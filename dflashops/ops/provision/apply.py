@@ -18,6 +18,7 @@ from dflashops.inventory import Target
 from dflashops.inventory_provision import ProvisionSpec
 from dflashops.ops.provision import config as cfg
 from dflashops.ops.provision.facts import read_container, read_host
+from dflashops.ops.provision.lock import provision_lock
 from dflashops.ops.provision.plan import ContainerFacts, Plan, Step, finish_step, plan_container, plan_host
 from dflashops.ops.provision.retire import refuse_under_runs
 from dflashops.shell import join_argv
@@ -57,9 +58,14 @@ def provision(
     transport = open_transport(target)
     try:
         assert isinstance(transport, PctTransport) and transport.host is not None
-        return _provision(
-            target, spec, transport, transport.host, dry_run=dry_run, adopt=adopt, repair=repair, progress=progress
-        )
+        if dry_run:  # reading only: no lock, and a plan is shown even while another run holds it
+            return _provision(
+                target, spec, transport, transport.host, dry_run=True, adopt=adopt, repair=repair, progress=progress
+            )
+        with provision_lock(transport.host, int(target.ctid or 0), progress):
+            return _provision(
+                target, spec, transport, transport.host, dry_run=False, adopt=adopt, repair=repair, progress=progress
+            )
     finally:
         transport.close()
 

@@ -75,6 +75,9 @@ def read_host(
     templates: frozenset[str] = frozenset()
     if spec.template is not None:
         listed = run([*sudo, "pveam", "list", spec.template.split(":", 1)[0]])
+        if not listed.ok:  # not "the template is missing": the listing itself failed, and says why
+            last = (listed.stderr.strip().splitlines() or [f"exit code {listed.exit_code}"])[-1]
+            raise TransportError(f"`pveam list` failed on {host.name}: {last}", hint="pveam needs root (sudo: true?)")
         templates = frozenset(line.split()[0] for line in listed.stdout.splitlines()[1:] if line.strip())
     free_gb = None
     status = run([*sudo, "pvesm", "status", "--storage", spec.storage])

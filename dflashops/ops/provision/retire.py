@@ -14,6 +14,7 @@ from dflashops.errors import Conflict, NotFound, UsageError
 from dflashops.inventory import Target
 from dflashops.ops.agent_client import Agent
 from dflashops.ops.provision import config as cfg
+from dflashops.ops.provision.lock import provision_lock
 from dflashops.shell import join_argv
 from dflashops.transport import open_transport
 from dflashops.transport.pct import PctTransport
@@ -75,9 +76,10 @@ def destroy(
             refuse_under_runs(target, transport, "destroying the container")
         commands = [*([transport.pct_argv("stop", vmid)] if running else []), transport.pct_argv("destroy", vmid)]
         if not dry_run:
-            for number, argv in enumerate(commands, 1):
-                progress(f"[{number}/{len(commands)}] {' '.join(argv[argv.index('pct') :])}")
-                host.run(argv, timeout=600)
+            with provision_lock(host, int(vmid), progress):
+                for number, argv in enumerate(commands, 1):
+                    progress(f"[{number}/{len(commands)}] {' '.join(argv[argv.index('pct') :])}")
+                    host.run(argv, timeout=600)
         return name, [join_argv(argv) for argv in commands]
     finally:
         transport.close()
