@@ -8,6 +8,7 @@ the next run.
 
 from __future__ import annotations
 
+import re
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -400,3 +401,32 @@ def test_a_stale_lock_of_this_machine_is_taken_over_another_machines_is_named(
         assert code == 0 and "nothing to change" in out  # a plan is reading only: it needs no lock
     finally:
         in_host(gpu_host, f"rm -rf {lock}")
+
+
+def test_clone_to_another_vmid(tmp_path: Path, harness: Harness, gpu_host: GpuHost, made: list[int]) -> None:
+    """Another container like the source's (same template and checks, its own hostname and MAC), and the inventory
+    entry for it; the source's GPU is busy for a clone on the same host."""
+    made += [390, 392, 393]
+    inventory = write_inventory(tmp_path / "inventory.yaml", harness, gpu_host, 390)
+    assert cli("--inventory", str(inventory), "provision", "box")[0] == 0
+    code, error, hint = refused(inventory, "--clone", "box", "--to", "gpuhost:391")  # a TARGET too (`box`)
+    assert code == 2 and "--clone SOURCE and --to HOST:VMID go together, without a TARGET" in error
+    code, out, err = cli("--inventory", str(inventory), "provision", "--clone", "box", "--to", "gpuhost:391")
+    assert code == 4 and "error: GPU 1 (/dev/nvidia1) is passed to container 390 (box) in its config" in err
+    code, out, err = cli("--inventory", str(inventory), "provision", "--clone", "box", "--to", "gpuhost:12")
+    assert code == 2 and "error: --to 'gpuhost:12': expected HOST:VMID" in err
+    inventory = write_inventory(tmp_path / "inventory.yaml", harness, gpu_host, 392, gpus="")
+    assert cli("--inventory", str(inventory), "provision", "box")[0] == 0
+    code, out, err = cli("--inventory", str(inventory), "provision", "--clone", "box", "--to", "gpuhost:393")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("container 393 (box-393) provisioned:")
+    assert lines[2] == "  box-393:" and "    ctid: 393" in lines and "      hostname: box-393" in lines, out
+    source, clone = config_of(harness, 392), config_of(harness, 393)
+    assert "hostname: box-393\n" in clone and "tags: dflashops\n" in clone
+    mac = re.compile(r"hwaddr=([0-9A-F:]+)")
+    assert mac.search(source) and mac.search(clone) and mac.search(source)[1] != mac.search(clone)[1]
+    pasted = tmp_path / "inventory.yaml"  # targets: is its last section
+    pasted.write_text(pasted.read_text() + "\n".join(lines[2:]) + "\n")
+    code, out, err = cli("--inventory", str(pasted), "provision", "box-393")
+    assert code == 0 and "nothing changed" in out, err  # the printed entry declares what was made

@@ -10,11 +10,12 @@ it is never left half-made without a word. A second run finds nothing to change 
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from dflashops.errors import CommandFailed, Conflict, DflashopsError, UsageError
-from dflashops.inventory import Target
+from dflashops.inventory import Inventory, Target
 from dflashops.inventory_provision import ProvisionSpec
 from dflashops.ops.provision import config as cfg
 from dflashops.ops.provision.facts import read_container, read_host
@@ -215,3 +216,33 @@ def _dry_run_text(plan: Plan, steps: list[Step], ct: PctTransport, sudo: list[st
     if diff:
         lines += ["", *diff]
     return lines
+
+
+def clone_target(inventory: Inventory, source: str, to: str) -> Target:
+    """The target `--clone SOURCE --to HOST:VMID` makes: SOURCE's with another host, vmid, name and hostname
+    (`<source>-<vmid>`). The container is made from the same template (or template container), with the same
+    GPU, driver and package checks; the host's own GPU rule holds (a GPU SOURCE holds there is busy)."""
+    original = inventory.target(source)
+    spec = spec_of(original)
+    host_name, _, vmid_text = to.partition(":")
+    if host_name not in inventory.hosts or not vmid_text.isdigit() or int(vmid_text) < 100:
+        raise UsageError(
+            f"--to {to!r}: expected HOST:VMID with an inventory host and a vmid from 100",
+            hint=f"hosts: {', '.join(sorted(inventory.hosts)) or '(none)'}; e.g. --to {next(iter(inventory.hosts), 'pve1')}:301",
+        )
+    vmid = int(vmid_text)
+    name = f"{original.name}-{vmid}"
+    if name in inventory.targets or any(
+        t.ctid == vmid and t.host is not None and t.host.name == host_name for t in inventory.targets.values()
+    ):
+        raise Conflict(
+            f"{host_name}:{vmid} (or the name {name}) is a target of the inventory already",
+            hint="choose another vmid: a clone is a new container",
+        )
+    return replace(
+        original,
+        name=name,
+        host=inventory.hosts[host_name],
+        ctid=vmid,
+        provision=replace(spec, hostname=re.sub(r"[^A-Za-z0-9-]", "-", name)[:63].strip("-") or f"ct{vmid}"),
+    )
