@@ -430,3 +430,40 @@ def test_clone_to_another_vmid(tmp_path: Path, harness: Harness, gpu_host: GpuHo
     pasted.write_text(pasted.read_text() + "\n".join(lines[2:]) + "\n")
     code, out, err = cli("--inventory", str(pasted), "provision", "box-393")
     assert code == 0 and "nothing changed" in out, err  # the printed entry declares what was made
+
+
+def test_a_run_killed_mid_install_is_finished_by_the_next(
+    tmp_path: Path, harness: Harness, gpu_host: GpuHost, made: list[int]
+) -> None:
+    """SIGKILL while the installer runs: the container stays tagged unfinished and the lock names a process that
+    has ended; the next run takes the lock over, installs again and finishes."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    ctid = 400
+    made.append(ctid)
+    workspace = harness.pct_state / str(ctid) / "workspace"
+    workspace.mkdir(parents=True)
+    (workspace / ".slow-installer").touch()
+    inventory = write_inventory(tmp_path / "inventory.yaml", harness, gpu_host, ctid)
+    argv = [sys.executable, "-m", "dflashops", "--inventory", str(inventory), "provision", "box"]
+    run = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    assert run.stderr is not None
+    seen = []
+    for line in run.stderr:
+        seen.append(line)
+        if "install the NVIDIA userspace" in line:
+            break
+    os.kill(run.pid, signal.SIGKILL)  # our own child, by its pid
+    run.wait()
+    assert any("install the NVIDIA userspace" in line for line in seen), seen
+    assert "dflashops-unfinished" in config_of(harness, ctid)
+    (workspace / ".slow-installer").unlink()
+    code, out, err = cli("--inventory", str(inventory), "provision", "box")
+    assert code == 0, err
+    assert f"pid {run.pid} since" in err and "is stale (that process has ended): taking it over" in err
+    assert f"container {ctid} was left unfinished by an earlier run: finishing it" in err
+    assert "tags: dflashops\n" in config_of(harness, ctid)
+    assert harness.in_container(str(ctid), "nvidia-smi", "-L").stdout.count("GPU ") == 1
