@@ -14,14 +14,8 @@ from dflashops.inventory import Host, Target
 from dflashops.inventory_provision import ProvisionSpec
 from dflashops.ops.provision.config import parse_config
 from dflashops.ops.provision.facts import parse_char_majors, parse_driver_version, parse_nodes
-from dflashops.ops.provision.plan import (
-    ContainerFacts,
-    DeviceNode,
-    HostFacts,
-    finish_step,
-    plan_container,
-    plan_host,
-)
+from dflashops.ops.provision.plan import ContainerFacts, DeviceNode, HostFacts, plan_host
+from dflashops.ops.provision.plan_container import finish_step, plan_container
 
 TEMPLATE = "local:vztmpl/debian-12-standard_12.7-1_amd64.tar.zst"
 SPEC = ProvisionSpec(

@@ -20,7 +20,8 @@ from dflashops.inventory_provision import ProvisionSpec
 from dflashops.ops.provision import config as cfg
 from dflashops.ops.provision.facts import read_container, read_host
 from dflashops.ops.provision.lock import provision_lock
-from dflashops.ops.provision.plan import ContainerFacts, Plan, Step, finish_step, plan_container, plan_host
+from dflashops.ops.provision.plan import ContainerFacts, Plan, Step, plan_host
+from dflashops.ops.provision.plan_container import finish_step, plan_container
 from dflashops.ops.provision.retire import refuse_under_runs
 from dflashops.shell import join_argv
 from dflashops.transport import open_transport
@@ -90,7 +91,7 @@ def _provision(
     for note in plan.notes:
         progress(note)
     if dry_run:
-        running = plan.vmid in facts.running and not plan.changes
+        running = plan.vmid in facts.running  # config changes to a running one were refused above
         ct_facts = read_container(ct, spec) if running else ContainerFacts(python3=bool(plan.before))
         if running:
             check_drift(target, facts.driver_version, ct_facts, ct, repair=repair)
