@@ -27,6 +27,7 @@ VERB_MODULES = (
     "dflashops.cli.watch",
     "dflashops.cli.doctor",
     "dflashops.cli.fetch",
+    "dflashops.cli.provision",
 )
 OPTIONAL_MODULES = {
     "dflashops.cli.runs",
@@ -35,6 +36,7 @@ OPTIONAL_MODULES = {
     "dflashops.cli.watch",
     "dflashops.cli.doctor",
     "dflashops.cli.fetch",
+    "dflashops.cli.provision",
 }
 # The module that registers each verb. When the command line names one of these, only that module is
 # imported: start-up is part of every scripted restart's wall time, and rich, the playbook engine and the
@@ -50,6 +52,7 @@ VERB_MODULE = {
     "watch": "dflashops.cli.watch",
     "doctor": "dflashops.cli.doctor",
     "fetch": "dflashops.cli.fetch",
+    "provision": "dflashops.cli.provision",
 }
 
 # Each verb's one-line help, as its module registers it, for the top-level `dflashops --help`: that page
