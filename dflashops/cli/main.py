@@ -74,6 +74,7 @@ VERB_HELP = {
     "watch": "live view of a run (or --all runs of a target); q quits",
     "doctor": "check that a target can run: host, container, GPUs, python, torch, disk, clock",
     "fetch": "bring a run's checkpoint, export or logs here: resumable, sha256-verified, atomic",
+    "provision": "create or finish a target's Proxmox GPU container (planned with --dry-run)",
 }
 
 
