@@ -18,7 +18,6 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
-from rich.tree import Tree
 
 from dflashops.lineage import LineageDB, RunRecord, diff_runs
 from dflashops.lineage.files import AGENT_STATE_TO_LINEAGE, best_value, metric_series, read_metrics, run_dir_of
@@ -106,37 +105,78 @@ def _roots(runs: list[RunRecord]) -> list[RunRecord]:
 
 def lineage_forest(db: LineageDB, facts: RunFacts, only: str | None = None) -> list[dict[str, Any]]:
     """Nested dicts (name, state, last_step, best_tau_sim, note, parent, changes, children), roots first.
-    With `only`, just the tree that contains that run (from its lineage root)."""
-    runs = db.list()
+    With `only`, that run's recorded ancestors (from its lineage root down) and all its descendants: only
+    those rows are read (LineageDB.family), not the whole lineage.
+
+    Built without recursion: a restart chain is as deep as its generations (10,000 after weeks of a
+    supervisor's `on_failure: resume`), far past Python's recursion limit."""
+    runs = db.family(only) if only else db.list()
     by_name = {run.name: run for run in runs}
     kids: dict[str, list[RunRecord]] = {}
     for run in runs:
         if run.parent in by_name:
             kids.setdefault(run.parent, []).append(run)
-    roots = [by_name[db.root(only)]] if only else _roots(runs)
     seen: set[str] = set()
+    forest: list[dict[str, Any]] = []
+    for root in _roots(runs):
+        stack: list[tuple[RunRecord, list[dict[str, Any]]]] = [(root, forest)]
+        while stack:
+            run, siblings = stack.pop()
+            if run.name in seen:
+                continue
+            seen.add(run.name)
+            item = _node(run, by_name.get(run.parent) if run.parent else None, facts(run))
+            siblings.append(item)
+            # reversed: the stack pops the oldest child first, so children stay in started_at order
+            stack.extend((child, item["children"]) for child in reversed(kids.get(run.name, [])))
+    return forest
 
-    def node(run: RunRecord) -> dict[str, Any]:
-        seen.add(run.name)
-        fact = facts(run)
-        parent = by_name.get(run.parent) if run.parent else None
-        return {
-            "name": run.name,
-            "state": fact.state,
-            "exit_code": fact.exit_code,
-            "last_step": fact.last_step,
-            "best_tau_sim": fact.best_tau_sim,
-            "state_as_of": fact.as_of,
-            "collected": run.extra.get("collected"),
-            "note": run.note,
-            "parent": run.parent,
-            "parent_recorded": parent is not None,
-            "changes": diff_runs(parent, run).lines() if parent else [],
-            "change_summary": diff_runs(parent, run).summary() if parent else "",
-            "children": [node(child) for child in kids.get(run.name, []) if child.name not in seen],
-        }
 
-    return [node(root) for root in roots if root.name not in seen]
+def _node(run: RunRecord, parent: RunRecord | None, fact: Facts) -> dict[str, Any]:
+    diff = diff_runs(parent, run) if parent else None
+    return {
+        "name": run.name,
+        "state": fact.state,
+        "exit_code": fact.exit_code,
+        "last_step": fact.last_step,
+        "best_tau_sim": fact.best_tau_sim,
+        "state_as_of": fact.as_of,
+        "collected": run.extra.get("collected"),
+        "note": run.note,
+        "parent": run.parent,
+        "parent_recorded": parent is not None,
+        "changes": diff.lines() if diff else [],
+        "change_summary": diff.summary() if diff else "",
+        "children": [],
+    }
+
+
+def forest_json(forest: list[dict[str, Any]]) -> str:
+    """The forest as JSON text, written without recursion (json.dumps recurses once per level, which a
+    restart chain 10,000 generations deep overflows). Each node's own fields are sorted, `children` last."""
+    parts: list[str] = []
+    stack: list[dict[str, Any] | str] = ["\n"]  # what is left to write, last first: a node, or literal text
+    _push_list(stack, forest)
+    while stack:
+        top = stack.pop()
+        if isinstance(top, str):
+            parts.append(top)
+            continue
+        fields = {key: value for key, value in top.items() if key != "children"}
+        parts.append(json.dumps(fields, sort_keys=True, default=str)[:-1] + (", " if fields else "") + '"children": ')
+        stack.append("}")
+        _push_list(stack, top["children"])
+    return "".join(parts)
+
+
+def _push_list(stack: list[dict[str, Any] | str], items: list[dict[str, Any]]) -> None:
+    """Push `[item, item, ...]` onto forest_json's stack (reversed: the stack pops the first item first)."""
+    stack.append("]")
+    for index, item in enumerate(reversed(items)):
+        stack.append(item)
+        if index < len(items) - 1:
+            stack.append(", ")
+    stack.append("[")
 
 
 def _label(item: dict[str, Any]) -> Text:
@@ -161,18 +201,34 @@ def _label(item: dict[str, Any]) -> Text:
     return text
 
 
-def forest_tree(forest: list[dict[str, Any]], title: str) -> Tree:
-    """One rich Tree whose top-level branches are the lineage roots."""
-    tree = Tree(Text(title, style="bold"), guide_style="dim")
+def forest_tree(forest: list[dict[str, Any]], title: str) -> Text:
+    """The forest as text under `title`: roots and siblings hang from `├── `/`└── ` guides; a run's only
+    child continues in its parent's column, marked `↳ `, so a restart chain is a column (10,000 generations
+    indented 4 columns each would be lines of 40,000 columns). Built without recursion (see lineage_forest)."""
+    out = Text(title, style="bold")
+    # (item, prefix of its first line, prefix of its further lines and of its children's guides)
+    stack: list[tuple[dict[str, Any], str, str]] = []
 
-    def add(branch: Tree, item: dict[str, Any]) -> None:
-        child = branch.add(_label(item))
-        for sub in item["children"]:
-            add(child, sub)
+    def push_children(items: list[dict[str, Any]], prefix: str, branch_prefix: str, only_child_continues: bool) -> None:
+        if len(items) == 1 and only_child_continues:
+            stack.append((items[0], prefix + "↳ ", prefix))
+            return
+        prefix = branch_prefix  # siblings hang under their parent's name (a `↳ ` parent's name is 2 further in)
+        for index, item in reversed(list(enumerate(items))):
+            last = index == len(items) - 1
+            stack.append((item, prefix + ("└── " if last else "├── "), prefix + ("    " if last else "│   ")))
 
-    for root in forest:
-        add(tree, root)
-    return tree
+    push_children(forest, "", "", only_child_continues=False)
+    while stack:
+        item, first, rest = stack.pop()
+        label = _label(item)
+        continued = rest + ("  " if first.endswith("↳ ") else "")
+        for number, line in enumerate(label.split("\n")):
+            out.append("\n")
+            out.append(first if number == 0 else continued, style="dim")
+            out.append_text(line)
+        push_children(item["children"], rest, continued, only_child_continues=True)
+    return out
 
 
 def runs_table(runs: list[RunRecord], facts: Callable[[RunRecord], Facts]) -> Table:

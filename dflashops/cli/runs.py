@@ -116,7 +116,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_tree(args: argparse.Namespace) -> int:
-    from dflashops.cli.lineage_view import forest_tree, lineage_forest
+    from dflashops.cli.lineage_view import forest_json, forest_tree, lineage_forest
 
     db = _open(args)
     if db is None:
@@ -128,7 +128,7 @@ def cmd_tree(args: argparse.Namespace) -> int:
             db.get(args.run)  # NotFound with close names
         forest = lineage_forest(db, _facts(args, db), only=args.run)
     if args.json:
-        _print_json(forest)
+        sys.stdout.write(forest_json(forest))
     elif not forest:
         print("no runs recorded", file=sys.stderr)
     else:
@@ -343,7 +343,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--target", help="only runs on this target")
     p = add("tree", cmd_tree, "lineage tree: state, steps, best tau_sim, note, change vs parent", as_json, local_dirs)
-    p.add_argument("run", nargs="?", help="show only the tree containing this run")
+    p.add_argument("run", nargs="?", help="show only this run's ancestors and descendants")
     add("show", cmd_show, "one run's record, children and change vs parent", as_json).add_argument("run")
     p = add("diff", cmd_diff, "argument, env, code-hash, profile and target changes from A to B", as_json)
     p.add_argument("a")
