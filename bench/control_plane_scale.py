@@ -5,6 +5,7 @@ deep. Each measure runs main's code ("before", `git archive main` in the scratch
     .venv/bin/python bench/control_plane_scale.py status   [--runs 1000 --processes 300]
     .venv/bin/python bench/control_plane_scale.py lineage  [--records 10000]
     .venv/bin/python bench/control_plane_scale.py sync     [--runs 1000]
+    .venv/bin/python bench/control_plane_scale.py release  [--release-mb 200]
     .venv/bin/python bench/control_plane_scale.py all
 
 The scale is built in a scratch folder outside the repository (--workdir, default a new temporary one, removed
@@ -207,9 +208,74 @@ def bench_sync(args: argparse.Namespace, workdir: Path, codes: dict[str, Path]) 
         report(f"runs sync --workspace, {args.runs} runs (unchanged)", label, *result)
 
 
+RELEASE_INVENTORY = """\
+targets:
+  local:
+    kind: local
+    workspace: ws
+    python: {python}
+profiles:
+  big:
+    argv: ["{{python}}", "-c", "import time; time.sleep(30)"]
+    files: [big.bin, small.py]
+    packages: []
+  small:
+    argv: ["{{python}}", "-c", "import time; time.sleep(30)"]
+    files: [small.py]
+    packages: []
+"""
+
+
+def bench_release(args: argparse.Namespace, workdir: Path, codes: dict[str, Path]) -> None:
+    """`deploy --detach` to the local target (the agent over the local transport: 0 ms RTT) of a profile with
+    a --release-mb random file and of the same profile without it: first, unchanged, small change."""
+    big = workdir / "release-src" / "big.bin"
+    big.parent.mkdir(parents=True, exist_ok=True)
+    with big.open("wb") as handle:
+        for _ in range(args.release_mb):
+            handle.write(os.urandom(1 << 20))
+    old = time.time() - 3600  # written an hour ago, as a data file of a real tree (the cache keeps old files only)
+    os.utime(big, (old, old))
+    copy_to = workdir / "release-copy.bin"
+    start = time.perf_counter()
+    shutil.copyfile(big, copy_to)
+    os.sync()
+    copied = time.perf_counter() - start
+    copy_to.unlink()
+    print(f"# release: {args.release_mb} MB random file; cp of its bytes {copied:.3f} s  {load()}", flush=True)
+    for label, code in codes.items():
+        root = workdir / f"release-{label}"
+        shutil.copytree(big.parent, root, copy_function=os.link)  # the same inode: the same file, no new bytes
+        (root / "small.py").write_text("x = 1\n")
+        os.utime(root / "small.py", (old, old))
+        (root / "inventory.yaml").write_text(RELEASE_INVENTORY.format(python=PYTHON))
+        env_cache = {"DFLASHOPS_MANIFEST_CACHE": str(root / "manifest-cache.json")}
+        steps = [("big", "first deploy", None), ("big", "unchanged deploy", None), ("big", "small-change deploy", "x = 2\n"),
+                 ("small", "first deploy (no big file)", None), ("small", "unchanged deploy (no big file)", None),
+                 ("small", "small-change deploy (no big file)", "x = 3\n")]  # fmt: skip
+        for index, (profile, what, change) in enumerate(steps):
+            if change is not None:
+                (root / "small.py").write_text(change)
+                os.utime(root / "small.py", (old + index, old + index))
+            argv = ["/usr/bin/time", "-f", "maxrss_kb=%M", PYTHON, "-m", "dflashops.cli.main", "--inventory",
+                    str(root / "inventory.yaml"), "deploy", "local", "--profile", profile, "--name", f"{label}{index}",
+                    "--detach"]  # fmt: skip
+            start = time.perf_counter()
+            done = subprocess.run(argv, env={**os.environ, "PYTHONPATH": str(code), **env_cache}, cwd=code,
+                                  capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip
+            seconds = time.perf_counter() - start
+            rss = next((ln for ln in done.stderr.splitlines() if ln.startswith("maxrss_kb=")), "")
+            note = rss if done.returncode == 0 else f"exit {done.returncode}: {done.stderr.strip().splitlines()[-1:]}"
+            report(f"{what}", label, seconds, len(done.stdout), note)
+        stop = [PYTHON, "-m", "dflashops.cli.main", "--inventory", str(root / "inventory.yaml"), "stop", "--all",
+                "--now"]  # fmt: skip
+        subprocess.run(stop, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, timeout=TIMEOUT_S)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("measure", choices=("status", "lineage", "sync", "all"))
+    parser.add_argument("measure", choices=("status", "lineage", "sync", "release", "all"))
+    parser.add_argument("--release-mb", type=int, default=200)
     parser.add_argument("--runs", type=int, default=1000)
     parser.add_argument("--processes", type=int, default=300)
     parser.add_argument("--records", type=int, default=10_000)
@@ -223,7 +289,13 @@ def main() -> int:
     codes = {"before": main_code(workdir, args.before), "after": REPO}
     print(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {os.cpu_count()} cores, {load()}, before={args.before}", flush=True)
     try:
-        for measure, run in (("status", bench_status), ("lineage", bench_lineage), ("sync", bench_sync)):
+        measures = (
+            ("status", bench_status),
+            ("lineage", bench_lineage),
+            ("sync", bench_sync),
+            ("release", bench_release),
+        )
+        for measure, run in measures:
             if args.measure in (measure, "all"):
                 run(args, workdir, codes)
     finally:
