@@ -11,6 +11,8 @@ import csv
 import dataclasses
 import io
 import json
+import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,8 +104,7 @@ class RunFacts:
         """The best tau_sim in the run's metrics.jsonl (every row read), else the one recorded in its extra."""
         if run.name not in self._best:
             directory = run_dir_of(run, self.runs_root, self.local_roots)
-            rows = read_metrics(directory / "metrics.jsonl") if directory else []
-            best = best_value(metric_series(rows, "tau_sim"), "tau_sim")
+            best = best_tau_sim_of(directory / "metrics.jsonl") if directory else None
             if best is None and isinstance(run.extra.get("best_tau_sim"), (int, float)):
                 best = float(run.extra["best_tau_sim"])
             self._best[run.name] = best
@@ -116,6 +117,32 @@ class RunFacts:
         if self._updated_at is None:
             self._updated_at = self.db.updated_at_all()
         return self._updated_at.get(name)
+
+
+_TAU_SIM = re.compile(rb'"tau_sim": *([^,}\]\s]+)')
+
+
+def best_tau_sim_of(path: Path) -> float | None:
+    """The highest tau_sim in a metrics.jsonl, from one regular-expression pass over its complete lines (the
+    trainer writes it as a number): 1,000 runs' files parsed row by row as JSON took seconds of `runs tree`.
+    A file where tau_sim is anything but a plain number (a list per drafter) is read row by row as before."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    data = data[: data.rfind(b"\n") + 1]  # a torn last line (the trainer is writing it) is left out
+    values: list[float] = []
+    for match in _TAU_SIM.finditer(data):
+        token = match.group(1)
+        if token[:1] in (b"[", b"{"):
+            return best_value(metric_series(read_metrics(path), "tau_sim"), "tau_sim")
+        try:
+            value = float(token)
+        except ValueError:
+            continue  # null, a string: no value, as metric_value says
+        if math.isfinite(value):
+            values.append(value)
+    return max(values) if values else None
 
 
 def last_steps(path: Path, max_bytes: int = 16384) -> list[int]:
