@@ -183,7 +183,7 @@ def bench_lineage(args: argparse.Namespace, workdir: Path, codes: dict[str, Path
     for shape in ("flat", "chain"):
         db = workdir / f"lineage-{shape}.sqlite"
         subprocess.run([PYTHON, "-c", FILL_LINEAGE, str(db), str(args.records), shape],
-                       env={**os.environ, "PYTHONPATH": str(codes["before"])}, check=True)  # fmt: skip
+                       env={**os.environ, "PYTHONPATH": str(REPO)}, check=True)  # fmt: skip
         print(f"# lineage: {args.records} records, {shape}", flush=True)
         last = f"r{args.records - 1:05d}"
         for argv in (["list"], ["list", "--json"], ["list", "--limit", "50"], ["list", "--page", "3"],
@@ -281,12 +281,15 @@ def main() -> int:
     parser.add_argument("--records", type=int, default=10_000)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--before", default="main", help="the git ref measured as 'before' (default: main)")
+    parser.add_argument("--after-only", action="store_true", help="measure this checkout only (a re-run)")
     parser.add_argument("--workdir", type=Path, help="scratch folder (default: a new temporary one)")
     parser.add_argument("--keep", action="store_true", help="keep the scratch folder")
     args = parser.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="dflashops-scale-"))
     workdir.mkdir(parents=True, exist_ok=True)
     codes = {"before": main_code(workdir, args.before), "after": REPO}
+    if args.after_only:
+        del codes["before"]
     print(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {os.cpu_count()} cores, {load()}, before={args.before}", flush=True)
     try:
         measures = (
