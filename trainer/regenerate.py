@@ -10,6 +10,7 @@ batch size sets throughput (KV cache memory ~ 2 * layers * batch * (prompt + new
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any
 
 import torch
@@ -17,12 +18,15 @@ import torch
 from trainer.tokenizer_utils import end_of_turn_ids, tokenize_prompt
 
 
-def load_target_lm(path: str) -> tuple[Any, torch.device]:
-    """The HF causal LM at `path`, in eval mode: bf16 on CUDA, fp32 on CPU (CPU bf16 matmuls are slow)."""
+def load_target_lm(path: str, dtype_name: str = "auto") -> tuple[Any, torch.device]:
+    """The HF causal LM at `path`, in eval mode; dtype `auto`: bf16 on CUDA, fp32 on CPU (CPU bf16 matmuls are
+    slow); `float32` where the data must be the fp32 model's own greedy answers (a small target on a GPU)."""
     from transformers import AutoModelForCausalLM
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
+        dtype_name, torch.bfloat16 if device.type == "cuda" else torch.float32
+    )
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()  # type: ignore[arg-type]  # .to() typed by wraps()
     return model, device
 
@@ -31,7 +35,7 @@ class Regenerator:
     """Holds the target and tokenizer; `shard_samples(prompts, seed)` -> [(ids, mask)] in prompt order."""
 
     def __init__(self, target_path: str, tokenizer: Any, options: Any) -> None:
-        self.model, self.device = load_target_lm(target_path)
+        self.model, self.device = load_target_lm(target_path, getattr(options, "dtype", "auto"))
         self.tokenizer = tokenizer
         self.options = options
         self.stops = end_of_turn_ids(tokenizer)
@@ -73,14 +77,27 @@ class Regenerator:
         prompts = [tokenize_prompt(self.tokenizer, c, self.options.enable_thinking) for c in conversations]
         samples: list[tuple[list[int], list[int]]] = []
         batch = self.options.batch_size
+        started, generated = time.monotonic(), 0
         for start in range(0, len(prompts), batch):
             chunk = prompts[start : start + batch]
             for prompt, answer in zip(chunk, self.generate(chunk, seed * 1_000_003 + start)):
                 samples.append((prompt + answer, [0] * len(prompt) + [1] * len(answer)))
+                generated += len(answer)
             # Progress on stderr, one line per batch (logs stay readable in a file; no carriage returns).
+            done, elapsed = min(start + batch, len(prompts)), time.monotonic() - started
             print(
-                f"regenerate {label}: {min(start + batch, len(prompts))}/{len(prompts)} prompts",
+                f"regenerate {label}: {done}/{len(prompts)} prompts, {generated} tokens, "
+                f"{generated / max(elapsed, 1e-9):.0f} tok/s, {elapsed:.0f} s",
                 file=sys.stderr,
                 flush=True,
             )
         return samples
+
+
+def choose_threads(cores: int | None = None) -> int:
+    """Intra-op threads for CPU generation and training: half the cores (one on a 2-core machine). Under load, two
+    OpenMP threads on the 2-core machine ran 7x slower than one (they spin against other processes), and the load
+    changes during a long run, so a choice made from the load at start is no safer than this fixed one."""
+    import os
+
+    return max(1, (cores or os.cpu_count() or 1) // 2)
