@@ -152,7 +152,7 @@ def run_status(directory: str, table: ProcessTable | None = None) -> dict:
 
 def ended_at(directory: str) -> float | None:
     """When the run ended (epoch seconds): its exit_code file's time (the wrapper writes it as the job exits).
-    The controller's `status` shows ended runs from the last day only (ops/observe/watch.py)."""
+    The controller's `status` shows ended runs from the last day only (ops/runs/control.py recent_runs)."""
     try:
         return os.stat(os.path.join(directory, "exit_code")).st_mtime
     except OSError:
