@@ -112,11 +112,23 @@ def remove_abandoned_temporaries(releases: str) -> None:
             shutil.rmtree(os.path.join(releases, entry), ignore_errors=True)
 
 
+STATS_FILE = ".manifest.stat.json"  # beside .manifest.json: each file's [size, mtime_ns, inode] when verified
+
+
 def fill_release(tmp: str, stdin: bytes, link: list, releases: str, base: object, files: dict, stale_code: str) -> None:
-    """Unpack the changed files into `tmp`, hard-link the unchanged ones from `base`, verify every hash."""
+    """Unpack the changed files into `tmp`, hard-link the unchanged ones from `base`, verify every hash.
+
+    A hard-linked file is the base release's own inode: when the base verified it at its install (its digest in
+    the base's .manifest.json is this manifest's) and the inode's size and mtime are still those recorded then
+    (.manifest.stat.json), its digest is taken from there instead of reading it again (a 200 MB file cost every
+    restart seconds, issue 47). Any write to the file since changes its mtime, and then it is hashed as before;
+    a base from before the stat file is hashed in full."""
     with tarfile.open(fileobj=io.BytesIO(stdin), mode="r:*") as archive:  # plain or gzip
         archive.extractall(tmp, members=safe_members(archive))
     base_dir = os.path.join(releases, base) if isinstance(base, str) and HASH_RE.match(base) else None
+    base_digests = (read_json(os.path.join(base_dir, ".manifest.json")) or {}) if base_dir else {}
+    base_stats = (read_json(os.path.join(base_dir, STATS_FILE)) or {}) if base_dir else {}
+    verified: set[str] = set()
     for rel in link:
         source = os.path.join(base_dir or "/nonexistent", rel)
         dest = os.path.join(tmp, rel)
@@ -124,11 +136,22 @@ def fill_release(tmp: str, stdin: bytes, link: list, releases: str, base: object
             raise AgentFailure(f"cannot link unchanged file {rel!r} from release {base!r}", stale_code)
         os.makedirs(os.path.dirname(dest), exist_ok=True)
         os.link(source, dest)
+        if base_digests.get(rel) == files.get(rel) and base_stats.get(rel) == file_stamp(dest):
+            verified.add(rel)
     for rel, digest in files.items():
         path = os.path.join(tmp, rel)
+        if rel in verified:
+            continue
         if not os.path.isfile(path) or file_sha256(path) != digest:
             raise AgentFailure(f"release file {rel!r} is missing or corrupt after transfer", "corrupt")
+    write_atomic(os.path.join(tmp, STATS_FILE), json.dumps({rel: file_stamp(os.path.join(tmp, rel)) for rel in files}))
     write_atomic(os.path.join(tmp, ".manifest.json"), json.dumps(files, sort_keys=True))
+
+
+def file_stamp(path: str) -> list[int]:
+    """[size, mtime_ns, inode]: what .manifest.stat.json records of a verified file."""
+    stat = os.stat(path)
+    return [stat.st_size, stat.st_mtime_ns, stat.st_ino]
 
 
 def flip_current(workspace: str, code_hash: str) -> None:

@@ -27,8 +27,12 @@ from dflashops.errors import NotFound, TransportError, UsageError
 from dflashops.lineage.files import AGENT_STATE_TO_LINEAGE
 from dflashops.lineage.record import utc_now_iso
 from dflashops.ops.fleet.nodes import node_target, unreachable_error
-from dflashops.ops.runs.control import LogCursor, ended_badly, read_log, run_status, stop_run, wait_for
+from dflashops.ops.runs.control import LogCursor, ended_badly, read_log, run_status, stop_run, target_status, wait_for
 from dflashops.shell import join_argv, validate_name
+
+# `status` without RUN shows runs that have not ended and those that ended in the last day: a workspace keeps
+# every run it ever had (47 KB of table at 500 runs); --all-runs and --json give all of them.
+RECENT_S = 24 * 3600
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -70,7 +74,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     s.add_argument("run", nargs="?", metavar="RUN", help="the run to show (default: every run on the target)")
     s.add_argument("--target", help="target (default: RUN's recorded target, or the default target)")
-    s.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    s.add_argument("--json", action="store_true", help="machine-readable output on stdout (every run)")
+    s.add_argument(
+        "--all-runs",
+        action="store_true",
+        help=f"every run on the target (default: those not ended, and those that ended in the last {RECENT_S // 3600} h)",
+    )
     add_all_options(s, "every run on every target of the inventory, in parallel (a table)")
     s.set_defaults(func=with_run_hint(handle_status))
 
@@ -280,8 +289,13 @@ def handle_status(args: argparse.Namespace) -> int:
         from dflashops.cli import fanout as fanout_cli  # rich: only --all pays its import
 
         return fanout_cli.handle_status_all(args)
+    window = not (args.run or args.json or args.all_runs)
+    hidden = 0
     with open_invocation(args) as invocation:
-        runs = run_status(invocation, args.run, target=args.target, unreachable_ok=True)
+        if window:  # the table of every run: those running and those that ended in the last RECENT_S
+            runs, hidden = target_status(invocation, args.target, ended_within_s=RECENT_S)
+        else:
+            runs = run_status(invocation, args.run, target=args.target, unreachable_ok=True)
         # A run on several targets: every node's line, also when one cannot be reached; the GPUs are those
         # of the first node that answered.
         reached = [entry for entry in runs if entry["state"] != "unreachable"]
@@ -295,16 +309,22 @@ def handle_status(args: argparse.Namespace) -> int:
     if args.json:
         emit_json({"runs": runs, "gpus": gpus.get("gpus", [])})
     else:
-        print_runs(runs, gpus.get("gpus", []))
+        print_runs(runs, gpus.get("gpus", []), quiet_when_empty=bool(hidden))
+    if hidden:
+        progress(
+            f"{hidden} run{'s' if hidden != 1 else ''} that ended more than {RECENT_S // 3600} h ago not shown "
+            "(--all-runs shows every run, --json gives every run)"
+        )
     if args.run and (error := unreachable_error(args.run, runs)):
         raise error  # after every node's line, with the exit status of a target that cannot be reached
     return 0
 
 
-def print_runs(entries: list[dict[str, Any]], gpus: list[dict[str, Any]]) -> None:
+def print_runs(entries: list[dict[str, Any]], gpus: list[dict[str, Any]], *, quiet_when_empty: bool = False) -> None:
     """The table `watch` shows (cli/run_table.py), its per-run lines, and the GPUs of the target."""
     if not entries:  # before the table's imports: rich costs ~25 ms of a call that prints no table
-        progress("no runs on this target yet")
+        if not quiet_when_empty:
+            progress("no runs on this target yet")
         return
     from dflashops.cli.run_table import detail_lines, gpu_table, ordered, runs_table
     from dflashops.ops.observe.watch import GpuRow, run_row

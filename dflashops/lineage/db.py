@@ -12,10 +12,11 @@ file (`import_run_json` is idempotent). The package (dflashops.lineage) exports 
 from __future__ import annotations
 
 import builtins
+import contextlib
 import difflib
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,6 +26,9 @@ from dflashops.lineage.record import (
     STATES,
     RunRecord,
     record_from_run_json,
+    redact_argv,
+    redact_env,
+    redact_value,
     utc_now_iso,
 )
 from dflashops.lineage.sqlite import (
@@ -93,6 +97,7 @@ class LineageDB:
         # A file this process cannot write is opened read-only: list/show/status still read it, and the
         # first write (a deploy's name claim, before anything is synced) is refused with one error line.
         self._conn = Connection(self.path, timeout_s=BUSY_TIMEOUT_MS / 1000)
+        self._in_batch = False
         try:
             if existed:
                 self._check_readable()  # reads only: a refused file is left byte-for-byte as it was
@@ -184,13 +189,34 @@ class LineageDB:
                         self._conn.run(statement)
                 self._conn.run("INSERT INTO schema_migrations VALUES (?, ?)", (version, utc_now_iso()))
 
-    def _write(self) -> Transaction:
-        return Transaction(self._conn)
+    def _write(self) -> contextlib.AbstractContextManager[None]:
+        """One write transaction; inside `batch()` the batch's own (a write there commits with the batch)."""
+        return contextlib.nullcontext() if self._in_batch else Transaction(self._conn)
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Every write inside is one `BEGIN IMMEDIATE` transaction: `runs sync` of 1,000 run directories pays
+        one commit, not 1,000 (and a second writer waits once for the whole batch, up to busy_timeout). An
+        exception leaving the block rolls all of it back; a caller that catches a refusal (Conflict) inside
+        keeps the batch going, since a refused write wrote nothing."""
+        if self._in_batch:
+            yield
+            return
+        with Transaction(self._conn):
+            self._in_batch = True
+            try:
+                yield
+            finally:
+                self._in_batch = False
 
     # -- rows -----------------------------------------------------------------------------------------
     @staticmethod
     def _to_row(run: RunRecord) -> dict[str, Any]:
+        """The row to write: every write goes through here, and here secrets are redacted (argv, env, extra's
+        values), whatever the caller did to the record after building it; reads trust it (RunRecord.stored)."""
         row = run.to_dict()
+        row["argv"], row["env"] = redact_argv(row["argv"]), redact_env(row["env"])
+        row["extra"] = redact_value(row["extra"])
         for column in _JSON_COLUMNS:
             row[column] = json.dumps(row[column], sort_keys=True)
         row["updated_at"] = utc_now_iso()
@@ -200,7 +226,7 @@ class LineageDB:
         values = dict(zip(_COLUMNS, row))
         for column in _JSON_COLUMNS:
             values[column] = json.loads(values[column])
-        return RunRecord(**values)
+        return RunRecord.stored(values)
 
     def _select(self, where: str = "", params: tuple[Any, ...] = ()) -> list[RunRecord]:
         sql = f"SELECT {', '.join(_COLUMNS)} FROM runs {where} ORDER BY started_at, name"
@@ -290,17 +316,43 @@ class LineageDB:
         rows = self._conn.query("SELECT updated_at FROM runs WHERE name = ?", (name,))
         return str(rows[0][0]) if rows else None
 
+    def updated_at_all(self) -> dict[str, str]:
+        """updated_at of every run, in one query (a view of 10,000 rows asked once per row)."""
+        return {str(name): str(at) for name, at in self._conn.query("SELECT name, updated_at FROM runs")}
+
     def names(self) -> set[str]:
         return {row[0] for row in self._conn.query("SELECT name FROM runs")}
 
-    def list(self, *, state: str | None = None, target: str | None = None) -> list[RunRecord]:
-        """All runs, oldest first, optionally filtered by state and/or target."""
+    def list(
+        self,
+        *,
+        state: str | None = None,
+        target: str | None = None,
+        newest_first: bool = False,
+        limit: int | None = None,
+        offset: int = 0,
+    ) -> builtins.list[RunRecord]:
+        """Runs oldest first (newest first with `newest_first`), optionally filtered by state and/or target;
+        `limit`/`offset` page through them in SQL (a page of 50 of 10,000 records reads 50 rows)."""
+        where, params = self._filters(state, target)
+        order = "started_at DESC, name DESC" if newest_first else "started_at, name"
+        page = "" if limit is None else f" LIMIT {int(limit)} OFFSET {int(offset)}"
+        sql = f"SELECT {', '.join(_COLUMNS)} FROM runs {where} ORDER BY {order}{page}"
+        return [self._from_row(row) for row in self._conn.query(sql, params)]
+
+    def count(self, *, state: str | None = None, target: str | None = None) -> int:
+        """How many runs `list` with the same filters gives."""
+        where, params = self._filters(state, target)
+        return int(self._conn.query(f"SELECT COUNT(*) FROM runs {where}", params)[0][0])
+
+    @staticmethod
+    def _filters(state: str | None, target: str | None) -> tuple[str, tuple[Any, ...]]:
         clauses, params = [], []
         for column, value in (("state", state), ("target", target)):
             if value is not None:
                 clauses.append(f"{column} = ?")
                 params.append(value)
-        return self._select(("WHERE " + " AND ".join(clauses)) if clauses else "", tuple(params))
+        return ("WHERE " + " AND ".join(clauses)) if clauses else "", tuple(params)
 
     def children(self, name: str) -> builtins.list[RunRecord]:  # `list` is the method above here
         """Direct children of `name`, oldest first. NotFound when `name` is not recorded."""
@@ -315,6 +367,24 @@ class LineageDB:
             seen.add(parent)
             chain.append(self.get(parent))
         return chain[::-1]
+
+    def family(self, name: str) -> builtins.list[RunRecord]:
+        """`name`'s recorded ancestors, itself and all its descendants, oldest first (what `runs tree NAME`
+        shows): two recursive queries over `parent` (the primary key upwards, the runs_parent index
+        downwards), so a lineage of 10,000 records costs only the rows of this family. UNION, not UNION ALL:
+        a cycle of parents (hand-edited run.json files) ends the walk instead of looping. NotFound as get."""
+        self.get(name)
+        sql = f"""
+            WITH RECURSIVE
+              up(name, parent) AS (
+                SELECT name, parent FROM runs WHERE name = ?
+                UNION SELECT runs.name, runs.parent FROM runs JOIN up ON runs.name = up.parent),
+              down(name) AS (
+                SELECT ? UNION SELECT runs.name FROM runs JOIN down ON runs.parent = down.name)
+            SELECT {", ".join(_COLUMNS)} FROM runs
+            WHERE name IN (SELECT name FROM up UNION SELECT name FROM down)
+            ORDER BY started_at, name"""
+        return [self._from_row(row) for row in self._conn.query(sql, (name, name))]
 
     def root(self, name: str) -> str:
         """Lineage root of `name` (the W&B group): its oldest recorded ancestor."""

@@ -38,7 +38,8 @@ def _normalise(value: str, run: RunRecord) -> str:
     """Replace the run's own name (as a whole path/name component) and code hash by placeholders, so
     `--output-dir /ws/runs/exp-flex5` vs `.../exp-flex6` and `releases/<hash>/...` are not reported as
     argument changes (the name is the run's identity; the code hash is diffed on its own)."""
-    value = re.sub(rf"(?<![A-Za-z0-9._-]){re.escape(run.name)}(?![A-Za-z0-9._-])", RUN_PLACEHOLDER, value)
+    if run.name in value:  # the pattern is per run: compiled for each of 10,000 names it was 2/3 of `runs tree`
+        value = re.sub(rf"(?<![A-Za-z0-9._-]){re.escape(run.name)}(?![A-Za-z0-9._-])", RUN_PLACEHOLDER, value)
     if len(run.code_hash) >= 8:
         value = value.replace(run.code_hash, CODE_PLACEHOLDER)
     return value

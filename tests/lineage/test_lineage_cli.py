@@ -29,7 +29,7 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, s
 
 def test_list_show_diff_json(three_runs: dict, db_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run_cli(capsys, "list", "--db", str(db_path), "--json")
-    assert code == 0 and [r["name"] for r in json.loads(out)] == three_runs["names"]
+    assert code == 0 and [r["name"] for r in json.loads(out)] == three_runs["names"][::-1]  # newest first
     code, out, _ = run_cli(capsys, "list", "--db", str(db_path), "--state", "crashed")
     assert code == 0 and "exp-flex6" in out and "crashed (exit 1)" in out
     assert [line.split()[0] for line in out.splitlines()[1:]] == ["exp-flex6"]

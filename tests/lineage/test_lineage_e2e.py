@@ -101,8 +101,8 @@ def test_three_run_lineage_views_and_rebuild(
     assert "exp-flex5  [" in out and "step 6  best tau_sim 1.060" in out and "note: faster steps" in out
     assert "exp-flex5  [finished]  step 6  best tau_sim 1.060\n      note: baseline\n" in out  # live state
     assert (
-        "note: faster steps\n          vs parent: --interval 0.001->0.002\n" in out
-    )  # nothing else: extra args replace the profile's value
+        "note: faster steps\n        vs parent: --interval 0.001->0.002\n" in out
+    )  # nothing else: extra args replace the profile's value; an only child continues its parent's column
 
     png = tmp_path / "loss.png"
     code, out, err = cli(

@@ -14,6 +14,8 @@ import hashlib
 import io
 import json
 import tarfile
+import time
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ from dflashops.errors import UsageError
 from dflashops.ops.agent_build import package_files
 from dflashops.ops.agent_client import AGENT_SOURCE, Agent
 from dflashops.ops.releases import release_cache
+from dflashops.ops.releases.manifest_cache import ManifestCache, stamp_of
 
 REPO_ROOT = AGENT_SOURCE.parent.parent
 SKIP_PARTS = {"__pycache__", ".pytest_cache"}
@@ -76,7 +79,11 @@ def inside(path: Path, root: Path, what: str) -> Path:
 
 def file_sha256(path: Path) -> str:
     with readable(path):
-        return hashlib.sha256(path.read_bytes()).hexdigest()
+        digest = hashlib.sha256()
+        with path.open("rb") as handle:
+            while block := handle.read(1 << 20):  # 1 MiB at a time: a 200 MB file is not held in memory
+                digest.update(block)
+        return digest.hexdigest()
 
 
 @contextmanager
@@ -101,8 +108,24 @@ def code_hash_of(manifest: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(sorted(manifest.items())).encode()).hexdigest()[:16]
 
 
-def local_manifest(files: dict[str, Path]) -> tuple[str, dict[str, str]]:
-    manifest = {rel: file_sha256(path) for rel, path in files.items()}
+def local_manifest(files: dict[str, Path], cache: ManifestCache | None = None) -> tuple[str, dict[str, str]]:
+    """(code hash, {path in the release: sha256}). A file whose size, mtime and inode are those it had when it
+    was last hashed takes its digest from the manifest cache (manifest_cache.py) instead of being read again."""
+    cache = cache or ManifestCache()
+    manifest: dict[str, str] = {}
+    for rel, path in files.items():
+        with readable(path):
+            stat = path.stat()
+        digest = cache.get(path, stat)
+        if digest is None:
+            started = time.time()
+            digest = file_sha256(path)
+            with readable(path):
+                after = path.stat()
+            if stamp_of(after) == stamp_of(stat):  # not changed while it was read
+                cache.put(path, stat, digest, started)
+        manifest[rel] = digest
+    cache.save()
     return code_hash_of(manifest), manifest
 
 
@@ -120,8 +143,11 @@ def install_payload(
     linked = tuple(sorted(rel for rel, digest in manifest.items() if base_files.get(rel) == digest))
     uploaded = tuple(sorted(set(manifest) - set(linked)))
     buffer = io.BytesIO()
-    # gzip: a plain tar pads even one small file to a 10 KiB record; compressed, the padding costs ~nothing.
-    with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=6) as archive:
+    # gzip: a plain tar pads even one small file to a 10 KiB record; compressed, the padding costs ~nothing. Not
+    # for incompressible bytes (a 200 MB random file: 45 s at level 6 for 0% saved, issue 47): the agent reads
+    # either ("r:*").
+    compress = not incompressible([files[rel] for rel in uploaded])
+    with tarfile.open(fileobj=buffer, mode="w:gz" if compress else "w", **_level(compress)) as archive:  # type: ignore[call-overload]
         for rel in uploaded:
             with readable(files[rel]), files[rel].open("rb") as handle:
                 info = archive.gettarinfo(arcname=rel, fileobj=handle)
@@ -139,6 +165,32 @@ def install_payload(
         "keep": keep,
     }
     return request, buffer.getvalue(), uploaded, linked
+
+
+def _level(compress: bool) -> dict[str, int]:
+    return {"compresslevel": 6} if compress else {}
+
+
+PLAIN_TAR_FROM_BYTES = 8 << 20  # an upload this large is sent uncompressed when its samples do not compress
+SAMPLE_BYTES = 1 << 20
+
+
+def incompressible(paths: list[Path]) -> bool:
+    """The files to upload are large (>= PLAIN_TAR_FROM_BYTES) and a 1 MiB sample of each large one saves
+    under 10% at zlib level 1: gzip would cost seconds for nothing (random data, checkpoints, archives)."""
+    sizes = {path: path.stat().st_size for path in paths}
+    if sum(sizes.values()) < PLAIN_TAR_FROM_BYTES:
+        return False
+    sample_in = sample_out = 0
+    for path, size in sizes.items():
+        if size < SAMPLE_BYTES:
+            continue
+        with readable(path), path.open("rb") as handle:
+            handle.seek(size // 2 - SAMPLE_BYTES // 2)
+            sample = handle.read(SAMPLE_BYTES)
+        sample_in += len(sample)
+        sample_out += len(zlib.compress(sample, 1))
+    return sample_in > 0 and sample_out > 0.9 * sample_in
 
 
 def sync(

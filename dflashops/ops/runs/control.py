@@ -78,23 +78,48 @@ def run_status(
     """Agent status entries (one run, or every run of the target); the lineage records follow along. A run on
     several targets gives one entry per node (`node`, `target`), node 0 first; `overall` makes them one. With
     `unreachable_ok`, a node that cannot be reached is an entry of state "unreachable" (status_nodes)."""
-    if name is not None:
-        validate_name(name, what="run name")
-        if nodes := nodes_of(invocation, name, target):
-            entries = status_nodes(invocation, name, nodes, unreachable_ok=unreachable_ok)
-            if (job := overall(entries))["state"] != "unreachable":  # else the job's state is not known
-                invocation.note_state(job)
-            return entries
-        tgt = invocation.target_for_run(name, target)
-    else:
-        tgt = invocation.inventory.target(target)
-    args = {"workspace": tgt.workspace, **({"name": name} if name else {})}
-    runs = invocation.agent(tgt).call("status", args)["runs"]
-    for entry in runs:
+    if name is None:
+        return target_status(invocation, target)[0]
+    validate_name(name, what="run name")
+    if nodes := nodes_of(invocation, name, target):
+        entries = status_nodes(invocation, name, nodes, unreachable_ok=unreachable_ok)
+        if (job := overall(entries))["state"] != "unreachable":  # else the job's state is not known
+            invocation.note_state(job)
+        return entries
+    return _noted(invocation, invocation.target_for_run(name, target), {"name": name})["runs"]
+
+
+def target_status(
+    invocation: Invocation, target: str | None, *, ended_within_s: float | None = None
+) -> tuple[list[dict[str, Any]], int]:
+    """(the agent's status entries of every run on `target`, how many were left out): with `ended_within_s`,
+    runs that ended longer ago are left out (the agent counts them instead of reading them; an agent from
+    before the option answers every run, and recent_runs filters here)."""
+    tgt = invocation.inventory.target(target)
+    answer = _noted(invocation, tgt, {} if ended_within_s is None else {"ended_within_s": ended_within_s})
+    runs = answer["runs"]
+    if ended_within_s is None:
+        return runs, 0
+    shown = recent_runs(runs, ended_within_s)
+    return shown, int(answer.get("older_runs") or 0) + len(runs) - len(shown)
+
+
+def _noted(invocation: Invocation, tgt: Any, args: dict[str, Any]) -> dict[str, Any]:
+    """The agent's status answer for `tgt`, each entry marked with the target and noted in the lineage."""
+    answer = invocation.agent(tgt).call("status", {"workspace": tgt.workspace, **args})
+    for entry in answer["runs"]:
         entry["target"] = tgt.name
         if other_node(entry) is None:  # node 1, 2, ... of a run on several targets: its row is node 0's
             invocation.note_state(entry)
-    return runs
+    return answer
+
+
+def recent_runs(runs: list[dict[str, Any]], ended_within_s: float) -> list[dict[str, Any]]:
+    """The runs that have not ended, or ended (agent `ended_at`) within the last `ended_within_s` seconds."""
+    cutoff = time.time() - ended_within_s
+    return [
+        entry for entry in runs if not isinstance(entry.get("ended_at"), (int, float)) or entry["ended_at"] >= cutoff
+    ]
 
 
 @dataclass

@@ -1,0 +1,113 @@
+"""Releases with a large file (issue 47), small: the laptop's manifest cache (size, mtime, inode), a plain tar for
+incompressible bytes, and the target taking a hard-linked file's digest from its base release only while the
+inode is as the base verified it. Real files, the agent's real install code; the timed figures are
+bench/control_plane_scale.py's (bench/RESULTS.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from dflashops.agent import releases as agent_releases
+from dflashops.agent.common import AgentFailure
+from dflashops.ops.releases import sync
+from dflashops.ops.releases.manifest_cache import ManifestCache
+
+BIG = 9 << 20  # over sync.PLAIN_TAR_FROM_BYTES
+
+
+def aged(path: Path, seconds: float = 60) -> Path:
+    """Set the file's mtime in the past (older than the racy window: the cache may keep it)."""
+    when = time.time() - seconds
+    os.utime(path, (when, when))
+    return path
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> dict[str, Path]:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "big.bin").write_bytes(os.urandom(BIG))
+    (src / "train.py").write_text("print('step')\n")
+    return {"data/big.bin": aged(src / "big.bin"), "trainer/train.py": aged(src / "train.py")}
+
+
+def test_the_manifest_cache_hashes_a_file_again_only_when_it_changed(
+    tree: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache_path = tmp_path / "cache.json"
+    read: list[str] = []
+    real = sync.file_sha256
+
+    def counted(path: Path) -> str:
+        read.append(path.name)
+        return real(path)
+
+    monkeypatch.setattr(sync, "file_sha256", counted)
+    first = sync.local_manifest(tree, ManifestCache(cache_path))
+    assert sorted(read) == ["big.bin", "train.py"] and cache_path.is_file()
+    read.clear()
+    assert sync.local_manifest(tree, ManifestCache(cache_path)) == first and read == []  # every digest a cache hit
+    tree["trainer/train.py"].write_text("print('step!')\n")  # same size... one more byte: a new mtime anyway
+    aged(tree["trainer/train.py"], 30)
+    second = sync.local_manifest(tree, ManifestCache(cache_path))
+    assert read == ["train.py"] and second[1]["trainer/train.py"] == real(tree["trainer/train.py"])
+    read.clear()
+    fresh = tree["trainer/train.py"]
+    fresh.write_text("print('just now')\n")  # written now: hashed, and not kept (it may change in the same tick)
+    sync.local_manifest(tree, ManifestCache(cache_path))
+    sync.local_manifest(tree, ManifestCache(cache_path))
+    assert read == ["train.py", "train.py"]
+
+
+def install(workspace: Path, files: dict[str, Path], cache: Path, base: str | None, base_files: dict) -> tuple:
+    code_hash, manifest = sync.local_manifest(files, ManifestCache(cache))
+    request, tar, uploaded, linked = sync.install_payload(str(workspace), files, code_hash, manifest, base, base_files)
+    agent_releases.build_release(request, tar)
+    return code_hash, manifest, tar, uploaded, linked
+
+
+def test_incompressible_bytes_go_as_a_plain_tar_and_install_whole(tree: dict[str, Path], tmp_path: Path) -> None:
+    code_hash, manifest, tar, uploaded, _ = install(tmp_path / "ws", tree, tmp_path / "c.json", None, {})
+    assert tar[:2] != b"\x1f\x8b" and len(tar) >= BIG  # not gzip: 0% saved was 45 s at level 6
+    release = tmp_path / "ws" / "releases" / code_hash
+    assert (release / "data" / "big.bin").read_bytes() == tree["data/big.bin"].read_bytes()
+    assert json.loads((release / ".manifest.json").read_text()) == manifest
+    small = {"trainer/train.py": tree["trainer/train.py"]}
+    _, _, tar, _, _ = install(tmp_path / "ws2", small, tmp_path / "c.json", None, {})
+    assert tar[:2] == b"\x1f\x8b"  # small code still goes gzipped (the tar's 10 KiB padding costs nothing)
+
+
+def test_a_linked_file_is_trusted_only_while_its_inode_is_as_verified(
+    tree: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    workspace, cache = tmp_path / "ws", tmp_path / "c.json"
+    base, base_files, *_ = install(workspace, tree, cache, None, {})
+    hashed: list[str] = []
+    real = agent_releases.file_sha256
+
+    def counted(path: str) -> str:
+        hashed.append(os.path.basename(path))
+        return real(path)
+
+    monkeypatch.setattr(agent_releases, "file_sha256", counted)
+    tree["trainer/train.py"].write_text("print('changed')\n")
+    aged(tree["trainer/train.py"], 30)
+    second, _, _, uploaded, linked = install(workspace, tree, cache, base, base_files)
+    assert uploaded == ("trainer/train.py",) and "data/big.bin" in linked
+    assert hashed == ["train.py"]  # the 9 MB file's digest came from the base's verified record
+    # The base's copy changed in place (the same inode, a new mtime): the next release built on it hashes it,
+    # and refuses it, since it no longer holds what the manifest says.
+    with open(workspace / "releases" / second / "data" / "big.bin", "r+b") as handle:
+        handle.write(b"tampered")
+    hashed.clear()
+    tree["trainer/train.py"].write_text("print('again')\n")
+    aged(tree["trainer/train.py"], 20)
+    second_files = json.loads((workspace / "releases" / second / ".manifest.json").read_text())
+    with pytest.raises(AgentFailure, match="'data/big.bin' is missing or corrupt"):
+        install(workspace, tree, cache, second, second_files)
+    assert "big.bin" in hashed
