@@ -54,6 +54,7 @@ class PrepareOptions:
     seed: int = 0
     skip_bad: bool = False
     tokenizer: str | None = None  # defaults to target_model
+    dtype: str = "auto"  # --regenerate: the target's dtype (auto: bf16 on CUDA, fp32 on CPU)
 
 
 def load_records(path: str | Path, skip_bad: bool) -> tuple[list[list[dict]], list[int]]:
@@ -126,6 +127,7 @@ def _fingerprint(options: PrepareOptions, template_sha: str) -> dict[str, Any]:
         "enable_thinking": options.enable_thinking,
         "regenerate": options.regenerate,
         "max_new_tokens": options.max_new_tokens if options.regenerate else None,
+        **({"dtype": options.dtype} if options.regenerate and options.dtype != "auto" else {}),
         "temperature": options.temperature if options.regenerate else None,
         "seed": options.seed if options.regenerate else None,
         "shard_size": options.shard_size,
@@ -315,6 +317,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--batch-size", type=int, default=16, help="--regenerate: generation batch size (default: %(default)s)"
     )
     parser.add_argument("--shard-size", type=int, default=256, help="records per shard (default: %(default)s)")
+    parser.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="--regenerate: the target's dtype; auto is bf16 on a GPU, fp32 on the CPU (default: %(default)s)",
+    )
     parser.add_argument(
         "--seed", type=int, default=0, help="--regenerate: sampling seed; shard k uses seed + k (default: %(default)s)"
     )
