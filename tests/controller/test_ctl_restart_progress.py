@@ -129,3 +129,33 @@ def test_a_job_the_preflight_cannot_check_says_so(env: Env) -> None:
     )
     assert code == 0, lines
     assert any("is not `python -m trainer train`, so whether it starts" in text for _, text in lines), lines
+
+
+PHASES = (
+    "from dflashops.cli.deploy import Phases\n"
+    "say = Phases(False)\n"
+    "say({'phase': 'sync', 'files': 2, 'target': 'local', 'code': 'abc'})\n"
+    "say({'phase': 'launching', 'name': 'x2', 'resume': None})\n"
+)
+
+
+def test_on_a_terminal_each_phase_line_carries_the_seconds_since_the_command_began() -> None:
+    import pty
+
+    primary, secondary = pty.openpty()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", PHASES], stderr=secondary, stdout=subprocess.PIPE, env=env, timeout=60)
+    os.close(secondary)
+    text = b""
+    try:
+        while chunk := os.read(primary, 4096):
+            text += chunk
+    except OSError:  # EIO: the terminal's other side is closed and everything was read
+        pass
+    os.close(primary)
+    assert done.returncode == 0
+    lines = text.decode().replace("\r", "").splitlines()
+    assert [line[9:] for line in lines] == ["syncing 2 changed files to local (code abc)", "launching x2"], lines
+    assert all(line.startswith("[") and line[6:9] == "s] " for line in lines), lines
+    piped = subprocess.run([sys.executable, "-c", PHASES], capture_output=True, text=True, env=env, timeout=60)
+    assert piped.stderr.splitlines() == ["syncing 2 changed files to local (code abc)", "launching x2"]
