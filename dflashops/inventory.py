@@ -381,11 +381,14 @@ STARTED_WHEN = ("preflight_done", "first_step", "settle")
 
 
 def default_started_when(argv: tuple[str, ...]) -> str:
-    """`preflight_done` for `python -m trainer train` (whose status.json keeps a timeline), else `settle`."""
+    """`first_step` for `python -m trainer train` (whose status.json keeps a timeline), else `settle`. Started
+    means trained: for a resume, the checkpoint loaded and the first step after it ran. `preflight_done` (the
+    arguments and inputs checked in the job) said "started" before the checkpoint was even read, so a child
+    that then failed to load it was reported as started."""
     words = list(argv)
     for index, word in enumerate(words[:-2]):
         if word == "-m" and words[index + 1] == "trainer" and words[index + 2] == "train":
-            return "preflight_done"
+            return "first_step"
     return "settle"
 
 

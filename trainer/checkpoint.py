@@ -23,12 +23,14 @@ from __future__ import annotations
 import copy
 import json
 import os
+import pickle
 import random
 import re
 import shutil
 import threading
 import time
 import traceback
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.utils.serialization  # its `config` (torch.save reads it)
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from trainer.config import TrainerInputError
@@ -477,15 +480,115 @@ class CheckpointWriter:
             del snapshot
 
 
+CHECKPOINT_FILES = ("model.safetensors", "optimizer.pt", "rng.pt", "state.json")  # each one is read on resume
+
+
+def checkpoint_damage(path: Path, files: tuple[str, ...] = CHECKPOINT_FILES) -> str | None:
+    """What makes checkpoint `path` unloadable, or None when it is whole, judged from each of `files`' size and
+    header without reading a tensor: state.json parses and names its step and shapes; model.safetensors is as
+    long as its header says and holds the shapes state.json records; the torch files end in their zip directory.
+
+    Sizes and headers, not a digest recorded at commit: what damages checkpoints here is a cut (a full disk, a
+    crash mid-copy, a killed rsync) or a lost file, and both show in the sizes; a digest would catch a flipped
+    bit as well, but costs a read of every byte at each commit and at each check (an 8B drafter's 12.6 GB: tens
+    of seconds of disk on the restart's critical path), where this reads a few KiB."""
+    path = Path(path)
+    for name in files:
+        if not (path / name).is_file():
+            return f"{name} is missing"
+    state: Any = None
+    if "state.json" in files:
+        try:
+            state = json.loads((path / "state.json").read_text())
+        except (OSError, UnicodeDecodeError, ValueError):
+            return "state.json is cut short or not JSON"
+        if not isinstance(state, dict) or not isinstance(state.get("step"), int) or "shapes" not in state:
+            return "state.json lacks its step or tensor shapes"
+    if "model.safetensors" in files:
+        damage = _safetensors_damage(path / "model.safetensors", state.get("shapes") if state else None)
+        if damage:
+            return damage
+    for name in (n for n in files if n.endswith(".pt")):
+        try:
+            with zipfile.ZipFile(path / name):  # reads the central directory at the file's end
+                pass
+        except (OSError, zipfile.BadZipFile):
+            return f"{name} is cut short or not a torch file ({(path / name).stat().st_size} bytes)"
+    return None
+
+
+def _safetensors_damage(weights: Path, shapes: dict[str, list[int]] | None) -> str | None:
+    """model.safetensors's header parses, the file is as long as the header says, and, given `shapes` (state.json's),
+    it holds those tensors in those shapes."""
+    try:
+        with open(weights, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            header_bytes = int.from_bytes(handle.read(8), "little")
+            if header_bytes > size - 8:
+                raise ValueError
+            header = json.loads(handle.read(header_bytes))
+        tensors = {k: t for k, t in header.items() if k != "__metadata__"}
+        end = max((int(t["data_offsets"][1]) for t in tensors.values()), default=0)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return f"model.safetensors has no readable header ({weights.stat().st_size} bytes)"
+    if size != 8 + header_bytes + end:
+        return f"model.safetensors is cut short ({size} of {8 + header_bytes + end} bytes)"
+    if shapes is not None:
+        found, recorded = {k: list(t["shape"]) for k, t in tensors.items()}, {k: list(v) for k, v in shapes.items()}
+        missing, unexpected = sorted(set(recorded) - set(found)), sorted(set(found) - set(recorded))
+        if missing or unexpected:
+            return f"model.safetensors does not match state.json: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        wrong = [k for k in recorded if found[k] != recorded[k]]
+        if wrong:
+            return f"model.safetensors does not match state.json: {wrong[0]} is {found[wrong[0]]}, not {recorded[wrong[0]]}"
+    return None
+
+
+def last_good_checkpoint(path: Path, files: tuple[str, ...] = CHECKPOINT_FILES) -> Path | None:
+    """The newest whole checkpoint beside `path` (same checkpoints/ folder) other than `path` itself, or None."""
+    path = Path(path)
+    found = []
+    for entry in path.parent.iterdir() if path.parent.is_dir() else []:
+        match = _STEP_DIR.match(entry.name)
+        if match and entry.name != path.name:
+            found.append((int(match.group(1)), entry))
+    for _, entry in sorted(found, reverse=True):
+        if checkpoint_damage(entry, files) is None:
+            return entry
+    return None
+
+
+def require_whole(
+    path: Path, *, flag: str = "--resume", files: tuple[str, ...] = CHECKPOINT_FILES, damage: str | None = None
+) -> None:
+    """TrainerInputError naming the damaged file of checkpoint `path` and the last good checkpoint beside it (the
+    hint: `flag` pointed at that one), unless the checkpoint is whole. `damage`: already found, or found here."""
+    damage = damage or checkpoint_damage(path, files)
+    if damage is None:
+        return
+    good = last_good_checkpoint(path, files)
+    raise TrainerInputError(
+        f"{flag}: checkpoint {path} cannot be loaded: {damage}; last good checkpoint: {good or 'none'}",
+        hint=f"use that one: {flag} {good}" if good else "no other checkpoint of this run is whole; start fresh",
+    )
+
+
 def read_state(path: Path) -> dict[str, Any]:
-    """state.json of a checkpoint directory (cheap: no tensors), or a TrainerInputError."""
+    """state.json of a checkpoint directory (cheap: no tensors), or a TrainerInputError (a missing or damaged
+    state.json names the last good checkpoint)."""
     state_file = Path(path) / "state.json"
     if not state_file.is_file():
         raise TrainerInputError(
             f"--resume: {path} is not a complete checkpoint (no state.json)",
             hint="point --resume at a checkpoints/step_NNNNNN directory",
         )
-    return json.loads(state_file.read_text())
+    try:
+        state = json.loads(state_file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        state = None
+    if not isinstance(state, dict):
+        require_whole(path, files=("state.json",), damage="state.json is cut short or not JSON")
+    return state
 
 
 def check_shapes(path: Path, expected: dict[str, list[int]]) -> None:
@@ -514,15 +617,30 @@ def load_checkpoint(path: Path, device: torch.device | None = None) -> Checkpoin
     `restore_rng` and a non-fused AdamW expect them.
 
     The two big files are read side by side, each memory-mapped (no read() copy: the device copy reads the page
-    cache directly); both libraries release the GIL while they copy."""
+    cache directly); both libraries release the GIL while they copy. A damaged checkpoint (checkpoint_damage,
+    checked first: a few KiB of headers) is a TrainerInputError naming the file and the last good checkpoint."""
+    require_whole(path)
     state = read_state(path)
-    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="checkpoint-read") as pool:
-        model = pool.submit(load_file, str(Path(path) / "model.safetensors"), device=str(device or "cpu"))
-        loaded = pool.submit(
-            torch.load, Path(path) / "optimizer.pt", weights_only=False, map_location=device, mmap=True
-        )
-        optimizer = loaded.result()
-        tensors = model.result()
+    try:
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="checkpoint-read") as pool:
+            model = pool.submit(load_file, str(Path(path) / "model.safetensors"), device=str(device or "cpu"))
+            loaded = pool.submit(
+                torch.load, Path(path) / "optimizer.pt", weights_only=False, map_location=device, mmap=True
+            )
+            optimizer = loaded.result()
+            tensors = model.result()
+            rng = torch.load(Path(path) / "rng.pt", weights_only=False)
+    except (
+        OSError,
+        RuntimeError,
+        ValueError,
+        EOFError,
+        SafetensorError,
+        pickle.UnpicklingError,
+    ) as exc:  # whole by its headers, unreadable inside
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        require_whole(path, damage=f"{type(exc).__name__}: {first}")
+        raise
     for entry in optimizer.get("state", {}).values():
         if isinstance(entry.get("step"), torch.Tensor) and entry["step"].device.type != "cpu":
             entry["step"] = entry["step"].cpu()  # as saved: load_state_dict moves it where the AdamW kind wants it
@@ -535,7 +653,7 @@ def load_checkpoint(path: Path, device: torch.device | None = None) -> Checkpoin
         model=tensors,
         optimizer=optimizer,
         scheduler=state["scheduler"],
-        rng=torch.load(Path(path) / "rng.pt", weights_only=False),
+        rng=rng,
         extra=extra,
     )
 
@@ -545,6 +663,8 @@ def resolve_resume(resume: str, run_dir: Path) -> Path | None:
     a run directory that has checkpoints (nothing gets overwritten); otherwise the given directory."""
     existing = list_checkpoints(run_dir)
     if resume == "auto":
+        if existing:
+            require_whole(existing[-1][1])
         return existing[-1][1] if existing else None
     if resume == "never":
         if existing:
@@ -555,4 +675,5 @@ def resolve_resume(resume: str, run_dir: Path) -> Path | None:
         return None
     path = Path(resume)
     read_state(path)
+    require_whole(path)
     return path

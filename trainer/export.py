@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from trainer.checkpoint import checkpoint_damage, last_good_checkpoint
 from trainer.export_names import public_tensor_names
 from trainer.export_speculators import (
     TargetParts,
@@ -68,8 +69,14 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return path
 
 
+# What export reads of a checkpoint: the weights and the config. A lost optimizer.pt or rng.pt is no reason to
+# refuse an export (train --resume refuses it: it needs them).
+EXPORT_READS = ("state.json", "model.safetensors")
+
+
 def load_training_checkpoint(path: str | Path) -> DFlashDrafter:
-    """The drafter stored in a training checkpoint; DataInputError for an incomplete or inconsistent one."""
+    """The drafter stored in a training checkpoint; DataInputError for an incomplete, damaged (checkpoint_damage:
+    state.json and model.safetensors by size and header) or inconsistent one."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -80,8 +87,15 @@ def load_training_checkpoint(path: str | Path) -> DFlashDrafter:
             f"checkpoint {step_dir} is incomplete: no state.json (the save did not finish)",
             hint="export a complete checkpoints/step_NNNNNN directory, or the run directory",
         )
-    if not weights.is_file():
-        raise DataInputError(f"checkpoint {step_dir} is incomplete: {WEIGHTS_NAME} is missing")
+    damage = checkpoint_damage(step_dir, EXPORT_READS)
+    if damage is not None:  # one line naming the file and the last good checkpoint, not a parser's traceback
+        good = last_good_checkpoint(step_dir, EXPORT_READS)
+        raise DataInputError(
+            f"checkpoint {step_dir} cannot be exported: {damage}; last good checkpoint: {good or 'none'}",
+            hint=f"export that one: python -m trainer export {good} --output DIR"
+            if good
+            else "no other checkpoint of this run is whole",
+        )
     state = json.loads(state_file.read_text())
     if not isinstance(state.get("drafter_config"), dict):
         raise DataInputError(f"checkpoint {step_dir}: state.json has no drafter_config; cannot rebuild the drafter")

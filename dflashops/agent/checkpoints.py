@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import zipfile
 
 from .common import alive, read_json
@@ -69,22 +70,117 @@ def commit_orphans(directory: str) -> list[str]:
 
 
 def checkpoint_data_complete(path: str, step: int) -> bool:
-    """Every file of checkpoint `path` was written to its end: state.json (written last) parses and names `step`,
-    the safetensors file is as long as its header says, and the torch files end in a zip directory."""
+    """Every file of checkpoint `path` was written to its end (checkpoint_damage finds nothing) and state.json
+    (written last) names `step`."""
+    return checkpoint_damage(path) is None and (read_json(os.path.join(path, "state.json")) or {}).get("step") == step
+
+
+def checkpoint_damage(path: str) -> str | None:
+    """What makes checkpoint `path` unloadable, or None when it is whole, from each file's size and header (a few
+    KiB read, no tensor): state.json parses and names its step and shapes, model.safetensors is as long as its
+    header says and holds those shapes, the torch files end in a zip directory. The trainer's own check
+    (trainer/checkpoint.py checkpoint_damage) is the same; this one runs in the agent, before any interpreter
+    with torch, so a restart refuses a damaged checkpoint before it stops anything. Sizes and headers, not a
+    digest: a cut or a lost file is what happens to checkpoints (a full disk, a killed copy), and a digest would
+    read every byte (12.6 GB for an 8B drafter) at each commit and each check."""
+    for name in CHECKPOINT_FILES:
+        if not os.path.isfile(os.path.join(path, name)):
+            return f"{name} is missing"
     state = read_json(os.path.join(path, "state.json"))
-    if state is None or state.get("step") != step:
-        return False
-    if not all(zipfile.is_zipfile(os.path.join(path, name)) for name in ("optimizer.pt", "rng.pt")):
-        return False
+    if state is None:
+        return "state.json is cut short or not JSON"
+    if not isinstance(state.get("step"), int):
+        return "state.json lacks its step"
+    weights = os.path.join(path, "model.safetensors")
     try:
-        with open(os.path.join(path, "model.safetensors"), "rb") as handle:
-            header_bytes = int.from_bytes(handle.read(8), "little")
-            header = json.loads(handle.read(header_bytes))
+        with open(weights, "rb") as handle:
             size = os.fstat(handle.fileno()).st_size
-    except (OSError, ValueError):
+            header_bytes = int.from_bytes(handle.read(8), "little")
+            if header_bytes > size - 8:
+                raise ValueError("header past the end")
+            header = json.loads(handle.read(header_bytes))
+        tensors = {k: t for k, t in header.items() if k != "__metadata__"}
+        end = max((int(t["data_offsets"][1]) for t in tensors.values()), default=0)
+        shapes = {k: list(t["shape"]) for k, t in tensors.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return f"model.safetensors has no readable header ({os.path.getsize(weights)} bytes)"
+    if size != 8 + header_bytes + end:
+        return f"model.safetensors is cut short ({size} of {8 + header_bytes + end} bytes)"
+    recorded = state.get("shapes")  # every trainer checkpoint records them; compared where present
+    if isinstance(recorded, dict) and shapes != {k: list(v) for k, v in recorded.items()}:
+        return "model.safetensors holds other tensors than state.json records"
+    for name in ("optimizer.pt", "rng.pt"):
+        if not zipfile.is_zipfile(os.path.join(path, name)):
+            return f"{name} is cut short or not a torch file ({os.path.getsize(os.path.join(path, name))} bytes)"
+    return None
+
+
+def last_good_checkpoint(path: str) -> str | None:
+    """The newest whole checkpoint beside `path` (the same checkpoints/ folder), `path` itself excluded."""
+    root = os.path.dirname(os.path.abspath(path))
+    names = [n for n in os.listdir(root) if CHECKPOINT_RE.match(n)] if os.path.isdir(root) else []
+    for name in sorted(names, key=lambda n: int(n[5:]), reverse=True):
+        candidate = os.path.join(root, name)
+        if name != os.path.basename(os.path.abspath(path)) and checkpoint_damage(candidate) is None:
+            return candidate
+    return None
+
+
+def damaged(path: str, damage: str) -> str:
+    """The `error:`/`hint:` lines for a damaged resume checkpoint: the file, and the last good checkpoint."""
+    good = last_good_checkpoint(path)
+    step = (good or "").rsplit("_", 1)[-1].lstrip("0") or "0"
+    return f"error: checkpoint {path} cannot be loaded: {damage}; last good checkpoint: {good or 'none'}\n" + (
+        f"hint: resume from that one: --checkpoint {step}" if good else "hint: no checkpoint of this run is whole"
+    )
+
+
+# A checkpoint held against deletion (the trainer keeps its newest N and deletes older ones while it runs): a
+# folder of hard links beside it, `.hold-step_N-<agent pid>`. The files' data lives while a link does, so what
+# the pre-flight checks and what the child resumes stays whole even when the run rotates the original away. No
+# data is copied; the trainer's rotation, the agent's commits and `gc` look only at step_N and `.tmp-*` names.
+HOLD_RE = re.compile(r"^\.hold-(step_\d{6,})-(\d+)$")
+HOLD_NAME = re.compile(r"/\.hold-(step_\d{6,})-\d+$")  # a hold folder's path -> sub(r"/\1") -> its checkpoint
+
+
+def hold_checkpoint(path: str) -> str | None:
+    """Hard-link every file of checkpoint `path` into a hold folder beside it; return the folder, or None when
+    the checkpoint went away meanwhile (rotated out) or the filesystem has no hard links. Holds whose agent died
+    are removed first."""
+    root, name = os.path.split(os.path.abspath(path))
+    for entry in os.listdir(root) if os.path.isdir(root) else []:
+        match = HOLD_RE.match(entry)
+        if match and not alive(int(match.group(2))):
+            shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+    hold = os.path.join(root, f".hold-{name}-{os.getpid()}")
+    shutil.rmtree(hold, ignore_errors=True)
+    try:
+        os.mkdir(hold)
+        for entry in os.listdir(path):
+            os.link(os.path.join(path, entry), os.path.join(hold, entry))
+    except OSError:
+        shutil.rmtree(hold, ignore_errors=True)
+        return None
+    if not os.path.isfile(os.path.join(hold, "state.json")):  # rotated out between the listing and the links
+        shutil.rmtree(hold, ignore_errors=True)
+        return None
+    return hold
+
+
+def restore_held(hold: str | None, path: str) -> bool:
+    """Put a held checkpoint back under its name when the run's rotation deleted it meanwhile (the run has
+    stopped by then, so nothing deletes it again); True when it was put back."""
+    if hold is None or os.path.isfile(os.path.join(path, "state.json")) or not os.path.isdir(hold):
         return False
-    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)]
-    return size == 8 + header_bytes + max(ends, default=0)
+    shutil.rmtree(path, ignore_errors=True)  # a rotation's half-done rmtree
+    os.rename(hold, path)
+    return True
+
+
+def release_hold(hold: str | None) -> None:
+    """Remove a hold folder (its links only: the checkpoint's own files stay while it has its own)."""
+    if hold is not None:
+        shutil.rmtree(hold, ignore_errors=True)
 
 
 def fsync_folder(path: str) -> None:

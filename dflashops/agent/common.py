@@ -11,6 +11,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import time
 
 NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -52,6 +53,23 @@ RUN_FILES = {
     "export/": "trainer export",
     "train.log.1": "none",
 }
+
+
+# A long call's progress (`restart`, `launch` with `progress: true`): one line per phase as it starts, on stderr,
+# `dflashops-progress {json}`; stdout keeps its one JSON answer. The controller reads them as they come
+# (ops/agent_client.py) and says each phase to the user; any other stderr line is ignored as before.
+PROGRESS_PREFIX = "dflashops-progress "
+
+
+def report_progress(req: dict, phase: str, **fields: object) -> None:
+    """Say on stderr that `phase` starts, when the request asked for progress; never fails the call."""
+    if not req.get("progress"):
+        return
+    try:
+        sys.stderr.write(PROGRESS_PREFIX + json.dumps({"phase": phase, **fields}, default=str) + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):  # a closed stderr: the answer on stdout still counts
+        pass
 
 
 class AgentFailure(Exception):

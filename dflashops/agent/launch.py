@@ -16,6 +16,7 @@ from .common import (
     append_log,
     program,
     remove_quietly,
+    report_progress,
     run_dir,
     session_name,
     tmux_has_session,
@@ -23,7 +24,7 @@ from .common import (
     write_atomic,
 )
 from .gc import verb_clear_cache
-from .preflight import preflight_release
+from .preflight import preflight_release, resume_of
 from .standby import adopt_standby, retire_standbys, standby_eligible, standby_fingerprint, start_standby, wrap_standby
 from .wrap import (
     CLEAN_ENV,
@@ -83,6 +84,7 @@ def verb_launch(req: dict) -> dict:
             f"(socket {tmux_socket(req['workspace'])})",
             "conflict",
         )
+    report_progress(req, "launching", name=req["name"], resume=req.get("resuming") or resume_of(argv))
     os.makedirs(os.path.dirname(directory), exist_ok=True)
     try:
         os.mkdir(directory)  # atomic claim of the name: a second launch of the same name fails here

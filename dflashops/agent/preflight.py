@@ -14,8 +14,27 @@ import os
 import subprocess
 import time
 
-from .checkpoints import complete_checkpoint, latest_checkpoint
-from .common import HASH_RE, AgentFailure, read_int, read_json, remove_quietly, run_dir, workspace_of, write_atomic
+from .checkpoints import (
+    HOLD_NAME,
+    checkpoint_damage,
+    complete_checkpoint,
+    damaged,
+    hold_checkpoint,
+    last_good_checkpoint,
+    latest_checkpoint,
+    release_hold,
+)
+from .common import (
+    HASH_RE,
+    AgentFailure,
+    read_int,
+    read_json,
+    remove_quietly,
+    report_progress,
+    run_dir,
+    workspace_of,
+    write_atomic,
+)
 from .standby import (
     CHECK_ANSWER,
     CHECK_CLAIM,
@@ -64,8 +83,9 @@ def preflight_release(req: dict, release: str, argv: list[str], env: dict) -> di
     """The pre-flight of `argv` (run from `release`, with `env`): what it checked, or AgentFailure `preflight`
     whose message is the check's own `error:`/`hint:` lines. Secrets stay out of it: a check needs none."""
     started = time.monotonic()
-    compile_release(release)
     flags = trainer_flags(argv)
+    report_progress(req, "preflight", checks="trainer" if flags is not None else "compile", resume=resume_of(argv))
+    compile_release(release)
     if flags is None:
         return {"checked": "compile", "seconds": round(time.monotonic() - started, 3)}
     secret_keys = list(req.get("secret_keys") or [])
@@ -87,8 +107,17 @@ def preflight_release(req: dict, release: str, argv: list[str], env: dict) -> di
             tail = "; ".join(output.splitlines()[-2:]) or f"exit code {answer.get('exit_code')}"
             lines = [f"error: the trainer's pre-flight failed: {tail}"]
         raise AgentFailure("\n".join(lines[:2]), "preflight")
-    return {"checked": "trainer", "summary": output.splitlines()[-1] if output else "", "in": where,
-            "seconds": seconds}  # fmt: skip
+    summary = HOLD_NAME.sub(r"/\1", output.splitlines()[-1]) if output else ""
+    report_progress(req, "preflight_done", summary=summary, seconds=seconds, where=where)
+    return {"checked": "trainer", "summary": summary, "in": where, "seconds": seconds}
+
+
+def resume_of(argv: list[str]) -> str | None:
+    """The checkpoint `--resume` names in argv (the pre-flight's: a hold folder, named as its original), or None."""
+    for index, flag in enumerate(argv[:-1]):
+        if flag == "--resume":
+            return HOLD_NAME.sub(r"/\1", argv[index + 1])
+    return None
 
 
 def verb_preflight(req: dict) -> dict:
@@ -104,11 +133,90 @@ def verb_preflight(req: dict) -> dict:
     argv = req.get("argv")
     if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
         raise AgentFailure("argv must be a list of strings", "bad_request")
-    if req.get("old"):
-        old_dir = run_dir({"workspace": workspace, "name": req["old"]})
-        probe = (latest_checkpoint(old_dir) or started_from(old_dir)) if os.path.isdir(old_dir) else None
-        argv = argv_for_check(argv, req.get("resume_placeholder"), req.get("resume_checkpoint") or probe)
-    return {"preflight": preflight_release(req, release, argv, dict(req.get("env") or {}))}
+    hold = probe = None
+    try:
+        if req.get("old"):
+            old_dir = run_dir({"workspace": workspace, "name": req["old"]})
+            placeholder, chosen = req.get("resume_placeholder"), req.get("resume_checkpoint")
+            probe, hold = resume_probe(old_dir, placeholder, chosen, argv) if os.path.isdir(old_dir) else (None, None)
+            argv = argv_for_check(argv, placeholder, hold or probe)
+        return {"preflight": held_preflight(req, release, argv, dict(req.get("env") or {}), hold, probe)}
+    finally:
+        release_hold(hold)
+
+
+def held_preflight(req: dict, release: str, argv: list[str], env: dict, hold: str | None, probe: str | None) -> dict:
+    """preflight_release of an argv that names the hold folder of checkpoint `probe` (resume_probe): what it
+    says names `probe`, the checkpoint the user knows."""
+
+    def named(text: str) -> str:
+        return text.replace(hold, str(probe)) if hold else text
+
+    try:
+        verdict = preflight_release(req, release, argv, env)
+    except AgentFailure as exc:
+        raise AgentFailure(named(str(exc)), exc.code) from None
+    return {**verdict, "summary": named(str(verdict.get("summary") or ""))} if "summary" in verdict else verdict
+
+
+def trained_a_step(status: dict) -> bool:
+    """The job has finished an optimizer step in this process, so a stop makes it checkpoint: the trainer's
+    timeline says `first_step`; a job that keeps no timeline counts when status.json names a step past 0."""
+    timeline = status.get("timeline")
+    if isinstance(timeline, dict):
+        return "first_step" in timeline
+    return isinstance(status.get("step"), int) and status["step"] > 0
+
+
+def writes_final(directory: str) -> bool:
+    """The run is alive and has trained a step in this process: its stop writes a final checkpoint."""
+    from .stop import run_processes_of  # stop imports the launch side, which imports this module
+
+    return bool(run_processes_of(directory)[1]) and trained_a_step(
+        read_json(os.path.join(directory, "status.json")) or {}
+    )
+
+
+def resume_probe(
+    old_dir: str, placeholder: object, chosen: str | None, argv: list[str]
+) -> tuple[str | None, str | None]:
+    """(the checkpoint a restart's pre-flight checks, its hold folder or None), before anything is stopped.
+
+    - `chosen` (restart --checkpoint): the child resumes exactly it, so it must be whole (checkpoint_damage),
+      else AgentFailure `preflight` naming the damaged file and the last good checkpoint; it is held (hard
+      links, checkpoints.hold_checkpoint) until the child is launched, and put back if the run's rotation
+      deletes it meanwhile (checkpoints.restore_held).
+    - else the run's newest checkpoint. When the run will write a final one on its stop (writes_final: the
+      child resumes that, a hand-over's or after the exit), the newest whole one stands in for its shape and
+      number of nodes; else the newest is what the child resumes, and a damaged one is refused here. Held while
+      the pre-flight reads it: the running trainer keeps its newest N and deletes older ones meanwhile (a
+      restart failed 1 time in 5 at --save-interval 10 with "not a complete checkpoint (no state.json)").
+    - none of its own: the checkpoint the run started from (run.json's `resumed_from`), held likewise.
+    Wholeness is judged for a trainer job (`python -m trainer train`, whose checkpoint files are known) only."""
+    if not placeholder:
+        return None, None
+    whole = checkpoint_damage if trainer_flags(argv) is not None else (lambda path: None)
+    if chosen is not None:
+        damage = whole(chosen)
+        if damage is not None:
+            raise AgentFailure(damaged(chosen, damage), "preflight")
+        return chosen, hold_checkpoint(chosen)
+    probe = None
+    for _ in range(5):  # the pick and its hold race the trainer's rotation: pick again when it won
+        newest = latest_checkpoint(old_dir)
+        if newest is None:
+            origin = started_from(old_dir)
+            return origin, hold_checkpoint(origin) if origin else None
+        damage = whole(newest)
+        if damage is not None and not writes_final(old_dir):
+            raise AgentFailure(damaged(newest, damage), "preflight")
+        probe = newest if damage is None else last_good_checkpoint(newest)
+        if probe is None:  # the final checkpoint alone will be whole: nothing of this shape to check now
+            return None, None
+        hold = hold_checkpoint(probe)
+        if hold is not None or os.path.isdir(probe):  # held, or a filesystem without hard links: unheld
+            return probe, hold
+    return probe, None
 
 
 def check_fresh(check: dict) -> dict:

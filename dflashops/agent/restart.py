@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 import time
 
-from .checkpoints import complete_checkpoint, latest_checkpoint
+from .checkpoints import complete_checkpoint, latest_checkpoint, release_hold, restore_held
 from .common import (
     RESUME_WRITER_KEY,
     AgentFailure,
     check_name,
     read_json,
+    report_progress,
     run_dir,
     session_name,
     tmux_has_session,
@@ -20,7 +21,7 @@ from .common import (
 from .control import control_wait_s, release_control, take_control
 from .gc import verb_clear_cache
 from .launch import check_launch, verb_launch
-from .preflight import argv_for_check, preflight_release, started_from
+from .preflight import argv_for_check, held_preflight, resume_probe, started_from, trained_a_step
 from .releases import build_release, flip_current, prune_releases
 from .status import cancel_supervisor, run_status
 from .stop import run_processes_of, stop_held
@@ -85,10 +86,33 @@ def verb_restart(req: dict, stdin: bytes) -> dict:
     if chosen is not None and (not isinstance(chosen, str) or not complete_checkpoint(chosen)):
         raise AgentFailure(f"checkpoint {chosen} is not a complete checkpoint on this target", "not_found")
     code_hash, release = build_release(install, stdin, stale_code="stale_release")  # not current yet
+    probe, hold = resume_probe(
+        old_dir, placeholder, chosen, req["argv"]
+    )  # a damaged one is refused here, nothing stopped
+    try:
+        return stop_and_launch(req, workspace, old, old_dir, install, code_hash, release, chosen, probe, hold)
+    finally:
+        release_hold(hold)  # the child was launched with the checkpoint in place (restore_held), or none was
+
+
+def stop_and_launch(
+    req: dict,
+    workspace: str,
+    old: str,
+    old_dir: str,
+    install: dict,
+    code_hash: str,
+    release: str,
+    chosen: str | None,
+    probe: str | None,
+    hold: str | None,
+) -> dict:
+    """Steps 3-6 of verb_restart, once the release is built and the resume checkpoint `probe` is held (`hold`)."""
+    placeholder = req.get("resume_placeholder")
     verdict = None
     if req.get("preflight"):  # the new code and flags prove they can start before the old run is signalled
-        probe = chosen or latest_checkpoint(old_dir) or started_from(old_dir)
-        verdict = preflight_release(req, release, argv_for_check(req["argv"], placeholder, probe), req.get("env") or {})
+        check_argv = argv_for_check(req["argv"], placeholder, hold or probe)
+        verdict = held_preflight(req, release, check_argv, req.get("env") or {}, hold, probe)
     lock, met = take_control(old_dir, "restart", control_wait_s(req))
     outcome: dict = {}
     try:
@@ -100,13 +124,15 @@ def verb_restart(req: dict, stdin: bytes) -> dict:
         # Refused before anything is stopped when the run has no checkpoint and will write none.
         fallback = resume_fallback(old_dir, old) if placeholder and chosen is None else None
         stop = None
+        handing_over = bool(placeholder and chosen is None and req.get("handover"))
+        report_progress(req, "stopping", run=old, handover=handing_over)
         try:
             stop = stop_held(
                 {
                     "workspace": workspace,
                     "name": old,
                     "grace": req.get("grace", 60.0),
-                    "handover": bool(placeholder and chosen is None and req.get("handover")),
+                    "handover": handing_over,
                     **{k: req[k] for k in ("kill_timeout", "gpu_timeout") if k in req},
                 },
                 old_dir,
@@ -121,9 +147,18 @@ def verb_restart(req: dict, stdin: bytes) -> dict:
         launch = {**req, "preflight": False, "clear_cache": False}  # both done above
         checkpoint = None
         handover = (stop or {}).get("handover")
+        report_progress(
+            req,
+            "stopped",
+            run=old,
+            was_running=stop is not None,
+            exit_code=(stop or {}).get("exit_code"),
+            handover=(handover or {}).get("checkpoint"),
+        )
         if placeholder:
             if chosen is not None:
                 checkpoint = chosen
+                restore_held(hold, chosen)  # put back if the run's rotation deleted it during the pre-flight
             elif handover:
                 checkpoint = handover["checkpoint"]
                 launch["env"] = {**(req.get("env") or {}), RESUME_WRITER_KEY: old_dir}
@@ -132,6 +167,7 @@ def verb_restart(req: dict, stdin: bytes) -> dict:
             if checkpoint is None:
                 how = "was stopped" if stop else "had ended"
                 raise AgentFailure(f"run {old!r} {how} but left no checkpoint to resume from", "not_found")
+            launch["resuming"] = checkpoint  # for its `launching` progress line, whatever the job's flag
             launch["argv"] = substitute(req["argv"], str(placeholder), checkpoint)
             launch["run_json"] = substitute(req.get("run_json") or {}, str(placeholder), checkpoint)
         flip_current(workspace, code_hash)
@@ -152,15 +188,6 @@ def verb_restart(req: dict, stdin: bytes) -> dict:
         }
     finally:
         release_control(old_dir, lock, outcome)
-
-
-def trained_a_step(status: dict) -> bool:
-    """The job has finished an optimizer step in this process, so a stop makes it checkpoint: the trainer's
-    timeline says `first_step`; a job that keeps no timeline counts when status.json names a step past 0."""
-    timeline = status.get("timeline")
-    if isinstance(timeline, dict):
-        return "first_step" in timeline
-    return isinstance(status.get("step"), int) and status["step"] > 0
 
 
 def resume_fallback(directory: str, name: str) -> str | None:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
+from typing import Any
 
 from dflashops.cli.common import (
     follow_again,
@@ -50,8 +53,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     r = subparsers.add_parser(
         "restart",
         help="stop a run and relaunch it as a new child run",
-        description="Sync, check that the new code can start (the pre-flight: it compiles, the trainer imports, "
-        "its arguments validate; a failure leaves RUN running), stop RUN cleanly, relaunch as a new run whose "
+        description="Sync, check that the new code can start (the pre-flight: it compiles, and for a trainer job "
+        "the trainer imports and its arguments and resume checkpoint validate; a failure leaves RUN running; any "
+        "other job is only compiled), stop RUN cleanly, relaunch as a new run whose "
         "parent is RUN. Arguments after `--` are merged over RUN's own extra arguments option by option (a value "
         "given here replaces the same option); --reset-args starts from the profile's instead.",
     )
@@ -132,7 +136,7 @@ def add_launch_options(p: argparse.ArgumentParser, launcher_default: str | None 
         "--detach",
         action="store_true",
         help="return as soon as the run is launched (default: wait until it has passed its start: the "
-        "profile's started_when, e.g. the trainer's pre-flight; a crash there is an error)",
+        "profile's started_when: the trainer's first step, after its resume loaded; a crash there is an error)",
     )
     p.add_argument(
         "--fail-on",
@@ -143,12 +147,76 @@ def add_launch_options(p: argparse.ArgumentParser, launcher_default: str | None 
     p.add_argument(
         "--timeout", type=float, default=600.0, help="seconds to wait for --wait or for the start (default 600)"
     )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="on stdout, one JSON object per phase as it starts (the lines stderr shows), the last one the start",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the commands that would run; change nothing")
 
 
+class Phases:
+    """Says each phase of a deploy or restart as it starts: a line on stderr (after `[ 12.3s]`, the time since
+    the command began, on a terminal), and with --json the event as one JSON line on stdout. The agent's phases
+    (pre-flight, stopping, stopped, launching) arrive through Invocation.on_phase while its one call runs."""
+
+    def __init__(self, as_json: bool) -> None:
+        self.as_json = as_json
+        self.began = time.monotonic()
+        self.clock = sys.stderr.isatty()
+        self.seen: set[str] = set()
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        phase = str(event.get("phase"))
+        self.seen.add(phase)
+        elapsed = time.monotonic() - self.began
+        if self.as_json:
+            print(json.dumps({**event, "elapsed_s": round(elapsed, 1)}, sort_keys=True, default=str), flush=True)
+        line = phase_line(event)
+        if line:
+            progress(f"[{elapsed:5.1f}s] {line}" if self.clock else line)
+
+
+def phase_line(event: dict[str, Any]) -> str | None:
+    """The human line of one phase event (None: a phase with nothing to say)."""
+    phase = event.get("phase")
+    if phase == "sync":
+        if event.get("files") is None:
+            return f"syncing the code to {event.get('target')}"
+        files = int(event["files"])
+        return f"syncing {files} changed file{'s' if files != 1 else ''} to {event.get('target')} (code {event.get('code')})"
+    if phase == "preflight":
+        if event.get("checks") == "compile":
+            return "pre-flight: compiling the new code's Python files"
+        resume = f", and its checkpoint {event['resume']}" if event.get("resume") else ""
+        return f"pre-flight: importing the trainer, checking its arguments{resume}"
+    if phase == "preflight_done":
+        return preflight_line(
+            {"summary": event.get("summary"), "in": event.get("where"), "seconds": event.get("seconds")}
+        )
+    if phase == "stopping":
+        then = "; the new run starts once its devices are free" if event.get("handover") else ""
+        return f"stopping {event.get('run')}: SIGTERM, then its final checkpoint{then}"
+    if phase == "stopped":
+        if event.get("handover"):
+            return (
+                f"{event.get('run')} stopped training and is writing its final checkpoint {event['handover']}; "
+                "the new run starts and waits for it"
+            )
+        if event.get("was_running"):
+            return f"{event.get('run')} stopped (exit code {event.get('exit_code')})"
+        return f"{event.get('run')} was not running"
+    if phase == "launching":
+        return f"launching {event.get('name')}" + (f", resuming from {event['resume']}" if event.get("resume") else "")
+    if phase == "waiting":
+        return f"waiting for {event.get('name')}'s {str(event.get('mark')).replace('_', ' ')}"
+    return None
+
+
 def report(invocation: Invocation, outcome: DeployOutcome, args: argparse.Namespace) -> int:
+    said = invocation.on_phase.seen if isinstance(invocation.on_phase, Phases) else set()
     for node in outcome.nodes or [outcome]:
-        if node.preflight:
+        if node.preflight and "preflight_done" not in said:
             progress(preflight_line(node.preflight))
         if node.cache_cleared:
             gone = node.cache_cleared
@@ -176,9 +244,11 @@ def report(invocation: Invocation, outcome: DeployOutcome, args: argparse.Namesp
                 f"warning: {outcome.supervisor.get('error')}"
                 + (f"\nhint: {outcome.supervisor['hint']}" if outcome.supervisor.get("hint") else "")
             )
-    print(outcome.name)
+    if not args.json:
+        print(outcome.name)
     if not args.wait and not args.detach:
         return report_start(invocation, outcome.name, args.timeout)
+    invocation.phase("launched", name=outcome.name, run_dir=outcome.run_dir)
     if args.wait:
         cursor = LogCursor()
         try:
@@ -200,22 +270,26 @@ def report(invocation: Invocation, outcome: DeployOutcome, args: argparse.Namesp
 
 
 def report_start(invocation: Invocation, name: str, timeout: float) -> int:
-    """Wait until `name` has passed its start (ops/runs/start_wait.py) and say how on stderr; a crash in that
-    window raises RunFailed (its end, the last log lines, hint `dflashops logs RUN`)."""
+    """Wait until `name` has passed its start (ops/runs/start_wait.py) and say how on stderr, with the
+    checkpoint it resumed from (the one the agent passed it: a hand-over's final one); a crash in that window
+    raises RunFailed (its end, the last log lines, hint `dflashops logs RUN`)."""
     record = invocation.record_of(name)
     profiles = invocation.inventory.profiles
     profile = profiles.get(record.profile) if record is not None and record.profile else None
+    started_when = profile.started_when if profile else "settle"
+    resumed = (record.extra.get("resumed_from") if record is not None else None) or None
+    invocation.phase("waiting", name=name, mark="start" if started_when == "settle" else started_when)
     try:
-        started = wait_started(
-            invocation, name, started_when=profile.started_when if profile else "settle", timeout=timeout
-        )
+        started = wait_started(invocation, name, started_when=started_when, timeout=timeout)
     except KeyboardInterrupt:  # quietly: the run was launched and goes on
         progress(f"{name} goes on; `dflashops watch {name}` shows how it does")
         return 130
+    invocation.phase("started", name=name, how=started.how, ended=started.ended, resumed_from=resumed)
     if started.ended:
         progress(f"{name} {started.how}, inside its start window ({started.seconds:.1f} s)")
     else:
-        progress(f"{name} passed its start: {started.how} ({started.seconds:.1f} s)")
+        where = f"; resumed from {resumed}" if resumed else ""
+        progress(f"{name} passed its start: {started.how}{where} ({started.seconds:.1f} s)")
     return 0
 
 
@@ -223,7 +297,10 @@ def preflight_line(verdict: dict) -> str:
     """`pre-flight: ok: 200 optimizer steps (a standby interpreter, 0.8 s)`, or why it could not run yet."""
     if verdict.get("skipped"):
         return f"pre-flight: not run in the dry run: {verdict['skipped']}"
-    what = verdict.get("summary") or "every Python file compiles"
+    what = verdict.get("summary") or (
+        "every Python file compiles; the job is not `python -m trainer train`, so whether it starts (its "
+        "arguments, its imports) is not checked"
+    )
     where = f"{verdict['in']}, " if verdict.get("in") else ""
     return f"pre-flight: {what} ({where}{verdict.get('seconds', 0):.1f} s)"
 
@@ -254,6 +331,7 @@ def interrupted_before_launch(invocation: Invocation, name: str, target: str | N
 def handle_deploy(args: argparse.Namespace) -> int:
     check_wait_options(args)
     with open_invocation(args, dry_run=args.dry_run) as invocation:
+        invocation.on_phase = Phases(args.json)
         try:
             outcome = deploy_request(invocation, args)
         except LaunchInterrupted as interrupt:
@@ -286,6 +364,7 @@ def handle_restart(args: argparse.Namespace) -> int:
             raise UsageError("--checkpoint names the checkpoint to resume from; --fresh starts from none")
         args.resume = True
     with open_invocation(args, dry_run=args.dry_run) as invocation:
+        phases = invocation.on_phase = Phases(args.json)
         outcome = restart(
             invocation,
             RestartRequest(
@@ -303,7 +382,7 @@ def handle_restart(args: argparse.Namespace) -> int:
                 handover=not args.wait_exit,
             ),
         )
-        if not args.dry_run:
+        if not args.dry_run and "stopped" not in phases.seen:  # the agent said none of its phases (a stale one)
             how = f"stopped (exit code {outcome.old_exit_code})" if outcome.stopped else "was not running"
             if outcome.handover:  # GPUs only for a run that had some: a CPU run's trainer freed none
                 record = invocation.record_of(args.run)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,11 +153,13 @@ class Agent:
             self._upload()
         self._ready = True
 
-    def _run(self, argv: list[str], stdin: bytes | None = None) -> Result:
+    def _run(
+        self, argv: list[str], stdin: bytes | None = None, on_stderr: Callable[[bytes], None] | None = None
+    ) -> Result:
         """One command with the target's python; a python that cannot be started there (exit 126/127 that
         names it: missing, not executable) is an InventoryError about the `python:` setting, not a dump of
         the command line."""
-        result = self.transport.run(argv, stdin=stdin, check=False)
+        result = self.transport.run(argv, stdin=stdin, check=False, on_stderr=on_stderr)
         python = self.target.python
         if result.exit_code in (126, 127) and python in result.stderr:
             detail = (result.stderr.strip().splitlines() or [""])[-1].strip()
@@ -187,10 +189,15 @@ class Agent:
         secret_args: dict[str, Any] | None = None,
         shown_args: dict[str, Any] | None = None,
         stdin_tar: bytes | None = None,
+        on_progress: Callable[[dict[str, Any]], None] | None = None,
     ) -> dict[str, Any]:
         """Run one verb; return its JSON answer. `secret_args` travel on stdin (never on a command line);
         the dry-run plan shows `shown_args` (their redacted form) in their place. Raises NotFound /
-        Conflict / UsageError / AgentError from the agent's error code."""
+        Conflict / UsageError / AgentError from the agent's error code. `on_progress` gets each phase the verb
+        reports as it starts (`restart`, `launch`: the request gets `progress: true`), as the transport delivers
+        stderr: live on local and ssh targets, at the end through a multiplexer."""
+        if on_progress is not None:
+            args = {**args, "progress": True}
         if self.dry_run:
             try:
                 self.ensure()
@@ -213,12 +220,13 @@ class Agent:
         if self.dry_run and (verb not in READ_ONLY_VERBS or not self._ready):
             self.record(argv, note)
             return {"ok": True, "dry_run": True}
-        result = self._run(argv, stdin)
+        sink = ProgressLines(on_progress) if on_progress is not None else None
+        result = self._run(argv, stdin, sink)
         if not self._ready and result.exit_code == 2 and "can't open file" in result.stderr:
             # Optimistic first call (no `ping` round trip, ~0.3-0.5 s per invocation on a remote target):
             # this agent version is not on the target yet, so upload it and run the call again.
             self._upload()
-            result = self._run(argv, stdin)
+            result = self._run(argv, stdin, sink)
         self._ready = True
         answer = _parse(result.stdout, result.stderr, verb, self.target.name)
         if answer.get("code") == "no_answer" and verb in READ_ONLY_VERBS:
@@ -247,6 +255,32 @@ class Agent:
                 if not answer.get("ok"):
                     raise refusal(answer, self.target, args)
                 yield answer
+
+
+# The agent's progress lines on stderr (agent/common.py report_progress).
+PROGRESS_PREFIX = b"dflashops-progress "
+
+
+class ProgressLines:
+    """A stderr sink: whole lines that carry PROGRESS_PREFIX become `on_progress(event)`; other bytes are left
+    to the Result's stderr as before."""
+
+    def __init__(self, on_progress: Callable[[dict[str, Any]], None]) -> None:
+        self.on_progress = on_progress
+        self.pending = b""
+
+    def __call__(self, chunk: bytes) -> None:
+        self.pending += chunk
+        *lines, self.pending = self.pending.split(b"\n")
+        for line in lines:
+            if not line.startswith(PROGRESS_PREFIX):
+                continue
+            try:
+                event = json.loads(line[len(PROGRESS_PREFIX) :])
+            except ValueError:
+                continue
+            if isinstance(event, dict):
+                self.on_progress(event)
 
 
 def _parse(stdout: str, stderr: str, verb: str, target: str) -> dict[str, Any]:

@@ -6,7 +6,9 @@ Connections are opened lazily and reused (one per target per invocation); `close
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from dflashops.errors import DflashopsError, NotFound
 from dflashops.inventory import Inventory, Target
@@ -29,6 +31,14 @@ class Invocation:
     # a stop); the CLI prints each as `warning: ...` on stderr when the invocation closes.
     warnings: list[str] = field(default_factory=list)
     _notifier: Notifier | None = None
+    # Where a long verb's phases go as they start (deploy, restart: the CLI prints a line or a JSON event each);
+    # None: nobody listens. An event is a dict with `phase` and the phase's facts.
+    on_phase: Callable[[dict[str, Any]], None] | None = None
+
+    def phase(self, phase: str, **fields: Any) -> None:
+        """Tell the listener (on_phase), if any, that `phase` starts; the agent's own phases come the same way."""
+        if self.on_phase is not None:
+            self.on_phase({"phase": phase, **fields})
 
     def warn(self, message: str) -> None:
         if message not in self.warnings:

@@ -8,7 +8,7 @@ Invocation can import them without an import circle; an Invocation is a Session 
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 from dflashops.inventory import Inventory, Target
 from dflashops.lineage import LineageDB, RunRecord
@@ -40,4 +40,8 @@ class Session(Protocol):
 
     def record_of(self, name: str) -> RunRecord | None:
         """The lineage record of run `name`, None when the lineage does not know it."""
+        ...
+
+    def phase(self, phase: str, **fields: Any) -> None:
+        """Tell the user that `phase` of a long verb starts (Invocation.phase)."""
         ...

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import abc
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
 from dflashops.errors import CommandFailed
 
 Stdin = bytes | IO[bytes] | None
+StderrSink = Callable[[bytes], None]  # gets a command's stderr as it arrives (run's `on_stderr`)
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,23 @@ class Transport(abc.ABC):
     ) -> tuple[int, bytes, bytes]:
         """Run argv to completion; return (exit code, stdout bytes, stderr bytes)."""
 
+    def _run_watched(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        stdin: Stdin,
+        timeout: float | None,
+        on_stderr: StderrSink,
+    ) -> tuple[int, bytes, bytes]:
+        """`_run`, with stderr also handed to `on_stderr` as it arrives (a long agent call's progress lines).
+        This default hands it over once, at the end: a transport that can read stderr while the command runs
+        (local, ssh, pct over either) overrides it."""
+        code, out, err = self._run(argv, env=env, stdin=stdin, timeout=timeout)
+        if err:
+            on_stderr(err)
+        return code, out, err
+
     @abc.abstractmethod
     def stream(
         self,
@@ -71,11 +89,18 @@ class Transport(abc.ABC):
         stdin: Stdin = None,
         timeout: float | None = None,
         check: bool = True,
+        on_stderr: StderrSink | None = None,
     ) -> Result:
-        """Run argv; raise `CommandFailed` (carrying the Result) on a non-zero exit when `check`."""
+        """Run argv; raise `CommandFailed` (carrying the Result) on a non-zero exit when `check`. `on_stderr`
+        gets the command's stderr as it arrives (the Result still carries all of it)."""
         merged = {**self.default_env, **(env or {})}
         started = time.monotonic()
-        code, out, err = self._run(list(argv), env=merged, stdin=stdin, timeout=timeout)
+        if on_stderr is None:
+            code, out, err = self._run(list(argv), env=merged, stdin=stdin, timeout=timeout)
+        else:
+            code, out, err = self._run_watched(
+                list(argv), env=merged, stdin=stdin, timeout=timeout, on_stderr=on_stderr
+            )
         result = Result(
             argv=tuple(str(a) for a in argv),
             exit_code=code,

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from dflashops.errors import TransportError
-from dflashops.transport.base import Stdin, Transport
+from dflashops.transport.base import StderrSink, Stdin, Transport
 
 
 @dataclass
@@ -42,6 +43,76 @@ class LocalTransport(Transport):
                 hint="raise --timeout or check the target",
             ) from None
         return proc.returncode, proc.stdout, proc.stderr
+
+    def _run_watched(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        stdin: Stdin,
+        timeout: float | None,
+        on_stderr: StderrSink,
+    ) -> tuple[int, bytes, bytes]:
+        """`_run`, with stderr read by a thread and handed to `on_stderr` chunk by chunk as the command writes it."""
+        data = stdin if stdin is None or isinstance(stdin, (bytes, bytearray, memoryview)) else stdin.read()
+        try:
+            proc = subprocess.Popen(
+                list(argv),
+                env={**os.environ, **env},
+                stdin=subprocess.PIPE if data is not None else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+        except FileNotFoundError:
+            return 127, b"", f"{argv[0]}: command not found\n".encode()
+        except OSError as exc:
+            return 126, b"", f"{argv[0]}: cannot execute: {exc.strerror}\n".encode()
+        err = bytearray()
+
+        def read_stderr() -> None:
+            assert proc.stderr is not None
+            while chunk := proc.stderr.read1(65536):  # type: ignore[attr-defined]  # a PIPE is a BufferedReader
+                err.extend(chunk)
+                on_stderr(chunk)
+
+        def feed() -> None:
+            assert proc.stdin is not None
+            try:
+                proc.stdin.write(bytes(data or b""))
+                proc.stdin.close()
+            except (BrokenPipeError, OSError):  # it exited without reading all of it: its answer says why
+                pass
+
+        # Three readers/writers, each on its own pipe (communicate() would read stderr too, racing the reader).
+        helpers = [threading.Thread(target=read_stderr, name="stderr-reader", daemon=True)]
+        if data is not None:
+            helpers.append(threading.Thread(target=feed, name="stdin-feeder", daemon=True))
+        for helper in helpers:
+            helper.start()
+        timed_out = threading.Event()
+
+        def expire() -> None:
+            timed_out.set()
+            proc.kill()  # our own child, by pid
+
+        timer = threading.Timer(timeout, expire) if timeout is not None else None
+        if timer is not None:
+            timer.start()
+        try:
+            assert proc.stdout is not None
+            out = proc.stdout.read()
+            proc.wait()
+        finally:
+            if timer is not None:
+                timer.cancel()
+        for helper in helpers:
+            helper.join()
+        if timed_out.is_set():
+            raise TransportError(
+                f"command timed out after {timeout:g}s on {self.name}: {argv[0]}",
+                hint="raise --timeout or check the target",
+            )
+        return proc.returncode, out, bytes(err)
 
     def stream(
         self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float | None = None

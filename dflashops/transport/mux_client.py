@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dflashops.errors import TransportError
-from dflashops.transport.base import Stdin, Transport
+from dflashops.transport.base import StderrSink, Stdin, Transport
 from dflashops.transport.mux_frames import error_from, mux_key, recv_frame, send_frame, send_json, settings_to_json
 
 if TYPE_CHECKING:
@@ -125,6 +125,21 @@ class MuxTransport(Transport):
                     return int(json.loads(payload)["exit_code"]), out, err
                 elif kind == b"X":
                     raise error_from(payload)
+
+    def _run_watched(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        stdin: Stdin,
+        timeout: float | None,
+        on_stderr: StderrSink,
+    ) -> tuple[int, bytes, bytes]:
+        """Live stderr on the direct link; through the multiplexer (whose `run` answers stdout and stderr whole
+        at the end) it comes at the end."""
+        if self._via_mux is False and self._direct is not None:  # known to run in-process: no multiplexer
+            return self._direct._run_watched(argv, env=env, stdin=stdin, timeout=timeout, on_stderr=on_stderr)
+        return super()._run_watched(argv, env=env, stdin=stdin, timeout=timeout, on_stderr=on_stderr)
 
     def stream(
         self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float | None = None

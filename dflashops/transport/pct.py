@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from dflashops.errors import NotFound, TransportError
 from dflashops.shell import env_argv
-from dflashops.transport.base import Stdin, Transport
+from dflashops.transport.base import StderrSink, Stdin, Transport
 
 STATUS_FAILED = 254
 PCT_FAILED = 255  # pct exec's own failures (container not running, no such container)
@@ -96,17 +96,45 @@ class PctTransport(Transport):
     def _run(
         self, argv: Sequence[str], *, env: Mapping[str, str], stdin: Stdin, timeout: float | None
     ) -> tuple[int, bytes, bytes]:
-        assert self.host is not None
+        return self._exec(argv, env, stdin, timeout, None)
+
+    def _run_watched(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        stdin: Stdin,
+        timeout: float | None,
+        on_stderr: StderrSink,
+    ) -> tuple[int, bytes, bytes]:
+        return self._exec(argv, env, stdin, timeout, on_stderr)
+
+    def _exec(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        stdin: Stdin,
+        timeout: float | None,
+        on_stderr: StderrSink | None,
+    ) -> tuple[int, bytes, bytes]:
+        host = self.host
+        assert host is not None
+
+        def run(host_argv: Sequence[str]) -> tuple[int, bytes, bytes]:
+            if on_stderr is None:
+                return host._run(host_argv, env={}, stdin=stdin, timeout=timeout)
+            return host._run_watched(host_argv, env={}, stdin=stdin, timeout=timeout, on_stderr=on_stderr)
+
         with self._check_lock:
             checked = self._checked
         if checked:
-            code, out, err = self.host._run(self.exec_argv(argv, env), env={}, stdin=stdin, timeout=timeout)
+            code, out, err = run(self.exec_argv(argv, env))
             if code == PCT_FAILED:
                 self._raise_if_gone(err)
             return code, out, err
         # First command: `pct status` and `pct exec` chained in ONE host command (one round trip and
         # one ssh channel less, ~0.2-0.5 s per invocation); the exec only runs when status says running.
-        code, out, err = self.host._run(self.checked_exec_argv(argv, env), env={}, stdin=stdin, timeout=timeout)
+        code, out, err = run(self.checked_exec_argv(argv, env))
         if (
             code == STATUS_FAILED
             and err.rstrip().splitlines()[-1:]

@@ -33,7 +33,7 @@ import paramiko
 
 from dflashops.errors import TransportError
 from dflashops.shell import env_argv, join_argv
-from dflashops.transport.base import Stdin, Transport
+from dflashops.transport.base import StderrSink, Stdin, Transport
 from dflashops.transport.ssh_connect import build_connection
 from dflashops.transport.ssh_keys import check_identity_files, translate_connect_error
 from dflashops.transport.ssh_settings import SshSettings, settings_for_host
@@ -158,12 +158,33 @@ class SshTransport(Transport):
     def _run(
         self, argv: Sequence[str], *, env: Mapping[str, str], stdin: Stdin, timeout: float | None
     ) -> tuple[int, bytes, bytes]:
+        return self._run_channel(argv, env, stdin, timeout, None)
+
+    def _run_watched(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        stdin: Stdin,
+        timeout: float | None,
+        on_stderr: StderrSink,
+    ) -> tuple[int, bytes, bytes]:
+        return self._run_channel(argv, env, stdin, timeout, on_stderr)
+
+    def _run_channel(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        stdin: Stdin,
+        timeout: float | None,
+        on_stderr: StderrSink | None,
+    ) -> tuple[int, bytes, bytes]:
         channel = self._open_channel(argv, env)
         feeder = _start_feeder(channel, stdin)
         out, err = bytearray(), bytearray()
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            for chunk in self._drain(channel, err, deadline, argv):
+            for chunk in self._drain(channel, err, deadline, argv, on_stderr):
                 out += chunk
         finally:
             _close_quietly(channel)
@@ -186,9 +207,15 @@ class SshTransport(Transport):
             _close_quietly(channel)
 
     def _drain(
-        self, channel: paramiko.Channel, err: bytearray, deadline: float | None, argv: Sequence[str]
+        self,
+        channel: paramiko.Channel,
+        err: bytearray,
+        deadline: float | None,
+        argv: Sequence[str],
+        on_stderr: StderrSink | None = None,
     ) -> Iterator[bytes]:
-        """Yield stdout, collect stderr, until the channel closes; bounded by deadline and liveness probes."""
+        """Yield stdout, collect stderr (handed to `on_stderr` too as it arrives), until the channel closes;
+        bounded by deadline and liveness probes."""
         # Wake on data (the channel's fileno is a pipe paramiko sets when stdout or stderr data lands);
         # the 0.2 s select timeout bounds every check below even if a wake-up is missed.
         wake = channel.fileno()
@@ -197,7 +224,10 @@ class SshTransport(Transport):
             got = False
             try:
                 while channel.recv_stderr_ready():
-                    err += channel.recv_stderr(CHUNK)
+                    piece = channel.recv_stderr(CHUNK)
+                    err += piece
+                    if on_stderr is not None:
+                        on_stderr(piece)
                     got = True
                 chunk = channel.recv(CHUNK) if channel.recv_ready() else None
             except (paramiko.SSHException, OSError, EOFError) as exc:  # e.g. a key exchange that timed out
@@ -226,7 +256,10 @@ class SshTransport(Transport):
         while not channel.exit_status_ready() and _active(channel):
             time.sleep(0.005)
         while channel.recv_stderr_ready():
-            err += channel.recv_stderr(CHUNK)
+            piece = channel.recv_stderr(CHUNK)
+            err += piece
+            if on_stderr is not None:
+                on_stderr(piece)
 
     def _probe_alive(self, transport: paramiko.Transport | None, argv: Sequence[str]) -> None:
         """A keepalive on the command's link that wants a reply; none within PROBE_TIMEOUT_S means it is gone."""

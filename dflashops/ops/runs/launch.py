@@ -278,6 +278,8 @@ def launch_on(
     run); the spec.s record has the pgid and session the agent answered. The lineage is the caller's."""
     agent = invocation.agent(target)
     run_dir = f"{target.workspace}/runs/{name}"
+    if not invocation.dry_run:
+        invocation.phase("sync", target=target.name)
     synced = sync(
         agent,
         extra_files=profile.files,
@@ -287,7 +289,13 @@ def launch_on(
     )
     spec = launch_spec(invocation, request, target, profile, name, synced.code_hash, synced.release_path)
     verdict = dry_run_preflight(agent, spec, synced.code_hash) if invocation.dry_run and request.preflight else None
-    answer = agent.call("launch", spec.args, secret_args={"env": spec.env}, shown_args={"env": spec.record.env})
+    answer = agent.call(
+        "launch",
+        spec.args,
+        secret_args={"env": spec.env},
+        shown_args={"env": spec.record.env},
+        on_progress=None if invocation.dry_run else lambda event: invocation.phase(**event),
+    )
     if verdict is not None:
         answer = {**answer, "preflight": verdict}
     if not invocation.dry_run:

@@ -16,6 +16,7 @@ No cache yet: `manifest` + the combined call (2 calls). Steady state: 1 call.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -224,16 +225,19 @@ def stop_and_launch(
     what `manifest` says and the call repeated. A dry run adds the read-only pre-flight's verdict."""
     agent = invocation.agent(release.target)
     calls, fell_back = release.calls, False
+    if not invocation.dry_run:
+        invocation.phase("sync", files=len(release.payload[2]), target=release.target.name, code=release.code_hash)
+    on_progress = None if invocation.dry_run else invocation.on_phase
     try:
         calls += 1
-        answer = combined_call(agent, old.name, request, release.spec, release.payload, chosen)
+        answer = combined_call(agent, old.name, request, release.spec, release.payload, chosen, on_progress)
     except StaleRelease:  # nothing was changed: ask what is there, build the tar again, call again
         base, fell_back = remote_base(agent, release.code_hash, release.manifest), True
         release.payload = install_payload(
             release.target.workspace, release.files, release.code_hash, release.manifest, base[0], base[1]
         )
         calls += 2
-        answer = combined_call(agent, old.name, request, release.spec, release.payload, chosen)
+        answer = combined_call(agent, old.name, request, release.spec, release.payload, chosen, on_progress)
     if invocation.dry_run and request.preflight:
         answer = {
             **answer,
@@ -317,8 +321,10 @@ def combined_call(
     spec: LaunchSpec,
     payload: tuple[dict, bytes, tuple, tuple],
     chosen: str | None = None,
+    on_progress: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """The agent's `restart` verb: request JSON (secrets only in it, on stdin) + the tar, one round trip."""
+    """The agent's `restart` verb: request JSON (secrets only in it, on stdin) + the tar, one round trip. Its
+    phases (pre-flight, stopping, stopped, launching) reach `on_progress` as they start."""
     install, tar = {k: v for k, v in payload[0].items() if k != "workspace"}, payload[1]
     args = {
         **spec.args,
@@ -334,7 +340,12 @@ def combined_call(
     target: Target = agent.target
     try:
         return agent.call(
-            "restart", args, secret_args={"env": spec.env}, shown_args={"env": spec.record.env}, stdin_tar=tar
+            "restart",
+            args,
+            secret_args={"env": spec.env},
+            shown_args={"env": spec.record.env},
+            stdin_tar=tar,
+            on_progress=on_progress,
         )
     except StaleRelease:
         raise
