@@ -94,10 +94,14 @@ def verb_launch(req: dict) -> dict:
     run_json.update(name=req["name"], launcher=launcher, session=session, run_dir=directory)
     write_atomic(os.path.join(directory, "run.json"), json.dumps(run_json, indent=2, sort_keys=True) + "\n")
     cwd = req.get("cwd") or directory
+    # `standby_once` (a restart's one-shot standby, agent/restart.py): adopt the one started for this launch,
+    # start none for the next one.
+    follow_up = wants_standby and not req.get("standby_once")
     if wants_standby:
         adopted = adopt_standby(req, directory, argv, launch_env, cwd, launcher, session, fingerprint)
         if adopted is not None:
-            start_standby(req, argv, launch_env, launcher, directory, fingerprint)
+            if follow_up:
+                start_standby(req, argv, launch_env, launcher, directory, fingerprint)
             return {**adopted, "preflight": verdict, "cleared": cleared}
     elif req.get("standby") is False:
         retire_standbys(req["workspace"], keep=None)
@@ -149,7 +153,7 @@ def verb_launch(req: dict) -> dict:
         # timed out), the secrets must not stay on disk, and a wrapper that starts late then finds no spec and
         # does not start the job.
         remove_quietly(spec_path)
-    if wants_standby:
+    if follow_up:
         start_standby(req, argv, launch_env, launcher, directory, fingerprint)
     answer = launch_answer(directory, pgid, marker, launcher, session, standby=False)
     return {**answer, "preflight": verdict, "cleared": cleared}

@@ -91,12 +91,13 @@ def preflight_release(req: dict, release: str, argv: list[str], env: dict) -> di
     secret_keys = list(req.get("secret_keys") or [])
     check_env = {k: v for k, v in {**os.environ, **env}.items() if k not in secret_keys and not SECRET_KEY_RE.search(k)}
     check = {"argv": [argv[0], "-m", "trainer", "check", *flags], "env": check_env, "cwd": req["workspace"]}
-    answer, where = None, "a new interpreter"
+    answer, where, standby_pid = None, "a new interpreter", None
     if req.get("standby") and standby_eligible(argv):
         fingerprint = standby_fingerprint(argv[0], env, str(req.get("launcher", "nohup")), secret_keys)
         await_starting_standby(req["workspace"], fingerprint, time.monotonic() + PREFLIGHT_TIMEOUT_S)
         answer = check_in_standby(req["workspace"], fingerprint, check)
         where = "a standby interpreter" if answer is not None else where
+        standby_pid = (answer or {}).pop("standby_pid", None)
     if answer is None:
         answer = check_fresh(check)
     seconds = round(time.monotonic() - started, 3)
@@ -109,7 +110,8 @@ def preflight_release(req: dict, release: str, argv: list[str], env: dict) -> di
         raise AgentFailure("\n".join(lines[:2]), "preflight")
     summary = HOLD_NAME.sub(r"/\1", output.splitlines()[-1]) if output else ""
     report_progress(req, "preflight_done", summary=summary, seconds=seconds, where=where)
-    return {"checked": "trainer", "summary": summary, "in": where, "seconds": seconds}
+    verdict = {"checked": "trainer", "summary": summary, "in": where, "seconds": seconds}
+    return {**verdict, "standby_pid": standby_pid} if standby_pid else verdict
 
 
 def resume_of(argv: list[str]) -> str | None:
@@ -249,8 +251,9 @@ def await_starting_standby(workspace: str, fingerprint: str, deadline: float) ->
 
 
 def check_in_standby(workspace: str, fingerprint: str, check: dict) -> dict | None:
-    """The check in a ready standby of `fingerprint` (check_in_child), or None when none is free (none ready,
-    one busy with another check, or it left meanwhile): the caller checks in a new interpreter."""
+    """The check in a ready standby of `fingerprint` (check_in_child) with that standby's pid (`standby_pid`), or
+    None when none is free (none ready, one busy with another check, or it left meanwhile): the caller checks
+    in a new interpreter."""
     for folder, spec in ready_standbys(workspace, fingerprint):
         ready = read_int(os.path.join(folder, "ready"))
         try:
@@ -263,8 +266,8 @@ def check_in_standby(workspace: str, fingerprint: str, check: dict) -> dict | No
             deadline = time.monotonic() + PREFLIGHT_TIMEOUT_S
             while time.monotonic() < deadline:
                 answer = take_file(os.path.join(folder, CHECK_ANSWER))
-                if answer is not None:
-                    return answer
+                if answer is not None:  # with the interpreter that checked: the one a launch may adopt next
+                    return {**answer, "standby_pid": ready}
                 if not carries_marker(ready, spec["marker"]):  # it exited (idle, retired): nobody will answer
                     break
                 time.sleep(0.02)

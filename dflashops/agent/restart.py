@@ -23,6 +23,7 @@ from .gc import verb_clear_cache
 from .launch import check_launch, verb_launch
 from .preflight import argv_for_check, held_preflight, resume_probe, started_from, trained_a_step
 from .releases import build_release, flip_current, prune_releases
+from .standby import retire_unclaimed, standby_eligible, standby_fingerprint, start_standby
 from .status import cancel_supervisor, run_status
 from .stop import run_processes_of, stop_held
 
@@ -85,14 +86,42 @@ def verb_restart(req: dict, stdin: bytes) -> dict:
     chosen = req.get("resume_checkpoint")  # restart --checkpoint: this one, not the run's newest
     if chosen is not None and (not isinstance(chosen, str) or not complete_checkpoint(chosen)):
         raise AgentFailure(f"checkpoint {chosen} is not a complete checkpoint on this target", "not_found")
-    code_hash, release = build_release(install, stdin, stale_code="stale_release")  # not current yet
-    probe, hold = resume_probe(
-        old_dir, placeholder, chosen, req["argv"]
-    )  # a damaged one is refused here, nothing stopped
+    once = one_shot_standby(req)  # importing while the release is built, the checkpoint probed, the check waits
     try:
-        return stop_and_launch(req, workspace, old, old_dir, install, code_hash, release, chosen, probe, hold)
+        code_hash, release = build_release(install, stdin, stale_code="stale_release")  # not current yet
+        probe, hold = resume_probe(
+            old_dir, placeholder, chosen, req["argv"]
+        )  # a damaged one is refused here, nothing stopped
+        try:
+            checked_in = {**req, "standby": True, "standby_once": True} if once else req
+            return stop_and_launch(
+                checked_in, workspace, old, old_dir, install, code_hash, release, chosen, probe, hold
+            )
+        finally:
+            release_hold(hold)  # the child was launched with the checkpoint in place (restore_held), or none was
     finally:
-        release_hold(hold)  # the child was launched with the checkpoint in place (restore_held), or none was
+        if once:  # refused, failed, or not ready in time for the launch: no interpreter is left waiting
+            retire_unclaimed(once)
+
+
+ONE_SHOT_IDLE_S = 900.0  # a one-shot standby whose restart never came back (its agent killed) exits after this
+
+
+def one_shot_standby(req: dict) -> str | None:
+    """Step 1b, with `standby_once` (the controller asks it on the local target) where the target keeps no
+    standby: for a trainer job, a standby interpreter started for this restart alone (agent/standby.py), before
+    anything slow. It imports torch while the old run still trains; the pre-flight runs in a fork of it
+    (check_in_standby) and the launch adopts it (adopt_standby), so typed -> first step pays one import of
+    torch, not two in series (the check's new interpreter, then the child's: issue 46 item 2). Returns its
+    folder, or None (not asked, not the trainer, or it could not start: the check and the child then start
+    new interpreters, as without it). verb_restart retires it unless a launch took it: none is left waiting."""
+    argv = req["argv"]
+    if not req.get("standby_once") or req.get("standby") or not standby_eligible(argv):
+        return None
+    env = {str(k): str(v) for k, v in (req.get("env") or {}).items()}
+    launcher = str(req.get("launcher", "nohup"))
+    fingerprint = standby_fingerprint(argv[0], env, launcher, list(req.get("secret_keys") or []))
+    return start_standby({**req, "standby_idle_s": ONE_SHOT_IDLE_S}, argv, env, launcher, "", fingerprint)
 
 
 def stop_and_launch(

@@ -159,14 +159,17 @@ def retire_standbys(workspace: str, keep: str | None) -> list[tuple[str, dict]]:
     return kept
 
 
-def start_standby(req: dict, argv: list[str], launch_env: dict, launcher: str, after: str, fingerprint: str) -> None:
+def start_standby(
+    req: dict, argv: list[str], launch_env: dict, launcher: str, after: str, fingerprint: str
+) -> str | None:
     """Make sure one unclaimed standby for the next launch like this one (`fingerprint`) exists (best effort: a
-    standby that cannot start costs the next launch its head start, never this launch)."""
+    standby that cannot start costs the next launch its head start, never this launch). Returns the folder of
+    the one it started, None when one was waiting already or none could start."""
     workspace, secret_keys = req["workspace"], list(req.get("secret_keys") or [])
     if any(
         not os.path.exists(os.path.join(folder, "claimed")) for folder, _ in retire_standbys(workspace, fingerprint)
     ):
-        return
+        return None
     ident = f"{int(time.time() * 1000):x}-{os.urandom(3).hex()}"
     folder = os.path.join(workspace, STANDBY_ROOT, ident)
     marker, session = f"standby-{ident}.{os.urandom(6).hex()}", f"standby-{ident}"
@@ -202,6 +205,18 @@ def start_standby(req: dict, argv: list[str], launch_env: dict, launcher: str, a
                 )  # fmt: skip
     except (OSError, subprocess.SubprocessError):
         shutil.rmtree(folder, ignore_errors=True)
+        return None
+    return folder
+
+
+def retire_unclaimed(folder: str) -> None:
+    """Ask the standby in `folder` to exit unless a launch has claimed it (then it is that run now); it leaves
+    within a second (wait_for_go looks once a second), its wrapper removes the folder."""
+    if os.path.isdir(folder) and not os.path.exists(os.path.join(folder, "claimed")):
+        try:
+            write_atomic(os.path.join(folder, "retired"), "\n")
+        except OSError:  # the folder went meanwhile: it has left
+            pass
 
 
 def ready_standbys(workspace: str, fingerprint: str) -> Iterator[tuple[str, dict]]:

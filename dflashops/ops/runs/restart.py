@@ -338,6 +338,11 @@ def combined_call(
         "handover": request.resume and request.handover,
     }
     target: Target = agent.target
+    # A standby interpreter for this restart alone where the target keeps none (agent/restart.py
+    # one_shot_standby): the pre-flight runs in it and the child is it, one import of torch on the way to the
+    # first step instead of two. On the local target, whose inventory entry leaves `standby` off; a remote
+    # target that wants the head start keeps a standby (`standby: true`), which the restart uses the same way.
+    args["standby_once"] = target.kind == "local"
     try:
         return agent.call(
             "restart",
