@@ -23,7 +23,7 @@ from .gc import verb_clear_cache
 from .launch import check_launch, verb_launch
 from .preflight import argv_for_check, held_preflight, resume_probe, started_from, trained_a_step
 from .releases import build_release, flip_current, prune_releases
-from .standby import retire_unclaimed, standby_eligible, standby_fingerprint, start_standby
+from .standby import STANDBY_PRELOAD, retire_unclaimed, standby_eligible, standby_fingerprint, start_standby
 from .status import cancel_supervisor, run_status
 from .stop import run_processes_of, stop_held
 
@@ -105,6 +105,11 @@ def verb_restart(req: dict, stdin: bytes) -> dict:
 
 
 ONE_SHOT_IDLE_S = 900.0  # a one-shot standby whose restart never came back (its agent killed) exits after this
+# The compiler's modules (torch._dynamo, inductor: 1.8 s of the 3.7 s preload on the CPU test machine) are left
+# out for a run given no GPU: a CPU run compiles nothing unless asked, and the pre-flight waits for the preload,
+# so they cost every such restart ~1 s (tiny profile: 6.1 s typed -> first step with them, 5.2 s without;
+# bench/RESULTS.md, "2026-12-05 — restart with one torch import").
+COMPILER_MODULES = ("torch._dynamo", "torch._inductor.compile_fx")
 
 
 def one_shot_standby(req: dict) -> str | None:
@@ -121,7 +126,11 @@ def one_shot_standby(req: dict) -> str | None:
     env = {str(k): str(v) for k, v in (req.get("env") or {}).items()}
     launcher = str(req.get("launcher", "nohup"))
     fingerprint = standby_fingerprint(argv[0], env, launcher, list(req.get("secret_keys") or []))
-    return start_standby({**req, "standby_idle_s": ONE_SHOT_IDLE_S}, argv, env, launcher, "", fingerprint)
+    preload = list(req.get("standby_preload") or STANDBY_PRELOAD)
+    if not (req.get("run_json") or {}).get("gpus"):
+        preload = [name for name in preload if name not in COMPILER_MODULES]
+    once = {**req, "standby_idle_s": ONE_SHOT_IDLE_S, "standby_preload": preload}
+    return start_standby(once, argv, env, launcher, "", fingerprint)
 
 
 def stop_and_launch(
