@@ -86,6 +86,14 @@ def call_restart(request: dict) -> dict:
     return json.loads(out.stdout.decode().splitlines()[-1])
 
 
+def log_of(env: Env, name: str) -> str:
+    """The run's train.log so far ("" before its wrapper or adopted standby has made it)."""
+    try:
+        return (env.runs / name / "train.log").read_text()
+    except FileNotFoundError:
+        return ""
+
+
 def idle_standbys(env: Env) -> list[str]:
     """Standby folders no launch has claimed (an interpreter waiting for nobody)."""
     return [folder for folder, _ in standbys(str(env.workspace)) if not os.path.exists(os.path.join(folder, "claimed"))]
@@ -98,7 +106,7 @@ def test_the_child_is_the_preflights_interpreter_and_none_is_left_waiting(env: E
     assert answer["standby"] is True
     pid = env.job_pid("o2")
     assert pid == answer["preflight"]["standby_pid"]  # the interpreter that checked is the one that runs
-    wait_for(lambda: '"pid"' in (env.runs / "o2" / "train.log").read_text(), "o2 to start")
+    wait_for(lambda: '"pid"' in log_of(env, "o2"), "o2 to start")
     started = json.loads((env.runs / "o2" / "train.log").read_text().splitlines()[-1])
     assert started == {"pid": pid, "argv": ["train", "--sleep", "600"]}
     assert idle_standbys(env) == []  # nothing waits for a next launch
@@ -123,5 +131,5 @@ def test_a_standby_that_cannot_start_falls_back_to_new_interpreters(env: Env, ol
     answer = call_restart(old_run)
     assert answer["ok"] is True, answer
     assert answer["preflight"]["in"] == "a new interpreter" and answer["standby"] is False
-    wait_for(lambda: '"pid"' in (env.runs / "o2" / "train.log").read_text(), "o2 to start")
+    wait_for(lambda: '"pid"' in log_of(env, "o2"), "o2 to start")
     assert answer["old_status"]["state"] == "stopped"
