@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,31 +82,31 @@ def run_training(setup: RunSetup, engine: Engine) -> int:
             engine.build()
             recorder.mark("built")
             cache = compile_cache.choose(setup.drafter_device)  # shared by code versions: content-addressed
-            if cache is not None and not any(cache.iterdir()) and (loaded := compile_cache.load_artifacts(cache)):
+            if cache is not None and not any(cache.iterdir()) and (loaded := compile_cache.load_artifacts(cache, log)):
                 log(f"compile cache {cache}: started from {loaded} bytes of artifacts of an earlier run")
+            cache_report = CacheReport(cache, recorder, engine.writes_checkpoints) if cache is not None else None
             start = start_point(setup)
             if start is not None:
                 engine.warm_up(*start, recorder)
                 recorder.mark("compiled")
-            if cache is not None:
-                counts = compile_cache.stats()
-                recorder.set_status(compile_cache={"dir": str(cache), **counts, **compile_cache.settings_digest()})
-                if counts["fxgraph_hit"] or counts["fxgraph_miss"]:
-                    log(compile_cache.describe(cache, counts))
-                if counts["fxgraph_miss"] and engine.writes_checkpoints:  # new work: carry it to other machines
-                    compile_cache.save_artifacts(cache)
+            if cache_report is not None:
+                cache_report.update()
             step = _resume(setup, engine, recorder, run_dir)
             # The writer exits before the failure report: a checkpoint snapshotted before a failure still lands.
             with CheckpointWriter(run_dir, cfg.keep_checkpoints) as writer:
                 with engine.running(step, recorder):
-                    ending = _steps(setup, engine, recorder, writer, stop, step)
+                    ending = _steps(
+                        setup, engine, recorder, writer, stop, step, cache_report.update if cache_report else None
+                    )
+                if cache_report is not None:
+                    cache_report.update()
                 if ending.phase == "stopped" and writer.in_flight():
                     _offer_handover(engine, recorder, run_dir, ending)
                 report_checkpoints(recorder, writer.wait())  # the final checkpoint: waited for, never cut short
             recorder.mark("ended")
             recorder.set_status(phase=ending.phase, step=ending.step, exit_code=ending.code)
             if ending.phase == "stopped" and ending.trained:
-                log(f"stopped at step {ending.step}; resume with the same command")
+                log(f"stopped at step {ending.step}; {resume_advice()}")
             return ending.code
         except Exception as exc:  # noqa: BLE001 - reported on stderr and in status.json
             failure = exc
@@ -121,6 +122,16 @@ def run_training(setup: RunSetup, engine: Engine) -> int:
         finally:
             engine.close(failure)
             recorder.close()
+
+
+def resume_advice() -> str:
+    """How to go on from a stopped run: the same command for a trainer started by hand (it resumes from its
+    output directory's newest checkpoint); for a run dflashops launched (DFLASHOPS_RUN_NAME set), its own restart
+    verb, which the same command would not be (it makes a new run directory)."""
+    run_name = os.environ.get("DFLASHOPS_RUN_NAME")
+    if run_name:
+        return f"resume with: dflashops restart {run_name} --resume"
+    return "resume with the same command"
 
 
 def start_point(setup: RunSetup) -> tuple[int, tuple[int, int]] | None:
@@ -214,6 +225,32 @@ def schedule_change(cfg: Any, state: Any, step: int, total_steps: int) -> str | 
     )
 
 
+class CacheReport:
+    """status.json's `compile_cache` counters, and the artifacts saved for other machines, kept true as the run
+    compiles. Not only after the warm-up: what a warm-up does not cover (a target compiled at its first call, as
+    `--target-compile on` on the CPU, whose warm-up compiles nothing) compiles in the first step, and a report
+    taken before it read 0 hits and 0 misses in runs that reused the cache. Updated after the warm-up, after the
+    first step, and at the end of the steps; artifacts are saved whenever new work was compiled since the last
+    save (torch saves what this process used so far, hits and new work)."""
+
+    def __init__(self, cache: Path, recorder: RunRecorder, saves: bool) -> None:
+        self.cache, self.recorder, self.saves = cache, recorder, saves
+        self.logged: dict[str, int] = {}
+        self.saved_misses = 0
+
+    def update(self) -> None:
+        counts = compile_cache.stats()
+        if counts == self.logged:
+            return
+        self.recorder.set_status(compile_cache={"dir": str(self.cache), **counts, **compile_cache.settings_digest()})
+        if counts["fxgraph_hit"] or counts["fxgraph_miss"]:
+            log(compile_cache.describe(self.cache, counts))
+        self.logged = counts
+        if self.saves and counts["fxgraph_miss"] > self.saved_misses:  # new work: carry it to other machines
+            compile_cache.save_artifacts(self.cache)
+            self.saved_misses = counts["fxgraph_miss"]
+
+
 @dataclass
 class Ending:
     """How the steps ended: the exit code, the last step trained, the final status phase (done | stopped)."""
@@ -226,10 +263,17 @@ class Ending:
 
 
 def _steps(
-    setup: RunSetup, engine: Engine, recorder: RunRecorder, writer: CheckpointWriter, stop: GracefulStop, step: int
+    setup: RunSetup,
+    engine: Engine,
+    recorder: RunRecorder,
+    writer: CheckpointWriter,
+    stop: GracefulStop,
+    step: int,
+    after_first_step: Callable[[], None] | None = None,
 ) -> Ending:
     """The optimizer steps from `step` on. The last checkpoint (end of run, stop) is submitted, not waited
-    for: the caller waits once the worker threads have stopped (and, on a stop, the devices are free)."""
+    for: the caller waits once the worker threads have stopped (and, on a stop, the devices are free).
+    `after_first_step` runs once this process's first step is done (what compiles only there has compiled)."""
     cfg, total_steps = setup.cfg, engine.total_steps
     signum = engine.agree_stop(stop.signum)
     if signum is not None:  # signalled while loading: nothing trained since the last checkpoint (if any)
@@ -251,6 +295,8 @@ def _steps(
             layout = engine.checkpoint_layout()  # the optimizer's state exists now: pin the snapshot buffers
             if layout is not None:
                 writer.prepare(layout)
+            if after_first_step is not None:
+                after_first_step()
         extra = engine.after_step(step)  # e.g. replica checksums, which also force a log line
         signum = engine.agree_stop(stop.signum)  # every node stops after the same step
         stopping = signum is not None
