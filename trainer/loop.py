@@ -77,6 +77,9 @@ def run_training(setup: RunSetup, engine: Engine) -> int:
             recorder.mark("preflight_done")
             for line in engine.announce(run_dir):
                 log(line)
+            binds, why = step_limit(cfg, engine.total_steps)
+            recorder.set_status(step_limit=binds)
+            log(why)
             if engine.writes_metrics:
                 recorder.open_wandb(cfg.wandb, cfg.wandb_project, cfg.wandb_run_name, cfg.to_dict())
             engine.build()
@@ -122,6 +125,21 @@ def run_training(setup: RunSetup, engine: Engine) -> int:
         finally:
             engine.close(failure)
             recorder.close()
+
+
+def step_limit(cfg: Any, total_steps: int) -> tuple[str, str]:
+    """Which limit ends the run, and one log line saying so: ("max_steps" | "epochs", line). The run trains
+    min(--max-steps, the steps the data holds over --epochs); `-- --max-steps 5000` on the tiny preset trained
+    3200 (its `epochs` hold 3200) and nothing said which limit won (issue 46 item 4). status.json's `step_limit`
+    carries the answer to `dflashops status`, which shows it beside the eta."""
+    max_steps = int(cfg.max_steps or 0)
+    if max_steps and total_steps >= max_steps:
+        return "max_steps", f"{total_steps} steps: --max-steps {max_steps} ends the run (before --epochs {cfg.epochs})"
+    capped = f"; --max-steps {max_steps} is never reached: raise --epochs to reach it" if max_steps else ""
+    return "epochs", (
+        f"{total_steps} steps: --epochs {cfg.epochs} ends the run (the data gives {total_steps} optimizer steps "
+        f"over {cfg.epochs} epoch{'' if cfg.epochs == 1 else 's'}{capped})"
+    )
 
 
 def resume_advice() -> str:
