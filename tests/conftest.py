@@ -29,6 +29,11 @@ os.environ.pop("COLUMNS", None)
 for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_name, "1")
 
+# Inductor compiles in the process that asked, not in a pool of its own: with one core per worker its default (one
+# compile process per core, each a new interpreter importing torch) started two more torch imports per compiling
+# process, four workers at once, on a fresh clone's empty cache (issue 45 item 6). The kernels are the same.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 
 @pytest.fixture(autouse=True)
 def no_cache_dir_set_by_torch() -> Iterator[None]:
