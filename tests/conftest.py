@@ -50,6 +50,7 @@ def no_cache_dir_set_by_torch() -> Iterator[None]:
 # had finished. Running the longest first (LPT scheduling) leaves the short files for the end. A stale entry costs
 # nothing but balance: a missing file is skipped, a new slow file runs in the default order.
 LONGEST_FIRST = (
+    "tests/trainer/test_real_world.py",  # the real model: conversion, regeneration, train, eval (~150 s idle)
     "tests/trainer/test_distributed.py",  # 165 s
     "tests/controller/test_ctl_concurrency.py",  # 160
     "tests/trainer/test_bench.py",  # 131

@@ -126,6 +126,7 @@ LOSS_KERNELS = ("auto", "compiled", "eager", "triton")
 ATTENTION_KERNELS = ("auto", "flex", "triton")
 # --adamw: torch's fused or foreach AdamW, or trainer/adamw_triton.py's kernel (CUDA; opt-in until measured to pay)
 ADAMW_IMPLS = ("auto", "fused", "foreach", "triton")
+OUTPUT_NORM_INITS = ("ones", "calibrated")
 # --target-compile: the frozen target's decoder layers through one compiled layer call per target. auto = on where
 # the target runs on CUDA (H200, bench/RESULTS.md session 18: the Qwen3-8B-shaped target's forward 47.7 -> 34.5 ms,
 # the one-GPU pipeline 11.84 -> 12.96 samples/s), off on the CPU (Inductor's C++ compiles cost more than they save
@@ -148,6 +149,7 @@ class TrainConfig:
     data_dir: str | None = None  # prepared shards; None = synthetic tokens (tiny preset only)
     output_dir: str | None = None  # the run directory; None = runs/train-<timestamp>
     init_from: str | None = None  # exported drafter directory to start from (fresh optimizer)
+    output_norm_init: str = "ones"  # the final norm's weight at init (model/drafter.py: calibrated_output_norm)
     tokenizer: str | None = None  # tokenizer directory for the dataset check (default: --target-model)
     enable_thinking: bool | None = None  # the serving thinking mode; checked against the dataset's (None: no check)
     resume: str = "auto"  # auto: latest checkpoint in output_dir if any | never | a checkpoint path
@@ -293,6 +295,11 @@ class TrainConfig:
         need(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
         need(0 <= self.warmup_ratio < 1, "warmup-ratio", f"must be in [0, 1), got {self.warmup_ratio}")
         need(self.weight_decay >= 0, "weight-decay", f"must be >= 0, got {self.weight_decay}")
+        need(
+            self.output_norm_init in OUTPUT_NORM_INITS,
+            "output-norm-init",
+            f"must be one of {', '.join(OUTPUT_NORM_INITS)}, got {self.output_norm_init!r}",
+        )
         need(self.adamw in ADAMW_IMPLS, "adamw", f"must be one of {', '.join(ADAMW_IMPLS)}, got {self.adamw!r}")
         need(
             self.target_compile in TARGET_COMPILE,
@@ -468,6 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
         "loss_kernels": LOSS_KERNELS,
         "attention_kernel": ATTENTION_KERNELS,
         "adamw": ADAMW_IMPLS,
+        "output_norm_init": OUTPUT_NORM_INITS,
         "wandb": WANDB_MODES,
         "sync": SYNC_MODES,
         "feature_transfer": TRANSFER_MODES,

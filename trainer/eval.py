@@ -269,9 +269,14 @@ def evaluate(
     seed: int = 0,
     ddtree_budget: int | None = None,
     ddtree_top_k: int | None = None,
+    progress: Callable[[str], None] | None = None,
+    references: list[list[int]] | None = None,
 ) -> dict[str, Any]:
     """Run trained (+ untrained and n-gram baselines) over `prompts`; returns the report dict. With
-    `ddtree_budget` the trained drafter is also run in DDTree mode (method "ddtree", same prompts)."""
+    `ddtree_budget` the trained drafter is also run in DDTree mode (method "ddtree", same prompts).
+    `progress(line)` hears of each stage and, at most every 10 s, of the prompts done (a real target on a CPU
+    takes minutes here). `references`: the target's own greedy answers to `prompts`, when the caller has them
+    (`greedy_references`; one list serves every drafter evaluated on the same prompts)."""
     check_ddtree_options(ddtree_budget, ddtree_top_k, model)
     check_drafter_fits(drafter, model)
     block = block_size or drafter.config.block_size
@@ -306,7 +311,9 @@ def evaluate(
             ),
             {"budget": ddtree_budget, "top_k": ddtree_top_k},
         )
-    references = [greedy_reference(model, p, max_new_tokens, stops, pad_id) for p in prompts]
+    ticker = _Ticker(progress, len(prompts))
+    if references is None:
+        references = greedy_references(model, prompts, max_new_tokens, stops, pad_id, ticker)
     report: dict[str, Any] = {
         "prompts": len(prompts),
         "block_size": block,
@@ -318,9 +325,48 @@ def evaluate(
         for index, (prompt, reference) in enumerate(zip(prompts, references)):
             if generate(prompt, stats) != reference:
                 stats.mismatches.append(index)
+            ticker.tick(name)
         report["methods"][name] = stats.summary()
     report["lossless"] = all(m["lossless"] for m in report["methods"].values())
     return report
+
+
+def greedy_references(
+    model: Any,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    stops: list[int],
+    pad_id: int,
+    ticker: _Ticker | None = None,
+) -> list[list[int]]:
+    """The target's own greedy answer to each prompt (what every lossless check compares against)."""
+    answers = []
+    for prompt in prompts:
+        answers.append(greedy_reference(model, prompt, max_new_tokens, stops, pad_id))
+        if ticker is not None:
+            ticker.tick("target's own greedy answers")
+    return answers
+
+
+class _Ticker:
+    """Progress lines for `evaluate`: the first and last prompt of each stage, and at most one line every 10 s."""
+
+    def __init__(self, say: Callable[[str], None] | None, total: int, every_s: float = 10.0) -> None:
+        import time
+
+        self.say, self.total, self.every_s, self.clock = say, total, every_s, time.monotonic
+        self.stage, self.done, self.last = "", 0, 0.0
+
+    def tick(self, stage: str) -> None:
+        if self.say is None:
+            return
+        if stage != self.stage:
+            self.stage, self.done = stage, 0
+        self.done += 1
+        now = self.clock()
+        if self.done in (1, self.total) or now - self.last >= self.every_s:
+            self.last = now
+            self.say(f"eval {stage}: {self.done}/{self.total} prompts")
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -403,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
             baselines=not args.no_baselines,
             ddtree_budget=args.ddtree_budget,
             ddtree_top_k=args.ddtree_top_k,
+            progress=lambda line: print(line, file=sys.stderr, flush=True),
         )
     except DataInputError as exc:
         print(f"error: {exc.message}", file=sys.stderr)

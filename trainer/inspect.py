@@ -29,6 +29,21 @@ def length_histogram(lengths: np.ndarray, bins: int = 8, width: int = 40) -> lis
     ]
 
 
+def kinds_table(kinds: dict[str, dict[str, int]], total_tokens: int) -> list[str]:
+    """Lines of the prompt kinds the input recorded (samples, tokens, share), then the share of code."""
+    if not kinds:
+        return []
+    samples = sum(k["samples"] for k in kinds.values())
+    lines = ["kinds (samples, tokens, share of tokens):"]
+    lines += [
+        f"  {name:<16} {k['samples']:>7} {k['tokens']:>9} {100.0 * k['tokens'] / max(total_tokens, 1):5.1f}%"
+        for name, k in kinds.items()
+    ]
+    code = sum(k["samples"] for name, k in kinds.items() if name.startswith("code"))
+    lines.append(f"code share         {100.0 * code / max(samples, 1):.1f}% of samples (kinds named code-*)")
+    return lines
+
+
 def render_sample(tokenizer, ids: np.ndarray, mask: np.ndarray) -> str:
     """Decode `ids`, wrapping each supervised run in [[ ]]."""
     parts: list[str] = []
@@ -58,6 +73,7 @@ def summarize(directory: str | Path, *, tokenizer_path: str | None = None, sampl
         f"tokenizer          {meta.tokenizer}",
         "length histogram:",
         *length_histogram(dataset.lengths),
+        *kinds_table(meta.extra.get("kinds") or {}, total),
     ]
     if not 0 <= sample_index < len(dataset):
         raise ShardError(f"sample {sample_index} out of range (dataset has {len(dataset)})")

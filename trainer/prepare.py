@@ -54,6 +54,7 @@ class PrepareOptions:
     seed: int = 0
     skip_bad: bool = False
     tokenizer: str | None = None  # defaults to target_model
+    dtype: str = "auto"  # --regenerate: the target's dtype (auto: bf16 on CUDA, fp32 on CPU)
 
 
 def load_records(path: str | Path, skip_bad: bool) -> tuple[list[list[dict]], list[int]]:
@@ -108,6 +109,28 @@ def _parse_record(line: str) -> list[dict]:
     raise ValueError("a record needs 'messages' (list) or 'prompt' (string)")
 
 
+def record_kinds(path: str | Path, bad: list[int]) -> list[str | None]:
+    """Each valid record's optional "kind" label (e.g. code-explain, writing), in the order of `load_records`."""
+    kinds: list[str | None] = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if line.strip() and number not in bad:
+                kind = json.loads(line).get("kind")
+                kinds.append(kind if isinstance(kind, str) else None)
+    return kinds
+
+
+def composition(kinds: list[str | None], lengths: np.ndarray) -> dict[str, dict[str, int]]:
+    """{kind: {"samples", "tokens"}} over the records that carry a kind ({} when none does)."""
+    table: dict[str, dict[str, int]] = {}
+    for kind, length in zip(kinds, lengths.tolist()):
+        if kind is not None:
+            row = table.setdefault(kind, {"samples": 0, "tokens": 0})
+            row["samples"] += 1
+            row["tokens"] += int(length)
+    return dict(sorted(table.items()))
+
+
 def prompt_part(messages: list[dict]) -> list[dict]:
     """The conversation the target answers when regenerating: everything before the trailing assistant turns."""
     end = len(messages)
@@ -126,6 +149,7 @@ def _fingerprint(options: PrepareOptions, template_sha: str) -> dict[str, Any]:
         "enable_thinking": options.enable_thinking,
         "regenerate": options.regenerate,
         "max_new_tokens": options.max_new_tokens if options.regenerate else None,
+        **({"dtype": options.dtype} if options.regenerate and options.dtype != "auto" else {}),
         "temperature": options.temperature if options.regenerate else None,
         "seed": options.seed if options.regenerate else None,
         "shard_size": options.shard_size,
@@ -229,10 +253,12 @@ def prepare(options: PrepareOptions, *, log=None) -> shards.DatasetMeta:
         for k in todo:
             _write_tokenized_shard(out, names[k], tokenizer_path, chunks[k], options.enable_thinking)
             say(f"tokenized {names[k]} ({k + 1}/{len(names)})")
-    entries = []
+    entries, lengths = [], []
     for k, name in enumerate(names):
-        num_tokens = int(np.load(out / f"{name}.offsets.npy", mmap_mode="r")[-1])
-        entries.append({"name": name, "num_samples": len(chunks[k]), "num_tokens": num_tokens})
+        offsets = np.load(out / f"{name}.offsets.npy", mmap_mode="r")
+        lengths.append(np.diff(offsets))
+        entries.append({"name": name, "num_samples": len(chunks[k]), "num_tokens": int(offsets[-1])})
+    kinds = composition(record_kinds(options.input, bad), np.concatenate(lengths))
     meta = shards.DatasetMeta(
         tokenizer=str(Path(tokenizer_path).resolve()),
         chat_template_sha256=template_sha,
@@ -243,6 +269,7 @@ def prepare(options: PrepareOptions, *, log=None) -> shards.DatasetMeta:
             "input": str(Path(options.input).resolve()),
             "skipped_lines": bad,
             "end_of_turn_ids": end_of_turn_ids(tokenizer),
+            **({"kinds": kinds} if kinds else {}),
             "options": {k: v for k, v in asdict(options).items() if k not in ("output_dir",)},
         },
     )
@@ -315,6 +342,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--batch-size", type=int, default=16, help="--regenerate: generation batch size (default: %(default)s)"
     )
     parser.add_argument("--shard-size", type=int, default=256, help="records per shard (default: %(default)s)")
+    parser.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="--regenerate: the target's dtype; auto is bf16 on a GPU, fp32 on the CPU (default: %(default)s)",
+    )
     parser.add_argument(
         "--seed", type=int, default=0, help="--regenerate: sampling seed; shard k uses seed + k (default: %(default)s)"
     )

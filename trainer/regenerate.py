@@ -9,7 +9,10 @@ batch size sets throughput (KV cache memory ~ 2 * layers * batch * (prompt + new
 
 from __future__ import annotations
 
+import inspect
 import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,12 +20,15 @@ import torch
 from trainer.tokenizer_utils import end_of_turn_ids, tokenize_prompt
 
 
-def load_target_lm(path: str) -> tuple[Any, torch.device]:
-    """The HF causal LM at `path`, in eval mode: bf16 on CUDA, fp32 on CPU (CPU bf16 matmuls are slow)."""
+def load_target_lm(path: str, dtype_name: str = "auto") -> tuple[Any, torch.device]:
+    """The HF causal LM at `path`, in eval mode; dtype `auto`: bf16 on CUDA, fp32 on CPU (CPU bf16 matmuls are
+    slow); `float32` where the data must be the fp32 model's own greedy answers (a small target on a GPU)."""
     from transformers import AutoModelForCausalLM
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
+        dtype_name, torch.bfloat16 if device.type == "cuda" else torch.float32
+    )
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()  # type: ignore[arg-type]  # .to() typed by wraps()
     return model, device
 
@@ -31,7 +37,7 @@ class Regenerator:
     """Holds the target and tokenizer; `shard_samples(prompts, seed)` -> [(ids, mask)] in prompt order."""
 
     def __init__(self, target_path: str, tokenizer: Any, options: Any) -> None:
-        self.model, self.device = load_target_lm(target_path)
+        self.model, self.device = load_target_lm(target_path, getattr(options, "dtype", "auto"))
         self.tokenizer = tokenizer
         self.options = options
         self.stops = end_of_turn_ids(tokenizer)
@@ -73,14 +79,93 @@ class Regenerator:
         prompts = [tokenize_prompt(self.tokenizer, c, self.options.enable_thinking) for c in conversations]
         samples: list[tuple[list[int], list[int]]] = []
         batch = self.options.batch_size
+        started, generated = time.monotonic(), 0
         for start in range(0, len(prompts), batch):
             chunk = prompts[start : start + batch]
             for prompt, answer in zip(chunk, self.generate(chunk, seed * 1_000_003 + start)):
                 samples.append((prompt + answer, [0] * len(prompt) + [1] * len(answer)))
+                generated += len(answer)
             # Progress on stderr, one line per batch (logs stay readable in a file; no carriage returns).
+            done, elapsed = min(start + batch, len(prompts)), time.monotonic() - started
             print(
-                f"regenerate {label}: {min(start + batch, len(prompts))}/{len(prompts)} prompts",
+                f"regenerate {label}: {done}/{len(prompts)} prompts, {generated} tokens, "
+                f"{generated / max(elapsed, 1e-9):.0f} tok/s, {elapsed:.0f} s",
                 file=sys.stderr,
                 flush=True,
             )
         return samples
+
+
+@torch.inference_mode()
+def greedy_generate(
+    model: Any,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    stops: list[int],
+    pad_id: int,
+    batch_size: int,
+    on_batch: Callable[[int, int], None] | None = None,
+) -> list[list[int]]:
+    """Greedy answers (cut after the first stop id), in prompt order, from batches with a KV cache.
+
+    What it saves against a plain `model.generate` loop over the same batches: prompts are sorted by length so a
+    batch holds little padding, and a row that has finished leaves the batch (its cache rows are dropped), so the
+    rest of the batch does not pay for it; `generate` keeps computing finished rows until the longest answer ends.
+    Each row sees exactly its own left-padded prompt under an attention mask, as in `generate`; whether the outputs
+    are identical token for token is measured, not assumed (bench/real_world.py).
+    `on_batch(done, total)` is called after each batch (progress).
+    """
+    from transformers import DynamicCache
+
+    device = model.get_input_embeddings().weight.device
+    # transformers 5.x renames `past_key_values` to `cache` (5.25 warns on the old name); accept either version.
+    cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    answers: list[list[int]] = [[] for _ in prompts]
+    stop_ids = torch.tensor(stops, device=device)
+    for start in range(0, len(order), batch_size):
+        rows = order[start : start + batch_size]
+        width = max(len(prompts[i]) for i in rows)
+        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, i in enumerate(rows):
+            ids[r, width - len(prompts[i]) :] = torch.tensor(prompts[i])
+            mask[r, width - len(prompts[i]) :] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        live = torch.arange(len(rows), device=device)  # batch row -> index into `rows`
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{cache_kwarg: cache})
+        for _ in range(max_new_tokens):
+            token = out.logits[:, -1].argmax(-1)  # [live]
+            for r, t in zip(live.tolist(), token.tolist()):
+                answers[rows[r]].append(t)
+            done = torch.isin(token, stop_ids)
+            if len(answers[rows[int(live[0])]]) >= max_new_tokens or bool(done.all()):
+                break
+            if bool(done.any()):
+                keep = (~done).nonzero().squeeze(-1)
+                cache.batch_select_indices(keep)
+                live, token, mask, positions = live[keep], token[keep], mask[keep], positions[keep]
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
+            positions = positions[:, -1:] + 1
+            out = model(
+                input_ids=token[:, None],
+                attention_mask=mask,
+                position_ids=positions,
+                use_cache=True,
+                **{cache_kwarg: cache},
+            )
+        if on_batch is not None:
+            on_batch(min(start + batch_size, len(order)), len(order))
+    return answers
+
+
+def choose_threads(cores: int | None = None) -> int:
+    """Intra-op threads for CPU generation and training: half the cores (one on a 2-core machine). Under load, two
+    OpenMP threads on the 2-core machine ran 7x slower than one (they spin against other processes), and the load
+    changes during a long run, so a choice made from the load at start is no safer than this fixed one."""
+    import os
+
+    return max(1, (cores or os.cpu_count() or 1) // 2)

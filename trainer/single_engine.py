@@ -24,6 +24,7 @@ from trainer.handover import free_device_memory
 from trainer.loss import position_weights
 from trainer.metrics import RunRecorder
 from trainer.model import DFlashDrafter
+from trainer.model.drafter import init_output_norm
 from trainer.preflight import RunSetup, load_target
 from trainer.step import DrafterSide, StepStats, TargetSide, micro_batches, noise_std_at
 
@@ -61,6 +62,8 @@ class SingleEngine:
                 drafter = DFlashDrafter(setup.drafter_config)
             if cfg.init_from is not None:
                 drafter.load_state_dict(DFlashDrafter.from_pretrained(cfg.init_from).state_dict())
+            elif cfg.output_norm_init == "calibrated":
+                init_output_norm(drafter, target.embed_weight, target.lm_head_weight, cfg)
         self.target_side = TargetSide(
             target,
             setup.target_device,

