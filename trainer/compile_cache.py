@@ -93,6 +93,7 @@ def load_artifacts(cache: Path, warn: Callable[[str], None] | None = None) -> in
     is a logged traceback that `deploy` reads as a crash. Its graphs are compiled anew; its bytes are not counted."""
     loaded = 0
     for source in artifact_files(cache):
+        why: str | None
         try:
             data = source.read_bytes()
         except FileNotFoundError:

@@ -4,8 +4,8 @@ end is still recorded (issue 15, items 1 and 7). Needs root for the mount."""
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path

@@ -330,13 +330,13 @@ def secret_checks(
     checks = []
     for name in sorted({name for p in profiles for name in p.pass_env} - set(needed)):
         assert target is not None  # every profile is runnable without a target
-        users = [p for p in profiles if name in p.pass_env]
+        passing = [p for p in profiles if name in p.pass_env]
         checks.append(
             Check(
                 f"secret {name}",
                 "skip",
-                f"only {', '.join(p.name for p in users)} pass(es) it, which need(s) "
-                f"{min(gpus_needed(p) for p in users)} GPU(s); {target.name} declares {len(target.gpus)}",
+                f"only {', '.join(p.name for p in passing)} pass(es) it, which need(s) "
+                f"{min(gpus_needed(p) for p in passing)} GPU(s); {target.name} declares {len(target.gpus)}",
             )
         )
     for name, users in sorted(needed.items()):
