@@ -33,6 +33,10 @@ for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 # compile process per core, each a new interpreter importing torch) started two more torch imports per compiling
 # process, four workers at once, on a fresh clone's empty cache (issue 45 item 6). The kernels are the same.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# And its C++ at -O0 (with -g) instead of -O3: the tests' tensors are tiny, the g++ runs are what a cold cache pays.
+# test_compile_scope.py's Inductor test with an empty cache: 65.3 s at -O3 (load ~5), 43.8 s at -O0 (load ~3.5);
+# 220 s at -O3 beside another worker at load 7-17 (bench/RESULTS.md, 2026-12-06). The losses still match eager.
+os.environ.setdefault("TORCHINDUCTOR_DEBUG_COMPILE", "1")
 
 
 @pytest.fixture(autouse=True)
