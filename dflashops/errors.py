@@ -123,3 +123,13 @@ class WaitTimeout(DflashopsError):
     """A `--wait`/`--until` condition was not met within its timeout."""
 
     exit_code = 8
+
+
+class LaunchInterrupted(KeyboardInterrupt):
+    """Ctrl-C while `deploy` was syncing, checking (the pre-flight) or launching run `name`: its claimed lineage
+    name is released by then. Still a KeyboardInterrupt (every handler of one sees it); the CLI asks the target
+    whether the run was launched before it says what happened (a remote agent may finish a launch it had begun)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name

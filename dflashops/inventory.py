@@ -4,7 +4,8 @@ Errors name the file, the line and the key (`inventory.yaml:12: targets.gpu1.gpu
 integers`). The file's sections:
 
     hosts:     {NAME: {address, user, port, identity_file, jump_host, known_hosts, sudo}}
-    targets:   {NAME: {kind: local|pct|direct|host, host, ctid, gpus, workspace, python, env, address}}
+    targets:   {NAME: {kind: local|pct|direct|host, host, ctid, gpus, workspace, python, env, address,
+                       provision}}   (provision: the container itself, pct only: inventory_provision.py)
     profiles:  {NAME: {argv: [...], env: {...}, pass_env: [...], files: [...], packages: [...],
                        resume_args: [...], description, on_failure, stall}}   (packages default to [trainer])
     notify:    {webhook | webhook_env, command, events, from_target, timeout}   (inventory_policy.py)
@@ -29,6 +30,7 @@ import yaml
 from dflashops.errors import InventoryError, NotFound
 from dflashops.inventory_groups import Group, parse_groups
 from dflashops.inventory_policy import Notify, OnFailure, Stall, parse_notify, parse_on_failure, parse_stall
+from dflashops.inventory_provision import ProvisionSpec, parse_provision
 from dflashops.shell import ENV_KEY_RE, is_safe_name
 from dflashops.yaml_files import YAML_HINT, describe_yaml_error, read_yaml_text
 
@@ -68,6 +70,7 @@ class Target:
     # The compile caches' root (trainer/compile_cache.py), default <workspace>/cache/compile: a folder shared by
     # several workspaces or containers of one GPU kind (a bind mount) lets each start warm from the others' work.
     compile_cache: str | None = None
+    provision: ProvisionSpec | None = None  # the container `dflashops provision` makes (pct targets only)
 
     @property
     def compile_cache_root(self) -> str:
@@ -308,6 +311,7 @@ def _target(reader: _Reader, base: Path, hosts: dict[str, Host], name: str, node
             "standby",
             "standby_idle_s",
             "compile_cache",
+            "provision",
         },
     )
     for required in ("kind", "workspace"):
@@ -351,7 +355,13 @@ def _target(reader: _Reader, base: Path, hosts: dict[str, Host], name: str, node
             compile_cache = str((base / compile_cache).resolve())
         elif not compile_cache.startswith("/"):
             raise reader.fail(fields["compile_cache"], f"{key}.compile_cache", "must be an absolute path")
+    provision = None
+    if "provision" in fields:
+        if kind != "pct":
+            raise reader.fail(fields["provision"], f"{key}.provision", "only a pct target's container is provisioned")
+        provision = parse_provision(reader, fields["provision"], f"{key}.provision", name, python)
     return Target(
+        provision=provision,
         name=name,
         kind=kind,
         workspace=workspace,

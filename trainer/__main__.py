@@ -8,6 +8,7 @@ Each verb lives in its own module with a `main(argv: list[str]) -> int`, importe
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 VERBS = {
@@ -32,8 +33,19 @@ def usage() -> str:
     return "\n".join(lines)
 
 
+def quiet_progress_bars() -> None:
+    """No tqdm bars when stderr is not a terminal (a run's train.log, a pipe): transformers draws one per model
+    load and save ("Loading weights", "Writing model shards"), each a run of carriage-return redraws that a log
+    shows as one garbled line (issue 46 item 12). Environment, so it reaches the libraries however they import
+    tqdm; a value the user set wins."""
+    if not sys.stderr.isatty():
+        os.environ.setdefault("TQDM_DISABLE", "1")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    quiet_progress_bars()
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0 if argv else 2

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -442,7 +443,21 @@ def _bool(text: str) -> bool:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
-        raise TrainerInputError(message, hint="see `python -m trainer train --help`")
+        raise TrainerInputError(message, hint=self.flag_hint(message))
+
+    def flag_hint(self, message: str) -> str:
+        """`--lrr 1` -> "did you mean --lr?": the closest known flag to each unknown one argparse names."""
+        import difflib
+
+        listing = "`python -m trainer train --help` lists every flag"
+        if not message.startswith("unrecognized arguments: "):
+            return "see `python -m trainer train --help`"
+        known = [flag for flag in self._option_string_actions if flag.startswith("--")]
+        close = []
+        for word in message.removeprefix("unrecognized arguments: ").split():
+            if word.startswith("--"):
+                close += difflib.get_close_matches(word.split("=", 1)[0], known, n=1, cutoff=0.6)
+        return f"did you mean {' / '.join(dict.fromkeys(close))}? ({listing})" if close else listing
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -537,6 +552,10 @@ def parse_train_args(argv: list[str]) -> TrainConfig:
     values.update(given)
     if preset != "tiny":
         values.setdefault("tiny_target", None)
+    if values.get("target_model"):
+        # Recorded absolute (the checkpoint's config): `trainer export --format speculators` reads the target's
+        # embedding, LM head and norm from it later, from whatever folder the export runs in.
+        values["target_model"] = os.path.abspath(values["target_model"])
     if values.get("output_dir") is None:
         values["output_dir"] = f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}"
     return TrainConfig.from_dict(values).validate()

@@ -31,7 +31,6 @@ from pathlib import Path
 
 import torch
 
-from trainer import run_files
 from trainer.tiny_world import MODES, WalkWorld, build_tiny_target, pretrain_target, save_target
 from trainer.tokenizer_utils import MASK_TOKEN, DataInputError, build_tiny_tokenizer
 
@@ -139,6 +138,7 @@ def run_demo(
     workdir/run-<arch>."""
     from trainer import eval as eval_mod
     from trainer import prepare, train
+    from trainer.demo_report import compare_line, print_and_check, run_tokens
     from trainer.export import export_drafter, load_drafter, load_training_checkpoint
     from trainer.regenerate import load_target_lm
     from trainer.tokenizer_utils import end_of_turn_ids, tokenize_prompt
@@ -231,57 +231,12 @@ def run_demo(
     for name, one in reports.items():
         if len(archs) > 1:
             print(f"== {name} (block size {block_size}) ==")
-        failed = max(failed, print_and_check(one, size, len(seen_prompts)))
+        failed = max(failed, print_and_check(one, size.margin, len(seen_prompts)))
     if len(archs) > 1:
         print(compare_line(reports))
     # A sentence, not a bare "94s": it is the run's last log line, which `dflashops status` shows
     print(f"demo finished in {report['demo_seconds']:.0f} s (training, export and eval of {', '.join(archs)})")
     return failed
-
-
-def run_tokens(run: Path, block_size: int) -> dict[str, int]:
-    """The real blocks the run trained on and their tokens (blocks x B), summed over metrics.jsonl's windows
-    (each record sums the steps since the previous one)."""
-    blocks = sum(int(json.loads(line).get("blocks", 0)) for line in (run / run_files.METRICS).read_text().splitlines())
-    return {"blocks": blocks, "block_tokens": blocks * block_size}
-
-
-def compare_line(reports: dict[str, dict]) -> str:
-    """One line: DFlash2's held-out tau against DFlash's, at the same steps (and data), with their wall times."""
-    a, b = reports["dflash"], reports["dflash2"]
-    ta, tb = a["methods"]["trained"]["tau"], b["methods"]["trained"]["tau"]
-    unary = b["methods"].get("trained_unary", {}).get("tau")
-    return (
-        f"dflash2 tau {tb:.2f} vs dflash {ta:.2f} on held-out prompts: {tb / ta:.2f}x "
-        f"(dflash2 without its selector: {unary:.2f}); {a['budget']['steps']} steps and "
-        f"{a['budget']['block_tokens']} vs {b['budget']['block_tokens']} block tokens each, "
-        f"train wall {b['budget']['train_seconds']:.0f}s vs {a['budget']['train_seconds']:.0f}s"
-    )
-
-
-def print_and_check(report: dict, size: DemoSize, seen_count: int) -> int:
-    """The acceptance table and the demo's two checks for one trained drafter: 0, or 1 when it fails one."""
-    from trainer import eval as eval_mod
-
-    print(eval_mod.format_table(report))
-    taus = {name: m["tau"] for name, m in report["methods"].items()}
-    best_baseline = max(taus["untrained"], taus["ngram"])
-    seen_tau = report["training_prompts"]["tau"]
-    print(
-        f"trained tau on {seen_count} training prompts {seen_tau:.2f}, on held-out prompts "
-        f"{taus['trained']:.2f} (the difference is generalisation to unseen prompts)"
-    )
-    print(
-        f"trained tau {taus['trained']:.2f} vs best baseline {best_baseline:.2f} "
-        f"(margin required {size.margin:.1f}); lossless: {'yes' if report['lossless'] else 'NO'}"
-    )
-    if not (report["lossless"] and report["training_prompts"]["lossless"]):
-        print("error: speculative output differs from the target's greedy output", file=sys.stderr)
-        return 1
-    if taus["trained"] < best_baseline + size.margin:
-        print("error: the trained drafter does not beat both baselines by the required margin", file=sys.stderr)
-        return 1
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,8 @@ sibling directory and renamed, so DIR is either complete or absent; an existing 
 `--format speculators`: what vLLM's `speculators` library loads (trainer/export_speculators.py): a
 `DFlashSpeculatorConfig` whose `aux_hidden_state_layer_ids` are our tap ids + 1, and the same drafter tensors plus
 the target's embedding, LM head and final norm, read from `--target-model` (default: the run's recorded
-`target_model`). Both forms say the same thing about a tap: docs/method.md#export-formats.
+`target_model`; a tiny-preset run, whose target was built from its config, gets that target rebuilt from the
+recorded config and seed on the device it trained on). Both forms say the same thing about a tap: docs/method.md#export-formats.
 
 CHECKPOINT is a `checkpoints/step_NNNNNN` directory (trainer/checkpoint.py) or a run directory (its newest
 complete checkpoint is used). The drafter's shape comes from `drafter_config` in the checkpoint's state.json.
@@ -29,7 +30,13 @@ from typing import Any
 import torch
 
 from trainer.export_names import public_tensor_names
-from trainer.export_speculators import save_speculators, speculators_tensor_names, target_parts_from_dir
+from trainer.export_speculators import (
+    TargetParts,
+    save_speculators,
+    speculators_tensor_names,
+    target_parts_from_dir,
+    target_parts_from_model,
+)
 from trainer.model.drafter import CONFIG_NAME, WEIGHTS_NAME, DFlashDrafter, DrafterConfig
 from trainer.run_files import CHECKPOINT_PREFIX, CHECKPOINTS
 from trainer.tokenizer_utils import DataInputError
@@ -124,6 +131,25 @@ def recorded_target_model(path: str | Path) -> str | None:
     return str(value) if value else None
 
 
+def rebuilt_tiny_target(path: str | Path) -> tuple[TargetParts, str] | None:
+    """(the target's parts, a verifier label) of a tiny-preset run, whose target was never a directory: built from
+    the recorded `tiny_target` config and seed on the device the run's rule picks here (--target-gpus, else cuda:0
+    when there is a GPU, else the CPU), which is the training's own device when the export runs where the run
+    trained (fetch --export does). None when the checkpoint's run had a target directory or records no config."""
+    state = json.loads((resolve_checkpoint(path) / "state.json").read_text())
+    raw = state.get("config") or {}
+    if raw.get("target_model") or not raw.get("tiny_target"):
+        return None
+    from trainer.config import TrainConfig
+    from trainer.model.target import TargetModel
+    from trainer.preflight import first_device, target_hf_config
+
+    cfg = TrainConfig.from_dict(raw)
+    device = first_device(cfg.target_gpus)
+    built = TargetModel.from_config(target_hf_config(cfg), [0], seed=cfg.seed, dtype=torch.float32, device=device)
+    return target_parts_from_model(built.model), f"tiny-preset target (seed {cfg.seed}, built on {device.type})"
+
+
 def export_drafter(
     drafter: DFlashDrafter,
     output: str | Path,
@@ -131,6 +157,7 @@ def export_drafter(
     format: str = "zlab",
     target_model: str | Path | None = None,
     verifier: str | None = None,
+    target_parts: TargetParts | None = None,
 ) -> Path:
     """Write `drafter` in `format` (FORMATS) to `output` atomically; refuse a non-empty existing `output`.
     The speculators form needs `target_model` (a local HF directory: its embedding, LM head and final norm are
@@ -147,15 +174,17 @@ def export_drafter(
     names = sorted(drafter.state_dict())
     if names != sorted(public_tensor_names(drafter.config.num_hidden_layers, drafter.config.arch)):
         raise DataInputError(f"drafter tensor names differ from the public DFlash names: {names[:3]} ...")
-    parts = None
+    parts = target_parts if target_model is None else None
     if format == "speculators":
-        if target_model is None:
+        if target_model is None and parts is None:
             raise DataInputError(
                 "--format speculators copies the target's embedding, LM head and final norm into the export, "
                 "and this checkpoint's run records no target model directory",
                 hint="pass --target-model DIR (the local Hugging Face directory of the target)",
             )
-        parts = target_parts_from_dir(target_model)  # read (and shape-checked) before anything is written
+        if parts is None:
+            assert target_model is not None
+            parts = target_parts_from_dir(target_model)  # read (and shape-checked) before anything is written
         parts.check(drafter.config)
     tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -219,10 +248,16 @@ def main(argv: list[str] | None = None) -> int:
                 hint="add --format speculators, or drop them",
             )
         drafter = load_training_checkpoint(args.checkpoint)
-        target = args.target_model
+        target, rebuilt, verifier = args.target_model, None, args.verifier
         if args.format == "speculators" and target is None:
             target = recorded_target_model(args.checkpoint)
-        out = export_drafter(drafter, args.output, format=args.format, target_model=target, verifier=args.verifier)
+            tiny = rebuilt_tiny_target(args.checkpoint) if target is None else None
+            if tiny is not None:
+                rebuilt, label = tiny
+                verifier = verifier if verifier is not None else label
+        out = export_drafter(
+            drafter, args.output, format=args.format, target_model=target, verifier=verifier, target_parts=rebuilt
+        )
     except DataInputError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         if exc.hint:

@@ -125,6 +125,20 @@ def target_parts_from_dir(directory: str | Path) -> TargetParts:
     return TargetParts(embed, lm_head, norm, list(hf_config.get("architectures") or []))
 
 
+def target_parts_from_model(model: Any) -> TargetParts:
+    """The embedding, LM head and final norm of an HF causal LM in memory (a tiny-preset target rebuilt from its
+    run's recorded config: trainer/export.py rebuilt_tiny_target)."""
+    norm = getattr(model.get_decoder(), "norm", None)
+    if norm is None:
+        raise DataInputError(f"cannot find the final norm of {type(model).__name__} (looked for .model.norm)")
+    return TargetParts(
+        model.get_input_embeddings().weight.detach(),
+        model.get_output_embeddings().weight.detach(),
+        norm.weight.detach(),
+        list(getattr(model.config, "architectures", None) or [type(model).__name__]),
+    )
+
+
 def speculators_config(
     config: DrafterConfig, *, verifier: str | None, verifier_architectures: list[str], dtype: torch.dtype
 ) -> dict[str, Any]:

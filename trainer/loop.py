@@ -57,6 +57,14 @@ def log(message: str) -> None:
     say(message)  # whole or not at all: train.log may be on a full disk (trainer.lines)
 
 
+def drafter_line(config: Any) -> str:
+    """`drafter: DFlash2, 2 layers, block 8, taps 0,1 of the target`: which drafter the run trains, named in its
+    log (a DFlash2 run's log never said its architecture; issue 46 item 12)."""
+    name = {"dflash": "DFlash", "dflash2": "DFlash2"}.get(config.arch, config.arch)
+    taps = ",".join(str(i) for i in config.target_layer_ids)
+    return f"drafter: {name}, {config.num_hidden_layers} layers, block {config.block_size}, taps {taps} of the target"
+
+
 def run_training(setup: RunSetup, engine: Engine) -> int:
     """Train `setup` with `engine`; return the exit code (see module doc). Everything that can refuse the run has
     been checked already (trainer.preflight and the engine's constructor): from here on the run directory exists."""
@@ -80,6 +88,7 @@ def run_training(setup: RunSetup, engine: Engine) -> int:
             binds, why = step_limit(cfg, engine.total_steps)
             recorder.set_status(step_limit=binds)
             log(why)
+            log(drafter_line(setup.drafter_config))
             if engine.writes_metrics:
                 recorder.open_wandb(cfg.wandb, cfg.wandb_project, cfg.wandb_run_name, cfg.to_dict())
             engine.build()

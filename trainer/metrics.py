@@ -253,6 +253,10 @@ class RunRecorder:
                 dir=str(self.run_dir),
                 **wandb_lineage(run_name, config, os.environ),
                 mode="online" if os.environ.get("WANDB_API_KEY") else "offline",
+                # quiet: no run history and summary block at finish, which came after the trainer's own last
+                # lines, so `dflashops logs -n 2` of an ended run showed only wandb's housekeeping (issue 46
+                # item 12). Its start lines (where the run's data is saved, offline) stay.
+                settings=wandb.Settings(quiet=True),
             )
         except Exception as exc:  # noqa: BLE001
             print(f"warning: wandb.init failed ({exc}); continuing without it", file=sys.stderr)

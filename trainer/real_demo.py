@@ -85,7 +85,7 @@ def run_real_demo(
 ) -> int:
     from trainer import eval as eval_mod
     from trainer import prepare, train
-    from trainer.demo import print_and_check, run_tokens
+    from trainer.demo_report import print_and_check, run_tokens
     from trainer.export import export_drafter, load_drafter, load_training_checkpoint
     from trainer.regenerate import load_target_lm
     from trainer.tokenizer_utils import end_of_turn_ids, tokenize_prompt
@@ -129,7 +129,8 @@ def run_real_demo(
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    mask_id = int(tokenizer.convert_tokens_to_ids(real_target.MASK_TOKEN))
+    mask_id = tokenizer.convert_tokens_to_ids(real_target.MASK_TOKEN)
+    assert isinstance(mask_id, int)  # one token, one id
     archs = ["dflash", "dflash2"] if arch == "both" else [arch]
     target, _ = load_target_lm(str(target_dir))
     as_ids = lambda rows: [  # noqa: E731
@@ -173,7 +174,7 @@ def run_real_demo(
     failed = 0
     for name, one in reports.items():
         print(f"== {name} against SmolLM2-135M-Instruct (block size {size.block_size}) ==")
-        failed = max(failed, print_and_check(one, size, len(seen_prompts)))  # type: ignore[arg-type]
+        failed = max(failed, print_and_check(one, size.margin, len(seen_prompts)))
     print(
         f"real-model demo finished in {report['demo_seconds']:.0f} s: a DFlash drafter of SmolLM2-135M-Instruct "
         f"trained on {len(train_set)} regenerated answers, evaluated on {len(prompts)} held-out prompts"

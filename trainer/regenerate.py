@@ -9,10 +9,8 @@ batch size sets throughput (KV cache memory ~ 2 * layers * batch * (prompt + new
 
 from __future__ import annotations
 
-import inspect
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -94,72 +92,6 @@ class Regenerator:
                 flush=True,
             )
         return samples
-
-
-@torch.inference_mode()
-def greedy_generate(
-    model: Any,
-    prompts: list[list[int]],
-    *,
-    max_new_tokens: int,
-    stops: list[int],
-    pad_id: int,
-    batch_size: int,
-    on_batch: Callable[[int, int], None] | None = None,
-) -> list[list[int]]:
-    """Greedy answers (cut after the first stop id), in prompt order, from batches with a KV cache.
-
-    What it saves against a plain `model.generate` loop over the same batches: prompts are sorted by length so a
-    batch holds little padding, and a row that has finished leaves the batch (its cache rows are dropped), so the
-    rest of the batch does not pay for it; `generate` keeps computing finished rows until the longest answer ends.
-    Each row sees exactly its own left-padded prompt under an attention mask, as in `generate`; whether the outputs
-    are identical token for token is measured, not assumed (bench/real_world.py).
-    `on_batch(done, total)` is called after each batch (progress).
-    """
-    from transformers import DynamicCache
-
-    device = model.get_input_embeddings().weight.device
-    # transformers 5.x renames `past_key_values` to `cache` (5.25 warns on the old name); accept either version.
-    cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-    answers: list[list[int]] = [[] for _ in prompts]
-    stop_ids = torch.tensor(stops, device=device)
-    for start in range(0, len(order), batch_size):
-        rows = order[start : start + batch_size]
-        width = max(len(prompts[i]) for i in rows)
-        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for r, i in enumerate(rows):
-            ids[r, width - len(prompts[i]) :] = torch.tensor(prompts[i])
-            mask[r, width - len(prompts[i]) :] = 1
-        ids, mask = ids.to(device), mask.to(device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache()
-        live = torch.arange(len(rows), device=device)  # batch row -> index into `rows`
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{cache_kwarg: cache})
-        for _ in range(max_new_tokens):
-            token = out.logits[:, -1].argmax(-1)  # [live]
-            for r, t in zip(live.tolist(), token.tolist()):
-                answers[rows[r]].append(t)
-            done = torch.isin(token, stop_ids)
-            if len(answers[rows[int(live[0])]]) >= max_new_tokens or bool(done.all()):
-                break
-            if bool(done.any()):
-                keep = (~done).nonzero().squeeze(-1)
-                cache.batch_select_indices(keep)
-                live, token, mask, positions = live[keep], token[keep], mask[keep], positions[keep]
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
-            positions = positions[:, -1:] + 1
-            out = model(
-                input_ids=token[:, None],
-                attention_mask=mask,
-                position_ids=positions,
-                use_cache=True,
-                **{cache_kwarg: cache},
-            )
-        if on_batch is not None:
-            on_batch(min(start + batch_size, len(order)), len(order))
-    return answers
 
 
 def choose_threads(cores: int | None = None) -> int:

@@ -25,7 +25,18 @@ from .common import (
 
 
 def verb_manifest(req: dict) -> dict:
-    """The current release's code hash and per-file sha256 (written at install, so this reads one file)."""
+    """The current release's code hash and per-file sha256 (written at install, so this reads one file); with
+    `release` (a code hash), that release's, or `release: None` when it is not there (never installed, or
+    removed by gc): `runs diff` names the files that changed between two runs' code."""
+    named = req.get("release")
+    if named is not None:
+        if not isinstance(named, str) or not HASH_RE.match(named):
+            raise AgentFailure(f"release must be a code hash, not {named!r}", "bad_request")
+        files = read_json(os.path.join(workspace_of(req), "releases", named, ".manifest.json"))
+        return {
+            "release": named if isinstance(files, dict) else None,
+            "files": files if isinstance(files, dict) else {},
+        }
     current = os.path.join(workspace_of(req), "releases", "current")
     if not os.path.islink(current):
         return {"release": None, "files": {}}

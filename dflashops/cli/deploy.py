@@ -15,9 +15,9 @@ from dflashops.cli.common import (
     show_passthrough,
     size,
 )
-from dflashops.errors import UsageError
+from dflashops.errors import DflashopsError, LaunchInterrupted, NotFound, UsageError
 from dflashops.ops.invocation import Invocation
-from dflashops.ops.runs.control import DEFAULT_FAIL_ON, LogCursor, wait_for
+from dflashops.ops.runs.control import DEFAULT_FAIL_ON, LogCursor, run_status, wait_for
 from dflashops.ops.runs.deploy import deploy
 from dflashops.ops.runs.launch import LAUNCHERS, DeployOutcome, DeployRequest
 from dflashops.ops.runs.restart import RestartRequest, restart
@@ -233,24 +233,50 @@ def check_wait_options(args: argparse.Namespace) -> None:
         raise UsageError("--detach returns at once; --wait REGEX follows the log: give one of them")
 
 
+def interrupted_before_launch(invocation: Invocation, name: str, target: str | None) -> int:
+    """Ctrl-C before `deploy` answered (syncing, the pre-flight, the launch): say whether `name` was launched,
+    as its target tells (a remote agent may finish a launch it had begun); exit 130 either way."""
+    try:
+        launched = bool(run_status(invocation, name, target=target))
+    except NotFound:
+        launched = False
+    except (DflashopsError, KeyboardInterrupt):
+        progress(f"interrupted: whether {name} was launched is not known; `dflashops status {name}` tells")
+        return 130
+    if launched:
+        progress(f"interrupted after {name} was launched: it runs on; `dflashops stop {name}` stops it")
+    else:
+        nothing = f"nothing was launched ({name} does not exist there)"
+        progress(f"interrupted before the launch: {nothing}; the same command starts it again")
+    return 130
+
+
 def handle_deploy(args: argparse.Namespace) -> int:
     check_wait_options(args)
     with open_invocation(args, dry_run=args.dry_run) as invocation:
-        outcome = deploy(
-            invocation,
-            DeployRequest(
-                target=args.target,
-                profile=args.profile,
-                name=args.name,
-                parent=args.parent,
-                note=args.note,
-                launcher=args.launcher,
-                clear_cache=args.clear_cache,
-                extra_args=args.passthrough,
-                preflight=not args.skip_preflight,
-            ),
-        )
+        try:
+            outcome = deploy_request(invocation, args)
+        except LaunchInterrupted as interrupt:
+            return interrupted_before_launch(invocation, interrupt.name, args.target)
         return report(invocation, outcome, args)
+
+
+def deploy_request(invocation: Invocation, args: argparse.Namespace) -> DeployOutcome:
+    """`deploy` of what the command line asks for."""
+    return deploy(
+        invocation,
+        DeployRequest(
+            target=args.target,
+            profile=args.profile,
+            name=args.name,
+            parent=args.parent,
+            note=args.note,
+            launcher=args.launcher,
+            clear_cache=args.clear_cache,
+            extra_args=args.passthrough,
+            preflight=not args.skip_preflight,
+        ),
+    )
 
 
 def handle_restart(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""`dflashops fetch RUN [--checkpoint latest|STEP] [--export [--format zlab|speculators]] [--logs] [--to DIR] [--json]`.
+"""`dflashops fetch RUN [--checkpoint latest|STEP] [--export [--format zlab|speculators [--target-model DIR]
+[--verifier NAME]]] [--logs] [--to DIR] [--json]`.
 
 A rich progress bar with the rate on stderr (plain lines when stderr is not a terminal); on stdout the
 destination folder, or with --json the whole outcome (files, how each came: fetched / resumed / unchanged,
@@ -14,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from dflashops.cli.common import emit_json, open_invocation, print_plan, progress
+from dflashops.cli.common import emit_json, open_invocation, print_plan, progress, size
 from dflashops.cli.control import with_run_hint
 from dflashops.errors import UsageError
 from dflashops.ops.fetch.fetch import EXPORT_FORMATS, FetchRequest, Progress, fetch
@@ -43,6 +44,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=EXPORT_FORMATS,
         help="with --export: zlab, the public DFlash format, into export/step_N/; or speculators, vLLM speculators' "
         "form with the target's embedding, LM head and final norm, into export/step_N-speculators/ (default: zlab)",
+    )
+    p.add_argument(
+        "--target-model",
+        metavar="DIR",
+        help="with --format speculators: the target's Hugging Face directory ON THE TARGET (default: the one the "
+        "run's checkpoint records; a tiny-preset run's target is rebuilt from its config)",
+    )
+    p.add_argument(
+        "--verifier",
+        metavar="NAME",
+        help="with --format speculators: the target's name written into the export, e.g. Qwen/Qwen3-8B, so that "
+        "serving machines find it (default: the target directory)",
     )
     p.add_argument("--logs", action="store_true", help="fetch train.log too (alone: logs and metadata only)")
     p.add_argument("--to", metavar="DIR", type=Path, help="destination folder (default: ./fetched/RUN)")
@@ -88,6 +101,17 @@ def progress_bar(quiet: bool) -> Iterator[Progress]:
         )
 
 
+def transfer(sent: int, seconds: float, total: float | None = None) -> str:
+    """`1,048,576 bytes sent in 0.3 s, 3.3 MiB/s`: the rate of the transfer alone (`seconds`; the whole call,
+    with an export, is `total`), in a unit that keeps its digits (a 1 MB fetch after an export said
+    `0 MiB/s`), or `nothing sent` when every file was here already."""
+    if sent == 0:
+        return "nothing sent"
+    rate = f", {size(round(sent / seconds))}/s" if seconds > 0 else ""
+    whole = f" ({total:.1f} s in all, the export included)" if total is not None else ""
+    return f"{sent:,} bytes sent in {seconds:.1f} s{whole}{rate}"
+
+
 def handle_fetch(args: argparse.Namespace) -> int:
     if args.retries < 0:
         raise UsageError("--retries must be >= 0", hint="--retries 8")
@@ -95,12 +119,19 @@ def handle_fetch(args: argparse.Namespace) -> int:
         raise UsageError(
             "--format chooses the export's format: it needs --export", hint="--export --format speculators"
         )
+    if (args.target_model or args.verifier) and args.format != "speculators":
+        raise UsageError(
+            "--target-model and --verifier apply to the speculators export only",
+            hint="--export --format speculators --target-model DIR",
+        )
     request = FetchRequest(
         run=args.run,
         target=args.target,
         checkpoint=args.checkpoint,
         export=args.export,
         export_format=args.format or "zlab",
+        target_model=args.target_model,
+        verifier=args.verifier,
         logs=args.logs,
         to=args.to,
         retries=args.retries,
@@ -114,10 +145,10 @@ def handle_fetch(args: argparse.Namespace) -> int:
             return 0
     sent = outcome.to_dict()
     kinds = {how: sum(f.how == how for f in outcome.files) for how in ("fetched", "resumed", "unchanged")}
+    moved = transfer(sent["bytes_sent"], outcome.transfer_seconds, outcome.seconds if args.export else None)
     progress(
         f"{args.run}: {len(outcome.files)} file(s) in {outcome.to} ({kinds['fetched']} fetched, "
-        f"{kinds['resumed']} resumed, {kinds['unchanged']} unchanged; {sent['bytes_sent']:,} bytes sent in "
-        f"{outcome.seconds:.1f}s, {sent['rate_mib_s'] or 0} MiB/s); every file matches its sha256"
+        f"{kinds['resumed']} resumed, {kinds['unchanged']} unchanged; {moved}); every file matches its sha256"
     )
     if args.json:
         emit_json(sent)

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from dflashops.errors import DflashopsError
+from dflashops.errors import DflashopsError, UsageError
 
 VERB_MODULES = (
     "dflashops.cli.deploy",
@@ -27,6 +27,7 @@ VERB_MODULES = (
     "dflashops.cli.watch",
     "dflashops.cli.doctor",
     "dflashops.cli.fetch",
+    "dflashops.cli.provision",
 )
 OPTIONAL_MODULES = {
     "dflashops.cli.runs",
@@ -35,11 +36,12 @@ OPTIONAL_MODULES = {
     "dflashops.cli.watch",
     "dflashops.cli.doctor",
     "dflashops.cli.fetch",
+    "dflashops.cli.provision",
 }
 # The module that registers each verb. When the command line names one of these, only that module is
 # imported: start-up is part of every scripted restart's wall time, and rich, the playbook engine and the
 # lineage views cost ~80 ms of imports that `restart`/`deploy` never use. Anything else (no verb,
-# --help, an unknown word) builds the full parser, so help and "invalid choice" errors list every verb.
+# --help) lists every verb from VERB_HELP; an unknown word is an error naming the closest verb (unknown_verb).
 VERB_MODULE = {
     "deploy": "dflashops.cli.deploy",
     "restart": "dflashops.cli.deploy",
@@ -50,6 +52,29 @@ VERB_MODULE = {
     "watch": "dflashops.cli.watch",
     "doctor": "dflashops.cli.doctor",
     "fetch": "dflashops.cli.fetch",
+    "provision": "dflashops.cli.provision",
+}
+
+# Each verb's one-line help, as its module registers it, for the top-level `dflashops --help`: that page
+# names every verb, and importing every verb module to build it cost ~0.13 s of a ~0.19 s call (issue 46 item 7,
+# bench/cli_startup.py). tests/controller/test_cli_startup.py checks these against the modules' own. A verb
+# missing here is still listed: its module is imported for it.
+VERB_HELP = {
+    "deploy": "sync the code and launch a run",
+    "restart": "stop a run and relaunch it as a new child run",
+    "stop": "stop a run: SIGTERM its process group, grace, SIGKILL, wait",
+    "status": "state of one run or of every run on a target",
+    "logs": "print or follow a run's train.log",
+    "exec": "run a command on a target: dflashops exec TARGET -- argv",
+    "attach": "attach to a run's tmux session (for humans)",
+    "gc": "delete old releases and (only when named) finished run directories",
+    "runs": "run lineage: list, tree, show, diff, sync, plot, export",
+    "trust": "record a host's SSH key after showing its fingerprint",
+    "play": "run a playbook: ordered dflashops steps from a YAML file",
+    "watch": "live view of a run (or --all runs of a target); q quits",
+    "doctor": "check that a target can run: host, container, GPUs, python, torch, disk, clock",
+    "fetch": "bring a run's checkpoint, export or logs here: resumable, sha256-verified, atomic",
+    "provision": "create or finish a target's Proxmox GPU container (planned with --dry-run)",
 }
 
 
@@ -116,6 +141,14 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action=VersionAction)
     subparsers = parser.add_subparsers(dest="verb", metavar="VERB")
+    if verb is None:  # `dflashops`, `dflashops --help`: the verbs' names and help lines, no verb module imported
+        unlisted = [name for name in VERB_MODULE if name not in VERB_HELP]
+        for module_name in dict.fromkeys(VERB_MODULE[name] for name in unlisted):
+            importlib.import_module(module_name).register(subparsers)
+        for name, text in VERB_HELP.items():
+            if name not in subparsers.choices:
+                subparsers.add_parser(name, help=text)
+        return parser
     for module_name in [VERB_MODULE[verb]] if verb in VERB_MODULE else VERB_MODULES:
         try:
             module = importlib.import_module(module_name)
@@ -127,13 +160,28 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def unknown_verb(word: str) -> UsageError:
+    """`dflashops deplyo`: one error line and the closest verb, not argparse's usage and list of every choice."""
+    import difflib
+
+    close = difflib.get_close_matches(word, list(VERB_MODULE), n=1, cutoff=0.6)
+    listing = "`dflashops --help` lists the verbs"
+    return UsageError(
+        f"{word!r} is not a dflashops verb",
+        hint=f"did you mean {close[0]}? ({listing})" if close else listing,
+    )
+
+
 def parse_command_line(words: Sequence[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     """The parser and the parsed arguments of one command line, exactly as main() sees them; runs nothing.
     Everything after the first `--` is passed through untouched as `args.passthrough` (extra trainer args,
     exec's argv). Bad arguments exit through argparse (SystemExit 2), or raise the UsageError of a verb's
     `misplaced_words(args, words from the verb on, words argparse did not take)`."""
     words = list(words)
-    parser = build_parser(verb_of(words))
+    verb = verb_of(words)
+    if verb is not None and verb not in VERB_MODULE:
+        raise unknown_verb(verb)
+    parser = build_parser(verb)
     passthrough: list[str] = []
     if "--" in words:
         cut = words.index("--")

@@ -15,7 +15,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
@@ -29,6 +29,10 @@ from dflashops.lineage.files import (
     read_metrics,
     run_dir_of,
 )
+from dflashops.lineage.record import RunRecord
+
+if TYPE_CHECKING:
+    from dflashops.ops.releases.compare import FileChanges
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -167,14 +171,40 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_diff(args: argparse.Namespace) -> int:
     db = _open(args) or _raise(_missing(args))
-    diff = diff_runs(db.get(args.a), db.get(args.b))
+    a, b = db.get(args.a), db.get(args.b)
+    diff = diff_runs(a, b)
+    files = code_files(args, a, b)
     if args.json:
-        _print_json(diff.to_dict())
+        _print_json({**diff.to_dict(), **({"files": files.to_dict()} if files else {})})
         return 0
     print(f"diff {args.a} -> {args.b}")
     for line in diff.lines() or ["no differences in arguments, env, code hash, profile, target, GPUs or launcher"]:
         print(f"  {line}")
+    for line in files.lines() if files else []:
+        print(f"    {line}")
     return 0
+
+
+def code_files(args: argparse.Namespace, a: RunRecord, b: RunRecord) -> FileChanges | None:
+    """The files that differ between two runs' code (ops/releases/compare.py), read from their targets'
+    releases; None when the code hash is the same (or not recorded). A target that cannot be asked makes the
+    answer "not known", with why: the lineage's own diff above still stands."""
+    if not a.code_hash or not b.code_hash or a.code_hash == b.code_hash:
+        return None
+    from dflashops.cli.common import open_invocation
+    from dflashops.ops.releases.compare import FileChanges, file_changes
+
+    try:
+        with open_invocation(args) as invocation:
+            inventory = invocation.inventory
+            return file_changes(
+                invocation.agent(inventory.target(a.target)),
+                a.code_hash,
+                invocation.agent(inventory.target(b.target)),
+                b.code_hash,
+            )
+    except DflashopsError as exc:
+        return FileChanges(unknown=exc.message)
 
 
 def cmd_sync(args: argparse.Namespace) -> int:
@@ -280,9 +310,23 @@ def cmd_plot(args: argparse.Namespace) -> int:
             f"no run among {', '.join(args.runs)} has metric {args.metric!r}",
             hint=f"metrics found: {', '.join(sorted(found))}" if found else "no metrics found at all",
         )
-    out = plot_runs(series, args.metric, Path(args.out), title=args.title, log_y=args.log_y)
+    target = Path(args.out) if args.out else default_plot_file(args)
+    out = plot_runs(series, args.metric, target, title=args.title, log_y=args.log_y)
+    if not args.out:
+        print(f"plot of {args.metric} written to {out} (--out FILE.png names another file)", file=sys.stderr)
     print(out)
     return 0
+
+
+def default_plot_file(args: argparse.Namespace) -> Path:
+    """`t1-t2-loss.png` in this folder; `t1-t2-loss-2.png` (and on) when that exists: a default never writes
+    over a file (`runs plot` without `--out` was an argparse error)."""
+    stem = "-".join([*args.runs[:4], *(["more"] if len(args.runs) > 4 else []), args.metric.replace(".", "_")])
+    path, number = Path(f"{stem}.png"), 1
+    while path.exists():
+        number += 1
+        path = Path(f"{stem}-{number}.png")
+    return path
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -357,7 +401,11 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p = add("plot", cmd_plot, "PNG of a metric by step for several runs (readable without colour)", local_dirs)
     p.add_argument("runs", nargs="+", metavar="RUN")
     p.add_argument("--metric", default="loss", help="loss, tau_sim, block_tok_s, or any metrics.jsonl key (loss.ce)")
-    p.add_argument("--out", required=True, metavar="FILE.png", help="the PNG file to write")
+    p.add_argument(
+        "--out",
+        metavar="FILE.png",
+        help="the PNG file to write (default: RUN-RUN-METRIC.png in this folder, numbered rather than overwritten)",
+    )
     p.add_argument("--title", help="the plot's title (default: METRIC by step)")
     p.add_argument("--log-y", action="store_true", help="logarithmic y axis (for losses over many steps)")
     p = add("export", cmd_export, "all records as CSV or JSON")

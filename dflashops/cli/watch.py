@@ -118,6 +118,14 @@ def handle_watch(args: argparse.Namespace) -> int:
         raise UsageError("watch needs a RUN or --all", hint="dflashops watch exp-flex6   or   dflashops watch --all")
     if args.interval <= 0:
         raise UsageError("--interval must be > 0")
+    try:
+        return watch(args)
+    except KeyboardInterrupt:  # Ctrl-C ends the view as q does (the screen says q quits): not an error
+        return 0
+
+
+def watch(args: argparse.Namespace) -> int:
+    """The view of handle_watch: one frame (--once, --json, an ended run), else live until q or the run's end."""
     with open_invocation(args) as invocation:
         watcher = Watcher(invocation, args.run, args.target)
         try:
@@ -138,10 +146,7 @@ def handle_watch(args: argparse.Namespace) -> int:
         with keys() as read_key, Live(render(watcher, title), console=console, auto_refresh=False) as live:
             next_refresh = time.monotonic() + args.interval
             while True:
-                try:
-                    key = read_key(max(0.05, min(0.5, next_refresh - time.monotonic())))
-                except KeyboardInterrupt:
-                    return 0
+                key = read_key(max(0.05, min(0.5, next_refresh - time.monotonic())))
                 if key in ("q", "Q"):
                     return 0
                 if time.monotonic() >= next_refresh:

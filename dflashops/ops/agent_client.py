@@ -102,6 +102,17 @@ def agent_bytes() -> bytes:
     return build_zipapp()
 
 
+def readable_json(value: Any, depth: int = 1) -> str:
+    """JSON for a dry-run plan: every object one key per line (sorted), indented under its command; lists on one
+    line (an argv reads as a command). Still one valid JSON value: a deploy's launch request was one ~2,000-character
+    line (issue 46 item 11)."""
+    if not isinstance(value, dict) or not value:
+        return json.dumps(value, sort_keys=True)
+    pad = "    " * depth
+    items = [f"{pad}{json.dumps(key)}: {readable_json(value[key], depth + 1)}" for key in sorted(value)]
+    return "{\n" + ",\n".join(items) + "\n" + "    " * (depth - 1) + "}"
+
+
 @dataclass
 class Agent:
     """The agent on one target, reached through `transport`."""
@@ -195,16 +206,14 @@ class Agent:
             argv = self.argv(verb)
             stdin = json.dumps({**args, **secret_args}).encode() + b"\n" + stdin_tar
             shown = shown_args if shown_args is not None else {k: "<redacted>" for k in secret_args}
-            note = (
-                "request JSON: " + json.dumps({**args, **shown}, sort_keys=True) + f" + tar of {len(stdin_tar)} bytes"
-            )
+            note = "request JSON: " + readable_json({**args, **shown}) + f" + tar of {len(stdin_tar)} bytes"
         elif stdin_tar is not None:
             argv, stdin = self.argv(verb), json.dumps(args).encode() + b"\n" + stdin_tar
             note = f"install request + tar of {len(stdin_tar)} bytes"
         elif secret_args is not None:
             argv, stdin = self.argv(verb, stdin_request=True), json.dumps({**args, **secret_args}).encode()
             shown = shown_args if shown_args is not None else {k: "<redacted>" for k in secret_args}
-            note = "request JSON: " + json.dumps({**args, **shown}, sort_keys=True)
+            note = "request JSON: " + readable_json({**args, **shown})
         else:
             argv, stdin, note = self.argv(verb, args), None, None
         if self.dry_run and (verb not in READ_ONLY_VERBS or not self._ready):

@@ -287,7 +287,8 @@ def test_dry_runs_print_commands_and_change_nothing(env: Env, capsys: pytest.Cap
     code, out, err = env.cli("restart", "dry-v1", "--dry-run", capsys=capsys)
     assert code == 0, err
     # One combined agent call (stop + install + launch): the plan is that one command and its stdin.
-    assert out.count("\n") == 1 and " restart  < request JSON: " in out and '"old": "dry-v1"' in out
+    assert [line for line in out.splitlines() if line.startswith("[")] == [out.splitlines()[0]]
+    assert " restart  < request JSON: " in out and '"old": "dry-v1"' in out
     assert '"name": "dry-v2"' in out and '"grace": 60.0' in out and "+ tar of " in out
     code, out, _ = env.cli("stop", "dry-v1", "--dry-run", capsys=capsys)
     assert code == 0 and out.count("\n") == 1 and " stop --json-args " in out

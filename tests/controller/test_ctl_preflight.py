@@ -90,6 +90,7 @@ def test_bad_trainer_arguments_are_refused_before_anything_starts_or_stops(
         capsys=capsys,
     )  # fmt: skip
     assert code == 2 and "unrecognized arguments: --max-stepz 3" in err, err
+    assert "did you mean --max-steps?" in err, err
     assert not (env.runs / "ba0").exists() and "ba0" not in names(env, capsys)
     deploy_running(env, capsys, "ba1")
     code, out, err = env.cli("restart", "--detach", "ba1", "--resume", "--", "--max-steps", "abc", capsys=capsys)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -72,12 +73,16 @@ def test_fetch_brings_verified_files_and_skips_what_is_there(
     assert result["bytes_sent"] == result["bytes_total"] >= CKPT_BYTES
     assert not list(dest.rglob(".*partial*"))  # nothing left but final names
     assert "every file matches its sha256" in err
+    # the rate in a unit that keeps its digits (a ~3 MB fetch said `0 MiB/s` when it took over a second)
+    rate = re.search(rf"{result['bytes_sent']:,} bytes sent in \d+\.\d s, (\d+(?:\.\d)?) (B|KiB|MiB|GiB)/s\)", err)
+    assert rate and float(rate.group(1)) >= 1, err
 
-    code, out, _ = env.cli(
+    code, out, err = env.cli(
         "fetch", "f1", "--checkpoint", "latest", "--logs", "--to", str(dest), "--json", capsys=capsys
     )
     again = json.loads(out)
     assert code == 0 and again["bytes_sent"] == 0 and {f["how"] for f in again["files"]} == {"unchanged"}
+    assert "7 unchanged; nothing sent); every file matches its sha256" in err and "MiB/s" not in err
 
     code, out, _ = env.cli("fetch", "f1", "--checkpoint", "3", "--to", str(dest), capsys=capsys)
     assert code == 0 and out.strip() == str(dest)

@@ -102,6 +102,21 @@ def test_plot_writes_png_and_refuses_unknown_metric(
     assert code == 2 and ".png" in err
 
 
+def test_plot_without_out_writes_a_named_file_here_and_says_where(
+    three_runs: dict, db_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dflashops runs plot A B` with no --out (was an argparse error): RUN-RUN-METRIC.png in this folder, said on
+    stderr, its path on stdout; a second plot is numbered, never written over the first."""
+    monkeypatch.chdir(tmp_path)
+    names = three_runs["names"][:2]
+    code, out, err = run_cli(capsys, "plot", *names, "--db", str(db_path))
+    first = Path(f"{names[0]}-{names[1]}-loss.png")
+    assert code == 0 and out.strip() == str(first) and first.read_bytes()[:4] == b"\x89PNG"
+    assert err == f"plot of loss written to {first} (--out FILE.png names another file)\n"
+    code, out, _ = run_cli(capsys, "plot", *names, "--db", str(db_path))
+    assert code == 0 and out.strip() == f"{names[0]}-{names[1]}-loss-2.png" and first.read_bytes()[:4] == b"\x89PNG"
+
+
 def test_item23_plot_without_matplotlib_says_how_to_get_it(three_runs: dict, db_path: Path, tmp_path: Path) -> None:
     # A real process in which `import matplotlib` fails, as in a plain install without the plot extra.
     shim = tmp_path / "shim" / "matplotlib"

@@ -89,6 +89,15 @@ def test_check_lists_commands_and_runs_nothing(env: Env, capsys: pytest.CaptureF
     assert "# [1] stop: stop the old run cleanly" in out
     assert " stop --json-args " in out and '"name": "base1"' in out
     assert " clear-cache --json-args " in out and " launch --json-stdin" in out and "base2" in out
+    # the launch request reads as JSON, one key per line under its command (issue 46 item 11), not one long line
+    request = out[out.index("< request JSON: ") + len("< request JSON: ") : out.index("\n# [5]")]
+    assert json.loads(request)["name"] == "base2" and request.count("\n") > 20
+    assert '\n    "name": "base2",\n' in out
+    # what the playbook says it does is what its plan does: the target's caches cleared, a fresh relaunch
+    text = (PLAYBOOKS / "restart-cycle.yaml").read_text()
+    assert "# [3] clear-cache: clear the target's compile caches" in out and "compile caches of local" in err
+    assert "clear the target's compile caches" in text and "THIS code's" not in text
+    assert "relaunch FRESH" in text and "# [4] deploy: relaunch fresh" in out and "--resume" not in request
     assert "# [5] wait:" in out and " tail --json-args " in out and "step >= 10" in out
     assert "planned" in err
     # nothing ran: same runs, same releases, the run still running in the same process group, no new lineage row

@@ -13,13 +13,16 @@ What it builds under `root` (a fresh temp dir, 0755 so the test user can read it
     pct/<ctid>/               container state (see pct_standin.py)
 
 Shared between sessions: the stand-in itself in /usr/local/lib/dflashops-test/ (pct, ct_init.py) and
-the test user. Per session: a sudoers file (NOPASSWD for the test user on that pct only, DFO_PCT_STATE
+the test user; and for the provision tests (provision_host.py) the same stand-in with pveam/pvesm in
+`dflashops-test/provision-<content hash>/`, reached by a second user (dfoprov) whose sudo rules name that folder.
+Per session: a sudoers file (NOPASSWD for the test user on that pct only, DFO_PCT_STATE
 kept through sudo). `stop()` kills only what it started: sshd by PID and each container's init by its
 recorded PID; it removes its sudoers file. Concurrent sessions (two engineers' test runs) do not collide.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import socket
@@ -31,8 +34,19 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 TEST_USER = "dfotest"
+STANDIN_FILES = (("pct_standin.py", "pct"), ("ct_init.py", "ct_init.py"))
+STANDIN_TOOLS = ("pct", "pveam", "pvesm")  # one program: it acts as the tool it is called as
 STANDIN_DIR = Path("/usr/local/lib/dflashops-test")  # shared by concurrent sessions (same content)
+# The provision tests' stand-in (it grows verbs) lives in a folder per content and is reached by a user of its own,
+# whose sudo `secure_path` names that folder: `Defaults:dfotest secure_path` is one value for every session's
+# sudoers file, so it must stay the shared folder, and a session of another branch must never replace (or be sent
+# to) a stand-in of other content.
 SUDOERS_DIR = Path("/etc/sudoers.d")
+PROVISION_USER = "dfoprov"
+PROVISION_STANDIN_DIR = STANDIN_DIR / (
+    "provision-"
+    + hashlib.sha256(b"".join((HERE / source).read_bytes() for source, _ in STANDIN_FILES)).hexdigest()[:12]
+)
 
 
 def free_port() -> int:
@@ -54,15 +68,15 @@ def ensure_system_packages() -> None:
         subprocess.run(["apt-get", "install", "-y", "-qq", *missing], check=True, env=env, stdout=subprocess.DEVNULL)
 
 
-def ensure_test_user() -> None:
-    if subprocess.run(["id", "-u", TEST_USER], capture_output=True).returncode != 0:
-        added = subprocess.run(["useradd", "--create-home", "--shell", "/bin/bash", TEST_USER], capture_output=True)
+def ensure_test_user(user: str = TEST_USER) -> None:
+    if subprocess.run(["id", "-u", user], capture_output=True).returncode != 0:
+        added = subprocess.run(["useradd", "--create-home", "--shell", "/bin/bash", user], capture_output=True)
         # Two xdist workers start their harnesses at once on a fresh machine: the loser's useradd fails with
         # "already exists" (exit 9), and the user it wanted is there.
-        if added.returncode != 0 and subprocess.run(["id", "-u", TEST_USER], capture_output=True).returncode != 0:
-            raise RuntimeError(f"useradd {TEST_USER} failed: {added.stderr.decode(errors='replace').strip()}")
+        if added.returncode != 0 and subprocess.run(["id", "-u", user], capture_output=True).returncode != 0:
+            raise RuntimeError(f"useradd {user} failed: {added.stderr.decode(errors='replace').strip()}")
     # '!' (locked) makes sshd refuse even key logins when UsePAM is off; '*' means "no password".
-    subprocess.run(["usermod", "-p", "*", TEST_USER], check=True)
+    subprocess.run(["usermod", "-p", "*", user], check=True)
 
 
 @dataclass
@@ -109,7 +123,11 @@ class Harness:
     def pct(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         """Run the stand-in directly as root (set-up and assertions; tests of the product go via ssh)."""
         return subprocess.run(
-            [str(STANDIN_DIR / "pct"), *args], capture_output=True, text=True, check=check, env=self.standin_env
+            [str(PROVISION_STANDIN_DIR / "pct"), *args],  # the same program with every verb (create, config, ...)
+            capture_output=True,
+            text=True,
+            check=check,
+            env=self.standin_env,
         )
 
     def create_container(self, ctid: str, hostname: str, running: bool = True) -> None:
@@ -145,15 +163,22 @@ class Harness:
 
 def install_standin() -> None:
     """Copy the stand-in and its init to STANDIN_DIR atomically (a concurrent session may be using them)."""
-    STANDIN_DIR.mkdir(parents=True, exist_ok=True)
-    for source, name in ((HERE / "pct_standin.py", "pct"), (HERE / "ct_init.py", "ct_init.py")):
-        tmp = STANDIN_DIR / f".{name}.{os.getpid()}"
-        shutil.copy(source, tmp)
-        tmp.chmod(0o755)
-        os.replace(tmp, STANDIN_DIR / name)
+    for folder in (STANDIN_DIR, PROVISION_STANDIN_DIR):
+        folder.mkdir(parents=True, exist_ok=True)
+        for source, name in STANDIN_FILES:
+            tmp = folder / f".{name}.{os.getpid()}"
+            shutil.copy(HERE / source, tmp)
+            tmp.chmod(0o755)
+            os.replace(tmp, folder / name)
+    for tool in STANDIN_TOOLS[1:]:  # pveam and pvesm: the same program under their names
+        tmp = PROVISION_STANDIN_DIR / f".{tool}.{os.getpid()}"
+        shutil.copy(PROVISION_STANDIN_DIR / "pct", tmp)
+        os.replace(tmp, PROVISION_STANDIN_DIR / tool)
 
 
-def _write_sshd_config(root: Path, port: int, folder: Path, max_sessions: int) -> Path:
+def _write_sshd_config(
+    root: Path, port: int, folder: Path, max_sessions: int, user: str = TEST_USER, tools: Path = STANDIN_DIR
+) -> Path:
     config = folder / "sshd_config"
     config.write_text(
         f"""Port {port}
@@ -167,14 +192,14 @@ PasswordAuthentication no
 KbdInteractiveAuthentication no
 PubkeyAuthentication yes
 PermitRootLogin no
-AllowUsers {TEST_USER}
+AllowUsers {user}
 AllowTcpForwarding yes
 X11Forwarding no
 PrintMotd no
 LogLevel ERROR
 MaxSessions {max_sessions}
 MaxStartups 64:30:128
-SetEnv PATH={STANDIN_DIR}:/usr/local/bin:/usr/bin:/bin DFO_PCT_STATE={root}/pct
+SetEnv PATH={tools}:/usr/local/bin:/usr/bin:/bin DFO_PCT_STATE={root}/pct
 """
     )
     return config
@@ -213,14 +238,25 @@ def start_harness() -> Harness:
     return harness
 
 
-def start_sshd(root: Path, port: int, folder: Path | None = None, max_sessions: int = 64) -> subprocess.Popen:
+def start_sshd(
+    root: Path,
+    port: int,
+    folder: Path | None = None,
+    max_sessions: int = 64,
+    wrapper: tuple[str, ...] = (),
+    user: str = TEST_USER,
+    tools: Path = STANDIN_DIR,
+) -> subprocess.Popen:
     """An sshd of the harness in `root` (its host key, user and authorized keys) on `port`, with its config,
     pid file and log (-e: stderr) in `folder` (default: root), once it accepts connections. A test may start a
-    second one with other limits (max_sessions: sessions per connection, OpenSSH's default is 10)."""
+    second one with other limits (max_sessions: sessions per connection, OpenSSH's default is 10), or inside a
+    `wrapper` that execs its arguments after setting the stage (a mount namespace with a fake GPU host's files)."""
     folder = root if folder is None else folder
-    config = _write_sshd_config(root, port, folder, max_sessions)
+    config = _write_sshd_config(root, port, folder, max_sessions, user, tools)
     with open(folder / "sshd.log", "wb") as log:  # the child keeps its own copy of the descriptor
-        sshd = subprocess.Popen(["/usr/sbin/sshd", "-D", "-e", "-f", str(config)], stdin=subprocess.DEVNULL, stderr=log)
+        sshd = subprocess.Popen(
+            [*wrapper, "/usr/sbin/sshd", "-D", "-e", "-f", str(config)], stdin=subprocess.DEVNULL, stderr=log
+        )
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:

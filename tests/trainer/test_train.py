@@ -141,6 +141,39 @@ def test_bad_input_is_a_clear_error_and_writes_nothing(
     assert not run.exists()
 
 
+def test_an_unknown_flag_names_the_closest_one(tmp_path: Path) -> None:
+    """`python -m trainer train --lrr 1`, typed as a user would: one error line, the flag it was close to."""
+    run = tmp_path / "run"
+    typed = [sys.executable, "-m", "trainer", "train", "--preset", "tiny", "--output-dir", str(run)]
+    out = subprocess.run([*typed, "--lrr", "1"], capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stdout) == (2, "") and not run.exists()
+    assert out.stderr == (
+        "error: unrecognized arguments: --lrr 1\n"
+        "hint: did you mean --lr? (`python -m trainer train --help` lists every flag)\n"
+    )
+    out = subprocess.run([*typed, "--qqqqqq"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.endswith("\nhint: `python -m trainer train --help` lists every flag\n")
+
+
+def test_a_log_gets_no_progress_bars(tmp_path: Path) -> None:
+    """`python -m trainer train --target-model DIR > train.log 2>&1`, as a launched run writes its log: the
+    target's load draws no tqdm bar (carriage-return redraws, one garbled line in a log)."""
+    from tests.trainer.tiny import build_tiny_target
+
+    build_tiny_target().model.save_pretrained(tmp_path / "target")
+    log = tmp_path / "train.log"
+    typed = [sys.executable, "-m", "trainer", "train", *SMALL, "--max-steps", "1", "--output-dir", str(tmp_path / "r")]
+    env = {k: v for k, v in os.environ.items() if k not in ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS")}
+    with log.open("w") as out:
+        done = subprocess.run(
+            [*typed, "--target-model", str(tmp_path / "target")], stdout=out, stderr=subprocess.STDOUT, env=env,
+            timeout=300,
+        )  # fmt: skip
+    text = log.read_text()
+    assert done.returncode == 0, text
+    assert "step 1/1" in text and "\r" not in text and "Loading weights" not in text
+
+
 def test_resume_with_a_different_shape_is_refused_and_changes_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -47,6 +47,8 @@ class FetchRequest:
     checkpoint: str | None = None  # "latest", a step number, or None (latest unless only --logs/--export)
     export: bool = False
     export_format: str = "zlab"  # `trainer export --format`: zlab (the public DFlash format) or speculators
+    target_model: str | None = None  # speculators: `trainer export --target-model` (a directory on the target)
+    verifier: str | None = None  # speculators: `trainer export --verifier` (the name loaders look the target up by)
     logs: bool = False
     to: Path | None = None
     retries: int = RESUME_ATTEMPTS  # continues after a cut, per file, within this call
@@ -60,7 +62,8 @@ class FetchOutcome:
     selected: list[str]
     files: list[FileOutcome] = field(default_factory=list)
     exported: str | None = None
-    seconds: float = 0.0
+    seconds: float = 0.0  # the whole call, an export on the target included
+    transfer_seconds: float = 0.0  # the files' transfer alone: what the rate is of
 
     def to_dict(self) -> dict[str, Any]:
         sent = sum(f.sent for f in self.files)
@@ -68,7 +71,7 @@ class FetchOutcome:
             **asdict(self),
             "bytes_sent": sent,
             "bytes_total": sum(f.size for f in self.files),
-            "rate_mib_s": round(sent / 2**20 / self.seconds, 1) if self.seconds > 0 else None,
+            "rate_mib_s": round(sent / 2**20 / self.transfer_seconds, 3) if self.transfer_seconds > 0 else None,
         }
 
 
@@ -102,10 +105,14 @@ def export_on_target(
     step: str,
     note: Callable[[str], None],
     export_format: str = "zlab",
+    target_model: str | None = None,
+    verifier: str | None = None,
 ) -> str:
     """`python -m trainer export [--format F]` of checkpoint `step` into `export_dir(step, F)` on the target (with
     the run's release on PYTHONPATH), unless that export exists already; returns its run-relative path. The
-    speculators form takes the target's embedding, LM head and final norm from the run's recorded target model."""
+    speculators form takes the target's embedding, LM head and final norm from `target_model` (a directory on the
+    target), else from the run's recorded target model (the trainer records it in every checkpoint; a tiny-preset
+    run's target is rebuilt from its recorded config); `verifier` names the target in the export's config."""
     from dflashops.errors import CommandFailed
 
     if export_format not in EXPORT_FORMATS:
@@ -116,13 +123,23 @@ def export_on_target(
         "fetch-manifest",
         {"workspace": target.workspace, "name": entry["name"], "paths": [rel], "cache": not invocation.dry_run},
     )
+    if export_format != "speculators" and (target_model or verifier):
+        raise UsageError(
+            "--target-model and --verifier apply to the speculators export only",
+            hint="add --format speculators, or drop them",
+        )
     if listed["files"]:
-        note(f"export {rel} exists on {target.name}; fetching it")
+        unused = " (--target-model/--verifier unused: it was exported before)" if target_model or verifier else ""
+        note(f"export {rel} exists on {target.name}; fetching it{unused}")
         return rel
     release = (entry.get("run_json") or {}).get("release") or f"{target.workspace}/releases/current"
     argv = [target.python, "-m", "trainer", "export", f"{run_dir}/checkpoints/{step}", "--output", f"{run_dir}/{rel}"]
     if export_format != "zlab":  # the default needs no flag, so releases older than --format still export it
         argv += ["--format", export_format]
+    argv += [
+        *(["--target-model", target_model] if target_model else []),
+        *(["--verifier", verifier] if verifier else []),
+    ]
     env = {**target.env, "PYTHONPATH": release}
     agent = invocation.agent(target)
     if invocation.dry_run:
@@ -144,7 +161,9 @@ def select(
     wants_checkpoint = request.checkpoint is not None or not (request.logs or request.export)
     if request.export:
         step = pick_checkpoint(entry, request.checkpoint or "latest")
-        exported = export_on_target(invocation, target, entry, step, note, request.export_format)
+        exported = export_on_target(
+            invocation, target, entry, step, note, request.export_format, request.target_model, request.verifier
+        )
         paths.append(exported)
     elif wants_checkpoint:
         paths.append(f"checkpoints/{pick_checkpoint(entry, request.checkpoint or 'latest')}")
@@ -164,6 +183,7 @@ def fetch(invocation: Invocation, request: FetchRequest, progress: Progress | No
     paths, exported = select(invocation, target, entry, request, progress.note)
     agent = invocation.agent(target)
     outcome = FetchOutcome(run=request.run, target=target.name, to=str(root), selected=paths, exported=exported)
+    transfer_started = time.monotonic()  # after the export: a rate over its minutes said `0 MiB/s` for 1 MB
     listed = agent.call(
         "fetch-manifest",
         {
@@ -194,4 +214,5 @@ def fetch(invocation: Invocation, request: FetchRequest, progress: Progress | No
     for item, start in zip(files, starts):
         outcome.files.append(fetch_file(agent, request.run, item, root, start, progress, hashes, request.retries))
     outcome.seconds = round(time.monotonic() - started, 3)
+    outcome.transfer_seconds = round(time.monotonic() - transfer_started, 3)
     return outcome

@@ -9,6 +9,7 @@ hold the redacted environment.
 
 from __future__ import annotations
 
+from dflashops.errors import LaunchInterrupted
 from dflashops.inventory import Profile, Target
 from dflashops.ops.fleet.nodes import deploy_nodes
 from dflashops.ops.invocation import Invocation
@@ -34,9 +35,11 @@ def deploy(invocation: Invocation, request: DeployRequest) -> DeployOutcome:
         if request.name == "+":
             check_free_on_target(invocation, target, name)
         return launch_named(invocation, request, target, profile, name)
-    except BaseException:
+    except BaseException as exc:
         if not invocation.dry_run:
             invocation.db.release(name)
+        if isinstance(exc, KeyboardInterrupt) and not isinstance(exc, LaunchInterrupted):
+            raise LaunchInterrupted(name) from None  # names the run, so the CLI can say whether it was launched
         raise
 
 

@@ -22,7 +22,7 @@ from dflashops.errors import AgentError, Conflict, DflashopsError
 from dflashops.inventory import Profile, Target
 from dflashops.inventory_policy import shown_url
 from dflashops.lineage.record import REDACTED
-from dflashops.ops.agent_client import Agent, _parse
+from dflashops.ops.agent_client import Agent, _parse, readable_json
 from dflashops.ops.observe.observe import started
 from dflashops.ops.runs.launch import DeployRequest, launch_spec
 from dflashops.ops.session import Session
@@ -163,7 +163,7 @@ def start(
                 "env": {k: launch_template["shown_env"].get(k, REDACTED) for k in launch_template["env"]},
             },
         }
-        agent.record(argv, "request JSON: " + json.dumps(shown, sort_keys=True))
+        agent.record(argv, "request JSON: " + readable_json(shown))
         return {"dry_run": True}
     result = agent.transport.run(argv, stdin=json.dumps(req).encode(), check=False, timeout=60)
     answer = _parse(result.stdout, result.stderr, "supervisor start", target.name)
