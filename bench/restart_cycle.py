@@ -41,9 +41,11 @@ run running.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -275,6 +277,10 @@ def main() -> int:
         print(f"target: {size / 1e9:.2f} GB of safetensors written in {time.monotonic() - t:.1f} s", file=sys.stderr)
     inventory = write_inventory(work, scale, args.device, standby=not args.no_standby)
     runs = work / "ws" / "runs"
+    # Its runs and standbys live in sessions of their own (setsid): a bench that ended early (a failed wait, a
+    # SIGTERM from its caller's timeout) left them training, reparented to PID 1. Stopped on every exit but SIGKILL.
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+    atexit.register(stop_what_is_left, inventory, work / "ws")
     name = f"c{int(time.time()) % 100000}-1"
     started = time.time()
     cli(inventory, "deploy", "local", "--profile", "cycle", "--name", name, "--launcher", "nohup")
@@ -375,6 +381,18 @@ def main() -> int:
         print(f"fresh workspace: first step {fresh['first_step']} s after deploy typed; compile cache {fresh['cache']}")
     print("resumed from the old run's final checkpoint at its stop step, old exit 143:", "yes" if ok else "NO")
     return 0 if ok else 1
+
+
+def stop_what_is_left(inventory: Path, workspace: Path) -> None:
+    """Stop every run of `workspace` that has not ended (`dflashops stop --now`: its own process group, no final
+    checkpoint) and retire its standby interpreters. A no-op after a bench that ended as planned."""
+    runs = workspace / "runs"
+    for run in sorted(runs.iterdir()) if runs.is_dir() else []:
+        if (run / "pgid").exists() and not (run / "exit_code").exists():
+            cli(inventory, "stop", run.name, "--now", timeout=120, check=False)
+    from dflashops.agent.standby import retire_standbys
+
+    retire_standbys(str(workspace), keep=None)
 
 
 def fresh_workspace(work: Path, scale: dict, device: str, steps: int) -> dict:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -28,6 +31,15 @@ os.environ.pop("COLUMNS", None)
 # the same or less wall time (issue 29 item 11). A test that sets its own value keeps it.
 for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_name, "1")
+
+# Inductor compiles in the process that asked, not in a pool of its own: with one core per worker its default (one
+# compile process per core, each a new interpreter importing torch) started two more torch imports per compiling
+# process, four workers at once, on a fresh clone's empty cache (issue 45 item 6). The kernels are the same.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# And its C++ at -O0 (with -g) instead of -O3: the tests' tensors are tiny, the g++ runs are what a cold cache pays.
+# test_compile_scope.py's Inductor test with an empty cache: 65.3 s at -O3 (load ~5), 43.8 s at -O0 (load ~3.5);
+# 220 s at -O3 beside another worker at load 7-17 (bench/RESULTS.md, 2026-12-06). The losses still match eager.
+os.environ.setdefault("TORCHINDUCTOR_DEBUG_COMPILE", "1")
 
 
 @pytest.fixture(autouse=True)
@@ -79,3 +91,48 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {path: index for index, path in enumerate(LONGEST_FIRST)}
     files = sorted(by_file, key=lambda path: (rank.get(path, len(rank)), -len(by_file[path])))
     items[:] = [item for path in files for item in by_file[path]]
+
+
+# No process of the suite may outlive it. The runs, standbys and multiplexers the tests start live in sessions of
+# their own (setsid, as every dflashops run), so a test that dies early (a timeout's SIGKILL) leaves them running,
+# reparented to PID 1: four restart-cycle bench runs were found training 36 min after a `make test` (issue 45 item
+# 6). At the end of the whole session (xdist's controller, after every worker), any orphan started during the
+# session by this checkout's interpreter is named, and fails the session, after a grace for those that exit by
+# themselves (a retired standby, an idle multiplexer asked to stop).
+ORPHAN_GRACE_S = 30.0
+SESSION_STARTED = time.time()
+
+
+def suite_orphans() -> list[str]:
+    """`PID: command line` of every process whose parent is PID 1, started since SESSION_STARTED, running this
+    checkout's interpreter (its path on the command line)."""
+    boot = next(
+        float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime ")
+    )
+    ticks = os.sysconf("SC_CLK_TCK")
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        started = boot + int(stat[19]) / ticks  # field 22 of stat; the fields after ")" start at field 3
+        if stat[1] == "1" and started >= SESSION_STARTED and argv[0].decode(errors="replace") == sys.executable:
+            found.append(f"{entry}: {b' '.join(argv).decode(errors='replace')[:300]}")
+    return found
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if hasattr(session.config, "workerinput") or sys.platform != "linux":  # a worker: its controller checks
+        return
+    deadline = time.monotonic() + ORPHAN_GRACE_S
+    while (left := suite_orphans()) and time.monotonic() < deadline:
+        time.sleep(1.0)
+    if left:
+        print(f"\nerror: {len(left)} process(es) of the suite outlived it (parent PID 1):", file=sys.stderr)
+        for line in left:
+            print(f"  {line}", file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

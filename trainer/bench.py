@@ -164,6 +164,7 @@ def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.devi
         total_steps=1000,
         compile=variant != "eager",
         activation_checkpointing=variant == "act-ckpt",
+        compile_backend=getattr(args, "compile_backend", "inductor"),
     )
     batch = synthetic_batch(dcfg, shape, cfg.gamma, device, sorted_anchors=variant != "unsorted")
     ctx = torch.randn(shape.rows, shape.ctx, dcfg.num_taps * dcfg.hidden_size, device=device, dtype=dtype)
@@ -611,6 +612,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--shape", default="seed", help=f"comma list of {', '.join(SHAPES)} (default: %(default)s)")
     parser.add_argument(
         "--variants", default="compiled,eager", help="comma list: " + ", ".join(VARIANTS) + " (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="step: the dynamo backend of the compiled variants; aot_eager keeps dynamo's guards and recompiles and "
+        "AOT autograd without code generation (the CPU tests: Inductor's cold C++ build took minutes on a busy "
+        "2-core machine) (default: %(default)s)",
     )
     parser.add_argument(
         "--iters", type=int, default=10, help="timed iterations, the median is reported (default: %(default)s)"

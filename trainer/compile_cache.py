@@ -25,6 +25,7 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -82,16 +83,79 @@ def artifact_files(cache: Path) -> list[Path]:
     return ([legacy] if legacy.is_file() else []) + saved
 
 
-def load_artifacts(cache: Path) -> int:
+def load_artifacts(cache: Path, warn: Callable[[str], None] | None = None) -> int:
     """Put every saved artifacts file of this kind (from earlier runs, here or elsewhere) into the cache, oldest
     first; the bytes loaded (0: none there). Each save holds only what its own run used, so a file per run that
-    compiled new work is kept: a fresh workspace on an older code version finds that version's graphs too."""
+    compiled new work is kept: a fresh workspace on an older code version finds that version's graphs too.
+
+    A file torch cannot read (cut, overwritten, another torch's format) is moved aside (`quarantine`), with one
+    `warn` line: left in place, it failed the same way in every later run of the workspace, and torch's own report
+    is a logged traceback that `deploy` reads as a crash. Its graphs are compiled anew; its bytes are not counted."""
     loaded = 0
     for source in artifact_files(cache):
-        data = source.read_bytes()
-        torch.compiler.load_cache_artifacts(data)
-        loaded += len(data)
+        why: str | None
+        try:
+            data = source.read_bytes()
+        except FileNotFoundError:
+            continue  # moved aside by a run of the same workspace meanwhile
+        except OSError as exc:
+            why = f"cannot be read ({exc.strerror or exc})"
+        else:
+            why = load_one(data)
+            if why is None:
+                loaded += len(data)
+                continue
+        moved = quarantine(source)
+        if warn is not None and moved is not None:
+            warn(
+                f"warning: compile cache: the artifacts file {source} {why}; moved aside to {moved.name}: the "
+                "graphs it held are compiled anew"
+            )
     return loaded
+
+
+def load_one(data: bytes) -> str | None:
+    """Load one artifacts file's bytes into the cache; None when it loaded, else why not (one phrase). torch
+    reports an unreadable file by logging a traceback at warning level (torch.compiler._cache), not by raising:
+    that record is caught here and its exception's message becomes the reason."""
+    import logging
+
+    caught: list[str] = []
+
+    def catch(record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        caught.append(str(exc) if exc is not None else record.getMessage())
+        return False  # dropped: the caller reports it in one line
+
+    logger = logging.getLogger("torch.compiler._cache")
+    logger.addFilter(catch)
+    try:
+        info = torch.compiler.load_cache_artifacts(data)
+    except Exception as exc:  # noqa: BLE001 - a file that deserialized but does not populate: same verdict
+        return f"does not load ({type(exc).__name__}: {exc})"[:300]
+    finally:
+        logger.removeFilter(catch)
+    if info is None and data:
+        # torch's message goes on with both checksums' raw bytes: noise in a log line
+        reason = caught[-1].split(". Expected:")[0] if caught else "not torch's cache-artifacts format"
+        return f"is unreadable ({reason})"[:300]
+    return None
+
+
+QUARANTINE_SUFFIX = ".unreadable"
+
+
+def quarantine(source: Path) -> Path | None:
+    """Rename an unreadable artifacts file to `<name>.unreadable` (no longer an artifacts file, kept for a look;
+    the newest ARTIFACT_FILES_KEPT of them stay). None when it is gone already (a concurrent run moved it)."""
+    moved = source.with_name(source.name + QUARANTINE_SUFFIX)
+    try:
+        os.replace(source, moved)
+    except FileNotFoundError:
+        return None
+    for old in sorted(source.parent.glob(f"*{QUARANTINE_SUFFIX}"))[:-ARTIFACT_FILES_KEPT]:
+        old.unlink(missing_ok=True)
+    return moved
 
 
 def save_artifacts(cache: Path) -> int:

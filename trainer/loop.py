@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,37 +85,40 @@ def run_training(setup: RunSetup, engine: Engine) -> int:
             recorder.mark("preflight_done")
             for line in engine.announce(run_dir):
                 log(line)
+            binds, why = step_limit(cfg, engine.total_steps)
+            recorder.set_status(step_limit=binds)
+            log(why)
             log(drafter_line(setup.drafter_config))
             if engine.writes_metrics:
                 recorder.open_wandb(cfg.wandb, cfg.wandb_project, cfg.wandb_run_name, cfg.to_dict())
             engine.build()
             recorder.mark("built")
             cache = compile_cache.choose(setup.drafter_device)  # shared by code versions: content-addressed
-            if cache is not None and not any(cache.iterdir()) and (loaded := compile_cache.load_artifacts(cache)):
+            if cache is not None and not any(cache.iterdir()) and (loaded := compile_cache.load_artifacts(cache, log)):
                 log(f"compile cache {cache}: started from {loaded} bytes of artifacts of an earlier run")
+            cache_report = CacheReport(cache, recorder, engine.writes_checkpoints) if cache is not None else None
             start = start_point(setup)
             if start is not None:
                 engine.warm_up(*start, recorder)
                 recorder.mark("compiled")
-            if cache is not None:
-                counts = compile_cache.stats()
-                recorder.set_status(compile_cache={"dir": str(cache), **counts, **compile_cache.settings_digest()})
-                if counts["fxgraph_hit"] or counts["fxgraph_miss"]:
-                    log(compile_cache.describe(cache, counts))
-                if counts["fxgraph_miss"] and engine.writes_checkpoints:  # new work: carry it to other machines
-                    compile_cache.save_artifacts(cache)
+            if cache_report is not None:
+                cache_report.update()
             step = _resume(setup, engine, recorder, run_dir)
             # The writer exits before the failure report: a checkpoint snapshotted before a failure still lands.
             with CheckpointWriter(run_dir, cfg.keep_checkpoints) as writer:
                 with engine.running(step, recorder):
-                    ending = _steps(setup, engine, recorder, writer, stop, step)
+                    ending = _steps(
+                        setup, engine, recorder, writer, stop, step, cache_report.update if cache_report else None
+                    )
+                if cache_report is not None:
+                    cache_report.update()
                 if ending.phase == "stopped" and writer.in_flight():
                     _offer_handover(engine, recorder, run_dir, ending)
                 report_checkpoints(recorder, writer.wait())  # the final checkpoint: waited for, never cut short
             recorder.mark("ended")
             recorder.set_status(phase=ending.phase, step=ending.step, exit_code=ending.code)
             if ending.phase == "stopped" and ending.trained:
-                log(f"stopped at step {ending.step}; resume with the same command")
+                log(f"stopped at step {ending.step}; {resume_advice()}")
             return ending.code
         except Exception as exc:  # noqa: BLE001 - reported on stderr and in status.json
             failure = exc
@@ -130,6 +134,31 @@ def run_training(setup: RunSetup, engine: Engine) -> int:
         finally:
             engine.close(failure)
             recorder.close()
+
+
+def step_limit(cfg: Any, total_steps: int) -> tuple[str, str]:
+    """Which limit ends the run, and one log line saying so: ("max_steps" | "epochs", line). The run trains
+    min(--max-steps, the steps the data holds over --epochs); `-- --max-steps 5000` on the tiny preset trained
+    3200 (its `epochs` hold 3200) and nothing said which limit won (issue 46 item 4). status.json's `step_limit`
+    carries the answer to `dflashops status`, which shows it beside the eta."""
+    max_steps = int(cfg.max_steps or 0)
+    if max_steps and total_steps >= max_steps:
+        return "max_steps", f"{total_steps} steps: --max-steps {max_steps} ends the run (before --epochs {cfg.epochs})"
+    capped = f"; --max-steps {max_steps} is never reached: raise --epochs to reach it" if max_steps else ""
+    return "epochs", (
+        f"{total_steps} steps: --epochs {cfg.epochs} ends the run (the data gives {total_steps} optimizer steps "
+        f"over {cfg.epochs} epoch{'' if cfg.epochs == 1 else 's'}{capped})"
+    )
+
+
+def resume_advice() -> str:
+    """How to go on from a stopped run: the same command for a trainer started by hand (it resumes from its
+    output directory's newest checkpoint); for a run dflashops launched (DFLASHOPS_RUN_NAME set), its own restart
+    verb, which the same command would not be (it makes a new run directory)."""
+    run_name = os.environ.get("DFLASHOPS_RUN_NAME")
+    if run_name:
+        return f"resume with: dflashops restart {run_name} --resume"
+    return "resume with the same command"
 
 
 def start_point(setup: RunSetup) -> tuple[int, tuple[int, int]] | None:
@@ -223,6 +252,32 @@ def schedule_change(cfg: Any, state: Any, step: int, total_steps: int) -> str | 
     )
 
 
+class CacheReport:
+    """status.json's `compile_cache` counters, and the artifacts saved for other machines, kept true as the run
+    compiles. Not only after the warm-up: what a warm-up does not cover (a target compiled at its first call, as
+    `--target-compile on` on the CPU, whose warm-up compiles nothing) compiles in the first step, and a report
+    taken before it read 0 hits and 0 misses in runs that reused the cache. Updated after the warm-up, after the
+    first step, and at the end of the steps; artifacts are saved whenever new work was compiled since the last
+    save (torch saves what this process used so far, hits and new work)."""
+
+    def __init__(self, cache: Path, recorder: RunRecorder, saves: bool) -> None:
+        self.cache, self.recorder, self.saves = cache, recorder, saves
+        self.logged: dict[str, int] = {}
+        self.saved_misses = 0
+
+    def update(self) -> None:
+        counts = compile_cache.stats()
+        if counts == self.logged:
+            return
+        self.recorder.set_status(compile_cache={"dir": str(self.cache), **counts, **compile_cache.settings_digest()})
+        if counts["fxgraph_hit"] or counts["fxgraph_miss"]:
+            log(compile_cache.describe(self.cache, counts))
+        self.logged = counts
+        if self.saves and counts["fxgraph_miss"] > self.saved_misses:  # new work: carry it to other machines
+            compile_cache.save_artifacts(self.cache)
+            self.saved_misses = counts["fxgraph_miss"]
+
+
 @dataclass
 class Ending:
     """How the steps ended: the exit code, the last step trained, the final status phase (done | stopped)."""
@@ -235,10 +290,17 @@ class Ending:
 
 
 def _steps(
-    setup: RunSetup, engine: Engine, recorder: RunRecorder, writer: CheckpointWriter, stop: GracefulStop, step: int
+    setup: RunSetup,
+    engine: Engine,
+    recorder: RunRecorder,
+    writer: CheckpointWriter,
+    stop: GracefulStop,
+    step: int,
+    after_first_step: Callable[[], None] | None = None,
 ) -> Ending:
     """The optimizer steps from `step` on. The last checkpoint (end of run, stop) is submitted, not waited
-    for: the caller waits once the worker threads have stopped (and, on a stop, the devices are free)."""
+    for: the caller waits once the worker threads have stopped (and, on a stop, the devices are free).
+    `after_first_step` runs once this process's first step is done (what compiles only there has compiled)."""
     cfg, total_steps = setup.cfg, engine.total_steps
     signum = engine.agree_stop(stop.signum)
     if signum is not None:  # signalled while loading: nothing trained since the last checkpoint (if any)
@@ -260,6 +322,8 @@ def _steps(
             layout = engine.checkpoint_layout()  # the optimizer's state exists now: pin the snapshot buffers
             if layout is not None:
                 writer.prepare(layout)
+            if after_first_step is not None:
+                after_first_step()
         extra = engine.after_step(step)  # e.g. replica checksums, which also force a log line
         signum = engine.agree_stop(stop.signum)  # every node stops after the same step
         stopping = signum is not None

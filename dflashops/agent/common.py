@@ -6,6 +6,7 @@ whose environment carries the run's unique marker (DFLASHOPS_RUN_ID=<name>.<nonc
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -338,3 +339,30 @@ def missing_run(req: dict, what: str) -> AgentFailure:
             "not_found",
         )
     return AgentFailure(f"run {name!r} {what}", "not_found")
+
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def free_space(path: str) -> tuple[int, int] | None:
+    """(bytes, inodes) free to this user on the disk of `path` (of its nearest existing folder); None when the
+    disk gives no answer."""
+    where = path
+    while not os.path.exists(where) and os.path.dirname(where) != where:
+        where = os.path.dirname(where)
+    try:
+        stat = os.statvfs(where)
+    except OSError:
+        return None
+    return stat.f_bavail * stat.f_frsize, stat.f_favail
+
+
+def no_space(workspace: str, needs: str) -> AgentFailure:
+    """The refusal (code `no_space`) of a launch or an install the workspace's disk cannot take: the disk, what is
+    free on it now, what the step needs (`needs`), and that nothing was launched or stopped."""
+    free = free_space(workspace)
+    shown = "" if free is None else f" ({free[0] / 2**10:.0f} KiB free{', no free inode' if free[1] == 0 else ''})"
+    return AgentFailure(
+        f"no space left on the disk of the workspace {workspace}{shown}: {needs}; nothing was launched or stopped",
+        "no_space",
+    )

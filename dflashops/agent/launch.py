@@ -10,10 +10,13 @@ import subprocess
 import sys
 
 from .common import (
+    DISK_FULL_ERRNOS,
     LAUNCHERS,
     MARKER_KEY,
     AgentFailure,
     append_log,
+    free_space,
+    no_space,
     program,
     remove_quietly,
     report_progress,
@@ -39,6 +42,33 @@ from .wrap import (
     wait_job,
 )
 
+# What a launch writes before its job can say anything itself: run.json, marker, the launch spec (the job's whole
+# environment), pgid, pid, the reserves for exit_code and stop.json (wrap.RESERVED_BYTES), train.log's first lines,
+# the trainer's status.json and its reserve: about a dozen files of one or two 4 KiB blocks each. A 1 MiB floor
+# leaves room for a large environment and the job's first writes; a run's checkpoints are the trainer's to check.
+LAUNCH_NEEDS_BYTES = 1 << 20
+LAUNCH_NEEDS = f"a launch needs about {LAUNCH_NEEDS_BYTES >> 20} MiB and a dozen files for the run's records"
+
+
+def check_space(workspace: str) -> None:
+    """AgentFailure `no_space` (naming the disk, what is free and what a launch needs) when the workspace's disk
+    cannot take a run's records: refused before a pre-flight's seconds, a stop or a taken name. Blocks only: a
+    disk out of inodes fails at the launch's first write, which gives the name back (`unclaim`)."""
+    free = free_space(workspace)
+    if free is not None and free[0] < LAUNCH_NEEDS_BYTES:
+        raise no_space(workspace, LAUNCH_NEEDS)
+
+
+def unclaim(directory: str, exc: OSError, workspace: str) -> Exception:
+    """A write of the launch's own records failed before any job started (the disk filled since check_space):
+    the run directory this call made a moment ago is removed, so no empty run shows as `launching`, later
+    `lost`, and the name stays free. The error to raise: `no_space` for a full disk, else `exc` itself."""
+    error = (
+        no_space(workspace, LAUNCH_NEEDS) if exc.errno in DISK_FULL_ERRNOS else exc
+    )  # what is free before the removal
+    shutil.rmtree(directory, ignore_errors=True)
+    return error
+
 
 def check_launch(req: dict) -> tuple:
     """(run dir, argv, env, launcher) of a launch request, or AgentFailure; changes nothing."""
@@ -54,6 +84,7 @@ def check_launch(req: dict) -> tuple:
         raise AgentFailure(f"unknown launcher {launcher!r}", "bad_request")
     if launcher == "tmux" and not shutil.which("tmux"):
         raise AgentFailure("tmux is not installed on the target", "missing_tool")
+    check_space(req["workspace"])
     return directory, argv, env, launcher
 
 
@@ -90,9 +121,16 @@ def verb_launch(req: dict) -> dict:
         os.mkdir(directory)  # atomic claim of the name: a second launch of the same name fails here
     except FileExistsError:
         raise AgentFailure(f"run directory {directory} already exists", "conflict") from None
+    except OSError as exc:
+        if exc.errno in DISK_FULL_ERRNOS:
+            raise no_space(req["workspace"], LAUNCH_NEEDS) from None
+        raise
     run_json = dict(req.get("run_json") or {})
     run_json.update(name=req["name"], launcher=launcher, session=session, run_dir=directory)
-    write_atomic(os.path.join(directory, "run.json"), json.dumps(run_json, indent=2, sort_keys=True) + "\n")
+    try:
+        write_atomic(os.path.join(directory, "run.json"), json.dumps(run_json, indent=2, sort_keys=True) + "\n")
+    except OSError as exc:
+        raise unclaim(directory, exc, req["workspace"]) from None
     cwd = req.get("cwd") or directory
     # `standby_once` (a restart's one-shot standby, agent/restart.py): adopt the one started for this launch,
     # start none for the next one.
@@ -106,7 +144,10 @@ def verb_launch(req: dict) -> dict:
     elif req.get("standby") is False:
         retire_standbys(req["workspace"], keep=None)
     marker = f"{req['name']}.{os.urandom(6).hex()}"
-    write_atomic(os.path.join(directory, "marker"), marker + "\n")
+    try:
+        write_atomic(os.path.join(directory, "marker"), marker + "\n")
+    except OSError as exc:
+        raise unclaim(directory, exc, req["workspace"]) from None
     launch_env.update(DFLASHOPS_RUN=req["name"], **{MARKER_KEY: marker})
     # The job's whole environment: this agent's (what the controller gave this call) with the launch's on top.
     # Never the tmux server's: that server was started by an earlier call, with an earlier deploy's environment.
@@ -115,7 +156,10 @@ def verb_launch(req: dict) -> dict:
     wrapper = [sys.executable, program(), "wrap", "--json-args", json.dumps({"dir": directory})]
     try:
         # Secrets reach the wrapper through this 0600 file; the wrapper deletes it as soon as it has read it.
-        write_atomic(spec_path, json.dumps(spec), mode=0o600)
+        try:
+            write_atomic(spec_path, json.dumps(spec), mode=0o600)
+        except OSError as exc:
+            raise unclaim(directory, exc, req["workspace"]) from None
         if launcher == "tmux":
             started = subprocess.run(
                 [

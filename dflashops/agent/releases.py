@@ -9,7 +9,19 @@ import os
 import shutil
 import tarfile
 
-from .common import HASH_RE, AgentFailure, alive, file_sha256, read_int, read_json, workspace_of, write_atomic
+from .common import (
+    DISK_FULL_ERRNOS,
+    HASH_RE,
+    AgentFailure,
+    alive,
+    file_sha256,
+    free_space,
+    no_space,
+    read_int,
+    read_json,
+    workspace_of,
+    write_atomic,
+)
 
 
 def verb_manifest(req: dict) -> dict:
@@ -88,11 +100,19 @@ def build_release(req: dict, stdin: bytes, stale_code: str = "conflict") -> tupl
     if os.path.isdir(final):
         return code_hash, final
     tmp = os.path.join(releases, f".tmp-{code_hash}-{os.getpid()}")
-    os.makedirs(tmp)
+    # The upload unpacks to about its own size (the unchanged files are hard links): a full workspace disk is one
+    # `no_space` refusal naming that size, not an OSError from the middle of the unpacking.
+    needs = f"the upload of {len(files)} files needs about {max(1, len(stdin) >> 10)} KiB"
+    free = free_space(workspace)
+    if free is not None and free[0] < len(stdin) + (64 << 10):
+        raise no_space(workspace, needs)
     try:
+        os.makedirs(tmp)
         fill_release(tmp, stdin, link, releases, req.get("base"), files, stale_code)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
+            raise no_space(workspace, needs) from None
         raise
     try:
         os.rename(tmp, final)

@@ -32,11 +32,14 @@ def _num(value: float | None, decimals: int = 0) -> str:
     return f"{value:,.{decimals}f}"
 
 
-def _eta(seconds: float | None) -> str:
+def _eta(seconds: float | None, limit: str | None = None) -> str:
+    """`0:01:23`, and which limit it runs to when the trainer said: `(max-steps)` or `(epochs)` (a --max-steps
+    the data's epochs cap reads `(epochs)`: the run ends sooner than that flag says)."""
     if seconds is None:
         return "-"
     seconds = int(seconds)
-    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+    shown = f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+    return f"{shown} ({limit.replace('_', '-')})" if limit else shown
 
 
 def state_text(row: RunRow) -> str:
@@ -65,7 +68,7 @@ def runs_table(rows: list[RunRow], title: str | None = None) -> Table:
             _num(row.loss, 4),
             _num(row.tau_sim, 3),
             _num(row.block_tok_s),
-            _eta(row.eta_s) if live else "-",
+            _eta(row.eta_s, row.step_limit) if live else "-",
             "-" if row.heartbeat_age_s is None or not live else f"{row.heartbeat_age_s:.0f}s",
             "-" if row.exit_code is None else str(row.exit_code),
         )

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import difflib
 import json
 import time
 from collections.abc import Iterator, Mapping
@@ -21,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dflashops.errors import Conflict, DflashopsError, NotFound
-from dflashops.lineage.naming import lineage_root, next_name
+from dflashops.lineage.naming import close_names, lineage_root, next_name
 from dflashops.lineage.record import (
     STATES,
     RunRecord,
@@ -303,7 +302,7 @@ class LineageDB:
         return rows[0]
 
     def _not_found(self, name: str, what: str = "run") -> NotFound:
-        close = difflib.get_close_matches(name, self.names(), n=4, cutoff=0.5)
+        close = close_names(name, self.names())
         hint = (
             f"did you mean: {', '.join(close)}?"
             if close

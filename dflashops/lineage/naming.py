@@ -69,3 +69,37 @@ def wandb_env(name: str, parent: str | None, note: str, root: str) -> dict[str, 
         env["WANDB_NOTES"] = note
         env["DFLASHOPS_RUN_NOTE"] = note
     return env
+
+
+# How alike a typed name and a recorded one must be to be offered as "did you mean": difflib's ratio (matching
+# characters over both lengths). Its 0.5 offered `t1` for `w1` (one of two characters): for a short name one
+# character is half of it, and a name that differs in its stem is another run, not a typo. 0.75 keeps a typo of
+# a longer name (`flx5` -> `flex5` 0.89, `dmeo` -> `demo` 0.75) and drops unrelated short ones.
+CLOSE_RATIO = 0.75
+
+
+def close_names(name: str, candidates: Collection[str], limit: int = 4) -> list[str]:
+    """Recorded names a mistyped `name` may have meant, best first: the same name in another case; the same stem
+    with another counter (`t3` -> `t1`, `t2`: the user remembered the series, not the number); a name it is the
+    start of (`flex` -> `flex5`); else a name at least CLOSE_RATIO alike. Two names with counters and different
+    stems (`w1`, `t1`) are never close, however short."""
+    import difflib
+
+    split = _split_counter(name)
+    scored: list[tuple[float, str]] = []
+    for candidate in set(candidates) - {name}:
+        other = _split_counter(candidate)
+        if candidate.lower() == name.lower():
+            score = 2.0
+        elif split and other and split[0] == other[0]:
+            score = 1.5
+        elif len(name) >= 2 and candidate.startswith(name):
+            score = 1.2
+        elif split and other and split[0].lower() != other[0].lower() and len(split[0]) < 3:
+            continue  # `w1` vs `t1`: a short stem that differs is another series
+        else:
+            score = difflib.SequenceMatcher(None, name, candidate).ratio()
+            if score < CLOSE_RATIO:
+                continue
+        scored.append((score, candidate))
+    return [candidate for _, candidate in sorted(scored, key=lambda item: (-item[0], item[1]))[:limit]]

@@ -73,6 +73,12 @@ def refusal(answer: dict[str, Any], target: Target, args: dict[str, Any]) -> Dfl
             f"look at the session {session!r} with `tmux -L {socket} ls` there (from here: `dflashops exec "
             f"{target.name} -- tmux -L {socket} ls`); launch under another --name{taken}, or with --launcher nohup"
         )
+    if code == "no_space":  # the workspace's disk (agent/launch.py check_space): nothing launched, nothing stopped
+        workspace = str(args.get("workspace") or target.workspace)
+        hint = (
+            f"free space on the disk of {workspace} on {target.name} (`dflashops gc {target.name} --keep 3 "
+            "--dry-run` lists old releases to delete), then run the command again"
+        )
     return _CODE_TO_ERROR.get(code, AgentError)(f"{target.name}: {error}", hint=hint)
 
 

@@ -5,7 +5,6 @@ Connections are opened lazily and reused (one per target per invocation); `close
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +13,7 @@ from dflashops.errors import DflashopsError, NotFound
 from dflashops.inventory import Inventory, Target
 from dflashops.lineage import LineageDB, LineageDBError, RunRecord
 from dflashops.lineage.files import AGENT_STATE_TO_LINEAGE
+from dflashops.lineage.naming import close_names
 from dflashops.ops.agent_client import Agent
 from dflashops.ops.observe.notify import Notifier
 from dflashops.ops.observe.observe import observe
@@ -113,7 +113,7 @@ class Invocation:
         except DflashopsError:
             pass
         names.discard(name)
-        return difflib.get_close_matches(name, sorted(names), n=4, cutoff=0.5)
+        return close_names(name, names)
 
     def note_state(self, status: dict) -> None:
         """Mirror an agent status entry into the lineage record (when the run is recorded); first adopt a

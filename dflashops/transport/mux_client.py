@@ -18,6 +18,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -75,6 +76,27 @@ def mux_dir() -> Path | None:
             hint="remove it, or set DFLASHOPS_MUX_DIR to a folder of yours with mode 0700",
         )
     return path
+
+
+# What the multiplexer reads from its environment, and nothing else: it outlives the invocation that started it
+# (DFLASHOPS_SSH_PERSIST, 10 min by default) and /proc/PID/environ keeps what a process started with for its whole
+# life, so a shell's secrets (a profile's pass_env: DB_PASS, OPENAI_KEY, WANDB_API_KEY) must not reach it. Each
+# command's own environment travels in its request (MuxTransport.request), never in the daemon's. Kept: the
+# interpreter's and loader's start-up names (PYTHON*, LD_*, PATH, VIRTUAL_ENV), the basics a process expects
+# (HOME for ~/.ssh, USER, LANG, LC_*, TZ, TMPDIR), the ssh agent's socket, Kerberos' ticket cache (paramiko's
+# GSS-API), and dflashops' own connection knobs (DFLASHOPS_SSH_CONFIG, DFLASHOPS_CONNECT_TIMEOUT, ...), minus any
+# name that looks like a secret.
+DAEMON_ENV_RE = re.compile(
+    r"^(PYTHON[A-Z_]*|LD_[A-Z_]+|LC_[A-Z_]+|PATH|VIRTUAL_ENV|HOME|USER|LOGNAME|LANG|LANGUAGE|TZ|TMPDIR"
+    r"|SSH_AUTH_SOCK|KRB5CCNAME|KRB5_CONFIG|XDG_RUNTIME_DIR|DFLASHOPS_[A-Z_]+)$"
+)
+DAEMON_SECRET_RE = re.compile(r"(TOKEN|KEY|SECRET|PASSWORD|PASSWD|PASS$|CREDENTIAL)", re.IGNORECASE)
+
+
+def daemon_env() -> dict[str, str]:
+    """The multiplexer's whole start-up environment: this process's, filtered by DAEMON_ENV_RE, no secret-like
+    name (see above)."""
+    return {k: v for k, v in os.environ.items() if DAEMON_ENV_RE.match(k) and not DAEMON_SECRET_RE.search(k)}
 
 
 @dataclass
@@ -226,7 +248,7 @@ class MuxTransport(Transport):
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
-                env={**os.environ, "PYTHONPATH": pythonpath},
+                env={**daemon_env(), "PYTHONPATH": pythonpath},
                 pass_fds=(lock.fileno(),),
             )
             # It forks the server and exits as soon as its interpreter is up, which under load took 0.1-0.25 s

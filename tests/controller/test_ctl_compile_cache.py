@@ -12,7 +12,9 @@ item 11); what the C++ compiler does is torch's, not what these tests check."""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -94,6 +96,11 @@ files: [compiled_job.py, scaled.py]
     check = {c["name"]: c for c in json.loads(out)["targets"][0]["checks"]}["compile cache"]
     assert check["status"] == "ok" and "warm for the current code" in check["detail"], check
     assert "its run cc4 compiled 1 graph(s) and reused 0" in check["detail"], check
+    shutil.rmtree(fourth["cache"])  # emptied by hand: nothing left to reuse, so not "warm" (issue 45 item 3)
+    Path(fourth["cache"]).mkdir()
+    code, out, _ = env.cli("doctor", "--profile", "compiled", "--json", capsys=capsys)
+    check = {c["name"]: c for c in json.loads(out)["targets"][0]["checks"]}["compile cache"]
+    assert check["detail"].startswith("not warm for the current code") and "holds none now" in check["detail"], check
     write_release_files(env, "x.t() @ x", "v5")  # code no run has used yet
     code, out, _ = env.cli("doctor", "--profile", "compiled", "--json", capsys=capsys)
     check = {c["name"]: c for c in json.loads(out)["targets"][0]["checks"]}["compile cache"]

@@ -182,19 +182,20 @@ def test_item22_missing_run_names_get_close_names_as_a_hint(env: Env, capsys: py
     assert env.deploy_one_step("alpha-7", capsys) == 0
     env.db.unlink()
     db = LineageDB(env.db)
-    db.record(
-        RunRecord(
-            name="gamma-3",
-            parent=None,
-            note="",
-            code_hash="ab" * 20,
-            argv=["x"],
-            env={},
-            target="local",
-            gpus=[],
-            profile="work",
+    for name in ("gamma-3", "t1"):
+        db.record(
+            RunRecord(
+                name=name,
+                parent=None,
+                note="",
+                code_hash="ab" * 20,
+                argv=["x"],
+                env={},
+                target="local",
+                gpus=[],
+                profile="work",
+            )
         )
-    )
     db.close()
     for verb in ("status", "logs", "stop", "attach"):
         code, out, err = env.cli(verb, "alpha-8", capsys=capsys)
@@ -204,6 +205,11 @@ def test_item22_missing_run_names_get_close_names_as_a_hint(env: Env, capsys: py
     assert code == 3 and "hint: did you mean: gamma-3?" in err, err
     code, _, err = env.cli("status", "zzzzzz", capsys=capsys)  # nothing close: still a hint, no guess
     assert code == 3 and "\nhint: " in err and "did you mean" not in err, err
+    # `w1` is not a typo of `t1` (issue 46 item 8): a short name whose stem differs is another series.
+    code, _, err = env.cli("status", "w1", capsys=capsys)
+    assert code == 3 and "\nhint: " in err and "did you mean" not in err, err
+    code, _, err = env.cli("status", "t2", capsys=capsys)  # the same series, another number: offered
+    assert code == 3 and "hint: did you mean: t1?" in err, err
 
 
 def test_item22_attach_refuses_without_a_terminal(env: Env, capsys: pytest.CaptureFixture[str]) -> None:

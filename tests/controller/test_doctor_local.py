@@ -69,3 +69,27 @@ def test_a_failed_python_check_skips_the_checks_that_need_it(
         assert checks[name]["detail"] == f"the python check failed ({python} cannot run)", checks[name]
     assert [c["name"] for c in checks.values() if c["status"] == "fail"] == ["python"]  # nothing judged on it
     assert checks["tmux"]["status"] == "ok" and checks["workspace"]["status"] == "ok"  # the rest still ran
+
+
+def test_a_secret_only_a_profile_the_target_cannot_run_needs_is_no_warning(
+    env: Env, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shipped inventory's case (issue 46 item 8): `qwen3-8b` needs 4 GPUs and passes HF_TOKEN; the CPU
+    `local` target cannot run it, so an unset HF_TOKEN is a skip line there, unless that profile is named."""
+    env.inventory.write_text(
+        env.inventory.read_text()
+        + '  big:\n    argv: ["{python}", -m, trainer, train, --target-gpus, "0,1", --drafter-gpus, "2,3"]\n'
+        "    pass_env: [HF_TOKEN, WORKLOAD_SECRET]\n"
+    )
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("WORKLOAD_SECRET", raising=False)
+    code, out, err = env.cli("doctor", "--json", capsys=capsys)
+    checks = {c["name"]: c for c in json.loads(out)["targets"][0]["checks"]}
+    assert code == 0, err
+    assert checks["secret HF_TOKEN"]["status"] == "skip", checks["secret HF_TOKEN"]
+    assert "big" in checks["secret HF_TOKEN"]["detail"] and "4 GPU(s)" in checks["secret HF_TOKEN"]["detail"]
+    assert checks["secret WORKLOAD_SECRET"]["status"] == "warn"  # `work` runs here and passes it too
+    assert "big" not in checks["secret WORKLOAD_SECRET"]["detail"]
+    code, out, err = env.cli("doctor", "--profile", "big", "--json", capsys=capsys)  # asked for: checked
+    checks = {c["name"]: c for c in json.loads(out)["targets"][0]["checks"]}
+    assert checks["secret HF_TOKEN"]["status"] == "warn", checks["secret HF_TOKEN"]

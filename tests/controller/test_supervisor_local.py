@@ -228,7 +228,11 @@ def test_idle_gpus_while_training_are_a_stall(
 def test_dry_run_shows_the_supervisor_start_without_secrets(sup: Env, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = sup.cli("deploy", "--profile", "flaky", "--name", "dr", "--dry-run", capsys=capsys)
     assert code == 0, err
-    start = next(line for line in out.splitlines() if "start --json-stdin" in line)
+    lines = out.splitlines()
+    first = next(i for i, line in enumerate(lines) if "start --json-stdin" in line)
+    # the command's line and its request JSON (one key a line), up to the plan's next command
+    end = next((i for i in range(first + 1, len(lines)) if lines[i].startswith("[")), len(lines))
+    start = "\n".join(lines[first:end])
     assert "/.dflashops/agent-" in start and ".pyz supervise start" in start and '"max_restarts": 3' in start
     assert '"WORKLOAD_SECRET": "<redacted>"' in start and SECRET not in out + err
     assert not sup.workspace.exists()

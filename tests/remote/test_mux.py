@@ -149,3 +149,25 @@ def test_bad_settings_of_the_multiplexer_are_one_error_line(setup) -> None:
     mux.chmod(0o755)
     done = run_cli(inventory, "status", "--target", "ct200", mux=mux)
     assert done.returncode == 5 and "is not yours alone" in done.stderr and "hint: " in done.stderr
+
+
+def test_the_daemon_keeps_no_secret_of_the_shell_that_started_it(setup) -> None:
+    """It outlives the invocation (DFLASHOPS_SSH_PERSIST) and /proc/PID/environ keeps what it started with, so
+    a shell's secrets (a profile's pass_env: DB_PASS, OPENAI_KEY) must not be there; what it needs is."""
+    inventory, mux, _ = setup
+    secrets = {"DB_PASS": "db-secret-4711", "OPENAI_KEY": "sk-secret-0815", "MY_NOTE": "unrelated-value-42"}
+    assert run_cli(inventory, "status", "--target", "ct200", mux=mux, **secrets).returncode == 0
+    pid = wait_for_daemon(mux)  # it wrote its pid file and listens: its own code runs, its environ is final
+    assert b"dflashops.transport.mux_server" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    environ = dict(
+        item.split(b"=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in item
+    )
+    assert environ, "empty environ: read before the daemon ran its own code"
+    for value in secrets.values():
+        assert value.encode() not in b"\0".join(environ.values()), value
+    assert environ[b"PYTHONPATH"].split(b":")[0] == str(REPO).encode() and b"HOME" in environ
+    assert environ[b"DFLASHOPS_MUX_DIR"] == str(mux).encode()
+    # Commands still go through it (the shell's own environment is not what they need).
+    done = run_cli(inventory, "status", "--target", "ct200", mux=mux, **secrets)
+    assert done.returncode == 0, done.stderr
+    assert daemon_pids(mux) == [pid]

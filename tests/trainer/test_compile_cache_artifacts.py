@@ -69,3 +69,87 @@ def test_an_empty_cache_starts_warm_for_every_recent_code_version(tmp_path: Path
         run = compile_in(fresh, body, saves=0)
         assert run["out"] == out and run["loaded"] > 0
         assert run["fxgraph_hit"] >= 1 and run["fxgraph_miss"] == 0, (body, run)  # the older version too
+
+
+def train(root: Path, run_dir: Path) -> tuple[subprocess.CompletedProcess[str], str]:
+    """The real trainer, tiny preset, two steps, with the compile cache under `root` (as dflashops sets it)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    env[compile_cache.ROOT_ENV] = str(root)
+    argv = [sys.executable, "-m", "trainer", "train", "--preset", "tiny", "--output-dir", str(run_dir)]
+    argv += ["--max-steps", "2", "--wandb", "off", "--synthetic-samples", "16"]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, check=False)
+    return done, done.stdout + done.stderr
+
+
+def test_an_unreadable_artifacts_file_is_moved_aside_with_one_warning_and_the_run_starts_cold(tmp_path: Path) -> None:
+    """Issue 45 item 3: 5,000 random bytes in `<key>.artifacts.d/...bin`. torch logged a traceback ("checksum
+    does not match") that `deploy` read as a crash, the log claimed the cache "started from 5000 bytes", and the
+    file stayed, so every later run of the workspace failed the same way."""
+    root = tmp_path / "compile"
+    cache = root / compile_cache.cache_key(None)
+    folder = compile_cache.artifacts_folder(cache)
+    folder.mkdir(parents=True)
+    bad = folder / "00000000000000000001-1.bin"
+    bad.write_bytes(os.urandom(5000))
+    done, log = train(root, tmp_path / "r1")
+    assert done.returncode == 0, log[-3000:]
+    warnings = [line for line in log.splitlines() if "moved aside" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: compile cache: "), log[-3000:]
+    assert str(bad) in warnings[0] and "checksum does not match" in warnings[0], warnings
+    assert "Traceback" not in log and "started from" not in log, log[-3000:]  # nothing false, no torch trace
+    assert not bad.exists() and (folder / (bad.name + compile_cache.QUARANTINE_SUFFIX)).is_file()
+    # The next run of the workspace (its cache emptied again, so it reads the artifacts again) is not hurt.
+    shutil.rmtree(cache)
+    done, log = train(root, tmp_path / "r2")
+    assert done.returncode == 0 and "moved aside" not in log and "Traceback" not in log, log[-3000:]
+
+
+def test_a_good_file_beside_an_unreadable_one_still_loads_and_only_its_bytes_count(tmp_path: Path) -> None:
+    here = tmp_path / "here"
+    compile_in(here, "x @ x")  # one good save
+    (cache,) = [p for p in here.iterdir() if p.is_dir() and not p.name.endswith(".d")]
+    (good,) = compile_cache.artifact_files(cache)
+    (compile_cache.artifacts_folder(cache) / "99999999999999999999-1.bin").write_bytes(os.urandom(5000))
+    shutil.rmtree(cache)
+    run = compile_in(here, "x @ x", saves=0)
+    assert run["loaded"] == good.stat().st_size and run["fxgraph_hit"] >= 1 and run["fxgraph_miss"] == 0, run
+    assert compile_cache.artifact_files(cache) == [good]
+
+
+CACHE_REPORT = """\
+import json, sys, torch
+from pathlib import Path
+from trainer import compile_cache
+from trainer.loop import CacheReport
+from trainer.metrics import RunRecorder
+
+run_dir = Path(sys.argv[1])
+cache = compile_cache.choose(torch.device("cpu"))
+recorder = RunRecorder(run_dir, 2, metrics=False)
+report = CacheReport(cache, recorder, saves=True)
+report.update()  # after a warm-up that compiled nothing (--target-compile on, CPU)
+before = json.loads((run_dir / "status.json").read_text())["compile_cache"]
+torch.compile(lambda x: x @ x)(torch.ones(2, 2))  # what the first step compiles
+report.update()  # after the first step
+after = json.loads((run_dir / "status.json").read_text())["compile_cache"]
+print(json.dumps({"before": before, "after": after, "saved": len(compile_cache.artifact_files(cache))}))
+"""
+
+
+def test_the_status_counters_count_what_compiles_after_the_warm_up(tmp_path: Path) -> None:
+    """Issue 45 item 3: status.json read 0 hits and 0 misses in runs that reused the cache (`--target-compile on`
+    on the CPU: the target compiles at its first call, after the one report that was taken)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    env[compile_cache.ROOT_ENV] = str(tmp_path / "compile")
+    counts = []
+    for name in ("cold", "warm"):
+        (tmp_path / name).mkdir()
+        done = subprocess.run(
+            [sys.executable, "-c", CACHE_REPORT, str(tmp_path / name)],
+            env=env, capture_output=True, text=True, timeout=600, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        counts.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    cold, warm = counts
+    assert cold["before"]["fxgraph_miss"] == 0 and cold["after"]["fxgraph_miss"] >= 1 and cold["saved"] == 1, cold
+    assert warm["after"]["fxgraph_hit"] >= 1 and warm["after"]["fxgraph_miss"] == 0 and warm["saved"] == 1, warm

@@ -229,7 +229,7 @@ def test_sigterm_from_outside_stops_the_cli_run_with_a_checkpoint_that_resumes(t
         "--max-steps",
         "5000",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DFLASHOPS_RUN_NAME": "cli-7"}  # as dflashops launches it
     proc = subprocess.Popen(
         argv,
         stdin=subprocess.DEVNULL,
@@ -256,6 +256,11 @@ def test_sigterm_from_outside_stops_the_cli_run_with_a_checkpoint_that_resumes(t
     assert b"received SIGTERM" in err
     status = _status(out)
     stopped_at = status["step"]
+    # The last line says how to go on, for a dflashops run its own verb (issue 46 item 8), not "the same command".
+    assert (
+        err.decode().rstrip().splitlines()[-1]
+        == f"stopped at step {stopped_at}; resume with: dflashops restart cli-7 --resume"
+    )
     assert status["phase"] == "stopped" and 2 <= stopped_at < 5000
     assert (out / "checkpoints" / f"step_{stopped_at:06d}" / "state.json").is_file()
     # Resume it (shorter horizon, so the test ends): it starts from that checkpoint and trains two more steps.

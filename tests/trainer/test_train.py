@@ -425,3 +425,23 @@ def test_tiny_preset_200_steps_learns(tmp_path: Path) -> None:
     assert sum(m["loss"] for m in last) / 3 < sum(m["loss"] for m in first) / 3 - 0.5
     assert sum(m["tau_sim"] for m in last) / 3 > sum(m["tau_sim"] for m in first) / 3 + 0.5
     assert json.loads((run / "status.json").read_text())["phase"] == "done"
+
+
+def test_the_limit_that_ends_the_run_is_said_when_it_starts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 46 item 4: `--max-steps 5000` on the tiny preset trained 3200 steps (its `epochs` cap it) and nothing
+    said so. The start's log line and status.json's `step_limit` (which `dflashops status` shows by the eta) name
+    the limit that binds, either way."""
+    capped = tmp_path / "capped"
+    assert trainer_main(["train", *SMALL, "--epochs", "1", "--max-steps", "5000", "--output-dir", str(capped)]) == 0
+    status = json.loads((capped / "status.json").read_text())
+    total = status["total_steps"]
+    assert total < 5000 and status["step_limit"] == "epochs" and status["step"] == total
+    _, err = capsys.readouterr()
+    assert (
+        f"{total} steps: --epochs 1 ends the run (the data gives {total} optimizer steps over 1 epoch; "
+        "--max-steps 5000 is never reached: raise --epochs to reach it)" in err
+    ), err
+    short = tmp_path / "short"
+    assert trainer_main(["train", *SMALL, "--max-steps", "2", "--output-dir", str(short)]) == 0
+    assert json.loads((short / "status.json").read_text())["step_limit"] == "max_steps"
+    assert "2 steps: --max-steps 2 ends the run (before --epochs 50)" in capsys.readouterr().err

@@ -189,7 +189,7 @@ def test_trainer_metrics_become_columns() -> None:
         "step": 40,
         "target": "ct200",
         "last_log_line": "step 40/100 | ...",
-        "trainer_status": {"phase": "training", "total_steps": 100, "heartbeat": now - 3},
+        "trainer_status": {"phase": "training", "total_steps": 100, "heartbeat": now - 3, "step_limit": "epochs"},
         "last_metrics": {
             "step": 40,
             "loss": 2.5,
@@ -206,6 +206,15 @@ def test_trainer_metrics_become_columns() -> None:
     assert (row.step, row.total_steps, row.block_tok_s_per_drafter) == (40, 100, [6000.1, 6345.5])
     assert row.queues == {"t0->d0": "3/4"} and row.gpu_mem_gb == {"cuda:2": 30.5}
     assert 539 <= (row.eta_s or 0) <= 541 and 2.5 <= (row.heartbeat_age_s or 0) <= 4
+    # Which limit the eta runs to (issue 46 item 4): the data's epochs, not a larger --max-steps.
+    from rich.console import Console
+
+    from dflashops.cli.run_table import runs_table
+
+    console = Console(width=200, no_color=True)
+    with console.capture() as shown:
+        console.print(runs_table([row]))
+    assert re.search(r"\s0:0[89]:\d\d \(epochs\)\s", shown.get()), shown.get()
 
 
 def test_watch_run_ends_when_the_run_ends(env: Env, capsys: pytest.CaptureFixture[str]) -> None:

@@ -136,7 +136,7 @@ def doctor(
     checks += judge_probe(
         target, answer, arrived, host_driver=host_driver(invocation, target), python_check=python_check
     )
-    checks += secret_checks(profiles, environ if environ is not None else dict(os.environ), explicit_profile)
+    checks += secret_checks(profiles, environ if environ is not None else dict(os.environ), explicit_profile, target)
     return checks
 
 

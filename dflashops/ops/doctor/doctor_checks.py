@@ -291,14 +291,54 @@ def standby_check(target: Target, found: list[dict[str, Any]]) -> Check:
     return Check("standby", "ok", "none waiting yet: a trainer launch starts one, ready after that run's first step")
 
 
-def secret_checks(profiles: list[Profile], environ: dict[str, str], explicit: bool) -> list[Check]:
+# The flags by which a profile's argv names GPU indices (the trainer's): the highest index + 1 is how many GPUs
+# the target must declare for the profile to run there.
+GPU_FLAGS = ("--target-gpus", "--drafter-gpus", "--gpus")
+
+
+def gpus_needed(profile: Profile) -> int:
+    """How many GPUs `profile` needs on a target: from its argv's GPU indices (`--target-gpus 0,1 --drafter-gpus
+    2,3`: 4), 1 for a `{gpus}` placeholder, else 0 (a CPU profile)."""
+    needed = 0
+    argv = list(profile.argv)
+    for index, arg in enumerate(argv):
+        flag, _, value = arg.partition("=")
+        if flag in GPU_FLAGS and not value and index + 1 < len(argv):
+            value = argv[index + 1]
+        if flag in GPU_FLAGS:
+            for part in value.split(","):
+                part = part.strip().removeprefix("cuda:")
+                if part.isdigit():
+                    needed = max(needed, int(part) + 1)
+        if "{gpus}" in arg:
+            needed = max(needed, 1)
+    return needed
+
+
+def secret_checks(
+    profiles: list[Profile], environ: dict[str, str], explicit: bool, target: Target | None = None
+) -> list[Check]:
     """pass_env names a profile sends to its runs: set in this shell? Names only, never values. Missing is a
-    warning (the run starts without it), a failure for a named profile whose argv logs to W&B without its key."""
+    warning (the run starts without it), a failure for a named profile whose argv logs to W&B without its key.
+    Without a named profile, a secret only profiles the target cannot run need (more GPUs than it declares: the
+    shipped qwen3-8b's HF_TOKEN on the CPU `local` target) is a skip line, not a warning."""
+    runnable = [p for p in profiles if explicit or target is None or gpus_needed(p) <= len(target.gpus)]
     needed: dict[str, list[str]] = {}
-    for profile in profiles:
+    for profile in runnable:
         for name in profile.pass_env:
             needed.setdefault(name, []).append(profile.name)
     checks = []
+    for name in sorted({name for p in profiles for name in p.pass_env} - set(needed)):
+        assert target is not None  # every profile is runnable without a target
+        passing = [p for p in profiles if name in p.pass_env]
+        checks.append(
+            Check(
+                f"secret {name}",
+                "skip",
+                f"only {', '.join(p.name for p in passing)} pass(es) it, which need(s) "
+                f"{min(gpus_needed(p) for p in passing)} GPU(s); {target.name} declares {len(target.gpus)}",
+            )
+        )
     for name, users in sorted(needed.items()):
         if name in environ:
             checks.append(Check(f"secret {name}", "ok", f"set in this shell (passed by {', '.join(users)})"))
@@ -327,12 +367,25 @@ def compile_cache_check(found: dict[str, Any]) -> Check:
     newest = found.get("newest_run")
     code = str(found.get("code_hash") or "")[:16]
     if newest:
-        return Check(
-            "compile cache",
-            "ok",
-            f"warm for the current code {code}: its run {newest['run']} compiled {newest.get('fxgraph_miss', 0)} "
-            f"graph(s) and reused {newest.get('fxgraph_hit', 0)} ({held})",
+        used = str(newest.get("dir") or "").rstrip("/").rsplit("/", 1)[-1]  # the target's path: posix
+        files = sum(int(c.get("files") or 0) for c in caches if c.get("key") == used)
+        hits, misses = int(newest.get("fxgraph_hit") or 0), int(newest.get("fxgraph_miss") or 0)
+        if files and (hits or misses):
+            return Check(
+                "compile cache",
+                "ok",
+                f"warm for the current code {code}: its run {newest['run']} compiled {misses} graph(s) and reused "
+                f"{hits} ({held})",
+            )
+        # Warm means compiled graphs are there to reuse: not a cache emptied since (--clear-cache, by hand),
+        # nor a run that compiled nothing (a CPU run without torch.compile, or one stopped before its first step).
+        why = (
+            f"its run {newest['run']} compiled {misses} graph(s) and reused {hits}, but {used or 'its cache'} "
+            "holds none now: the next run compiles them again"
+            if hits or misses
+            else f"its run {newest['run']} compiled no graph here (nothing to reuse)"
         )
+        return Check("compile cache", "ok", f"not warm for the current code {code}: {why} ({held})")
     return Check(
         "compile cache",
         "ok",

@@ -37,6 +37,7 @@ class RunRow:
     queues: dict[str, str] = field(default_factory=dict)  # channel -> "depth/max"
     gpu_mem_gb: dict[str, float] = field(default_factory=dict)
     eta_s: float | None = None
+    step_limit: str | None = None  # which limit ends the run: "max_steps" or "epochs" (status.json `step_limit`)
     heartbeat_age_s: float | None = None
     last_log_line: str | None = None
     error_line: str | None = None
@@ -110,6 +111,7 @@ def run_row(entry: dict[str, Any], now: float) -> RunRow:
         if isinstance(memory, dict)
         else ({"0": memory_gb} if memory_gb is not None else {}),
         eta_s=eta,
+        step_limit=trainer.get("step_limit") if trainer.get("step_limit") in ("max_steps", "epochs") else None,
         heartbeat_age_s=None if heartbeat is None else max(0.0, now - heartbeat),
         last_log_line=entry.get("last_log_line"),
         error_line=entry.get("error_line") or (entry.get("error") if entry["state"] == "unreachable" else None),
