@@ -157,7 +157,7 @@ def test_a_llama_target_through_the_pipeline_resume_both_exports_and_eval(conver
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(converted)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
         num_key_value_heads=2, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
     )  # fmt: skip
     torch.manual_seed(0)
@@ -183,7 +183,9 @@ def test_a_llama_target_through_the_pipeline_resume_both_exports_and_eval(conver
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps[-1] == 5 and 4 in steps and steps.count(3) == 1, steps  # 4 and 5 after the resume, no step twice
     trained = load_training_checkpoint(run)
-    assert trained.config.target_layer_ids == [1, 3] and trained.config.mask_token_id == 16  # taps by the rule
+    assert (
+        trained.config.target_layer_ids == [1, 3] and trained.config.mask_token_id == 16
+    )  # the rule: round(1 + i*(L-4)/(n-1))
     export_drafter(trained, tmp_path / "zlab")
     export_drafter(trained, tmp_path / "spec", format="speculators", target_model=str(target))
     assert json.loads((tmp_path / "spec" / "config.json").read_text())["mask_token_id"] == 16
