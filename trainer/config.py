@@ -150,6 +150,7 @@ class TrainConfig:
     data_dir: str | None = None  # prepared shards; None = synthetic tokens (tiny preset only)
     output_dir: str | None = None  # the run directory; None = runs/train-<timestamp>
     init_from: str | None = None  # exported drafter directory to start from (fresh optimizer)
+    feature_cache: str | None = None  # directory of per-sample target taps (trainer/feature_cache.py); None = off
     output_norm_init: str = "ones"  # the final norm's weight at init (model/drafter.py: calibrated_output_norm)
     tokenizer: str | None = None  # tokenizer directory for the dataset check (default: --target-model)
     enable_thinking: bool | None = None  # the serving thinking mode; checked against the dataset's (None: no check)
@@ -296,6 +297,31 @@ class TrainConfig:
         need(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
         need(0 <= self.warmup_ratio < 1, "warmup-ratio", f"must be in [0, 1), got {self.warmup_ratio}")
         need(self.weight_decay >= 0, "weight-decay", f"must be >= 0, got {self.weight_decay}")
+        need(
+            not (self.feature_cache and self.feature_cache != "off" and self.use_soft_labels),
+            "feature-cache",
+            "stores only the taps; soft labels need the target's final hidden state of every step",
+            "drop --use-soft-labels or --feature-cache",
+        )
+        need(
+            not (
+                self.feature_cache
+                and self.feature_cache != "off"
+                and (self.target_model is None or self.data_dir is None)
+            ),
+            "feature-cache",
+            "needs --target-model and --data-dir (synthetic tiny data is made on the fly)",
+        )
+        need(
+            not (
+                self.feature_cache
+                and self.feature_cache != "off"
+                and (self.pipeline or len(self.target_gpus) > 1 or len(self.drafter_gpus) > 1)
+            ),
+            "feature-cache",
+            "works with the single-process engine only (the pipeline's target workers run ahead of the drafters)",
+            "one --target-gpus and one --drafter-gpus device, no --pipeline",
+        )
         need(
             self.output_norm_init in OUTPUT_NORM_INITS,
             "output-norm-init",
@@ -507,6 +533,7 @@ def build_parser() -> argparse.ArgumentParser:
         "data_dir": "DIR",
         "output_dir": "DIR",
         "init_from": "DIR",
+        "feature_cache": "DIR",
         "tokenizer": "DIR",
     }
     skip = {"tiny_target"}

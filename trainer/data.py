@@ -47,6 +47,7 @@ class Batch:
     num_ctx_tokens: int  # real (unpadded) context tokens
     num_blocks: int  # real anchors
     weight_sum: float  # weights.sum(), for the optimizer-step normaliser
+    sample_ids: torch.Tensor | None = None  # int64 [R]: each row's dataset index, -1 for a padding row
 
     def to(self, device: torch.device | str) -> Batch:
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -222,6 +223,7 @@ def collate(
         num_ctx_tokens=int(sum(lengths)),
         num_blocks=int(keep.sum()),
         weight_sum=float(weights.sum(dtype=np.float64)),
+        sample_ids=torch.tensor([int(i) for i in sample_ids] + [-1] * (rows - len(samples)), dtype=torch.long),
     )
 
 

@@ -221,6 +221,12 @@ def save_speculators(drafter: DFlashDrafter, parts: TargetParts, directory: Path
     tensors = {name: t.detach().contiguous().cpu() for name, t in drafter.state_dict().items()}
     for name, tensor in zip(TARGET_TENSORS, (parts.embed, parts.lm_head, parts.norm)):
         tensors[name] = tensor.detach().to(device="cpu", dtype=dtype).contiguous()
+    # A target with tied embeddings (SmolLM2, Llama-3.2-1B) hands the same tensor as embedding and LM head, which
+    # safetensors refuses to store twice; the speculators form keeps both (its config says untied), so the head is
+    # a copy of the same values.
+    head, embed = tensors[TARGET_TENSORS[1]], tensors[TARGET_TENSORS[0]]
+    if head.untyped_storage().data_ptr() == embed.untyped_storage().data_ptr():
+        tensors[TARGET_TENSORS[1]] = head.clone()
     assert sorted(tensors) == sorted(speculators_tensor_names(config.num_hidden_layers, config.arch))
     directory.mkdir(parents=True, exist_ok=True)
     text = speculators_config(config, verifier=verifier, verifier_architectures=parts.architectures, dtype=dtype)

@@ -20,6 +20,7 @@ import torch
 from trainer.checkpoint import CheckpointState, load_checkpoint, restore_rng
 from trainer.config import target_compile_enabled
 from trainer.data import Batch, BatchStream
+from trainer.feature_cache import open_feature_cache
 from trainer.handover import free_device_memory
 from trainer.loss import position_weights
 from trainer.metrics import RunRecorder
@@ -69,6 +70,7 @@ class SingleEngine:
             setup.target_device,
             soft_labels=cfg.use_soft_labels,
             compile=target_compile_enabled(cfg.target_compile, setup.target_device),
+            feature_cache=open_feature_cache(cfg, target),
         )
         self.drafter_side = DrafterSide(
             cfg, drafter, target.embed_weight, target.lm_head_weight, setup.drafter_device, self.total_steps

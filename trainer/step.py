@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from trainer.compile_scope import private_compile, replica_scope
 from trainer.config import TrainConfig, TrainerInputError
 from trainer.data import Batch
+from trainer.feature_cache import FeatureCache
 from trainer.loss import LossResult, dflash_loss, make_chunk_kernels, resolve_loss_kernels, simulated_tau
 from trainer.loss_triton import triton_available
 from trainer.model import DFlashDrafter, TargetModel, attention
@@ -188,10 +189,13 @@ class TargetSide:
         soft_labels: bool = False,
         compile: bool = False,
         compile_backend: str | None = None,
+        feature_cache: FeatureCache | None = None,
     ) -> None:
         """compile (--target-compile): the target's decoder layers through one compiled call
-        (TargetModel.compile_layers; compile_backend: tests use "eager", as for the drafter)."""
+        (TargetModel.compile_layers; compile_backend: tests use "eager", as for the drafter). feature_cache
+        (--feature-cache): taps of samples seen before come from disk (trainer/feature_cache.py)."""
         self.target, self.device, self.soft_labels = target, torch.device(device), soft_labels
+        self.feature_cache = feature_cache
         self.compiled = compile
         if compile:
             target.compile_layers(**({"backend": compile_backend} if compile_backend else {}))
@@ -202,9 +206,19 @@ class TargetSide:
         return "compiled" if self.compiled else "eager"
 
     def features(self, batch: Batch) -> FeatureBatch:
+        cache = self.feature_cache if batch.sample_ids is not None else None
+        if cache is not None:
+            assert batch.sample_ids is not None
+            samples, lengths = batch.sample_ids.tolist(), batch.attention_mask.sum(1).tolist()
+            cached = cache.load(samples, lengths, batch.input_ids.shape[1])
+            if cached is not None:
+                batch = batch.to(self.device)
+                return FeatureBatch(batch=batch, ctx_features=cached.to(self.device), teacher_hidden=None)
         batch = batch.to(self.device)
         with _autocast(self.device):
             out = self.target.features(batch.input_ids, batch.attention_mask, return_final_hidden=self.soft_labels)
+        if cache is not None:
+            cache.store(samples, lengths, out.taps)
         return FeatureBatch(batch=batch, ctx_features=out.taps, teacher_hidden=out.final_hidden)
 
 

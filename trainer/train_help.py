@@ -49,6 +49,9 @@ FLAG_HELP: dict[str, str] = {
     "data_dir": "prepared token shards (python -m trainer prepare)",
     "output_dir": "the run directory: status.json, metrics.jsonl, checkpoints/",
     "init_from": "exported drafter directory to start from (weights only; fresh optimizer and schedule)",
+    "feature_cache": "directory where each sample's target taps are stored the first time they are computed and "
+    "read back after (the target's forward is paid once per sample, not once per epoch; single-process engine, "
+    "no soft labels) (default: off)",
     "output_norm_init": "the drafter's final norm weight at init: ones, or calibrated so that a hidden state "
     "along the MASK token's embedding gives logits of std 1 through the target's LM head (targets whose "
     "embeddings are anisotropic, e.g. SmolLM2: a first loss of ~55 instead of ~15)",

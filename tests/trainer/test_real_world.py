@@ -140,3 +140,58 @@ def test_the_real_profile_trains_with_the_demos_flags() -> None:
     assert {k: v for k, v in options(demo_flags).items() if k not in demo_only} == {
         k: v for k, v in profile_flags.items() if k not in demo_only
     }
+
+
+@pytest.mark.slow
+def test_a_llama_target_through_the_pipeline_resume_both_exports_and_eval(converted: Path, tmp_path: Path) -> None:
+    """A small random Llama of SmolLM2's family (tied embeddings, its tokenizer and chat template, no thinking
+    switch, end of turn id 2, MASK id 16): prepare --regenerate, the threaded pipeline, a resume, both exports, eval."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from trainer import eval as eval_mod
+    from trainer import prepare, train
+    from trainer.export import export_drafter, load_drafter, load_training_checkpoint
+    from trainer.regenerate import load_target_lm
+    from trainer.tokenizer_utils import end_of_turn_ids, tokenize_prompt
+
+    torch.set_num_threads(1)
+    tokenizer = AutoTokenizer.from_pretrained(converted)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    target = tmp_path / "llama"
+    LlamaForCausalLM(config).save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    prompts = real_prompts.stratified(real_prompts.build()[0], 12)
+    source = real_prompts.write_jsonl(tmp_path / "prompts.jsonl", prompts)
+    prepared = [*("--target-model", str(target), "--input", str(source), "--output-dir", str(tmp_path / "data"))]
+    assert prepare.main([*prepared, "--regenerate", "--max-new-tokens", "12", "--batch-size", "6"]) == 0
+    run = tmp_path / "run"
+    flags = [
+        *("--target-model", str(target), "--data-dir", str(tmp_path / "data"), "--output-dir", str(run)),
+        *("--num-draft-layers", "2", "--mask-token-id", "16", "--block-size", "4", "--gamma", "2", "--lr", "3e-3"),
+        *("--max-seq-len", "160", "--token-budget", "640", "--max-batch-size", "4", "--anchors-per-seq", "4"),
+        *("--max-anchors", "16", "--epochs", "100", "--log-interval", "1", "--save-interval", "2", "--wandb", "off"),
+        *("--rope-theta", "100000", "--max-position-embeddings", "8192", "--pipeline"),
+        "--output-norm-init",
+        "calibrated",
+    ]
+    assert train.main([*flags, "--max-steps", "3"]) == 0
+    assert train.main([*flags, "--max-steps", "5", "--resume", "auto"]) == 0  # the threaded pipeline resumes
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-1] == 5 and 4 in steps and steps.count(3) == 1, steps  # 4 and 5 after the resume, no step twice
+    trained = load_training_checkpoint(run)
+    assert (
+        trained.config.target_layer_ids == [1, 3] and trained.config.mask_token_id == 16
+    )  # the rule: round(1 + i*(L-4)/(n-1))
+    export_drafter(trained, tmp_path / "zlab")
+    export_drafter(trained, tmp_path / "spec", format="speculators", target_model=str(target))
+    assert json.loads((tmp_path / "spec" / "config.json").read_text())["mask_token_id"] == 16
+    model, _ = load_target_lm(str(target))
+    ids = [tokenize_prompt(tokenizer, [{"role": "user", "content": p.prompt}], None) for p in prompts[:2]]
+    report = eval_mod.evaluate(
+        model, load_drafter(tmp_path / "zlab"), ids, max_new_tokens=8, stops=end_of_turn_ids(tokenizer), pad_id=2
+    )
+    assert report["lossless"] and end_of_turn_ids(tokenizer) == [2]
