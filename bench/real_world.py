@@ -106,6 +106,7 @@ def main() -> int:
     parser.add_argument("--train-prompts", type=int, default=None, help="cap on training prompts (default: all)")
     parser.add_argument("--regen-new-tokens", type=int, default=96)
     parser.add_argument("--regen-batch", type=int, default=256)
+    parser.add_argument("--shard-size", type=int, default=1024, help="prepare's (64 reuses make demo-real's answers)")
     parser.add_argument("--eval-prompts", type=int, default=64)
     parser.add_argument("--eval-new-tokens", type=int, default=64)
     parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
@@ -154,8 +155,9 @@ def main() -> int:
     code = prepare.main(
         [
             *("--target-model", str(target_dir), "--input", str(prompts_file), "--output-dir", str(data)),
-            *("--regenerate", "--max-new-tokens", str(args.regen_new_tokens), "--dtype", "float32"),
-            *("--batch-size", str(args.regen_batch), "--shard-size", "1024"),
+            *("--regenerate", "--max-new-tokens", str(args.regen_new_tokens)),
+            *(("--dtype", "float32") if args.device != "cpu" else ()),  # the CPU's default is float32 already
+            *("--batch-size", str(args.regen_batch), "--shard-size", str(args.shard_size)),
         ]
     )
     if code:
