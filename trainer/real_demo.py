@@ -51,9 +51,13 @@ def log(message: str) -> None:
     print(f"[demo-real] {message}", file=sys.stderr, flush=True)
 
 
-def train_argv(target: Path, data: Path, run: Path, mask_id: int, size: RealSize, arch: str) -> list[str]:
-    """`python -m trainer train` flags for a 2-layer drafter of SmolLM2 (hidden 576) on the CPU."""
+def train_argv(
+    target: Path, data: Path, run: Path, mask_id: int, size: RealSize, arch: str, features: Path | None = None
+) -> list[str]:
+    """`python -m trainer train` flags for a 2-layer drafter of SmolLM2 (hidden 576) on the CPU; `features`: the
+    feature cache (the target's taps of each sample computed once: most of a CPU step otherwise)."""
     return [
+        *(("--feature-cache", str(features)) if features is not None else ()),
         *("--target-model", str(target), "--data-dir", str(data), "--output-dir", str(run)),
         *("--arch", arch, "--num-draft-layers", "2", "--block-size", str(size.block_size)),
         *("--mask-token-id", str(mask_id), "--gamma", str(max(size.block_size / 2, 2.0))),
@@ -149,7 +153,7 @@ def run_real_demo(
         run_dir = train_dir if train_dir is not None and number == 0 else workdir / f"run{suffix}"
         log(f"4/6 train {name}: {size.train_steps} steps at block size {size.block_size} (mask id {mask_id})")
         started_train = time.monotonic()
-        code = train.main(train_argv(target_dir, data, run_dir, mask_id, size, name))
+        code = train.main(train_argv(target_dir, data, run_dir, mask_id, size, name, cache / "real-features"))
         if code:
             return code
         train_seconds = time.monotonic() - started_train

@@ -133,7 +133,11 @@ def test_the_real_profile_trains_with_the_demos_flags() -> None:
 
     def options(argv: list[str]) -> dict[str, object]:
         pairs = dict(zip(argv[::2], argv[1::2]))
-        return {k: value(v) for k, v in pairs.items() if k not in ("--target-model", "--data-dir", "--output-dir")}
+        return {
+            k: value(v)
+            for k, v in pairs.items()
+            if k not in ("--target-model", "--data-dir", "--output-dir", "--feature-cache")
+        }
 
     profile_flags = options(profile["argv"][4:])  # after {python} -m trainer train
     demo_only = {"--arch", "--resume", "--save-interval"}  # the profile saves checkpoints to restart from
