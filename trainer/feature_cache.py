@@ -58,7 +58,7 @@ class FeatureCache:
 
     def load(self, samples: list[int], lengths: list[int], seq: int) -> torch.Tensor | None:
         """Taps [R, seq, T*H] for these rows (sample -1 = padding row), or None when any real row is missing."""
-        arrays = []
+        arrays: list[np.ndarray | None] = []
         for sample in samples:
             if sample < 0:
                 arrays.append(None)

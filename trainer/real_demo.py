@@ -147,6 +147,9 @@ def run_real_demo(
         "pad_id": tokenizer.pad_token_id,
         "progress": lambda line: log(f"    {line}"),
     }
+    log(f"    the target's own greedy answers to the {len(prompts)} + {len(seen_prompts)} evaluation prompts")
+    quiet = {k: v for k, v in common.items() if k != "progress"}
+    held_refs, seen_refs = (eval_mod.greedy_references(target, p, **quiet) for p in (prompts, seen_prompts))
     reports: dict[str, dict] = {}
     for number, name in enumerate(archs):
         suffix = "" if len(archs) == 1 else f"-{name}"
@@ -165,8 +168,8 @@ def run_real_demo(
         )
         drafter = load_drafter(workdir / f"export{suffix}")
         log(f"6/6 eval {name} on {len(prompts)} held-out and {len(seen_prompts)} training prompts")
-        report = eval_mod.evaluate(target, drafter, prompts, **common)
-        seen = eval_mod.evaluate(target, drafter, seen_prompts, baselines=False, **common)
+        report = eval_mod.evaluate(target, drafter, prompts, references=held_refs, **common)
+        seen = eval_mod.evaluate(target, drafter, seen_prompts, baselines=False, references=seen_refs, **common)
         report["training_prompts"] = {"prompts": len(seen_prompts), **seen["methods"]["trained"]}
         report["budget"] = {"arch": name, "steps": size.train_steps, "train_seconds": round(train_seconds, 1)}
         report["budget"].update(run_tokens(run_dir, size.block_size))
