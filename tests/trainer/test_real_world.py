@@ -114,6 +114,56 @@ def test_the_real_world_end_to_end_at_a_tiny_size(converted: Path, tmp_path: Pat
     assert drafter.config.mask_token_id == 16 and drafter.config.target_layer_ids == [1, 27]
     speculators = json.loads((workdir / "export-speculators" / "config.json").read_text())
     assert speculators["speculators_model_type"] == "dflash", speculators
+    managed_real_runs(links, tmp_path, env)
+
+
+def managed_real_runs(links: Path, tmp_path: Path, env: dict[str, str]) -> None:
+    """The inventory's `real` profile as dflashops runs it on the local target: deploy, wait, restart --resume, lineage."""
+    import subprocess
+    import time
+
+    import yaml
+
+    from tests.controller.helpers import cleanup
+
+    workspace = tmp_path / "ws"
+    (workspace / "real-world").mkdir(parents=True)
+    for name in ("target", "data"):
+        (workspace / "real-world" / name).symlink_to((links / name).resolve())
+    inventory = yaml.safe_load((Path(__file__).resolve().parents[2] / "inventory.yaml").read_text())
+    inventory["targets"]["local"].update(workspace=str(workspace), python=sys.executable)
+    inventory_file = tmp_path / "inventory.yaml"
+    inventory_file.write_text(yaml.safe_dump(inventory))
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "dflashops.cli.main", "--inventory", str(inventory_file), *args]
+        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+
+    def finished(run: str) -> dict:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            (entry,) = json.loads(cli("status", run, "--json").stdout)["runs"]
+            if entry["state"] not in ("launching", "running"):
+                return entry
+            time.sleep(2)
+        raise AssertionError(f"{run} did not end")
+
+    try:
+        done = cli(
+            "deploy", "local", "--profile", "real", "--name", "r1", "--", "--max-steps", "2", "--save-interval", "1"
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert finished("r1")["state"] == "finished"
+        done = cli("restart", "r1", "--name", "+", "--resume", "--", "--max-steps", "3")
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "step_000002" in done.stderr  # resumed from r1's last checkpoint, and says so
+        assert finished("r2")["state"] == "finished"
+        log = (workspace / "runs" / "r2" / "train.log").read_text()
+        assert "step 3/3" in log and "feature cache:" in log
+        record = json.loads(cli("runs", "show", "r2", "--json").stdout)
+        assert record["parent"] == "r1" and any("max-steps" in line for line in record["changes_vs_parent"]), record
+    finally:
+        cleanup(workspace)
 
 
 def test_the_real_profile_trains_with_the_demos_flags() -> None:
