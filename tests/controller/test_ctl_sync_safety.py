@@ -27,8 +27,11 @@ def with_files(env: Env, *files: str) -> None:
 
 def assert_refused(code: int, err: str, *words: str) -> None:
     assert code != 0 and "Traceback" not in err, err
+    # the verb's progress lines (a phase as it starts, e.g. "syncing the code to local") may come first; the
+    # refusal itself is exactly one error line and one hint line, last
     lines = err.strip().splitlines()
-    assert [line.split(":")[0] for line in lines] == ["error", "hint"], err
+    assert [line.split(":")[0] for line in lines[-2:]] == ["error", "hint"], err
+    assert not [line for line in lines[:-2] if line.startswith(("error", "hint", "warning"))], err
     for word in words:
         assert word in err, (word, err)
 
