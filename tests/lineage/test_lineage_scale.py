@@ -9,6 +9,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,8 +34,18 @@ def chain(db: LineageDB, depth: int, prefix: str = "g") -> list[str]:
     return names
 
 
+@pytest.fixture
+def default_recursion_limit() -> Iterator[None]:
+    """The interpreter's default limit (1000) for the test: an earlier test in the same worker process may have
+    raised it (torch's compiler does), and a chain deeper than the limit is what the test is about."""
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(1000)
+    yield
+    sys.setrecursionlimit(limit)
+
+
 def test_tree_of_a_chain_deeper_than_the_recursion_limit(
-    db: LineageDB, db_path: Path, capsys: pytest.CaptureFixture[str]
+    db: LineageDB, db_path: Path, capsys: pytest.CaptureFixture[str], default_recursion_limit: None
 ) -> None:
     assert sys.getrecursionlimit() < DEPTH
     names = chain(db, DEPTH)
