@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -77,6 +78,32 @@ def test_held_out_prompts_share_no_source_with_training_and_every_kind_is_presen
 
 
 @pytest.mark.slow
+def test_the_prompt_sets_do_not_depend_on_what_the_process_imported_before() -> None:
+    """transformers adds methods to logging.Logger and torch replaces inspect.getfile: read in this process (which
+    imported both), the stdlib's documented names would differ from a bare interpreter's, and so would the held-out
+    evaluation prompts of two runs of one curve."""
+    import logging
+
+    import transformers  # noqa: F401  (its logging patches are what the isolation must not see)
+
+    assert hasattr(logging.Logger, "warning_once")  # the patch is present here, so the check below can fail
+    bare = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import json; from trainer import real_prompts as r; t, h = r.build(); "
+            "print(json.dumps([[p.record() for p in t], [p.record() for p in h]]))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    train, held = real_prompts.build()
+    assert json.loads(bare.stdout) == [[p.record() for p in train], [p.record() for p in held]]
+    assert not any("warning_once" in p.prompt for p in held + train)
+
+
 def test_the_real_world_end_to_end_at_a_tiny_size(converted: Path, tmp_path: Path) -> None:
     """`trainer demo --world real --quick`: 32 prompts regenerated, 4 steps, both exports, eval lossless."""
     import subprocess
