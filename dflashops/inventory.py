@@ -7,14 +7,15 @@ integers`). The file's sections:
     targets:   {NAME: {kind: local|pct|direct|host, host, ctid, gpus, workspace, python, env, address,
                        provision}}   (provision: the container itself, pct only: inventory_provision.py)
     profiles:  {NAME: {argv: [...], env: {...}, pass_env: [...], files: [...], packages: [...],
-                       resume_args: [...], description, on_failure, stall}}   (packages default to [trainer])
+                       resume_args: [...], check: [...], check_timeout, description, on_failure, stall}}
+                       (packages default to [trainer]; check: inventory.py _profile)
     notify:    {webhook | webhook_env, command, events, from_target, timeout}   (inventory_policy.py)
     groups:    {NAME: {targets: [...], master_addr, master_port}}   (inventory_groups.py: multi-node runs)
 
 `local` targets resolve relative `workspace`/`python` paths against the inventory's directory. Profile argv
 items may use the placeholders {python} {release} {run_dir} {workspace} {name} {gpus}, and for runs on several
 targets {nnodes} {node_rank} {master_addr} {master_port} {rdzv_id} (1, 0, 127.0.0.1, ... on one); `resume_args` may use
-{checkpoint}. Where the inventory is found: `--inventory PATH`, else $DFLASHOPS_INVENTORY, else the first
+{checkpoint}, and `check` the same placeholders as argv. Where the inventory is found: `--inventory PATH`, else $DFLASHOPS_INVENTORY, else the first
 inventory.yaml in the current directory or its parents, else the one shipped next to the package.
 """
 
@@ -89,6 +90,11 @@ class Profile:
     packages: tuple[str, ...] = ("trainer",)  # Python packages from the repository shipped in the release
     on_failure: OnFailure | None = None  # auto-restart by the in-container supervisor (inventory_policy.py)
     stall: Stall | None = None  # stall detection by the same supervisor
+    # A command that exits 0 when a job other than the trainer can start (the same placeholders as argv; the run's
+    # `--` extra arguments are appended). The pre-flight runs it in the new release, before a restart stops the
+    # old run; a job with none cannot be checked, so restart stops its live parent only when told (--unchecked).
+    check: tuple[str, ...] = ()
+    check_timeout: int = 120  # seconds; a check still running then is a refusal
     # When `deploy`/`restart` (without --detach) call the run started (ops/runs/start_wait.py): a status.json
     # timeline milestone of the trainer, or `settle` for any other job (alive after a short settle time).
     started_when: str = "settle"
@@ -400,7 +406,7 @@ def _profile(reader: _Reader, name: str, node: yaml.Node) -> Profile:
         key,
         {
             "argv", "env", "pass_env", "files", "resume_args", "description", "packages", "on_failure", "stall",
-            "started_when",
+            "started_when", "check", "check_timeout",
         },
     )  # fmt: skip
     if "argv" not in fields:
@@ -427,7 +433,19 @@ def _profile(reader: _Reader, name: str, node: yaml.Node) -> Profile:
             raise reader.fail(
                 fields["started_when"], f"{key}.started_when", f"must be one of {', '.join(STARTED_WHEN)}"
             )
+    check = reader.str_list(fields["check"], f"{key}.check") if "check" in fields else ()
+    if "check" in fields and not check:
+        raise reader.fail(fields["check"], f"{key}.check", "must not be empty (a command, as a list of words)")
+    check_timeout = (
+        reader.scalar(fields["check_timeout"], f"{key}.check_timeout", int) if "check_timeout" in fields else 120
+    )
+    if check_timeout <= 0:
+        raise reader.fail(fields["check_timeout"], f"{key}.check_timeout", "must be a positive number of seconds")
+    if "check_timeout" in fields and not check:
+        raise reader.fail(fields["check_timeout"], f"{key}.check_timeout", "needs check: (the command it limits)")
     return Profile(
+        check=check,
+        check_timeout=check_timeout,
         started_when=started_when,
         packages=packages,
         name=name,
