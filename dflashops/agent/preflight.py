@@ -3,7 +3,8 @@
 Before a deploy launches and before a restart stops the old run, the new release proves it can start: every
 Python file of it compiles (here, with the target's python), and for a trainer job `python -m trainer check
 <its train flags>` (trainer/check.py: the package compiles, the flags validate, the training stack imports,
-train's own pre-flight passes). In a ready standby that check is a fork of an interpreter with torch imported
+train's own pre-flight passes); any other job runs its profile's `check:` command when it has one
+(profile_check), else nothing beyond the compile is checked. In a ready standby that check is a fork of an interpreter with torch imported
 already; else a fresh interpreter pays the imports. A refusal (code `preflight`) changes nothing.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import time
 
@@ -84,12 +86,17 @@ def preflight_release(req: dict, release: str, argv: list[str], env: dict) -> di
     whose message is the check's own `error:`/`hint:` lines. Secrets stay out of it: a check needs none."""
     started = time.monotonic()
     flags = trainer_flags(argv)
-    report_progress(req, "preflight", checks="trainer" if flags is not None else "compile", resume=resume_of(argv))
+    own = req.get("check") if flags is None else None  # the profile's `check:` (a job other than the trainer)
+    checks = "trainer" if flags is not None else "check" if own else "compile"
+    command = shlex.join(own["argv"]) if own else None
+    report_progress(req, "preflight", checks=checks, resume=resume_of(argv), command=command)
     compile_release(release)
-    if flags is None:
-        return {"checked": "compile", "seconds": round(time.monotonic() - started, 3)}
     secret_keys = list(req.get("secret_keys") or [])
     check_env = {k: v for k, v in {**os.environ, **env}.items() if k not in secret_keys and not SECRET_KEY_RE.search(k)}
+    if own:
+        return profile_check(req, own, release, check_env, started)
+    if flags is None:
+        return {"checked": "compile", "seconds": round(time.monotonic() - started, 3)}
     check = {"argv": [argv[0], "-m", "trainer", "check", *flags], "env": check_env, "cwd": req["workspace"]}
     answer, where, standby_pid = None, "a new interpreter", None
     if req.get("standby") and standby_eligible(argv):
@@ -112,6 +119,41 @@ def preflight_release(req: dict, release: str, argv: list[str], env: dict) -> di
     report_progress(req, "preflight_done", summary=summary, seconds=seconds, where=where)
     verdict = {"checked": "trainer", "summary": summary, "in": where, "seconds": seconds}
     return {**verdict, "standby_pid": standby_pid} if standby_pid else verdict
+
+
+CHECK_TAIL_LINES = 3  # the last lines of a failed check's stderr that its refusal quotes
+
+
+def profile_check(req: dict, own: dict, release: str, env: dict, started: float) -> dict:
+    """The profile's `check:` command (`own`: argv with the run's `--` extra arguments, timeout, profile), run in
+    the new release with the job's environment (secrets left out, as for the trainer's check): its verdict, or
+    AgentFailure `preflight` naming the profile, the exit code and the last lines of its stderr."""
+    argv = [str(word) for word in own.get("argv") or []]
+    timeout = float(own.get("timeout") or 120)
+    command, profile = shlex.join(argv), own.get("profile") or "?"
+    hint = f"hint: the check ran `{command}` in the new release; fix the code or the arguments and try again"
+    try:
+        done = subprocess.run(
+            argv, cwd=release, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        raise AgentFailure(
+            f"error: the check of profile {profile} gave no verdict within {timeout:.0f} s\n{hint}", "preflight"
+        ) from None
+    except OSError as exc:
+        raise AgentFailure(
+            f"error: the check of profile {profile} cannot start {argv[0]}: {exc.strerror}\n{hint}", "preflight"
+        ) from None
+    seconds = round(time.monotonic() - started, 3)
+    if done.returncode != 0:
+        said = (done.stderr.strip() or done.stdout.strip()).splitlines()[-CHECK_TAIL_LINES:]
+        tail = ": " + " | ".join(line.strip() for line in said) if said else ""
+        raise AgentFailure(
+            f"error: the check of profile {profile} exited with code {done.returncode}{tail}\n{hint}", "preflight"
+        )
+    summary = f"ok: the check `{command}` exited 0"
+    report_progress(req, "preflight_done", summary=summary, seconds=seconds, where=None)
+    return {"checked": "check", "summary": summary, "seconds": seconds}
 
 
 def resume_of(argv: list[str]) -> str | None:

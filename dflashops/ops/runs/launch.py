@@ -210,6 +210,15 @@ def launch_spec(
         "standby_idle_s": target.standby_idle_s,
         "secret_keys": sorted(secrets),  # names only: kept out of a standby interpreter's files and environment
         "preflight": request.preflight,
+        # The profile's `check:` (a job other than the trainer): run by the agent's pre-flight in the new release,
+        # with the run's `--` extra arguments appended (agent/preflight.py profile_check).
+        "check": {
+            "argv": [expand(arg, values) for arg in profile.check] + list(request.extra_args),
+            "timeout": profile.check_timeout,
+            "profile": profile.name,
+        }
+        if profile.check
+        else None,
         "clear_cache": request.clear_cache,  # after the pre-flight: a refused launch leaves the cache warm
         "compile_cache": cache_root,
     }
