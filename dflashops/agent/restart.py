@@ -50,6 +50,8 @@ def verb_restart(req: dict, stdin: bytes) -> dict:
        base is gone: the controller's cached idea of the target is out of date; it then asks `manifest`
        and calls again);
     2. the release is built complete under releases/<hash>/, not yet current;
+    2b. with the pre-flight on, a job it could only compile (not the trainer, no profile `check:`) whose old run
+       is alive is refused (code `unchecked`) unless `unchecked` is set: nothing is stopped;
     3. the old run is stopped exactly like `stop` (its group + marker, TERM, grace, KILL, GPU wait);
        a run that already ended is fine;
     4. with `resume_placeholder`: the old run's latest checkpoint replaces it in argv and run.json; with
@@ -158,6 +160,14 @@ def stop_and_launch(
         if child:  # two restarts met: the first one's child is the answer, not a second child
             raise AgentFailure(
                 f"run {old!r} was restarted meanwhile by another command, as {child!r}; nothing was done", "superseded"
+            )
+        if (verdict or {}).get("checked") == "compile" and not req.get("unchecked") and run_processes_of(old_dir)[1]:
+            # The new job could not be checked (not the trainer, no `check:` in its profile) and the old run is
+            # alive: it is not stopped for something that may not start, unless the request says so.
+            raise AgentFailure(
+                f"{old}'s job (profile {(req.get('run_json') or {}).get('profile')}) cannot be checked before the old "
+                "run is stopped; nothing was stopped",
+                "unchecked",
             )
         # Refused before anything is stopped when the run has no checkpoint and will write none.
         fallback = resume_fallback(old_dir, old) if placeholder and chosen is None else None

@@ -54,8 +54,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "restart",
         help="stop a run and relaunch it as a new child run",
         description="Sync, check that the new code can start (the pre-flight: it compiles, and for a trainer job "
-        "the trainer imports and its arguments and resume checkpoint validate; a failure leaves RUN running; any "
-        "other job is only compiled), stop RUN cleanly, relaunch as a new run whose "
+        "the trainer imports and its arguments and resume checkpoint validate; any other job runs its profile's "
+        "`check:` command; a failure leaves RUN running; a job with no `check:` cannot be checked, so a RUN still "
+        "running is stopped for it only with --unchecked), stop RUN cleanly, relaunch as a new run whose "
         "parent is RUN. Arguments after `--` are merged over RUN's own extra arguments option by option (a value "
         "given here replaces the same option); --reset-args starts from the profile's instead.",
     )
@@ -77,6 +78,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--reset-args",
         action="store_true",
         help="drop RUN's extra arguments: start from the profile's (and what follows `--`)",
+    )
+    r.add_argument(
+        "--unchecked",
+        action="store_true",
+        help="stop RUN even though its job cannot be checked first (not the trainer, and its profile has no "
+        "`check:`); without it such a restart of a running RUN is refused with nothing stopped",
     )
     r.add_argument("--grace", type=float, default=60.0, help="seconds between SIGTERM and SIGKILL (default 60)")
     r.add_argument(
@@ -188,6 +195,8 @@ def phase_line(event: dict[str, Any]) -> str | None:
     if phase == "preflight":
         if event.get("checks") == "compile":
             return "pre-flight: compiling the new code's Python files"
+        if event.get("checks") == "check":
+            return f"check: running `{event.get('command')}`"
         resume = f", and its checkpoint {event['resume']}" if event.get("resume") else ""
         return f"pre-flight: importing the trainer, checking its arguments{resume}"
     if phase == "preflight_done":
@@ -378,6 +387,7 @@ def handle_restart(args: argparse.Namespace) -> int:
                 reset_args=args.reset_args,
                 checkpoint=args.checkpoint,
                 preflight=not args.skip_preflight,
+                unchecked=args.unchecked,
                 grace=args.grace,
                 handover=not args.wait_exit,
             ),

@@ -44,7 +44,13 @@ class Superseded(Conflict):
     """Two restarts of one run met: the other one restarted it first (code `superseded`); nothing was done."""
 
 
+class Unchecked(UsageError):
+    """A restart of a job the pre-flight could only compile (not the trainer, no profile `check:`) whose old run
+    is alive, without `unchecked` (code `unchecked`): nothing was stopped (ops/runs/restart.py words it)."""
+
+
 _CODE_TO_ERROR = {
+    "unchecked": Unchecked,
     "not_found": NotFound,
     "conflict": Conflict,
     "bad_request": UsageError,

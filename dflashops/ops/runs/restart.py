@@ -24,7 +24,7 @@ from typing import Any
 from dflashops.errors import Conflict, NotFound, TransportError, UsageError
 from dflashops.inventory import Profile, Target
 from dflashops.lineage import RunRecord
-from dflashops.ops.agent_client import Agent, Busy, StaleRelease, Superseded
+from dflashops.ops.agent_client import Agent, Busy, StaleRelease, Superseded, Unchecked
 from dflashops.ops.fleet.nodes import relaunch_nodes
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.releases import release_cache
@@ -59,6 +59,9 @@ class RestartRequest:
     reset_args: bool = False  # start from the profile's arguments: the parent's extra args are dropped
     checkpoint: str | None = None  # with resume: this STEP or PATH of the run or an ancestor, not the newest
     preflight: bool = True  # the new code and flags prove they can start before the old run is signalled
+    # A live old run of a job the pre-flight cannot check (not the trainer, no profile `check:`) is stopped only
+    # with this set (--unchecked); else the restart is refused with nothing stopped (ops/runs/restart.py unchecked).
+    unchecked: bool = False
     grace: float = 60.0
     # With resume: launch as soon as the old trainer's devices are free and its final checkpoint is being
     # written (the agent's stop hand-over; the new trainer waits for the checkpoint). False: after its exit.
@@ -84,7 +87,8 @@ def restart(invocation: Invocation, request: RestartRequest) -> RestartOutcome:
        child's name claimed in the lineage (released again if a later step fails);
     3. `sync`: the release the child runs from: the tar of changed files against the release this controller
        last installed there (release_cache; `manifest` asked only without one) and the child's launch spec;
-    4-5. `stop_and_launch`: ONE agent call (`restart` verb) that pre-flights the new code, stops the old run,
+    4-5. `stop_and_launch`: ONE agent call (`restart` verb) that pre-flights the new code (refusing to stop a
+       live old run of a job it cannot check unless `unchecked`: see `unchecked`), stops the old run,
        installs the tar and launches the child (stop and launch are one step: split, they would be two round
        trips, and a cut between them would leave the old run stopped and no child);
     6. `record`: the old run's end and the child into the lineage, the release cache, the started notice and
@@ -231,13 +235,18 @@ def stop_and_launch(
     try:
         calls += 1
         answer = combined_call(agent, old.name, request, release.spec, release.payload, chosen, on_progress)
+    except Unchecked:
+        raise unchecked(invocation, old, release.profile) from None
     except StaleRelease:  # nothing was changed: ask what is there, build the tar again, call again
         base, fell_back = remote_base(agent, release.code_hash, release.manifest), True
         release.payload = install_payload(
             release.target.workspace, release.files, release.code_hash, release.manifest, base[0], base[1]
         )
         calls += 2
-        answer = combined_call(agent, old.name, request, release.spec, release.payload, chosen, on_progress)
+        try:
+            answer = combined_call(agent, old.name, request, release.spec, release.payload, chosen, on_progress)
+        except Unchecked:
+            raise unchecked(invocation, old, release.profile) from None
     if invocation.dry_run and request.preflight:
         answer = {
             **answer,
@@ -305,6 +314,17 @@ def record(
     )
 
 
+def unchecked(invocation: Invocation, old: RunRecord, profile: Profile) -> UsageError:
+    """The refusal of a restart whose old run is alive and whose job the pre-flight cannot check (the agent's
+    code `unchecked`): nothing was stopped or launched. A profile's `check:` makes it checkable; --unchecked
+    stops the old run anyway. A run that already ended needs neither; a supervisor's revival never asks."""
+    return UsageError(
+        f"{old.name}'s job (profile {profile.name}) cannot be checked before the old run is stopped",
+        hint=f"add check: to profile {profile.name} in {invocation.inventory.path} (a command that exits 0 when "
+        "the job can start), or pass --unchecked to stop it anyway",
+    )
+
+
 def remote_base(agent: Agent, code_hash: str, manifest: dict[str, str]) -> tuple[str | None, dict[str, str]]:
     """(release, manifest) now current on the target (one `manifest` call); the agent skips the file list
     when the target already has `code_hash`, which then is its own base."""
@@ -336,6 +356,7 @@ def combined_call(
         "resume_placeholder": RESUME_PLACEHOLDER if request.resume else None,
         "resume_checkpoint": chosen,
         "handover": request.resume and request.handover,
+        "unchecked": request.unchecked,
     }
     target: Target = agent.target
     # A standby interpreter for this restart alone where the target keeps none (agent/restart.py
