@@ -307,7 +307,8 @@ def preflight_line(verdict: dict) -> str:
     if verdict.get("skipped"):
         return f"pre-flight: not run in the dry run: {verdict['skipped']}"
     what = verdict.get("summary") or (
-        "every Python file compiles; the job is not `python -m trainer train`, so whether it starts (its "
+        "every Python file compiles; the job is not `python -m trainer train` and its profile has no `check:`, so "
+        "whether it starts (its "
         "arguments, its imports) is not checked"
     )
     where = f"{verdict['in']}, " if verdict.get("in") else ""

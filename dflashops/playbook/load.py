@@ -15,10 +15,12 @@
 Step kinds (arguments; * = required): stop {run*, target, grace} | sync {run, profile, target} |
 clear-cache {run, profile, target} | deploy {profile, name, parent, note, launcher, clear_cache, extra_args,
 target} (with a parent: its profile, launcher, extra args and target, and name `+`) | restart {run*, name,
-note, resume, clear_cache, extra_args, grace, launcher} | wait {run*, timeout*, log REGEX | metric CONDITION,
+note, resume, clear_cache, extra_args, grace, launcher, unchecked} | wait {run*, timeout*, log REGEX | metric CONDITION,
 fail_on (default: Traceback), poll, target} | assert {that* CONDITION, run, message, target} |
 exec {argv* [words], check, target} | collect {run*, into* TABLE, fields, target} | loop | include.
-Built-in variables: `target` (play --target) and `latest_run` (the newest running run on that target).
+A restart step whose old run is alive and whose job cannot be checked (not the trainer, no profile `check:`) fails
+as `restart` does unless it says `unchecked: true`; `on_failure: restart-with-resume` revives a run its step
+judged failed, as a supervisor does, and stops it unchecked. Built-in variables: `target` (play --target) and `latest_run` (the newest running run on that target).
 
 `{{name}}` / `{{name.field}}` / `{{name.list[0]}}` substitute variables; a value that is exactly one
 `{{...}}` keeps its type (a list stays a list). Every problem found here is a PlaybookError naming the file
@@ -51,7 +53,7 @@ STEP_KINDS: dict[str, tuple[set[str], set[str]]] = {
     "sync": (set(), {"target", "profile", "run"}),
     "clear-cache": (set(), {"target", "profile", "run"}),
     "deploy": (set(), {"target", "profile", "name", "parent", "note", "launcher", "clear_cache", "extra_args"}),
-    "restart": ({"run"}, {"name", "note", "resume", "clear_cache", "extra_args", "grace", "launcher"}),
+    "restart": ({"run"}, {"name", "note", "resume", "clear_cache", "extra_args", "grace", "launcher", "unchecked"}),
     "wait": ({"run", "timeout"}, {"log", "metric", "fail_on", "target", "poll"}),
     "assert": ({"that"}, {"run", "target", "message"}),
     "exec": ({"argv"}, {"target", "check"}),

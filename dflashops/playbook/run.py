@@ -180,6 +180,7 @@ class _Runner:
                     run=str(run),
                     name="+",
                     resume=True,
+                    unchecked=True,  # a revival of a run its step judged failed, as a supervisor's: not checked
                     note=f"restart-with-resume after step {index} failed: {exc.message.splitlines()[0][:160]}",
                 ),
             )

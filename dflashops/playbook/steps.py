@@ -176,6 +176,7 @@ def do_restart(ctx: Context, args: dict[str, Any]) -> StepOutcome:
             launcher=args.get("launcher"),
             extra_args=[str(a) for a in extra] if isinstance(extra, list) else None,
             grace=_number(args, "grace", 60.0),
+            unchecked=bool(args.get("unchecked", False)),
         ),
     )
     new = outcome.deployed.name

@@ -37,6 +37,7 @@ profiles:
     packages: []
     resume_args: [--resume-from, "{{checkpoint}}"]
     pass_env: [WORKLOAD_SECRET]
+    check: ["{{python}}", "{{release}}/workload.py", --output-dir, "{{run_dir}}", --check-only]
 """
 
 

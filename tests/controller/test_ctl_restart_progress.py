@@ -18,6 +18,7 @@ import pytest
 
 from tests.controller.helpers import REPO, Env
 from tests.controller.test_ctl_reliability import add_profile
+from tests.controller.test_ctl_restart_unchecked import PLAIN
 
 pytestmark = pytest.mark.slow
 
@@ -122,13 +123,16 @@ def test_deploy_and_restart_say_each_phase_as_it_starts(env: Env) -> None:
 
 
 def test_a_job_the_preflight_cannot_check_says_so(env: Env) -> None:
-    """Not the trainer (the `work` profile's plain script): its pre-flight only compiles, and says that whether it
-    starts is not checked, so a bad `--` argument is no surprise after the stop (issue 45 item 1, scoped)."""
+    """Not the trainer and no `check:` (the `plain` profile's script): its pre-flight only compiles, and says that
+    whether it starts is not checked (issue 45 item 1; restart then stops a live parent only with --unchecked:
+    test_ctl_restart_unchecked.py)."""
+    add_profile(env, "plain", PLAIN)
     code, out, lines = typed(
-        env, "deploy", "--profile", "work", "--name", "wk1", "--launcher", "nohup", "--wait", "step 3"
+        env, "deploy", "--profile", "plain", "--name", "wk1", "--launcher", "nohup", "--wait", "step 3"
     )
     assert code == 0, lines
-    assert any("is not `python -m trainer train`, so whether it starts" in text for _, text in lines), lines
+    said = "is not `python -m trainer train` and its profile has no `check:`, so whether it starts"
+    assert any(said in text for _, text in lines), lines
 
 
 PHASES = (

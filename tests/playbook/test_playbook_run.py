@@ -144,12 +144,17 @@ steps:
     assert "error: playbook stopped: assert failed" in err
 
 
-def test_restart_with_resume_recovers(env: Env, write: Write, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("profile", ["work", "plain"])  # plain: no `check:`, revived unchecked as a supervisor does
+def test_restart_with_resume_recovers(env: Env, write: Write, capsys: pytest.CaptureFixture[str], profile: str) -> None:
+    from tests.controller.test_ctl_reliability import add_profile
+    from tests.controller.test_ctl_restart_unchecked import PLAIN
+
+    add_profile(env, "plain", PLAIN)
     path = write(
         "resume.yaml",
         """\
 steps:
-  - deploy: {profile: work, name: long1}
+  - deploy: {profile: PROFILE, name: long1}
     register: d
   - wait: {run: "{{d.name}}", log: 'step 3\\b', timeout: 30}
   - name: only a resumed run says this
@@ -157,7 +162,7 @@ steps:
     on_failure: restart-with-resume
   - name: later steps follow the child
     assert: {run: "{{d.name}}", that: "state == 'running'"}
-""",
+""".replace("PROFILE", profile),
     )
     code, out, err = env.cli("play", str(path), "--json", capsys=capsys)
     report = json.loads(out)
@@ -213,3 +218,30 @@ def test_sweep_collects_one_table(env: Env, capsys: pytest.CaptureFixture[str]) 
         assert state_of(env, name) == "stopped"
     argv = json.loads((env.runs / "sweep-slow" / "run.json").read_text())["argv"]
     assert argv.count("--interval") == 1 and argv[argv.index("--interval") + 1] == "0.03"  # replaced, not appended
+
+
+def test_a_restart_step_of_a_job_nothing_can_check(env: Env, write: Write, capsys: pytest.CaptureFixture[str]) -> None:
+    """A `restart:` step whose old run is alive and whose job has no `check:` fails as `restart` does, leaving the
+    run going; `unchecked: true` restarts it (test_restart_with_resume_recovers: a recovery revives unchecked)."""
+    from tests.controller.test_ctl_reliability import add_profile
+    from tests.controller.test_ctl_restart_unchecked import PLAIN
+
+    add_profile(env, "plain", PLAIN)
+    steps = """\
+steps:
+  - deploy: {profile: plain, name: pl1, launcher: nohup}
+  - wait: {run: pl1, log: 'step 3\\b', timeout: 30}
+  - restart: {run: pl1, resume: true%s}
+"""
+    code, out, err = env.cli("play", str(write("refused.yaml", steps % "")), "--json", capsys=capsys)
+    report = json.loads(out)
+    assert code == 2 and report["steps"][2]["status"] == "failed", err
+    assert report["steps"][2]["detail"] == "pl1's job (profile plain) cannot be checked before the old run is stopped"
+    assert f"hint: add check: to profile plain in {env.inventory}" in err, err
+    assert state_of(env, "pl1") == "running" and lineage(env) == {"pl1": None}
+
+    code, out, err = env.cli(
+        "play", str(write("told.yaml", (steps % ", unchecked: true").replace("pl1", "pl5"))), capsys=capsys
+    )
+    assert code == 0, err
+    assert lineage(env) == {"pl1": None, "pl5": None, "pl6": "pl5"} and state_of(env, "pl5") == "stopped"

@@ -13,6 +13,7 @@ in the first N starts (counted in F, which outlives the run directory: a supervi
 `--hang-after K` stops all progress after step K (no step, no metrics, no status.json heartbeat) but still
 honours SIGTERM, as a trainer whose loop is stuck in a collective; with `--beat-while-hung` its status.json
 heartbeat keeps beating meanwhile (the trainer's heartbeat thread does), so only the missing steps show it.
+`--check-only` validates the arguments and exits 0 (a profile's `check:`; a bad one exits 2, as argparse does).
 Stdlib only; it never imports dflashops or trainer.
 """
 
@@ -85,7 +86,11 @@ def main() -> int:
     parser.add_argument("--state-file", default=None, help="where --crash-times counts starts")
     parser.add_argument("--hang-after", type=int, default=-1, help="stop making progress after this step")
     parser.add_argument("--beat-while-hung", action="store_true", help="keep the heartbeat fresh while hung")
+    parser.add_argument("--check-only", action="store_true", help="validate the arguments, start nothing, exit 0")
     args = parser.parse_args()
+    if args.check_only:  # a profile's `check:` (argparse exits 2 with its own message on a bad argument)
+        print("arguments ok", flush=True)
+        return 0
     earlier_starts = starts_so_far(args.state_file)
     crash_armed = args.crash_times < 0 or earlier_starts < args.crash_times
     out = args.output_dir
