@@ -184,7 +184,10 @@ def verb_preflight(req: dict) -> dict:
             placeholder, chosen = req.get("resume_placeholder"), req.get("resume_checkpoint")
             probe, hold = resume_probe(old_dir, placeholder, chosen, argv) if os.path.isdir(old_dir) else (None, None)
             argv = argv_for_check(argv, placeholder, hold or probe)
-        return {"preflight": held_preflight(req, release, argv, dict(req.get("env") or {}), hold, probe)}
+        verdict = held_preflight(req, release, argv, dict(req.get("env") or {}), hold, probe)
+        if req.get("old"):
+            refuse_unchecked(req, verdict, str(req["old"]), run_dir({"workspace": workspace, "name": req["old"]}))
+        return {"preflight": verdict}
     finally:
         release_hold(hold)
 
@@ -201,6 +204,21 @@ def held_preflight(req: dict, release: str, argv: list[str], env: dict, hold: st
     except AgentFailure as exc:
         raise AgentFailure(named(str(exc)), exc.code) from None
     return {**verdict, "summary": named(str(verdict.get("summary") or ""))} if "summary" in verdict else verdict
+
+
+def refuse_unchecked(req: dict, verdict: dict | None, old: str, old_dir: str) -> None:
+    """A restart's refusal (code `unchecked`) when the pre-flight could only compile the new job (not the trainer,
+    no profile `check:`), the old run is alive and the request does not say `unchecked`: the old run is not
+    stopped for a job that may not start. A run that has ended, or a pre-flight that was skipped, passes."""
+    from .stop import run_processes_of  # stop imports the launch side, which imports this module
+
+    if (verdict or {}).get("checked") != "compile" or req.get("unchecked") or not run_processes_of(old_dir)[1]:
+        return
+    profile = (req.get("run_json") or {}).get("profile")
+    raise AgentFailure(
+        f"{old}'s job (profile {profile}) cannot be checked before the old run is stopped; nothing was stopped",
+        "unchecked",
+    )
 
 
 def trained_a_step(status: dict) -> bool:

@@ -21,7 +21,14 @@ from .common import (
 from .control import control_wait_s, release_control, take_control
 from .gc import verb_clear_cache
 from .launch import check_launch, verb_launch
-from .preflight import argv_for_check, held_preflight, resume_probe, started_from, trained_a_step
+from .preflight import (
+    argv_for_check,
+    held_preflight,
+    refuse_unchecked,
+    resume_probe,
+    started_from,
+    trained_a_step,
+)
 from .releases import build_release, flip_current, prune_releases
 from .standby import STANDBY_PRELOAD, retire_unclaimed, standby_eligible, standby_fingerprint, start_standby
 from .status import cancel_supervisor, run_status
@@ -161,14 +168,7 @@ def stop_and_launch(
             raise AgentFailure(
                 f"run {old!r} was restarted meanwhile by another command, as {child!r}; nothing was done", "superseded"
             )
-        if (verdict or {}).get("checked") == "compile" and not req.get("unchecked") and run_processes_of(old_dir)[1]:
-            # The new job could not be checked (not the trainer, no `check:` in its profile) and the old run is
-            # alive: it is not stopped for something that may not start, unless the request says so.
-            raise AgentFailure(
-                f"{old}'s job (profile {(req.get('run_json') or {}).get('profile')}) cannot be checked before the old "
-                "run is stopped; nothing was stopped",
-                "unchecked",
-            )
+        refuse_unchecked(req, verdict, old, old_dir)  # a live old run of a job nothing checked stays running
         # Refused before anything is stopped when the run has no checkpoint and will write none.
         fallback = resume_fallback(old_dir, old) if placeholder and chosen is None else None
         stop = None

@@ -33,7 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "deploy",
         help="sync the code and launch a run",
         description="Sync the code to TARGET, check that it can start there (the pre-flight: it compiles, the "
-        "trainer imports, its arguments validate), write run.json, launch the profile's command. Arguments after "
+        "trainer imports, its arguments validate; another job runs its profile's `check:` command), write run.json, launch the profile's command. Arguments after "
         "`--` replace the profile's value of the same option, or are appended.",
     )
     p.add_argument(

@@ -68,6 +68,12 @@ def test_a_live_run_of_a_job_nothing_can_check_is_not_stopped_unless_told(
         "or pass --unchecked to stop it anyway",
     ], err
     untouched(env, capsys, "un1", pid, "un2")
+    # --dry-run says the same (the new code is on the target: its pre-flight runs), and --unchecked passes it
+    code, _, err = env.cli("restart", "un1", "--resume", "--dry-run", capsys=capsys)
+    assert code == 2 and "error: un1's job (profile plain) cannot be checked before the old run is stopped" in err
+    code, _, err = env.cli("restart", "un1", "--resume", "--dry-run", "--unchecked", capsys=capsys)
+    assert code == 0 and "pre-flight: every Python file compiles" in err, err
+    untouched(env, capsys, "un1", pid, "un2")
 
     # --unchecked: today's restart (the old run stopped, the child launched from its checkpoint)
     code, out, err = env.cli("restart", "--detach", "un1", "--resume", "--unchecked", capsys=capsys)

@@ -248,17 +248,19 @@ def stop_and_launch(
         except Unchecked:
             raise unchecked(invocation, old, release.profile) from None
     if invocation.dry_run and request.preflight:
-        answer = {
-            **answer,
-            "preflight": dry_run_preflight(
+        try:
+            verdict = dry_run_preflight(
                 agent,
                 release.spec,
                 release.code_hash,
                 old=old.name,
                 resume_placeholder=RESUME_PLACEHOLDER if request.resume else None,
                 resume_checkpoint=chosen,
-            ),
-        }
+                unchecked=request.unchecked,
+            )
+        except Unchecked:  # the dry run refuses as the restart would
+            raise unchecked(invocation, old, release.profile) from None
+        answer = {**answer, "preflight": verdict}
     return answer, calls, fell_back
 
 
