@@ -70,7 +70,9 @@ files: [compiled_job.py, scaled.py]
     assert first["cache"].startswith(str(env.workspace / "cache" / "compile" / "py3."))
 
     write_release_files(env, "x @ x", "v2")  # a change outside the compiled function: a new release
-    code, _, err = env.cli("restart", "cc1", "--name", "cc2", "--wait", '"out"', "--timeout", "600", capsys=capsys)
+    code, _, err = env.cli(
+        "restart", "cc1", "--unchecked", "--name", "cc2", "--wait", '"out"', "--timeout", "600", capsys=capsys
+    )
     assert code == 0, err
     second = result(env, "cc2")
     assert second["tag"] == "v2" and second["out"] == first["out"]
@@ -78,14 +80,26 @@ files: [compiled_job.py, scaled.py]
     assert second["fxgraph_hit"] >= 1 and second["fxgraph_miss"] == 0  # ... so nothing compiled again
 
     write_release_files(env, "x.t() @ x", "v3")  # the compiled function's body changed
-    code, _, err = env.cli("restart", "cc2", "--name", "cc3", "--wait", '"out"', "--timeout", "600", capsys=capsys)
+    code, _, err = env.cli(
+        "restart", "cc2", "--unchecked", "--name", "cc3", "--wait", '"out"', "--timeout", "600", capsys=capsys
+    )
     assert code == 0, err
     third = result(env, "cc3")
     assert third["out"] == [[4.0, 6.0], [6.0, 10.0]]  # the new code's result, not the cached kernel's
     assert third["cache"] == first["cache"] and third["fxgraph_miss"] >= 1
 
     code, _, err = env.cli(
-        "restart", "cc3", "--name", "cc4", "--clear-cache", "--wait", '"out"', "--timeout", "600", capsys=capsys
+        "restart",
+        "cc3",
+        "--unchecked",
+        "--name",
+        "cc4",
+        "--clear-cache",
+        "--wait",
+        '"out"',
+        "--timeout",
+        "600",
+        capsys=capsys,
     )
     assert code == 0, err
     assert "cleared the compile caches of local: " in err

@@ -136,6 +136,7 @@ def write_inventory(
             argv: ["{python}", "{release}/workload.py", "--output-dir", "{run_dir}", "--steps", "100000",
                    "--interval", "0.05"]
             files: [workload.py, blob.bin]
+            check: ["{python}", "{release}/workload.py", "--output-dir", "{run_dir}", "--check-only"]
         """)
     )
     return path
