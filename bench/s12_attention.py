@@ -1,4 +1,4 @@
-"""Session 12 (issue 31, items 2 and 5): our Triton interval attention against flex_attention on the H200.
+"""Issue 31, items 2 and 5 (bench/results/kernels.md 2026-12-03): our Triton interval attention against flex_attention on the H200.
 
     python3 bench/s12_attention.py                 # parity + interleaved timing, both shapes; table last
     DFLASH_SMEM_LIMIT=99K python3 bench/s12_attention.py --fit-only --ref-dir DIR   # the ~100 KB rehearsal

@@ -1,4 +1,4 @@
-"""Session 13 (issue 32 item 4): DFlash2's unary top-k inside the fused CE kernel, against torch.topk, on the H200.
+"""Issue 32 item 4 (bench/results/kernels.md 2026-12-04): DFlash2's unary top-k inside the fused CE kernel, against torch.topk, on the H200.
 
     python3 bench/s13_topk.py [--rows 3968] [--topk 16] [--iters 10]
 

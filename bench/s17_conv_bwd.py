@@ -1,4 +1,4 @@
-"""Session 17 (issue 32 item 4): the output-side convolution's backward through trainer/model/conv_bwd_triton.py
+"""Issue 32 item 4 (bench/results/kernels.md 2026-12-05): the output-side convolution's backward through trainer/model/conv_bwd_triton.py
 against Inductor's code for the same gradients (GroupedDynamicConv's torch backward, `conv_gradients`,
 torch.compile'd alone), on the H200 at one call's shape of the qwen3-8b seed step: g, y [6, 5472, 4096] bf16 (171
 blocks of 32 per row), K = 2 taps, groups of 16, the deltas a strided view of the [6, 5472, 2, 2, 256] projection.

@@ -67,7 +67,7 @@ def choose(device: torch.device | None = None) -> Path | None:
     return path
 
 
-ARTIFACT_FILES_KEPT = 4  # the newest saves kept: ~20 MB each at the 8B shape (bench/RESULTS.md, session 10)
+ARTIFACT_FILES_KEPT = 4  # the newest saves kept: ~20 MB each at the 8B shape (bench/results/restart.md 2026-12-02 "The edit -> restart loop through the CLI")
 
 
 def artifacts_folder(cache: Path) -> Path:

@@ -95,7 +95,7 @@ SCHEDULES = [
 def _fwd_split():
     from trainer.model import attention_triton as T
 
-    # split (the default) at two tile shapes, and session 15's masked walk
+    # split (the default) at two tile shapes, and the fully masked walk
     return [T.FwdConfig(32, 32, 4, 1, True), T.FwdConfig(64, 128, 4, 1, True), T.FwdConfig(64, 64, 4, 1, False)]
 
 

@@ -384,7 +384,7 @@ def test_slot_zero_is_never_computed_and_gets_no_gradient():
 
 @pytest.mark.parametrize("terms", list(TERMS))
 def test_computing_the_anchor_slot_changes_nothing_but_the_work(terms, monkeypatch):
-    """loss.SKIP_ANCHOR_SLOT off (the bench's session-8 variant) computes slot 0's logits too: the same loss, sums,
+    """loss.SKIP_ANCHOR_SLOT off (the bench's `triton-s8` variant) computes slot 0's logits too: the same loss, sums,
     gradient and `correct` on the supervised slots."""
     from trainer import loss as loss_module
 
