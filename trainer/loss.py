@@ -45,7 +45,7 @@ teacher_T), unscaled like the CE kernel's: without CAP the KL coefficient over t
 constant kl_weight * T on every row), writing g over the teacher logits (two bf16 [C, V] buffers, as for CE).
 CE+KL+CAP cannot use a constant ratio (CAP's coefficient needs the block's CEs first), so it runs the same
 kernel as two launches, statistics then gradient with the per-row ratio k_i / c_i; that costs the re-read
-from HBM the fused launch partly gets from L2. Predicted on the H200, not measured yet (bench/RESULTS.md):
+from HBM the fused launch partly gets from L2. Predicted on the H200, not measured yet (bench/results/step.md 2026-12-01):
 CE+KL ~3.2 GEMM-eq at chunk 4096 against 3.61 compiled at 1728. bench/loss_gemm.py measures all of them.
 """
 

@@ -57,7 +57,7 @@ one-launch kernel needs 96 registers at 1024:4 (8 columns per thread: the 4 per-
 of x and t), so 5 programs (20 warps, ~40 KB of loads in flight) fit on an SM; 2048:8 needs 101 (2 programs,
 ~32 KB), 4096:16 101 (1 program), 512:4 72 (7 programs, ~28 KB), 2048:4 168 (3 programs, ~48 KB), 4096:8 179
 (1 program) and 8192:16 spills. The more loads in flight per SM, the closer a streaming kernel gets to HBM
-speed (bench/RESULTS.md has the table; tests/trainer/test_loss_triton.py fails if the default spills). Each
+speed (bench/results/step.md 2026-12-01 has the table; tests/trainer/test_loss_triton.py fails if the default spills). Each
 (dtype, BLOCK_V, num_warps, T power, pass set) compiles once per device; rows are not specialised (the short
 last chunk does not recompile).
 Triton is imported at the first call (trainer/loss_triton.py explains why and how the CPU tests interpret it).

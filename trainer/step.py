@@ -276,7 +276,7 @@ class DrafterSide:
         self.cfg, self.device = cfg, torch.device(device)
         self.drafter = drafter.to(self.device).train()
         # Recompute layer activations in backward (--activation-checkpointing): measured on the H200 for the 27B
-        # drafter at the seed shape, 66.1 -> 49.5 GiB peak for 18% more step time (bench/RESULTS.md).
+        # drafter at the seed shape, 66.1 -> 49.5 GiB peak for 18% more step time (bench/results/step.md 2026-11-29 "Parity, attention, loss and the qwen3-8b step").
         self.drafter.activation_checkpointing = (
             cfg.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
         )

@@ -137,7 +137,7 @@ def test_gpu_bench_scripts_run_their_cpu_smoke_test(tmp_path, script: str, args:
         assert row["samples_s"] == pytest.approx(row["block_tok_s"] / (16 * 4), rel=0.01) and row["samples_s"] > 0
 
 
-BENCH_TIMEOUT_S = 420  # its CPU smoke test took ~100 s at load ~12 with a cold Inductor cache (bench/RESULTS.md)
+BENCH_TIMEOUT_S = 420  # its CPU smoke test took ~100 s at load ~12 with a cold Inductor cache on the 2-core CPU machine
 
 
 @pytest.mark.slow

@@ -265,7 +265,7 @@ def test_default_chunk_rows_are_whole_blocks_within_budget():
 
 
 def test_fused_chunk_rows_are_4096_unless_the_vocabulary_is_large():
-    assert fused_chunk_rows(151936, 32) == 4096  # the measured best on the H200 (bench/RESULTS.md)
+    assert fused_chunk_rows(151936, 32) == 4096  # the measured best on the H200 (bench/results/kernels.md 2026-11-29)
     assert fused_chunk_rows(248320, 32) == 2688  # 2.5 GiB / (4 B * V) = 2702 rows -> 84 blocks
     assert fused_chunk_rows(151936, 24) == 4080  # whole blocks
 
