@@ -47,8 +47,8 @@ for section in "$@"; do
               --modes code-change-inside --fresh-workspace --prune-checkpoints --json-out "$OUT/s11-fresh.json" ;;
     # 2026-12-03 (issue 31): our Triton interval attention vs flex (parity, fwd/bwd), the ~100 KB shared-memory
     # rehearsal (DFLASH_SMEM_LIMIT=99K), the specforge shape's step (flex vs triton attention, interleaved).
-    s12-attn) step s12-attn 300 python3 bench/s12_attention.py --ref-dir "$OUT"
-            step s12-fit 150 env DFLASH_SMEM_LIMIT=99K python3 bench/s12_attention.py --fit-only --ref-dir "$OUT" ;;
+    s12-attn) step s12-attn 300 python3 bench/attention_vs_flex.py --ref-dir "$OUT"
+            step s12-fit 150 env DFLASH_SMEM_LIMIT=99K python3 bench/attention_vs_flex.py --fit-only --ref-dir "$OUT" ;;
     s12-specforge) step s12-specforge 330 python3 -m trainer bench step --preset qwen3-8b --shape specforge \
               --variants triton,triton-attn,triton,triton-attn --iters 10 --warmup 3 --profile \
               --json-out "$OUT/s12-specforge.json" ;;
@@ -56,11 +56,11 @@ for section in "$@"; do
               --variants triton,triton-attn,triton,triton-attn --iters 5 --warmup 2 --json-out "$OUT/s12-seed.json" ;;
     # 2026-12-04 (issue 32 item 4): DFlash2's top-k inside the fused CE kernel (parity and cost on one chunk),
     # then DFlash vs DFlash2 at the qwen3-8b seed shape, interleaved, each profiled after timing.
-    s13-topk) step s13-topk 200 python3 bench/s13_topk.py ;;
+    s13-topk) step s13-topk 200 python3 bench/topk_cost.py ;;
     s13-step) step s13-step 420 python3 -m trainer bench step --preset qwen3-8b --shape seed \
               --variants triton,dflash2,triton,dflash2 --iters 5 --warmup 2 --profile --json-out "$OUT/s13-step.json" ;;
     # then the convolutions through trainer/model/conv_triton.py: parity and cost of one, then in the step
-    s13-conv) step s13-conv 150 python3 bench/s13_conv.py --best-out "$OUT/conv-best.txt" ;;
+    s13-conv) step s13-conv 150 python3 bench/conv_triton_cost.py --best-out "$OUT/conv-best.txt" ;;
     # only when s13-conv found a backward config faster than Inductor's: the step with it
     s13-step3) [ -s "$OUT/conv-best.txt" ] && step s13-step3 450 \
               env DFLASH_CONV_TRITON_BWD="$(cat "$OUT/conv-best.txt")" python3 -m trainer bench step --preset qwen3-8b --shape seed \
@@ -84,8 +84,8 @@ with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under auto
               --variants triton,triton-qkv16,triton,triton-qkv16 --iters 10 --warmup 3 --json-out "$OUT/s14-sf.json" ;;
     # 2026-12-04 (issue 31 item 2): backward schedules of our interval attention against flex (parity, registers,
     # timing at both shapes), then the step with the fastest correct schedule only where our fwd + bwd beat
-    # flex's standalone (bench/s15_attention_bwd.py writes the gate file).
-    s15-attn) step s15-bwd 200 python3 bench/s15_attention_bwd.py --json-out "$OUT/s15-bwd.json" \
+    # flex's standalone (bench/attention_bwd_schedules.py writes the gate file).
+    s15-attn) step s15-bwd 200 python3 bench/attention_bwd_schedules.py --json-out "$OUT/s15-bwd.json" \
               --best-out "$OUT/s15-best.txt"
               if [ -s "$OUT/s15-best.txt" ]; then
                 export DFLASH_ATTENTION_BWD_CONFIG=$(cat "$OUT/s15-best.txt")
@@ -94,13 +94,13 @@ with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under auto
                 step s15-specforge 90 python3 -m trainer bench step --preset qwen3-8b --shape specforge \
                   --variants triton,triton-attn,triton,triton-attn --iters 10 --warmup 3 --json-out "$OUT/s15-sf.json"
               else echo "s15: gate closed (no schedule beats flex standalone): no step"; fi
-              step s15-fit 60 env -u DFLASH_ATTENTION_BWD_CONFIG DFLASH_SMEM_LIMIT=99K python3 bench/s12_attention.py \
+              step s15-fit 60 env -u DFLASH_ATTENTION_BWD_CONFIG DFLASH_SMEM_LIMIT=99K python3 bench/attention_vs_flex.py \
                 --fit-only ;;
     # 2026-12-05 (issue 31 item 2): the backward's 2026-12-04 schedules against dQ transposed ("t"), the scale
     # folded into P ("f") and the matmuls reordered ("o"), and the forward walking its full tiles unmasked, three
     # interleaved rounds; the seed step A B A B (flex against ours with the fastest correct backward and, where it
     # won standalone, the split forward) when the gate opens; then the ~99 KB rehearsal of the new one-stage rung.
-    s17-attn) step s17-bwd 220 python3 bench/s15_attention_bwd.py --rounds 3 --json-out "$OUT/s17-bwd.json" \
+    s17-attn) step s17-bwd 220 python3 bench/attention_bwd_schedules.py --rounds 3 --json-out "$OUT/s17-bwd.json" \
               --best-out "$OUT/s17-best.txt" --split-out "$OUT/s17-split.txt" \
               --variants none,tma,tma-s1,atomic,tma-f,tma-t,tma-tf,tma-o,tma-tfo,tma-tf-s3,tma-tf-s1,atomic-tf
               if [ -s "$OUT/s17-best.txt" ]; then
@@ -110,7 +110,7 @@ with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under auto
                   --json-out "$OUT/s17-seed.json"
               else echo "s17: the gate is closed: no step"; fi
               step s17-fit 45 env DFLASH_ATTENTION_BWD_CONFIG=128,64,8,1,tma,tf DFLASH_SMEM_LIMIT=99K \
-                python3 bench/s12_attention.py --fit-only ;;
+                python3 bench/attention_vs_flex.py --fit-only ;;
     # 2026-12-05 (issue 31 items 1, 4): our attention as the default on Hopper (`--attention-kernel auto`): the
     # one-GPU specforge pipeline flex against auto A B A B (the threaded pipeline never ran our kernel), then the
     # qwen3-8b and qwen3.6-27b seed steps flex (`triton`) against ours (`triton-attn`), interleaved
@@ -124,7 +124,7 @@ with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under auto
                 --variants triton,triton-attn,triton,triton-attn --iters 3 --warmup 2 --json-out "$OUT/s19-27b.json" ;;
     # 2026-12-05 (issue 31 items 2, 4, 5): rung 0's schedule with `o` on other tiles and the ~99 KB candidates
     # (two rounds, no step), then the specforge step flex against ours with the 2026-12-05 defaults, A B A B
-    s18-attn) step s18-bwd 150 python3 bench/s15_attention_bwd.py --rounds 2 --json-out "$OUT/s18-bwd.json" \
+    s18-attn) step s18-bwd 150 python3 bench/attention_bwd_schedules.py --rounds 2 --json-out "$OUT/s18-bwd.json" \
               --variants tma,tma-tfo,tma-tfo-s3,tma-tfo-s1,tma-m32-tfo,tma-m32-tfo-s1,tma-n64-o-s1,tma-n64-w4-tfo,tma-s1
               step s18-specforge 150 python3 -m trainer bench step --preset qwen3-8b --shape specforge \
                 --variants triton,triton-attn,triton,triton-attn --iters 10 --warmup 3 --json-out "$OUT/s18-sf.json" ;;
@@ -140,14 +140,14 @@ with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under auto
     # 2026-12-04 (issue 31 items 3-4): the optimizer step alone (torch's fused AdamW vs trainer/adamw_triton.py),
     # the specforge step with and without it (per call and back to back, profiled), the one-GPU pipeline at the
     # specforge shape (full-depth random Qwen3-8B target, two drafter threads).
-    s15-sf) step s15-adamw 100 python3 bench/s15_adamw.py --iters 10 --configs 4096:8,2048:4,8192:8
+    s15-sf) step s15-adamw 100 python3 bench/adamw_cost.py --iters 10 --configs 4096:8,2048:4,8192:8
             step s15-step 200 python3 -m trainer bench step --preset qwen3-8b --shape specforge \
               --variants triton,triton-adamw,triton,triton-adamw --iters 10 --warmup 3 --profile \
               --json-out "$OUT/s15-step.json"
             step s15-pipe 200 python3 bench/gpu_pipeline.py --scale specforge --modes dual --steps 40 --timeout-s 190 ;;
     # run 2: the AdamW parity again (IEEE div/sqrt), the pipeline with replica followers (fused vs triton AdamW, one
     # shared compile cache), the qwen3-8b seed step with and without --adamw triton (issue 31 item 1)
-    s15-2) step s15-adamw2 60 python3 bench/s15_adamw.py --iters 10 --configs 4096:8,2048:4
+    s15-2) step s15-adamw2 60 python3 bench/adamw_cost.py --iters 10 --configs 4096:8,2048:4
            step s15-pipe2 170 python3 bench/gpu_pipeline.py --scale specforge --modes dual --steps 30 \
               --adamw auto,triton --warm-cache --timeout-s 120
            step s15-seed 100 python3 -m trainer bench step --preset qwen3-8b --shape seed \
@@ -166,7 +166,7 @@ with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under auto
               --adamw triton --target-compile off,on --repeats 2 --warm-cache --timeout-s 200 --budget-s 380 ;;
     # 2026-12-04 (issue 32 item 4): the DFlash2 convolutions' hand-written backward (GroupedDynamicConv) against
     # the 2026-12-04 form (dflash2-autograd), DFlash between, profiled; and the in-kernel top-16 by tile width.
-    s15-topk) step s15-topk 120 python3 bench/s15_topk_tiles.py ;;
+    s15-topk) step s15-topk 120 python3 bench/topk_tiles.py ;;
     s15-step) step s15-step 420 python3 -m trainer bench step --preset qwen3-8b --shape seed \
               --variants triton,dflash2,dflash2-autograd,triton,dflash2 --iters 5 --warmup 2 --profile \
               --json-out "$OUT/s15-step.json" ;;
@@ -181,14 +181,14 @@ with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under auto
     # 2026-12-05 (issue 32 item 4): the input-side convolution's kernel gradients (trainer/model/conv_in_triton.py):
     # one call's parity and cost with its ladder, then the seed step A B A B: the kernel (dflash2-tin) against the
     # default input side (dflash2: Inductor's)
-    s19-convin) step s19-convin 120 python3 bench/s19_conv_in.py --iters 20 --best-out "$OUT/s19-best.txt"
+    s19-convin) step s19-convin 120 python3 bench/conv_in_cost.py --iters 20 --best-out "$OUT/s19-best.txt"
               export DFLASH_CONV_IN_CONFIG="$(cat "$OUT/s19-best.txt" 2>/dev/null)"  # the sweep's best rung first
               echo "DFLASH_CONV_IN_CONFIG=$DFLASH_CONV_IN_CONFIG" >&2
               step s19-step 360 python3 -m trainer bench step --preset qwen3-8b --shape seed \
               --variants triton,dflash2-tin,dflash2,triton,dflash2-tin,dflash2 --iters 5 --warmup 2 --profile \
               --json-out "$OUT/s19-step.json"
               unset DFLASH_CONV_IN_CONFIG ;;
-    s17-conv) step s17-conv 150 python3 bench/s17_conv_bwd.py --iters 20 --best-out "$OUT/s17-best.txt"
+    s17-conv) step s17-conv 150 python3 bench/conv_bwd_cost.py --iters 20 --best-out "$OUT/s17-best.txt"
               export DFLASH_CONV_BWD_CONFIG="$(cat "$OUT/s17-best.txt" 2>/dev/null)"
               echo "DFLASH_CONV_BWD_CONFIG=$DFLASH_CONV_BWD_CONFIG" >&2
               step s17-step 330 python3 -m trainer bench step --preset qwen3-8b --shape seed \
@@ -196,7 +196,7 @@ with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under auto
               --json-out "$OUT/s17-step.json"
               unset DFLASH_CONV_BWD_CONFIG ;;
     # run 2: the coefficient left unrounded (Inductor's semantics), parity and a wider ladder, no step
-    s17-conv2) step s17-conv2 120 python3 bench/s17_conv_bwd.py --iters 20 ;;
+    s17-conv2) step s17-conv2 120 python3 bench/conv_bwd_cost.py --iters 20 ;;
     # 2026-12-04: the one-GPU specforge pipeline with the replica sync waiting on the whole device
     # (every sync also waited for the target thread's forward) against its own stream only ($DFLASH_SYNC_WAIT), A B A B
     s15-wait) step s15-wait 400 python3 bench/gpu_pipeline.py --scale specforge --modes dual --steps 50 \

@@ -49,7 +49,7 @@ import torch
 
 from trainer import triton_fit
 
-# (rows per tile, warps, groups per tile, programs per SM), the fastest on the H200 first (bench/s17_conv_bwd.py,
+# (rows per tile, warps, groups per tile, programs per SM), the fastest on the H200 first (bench/conv_bwd_cost.py,
 # bench/results/kernels.md 2026-12-05 "The output-side convolution's backward as one Triton kernel", run 2: back to back at the qwen3-8b seed shape, the coefficient in float32: 2:2:16:24 0.335 ms,
 # 4:4:16:12 0.365, 4:8:32:6 0.375, 8:4:16:10 0.428, 4:4:16:8 0.463, 4:8:32:4 0.482, 2:4:16:12 1.37; Inductor's
 # code 0.394). With the bf16-rounded coefficient of run 1 (base held as bf16: 16 fewer registers a thread)

@@ -50,7 +50,7 @@ from trainer import triton_fit
 from trainer.model.conv_bwd_triton import _rows, supported, tile_grid, triton_next_pow2
 
 # (rows per tile, warps, groups per tile, programs per SM): conv_bwd_triton's ladder (its order is
-# bench/results/kernels.md 2026-12-05 "The output-side convolution's backward as one Triton kernel"), until this one is measured on the GPU (bench/s19_conv_in.py; not measured yet). Compiled offline for sm_90 (triton 3.9, ptxas 12.8, K = 2, 16-channel groups, bf16, strides
+# bench/results/kernels.md 2026-12-05 "The output-side convolution's backward as one Triton kernel"), until this one is measured on the GPU (bench/conv_in_cost.py; not measured yet). Compiled offline for sm_90 (triton 3.9, ptxas 12.8, K = 2, 16-channel groups, bf16, strides
 # divisible by 16 as the JIT specialises them), 2 or 3 pieces: 2:2:16, 4:4:16 and 4:8:32 128 registers, 2:4:16
 # 110, no spills, 1-4 KB of shared memory, 16-byte loads of the pieces and x; 8:4:16 (conv_bwd_triton's last rung)
 # spilled (168 registers, 2 pieces) or took 255 (3 pieces): left out.

@@ -1,9 +1,9 @@
 """Issue 31 item 2 (bench/results/kernels.md 2026-12-04 and 2026-12-05): backward schedules of our interval attention against flex on the H200.
 
-    python3 bench/s15_attention_bwd.py --json-out OUT.json --best-out BEST.txt
+    python3 bench/attention_bwd_schedules.py --json-out OUT.json --best-out BEST.txt
 
 Shapes: qwen3-8b seed (6 x 8192 context, 171 anchors x 32) and specforge (2 x 768, 256 x 16), 32 q / 8 kv heads x
-128, bf16, sorted anchors (bench/s12_attention.py's inputs). Each schedule of VARIANTS (trainer/model/
+128, bf16, sorted anchors (bench/attention_vs_flex.py's inputs). Each schedule of VARIANTS (trainer/model/
 attention_triton.py BwdConfig) is compiled first in parallel worker processes (one Triton cache: the main process
 then finds them built), reports its registers, spills and shared memory, is checked against flex's gradients at
 both shapes (outputs NaN-poisoned first: the caching allocator would otherwise hand a schedule the previous one's
@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from s12_attention import dense_reference, inputs, masks, rel, run
+from attention_vs_flex import dense_reference, inputs, masks, rel, run
 
 from trainer import triton_fit
 from trainer.bench_common import time_ms as bench_time_ms

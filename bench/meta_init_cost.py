@@ -5,7 +5,7 @@ on the meta device for its tensor shapes, and the drafter's init drew normal_ th
 torch's reference-op machinery. Since bench/results/kernels.md 2026-12-04 ("the pre-flight's meta build") a meta build skips its init. This prints that first call's cost
 (3 fresh interpreters), and what expected_shapes costs now at the qwen3-8b shape.
 
-    python3 bench/s14_meta_init.py
+    python3 bench/meta_init_cost.py
 """
 
 from __future__ import annotations
