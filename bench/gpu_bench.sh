@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One GPU run = one or more of these sections; each step has its own timeout so one hang cannot eat the run.
 # Usage (on the GPU machine, repo root): bash bench/gpu_bench.sh SECTION...   (logs under $OUT when set)
-# Section names keep the prefix they were first run under (`s15-attn` etc.) because bench/results/*.md cite the
-# commands as they ran. Which sections each dated entry ran, in order:
+# Section names (`s15-attn`, ...) are the commands that bench/results/*.md cite: keep them. Which sections each
+# dated entry ran, in order:
 #   pipeline.md 2026-11-29: `verify pipeline-triton`, `verify-pipeline pipeline-triton step8b-more` (the ten cold
 #     two-drafter runs again after the stream fix), `verify-pipeline pipeline-8b`; `env pipeline-transfer`
 #     (features via the device vs via pinned host memory), `pipeline-recheck`; step.md: `auto-kernels`.
