@@ -41,8 +41,8 @@ PIP_INSTALL = $(BIN)/pip install -q --upgrade pip \
 	&& $(BIN)/pip install -q "torch==$(TORCH_VERSION)+cpu" && $(BIN)/pip install -q -e '.[train,dev,real]'
 # The controller's own modules are byte-compiled once here: the editable install leaves them uncompiled, and where
 # PYTHONDONTWRITEBYTECODE is set (some sandboxes set it) nothing a call compiles is kept, so every `dflashops` call
-# compiled ~40 modules again (`status --help` 0.13 s -> 0.09 s, bench/cli_startup.py; bench/RESULTS.md
-# "2026-12-06 — what one dflashops call costs"). A module edited later is compiled again in memory, as usual.
+# compiled ~40 modules again (`status --help` 0.13 s -> 0.09 s, bench/cli_startup.py;
+# bench/results/control-plane.md "2026-12-06 — what one dflashops call costs"). A module edited later is compiled again in memory, as usual.
 # The fallback is inlined, not a `$(MAKE) pip-install`: `make -n` runs a line naming $(MAKE), and
 # tests/controller/test_ctl_fresh_clone.py reads `make -n`'s plan.
 # Each stage says what it installs in one line on stderr; the recipes themselves are not echoed (`make -n` shows
@@ -92,9 +92,9 @@ demo-real: $(STAMP)
 # most tests wait on real processes, and every torch process of the tests runs one compute thread (tests/conftest.py),
 # so a third worker fills the cores the first two leave idle (CPU-seconds per test file: bench/suite_cpu.py; on the
 # loaded 2-core machine, 942 tests: 825 s with 2 workers, 718 s with 3; issue 29 item 11). A fourth gained nothing
-# idle at 942 tests; at 997 it did (pytest 550 s with 3, 504 s with 4, one fresh clone, idle, back to back). Session
-# 18's one under-load failure with 4 (doctor --all's cpu target) did not come back in session 19's runs at ~5x the
-# cores in load (bench/RESULTS.md session 19).
+# idle at 942 tests; at 997 it did (pytest 550 s with 3, 504 s with 4, one fresh clone, idle, back to back). The
+# one under-load failure seen with 4 (doctor --all's cpu target) did not come back in later runs at ~5x the cores in
+# load (bench/results/tests-speed.md 2026-12-05 "The fourth test worker under load again").
 # mypy's verdict is printed after the tests'; either failing fails `make test`. Its cache lives in the
 # user's cache (MYPY_CACHE), shared by the machine's clones: mypy checks each cached module against its source's
 # hash, and without a cache (a fresh clone) it took ~30 s of one core from the tests.

@@ -379,7 +379,7 @@ def main() -> int:
         "--budget-s",
         type=float,
         default=0,
-        help="start no new run once this much time has passed (0: no limit); fits a device call",
+        help="start no new run once this much time has passed (0: no limit); fits a run time limit",
     )
     parser.add_argument(
         "--log-dir",

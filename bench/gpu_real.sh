@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The real target's curve on a lent GPU (bench/RESULTS.md "A real target"), in calls on one warm machine.
-# The GGUF file (98 MB) is over one call's 64 MiB, so it travels in two halves (`.gpu/a`, `.gpu/b`, git-ignored):
-#   call 1: bash bench/gpu_real.sh a      (carry .gpu/a)  stash the first half, random-weights smoke of the code path
-#   call 2: bash bench/gpu_real.sh b      (carry .gpu/b)  join, check the digest, start the curve
-#   call 3: bash bench/gpu_real.sh more   (no carry)     the curve again: finished points are kept, the rest run
-# A rerun of bench/real_world.py skips what its work directory and JSON already hold, so each call adds points.
+# The real target's curve on a GPU machine (bench/results/quality.md "A real target"), as three runs on one machine
+# that keeps /root/gpu between them. Where a run's upload is limited to 64 MiB, the GGUF file (98 MB) goes in two
+# halves (`.gpu/a`, `.gpu/b`, git-ignored):
+#   run 1: bash bench/gpu_real.sh a      (uploads .gpu/a)  stash the first half, random-weights smoke of the code path
+#   run 2: bash bench/gpu_real.sh b      (uploads .gpu/b)  join, check the digest, start the curve
+#   run 3: bash bench/gpu_real.sh more   (no upload)       the curve again: finished points are kept, the rest run
+# A rerun of bench/real_world.py skips what its work directory and JSON already hold, so each run adds points.
 set -u
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/root/gpu/inductor PYTHONPATH=/tmp/site
 OUT=${OUT:-/tmp/bench-out}; mkdir -p "$OUT" /root/gpu

@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     x = make_inputs(args, device)  # once: every row runs on the same inputs
     # The unit: one logits GEMM over the rows the loss computes, blocks x (B - 1) (slot 0 is never computed since
-    # session 9; before, the unit and the loss both covered all M rows, so GEMM-equivalents stay comparable).
+    # bench/results/step.md 2026-12-02 "The last 8-15 ms of the 8B seed step"; before, the unit and the loss both covered all M rows, so GEMM-equivalents stay comparable).
     supervised = x["hidden"][: args.rows // args.block_size * (args.block_size - 1)]
     with torch.no_grad():
         gemm = lambda: supervised @ x["weight"].T  # noqa: E731

@@ -2,7 +2,7 @@
 
 Each side imports what it would (the fresh one with the run's whole environment; the standby the agent's
 STANDBY_PRELOAD under the agent's start-up environment, then the run's environment on top), then the trainer's
-modules, and prints Inductor's portable config; the differences go to stdout. Session 10 found the two keyed
+modules, and prints Inductor's portable config; the differences go to stdout. bench/results/restart.md 2026-12-02 "The edit -> restart loop through the CLI" found the two keyed
 their compile-cache entries apart.
 """
 

@@ -38,7 +38,7 @@ for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # And its C++ at -O0 (with -g) instead of -O3: the tests' tensors are tiny, the g++ runs are what a cold cache pays.
 # test_compile_scope.py's Inductor test with an empty cache: 65.3 s at -O3 (load ~5), 43.8 s at -O0 (load ~3.5);
-# 220 s at -O3 beside another worker at load 7-17 (bench/RESULTS.md, 2026-12-06). The losses still match eager.
+# 220 s at -O3 beside another worker at load 7-17 (bench/results/tests-speed.md, 2026-12-06 "The suite's cold compiles on a busy 2-core machine"). The losses still match eager.
 os.environ.setdefault("TORCHINDUCTOR_DEBUG_COMPILE", "1")
 
 
@@ -51,7 +51,7 @@ def no_cache_dir_set_by_torch() -> Iterator[None]:
 
 
 # The files that kept a worker busiest (the sum of their tests' wall seconds, `make test`'s arguments with three
-# workers and `--durations=0`, 2026-12-05 session 19, the machine shared: load average 7.4 at the start, ~3 at
+# workers and `--durations=0`, bench/results/tests-speed.md 2026-12-05 "make test's CPU with four workers", the machine shared: load average 7.4 at the start, ~3 at
 # the end), longest first. With `--dist loadfile` a worker takes the next file when its own run dry, and xdist's
 # default order (most tests first) started these late: the suite ended on a 50-80 s file while the other workers
 # had finished. Running the longest first (LPT scheduling) leaves the short files for the end. A stale entry costs

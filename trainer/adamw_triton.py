@@ -9,7 +9,7 @@ rescaled gradients back (GradScaler's unscale contract), so it moves 32 bytes pe
 writes p, g, m, v. The gradients are freed right after the step (zero_grad(set_to_none=True)), so the write is
 wasted: this kernel reads p, g, m, v and writes p, m, v, 28 bytes per parameter. At the qwen3-8b drafter's 1.05 B
 parameters that is 29.4 GB instead of 33.6 GB per step (the fused kernel: 10.2 ms of the specforge step,
-bench/RESULTS.md session 12).
+bench/results/kernels.md 2026-12-03).
 
 The math is torch's AdamW (decoupled weight decay, no amsgrad, no maximize), in fp32 with the bias corrections
 computed on the host in float64, as torch's single-tensor AdamW does for a CPU step count:

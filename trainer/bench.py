@@ -62,33 +62,33 @@ VARIANTS = {
     "soft": "compiled, soft labels on (teacher logits recomputed from the target's final hidden)",
     "cap": "compiled, CAP term on (cap_lambda 0.1)",
     "triton": "compiled layers, loss through the fused Triton CE kernel (--loss-kernels triton; CUDA only)",
-    "triton-foreach": "as triton, with the foreach AdamW (--adamw foreach; the default before session 5)",
+    "triton-foreach": "as triton, with the foreach AdamW (--adamw foreach; the default before 2026-12-01)",
     "triton-adamw": "as triton, AdamW through trainer/adamw_triton.py (--adamw triton: 28 B/param, no gradient "
     "write-back)",
     "soft-triton": "soft labels on, loss through the fused Triton CE+KL kernel (trainer/loss_triton_kl.py)",
     "ckpt-loss": "compiled layers, loss = per-chunk torch.utils.checkpoint of logits+CE (the 3-4 GEMM baseline)",
     "act-ckpt": "compiled, activation checkpointing of every drafter layer (memory for time)",
-    "triton-s7": "as triton, as session 7 ran it: predicate-form BlockMask not padded, context fc+norm (fp32) and "
+    "triton-s7": "as triton, as measured on 2026-12-02 before the 56% MFU work: predicate-form BlockMask not padded, context fc+norm (fp32) and "
     "final norm eager",
     "triton-tma": "as triton, flex_attention with kernel_options USE_TMA=True (Hopper's bulk tensor copies)",
     "triton-nopad": "as triton, q/k/v not padded to 128-row multiples (flex without IS_DIVISIBLE)",
-    "triton-ctx32": "as triton, the context kept in fp32 after its norm (session 8's first call)",
+    "triton-ctx32": "as triton, the context kept in fp32 after its norm (bench/results/step.md 2026-12-02 'The 8B seed step toward 56% MFU', run 1)",
     "triton-noprologue": "as triton, Inductor's prologue fusion off (nothing fused into flex_attention's loads)",
     "triton-c6k": "as triton, loss chunks of at most 6176 rows (193 blocks of 32) instead of 4096",
     "triton-c8k": "as triton, loss chunks of at most 8224 rows (257 blocks of 32) instead of 4096",
     "dflash2": "as triton, the DFlash2 drafter (--arch dflash2: block convolutions, candidate selector top-16 rank 256)",
     "dflash2-conv": "as dflash2, the convolutions through trainer/model/conv_triton.py (DFLASH_CONV_KERNEL=triton)",
-    "dflash2-autograd": "as dflash2, the convolutions as before session 15 (autograd through grouped_dynamic_conv, "
+    "dflash2-autograd": "as dflash2, the convolutions as before the GroupedDynamicConv rewrite (autograd through grouped_dynamic_conv, "
     "DFLASH_CONV_KERNEL=autograd)",
     "dflash2-ibwd": "as dflash2, the output-side convolutions' backward compiled by Inductor (DFLASH_CONV_BACKWARD="
-    "inductor, the form before session 17) instead of trainer/model/conv_bwd_triton.py's kernel",
+    "inductor, the form before conv_bwd_triton) instead of trainer/model/conv_bwd_triton.py's kernel",
     "dflash2-tin": "as dflash2, the input-side convolutions' kernel gradients through trainer/model/conv_in_triton.py's "
-    "kernel (DFLASH_CONV_INPUT_BACKWARD=triton) instead of Inductor's code (session 19; not yet the default)",
+    "kernel (DFLASH_CONV_INPUT_BACKWARD=triton) instead of Inductor's code (not yet the default)",
     "dflash2-nd": "as dflash2, Inductor's N-D tiling preferred for element-wise kernels (triton.prefer_nd_tiling): the "
     "convolutions' per-row and per-group loads once per tile row instead of per element",
     "triton-attn": "as triton, attention through our Triton kernel for the interval mask "
     "(--attention-kernel triton, trainer/model/attention_triton.py) instead of flex_attention",
-    "triton-s8": "as triton, as session 8 ran it: the mask built before the context's GEMM is queued, the gradient "
+    "triton-s8": "as triton, as bench/results/step.md 2026-12-02 'The 8B seed step toward 56% MFU' ran it: the mask built before the context's GEMM is queued, the gradient "
     "clip as a pass of its own (clip_grad_norm_), the anchor slot's logits computed",
 }
 
@@ -106,7 +106,7 @@ def _mask_first(
     keep: torch.Tensor,
     mask: attention.DraftMask | str,
 ) -> torch.Tensor:
-    """DFlashDrafter.forward with the mask built before the context's GEMM is queued, as before session 9."""
+    """DFlashDrafter.forward with the mask built before the context's GEMM is queued, as before bench/results/step.md 2026-12-02 "The last 8-15 ms of the 8B seed step"."""
     if isinstance(mask, str):
         mask = build(anchors, keep, ctx.shape[1], backend=mask)
     return forward(ctx, emb, anchors, keep, mask)
@@ -422,7 +422,7 @@ def bench_attention(args: argparse.Namespace, device: torch.device) -> list[dict
 
             build_ms = statistics.median(time_ms(build, device, warmup=1, iters=5))
             mask = build()
-            # bhsd: contiguous [R,h,L,D] leaves and the gradient of a sum (the bench before session 9); bshd: as a
+            # bhsd: contiguous [R,h,L,D] leaves and the gradient of a sum (the bench's earlier form); bshd: as a
             # layer hands them over, transposed views of [R,L,h,D] and a random [R,Q,h,D] output gradient
             # (o_proj's input gradient, transposed back).
             dims = (lambda h, n: (shape.rows, n, h, D)) if layout == "bshd" else (lambda h, n: (shape.rows, h, n, D))

@@ -137,7 +137,7 @@ class _HostCopier:
     Reuse matters for big drafters. The qwen3-8b drafter with its AdamW moments is 12.6 GB; on the H200 machine a
     fresh pageable copy took 7.9 s at every save. Buffers for CUDA tensors are pinned, so the copies run
     asynchronously at PCIe speed (one device sync at the end, `finish`): 0.23 s per save once the buffers exist,
-    13.7 s at the first save, which pins them (bench/RESULTS.md, session 3). The buffers are matched to the
+    13.7 s at the first save, which pins them (bench/results/pipeline.md 2026-11-29 "Snapshot into reused pinned buffers"). The buffers are matched to the
     tensors by position in the traversal (dicts keep their order), and a buffer of another shape or dtype is
     replaced."""
 

@@ -5,7 +5,8 @@ cache key each entry by the traced graph, its inputs and settings, and torch's o
 kernel by its source, Triton's version and the GPU architecture. So a cache shared across code versions never
 serves stale work: an edit to the drafter's forward changes the traced graph and compiles anew, while every
 graph the edit did not touch (and every graph of an edit outside the compiled code) is a hit. A cache per code
-version, as before, compiled everything cold after every edit (bench/RESULTS.md: 39.7 s of a 46.9 s restart).
+version, as before, compiled everything cold after every edit (bench/results/restart.md 2026-12-02 "The edit -> restart loop through the CLI":
+39.7 s of a 46.9 s restart).
 
 `TRAINER_COMPILE_CACHE_ROOT` (dflashops sets it to `<workspace>/cache/compile`) names the root; the run's
 cache is `<root>/<key>`, the key naming what makes compiled work reusable at all: Python, torch and Triton
@@ -67,7 +68,7 @@ def choose(device: torch.device | None = None) -> Path | None:
     return path
 
 
-ARTIFACT_FILES_KEPT = 4  # the newest saves kept: ~20 MB each at the 8B shape (bench/RESULTS.md, session 10)
+ARTIFACT_FILES_KEPT = 4  # the newest saves kept: ~20 MB each at the 8B shape (bench/results/restart.md 2026-12-02 "The edit -> restart loop through the CLI")
 
 
 def artifacts_folder(cache: Path) -> Path:

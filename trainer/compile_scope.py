@@ -5,7 +5,7 @@ intercepts. Two threads that call compiled functions sharing one code object eva
 same time, and in torch 2.11-2.13 that is not thread safe: a lookup fails although a matching entry exists
 ("Unexpected recompilation: runtime guards failed even though they passed during recompilation-reason
 analysis") and dynamo tries to recompile inside the worker thread. Measured: the H200 pipeline runs with two
-drafter threads hit it in 3 of 8 runs (bench/RESULTS.md, session 2); on the CPU with the eager backend, two
+drafter threads hit it in 3 of 8 runs (bench/results/pipeline.md 2026-11-29 "Two drafter threads, ten cold runs"); on the CPU with the eager backend, two
 threads calling one compiled loss kernel hit it in 11-15 of 20 trials of 200 calls each, and in 0 of 20 when
 each thread's function had its own code object (tests/trainer/test_compile_scope.py keeps the latter).
 

@@ -122,14 +122,14 @@ PRESETS: dict[str, dict[str, Any]] = {
 # triton = one fused Triton kernel per chunk for CE (+CAP); soft labels keep the compiled kernels.
 LOSS_KERNELS = ("auto", "compiled", "eager", "triton")
 # --attention-kernel: the drafter's attention on CUDA (trainer/model/attention.py): flex_attention with a BlockMask,
-# our Triton kernel for the interval-form mask (trainer/model/attention_triton.py; bench/RESULTS.md session 12), or
+# our Triton kernel for the interval-form mask (trainer/model/attention_triton.py; bench/results/kernels.md 2026-12-03 "Our own Triton attention"), or
 # auto: triton on Hopper (compute capability 9.x), flex elsewhere.
 ATTENTION_KERNELS = ("auto", "flex", "triton")
 # --adamw: torch's fused or foreach AdamW, or trainer/adamw_triton.py's kernel (CUDA; opt-in until measured to pay)
 ADAMW_IMPLS = ("auto", "fused", "foreach", "triton")
 OUTPUT_NORM_INITS = ("ones", "calibrated")
 # --target-compile: the frozen target's decoder layers through one compiled layer call per target. auto = on where
-# the target runs on CUDA (H200, bench/RESULTS.md session 18: the Qwen3-8B-shaped target's forward 47.7 -> 34.5 ms,
+# the target runs on CUDA (H200, bench/results/kernels.md 2026-12-05 "The target's layers compiled, measured": the Qwen3-8B-shaped target's forward 47.7 -> 34.5 ms,
 # the one-GPU pipeline 11.84 -> 12.96 samples/s), off on the CPU (Inductor's C++ compiles cost more than they save
 # on the tiny targets CPU runs use).
 TARGET_COMPILE = ("auto", "on", "off")
@@ -236,7 +236,7 @@ class TrainConfig:
     def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
         """Build from a plain dict; unknown keys are an error naming them."""
         known = {f.name for f in dataclasses.fields(cls)}
-        if isinstance(values.get("target_compile"), bool):  # checkpoints of session 17 stored it as a bool
+        if isinstance(values.get("target_compile"), bool):  # checkpoints before 2026-12-05's `auto` stored it as a bool
             values = {**values, "target_compile": "on" if values["target_compile"] else "off"}
         unknown = sorted(set(values) - known)
         if unknown:

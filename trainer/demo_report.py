@@ -33,7 +33,7 @@ def compare_line(reports: dict[str, dict]) -> str:
 def print_and_check(report: dict, margin: float | None, seen_count: int) -> int:
     """The acceptance table and the demo's two checks for one trained drafter: 0, or 1 when it fails one.
     margin None: the drafter against the best baseline is reported, not checked (a goal the demo does not meet yet,
-    said as such: bench/RESULTS.md "A real target"); the lossless check always holds."""
+    said as such: bench/results/quality.md "A real target"); the lossless check always holds."""
     from trainer import eval as eval_mod
 
     print(eval_mod.format_table(report))

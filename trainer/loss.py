@@ -45,7 +45,7 @@ teacher_T), unscaled like the CE kernel's: without CAP the KL coefficient over t
 constant kl_weight * T on every row), writing g over the teacher logits (two bf16 [C, V] buffers, as for CE).
 CE+KL+CAP cannot use a constant ratio (CAP's coefficient needs the block's CEs first), so it runs the same
 kernel as two launches, statistics then gradient with the per-row ratio k_i / c_i; that costs the re-read
-from HBM the fused launch partly gets from L2. Predicted on the H200, not measured yet (bench/RESULTS.md):
+from HBM the fused launch partly gets from L2. Predicted on the H200, not measured yet (bench/results/step.md 2026-12-01):
 CE+KL ~3.2 GEMM-eq at chunk 4096 against 3.61 compiled at 1728. bench/loss_gemm.py measures all of them.
 """
 
@@ -61,7 +61,7 @@ import torch
 
 from trainer.compile_scope import private_compile
 
-# Compute no logits for slot 0 of a block (the anchor: weight 0, no target). Off only in the bench's session-8
+# Compute no logits for slot 0 of a block (the anchor: weight 0, no target). Off only in the bench's `triton-s8`
 # variant, which measures what computing them cost.
 SKIP_ANCHOR_SLOT = True
 
@@ -166,7 +166,7 @@ def fused_chunk_rows(vocab_size: int, block_size: int, budget_bytes: int = 5 << 
     two bf16 [C, V] buffers would pass `budget_bytes` (2.5 GiB), whole blocks. The buffers: logits and gradient
     for CE; logits and teacher logits for soft labels (the gradient is written over the teacher logits).
     6144 and 8192 rows measured no better in the whole 8B seed step (-5 ms in one run, +2 to +7 in the next:
-    inside the power-capped GPU's run-to-run spread; bench/RESULTS.md, session 9) for 1-2.6 GiB more memory."""
+    inside the power-capped GPU's run-to-run spread; bench/results/step.md 2026-12-02 "The last 8-15 ms of the 8B seed step") for 1-2.6 GiB more memory."""
     return min(4096 // block_size * block_size, default_chunk_rows(vocab_size, block_size, budget_bytes))
 
 
@@ -281,7 +281,7 @@ def _compiled_stats_and_grad(backend: str = "inductor") -> tuple[Callable[..., t
 
 # --loss-kernels auto picks the fused Triton kernel only where it has been measured: Hopper (H200, capability
 # 9.0) gave +0.7% on the qwen3-8b seed step, +4-5% in the small pipeline, and ten cold two-thread runs with
-# bitwise-identical replicas and losses (bench/RESULTS.md, session 4). Other GPUs keep the compiled kernels.
+# bitwise-identical replicas and losses (bench/results/step.md 2026-11-29 "`--loss-kernels auto` on the H200"). Other GPUs keep the compiled kernels.
 TRITON_AUTO_MIN_CAPABILITY = (9, 0)
 
 
@@ -487,7 +487,7 @@ def dflash_loss(
     ce_sum, kl_sum, cap_sum = zero.clone(), zero.clone(), zero.clone()
     # Slot 0 (the anchor, weight 0) is never computed: its logits cost 1/B of every LM-head GEMM and of the [C, V]
     # element-wise work for a prediction nothing uses (qwen3-8b seed, B = 32: -6 ms per step on the H200,
-    # bench/RESULTS.md session 9). The chunks below see blocks x (B - 1) rows; slot 0's gradient is 0 and its
+    # bench/results/step.md 2026-12-02 "The last 8-15 ms of the 8B seed step"). The chunks below see blocks x (B - 1) rows; slot 0's gradient is 0 and its
     # `correct` False.
     first = 1 if SKIP_ANCHOR_SLOT else 0
     slots, hidden_size = block_size - first, hidden.shape[1]
@@ -520,7 +520,7 @@ def dflash_loss(
             logits = h @ lm_head_weight.T  # GEMM 1
             teacher_logits = kl_coef = row_state = grad_logits = None
             # The fused CE kernel keeps a running top-k as it streams the row (no sort over [C, V]: the sort cost
-            # 39 ms per step at the qwen3-8b seed shape, bench/RESULTS.md session 12); every other path sorts here.
+            # 39 ms per step at the qwen3-8b seed shape, bench/results/kernels.md 2026-12-03 "Our own Triton attention"); every other path sorts here.
             # No kernel below writes into `logits` (g goes to its own buffer), so the gather after them reads it.
             topk_in_kernel = topk > 0 and fused_ce and kernels.fused_ce_topk is not None
             unary = logits.topk(topk, dim=-1).indices if topk > 0 and not topk_in_kernel else None

@@ -113,8 +113,8 @@ class CEKernelConfig:
 
 # DFlash2's kernel (fused_ce_topk) has a default of its own: each insertion into the running top-k is an arg-max over
 # one tile, whose cost is mostly the cross-warp step (shared memory and barriers), so fewer warps and a narrower tile
-# win although the row takes a few more insertions. One chunk [3968, 151936] bf16 on the H200 (bench/RESULTS.md
-# session 15, bench/s15_topk_tiles.py), N(0,1) / Zipf-biased rows: 4096:8 2.00-2.05 / 1.61 ms, 2048:4 1.57-1.63 /
+# win although the row takes a few more insertions. One chunk [3968, 151936] bf16 on the H200 (bench/results/kernels.md 2026-12-04 "DFlash2's convolutions rewritten for Inductor",
+# bench/topk_tiles.py), N(0,1) / Zipf-biased rows: 4096:8 2.00-2.05 / 1.61 ms, 2048:4 1.57-1.63 /
 # 1.44, 1024:1 1.59-1.60 / 1.48, 2048:8 2.01-2.07 / 1.71; plain fused_ce at 4096:8 1.25-1.30.
 TOPK_CONFIG = CEKernelConfig(block_v=2048, num_warps=4, programs_per_sm=0)
 

@@ -45,7 +45,7 @@ Cost per [C, V] element (the GEMMs write x and t and read g themselves):
   MUFU exp/s on the H200 that is ~1 ps per element, under the ~2.3-2.9 ps of 8-10 B at 3.5-4.3 TB/s, and ~38
   fp32 ALU operations per element (~1.1 ps) overlap with both, so the kernel should be memory-bound. One
   GEMM-equivalent at H=4096 is ~11.6 ps per element (8192 FLOP at ~700 TFLOP/s achieved), so the ideal is
-  ~0.2-0.25 GEMM-eq. Measured on the H200 (session 5, bench/RESULTS.md): the kernel takes 22.3 ms of a
+  ~0.2-0.25 GEMM-eq. Measured on the H200 (bench/results/step.md 2026-12-01, CE+KL): the kernel takes 22.3 ms of a
   192 ms CE+KL fwd+bwd at 4096-row chunks (0.38 GEMM-eq), the whole loss 3.29 GEMM-eq against 3.55 for the
   compiled kernels, peak 2.35 GiB against 3.54.
 
@@ -57,7 +57,7 @@ one-launch kernel needs 96 registers at 1024:4 (8 columns per thread: the 4 per-
 of x and t), so 5 programs (20 warps, ~40 KB of loads in flight) fit on an SM; 2048:8 needs 101 (2 programs,
 ~32 KB), 4096:16 101 (1 program), 512:4 72 (7 programs, ~28 KB), 2048:4 168 (3 programs, ~48 KB), 4096:8 179
 (1 program) and 8192:16 spills. The more loads in flight per SM, the closer a streaming kernel gets to HBM
-speed (bench/RESULTS.md has the table; tests/trainer/test_loss_triton.py fails if the default spills). Each
+speed (bench/results/step.md 2026-12-01 has the table; tests/trainer/test_loss_triton.py fails if the default spills). Each
 (dtype, BLOCK_V, num_warps, T power, pass set) compiles once per device; rows are not specialised (the short
 last chunk does not recompile).
 Triton is imported at the first call (trainer/loss_triton.py explains why and how the CPU tests interpret it).

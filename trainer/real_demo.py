@@ -35,7 +35,7 @@ class RealSize:
     train_steps: int
     block_size: int
     # The trained drafter's held-out tau must beat the best baseline by this much; None: reported, not checked.
-    # FULL's is None: 400 CPU steps reach held-out tau ~1.2 against prompt lookup's ~1.3-1.4 (bench/RESULTS.md
+    # FULL's is None: 400 CPU steps reach held-out tau ~1.2 against prompt lookup's ~1.3-1.4 (bench/results/quality.md
     # "A real target"), a goal not met yet, so the demo says so instead of failing every run.
     margin: float | None
     lr: float = 3e-3

@@ -121,8 +121,8 @@ class StepStats:
 
 # The settings that pick AdamW's kernel (torch's fused, foreach or for-loop path), not its math. torch's
 # Optimizer.load_state_dict takes every setting of the saved groups, these too: a checkpoint written by a CPU run
-# (fused=None) and resumed on a GPU ran the foreach path there (~24 ms of the 8B seed step, bench/RESULTS.md
-# session 5), and one written with --adamw fused kept that kernel after a resume with another --adamw.
+# (fused=None) and resumed on a GPU ran the foreach path there (~24 ms of the 8B seed step,
+# bench/results/step.md 2026-12-01 "Where the drafter step's time goes"), and one written with --adamw fused kept that kernel after a resume with another --adamw.
 OPTIMIZER_IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
 
 
@@ -276,7 +276,7 @@ class DrafterSide:
         self.cfg, self.device = cfg, torch.device(device)
         self.drafter = drafter.to(self.device).train()
         # Recompute layer activations in backward (--activation-checkpointing): measured on the H200 for the 27B
-        # drafter at the seed shape, 66.1 -> 49.5 GiB peak for 18% more step time (bench/RESULTS.md).
+        # drafter at the seed shape, 66.1 -> 49.5 GiB peak for 18% more step time (bench/results/step.md 2026-11-29 "Parity, attention, loss and the qwen3-8b step").
         self.drafter.activation_checkpointing = (
             cfg.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
         )
@@ -309,7 +309,7 @@ class DrafterSide:
         self.lm_head_weight = lm_head_weight.detach().to(self.device)
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         # Fused on CUDA (--adamw auto): one kernel family for the whole update instead of foreach's chain of
-        # multi_tensor_apply launches (23.6 ms of the 8B seed step in the profile, bench/RESULTS.md session 5).
+        # multi_tensor_apply launches (23.6 ms of the 8B seed step in the profile, bench/results/step.md 2026-12-01 "Where the drafter step's time goes").
         fused = cfg.adamw == "fused" or (cfg.adamw == "auto" and self.device.type == "cuda")
         self.clip_in_adamw = fused or cfg.adamw == "triton"  # see optimizer_step
         fused_kw: dict[str, Any] = {"fused": True} if fused else {}
@@ -449,7 +449,7 @@ class DrafterSide:
         detached 0-dim tensor on the drafter's device). Nothing here waits for the device: reading the norm
         (float()) syncs, so callers read it when they log, not every step. Why: a step that ends in a sync leaves
         the GPU idle while the host builds the next step (the mask build alone is ~3.5 ms of host time at the
-        specforge shape, bench/RESULTS.md session 12); without it the host queues step n+1 while step n runs."""
+        specforge shape, bench/results/kernels.md 2026-12-03 "Our own Triton attention"); without it the host queues step n+1 while step n runs."""
         lr = self.optimizer.param_groups[0]["lr"]
         if self.follower:  # the replica sync steps another replica's optimizer for this one (pipeline/sync.py);
             # its own optimizer and schedule stay as they were (nothing reads them: metrics and checkpoints take
@@ -461,7 +461,7 @@ class DrafterSide:
             # The clip inside the fused AdamW kernel (and --adamw triton's, which reads the same attribute): it divides every gradient by `grad_scale` as it reads it (the
             # hook GradScaler uses) instead of clip_grad_norm_'s own read-and-write pass over all fp32 gradients.
             # The kernel then writes the rescaled gradients back, so the 8B seed step saves 0.8 of that pass's
-            # 2.3 ms (bench/RESULTS.md, session 9). Same coefficient as clip_grad_norm_:
+            # 2.3 ms (bench/results/step.md 2026-12-02 "The last 8-15 ms of the 8B seed step"). Same coefficient as clip_grad_norm_:
             # grad * min(max_norm / (norm + 1e-6), 1) = grad / max((norm + 1e-6) / max_norm, 1).
             grads = [p.grad for p in self.params if p.grad is not None]
             grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)

@@ -118,7 +118,7 @@ FLAG_HELP: dict[str, str] = {
     "CUDA target",
     "loss_chunk_size": "rows per chunk of the logits-free loss (rounded down to whole blocks)",
     "attention_kernel": "the drafter's attention on CUDA: flex (flex_attention with a BlockMask), triton (our "
-    "kernel for the interval-form mask, forward and backward; bench/RESULTS.md session 12) or auto (triton on "
+    "kernel for the interval-form mask, forward and backward; bench/results/kernels.md 2026-12-03) or auto (triton on "
     "Hopper, flex elsewhere)",
     "loss_kernels": "element-wise kernels of the loss: auto (eager for an uncompiled drafter, e.g. on the "
     "CPU; triton on CUDA compute capability >= 9.0 with triton installed; else compiled), "

@@ -117,7 +117,7 @@ ONE_SHOT_IDLE_S = 900.0  # a one-shot standby whose restart never came back (its
 # The compiler's modules (torch._dynamo, inductor: 1.8 s of the 3.7 s preload on the CPU test machine) are left
 # out for a run given no GPU: a CPU run compiles nothing unless asked, and the pre-flight waits for the preload,
 # so they cost every such restart ~1 s (tiny profile: 6.1 s typed -> first step with them, 5.2 s without;
-# bench/RESULTS.md, "2026-12-05 — restart with one torch import").
+# bench/results/restart.md, "2026-12-05 — restart with one torch import").
 COMPILER_MODULES = ("torch._dynamo", "torch._inductor.compile_fx")
 
 

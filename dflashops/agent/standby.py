@@ -41,8 +41,8 @@ from .wrap import (
 # A standby is a `python -m trainer` interpreter started ahead of its run. After a launch with `standby: true`
 # the agent starts one more wrapper and interpreter in <workspace>/standby/<id>/. The interpreter waits until
 # the run it follows has taken its first step (so that its imports do not slow that start), imports torch,
-# dynamo, inductor, triton and transformers (~9-10 s of every start on the H200 machine: bench/RESULTS.md,
-# session 7), and waits. The next launch with the same python, launcher and start-up environment adopts it: the
+# dynamo, inductor, triton and transformers (~9-10 s of every start on the H200 machine:
+# bench/results/restart.md 2026-12-02 "Where the child's start goes"), and waits. The next launch with the same python, launcher and start-up environment adopts it: the
 # run directory gets the standby's marker and process group, its wrapper records pgid, pid and exit_code there,
 # and the interpreter takes the run's argv, environment, working directory and log, then runs `trainer` as
 # `python -m` would. Only third-party modules are imported ahead, never the release's code (PYTHONPATH is left
@@ -72,7 +72,7 @@ STANDBY_PRELOAD = (  # module or module:attribute (transformers builds its lazy 
 # release, which a standby never imports from; the compile caches are per code hash and read when compiling).
 # Inductor's config also reads the C/C++ toolchain (CC, CXX, ... and their paths) and a few names of its own when
 # it is imported; a standby imported without them keys its compile-cache entries apart from a fresh interpreter's
-# (measured: the first restart after a cold deploy compiled every graph again; bench/RESULTS.md, session 10).
+# (measured: the first restart after a cold deploy compiled every graph again; bench/results/restart.md 2026-12-02 "The edit -> restart loop through the CLI").
 STARTUP_ENV_RE = re.compile(
     r"^(PYTHON|TORCH|PYTORCH|TRITON|CUDA|NCCL|HF_|TRANSFORMERS|LD_|OMP_|MKL_|KMP_|PATH$|VIRTUAL_ENV$"
     r"|CC$|CXX$|CFLAGS$|CXXFLAGS$|LDFLAGS$|CPATH$|LIBRARY_PATH$|C_INCLUDE_PATH$|CPLUS_INCLUDE_PATH$|NVCC"

@@ -2,10 +2,11 @@
 
 The same sources give the same bytes (so the content-addressed name `agent-<sha12>.pyz` names one version):
 the package's `*.py` files in sorted order, each stored (not deflated: zlib's output may differ between the
-zlib versions of two controllers, and ~150 KB travel once per version) with a fixed timestamp (1980-01-01,
+zlib versions of two controllers, and ~210 KB travel once per version) with a fixed timestamp (1980-01-01,
 zip's earliest) and mode 0644, no __pycache__, no directory entries. Beside them an empty `dflashops/__init__.py`
 (the controller's own is not the agent's to ship) and the zipapp's `__main__.py`, which calls
-`dflashops.agent.__main__.main`. Cost: reading ~12 files and writing ~150 KB to memory, ~1 ms.
+`dflashops.agent.__main__.main`. Cost: reading the package's 18 files and writing ~210 KB (210,101 bytes) to
+memory, ~0.7 ms, 1.3 ms the first time in a process (2026-12-06, the 2-core CPU machine at load average 7).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Releases with a large file (issue 47), small: the laptop's manifest cache (size, mtime, inode), a plain tar for
 incompressible bytes, and the target taking a hard-linked file's digest from its base release only while the
 inode is as the base verified it. Real files, the agent's real install code; the timed figures are
-bench/control_plane_scale.py's (bench/RESULTS.md)."""
+bench/control_plane_scale.py's (bench/results/control-plane.md)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """`status` of a workspace that kept every run it ever had (issue 47), small: one /proc walk per call for every
 run, a run launched while the call reads the others, the default window of `dflashops status` (running and
 recently ended runs), --all-runs and --json complete. The timed figures at 1,000 runs are
-bench/control_plane_scale.py's (bench/RESULTS.md)."""
+bench/control_plane_scale.py's (bench/results/control-plane.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """bench/control_plane_scale.py at a tiny scale, this checkout only: every measure runs to the end and no command
-in it fails (the figures themselves are bench/RESULTS.md's, never checked here)."""
+in it fails (the figures themselves are bench/results/control-plane.md's, never checked here)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The lineage at scale, small: a restart chain deeper than Python's recursion limit, `tree RUN` reading only
 its family, `runs list` paging, `runs sync` in one transaction, and secrets redacted on write read back through
-every view. The timed figures at full size are bench/control_plane_scale.py's (bench/RESULTS.md)."""
+every view. The timed figures at full size are bench/control_plane_scale.py's (bench/results/control-plane.md)."""
 
 from __future__ import annotations
 

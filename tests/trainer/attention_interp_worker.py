@@ -79,7 +79,7 @@ def run(name: str) -> dict:
 
 # Backward schedules besides the ladder's first (keys per program, query rows per step, BwdConfig flags: "t" dQ
 # transposed, "f" the scale folded into P, "o" the matmuls reordered); dQ by atomics (the TMA reduce has no interpreter: GPU parity covers it,
-# bench/s15_attention_bwd.py).
+# bench/attention_bwd_schedules.py).
 SCHEDULES = [
     (128, 32, ""),
     (64, 64, ""),
@@ -95,7 +95,7 @@ SCHEDULES = [
 def _fwd_split():
     from trainer.model import attention_triton as T
 
-    # split (the default) at two tile shapes, and session 15's masked walk
+    # split (the default) at two tile shapes, and the fully masked walk
     return [T.FwdConfig(32, 32, 4, 1, True), T.FwdConfig(64, 128, 4, 1, True), T.FwdConfig(64, 64, 4, 1, False)]
 
 

@@ -18,7 +18,7 @@ $DFLASHOPS_BASE_SITE names when the interpreter starts (`speculators_env()` sets
 fresh clone's first `make test` does not build it again. pip writes no bytecode for it (--no-compile: the test
 imports a small part of the ~430 MB, and the first import writes what it uses). Measured on the 2-core test
 machine: 95 s with an empty pip cache (~130 MB of downloads: transformers, datasets with pyarrow and pandas,
-openai, ...), 13 s with a warm one (23 s compiling everything); later sessions and clones reuse it.
+openai, ...), 13 s with a warm one (23 s compiling everything); later runs and clones reuse it.
 """
 
 from __future__ import annotations

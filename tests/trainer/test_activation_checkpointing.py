@@ -103,7 +103,7 @@ def test_drafter_side_picks_the_loss_kernels_from_the_config() -> None:
 
 def test_loss_kernels_auto_resolves_by_device_and_compile() -> None:
     """auto: eager for an eager drafter, compiled for a compiled one off CUDA; explicit kinds pass through.
-    The CUDA branch (triton on capability >= 9.0) runs on the GPU machine (bench/RESULTS.md, session 4)."""
+    The CUDA branch (triton on capability >= 9.0) runs on the GPU machine (bench/results/step.md 2026-11-29 "`--loss-kernels auto` on the H200")."""
     from trainer.loss import resolve_loss_kernels
 
     cpu = torch.device("cpu")

@@ -123,7 +123,7 @@ def test_bwd_config_from_the_environment_leads_the_ladder_and_bad_text_is_named(
 
 def test_the_atomic_twin_of_a_tma_rung_drops_the_transposed_dq():
     """Where the TMA reduce cannot run (the interpreter, pre-Hopper GPUs) a rung accumulates dQ with atomics, and
-    without flag "t" (its transposed atomics measured slower on the H200, session 17); the other flags stay."""
+    without flag "t" (its transposed atomics measured slower on the H200, bench/results/kernels.md 2026-12-05 "The attention backward's dQ path"); the other flags stay."""
     from trainer.model import attention_triton as T
 
     cpu = torch.device("cpu")
@@ -136,7 +136,7 @@ def test_fwd_split_from_the_environment_and_bad_text_is_named(monkeypatch):
 
     monkeypatch.delenv(T.FWD_SPLIT_ENV, raising=False)
     assert T.fwd_ladder() == T.FWD_CONFIGS
-    assert all(c.split for c in T.FWD_CONFIGS)  # the default since session 17
+    assert all(c.split for c in T.FWD_CONFIGS)  # the default since 2026-12-05
     monkeypatch.setenv(T.FWD_SPLIT_ENV, "0")
     assert not any(c.split for c in T.fwd_ladder())
     assert [(c.block_m, c.block_n) for c in T.fwd_ladder()] == [(c.block_m, c.block_n) for c in T.FWD_CONFIGS]

@@ -119,7 +119,7 @@ def test_bench_attention_runs_both_layouts_on_cpu(capsys) -> None:
     ],
 )
 def test_gpu_bench_scripts_run_their_cpu_smoke_test(tmp_path, script: str, args: list[str]) -> None:
-    """The scripts the GPU sessions run: a broken import or flag here would cost a device call."""
+    """The scripts the GPU runs use: a broken import or flag here would fail a GPU run."""
     repo = Path(__file__).resolve().parents[2]
     extra = ["--dir", str(tmp_path)] if script == "checkpoint_pause.py" else ["--log-dir", str(tmp_path)]
     done = subprocess.run(
@@ -137,7 +137,7 @@ def test_gpu_bench_scripts_run_their_cpu_smoke_test(tmp_path, script: str, args:
         assert row["samples_s"] == pytest.approx(row["block_tok_s"] / (16 * 4), rel=0.01) and row["samples_s"] > 0
 
 
-BENCH_TIMEOUT_S = 420  # its CPU smoke test took ~100 s at load ~12 with a cold Inductor cache (bench/RESULTS.md)
+BENCH_TIMEOUT_S = 420  # its CPU smoke test took ~100 s at load ~12 with a cold Inductor cache on the 2-core CPU machine
 
 
 @pytest.mark.slow
@@ -201,7 +201,7 @@ def test_the_restart_cycle_bench_runs_its_cpu_smoke_test(tmp_path) -> None:
 
 def test_the_restart_cycle_bench_edits_a_line_the_drafter_has() -> None:
     """`--modes code-change-inside` (run on the GPU machine, not here) edits one line of drafter.py's MLP: that
-    line must still be there, once, or the device call fails at the bench's own assertion."""
+    line must still be there, once, or the GPU run fails at the bench's own assertion."""
     source = (REPO / "bench" / "restart_cycle.py").read_text()
     constants = {
         node.targets[0].id: ast.literal_eval(node.value)
@@ -215,7 +215,7 @@ def test_the_restart_cycle_bench_edits_a_line_the_drafter_has() -> None:
 
 
 def test_the_session_8_variant_builds_the_mask_before_the_forward() -> None:
-    """triton-s8 wraps DFlashDrafter.forward so that the mask is built first (the order before session 9): same
+    """triton-s8 wraps DFlashDrafter.forward so that the mask is built first (the order before 2026-12-02's last 8-15 ms work): same
     hidden states, and the mask is built before the context's fc runs."""
     import functools
 

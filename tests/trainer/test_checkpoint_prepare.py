@@ -1,6 +1,6 @@
 """CheckpointWriter.prepare: host buffers made ahead of the first snapshot are the ones it fills (matched by
 position in the checkpoint's nest), and a snapshot that comes while they are being made waits for them.
-Pinning itself needs CUDA (measured on the H200: bench/RESULTS.md); on the CPU `prepare` has nothing to pin."""
+Pinning itself needs CUDA (measured on the H200: bench/results/pipeline.md 2026-11-29); on the CPU `prepare` has nothing to pin."""
 
 from __future__ import annotations
 

@@ -192,7 +192,7 @@ def test_target_compile_is_on_by_default_for_a_cuda_target_only() -> None:
     assert target_compile_enabled("auto", "cuda:1") and target_compile_enabled("auto", torch.device("cuda", 0))
     assert not target_compile_enabled("auto", "cpu") and not target_compile_enabled("auto", torch.device("cpu"))
     assert target_compile_enabled("on", "cpu") and not target_compile_enabled("off", "cuda:0")
-    # session 17's checkpoints stored the flag as a bool
+    # checkpoints written before `auto` stored the flag as a bool
     assert TrainConfig.from_dict({**cfg.to_dict(), "target_compile": True}).target_compile == "on"
     assert TrainConfig.from_dict({**cfg.to_dict(), "target_compile": False}).target_compile == "off"
 

@@ -89,7 +89,7 @@ def test_bfloat16_matches_the_unrounded_coefficients_gradients_to_rounding(inter
     """bf16 in, float32 products, sums and coefficient (base + delta unrounded, as Inductor's code for the layer
     computes it), one rounding per gradient. The interpreter's float32 -> bf16 casts truncate where the GPU rounds
     to nearest (kernel values one or two bf16 steps nearer zero), so the bound is 2^-6, not one rounding; the GPU's
-    parity is bench/s17_conv_bwd.py's (against Inductor's compiled backward)."""
+    parity is bench/conv_bwd_cost.py's (against Inductor's compiled backward)."""
     case, got = interpreted["cases"]["k2-b8-bf16"], interpreted["out"]["k2-b8-bf16"]
     wide = [case[k].float() for k in ("g", "y", "delta")]
     want = conv_gradients(*wide[:2], wide[2], case["base"], case["block_size"], case["group_size"])

@@ -104,7 +104,7 @@ def test_bfloat16_gives_the_float32_gradients_to_rounding(interpreted):
     rounded to bf16), float32 products and sums, d delta rounded once. The interpreter's float32 -> bf16 casts
     truncate where the GPU rounds to nearest (d delta up to 2^-8 low, one-sided), so each gradient is bounded by
     2^-6 of the sum of its products' magnitudes (the same sums of |g| |n|), not of its own (cancelling) value; the
-    GPU's parity against Inductor's code is bench/s19_conv_in.py's."""
+    GPU's parity against Inductor's code is bench/conv_in_cost.py's."""
     case, got = interpreted["cases"]["k2-b8-bf16-2-pieces"], interpreted["out"]["k2-b8-bf16-2-pieces"]
     B, S = case["block_size"], case["group_size"]
     xhat = inductor_xhat(case["x"], case["rstd"]).float()

@@ -123,7 +123,7 @@ def test_the_layers_convolution_has_the_reference_values_and_gradients(
 def test_the_layers_convolution_saves_no_shifted_copy_for_the_backward() -> None:
     """What the min-cut partitioner keeps for the backward of norm -> convolution (the input side, as compiled in
     the layer): autograd's form saves the constant_pad_nd of the normed input (the partitioner never recomputes a
-    pad: a [rows, H] float32 copy written in the forward and read in the backward, bench/RESULTS.md session 15);
+    pad: a [rows, H] float32 copy written in the forward and read in the backward, bench/results/kernels.md 2026-12-04 "DFlash2's convolutions rewritten for Inductor");
     GroupedDynamicConv saves only what the norm's backward keeps anyway."""
     from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd

@@ -265,7 +265,7 @@ def test_default_chunk_rows_are_whole_blocks_within_budget():
 
 
 def test_fused_chunk_rows_are_4096_unless_the_vocabulary_is_large():
-    assert fused_chunk_rows(151936, 32) == 4096  # the measured best on the H200 (bench/RESULTS.md)
+    assert fused_chunk_rows(151936, 32) == 4096  # the measured best on the H200 (bench/results/kernels.md 2026-11-29)
     assert fused_chunk_rows(248320, 32) == 2688  # 2.5 GiB / (4 B * V) = 2702 rows -> 84 blocks
     assert fused_chunk_rows(151936, 24) == 4080  # whole blocks
 
@@ -384,7 +384,7 @@ def test_slot_zero_is_never_computed_and_gets_no_gradient():
 
 @pytest.mark.parametrize("terms", list(TERMS))
 def test_computing_the_anchor_slot_changes_nothing_but_the_work(terms, monkeypatch):
-    """loss.SKIP_ANCHOR_SLOT off (the bench's session-8 variant) computes slot 0's logits too: the same loss, sums,
+    """loss.SKIP_ANCHOR_SLOT off (the bench's `triton-s8` variant) computes slot 0's logits too: the same loss, sums,
     gradient and `correct` on the supervised slots."""
     from trainer import loss as loss_module
 

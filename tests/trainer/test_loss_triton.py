@@ -493,7 +493,7 @@ def test_kl_kernel_default_config_compiles_for_sm90_without_spills(tmp_path):
 
 
 def test_the_topk_kernel_has_its_own_config(monkeypatch):
-    """DFlash2's CE kernel with the running top-k: TOPK_CONFIG (2048:4, bench/RESULTS.md session 15) unless
+    """DFlash2's CE kernel with the running top-k: TOPK_CONFIG (2048:4, bench/results/kernels.md 2026-12-04 "DFlash2's convolutions rewritten for Inductor") unless
     $DFLASH_CE_TOPK_TRITON says otherwise; an explicit config for the CE kernel, or one for the top-k kernel, wins."""
     from trainer import loss_triton
     from trainer.loss import make_chunk_kernels

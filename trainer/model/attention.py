@@ -393,7 +393,7 @@ def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 MaskForm = Literal["intervals", "predicate"]
 # How flex BlockMasks are built: "intervals" (QueryBounds; the default) or "predicate" (`visible` per element,
-# the form before session 8, kept as the general fallback and for side-by-side benches).
+# the form before bench/results/step.md 2026-12-02 "The 8B seed step toward 56% MFU", kept as the general fallback and for side-by-side benches).
 FLEX_MASK_FORM: MaskForm = "intervals"
 # Build flex BlockMasks for Q and K rounded up to TILE (attend() pads q, k, v to match): see pad_to_tiles. Off only
 # in side-by-side benches.
@@ -531,7 +531,7 @@ def build_draft_mask(
 
 # The attention kernel on CUDA (--attention-kernel / $DFLASH_ATTENTION_KERNEL): "flex" (flex_attention with a
 # BlockMask), "triton" (trainer/model/attention_triton.py: our kernel for the interval form) or "auto" (triton on
-# Hopper, where it was measured: bench/RESULTS.md sessions 17-19; flex elsewhere, e.g. Blackwell's ~100 KB parts,
+# Hopper, where it was measured: bench/results/kernels.md 2026-12-05 ("The attention backward's dQ path" and after); flex elsewhere, e.g. Blackwell's ~100 KB parts,
 # where only the one-stage rung fits and it was never timed). The variable overrides the flag's default only.
 ATTENTION_KERNEL_ENV = "DFLASH_ATTENTION_KERNEL"
 ATTENTION_KERNEL: str = os.environ.get(ATTENTION_KERNEL_ENV, "").strip()

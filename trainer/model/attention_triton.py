@@ -19,7 +19,8 @@ dQ is added into an fp32 buffer by the TMA unit's bulk reduce-add (Hopper and la
 under the interpreter); the default schedule computes it transposed into [R, Hq, D, Q], folds the softmax scale
 into P, and issues the matmuls in the order that lets dV and dK overlap other work (BwdConfig's flags). The full
 pairs (every row sees every key of the tile) are walked first, without the mask and without loading the rows'
-bounds; the partial ones after, masked. bench/RESULTS.md sessions 15 and 17 have the measurements behind each of
+bounds; the partial ones after, masked. bench/results/kernels.md 2026-12-04 "The attention backward's schedule" and
+2026-12-05 "The attention backward's dQ path" have the measurements behind each of
 these choices.
 
 Launch configurations come from a ladder per kernel, fastest first on the H200, walked by
@@ -67,7 +68,7 @@ def build_table(
 ) -> IntervalTable:
     """IntervalTable from the bounds (torch ops on their device, no host sync; R x Qpad x Kt interval tests).
 
-    A full pair needs no mask: the backward walks those without loading the rows' bounds (session 15: the
+    A full pair needs no mask: the backward walks those without loading the rows' bounds (bench/results/kernels.md 2026-12-04 "The attention backward's schedule": the
     bounds, broadcast over a 128-key tile, cost each thread ~64 registers and ~50 shared-memory loads per tile
     pair; at the seed shape ~93% of the pairs are full). Rows past q_len count as covered (their q and dO load
     as zeros, so they contribute nothing unmasked); a key tile that runs past kv_len is never full."""
@@ -145,10 +146,10 @@ class BwdConfig:
 
 DQ_MODES = {"none": 0, "atomic": 1, "tma": 2}
 
-# Fastest first (H200, sessions 15 and 17); the later rungs for ~100 KB of shared memory (Blackwell), the last for
-# anything. The forward walks its full key tiles unmasked (session 17: 6.10 against 6.67 ms at the seed shape); the
-# backward's rung 0 is `128,64,8,2,tma,tfo` (session 17: 14.30 ms against session 15's `128,64,8,2,tma` at 16.39,
-# still selectable through $DFLASH_ATTENTION_BWD_CONFIG); rung 1 keeps session 15's one-stage schedule (19.8 ms,
+# Fastest first (H200, bench/results/kernels.md 2026-12-04 and 2026-12-05); the later rungs for ~100 KB of shared memory (Blackwell), the last for
+# anything. The forward walks its full key tiles unmasked (6.10 against 6.67 ms at the seed shape); the
+# backward's rung 0 is `128,64,8,2,tma,tfo` (14.30 ms against the earlier rung 0 `128,64,8,2,tma` at 16.39,
+# still selectable through $DFLASH_ATTENTION_BWD_CONFIG); rung 1 keeps the 2026-12-04 one-stage schedule (19.8 ms,
 # "tf" did not help it: 19.9).
 FWD_CONFIGS = (
     FwdConfig(128, 128, 8, 2, True),
@@ -168,7 +169,7 @@ FWD_SPLIT_ENV = "DFLASH_ATTENTION_FWD_SPLIT"
 
 def fwd_ladder() -> tuple[FwdConfig, ...]:
     """FWD_CONFIGS, each with `split` set to $DFLASH_ATTENTION_FWD_SPLIT ("1" or "0") where that is set (the step
-    bench's knob: "0" is the masked forward of session 15)."""
+    bench's knob: "0" is the masked forward measured on 2026-12-04)."""
     text = os.environ.get(FWD_SPLIT_ENV, "").strip()
     if text not in ("", "0", "1"):
         raise ValueError(f"${FWD_SPLIT_ENV}={text!r}: expected 0 or 1")
@@ -647,7 +648,7 @@ def forward(q, k, v, ctx_lo, ctx_hi, blk_lo, blk_hi, scale: float, config: FwdCo
 def effective(c: BwdConfig, device: torch.device) -> BwdConfig:
     """`c` as it can run on `device`: the TMA reduce needs Hopper or later and a compiled kernel (Triton's CPU
     interpreter has no descriptor reduce), elsewhere the same tiles accumulate dQ with atomics, without flag "t"
-    (its transposed atomics were slower on the H200: `atomic-tf` 18.4 against `atomic` 17.4 ms, session 17)."""
+    (its transposed atomics were slower on the H200: `atomic-tf` 18.4 against `atomic` 17.4 ms, bench/results/kernels.md 2026-12-05 "The attention backward's dQ path")."""
     if c.dq != "tma":
         return c
     if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
@@ -861,7 +862,7 @@ def interval_attention(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     # One dtype for the kernels, the narrowest of the three: in the bf16-autocast step q and k leave q_norm/k_norm in
     # fp32 (fp32 weight x bf16) while v stays bf16; the fp32 q/k tiles also doubled the backward's shared memory
-    # (262,144 B against the H200's 232,448, session 12 call 1). Gradients return in each input's dtype.
+    # (262,144 B against the H200's 232,448, bench/results/kernels.md 2026-12-03 "Our own Triton attention"). Gradients return in each input's dtype.
     dtype = min((q.dtype, k.dtype, v.dtype), key=lambda d: torch.finfo(d).bits)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     o, _ = _attention_op(

@@ -1,4 +1,4 @@
-"""The backward of DFlash2's output-side block convolution as one Triton kernel (issue 32 item 4, session 17).
+"""The backward of DFlash2's output-side block convolution as one Triton kernel (issue 32 item 4).
 
 For out[j] = sum_{t < K, t <= j % B} y[j - t] * (base[t] + delta[j, t, group]) (trainer/model/dflash2.py:
 grouped_dynamic_conv) and its output gradient g, one pass over g and y gives all three gradients:
@@ -10,7 +10,7 @@ grouped_dynamic_conv) and its output gradient g, one pass over g and y gives all
 Why only the output side (`BlockConv.finish`): its backward reads only materialised tensors (g, the residual
 stream's gradient; y, the sublayer's GEMM output, saved anyway; the deltas) and its dy feeds a GEMM, so a kernel
 of our own loses no fusion there. Inductor's code for it (GroupedDynamicConv.backward, compiled in the layer) runs at
-~1.6-1.8 TB/s: its per-row and per-group scalars are re-loaded per element (bench/RESULTS.md session 15). Here a
+~1.6-1.8 TB/s: its per-row and per-group scalars are re-loaded per element (bench/results/kernels.md 2026-12-04 "DFlash2's convolutions rewritten for Inductor"). Here a
 program owns a strip of channels (NG groups of S) and walks a chunk of row tiles; a tile is 2-D, [KP x BM, NG x S],
 its rows the (tap, row) pairs tap-major (KP: the taps padded to a power of two). Every [rows, H]-sized operand is
 such a tile: g (the same rows for every tap: L1 hits), y[j - t] and g[j + t] (rows shifted: L1/L2 hits, not DRAM
@@ -49,10 +49,10 @@ import torch
 
 from trainer import triton_fit
 
-# (rows per tile, warps, groups per tile, programs per SM), the fastest on the H200 first (bench/s17_conv_bwd.py,
-# session 17 call 2, back to back at the qwen3-8b seed shape, the coefficient in float32: 2:2:16:24 0.335 ms,
+# (rows per tile, warps, groups per tile, programs per SM), the fastest on the H200 first (bench/conv_bwd_cost.py,
+# bench/results/kernels.md 2026-12-05 "The output-side convolution's backward as one Triton kernel", run 2: back to back at the qwen3-8b seed shape, the coefficient in float32: 2:2:16:24 0.335 ms,
 # 4:4:16:12 0.365, 4:8:32:6 0.375, 8:4:16:10 0.428, 4:4:16:8 0.463, 4:8:32:4 0.482, 2:4:16:12 1.37; Inductor's
-# code 0.394). With the bf16-rounded coefficient of call 1 (base held as bf16: 16 fewer registers a thread)
+# code 0.394). With the bf16-rounded coefficient of run 1 (base held as bf16: 16 fewer registers a thread)
 # 4:4:16:8 took 0.325. Compiled offline for sm_90 (triton 3.6, K = 2, 16-channel groups, bf16): 4:4:16 and 2:2:16
 # 80 registers, 8:4:16 130, none spilled; 4-16 KB of shared memory (the per-group tiles' layout changes, d base's
 # final sum), so every rung fits a ~100 KB Blackwell too; the ladder (trainer/triton_fit.py) is there for what
@@ -145,7 +145,7 @@ def _kernel():
             d2 = tl.load(delta_ptr + (r64 + tap) * stride_d + tap * G + grp, mask=dst_ok, other=0.0)  # [QT,NG]
             d = tl.reshape(tl.broadcast_to(tl.expand_dims(d2, 2), (QT, NG, S)), (QT, BH))
             # base + delta unrounded, as Inductor computes the compiled forward's coefficient (it keeps float32
-            # through the fused kernel: eager bf16 would round base and the sum; session 17's first GPU call
+            # through the fused kernel: eager bf16 would round base and the sum; the first GPU run of this kernel
             # rounded them here, and dy moved off Inductor's by up to a few bf16 steps, 1.7x its error)
             coef = base + d.to(acc_t)
             dy = tl.sum(tl.reshape(gs * coef, (KP, BM, BH)), axis=0)  # [BM,BH]

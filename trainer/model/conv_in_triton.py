@@ -1,4 +1,4 @@
-"""The input-side block convolution's kernel gradients as one Triton kernel (issue 32 item 4, session 19).
+"""The input-side block convolution's kernel gradients as one Triton kernel (issue 32 item 4).
 
 `BlockConv.prepare` convolves the sublayer's normed input n = w * xhat, xhat = x * rstd (the RMSNorm's output,
 float32 under bf16 autocast: x the residual stream, rstd its per-row 1/rms, w the norm's weight). For the output
@@ -12,8 +12,8 @@ this kernel gives
 in one pass over g and x, xhat recomputed per element from x and rstd (as Inductor's code recomputes it: never
 materialised, not in the forward either). dn itself (times w: xhat's gradient, fed to the norm's row reductions
 with the kernel projection's half and then to the skip add) stays Inductor's, fused into the norm's backward:
-taking it here would cut that fusion (an extra [rows, H] write and read). What it replaces (bench/RESULTS.md
-session 19, Inductor's code of one qwen3-8b layer): a per-group reduction kernel for d delta, and a column
+taking it here would cut that fusion (an extra [rows, H] write and read). What it replaces (bench/results/kernels.md 2026-12-05 "The input-side convolution's kernel gradients as one Triton kernel",
+Inductor's code of one qwen3-8b layer): a per-group reduction kernel for d delta, and a column
 reduction for d base and d w that read the pieces and x again plus dn, which the norm's backward wrote in float32
 for it (now the norm weight's other half, the kernel projection's input gradient times xhat, is autograd's and
 Inductor sums it from that gradient and x). Why these three here: d base sums the same products g * n as d delta;
@@ -49,11 +49,10 @@ from trainer import triton_fit
 # supported(): the same tile as conv_bwd_triton's takes the same shapes (else the caller keeps Inductor's backward)
 from trainer.model.conv_bwd_triton import _rows, supported, tile_grid, triton_next_pow2
 
-# (rows per tile, warps, groups per tile, programs per SM): conv_bwd_triton's ladder (its order is session 17's
-# measurement of that kernel), until this one is measured on the GPU (bench/s19_conv_in.py; not yet: session 19
-# had no device). Compiled offline for sm_90 (triton 3.9, ptxas 12.8, K = 2, 16-channel groups, bf16, strides
+# (rows per tile, warps, groups per tile, programs per SM): conv_bwd_triton's ladder (its order is
+# bench/results/kernels.md 2026-12-05 "The output-side convolution's backward as one Triton kernel"), until this one is measured on the GPU (bench/conv_in_cost.py; not measured yet). Compiled offline for sm_90 (triton 3.9, ptxas 12.8, K = 2, 16-channel groups, bf16, strides
 # divisible by 16 as the JIT specialises them), 2 or 3 pieces: 2:2:16, 4:4:16 and 4:8:32 128 registers, 2:4:16
-# 110, no spills, 1-4 KB of shared memory, 16-byte loads of the pieces and x; 8:4:16 (session 17's last rung)
+# 110, no spills, 1-4 KB of shared memory, 16-byte loads of the pieces and x; 8:4:16 (conv_bwd_triton's last rung)
 # spilled (168 registers, 2 pieces) or took 255 (3 pieces): left out.
 # $DFLASH_CONV_IN_CONFIG="ROWS:WARPS:GROUPS:PER_SM" puts one configuration first.
 Config = tuple[int, int, int, int]
@@ -165,7 +164,7 @@ def inductor_xhat(x: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
     """The norm's normalised input as Inductor's code for the compiled layer computes it, forward and backward, and
     as the kernel recomputes it: x * rstd in rstd's dtype, NOT rounded to x's dtype (Inductor drops the round trip
     of a value it never stores: its code reads `tmp.to(tl.float32)` where eager RMSNorm rounds to bf16,
-    bench/RESULTS.md session 19). The same as eager's for float32 and float64 x; for bf16 x one rounding apart
+    bench/results/kernels.md 2026-12-05 "The input-side convolution's kernel gradients as one Triton kernel"). The same as eager's for float32 and float64 x; for bf16 x one rounding apart
     (relative 2^-9 at most)."""
     return x.to(rstd.dtype) * rstd
 

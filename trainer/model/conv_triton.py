@@ -5,7 +5,7 @@ custom op, forward and backward, so the compiled layer sees one opaque call per 
 
 x [M, H] (M = rows x N*B, block-major: blocks never straddle rows), delta [M, K, G] (G = H / group_size), base
 [K, H]. Why: torch.compile's code for the same expression spends ~1.25 ms per convolution (forward + backward) at
-the qwen3-8b seed shape ([32832, 4096] bf16, 20 convolutions: +25 ms per step, bench/RESULTS.md session 13): the
+the qwen3-8b seed shape ([32832, 4096] bf16, 20 convolutions: +25 ms per step, bench/results/kernels.md 2026-12-04 "DFlash2's top-k inside the fused CE kernel"): the
 padded shift, the broadcast coefficient and the three gradients (x, the per-group deltas, the per-channel base)
 come out as several kernels that each re-read x and g. Here the forward reads x (and its K-1 shifted copies,
 L1/L2 hits) and the deltas once and writes out once; the backward reads g, x and the deltas once and writes dx
@@ -38,7 +38,7 @@ def _kernels():
 
     # Tiles are 3-D, [BM rows, NG groups, GROUP channels] (NG * GROUP = BH contiguous channels): the deltas load as a
     # [BM, NG] tile and broadcast over the last axis, the per-group sums reduce it. (The first version indexed the
-    # deltas per channel, cols // GROUP: scalar, unvectorised loads, 3.7x slower than Inductor's code, call 2.)
+    # deltas per channel, cols // GROUP: scalar, unvectorised loads, 3.7x slower than Inductor's code: bench/results/kernels.md 2026-12-04 "DFlash2's top-k inside the fused CE kernel", run 2.)
     @triton.jit
     def conv_fwd(
         x_ptr,

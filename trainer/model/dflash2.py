@@ -32,18 +32,18 @@ from trainer.model.conv_grad import conv_gradients, conv_input_gradient
 
 ARCHS = ("dflash", "dflash2")
 # The convolutions' kernels ($DFLASH_CONV_KERNEL): "torch" (GroupedDynamicConv, compiled into the layer), "autograd"
-# (grouped_dynamic_conv through autograd, the form before session 15, kept for A/B benches) or "triton"
+# (grouped_dynamic_conv through autograd, the form before the GroupedDynamicConv rewrite, kept for A/B benches) or "triton"
 # (trainer/model/conv_triton.py: one fused kernel each way behind a custom op; CUDA only, CPU runs torch).
 CONV_KERNELS = ("torch", "autograd", "triton")
 CONV_KERNEL: str = os.environ.get("DFLASH_CONV_KERNEL", "torch").strip() or "torch"
 # The output-side convolution's backward under "torch" ($DFLASH_CONV_BACKWARD): "triton" (one kernel for its three
 # gradients, trainer/model/conv_bwd_triton.py, where it fits: CUDA, shapes in `supported`; else Inductor's) or
-# "inductor" (GroupedDynamicConv.backward compiled into the layer, the form before session 17, for A/B benches).
+# "inductor" (GroupedDynamicConv.backward compiled into the layer, the form before conv_bwd_triton, for A/B benches).
 CONV_BACKWARDS = ("triton", "inductor")
 CONV_BACKWARD: str = os.environ.get("DFLASH_CONV_BACKWARD", "triton").strip() or "triton"
 # The input-side convolution's backward under "torch" ($DFLASH_CONV_INPUT_BACKWARD): "inductor" (GroupedDynamicConv
 # on the norm's output, its backward compiled into the layer: the default until the kernel below is measured on the
-# GPU, bench/RESULTS.md session 19), "triton" (its kernel gradients and the norm weight's through it in one kernel,
+# GPU, bench/results/kernels.md 2026-12-05 "The input-side convolution's kernel gradients as one Triton kernel"), "triton" (its kernel gradients and the norm weight's through it in one kernel,
 # trainer/model/conv_in_triton.py, where it fits: CUDA, shapes in `supported`; the sublayer then gets the
 # convolution's output in the autocast dtype, one view for each of its GEMMs, see NormedConv; elsewhere "inductor")
 # or "torch" (NormedConv with its backward in torch, any device: the CPU's check of the wiring).
@@ -59,7 +59,7 @@ def grouped_dynamic_conv(
     out_j = sum_{t < K, t <= j % B} x_{j-t} * (base[t] + delta[j, t, group(h)]), block-local.
 
     The plain expression, differentiated by autograd: the reference of `GroupedDynamicConv` (the layers' form) and
-    of trainer/model/conv_triton.py, and the layers' form before session 15 ($DFLASH_CONV_KERNEL=autograd)."""
+    of trainer/model/conv_triton.py, and the layers' form before it ($DFLASH_CONV_KERNEL=autograd)."""
     R, Q, H = x.shape
     K, G = base.shape[0], H // group_size
     blocks = x.view(R, Q // block_size, block_size, G, group_size)
@@ -73,7 +73,7 @@ def grouped_dynamic_conv(
 
 
 class GroupedDynamicConv(torch.autograd.Function):
-    """grouped_dynamic_conv's values with a backward written for the compiled layer (bench/RESULTS.md session 15,
+    """grouped_dynamic_conv's values with a backward written for the compiled layer (bench/results/kernels.md 2026-12-04 "DFlash2's convolutions rewritten for Inductor",
     from Inductor's code of one qwen3-8b-sized layer: the DFlash2 layer moved ~14.6 GB more than DFlash's per
     step through its element-wise kernels, ~6.8 GB now).
 
@@ -286,7 +286,7 @@ class BlockConv(nn.Module):
             from trainer.model.conv_triton import block_conv
 
             return block_conv(x, delta, base, block_size=self.block_size, group_size=self.group_size)
-        if self.kernel == "autograd":  # the form before session 15: autograd through the forward expression
+        if self.kernel == "autograd":  # the original form: autograd through the forward expression
             return grouped_dynamic_conv(x, delta, base, block_size=self.block_size, group_size=self.group_size)
         triton_backward = finish and self._triton_backward(x, base.shape[0])
         return GroupedDynamicConv.apply(x, delta, base, self.block_size, self.group_size, triton_backward)

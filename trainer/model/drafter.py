@@ -368,7 +368,7 @@ class DrafterAttention(nn.Module):
         q = self.q_norm(self.q_proj(xq).view(R, Q, hq, d)).transpose(1, 2)  # [R,hq,Q,D]
         # Context re-projected by this layer's own k/v; k_norm on context keys too. Separate GEMMs + cat of the
         # (narrower, GQA) k/v rather than one GEMM over cat([ctx, x]): the cat copies hkv*d instead of H columns.
-        # (q/k/v as one GEMM over concatenated weights was measured in session 9: no net gain, bench/RESULTS.md.)
+        # (q/k/v as one GEMM over concatenated weights was measured: no net gain, bench/results/step.md 2026-12-02 "The last 8-15 ms of the 8B seed step".)
         k = torch.cat([self.k_proj(ctx).view(R, S, hkv, d), self.k_proj(xk).view(R, Q, hkv, d)], dim=1)
         v = torch.cat([self.v_proj(ctx).view(R, S, hkv, d), self.v_proj(xv).view(R, Q, hkv, d)], dim=1)
         k = self.k_norm(k).transpose(1, 2)  # [R,hkv,S+Q,D]

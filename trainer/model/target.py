@@ -154,7 +154,7 @@ class TargetModel:
 
         Eager HF runs ~30 small element-wise kernels a layer (the norms in fp32, rotary, SiLU x up, the residual
         adds) between the GEMMs: the qwen3-8b-shaped target's forward at the specforge shape ran at 417 TFLOP/s
-        where its GEMMs alone reach ~600 (bench/RESULTS.md session 17). One call for all layers, as the drafter's
+        where its GEMMs alone reach ~600 (bench/results/pipeline.md 2026-12-05 "The target's forward alone"). One call for all layers, as the drafter's
         `call_layer`: dynamo takes the layer module as an input, so the 36 layers share one graph per input shape
         instead of one each. A private copy (trainer/compile_scope.py), so targets in different threads never
         share a dynamo cache. The layers' forward hooks (the taps) still run: they wrap the compiled forward.

@@ -121,12 +121,12 @@ class PipelineEngine:
         if setup.resume_from is not None and not self.cluster.distributed:
             # Resuming on one node: every weight is overwritten by the checkpoint, so each replica is made on its
             # device (a GPU's init takes milliseconds) instead of a CPU init and a copy per replica (qwen3-8b:
-            # ~16 s of a restart, bench/RESULTS.md session 6). The RNG is restored from the checkpoint after.
+            # ~16 s of a restart, bench/results/restart.md 2026-12-02 "The whole restart cycle of the 8B-shaped pipeline"). The RNG is restored from the checkpoint after.
             replicas = [self._drafter_on(d) for d in self.drafter_devices]
         else:
             torch.manual_seed(cfg.seed)  # the drafter's init is a function of --seed, as in the single-process engine
             # One node: initialised on the first drafter device (a GPU takes milliseconds, the CPU ~17 s for the
-            # qwen3-8b drafter's 1.05 B parameters: bench/RESULTS.md session 7), so the values depend on the seed
+            # qwen3-8b drafter's 1.05 B parameters: bench/results/restart.md 2026-12-02 "Where the child's start goes"), so the values depend on the seed
             # and the device type. Several nodes: on the CPU, which the weight broadcast (gloo) sends from.
             home = torch.device("cpu") if self.cluster.distributed else self.drafter_devices[0]
             with torch.device(home):

@@ -112,10 +112,10 @@ def _hierarchical_sum(buffers: list[torch.Tensor], across: Across) -> None:
 
 # How `_finish` waits (`$DFLASH_SYNC_WAIT`): "stream" (the default) waits for this thread's own queue only, which
 # holds every write made here: the copies and foreach ops run on this thread's current stream, and the NCCL calls
-# (torch.cuda.nccl, and the process group's collectives behind `across`) are ordered on it too. "device" (before
-# session 15) waited for every stream of the device, the target thread's forward included: in the one-GPU specforge
+# (torch.cuda.nccl, and the process group's collectives behind `across`) are ordered on it too. "device" (the earlier
+# default) waited for every stream of the device, the target thread's forward included: in the one-GPU specforge
 # pipeline the main thread then spent 36-37 ms per step in the sync against 12.4-12.5, at +0.5-2.0% samples/s and
-# the same bits (bench/RESULTS.md, session 15, the coordinator's call).
+# the same bits (bench/results/pipeline.md 2026-12-04 "The replica sync waits on its own stream").
 SYNC_WAITS = ("device", "stream")
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from dflashops.inventory import Profile, Target
 
 GIB = 1024**3
-# A qwen3-8b checkpoint is 12.6 GB (bench/RESULTS.md); below 1 GiB even the tiny preset's logs and a
+# A qwen3-8b checkpoint is 12.6 GB (bench/results/pipeline.md 2026-11-29); below 1 GiB even the tiny preset's logs and a
 # checkpoint can fail. The cache holds Inductor/Triton kernels: a few hundred MB to a few GB per code hash.
 WORKSPACE_FAIL, WORKSPACE_WARN = 1 * GIB, 20 * GIB
 CACHE_FAIL, CACHE_WARN = 1 * GIB, 5 * GIB

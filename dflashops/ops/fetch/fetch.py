@@ -3,7 +3,7 @@
 1. `fetch-manifest` on the target: size of every file to bring, and the sha256 sums it has cached; the
    missing sums are computed there (next to the data, cached in the run directory so a resumed fetch does
    not hash 12 GB again) by a second call on its own channel WHILE the bytes flow: hashing 1 GB first
-   would hold the transfer ~1 s per GB (bench/RESULTS.md).
+   would hold the transfer ~1 s per GB (bench/results/control-plane.md 2026-12-01 "Fetch").
 2. Per file: bytes go to `.<name>.partial` beside the final name, never under it; a partial left by a cut
    (this call's or an earlier one's, same sha256 recorded beside it) is continued from its size, never
    restarted. Each piece is one `read-file` stream (raw bytes from an offset, `sendfile` on the target).

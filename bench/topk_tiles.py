@@ -1,7 +1,7 @@
-"""Session 15 (issue 32 item 4): the fused CE kernel's in-kernel top-16 (trainer/loss_triton.py fused_ce_topk) by
+"""Issue 32 item 4 (bench/results/kernels.md 2026-12-04): the fused CE kernel's in-kernel top-16 (trainer/loss_triton.py fused_ce_topk) by
 tile width, on the H200, one chunk of the qwen3-8b seed shape (bf16 logits [3968, 151936]).
 
-    python3 bench/s15_topk_tiles.py [--rows 3968] [--iters 10]
+    python3 bench/topk_tiles.py [--rows 3968] [--iters 10]
 
 Each insertion into the running top-k costs a reduction over one tile (BLOCK_V wide), and an unordered row takes
 ~k (1 + ln(tiles)) insertions: narrower tiles and fewer warps make each insertion cheaper (one warp reduces

@@ -1,6 +1,6 @@
-"""Session 13 (issue 32 item 4): DFlash2's unary top-k inside the fused CE kernel, against torch.topk, on the H200.
+"""Issue 32 item 4 (bench/results/kernels.md 2026-12-04): DFlash2's unary top-k inside the fused CE kernel, against torch.topk, on the H200.
 
-    python3 bench/s13_topk.py [--rows 3968] [--topk 16] [--iters 10]
+    python3 bench/topk_cost.py [--rows 3968] [--topk 16] [--iters 10]
 
 One chunk of the qwen3-8b seed shape's loss (bf16 logits [rows, 151936]), two logit distributions: N(0, 1)
 (unordered rows: the running top-k takes the most insertions) and a drafter-like one (N(0, 1) plus a Zipf-ish

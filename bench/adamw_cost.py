@@ -1,7 +1,7 @@
-"""Session 15 (issue 31 item 3): the optimizer step of the qwen3-8b drafter alone, torch's fused AdamW against
+"""Issue 31 item 3 (bench/results/pipeline.md 2026-12-04): the optimizer step of the qwen3-8b drafter alone, torch's fused AdamW against
 trainer/adamw_triton.py's kernel, on the H200.
 
-    python3 bench/s15_adamw.py [--iters 10] [--configs 4096:8,2048:4,8192:8]
+    python3 bench/adamw_cost.py [--iters 10] [--configs 4096:8,2048:4,8192:8]
 
 The drafter's 58 trainable fp32 tensors (1.05 B parameters, random values, gradients and moments), the clip as
 the step runs it (get_total_norm, then the coefficient as grad_scale). Parity: one step of each from the same

@@ -1,30 +1,28 @@
 #!/usr/bin/env bash
-# One device call = one of these sections; each step has its own timeout so one hang cannot eat the call.
-# Usage (on the GPU machine, repo root): bash bench/gpu_session.sh SECTION...   (logs under $OUT when set)
-# Session 19 calls (coordinator, issue 31): `s19-seeds`, then `s19-pipe` (planned as one `s19-attn`, over 600 s).
-# Session 18 calls (coordinator): `s17-target`, then `s18-attn`, then `s18-verify`.
-# Session 17 call (issue 31 item 2): `s17-attn` (run at d2278b9; since then the split forward and `tma,tfo` are
-# the defaults, and the bench times the masked forward beside the default one).
-# Session 15 calls (issue 31 item 2): `env s15-attn`, then `s15-attn` (with the ~99 KB rehearsal).
-# Session 15 calls (issue 31 items 3-4): `env s15-sf`, then `s15-2`, then (the coordinator) `s15-wait`; `s15-next` is
-# what to run next.
-# Session 19 call (issue 32 item 4, helper conv-in): `s19-convin`.
-# Session 17 calls (issue 32 item 4, helper conv-bwd): `s17-conv`, then `s17-conv2`.
-# Session 15 calls (issue 32 item 4): `s15-topk s15-step`, then `s15-step2`.
-# Session 13 calls (issue 32 item 4, issue 31 item 2): `env s13-topk s13-step`, `s13-conv s13-step2`, `s13-conv` (twice,
-# the second with s13-step3 gated on it), `s13-attn`.
-# Session 3 calls: `verify pipeline-triton`, then `verify-pipeline pipeline-triton step8b-more` (the ten cold
-# two-drafter runs again after the stream fix), then `verify-pipeline pipeline-8b`.
-# Session 9 calls: `env s9-attn s9-step` (fused projections, attention input layouts, Inductor's code of the layer),
-# then `s9-step2 s9-27b` (gate/up interleaved, flex's output gradient contiguous), then `s9-step3 s9-27b`
-# (session 8's form against today's, twice each, interleaved against the GPU's drift), then `s9-clocks s9-27b`,
-# then `s9-final s9-27b` (the anchor slot's logits no longer computed) twice, then `s9-chunks` (its c6k and
-# c8k at 6176 and 8224 rows), then `s9-chunks2` (6144 rows as the default against the old sizing, `triton-c4k`,
-# run at b479183; the default went back to 4096 rows after it and triton-c4k is gone).
-# Session 8 calls: `env s8-attn s8-step`, then `s8-attn2 s8-step2`, then `s8-attn2 s8-confirm` (the interval-form BlockMask, compiled context/output, flex options).
-# Session 5 calls: `env profile dist-small`, then `step8b-adamw attn-tune dist-8b` (recorded in bench/RESULTS.md).
-# Session 4 calls: `env pipeline-transfer` (features via the device vs via pinned host memory), then
-# `pipeline-recheck`, then `auto-kernels` (all recorded in bench/RESULTS.md).
+# One GPU run = one or more of these sections; each step has its own timeout so one hang cannot eat the run.
+# Usage (on the GPU machine, repo root): bash bench/gpu_bench.sh SECTION...   (logs under $OUT when set)
+# Section names (`s15-attn`, ...) are the commands that bench/results/*.md cite: keep them. Which sections each
+# dated entry ran, in order:
+#   pipeline.md 2026-11-29: `verify pipeline-triton`, `verify-pipeline pipeline-triton step8b-more` (the ten cold
+#     two-drafter runs again after the stream fix), `verify-pipeline pipeline-8b`; `env pipeline-transfer`
+#     (features via the device vs via pinned host memory), `pipeline-recheck`; step.md: `auto-kernels`.
+#   step.md 2026-12-01: `env profile dist-small`, then `step8b-adamw attn-tune dist-8b`.
+#   step.md 2026-12-02 "The 8B seed step toward 56% MFU": `env s8-attn s8-step`, `s8-attn2 s8-step2`,
+#     `s8-attn2 s8-confirm` (the interval-form BlockMask, compiled context/output, flex options).
+#   step.md 2026-12-02 "The last 8-15 ms of the 8B seed step": `env s9-attn s9-step` (fused projections, attention
+#     input layouts, Inductor's code of the layer), `s9-step2 s9-27b` (gate/up interleaved, flex's output gradient
+#     contiguous), `s9-step3 s9-27b` (the earlier form against the new, twice each, interleaved against the GPU's
+#     drift), `s9-clocks s9-27b`, `s9-final s9-27b` (the anchor slot's logits no longer computed) twice, `s9-chunks`
+#     (its c6k and c8k at 6176 and 8224 rows), `s9-chunks2` (6144 rows as the default against the old sizing,
+#     `triton-c4k`, run at b479183; the default went back to 4096 rows after it and triton-c4k is gone).
+#   kernels.md 2026-12-04 (issue 32 item 4, issue 31 item 2): `env s13-topk s13-step`, `s13-conv s13-step2`,
+#     `s13-conv` (twice, the second with s13-step3 gated on it), `s13-attn`; `env s15-attn`, then `s15-attn` (with
+#     the ~99 KB rehearsal); `s15-topk s15-step`, then `s15-step2`.
+#   pipeline.md 2026-12-04 (issue 31 items 3-4): `env s15-sf`, `s15-2`, `s15-wait`; `s15-next` (run 2026-12-05).
+#   kernels.md 2026-12-05: `s17-attn` (at d2278b9; since then the split forward and `tma,tfo` are the defaults, and
+#     the bench times the masked forward beside the default one); `s17-conv`, then `s17-conv2`; `s17-target`,
+#     `s18-attn`, `s18-verify`; prepared, not run yet: `s19-convin`, and `s19-seeds` then `s19-pipe` (one
+#     `s19-attn` would exceed a 600 s run).
 set -u
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
 OUT=${OUT:-/tmp/bench-out}; mkdir -p "$OUT"
@@ -38,31 +36,31 @@ step() {  # step NAME TIMEOUT CMD...
 }
 for section in "$@"; do
   case $section in
-    # Session 10 (issue 28): the restart cycle through the CLI with the shared compile cache, which the trainer
+    # 2026-12-02 (issue 28): the restart cycle through the CLI with the shared compile cache, which the trainer
     # chooses itself (trainer/compile_cache.py) only when TORCHINDUCTOR_CACHE_DIR is not set by hand.
     s10-cycle) step s10-cycle 560 env -u TORCHINDUCTOR_CACHE_DIR python3 bench/restart_cycle.py --steps 10 \
               --modes handover,code-change-outside,code-change-inside,handover,bad-code,bad-flag --fresh-workspace \
               --prune-checkpoints --json-out "$OUT/s10-cycle.json" ;;
-    # Session 11 (issue 28's missed goal): a cold deploy, one restart inside the compiled code (two code versions'
+    # 2026-12-03 (issue 28's missed goal): a cold deploy, one restart inside the compiled code (two code versions'
     # artifacts saved), then a deploy into a fresh workspace given only the artifacts folder, standby on.
     s11-fresh) step s11-fresh 300 env -u TORCHINDUCTOR_CACHE_DIR python3 bench/restart_cycle.py --steps 10 \
               --modes code-change-inside --fresh-workspace --prune-checkpoints --json-out "$OUT/s11-fresh.json" ;;
-    # Session 12 (issue 31): our Triton interval attention vs flex (parity, fwd/bwd), the ~100 KB shared-memory
+    # 2026-12-03 (issue 31): our Triton interval attention vs flex (parity, fwd/bwd), the ~100 KB shared-memory
     # rehearsal (DFLASH_SMEM_LIMIT=99K), the specforge shape's step (flex vs triton attention, interleaved).
-    s12-attn) step s12-attn 300 python3 bench/s12_attention.py --ref-dir "$OUT"
-            step s12-fit 150 env DFLASH_SMEM_LIMIT=99K python3 bench/s12_attention.py --fit-only --ref-dir "$OUT" ;;
+    s12-attn) step s12-attn 300 python3 bench/attention_vs_flex.py --ref-dir "$OUT"
+            step s12-fit 150 env DFLASH_SMEM_LIMIT=99K python3 bench/attention_vs_flex.py --fit-only --ref-dir "$OUT" ;;
     s12-specforge) step s12-specforge 330 python3 -m trainer bench step --preset qwen3-8b --shape specforge \
               --variants triton,triton-attn,triton,triton-attn --iters 10 --warmup 3 --profile \
               --json-out "$OUT/s12-specforge.json" ;;
     s12-seed) step s12-seed 420 python3 -m trainer bench step --preset qwen3-8b --shape seed \
               --variants triton,triton-attn,triton,triton-attn --iters 5 --warmup 2 --json-out "$OUT/s12-seed.json" ;;
-    # Session 13 (issue 32 item 4): DFlash2's top-k inside the fused CE kernel (parity and cost on one chunk),
+    # 2026-12-04 (issue 32 item 4): DFlash2's top-k inside the fused CE kernel (parity and cost on one chunk),
     # then DFlash vs DFlash2 at the qwen3-8b seed shape, interleaved, each profiled after timing.
-    s13-topk) step s13-topk 200 python3 bench/s13_topk.py ;;
+    s13-topk) step s13-topk 200 python3 bench/topk_cost.py ;;
     s13-step) step s13-step 420 python3 -m trainer bench step --preset qwen3-8b --shape seed \
               --variants triton,dflash2,triton,dflash2 --iters 5 --warmup 2 --profile --json-out "$OUT/s13-step.json" ;;
     # then the convolutions through trainer/model/conv_triton.py: parity and cost of one, then in the step
-    s13-conv) step s13-conv 150 python3 bench/s13_conv.py --best-out "$OUT/conv-best.txt" ;;
+    s13-conv) step s13-conv 150 python3 bench/conv_triton_cost.py --best-out "$OUT/conv-best.txt" ;;
     # only when s13-conv found a backward config faster than Inductor's: the step with it
     s13-step3) [ -s "$OUT/conv-best.txt" ] && step s13-step3 450 \
               env DFLASH_CONV_TRITON_BWD="$(cat "$OUT/conv-best.txt")" python3 -m trainer bench step --preset qwen3-8b --shape seed \
@@ -74,9 +72,9 @@ for section in "$@"; do
     # issue 31 item 2's in-step fault (q/k fp32 from the norms, v bf16): our Triton attention inside the compiled step
     s13-attn) step s13-attn 300 python3 -m trainer bench step --preset qwen3-8b --shape specforge \
               --variants triton,triton-attn,triton,triton-attn --iters 10 --warmup 3 --json-out "$OUT/s13-attn.json" ;;
-    # Session 14 (issue 31 item 1): q and k reach flex_attention in fp32 (RMSNorm's fp32 weight promotes under
+    # 2026-12-04 (issue 31 item 1): q and k reach flex_attention in fp32 (RMSNorm's fp32 weight promotes under
     # autocast): the step with them cast to v's bf16 (variant triton-qkv16), A B A B, seed then specforge shape.
-    # No difference (bench/RESULTS.md session 14): the variant is gone again; the section stays as the record.
+    # No difference (bench/results/kernels.md 2026-12-04 "q and k reach flex_attention in float32"): the variant is gone again; the section stays as the record.
     s14-qk) step s14-dtype 60 python3 -c 'import torch; from trainer.model.drafter import RMSNorm
 n = RMSNorm(128, 1e-6).cuda(); x = torch.randn(4, 128, device="cuda", dtype=torch.bfloat16)
 with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under autocast:", n(x).dtype)'
@@ -84,10 +82,10 @@ with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under auto
               --variants triton,triton-qkv16,triton,triton-qkv16 --iters 5 --warmup 2 --json-out "$OUT/s14-seed.json"
             step s14-specforge 200 python3 -m trainer bench step --preset qwen3-8b --shape specforge \
               --variants triton,triton-qkv16,triton,triton-qkv16 --iters 10 --warmup 3 --json-out "$OUT/s14-sf.json" ;;
-    # Session 15 (issue 31 item 2): backward schedules of our interval attention against flex (parity, registers,
+    # 2026-12-04 (issue 31 item 2): backward schedules of our interval attention against flex (parity, registers,
     # timing at both shapes), then the step with the fastest correct schedule only where our fwd + bwd beat
-    # flex's standalone (bench/s15_attention_bwd.py writes the gate file).
-    s15-attn) step s15-bwd 200 python3 bench/s15_attention_bwd.py --json-out "$OUT/s15-bwd.json" \
+    # flex's standalone (bench/attention_bwd_schedules.py writes the gate file).
+    s15-attn) step s15-bwd 200 python3 bench/attention_bwd_schedules.py --json-out "$OUT/s15-bwd.json" \
               --best-out "$OUT/s15-best.txt"
               if [ -s "$OUT/s15-best.txt" ]; then
                 export DFLASH_ATTENTION_BWD_CONFIG=$(cat "$OUT/s15-best.txt")
@@ -96,13 +94,13 @@ with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under auto
                 step s15-specforge 90 python3 -m trainer bench step --preset qwen3-8b --shape specforge \
                   --variants triton,triton-attn,triton,triton-attn --iters 10 --warmup 3 --json-out "$OUT/s15-sf.json"
               else echo "s15: gate closed (no schedule beats flex standalone): no step"; fi
-              step s15-fit 60 env -u DFLASH_ATTENTION_BWD_CONFIG DFLASH_SMEM_LIMIT=99K python3 bench/s12_attention.py \
+              step s15-fit 60 env -u DFLASH_ATTENTION_BWD_CONFIG DFLASH_SMEM_LIMIT=99K python3 bench/attention_vs_flex.py \
                 --fit-only ;;
-    # Session 17 (issue 31 item 2): the backward's session-15 schedules against dQ transposed ("t"), the scale
+    # 2026-12-05 (issue 31 item 2): the backward's 2026-12-04 schedules against dQ transposed ("t"), the scale
     # folded into P ("f") and the matmuls reordered ("o"), and the forward walking its full tiles unmasked, three
     # interleaved rounds; the seed step A B A B (flex against ours with the fastest correct backward and, where it
     # won standalone, the split forward) when the gate opens; then the ~99 KB rehearsal of the new one-stage rung.
-    s17-attn) step s17-bwd 220 python3 bench/s15_attention_bwd.py --rounds 3 --json-out "$OUT/s17-bwd.json" \
+    s17-attn) step s17-bwd 220 python3 bench/attention_bwd_schedules.py --rounds 3 --json-out "$OUT/s17-bwd.json" \
               --best-out "$OUT/s17-best.txt" --split-out "$OUT/s17-split.txt" \
               --variants none,tma,tma-s1,atomic,tma-f,tma-t,tma-tf,tma-o,tma-tfo,tma-tf-s3,tma-tf-s1,atomic-tf
               if [ -s "$OUT/s17-best.txt" ]; then
@@ -112,11 +110,11 @@ with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under auto
                   --json-out "$OUT/s17-seed.json"
               else echo "s17: the gate is closed: no step"; fi
               step s17-fit 45 env DFLASH_ATTENTION_BWD_CONFIG=128,64,8,1,tma,tf DFLASH_SMEM_LIMIT=99K \
-                python3 bench/s12_attention.py --fit-only ;;
-    # Session 19 (issue 31 items 1, 4): our attention as the default on Hopper (`--attention-kernel auto`): the
+                python3 bench/attention_vs_flex.py --fit-only ;;
+    # 2026-12-05 (issue 31 items 1, 4): our attention as the default on Hopper (`--attention-kernel auto`): the
     # one-GPU specforge pipeline flex against auto A B A B (the threaded pipeline never ran our kernel), then the
     # qwen3-8b and qwen3.6-27b seed steps flex (`triton`) against ours (`triton-attn`), interleaved
-    # (`s19-pipe s19-seeds` in one call would be ~680 s at the steps' limits, over one call's 600 s: two calls)
+    # (`s19-pipe s19-seeds` in one run would be ~680 s at the steps' limits, over a 600 s run: two runs)
     s19-pipe) step s19-pipe 340 python3 bench/gpu_pipeline.py --scale specforge --modes dual --steps 60 \
                 --adamw triton --attention-kernel flex,auto --repeats 2 --warm-cache --timeout-s 200 --budget-s 300 \
                 --log-dir "$OUT/pipeline-logs" ;;
@@ -124,13 +122,13 @@ with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under auto
                 --variants triton,triton-attn,triton,triton-attn --iters 5 --warmup 2 --json-out "$OUT/s19-seed.json"
               step s19-27b 170 python3 -m trainer bench step --preset qwen3.6-27b --shape seed \
                 --variants triton,triton-attn,triton,triton-attn --iters 3 --warmup 2 --json-out "$OUT/s19-27b.json" ;;
-    # Session 18 (issue 31 items 2, 4, 5): rung 0's schedule with `o` on other tiles and the ~99 KB candidates
-    # (two rounds, no step), then the specforge step flex against ours with session 17's defaults, A B A B
-    s18-attn) step s18-bwd 150 python3 bench/s15_attention_bwd.py --rounds 2 --json-out "$OUT/s18-bwd.json" \
+    # 2026-12-05 (issue 31 items 2, 4, 5): rung 0's schedule with `o` on other tiles and the ~99 KB candidates
+    # (two rounds, no step), then the specforge step flex against ours with the 2026-12-05 defaults, A B A B
+    s18-attn) step s18-bwd 150 python3 bench/attention_bwd_schedules.py --rounds 2 --json-out "$OUT/s18-bwd.json" \
               --variants tma,tma-tfo,tma-tfo-s3,tma-tfo-s1,tma-m32-tfo,tma-m32-tfo-s1,tma-n64-o-s1,tma-n64-w4-tfo,tma-s1
               step s18-specforge 150 python3 -m trainer bench step --preset qwen3-8b --shape specforge \
                 --variants triton,triton-attn,triton,triton-attn --iters 10 --warmup 3 --json-out "$OUT/s18-sf.json" ;;
-    # Session 18: --target-compile auto (on for a CUDA target) as the default: the taps of the eager and the compiled
+    # 2026-12-05: --target-compile auto (on for a CUDA target) as the default: the taps of the eager and the compiled
     # bf16 target against the same weights in fp32 (specforge shape; the seed shape last), then the small pipeline single and dual through the
     # defaults (the single engine compiles the target at its first step, the pipeline in its warm-up)
     s18-verify) step s18-prefill-sf 120 python3 -m trainer bench pipeline --preset qwen3-8b --shape specforge \
@@ -139,36 +137,36 @@ with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under auto
                 --timeout-s 150 --budget-s 180 --log-dir "$OUT/pipeline-logs"
               step s18-prefill-seed 140 python3 -m trainer bench pipeline --preset qwen3-8b --shape seed \
                 --target-intermediate 12288 --iters 3 --warmup 1 --target-compile --target-only ;;
-    # Session 15 (issue 31 items 3-4): the optimizer step alone (torch's fused AdamW vs trainer/adamw_triton.py),
+    # 2026-12-04 (issue 31 items 3-4): the optimizer step alone (torch's fused AdamW vs trainer/adamw_triton.py),
     # the specforge step with and without it (per call and back to back, profiled), the one-GPU pipeline at the
     # specforge shape (full-depth random Qwen3-8B target, two drafter threads).
-    s15-sf) step s15-adamw 100 python3 bench/s15_adamw.py --iters 10 --configs 4096:8,2048:4,8192:8
+    s15-sf) step s15-adamw 100 python3 bench/adamw_cost.py --iters 10 --configs 4096:8,2048:4,8192:8
             step s15-step 200 python3 -m trainer bench step --preset qwen3-8b --shape specforge \
               --variants triton,triton-adamw,triton,triton-adamw --iters 10 --warmup 3 --profile \
               --json-out "$OUT/s15-step.json"
             step s15-pipe 200 python3 bench/gpu_pipeline.py --scale specforge --modes dual --steps 40 --timeout-s 190 ;;
-    # call 2: the AdamW parity again (IEEE div/sqrt), the pipeline with replica followers (fused vs triton AdamW, one
+    # run 2: the AdamW parity again (IEEE div/sqrt), the pipeline with replica followers (fused vs triton AdamW, one
     # shared compile cache), the qwen3-8b seed step with and without --adamw triton (issue 31 item 1)
-    s15-2) step s15-adamw2 60 python3 bench/s15_adamw.py --iters 10 --configs 4096:8,2048:4
+    s15-2) step s15-adamw2 60 python3 bench/adamw_cost.py --iters 10 --configs 4096:8,2048:4
            step s15-pipe2 170 python3 bench/gpu_pipeline.py --scale specforge --modes dual --steps 30 \
               --adamw auto,triton --warm-cache --timeout-s 120
            step s15-seed 100 python3 -m trainer bench step --preset qwen3-8b --shape seed \
               --variants triton,triton-adamw --iters 5 --warmup 2 --json-out "$OUT/s15-seed.json" ;;
-    # next (not run in session 15): the target's forward alone at the specforge shape (the pipeline's unmeasured
+    # next (not run on 2026-12-04): the target's forward alone at the specforge shape (the pipeline's unmeasured
     # ~90 ms per step), and the pipeline A B A B with torch's fused AdamW against --adamw triton, 100 steps each
     s15-next) step s15-prefill 150 python3 -m trainer bench pipeline --preset qwen3-8b --shape specforge \
               --target-intermediate 12288 --iters 10 --warmup 3
               step s15-pipe3 420 python3 bench/gpu_pipeline.py --scale specforge --modes dual --steps 100 \
               --adamw auto,triton --repeats 2 --warm-cache --timeout-s 200 ;;
-    # Session 17 (issue 31 item 4): the target's layers through one compiled call (--target-compile): the prefill
+    # 2026-12-05 (issue 31 item 4): the target's layers through one compiled call (--target-compile): the prefill
     # alone eager vs compiled (and the taps' difference), then the specforge pipeline A B A B, triton AdamW
     s17-target) step s17-prefill 200 python3 -m trainer bench pipeline --preset qwen3-8b --shape specforge \
               --target-intermediate 12288 --iters 10 --warmup 3 --target-compile
               step s17-pipe 420 python3 bench/gpu_pipeline.py --scale specforge --modes dual --steps 80 \
               --adamw triton --target-compile off,on --repeats 2 --warm-cache --timeout-s 200 --budget-s 380 ;;
-    # Session 15 (issue 32 item 4): the DFlash2 convolutions' hand-written backward (GroupedDynamicConv) against
-    # the session-13 form (dflash2-autograd), DFlash between, profiled; and the in-kernel top-16 by tile width.
-    s15-topk) step s15-topk 120 python3 bench/s15_topk_tiles.py ;;
+    # 2026-12-04 (issue 32 item 4): the DFlash2 convolutions' hand-written backward (GroupedDynamicConv) against
+    # the 2026-12-04 form (dflash2-autograd), DFlash between, profiled; and the in-kernel top-16 by tile width.
+    s15-topk) step s15-topk 120 python3 bench/topk_tiles.py ;;
     s15-step) step s15-step 420 python3 -m trainer bench step --preset qwen3-8b --shape seed \
               --variants triton,dflash2,dflash2-autograd,triton,dflash2 --iters 5 --warmup 2 --profile \
               --json-out "$OUT/s15-step.json" ;;
@@ -177,29 +175,29 @@ with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under auto
     s15-step2) step s15-step2 420 python3 -m trainer bench step --preset qwen3-8b --shape seed \
               --variants triton,dflash2,dflash2-nd,triton,dflash2 --iters 5 --warmup 2 --profile \
               --json-out "$OUT/s15-step2.json" ;;
-    # Session 17 (issue 32 item 4): the output-side convolution's backward as one Triton kernel
-    # (trainer/model/conv_bwd_triton.py) against Inductor's, one call's shapes (parity, cost, the config ladder; the
+    # 2026-12-05 (issue 32 item 4): the output-side convolution's backward as one Triton kernel
+    # (trainer/model/conv_bwd_triton.py) against Inductor's, one layer call's shapes (parity, cost, the config ladder; the
     # fastest rung goes first in the step), then the seed step A B A B with Inductor's backward as the third form
-    # Session 19 (issue 32 item 4): the input-side convolution's kernel gradients (trainer/model/conv_in_triton.py):
+    # 2026-12-05 (issue 32 item 4): the input-side convolution's kernel gradients (trainer/model/conv_in_triton.py):
     # one call's parity and cost with its ladder, then the seed step A B A B: the kernel (dflash2-tin) against the
     # default input side (dflash2: Inductor's)
-    s19-convin) step s19-convin 120 python3 bench/s19_conv_in.py --iters 20 --best-out "$OUT/s19-best.txt"
+    s19-convin) step s19-convin 120 python3 bench/conv_in_cost.py --iters 20 --best-out "$OUT/s19-best.txt"
               export DFLASH_CONV_IN_CONFIG="$(cat "$OUT/s19-best.txt" 2>/dev/null)"  # the sweep's best rung first
               echo "DFLASH_CONV_IN_CONFIG=$DFLASH_CONV_IN_CONFIG" >&2
               step s19-step 360 python3 -m trainer bench step --preset qwen3-8b --shape seed \
               --variants triton,dflash2-tin,dflash2,triton,dflash2-tin,dflash2 --iters 5 --warmup 2 --profile \
               --json-out "$OUT/s19-step.json"
               unset DFLASH_CONV_IN_CONFIG ;;
-    s17-conv) step s17-conv 150 python3 bench/s17_conv_bwd.py --iters 20 --best-out "$OUT/s17-best.txt"
+    s17-conv) step s17-conv 150 python3 bench/conv_bwd_cost.py --iters 20 --best-out "$OUT/s17-best.txt"
               export DFLASH_CONV_BWD_CONFIG="$(cat "$OUT/s17-best.txt" 2>/dev/null)"
               echo "DFLASH_CONV_BWD_CONFIG=$DFLASH_CONV_BWD_CONFIG" >&2
               step s17-step 330 python3 -m trainer bench step --preset qwen3-8b --shape seed \
               --variants triton,dflash2,dflash2-ibwd,triton,dflash2 --iters 5 --warmup 2 --profile \
               --json-out "$OUT/s17-step.json"
               unset DFLASH_CONV_BWD_CONFIG ;;
-    # call 2: the coefficient left unrounded (Inductor's semantics), parity and a wider ladder, no step
-    s17-conv2) step s17-conv2 120 python3 bench/s17_conv_bwd.py --iters 20 ;;
-    # Session 15, coordinator's call: the one-GPU specforge pipeline with the replica sync waiting on the whole device
+    # run 2: the coefficient left unrounded (Inductor's semantics), parity and a wider ladder, no step
+    s17-conv2) step s17-conv2 120 python3 bench/conv_bwd_cost.py --iters 20 ;;
+    # 2026-12-04: the one-GPU specforge pipeline with the replica sync waiting on the whole device
     # (every sync also waited for the target thread's forward) against its own stream only ($DFLASH_SYNC_WAIT), A B A B
     s15-wait) step s15-wait 400 python3 bench/gpu_pipeline.py --scale specforge --modes dual --steps 50 \
               --sync-wait device,stream --repeats 2 --warm-cache --timeout-s 150 --budget-s 330 ;;

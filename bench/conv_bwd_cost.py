@@ -1,9 +1,9 @@
-"""Session 17 (issue 32 item 4): the output-side convolution's backward through trainer/model/conv_bwd_triton.py
+"""Issue 32 item 4 (bench/results/kernels.md 2026-12-05): the output-side convolution's backward through trainer/model/conv_bwd_triton.py
 against Inductor's code for the same gradients (GroupedDynamicConv's torch backward, `conv_gradients`,
 torch.compile'd alone), on the H200 at one call's shape of the qwen3-8b seed step: g, y [6, 5472, 4096] bf16 (171
 blocks of 32 per row), K = 2 taps, groups of 16, the deltas a strided view of the [6, 5472, 2, 2, 256] projection.
 
-    python3 bench/s17_conv_bwd.py [--iters 20] [--best-out FILE]
+    python3 bench/conv_bwd_cost.py [--iters 20] [--best-out FILE]
 
 Parity: both against float32 autograd through grouped_dynamic_conv (relative error of dy, d delta, d base), and
 the kernel against Inductor's bf16 outputs (elements that differ, in bf16 steps). Timing (ms, interleaved twice):

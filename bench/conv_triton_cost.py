@@ -1,8 +1,8 @@
-"""Session 13 (issue 32 item 4): DFlash2's convolution through trainer/model/conv_triton.py against the torch form
+"""Issue 32 item 4 (bench/results/kernels.md 2026-12-04): DFlash2's convolution through trainer/model/conv_triton.py against the torch form
 (grouped_dynamic_conv, torch.compile'd alone), on the H200 at the qwen3-8b seed shape: x [6, 5472, 4096] bf16
 (171 blocks of 32 per row), K = 2 taps, groups of 16.
 
-    python3 bench/s13_conv.py [--iters 10]
+    python3 bench/conv_triton_cost.py [--iters 10]
 
 Parity: both bf16 forms against an fp32 eager reference (relative error of out, dx, d delta, d base). Timing
 (CUDA events, median, interleaved twice): forward, and forward + backward. Table last.

@@ -1,7 +1,7 @@
-"""Session 12 (issue 31, items 2 and 5): our Triton interval attention against flex_attention on the H200.
+"""Issue 31, items 2 and 5 (bench/results/kernels.md 2026-12-03): our Triton interval attention against flex_attention on the H200.
 
-    python3 bench/s12_attention.py                 # parity + interleaved timing, both shapes; table last
-    DFLASH_SMEM_LIMIT=99K python3 bench/s12_attention.py --fit-only --ref-dir DIR   # the ~100 KB rehearsal
+    python3 bench/attention_vs_flex.py                 # parity + interleaved timing, both shapes; table last
+    DFLASH_SMEM_LIMIT=99K python3 bench/attention_vs_flex.py --fit-only --ref-dir DIR   # the ~100 KB rehearsal
 
 Shapes: qwen3-8b seed (6 x 8192 context, 171 anchors x 32) and specforge (2 x 768, 256 x 16); 32 q / 8 kv heads x
 128, bf16, inputs in the layer's own layout (transposed views of [R, L, h, D]), sorted anchors. Parity: triton

@@ -1,10 +1,10 @@
-"""Session 19 (issue 32 item 4): the input-side convolution's kernel gradients through
+"""Issue 32 item 4 (bench/results/kernels.md 2026-12-05): the input-side convolution's kernel gradients through
 trainer/model/conv_in_triton.py against Inductor's code for the same gradients, on the H200 at one call's shape of
 the qwen3-8b seed step: x (the residual stream) and the GEMMs' input-gradient pieces [6, 5472, 4096] bf16 (171
 blocks of 32 a row; 2 pieces as the MLP's gate/up, 3 as attention's q/k/v), rstd [6, 5472, 1] float32, the norm
 weight float32, K = 2 taps, groups of 16, the deltas a strided view of the [6, 5472, 2, 2, 256] projection.
 
-    python3 bench/s19_conv_in.py [--iters 20] [--best-out FILE] [--dry-run]
+    python3 bench/conv_in_cost.py [--iters 20] [--best-out FILE] [--dry-run]
 
 Forms, for 2 and 3 pieces: "inductor" = the op's three gradients (d delta, d base, and the norm weight's gradient
 through the convolution, sum of dn * xhat) as torch code, g the float32 sum of the pieces, xhat = x * rstd

@@ -1,9 +1,9 @@
-"""Session 15 (issue 32 item 4): Inductor's Triton code for one drafter layer, made on a CPU-only machine, and what
-it moves: how the DFlash2 convolutions' cost was found and predicted without a GPU (bench/RESULTS.md session 15).
+"""Issue 32 item 4: Inductor's Triton code for one drafter layer, made on a CPU-only machine, and what
+it moves: how the DFlash2 convolutions' cost was found and predicted without a GPU (bench/results/kernels.md 2026-12-04 "DFlash2's convolutions rewritten for Inductor").
 
-    python3 bench/s15_layer_code.py dump dflash2 [--conv-kernel torch|autograd] [--conv-input inductor|triton|torch]
+    python3 bench/layer_code.py dump dflash2 [--conv-kernel torch|autograd] [--conv-input inductor|triton|torch]
         [--out code.txt] [--shape 6,171,32,4096,12288]
-    python3 bench/s15_layer_code.py ptx code.txt KERNEL_SUBSTRING [--consts XBLOCK=1024] [--warps 4]
+    python3 bench/layer_code.py ptx code.txt KERNEL_SUBSTRING [--consts XBLOCK=1024] [--warps 4]
 
 `dump`: one DrafterLayer (attention replaced by its q/k/v/o projections and an element-wise mix, the same for both
 archs) compiled forward + backward under bf16 autocast with Inductor's Triton back-end forced on the CPU device
@@ -13,7 +13,7 @@ bytes: a broadcast read counts whole; inputs of unknown dtype count as bf16) and
 for the backward. Caveats: the CPU device's properties steer a few choices (split reductions; mix-order reductions
 are GPU-only), so the GPU's code differs in places; the bytes are a model, and the convolutions' kernels turned out
 issue-bound on the H200 (~1.7 TB/s), so time follows bytes only roughly. `--conv-input`: the input side's backward
-as BlockConv.input_backward_kernel (session 19; "triton": the custom op an extern call whose launch is stubbed, its
+as BlockConv.input_backward_kernel (the input-side kernel; "triton": the custom op an extern call whose launch is stubbed, its
 traffic not counted: add it by hand). `ptx`: compile one kernel of such a dump for sm_90 (no GPU needed) and count
 its global loads by width and its PTX instructions.
 
@@ -151,7 +151,7 @@ def ptx(text: str, want: str, consts: dict[str, int], warps: int) -> None:
         if want not in name:
             continue
         signature = eval(re.search(r"'signature': (\{[^}]*\})", source).group(1))  # our own dump's literal
-        path = Path("/tmp") / f"s15_{name[:60]}.py"
+        path = Path("/tmp") / f"layer_code_{name[:60]}.py"
         path.write_text(source[: source.index("@triton_heuristics")] + source[source.index("@triton.jit") :])
         spec = importlib.util.spec_from_file_location(path.stem, path)
         assert spec is not None and spec.loader is not None

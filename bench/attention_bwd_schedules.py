@@ -1,9 +1,9 @@
-"""Session 15 (issue 31 item 2): backward schedules of our interval attention against flex on the H200.
+"""Issue 31 item 2 (bench/results/kernels.md 2026-12-04 and 2026-12-05): backward schedules of our interval attention against flex on the H200.
 
-    python3 bench/s15_attention_bwd.py --json-out OUT.json --best-out BEST.txt
+    python3 bench/attention_bwd_schedules.py --json-out OUT.json --best-out BEST.txt
 
 Shapes: qwen3-8b seed (6 x 8192 context, 171 anchors x 32) and specforge (2 x 768, 256 x 16), 32 q / 8 kv heads x
-128, bf16, sorted anchors (bench/s12_attention.py's inputs). Each schedule of VARIANTS (trainer/model/
+128, bf16, sorted anchors (bench/attention_vs_flex.py's inputs). Each schedule of VARIANTS (trainer/model/
 attention_triton.py BwdConfig) is compiled first in parallel worker processes (one Triton cache: the main process
 then finds them built), reports its registers, spills and shared memory, is checked against flex's gradients at
 both shapes (outputs NaN-poisoned first: the caching allocator would otherwise hand a schedule the previous one's
@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from s12_attention import dense_reference, inputs, masks, rel, run
+from attention_vs_flex import dense_reference, inputs, masks, rel, run
 
 from trainer import triton_fit
 from trainer.bench_common import time_ms as bench_time_ms
@@ -43,7 +43,7 @@ C = T.BwdConfig
 VARIANTS = {
     "none": C(128, 64, 8, 2, "none"),  # dK, dV only: the 4-matmul floor of this schedule
     "atomic": C(128, 64, 8, 2, "atomic"),
-    "tma": C(128, 64, 8, 2, "tma"),  # the ladder's first rung (session 15)
+    "tma": C(128, 64, 8, 2, "tma"),  # the ladder's first rung (2026-12-04)
     "tma-s1": C(128, 64, 8, 1, "tma"),  # its second: ~96 KB of shared memory
     "tma-s3": C(128, 64, 8, 3, "tma"),
     "tma-m32": C(128, 32, 8, 2, "tma"),
@@ -51,7 +51,7 @@ VARIANTS = {
     "tma-n64-w8": C(64, 64, 8, 2, "tma"),
     "atomic-n64s1": C(64, 64, 4, 1, "atomic"),  # the ladder's last rungs
     "atomic-n32s1": C(32, 64, 4, 1, "atomic"),
-    # session 17: dQ transposed ("t": dQ^T = K^T dS^T, both operands from shared memory), the softmax scale
+    # 2026-12-05: dQ transposed ("t": dQ^T = K^T dS^T, both operands from shared memory), the softmax scale
     # folded into P ("f"), the matmuls reordered ("o"); BwdConfig says what each changes
     "tma-f": C(128, 64, 8, 2, "tma", "f"),
     "tma-t": C(128, 64, 8, 2, "tma", "t"),
@@ -61,8 +61,8 @@ VARIANTS = {
     "atomic-tf": C(128, 64, 8, 2, "atomic", "tf"),
     "tma-o": C(128, 64, 8, 2, "tma", "o"),
     "tma-tfo": C(128, 64, 8, 2, "tma", "tfo"),
-    # session 18: `o` on other tiles: the one- and three-stage forms of rung 0, and the ~99 KB candidates for the
-    # ladder's second rung (90,112 and 81,920 B compiled here with Triton 3.9; session 17's rung 1 is 98,304 B)
+    # 2026-12-05, later: `o` on other tiles: the one- and three-stage forms of rung 0, and the ~99 KB candidates for the
+    # ladder's second rung (90,112 and 81,920 B compiled here with Triton 3.9; the 2026-12-05 rung 1 is 98,304 B)
     "tma-tfo-s3": C(128, 64, 8, 3, "tma", "tfo"),
     "tma-tfo-s1": C(128, 64, 8, 1, "tma", "tfo"),
     "tma-m32-tfo": C(128, 32, 8, 2, "tma", "tfo"),
@@ -70,10 +70,10 @@ VARIANTS = {
     "tma-n64-o-s1": C(64, 64, 8, 1, "tma", "o"),
     "tma-n64-w4-tfo": C(64, 64, 4, 2, "tma", "tfo"),
 }
-# session 15's forward (every key tile masked), timed beside the default (since session 17: full tiles unmasked)
+# the 2026-12-04 forward (every key tile masked), timed beside the default (since 2026-12-05: full tiles unmasked)
 FWD_MASKED = T.FwdConfig(128, 128, 8, 2, False)
 SHAPE_NAMES = ("seed", "specforge")
-# bf16 against flex (session 12: 1.2e-3 to 1.8e-3) and against fp32 dense (2.1e-3 to 2.4e-3, flex's own): a wrong
+# bf16 against flex (2026-12-03: 1.2e-3 to 1.8e-3) and against fp32 dense (2.1e-3 to 2.4e-3, flex's own): a wrong
 # index or a lost tile is O(1)
 PARITY_TOL = 1e-2
 

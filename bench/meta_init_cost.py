@@ -1,11 +1,11 @@
-"""Session 14: what the first `normal_` on a meta tensor costs in a fresh interpreter with the trainer imported.
+"""What the first `normal_` on a meta tensor costs in a fresh interpreter with the trainer imported.
 
 The pre-flight (`python -m trainer check`, and every trainer start: preflight.expected_shapes) built the drafter
 on the meta device for its tensor shapes, and the drafter's init drew normal_ there; the first such call loads
-torch's reference-op machinery. Since session 14 a meta build skips its init. This prints that first call's cost
+torch's reference-op machinery. Since bench/results/kernels.md 2026-12-04 ("the pre-flight's meta build") a meta build skips its init. This prints that first call's cost
 (3 fresh interpreters), and what expected_shapes costs now at the qwen3-8b shape.
 
-    python3 bench/s14_meta_init.py
+    python3 bench/meta_init_cost.py
 """
 
 from __future__ import annotations
