@@ -230,26 +230,39 @@ def collate(
 class BatchStream:
     """Micro-batches in training order across epochs, starting at a data position (epoch, index)."""
 
-    def __init__(self, dataset: ShardedDataset | SyntheticDataset, cfg: TrainConfig, slot_weights: np.ndarray) -> None:
+    def __init__(
+        self,
+        dataset: ShardedDataset | SyntheticDataset,
+        cfg: TrainConfig,
+        slot_weights: np.ndarray,
+        known_sizes: list[int] | None = None,
+    ) -> None:
+        """`known_sizes`: the first epochs' sizes as an earlier `epoch_sizes` call counted them (the pre-flight's)."""
         self.dataset, self.cfg, self.slot_weights = dataset, cfg, slot_weights
         self._batches: dict[int, list[np.ndarray]] = {}
-        self._sizes: list[int] | None = None
+        self._sizes: list[int] = list(known_sizes or [])
 
     def epoch_batches(self, epoch: int) -> list[np.ndarray]:
         if epoch not in self._batches:
             self._batches = {epoch: epoch_batches(self.dataset.lengths, epoch, self.cfg)}  # keep one epoch only
         return self._batches[epoch]
 
-    def epoch_sizes(self) -> list[int]:
-        """Micro-batches of each epoch (splits every epoch into batches once: O(samples) per epoch, lengths only;
-        computed once per stream)."""
-        if self._sizes is None:
-            self._sizes = [len(epoch_batches(self.dataset.lengths, e, self.cfg)) for e in range(self.cfg.epochs)]
-        return self._sizes
+    def epoch_sizes(self, enough: int | None = None) -> list[int]:
+        """Micro-batches of epochs 0, 1, ...: of every epoch when `enough` is None, else of the first epochs that
+        together hold at least `enough` micro-batches (all of them when they hold fewer). A run that ends at
+        --max-steps never reads the epochs after those. Counting an epoch splits it into batches (O(samples),
+        lengths only): 1.2 ms for 7,909 samples on the 2-core machine, so `--epochs 100000 --max-steps N` (the
+        way to let --max-steps alone end a run) spent two minutes counting epochs it never reached when every
+        epoch was counted. Counted once per stream, extended when asked for more."""
+        total = sum(self._sizes)
+        while len(self._sizes) < self.cfg.epochs and (enough is None or total < enough):
+            self._sizes.append(len(epoch_batches(self.dataset.lengths, len(self._sizes), self.cfg)))
+            total += self._sizes[-1]
+        return list(self._sizes)
 
-    def total_micro_batches(self) -> int:
-        """Micro-batches over all epochs."""
-        return sum(self.epoch_sizes())
+    def total_micro_batches(self, enough: int | None = None) -> int:
+        """Micro-batches over all epochs, or over the first epochs that hold `enough` (`epoch_sizes`)."""
+        return sum(self.epoch_sizes(enough))
 
     def iterate(self, epoch: int, index: int) -> Iterator[Batch]:
         """Yield batches from position (epoch, index) to the end of the last epoch."""

@@ -38,7 +38,8 @@ class RunSetup:
     target_device: torch.device
     drafter_device: torch.device
     total_steps: int = 0  # optimizer steps of this run: min(--max-steps, what the data holds)
-    # Micro-batches in each epoch (BatchStream.epoch_sizes): counted once here, reused by the engine.
+    # Micro-batches in each epoch (BatchStream.epoch_sizes) up to the epoch --max-steps reaches: counted once
+    # here, reused (and extended for several drafters) by the engine.
     epoch_sizes: list[int] = field(default_factory=list)
     # The run still writing the --resume checkpoint (a restart's hand-over, trainer.handover): its checks are
     # deferred until trainer.loop has waited for it.
@@ -223,7 +224,9 @@ def preflight(cfg: TrainConfig, *, reads_checkpoints: bool = True) -> RunSetup:
     if cfg.init_from is not None and reads_checkpoints:
         check_init_from(Path(cfg.init_from), expected)
     stream = BatchStream(dataset, cfg, position_weights(cfg.block_size, cfg.gamma).numpy())
-    steps_in_data = stream.total_micro_batches() // cfg.grad_accum
+    # Count only the epochs --max-steps reaches (one drafter's micro-batches; a pipeline of several extends it).
+    enough = cfg.max_steps * cfg.grad_accum if cfg.max_steps else None
+    steps_in_data = stream.total_micro_batches(enough) // cfg.grad_accum
     if steps_in_data < 1:
         raise TrainerInputError(
             f"--grad-accum: the data holds {stream.total_micro_batches()} micro-batches over "
@@ -245,7 +248,7 @@ def preflight(cfg: TrainConfig, *, reads_checkpoints: bool = True) -> RunSetup:
         drafter_device,
         total_steps,
         resume_writer=writer,
-        epoch_sizes=stream.epoch_sizes(),
+        epoch_sizes=stream.epoch_sizes(enough),
         reads_checkpoints=reads_checkpoints,
     )
 

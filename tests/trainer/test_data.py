@@ -115,6 +115,30 @@ def test_stream_resumes_at_a_data_position(tmp_path: Path) -> None:
     assert all(a[:2] == b[:2] and a[2].equal(b[2]) for a, b in zip(full[start:], tail))
 
 
+def test_epoch_sizes_counts_only_the_epochs_that_hold_enough_micro_batches(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "--epochs", "1000000", "--synthetic-samples", "24")
+    slot_w = position_weights(cfg.block_size, cfg.gamma).numpy()
+    stream = BatchStream(open_dataset(cfg), cfg, slot_w)
+    first = stream.epoch_sizes(enough=5)
+    assert sum(first) >= 5 and sum(first[:-1]) < 5  # the epochs 5 micro-batches reach, and no more
+    longer = stream.epoch_sizes(enough=3 * sum(first))  # extended on the same stream
+    assert longer[: len(first)] == first and sum(longer) >= 3 * sum(first) and len(longer) < 100
+    small = _cfg(tmp_path, "--epochs", str(len(longer)), "--synthetic-samples", "24")
+    assert BatchStream(open_dataset(small), small, slot_w).epoch_sizes() == longer  # same counts as counting all
+    seeded = BatchStream(open_dataset(cfg), cfg, slot_w, known_sizes=first)  # a pre-flight's prefix, then extended
+    assert seeded.epoch_sizes(enough=sum(longer)) == longer
+
+
+def test_preflight_counts_epochs_only_up_to_max_steps(tmp_path: Path) -> None:
+    """`--epochs 1000000 --max-steps N` (how a bench lets --max-steps alone end a run) counted all million epochs
+    before step 0: two minutes at 7,909 samples."""
+    from trainer.preflight import preflight
+
+    setup = preflight(_cfg(tmp_path, "--epochs", "1000000", "--max-steps", "7", "--synthetic-samples", "24"))
+    assert setup.total_steps == 7
+    assert sum(setup.epoch_sizes) >= 7 and len(setup.epoch_sizes) < 100
+
+
 def test_missing_and_empty_data_dirs_are_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(TrainerInputError, match="does not exist"):
         open_dataset(_cfg(tmp_path, "--data-dir", str(tmp_path / "nope")))

@@ -73,6 +73,17 @@ def test_grad_sync_keeps_replicas_bitwise_identical_and_matches_one_drafter(tmp_
     assert set(record["micro_batches_s_per_target"]) == {"target0", "target1"}
 
 
+def test_two_drafters_extend_the_epochs_the_preflight_counted_for_one(tmp_path: Path) -> None:
+    """The pre-flight counts the epochs one drafter's --max-steps reaches; two drafters read twice the micro-batches
+    a step, so the engine counts further epochs instead of ending the run early."""
+    torch.set_num_threads(1)
+    out = tmp_path / "two"
+    flags = ("--drafter-gpus", "cpu,cpu", "--epochs", "1000000", "--max-steps", "5", "--synthetic-samples", "8")
+    assert run_pipeline(_cfg(out, "--target-gpus", "cpu", *flags), PipelineOptions()) == EXIT_OK
+    assert [m["step"] for m in _metrics(out)] == [1, 2, 3, 4, 5]
+    assert _status(out)["step_limit"] == "max_steps"
+
+
 def test_replicas_that_drift_apart_under_grad_sync_fail_the_run(tmp_path: Path, capfd) -> None:
     torch.set_num_threads(1)
 

@@ -75,8 +75,8 @@ class PipelineEngine:
         self.sync_mode = cfg.sync if self.assignment.total_drafters > 1 else "grad"
         self.faults = FaultPoints(options.faults)
         self.slot_weights = position_weights(cfg.block_size, cfg.gamma).numpy()
-        self.stream = BatchStream(setup.dataset, cfg, self.slot_weights)
-        self.order = GlobalOrder(setup.epoch_sizes or self.stream.epoch_sizes())
+        self.stream = BatchStream(setup.dataset, cfg, self.slot_weights, known_sizes=setup.epoch_sizes)
+        self.order = GlobalOrder(self.stream.epoch_sizes(cfg.max_steps * self.assignment.per_step or None))
         steps_in_data = self.order.total // self.assignment.per_step
         self.total_steps = min(cfg.max_steps, steps_in_data) if cfg.max_steps else steps_in_data
         if self.total_steps < 1:
