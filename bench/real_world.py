@@ -17,6 +17,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -45,10 +46,14 @@ def subset(source: Path, count: int, out: Path) -> Path:
         return out
     data = shards.ShardedDataset(source)
     samples = [(data[i].input_ids, data[i].loss_mask) for i in range(min(count, len(data)))]
-    out.mkdir(parents=True, exist_ok=True)
-    entry = shards.write_shard(out, "shard-00000", samples)
-    meta = shards.read_meta(source)
-    shards.write_index(out, [entry], meta)
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")  # concurrent runs of one point: the first rename wins
+    tmp.mkdir(parents=True)
+    entry = shards.write_shard(tmp, "shard-00000", samples)
+    shards.write_index(tmp, [entry], shards.read_meta(source))
+    try:
+        tmp.rename(out)
+    except OSError:
+        shutil.rmtree(tmp)
     return out
 
 
@@ -113,9 +118,16 @@ def main() -> int:
         "that shape instead (checks the code paths on a machine without the weights; tau means nothing)",
     )
     parser.add_argument("--work", type=Path, required=True, help="work directory (reused: a rerun skips done stages)")
-    parser.add_argument("--points", default="256,1024,4096,all", help="training samples per point ('all')")
-    parser.add_argument("--archs", default="dflash", help="comma list: dflash,dflash2 (at the largest point)")
+    parser.add_argument(
+        "--points", default="256,1024,4096,all", help="training samples per DFlash point ('all'; '' for none)"
+    )
+    parser.add_argument("--archs", default="dflash", help="comma list: dflash,dflash2 (the others at --extra-samples)")
     parser.add_argument("--blocks", default="16", help="comma list of block sizes (the first for every point)")
+    parser.add_argument(
+        "--extra-samples",
+        default=None,
+        help="samples of the --archs and further --blocks runs (default: the last point)",
+    )
     parser.add_argument("--steps", type=int, default=1200)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--draft-layers", type=int, default=2)
@@ -133,6 +145,18 @@ def main() -> int:
     parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--budget-s", type=float, default=1e9, help="start no new training after this many seconds")
     parser.add_argument("--json-out", type=Path, required=True)
+    parser.add_argument(
+        "--prepare-only",
+        action="store_true",
+        help="convert, regenerate and compute the references, then stop: concurrent runs of this script with other "
+        "--points then share the work directory (bench/gpu_real.sh)",
+    )
+    parser.add_argument(
+        "--prepared", action="store_true", help="read the data an earlier --prepare-only run left, as it is"
+    )
+    parser.add_argument(
+        "--no-baselines", action="store_true", help="leave the baselines (untrained, n-gram) to a concurrent run"
+    )
     parser.add_argument(
         "--ablate",
         action="append",
@@ -173,16 +197,21 @@ def main() -> int:
     prompts_file = real_prompts.write_jsonl(args.work / "prompts-train.jsonl", train_all)
     data = args.work / "data"
     t0 = time.monotonic()
-    code = prepare.main(
-        [
-            *("--target-model", str(target_dir), "--input", str(prompts_file), "--output-dir", str(data)),
-            *("--regenerate", "--max-new-tokens", str(args.regen_new_tokens)),
-            *(("--dtype", "float32") if args.device != "cpu" else ()),  # the CPU's default is float32 already
-            *("--batch-size", str(args.regen_batch), "--shard-size", str(args.shard_size)),
-        ]
-    )
-    if code:
-        return code
+    if args.prepared:  # a rerun of prepare rewrites meta.json, which concurrent runs read
+        if not (data / "meta.json").is_file():
+            say(f"error: --prepared: {data} holds no finished dataset (run --prepare-only first)")
+            return 2
+    else:
+        code = prepare.main(
+            [
+                *("--target-model", str(target_dir), "--input", str(prompts_file), "--output-dir", str(data)),
+                *("--regenerate", "--max-new-tokens", str(args.regen_new_tokens)),
+                *(("--dtype", "float32") if args.device != "cpu" else ()),  # the CPU's default is float32 already
+                *("--batch-size", str(args.regen_batch), "--shard-size", str(args.shard_size)),
+            ]
+        )
+        if code:
+            return code
     meta = shards.read_meta(data)
     results["regeneration"] = {"seconds": round(time.monotonic() - t0, 1), "samples": meta.num_samples}
     results["regeneration"]["tokens"] = meta.num_tokens
@@ -203,16 +232,21 @@ def main() -> int:
     seen_refs = cached_references(args.work, model, seen_ids, common)
     results["references_seconds"] = round(time.monotonic() - t0, 1)
     say(f"target's greedy references: {results['references_seconds']} s")
-    counts = [meta.num_samples if p == "all" else min(int(p), meta.num_samples) for p in args.points.split(",")]
+    if args.prepare_only:
+        save()
+        return 0
+    count_of = lambda p: meta.num_samples if p == "all" else min(int(p), meta.num_samples)  # noqa: E731
+    counts = [count_of(p) for p in args.points.split(",") if p]
+    largest = count_of(args.extra_samples) if args.extra_samples else counts[-1]
     first_block = int(args.blocks.split(",")[0])
     plan: list[tuple[int, str, int, str, list[str]]] = [(c, "dflash", first_block, "", []) for c in counts]
-    plan += [(counts[-1], a, first_block, "", []) for a in args.archs.split(",") if a != "dflash"]
-    plan += [(counts[-1], "dflash", int(b), "", []) for b in args.blocks.split(",")[1:]]
+    plan += [(largest, a, first_block, "", []) for a in args.archs.split(",") if a != "dflash"]
+    plan += [(largest, "dflash", int(b), "", []) for b in args.blocks.split(",")[1:]]
     ablate_count = meta.num_samples if args.ablate_samples == "all" else min(int(args.ablate_samples), meta.num_samples)
     for entry in args.ablate:
         label, _, flags = entry.partition("=")
         plan.append((ablate_count, "dflash", args.ablate_block or first_block, label, flags.split()))
-    baselines_done = any(p.get("baselines") for p in results["points"])
+    baselines_done = args.no_baselines or any(p.get("baselines") for p in results["points"])
     for count, arch, block, label, flags in plan:
         if (count, arch, block, label) in done:
             continue
