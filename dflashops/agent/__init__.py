@@ -5,6 +5,6 @@ It reaches the target as ONE file, a zipapp built from this package (dflashops/o
 __main__.py's docstring). The controller imports a few pure definitions from its modules (names, the name rule,
 the tmux socket name); importing them starts nothing. Every module here imports only the standard library
 and this package (tests/test_boundaries.py); doctor_probe.py is also sent alone (on stdin) and
-imports nothing of it; supervisor.py runs from the zipapp (`supervise start`) and imports the agent's modules from
-the zipapp it is given, never the controller's.
+imports nothing of it; supervisor.py runs from the zipapp (`supervise start`) and imports the agent's modules as
+any module of the package does (from that zipapp, never the controller's).
 """

@@ -4,9 +4,8 @@ Started by the controller after a launch whose profile sets `on_failure` and/or 
 `python3 agent-<sha12>.pyz supervise start --json-stdin` reads the request (with the run's secrets and an optional
 webhook URL: both held in memory only, never written), forks a daemon detached by setsid (not in the run's
 process group and without the run's marker, so `stop` never hits it), prints ONE JSON line
-`{"ok": true, "pid": N}` and exits. The daemon uses the agent it was given (`agent`: the path of the
-content-addressed agent file) for everything a run needs: `run_status`, `verb_launch`, the run's own
-processes.
+`{"ok": true, "pid": N}` and exits. The daemon runs from that zipapp and uses the agent's own modules (plain imports) for everything a
+run needs: `run_status`, `verb_launch`, the run's own processes.
 
 Loop, for the run it watches:
 - every `poll_s`: still running? A stall (`stall.heartbeat_s` without a fresh status.json heartbeat, or
@@ -30,7 +29,6 @@ from __future__ import annotations
 
 import base64
 import fcntl
-import importlib
 import json
 import os
 import queue
@@ -40,35 +38,19 @@ import subprocess
 import sys
 import threading
 import time
-import types
 import urllib.error
 import urllib.parse
 import urllib.request
 
-SENTINELS = {
-    "name": "@dflashops-run-name@",
-    "parent": "@dflashops-parent@",
-    "note": "@dflashops-note@",
-    "checkpoint": "@dflashops-checkpoint@",
-}
+from .checkpoints import latest_checkpoint
+from .common import AgentFailure, read_int, read_json, read_text, run_processes, signal_run, write_atomic
+from .control import release_control, try_control
+from .launch import verb_launch
+from .status import run_status
+from .template_sentinels import SENTINELS
+
 CANCELLED: list[bool] = []  # set by SIGTERM: the daemon ends at its next check, restarting nothing
 WEBHOOK_RETRY_S = (5.0, 30.0)  # the waits before a failed POST's second and third try (notify.retry)
-
-
-AGENT_MODULES = ("common", "checkpoints", "control", "status", "launch")  # what a supervised run needs of the agent
-
-
-def load_agent(path: str) -> types.SimpleNamespace:
-    """The agent's functions from `path` (its zipapp `agent-<sha12>.pyz`, as the controller gives it, or a
-    checkout's package folder `.../dflashops/agent`), as one namespace: `agent.run_status`, `agent.verb_launch`.
-    The zipapp goes first on sys.path; this daemon imports nothing else of the package."""
-    root = path if path.endswith(".pyz") else os.path.dirname(os.path.dirname(os.path.abspath(path)))
-    sys.path.insert(0, root)
-    names: dict = {}
-    for name in AGENT_MODULES:
-        module = importlib.import_module(f"dflashops.agent.{name}")
-        names.update({key: value for key, value in vars(module).items() if not key.startswith("_")})
-    return types.SimpleNamespace(**names)
 
 
 def fill(value, values: dict):
@@ -87,7 +69,6 @@ def fill(value, values: dict):
 class Supervisor:
     def __init__(self, req: dict) -> None:
         self.req = req
-        self.agent = load_agent(req["agent"])
         self.workspace = req["workspace"]
         self.root = req["root"]
         self.restarts = int(req.get("restarts", 0))
@@ -117,7 +98,7 @@ class Supervisor:
             **fields,
         }
         try:
-            self.agent.write_atomic(os.path.join(self.run_dir(run), "supervisor.json"), json.dumps(info) + "\n")
+            write_atomic(os.path.join(self.run_dir(run), "supervisor.json"), json.dumps(info) + "\n")
         except OSError:
             pass  # a full disk must not end the supervision
 
@@ -223,18 +204,16 @@ class Supervisor:
         """stall.json first (so the end reads as a stall, not a stop), then TERM the run's own group, KILL
         after the grace; holding the run's control lock (agent.take_control), so that it never meets a stop or
         restart of the same run: while one of those acts, the stall waits for the next look."""
-        agent = self.agent
-        lock = agent.try_control(directory, "stall stop")
+        lock = try_control(directory, "stall stop")
         if lock is None:
             return
         try:
             self.signal_stalled(directory, reason, clock)
         finally:
-            agent.release_control(directory, lock, {"stalled": reason})
+            release_control(directory, lock, {"stalled": reason})
 
     def signal_stalled(self, directory: str, reason: str, clock: dict) -> None:
-        agent = self.agent
-        self.agent.write_atomic(
+        write_atomic(
             os.path.join(directory, "stall.json"),
             json.dumps(
                 {
@@ -246,16 +225,16 @@ class Supervisor:
                 }
             ),
         )
-        marker = (agent.read_text(os.path.join(directory, "marker")) or "").strip() or None
-        pgid, pids = agent.run_processes(agent.read_int(os.path.join(directory, "pgid")), marker, directory)
+        marker = (read_text(os.path.join(directory, "marker")) or "").strip() or None
+        pgid, pids = run_processes(read_int(os.path.join(directory, "pgid")), marker, directory)
         self.log(f"stalled: {reason}; SIGTERM to process group {pgid} ({sorted(pids)})")
-        agent.signal_run(pgid, pids, signal.SIGTERM)
+        signal_run(pgid, pids, signal.SIGTERM)
         deadline = time.monotonic() + float(self.stall.get("grace_s", 60.0))
-        while time.monotonic() < deadline and agent.run_processes(pgid, marker, directory)[1]:
+        while time.monotonic() < deadline and run_processes(pgid, marker, directory)[1]:
             time.sleep(0.1)
-        left = agent.run_processes(pgid, marker, directory)[1]
+        left = run_processes(pgid, marker, directory)[1]
         if left:
-            agent.signal_run(pgid, left, signal.SIGKILL)
+            signal_run(pgid, left, signal.SIGKILL)
 
     def stalled(self, status: dict, clock: dict) -> str | None:
         """Why the running run counts as stalled now, or None. `clock` keeps the last step and when it moved,
@@ -298,7 +277,7 @@ class Supervisor:
         }
         clock["step"] = None
         while not CANCELLED:
-            status = self.agent.run_status(directory)
+            status = run_status(directory)
             if status["state"] in ("running", "stopping", "launching"):
                 reason = self.stalled(status, clock)
                 if reason and not os.path.exists(os.path.join(directory, "stop.json")):
@@ -307,8 +286,8 @@ class Supervisor:
                 time.sleep(self.poll_s)
                 continue
             time.sleep(0.5)  # a stop writes stop.json right after its signal: let it land before judging
-            status = self.agent.run_status(directory)
-            stall = self.agent.read_json(os.path.join(directory, "stall.json"))
+            status = run_status(directory)
+            stall = read_json(os.path.join(directory, "stall.json"))
             if stall:
                 return {**status, "kind": "stalled", "reason": stall.get("reason")}
             if status["state"] in ("finished", "stopped"):
@@ -321,7 +300,7 @@ class Supervisor:
         """The newest checkpoint of the failed run, else of its supervised ancestors (a run that crashed before
         its first save resumes from the one before it); one its dead writer left unfinished is committed first."""
         for run in reversed(chain):
-            found = self.agent.latest_checkpoint(self.run_dir(run))
+            found = latest_checkpoint(self.run_dir(run))
             if found:
                 return found
         return None
@@ -369,7 +348,7 @@ class Supervisor:
                 "kind": failed["kind"],
             },
         }
-        self.agent.verb_launch(
+        verb_launch(
             {
                 "workspace": self.workspace,
                 "name": values["name"],
@@ -423,13 +402,13 @@ class Supervisor:
         note = f"auto-restart after {what}{where}" + (f": {line}" if line else "")
         try:
             child, checkpoint = self.launch_child({**outcome, "name": run, "line": line}, chain, note)
-        except (self.agent.AgentFailure, OSError) as exc:
-            self.agent.release_control(self.run_dir(run), lock, {"error": str(exc)})
+        except (AgentFailure, OSError) as exc:
+            release_control(self.run_dir(run), lock, {"error": str(exc)})
             self.event(run, "gave-up", f"could not launch the restart of {run}: {exc}")
             self.state(run, "gave-up", reason=str(exc))
             return None
-        self.agent.release_control(self.run_dir(run), lock, {"name": child, "checkpoint": checkpoint})
-        self.agent.write_atomic(os.path.join(self.run_dir(run), "restarted_as"), child + "\n")
+        release_control(self.run_dir(run), lock, {"name": child, "checkpoint": checkpoint})
+        write_atomic(os.path.join(self.run_dir(run), "restarted_as"), child + "\n")
         self.state(run, "restarted", child=child)
         self.event(
             child,
@@ -449,11 +428,11 @@ class Supervisor:
         """The control lock of `run` (agent.take_control), waited for while a stop or restart holds it; None
         once this supervisor is cancelled (those cancel it before they act)."""
         while not CANCELLED:
-            lock = self.agent.try_control(self.run_dir(run), "auto-restart")
+            lock = try_control(self.run_dir(run), "auto-restart")
             if lock is not None:
                 if not CANCELLED:
                     return lock
-                self.agent.release_control(self.run_dir(run), lock, {"cancelled": True})
+                release_control(self.run_dir(run), lock, {"cancelled": True})
                 break
             time.sleep(0.2)
         return None
@@ -545,7 +524,7 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         req = json.loads(sys.stdin.read())
-        for key in ("workspace", "agent", "root", "run", "template"):
+        for key in ("workspace", "root", "run", "template"):
             if key not in req:
                 raise ValueError(f"missing {key!r}")
     except ValueError as exc:

@@ -18,6 +18,7 @@ import os
 from dataclasses import replace
 from typing import Any
 
+from dflashops.agent.template_sentinels import SENTINELS
 from dflashops.errors import AgentError, Conflict, DflashopsError
 from dflashops.inventory import Profile, Target
 from dflashops.inventory_policy import shown_url
@@ -27,12 +28,6 @@ from dflashops.ops.observe.observe import started
 from dflashops.ops.runs.launch import DeployRequest, launch_spec
 from dflashops.ops.session import Session
 
-SENTINELS = {
-    "name": "@dflashops-run-name@",
-    "parent": "@dflashops-parent@",
-    "note": "@dflashops-note@",
-    "checkpoint": "@dflashops-checkpoint@",
-}  # the same strings as agent/supervisor.py SENTINELS
 POLL_S = 2.0  # a status poll is one read of a few small files: cheap; stall windows shorter than 8 s poll faster
 
 
@@ -123,7 +118,6 @@ def start(
     launch_template = template(invocation, request, target, profile, code_hash, release_path, root)
     req = {
         "workspace": target.workspace,
-        "agent": agent.path,
         "root": root or name,
         "run": name,
         "restarts": restarts,
