@@ -39,8 +39,8 @@ curve() {  # runs detached: prepare once, then every run at once; $W/done marks 
 progress() {  # one line per log: its newest step line and its newest other line
   printf '[%s] ' "$(date +%T)"; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
   for log in $W/*.log; do
-    printf '  %-8s %s | %s\n' "$(basename "$log" .log)" "$(grep -a ' step ' "$log" | tail -n 1 | cut -c1-110)" \
-      "$(grep -av ' step ' "$log" | tail -n 1 | cut -c1-150)"
+    printf '  %-8s %s | %s\n' "$(basename "$log" .log)" "$(grep -a '^step ' "$log" | tail -n 1 | cut -c1-110)" \
+      "$(grep -av '^step ' "$log" | tail -n 1 | cut -c1-150)"
   done
 }
 
