@@ -82,6 +82,10 @@ def test_two_drafters_extend_the_epochs_the_preflight_counted_for_one(tmp_path: 
     assert run_pipeline(_cfg(out, "--target-gpus", "cpu", *flags), PipelineOptions()) == EXIT_OK
     assert [m["step"] for m in _metrics(out)] == [1, 2, 3, 4, 5]
     assert _status(out)["step_limit"] == "max_steps"
+    epochs = tmp_path / "epochs"  # no --max-steps: every epoch is counted, and the epochs end the run
+    flags = ("--drafter-gpus", "cpu,cpu", "--epochs", "2", "--synthetic-samples", "8")
+    assert run_pipeline(_cfg(epochs, "--target-gpus", "cpu", *flags), PipelineOptions()) == EXIT_OK
+    assert _status(epochs)["step_limit"] == "epochs"
 
 
 def test_replicas_that_drift_apart_under_grad_sync_fail_the_run(tmp_path: Path, capfd) -> None:

@@ -76,7 +76,8 @@ class PipelineEngine:
         self.faults = FaultPoints(options.faults)
         self.slot_weights = position_weights(cfg.block_size, cfg.gamma).numpy()
         self.stream = BatchStream(setup.dataset, cfg, self.slot_weights, known_sizes=setup.epoch_sizes)
-        self.order = GlobalOrder(self.stream.epoch_sizes(cfg.max_steps * self.assignment.per_step or None))
+        enough = cfg.max_steps * self.assignment.per_step if cfg.max_steps else None  # None: every epoch
+        self.order = GlobalOrder(self.stream.epoch_sizes(enough))
         steps_in_data = self.order.total // self.assignment.per_step
         self.total_steps = min(cfg.max_steps, steps_in_data) if cfg.max_steps else steps_in_data
         if self.total_steps < 1:
