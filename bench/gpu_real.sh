@@ -26,7 +26,7 @@ declare -A RUNS=(  # name -> flags; "all" evaluates the baselines once for every
 curve() {  # runs detached: prepare once, then every run at once; $W/done marks the end
   python3 bench/real_world.py "${COMMON[@]}" --points all --prepare-only --json-out $W/prepare.json >$W/prepare.log 2>&1 \
     || { echo "prepare failed" >$W/done; return; }
-  for name in "${!RUNS[@]}"; do
+  for name in ${ONLY:-${!RUNS[@]}}; do  # ONLY="all n4096": a subset, when less device time is left
     # shellcheck disable=SC2086  # the flags split on purpose
     OMP_NUM_THREADS=4 setsid python3 bench/real_world.py "${COMMON[@]}" ${RUNS[$name]} --prepared \
       --json-out $W/$name.json --train-extra --log-interval 50 >$W/$name.log 2>&1 &
