@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import itertools
 import json
@@ -49,8 +50,9 @@ from trainer.bench_common import (
 )
 from trainer.compile_scope import private_compile
 from trainer.config import PRESETS, TrainerInputError
+from trainer.data import Batch
 from trainer.loss import ChunkKernels, dflash_loss, make_chunk_kernels, position_weights
-from trainer.model import DFlashDrafter, attention
+from trainer.model import DFlashDrafter, DrafterConfig, attention
 from trainer.model.dflash2 import BlockConv
 from trainer.model.drafter import finish_hidden
 from trainer.step import DrafterSide, FeatureBatch, TargetSide
@@ -116,6 +118,51 @@ CONV_VARIANTS = ("dflash2-conv", "dflash2-autograd", "dflash2-ibwd", "dflash2-ti
 
 
 def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.device, args: argparse.Namespace) -> dict:
+    """One variant's training step on one shape: build, patch, time; returns its row of the table."""
+    cfg, dcfg = preset_config(preset, shape, variant_flags(variant))
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with torch.device(device):
+        drafter = DFlashDrafter(dcfg)
+        embed = torch.randn(dcfg.vocab_size, dcfg.hidden_size, dtype=dtype) * 0.02
+        lm_head = torch.randn(dcfg.vocab_size, dcfg.hidden_size, dtype=dtype) * 0.02
+    if variant in CONV_VARIANTS:  # before DrafterSide compiles (graphs see it)
+        select_conv_kernels(drafter, variant)
+    side = DrafterSide(
+        cfg,
+        drafter,
+        embed,
+        lm_head,
+        device,
+        total_steps=1000,
+        compile=variant != "eager",
+        activation_checkpointing=variant == "act-ckpt",
+        compile_backend=getattr(args, "compile_backend", "inductor"),
+    )
+    batch = synthetic_batch(dcfg, shape, cfg.gamma, device, sorted_anchors=variant != "unsorted")
+    soft = variant in ("soft", "soft-triton")
+    features = synthetic_features(batch, dcfg, shape, device, dtype, soft=soft)
+    patch_for_variant(variant, side, drafter)
+
+    def step() -> None:
+        side.forward_backward(features, batch.weight_sum, float(batch.num_blocks))  # noqa: F821 - del'd below
+        side.optimizer_step()  # noqa: F821
+
+    timing = time_steps(step, device, args)
+    flops = step_flops(dcfg, shape, batch.anchors, batch.keep, soft=soft)
+    if args.profile:
+        from trainer.bench_profile import print_profile, profile_steps
+
+        print_profile(f"{preset} {shape.name} {variant}", profile_steps(step, device), flops)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    del side, drafter, features
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return step_row(preset, shape, variant, timing, flops, peak)
+
+
+def variant_flags(variant: str) -> list[str]:
+    """The train flags a step variant adds to its preset, --loss-kernels always among them."""
     # The loss kernels are explicit, so a variant measures the same thing whatever --loss-kernels auto picks.
     kernels = (
         "eager"
@@ -139,38 +186,32 @@ def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.devi
         "dflash2-ibwd": ["--arch", "dflash2"],
         "dflash2-tin": ["--arch", "dflash2"],
     }.get(variant, [])
-    extra += ["--loss-kernels", kernels]
-    cfg, dcfg = preset_config(preset, shape, extra)
-    torch.manual_seed(0)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    with torch.device(device):
-        drafter = DFlashDrafter(dcfg)
-        embed = torch.randn(dcfg.vocab_size, dcfg.hidden_size, dtype=dtype) * 0.02
-        lm_head = torch.randn(dcfg.vocab_size, dcfg.hidden_size, dtype=dtype) * 0.02
-    if variant in CONV_VARIANTS:  # before DrafterSide compiles (graphs see it)
-        for module in drafter.modules():
-            if isinstance(module, BlockConv) and variant == "dflash2-ibwd":
-                module.backward_kernel = "inductor"
-            elif isinstance(module, BlockConv) and variant == "dflash2-tin":
-                module.input_backward_kernel = "triton"
-            elif isinstance(module, BlockConv):
-                module.kernel = "triton" if variant == "dflash2-conv" else "autograd"
-    side = DrafterSide(
-        cfg,
-        drafter,
-        embed,
-        lm_head,
-        device,
-        total_steps=1000,
-        compile=variant != "eager",
-        activation_checkpointing=variant == "act-ckpt",
-        compile_backend=getattr(args, "compile_backend", "inductor"),
-    )
-    batch = synthetic_batch(dcfg, shape, cfg.gamma, device, sorted_anchors=variant != "unsorted")
+    return extra + ["--loss-kernels", kernels]
+
+
+def select_conv_kernels(drafter: DFlashDrafter, variant: str) -> None:
+    """Set every BlockConv's kernels as a CONV_VARIANTS variant measures them."""
+    for module in drafter.modules():
+        if isinstance(module, BlockConv) and variant == "dflash2-ibwd":
+            module.backward_kernel = "inductor"
+        elif isinstance(module, BlockConv) and variant == "dflash2-tin":
+            module.input_backward_kernel = "triton"
+        elif isinstance(module, BlockConv):
+            module.kernel = "triton" if variant == "dflash2-conv" else "autograd"
+
+
+def synthetic_features(
+    batch: Batch, dcfg: DrafterConfig, shape: Shape, device: torch.device, dtype: torch.dtype, *, soft: bool
+) -> FeatureBatch:
+    """Random context taps for `batch` (and the teacher's final hidden state with soft labels)."""
     ctx = torch.randn(shape.rows, shape.ctx, dcfg.num_taps * dcfg.hidden_size, device=device, dtype=dtype)
-    soft = variant in ("soft", "soft-triton")
     teacher = torch.randn(shape.rows, shape.ctx, dcfg.hidden_size, device=device, dtype=dtype) if soft else None
-    features = FeatureBatch(batch=batch, ctx_features=ctx, teacher_hidden=teacher)
+    return FeatureBatch(batch=batch, ctx_features=ctx, teacher_hidden=teacher)
+
+
+def patch_for_variant(variant: str, side: DrafterSide, drafter: DFlashDrafter) -> None:
+    """The variants that change the step after it is built: the loss, the drafter's calls, attention's and
+    Inductor's settings (bench_step's module_settings_restored puts the module settings back)."""
     if variant == "ckpt-loss":
         side.loss_fn = lambda h, w, lab, wts, **kw: _ckpt_loss_result(h, w, lab, wts, kw)
     if variant == "triton-s7":
@@ -194,10 +235,19 @@ def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.devi
         loss_module.SKIP_ANCHOR_SLOT = False  # restored by module_settings_restored
         setattr(drafter, "forward", functools.partial(_mask_first, drafter.forward, drafter.build_mask))  # noqa: B010
 
-    def step() -> None:
-        side.forward_backward(features, batch.weight_sum, float(batch.num_blocks))  # noqa: F821 - del'd below
-        side.optimizer_step()  # noqa: F821
 
+@dataclasses.dataclass
+class StepTiming:
+    """What time_steps measured: the per-call times (ms), back to back (ms a step), warm-up and recompiles."""
+
+    times: list[float]
+    b2b: float
+    warm_s: float
+    recompiles: int
+
+
+def time_steps(step: Callable[[], None], device: torch.device, args: argparse.Namespace) -> StepTiming:
+    """Warm `step` up (compiles happen there), then time `--iters` calls each and back to back."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
@@ -211,31 +261,27 @@ def run_step_variant(preset: str, shape: Shape, variant: str, device: torch.devi
     # per-call time's launch gaps and host-side mask build leave the figure.
     b2b = back_to_back_ms(step, device, args.iters)
     recompiles = recompile_count() - graphs_before
-    ms = statistics.median(times)
-    flops = step_flops(dcfg, shape, batch.anchors, batch.keep, soft=soft)
-    if args.profile:
-        from trainer.bench_profile import print_profile, profile_steps
+    return StepTiming(times=times, b2b=b2b, warm_s=warm_s, recompiles=recompiles)
 
-        print_profile(f"{preset} {shape.name} {variant}", profile_steps(step, device), flops)
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
-    del side, drafter, features, ctx, teacher
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+
+def step_row(preset: str, shape: Shape, variant: str, timing: StepTiming, flops: float, peak: float) -> dict:
+    """The table's row of one step variant: the median time and the rates derived from it."""
+    ms = statistics.median(timing.times)
     return {
         "preset": preset,
         "shape": shape.name,
         "variant": variant,
         "ms": ms,
-        "ms_spread": max(times) - min(times),
-        "ms_b2b": b2b,
-        "ms_sample_b2b": b2b / shape.rows,
+        "ms_spread": max(timing.times) - min(timing.times),
+        "ms_b2b": timing.b2b,
+        "ms_sample_b2b": timing.b2b / shape.rows,
         "ms_sample": ms / shape.rows,  # per sequence, as SpecForge reports its steps
         "tflops": flops / (ms * 1e-3) / 1e12,
         "block_tok_s": shape.block_tokens / (ms * 1e-3),
         "ctx_tok_s": shape.rows * shape.ctx / (ms * 1e-3),
         "peak_gib": peak,
-        "warmup_s": warm_s,
-        "recompiles": recompiles,
+        "warmup_s": timing.warm_s,
+        "recompiles": timing.recompiles,
         "flops": flops,
     }
 

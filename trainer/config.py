@@ -141,6 +141,12 @@ def target_compile_enabled(setting: str, device: object) -> bool:
     return setting == "on" or (setting == "auto" and str(device).split(":")[0] == "cuda")
 
 
+def _need(ok: bool, flag: str, why: str, hint: str | None = None) -> None:
+    """Raise TrainerInputError naming `--flag` unless `ok`."""
+    if not ok:
+        raise TrainerInputError(f"--{flag}: {why}", hint=hint)
+
+
 @dataclass
 class TrainConfig:
     """Every setting of a training run. Field names are the flags with `-` -> `_`."""
@@ -250,60 +256,83 @@ class TrainConfig:
     # ---- cross-checks -------------------------------------------------------------------------------
     def validate(self) -> TrainConfig:
         """Check every field; raise TrainerInputError naming the flag. Returns self for chaining."""
+        # in this order: where several fields are wrong, the first step's error is the one reported
+        self._check_preset()
+        self._check_block()
+        self._check_batching()
+        self._check_schedule()
+        self._check_feature_cache()
+        self._check_implementations()
+        self._check_loss_and_gradients()
+        self._check_drafter_layers()
+        self._check_checkpoints_and_logging()
+        self._check_pipeline_and_nodes()
+        self._check_target_and_data()
+        return self
 
-        def need(ok: bool, flag: str, why: str, hint: str | None = None) -> None:
-            if not ok:
-                raise TrainerInputError(f"--{flag}: {why}", hint=hint)
-
-        need(
+    def _check_preset(self) -> None:
+        """The preset names one of PRESETS."""
+        _need(
             self.preset is None or self.preset in PRESETS,
             "preset",
             f"unknown preset {self.preset!r}",
             f"choose one of {', '.join(PRESETS)}",
         )
-        need(
+
+    def _check_block(self) -> None:
+        """The drafted block and what reads it: block size, conv, selector, position weights (gamma)."""
+        _need(
             self.block_size >= 2,
             "block-size",
             f"must be >= 2 (anchor + at least one drafted token), got {self.block_size}",
         )
-        need(
+        _need(
             self.conv_kernel_size >= 1 and self.conv_kernel_size <= self.block_size,
             "conv-kernel-size",
             f"must be 1..block-size ({self.block_size}), got {self.conv_kernel_size}",
         )
-        need(self.conv_group_size >= 1, "conv-group-size", f"must be >= 1, got {self.conv_group_size}")
-        need(self.selector_rank >= 1, "selector-rank", f"must be >= 1, got {self.selector_rank}")
-        need(
+        _need(self.conv_group_size >= 1, "conv-group-size", f"must be >= 1, got {self.conv_group_size}")
+        _need(self.selector_rank >= 1, "selector-rank", f"must be >= 1, got {self.selector_rank}")
+        _need(
             self.selector_top_k >= 2, "selector-top-k", f"must be >= 2 (a choice to rerank), got {self.selector_top_k}"
         )
-        need(
+        _need(
             self.selector_loss_alpha >= 0,
             "selector-loss-alpha",
             f"must be >= 0, got {self.selector_loss_alpha}",
         )
-        need(self.gamma > 0, "gamma", f"must be > 0 (position weights exp(-(k-1)/gamma)), got {self.gamma}")
-        need(self.anchors_per_seq >= 1, "anchors-per-seq", f"must be >= 1, got {self.anchors_per_seq}")
-        need(self.max_anchors >= 1, "max-anchors", f"must be >= 1, got {self.max_anchors}")
-        need(self.max_seq_len >= 2, "max-seq-len", f"must be >= 2, got {self.max_seq_len}")
-        need(self.max_batch_size >= 1, "max-batch-size", f"must be >= 1, got {self.max_batch_size}")
-        need(
+        _need(self.gamma > 0, "gamma", f"must be > 0 (position weights exp(-(k-1)/gamma)), got {self.gamma}")
+
+    def _check_batching(self) -> None:
+        """Anchors, sequence length and the micro-batch's rows and token budget."""
+        _need(self.anchors_per_seq >= 1, "anchors-per-seq", f"must be >= 1, got {self.anchors_per_seq}")
+        _need(self.max_anchors >= 1, "max-anchors", f"must be >= 1, got {self.max_anchors}")
+        _need(self.max_seq_len >= 2, "max-seq-len", f"must be >= 2, got {self.max_seq_len}")
+        _need(self.max_batch_size >= 1, "max-batch-size", f"must be >= 1, got {self.max_batch_size}")
+        _need(
             self.token_budget >= self.max_seq_len,
             "token-budget",
             f"{self.token_budget} is smaller than one sequence (--max-seq-len {self.max_seq_len})",
             "raise --token-budget or lower --max-seq-len",
         )
-        need(self.epochs >= 1, "epochs", f"must be >= 1, got {self.epochs}")
-        need(self.max_steps is None or self.max_steps >= 1, "max-steps", f"must be >= 1, got {self.max_steps}")
-        need(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
-        need(0 <= self.warmup_ratio < 1, "warmup-ratio", f"must be in [0, 1), got {self.warmup_ratio}")
-        need(self.weight_decay >= 0, "weight-decay", f"must be >= 0, got {self.weight_decay}")
-        need(
+
+    def _check_schedule(self) -> None:
+        """Epochs, steps and the learning-rate schedule."""
+        _need(self.epochs >= 1, "epochs", f"must be >= 1, got {self.epochs}")
+        _need(self.max_steps is None or self.max_steps >= 1, "max-steps", f"must be >= 1, got {self.max_steps}")
+        _need(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        _need(0 <= self.warmup_ratio < 1, "warmup-ratio", f"must be in [0, 1), got {self.warmup_ratio}")
+        _need(self.weight_decay >= 0, "weight-decay", f"must be >= 0, got {self.weight_decay}")
+
+    def _check_feature_cache(self) -> None:
+        """The feature cache: no soft labels, real target and data, the single-process engine."""
+        _need(
             not (self.feature_cache and self.feature_cache != "off" and self.use_soft_labels),
             "feature-cache",
             "stores only the taps; soft labels need the target's final hidden state of every step",
             "drop --use-soft-labels or --feature-cache",
         )
-        need(
+        _need(
             not (
                 self.feature_cache
                 and self.feature_cache != "off"
@@ -312,7 +341,7 @@ class TrainConfig:
             "feature-cache",
             "needs --target-model and --data-dir (synthetic tiny data is made on the fly)",
         )
-        need(
+        _need(
             not (
                 self.feature_cache
                 and self.feature_cache != "off"
@@ -322,106 +351,123 @@ class TrainConfig:
             "works with the single-process engine only (the pipeline's target workers run ahead of the drafters)",
             "one --target-gpus and one --drafter-gpus device, no --pipeline",
         )
-        need(
+
+    def _check_implementations(self) -> None:
+        """The named implementations: output norm init, AdamW, target compile."""
+        _need(
             self.output_norm_init in OUTPUT_NORM_INITS,
             "output-norm-init",
             f"must be one of {', '.join(OUTPUT_NORM_INITS)}, got {self.output_norm_init!r}",
         )
-        need(self.adamw in ADAMW_IMPLS, "adamw", f"must be one of {', '.join(ADAMW_IMPLS)}, got {self.adamw!r}")
-        need(
+        _need(self.adamw in ADAMW_IMPLS, "adamw", f"must be one of {', '.join(ADAMW_IMPLS)}, got {self.adamw!r}")
+        _need(
             self.target_compile in TARGET_COMPILE,
             "target-compile",
             f"must be one of {', '.join(TARGET_COMPILE)}, got {self.target_compile!r}",
         )
-        need(self.grad_accum >= 1, "grad-accum", f"must be >= 1, got {self.grad_accum}")
-        need(self.grad_clip >= 0, "grad-clip", f"must be >= 0 (0 disables clipping), got {self.grad_clip}")
-        need(
+
+    def _check_loss_and_gradients(self) -> None:
+        """Gradient accumulation and clipping, noise, the KL and cap terms, the loss's chunks and kernels."""
+        _need(self.grad_accum >= 1, "grad-accum", f"must be >= 1, got {self.grad_accum}")
+        _need(self.grad_clip >= 0, "grad-clip", f"must be >= 0 (0 disables clipping), got {self.grad_clip}")
+        _need(
             self.noise_type in ("uniform", "gaussian"),
             "noise-type",
             f"must be uniform or gaussian, got {self.noise_type!r}",
         )
-        need(
+        _need(
             self.noise_start >= 0 and self.noise_end >= 0,
             "noise-start",
             f"noise std must be >= 0, got start {self.noise_start} end {self.noise_end}",
         )
-        need(self.kl_weight >= 0, "kl-weight", f"must be >= 0, got {self.kl_weight}")
-        need(self.kl_temperature > 0, "kl-temperature", f"must be > 0, got {self.kl_temperature}")
-        need(self.cap_lambda >= 0, "cap-lambda", f"must be >= 0, got {self.cap_lambda}")
-        need(
+        _need(self.kl_weight >= 0, "kl-weight", f"must be >= 0, got {self.kl_weight}")
+        _need(self.kl_temperature > 0, "kl-temperature", f"must be > 0, got {self.kl_temperature}")
+        _need(self.cap_lambda >= 0, "cap-lambda", f"must be >= 0, got {self.cap_lambda}")
+        _need(
             self.loss_chunk_size is None or self.loss_chunk_size >= 1,
             "loss-chunk-size",
             f"must be >= 1, got {self.loss_chunk_size}",
         )
-        need(
+        _need(
             self.loss_kernels in LOSS_KERNELS,
             "loss-kernels",
             f"must be one of {', '.join(LOSS_KERNELS)}, got {self.loss_kernels!r}",
         )
-        need(
+        _need(
             self.loss_kernels != "triton" or all(d.startswith("cuda") for d in self.drafter_gpus),
             "loss-kernels",
             f"triton needs CUDA drafter devices, got --drafter-gpus {','.join(self.drafter_gpus)}",
             "use --loss-kernels auto, compiled or eager",
         )
-        need(self.num_draft_layers >= 1, "num-draft-layers", f"must be >= 1, got {self.num_draft_layers}")
-        need(
+
+    def _check_drafter_layers(self) -> None:
+        """Drafter depth, sliding-window layers and the target layers tapped."""
+        _need(self.num_draft_layers >= 1, "num-draft-layers", f"must be >= 1, got {self.num_draft_layers}")
+        _need(
             0 <= self.sliding_layers <= self.num_draft_layers,
             "sliding-layers",
             f"must be between 0 and --num-draft-layers ({self.num_draft_layers}), got {self.sliding_layers}",
         )
-        need(
+        _need(
             self.sliding_layers == 0 or (self.sliding_window or 0) >= 1,
             "sliding-window",
             "sliding layers need a window >= 1",
         )
-        need(self.target_layer_ids is None or len(self.target_layer_ids) >= 1, "target-layer-ids", "must not be empty")
-        need(self.save_interval >= 1, "save-interval", f"must be >= 1, got {self.save_interval}")
-        need(self.keep_checkpoints >= 1, "keep-checkpoints", f"must be >= 1, got {self.keep_checkpoints}")
-        need(self.log_interval >= 1, "log-interval", f"must be >= 1, got {self.log_interval}")
-        need(self.wandb in ("auto", "on", "off"), "wandb", f"must be auto, on or off, got {self.wandb!r}")
-        need(self.sync in ("grad", "average"), "sync", f"must be grad or average, got {self.sync!r}")
-        need(self.sync_interval >= 1, "sync-interval", f"must be >= 1, got {self.sync_interval}")
-        need(self.queue_depth >= 1, "queue-depth", f"must be >= 1, got {self.queue_depth}")
-        need(
+        _need(self.target_layer_ids is None or len(self.target_layer_ids) >= 1, "target-layer-ids", "must not be empty")
+
+    def _check_checkpoints_and_logging(self) -> None:
+        """Checkpoint and log intervals, kept checkpoints, wandb."""
+        _need(self.save_interval >= 1, "save-interval", f"must be >= 1, got {self.save_interval}")
+        _need(self.keep_checkpoints >= 1, "keep-checkpoints", f"must be >= 1, got {self.keep_checkpoints}")
+        _need(self.log_interval >= 1, "log-interval", f"must be >= 1, got {self.log_interval}")
+        _need(self.wandb in ("auto", "on", "off"), "wandb", f"must be auto, on or off, got {self.wandb!r}")
+
+    def _check_pipeline_and_nodes(self) -> None:
+        """The pipeline's sync, queues and stall timeout; the nodes of a distributed run."""
+        _need(self.sync in ("grad", "average"), "sync", f"must be grad or average, got {self.sync!r}")
+        _need(self.sync_interval >= 1, "sync-interval", f"must be >= 1, got {self.sync_interval}")
+        _need(self.queue_depth >= 1, "queue-depth", f"must be >= 1, got {self.queue_depth}")
+        _need(
             self.feature_transfer in ("device", "pinned"),
             "feature-transfer",
             f"must be device or pinned, got {self.feature_transfer!r}",
         )
-        need(self.stall_timeout > 0, "stall-timeout", f"must be > 0 seconds, got {self.stall_timeout}")
-        need(
+        _need(self.stall_timeout > 0, "stall-timeout", f"must be > 0 seconds, got {self.stall_timeout}")
+        _need(
             self.nodes >= 1,
             "nodes",
             f"must be >= 1, got {self.nodes}",
             "the number of nodes of the run, as torchrun's --nnodes (1: this process alone)",
         )
-        need(
+        _need(
             self.dist_timeout > 0,
             "dist-timeout",
             f"must be > 0 seconds, got {self.dist_timeout}",
             "how long a collective may wait for the other nodes, e.g. 300",
         )
+
+    def _check_target_and_data(self) -> None:
+        """The mask token fits the vocabulary; a target model and data exist or can be made."""
         if self.vocab_size is not None and self.mask_token_id is not None:
-            need(
+            _need(
                 0 <= self.mask_token_id < self.vocab_size,
                 "mask-token-id",
                 f"{self.mask_token_id} is outside the vocabulary (size {self.vocab_size})",
             )
         if self.target_model is None:
-            need(
+            _need(
                 self.tiny_target is not None,
                 "target-model",
                 "is required (only the tiny preset builds its target from a config)",
                 "pass --target-model /path/to/hf-model or use --preset tiny",
             )
         if self.data_dir is None:
-            need(
+            _need(
                 self.synthetic_samples > 0,
                 "data-dir",
                 "is required (only the tiny preset synthesises data)",
                 "prepare one with `python -m trainer prepare` and pass --data-dir",
             )
-        return self
 
     # ---- derived ------------------------------------------------------------------------------------
     def layer_types(self) -> list[str]:

@@ -56,6 +56,7 @@ import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -458,9 +459,93 @@ def dflash_loss(
         num_blocks_normalizer,
         chunk_size,
     )
-    rows, vocab = hidden.shape[0], lm_head_weight.shape[0]
+    plan = _plan_chunks(
+        hidden.shape[0],
+        lm_head_weight,
+        block_size=block_size,
+        normalizer=normalizer,
+        kl_weight=kl_weight,
+        kl_temperature=kl_temperature,
+        cap_lambda=cap_lambda,
+        num_blocks_normalizer=num_blocks_normalizer,
+        chunk_size=chunk_size,
+        kernels=kernels or ChunkKernels(),
+        topk=topk,
+    )
+    want_grad = hidden.requires_grad and torch.is_grad_enabled()
+    rows = _loss_rows(hidden, lm_head_weight, labels, weights, teacher_hidden, plan)
+    out = _empty_outputs(hidden, plan, want_grad)
+    with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
+        for b0 in range(0, plan.num_blocks, plan.chunk_blocks):
+            _loss_chunk(plan, rows, out, b0, min(b0 + plan.chunk_blocks, plan.num_blocks))
+
+    ce_and_kl = out.ce_sum + kl_weight * kl_temperature**2 * out.kl_sum
+    loss_value = ce_and_kl * plan.inv_norm - plan.cap_scale * out.cap_sum
+    real_blocks = rows.valid.view(-1, block_size).any(dim=1).sum().to(plan.acc_dtype)
+    loss = _AttachHiddenGrad.apply(hidden, loss_value, out.grad_hidden) if want_grad else loss_value
+    return LossResult(
+        loss=loss,
+        ce_sum=out.ce_sum,
+        kl_sum=out.kl_sum,
+        cap_sum=out.cap_sum,
+        weight_sum=rows.weights.sum(),
+        num_blocks=real_blocks,
+        correct=out.correct,
+        candidates=out.candidates,
+        candidate_logits=out.candidate_logits,
+        label_place=out.label_place,
+        label_found=out.label_found,
+    )
+
+
+@dataclass(frozen=True)
+class _ChunkPlan:
+    """What every chunk of one ``dflash_loss`` call shares: block layout, chunking, kernel path, coefficients."""
+
+    block_size: int
+    num_blocks: int
+    chunk_blocks: int  # whole blocks per chunk (the last chunk may have fewer)
+    first: int  # the first slot of a block that goes through the LM head (1: the anchor is skipped)
+    slots: int  # rows of a block that go through the LM head
+    kernels: ChunkKernels
+    soft: SoftLabelKernels | None  # the fused soft-label kernels, where set and soft labels are on
+    fused_ce: bool  # the fused CE kernel (no soft labels)
+    fused: bool  # a fused kernel writes g unscaled: the row scale follows GEMM 2
+    use_kl: bool
+    use_cap: bool
+    topk: int
+    topk_in_kernel: bool  # the fused CE kernel keeps the running top-k (no sort over [C, V])
+    inv_norm: float
+    cap_scale: float
+    kl_weight: float
+    kl_temperature: float
+    kl_ratio: float  # KL coefficient / CE coefficient on every row while CAP is off
+    gemm_dtype: torch.dtype
+    acc_dtype: torch.dtype
+
+    def supervised(self, t: torch.Tensor, b0: int, b1: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Rows of blocks b0..b1-1, slots 1..B-1, as one [rows, ...] tensor (cast first: one copy, not two)."""
+        rows_of_blocks = t.view(self.num_blocks, self.block_size, *t.shape[1:])[b0:b1, self.first :]
+        return rows_of_blocks.to(dtype or t.dtype).reshape(-1, *t.shape[1:])
+
+
+def _plan_chunks(
+    num_rows: int,
+    lm_head_weight: torch.Tensor,
+    *,
+    block_size: int,
+    normalizer: float,
+    kl_weight: float,
+    kl_temperature: float,
+    cap_lambda: float,
+    num_blocks_normalizer: float,
+    chunk_size: int | None,
+    kernels: ChunkKernels,
+    topk: int,
+) -> _ChunkPlan:
+    """Pick the kernel path, split the blocks into equal chunks and compute the scalar coefficients."""
+    vocab = lm_head_weight.shape[0]
     use_kl, use_cap = kl_weight > 0, cap_lambda > 0
-    kernels = kernels or ChunkKernels()
     soft = kernels.soft_label if use_kl else None
     fused_ce = kernels.fused_ce is not None and not use_kl
     fused = fused_ce or soft is not None  # a fused kernel writes g unscaled: the row scale follows GEMM 2
@@ -470,150 +555,266 @@ def dflash_loss(
         chunk = chunk_size
     # Equal chunks of whole blocks, none above `chunk` rows: a short last chunk is a GEMM pair that reads the whole
     # LM head for a few rows (qwen3-8b seed: 1026 blocks of 32 in chunks of 128 left 2; now 9 x 114).
-    num_blocks, most = rows // block_size, max(1, chunk // block_size)
+    num_blocks, most = num_rows // block_size, max(1, chunk // block_size)
     chunk_blocks = -(-num_blocks // -(-num_blocks // most)) if num_blocks else most
-    want_grad = hidden.requires_grad and torch.is_grad_enabled()
-    inv_norm = 1.0 / normalizer if normalizer > 0 else 0.0  # all-zero weights: every sum is 0, no NaN
-    cap_scale = cap_lambda / num_blocks_normalizer if num_blocks_normalizer > 0 else 0.0
     gemm_dtype = lm_head_weight.dtype
-    acc_dtype = torch.promote_types(gemm_dtype, torch.float32)
-    kl_ratio = kl_weight * kl_temperature  # KL coefficient / CE coefficient on every row while CAP is off
-
-    slot = torch.arange(rows, device=hidden.device) % block_size
-    valid = (weights > 0) & (slot > 0)
-    safe_labels = torch.where(valid, labels, torch.zeros_like(labels))  # -100 padding would break gather
-    weights_acc = weights.to(acc_dtype)
-    zero = torch.zeros((), dtype=acc_dtype, device=hidden.device)
-    ce_sum, kl_sum, cap_sum = zero.clone(), zero.clone(), zero.clone()
     # Slot 0 (the anchor, weight 0) is never computed: its logits cost 1/B of every LM-head GEMM and of the [C, V]
     # element-wise work for a prediction nothing uses (qwen3-8b seed, B = 32: -6 ms per step on the H200,
     # bench/results/step.md 2026-12-02 "The last 8-15 ms of the 8B seed step"). The chunks below see blocks x (B - 1) rows; slot 0's gradient is 0 and its
     # `correct` False.
     first = 1 if SKIP_ANCHOR_SLOT else 0
-    slots, hidden_size = block_size - first, hidden.shape[1]
+    return _ChunkPlan(
+        block_size=block_size,
+        num_blocks=num_blocks,
+        chunk_blocks=chunk_blocks,
+        first=first,
+        slots=block_size - first,
+        kernels=kernels,
+        soft=soft,
+        fused_ce=fused_ce,
+        fused=fused,
+        use_kl=use_kl,
+        use_cap=use_cap,
+        topk=topk,
+        topk_in_kernel=topk > 0 and fused_ce and kernels.fused_ce_topk is not None,
+        inv_norm=1.0 / normalizer if normalizer > 0 else 0.0,  # all-zero weights: every sum is 0, no NaN
+        cap_scale=cap_lambda / num_blocks_normalizer if num_blocks_normalizer > 0 else 0.0,
+        kl_weight=kl_weight,
+        kl_temperature=kl_temperature,
+        kl_ratio=kl_weight * kl_temperature,
+        gemm_dtype=gemm_dtype,
+        acc_dtype=torch.promote_types(gemm_dtype, torch.float32),
+    )
 
-    def supervised(t: torch.Tensor, b0: int, b1: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Rows of blocks b0..b1-1, slots 1..B-1, as one [rows, ...] tensor (cast first: one copy, not two)."""
-        rows_of_blocks = t.view(num_blocks, block_size, *t.shape[1:])[b0:b1, first:]
-        return rows_of_blocks.to(dtype or t.dtype).reshape(-1, *t.shape[1:])
 
-    correct = torch.zeros(rows, dtype=torch.bool, device=hidden.device)
-    grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if want_grad else None
-    hidden_rows = hidden.detach().contiguous()  # the [blocks, B, H] views below need it (a no-op when it is)
-    teacher_rows = teacher_hidden.detach().contiguous() if teacher_hidden is not None else None
-    if grad_hidden is not None and first:
-        grad_hidden.view(num_blocks, block_size, hidden_size)[:, 0] = 0
-    cand = cand_logits = cand_place = cand_found = None
-    if topk > 0:
+@dataclass(frozen=True)
+class _LossRows:
+    """The micro-batch's rows that the chunks slice: inputs detached, labels made safe, weights in the acc dtype."""
+
+    hidden: torch.Tensor
+    teacher: torch.Tensor | None
+    lm_head_weight: torch.Tensor
+    labels: torch.Tensor
+    safe_labels: torch.Tensor
+    weights: torch.Tensor
+    valid: torch.Tensor
+
+
+def _loss_rows(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    teacher_hidden: torch.Tensor | None,
+    plan: _ChunkPlan,
+) -> _LossRows:
+    """Mark the valid rows (weight > 0, not slot 0) and prepare the tensors every chunk reads."""
+    slot = torch.arange(hidden.shape[0], device=hidden.device) % plan.block_size
+    valid = (weights > 0) & (slot > 0)
+    return _LossRows(
+        hidden=hidden.detach().contiguous(),  # the [blocks, B, H] views need it (a no-op when it is)
+        teacher=teacher_hidden.detach().contiguous() if teacher_hidden is not None else None,
+        lm_head_weight=lm_head_weight,
+        labels=labels,
+        safe_labels=torch.where(valid, labels, torch.zeros_like(labels)),  # -100 padding would break gather
+        weights=weights.to(plan.acc_dtype),
+        valid=valid,
+    )
+
+
+@dataclass
+class _LossOutputs:
+    """What the chunks fill in: the sums, ``correct``, d loss/d hidden (None in eval) and DFlash2's candidates."""
+
+    ce_sum: torch.Tensor
+    kl_sum: torch.Tensor
+    cap_sum: torch.Tensor
+    correct: torch.Tensor
+    grad_hidden: torch.Tensor | None
+    candidates: torch.Tensor | None = None
+    candidate_logits: torch.Tensor | None = None
+    label_place: torch.Tensor | None = None
+    label_found: torch.Tensor | None = None
+
+
+def _empty_outputs(hidden: torch.Tensor, plan: _ChunkPlan, want_grad: bool) -> _LossOutputs:
+    """Zero sums, no row correct, slot 0's gradient 0 (the chunks write every other row), empty candidates."""
+    rows, device = hidden.shape[0], hidden.device
+    zero = torch.zeros((), dtype=plan.acc_dtype, device=device)
+    out = _LossOutputs(
+        ce_sum=zero.clone(),
+        kl_sum=zero.clone(),
+        cap_sum=zero.clone(),
+        correct=torch.zeros(rows, dtype=torch.bool, device=device),
+        grad_hidden=torch.empty(hidden.shape, dtype=hidden.dtype, device=device) if want_grad else None,
+    )
+    if out.grad_hidden is not None and plan.first:
+        out.grad_hidden.view(plan.num_blocks, plan.block_size, hidden.shape[1])[:, 0] = 0
+    if plan.topk > 0:
+        out.candidates = torch.zeros(rows, plan.topk, dtype=torch.long, device=device)
+        out.candidate_logits = torch.zeros(rows, plan.topk, dtype=torch.float32, device=device)
+        out.label_place = torch.zeros(rows, dtype=torch.long, device=device)
+        out.label_found = torch.zeros(rows, dtype=torch.bool, device=device)
+    return out
+
+
+class _ChunkStats(NamedTuple):
+    """One chunk's row statistics, and g where the statistics' kernel wrote it."""
+
+    grad_logits: torch.Tensor | None
+    lse: torch.Tensor | None
+    ce: torch.Tensor
+    kl: torch.Tensor | None
+    argmax: torch.Tensor
+    row_state: torch.Tensor | None  # soft labels with CAP: the stats' state for the second launch
+    lse_t: torch.Tensor | None  # eager / compiled: logsumexp(logits / T) with soft labels
+    unary: torch.Tensor | None  # DFlash2: the unary top-k ids
+
+
+def _loss_chunk(plan: _ChunkPlan, rows: _LossRows, out: _LossOutputs, b0: int, b1: int) -> None:
+    """One chunk of whole blocks b0..b1-1: logits, statistics, sums and its rows of d loss/d hidden."""
+    h = plan.supervised(rows.hidden, b0, b1, plan.gemm_dtype)
+    lab, w = plan.supervised(rows.safe_labels, b0, b1), plan.supervised(rows.weights, b0, b1)
+    logits = h @ rows.lm_head_weight.T  # GEMM 1
+    teacher_logits = kl_coef = None
+    # The fused CE kernel keeps a running top-k as it streams the row (no sort over [C, V]: the sort cost
+    # 39 ms per step at the qwen3-8b seed shape, bench/results/kernels.md 2026-12-03 "Our own Triton attention"); every other path sorts here.
+    # No kernel below writes into `logits` (g goes to its own buffer), so the gather after them reads it.
+    unary = logits.topk(plan.topk, dim=-1).indices if plan.topk > 0 and not plan.topk_in_kernel else None
+    if plan.use_kl:
+        assert rows.teacher is not None
+        teacher = plan.supervised(rows.teacher, b0, b1, plan.gemm_dtype)
+        teacher_logits = teacher @ rows.lm_head_weight.T  # GEMM 3
+        kl_coef = w * (plan.inv_norm * plan.kl_weight * plan.kl_temperature)
+    stats = _chunk_statistics(plan, logits, teacher_logits, lab, unary, want_grad=out.grad_hidden is not None)
+    _record_predictions(plan, out, b0, b1, stats, logits, lab, rows.labels)
+    out.ce_sum += (w * stats.ce).sum()
+    ce_coef = w * plan.inv_norm
+    if plan.use_cap:
+        valid = plan.supervised(rows.valid, b0, b1)
+        block_cap, cap_coef = _cap_coefficients(stats.ce, valid, plan.slots, plan.cap_scale, plan.block_size)
+        out.cap_sum += block_cap
+        ce_coef = ce_coef + cap_coef
+    grad_logits = _finish_logit_grad(plan, out, stats, logits, teacher_logits, lab, w, ce_coef, kl_coef)
+    if out.grad_hidden is not None:
+        _write_hidden_grad(plan, out.grad_hidden, grad_logits, rows.lm_head_weight, ce_coef, b0, b1)
+
+
+def _chunk_statistics(
+    plan: _ChunkPlan,
+    logits: torch.Tensor,
+    teacher_logits: torch.Tensor | None,
+    lab: torch.Tensor,
+    unary: torch.Tensor | None,
+    *,
+    want_grad: bool,
+) -> _ChunkStats:
+    """Row statistics by the kernel path: a fused kernel also writes g (unscaled) when a gradient is wanted."""
+    kernels, soft = plan.kernels, plan.soft
+    grad_logits = kl = row_state = lse_t = None
+    if soft is not None and not plan.use_cap and want_grad:
+        # one kernel: statistics, KL and the UNSCALED g, written over the teacher logits (each element
+        # is read before it is overwritten), so soft labels need no third [C, V] buffer
+        grad_logits, lse, ce, kl, argmax = soft.fused(
+            logits,
+            teacher_logits,
+            lab,
+            temperature=plan.kl_temperature,
+            kl_ratio=plan.kl_ratio,
+            want_grad=True,
+            out=teacher_logits,
+        )
+    elif soft is not None:  # CAP needs every CE of the chunk before g (or eval: no g at all)
+        row_state, lse, ce, kl, argmax = soft.stats(logits, teacher_logits, lab, temperature=plan.kl_temperature)
+    elif plan.fused_ce:  # one kernel: statistics and the UNSCALED g = softmax - onehot (scaled after GEMM 2)
+        assert kernels.fused_ce is not None
+        if plan.topk_in_kernel:
+            assert kernels.fused_ce_topk is not None
+            grad_logits, lse, ce, argmax, _, unary = kernels.fused_ce_topk(logits, lab, plan.topk, want_grad=want_grad)
+        else:
+            grad_logits, lse, ce, argmax = kernels.fused_ce(logits, lab, want_grad=want_grad)
+    else:
+        lse, ce, argmax, lse_t = kernels.stats(logits, lab, plan.kl_temperature, plan.use_kl)
+    return _ChunkStats(grad_logits, lse, ce, kl, argmax, row_state, lse_t, unary)
+
+
+def _record_predictions(
+    plan: _ChunkPlan,
+    out: _LossOutputs,
+    b0: int,
+    b1: int,
+    stats: _ChunkStats,
+    logits: torch.Tensor,
+    lab: torch.Tensor,
+    labels: torch.Tensor,
+) -> None:
+    """The chunk's rows of ``correct`` and, with topk > 0, of the candidates (read from the chunk's logits)."""
+    nb, bs, first, slots, topk = plan.num_blocks, plan.block_size, plan.first, plan.slots, plan.topk
+    out.correct.view(nb, bs)[b0:b1, first:] = (stats.argmax == plan.supervised(labels, b0, b1)).view(-1, slots)
+    if stats.unary is not None and out.candidates is not None and out.candidate_logits is not None:
+        assert out.label_place is not None and out.label_found is not None
         from trainer.model.dflash2 import training_candidates
 
-        cand = torch.zeros(rows, topk, dtype=torch.long, device=hidden.device)
-        cand_logits = torch.zeros(rows, topk, dtype=torch.float32, device=hidden.device)
-        cand_place = torch.zeros(rows, dtype=torch.long, device=hidden.device)
-        cand_found = torch.zeros(rows, dtype=torch.bool, device=hidden.device)
+        ids, place, found = training_candidates(stats.unary, lab)
+        out.candidates.view(nb, bs, topk)[b0:b1, first:] = ids.view(-1, slots, topk)
+        out.candidate_logits.view(nb, bs, topk)[b0:b1, first:] = logits.gather(1, ids).float().view(-1, slots, topk)
+        out.label_place.view(nb, bs)[b0:b1, first:] = place.view(-1, slots)
+        out.label_found.view(nb, bs)[b0:b1, first:] = found.view(-1, slots)
 
-    with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
-        for b0 in range(0, num_blocks, chunk_blocks):
-            b1 = min(b0 + chunk_blocks, num_blocks)
-            h = supervised(hidden_rows, b0, b1, gemm_dtype)
-            lab, w = supervised(safe_labels, b0, b1), supervised(weights_acc, b0, b1)
-            logits = h @ lm_head_weight.T  # GEMM 1
-            teacher_logits = kl_coef = row_state = grad_logits = None
-            # The fused CE kernel keeps a running top-k as it streams the row (no sort over [C, V]: the sort cost
-            # 39 ms per step at the qwen3-8b seed shape, bench/results/kernels.md 2026-12-03 "Our own Triton attention"); every other path sorts here.
-            # No kernel below writes into `logits` (g goes to its own buffer), so the gather after them reads it.
-            topk_in_kernel = topk > 0 and fused_ce and kernels.fused_ce_topk is not None
-            unary = logits.topk(topk, dim=-1).indices if topk > 0 and not topk_in_kernel else None
-            if use_kl:
-                assert teacher_rows is not None
-                teacher = supervised(teacher_rows, b0, b1, gemm_dtype)
-                teacher_logits = teacher @ lm_head_weight.T  # GEMM 3
-                kl_coef = w * (inv_norm * kl_weight * kl_temperature)
-            if soft is not None and not use_cap and grad_hidden is not None:
-                # one kernel: statistics, KL and the UNSCALED g, written over the teacher logits (each element
-                # is read before it is overwritten), so soft labels need no third [C, V] buffer
-                grad_logits, lse, ce, kl, argmax = soft.fused(
-                    logits,
-                    teacher_logits,
-                    lab,
-                    temperature=kl_temperature,
-                    kl_ratio=kl_ratio,
-                    want_grad=True,
-                    out=teacher_logits,
-                )
-            elif soft is not None:  # CAP needs every CE of the chunk before g (or eval: no g at all)
-                row_state, lse, ce, kl, argmax = soft.stats(logits, teacher_logits, lab, temperature=kl_temperature)
-            elif fused_ce:  # one kernel: statistics and the UNSCALED g = softmax - onehot (scaled after GEMM 2)
-                assert kernels.fused_ce is not None
-                if topk_in_kernel:
-                    assert kernels.fused_ce_topk is not None
-                    grad_logits, lse, ce, argmax, _, unary = kernels.fused_ce_topk(
-                        logits, lab, topk, want_grad=grad_hidden is not None
-                    )
-                else:
-                    grad_logits, lse, ce, argmax = kernels.fused_ce(logits, lab, want_grad=grad_hidden is not None)
-            else:
-                lse, ce, argmax, lse_t = kernels.stats(logits, lab, kl_temperature, use_kl)
-            correct.view(num_blocks, block_size)[b0:b1, first:] = (argmax == supervised(labels, b0, b1)).view(-1, slots)
-            if unary is not None and cand is not None and cand_logits is not None:
-                assert cand_place is not None and cand_found is not None
-                ids, place, found = training_candidates(unary, lab)
-                cand.view(num_blocks, block_size, topk)[b0:b1, first:] = ids.view(-1, slots, topk)
-                cand_logits.view(num_blocks, block_size, topk)[b0:b1, first:] = (
-                    logits.gather(1, ids).float().view(-1, slots, topk)
-                )
-                cand_place.view(num_blocks, block_size)[b0:b1, first:] = place.view(-1, slots)
-                cand_found.view(num_blocks, block_size)[b0:b1, first:] = found.view(-1, slots)
-            ce_sum += (w * ce).sum()
-            ce_coef = w * inv_norm
-            if use_cap:
-                block_cap, cap_coef = _cap_coefficients(ce, supervised(valid, b0, b1), slots, cap_scale, block_size)
-                cap_sum += block_cap
-                ce_coef = ce_coef + cap_coef
-            if soft is not None:
-                kl_sum += (w * kl).sum()
-                if row_state is not None and grad_hidden is not None:
-                    # c_i (p - y) + k_i (p_T - q_T) = c_i [(p - y) + (k_i / c_i)(p_T - q_T)]; k_i = 0 wherever
-                    # c_i = 0 (both carry w_i / normalizer and CAP's part is >= 0), so the ratio is 0 there
-                    assert kl_coef is not None  # soft labels: use_kl
-                    ratio = torch.where(ce_coef > 0, kl_coef / ce_coef, 0.0)
-                    grad_logits = soft.grad(
-                        logits, teacher_logits, lab, row_state, ratio, temperature=kl_temperature, out=teacher_logits
-                    )
-            elif not fused:
-                grad_logits, kl = kernels.logit_grad(
-                    logits, lab, lse, ce_coef, teacher_logits, lse_t, kl_coef, kl_temperature
-                )
-                if kl is not None:
-                    kl_sum += (w * kl).sum()
-            if grad_hidden is not None:
-                assert grad_logits is not None  # every path above computes g when a gradient is wanted
-                out = grad_hidden.view(num_blocks, block_size, hidden_size)[b0:b1, first:]  # [blocks, B-1, H]
-                direction = (grad_logits @ lm_head_weight).view(out.shape)  # GEMM 2
-                if fused:
-                    # then the per-row coefficient: diag(c) (P - Y) W. One [C, H] pass (H << V), in fp32 before
-                    # the single rounding to the gradient's dtype; weight-0 rows get c = 0 exactly.
-                    torch.mul(direction, ce_coef.view(-1, slots, 1), out=out)
-                else:
-                    out.copy_(direction)
-            del logits, grad_logits, teacher_logits
 
-    loss_value = (ce_sum + kl_weight * kl_temperature**2 * kl_sum) * inv_norm - cap_scale * cap_sum
-    real_blocks = valid.view(-1, block_size).any(dim=1).sum().to(acc_dtype)
-    loss = _AttachHiddenGrad.apply(hidden, loss_value, grad_hidden) if want_grad else loss_value
-    return LossResult(
-        loss=loss,
-        ce_sum=ce_sum,
-        kl_sum=kl_sum,
-        cap_sum=cap_sum,
-        weight_sum=weights_acc.sum(),
-        num_blocks=real_blocks,
-        correct=correct,
-        candidates=cand,
-        candidate_logits=cand_logits,
-        label_place=cand_place,
-        label_found=cand_found,
-    )
+def _finish_logit_grad(
+    plan: _ChunkPlan,
+    out: _LossOutputs,
+    stats: _ChunkStats,
+    logits: torch.Tensor,
+    teacher_logits: torch.Tensor | None,
+    lab: torch.Tensor,
+    w: torch.Tensor,
+    ce_coef: torch.Tensor,
+    kl_coef: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """Add the chunk's KL sum; return g, computed here where the statistics' kernel did not write it."""
+    grad_logits = stats.grad_logits
+    if plan.soft is not None:
+        assert stats.kl is not None  # the soft-label kernels return KL
+        out.kl_sum += (w * stats.kl).sum()
+        if stats.row_state is not None and out.grad_hidden is not None:
+            # c_i (p - y) + k_i (p_T - q_T) = c_i [(p - y) + (k_i / c_i)(p_T - q_T)]; k_i = 0 wherever
+            # c_i = 0 (both carry w_i / normalizer and CAP's part is >= 0), so the ratio is 0 there
+            assert kl_coef is not None  # soft labels: use_kl
+            ratio = torch.where(ce_coef > 0, kl_coef / ce_coef, 0.0)
+            grad_logits = plan.soft.grad(
+                logits, teacher_logits, lab, stats.row_state, ratio, temperature=plan.kl_temperature, out=teacher_logits
+            )
+    elif not plan.fused:
+        grad_logits, kl = plan.kernels.logit_grad(
+            logits, lab, stats.lse, ce_coef, teacher_logits, stats.lse_t, kl_coef, plan.kl_temperature
+        )
+        if kl is not None:
+            out.kl_sum += (w * kl).sum()
+    return grad_logits
+
+
+def _write_hidden_grad(
+    plan: _ChunkPlan,
+    grad_hidden: torch.Tensor,
+    grad_logits: torch.Tensor | None,
+    lm_head_weight: torch.Tensor,
+    ce_coef: torch.Tensor,
+    b0: int,
+    b1: int,
+) -> None:
+    """GEMM 2: the chunk's rows of d loss/d hidden = g @ W, scaled per row here when g came unscaled."""
+    assert grad_logits is not None  # every path above computes g when a gradient is wanted
+    hidden_size = grad_hidden.shape[1]
+    out = grad_hidden.view(plan.num_blocks, plan.block_size, hidden_size)[b0:b1, plan.first :]  # [blocks, B-1, H]
+    direction = (grad_logits @ lm_head_weight).view(out.shape)  # GEMM 2
+    if plan.fused:
+        # then the per-row coefficient: diag(c) (P - Y) W. One [C, H] pass (H << V), in fp32 before
+        # the single rounding to the gradient's dtype; weight-0 rows get c = 0 exactly.
+        torch.mul(direction, ce_coef.view(-1, plan.slots, 1), out=out)
+    else:
+        out.copy_(direction)
 
 
 def _check_inputs(

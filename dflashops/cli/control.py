@@ -36,6 +36,17 @@ RECENT_S = 24 * 3600
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the parsers of `stop`, `status`, `logs`, `exec`, `attach` and `gc`, one step each."""
+    add_stop_parser(subparsers)
+    add_status_parser(subparsers)
+    add_logs_parser(subparsers)
+    add_exec_parser(subparsers)
+    add_attach_parser(subparsers)
+    add_gc_parser(subparsers)
+
+
+def add_stop_parser(subparsers: argparse._SubParsersAction) -> None:
+    """`stop RUN | --all`: signal, grace, kill and wait; handled by handle_stop."""
     p = subparsers.add_parser(
         "stop",
         help="stop a run: SIGTERM its process group, grace, SIGKILL, wait",
@@ -65,6 +76,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the commands that would run; change nothing")
     p.set_defaults(func=with_run_hint(handle_stop))
 
+
+def add_status_parser(subparsers: argparse._SubParsersAction) -> None:
+    """`status [RUN] [--all]`: the state of a run or of a target's runs; handled by handle_status."""
     s = subparsers.add_parser(
         "status",
         help="state of one run or of every run on a target",
@@ -83,6 +97,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_all_options(s, "every run on every target of the inventory, in parallel (a table)")
     s.set_defaults(func=with_run_hint(handle_status))
 
+
+def add_logs_parser(subparsers: argparse._SubParsersAction) -> None:
+    """`logs RUN`: print or follow train.log, a check for scripts with --until/--fail-on; handled by handle_logs."""
     lg = subparsers.add_parser(
         "logs",
         help="print or follow a run's train.log",
@@ -114,6 +131,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     lg.add_argument("--raw", action="store_true", help="no highlighting")
     lg.set_defaults(func=with_run_hint(handle_logs))
 
+
+def add_exec_parser(subparsers: argparse._SubParsersAction) -> None:
+    """`exec TARGET -- argv`: run a command on a target; handled by handle_exec."""
     ex = subparsers.add_parser(
         "exec",
         help="run a command on a target: dflashops exec TARGET -- argv",
@@ -126,6 +146,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     show_passthrough(ex, "-- COMMAND [ARG ...]")
     ex.set_defaults(func=handle_exec, misplaced_words=exec_words_before_separator)
 
+
+def add_attach_parser(subparsers: argparse._SubParsersAction) -> None:
+    """`attach RUN`: a terminal on the run's tmux session; handled by handle_attach."""
     at = subparsers.add_parser(
         "attach",
         help="attach to a run's tmux session (for humans)",
@@ -144,6 +167,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     at.set_defaults(func=with_run_hint(handle_attach))
 
+
+def add_gc_parser(subparsers: argparse._SubParsersAction) -> None:
+    """`gc [TARGET]`: delete old releases and named run directories; handled by handle_gc."""
     gc = subparsers.add_parser(
         "gc",
         help="delete old releases and (only when named) finished run directories",

@@ -40,7 +40,7 @@ from trainer.metrics import RunRecorder
 from trainer.model import DFlashDrafter
 from trainer.model.drafter import init_output_norm
 from trainer.pipeline.assignment import Assignment, FaultPoints, GlobalOrder
-from trainer.pipeline.channel import ChannelGroup
+from trainer.pipeline.channel import Channel, ChannelGroup
 from trainer.pipeline.compile_guard import CompileGuard
 from trainer.pipeline.coordinator import Coordinator, DrafterHandle
 from trainer.pipeline.drafter_worker import DrafterWorker
@@ -215,21 +215,7 @@ class PipelineEngine:
 
     @contextlib.contextmanager
     def running(self, step: int, recorder: RunRecorder) -> Iterator[None]:
-        cfg, options, assignment = self.cfg, self.options, self.assignment
-        # One node: nothing to sum across, and the flat copies of every gradient would cost time (qwen3-8b: three
-        # 4.2 GB copies per step); the job is then the threaded pipeline plus a few tiny control collectives.
-        across = self.cluster.all_reduce_sum_ if self.cluster.nodes > 1 else None
-        self.sync = ReplicaSync(
-            [s.drafter for s in self.sides],
-            self.sync_mode,
-            cfg.sync_interval,
-            across=across,
-            world=assignment.total_drafters,
-        )
-        for side in self.sides[1:]:  # replica 0 steps for every replica on its device (trainer/pipeline/sync.py)
-            side.follower = self.sync.followers
-            if side.follower:
-                side.optimizer.state.clear()  # a resumed follower's moments: never read (8 B/param)
+        self._start_sync()
         self.start_step = self.steps_done = step
         g_start, g_end = self.g_start, self._g_end(step, self.g_start)
         if self.cluster.distributed:  # status.json says which node of the run this directory belongs to
@@ -237,10 +223,38 @@ class PipelineEngine:
         recorder.set_status(step=step)
         self._warm_up(step, g_start, recorder)  # the shapes `warm_up` did not cover (all, if it was not called)
         self.channels = channels = ChannelGroup(threading.Event())
-        self.supervisor = supervisor = Supervisor(channels, join_timeout_s=options.join_timeout_s)
+        self.supervisor = supervisor = Supervisor(channels, join_timeout_s=self.options.join_timeout_s)
+        feature_channels, handles = self._open_channels(channels)
+        with CompileGuard() as guard:
+            self._spawn_drafters(supervisor, feature_channels, handles)
+            self._spawn_targets(supervisor, feature_channels, g_start, g_end)
+            self.coordinator = self._coordinator(supervisor, handles, guard)
+            recorder.set_status(phase="training", step=step)
+            self.window = StepWindow(len(self.sides), supervisor)
+            yield
+
+    def _start_sync(self) -> None:
+        """The replicas' ReplicaSync (summed across nodes when there are several); followers drop their moments."""
+        # One node: nothing to sum across, and the flat copies of every gradient would cost time (qwen3-8b: three
+        # 4.2 GB copies per step); the job is then the threaded pipeline plus a few tiny control collectives.
+        across = self.cluster.all_reduce_sum_ if self.cluster.nodes > 1 else None
+        self.sync = ReplicaSync(
+            [s.drafter for s in self.sides],
+            self.sync_mode,
+            self.cfg.sync_interval,
+            across=across,
+            world=self.assignment.total_drafters,
+        )
+        for side in self.sides[1:]:  # replica 0 steps for every replica on its device (trainer/pipeline/sync.py)
+            side.follower = self.sync.followers
+            if side.follower:
+                side.optimizer.state.clear()  # a resumed follower's moments: never read (8 B/param)
+
+    def _open_channels(self, channels: ChannelGroup) -> tuple[dict[tuple[int, int], Channel[Any]], list[DrafterHandle]]:
+        """A bounded feature channel per (target, drafter) pair; each drafter's command and result channels."""
         feature_channels = {
-            pair: channels.new(f"target{pair[0]}->drafter{pair[1]}", options.queue_capacity)
-            for pair in assignment.channel_pairs()
+            pair: channels.new(f"target{pair[0]}->drafter{pair[1]}", self.options.queue_capacity)
+            for pair in self.assignment.channel_pairs()
         }
         handles = [
             DrafterHandle(
@@ -248,60 +262,78 @@ class PipelineEngine:
             )
             for d in range(len(self.sides))
         ]
-        with CompileGuard() as guard:
-            for d, (side, handle) in enumerate(zip(self.sides, handles)):
-                inputs = {t: ch for (t, dd), ch in feature_channels.items() if dd == d}
-                supervisor.spawn(
+        return feature_channels, handles
+
+    def _spawn_drafters(
+        self,
+        supervisor: Supervisor,
+        feature_channels: dict[tuple[int, int], Channel[Any]],
+        handles: list[DrafterHandle],
+    ) -> None:
+        """One DrafterWorker thread per replica, reading its targets' channels and its handle's commands."""
+        for d, (side, handle) in enumerate(zip(self.sides, handles)):
+            inputs = {t: ch for (t, dd), ch in feature_channels.items() if dd == d}
+            supervisor.spawn(
+                handle.name,
+                "drafter",
+                DrafterWorker(
                     handle.name,
-                    "drafter",
-                    DrafterWorker(
-                        handle.name,
-                        assignment.first_drafter + d,
-                        side,
-                        inputs,
-                        handle.commands,
-                        handle.results,
-                        assignment,
-                        supervisor,
-                        get_timeout_s=options.worker_timeout_s,
-                        faults=self.faults,
-                    ),
-                )
-            for t, target_side in enumerate(self.target_sides):
-                own_stream = BatchStream(self.setup.dataset, cfg, self.slot_weights)
-                outputs = {dd: ch for (tt, dd), ch in feature_channels.items() if tt == t}
-                supervisor.spawn(
-                    f"target{t}",
-                    "target",
-                    TargetWorker(
-                        f"target{t}",
-                        target_side,
-                        functools.partial(self._make_batch, stream=own_stream),
-                        assignment.indices_of_target(t, g_start, g_end),
-                        outputs,
-                        self.drafter_devices,
-                        assignment,
-                        supervisor,
-                        transfer=options.feature_transfer,
-                        put_timeout_s=options.worker_timeout_s,
-                        faults=self.faults,
-                    ),
-                )
-            self.coordinator = Coordinator(
-                supervisor,
-                handles,
-                self.sync,
-                lambda k: noise_std_at(k, self.total_steps, cfg.noise_start, cfg.noise_end),
-                cfg.seed,
-                guard=guard,
-                stall_warn_s=options.stall_warn_s,
-                stall_abort_s=options.stall_abort_s,
-                log=_log,
-                step_totals=self._step_totals if self.cluster.distributed else None,
+                    self.assignment.first_drafter + d,
+                    side,
+                    inputs,
+                    handle.commands,
+                    handle.results,
+                    self.assignment,
+                    supervisor,
+                    get_timeout_s=self.options.worker_timeout_s,
+                    faults=self.faults,
+                ),
             )
-            recorder.set_status(phase="training", step=step)
-            self.window = StepWindow(len(self.sides), supervisor)
-            yield
+
+    def _spawn_targets(
+        self,
+        supervisor: Supervisor,
+        feature_channels: dict[tuple[int, int], Channel[Any]],
+        g_start: int,
+        g_end: int,
+    ) -> None:
+        """One TargetWorker thread per target, with its own BatchStream, for its micro-batches of [g_start, g_end)."""
+        for t, target_side in enumerate(self.target_sides):
+            own_stream = BatchStream(self.setup.dataset, self.cfg, self.slot_weights)
+            outputs = {dd: ch for (tt, dd), ch in feature_channels.items() if tt == t}
+            supervisor.spawn(
+                f"target{t}",
+                "target",
+                TargetWorker(
+                    f"target{t}",
+                    target_side,
+                    functools.partial(self._make_batch, stream=own_stream),
+                    self.assignment.indices_of_target(t, g_start, g_end),
+                    outputs,
+                    self.drafter_devices,
+                    self.assignment,
+                    supervisor,
+                    transfer=self.options.feature_transfer,
+                    put_timeout_s=self.options.worker_timeout_s,
+                    faults=self.faults,
+                ),
+            )
+
+    def _coordinator(self, supervisor: Supervisor, handles: list[DrafterHandle], guard: CompileGuard) -> Coordinator:
+        """The main thread's Coordinator, which drives the drafters step by step."""
+        cfg, options = self.cfg, self.options
+        return Coordinator(
+            supervisor,
+            handles,
+            self.sync,
+            lambda k: noise_std_at(k, self.total_steps, cfg.noise_start, cfg.noise_end),
+            cfg.seed,
+            guard=guard,
+            stall_warn_s=options.stall_warn_s,
+            stall_abort_s=options.stall_abort_s,
+            log=_log,
+            step_totals=self._step_totals if self.cluster.distributed else None,
+        )
 
     def _step_totals(self, weight_sum: float, num_blocks: int) -> tuple[float, int]:
         """The step-wide normaliser over every node: one all-reduce of 2 float64 (the same on every node)."""
