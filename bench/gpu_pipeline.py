@@ -14,7 +14,7 @@ its `samples/s` column (sequences trained per second on the GPU, from metrics.js
 logged window skipped) is the number to hold against SpecForge's ~6.3 samples/s per GPU.
 
 Each run is a fresh child process (`--child`) with its own empty TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR
-(a cold compile cache; `--warm-cache` shares one directory instead), driving trainer.pipeline.run.run_pipeline
+(a cold compile cache; `--warm-cache` shares one directory instead), driving trainer.pipeline.pipeline_run.run_pipeline
 on fixed-length token shards written here, so every micro-batch has the same shape: one compile per drafter
 device, done in the warm-up. The child reports: warm-up seconds, dynamo compile counters after warm-up and at
 the end (any difference is a recompile; the pipeline's CompileGuard would also have failed the run), whether
@@ -224,7 +224,7 @@ def child(args: argparse.Namespace) -> int:
     from trainer.config import parse_train_args
     from trainer.model import default_target_layer_ids
     from trainer.pipeline.compile_guard import compile_counts
-    from trainer.pipeline.run import PipelineOptions, run_pipeline
+    from trainer.pipeline.pipeline_run import PipelineOptions, run_pipeline
 
     scale = SCALES[args.scale]
     work = Path(args.workdir)
@@ -280,7 +280,7 @@ def child(args: argparse.Namespace) -> int:
     started = time.monotonic()
     options = PipelineOptions(feature_transfer=args.transfer, on_warmup=on_warmup, on_step=on_step)
     if args.engine == "dist":  # this child runs under torchrun (one node): the distributed engine, NCCL on CUDA
-        from trainer.dist.run import run_distributed
+        from trainer.dist.distributed_run import run_distributed
 
         code = run_distributed(cfg, options)
     else:
@@ -365,7 +365,7 @@ def main() -> int:
     parser.add_argument(
         "--sync-wait",
         default="stream",
-        help="comma list of how the replica sync waits ($DFLASH_SYNC_WAIT: device, stream; trainer/pipeline/sync.py)",
+        help="comma list of how the replica sync waits ($DFLASH_SYNC_WAIT: device, stream; trainer/pipeline/replica_sync.py)",
     )
     parser.add_argument("--warm-cache", action="store_true", help="share one compile cache across runs")
     parser.add_argument("--timeout-s", type=float, default=1200, help="per run")

@@ -42,7 +42,9 @@ sys.path.insert(0, str(ROOT))
 from gpu_pipeline import SCALES, write_shards  # noqa: E402
 from restart_cycle import START, save_target, train_flags  # noqa: E402
 
-IMPORTS = "import torch, trainer.train, trainer.pipeline.run, transformers; from transformers import AutoConfig"
+IMPORTS = (
+    "import torch, trainer.train, trainer.pipeline.pipeline_run, transformers; from transformers import AutoConfig"
+)
 
 
 def run_env() -> dict[str, str]:

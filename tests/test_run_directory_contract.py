@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from dflashops.agent import common, control, stop, wrap
+from dflashops.agent import common, run_lock, stop, wrap
 from dflashops.agent import status as agent_status
-from dflashops.agent.fetch import FETCH_CACHE
+from dflashops.agent.fetch_files import FETCH_CACHE
 from dflashops.ops.fetch import fetch
 from trainer import run_files
 
@@ -105,7 +105,7 @@ def test_the_agent_and_the_supervisor_use_only_names_of_the_table() -> None:
     constants = {
         wrap.LAUNCH_SPEC: "LAUNCH_SPEC",
         FETCH_CACHE: "FETCH_CACHE",
-        control.CONTROL: "CONTROL",
+        run_lock.CONTROL: "CONTROL",
         **{f".{name}.reserved": "RESERVED_BYTES" for name in wrap.RESERVED_BYTES},
     }
     for name, where in constants.items():

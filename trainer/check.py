@@ -48,9 +48,9 @@ def import_training_stack(cfg: TrainConfig) -> None:
     naming the innermost trainer file and line it came from."""
     modules = ["trainer.train", "trainer.loop", "trainer.single_engine"]
     if cfg.pipeline or len(cfg.target_gpus) > 1 or len(cfg.drafter_gpus) > 1:
-        modules.append("trainer.pipeline.run")
+        modules.append("trainer.pipeline.pipeline_run")
     if cfg.nodes > 1:
-        modules.append("trainer.dist.run")
+        modules.append("trainer.dist.distributed_run")
     for module in modules:
         try:
             importlib.import_module(module)
@@ -88,7 +88,7 @@ def check(argv: list[str]) -> str:
     import_training_stack(cfg)
     from trainer.preflight import preflight
 
-    # Under torchrun only node 0 reads checkpoints (trainer.dist.run); this node's rank is unknown here, so a
+    # Under torchrun only node 0 reads checkpoints (trainer.dist.distributed_run); this node's rank is unknown here, so a
     # --resume checkpoint that is not on this node's disk is node 0's to check.
     resume_here = cfg.nodes == 1 or cfg.resume in ("auto", "never") or Path(cfg.resume).exists()
     setup = preflight(cfg, reads_checkpoints=resume_here)

@@ -1,6 +1,6 @@
 """How a training run that failed says so: stderr (train.log) and status.json `failed` with the error.
 
-Shared by the single-process trainer (trainer.train) and the threaded pipeline (trainer.pipeline.run), so both
+Shared by the single-process trainer (trainer.train) and the threaded pipeline (trainer.pipeline.pipeline_run), so both
 report the same way. A failure with a known cause and fix is one `error:` line plus a `hint:` line and no
 traceback; anything else keeps its traceback (the only clue to an unknown failure).
 

@@ -302,7 +302,7 @@ class DrafterSide:
         self.loss_kernels = make_chunk_kernels(kind, compile_backend=compile_backend)
         self.loss_fn = dflash_loss  # replaceable for benchmarks (e.g. a recomputing baseline)
         # A follower replica's optimizer never steps: the pipeline's replica sync gives it replica 0's weights after
-        # replica 0 stepped on the summed gradients (trainer/pipeline/sync.py, every replica on one device)
+        # replica 0 stepped on the summed gradients (trainer/pipeline/replica_sync.py, every replica on one device)
         self.follower = False
         # Frozen, shared with the target; a copy only when the target lives on another device.
         self.embed_weight = embed_weight.detach().to(self.device)
@@ -451,7 +451,7 @@ class DrafterSide:
         the GPU idle while the host builds the next step (the mask build alone is ~3.5 ms of host time at the
         specforge shape, bench/results/kernels.md 2026-12-03 "Our own Triton attention"); without it the host queues step n+1 while step n runs."""
         lr = self.optimizer.param_groups[0]["lr"]
-        if self.follower:  # the replica sync steps another replica's optimizer for this one (pipeline/sync.py);
+        if self.follower:  # the replica sync steps another replica's optimizer for this one (pipeline/replica_sync.py);
             # its own optimizer and schedule stay as they were (nothing reads them: metrics and checkpoints take
             # replica 0's under --sync grad)
             self.optimizer.zero_grad(set_to_none=True)

@@ -2,9 +2,9 @@
 
   1. flags -> TrainConfig (presets, cross-checks; trainer.config)
   2. the engine:
-     - launched by torchrun, or --nodes > 1: the distributed engine (trainer.dist.run), one process per node
+     - launched by torchrun, or --nodes > 1: the distributed engine (trainer.dist.distributed_run), one process per node
        with the threaded pipeline inside
-     - several --target-gpus/--drafter-gpus, or --pipeline: the threaded pipeline (trainer.pipeline.run)
+     - several --target-gpus/--drafter-gpus, or --pipeline: the threaded pipeline (trainer.pipeline.pipeline_run)
      - else the single-process engine (trainer.single_engine): one target, one drafter, one thread
   3. pre-flight (trainer.preflight): everything that can refuse the run, BEFORE anything is written (bad input:
      `error:`/`hint:`, exit 2, no run directory)
@@ -65,12 +65,12 @@ def main(argv: list[str]) -> int:
         cfg = parse_train_args(argv)
         warm_devices(cfg)
         if cfg.nodes > 1 or launched_by_torchrun():
-            from trainer.dist.run import run_distributed  # lazy: torch.distributed
+            from trainer.dist.distributed_run import run_distributed  # lazy: torch.distributed
 
             return int(run_distributed(cfg))
         if cfg.pipeline or len(cfg.target_gpus) > 1 or len(cfg.drafter_gpus) > 1:
             try:
-                from trainer.pipeline.run import run_pipeline  # lazy: threads, compile guards
+                from trainer.pipeline.pipeline_run import run_pipeline  # lazy: threads, compile guards
             except ImportError as exc:
                 raise TrainerInputError(
                     f"--drafter-gpus/--target-gpus: the threaded pipeline is unavailable ({exc})",

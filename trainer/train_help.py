@@ -12,7 +12,7 @@ from typing import Any
 
 # Fixed sets of values: argparse `choices=` (the help lists them; anything else is refused naming the flag).
 WANDB_MODES = ("auto", "on", "off")
-SYNC_MODES = ("grad", "average")  # as trainer.pipeline.sync.SYNC_MODES (not imported: that pulls in torch)
+SYNC_MODES = ("grad", "average")  # as trainer.pipeline.replica_sync.SYNC_MODES (not imported: that pulls in torch)
 TRANSFER_MODES = ("device", "pinned")  # as trainer.pipeline.handoff.TRANSFER_MODES
 NOISE_TYPES = ("uniform", "gaussian")
 ARCHS = ("dflash", "dflash2")  # as trainer.model.dflash2.ARCHS (not imported: that pulls in torch)

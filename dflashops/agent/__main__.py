@@ -51,11 +51,11 @@ VERBS = {
     "gc": ("gc", "verb_gc"),
     "wrap": ("launch", "verb_wrap"),
     "standby": ("standby", "verb_standby"),
-    "fetch-manifest": ("fetch", "verb_fetch_manifest"),
+    "fetch-manifest": ("fetch_files", "verb_fetch_manifest"),
     "preflight": ("preflight", "verb_preflight"),
 }
 # Verbs whose answer is raw bytes on stdout (a refusal: JSON on stderr, exit 3).
-RAW_VERBS = {"read-file": ("fetch", "verb_read_file")}
+RAW_VERBS = {"read-file": ("fetch_files", "verb_read_file")}
 
 # Verbs whose stdin is one JSON request line followed by a tar stream.
 STDIN_VERBS = {"install": ("releases", "verb_install"), "restart": ("restart", "verb_restart")}

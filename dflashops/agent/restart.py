@@ -18,7 +18,6 @@ from .common import (
     tmux_socket,
     workspace_of,
 )
-from .control import control_wait_s, release_control, take_control
 from .gc import verb_clear_cache
 from .launch import check_launch, verb_launch
 from .preflight import (
@@ -30,6 +29,7 @@ from .preflight import (
     trained_a_step,
 )
 from .releases import build_release, flip_current, prune_releases
+from .run_lock import control_wait_s, release_control, take_control
 from .standby import STANDBY_PRELOAD, retire_unclaimed, standby_eligible, standby_fingerprint, start_standby
 from .status import cancel_supervisor, run_status
 from .stop import run_processes_of, stop_held

@@ -23,7 +23,7 @@ from .common import (
     signal_run,
     tmux_socket,
 )
-from .control import control_wait_s, joined_answer, release_control, take_control, try_control
+from .run_lock import control_wait_s, joined_answer, release_control, take_control, try_control
 from .status import cancel_supervisor, trainer_exit_code
 from .wrap import launch_in_flight, record_exit_code, stop_requested, write_record
 

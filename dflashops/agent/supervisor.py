@@ -44,8 +44,8 @@ import urllib.request
 
 from .checkpoints import latest_checkpoint
 from .common import AgentFailure, read_int, read_json, read_text, run_processes, signal_run, write_atomic
-from .control import release_control, try_control
 from .launch import verb_launch
+from .run_lock import release_control, try_control
 from .status import run_status
 from .template_sentinels import SENTINELS
 

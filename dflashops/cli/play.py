@@ -19,7 +19,7 @@ from rich.table import Table
 
 from dflashops.cli.common import emit_json, open_invocation, output_console, print_error, progress
 from dflashops.playbook import load_playbook, parse_set
-from dflashops.playbook.run import PlayReport, StepReport, run_playbook
+from dflashops.playbook.runner import PlayReport, StepReport, run_playbook
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -25,7 +25,7 @@ judged failed, as a supervisor does, and stops it unchecked. Built-in variables:
 `{{name}}` / `{{name.field}}` / `{{name.list[0]}}` substitute variables; a value that is exactly one
 `{{...}}` keeps its type (a list stays a list). Every problem found here is a PlaybookError naming the file
 and line: unknown step kind or key, a missing variable, a reference to an unknown name, a wait without a
-timeout, a bad condition or regex, a cycle in includes. The runner is in playbook/run.py.
+timeout, a bad condition or regex, a cycle in includes. The runner is in playbook/runner.py.
 """
 
 from __future__ import annotations

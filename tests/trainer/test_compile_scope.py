@@ -21,7 +21,7 @@ from trainer.compile_scope import private_copy, replica_scope, scoped
 from trainer.config import parse_train_args
 from trainer.loss import make_chunk_kernels
 from trainer.pipeline.compile_guard import CompileGuard
-from trainer.pipeline.run import PipelineOptions, run_pipeline
+from trainer.pipeline.pipeline_run import PipelineOptions, run_pipeline
 from trainer.train import EXIT_OK
 
 pytestmark = pytest.mark.timeout(240)

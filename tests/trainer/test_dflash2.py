@@ -27,8 +27,8 @@ from trainer.model.dflash2 import (
     training_candidates,
 )
 from trainer.model.drafter import DFlashDrafter
-from trainer.pipeline.run import PipelineOptions, run_pipeline
-from trainer.pipeline.sync import max_replica_difference
+from trainer.pipeline.pipeline_run import PipelineOptions, run_pipeline
+from trainer.pipeline.replica_sync import max_replica_difference
 from trainer.train import EXIT_OK
 
 pytestmark = pytest.mark.timeout(240)

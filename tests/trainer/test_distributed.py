@@ -20,7 +20,7 @@ from tests.trainer.dist_nodes import REPO, TINY, start_nodes, stop_all, wait_all
 from trainer.__main__ import main as trainer_main
 from trainer.config import parse_train_args
 from trainer.pipeline.assignment import Assignment
-from trainer.pipeline.run import run_pipeline
+from trainer.pipeline.pipeline_run import run_pipeline
 
 pytestmark = pytest.mark.timeout(240)
 

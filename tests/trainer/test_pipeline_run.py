@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 
 from tests.trainer.tiny import tiny_train_config
 from trainer.config import TrainerInputError, parse_train_args
-from trainer.pipeline.run import PipelineOptions, run_pipeline
-from trainer.pipeline.sync import max_replica_difference
+from trainer.pipeline.pipeline_run import PipelineOptions, run_pipeline
+from trainer.pipeline.replica_sync import max_replica_difference
 from trainer.train import EXIT_FAILED, EXIT_OK
 from trainer.train import run as run_single
 

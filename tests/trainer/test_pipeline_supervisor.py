@@ -9,7 +9,7 @@ import pytest
 
 from trainer.pipeline.assignment import Assignment, FaultPoints, GlobalOrder, InjectedFault
 from trainer.pipeline.channel import ChannelGroup
-from trainer.pipeline.supervisor import Supervisor, WorkerFailed
+from trainer.pipeline.worker_supervisor import Supervisor, WorkerFailed
 
 pytestmark = pytest.mark.timeout(30)
 

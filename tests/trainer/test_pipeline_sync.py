@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainer.pipeline.sync import (
+from trainer.pipeline.replica_sync import (
     ReplicaSync,
     average_parameters,
     max_replica_difference,

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.trainer.tiny import tiny_train_config
-from trainer.pipeline.run import run_pipeline
+from trainer.pipeline.pipeline_run import run_pipeline
 from trainer.step import apply_run_hyperparameters, load_optimizer_state, lr_factor
 from trainer.train import EXIT_OK
 from trainer.train import run as run_single

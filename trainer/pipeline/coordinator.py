@@ -22,8 +22,8 @@ from typing import Any
 from trainer.pipeline.channel import Channel, ChannelAborted, ChannelTimeout
 from trainer.pipeline.compile_guard import CompileGuard
 from trainer.pipeline.drafter_worker import Computed, ForwardBackward, Gather, Gathered, OptimizerStep, Stepped
-from trainer.pipeline.supervisor import PipelineStalled, Supervisor
-from trainer.pipeline.sync import ReplicaSync
+from trainer.pipeline.replica_sync import ReplicaSync
+from trainer.pipeline.worker_supervisor import PipelineStalled, Supervisor
 
 POLL_SLICE_S = 0.25
 

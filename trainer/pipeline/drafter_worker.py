@@ -25,7 +25,7 @@ from trainer.pipeline.assignment import Assignment, FaultPoints
 from trainer.pipeline.channel import Channel
 from trainer.pipeline.compile_guard import CompileGuard
 from trainer.pipeline.handoff import Parcel, accept, use_worker_stream
-from trainer.pipeline.supervisor import Supervisor
+from trainer.pipeline.worker_supervisor import Supervisor
 
 
 class DrafterSideLike(Protocol):

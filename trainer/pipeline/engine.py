@@ -45,12 +45,12 @@ from trainer.pipeline.compile_guard import CompileGuard
 from trainer.pipeline.coordinator import Coordinator, DrafterHandle
 from trainer.pipeline.drafter_worker import DrafterWorker
 from trainer.pipeline.options import PipelineOptions
+from trainer.pipeline.replica_sync import ReplicaSync
 from trainer.pipeline.replicas import check_replicas, node_share
 from trainer.pipeline.reporting import StepWindow, pipeline_checkpoint_parts
-from trainer.pipeline.supervisor import Supervisor
-from trainer.pipeline.sync import ReplicaSync
 from trainer.pipeline.target_worker import TargetWorker
 from trainer.pipeline.warmup import warm_up_drafters
+from trainer.pipeline.worker_supervisor import Supervisor
 from trainer.preflight import RunSetup, load_target, resolve_devices
 from trainer.step import DrafterSide, TargetSide, noise_std_at
 
@@ -245,7 +245,9 @@ class PipelineEngine:
             across=across,
             world=self.assignment.total_drafters,
         )
-        for side in self.sides[1:]:  # replica 0 steps for every replica on its device (trainer/pipeline/sync.py)
+        for side in self.sides[
+            1:
+        ]:  # replica 0 steps for every replica on its device (trainer/pipeline/replica_sync.py)
             side.follower = self.sync.followers
             if side.follower:
                 side.optimizer.state.clear()  # a resumed follower's moments: never read (8 B/param)
@@ -420,7 +422,7 @@ class PipelineEngine:
         return free_device_memory([*self.target_devices, *self.drafter_devices])
 
     def close(self, failure: BaseException | None) -> None:
-        self.failure = failure  # trainer.dist.run tells the other nodes (the cluster outlives the engine)
+        self.failure = failure  # trainer.dist.distributed_run tells the other nodes (the cluster outlives the engine)
         self._stop_workers()
 
     def _stop_workers(self) -> None:

@@ -1,6 +1,6 @@
 """Drafter replicas of a pipeline run: their identity check and their optimizer states in a checkpoint.
 
-- `check_replicas`: every --checksum interval, each replica's bitwise weight checksum (trainer.pipeline.sync),
+- `check_replicas`: every --checksum interval, each replica's bitwise weight checksum (trainer.pipeline.replica_sync),
   gathered from every node; under --sync grad every replica of the job must be identical, or the run fails
   naming the node and replica that differs (it would silently train apart otherwise).
 - `replica_optimizer_states` / `node_share`: a checkpoint stores replica 0's optimizer state and, under
@@ -18,7 +18,7 @@ from typing import Any
 
 from trainer.checkpoint import CheckpointState
 from trainer.dist.cluster import Cluster
-from trainer.pipeline.sync import differing_parameters, replica_checksums
+from trainer.pipeline.replica_sync import differing_parameters, replica_checksums
 
 
 class ReplicaDivergenceError(RuntimeError):

@@ -33,7 +33,7 @@ from trainer.dist.cluster import Cluster, LocalCluster
 from trainer.pipeline.assignment import Assignment
 from trainer.pipeline.channel import ChannelGroup
 from trainer.pipeline.coordinator import StepResult
-from trainer.pipeline.supervisor import Supervisor
+from trainer.pipeline.worker_supervisor import Supervisor
 from trainer.step import StepStats
 
 ONE_OFF_KINDS = ("setup", "checkpoint")  # collectives that are not part of every step

@@ -17,7 +17,7 @@ import torch
 from trainer.pipeline.assignment import Assignment, FaultPoints
 from trainer.pipeline.channel import Channel
 from trainer.pipeline.handoff import Parcel, publish, use_worker_stream
-from trainer.pipeline.supervisor import Supervisor
+from trainer.pipeline.worker_supervisor import Supervisor
 
 
 class TargetSideLike(Protocol):
