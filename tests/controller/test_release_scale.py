@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -66,9 +68,11 @@ def test_the_manifest_cache_hashes_a_file_again_only_when_it_changed(
 
 def install(workspace: Path, files: dict[str, Path], cache: Path, base: str | None, base_files: dict) -> tuple:
     code_hash, manifest = sync.local_manifest(files, ManifestCache(cache))
-    request, tar, uploaded, linked = sync.install_payload(str(workspace), files, code_hash, manifest, base, base_files)
-    agent_releases.build_release(request, tar)
-    return code_hash, manifest, tar, uploaded, linked
+    request, upload, uploaded, linked = sync.install_payload(
+        str(workspace), files, code_hash, manifest, base, base_files
+    )
+    agent_releases.build_release(request, upload.open())  # as the agent reads it: a stream, `tar_bytes` long
+    return code_hash, manifest, upload.read_bytes(), uploaded, linked
 
 
 def test_incompressible_bytes_go_as_a_plain_tar_and_install_whole(tree: dict[str, Path], tmp_path: Path) -> None:
@@ -111,3 +115,46 @@ def test_a_linked_file_is_trusted_only_while_its_inode_is_as_verified(
     with pytest.raises(AgentFailure, match="'data/big.bin' is missing or corrupt"):
         install(workspace, tree, cache, second, second_files)
     assert "big.bin" in hashed
+
+
+# The controller's whole path of a first deploy's upload (manifest, then install through the local transport to the
+# real agent), in a child interpreter so that its high-water marks of memory are this upload's alone. `UPLOAD_MB`
+# of random bytes: the tar of it was held whole on both sides (the controller: a BytesIO, then request + tar
+# joined in a second copy; the agent: all of stdin read, then split), so each side's peak grew by 1-2x the upload.
+UPLOAD_MB = 64
+SYNC_CHILD = """
+import json, resource, sys
+from pathlib import Path
+from dflashops.inventory import Target
+from dflashops.ops.agent_client import Agent
+from dflashops.ops.releases import sync
+from dflashops.transport.local import LocalTransport
+src, workspace = Path(sys.argv[1]), sys.argv[2]
+agent = Agent(Target(name="local", kind="local", workspace=workspace, python=sys.executable), LocalTransport())
+agent.ensure()  # the agent's upload first: its bytes are not the release's
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+outcome = sync.sync(agent, extra_files=("big.bin",), extra_root=src, packages=())
+print(json.dumps({"hash": outcome.code_hash, "tar_bytes": outcome.tar_bytes,
+                  "controller_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before,
+                  "agent_kib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}))
+"""
+
+
+def test_a_large_upload_is_streamed_not_held_whole_on_either_side(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "big.bin").write_bytes(os.urandom(UPLOAD_MB << 20))
+    workspace = tmp_path / "ws"
+    done = subprocess.run(
+        [sys.executable, "-c", SYNC_CHILD, str(src), str(workspace)],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    seen = json.loads(done.stdout)
+    assert seen["tar_bytes"] >= UPLOAD_MB << 20  # a plain tar of random bytes: the whole file went
+    release = workspace / "releases" / seen["hash"]
+    assert (release / "big.bin").read_bytes() == (src / "big.bin").read_bytes()
+    # Each side's peak grows by a few MiB of buffers, not by the upload (a bound of a quarter of it leaves room
+    # for the interpreter's own ~20-40 MiB in the agent, whose peak is absolute).
+    quarter_kib = (UPLOAD_MB << 10) // 4
+    assert seen["controller_kib"] < quarter_kib, seen
+    assert seen["agent_kib"] < (UPLOAD_MB << 10) // 2 + quarter_kib // 2, seen

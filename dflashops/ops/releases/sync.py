@@ -11,7 +11,6 @@ hard-links the unchanged ones from the previous release, verifies every hash, re
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import tarfile
 import time
@@ -26,6 +25,7 @@ from dflashops.ops.agent_build import package_files
 from dflashops.ops.agent_client import AGENT_SOURCE, Agent
 from dflashops.ops.releases import release_cache
 from dflashops.ops.releases.manifest_cache import ManifestCache, stamp_of
+from dflashops.ops.releases.upload import TarUpload
 
 REPO_ROOT = AGENT_SOURCE.parent.parent
 SKIP_PARTS = {"__pycache__", ".pytest_cache"}
@@ -137,17 +137,19 @@ def install_payload(
     base: str | None,
     base_files: dict[str, str],
     keep: int = 5,
-) -> tuple[dict, bytes, tuple, tuple]:
-    """(install request, gzip tar of the changed files, uploaded paths, linked paths) for making release
-    `code_hash` from release `base` (whose manifest is `base_files`) on the target."""
+) -> tuple[dict, TarUpload, tuple, tuple]:
+    """(install request, tar of the changed files (gzip unless incompressible) in a temporary file, uploaded
+    paths, linked paths) for making release `code_hash` from release `base` (whose manifest is `base_files`) on
+    the target. The request's `tar_bytes` is the tar's size: the agent reads the tar as it arrives and checks
+    that all of it came."""
     linked = tuple(sorted(rel for rel, digest in manifest.items() if base_files.get(rel) == digest))
     uploaded = tuple(sorted(set(manifest) - set(linked)))
-    buffer = io.BytesIO()
+    upload = TarUpload()  # on disk, not in memory: a 200 MB file is not held whole here (upload.py)
     # gzip: a plain tar pads even one small file to a 10 KiB record; compressed, the padding costs ~nothing. Not
     # for incompressible bytes (a 200 MB random file: 45 s at level 6 for 0% saved, issue 47): the agent reads
     # either ("r:*").
     compress = not incompressible([files[rel] for rel in uploaded])
-    with tarfile.open(fileobj=buffer, mode="w:gz" if compress else "w", **_level(compress)) as archive:  # type: ignore[call-overload]
+    with tarfile.open(fileobj=upload.writer, mode="w:gz" if compress else "w", **_level(compress)) as archive:  # type: ignore[call-overload]
         for rel in uploaded:
             with readable(files[rel]), files[rel].open("rb") as handle:
                 info = archive.gettarinfo(arcname=rel, fileobj=handle)
@@ -163,8 +165,9 @@ def install_payload(
         "changed": {rel: manifest[rel] for rel in uploaded},
         "removed": sorted(set(base_files) - set(manifest)),
         "keep": keep,
+        "tar_bytes": len(upload.finish()),
     }
-    return request, buffer.getvalue(), uploaded, linked
+    return request, upload, uploaded, linked
 
 
 def _level(compress: bool) -> dict[str, int]:
@@ -215,7 +218,10 @@ def sync(
     request, tar, uploaded, linked = install_payload(
         agent.target.workspace, files, code_hash, manifest, remote.get("release"), remote.get("files") or {}, keep
     )
-    agent.call("install", request, stdin_tar=tar)
+    try:
+        agent.call("install", request, stdin_tar=tar)
+    finally:
+        tar.close()
     if cache is not None and not agent.dry_run:
         release_cache.save(cache, agent.target, code_hash, manifest)
     return SyncOutcome(code_hash, release_path, uploaded, linked, len(tar))
