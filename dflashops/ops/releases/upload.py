@@ -3,9 +3,8 @@
 A first deploy of a 200 MB file held the tar in a BytesIO, and the agent call joined it to its request line in a
 second copy (controller max RSS 435 MB, bench/results/control-plane.md "2026-12-05 — The control plane at
 scale"). Here the tar is written to a temporary file as it is built, and the call's stdin is read from it in
-chunks behind the request line (`RequestAndTar`): the local and ssh transports copy it chunk by chunk, so the
-controller holds about one chunk of it at a time. The multiplexer's protocol sends stdin as one frame, so a call
-through it still reads the whole upload (transport/mux_client.py).
+chunks behind the request line (`RequestAndTar`): the local and ssh transports and the ssh multiplexer (its I
+frames, transport/mux_frames.py) copy it chunk by chunk, so the controller holds about one chunk of it at a time.
 """
 
 from __future__ import annotations
