@@ -5,10 +5,12 @@ bench/control_plane_scale.py's (bench/results/control-plane.md)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -103,7 +105,9 @@ def test_a_linked_file_is_trusted_only_while_its_inode_is_as_verified(
     aged(tree["trainer/train.py"], 30)
     second, _, _, uploaded, linked = install(workspace, tree, cache, base, base_files)
     assert uploaded == ("trainer/train.py",) and "data/big.bin" in linked
-    assert hashed == ["train.py"]  # the 9 MB file's digest came from the base's verified record
+    # The 9 MB file's digest came from the base's verified record, the uploaded file's from its bytes as they
+    # were written: nothing was read back to be hashed.
+    assert hashed == []
     # The base's copy changed in place (the same inode, a new mtime): the next release built on it hashes it,
     # and refuses it, since it no longer holds what the manifest says.
     with open(workspace / "releases" / second / "data" / "big.bin", "r+b") as handle:
@@ -115,6 +119,26 @@ def test_a_linked_file_is_trusted_only_while_its_inode_is_as_verified(
     with pytest.raises(AgentFailure, match="'data/big.bin' is missing or corrupt"):
         install(workspace, tree, cache, second, second_files)
     assert "big.bin" in hashed
+
+
+def test_an_uploaded_file_is_checked_as_it_is_written_and_keeps_its_mode(tree: dict[str, Path], tmp_path: Path) -> None:
+    """The digest taken while a file is unpacked is the one checked against the manifest: bytes that differ from
+    what the manifest names are refused (nothing is left of the release), and a script keeps its mode."""
+    tree["trainer/train.py"].chmod(0o755)
+    small = {"trainer/train.py": tree["trainer/train.py"]}
+    code_hash, manifest = sync.local_manifest(small, ManifestCache(tmp_path / "c.json"))
+    request, upload, _, _ = sync.install_payload(str(tmp_path / "ws"), small, code_hash, manifest, None, {})
+    other = tmp_path / "other.py"
+    other.write_text("print('not what the manifest names')\n")
+    swapped = io.BytesIO()
+    with tarfile.open(fileobj=swapped, mode="w:gz") as archive:
+        archive.add(other, arcname="trainer/train.py")
+    with pytest.raises(AgentFailure, match="'trainer/train.py' is missing or corrupt"):
+        agent_releases.build_release({**request, "tar_bytes": len(swapped.getvalue())}, swapped.getvalue())
+    assert [p.name for p in (tmp_path / "ws" / "releases").iterdir()] == []
+    agent_releases.build_release(request, upload.open())
+    installed = tmp_path / "ws" / "releases" / code_hash / "trainer" / "train.py"
+    assert installed.read_bytes() == tree["trainer/train.py"].read_bytes() and installed.stat().st_mode & 0o777 == 0o755
 
 
 # The controller's whole path of a first deploy's upload (manifest, then install through the local transport to the
