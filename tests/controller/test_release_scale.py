@@ -182,3 +182,22 @@ def test_a_large_upload_is_streamed_not_held_whole_on_either_side(tmp_path: Path
     quarter_kib = (UPLOAD_MB << 10) // 4
     assert seen["controller_kib"] < quarter_kib, seen
     assert seen["agent_kib"] < (UPLOAD_MB << 10) // 2 + quarter_kib // 2, seen
+
+
+def test_an_install_that_uploads_the_agent_first_sends_its_tar_again_from_the_start(
+    tree: dict[str, Path], tmp_path: Path
+) -> None:
+    """The first call to a target without this agent version fails ("can't open file"), the agent is uploaded and
+    the call runs again: its stdin, the request line and the tar read from a file, is sent again whole."""
+    from dflashops.inventory import Target
+    from dflashops.ops.agent_client import Agent
+    from dflashops.transport.local import LocalTransport
+
+    workspace = tmp_path / "ws"
+    agent = Agent(Target(name="local", kind="local", workspace=str(workspace), python=sys.executable), LocalTransport())
+    code_hash, manifest = sync.local_manifest(tree, ManifestCache(tmp_path / "c.json"))
+    request, upload, _, _ = sync.install_payload(str(workspace), tree, code_hash, manifest, None, {})
+    assert not Path(agent.path).exists()
+    answer = agent.call("install", request, stdin_tar=upload)  # no ensure(): the optimistic first call
+    assert answer["release"] == code_hash and Path(agent.path).exists()
+    assert (workspace / "releases" / code_hash / "data" / "big.bin").read_bytes() == tree["data/big.bin"].read_bytes()
