@@ -19,7 +19,7 @@ from dflashops.agent.common import tmux_socket  # the agent names the tmux serve
 from dflashops.errors import AgentError, Conflict, DflashopsError, InventoryError, NotFound, UsageError
 from dflashops.inventory import Target
 from dflashops.ops.agent_build import PACKAGE, build_zipapp
-from dflashops.ops.releases.upload import CHUNK, RequestAndTar, TarUpload
+from dflashops.ops.releases.upload import CHUNK, RequestAndTar, Tar
 from dflashops.shell import join_argv
 from dflashops.transport.base import Result, Stdin, Transport
 
@@ -200,7 +200,7 @@ class Agent:
         *,
         secret_args: dict[str, Any] | None = None,
         shown_args: dict[str, Any] | None = None,
-        stdin_tar: TarUpload | bytes | None = None,
+        stdin_tar: Tar | bytes | None = None,
         on_progress: Callable[[dict[str, Any]], None] | None = None,
     ) -> dict[str, Any]:
         """Run one verb; return its JSON answer. `secret_args` travel on stdin (never on a command line);
@@ -270,9 +270,9 @@ class Agent:
                 yield answer
 
 
-def with_tar(head: bytes, tar: TarUpload | bytes) -> Stdin:
+def with_tar(head: bytes, tar: Tar | bytes) -> Stdin:
     """A call's stdin: the request line, then the tar, read from the tar's file as it is sent (upload.py)."""
-    return io.BufferedReader(RequestAndTar(head, tar), CHUNK) if isinstance(tar, TarUpload) else head + tar
+    return head + tar if isinstance(tar, bytes) else io.BufferedReader(RequestAndTar(head, tar), CHUNK)
 
 
 def again(stdin: Stdin) -> Stdin:

@@ -20,6 +20,7 @@ from dflashops.agent import releases as agent_releases
 from dflashops.agent.common import AgentFailure
 from dflashops.ops.releases import sync
 from dflashops.ops.releases.manifest_cache import ManifestCache
+from dflashops.ops.releases.upload import PlainTar
 
 BIG = 9 << 20  # over sync.PLAIN_TAR_FROM_BYTES
 
@@ -139,6 +140,46 @@ def test_an_uploaded_file_is_checked_as_it_is_written_and_keeps_its_mode(tree: d
     agent_releases.build_release(request, upload.open())
     installed = tmp_path / "ws" / "releases" / code_hash / "trainer" / "train.py"
     assert installed.read_bytes() == tree["trainer/train.py"].read_bytes() and installed.stat().st_mode & 0o777 == 0o755
+
+
+def test_a_generated_plain_tar_is_the_bytes_tarfile_writes(tmp_path: Path) -> None:
+    """PlainTar (a large incompressible upload, generated as it is sent) gives byte for byte what tarfile's `w` mode
+    writes for the same files, its announced size included: a name past 100 characters (a pax header), an empty
+    file, one not a multiple of 512 bytes, a script's mode."""
+    long_name = "data/" + "n" * 140 + ".bin"
+    members = {long_name: os.urandom(3000), "data/empty": b"", "trainer/run.sh": b"#!/bin/sh\necho hi\n"}
+    files: dict[str, Path] = {}
+    for index, (rel, data) in enumerate(members.items()):
+        files[rel] = tmp_path / f"f{index}"
+        files[rel].write_bytes(data)
+    files["trainer/run.sh"].chmod(0o755)
+    generated = PlainTar()
+    for rel, path in files.items():
+        generated.add(rel, path)
+    written = io.BytesIO()
+    with tarfile.open(fileobj=written, mode="w") as archive:
+        for rel, path in files.items():
+            with path.open("rb") as handle:
+                info = archive.gettarinfo(arcname=rel, fileobj=handle)
+                info.uid = info.gid = 0
+                info.uname = info.gname = ""
+                archive.addfile(info, handle)
+    assert generated.read_bytes() == written.getvalue() and len(generated) == len(written.getvalue())
+
+
+def test_a_file_cut_after_the_tar_was_planned_is_refused_not_hung(tree: dict[str, Path], tmp_path: Path) -> None:
+    """The tar's size is announced before it is sent: a file cut short meanwhile goes as the size its header
+    names (zeros after its end), and the agent's digest check refuses it (nothing is made current), instead of a
+    stream that fails mid-call."""
+    code_hash, manifest = sync.local_manifest(tree, ManifestCache(tmp_path / "c.json"))
+    request, upload, _, _ = sync.install_payload(str(tmp_path / "ws"), tree, code_hash, manifest, None, {})
+    assert isinstance(upload, PlainTar)
+    os.truncate(tree["data/big.bin"], BIG // 2)
+    body = upload.read_bytes()
+    assert len(body) == request["tar_bytes"]
+    with pytest.raises(AgentFailure, match="'data/big.bin' is missing or corrupt"):
+        agent_releases.build_release(request, body)
+    assert list((tmp_path / "ws" / "releases").iterdir()) == []
 
 
 # The controller's whole path of a first deploy's upload (manifest, then install through the local transport to the
