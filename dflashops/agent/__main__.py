@@ -23,6 +23,7 @@ VERB ...` (the folder itself: what the agent runs to start itself again there, c
 from __future__ import annotations
 
 import importlib
+import io
 import json
 import os
 import signal
@@ -82,10 +83,12 @@ def main(argv: list[str]) -> int:
             raise AgentFailure(
                 f"unknown verb {verb!r}; verbs: {', '.join(sorted([*VERBS, *STDIN_VERBS, *RAW_VERBS]))}", "bad_request"
             )
-        stdin = b""
+        stdin: bytes | io.BufferedIOBase = b""
         if verb in STDIN_VERBS:  # stdin: one JSON request line, then the tar stream (no argv length limits)
-            header, _, stdin = sys.stdin.buffer.read().partition(b"\n")
-            raw = header.decode("utf-8", errors="replace")
+            # Only the line is read here: the verb reads the tar as it arrives, never whole (a 200 MB upload was
+            # held in memory twice over, bench/results/control-plane.md "2026-12-05 — The control plane at scale").
+            raw = sys.stdin.buffer.readline().decode("utf-8", errors="replace")
+            stdin = sys.stdin.buffer  # type: ignore[assignment]  # a BufferedReader (typeshed: BinaryIO)
         elif "--json-args" in argv[1:]:
             raw = argv[argv.index("--json-args") + 1] if argv.index("--json-args") + 1 < len(argv) else ""
         elif "--json-stdin" in argv[1:]:

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import tarfile
+import zlib
 
 from .common import (
     DISK_FULL_ERRNOS,
@@ -49,14 +50,43 @@ def verb_manifest(req: dict) -> dict:
     return {"release": os.path.basename(target), "path": target, "files": manifest}
 
 
-def safe_members(archive: tarfile.TarFile) -> list[tarfile.TarInfo]:
-    members = []
-    for member in archive.getmembers():
-        parts = member.name.split("/")
-        if member.name.startswith("/") or ".." in parts or not (member.isfile() or member.isdir()):
-            raise AgentFailure(f"refusing tar member {member.name!r}", "bad_request")
-        members.append(member)
-    return members
+def safe_member(member: tarfile.TarInfo) -> tarfile.TarInfo:
+    """`member` when it is a plain file or folder inside the release; a refusal otherwise (an absolute path,
+    `..`, a link or a device)."""
+    parts = member.name.split("/")
+    if member.name.startswith("/") or ".." in parts or not (member.isfile() or member.isdir()):
+        raise AgentFailure(f"refusing tar member {member.name!r}", "bad_request")
+    return member
+
+
+class Upload:
+    """The tar of an install as it arrives on stdin (or given whole, as bytes), read once from the start and
+    counted: `size` is what the request announced (`tar_bytes`; the length of bytes given whole), and `finish()`
+    refuses (code `incomplete`) an upload that was cut short or ran long. Nothing holds more than tarfile's
+    buffer of it: a 200 MB upload was read whole into memory first (bench/results/control-plane.md
+    "2026-12-05 — The control plane at scale")."""
+
+    def __init__(self, source: bytes | io.BufferedIOBase, announced: object = None) -> None:
+        self._source: io.BufferedIOBase = io.BytesIO(source) if isinstance(source, bytes) else source
+        self.size: int | None = int(announced) if announced is not None else None  # type: ignore[call-overload]
+        if self.size is None and isinstance(source, bytes):
+            self.size = len(source)
+        self.read_bytes = 0
+
+    def read(self, count: int = -1) -> bytes:
+        data = self._source.read(count)
+        self.read_bytes += len(data)
+        return data
+
+    def finish(self) -> None:
+        """Read what tarfile left after the end of the archive (its last record's padding), then check the
+        count against the announced size; a mismatch is code `incomplete` (nothing is made current)."""
+        while self.read(1 << 16):
+            pass
+        if self.size is not None and self.read_bytes != self.size:
+            raise AgentFailure(
+                f"upload incomplete ({self.read_bytes} of {self.size} bytes); nothing was changed", "incomplete"
+            )
 
 
 def install_manifest(req: dict, releases: str) -> tuple:
@@ -76,9 +106,10 @@ def install_manifest(req: dict, releases: str) -> tuple:
     return files, sorted(rel for rel in files if rel not in changed)
 
 
-def build_release(req: dict, stdin: bytes, stale_code: str = "conflict") -> tuple:
+def build_release(req: dict, stdin: bytes | io.BufferedIOBase, stale_code: str = "conflict") -> tuple:
     """Make releases/<hash>/ complete (or find it already there) WITHOUT making it current; returns
-    (code_hash, path). Unpack the tar of changed files into a temp dir, hard-link unchanged files from
+    (code_hash, path). `stdin` is the tar, whole or as a stream read as it arrives (its size in the request's
+    `tar_bytes`). Unpack the tar of changed files into a temp dir, hard-link unchanged files from
     the base release, verify every hash, then rename. A failure removes its own `.tmp-*` folder; a cut
     connection or a crash leaves one, removed by a later install once its owner is gone: a release is
     complete or absent, and concurrent installs never delete each other's work."""
@@ -96,19 +127,21 @@ def build_release(req: dict, stdin: bytes, stale_code: str = "conflict") -> tupl
         )
     os.makedirs(releases, exist_ok=True)
     remove_abandoned_temporaries(releases)
+    upload = Upload(stdin, req.get("tar_bytes"))
     final = os.path.join(releases, code_hash)
     if os.path.isdir(final):
         return code_hash, final
     tmp = os.path.join(releases, f".tmp-{code_hash}-{os.getpid()}")
     # The upload unpacks to about its own size (the unchanged files are hard links): a full workspace disk is one
     # `no_space` refusal naming that size, not an OSError from the middle of the unpacking.
-    needs = f"the upload of {len(files)} files needs about {max(1, len(stdin) >> 10)} KiB"
+    size = upload.size or 0
+    needs = f"the upload of {len(files)} files needs about {max(1, size >> 10)} KiB"
     free = free_space(workspace)
-    if free is not None and free[0] < len(stdin) + (64 << 10):
+    if free is not None and free[0] < size + (64 << 10):
         raise no_space(workspace, needs)
     try:
         os.makedirs(tmp)
-        fill_release(tmp, stdin, link, releases, req.get("base"), files, stale_code)
+        fill_release(tmp, upload, link, releases, req.get("base"), files, stale_code)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
@@ -135,16 +168,33 @@ def remove_abandoned_temporaries(releases: str) -> None:
 STATS_FILE = ".manifest.stat.json"  # beside .manifest.json: each file's [size, mtime_ns, inode] when verified
 
 
-def fill_release(tmp: str, stdin: bytes, link: list, releases: str, base: object, files: dict, stale_code: str) -> None:
-    """Unpack the changed files into `tmp`, hard-link the unchanged ones from `base`, verify every hash.
+def fill_release(
+    tmp: str, upload: Upload, link: list, releases: str, base: object, files: dict, stale_code: str
+) -> None:
+    """Unpack the changed files into `tmp` as the upload arrives (member by member: tarfile's stream mode, no
+    seeking back), hard-link the unchanged ones from `base`, verify every hash.
+
+    An uploaded file's digest is taken from the bytes as they are written (unpack_file): reading the file back
+    to hash it was a second pass over every uploaded byte (0.17 s of sha256 for 200 MB here, plus the read).
 
     A hard-linked file is the base release's own inode: when the base verified it at its install (its digest in
     the base's .manifest.json is this manifest's) and the inode's size and mtime are still those recorded then
     (.manifest.stat.json), its digest is taken from there instead of reading it again (a 200 MB file cost every
     restart seconds, issue 47). Any write to the file since changes its mtime, and then it is hashed as before;
     a base from before the stat file is hashed in full."""
-    with tarfile.open(fileobj=io.BytesIO(stdin), mode="r:*") as archive:  # plain or gzip
-        archive.extractall(tmp, members=safe_members(archive))
+    received: dict[str, str] = {}  # path in the release -> sha256 of the bytes written there
+    try:
+        with tarfile.open(fileobj=upload, mode="r|*") as archive:  # type: ignore[call-overload]  # plain or gzip
+            for member in archive:
+                dest = os.path.join(tmp, safe_member(member).name)
+                if member.isdir():
+                    os.makedirs(dest, exist_ok=True)
+                else:
+                    received[member.name] = unpack_file(archive, member, dest)
+    except (tarfile.TarError, EOFError, zlib.error):
+        upload.finish()  # a cut upload is `incomplete`, not a tar error
+        raise
+    upload.finish()
     base_dir = os.path.join(releases, base) if isinstance(base, str) and HASH_RE.match(base) else None
     base_digests = (read_json(os.path.join(base_dir, ".manifest.json")) or {}) if base_dir else {}
     base_stats = (read_json(os.path.join(base_dir, STATS_FILE)) or {}) if base_dir else {}
@@ -162,10 +212,28 @@ def fill_release(tmp: str, stdin: bytes, link: list, releases: str, base: object
         path = os.path.join(tmp, rel)
         if rel in verified:
             continue
-        if not os.path.isfile(path) or file_sha256(path) != digest:
+        got = received.get(rel) or (file_sha256(path) if os.path.isfile(path) else None)
+        if got != digest:
             raise AgentFailure(f"release file {rel!r} is missing or corrupt after transfer", "corrupt")
     write_atomic(os.path.join(tmp, STATS_FILE), json.dumps({rel: file_stamp(os.path.join(tmp, rel)) for rel in files}))
     write_atomic(os.path.join(tmp, ".manifest.json"), json.dumps(files, sort_keys=True))
+
+
+def unpack_file(archive: tarfile.TarFile, member: tarfile.TarInfo, dest: str) -> str:
+    """Write a file member's bytes to `dest` (its permission bits without setuid/setgid/sticky or write for
+    others, its mtime, as tarfile's `data` filter leaves them) and return their sha256, taken as they are written."""
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    source = archive.extractfile(member)
+    if source is None:  # safe_member lets only files and folders through
+        raise AgentFailure(f"refusing tar member {member.name!r}", "bad_request")
+    digest = hashlib.sha256()
+    with open(dest, "xb") as out:  # a fresh folder: a name twice in one upload is refused, not overwritten
+        while block := source.read(1 << 20):
+            digest.update(block)
+            out.write(block)
+    os.chmod(dest, member.mode & 0o755)
+    os.utime(dest, (member.mtime, member.mtime))
+    return digest.hexdigest()
 
 
 def file_stamp(path: str) -> list[int]:
@@ -181,7 +249,7 @@ def flip_current(workspace: str, code_hash: str) -> None:
     os.replace(link_tmp, os.path.join(releases, "current"))  # rename(2) over the old link: atomic flip
 
 
-def verb_install(req: dict, stdin: bytes) -> dict:
+def verb_install(req: dict, stdin: bytes | io.BufferedIOBase) -> dict:
     """build_release, then flip `current` atomically and prune old releases; `current` never points at a
     partial tree."""
     code_hash, final = build_release(req, stdin)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import time
 
@@ -46,17 +47,18 @@ def substitute(value: object, placeholder: str, text: str) -> object:
     return value
 
 
-def verb_restart(req: dict, stdin: bytes) -> dict:
+def verb_restart(req: dict, stdin: bytes | io.BufferedIOBase) -> dict:
     """The kill-copy-relaunch cycle in ONE call (one ssh round trip instead of six): `old` is stopped,
     the release `install` describes is made current, and the new run `name` is launched from it.
 
     Order, so that a refusal or a cut connection never leaves anything half-done:
     1. every check that can refuse, with nothing changed yet: names, the old run exists, the new run
-       directory is free, the launch request is valid, the upload is complete (`tar_bytes`), and the
+       directory is free, the launch request is valid, and the
        release manifest rebuilt against `install.base` matches its hash (code `stale_release` when the
        base is gone: the controller's cached idea of the target is out of date; it then asks `manifest`
        and calls again);
-    2. the release is built complete under releases/<hash>/, not yet current;
+    2. the release is built complete under releases/<hash>/, not yet current, from the upload as it arrives:
+       one cut short or running long (against `tar_bytes`) is refused here (code `incomplete`);
     2b. with the pre-flight on, a job it could only compile (not the trainer, no profile `check:`) whose old run
        is alive is refused (code `unchecked`) unless `unchecked` is set: nothing is stopped;
     3. the old run is stopped exactly like `stop` (its group + marker, TERM, grace, KILL, GPU wait);
@@ -83,14 +85,12 @@ def verb_restart(req: dict, stdin: bytes) -> dict:
             f"(socket {tmux_socket(workspace)}); nothing was stopped",
             "conflict",
         )
-    if req.get("tar_bytes") is not None and len(stdin) != int(req["tar_bytes"]):
-        raise AgentFailure(
-            f"upload incomplete ({len(stdin)} of {req['tar_bytes']} bytes); nothing was changed", "incomplete"
-        )
     install = req.get("install")
     if not isinstance(install, dict):
         raise AgentFailure("restart needs an install request", "bad_request")
-    install = {**install, "workspace": workspace}
+    # The upload is read as it arrives, while the release is built (step 2, before anything is stopped): one that
+    # was cut short is refused there (`incomplete`), its partial release removed.
+    install = {**install, "workspace": workspace, "tar_bytes": req.get("tar_bytes", install.get("tar_bytes"))}
     placeholder = req.get("resume_placeholder")
     chosen = req.get("resume_checkpoint")  # restart --checkpoint: this one, not the run's newest
     if chosen is not None and (not isinstance(chosen, str) or not complete_checkpoint(chosen)):

@@ -8,6 +8,7 @@ calls are recorded as the exact command lines they would run (secrets replaced),
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import re
 from collections.abc import Callable, Iterator
@@ -18,8 +19,9 @@ from dflashops.agent.common import tmux_socket  # the agent names the tmux serve
 from dflashops.errors import AgentError, Conflict, DflashopsError, InventoryError, NotFound, UsageError
 from dflashops.inventory import Target
 from dflashops.ops.agent_build import PACKAGE, build_zipapp
+from dflashops.ops.releases.upload import CHUNK, RequestAndTar, Tar
 from dflashops.shell import join_argv
-from dflashops.transport.base import Result, Transport
+from dflashops.transport.base import Result, Stdin, Transport
 
 AGENT_SOURCE = PACKAGE  # the package folder; python runs it as the agent from a checkout (local_runs)
 READ_ONLY_VERBS = {"ping", "status", "tail", "gpus", "manifest", "fetch-manifest", "preflight"}
@@ -165,9 +167,7 @@ class Agent:
             self._upload()
         self._ready = True
 
-    def _run(
-        self, argv: list[str], stdin: bytes | None = None, on_stderr: Callable[[bytes], None] | None = None
-    ) -> Result:
+    def _run(self, argv: list[str], stdin: Stdin = None, on_stderr: Callable[[bytes], None] | None = None) -> Result:
         """One command with the target's python; a python that cannot be started there (exit 126/127 that
         names it: missing, not executable) is an InventoryError about the `python:` setting, not a dump of
         the command line."""
@@ -200,7 +200,7 @@ class Agent:
         *,
         secret_args: dict[str, Any] | None = None,
         shown_args: dict[str, Any] | None = None,
-        stdin_tar: bytes | None = None,
+        stdin_tar: Tar | bytes | None = None,
         on_progress: Callable[[dict[str, Any]], None] | None = None,
     ) -> dict[str, Any]:
         """Run one verb; return its JSON answer. `secret_args` travel on stdin (never on a command line);
@@ -215,13 +215,14 @@ class Agent:
                 self.ensure()
             except AgentError:
                 pass
+        stdin: Stdin
         if stdin_tar is not None and secret_args is not None:  # restart: request with secrets, then the tar
             argv = self.argv(verb)
-            stdin = json.dumps({**args, **secret_args}).encode() + b"\n" + stdin_tar
+            stdin = with_tar(json.dumps({**args, **secret_args}).encode() + b"\n", stdin_tar)
             shown = shown_args if shown_args is not None else {k: "<redacted>" for k in secret_args}
             note = "request JSON: " + readable_json({**args, **shown}) + f" + tar of {len(stdin_tar)} bytes"
         elif stdin_tar is not None:
-            argv, stdin = self.argv(verb), json.dumps(args).encode() + b"\n" + stdin_tar
+            argv, stdin = self.argv(verb), with_tar(json.dumps(args).encode() + b"\n", stdin_tar)
             note = f"install request + tar of {len(stdin_tar)} bytes"
         elif secret_args is not None:
             argv, stdin = self.argv(verb, stdin_request=True), json.dumps({**args, **secret_args}).encode()
@@ -238,13 +239,13 @@ class Agent:
             # Optimistic first call (no `ping` round trip, ~0.3-0.5 s per invocation on a remote target):
             # this agent version is not on the target yet, so upload it and run the call again.
             self._upload()
-            result = self._run(argv, stdin, sink)
+            result = self._run(argv, again(stdin), sink)
         self._ready = True
         answer = _parse(result.stdout, result.stderr, verb, self.target.name)
         if answer.get("code") == "no_answer" and verb in READ_ONLY_VERBS:
             self._ready = False  # the agent file vanished (workspace cleaned?): upload again, retry once
             self.ensure()
-            result = self._run(argv, stdin)
+            result = self._run(argv, again(stdin))
             answer = _parse(result.stdout, result.stderr, verb, self.target.name)
         if not answer.get("ok"):
             raise refusal(answer, self.target, args)
@@ -267,6 +268,17 @@ class Agent:
                 if not answer.get("ok"):
                     raise refusal(answer, self.target, args)
                 yield answer
+
+
+def with_tar(head: bytes, tar: Tar | bytes) -> Stdin:
+    """A call's stdin: the request line, then the tar, read from the tar's file as it is sent (upload.py)."""
+    return head + tar if isinstance(tar, bytes) else io.BufferedReader(RequestAndTar(head, tar), CHUNK)
+
+
+def again(stdin: Stdin) -> Stdin:
+    """The same stdin for a second run of a call, from its start (a file-backed one was read by the first)."""
+    raw = getattr(stdin, "raw", None)
+    return io.BufferedReader(raw.again(), CHUNK) if isinstance(raw, RequestAndTar) else stdin
 
 
 # The agent's progress lines on stderr (agent/common.py report_progress).

@@ -6,6 +6,7 @@ environment plus the target's default env plus the call's env.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import threading
@@ -15,15 +16,20 @@ from dataclasses import dataclass
 from dflashops.errors import TransportError
 from dflashops.transport.base import StderrSink, Stdin, Transport
 
+CHUNK = 1 << 20  # what a streamed stdin is copied in
+
 
 @dataclass
 class LocalTransport(Transport):
-    """Runs commands here. Binary stdin (bytes or a file object) is passed through untouched."""
+    """Runs commands here. Binary stdin (bytes or a file object) is passed through untouched; a file object is
+    copied to the command in chunks as it reads them, never read whole here (a release's tar, upload.py)."""
 
     def _run(
         self, argv: Sequence[str], *, env: Mapping[str, str], stdin: Stdin, timeout: float | None
     ) -> tuple[int, bytes, bytes]:
-        data = stdin if stdin is None or isinstance(stdin, (bytes, bytearray, memoryview)) else stdin.read()
+        if stdin is not None and not isinstance(stdin, (bytes, bytearray, memoryview)):
+            return self._run_watched(argv, env=env, stdin=stdin, timeout=timeout, on_stderr=lambda _chunk: None)
+        data = stdin
         try:
             proc = subprocess.run(
                 list(argv),
@@ -54,12 +60,11 @@ class LocalTransport(Transport):
         on_stderr: StderrSink,
     ) -> tuple[int, bytes, bytes]:
         """`_run`, with stderr read by a thread and handed to `on_stderr` chunk by chunk as the command writes it."""
-        data = stdin if stdin is None or isinstance(stdin, (bytes, bytearray, memoryview)) else stdin.read()
         try:
             proc = subprocess.Popen(
                 list(argv),
                 env={**os.environ, **env},
-                stdin=subprocess.PIPE if data is not None else subprocess.DEVNULL,
+                stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
             )
@@ -78,14 +83,20 @@ class LocalTransport(Transport):
         def feed() -> None:
             assert proc.stdin is not None
             try:
-                proc.stdin.write(bytes(data or b""))
-                proc.stdin.close()
+                if stdin is None or isinstance(stdin, (bytes, bytearray, memoryview)):
+                    proc.stdin.write(bytes(stdin or b""))
+                else:
+                    while chunk := stdin.read(CHUNK):  # one chunk held at a time
+                        proc.stdin.write(chunk)
             except (BrokenPipeError, OSError):  # it exited without reading all of it: its answer says why
                 pass
+            finally:
+                with contextlib.suppress(OSError):  # a broken pipe's buffered rest cannot be flushed: dropped
+                    proc.stdin.close()
 
         # Three readers/writers, each on its own pipe (communicate() would read stderr too, racing the reader).
         helpers = [threading.Thread(target=read_stderr, name="stderr-reader", daemon=True)]
-        if data is not None:
+        if stdin is not None:
             helpers.append(threading.Thread(target=feed, name="stdin-feeder", daemon=True))
         for helper in helpers:
             helper.start()

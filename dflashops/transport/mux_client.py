@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from dflashops.errors import TransportError
 from dflashops.transport.base import StderrSink, Stdin, Transport
-from dflashops.transport.mux_frames import error_from, mux_key, recv_frame, send_frame, send_json, settings_to_json
+from dflashops.transport.mux_frames import error_from, mux_key, recv_frame, send_json, send_stdin, settings_to_json
 
 if TYPE_CHECKING:
     from dflashops.transport.ssh import SshTransport
@@ -134,8 +134,7 @@ class MuxTransport(Transport):
         if conn is None:
             assert self._direct is not None
             return self._direct._run(argv, env=env, stdin=stdin, timeout=timeout)
-        data = stdin if stdin is None or isinstance(stdin, (bytes, bytearray, memoryview)) else stdin.read()
-        with self.request(conn, "run", argv, env, timeout, data):
+        with self.request(conn, "run", argv, env, timeout, stdin):
             out, err = b"", b""
             while True:
                 kind, payload = self.frame(conn, argv)
@@ -268,7 +267,7 @@ class MuxTransport(Transport):
         argv: Sequence[str],
         env: Mapping[str, str],
         timeout: float | None,
-        stdin: bytes | None,
+        stdin: Stdin,
     ) -> socket.socket:
         try:
             send_json(
@@ -277,7 +276,7 @@ class MuxTransport(Transport):
                 {"op": op, "argv": list(argv), "env": dict(env), "timeout": timeout, "stdin": stdin is not None},
             )
             if stdin is not None:
-                send_frame(conn, b"I", bytes(stdin))
+                send_stdin(conn, stdin)  # in chunks, as read from a file object (a release's tar, upload.py)
         except OSError as exc:
             conn.close()
             raise TransportError(

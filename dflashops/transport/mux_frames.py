@@ -2,7 +2,8 @@
 
 Frames on a Unix stream socket: one type byte, a 4-byte big-endian length, the payload. Standard library
 only, so the client side never imports paramiko. Types:
-  client -> server: Q (JSON request: op run|stream, argv, env, timeout), I (stdin bytes, whole);
+  client -> server: Q (JSON request: op run|stream, argv, env, timeout, stdin), then with `stdin`: I frames of
+  at most STDIN_CHUNK bytes each, ended by an empty I frame (a 200 MB upload is never one frame in memory);
   server -> client: O (stdout bytes), E (stderr bytes), R (JSON end: exit_code), X (JSON error: the
   DflashopsError class name, message and hint, re-raised as the same class on the client side).
 """
@@ -10,19 +11,68 @@ only, so the client side never imports paramiko. Types:
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import socket
 import struct
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from dflashops import errors
 from dflashops.errors import DflashopsError, TransportError
 
 HEADER = struct.Struct(">cI")
-MAX_FRAME = 1 << 31  # a tar upload or a command's output: bounded by the length field itself
+MAX_FRAME = 1 << 31  # a command's output: bounded by the length field itself
+STDIN_CHUNK = 1 << 20  # the most stdin bytes one I frame carries
+
+
+def send_stdin(sock: socket.socket, stdin: bytes | bytearray | memoryview | IO[bytes]) -> None:
+    """Stdin as I frames of at most STDIN_CHUNK bytes, read from a file object one chunk at a time, then the
+    empty I frame that ends it."""
+    if isinstance(stdin, (bytes, bytearray, memoryview)):
+        view = memoryview(stdin)
+        for start in range(0, len(view), STDIN_CHUNK):
+            send_frame(sock, b"I", bytes(view[start : start + STDIN_CHUNK]))
+    else:
+        while chunk := stdin.read(STDIN_CHUNK):
+            send_frame(sock, b"I", chunk)
+    send_frame(sock, b"I")
+
+
+class FramedStdin(io.RawIOBase):
+    """The server's side of `send_stdin`: the I frames as a stream a transport reads as the command does
+    (wrap it in io.BufferedReader). `drain()` reads what the command left unread, up to the end frame, so the
+    client, which sends all of stdin before it reads the answer, is never left blocked mid-send."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        super().__init__()
+        self._sock = sock
+        self._pending = memoryview(b"")
+        self._ended = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
+        while not self._pending and not self._ended:
+            kind, payload = recv_frame(self._sock)
+            if kind != b"I":
+                raise EOFError(f"expected a stdin frame, got {kind!r}")
+            self._ended = not payload
+            self._pending = memoryview(payload)
+        view = memoryview(buffer).cast("B")
+        count = min(len(view), len(self._pending))
+        view[:count] = self._pending[:count]
+        self._pending = self._pending[count:]
+        return count
+
+
+def drain(stdin: IO[bytes]) -> None:
+    """Read `stdin` (a FramedStdin's reader) to its end."""
+    while stdin.read(STDIN_CHUNK):
+        pass
 
 
 def send_frame(sock: socket.socket, kind: bytes, payload: bytes = b"") -> None:

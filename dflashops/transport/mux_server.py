@@ -19,6 +19,7 @@ socket file is removed or replaced. Its pid is in SOCKET.pid (tests end their da
 from __future__ import annotations
 
 import fcntl
+import io
 import json
 import os
 import signal
@@ -32,7 +33,15 @@ from typing import Any
 
 from dflashops.errors import DflashopsError
 from dflashops.transport.base import Transport
-from dflashops.transport.mux_frames import error_payload, recv_frame, send_frame, send_json
+from dflashops.transport.mux_frames import (
+    STDIN_CHUNK,
+    FramedStdin,
+    drain,
+    error_payload,
+    recv_frame,
+    send_frame,
+    send_json,
+)
 from dflashops.transport.ssh_settings import SshSettings
 
 ACCEPT_TICK_S = 1.0  # how often the idle and socket checks run
@@ -92,7 +101,9 @@ class Server:
                     return
                 kind, payload = recv_frame(conn)
                 request = json.loads(payload)
-                stdin = recv_frame(conn)[1] if request.get("stdin") else None
+                # Stdin is read from the socket as the command reads it (FramedStdin), not whole first; what the
+                # command leaves unread is drained before the answer (the client sends all of it first).
+                stdin = io.BufferedReader(FramedStdin(conn), STDIN_CHUNK) if request.get("stdin") else None
                 try:
                     if request["op"] == "stream":
                         for chunk in self.transport.stream(
@@ -101,9 +112,13 @@ class Server:
                             send_frame(conn, b"O", chunk)  # a gone client raises here: the stream closes
                         send_json(conn, b"R", {"exit_code": 0})
                     else:
-                        code, out, err = self.transport._run(
-                            request["argv"], env=request["env"], stdin=stdin, timeout=request.get("timeout")
-                        )
+                        try:
+                            code, out, err = self.transport._run(
+                                request["argv"], env=request["env"], stdin=stdin, timeout=request.get("timeout")
+                            )
+                        finally:
+                            if stdin is not None:
+                                drain(stdin)
                         send_frame(conn, b"O", out)
                         send_frame(conn, b"E", err)
                         send_json(conn, b"R", {"exit_code": code})

@@ -72,7 +72,8 @@ def test_agent_restart_refuses_before_changing_anything(env: Env, capsys: pytest
     files = release_files(("workload.py",), env.root, packages=())
     code_hash, manifest = local_manifest(files)
     base_files = json.loads((releases / current / ".manifest.json").read_text())
-    install, tar, _, _ = install_payload(str(env.workspace), files, code_hash, manifest, current, base_files)
+    install, upload, _, _ = install_payload(str(env.workspace), files, code_hash, manifest, current, base_files)
+    tar = upload.read_bytes()
     request = {
         "workspace": str(env.workspace),
         "old": "ref-v1",
@@ -87,7 +88,8 @@ def test_agent_restart_refuses_before_changing_anything(env: Env, capsys: pytest
     stale = install_payload(str(env.workspace), files, code_hash, manifest, "00000000deadbeef", base_files)
     cases = [
         ({**request, "tar_bytes": len(tar) + 1}, tar, "incomplete"),  # the upload was cut short
-        ({**request, "install": stale[0]}, stale[1], "stale_release"),  # the cached base is not there
+        (request, tar[: len(tar) // 2], "incomplete"),  # the connection was cut mid-upload
+        ({**request, "install": stale[0]}, stale[1].read_bytes(), "stale_release"),  # the cached base is not there
         ({**request, "name": "ref-v1"}, tar, "conflict"),  # the new run's directory is taken
         ({**request, "old": "ghost"}, tar, "not_found"),
         ({**request, "argv": []}, tar, "bad_request"),

@@ -72,7 +72,8 @@ def old_run(env: Env, capsys: pytest.CaptureFixture[str]) -> dict:
     code_hash, manifest = local_manifest(files)
     current = os.readlink(releases / "current")
     base_files = json.loads((releases / current / ".manifest.json").read_text())
-    install, tar, _, _ = install_payload(str(env.workspace), files, code_hash, manifest, current, base_files)
+    install, upload, _, _ = install_payload(str(env.workspace), files, code_hash, manifest, current, base_files)
+    tar = upload.read_bytes()
     request = {**job, "old": "o1", "name": "o2", "grace": 5, "install": install, "tar_bytes": len(tar)}
     return {**request, "preflight": True, "standby_once": True, "tar": tar.hex()}
 

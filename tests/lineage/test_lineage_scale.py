@@ -154,6 +154,23 @@ def test_a_secret_written_is_read_back_redacted_through_every_view(
             assert shown["env"]["OPENAI_API_KEY"] == "<redacted>" and shown["extra"]["token_seen"] == "<redacted>"
 
 
+def test_reads_do_not_redact_again(db: LineageDB, db_path: Path) -> None:
+    """A read builds records from the stored row as it is (RunRecord.stored): the row was redacted when written.
+    The evidence without timing: a token-shaped word put into a stored row behind the writer's back (plain
+    SQLite, as no write path can) comes back verbatim through every read, which the redactor would have
+    replaced. The write path still redacts it (the test above; this one writes it through the DB too)."""
+    db.record(RunRecord(name="a", argv=["train", "--hf-token", SECRETS[0]], env={"HF_TOKEN": SECRETS[0]}))
+    assert db.get("a").argv == ["train", "--hf-token", "<redacted>"] and db.get("a").env["HF_TOKEN"] == "<redacted>"
+    with sqlite3.connect(db_path) as raw:  # behind the writer: what a redactor on the read path would catch
+        raw.execute(
+            "UPDATE runs SET argv = ?, env = ? WHERE name = 'a'",
+            (json.dumps(["train", "--hf-token", SECRETS[0]]), json.dumps({"HF_TOKEN": SECRETS[0]})),
+        )
+    raw.close()
+    for record in (db.get("a"), db.list()[0], db.family("a")[0]):
+        assert record.argv == ["train", "--hf-token", SECRETS[0]] and record.env == {"HF_TOKEN": SECRETS[0]}
+
+
 def test_sync_of_many_run_directories_is_one_transaction_beside_a_concurrent_writer(
     db_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

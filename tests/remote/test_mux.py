@@ -5,6 +5,8 @@ loopback proxy counting TCP connections."""
 
 from __future__ import annotations
 
+import hashlib
+import io
 import os
 import signal
 import subprocess
@@ -171,3 +173,51 @@ def test_the_daemon_keeps_no_secret_of_the_shell_that_started_it(setup) -> None:
     done = run_cli(inventory, "status", "--target", "ct200", mux=mux, **secrets)
     assert done.returncode == 0, done.stderr
     assert daemon_pids(mux) == [pid]
+
+
+class Reads(io.BufferedReader):
+    """A file object that records how many bytes each read gave its caller."""
+
+    def __init__(self, raw: io.RawIOBase | io.BytesIO) -> None:
+        super().__init__(raw)  # type: ignore[arg-type]  # BytesIO is a readable raw stream here
+        self.sizes: list[int] = []
+
+    def read(self, size: int | None = -1) -> bytes:
+        data = super().read(size)
+        self.sizes.append(len(data))
+        return data
+
+
+def test_stdin_goes_through_the_daemon_in_frames_and_an_unread_one_does_not_hang(
+    harness: Harness, tmp_path: Path
+) -> None:
+    """Stdin larger than one frame (a release's tar, read from a file as it is sent) arrives whole through the
+    multiplexer, and a command that exits without reading its stdin (an agent that refuses first) answers at
+    once, with more stdin than the socket holds still to come."""
+    from conftest import settings_for
+
+    from dflashops.transport.mux_client import MuxTransport, stop_multiplexers
+
+    mux = tmp_path / "mux"
+    mux.mkdir(mode=0o700)
+    settings = settings_for(harness)
+    first = MuxTransport(name="pve", default_env={}, settings=settings, persist_s=60, folder=mux)
+    assert first.run(["true"]).ok  # in-process; it starts the multiplexer as it closes
+    first.close()
+    wait_for_daemon(mux)
+    try:
+        through = MuxTransport(name="pve", default_env={}, settings=settings, persist_s=60, folder=mux)
+        data = os.urandom((5 << 20) + 123)  # five full frames and a part
+        digest = "import hashlib,sys;print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())"
+        source = Reads(io.BytesIO(data))
+        done = through.run(["python3", "-c", digest], stdin=source, timeout=60)
+        assert through._via_mux is True
+        assert done.stdout.strip() == hashlib.sha256(data).hexdigest()
+        assert 0 < max(source.sizes) <= 1 << 20  # read a frame at a time (it was read whole: 5 MiB at once)
+        started = time.monotonic()
+        unread = through.run(["sh", "-c", "exit 3"], stdin=os.urandom(32 << 20), check=False, timeout=60)
+        assert unread.exit_code == 3 and time.monotonic() - started < 30
+        assert through.run(["echo", "next"]).stdout == "next\n"  # the daemon took the next command as usual
+        through.close()
+    finally:
+        stop_multiplexers(mux)

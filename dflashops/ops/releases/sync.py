@@ -11,7 +11,6 @@ hard-links the unchanged ones from the previous release, verifies every hash, re
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import tarfile
 import time
@@ -26,6 +25,7 @@ from dflashops.ops.agent_build import package_files
 from dflashops.ops.agent_client import AGENT_SOURCE, Agent
 from dflashops.ops.releases import release_cache
 from dflashops.ops.releases.manifest_cache import ManifestCache, stamp_of
+from dflashops.ops.releases.upload import PlainTar, Tar, TarUpload
 
 REPO_ROOT = AGENT_SOURCE.parent.parent
 SKIP_PARTS = {"__pycache__", ".pytest_cache"}
@@ -137,23 +137,33 @@ def install_payload(
     base: str | None,
     base_files: dict[str, str],
     keep: int = 5,
-) -> tuple[dict, bytes, tuple, tuple]:
-    """(install request, gzip tar of the changed files, uploaded paths, linked paths) for making release
-    `code_hash` from release `base` (whose manifest is `base_files`) on the target."""
+) -> tuple[dict, Tar, tuple, tuple]:
+    """(install request, tar of the changed files (gzip in a temporary file; generated as it is read when large
+    and incompressible), uploaded paths, linked paths) for making release `code_hash` from release `base` (whose manifest is `base_files`) on
+    the target. The request's `tar_bytes` is the tar's size: the agent reads the tar as it arrives and checks
+    that all of it came."""
     linked = tuple(sorted(rel for rel, digest in manifest.items() if base_files.get(rel) == digest))
     uploaded = tuple(sorted(set(manifest) - set(linked)))
-    buffer = io.BytesIO()
     # gzip: a plain tar pads even one small file to a 10 KiB record; compressed, the padding costs ~nothing. Not
-    # for incompressible bytes (a 200 MB random file: 45 s at level 6 for 0% saved, issue 47): the agent reads
-    # either ("r:*").
-    compress = not incompressible([files[rel] for rel in uploaded])
-    with tarfile.open(fileobj=buffer, mode="w:gz" if compress else "w", **_level(compress)) as archive:  # type: ignore[call-overload]
+    # for incompressible bytes (a 200 MB random file: 45 s at level 6 for 0% saved, issue 47): that plain tar is
+    # generated as it is sent (PlainTar), the gzip one written to a temporary file; neither is held in memory
+    # (upload.py). The agent reads either ("r|*").
+    upload: Tar
+    if incompressible([files[rel] for rel in uploaded]):
+        upload = PlainTar()
         for rel in uploaded:
-            with readable(files[rel]), files[rel].open("rb") as handle:
-                info = archive.gettarinfo(arcname=rel, fileobj=handle)
-                info.uid = info.gid = 0
-                info.uname = info.gname = ""
-                archive.addfile(info, handle)
+            with readable(files[rel]):
+                upload.add(rel, files[rel])
+    else:
+        upload = TarUpload()
+        with tarfile.open(fileobj=upload.writer, mode="w:gz", compresslevel=6) as archive:
+            for rel in uploaded:
+                with readable(files[rel]), files[rel].open("rb") as handle:
+                    info = archive.gettarinfo(arcname=rel, fileobj=handle)
+                    info.uid = info.gid = 0
+                    info.uname = info.gname = ""
+                    archive.addfile(info, handle)
+        upload.finish()
     # Compact request: only the changed entries and the removed paths; the agent rebuilds the full
     # manifest from the base release's (one 4 KiB change then sends ~4 KiB, not the whole manifest).
     request = {
@@ -163,12 +173,9 @@ def install_payload(
         "changed": {rel: manifest[rel] for rel in uploaded},
         "removed": sorted(set(base_files) - set(manifest)),
         "keep": keep,
+        "tar_bytes": len(upload),
     }
-    return request, buffer.getvalue(), uploaded, linked
-
-
-def _level(compress: bool) -> dict[str, int]:
-    return {"compresslevel": 6} if compress else {}
+    return request, upload, uploaded, linked
 
 
 PLAIN_TAR_FROM_BYTES = 8 << 20  # an upload this large is sent uncompressed when its samples do not compress
@@ -215,7 +222,10 @@ def sync(
     request, tar, uploaded, linked = install_payload(
         agent.target.workspace, files, code_hash, manifest, remote.get("release"), remote.get("files") or {}, keep
     )
-    agent.call("install", request, stdin_tar=tar)
+    try:
+        agent.call("install", request, stdin_tar=tar)
+    finally:
+        tar.close()
     if cache is not None and not agent.dry_run:
         release_cache.save(cache, agent.target, code_hash, manifest)
     return SyncOutcome(code_hash, release_path, uploaded, linked, len(tar))

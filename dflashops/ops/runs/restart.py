@@ -29,6 +29,7 @@ from dflashops.ops.fleet.nodes import relaunch_nodes
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.releases import release_cache
 from dflashops.ops.releases.sync import install_payload, local_manifest, release_files
+from dflashops.ops.releases.upload import Tar
 from dflashops.ops.runs.control import NotRunning
 from dflashops.ops.runs.extra_args import over
 from dflashops.ops.runs.launch import (
@@ -198,7 +199,7 @@ class Release:
     files: dict[str, Path]
     code_hash: str
     manifest: dict[str, str]
-    payload: tuple[dict, bytes, tuple, tuple]
+    payload: tuple[dict, Tar, tuple, tuple]
     spec: LaunchSpec
     calls: int  # agent calls it took: 0 with a cached base, 1 (`manifest`) without
 
@@ -341,7 +342,7 @@ def combined_call(
     old: str,
     request: RestartRequest,
     spec: LaunchSpec,
-    payload: tuple[dict, bytes, tuple, tuple],
+    payload: tuple[dict, Tar, tuple, tuple],
     chosen: str | None = None,
     on_progress: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
