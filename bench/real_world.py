@@ -82,6 +82,53 @@ def cached_references(work: Path, model: Any, prompts: list[list[int]], common: 
     return answers
 
 
+def evaluate_slice(
+    target_dir: Path,
+    export: Path,
+    prompts: list[list[int]],
+    refs: list[list[int]],
+    baselines: bool,
+    block: int,
+    common: dict[str, Any],
+) -> dict[str, Any]:
+    """`eval.evaluate` of some prompts in a worker process of its own (the target and the drafter loaded there)."""
+    torch.backends.cuda.matmul.allow_tf32 = False  # as in the parent: the references are the fp32 target's
+    torch.set_num_threads(1)
+    model, device = load_target_lm(str(target_dir), "float32")
+    drafter = load_drafter(export).to(device)
+    return eval_mod.evaluate(model, drafter, prompts, baselines=baselines, block_size=block, references=refs, **common)
+
+
+def evaluate_in_workers(
+    workers: int,
+    target_dir: Path,
+    export: Path,
+    jobs: list[tuple[list, list, bool]],
+    block: int,
+    common: dict[str, Any],
+) -> list[dict[str, Any]]:
+    """Each job's report (prompts, references, baselines?), its prompts cut into consecutive slices evaluated by
+    `workers` processes at once and the slices' reports merged (`eval.merge_reports`: counts summed, the same report
+    as one process's). On a GPU an evaluation is latency-bound, one sequence at a time: 270 s of an H100's time for
+    one curve point against 101 s of training (quality.md 2026-12-06 "A real target on an H100"), the GPU mostly
+    idle; N processes keep N sequences in flight."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = []
+        for prompts, refs, baselines in jobs:
+            size = -(-len(prompts) // workers)
+            cuts = [(i, min(i + size, len(prompts))) for i in range(0, len(prompts), size)]
+            futures.append(
+                [
+                    pool.submit(evaluate_slice, target_dir, export, prompts[a:b], refs[a:b], baselines, block, common)
+                    for a, b in cuts
+                ]
+            )
+        return [eval_mod.merge_reports([f.result() for f in parts]) for parts in futures]
+
+
 def finished_steps(run: Path) -> int | None:
     """The step of `run`'s last complete checkpoint (state.json written last), or None."""
     done = sorted(run.glob("checkpoints/step_*/state.json"))
@@ -142,6 +189,9 @@ def main() -> int:
     parser.add_argument("--shard-size", type=int, default=1024, help="prepare's (64 reuses make demo-real's answers)")
     parser.add_argument("--eval-prompts", type=int, default=64)
     parser.add_argument("--eval-new-tokens", type=int, default=64)
+    parser.add_argument(
+        "--eval-workers", type=int, default=1, help="processes evaluating slices of the prompts at once (a GPU: 8)"
+    )
     parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--budget-s", type=float, default=1e9, help="start no new training after this many seconds")
     parser.add_argument("--json-out", type=Path, required=True)
@@ -267,15 +317,20 @@ def main() -> int:
                 say(f"train {name} failed with exit code {code}")
                 continue
         train_s = time.monotonic() - t0
-        export_drafter(load_training_checkpoint(run), args.work / f"export-{name}")
+        if not (args.work / f"export-{name}").is_dir():  # an earlier call may have exported it before its time ran out
+            export_drafter(load_training_checkpoint(run), args.work / f"export-{name}")
         drafter = load_drafter(args.work / f"export-{name}").to(device)
         t0 = time.monotonic()
-        report = eval_mod.evaluate(
-            model, drafter, held_ids, baselines=not baselines_done, block_size=block, references=held_refs, **common
-        )
-        seen = eval_mod.evaluate(
-            model, drafter, seen_ids, baselines=False, block_size=block, references=seen_refs, **common
-        )
+        jobs = [(held_ids, held_refs, not baselines_done), (seen_ids, seen_refs, False)]
+        if args.eval_workers > 1:
+            report, seen = evaluate_in_workers(
+                args.eval_workers, target_dir, args.work / f"export-{name}", jobs, block, common
+            )
+        else:
+            report, seen = (
+                eval_mod.evaluate(model, drafter, ids, baselines=base, block_size=block, references=refs, **common)
+                for ids, refs, base in jobs
+            )
         metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         point = {
             "samples_asked": count,

@@ -116,6 +116,11 @@ class MethodStats:
             "mismatched_prompts": self.mismatches,
             "steps": self.steps,
             "generated_tokens": self.generated,
+            # the counts behind the ratios, so that reports of disjoint prompt slices merge exactly (`merge_reports`)
+            "committed": self.committed,
+            "forwards": self.forwards,
+            "slot_proposed": self.slot_proposed,
+            "slot_accepted": self.slot_accepted,
             **({} if self.tree is None else {**self.tree, "mean_tree_nodes": self.tree_nodes / max(self.steps, 1)}),
         }
 
@@ -329,6 +334,34 @@ def evaluate(
         report["methods"][name] = stats.summary()
     report["lossless"] = all(m["lossless"] for m in report["methods"].values())
     return report
+
+
+def merge_reports(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report of `evaluate` over the prompts of `parts` in order, from the reports of consecutive slices of them
+    (evaluated apart, e.g. in several processes): every count summed, every ratio recomputed, mismatched prompt
+    indices shifted to the whole list's. Block mode only (a DDTree report's tree statistics are not merged)."""
+    merged: dict[str, Any] = {k: v for k, v in parts[0].items() if k != "methods"}
+    merged["prompts"], merged["methods"] = sum(p["prompts"] for p in parts), {}
+    for name in parts[0]["methods"]:
+        stats, offset = MethodStats(name), 0
+        for part in parts:
+            m = part["methods"][name]
+            if "budget" in m:
+                raise ValueError("merge_reports: DDTree reports are not merged")
+            stats.steps, stats.committed = stats.steps + m["steps"], stats.committed + m["committed"]
+            stats.generated, stats.forwards = stats.generated + m["generated_tokens"], stats.forwards + m["forwards"]
+            for mine, theirs in (
+                (stats.slot_proposed, m["slot_proposed"]),
+                (stats.slot_accepted, m["slot_accepted"]),
+            ):
+                mine.extend([0] * (len(theirs) - len(mine)))
+                for k, count in enumerate(theirs):
+                    mine[k] += count
+            stats.mismatches += [offset + i for i in m["mismatched_prompts"]]
+            offset += part["prompts"]
+        merged["methods"][name] = stats.summary()
+    merged["lossless"] = all(m["lossless"] for m in merged["methods"].values())
+    return merged
 
 
 def greedy_references(

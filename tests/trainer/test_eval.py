@@ -124,6 +124,23 @@ def test_evaluate_reports_all_methods_lossless(setup):
     assert "trained" in table and "ngram" in table
 
 
+def test_reports_of_prompt_slices_merge_into_the_whole_report(setup):
+    """bench/real_world.py evaluates slices of the prompts in several processes and merges their reports."""
+    common = {"max_new_tokens": 16, "stops": setup["stops"], "pad_id": 0}
+    model, drafter, prompts = setup["model"], setup["drafter"], setup["prompts"]
+    whole = eval_cli.evaluate(model, drafter, prompts, **common)
+    parts = [
+        eval_cli.evaluate(model, drafter, prompts[:1], **common),
+        eval_cli.evaluate(model, drafter, prompts[1:], **common),
+    ]
+    assert eval_cli.merge_reports(parts) == whole
+    bad = [{**parts[0], "methods": {**parts[0]["methods"]}} for _ in range(2)]  # a mismatch in the second slice
+    bad[1]["methods"]["ngram"] = {**bad[1]["methods"]["ngram"], "mismatched_prompts": [0], "lossless": False}
+    merged = eval_cli.merge_reports(bad)
+    assert merged["methods"]["ngram"]["mismatched_prompts"] == [1] and not merged["lossless"]
+    assert merged["methods"]["trained"]["steps"] == 2 * parts[0]["methods"]["trained"]["steps"]
+
+
 def test_the_acceptance_table_has_no_trailing_blanks_where_a_slot_was_never_reached() -> None:
     method = {"tau": 1.5, "tokens_per_target_forward": 1.5, "lossless": True, "per_slot_acceptance": [0.5, None]}
     lines = eval_cli.format_table({"methods": {"ngram": method}}).splitlines()
