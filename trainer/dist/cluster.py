@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from trainer.checkpoint import CheckpointState, load_checkpoint
+from trainer.state.checkpoint import CheckpointState, load_checkpoint
 
 # split(state, node) -> the part of a loaded checkpoint that `node` needs (e.g. only its replicas' optimizers).
 Splitter = Callable[[CheckpointState, int], CheckpointState]

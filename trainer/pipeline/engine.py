@@ -1,4 +1,4 @@
-"""The threaded pipeline as an engine of trainer.loop; with a TorchCluster, the distributed engine.
+"""The threaded pipeline as an engine of trainer.training.loop; with a TorchCluster, the distributed engine.
 
 Inside a node (unchanged from the threaded trainer): target threads (one TargetModel each: features() installs
 hooks per call and is not thread safe) -> bounded (target, drafter) channels -> drafter threads, driven step by
@@ -30,13 +30,9 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint import CheckpointState, restore_rng
-from trainer.config import TrainerInputError, target_compile_enabled
-from trainer.data import BatchStream, collate
+from trainer.core.config import TrainerInputError, target_compile_enabled
+from trainer.data.batches import BatchStream, collate
 from trainer.dist.cluster import Cluster, LocalCluster
-from trainer.handover import free_device_memory
-from trainer.loss import position_weights
-from trainer.metrics import RunRecorder
 from trainer.model import DFlashDrafter
 from trainer.model.drafter import init_output_norm
 from trainer.pipeline.assignment import Assignment, FaultPoints, GlobalOrder
@@ -51,8 +47,12 @@ from trainer.pipeline.reporting import StepWindow, pipeline_checkpoint_parts
 from trainer.pipeline.target_worker import TargetWorker
 from trainer.pipeline.warmup import warm_up_drafters
 from trainer.pipeline.worker_supervisor import Supervisor
-from trainer.preflight import RunSetup, load_target, resolve_devices
-from trainer.step import DrafterSide, TargetSide, noise_std_at
+from trainer.state.checkpoint import CheckpointState, restore_rng
+from trainer.state.handover import free_device_memory
+from trainer.state.metrics import RunRecorder
+from trainer.training.loss import position_weights
+from trainer.training.preflight import RunSetup, load_target, resolve_devices
+from trainer.training.step import DrafterSide, TargetSide, noise_std_at
 
 
 def _log(message: str) -> None:
@@ -60,7 +60,7 @@ def _log(message: str) -> None:
 
 
 class PipelineEngine:
-    """trainer.engine.Engine for the threaded pipeline on this node's devices, `cluster` joining the nodes."""
+    """trainer.training.engine.Engine for the threaded pipeline on this node's devices, `cluster` joining the nodes."""
 
     def __init__(self, setup: RunSetup, options: PipelineOptions, cluster: Cluster | None = None) -> None:
         """Every check that can refuse the run (devices, data for one step); writes nothing."""
@@ -422,7 +422,7 @@ class PipelineEngine:
         return free_device_memory([*self.target_devices, *self.drafter_devices])
 
     def close(self, failure: BaseException | None) -> None:
-        self.failure = failure  # trainer.dist.distributed_run tells the other nodes (the cluster outlives the engine)
+        self.failure = failure  # trainer.distributed_run tells the other nodes (the cluster outlives the engine)
         self._stop_workers()
 
     def _stop_workers(self) -> None:
