@@ -8,7 +8,7 @@ On every node:
   3. pre-flight on every node (node 0 also resolves --resume and reads --init-from), then one all_gather of
      every node's code hash, configuration and pre-flight outcome: every node refuses together, naming the node
      that differs, before anything is written (exit 2)
-  4. trainer.training.loop.run_training with the pipeline engine over a TorchCluster (trainer.pipeline.engine): each
+  4. trainer.training.loop.run_training with the pipeline engine over a TorchCluster (trainer.pipeline.pipeline_engine): each
      node runs its threaded pipeline on its own devices and the nodes meet in collectives every step
 What each node writes into its --output-dir: train_config.json and status.json (phase, step, heartbeat, exit
 code); node 0 also metrics.jsonl (the job's metrics) and checkpoints/ (written once, for the whole job).
@@ -25,8 +25,8 @@ import torch
 from trainer.core.config import TrainConfig, TrainerInputError
 from trainer.dist.rendezvous import agree_on_start, node_fingerprint, torchrun_node
 from trainer.dist.torch_cluster import TorchCluster
-from trainer.pipeline.engine import PipelineEngine
 from trainer.pipeline.options import PipelineOptions
+from trainer.pipeline.pipeline_engine import PipelineEngine
 from trainer.state.failure import ExplainedFailure
 from trainer.training.loop import EXIT_FAILED, run_training
 from trainer.training.preflight import preflight

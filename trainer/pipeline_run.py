@@ -4,7 +4,7 @@ Same contract as the single-process trainer (trainer.train): checks that can ref
 written; exit 0 done, 1 failed (status.json `failed`, the failing worker's traceback on stderr), 2 bad input,
 128+signum after a signal-requested stop with its checkpoint. Order of events:
   1. pipeline options, pre-flight (trainer.training.preflight.preflight), devices and the micro-batch assignment
-     (trainer.pipeline.engine.PipelineEngine's constructor): every refusal, before the run directory exists
+     (trainer.pipeline.pipeline_engine.PipelineEngine's constructor): every refusal, before the run directory exists
   2. trainer.training.loop.run_training drives the engine: run directory, targets (one model per target worker),
      drafter replicas (one init, copied), resume into every replica; warm-up in the main thread for every
      (drafter device x batch shape the run will meet); CompileGuard on, workers start, the main thread runs the
@@ -15,8 +15,8 @@ written; exit 0 done, 1 failed (status.json `failed`, the failing worker's trace
 from __future__ import annotations
 
 from trainer.core.config import TrainConfig
-from trainer.pipeline.engine import PipelineEngine
 from trainer.pipeline.options import PipelineOptions
+from trainer.pipeline.pipeline_engine import PipelineEngine
 from trainer.pipeline.replicas import ReplicaDivergenceError, check_replicas
 from trainer.training.loop import run_training
 from trainer.training.preflight import preflight, resolve_devices

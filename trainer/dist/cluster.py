@@ -1,6 +1,6 @@
 """What the threaded pipeline needs from the other nodes of a run, and the one-node answer to it.
 
-The pipeline engine (trainer.pipeline.engine) calls a Cluster at fixed points of every step: the step-wide
+The pipeline engine (trainer.pipeline.pipeline_engine) calls a Cluster at fixed points of every step: the step-wide
 loss normaliser, the gradient or weight sync, the stop agreement, replica checksums, metrics lines,
 checkpoints. `LocalCluster` (one node, no torch.distributed) answers each call with this node's own value,
 so the threaded pipeline is the distributed engine with one node and no collectives.

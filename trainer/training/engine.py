@@ -1,7 +1,7 @@
 """What the training loop (trainer.training.loop) asks of an engine; the engines implement it:
 
 - trainer.training.single_engine.SingleEngine: one target, one drafter, one thread (`python -m trainer train`)
-- trainer.pipeline.engine.PipelineEngine with a LocalCluster: the threaded pipeline (several devices or
+- trainer.pipeline.pipeline_engine.PipelineEngine with a LocalCluster: the threaded pipeline (several devices or
   --pipeline): target threads -> bounded queues -> drafter threads, replicas kept in sync in the process
 - the same PipelineEngine with a trainer.dist.cluster.TorchCluster: the distributed engine (torchrun, one
   process per node, the threaded pipeline inside each node, torch.distributed between the nodes)
