@@ -1,5 +1,5 @@
 """Issue 31 item 3 (bench/results/pipeline.md 2026-12-04): the optimizer step of the qwen3-8b drafter alone, torch's fused AdamW against
-trainer/adamw_triton.py's kernel, on the H200.
+trainer/kernels/adamw_triton.py's kernel, on the H200.
 
     python3 bench/adamw_cost.py [--iters 10] [--configs 4096:8,2048:4,8192:8]
 
@@ -21,9 +21,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer import adamw_triton
-from trainer.adamw_triton import TritonAdamW
-from trainer.bench_common import time_ms
+from trainer.bench.bench_common import time_ms
+from trainer.kernels import adamw_triton
+from trainer.kernels.adamw_triton import TritonAdamW
 from trainer.model import DFlashDrafter
 from trainer.model.drafter import DrafterConfig
 

@@ -34,10 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from attention_vs_flex import dense_reference, inputs, masks, rel, run
 
-from trainer import triton_fit
-from trainer.bench_common import time_ms as bench_time_ms
+from trainer.bench.bench_common import time_ms as bench_time_ms
+from trainer.kernels import attention_triton as T
+from trainer.kernels import triton_fit
 from trainer.model import attention as A
-from trainer.model import attention_triton as T
 
 C = T.BwdConfig
 VARIANTS = {

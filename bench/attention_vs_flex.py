@@ -22,18 +22,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer import triton_fit
-from trainer.bench_common import SHAPES, synthetic_batch
-from trainer.bench_common import time_ms as bench_time_ms
+from trainer.bench.bench_common import SHAPES, synthetic_batch
+from trainer.bench.bench_common import time_ms as bench_time_ms
+from trainer.kernels import attention_triton as T
+from trainer.kernels import triton_fit
 from trainer.model import attention as A
-from trainer.model import attention_triton as T
 
 HQ, HKV, D = 32, 8, 128
 
 
 def inputs(shape_name: str, seed: int = 0):
     shape = SHAPES[shape_name]
-    from trainer.bench_common import preset_config
+    from trainer.bench.bench_common import preset_config
 
     _, dcfg = preset_config("qwen3-8b", shape, [])
     batch = synthetic_batch(dcfg, shape, 4.0, torch.device("cuda"), sorted_anchors=True, seed=seed)
@@ -182,8 +182,8 @@ def fit_only(args) -> None:
             f"99K vs default configs: o {rel(ot.cpu(), ref['o']):.2e} "
             + " ".join(f"{n} {rel(g.cpu(), r):.2e}" for n, g, r in zip(("dq", "dk", "dv"), gt, ref["g"]))
         )
-    from trainer.loss import resolve_loss_kernels
-    from trainer.loss_triton import fused_ce
+    from trainer.kernels.loss_triton import fused_ce
+    from trainer.training.loss import resolve_loss_kernels
 
     print("loss kernels auto ->", resolve_loss_kernels("auto", torch.device("cuda"), True))
     print(

@@ -26,9 +26,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from trainer.bench_common import SHAPES, preset_config  # noqa: E402
-from trainer.checkpoint import CheckpointWriter, save_checkpoint  # noqa: E402
+from trainer.bench.bench_common import SHAPES, preset_config  # noqa: E402
 from trainer.model import DFlashDrafter  # noqa: E402
+from trainer.state.checkpoint import CheckpointWriter, save_checkpoint  # noqa: E402
 
 
 def main() -> int:

@@ -1,4 +1,4 @@
-"""Issue 32 item 4 (bench/results/kernels.md 2026-12-05): the output-side convolution's backward through trainer/model/conv_bwd_triton.py
+"""Issue 32 item 4 (bench/results/kernels.md 2026-12-05): the output-side convolution's backward through trainer/kernels/conv_bwd_triton.py
 against Inductor's code for the same gradients (GroupedDynamicConv's torch backward, `conv_gradients`,
 torch.compile'd alone), on the H200 at one call's shape of the qwen3-8b seed step: g, y [6, 5472, 4096] bf16 (171
 blocks of 32 per row), K = 2 taps, groups of 16, the deltas a strided view of the [6, 5472, 2, 2, 256] projection.
@@ -23,10 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer import triton_fit
-from trainer.bench_common import back_to_back_ms, time_ms
-from trainer.model import conv_bwd_triton
-from trainer.model.conv_grad import conv_gradients
+from trainer.bench.bench_common import back_to_back_ms, time_ms
+from trainer.kernels import conv_bwd_triton, triton_fit
+from trainer.kernels.conv_grad import conv_gradients
 from trainer.model.dflash2 import grouped_dynamic_conv
 
 R, Q, H, B, GS, K = 6, 171 * 32, 4096, 32, 16, 2

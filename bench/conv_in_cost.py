@@ -1,5 +1,5 @@
 """Issue 32 item 4 (bench/results/kernels.md 2026-12-05): the input-side convolution's kernel gradients through
-trainer/model/conv_in_triton.py against Inductor's code for the same gradients, on the H200 at one call's shape of
+trainer/kernels/conv_in_triton.py against Inductor's code for the same gradients, on the H200 at one call's shape of
 the qwen3-8b seed step: x (the residual stream) and the GEMMs' input-gradient pieces [6, 5472, 4096] bf16 (171
 blocks of 32 a row; 2 pieces as the MLP's gate/up, 3 as attention's q/k/v), rstd [6, 5472, 1] float32, the norm
 weight float32, K = 2 taps, groups of 16, the deltas a strided view of the [6, 5472, 2, 2, 256] projection.
@@ -29,10 +29,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer import triton_fit
-from trainer.bench_common import back_to_back_ms
-from trainer.model import conv_in_triton
-from trainer.model.conv_grad import conv_gradients
+from trainer.bench.bench_common import back_to_back_ms
+from trainer.kernels import conv_in_triton, triton_fit
+from trainer.kernels.conv_grad import conv_gradients
 from trainer.model.dflash2 import grouped_dynamic_conv
 
 R, Q, H, B, GS, K = 6, 171 * 32, 4096, 32, 16, 2

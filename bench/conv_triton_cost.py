@@ -1,4 +1,4 @@
-"""Issue 32 item 4 (bench/results/kernels.md 2026-12-04): DFlash2's convolution through trainer/model/conv_triton.py against the torch form
+"""Issue 32 item 4 (bench/results/kernels.md 2026-12-04): DFlash2's convolution through trainer/kernels/conv_triton.py against the torch form
 (grouped_dynamic_conv, torch.compile'd alone), on the H200 at the qwen3-8b seed shape: x [6, 5472, 4096] bf16
 (171 blocks of 32 per row), K = 2 taps, groups of 16.
 
@@ -19,9 +19,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.bench_common import time_ms
-from trainer.model import conv_triton
-from trainer.model.conv_triton import block_conv
+from trainer.bench.bench_common import time_ms
+from trainer.kernels import conv_triton
+from trainer.kernels.conv_triton import block_conv
 from trainer.model.dflash2 import grouped_dynamic_conv
 
 R, Q, H, B, GS, K = 6, 171 * 32, 4096, 32, 16, 2

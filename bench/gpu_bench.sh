@@ -37,7 +37,7 @@ step() {  # step NAME TIMEOUT CMD...
 for section in "$@"; do
   case $section in
     # 2026-12-02 (issue 28): the restart cycle through the CLI with the shared compile cache, which the trainer
-    # chooses itself (trainer/compile_cache.py) only when TORCHINDUCTOR_CACHE_DIR is not set by hand.
+    # chooses itself (trainer/core/compile_cache.py) only when TORCHINDUCTOR_CACHE_DIR is not set by hand.
     s10-cycle) step s10-cycle 560 env -u TORCHINDUCTOR_CACHE_DIR python3 bench/restart_cycle.py --steps 10 \
               --modes handover,code-change-outside,code-change-inside,handover,bad-code,bad-flag --fresh-workspace \
               --prune-checkpoints --json-out "$OUT/s10-cycle.json" ;;
@@ -59,7 +59,7 @@ for section in "$@"; do
     s13-topk) step s13-topk 200 python3 bench/topk_cost.py ;;
     s13-step) step s13-step 420 python3 -m trainer bench step --preset qwen3-8b --shape seed \
               --variants triton,dflash2,triton,dflash2 --iters 5 --warmup 2 --profile --json-out "$OUT/s13-step.json" ;;
-    # then the convolutions through trainer/model/conv_triton.py: parity and cost of one, then in the step
+    # then the convolutions through trainer/kernels/conv_triton.py: parity and cost of one, then in the step
     s13-conv) step s13-conv 150 python3 bench/conv_triton_cost.py --best-out "$OUT/conv-best.txt" ;;
     # only when s13-conv found a backward config faster than Inductor's: the step with it
     s13-step3) [ -s "$OUT/conv-best.txt" ] && step s13-step3 450 \
@@ -137,7 +137,7 @@ with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under auto
                 --timeout-s 150 --budget-s 180 --log-dir "$OUT/pipeline-logs"
               step s18-prefill-seed 140 python3 -m trainer bench pipeline --preset qwen3-8b --shape seed \
                 --target-intermediate 12288 --iters 3 --warmup 1 --target-compile --target-only ;;
-    # 2026-12-04 (issue 31 items 3-4): the optimizer step alone (torch's fused AdamW vs trainer/adamw_triton.py),
+    # 2026-12-04 (issue 31 items 3-4): the optimizer step alone (torch's fused AdamW vs trainer/kernels/adamw_triton.py),
     # the specforge step with and without it (per call and back to back, profiled), the one-GPU pipeline at the
     # specforge shape (full-depth random Qwen3-8B target, two drafter threads).
     s15-sf) step s15-adamw 100 python3 bench/adamw_cost.py --iters 10 --configs 4096:8,2048:4,8192:8
@@ -176,9 +176,9 @@ with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under auto
               --variants triton,dflash2,dflash2-nd,triton,dflash2 --iters 5 --warmup 2 --profile \
               --json-out "$OUT/s15-step2.json" ;;
     # 2026-12-05 (issue 32 item 4): the output-side convolution's backward as one Triton kernel
-    # (trainer/model/conv_bwd_triton.py) against Inductor's, one layer call's shapes (parity, cost, the config ladder; the
+    # (trainer/kernels/conv_bwd_triton.py) against Inductor's, one layer call's shapes (parity, cost, the config ladder; the
     # fastest rung goes first in the step), then the seed step A B A B with Inductor's backward as the third form
-    # 2026-12-05 (issue 32 item 4): the input-side convolution's kernel gradients (trainer/model/conv_in_triton.py):
+    # 2026-12-05 (issue 32 item 4): the input-side convolution's kernel gradients (trainer/kernels/conv_in_triton.py):
     # one call's parity and cost with its ladder, then the seed step A B A B: the kernel (dflash2-tin) against the
     # default input side (dflash2: Inductor's)
     s19-convin) step s19-convin 120 python3 bench/conv_in_cost.py --iters 20 --best-out "$OUT/s19-best.txt"
@@ -243,7 +243,7 @@ with torch.autocast("cuda", dtype=torch.bfloat16): print("RMSNorm out under auto
               --loss-kernels triton --steps 200 --timeout-s 140 --budget-s 100 --log-dir /tmp/pipeline-logs
             step pipeline-ten-triton 270 python3 bench/gpu_pipeline.py --scale small --modes dual --repeats 10 \
               --parallel 5 --loss-kernels triton --steps 200 --timeout-s 200 --budget-s 140 --log-dir /tmp/pipeline-ten ;;
-    auto-kernels) python3 -c 'import torch; from trainer.loss import resolve_loss_kernels as r; d = torch.device("cuda:0"); print("auto resolves to", r("auto", d, True), "(eager drafter:", r("auto", d, False) + ")")'
+    auto-kernels) python3 -c 'import torch; from trainer.training.loss import resolve_loss_kernels as r; d = torch.device("cuda:0"); print("auto resolves to", r("auto", d, True), "(eager drafter:", r("auto", d, False) + ")")'
             step pipeline-auto 150 python3 bench/gpu_pipeline.py --scale small --modes dual --steps 200 --timeout-s 140 \
               --log-dir /tmp/pipeline-auto
             grep -h "loss kernels" /tmp/pipeline-auto/*.log ;;

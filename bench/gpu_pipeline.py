@@ -14,7 +14,7 @@ its `samples/s` column (sequences trained per second on the GPU, from metrics.js
 logged window skipped) is the number to hold against SpecForge's ~6.3 samples/s per GPU.
 
 Each run is a fresh child process (`--child`) with its own empty TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR
-(a cold compile cache; `--warm-cache` shares one directory instead), driving trainer.pipeline.pipeline_run.run_pipeline
+(a cold compile cache; `--warm-cache` shares one directory instead), driving trainer.pipeline_run.run_pipeline
 on fixed-length token shards written here, so every micro-batch has the same shape: one compile per drafter
 device, done in the warm-up. The child reports: warm-up seconds, dynamo compile counters after warm-up and at
 the end (any difference is a recompile; the pipeline's CompileGuard would also have failed the run), whether
@@ -144,7 +144,7 @@ MODES = {"single": 1, "dual": 2}
 
 def write_shards(directory: Path, scale: dict, samples: int, seed: int = 0) -> None:
     """Fixed-length samples (all = --max-seq-len), prompt of 64 unsupervised tokens: one batch shape only."""
-    from trainer.shards import DatasetMeta, write_index, write_shard
+    from trainer.data.shards import DatasetMeta, write_index, write_shard
 
     rng = np.random.default_rng(seed)
     rows = []
@@ -221,10 +221,10 @@ def child(args: argparse.Namespace) -> int:
     """One run in this process; prints one JSON line with the results."""
     import torch
 
-    from trainer.config import parse_train_args
+    from trainer.core.config import parse_train_args
     from trainer.model import default_target_layer_ids
     from trainer.pipeline.compile_guard import compile_counts
-    from trainer.pipeline.pipeline_run import PipelineOptions, run_pipeline
+    from trainer.pipeline_run import PipelineOptions, run_pipeline
 
     scale = SCALES[args.scale]
     work = Path(args.workdir)
@@ -280,7 +280,7 @@ def child(args: argparse.Namespace) -> int:
     started = time.monotonic()
     options = PipelineOptions(feature_transfer=args.transfer, on_warmup=on_warmup, on_step=on_step)
     if args.engine == "dist":  # this child runs under torchrun (one node): the distributed engine, NCCL on CUDA
-        from trainer.dist.distributed_run import run_distributed
+        from trainer.distributed_run import run_distributed
 
         code = run_distributed(cfg, options)
     else:

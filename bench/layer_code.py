@@ -93,7 +93,7 @@ def dump(arch: str, conv_kernel: str, shape: str, conv_input: str = "inductor") 
             conv.input_backward_kernel = conv_input
             conv._input_mode = lambda x: conv_input  # type: ignore[method-assign]  # "triton" on the CPU device too
     if conv_input == "triton":  # the op's launch never runs (its outputs are never read): only the code is wanted
-        from trainer import triton_fit
+        from trainer.kernels import triton_fit
 
         triton_fit.launch_first_fit = lambda name, kernel, ladder, launch, *a: launch(ladder[0])  # type: ignore
     stream = io.StringIO()

@@ -11,8 +11,8 @@
 One GEMM-equivalent = one [M, H] x [H, V] logits GEMM in the same dtype, timed here on the same inputs. The
 loss does 2 GEMMs per chunk for CE and 3 with soft labels (the teacher's logits), so CE can approach 2.0 and
 CE+KL 3.0 only as far as the [C, V] element-wise work between the GEMMs is fused (goals: CE <= 2.2, issue 7;
-CE+KL <= 3.3, issue 19). "triton" = the fused Triton kernels: trainer/loss_triton.py for CE and CE+CAP
-(launch configs from --triton-configs), trainer/loss_triton_kl.py for CE+KL and CE+KL+CAP (--kl-triton-configs;
+CE+KL <= 3.3, issue 19). "triton" = the fused Triton kernels: trainer/kernels/loss_triton.py for CE and CE+CAP
+(launch configs from --triton-configs), trainer/kernels/loss_triton_kl.py for CE+KL and CE+KL+CAP (--kl-triton-configs;
 BLOCK_V:NUM_WARPS[:PROGRAMS_PER_SM] each). Every row is checked against the eager kernels on the same inputs
 first (relative L2 difference of the gradient, relative difference of the loss); "peak GiB" is the device
 memory above the inputs. --profile: at the first chunk size, the top kernels of one forward+backward per
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loss_memory import make_inputs, parse_args
 
 # loss_memory put the repo root on sys.path
-from trainer.loss import KERNEL_KINDS, ChunkKernels, dflash_loss, make_chunk_kernels
+from trainer.training.loss import KERNEL_KINDS, ChunkKernels, dflash_loss, make_chunk_kernels
 
 TERMS = ("ce", "ce-cap", "ce-kl", "ce-kl-cap")
 GOALS = {"ce": 2.2, "ce-cap": 2.2, "ce-kl": 3.3, "ce-kl-cap": 3.3}  # GEMM-eq (issue 7 for CE, issue 19 for KL)

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from trainer.loss import dflash_loss, make_chunk_kernels, position_weights
+from trainer.training.loss import dflash_loss, make_chunk_kernels, position_weights
 
 DENSE = ("dense-ce", "dense-ce-kl")
 CHUNKED = ("chunked-ce", "chunked-ce-kl", "chunked-ce-kl-cap")

@@ -24,7 +24,7 @@ SHAPES_NOW = """
 import time
 import trainer.train
 from trainer.model.drafter import DrafterConfig
-from trainer.preflight import expected_shapes
+from trainer.training.preflight import expected_shapes
 config = DrafterConfig(hidden_size=4096, intermediate_size=12288, num_hidden_layers=5, num_attention_heads=32,
                        num_key_value_heads=8, head_dim=128, vocab_size=151936, block_size=16,
                        target_layer_ids=[1, 9, 17, 25, 33], num_target_layers=36, mask_token_id=151669)

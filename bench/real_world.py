@@ -1,7 +1,7 @@
 """The real-model world's quality curve: held-out tau of DFlash drafters of SmolLM2-135M-Instruct against the
 number of regenerated training samples, with the baselines, DFlash2 and block sizes beside it.
 
-One run: convert the target (trainer/real_target.py), build the prompt sets (trainer/real_prompts.py), regenerate
+One run: convert the target (trainer/data/real_target.py), build the prompt sets (trainer/data/real_prompts.py), regenerate
 every training prompt once (the largest point's data; smaller points take its first N samples, so each point's
 data contains the smaller ones'), then for each (point, arch, block) train a drafter for the same number of
 optimizer steps, export it, and evaluate it on the same held-out prompts (lossless check included) and on as many
@@ -27,11 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from trainer import eval as eval_mod
-from trainer import prepare, real_prompts, real_target, shards, train
-from trainer.export import export_drafter, load_drafter, load_training_checkpoint
-from trainer.regenerate import load_target_lm
-from trainer.tokenizer_utils import end_of_turn_ids, tokenize_prompt
+from trainer import train
+from trainer.data import prepare, real_prompts, real_target, shards
+from trainer.data.regenerate import load_target_lm
+from trainer.data.tokenizer_utils import end_of_turn_ids, tokenize_prompt
+from trainer.evaluation import eval as eval_mod
+from trainer.export.export import export_drafter, load_drafter, load_training_checkpoint
 
 STARTED = time.monotonic()
 
@@ -221,7 +222,7 @@ def main() -> int:
     parser.add_argument("--train-extra", nargs=argparse.REMAINDER, default=[], help="more train flags (last)")
     args = parser.parse_args()
     if args.device == "cpu":
-        from trainer.regenerate import choose_threads
+        from trainer.data.regenerate import choose_threads
 
         torch.set_num_threads(choose_threads())  # two spinning threads on a busy 2-core machine run ~7x slower
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 target's greedy answers must not depend on TF32

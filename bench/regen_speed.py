@@ -4,7 +4,7 @@ loop that sorts prompts by length and drops finished rows from its KV cache, on 
     python bench/regen_speed.py --threads 1 --prompts 32 --batch 16 --new-tokens 96
 
 Prints tokens/s of each and how many answers are identical token for token. Needs the converted SmolLM2
-(trainer/real_target.py; `make demo-real` makes it).
+(trainer/data/real_target.py; `make demo-real` makes it).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from trainer import real_prompts, real_target
-from trainer.tokenizer_utils import end_of_turn_ids, tokenize_prompt
+from trainer.data import real_prompts, real_target
+from trainer.data.tokenizer_utils import end_of_turn_ids, tokenize_prompt
 
 
 @torch.inference_mode()

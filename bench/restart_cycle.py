@@ -11,7 +11,7 @@ and two drafter threads on one device, every checkpoint only on a stop), then th
   deploy c1 (cold compile cache), follow it to step --steps, then for each mode in --modes:
   `dflashops restart cK --name cK+1 --resume [--wait-exit]`, follow the child to its first optimizer step + a few
 
-and reads the milestones both trainers record in status.json (`timeline`, trainer.metrics.RunRecorder.mark), the
+and reads the milestones both trainers record in status.json (`timeline`, trainer.state.metrics.RunRecorder.mark), the
 wrapper's `pid` file (when the job was spawned) and `exit_code` (when the old process ended). Per restart it
 prints where the seconds from `restart` typed to the child's first step went:
 
@@ -22,7 +22,7 @@ prints where the seconds from `restart` typed to the child's first step went:
           warm compile cache: same code hash; before the checkpoint is read) -> checkpoint ready (waited for the
           old writer's data) -> resumed (read + loaded) -> worker threads started -> first step
 
-`handover` is the default restart (trainer/handover.py: the child starts once the old trainer's devices are free);
+`handover` is the default restart (trainer/state/handover.py: the child starts once the old trainer's devices are free);
 `wait-exit` the old order (the child starts after the old process exited); `code-change-outside` (alias
 `code-change`) a hand-over restart after a change of the code outside the compiled code (one file added to the
 trainer package, removed again once `restart` returned): a new release, which compiles nothing since the compile
@@ -31,7 +31,7 @@ MLP multiplies by 1.0: the same numbers, another traced graph), which recompiles
 `bad-code` and `bad-flag` a restart with a syntax error (a new file that does not compile) or a bad trainer flag,
 refused by the pre-flight: the row says how long the refusal took and that the old run kept training (the next
 restart goes on from that run). With `--fresh-workspace`, after the modes: a deploy into a new workspace whose
-compile cache holds only the artifacts the runs above saved (`<key>.artifacts.d/`, trainer/compile_cache.py),
+compile cache holds only the artifacts the runs above saved (`<key>.artifacts.d/`, trainer/core/compile_cache.py),
 as a fresh container would get them, with the standby on (the deploy starts one, checks in it and adopts it),
 followed to its first step. Checks: each child resumed from the old run's
 final checkpoint at the step it stopped at, the old run ended with exit code 143, a refused restart left its old
@@ -129,7 +129,7 @@ def write_inventory(work: Path, scale: dict, device: str, standby: bool = True) 
                         "env": {
                             "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
                             "PYTHONUNBUFFERED": "1",
-                            # On the CPU (the smoke test) each step takes >= 0.1 s (trainer/loop.py): the old run
+                            # On the CPU (the smoke test) each step takes >= 0.1 s (trainer/training/loop.py): the old run
                             # trains on beside each restart, and unpaced its three threads took the cores the
                             # child builds on (a third of the test suite's CPU time went to this bench).
                             **({"TRAINER_TEST_MIN_STEP_S": "0.1"} if device == "cpu" else {}),
@@ -220,7 +220,9 @@ def restart_row(mode: str, typed: float, returned: float, old_dir: Path, new_dir
     row["build_line"] = build[0] if build else None
     row["resumed_line"] = next((line for line in log.splitlines() if line.startswith("resumed from")), None)
     row["stopped_at"] = old.get("step")
-    row["compile_cache"] = new.get("compile_cache")  # graphs reused / compiled by the child (trainer.compile_cache)
+    row["compile_cache"] = new.get(
+        "compile_cache"
+    )  # graphs reused / compiled by the child (trainer.core.compile_cache)
     return row
 
 

@@ -25,7 +25,7 @@ if sys.argv[1] == "standby":
             getattr(imported, attribute)
     os.environ.clear()
     os.environ.update(RUN_ENV)
-import trainer.train, trainer.loop, trainer.pipeline.pipeline_run
+import trainer.train, trainer.training.loop, trainer.pipeline_run
 import torch._inductor.config as c
 print(json.dumps({k: repr(v) for k, v in sorted(c.save_config_portable().items())}))
 """

@@ -12,9 +12,9 @@ Four measurements, in one scratch folder (--workdir), each printed as a table at
            the largest cumulative time of the start (everything before the first optimizer step is the main
            thread's, so cProfile sees it)
   write    a checkpoint of --write-gb (one third model in safetensors, two thirds optimizer in torch.save, as
-           the 8B drafter's 4.2 + 8.4 GB) written the way trainer.checkpoint writes it and in variants: torch's
+           the 8B drafter's 4.2 + 8.4 GB) written the way trainer.state.checkpoint writes it and in variants: torch's
            zip CRC32 off, the two files side by side; seconds to the data written and to fsync done
-  read     trainer.checkpoint.load_checkpoint of that checkpoint onto --device, alone and beside a thread
+  read     trainer.state.checkpoint.load_checkpoint of that checkpoint onto --device, alone and beside a thread
            that holds the GIL in pure Python (as the compile warm-up's tracing does): whether the read can
            overlap the warm-up
 """
@@ -42,9 +42,7 @@ sys.path.insert(0, str(ROOT))
 from gpu_pipeline import SCALES, write_shards  # noqa: E402
 from restart_cycle import START, save_target, train_flags  # noqa: E402
 
-IMPORTS = (
-    "import torch, trainer.train, trainer.pipeline.pipeline_run, transformers; from transformers import AutoConfig"
-)
+IMPORTS = "import torch, trainer.train, trainer.pipeline_run, transformers; from transformers import AutoConfig"
 
 
 def run_env() -> dict[str, str]:
@@ -172,7 +170,7 @@ def read_variant(directory: Path, device: str, busy: bool) -> tuple[float, float
     """(s to load the checkpoint onto `device`, the busy thread's Python loop rate in M/s or 0)."""
     import torch
 
-    from trainer.checkpoint import load_checkpoint
+    from trainer.state.checkpoint import load_checkpoint
 
     with contextlib.ExitStack() as stack:
         hog = stack.enter_context(BusyPython()) if busy else None

@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.bench_common import time_ms
-from trainer.loss_triton import fused_ce, fused_ce_topk
+from trainer.bench.bench_common import time_ms
+from trainer.kernels.loss_triton import fused_ce, fused_ce_topk
 
 VOCAB = 151936
 

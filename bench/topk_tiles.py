@@ -1,4 +1,4 @@
-"""Issue 32 item 4 (bench/results/kernels.md 2026-12-04): the fused CE kernel's in-kernel top-16 (trainer/loss_triton.py fused_ce_topk) by
+"""Issue 32 item 4 (bench/results/kernels.md 2026-12-04): the fused CE kernel's in-kernel top-16 (trainer/kernels/loss_triton.py fused_ce_topk) by
 tile width, on the H200, one chunk of the qwen3-8b seed shape (bf16 logits [3968, 151936]).
 
     python3 bench/topk_tiles.py [--rows 3968] [--iters 10]
@@ -24,8 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.bench_common import time_ms
-from trainer.loss_triton import CEKernelConfig, fused_ce, fused_ce_topk
+from trainer.bench.bench_common import time_ms
+from trainer.kernels.loss_triton import CEKernelConfig, fused_ce, fused_ce_topk
 
 VOCAB, K = 151936, 16
 CONFIGS = ("4096:8", "2048:8", "2048:4", "2048:2", "1024:4", "1024:2", "1024:1", "512:1")

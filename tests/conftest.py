@@ -13,7 +13,7 @@ import pytest
 # torch writes its default cache folders into os.environ the first time anything in a process compiles
 # (TORCHINDUCTOR_CACHE_DIR=/tmp/torchinductor_<user>). A trainer test that compiles in-process would then hand
 # that variable to every later local-target job as if a user had set it by hand, and the job would skip the
-# compile cache dflashops chose for it (trainer.CACHE_DIR_SET_BY_HAND). Only what the session started with
+# compile cache dflashops chose for it (trainer.core.process_start.CACHE_DIR_SET_BY_HAND). Only what the session started with
 # counts as set by hand.
 TORCH_SETS_ITSELF = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 STARTED_WITH = {name: os.environ.get(name) for name in TORCH_SETS_ITSELF}

@@ -11,12 +11,16 @@ Imports under `if TYPE_CHECKING:` are annotations, not dependencies, and are ski
 - No import circle in dflashops or trainer (the agent's package included): here every import counts (module
   level, inside a function, under `if TYPE_CHECKING:`), because a reader who follows one must not come back where
   they started.
+- trainer's folders are its layers: no two of its packages import each other (nor any circle of packages), and
+  the picture of docs/architecture.md#the-trainer-top-to-bottom lists every trainer module, each importing only
+  modules on its own line or a later one. dflashops's remaining two-way package edges are reported (a warning).
 """
 
 from __future__ import annotations
 
 import ast
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -275,7 +279,9 @@ def ops_picture() -> list[list[str]]:
     ]
 
 
-def picture_violations(picture: list[list[str]], graph: dict[str, dict[str, int]]) -> list[str]:
+def picture_violations(
+    picture: list[list[str]], graph: dict[str, dict[str, int]], where: str = "dflashops/ops"
+) -> list[str]:
     """Each module of the picture imports only modules listed on a later line (or on its own line, for the
     row of leaves); a module of the picture that does not exist is named too."""
     found = []
@@ -284,7 +290,7 @@ def picture_violations(picture: list[list[str]], graph: dict[str, dict[str, int]
         listed = {module for every in picture for module in every}
         for module in line:
             if module not in graph:
-                found.append(f"{module} is in the picture but not in dflashops/ops")
+                found.append(f"{module} is in the picture but not in {where}")
                 continue
             for imported in graph[module]:
                 if imported in listed and imported not in below:
@@ -306,3 +312,98 @@ def test_the_ops_picture_check_can_fail() -> None:
     assert picture_violations([["dflashops.ops.c"]], graph) == [
         "dflashops.ops.c is in the picture but not in dflashops/ops"
     ]
+
+
+def package_of(module: str) -> str:
+    """The package a module belongs to: itself for a package's __init__, else its folder."""
+    return module if project_modules()[module].name == "__init__.py" else module.rpartition(".")[0]
+
+
+def package_graph(graph: dict[str, dict[str, int]], root: str) -> dict[str, dict[str, str]]:
+    """package -> {package it imports: the first module edge that makes it}, for the packages under `root`."""
+    packages: dict[str, dict[str, str]] = {}
+    for module, edges in graph.items():
+        if not module.startswith(root):
+            continue
+        mine = package_of(module)
+        packages.setdefault(mine, {})
+        for imported in edges:
+            theirs = package_of(imported)
+            if imported.startswith(root) and theirs != mine:
+                packages[mine].setdefault(theirs, f"{module} -> {imported}")
+    return packages
+
+
+def two_way_edges(packages: dict[str, dict[str, str]]) -> list[str]:
+    """Each pair of packages that import each other, once, with one module edge each way."""
+    return sorted(
+        f"{a} <-> {b} ({edges[b]}; {packages[b][a]})"
+        for a, edges in packages.items()
+        for b in edges
+        if a < b and a in packages.get(b, {})
+    )
+
+
+def test_trainer_packages_are_layers() -> None:
+    packages = package_graph(import_graph(), "trainer")
+    assert len(packages) >= 10, sorted(packages)  # the scan reads trainer's packages
+    assert two_way_edges(packages) == []
+    found = circles({package: dict.fromkeys(edges, 1) for package, edges in packages.items()})
+    assert found == [], "package circles:\n" + "\n".join(found)
+
+
+def test_dflashops_two_way_package_edges_are_reported() -> None:
+    """Reported, not failed: the controller's packages are being made layers too."""
+    for edge in two_way_edges(package_graph(import_graph(), "dflashops")):
+        warnings.warn(f"dflashops two-way package edge: {edge}", stacklevel=1)
+
+
+def test_the_package_check_can_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A planted two-way edge (a function-level import back up) and a three-package circle are found; a
+    package's __init__ importing its own modules is no edge."""
+    fake = tmp_path / "repo"
+    for folder in ("low", "high", "a", "b", "c"):
+        (fake / "trainer" / folder).mkdir(parents=True)
+        (fake / "trainer" / folder / "__init__.py").write_text("")
+    (fake / "trainer" / "__init__.py").write_text("")
+    (fake / "trainer" / "low" / "__init__.py").write_text("from trainer.low import base\n")
+    (fake / "trainer" / "low" / "base.py").write_text("def f():\n    from trainer.high import top\n")
+    (fake / "trainer" / "high" / "top.py").write_text("from trainer.low import base\n")
+    (fake / "trainer" / "a" / "x.py").write_text("import trainer.b.y\n")
+    (fake / "trainer" / "b" / "y.py").write_text("from trainer.c import z\n")
+    (fake / "trainer" / "c" / "z.py").write_text("from trainer.a import x\n")
+    monkeypatch.setattr(sys.modules[__name__], "REPO", fake)
+    packages = package_graph(import_graph(), "trainer")
+    assert two_way_edges(packages) == [
+        "trainer.high <-> trainer.low (trainer.high.top -> trainer.low.base; trainer.low.base -> trainer.high.top)"
+    ]
+    assert circles({package: dict.fromkeys(edges, 1) for package, edges in packages.items()}) == [
+        "trainer.a -> trainer.b -> trainer.c -> trainer.a",
+        "trainer.high -> trainer.low -> trainer.high",
+    ]
+
+
+def trainer_picture() -> list[list[str]]:
+    """The trainer modules of docs/architecture.md#the-trainer-top-to-bottom, one list per line of its block
+    (a line is a folder, then its modules)."""
+    text = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
+    block = text.split("## The trainer, top to bottom", 1)[1].split("```", 2)[1]
+    rows = []
+    for line in block.splitlines():
+        if not line.strip():
+            continue
+        folder, *files = line.split()
+        package = folder.strip("/").replace("/", ".")
+        rows.append([f"{package}.{name[:-3]}" for name in files if name.endswith(".py")])
+    return rows
+
+
+def test_the_trainer_picture_of_architecture_md_holds() -> None:
+    picture = trainer_picture()
+    graph = import_graph()
+    assert len(picture) >= 10 and all(picture)
+    listed = [module for row in picture for module in row]
+    modules = [m for m, path in project_modules().items() if m.startswith("trainer") and path.name != "__init__.py"]
+    assert sorted(set(modules) - set(listed)) == [], "trainer modules missing from the picture"
+    assert len(listed) == len(set(listed)), "a module drawn twice"
+    assert picture_violations(picture, graph, "trainer") == []

@@ -18,7 +18,7 @@ Expansion of the usage notation into concrete command lines:
   every word, once with every optional part filled in and once with none.
 
 Parsing: `dflashops ...` through dflashops.cli.main.parse_command_line (what main() runs, `--` cut included).
-`python -m trainer train ...` through trainer.config.build_parser (the parser parse_train_args uses) and
+`python -m trainer train ...` through trainer.core.config.build_parser (the parser parse_train_args uses) and
 the check that a named preset exists (the config's own checks, such as a target model for the big presets,
 are not argparse's and not made here); other trainer verbs through trainer's own dispatcher with
 argparse.ArgumentParser.parse_args wrapped to stop right after a successful parse, so each verb's real
@@ -212,7 +212,7 @@ def check_dflashops(words: list[str], known: dict[str, set[str]]) -> str | None:
 
 def check_trainer(words: list[str]) -> str | None:
     if words[0] == "train":
-        from trainer.config import PRESETS, build_parser
+        from trainer.core.config import PRESETS, build_parser
 
         preset = getattr(build_parser().parse_args(words[1:]), "preset", None)
         return None if preset is None or preset in PRESETS else f"unknown preset {preset!r}"

@@ -1,7 +1,7 @@
 """The run directory's names are defined once: `RUN_FILES` in dflashops/agent/common.py (docs/run-directory.md).
 
 The agent is shipped alone into the target and the trainer never imports dflashops, so the trainer spells its
-own names in trainer/run_files.py. These tests hold the three places (the agent's table, the code on both sides,
+own names in trainer/core/run_files.py. These tests hold the three places (the agent's table, the code on both sides,
 the documentation) together:
 - the trainer's names are exactly the table's rows written by the trainer, and no other trainer module spells
   one of them;
@@ -26,7 +26,7 @@ from dflashops.agent import common, run_lock, stop, wrap
 from dflashops.agent import status as agent_status
 from dflashops.agent.fetch_files import FETCH_CACHE
 from dflashops.ops.fetch import fetch
-from trainer import run_files
+from trainer.core import run_files
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "run-directory.md"
@@ -79,7 +79,7 @@ def trainer_literals() -> list[str]:
 
 
 def test_the_trainer_spells_its_names_only_in_run_files() -> None:
-    assert trainer_literals() == [], "use the constants of trainer/run_files.py"
+    assert trainer_literals() == [], "use the constants of trainer/core/run_files.py"
 
 
 def agent_code_names(path: Path) -> dict[str, int]:
@@ -154,7 +154,7 @@ def test_the_documented_table_lists_exactly_the_names() -> None:
 
 # ------------------------------------------------------------------- what one writes, the other reads
 def test_the_agent_reads_the_trainers_status_and_metrics(tmp_path: Path) -> None:
-    from trainer.metrics import RunRecorder
+    from trainer.state.metrics import RunRecorder
 
     run = tmp_path / "runs" / "r1"
     run.mkdir(parents=True)
@@ -186,7 +186,7 @@ def test_the_agent_reads_the_trainers_status_and_metrics(tmp_path: Path) -> None
 
 def test_the_agent_lists_the_trainers_checkpoints_in_step_order(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
-    from trainer.checkpoint import save_checkpoint
+    from trainer.state.checkpoint import save_checkpoint
 
     run = tmp_path / "runs" / "r1"
     for step in (5, 40, 100):
@@ -204,8 +204,8 @@ def test_the_agent_and_the_trainer_agree_on_the_handover_contract(tmp_path: Path
     outside the run's checkpoints/ one it refuses)."""
     import json
 
-    from trainer.checkpoint import checkpoints_root
-    from trainer.handover import RESUME_WRITER_ENV
+    from trainer.state.checkpoint import checkpoints_root
+    from trainer.state.handover import RESUME_WRITER_ENV
 
     assert common.RESUME_WRITER_KEY == RESUME_WRITER_ENV
     run = tmp_path / "old"

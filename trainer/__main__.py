@@ -14,17 +14,17 @@ import sys
 VERBS = {
     "train": ("trainer.train", "train a DFlash drafter"),
     "check": ("trainer.check", "would `train` start with these flags? (code, flags, imports, pre-flight)"),
-    "prepare": ("trainer.prepare", "tokenize / regenerate data into token shards"),
-    "inspect": ("trainer.inspect", "show a prepared dataset"),
-    "eval": ("trainer.eval", "measure acceptance length with a target and a drafter"),
-    "export": ("trainer.export", "write a checkpoint in the public DFlash format"),
+    "prepare": ("trainer.data.prepare", "tokenize / regenerate data into token shards"),
+    "inspect": ("trainer.data.inspect", "show a prepared dataset"),
+    "eval": ("trainer.evaluation.eval", "measure acceptance length with a target and a drafter"),
+    "export": ("trainer.export.export", "write a checkpoint in the public DFlash format"),
     "demo": ("trainer.demo", "the tiny end-to-end demo"),
-    "bench": ("trainer.bench", "throughput benchmarks"),
+    "bench": ("trainer.bench.bench", "throughput benchmarks"),
 }
 
 
 # Verbs whose `--help` is printed by a light module's `build_parser()` instead of importing the verb's module.
-HELP_PARSERS = {"train": "trainer.config"}
+HELP_PARSERS = {"train": "trainer.core.config"}
 
 
 def usage() -> str:

@@ -3,10 +3,10 @@ refuse it, in the order of what each costs, without training and without writing
 
   1. every module of the trainer package compiles (a syntax error anywhere, also in a module `train` imports
      only late): ~0.1 s, no torch;
-  2. the flags parse and validate (trainer.config): no torch;
+  2. the flags parse and validate (trainer.core.config): no torch;
   3. the training stack the flags pick imports (trainer.train and its engine: torch; seconds on a cold
      interpreter, nothing in a standby that has them already);
-  4. `train`'s own pre-flight (trainer.preflight: the target's config, the data, the drafter shape, the resume
+  4. `train`'s own pre-flight (trainer.training.preflight: the target's config, the data, the drafter shape, the resume
      checkpoint readable and of this shape, --init-from, the loss kernels). A --target-model's config is read
      through transformers; the tiny preset's target is its own values, so its check imports no transformers
      (~1 of ~2.3 CPU-s a check: transformers' import reads the `__all__` of every model file it ships).
@@ -23,7 +23,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from trainer.config import TrainConfig, TrainerInputError, parse_train_args
+from trainer.core.config import TrainConfig, TrainerInputError, parse_train_args
 
 EXIT_OK, EXIT_REFUSED = 0, 2
 
@@ -46,11 +46,11 @@ def compile_package() -> None:
 def import_training_stack(cfg: TrainConfig) -> None:
     """Import what `train` imports for these flags; an exception while importing is a TrainerInputError
     naming the innermost trainer file and line it came from."""
-    modules = ["trainer.train", "trainer.loop", "trainer.single_engine"]
+    modules = ["trainer.train", "trainer.training.loop", "trainer.training.single_engine"]
     if cfg.pipeline or len(cfg.target_gpus) > 1 or len(cfg.drafter_gpus) > 1:
-        modules.append("trainer.pipeline.pipeline_run")
+        modules.append("trainer.pipeline_run")
     if cfg.nodes > 1:
-        modules.append("trainer.dist.distributed_run")
+        modules.append("trainer.distributed_run")
     for module in modules:
         try:
             importlib.import_module(module)
@@ -86,9 +86,9 @@ def check(argv: list[str]) -> str:
     compile_package()
     cfg = parse_train_args(argv)
     import_training_stack(cfg)
-    from trainer.preflight import preflight
+    from trainer.training.preflight import preflight
 
-    # Under torchrun only node 0 reads checkpoints (trainer.dist.distributed_run); this node's rank is unknown here, so a
+    # Under torchrun only node 0 reads checkpoints (trainer.distributed_run); this node's rank is unknown here, so a
     # --resume checkpoint that is not on this node's disk is node 0's to check.
     resume_here = cfg.nodes == 1 or cfg.resume in ("auto", "never") or Path(cfg.resume).exists()
     setup = preflight(cfg, reads_checkpoints=resume_here)

@@ -1,7 +1,7 @@
 """`python -m trainer demo --workdir DIR [--quick]`: the tiny DFlash loop end to end, on CPU.
 
 1. a BPE tokenizer with a Qwen3-like chat template and a tiny Qwen3 target, taught the synthetic "walk"
-   grammar for a few seconds (trainer/tiny_world.py: why a random target would make the comparison void);
+   grammar for a few seconds (trainer/data/tiny_world.py: why a random target would make the comparison void);
 2. `prepare --regenerate`: the target answers the training prompts (greedy, thinking off);
 3. `train` (the real single-process trainer, trainer.train.main) for a fixed number of steps;
 4. `export` of the final checkpoint to the public DFlash format;
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from trainer.tiny_world import MODES, WalkWorld, build_tiny_target, pretrain_target, save_target
-from trainer.tokenizer_utils import MASK_TOKEN, DataInputError, build_tiny_tokenizer
+from trainer.data.tiny_world import MODES, WalkWorld, build_tiny_target, pretrain_target, save_target
+from trainer.data.tokenizer_utils import MASK_TOKEN, DataInputError, build_tiny_tokenizer
 
 
 @dataclass
@@ -136,12 +136,13 @@ def run_demo(
     `train_dir` when given (dflashops' demo profile passes its run directory, so `status`, `logs` and `runs`
     show the training's step and loss there), else into workdir/run; with both archs the second into
     workdir/run-<arch>."""
-    from trainer import eval as eval_mod
-    from trainer import prepare, train
+    from trainer import train
+    from trainer.data import prepare
+    from trainer.data.regenerate import load_target_lm
+    from trainer.data.tokenizer_utils import end_of_turn_ids, tokenize_prompt
     from trainer.demo_report import compare_line, print_and_check, run_tokens
-    from trainer.export import export_drafter, load_drafter, load_training_checkpoint
-    from trainer.regenerate import load_target_lm
-    from trainer.tokenizer_utils import end_of_turn_ids, tokenize_prompt
+    from trainer.evaluation import eval as eval_mod
+    from trainer.export.export import export_drafter, load_drafter, load_training_checkpoint
 
     if workdir.exists() and any(workdir.iterdir()):
         raise DataInputError(
@@ -304,7 +305,7 @@ def _real_main(args: argparse.Namespace) -> int:
     size = real_demo.size_with(size, train_steps=args.train_steps, train_prompts=args.train_prompts)
     if args.block_size != 8:
         size = real_demo.size_with(size, block_size=args.block_size)
-    from trainer.regenerate import choose_threads
+    from trainer.data.regenerate import choose_threads
 
     threads = choose_threads()
     torch.set_num_threads(threads)

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from trainer import run_files
+from trainer.core import run_files
 
 
 def run_tokens(run: Path, block_size: int) -> dict[str, int]:
@@ -34,7 +34,7 @@ def print_and_check(report: dict, margin: float | None, seen_count: int) -> int:
     """The acceptance table and the demo's two checks for one trained drafter: 0, or 1 when it fails one.
     margin None: the drafter against the best baseline is reported, not checked (a goal the demo does not meet yet,
     said as such: bench/results/quality.md "A real target"); the lossless check always holds."""
-    from trainer import eval as eval_mod
+    from trainer.evaluation import eval as eval_mod
 
     print(eval_mod.format_table(report))
     taus = {name: m["tau"] for name, m in report["methods"].items()}

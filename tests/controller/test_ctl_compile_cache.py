@@ -27,13 +27,13 @@ JOB = """\
 import json
 import sys
 import torch
-from trainer import compile_cache
+from trainer.core import compile_cache
 from scaled import scale
 
 cache = compile_cache.choose(torch.device("cpu"))
 out = torch.compile(scale)(torch.arange(4.0).reshape(2, 2))
 print(json.dumps({"out": out.tolist(), "cache": str(cache), "tag": TAG, **compile_cache.stats()}), flush=True)
-with open("status.json", "w") as handle:  # as trainer.loop records it (docs/run-directory.md, status.json)
+with open("status.json", "w") as handle:  # as trainer.training.loop records it (docs/run-directory.md, status.json)
     json.dump({"compile_cache": {"dir": str(cache), **compile_cache.stats()}}, handle)
 """
 

@@ -1,4 +1,4 @@
-"""`restart --resume` with the hand-over (trainer/handover.py, agent/stop.py): the real trainer on the local
+"""`restart --resume` with the hand-over (trainer/state/handover.py, agent/stop.py): the real trainer on the local
 target, its final checkpoint write held at a gate file (TRAINER_TEST_WRITE_GATE / TRAINER_TEST_SYNC_GATE stand in
 for the 15-20 s an 8B drafter's 12.6 GB take; the test opens the gate once it has seen what must come first, so
 no assertion depends on one side being slower), real processes throughout.

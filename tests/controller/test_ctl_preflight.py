@@ -21,17 +21,17 @@ PROFILE = """
 argv: ["{python}", -m, trainer, train, --preset, tiny, --output-dir, "{run_dir}", --max-steps, "100000",
        --wandb, "off", --log-interval, "1", --save-interval, "100000"]
 resume_args: [--resume, "{checkpoint}"]
-files: [trainer/metrics.py]
-env: {TRAINER_TEST_MIN_STEP_S: "0.1"}  # a paced run: it trains on while the test restarts it (trainer/loop.py)
+files: [trainer/state/metrics.py]
+env: {TRAINER_TEST_MIN_STEP_S: "0.1"}  # a paced run: it trains on while the test restarts it (trainer/training/loop.py)
 """
 
 
 @pytest.fixture
 def edited(env: Env) -> Path:
-    """The profile `tinyedit`, whose release takes trainer/metrics.py from the test's folder (returned)."""
-    copy = env.root / "trainer" / "metrics.py"
-    copy.parent.mkdir()
-    shutil.copy(REPO / "trainer" / "metrics.py", copy)
+    """The profile `tinyedit`, whose release takes trainer/state/metrics.py from the test's folder (returned)."""
+    copy = env.root / "trainer" / "state" / "metrics.py"
+    copy.parent.mkdir(parents=True)
+    shutil.copy(REPO / "trainer" / "state" / "metrics.py", copy)
     add_profile(env, "tinyedit", PROFILE)
     return copy
 
@@ -65,7 +65,9 @@ def test_a_syntax_error_or_an_import_error_leaves_the_old_run_training(
     assert code == 2 and out == "", err
     line = len(good.splitlines()) + 2
     lines = err.strip().splitlines()
-    assert lines[-2].startswith(f"error: local: pre-flight of the new code: trainer/metrics.py:{line}: SyntaxError")
+    assert lines[-2].startswith(
+        f"error: local: pre-flight of the new code: trainer/state/metrics.py:{line}: SyntaxError"
+    )
     assert lines[-1].startswith("hint: ") and "the old run was not touched" in lines[-1], err
     assert state(env, capsys, "pf1") == "running" and not (env.runs / "pf1" / "stop.json").exists()
     assert not (env.runs / "pf2").exists() and "pf2" not in names(env, capsys)  # no name used up, no row
@@ -73,7 +75,7 @@ def test_a_syntax_error_or_an_import_error_leaves_the_old_run_training(
     edited.write_text(good + "\nNOT_DEFINED_ANYWHERE + 1\n")  # compiles, fails when imported
     code, out, err = env.cli("restart", "--detach", "pf1", "--resume", "--name", "pf2", capsys=capsys)
     assert code == 2, err
-    assert f"trainer/metrics.py:{line}: NameError: name 'NOT_DEFINED_ANYWHERE' is not defined" in err
+    assert f"trainer/state/metrics.py:{line}: NameError: name 'NOT_DEFINED_ANYWHERE' is not defined" in err
     assert state(env, capsys, "pf1") == "running"
 
     edited.write_text(good)  # fixed: the restart goes through, and its pre-flight says so

@@ -4,7 +4,7 @@ restarted.
 
 - A checkpoint the running parent rotates away during the pre-flight: the pre-flight read it from a hold (hard
   links beside it), so the restart goes through; a `--checkpoint N` rotated away meanwhile is put back for the
-  child, which resumes exactly it. The test's release makes the pre-flight slow (its copy of trainer/preflight.py
+  child, which resumes exactly it. The test's release makes the pre-flight slow (its copy of trainer/training/preflight.py
   waits, in `trainer check` only, until the checkpoint named by --resume is gone from its run's folder), so the
   rotation always wins the race the issue saw 1 time in 5.
 - "passed its start" is the child's first step (the timeline's `first_step`), after its resume loaded.
@@ -30,7 +30,7 @@ PROFILE = """
 argv: ["{python}", -m, trainer, train, --preset, tiny, --output-dir, "{run_dir}", --max-steps, "100000",
        --wandb, "off", --log-interval, "1", --save-interval, "2"]
 resume_args: [--resume, "{checkpoint}"]
-files: [trainer/preflight.py]
+files: [trainer/training/preflight.py]
 env: {TRAINER_TEST_MIN_STEP_S: "0.1"}  # a paced run: it trains (and rotates) on while the test restarts it
 """
 # Inserted at the top of the release's `preflight()`: in `trainer check` only (the pre-flight), wait until the
@@ -48,11 +48,11 @@ SLOW_CHECK = """
 @pytest.fixture
 def rotating(env: Env) -> None:
     """The profile `tinyrot`: the tiny trainer saving every 2 steps, its pre-flight slow (SLOW_CHECK)."""
-    source = (REPO / "trainer" / "preflight.py").read_text()
+    source = (REPO / "trainer" / "training" / "preflight.py").read_text()
     anchor = '    node 0 reads them and sends what it read to every node."""\n'
     assert anchor in source
-    copy = env.root / "trainer" / "preflight.py"
-    copy.parent.mkdir()
+    copy = env.root / "trainer" / "training" / "preflight.py"
+    copy.parent.mkdir(parents=True)
     copy.write_text(source.replace(anchor, anchor + SLOW_CHECK, 1))
     add_profile(env, "tinyrot", PROFILE)
 
@@ -135,7 +135,7 @@ def damage_optimizer(checkpoint: Path) -> str:
 def test_a_damaged_checkpoint_is_refused_before_the_parent_is_stopped(
     env: Env, capsys: pytest.CaptureFixture[str], damage
 ) -> None:
-    add_profile(env, "tinysave", PROFILE.replace("files: [trainer/preflight.py]\n", ""))
+    add_profile(env, "tinysave", PROFILE.replace("files: [trainer/training/preflight.py]\n", ""))
     # dm0 ends at step 6 with steps 2, 4, 6 (nothing rotates them any more); its child dm1 trains on.
     code, _, err = env.cli(
         "deploy", "--profile", "tinysave", "--name", "dm0", "--launcher", "nohup", "--skip-preflight", "--detach",

@@ -104,7 +104,7 @@ def test_sync_is_incremental_and_flips_current(env: Env, capsys: pytest.CaptureF
 
 
 def test_clear_cache_removes_the_compile_caches_and_nothing_else(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
-    """One compile cache per target, shared by every code version (trainer/compile_cache.py names its folder
+    """One compile cache per target, shared by every code version (trainer/core/compile_cache.py names its folder
     inside); --clear-cache empties it (and a cache of the old per-code-hash layout) and says how much went."""
     assert env.deploy_one_step("c1", capsys) == 0
     run_json = json.loads((env.runs / "c1" / "run.json").read_text())

@@ -25,8 +25,8 @@ def test_speculators_export_of_a_tiny_run(env: Env, capsys: pytest.CaptureFixtur
     import torch
     from safetensors.torch import load_file
 
-    from trainer.config import parse_train_args
-    from trainer.preflight import load_target, preflight
+    from trainer.core.config import parse_train_args
+    from trainer.training.preflight import load_target, preflight
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     env.inventory.write_text(env.inventory.read_text() + TINY)
@@ -70,7 +70,7 @@ def test_speculators_export_of_a_tiny_run(env: Env, capsys: pytest.CaptureFixtur
 def test_a_relative_target_model_is_recorded_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The checkpoint's config is what `trainer export` reads the target directory from, later and from another
     folder (fetch runs it from the agent's): `--target-model models/t` is recorded as the absolute path."""
-    from trainer.config import parse_train_args
+    from trainer.core.config import parse_train_args
 
     monkeypatch.chdir(tmp_path)
     cfg = parse_train_args(["--preset", "tiny", "--target-model", "models/t", "--output-dir", "run"])

@@ -1,4 +1,4 @@
-"""Child process of tests/trainer/test_adamw_triton.py: trainer/adamw_triton.py's kernel under Triton's CPU
+"""Child process of tests/trainer/test_adamw_triton.py: trainer/kernels/adamw_triton.py's kernel under Triton's CPU
 interpreter. Usage: python adamw_interp_worker.py CASES_IN OUTPUTS_OUT (torch.save files). TRITON_INTERPRET=1 is set
 here only (it changes how every Triton kernel of the process runs)."""
 
@@ -11,8 +11,8 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 
 from tests.trainer.triton_interp import serve_cases
-from trainer.adamw_triton import TritonAdamW
-from trainer.step import load_optimizer_state
+from trainer.kernels.adamw_triton import TritonAdamW
+from trainer.training.step import load_optimizer_state
 
 
 def run_case(case: dict) -> dict:

@@ -19,7 +19,7 @@ if "--forced-limit" in sys.argv:
 
 import torch
 
-from trainer import triton_fit
+from trainer.kernels import triton_fit
 from trainer.model import attention as A
 
 # name: (rows, q heads, kv heads, head dim, context, blocks, block size, sorted, window, causal, doc ids, padded)
@@ -93,7 +93,7 @@ SCHEDULES = [
 
 
 def _fwd_split():
-    from trainer.model import attention_triton as T
+    from trainer.kernels import attention_triton as T
 
     # split (the default) at two tile shapes, and the fully masked walk
     return [T.FwdConfig(32, 32, 4, 1, True), T.FwdConfig(64, 128, 4, 1, True), T.FwdConfig(64, 64, 4, 1, False)]
@@ -113,10 +113,10 @@ def poisoned_empty():
 
 
 def run_schedules(name: str) -> dict:
-    """Each of SCHEDULES through trainer.model.attention_triton.backward directly, on a fresh random draw (its seed
+    """Each of SCHEDULES through trainer.kernels.attention_triton.backward directly, on a fresh random draw (its seed
     and the table's pair counts in the result), outputs poisoned first, against the dense back-end's gradients:
     {schedule: max rel err over dq, dk, dv}."""
-    from trainer.model import attention_triton as T
+    from trainer.kernels import attention_triton as T
 
     FWD_SPLIT = _fwd_split()
     while True:  # "full-tiles" draws until its table has a full pair (a third of the draws have none)
@@ -163,7 +163,7 @@ def run_mixed_dtypes() -> dict:
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
     ref = A.attend(q32, k32, v32, tri, A.FULL)
     ref.sum().backward()
-    from trainer.model import attention_triton as T
+    from trainer.kernels import attention_triton as T
 
     table = tri.triton[A.FULL]
     try:

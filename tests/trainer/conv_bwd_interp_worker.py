@@ -1,5 +1,5 @@
 """Child process of tests/trainer/test_conv_bwd_triton.py: the output-side convolution's backward kernel
-(trainer/model/conv_bwd_triton.py) under Triton's CPU interpreter. Usage: python conv_bwd_interp_worker.py CASES_IN
+(trainer/kernels/conv_bwd_triton.py) under Triton's CPU interpreter. Usage: python conv_bwd_interp_worker.py CASES_IN
 OUTPUTS_OUT (torch.save files). TRITON_INTERPRET=1 is set here only (it changes how every Triton kernel of the
 process runs).
 
@@ -21,8 +21,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import torch
 
 from tests.trainer.triton_interp import reset_ladder, serve_cases
-from trainer import triton_fit
-from trainer.model import conv_bwd_triton
+from trainer.kernels import conv_bwd_triton, triton_fit
 from trainer.model.dflash2 import GroupedDynamicConv
 
 DEFAULT_CONFIGS = list(conv_bwd_triton.CONFIGS)

@@ -1,5 +1,5 @@
 """Child process of tests/trainer/test_conv_in_triton.py: the input-side convolution's kernel gradients
-(trainer/model/conv_in_triton.py) under Triton's CPU interpreter. Usage: python conv_in_interp_worker.py CASES_IN
+(trainer/kernels/conv_in_triton.py) under Triton's CPU interpreter. Usage: python conv_in_interp_worker.py CASES_IN
 OUTPUTS_OUT (torch.save files). TRITON_INTERPRET=1 is set here only, when run as a script (the test module calls
 run_case in its own process for the cases that need no kernel: an empty ladder, the torch fallback).
 
@@ -23,8 +23,7 @@ if __name__ == "__main__":  # the child only: the test module imports run_case f
 import torch
 
 from tests.trainer.triton_interp import reset_ladder, serve_cases
-from trainer import triton_fit
-from trainer.model import conv_in_triton
+from trainer.kernels import conv_in_triton, triton_fit
 from trainer.model.dflash2 import NormedConv
 
 DEFAULT_CONFIGS = list(conv_in_triton.CONFIGS)

@@ -12,7 +12,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import torch
 
 from tests.trainer.triton_interp import serve_cases
-from trainer.model.conv_triton import block_conv
+from trainer.kernels.conv_triton import block_conv
 
 
 def run_case(case: dict) -> dict:

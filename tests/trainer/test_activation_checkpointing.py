@@ -75,8 +75,8 @@ def test_the_flag_trains_the_same_losses(tmp_path) -> None:
 
 
 def test_drafter_side_takes_the_setting_from_the_config() -> None:
-    from trainer.config import parse_train_args
-    from trainer.step import DrafterSide
+    from trainer.core.config import parse_train_args
+    from trainer.training.step import DrafterSide
 
     target = build_tiny_target(seed=0)
     drafter = DFlashDrafter(tiny_drafter_config(target))
@@ -87,8 +87,8 @@ def test_drafter_side_takes_the_setting_from_the_config() -> None:
 
 
 def test_drafter_side_picks_the_loss_kernels_from_the_config() -> None:
-    from trainer.config import TrainerInputError, parse_train_args
-    from trainer.step import DrafterSide
+    from trainer.core.config import TrainerInputError, parse_train_args
+    from trainer.training.step import DrafterSide
 
     target = build_tiny_target(seed=0)
     drafter = DFlashDrafter(tiny_drafter_config(target))
@@ -104,7 +104,7 @@ def test_drafter_side_picks_the_loss_kernels_from_the_config() -> None:
 def test_loss_kernels_auto_resolves_by_device_and_compile() -> None:
     """auto: eager for an eager drafter, compiled for a compiled one off CUDA; explicit kinds pass through.
     The CUDA branch (triton on capability >= 9.0) runs on the GPU machine (bench/results/step.md 2026-11-29 "`--loss-kernels auto` on the H200")."""
-    from trainer.loss import resolve_loss_kernels
+    from trainer.training.loss import resolve_loss_kernels
 
     cpu = torch.device("cpu")
     assert resolve_loss_kernels("auto", cpu, compiled=False) == "eager"
@@ -120,16 +120,18 @@ def test_loss_kernels_triton_asked_by_name_falls_back_where_no_rung_fits(
     Blackwell card; issue 31 item 5) runs the compiled kernels, with one line, instead of failing at the first
     launch. A GPU that small cannot be had here: `fits_device` (which compiles the ladder against the device; its
     own test rehearses the limit under the interpreter) is the one part replaced."""
-    import trainer.loss_triton
-    from trainer.loss import resolve_loss_kernels
+    import trainer.kernels.loss_triton
+    from trainer.training.loss import resolve_loss_kernels
 
     cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(trainer.loss_triton, "fits_device", lambda device: False)
+    monkeypatch.setattr(trainer.kernels.loss_triton, "fits_device", lambda device: False)
     assert resolve_loss_kernels("triton", cuda, compiled=True) == "compiled"
     assert capsys.readouterr().err.splitlines() == [
         "loss kernels: the triton CE kernel does not fit cuda:0's shared memory (asked: triton); compiled"
     ]
-    monkeypatch.setattr(trainer.loss_triton, "fits_device", lambda device: True)  # the control: it fits, it runs
+    monkeypatch.setattr(
+        trainer.kernels.loss_triton, "fits_device", lambda device: True
+    )  # the control: it fits, it runs
     assert resolve_loss_kernels("triton", cuda, compiled=True) == "triton"
     assert capsys.readouterr().err == ""
 
@@ -137,13 +139,13 @@ def test_loss_kernels_triton_asked_by_name_falls_back_where_no_rung_fits(
 def test_loss_kernels_with_soft_labels_also_need_the_ce_kl_kernel_to_fit(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """With soft labels the run's Triton loss kernel is the CE+KL kernel (trainer/loss_triton_kl.py), whose ladder
+    """With soft labels the run's Triton loss kernel is the CE+KL kernel (trainer/kernels/loss_triton_kl.py), whose ladder
     is its own: where the CE kernel fits and the CE+KL kernel does not, auto and triton both take the compiled
     kernels with one line naming the CE+KL kernel; where both fit, triton; without soft labels the CE+KL kernel
     is never asked. As above, `fits_device` is the one part replaced (no ~100 KB GPU here)."""
-    import trainer.loss_triton
-    import trainer.loss_triton_kl
-    from trainer.loss import resolve_loss_kernels
+    import trainer.kernels.loss_triton
+    import trainer.kernels.loss_triton_kl
+    from trainer.training.loss import resolve_loss_kernels
 
     cuda = torch.device("cuda", 0)
     asked: list[str] = []
@@ -155,14 +157,14 @@ def test_loss_kernels_with_soft_labels_also_need_the_ce_kl_kernel_to_fit(
 
         return check
 
-    monkeypatch.setattr(trainer.loss_triton, "fits_device", lambda device: True)
-    monkeypatch.setattr(trainer.loss_triton_kl, "fits_device", ce_kl_fits(False))
+    monkeypatch.setattr(trainer.kernels.loss_triton, "fits_device", lambda device: True)
+    monkeypatch.setattr(trainer.kernels.loss_triton_kl, "fits_device", ce_kl_fits(False))
     assert resolve_loss_kernels("triton", cuda, compiled=True, soft_labels=True) == "compiled"
     assert capsys.readouterr().err.splitlines() == [
         "loss kernels: the triton CE+KL kernel (soft labels) does not fit cuda:0's shared memory (asked: triton); "
         "compiled"
     ]
     assert resolve_loss_kernels("triton", cuda, compiled=True) == "triton" and asked == ["cuda:0"]  # not asked
-    monkeypatch.setattr(trainer.loss_triton_kl, "fits_device", ce_kl_fits(True))  # the control: both fit
+    monkeypatch.setattr(trainer.kernels.loss_triton_kl, "fits_device", ce_kl_fits(True))  # the control: both fit
     assert resolve_loss_kernels("triton", cuda, compiled=True, soft_labels=True) == "triton"
     assert capsys.readouterr().err == ""

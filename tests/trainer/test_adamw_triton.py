@@ -1,4 +1,4 @@
-"""trainer/adamw_triton.py: TritonAdamW against torch.optim.AdamW, under the Triton CPU interpreter (one child
+"""trainer/kernels/adamw_triton.py: TritonAdamW against torch.optim.AdamW, under the Triton CPU interpreter (one child
 process for every case, tests/trainer/triton_interp.py). Equal to fp32 rounding: with and without the clip's
 grad_scale, bf16 gradients, a parameter without a gradient in one step, a changing lr; and checkpoints cross
 both ways (a fused AdamW's state resumes here, this one's resumes in torch's)."""

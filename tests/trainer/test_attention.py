@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_mask, flex_attention
 
-from trainer.compile_scope import replica_scope
+from trainer.core.compile_scope import replica_scope
 from trainer.model.attention import (
     FULL,
     SLIDING,
@@ -207,7 +207,7 @@ def test_compiled_flex_is_held_per_device_and_replica_scope() -> None:
         own = compiled_flex_attention(torch.device("cpu"))
         assert own is compiled_flex_attention(torch.device("cpu"))
     assert own is not cpu_a
-    # Each is a private copy: a separate code object, hence a separate dynamo cache (trainer/compile_scope.py).
+    # Each is a private copy: a separate code object, hence a separate dynamo cache (trainer/core/compile_scope.py).
     assert own._torchdynamo_orig_callable.__code__ is not cpu_a._torchdynamo_orig_callable.__code__
 
 

@@ -1,6 +1,6 @@
-"""Our Triton attention for the interval-form mask (trainer/model/attention_triton.py) against the dense back-end
+"""Our Triton attention for the interval-form mask (trainer/kernels/attention_triton.py) against the dense back-end
 in float64, on CPU through Triton's interpreter (one child process per run: TRITON_INTERPRET must not leak into
-the pytest process), and the configuration ladder under a forced shared-memory limit (trainer/triton_fit.py)."""
+the pytest process), and the configuration ladder under a forced shared-memory limit (trainer/kernels/triton_fit.py)."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def test_default_rungs_are_the_first(interpreted):
 
 
 def test_forced_limit_walks_to_the_next_rung_with_the_same_results():
-    """$DFLASH_SMEM_LIMIT under the interpreter refuses each ladder's first rung (trainer/triton_fit.py): the
+    """$DFLASH_SMEM_LIMIT under the interpreter refuses each ladder's first rung (trainer/kernels/triton_fit.py): the
     kernels run on rung 1 and still match the dense float64 reference."""
     got = _run("--forced-limit")
     assert got["rungs"] == {"fwd": [1], "bwd": [1]}
@@ -97,7 +97,7 @@ def test_forced_limit_walks_to_the_next_rung_with_the_same_results():
 
 
 def test_bwd_config_from_the_environment_leads_the_ladder_and_bad_text_is_named(monkeypatch):
-    from trainer.model import attention_triton as T
+    from trainer.kernels import attention_triton as T
 
     monkeypatch.delenv(T.BWD_ENV, raising=False)
     assert T.bwd_ladder() == T.BWD_CONFIGS
@@ -124,7 +124,7 @@ def test_bwd_config_from_the_environment_leads_the_ladder_and_bad_text_is_named(
 def test_the_atomic_twin_of_a_tma_rung_drops_the_transposed_dq():
     """Where the TMA reduce cannot run (the interpreter, pre-Hopper GPUs) a rung accumulates dQ with atomics, and
     without flag "t" (its transposed atomics measured slower on the H200, bench/results/kernels.md 2026-12-05 "The attention backward's dQ path"); the other flags stay."""
-    from trainer.model import attention_triton as T
+    from trainer.kernels import attention_triton as T
 
     cpu = torch.device("cpu")
     assert T.effective(T.BWD_CONFIGS[0], cpu) == T.BwdConfig(128, 64, 8, 2, "atomic", "fo")
@@ -132,7 +132,7 @@ def test_the_atomic_twin_of_a_tma_rung_drops_the_transposed_dq():
 
 
 def test_fwd_split_from_the_environment_and_bad_text_is_named(monkeypatch):
-    from trainer.model import attention_triton as T
+    from trainer.kernels import attention_triton as T
 
     monkeypatch.delenv(T.FWD_SPLIT_ENV, raising=False)
     assert T.fwd_ladder() == T.FWD_CONFIGS

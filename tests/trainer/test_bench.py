@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import bench
-from trainer.bench_common import datasheet_peak_tflops, visible_pairs
+from trainer.bench import bench
+from trainer.bench.bench_common import datasheet_peak_tflops, visible_pairs
 from trainer.model.attention import dense_mask
 
 REPO = Path(__file__).resolve().parents[2]
@@ -250,9 +250,9 @@ def test_the_compiled_targets_fp32_reference_measures_rounding_per_tap() -> None
     weights run in float32: zero for the float32 forward itself, bf16-sized for the bf16 one, and per tap."""
     from transformers import Qwen3Config
 
-    from trainer.bench_common import SHAPES, preset_config, synthetic_batch
+    from trainer.bench.bench_common import SHAPES, preset_config, synthetic_batch
     from trainer.model import TargetModel
-    from trainer.step import TargetSide
+    from trainer.training.step import TargetSide
 
     cfg, dcfg = preset_config("tiny", SHAPES["tiny"], [])
     hf = Qwen3Config(**cfg.tiny_target)

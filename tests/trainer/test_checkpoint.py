@@ -1,4 +1,4 @@
-"""trainer.checkpoint (atomic save, keep-last-K, shape check, resume resolution) and trainer.signals."""
+"""trainer.state.checkpoint (atomic save, keep-last-K, shape check, resume resolution) and trainer.core.signals."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.checkpoint import (
+from trainer.core.config import TrainerInputError
+from trainer.state.checkpoint import (
     CheckpointWriteError,
     CheckpointWriter,
     check_shapes,
@@ -22,7 +23,6 @@ from trainer.checkpoint import (
     save_checkpoint,
     snapshot_checkpoint,
 )
-from trainer.config import TrainerInputError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -69,7 +69,7 @@ def test_round_trip_restores_every_part_exactly(tmp_path: Path) -> None:
     for a, b in zip(restored.state.values(), optimizer.state.values()):
         assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
     torch.manual_seed(999)
-    from trainer.checkpoint import restore_rng
+    from trainer.state.checkpoint import restore_rng
 
     restore_rng(state.rng)
     assert torch.equal(torch.rand(3), expected_draw)
@@ -124,7 +124,7 @@ def test_background_write_keeps_the_state_of_its_step_while_training_goes_on(tmp
     assert all(torch.equal(state.model[k], v) for k, v in expected_model.items())
     assert not torch.equal(state.model["0.weight"], model.state_dict()["0.weight"])  # the updates did happen
     assert torch.equal(next(iter(state.optimizer["state"].values()))["exp_avg"], expected_moment)
-    from trainer.checkpoint import restore_rng
+    from trainer.state.checkpoint import restore_rng
 
     restore_rng(state.rng)
     assert torch.equal(torch.rand(3), expected_draw)
@@ -206,8 +206,8 @@ _SIGNAL_SCRIPT = textwrap.dedent("""
     import signal, sys, time
     from pathlib import Path
     import torch
-    from trainer.checkpoint import save_checkpoint
-    from trainer.signals import STOP_SIGNALS, GracefulStop
+    from trainer.state.checkpoint import save_checkpoint
+    from trainer.core.signals import STOP_SIGNALS, GracefulStop
 
     run, save_s = Path(sys.argv[1]), float(sys.argv[2])
     before = [signal.getsignal(s) for s in STOP_SIGNALS]

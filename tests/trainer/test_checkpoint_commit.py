@@ -1,11 +1,11 @@
 """A checkpoint whose writer died between its files and its rename (issue 27, item 2): whoever resumes commits it
-when its data is complete, never when it is not. Real checkpoints written by trainer.checkpoint, then moved
+when its data is complete, never when it is not. Real checkpoints written by trainer.state.checkpoint, then moved
 back to the temporary name a killed writer leaves; real processes for the dead and the live writer.
 
 - the agent (restart --resume, the supervisor): `commit_orphans`, stdlib only, judges completeness from the
   files themselves (state.json parses, the safetensors file is as long as its header says, the torch files end
   in their zip directory);
-- the hand-over child (trainer/handover.py `commit_when_durable`): it has read the data whole already."""
+- the hand-over child (trainer/state/handover.py `commit_when_durable`): it has read the data whole already."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from dflashops.agent import checkpoints as agent
-from trainer.checkpoint import save_checkpoint
-from trainer.config import TrainerInputError
-from trainer.handover import commit_when_durable
+from trainer.core.config import TrainerInputError
+from trainer.state.checkpoint import save_checkpoint
+from trainer.state.handover import commit_when_durable
 
 
 def dead_pid() -> int:

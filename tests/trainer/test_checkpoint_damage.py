@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.checkpoint import checkpoint_damage
+from trainer.state.checkpoint import checkpoint_damage
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = ["--preset", "tiny", "--wandb", "off", "--log-interval", "1"]

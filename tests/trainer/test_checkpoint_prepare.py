@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.checkpoint import CheckpointWriter, _tensors
+from trainer.state.checkpoint import CheckpointWriter, _tensors
 
 
 def parts() -> dict:

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from trainer import compile_cache
+from trainer.core import compile_cache
 
 pytestmark = pytest.mark.slow
 
 RUN = """\
 import json, sys, torch
-from trainer import compile_cache
+from trainer.core import compile_cache
 
 body, saves = sys.argv[1], int(sys.argv[2])
 cache = compile_cache.choose(torch.device("cpu"))
@@ -34,7 +34,7 @@ loaded = compile_cache.load_artifacts(cache) if not any(cache.iterdir()) else 0
 exec(f"def scale(x):\\n    return {body}\\n")
 out = torch.compile(scale)(torch.arange(4.0).reshape(2, 2))  # noqa: F821 - defined by the exec above
 counts = compile_cache.stats()
-for _ in range(saves if counts["fxgraph_miss"] else 0):  # as trainer.loop: only a run that compiled new work
+for _ in range(saves if counts["fxgraph_miss"] else 0):  # as trainer.training.loop: only a run that compiled new work
     compile_cache.save_artifacts(cache)
 print(json.dumps({"out": out.tolist(), "loaded": loaded, **counts}))
 """
@@ -119,9 +119,9 @@ def test_a_good_file_beside_an_unreadable_one_still_loads_and_only_its_bytes_cou
 CACHE_REPORT = """\
 import json, sys, torch
 from pathlib import Path
-from trainer import compile_cache
-from trainer.loop import CacheReport
-from trainer.metrics import RunRecorder
+from trainer.core import compile_cache
+from trainer.training.loop import CacheReport
+from trainer.state.metrics import RunRecorder
 
 run_dir = Path(sys.argv[1])
 cache = compile_cache.choose(torch.device("cpu"))

@@ -1,6 +1,6 @@
 """Compiled callables private to a replica: no two worker threads share one dynamo cache.
 
-The race these tests keep out (trainer/compile_scope.py): threads calling compiled functions that share a code
+The race these tests keep out (trainer/core/compile_scope.py): threads calling compiled functions that share a code
 object fail dynamo's cache lookup now and then ("Unexpected recompilation: runtime guards failed even though
 they passed"), which CompileGuard turns into an error; measured on the H200 (3 of 8 two-drafter runs) and here on
 the CPU with the eager backend (the same kernels shared by two threads failed 11-15 of 20 trials of this size).
@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.compile_scope import private_copy, replica_scope, scoped
-from trainer.config import parse_train_args
-from trainer.loss import make_chunk_kernels
+from trainer.core.compile_scope import private_copy, replica_scope, scoped
+from trainer.core.config import parse_train_args
 from trainer.pipeline.compile_guard import CompileGuard
-from trainer.pipeline.pipeline_run import PipelineOptions, run_pipeline
+from trainer.pipeline_run import PipelineOptions, run_pipeline
 from trainer.train import EXIT_OK
+from trainer.training.loss import make_chunk_kernels
 
 pytestmark = pytest.mark.timeout(240)
 

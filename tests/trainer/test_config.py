@@ -1,4 +1,4 @@
-"""trainer.config: presets, the seed run's flags, unknown keys, cross-checks that name the flag."""
+"""trainer.core.config: presets, the seed run's flags, unknown keys, cross-checks that name the flag."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import Qwen3Config
 
-from trainer.config import PRESETS, TrainConfig, TrainerInputError, parse_train_args, target_compile_enabled
+from trainer.core.config import PRESETS, TrainConfig, TrainerInputError, parse_train_args, target_compile_enabled
 from trainer.train import build_drafter_config
 
 SEED_FLAGS = [  # every flag of the seed run, with a value of the right kind

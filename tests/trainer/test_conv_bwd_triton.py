@@ -1,4 +1,4 @@
-"""The output-side convolution's backward kernel (trainer/model/conv_bwd_triton.py) against autograd through the
+"""The output-side convolution's backward kernel (trainer/kernels/conv_bwd_triton.py) against autograd through the
 plain expression (grouped_dynamic_conv), on CPU through Triton's interpreter (one child process:
 tests/trainer/conv_bwd_interp_worker.py): float64 to 1e-12, float32 to 1e-5 as the layers' own backward is tested
 (tests/trainer/test_dflash2.py). Shapes cover taps K = 1..4 (the tap axis padded to a power of two for K = 3),
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from tests.trainer.triton_interp import interpret_cases
-from trainer.model.conv_bwd_triton import supported
-from trainer.model.conv_grad import conv_gradients
+from trainer.kernels.conv_bwd_triton import supported
+from trainer.kernels.conv_grad import conv_gradients
 from trainer.model.dflash2 import grouped_dynamic_conv
 
 pytest.importorskip("triton", reason="the triton package is not installed (`make test` installs it: dev extra)")

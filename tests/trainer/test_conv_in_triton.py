@@ -1,4 +1,4 @@
-"""The input-side convolution's kernel gradients (trainer/model/conv_in_triton.py) against autograd through the
+"""The input-side convolution's kernel gradients (trainer/kernels/conv_in_triton.py) against autograd through the
 plain expression (grouped_dynamic_conv of the norm's output), on CPU through Triton's interpreter (one child
 process: tests/trainer/conv_in_interp_worker.py): float64 to 1e-12, float32 to 1e-5 as the output side's kernel is
 tested. Small shapes (the suite's time is a goal): taps K = 1..4, blocks of 4 and 8, partial row tiles and several
@@ -15,7 +15,7 @@ import torch
 
 from tests.trainer.conv_in_interp_worker import run_case
 from tests.trainer.triton_interp import interpret_cases
-from trainer.model.conv_in_triton import inductor_xhat
+from trainer.kernels.conv_in_triton import inductor_xhat
 from trainer.model.dflash2 import BlockConv, grouped_dynamic_conv
 
 pytest.importorskip("triton", reason="the triton package is not installed (`make test` installs it: dev extra)")
@@ -125,8 +125,7 @@ def test_bfloat16_gives_the_float32_gradients_to_rounding(interpreted):
 @pytest.fixture
 def no_rung(monkeypatch):
     """The op's ladder emptied: every call takes the torch fallback (run_case restores nothing in this process)."""
-    from trainer import triton_fit
-    from trainer.model import conv_in_triton
+    from trainer.kernels import conv_in_triton, triton_fit
 
     monkeypatch.setattr(conv_in_triton, "CONFIGS", [])
     monkeypatch.setattr(conv_in_triton, "_LOGGED", set())

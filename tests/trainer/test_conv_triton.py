@@ -1,4 +1,4 @@
-"""DFlash2's convolution kernels (trainer/model/conv_triton.py) against grouped_dynamic_conv's autograd, float32 on
+"""DFlash2's convolution kernels (trainer/kernels/conv_triton.py) against grouped_dynamic_conv's autograd, float32 on
 CPU through Triton's interpreter (one child process: tests/trainer/conv_interp_worker.py). Shapes cover a partial
 row tile (M not a multiple of 32), taps K = 1..3, blocks of 4 and 8 (taps that reach the block's start), two
 channel tiles (H = 512: the 256-wide tiles) and a delta that is a strided view of the projection's output."""

@@ -1,4 +1,4 @@
-"""trainer.data: deterministic token-budget batches, sorted per-epoch anchors, block targets, bad shards."""
+"""trainer.data.batches: deterministic token-budget batches, sorted per-epoch anchors, block targets, bad shards."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainer.config import TrainConfig, TrainerInputError, parse_train_args
-from trainer.data import BatchStream, batch_shape, collate, epoch_batches, open_dataset, padded_length
-from trainer.loss import position_weights
-from trainer.shards import DatasetMeta, write_index, write_shard
+from trainer.core.config import TrainConfig, TrainerInputError, parse_train_args
+from trainer.data.batches import BatchStream, batch_shape, collate, epoch_batches, open_dataset, padded_length
+from trainer.data.shards import DatasetMeta, write_index, write_shard
+from trainer.training.loss import position_weights
 
 MASK = 255
 
@@ -132,7 +132,7 @@ def test_epoch_sizes_counts_only_the_epochs_that_hold_enough_micro_batches(tmp_p
 def test_preflight_counts_epochs_only_up_to_max_steps(tmp_path: Path) -> None:
     """`--epochs 1000000 --max-steps N` (how a bench lets --max-steps alone end a run) counted all million epochs
     before step 0: two minutes at 7,909 samples."""
-    from trainer.preflight import preflight
+    from trainer.training.preflight import preflight
 
     setup = preflight(_cfg(tmp_path, "--epochs", "1000000", "--max-steps", "7", "--synthetic-samples", "24"))
     assert setup.total_steps == 7
@@ -207,7 +207,7 @@ def test_shapes_are_static_per_context_bucket(tmp_path: Path) -> None:
 def _epoch_batches_reference(lengths: np.ndarray, epoch: int, cfg: TrainConfig) -> list[np.ndarray]:
     """epoch_batches as first written (one padded_length call per sample): the order every existing checkpoint's
     data position refers to, so the faster version must give exactly these batches."""
-    from trainer.data import _ORDER_SALT
+    from trainer.data.batches import _ORDER_SALT
 
     rng = np.random.default_rng([cfg.seed, epoch, _ORDER_SALT])
     clipped = np.minimum(lengths, cfg.max_seq_len)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tests.trainer.tiny_eval import build_eval_setup
-from trainer import ddtree
-from trainer import eval as eval_cli
+from trainer.evaluation import ddtree
+from trainer.evaluation import eval as eval_cli
 
 MAX_NEW = 16
 

@@ -8,8 +8,8 @@ import pytest
 from safetensors import safe_open
 
 from trainer import demo
-from trainer.export import public_tensor_names
-from trainer.shards import read_meta
+from trainer.data.shards import read_meta
+from trainer.export.export import public_tensor_names
 
 
 @pytest.mark.slow
@@ -46,7 +46,7 @@ def test_demo_refuses_a_non_empty_workdir(tmp_path, capsys):
 
 
 def test_held_out_prompts_never_occur_in_training():
-    from trainer.tiny_world import WalkWorld
+    from trainer.data.tiny_world import WalkWorld
 
     train, held = demo.split_prompts(WalkWorld(num_words=40, answer_words=16), demo.FULL)
     assert len(held) == demo.FULL.eval_prompts and not {r["prompt"] for r in held} & {r["prompt"] for r in train}

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.trainer.tiny import build_tiny_target, tiny_drafter_config, tiny_train_config
-from trainer import eval as eval_cli
+from trainer.evaluation import eval as eval_cli
 from trainer.model.dflash2 import (
     CandidateSelector,
     GroupedDynamicConv,
@@ -27,8 +27,8 @@ from trainer.model.dflash2 import (
     training_candidates,
 )
 from trainer.model.drafter import DFlashDrafter
-from trainer.pipeline.pipeline_run import PipelineOptions, run_pipeline
 from trainer.pipeline.replica_sync import max_replica_difference
+from trainer.pipeline_run import PipelineOptions, run_pipeline
 from trainer.train import EXIT_OK
 
 pytestmark = pytest.mark.timeout(240)

@@ -5,8 +5,8 @@ and its first records fit but a checkpoint does not. The run must end with exit 
 on <mount> while writing checkpoint step N; last good checkpoint: <path|none>` line plus a hint, no traceback,
 status.json `failed` with that error, and no leftover `.tmp-*` checkpoint directory.
 
-Both engines report through trainer.failure.record_failure and write through
-trainer.checkpoint.write_checkpoint; each has its own call site, so each has a test here.
+Both engines report through trainer.state.failure.record_failure and write through
+trainer.state.checkpoint.write_checkpoint; each has its own call site, so each has a test here.
 Needs root (mount); the tests are skipped with that reason otherwise.
 """
 
@@ -89,9 +89,9 @@ def test_item7_a_status_write_that_hits_the_full_disk_first_reports_the_checkpoi
     exception is then a plain ENOSPC; the report must name the checkpoint write, collected from the writer."""
     import torch
 
-    from trainer.checkpoint import CheckpointWriter
-    from trainer.failure import record_failure
-    from trainer.metrics import RunRecorder
+    from trainer.state.checkpoint import CheckpointWriter
+    from trainer.state.failure import record_failure
+    from trainer.state.metrics import RunRecorder
 
     disk = small_disk(256)
     run = disk / "run"

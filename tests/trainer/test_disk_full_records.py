@@ -110,7 +110,7 @@ def test_item8_disk_full_at_a_record_write_mid_run_fails_with_one_error_line(sma
 
 def test_item8_disk_full_at_the_train_config_write_fails_with_one_error_line(small_disk) -> None:
     """A disk with room for the status.json reserve and status.json, not for train_config.json."""
-    from trainer.metrics import STATUS_RESERVE_BYTES
+    from trainer.state.metrics import STATUS_RESERVE_BYTES
 
     page = os.sysconf("SC_PAGE_SIZE")  # tmpfs counts whole pages: status.json (~1 KiB) takes one
     disk = small_disk((STATUS_RESERVE_BYTES + page) // 1024)
@@ -133,7 +133,7 @@ RECORD = {"epoch": 0, "loss": 2.5, "tau_sim": 1.5, "lr": 1e-3, "grad_norm": 0.5,
 
 
 def _recorder(disk: Path, heartbeat_s: float = 3600.0) -> Any:
-    from trainer.metrics import RunRecorder
+    from trainer.state.metrics import RunRecorder
 
     run = disk / "run"
     run.mkdir()
@@ -145,7 +145,7 @@ def _recorder(disk: Path, heartbeat_s: float = 3600.0) -> Any:
 def test_item8_a_heartbeat_that_cannot_write_twice_hands_its_error_to_the_main_thread(small_disk) -> None:
     import threading
 
-    from trainer.diskspace import NoSpaceError
+    from trainer.core.diskspace import NoSpaceError
 
     disk = small_disk(64)
     crashed: list[BaseException] = []
@@ -201,7 +201,7 @@ def test_item8_a_heartbeat_write_that_fails_once_is_tried_again(small_disk, monk
 
 
 def test_item8_a_metrics_line_that_does_not_fit_is_not_written_in_part(small_disk) -> None:
-    from trainer.diskspace import NoSpaceError
+    from trainer.core.diskspace import NoSpaceError
 
     disk = small_disk(64)
     recorder = _recorder(disk)
@@ -217,8 +217,8 @@ def test_item8_a_metrics_line_that_does_not_fit_is_not_written_in_part(small_dis
 
 
 def test_item8_only_the_final_status_write_uses_the_reserve(small_disk) -> None:
-    from trainer.diskspace import NoSpaceError
-    from trainer.run_files import STATUS_RESERVE
+    from trainer.core.diskspace import NoSpaceError
+    from trainer.core.run_files import STATUS_RESERVE
 
     disk = small_disk(64)
     recorder = _recorder(disk)
@@ -235,7 +235,7 @@ def test_item8_only_the_final_status_write_uses_the_reserve(small_disk) -> None:
 
 
 def test_item8_say_writes_whole_lines_or_none_on_a_full_disk(small_disk) -> None:
-    from trainer.lines import say
+    from trainer.core.lines import say
 
     disk = small_disk(64)
     log_path = disk / "train.log"

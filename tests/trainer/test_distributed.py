@@ -18,9 +18,9 @@ from safetensors.torch import load_file
 
 from tests.trainer.dist_nodes import REPO, TINY, start_nodes, stop_all, wait_all, wait_for_metrics
 from trainer.__main__ import main as trainer_main
-from trainer.config import parse_train_args
+from trainer.core.config import parse_train_args
 from trainer.pipeline.assignment import Assignment
-from trainer.pipeline.pipeline_run import run_pipeline
+from trainer.pipeline_run import run_pipeline
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -197,7 +197,7 @@ def test_nodes_with_other_code_config_or_bad_input_are_refused_before_training(
     elif differs == "code":  # node 1 runs a checkout whose trainer differs by one comment
         other = tmp_path / "other-checkout"
         shutil.copytree(REPO / "trainer", other / "trainer", ignore=shutil.ignore_patterns("__pycache__"))
-        with open(other / "trainer" / "loop.py", "a") as handle:
+        with open(other / "trainer" / "training" / "loop.py", "a") as handle:
             handle.write("# a local edit on node 1\n")
         code_dirs[1] = other
     else:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.trainer.tiny_eval import build_eval_setup
-from trainer import eval as eval_cli
+from trainer.evaluation import eval as eval_cli
 from trainer.model.drafter import DFlashDrafter, DrafterConfig, make_block_input_ids
 from trainer.model.target import TargetModel
 

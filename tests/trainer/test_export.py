@@ -1,4 +1,4 @@
-"""export: real training checkpoints (trainer/checkpoint.py) -> public DFlash format -> load -> same outputs."""
+"""export: real training checkpoints (trainer/state/checkpoint.py) -> public DFlash format -> load -> same outputs."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 from safetensors import safe_open
 
 from tests.trainer.tiny import build_tiny_target, tiny_drafter_config
-from trainer import export as export_cli
-from trainer.checkpoint import save_checkpoint
+from trainer.export import export as export_cli
 from trainer.model.drafter import DFlashDrafter
+from trainer.state.checkpoint import save_checkpoint
 
 
 @pytest.fixture(scope="module")

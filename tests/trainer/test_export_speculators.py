@@ -19,8 +19,8 @@ from safetensors import safe_open
 from tests.trainer.speculators_env import SPECULATORS_VERSION, speculators_env, speculators_python
 from tests.trainer.test_export import save_training_checkpoint
 from tests.trainer.tiny import build_tiny_target, tiny_drafter_config
-from trainer import export as export_cli
-from trainer.export_speculators import speculators_layer_ids, speculators_tensor_names
+from trainer.export import export as export_cli
+from trainer.export.export_speculators import speculators_layer_ids, speculators_tensor_names
 from trainer.model.drafter import DFlashDrafter, make_block_input_ids
 from trainer.model.target import TargetModel
 

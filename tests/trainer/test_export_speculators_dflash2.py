@@ -20,8 +20,8 @@ from safetensors import safe_open
 from tests.trainer.speculators_env import speculators_env, speculators_python
 from tests.trainer.test_export_speculators import ANCHORS, BLOCK, FORWARD, checkpoint, fixed_batch, target  # noqa: F401
 from tests.trainer.tiny import tiny_drafter_config
-from trainer import export as export_cli
-from trainer.export_speculators import speculators_tensor_names
+from trainer.export import export as export_cli
+from trainer.export.export_speculators import speculators_tensor_names
 from trainer.model.dflash2 import block_predecessors
 from trainer.model.drafter import DFlashDrafter, make_block_input_ids
 from trainer.model.target import TargetModel

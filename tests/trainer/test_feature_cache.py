@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import prepare, train
+from trainer import train
+from trainer.data import prepare
+from trainer.data.tiny_world import WalkWorld, build_tiny_target
+from trainer.data.tokenizer_utils import MASK_TOKEN, build_tiny_tokenizer
 from trainer.model.target import TargetModel
-from trainer.tiny_world import WalkWorld, build_tiny_target
-from trainer.tokenizer_utils import MASK_TOKEN, build_tiny_tokenizer
 
 pytestmark = pytest.mark.timeout(300)
 

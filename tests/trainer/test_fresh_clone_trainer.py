@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from trainer.__main__ import main as trainer_main
-from trainer.config import build_parser
-from trainer.prepare import build_parser as prepare_parser
+from trainer.core.config import build_parser
+from trainer.data.prepare import build_parser as prepare_parser
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["--preset", "tiny", "--synthetic-samples", "48", "--max-seq-len", "32", "--token-budget", "128"]
@@ -29,7 +29,7 @@ def test_item9_train_help_does_not_import_torch() -> None:
     )
     assert done.returncode == 0 and "--max-steps" in done.stdout, done.stderr[-2000:]
     imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
-    assert "trainer.train_help" in imported  # the flags' help texts: this is the list of what was imported
+    assert "trainer.core.train_help" in imported  # the flags' help texts: this is the list of what was imported
     assert not {name for name in imported if name.split(".")[0] in ("torch", "numpy")}, imported
     assert "trainer.train" not in imported
 
@@ -41,7 +41,7 @@ def test_item9_enable_thinking_takes_on_off_and_true_false_in_train_prepare_and_
     required = ["--target-model", "m", "--input", "i", "--output-dir", "o"]
     assert prepare_parser().parse_args([*required, "--enable-thinking", word]).enable_thinking is expected
     # eval's parser is built inside its main: its flag uses the same converter as prepare's
-    from trainer import eval as trainer_eval
+    from trainer.evaluation import eval as trainer_eval
 
     assert "type=_on_off" in Path(trainer_eval.__file__).read_text()
 

@@ -1,4 +1,4 @@
-"""The restart hand-over's trainer side (trainer/handover.py): which --resume may be waited for, the wait itself
+"""The restart hand-over's trainer side (trainer/state/handover.py): which --resume may be waited for, the wait itself
 (a real thread renaming a checkpoint into place, a real writer that ends without it), and a real trainer
 process that offers the hand-over on a stop and frees its devices. The whole cycle through the CLI is
 tests/controller/test_ctl_handover.py."""
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from trainer.checkpoint import check_shapes
-from trainer.config import TrainerInputError
-from trainer.handover import RESUME_WRITER_ENV, check_handed_over, pending_writer, wait_for_checkpoint
+from trainer.core.config import TrainerInputError
+from trainer.state.checkpoint import check_shapes
+from trainer.state.handover import RESUME_WRITER_ENV, check_handed_over, pending_writer, wait_for_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -192,12 +192,12 @@ def test_a_stopped_trainer_offers_the_handover_while_its_final_checkpoint_is_wri
 def test_the_start_point_comes_from_the_checkpoint_or_the_offer_and_never_from_another_nodes_disk(
     tmp_path: Path,
 ) -> None:
-    """Where the warm-up starts before the checkpoint is read (trainer.loop.start_point): the beginning, the
+    """Where the warm-up starts before the checkpoint is read (trainer.training.loop.start_point): the beginning, the
     checkpoint's state.json, the writer's hand-over offer; nothing on a node that reads no checkpoints (a
     distributed run's node 1 names node 0's checkpoint, which is not on its disk: read, it failed the run)."""
-    from trainer.config import parse_train_args
-    from trainer.loop import start_point
-    from trainer.preflight import preflight
+    from trainer.core.config import parse_train_args
+    from trainer.training.loop import start_point
+    from trainer.training.preflight import preflight
 
     setup = preflight(parse_train_args(["--preset", "tiny", "--output-dir", str(tmp_path / "run"), "--wandb", "off"]))
     assert start_point(setup) == (0, (0, 0))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import LOSS_KERNELS, PRESETS, build_parser
+from trainer.core.config import LOSS_KERNELS, PRESETS, build_parser
 
 REPO = Path(__file__).resolve().parents[2]
 _ENTRY = re.compile(r"^  (\S.*?)(?: {2,}(\S.*))?$")  # "  --flag METAVAR   help..." (help may start below)
@@ -70,7 +70,7 @@ def test_item19_train_help_every_flag_has_help_with_its_default_and_choices() ->
 
 
 def test_item19_train_flags_with_a_fixed_set_refuse_other_values_naming_the_choices() -> None:
-    from trainer.config import TrainerInputError, parse_train_args
+    from trainer.core.config import TrainerInputError, parse_train_args
 
     for flag, bad in (
         ("--loss-kernels", "turbo"),

@@ -13,14 +13,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 TRAINING = (
     "trainer.train",
-    "trainer.loop",
-    "trainer.engine",
-    "trainer.preflight",
-    "trainer.single_engine",
+    "trainer.training.loop",
+    "trainer.training.engine",
+    "trainer.training.preflight",
+    "trainer.training.single_engine",
     "trainer.pipeline",
     "trainer.dist",
 )
-ENGINES = ("trainer.single_engine", "trainer.pipeline", "trainer.dist")
+ENGINES = ("trainer.training.single_engine", "trainer.pipeline", "trainer.dist")
 
 
 def _modules() -> dict[str, Path]:
@@ -71,8 +71,10 @@ def test_no_import_circle_passes_through_the_loop_or_an_engine() -> None:
 
 def test_the_loop_imports_no_engine_and_no_engine_imports_the_entry_point() -> None:
     graph = _graph()
-    assert not [d for d in graph["trainer.loop"] | graph["trainer.engine"] if _in(d, ENGINES)]
+    assert not [d for d in graph["trainer.training.loop"] | graph["trainer.training.engine"] if _in(d, ENGINES)]
     offenders = [
-        m for m, deps in graph.items() if (_in(m, ENGINES) or m == "trainer.preflight") and "trainer.train" in deps
+        m
+        for m, deps in graph.items()
+        if (_in(m, ENGINES) or m == "trainer.training.preflight") and "trainer.train" in deps
     ]
     assert offenders == []

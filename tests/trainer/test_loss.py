@@ -1,4 +1,4 @@
-"""trainer/loss.py against a dense float64 reference (materialised logits, plain autograd)."""
+"""trainer/training/loss.py against a dense float64 reference (materialised logits, plain autograd)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trainer.loss import (
+from trainer.training.loss import (
     ChunkKernels,
     LossInputError,
     SoftLabelKernels,
@@ -386,7 +386,7 @@ def test_slot_zero_is_never_computed_and_gets_no_gradient():
 def test_computing_the_anchor_slot_changes_nothing_but_the_work(terms, monkeypatch):
     """loss.SKIP_ANCHOR_SLOT off (the bench's `triton-s8` variant) computes slot 0's logits too: the same loss, sums,
     gradient and `correct` on the supervised slots."""
-    from trainer import loss as loss_module
+    from trainer.training import loss as loss_module
 
     hidden, weight, labels, weights, teacher = make_case()
     kwargs = dict(block_size=4, normalizer=float(weights.sum()) * 1.5, chunk_size=8, **TERMS[terms])
@@ -548,7 +548,7 @@ def test_make_chunk_kernels_kinds():
 def test_the_trainer_imports_without_importing_triton():
     """triton is imported at the first fused-kernel call only: the CPU CI's torch wheel does not bring it."""
     repo = Path(__file__).resolve().parents[2]
-    code = "import sys, trainer.loss, trainer.loss_triton, trainer.step; print('triton' in sys.modules)"
+    code = "import sys, trainer.training.loss, trainer.kernels.loss_triton, trainer.training.step; print('triton' in sys.modules)"
     out = subprocess.run(
         [sys.executable, "-c", code],
         cwd=repo,

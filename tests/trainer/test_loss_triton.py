@@ -1,4 +1,4 @@
-"""The fused Triton kernels (CE: trainer/loss_triton.py, CE+KL: trainer/loss_triton_kl.py) against the eager
+"""The fused Triton kernels (CE: trainer/kernels/loss_triton.py, CE+KL: trainer/kernels/loss_triton_kl.py) against the eager
 loss and a float64 reference, on CPU via Triton's interpreter.
 
 The kernel runs in ONE child process (tests/trainer/triton_interp_worker.py, TRITON_INTERPRET=1 there only:
@@ -25,7 +25,7 @@ import torch
 
 from tests.trainer.test_loss import TERMS, make_case
 from tests.trainer.triton_interp import interpret_cases
-from trainer.loss import dflash_loss
+from trainer.training.loss import dflash_loss
 
 pytest.importorskip("triton", reason="the triton package is not installed (`make test` installs it: dev extra)")
 
@@ -445,7 +445,7 @@ import json, os, re, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from trainer import loss_triton_kl
+from trainer.kernels import loss_triton_kl
 
 kernel = loss_triton_kl._kernel()
 config = loss_triton_kl.DEFAULT_CONFIG
@@ -495,8 +495,8 @@ def test_kl_kernel_default_config_compiles_for_sm90_without_spills(tmp_path):
 def test_the_topk_kernel_has_its_own_config(monkeypatch):
     """DFlash2's CE kernel with the running top-k: TOPK_CONFIG (2048:4, bench/results/kernels.md 2026-12-04 "DFlash2's convolutions rewritten for Inductor") unless
     $DFLASH_CE_TOPK_TRITON says otherwise; an explicit config for the CE kernel, or one for the top-k kernel, wins."""
-    from trainer import loss_triton
-    from trainer.loss import make_chunk_kernels
+    from trainer.kernels import loss_triton
+    from trainer.training.loss import make_chunk_kernels
 
     def topk_config(**kwargs) -> loss_triton.CEKernelConfig:
         fused_ce_topk = make_chunk_kernels("triton", **kwargs).fused_ce_topk

@@ -169,7 +169,7 @@ def test_a_drafter_built_on_meta_has_the_real_ones_shapes_and_leaves_the_rng_alo
     init is skipped there (nothing to draw), which must change neither a shape nor the RNG a real build draws."""
     from dataclasses import replace
 
-    from trainer.preflight import expected_shapes
+    from trainer.training.preflight import expected_shapes
 
     config = replace(tiny_drafter_config(target), arch=arch)
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""A resumed optimizer keeps this run's kernel settings (trainer.step.load_optimizer_state) and takes everything
+"""A resumed optimizer keeps this run's kernel settings (trainer.training.step.load_optimizer_state) and takes everything
 else from the checkpoint. torch's own load_state_dict takes the saved groups whole: the controls below show it
 carrying `fused` across, which is what made a CPU checkpoint resume on the GPU with the foreach path."""
 
@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from trainer.step import OPTIMIZER_IMPLEMENTATION_KEYS, load_optimizer_state
+from trainer.training.step import OPTIMIZER_IMPLEMENTATION_KEYS, load_optimizer_state
 
 
 def _trained(fused: bool | None, steps: int = 2) -> tuple[list[torch.nn.Parameter], torch.optim.AdamW]:

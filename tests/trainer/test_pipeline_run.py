@@ -17,9 +17,9 @@ import torch
 from safetensors.torch import load_file
 
 from tests.trainer.tiny import tiny_train_config
-from trainer.config import TrainerInputError, parse_train_args
-from trainer.pipeline.pipeline_run import PipelineOptions, run_pipeline
+from trainer.core.config import TrainerInputError, parse_train_args
 from trainer.pipeline.replica_sync import max_replica_difference
+from trainer.pipeline_run import PipelineOptions, run_pipeline
 from trainer.train import EXIT_FAILED, EXIT_OK
 from trainer.train import run as run_single
 

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from trainer import inspect as inspect_cli
-from trainer import prepare as prepare_cli
-from trainer.shards import ShardedDataset, read_meta
-from trainer.tiny_world import WalkWorld, build_tiny_target
-from trainer.tokenizer_utils import (
+from trainer.data import inspect as inspect_cli
+from trainer.data import prepare as prepare_cli
+from trainer.data.shards import ShardedDataset, read_meta
+from trainer.data.tiny_world import WalkWorld, build_tiny_target
+from trainer.data.tokenizer_utils import (
     build_tiny_tokenizer,
     chat_template_sha256,
     tokenize_conversation,
@@ -187,7 +187,7 @@ def test_interrupted_regeneration_resumes_without_duplicates(target_dir, world, 
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     # A real process killed (SIGKILL: no cleanup) as soon as its first shard is on disk.
     process = subprocess.Popen(
-        [sys.executable, "-m", "trainer.prepare", *argv],
+        [sys.executable, "-m", "trainer.data.prepare", *argv],
         env=env,
         cwd=REPO,
         stdout=subprocess.DEVNULL,
@@ -319,7 +319,7 @@ def test_length_histogram_counts_every_sample():
 def test_check_dataset_matches_template_and_thinking(target_dir):
     from transformers import AutoTokenizer
 
-    from trainer.shards import DatasetMeta
+    from trainer.data.shards import DatasetMeta
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     meta = DatasetMeta(chat_template_sha256=chat_template_sha256(tokenizer), enable_thinking=False)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import real_prompts, real_target
+from trainer.data import real_prompts, real_target
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -91,7 +91,7 @@ def test_the_prompt_sets_do_not_depend_on_what_the_process_imported_before() -> 
         [
             sys.executable,
             "-c",
-            "import json; from trainer import real_prompts as r; t, h = r.build(); "
+            "import json; from trainer.data import real_prompts as r; t, h = r.build(); "
             "print(json.dumps([[p.record() for p in t], [p.record() for p in h]]))",
         ],
         capture_output=True,
@@ -108,8 +108,8 @@ def test_the_real_world_end_to_end_at_a_tiny_size(converted: Path, tmp_path: Pat
     """`trainer demo --world real --quick`: 32 prompts regenerated, 4 steps, both exports, eval lossless."""
     import subprocess
 
-    from trainer.export import load_drafter
-    from trainer.shards import read_meta
+    from trainer.data.shards import read_meta
+    from trainer.export.export import load_drafter
 
     env = {**os.environ, "DFLASHOPS_CACHE": str(converted.parent), "OMP_NUM_THREADS": "1"}
     workdir, links = tmp_path / "demo", tmp_path / "links"
@@ -133,7 +133,7 @@ def test_the_real_world_end_to_end_at_a_tiny_size(converted: Path, tmp_path: Pat
     data = read_meta((links / "data").resolve())
     assert data.regenerated and data.num_samples == 32 and (links / "target").resolve() == converted.resolve()
     assert sum(k["samples"] for k in data.extra["kinds"].values()) == 32 and len(data.extra["kinds"]) == 7
-    from trainer.inspect import summarize
+    from trainer.data.inspect import summarize
 
     shown = summarize(links / "data")
     assert "kinds (samples, tokens, share of tokens):" in shown and "code share" in shown and "writing" in shown
@@ -229,11 +229,12 @@ def test_a_llama_target_through_the_pipeline_resume_both_exports_and_eval(conver
     switch, end of turn id 2, MASK id 16): prepare --regenerate, the threaded pipeline, a resume, both exports, eval."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from trainer import eval as eval_mod
-    from trainer import prepare, train
-    from trainer.export import export_drafter, load_drafter, load_training_checkpoint
-    from trainer.regenerate import load_target_lm
-    from trainer.tokenizer_utils import end_of_turn_ids, tokenize_prompt
+    from trainer import train
+    from trainer.data import prepare
+    from trainer.data.regenerate import load_target_lm
+    from trainer.data.tokenizer_utils import end_of_turn_ids, tokenize_prompt
+    from trainer.evaluation import eval as eval_mod
+    from trainer.export.export import export_drafter, load_drafter, load_training_checkpoint
 
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(converted)

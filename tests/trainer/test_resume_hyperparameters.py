@@ -1,4 +1,4 @@
-"""A resume trains with this run's --lr, --weight-decay and schedule length (trainer.step.apply_run_hyperparameters),
+"""A resume trains with this run's --lr, --weight-decay and schedule length (trainer.training.step.apply_run_hyperparameters),
 not the checkpoint's: torch's loads restore the saved run's (LambdaLR.load_state_dict its base_lrs, the optimizer's
 its groups' lr and weight_decay), so `restart R -- --lr 1e-3` used to train on at R's LR while the lineage diff
 showed the new one. The controls below show torch's loads alone keeping the old values."""
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from tests.trainer.tiny import tiny_train_config
-from trainer.pipeline.pipeline_run import run_pipeline
-from trainer.step import apply_run_hyperparameters, load_optimizer_state, lr_factor
+from trainer.pipeline_run import run_pipeline
 from trainer.train import EXIT_OK
 from trainer.train import run as run_single
+from trainer.training.step import apply_run_hyperparameters, load_optimizer_state, lr_factor
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -15,7 +15,7 @@ import torch
 from tests.trainer.tiny import tiny_target_config, tiny_train_config
 from trainer.model.target import TargetModel
 from trainer.pipeline.compile_guard import compile_counts
-from trainer.pipeline.pipeline_run import PipelineOptions, run_pipeline
+from trainer.pipeline_run import PipelineOptions, run_pipeline
 from trainer.train import EXIT_OK
 
 pytestmark = pytest.mark.timeout(240)

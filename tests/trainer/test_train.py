@@ -22,14 +22,14 @@ import torch
 from safetensors.torch import load_file
 
 from trainer.__main__ import main as trainer_main
-from trainer.config import parse_train_args
-from trainer.data import collate, open_dataset
-from trainer.loss import position_weights
+from trainer.core.config import parse_train_args
+from trainer.data.batches import collate, open_dataset
+from trainer.data.shards import DatasetMeta, write_index, write_shard
 from trainer.model import DFlashDrafter, TargetModel
-from trainer.preflight import build_drafter_config, target_shape
-from trainer.preflight import target_hf_config as _target_hf_config
-from trainer.shards import DatasetMeta, write_index, write_shard
-from trainer.step import DrafterSide, TargetSide, lr_factor, noise_std_at
+from trainer.training.loss import position_weights
+from trainer.training.preflight import build_drafter_config, target_shape
+from trainer.training.preflight import target_hf_config as _target_hf_config
+from trainer.training.step import DrafterSide, TargetSide, lr_factor, noise_std_at
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = [

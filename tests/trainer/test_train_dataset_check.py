@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import prepare as prepare_cli
 from trainer import train as train_cli
-from trainer.config import TrainerInputError, parse_train_args
-from trainer.tiny_world import WalkWorld, build_tiny_target
-from trainer.tokenizer_utils import build_tiny_tokenizer
+from trainer.core.config import TrainerInputError, parse_train_args
+from trainer.data import prepare as prepare_cli
+from trainer.data.tiny_world import WalkWorld, build_tiny_target
+from trainer.data.tokenizer_utils import build_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.metrics import wandb_lineage
+from trainer.state.metrics import wandb_lineage
 
 REPO = Path(__file__).resolve().parents[2]
 LINEAGE_ENV = {

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from transformers import Qwen3Config
 
-from trainer.config import TrainConfig, parse_train_args
+from trainer.core.config import TrainConfig, parse_train_args
 from trainer.model.drafter import DrafterConfig
 from trainer.model.target import TargetModel
 

@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
+from trainer.data.tiny_world import WalkWorld, build_tiny_target
+from trainer.data.tokenizer_utils import MASK_TOKEN, build_tiny_tokenizer, end_of_turn_ids, tokenize_prompt
 from trainer.model.drafter import DFlashDrafter, DrafterConfig
-from trainer.tiny_world import WalkWorld, build_tiny_target
-from trainer.tokenizer_utils import MASK_TOKEN, build_tiny_tokenizer, end_of_turn_ids, tokenize_prompt
 
 
 def build_eval_setup(root: Path, num_prompts: int) -> dict[str, Any]:

@@ -35,9 +35,9 @@ def interpret_cases(worker: Path, cases: dict, folder: Path) -> dict:
 
 
 def reset_ladder(module: ModuleType, defaults: list, case: dict) -> None:
-    """Before a case of a kernel `module` that launches through trainer/triton_fit.py: its ladder the case's
+    """Before a case of a kernel `module` that launches through trainer/kernels/triton_fit.py: its ladder the case's
     "configs" (else `defaults`), no remembered verdicts or logged fallbacks, $DFLASH_SMEM_LIMIT the case's "smem"."""
-    from trainer import triton_fit
+    from trainer.kernels import triton_fit
 
     module.CONFIGS[:] = case.get("configs", defaults)
     triton_fit._VERDICT.clear()

@@ -17,9 +17,9 @@ os.environ["TRITON_INTERPRET"] = "1"
 import torch
 
 from tests.trainer.triton_interp import serve_cases
-from trainer.loss import dflash_loss, make_chunk_kernels
-from trainer.loss_triton import CEKernelConfig, fused_ce, fused_ce_topk
-from trainer.loss_triton_kl import ce_kl_grad, ce_kl_stats, fused_ce_kl
+from trainer.kernels.loss_triton import CEKernelConfig, fused_ce, fused_ce_topk
+from trainer.kernels.loss_triton_kl import ce_kl_grad, ce_kl_stats, fused_ce_kl
+from trainer.training.loss import dflash_loss, make_chunk_kernels
 
 
 def run_case(case: dict) -> dict:

@@ -121,7 +121,7 @@ def main() -> int:
                 write_status(out, phase="saving", step=step)
                 time.sleep(0.1)
             path = checkpoint(out, step, args.ckpt_bytes)
-            write_status(out, phase="stopped", step=step, last_checkpoint=path)  # as trainer.signals does
+            write_status(out, phase="stopped", step=step, last_checkpoint=path)  # as trainer.core.signals does
             print(f"SIGTERM: checkpoint {path}, exiting {EXIT_ON_SIGTERM}", flush=True)
             return EXIT_ON_SIGTERM
         step += 1

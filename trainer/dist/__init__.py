@@ -1,1 +1,1 @@
-"""Scale-out across nodes: torch.distributed under torchrun, one process per node (see trainer.dist.distributed_run)."""
+"""Scale-out across nodes: torch.distributed under torchrun, one process per node (see trainer.distributed_run)."""

@@ -1,6 +1,6 @@
 """What the threaded pipeline needs from the other nodes of a run, and the one-node answer to it.
 
-The pipeline engine (trainer.pipeline.engine) calls a Cluster at fixed points of every step: the step-wide
+The pipeline engine (trainer.pipeline.pipeline_engine) calls a Cluster at fixed points of every step: the step-wide
 loss normaliser, the gradient or weight sync, the stop agreement, replica checksums, metrics lines,
 checkpoints. `LocalCluster` (one node, no torch.distributed) answers each call with this node's own value,
 so the threaded pipeline is the distributed engine with one node and no collectives.
@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from trainer.checkpoint import CheckpointState, load_checkpoint
+from trainer.state.checkpoint import CheckpointState, load_checkpoint
 
 # split(state, node) -> the part of a loaded checkpoint that `node` needs (e.g. only its replicas' optimizers).
 Splitter = Callable[[CheckpointState, int], CheckpointState]

@@ -20,8 +20,8 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpoint import list_checkpoints
-from trainer.config import TrainConfig, TrainerInputError
+from trainer.state.checkpoint import list_checkpoints
+from trainer.core.config import TrainConfig, TrainerInputError
 from trainer.dist.cluster import Cluster
 
 PER_NODE_KEYS = ("output_dir", "resume")

@@ -28,11 +28,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.checkpoint import CheckpointState, load_checkpoint
+from trainer.state.checkpoint import CheckpointState, load_checkpoint
 from trainer.dist.cluster import Splitter
 from trainer.dist.liveness import Liveness, heartbeat_interval
 from trainer.dist.transfer import recv_nest, send_nest
-from trainer.failure import ExplainedFailure
+from trainer.state.failure import ExplainedFailure
 
 T = TypeVar("T")
 

@@ -40,7 +40,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from trainer.compile_scope import scoped
+from trainer.core.compile_scope import scoped
 
 try:  # flex_attention exists in every torch this project supports; guard anyway so CPU imports never fail.
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -136,7 +136,7 @@ class DraftMask:
     num_blocks: int
     dense: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     flex: dict[str, Any] = field(default_factory=dict)
-    triton: dict[str, Any] = field(default_factory=dict)  # IntervalTable (trainer/model/attention_triton.py)
+    triton: dict[str, Any] = field(default_factory=dict)  # IntervalTable (trainer/kernels/attention_triton.py)
 
     @property
     def q_len(self) -> int:
@@ -199,7 +199,7 @@ def dense_mask(
     return torch.stack(out)  # [R,Q,K]
 
 
-_COMPILED_FLEX: dict = {}  # (device, replica scope) -> private compiled flex_attention (trainer.compile_scope)
+_COMPILED_FLEX: dict = {}  # (device, replica scope) -> private compiled flex_attention (trainer.core.compile_scope)
 
 FLEX_OPTIONS_ENV = "DFLASH_FLEX_OPTIONS"
 
@@ -228,7 +228,7 @@ FLEX_KERNEL_OPTIONS: dict[str, int | bool] | None = parse_flex_options(os.enviro
 def compiled_flex_attention(device: torch.device) -> Callable[..., torch.Tensor]:
     """flex_attention compiled for `device` and the calling replica's scope (uncompiled flex silently
     materialises the full score matrix). Each drafter replica gets its own copy: two worker threads sharing
-    one compiled function race in dynamo's cache lookup (trainer/compile_scope.py)."""
+    one compiled function race in dynamo's cache lookup (trainer/core/compile_scope.py)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" must share one compiled object
         device = torch.device("cuda", torch.cuda.current_device())
@@ -511,7 +511,7 @@ def build_draft_mask(
         if backend == "triton":
             bounds = query_bounds(anchors, keep, ctx_len, block_size, window=window, causal=causal, doc_ids=doc_ids)
         if bounds is not None:
-            from trainer.model.attention_triton import build_table
+            from trainer.kernels.attention_triton import build_table
 
             q_len = anchors.shape[1] * block_size
             mask.triton[lt] = build_table(
@@ -530,7 +530,7 @@ def build_draft_mask(
 
 
 # The attention kernel on CUDA (--attention-kernel / $DFLASH_ATTENTION_KERNEL): "flex" (flex_attention with a
-# BlockMask), "triton" (trainer/model/attention_triton.py: our kernel for the interval form) or "auto" (triton on
+# BlockMask), "triton" (trainer/kernels/attention_triton.py: our kernel for the interval form) or "auto" (triton on
 # Hopper, where it was measured: bench/results/kernels.md 2026-12-05 ("The attention backward's dQ path" and after); flex elsewhere, e.g. Blackwell's ~100 KB parts,
 # where only the one-stage rung fits and it was never timed). The variable overrides the flag's default only.
 ATTENTION_KERNEL_ENV = "DFLASH_ATTENTION_KERNEL"
@@ -554,7 +554,7 @@ def _triton_attention_usable(device: torch.device) -> bool:
     when it does not, and the masks are then built for flex)."""
     key = str(device)
     if key not in _TRITON_USABLE:
-        from trainer.model.attention_triton import usable
+        from trainer.kernels.attention_triton import usable
 
         ok, why = usable(device)
         if not ok:
@@ -588,7 +588,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DraftMask, l
         )
     gqa = q.shape[1] != k.shape[1]
     if layer_type in mask.triton:
-        from trainer.model.attention_triton import interval_attention
+        from trainer.kernels.attention_triton import interval_attention
 
         return interval_attention(q, k, v, mask.triton[layer_type])
     if mask.backend in ("flex", "triton"):

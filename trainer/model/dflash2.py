@@ -28,23 +28,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.model.conv_grad import conv_gradients, conv_input_gradient
+from trainer.kernels.conv_grad import conv_gradients, conv_input_gradient
 
 ARCHS = ("dflash", "dflash2")
 # The convolutions' kernels ($DFLASH_CONV_KERNEL): "torch" (GroupedDynamicConv, compiled into the layer), "autograd"
 # (grouped_dynamic_conv through autograd, the form before the GroupedDynamicConv rewrite, kept for A/B benches) or "triton"
-# (trainer/model/conv_triton.py: one fused kernel each way behind a custom op; CUDA only, CPU runs torch).
+# (trainer/kernels/conv_triton.py: one fused kernel each way behind a custom op; CUDA only, CPU runs torch).
 CONV_KERNELS = ("torch", "autograd", "triton")
 CONV_KERNEL: str = os.environ.get("DFLASH_CONV_KERNEL", "torch").strip() or "torch"
 # The output-side convolution's backward under "torch" ($DFLASH_CONV_BACKWARD): "triton" (one kernel for its three
-# gradients, trainer/model/conv_bwd_triton.py, where it fits: CUDA, shapes in `supported`; else Inductor's) or
+# gradients, trainer/kernels/conv_bwd_triton.py, where it fits: CUDA, shapes in `supported`; else Inductor's) or
 # "inductor" (GroupedDynamicConv.backward compiled into the layer, the form before conv_bwd_triton, for A/B benches).
 CONV_BACKWARDS = ("triton", "inductor")
 CONV_BACKWARD: str = os.environ.get("DFLASH_CONV_BACKWARD", "triton").strip() or "triton"
 # The input-side convolution's backward under "torch" ($DFLASH_CONV_INPUT_BACKWARD): "inductor" (GroupedDynamicConv
 # on the norm's output, its backward compiled into the layer: the default until the kernel below is measured on the
 # GPU, bench/results/kernels.md 2026-12-05 "The input-side convolution's kernel gradients as one Triton kernel"), "triton" (its kernel gradients and the norm weight's through it in one kernel,
-# trainer/model/conv_in_triton.py, where it fits: CUDA, shapes in `supported`; the sublayer then gets the
+# trainer/kernels/conv_in_triton.py, where it fits: CUDA, shapes in `supported`; the sublayer then gets the
 # convolution's output in the autocast dtype, one view for each of its GEMMs, see NormedConv; elsewhere "inductor")
 # or "torch" (NormedConv with its backward in torch, any device: the CPU's check of the wiring).
 CONV_INPUT_BACKWARDS = ("triton", "inductor", "torch")
@@ -59,7 +59,7 @@ def grouped_dynamic_conv(
     out_j = sum_{t < K, t <= j % B} x_{j-t} * (base[t] + delta[j, t, group(h)]), block-local.
 
     The plain expression, differentiated by autograd: the reference of `GroupedDynamicConv` (the layers' form) and
-    of trainer/model/conv_triton.py, and the layers' form before it ($DFLASH_CONV_KERNEL=autograd)."""
+    of trainer/kernels/conv_triton.py, and the layers' form before it ($DFLASH_CONV_KERNEL=autograd)."""
     R, Q, H = x.shape
     K, G = base.shape[0], H // group_size
     blocks = x.view(R, Q // block_size, block_size, G, group_size)
@@ -121,9 +121,9 @@ class GroupedDynamicConv(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None, None]:
         x, delta, base = ctx.saved_tensors
-        # the output side on CUDA (BlockConv.finish): one kernel, trainer/model/conv_bwd_triton.py
+        # the output side on CUDA (BlockConv.finish): one kernel, trainer/kernels/conv_bwd_triton.py
         if ctx.triton_backward:
-            from trainer.model.conv_bwd_triton import conv_finish_backward
+            from trainer.kernels.conv_bwd_triton import conv_finish_backward
 
             dx, d_delta, d_base = conv_finish_backward(grad, x, delta, base, ctx.block_size)
         else:
@@ -134,7 +134,7 @@ class GroupedDynamicConv(torch.autograd.Function):
 class NormedConv(torch.autograd.Function):
     """The input side's convolution (GroupedDynamicConv's values) of the norm's output n = weight * xhat (xhat =
     x * rstd, the RMSNorm's normalised input), with the norm's parts at hand for the backward, which gives
-    (trainer/model/conv_in_triton.py's kernel on CUDA, torch elsewhere):
+    (trainer/kernels/conv_in_triton.py's kernel on CUDA, torch elsewhere):
     - d delta and d base, from n recomputed from x, rstd and the weight, never saved or materialised (a float32
       [R,Q,H]: ~0.3 ms a call of extra traffic at the qwen3-8b seed);
     - the norm weight's gradient through the convolution, sum over rows of dn * xhat: the kernel has dn's terms at
@@ -186,7 +186,7 @@ class NormedConv(torch.autograd.Function):
         for piece in pieces[1:]:
             grad = grad + piece.to(acc)
         if ctx.triton_backward:
-            from trainer.model.conv_in_triton import conv_prepare_kernel_grads
+            from trainer.kernels.conv_in_triton import conv_prepare_kernel_grads
 
             d_delta, d_base, d_weight = conv_prepare_kernel_grads(pieces, x, rstd, weight, delta, base, B)
             dn = conv_input_gradient(grad, delta, base, B, S, ctx.n_dtype)  # the kernel leaves dn to Inductor
@@ -256,7 +256,7 @@ class BlockConv(nn.Module):
             return self.input_backward_kernel
         if not x.is_cuda:
             return "inductor"
-        from trainer.model.conv_in_triton import supported
+        from trainer.kernels.conv_in_triton import supported
 
         why = supported(x.shape[-1], self.group_size, self.kernel_size, x.dtype)
         if why is not None and "in " + why not in _UNFIT_LOGGED:
@@ -273,7 +273,7 @@ class BlockConv(nn.Module):
         else Inductor's backward, with one log line per reason (decided while tracing: a constant of the graph)."""
         if self.backward_kernel != "triton" or not y.is_cuda:
             return False
-        from trainer.model.conv_bwd_triton import supported
+        from trainer.kernels.conv_bwd_triton import supported
 
         why = supported(y.shape[-1], self.group_size, taps, y.dtype)
         if why is not None and why not in _UNFIT_LOGGED:
@@ -283,7 +283,7 @@ class BlockConv(nn.Module):
 
     def _conv(self, x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, *, finish: bool = False) -> torch.Tensor:
         if self.kernel == "triton" and x.is_cuda:
-            from trainer.model.conv_triton import block_conv
+            from trainer.kernels.conv_triton import block_conv
 
             return block_conv(x, delta, base, block_size=self.block_size, group_size=self.group_size)
         if self.kernel == "autograd":  # the original form: autograd through the forward expression

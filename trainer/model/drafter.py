@@ -489,7 +489,7 @@ class DFlashDrafter(nn.Module):
         # Training-time memory option (not part of the checkpoint format): recompute layer activations in backward.
         self.activation_checkpointing = False
         # How a layer is called: plain by default; a replica's trainer installs its private compiled copy of
-        # `call_layer` (trainer/compile_scope.py: one dynamo cache per replica, never shared across threads).
+        # `call_layer` (trainer/core/compile_scope.py: one dynamo cache per replica, never shared across threads).
         self.layer_call: Callable[..., torch.Tensor] = call_layer
         self.context_call: Callable[..., torch.Tensor] = embed_context
         self.output_call: Callable[..., torch.Tensor] = finish_hidden

@@ -156,10 +156,10 @@ class TargetModel:
         adds) between the GEMMs: the qwen3-8b-shaped target's forward at the specforge shape ran at 417 TFLOP/s
         where its GEMMs alone reach ~600 (bench/results/pipeline.md 2026-12-05 "The target's forward alone"). One call for all layers, as the drafter's
         `call_layer`: dynamo takes the layer module as an input, so the 36 layers share one graph per input shape
-        instead of one each. A private copy (trainer/compile_scope.py), so targets in different threads never
+        instead of one each. A private copy (trainer/core/compile_scope.py), so targets in different threads never
         share a dynamo cache. The layers' forward hooks (the taps) still run: they wrap the compiled forward.
         Compiles at the first call of each shape: the pipeline warms every target before its threads start."""
-        from trainer.compile_scope import private_compile
+        from trainer.core.compile_scope import private_compile
 
         call = private_compile(_call_layer, **compile_kwargs)
         for layer in self._layers:

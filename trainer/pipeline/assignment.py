@@ -1,7 +1,7 @@
 """Who computes which micro-batch: a deterministic assignment, so data order survives threads and resumes.
 
 The run's micro-batches form one global sequence g = 0, 1, 2, ... (epoch by epoch, in the order
-trainer.data.epoch_batches gives). Optimizer step k (0-based) consumes D * A of them (D drafters, A = --grad-accum):
+trainer.data.batches.epoch_batches gives). Optimizer step k (0-based) consumes D * A of them (D drafters, A = --grad-accum):
 
     g(k, d, a) = (k * D + d) * A + a          drafter d's a-th micro-batch of step k
     target(g)  = g mod T                      round robin over the T target workers

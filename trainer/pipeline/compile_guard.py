@@ -18,7 +18,7 @@ recompile (new shape, device or guard) reopens that race. So:
 The stance and warning filters are process-global; they are set and restored by the main thread only while no
 worker runs, which is the one moment that is safe.
 3. No two workers share a dynamo cache: every compiled callable of a drafter replica is compiled from a private
-   copy of its function (trainer/compile_scope.py). Even with nothing left to compile, two threads looking up
+   copy of its function (trainer/core/compile_scope.py). Even with nothing left to compile, two threads looking up
    one code object's cache entries at the same time make the lookup fail now and then, which under the guard
    is a CompileGuardError (3 of 8 H200 runs before the fix; tests/trainer/test_compile_scope.py).
 """
@@ -74,7 +74,7 @@ def warm_up(
     Must be called from the main thread before worker threads exist. Raises the recompile limit so that all
     variants fit (each replica's compiled callables make their own entries, the loss kernels one per chunk
     shape), with room for the separate graphs dynamo makes around graph breaks."""
-    # Each replica compiles private copies (trainer/compile_scope.py), so one code object sees only its own
+    # Each replica compiles private copies (trainer/core/compile_scope.py), so one code object sees only its own
     # replica's entries: one per shape bucket x layer type / chunk shape. The limit only has to cover that.
     needed = 4 * len(variants) + 8
     if torch._dynamo.config.recompile_limit < needed:

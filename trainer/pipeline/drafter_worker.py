@@ -29,7 +29,7 @@ from trainer.pipeline.worker_supervisor import Supervisor
 
 
 class DrafterSideLike(Protocol):
-    """What the worker needs of trainer.step.DrafterSide."""
+    """What the worker needs of trainer.training.step.DrafterSide."""
 
     device: torch.device
 

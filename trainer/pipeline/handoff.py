@@ -60,7 +60,7 @@ class Parcel:
     g: int  # global micro-batch index (trainer.pipeline.assignment)
     epoch: int
     index: int
-    features: Any  # trainer.step.FeatureBatch
+    features: Any  # trainer.training.step.FeatureBatch
     weight_sum: float
     num_blocks: int
     num_ctx_tokens: int

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.config import TrainConfig, TrainerInputError
+from trainer.core.config import TrainConfig, TrainerInputError
 from trainer.pipeline.handoff import TRANSFER_MODES
 
 

@@ -16,9 +16,9 @@ import dataclasses
 import sys
 from typing import Any
 
-from trainer.checkpoint import CheckpointState
 from trainer.dist.cluster import Cluster
 from trainer.pipeline.replica_sync import differing_parameters, replica_checksums
+from trainer.state.checkpoint import CheckpointState
 
 
 class ReplicaDivergenceError(RuntimeError):

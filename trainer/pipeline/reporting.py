@@ -13,7 +13,7 @@ Queue depths, per-target rates and GPU memory stay this node's own. Three fields
 kinds only) and `dist_bytes_per_step_by_kind` (the same by kind, one-off kinds such as the start-up weight
 broadcast and checkpoint transfers included).
 
-`pipeline_checkpoint_parts` is ONE checkpoint for the whole run through trainer.checkpoint: the synced
+`pipeline_checkpoint_parts` is ONE checkpoint for the whole run through trainer.state.checkpoint: the synced
 drafter (replica 0), replica 0's optimizer state with the other replicas' states under "pipeline_replicas"
 (identical under --sync grad, so they are stored only for --sync average; in a distributed run every node's
 replicas, node-major), the schedule, the RNG, the data position (epoch, index of the next micro-batch) and,
@@ -28,13 +28,13 @@ from typing import Any
 
 import torch
 
-from trainer.config import TrainConfig
+from trainer.core.config import TrainConfig
 from trainer.dist.cluster import Cluster, LocalCluster
 from trainer.pipeline.assignment import Assignment
 from trainer.pipeline.channel import ChannelGroup
 from trainer.pipeline.coordinator import StepResult
 from trainer.pipeline.worker_supervisor import Supervisor
-from trainer.step import StepStats
+from trainer.training.step import StepStats
 
 ONE_OFF_KINDS = ("setup", "checkpoint")  # collectives that are not part of every step
 _STAT_FIELDS = (
@@ -173,7 +173,7 @@ def pipeline_checkpoint_parts(
     """What one consistent checkpoint of the whole pipeline holds, taken at a step boundary (every worker idle):
     the synced drafter, the optimizer state (per replica under `average`: `replica_optimizers`, every replica of
     the job, node-major; default this process's), the data position of every target. `nodes`: recorded for a
-    distributed run (resuming on another number of nodes is refused, trainer.preflight)."""
+    distributed run (resuming on another number of nodes is refused, trainer.training.preflight)."""
     optimizer = sides[0].optimizer.state_dict()
     if sync_mode == "average":
         states = replica_optimizers if replica_optimizers is not None else [s.optimizer.state_dict() for s in sides]

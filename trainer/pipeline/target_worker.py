@@ -21,7 +21,7 @@ from trainer.pipeline.worker_supervisor import Supervisor
 
 
 class TargetSideLike(Protocol):
-    """What the worker needs of trainer.step.TargetSide."""
+    """What the worker needs of trainer.training.step.TargetSide."""
 
     device: torch.device
 
@@ -32,7 +32,7 @@ class TargetSideLike(Protocol):
 class TargetWorker:
     name: str  # "target0"
     side: TargetSideLike
-    make_batch: Callable[[int], Any]  # g -> trainer.data.Batch on the CPU
+    make_batch: Callable[[int], Any]  # g -> trainer.data.batches.Batch on the CPU
     indices: Iterable[int]  # the g's this worker computes, increasing
     outputs: dict[int, Channel[Parcel]]  # drafter number -> channel
     drafter_devices: list[torch.device]

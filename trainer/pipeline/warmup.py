@@ -5,7 +5,7 @@ from the epochs' batches (sample lengths only, no token pages touched), and N an
 `warm_up_drafters` runs one real forward+backward per (drafter replica x distinct shape) — both layer-type
 masks (full, sliding) are built in every forward, so mask variants are covered — then throws the gradients
 away and restores the RNG, so the run trains exactly as if no warm-up had happened. The count of variants
-is what a compile-cache-cold start costs: keep shape buckets coarse (trainer.data.padded_length).
+is what a compile-cache-cold start costs: keep shape buckets coarse (trainer.data.batches.padded_length).
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer.checkpoint import restore_rng, rng_state
-from trainer.data import BatchStream, padded_length
+from trainer.data.batches import BatchStream, padded_length
 from trainer.pipeline.assignment import GlobalOrder
 from trainer.pipeline.compile_guard import WarmupReport, warm_up
+from trainer.state.checkpoint import restore_rng, rng_state
 
 
 def shapes_to_warm(
@@ -53,7 +53,7 @@ def warm_up_drafters(
 ) -> tuple[WarmupReport, set[tuple[int, int]]]:
     """Forward+backward every replica on one real batch of every shape not in `done` (warmed already); leaves
     weights, grads, RNG untouched. Returns the report and every shape warmed now or before. Needs no particular
-    weights: a restart warms its replicas before the checkpoint is read (trainer.loop). The features come from
+    weights: a restart warms its replicas before the checkpoint is read (trainer.training.loop). The features come from
     the first target; a compiled target (--target-compile) runs every shape too, since each compiles its own
     private copy and its thread may meet any shape."""
     shapes = {s: g for s, g in shapes_to_warm(stream, order, g_start, g_end, owns).items() if s not in done}

@@ -10,7 +10,7 @@ Contract:
   (stuck inside a CUDA call, say) is named in the returned list instead of hanging the process. Threads are
   daemons, so the interpreter can still exit.
 - Workers publish what they are doing (`set_phase`), which lets a stall report say which side starves.
-- A stop request (SIGTERM through trainer.signals.GracefulStop, or `stop_requested.set()`) is only looked at
+- A stop request (SIGTERM through trainer.core.signals.GracefulStop, or `stop_requested.set()`) is only looked at
   by the main thread's step loop at a step boundary; it writes one consistent checkpoint, then `shutdown()`.
 """
 

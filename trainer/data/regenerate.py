@@ -1,0 +1,103 @@
+"""Target regeneration for `prepare --regenerate`: batched `generate` over a shard's prompts.
+
+Prompts are left-padded (decoder-only generation continues from the right edge) and batched in input order.
+Generation stops at the first end-of-turn id (eos / `<|im_end|>`); that token is kept and supervised so the
+drafter learns where answers end; an answer cut by max_new_tokens is kept as is (no end token).
+Cost: one model in this process; on CPU the tiny target generates a few hundred tokens/s, on a GPU the
+batch size sets throughput (KV cache memory ~ 2 * layers * batch * (prompt + new) * kv_dim * bytes).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import torch
+
+from trainer.data.tokenizer_utils import end_of_turn_ids, tokenize_prompt
+
+
+def load_target_lm(path: str, dtype_name: str = "auto") -> tuple[Any, torch.device]:
+    """The HF causal LM at `path`, in eval mode; dtype `auto`: bf16 on CUDA, fp32 on CPU (CPU bf16 matmuls are
+    slow); `float32` where the data must be the fp32 model's own greedy answers (a small target on a GPU)."""
+    from transformers import AutoModelForCausalLM
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
+        dtype_name, torch.bfloat16 if device.type == "cuda" else torch.float32
+    )
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()  # type: ignore[arg-type]  # .to() typed by wraps()
+    return model, device
+
+
+class Regenerator:
+    """Holds the target and tokenizer; `shard_samples(prompts, seed)` -> [(ids, mask)] in prompt order."""
+
+    def __init__(self, target_path: str, tokenizer: Any, options: Any) -> None:
+        self.model, self.device = load_target_lm(target_path, getattr(options, "dtype", "auto"))
+        self.tokenizer = tokenizer
+        self.options = options
+        self.stops = end_of_turn_ids(tokenizer)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stops[0]
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
+        """Generated ids per prompt (cut after the first end-of-turn id)."""
+        torch.manual_seed(seed)
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            attention[row, width - len(prompt) :] = 1
+        sampled = self.options.temperature > 0
+        output = self.model.generate(
+            input_ids=input_ids.to(self.device),
+            attention_mask=attention.to(self.device),
+            max_new_tokens=self.options.max_new_tokens,
+            do_sample=sampled,
+            temperature=self.options.temperature if sampled else None,
+            top_p=None,
+            top_k=None,
+            eos_token_id=self.stops,
+            pad_token_id=self.pad_id,
+        )
+        answers = []
+        for row in output[:, width:].tolist():
+            cut = next((i + 1 for i, t in enumerate(row) if t in self.stops), len(row))
+            answers.append(row[:cut])
+        return answers
+
+    def shard_samples(
+        self, conversations: list[list[dict]], *, seed: int, label: str = ""
+    ) -> list[tuple[list[int], list[int]]]:
+        """One (ids, loss mask) per conversation, whose trailing assistant turns the caller has already cut
+        (prepare.prompt_part): this module takes prompts, so it needs nothing back from prepare."""
+        prompts = [tokenize_prompt(self.tokenizer, c, self.options.enable_thinking) for c in conversations]
+        samples: list[tuple[list[int], list[int]]] = []
+        batch = self.options.batch_size
+        started, generated = time.monotonic(), 0
+        for start in range(0, len(prompts), batch):
+            chunk = prompts[start : start + batch]
+            for prompt, answer in zip(chunk, self.generate(chunk, seed * 1_000_003 + start)):
+                samples.append((prompt + answer, [0] * len(prompt) + [1] * len(answer)))
+                generated += len(answer)
+            # Progress on stderr, one line per batch (logs stay readable in a file; no carriage returns).
+            done, elapsed = min(start + batch, len(prompts)), time.monotonic() - started
+            print(
+                f"regenerate {label}: {done}/{len(prompts)} prompts, {generated} tokens, "
+                f"{generated / max(elapsed, 1e-9):.0f} tok/s, {elapsed:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+        return samples
+
+
+def choose_threads(cores: int | None = None) -> int:
+    """Intra-op threads for CPU generation and training: half the cores (one on a 2-core machine). Under load, two
+    OpenMP threads on the 2-core machine ran 7x slower than one (they spin against other processes), and the load
+    changes during a long run, so a choice made from the load at start is no safer than this fixed one."""
+    import os
+
+    return max(1, (cores or os.cpu_count() or 1) // 2)

@@ -1,0 +1,1 @@
+"""Acceptance length: block (eval) and tree (ddtree) speculative decoding against a target."""

@@ -1,0 +1,1 @@
+"""Writing a trained drafter in the public formats (z-lab DFlash, speculators)."""

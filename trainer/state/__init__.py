@@ -1,0 +1,1 @@
+"""What a run leaves on disk and hands on: checkpoints, metrics, failure reports, the hand-over."""
