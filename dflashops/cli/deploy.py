@@ -269,6 +269,7 @@ def report(invocation: Invocation, outcome: DeployOutcome, args: argparse.Namesp
                 timeout=args.timeout,
                 cursor=cursor,
                 on_text=lambda text: sys.stderr.write(highlight_errors(text, sys.stderr)),
+                observe=True,
             )
         except KeyboardInterrupt:  # quietly: the run was launched and goes on; say how to follow it again
             sys.stderr.flush()
