@@ -2,7 +2,7 @@
 
 Connections are opened lazily and reused (one per target per invocation); `close()` releases them. Nothing here
 acts on what a verb reads: the verbs that act on a run's observed state call the observer
-(ops/runs/observer.py) themselves. A `read_only` invocation (logs, watch) opens the lineage for reading only: it
+(ops/runs/observer.py) themselves. A `read_only` invocation (logs, watch, attach) opens the lineage for reading only: it
 never creates, migrates or writes the file.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from dflashops.errors import DflashopsError, NotFound
@@ -25,8 +26,8 @@ from dflashops.transport import open_transport
 class Invocation:
     inventory: Inventory
     dry_run: bool = False
-    # The verb only reads (logs, watch): the lineage is opened read-only, so a write anywhere below fails loudly
-    # instead of changing the file, and a missing or old-schema file reads as holding no runs.
+    # The verb only reads (logs, watch, attach): the lineage file is opened read-only, so a write to it anywhere
+    # below fails loudly instead of changing it; a missing or old-schema file reads as holding no runs.
     read_only: bool = False
     _db: LineageDB | None = None
     _agents: dict[str, Agent] = field(default_factory=dict)
@@ -70,7 +71,7 @@ class Invocation:
         return self._db
 
     @staticmethod
-    def _reading_db(path: Any) -> LineageDB:
+    def _reading_db(path: Path) -> LineageDB:
         """The lineage for a read-only verb: the file opened read-only, or an empty in-memory database where there
         is no file yet or its schema is older (migrating it would be a write)."""
         try:

@@ -56,14 +56,19 @@ def test_logs_leaves_the_lineage_file_as_it_was(env: Env, capsys: pytest.Capture
     assert lineage_state(env.db, "rd") == "finished"
 
 
-def test_logs_neither_creates_nor_migrates_the_lineage(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+def test_logs_does_not_create_the_lineage(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
     finished_but_recorded_running(env, capsys, "rd")
     env.db.rename(env.root / "kept.sqlite")
     code, out, err = env.cli("logs", "rd", capsys=capsys)
     assert code == 0 and "step" in out, err  # found on the default target, as with no record
     assert not env.db.exists()
 
-    # A lineage file of schema version 0 (its migrations table, nothing applied): reading it must not migrate it.
+
+def test_logs_does_not_migrate_the_lineage(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    """A lineage file of schema version 0 (its migrations table, nothing applied): reading it must not migrate it."""
+    finished_but_recorded_running(env, capsys, "rd")
+    for suffix in ("", "-wal", "-shm"):  # the whole database, its WAL files included, so no old page comes back
+        env.db.with_name(env.db.name + suffix).unlink(missing_ok=True)
     conn = sqlite3.connect(env.db)
     conn.execute("CREATE TABLE schema_migrations (version INTEGER PRIMARY KEY, applied_at TEXT NOT NULL)")
     conn.commit()

@@ -43,10 +43,6 @@ class Observed:
         shown by `runs tree`)."""
         return list(self.revivals)
 
-    def add(self, other: Observed) -> None:
-        for key in ("adopted", "revivals", "events", "recorded"):
-            getattr(self, key).extend(getattr(other, key))
-
 
 def observe_runs(invocation: Invocation, entries: list[dict[str, Any]]) -> Observed:
     """Steps 1-4 of the module docstring for each run of `entries` (as run_status/target_status answer them: the
