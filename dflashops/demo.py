@@ -72,6 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 fail_on=DEFAULT_FAIL_ON,
                 timeout=args.timeout,
                 on_text=lambda text: sys.stderr.write(text),
+                observe=True,  # the run's end into its lineage record, which `runs tree` (the next step) shows
             )
             final = run_status(invocation, outcome.name)[0]
     except DflashopsError as exc:

@@ -25,8 +25,12 @@ if TYPE_CHECKING:
 
 
 @contextmanager
-def open_invocation(args: argparse.Namespace, *, dry_run: bool = False) -> Iterator[Invocation]:
-    invocation = Invocation(load_inventory(getattr(args, "inventory", None)), dry_run=dry_run)
+def open_invocation(
+    args: argparse.Namespace, *, dry_run: bool = False, read_only: bool = False
+) -> Iterator[Invocation]:
+    """The verb's Invocation, closed after it; then what it did on the side (notifications, warnings) on stderr.
+    `read_only`: a verb that only reads (logs, watch): the lineage is opened read-only (Invocation.read_only)."""
+    invocation = Invocation(load_inventory(getattr(args, "inventory", None)), dry_run=dry_run, read_only=read_only)
     try:
         yield invocation
     finally:

@@ -1,4 +1,12 @@
-"""`stop`, `status`, `logs`, `exec`, `attach`, `gc`: thin wrappers over dflashops.ops."""
+"""`stop`, `status`, `logs`, `exec`, `attach`, `gc`: thin wrappers over dflashops.ops.
+
+What each may change (docs/architecture.md "Reading and acting"):
+- `status`: what the observer changes (ops/runs/observer.py): a dead supervisor started again (said on stderr), a
+  supervisor-made run recorded, notifications queued (once each), the runs' lineage records following their state;
+- `stop`: the run (signals), then what the observer changes; `gc`: the target's files it lists, the lineage's
+  `collected` marks; `exec`: whatever the command does;
+- `logs`, `attach`: nothing (the lineage is opened read-only: never created, migrated or written).
+"""
 
 from __future__ import annotations
 
@@ -28,6 +36,7 @@ from dflashops.lineage.files import AGENT_STATE_TO_LINEAGE
 from dflashops.lineage.record import utc_now_iso
 from dflashops.ops.fleet.nodes import node_target, unreachable_error
 from dflashops.ops.runs.control import LogCursor, ended_badly, read_log, run_status, stop_run, target_status, wait_for
+from dflashops.ops.runs.observer import observe_runs
 from dflashops.shell import join_argv, validate_name
 
 # `status` without RUN shows runs that have not ended and those that ended in the last day: a workspace keeps
@@ -311,6 +320,8 @@ def report_joined_stop(run: str, answer: dict[str, Any]) -> int:
 
 
 def handle_status(args: argparse.Namespace) -> int:
+    """The runs' facts on stdout, after the observer's step (what it did on stderr). May change: see the module
+    docstring (`status`)."""
     if args.all:
         from dflashops.cli import fanout as fanout_cli  # rich: only --all pays its import
 
@@ -322,6 +333,9 @@ def handle_status(args: argparse.Namespace) -> int:
             runs, hidden = target_status(invocation, args.target, ended_within_s=RECENT_S)
         else:
             runs = run_status(invocation, args.run, target=args.target, unreachable_ok=True)
+        # The one step of `status` that acts (ops/runs/observer.py), before the table, which shows a revival.
+        for line in observe_runs(invocation, runs).lines:
+            progress(line)
         # A run on several targets: every node's line, also when one cannot be reached; the GPUs are those
         # of the first node that answered.
         reached = [entry for entry in runs if entry["state"] != "unreachable"]
@@ -377,12 +391,13 @@ def handle_logs(args: argparse.Namespace) -> int:
             hint=f"dflashops logs {args.run} -n 20  (the last 20 lines)",
         )
     cursor = LogCursor(offset=args.since, last_lines=args.tail, to_line_start=args.since > 0)
+    # May change: nothing. A crashed run seen at the end of `logs -f` is an exit status, not an observation.
 
     def write(text: str) -> None:
         sys.stdout.write(text if args.raw else highlight_errors(text))
         sys.stdout.flush()
 
-    with open_invocation(args) as invocation:
+    with open_invocation(args, read_only=True) as invocation:
         if args.node is not None:
             args.target = args.target or node_target(invocation, args.run, args.node)
         try:
@@ -442,7 +457,7 @@ def handle_exec(args: argparse.Namespace) -> int:
 def handle_attach(args: argparse.Namespace) -> int:
     from dflashops.ops.runs.attach import attach_argv
 
-    with open_invocation(args) as invocation:
+    with open_invocation(args, read_only=True) as invocation:
         argv = attach_argv(invocation, args.run, target=args.target, node=args.node)
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise UsageError(

@@ -1,4 +1,9 @@
-"""`deploy` and `restart`: launch a run (optionally waiting on its log), or relaunch one as its child."""
+"""`deploy` and `restart`: launch a run (optionally waiting on its log), or relaunch one as its child.
+
+May change: the target's releases, the run (restart: the old one stopped), the lineage (the new record), the
+supervisor and notifications; the start wait and `--wait` hand what they read to the observer
+(ops/runs/observer.py), which may also start a dead supervisor again and update the record.
+"""
 
 from __future__ import annotations
 
@@ -269,6 +274,7 @@ def report(invocation: Invocation, outcome: DeployOutcome, args: argparse.Namesp
                 timeout=args.timeout,
                 cursor=cursor,
                 on_text=lambda text: sys.stderr.write(highlight_errors(text, sys.stderr)),
+                observe=True,
             )
         except KeyboardInterrupt:  # quietly: the run was launched and goes on; say how to follow it again
             sys.stderr.flush()

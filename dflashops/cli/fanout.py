@@ -35,7 +35,10 @@ def failed_row(table: Table, result: FanoutResult[Any], columns: int) -> None:
 def handle_status_all(args: argparse.Namespace) -> int:
     if args.run or args.target:
         raise UsageError("--all reports every run of every target; drop RUN/--target, or drop --all")
-    results = status_all(load_inventory(getattr(args, "inventory", None)), timeout=args.all_timeout)
+    told: list[str] = []  # what the observer did on each target (a supervisor started again, a notification queued)
+    results = status_all(load_inventory(getattr(args, "inventory", None)), timeout=args.all_timeout, told=told)
+    for line in told:
+        progress(line)
     if args.json:
         emit_json(
             {

@@ -4,6 +4,7 @@
 A rich progress bar with the rate on stderr (plain lines when stderr is not a terminal); on stdout the
 destination folder, or with --json the whole outcome (files, how each came: fetched / resumed / unchanged,
 bytes sent, rate).
+May change: the destination folder here (and with --export the run's export on the target); no observer step.
 """
 
 from __future__ import annotations

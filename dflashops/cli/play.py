@@ -5,6 +5,8 @@ stdout: with --json the whole report, otherwise the tables that `collect` steps 
 the exact commands each step would run (`# [N] kind: label` headers, then one command per line).
 Exit code: 0 when the playbook completed (failures under `on_failure: continue` included), else the
 exit code of the error that stopped it (a refused playbook exits 2 before any step runs).
+May change: what its steps do; its `wait` and `assert` steps on a run hand what they read to the observer
+(ops/runs/observer.py), as `status` does. With --check: nothing.
 """
 
 from __future__ import annotations

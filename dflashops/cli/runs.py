@@ -314,9 +314,8 @@ def _import_statuses(db: LineageDB, target: str, statuses: list[dict[str, Any]])
 
 
 def _statuses_from_target(args: argparse.Namespace, target: str) -> list[dict[str, Any]]:
-    """The agent's `status` answer for every run on `target` (through C1's invocation/agent seam). The agent
-    is called directly rather than through ops.control.run_status, which would also write states into the
-    inventory's database when `--db` names another one."""
+    """The agent's `status` answer for every run on `target` (through the invocation's agent): the entries only,
+    read into the database `runs sync` writes (`--db` may name one other than the inventory's); no observer step."""
     from dflashops.cli.common import open_invocation
 
     with open_invocation(args) as invocation:

@@ -7,7 +7,8 @@ plus the target's GPUs (memory and utilisation). `watch RUN` ends when the run e
 or was stopped, 7 (`error:` with how it ended) when it crashed or was lost. When the target stops answering, the last data stays on screen
 with `STALE <n>s` and the error, and each refresh tries again. `q` quits (keys are read from the tty
 without blocking; Ctrl-C works too). `--once` renders one frame to stdout; `--json` prints one snapshot.
-It never changes a run: it only reads (ops/observe/watch.py).
+May change: nothing. It only reads (ops/observe/watch.py): no observer step, so a dead supervisor is shown as
+"supervisor died, NOT restarted" and left for `status` to start again; the lineage is opened read-only.
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def handle_watch(args: argparse.Namespace) -> int:
 
 def watch(args: argparse.Namespace) -> int:
     """The view of handle_watch: one frame (--once, --json, an ended run), else live until q or the run's end."""
-    with open_invocation(args) as invocation:
+    with open_invocation(args, read_only=True) as invocation:
         watcher = Watcher(invocation, args.run, args.target)
         try:
             watcher.refresh()  # a run that does not exist, or an unreachable target, is an error right here

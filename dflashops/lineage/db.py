@@ -80,8 +80,12 @@ ImportOutcome = Literal["added", "updated", "unchanged"]
 class LineageDB:
     """Run records in one SQLite file. Open with `LineageDB(path)`; use as a context manager or `close()`."""
 
-    def __init__(self, path: Path | str) -> None:
+    def __init__(self, path: Path | str, *, read_only: bool = False) -> None:
+        """`read_only`: never written, never migrated, never created (NotFound when the file is missing); a file
+        of an older schema then reads as holding no runs (`needs_migration`), since migrating it is a write."""
         self.path = Path(path)
+        if read_only and not (self.path.exists() and self.path.stat().st_size > 0):
+            raise NotFound(f"lineage database {self.path} does not exist", hint="a deploy or `runs sync` creates it")
         if not self.path.parent.is_dir():
             raise NotFound(
                 f"lineage database folder {self.path.parent} does not exist",
@@ -95,8 +99,9 @@ class LineageDB:
             )
         # A file this process cannot write is opened read-only: list/show/status still read it, and the
         # first write (a deploy's name claim, before anything is synced) is refused with one error line.
-        self._conn = Connection(self.path, timeout_s=BUSY_TIMEOUT_MS / 1000)
+        self._conn = Connection(self.path, timeout_s=BUSY_TIMEOUT_MS / 1000, read_only=read_only)
         self._in_batch = False
+        self.needs_migration = False
         try:
             if existed:
                 self._check_readable()  # reads only: a refused file is left byte-for-byte as it was
@@ -108,7 +113,9 @@ class LineageDB:
                 )  # WAL + NORMAL: durable at checkpoint, no fsync per commit
                 self._migrate()
             elif self._schema_version() < SCHEMA_VERSION:
-                self._conn.refuse_writes()  # it needs a migration, which is a write
+                self.needs_migration = True
+                if not read_only:
+                    self._conn.refuse_writes()  # it needs a migration, which is a write
         except DflashopsError:
             self._conn.close()
             raise

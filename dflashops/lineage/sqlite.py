@@ -53,9 +53,10 @@ def not_writable_reason(path: Path) -> str | None:
 class Connection:
     """One sqlite3 connection; `query` returns all rows, `run` executes; both raise LineageDBError only."""
 
-    def __init__(self, path: Path, *, timeout_s: float) -> None:
+    def __init__(self, path: Path, *, timeout_s: float, read_only: bool = False) -> None:
         self.path = path
-        self.read_only = not_writable_reason(path)
+        # `read_only`: the caller only reads (logs, watch), so this connection never writes, whatever the file allows.
+        self.read_only = "opened for reading only" if read_only else not_writable_reason(path)
         try:
             if self.read_only is None:
                 self.raw = sqlite3.connect(path, timeout=timeout_s, isolation_level=None)

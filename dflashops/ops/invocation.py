@@ -1,23 +1,24 @@
 """One CLI invocation's state: the inventory, the lineage database, and one agent per target used.
 
-Connections are opened lazily and reused (one per target per invocation); `close()` releases them.
+Connections are opened lazily and reused (one per target per invocation); `close()` releases them. Nothing here
+acts on what a verb reads: the verbs that act on a run's observed state call the observer
+(ops/runs/observer.py) themselves. A `read_only` invocation (logs, watch, attach) opens the lineage for reading only: it
+never creates, migrates or writes the file.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from dflashops.errors import DflashopsError, NotFound
 from dflashops.inventory import Inventory, Target
 from dflashops.lineage import LineageDB, LineageDBError, RunRecord
-from dflashops.lineage.files import AGENT_STATE_TO_LINEAGE
 from dflashops.lineage.naming import close_names
 from dflashops.ops.agent_client import Agent
 from dflashops.ops.observe.notify import Notifier
-from dflashops.ops.observe.observe import observe
-from dflashops.ops.runs.supervise import revive
 from dflashops.transport import open_transport
 
 
@@ -25,6 +26,9 @@ from dflashops.transport import open_transport
 class Invocation:
     inventory: Inventory
     dry_run: bool = False
+    # The verb only reads (logs, watch, attach): the lineage file is opened read-only, so a write to it anywhere
+    # below fails loudly instead of changing it; a missing or old-schema file reads as holding no runs.
+    read_only: bool = False
     _db: LineageDB | None = None
     _agents: dict[str, Agent] = field(default_factory=dict)
     # Things that went wrong on the side of a verb that still did its job (the lineage could not follow
@@ -59,9 +63,25 @@ class Invocation:
     def db(self) -> LineageDB:
         if self._db is None:
             path = self.inventory.lineage_path
-            # A dry run must not create the database file: an empty in-memory one answers its lookups.
-            self._db = LineageDB(":memory:" if self.dry_run and not path.exists() else path)
+            if self.read_only:
+                self._db = self._reading_db(path)
+            else:
+                # A dry run must not create the database file: an empty in-memory one answers its lookups.
+                self._db = LineageDB(":memory:" if self.dry_run and not path.exists() else path)
         return self._db
+
+    @staticmethod
+    def _reading_db(path: Path) -> LineageDB:
+        """The lineage for a read-only verb: the file opened read-only, or an empty in-memory database where there
+        is no file yet or its schema is older (migrating it would be a write)."""
+        try:
+            db = LineageDB(path, read_only=True)
+        except NotFound:
+            return LineageDB(":memory:")
+        if db.needs_migration:
+            db.close()
+            return LineageDB(":memory:")
+        return db
 
     def agent(self, target: Target) -> Agent:
         if target.name not in self._agents:
@@ -114,31 +134,6 @@ class Invocation:
             pass
         names.discard(name)
         return close_names(name, names)
-
-    def note_state(self, status: dict) -> None:
-        """Mirror an agent status entry into the lineage record (when the run is recorded); first adopt a
-        supervisor-made run and notify what changed (ops/observe/observe.py). Best effort: the verb that asked (stop,
-        status) has done its job on the target already, so a database that cannot be read or written becomes
-        a warning, not a failure."""
-        if self.dry_run:
-            return
-        try:
-            self._note_state(status)
-        except LineageDBError as exc:
-            self.warn(f"the lineage was not updated: {exc.message}")
-
-    def _note_state(self, status: dict) -> None:
-        record = self.record_of(str(status.get("name")))
-        observe(self, status, record, revive)
-        record = record or self.record_of(str(status.get("name")))
-        if record is None:
-            return
-        state = AGENT_STATE_TO_LINEAGE.get(str(status.get("state")), "crashed")
-        fields: dict = {"exit_code": status.get("exit_code")}
-        if isinstance(status.get("step"), int):
-            fields["last_step"] = status["step"]
-        if state != record.state or any(getattr(record, k) != v for k, v in fields.items()):
-            self.db.set_state(record.name, state, **fields)
 
     def close(self) -> None:
         if self._notifier is not None:

@@ -1,9 +1,9 @@
 """What the services below an Invocation use of it: the seam that keeps ops/invocation.py at the top.
 
-`Invocation` (ops/invocation.py) owns one CLI call's state and the services that act on it: observation
-(ops/observe/observe.py), notification (ops/observe/notify.py), the in-target supervisor (ops/runs/supervise.py) and the one-target
-launch (ops/runs/launch.py). Those take a `Session`, this Protocol, instead of importing Invocation, so that
-Invocation can import them without an import circle; an Invocation is a Session as it is (structural typing).
+`Invocation` (ops/invocation.py) owns one CLI call's state. The services that act with it (observation,
+ops/observe/observe.py; notification, ops/observe/notify.py; the in-target supervisor, ops/runs/supervise.py; the
+one-target launch, ops/runs/launch.py) take a `Session`, this Protocol, instead of importing Invocation, so that
+none of them depends on the top of ops/; an Invocation is a Session as it is (structural typing).
 """
 
 from __future__ import annotations

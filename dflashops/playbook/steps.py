@@ -21,6 +21,7 @@ from dflashops.ops.releases.sync import sync
 from dflashops.ops.runs.control import DEFAULT_FAIL_ON, LogCursor, NotRunning, read_log, run_status, stop_run, wait_for
 from dflashops.ops.runs.deploy import deploy
 from dflashops.ops.runs.launch import DeployRequest
+from dflashops.ops.runs.observer import observe_and_tell
 from dflashops.ops.runs.restart import RestartRequest, restart
 from dflashops.playbook.expr import MissingMetric, lookup, parse
 from dflashops.shell import join_argv
@@ -224,6 +225,7 @@ def do_wait(ctx: Context, args: dict[str, Any]) -> StepOutcome:
             target=ctx.target_arg(args),
             timeout=timeout,
             poll_s=_number(args, "poll", 0.5),
+            observe=True,
         )
         return StepOutcome(False, f"{run}: matched {line.strip()[:120]!r}", {"line": line.strip()})
     return _wait_metric(ctx, run, str(args["metric"]), fail_on, timeout, args)
@@ -247,7 +249,7 @@ def _wait_metric(
                     f"{run}: failure pattern {fail_on!r} in the log: {bad.strip()}",
                     hint=f"`dflashops logs {run}` shows the whole log",
                 )
-        entry = run_status(ctx.invocation, run, target=ctx.target_arg(args))[0]
+        entry = _observed_status(ctx, run, args)[0]
         values = {**(entry.get("last_metrics") or {}), "state": entry["state"]}
         try:
             if condition.evaluate(values):
@@ -269,8 +271,16 @@ def _wait_metric(
         time.sleep(poll)
 
 
+def _observed_status(ctx: Context, run: str, args: dict[str, Any]) -> list[dict[str, Any]]:
+    """The run's status entries, handed to the observer: a playbook acts on runs, so its reads do what `status`
+    does (ops/runs/observer.py: a dead supervisor started again, an end notified once, the lineage following)."""
+    entries = run_status(ctx.invocation, run, target=ctx.target_arg(args))
+    observe_and_tell(ctx.invocation, entries)
+    return entries
+
+
 def _run_values(ctx: Context, run: str, args: dict[str, Any]) -> dict[str, Any]:
-    entry = run_status(ctx.invocation, run, target=ctx.target_arg(args))[0]
+    entry = _observed_status(ctx, run, args)[0]
     return {
         **(entry.get("last_metrics") or {}),
         "state": entry["state"],

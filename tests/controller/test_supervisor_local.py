@@ -291,6 +291,39 @@ def test_a_dead_supervisor_is_seen_said_and_started_again_by_the_next_status(
     assert "had died" not in err and "supervisor died" not in out
 
 
+def test_watch_shows_a_dead_supervisor_and_leaves_it_to_status(sup: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    """`watch` only reads: it shows that the supervisor died and starts none (no new pid, no supervisor.json
+    change); the next `status` starts it again and says so on stderr, once."""
+    code, _, err = sup.cli(
+        "deploy", "--detach", "--profile", "gated", "--name", "wd", "--launcher", "nohup", capsys=capsys
+    )
+    assert code == 0, err
+    dead = wait_supervisor(sup, "wd", states=("watching",))["pid"]
+    os.kill(dead, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{dead}").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    state_file = sup.runs / "wd" / "supervisor.json"
+    before = state_file.read_bytes()
+
+    code, out, err = sup.cli("watch", "wd", "--json", capsys=capsys)
+    assert code == 0, err
+    assert json.loads(out)["runs"][0]["supervision"] == "supervisor died; `dflashops status` restarts it"
+    assert "had died" not in err
+    code, out, err = sup.cli("watch", "wd", "--once", capsys=capsys)
+    assert code == 0 and "supervisor died; `dflashops status` restarts it" in out, err
+    time.sleep(0.5)  # a supervisor started by mistake would have rewritten its state file by now
+    assert state_file.read_bytes() == before and json.loads(before)["pid"] == dead
+
+    code, out, err = sup.cli("status", "wd", capsys=capsys)
+    assert code == 0, err
+    assert f"wd's supervisor (pid {dead}) had died; started a new one (pid " in err
+    assert "(supervisor died, restarted (pid " in out
+    code, out, err = sup.cli("status", "wd", capsys=capsys)
+    assert "had died" not in err and "supervisor died" not in out
+
+
 def test_a_supervisor_of_the_file_era_is_still_known_after_an_upgrade(tmp_path: Path) -> None:
     """A supervisor started by an older controller ran as its own file (`.dflashops/supervisor-<sha12>.py`): the
     agent still knows it as one, so a stop after the upgrade cancels it; any other process is not one."""

@@ -29,6 +29,7 @@ from dflashops.errors import DflashopsError
 from dflashops.inventory import Inventory, Target
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.runs.control import run_status, stop_run
+from dflashops.ops.runs.observer import observe_runs
 
 R = TypeVar("R")
 DEFAULT_TIMEOUT_S = 60.0
@@ -109,11 +110,23 @@ def _with_invocation(inventory: Inventory, dry_run: bool, body: Callable[[Invoca
         invocation.close()
 
 
-def status_all(inventory: Inventory, *, timeout: float = DEFAULT_TIMEOUT_S) -> list[FanoutResult[list[dict[str, Any]]]]:
-    """Every run on every target (the agent's status entries per target)."""
+def status_all(
+    inventory: Inventory, *, timeout: float = DEFAULT_TIMEOUT_S, told: list[str] | None = None
+) -> list[FanoutResult[list[dict[str, Any]]]]:
+    """Every run on every target (the agent's status entries per target), each target's handed to the observer
+    as `status` does (ops/runs/observer.py). May change what the observer changes; the lines of what it did (and
+    the notifications it queued) are appended to `told`, for the CLI to print."""
+
+    def read_and_observe(invocation: Invocation, target: Target) -> list[dict[str, Any]]:
+        entries = run_status(invocation, None, target=target.name)
+        lines = observe_runs(invocation, entries).lines
+        if told is not None:
+            told.extend([*lines, *invocation.notices])  # list.extend holds the GIL: safe from the fan-out's threads
+        return entries
+
     return fan_out(
         remote_targets(inventory),
-        lambda t: _with_invocation(inventory, False, lambda inv: run_status(inv, None, target=t.name)),
+        lambda t: _with_invocation(inventory, False, lambda inv: read_and_observe(inv, t)),
         timeout=timeout,
     )
 

@@ -34,6 +34,7 @@ from dflashops.ops.runs.launch import (
     claim_name,
     launch_on,
 )
+from dflashops.ops.runs.observer import observe_and_tell
 
 NODE_PLACEHOLDERS = re.compile(r"\{(node_rank|nnodes|master_addr|master_port|rdzv_id)\}")
 
@@ -290,32 +291,6 @@ def unreachable_error(name: str, entries: list[dict[str, Any]]) -> TransportErro
     return None
 
 
-def overall(entries: list[dict[str, Any]]) -> dict[str, Any]:
-    """One entry for a whole run: itself for one node; for several, node 0's with the job's state: running
-    while any node runs, else crashed/lost when any node did (with that node's error line), else unreachable
-    when a node could not be asked (its state is not known), else node 0's."""
-    if len(entries) == 1 or "node" not in entries[0]:
-        return entries[0]
-    combined = dict(entries[0])
-    for state in ("running", "stopping", "launching", "crashed", "lost", "unreachable", "missing"):
-        hit = next((entry for entry in entries if entry["state"] == state), None)
-        if hit is not None:
-            combined.update(
-                state=hit["state"] if hit["state"] != "missing" else "lost",
-                error_line=hit.get("error_line") or combined.get("error_line"),
-                exit_code=hit.get("exit_code") if state in ("crashed", "lost") else combined["exit_code"],
-            )
-            break
-    combined["nodes"] = [
-        {
-            **{key: entry.get(key) for key in ("node", "target", "state", "exit_code", "step")},
-            **({"error": entry["error"]} if "error" in entry else {}),
-        }
-        for entry in entries
-    ]
-    return combined
-
-
 def read_nodes(
     invocation: Invocation, name: str, nodes: list[RunNode], read_one: Callable[..., Iterator[str]], *, follow: bool
 ) -> Iterator[str]:
@@ -396,7 +371,7 @@ def relaunch_nodes(
     except not_running:
         stop = None
     entries = status_nodes(invocation, old.name, nodes)
-    invocation.note_state(overall(entries))
+    observe_and_tell(invocation, entries)
     checkpoint = None
     if resume:
         first = next(entry for entry in entries if entry["node"] == 0)

@@ -207,12 +207,12 @@ class Notifier:
             self._ledger = Ledger(self.path)
         return self._ledger
 
-    def send(self, event: dict[str, Any], *, delivered_by_target: bool = False) -> None:
+    def send(self, event: dict[str, Any], *, delivered_by_target: bool = False) -> bool:
         """Queue one event on every configured channel that has not had it yet (`delivered_by_target`: the
-        supervisor POSTed it already; only the command channel is queued)."""
+        supervisor POSTed it already; only the command channel is queued); True when it was queued anywhere."""
         config = self.config
         if config is None or event.get("event") not in config.events:
-            return
+            return False
         self.look()
         payload = {**{k: v for k, v in event.items() if k != "webhook"}, "text": f"dflashops: {event.get('message')}"}
         url = self.url
@@ -231,6 +231,7 @@ class Notifier:
         if queued:
             self._pending = True
             self.notices.append(f"notification {event['id']} queued for {' and '.join(queued)}")
+        return bool(queued)
 
     def look(self) -> None:
         """Once per CLI call: report the deliveries that failed for good since the last look, and note whether

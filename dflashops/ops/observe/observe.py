@@ -1,27 +1,23 @@
-"""What the controller does with every run status it sees (Invocation.note_state calls `observe` first):
+"""The parts of observing a run status that need nothing of the launch layer (the observer itself, which also
+starts a dead supervisor again, is ops/runs/observer.py):
 
-1. a run the lineage does not know, whose run.json says the in-target supervisor made it (`extra.auto_restart`),
-   is recorded (the same import `runs sync` does), so `runs tree` shows the auto-restarts after a `status`;
-2. events the supervisor recorded in the run's events.jsonl are delivered (ops/observe/notify.py; once each);
-3. a state change against the lineage record (running -> crashed/finished/stopped) becomes an event;
-4. a run whose in-target supervisor died gets a new one (ops/runs/supervise.py `revive`, handed in by the Invocation).
+- `adopt`: a run the lineage does not know, whose run.json says the in-target supervisor made it
+  (`extra.auto_restart`), is recorded (the same import `runs sync` does);
+- `deliver`: events the supervisor recorded in the run's events.jsonl, and a state change against the lineage
+  record (running -> crashed/finished/stopped), are handed to the notifier (ops/observe/notify.py; once each);
+- `started`: the event of a launch by deploy/restart.
 Cost: nothing when `notify` is not configured and no run is new; else one ledger lookup per event.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 from dflashops.errors import DflashopsError
 from dflashops.lineage import RunRecord
 from dflashops.lineage.files import AGENT_STATE_TO_LINEAGE, import_dict_from_status
 from dflashops.ops.session import Session
-
-# Starts a dead supervisor again and says so (ops/runs/supervise.py `revive`): passed in by the Invocation, which
-# owns this service, so that observe needs nothing of the launch layer (supervise imports this module).
-Reviver = Callable[[Session, dict[str, Any]], str | None]
 
 ENDINGS = {"crashed": "crashed", "finished": "finished", "stopped": "stopped"}
 
@@ -68,22 +64,21 @@ def ending_event(status: dict[str, Any], previous: str | None) -> dict[str, Any]
     }
 
 
-def observe(invocation: Session, status: dict[str, Any], record: RunRecord | None, revive: Reviver) -> None:
-    """Steps 1-4 of the module docstring for one status entry; `revive` is step 4's (ops/runs/supervise.py)."""
-    if record is None and adopt(invocation, status):
-        record = invocation.record_of(str(status.get("name")))
-    dead = (status.get("supervisor") or {}).get("alive") is False  # a helper that died is seen and restarted
-    if dead and (notice := revive(invocation, status)):
-        invocation.notices.append(notice)
+def deliver(invocation: Session, status: dict[str, Any], record: RunRecord | None) -> list[str]:
+    """Hand the notifier the events of one status entry (the supervisor's, then the run's end against `record`'s
+    state); the ids of those it had not seen before. Nothing when `notify` is not configured."""
     notifier = invocation.notifier
     if notifier.config is None:
-        return
+        return []
     notifier.look()
-    for event in status.get("events") or []:
-        if isinstance(event, dict) and event.get("id"):
-            notifier.send(event, delivered_by_target=event.get("webhook") == "sent")
-    if record is not None and (event := ending_event(status, record.state)) is not None:
-        notifier.send(event)
+    wanted = [event for event in status.get("events") or [] if isinstance(event, dict) and event.get("id")]
+    if record is not None and (ending := ending_event(status, record.state)) is not None:
+        wanted.append(ending)
+    sent = []
+    for event in wanted:
+        if notifier.send(event, delivered_by_target=event.get("webhook") == "sent"):
+            sent.append(str(event["id"]))
+    return sent
 
 
 def started(invocation: Session, target: str, name: str, note: str, parent: str | None) -> None:

@@ -1,8 +1,8 @@
 """Data for `dflashops watch`: one Snapshot of runs and GPUs, and a Watcher that survives dropped links.
 
 Read-only by construction: it uses only the agent's `status` and `gpus` verbs (through ops.control's
-run_status, which also mirrors the observed state into the lineage database exactly as `dflashops status`
-does); nothing here signals, writes into a run directory or launches anything. No printing here.
+run_status, which returns facts only) and never calls the observer (ops/runs/observer.py): nothing here signals,
+writes into a run directory or the lineage, queues a notification or starts a supervisor. No printing here.
 
 Cost per refresh: two agent calls per target (status + gpus), each one short command on the target.
 """

@@ -1,4 +1,9 @@
-"""stop, status and log following: plain functions over an Invocation (no printing here)."""
+"""stop, status and log following: plain functions over an Invocation (no printing here).
+
+`run_status`, `target_status`, `read_log`, `wait_for` and `ended_badly` only read: they change nothing, not even the
+lineage. `stop_run` acts, and hands what it read afterwards to the observer (ops/runs/observer.py); `wait_for`
+does so too when its caller acts (`observe=True`).
+"""
 
 from __future__ import annotations
 
@@ -9,10 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflashops.errors import Conflict, DflashopsError, RunFailed, TransportError, UsageError, WaitTimeout
-from dflashops.lineage.files import other_node
 from dflashops.ops.agent_client import Busy
-from dflashops.ops.fleet.nodes import nodes_of, overall, read_nodes, status_nodes, stop_nodes
+from dflashops.ops.fleet.job_state import overall
+from dflashops.ops.fleet.nodes import nodes_of, read_nodes, status_nodes, stop_nodes
 from dflashops.ops.invocation import Invocation
+from dflashops.ops.runs.observer import observe_and_tell
 from dflashops.shell import validate_name
 
 DEFAULT_FAIL_ON = r"Traceback \(most recent call last\)"
@@ -38,13 +44,14 @@ def stop_run(
     meets another stop or restart of the run waits for it and answers with its outcome (`joined`) instead of
     signalling again; `now` kills the run at once (no final checkpoint), whatever else is going on.
     Raises NotRunning (nothing signalled) when the run is not running, NotFound when it does not exist.
-    A run on several targets is stopped on every node at once (ops/fleet/nodes.py)."""
+    A run on several targets is stopped on every node at once (ops/fleet/nodes.py).
+    May change: the run (signals), and through the observer its lineage record, notifications and supervisor."""
     validate_name(name, what="run name")
     if not invocation.dry_run and (nodes := nodes_of(invocation, name, target)):
         answer = stop_nodes(
             invocation, name, nodes, grace=grace, save_grace=save_grace, not_running=NotRunning, now=now
         )
-        invocation.note_state(overall(status_nodes(invocation, name, nodes)))
+        observe_and_tell(invocation, status_nodes(invocation, name, nodes))
         return answer
     tgt = invocation.target_for_run(name, target)
     agent = invocation.agent(tgt)
@@ -67,26 +74,23 @@ def stop_run(
             raise NotRunning(exc.message, hint=f"`dflashops status {name}` shows how it ended") from None
         raise
     if not invocation.dry_run:
-        for entry in agent.call("status", {"workspace": tgt.workspace, "name": name})["runs"]:
-            invocation.note_state(entry)
+        observe_and_tell(invocation, agent.call("status", {"workspace": tgt.workspace, "name": name})["runs"])
     return answer
 
 
 def run_status(
     invocation: Invocation, name: str | None = None, *, target: str | None = None, unreachable_ok: bool = False
 ) -> list[dict[str, Any]]:
-    """Agent status entries (one run, or every run of the target); the lineage records follow along. A run on
-    several targets gives one entry per node (`node`, `target`), node 0 first; `overall` makes them one. With
-    `unreachable_ok`, a node that cannot be reached is an entry of state "unreachable" (status_nodes)."""
+    """Agent status entries (one run, or every run of the target), each with its `target`: facts only, nothing is
+    changed (the observer, ops/runs/observer.py, acts on them for the verbs that should). A run on several targets
+    gives one entry per node (`node`, `target`), node 0 first; `overall` makes them one. With `unreachable_ok`, a
+    node that cannot be reached is an entry of state "unreachable" (status_nodes)."""
     if name is None:
         return target_status(invocation, target)[0]
     validate_name(name, what="run name")
     if nodes := nodes_of(invocation, name, target):
-        entries = status_nodes(invocation, name, nodes, unreachable_ok=unreachable_ok)
-        if (job := overall(entries))["state"] != "unreachable":  # else the job's state is not known
-            invocation.note_state(job)
-        return entries
-    return _noted(invocation, invocation.target_for_run(name, target), {"name": name})["runs"]
+        return status_nodes(invocation, name, nodes, unreachable_ok=unreachable_ok)
+    return _read(invocation, invocation.target_for_run(name, target), {"name": name})["runs"]
 
 
 def target_status(
@@ -96,7 +100,7 @@ def target_status(
     runs that ended longer ago are left out (the agent counts them instead of reading them; an agent from
     before the option answers every run, and recent_runs filters here)."""
     tgt = invocation.inventory.target(target)
-    answer = _noted(invocation, tgt, {} if ended_within_s is None else {"ended_within_s": ended_within_s})
+    answer = _read(invocation, tgt, {} if ended_within_s is None else {"ended_within_s": ended_within_s})
     runs = answer["runs"]
     if ended_within_s is None:
         return runs, 0
@@ -104,13 +108,11 @@ def target_status(
     return shown, int(answer.get("older_runs") or 0) + len(runs) - len(shown)
 
 
-def _noted(invocation: Invocation, tgt: Any, args: dict[str, Any]) -> dict[str, Any]:
-    """The agent's status answer for `tgt`, each entry marked with the target and noted in the lineage."""
+def _read(invocation: Invocation, tgt: Any, args: dict[str, Any]) -> dict[str, Any]:
+    """The agent's status answer for `tgt`, each entry marked with the target."""
     answer = invocation.agent(tgt).call("status", {"workspace": tgt.workspace, **args})
     for entry in answer["runs"]:
         entry["target"] = tgt.name
-        if other_node(entry) is None:  # node 1, 2, ... of a run on several targets: its row is node 0's
-            invocation.note_state(entry)
     return answer
 
 
@@ -274,11 +276,14 @@ def wait_for(
     on_text: Callable[[str], object] = lambda text: None,
     poll_s: float = 0.5,
     on_notice: Callable[[str], None] = lambda notice: None,
+    observe: bool = False,
 ) -> str:
     """Follow the log until `until` matches a line (returns it), `fail_on` matches (RunFailed), the run
     ends first (RunFailed with its state; or returns "" when no `until` was given and it finished or was
     stopped), or
-    `timeout` passes (WaitTimeout). Every line read is passed to `on_text` before it is matched."""
+    `timeout` passes (WaitTimeout). Every line read is passed to `on_text` before it is matched.
+    May change: nothing; with `observe` (a verb that acts: deploy --wait, a playbook's wait), the status read at
+    the run's end goes to the observer (ops/runs/observer.py), which may change what it lists."""
     until_re = re.compile(until) if until else None
     fail_re = re.compile(fail_on) if fail_on else None
     recent: list[str] = []
@@ -315,7 +320,10 @@ def wait_for(
         on_text(pending)
         if until_re and until_re.search(pending):
             return pending
-    final = overall(run_status(invocation, name, target=target))
+    entries = run_status(invocation, name, target=target)
+    if observe:
+        observe_and_tell(invocation, entries)
+    final = overall(entries)
     if until_re is None and final["state"] in ("finished", "stopped"):
         return ""  # only watching for failures: a run that finished or was stopped cleanly did not fail
     last = "\n".join("  | " + line for line in recent[-5:])

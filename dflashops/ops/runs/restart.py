@@ -41,6 +41,7 @@ from dflashops.ops.runs.launch import (
     dry_run_preflight,
     launch_spec,
 )
+from dflashops.ops.runs.observer import observe_and_tell
 from dflashops.ops.runs.supervise import after_launch
 from dflashops.shell import validate_name
 
@@ -288,7 +289,7 @@ def record(
             spec.record.extra["resumed_from"] = checkpoint
         spec.record.extra["pgid"] = answer.get("pgid")
         spec.record.session = answer.get("session") or spec.record.session
-        invocation.note_state(answer["old_status"])  # the old run's end (exit code, step) into its record
+        observe_and_tell(invocation, [answer["old_status"]])  # the old run's end (exit code, step) into its record
         invocation.db.fill(spec.record)  # the new run, with its parent edge
         release_cache.save(invocation.inventory.lineage_path, target, code_hash, release.manifest)
     stop = answer.get("stop")

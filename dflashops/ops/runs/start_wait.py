@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflashops.errors import RunFailed, WaitTimeout
-from dflashops.ops.fleet.nodes import overall
+from dflashops.ops.fleet.job_state import overall
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.runs.control import LogCursor, how_it_ended, read_log, run_status
+from dflashops.ops.runs.observer import observe_and_tell
 
 SETTLE_S = 2.0
 LIVE_STATES = ("launching", "running")
@@ -74,7 +75,9 @@ def wait_started(
     began = clock()
     poll = 0.1
     while True:
-        entry = overall(run_status(invocation, name))
+        entries = run_status(invocation, name)
+        observe_and_tell(invocation, entries)  # deploy/restart act: the run's end reaches its record and notify
+        entry = overall(entries)
         state = entry["state"]
         if state not in LIVE_STATES:
             if state in ("finished", "stopped"):

@@ -190,10 +190,12 @@ def revive(invocation: Session, status: dict[str, Any]) -> str | None:
     run's lineage record and this shell's environment (its secrets), and return a line saying so (a warning
     when it cannot be done from here). A crash that happened meanwhile is then handled by `on_failure` as if
     it had been watching: the new supervisor finds the run ended and acts on it. Two commands that both revive
-    it get one supervisor: the second start finds the root supervised already. None when nothing was dead."""
+    it get one supervisor: the second start finds the root supervised already. None when nothing was dead.
+    Called by the observer (ops/runs/observer.py) only; `status["supervisor"]["revived"]` records the outcome."""
     supervisor = status.get("supervisor") or {}
     if supervisor.get("alive") is not False or invocation.dry_run:
         return None
+    supervisor["revived"] = None  # tried: the table says "NOT restarted" unless a start below succeeds
     name, dead = str(supervisor.get("run") or status.get("name")), supervisor.get("pid")
     record = invocation.record_of(name)
     target = invocation.inventory.targets.get(record.target) if record else None
@@ -234,12 +236,14 @@ def revive(invocation: Session, status: dict[str, Any]) -> str | None:
 
 def supervision_note(entry: dict[str, Any]) -> str | None:
     """How a status entry's run is supervised, in words for `status` and `watch`: "supervised", "supervised,
-    restart pending", "supervisor died, restarted (pid N)", "supervisor died, NOT restarted"; None when no
-    supervisor watches it."""
+    restart pending", "supervisor died, restarted (pid N)", "supervisor died, NOT restarted" (the observer tried),
+    "supervisor died; `dflashops status` restarts it" (nobody acted on this read: `watch`); None when no supervisor watches it."""
     supervisor = entry.get("supervisor") or {}
     if supervisor.get("state") not in ("watching", "backoff"):
         return None
     if supervisor.get("alive") is False:
+        if "revived" not in supervisor:
+            return "supervisor died; `dflashops status` restarts it"
         revived = supervisor.get("revived")
         if revived == "elsewhere":
             return "supervisor died, restarted by another command"
