@@ -68,7 +68,7 @@ class Target:
     # Keep a `python -m trainer` interpreter with its imports done waiting for the next launch (agent/standby.py).
     standby: bool = False
     standby_idle_s: int = 3600  # an unused standby exits after this long
-    # The compile caches' root (trainer/compile_cache.py), default <workspace>/cache/compile: a folder shared by
+    # The compile caches' root (trainer/core/compile_cache.py), default <workspace>/cache/compile: a folder shared by
     # several workspaces or containers of one GPU kind (a bind mount) lets each start warm from the others' work.
     compile_cache: str | None = None
     provision: ProvisionSpec | None = None  # the container `dflashops provision` makes (pct targets only)

@@ -11,9 +11,9 @@ import zipfile
 from .common import alive, read_json
 
 # The trainer writes checkpoints/.tmp-step_N-<pid>/ (state.json last), fsyncs it and renames it to step_N
-# (trainer/checkpoint.py). A checkpoint exists when it is durable under its final name. A writer killed after its
+# (trainer/state/checkpoint.py). A checkpoint exists when it is durable under its final name. A writer killed after its
 # data was complete but before the rename leaves a temporary that holds the whole checkpoint: whoever resumes
-# (restart --resume, the supervisor, the hand-over child in trainer/handover.py) commits it before using it.
+# (restart --resume, the supervisor, the hand-over child in trainer/state/handover.py) commits it before using it.
 CHECKPOINT_RE = re.compile(r"^step_(\d{6,})$")
 TEMPORARY_CHECKPOINT_RE = re.compile(r"^\.tmp-(step_\d{6,})-(\d+)$")
 CHECKPOINT_FILES = ("model.safetensors", "optimizer.pt", "rng.pt", "state.json")
@@ -79,7 +79,7 @@ def checkpoint_damage(path: str) -> str | None:
     """What makes checkpoint `path` unloadable, or None when it is whole, from each file's size and header (a few
     KiB read, no tensor): state.json parses and names its step and shapes, model.safetensors is as long as its
     header says and holds those shapes, the torch files end in a zip directory. The trainer's own check
-    (trainer/checkpoint.py checkpoint_damage) is the same; this one runs in the agent, before any interpreter
+    (trainer/state/checkpoint.py checkpoint_damage) is the same; this one runs in the agent, before any interpreter
     with torch, so a restart refuses a damaged checkpoint before it stops anything. Sizes and headers, not a
     digest: a cut or a lost file is what happens to checkpoints (a full disk, a killed copy), and a digest would
     read every byte (12.6 GB for an 8B drafter) at each commit and each check."""

@@ -19,14 +19,14 @@ NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 LAUNCHERS = ("tmux", "nohup")  # how a run is started: a tmux session, or setsid + nohup (the controller uses these)
 HASH_RE = re.compile(r"^[0-9a-f]{8,64}$")
 MARKER_KEY = "DFLASHOPS_RUN_ID"
-RESUME_WRITER_KEY = "DFLASHOPS_RESUME_WRITER"  # trainer/handover.py: the run still writing the --resume checkpoint
+RESUME_WRITER_KEY = "DFLASHOPS_RESUME_WRITER"  # trainer/state/handover.py: the run still writing the --resume checkpoint
 # A crash's one-line reason in train.log: a Python exception line, or the `error: ...` line that the trainer
 # (and dflashops' own wrapper) print for failures they explain themselves.
 ERROR_LINE_RE = re.compile(r"(Traceback \(most recent call last\)|^\w*(Error|Exception)\b.*|^error: .+)")
 # THE list of names in a run directory `<workspace>/runs/<name>/` (a folder ends in "/"), with who writes each:
 # this agent, its supervisor (supervisor.py), the trainer, the wandb library it starts, `trainer export`
 # (run by `dflashops fetch --export`), or nobody here ("none": read when present). The trainer cannot import
-# this file, so it keeps its own names (trainer/run_files.py); tests/test_run_directory_contract.py checks that
+# this file, so it keeps its own names (trainer/core/run_files.py); tests/test_run_directory_contract.py checks that
 # they, the code here and the table of docs/run-directory.md all agree with this one.
 RUN_FILES = {
     "run.json": "agent",

@@ -172,7 +172,7 @@ def standbys(workspace: str) -> list[dict]:
 
 
 def compile_cache(workspace: str, root: str, code_hash: str) -> dict:
-    """The workspace's compile caches (trainer/compile_cache.py: one folder per machine kind, shared by every code
+    """The workspace's compile caches (trainer/core/compile_cache.py: one folder per machine kind, shared by every code
     version) with their sizes, and what the newest run of `code_hash` said of them (its status.json
     `compile_cache`: graphs reused and compiled). Reads files only."""
     caches = []

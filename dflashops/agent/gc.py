@@ -13,7 +13,7 @@ from .releases import prunable_releases
 from .standby import retire_standbys, standbys
 from .status import run_status
 
-COMPILE_CACHE_KEY_RE = re.compile(r"^py\d+\.\d+-torch[A-Za-z0-9._-]+$")  # trainer/compile_cache.py cache_key
+COMPILE_CACHE_KEY_RE = re.compile(r"^py\d+\.\d+-torch[A-Za-z0-9._-]+$")  # trainer/core/compile_cache.py cache_key
 
 
 def verb_clear_cache(req: dict) -> dict:

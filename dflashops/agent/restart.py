@@ -67,7 +67,7 @@ def verb_restart(req: dict, stdin: bytes | io.BufferedIOBase) -> dict:
        `handover` too, the stop may answer as soon as the old trainer has its final checkpoint in host memory
        and its devices free: that checkpoint (still being written) is the one resumed, and the new run's
        environment names the old run directory (DFLASHOPS_RESUME_WRITER), so the trainer waits for the
-       checkpoint to be complete before it reads it (trainer/handover.py) while it builds meanwhile;
+       checkpoint to be complete before it reads it (trainer/state/handover.py) while it builds meanwhile;
     5. `current` is flipped, old releases pruned, this code's compile cache cleared when asked;
     6. launch, as `launch`.
     The request (with the run's secrets in `env`) comes on stdin as one JSON line, then the tar."""

@@ -90,7 +90,7 @@ def verb_stop(req: dict) -> dict:
     5. Wait until none is left and (with nvidia-smi) none of its pids holds GPU memory.
     Signals come first, bookkeeping after, and bookkeeping is best effort: a full disk must not stop a stop.
     With `handover` (restart --resume): once the trainer says in status.json that its final checkpoint is in
-    host memory and its devices are free (`handover`, trainer/handover.py), answer at once with that offer;
+    host memory and its devices are free (`handover`, trainer/state/handover.py), answer at once with that offer;
     steps 2-5 then finish in a background process of the agent, exactly as they would have here, holding
     the run's control lock until they are done."""
     directory = run_dir(req)
@@ -273,7 +273,7 @@ def complete_stop(
 
 
 def handover_offer(directory: str) -> dict | None:
-    """The trainer's hand-over offer in status.json (trainer/handover.py): its final checkpoint is in host
+    """The trainer's hand-over offer in status.json (trainer/state/handover.py): its final checkpoint is in host
     memory, being written to `checkpoint` (inside the run's checkpoints/), and its devices are free."""
     offer = (read_json(os.path.join(directory, "status.json")) or {}).get("handover")
     if not isinstance(offer, dict) or offer.get("devices_released") is not True:

@@ -37,7 +37,7 @@ from dflashops.shell import validate_name
 
 METADATA = ("run.json", "status.json", "metrics.jsonl", "exit_code")
 LOGS = ("train.log", "train.log.1")
-EXPORT_FORMATS = ("zlab", "speculators")  # trainer/export.py FORMATS (dflashops does not import the trainer)
+EXPORT_FORMATS = ("zlab", "speculators")  # trainer/export/export.py FORMATS (dflashops does not import the trainer)
 
 
 @dataclass

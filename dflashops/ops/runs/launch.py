@@ -151,7 +151,7 @@ def launch_spec(
 ) -> LaunchSpec:
     run_dir = f"{target.workspace}/runs/{name}"
     # One compile cache per target, shared by every code version (torch's caches are content-addressed); the
-    # trainer names its folder inside by python/torch/triton/GPU (trainer/compile_cache.py).
+    # trainer names its folder inside by python/torch/triton/GPU (trainer/core/compile_cache.py).
     cache_root = target.compile_cache_root
     place = request.node or NodePlace()
     values = {
