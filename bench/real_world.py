@@ -69,18 +69,53 @@ def random_target(shape: Path, out: Path) -> Path:
     return out
 
 
-def cached_references(work: Path, model: Any, prompts: list[list[int]], common: dict[str, Any]) -> list[list[int]]:
+def cached_references(
+    work: Path,
+    model: Any,
+    prompts: list[list[int]],
+    common: dict[str, Any],
+    workers: int = 1,
+    target_dir: Path | None = None,
+) -> list[list[int]]:
     """The target's greedy answers to `prompts`, kept in `work` by a digest of the prompts and settings: on a GPU they
-    cost ~1.5 s a prompt (one sequence at a time, latency-bound), 107-111 s for 72 prompts on an H100 (2026-12-06)."""
+    cost ~1.5 s a prompt (one sequence at a time, latency-bound), 107-111 s for 72 prompts on an H100 (2026-12-06);
+    with `workers` > 1, consecutive slices of the prompts are answered by that many processes at once."""
     key = hashlib.sha256(json.dumps([prompts, common], sort_keys=True).encode()).hexdigest()[:16]
     path = work / f"references-{key}.json"
     if path.is_file():
         return [list(map(int, answer)) for answer in json.loads(path.read_text())]
-    answers = eval_mod.greedy_references(model, prompts, **common)
+    if workers > 1 and target_dir is not None:
+        with worker_pool(workers) as pool:
+            parts = [pool.submit(references_slice, target_dir, cut, common) for cut in slices(prompts, workers)]
+            answers = [answer for part in parts for answer in part.result()]
+    else:
+        answers = eval_mod.greedy_references(model, prompts, **common)
     tmp = path.with_suffix(f".tmp-{os.getpid()}")
     tmp.write_text(json.dumps(answers))
     tmp.replace(path)
     return answers
+
+
+def worker_pool(workers: int) -> Any:
+    """Processes of their own (spawned: CUDA cannot be used in a forked child)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+
+
+def slices(items: list, parts: int) -> list[list]:
+    """`items` cut into at most `parts` consecutive slices of nearly equal length."""
+    size = -(-len(items) // parts)
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def references_slice(target_dir: Path, prompts: list[list[int]], common: dict[str, Any]) -> list[list[int]]:
+    """`eval.greedy_references` of some prompts in a worker process (the target loaded there)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.set_num_threads(1)
+    model, _ = load_target_lm(str(target_dir), "float32")
+    return eval_mod.greedy_references(model, prompts, **common)
 
 
 def evaluate_slice(
@@ -113,19 +148,12 @@ def evaluate_in_workers(
     as one process's). On a GPU an evaluation is latency-bound, one sequence at a time: 270 s of an H100's time for
     one curve point against 101 s of training (quality.md 2026-12-06 "A real target on an H100"), the GPU mostly
     idle; N processes keep N sequences in flight."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with worker_pool(workers) as pool:
         futures = []
         for prompts, refs, baselines in jobs:
-            size = -(-len(prompts) // workers)
-            cuts = [(i, min(i + size, len(prompts))) for i in range(0, len(prompts), size)]
+            cuts = zip(slices(prompts, workers), slices(refs, workers))
             futures.append(
-                [
-                    pool.submit(evaluate_slice, target_dir, export, prompts[a:b], refs[a:b], baselines, block, common)
-                    for a, b in cuts
-                ]
+                [pool.submit(evaluate_slice, target_dir, export, p, r, baselines, block, common) for p, r in cuts]
             )
         return [eval_mod.merge_reports([f.result() for f in parts]) for parts in futures]
 
@@ -279,8 +307,8 @@ def main() -> int:
     held_ids, seen_ids = as_ids(held), as_ids(train_all[: args.eval_prompts // 2])
     common: dict[str, Any] = {"max_new_tokens": args.eval_new_tokens, "stops": end_of_turn_ids(tokenizer), "pad_id": 2}
     t0 = time.monotonic()
-    held_refs = cached_references(args.work, model, held_ids, common)
-    seen_refs = cached_references(args.work, model, seen_ids, common)
+    held_refs = cached_references(args.work, model, held_ids, common, args.eval_workers, target_dir)
+    seen_refs = cached_references(args.work, model, seen_ids, common, args.eval_workers, target_dir)
     results["references_seconds"] = round(time.monotonic() - t0, 1)
     say(f"target's greedy references: {results['references_seconds']} s")
     if args.prepare_only:
