@@ -19,7 +19,8 @@ NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 LAUNCHERS = ("tmux", "nohup")  # how a run is started: a tmux session, or setsid + nohup (the controller uses these)
 HASH_RE = re.compile(r"^[0-9a-f]{8,64}$")
 MARKER_KEY = "DFLASHOPS_RUN_ID"
-RESUME_WRITER_KEY = "DFLASHOPS_RESUME_WRITER"  # trainer/state/handover.py: the run still writing the --resume checkpoint
+# trainer/state/handover.py: the run still writing the --resume checkpoint
+RESUME_WRITER_KEY = "DFLASHOPS_RESUME_WRITER"
 # A crash's one-line reason in train.log: a Python exception line, or the `error: ...` line that the trainer
 # (and dflashops' own wrapper) print for failures they explain themselves.
 ERROR_LINE_RE = re.compile(r"(Traceback \(most recent call last\)|^\w*(Error|Exception)\b.*|^error: .+)")
