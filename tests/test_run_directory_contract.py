@@ -70,7 +70,7 @@ def trainer_literals() -> list[str]:
     }
     found = []
     for path in sorted((REPO / "trainer").rglob("*.py")):
-        if path.name == "run_files.py" and path.parent.name == "trainer":
+        if path.resolve() == Path(run_files.__file__).resolve():
             continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Constant) and node.value in names:
