@@ -129,6 +129,14 @@ class SshTransport(Transport):
                 hint="too many commands at once on one connection (sshd's MaxSessions); run it again when some end",
             ) from None
         except (paramiko.SSHException, OSError, EOFError) as exc:
+            if transport.is_active():
+                # The link is up and only this channel failed to open (its confirmation outlasted the timeout on a
+                # loaded host): dropping the link would end every other command on it, as `doctor --all`'s
+                # targets on one host saw under load ("Channel closed" for the commands beside it).
+                raise TransportError(
+                    f"{self.name}: could not start a command: {exc or type(exc).__name__}",
+                    hint="the host did not open a session in time; run the command again",
+                ) from None
             raise self._start_failed(transport, exc) from None
         try:
             channel.exec_command(self.command_line(argv, env))

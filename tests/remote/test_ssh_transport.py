@@ -196,6 +196,31 @@ def test_a_session_the_host_refuses_fails_alone_and_the_link_stays(two_session_s
         transport.close()
 
 
+def test_a_session_that_opens_too_slowly_fails_alone_and_the_link_stays(harness: Harness, proxy: LoopProxy) -> None:
+    """A channel whose opening outlasts its timeout (the host's answer held back, as on a loaded host) fails that
+    command only: the command running on the same connection goes on (dropping the link ended every command on it:
+    `doctor --all` under load, "Channel closed" for the targets beside the slow one)."""
+    go = harness.root / "go-slow-open"
+    hold = f"echo running; while [ ! -e {go} ]; do sleep 0.05; done; echo done"
+    settings = settings_for(harness, port=proxy.port, connect_timeout=0.5)
+    transport = SshTransport(name="pve", settings=settings)
+    try:
+        stream = transport.stream(["sh", "-c", hold], timeout=60)
+        assert next(stream) == b"running\n"
+        link = transport.connection()
+        proxy.stall()  # the host's confirmation of the next session does not arrive within 0.5 s
+        with pytest.raises(TransportError, match="could not start a command"):
+            transport.run(["true"])
+        proxy.resume()
+        assert transport.connected and transport.connection() is link
+        go.touch()
+        assert b"".join(stream) == b"done\n"  # it ran on to its end
+        assert transport.run(["echo", "after"]).stdout == "after\n"
+    finally:
+        go.unlink(missing_ok=True)
+        transport.close()
+
+
 def test_stalled_link_during_a_stream_is_detected(
     harness: Harness, proxy: LoopProxy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
