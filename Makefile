@@ -93,9 +93,9 @@ demo-real: $(STAMP)
 # so a third worker fills the cores the first two leave idle (CPU-seconds per test file: bench/suite_cpu.py; on the
 # loaded 2-core machine, 942 tests: 825 s with 2 workers, 718 s with 3; issue 29 item 11). A fourth gained nothing
 # idle at 942 tests; at 997 it did (pytest 550 s with 3, 504 s with 4, one fresh clone, idle, back to back). The
-# one under-load failure seen with 4 (doctor --all's cpu target, "Channel closed") came back on 2026-12-06 and was a
-# bug, not the worker count: a session that opened too slowly on a loaded host dropped the connection the other
-# targets' commands shared (dflashops/transport/ssh.py; tests/remote/test_ssh_transport.py holds the answer back).
+# one under-load failure seen with 4 (doctor --all's cpu target, "Channel closed") came back on 2026-12-06. Its
+# likely cause, fixed then, was the ssh transport's, not the worker count: a session that opened too slowly on a
+# loaded host dropped the connection the other targets' commands shared (tests/remote/test_ssh_transport.py).
 # mypy's verdict is printed after the tests'; either failing fails `make test`. Its cache lives in the
 # user's cache (MYPY_CACHE), shared by the machine's clones: mypy checks each cached module against its source's
 # hash, and without a cache (a fresh clone) it took ~30 s of one core from the tests.
