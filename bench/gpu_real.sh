@@ -21,6 +21,8 @@ declare -A RUNS=(  # name -> flags; "all" evaluates the baselines once for every
   [n4096]="--points 4096 --no-baselines"
   [n1024]="--points 1024 --no-baselines"
   [dflash2]="--points= --extra-samples all --archs dflash2 --no-baselines"
+  [b8]="--points all --blocks 8"  # its own baselines: prompt lookup drafts 7 tokens at block 8
+  [layers4]="--points= --ablate layers4=--num-draft-layers=4 --no-baselines"
 )
 
 curve() {  # runs detached: prepare once, then every run at once; $W/done marks the end
