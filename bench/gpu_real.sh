@@ -23,9 +23,10 @@ declare -A RUNS=(  # name -> flags; "all" evaluates the baselines once for every
   [dflash2]="--points= --extra-samples all --archs dflash2 --no-baselines"
   [b8]="--points all --blocks 8"  # its own baselines: prompt lookup drafts 7 tokens at block 8
   [layers4]="--points= --ablate layers4=--num-draft-layers=4 --no-baselines"
-  # make demo-real's training shape (512 samples, 400 steps of <= 64 anchors, block 8) and three levers on it
+  # make demo-real's training shape (512 samples, 400 steps of <= 64 anchors, block 8) and four levers on it
   [demo]="--points 512 --steps 400 --blocks 8 --max-anchors 64 --anchors-per-seq 16 --no-baselines --ablate-samples 512
-          --ablate g1=--gamma=1 --ablate lr1e-2=--lr=1e-2 --ablate cal=--output-norm-init=calibrated"
+          --ablate g1=--gamma=1 --ablate lr1e-2=--lr=1e-2 --ablate cal=--output-norm-init=calibrated
+          --ablate kl=--use-soft-labels=true"
 )
 
 curve() {  # runs detached: prepare once, then every run at once; $W/done marks the end
