@@ -59,7 +59,7 @@ def imports_of(path: Path) -> list[tuple[str, int]]:
     return found
 
 
-ENTRY_POINTS = {"dflashops.__main__", "dflashops.demo"}  # programs, not libraries: they sit on top like cli
+ENTRY_POINTS = {"dflashops.__main__"}  # the program `python -m dflashops` runs: it sits on top like cli
 
 
 def runs_in_target(module: str) -> bool:
