@@ -34,8 +34,8 @@ from dflashops.cli.common import (
 from dflashops.errors import NotFound, TransportError, UsageError
 from dflashops.lineage.files import AGENT_STATE_TO_LINEAGE
 from dflashops.lineage.record import utc_now_iso
-from dflashops.ops.fleet.nodes import node_target, unreachable_error
 from dflashops.ops.runs.control import LogCursor, ended_badly, read_log, run_status, stop_run, target_status, wait_for
+from dflashops.ops.runs.nodes import node_target, unreachable_error
 from dflashops.ops.runs.observer import observe_runs
 from dflashops.shell import join_argv, validate_name
 

@@ -22,9 +22,9 @@ from typing import Any
 
 from dflashops.lineage import LineageDBError
 from dflashops.lineage.files import AGENT_STATE_TO_LINEAGE, other_node
-from dflashops.ops.fleet.job_state import overall
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.observe.observe import adopt, deliver
+from dflashops.ops.runs.job_state import overall
 from dflashops.ops.runs.supervise import revive
 
 

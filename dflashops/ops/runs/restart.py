@@ -25,7 +25,6 @@ from dflashops.errors import Conflict, NotFound, TransportError, UsageError
 from dflashops.inventory import Profile, Target
 from dflashops.lineage import RunRecord
 from dflashops.ops.agent_client import Agent, Busy, StaleRelease, Superseded, Unchecked
-from dflashops.ops.fleet.nodes import relaunch_nodes
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.releases import release_cache
 from dflashops.ops.releases.sync import install_payload, local_manifest, release_files
@@ -41,6 +40,7 @@ from dflashops.ops.runs.launch import (
     dry_run_preflight,
     launch_spec,
 )
+from dflashops.ops.runs.nodes import relaunch_nodes
 from dflashops.ops.runs.observer import observe_and_tell
 from dflashops.ops.runs.supervise import after_launch
 from dflashops.shell import validate_name
@@ -152,7 +152,7 @@ def resolve(invocation: Invocation, request: RestartRequest) -> tuple[RunRecord,
 def restart_nodes(
     invocation: Invocation, request: RestartRequest, old: RunRecord, profile: Profile, child: DeployRequest
 ) -> RestartOutcome:
-    """Steps 2-6 for a run on several targets (ops/fleet/nodes.py relaunch_nodes): stop every node, deploy the child
+    """Steps 2-6 for a run on several targets (ops/runs/nodes.py relaunch_nodes): stop every node, deploy the child
     as a job on the same targets; no combined agent call."""
     stop, checkpoint, deployed = relaunch_nodes(
         invocation,

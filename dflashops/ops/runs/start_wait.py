@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflashops.errors import RunFailed, WaitTimeout
-from dflashops.ops.fleet.job_state import overall
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.runs.control import LogCursor, how_it_ended, read_log, run_status
+from dflashops.ops.runs.job_state import overall
 from dflashops.ops.runs.observer import observe_and_tell
 
 SETTLE_S = 2.0
