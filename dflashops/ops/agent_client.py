@@ -19,7 +19,7 @@ from dflashops.agent.common import tmux_socket  # the agent names the tmux serve
 from dflashops.errors import AgentError, Conflict, DflashopsError, InventoryError, NotFound, UsageError
 from dflashops.inventory import Target
 from dflashops.ops.agent_build import PACKAGE, build_zipapp
-from dflashops.ops.releases.upload import CHUNK, RequestAndTar, Tar
+from dflashops.ops.upload import CHUNK, RequestAndTar, Tar
 from dflashops.shell import join_argv
 from dflashops.transport.base import Result, Stdin, Transport
 

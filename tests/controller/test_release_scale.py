@@ -20,7 +20,7 @@ from dflashops.agent import releases as agent_releases
 from dflashops.agent.common import AgentFailure
 from dflashops.ops.releases import sync
 from dflashops.ops.releases.manifest_cache import ManifestCache
-from dflashops.ops.releases.upload import PlainTar
+from dflashops.ops.upload import PlainTar
 
 BIG = 9 << 20  # over sync.PLAIN_TAR_FROM_BYTES
 

@@ -28,7 +28,6 @@ from dflashops.ops.agent_client import Agent, Busy, StaleRelease, Superseded, Un
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.releases import release_cache
 from dflashops.ops.releases.sync import install_payload, local_manifest, release_files
-from dflashops.ops.releases.upload import Tar
 from dflashops.ops.runs.control import NotRunning
 from dflashops.ops.runs.extra_args import over
 from dflashops.ops.runs.launch import (
@@ -43,6 +42,7 @@ from dflashops.ops.runs.launch import (
 from dflashops.ops.runs.nodes import relaunch_nodes
 from dflashops.ops.runs.observer import observe_and_tell
 from dflashops.ops.runs.supervise import after_launch
+from dflashops.ops.upload import Tar
 from dflashops.shell import validate_name
 
 # Stands in argv/run.json for the old run's latest checkpoint, which only the agent knows after the stop.

@@ -24,8 +24,8 @@ from dflashops.inventory import Profile, Target
 from dflashops.inventory_policy import shown_url
 from dflashops.lineage.record import REDACTED
 from dflashops.ops.agent_client import Agent, _parse, readable_json
-from dflashops.ops.observe.observe import started
 from dflashops.ops.runs.launch import DeployRequest, launch_spec
+from dflashops.ops.runs.observe import started
 from dflashops.ops.session import Session
 
 POLL_S = 2.0  # a status poll is one read of a few small files: cheap; stall windows shorter than 8 s poll faster
