@@ -145,10 +145,10 @@ def test_the_checker_catches_a_violation(tmp_path: Path, monkeypatch: pytest.Mon
     (fake / "dflashops" / "agent" / "core.py").write_text("import yaml\nfrom dflashops.agent import stop\n")
     (fake / "dflashops" / "agent" / "probe.py").write_text("import subprocess\nimport rich\n")
     (fake / "dflashops" / "agent" / "stop.py").write_text(
-        "from dflashops.inventory import Target\nfrom . import core\n"
+        "from dflashops.core.inventory import Target\nfrom . import core\n"
     )
     (fake / "dflashops" / "agent" / "doctor_probe.py").write_text("import os\nfrom dflashops.agent import core\n")
-    (fake / "trainer" / "z.py").write_text("from dflashops import shell\n")
+    (fake / "trainer" / "z.py").write_text("from dflashops.core import shell\n")
     (fake / "dflashops" / "cli").mkdir()
     (fake / "dflashops" / "cli" / "w.py").write_text(
         "from dflashops.transport.local import LocalTransport\nfrom dflashops.agent import verb_status\n"
@@ -164,7 +164,7 @@ def test_the_checker_catches_a_violation(tmp_path: Path, monkeypatch: pytest.Mon
         "y.py:2 only dflashops.transport may import subprocess",
         "y.py:3 dflashops.ops.y imports the higher layer dflashops.cli",
         "core.py:1 the agent must be stdlib-only",
-        "stop.py:1 the agent must be stdlib-only, imports dflashops.inventory",
+        "stop.py:1 the agent must be stdlib-only, imports dflashops.core.inventory",
         "doctor_probe.py:2 the agent must be stdlib-only, imports dflashops.agent",
         "z.py:1 trainer imports dflashops",
         "probe.py:2 the agent must be stdlib-only",

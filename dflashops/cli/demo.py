@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dflashops.cli.common import open_invocation, print_error, progress
-from dflashops.errors import DflashopsError
+from dflashops.core.errors import DflashopsError
 from dflashops.ops.runs.control import DEFAULT_FAIL_ON, run_status, wait_for
 from dflashops.ops.runs.deploy import deploy
 from dflashops.ops.runs.launch import DeployRequest

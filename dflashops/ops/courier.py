@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dflashops.errors import DflashopsError
+from dflashops.core.errors import DflashopsError
 from dflashops.ops.notify import Ledger
 from dflashops.transport.local import LocalTransport
 from dflashops.transport.webhook import post_json

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflashops.errors import DflashopsError, NotFound
-from dflashops.inventory import Inventory, Target
+from dflashops.core.errors import DflashopsError, NotFound
+from dflashops.core.inventory import Inventory, Target
 from dflashops.lineage import LineageDB, LineageDBError, RunRecord
 from dflashops.lineage.naming import close_names
 from dflashops.ops.agent_client import Agent

@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dflashops.inventory import Inventory, Notify
-from dflashops.inventory_policy import shown_url
+from dflashops.core.inventory import Inventory, Notify
+from dflashops.core.inventory_policy import shown_url
 from dflashops.transport.detach import start_detached
 
 STALE_SENDING_S = 120.0  # a claim whose courier died mid-delivery is free again after this

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from dflashops.inventory import Inventory, Target
+from dflashops.core.inventory import Inventory, Target
 from dflashops.lineage import LineageDB, RunRecord
 from dflashops.ops.agent_client import Agent
 from dflashops.ops.notify import Notifier

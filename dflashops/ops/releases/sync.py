@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflashops.errors import UsageError
+from dflashops.core.errors import UsageError
 from dflashops.ops.agent_build import package_files
 from dflashops.ops.agent_client import AGENT_SOURCE, Agent
 from dflashops.ops.releases import release_cache

@@ -13,13 +13,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from dflashops.errors import Conflict, DflashopsError, RunFailed, TransportError, UsageError, WaitTimeout
+from dflashops.core.errors import Conflict, DflashopsError, RunFailed, TransportError, UsageError, WaitTimeout
+from dflashops.core.shell import validate_name
 from dflashops.ops.agent_client import Busy
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.runs.job_state import overall
 from dflashops.ops.runs.nodes import nodes_of, read_nodes, status_nodes, stop_nodes
 from dflashops.ops.runs.observer import observe_and_tell
-from dflashops.shell import validate_name
 
 DEFAULT_FAIL_ON = r"Traceback \(most recent call last\)"
 

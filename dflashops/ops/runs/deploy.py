@@ -9,8 +9,8 @@ hold the redacted environment.
 
 from __future__ import annotations
 
-from dflashops.errors import LaunchInterrupted
-from dflashops.inventory import Profile, Target
+from dflashops.core.errors import LaunchInterrupted
+from dflashops.core.inventory import Profile, Target
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.runs.launch import (
     DeployOutcome,

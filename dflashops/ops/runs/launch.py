@@ -17,15 +17,15 @@ import re
 from dataclasses import dataclass, field
 
 from dflashops.agent.common import LAUNCHERS  # the agent starts runs; its list is the list
-from dflashops.errors import Conflict, UsageError
-from dflashops.inventory import Profile, Target
+from dflashops.core.errors import Conflict, UsageError
+from dflashops.core.inventory import Profile, Target
+from dflashops.core.shell import validate_name
 from dflashops.lineage import RunRecord, next_name, redact_env, wandb_env
 from dflashops.lineage.record import REDACTED, utc_now_iso
 from dflashops.ops.agent_client import Agent
 from dflashops.ops.releases.sync import sync
 from dflashops.ops.runs.extra_args import managed_flags, merge_extra_args
 from dflashops.ops.session import Session
-from dflashops.shell import validate_name
 
 # Passed through from the controller's environment when set, whatever the profile says.
 DEFAULT_PASS_ENV = ("WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")

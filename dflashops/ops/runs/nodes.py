@@ -20,8 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
-from dflashops.errors import DflashopsError, NotFound, TransportError, UsageError
-from dflashops.inventory import Group, Profile, Target
+from dflashops.core.errors import DflashopsError, NotFound, TransportError, UsageError
+from dflashops.core.inventory import Group, Profile, Target
 from dflashops.lineage import LineageDBError
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.runs.launch import (

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from dflashops.errors import DflashopsError
+from dflashops.core.errors import DflashopsError
 from dflashops.lineage import RunRecord
 from dflashops.lineage.files import AGENT_STATE_TO_LINEAGE, import_dict_from_status
 from dflashops.ops.session import Session

@@ -21,8 +21,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from dflashops.errors import Conflict, NotFound, TransportError, UsageError
-from dflashops.inventory import Profile, Target
+from dflashops.core.errors import Conflict, NotFound, TransportError, UsageError
+from dflashops.core.inventory import Profile, Target
+from dflashops.core.shell import validate_name
 from dflashops.lineage import RunRecord
 from dflashops.ops.agent_client import Agent, Busy, StaleRelease, Superseded, Unchecked
 from dflashops.ops.invocation import Invocation
@@ -43,7 +44,6 @@ from dflashops.ops.runs.nodes import relaunch_nodes
 from dflashops.ops.runs.observer import observe_and_tell
 from dflashops.ops.runs.supervise import after_launch
 from dflashops.ops.upload import Tar
-from dflashops.shell import validate_name
 
 # Stands in argv/run.json for the old run's latest checkpoint, which only the agent knows after the stop.
 RESUME_PLACEHOLDER = "@dflashops-latest-checkpoint@"
