@@ -172,7 +172,7 @@ def courier_settings(config: Notify, ledger: Path) -> dict[str, Any]:
 def start_courier(settings: dict[str, Any]) -> None:
     """The courier (ops/courier.py) as a detached process of this machine's interpreter, with this package
     importable whatever the caller's working directory; its log is `<ledger>.log`."""
-    package_root = str(Path(__file__).resolve().parents[3])  # dflashops/ops/observe/ -> the folder holding dflashops
+    package_root = str(Path(__file__).resolve().parents[2])  # dflashops/ops/ -> the folder holding dflashops
     path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
     start_detached(
         [sys.executable, "-m", "dflashops.ops.courier"],
