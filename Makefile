@@ -80,13 +80,13 @@ DEMO_ARCH ?= dflash
 # DEMO_WORLD=real is `make demo-real`.
 DEMO_WORLD ?= synthetic
 demo: $(STAMP)
-	$(BIN)/python -m dflashops.demo --arch $(DEMO_ARCH) --world $(DEMO_WORLD)
+	$(BIN)/python -m dflashops.cli.demo --arch $(DEMO_ARCH) --world $(DEMO_WORLD)
 
 # The same loop against a real language model, SmolLM2-135M-Instruct (trainer/real_demo.py): converts the model once
 # into ~/.cache/dflashops, regenerates the target's answers to 512 prompts, trains, exports and evaluates (about 20
 # minutes on 2 idle cores the first time; the converted model and the answers are reused after that).
 demo-real: $(STAMP)
-	$(BIN)/python -m dflashops.demo --arch $(DEMO_ARCH) --world real
+	$(BIN)/python -m dflashops.cli.demo --arch $(DEMO_ARCH) --world real
 
 # Lint and format first (instant), then the tests in TEST_WORKERS processes (pytest-xdist) with mypy beside them:
 # most tests wait on real processes, and every torch process of the tests runs one compute thread (tests/conftest.py),

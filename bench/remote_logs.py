@@ -17,7 +17,7 @@ from pathlib import Path
 
 from remote_common import harness_session, median, percentile, write_inventory
 
-from dflashops.inventory import load_inventory
+from dflashops.core.inventory import load_inventory
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.runs.control import LogCursor, read_log
 from dflashops.ops.runs.deploy import deploy

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from remote_common import harness_session, write_inventory
 
-from dflashops.inventory import load_inventory
+from dflashops.core.inventory import load_inventory
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.releases.sync import release_files, sync
 

@@ -3,7 +3,9 @@ before it ships.
 
 - `trainer` never imports `dflashops`; `dflashops` never imports `trainer` or `torch`.
 - Inside dflashops the layers run cli -> playbook -> ops -> transport: each imports only its own layer or
-  lower ones, and cli/playbook reach targets through ops only (never transport or the agent's code). Library modules (errors, shell, inventory, lineage*, agent) import no layer above transport.
+  lower ones, and cli/playbook reach targets through ops only (never transport or the agent's code).
+  `python -m dflashops` (dflashops/__main__.py) sits on top with cli. The library packages (core/: errors,
+  shell, inventory*, yaml_files; lineage/; agent/) import no layer above transport.
 - Only dflashops/transport/ touches subprocess, fabric, paramiko or libtmux (the agent's package
   `dflashops/agent/` is the exception: it runs inside the target); it imports the standard library and itself
   only, and the program of it that is sent alone (doctor_probe.py, the doctor's probe) the standard library only.
@@ -11,16 +13,16 @@ Imports under `if TYPE_CHECKING:` are annotations, not dependencies, and are ski
 - No import circle in dflashops or trainer (the agent's package included): here every import counts (module
   level, inside a function, under `if TYPE_CHECKING:`), because a reader who follows one must not come back where
   they started.
-- trainer's folders are its layers: no two of its packages import each other (nor any circle of packages), and
-  the picture of docs/architecture.md#the-trainer-top-to-bottom lists every trainer module, each importing only
-  modules on its own line or a later one. dflashops's remaining two-way package edges are reported (a warning).
+- The folders of trainer and of dflashops are their layers: no two packages of either import each other (nor
+  any circle of packages), and the pictures of docs/architecture.md#the-trainer-top-to-bottom and
+  docs/architecture.md#the-controller-top-to-bottom list every module of each (a package's __init__.py aside),
+  each importing only modules on its own line or a later one.
 """
 
 from __future__ import annotations
 
 import ast
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -59,7 +61,7 @@ def imports_of(path: Path) -> list[tuple[str, int]]:
     return found
 
 
-ENTRY_POINTS = {"dflashops.__main__", "dflashops.demo"}  # programs, not libraries: they sit on top like cli
+ENTRY_POINTS = {"dflashops.__main__"}  # the program `python -m dflashops` runs: it sits on top like cli
 
 
 def runs_in_target(module: str) -> bool:
@@ -145,10 +147,10 @@ def test_the_checker_catches_a_violation(tmp_path: Path, monkeypatch: pytest.Mon
     (fake / "dflashops" / "agent" / "core.py").write_text("import yaml\nfrom dflashops.agent import stop\n")
     (fake / "dflashops" / "agent" / "probe.py").write_text("import subprocess\nimport rich\n")
     (fake / "dflashops" / "agent" / "stop.py").write_text(
-        "from dflashops.inventory import Target\nfrom . import core\n"
+        "from dflashops.core.inventory import Target\nfrom . import core\n"
     )
     (fake / "dflashops" / "agent" / "doctor_probe.py").write_text("import os\nfrom dflashops.agent import core\n")
-    (fake / "trainer" / "z.py").write_text("from dflashops import shell\n")
+    (fake / "trainer" / "z.py").write_text("from dflashops.core import shell\n")
     (fake / "dflashops" / "cli").mkdir()
     (fake / "dflashops" / "cli" / "w.py").write_text(
         "from dflashops.transport.local import LocalTransport\nfrom dflashops.agent import verb_status\n"
@@ -164,7 +166,7 @@ def test_the_checker_catches_a_violation(tmp_path: Path, monkeypatch: pytest.Mon
         "y.py:2 only dflashops.transport may import subprocess",
         "y.py:3 dflashops.ops.y imports the higher layer dflashops.cli",
         "core.py:1 the agent must be stdlib-only",
-        "stop.py:1 the agent must be stdlib-only, imports dflashops.inventory",
+        "stop.py:1 the agent must be stdlib-only, imports dflashops.core.inventory",
         "doctor_probe.py:2 the agent must be stdlib-only, imports dflashops.agent",
         "z.py:1 trainer imports dflashops",
         "probe.py:2 the agent must be stdlib-only",
@@ -344,50 +346,62 @@ def two_way_edges(packages: dict[str, dict[str, str]]) -> list[str]:
     )
 
 
-def test_trainer_packages_are_layers() -> None:
-    packages = package_graph(import_graph(), "trainer")
-    assert len(packages) >= 10, sorted(packages)  # the scan reads trainer's packages
+@pytest.mark.parametrize("root", ["trainer", "dflashops"])
+def test_packages_are_layers(root: str) -> None:
+    packages = package_graph(import_graph(), root)
+    assert len(packages) >= 10, sorted(packages)  # the scan reads the packages
     assert two_way_edges(packages) == []
     found = circles({package: dict.fromkeys(edges, 1) for package, edges in packages.items()})
     assert found == [], "package circles:\n" + "\n".join(found)
 
 
-def test_dflashops_two_way_package_edges_are_reported() -> None:
-    """Reported, not failed: the controller's packages are being made layers too."""
-    for edge in two_way_edges(package_graph(import_graph(), "dflashops")):
-        warnings.warn(f"dflashops two-way package edge: {edge}", stacklevel=1)
-
-
-def test_the_package_check_can_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("root", ["trainer", "dflashops"])
+def test_the_package_check_can_fail(root: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A planted two-way edge (a function-level import back up) and a three-package circle are found; a
     package's __init__ importing its own modules is no edge."""
     fake = tmp_path / "repo"
     for folder in ("low", "high", "a", "b", "c"):
-        (fake / "trainer" / folder).mkdir(parents=True)
-        (fake / "trainer" / folder / "__init__.py").write_text("")
-    (fake / "trainer" / "__init__.py").write_text("")
-    (fake / "trainer" / "low" / "__init__.py").write_text("from trainer.low import base\n")
-    (fake / "trainer" / "low" / "base.py").write_text("def f():\n    from trainer.high import top\n")
-    (fake / "trainer" / "high" / "top.py").write_text("from trainer.low import base\n")
-    (fake / "trainer" / "a" / "x.py").write_text("import trainer.b.y\n")
-    (fake / "trainer" / "b" / "y.py").write_text("from trainer.c import z\n")
-    (fake / "trainer" / "c" / "z.py").write_text("from trainer.a import x\n")
+        (fake / root / folder).mkdir(parents=True)
+        (fake / root / folder / "__init__.py").write_text("")
+    (fake / root / "__init__.py").write_text("")
+    (fake / root / "low" / "__init__.py").write_text(f"from {root}.low import base\n")
+    (fake / root / "low" / "base.py").write_text(f"def f():\n    from {root}.high import top\n")
+    (fake / root / "high" / "top.py").write_text(f"from {root}.low import base\n")
+    (fake / root / "a" / "x.py").write_text(f"import {root}.b.y\n")
+    (fake / root / "b" / "y.py").write_text(f"from {root}.c import z\n")
+    (fake / root / "c" / "z.py").write_text(f"from {root}.a import x\n")
     monkeypatch.setattr(sys.modules[__name__], "REPO", fake)
-    packages = package_graph(import_graph(), "trainer")
+    packages = package_graph(import_graph(), root)
     assert two_way_edges(packages) == [
-        "trainer.high <-> trainer.low (trainer.high.top -> trainer.low.base; trainer.low.base -> trainer.high.top)"
+        f"{root}.high <-> {root}.low ({root}.high.top -> {root}.low.base; {root}.low.base -> {root}.high.top)"
     ]
     assert circles({package: dict.fromkeys(edges, 1) for package, edges in packages.items()}) == [
-        "trainer.a -> trainer.b -> trainer.c -> trainer.a",
-        "trainer.high -> trainer.low -> trainer.high",
+        f"{root}.a -> {root}.b -> {root}.c -> {root}.a",
+        f"{root}.high -> {root}.low -> {root}.high",
     ]
 
 
-def trainer_picture() -> list[list[str]]:
-    """The trainer modules of docs/architecture.md#the-trainer-top-to-bottom, one list per line of its block
-    (a line is a folder, then its modules)."""
+def test_the_package_check_finds_a_program_beside_the_base(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shape dflashops once had: `python -m dflashops` (dflashops/__main__.py) imports the CLI, and the CLI
+    imports errors.py from the same folder, so that folder is both the top and the bottom."""
+    fake = tmp_path / "repo"
+    (fake / "dflashops" / "cli").mkdir(parents=True)
+    (fake / "dflashops" / "__init__.py").write_text("")
+    (fake / "dflashops" / "__main__.py").write_text("from dflashops.cli.main import main\n")
+    (fake / "dflashops" / "errors.py").write_text("class DflashopsError(Exception): ...\n")
+    (fake / "dflashops" / "cli" / "__init__.py").write_text("")
+    (fake / "dflashops" / "cli" / "main.py").write_text("from dflashops.errors import DflashopsError\n")
+    monkeypatch.setattr(sys.modules[__name__], "REPO", fake)
+    assert two_way_edges(package_graph(import_graph(), "dflashops")) == [
+        "dflashops <-> dflashops.cli (dflashops.__main__ -> dflashops.cli.main; dflashops.cli.main -> dflashops.errors)"
+    ]
+
+
+def package_picture(heading: str) -> list[list[str]]:
+    """The modules of the block under `heading` in docs/architecture.md, one list per line of it (a line is a
+    folder, then its modules)."""
     text = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
-    block = text.split("## The trainer, top to bottom", 1)[1].split("```", 2)[1]
+    block = text.split(f"## {heading}", 1)[1].split("```", 2)[1]
     rows = []
     for line in block.splitlines():
         if not line.strip():
@@ -398,12 +412,39 @@ def trainer_picture() -> list[list[str]]:
     return rows
 
 
-def test_the_trainer_picture_of_architecture_md_holds() -> None:
-    picture = trainer_picture()
+def missing_from_picture(picture: list[list[str]], root: str) -> list[str]:
+    """The modules under `root` (a package's __init__ aside) that the picture does not list."""
+    listed = {module for row in picture for module in row}
+    modules = [m for m, path in project_modules().items() if m.split(".")[0] == root and path.name != "__init__.py"]
+    return sorted(set(modules) - listed)
+
+
+PICTURES = {"trainer": "The trainer, top to bottom", "dflashops": "The controller, top to bottom"}
+
+
+@pytest.mark.parametrize("root", sorted(PICTURES))
+def test_the_package_picture_of_architecture_md_holds(root: str) -> None:
+    picture = package_picture(PICTURES[root])
     graph = import_graph()
     assert len(picture) >= 10 and all(picture)
     listed = [module for row in picture for module in row]
-    modules = [m for m, path in project_modules().items() if m.startswith("trainer") and path.name != "__init__.py"]
-    assert sorted(set(modules) - set(listed)) == [], "trainer modules missing from the picture"
+    assert missing_from_picture(picture, root) == [], f"{root} modules missing from the picture"
     assert len(listed) == len(set(listed)), "a module drawn twice"
-    assert picture_violations(picture, graph, "trainer") == []
+    assert picture_violations(picture, graph, root) == []
+
+
+def test_the_package_picture_check_can_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A module left off the picture is named, and so is one drawn above a module it imports."""
+    fake = tmp_path / "repo"
+    (fake / "dflashops" / "cli").mkdir(parents=True)
+    (fake / "dflashops" / "__init__.py").write_text("")
+    (fake / "dflashops" / "__main__.py").write_text("from dflashops.cli import main\n")
+    (fake / "dflashops" / "cli" / "__init__.py").write_text("")
+    (fake / "dflashops" / "cli" / "main.py").write_text("")
+    (fake / "dflashops" / "cli" / "demo.py").write_text("")
+    monkeypatch.setattr(sys.modules[__name__], "REPO", fake)
+    picture = [["dflashops.cli.main"], ["dflashops.__main__"]]
+    assert missing_from_picture(picture, "dflashops") == ["dflashops.cli.demo"]
+    assert picture_violations(picture, import_graph(), "dflashops") == [
+        "dflashops.__main__ imports dflashops.cli.main, drawn above it"
+    ]

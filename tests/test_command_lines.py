@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from dflashops.errors import TransportError
-from dflashops.inventory import load_inventory
+from dflashops.core.errors import TransportError
+from dflashops.core.inventory import load_inventory
+from dflashops.core.shell import join_argv
 from dflashops.ops.agent_client import _UPLOAD, Agent, agent_bytes
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.runs.control import stop_run
-from dflashops.shell import join_argv
 from dflashops.transport.base import Stdin, Transport
 from dflashops.transport.pct import STATUS_MARK, PctTransport
 from dflashops.transport.ssh import SshSettings, SshTransport

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from dflashops.errors import InventoryError, NotFound
-from dflashops.inventory import load_inventory
+from dflashops.core.errors import InventoryError, NotFound
+from dflashops.core.inventory import load_inventory
 from dflashops.lineage import RunRecord
-from dflashops.ops.fleet.nodes import nodes_of
 from dflashops.ops.invocation import Invocation
+from dflashops.ops.runs.nodes import nodes_of
 
 TARGETS = """\
 targets:

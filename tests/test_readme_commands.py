@@ -235,7 +235,7 @@ def check_trainer(words: list[str]) -> str | None:
 
 
 def known_names() -> dict[str, set[str]]:
-    from dflashops.inventory import load_inventory
+    from dflashops.core.inventory import load_inventory
 
     known: dict[str, set[str]] = {"target": set(), "profile": set(), "host": set()}
     for name in ("inventory.yaml", "inventory.example.yaml"):

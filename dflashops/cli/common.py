@@ -15,10 +15,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import IO, TYPE_CHECKING, Any, cast
 
-from dflashops.errors import DflashopsError
-from dflashops.inventory import load_inventory
+from dflashops.core.errors import DflashopsError
+from dflashops.core.inventory import load_inventory
+from dflashops.core.shell import join_argv
 from dflashops.ops.invocation import Invocation
-from dflashops.shell import join_argv
 
 if TYPE_CHECKING:
     from rich.console import Console

@@ -31,13 +31,13 @@ from dflashops.cli.common import (
     show_passthrough,
     size,
 )
-from dflashops.errors import NotFound, TransportError, UsageError
+from dflashops.core.errors import NotFound, TransportError, UsageError
+from dflashops.core.shell import join_argv, validate_name
 from dflashops.lineage.files import AGENT_STATE_TO_LINEAGE
 from dflashops.lineage.record import utc_now_iso
-from dflashops.ops.fleet.nodes import node_target, unreachable_error
 from dflashops.ops.runs.control import LogCursor, ended_badly, read_log, run_status, stop_run, target_status, wait_for
+from dflashops.ops.runs.nodes import node_target, unreachable_error
 from dflashops.ops.runs.observer import observe_runs
-from dflashops.shell import join_argv, validate_name
 
 # `status` without RUN shows runs that have not ended and those that ended in the last day: a workspace keeps
 # every run it ever had (47 KB of table at 500 runs); --all-runs and --json give all of them.

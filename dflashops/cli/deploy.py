@@ -23,14 +23,14 @@ from dflashops.cli.common import (
     show_passthrough,
     size,
 )
-from dflashops.errors import DflashopsError, LaunchInterrupted, NotFound, UsageError
+from dflashops.core.errors import DflashopsError, LaunchInterrupted, NotFound, UsageError
+from dflashops.core.shell import join_argv
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.runs.control import DEFAULT_FAIL_ON, LogCursor, run_status, wait_for
 from dflashops.ops.runs.deploy import deploy
 from dflashops.ops.runs.launch import LAUNCHERS, DeployOutcome, DeployRequest
 from dflashops.ops.runs.restart import RestartRequest, restart
 from dflashops.ops.runs.start_wait import wait_started
-from dflashops.shell import join_argv
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

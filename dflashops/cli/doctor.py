@@ -10,8 +10,8 @@ import argparse
 import sys
 
 from dflashops.cli.common import emit_json, progress, use_colour
-from dflashops.errors import UsageError
-from dflashops.inventory import Inventory, load_inventory
+from dflashops.core.errors import UsageError
+from dflashops.core.inventory import Inventory, load_inventory
 from dflashops.ops.doctor.doctor import ChecksFailed, doctor, failed
 from dflashops.ops.doctor.doctor_checks import Check
 

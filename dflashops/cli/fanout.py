@@ -15,8 +15,8 @@ from rich.console import Console
 from rich.table import Table
 
 from dflashops.cli.common import emit_json, output_console, progress
-from dflashops.errors import UsageError
-from dflashops.inventory import load_inventory
+from dflashops.core.errors import UsageError
+from dflashops.core.inventory import load_inventory
 from dflashops.ops.fleet.fanout import FanoutResult, exec_all, status_all, stop_all
 
 
@@ -115,7 +115,7 @@ def handle_exec_all(args: argparse.Namespace) -> int:
         raise UsageError("exec needs a command after `--`", hint="dflashops exec --all -- nvidia-smi")
     if args.dry_run:
         inventory = load_inventory(getattr(args, "inventory", None))
-        from dflashops.shell import join_argv
+        from dflashops.core.shell import join_argv
 
         for name in inventory.targets:
             print(f"[{name}] {join_argv(args.passthrough)}")

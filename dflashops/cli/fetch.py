@@ -18,7 +18,7 @@ from pathlib import Path
 
 from dflashops.cli.common import emit_json, open_invocation, print_plan, progress, size
 from dflashops.cli.control import with_run_hint
-from dflashops.errors import UsageError
+from dflashops.core.errors import UsageError
 from dflashops.ops.fetch.fetch import EXPORT_FORMATS, FetchRequest, Progress, fetch
 
 

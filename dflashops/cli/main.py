@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from dflashops.errors import DflashopsError, UsageError
+from dflashops.core.errors import DflashopsError, UsageError
 
 VERB_MODULES = (
     "dflashops.cli.deploy",
@@ -203,7 +203,7 @@ def inventory_notice(args: argparse.Namespace) -> str | None:
     package's own, without a word. None for `runs ... --db PATH`, which reads no inventory."""
     if args.inventory or os.environ.get("DFLASHOPS_INVENTORY") or getattr(args, "db", None):
         return None
-    from dflashops.inventory import find_inventory
+    from dflashops.core.inventory import find_inventory
 
     path = find_inventory(None)
     if path.parent == Path.cwd():

@@ -11,8 +11,8 @@ import argparse
 import sys
 
 from dflashops.cli.common import progress
-from dflashops.errors import UsageError
-from dflashops.inventory import Inventory, Target, load_inventory
+from dflashops.core.errors import UsageError
+from dflashops.core.inventory import Inventory, Target, load_inventory
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
-from dflashops.errors import DflashopsError, NotFound, UsageError
+from dflashops.core.errors import DflashopsError, NotFound, UsageError
 from dflashops.lineage import LineageDB, diff_runs
 from dflashops.lineage.files import (
     import_dict_from_status,
@@ -43,7 +43,7 @@ def lineage_db_path(args: argparse.Namespace) -> Path:
     lineage stays readable while inventory.yaml is being edited."""
     if getattr(args, "db", None):
         return Path(args.db)
-    from dflashops.inventory import find_inventory
+    from dflashops.core.inventory import find_inventory
 
     return find_inventory(getattr(args, "inventory", None)).parent / "lineage.sqlite"
 
@@ -81,7 +81,7 @@ def _local_roots(args: argparse.Namespace) -> dict[str, Path]:
     """`<workspace>/runs` of each local target in the inventory, where metrics can be read directly.
     An unreadable inventory yields {}: the lineage views must keep working while it is being fixed."""
     try:
-        from dflashops.inventory import load_inventory
+        from dflashops.core.inventory import load_inventory
 
         inventory = load_inventory(getattr(args, "inventory", None))
     except DflashopsError:
@@ -255,7 +255,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
         sources.append((args.target_label, LocalRuns().statuses(workspace)))
     targets = list(args.targets)
     if not targets and not args.workspace:  # `runs sync` alone (what every recovery hint says): all targets
-        from dflashops.inventory import load_inventory
+        from dflashops.core.inventory import load_inventory
 
         targets = list(load_inventory(getattr(args, "inventory", None)).targets)
     for target in targets:

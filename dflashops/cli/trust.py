@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dflashops.errors import Conflict, UsageError
-from dflashops.inventory import load_inventory
+from dflashops.core.errors import Conflict, UsageError
+from dflashops.core.inventory import load_inventory
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -30,7 +30,7 @@ from rich.text import Text
 
 from dflashops.cli.common import emit_json, open_invocation, output_console
 from dflashops.cli.run_table import detail_lines, gpu_table, ordered, runs_table
-from dflashops.errors import NotFound, RunFailed, UsageError
+from dflashops.core.errors import NotFound, RunFailed, UsageError
 from dflashops.ops.observe.watch import LIVE_STATES, Watcher
 
 

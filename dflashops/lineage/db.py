@@ -19,7 +19,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from dflashops.errors import Conflict, DflashopsError, NotFound
+from dflashops.core.errors import Conflict, DflashopsError, NotFound
+from dflashops.core.shell import validate_name
 from dflashops.lineage.naming import close_names, lineage_root, next_name
 from dflashops.lineage.record import (
     STATES,
@@ -38,7 +39,6 @@ from dflashops.lineage.sqlite import (
     rebuild_hint,
     writable_hint,
 )
-from dflashops.shell import validate_name
 
 __all__ = ["SCHEMA_VERSION", "LineageDB"]
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Collection
 
-from dflashops.errors import UsageError
-from dflashops.shell import validate_name
+from dflashops.core.errors import UsageError
+from dflashops.core.shell import validate_name
 
 _COUNTER = re.compile(r"^(?P<stem>.*?\D)(?P<counter>\d{1,3})$")
 _ENDS_WITH_DATE = re.compile(r"\d{4}[-_.]\d{2}[-_.]\d{2}$")

@@ -14,7 +14,7 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-from dflashops.errors import DflashopsError
+from dflashops.core.errors import DflashopsError
 
 # Raised messages that mean the file's bytes are bad, as opposed to the file being locked or unwritable.
 CORRUPT_WORDS = ("malformed", "not a database", "file is encrypted", "disk image", "corrupt")

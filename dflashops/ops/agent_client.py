@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflashops.agent.common import tmux_socket  # the agent names the tmux server; its function, so the hint agrees
-from dflashops.errors import AgentError, Conflict, DflashopsError, InventoryError, NotFound, UsageError
-from dflashops.inventory import Target
+from dflashops.core.errors import AgentError, Conflict, DflashopsError, InventoryError, NotFound, UsageError
+from dflashops.core.inventory import Target
+from dflashops.core.shell import join_argv
 from dflashops.ops.agent_build import PACKAGE, build_zipapp
-from dflashops.ops.releases.upload import CHUNK, RequestAndTar, Tar
-from dflashops.shell import join_argv
+from dflashops.ops.upload import CHUNK, RequestAndTar, Tar
 from dflashops.transport.base import Result, Stdin, Transport
 
 AGENT_SOURCE = PACKAGE  # the package folder; python runs it as the agent from a checkout (local_runs)

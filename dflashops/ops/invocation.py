@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflashops.errors import DflashopsError, NotFound
-from dflashops.inventory import Inventory, Target
+from dflashops.core.errors import DflashopsError, NotFound
+from dflashops.core.inventory import Inventory, Target
 from dflashops.lineage import LineageDB, LineageDBError, RunRecord
 from dflashops.lineage.naming import close_names
 from dflashops.ops.agent_client import Agent
-from dflashops.ops.observe.notify import Notifier
+from dflashops.ops.notify import Notifier
 from dflashops.transport import open_transport
 
 
@@ -50,7 +50,7 @@ class Invocation:
 
     @property
     def notifier(self) -> Notifier:
-        """Run notifications (ops/observe/notify.py); `notices` lists what it did, for the CLI to print."""
+        """Run notifications (ops/notify.py); `notices` lists what it did, for the CLI to print."""
         if self._notifier is None:
             self._notifier = Notifier(self.inventory)
         return self._notifier

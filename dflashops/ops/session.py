@@ -1,7 +1,7 @@
 """What the services below an Invocation use of it: the seam that keeps ops/invocation.py at the top.
 
 `Invocation` (ops/invocation.py) owns one CLI call's state. The services that act with it (observation,
-ops/observe/observe.py; notification, ops/observe/notify.py; the in-target supervisor, ops/runs/supervise.py; the
+ops/runs/observe.py; notification, ops/notify.py; the in-target supervisor, ops/runs/supervise.py; the
 one-target launch, ops/runs/launch.py) take a `Session`, this Protocol, instead of importing Invocation, so that
 none of them depends on the top of ops/; an Invocation is a Session as it is (structural typing).
 """
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from dflashops.inventory import Inventory, Target
+from dflashops.core.inventory import Inventory, Target
 from dflashops.lineage import LineageDB, RunRecord
 from dflashops.ops.agent_client import Agent
-from dflashops.ops.observe.notify import Notifier
+from dflashops.ops.notify import Notifier
 
 
 class Session(Protocol):

@@ -37,10 +37,10 @@ from typing import Any
 
 import yaml
 
-from dflashops.errors import UsageError
+from dflashops.core.errors import UsageError
+from dflashops.core.yaml_files import YAML_HINT, describe_yaml_error, read_yaml_text
 from dflashops.playbook.expr import ExprSyntaxError, parse
 from dflashops.playbook.vars import PlaybookError, references, render, templated
-from dflashops.yaml_files import YAML_HINT, describe_yaml_error, read_yaml_text
 
 __all__ = ["PlaybookError", "Playbook", "Step", "load_playbook", "parse_set", "references", "render"]
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dflashops.errors import DflashopsError
+from dflashops.core.errors import DflashopsError
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.runs.restart import RestartRequest, restart
 from dflashops.playbook import Playbook, Step

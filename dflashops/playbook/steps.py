@@ -15,7 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflashops.errors import CommandFailed, NotFound, RunFailed, UsageError, WaitTimeout
+from dflashops.core.errors import CommandFailed, NotFound, RunFailed, UsageError, WaitTimeout
+from dflashops.core.shell import join_argv
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.releases.sync import sync
 from dflashops.ops.runs.control import DEFAULT_FAIL_ON, LogCursor, NotRunning, read_log, run_status, stop_run, wait_for
@@ -24,7 +25,6 @@ from dflashops.ops.runs.launch import DeployRequest
 from dflashops.ops.runs.observer import observe_and_tell
 from dflashops.ops.runs.restart import RestartRequest, restart
 from dflashops.playbook.expr import MissingMetric, lookup, parse
-from dflashops.shell import join_argv
 
 DEFAULT_FIELDS = ["step", "loss", "tau_sim", "block_tok_s"]
 

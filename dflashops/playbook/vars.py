@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from dflashops.errors import UsageError
+from dflashops.core.errors import UsageError
 
 TEMPLATE = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)((?:\.[A-Za-z_][A-Za-z0-9_]*|\[\d+\])*)\s*\}\}")
 MAX_DEPTH = 8

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dflashops.errors import TransportError
+from dflashops.core.errors import TransportError
 from dflashops.transport.base import Result, Transport
 
 if TYPE_CHECKING:
-    from dflashops.inventory import Target
+    from dflashops.core.inventory import Target
 
 __all__ = ["Result", "Transport", "open_transport"]
 

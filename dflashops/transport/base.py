@@ -1,6 +1,6 @@
 """The Transport seam: the only way dflashops runs anything on a target.
 
-A Transport runs an argv list (never a shell string: quoting happens once, in `dflashops.shell`, and only
+A Transport runs an argv list (never a shell string: quoting happens once, in `dflashops.core.shell`, and only
 when a layer below needs a string) and returns a `Result`. Implementations: `local` (subprocess), `ssh`
 (Fabric/paramiko), `pct` (wraps another transport with `pct exec CTID -- ...`). Tests replace this seam
 and nothing else.
@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
-from dflashops.errors import CommandFailed
+from dflashops.core.errors import CommandFailed
 
 Stdin = bytes | IO[bytes] | None
 StderrSink = Callable[[bytes], None]  # gets a command's stderr as it arrives (run's `on_stderr`)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 
-from dflashops.errors import TransportError
-from dflashops.shell import env_argv, join_argv
+from dflashops.core.errors import TransportError
+from dflashops.core.shell import env_argv, join_argv
 from dflashops.transport.ssh_settings import SshSettings, settings_for_host
 
 

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from dflashops.errors import TransportError
+from dflashops.core.errors import TransportError
 from dflashops.transport.base import StderrSink, Stdin, Transport
 
 CHUNK = 1 << 20  # what a streamed stdin is copied in

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dflashops.errors import TransportError
+from dflashops.core.errors import TransportError
 from dflashops.transport.base import StderrSink, Stdin, Transport
 from dflashops.transport.mux_frames import error_from, mux_key, recv_frame, send_json, send_stdin, settings_to_json
 

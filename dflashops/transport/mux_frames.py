@@ -20,8 +20,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import IO, Any
 
-from dflashops import errors
-from dflashops.errors import DflashopsError, TransportError
+from dflashops.core import errors
+from dflashops.core.errors import DflashopsError, TransportError
 
 HEADER = struct.Struct(">cI")
 MAX_FRAME = 1 << 31  # a command's output: bounded by the length field itself

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dflashops.errors import DflashopsError
+from dflashops.core.errors import DflashopsError
 from dflashops.transport.base import Transport
 from dflashops.transport.mux_frames import (
     STDIN_CHUNK,

@@ -17,8 +17,8 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from dflashops.errors import NotFound, TransportError
-from dflashops.shell import env_argv
+from dflashops.core.errors import NotFound, TransportError
+from dflashops.core.shell import env_argv
 from dflashops.transport.base import StderrSink, Stdin, Transport
 
 STATUS_FAILED = 254

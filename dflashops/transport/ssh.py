@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 import fabric
 import paramiko
 
-from dflashops.errors import TransportError
-from dflashops.shell import env_argv, join_argv
+from dflashops.core.errors import TransportError
+from dflashops.core.shell import env_argv, join_argv
 from dflashops.transport.base import StderrSink, Stdin, Transport
 from dflashops.transport.ssh_connect import build_connection
 from dflashops.transport.ssh_keys import check_identity_files, translate_connect_error

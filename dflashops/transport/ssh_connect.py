@@ -11,7 +11,7 @@ from pathlib import Path
 import fabric
 import paramiko
 
-from dflashops.errors import TransportError
+from dflashops.core.errors import TransportError
 from dflashops.transport.ssh_keys import RefuseUnknownHost, UnknownHostKey, translate_connect_error
 from dflashops.transport.ssh_settings import SshSettings
 

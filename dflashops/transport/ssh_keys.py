@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import paramiko
 
-from dflashops.errors import Conflict, TransportError
+from dflashops.core.errors import Conflict, TransportError
 from dflashops.transport.key_files import damage
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflashops.errors import TransportError
+from dflashops.core.errors import TransportError
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import shutil
 
-from dflashops.errors import TransportError
+from dflashops.core.errors import TransportError
 
 
 def local_session_exists(socket: str, session: str) -> bool:

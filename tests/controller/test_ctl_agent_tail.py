@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from dflashops.agent.common import tmux_socket
-from dflashops.inventory import load_inventory
+from dflashops.core.inventory import load_inventory
 from tests.controller.helpers import AGENT, REPO, Env
 from tests.tmux_screen import session_names
 
@@ -81,7 +81,7 @@ def test_help_lists_the_verbs() -> None:
 
 
 def test_agent_is_reuploaded_when_its_file_vanishes(env: Env) -> None:
-    from dflashops.inventory import load_inventory
+    from dflashops.core.inventory import load_inventory
     from dflashops.ops.invocation import Invocation
 
     invocation = Invocation(load_inventory(env.inventory))

@@ -236,7 +236,7 @@ def test_item3_the_command_the_demo_prints_runs_dflashops_without_an_active_venv
         pytest.skip("dflashops is not installed beside this Python (not the Makefile's .venv)")
     bare = {**os.environ, "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
     bare.pop("VIRTUAL_ENV", None)
-    show = "from dflashops.demo import dflashops_command as c; print(*c(), sep='\\n')"
+    show = "from dflashops.cli.demo import dflashops_command as c; print(*c(), sep='\\n')"
     out = subprocess.run([sys.executable, "-c", show], capture_output=True, text=True, env=bare, cwd=REPO, check=True)
     command, activate = out.stdout.splitlines()
     assert command != "dflashops" and activate.endswith("bin/activate"), out.stdout

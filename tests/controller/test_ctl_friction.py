@@ -140,7 +140,7 @@ socket.socket.connect, socket.socket.connect_ex = connect, connect_ex
 
 
 def test_item21_all_verbs_work_with_the_shipped_inventory_on_a_fresh_checkout(tmp_path: Path) -> None:
-    from dflashops.inventory import load_inventory
+    from dflashops.core.inventory import load_inventory
     from dflashops.ops.fleet.fanout import remote_targets
 
     checkout = tmp_path / "checkout"  # a fresh checkout after `make`: the shipped inventory and a .venv
@@ -165,7 +165,7 @@ def test_item21_all_verbs_work_with_the_shipped_inventory_on_a_fresh_checkout(tm
 
 
 def test_item21_the_proxmox_example_lives_beside_the_inventory() -> None:
-    from dflashops.inventory import load_inventory
+    from dflashops.core.inventory import load_inventory
 
     example = load_inventory(REPO / "inventory.example.yaml")
     assert example.targets["ct200"].kind == "pct" and example.targets["ct200"].host.name == "pve1"

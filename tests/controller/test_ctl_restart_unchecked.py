@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from dflashops.errors import InventoryError
-from dflashops.inventory import load_inventory
+from dflashops.core.errors import InventoryError
+from dflashops.core.inventory import load_inventory
 from tests.controller.helpers import Env
 from tests.controller.test_ctl_reliability import add_profile, wait_until
 

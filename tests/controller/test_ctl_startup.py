@@ -58,7 +58,7 @@ def loaded(out: subprocess.CompletedProcess[str]) -> set[str]:
 def test_help_imports_no_verb_module_and_status_imports_no_rich(tmp_path: Path) -> None:
     modules = loaded(probe(["--help"]))
     assert not {m for m in modules if m.startswith(("dflashops.cli.", "rich", "yaml"))} - {"dflashops.cli.main"}
-    assert not {m for m in modules if m.startswith(("dflashops.ops", "dflashops.inventory", "dflashops.lineage"))}
+    assert not {m for m in modules if m.startswith(("dflashops.ops", "dflashops.core.inventory", "dflashops.lineage"))}
     assert not {m for m in loaded(probe(["status", "--help"])) if m.startswith("rich")}
     inventory = tmp_path / "inventory.yaml"
     inventory.write_text(f"targets:\n  local:\n    kind: local\n    workspace: ws\n    python: {sys.executable}\n")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dflashops.inventory import load_inventory
+from dflashops.core.inventory import load_inventory
 from tests.controller.helpers import REPO, Env
 
 MEMORY_CAP = 1 << 30  # 1 GiB of address space: the billion-laughs file needed 3.4 GB before the fix

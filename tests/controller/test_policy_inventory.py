@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from dflashops.inventory import load_inventory
-from dflashops.inventory_policy import parse_duration, parse_percent, shown_url
+from dflashops.core.inventory import load_inventory
+from dflashops.core.inventory_policy import parse_duration, parse_percent, shown_url
 
 BASE = "profiles:\n  p:\n    argv: [x]\n"
 

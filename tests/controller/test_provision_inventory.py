@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from dflashops.cli.main import main
-from dflashops.errors import InventoryError
-from dflashops.inventory import load_inventory
+from dflashops.core.errors import InventoryError
+from dflashops.core.inventory import load_inventory
 
 HEAD = """\
 hosts:

@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import pytest
 
-from dflashops.errors import Conflict, NotFound
-from dflashops.inventory import Host, Target
-from dflashops.inventory_provision import ProvisionSpec
+from dflashops.core.errors import Conflict, NotFound
+from dflashops.core.inventory import Host, Target
+from dflashops.core.inventory_provision import ProvisionSpec
 from dflashops.ops.provision.config import parse_config
 from dflashops.ops.provision.facts import parse_char_majors, parse_driver_version, parse_nodes
 from dflashops.ops.provision.plan import ContainerFacts, DeviceNode, HostFacts, plan_host

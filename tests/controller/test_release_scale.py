@@ -20,7 +20,7 @@ from dflashops.agent import releases as agent_releases
 from dflashops.agent.common import AgentFailure
 from dflashops.ops.releases import sync
 from dflashops.ops.releases.manifest_cache import ManifestCache
-from dflashops.ops.releases.upload import PlainTar
+from dflashops.ops.upload import PlainTar
 
 BIG = 9 << 20  # over sync.PLAIN_TAR_FROM_BYTES
 
@@ -190,7 +190,7 @@ UPLOAD_MB = 64
 SYNC_CHILD = """
 import json, resource, sys
 from pathlib import Path
-from dflashops.inventory import Target
+from dflashops.core.inventory import Target
 from dflashops.ops.agent_client import Agent
 from dflashops.ops.releases import sync
 from dflashops.transport.local import LocalTransport
@@ -230,7 +230,7 @@ def test_an_install_that_uploads_the_agent_first_sends_its_tar_again_from_the_st
 ) -> None:
     """The first call to a target without this agent version fails ("can't open file"), the agent is uploaded and
     the call runs again: its stdin, the request line and the tar read from a file, is sent again whole."""
-    from dflashops.inventory import Target
+    from dflashops.core.inventory import Target
     from dflashops.ops.agent_client import Agent
     from dflashops.transport.local import LocalTransport
 

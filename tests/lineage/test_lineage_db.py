@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dflashops.errors import Conflict, NotFound, UsageError
+from dflashops.core.errors import Conflict, NotFound, UsageError
 from dflashops.lineage import SCHEMA_VERSION, LineageDB, LineageDBError, RunRecord
 
 REPO = Path(__file__).resolve().parents[2]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflashops.errors import UsageError
+from dflashops.core.errors import UsageError
 from dflashops.lineage import RunRecord, diff_runs, next_name, parse_argv, redact_argv, redact_env, wandb_env
 from dflashops.lineage.diff import FLAG_PRESENT
 

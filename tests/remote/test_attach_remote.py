@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import cli
 
-from dflashops.inventory import load_inventory
-from dflashops.shell import join_argv
+from dflashops.core.inventory import load_inventory
+from dflashops.core.shell import join_argv
 from dflashops.transport.interactive import interactive_argv
 from tests.tmux_screen import Screen
 

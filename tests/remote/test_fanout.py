@@ -84,7 +84,7 @@ def test_status_all_answers_for_every_target_within_the_timeout(
 def test_at_most_eight_targets_of_one_host_are_worked_on_at_once() -> None:
     """A host's sshd refuses the 11th connection being set up or the 11th channel by default: --all gates a host's
     targets (12 containers on `pve` here), while other hosts and the local target do not wait for it."""
-    from dflashops.inventory import Host, Target
+    from dflashops.core.inventory import Host, Target
     from dflashops.ops.fleet.fanout import PER_HOST_LIMIT, fan_out
 
     pve, other = Host("pve", "127.0.0.1"), Host("other", "127.0.0.2")

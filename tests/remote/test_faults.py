@@ -13,8 +13,8 @@ from conftest import cli
 from loopproxy import LoopProxy
 from remote_harness import Harness
 
-from dflashops.errors import TransportError
-from dflashops.inventory import load_inventory
+from dflashops.core.errors import TransportError
+from dflashops.core.inventory import load_inventory
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.releases.sync import sync
 from dflashops.ops.runs.control import LogCursor, read_log

@@ -14,7 +14,7 @@ from conftest import cli, write_inventory
 from remote_harness import Harness
 from test_item18_remote_errors import assert_one_error
 
-from dflashops.errors import TransportError
+from dflashops.core.errors import TransportError
 from dflashops.transport.ssh_keys import check_identity_file
 
 GARBAGE_OPENSSH = "-----BEGIN OPENSSH PRIVATE KEY-----\nnot base64 at all\n-----END OPENSSH PRIVATE KEY-----\n"

@@ -11,7 +11,7 @@ import pytest
 from conftest import settings_for
 from remote_harness import Harness
 
-from dflashops.errors import NotFound, TransportError
+from dflashops.core.errors import NotFound, TransportError
 from dflashops.transport.base import Stdin
 from dflashops.transport.pct import PctTransport
 from dflashops.transport.ssh import SshSettings, SshTransport

@@ -14,8 +14,8 @@ from conftest import cli, write_inventory
 from loopproxy import LoopProxy
 from remote_harness import Harness
 
-from dflashops.errors import TransportError
-from dflashops.inventory import load_inventory
+from dflashops.core.errors import TransportError
+from dflashops.core.inventory import load_inventory
 from dflashops.lineage import LineageDB
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.releases.sync import local_manifest, release_files

@@ -14,7 +14,7 @@ from loopproxy import LoopProxy
 from remote_harness import Harness, free_port, start_sshd
 
 import dflashops.transport.ssh as ssh_module
-from dflashops.errors import TransportError
+from dflashops.core.errors import TransportError
 from dflashops.transport.ssh import SshSettings, SshTransport
 
 

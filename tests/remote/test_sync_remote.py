@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from remote_harness import Harness
 
-from dflashops.errors import Conflict
-from dflashops.inventory import load_inventory
+from dflashops.core.errors import Conflict
+from dflashops.core.inventory import load_inventory
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.releases.sync import release_files, sync
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from dflashops.inventory import load_inventory
+from dflashops.core.inventory import load_inventory
+from dflashops.core.shell import join_argv
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.observe.watch import Watcher, run_row
-from dflashops.shell import join_argv
 from tests.controller.helpers import INVENTORY, REPO, WORKLOAD, Env, cleanup
 from tests.tmux_screen import Screen
 

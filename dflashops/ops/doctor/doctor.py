@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dflashops.errors import DflashopsError
-from dflashops.inventory import Profile, Target
+from dflashops.core.errors import DflashopsError
+from dflashops.core.inventory import Profile, Target
 from dflashops.ops.agent_client import _parse
 from dflashops.ops.doctor.doctor_checks import Check, judge_probe, secret_checks
 from dflashops.ops.invocation import Invocation

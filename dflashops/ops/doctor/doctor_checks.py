@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from dflashops.inventory import Profile, Target
+from dflashops.core.inventory import Profile, Target
 
 GIB = 1024**3
 # A qwen3-8b checkpoint is 12.6 GB (bench/results/pipeline.md 2026-11-29); below 1 GiB even the tiny preset's logs and a

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflashops.errors import UsageError
-from dflashops.inventory import Inventory
+from dflashops.core.errors import UsageError
+from dflashops.core.inventory import Inventory
 
 
 @dataclass

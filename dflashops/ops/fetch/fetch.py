@@ -21,8 +21,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflashops.errors import NotFound, UsageError
-from dflashops.inventory import Target
+from dflashops.core.errors import NotFound, UsageError
+from dflashops.core.inventory import Target
+from dflashops.core.shell import validate_name
 from dflashops.ops.fetch.fetch_file import (
     RESUME_ATTEMPTS,
     FileOutcome,
@@ -33,7 +34,6 @@ from dflashops.ops.fetch.fetch_file import (
 )
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.runs.control import run_status
-from dflashops.shell import validate_name
 
 METADATA = ("run.json", "status.json", "metrics.jsonl", "exit_code")
 LOGS = ("train.log", "train.log.1")
@@ -113,7 +113,7 @@ def export_on_target(
     speculators form takes the target's embedding, LM head and final norm from `target_model` (a directory on the
     target), else from the run's recorded target model (the trainer records it in every checkpoint; a tiny-preset
     run's target is rebuilt from its recorded config); `verifier` names the target in the export's config."""
-    from dflashops.errors import CommandFailed
+    from dflashops.core.errors import CommandFailed
 
     if export_format not in EXPORT_FORMATS:
         raise UsageError(f"--format takes {' or '.join(EXPORT_FORMATS)}, not {export_format!r}", hint="--format zlab")

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflashops.errors import DflashopsError, LocalDiskFull, NotFound, TransportError
+from dflashops.core.errors import DflashopsError, LocalDiskFull, NotFound, TransportError
 from dflashops.ops.agent_client import Agent
 
 RESUME_ATTEMPTS = 8

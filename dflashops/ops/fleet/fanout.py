@@ -25,8 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from dflashops.errors import DflashopsError
-from dflashops.inventory import Inventory, Target
+from dflashops.core.errors import DflashopsError
+from dflashops.core.inventory import Inventory, Target
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.runs.control import run_status, stop_run
 from dflashops.ops.runs.observer import observe_runs

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from dflashops.errors import MissingDependency, UsageError
+from dflashops.core.errors import MissingDependency, UsageError
 
 LINE_STYLES: tuple[str | tuple[int, tuple[int, ...]], ...] = (
     "-",

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dflashops.errors import DflashopsError
+from dflashops.core.errors import DflashopsError
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.runs.control import run_status
 from dflashops.ops.runs.supervise import supervision_note

@@ -14,16 +14,16 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from dflashops.errors import CommandFailed, Conflict, DflashopsError, UsageError
-from dflashops.inventory import Inventory, Target
-from dflashops.inventory_provision import ProvisionSpec
+from dflashops.core.errors import CommandFailed, Conflict, DflashopsError, UsageError
+from dflashops.core.inventory import Inventory, Target
+from dflashops.core.inventory_provision import ProvisionSpec
+from dflashops.core.shell import join_argv
 from dflashops.ops.provision import config as cfg
 from dflashops.ops.provision.facts import read_container, read_host
 from dflashops.ops.provision.lock import provision_lock
 from dflashops.ops.provision.plan import ContainerFacts, Plan, Step, plan_host
 from dflashops.ops.provision.plan_container import finish_step, plan_container
 from dflashops.ops.provision.retire import refuse_under_runs
-from dflashops.shell import join_argv
 from dflashops.transport import open_transport
 from dflashops.transport.base import Transport
 from dflashops.transport.pct import PctTransport

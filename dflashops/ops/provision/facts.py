@@ -10,9 +10,9 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 
-from dflashops.errors import TransportError
-from dflashops.inventory import Target
-from dflashops.inventory_provision import ProvisionSpec
+from dflashops.core.errors import TransportError
+from dflashops.core.inventory import Target
+from dflashops.core.inventory_provision import ProvisionSpec
 from dflashops.ops.provision import config as cfg
 from dflashops.ops.provision.plan import ContainerFacts, DeviceNode, HostFacts
 from dflashops.transport.base import Result, Transport

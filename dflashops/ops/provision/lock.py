@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from dflashops.errors import Conflict, TransportError
+from dflashops.core.errors import Conflict, TransportError
 from dflashops.transport.base import Transport
 
 LOCK_ROOT = "/run/lock"

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dflashops.errors import Conflict, NotFound
-from dflashops.inventory import Target
-from dflashops.inventory_provision import ProvisionSpec
+from dflashops.core.errors import Conflict, NotFound
+from dflashops.core.inventory import Target
+from dflashops.core.inventory_provision import ProvisionSpec
 from dflashops.ops.provision import config as cfg
 from dflashops.ops.provision.config import OWNER_TAG, UNFINISHED_TAG, Lines
 

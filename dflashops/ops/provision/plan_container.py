@@ -7,9 +7,9 @@ plan.py: facts in, steps out.
 
 from __future__ import annotations
 
-from dflashops.errors import NotFound
-from dflashops.inventory import Target
-from dflashops.inventory_provision import ProvisionSpec
+from dflashops.core.errors import NotFound
+from dflashops.core.inventory import Target
+from dflashops.core.inventory_provision import ProvisionSpec
 from dflashops.ops.provision import config as cfg
 from dflashops.ops.provision.config import OWNER_TAG, UNFINISHED_TAG, Lines
 from dflashops.ops.provision.plan import ContainerFacts, HostFacts, Step

@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from dflashops.errors import Conflict, NotFound, UsageError
-from dflashops.inventory import Target
+from dflashops.core.errors import Conflict, NotFound, UsageError
+from dflashops.core.inventory import Target
+from dflashops.core.shell import join_argv
 from dflashops.ops.agent_client import Agent
 from dflashops.ops.provision import config as cfg
 from dflashops.ops.provision.lock import provision_lock
-from dflashops.shell import join_argv
 from dflashops.transport import open_transport
 from dflashops.transport.pct import PctTransport
 

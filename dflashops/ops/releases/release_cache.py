@@ -19,7 +19,7 @@ import json
 import os
 from pathlib import Path
 
-from dflashops.inventory import Target
+from dflashops.core.inventory import Target
 
 
 def target_key(target: Target) -> str:

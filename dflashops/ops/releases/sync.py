@@ -20,12 +20,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflashops.errors import UsageError
+from dflashops.core.errors import UsageError
 from dflashops.ops.agent_build import package_files
 from dflashops.ops.agent_client import AGENT_SOURCE, Agent
 from dflashops.ops.releases import release_cache
 from dflashops.ops.releases.manifest_cache import ManifestCache, stamp_of
-from dflashops.ops.releases.upload import PlainTar, Tar, TarUpload
+from dflashops.ops.upload import PlainTar, Tar, TarUpload
 
 REPO_ROOT = AGENT_SOURCE.parent.parent
 SKIP_PARTS = {"__pycache__", ".pytest_cache"}

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import os
 
-from dflashops.errors import NotFound, UsageError
-from dflashops.ops.fleet.nodes import node_target, nodes_of
+from dflashops.core.errors import NotFound, UsageError
+from dflashops.core.shell import validate_name
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.runs.control import run_status
-from dflashops.shell import validate_name
+from dflashops.ops.runs.nodes import node_target, nodes_of
 from dflashops.transport.interactive import interactive_argv
 from dflashops.transport.tmux_local import local_session_exists
 

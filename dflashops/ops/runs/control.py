@@ -13,13 +13,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from dflashops.errors import Conflict, DflashopsError, RunFailed, TransportError, UsageError, WaitTimeout
+from dflashops.core.errors import Conflict, DflashopsError, RunFailed, TransportError, UsageError, WaitTimeout
+from dflashops.core.shell import validate_name
 from dflashops.ops.agent_client import Busy
-from dflashops.ops.fleet.job_state import overall
-from dflashops.ops.fleet.nodes import nodes_of, read_nodes, status_nodes, stop_nodes
 from dflashops.ops.invocation import Invocation
+from dflashops.ops.runs.job_state import overall
+from dflashops.ops.runs.nodes import nodes_of, read_nodes, status_nodes, stop_nodes
 from dflashops.ops.runs.observer import observe_and_tell
-from dflashops.shell import validate_name
 
 DEFAULT_FAIL_ON = r"Traceback \(most recent call last\)"
 
@@ -44,7 +44,7 @@ def stop_run(
     meets another stop or restart of the run waits for it and answers with its outcome (`joined`) instead of
     signalling again; `now` kills the run at once (no final checkpoint), whatever else is going on.
     Raises NotRunning (nothing signalled) when the run is not running, NotFound when it does not exist.
-    A run on several targets is stopped on every node at once (ops/fleet/nodes.py).
+    A run on several targets is stopped on every node at once (ops/runs/nodes.py).
     May change: the run (signals), and through the observer its lineage record, notifications and supervisor."""
     validate_name(name, what="run name")
     if not invocation.dry_run and (nodes := nodes_of(invocation, name, target)):

@@ -9,9 +9,8 @@ hold the redacted environment.
 
 from __future__ import annotations
 
-from dflashops.errors import LaunchInterrupted
-from dflashops.inventory import Profile, Target
-from dflashops.ops.fleet.nodes import deploy_nodes
+from dflashops.core.errors import LaunchInterrupted
+from dflashops.core.inventory import Profile, Target
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.runs.launch import (
     DeployOutcome,
@@ -21,6 +20,7 @@ from dflashops.ops.runs.launch import (
     claim_name,
     launch_on,
 )
+from dflashops.ops.runs.nodes import deploy_nodes
 from dflashops.ops.runs.supervise import after_launch
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from dflashops.errors import UsageError
+from dflashops.core.errors import UsageError
 from dflashops.lineage.diff import is_flag
 
 PLACEHOLDER_RE = re.compile(r"\{([a-z_]+)\}")

@@ -5,7 +5,7 @@ parent, launcher, extra arguments: read-only), `claim_name` (the lineage row, be
 `launch_on` (sync, then the agent's `launch`, which claims the run directory with one mkdir, so two launches
 of the same name cannot both start). Secrets from the controller's environment travel to the launched process
 on the agent's stdin only; run.json, the database and the dry-run plan hold the redacted environment.
-Callers: ops/runs/deploy.py (a run on one target), ops/fleet/nodes.py (one launch per node), ops/runs/restart.py and
+Callers: ops/runs/deploy.py (a run on one target), ops/runs/nodes.py (one launch per node), ops/runs/restart.py and
 ops/runs/supervise.py (the spec of a child run). Nothing here starts a supervisor or records the launched run:
 whoever launched does.
 """
@@ -17,15 +17,15 @@ import re
 from dataclasses import dataclass, field
 
 from dflashops.agent.common import LAUNCHERS  # the agent starts runs; its list is the list
-from dflashops.errors import Conflict, UsageError
-from dflashops.inventory import Profile, Target
+from dflashops.core.errors import Conflict, UsageError
+from dflashops.core.inventory import Profile, Target
+from dflashops.core.shell import validate_name
 from dflashops.lineage import RunRecord, next_name, redact_env, wandb_env
 from dflashops.lineage.record import REDACTED, utc_now_iso
 from dflashops.ops.agent_client import Agent
 from dflashops.ops.releases.sync import sync
 from dflashops.ops.runs.extra_args import managed_flags, merge_extra_args
 from dflashops.ops.session import Session
-from dflashops.shell import validate_name
 
 # Passed through from the controller's environment when set, whatever the profile says.
 DEFAULT_PASS_ENV = ("WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
@@ -43,7 +43,7 @@ class DeployRequest:
     clear_cache: bool = False
     extra_args: list[str] = field(default_factory=list)
     checkpoint: str | None = None  # resume from this checkpoint (profile's resume_args)
-    node: NodePlace | None = None  # this target's place in a run on several targets (ops/fleet/nodes.py)
+    node: NodePlace | None = None  # this target's place in a run on several targets (ops/runs/nodes.py)
     # The new code and flags prove they can start in the target before anything is launched or stopped (the
     # agent's preflight_release: compile, `python -m trainer check`); False: --skip-preflight.
     preflight: bool = True

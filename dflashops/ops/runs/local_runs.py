@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dflashops.errors import AgentError, UsageError
+from dflashops.core.errors import AgentError, UsageError
 from dflashops.ops.agent_client import AGENT_SOURCE
 from dflashops.transport.local import LocalTransport
 

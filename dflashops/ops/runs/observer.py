@@ -2,11 +2,11 @@
 `target_status`) return facts only; a verb that should act hands the entries it read to `observe_runs`, which
 
 1. records a run the lineage does not know whose run.json says the in-target supervisor made it (an auto-restart),
-   so `runs tree` shows it (ops/observe/observe.py `adopt`);
+   so `runs tree` shows it (ops/runs/observe.py `adopt`);
 2. starts again a supervisor that died (ops/runs/supervise.py `revive`): recovery must not stay off because the
    controller was away; the entry's `supervisor.revived` then says what was done, for the table;
 3. queues the notifications of the supervisor's events and of a run seen ended against its lineage record (once
-   each: the notifier's ledger remembers them; ops/observe/observe.py `deliver`);
+   each: the notifier's ledger remembers them; ops/runs/observe.py `deliver`);
 4. mirrors the run's state, exit code and last step into its lineage record.
 
 It returns what it did (`Observed`); it prints nothing. The verbs that call it, and so may change these four
@@ -22,9 +22,9 @@ from typing import Any
 
 from dflashops.lineage import LineageDBError
 from dflashops.lineage.files import AGENT_STATE_TO_LINEAGE, other_node
-from dflashops.ops.fleet.job_state import overall
 from dflashops.ops.invocation import Invocation
-from dflashops.ops.observe.observe import adopt, deliver
+from dflashops.ops.runs.job_state import overall
+from dflashops.ops.runs.observe import adopt, deliver
 from dflashops.ops.runs.supervise import revive
 
 

@@ -21,15 +21,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from dflashops.errors import Conflict, NotFound, TransportError, UsageError
-from dflashops.inventory import Profile, Target
+from dflashops.core.errors import Conflict, NotFound, TransportError, UsageError
+from dflashops.core.inventory import Profile, Target
+from dflashops.core.shell import validate_name
 from dflashops.lineage import RunRecord
 from dflashops.ops.agent_client import Agent, Busy, StaleRelease, Superseded, Unchecked
-from dflashops.ops.fleet.nodes import relaunch_nodes
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.releases import release_cache
 from dflashops.ops.releases.sync import install_payload, local_manifest, release_files
-from dflashops.ops.releases.upload import Tar
 from dflashops.ops.runs.control import NotRunning
 from dflashops.ops.runs.extra_args import over
 from dflashops.ops.runs.launch import (
@@ -41,9 +40,10 @@ from dflashops.ops.runs.launch import (
     dry_run_preflight,
     launch_spec,
 )
+from dflashops.ops.runs.nodes import relaunch_nodes
 from dflashops.ops.runs.observer import observe_and_tell
 from dflashops.ops.runs.supervise import after_launch
-from dflashops.shell import validate_name
+from dflashops.ops.upload import Tar
 
 # Stands in argv/run.json for the old run's latest checkpoint, which only the agent knows after the stop.
 RESUME_PLACEHOLDER = "@dflashops-latest-checkpoint@"
@@ -152,7 +152,7 @@ def resolve(invocation: Invocation, request: RestartRequest) -> tuple[RunRecord,
 def restart_nodes(
     invocation: Invocation, request: RestartRequest, old: RunRecord, profile: Profile, child: DeployRequest
 ) -> RestartOutcome:
-    """Steps 2-6 for a run on several targets (ops/fleet/nodes.py relaunch_nodes): stop every node, deploy the child
+    """Steps 2-6 for a run on several targets (ops/runs/nodes.py relaunch_nodes): stop every node, deploy the child
     as a job on the same targets; no combined agent call."""
     stop, checkpoint, deployed = relaunch_nodes(
         invocation,

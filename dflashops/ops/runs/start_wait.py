@@ -1,6 +1,6 @@
 """Has a just-launched run passed its start? What `deploy` and `restart` wait for unless told `--detach`.
 
-A run has passed its start when (the profile's `started_when`, inventory.py):
+A run has passed its start when (the profile's `started_when`, core/inventory.py):
 - `preflight_done` / `first_step`: that milestone is in its status.json `timeline` (the trainer's pre-flight, or
   its first optimizer step); a job whose status.json keeps no timeline counts a step >= 1 as both;
 - `settle` (any other job): its status.json names a step >= 1, or it is still alive `settle_s` seconds after
@@ -19,10 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dflashops.errors import RunFailed, WaitTimeout
-from dflashops.ops.fleet.job_state import overall
+from dflashops.core.errors import RunFailed, WaitTimeout
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.runs.control import LogCursor, how_it_ended, read_log, run_status
+from dflashops.ops.runs.job_state import overall
 from dflashops.ops.runs.observer import observe_and_tell
 
 SETTLE_S = 2.0

@@ -19,13 +19,13 @@ from dataclasses import replace
 from typing import Any
 
 from dflashops.agent.template_sentinels import SENTINELS
-from dflashops.errors import AgentError, Conflict, DflashopsError
-from dflashops.inventory import Profile, Target
-from dflashops.inventory_policy import shown_url
+from dflashops.core.errors import AgentError, Conflict, DflashopsError
+from dflashops.core.inventory import Profile, Target
+from dflashops.core.inventory_policy import shown_url
 from dflashops.lineage.record import REDACTED
 from dflashops.ops.agent_client import Agent, _parse, readable_json
-from dflashops.ops.observe.observe import started
 from dflashops.ops.runs.launch import DeployRequest, launch_spec
+from dflashops.ops.runs.observe import started
 from dflashops.ops.session import Session
 
 POLL_S = 2.0  # a status poll is one read of a few small files: cheap; stall windows shorter than 8 s poll faster

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from dflashops.errors import DflashopsError, InventoryError
+from dflashops.core.errors import DflashopsError, InventoryError
 
 YAML_HINT = "check indentation and quoting on that line"
 MAX_BYTES = 1 << 20

@@ -1,4 +1,4 @@
-"""`python -m dflashops.demo` (what `make demo` runs): the tiny DFlash loop, deployed through dflashops.
+"""`python -m dflashops.cli.demo` (what `make demo` runs): the tiny DFlash loop, deployed through dflashops.
 
 Deploys the inventory's `demo` profile (`python -m trainer demo`: build a tiny target, prepare data,
 train a drafter, evaluate acceptance length) onto the `local` target, follows its log until the run
@@ -15,14 +15,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dflashops.cli.common import open_invocation, print_error, progress
-from dflashops.errors import DflashopsError
+from dflashops.core.errors import DflashopsError
 from dflashops.ops.runs.control import DEFAULT_FAIL_ON, run_status, wait_for
 from dflashops.ops.runs.deploy import deploy
 from dflashops.ops.runs.launch import DeployRequest
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dflashops.demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m dflashops.cli.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--inventory", help="inventory.yaml (default: the repository's)")
     parser.add_argument(
         "--world",

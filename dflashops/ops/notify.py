@@ -9,7 +9,7 @@ asleep); an event it delivered is not POSTed again, the command still runs here 
 Nothing here sits on a control path: `send` only queues. Every event has an id `<run>:<event>`; a ledger next
 to the lineage database (`lineage.sqlite-notify`, SQLite) holds one row per (event id, channel), so two CLI
 processes that see the same change queue it once. When the invocation closes, a detached courier process
-(ops/observe/courier.py) delivers what is due, each POST or command bounded by `notify.timeout`, a failed one again
+(ops/courier.py) delivers what is due, each POST or command bounded by `notify.timeout`, a failed one again
 after each wait of `notify.retry` (default 5 s, then 30 s: three tries), and records every outcome in the
 ledger. A delivery that failed for good is reported once, as a warning, by the next CLI call.
 """
@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dflashops.inventory import Inventory, Notify
-from dflashops.inventory_policy import shown_url
+from dflashops.core.inventory import Inventory, Notify
+from dflashops.core.inventory_policy import shown_url
 from dflashops.transport.detach import start_detached
 
 STALE_SENDING_S = 120.0  # a claim whose courier died mid-delivery is free again after this
@@ -159,7 +159,7 @@ def ledger_path(inventory: Inventory) -> Path:
 
 
 def courier_settings(config: Notify, ledger: Path) -> dict[str, Any]:
-    """What the courier needs (ops/observe/courier.py), the webhook URL included: it goes on the courier's stdin."""
+    """What the courier needs (ops/courier.py), the webhook URL included: it goes on the courier's stdin."""
     return {
         "ledger": str(ledger),
         "webhook": webhook_url(config),
@@ -170,12 +170,12 @@ def courier_settings(config: Notify, ledger: Path) -> dict[str, Any]:
 
 
 def start_courier(settings: dict[str, Any]) -> None:
-    """The courier (ops/observe/courier.py) as a detached process of this machine's interpreter, with this package
+    """The courier (ops/courier.py) as a detached process of this machine's interpreter, with this package
     importable whatever the caller's working directory; its log is `<ledger>.log`."""
-    package_root = str(Path(__file__).resolve().parents[3])  # dflashops/ops/observe/ -> the folder holding dflashops
+    package_root = str(Path(__file__).resolve().parents[2])  # dflashops/ops/ -> the folder holding dflashops
     path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
     start_detached(
-        [sys.executable, "-m", "dflashops.ops.observe.courier"],
+        [sys.executable, "-m", "dflashops.ops.courier"],
         stdin=json.dumps(settings).encode(),
         log=Path(f"{settings['ledger']}.log"),
         env={**os.environ, "PYTHONPATH": path},

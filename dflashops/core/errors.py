@@ -6,7 +6,7 @@ code the CLI should use. The CLI prints `error: <message>` and, when present, `h
 
 from __future__ import annotations
 
-import shlex  # not dflashops.shell, which imports this module: the same quoting, no import circle
+import shlex  # not dflashops.core.shell, which imports this module: the same quoting, no import circle
 from collections.abc import Sequence
 from typing import Protocol
 

@@ -1,5 +1,5 @@
-"""The notification courier: `python -m dflashops.ops.observe.courier`, started detached by a CLI call that queued
-notifications (ops/observe/notify.py, Invocation.close), so that no control path ever waits for a webhook or a command.
+"""The notification courier: `python -m dflashops.ops.courier`, started detached by a CLI call that queued
+notifications (ops/notify.py, Invocation.close), so that no control path ever waits for a webhook or a command.
 
 It reads its settings from stdin (the ledger's path, the webhook URL, which is a secret and so never on a
 command line, the notify command, the timeout and the retry waits), takes the ledger's courier lock (one
@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dflashops.errors import DflashopsError
-from dflashops.ops.observe.notify import Ledger
+from dflashops.core.errors import DflashopsError
+from dflashops.ops.notify import Ledger
 from dflashops.transport.local import LocalTransport
 from dflashops.transport.webhook import post_json
 

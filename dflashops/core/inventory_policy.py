@@ -155,7 +155,7 @@ def parse_stall(reader: Any, node: Any, key: str) -> Stall:
 
 
 def parse_notify(reader: Any, node: Any, key: str = "notify") -> Notify:
-    from dflashops.shell import ENV_KEY_RE
+    from dflashops.core.shell import ENV_KEY_RE
 
     fields = reader.mapping(
         node, key, {"webhook", "webhook_env", "command", "events", "from_target", "timeout", "retry"}

@@ -11,7 +11,7 @@ import shlex
 from collections.abc import Mapping, Sequence
 
 from dflashops.agent.common import is_safe_name  # the one name rule; the agent applies it on the target
-from dflashops.errors import UsageError
+from dflashops.core.errors import UsageError
 
 ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 

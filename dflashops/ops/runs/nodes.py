@@ -20,11 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
-from dflashops.errors import DflashopsError, NotFound, TransportError, UsageError
-from dflashops.inventory import Group, Profile, Target
+from dflashops.core.errors import DflashopsError, NotFound, TransportError, UsageError
+from dflashops.core.inventory import Group, Profile, Target
 from dflashops.lineage import LineageDBError
 from dflashops.ops.invocation import Invocation
-from dflashops.ops.observe.observe import started
 from dflashops.ops.runs.launch import (
     DeployOutcome,
     DeployRequest,
@@ -34,6 +33,7 @@ from dflashops.ops.runs.launch import (
     claim_name,
     launch_on,
 )
+from dflashops.ops.runs.observe import started
 from dflashops.ops.runs.observer import observe_and_tell
 
 NODE_PLACEHOLDERS = re.compile(r"\{(node_rank|nnodes|master_addr|master_port|rdzv_id)\}")

@@ -1,5 +1,5 @@
 """The state of a run on several targets as one entry (`overall`): a pure function of the nodes' status entries,
-kept apart from ops/fleet/nodes.py so that the observer (ops/runs/observer.py), which nodes.py calls, can use it
+kept apart from ops/runs/nodes.py so that the observer (ops/runs/observer.py), which nodes.py calls, can use it
 without an import circle."""
 
 from __future__ import annotations

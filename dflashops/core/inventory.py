@@ -28,12 +28,12 @@ from typing import Any
 
 import yaml
 
-from dflashops.errors import InventoryError, NotFound
-from dflashops.inventory_groups import Group, parse_groups
-from dflashops.inventory_policy import Notify, OnFailure, Stall, parse_notify, parse_on_failure, parse_stall
-from dflashops.inventory_provision import ProvisionSpec, parse_provision
-from dflashops.shell import ENV_KEY_RE, is_safe_name
-from dflashops.yaml_files import YAML_HINT, describe_yaml_error, read_yaml_text
+from dflashops.core.errors import InventoryError, NotFound
+from dflashops.core.inventory_groups import Group, parse_groups
+from dflashops.core.inventory_policy import Notify, OnFailure, Stall, parse_notify, parse_on_failure, parse_stall
+from dflashops.core.inventory_provision import ProvisionSpec, parse_provision
+from dflashops.core.shell import ENV_KEY_RE, is_safe_name
+from dflashops.core.yaml_files import YAML_HINT, describe_yaml_error, read_yaml_text
 
 TARGET_KINDS = ("local", "pct", "direct", "host")
 
@@ -166,7 +166,7 @@ def find_inventory(explicit: str | None = None) -> Path:
     for folder in [Path.cwd(), *Path.cwd().parents]:
         if (folder / "inventory.yaml").is_file():
             return folder / "inventory.yaml"
-    return Path(__file__).resolve().parent.parent / "inventory.yaml"
+    return Path(__file__).resolve().parents[2] / "inventory.yaml"  # the repository root, above dflashops/core/
 
 
 class _Reader:

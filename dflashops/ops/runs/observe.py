@@ -4,7 +4,7 @@ starts a dead supervisor again, is ops/runs/observer.py):
 - `adopt`: a run the lineage does not know, whose run.json says the in-target supervisor made it
   (`extra.auto_restart`), is recorded (the same import `runs sync` does);
 - `deliver`: events the supervisor recorded in the run's events.jsonl, and a state change against the lineage
-  record (running -> crashed/finished/stopped), are handed to the notifier (ops/observe/notify.py; once each);
+  record (running -> crashed/finished/stopped), are handed to the notifier (ops/notify.py; once each);
 - `started`: the event of a launch by deploy/restart.
 Cost: nothing when `notify` is not configured and no run is new; else one ledger lookup per event.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from dflashops.errors import DflashopsError
+from dflashops.core.errors import DflashopsError
 from dflashops.lineage import RunRecord
 from dflashops.lineage.files import AGENT_STATE_TO_LINEAGE, import_dict_from_status
 from dflashops.ops.session import Session
