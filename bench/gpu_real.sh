@@ -6,6 +6,7 @@
 #   call 1: bash bench/gpu_real.sh a        (carry .gpu/a)  stash the first half (SMOKE=1: and a random-weights run)
 #   call 2: bash bench/gpu_real.sh b        (carry .gpu/b)  join, check the digest, start the curve, follow it
 #   call 3+: bash bench/gpu_real.sh follow                   follow it to its end (results and logs under $OUT)
+#   ONLY="..." bash bench/gpu_real.sh runs                    more runs on the same machine's prepared data, followed
 #   bash bench/gpu_real.sh drop NAME                          end one run of the curve early (its process group)
 # The curve: one --prepare-only run (conversion, regeneration, the references), then every run in RUNS as its own
 # process at once: an evaluation is latency-bound (one sequence at a time), so it overlaps the others' training.
@@ -23,6 +24,8 @@ declare -A RUNS=(  # name -> flags; "all" evaluates the baselines once for every
   [dflash2]="--points= --extra-samples all --archs dflash2 --no-baselines"
   [b8]="--points all --blocks 8"  # its own baselines: prompt lookup drafts 7 tokens at block 8
   [layers4]="--points= --ablate layers4=--num-draft-layers=4 --no-baselines"
+  [g1]="--points= --ablate g1=--gamma=1 --no-baselines"
+  [d2g1]="--points= --ablate 'd2g1=--arch=dflash2 --gamma=1' --no-baselines"  # quoted: the flags are eval'ed
   # make demo-real's training shape (512 samples, 400 steps of <= 64 anchors, block 8) and four levers on it
   [demo]="--points 512 --steps 400 --blocks 8 --max-anchors 64 --anchors-per-seq 16 --no-baselines --ablate-samples 512
           --ablate g1=--gamma=1 --ablate lr1e-2=--lr=1e-2 --ablate cal=--output-norm-init=calibrated
@@ -32,10 +35,14 @@ declare -A RUNS=(  # name -> flags; "all" evaluates the baselines once for every
 curve() {  # runs detached: prepare once, then every run at once; $W/done marks the end
   python3 bench/real_world.py "${COMMON[@]}" --points all --prepare-only --json-out $W/prepare.json >$W/prepare.log 2>&1 \
     || { echo "prepare failed" >$W/done; return; }
+  runs
+}
+
+runs() {  # every run of ONLY at once on the prepared work directory
   for name in ${ONLY:-${!RUNS[@]}}; do  # ONLY="all n4096": a subset, when less device time is left
-    # shellcheck disable=SC2086  # the flags split on purpose
-    OMP_NUM_THREADS=4 setsid python3 bench/real_world.py "${COMMON[@]}" ${RUNS[$name]} --prepared \
-      --json-out $W/$name.json --train-extra --log-interval 50 >$W/$name.log 2>&1 &
+    # eval: a run's flags split as the shell reads them (an --ablate of several flags is one quoted word)
+    eval "OMP_NUM_THREADS=4 setsid python3 bench/real_world.py ${COMMON[*]} ${RUNS[$name]} --prepared \
+      --json-out $W/$name.json --train-extra --log-interval 50 >$W/$name.log 2>&1 &"
     echo $! >$W/$name.pid
   done
   wait
@@ -75,6 +82,8 @@ case ${1:-} in
      setsid bash bench/gpu_real.sh curve >$W/curve.out 2>&1 </dev/null &
      follow 560 ;;
   curve) curve ;;
+  runs) rm -f $W/done; setsid bash bench/gpu_real.sh runs-detached >$W/curve.out 2>&1 </dev/null & follow 560 ;;
+  runs-detached) runs ;;
   follow) follow 570 ;;
   drop) kill -- "-$(cat "$W/$2.pid")" && echo "ended $2" ;;
   *) echo "usage: bash bench/gpu_real.sh a|b|follow|drop NAME" >&2; exit 2 ;;

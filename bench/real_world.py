@@ -316,7 +316,7 @@ def main() -> int:
         return 0
     count_of = lambda p: meta.num_samples if p == "all" else min(int(p), meta.num_samples)  # noqa: E731
     counts = [count_of(p) for p in args.points.split(",") if p]
-    largest = count_of(args.extra_samples) if args.extra_samples else counts[-1]
+    largest = count_of(args.extra_samples or (counts[-1] if counts else "all"))
     first_block = int(args.blocks.split(",")[0])
     plan: list[tuple[int, str, int, str, list[str]]] = [(c, "dflash", first_block, "", []) for c in counts]
     plan += [(largest, a, first_block, "", []) for a in args.archs.split(",") if a != "dflash"]
