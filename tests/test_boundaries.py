@@ -22,6 +22,7 @@ Imports under `if TYPE_CHECKING:` are annotations, not dependencies, and are ski
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 from pathlib import Path
 
@@ -37,9 +38,22 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.cache
+def _parsed(text: str, filename: str) -> ast.Module:
+    return ast.parse(text, filename=filename)
+
+
+def parse(path: Path) -> ast.Module:
+    """The file's AST, parsed once per content: six checks read the same ~1.8 MB of sources (each parse of all of
+    them ~0.8 CPU-s; bench/results/tests-speed.md, 2026-12-06 "The suite on a shared machine: duplicated work
+    removed"). Keyed by the text read now, so an edited file (or the synthetic trees) is parsed afresh; nothing
+    changes a tree."""
+    return _parsed(path.read_text(encoding="utf-8"), str(path))
+
+
 def imports_of(path: Path) -> list[tuple[str, int]]:
     """(imported module, line) for every runtime import in the file; relative imports resolved."""
-    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    tree = parse(path)
     package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
     skipped: set[int] = set()
     for node in ast.walk(tree):
@@ -190,7 +204,7 @@ def import_graph() -> dict[str, dict[str, int]]:
     modules = project_modules()
     graph: dict[str, dict[str, int]] = {}
     for me, path in modules.items():
-        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        tree = parse(path)
         package = me if path.name == "__init__.py" else me.rpartition(".")[0]
         edges: dict[str, int] = {}
         for node in ast.walk(tree):
@@ -316,21 +330,22 @@ def test_the_ops_picture_check_can_fail() -> None:
     ]
 
 
-def package_of(module: str) -> str:
+def package_of(module: str, modules: dict[str, Path]) -> str:
     """The package a module belongs to: itself for a package's __init__, else its folder."""
-    return module if project_modules()[module].name == "__init__.py" else module.rpartition(".")[0]
+    return module if modules[module].name == "__init__.py" else module.rpartition(".")[0]
 
 
 def package_graph(graph: dict[str, dict[str, int]], root: str) -> dict[str, dict[str, str]]:
     """package -> {package it imports: the first module edge that makes it}, for the packages under `root`."""
+    modules = project_modules()  # once: a walk of both trees per edge was most of this file's CPU (2.6 of ~7 s)
     packages: dict[str, dict[str, str]] = {}
     for module, edges in graph.items():
         if not module.startswith(root):
             continue
-        mine = package_of(module)
+        mine = package_of(module, modules)
         packages.setdefault(mine, {})
         for imported in edges:
-            theirs = package_of(imported)
+            theirs = package_of(imported, modules)
             if imported.startswith(root) and theirs != mine:
                 packages[mine].setdefault(theirs, f"{module} -> {imported}")
     return packages

@@ -7,11 +7,14 @@ runs once per module into a temporary cache (~20 s and 538 MB), so the test prov
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,13 +24,39 @@ from trainer.data import real_prompts, real_target
 pytestmark = pytest.mark.timeout(900)
 
 
+def weights_digest(model: torch.nn.Module) -> str:
+    """sha256 over every tensor of the state dict, by name: whether a model's weights were changed."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode() + tensor.detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+# What the conversion dequantized from the GGUF file: the logits test compares the converted directory against it
+# instead of dequantizing the same file a second time (~22 CPU-s; bench/results/tests-speed.md, 2026-12-06 "The
+# suite on a shared machine: duplicated work removed"). Its weights' digest, taken as it was loaded, proves the
+# conversion left them unchanged.
+DEQUANTIZED: dict[str, Any] = {}
+
+
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def converted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     cache = tmp_path_factory.mktemp("real-cache")
     lines: list[str] = []
-    target = real_target.ensure_target(cache, lines.append)
+    load_gguf = real_target.load_gguf
+
+    def recorded(path: Path) -> tuple[Any, Any]:
+        model, tokenizer = load_gguf(path)
+        DEQUANTIZED.update(model=model, tokenizer=tokenizer, digest=weights_digest(model))
+        return model, tokenizer
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(real_target, "load_gguf", recorded)
+        target = real_target.ensure_target(cache, lines.append)
     assert any("dequantizing" in line for line in lines) and any("converted in" in line for line in lines), lines
-    return target
+    assert set(DEQUANTIZED) == {"model", "tokenizer", "digest"}  # the conversion read the GGUF file itself
+    yield target
+    DEQUANTIZED.clear()
 
 
 def test_the_gguf_is_found_through_the_wheels_record_and_keys_the_cache() -> None:
@@ -41,7 +70,8 @@ def test_the_converted_model_gives_the_gguf_models_logits_exactly(converted: Pat
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(1)
-    gguf_model, gguf_tokenizer = real_target.load_gguf(real_target.gguf_file()[0])
+    gguf_model, gguf_tokenizer = DEQUANTIZED["model"], DEQUANTIZED["tokenizer"]  # as the conversion loaded them
+    assert weights_digest(gguf_model) == DEQUANTIZED["digest"]  # the conversion did not change what it read
     model = AutoModelForCausalLM.from_pretrained(converted, local_files_only=True).eval()
     tokenizer = AutoTokenizer.from_pretrained(converted)
     text = tokenizer.apply_chat_template(
