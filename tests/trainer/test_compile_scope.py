@@ -122,6 +122,10 @@ def test_two_compiled_drafter_threads_run_without_a_recompile(tmp_path: Path) ->
     assert len(compiled) == 40 and all(compiled)
 
 
+# Its own limit: two pipeline runs, one of them compiled by inductor from an empty cache, take ~44 s on an idle 2-core
+# machine and went past 240 s twice in a suite run at load 7-15 (tests-speed.md 2026-12-06 "The suite on a shared
+# machine"); the limit is there to end a hang, not to time the compiler.
+@pytest.mark.timeout(600)
 def test_inductor_compiled_replicas_train_like_the_uncompiled_ones(tmp_path: Path) -> None:
     """The GPU's configuration on the CPU: both replicas' layer calls and loss kernels compiled by inductor from
     private copies (flex_attention stays GPU-only); the losses equal an uncompiled run's."""
