@@ -8,8 +8,8 @@ exception is `follow`, which streams one such line per answer (see verb_follow).
 
 A request is one JSON object, parsed once here into its verb's dataclass (protocol.py): a key the verb does
 not know, a required key that is missing, or a value of the wrong type is one `bad_request` naming the verb
-and the key, before the verb runs. With `--json-stdin` the request is read from stdin (launch uses this so that secrets in the environment of
-the launched process never appear on a command line). `install` and `restart` read one JSON request line
+and the key, before the verb runs. With `--json-stdin` the request is read from stdin (launch uses this so
+that secrets in the environment of the launched process never appear on a command line). `install` and `restart` read one JSON request line
 from stdin, then the tar stream of the changed files.
 
 Verbs: ping, launch, stop, status, tail, follow (tail, streamed), gpus, clear-cache, manifest, install, restart (stop + install +
@@ -108,9 +108,9 @@ def main(argv: list[str]) -> int:
             raise AgentFailure(f"request is not valid JSON: {exc}", "bad_request") from None
         if not isinstance(req, dict):
             raise AgentFailure("request must be a JSON object", "bad_request")
+        if verb in RAW_VERBS:  # its refusals, a bad request's too, go to stderr
+            return raw_call(verb_function(RAW_VERBS[verb]), verb, req)
         req = parse(verb, req)  # the one place a request's keys are read: unknown, missing, mistyped -> refused
-        if verb in RAW_VERBS:
-            return raw_call(verb_function(RAW_VERBS[verb]), req)
         if verb in STDIN_VERBS:
             result = verb_function(STDIN_VERBS[verb])(req, stdin)
         else:
@@ -149,10 +149,11 @@ def is_tar_error(exc: BaseException) -> bool:
     return tar is not None and isinstance(exc, tar.TarError)
 
 
-def raw_call(verb, req: object) -> int:
-    """Run a RAW verb: its refusals go to stderr (stdout carries only data), exit status 3."""
+def raw_call(function: Callable, verb: str, obj: dict) -> int:
+    """Run a RAW verb on request `obj` (parsed here): its refusals go to stderr (stdout carries only data), exit
+    status 3."""
     try:
-        verb(req)
+        function(parse(verb, obj))
         return 0
     except AgentFailure as exc:
         sys.stderr.write(json.dumps({"ok": False, "error": str(exc), "code": exc.code}) + "\n")
