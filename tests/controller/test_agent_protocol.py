@@ -60,6 +60,14 @@ def test_a_value_of_the_wrong_type_and_a_nested_key_are_named_too(tmp_path: Path
     assert not (tmp_path / "ws").exists()  # nothing was made
 
 
+def test_a_raw_verb_refuses_a_bad_request_on_stderr_with_exit_status_3(tmp_path: Path) -> None:
+    (tmp_path / "ws" / "runs" / "r1").mkdir(parents=True)
+    code, lines, err = agent_call("read-file", {"workspace": str(tmp_path / "ws"), "name": "r1", "pth": "f"})
+    assert code == 3 and lines == []  # stdout carries only a file's bytes
+    answer = json.loads(err.splitlines()[-1])
+    assert answer["code"] == "bad_request" and answer["error"].startswith("read-file: unknown key 'pth'")
+
+
 def test_optional_keys_keep_their_defaults_and_a_request_survives_its_wire_form() -> None:
     assert parse("stop", {"workspace": "/w", "name": "r"}).grace == 60.0
     assert parse("stop", {"workspace": "/w", "name": "r"}).kill_s() == 10.0
