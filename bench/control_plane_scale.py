@@ -115,8 +115,9 @@ def processes(total: int) -> Iterator[int]:
 
 AGENT_STATUS = """
 import json, sys, time
+from dflashops.agent.protocol import parse
 from dflashops.agent.status import verb_status
-request = {"workspace": sys.argv[1], **json.loads(sys.argv[2])}
+request = parse("status", {"workspace": sys.argv[1], **json.loads(sys.argv[2])})
 start = time.perf_counter()
 answer = verb_status(request)
 print(json.dumps({"seconds": time.perf_counter() - start, "runs": len(answer["runs"])}))

@@ -63,9 +63,9 @@ RUN_FILES = {
 PROGRESS_PREFIX = "dflashops-progress "
 
 
-def report_progress(req: dict, phase: str, **fields: object) -> None:
-    """Say on stderr that `phase` starts, when the request asked for progress; never fails the call."""
-    if not req.get("progress"):
+def report_progress(progress: bool, phase: str, **fields: object) -> None:
+    """Say on stderr that `phase` starts, when the request asked for `progress`; never fails the call."""
+    if not progress:
         return
     try:
         sys.stderr.write(PROGRESS_PREFIX + json.dumps({"phase": phase, **fields}, default=str) + "\n")
@@ -85,7 +85,7 @@ class AgentFailure(Exception):
 def is_safe_name(text: str) -> bool:
     """THE rule for names that reach command lines, file paths and tmux (runs, sessions, targets, hosts,
     profiles): 1-64 of A-Z a-z 0-9 . _ -, no `..`, no leading `-`. The controller imports it from here
-    (dflashops/shell.py), so the agent and the controller can never disagree on a name."""
+    (dflashops/core/shell.py), so the agent and the controller can never disagree on a name."""
     return bool(NAME_RE.match(text)) and text != "." and ".." not in text and not text.startswith("-")
 
 
@@ -96,11 +96,9 @@ def check_name(value: object, what: str = "run name") -> str:
     return text
 
 
-def run_dir(req: dict) -> str:
-    workspace = req.get("workspace")
-    if not isinstance(workspace, str) or not os.path.isabs(workspace):
-        raise AgentFailure("workspace must be an absolute path", "bad_request")
-    return os.path.join(workspace, "runs", check_name(req.get("name")))
+def run_dir(workspace: object, name: object) -> str:
+    """<workspace>/runs/<name>, or AgentFailure `bad_request` for a relative workspace or an unsafe name."""
+    return os.path.join(workspace_of(workspace), "runs", check_name(name))
 
 
 def write_atomic(path: str, text: str, mode: int = 0o644) -> None:
@@ -299,8 +297,8 @@ def tmux_has_session(workspace: str, session: str) -> bool:
     return found.returncode == 0
 
 
-def workspace_of(req: dict) -> str:
-    workspace = req.get("workspace")
+def workspace_of(workspace: object) -> str:
+    """`workspace` itself, or AgentFailure `bad_request` when it is not an absolute path."""
     if not isinstance(workspace, str) or not os.path.isabs(workspace):
         raise AgentFailure("workspace must be an absolute path", "bad_request")
     return workspace
@@ -330,10 +328,9 @@ def collected_run(workspace: str, name: str) -> dict | None:
     return found
 
 
-def missing_run(req: dict, what: str) -> AgentFailure:
+def missing_run(workspace: str, name: str, what: str) -> AgentFailure:
     """The refusal for a run without a directory (`what`: "does not exist" ...): one that gc deleted says so."""
-    name = req["name"]
-    entry = collected_run(workspace_of(req), name)
+    entry = collected_run(workspace_of(workspace), name)
     if entry is not None:
         return AgentFailure(
             f"run {name!r} was collected: its run directory was deleted by `dflashops gc` at {entry.get('at')}",

@@ -7,6 +7,7 @@ import os
 import sys
 
 from .common import AgentFailure, file_sha256, read_json, run_dir, write_atomic
+from .protocol import FetchManifestRequest, ReadFileRequest
 
 FETCH_CACHE = ".fetch-sha256.json"  # in the run dir: (size, mtime_ns, inode) -> sha256, so a resumed fetch does
 # not hash a 12 GB checkpoint again (~30 s); an entry whose file changed in any of the three is recomputed.
@@ -25,18 +26,18 @@ def run_file(directory: str, rel: object) -> str:
     return path
 
 
-def verb_fetch_manifest(req: dict) -> dict:
+def verb_fetch_manifest(req: FetchManifestRequest) -> dict:
     """Size and sha256 of every regular file under the run-relative `paths` (files or folders); `missing`
     names the paths that do not exist. Hashes are computed here, on the target, next to the data. With
     `"hash": false` only cached hashes are given (`sha256` null for the rest): the controller starts the
     transfer at once and asks for the missing hashes on a second channel meanwhile."""
-    directory = run_dir(req)
+    directory = run_dir(req.workspace, req.name)
     if not os.path.isdir(directory):
-        raise AgentFailure(f"run {req['name']!r} does not exist on this target", "not_found")
+        raise AgentFailure(f"run {req.name!r} does not exist on this target", "not_found")
     cache_path = os.path.join(directory, FETCH_CACHE)
     cache = read_json(cache_path) or {}
     files, missing, changed = [], [], False
-    for rel in req.get("paths") or []:
+    for rel in req.paths:
         top = run_file(directory, rel)
         if not os.path.exists(top):
             missing.append(rel)
@@ -53,13 +54,13 @@ def verb_fetch_manifest(req: dict) -> dict:
                 stamp = [stat.st_size, stat.st_mtime_ns, stat.st_ino]
                 known = cache.get(key)
                 if not (isinstance(known, list) and known[:3] == stamp):
-                    if not req.get("hash", True):
+                    if not req.hash:
                         files.append({"path": key, "size": stat.st_size, "sha256": None})
                         continue
                     known, changed = [*stamp, file_sha256(path)], True
                     cache[key] = known
                 files.append({"path": key, "size": stat.st_size, "sha256": known[3]})
-    if changed and req.get("cache", True):  # a dry run's manifest writes nothing
+    if changed and req.cache:  # a dry run's manifest writes nothing
         try:
             write_atomic(cache_path, json.dumps(cache))
         except OSError:
@@ -67,13 +68,13 @@ def verb_fetch_manifest(req: dict) -> dict:
     return {"files": files, "missing": missing, "run_dir": directory}
 
 
-def verb_read_file(req: dict) -> None:
+def verb_read_file(req: ReadFileRequest) -> None:
     """RAW verb (the one exception to the one-JSON-line rule): writes bytes [offset, offset+length) of one run
     file to stdout, nothing else. The controller knows the length and the sha256 from `fetch-manifest` and
     checks both; a refusal before the first byte is a JSON line on stderr and exit status 3."""
-    directory = run_dir(req)
-    path = run_file(directory, req.get("path"))
-    offset, length = int(req.get("offset", 0)), int(req.get("length", -1))
+    directory = run_dir(req.workspace, req.name)
+    path = run_file(directory, req.path)
+    offset, length = int(req.offset), int(req.length)
     with open(path, "rb") as handle:
         size = os.fstat(handle.fileno()).st_size
         end = size if length < 0 else min(size, offset + length)

@@ -7,13 +7,15 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 
 from .common import missing_run, read_int, run_dir
+from .protocol import TailRequest
 
 CHECK_BYTES = 64  # the bytes before the cursor that a follower's `check` covers
 
 
-def verb_tail(req: dict) -> dict:
+def verb_tail(req: TailRequest) -> dict:
     """Bytes of train.log from `offset`, cut at the last newline so no line is split or repeated. `inode`
     (from the previous answer) detects rotation: the rest of the rotated `train.log.1` comes first. `check`
     (also from the previous answer: a digest of the bytes just before `offset`) detects a log that was
@@ -21,15 +23,15 @@ def verb_tail(req: dict) -> dict:
     reading starts again at byte 0 and the answer's `notice` says so, instead of losing or repeating lines.
     `wait_s` (long poll, at most 10 s): when there is nothing new yet, wait here for up to that long, checking
     the file every 50 ms, so a follower sees a line ~50 ms after it is written instead of a poll period later."""
-    directory = run_dir(req)
+    directory = run_dir(req.workspace, req.name)
     path = os.path.join(directory, "train.log")
     if not os.path.exists(path):
-        raise missing_run(req, "has no log (it never started here)")
+        raise missing_run(req.workspace, req.name, "has no log (it never started here)")
     req = start_of_reading(req, path)
-    deadline = time.monotonic() + max(0.0, min(float(req.get("wait_s", 0)), 10.0))
+    deadline = time.monotonic() + max(0.0, min(float(req.wait_s or 0), 10.0))
     while True:
         answer = _tail_once(req, directory, path)
-        moved = answer["offset"] != int(req.get("offset", 0)) or answer["inode"] != req.get("inode")
+        moved = answer["offset"] != int(req.offset or 0) or answer["inode"] != req.inode
         if answer["data"] or answer["finished"] or moved or answer["notice"] or time.monotonic() >= deadline:
             return answer
         time.sleep(0.05)
@@ -39,52 +41,52 @@ FOLLOW_POLL_S = 0.02  # how often `follow` looks at the file: the floor of its w
 FOLLOW_HEARTBEAT_S = 1.0  # an empty answer this often, so both ends notice a dead link or a gone reader
 
 
-def verb_follow(req: dict) -> dict:
+def verb_follow(req: TailRequest) -> dict:
     """`tail`, streamed: one JSON answer line (the `tail` fields, `ok` true) each time the log moves, starting
     from the request's cursor, until the run has ended and its log is drained; in between an empty answer
     every FOLLOW_HEARTBEAT_S. This is the one verb that prints more than one line. One `pct exec` for a
     whole `logs -f` instead of one per answer: a line reaches the reader ~FOLLOW_POLL_S + half a round trip
     after it is written. A reader that goes away closes the pipe; the next heartbeat's write ends this
     process (BrokenPipeError), so nothing lingers in the container. Returns the last answer (already printed)."""
-    directory = run_dir(req)
+    directory = run_dir(req.workspace, req.name)
     path = os.path.join(directory, "train.log")
     if not os.path.exists(path):
-        raise missing_run(req, "has no log (it never started here)")
+        raise missing_run(req.workspace, req.name, "has no log (it never started here)")
     req = start_of_reading(req, path)
-    cursor = {"offset": int(req.get("offset") or 0), "inode": req.get("inode"), "check": req.get("check")}
+    cursor = replace(req, offset=int(req.offset or 0))  # the request, its cursor moved past each answer sent
     last_sent = 0.0
     while True:
-        answer = _tail_once({**req, **cursor}, directory, path)
-        moved = answer["offset"] != cursor["offset"] or answer["inode"] != cursor["inode"]
+        answer = _tail_once(cursor, directory, path)
+        moved = answer["offset"] != cursor.offset or answer["inode"] != cursor.inode
         done = answer["finished"] and not answer["more"] and not answer["data"] and not moved
         now = time.monotonic()
         if answer["data"] or moved or answer["notice"] or done or now - last_sent >= FOLLOW_HEARTBEAT_S:
             sys.stdout.write(json.dumps({"ok": True, **answer}) + "\n")
             sys.stdout.flush()
             last_sent = now
-            cursor = {"offset": answer["offset"], "inode": answer["inode"], "check": answer["check"]}
+            cursor = replace(cursor, offset=answer["offset"], inode=answer["inode"], check=answer["check"])
         if done:
             return {"streamed": True}
         if not (answer["data"] and answer["more"]):
             time.sleep(FOLLOW_POLL_S)
 
 
-def start_of_reading(req: dict, path: str) -> dict:
+def start_of_reading(req: TailRequest, path: str) -> TailRequest:
     """A reader's first request, moved to a line start: `lines` N starts at the last N lines of train.log
     (`logs -n N`); `align` moves an `offset` inside a line (`logs --since N` typed by hand) forward to the start
     of the next line, so no line is shown from its middle. Later requests carry neither: their offsets are the
     answers' own, which may be inside a line longer than one answer."""
-    if req.get("lines") is None and not req.get("align"):
+    if req.lines is None and not req.align:
         return req
     with open(path, "rb") as handle:
         size = os.fstat(handle.fileno()).st_size
-        if req.get("lines") is not None:
-            offset = last_lines_start(handle, size, int(req["lines"]))
+        if req.lines is not None:
+            offset = last_lines_start(handle, size, int(req.lines))
         else:
-            offset = int(req.get("offset") or 0)
+            offset = int(req.offset or 0)
             if 0 < offset <= size:
                 offset = next_line_start(handle, offset, size)
-    return {**req, "offset": offset, "check": None, "lines": None, "align": False}
+    return replace(req, offset=offset, check=None, lines=None, align=False)
 
 
 def last_lines_start(handle, size: int, lines: int) -> int:
@@ -140,9 +142,9 @@ def utf8_whole(data: bytes) -> bytes:
     return data
 
 
-def _tail_once(req: dict, directory: str, path: str) -> dict:
-    offset, inode = int(req.get("offset", 0)), req.get("inode")
-    max_bytes = int(req.get("max_bytes", 1 << 20))
+def _tail_once(req: TailRequest, directory: str, path: str) -> dict:
+    offset, inode = int(req.offset or 0), req.inode
+    max_bytes = 1 << 20 if req.max_bytes is None else int(req.max_bytes)
     current_inode = os.stat(path).st_ino
     source, rotated, notice = path, False, None
     if inode is not None and int(inode) != current_inode:
@@ -152,7 +154,7 @@ def _tail_once(req: dict, directory: str, path: str) -> dict:
         else:
             offset, notice = 0, "train.log was replaced by a new file; reading the new one from its start"
     with open(source, "rb") as handle:
-        expected = req.get("check")
+        expected = req.check
         if notice is None and (
             offset > os.fstat(handle.fileno()).st_size
             or (expected is not None and prefix_check(handle, offset) != expected)

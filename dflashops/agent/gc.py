@@ -9,6 +9,7 @@ import shutil
 import time
 
 from .common import COLLECTED, HASH_RE, AgentFailure, missing_run, remove_quietly, run_dir, workspace_of
+from .protocol import ClearCacheRequest, GcRequest
 from .releases import prunable_releases
 from .standby import retire_standbys, standbys
 from .status import run_status
@@ -16,13 +17,17 @@ from .status import run_status
 COMPILE_CACHE_KEY_RE = re.compile(r"^py\d+\.\d+-torch[A-Za-z0-9._-]+$")  # trainer/core/compile_cache.py cache_key
 
 
-def verb_clear_cache(req: dict) -> dict:
+def verb_clear_cache(req: ClearCacheRequest) -> dict:
     """`--clear-cache`: remove the compile caches and nothing else: in the compile cache root (`compile_cache`,
     default <workspace>/cache/compile) only the folders named like a cache key and their artifacts (the
     `<key>.artifacts.d/` folder, or an older trainer's `<key>.artifacts` file), and the per-code-hash folders of
     the old layout (<workspace>/cache/inductor/<hash>). How much went."""
-    workspace = workspace_of(req)
-    root = str(req.get("compile_cache") or os.path.join(workspace, "cache", "compile"))
+    return clear_cache(workspace_of(req.workspace), req.compile_cache)
+
+
+def clear_cache(workspace: str, compile_cache: str | None) -> dict:
+    """verb_clear_cache's work, for a launch or restart that asks `clear_cache` too (same answer)."""
+    root = str(compile_cache or os.path.join(workspace, "cache", "compile"))
     if not os.path.isabs(root):
         raise AgentFailure("compile_cache must be an absolute path", "bad_request")
     doomed = []
@@ -54,26 +59,26 @@ def tree_size(path: str) -> tuple[int, int]:
     return size, count
 
 
-def verb_gc(req: dict) -> dict:
+def verb_gc(req: GcRequest) -> dict:
     """Explicit clean-up: old releases beyond `keep`, the run directories named in `runs` that are not
     running, and with `standby` every waiting standby interpreter (asked to exit: `retired`; one that a launch
     has just claimed runs its run). Nothing else is ever deleted. `removed` lists each deleted folder with its
     path, bytes and files; a deleted run directory is recorded in <workspace>/collected.jsonl (so `logs` and
     `status` of it say it was collected). With `dry_run`, the same answer and nothing deleted or asked."""
-    workspace = workspace_of(req)
-    dry_run = bool(req.get("dry_run"))
+    workspace = workspace_of(req.workspace)
+    dry_run = bool(req.dry_run)
     final = {}  # each run's last state, for the lineage record that outlives its directory
-    for name in req.get("runs") or []:
-        directory = run_dir({"workspace": workspace, "name": name})
+    for name in req.runs:
+        directory = run_dir(workspace, name)
         if not os.path.isdir(directory):
-            raise missing_run({"workspace": workspace, "name": name}, "does not exist on this target")
+            raise missing_run(workspace, name, "does not exist on this target")
         status = run_status(directory)
         if status["state"] in ("running", "stopping", "launching"):
             raise AgentFailure(f"run {name!r} is still running; stop it first", "conflict")
         final[name] = {key: status[key] for key in ("state", "exit_code", "step")}
     removed = []
-    for name in req.get("runs") or []:
-        directory = run_dir({"workspace": workspace, "name": name})
+    for name in req.runs:
+        directory = run_dir(workspace, name)
         size, files = tree_size(directory)
         if not dry_run:
             at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -84,14 +89,14 @@ def verb_gc(req: dict) -> dict:
             {"kind": "run", "name": name, "path": directory, "bytes": size, "files": files, "final": final[name]}
         )
     releases = os.path.join(workspace, "releases")
-    for entry in prunable_releases(workspace, int(req.get("keep", 5))) if os.path.isdir(releases) else []:
+    for entry in prunable_releases(workspace, int(req.keep)) if os.path.isdir(releases) else []:
         path = os.path.join(releases, entry)
         size, files = tree_size(path)
         if not dry_run:
             shutil.rmtree(path)
         removed.append({"kind": "release", "name": entry, "path": path, "bytes": size, "files": files})
     retired = []
-    if req.get("standby"):
+    if req.standby:
         retired = [os.path.basename(folder) for folder, _ in standbys(workspace)]
         if not dry_run:
             retire_standbys(workspace, keep=None)

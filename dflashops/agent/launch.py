@@ -26,8 +26,9 @@ from .common import (
     tmux_socket,
     write_atomic,
 )
-from .gc import verb_clear_cache
+from .gc import clear_cache
 from .preflight import preflight_release, resume_of
+from .protocol import LaunchRequest, WrapRequest
 from .standby import adopt_standby, retire_standbys, standby_eligible, standby_fingerprint, start_standby, wrap_standby
 from .wrap import (
     CLEAN_ENV,
@@ -70,85 +71,113 @@ def unclaim(directory: str, exc: OSError, workspace: str) -> Exception:
     return error
 
 
-def check_launch(req: dict) -> tuple:
+def check_launch(req: LaunchRequest) -> tuple[str, list[str], dict, str]:
     """(run dir, argv, env, launcher) of a launch request, or AgentFailure; changes nothing."""
-    directory = run_dir(req)
-    argv = req.get("argv")
-    if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
+    directory = run_dir(req.workspace, req.name)
+    argv = req.argv
+    if not argv or not all(isinstance(a, str) for a in argv):
         raise AgentFailure("argv must be a non-empty list of strings", "bad_request")
-    env = req.get("env") or {}
-    if not isinstance(env, dict):
-        raise AgentFailure("env must be an object", "bad_request")
-    launcher = req.get("launcher", "nohup")
+    env = req.env
+    launcher = req.launcher
     if launcher not in LAUNCHERS:
         raise AgentFailure(f"unknown launcher {launcher!r}", "bad_request")
     if launcher == "tmux" and not shutil.which("tmux"):
         raise AgentFailure("tmux is not installed on the target", "missing_tool")
-    check_space(req["workspace"])
+    check_space(req.workspace)
     return directory, argv, env, launcher
 
 
-def verb_launch(req: dict) -> dict:
+def verb_launch(req: LaunchRequest) -> dict:
     """Start a run: a new wrapper and job, or (`standby: true` and a `python -m trainer` argv) the waiting
     interpreter of a matching standby (see the standby section), which skips the job's imports. Either way the
-    run directory gets the same records (run.json, marker, pgid, pid, exit_code) and `stop` treats both alike."""
+    run directory gets the same records (run.json, marker, pgid, pid, exit_code) and `stop` treats both alike.
+    In order, everything that can refuse before the name is taken (`check_launch`, `launch_preflight`, the
+    tmux session), then `claim` (the run directory and run.json), then `adopt_standby` or `start_wrapper`."""
     directory, argv, env, launcher = check_launch(req)
     if os.path.exists(directory):  # the same refusal as the mkdir below, before a pre-flight's seconds
         raise AgentFailure(f"run directory {directory} already exists", "conflict")
     launch_env = {str(k): str(v) for k, v in env.items()}
-    wants_standby = bool(req.get("standby")) and standby_eligible(argv)
-    fingerprint = (
-        standby_fingerprint(argv[0], launch_env, launcher, list(req.get("secret_keys") or [])) if wants_standby else ""
-    )
-    verdict = None
-    if req.get("preflight"):  # before the name is taken: a refused launch leaves nothing behind
-        release = str((req.get("run_json") or {}).get("release") or env.get("PYTHONPATH") or "")
-        if os.path.isdir(release):
-            if wants_standby:  # none ready (a fresh workspace): the check waits for this one, the run adopts it,
-                start_standby(req, argv, launch_env, launcher, "", fingerprint)  # and the imports are paid once
-            verdict = preflight_release(req, release, argv, env)
-    cleared = verb_clear_cache(req) if req.get("clear_cache") else None
-    session = session_name(req["name"])
-    if launcher == "tmux" and tmux_has_session(req["workspace"], session):  # refused before the name is taken
+    wants_standby = bool(req.standby) and standby_eligible(argv)
+    fingerprint = standby_fingerprint(argv[0], launch_env, launcher, list(req.secret_keys)) if wants_standby else ""
+    verdict = launch_preflight(req, argv, env, launch_env, launcher, fingerprint)
+    cleared = clear_cache(req.workspace, req.compile_cache) if req.clear_cache else None
+    session = session_name(req.name)
+    if launcher == "tmux" and tmux_has_session(req.workspace, session):  # refused before the name is taken
         raise AgentFailure(
             f"a tmux session named {session!r} already exists on this workspace's tmux server "
-            f"(socket {tmux_socket(req['workspace'])})",
+            f"(socket {tmux_socket(req.workspace)})",
             "conflict",
         )
-    report_progress(req, "launching", name=req["name"], resume=req.get("resuming") or resume_of(argv))
-    os.makedirs(os.path.dirname(directory), exist_ok=True)
-    try:
-        os.mkdir(directory)  # atomic claim of the name: a second launch of the same name fails here
-    except FileExistsError:
-        raise AgentFailure(f"run directory {directory} already exists", "conflict") from None
-    except OSError as exc:
-        if exc.errno in DISK_FULL_ERRNOS:
-            raise no_space(req["workspace"], LAUNCH_NEEDS) from None
-        raise
-    run_json = dict(req.get("run_json") or {})
-    run_json.update(name=req["name"], launcher=launcher, session=session, run_dir=directory)
-    try:
-        write_atomic(os.path.join(directory, "run.json"), json.dumps(run_json, indent=2, sort_keys=True) + "\n")
-    except OSError as exc:
-        raise unclaim(directory, exc, req["workspace"]) from None
-    cwd = req.get("cwd") or directory
+    report_progress(req.progress, "launching", name=req.name, resume=req.resuming or resume_of(argv))
+    claim(req, directory, launcher, session)
+    cwd = req.cwd or directory
     # `standby_once` (a restart's one-shot standby, agent/restart.py): adopt the one started for this launch,
     # start none for the next one.
-    follow_up = wants_standby and not req.get("standby_once")
+    follow_up = wants_standby and not req.standby_once
     if wants_standby:
         adopted = adopt_standby(req, directory, argv, launch_env, cwd, launcher, session, fingerprint)
         if adopted is not None:
             if follow_up:
                 start_standby(req, argv, launch_env, launcher, directory, fingerprint)
             return {**adopted, "preflight": verdict, "cleared": cleared}
-    elif req.get("standby") is False:
-        retire_standbys(req["workspace"], keep=None)
-    marker = f"{req['name']}.{os.urandom(6).hex()}"
+    elif req.standby is False:
+        retire_standbys(req.workspace, keep=None)
+    marker = f"{req.name}.{os.urandom(6).hex()}"
     try:
         write_atomic(os.path.join(directory, "marker"), marker + "\n")
     except OSError as exc:
-        raise unclaim(directory, exc, req["workspace"]) from None
-    launch_env.update(DFLASHOPS_RUN=req["name"], **{MARKER_KEY: marker})
+        raise unclaim(directory, exc, req.workspace) from None
+    launch_env.update(DFLASHOPS_RUN=req.name, **{MARKER_KEY: marker})
+    pgid = start_wrapper(req, directory, argv, launch_env, cwd, launcher, session)
+    if follow_up:
+        start_standby(req, argv, launch_env, launcher, directory, fingerprint)
+    answer = launch_answer(directory, pgid, marker, launcher, session, standby=False)
+    return {**answer, "preflight": verdict, "cleared": cleared}
+
+
+def launch_preflight(
+    req: LaunchRequest, argv: list[str], env: dict, launch_env: dict, launcher: str, fingerprint: str
+) -> dict | None:
+    """With `preflight`, the release's pre-flight (its verdict), before the name is taken: a refused launch
+    leaves nothing behind. A launch that wants a standby (`fingerprint`) and finds none ready (a fresh workspace)
+    starts one first: the check waits for it, the run adopts it, and the imports are paid once. None when not
+    asked, or when the release is not a folder here."""
+    if not req.preflight:
+        return None
+    release = str(req.run_json.get("release") or env.get("PYTHONPATH") or "")
+    if not os.path.isdir(release):
+        return None
+    if fingerprint:
+        start_standby(req, argv, launch_env, launcher, "", fingerprint)
+    return preflight_release(req, release, argv, env)
+
+
+def claim(req: LaunchRequest, directory: str, launcher: str, session: str) -> None:
+    """Take the run's name: mkdir of its run directory (atomic: a second launch of the same name fails here,
+    `conflict`), then run.json; a full disk is `no_space`, and a failed run.json gives the name back."""
+    os.makedirs(os.path.dirname(directory), exist_ok=True)
+    try:
+        os.mkdir(directory)
+    except FileExistsError:
+        raise AgentFailure(f"run directory {directory} already exists", "conflict") from None
+    except OSError as exc:
+        if exc.errno in DISK_FULL_ERRNOS:
+            raise no_space(req.workspace, LAUNCH_NEEDS) from None
+        raise
+    run_json = dict(req.run_json)
+    run_json.update(name=req.name, launcher=launcher, session=session, run_dir=directory)
+    try:
+        write_atomic(os.path.join(directory, "run.json"), json.dumps(run_json, indent=2, sort_keys=True) + "\n")
+    except OSError as exc:
+        raise unclaim(directory, exc, req.workspace) from None
+
+
+def start_wrapper(
+    req: LaunchRequest, directory: str, argv: list[str], launch_env: dict, cwd: str, launcher: str, session: str
+) -> int:
+    """Start the launch wrapper (`wrap`) in a tmux session or with setsid + nohup, and wait up to 10 s for the
+    `pgid` it records (else launch_failed). The job's environment reaches it through a 0600 spec file that
+    never outlives this call."""
     # The job's whole environment: this agent's (what the controller gave this call) with the launch's on top.
     # Never the tmux server's: that server was started by an earlier call, with an earlier deploy's environment.
     spec = {"argv": argv, "env": {**os.environ, **launch_env}, "cwd": cwd}
@@ -159,13 +188,13 @@ def verb_launch(req: dict) -> dict:
         try:
             write_atomic(spec_path, json.dumps(spec), mode=0o600)
         except OSError as exc:
-            raise unclaim(directory, exc, req["workspace"]) from None
+            raise unclaim(directory, exc, req.workspace) from None
         if launcher == "tmux":
             started = subprocess.run(
                 [
                     "tmux",
                     "-L",
-                    tmux_socket(req["workspace"]),
+                    tmux_socket(req.workspace),
                     "new-session",
                     "-d",
                     "-s",
@@ -197,19 +226,18 @@ def verb_launch(req: dict) -> dict:
         # timed out), the secrets must not stay on disk, and a wrapper that starts late then finds no spec and
         # does not start the job.
         remove_quietly(spec_path)
-    if follow_up:
-        start_standby(req, argv, launch_env, launcher, directory, fingerprint)
-    answer = launch_answer(directory, pgid, marker, launcher, session, standby=False)
-    return {**answer, "preflight": verdict, "cleared": cleared}
+    return pgid
 
 
-def verb_wrap(req: dict) -> dict:
+def verb_wrap(req: WrapRequest) -> dict:
     """Runs as the leader of the run's new process group/session (setsid or tmux pane). Records pgid, starts
     the job with output appended to train.log unless a stop was requested first, records its pid, waits, and
     writes `exit_code` (128+N for signal N). With `standby` (a standby's folder): the standby's wrapper."""
-    if "standby" in req:
-        return wrap_standby(req["standby"])
-    directory = req["dir"]
+    if req.standby is not None:
+        return wrap_standby(req.standby)
+    if req.dir is None:
+        raise AgentFailure("wrap: missing key 'dir' (or 'standby')", "bad_request")
+    directory = req.dir
     spec_path = os.path.join(directory, LAUNCH_SPEC)
     try:
         with open(spec_path, encoding="utf-8") as handle:

@@ -37,6 +37,7 @@ from .common import (
     workspace_of,
     write_atomic,
 )
+from .protocol import LaunchRequest, PreflightRequest, ResumeRequest
 from .standby import (
     CHECK_ANSWER,
     CHECK_CLAIM,
@@ -81,28 +82,28 @@ def compile_release(release: str) -> None:
                 ) from None
 
 
-def preflight_release(req: dict, release: str, argv: list[str], env: dict) -> dict:
+def preflight_release(req: LaunchRequest, release: str, argv: list[str], env: dict) -> dict:
     """The pre-flight of `argv` (run from `release`, with `env`): what it checked, or AgentFailure `preflight`
     whose message is the check's own `error:`/`hint:` lines. Secrets stay out of it: a check needs none."""
     started = time.monotonic()
     flags = trainer_flags(argv)
-    own = req.get("check") if flags is None else None  # the profile's `check:` (a job other than the trainer)
+    own = req.check if flags is None else None  # the profile's `check:` (a job other than the trainer)
     checks = "trainer" if flags is not None else "check" if own else "compile"
     command = shlex.join(own["argv"]) if own else None
-    report_progress(req, "preflight", checks=checks, resume=resume_of(argv), command=command)
+    report_progress(req.progress, "preflight", checks=checks, resume=resume_of(argv), command=command)
     compile_release(release)
-    secret_keys = list(req.get("secret_keys") or [])
+    secret_keys = list(req.secret_keys)
     check_env = {k: v for k, v in {**os.environ, **env}.items() if k not in secret_keys and not SECRET_KEY_RE.search(k)}
     if own:
         return profile_check(req, own, release, check_env, started)
     if flags is None:
         return {"checked": "compile", "seconds": round(time.monotonic() - started, 3)}
-    check = {"argv": [argv[0], "-m", "trainer", "check", *flags], "env": check_env, "cwd": req["workspace"]}
+    check = {"argv": [argv[0], "-m", "trainer", "check", *flags], "env": check_env, "cwd": req.workspace}
     answer, where, standby_pid = None, "a new interpreter", None
-    if req.get("standby") and standby_eligible(argv):
-        fingerprint = standby_fingerprint(argv[0], env, str(req.get("launcher", "nohup")), secret_keys)
-        await_starting_standby(req["workspace"], fingerprint, time.monotonic() + PREFLIGHT_TIMEOUT_S)
-        answer = check_in_standby(req["workspace"], fingerprint, check)
+    if req.standby and standby_eligible(argv):
+        fingerprint = standby_fingerprint(argv[0], env, str(req.launcher), secret_keys)
+        await_starting_standby(req.workspace, fingerprint, time.monotonic() + PREFLIGHT_TIMEOUT_S)
+        answer = check_in_standby(req.workspace, fingerprint, check)
         where = "a standby interpreter" if answer is not None else where
         standby_pid = (answer or {}).pop("standby_pid", None)
     if answer is None:
@@ -116,7 +117,7 @@ def preflight_release(req: dict, release: str, argv: list[str], env: dict) -> di
             lines = [f"error: the trainer's pre-flight failed: {tail}"]
         raise AgentFailure("\n".join(lines[:2]), "preflight")
     summary = HOLD_NAME.sub(r"/\1", output.splitlines()[-1]) if output else ""
-    report_progress(req, "preflight_done", summary=summary, seconds=seconds, where=where)
+    report_progress(req.progress, "preflight_done", summary=summary, seconds=seconds, where=where)
     verdict = {"checked": "trainer", "summary": summary, "in": where, "seconds": seconds}
     return {**verdict, "standby_pid": standby_pid} if standby_pid else verdict
 
@@ -124,7 +125,7 @@ def preflight_release(req: dict, release: str, argv: list[str], env: dict) -> di
 CHECK_TAIL_LINES = 3  # the last lines of a failed check's stderr that its refusal quotes
 
 
-def profile_check(req: dict, own: dict, release: str, env: dict, started: float) -> dict:
+def profile_check(req: LaunchRequest, own: dict, release: str, env: dict, started: float) -> dict:
     """The profile's `check:` command (`own`: argv with the run's `--` extra arguments, timeout, profile), run in
     the new release with the job's environment (secrets left out, as for the trainer's check): its verdict, or
     AgentFailure `preflight` naming the profile, the exit code and the last lines of its stderr."""
@@ -152,7 +153,7 @@ def profile_check(req: dict, own: dict, release: str, env: dict, started: float)
             f"error: the check of profile {profile} exited with code {done.returncode}{tail}\n{hint}", "preflight"
         )
     summary = f"ok: the check `{command}` exited 0"
-    report_progress(req, "preflight_done", summary=summary, seconds=seconds, where=None)
+    report_progress(req.progress, "preflight_done", summary=summary, seconds=seconds, where=None)
     return {"checked": "check", "summary": summary, "seconds": seconds}
 
 
@@ -164,35 +165,37 @@ def resume_of(argv: list[str]) -> str | None:
     return None
 
 
-def verb_preflight(req: dict) -> dict:
+def verb_preflight(req: PreflightRequest) -> dict:
     """The pre-flight alone, read-only (a dry run's verdict): release `release` (a hash) must be on the target
     already; with `old`, the resume placeholder stands for that run's newest checkpoint (or the one it started
     from). Answers `{"preflight": verdict}`, `{"preflight": None, "skipped": why}`, or refuses as a launch
     would (code `preflight`)."""
-    workspace = workspace_of(req)
-    code_hash = str(req.get("release") or "")
+    workspace = workspace_of(req.workspace)
+    code_hash = str(req.release or "")
     release = os.path.join(workspace, "releases", code_hash)
     if not HASH_RE.match(code_hash) or not os.path.isdir(release):
         return {"preflight": None, "skipped": "the new code is not on the target yet: it is checked after its upload"}
-    argv = req.get("argv")
-    if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+    argv = req.argv
+    if not all(isinstance(a, str) for a in argv):
         raise AgentFailure("argv must be a list of strings", "bad_request")
     hold = probe = None
     try:
-        if req.get("old"):
-            old_dir = run_dir({"workspace": workspace, "name": req["old"]})
-            placeholder, chosen = req.get("resume_placeholder"), req.get("resume_checkpoint")
+        if req.old:
+            old_dir = run_dir(workspace, req.old)
+            placeholder, chosen = req.resume_placeholder, req.resume_checkpoint
             probe, hold = resume_probe(old_dir, placeholder, chosen, argv) if os.path.isdir(old_dir) else (None, None)
             argv = argv_for_check(argv, placeholder, hold or probe)
-        verdict = held_preflight(req, release, argv, dict(req.get("env") or {}), hold, probe)
-        if req.get("old"):
-            refuse_unchecked(req, verdict, str(req["old"]), run_dir({"workspace": workspace, "name": req["old"]}))
+        verdict = held_preflight(req, release, argv, dict(req.env), hold, probe)
+        if req.old:
+            refuse_unchecked(req, verdict, str(req.old), run_dir(workspace, req.old))
         return {"preflight": verdict}
     finally:
         release_hold(hold)
 
 
-def held_preflight(req: dict, release: str, argv: list[str], env: dict, hold: str | None, probe: str | None) -> dict:
+def held_preflight(
+    req: LaunchRequest, release: str, argv: list[str], env: dict, hold: str | None, probe: str | None
+) -> dict:
     """preflight_release of an argv that names the hold folder of checkpoint `probe` (resume_probe): what it
     says names `probe`, the checkpoint the user knows."""
 
@@ -206,15 +209,15 @@ def held_preflight(req: dict, release: str, argv: list[str], env: dict, hold: st
     return {**verdict, "summary": named(str(verdict.get("summary") or ""))} if "summary" in verdict else verdict
 
 
-def refuse_unchecked(req: dict, verdict: dict | None, old: str, old_dir: str) -> None:
+def refuse_unchecked(req: ResumeRequest, verdict: dict | None, old: str, old_dir: str) -> None:
     """A restart's refusal (code `unchecked`) when the pre-flight could only compile the new job (not the trainer,
     no profile `check:`), the old run is alive and the request does not say `unchecked`: the old run is not
     stopped for a job that may not start. A run that has ended, or a pre-flight that was skipped, passes."""
     from .stop import run_processes_of  # stop imports the launch side, which imports this module
 
-    if (verdict or {}).get("checked") != "compile" or req.get("unchecked") or not run_processes_of(old_dir)[1]:
+    if (verdict or {}).get("checked") != "compile" or req.unchecked or not run_processes_of(old_dir)[1]:
         return
-    profile = (req.get("run_json") or {}).get("profile")
+    profile = req.run_json.get("profile")
     raise AgentFailure(
         f"{old}'s job (profile {profile}) cannot be checked before the old run is stopped; nothing was stopped",
         "unchecked",

@@ -23,26 +23,27 @@ from .common import (
     workspace_of,
     write_atomic,
 )
+from .protocol import InstallRequest, ManifestRequest
 
 
-def verb_manifest(req: dict) -> dict:
+def verb_manifest(req: ManifestRequest) -> dict:
     """The current release's code hash and per-file sha256 (written at install, so this reads one file); with
     `release` (a code hash), that release's, or `release: None` when it is not there (never installed, or
     removed by gc): `runs diff` names the files that changed between two runs' code."""
-    named = req.get("release")
+    named = req.release
     if named is not None:
         if not isinstance(named, str) or not HASH_RE.match(named):
             raise AgentFailure(f"release must be a code hash, not {named!r}", "bad_request")
-        files = read_json(os.path.join(workspace_of(req), "releases", named, ".manifest.json"))
+        files = read_json(os.path.join(workspace_of(req.workspace), "releases", named, ".manifest.json"))
         return {
             "release": named if isinstance(files, dict) else None,
             "files": files if isinstance(files, dict) else {},
         }
-    current = os.path.join(workspace_of(req), "releases", "current")
+    current = os.path.join(workspace_of(req.workspace), "releases", "current")
     if not os.path.islink(current):
         return {"release": None, "files": {}}
     target = os.path.realpath(current)
-    if req.get("hash") and req.get("hash") == os.path.basename(target):
+    if req.hash and req.hash == os.path.basename(target):
         return {"release": os.path.basename(target), "path": target, "files": {}}  # up to date: skip the list
     manifest = read_json(os.path.join(target, ".manifest.json"))
     if manifest is None:
@@ -89,13 +90,13 @@ class Upload:
             )
 
 
-def install_manifest(req: dict, releases: str) -> tuple:
+def install_manifest(req: InstallRequest, releases: str) -> tuple:
     """(full manifest, files to hard-link from the base). The request carries either the full `files`
     manifest and a `link` list, or only `changed` entries and `removed` paths relative to `base` (the
     compact form: an install of one changed file then sends about that file, not the whole manifest)."""
-    if isinstance(req.get("files"), dict):
-        return req["files"], list(req.get("link") or [])
-    changed, removed, base = req.get("changed"), req.get("removed") or [], req.get("base")
+    if isinstance(req.files, dict):
+        return req.files, list(req.link or [])
+    changed, removed, base = req.changed, req.removed or [], req.base
     if not isinstance(changed, dict) or not isinstance(removed, list):
         return None, []
     base_files = {}
@@ -106,15 +107,15 @@ def install_manifest(req: dict, releases: str) -> tuple:
     return files, sorted(rel for rel in files if rel not in changed)
 
 
-def build_release(req: dict, stdin: bytes | io.BufferedIOBase, stale_code: str = "conflict") -> tuple:
+def build_release(req: InstallRequest, stdin: bytes | io.BufferedIOBase, stale_code: str = "conflict") -> tuple:
     """Make releases/<hash>/ complete (or find it already there) WITHOUT making it current; returns
     (code_hash, path). `stdin` is the tar, whole or as a stream read as it arrives (its size in the request's
     `tar_bytes`). Unpack the tar of changed files into a temp dir, hard-link unchanged files from
     the base release, verify every hash, then rename. A failure removes its own `.tmp-*` folder; a cut
     connection or a crash leaves one, removed by a later install once its owner is gone: a release is
     complete or absent, and concurrent installs never delete each other's work."""
-    workspace = workspace_of(req)
-    code_hash = str(req.get("hash") or "")
+    workspace = workspace_of(req.workspace)
+    code_hash = str(req.hash or "")
     releases = os.path.join(workspace, "releases")
     files, link = install_manifest(req, releases)
     if not HASH_RE.match(code_hash) or not isinstance(files, dict):
@@ -123,11 +124,11 @@ def build_release(req: dict, stdin: bytes | io.BufferedIOBase, stale_code: str =
     # not match (base release pruned or changed since `manifest` was read) is refused, never installed.
     if hashlib.sha256(json.dumps(sorted(files.items())).encode()).hexdigest()[:16] != code_hash:
         raise AgentFailure(
-            f"manifest does not match release {code_hash} (base {req.get('base')!r} changed?); sync again", stale_code
+            f"manifest does not match release {code_hash} (base {req.base!r} changed?); sync again", stale_code
         )
     os.makedirs(releases, exist_ok=True)
     remove_abandoned_temporaries(releases)
-    upload = Upload(stdin, req.get("tar_bytes"))
+    upload = Upload(stdin, req.tar_bytes)
     final = os.path.join(releases, code_hash)
     if os.path.isdir(final):
         return code_hash, final
@@ -141,7 +142,7 @@ def build_release(req: dict, stdin: bytes | io.BufferedIOBase, stale_code: str =
         raise no_space(workspace, needs)
     try:
         os.makedirs(tmp)
-        fill_release(tmp, upload, link, releases, req.get("base"), files, stale_code)
+        fill_release(tmp, upload, link, releases, req.base, files, stale_code)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
@@ -249,12 +250,12 @@ def flip_current(workspace: str, code_hash: str) -> None:
     os.replace(link_tmp, os.path.join(releases, "current"))  # rename(2) over the old link: atomic flip
 
 
-def verb_install(req: dict, stdin: bytes | io.BufferedIOBase) -> dict:
+def verb_install(req: InstallRequest, stdin: bytes | io.BufferedIOBase) -> dict:
     """build_release, then flip `current` atomically and prune old releases; `current` never points at a
     partial tree."""
     code_hash, final = build_release(req, stdin)
-    flip_current(workspace_of(req), code_hash)
-    removed = prune_releases(workspace_of(req), int(req.get("keep", 5)))
+    flip_current(workspace_of(req.workspace), code_hash)
+    removed = prune_releases(workspace_of(req.workspace), int(req.keep))
     return {"release": code_hash, "path": final, "removed": removed}
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import os
 import time
+from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from .checkpoints import complete_checkpoint, latest_checkpoint, release_hold, restore_held
 from .common import (
@@ -19,7 +21,7 @@ from .common import (
     tmux_socket,
     workspace_of,
 )
-from .gc import verb_clear_cache
+from .gc import clear_cache
 from .launch import check_launch, verb_launch
 from .preflight import (
     argv_for_check,
@@ -29,88 +31,113 @@ from .preflight import (
     started_from,
     trained_a_step,
 )
+from .protocol import InstallRequest, RestartRequest, StopRequest
 from .releases import build_release, flip_current, prune_releases
 from .run_lock import control_wait_s, release_control, take_control
 from .standby import STANDBY_PRELOAD, retire_unclaimed, standby_eligible, standby_fingerprint, start_standby
 from .status import cancel_supervisor, run_status
 from .stop import run_processes_of, stop_held
 
+T = TypeVar("T")
 
-def substitute(value: object, placeholder: str, text: str) -> object:
+
+def substitute(value: T, placeholder: str, text: str) -> T:
     """`value` with every occurrence of `placeholder` in its strings replaced by `text` (lists/dicts deep)."""
     if isinstance(value, str):
-        return value.replace(placeholder, text)
+        return value.replace(placeholder, text)  # type: ignore[return-value]  # a str is a T here
     if isinstance(value, list):
-        return [substitute(item, placeholder, text) for item in value]
+        return [substitute(item, placeholder, text) for item in value]  # type: ignore[return-value]
     if isinstance(value, dict):
-        return {key: substitute(item, placeholder, text) for key, item in value.items()}
+        return {key: substitute(item, placeholder, text) for key, item in value.items()}  # type: ignore[return-value]
     return value
 
 
-def verb_restart(req: dict, stdin: bytes | io.BufferedIOBase) -> dict:
+def verb_restart(req: RestartRequest, stdin: bytes | io.BufferedIOBase) -> dict:
     """The kill-copy-relaunch cycle in ONE call (one ssh round trip instead of six): `old` is stopped,
     the release `install` describes is made current, and the new run `name` is launched from it.
 
-    Order, so that a refusal or a cut connection never leaves anything half-done:
-    1. every check that can refuse, with nothing changed yet: names, the old run exists, the new run
-       directory is free, the launch request is valid, and the
+    Order, so that a refusal or a cut connection never leaves anything half-done (one function each):
+    1. `check`: every check that can refuse, with nothing changed yet: names, the old run exists, the new run
+       directory is free, the launch request is valid, and (in step 2) the
        release manifest rebuilt against `install.base` matches its hash (code `stale_release` when the
        base is gone: the controller's cached idea of the target is out of date; it then asks `manifest`
        and calls again);
-    2. the release is built complete under releases/<hash>/, not yet current, from the upload as it arrives:
-       one cut short or running long (against `tar_bytes`) is refused here (code `incomplete`);
-    2b. with the pre-flight on, a job it could only compile (not the trainer, no profile `check:`) whose old run
-       is alive is refused (code `unchecked`) unless `unchecked` is set: nothing is stopped;
-    3. the old run is stopped exactly like `stop` (its group + marker, TERM, grace, KILL, GPU wait);
-       a run that already ended is fine;
-    4. with `resume_placeholder`: the old run's latest checkpoint replaces it in argv and run.json; with
-       `handover` too, the stop may answer as soon as the old trainer has its final checkpoint in host memory
-       and its devices free: that checkpoint (still being written) is the one resumed, and the new run's
-       environment names the old run directory (DFLASHOPS_RESUME_WRITER), so the trainer waits for the
-       checkpoint to be complete before it reads it (trainer/state/handover.py) while it builds meanwhile;
-    5. `current` is flipped, old releases pruned, this code's compile cache cleared when asked;
+    1b. `one_shot_standby`: with `standby_once`, an interpreter that imports while the rest goes on;
+    2. `build`: the release is built complete under releases/<hash>/, not yet current, from the upload as it
+       arrives: one cut short or running long (against `tar_bytes`) is refused here (code `incomplete`); the
+       checkpoint to resume is probed and held;
+    2b. `preflight`: with the pre-flight on, the new code and flags checked; a job it could only compile (not
+       the trainer, no profile `check:`) whose old run is alive is refused (code `unchecked`) unless
+       `unchecked` is set: nothing is stopped;
+    3. `stop_old`: the old run is stopped exactly like `stop` (its group + marker, TERM, grace, KILL, GPU
+       wait), under its control lock; a run that already ended is fine;
+    4. `resumed_launch`: with `resume_placeholder`, the old run's latest checkpoint replaces it in argv and
+       run.json; with `handover` too, the stop may answer as soon as the old trainer has its final checkpoint
+       in host memory and its devices free: that checkpoint (still being written) is the one resumed, and the
+       new run's environment names the old run directory (DFLASHOPS_RESUME_WRITER), so the trainer waits for
+       the checkpoint to be complete before it reads it (trainer/state/handover.py) while it builds meanwhile;
+    5. `make_current`: `current` is flipped, old releases pruned, the compile cache cleared when asked;
     6. launch, as `launch`.
     The request (with the run's secrets in `env`) comes on stdin as one JSON line, then the tar."""
-    workspace = workspace_of(req)
-    old = check_name(req.get("old"), "old run name")
-    old_dir = run_dir({"workspace": workspace, "name": old})
+    old_dir, install = check(req)
+    once = one_shot_standby(req)  # importing while the release is built, the checkpoint probed, the check waits
+    try:
+        built = build(req, install, stdin, old_dir)
+        try:
+            return stop_and_launch(replace(req, standby=True, standby_once=True) if once else req, built)
+        finally:
+            release_hold(built.hold)  # the child was launched with the checkpoint in place (restore_held), or none was
+    finally:
+        if once:  # refused, failed, or not ready in time for the launch: no interpreter is left waiting
+            retire_unclaimed(once)
+
+
+@dataclass
+class Built:
+    """What steps 1-2 leave for the rest: the old run's directory, the release (built, not current yet) and the
+    checkpoint to resume: `probe`, held as `hold` (checkpoints.resume_probe) so a rotation cannot delete it."""
+
+    old_dir: str
+    install: InstallRequest
+    code_hash: str
+    path: str
+    probe: str | None
+    hold: str | None
+
+
+def check(req: RestartRequest) -> tuple[str, InstallRequest]:
+    """Step 1: (the old run's directory, the install request) or AgentFailure, with nothing changed."""
+    workspace = workspace_of(req.workspace)
+    old = check_name(req.old, "old run name")
+    old_dir = run_dir(workspace, old)
     if not os.path.isdir(old_dir):
         raise AgentFailure(f"run {old!r} does not exist on this target", "not_found")
     new_dir, _, _, launcher = check_launch(req)
     if os.path.exists(new_dir):
         raise AgentFailure(f"run directory {new_dir} already exists", "conflict")
-    if launcher == "tmux" and tmux_has_session(workspace, session_name(req["name"])):
+    if launcher == "tmux" and tmux_has_session(workspace, session_name(req.name)):
         raise AgentFailure(
-            f"a tmux session named {session_name(req['name'])!r} already exists on this workspace's tmux server "
+            f"a tmux session named {session_name(req.name)!r} already exists on this workspace's tmux server "
             f"(socket {tmux_socket(workspace)}); nothing was stopped",
             "conflict",
         )
-    install = req.get("install")
-    if not isinstance(install, dict):
+    if req.install is None:
         raise AgentFailure("restart needs an install request", "bad_request")
+    chosen = req.resume_checkpoint  # restart --checkpoint: this one, not the run's newest
+    if chosen is not None and not complete_checkpoint(chosen):
+        raise AgentFailure(f"checkpoint {chosen} is not a complete checkpoint on this target", "not_found")
     # The upload is read as it arrives, while the release is built (step 2, before anything is stopped): one that
     # was cut short is refused there (`incomplete`), its partial release removed.
-    install = {**install, "workspace": workspace, "tar_bytes": req.get("tar_bytes", install.get("tar_bytes"))}
-    placeholder = req.get("resume_placeholder")
-    chosen = req.get("resume_checkpoint")  # restart --checkpoint: this one, not the run's newest
-    if chosen is not None and (not isinstance(chosen, str) or not complete_checkpoint(chosen)):
-        raise AgentFailure(f"checkpoint {chosen} is not a complete checkpoint on this target", "not_found")
-    once = one_shot_standby(req)  # importing while the release is built, the checkpoint probed, the check waits
-    try:
-        code_hash, release = build_release(install, stdin, stale_code="stale_release")  # not current yet
-        probe, hold = resume_probe(
-            old_dir, placeholder, chosen, req["argv"]
-        )  # a damaged one is refused here, nothing stopped
-        try:
-            checked_in = {**req, "standby": True, "standby_once": True} if once else req
-            return stop_and_launch(
-                checked_in, workspace, old, old_dir, install, code_hash, release, chosen, probe, hold
-            )
-        finally:
-            release_hold(hold)  # the child was launched with the checkpoint in place (restore_held), or none was
-    finally:
-        if once:  # refused, failed, or not ready in time for the launch: no interpreter is left waiting
-            retire_unclaimed(once)
+    tar_bytes = req.tar_bytes if req.tar_bytes is not None else req.install.tar_bytes
+    return old_dir, replace(req.install, workspace=workspace, tar_bytes=tar_bytes)
+
+
+def build(req: RestartRequest, install: InstallRequest, stdin: bytes | io.BufferedIOBase, old_dir: str) -> Built:
+    """Step 2: the release built complete (not current yet), and the checkpoint to resume probed and held; a
+    damaged one is refused here, with nothing stopped."""
+    code_hash, path = build_release(install, stdin, stale_code="stale_release")
+    probe, hold = resume_probe(old_dir, req.resume_placeholder, req.resume_checkpoint, req.argv)
+    return Built(old_dir, install, code_hash, path, probe, hold)
 
 
 ONE_SHOT_IDLE_S = 900.0  # a one-shot standby whose restart never came back (its agent killed) exits after this
@@ -121,7 +148,7 @@ ONE_SHOT_IDLE_S = 900.0  # a one-shot standby whose restart never came back (its
 COMPILER_MODULES = ("torch._dynamo", "torch._inductor.compile_fx")
 
 
-def one_shot_standby(req: dict) -> str | None:
+def one_shot_standby(req: RestartRequest) -> str | None:
     """Step 1b, with `standby_once` (the controller asks it on the local target) where the target keeps no
     standby: for a trainer job, a standby interpreter started for this restart alone (agent/standby.py), before
     anything slow. It imports torch while the old run still trains; the pre-flight runs in a fork of it
@@ -129,37 +156,25 @@ def one_shot_standby(req: dict) -> str | None:
     torch, not two in series (the check's new interpreter, then the child's: issue 46 item 2). Returns its
     folder, or None (not asked, not the trainer, or it could not start: the check and the child then start
     new interpreters, as without it). verb_restart retires it unless a launch took it: none is left waiting."""
-    argv = req["argv"]
-    if not req.get("standby_once") or req.get("standby") or not standby_eligible(argv):
+    argv = req.argv
+    if not req.standby_once or req.standby or not standby_eligible(argv):
         return None
-    env = {str(k): str(v) for k, v in (req.get("env") or {}).items()}
-    launcher = str(req.get("launcher", "nohup"))
-    fingerprint = standby_fingerprint(argv[0], env, launcher, list(req.get("secret_keys") or []))
-    preload = list(req.get("standby_preload") or STANDBY_PRELOAD)
-    if not (req.get("run_json") or {}).get("gpus"):
+    env = {str(k): str(v) for k, v in req.env.items()}
+    launcher = str(req.launcher)
+    fingerprint = standby_fingerprint(argv[0], env, launcher, list(req.secret_keys))
+    preload = list(req.standby_preload or STANDBY_PRELOAD)
+    if not req.run_json.get("gpus"):
         preload = [name for name in preload if name not in COMPILER_MODULES]
-    once = {**req, "standby_idle_s": ONE_SHOT_IDLE_S, "standby_preload": preload}
+    once = replace(req, standby_idle_s=ONE_SHOT_IDLE_S, standby_preload=preload)
     return start_standby(once, argv, env, launcher, "", fingerprint)
 
 
-def stop_and_launch(
-    req: dict,
-    workspace: str,
-    old: str,
-    old_dir: str,
-    install: dict,
-    code_hash: str,
-    release: str,
-    chosen: str | None,
-    probe: str | None,
-    hold: str | None,
-) -> dict:
-    """Steps 3-6 of verb_restart, once the release is built and the resume checkpoint `probe` is held (`hold`)."""
-    placeholder = req.get("resume_placeholder")
-    verdict = None
-    if req.get("preflight"):  # the new code and flags prove they can start before the old run is signalled
-        check_argv = argv_for_check(req["argv"], placeholder, hold or probe)
-        verdict = held_preflight(req, release, check_argv, req.get("env") or {}, hold, probe)
+def stop_and_launch(req: RestartRequest, built: Built) -> dict:
+    """Steps 2b-6, once the release is built and the resume checkpoint held: the pre-flight, then under the old
+    run's control lock the stop, the resumed launch request, the flip and the launch. The answer: the stop's,
+    the old run's status, the release's and the launch's."""
+    old, old_dir = str(req.old), built.old_dir
+    verdict = preflight(req, built)
     lock, met = take_control(old_dir, "restart", control_wait_s(req))
     outcome: dict = {}
     try:
@@ -170,64 +185,19 @@ def stop_and_launch(
             )
         refuse_unchecked(req, verdict, old, old_dir)  # a live old run of a job nothing checked stays running
         # Refused before anything is stopped when the run has no checkpoint and will write none.
-        fallback = resume_fallback(old_dir, old) if placeholder and chosen is None else None
-        stop = None
-        handing_over = bool(placeholder and chosen is None and req.get("handover"))
-        report_progress(req, "stopping", run=old, handover=handing_over)
-        try:
-            stop = stop_held(
-                {
-                    "workspace": workspace,
-                    "name": old,
-                    "grace": req.get("grace", 60.0),
-                    "handover": handing_over,
-                    **{k: req[k] for k in ("kill_timeout", "gpu_timeout") if k in req},
-                },
-                old_dir,
-                time.monotonic(),
-                lock,
-                supervisor_cancelled=cancel_supervisor(old_dir),
-            )
-        except AgentFailure as exc:
-            if exc.code != "not_running":
-                raise
+        resuming = bool(req.resume_placeholder) and req.resume_checkpoint is None
+        fallback = resume_fallback(old_dir, old) if resuming else None
+        stop = stop_old(req, old_dir, lock, handing_over=resuming and req.handover)
         old_status = run_status(old_dir)
-        launch = {**req, "preflight": False, "clear_cache": False}  # both done above
-        checkpoint = None
-        handover = (stop or {}).get("handover")
-        report_progress(
-            req,
-            "stopped",
-            run=old,
-            was_running=stop is not None,
-            exit_code=(stop or {}).get("exit_code"),
-            handover=(handover or {}).get("checkpoint"),
-        )
-        if placeholder:
-            if chosen is not None:
-                checkpoint = chosen
-                restore_held(hold, chosen)  # put back if the run's rotation deleted it during the pre-flight
-            elif handover:
-                checkpoint = handover["checkpoint"]
-                launch["env"] = {**(req.get("env") or {}), RESUME_WRITER_KEY: old_dir}
-            else:
-                checkpoint = latest_checkpoint(old_dir) or fallback
-            if checkpoint is None:
-                how = "was stopped" if stop else "had ended"
-                raise AgentFailure(f"run {old!r} {how} but left no checkpoint to resume from", "not_found")
-            launch["resuming"] = checkpoint  # for its `launching` progress line, whatever the job's flag
-            launch["argv"] = substitute(req["argv"], str(placeholder), checkpoint)
-            launch["run_json"] = substitute(req.get("run_json") or {}, str(placeholder), checkpoint)
-        flip_current(workspace, code_hash)
-        removed = prune_releases(workspace, int(install.get("keep", 5)))
-        cleared = verb_clear_cache({**req, "workspace": workspace}) if req.get("clear_cache") else None
+        launch, checkpoint = resumed_launch(req, built, stop, fallback)
+        removed, cleared = make_current(req, built)
         launched = verb_launch(launch)
-        outcome = {"name": req["name"], "checkpoint": checkpoint}
+        outcome = {"name": req.name, "checkpoint": checkpoint}
         return {
             "stop": stop,
             "old_status": old_status,
-            "release": code_hash,
-            "path": release,
+            "release": built.code_hash,
+            "path": built.path,
             "removed": removed,
             "checkpoint": checkpoint,
             **launched,
@@ -236,6 +206,90 @@ def stop_and_launch(
         }
     finally:
         release_control(old_dir, lock, outcome)
+
+
+def preflight(req: RestartRequest, built: Built) -> dict | None:
+    """Step 2b: the new code and flags prove they can start before the old run is signalled (its verdict), or
+    None when the request asks no pre-flight. Its refusal (code `preflight`) stops nothing."""
+    if not req.preflight:
+        return None
+    check_argv = argv_for_check(req.argv, req.resume_placeholder, built.hold or built.probe)
+    return held_preflight(req, built.path, check_argv, req.env, built.hold, built.probe)
+
+
+def stop_old(req: RestartRequest, old_dir: str, lock: int, *, handing_over: bool) -> dict | None:
+    """Step 3: the old run stopped exactly like `stop`, under the control lock the caller holds (`lock`); its
+    stop answer, or None when it had ended already. With `handing_over`, the stop answers at the trainer's
+    hand-over offer and finishes in the background (stop.stop_held)."""
+    report_progress(req.progress, "stopping", run=req.old, handover=handing_over)
+    stop = StopRequest(
+        workspace=req.workspace,
+        name=str(req.old),
+        grace=req.grace,
+        save_grace=req.save_grace,
+        kill_timeout=req.kill_timeout,
+        gpu_timeout=req.gpu_timeout,
+        handover=handing_over,
+    )
+    answer = None
+    try:
+        answer = stop_held(stop, old_dir, time.monotonic(), lock, supervisor_cancelled=cancel_supervisor(old_dir))
+    except AgentFailure as exc:
+        if exc.code != "not_running":
+            raise
+    handover = (answer or {}).get("handover")
+    report_progress(
+        req.progress,
+        "stopped",
+        run=req.old,
+        was_running=answer is not None,
+        exit_code=(answer or {}).get("exit_code"),
+        handover=(handover or {}).get("checkpoint"),
+    )
+    return answer
+
+
+def resumed_launch(
+    req: RestartRequest, built: Built, stop: dict | None, fallback: str | None
+) -> tuple[RestartRequest, str | None]:
+    """Step 4: (the launch request of the new run, the checkpoint it resumes). With `resume_placeholder`: the
+    chosen checkpoint (put back if rotation took it), else the one a hand-over offers (the new run's environment
+    names the old run directory as its writer), else the old run's newest or the one it started from
+    (`fallback`), put into argv and run.json; NotFound when there is none. The pre-flight and the cache
+    clearing are done already, so the launch does neither again."""
+    launch = replace(req, preflight=False, clear_cache=False)
+    placeholder, chosen = req.resume_placeholder, req.resume_checkpoint
+    if not placeholder:
+        return launch, None
+    handover = (stop or {}).get("handover")
+    if chosen is not None:
+        checkpoint: str | None = chosen
+        restore_held(built.hold, chosen)  # put back if the run's rotation deleted it during the pre-flight
+    elif handover:
+        checkpoint = handover["checkpoint"]
+        launch = replace(launch, env={**req.env, RESUME_WRITER_KEY: built.old_dir})
+    else:
+        checkpoint = latest_checkpoint(built.old_dir) or fallback
+    if checkpoint is None:
+        how = "was stopped" if stop else "had ended"
+        raise AgentFailure(f"run {req.old!r} {how} but left no checkpoint to resume from", "not_found")
+    launch = replace(
+        launch,
+        resuming=checkpoint,  # for its `launching` progress line, whatever the job's flag
+        argv=substitute(req.argv, str(placeholder), checkpoint),
+        run_json=substitute(req.run_json, str(placeholder), checkpoint),
+    )
+    return launch, checkpoint
+
+
+def make_current(req: RestartRequest, built: Built) -> tuple[list, dict | None]:
+    """Step 5: `current` flipped to the new release, old releases pruned, the compile cache cleared when asked:
+    (the pruned releases, what the clearing removed or None)."""
+    workspace = workspace_of(req.workspace)
+    flip_current(workspace, built.code_hash)
+    removed = prune_releases(workspace, int(built.install.keep))
+    cleared = clear_cache(workspace, req.compile_cache) if req.clear_cache else None
+    return removed, cleared
 
 
 def resume_fallback(directory: str, name: str) -> str | None:

@@ -9,6 +9,7 @@ import signal
 import time
 
 from .common import LAUNCH_SETTLE_S, AgentFailure, read_json, write_atomic
+from .protocol import StopTimes
 from .status import run_status
 
 # The commands that change a run (stop, restart, the supervisor's stop of a stalled run) are serialised per run:
@@ -21,16 +22,10 @@ from .status import run_status
 CONTROL = ".control.json"  # the last holder of the run's lock: op, pid, since; its outcome once it let go
 
 
-def control_wait_s(req: dict) -> float:
+def control_wait_s(times: StopTimes) -> float:
     """How long a command waits for another one on the same run: as long as that one's stop may take with the
     same settings (grace, save grace, the SIGKILL and GPU waits), plus a launch's settle time."""
-    return (
-        float(req.get("grace", 60.0))
-        + float(req.get("save_grace", 600.0))
-        + float(req.get("kill_timeout", 10.0))
-        + float(req.get("gpu_timeout", 60.0))
-        + LAUNCH_SETTLE_S
-    )
+    return float(times.grace) + float(times.save_grace) + times.kill_s() + times.gpu_s() + LAUNCH_SETTLE_S
 
 
 def try_control(directory: str, op: str) -> int | None:

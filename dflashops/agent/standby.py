@@ -26,6 +26,7 @@ from .common import (
     tmux_socket,
     write_atomic,
 )
+from .protocol import LaunchRequest, StandbyRequest
 from .wrap import (
     CLEAN_ENV,
     become_group_leader,
@@ -160,12 +161,12 @@ def retire_standbys(workspace: str, keep: str | None) -> list[tuple[str, dict]]:
 
 
 def start_standby(
-    req: dict, argv: list[str], launch_env: dict, launcher: str, after: str, fingerprint: str
+    req: LaunchRequest, argv: list[str], launch_env: dict, launcher: str, after: str, fingerprint: str
 ) -> str | None:
     """Make sure one unclaimed standby for the next launch like this one (`fingerprint`) exists (best effort: a
     standby that cannot start costs the next launch its head start, never this launch). Returns the folder of
     the one it started, None when one was waiting already or none could start."""
-    workspace, secret_keys = req["workspace"], list(req.get("secret_keys") or [])
+    workspace, secret_keys = req.workspace, list(req.secret_keys)
     if any(
         not os.path.exists(os.path.join(folder, "claimed")) for folder, _ in retire_standbys(workspace, fingerprint)
     ):
@@ -182,8 +183,8 @@ def start_standby(
         "marker": marker,
         "env": {**env, MARKER_KEY: marker},
         "after": after,
-        "idle_s": float(req.get("standby_idle_s") or STANDBY_IDLE_S),
-        "preload": list(req.get("standby_preload") or STANDBY_PRELOAD),
+        "idle_s": float(req.standby_idle_s or STANDBY_IDLE_S),
+        "preload": list(req.standby_preload or STANDBY_PRELOAD),
         "created": time.time(),
     }
     wrapper = [sys.executable, program(), "wrap", "--json-args", json.dumps({"standby": folder})]
@@ -230,7 +231,7 @@ def ready_standbys(workspace: str, fingerprint: str) -> Iterator[tuple[str, dict
 
 
 def adopt_standby(
-    req: dict,
+    req: LaunchRequest,
     directory: str,
     argv: list[str],
     launch_env: dict,
@@ -241,7 +242,7 @@ def adopt_standby(
 ) -> dict | None:
     """Hand this launch to a ready standby of its `fingerprint`; the launch's answer, or None (none ready: the
     caller launches as usual)."""
-    workspace = req["workspace"]
+    workspace = req.workspace
     for folder, spec in ready_standbys(workspace, fingerprint):
         try:
             os.mkdir(os.path.join(folder, "claimed"))  # one launch per standby (the standby claims itself to exit)
@@ -257,7 +258,7 @@ def adopt_standby(
                 write_atomic(os.path.join(folder, "retired"), "\n")
                 continue
         write_atomic(os.path.join(directory, "marker"), marker + "\n")
-        env = {**os.environ, **launch_env, "DFLASHOPS_RUN": req["name"], MARKER_KEY: marker}
+        env = {**os.environ, **launch_env, "DFLASHOPS_RUN": req.name, MARKER_KEY: marker}
         claim = os.path.join(folder, "claim.json")
         # The run's secrets reach the standby's wrapper through this 0600 file, deleted as soon as it is read.
         write_atomic(claim, json.dumps({"dir": directory, "argv": argv, "env": env, "cwd": cwd}), mode=0o600)
@@ -334,10 +335,10 @@ def wrap_standby(folder: str) -> dict:
     return {"exit_code": status}
 
 
-def verb_standby(req: dict) -> dict:
+def verb_standby(req: StandbyRequest) -> dict:
     """The standby's interpreter (run with the run's python): wait for the run it follows to start, import
     ahead, say `ready`, then run the launch it is given, or exit when idle, retired or removed."""
-    folder = req["dir"]
+    folder = req.dir
     spec = read_json(os.path.join(folder, "spec.json")) or {}
     after = spec.get("after")
     deadline = time.monotonic() + STANDBY_AFTER_S

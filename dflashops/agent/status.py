@@ -26,6 +26,7 @@ from .common import (
     tmux_socket,
     workspace_of,
 )
+from .protocol import GpusRequest, StatusRequest
 from .wrap import launch_in_flight
 
 
@@ -222,17 +223,19 @@ def cancel_supervisor(directory: str) -> bool:
     return True
 
 
-def verb_status(req: dict) -> dict:
-    if req.get("name"):
-        directory = run_dir(req)
+def verb_status(req: StatusRequest) -> dict:
+    """One run's state (`name`), or every run's of the workspace (those that ended more than `ended_within_s`
+    ago counted in `older_runs`, not read)."""
+    if req.name:
+        directory = run_dir(req.workspace, req.name)
         if not os.path.isdir(directory):
-            raise missing_run(req, "does not exist on this target")
+            raise missing_run(req.workspace, req.name, "does not exist on this target")
         return {"runs": [run_status(directory)]}
-    runs_root = os.path.join(workspace_of(req), "runs")
+    runs_root = os.path.join(workspace_of(req.workspace), "runs")
     names = sorted(os.listdir(runs_root)) if os.path.isdir(runs_root) else []
     table = ProcessTable()  # one walk of /proc for every run (O(runs + processes)), before any run is read
     directories = [os.path.join(runs_root, n) for n in names if NAME_RE.match(n)]
-    within = req.get("ended_within_s")
+    within = req.ended_within_s
     if not isinstance(within, (int, float)) or isinstance(within, bool):
         return {"runs": [run_status(directory, table) for directory in directories]}
     # The controller's default view: runs that ended more than `within` seconds ago (and have no process left)
@@ -251,7 +254,7 @@ def ended_before(directory: str, cutoff: float, table: ProcessTable) -> bool:
     return not run_processes(read_int(os.path.join(directory, "pgid")), marker, directory, table)[1]
 
 
-def verb_gpus(req: dict) -> dict:
+def verb_gpus(req: GpusRequest) -> dict:
     if not shutil.which("nvidia-smi"):
         return {"available": False, "gpus": []}
     out = subprocess.run(

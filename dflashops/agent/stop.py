@@ -23,6 +23,7 @@ from .common import (
     signal_run,
     tmux_socket,
 )
+from .protocol import StopRequest
 from .run_lock import control_wait_s, joined_answer, release_control, take_control, try_control
 from .status import cancel_supervisor, trainer_exit_code
 from .wrap import launch_in_flight, record_exit_code, stop_requested, write_record
@@ -69,7 +70,7 @@ def saving_checkpoint(directory: str) -> bool:
     return status.get("phase") == "saving" and fresh
 
 
-def verb_stop(req: dict) -> dict:
+def verb_stop(req: StopRequest) -> dict:
     """Stop the run; its checkpoint first, then its processes. Refuses a run that is not running.
 
     Serialised per run (`take_control`): a stop that meets another stop or a restart of the same run waits for
@@ -93,20 +94,20 @@ def verb_stop(req: dict) -> dict:
     host memory and its devices are free (`handover`, trainer/state/handover.py), answer at once with that offer;
     steps 2-5 then finish in a background process of the agent, exactly as they would have here, holding
     the run's control lock until they are done."""
-    directory = run_dir(req)
+    directory = run_dir(req.workspace, req.name)
     if not os.path.isdir(directory):
-        raise AgentFailure(f"run {req['name']!r} does not exist on this target", "not_found")
-    if req.get("now"):
+        raise AgentFailure(f"run {req.name!r} does not exist on this target", "not_found")
+    if req.now:
         return stop_now(req, directory)
     started = time.monotonic()
     supervisor_cancelled = cancel_supervisor(directory)  # first: it must not restart what is being stopped
-    by = "restart" if req.get("by") == "restart" else "stop"  # a restart of a run on several targets stops here
+    by = "restart" if req.by == "restart" else "stop"  # a restart of a run on several targets stops here
     lock, met = take_control(directory, by, control_wait_s(req))
     answer: dict = {}
     try:
         if met is not None and by == "restart" and met.get("op") == "restart":
             raise AgentFailure(
-                f"run {req['name']!r} was restarted meanwhile by another command; nothing was done", "superseded"
+                f"run {req.name!r} was restarted meanwhile by another command; nothing was done", "superseded"
             )
         if met is not None and not run_processes_of(directory)[1]:
             answer = joined_answer(directory, met, started)
@@ -117,7 +118,9 @@ def verb_stop(req: dict) -> dict:
         release_control(directory, lock, {"exit_code": answer.get("exit_code"), "handover": "handover" in answer})
 
 
-def stop_held(req: dict, directory: str, started: float, lock: int, *, supervisor_cancelled: bool = False) -> dict:
+def stop_held(
+    req: StopRequest, directory: str, started: float, lock: int, *, supervisor_cancelled: bool = False
+) -> dict:
     """verb_stop's work, for a caller that holds the run's control lock (`lock`: its descriptor, which the
     background part of a hand-over keeps open until it is done). `supervisor_cancelled`: the caller stopped the
     run's supervisor, so a run that had ended already is answered as a cancelled automatic restart."""
@@ -146,17 +149,17 @@ def stop_held(req: dict, directory: str, started: float, lock: int, *, superviso
             "supervisor_cancelled": True,
         }
     if not pids:
-        raise AgentFailure(f"run {req['name']!r} is not running", "not_running")
-    grace = float(req.get("grace", 60.0))
+        raise AgentFailure(f"run {req.name!r} is not running", "not_running")
+    grace = float(req.grace)
     first = first_to_stop(directory, pids)
     job = first if first in pids else None  # goes first when it is one of the run's processes
     job_first = job is not None
     signal_run(None if job_first else pgid, {job} if job is not None else pids, signal.SIGTERM)
     recorded = record_stop(directory, {"requested_at": time.time()})
     grace_deadline = time.monotonic() + grace
-    save_deadline = grace_deadline + float(req.get("save_grace", 600.0))
+    save_deadline = grace_deadline + float(req.save_grace)
     stopping = (req, directory, started, pgid, marker, pids, job, job_first, grace_deadline, save_deadline, recorded)
-    if req.get("handover") and job_first:
+    if req.handover and job_first:
         offer = wait_for_handover(directory, job, grace_deadline, save_deadline)
         if offer is not None:
 
@@ -182,7 +185,7 @@ def stop_held(req: dict, directory: str, started: float, lock: int, *, superviso
     return {**complete_stop(*stopping), "supervisor_cancelled": supervisor_cancelled}
 
 
-def stop_now(req: dict, directory: str) -> dict:
+def stop_now(req: StopRequest, directory: str) -> dict:
     """`stop --now`: SIGKILL to every process of the run at once, whatever else is going on (a stop or restart
     in progress keeps its lock and finds the processes gone); no final checkpoint, the last periodic one stays.
     The bookkeeping (exit code, stop.json) is done here only when no other command holds the run."""
@@ -193,12 +196,12 @@ def stop_now(req: dict, directory: str) -> dict:
         wait_for_any(directory, ("pid", "exit_code"), LAUNCH_SETTLE_S)
     pgid, pids = run_processes_of(directory)
     if not pids and read_int(os.path.join(directory, "exit_code")) is None and not stop_requested(directory):
-        raise AgentFailure(f"run {req['name']!r} is not running", "not_running")
+        raise AgentFailure(f"run {req.name!r} is not running", "not_running")
     signal_run(pgid, pids, signal.SIGKILL)
     marker = (read_text(os.path.join(directory, "marker")) or "").strip() or None
-    left = wait_gone(pgid, marker, directory, float(req.get("kill_timeout", 10.0)))
+    left = wait_gone(pgid, marker, directory, req.kill_s())
     if left:
-        raise AgentFailure(f"processes {sorted(left)} of run {req['name']!r} survived SIGKILL", "stuck")
+        raise AgentFailure(f"processes {sorted(left)} of run {req.name!r} survived SIGKILL", "stuck")
     lock = try_control(directory, "stop --now")
     if lock is None:  # a stop or restart holds the run: it sees the processes gone and records the end itself
         return {"now": True, "escalated": True, "signalled": sorted(pids), "exit_code": 128 + signal.SIGKILL,
@@ -207,7 +210,7 @@ def stop_now(req: dict, directory: str) -> dict:
     try:
         record_stop(directory, {"requested_at": time.time(), "now": True})
         answer = finish_stop(req, directory, started, escalated=True, seen=set(pids), waited=0.0,
-                             gpu_timeout=float(req.get("gpu_timeout", 60.0)))  # fmt: skip
+                             gpu_timeout=req.gpu_s())  # fmt: skip
         return {**answer, "now": True}
     finally:
         release_control(directory, lock, {"exit_code": 128 + signal.SIGKILL, "now": True})
@@ -220,7 +223,7 @@ def run_processes_of(directory: str) -> tuple[int | None, set[int]]:
 
 
 def complete_stop(
-    req: dict,
+    req: StopRequest,
     directory: str,
     started: float,
     pgid: int | None,
@@ -234,7 +237,7 @@ def complete_stop(
 ) -> dict:
     """verb_stop after its first SIGTERM: wait for the job, TERM the rest of the group, KILL what is left
     after the grace (a checkpoint being written gets its save grace), then the bookkeeping (finish_stop)."""
-    grace = float(req.get("grace", 60.0))
+    grace = float(req.grace)
     seen, waited = set(pids), 0.0
     if job is not None:
         _, waited = wait_out(lambda: {job} if alive(job) else set(), grace_deadline, save_deadline, directory)
@@ -257,9 +260,9 @@ def complete_stop(
     if left:
         seen |= left
         signal_run(pgid, left, signal.SIGKILL)
-        left = wait_gone(pgid, marker, directory, float(req.get("kill_timeout", 10.0)))
+        left = wait_gone(pgid, marker, directory, req.kill_s())
     if left:
-        raise AgentFailure(f"processes {sorted(left)} of run {req['name']!r} survived SIGKILL", "stuck")
+        raise AgentFailure(f"processes {sorted(left)} of run {req.name!r} survived SIGKILL", "stuck")
     return finish_stop(
         req,
         directory,
@@ -268,7 +271,7 @@ def complete_stop(
         seen=seen,
         waited=waited,
         recorded=recorded,
-        gpu_timeout=float(req.get("gpu_timeout", 60.0)),
+        gpu_timeout=req.gpu_s(),
     )
 
 
@@ -388,7 +391,7 @@ def wait_out(live, deadline: float, save_deadline: float, directory: str) -> tup
 
 
 def finish_stop(
-    req: dict,
+    req: StopRequest,
     directory: str,
     started: float,
     *,
@@ -410,7 +413,7 @@ def finish_stop(
             pass
     if shutil.which("tmux"):
         subprocess.run(
-            ["tmux", "-L", tmux_socket(req["workspace"]), "kill-session", "-t", "=" + session_name(req["name"])],
+            ["tmux", "-L", tmux_socket(req.workspace), "kill-session", "-t", "=" + session_name(req.name)],
             capture_output=True,
             timeout=10,
         )

@@ -45,6 +45,7 @@ import urllib.request
 from .checkpoints import latest_checkpoint
 from .common import AgentFailure, read_int, read_json, read_text, run_processes, signal_run, write_atomic
 from .launch import verb_launch
+from .protocol import LaunchRequest
 from .run_lock import release_control, try_control
 from .status import run_status
 from .template_sentinels import SENTINELS
@@ -349,17 +350,17 @@ class Supervisor:
             },
         }
         verb_launch(
-            {
-                "workspace": self.workspace,
-                "name": values["name"],
-                "argv": argv,
-                "env": fill(template["env"], values),
-                "cwd": fill(template["cwd"], values),
-                "launcher": template.get("launcher", "nohup"),
-                "standby": template.get("standby", False),
-                "standby_idle_s": template.get("standby_idle_s"),
-                "run_json": run_json,
-            }
+            LaunchRequest(
+                workspace=self.workspace,
+                name=values["name"],
+                argv=argv,
+                env=fill(template["env"], values),
+                cwd=fill(template["cwd"], values),
+                launcher=template.get("launcher", "nohup"),
+                standby=template.get("standby", False),
+                standby_idle_s=template.get("standby_idle_s"),
+                run_json=run_json,
+            )
         )
         return values["name"], checkpoint
 

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import NoReturn
 
 from .common import LAUNCH_SETTLE_S, AgentFailure, append_log, read_int, remove_quietly, write_atomic
 
@@ -34,7 +35,7 @@ def launch_answer(directory: str, pgid: int | None, marker: str, launcher: str, 
     }
 
 
-def launch_failed(directory: str, reason: str) -> None:
+def launch_failed(directory: str, reason: str) -> NoReturn:
     """Record a launch that did not start (so status says crashed, not launching forever) and refuse."""
     append_log(directory, reason)
     record_exit_code(directory, 127)

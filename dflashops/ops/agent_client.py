@@ -15,7 +15,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflashops.agent.common import tmux_socket  # the agent names the tmux server; its function, so the hint agrees
+from dflashops.agent.common import AgentFailure, tmux_socket  # the agent names the tmux server; its function agrees
+from dflashops.agent.protocol import PROTOCOL_VERSION, REQUESTS, Request, parse, wire
 from dflashops.core.errors import AgentError, Conflict, DflashopsError, InventoryError, NotFound, UsageError
 from dflashops.core.inventory import Target
 from dflashops.core.shell import join_argv
@@ -157,7 +158,14 @@ class Agent:
         if self._ready:
             return
         probe = self._run(self.argv("ping"))
-        if not _parse(probe.stdout, probe.stderr, "ping", self.target.name).get("ok"):
+        pong = _parse(probe.stdout, probe.stderr, "ping", self.target.name)
+        if pong.get("ok") and pong.get("version") != PROTOCOL_VERSION:
+            raise AgentError(
+                f"{self.target.name}: the agent at {self.path} speaks protocol {pong.get('version')}, "
+                f"this controller speaks protocol {PROTOCOL_VERSION}",
+                hint=f"remove {self.path} on the target; the next call uploads this controller's agent",
+            )
+        if not pong.get("ok"):
             upload = [self.target.python, "-c", _UPLOAD, self.path]
             if self.dry_run:
                 if not self._upload_planned:
@@ -196,7 +204,7 @@ class Agent:
     def call(
         self,
         verb: str,
-        args: dict[str, Any],
+        args: Request | dict[str, Any],
         *,
         secret_args: dict[str, Any] | None = None,
         shown_args: dict[str, Any] | None = None,
@@ -207,7 +215,9 @@ class Agent:
         the dry-run plan shows `shown_args` (their redacted form) in their place. Raises NotFound /
         Conflict / UsageError / AgentError from the agent's error code. `on_progress` gets each phase the verb
         reports as it starts (`restart`, `launch`: the request gets `progress: true`), as the transport delivers
-        stderr: live on local and ssh targets, at the end through a multiplexer."""
+        stderr: live on local and ssh targets, at the end through a multiplexer. `args` is the verb's request
+        (agent/protocol.py), or its JSON object, checked against it here: a wrong key fails before any call."""
+        args = request_json(verb, args, secret_args)
         if on_progress is not None:
             args = {**args, "progress": True}
         if self.dry_run:
@@ -251,11 +261,12 @@ class Agent:
             raise refusal(answer, self.target, args)
         return answer
 
-    def stream(self, verb: str, args: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    def stream(self, verb: str, args: Request | dict[str, Any]) -> Iterator[dict[str, Any]]:
         """A streaming verb (`follow`): yield its JSON answer lines as they arrive. Ends when the agent does;
         a lost link raises TransportError mid-iteration; closing the generator ends the remote command.
         The stream's stderr and exit status are not seen here: a caller whose stream ends before its last
         answer asks a one-shot verb next, which reports whatever stopped it (a stopped container, ...)."""
+        args = request_json(verb, args)
         self.ensure()  # a stream cannot be replayed after "can't open file", so the agent must be there first
         pending = b""
         for chunk in self.transport.stream(self.argv(verb, args)):
@@ -268,6 +279,22 @@ class Agent:
                 if not answer.get("ok"):
                     raise refusal(answer, self.target, args)
                 yield answer
+
+
+def request_json(
+    verb: str, args: Request | dict[str, Any], secret_args: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The JSON object of a request (its dataclass's `wire` form; a dict as it is), after the agent's own check of
+    the keys it has, with the secrets that travel beside it (`protocol.parse`, partial: a missing key is the
+    agent's to refuse): an unknown or mistyped key is a UsageError here, before a round trip."""
+    obj = wire(args) if isinstance(args, Request) else args
+    if verb not in REQUESTS:  # a verb with a protocol of its own (`supervise start`)
+        return obj
+    try:
+        parse(verb, {**obj, **(secret_args or {})}, partial=True)
+    except AgentFailure as exc:
+        raise UsageError(f"agent request: {exc}") from None
+    return obj
 
 
 def with_tar(head: bytes, tar: Tar | bytes) -> Stdin:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflashops.agent.protocol import StatusRequest
 from dflashops.core.errors import DflashopsError, NotFound
 from dflashops.core.inventory import Inventory, Target
 from dflashops.lineage import LineageDB, LineageDBError, RunRecord
@@ -128,7 +129,8 @@ class Invocation:
         try:
             target = self.target_for_run(name, explicit_target)
             names |= {
-                str(run["name"]) for run in self.agent(target).call("status", {"workspace": target.workspace})["runs"]
+                str(run["name"])
+                for run in self.agent(target).call("status", StatusRequest(workspace=target.workspace))["runs"]
             }
         except DflashopsError:
             pass

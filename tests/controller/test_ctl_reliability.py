@@ -53,6 +53,7 @@ def test_item3_a_stop_that_races_the_launch_wins(env: Env) -> None:
     job must end stopped, never start a second later and keep running. The stop runs in this process (the
     agent's own function), so it lands inside the launch's first milliseconds."""
     from dflashops.agent import common, stop
+    from dflashops.agent.protocol import parse
 
     workload = str(env.root / "workload.py")
     for index in range(16):
@@ -72,7 +73,7 @@ def test_item3_a_stop_that_races_the_launch_wins(env: Env) -> None:
         while not (env.runs / name).is_dir():
             assert time.monotonic() < deadline
         try:
-            answer = stop.verb_stop({"workspace": str(env.workspace), "name": name, "grace": 5})
+            answer = stop.verb_stop(parse("stop", {"workspace": str(env.workspace), "name": name, "grace": 5}))
         except common.AgentFailure as exc:
             answer = {"error": str(exc)}
         launch.communicate(timeout=30)

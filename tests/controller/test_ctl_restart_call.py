@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from dflashops.agent.protocol import wire
 from dflashops.ops.releases.sync import install_payload, local_manifest, release_files
 from tests.controller.helpers import AGENT, Env, all_bytes
 
@@ -72,7 +73,8 @@ def test_agent_restart_refuses_before_changing_anything(env: Env, capsys: pytest
     files = release_files(("workload.py",), env.root, packages=())
     code_hash, manifest = local_manifest(files)
     base_files = json.loads((releases / current / ".manifest.json").read_text())
-    install, upload, _, _ = install_payload(str(env.workspace), files, code_hash, manifest, current, base_files)
+    payload = install_payload(str(env.workspace), files, code_hash, manifest, current, base_files)
+    install, upload = wire(payload.request), payload.tar
     tar = upload.read_bytes()
     request = {
         "workspace": str(env.workspace),
@@ -89,7 +91,11 @@ def test_agent_restart_refuses_before_changing_anything(env: Env, capsys: pytest
     cases = [
         ({**request, "tar_bytes": len(tar) + 1}, tar, "incomplete"),  # the upload was cut short
         (request, tar[: len(tar) // 2], "incomplete"),  # the connection was cut mid-upload
-        ({**request, "install": stale[0]}, stale[1].read_bytes(), "stale_release"),  # the cached base is not there
+        (
+            {**request, "install": wire(stale.request)},
+            stale.tar.read_bytes(),
+            "stale_release",
+        ),  # the cached base is not there
         ({**request, "name": "ref-v1"}, tar, "conflict"),  # the new run's directory is taken
         ({**request, "old": "ghost"}, tar, "not_found"),
         ({**request, "argv": []}, tar, "bad_request"),

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from dflashops.agent.common import read_proc
+from dflashops.agent.protocol import wire
 from dflashops.agent.standby import standbys
 from dflashops.ops.releases.sync import install_payload, local_manifest, release_files
 from tests.controller.helpers import AGENT, Env
@@ -72,7 +73,8 @@ def old_run(env: Env, capsys: pytest.CaptureFixture[str]) -> dict:
     code_hash, manifest = local_manifest(files)
     current = os.readlink(releases / "current")
     base_files = json.loads((releases / current / ".manifest.json").read_text())
-    install, upload, _, _ = install_payload(str(env.workspace), files, code_hash, manifest, current, base_files)
+    payload = install_payload(str(env.workspace), files, code_hash, manifest, current, base_files)
+    install, upload = wire(payload.request), payload.tar
     tar = upload.read_bytes()
     request = {**job, "old": "o1", "name": "o2", "grace": 5, "install": install, "tar_bytes": len(tar)}
     return {**request, "preflight": True, "standby_once": True, "tar": tar.hex()}

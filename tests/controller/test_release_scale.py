@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -71,9 +72,8 @@ def test_the_manifest_cache_hashes_a_file_again_only_when_it_changed(
 
 def install(workspace: Path, files: dict[str, Path], cache: Path, base: str | None, base_files: dict) -> tuple:
     code_hash, manifest = sync.local_manifest(files, ManifestCache(cache))
-    request, upload, uploaded, linked = sync.install_payload(
-        str(workspace), files, code_hash, manifest, base, base_files
-    )
+    payload = sync.install_payload(str(workspace), files, code_hash, manifest, base, base_files)
+    request, upload, uploaded, linked = payload.request, payload.tar, payload.uploaded, payload.linked
     agent_releases.build_release(request, upload.open())  # as the agent reads it: a stream, `tar_bytes` long
     return code_hash, manifest, upload.read_bytes(), uploaded, linked
 
@@ -128,14 +128,15 @@ def test_an_uploaded_file_is_checked_as_it_is_written_and_keeps_its_mode(tree: d
     tree["trainer/train.py"].chmod(0o755)
     small = {"trainer/train.py": tree["trainer/train.py"]}
     code_hash, manifest = sync.local_manifest(small, ManifestCache(tmp_path / "c.json"))
-    request, upload, _, _ = sync.install_payload(str(tmp_path / "ws"), small, code_hash, manifest, None, {})
+    payload = sync.install_payload(str(tmp_path / "ws"), small, code_hash, manifest, None, {})
+    request, upload = payload.request, payload.tar
     other = tmp_path / "other.py"
     other.write_text("print('not what the manifest names')\n")
     swapped = io.BytesIO()
     with tarfile.open(fileobj=swapped, mode="w:gz") as archive:
         archive.add(other, arcname="trainer/train.py")
     with pytest.raises(AgentFailure, match="'trainer/train.py' is missing or corrupt"):
-        agent_releases.build_release({**request, "tar_bytes": len(swapped.getvalue())}, swapped.getvalue())
+        agent_releases.build_release(replace(request, tar_bytes=len(swapped.getvalue())), swapped.getvalue())
     assert [p.name for p in (tmp_path / "ws" / "releases").iterdir()] == []
     agent_releases.build_release(request, upload.open())
     installed = tmp_path / "ws" / "releases" / code_hash / "trainer" / "train.py"
@@ -172,11 +173,12 @@ def test_a_file_cut_after_the_tar_was_planned_is_refused_not_hung(tree: dict[str
     names (zeros after its end), and the agent's digest check refuses it (nothing is made current), instead of a
     stream that fails mid-call."""
     code_hash, manifest = sync.local_manifest(tree, ManifestCache(tmp_path / "c.json"))
-    request, upload, _, _ = sync.install_payload(str(tmp_path / "ws"), tree, code_hash, manifest, None, {})
+    payload = sync.install_payload(str(tmp_path / "ws"), tree, code_hash, manifest, None, {})
+    request, upload = payload.request, payload.tar
     assert isinstance(upload, PlainTar)
     os.truncate(tree["data/big.bin"], BIG // 2)
     body = upload.read_bytes()
-    assert len(body) == request["tar_bytes"]
+    assert len(body) == request.tar_bytes
     with pytest.raises(AgentFailure, match="'data/big.bin' is missing or corrupt"):
         agent_releases.build_release(request, body)
     assert list((tmp_path / "ws" / "releases").iterdir()) == []
@@ -237,7 +239,8 @@ def test_an_install_that_uploads_the_agent_first_sends_its_tar_again_from_the_st
     workspace = tmp_path / "ws"
     agent = Agent(Target(name="local", kind="local", workspace=str(workspace), python=sys.executable), LocalTransport())
     code_hash, manifest = sync.local_manifest(tree, ManifestCache(tmp_path / "c.json"))
-    request, upload, _, _ = sync.install_payload(str(workspace), tree, code_hash, manifest, None, {})
+    payload = sync.install_payload(str(workspace), tree, code_hash, manifest, None, {})
+    request, upload = payload.request, payload.tar
     assert not Path(agent.path).exists()
     answer = agent.call("install", request, stdin_tar=upload)  # no ensure(): the optimistic first call
     assert answer["release"] == code_hash and Path(agent.path).exists()

@@ -17,6 +17,7 @@ import pytest
 
 from dflashops.agent import common as agent_common
 from dflashops.agent import status as agent_status
+from dflashops.agent.protocol import parse
 from tests.controller.helpers import Env
 
 DAY_S = 86400
@@ -73,7 +74,7 @@ def test_one_proc_walk_for_every_run(
         return real_all_pids()
 
     monkeypatch.setattr(agent_common, "all_pids", counted)
-    answer = agent_status.verb_status({"workspace": str(tmp_path / "ws")})
+    answer = agent_status.verb_status(parse("status", {"workspace": str(tmp_path / "ws")}))
     assert len(walks) == 1  # was one walk per run that kept its pgid file: O(runs x processes)
     by_name = {entry["name"]: entry for entry in answer["runs"]}
     assert len(by_name) == 21
@@ -101,7 +102,7 @@ def test_the_window_leaves_out_runs_that_ended_long_ago(
     finished_run(runs, "recent", ended_days_ago=0.1)
     straggler = finished_run(runs, "straggler", ended_days_ago=30)
     (straggler / "marker").write_text("live.feedbeef\n")  # its exit code is old, a process of it still lives
-    answer = agent_status.verb_status({"workspace": str(tmp_path / "ws"), "ended_within_s": DAY_S})
+    answer = agent_status.verb_status(parse("status", {"workspace": str(tmp_path / "ws"), "ended_within_s": DAY_S}))
     assert sorted(entry["name"] for entry in answer["runs"]) == ["live", "recent", "straggler"]
     assert answer["older_runs"] == 1
 

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflashops.agent.protocol import FetchManifestRequest
 from dflashops.core.errors import NotFound, UsageError
 from dflashops.core.inventory import Target
 from dflashops.core.shell import validate_name
@@ -121,7 +122,7 @@ def export_on_target(
     rel = export_dir(step, export_format)
     listed = invocation.agent(target).call(
         "fetch-manifest",
-        {"workspace": target.workspace, "name": entry["name"], "paths": [rel], "cache": not invocation.dry_run},
+        FetchManifestRequest(workspace=target.workspace, name=entry["name"], paths=[rel], cache=not invocation.dry_run),
     )
     if export_format != "speculators" and (target_model or verifier):
         raise UsageError(
@@ -186,13 +187,9 @@ def fetch(invocation: Invocation, request: FetchRequest, progress: Progress | No
     transfer_started = time.monotonic()  # after the export: a rate over its minutes said `0 MiB/s` for 1 MB
     listed = agent.call(
         "fetch-manifest",
-        {
-            "workspace": target.workspace,
-            "name": request.run,
-            "paths": paths,
-            "cache": not invocation.dry_run,
-            "hash": False,
-        },
+        FetchManifestRequest(
+            workspace=target.workspace, name=request.run, paths=paths, cache=not invocation.dry_run, hash=False
+        ),
     )
     files = listed["files"]
     optional = {*METADATA, *LOGS[1:], *([exported] if invocation.dry_run else [])}  # a dry run made no export

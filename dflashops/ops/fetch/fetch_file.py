@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflashops.agent.protocol import FetchManifestRequest, ReadFileRequest, wire
 from dflashops.core.errors import DflashopsError, LocalDiskFull, NotFound, TransportError
 from dflashops.ops.agent_client import Agent
 
@@ -77,7 +78,7 @@ class TargetHashes:
 
         try:
             answer = call_resuming(
-                agent, "fetch-manifest", {"workspace": agent.target.workspace, "name": run, "paths": paths}
+                agent, "fetch-manifest", FetchManifestRequest(workspace=agent.target.workspace, name=run, paths=paths)
             )
             self._sums = {f["path"]: f["sha256"] for f in answer["files"]}
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread by get()
@@ -174,13 +175,15 @@ def stream_into(
     with partial.open("ab", buffering=0) as out:  # unbuffered: what write() returns is on the disk
         out.truncate(landed.written)
         while landed.written < size:
-            args = {
-                "workspace": agent.target.workspace,
-                "name": run,
-                "path": rel,
-                "offset": landed.written,
-                "length": min(size - landed.written, PIECE_BYTES),
-            }
+            args = wire(
+                ReadFileRequest(
+                    workspace=agent.target.workspace,
+                    name=run,
+                    path=rel,
+                    offset=landed.written,
+                    length=min(size - landed.written, PIECE_BYTES),
+                )
+            )
             try:
                 for chunk in agent.transport.stream(agent.argv("read-file", args)):
                     view = memoryview(chunk)

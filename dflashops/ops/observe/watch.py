@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from dflashops.agent.protocol import GpusRequest
 from dflashops.core.errors import DflashopsError
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.runs.control import run_status
@@ -126,7 +127,7 @@ def gather(invocation: Invocation, run: str | None, target: str | None = None) -
     Raises NotFound for a run that does not exist (the agent says so), TransportError when unreachable."""
     entries = run_status(invocation, run, target=target)
     tgt = invocation.target_for_run(run, target) if run else invocation.inventory.target(target)
-    gpus = invocation.agent(tgt).call("gpus", {}).get("gpus", [])
+    gpus = invocation.agent(tgt).call("gpus", GpusRequest()).get("gpus", [])
     now = time.time()
     return Snapshot(
         taken_at=now,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
+from dflashops.agent.protocol import StatusRequest
 from dflashops.core.errors import Conflict, NotFound, UsageError
 from dflashops.core.inventory import Target
 from dflashops.core.shell import join_argv
@@ -26,7 +27,7 @@ def active_runs(target: Target, ct: PctTransport) -> list[str]:
     """Names of the runs active in the container's workspace (the stdlib agent, run by the container's python3:
     the target's venv may be what is being repaired)."""
     try:
-        answer = Agent(replace(target, python="python3"), ct).call("status", {"workspace": target.workspace})
+        answer = Agent(replace(target, python="python3"), ct).call("status", StatusRequest(workspace=target.workspace))
     except NotFound:
         return []  # no workspace yet: no run
     return [str(run["name"]) for run in answer.get("runs", []) if run.get("state") in ACTIVE]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dflashops.agent.protocol import ManifestRequest
 from dflashops.ops.agent_client import Agent
 
 
@@ -33,7 +34,7 @@ class FileChanges:
 
 def release_manifest(agent: Agent, code_hash: str) -> dict[str, str] | None:
     """The manifest of release `code_hash` on the agent's target, or None when that release is not there."""
-    answer = agent.call("manifest", {"workspace": agent.target.workspace, "release": code_hash})
+    answer = agent.call("manifest", ManifestRequest(workspace=agent.target.workspace, release=code_hash))
     return answer.get("files") if answer.get("release") == code_hash else None
 
 

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflashops.agent.protocol import InstallRequest, ManifestRequest
 from dflashops.core.errors import UsageError
 from dflashops.ops.agent_build import package_files
 from dflashops.ops.agent_client import AGENT_SOURCE, Agent
@@ -129,6 +130,17 @@ def local_manifest(files: dict[str, Path], cache: ManifestCache | None = None) -
     return code_hash_of(manifest), manifest
 
 
+@dataclass(frozen=True)
+class InstallPayload:
+    """What makes a release on a target: the agent's `install` request, the tar of the changed files (read it
+    once), the paths the tar carries (`uploaded`) and those the target hard-links from its base (`linked`)."""
+
+    request: InstallRequest
+    tar: Tar
+    uploaded: tuple[str, ...]
+    linked: tuple[str, ...]
+
+
 def install_payload(
     workspace: str,
     files: dict[str, Path],
@@ -137,10 +149,10 @@ def install_payload(
     base: str | None,
     base_files: dict[str, str],
     keep: int = 5,
-) -> tuple[dict, Tar, tuple, tuple]:
-    """(install request, tar of the changed files (gzip in a temporary file; generated as it is read when large
-    and incompressible), uploaded paths, linked paths) for making release `code_hash` from release `base` (whose manifest is `base_files`) on
-    the target. The request's `tar_bytes` is the tar's size: the agent reads the tar as it arrives and checks
+) -> InstallPayload:
+    """The install request, the tar of the changed files (gzip in a temporary file; generated as it is read when
+    large and incompressible), the uploaded and the linked paths, for making release `code_hash` from release
+    `base` (whose manifest is `base_files`) on the target. The request's `tar_bytes` is the tar's size: the agent reads the tar as it arrives and checks
     that all of it came."""
     linked = tuple(sorted(rel for rel, digest in manifest.items() if base_files.get(rel) == digest))
     uploaded = tuple(sorted(set(manifest) - set(linked)))
@@ -166,16 +178,16 @@ def install_payload(
         upload.finish()
     # Compact request: only the changed entries and the removed paths; the agent rebuilds the full
     # manifest from the base release's (one 4 KiB change then sends ~4 KiB, not the whole manifest).
-    request = {
-        "workspace": workspace,
-        "hash": code_hash,
-        "base": base,
-        "changed": {rel: manifest[rel] for rel in uploaded},
-        "removed": sorted(set(base_files) - set(manifest)),
-        "keep": keep,
-        "tar_bytes": len(upload),
-    }
-    return request, upload, uploaded, linked
+    request = InstallRequest(
+        workspace=workspace,
+        hash=code_hash,
+        base=base,
+        changed={rel: manifest[rel] for rel in uploaded},
+        removed=sorted(set(base_files) - set(manifest)),
+        keep=keep,
+        tar_bytes=len(upload),
+    )
+    return InstallPayload(request, upload, uploaded, linked)
 
 
 PLAIN_TAR_FROM_BYTES = 8 << 20  # an upload this large is sent uncompressed when its samples do not compress
@@ -213,19 +225,19 @@ def sync(
     With `cache` (the lineage database path), remember what is now installed there (release_cache)."""
     files = release_files(extra_files, extra_root, packages)
     code_hash, manifest = local_manifest(files)
-    remote = agent.call("manifest", {"workspace": agent.target.workspace, "hash": code_hash})
+    remote = agent.call("manifest", ManifestRequest(workspace=agent.target.workspace, hash=code_hash))
     release_path = f"{agent.target.workspace}/releases/{code_hash}"
     if remote.get("release") == code_hash:
         if cache is not None and not agent.dry_run:
             release_cache.save(cache, agent.target, code_hash, manifest)
         return SyncOutcome(code_hash, release_path, (), tuple(sorted(manifest)), 0)
-    request, tar, uploaded, linked = install_payload(
+    payload = install_payload(
         agent.target.workspace, files, code_hash, manifest, remote.get("release"), remote.get("files") or {}, keep
     )
     try:
-        agent.call("install", request, stdin_tar=tar)
+        agent.call("install", payload.request, stdin_tar=payload.tar)
     finally:
-        tar.close()
+        payload.tar.close()
     if cache is not None and not agent.dry_run:
         release_cache.save(cache, agent.target, code_hash, manifest)
-    return SyncOutcome(code_hash, release_path, uploaded, linked, len(tar))
+    return SyncOutcome(code_hash, release_path, payload.uploaded, payload.linked, len(payload.tar))

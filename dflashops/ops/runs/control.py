@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from dflashops.agent.protocol import Request, StatusRequest, StopRequest, TailRequest
 from dflashops.core.errors import Conflict, DflashopsError, RunFailed, TransportError, UsageError, WaitTimeout
 from dflashops.core.shell import validate_name
 from dflashops.ops.agent_client import Busy
@@ -56,15 +57,17 @@ def stop_run(
     tgt = invocation.target_for_run(name, target)
     agent = invocation.agent(tgt)
     if invocation.dry_run:  # read-only check, so the plan shows what a real stop would do
-        state = agent.call("status", {"workspace": tgt.workspace, "name": name}).get("runs", [{}])[0].get("state")
+        state = (
+            agent.call("status", StatusRequest(workspace=tgt.workspace, name=name)).get("runs", [{}])[0].get("state")
+        )
         if state not in (None, "running", "stopping"):
             raise NotRunning(
                 f"{tgt.name}: run {name!r} is not running ({state})",
                 hint=f"`dflashops status {name}` shows how it ended",
             )
-    request = {"workspace": tgt.workspace, "name": name, "grace": grace, "save_grace": save_grace}
+    request = StopRequest(workspace=tgt.workspace, name=name, grace=grace, save_grace=save_grace, now=now)
     try:
-        answer = agent.call("stop", {**request, "now": True} if now else request)
+        answer = agent.call("stop", request)
     except Busy as exc:
         raise Conflict(
             exc.message, hint=f"wait for it (`dflashops status {name}`), or end it at once: dflashops stop {name} --now"
@@ -74,7 +77,7 @@ def stop_run(
             raise NotRunning(exc.message, hint=f"`dflashops status {name}` shows how it ended") from None
         raise
     if not invocation.dry_run:
-        observe_and_tell(invocation, agent.call("status", {"workspace": tgt.workspace, "name": name})["runs"])
+        observe_and_tell(invocation, agent.call("status", StatusRequest(workspace=tgt.workspace, name=name))["runs"])
     return answer
 
 
@@ -90,7 +93,8 @@ def run_status(
     validate_name(name, what="run name")
     if nodes := nodes_of(invocation, name, target):
         return status_nodes(invocation, name, nodes, unreachable_ok=unreachable_ok)
-    return _read(invocation, invocation.target_for_run(name, target), {"name": name})["runs"]
+    tgt = invocation.target_for_run(name, target)
+    return _read(invocation, tgt, StatusRequest(workspace=tgt.workspace, name=name))["runs"]
 
 
 def target_status(
@@ -100,7 +104,7 @@ def target_status(
     runs that ended longer ago are left out (the agent counts them instead of reading them; an agent from
     before the option answers every run, and recent_runs filters here)."""
     tgt = invocation.inventory.target(target)
-    answer = _read(invocation, tgt, {} if ended_within_s is None else {"ended_within_s": ended_within_s})
+    answer = _read(invocation, tgt, StatusRequest(workspace=tgt.workspace, ended_within_s=ended_within_s))
     runs = answer["runs"]
     if ended_within_s is None:
         return runs, 0
@@ -108,9 +112,9 @@ def target_status(
     return shown, int(answer.get("older_runs") or 0) + len(runs) - len(shown)
 
 
-def _read(invocation: Invocation, tgt: Any, args: dict[str, Any]) -> dict[str, Any]:
+def _read(invocation: Invocation, tgt: Any, request: StatusRequest) -> dict[str, Any]:
     """The agent's status answer for `tgt`, each entry marked with the target."""
-    answer = invocation.agent(tgt).call("status", {"workspace": tgt.workspace, **args})
+    answer = invocation.agent(tgt).call("status", request)
     for entry in answer["runs"]:
         entry["target"] = tgt.name
     return answer
@@ -140,7 +144,7 @@ class LogCursor:
 RECONNECT_ATTEMPTS = 6
 
 
-def call_resuming(agent: Any, verb: str, args: dict[str, Any]) -> dict[str, Any]:
+def call_resuming(agent: Any, verb: str, args: Request) -> dict[str, Any]:
     """A read-only agent call retried after a dropped connection (the ssh transport reconnects on the
     next command). Safe for `tail`: it reads from the cursor's byte offset, which only advances after an
     answer arrived, so a retry neither loses nor repeats a line. Backoff 0.2 s doubling, ~6 s in all."""
@@ -200,7 +204,7 @@ def read_log(
     reader = LogReader(name, cursor, on_notice)
     if not follow:
         while True:  # what is there when asked (a long log comes in 1 MiB pieces)
-            answer = call_resuming(agent, "tail", {"workspace": tgt.workspace, "name": name, **reader.args()})
+            answer = call_resuming(agent, "tail", reader.request(tgt.workspace))
             if data := reader.take(answer):
                 yield data
             if not answer.get("more"):
@@ -212,7 +216,7 @@ def read_log(
         # through call_resuming reconnects and says what happened; the next stream starts at the cursor, so
         # nothing is lost or repeated.
         try:
-            for answer in agent.stream("follow", {"workspace": tgt.workspace, "name": name, **reader.args()}):
+            for answer in agent.stream("follow", reader.request(tgt.workspace)):
                 if data := reader.take(answer):
                     yield data
                 if reader.done or should_stop():
@@ -221,7 +225,7 @@ def read_log(
                     raise WaitTimeout(f"{name}: no match within {timeout:g}s", hint="raise --timeout")
         except TransportError:
             pass
-        answer = call_resuming(agent, "tail", {"workspace": tgt.workspace, "name": name, **reader.args()})
+        answer = call_resuming(agent, "tail", reader.request(tgt.workspace))
         if data := reader.take(answer):
             yield data
         if reader.done:
@@ -240,11 +244,17 @@ class LogReader:
     on_notice: Callable[[str], None]
     done: bool = False  # the run has ended and everything up to the end of its log was delivered
 
-    def args(self) -> dict[str, Any]:
-        start = {"lines": self.cursor.last_lines} if self.cursor.last_lines is not None else {}
-        if self.cursor.to_line_start:
-            start["align"] = True
-        return {"offset": self.cursor.offset, "inode": self.cursor.inode, "check": self.cursor.check, **start}
+    def request(self, workspace: str) -> TailRequest:
+        """The `tail`/`follow` request that reads on from the cursor (and where a first read starts)."""
+        return TailRequest(
+            workspace=workspace,
+            name=self.name,
+            offset=self.cursor.offset,
+            inode=self.cursor.inode,
+            check=self.cursor.check,
+            lines=self.cursor.last_lines,
+            align=self.cursor.to_line_start,
+        )
 
     def take(self, answer: dict[str, Any]) -> str:
         """Advance the cursor past `answer`; its data ("" when none)."""

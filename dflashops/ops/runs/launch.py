@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from dflashops.agent.common import LAUNCHERS  # the agent starts runs; its list is the list
+from dflashops.agent.protocol import LaunchRequest, PreflightRequest, StatusRequest
 from dflashops.core.errors import Conflict, UsageError
 from dflashops.core.inventory import Profile, Target
 from dflashops.core.shell import validate_name
@@ -136,7 +138,7 @@ class LaunchSpec:
     name: str
     run_dir: str
     record: RunRecord
-    args: dict
+    args: LaunchRequest  # without `env`
     env: dict[str, str]
 
 
@@ -199,29 +201,29 @@ def launch_spec(
         },
     )
     run_json = {**record.to_dict(), "hypothesis": request.note, "release": release_path, "run_dir": run_dir}
-    args = {
-        "workspace": target.workspace,
-        "name": name,
-        "argv": argv,
-        "cwd": run_dir,
-        "launcher": request.launcher,
-        "run_json": run_json,
-        "standby": target.standby,
-        "standby_idle_s": target.standby_idle_s,
-        "secret_keys": sorted(secrets),  # names only: kept out of a standby interpreter's files and environment
-        "preflight": request.preflight,
+    args = LaunchRequest(
+        workspace=target.workspace,
+        name=name,
+        argv=argv,
+        cwd=run_dir,
+        launcher=request.launcher,
+        run_json=run_json,
+        standby=target.standby,
+        standby_idle_s=target.standby_idle_s,
+        secret_keys=sorted(secrets),  # names only: kept out of a standby interpreter's files and environment
+        preflight=request.preflight,
         # The profile's `check:` (a job other than the trainer): run by the agent's pre-flight in the new release,
         # with the run's `--` extra arguments appended (agent/preflight.py profile_check).
-        "check": {
+        check={
             "argv": [expand(arg, values) for arg in profile.check] + list(request.extra_args),
             "timeout": profile.check_timeout,
             "profile": profile.name,
         }
         if profile.check
         else None,
-        "clear_cache": request.clear_cache,  # after the pre-flight: a refused launch leaves the cache warm
-        "compile_cache": cache_root,
-    }
+        clear_cache=request.clear_cache,  # after the pre-flight: a refused launch leaves the cache warm
+        compile_cache=cache_root,
+    )
     return LaunchSpec(name=name, run_dir=run_dir, record=record, args=args, env={**env, **secrets})
 
 
@@ -254,7 +256,7 @@ def check_free_on_target(invocation: Session, target: Target, name: str) -> None
     """Conflict when `runs/<name>` exists on the target (a run the lineage does not know); read-only."""
     if invocation.dry_run:
         return
-    existing = invocation.agent(target).call("status", {"workspace": target.workspace})["runs"]
+    existing = invocation.agent(target).call("status", StatusRequest(workspace=target.workspace))["runs"]
     if any(entry["name"] == name for entry in existing):
         raise Conflict(
             f"run directory {target.workspace}/runs/{name} already exists on {target.name}",
@@ -324,12 +326,16 @@ def launch_on(
     ), spec
 
 
-def dry_run_preflight(agent: Agent, spec: LaunchSpec, code_hash: str, **more: object) -> dict:
+def dry_run_preflight(agent: Agent, spec: LaunchSpec, code_hash: str, **more: Any) -> dict:
     """A dry run's pre-flight verdict: the agent's read-only `preflight` of the release when the target has it
     already (a refusal raises PreflightFailed, as the real launch would), else why it could not run yet."""
     answer = agent.call(
         "preflight",
-        {**{k: v for k, v in spec.args.items() if k != "run_json"}, "release": code_hash, **more},
+        PreflightRequest(
+            **{each.name: getattr(spec.args, each.name) for each in fields(spec.args) if each.name != "run_json"},
+            release=code_hash,
+            **more,
+        ),
         secret_args={"env": spec.env},
         shown_args={"env": spec.record.env},
     )

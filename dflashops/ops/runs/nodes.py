@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
+from dflashops.agent.protocol import StatusRequest, StopRequest
 from dflashops.core.errors import DflashopsError, NotFound, TransportError, UsageError
 from dflashops.core.inventory import Group, Profile, Target
 from dflashops.lineage import LineageDBError
@@ -100,7 +101,7 @@ def deploy_nodes(
         if not invocation.dry_run:
             for target, _, _ in launched:  # a job without all its nodes must not run on: stop what started
                 try:
-                    invocation.agent(target).call("stop", {"workspace": target.workspace, "name": name, "grace": 10})
+                    invocation.agent(target).call("stop", StopRequest(workspace=target.workspace, name=name, grace=10))
                 except DflashopsError:
                     pass
             invocation.db.release(name)
@@ -196,8 +197,7 @@ def stop_nodes(
         nodes,
         lambda node: invocation.agent(node.target).call(
             "stop",
-            {"workspace": node.target.workspace, "name": name, "grace": grace, "save_grace": save_grace, "by": by}
-            | ({"now": True} if now else {}),
+            StopRequest(workspace=node.target.workspace, name=name, grace=grace, save_grace=save_grace, by=by, now=now),
         ),
     )
     stopped = [(node, answer) for node, answer in results if not isinstance(answer, DflashopsError)]
@@ -246,9 +246,9 @@ def status_nodes(
     results = on_every_node(
         invocation,
         nodes,
-        lambda node: invocation.agent(node.target).call("status", {"workspace": node.target.workspace, "name": name})[
-            "runs"
-        ],
+        lambda node: invocation.agent(node.target).call(
+            "status", StatusRequest(workspace=node.target.workspace, name=name)
+        )["runs"],
     )
     entries: list[dict[str, Any]] = []
     for node, runs in results:

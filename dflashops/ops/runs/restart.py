@@ -17,10 +17,11 @@ No cache yet: `manifest` + the combined call (2 calls). Steady state: 1 call.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from dflashops.agent import protocol
 from dflashops.core.errors import Conflict, NotFound, TransportError, UsageError
 from dflashops.core.inventory import Profile, Target
 from dflashops.core.shell import validate_name
@@ -28,7 +29,7 @@ from dflashops.lineage import RunRecord
 from dflashops.ops.agent_client import Agent, Busy, StaleRelease, Superseded, Unchecked
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.releases import release_cache
-from dflashops.ops.releases.sync import install_payload, local_manifest, release_files
+from dflashops.ops.releases.sync import InstallPayload, install_payload, local_manifest, release_files
 from dflashops.ops.runs.control import NotRunning
 from dflashops.ops.runs.extra_args import over
 from dflashops.ops.runs.launch import (
@@ -43,7 +44,6 @@ from dflashops.ops.runs.launch import (
 from dflashops.ops.runs.nodes import relaunch_nodes
 from dflashops.ops.runs.observer import observe_and_tell
 from dflashops.ops.runs.supervise import after_launch
-from dflashops.ops.upload import Tar
 
 # Stands in argv/run.json for the old run's latest checkpoint, which only the agent knows after the stop.
 RESUME_PLACEHOLDER = "@dflashops-latest-checkpoint@"
@@ -200,7 +200,7 @@ class Release:
     files: dict[str, Path]
     code_hash: str
     manifest: dict[str, str]
-    payload: tuple[dict, Tar, tuple, tuple]
+    payload: InstallPayload
     spec: LaunchSpec
     calls: int  # agent calls it took: 0 with a cached base, 1 (`manifest`) without
 
@@ -232,7 +232,9 @@ def stop_and_launch(
     agent = invocation.agent(release.target)
     calls, fell_back = release.calls, False
     if not invocation.dry_run:
-        invocation.phase("sync", files=len(release.payload[2]), target=release.target.name, code=release.code_hash)
+        invocation.phase(
+            "sync", files=len(release.payload.uploaded), target=release.target.name, code=release.code_hash
+        )
     on_progress = None if invocation.dry_run else invocation.on_phase
     try:
         calls += 1
@@ -301,7 +303,7 @@ def record(
         code_hash=code_hash,
         release=release.path,
         pgid=answer.get("pgid"),
-        uploaded=len(release.payload[2]),
+        uploaded=len(release.payload.uploaded),
         cache_cleared=answer.get("cleared"),
         supervisor=supervisor,
         standby=bool(answer.get("standby")),
@@ -332,7 +334,7 @@ def unchecked(invocation: Invocation, old: RunRecord, profile: Profile) -> Usage
 def remote_base(agent: Agent, code_hash: str, manifest: dict[str, str]) -> tuple[str | None, dict[str, str]]:
     """(release, manifest) now current on the target (one `manifest` call); the agent skips the file list
     when the target already has `code_hash`, which then is its own base."""
-    remote = agent.call("manifest", {"workspace": agent.target.workspace, "hash": code_hash})
+    remote = agent.call("manifest", protocol.ManifestRequest(workspace=agent.target.workspace, hash=code_hash))
     if remote.get("release") == code_hash:
         return code_hash, manifest
     return remote.get("release"), remote.get("files") or {}
@@ -343,38 +345,37 @@ def combined_call(
     old: str,
     request: RestartRequest,
     spec: LaunchSpec,
-    payload: tuple[dict, Tar, tuple, tuple],
+    payload: InstallPayload,
     chosen: str | None = None,
     on_progress: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """The agent's `restart` verb: request JSON (secrets only in it, on stdin) + the tar, one round trip. Its
     phases (pre-flight, stopping, stopped, launching) reach `on_progress` as they start."""
-    install, tar = {k: v for k, v in payload[0].items() if k != "workspace"}, payload[1]
-    args = {
-        **spec.args,
-        "old": old,
-        "grace": request.grace,
-        "install": install,
-        "tar_bytes": len(tar),
-        "clear_cache": request.clear_cache,
-        "resume_placeholder": RESUME_PLACEHOLDER if request.resume else None,
-        "resume_checkpoint": chosen,
-        "handover": request.resume and request.handover,
-        "unchecked": request.unchecked,
-    }
     target: Target = agent.target
+    launch = {each.name: getattr(spec.args, each.name) for each in fields(spec.args)}  # the child's launch
     # A standby interpreter for this restart alone where the target keeps none (agent/restart.py
     # one_shot_standby): the pre-flight runs in it and the child is it, one import of torch on the way to the
     # first step instead of two. On the local target, whose inventory entry leaves `standby` off; a remote
     # target that wants the head start keeps a standby (`standby: true`), which the restart uses the same way.
-    args["standby_once"] = target.kind == "local"
+    launch.update(clear_cache=request.clear_cache, standby_once=target.kind == "local")
+    args = protocol.RestartRequest(
+        **launch,
+        old=old,
+        grace=request.grace,
+        install=payload.request,  # its workspace is the restart's
+        tar_bytes=len(payload.tar),
+        resume_placeholder=RESUME_PLACEHOLDER if request.resume else None,
+        resume_checkpoint=chosen,
+        handover=request.resume and request.handover,
+        unchecked=request.unchecked,
+    )
     try:
         return agent.call(
             "restart",
             args,
             secret_args={"env": spec.env},
             shown_args={"env": spec.record.env},
-            stdin_tar=tar,
+            stdin_tar=payload.tar,
             on_progress=on_progress,
         )
     except StaleRelease:
@@ -412,7 +413,7 @@ def chosen_checkpoint(invocation: Invocation, old: RunRecord, target: Target, wa
     agent = invocation.agent(target)
     for run in chain:
         try:
-            entry = agent.call("status", {"workspace": target.workspace, "name": run})["runs"][0]
+            entry = agent.call("status", protocol.StatusRequest(workspace=target.workspace, name=run))["runs"][0]
         except NotFound:
             continue
         paths = [f"{entry['run_dir']}/checkpoints/{name}" for name in entry.get("checkpoints") or []]

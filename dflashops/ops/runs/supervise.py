@@ -59,7 +59,7 @@ def template(
         "WANDB_NOTES": SENTINELS["note"],
         "DFLASHOPS_RUN_NOTE": SENTINELS["note"],
     }
-    run_json = dict(fresh.args["run_json"])
+    run_json = dict(fresh.args.run_json)
     run_json["env"] = {
         **fresh.record.env,
         "WANDB_RUN_GROUP": root,
@@ -68,16 +68,16 @@ def template(
         "DFLASHOPS_RUN_NOTE": SENTINELS["note"],
     }
     return {
-        "argv": fresh.args["argv"],
-        "argv_resume": resumed.args["argv"] if resumed else None,
+        "argv": fresh.args.argv,
+        "argv_resume": resumed.args.argv if resumed else None,
         "shown_argv": fresh.record.argv,
         "shown_argv_resume": resumed.record.argv if resumed else None,
         "env": env,
         "shown_env": run_json["env"],
-        "cwd": fresh.args["cwd"],
-        "launcher": fresh.args["launcher"],
-        "standby": fresh.args.get("standby", False),  # an auto-restart takes the target's standby interpreter too
-        "standby_idle_s": fresh.args.get("standby_idle_s"),
+        "cwd": fresh.args.cwd,
+        "launcher": fresh.args.launcher,
+        "standby": bool(fresh.args.standby),  # an auto-restart takes the target's standby interpreter too
+        "standby_idle_s": fresh.args.standby_idle_s,
         "run_json": run_json,
     }
 
