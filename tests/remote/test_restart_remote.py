@@ -169,16 +169,26 @@ def test_cut_during_the_combined_call_leaves_nothing_half_done(
         visible_releases_complete(releases)
         assert not (runs / "cc-a2").exists()  # no launch without a complete release
         assert json.loads(cli("status", "cc-a1", "--json")[1])["runs"][0]["state"] == "running"
-    # A cut after the upload, while the agent waits out the grace: it finishes the step on its own.
-    timer = threading.Timer(1.0, proxy.cut_all)
-    timer.start()
+    # A cut after the upload, while the agent waits out the grace: it finishes the step on its own. The cut comes
+    # when the agent has begun the stop (cc-a1's stop.json: its upload consumed and checked), not at a fixed time:
+    # a cut 1.0 s after the start landed inside the upload on a loaded machine, and the agent rightly refused.
+    assert not (runs / "cc-a1" / "stop.json").exists()
+
+    def cut_once_stopping() -> None:
+        deadline = time.monotonic() + 240
+        while not (runs / "cc-a1" / "stop.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        proxy.cut_all()
+
+    cutter = threading.Thread(target=cut_once_stopping, daemon=True)
+    cutter.start()
     with pytest.raises(TransportError, match="connection lost during the restart"):
         cli_restart = Invocation(inv)
         try:
             restart(cli_restart, RestartRequest(run="cc-a1", name="+", grace=4.0))
         finally:
             cli_restart.close()
-    timer.join()
+    cutter.join()
     # The agent stops cc-a1 (its exit code recorded) before it launches cc-a2: wait for both, with a hang guard
     # (a 30 s wait ran out under load with neither there yet), then check what they say.
     deadline = time.monotonic() + 240
