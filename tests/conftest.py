@@ -50,44 +50,34 @@ def no_cache_dir_set_by_torch() -> Iterator[None]:
     yield
 
 
-# The files that kept a worker busiest (the sum of their tests' wall seconds, `make test`'s arguments with four
-# workers and `--durations=0`, 1,180 tests, bench/results/tests-speed.md 2026-12-06 "The suite on a shared machine:
-# duplicated work removed"; the machine shared with three other suites, load average 7-15, so the seconds are
-# ~3-5x an idle run's and only their order counts), longest first. With `--dist loadfile` a worker takes the next
-# file when its own run dry, and xdist's default order (most tests first) started these late: the suite ended on a
-# 50-80 s file while the other workers had finished. Running the longest first (LPT scheduling) leaves the short
-# files for the end. A stale entry costs nothing but balance: a missing file is skipped, a new slow file runs in
-# the default order.
+# The files that kept a worker busiest (the sum of their tests' wall seconds, `make test`'s arguments with three
+# workers and `--durations=0`, bench/results/tests-speed.md 2026-12-05 "make test's CPU with four workers", the machine shared: load average 7.4 at the start, ~3 at
+# the end), longest first. With `--dist loadfile` a worker takes the next file when its own run dry, and xdist's
+# default order (most tests first) started these late: the suite ended on a 50-80 s file while the other workers
+# had finished. Running the longest first (LPT scheduling) leaves the short files for the end. A stale entry costs
+# nothing but balance: a missing file is skipped, a new slow file runs in the default order.
 LONGEST_FIRST = (
-    "tests/trainer/test_real_world.py",  # 983 s
-    "tests/trainer/test_compile_cache_artifacts.py",  # 505
-    "tests/trainer/test_train.py",  # 295
-    "tests/trainer/test_compile_scope.py",  # 273 (240 of it one test's timeout at that load; ~44 s alone)
-    "tests/trainer/test_loss_triton.py",  # 270
-    "tests/controller/test_ctl_restart_checkpoints.py",  # 256
-    "tests/trainer/test_bench.py",  # 250
-    "tests/controller/test_ctl_concurrency.py",  # 243
-    "tests/trainer/test_checkpoint_damage.py",  # 231
-    "tests/controller/test_ctl_reliability.py",  # 231
-    "tests/trainer/test_attention_triton.py",  # 229
-    "tests/trainer/test_demo.py",  # 210
-    "tests/trainer/test_distributed.py",  # 202
-    "tests/remote/test_provision_remote.py",  # 198
-    "tests/controller/test_ctl_compile_cache.py",  # 162
-    "tests/controller/test_ctl_handover.py",  # 152
-    "tests/controller/test_ctl_preflight.py",  # 150
-    "tests/controller/test_ctl_lifecycle.py",  # 150
-    "tests/trainer/test_checkpoint.py",  # 142
-    "tests/trainer/test_pipeline_run.py",  # 122
-    "tests/trainer/test_dflash2.py",  # 117
-    "tests/controller/test_fetch_local.py",  # 110
-    "tests/trainer/test_export_speculators.py",  # 106
-    "tests/controller/test_ctl_standby.py",  # 106
-    "tests/controller/test_ctl_fresh_clone.py",  # 101
-    "tests/controller/test_supervisor_local.py",  # 101
-    "tests/controller/test_ctl_lineage_faults.py",  # 99
-    "tests/remote/test_multinode_remote.py",  # 97
-    "tests/controller/test_ctl_restart_progress.py",  # 95
+    "tests/trainer/test_real_world.py",  # the real model: conversion, regeneration, train, eval (~150 s idle)
+    "tests/trainer/test_distributed.py",  # 165 s
+    "tests/controller/test_ctl_concurrency.py",  # 160
+    "tests/trainer/test_bench.py",  # 131
+    "tests/controller/test_ctl_handover.py",  # 59
+    "tests/controller/test_ctl_compile_cache.py",  # 54
+    "tests/controller/test_supervisor_local.py",  # 49
+    "tests/trainer/test_loss_triton.py",  # 49
+    "tests/controller/test_ctl_preflight.py",  # 42
+    "tests/remote/test_fanout.py",  # 41
+    "tests/trainer/test_demo.py",  # 40
+    "tests/remote/test_multinode_remote.py",  # 39
+    "tests/trainer/test_compile_cache_artifacts.py",  # 34
+    "tests/controller/test_ctl_reliability.py",  # 31
+    "tests/remote/test_restart_remote.py",  # 27
+    "tests/controller/test_ctl_lifecycle.py",  # 27
+    "tests/controller/test_notify_local.py",  # 23
+    "tests/remote/test_mux.py",  # 22
+    "tests/controller/test_ctl_standby.py",  # 21
+    "tests/trainer/test_checkpoint.py",  # 21
+    "tests/trainer/test_compile_scope.py",  # 20
 )
 
 
