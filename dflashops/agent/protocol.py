@@ -325,7 +325,7 @@ def wire(request: Request) -> dict[str, Any]:
     for each in fields(request):
         value = getattr(request, each.name)
         default = each.default_factory() if each.default_factory is not MISSING else each.default
-        if value == default and not default and default is not MISSING:
+        if value == default and not default:  # MISSING (a required field) is truthy: always sent
             continue
         out[each.name] = wire(value) if isinstance(value, Request) else value
     return out

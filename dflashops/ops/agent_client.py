@@ -285,13 +285,15 @@ def request_json(
     verb: str, args: Request | dict[str, Any], secret_args: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """The JSON object of a request (its dataclass's `wire` form; a dict as it is), after the agent's own check of
-    the keys it has, with the secrets that travel beside it (`protocol.parse`, partial: a missing key is the
-    agent's to refuse): an unknown or mistyped key is a UsageError here, before a round trip."""
-    obj = wire(args) if isinstance(args, Request) else args
-    if verb not in REQUESTS:  # a verb with a protocol of its own (`supervise start`)
+    the keys built outside a request class: a dict's and the secrets that travel beside it (`protocol.parse`,
+    partial: a missing key is the agent's to refuse). An unknown or mistyped key is a UsageError here, before a
+    round trip; a dataclass's own fields need no second check."""
+    obj, unchecked = (wire(args), {}) if isinstance(args, Request) else (args, args)
+    unchecked = {**unchecked, **(secret_args or {})}
+    if verb not in REQUESTS or not unchecked:  # not in REQUESTS: a protocol of its own (`supervise start`)
         return obj
     try:
-        parse(verb, {**obj, **(secret_args or {})}, partial=True)
+        parse(verb, unchecked, partial=True)
     except AgentFailure as exc:
         raise UsageError(f"agent request: {exc}") from None
     return obj
