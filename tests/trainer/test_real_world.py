@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from trainer.data import real_prompts, real_target
+from trainer.data import real_prompts, real_target, self_prompts
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -105,6 +105,37 @@ def test_held_out_prompts_share_no_source_with_training_and_every_kind_is_presen
     picked = real_prompts.stratified(train, 70)
     assert len(picked) == 70 and len({p.kind for p in picked}) == 7  # every kind in a small set
     assert real_prompts.build() == (train, held)  # deterministic
+
+
+def test_self_written_prompts_keep_new_messages_that_name_no_held_out_module() -> None:
+    held_out_name = next(m for m in real_prompts.STDLIB_MODULES if real_prompts.held_out_module(m))
+    trained_name = next(m for m in real_prompts.STDLIB_MODULES if not real_prompts.held_out_module(m))
+    seen = {self_prompts.normal_form("A prompt the fixed sources already have.")}
+    texts = [
+        f"  How do I use {trained_name} to do this task?  ",  # kept, stripped
+        f"How do I use {held_out_name.upper()} to do this task?",  # names a held-out module (any case)
+        f"how do i   use {trained_name} to do THIS task?",  # the first again, in another case and spacing
+        "a prompt the fixed sources  already have.",  # in `seen`
+        "Too short.",
+        "x" * 801,
+    ]
+    assert self_prompts.keep(texts, seen) == [f"How do I use {trained_name} to do this task?"]
+    assert not real_prompts.is_held_out(real_prompts.Prompt("Any text", self_prompts.KIND, self_prompts.SOURCE))
+
+
+def test_the_target_writes_prompts_that_it_ended_the_same_for_a_seed(converted: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(converted).eval()
+    tokenizer = AutoTokenizer.from_pretrained(converted)
+    assert self_prompts.pre_query(tokenizer).endswith("<|im_start|>user\n")
+    lines: list[str] = []
+    run = lambda: self_prompts.generate(model, tokenizer, 3, batch=4, max_new_tokens=40, seed=3, log=lines.append)  # noqa: E731
+    prompts, report = run()
+    assert 0 < len(prompts) <= 3 and report["kept"] == len(prompts) <= report["ended"] <= report["candidates"]
+    assert all(p.kind == "self" and 16 <= len(p.prompt) <= 800 and "<|im_end|>" not in p.prompt for p in prompts)
+    assert lines and lines[0].startswith("self-prompts: ")  # progress, one line a batch
+    assert run()[0] == prompts  # a seed gives the same prompts
 
 
 @pytest.mark.slow

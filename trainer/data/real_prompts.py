@@ -236,7 +236,7 @@ class Prompt:
         return {"prompt": self.prompt, "kind": self.kind, "source": self.source}
 
 
-def _held_out_module(name: str) -> bool:
+def held_out_module(name: str) -> bool:
     bucket = int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "big") / 2**32
     return bucket < HELD_OUT_MODULE_SHARE
 
@@ -321,7 +321,9 @@ def template_prompts(rng: random.Random, per_template: int) -> list[Prompt]:
 def is_held_out(prompt: Prompt) -> bool:
     origin, _, name = prompt.source.partition(":")
     if origin == "module":
-        return _held_out_module(name)
+        return held_out_module(name)
+    if origin == "self":  # the target's own prompts (trainer/data/self_prompts.py) are training prompts only
+        return False
     kind, _, index = name.partition("/")
     return int(index) == len(TEMPLATES[kind]) - 1
 
