@@ -34,7 +34,7 @@ import paramiko
 from dflashops.core.errors import TransportError
 from dflashops.core.shell import env_argv, join_argv
 from dflashops.transport.base import StderrSink, Stdin, Transport
-from dflashops.transport.ssh_connect import build_connection
+from dflashops.transport.ssh_connect import CLOSED_HERE, ENDED_BY, build_connection
 from dflashops.transport.ssh_keys import check_identity_files, translate_connect_error
 from dflashops.transport.ssh_settings import SshSettings, settings_for_host
 
@@ -45,7 +45,6 @@ if not os.environ.get("DFLASHOPS_DEBUG"):
     logging.getLogger("paramiko").propagate = False
 
 CHUNK = 64 * 1024
-CLOSED_HERE = "dflashops_closed_here"  # set on a paramiko Transport this side closes: why (see link_loss_reason)
 LOCAL_CLOSE = "closed on this side"
 # With no byte from the server for this long, a keepalive with reply is sent; no reply within
 # PROBE_TIMEOUT_S means the link is dead (paramiko's own keepalive never notices a silent peer).
@@ -320,10 +319,11 @@ def _active(channel: paramiko.Channel) -> bool:
 
 def link_loss_reason(transport: paramiko.Transport | None) -> str:
     """Why a paramiko link is gone, in words: why this side closed it (CLOSED_HERE: a liveness probe, another
-    command's failure on a shared connection, close()), else the exception that ended its thread (EOF when the
-    far end closed the connection). A local close must be marked: the thread of a link closed here often ends
-    on an EOF of its own socket too."""
-    here = getattr(transport, CLOSED_HERE, None)
+    command's failure on a shared connection, close()), else what ssh_connect.RecordedLink kept (a server's
+    DISCONNECT, an unmarked close's caller), else the exception that ended its thread (EOF when the far end
+    closed the connection). A local close is kept first: the thread of a link closed here often ends on an EOF
+    of its own socket too."""
+    here = getattr(transport, CLOSED_HERE, None) or getattr(transport, ENDED_BY, None)
     if here:
         return str(here)
     saved = getattr(transport, "saved_exception", None)

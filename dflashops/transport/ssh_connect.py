@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import traceback
 from pathlib import Path
 
 import fabric
@@ -14,6 +15,29 @@ import paramiko
 from dflashops.core.errors import TransportError
 from dflashops.transport.ssh_keys import RefuseUnknownHost, UnknownHostKey, translate_connect_error
 from dflashops.transport.ssh_settings import SshSettings
+
+CLOSED_HERE = "dflashops_closed_here"  # set on a paramiko Transport this side closes: why (ssh.link_loss_reason)
+ENDED_BY = "dflashops_ended_by"  # what ended a link that paramiko records no exception for (RecordedLink)
+
+
+class RecordedLink(paramiko.Transport):
+    """paramiko's Transport, keeping the two ends of a link that paramiko records no exception for, so a command
+    that loses its link says why instead of "no cause recorded" (seen once in `doctor --all`, never reproduced):
+    a DISCONNECT the server sent (paramiko only logs it; OpenSSH sends one on a protocol error), and a close() by
+    code that did not mark why (`CLOSED_HERE`): then the closing call's place, three frames outside paramiko."""
+
+    def _parse_disconnect(self, m: paramiko.Message) -> None:
+        code, text = m.get_int(), m.get_text()
+        setattr(self, ENDED_BY, f"the server disconnected (code {code}): {text}")
+        m.rewind()  # the message's body from its start again: paramiko's own handler logs it
+        super()._parse_disconnect(m)  # type: ignore[misc]  # private in the stubs, and the only hook there is
+
+    def close(self) -> None:
+        if self.is_active() and not getattr(self, CLOSED_HERE, None) and not getattr(self, ENDED_BY, None):
+            frames = [f for f in traceback.extract_stack()[:-1] if "/paramiko/" not in f.filename][-3:]
+            where = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames))
+            setattr(self, ENDED_BY, f"closed in this process, no cause given, by {where}")
+        super().close()
 
 
 def fabric_config() -> fabric.Config:
@@ -28,6 +52,7 @@ def build_connection(settings: SshSettings) -> fabric.Connection:
         "banner_timeout": settings.connect_timeout,
         "auth_timeout": settings.connect_timeout,
         "channel_timeout": settings.connect_timeout,
+        "transport_factory": RecordedLink,
     }
     if settings.identity_file:
         # An explicit identity means exactly that key (like IdentitiesOnly): a wrong key must fail

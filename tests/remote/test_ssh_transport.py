@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import paramiko
 import pytest
 from conftest import settings_for
 from loopproxy import LoopProxy
@@ -129,6 +130,32 @@ def test_a_link_lost_mid_command_says_which_end_closed_it(harness: Harness, prox
     on a shared multiplexer connection say theirs). Each cut comes once the command has printed: it is running."""
     transport = SshTransport(name="pve", settings=settings_for(harness, port=proxy.port))
     for cut, cause in ((proxy.cut_all, "closed from the far end"), (transport.close, "closed on this side")):
+        stream = transport.stream(["sh", "-c", "echo running; sleep 20"], timeout=30)
+        assert next(stream) == b"running\n"
+        cut()
+        with pytest.raises(TransportError, match=rf"connection lost during: sh -c .*\({cause}"):
+            next(stream)
+    transport.close()
+
+
+def test_a_link_ended_without_an_exception_still_says_why(harness: Harness) -> None:
+    """paramiko records no exception for two ends of a link: a DISCONNECT from the server and a close() by code
+    that did not mark why; both used to read "no cause recorded". Here sshd disconnects for real (a data packet
+    for a channel that does not exist is a protocol error to OpenSSH), and a close() comes from this test."""
+    transport = SshTransport(name="pve", settings=settings_for(harness))
+
+    def protocol_error() -> None:
+        m = paramiko.Message()
+        m.add_byte(paramiko.common.cMSG_CHANNEL_DATA)
+        m.add_int(999)
+        m.add_string(b"x")
+        transport.connection()._send_user_message(m)  # type: ignore[attr-defined]  # what a broken client sends
+
+    cases = (
+        (protocol_error, r"the server disconnected \(code 2\): .*nonexistent channel 999"),
+        (lambda: transport.connection().close(), r"closed in this process, no cause given, by test_ssh_transport"),
+    )
+    for cut, cause in cases:
         stream = transport.stream(["sh", "-c", "echo running; sleep 20"], timeout=30)
         assert next(stream) == b"running\n"
         cut()
