@@ -156,11 +156,29 @@ class MuxTransport(Transport):
         timeout: float | None,
         on_stderr: StderrSink,
     ) -> tuple[int, bytes, bytes]:
-        """Live stderr on the direct link; through the multiplexer (whose `run` answers stdout and stderr whole
-        at the end) it comes at the end."""
-        if self._via_mux is False and self._direct is not None:  # known to run in-process: no multiplexer
+        """Live stderr, on the direct link and through the multiplexer (its `e` frames: a remote restart shows
+        its phases while it runs, not all at the end)."""
+        conn = self.backend()
+        if conn is None:
+            assert self._direct is not None
             return self._direct._run_watched(argv, env=env, stdin=stdin, timeout=timeout, on_stderr=on_stderr)
-        return super()._run_watched(argv, env=env, stdin=stdin, timeout=timeout, on_stderr=on_stderr)
+        with self.request(conn, "run_watched", argv, env, timeout, stdin):
+            out, err, live = b"", b"", False
+            while True:
+                kind, payload = self.frame(conn, argv)
+                if kind == b"e":
+                    live = True
+                    on_stderr(payload)
+                elif kind == b"O":
+                    out = payload
+                elif kind == b"E":
+                    err = payload
+                elif kind == b"R":
+                    if err and not live:  # a multiplexer that sends no pieces: the whole stderr, at the end
+                        on_stderr(err)
+                    return int(json.loads(payload)["exit_code"]), out, err
+                elif kind == b"X":
+                    raise error_from(payload)
 
     def stream(
         self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float | None = None

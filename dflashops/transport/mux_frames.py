@@ -2,10 +2,12 @@
 
 Frames on a Unix stream socket: one type byte, a 4-byte big-endian length, the payload. Standard library
 only, so the client side never imports paramiko. Types:
-  client -> server: Q (JSON request: op run|stream, argv, env, timeout, stdin), then with `stdin`: I frames of
-  at most STDIN_CHUNK bytes each, ended by an empty I frame (a 200 MB upload is never one frame in memory);
-  server -> client: O (stdout bytes), E (stderr bytes), R (JSON end: exit_code), X (JSON error: the
-  DflashopsError class name, message and hint, re-raised as the same class on the client side).
+  client -> server: Q (JSON request: op run|run_watched|stream, argv, env, timeout, stdin), then with `stdin`:
+  I frames of at most STDIN_CHUNK bytes each, ended by an empty I frame (a 200 MB upload is never one frame in
+  memory);
+  server -> client: e (a piece of a `run_watched` command's stderr, as it comes), O (stdout bytes), E (the whole
+  stderr), R (JSON end: exit_code), X (JSON error: the DflashopsError class name, message and hint, re-raised
+  as the same class on the client side).
 """
 
 from __future__ import annotations

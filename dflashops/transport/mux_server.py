@@ -28,6 +28,7 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -113,8 +114,12 @@ class Server:
                         send_json(conn, b"R", {"exit_code": 0})
                     else:
                         try:
-                            code, out, err = self.transport._run(
-                                request["argv"], env=request["env"], stdin=stdin, timeout=request.get("timeout")
+                            code, out, err = self.transport._run_watched(
+                                request["argv"],
+                                env=request["env"],
+                                stdin=stdin,
+                                timeout=request.get("timeout"),
+                                on_stderr=live_stderr(conn) if request["op"] == "run_watched" else ignore,
                             )
                         finally:
                             if stdin is not None:
@@ -130,6 +135,27 @@ class Server:
             with self.lock:
                 self.active -= 1
                 self.last_activity = time.monotonic()
+
+
+def ignore(_piece: bytes) -> None:
+    pass
+
+
+def live_stderr(conn: socket.socket) -> Callable[[bytes], None]:
+    """Sends each piece of a `run_watched` command's stderr as it comes (an `e` frame: a remote restart's phases
+    while it runs). A client gone meanwhile (its terminal closed) gets no more, and the command runs on to its
+    end, as a `run` does: an agent call cut half-way would leave a restart half done."""
+    gone = False
+
+    def send(piece: bytes) -> None:
+        nonlocal gone
+        if not gone:
+            try:
+                send_frame(conn, b"e", piece)
+            except OSError:
+                gone = True
+
+    return send
 
 
 def main(argv: list[str]) -> int:

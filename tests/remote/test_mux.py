@@ -8,9 +8,12 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -221,3 +224,58 @@ def test_stdin_goes_through_the_daemon_in_frames_and_an_unread_one_does_not_hang
         through.close()
     finally:
         stop_multiplexers(mux)
+
+
+def test_stderr_comes_through_the_daemon_while_the_command_runs(harness: Harness, tmp_path: Path) -> None:
+    """A watched command's stderr (a remote restart's phases) reaches the caller as it is written, not at the end:
+    the command waits for a file that the caller makes only when it has seen the first line. If the daemon
+    held stderr to the end, the command would wait out its 30 s and fail. A caller gone meanwhile ends nothing."""
+    from conftest import settings_for
+
+    from dflashops.transport.mux_client import MuxTransport, stop_multiplexers
+    from dflashops.transport.mux_frames import recv_frame, send_json
+
+    mux = tmp_path / "mux"
+    mux.mkdir(mode=0o700)
+    settings = settings_for(harness)
+    first = MuxTransport(name="pve", default_env={}, settings=settings, persist_s=60, folder=mux)
+    assert first.run(["true"]).ok  # in-process; it starts the multiplexer as it closes
+    first.close()
+    wait_for_daemon(mux)
+    shared = Path(tempfile.mkdtemp(prefix="dfo-seen-"))  # pytest's folders are root's alone (0700)
+    shared.chmod(0o1777)  # the harness user reads `seen` and writes `finished` there
+    seen = shared / "seen"
+    script = (
+        f"echo stopping >&2; i=0; while [ ! -e {seen} ] && [ $i -lt 600 ]; do sleep 0.05; i=$((i+1)); done; "
+        f"[ -e {seen} ] && echo launched >&2 && echo done"
+    )
+    pieces: list[str] = []
+
+    def on_stderr(piece: bytes) -> None:
+        pieces.append(piece.decode())
+        if "stopping" in "".join(pieces):
+            seen.touch()
+
+    try:
+        through = MuxTransport(name="pve", default_env={}, settings=settings, persist_s=60, folder=mux)
+        done = through.run(["sh", "-c", script], on_stderr=on_stderr, timeout=60)
+        assert through._via_mux is True
+        assert done.stdout == "done\n" and "".join(pieces) == done.stderr == "stopping\nlaunched\n"
+        through.close()
+        # A client that leaves after the first piece (its terminal closed): the command still runs to its end.
+        finished = shared / "finished"
+        with socket.socket(socket.AF_UNIX) as conn:
+            conn.connect(str(next(mux.glob("*.sock"))))
+            # each line after the first goes to a gone client: a daemon that ended the command on that would
+            # close its stderr, and the last echo would end the shell before the touch
+            script = f"echo first >&2; sleep 1; echo more >&2; sleep 1; echo last >&2 && touch {finished}"
+            request = {"argv": ["sh", "-c", script]}
+            send_json(conn, b"Q", {"op": "run_watched", "env": {}, "timeout": 30, "stdin": False, **request})
+            assert recv_frame(conn) == (b"e", b"first\n")
+        deadline = time.monotonic() + 20
+        while not finished.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert finished.exists()
+    finally:
+        stop_multiplexers(mux)
+        shutil.rmtree(shared)
