@@ -215,7 +215,7 @@ class Agent:
         the dry-run plan shows `shown_args` (their redacted form) in their place. Raises NotFound /
         Conflict / UsageError / AgentError from the agent's error code. `on_progress` gets each phase the verb
         reports as it starts (`restart`, `launch`: the request gets `progress: true`), as the transport delivers
-        stderr: live on local and ssh targets, at the end through a multiplexer. `args` is the verb's request
+        stderr: live on local and ssh targets, through a multiplexer too. `args` is the verb's request
         (agent/protocol.py), or its JSON object, checked against it here: a wrong key fails before any call."""
         args = request_json(verb, args, secret_args)
         if on_progress is not None:

@@ -65,7 +65,7 @@ class Transport(abc.ABC):
     ) -> tuple[int, bytes, bytes]:
         """`_run`, with stderr also handed to `on_stderr` as it arrives (a long agent call's progress lines).
         This default hands it over once, at the end: a transport that can read stderr while the command runs
-        (local, ssh, pct over either) overrides it."""
+        (local, ssh, the multiplexer, pct over any of them) overrides it."""
         code, out, err = self._run(argv, env=env, stdin=stdin, timeout=timeout)
         if err:
             on_stderr(err)
