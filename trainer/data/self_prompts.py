@@ -3,7 +3,7 @@
 An instruction-tuned target given its chat template up to the start of a user turn, and nothing after it, writes
 a user's message: the kind of request it was tuned on (the idea of Magpie, Xu et al. 2024, "Alignment Data
 Synthesis from Scratch by Prompting Aligned LLMs with Nothing"). Sampled at temperature 1 these are varied and
-need no dataset, so they add prompts where the stdlib documentation and the templates run out (7,888 training
+need no dataset, so they add prompts where the stdlib documentation and the templates run out (7,909 training
 prompts for SmolLM2; bench/results/quality.md 2026-12-06 "The real target's largest point at 3,000 steps" found
 the held-out gap growing with steps: data, not steps, was the limit).
 
