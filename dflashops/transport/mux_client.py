@@ -130,22 +130,7 @@ class MuxTransport(Transport):
     def _run(
         self, argv: Sequence[str], *, env: Mapping[str, str], stdin: Stdin, timeout: float | None
     ) -> tuple[int, bytes, bytes]:
-        conn = self.backend()
-        if conn is None:
-            assert self._direct is not None
-            return self._direct._run(argv, env=env, stdin=stdin, timeout=timeout)
-        with self.request(conn, "run", argv, env, timeout, stdin):
-            out, err = b"", b""
-            while True:
-                kind, payload = self.frame(conn, argv)
-                if kind == b"O":
-                    out = payload
-                elif kind == b"E":
-                    err = payload
-                elif kind == b"R":
-                    return int(json.loads(payload)["exit_code"]), out, err
-                elif kind == b"X":
-                    raise error_from(payload)
+        return self._run_either(argv, env, stdin, timeout, None)
 
     def _run_watched(
         self,
@@ -158,24 +143,35 @@ class MuxTransport(Transport):
     ) -> tuple[int, bytes, bytes]:
         """Live stderr, on the direct link and through the multiplexer (its `e` frames: a remote restart shows
         its phases while it runs, not all at the end)."""
+        return self._run_either(argv, env, stdin, timeout, on_stderr)
+
+    def _run_either(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        stdin: Stdin,
+        timeout: float | None,
+        on_stderr: StderrSink | None,
+    ) -> tuple[int, bytes, bytes]:
+        """One command in-process or through the multiplexer (`run`, or `run_watched` when `on_stderr` is given;
+        the multiplexer's key includes this code, so it always knows both)."""
         conn = self.backend()
         if conn is None:
             assert self._direct is not None
+            if on_stderr is None:
+                return self._direct._run(argv, env=env, stdin=stdin, timeout=timeout)
             return self._direct._run_watched(argv, env=env, stdin=stdin, timeout=timeout, on_stderr=on_stderr)
-        with self.request(conn, "run_watched", argv, env, timeout, stdin):
-            out, err, live = b"", b"", False
+        with self.request(conn, "run" if on_stderr is None else "run_watched", argv, env, timeout, stdin):
+            out, err = b"", b""
             while True:
                 kind, payload = self.frame(conn, argv)
-                if kind == b"e":
-                    live = True
+                if kind == b"e" and on_stderr is not None:
                     on_stderr(payload)
                 elif kind == b"O":
                     out = payload
                 elif kind == b"E":
                     err = payload
                 elif kind == b"R":
-                    if err and not live:  # a multiplexer that sends no pieces: the whole stderr, at the end
-                        on_stderr(err)
                     return int(json.loads(payload)["exit_code"]), out, err
                 elif kind == b"X":
                     raise error_from(payload)
