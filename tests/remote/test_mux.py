@@ -16,11 +16,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from conftest import REPO, write_inventory
 from loopproxy import LoopProxy
 from remote_harness import Harness
+
+if TYPE_CHECKING:
+    from dflashops.transport.ssh_settings import SshSettings
 
 
 def run_cli(inventory: Path, *args: str, mux: Path, **env: str) -> subprocess.CompletedProcess[str]:
@@ -50,6 +54,22 @@ def wait_for_daemon(mux: Path, other_than: int | None = None, timeout: float = 2
             return pids[0]
         time.sleep(0.05)
     raise AssertionError(f"no multiplexer started in {mux}")
+
+
+def started_daemon(harness: Harness, mux: Path) -> SshSettings:
+    """The harness's ssh settings, with a multiplexer for them listening in `mux` (made here, mode 0700): the
+    first transport connects in-process and starts it as it closes."""
+    from conftest import settings_for
+
+    from dflashops.transport.mux_client import MuxTransport
+
+    mux.mkdir(mode=0o700)
+    settings = settings_for(harness)
+    first = MuxTransport(name="pve", default_env={}, settings=settings, persist_s=60, folder=mux)
+    assert first.run(["true"]).ok
+    first.close()
+    wait_for_daemon(mux)
+    return settings
 
 
 @pytest.fixture
@@ -197,17 +217,10 @@ def test_stdin_goes_through_the_daemon_in_frames_and_an_unread_one_does_not_hang
     """Stdin larger than one frame (a release's tar, read from a file as it is sent) arrives whole through the
     multiplexer, and a command that exits without reading its stdin (an agent that refuses first) answers at
     once, with more stdin than the socket holds still to come."""
-    from conftest import settings_for
-
     from dflashops.transport.mux_client import MuxTransport, stop_multiplexers
 
     mux = tmp_path / "mux"
-    mux.mkdir(mode=0o700)
-    settings = settings_for(harness)
-    first = MuxTransport(name="pve", default_env={}, settings=settings, persist_s=60, folder=mux)
-    assert first.run(["true"]).ok  # in-process; it starts the multiplexer as it closes
-    first.close()
-    wait_for_daemon(mux)
+    settings = started_daemon(harness, mux)
     try:
         through = MuxTransport(name="pve", default_env={}, settings=settings, persist_s=60, folder=mux)
         data = os.urandom((5 << 20) + 123)  # five full frames and a part
@@ -230,18 +243,11 @@ def test_stderr_comes_through_the_daemon_while_the_command_runs(harness: Harness
     """A watched command's stderr (a remote restart's phases) reaches the caller as it is written, not at the end:
     the command waits for a file that the caller makes only when it has seen the first line. If the daemon
     held stderr to the end, the command would wait out its 30 s and fail. A caller gone meanwhile ends nothing."""
-    from conftest import settings_for
-
     from dflashops.transport.mux_client import MuxTransport, stop_multiplexers
     from dflashops.transport.mux_frames import recv_frame, send_json
 
     mux = tmp_path / "mux"
-    mux.mkdir(mode=0o700)
-    settings = settings_for(harness)
-    first = MuxTransport(name="pve", default_env={}, settings=settings, persist_s=60, folder=mux)
-    assert first.run(["true"]).ok  # in-process; it starts the multiplexer as it closes
-    first.close()
-    wait_for_daemon(mux)
+    settings = started_daemon(harness, mux)
     shared = Path(tempfile.mkdtemp(prefix="dfo-seen-"))  # pytest's folders are root's alone (0700)
     shared.chmod(0o1777)  # the harness user reads `seen` and writes `finished` there
     seen = shared / "seen"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import paramiko
@@ -124,17 +124,22 @@ def test_cut_during_a_command_raises_transport_error(harness: Harness, proxy: Lo
     transport.close()
 
 
+def assert_a_cut_mid_command_says(transport: SshTransport, cut: Callable[[], None], cause: str) -> None:
+    """`cut` once a command has printed (it is running); the command's "connection lost" names `cause`."""
+    stream = transport.stream(["sh", "-c", "echo running; sleep 20"], timeout=30)
+    assert next(stream) == b"running\n"
+    cut()
+    with pytest.raises(TransportError, match=rf"connection lost during: sh -c .*\({cause}"):
+        next(stream)
+
+
 def test_a_link_lost_mid_command_says_which_end_closed_it(harness: Harness, proxy: LoopProxy) -> None:
     """The "connection lost" error carries the link's own cause: EOF when the far end closed it (here the proxy
     cuts both sockets), or why this side closed it (close() here; a liveness probe or another command's failure
     on a shared multiplexer connection say theirs). Each cut comes once the command has printed: it is running."""
     transport = SshTransport(name="pve", settings=settings_for(harness, port=proxy.port))
     for cut, cause in ((proxy.cut_all, "closed from the far end"), (transport.close, "closed on this side")):
-        stream = transport.stream(["sh", "-c", "echo running; sleep 20"], timeout=30)
-        assert next(stream) == b"running\n"
-        cut()
-        with pytest.raises(TransportError, match=rf"connection lost during: sh -c .*\({cause}"):
-            next(stream)
+        assert_a_cut_mid_command_says(transport, cut, cause)
     transport.close()
 
 
@@ -156,11 +161,7 @@ def test_a_link_ended_without_an_exception_still_says_why(harness: Harness) -> N
         (lambda: transport.connection().close(), r"closed in this process, no cause given, by test_ssh_transport"),
     )
     for cut, cause in cases:
-        stream = transport.stream(["sh", "-c", "echo running; sleep 20"], timeout=30)
-        assert next(stream) == b"running\n"
-        cut()
-        with pytest.raises(TransportError, match=rf"connection lost during: sh -c .*\({cause}"):
-            next(stream)
+        assert_a_cut_mid_command_says(transport, cut, cause)
     transport.close()
 
 
