@@ -178,7 +178,8 @@ def with_self_prompts(
 
     from trainer.data import self_prompts
 
-    cache, report_file = args.work / f"self-prompts-{args.self_prompts}.jsonl", args.work / "self-prompts.json"
+    cache = args.work / f"self-prompts-{args.self_prompts}.jsonl"
+    report_file = cache.with_suffix(".json")  # keyed by the count too: another count gets its own report
     if cache.is_file():
         written = [real_prompts.Prompt(**json.loads(line)) for line in cache.read_text().splitlines()]
         report = json.loads(report_file.read_text())
