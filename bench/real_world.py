@@ -33,6 +33,7 @@ from trainer.data import prepare, real_prompts, real_target, shards
 from trainer.data.regenerate import load_target_lm
 from trainer.data.tokenizer_utils import end_of_turn_ids, tokenize_prompt
 from trainer.evaluation import eval as eval_mod
+from trainer.evaluation import eval_workers
 from trainer.export.export import export_drafter, load_drafter, load_training_checkpoint
 
 STARTED = time.monotonic()
@@ -86,8 +87,9 @@ def cached_references(
     if path.is_file():
         return [list(map(int, answer)) for answer in json.loads(path.read_text())]
     if workers > 1 and target_dir is not None:
-        with worker_pool(workers) as pool:
-            parts = [pool.submit(references_slice, target_dir, cut, common) for cut in slices(prompts, workers)]
+        with eval_workers.worker_pool(workers) as pool:
+            cuts = eval_workers.slices(prompts, workers)
+            parts = [pool.submit(eval_workers.references, target_dir, cut, common) for cut in cuts]
             answers = [answer for part in parts for answer in part.result()]
     else:
         answers = eval_mod.greedy_references(model, prompts, **common)
@@ -95,45 +97,6 @@ def cached_references(
     tmp.write_text(json.dumps(answers))
     tmp.replace(path)
     return answers
-
-
-def worker_pool(workers: int) -> Any:
-    """Processes of their own (spawned: CUDA cannot be used in a forked child)."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
-
-
-def slices(items: list, parts: int) -> list[list]:
-    """`items` cut into at most `parts` consecutive slices of nearly equal length."""
-    size = -(-len(items) // parts)
-    return [items[i : i + size] for i in range(0, len(items), size)]
-
-
-def references_slice(target_dir: Path, prompts: list[list[int]], common: dict[str, Any]) -> list[list[int]]:
-    """`eval.greedy_references` of some prompts in a worker process (the target loaded there)."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.set_num_threads(1)
-    model, _ = load_target_lm(str(target_dir), "float32")
-    return eval_mod.greedy_references(model, prompts, **common)
-
-
-def evaluate_slice(
-    target_dir: Path,
-    export: Path,
-    prompts: list[list[int]],
-    refs: list[list[int]],
-    baselines: bool,
-    block: int,
-    common: dict[str, Any],
-) -> dict[str, Any]:
-    """`eval.evaluate` of some prompts in a worker process of its own (the target and the drafter loaded there)."""
-    torch.backends.cuda.matmul.allow_tf32 = False  # as in the parent: the references are the fp32 target's
-    torch.set_num_threads(1)
-    model, device = load_target_lm(str(target_dir), "float32")
-    drafter = load_drafter(export).to(device)
-    return eval_mod.evaluate(model, drafter, prompts, baselines=baselines, block_size=block, references=refs, **common)
 
 
 def evaluate_in_workers(
@@ -145,18 +108,17 @@ def evaluate_in_workers(
     common: dict[str, Any],
 ) -> list[dict[str, Any]]:
     """Each job's report (prompts, references, baselines?), its prompts cut into consecutive slices evaluated by
-    `workers` processes at once and the slices' reports merged (`eval.merge_reports`: counts summed, the same report
-    as one process's). On a GPU an evaluation is latency-bound, one sequence at a time: 270 s of an H100's time for
-    one curve point against 101 s of training (quality.md 2026-12-06 "A real target on an H100"), the GPU mostly
-    idle; N processes keep N sequences in flight."""
-    with worker_pool(workers) as pool:
-        futures = []
-        for prompts, refs, baselines in jobs:
-            cuts = zip(slices(prompts, workers), slices(refs, workers))
-            futures.append(
-                [pool.submit(evaluate_slice, target_dir, export, p, r, baselines, block, common) for p, r in cuts]
+    `workers` processes at once (trainer/evaluation/eval_workers.py). On a GPU an evaluation is latency-bound, one
+    sequence at a time: 270 s of an H100's time for one curve point against 101 s of training (quality.md 2026-12-06
+    "A real target on an H100"), the GPU mostly idle; N processes keep N sequences in flight."""
+    with eval_workers.worker_pool(workers) as pool:
+        futures = [
+            eval_workers.submit_evaluation(
+                pool, workers, target_dir, export, eval_workers.EvalJob(p, r, baselines=b), block, common
             )
-        return [eval_mod.merge_reports([f.result() for f in parts]) for parts in futures]
+            for p, r, b in jobs
+        ]
+        return [eval_workers.merged(parts) for parts in futures]
 
 
 def finished_steps(run: Path) -> int | None:

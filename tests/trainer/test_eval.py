@@ -177,6 +177,36 @@ def test_drafter_that_does_not_fit_the_target_is_refused(setup):
         )
 
 
+def test_slices_in_worker_processes_and_baselines_apart_give_the_one_process_report(setup, tmp_path):
+    """eval_workers, in two real spawned processes: the trained drafter's slices, the baselines alone (from the
+    drafter's config: `make demo-real` runs them while the drafter trains) and the target's references, joined, are
+    what one `evaluate` of everything in this process gives."""
+    from trainer.evaluation import eval_workers
+    from trainer.evaluation.eval_workers import EvalJob
+
+    common = {"max_new_tokens": 16, "stops": setup["stops"], "pad_id": 0}
+    model, drafter, prompts, target_dir = setup["model"], setup["drafter"], setup["prompts"], setup["root"] / "target"
+    torch.set_num_threads(1)  # as in the workers: the same float sums, so the same greedy answers
+    whole = eval_cli.evaluate(model, drafter, prompts, **common)
+    refs = eval_cli.greedy_references(model, prompts, **common)
+    drafter.save_pretrained(tmp_path / "drafter")
+    with eval_workers.worker_pool(2) as pool:
+        trained = eval_workers.submit_evaluation(
+            pool, 2, target_dir, tmp_path / "drafter", EvalJob(prompts, refs), None, common
+        )
+        alone = EvalJob(prompts, refs, trained=False, baselines=True)
+        baselines = eval_workers.submit_evaluation(pool, 2, target_dir, drafter.config, alone, None, common)
+        answers = [
+            pool.submit(eval_workers.references, target_dir, cut, common) for cut in eval_workers.slices(prompts, 2)
+        ]
+        assert len(trained) == len(baselines) == len(answers) == 2  # three prompts: slices of two and one
+        assert eval_workers.joined(eval_workers.merged(trained), eval_workers.merged(baselines)) == whole
+        assert [answer for part in answers for answer in part.result()] == refs
+    assert set(eval_workers.merged(baselines)["methods"]) == {"untrained", "ngram"}
+    with pytest.raises(ValueError, match="neither"):
+        eval_cli.evaluate(model, drafter, prompts, trained=False, baselines=False, **common)
+
+
 def test_eval_cli_end_to_end(setup, tmp_path, capsys):
     setup["drafter"].save_pretrained(tmp_path / "drafter")
     prompts = tmp_path / "p.jsonl"

@@ -217,6 +217,28 @@ def test_interrupted_regeneration_resumes_without_duplicates(target_dir, world, 
         assert dataset[i].input_ids[: len(prompt)].tolist() == prompt and dataset[i].loss_mask[len(prompt) :].all()
 
 
+def test_regeneration_in_two_processes_writes_the_same_dataset(target_dir, world, tmp_path):
+    """--num-workers 2 with --regenerate: two real spawned processes take whole shards (`make demo-real` answers its
+    prompts so); each shard's batches and seed are one process's, so the shards are the same byte for byte."""
+    from trainer.data import regenerate
+
+    source = write_jsonl(tmp_path / "p.jsonl", [{"messages": c[:1]} for c in world.conversations(8, seed=5)])
+
+    def argv(out: str, workers: int) -> list[str]:
+        return [
+            *("--target-model", str(target_dir), "--input", str(source), "--output-dir", str(tmp_path / out)),
+            *("--regenerate", "--max-new-tokens", "12", "--shard-size", "2", "--batch-size", "2"),
+            *("--num-workers", str(workers)),
+        ]
+
+    torch.set_num_threads(regenerate.worker_threads(2))  # the workers' threads: the same float sums
+    assert prepare_cli.main(argv("one", 1)) == 0 and prepare_cli.main(argv("two", 2)) == 0
+    files = sorted(p.name for p in (tmp_path / "one").glob("shard-*"))
+    assert len(files) == 12  # four shards of tokens, mask and offsets
+    assert [(tmp_path / "two" / f).read_bytes() for f in files] == [(tmp_path / "one" / f).read_bytes() for f in files]
+    assert ShardedDataset(tmp_path / "two")[7].loss_mask.any()  # the last shard's prompt was answered
+
+
 def run_prepare(capsys, *argv: str) -> tuple[int, str]:
     code = prepare_cli.main(list(argv))
     return code, capsys.readouterr().err

@@ -204,6 +204,35 @@ def _write_tokenized_shard(
     return shards.write_shard(out, name, _tokenize_shard(tokenizer_path, records, thinking))
 
 
+def _regenerate(
+    options: PrepareOptions, tokenizer: Any, tokenizer_path: str, out: Path, jobs: list[tuple[str, list, int, str]]
+) -> None:
+    """Each job's shard (name, prompts, seed, label) regenerated and written. With --num-workers N > 1, N processes
+    of their own (spawned, `regenerate.worker_threads` threads each) take whole shards: each shard's batches and
+    seed are the same as in one process, so with the same threads the dataset is the same byte for byte
+    (tests/trainer/test_prepare.py checks it); on the 2-core
+    machine two processes of one thread each answer 1.9x as fast as one (quality.md 2026-12-07 "`make demo-real`
+    in twenty minutes")."""
+    from trainer.data import regenerate
+
+    if options.num_workers <= 1 or len(jobs) <= 1:
+        regenerator = regenerate.Regenerator(options.target_model, tokenizer, options)
+        for name, prompts, seed, label in jobs:
+            shards.write_shard(out, name, regenerator.shard_samples(prompts, seed=seed, label=label))
+        return
+    import multiprocessing
+
+    workers = min(options.num_workers, len(jobs))
+    start = (tokenizer_path, options, regenerate.worker_threads(workers))
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=regenerate.start_worker, initargs=start) as pool:
+        futures = [
+            (name, pool.submit(regenerate.worker_shard, prompts, seed, label)) for name, prompts, seed, label in jobs
+        ]
+        for name, future in futures:  # in shard order: a shard is on disk as soon as it and those before it are done
+            shards.write_shard(out, name, future.result())
+
+
 def prepare(options: PrepareOptions, *, log=None) -> shards.DatasetMeta:
     """Build (or finish) the dataset in `options.output_dir`; returns its metadata. Raises DataInputError."""
     from transformers import AutoTokenizer
@@ -233,14 +262,11 @@ def prepare(options: PrepareOptions, *, log=None) -> shards.DatasetMeta:
     if len(todo) < len(names):
         say(f"resuming: {len(names) - len(todo)} of {len(names)} shard(s) already complete, skipped")
     if options.regenerate:
-        from trainer.data.regenerate import Regenerator
-
-        regenerator = Regenerator(options.target_model, tokenizer, options)
-        for k in todo:
-            samples = regenerator.shard_samples(
-                [prompt_part(r) for r in chunks[k]], seed=options.seed + k, label=f"{names[k]} ({k + 1}/{len(names)})"
-            )
-            shards.write_shard(out, names[k], samples)
+        jobs = [
+            (names[k], [prompt_part(r) for r in chunks[k]], options.seed + k, f"{names[k]} ({k + 1}/{len(names)})")
+            for k in todo
+        ]
+        _regenerate(options, tokenizer, tokenizer_path, out, jobs)
     elif options.num_workers > 1 and len(todo) > 1:
         with ProcessPoolExecutor(max_workers=options.num_workers) as pool:
             futures = [
@@ -336,7 +362,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="the chat template's thinking mode (default: the template's own)",
     )
     parser.add_argument(
-        "--num-workers", type=int, default=1, help="tokenization processes, one shard each (default: %(default)s)"
+        "--num-workers",
+        type=int,
+        default=1,
+        help="processes that tokenize, or with --regenerate answer, one shard at a time each (default: %(default)s)",
     )
     parser.add_argument(
         "--batch-size", type=int, default=16, help="--regenerate: generation batch size (default: %(default)s)"

@@ -94,6 +94,30 @@ class Regenerator:
         return samples
 
 
+_WORKER: Regenerator | None = None  # a worker process's own (`start_worker`)
+
+
+def start_worker(tokenizer_path: str, options: Any, threads: int) -> None:
+    """A `prepare --regenerate --num-workers N` worker process: its threads, the tokenizer and target loaded once."""
+    from transformers import AutoTokenizer
+
+    global _WORKER
+    torch.set_num_threads(threads)
+    _WORKER = Regenerator(options.target_model, AutoTokenizer.from_pretrained(tokenizer_path), options)
+
+
+def worker_shard(conversations: list[list[dict]], seed: int, label: str) -> list[tuple[list[int], list[int]]]:
+    """`Regenerator.shard_samples` in a worker process (after `start_worker`)."""
+    assert _WORKER is not None, "start_worker runs first (the pool's initializer)"
+    return _WORKER.shard_samples(conversations, seed=seed, label=label)
+
+
+def worker_threads(workers: int, cores: int | None = None) -> int:
+    """Intra-op threads of each of `workers` processes: `choose_threads`' share, at least one (one thread cannot
+    spin against the others: two processes of one thread each use both of 2 cores)."""
+    return max(1, choose_threads(cores) // workers)
+
+
 def choose_threads(cores: int | None = None) -> int:
     """Intra-op threads for CPU generation and training: half the cores (one on a 2-core machine). Under load, two
     OpenMP threads on the 2-core machine ran 7x slower than one (they spin against other processes), and the load

@@ -271,13 +271,15 @@ def evaluate(
     stops: list[int],
     pad_id: int,
     baselines: bool = True,
+    trained: bool = True,
     seed: int = 0,
     ddtree_budget: int | None = None,
     ddtree_top_k: int | None = None,
     progress: Callable[[str], None] | None = None,
     references: list[list[int]] | None = None,
 ) -> dict[str, Any]:
-    """Run trained (+ untrained and n-gram baselines) over `prompts`; returns the report dict. With
+    """Run trained (+ untrained and n-gram baselines) over `prompts`; returns the report dict. `trained=False`: the
+    baselines alone (they need only `drafter`'s config, so they can run while the drafter trains). With
     `ddtree_budget` the trained drafter is also run in DDTree mode (method "ddtree", same prompts).
     `progress(line)` hears of each stage and, at most every 10 s, of the prompts done (a real target on a CPU
     takes minutes here). `references`: the target's own greedy answers to `prompts`, when the caller has them
@@ -297,10 +299,12 @@ def evaluate(
     def block_mode(propose: Proposer) -> Callable[[list[int], MethodStats], list[int]]:
         return lambda prompt, stats: speculative_generate(runner, prompt, propose, stats=stats, **common)
 
-    methods: dict[str, tuple[Callable[[list[int], MethodStats], list[int]], dict[str, Any] | None]] = {
-        "trained": (block_mode(drafter_proposer(drafter.eval(), embed, head)), None)
-    }
-    if drafter.candidate_selector is not None:  # DFlash2: the same drafter without its selector's reranking
+    if not (trained or baselines):
+        raise ValueError("evaluate: neither the trained drafter nor the baselines asked for")
+    methods: dict[str, tuple[Callable[[list[int], MethodStats], list[int]], dict[str, Any] | None]] = {}
+    if trained:
+        methods["trained"] = (block_mode(drafter_proposer(drafter.eval(), embed, head)), None)
+    if trained and drafter.candidate_selector is not None:  # DFlash2: the drafter without its selector's reranking
         methods["trained_unary"] = (block_mode(drafter_proposer(drafter, embed, head, selector=False)), None)
     if baselines:
         with torch.random.fork_rng(devices=[]):
@@ -308,7 +312,7 @@ def evaluate(
             untrained = DFlashDrafter(drafter.config).to(embed.device).eval()
         methods["untrained"] = (block_mode(drafter_proposer(untrained, embed, head)), None)
         methods["ngram"] = (block_mode(ngram_proposer()), None)
-    if ddtree_budget is not None:
+    if ddtree_budget is not None and trained:
         slot_logits = drafter_slot_logits(drafter, embed, head)
         methods["ddtree"] = (
             lambda prompt, stats: ddtree_generate(
@@ -316,7 +320,7 @@ def evaluate(
             ),
             {"budget": ddtree_budget, "top_k": ddtree_top_k},
         )
-    ticker = _Ticker(progress, len(prompts))
+    ticker = Ticker(progress, len(prompts))
     if references is None:
         references = greedy_references(model, prompts, max_new_tokens, stops, pad_id, ticker)
     report: dict[str, Any] = {
@@ -370,7 +374,7 @@ def greedy_references(
     max_new_tokens: int,
     stops: list[int],
     pad_id: int,
-    ticker: _Ticker | None = None,
+    ticker: Ticker | None = None,
 ) -> list[list[int]]:
     """The target's own greedy answer to each prompt (what every lossless check compares against)."""
     answers = []
@@ -381,7 +385,7 @@ def greedy_references(
     return answers
 
 
-class _Ticker:
+class Ticker:
     """Progress lines for `evaluate`: the first and last prompt of each stage, and at most one line every 10 s."""
 
     def __init__(self, say: Callable[[str], None] | None, total: int, every_s: float = 10.0) -> None:
