@@ -135,10 +135,14 @@ def submit_evaluation(
     prefix: str | None = None,
 ) -> list[Future]:
     """`job`'s prompts cut into `parts` consecutive slices, each submitted to `pool`; `merged` makes them one report."""
-    cuts = zip(slices(job.prompts, parts), slices(job.references, parts))
+    cuts = list(zip(slices(job.prompts, parts), slices(job.references, parts)))
+    # Each slice's progress lines say which slice they count (two "3/12 prompts" lines would read as a repeat).
+    named = [
+        prefix if prefix is None or len(cuts) == 1 else f"{prefix}part {k + 1}/{len(cuts)}: " for k in range(len(cuts))
+    ]
     return [
-        pool.submit(evaluate, target_dir, drafter, EvalJob(p, r, job.trained, job.baselines), block, common, prefix)
-        for p, r in cuts
+        pool.submit(evaluate, target_dir, drafter, EvalJob(p, r, job.trained, job.baselines), block, common, name)
+        for (p, r), name in zip(cuts, named)
     ]
 
 
