@@ -106,3 +106,33 @@ def test_the_cache_refuses_soft_labels_and_the_pipeline(
     assert train.main([*common, "--output-dir", str(tmp_path / "p"), "--pipeline"]) == 2
     assert "single-process engine" in capsys.readouterr().err
     assert not (tmp_path / "s").exists() and not (tmp_path / "p").exists()
+
+
+def test_the_key_outlives_a_rerun_of_prepare_and_follows_the_data(tmp_path: Path) -> None:
+    """`make demo-real` prepares its cached dataset again on every run, from a prompts file in its new work
+    directory: prepare finds every shard complete and rewrites meta.json with that path. The key must not change
+    then (it did: every demo filled the cache from nothing), and must change when the samples do."""
+    from trainer.training.feature_cache import cache_key
+
+    world = WalkWorld(num_words=24, answer_words=8)
+    tokenizer = build_tiny_tokenizer(world.texts(), tmp_path / "tok", vocab_size=320)
+    model = tmp_path / "model"
+    build_tiny_target(model, tokenizer, hidden_size=32, num_layers=2, num_heads=1, num_kv_heads=1)
+    rows = "".join(json.dumps({"messages": c}) + "\n" for c in world.conversations(6, seed=4))
+    data = tmp_path / "data"
+
+    def prepared(prompts: Path) -> str:
+        assert prepare.main(["--target-model", str(model), "--input", str(prompts), "--output-dir", str(data)]) == 0
+        return cache_key(model, [0, 1], data, 64, "float32")
+
+    (tmp_path / "run1").mkdir(), (tmp_path / "run2").mkdir()
+    (tmp_path / "run1" / "p.jsonl").write_text(rows)
+    (tmp_path / "run2" / "p.jsonl").write_text(rows)
+    first = prepared(tmp_path / "run1" / "p.jsonl")
+    meta = (data / "meta.json").read_text()
+    assert prepared(tmp_path / "run2" / "p.jsonl") == first
+    assert (data / "meta.json").read_text() != meta  # the rerun did rewrite meta.json (the case this is about)
+    for path in data.iterdir():
+        path.unlink()
+    (tmp_path / "run2" / "p.jsonl").write_text(rows.replace("north", "south"))
+    assert prepared(tmp_path / "run2" / "p.jsonl") != first  # other samples in the same directory: another key

@@ -8,7 +8,12 @@ every sample is cached is assembled from the files (padding positions and paddin
 a block see them, so the loss is the same). SpecForge's offline mode stores hidden states the same way.
 
 The key covers what the taps depend on: the target directory (path and its weight files' sizes and mtimes), the tap
-layer ids, the dataset (path and its meta.json), --max-seq-len and the taps' dtype; another key is another folder.
+layer ids, the dataset (its path, and what `prepare` made it from: prepare.json's fingerprint of the input and the
+settings, and index.json's shards and their sizes), --max-seq-len and the taps' dtype; another key is another folder.
+Not meta.json: `prepare` rewrites it on every run, with the path of the prompts file it was given, so a rerun that
+found the dataset complete (`make demo-real`'s second run, its prompts written to a new work directory) changed the
+key and filled the cache again from nothing. A dataset without prepare.json (written by other code) keys by its
+meta.json and index.json.
 Files are written under a temporary name and renamed, so a run killed mid-write leaves no half file. Cost on disk:
 tokens x taps x hidden x 4 bytes in float32 (SmolLM2, 2 taps: 4.6 KB a token; the demo's 54k tokens: 248 MB).
 Not for soft labels (they need the target's final hidden state) nor the threaded pipeline (its target workers run
@@ -35,11 +40,17 @@ def cache_key(target_dir: str | Path, layer_ids: list[int], data_dir: str | Path
         for p in target.iterdir()
         if p.suffix in (".safetensors", ".bin")
     )
-    meta = (data / "meta.json").read_bytes() if (data / "meta.json").exists() else b""
-    text = json.dumps(
-        [str(target), weights, layer_ids, str(data), hashlib.sha256(meta).hexdigest(), max_seq_len, dtype]
-    )
+    text = json.dumps([str(target), weights, layer_ids, str(data), dataset_digest(data), max_seq_len, dtype])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def dataset_digest(data: Path) -> str:
+    """What a dataset's samples are made from (see the module doc): prepare.json (else meta.json) and index.json."""
+    made_from = data / "prepare.json" if (data / "prepare.json").exists() else data / "meta.json"
+    digest = hashlib.sha256()
+    for path in (made_from, data / "index.json"):
+        digest.update(path.read_bytes() if path.exists() else b"")
+    return digest.hexdigest()
 
 
 class FeatureCache:
