@@ -32,6 +32,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable
+from typing import Any
 
 if not __package__:  # run as a folder: sys.path[0] is this folder; the package lives two levels up
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -69,7 +70,9 @@ STDIN_VERBS = {"install": ("releases", "verb_install"), "restart": ("restart", "
 
 
 def verb_ping(req: PingRequest) -> dict:
-    """The protocol version this agent speaks (the controller refuses another one) and its python's."""
+    """The protocol version this agent speaks (the controller refuses another one) and its python's. A dict,
+    not an answers.py class: the controller reads `version` by its key before it knows the agent speaks its
+    protocol (an agent of another version may answer other keys), then checks the rest as a PingAnswer."""
     return {"version": PROTOCOL_VERSION, "python": sys.version.split()[0]}
 
 
@@ -117,9 +120,9 @@ def main(argv: list[str]) -> int:
             result = verb_function(VERBS[verb])(req)
         if verb in ("wrap", "standby"):
             return int(result["exit_code"])
-        if result.get("streamed"):  # `follow` printed its answers itself
+        if isinstance(result, dict) and result.get("streamed"):  # `follow` printed its answers itself
             return 0
-        print(json.dumps({"ok": True, **result}), flush=True)
+        print(json.dumps({"ok": True, **answer_json(result)}), flush=True)
         return 0
     except BrokenPipeError:  # the reader of a `follow` stream went away: nothing to tell anyone
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
@@ -147,6 +150,14 @@ def is_tar_error(exc: BaseException) -> bool:
     ~10 ms of every other call's start went to it (issue 46 item 7). Not imported means none was raised."""
     tar = sys.modules.get("tarfile")
     return tar is not None and isinstance(exc, tar.TarError)
+
+
+def answer_json(result: Any) -> dict:
+    """A verb's answer as its JSON object: an answer dataclass (answers.py) through its `answer_json`, a dict
+    (a verb not converted yet) as it is. Checked without importing answers.py: a verb whose answer is one
+    imported it, and the other calls keep its ~N ms (see answers.py)."""
+    answers = sys.modules.get("dflashops.agent.answers")
+    return answers.answer_json(result) if answers is not None and isinstance(result, answers.Answer) else result
 
 
 def raw_call(function: Callable, verb: str, obj: dict) -> int:

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import time
 
+from .answers import GpuEntry, GpusAnswer
 from .common import (
     ERROR_LINE_RE,
     NAME_RE,
@@ -254,9 +255,10 @@ def ended_before(directory: str, cutoff: float, table: ProcessTable) -> bool:
     return not run_processes(read_int(os.path.join(directory, "pgid")), marker, directory, table)[1]
 
 
-def verb_gpus(req: GpusRequest) -> dict:
+def verb_gpus(req: GpusRequest) -> GpusAnswer:
+    """nvidia-smi's GPUs: index, name, memory used and total (MiB), utilization (%)."""
     if not shutil.which("nvidia-smi"):
-        return {"available": False, "gpus": []}
+        return GpusAnswer(available=False, gpus=[])
     out = subprocess.run(
         [
             "nvidia-smi",
@@ -272,12 +274,12 @@ def verb_gpus(req: GpusRequest) -> dict:
         parts = [p.strip() for p in line.split(",")]
         if len(parts) == 5:
             gpus.append(
-                {
-                    "index": int(parts[0]),
-                    "name": parts[1],
-                    "memory_used_mib": int(parts[2]),
-                    "memory_total_mib": int(parts[3]),
-                    "utilization_pct": int(parts[4]),
-                }
+                GpuEntry(
+                    index=int(parts[0]),
+                    name=parts[1],
+                    memory_used_mib=int(parts[2]),
+                    memory_total_mib=int(parts[3]),
+                    utilization_pct=int(parts[4]),
+                )
             )
-    return {"available": True, "gpus": gpus}
+    return GpusAnswer(available=True, gpus=gpus)

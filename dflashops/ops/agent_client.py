@@ -13,8 +13,9 @@ import json
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+from dflashops.agent.answers import Answer, AnswerMismatch, PingAnswer, parse_answer
 from dflashops.agent.common import AgentFailure, tmux_socket  # the agent names the tmux server; its function agrees
 from dflashops.agent.protocol import PROTOCOL_VERSION, REQUESTS, Request, parse, wire
 from dflashops.core.errors import AgentError, Conflict, DflashopsError, InventoryError, NotFound, UsageError
@@ -24,6 +25,7 @@ from dflashops.ops.agent_build import PACKAGE, build_zipapp
 from dflashops.ops.upload import CHUNK, RequestAndTar, Tar
 from dflashops.transport.base import Result, Stdin, Transport
 
+A = TypeVar("A", bound=Answer)
 AGENT_SOURCE = PACKAGE  # the package folder; python runs it as the agent from a checkout (local_runs)
 READ_ONLY_VERBS = {"ping", "status", "tail", "gpus", "manifest", "fetch-manifest", "preflight"}
 # Writes stdin to argv[1] atomically; stdlib only, argv-only so no shell quoting is involved.
@@ -165,7 +167,9 @@ class Agent:
                 f"this controller speaks protocol {PROTOCOL_VERSION}",
                 hint=f"remove {self.path} on the target; the next call uploads this controller's agent",
             )
-        if not pong.get("ok"):
+        if pong.get("ok"):  # the same version: its answer is this controller's PingAnswer (checked, as every answer)
+            checked(self.target.name, "ping", PingAnswer, pong)
+        else:
             upload = [self.target.python, "-c", _UPLOAD, self.path]
             if self.dry_run:
                 if not self._upload_planned:
@@ -201,6 +205,15 @@ class Agent:
                 hint=f"check that {self.target.workspace} exists or can be created there and has free space",
             )
 
+    def ask(
+        self, verb: str, args: Request | dict[str, Any], kind: type[A], *, stdin_tar: Tar | bytes | None = None
+    ) -> A | None:
+        """`call`, its answer parsed into `kind`, the verb's answer dataclass (agent/answers.py): an unknown,
+        missing or mistyped key is one AgentError naming the target, the verb and the key. None when a dry run
+        only planned the call (a mutating verb, or a read-only one before the agent is on the target)."""
+        answer = self.answer(verb, args, stdin_tar=stdin_tar)
+        return None if answer is None else checked(self.target.name, verb, kind, answer)
+
     def call(
         self,
         verb: str,
@@ -211,12 +224,29 @@ class Agent:
         stdin_tar: Tar | bytes | None = None,
         on_progress: Callable[[dict[str, Any]], None] | None = None,
     ) -> dict[str, Any]:
-        """Run one verb; return its JSON answer. `secret_args` travel on stdin (never on a command line);
-        the dry-run plan shows `shown_args` (their redacted form) in their place. Raises NotFound /
-        Conflict / UsageError / AgentError from the agent's error code. `on_progress` gets each phase the verb
-        reports as it starts (`restart`, `launch`: the request gets `progress: true`), as the transport delivers
-        stderr: live on local and ssh targets, through a multiplexer too. `args` is the verb's request
-        (agent/protocol.py), or its JSON object, checked against it here: a wrong key fails before any call."""
+        """Run one verb; return its JSON answer (`{"ok": true, "dry_run": true}` when a dry run only planned it).
+        `secret_args` travel on stdin (never on a command line); the dry-run plan shows `shown_args` (their
+        redacted form) in their place. Raises NotFound / Conflict / UsageError / AgentError from the agent's error
+        code. `on_progress` gets each phase the verb reports as it starts (`restart`, `launch`: the request gets
+        `progress: true`), as the transport delivers stderr: live on local and ssh targets, through a multiplexer
+        too. `args` is the verb's request (agent/protocol.py), or its JSON object, checked against it here: a
+        wrong key fails before any call. A verb whose answer is a dataclass is read with `ask`."""
+        answer = self.answer(
+            verb, args, secret_args=secret_args, shown_args=shown_args, stdin_tar=stdin_tar, on_progress=on_progress
+        )
+        return {"ok": True, "dry_run": True} if answer is None else answer
+
+    def answer(
+        self,
+        verb: str,
+        args: Request | dict[str, Any],
+        *,
+        secret_args: dict[str, Any] | None = None,
+        shown_args: dict[str, Any] | None = None,
+        stdin_tar: Tar | bytes | None = None,
+        on_progress: Callable[[dict[str, Any]], None] | None = None,
+    ) -> dict[str, Any] | None:
+        """`call`'s work: the verb's JSON answer, or None when a dry run only planned it."""
         args = request_json(verb, args, secret_args)
         if on_progress is not None:
             args = {**args, "progress": True}
@@ -242,7 +272,7 @@ class Agent:
             argv, stdin, note = self.argv(verb, args), None, None
         if self.dry_run and (verb not in READ_ONLY_VERBS or not self._ready):
             self.record(argv, note)
-            return {"ok": True, "dry_run": True}
+            return None
         sink = ProgressLines(on_progress) if on_progress is not None else None
         result = self._run(argv, stdin, sink)
         if not self._ready and result.exit_code == 2 and "can't open file" in result.stderr:
@@ -279,6 +309,20 @@ class Agent:
                 if not answer.get("ok"):
                     raise refusal(answer, self.target, args)
                 yield answer
+
+
+def checked(target: str, verb: str, kind: type[A], answer: dict[str, Any]) -> A:
+    """`answer` (an `ok` JSON answer) as `verb`'s answer dataclass `kind`, or AgentError naming the key that
+    this controller and the target's agent disagree on (agent/answers.py parse_answer)."""
+    try:
+        parsed: A = parse_answer(verb, kind, answer)
+    except AnswerMismatch as exc:
+        raise AgentError(
+            f"{target}: the agent's answer does not fit this controller: {exc}",
+            hint="the agent there is built from this controller's own package (its path is its content's hash), so "
+            "its verb and agent/answers.py disagree: a bug to report",
+        ) from None
+    return parsed
 
 
 def request_json(

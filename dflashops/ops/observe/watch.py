@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from dflashops.agent.answers import GpusAnswer
 from dflashops.agent.protocol import GpusRequest
 from dflashops.core.errors import DflashopsError
 from dflashops.ops.invocation import Invocation
@@ -127,7 +128,8 @@ def gather(invocation: Invocation, run: str | None, target: str | None = None) -
     Raises NotFound for a run that does not exist (the agent says so), TransportError when unreachable."""
     entries = run_status(invocation, run, target=target)
     tgt = invocation.target_for_run(run, target) if run else invocation.inventory.target(target)
-    gpus = invocation.agent(tgt).call("gpus", GpusRequest()).get("gpus", [])
+    answer = invocation.agent(tgt).ask("gpus", GpusRequest(), GpusAnswer)
+    gpus = answer.gpus if answer is not None else []
     now = time.time()
     return Snapshot(
         taken_at=now,
@@ -135,7 +137,11 @@ def gather(invocation: Invocation, run: str | None, target: str | None = None) -
         gpus=[
             GpuRow(
                 target=tgt.name,
-                **{k: g[k] for k in ("index", "name", "memory_used_mib", "memory_total_mib", "utilization_pct")},
+                index=g.index,
+                name=g.name,
+                memory_used_mib=g.memory_used_mib,
+                memory_total_mib=g.memory_total_mib,
+                utilization_pct=g.utilization_pct,
             )
             for g in gpus
         ],

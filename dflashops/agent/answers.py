@@ -1,0 +1,126 @@
+"""The agent's answers: one dataclass per verb's answer, built by the agent and parsed by the controller.
+
+A verb returns its answer's dataclass; the agent's entry prints `{"ok": true, **answer_json(answer)}`, the same
+JSON line the verb's dict gave before (same keys, same order), so the wire and PROTOCOL_VERSION are unchanged.
+The controller (ops/agent_client.py `Agent.ask`) reads that line back with `parse_answer(verb, cls, obj)`:
+an unknown key, a missing required key or a value of the wrong JSON type is ONE AnswerMismatch naming the verb
+and the key (`runs[0].state`), and the controller then reads attributes, not string keys.
+
+A field whose metadata is OPTIONAL is a key the answer carries only sometimes: left out of the JSON when it is
+None, None when the JSON lacks it (a status run entry's `restarted_as`, a manifest's `path`). Nested entries
+(a status run, a GPU, a fetched file, a removed folder) are dataclasses of their own, named in ENTRIES so a
+field's annotation (`list[RunEntry]`) says how to parse them.
+
+Standard library only, and cheap to import: the verbs that answer with one of these import this module on
+every call, and zipimport compiles it each time; like protocol.py's requests, the classes are not `frozen`
+and get no generated `__eq__` or `__repr__` (their creation is what every call pays).
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+from .protocol import JSON_TYPES
+
+OPTIONAL = {"optional": True}  # a field's metadata: its key is left out of the JSON when the value is None
+
+
+class AnswerMismatch(ValueError):
+    """An answer that is not its verb's dataclass: an unknown, missing or mistyped key (the message names the
+    verb and the key). Raised on the controller's side, where the agent and the controller disagree."""
+
+
+def optional(default: Any = None) -> Any:
+    """A field whose key the answer carries only sometimes (OPTIONAL): None by default, left out when None."""
+    return field(default=default, metadata=OPTIONAL)
+
+
+@dataclass(kw_only=True, eq=False, repr=False)
+class Answer:
+    """What every answer and nested entry is; its fields are its JSON keys, in the JSON's order."""
+
+
+@dataclass(kw_only=True, eq=False, repr=False)
+class PingAnswer(Answer):
+    """`ping`: the protocol version this agent speaks and its python's version."""
+
+    version: int
+    python: str
+
+
+@dataclass(kw_only=True, eq=False, repr=False)
+class GpuEntry(Answer):
+    """One GPU of `gpus` (nvidia-smi's fields)."""
+
+    index: int
+    name: str
+    memory_used_mib: int
+    memory_total_mib: int
+    utilization_pct: int
+
+
+@dataclass(kw_only=True, eq=False, repr=False)
+class GpusAnswer(Answer):
+    """`gpus`: whether nvidia-smi is there, and its GPUs."""
+
+    available: bool
+    gpus: list[GpuEntry]
+
+
+ENTRIES: dict[str, type[Answer]] = {"GpuEntry": GpuEntry}
+ANSWERS: dict[str, type[Answer]] = {"ping": PingAnswer, "gpus": GpusAnswer}
+
+
+def answer_json(answer: Answer) -> dict[str, Any]:
+    """The JSON object of an answer (without `ok`): every field in order, an OPTIONAL one only when it is not
+    None, nested entries as objects. A shallow walk, not dataclasses.asdict (which deep-copies every value)."""
+    out: dict[str, Any] = {}
+    for each in fields(answer):
+        value = getattr(answer, each.name)
+        if value is None and each.metadata.get("optional"):
+            continue
+        if isinstance(value, Answer):
+            value = answer_json(value)
+        elif isinstance(value, list) and value and isinstance(value[0], Answer):
+            value = [answer_json(item) for item in value]
+        out[each.name] = value
+    return out
+
+
+def parse_answer(verb: str, cls: type[Answer], obj: dict[str, Any], prefix: str = "") -> Any:
+    """`obj` (an answer's JSON object; its `ok` is skipped) as an instance of `cls`, or AnswerMismatch naming
+    `verb` and the first unknown, missing or mistyped key (a nested entry's as `runs[0].KEY`)."""
+    known = {each.name: each for each in fields(cls)}
+    for key in obj:
+        if key not in known and not (key == "ok" and not prefix):
+            raise AnswerMismatch(f"{verb} answer: unknown key '{prefix}{key}'")
+    values = {}
+    for name, each in known.items():
+        if name not in obj:
+            if each.default is MISSING and each.default_factory is MISSING:
+                raise AnswerMismatch(f"{verb} answer: missing key '{prefix}{name}'")
+            continue
+        value = obj[name]
+        words = [word.strip() for word in str(each.type).split("|")]
+        allowed = tuple(kind for word in words for kind in JSON_TYPES.get(word.split("[", 1)[0], (dict,)))
+        if not isinstance(value, allowed):
+            raise AnswerMismatch(
+                f"{verb} answer: key '{prefix}{name}' must be {' or '.join(words)}, not {type(value).__name__}"
+            )
+        entry = next(
+            (ENTRIES[word[5:-1]] for word in words if word.startswith("list[") and word[5:-1] in ENTRIES), None
+        )
+        if entry is not None and isinstance(value, list):
+            value = [entry_of(verb, entry, item, f"{prefix}{name}[{i}].") for i, item in enumerate(value)]
+        elif isinstance(value, dict) and (single := next((w for w in words if w in ENTRIES), None)):
+            value = parse_answer(verb, ENTRIES[single], value, f"{prefix}{name}.")
+        values[name] = value
+    return cls(**values)
+
+
+def entry_of(verb: str, cls: type[Answer], item: object, prefix: str) -> Answer:
+    """One element of a list of entries, which must be an object."""
+    if not isinstance(item, dict):
+        raise AnswerMismatch(f"{verb} answer: '{prefix[:-1]}' must be dict, not {type(item).__name__}")
+    return parse_answer(verb, cls, item, prefix)
