@@ -31,11 +31,6 @@ class AnswerMismatch(ValueError):
     verb and the key). Raised on the controller's side, where the agent and the controller disagree."""
 
 
-def optional(default: Any = None) -> Any:
-    """A field whose key the answer carries only sometimes (OPTIONAL): None by default, left out when None."""
-    return field(default=default, metadata=OPTIONAL)
-
-
 @dataclass(kw_only=True, eq=False, repr=False)
 class Answer:
     """What every answer and nested entry is; its fields are its JSON keys, in the JSON's order."""
@@ -68,8 +63,87 @@ class GpusAnswer(Answer):
     gpus: list[GpuEntry]
 
 
-ENTRIES: dict[str, type[Answer]] = {"GpuEntry": GpuEntry}
-ANSWERS: dict[str, type[Answer]] = {"ping": PingAnswer, "gpus": GpusAnswer}
+@dataclass(kw_only=True, eq=False, repr=False)
+class ManifestAnswer(Answer):
+    """`manifest`: the release's code hash (None: no such release, or no current one), its folder (`path`: the
+    current release's only), and its manifest, path -> sha256 (empty when the target has `hash` already)."""
+
+    release: str | None
+    path: str | None = field(default=None, metadata=OPTIONAL)
+    files: dict[str, str]
+
+
+@dataclass(kw_only=True, eq=False, repr=False)
+class InstallAnswer(Answer):
+    """`install`: the release now current, its folder, and the old releases pruned."""
+
+    release: str
+    path: str
+    removed: list[str]
+
+
+@dataclass(kw_only=True, eq=False, repr=False)
+class ClearCacheAnswer(Answer):
+    """`clear-cache` (and a launch's or restart's `cleared`): the folders removed, their bytes and files."""
+
+    removed: list[str]
+    bytes: int
+    files: int
+
+
+@dataclass(kw_only=True, eq=False, repr=False)
+class RemovedEntry(Answer):
+    """One folder `gc` deleted (or would): a run directory, with its last `final` state, exit code and step
+    (for the lineage record that outlives it), or a release."""
+
+    kind: str
+    name: str
+    path: str
+    bytes: int
+    files: int
+    final: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)
+
+
+@dataclass(kw_only=True, eq=False, repr=False)
+class GcAnswer(Answer):
+    """`gc`: the names of the releases and runs removed, the standbys retired, each removed folder, and whether
+    it was a dry run (nothing removed)."""
+
+    removed_releases: list[str]
+    removed_runs: list[str]
+    retired_standbys: list[str]
+    removed: list[RemovedEntry]
+    dry_run: bool
+
+
+@dataclass(kw_only=True, eq=False, repr=False)
+class FetchFile(Answer):
+    """One file of `fetch-manifest`: run-relative path, size, sha256 (None: not cached, not asked to hash)."""
+
+    path: str
+    size: int
+    sha256: str | None
+
+
+@dataclass(kw_only=True, eq=False, repr=False)
+class FetchManifestAnswer(Answer):
+    """`fetch-manifest`: the files under the asked paths, the paths that do not exist, the run's directory."""
+
+    files: list[FetchFile]
+    missing: list[str]
+    run_dir: str
+
+
+ENTRIES: dict[str, type[Answer]] = {"GpuEntry": GpuEntry, "RemovedEntry": RemovedEntry, "FetchFile": FetchFile}
+ANSWERS: dict[str, type[Answer]] = {
+    "ping": PingAnswer,
+    "gpus": GpusAnswer,
+    "manifest": ManifestAnswer,
+    "install": InstallAnswer,
+    "clear-cache": ClearCacheAnswer,
+    "gc": GcAnswer,
+    "fetch-manifest": FetchManifestAnswer,
+}
 
 
 def answer_json(answer: Answer) -> dict[str, Any]:

@@ -6,6 +6,7 @@ import json
 import os
 import sys
 
+from .answers import FetchFile, FetchManifestAnswer
 from .common import AgentFailure, file_sha256, read_json, run_dir, write_atomic
 from .protocol import FetchManifestRequest, ReadFileRequest
 
@@ -26,7 +27,7 @@ def run_file(directory: str, rel: object) -> str:
     return path
 
 
-def verb_fetch_manifest(req: FetchManifestRequest) -> dict:
+def verb_fetch_manifest(req: FetchManifestRequest) -> FetchManifestAnswer:
     """Size and sha256 of every regular file under the run-relative `paths` (files or folders); `missing`
     names the paths that do not exist. Hashes are computed here, on the target, next to the data. With
     `"hash": false` only cached hashes are given (`sha256` null for the rest): the controller starts the
@@ -36,7 +37,9 @@ def verb_fetch_manifest(req: FetchManifestRequest) -> dict:
         raise AgentFailure(f"run {req.name!r} does not exist on this target", "not_found")
     cache_path = os.path.join(directory, FETCH_CACHE)
     cache = read_json(cache_path) or {}
-    files, missing, changed = [], [], False
+    files: list[FetchFile] = []
+    missing: list[str] = []
+    changed = False
     for rel in req.paths:
         top = run_file(directory, rel)
         if not os.path.exists(top):
@@ -55,17 +58,17 @@ def verb_fetch_manifest(req: FetchManifestRequest) -> dict:
                 known = cache.get(key)
                 if not (isinstance(known, list) and known[:3] == stamp):
                     if not req.hash:
-                        files.append({"path": key, "size": stat.st_size, "sha256": None})
+                        files.append(FetchFile(path=key, size=stat.st_size, sha256=None))
                         continue
                     known, changed = [*stamp, file_sha256(path)], True
                     cache[key] = known
-                files.append({"path": key, "size": stat.st_size, "sha256": known[3]})
+                files.append(FetchFile(path=key, size=stat.st_size, sha256=known[3]))
     if changed and req.cache:  # a dry run's manifest writes nothing
         try:
             write_atomic(cache_path, json.dumps(cache))
         except OSError:
             pass  # a full disk: the cache is only a shortcut
-    return {"files": files, "missing": missing, "run_dir": directory}
+    return FetchManifestAnswer(files=files, missing=missing, run_dir=directory)
 
 
 def verb_read_file(req: ReadFileRequest) -> None:

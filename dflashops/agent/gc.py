@@ -8,6 +8,7 @@ import re
 import shutil
 import time
 
+from .answers import ClearCacheAnswer, GcAnswer, RemovedEntry
 from .common import COLLECTED, HASH_RE, AgentFailure, missing_run, remove_quietly, run_dir, workspace_of
 from .protocol import ClearCacheRequest, GcRequest
 from .releases import prunable_releases
@@ -17,7 +18,7 @@ from .status import run_status
 COMPILE_CACHE_KEY_RE = re.compile(r"^py\d+\.\d+-torch[A-Za-z0-9._-]+$")  # trainer/core/compile_cache.py cache_key
 
 
-def verb_clear_cache(req: ClearCacheRequest) -> dict:
+def verb_clear_cache(req: ClearCacheRequest) -> ClearCacheAnswer:
     """`--clear-cache`: remove the compile caches and nothing else: in the compile cache root (`compile_cache`,
     default <workspace>/cache/compile) only the folders named like a cache key and their artifacts (the
     `<key>.artifacts.d/` folder, or an older trainer's `<key>.artifacts` file), and the per-code-hash folders of
@@ -25,8 +26,9 @@ def verb_clear_cache(req: ClearCacheRequest) -> dict:
     return clear_cache(workspace_of(req.workspace), req.compile_cache)
 
 
-def clear_cache(workspace: str, compile_cache: str | None) -> dict:
-    """verb_clear_cache's work, for a launch or restart that asks `clear_cache` too (same answer)."""
+def clear_cache(workspace: str, compile_cache: str | None) -> ClearCacheAnswer:
+    """verb_clear_cache's work, for a launch or restart that asks `clear_cache` too (same answer, their
+    `cleared`)."""
     root = str(compile_cache or os.path.join(workspace, "cache", "compile"))
     if not os.path.isabs(root):
         raise AgentFailure("compile_cache must be an absolute path", "bad_request")
@@ -43,7 +45,7 @@ def clear_cache(workspace: str, compile_cache: str | None) -> dict:
             shutil.rmtree(path)
         else:
             remove_quietly(path)
-    return {"removed": doomed, "bytes": freed, "files": files}
+    return ClearCacheAnswer(removed=doomed, bytes=freed, files=files)
 
 
 def tree_size(path: str) -> tuple[int, int]:
@@ -59,7 +61,7 @@ def tree_size(path: str) -> tuple[int, int]:
     return size, count
 
 
-def verb_gc(req: GcRequest) -> dict:
+def verb_gc(req: GcRequest) -> GcAnswer:
     """Explicit clean-up: old releases beyond `keep`, the run directories named in `runs` that are not
     running, and with `standby` every waiting standby interpreter (asked to exit: `retired`; one that a launch
     has just claimed runs its run). Nothing else is ever deleted. `removed` lists each deleted folder with its
@@ -76,7 +78,7 @@ def verb_gc(req: GcRequest) -> dict:
         if status["state"] in ("running", "stopping", "launching"):
             raise AgentFailure(f"run {name!r} is still running; stop it first", "conflict")
         final[name] = {key: status[key] for key in ("state", "exit_code", "step")}
-    removed = []
+    removed: list[RemovedEntry] = []
     for name in req.runs:
         directory = run_dir(workspace, name)
         size, files = tree_size(directory)
@@ -85,25 +87,23 @@ def verb_gc(req: GcRequest) -> dict:
             with open(os.path.join(workspace, COLLECTED), "a", encoding="utf-8") as handle:  # before: no silent loss
                 handle.write(json.dumps({"name": name, "at": at, "by": "gc", "bytes": size}) + "\n")
             shutil.rmtree(directory)
-        removed.append(
-            {"kind": "run", "name": name, "path": directory, "bytes": size, "files": files, "final": final[name]}
-        )
+        removed.append(RemovedEntry(kind="run", name=name, path=directory, bytes=size, files=files, final=final[name]))
     releases = os.path.join(workspace, "releases")
     for entry in prunable_releases(workspace, int(req.keep)) if os.path.isdir(releases) else []:
         path = os.path.join(releases, entry)
         size, files = tree_size(path)
         if not dry_run:
             shutil.rmtree(path)
-        removed.append({"kind": "release", "name": entry, "path": path, "bytes": size, "files": files})
+        removed.append(RemovedEntry(kind="release", name=entry, path=path, bytes=size, files=files))
     retired = []
     if req.standby:
         retired = [os.path.basename(folder) for folder, _ in standbys(workspace)]
         if not dry_run:
             retire_standbys(workspace, keep=None)
-    return {
-        "removed_releases": [r["name"] for r in removed if r["kind"] == "release"],
-        "removed_runs": [r["name"] for r in removed if r["kind"] == "run"],
-        "retired_standbys": retired,
-        "removed": removed,
-        "dry_run": dry_run,
-    }
+    return GcAnswer(
+        removed_releases=[r.name for r in removed if r.kind == "release"],
+        removed_runs=[r.name for r in removed if r.kind == "run"],
+        retired_standbys=retired,
+        removed=removed,
+        dry_run=dry_run,
+    )

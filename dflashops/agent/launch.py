@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 
+from .answers import answer_json
 from .common import (
     DISK_FULL_ERRNOS,
     LAUNCHERS,
@@ -100,7 +101,7 @@ def verb_launch(req: LaunchRequest) -> dict:
     wants_standby = bool(req.standby) and standby_eligible(argv)
     fingerprint = standby_fingerprint(argv[0], launch_env, launcher, list(req.secret_keys)) if wants_standby else ""
     verdict = launch_preflight(req, argv, env, launch_env, launcher, fingerprint)
-    cleared = clear_cache(req.workspace, req.compile_cache) if req.clear_cache else None
+    cleared = answer_json(clear_cache(req.workspace, req.compile_cache)) if req.clear_cache else None
     session = session_name(req.name)
     if launcher == "tmux" and tmux_has_session(req.workspace, session):  # refused before the name is taken
         raise AgentFailure(

@@ -10,6 +10,7 @@ import shutil
 import tarfile
 import zlib
 
+from .answers import InstallAnswer, ManifestAnswer
 from .common import (
     DISK_FULL_ERRNOS,
     HASH_RE,
@@ -26,7 +27,7 @@ from .common import (
 from .protocol import InstallRequest, ManifestRequest
 
 
-def verb_manifest(req: ManifestRequest) -> dict:
+def verb_manifest(req: ManifestRequest) -> ManifestAnswer:
     """The current release's code hash and per-file sha256 (written at install, so this reads one file); with
     `release` (a code hash), that release's, or `release: None` when it is not there (never installed, or
     removed by gc): `runs diff` names the files that changed between two runs' code."""
@@ -35,20 +36,19 @@ def verb_manifest(req: ManifestRequest) -> dict:
         if not isinstance(named, str) or not HASH_RE.match(named):
             raise AgentFailure(f"release must be a code hash, not {named!r}", "bad_request")
         files = read_json(os.path.join(workspace_of(req.workspace), "releases", named, ".manifest.json"))
-        return {
-            "release": named if isinstance(files, dict) else None,
-            "files": files if isinstance(files, dict) else {},
-        }
+        return ManifestAnswer(
+            release=named if isinstance(files, dict) else None, files=files if isinstance(files, dict) else {}
+        )
     current = os.path.join(workspace_of(req.workspace), "releases", "current")
     if not os.path.islink(current):
-        return {"release": None, "files": {}}
+        return ManifestAnswer(release=None, files={})
     target = os.path.realpath(current)
     if req.hash and req.hash == os.path.basename(target):
-        return {"release": os.path.basename(target), "path": target, "files": {}}  # up to date: skip the list
+        return ManifestAnswer(release=os.path.basename(target), path=target, files={})  # up to date: skip the list
     manifest = read_json(os.path.join(target, ".manifest.json"))
     if manifest is None:
-        return {"release": None, "files": {}}
-    return {"release": os.path.basename(target), "path": target, "files": manifest}
+        return ManifestAnswer(release=None, files={})
+    return ManifestAnswer(release=os.path.basename(target), path=target, files=manifest)
 
 
 def safe_member(member: tarfile.TarInfo) -> tarfile.TarInfo:
@@ -250,13 +250,13 @@ def flip_current(workspace: str, code_hash: str) -> None:
     os.replace(link_tmp, os.path.join(releases, "current"))  # rename(2) over the old link: atomic flip
 
 
-def verb_install(req: InstallRequest, stdin: bytes | io.BufferedIOBase) -> dict:
+def verb_install(req: InstallRequest, stdin: bytes | io.BufferedIOBase) -> InstallAnswer:
     """build_release, then flip `current` atomically and prune old releases; `current` never points at a
     partial tree."""
     code_hash, final = build_release(req, stdin)
     flip_current(workspace_of(req.workspace), code_hash)
     removed = prune_releases(workspace_of(req.workspace), int(req.keep))
-    return {"release": code_hash, "path": final, "removed": removed}
+    return InstallAnswer(release=code_hash, path=final, removed=removed)
 
 
 def releases_in_use(workspace: str) -> set[str]:

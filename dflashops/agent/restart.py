@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
+from .answers import answer_json
 from .checkpoints import complete_checkpoint, latest_checkpoint, release_hold, restore_held
 from .common import (
     RESUME_WRITER_KEY,
@@ -288,7 +289,7 @@ def make_current(req: RestartRequest, built: Built) -> tuple[list, dict | None]:
     workspace = workspace_of(req.workspace)
     flip_current(workspace, built.code_hash)
     removed = prune_releases(workspace, int(built.install.keep))
-    cleared = clear_cache(workspace, req.compile_cache) if req.clear_cache else None
+    cleared = answer_json(clear_cache(workspace, req.compile_cache)) if req.clear_cache else None
     return removed, cleared
 
 

@@ -35,6 +35,7 @@ from dflashops.core.errors import NotFound, TransportError, UsageError
 from dflashops.core.shell import join_argv, validate_name
 from dflashops.lineage.files import AGENT_STATE_TO_LINEAGE
 from dflashops.lineage.record import utc_now_iso
+from dflashops.ops.agent_client import GcAnswer, answer_json
 from dflashops.ops.runs.control import LogCursor, ended_badly, read_log, run_status, stop_run, target_status, wait_for
 from dflashops.ops.runs.nodes import node_target, unreachable_error
 from dflashops.ops.runs.observer import observe_runs
@@ -478,23 +479,24 @@ def handle_gc(args: argparse.Namespace) -> int:
     with open_invocation(args) as invocation:
         target = invocation.inventory.target(args.target)
         request = {"workspace": target.workspace, "keep": args.keep, "runs": args.run, "standby": args.standby}
-        answer = invocation.agent(target).call("gc", {**request, "dry_run": True} if args.dry_run else request)
+        answer = invocation.agent(target).ask("gc", {**request, "dry_run": True} if args.dry_run else request, GcAnswer)
+        assert answer is not None  # the invocation is no dry run: the call ran
         if not args.dry_run:
             mark_collected(invocation, target.name, answer)
     if args.json:
-        emit_json({k: v for k, v in answer.items() if k != "ok"})
+        emit_json(answer_json(answer))
         return 0
     verb = "would remove" if args.dry_run else "removed"
-    for item in answer["removed"]:
-        print(f"{verb} {item['kind']} {item['name']}  {item['path']}  {size(item['bytes'])} in {item['files']} files")
-    for folder in answer["retired_standbys"]:
+    for item in answer.removed:
+        print(f"{verb} {item.kind} {item.name}  {item.path}  {size(item.bytes)} in {item.files} files")
+    for folder in answer.retired_standbys:
         print(f"{'would retire' if args.dry_run else 'retired'} standby {folder}")
-    total = sum(int(item["bytes"]) for item in answer["removed"])
-    runs, releases = len(answer["removed_runs"]), len(answer["removed_releases"])
+    total = sum(item.bytes for item in answer.removed)
+    runs, releases = len(answer.removed_runs), len(answer.removed_releases)
     summary = f"{runs} run director{'y' if runs == 1 else 'ies'} and {releases} release(s), {size(total)}"
     if args.dry_run:
         progress(f"dry run on {target.name}: {summary} would be deleted; nothing was deleted")
-    elif answer["removed"] or answer["retired_standbys"]:
+    elif answer.removed or answer.retired_standbys:
         progress(f"gc on {target.name}: deleted {summary}")
     else:
         progress(
@@ -504,16 +506,16 @@ def handle_gc(args: argparse.Namespace) -> int:
     return 0
 
 
-def mark_collected(invocation: Any, target: str, answer: dict[str, Any]) -> None:
+def mark_collected(invocation: Any, target: str, answer: GcAnswer) -> None:
     """The lineage keeps the record of a run whose directory gc deleted, with the state that directory held last
     and marked collected (when, by gc), so the views say where its files went."""
-    for item in answer.get("removed") or []:
-        record = invocation.record_of(item["name"]) if item["kind"] == "run" else None
+    for item in answer.removed:
+        record = invocation.record_of(item.name) if item.kind == "run" else None
         if record is not None and record.target == target:
-            final = item.get("final") or {}
+            final = item.final or {}
             fields = {"exit_code": final.get("exit_code", record.exit_code)}
             if isinstance(final.get("step"), int):
                 fields["last_step"] = final["step"]
-            collected = {"at": utc_now_iso(), "by": "gc", "target": target, "bytes": item["bytes"]}
+            collected = {"at": utc_now_iso(), "by": "gc", "target": target, "bytes": item.bytes}
             state = AGENT_STATE_TO_LINEAGE.get(str(final.get("state")), record.state)
             invocation.db.set_state(record.name, state, **fields, extra={"collected": collected})

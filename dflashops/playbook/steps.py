@@ -17,6 +17,7 @@ from typing import Any
 
 from dflashops.core.errors import CommandFailed, NotFound, RunFailed, UsageError, WaitTimeout
 from dflashops.core.shell import join_argv
+from dflashops.ops.agent_client import ClearCacheAnswer
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.releases.sync import sync
 from dflashops.ops.runs.control import DEFAULT_FAIL_ON, LogCursor, NotRunning, read_log, run_status, stop_run, wait_for
@@ -111,18 +112,19 @@ def do_sync(ctx: Context, args: dict[str, Any]) -> StepOutcome:
 def do_clear_cache(ctx: Context, args: dict[str, Any]) -> StepOutcome:
     """Remove the target's compile caches (shared by every code version: the next run compiles cold)."""
     _, target = _profile_and_target(ctx, args)
-    answer = ctx.invocation.agent(target).call(
-        "clear-cache", {"workspace": target.workspace, "compile_cache": target.compile_cache_root}
+    answer = ctx.invocation.agent(target).ask(
+        "clear-cache", {"workspace": target.workspace, "compile_cache": target.compile_cache_root}, ClearCacheAnswer
     )
-    removed = answer.get("removed") or []
+    removed = answer.removed if answer is not None else []  # None: a check only planned it
+    freed = answer.bytes if answer is not None else None
     detail = (
         f"would remove the compile caches of {target.name}"
         if ctx.check
-        else f"removed {', '.join(removed)} ({answer.get('bytes', 0)} bytes)"
+        else f"removed {', '.join(removed)} ({freed or 0} bytes)"
         if removed
         else f"no compile cache on {target.name}"
     )
-    return StepOutcome(bool(removed) or ctx.check, detail, {"removed": removed, "bytes": answer.get("bytes")})
+    return StepOutcome(bool(removed) or ctx.check, detail, {"removed": removed, "bytes": freed})
 
 
 def do_deploy(ctx: Context, args: dict[str, Any]) -> StepOutcome:

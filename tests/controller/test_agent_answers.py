@@ -44,6 +44,29 @@ def test_a_real_answer_parses_into_its_dataclass_and_prints_back_the_same_json(t
     agent.ensure()  # its `ping` answer is checked too
 
 
+def test_each_converted_verb_answers_the_json_its_dataclass_prints_back(tmp_path: Path) -> None:
+    agent = real_agent(tmp_path)
+    workspace = agent.target.workspace
+    run = Path(workspace) / "runs" / "r1"
+    (run / "checkpoints" / "step_1").mkdir(parents=True)
+    (run / "checkpoints" / "step_1" / "weights").write_bytes(b"w" * 10)
+    (run / "exit_code").write_text("0\n")
+    (Path(workspace) / "cache" / "compile" / "py3.12-torch2.5").mkdir(parents=True)
+    requests = [
+        ("manifest", {"workspace": workspace}),
+        ("manifest", {"workspace": workspace, "release": "0" * 16}),
+        ("fetch-manifest", {"workspace": workspace, "name": "r1", "paths": ["checkpoints", "nothing"]}),
+        ("fetch-manifest", {"workspace": workspace, "name": "r1", "paths": ["checkpoints"], "hash": False}),
+        ("gc", {"workspace": workspace, "runs": ["r1"], "dry_run": True}),
+        ("clear-cache", {"workspace": workspace}),
+    ]
+    for verb, request in requests:
+        raw = agent.call(verb, request)
+        parsed = parse_answer(verb, ANSWERS[verb], raw)
+        assert json.dumps({"ok": True, **answer_json(parsed)}) == json.dumps(raw), verb
+    assert raw["removed"] and not (Path(workspace) / "cache" / "compile" / "py3.12-torch2.5").exists()
+
+
 @pytest.mark.parametrize(
     ("answer", "message"),
     [
@@ -80,4 +103,4 @@ def test_an_optional_key_is_left_out_when_none_and_every_answer_survives_its_jso
     ping = PingAnswer(version=PROTOCOL_VERSION, python="3.12.1")
     assert answer_json(ping) == {"version": PROTOCOL_VERSION, "python": "3.12.1"}
     assert answer_json(parse_answer("ping", PingAnswer, {"ok": True, **answer_json(ping)})) == answer_json(ping)
-    assert set(ANSWERS) >= {"ping", "gpus"}
+    assert set(ANSWERS) >= {"ping", "gpus", "manifest", "install", "clear-cache", "gc", "fetch-manifest"}

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflashops.agent.answers import FetchManifestAnswer
 from dflashops.agent.protocol import FetchManifestRequest
 from dflashops.core.errors import NotFound, UsageError
 from dflashops.core.inventory import Target
@@ -120,16 +121,17 @@ def export_on_target(
         raise UsageError(f"--format takes {' or '.join(EXPORT_FORMATS)}, not {export_format!r}", hint="--format zlab")
     run_dir = entry["run_dir"]
     rel = export_dir(step, export_format)
-    listed = invocation.agent(target).call(
+    listed = invocation.agent(target).ask(
         "fetch-manifest",
         FetchManifestRequest(workspace=target.workspace, name=entry["name"], paths=[rel], cache=not invocation.dry_run),
+        FetchManifestAnswer,
     )
     if export_format != "speculators" and (target_model or verifier):
         raise UsageError(
             "--target-model and --verifier apply to the speculators export only",
             hint="add --format speculators, or drop them",
         )
-    if listed["files"]:
+    if listed is not None and listed.files:
         unused = " (--target-model/--verifier unused: it was exported before)" if target_model or verifier else ""
         note(f"export {rel} exists on {target.name}; fetching it{unused}")
         return rel
@@ -185,28 +187,30 @@ def fetch(invocation: Invocation, request: FetchRequest, progress: Progress | No
     agent = invocation.agent(target)
     outcome = FetchOutcome(run=request.run, target=target.name, to=str(root), selected=paths, exported=exported)
     transfer_started = time.monotonic()  # after the export: a rate over its minutes said `0 MiB/s` for 1 MB
-    listed = agent.call(
+    listed = agent.ask(
         "fetch-manifest",
         FetchManifestRequest(
             workspace=target.workspace, name=request.run, paths=paths, cache=not invocation.dry_run, hash=False
         ),
+        FetchManifestAnswer,
     )
-    files = listed["files"]
+    assert listed is not None  # read-only, and the run's status before it put the agent there: never only planned
+    files = listed.files
     optional = {*METADATA, *LOGS[1:], *([exported] if invocation.dry_run else [])}  # a dry run made no export
-    required = [p for p in listed["missing"] if p not in optional]
+    required = [p for p in listed.missing if p not in optional]
     if required:
         raise NotFound(
             f"{target.name}: run {request.run!r} has no {required[0]}",
             hint=f"`dflashops status {request.run}` lists its checkpoints",
         )
     if invocation.dry_run:
-        outcome.files = [FileOutcome(f["path"], f["size"], f["sha256"] or "(at fetch)", "planned", 0) for f in files]
+        outcome.files = [FileOutcome(f.path, f.size, f.sha256 or "(at fetch)", "planned", 0) for f in files]
         return outcome
-    hashes = TargetHashes(agent, request.run, [f["path"] for f in files if not f["sha256"]])
+    hashes = TargetHashes(agent, request.run, [f.path for f in files if not f.sha256])
     starts = [resume_point(item, root, hashes) for item in files]
     progress.begin(
-        sum(int(f["size"]) for f in files),
-        sum(int(f["size"]) if start is None else start for f, start in zip(files, starts)),
+        sum(f.size for f in files),
+        sum(f.size if start is None else start for f, start in zip(files, starts)),
     )
     for item, start in zip(files, starts):
         outcome.files.append(fetch_file(agent, request.run, item, root, start, progress, hashes, request.retries))

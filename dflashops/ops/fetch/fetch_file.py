@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflashops.agent.answers import FetchFile, FetchManifestAnswer
 from dflashops.agent.protocol import FetchManifestRequest, ReadFileRequest, wire
 from dflashops.core.errors import DflashopsError, LocalDiskFull, NotFound, TransportError
-from dflashops.ops.agent_client import Agent
+from dflashops.ops.agent_client import Agent, checked
 
 RESUME_ATTEMPTS = 8
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -80,24 +81,25 @@ class TargetHashes:
             answer = call_resuming(
                 agent, "fetch-manifest", FetchManifestRequest(workspace=agent.target.workspace, name=run, paths=paths)
             )
-            self._sums = {f["path"]: f["sha256"] for f in answer["files"]}
+            listed = checked(agent.target.name, "fetch-manifest", FetchManifestAnswer, answer)
+            self._sums = {f.path: f.sha256 for f in listed.files if f.sha256 is not None}
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread by get()
             self._error = exc
 
-    def peek(self, item: dict[str, Any]) -> str | None:
+    def peek(self, item: FetchFile) -> str | None:
         """The sum if it is known already (never waits)."""
-        return item.get("sha256") or (None if self._thread.is_alive() else self._sums.get(item["path"]))
+        return item.sha256 or (None if self._thread.is_alive() else self._sums.get(item.path))
 
-    def get(self, item: dict[str, Any]) -> str:
-        if item.get("sha256"):
-            return str(item["sha256"])
+    def get(self, item: FetchFile) -> str:
+        if item.sha256:
+            return item.sha256
         if self._thread.is_alive() or self._thread.ident is not None:
             self._thread.join()
         if self._error is not None:
             raise self._error
-        if item["path"] not in self._sums:
-            raise NotFound(f"{item['path']} vanished from the target during the fetch")
-        return self._sums[item["path"]]
+        if item.path not in self._sums:
+            raise NotFound(f"{item.path} vanished from the target during the fetch")
+        return self._sums[item.path]
 
 
 def write_record(meta: Path, record: dict[str, Any], width: int, fresh: bool = False) -> None:
@@ -129,12 +131,12 @@ def disk_full(rel: str, root: Path, partial: Path, written: int, size: int) -> L
     )
 
 
-def resume_point(item: dict[str, Any], root: Path, hashes: TargetHashes) -> int | None:
+def resume_point(item: FetchFile, root: Path, hashes: TargetHashes) -> int | None:
     """None when the final file is already there with the manifest's size and sha256; else the byte to
     start at: the size of a partial left for this same content (its .partial.json names the sha256), or 0.
     Waits for the target's hash only when a local file or partial has to be compared with it."""
-    final = root / str(item["path"])
-    size = int(item["size"])
+    final = root / item.path
+    size = item.size
     partial, meta = partial_paths(final)
     if not final.is_file() and not partial.is_file():
         return 0
@@ -160,7 +162,7 @@ class Landed:
 def stream_into(
     agent: Agent,
     run: str,
-    item: dict[str, Any],
+    item: FetchFile,
     partial: Path,
     landed: Landed,
     progress: Progress,
@@ -169,7 +171,7 @@ def stream_into(
 ) -> None:
     """Append the file's bytes from `landed.written` to `partial` with `read-file` streams, continuing after
     a cut with backoff. An OSError of the local disk (full) propagates with `landed` true to the byte."""
-    rel, size = str(item["path"]), int(item["size"])
+    rel, size = item.path, item.size
     landed.digest = sha256_of(partial, landed.written) if landed.written else hashlib.sha256()
     last_error = ""
     with partial.open("ab", buffering=0) as out:  # unbuffered: what write() returns is on the disk
@@ -218,7 +220,7 @@ def stream_into(
 def fetch_file(
     agent: Agent,
     run: str,
-    item: dict[str, Any],
+    item: FetchFile,
     root: Path,
     start: int | None,
     progress: Progress,
@@ -226,7 +228,7 @@ def fetch_file(
     retries: int = RESUME_ATTEMPTS,
 ) -> FileOutcome:
     """One file from byte `start` (resume_point), resumable and verified (module docstring, steps 2-4)."""
-    rel, size = str(item["path"]), int(item["size"])
+    rel, size = item.path, item.size
     if start is None:
         return FileOutcome(rel, size, hashes.get(item), "unchanged", 0)
     final = root / rel

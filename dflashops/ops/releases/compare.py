@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dflashops.agent.answers import ManifestAnswer
 from dflashops.agent.protocol import ManifestRequest
 from dflashops.ops.agent_client import Agent
 
@@ -34,8 +35,8 @@ class FileChanges:
 
 def release_manifest(agent: Agent, code_hash: str) -> dict[str, str] | None:
     """The manifest of release `code_hash` on the agent's target, or None when that release is not there."""
-    answer = agent.call("manifest", ManifestRequest(workspace=agent.target.workspace, release=code_hash))
-    return answer.get("files") if answer.get("release") == code_hash else None
+    answer = agent.ask("manifest", ManifestRequest(workspace=agent.target.workspace, release=code_hash), ManifestAnswer)
+    return answer.files if answer is not None and answer.release == code_hash else None
 
 
 def compare(old: dict[str, str], new: dict[str, str]) -> list[tuple[str, str]]:

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflashops.agent.answers import InstallAnswer, ManifestAnswer
 from dflashops.agent.protocol import InstallRequest, ManifestRequest
 from dflashops.core.errors import UsageError
 from dflashops.ops.agent_build import package_files
@@ -225,17 +226,16 @@ def sync(
     With `cache` (the lineage database path), remember what is now installed there (release_cache)."""
     files = release_files(extra_files, extra_root, packages)
     code_hash, manifest = local_manifest(files)
-    remote = agent.call("manifest", ManifestRequest(workspace=agent.target.workspace, hash=code_hash))
+    remote = agent.ask("manifest", ManifestRequest(workspace=agent.target.workspace, hash=code_hash), ManifestAnswer)
+    base, base_files = (remote.release, remote.files) if remote is not None else (None, {})
     release_path = f"{agent.target.workspace}/releases/{code_hash}"
-    if remote.get("release") == code_hash:
+    if base == code_hash:
         if cache is not None and not agent.dry_run:
             release_cache.save(cache, agent.target, code_hash, manifest)
         return SyncOutcome(code_hash, release_path, (), tuple(sorted(manifest)), 0)
-    payload = install_payload(
-        agent.target.workspace, files, code_hash, manifest, remote.get("release"), remote.get("files") or {}, keep
-    )
+    payload = install_payload(agent.target.workspace, files, code_hash, manifest, base, base_files, keep)
     try:
-        agent.call("install", payload.request, stdin_tar=payload.tar)
+        agent.ask("install", payload.request, InstallAnswer, stdin_tar=payload.tar)  # checked; nothing in it is read
     finally:
         payload.tar.close()
     if cache is not None and not agent.dry_run:

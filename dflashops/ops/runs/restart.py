@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from dflashops.agent import protocol
+from dflashops.agent import answers, protocol
 from dflashops.core.errors import Conflict, NotFound, TransportError, UsageError
 from dflashops.core.inventory import Profile, Target
 from dflashops.core.shell import validate_name
@@ -334,10 +334,13 @@ def unchecked(invocation: Invocation, old: RunRecord, profile: Profile) -> Usage
 def remote_base(agent: Agent, code_hash: str, manifest: dict[str, str]) -> tuple[str | None, dict[str, str]]:
     """(release, manifest) now current on the target (one `manifest` call); the agent skips the file list
     when the target already has `code_hash`, which then is its own base."""
-    remote = agent.call("manifest", protocol.ManifestRequest(workspace=agent.target.workspace, hash=code_hash))
-    if remote.get("release") == code_hash:
+    request = protocol.ManifestRequest(workspace=agent.target.workspace, hash=code_hash)
+    remote = agent.ask("manifest", request, answers.ManifestAnswer)
+    if remote is None:  # a dry run before the agent is on the target: nothing is there
+        return None, {}
+    if remote.release == code_hash:
         return code_hash, manifest
-    return remote.get("release"), remote.get("files") or {}
+    return remote.release, remote.files
 
 
 def combined_call(
