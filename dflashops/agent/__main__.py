@@ -155,7 +155,7 @@ def is_tar_error(exc: BaseException) -> bool:
 def answer_json(result: Any) -> dict:
     """A verb's answer as its JSON object: an answer dataclass (answers.py) through its `answer_json`, a dict
     (a verb not converted yet) as it is. Checked without importing answers.py: a verb whose answer is one
-    imported it, and the other calls keep its ~N ms (see answers.py)."""
+    imported it, and the other calls (ping, tail, stop, launch, ...) do not pay its import (answers.py)."""
     answers = sys.modules.get("dflashops.agent.answers")
     return answers.answer_json(result) if answers is not None and isinstance(result, answers.Answer) else result
 

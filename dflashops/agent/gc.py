@@ -75,9 +75,9 @@ def verb_gc(req: GcRequest) -> GcAnswer:
         if not os.path.isdir(directory):
             raise missing_run(workspace, name, "does not exist on this target")
         status = run_status(directory)
-        if status["state"] in ("running", "stopping", "launching"):
+        if status.state in ("running", "stopping", "launching"):
             raise AgentFailure(f"run {name!r} is still running; stop it first", "conflict")
-        final[name] = {key: status[key] for key in ("state", "exit_code", "step")}
+        final[name] = {"state": status.state, "exit_code": status.exit_code, "step": status.step}
     removed: list[RemovedEntry] = []
     for name in req.runs:
         directory = run_dir(workspace, name)

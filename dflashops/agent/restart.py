@@ -196,7 +196,7 @@ def stop_and_launch(req: RestartRequest, built: Built) -> dict:
         outcome = {"name": req.name, "checkpoint": checkpoint}
         return {
             "stop": stop,
-            "old_status": old_status,
+            "old_status": answer_json(old_status),
             "release": built.code_hash,
             "path": built.path,
             "removed": removed,

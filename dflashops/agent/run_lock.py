@@ -114,14 +114,14 @@ def joined_answer(directory: str, holder: dict, started: float) -> dict:
     stop = read_json(os.path.join(directory, "stop.json")) or {}
     return {
         "joined": {k: holder.get(k) for k in ("op", "pid", "since", "outcome", "finished_at")},
-        "state": status["state"],
+        "state": status.state,
         "escalated": bool(stop.get("escalated")),
         "signalled": [],
         "gpu_released": stop.get("gpu_released"),
         "waited_for_checkpoint_s": 0.0,
         "before_start": bool(stop.get("before_start")),
-        "exit_code": status["exit_code"],
-        "checkpoints": status["checkpoints"][-1:],
+        "exit_code": status.exit_code,
+        "checkpoints": status.checkpoints[-1:],
         "seconds": round(time.monotonic() - started, 3),
         "recorded": True,
     }

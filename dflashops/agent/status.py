@@ -9,7 +9,7 @@ import signal
 import subprocess
 import time
 
-from .answers import GpuEntry, GpusAnswer
+from .answers import GpuEntry, GpusAnswer, RunEntry, StatusAnswer
 from .common import (
     ERROR_LINE_RE,
     NAME_RE,
@@ -57,7 +57,7 @@ def trainer_exit_code(directory: str, trainer_status: dict | None) -> int | None
     return code
 
 
-def run_status(directory: str, table: ProcessTable | None = None) -> dict:
+def run_status(directory: str, table: ProcessTable | None = None) -> RunEntry:
     """The run's state and what its files say. `table`: a /proc walk shared by every run of one `status`
     call, taken before any run's files are read (a run with no process in it has written its exit code, if it
     ever will, before this reads it); None walks /proc for this run alone, after its exit code is read."""
@@ -131,25 +131,25 @@ def run_status(directory: str, table: ProcessTable | None = None) -> dict:
         else []
     )
     workspace = os.path.dirname(os.path.dirname(os.path.abspath(directory)))
-    return {
-        "name": name,
-        "state": state,
-        "exit_code": exit_code,
-        "launcher_exit_code": launcher_exit_code,
-        "tmux": {"socket": tmux_socket(workspace), "session": run_json.get("session") or session_name(name)},
-        "pids": live,
-        "pgid": pgid,
-        "step": step,
-        "error_line": error_line if state in ("crashed", "lost") else None,
-        "ended_at": ended_at(directory) if state in ("finished", "crashed", "stopped") else None,
-        "trainer_status": trainer_status,
-        "last_metrics": last_metrics,
-        "last_log_line": last_log_line(log_tail),
-        "checkpoints": checkpoints,
-        "run_dir": directory,
-        "run_json": run_json,
+    return RunEntry(
+        name=name,
+        state=state,
+        exit_code=exit_code,
+        launcher_exit_code=launcher_exit_code,
+        tmux={"socket": tmux_socket(workspace), "session": run_json.get("session") or session_name(name)},
+        pids=live,
+        pgid=pgid,
+        step=step,
+        error_line=error_line if state in ("crashed", "lost") else None,
+        ended_at=ended_at(directory) if state in ("finished", "crashed", "stopped") else None,
+        trainer_status=trainer_status,
+        last_metrics=last_metrics,
+        last_log_line=last_log_line(log_tail),
+        checkpoints=checkpoints,
+        run_dir=directory,
+        run_json=run_json,
         **supervision(directory),
-    }
+    )
 
 
 def ended_at(directory: str) -> float | None:
@@ -224,26 +224,28 @@ def cancel_supervisor(directory: str) -> bool:
     return True
 
 
-def verb_status(req: StatusRequest) -> dict:
+def verb_status(req: StatusRequest) -> StatusAnswer:
     """One run's state (`name`), or every run's of the workspace (those that ended more than `ended_within_s`
     ago counted in `older_runs`, not read)."""
     if req.name:
         directory = run_dir(req.workspace, req.name)
         if not os.path.isdir(directory):
             raise missing_run(req.workspace, req.name, "does not exist on this target")
-        return {"runs": [run_status(directory)]}
+        return StatusAnswer(runs=[run_status(directory)])
     runs_root = os.path.join(workspace_of(req.workspace), "runs")
     names = sorted(os.listdir(runs_root)) if os.path.isdir(runs_root) else []
     table = ProcessTable()  # one walk of /proc for every run (O(runs + processes)), before any run is read
     directories = [os.path.join(runs_root, n) for n in names if NAME_RE.match(n)]
     within = req.ended_within_s
     if not isinstance(within, (int, float)) or isinstance(within, bool):
-        return {"runs": [run_status(directory, table) for directory in directories]}
+        return StatusAnswer(runs=[run_status(directory, table) for directory in directories])
     # The controller's default view: runs that ended more than `within` seconds ago (and have no process left)
     # are counted, not read: a workspace of 1,000 finished runs costs a stat and two small reads each.
     cutoff = time.time() - within
     shown = [directory for directory in directories if not ended_before(directory, cutoff, table)]
-    return {"runs": [run_status(directory, table) for directory in shown], "older_runs": len(directories) - len(shown)}
+    return StatusAnswer(
+        runs=[run_status(directory, table) for directory in shown], older_runs=len(directories) - len(shown)
+    )
 
 
 def ended_before(directory: str, cutoff: float, table: ProcessTable) -> bool:

@@ -42,6 +42,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
+from .answers import RunEntry, answer_json
 from .checkpoints import latest_checkpoint
 from .common import AgentFailure, read_int, read_json, read_text, run_processes, signal_run, write_atomic
 from .launch import verb_launch
@@ -237,15 +238,15 @@ class Supervisor:
         if left:
             signal_run(pgid, left, signal.SIGKILL)
 
-    def stalled(self, status: dict, clock: dict) -> str | None:
+    def stalled(self, status: RunEntry, clock: dict) -> str | None:
         """Why the running run counts as stalled now, or None. `clock` keeps the last step and when it moved,
         and since when the GPUs are idle."""
-        if not self.stall or status["state"] != "running":
+        if not self.stall or status.state != "running":
             return None
-        now, trainer = time.time(), status.get("trainer_status") or {}
+        now, trainer = time.time(), status.trainer_status or {}
         phase = trainer.get("phase")
-        if status.get("step") != clock.get("step"):
-            clock["step"], clock["step_at"] = status.get("step"), now
+        if status.step != clock.get("step"):
+            clock["step"], clock["step_at"] = status.step, now
         limit = self.stall.get("heartbeat_s")
         if limit:
             heartbeat = trainer.get("heartbeat")
@@ -256,7 +257,7 @@ class Supervisor:
                     f"no status.json heartbeat for {now - max(float(beat), clock['started']):.0f}s (limit {limit:g}s)"
                 )
             if phase == "training" and now - clock["step_at"] > limit:
-                return f"no new step for {now - clock['step_at']:.0f}s while training, at step {status.get('step')} (limit {limit:g}s)"
+                return f"no new step for {now - clock['step_at']:.0f}s while training, at step {status.step} (limit {limit:g}s)"
         below = self.stall.get("gpu_util_below")
         if below is not None and phase == "training":
             used = self.gpu_utilisation()
@@ -279,7 +280,7 @@ class Supervisor:
         clock["step"] = None
         while not CANCELLED:
             status = run_status(directory)
-            if status["state"] in ("running", "stopping", "launching"):
+            if status.state in ("running", "stopping", "launching"):
                 reason = self.stalled(status, clock)
                 if reason and not os.path.exists(os.path.join(directory, "stop.json")):
                     self.stop_stalled(directory, reason, clock)
@@ -289,11 +290,12 @@ class Supervisor:
             time.sleep(0.5)  # a stop writes stop.json right after its signal: let it land before judging
             status = run_status(directory)
             stall = read_json(os.path.join(directory, "stall.json"))
+            ended = answer_json(status)  # the outcome is the run's status entry, with its kind
             if stall:
-                return {**status, "kind": "stalled", "reason": stall.get("reason")}
-            if status["state"] in ("finished", "stopped"):
-                return {**status, "kind": status["state"]}
-            return {**status, "kind": "crashed"}
+                return {**ended, "kind": "stalled", "reason": stall.get("reason")}
+            if status.state in ("finished", "stopped"):
+                return {**ended, "kind": status.state}
+            return {**ended, "kind": "crashed"}
         return {"kind": "cancelled"}
 
     # -- restarting -----------------------------------------------------------------------------------

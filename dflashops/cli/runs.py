@@ -317,10 +317,12 @@ def _statuses_from_target(args: argparse.Namespace, target: str) -> list[dict[st
     """The agent's `status` answer for every run on `target` (through the invocation's agent): the entries only,
     read into the database `runs sync` writes (`--db` may name one other than the inventory's); no observer step."""
     from dflashops.cli.common import open_invocation
+    from dflashops.ops.agent_client import StatusAnswer, answer_json
 
     with open_invocation(args) as invocation:
         tgt = invocation.inventory.target(target)
-        return list(invocation.agent(tgt).call("status", {"workspace": tgt.workspace})["runs"])
+        answer = invocation.agent(tgt).ask("status", {"workspace": tgt.workspace}, StatusAnswer)
+        return [answer_json(entry) for entry in answer.runs] if answer is not None else []
 
 
 def cmd_plot(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflashops.agent.answers import StatusAnswer
 from dflashops.agent.protocol import StatusRequest
 from dflashops.core.errors import DflashopsError, NotFound
 from dflashops.core.inventory import Inventory, Target
@@ -128,10 +129,8 @@ class Invocation:
             pass
         try:
             target = self.target_for_run(name, explicit_target)
-            names |= {
-                str(run["name"])
-                for run in self.agent(target).call("status", StatusRequest(workspace=target.workspace))["runs"]
-            }
+            answer = self.agent(target).ask("status", StatusRequest(workspace=target.workspace), StatusAnswer)
+            names |= {run.name for run in (answer.runs if answer is not None else [])}
         except DflashopsError:
             pass
         names.discard(name)

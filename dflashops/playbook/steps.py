@@ -17,7 +17,7 @@ from typing import Any
 
 from dflashops.core.errors import CommandFailed, NotFound, RunFailed, UsageError, WaitTimeout
 from dflashops.core.shell import join_argv
-from dflashops.ops.agent_client import ClearCacheAnswer
+from dflashops.ops.agent_client import ClearCacheAnswer, StatusAnswer
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.releases.sync import sync
 from dflashops.ops.runs.control import DEFAULT_FAIL_ON, LogCursor, NotRunning, read_log, run_status, stop_run, wait_for
@@ -357,11 +357,11 @@ def latest_running_run(invocation: Invocation, target: str | None) -> str:
     tgt = invocation.inventory.target(target)
     # The agent's status verb directly (read-only): in --check mode on a target that has no agent yet,
     # the call is only planned and answers without "runs", which here simply means "none running".
-    answer = invocation.agent(tgt).call("status", {"workspace": tgt.workspace})
-    running = [e for e in answer.get("runs", []) if e["state"] == "running"]
+    answer = invocation.agent(tgt).ask("status", {"workspace": tgt.workspace}, StatusAnswer)
+    running = [e for e in (answer.runs if answer is not None else []) if e.state == "running"]
     if not running:
         raise NotFound(f"no run is running on target {tgt.name}", hint="name the run: --set run=NAME")
-    return max(running, key=lambda e: str((e.get("run_json") or {}).get("started_at") or ""))["name"]
+    return max(running, key=lambda e: str(e.run_json.get("started_at") or "")).name
 
 
 STEP_FUNCTIONS: dict[str, Callable[[Context, dict[str, Any]], StepOutcome]] = {

@@ -52,7 +52,12 @@ def test_each_converted_verb_answers_the_json_its_dataclass_prints_back(tmp_path
     (run / "checkpoints" / "step_1" / "weights").write_bytes(b"w" * 10)
     (run / "exit_code").write_text("0\n")
     (Path(workspace) / "cache" / "compile" / "py3.12-torch2.5").mkdir(parents=True)
+    (run / "events.jsonl").write_text(json.dumps({"id": 1, "kind": "crashed"}) + "\n")  # a supervised run's keys
+    (run / "restarted_as").write_text("r2\n")
     requests = [
+        ("status", {"workspace": workspace}),
+        ("status", {"workspace": workspace, "ended_within_s": 3600.0}),
+        ("status", {"workspace": workspace, "name": "r1"}),
         ("manifest", {"workspace": workspace}),
         ("manifest", {"workspace": workspace, "release": "0" * 16}),
         ("fetch-manifest", {"workspace": workspace, "name": "r1", "paths": ["checkpoints", "nothing"]}),
@@ -64,6 +69,8 @@ def test_each_converted_verb_answers_the_json_its_dataclass_prints_back(tmp_path
         raw = agent.call(verb, request)
         parsed = parse_answer(verb, ANSWERS[verb], raw)
         assert json.dumps({"ok": True, **answer_json(parsed)}) == json.dumps(raw), verb
+        if verb == "status":
+            assert parsed.runs[0].restarted_as == "r2" and parsed.runs[0].events == [{"id": 1, "kind": "crashed"}]
     assert raw["removed"] and not (Path(workspace) / "cache" / "compile" / "py3.12-torch2.5").exists()
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
+from dflashops.agent.answers import StatusAnswer
 from dflashops.agent.protocol import StatusRequest
 from dflashops.core.errors import Conflict, NotFound, UsageError
 from dflashops.core.inventory import Target
@@ -27,10 +28,11 @@ def active_runs(target: Target, ct: PctTransport) -> list[str]:
     """Names of the runs active in the container's workspace (the stdlib agent, run by the container's python3:
     the target's venv may be what is being repaired)."""
     try:
-        answer = Agent(replace(target, python="python3"), ct).call("status", StatusRequest(workspace=target.workspace))
+        agent = Agent(replace(target, python="python3"), ct)
+        answer = agent.ask("status", StatusRequest(workspace=target.workspace), StatusAnswer)
     except NotFound:
         return []  # no workspace yet: no run
-    return [str(run["name"]) for run in answer.get("runs", []) if run.get("state") in ACTIVE]
+    return [run.name for run in answer.runs if run.state in ACTIVE] if answer is not None else []
 
 
 def refuse_under_runs(target: Target, ct: PctTransport, doing: str) -> None:

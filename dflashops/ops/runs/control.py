@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from dflashops.agent.answers import StatusAnswer, answer_json
 from dflashops.agent.protocol import Request, StatusRequest, StopRequest, TailRequest
 from dflashops.core.errors import Conflict, DflashopsError, RunFailed, TransportError, UsageError, WaitTimeout
 from dflashops.core.shell import validate_name
@@ -57,9 +58,8 @@ def stop_run(
     tgt = invocation.target_for_run(name, target)
     agent = invocation.agent(tgt)
     if invocation.dry_run:  # read-only check, so the plan shows what a real stop would do
-        state = (
-            agent.call("status", StatusRequest(workspace=tgt.workspace, name=name)).get("runs", [{}])[0].get("state")
-        )
+        known = agent.ask("status", StatusRequest(workspace=tgt.workspace, name=name), StatusAnswer)
+        state = known.runs[0].state if known is not None else None  # None: the read was only planned
         if state not in (None, "running", "stopping"):
             raise NotRunning(
                 f"{tgt.name}: run {name!r} is not running ({state})",
@@ -77,7 +77,8 @@ def stop_run(
             raise NotRunning(exc.message, hint=f"`dflashops status {name}` shows how it ended") from None
         raise
     if not invocation.dry_run:
-        observe_and_tell(invocation, agent.call("status", StatusRequest(workspace=tgt.workspace, name=name))["runs"])
+        after = agent.ask("status", StatusRequest(workspace=tgt.workspace, name=name), StatusAnswer)
+        observe_and_tell(invocation, [answer_json(entry) for entry in after.runs] if after is not None else [])
     return answer
 
 
@@ -94,7 +95,7 @@ def run_status(
     if nodes := nodes_of(invocation, name, target):
         return status_nodes(invocation, name, nodes, unreachable_ok=unreachable_ok)
     tgt = invocation.target_for_run(name, target)
-    return _read(invocation, tgt, StatusRequest(workspace=tgt.workspace, name=name))["runs"]
+    return _read(invocation, tgt, StatusRequest(workspace=tgt.workspace, name=name))[0]
 
 
 def target_status(
@@ -104,20 +105,21 @@ def target_status(
     runs that ended longer ago are left out (the agent counts them instead of reading them; an agent from
     before the option answers every run, and recent_runs filters here)."""
     tgt = invocation.inventory.target(target)
-    answer = _read(invocation, tgt, StatusRequest(workspace=tgt.workspace, ended_within_s=ended_within_s))
-    runs = answer["runs"]
+    runs, older = _read(invocation, tgt, StatusRequest(workspace=tgt.workspace, ended_within_s=ended_within_s))
     if ended_within_s is None:
         return runs, 0
     shown = recent_runs(runs, ended_within_s)
-    return shown, int(answer.get("older_runs") or 0) + len(runs) - len(shown)
+    return shown, (older or 0) + len(runs) - len(shown)
 
 
-def _read(invocation: Invocation, tgt: Any, request: StatusRequest) -> dict[str, Any]:
-    """The agent's status answer for `tgt`, each entry marked with the target."""
-    answer = invocation.agent(tgt).call("status", request)
-    for entry in answer["runs"]:
-        entry["target"] = tgt.name
-    return answer
+def _read(invocation: Invocation, tgt: Any, request: StatusRequest) -> tuple[list[dict[str, Any]], int | None]:
+    """The agent's status answer for `tgt` (checked: agent/answers.py StatusAnswer): its run entries as their
+    JSON objects, each marked with the target, which observe, lineage and `status --json` take as they always
+    did; and its `older_runs`. A read only planned (a dry run before the agent is there) has no runs."""
+    answer = invocation.agent(tgt).ask("status", request, StatusAnswer)
+    if answer is None:
+        return [], None
+    return [{**answer_json(entry), "target": tgt.name} for entry in answer.runs], answer.older_runs
 
 
 def recent_runs(runs: list[dict[str, Any]], ended_within_s: float) -> list[dict[str, Any]]:

@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from dflashops.agent.answers import StatusAnswer
 from dflashops.agent.common import LAUNCHERS  # the agent starts runs; its list is the list
 from dflashops.agent.protocol import LaunchRequest, PreflightRequest, StatusRequest
 from dflashops.core.errors import Conflict, UsageError
@@ -256,8 +257,8 @@ def check_free_on_target(invocation: Session, target: Target, name: str) -> None
     """Conflict when `runs/<name>` exists on the target (a run the lineage does not know); read-only."""
     if invocation.dry_run:
         return
-    existing = invocation.agent(target).call("status", StatusRequest(workspace=target.workspace))["runs"]
-    if any(entry["name"] == name for entry in existing):
+    existing = invocation.agent(target).ask("status", StatusRequest(workspace=target.workspace), StatusAnswer)
+    if existing is not None and any(entry.name == name for entry in existing.runs):
         raise Conflict(
             f"run directory {target.workspace}/runs/{name} already exists on {target.name}",
             hint="`dflashops runs sync` records it; pick another --name",

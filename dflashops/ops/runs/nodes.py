@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
+from dflashops.agent.answers import StatusAnswer, answer_json
 from dflashops.agent.protocol import StatusRequest, StopRequest
 from dflashops.core.errors import DflashopsError, NotFound, TransportError, UsageError
 from dflashops.core.inventory import Group, Profile, Target
@@ -237,6 +238,14 @@ def stop_nodes(
     return answer
 
 
+def node_runs(invocation: Invocation, node: RunNode, name: str) -> list[dict[str, Any]]:
+    """The node's status entry of run `name` (checked: agent/answers.py StatusAnswer) as its JSON object."""
+    answer = invocation.agent(node.target).ask(
+        "status", StatusRequest(workspace=node.target.workspace, name=name), StatusAnswer
+    )
+    return [answer_json(entry) for entry in answer.runs] if answer is not None else []
+
+
 def status_nodes(
     invocation: Invocation, name: str, nodes: list[RunNode], *, unreachable_ok: bool = False
 ) -> list[dict[str, Any]]:
@@ -246,9 +255,7 @@ def status_nodes(
     results = on_every_node(
         invocation,
         nodes,
-        lambda node: invocation.agent(node.target).call(
-            "status", StatusRequest(workspace=node.target.workspace, name=name)
-        )["runs"],
+        lambda node: node_runs(invocation, node, name),
     )
     entries: list[dict[str, Any]] = []
     for node, runs in results:

@@ -416,10 +416,15 @@ def chosen_checkpoint(invocation: Invocation, old: RunRecord, target: Target, wa
     agent = invocation.agent(target)
     for run in chain:
         try:
-            entry = agent.call("status", protocol.StatusRequest(workspace=target.workspace, name=run))["runs"][0]
+            answer = agent.ask(
+                "status", protocol.StatusRequest(workspace=target.workspace, name=run), answers.StatusAnswer
+            )
         except NotFound:
             continue
-        paths = [f"{entry['run_dir']}/checkpoints/{name}" for name in entry.get("checkpoints") or []]
+        if answer is None:  # a dry run before the agent is on the target: no run to look in
+            continue
+        entry = answer.runs[0]
+        paths = [f"{entry.run_dir}/checkpoints/{name}" for name in entry.checkpoints]
         found[run] = paths
         for path in reversed(paths):
             step = path.rsplit("_", 1)[-1]
