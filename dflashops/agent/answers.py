@@ -144,6 +144,22 @@ class FetchManifestAnswer(Answer):
 
 
 @dataclass(kw_only=True, eq=False, repr=False)
+class TailAnswer(Answer):
+    """`tail` (and each line of `follow`): train.log's text from the cursor (whole lines, or whole characters
+    of a line longer than one answer), the cursor after it (`offset`, `inode`, `check`: a digest of the bytes
+    before `offset`), whether the run has ended, why reading started again (`notice`), and whether more is
+    there already."""
+
+    data: str
+    offset: int
+    inode: int
+    check: str
+    finished: bool
+    notice: str | None
+    more: bool
+
+
+@dataclass(kw_only=True, eq=False, repr=False)
 class RunEntry(Answer):
     """One run of `status` (status.py run_status): its state (running, stopping, launching, lost, crashed,
     stopped, finished), exit codes, processes, progress and files; the last three keys are the supervisor's
@@ -189,6 +205,8 @@ ANSWERS: dict[str, type[Answer]] = {
     "ping": PingAnswer,
     "gpus": GpusAnswer,
     "status": StatusAnswer,
+    "tail": TailAnswer,
+    "follow": TailAnswer,
     "manifest": ManifestAnswer,
     "install": InstallAnswer,
     "clear-cache": ClearCacheAnswer,

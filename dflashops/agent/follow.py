@@ -9,13 +9,14 @@ import sys
 import time
 from dataclasses import replace
 
+from .answers import TailAnswer, answer_json
 from .common import missing_run, read_int, run_dir
 from .protocol import TailRequest
 
 CHECK_BYTES = 64  # the bytes before the cursor that a follower's `check` covers
 
 
-def verb_tail(req: TailRequest) -> dict:
+def verb_tail(req: TailRequest) -> TailAnswer:
     """Bytes of train.log from `offset`, cut at the last newline so no line is split or repeated. `inode`
     (from the previous answer) detects rotation: the rest of the rotated `train.log.1` comes first. `check`
     (also from the previous answer: a digest of the bytes just before `offset`) detects a log that was
@@ -31,8 +32,8 @@ def verb_tail(req: TailRequest) -> dict:
     deadline = time.monotonic() + max(0.0, min(float(req.wait_s or 0), 10.0))
     while True:
         answer = _tail_once(req, directory, path)
-        moved = answer["offset"] != int(req.offset or 0) or answer["inode"] != req.inode
-        if answer["data"] or answer["finished"] or moved or answer["notice"] or time.monotonic() >= deadline:
+        moved = answer.offset != int(req.offset or 0) or answer.inode != req.inode
+        if answer.data or answer.finished or moved or answer.notice or time.monotonic() >= deadline:
             return answer
         time.sleep(0.05)
 
@@ -57,17 +58,17 @@ def verb_follow(req: TailRequest) -> dict:
     last_sent = 0.0
     while True:
         answer = _tail_once(cursor, directory, path)
-        moved = answer["offset"] != cursor.offset or answer["inode"] != cursor.inode
-        done = answer["finished"] and not answer["more"] and not answer["data"] and not moved
+        moved = answer.offset != cursor.offset or answer.inode != cursor.inode
+        done = answer.finished and not answer.more and not answer.data and not moved
         now = time.monotonic()
-        if answer["data"] or moved or answer["notice"] or done or now - last_sent >= FOLLOW_HEARTBEAT_S:
-            sys.stdout.write(json.dumps({"ok": True, **answer}) + "\n")
+        if answer.data or moved or answer.notice or done or now - last_sent >= FOLLOW_HEARTBEAT_S:
+            sys.stdout.write(json.dumps({"ok": True, **answer_json(answer)}) + "\n")
             sys.stdout.flush()
             last_sent = now
-            cursor = replace(cursor, offset=answer["offset"], inode=answer["inode"], check=answer["check"])
+            cursor = replace(cursor, offset=answer.offset, inode=answer.inode, check=answer.check)
         if done:
             return {"streamed": True}
-        if not (answer["data"] and answer["more"]):
+        if not (answer.data and answer.more):
             time.sleep(FOLLOW_POLL_S)
 
 
@@ -142,7 +143,7 @@ def utf8_whole(data: bytes) -> bytes:
     return data
 
 
-def _tail_once(req: TailRequest, directory: str, path: str) -> dict:
+def _tail_once(req: TailRequest, directory: str, path: str) -> TailAnswer:
     offset, inode = int(req.offset or 0), req.inode
     max_bytes = 1 << 20 if req.max_bytes is None else int(req.max_bytes)
     current_inode = os.stat(path).st_ino
@@ -176,12 +177,12 @@ def _tail_once(req: TailRequest, directory: str, path: str) -> dict:
         check = prefix_check(handle, next_offset)
     if rotated and at_end:
         next_offset, check, source = 0, "", path
-    return {
-        "data": data.decode("utf-8", errors="replace"),
-        "offset": next_offset,
-        "inode": os.stat(source).st_ino,
-        "check": check,
-        "finished": finished,
-        "notice": notice,
-        "more": not at_end or rotated,
-    }
+    return TailAnswer(
+        data=data.decode("utf-8", errors="replace"),
+        offset=next_offset,
+        inode=os.stat(source).st_ino,
+        check=check,
+        finished=finished,
+        notice=notice,
+        more=not at_end or rotated,
+    )

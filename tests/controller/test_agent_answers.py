@@ -54,10 +54,13 @@ def test_each_converted_verb_answers_the_json_its_dataclass_prints_back(tmp_path
     (Path(workspace) / "cache" / "compile" / "py3.12-torch2.5").mkdir(parents=True)
     (run / "events.jsonl").write_text(json.dumps({"id": 1, "kind": "crashed"}) + "\n")  # a supervised run's keys
     (run / "restarted_as").write_text("r2\n")
+    (run / "train.log").write_text("step 1\nstep 2\npartial")
     requests = [
         ("status", {"workspace": workspace}),
         ("status", {"workspace": workspace, "ended_within_s": 3600.0}),
         ("status", {"workspace": workspace, "name": "r1"}),
+        ("tail", {"workspace": workspace, "name": "r1"}),
+        ("tail", {"workspace": workspace, "name": "r1", "offset": 7, "inode": 1}),  # another inode: a notice
         ("manifest", {"workspace": workspace}),
         ("manifest", {"workspace": workspace, "release": "0" * 16}),
         ("fetch-manifest", {"workspace": workspace, "name": "r1", "paths": ["checkpoints", "nothing"]}),
@@ -72,6 +75,12 @@ def test_each_converted_verb_answers_the_json_its_dataclass_prints_back(tmp_path
         if verb == "status":
             assert parsed.runs[0].restarted_as == "r2" and parsed.runs[0].events == [{"id": 1, "kind": "crashed"}]
     assert raw["removed"] and not (Path(workspace) / "cache" / "compile" / "py3.12-torch2.5").exists()
+    streamed = list(agent.stream("follow", {"workspace": workspace, "name": "r1"}))  # ended: its log, then the end
+    assert streamed[0]["data"] == "step 1\nstep 2\npartial" and streamed[-1]["finished"]
+    for line in streamed:
+        assert answer_json(parse_answer("follow", ANSWERS["follow"], line)) == {
+            k: v for k, v in line.items() if k != "ok"
+        }
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,7 @@ from typing import Any
 from dflashops.agent.answers import FetchFile, FetchManifestAnswer
 from dflashops.agent.protocol import FetchManifestRequest, ReadFileRequest, wire
 from dflashops.core.errors import DflashopsError, LocalDiskFull, NotFound, TransportError
-from dflashops.ops.agent_client import Agent, checked
+from dflashops.ops.agent_client import Agent
 
 RESUME_ATTEMPTS = 8
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -75,14 +75,13 @@ class TargetHashes:
             self._thread.start()
 
     def _ask(self, agent: Agent, run: str, paths: list[str]) -> None:
-        from dflashops.ops.runs.control import call_resuming  # read-only: retried across a cut, with backoff
+        from dflashops.ops.runs.control import ask_resuming  # read-only: retried across a cut, with backoff
 
         try:
-            answer = call_resuming(
-                agent, "fetch-manifest", FetchManifestRequest(workspace=agent.target.workspace, name=run, paths=paths)
-            )
-            listed = checked(agent.target.name, "fetch-manifest", FetchManifestAnswer, answer)
-            self._sums = {f.path: f.sha256 for f in listed.files if f.sha256 is not None}
+            request = FetchManifestRequest(workspace=agent.target.workspace, name=run, paths=paths)
+            listed = ask_resuming(agent, "fetch-manifest", request, FetchManifestAnswer)
+            files = listed.files if listed is not None else []  # None: only planned (fetch plans no transfer)
+            self._sums = {f.path: f.sha256 for f in files if f.sha256 is not None}
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread by get()
             self._error = exc
 

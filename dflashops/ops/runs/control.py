@@ -11,13 +11,13 @@ import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from dflashops.agent.answers import StatusAnswer, answer_json
+from dflashops.agent.answers import Answer, StatusAnswer, TailAnswer, answer_json
 from dflashops.agent.protocol import Request, StatusRequest, StopRequest, TailRequest
 from dflashops.core.errors import Conflict, DflashopsError, RunFailed, TransportError, UsageError, WaitTimeout
 from dflashops.core.shell import validate_name
-from dflashops.ops.agent_client import Busy
+from dflashops.ops.agent_client import Agent, Busy, checked
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.runs.job_state import overall
 from dflashops.ops.runs.nodes import nodes_of, read_nodes, status_nodes, stop_nodes
@@ -144,15 +144,17 @@ class LogCursor:
 
 
 RECONNECT_ATTEMPTS = 6
+A = TypeVar("A", bound=Answer)
 
 
-def call_resuming(agent: Any, verb: str, args: Request) -> dict[str, Any]:
-    """A read-only agent call retried after a dropped connection (the ssh transport reconnects on the
-    next command). Safe for `tail`: it reads from the cursor's byte offset, which only advances after an
-    answer arrived, so a retry neither loses nor repeats a line. Backoff 0.2 s doubling, ~6 s in all."""
+def ask_resuming(agent: Agent, verb: str, args: Request, kind: type[A]) -> A | None:
+    """A read-only agent call (`Agent.ask`: its answer dataclass) retried after a dropped connection (the ssh
+    transport reconnects on the next command). Safe for `tail`: it reads from the cursor's byte offset, which
+    only advances after an answer arrived, so a retry neither loses nor repeats a line. Backoff 0.2 s doubling,
+    ~6 s in all."""
     for attempt in range(RECONNECT_ATTEMPTS):
         try:
-            return agent.call(verb, args)
+            return agent.ask(verb, args, kind)
         except TransportError:
             if attempt == RECONNECT_ATTEMPTS - 1:
                 raise
@@ -206,20 +208,22 @@ def read_log(
     reader = LogReader(name, cursor, on_notice)
     if not follow:
         while True:  # what is there when asked (a long log comes in 1 MiB pieces)
-            answer = call_resuming(agent, "tail", reader.request(tgt.workspace))
+            answer = ask_resuming(agent, "tail", reader.request(tgt.workspace), TailAnswer)
+            if answer is None:  # only planned (a dry run before the agent is there): nothing to read
+                return
             if data := reader.take(answer):
                 yield data
-            if not answer.get("more"):
+            if not answer.more:
                 return
     while True:
         # One long-lived `follow` stream (the agent pushes each new line ~20 ms after it is written, plus a
         # heartbeat a second): a line reaches the user half a round trip after the agent sees it, instead of
         # a new `pct exec` per answer. When the stream breaks (a cut, a restarted container) one `tail` call
-        # through call_resuming reconnects and says what happened; the next stream starts at the cursor, so
+        # through ask_resuming reconnects and says what happened; the next stream starts at the cursor, so
         # nothing is lost or repeated.
         try:
-            for answer in agent.stream("follow", reader.request(tgt.workspace)):
-                if data := reader.take(answer):
+            for line in agent.stream("follow", reader.request(tgt.workspace)):
+                if data := reader.take(checked(tgt.name, "follow", TailAnswer, line)):
                     yield data
                 if reader.done or should_stop():
                     return
@@ -227,7 +231,9 @@ def read_log(
                     raise WaitTimeout(f"{name}: no match within {timeout:g}s", hint="raise --timeout")
         except TransportError:
             pass
-        answer = call_resuming(agent, "tail", reader.request(tgt.workspace))
+        answer = ask_resuming(agent, "tail", reader.request(tgt.workspace), TailAnswer)
+        if answer is None:
+            return
         if data := reader.take(answer):
             yield data
         if reader.done:
@@ -258,22 +264,16 @@ class LogReader:
             align=self.cursor.to_line_start,
         )
 
-    def take(self, answer: dict[str, Any]) -> str:
+    def take(self, answer: TailAnswer) -> str:
         """Advance the cursor past `answer`; its data ("" when none)."""
-        moved = (
-            answer["offset"] != self.cursor.offset or answer["inode"] != self.cursor.inode or bool(answer.get("notice"))
-        )
-        self.cursor.offset, self.cursor.inode, self.cursor.check = (
-            answer["offset"],
-            answer["inode"],
-            answer.get("check"),
-        )
+        moved = answer.offset != self.cursor.offset or answer.inode != self.cursor.inode or bool(answer.notice)
+        self.cursor.offset, self.cursor.inode, self.cursor.check = answer.offset, answer.inode, answer.check
         self.cursor.last_lines, self.cursor.to_line_start = None, False
-        self.cursor.run_ended = bool(answer["finished"])
-        if answer.get("notice"):
-            self.on_notice(f"{self.name}: {answer['notice']}")
-        self.done = bool(answer["finished"]) and not moved and not answer.get("more")
-        return answer["data"]
+        self.cursor.run_ended = answer.finished
+        if answer.notice:
+            self.on_notice(f"{self.name}: {answer.notice}")
+        self.done = answer.finished and not moved and not answer.more
+        return answer.data
 
 
 def wait_for(
