@@ -35,7 +35,7 @@ from dflashops.core.errors import NotFound, TransportError, UsageError
 from dflashops.core.shell import join_argv, validate_name
 from dflashops.lineage.files import AGENT_STATE_TO_LINEAGE
 from dflashops.lineage.record import utc_now_iso
-from dflashops.ops.agent_client import GcAnswer, answer_json
+from dflashops.ops.agent_client import GcAnswer, GpusAnswer, answer_json
 from dflashops.ops.runs.control import LogCursor, ended_badly, read_log, run_status, stop_run, target_status, wait_for
 from dflashops.ops.runs.nodes import node_target, unreachable_error
 from dflashops.ops.runs.observer import observe_runs
@@ -340,17 +340,18 @@ def handle_status(args: argparse.Namespace) -> int:
         # A run on several targets: every node's line, also when one cannot be reached; the GPUs are those
         # of the first node that answered.
         reached = [entry for entry in runs if entry["state"] != "unreachable"]
-        gpus = (
-            invocation.agent(invocation.inventory.target(reached[0]["target"] if runs else args.target)).call(
-                "gpus", {}
+        asked = (
+            invocation.agent(invocation.inventory.target(reached[0]["target"] if runs else args.target)).ask(
+                "gpus", {}, GpusAnswer
             )
             if (args.json or args.run) and (reached or not runs)
-            else {"gpus": []}
+            else None
         )
+        gpus = [answer_json(gpu) for gpu in asked.gpus] if asked is not None else []  # as --json prints them
     if args.json:
-        emit_json({"runs": runs, "gpus": gpus.get("gpus", [])})
+        emit_json({"runs": runs, "gpus": gpus})
     else:
-        print_runs(runs, gpus.get("gpus", []), quiet_when_empty=bool(hidden))
+        print_runs(runs, gpus, quiet_when_empty=bool(hidden))
     if hidden:
         progress(
             f"{hidden} run{'s' if hidden != 1 else ''} that ended more than {RECENT_S // 3600} h ago not shown "

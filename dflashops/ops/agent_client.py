@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from dflashops.agent.answers import Answer, AnswerMismatch, PingAnswer, parse_answer
 from dflashops.agent.answers import ClearCacheAnswer as ClearCacheAnswer  # named here for cli and playbook, which
 from dflashops.agent.answers import GcAnswer as GcAnswer  # never import the agent's package (test_boundaries.py)
+from dflashops.agent.answers import GpusAnswer as GpusAnswer
 from dflashops.agent.answers import StatusAnswer as StatusAnswer
 from dflashops.agent.answers import answer_json as answer_json
 from dflashops.agent.common import AgentFailure, tmux_socket  # the agent names the tmux server; its function agrees
