@@ -5,6 +5,7 @@ A request is one JSON object (`--json-args`, `--json-stdin`, or the first line o
 and the key: an unknown key, a missing required key, or a value of the wrong JSON type. A key absent from the
 JSON takes its field's default, so an optional key behaves as before. The verbs then read attributes, and the
 controller builds its requests from the same classes (`wire(request)`), so the two sides spell no key twice.
+The answers are answers.py's, the same way round.
 
 What is checked here is the shape; what a value means (an absolute workspace, a safe name, a known launcher,
 an argv of strings) is checked by the verb that uses it, with the message it always gave.
