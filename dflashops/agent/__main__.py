@@ -9,7 +9,7 @@ exception is `follow`, which streams one such line per answer (see verb_follow).
 A request is one JSON object, parsed once here into its verb's dataclass (protocol.py): a key the verb does
 not know, a required key that is missing, or a value of the wrong type is one `bad_request` naming the verb
 and the key, before the verb runs. A verb answers with its answer's dataclass (answers.py), printed as its JSON
-object (`answer_json`); `ping` (read by key before the protocol is known to match), `stop`, `launch`, `preflight`,
+object (`answer_json`); `ping` (read by key before the protocol is known to match), `stop`, `launch`,
 `restart` and the internal `wrap` and `standby` still return dicts. With `--json-stdin` the request is read from stdin (launch uses this so
 that secrets in the environment of the launched process never appear on a command line). `install` and `restart` read one JSON request line
 from stdin, then the tar stream of the changed files.

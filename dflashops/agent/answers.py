@@ -160,6 +160,15 @@ class TailAnswer(Answer):
 
 
 @dataclass(kw_only=True, eq=False, repr=False)
+class PreflightAnswer(Answer):
+    """`preflight` (a dry run's): the pre-flight's verdict (preflight.py: what was checked, how long it took, its
+    summary; a dict, as a launch's and a restart's `preflight` carry it), or None with why it was `skipped`."""
+
+    preflight: dict[str, Any] | None
+    skipped: str | None = field(default=None, metadata=OPTIONAL)
+
+
+@dataclass(kw_only=True, eq=False, repr=False)
 class RunEntry(Answer):
     """One run of `status` (status.py run_status): its state (running, stopping, launching, lost, crashed,
     stopped, finished), exit codes, processes, progress and files; the last three keys are the supervisor's
@@ -206,6 +215,7 @@ ANSWERS: dict[str, type[Answer]] = {
     "gpus": GpusAnswer,
     "status": StatusAnswer,
     "tail": TailAnswer,
+    "preflight": PreflightAnswer,
     "follow": TailAnswer,
     "manifest": ManifestAnswer,
     "install": InstallAnswer,

@@ -16,6 +16,7 @@ import shlex
 import subprocess
 import time
 
+from .answers import PreflightAnswer
 from .checkpoints import (
     HOLD_NAME,
     checkpoint_damage,
@@ -165,7 +166,7 @@ def resume_of(argv: list[str]) -> str | None:
     return None
 
 
-def verb_preflight(req: PreflightRequest) -> dict:
+def verb_preflight(req: PreflightRequest) -> PreflightAnswer:
     """The pre-flight alone, read-only (a dry run's verdict): release `release` (a hash) must be on the target
     already; with `old`, the resume placeholder stands for that run's newest checkpoint (or the one it started
     from). Answers `{"preflight": verdict}`, `{"preflight": None, "skipped": why}`, or refuses as a launch
@@ -174,7 +175,9 @@ def verb_preflight(req: PreflightRequest) -> dict:
     code_hash = str(req.release or "")
     release = os.path.join(workspace, "releases", code_hash)
     if not HASH_RE.match(code_hash) or not os.path.isdir(release):
-        return {"preflight": None, "skipped": "the new code is not on the target yet: it is checked after its upload"}
+        return PreflightAnswer(
+            preflight=None, skipped="the new code is not on the target yet: it is checked after its upload"
+        )
     argv = req.argv
     if not all(isinstance(a, str) for a in argv):
         raise AgentFailure("argv must be a list of strings", "bad_request")
@@ -188,7 +191,7 @@ def verb_preflight(req: PreflightRequest) -> dict:
         verdict = held_preflight(req, release, argv, dict(req.env), hold, probe)
         if req.old:
             refuse_unchecked(req, verdict, str(req.old), run_dir(workspace, req.old))
-        return {"preflight": verdict}
+        return PreflightAnswer(preflight=verdict)
     finally:
         release_hold(hold)
 

@@ -211,12 +211,19 @@ class Agent:
             )
 
     def ask(
-        self, verb: str, args: Request | dict[str, Any], kind: type[A], *, stdin_tar: Tar | bytes | None = None
+        self,
+        verb: str,
+        args: Request | dict[str, Any],
+        kind: type[A],
+        *,
+        secret_args: dict[str, Any] | None = None,
+        shown_args: dict[str, Any] | None = None,
+        stdin_tar: Tar | bytes | None = None,
     ) -> A | None:
         """`call`, its answer parsed into `kind`, the verb's answer dataclass (agent/answers.py): an unknown,
         missing or mistyped key is one AgentError naming the target, the verb and the key. None when a dry run
         only planned the call (a mutating verb, or a read-only one before the agent is on the target)."""
-        answer = self.answer(verb, args, stdin_tar=stdin_tar)
+        answer = self.answer(verb, args, secret_args=secret_args, shown_args=shown_args, stdin_tar=stdin_tar)
         return None if answer is None else checked(self.target.name, verb, kind, answer)
 
     def call(

@@ -65,6 +65,7 @@ def test_each_converted_verb_answers_the_json_its_dataclass_prints_back(tmp_path
         ("manifest", {"workspace": workspace, "release": "0" * 16}),
         ("fetch-manifest", {"workspace": workspace, "name": "r1", "paths": ["checkpoints", "nothing"]}),
         ("fetch-manifest", {"workspace": workspace, "name": "r1", "paths": ["checkpoints"], "hash": False}),
+        ("preflight", {"workspace": workspace, "name": "r2", "argv": ["true"], "release": "0" * 16}),  # skipped
         ("gc", {"workspace": workspace, "runs": ["r1"], "dry_run": True}),
         ("clear-cache", {"workspace": workspace}),
     ]
@@ -119,4 +120,4 @@ def test_an_optional_key_is_left_out_when_none_and_every_answer_survives_its_jso
     ping = PingAnswer(version=PROTOCOL_VERSION, python="3.12.1")
     assert answer_json(ping) == {"version": PROTOCOL_VERSION, "python": "3.12.1"}
     assert answer_json(parse_answer("ping", PingAnswer, {"ok": True, **answer_json(ping)})) == answer_json(ping)
-    assert set(ANSWERS) >= {"ping", "gpus", "manifest", "install", "clear-cache", "gc", "fetch-manifest"}
+    assert set(ANSWERS) >= {"ping", "gpus", "manifest", "install", "clear-cache", "gc", "fetch-manifest", "preflight"}

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from dflashops.agent.answers import StatusAnswer
+from dflashops.agent.answers import PreflightAnswer, StatusAnswer
 from dflashops.agent.common import LAUNCHERS  # the agent starts runs; its list is the list
 from dflashops.agent.protocol import LaunchRequest, PreflightRequest, StatusRequest
 from dflashops.core.errors import Conflict, UsageError
@@ -330,14 +330,17 @@ def launch_on(
 def dry_run_preflight(agent: Agent, spec: LaunchSpec, code_hash: str, **more: Any) -> dict:
     """A dry run's pre-flight verdict: the agent's read-only `preflight` of the release when the target has it
     already (a refusal raises PreflightFailed, as the real launch would), else why it could not run yet."""
-    answer = agent.call(
+    answer = agent.ask(
         "preflight",
         PreflightRequest(
             **{each.name: getattr(spec.args, each.name) for each in fields(spec.args) if each.name != "run_json"},
             release=code_hash,
             **more,
         ),
+        PreflightAnswer,
         secret_args={"env": spec.env},
         shown_args={"env": spec.record.env},
     )
-    return answer.get("preflight") or {"skipped": answer.get("skipped")}
+    if answer is None:  # only planned: the agent is not on the target yet
+        return {"skipped": None}
+    return answer.preflight or {"skipped": answer.skipped}
