@@ -239,6 +239,47 @@ def test_regeneration_in_two_processes_writes_the_same_dataset(target_dir, world
     assert ShardedDataset(tmp_path / "two")[7].loss_mask.any()  # the last shard's prompt was answered
 
 
+def test_regeneration_workers_end_when_prepare_is_killed_alone(target_dir, world, tmp_path):
+    """A SIGKILL to prepare's own pid (not its group: the OOM killer, `kill -9 PID`) must not leave its spawned
+    regeneration workers waiting forever, each holding a copy of the target (trainer/core/parent_watch.py)."""
+    import psutil
+
+    source = write_jsonl(tmp_path / "p.jsonl", [{"messages": c[:1]} for c in world.conversations(40, seed=6)])
+    argv = [
+        *("--target-model", str(target_dir), "--input", str(source), "--output-dir", str(tmp_path / "out")),
+        *("--regenerate", "--max-new-tokens", "24", "--shard-size", "1", "--batch-size", "1", "--num-workers", "2"),
+    ]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "trainer.data.prepare", *argv],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    everyone: list[psutil.Process] = []
+    try:
+        parent, deadline = psutil.Process(process.pid), time.monotonic() + 60
+        workers: list[psutil.Process] = []
+        while len(workers) < 2 and process.poll() is None and time.monotonic() < deadline:
+            workers = [p for p in parent.children() if "spawn_main" in " ".join(p.cmdline())]
+            time.sleep(0.05)
+        assert len(workers) == 2, "the two workers did not start"
+        everyone = parent.children(recursive=True)  # the workers and the pool's resource tracker
+        process.kill()  # its pid alone
+        process.wait()
+        _, alive = psutil.wait_procs(everyone, timeout=15)
+        assert alive == [], f"outlived their parent: {[p.cmdline() for p in alive]}"
+    finally:  # nothing of this test's may outlive it, whatever failed above
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        for leftover in everyone:
+            if leftover.is_running():
+                leftover.kill()
+
+
 def run_prepare(capsys, *argv: str) -> tuple[int, str]:
     code = prepare_cli.main(list(argv))
     return code, capsys.readouterr().err

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
@@ -223,7 +224,7 @@ def _regenerate(
     import multiprocessing
 
     workers = min(options.num_workers, len(jobs))
-    start = (tokenizer_path, options, regenerate.worker_threads(workers))
+    start = (tokenizer_path, options, regenerate.worker_threads(workers), os.getpid())
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(workers, mp_context=context, initializer=regenerate.start_worker, initargs=start) as pool:
         futures = [

@@ -97,11 +97,15 @@ class Regenerator:
 _WORKER: Regenerator | None = None  # a worker process's own (`start_worker`)
 
 
-def start_worker(tokenizer_path: str, options: Any, threads: int) -> None:
-    """A `prepare --regenerate --num-workers N` worker process: its threads, the tokenizer and target loaded once."""
+def start_worker(tokenizer_path: str, options: Any, threads: int, parent: int) -> None:
+    """A `prepare --regenerate --num-workers N` worker process: its threads, the tokenizer and target loaded once;
+    it ends with `parent` (trainer/core/parent_watch.py)."""
     from transformers import AutoTokenizer
 
+    from trainer.core.parent_watch import end_with_parent
+
     global _WORKER
+    end_with_parent(parent)
     torch.set_num_threads(threads)
     _WORKER = Regenerator(options.target_model, AutoTokenizer.from_pretrained(tokenizer_path), options)
 

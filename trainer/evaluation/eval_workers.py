@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import multiprocessing
+import os
 import sys
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, ProcessPoolExecutor
@@ -26,6 +27,7 @@ from typing import Any
 
 import torch
 
+from trainer.core.parent_watch import end_with_parent
 from trainer.evaluation import eval as eval_mod
 from trainer.model.drafter import DFlashDrafter, DrafterConfig
 
@@ -48,10 +50,12 @@ def worker_pool(processes: int, threads: int = 1) -> Executor:
     if processes <= 0:
         return InProcess()
     context = multiprocessing.get_context("spawn")
-    return ProcessPoolExecutor(processes, mp_context=context, initializer=_start_worker, initargs=(threads,))
+    start = (threads, os.getpid())
+    return ProcessPoolExecutor(processes, mp_context=context, initializer=_start_worker, initargs=start)
 
 
-def _start_worker(threads: int) -> None:
+def _start_worker(threads: int, parent: int) -> None:
+    end_with_parent(parent)  # a parent killed alone must not leave a worker holding the target
     torch.set_num_threads(threads)
     torch.backends.cuda.matmul.allow_tf32 = False  # the references are the fp32 target's: no TF32 in a verify
 
