@@ -9,8 +9,8 @@ exception is `follow`, which streams one such line per answer (see verb_follow).
 A request is one JSON object, parsed once here into its verb's dataclass (protocol.py): a key the verb does
 not know, a required key that is missing, or a value of the wrong type is one `bad_request` naming the verb
 and the key, before the verb runs. A verb answers with its answer's dataclass (answers.py), printed as its JSON
-object (`answer_json`); `ping` (read by key before the protocol is known to match), `stop`, `launch`,
-`restart` and the internal `wrap` and `standby` still return dicts. With `--json-stdin` the request is read from stdin (launch uses this so
+object (`answer_json`); `ping` (read by key before the protocol is known to match) and the internal `wrap`
+and `standby` (an exit code, not an answer) return dicts. With `--json-stdin` the request is read from stdin (launch uses this so
 that secrets in the environment of the launched process never appear on a command line). `install` and `restart` read one JSON request line
 from stdin, then the tar stream of the changed files.
 
@@ -156,8 +156,8 @@ def is_tar_error(exc: BaseException) -> bool:
 
 def answer_json(result: Any) -> dict:
     """A verb's answer as its JSON object: an answer dataclass (answers.py) through its `answer_json`, a dict
-    (a verb not converted yet) as it is. Checked without importing answers.py: a verb whose answer is one
-    imported it, and the other calls (ping, tail, stop, launch, ...) do not pay its import (answers.py)."""
+    (`ping`) as it is. Checked without importing answers.py: a verb whose answer is one imported it, and
+    `ping` does not pay its import (answers.py)."""
     answers = sys.modules.get("dflashops.agent.answers")
     return answers.answer_json(result) if answers is not None and isinstance(result, answers.Answer) else result
 

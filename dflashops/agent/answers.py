@@ -1,15 +1,21 @@
 """The agent's answers: one dataclass per verb's answer, built by the agent and parsed by the controller.
 
 A verb returns its answer's dataclass; the agent's entry prints `{"ok": true, **answer_json(answer)}`, the same
-JSON line the verb's dict gave before (same keys, same order), so the wire and PROTOCOL_VERSION are unchanged.
+JSON line the verb's dict gave before (same keys and values, and the same order except a `stop --now`'s, whose
+dicts put `now` elsewhere: StopAnswer), so the wire and PROTOCOL_VERSION are unchanged. Every verb answers so
+but `ping` (a dict on the agent, checked as a PingAnswer on the controller: __main__.py verb_ping) and the
+internal `wrap` and `standby`, whose `{"exit_code": N}` never reaches the wire (it becomes their process's exit
+status) and would gain nothing from a class.
 The controller (ops/agent_client.py `Agent.ask`) reads that line back with `parse_answer(verb, cls, obj)`:
 an unknown key, a missing required key or a value of the wrong JSON type is ONE AnswerMismatch naming the verb
 and the key (`runs[0].state`), and the controller then reads attributes, not string keys.
 
 A field whose metadata is OPTIONAL is a key the answer carries only sometimes: left out of the JSON when it is
-None, None when the JSON lacks it (a status run entry's `restarted_as`, a manifest's `path`). Nested entries
-(a status run, a GPU, a fetched file, a removed folder) are dataclasses of their own, named in ENTRIES so a
-field's annotation (`list[RunEntry]`) says how to parse them.
+None, None when the JSON lacks it (a status run entry's `restarted_as`, a manifest's `path`); one that an answer
+carries as null is named in its `nulls` (a stop's `launcher_exit_code`, null after its bookkeeping, absent in
+its other shapes). Nested entries (a status run, a GPU, a fetched file, a removed folder, a restart's stop and
+old run, a launch's cache clearing) are dataclasses of their own, named in ENTRIES so a field's annotation
+(`list[RunEntry]`, `StopAnswer | None`) says how to parse them.
 
 Standard library only, and cheap to import: the verbs that answer with one of these import this module on
 every call, and zipimport compiles it each time; like protocol.py's requests, the classes are not `frozen`
@@ -39,10 +45,23 @@ class AnswerMismatch(ValueError):
 class Answer:
     """What every answer and nested entry is; its fields are its JSON keys, in the JSON's order."""
 
+    # The OPTIONAL keys this answer carries as null instead of leaving them out, where a verb's shapes differ in
+    # that alone (a stop's bookkeeping carries `launcher_exit_code` as null, its other shapes lack the key).
+    # Unannotated, so no field and no JSON key; an answer that sets none pays one empty-set lookup per None.
+    nulls = frozenset[str]()
+
     def __getitem__(self, key: str) -> Any:
         """A field read by its JSON key (`status["state"]`), as a verb's dict answer was read: what the tests of
         the verbs' functions do. The package and the controller read attributes, which mypy checks."""
         return getattr(self, key)
+
+    def __contains__(self, key: object) -> bool:
+        """Whether the answer's JSON carries `key` (`"handover" in stop`), as a dict answer was asked: an OPTIONAL
+        field only when it is set (or in `nulls`)."""
+        for each in fields(self):
+            if each.name == key:
+                return not each.metadata.get("optional") or getattr(self, key) is not None or key in self.nulls
+        return False
 
 
 @dataclass(kw_only=True, eq=False, repr=False)
@@ -204,11 +223,84 @@ class StatusAnswer(Answer):
     older_runs: int | None = field(default=None, metadata=OPTIONAL)
 
 
+@dataclass(kw_only=True, eq=False, repr=False)
+class StopAnswer(Answer):
+    """`stop` (and a restart's `stop`): how the run's processes were stopped. Its shapes share the keys from
+    `escalated` on; the others are there only in some:
+    - a stop that did the bookkeeping (stop.py finish_stop, what stop.json records): `launcher_exit_code` (null
+      too: no launcher between), `supervisor_cancelled` after a signal, `now` with `stop --now`;
+    - a cancelled automatic restart of a run that had ended: `supervisor_cancelled` true, nothing `signalled`;
+    - a hand-over (restart --resume): `handover`, the trainer's offer (`checkpoint`, `step`), `exit_code` null:
+      the rest of the stop finishes in the background;
+    - `stop --now` while another command holds the run: `now`, `recorded` null (that command records the end);
+    - a stop that met another stop or restart (`joined`: op, pid, since, outcome, finished_at): that one's
+      outcome, with the run's `state` and its last checkpoint (`checkpoints`).
+    The order is the dataclass's: a `now` stop's keys come in another order than its dict gave (same keys and
+    values); nothing prints a stop's answer as JSON."""
+
+    joined: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)
+    state: str | None = field(default=None, metadata=OPTIONAL)
+    handover: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)
+    now: bool | None = field(default=None, metadata=OPTIONAL)
+    escalated: bool
+    signalled: list[int]
+    gpu_released: bool | None
+    waited_for_checkpoint_s: float
+    before_start: bool
+    exit_code: int | None
+    launcher_exit_code: int | None = field(default=None, metadata=OPTIONAL)
+    checkpoints: list[str] | None = field(default=None, metadata=OPTIONAL)
+    seconds: float
+    recorded: bool | None
+    supervisor_cancelled: bool | None = field(default=None, metadata=OPTIONAL)
+
+
+@dataclass(kw_only=True, eq=False, repr=False)
+class LaunchAnswer(Answer):
+    """`launch`: where the run is, its group (None: not recorded in time) and marker, how it was started
+    (`standby`: a standby interpreter took it), the pre-flight's verdict (preflight.py; a dict, None when none
+    ran) and what clearing the compile cache removed (None: not asked)."""
+
+    run_dir: str
+    pgid: int | None
+    marker: str
+    launcher: str
+    session: str
+    standby: bool
+    preflight: dict[str, Any] | None
+    cleared: ClearCacheAnswer | None
+
+
+@dataclass(kw_only=True, eq=False, repr=False)
+class RestartAnswer(Answer):
+    """`restart`: the old run's stop (None: it had ended already) and its status after it, the release made
+    current (hash, folder) and the old releases pruned, the checkpoint the new run resumes (None: fresh), then
+    the new run's launch answer (LaunchAnswer's keys, in its order), with the restart's pre-flight verdict and
+    cache clearing."""
+
+    stop: StopAnswer | None
+    old_status: RunEntry
+    release: str
+    path: str
+    removed: list[str]
+    checkpoint: str | None
+    run_dir: str
+    pgid: int | None
+    marker: str
+    launcher: str
+    session: str
+    standby: bool
+    preflight: dict[str, Any] | None
+    cleared: ClearCacheAnswer | None
+
+
 ENTRIES: dict[str, type[Answer]] = {
     "GpuEntry": GpuEntry,
     "RemovedEntry": RemovedEntry,
     "FetchFile": FetchFile,
     "RunEntry": RunEntry,
+    "ClearCacheAnswer": ClearCacheAnswer,
+    "StopAnswer": StopAnswer,
 }
 ANSWERS: dict[str, type[Answer]] = {
     "ping": PingAnswer,
@@ -222,6 +314,9 @@ ANSWERS: dict[str, type[Answer]] = {
     "clear-cache": ClearCacheAnswer,
     "gc": GcAnswer,
     "fetch-manifest": FetchManifestAnswer,
+    "stop": StopAnswer,
+    "launch": LaunchAnswer,
+    "restart": RestartAnswer,
 }
 
 
@@ -231,7 +326,7 @@ def answer_json(answer: Answer) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for each in fields(answer):
         value = getattr(answer, each.name)
-        if value is None and each.metadata.get("optional"):
+        if value is None and each.metadata.get("optional") and each.name not in answer.nulls:
             continue
         if isinstance(value, Answer):
             value = answer_json(value)
@@ -249,12 +344,15 @@ def parse_answer(verb: str, cls: type[Answer], obj: dict[str, Any], prefix: str 
         if key not in names and not (key == "ok" and not prefix):
             raise AnswerMismatch(f"{verb} answer: unknown key '{prefix}{key}'")
     values = {}
+    nulls = []
     for name, required, allowed, want, listed, single in shape:
         if name not in obj:
             if required:
                 raise AnswerMismatch(f"{verb} answer: missing key '{prefix}{name}'")
             continue
         value = obj[name]
+        if value is None and not required:
+            nulls.append(name)
         if not isinstance(value, allowed):
             raise AnswerMismatch(f"{verb} answer: key '{prefix}{name}' must be {want}, not {type(value).__name__}")
         if listed is not None and isinstance(value, list):
@@ -262,7 +360,10 @@ def parse_answer(verb: str, cls: type[Answer], obj: dict[str, Any], prefix: str 
         elif single is not None and isinstance(value, dict):
             value = parse_answer(verb, single, value, f"{prefix}{name}.")
         values[name] = value
-    return cls(**values)
+    answer = cls(**values)
+    if nulls:
+        answer.nulls = frozenset(nulls)
+    return answer
 
 
 # Per answer class: its keys, and per field (name, required, the JSON types allowed, their words for a refusal,

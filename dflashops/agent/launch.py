@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 
-from .answers import answer_json
+from .answers import LaunchAnswer
 from .common import (
     DISK_FULL_ERRNOS,
     LAUNCHERS,
@@ -88,7 +88,7 @@ def check_launch(req: LaunchRequest) -> tuple[str, list[str], dict, str]:
     return directory, argv, env, launcher
 
 
-def verb_launch(req: LaunchRequest) -> dict:
+def verb_launch(req: LaunchRequest) -> LaunchAnswer:
     """Start a run: a new wrapper and job, or (`standby: true` and a `python -m trainer` argv) the waiting
     interpreter of a matching standby (see the standby section), which skips the job's imports. Either way the
     run directory gets the same records (run.json, marker, pgid, pid, exit_code) and `stop` treats both alike.
@@ -101,7 +101,7 @@ def verb_launch(req: LaunchRequest) -> dict:
     wants_standby = bool(req.standby) and standby_eligible(argv)
     fingerprint = standby_fingerprint(argv[0], launch_env, launcher, list(req.secret_keys)) if wants_standby else ""
     verdict = launch_preflight(req, argv, env, launch_env, launcher, fingerprint)
-    cleared = answer_json(clear_cache(req.workspace, req.compile_cache)) if req.clear_cache else None
+    cleared = clear_cache(req.workspace, req.compile_cache) if req.clear_cache else None
     session = session_name(req.name)
     if launcher == "tmux" and tmux_has_session(req.workspace, session):  # refused before the name is taken
         raise AgentFailure(
@@ -120,7 +120,8 @@ def verb_launch(req: LaunchRequest) -> dict:
         if adopted is not None:
             if follow_up:
                 start_standby(req, argv, launch_env, launcher, directory, fingerprint)
-            return {**adopted, "preflight": verdict, "cleared": cleared}
+            adopted.preflight, adopted.cleared = verdict, cleared
+            return adopted
     elif req.standby is False:
         retire_standbys(req.workspace, keep=None)
     marker = f"{req.name}.{os.urandom(6).hex()}"
@@ -133,7 +134,8 @@ def verb_launch(req: LaunchRequest) -> dict:
     if follow_up:
         start_standby(req, argv, launch_env, launcher, directory, fingerprint)
     answer = launch_answer(directory, pgid, marker, launcher, session, standby=False)
-    return {**answer, "preflight": verdict, "cleared": cleared}
+    answer.preflight, answer.cleared = verdict, cleared
+    return answer
 
 
 def launch_preflight(

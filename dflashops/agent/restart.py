@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
-from .answers import answer_json
+from .answers import ClearCacheAnswer, RestartAnswer, StopAnswer
 from .checkpoints import complete_checkpoint, latest_checkpoint, release_hold, restore_held
 from .common import (
     RESUME_WRITER_KEY,
@@ -53,7 +53,7 @@ def substitute(value: T, placeholder: str, text: str) -> T:
     return value
 
 
-def verb_restart(req: RestartRequest, stdin: bytes | io.BufferedIOBase) -> dict:
+def verb_restart(req: RestartRequest, stdin: bytes | io.BufferedIOBase) -> RestartAnswer:
     """The kill-copy-relaunch cycle in ONE call (one ssh round trip instead of six): `old` is stopped,
     the release `install` describes is made current, and the new run `name` is launched from it.
 
@@ -170,7 +170,7 @@ def one_shot_standby(req: RestartRequest) -> str | None:
     return start_standby(once, argv, env, launcher, "", fingerprint)
 
 
-def stop_and_launch(req: RestartRequest, built: Built) -> dict:
+def stop_and_launch(req: RestartRequest, built: Built) -> RestartAnswer:
     """Steps 2b-6, once the release is built and the resume checkpoint held: the pre-flight, then under the old
     run's control lock the stop, the resumed launch request, the flip and the launch. The answer: the stop's,
     the old run's status, the release's and the launch's."""
@@ -194,17 +194,22 @@ def stop_and_launch(req: RestartRequest, built: Built) -> dict:
         removed, cleared = make_current(req, built)
         launched = verb_launch(launch)
         outcome = {"name": req.name, "checkpoint": checkpoint}
-        return {
-            "stop": stop,
-            "old_status": answer_json(old_status),
-            "release": built.code_hash,
-            "path": built.path,
-            "removed": removed,
-            "checkpoint": checkpoint,
-            **launched,
-            "cleared": cleared,
-            "preflight": verdict,
-        }
+        return RestartAnswer(
+            stop=stop,
+            old_status=old_status,
+            release=built.code_hash,
+            path=built.path,
+            removed=removed,
+            checkpoint=checkpoint,
+            run_dir=launched.run_dir,
+            pgid=launched.pgid,
+            marker=launched.marker,
+            launcher=launched.launcher,
+            session=launched.session,
+            standby=launched.standby,
+            preflight=verdict,
+            cleared=cleared,
+        )
     finally:
         release_control(old_dir, lock, outcome)
 
@@ -218,7 +223,7 @@ def preflight(req: RestartRequest, built: Built) -> dict | None:
     return held_preflight(req, built.path, check_argv, req.env, built.hold, built.probe)
 
 
-def stop_old(req: RestartRequest, old_dir: str, lock: int, *, handing_over: bool) -> dict | None:
+def stop_old(req: RestartRequest, old_dir: str, lock: int, *, handing_over: bool) -> StopAnswer | None:
     """Step 3: the old run stopped exactly like `stop`, under the control lock the caller holds (`lock`); its
     stop answer, or None when it had ended already. With `handing_over`, the stop answers at the trainer's
     hand-over offer and finishes in the background (stop.stop_held)."""
@@ -238,20 +243,20 @@ def stop_old(req: RestartRequest, old_dir: str, lock: int, *, handing_over: bool
     except AgentFailure as exc:
         if exc.code != "not_running":
             raise
-    handover = (answer or {}).get("handover")
+    handover = answer.handover if answer is not None else None
     report_progress(
         req.progress,
         "stopped",
         run=req.old,
         was_running=answer is not None,
-        exit_code=(answer or {}).get("exit_code"),
+        exit_code=answer.exit_code if answer is not None else None,
         handover=(handover or {}).get("checkpoint"),
     )
     return answer
 
 
 def resumed_launch(
-    req: RestartRequest, built: Built, stop: dict | None, fallback: str | None
+    req: RestartRequest, built: Built, stop: StopAnswer | None, fallback: str | None
 ) -> tuple[RestartRequest, str | None]:
     """Step 4: (the launch request of the new run, the checkpoint it resumes). With `resume_placeholder`: the
     chosen checkpoint (put back if rotation took it), else the one a hand-over offers (the new run's environment
@@ -262,7 +267,7 @@ def resumed_launch(
     placeholder, chosen = req.resume_placeholder, req.resume_checkpoint
     if not placeholder:
         return launch, None
-    handover = (stop or {}).get("handover")
+    handover = stop.handover if stop is not None else None
     if chosen is not None:
         checkpoint: str | None = chosen
         restore_held(built.hold, chosen)  # put back if the run's rotation deleted it during the pre-flight
@@ -283,13 +288,13 @@ def resumed_launch(
     return launch, checkpoint
 
 
-def make_current(req: RestartRequest, built: Built) -> tuple[list, dict | None]:
+def make_current(req: RestartRequest, built: Built) -> tuple[list, ClearCacheAnswer | None]:
     """Step 5: `current` flipped to the new release, old releases pruned, the compile cache cleared when asked:
     (the pruned releases, what the clearing removed or None)."""
     workspace = workspace_of(req.workspace)
     flip_current(workspace, built.code_hash)
     removed = prune_releases(workspace, int(built.install.keep))
-    cleared = answer_json(clear_cache(workspace, req.compile_cache)) if req.clear_cache else None
+    cleared = clear_cache(workspace, req.compile_cache) if req.clear_cache else None
     return removed, cleared
 
 

@@ -8,6 +8,7 @@ import os
 import signal
 import time
 
+from .answers import StopAnswer
 from .common import LAUNCH_SETTLE_S, AgentFailure, read_json, write_atomic
 from .protocol import StopTimes
 from .status import run_status
@@ -108,20 +109,20 @@ def release_control(directory: str, fd: int, outcome: dict) -> None:
     os.close(fd)
 
 
-def joined_answer(directory: str, holder: dict, started: float) -> dict:
+def joined_answer(directory: str, holder: dict, started: float) -> StopAnswer:
     """A stop's answer when another command had the run and stopped it meanwhile: what that one did."""
     status = run_status(directory)
     stop = read_json(os.path.join(directory, "stop.json")) or {}
-    return {
-        "joined": {k: holder.get(k) for k in ("op", "pid", "since", "outcome", "finished_at")},
-        "state": status.state,
-        "escalated": bool(stop.get("escalated")),
-        "signalled": [],
-        "gpu_released": stop.get("gpu_released"),
-        "waited_for_checkpoint_s": 0.0,
-        "before_start": bool(stop.get("before_start")),
-        "exit_code": status.exit_code,
-        "checkpoints": status.checkpoints[-1:],
-        "seconds": round(time.monotonic() - started, 3),
-        "recorded": True,
-    }
+    return StopAnswer(
+        joined={k: holder.get(k) for k in ("op", "pid", "since", "outcome", "finished_at")},
+        state=status.state,
+        escalated=bool(stop.get("escalated")),
+        signalled=[],
+        gpu_released=stop.get("gpu_released"),
+        waited_for_checkpoint_s=0.0,
+        before_start=bool(stop.get("before_start")),
+        exit_code=status.exit_code,
+        checkpoints=status.checkpoints[-1:],
+        seconds=round(time.monotonic() - started, 3),
+        recorded=True,
+    )

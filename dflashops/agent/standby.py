@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Iterator
 
+from .answers import LaunchAnswer
 from .common import (
     LAUNCH_SETTLE_S,
     MARKER_KEY,
@@ -239,7 +240,7 @@ def adopt_standby(
     launcher: str,
     session: str,
     fingerprint: str,
-) -> dict | None:
+) -> LaunchAnswer | None:
     """Hand this launch to a ready standby of its `fingerprint`; the launch's answer, or None (none ready: the
     caller launches as usual)."""
     workspace = req.workspace

@@ -9,7 +9,9 @@ import shutil
 import signal
 import subprocess
 import time
+from typing import Any
 
+from .answers import StopAnswer
 from .common import (
     LAUNCH_SETTLE_S,
     AgentFailure,
@@ -70,7 +72,7 @@ def saving_checkpoint(directory: str) -> bool:
     return status.get("phase") == "saving" and fresh
 
 
-def verb_stop(req: StopRequest) -> dict:
+def verb_stop(req: StopRequest) -> StopAnswer:
     """Stop the run; its checkpoint first, then its processes. Refuses a run that is not running.
 
     Serialised per run (`take_control`): a stop that meets another stop or a restart of the same run waits for
@@ -103,7 +105,7 @@ def verb_stop(req: StopRequest) -> dict:
     supervisor_cancelled = cancel_supervisor(directory)  # first: it must not restart what is being stopped
     by = "restart" if req.by == "restart" else "stop"  # a restart of a run on several targets stops here
     lock, met = take_control(directory, by, control_wait_s(req))
-    answer: dict = {}
+    answer: StopAnswer | None = None
     try:
         if met is not None and by == "restart" and met.get("op") == "restart":
             raise AgentFailure(
@@ -115,12 +117,13 @@ def verb_stop(req: StopRequest) -> dict:
             answer = stop_held(req, directory, started, lock, supervisor_cancelled=supervisor_cancelled)
         return answer
     finally:
-        release_control(directory, lock, {"exit_code": answer.get("exit_code"), "handover": "handover" in answer})
+        outcome = {"exit_code": answer.exit_code if answer else None, "handover": bool(answer and answer.handover)}
+        release_control(directory, lock, outcome)
 
 
 def stop_held(
     req: StopRequest, directory: str, started: float, lock: int, *, supervisor_cancelled: bool = False
-) -> dict:
+) -> StopAnswer:
     """verb_stop's work, for a caller that holds the run's control lock (`lock`: its descriptor, which the
     background part of a hand-over keeps open until it is done). `supervisor_cancelled`: the caller stopped the
     run's supervisor, so a run that had ended already is answered as a cancelled automatic restart."""
@@ -137,17 +140,17 @@ def stop_held(
     ):
         return finish_stop(req, directory, started, escalated=False, seen=set(), waited=0.0, before_start=True)
     if not pids and supervisor_cancelled:  # it had ended; its pending automatic restart is what was stopped
-        return {
-            "escalated": False,
-            "signalled": [],
-            "gpu_released": None,
-            "waited_for_checkpoint_s": 0.0,
-            "before_start": False,
-            "exit_code": read_int(os.path.join(directory, "exit_code")),
-            "seconds": round(time.monotonic() - started, 3),
-            "recorded": True,
-            "supervisor_cancelled": True,
-        }
+        return StopAnswer(
+            escalated=False,
+            signalled=[],
+            gpu_released=None,
+            waited_for_checkpoint_s=0.0,
+            before_start=False,
+            exit_code=read_int(os.path.join(directory, "exit_code")),
+            seconds=round(time.monotonic() - started, 3),
+            recorded=True,
+            supervisor_cancelled=True,
+        )
     if not pids:
         raise AgentFailure(f"run {req.name!r} is not running", "not_running")
     grace = float(req.grace)
@@ -170,22 +173,24 @@ def stop_held(
                     record_stop(directory, {"error": f"{type(exc).__name__}: {exc}", "finished_at": time.time()})
 
             in_background(finish, keep_fd=lock)
-            return {
-                "handover": offer,
-                "escalated": False,
-                "signalled": [job],
-                "gpu_released": True,
-                "waited_for_checkpoint_s": 0.0,
-                "before_start": False,
-                "exit_code": None,
-                "seconds": round(time.monotonic() - started, 3),
-                "recorded": recorded,
-                "supervisor_cancelled": supervisor_cancelled,
-            }
-    return {**complete_stop(*stopping), "supervisor_cancelled": supervisor_cancelled}
+            return StopAnswer(
+                handover=offer,
+                escalated=False,
+                signalled=[job] if job is not None else [],  # job_first: never None here
+                gpu_released=True,
+                waited_for_checkpoint_s=0.0,
+                before_start=False,
+                exit_code=None,
+                seconds=round(time.monotonic() - started, 3),
+                recorded=recorded,
+                supervisor_cancelled=supervisor_cancelled,
+            )
+    answer = complete_stop(*stopping)
+    answer.supervisor_cancelled = supervisor_cancelled
+    return answer
 
 
-def stop_now(req: StopRequest, directory: str) -> dict:
+def stop_now(req: StopRequest, directory: str) -> StopAnswer:
     """`stop --now`: SIGKILL to every process of the run at once, whatever else is going on (a stop or restart
     in progress keeps its lock and finds the processes gone); no final checkpoint, the last periodic one stays.
     The bookkeeping (exit code, stop.json) is done here only when no other command holds the run."""
@@ -204,14 +209,15 @@ def stop_now(req: StopRequest, directory: str) -> dict:
         raise AgentFailure(f"processes {sorted(left)} of run {req.name!r} survived SIGKILL", "stuck")
     lock = try_control(directory, "stop --now")
     if lock is None:  # a stop or restart holds the run: it sees the processes gone and records the end itself
-        return {"now": True, "escalated": True, "signalled": sorted(pids), "exit_code": 128 + signal.SIGKILL,
-                "seconds": round(time.monotonic() - started, 3), "recorded": None, "gpu_released": None,
-                "waited_for_checkpoint_s": 0.0, "before_start": False}  # fmt: skip
+        return StopAnswer(now=True, escalated=True, signalled=sorted(pids), exit_code=128 + signal.SIGKILL,
+                          seconds=round(time.monotonic() - started, 3), recorded=None, gpu_released=None,
+                          waited_for_checkpoint_s=0.0, before_start=False)  # fmt: skip
     try:
         record_stop(directory, {"requested_at": time.time(), "now": True})
         answer = finish_stop(req, directory, started, escalated=True, seen=set(pids), waited=0.0,
                              gpu_timeout=req.gpu_s())  # fmt: skip
-        return {**answer, "now": True}
+        answer.now = True
+        return answer
     finally:
         release_control(directory, lock, {"exit_code": 128 + signal.SIGKILL, "now": True})
 
@@ -234,7 +240,7 @@ def complete_stop(
     grace_deadline: float,
     save_deadline: float,
     recorded: bool,
-) -> dict:
+) -> StopAnswer:
     """verb_stop after its first SIGTERM: wait for the job, TERM the rest of the group, KILL what is left
     after the grace (a checkpoint being written gets its save grace), then the bookkeeping (finish_stop)."""
     grace = float(req.grace)
@@ -401,7 +407,7 @@ def finish_stop(
     recorded: bool = True,
     before_start: bool = False,
     gpu_timeout: float = 0.0,
-) -> dict:
+) -> StopAnswer:
     """Bookkeeping after the processes are gone: GPU release, a missing exit code, the tmux session, stop.json.
     Best effort on a full disk; the answer says whether stop.json was written."""
     gpu_released = wait_gpu_release(seen, gpu_timeout) if seen else None
@@ -419,7 +425,7 @@ def finish_stop(
         )
     exit_code = read_int(os.path.join(directory, "exit_code"))
     trainer_exit = trainer_exit_code(directory, read_json(os.path.join(directory, "status.json")))
-    result = {
+    result: dict[str, Any] = {
         "escalated": escalated,
         "signalled": sorted(seen),
         "gpu_released": gpu_released,
@@ -430,7 +436,12 @@ def finish_stop(
         "seconds": round(time.monotonic() - started, 3),
     }
     result["recorded"] = record_stop(directory, {**result, "finished_at": time.time()}) and recorded
-    return result
+    answer = StopAnswer(**result)
+    answer.nulls = NULL_LAUNCHER  # its key is there, null too, as stop.json records it
+    return answer
+
+
+NULL_LAUNCHER = frozenset({"launcher_exit_code"})
 
 
 def wait_gpu_release(pids: set[int], timeout: float) -> bool | None:

@@ -11,6 +11,7 @@ import sys
 import time
 from typing import NoReturn
 
+from .answers import LaunchAnswer
 from .common import LAUNCH_SETTLE_S, AgentFailure, append_log, read_int, remove_quietly, write_atomic
 
 LAUNCH_SPEC = ".launch.json"  # argv + env (with every pass_env secret) for the wrapper; 0600, deleted on every path
@@ -22,17 +23,21 @@ RESERVED_BYTES = {"exit_code": 16, "stop.json": 4096}
 CLEAN_ENV = ("env", "-i")
 
 
-def launch_answer(directory: str, pgid: int | None, marker: str, launcher: str, session: str, *, standby: bool) -> dict:
+def launch_answer(
+    directory: str, pgid: int | None, marker: str, launcher: str, session: str, *, standby: bool
+) -> LaunchAnswer:
     """What `launch` answers: where the run is, its group and marker, how it was started (`standby`: a standby
-    interpreter took it)."""
-    return {
-        "run_dir": directory,
-        "pgid": pgid,
-        "marker": marker,
-        "launcher": launcher,
-        "session": session,
-        "standby": standby,
-    }
+    interpreter took it); verb_launch adds its pre-flight verdict and cache clearing."""
+    return LaunchAnswer(
+        run_dir=directory,
+        pgid=pgid,
+        marker=marker,
+        launcher=launcher,
+        session=session,
+        standby=standby,
+        preflight=None,
+        cleared=None,
+    )
 
 
 def launch_failed(directory: str, reason: str) -> NoReturn:

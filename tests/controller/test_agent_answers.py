@@ -11,7 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from dflashops.agent.answers import ANSWERS, GpusAnswer, PingAnswer, answer_json, parse_answer
+from dflashops.agent.answers import (
+    ANSWERS,
+    AnswerMismatch,
+    GpusAnswer,
+    LaunchAnswer,
+    PingAnswer,
+    RestartAnswer,
+    StopAnswer,
+    answer_json,
+    parse_answer,
+)
 from dflashops.agent.protocol import PROTOCOL_VERSION, GpusRequest
 from dflashops.core.errors import AgentError
 from dflashops.core.inventory import Target
@@ -121,3 +131,127 @@ def test_an_optional_key_is_left_out_when_none_and_every_answer_survives_its_jso
     assert answer_json(ping) == {"version": PROTOCOL_VERSION, "python": "3.12.1"}
     assert answer_json(parse_answer("ping", PingAnswer, {"ok": True, **answer_json(ping)})) == answer_json(ping)
     assert set(ANSWERS) >= {"ping", "gpus", "manifest", "install", "clear-cache", "gc", "fetch-manifest", "preflight"}
+
+
+# A stop's answer of each shape (agent/stop.py, run_lock.py joined_answer): its keys, as the verb's dict had them.
+COMMON = {
+    "escalated": False,
+    "signalled": [],
+    "gpu_released": None,
+    "waited_for_checkpoint_s": 0.0,
+    "before_start": False,
+    "exit_code": 143,
+    "seconds": 0.5,
+    "recorded": True,
+}
+STOP_SHAPES = {
+    "stopped": {**COMMON, "launcher_exit_code": None, "supervisor_cancelled": False},
+    "stopped under a launcher": {**COMMON, "launcher_exit_code": 1, "supervisor_cancelled": True},
+    "before its job started": {**COMMON, "before_start": True, "launcher_exit_code": None},
+    "now": {**COMMON, "escalated": True, "exit_code": 137, "launcher_exit_code": None, "now": True},
+    "now, while another command holds the run": {**COMMON, "now": True, "recorded": None},
+    "a cancelled automatic restart": {**COMMON, "exit_code": 1, "supervisor_cancelled": True},
+    "a hand-over": {
+        **COMMON,
+        "handover": {"checkpoint": "/ws/runs/r1/checkpoints/step_000010", "step": 10},
+        "signalled": [4242],
+        "gpu_released": True,
+        "exit_code": None,
+        "supervisor_cancelled": False,
+    },
+    "joined": {
+        **COMMON,
+        "joined": {"op": "restart", "pid": 7, "since": 1.0, "outcome": {"name": "r2"}, "finished_at": 2.0},
+        "state": "stopped",
+        "checkpoints": ["step_000010"],
+    },
+}
+
+
+@pytest.mark.parametrize("shape", list(STOP_SHAPES))
+def test_a_stop_answer_of_each_shape_survives_its_json_with_the_same_keys_and_values(shape: str) -> None:
+    raw = STOP_SHAPES[shape]
+    stop = parse_answer("stop", StopAnswer, {"ok": True, **raw})
+    assert answer_json(stop) == raw  # the same keys (a null `launcher_exit_code` too) and values
+    assert all(key in stop for key in raw) and "nodes" not in stop
+    again = parse_answer("restart", RestartAnswer, {"ok": True, **RESTART, "stop": answer_json(stop)})
+    assert again.stop is not None and answer_json(again.stop) == raw
+
+
+RESTART = {
+    "stop": None,
+    "old_status": {
+        "name": "r1",
+        "state": "stopped",
+        "exit_code": 143,
+        "launcher_exit_code": None,
+        "tmux": {},
+        "pids": [],
+        "pgid": None,
+        "step": 10,
+        "error_line": None,
+        "ended_at": 1.0,
+        "trainer_status": None,
+        "last_metrics": None,
+        "last_log_line": None,
+        "checkpoints": ["step_000010"],
+        "run_dir": "/ws/runs/r1",
+        "run_json": {},
+    },
+    "release": "0" * 16,
+    "path": "/ws/releases/" + "0" * 16,
+    "removed": [],
+    "checkpoint": None,
+    "run_dir": "/ws/runs/r2",
+    "pgid": 4243,
+    "marker": "r2.abc",
+    "launcher": "nohup",
+    "session": "r2",
+    "standby": False,
+    "preflight": None,
+    "cleared": {"removed": ["/ws/cache/compile/x"], "bytes": 10, "files": 1},
+}
+
+
+def test_a_restart_answer_holds_its_stop_its_old_run_and_its_launch() -> None:
+    restart = parse_answer("restart", RestartAnswer, {"ok": True, **RESTART})
+    assert restart.stop is None and restart.old_status.state == "stopped" and restart.cleared is not None
+    assert restart.cleared.bytes == 10 and answer_json(restart) == RESTART
+    assert list(answer_json(restart)) == list(RESTART)  # the order of the dict it was
+    launch = {key: RESTART[key] for key in ("run_dir", "pgid", "marker", "launcher", "session", "standby")}
+    launched = parse_answer("launch", LaunchAnswer, {"ok": True, **launch, "preflight": {"ok": True}, "cleared": None})
+    assert launched.cleared is None and launched.preflight == {"ok": True} and launched.pgid == 4243
+
+
+@pytest.mark.parametrize(
+    ("verb", "answer", "message"),
+    [
+        ("stop", {k: v for k, v in STOP_SHAPES["stopped"].items() if k != "escalated"}, "missing key 'escalated'"),
+        ("stop", {**STOP_SHAPES["stopped"], "nodes": []}, "unknown key 'nodes'"),
+        ("stop", {**STOP_SHAPES["stopped"], "seconds": "0.5"}, "key 'seconds' must be float, not str"),
+        ("restart", {**RESTART, "stop": {**COMMON, "ok": True}}, "unknown key 'stop.ok'"),
+        ("restart", {**RESTART, "stop": {**COMMON, "recorded": "yes"}}, "key 'stop.recorded' must be bool or None"),
+        ("restart", {**RESTART, "cleared": {"removed": [], "bytes": 0}}, "missing key 'cleared.files'"),
+        ("launch", {"run_dir": "/ws/runs/r2", "pgid": 1}, "missing key 'marker'"),
+    ],
+)
+def test_a_stop_launch_or_restart_answer_that_does_not_fit_is_one_error_naming_the_verb_and_the_key(
+    verb: str, answer: dict, message: str
+) -> None:
+    with pytest.raises(AnswerMismatch) as refused:
+        parse_answer(verb, ANSWERS[verb], {"ok": True, **answer})
+    assert str(refused.value).startswith(f"{verb} answer: {message}")
+
+
+def test_a_real_launch_and_stop_answer_what_their_dataclasses_print_back(tmp_path: Path) -> None:
+    agent = real_agent(tmp_path)
+    workspace = agent.target.workspace
+    request = {"workspace": workspace, "name": "r1", "launcher": "nohup", "argv": ["sleep", "30"]}
+    raw = agent.call("launch", request)
+    launched = parse_answer("launch", LaunchAnswer, raw)
+    assert json.dumps({"ok": True, **answer_json(launched)}) == json.dumps(raw)
+    assert launched.run_dir.endswith("/runs/r1") and launched.standby is False and launched.cleared is None
+    raw = agent.call("stop", {"workspace": workspace, "name": "r1", "grace": 5})
+    stopped = parse_answer("stop", StopAnswer, raw)
+    assert json.dumps({"ok": True, **answer_json(stopped)}) == json.dumps(raw)
+    assert "launcher_exit_code" in raw and stopped.launcher_exit_code is None and stopped.exit_code == 143
