@@ -235,8 +235,8 @@ def report(invocation: Invocation, outcome: DeployOutcome, args: argparse.Namesp
         if node.cache_cleared:
             gone = node.cache_cleared
             progress(
-                f"cleared the compile caches of {node.target}: {size(int(gone.get('bytes') or 0))} in "
-                f"{gone.get('files', 0)} files ({', '.join(gone.get('removed') or []) or 'there were none'})"
+                f"cleared the compile caches of {node.target}: {size(gone.bytes)} in "
+                f"{gone.files} files ({', '.join(gone.removed) or 'there were none'})"
             )
     if args.dry_run:
         print_plan(invocation)

@@ -20,6 +20,7 @@ from dflashops.agent.answers import ClearCacheAnswer as ClearCacheAnswer  # name
 from dflashops.agent.answers import GcAnswer as GcAnswer  # never import the agent's package (test_boundaries.py)
 from dflashops.agent.answers import GpusAnswer as GpusAnswer
 from dflashops.agent.answers import StatusAnswer as StatusAnswer
+from dflashops.agent.answers import StopAnswer as StopAnswer
 from dflashops.agent.answers import answer_json as answer_json
 from dflashops.agent.common import AgentFailure, tmux_socket  # the agent names the tmux server; its function agrees
 from dflashops.agent.protocol import PROTOCOL_VERSION, REQUESTS, Request, parse, wire
@@ -219,11 +220,14 @@ class Agent:
         secret_args: dict[str, Any] | None = None,
         shown_args: dict[str, Any] | None = None,
         stdin_tar: Tar | bytes | None = None,
+        on_progress: Callable[[dict[str, Any]], None] | None = None,
     ) -> A | None:
         """`call`, its answer parsed into `kind`, the verb's answer dataclass (agent/answers.py): an unknown,
         missing or mistyped key is one AgentError naming the target, the verb and the key. None when a dry run
         only planned the call (a mutating verb, or a read-only one before the agent is on the target)."""
-        answer = self.answer(verb, args, secret_args=secret_args, shown_args=shown_args, stdin_tar=stdin_tar)
+        answer = self.answer(
+            verb, args, secret_args=secret_args, shown_args=shown_args, stdin_tar=stdin_tar, on_progress=on_progress
+        )
         return None if answer is None else checked(self.target.name, verb, kind, answer)
 
     def call(

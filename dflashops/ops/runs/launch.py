@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from dflashops.agent.answers import PreflightAnswer, StatusAnswer
+from dflashops.agent.answers import ClearCacheAnswer, LaunchAnswer, PreflightAnswer, StatusAnswer
 from dflashops.agent.common import LAUNCHERS  # the agent starts runs; its list is the list
 from dflashops.agent.protocol import LaunchRequest, PreflightRequest, StatusRequest
 from dflashops.core.errors import Conflict, UsageError
@@ -81,7 +81,7 @@ class DeployOutcome:
     release: str
     pgid: int | None
     uploaded: int
-    cache_cleared: dict | None  # the agent's clear-cache answer: what went (folders, bytes, files)
+    cache_cleared: ClearCacheAnswer | None  # the agent's clear-cache answer: what went (folders, bytes, files)
     supervisor: dict | None = None  # the in-target supervisor's start answer (ops/runs/supervise.py), if any
     preflight: dict | None = None  # what the agent's pre-flight checked (None: skipped, or a dry run)
     standby: bool = False  # started by a standby interpreter of the target (agent/standby.py): no imports to wait for
@@ -301,29 +301,28 @@ def launch_on(
     )
     spec = launch_spec(invocation, request, target, profile, name, synced.code_hash, synced.release_path)
     verdict = dry_run_preflight(agent, spec, synced.code_hash) if invocation.dry_run and request.preflight else None
-    answer = agent.call(
+    answer = agent.ask(
         "launch",
         spec.args,
+        LaunchAnswer,
         secret_args={"env": spec.env},
         shown_args={"env": spec.record.env},
         on_progress=None if invocation.dry_run else lambda event: invocation.phase(**event),
     )
-    if verdict is not None:
-        answer = {**answer, "preflight": verdict}
-    if not invocation.dry_run:
-        spec.record.extra["pgid"] = answer.get("pgid")
-        spec.record.session = answer.get("session") or spec.record.session
+    if answer is not None:  # None: a dry run only planned it
+        spec.record.extra["pgid"] = answer.pgid
+        spec.record.session = answer.session or spec.record.session
     return DeployOutcome(
         name=name,
         target=target.name,
         run_dir=run_dir,
         code_hash=synced.code_hash,
         release=synced.release_path,
-        pgid=answer.get("pgid"),
+        pgid=answer.pgid if answer is not None else None,
         uploaded=len(synced.uploaded),
-        cache_cleared=answer.get("cleared"),
-        standby=bool(answer.get("standby")),
-        preflight=answer.get("preflight"),
+        cache_cleared=answer.cleared if answer is not None else None,
+        standby=answer is not None and answer.standby,
+        preflight=verdict if answer is None else answer.preflight,
     ), spec
 
 

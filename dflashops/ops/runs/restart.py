@@ -102,8 +102,10 @@ def restart(invocation: Invocation, request: RestartRequest) -> RestartOutcome:
     target, name, chosen = preflight(invocation, request, old, profile, child)
     try:
         release = sync(invocation, child, target, profile, name)
-        answer, calls, fell_back = stop_and_launch(invocation, request, old, release, chosen)
-        return record(invocation, request, child, old, release, answer, chosen, calls=calls, fell_back=fell_back)
+        answer, verdict, calls, fell_back = stop_and_launch(invocation, request, old, release, chosen)
+        return record(
+            invocation, request, child, old, release, answer, chosen, calls=calls, fell_back=fell_back, verdict=verdict
+        )
     except BaseException:
         if not invocation.dry_run:
             invocation.db.release(name)
@@ -225,10 +227,11 @@ def sync(invocation: Invocation, child: DeployRequest, target: Target, profile: 
 
 def stop_and_launch(
     invocation: Invocation, request: RestartRequest, old: RunRecord, release: Release, chosen: str | None
-) -> tuple[dict[str, Any], int, bool]:
-    """Steps 4-5: the combined call; returns (the agent's answer, agent calls in all, fell back). When the
-    cached base is gone from the target (StaleRelease: nothing was changed) the tar is built again against
-    what `manifest` says and the call repeated. A dry run adds the read-only pre-flight's verdict."""
+) -> tuple[answers.RestartAnswer | None, dict | None, int, bool]:
+    """Steps 4-5: the combined call; returns (the agent's answer, None when a dry run only planned it; a dry
+    run's read-only pre-flight verdict, else None; agent calls in all; fell back). When the cached base is gone
+    from the target (StaleRelease: nothing was changed) the tar is built again against what `manifest` says and
+    the call repeated."""
     agent = invocation.agent(release.target)
     calls, fell_back = release.calls, False
     if not invocation.dry_run:
@@ -251,6 +254,7 @@ def stop_and_launch(
             answer = combined_call(agent, old.name, request, release.spec, release.payload, chosen, on_progress)
         except Unchecked:
             raise unchecked(invocation, old, release.profile) from None
+    verdict = None
     if invocation.dry_run and request.preflight:
         try:
             verdict = dry_run_preflight(
@@ -264,8 +268,7 @@ def stop_and_launch(
             )
         except Unchecked:  # the dry run refuses as the restart would
             raise unchecked(invocation, old, release.profile) from None
-        answer = {**answer, "preflight": verdict}
-    return answer, calls, fell_back
+    return answer, verdict, calls, fell_back
 
 
 def record(
@@ -274,27 +277,30 @@ def record(
     child: DeployRequest,
     old: RunRecord,
     release: Release,
-    answer: dict[str, Any],
+    answer: answers.RestartAnswer | None,
     chosen: str | None,
     *,
     calls: int,
     fell_back: bool,
+    verdict: dict | None = None,
 ) -> RestartOutcome:
     """Step 6: the lineage (the old run's end, the child with its parent edge, its resumed checkpoint, pgid and
-    session), the release cache, then the started notice and the child's supervisor; the outcome."""
+    session), the release cache, then the started notice and the child's supervisor; the outcome. `answer` is
+    None when a dry run only planned the call; its `verdict` is the read-only pre-flight's."""
     target, spec, code_hash = release.target, release.spec, release.code_hash
     checkpoint = (chosen or f"<latest checkpoint of {old.name}>") if request.resume else None
-    if not invocation.dry_run:
-        checkpoint = answer.get("checkpoint")
+    if answer is not None:
+        checkpoint = answer.checkpoint
         if checkpoint:
             spec.record.argv = [arg.replace(RESUME_PLACEHOLDER, checkpoint) for arg in spec.record.argv]
             spec.record.extra["resumed_from"] = checkpoint
-        spec.record.extra["pgid"] = answer.get("pgid")
-        spec.record.session = answer.get("session") or spec.record.session
-        observe_and_tell(invocation, [answer["old_status"]])  # the old run's end (exit code, step) into its record
+        spec.record.extra["pgid"] = answer.pgid
+        spec.record.session = answer.session or spec.record.session
+        # The old run's end (exit code, step) into its record: the observer takes status entries as JSON objects.
+        observe_and_tell(invocation, [answers.answer_json(answer.old_status)])
         invocation.db.fill(spec.record)  # the new run, with its parent edge
         release_cache.save(invocation.inventory.lineage_path, target, code_hash, release.manifest)
-    stop = answer.get("stop")
+    stop = answer.stop if answer is not None else None
     supervisor = after_launch(invocation, child, target, release.profile, spec.name, code_hash, release.path)
     deployed = DeployOutcome(
         name=spec.name,
@@ -302,21 +308,21 @@ def record(
         run_dir=spec.run_dir,
         code_hash=code_hash,
         release=release.path,
-        pgid=answer.get("pgid"),
+        pgid=answer.pgid if answer is not None else None,
         uploaded=len(release.payload.uploaded),
-        cache_cleared=answer.get("cleared"),
+        cache_cleared=answer.cleared if answer is not None else None,
         supervisor=supervisor,
-        standby=bool(answer.get("standby")),
-        preflight=answer.get("preflight"),
+        standby=answer is not None and answer.standby,
+        preflight=verdict if answer is None else answer.preflight,
     )
     return RestartOutcome(
-        stopped=bool(stop),
-        old_exit_code=stop.get("exit_code") if stop else None,
+        stopped=stop is not None,
+        old_exit_code=stop.exit_code if stop is not None else None,
         checkpoint=checkpoint,
         deployed=deployed,
         agent_calls=calls,
         fell_back=fell_back,
-        handover=bool(stop and stop.get("handover")),
+        handover=stop is not None and bool(stop.handover),
     )
 
 
@@ -351,9 +357,10 @@ def combined_call(
     payload: InstallPayload,
     chosen: str | None = None,
     on_progress: Callable[[dict[str, Any]], None] | None = None,
-) -> dict[str, Any]:
-    """The agent's `restart` verb: request JSON (secrets only in it, on stdin) + the tar, one round trip. Its
-    phases (pre-flight, stopping, stopped, launching) reach `on_progress` as they start."""
+) -> answers.RestartAnswer | None:
+    """The agent's `restart` verb: request JSON (secrets only in it, on stdin) + the tar, one round trip; its
+    answer, None when a dry run only planned it. Its phases (pre-flight, stopping, stopped, launching) reach
+    `on_progress` as they start."""
     target: Target = agent.target
     launch = {each.name: getattr(spec.args, each.name) for each in fields(spec.args)}  # the child's launch
     # A standby interpreter for this restart alone where the target keeps none (agent/restart.py
@@ -373,9 +380,10 @@ def combined_call(
         unchecked=request.unchecked,
     )
     try:
-        return agent.call(
+        return agent.ask(
             "restart",
             args,
+            answers.RestartAnswer,
             secret_args={"env": spec.env},
             shown_args={"env": spec.record.env},
             stdin_tar=payload.tar,
