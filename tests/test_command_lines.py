@@ -67,7 +67,18 @@ def default_answer(verb: str, request: dict, stdin: bytes) -> tuple[int, str, st
     answers = {
         "status": {"runs": []},
         "ping": {"version": 1},
-        "stop": {"signalled": True, "exit_code": 143, "how": "SIGTERM"},
+        "stop": {
+            "escalated": False,
+            "signalled": [4242],
+            "gpu_released": None,
+            "waited_for_checkpoint_s": 0.0,
+            "before_start": False,
+            "exit_code": 143,
+            "launcher_exit_code": None,
+            "seconds": 0.2,
+            "recorded": True,
+            "supervisor_cancelled": False,
+        },
     }
     return 0, json.dumps({"ok": True, **answers.get(verb, {})}) + "\n", ""
 

@@ -35,7 +35,7 @@ from dflashops.core.errors import NotFound, TransportError, UsageError
 from dflashops.core.shell import join_argv, validate_name
 from dflashops.lineage.files import AGENT_STATE_TO_LINEAGE
 from dflashops.lineage.record import utc_now_iso
-from dflashops.ops.agent_client import GcAnswer, GpusAnswer, answer_json
+from dflashops.ops.agent_client import GcAnswer, GpusAnswer, StopAnswer, answer_json
 from dflashops.ops.runs.control import LogCursor, ended_badly, read_log, run_status, stop_run, target_status, wait_for
 from dflashops.ops.runs.nodes import node_target, unreachable_error
 from dflashops.ops.runs.observer import observe_runs
@@ -262,51 +262,52 @@ def handle_stop(args: argparse.Namespace) -> int:
     if not args.run:
         raise UsageError("stop needs a RUN (or --all)")
     with open_invocation(args, dry_run=args.dry_run) as invocation:
-        answer = stop_run(
+        stopped = stop_run(
             invocation, args.run, target=args.target, grace=args.grace, save_grace=args.save_grace, now=args.now
         )
-        if args.dry_run:
+        answer = stopped.answer
+        if args.dry_run or answer is None:  # None: only planned
             print_plan(invocation)
             return 0
-        if answer.get("joined"):
+        if answer.joined:
             return report_joined_stop(args.run, answer)
-        how = "SIGKILL after the grace period" if answer["escalated"] else "SIGTERM"
-        if answer.get("now"):
+        how = "SIGKILL after the grace period" if answer.escalated else "SIGTERM"
+        if answer.now:
             how = "SIGKILL at once (--now: no final checkpoint)"
-        if answer.get("supervisor_cancelled"):
+        if answer.supervisor_cancelled:
             progress(f"{args.run}'s supervisor was stopped: no automatic restart will follow")
-        if answer.get("supervisor_cancelled") and not answer.get("signalled"):
-            print(f"{args.run} restart-cancelled exit_code={answer['exit_code']}")
+        if answer.supervisor_cancelled and not answer.signalled:
+            print(f"{args.run} restart-cancelled exit_code={answer.exit_code}")
             return 0
-        if answer.get("before_start"):
+        if answer.before_start:
             progress(f"stopped {args.run} before its job started (it was still launching); it never ran")
         else:
-            progress(f"stopped {args.run} by {how} in {answer['seconds']}s; exit code {answer['exit_code']}")
-        if answer.get("recorded") is False:
+            progress(f"stopped {args.run} by {how} in {answer.seconds}s; exit code {answer.exit_code}")
+        if answer.recorded is False:
             progress(
                 f"warning: could not write {args.run}'s stop.json (is the target's disk full?); "
                 "the run was stopped, but status may call it crashed"
             )
-        if answer.get("waited_for_checkpoint_s"):
+        if answer.waited_for_checkpoint_s:
             progress(
-                f"waited {answer['waited_for_checkpoint_s']}s past the grace period for its checkpoint to be "
-                f"written{' (then SIGKILL: --save-grace ran out)' if answer['escalated'] else ''}"
+                f"waited {answer.waited_for_checkpoint_s}s past the grace period for its checkpoint to be "
+                f"written{' (then SIGKILL: --save-grace ran out)' if answer.escalated else ''}"
             )
-        if answer.get("gpu_released") is False:
+        if answer.gpu_released is False:
             progress("warning: the run's GPU memory was not released within the timeout")
-        for node in answer.get("nodes") or []:
+        for node in stopped.nodes:
             progress(
                 f"  node {node['node']} on {node['target']}: "
                 + ("was not running" if node.get("not_running") else f"exit code {node.get('exit_code')}")
             )
-        print(f"{args.run} stopped exit_code={answer['exit_code']}")
+        print(f"{args.run} stopped exit_code={answer.exit_code}")
         return 0
 
 
-def report_joined_stop(run: str, answer: dict[str, Any]) -> int:
+def report_joined_stop(run: str, answer: StopAnswer) -> int:
     """A stop that met another stop or restart of the run: it waited for that one instead of signalling again
     (a second SIGTERM would have cost the final checkpoint); say what that one did."""
-    joined = answer["joined"]
+    joined = answer.joined or {}
     outcome = joined.get("outcome") or {}
     progress(
         f"{run}: a {joined.get('op') or 'stop'} of it by another command (pid {joined.get('pid')}) was already in "
@@ -314,9 +315,9 @@ def report_joined_stop(run: str, answer: dict[str, Any]) -> int:
     )
     if outcome.get("name"):
         progress(f"{run} was restarted as {outcome['name']}, which runs on: `dflashops stop {outcome['name']}`")
-    if answer.get("checkpoints"):
-        progress(f"{run}'s last checkpoint: {answer['checkpoints'][-1]}")
-    print(f"{run} {answer['state']} exit_code={answer['exit_code']}")
+    if answer.checkpoints:
+        progress(f"{run}'s last checkpoint: {answer.checkpoints[-1]}")
+    print(f"{run} {answer.state} exit_code={answer.exit_code}")
     return 0
 
 

@@ -81,16 +81,16 @@ def do_stop(ctx: Context, args: dict[str, Any]) -> StepOutcome:
         argv = ctx.invocation.agent(target).argv("stop", {"grace": grace, "name": run, "workspace": target.workspace})
         return StepOutcome(True, f"would stop {run}", {"commands": [f"[{target.name}] {join_argv(argv)}"]})
     try:
-        answer = stop_run(ctx.invocation, run, target=ctx.target_arg(args), grace=grace)
+        answer = stop_run(ctx.invocation, run, target=ctx.target_arg(args), grace=grace).answer
     except NotRunning:
         return StepOutcome(False, f"{run} was not running", {"stopped": False, "exit_code": None})
-    if ctx.check:
+    if ctx.check or answer is None:  # None: the stop was only planned
         return StepOutcome(True, f"would stop {run}", {"stopped": True, "exit_code": None})
-    how = "SIGKILL after the grace period" if answer.get("escalated") else "SIGTERM"
+    how = "SIGKILL after the grace period" if answer.escalated else "SIGTERM"
     return StepOutcome(
         True,
-        f"stopped {run} by {how}, exit code {answer.get('exit_code')}",
-        {"stopped": True, "exit_code": answer.get("exit_code"), "escalated": answer.get("escalated")},
+        f"stopped {run} by {how}, exit code {answer.exit_code}",
+        {"stopped": True, "exit_code": answer.exit_code, "escalated": answer.escalated},
     )
 
 

@@ -13,14 +13,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from dflashops.agent.answers import Answer, StatusAnswer, TailAnswer, answer_json
+from dflashops.agent.answers import Answer, StatusAnswer, StopAnswer, TailAnswer, answer_json
 from dflashops.agent.protocol import Request, StatusRequest, StopRequest, TailRequest
 from dflashops.core.errors import Conflict, DflashopsError, RunFailed, TransportError, UsageError, WaitTimeout
 from dflashops.core.shell import validate_name
 from dflashops.ops.agent_client import Agent, Busy, checked
 from dflashops.ops.invocation import Invocation
 from dflashops.ops.runs.job_state import overall
-from dflashops.ops.runs.nodes import nodes_of, read_nodes, status_nodes, stop_nodes
+from dflashops.ops.runs.nodes import Stopped, nodes_of, read_nodes, status_nodes, stop_nodes
 from dflashops.ops.runs.observer import observe_and_tell
 
 DEFAULT_FAIL_ON = r"Traceback \(most recent call last\)"
@@ -40,21 +40,23 @@ def stop_run(
     grace: float = 60.0,
     save_grace: float = 600.0,
     now: bool = False,
-) -> dict[str, Any]:
+) -> Stopped:
     """TERM -> grace -> KILL the run's own processes, wait until they (and their GPU memory) are gone; a run
     still writing its checkpoint after `grace` gets up to `save_grace` seconds more before the KILL. A stop that
     meets another stop or restart of the run waits for it and answers with its outcome (`joined`) instead of
     signalling again; `now` kills the run at once (no final checkpoint), whatever else is going on.
     Raises NotRunning (nothing signalled) when the run is not running, NotFound when it does not exist.
-    A run on several targets is stopped on every node at once (ops/runs/nodes.py).
+    A run on several targets is stopped on every node at once (ops/runs/nodes.py). Returns the agent's answer
+    (Stopped.answer, agent/answers.py StopAnswer; None when a dry run only planned the stop) and, for a run on
+    several targets, each node's (Stopped.nodes).
     May change: the run (signals), and through the observer its lineage record, notifications and supervisor."""
     validate_name(name, what="run name")
     if not invocation.dry_run and (nodes := nodes_of(invocation, name, target)):
-        answer = stop_nodes(
+        stopped = stop_nodes(
             invocation, name, nodes, grace=grace, save_grace=save_grace, not_running=NotRunning, now=now
         )
         observe_and_tell(invocation, status_nodes(invocation, name, nodes))
-        return answer
+        return stopped
     tgt = invocation.target_for_run(name, target)
     agent = invocation.agent(tgt)
     if invocation.dry_run:  # read-only check, so the plan shows what a real stop would do
@@ -67,7 +69,7 @@ def stop_run(
             )
     request = StopRequest(workspace=tgt.workspace, name=name, grace=grace, save_grace=save_grace, now=now)
     try:
-        answer = agent.call("stop", request)
+        answer = agent.ask("stop", request, StopAnswer)
     except Busy as exc:
         raise Conflict(
             exc.message, hint=f"wait for it (`dflashops status {name}`), or end it at once: dflashops stop {name} --now"
@@ -79,7 +81,7 @@ def stop_run(
     if not invocation.dry_run:
         after = agent.ask("status", StatusRequest(workspace=tgt.workspace, name=name), StatusAnswer)
         observe_and_tell(invocation, [answer_json(entry) for entry in after.runs] if after is not None else [])
-    return answer
+    return Stopped(answer)
 
 
 def run_status(

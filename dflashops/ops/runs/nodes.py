@@ -12,15 +12,16 @@ the others from being stopped.
 
 from __future__ import annotations
 
+import copy
 import queue
 import re
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from dflashops.agent.answers import StatusAnswer, answer_json
+from dflashops.agent.answers import StatusAnswer, StopAnswer, answer_json
 from dflashops.agent.protocol import StatusRequest, StopRequest
 from dflashops.core.errors import DflashopsError, NotFound, TransportError, UsageError
 from dflashops.core.inventory import Group, Profile, Target
@@ -179,6 +180,17 @@ def on_every_node(
         return list(pool.map(attempt, nodes))
 
 
+@dataclass
+class Stopped:
+    """What a stop did (ops/runs/control.py stop_run, stop_nodes): the agent's answer (agent/answers.py
+    StopAnswer), None when a dry run only planned the call; for a run on several targets node 0's, with
+    `escalated`, `seconds` and `recorded` over every node, and `nodes`: each node's `node` and `target` with its
+    answer's keys, or `not_running`."""
+
+    answer: StopAnswer | None
+    nodes: list[dict[str, Any]] = field(default_factory=list)
+
+
 def stop_nodes(
     invocation: Invocation,
     name: str,
@@ -189,16 +201,17 @@ def stop_nodes(
     not_running: type[DflashopsError],
     now: bool = False,
     by: str = "stop",
-) -> dict[str, Any]:
-    """Stop every node at once; the answer is node 0's with `nodes` (each node's answer or error) added.
-    Raises `not_running` when no node was running, the first node's error when one could not be stopped
-    (after every other node was)."""
+) -> Stopped:
+    """Stop every node at once (Stopped: node 0's answer, and each node's answer or error). Raises
+    `not_running` when no node was running, the first node's error when one could not be stopped (after every
+    other node was)."""
     results = on_every_node(
         invocation,
         nodes,
-        lambda node: invocation.agent(node.target).call(
+        lambda node: invocation.agent(node.target).ask(
             "stop",
             StopRequest(workspace=node.target.workspace, name=name, grace=grace, save_grace=save_grace, by=by, now=now),
+            StopAnswer,
         ),
     )
     stopped = [(node, answer) for node, answer in results if not isinstance(answer, DflashopsError)]
@@ -219,23 +232,27 @@ def stop_nodes(
             f"run {name!r} is not running on any of its {len(nodes)} nodes",
             hint=f"`dflashops status {name}` shows how it ended",
         )
-    answer = dict(stopped[0][1])
-    answer.update(
+    answer = copy.copy(stopped[0][1])  # node 0's (None: a dry run only planned the calls)
+    every: list[StopAnswer] = [a for _, a in stopped if a is not None]
+    if answer is not None:
+        answer.escalated = any(a.escalated for a in every)
+        answer.seconds = max(a.seconds for a in every)
+        answer.recorded = all(a.recorded for a in every)  # None (another command records it) counts as not
+    per_node = [
         {
-            "escalated": any(a.get("escalated") for _, a in stopped),
-            "seconds": max(a.get("seconds") or 0 for _, a in stopped),
-            "recorded": all(a.get("recorded", True) for _, a in stopped),
-            "nodes": [
-                {
-                    "node": node.rank,
-                    "target": node.target.name,
-                    **(answer_ if not isinstance(answer_, DflashopsError) else {"not_running": True}),
-                }
-                for node, answer_ in results
-            ],
+            "node": node.rank,
+            "target": node.target.name,
+            **(
+                {"not_running": True}
+                if isinstance(answer_, DflashopsError)
+                else answer_json(answer_)
+                if answer_ is not None
+                else {}
+            ),
         }
-    )
-    return answer
+        for node, answer_ in results
+    ]
+    return Stopped(answer, per_node)
 
 
 def node_runs(invocation: Invocation, node: RunNode, name: str) -> list[dict[str, Any]]:
@@ -365,10 +382,11 @@ def relaunch_nodes(
     resume: bool,
     grace: float,
     not_running: type[DflashopsError],
-) -> tuple[dict | None, str | None, DeployOutcome]:
+) -> tuple[Stopped | None, str | None, DeployOutcome]:
     """`restart` of a run on several targets: stop every node (a node already ended is fine), pick node 0's
     latest checkpoint when resuming (only node 0 reads it; every node gets the same --resume), and deploy the
-    child on the same targets. Returns (stop answer or None, checkpoint, the child's outcome)."""
+    child on the same targets. Returns (what the stop did, None when no node was running; checkpoint; the
+    child's outcome)."""
     nodes = nodes_of(invocation, old.name)
     assert nodes is not None
     try:

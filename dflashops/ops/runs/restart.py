@@ -167,7 +167,7 @@ def restart_nodes(
     )
     return RestartOutcome(
         stopped=stop is not None,
-        old_exit_code=stop.get("exit_code") if stop else None,
+        old_exit_code=stop.answer.exit_code if stop is not None and stop.answer is not None else None,
         checkpoint=checkpoint,
         deployed=deployed,
         agent_calls=0,
