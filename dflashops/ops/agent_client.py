@@ -246,7 +246,8 @@ class Agent:
         code. `on_progress` gets each phase the verb reports as it starts (`restart`, `launch`: the request gets
         `progress: true`), as the transport delivers stderr: live on local and ssh targets, through a multiplexer
         too. `args` is the verb's request (agent/protocol.py), or its JSON object, checked against it here: a
-        wrong key fails before any call. A verb whose answer is a dataclass is read with `ask`."""
+        wrong key fails before any call. The controller reads a verb's answer with `ask`, as its dataclass; this is
+        the agent's line as printed, which tests compare."""
         answer = self.answer(
             verb, args, secret_args=secret_args, shown_args=shown_args, stdin_tar=stdin_tar, on_progress=on_progress
         )

@@ -103,7 +103,9 @@ def deploy_nodes(
         if not invocation.dry_run:
             for target, _, _ in launched:  # a job without all its nodes must not run on: stop what started
                 try:
-                    invocation.agent(target).call("stop", StopRequest(workspace=target.workspace, name=name, grace=10))
+                    invocation.agent(target).ask(
+                        "stop", StopRequest(workspace=target.workspace, name=name, grace=10), StopAnswer
+                    )
                 except DflashopsError:
                     pass
             invocation.db.release(name)
