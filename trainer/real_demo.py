@@ -8,7 +8,8 @@ Stages (each logs as it starts, and every long one shows progress):
    beside the converted model, keyed by the model, the prompts and the settings, so a second demo reuses it;
 4. train, 5. export (public DFlash format), 6. eval on held-out prompts (trained vs untrained vs prompt-lookup
    n-gram, lossless check) and on training prompts (the generalisation gap).
-Sizes are `RealSize`s: FULL is `make demo-real`'s (31 minutes on 2 idle cores, quality.md 2026-12-07 "`make demo-real` with gamma 1 on the CPU"), QUICK the test's.
+Sizes are `RealSize`s: FULL is `make demo-real`'s (19.5 minutes on 2 idle cores, the
+conversion done: quality.md 2026-12-07 "`make demo-real` in twenty minutes"), QUICK the test's.
 """
 
 from __future__ import annotations
