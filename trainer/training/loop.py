@@ -204,16 +204,18 @@ def _resume(setup: RunSetup, engine: Engine, recorder: RunRecorder, run_dir: Pat
             log(committed)
     step, position = engine.restore(state)
     dropped = truncate_metrics(run_dir, step)
+    # status.json first: whoever reads "resumed from" in the log and then the status sees the resumed step and
+    # checkpoint there (a test that did so under load read the old status: CI, 2026-12-07).
+    if engine.writes_checkpoints:
+        recorder.set_status(step=step, last_checkpoint=str(setup.resume_from))
+    else:
+        recorder.set_status(step=step)
     log(
         f"resumed from {setup.resume_from} at step {step} ({position}"
         f"{f'; dropped {dropped} metrics lines past it' if dropped else ''})"
     )
     if change := schedule_change(setup.cfg, state, step, engine.total_steps):
         log(change)
-    if engine.writes_checkpoints:
-        recorder.set_status(step=step, last_checkpoint=str(setup.resume_from))
-    else:
-        recorder.set_status(step=step)
     recorder.mark("resumed")
     return step
 
