@@ -235,8 +235,10 @@ def run_real_demo(
     for name, one in reports.items():
         print(f"== {name} against SmolLM2-135M-Instruct (block size {size.block_size}) ==")
         failed = max(failed, print_and_check(one, size.margin, len(seen_prompts)))
+    names = {"dflash": "a DFlash drafter", "dflash2": "a DFlash2 drafter"}
+    drafters = " and ".join(names[name] for name in archs)
     print(
-        f"real-model demo finished in {report['demo_seconds']:.0f} s: a DFlash drafter of SmolLM2-135M-Instruct "
+        f"real-model demo finished in {report['demo_seconds']:.0f} s: {drafters} of SmolLM2-135M-Instruct "
         f"trained on {len(train_set)} regenerated answers, evaluated on {len(prompts)} held-out prompts"
     )
     return failed

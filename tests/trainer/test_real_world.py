@@ -186,7 +186,9 @@ def test_the_real_world_end_to_end_at_a_tiny_size(converted: Path, tmp_path: Pat
     for stage in ("1/6 target", "2/6 prompts", "3/6 regenerate", "4/6 train", "5/6 export", "6/6 eval"):
         assert stage in done.stderr, stage
     assert "regenerate shard-00000" in done.stderr and "tok/s" in done.stderr  # progress while the target answers
-    assert "lossless:" in done.stdout and done.stdout.splitlines()[-1].startswith("real-model demo finished in")
+    last = done.stdout.splitlines()[-1]
+    assert "lossless:" in done.stdout and last.startswith("real-model demo finished in")
+    assert ": a DFlash drafter of SmolLM2-135M-Instruct trained on 32 regenerated answers" in last, last
     report = json.loads((workdir / "eval.json").read_text())
     assert report["lossless"] and report["training_prompts"]["lossless"]
     assert set(report["methods"]) == {"trained", "untrained", "ngram"}
