@@ -125,6 +125,14 @@ def _bad_shard_dir(tmp_path: Path) -> Path:
         (["--init-from", "{tmp}/empty"], "has no model.safetensors"),
         (["--loss-kernels", "triton"], "needs a CUDA drafter device"),  # this machine has no GPU: cpu is chosen
         (["--adamw", "triton"], "--adamw triton needs a CUDA drafter device"),
+        (["--drafter-init", "zeros"], "--drafter-init: invalid choice: 'zeros' (choose from 'random', 'target')"),
+        (["--drafter-init", "target"], "the deepest tap is layer 1 of 2, so the target has 0 layer(s) after it"),
+        (["--drafter-init", "target", "--init-from", "{tmp}/empty"], "target and --init-from both set"),
+        (["--drafter-init", "target", "--output-norm-init", "calibrated"], "--output-norm-init calibrated would"),
+        (
+            ["--drafter-init", "target", "--num-draft-layers", "1", "--target-layer-ids", "0", "--head-dim", "8"],
+            "the drafter's --head-dim is 8, the target's layers have 16",
+        ),
     ],
 )
 def test_bad_input_is_a_clear_error_and_writes_nothing(

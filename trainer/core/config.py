@@ -128,6 +128,11 @@ ATTENTION_KERNELS = ("auto", "flex", "triton")
 # --adamw: torch's fused or foreach AdamW, or trainer/kernels/adamw_triton.py's kernel (CUDA; opt-in until measured to pay)
 ADAMW_IMPLS = ("auto", "fused", "foreach", "triton")
 OUTPUT_NORM_INITS = ("ones", "calibrated")
+# --drafter-init: the drafter's layers at init: random (HF-style normal init), or target: its layers start as the
+# target's layers after its deepest tap, the final norm as the target's, and fc reads that tap alone
+# (trainer/model/drafter.py start_from_target; bench/results/quality.md 2026-12-07 "`make demo-real`'s drafter
+# started from the target's last layers").
+DRAFTER_INITS = ("random", "target")
 # --target-compile: the frozen target's decoder layers through one compiled layer call per target. auto = on where
 # the target runs on CUDA (H200, bench/results/kernels.md 2026-12-05 "The target's layers compiled, measured": the Qwen3-8B-shaped target's forward 47.7 -> 34.5 ms,
 # the one-GPU pipeline 11.84 -> 12.96 samples/s), off on the CPU (Inductor's C++ compiles cost more than they save
@@ -160,6 +165,7 @@ class TrainConfig:
         None  # directory of per-sample target taps (trainer/training/feature_cache.py); None = off
     )
     output_norm_init: str = "ones"  # the final norm's weight at init (model/drafter.py: calibrated_output_norm)
+    drafter_init: str = "random"  # the drafter's weights at init (model/drafter.py: start_from_target)
     tokenizer: str | None = None  # tokenizer directory for the dataset check (default: --target-model)
     enable_thinking: bool | None = None  # the serving thinking mode; checked against the dataset's (None: no check)
     resume: str = "auto"  # auto: latest checkpoint in output_dir if any | never | a checkpoint path
@@ -355,12 +361,30 @@ class TrainConfig:
         )
 
     def _check_implementations(self) -> None:
-        """The named implementations: output norm init, AdamW, target compile."""
+        """The named implementations: output norm init, drafter init, AdamW, target compile."""
         _need(
             self.output_norm_init in OUTPUT_NORM_INITS,
             "output-norm-init",
             f"must be one of {', '.join(OUTPUT_NORM_INITS)}, got {self.output_norm_init!r}",
         )
+        _need(
+            self.drafter_init in DRAFTER_INITS,
+            "drafter-init",
+            f"must be one of {', '.join(DRAFTER_INITS)}, got {self.drafter_init!r}",
+        )
+        if self.drafter_init == "target":
+            _need(
+                self.init_from is None,
+                "drafter-init",
+                "target and --init-from both set the drafter's starting weights",
+                "give one of them",
+            )
+            _need(
+                self.output_norm_init == "ones",
+                "drafter-init",
+                "target sets the final norm to the target's own, which --output-norm-init calibrated would replace",
+                "leave --output-norm-init at ones",
+            )
         _need(self.adamw in ADAMW_IMPLS, "adamw", f"must be one of {', '.join(ADAMW_IMPLS)}, got {self.adamw!r}")
         _need(
             self.target_compile in TARGET_COMPILE,
@@ -573,6 +597,7 @@ def build_parser() -> argparse.ArgumentParser:
         "attention_kernel": ATTENTION_KERNELS,
         "adamw": ADAMW_IMPLS,
         "output_norm_init": OUTPUT_NORM_INITS,
+        "drafter_init": DRAFTER_INITS,
         "wandb": WANDB_MODES,
         "sync": SYNC_MODES,
         "feature_transfer": TRANSFER_MODES,

@@ -55,6 +55,9 @@ FLAG_HELP: dict[str, str] = {
     "output_norm_init": "the drafter's final norm weight at init: ones, or calibrated so that a hidden state "
     "along the MASK token's embedding gives logits of std 1 through the target's LM head (targets whose "
     "embeddings are anisotropic, e.g. SmolLM2: a first loss of ~55 instead of ~15)",
+    "drafter_init": "the drafter's weights at init: random, or target: each draft layer starts as the target's "
+    "layer after the deepest tap (the first draft layer as the next layer, and so on), the final norm as the target's, "
+    "and fc reads the deepest tap alone (needs the drafter's layer shapes to be the target's)",
     "tokenizer": "tokenizer directory used to check that the dataset's chat template is the serving one",
     "enable_thinking": "the serving thinking mode, checked against the one the dataset was prepared with",
     "resume": "auto: continue from the newest checkpoint in --output-dir if any; never: refuse a directory "

@@ -679,3 +679,44 @@ def init_output_norm(
     print(
         f"drafter output norm initialised to {value:.4f} (--output-norm-init calibrated)", file=sys.stderr, flush=True
     )
+
+
+# A draft layer's weights and the target layer's of the same name (Qwen3 and Llama decoder layers); Qwen3's q/k norms
+# are copied where the target has them (Llama has none: the drafter's stay ones).
+LAYER_WEIGHTS = (
+    *(f"self_attn.{name}.weight" for name in ("q_proj", "k_proj", "v_proj", "o_proj")),
+    *(f"mlp.{name}.weight" for name in ("gate_proj", "up_proj", "down_proj")),
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+)
+OPTIONAL_LAYER_WEIGHTS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+
+
+@torch.no_grad()
+def start_from_target(drafter: DFlashDrafter, target: Any) -> str:
+    """`--drafter-init target`: draft layer i starts as the target's layer d + 1 + i, where d is the deepest tap;
+    the final norm as the target's final norm; `fc` as the identity on the deepest tap's slice of the taps (zeros on
+    the others) and `hidden_norm` as layer d + 1's input norm, so that the context's keys and values are that
+    layer's own. DFlash2's convolutions and selector keep their identity init. Returns the line to log.
+
+    Why: at `make demo-real`'s budget (512 answers, 400 steps) the drafter is limited by how fast it learns, not by
+    its size; the target's last layers already map the residual stream to the next tokens (bench/results/quality.md
+    2026-12-07 "`make demo-real`'s drafter started from the target's last layers"). `target`: a TargetModel (its
+    `layer(i)` and `final_norm`); shapes were checked by the pre-flight (preflight.check_target_start)."""
+    cfg = drafter.config
+    deepest = max(cfg.target_layer_ids)
+    for i, layer in enumerate(drafter.layers):
+        source = target.layer(deepest + 1 + i)
+        theirs = dict(source.named_parameters())
+        for name in (*LAYER_WEIGHTS, *(n for n in OPTIONAL_LAYER_WEIGHTS if n in theirs)):
+            if name not in theirs:
+                raise ValueError(f"--drafter-init target: the target's layer {deepest + 1 + i} has no {name}")
+            layer.get_parameter(name).copy_(theirs[name])
+    drafter.norm.weight.copy_(target.final_norm.weight)
+    slot, hidden = cfg.target_layer_ids.index(deepest), cfg.hidden_size
+    drafter.fc.weight.zero_()
+    drafter.fc.weight[:, slot * hidden : (slot + 1) * hidden].copy_(torch.eye(hidden))
+    drafter.hidden_norm.weight.copy_(target.layer(deepest + 1).input_layernorm.weight)
+    first, last = deepest + 1, deepest + len(drafter.layers)
+    layers = f"layer {first}" if first == last else f"layers {first}-{last}"
+    return f"drafter init: the target's {layers} and final norm; fc reads tap {deepest} (--drafter-init target)"

@@ -179,6 +179,15 @@ class TargetModel:
     def device(self) -> torch.device:
         return self.embed_weight.device
 
+    def layer(self, index: int) -> nn.Module:
+        """The frozen decoder layer `index` (model/drafter.py start_from_target copies its weights)."""
+        return self._layers[index]
+
+    @property
+    def final_norm(self) -> nn.Module:
+        """The frozen norm before the LM head."""
+        return self._decoder.norm
+
     def to(self, device: str | torch.device) -> TargetModel:
         self.model.to(device)
         return self

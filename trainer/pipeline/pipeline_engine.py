@@ -34,7 +34,7 @@ from trainer.core.config import TrainerInputError, target_compile_enabled
 from trainer.data.batches import BatchStream, collate
 from trainer.dist.cluster import Cluster, LocalCluster
 from trainer.model import DFlashDrafter
-from trainer.model.drafter import init_output_norm
+from trainer.model.drafter import init_output_norm, start_from_target
 from trainer.pipeline.assignment import Assignment, FaultPoints, GlobalOrder
 from trainer.pipeline.channel import Channel, ChannelGroup
 from trainer.pipeline.compile_guard import CompileGuard
@@ -134,6 +134,8 @@ class PipelineEngine:
                 base = DFlashDrafter(setup.drafter_config)
             if cfg.init_from is not None and self.cluster.rank == 0:
                 base.load_state_dict(DFlashDrafter.from_pretrained(cfg.init_from).state_dict())
+            elif cfg.drafter_init == "target" and self.cluster.rank == 0:  # the others get it by the broadcast
+                _log(start_from_target(base, targets[0]))
             elif cfg.output_norm_init == "calibrated":
                 init_output_norm(base, targets[0].embed_weight, targets[0].lm_head_weight, cfg)
             self.cluster.broadcast_module_(base)  # every node starts from node 0's weights (--init-from: its file)

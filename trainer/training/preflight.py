@@ -117,7 +117,7 @@ def build_drafter_config(cfg: TrainConfig, hf_config: Any) -> DrafterConfig:
         missing = [i for i in layer_ids if not 0 <= i < num_target_layers]
         if missing:
             raise ValueError(f"the target has layers 0..{num_target_layers - 1}, no layer {missing}")
-        return DrafterConfig(
+        config = DrafterConfig(
             hidden_size=hidden,
             intermediate_size=cfg.intermediate_size or text.intermediate_size,
             num_hidden_layers=cfg.num_draft_layers,
@@ -146,6 +146,40 @@ def build_drafter_config(cfg: TrainConfig, hf_config: Any) -> DrafterConfig:
         raise TrainerInputError(
             f"--num-draft-layers/--target-layer-ids: {exc}", hint="the drafter taps one target layer per drafter layer"
         ) from None
+    if cfg.drafter_init == "target":
+        check_target_start(config, text)
+    return config
+
+
+def check_target_start(config: DrafterConfig, text: Any) -> None:
+    """`--drafter-init target` copies the target's layers after the deepest tap into the drafter's: there must be
+    one for every draft layer, of the drafter's shapes."""
+    deepest, layers = max(config.target_layer_ids), int(text.num_hidden_layers)
+    if deepest + config.num_hidden_layers >= layers:
+        raise TrainerInputError(
+            f"--drafter-init target: the deepest tap is layer {deepest} of {layers}, so the target has "
+            f"{layers - 1 - deepest} layer(s) after it for {config.num_hidden_layers} draft layers",
+            hint="tap shallower layers (--target-layer-ids), use fewer draft layers, or --drafter-init random",
+        )
+    heads = int(text.num_attention_heads)
+    theirs = {
+        "intermediate-size": int(text.intermediate_size),
+        "num-attention-heads": heads,
+        "num-key-value-heads": int(getattr(text, "num_key_value_heads", heads)),
+        "head-dim": int(getattr(text, "head_dim", None) or text.hidden_size // heads),
+    }
+    ours = {
+        "intermediate-size": config.intermediate_size,
+        "num-attention-heads": config.num_attention_heads,
+        "num-key-value-heads": config.num_key_value_heads,
+        "head-dim": config.head_dim,
+    }
+    for flag, value in ours.items():
+        if value != theirs[flag]:
+            raise TrainerInputError(
+                f"--drafter-init target: the drafter's --{flag} is {value}, the target's layers have {theirs[flag]}",
+                hint=f"leave --{flag} unset (it is then the target's), or --drafter-init random",
+            )
 
 
 def check_dataset_settings(cfg: TrainConfig, dataset: object) -> None:

@@ -20,7 +20,7 @@ import torch
 from trainer.core.config import target_compile_enabled
 from trainer.data.batches import Batch, BatchStream
 from trainer.model import DFlashDrafter
-from trainer.model.drafter import init_output_norm
+from trainer.model.drafter import init_output_norm, start_from_target
 from trainer.state.checkpoint import CheckpointState, load_checkpoint, restore_rng
 from trainer.state.handover import free_device_memory
 from trainer.state.metrics import RunRecorder
@@ -63,6 +63,8 @@ class SingleEngine:
                 drafter = DFlashDrafter(setup.drafter_config)
             if cfg.init_from is not None:
                 drafter.load_state_dict(DFlashDrafter.from_pretrained(cfg.init_from).state_dict())
+            elif cfg.drafter_init == "target":
+                print(start_from_target(drafter, target), file=sys.stderr, flush=True)
             elif cfg.output_norm_init == "calibrated":
                 init_output_norm(drafter, target.embed_weight, target.lm_head_weight, cfg)
         self.target_side = TargetSide(
