@@ -145,11 +145,12 @@ def main(argv: list[str] | None = None) -> int:
             if args.zero_step:
                 one["zero_step"] = tau_of(init)
                 log(f"{variant}: before training, held-out tau {one['zero_step']['tau']:.3f}")
-            flags = real_demo.train_argv(target_dir, data, run, mask_id, size, args.arch, cache / "real-features")
-            flags += ["--seed", str(args.seed)]
             # `target` is the trainer's own --drafter-init target (the same weights as `initial_drafter`'s: every
             # weight it leaves alone is a norm at one); the others start from the exported init.
-            start = ["--drafter-init", "target"] if variant == "target" else ["--init-from", str(init)]
+            start_size = real_demo.size_with(size, drafter_init="target" if variant == "target" else "random")
+            flags = real_demo.train_argv(target_dir, data, run, mask_id, start_size, args.arch, cache / "real-features")
+            flags += ["--seed", str(args.seed)]
+            start = [] if variant == "target" else ["--init-from", str(init)]
             started = time.monotonic()
             code = train.main([*flags, *start])
             if code:

@@ -35,6 +35,11 @@ declare -A RUNS=(  # name -> flags; "all" evaluates the baselines once for every
   [d2g1]="--points= --ablate 'd2g1=--arch=dflash2 --gamma=1' --no-baselines"  # quoted: the flags are eval'ed
   [d2g1s6k]="--points= --ablate 'd2g1s6k=--arch=dflash2 --gamma=1' --ablate-steps 6000 --no-baselines"
   [d2g1seed1]="--points= --ablate 'd2g1seed1=--arch=dflash2 --gamma=1 --seed=1' --no-baselines"
+  # the drafter's layers from the target's last two (quality.md 2026-12-07 "`make demo-real`'s drafter started
+  # from the target's last layers": +0.10 at the demo's shape on the CPU)
+  [d2g1tgt]="--points= --ablate 'd2g1tgt=--arch=dflash2 --gamma=1 --drafter-init=target' --no-baselines"
+  [d2g1tgts6k]="--points= --ablate 'd2g1tgts6k=--arch=dflash2 --gamma=1 --drafter-init=target' --ablate-steps 6000
+               --no-baselines"
   # make demo-real's training shape (512 samples, 400 steps of <= 64 anchors, block 8) and four levers on it
   [demo]="--points 512 --steps 400 --blocks 8 --max-anchors 64 --anchors-per-seq 16 --no-baselines --ablate-samples 512
           --ablate g1=--gamma=1 --ablate lr1e-2=--lr=1e-2 --ablate cal=--output-norm-init=calibrated
