@@ -39,7 +39,7 @@ declare -A RUNS=(  # name -> flags; "all" evaluates the baselines once for every
   # from the target's last layers": +0.10 at the demo's shape on the CPU)
   [d2g1tgt]="--points= --ablate 'd2g1tgt=--arch=dflash2 --gamma=1 --drafter-init=target' --no-baselines"
   [d2g1tgts6k]="--points= --ablate 'd2g1tgts6k=--arch=dflash2 --gamma=1 --drafter-init=target' --ablate-steps 6000
-               --no-baselines"
+                --no-baselines"
   # make demo-real's training shape (512 samples, 400 steps of <= 64 anchors, block 8) and four levers on it
   [demo]="--points 512 --steps 400 --blocks 8 --max-anchors 64 --anchors-per-seq 16 --no-baselines --ablate-samples 512
           --ablate g1=--gamma=1 --ablate lr1e-2=--lr=1e-2 --ablate cal=--output-norm-init=calibrated
@@ -54,8 +54,10 @@ curve() {  # runs detached: prepare once, then every run at once; $W/done marks 
 
 runs() {  # every run of ONLY at once on the prepared work directory
   for name in ${ONLY:-${!RUNS[@]}}; do  # ONLY="all n4096": a subset, when less device time is left
-    # eval: a run's flags split as the shell reads them (an --ablate of several flags is one quoted word)
-    eval "OMP_NUM_THREADS=4 setsid python3 bench/real_world.py ${COMMON[*]} ${RUNS[$name]} --prepared \
+    # eval: a run's flags split as the shell reads them (an --ablate of several flags is one quoted word); an
+    # entry's newlines become spaces first, or eval would end the command at them
+    local flags=${RUNS[$name]//$'\n'/ }
+    eval "OMP_NUM_THREADS=4 setsid python3 bench/real_world.py ${COMMON[*]} $flags --prepared \
       --json-out $W/$name.json --train-extra --log-interval 50 >$W/$name.log 2>&1 &"
     echo $! >$W/$name.pid
   done
