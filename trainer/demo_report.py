@@ -44,7 +44,7 @@ def print_and_check(report: dict, margin: float | None, seen_count: int) -> int:
         f"trained tau on {seen_count} training prompts {seen_tau:.2f}, on held-out prompts "
         f"{taus['trained']:.2f} (the difference is generalisation to unseen prompts)"
     )
-    required = "not checked" if margin is None else f"margin required {margin:.1f}"
+    required = "not checked" if margin is None else f"margin required {margin:.2f}"
     print(
         f"trained tau {taus['trained']:.2f} vs best baseline {best_baseline:.2f} "
         f"({required}); lossless: {'yes' if report['lossless'] else 'NO'}"

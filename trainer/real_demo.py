@@ -36,9 +36,10 @@ class RealSize:
     train_steps: int
     block_size: int
     # The trained drafter's held-out tau must beat the best baseline by this much; None: reported, not checked.
-    # FULL's is None: 400 steps at this shape reach held-out tau 1.21 (gamma 4) or 1.29 (gamma 1) against prompt
-    # lookup's 1.32 (bench/results/quality.md 2026-12-06 "The real target's largest point at 3,000 steps"), a goal
-    # not met yet, so the demo says so instead of failing every run.
+    # FULL's is 0: started from the target's layers, 400 steps at this shape reach held-out tau 1.334, 1.296 and
+    # 1.326 with seeds 0-2 against prompt lookup's 1.291 (bench/results/quality.md 2026-12-07 "`make demo-real`'s
+    # drafter started from the target's last layers"), so it beats prompt lookup on every seed measured, by as
+    # little as 0.005: the demo (seed 0) checks that it beats it, not by how much.
     margin: float | None
     lr: float = 3e-3
     max_anchors: int = 64
@@ -46,6 +47,10 @@ class RealSize:
     # B=8 default of 4, and +0.143 at the largest GPU point (quality.md 2026-12-06 "The real target's largest point
     # at 3,000 steps"): at tau < 2 nearly every accepted token is slot 1 or 2, so the loss is spent there.
     gamma: float = 1.0
+    # The drafter's layers start as the target's last two (train --drafter-init target): at this shape held-out tau
+    # 1.334 against 1.230 from random weights, the first start past prompt lookup's 1.291 (bench/results/quality.md
+    # 2026-12-07 "`make demo-real`'s drafter started from the target's last layers").
+    drafter_init: str = "target"
     # Processes for regeneration and evaluation (at most one a core): on 2 cores, two processes of one thread each
     # run 1.9x one, where two threads of one process spin against other work under load. With more than one, the
     # target's references and the baselines run in a process of their own while the drafter trains.
@@ -59,7 +64,7 @@ FULL = RealSize(
     eval_new_tokens=64,
     train_steps=400,
     block_size=8,
-    margin=None,
+    margin=0.0,
 )
 QUICK = RealSize(
     train_prompts=32,
@@ -86,7 +91,7 @@ def train_argv(
         *(("--feature-cache", str(features)) if features is not None else ()),
         *("--target-model", str(target), "--data-dir", str(data), "--output-dir", str(run)),
         *("--arch", arch, "--num-draft-layers", "2", "--block-size", str(size.block_size)),
-        *("--mask-token-id", str(mask_id), "--gamma", str(size.gamma)),
+        *("--mask-token-id", str(mask_id), "--gamma", str(size.gamma), "--drafter-init", size.drafter_init),
         *("--max-seq-len", "320", "--token-budget", "1280", "--max-batch-size", "8"),
         *("--anchors-per-seq", "16", "--max-anchors", str(size.max_anchors)),
         *("--lr", str(size.lr), "--warmup-ratio", "0.05", "--epochs", "1000", "--max-steps", str(size.train_steps)),

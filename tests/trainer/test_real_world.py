@@ -186,6 +186,7 @@ def test_the_real_world_end_to_end_at_a_tiny_size(converted: Path, tmp_path: Pat
     for stage in ("1/6 target", "2/6 prompts", "3/6 regenerate", "4/6 train", "5/6 export", "6/6 eval"):
         assert stage in done.stderr, stage
     assert "regenerate shard-00000" in done.stderr and "tok/s" in done.stderr  # progress while the target answers
+    assert "drafter init: the target's layers 28-29 and final norm; fc reads tap 27" in done.stderr
     last = done.stdout.splitlines()[-1]
     assert "lossless:" in done.stdout and last.startswith("real-model demo finished in")
     assert ": a DFlash drafter of SmolLM2-135M-Instruct trained on 32 regenerated answers" in last, last
