@@ -32,8 +32,8 @@ def compare_line(reports: dict[str, dict]) -> str:
 
 def print_and_check(report: dict, margin: float | None, seen_count: int) -> int:
     """The acceptance table and the demo's two checks for one trained drafter: 0, or 1 when it fails one.
-    margin None: the drafter against the best baseline is reported, not checked (a goal the demo does not meet yet,
-    said as such: bench/results/quality.md "A real target"); the lossless check always holds."""
+    margin None: the drafter against the best baseline is reported, not checked (the real world's tiny test size,
+    whose 4 steps learn nothing); the lossless check always holds."""
     from trainer.evaluation import eval as eval_mod
 
     print(eval_mod.format_table(report))
