@@ -369,6 +369,52 @@ def test_output_dir_holding_a_different_dataset_is_refused(target_dir, tmp_path,
     assert code == 0 and "1 of 1 shard(s) already complete" in err
 
 
+def test_regenerating_into_a_directory_with_another_targets_answers_is_refused(target_dir, world, tmp_path, capsys):
+    """The answers are the target's own: a rerun with another target (the same shape and tokenizer, other weights)
+    would mix two targets' answers in one dataset. The same target at another path is the same target."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    other = build_tiny_target(
+        tmp_path / "other",
+        AutoTokenizer.from_pretrained(target_dir),
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        seed=1,
+    )
+    del other
+    moved = tmp_path / "moved"
+    shutil.copytree(target_dir, moved)
+    source = write_jsonl(tmp_path / "p.jsonl", [{"messages": c[:1]} for c in world.conversations(4, seed=5)])
+    out = tmp_path / "ds"
+    flags = ["--input", str(source), "--output-dir", str(out), "--regenerate", "--max-new-tokens", "6"]
+    flags += ["--shard-size", "2"]
+    assert run_prepare(capsys, "--target-model", str(target_dir), *flags)[0] == 0
+    (out / "shard-00001.offsets.npy").unlink()  # an interrupted run: its second shard is to be made again
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    code, err = run_prepare(capsys, "--target-model", str(tmp_path / "other"), *flags)
+    assert code == 2 and "already holds a different dataset (differs in: target)" in err, err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing changed
+    code, err = run_prepare(capsys, "--target-model", str(moved), *flags)
+    assert code == 0 and "resuming: 1 of 2 shard(s) already complete" in err, err
+
+
+def test_a_dataset_prepared_before_the_target_was_fingerprinted_still_resumes(target_dir, world, tmp_path, capsys):
+    source = write_jsonl(tmp_path / "p.jsonl", [{"messages": c[:1]} for c in world.conversations(2, seed=6)])
+    out = tmp_path / "ds"
+    flags = ["--target-model", str(target_dir), "--input", str(source), "--output-dir", str(out), "--regenerate"]
+    flags += ["--max-new-tokens", "6"]
+    assert run_prepare(capsys, *flags)[0] == 0
+    manifest = json.loads((out / "prepare.json").read_text())
+    assert len(manifest.pop("target")) == 64
+    (out / "prepare.json").write_text(json.dumps(manifest))  # as prepare wrote it before
+    code, err = run_prepare(capsys, *flags)
+    assert code == 0 and "already complete" in err, err
+
+
 def test_inspect_of_a_directory_without_dataset(tmp_path, capsys):
     assert inspect_cli.main([str(tmp_path)]) == 2
     assert "is not a prepared dataset" in capsys.readouterr().err

@@ -4,9 +4,9 @@ Each valid input record becomes one sample, in input order. Records are cut into
 records; shard k always holds records [k*shard_size, (k+1)*shard_size), so a rerun after an interruption
 recomputes exactly the shards whose files are missing (a shard is complete once its offsets file exists:
 shards.py writes it last, atomically) and never duplicates a sample. `prepare.json`, written before the
-first shard, fingerprints the job (input sha256, tokenizer template, generation settings); a rerun with a
-different fingerprint in the same directory is refused instead of mixing two datasets. `meta.json` (written
-last by shards.write_index) marks the dataset complete.
+first shard, fingerprints the job (input sha256, tokenizer template, generation settings and, when regenerating,
+the target's identity); a rerun with a different fingerprint in the same directory is refused instead of mixing
+two datasets. `meta.json` (written last by shards.write_index) marks the dataset complete.
 
 Regeneration (`--regenerate`) replaces each record's answer with the target's own: the prompt is the
 conversation up to (excluding) its trailing assistant turns, rendered with the generation prompt and the
@@ -142,10 +142,37 @@ def prompt_part(messages: list[dict]) -> list[dict]:
     return messages[:end]
 
 
+SAMPLE_BYTES = 1 << 20  # target_identity reads this much at each of three places of every weight file
+
+
+def target_identity(target_model: str) -> str:
+    """A digest of what regenerated answers depend on of the target: its config.json and, of every weight file, its
+    name, size and 1 MiB at its start (safetensors' header names every tensor), middle and end. Not the path (a
+    moved model is the same model) and not the whole files (an 8B target's 16 GB would take a minute to hash): a
+    fine-tune of the same shape differs in nearly every tensor, so in the sampled bytes too. A name that is no local
+    directory (a hub id) is its own identity."""
+    root = Path(target_model)
+    if not root.is_dir():
+        return target_model
+    digest = hashlib.sha256()
+    config = root / "config.json"
+    digest.update(config.read_bytes() if config.is_file() else b"")
+    for path in sorted(p for p in root.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf", ".pt")):
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as handle:
+            for offset in (0, max(0, size // 2 - SAMPLE_BYTES // 2), max(0, size - SAMPLE_BYTES)):
+                handle.seek(offset)
+                digest.update(handle.read(SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
 def _fingerprint(options: PrepareOptions, template_sha: str) -> dict[str, Any]:
     digest = hashlib.sha256(Path(options.input).read_bytes()).hexdigest()
     return {
         "input_sha256": digest,
+        # the answers are the target's own: another target's in the same directory would mix two datasets
+        **({"target": target_identity(options.target_model)} if options.regenerate else {}),
         "chat_template_sha256": template_sha,
         "enable_thinking": options.enable_thinking,
         "regenerate": options.regenerate,
@@ -168,7 +195,10 @@ def _claim_output_dir(out: Path, fingerprint: dict[str, Any]) -> None:
                 hint="choose an empty or new --output-dir",
             )
         previous = json.loads(manifest.read_text())
-        changed = sorted(k for k in set(previous) | set(fingerprint) if previous.get(k) != fingerprint.get(k))
+        keys = set(previous) | set(fingerprint)
+        if "target" not in previous:
+            keys.discard("target")  # prepared before the target was part of the fingerprint: it cannot tell
+        changed = sorted(k for k in keys if previous.get(k) != fingerprint.get(k))
         if changed:
             raise DataInputError(
                 f"output directory {out} already holds a different dataset (differs in: {', '.join(changed)})",
