@@ -36,7 +36,7 @@ declare -A RUNS=(  # name -> flags; "all" evaluates the baselines once for every
   [d2g1s6k]="--points= --ablate 'd2g1s6k=--arch=dflash2 --gamma=1' --ablate-steps 6000 --no-baselines"
   [d2g1seed1]="--points= --ablate 'd2g1seed1=--arch=dflash2 --gamma=1 --seed=1' --no-baselines"
   # the drafter's layers from the target's last two (quality.md 2026-12-07 "`make demo-real`'s drafter started
-  # from the target's last layers": +0.10 at the demo's shape on the CPU)
+  # from the target's last layers": +0.09 at the demo's shape on the CPU, three seeds against two)
   [d2g1tgt]="--points= --ablate 'd2g1tgt=--arch=dflash2 --gamma=1 --drafter-init=target' --no-baselines"
   [d2g1tgts6k]="--points= --ablate 'd2g1tgts6k=--arch=dflash2 --gamma=1 --drafter-init=target' --ablate-steps 6000
                 --no-baselines"

@@ -376,7 +376,7 @@ def test_regenerating_into_a_directory_with_another_targets_answers_is_refused(t
 
     from transformers import AutoTokenizer
 
-    other = build_tiny_target(
+    build_tiny_target(
         tmp_path / "other",
         AutoTokenizer.from_pretrained(target_dir),
         hidden_size=32,
@@ -385,7 +385,6 @@ def test_regenerating_into_a_directory_with_another_targets_answers_is_refused(t
         num_kv_heads=1,
         seed=1,
     )
-    del other
     moved = tmp_path / "moved"
     shutil.copytree(target_dir, moved)
     source = write_jsonl(tmp_path / "p.jsonl", [{"messages": c[:1]} for c in world.conversations(4, seed=5)])

@@ -143,6 +143,12 @@ def prompt_part(messages: list[dict]) -> list[dict]:
 
 
 SAMPLE_BYTES = 1 << 20  # target_identity reads this much at each of three places of every weight file
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """A model directory's weight files, by name: what a digest of the target's identity covers."""
+    return sorted(p for p in model_dir.iterdir() if p.suffix in WEIGHT_SUFFIXES)
 
 
 def target_identity(target_model: str) -> str:
@@ -157,7 +163,7 @@ def target_identity(target_model: str) -> str:
     digest = hashlib.sha256()
     config = root / "config.json"
     digest.update(config.read_bytes() if config.is_file() else b"")
-    for path in sorted(p for p in root.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf", ".pt")):
+    for path in weight_files(root):
         size = path.stat().st_size
         digest.update(f"{path.name}:{size}".encode())
         with open(path, "rb") as handle:
