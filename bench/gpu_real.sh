@@ -8,6 +8,10 @@
 #   call 3+: bash bench/gpu_real.sh follow                   follow it to its end (results and logs under $OUT)
 #   ONLY="..." bash bench/gpu_real.sh runs                    more runs on the same machine's prepared data, followed
 #   SELF=N ... (on b and runs)                                 N more training prompts written by the target itself
+# A finished preparation comes back as $OUT/prepared-WORK.tar.xz (WORK: curve or self-N; the dataset and the
+# self-written prompts, ~6 MB for 23,909 samples). Kept here in .gpu/prepared/ and carried on a later call b, it is
+# unpacked first, and the preparation then skips the sampling and the regeneration (~290 s of device time for
+# SELF=16000); the conversion and the fp32 references are made again on that machine.
 #   bash bench/gpu_real.sh drop NAME                          end one run of the curve early (its process group)
 # The curve: one --prepare-only run (conversion, regeneration, the references), then every run in RUNS as its own
 # process at once: an evaluation is latency-bound (one sequence at a time), so it overlaps the others' training.
@@ -20,8 +24,10 @@ STEPS=${STEPS:-1500}
 COMMON=(--gguf $W/smol.gguf --work $W/curve --blocks 16 --steps "$STEPS" --eval-prompts 48 --eval-workers 6)
 # SELF=N (set on every call that prepares or starts runs): N more training prompts the target writes itself, in a
 # work directory of their own; the held-out prompts are the same 48
+WORK=$W/curve
 if [ -n "${SELF:-}" ]; then
-  COMMON=(--gguf $W/smol.gguf --work $W/self-$SELF --blocks 16 --steps "$STEPS" --eval-prompts 48 --eval-workers 6
+  WORK=$W/self-$SELF
+  COMMON=(--gguf $W/smol.gguf --work $WORK --blocks 16 --steps "$STEPS" --eval-prompts 48 --eval-workers 6
           --self-prompts "$SELF" --self-batch 1024 --regen-batch 1024)
 fi
 declare -A RUNS=(  # name -> flags; "all" evaluates the baselines once for every run
@@ -73,10 +79,25 @@ progress() {  # one line per log: its newest step line and its newest other line
   done
 }
 
+stash() {  # the finished preparation into $OUT (packed once; every follow sends it back until one keeps it)
+  local packed=$W/prepared-$(basename "$WORK").tar.xz
+  if [ ! -e "$packed" ] && [ -e "$WORK/data/meta.json" ]; then
+    (set -o pipefail; cd "$WORK" && tar -cf - data $(ls -d self-prompts-* 2>/dev/null) | xz -T0 -6 >"$packed.tmp") && mv "$packed.tmp" "$packed"
+  fi
+  [ -e "$packed" ] && cp "$packed" "$OUT/"
+}
+
+unstash() {  # a preparation carried from an earlier machine (.gpu/prepared/), into the work directory
+  local packed=.gpu/prepared/prepared-$(basename "$WORK").tar.xz
+  [ -e "$packed" ] || return 0
+  mkdir -p "$WORK" && xz -dc "$packed" | tar -C "$WORK" -xf - && echo "unpacked $packed into $WORK"
+}
+
 follow() {  # follow LIMIT_S: until the curve ends or LIMIT_S pass; then copy results and logs to $OUT
   local until=$((SECONDS + $1))
   while [ ! -e $W/done ] && [ $SECONDS -lt "$until" ]; do sleep 30; progress; done
   cat $W/done 2>/dev/null
+  stash
   cp $W/*.json "$OUT/" 2>/dev/null
   for log in $W/*.log; do echo "=== $log"; cat "$log"; done >"$OUT/logs.txt"
   grep -ah "] point n" $W/*.log | cut -c1-600  # each finished run: held-out tau by method, train-prompt tau, times
@@ -94,6 +115,7 @@ case ${1:-} in
        --json-out "$OUT/smoke.json" 2>&1 | tee "$OUT/smoke.log" | tail -n 40 ;;
   b) cat $W/part-a .gpu/b/gguf.part >$W/smol.gguf
      echo "$GGUF_SHA256  $W/smol.gguf" | sha256sum -c - || exit
+     unstash || exit
      rm -f $W/done
      setsid bash bench/gpu_real.sh curve >$W/curve.out 2>&1 </dev/null &
      follow 560 ;;
