@@ -7,6 +7,7 @@
 #   call 2: bash bench/gpu_real.sh b        (carry .gpu/b)  join, check the digest, start the curve, follow it
 #   call 3+: bash bench/gpu_real.sh follow                   follow it to its end (results and logs under $OUT)
 #   ONLY="..." bash bench/gpu_real.sh runs                    more runs on the same machine's prepared data, followed
+#   ONLY=- (on b)                                              the preparation alone, to carry to a later machine
 #   SELF=N ... (on b and runs)                                 N more training prompts written by the target itself
 # A finished preparation comes back as $OUT/prepared-WORK.tar.xz (WORK: curve or self-N; the dataset and the
 # self-written prompts, ~6 MB for 23,909 samples). Kept here in .gpu/prepared/ and carried on a later call b, it is
@@ -59,7 +60,9 @@ curve() {  # runs detached: prepare once, then every run at once; $W/done marks 
 }
 
 runs() {  # every run of ONLY at once on the prepared work directory
-  for name in ${ONLY:-${!RUNS[@]}}; do  # ONLY="all n4096": a subset, when less device time is left
+  for name in ${ONLY:-${!RUNS[@]}}; do  # ONLY="all n4096": a subset, when less device time is left; ONLY=-: none
+    [ "$name" = - ] && continue  # the preparation alone (it comes back packed: stash)
+    [ -n "${RUNS[$name]+set}" ] || { echo "no run named $name (RUNS: ${!RUNS[*]})" >&2; continue; }
     # eval: a run's flags split as the shell reads them (an --ablate of several flags is one quoted word); an
     # entry's newlines become spaces first, or eval would end the command at them
     local flags=${RUNS[$name]//$'\n'/ }
