@@ -121,6 +121,18 @@ def evaluate_in_workers(
         return [eval_workers.merged(parts) for parts in futures]
 
 
+def flag_value(flags: list[str], name: str) -> str | None:
+    """The value the last `name` in `flags` gives (`--name=V` or `--name V`), as argparse reads it; None if absent.
+    An ablation's architecture is its flags' `--arch` (they come after the base flags, so they win)."""
+    value = None
+    for i, flag in enumerate(flags):
+        if flag.startswith(name + "="):
+            value = flag.split("=", 1)[1]
+        elif flag == name and i + 1 < len(flags):
+            value = flags[i + 1]
+    return value
+
+
 def finished_steps(run: Path) -> int | None:
     """The step of `run`'s last complete checkpoint (state.json written last), or None."""
     done = sorted(run.glob("checkpoints/step_*/state.json"))
@@ -334,7 +346,8 @@ def main() -> int:
     ablate_count = meta.num_samples if args.ablate_samples == "all" else min(int(args.ablate_samples), meta.num_samples)
     for entry in args.ablate:
         label, _, flags = entry.partition("=")
-        plan.append((ablate_count, "dflash", args.ablate_block or first_block, label, flags.split()))
+        block = args.ablate_block or first_block
+        plan.append((ablate_count, flag_value(flags.split(), "--arch") or "dflash", block, label, flags.split()))
     baselines_done = args.no_baselines or any(p.get("baselines") for p in results["points"])
     for count, arch, block, label, flags in plan:
         if (count, arch, block, label) in done:
