@@ -3,6 +3,7 @@
 # 64 MiB, so the GGUF file (98 MB) goes in two halves (`.gpu/a`, `.gpu/b`, git-ignored) over two calls; the curve
 # runs detached (its own session: it outlives the call that starts it, on a machine kept warm by the next call), and
 # the calls after it follow it:
+#   here:   bash bench/gpu_real.sh pack                      make .gpu/a and .gpu/b from this checkout's venv (make setup)
 #   call 1: bash bench/gpu_real.sh a        (carry .gpu/a)  stash the first half (SMOKE=1: and a random-weights run)
 #   call 2: bash bench/gpu_real.sh b        (carry .gpu/b)  join, check the digest, start the curve, follow it
 #   call 3+: bash bench/gpu_real.sh follow                   follow it to its end (results and logs under $OUT)
@@ -107,7 +108,25 @@ follow() {  # follow LIMIT_S: until the curve ends or LIMIT_S pass; then copy re
   grep -ah "] point n" $W/*.log | cut -c1-600  # each finished run: held-out tau by method, train-prompt tau, times
 }
 
+pack() {  # on this machine: the GGUF file's two halves, the gguf wheel (the device has no gguf and no registry),
+  # and the target's shape (its config, tokenizer and chat template: SMOKE=1's random-weights run), from the venv
+  set -e
+  local py=.venv/bin/python gguf version
+  gguf=$($py -c 'from trainer.data import real_target; print(real_target.gguf_file()[0])')
+  echo "$GGUF_SHA256  $gguf" | sha256sum -c -
+  rm -rf .gpu/a .gpu/b && mkdir -p .gpu/a/shape .gpu/b
+  head -c 50000000 "$gguf" >.gpu/a/gguf.part  # two uploads of <= 64 MiB
+  tail -c +50000001 "$gguf" >.gpu/b/gguf.part
+  version=$($py -c 'import importlib.metadata as m; print(m.version("gguf"))')
+  $py -m pip download -q --no-deps --only-binary=:all: -d .gpu/a "gguf==$version"
+  local target
+  target=$($py -c 'from trainer.data import real_target; print(real_target.ensure_target())')
+  cp "$target"/{config.json,tokenizer.json,tokenizer_config.json,chat_template.jinja} .gpu/a/shape/
+  du -sh .gpu/a .gpu/b
+}
+
 case ${1:-} in
+  pack) pack ;;
   a) python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
        .gpu/a/gguf-*.whl || exit
      cp .gpu/a/gguf.part $W/part-a
@@ -128,5 +147,5 @@ case ${1:-} in
   runs-detached) runs ;;
   follow) follow 570 ;;
   drop) kill -- "-$(cat "$W/$2.pid")" && echo "ended $2" ;;
-  *) echo "usage: bash bench/gpu_real.sh a|b|follow|drop NAME" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu_real.sh pack|a|b|follow|runs|drop NAME" >&2; exit 2 ;;
 esac
