@@ -10,12 +10,12 @@
 #   ONLY="..." bash bench/gpu_real.sh runs                    more runs on the same machine's prepared data, followed
 #   ONLY=- (on b)                                              the preparation alone, to carry to a later machine
 #   SELF=N ... (on b and runs)                                 N more training prompts written by the target itself
+#   bash bench/gpu_real.sh drop NAME                          end one run of the curve early (its process group)
 # A finished preparation comes back as $OUT/prepared-WORK.tar.xz (WORK: curve or self-N; the dataset and the
-# self-written prompts, ~6 MB for 23,909 samples). Kept here in .gpu/prepared/ and carried on a later call b, it is
+# self-written prompts, 2.6 MB for 23,909 samples). Kept here in .gpu/prepared/ and carried on a later call b, it is
 # unpacked first, and the preparation then skips the sampling and the regeneration: 78 s against 357 s for
 # SELF=16000 on an H100 (quality.md 2026-12-07 "The drafter from the target's layers on the self-written prompts");
 # the conversion and the fp32 references are made again on that machine.
-#   bash bench/gpu_real.sh drop NAME                          end one run of the curve early (its process group)
 # The curve: one --prepare-only run (conversion, regeneration, the references), then every run in RUNS as its own
 # process at once: an evaluation is latency-bound (one sequence at a time), so it overlaps the others' training.
 set -u

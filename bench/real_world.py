@@ -345,9 +345,10 @@ def main() -> int:
     plan += [(largest, "dflash", int(b), "", []) for b in args.blocks.split(",")[1:]]
     ablate_count = meta.num_samples if args.ablate_samples == "all" else min(int(args.ablate_samples), meta.num_samples)
     for entry in args.ablate:
-        label, _, flags = entry.partition("=")
-        block = args.ablate_block or first_block
-        plan.append((ablate_count, flag_value(flags.split(), "--arch") or "dflash", block, label, flags.split()))
+        label, _, text = entry.partition("=")
+        flags = text.split()
+        arch = flag_value(flags, "--arch") or "dflash"
+        plan.append((ablate_count, arch, args.ablate_block or first_block, label, flags))
     baselines_done = args.no_baselines or any(p.get("baselines") for p in results["points"])
     for count, arch, block, label, flags in plan:
         if (count, arch, block, label) in done:

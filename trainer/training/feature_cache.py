@@ -32,10 +32,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer.data.prepare import weight_files
-
 
 def cache_key(target_dir: str | Path, layer_ids: list[int], data_dir: str | Path, max_seq_len: int, dtype: str) -> str:
+    from trainer.data.prepare import weight_files  # here, not at the top: every trainer start imports this module
+
     target, data = Path(target_dir).resolve(), Path(data_dir).resolve()
     weights = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in weight_files(target)]
     text = json.dumps([str(target), weights, layer_ids, str(data), dataset_digest(data), max_seq_len, dtype])
