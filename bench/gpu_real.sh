@@ -10,6 +10,7 @@
 #   ONLY="..." bash bench/gpu_real.sh runs                    more runs on the same machine's prepared data, followed
 #   ONLY=- (on b)                                              the preparation alone, to carry to a later machine
 #   SELF=N ... (on b and runs)                                 N more training prompts written by the target itself
+#   BATCH=N SELF=N ... (on b and runs)                         the same, N sequences generated at once (default 1,024)
 #   bash bench/gpu_real.sh drop NAME                          end one run of the curve early (its process group)
 # A finished preparation comes back as $OUT/prepared-WORK.tar.xz (WORK: curve or self-N; the dataset and the
 # self-written prompts, 2.6 MB for 23,909 samples). Kept here in .gpu/prepared/ and carried on a later call b, it is
@@ -26,12 +27,17 @@ GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # 
 STEPS=${STEPS:-1500}
 COMMON=(--gguf $W/smol.gguf --work $W/curve --blocks 16 --steps "$STEPS" --eval-prompts 48 --eval-workers 6)
 # SELF=N (set on every call that prepares or starts runs): N more training prompts the target writes itself, in a
-# work directory of their own; the held-out prompts are the same 48
+# work directory of their own; the held-out prompts are the same 48. BATCH=N: sequences generated at once, for the
+# self-written prompts and the regeneration (a shard holds one batch). A step of either costs mostly its fixed
+# per-step work (70-90 ms at 1,024 rows against ~5 ms of arithmetic), so a larger batch writes more tokens a second;
+# the default keeps the layout of the packages made with 1,024 (a package only resumes with the BATCH it was made with)
 WORK=$W/curve
+BATCH=${BATCH:-1024}
 if [ -n "${SELF:-}" ]; then
   WORK=$W/self-$SELF
+  [ "$BATCH" = 1024 ] || WORK=$W/self-$SELF-b$BATCH
   COMMON=(--gguf $W/smol.gguf --work $WORK --blocks 16 --steps "$STEPS" --eval-prompts 48 --eval-workers 6
-          --self-prompts "$SELF" --self-batch 1024 --regen-batch 1024)
+          --self-prompts "$SELF" --self-batch "$BATCH" --regen-batch "$BATCH" --shard-size "$BATCH")
 fi
 declare -A RUNS=(  # name -> flags; "all" evaluates the baselines once for every run
   [all]="--points all"
@@ -49,6 +55,10 @@ declare -A RUNS=(  # name -> flags; "all" evaluates the baselines once for every
   [d2g1tgt]="--points= --ablate 'd2g1tgt=--arch=dflash2 --gamma=1 --drafter-init=target' --no-baselines"
   [d2g1tgts6k]="--points= --ablate 'd2g1tgts6k=--arch=dflash2 --gamma=1 --drafter-init=target' --ablate-steps 6000
                 --no-baselines"
+  # four draft layers from the target's last four (26-29): the taps move up to 1, 9, 17, 25 (the public rule's
+  # spacing for 4 taps, ending below the copied layers; the default's deepest tap, 27, leaves room for two)
+  [d2g1tgt4s6k]="--points= --ablate 'd2g1tgt4s6k=--arch=dflash2 --gamma=1 --drafter-init=target --num-draft-layers=4
+                 --target-layer-ids=1,9,17,25' --ablate-steps 6000 --no-baselines"
   # make demo-real's training shape (512 samples, 400 steps of <= 64 anchors, block 8) and four levers on it
   [demo]="--points 512 --steps 400 --blocks 8 --max-anchors 64 --anchors-per-seq 16 --no-baselines --ablate-samples 512
           --ablate g1=--gamma=1 --ablate lr1e-2=--lr=1e-2 --ablate cal=--output-norm-init=calibrated
