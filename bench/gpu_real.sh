@@ -28,9 +28,9 @@ STEPS=${STEPS:-1500}
 COMMON=(--gguf $W/smol.gguf --work $W/curve --blocks 16 --steps "$STEPS" --eval-prompts 48 --eval-workers 6)
 # SELF=N (set on every call that prepares or starts runs): N more training prompts the target writes itself, in a
 # work directory of their own; the held-out prompts are the same 48. BATCH=N: sequences generated at once, for the
-# self-written prompts and the regeneration (a shard holds one batch). A step of either costs mostly its fixed
-# per-step work (70-90 ms at 1,024 rows against ~5 ms of arithmetic), so a larger batch writes more tokens a second;
-# the default keeps the layout of the packages made with 1,024 (a package only resumes with the BATCH it was made with)
+# self-written prompts and the regeneration (a shard holds one batch). A package resumes only with the BATCH it was
+# made with. 2,048 rows wrote about as many tokens a second as 1,024 (a step's cost grows with its rows: quality.md
+# 2026-12-07 "2.3x the prompts, and four draft layers from the target's last four"), so 1,024 stays the default
 WORK=$W/curve
 BATCH=${BATCH:-1024}
 if [ -n "${SELF:-}" ]; then
