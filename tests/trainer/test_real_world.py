@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -285,6 +286,34 @@ def test_the_real_profile_trains_with_the_demos_flags() -> None:
     assert {k: v for k, v in options(demo_flags).items() if k not in demo_only} == {
         k: v for k, v in profile_flags.items() if k not in demo_only
     }
+
+
+def test_every_run_of_the_gpu_bench_takes_its_flags_on_the_real_targets_shape(converted: Path, tmp_path: Path) -> None:
+    """`bench/gpu_real.sh check`: each run of its table, split as the device splits it, through the trainer's parser
+    and the drafter's shape against SmolLM2's config, so a run a flag or a tap would stop fails here, not minutes
+    into a GPU session. A planted typo and an unknown run name prove it can fail."""
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHON": sys.executable, "TARGET": str(converted), "SELF": "16000", "OUT": str(tmp_path)}
+    script = (repo / "bench" / "gpu_real.sh").read_text()
+    names = re.findall(r"^  \[([\w-]+)\]=", script, flags=re.M)
+    assert {"all", "d2g1tgts6k", "d2g1tgt4s6k"} <= set(names), names
+
+    def check(text: str, **extra: str) -> subprocess.CompletedProcess[str]:
+        copy = tmp_path / "gpu_real.sh"
+        copy.write_text(text)
+        return subprocess.run(
+            ["bash", str(copy), "check"], cwd=repo, env={**env, **extra}, capture_output=True, text=True, timeout=300
+        )
+
+    done = check(script)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count(": ok (") >= len(names) and ": error:" not in done.stderr, done.stderr
+    assert "d2g1tgt4s6k: ok (dflash2, 4 draft layers, taps 1,9,17,25, 6000 steps)" in done.stderr
+    planted = script.replace("declare -A RUNS=(", 'declare -A RUNS=(\n  [typo]="--points= --ablate typo=--gama=1"', 1)
+    done = check(planted, ONLY="typo")
+    assert done.returncode == 2 and "check nall-dflash-b16-typo: error: unrecognized arguments: --gama=1" in done.stderr
+    done = check(script, ONLY="g1 nosuch")
+    assert done.returncode == 2 and "no run named nosuch" in done.stderr, done.stderr
 
 
 @pytest.mark.slow
