@@ -13,6 +13,7 @@
 #   SELF=N ... (on b and runs)                                 N more training prompts written by the target itself
 #   BATCH=N SELF=N ... (on b and runs)                         the same, N sequences generated at once (default 1,024)
 #   bash bench/gpu_real.sh drop NAME                          end one run of the curve early (its process group)
+#   bash bench/gpu_real.sh regen                              after b: generation's variants timed, one batch profiled
 # A finished preparation comes back as $OUT/prepared-WORK.tar.xz (WORK: curve or self-N; the dataset and the
 # self-written prompts, 2.6 MB for 23,909 samples). Kept here in .gpu/prepared/ and carried on a later call b, it is
 # unpacked first, and the preparation then skips the sampling and the regeneration: 78 s against 357 s for
@@ -58,6 +59,8 @@ declare -A RUNS=(  # name -> flags; "all" evaluates the baselines once for every
                 --no-baselines"
   # four draft layers from the target's last four (26-29): the taps move up to 1, 9, 17, 25 (the public rule's
   # spacing for 4 taps, ending below the copied layers; the default's deepest tap, 27, leaves room for two)
+  [d2g1tgts12k]="--points= --ablate 'd2g1tgts12k=--arch=dflash2 --gamma=1 --drafter-init=target' --ablate-steps 12000
+                 --no-baselines"  # ~7 epochs at 6,000 steps on 55,909 prompts left the loss falling
   [d2g1tgt4s6k]="--points= --ablate 'd2g1tgt4s6k=--arch=dflash2 --gamma=1 --drafter-init=target --num-draft-layers=4
                  --target-layer-ids=1,9,17,25' --ablate-steps 6000 --no-baselines"
   # make demo-real's training shape (512 samples, 400 steps of <= 64 anchors, block 8) and four levers on it
@@ -171,6 +174,10 @@ case ${1:-} in
   runs) rm -f $W/done; setsid bash bench/gpu_real.sh runs-detached >$W/curve.out 2>&1 </dev/null & follow 560 ;;
   runs-detached) runs ;;
   follow) follow 570 ;;
+  regen) target=$(ls -d "$WORK"/cache/smollm2-*/ 2>/dev/null | head -n 1)  # b's conversion
+     [ -n "$target" ] || { echo "no converted target under $WORK/cache: run b first" >&2; exit 2; }
+     python3 bench/regen_speed.py --device cuda:0 --target "$target" --prompts 2048 --batch 1024 \
+       --variants generate,sorted-drop,static --profile 2>&1 | tee "$OUT/regen_speed.txt" ;;
   drop) kill -- "-$(cat "$W/$2.pid")" && echo "ended $2" ;;
-  *) echo "usage: bash bench/gpu_real.sh pack|check|a|b|follow|runs|drop NAME" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu_real.sh pack|check|a|b|follow|runs|regen|drop NAME" >&2; exit 2 ;;
 esac

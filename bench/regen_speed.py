@@ -1,16 +1,22 @@
-"""Regeneration speed on the CPU: `model.generate` over batches (what `prepare --regenerate` does) against a greedy
-loop that sorts prompts by length and drops finished rows from its KV cache, on the same real-world prompts.
+"""Regeneration speed: `model.generate` over batches (what `prepare --regenerate` does) against its variants, on
+the same real-world prompts, each variant's answers compared with `generate`'s token for token.
 
     python bench/regen_speed.py --threads 1 --prompts 32 --batch 16 --new-tokens 96
+    python bench/regen_speed.py --device cuda:0 --target DIR --prompts 2048 --batch 1024 --profile  (a GPU machine)
 
-Prints tokens/s of each and how many answers are identical token for token. Needs the converted SmolLM2
-(trainer/data/real_target.py; `make demo-real` makes it).
+Variants (--variants): generate; sorted-drop, a greedy loop that sorts prompts by length (less padding) and drops
+finished rows from its KV cache; static, `generate` with a cache allocated once for the whole answer (transformers'
+dynamic cache grows by a copy of the whole cache at every step). Prints one line per variant: seconds, generated
+tokens a second, identical answers. --profile: the ops that took the device's time in one batch of `generate`
+(torch.profiler), to say where a step goes before changing it. Needs the converted SmolLM2
+(trainer/data/real_target.py; `make demo-real` makes it) or --target.
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
+import itertools
 import os
 import sys
 import time
@@ -93,7 +99,17 @@ def greedy_generate(
 
 
 @torch.inference_mode()
-def generate_loop(model: Any, prompts: list[list[int]], new: int, stops: list[int], pad_id: int, batch: int):
+def generate_loop(
+    model: Any,
+    prompts: list[list[int]],
+    new: int,
+    stops: list[int],
+    pad_id: int,
+    batch: int,
+    on_batch: Callable[[int, int], None] | None = None,
+    **generate_kwargs: Any,
+) -> list[list[int]]:
+    device = model.get_input_embeddings().weight.device
     answers = []
     for start in range(0, len(prompts), batch):
         chunk = prompts[start : start + batch]
@@ -104,16 +120,35 @@ def generate_loop(model: Any, prompts: list[list[int]], new: int, stops: list[in
             ids[row, width - len(prompt) :] = torch.tensor(prompt)
             mask[row, width - len(prompt) :] = 1
         out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
             max_new_tokens=new,
             do_sample=False,
             eos_token_id=stops,
             pad_token_id=pad_id,
+            **generate_kwargs,
         )
         for row in out[:, width:].tolist():
             answers.append(row[: next((i + 1 for i, t in enumerate(row) if t in stops), len(row))])
+        if on_batch is not None:
+            on_batch(min(start + batch, len(prompts)), len(prompts))
     return answers
+
+
+VARIANTS = ("generate", "sorted-drop", "static")
+
+
+def profile_generate(model: Any, prompts: list[list[int]], new: int, stops: list[int], pad_id: int) -> str:
+    """The ops that took the device's time (then the CPU's) in one batch of `generate`, as torch.profiler's table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = next(model.parameters()).is_cuda
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        generate_loop(model, prompts, new, stops, pad_id, len(prompts))
+        if cuda:
+            torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=18)
 
 
 def main() -> int:
@@ -122,12 +157,22 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--target", type=Path, default=None, help="converted target (default: make setup's)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--variants", default="generate,sorted-drop", help=f"comma list of {', '.join(VARIANTS)}")
+    parser.add_argument("--profile", action="store_true", help="profile one batch of generate first")
     args = parser.parse_args()
+    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if unknown:
+        print(f"error: --variants: no variant {', '.join(unknown)}", file=sys.stderr)
+        print(f"hint: choose from {', '.join(VARIANTS)}", file=sys.stderr)
+        return 2
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(args.threads)
-    target = real_target.ensure_target()
-    model = AutoModelForCausalLM.from_pretrained(target).eval()
+    torch.backends.cuda.matmul.allow_tf32 = False  # as prepare's fp32 regeneration
+    target = args.target or real_target.ensure_target()
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).to(args.device).eval()
     tokenizer = AutoTokenizer.from_pretrained(target)
     train, _ = real_prompts.build()
     prompts = [
@@ -135,20 +180,48 @@ def main() -> int:
         for p in real_prompts.stratified(train, args.prompts)
     ]
     stops, pad = end_of_turn_ids(tokenizer), int(tokenizer.pad_token_id)
-    started = time.monotonic()
-    fast = greedy_generate(
-        model, prompts, max_new_tokens=args.new_tokens, stops=stops, pad_id=pad, batch_size=args.batch
-    )
-    fast_s = time.monotonic() - started
-    started = time.monotonic()
-    plain = generate_loop(model, prompts, args.new_tokens, stops, pad, args.batch)
-    plain_s = time.monotonic() - started
-    tokens = sum(map(len, plain))
+    widths = [max(map(len, prompts[i : i + args.batch])) for i in range(0, len(prompts), args.batch)]
     print(
-        f"load {os.getloadavg()[0]:.1f}, {args.threads} thread(s), {len(prompts)} prompts, batch {args.batch}: "
-        f"generate {tokens / plain_s:.1f} tok/s, sorted+drop {sum(map(len, fast)) / fast_s:.1f} tok/s, "
-        f"identical answers {sum(a == b for a, b in zip(fast, plain))}/{len(plain)}"
+        f"{args.device}, load {os.getloadavg()[0]:.1f}, {args.threads} thread(s), {len(prompts)} prompts "
+        f"(mean {sum(map(len, prompts)) / len(prompts):.0f} tokens, batches padded to {widths}), batch {args.batch}, "
+        f"<= {args.new_tokens} new tokens, float32",
+        flush=True,
     )
+    if args.profile:
+        print(profile_generate(model, prompts[: args.batch], args.new_tokens, stops, pad), flush=True)
+    marks: list[float] = []  # when each batch ended: a first batch that compiles shows as the slow one
+
+    def mark(done: int, total: int) -> None:
+        marks.append(time.monotonic())
+
+    runs: dict[str, Callable[[], list[list[int]]]] = {
+        "generate": lambda: generate_loop(model, prompts, args.new_tokens, stops, pad, args.batch, mark),
+        "sorted-drop": lambda: greedy_generate(
+            model,
+            prompts,
+            max_new_tokens=args.new_tokens,
+            stops=stops,
+            pad_id=pad,
+            batch_size=args.batch,
+            on_batch=mark,
+        ),
+        "static": lambda: generate_loop(
+            model, prompts, args.new_tokens, stops, pad, args.batch, mark, cache_implementation="static"
+        ),
+    }
+    reference: list[list[int]] | None = None
+    for name in args.variants.split(","):
+        marks[:] = [time.monotonic()]
+        answers = runs[name]()  # each batch's answers come back as lists: the device has finished it
+        seconds = marks[-1] - marks[0]
+        batches = " ".join(f"{b - a:.1f}" for a, b in itertools.pairwise(marks))
+        reference = reference or answers
+        same = sum(a == b for a, b in zip(answers, reference))
+        print(
+            f"{name:12s} {seconds:8.1f} s (batches {batches} s)  {sum(map(len, answers)) / seconds:9.1f} tok/s  "
+            f"identical to {args.variants.split(',')[0]}: {same}/{len(answers)}",
+            flush=True,
+        )
     return 0
 
 
