@@ -121,6 +121,16 @@ def evaluate_in_workers(
         return [eval_workers.merged(parts) for parts in futures]
 
 
+def tau_by_kind(method: dict[str, Any], kinds: list[str]) -> dict[str, float]:
+    """A method's tau over each kind's prompts (committed tokens over verify steps, the prompts of one kind
+    pooled), from its report's per-prompt counts; `kinds[i]` is prompt i's."""
+    steps: dict[str, int] = {}
+    committed: dict[str, int] = {}
+    for kind, s, c in zip(kinds, method["prompt_steps"], method["prompt_committed"], strict=True):
+        steps[kind], committed[kind] = steps.get(kind, 0) + s, committed.get(kind, 0) + c
+    return {kind: committed[kind] / max(steps[kind], 1) for kind in sorted(steps)}
+
+
 def flag_value(flags: list[str], name: str) -> str | None:
     """The value the last `name` in `flags` gives (`--name=V` or `--name V`), as argparse reads it; None if absent.
     An ablation's architecture is its flags' `--arch` (they come after the base flags, so they win)."""
@@ -446,7 +456,12 @@ def main(argv: list[str] | None = None) -> int:
             "train_seconds": round(train_s, 1),
             "eval_seconds": round(time.monotonic() - t0, 1),
             "heldout": {
-                k: {"tau": v["tau"], "lossless": v["lossless"], "slots": v["per_slot_acceptance"]}
+                k: {
+                    "tau": v["tau"],
+                    "lossless": v["lossless"],
+                    "slots": v["per_slot_acceptance"],
+                    "by_kind": tau_by_kind(v, [p.kind for p in held]),  # where it falls short
+                }
                 for k, v in report["methods"].items()
             },
             "train_prompts_tau": seen["methods"]["trained"]["tau"],

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -124,6 +126,24 @@ def test_evaluate_reports_all_methods_lossless(setup):
     assert "trained" in table and "ngram" in table
 
 
+def test_the_real_world_bench_pools_a_kinds_tau_as_its_prompts_alone_give_it(setup):
+    """bench/real_world.py's held-out tau by kind of prompt, from one report's per-prompt counts."""
+    spec = importlib.util.spec_from_file_location("real_world", Path(__file__).parents[2] / "bench" / "real_world.py")
+    assert spec is not None and spec.loader is not None
+    real_world = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(real_world)
+    common = {"max_new_tokens": 16, "stops": setup["stops"], "pad_id": 0, "trained": False}
+    model, drafter, prompts = setup["model"], setup["drafter"], setup["prompts"]
+    # prompt lookup: its prompts' tau differ here (14, 15 and 12 steps for 15 tokens each), the tiny drafter's do not
+    whole = eval_cli.evaluate(model, drafter, prompts, **common)["methods"]["ngram"]
+    by_kind = real_world.tau_by_kind(whole, ["code", "chat", "code"])
+    code = eval_cli.evaluate(model, drafter, [prompts[0], prompts[2]], **common)["methods"]["ngram"]["tau"]
+    chat = eval_cli.evaluate(model, drafter, [prompts[1]], **common)["methods"]["ngram"]["tau"]
+    assert by_kind == {"chat": chat, "code": code} and chat != code
+    with pytest.raises(ValueError):  # a kind for every prompt, or no answer
+        real_world.tau_by_kind(whole, ["code", "chat"])
+
+
 def test_reports_of_prompt_slices_merge_into_the_whole_report(setup):
     """bench/real_world.py evaluates slices of the prompts in several processes and merges their reports."""
     common = {"max_new_tokens": 16, "stops": setup["stops"], "pad_id": 0}
@@ -134,6 +154,15 @@ def test_reports_of_prompt_slices_merge_into_the_whole_report(setup):
         eval_cli.evaluate(model, drafter, prompts[1:], **common),
     ]
     assert eval_cli.merge_reports(parts) == whole
+    for method in whole["methods"].values():  # each prompt's counts, in order, add up to the method's
+        assert len(method["prompt_steps"]) == len(method["prompt_committed"]) == len(prompts)
+        assert sum(method["prompt_steps"]) == method["steps"] and sum(method["prompt_committed"]) == method["committed"]
+    # one prompt's counts are what that prompt alone gives
+    alone = eval_cli.evaluate(model, drafter, prompts[1:2], **common)["methods"]["trained"]
+    assert [alone["steps"], alone["committed"]] == [
+        whole["methods"]["trained"]["prompt_steps"][1],
+        whole["methods"]["trained"]["prompt_committed"][1],
+    ]
     bad = [{**parts[0], "methods": {**parts[0]["methods"]}} for _ in range(2)]  # a mismatch in the second slice
     bad[1]["methods"]["ngram"] = {**bad[1]["methods"]["ngram"], "mismatched_prompts": [0], "lossless": False}
     merged = eval_cli.merge_reports(bad)

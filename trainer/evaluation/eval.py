@@ -96,6 +96,10 @@ class MethodStats:
     slot_proposed: list[int] = field(default_factory=list)
     slot_accepted: list[int] = field(default_factory=list)
     mismatches: list[int] = field(default_factory=list)  # prompt indices whose output differed
+    # each prompt's verify steps and committed tokens, in prompt order: its own tau, and the tau of any group of
+    # prompts (bench/real_world.py: by kind of prompt)
+    prompt_steps: list[int] = field(default_factory=list)
+    prompt_committed: list[int] = field(default_factory=list)
     tree_nodes: int = 0  # DDTree only: nodes verified over all steps
     tree: dict[str, Any] | None = None  # DDTree only: {"budget", "top_k"}
 
@@ -121,6 +125,8 @@ class MethodStats:
             "forwards": self.forwards,
             "slot_proposed": self.slot_proposed,
             "slot_accepted": self.slot_accepted,
+            "prompt_steps": self.prompt_steps,
+            "prompt_committed": self.prompt_committed,
             **({} if self.tree is None else {**self.tree, "mean_tree_nodes": self.tree_nodes / max(self.steps, 1)}),
         }
 
@@ -332,8 +338,11 @@ def evaluate(
     for name, (generate, tree) in methods.items():
         stats = MethodStats(name, tree=tree)
         for index, (prompt, reference) in enumerate(zip(prompts, references)):
+            steps, committed = stats.steps, stats.committed
             if generate(prompt, stats) != reference:
                 stats.mismatches.append(index)
+            stats.prompt_steps.append(stats.steps - steps)
+            stats.prompt_committed.append(stats.committed - committed)
             ticker.tick(name)
         report["methods"][name] = stats.summary()
     report["lossless"] = all(m["lossless"] for m in report["methods"].values())
@@ -362,6 +371,8 @@ def merge_reports(parts: list[dict[str, Any]]) -> dict[str, Any]:
                 for k, count in enumerate(theirs):
                     mine[k] += count
             stats.mismatches += [offset + i for i in m["mismatched_prompts"]]
+            stats.prompt_steps += m["prompt_steps"]
+            stats.prompt_committed += m["prompt_committed"]
             offset += part["prompts"]
         merged["methods"][name] = stats.summary()
     merged["lossless"] = all(m["lossless"] for m in merged["methods"].values())
