@@ -288,6 +288,24 @@ def test_the_real_profile_trains_with_the_demos_flags() -> None:
     }
 
 
+def test_the_regeneration_bench_runs_its_gpu_variants_on_the_cpu(converted: Path) -> None:
+    """bench/regen_speed.py as `bench/gpu_real.sh regen` runs it, at a CPU's size: every variant, the profile, and
+    every variant's answers identical to `generate`'s; an unknown variant is one error before the target loads."""
+    repo = Path(__file__).resolve().parents[2]
+    script = [sys.executable, str(repo / "bench" / "regen_speed.py"), "--target", str(converted)]
+    small = ["--prompts", "4", "--batch", "2", "--new-tokens", "4", "--variants", "generate,sorted-drop,static"]
+    done = subprocess.run([*script, *small, "--profile"], cwd=repo, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    variants = ("generate", "sorted-drop", "static")
+    rows = {line.split()[0]: line for line in done.stdout.splitlines() if line.startswith(variants)}
+    assert set(rows) == set(variants) and all(line.endswith(": 4/4") for line in rows.values()), done.stdout
+    assert "aten::" in done.stdout  # the profiler's table
+    done = subprocess.run(
+        [*script, "--variants", "generate,fast"], cwd=repo, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2 and done.stderr.splitlines()[0] == "error: --variants: no variant fast", done.stderr
+
+
 def test_every_run_of_the_gpu_bench_takes_its_flags_on_the_real_targets_shape(converted: Path, tmp_path: Path) -> None:
     """`bench/gpu_real.sh check`: each run of its table, split as the device splits it, through the trainer's parser
     and the drafter's shape against SmolLM2's config, so a run a flag or a tap would stop fails here, not minutes
