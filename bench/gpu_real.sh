@@ -75,13 +75,17 @@ curve() {  # runs detached: prepare once, then every run at once; $W/done marks 
   runs
 }
 
+flags_of() {  # run $1's flags, for eval: they split as the shell reads them (an --ablate of several flags is one
+  # quoted word), an entry's newlines made spaces first or eval would end the command at them; a name RUNS lacks: 2
+  [ -n "${RUNS[$1]+set}" ] || { echo "no run named $1 (RUNS: ${!RUNS[*]})" >&2; return 2; }
+  echo "${RUNS[$1]//$'\n'/ }"
+}
+
 runs() {  # every run of ONLY at once on the prepared work directory
+  local name flags
   for name in ${ONLY:-${!RUNS[@]}}; do  # ONLY="all n4096": a subset, when less device time is left; ONLY=-: none
     [ "$name" = - ] && continue  # the preparation alone (it comes back packed: stash)
-    [ -n "${RUNS[$name]+set}" ] || { echo "no run named $name (RUNS: ${!RUNS[*]})" >&2; continue; }
-    # eval: a run's flags split as the shell reads them (an --ablate of several flags is one quoted word); an
-    # entry's newlines become spaces first, or eval would end the command at them
-    local flags=${RUNS[$name]//$'\n'/ }
+    flags=$(flags_of "$name") || continue
     eval "OMP_NUM_THREADS=4 setsid python3 bench/real_world.py ${COMMON[*]} $flags --prepared \
       --json-out $W/$name.json --train-extra --log-interval 50 >$W/$name.log 2>&1 &"
     echo $! >$W/$name.pid
@@ -128,8 +132,7 @@ check() {  # here: every run of ONLY (default: all) through real_world.py's --ch
   local name flags
   for name in ${ONLY:-${!RUNS[@]}}; do
     [ "$name" = - ] && continue
-    [ -n "${RUNS[$name]+set}" ] || { echo "no run named $name (RUNS: ${!RUNS[*]})" >&2; return 2; }
-    flags=${RUNS[$name]//$'\n'/ }  # split as runs() splits them
+    flags=$(flags_of "$name") || return 2
     eval "printf '%s\0' ${COMMON[*]} $flags --json-out $W/$name.json" && printf -- '--random-target\0%s\0\036\0' "$TARGET"
   done | "${PYTHON:-python3}" bench/real_world.py --check-table
 }

@@ -317,11 +317,10 @@ def check_runs(args: argparse.Namespace, target_dir: Path) -> int:
     from trainer.core.config import TrainerInputError, parse_train_args
     from trainer.training.preflight import build_drafter_config, target_shape
 
-    failed = 0
+    failed, run = 0, args.work / "check-runs"  # paths for the flags only: nothing is written there
     for count, arch, block, label, flags in training_plan(args, num_samples=sys.maxsize):  # maxsize: "all"
         name = run_name("all" if count == sys.maxsize else count, arch, block, label)
         steps = args.ablate_steps if label and args.ablate_steps else args.steps
-        run = args.work / "check-runs"
         argv = [*train_flags(args, target_dir, run / "data", run / "run", 0, arch, block, steps), *flags]
         try:
             cfg = parse_train_args(argv)

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from trainer.data import real_prompts, real_target
+from trainer.data.regenerate import generate_answers, left_pad
 from trainer.data.tokenizer_utils import end_of_turn_ids, tokenize_prompt
 
 
@@ -62,12 +63,7 @@ def greedy_generate(
     stop_ids = torch.tensor(stops, device=device)
     for start in range(0, len(order), batch_size):
         rows = order[start : start + batch_size]
-        width = max(len(prompts[i]) for i in rows)
-        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for r, i in enumerate(rows):
-            ids[r, width - len(prompts[i]) :] = torch.tensor(prompts[i])
-            mask[r, width - len(prompts[i]) :] = 1
+        ids, mask = left_pad([prompts[i] for i in rows], pad_id)
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
@@ -98,7 +94,6 @@ def greedy_generate(
     return answers
 
 
-@torch.inference_mode()
 def generate_loop(
     model: Any,
     prompts: list[list[int]],
@@ -109,27 +104,11 @@ def generate_loop(
     on_batch: Callable[[int, int], None] | None = None,
     **generate_kwargs: Any,
 ) -> list[list[int]]:
-    device = model.get_input_embeddings().weight.device
-    answers = []
+    """`prepare --regenerate`'s own generation (regenerate.generate_answers) over consecutive batches."""
+    answers: list[list[int]] = []
     for start in range(0, len(prompts), batch):
         chunk = prompts[start : start + batch]
-        width = max(map(len, chunk))
-        ids = torch.full((len(chunk), width), pad_id)
-        mask = torch.zeros((len(chunk), width), dtype=torch.long)
-        for row, prompt in enumerate(chunk):
-            ids[row, width - len(prompt) :] = torch.tensor(prompt)
-            mask[row, width - len(prompt) :] = 1
-        out = model.generate(
-            input_ids=ids.to(device),
-            attention_mask=mask.to(device),
-            max_new_tokens=new,
-            do_sample=False,
-            eos_token_id=stops,
-            pad_token_id=pad_id,
-            **generate_kwargs,
-        )
-        for row in out[:, width:].tolist():
-            answers.append(row[: next((i + 1 for i, t in enumerate(row) if t in stops), len(row))])
+        answers += generate_answers(model, chunk, max_new_tokens=new, stops=stops, pad_id=pad_id, **generate_kwargs)
         if on_batch is not None:
             on_batch(min(start + batch, len(prompts)), len(prompts))
     return answers

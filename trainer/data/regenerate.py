@@ -31,6 +31,54 @@ def load_target_lm(path: str, dtype_name: str = "auto") -> tuple[Any, torch.devi
     return model, device
 
 
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input ids, attention mask) [batch, longest prompt], each prompt at the right edge (generation continues
+    there)."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        attention[row, width - len(prompt) :] = 1
+    return input_ids, attention
+
+
+@torch.inference_mode()
+def generate_answers(
+    model: Any,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    stops: list[int],
+    pad_id: int,
+    temperature: float = 0.0,
+    **generate_kwargs: Any,
+) -> list[list[int]]:
+    """Generated ids per prompt, cut after the first end-of-turn id: one left-padded batch through `model.generate`
+    (greedy at temperature 0, else sampled from torch's global generator). `generate_kwargs`: more of `generate`'s
+    settings (bench/regen_speed.py times a static cache)."""
+    input_ids, attention = left_pad(prompts, pad_id)
+    device = next(model.parameters()).device
+    sampled = temperature > 0
+    output = model.generate(
+        input_ids=input_ids.to(device),
+        attention_mask=attention.to(device),
+        max_new_tokens=max_new_tokens,
+        do_sample=sampled,
+        temperature=temperature if sampled else None,
+        top_p=None,
+        top_k=None,
+        eos_token_id=stops,
+        pad_token_id=pad_id,
+        **generate_kwargs,
+    )
+    answers = []
+    for row in output[:, input_ids.shape[1] :].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
+        answers.append(row[:cut])
+    return answers
+
+
 class Regenerator:
     """Holds the target and tokenizer; `shard_samples(prompts, seed)` -> [(ids, mask)] in prompt order."""
 
@@ -41,33 +89,17 @@ class Regenerator:
         self.stops = end_of_turn_ids(tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stops[0]
 
-    @torch.inference_mode()
     def generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
         """Generated ids per prompt (cut after the first end-of-turn id)."""
         torch.manual_seed(seed)
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
-            attention[row, width - len(prompt) :] = 1
-        sampled = self.options.temperature > 0
-        output = self.model.generate(
-            input_ids=input_ids.to(self.device),
-            attention_mask=attention.to(self.device),
+        return generate_answers(
+            self.model,
+            prompts,
             max_new_tokens=self.options.max_new_tokens,
-            do_sample=sampled,
-            temperature=self.options.temperature if sampled else None,
-            top_p=None,
-            top_k=None,
-            eos_token_id=self.stops,
-            pad_token_id=self.pad_id,
+            stops=self.stops,
+            pad_id=self.pad_id,
+            temperature=self.options.temperature,
         )
-        answers = []
-        for row in output[:, width:].tolist():
-            cut = next((i + 1 for i, t in enumerate(row) if t in self.stops), len(row))
-            answers.append(row[:cut])
-        return answers
 
     def shard_samples(
         self, conversations: list[list[dict]], *, seed: int, label: str = ""
