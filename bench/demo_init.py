@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--zero-step", action="store_true", help="also evaluate each variant before training")
     parser.add_argument("--arch", choices=("dflash", "dflash2"), default="dflash")
     parser.add_argument("--seed", type=int, default=0, help="train's --seed: the init's and the data order's")
+    parser.add_argument("--taps", default="", help="the target's layers to tap, e.g. 1,8,14,20,27 (default: the rule's)")
     args = parser.parse_args(argv)
     # One thread, as `make demo-real` trains on an idle machine here (trainer.data.regenerate.choose_threads), and
     # two of these runs share the 2-core machine: two threads of one process spin against the other run.
@@ -97,7 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     variants = [v for v in args.variants.split(",") if v]
     if bad := [v for v in variants if v not in VARIANTS]:
         parser.error(f"unknown variant {bad[0]!r}; variants: {', '.join(VARIANTS)}")
-    size = real_demo.size_with(real_demo.FULL, train_steps=args.steps)
+    try:
+        taps = tuple(int(t) for t in args.taps.split(",") if t.strip())
+    except ValueError:
+        parser.error(f"--taps {args.taps!r}: comma-separated layer numbers, e.g. 1,8,14,20,27")
+    size = real_demo.size_with(real_demo.FULL, train_steps=args.steps, taps=taps)
     args.workdir.mkdir(parents=True, exist_ok=True)
     cache = real_target.default_cache_root()
     target_dir = real_target.ensure_target(cache, log)
@@ -141,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             config = real_demo.drafter_config(target_dir, data, run, mask_id, size, args.arch)
             init = args.workdir / f"init-{variant}"
             export_drafter(initial_drafter(variant, config, target_dir, seed=args.seed), init)
-            one: dict[str, Any] = {"arch": args.arch, "seed": args.seed}
+            one: dict[str, Any] = {"arch": args.arch, "seed": args.seed, "taps": list(config.target_layer_ids)}
             if args.zero_step:
                 one["zero_step"] = tau_of(init)
                 log(f"{variant}: before training, held-out tau {one['zero_step']['tau']:.3f}")

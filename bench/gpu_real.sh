@@ -63,6 +63,10 @@ declare -A RUNS=(  # name -> flags; "all" evaluates the baselines once for every
                  --no-baselines"  # ~7 epochs at 6,000 steps on 55,909 prompts left the loss falling
   [d2g1tgt4s6k]="--points= --ablate 'd2g1tgt4s6k=--arch=dflash2 --gamma=1 --drafter-init=target --num-draft-layers=4
                  --target-layer-ids=1,9,17,25' --ablate-steps 6000 --no-baselines"
+  # five taps for two draft layers (1, 8, 14, 20, 27: the rule's spacing for five), the taps' effect alone
+  # (quality.md 2026-12-07 "Five taps for the demo's two-layer drafter, on the CPU")
+  [d2g1tgt5t]="--points= --ablate 'd2g1tgt5t=--arch=dflash2 --gamma=1 --drafter-init=target
+               --target-layer-ids=1,8,14,20,27' --ablate-steps 6000 --no-baselines"
   # make demo-real's training shape (512 samples, 400 steps of <= 64 anchors, block 8) and four levers on it
   [demo]="--points 512 --steps 400 --blocks 8 --max-anchors 64 --anchors-per-seq 16 --no-baselines --ablate-samples 512
           --ablate g1=--gamma=1 --ablate lr1e-2=--lr=1e-2 --ablate cal=--output-norm-init=calibrated

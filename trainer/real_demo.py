@@ -51,6 +51,9 @@ class RealSize:
     # 1.334 against 1.230 from random weights, the first start past prompt lookup's 1.291 (bench/results/quality.md
     # 2026-12-07 "`make demo-real`'s drafter started from the target's last layers").
     drafter_init: str = "target"
+    # The target's layers the drafter reads (`train --target-layer-ids`); empty: the trainer's rule, one tap a draft
+    # layer (1 and 27 for two layers of SmolLM2's 30).
+    taps: tuple[int, ...] = ()
     # Processes for regeneration and evaluation (at most one a core): on 2 cores, two processes of one thread each
     # run 1.9x one, where two threads of one process spin against other work under load. With more than one, the
     # target's references and the baselines run in a process of their own while the drafter trains.
@@ -92,6 +95,7 @@ def train_argv(
         *("--target-model", str(target), "--data-dir", str(data), "--output-dir", str(run)),
         *("--arch", arch, "--num-draft-layers", "2", "--block-size", str(size.block_size)),
         *("--mask-token-id", str(mask_id), "--gamma", str(size.gamma), "--drafter-init", size.drafter_init),
+        *(("--target-layer-ids", ",".join(map(str, size.taps))) if size.taps else ()),
         *("--max-seq-len", "320", "--token-budget", "1280", "--max-batch-size", "8"),
         *("--anchors-per-seq", "16", "--max-anchors", str(size.max_anchors)),
         *("--lr", str(size.lr), "--warmup-ratio", "0.05", "--epochs", "1000", "--max-steps", str(size.train_steps)),

@@ -288,6 +288,18 @@ def test_the_real_profile_trains_with_the_demos_flags() -> None:
     }
 
 
+def test_the_demos_taps_reach_the_drafter_and_default_to_one_a_layer(converted: Path) -> None:
+    """bench/demo_init.py --taps: a RealSize's taps become the drafter's target_layer_ids; none: the rule's 1, 27."""
+    from trainer import real_demo
+
+    five = real_demo.size_with(real_demo.FULL, taps=(1, 8, 14, 20, 27))
+    config = real_demo.drafter_config(converted, Path("D"), Path("R"), 0, five, "dflash")
+    assert list(config.target_layer_ids) == [1, 8, 14, 20, 27] and config.num_hidden_layers == 2
+    default = real_demo.drafter_config(converted, Path("D"), Path("R"), 0, real_demo.FULL, "dflash")
+    assert list(default.target_layer_ids) == [1, 27]
+    assert "--target-layer-ids" not in real_demo.train_argv(converted, Path("D"), Path("R"), 0, real_demo.FULL, "dflash")
+
+
 def test_the_regeneration_bench_runs_its_gpu_variants_on_the_cpu(converted: Path) -> None:
     """bench/regen_speed.py as `bench/gpu_real.sh regen` runs it, at a CPU's size: every variant, the profile, and
     every variant's answers identical to `generate`'s; an unknown variant is one error before the target loads."""
