@@ -90,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--zero-step", action="store_true", help="also evaluate each variant before training")
     parser.add_argument("--arch", choices=("dflash", "dflash2"), default="dflash")
     parser.add_argument("--seed", type=int, default=0, help="train's --seed: the init's and the data order's")
-    parser.add_argument("--taps", default="", help="the target's layers to tap, e.g. 1,8,14,20,27 (default: the rule's)")
+    parser.add_argument(
+        "--taps", default="", help="the target's layers to tap, e.g. 1,8,14,20,27 (default: the rule's)"
+    )
     args = parser.parse_args(argv)
     # One thread, as `make demo-real` trains on an idle machine here (trainer.data.regenerate.choose_threads), and
     # two of these runs share the 2-core machine: two threads of one process spin against the other run.

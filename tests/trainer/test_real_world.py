@@ -297,7 +297,9 @@ def test_the_demos_taps_reach_the_drafter_and_default_to_one_a_layer(converted: 
     assert list(config.target_layer_ids) == [1, 8, 14, 20, 27] and config.num_hidden_layers == 2
     default = real_demo.drafter_config(converted, Path("D"), Path("R"), 0, real_demo.FULL, "dflash")
     assert list(default.target_layer_ids) == [1, 27]
-    assert "--target-layer-ids" not in real_demo.train_argv(converted, Path("D"), Path("R"), 0, real_demo.FULL, "dflash")
+    assert "--target-layer-ids" not in real_demo.train_argv(
+        converted, Path("D"), Path("R"), 0, real_demo.FULL, "dflash"
+    )
 
 
 def test_the_regeneration_bench_runs_its_gpu_variants_on_the_cpu(converted: Path) -> None:
