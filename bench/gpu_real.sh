@@ -184,7 +184,7 @@ case ${1:-} in
   regen) target=$(ls -d "$WORK"/cache/smollm2-*/ 2>/dev/null | head -n 1)  # b's conversion
      [ -n "$target" ] || { echo "no converted target under $WORK/cache: run b first" >&2; exit 2; }
      python3 bench/regen_speed.py --device cuda:0 --target "$target" --prompts 2048 --batch 1024 \
-       --variants generate,sorted-drop,static --profile 2>&1 | tee "$OUT/regen_speed.txt" ;;
+       --variants generate,sorted-drop,static,packed-gqa --profile 2>&1 | tee "$OUT/regen_speed.txt" ;;
   drop) kill -- "-$(cat "$W/$2.pid")" && echo "ended $2" ;;
   *) echo "usage: bash bench/gpu_real.sh pack|check|a|b|follow|runs|regen|drop NAME" >&2; exit 2 ;;
 esac

@@ -6,7 +6,9 @@ the same real-world prompts, each variant's answers compared with `generate`'s t
 
 Variants (--variants): generate; sorted-drop, a greedy loop that sorts prompts by length (less padding) and drops
 finished rows from its KV cache; static, `generate` with a cache allocated once for the whole answer (transformers'
-dynamic cache grows by a copy of the whole cache at every step). Prints one line per variant: seconds, generated
+dynamic cache grows by a copy of the whole cache at every step); packed-gqa, `generate` with a decode step's query
+heads grouped by their key/value head (`packed_gqa_attention`) instead of the key/value heads copied to every query
+head. Prints one line per variant: seconds, generated
 tokens a second, identical answers. --profile: the ops that took the device's time in one batch of `generate`
 (torch.profiler), to say where a step goes before changing it. Needs the converted SmolLM2
 (trainer/data/real_target.py; `make demo-real` makes it) or --target.
@@ -114,7 +116,54 @@ def generate_loop(
     return answers
 
 
-VARIANTS = ("generate", "sorted-drop", "static")
+VARIANTS = ("generate", "sorted-drop", "static", "packed-gqa")
+PACKED_GQA = "packed_gqa"  # the attention implementation's registered name
+packed_calls = 0  # decode attention calls that went through the packed path (printed: the variant ran it)
+
+
+def packed_gqa_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' sdpa attention, but a decode step (one query token) of a grouped-query model reads each
+    key/value head once: the query [B, H, 1, D] is viewed as [B, Hkv, H/Hkv, D], the mask [B, 1, 1, L] broadcasts
+    over both, and the output goes back to transformers' [B, 1, H, D].
+
+    Why: with a padding mask (every left-padded batch has one), transformers 5.17's sdpa path copies the keys and
+    values to every query head (`repeat_kv`) in every layer at every step: for SmolLM2 (9 query heads, 3 key/value
+    heads) at 1,024 rows and ~300 positions, ~85 GB written and read a step against the cache's ~14 GB, work
+    that grows with the rows (quality.md 2026-12-07 "2.3x the prompts, and four draft layers from the target's
+    last four": a step's cost grew with its rows). transformers 5.25 does the same grouping itself (`pack_gqa`),
+    so on it this variant times the same arithmetic. Prefill and models without groups go to sdpa unchanged."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = int(getattr(module, "num_key_value_groups", 1))
+    shared_mask = attention_mask is None or attention_mask.shape[1] == 1
+    if groups == 1 or query.shape[2] != 1 or dropout or not shared_mask:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    global packed_calls
+    packed_calls += 1
+    rows, heads, _, dim = query.shape
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.reshape(rows, heads // groups, groups, dim), key, value, attn_mask=attention_mask, scale=scaling
+    )  # [B, Hkv, H/Hkv, D]: row g of kv head k is query head k * groups + g, as repeat_kv orders them
+    return out.reshape(rows, 1, heads, dim), None
+
+
+def use_packed_gqa(model: Any, on: bool) -> None:
+    """Switch `model`'s attention to `packed_gqa_attention` (registered once, with sdpa's masks) or back to sdpa."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    AttentionInterface.register(PACKED_GQA, packed_gqa_attention)
+    AttentionMaskInterface.register(PACKED_GQA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    model.set_attn_implementation(PACKED_GQA if on else "sdpa")
 
 
 def profile_generate(model: Any, prompts: list[list[int]], new: int, stops: list[int], pad_id: int) -> str:
@@ -187,17 +236,20 @@ def main() -> int:
         "static": lambda: generate_loop(
             model, prompts, args.new_tokens, stops, pad, args.batch, mark, cache_implementation="static"
         ),
+        "packed-gqa": lambda: generate_loop(model, prompts, args.new_tokens, stops, pad, args.batch, mark),
     }
     reference: list[list[int]] | None = None
     for name in args.variants.split(","):
+        use_packed_gqa(model, name == "packed-gqa")
         marks[:] = [time.monotonic()]
         answers = runs[name]()  # each batch's answers come back as lists: the device has finished it
         seconds = marks[-1] - marks[0]
         batches = " ".join(f"{b - a:.1f}" for a, b in itertools.pairwise(marks))
         reference = reference or answers
         same = sum(a == b for a, b in zip(answers, reference))
+        packed = f"  ({packed_calls} packed decode calls)" if name == "packed-gqa" else ""
         print(
-            f"{name:12s} {seconds:8.1f} s (batches {batches} s)  {sum(map(len, answers)) / seconds:9.1f} tok/s  "
+            f"{name:12s} {seconds:8.1f} s (batches {batches} s)  {sum(map(len, answers)) / seconds:9.1f} tok/s{packed}  "
             f"identical to {args.variants.split(',')[0]}: {same}/{len(answers)}",
             flush=True,
         )

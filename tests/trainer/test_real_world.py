@@ -307,17 +307,50 @@ def test_the_regeneration_bench_runs_its_gpu_variants_on_the_cpu(converted: Path
     every variant's answers identical to `generate`'s; an unknown variant is one error before the target loads."""
     repo = Path(__file__).resolve().parents[2]
     script = [sys.executable, str(repo / "bench" / "regen_speed.py"), "--target", str(converted)]
-    small = ["--prompts", "4", "--batch", "2", "--new-tokens", "4", "--variants", "generate,sorted-drop,static"]
+    variants = ("generate", "sorted-drop", "static", "packed-gqa")
+    small = ["--prompts", "4", "--batch", "2", "--new-tokens", "4", "--variants", ",".join(variants)]
     done = subprocess.run([*script, *small, "--profile"], cwd=repo, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    variants = ("generate", "sorted-drop", "static")
     rows = {line.split()[0]: line for line in done.stdout.splitlines() if line.startswith(variants)}
     assert set(rows) == set(variants) and all(line.endswith(": 4/4") for line in rows.values()), done.stdout
+    # 2 batches x 3 decode steps x 30 layers went through the packed path (one query token; prefill did not)
+    assert "(180 packed decode calls)" in rows["packed-gqa"], rows["packed-gqa"]
     assert "aten::" in done.stdout  # the profiler's table
     done = subprocess.run(
         [*script, "--variants", "generate,fast"], cwd=repo, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 2 and done.stderr.splitlines()[0] == "error: --variants: no variant fast", done.stderr
+
+
+def test_the_packed_decode_attention_equals_the_copied_heads_one_under_a_padding_mask() -> None:
+    """bench/regen_speed.py's packed-gqa variant: one query token's heads grouped by key/value head give what
+    repeat_kv's copies give, padded positions masked; more than one query token goes to sdpa unchanged."""
+    import importlib.util
+    import types
+
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    spec = importlib.util.spec_from_file_location("regen_speed", Path(__file__).parents[2] / "bench" / "regen_speed.py")
+    assert spec is not None and spec.loader is not None
+    regen_speed = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(regen_speed)
+    torch.manual_seed(0)
+    rows, heads, kv_heads, length, dim = 3, 9, 3, 7, 8
+    module = types.SimpleNamespace(num_key_value_groups=heads // kv_heads, is_causal=True)
+    query = torch.randn(rows, heads, 1, dim)
+    key, value = torch.randn(rows, kv_heads, length, dim), torch.randn(rows, kv_heads, length, dim)
+    mask = torch.ones(rows, 1, 1, length, dtype=torch.bool)
+    mask[0, ..., :3] = False  # left padding of row 0
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, repeat_kv(key, 3), repeat_kv(value, 3), attn_mask=mask, scale=0.125
+    ).transpose(1, 2)
+    before = regen_speed.packed_calls
+    got, _ = regen_speed.packed_gqa_attention(module, query, key, value, mask, scaling=0.125)
+    assert regen_speed.packed_calls == before + 1 and got.shape == (rows, 1, heads, dim)
+    torch.testing.assert_close(got, expected)
+    prefill = torch.randn(rows, heads, length, dim)  # not a decode step: sdpa's own path, not counted
+    regen_speed.packed_gqa_attention(module, prefill, key, value, None, scaling=0.125)
+    assert regen_speed.packed_calls == before + 1
 
 
 def test_every_run_of_the_gpu_bench_takes_its_flags_on_the_real_targets_shape(converted: Path, tmp_path: Path) -> None:
