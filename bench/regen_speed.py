@@ -180,6 +180,7 @@ def profile_generate(model: Any, prompts: list[list[int]], new: int, stops: list
 
 
 def main() -> int:
+    global packed_calls
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--prompts", type=int, default=32)
@@ -241,6 +242,7 @@ def main() -> int:
     reference: list[list[int]] | None = None
     for name in args.variants.split(","):
         use_packed_gqa(model, name == "packed-gqa")
+        packed_calls = 0  # this variant's own count
         marks[:] = [time.monotonic()]
         answers = runs[name]()  # each batch's answers come back as lists: the device has finished it
         seconds = marks[-1] - marks[0]
