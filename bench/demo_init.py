@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from trainer import real_demo
+from trainer.core.config import int_list
 from trainer.data import real_prompts, real_target
 
 VARIANTS = ("random", "target", "layers")
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", choices=("dflash", "dflash2"), default="dflash")
     parser.add_argument("--seed", type=int, default=0, help="train's --seed: the init's and the data order's")
     parser.add_argument(
-        "--taps", default="", help="the target's layers to tap, e.g. 1,8,14,20,27 (default: the rule's)"
+        "--taps", type=int_list, default=[], help="the target's layers to tap, e.g. 1,8,14,20,27 (default: the rule's)"
     )
     args = parser.parse_args(argv)
     # One thread, as `make demo-real` trains on an idle machine here (trainer.data.regenerate.choose_threads), and
@@ -100,11 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     variants = [v for v in args.variants.split(",") if v]
     if bad := [v for v in variants if v not in VARIANTS]:
         parser.error(f"unknown variant {bad[0]!r}; variants: {', '.join(VARIANTS)}")
-    try:
-        taps = tuple(int(t) for t in args.taps.split(",") if t.strip())
-    except ValueError:
-        parser.error(f"--taps {args.taps!r}: comma-separated layer numbers, e.g. 1,8,14,20,27")
-    size = real_demo.size_with(real_demo.FULL, train_steps=args.steps, taps=taps)
+    size = real_demo.size_with(real_demo.FULL, train_steps=args.steps, taps=tuple(args.taps))
     args.workdir.mkdir(parents=True, exist_ok=True)
     cache = real_target.default_cache_root()
     target_dir = real_target.ensure_target(cache, log)

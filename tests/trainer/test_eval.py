@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.trainer import bench_scripts
 from tests.trainer.tiny_eval import build_eval_setup
 from trainer.evaluation import eval as eval_cli
 from trainer.model.drafter import DFlashDrafter, DrafterConfig, make_block_input_ids
@@ -128,10 +127,7 @@ def test_evaluate_reports_all_methods_lossless(setup):
 
 def test_the_real_world_bench_pools_a_kinds_tau_as_its_prompts_alone_give_it(setup):
     """bench/real_world.py's held-out tau by kind of prompt, from one report's per-prompt counts."""
-    spec = importlib.util.spec_from_file_location("real_world", Path(__file__).parents[2] / "bench" / "real_world.py")
-    assert spec is not None and spec.loader is not None
-    real_world = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(real_world)
+    real_world = bench_scripts.load("real_world")
     common = {"max_new_tokens": 16, "stops": setup["stops"], "pad_id": 0, "trained": False}
     model, drafter, prompts = setup["model"], setup["drafter"], setup["prompts"]
     # prompt lookup: its prompts' tau differ here (14, 15 and 12 steps for 15 tokens each), the tiny drafter's do not

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.trainer import bench_scripts
 from trainer.data import real_prompts, real_target, self_prompts
 
 pytestmark = pytest.mark.timeout(900)
@@ -325,15 +326,11 @@ def test_the_regeneration_bench_runs_its_gpu_variants_on_the_cpu(converted: Path
 def test_the_packed_decode_attention_equals_the_copied_heads_one_under_a_padding_mask() -> None:
     """bench/regen_speed.py's packed-gqa variant: one query token's heads grouped by key/value head give what
     repeat_kv's copies give, padded positions masked; more than one query token goes to sdpa unchanged."""
-    import importlib.util
     import types
 
     from transformers.integrations.sdpa_attention import repeat_kv
 
-    spec = importlib.util.spec_from_file_location("regen_speed", Path(__file__).parents[2] / "bench" / "regen_speed.py")
-    assert spec is not None and spec.loader is not None
-    regen_speed = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(regen_speed)
+    regen_speed = bench_scripts.load("regen_speed")
     torch.manual_seed(0)
     rows, heads, kv_heads, length, dim = 3, 9, 3, 7, 8
     module = types.SimpleNamespace(num_key_value_groups=heads // kv_heads, is_causal=True)

@@ -521,7 +521,8 @@ def _devices(text: str) -> list[str]:
     return out
 
 
-def _int_list(text: str) -> list[int]:
+def int_list(text: str) -> list[int]:
+    """A comma-separated list of integers (`--target-layer-ids`), as an argparse type."""
     try:
         return [int(p) for p in text.split(",") if p.strip()]
     except ValueError:
@@ -585,7 +586,7 @@ def build_parser() -> argparse.ArgumentParser:
     types = {
         "target_gpus": _devices,
         "drafter_gpus": _devices,
-        "target_layer_ids": _int_list,
+        "target_layer_ids": int_list,
         "use_soft_labels": _bool,
         "pipeline": _bool,
         "enable_thinking": _bool,
