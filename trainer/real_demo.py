@@ -124,7 +124,7 @@ def run_real_demo(
 ) -> int:
     from trainer import train
     from trainer.data import prepare
-    from trainer.data.tokenizer_utils import end_of_turn_ids, tokenize_prompt
+    from trainer.data.tokenizer_utils import end_of_turn_ids, pad_id, tokenize_prompt
     from trainer.demo_report import print_and_check, run_tokens
     from trainer.evaluation import eval_workers
     from trainer.export.export import export_drafter, load_training_checkpoint
@@ -189,7 +189,7 @@ def run_real_demo(
     common: dict[str, Any] = {
         "max_new_tokens": size.eval_new_tokens,
         "stops": end_of_turn_ids(tokenizer),
-        "pad_id": tokenizer.pad_token_id,
+        "pad_id": pad_id(tokenizer),
     }
     configs = {name: drafter_config(target_dir, data, runs[name], mask_id, size, name) for name in archs}
     aside = "while the drafter trains, in a process of its own" if workers > 1 else "first"

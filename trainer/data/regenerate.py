@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from trainer.data.tokenizer_utils import end_of_turn_ids, tokenize_prompt
+from trainer.data.tokenizer_utils import end_of_turn_ids, pad_id, tokenize_prompt
 
 
 def load_target_lm(path: str, dtype_name: str = "auto") -> tuple[Any, torch.device]:
@@ -87,7 +87,7 @@ class Regenerator:
         self.tokenizer = tokenizer
         self.options = options
         self.stops = end_of_turn_ids(tokenizer)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stops[0]
+        self.pad_id = pad_id(tokenizer)
 
     def generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
         """Generated ids per prompt (cut after the first end-of-turn id)."""

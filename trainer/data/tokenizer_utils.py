@@ -84,6 +84,23 @@ def end_of_turn_ids(tokenizer: Any) -> list[int]:
     return ids
 
 
+def pad_id(tokenizer: Any) -> int:
+    """The id a left-padded batch fills its gaps with: the tokenizer's pad token, else its first end-of-turn id.
+
+    SmolLM2 converted from its GGUF file by transformers 5.25 names `<|im_end|>` its pad token; converted by 5.17
+    (the GPU machine's) it names none. The padding is masked out, so the filler changes no answer; this rule gives
+    the same id (2) under both."""
+    if tokenizer.pad_token_id is not None:
+        return int(tokenizer.pad_token_id)
+    stops = end_of_turn_ids(tokenizer)
+    if not stops:
+        raise DataInputError(
+            "the tokenizer names neither a pad token nor an end of turn",
+            hint="use the target's own tokenizer (its tokenizer_config.json names eos_token)",
+        )
+    return stops[0]
+
+
 def _template_kwargs(enable_thinking: bool | None) -> dict[str, Any]:
     # Passed only when set: None means "the template's own default", as serving would do without the flag.
     return {} if enable_thinking is None else {"enable_thinking": enable_thinking}
