@@ -18,7 +18,10 @@
 # self-written prompts, 2.6 MB for 23,909 samples). Kept here in .gpu/prepared/ and carried on a later call b, it is
 # unpacked first, and the preparation then skips the sampling and the regeneration: 78 s against 357 s for
 # SELF=16000 on an H100 (quality.md 2026-12-07 "The drafter from the target's layers on the self-written prompts");
-# the conversion and the fp32 references are made again on that machine.
+# the conversion and the fp32 references are made again on that machine. The largest one, BATCH=2048 SELF=48000
+# (6.8 MB; made again in 752 s on an H100, quality.md 2026-12-07 "Four draft layers, and five taps, on 55,909 prompts
+# made again"), is tracked in bench/prepared/, so a new checkout has it: .gpu/ is not kept, and making it again
+# spends ~40% of a day's 1,800 s of device time. Every call sends it (call a: ~61 of its 64 MiB).
 # The curve: one --prepare-only run (conversion, regeneration, the references), then every run in RUNS as its own
 # process at once: an evaluation is latency-bound (one sequence at a time), so it overlaps the others' training.
 set -u
@@ -114,8 +117,11 @@ stash() {  # the finished preparation into $OUT (packed once; every follow sends
   [ -e "$packed" ] && cp "$packed" "$OUT/"
 }
 
-unstash() {  # a preparation carried from an earlier machine (.gpu/prepared/), into the work directory
-  local packed=.gpu/prepared/prepared-$(basename "$WORK").tar.xz
+unstash() {  # a preparation from an earlier machine, into the work directory: carried (.gpu/prepared/), else the
+  # one kept in the tree (bench/prepared/: tracked, so every checkout has it and every call sends it)
+  local name=prepared-$(basename "$WORK").tar.xz packed
+  packed=.gpu/prepared/$name
+  [ -e "$packed" ] || packed=bench/prepared/$name
   [ -e "$packed" ] || return 0
   mkdir -p "$WORK" && xz -dc "$packed" | tar -C "$WORK" -xf - && echo "unpacked $packed into $WORK"
 }
