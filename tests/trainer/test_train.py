@@ -230,6 +230,27 @@ def test_gradient_accumulation_normalises_over_the_whole_step(tmp_path: Path) ->
         torch.testing.assert_close(grads[1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_lm_head_dtype_bfloat16_runs_the_losss_head_in_bf16_to_nearly_the_same_gradient(tmp_path: Path) -> None:
+    """--lm-head-dtype bfloat16 on the CPU: the loss's GEMMs read a bf16 copy of the target's fp32 head (the
+    target's own stays fp32); the drafter's gradient moves by bf16's rounding, not more."""
+    grads, heads = {}, {}
+    for dtype in ("auto", "bfloat16"):
+        cfg = parse_train_args([*SMALL, "--output-dir", str(tmp_path), "--lm-head-dtype", dtype])
+        hf = _target_hf_config(cfg)
+        dcfg = build_drafter_config(cfg, hf)
+        target = TargetModel.from_config(hf, dcfg.target_layer_ids, seed=0)
+        batch = collate(open_dataset(cfg), np.array([1, 2]), 0, 0, cfg, position_weights(cfg.block_size, 7.0).numpy())
+        torch.manual_seed(0)
+        side = DrafterSide(cfg, DFlashDrafter(dcfg), target.embed_weight, target.lm_head_weight, "cpu", 10)
+        side.forward_backward(TargetSide(target, "cpu").features(batch), batch.weight_sum, batch.num_blocks)
+        heads[dtype] = side.lm_head_weight.dtype, target.lm_head_weight.dtype
+        grads[dtype] = torch.cat([p.grad.flatten() for p in side.drafter.parameters() if p.grad is not None])
+    assert heads == {"auto": (torch.float32, torch.float32), "bfloat16": (torch.bfloat16, torch.float32)}
+    assert not torch.equal(grads["auto"], grads["bfloat16"])  # the bf16 GEMMs ran
+    cosine = torch.nn.functional.cosine_similarity(grads["auto"], grads["bfloat16"], dim=0)
+    assert cosine > 0.999, float(cosine)
+
+
 @pytest.mark.parametrize("grad_clip", ["0.05", "0"])
 def test_fused_adamw_clips_inside_its_kernel_like_clip_grad_norm(tmp_path: Path, grad_clip: str) -> None:
     """--adamw fused clips through the kernel's grad_scale; --adamw foreach through clip_grad_norm_. With a clip

@@ -121,6 +121,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 # --loss-kernels: the per-chunk element-wise kernels of the loss (trainer/training/loss.py make_chunk_kernels).
 # triton = one fused Triton kernel per chunk for CE (+CAP); soft labels keep the compiled kernels.
 LOSS_KERNELS = ("auto", "compiled", "eager", "triton")
+# The loss's LM-head GEMMs: auto runs them in the head's own dtype (the target's: bf16 on CUDA, fp32 on the CPU);
+# bfloat16 casts a CPU target's head (a no-op on CUDA)
+LM_HEAD_DTYPES = ("auto", "bfloat16")
 # --attention-kernel: the drafter's attention on CUDA (trainer/model/attention.py): flex_attention with a BlockMask,
 # our Triton kernel for the interval-form mask (trainer/kernels/attention_triton.py; bench/results/kernels.md 2026-12-03 "Our own Triton attention"), or
 # auto: triton on Hopper (compute capability 9.x), flex elsewhere.
@@ -211,6 +214,7 @@ class TrainConfig:
     loss_kernels: str = (
         "auto"  # auto (triton on Hopper, else compiled; eager for an eager drafter) | compiled | eager | triton
     )
+    lm_head_dtype: str = "auto"  # the loss's LM-head GEMMs: auto (the head's own dtype) | bfloat16
     # architecture: dflash, or dflash2 (block convolutions + candidate selector, docs/method.md#dflash2)
     arch: str = "dflash"
     conv_kernel_size: int = 2
@@ -420,6 +424,11 @@ class TrainConfig:
             f"must be one of {', '.join(LOSS_KERNELS)}, got {self.loss_kernels!r}",
         )
         _need(
+            self.lm_head_dtype in LM_HEAD_DTYPES,
+            "lm-head-dtype",
+            f"must be one of {', '.join(LM_HEAD_DTYPES)}, got {self.lm_head_dtype!r}",
+        )
+        _need(
             self.loss_kernels != "triton" or all(d.startswith("cuda") for d in self.drafter_gpus),
             "loss-kernels",
             f"triton needs CUDA drafter devices, got --drafter-gpus {','.join(self.drafter_gpus)}",
@@ -595,6 +604,7 @@ def build_parser() -> argparse.ArgumentParser:
     choices = {
         "preset": tuple(PRESETS),
         "loss_kernels": LOSS_KERNELS,
+        "lm_head_dtype": LM_HEAD_DTYPES,
         "attention_kernel": ATTENTION_KERNELS,
         "adamw": ADAMW_IMPLS,
         "output_norm_init": OUTPUT_NORM_INITS,

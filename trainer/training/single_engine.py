@@ -77,7 +77,8 @@ class SingleEngine:
         self.drafter_side = DrafterSide(
             cfg, drafter, target.embed_weight, target.lm_head_weight, setup.drafter_device, self.total_steps
         )
-        print(f"loss kernels: {self.drafter_side.loss_kernels.kind}", file=sys.stderr, flush=True)
+        head = str(self.drafter_side.lm_head_weight.dtype).removeprefix("torch.")
+        print(f"loss kernels: {self.drafter_side.loss_kernels.kind}; LM head {head}", file=sys.stderr, flush=True)
         layers = self.target_side.layers
         print(f"target layers: {layers} (--target-compile {cfg.target_compile})", file=sys.stderr, flush=True)
         attention = f"{self.drafter_side.device} {self.drafter_side.backend}"

@@ -304,9 +304,13 @@ class DrafterSide:
         # A follower replica's optimizer never steps: the pipeline's replica sync gives it replica 0's weights after
         # replica 0 stepped on the summed gradients (trainer/pipeline/replica_sync.py, every replica on one device)
         self.follower = False
-        # Frozen, shared with the target; a copy only when the target lives on another device.
+        # Frozen, shared with the target; a copy only when the target lives on another device, or (the head) when
+        # --lm-head-dtype names another dtype than the target's. The head's dtype is the loss's GEMM dtype: on the
+        # CPU its two GEMMs (logits, their gradient) are most of a small drafter's step, and bf16 halves them
+        # (bench/results/quality.md 2026-12-08 "The LM head in bf16 on the CPU").
         self.embed_weight = embed_weight.detach().to(self.device)
-        self.lm_head_weight = lm_head_weight.detach().to(self.device)
+        head_dtype = None if cfg.lm_head_dtype == "auto" else getattr(torch, cfg.lm_head_dtype)
+        self.lm_head_weight = lm_head_weight.detach().to(self.device, dtype=head_dtype)
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         # Fused on CUDA (--adamw auto): one kernel family for the whole update instead of foreach's chain of
         # multi_tensor_apply launches (23.6 ms of the 8B seed step in the profile, bench/results/step.md 2026-12-01 "Where the drafter step's time goes").
