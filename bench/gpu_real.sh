@@ -109,8 +109,10 @@ progress() {  # one line per log: its newest step line and its newest other line
   done
 }
 
-stash() {  # the finished preparation into $OUT (packed once; every follow sends it back until one keeps it)
+stash() {  # the finished preparation into $OUT (packed once; every follow sends it back until one keeps it), unless
+  # it was carried in (unstash): then this checkout has it already
   local packed=$W/prepared-$(basename "$WORK").tar.xz
+  [ -e "$packed.carried" ] && return 0
   if [ ! -e "$packed" ] && [ -e "$WORK/data/meta.json" ]; then
     (set -o pipefail; cd "$WORK" && tar -cf - data $(ls -d self-prompts-* 2>/dev/null) | xz -T0 -6 >"$packed.tmp") && mv "$packed.tmp" "$packed"
   fi
@@ -123,7 +125,7 @@ unstash() {  # a preparation from an earlier machine, into the work directory: c
   packed=.gpu/prepared/$name
   [ -e "$packed" ] || packed=bench/prepared/$name
   [ -e "$packed" ] || return 0
-  mkdir -p "$WORK" && xz -dc "$packed" | tar -C "$WORK" -xf - && echo "unpacked $packed into $WORK"
+  mkdir -p "$WORK" && xz -dc "$packed" | tar -C "$WORK" -xf - && touch "$W/$name.carried" && echo "unpacked $packed into $WORK"
 }
 
 follow() {  # follow LIMIT_S: until the curve ends or LIMIT_S pass; then copy results and logs to $OUT
