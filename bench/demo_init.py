@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from trainer import real_demo
-from trainer.core.config import int_list
+from trainer.core.config import LM_HEAD_DTYPES, int_list
 from trainer.data import real_prompts, real_target
 
 VARIANTS = ("random", "target", "layers")
@@ -94,6 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--taps", type=int_list, default=[], help="the target's layers to tap, e.g. 1,8,14,20,27 (default: the rule's)"
     )
+    parser.add_argument(
+        "--lm-head-dtype",
+        choices=LM_HEAD_DTYPES,
+        default=real_demo.FULL.lm_head_dtype,
+        help="train's --lm-head-dtype (auto: the fp32 head the 2026-12-07 runs used)",
+    )
     args = parser.parse_args(argv)
     # One thread, as `make demo-real` trains on an idle machine here (trainer.data.regenerate.choose_threads), and
     # two of these runs share the 2-core machine: two threads of one process spin against the other run.
@@ -101,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     variants = [v for v in args.variants.split(",") if v]
     if bad := [v for v in variants if v not in VARIANTS]:
         parser.error(f"unknown variant {bad[0]!r}; variants: {', '.join(VARIANTS)}")
-    size = real_demo.size_with(real_demo.FULL, train_steps=args.steps, taps=tuple(args.taps))
+    size = real_demo.size_with(
+        real_demo.FULL, train_steps=args.steps, taps=tuple(args.taps), lm_head_dtype=args.lm_head_dtype
+    )
     args.workdir.mkdir(parents=True, exist_ok=True)
     cache = real_target.default_cache_root()
     target_dir = real_target.ensure_target(cache, log)
@@ -145,7 +153,12 @@ def main(argv: list[str] | None = None) -> int:
             config = real_demo.drafter_config(target_dir, data, run, mask_id, size, args.arch)
             init = args.workdir / f"init-{variant}"
             export_drafter(initial_drafter(variant, config, target_dir, seed=args.seed), init)
-            one: dict[str, Any] = {"arch": args.arch, "seed": args.seed, "taps": list(config.target_layer_ids)}
+            one: dict[str, Any] = {
+                "arch": args.arch,
+                "seed": args.seed,
+                "taps": list(config.target_layer_ids),
+                "lm_head_dtype": size.lm_head_dtype,
+            }
             if args.zero_step:
                 one["zero_step"] = tau_of(init)
                 log(f"{variant}: before training, held-out tau {one['zero_step']['tau']:.3f}")

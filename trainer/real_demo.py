@@ -54,6 +54,10 @@ class RealSize:
     # The target's layers the drafter reads (`train --target-layer-ids`); empty: the trainer's rule, one tap a draft
     # layer (1 and 27 for two layers of SmolLM2's 30).
     taps: tuple[int, ...] = ()
+    # The loss's LM-head GEMMs in bf16 (`train --lm-head-dtype`): at this shape they were ~3/4 of a CPU step in fp32;
+    # in bf16 the 400 steps trained in 344 s against 442 s, to held-out tau 1.340 and 1.306 against 1.334 and 1.296
+    # (seeds 0 and 1; bench/results/quality.md 2026-12-08 "The LM head in bf16 on the CPU").
+    lm_head_dtype: str = "bfloat16"
     # Processes for regeneration and evaluation (at most one a core): on 2 cores, two processes of one thread each
     # run 1.9x one, where two threads of one process spin against other work under load. With more than one, the
     # target's references and the baselines run in a process of their own while the drafter trains.
@@ -96,6 +100,7 @@ def train_argv(
         *("--arch", arch, "--num-draft-layers", "2", "--block-size", str(size.block_size)),
         *("--mask-token-id", str(mask_id), "--gamma", str(size.gamma), "--drafter-init", size.drafter_init),
         *(("--target-layer-ids", ",".join(map(str, size.taps))) if size.taps else ()),
+        *("--lm-head-dtype", size.lm_head_dtype),
         *("--max-seq-len", "320", "--token-budget", "1280", "--max-batch-size", "8"),
         *("--anchors-per-seq", "16", "--max-anchors", str(size.max_anchors)),
         *("--lr", str(size.lr), "--warmup-ratio", "0.05", "--epochs", "1000", "--max-steps", str(size.train_steps)),
