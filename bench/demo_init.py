@@ -80,7 +80,7 @@ def initial_drafter(variant: str, config: Any, target_dir: Path, seed: int) -> A
 
 def main(argv: list[str] | None = None) -> int:
     from trainer import train
-    from trainer.data.tokenizer_utils import end_of_turn_ids, pad_id, tokenize_prompt
+    from trainer.data.tokenizer_utils import end_of_turn_ids, padding_id, tokenize_prompt
     from trainer.evaluation import eval_workers
     from trainer.export.export import export_drafter, load_training_checkpoint
 
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     common: dict[str, Any] = {
         "max_new_tokens": size.eval_new_tokens,
         "stops": end_of_turn_ids(tokenizer),
-        "pad_id": pad_id(tokenizer),
+        "pad_id": padding_id(tokenizer),
     }
     refs_file = args.workdir / "references.json"
     if refs_file.is_file():

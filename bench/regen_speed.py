@@ -31,7 +31,7 @@ import torch
 
 from trainer.data import real_prompts, real_target
 from trainer.data.regenerate import generate_answers, left_pad
-from trainer.data.tokenizer_utils import end_of_turn_ids, pad_id, tokenize_prompt
+from trainer.data.tokenizer_utils import end_of_turn_ids, padding_id, tokenize_prompt
 
 
 @torch.inference_mode()
@@ -212,7 +212,7 @@ def main() -> int:
         tokenize_prompt(tokenizer, [{"role": "user", "content": p.prompt}], None)
         for p in real_prompts.stratified(train, args.prompts)
     ]
-    stops, pad = end_of_turn_ids(tokenizer), pad_id(tokenizer)
+    stops, pad = end_of_turn_ids(tokenizer), padding_id(tokenizer)
     widths = [max(map(len, prompts[i : i + args.batch])) for i in range(0, len(prompts), args.batch)]
     print(
         f"{args.device}, load {os.getloadavg()[0]:.1f}, {args.threads} thread(s), {len(prompts)} prompts "

@@ -129,7 +129,7 @@ def run_real_demo(
 ) -> int:
     from trainer import train
     from trainer.data import prepare
-    from trainer.data.tokenizer_utils import end_of_turn_ids, pad_id, tokenize_prompt
+    from trainer.data.tokenizer_utils import end_of_turn_ids, padding_id, tokenize_prompt
     from trainer.demo_report import print_and_check, run_tokens
     from trainer.evaluation import eval_workers
     from trainer.export.export import export_drafter, load_training_checkpoint
@@ -194,7 +194,7 @@ def run_real_demo(
     common: dict[str, Any] = {
         "max_new_tokens": size.eval_new_tokens,
         "stops": end_of_turn_ids(tokenizer),
-        "pad_id": pad_id(tokenizer),
+        "pad_id": padding_id(tokenizer),
     }
     configs = {name: drafter_config(target_dir, data, runs[name], mask_id, size, name) for name in archs}
     aside = "while the drafter trains, in a process of its own" if workers > 1 else "first"

@@ -48,24 +48,24 @@ def write_jsonl(path: Path, rows: list) -> Path:
     return path
 
 
-def test_pad_id_falls_back_to_the_end_of_turn_when_the_tokenizer_names_no_pad(target_dir):
+def test_padding_id_falls_back_to_the_end_of_turn_when_the_tokenizer_names_no_pad(target_dir):
     # transformers 5.17 converts SmolLM2's GGUF file with no pad token (5.25 names <|im_end|>): every batch that
     # pads must still get an id, the same one under both.
     from tokenizers import Tokenizer, models
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    from trainer.data.tokenizer_utils import DataInputError, end_of_turn_ids, pad_id
+    from trainer.data.tokenizer_utils import DataInputError, end_of_turn_ids, padding_id
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    assert pad_id(tokenizer) == tokenizer.pad_token_id != end_of_turn_ids(tokenizer)[0]
+    assert padding_id(tokenizer) == tokenizer.pad_token_id != end_of_turn_ids(tokenizer)[0]
     tokenizer.pad_token = None
-    assert tokenizer.pad_token_id is None and pad_id(tokenizer) == end_of_turn_ids(tokenizer)[0]
+    assert tokenizer.pad_token_id is None and padding_id(tokenizer) == end_of_turn_ids(tokenizer)[0]
 
     bare = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
     )
     with pytest.raises(DataInputError, match="neither a pad token nor an end of turn"):
-        pad_id(bare)
+        padding_id(bare)
 
 
 def test_loss_mask_covers_assistant_content_and_end_of_turn_only(target_dir):

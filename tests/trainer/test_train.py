@@ -239,7 +239,9 @@ def test_lm_head_dtype_bfloat16_runs_the_losss_head_in_bf16_to_nearly_the_same_g
         hf = _target_hf_config(cfg)
         dcfg = build_drafter_config(cfg, hf)
         target = TargetModel.from_config(hf, dcfg.target_layer_ids, seed=0)
-        batch = collate(open_dataset(cfg), np.array([1, 2]), 0, 0, cfg, position_weights(cfg.block_size, 7.0).numpy())
+        batch = collate(
+            open_dataset(cfg), np.array([1, 2]), 0, 0, cfg, position_weights(cfg.block_size, cfg.gamma).numpy()
+        )
         torch.manual_seed(0)
         side = DrafterSide(cfg, DFlashDrafter(dcfg), target.embed_weight, target.lm_head_weight, "cpu", 10)
         side.forward_backward(TargetSide(target, "cpu").features(batch), batch.weight_sum, batch.num_blocks)

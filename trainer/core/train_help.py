@@ -127,8 +127,8 @@ FLAG_HELP: dict[str, str] = {
     "CPU; triton on CUDA compute capability >= 9.0 with triton installed; else compiled), "
     "compiled, eager, or triton (CUDA only)",
     "lm_head_dtype": "the dtype of the loss's LM-head GEMMs: auto (the target head's own: bf16 on CUDA, fp32 on the "
-    "CPU) or bfloat16 (the same as auto on CUDA). On the CPU bfloat16 trained make demo-real's drafter 1.28x as fast to the same tau "
-    '(bench/results/quality.md 2026-12-08 "The LM head in bf16 on the CPU")',
+    "CPU) or bfloat16 (the same as auto on CUDA). On the CPU bfloat16 trained make demo-real's drafter 1.28x "
+    'as fast to the same tau (bench/results/quality.md 2026-12-08 "The LM head in bf16 on the CPU")',
     # drafter shape
     "num_draft_layers": "drafter decoder layers (one target layer tapped per drafter layer)",
     "hidden_size": "drafter hidden size; must equal the target's",

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from trainer.data.tokenizer_utils import end_of_turn_ids, pad_id, tokenize_prompt
+from trainer.data.tokenizer_utils import end_of_turn_ids, padding_id, tokenize_prompt
 
 
 def load_target_lm(path: str, dtype_name: str = "auto") -> tuple[Any, torch.device]:
@@ -87,7 +87,7 @@ class Regenerator:
         self.tokenizer = tokenizer
         self.options = options
         self.stops = end_of_turn_ids(tokenizer)
-        self.pad_id = pad_id(tokenizer)
+        self.pad_id = padding_id(tokenizer)
 
     def generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
         """Generated ids per prompt (cut after the first end-of-turn id)."""

@@ -84,12 +84,13 @@ def end_of_turn_ids(tokenizer: Any) -> list[int]:
     return ids
 
 
-def pad_id(tokenizer: Any) -> int:
+def padding_id(tokenizer: Any) -> int:
     """The id a left-padded batch fills its gaps with: the tokenizer's pad token, else its first end-of-turn id.
 
-    SmolLM2 converted from its GGUF file by transformers 5.25 names `<|im_end|>` its pad token; converted by 5.17
-    (the GPU machine's) it names none. The padding is masked out, so the filler changes no answer; this rule gives
-    the same id (2) under both."""
+    SmolLM2 converted from its GGUF file by transformers 5.25 names `<|im_end|>` (2) its pad token; converted by 5.17
+    (the GPU machine's) it names none and its eos is `<|im_start|>` (1), so 1 there, as the regeneration padded
+    before. The padding is masked out: no answer depends on the filler. (Not `pad_id`: the generation functions
+    take a parameter of that name.)"""
     if tokenizer.pad_token_id is not None:
         return int(tokenizer.pad_token_id)
     stops = end_of_turn_ids(tokenizer)
